@@ -1,0 +1,68 @@
+// qkrope: fused per-head RMSNorm of Q and K followed by rotary embedding from a 2-D fp32
+// cos/sin cache. This header is the launch interface shared by the TensorRT plugin, the C-ABI
+// test/benchmark library and the CPU build of the kernel arithmetic.
+//
+// Contract (../shared/spec/qknorm_rope.md, section 3):
+//   q, k, q_out, k_out : [batch, seq_len, num_heads, head_dim], contiguous, one dtype
+//   q_weight, k_weight : [head_dim], same dtype as q
+//   cache              : [cache_rows, rotary_dim] fp32; row s = token s of the stream;
+//                        columns [0, rotary_dim/2) cos, [rotary_dim/2, rotary_dim) sin
+#pragma once
+
+#include <cstdint>
+
+namespace qkrope
+{
+
+enum class DataType : int32_t
+{
+    kFLOAT32 = 0,
+    kFLOAT16 = 1,
+    kBFLOAT16 = 2,
+};
+
+struct QKNormRoPEParams
+{
+    void const* q{nullptr};
+    void const* k{nullptr};
+    void const* qWeight{nullptr};
+    void const* kWeight{nullptr};
+    float const* cache{nullptr};
+    void* qOut{nullptr};
+    void* kOut{nullptr};
+
+    int64_t batch{0};
+    int64_t seqLen{0};
+    int64_t numHeads{0};
+    int64_t headDim{0};
+    int64_t rotaryDim{0};
+    int64_t cacheRows{0};
+
+    float eps{1e-6F};
+    bool interleaved{true}; // true: pairs (2j, 2j+1) (GPT-J, Qwen-Image); false: (j, j+half) (NeoX)
+    int32_t rounding{0};    // 0: one rounding at the end; 1: diffusers' eager rounding order
+    DataType dtype{DataType::kFLOAT32};
+};
+
+// Status codes returned by checkParams and the launchers. 0 is success.
+enum class Status : int32_t
+{
+    kSUCCESS = 0,
+    kNULL_POINTER = 1,
+    kBAD_SHAPE = 2,          // a negative extent, or head_dim odd / > kMAX_HEAD_DIM
+    kBAD_ROTARY_DIM = 3,     // rotary_dim odd, zero, or > head_dim
+    kCACHE_OVERFLOW = 4,     // cache_rows < seq_len
+    kBAD_DTYPE = 5,
+    kBAD_ATTRIBUTE = 6,      // eps not finite / <= 0, rounding not 0 or 1
+    kCUDA_ERROR = 7,
+};
+
+constexpr int64_t kMAX_HEAD_DIM = 512;
+
+// Validates everything the kernel relies on for in-bounds access. Host-only, no CUDA calls.
+Status checkParams(QKNormRoPEParams const& p) noexcept;
+
+// Human-readable text for a status (static storage).
+char const* statusString(Status s) noexcept;
+
+} // namespace qkrope

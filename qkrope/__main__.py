@@ -1,0 +1,3 @@
+from qkrope.cli import main
+
+raise SystemExit(main())
