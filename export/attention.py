@@ -1,0 +1,133 @@
+"""Qwen-Image joint ("double stream") attention with the fused QK-RMSNorm + RoPE op.
+
+Parameter names are diffusers' (``Attention`` + ``QwenDoubleStreamAttnProcessor2_0``), so a
+diffusers state dict loads as is. RoPE comes in as the 2-D cache pair, which is what makes the
+block exportable to ONNX (diffusers' own RoPE is complex-valued).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import contract
+from .ops import qk_norm_rope
+
+
+class RMSNormWeight(nn.Module):
+    """Holds one per-head RMSNorm weight ``[head_dim]`` under diffusers' name ``<norm>.weight``.
+    The normalisation itself runs inside the fused op."""
+
+    def __init__(self, dim: int, eps: float = contract.DEFAULT_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class QwenImageAttention(nn.Module):
+    """Qwen-Image joint attention (spec section 1).
+
+    ``forward(hidden_states [B, S_img, C], encoder_hidden_states [B, S_txt, C],
+    image_rotary_emb=(img_cache, txt_cache), encoder_hidden_states_mask=None [B, S_txt])``
+    returns ``(img_out [B, S_img, C], txt_out [B, S_txt, C])``.
+
+    Args:
+        dim: model width C (Qwen-Image: 3072).
+        heads, head_dim: H and D with H * D == C (Qwen-Image: 24 x 128).
+        eps: RMSNorm epsilon.
+        interleaved: RoPE pairing (Qwen-Image: interleaved).
+        rounding: 0 one rounding at the end of the fused op; 1 diffusers' eager rounding order.
+        validate: check the cache pair with validate_cos_sin_caches on every eager call
+            (metadata only, no device synchronisation).
+    """
+
+    def __init__(self, dim: int = 3072, heads: int = 24, head_dim: int = 128, *,
+                 eps: float = contract.DEFAULT_EPS, interleaved: bool = True, rounding: int = 0,
+                 validate: bool = True):
+        super().__init__()
+        if heads * head_dim != dim:
+            raise ValueError(f"heads * head_dim must equal dim; got {heads} x {head_dim} != {dim}")
+        if head_dim % 2 or head_dim > contract.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be even and <= {contract.MAX_HEAD_DIM}; got {head_dim}")
+        self.dim, self.heads, self.head_dim = dim, heads, head_dim
+        self.eps, self.interleaved, self.rounding, self.validate = eps, interleaved, rounding, validate
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.add_q_proj = nn.Linear(dim, inner)
+        self.add_k_proj = nn.Linear(dim, inner)
+        self.add_v_proj = nn.Linear(dim, inner)
+        self.norm_q = RMSNormWeight(head_dim, eps)
+        self.norm_k = RMSNormWeight(head_dim, eps)
+        self.norm_added_q = RMSNormWeight(head_dim, eps)
+        self.norm_added_k = RMSNormWeight(head_dim, eps)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+        self.to_add_out = nn.Linear(inner, dim)
+
+    @classmethod
+    def from_diffusers(cls, attn: nn.Module, **kwargs) -> "QwenImageAttention":
+        """Copy a diffusers ``Attention`` that runs ``QwenDoubleStreamAttnProcessor2_0``.
+
+        The result has the source's dtype and device. ``kwargs`` go to the constructor
+        (``rounding``, ``validate``, ...).
+        """
+        heads = attn.heads
+        head_dim = attn.inner_dim // heads
+        dim = attn.to_q.in_features
+        norm = getattr(attn, "norm_q", None)
+        if norm is None or getattr(attn, "norm_added_q", None) is None:
+            raise ValueError("the diffusers Attention has no per-head QK RMSNorm (norm_q / "
+                             "norm_added_q): it is not Qwen-Image's joint attention")
+        kwargs.setdefault("eps", float(norm.eps))
+        ref = next(attn.parameters())
+        module = cls(dim, heads, head_dim, **kwargs).to(device=ref.device, dtype=ref.dtype)
+        module.load_state_dict(attn.state_dict(), strict=True)
+        return module
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, self.head_dim))
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+                encoder_hidden_states_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, s_img, _ = hidden_states.shape
+        s_txt = encoder_hidden_states.shape[1]
+        if self.validate and not torch.compiler.is_compiling():
+            from qkrope.runtime.caches import validate_cos_sin_caches
+
+            validate_cos_sin_caches(image_rotary_emb, head_dim=self.head_dim, img_seq_len=s_img,
+                                    txt_seq_len=s_txt, device=hidden_states.device)
+        img_cache, txt_cache = image_rotary_emb
+
+        img_q = self._heads(self.to_q(hidden_states))
+        img_k = self._heads(self.to_k(hidden_states))
+        img_v = self._heads(self.to_v(hidden_states))
+        txt_q = self._heads(self.add_q_proj(encoder_hidden_states))
+        txt_k = self._heads(self.add_k_proj(encoder_hidden_states))
+        txt_v = self._heads(self.add_v_proj(encoder_hidden_states))
+
+        opts = dict(eps=self.eps, interleaved=self.interleaved, rounding=self.rounding)
+        img_q, img_k = qk_norm_rope(img_q, img_k, self.norm_q.weight, self.norm_k.weight,
+                                    img_cache, **opts)
+        txt_q, txt_k = qk_norm_rope(txt_q, txt_k, self.norm_added_q.weight,
+                                    self.norm_added_k.weight, txt_cache, **opts)
+
+        # joint sequence [text, image]; SDPA wants [B, H, S, D]
+        q = torch.cat([txt_q, img_q], dim=1).transpose(1, 2)
+        k = torch.cat([txt_k, img_k], dim=1).transpose(1, 2)
+        v = torch.cat([txt_v, img_v], dim=1).transpose(1, 2)
+        mask = None
+        if encoder_hidden_states_mask is not None:
+            img_mask = torch.ones(batch, s_img, dtype=torch.bool, device=hidden_states.device)
+            mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1)
+            mask = mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                             is_causal=False)
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+
+        txt_out = self.to_add_out(out[:, :s_txt].contiguous())
+        img_out = self.to_out[0](out[:, s_txt:].contiguous())
+        return img_out, txt_out

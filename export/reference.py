@@ -1,0 +1,91 @@
+"""The maths of QKNormRoPE (spec section 3) in plain PyTorch: the project's one Python reference.
+
+Everything else (the torch custom op, the ONNX function body, the CUDA kernel and its CPU build)
+is checked against :func:`qk_norm_rope_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: float,
+               interleaved: bool, rounding: int) -> torch.Tensor:
+    seq_len = x.shape[1]
+    rotary_dim = cache.shape[1]
+    half = rotary_dim // 2
+
+    xf = x.float()
+    # Same operations, in the same order, as diffusers' RMSNorm: mean of squares in fp32, rsqrt.
+    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if rounding == 1 and x.dtype != torch.float32:
+        # diffusers' eager order: normalised value rounded to the activation dtype, multiplied by
+        # the weight in that dtype (rounded again), then rotated in fp32.
+        y = ((xf * inv).to(x.dtype) * weight.to(x.dtype)).float()
+    else:
+        y = xf * inv * weight.float()
+
+    rows = cache[:seq_len].float()
+    cos = rows[:, :half][None, :, None, :]  # [1, S, 1, half], broadcast over batch and heads
+    sin = rows[:, half:rotary_dim][None, :, None, :]
+    if interleaved:
+        a, b = y[..., 0:rotary_dim:2], y[..., 1:rotary_dim:2]
+    else:
+        a, b = y[..., :half], y[..., half:rotary_dim]
+    ra = a * cos - b * sin
+    rb = a * sin + b * cos
+    rotated = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), -1)
+    out = torch.cat((rotated, y[..., rotary_dim:]), dim=-1) if rotary_dim < x.shape[-1] else rotated
+    return out.to(x.dtype)
+
+
+def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
+                            rounding: int) -> None:
+    """Raise ValueError naming what was received when the arguments break the op's contract."""
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(
+            f"q and k must both be [batch, seq, heads, head_dim] with the same shape; got q "
+            f"{tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.dtype not in _ACTIVATION_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share one dtype among float32/float16/bfloat16; got "
+                         f"{q.dtype} and {k.dtype}")
+    head_dim = q.shape[-1]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(w.shape) != (head_dim,) or w.dtype != q.dtype:
+            raise ValueError(f"{name} must be [{head_dim}] {q.dtype} (head_dim, q's dtype); got "
+                             f"{tuple(w.shape)} {w.dtype}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32:
+        raise ValueError(
+            f"cos_sin_cache must be a 2-D float32 [rows, rotary_dim] tensor; got "
+            f"{tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}. Convert other RoPE formats with "
+            f"qkrope.runtime.to_cos_sin_caches")
+    rows, rotary_dim = cos_sin_cache.shape
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"cos_sin_cache width (rotary_dim) must be even and in (0, head_dim="
+                         f"{head_dim}]; got {rotary_dim}")
+    if rows < q.shape[1]:
+        raise ValueError(
+            f"cos_sin_cache has {rows} rows but q/k have {q.shape[1]} tokens (required="
+            f"{q.shape[1]}, available={rows}, overflow={q.shape[1] - rows}); build the cache for "
+            f"the actual sequence length")
+    if not (0.0 < eps < 1.0):
+        raise ValueError(f"eps must be in (0, 1); got {eps!r}")
+    if rounding not in (0, 1):
+        raise ValueError(f"rounding must be 0 (one rounding) or 1 (diffusers' order); got "
+                         f"{rounding!r}")
+
+
+def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                           eps: float = 1e-6, interleaved: bool = True,
+                           rounding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k, then RoPE from a 2-D ``[rows, rotary_dim]`` fp32 cache.
+
+    q, k: ``[B, S, H, D]``; weights ``[D]``; cache row ``s`` is token ``s`` (cos half, sin half).
+    Dims at or beyond ``rotary_dim`` are normalised but not rotated. See spec section 3.
+    """
+    return (_norm_rope(q, q_weight, cos_sin_cache, eps, interleaved, rounding),
+            _norm_rope(k, k_weight, cos_sin_cache, eps, interleaved, rounding))

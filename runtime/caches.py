@@ -1,0 +1,367 @@
+"""RoPE caches in the 2-D ``cos_sin_cache`` format (spec sections 2, 5, 6, 7).
+
+- :func:`build_qwen_rope_caches` computes Qwen-Image's caches from the image shapes and text
+  length, exactly as diffusers' ``QwenEmbedRope`` does (same tables, same positions).
+- :func:`to_cos_sin_caches` converts the other RoPE formats in use to the cache pair.
+- :func:`validate_cos_sin_caches` checks a cache pair before it reaches a model or an engine and
+  never copies or converts anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import torch
+
+QWEN_THETA = 10000
+QWEN_AXES_DIM = (16, 56, 56)
+# diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
+QWEN_MAX_POSITIONS = 4096
+
+_CONVERT_HINT = ("Fix: convert it with qkrope.runtime.to_cos_sin_caches(image_rotary_emb, "
+                 "head_dim=...) or build it with qkrope.runtime.build_qwen_rope_caches(img_shapes, "
+                 "txt_seq_len).")
+
+
+class RopeCaches(NamedTuple):
+    """The pair a Qwen-Image attention block consumes: one ``[rows, rotary_dim]`` fp32 cache per
+    stream, cos half then sin half, row t for token t."""
+
+    img: torch.Tensor
+    txt: torch.Tensor
+
+
+class RopeCacheError(RuntimeError):
+    """A RoPE cache input is malformed. The message says what arrived and how to fix it."""
+
+
+class RopeCacheOverflowError(RopeCacheError, ValueError):
+    """A cache has fewer rows than its stream has tokens (or the position table is exceeded)."""
+
+    def __init__(self, message: str, *, required: int, available: int):
+        super().__init__(message)
+        self.required = required
+        self.available = available
+        self.overflow = required - available
+
+
+# --------------------------------------------------------------------------------------------
+# Building Qwen-Image caches
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _qwen_tables(theta: float, axes_dim: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' ``QwenEmbedRope.pos_freqs`` / ``neg_freqs``: complex ``[4096, sum(axes)/2]``.
+
+    Built with the same torch calls so that every value is bit-identical to diffusers'.
+    """
+    pos_index = torch.arange(QWEN_MAX_POSITIONS)
+    neg_index = torch.arange(QWEN_MAX_POSITIONS).flip(0) * -1 - 1
+
+    def params(index: torch.Tensor, dim: int) -> torch.Tensor:
+        inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+        angles = torch.outer(index, inv_freq)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    pos = torch.cat([params(pos_index, d) for d in axes_dim], dim=1)
+    neg = torch.cat([params(neg_index, d) for d in axes_dim], dim=1)
+    return pos, neg
+
+
+def _image_freqs(pos: torch.Tensor, neg: torch.Tensor, axes_dim: tuple[int, ...], frame: int,
+                 height: int, width: int, index: int, scale_rope: bool) -> torch.Tensor:
+    splits = [d // 2 for d in axes_dim]
+    pos_f, pos_h, pos_w = pos.split(splits, dim=1)
+    neg_f, neg_h, neg_w = neg.split(splits, dim=1)
+    f_part = pos_f[index:index + frame].view(frame, 1, 1, -1).expand(frame, height, width, -1)
+    if scale_rope:
+        # centred positions: -(n - n//2) .. n//2 - 1
+        h_part = torch.cat([neg_h[QWEN_MAX_POSITIONS - (height - height // 2):],
+                            pos_h[:height // 2]], dim=0)
+        w_part = torch.cat([neg_w[QWEN_MAX_POSITIONS - (width - width // 2):],
+                            pos_w[:width // 2]], dim=0)
+    else:
+        h_part, w_part = pos_h[:height], pos_w[:width]
+    h_part = h_part.view(1, height, 1, -1).expand(frame, height, width, -1)
+    w_part = w_part.view(1, 1, width, -1).expand(frame, height, width, -1)
+    return torch.cat([f_part, h_part, w_part], dim=-1).reshape(frame * height * width, -1)
+
+
+def _complex_to_cache(freqs: torch.Tensor) -> torch.Tensor:
+    return torch.cat([freqs.real, freqs.imag], dim=-1).float().contiguous()
+
+
+def _check_img_shapes(img_shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
+    if isinstance(img_shapes, tuple) and len(img_shapes) == 3 and all(
+            isinstance(v, int) for v in img_shapes):
+        img_shapes = [img_shapes]  # one (f, h, w) triple
+    try:
+        shapes = tuple((int(f), int(h), int(w)) for f, h, w in img_shapes)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"img_shapes must be a list of (frames, height, width) triples in latent patches, "
+            f"e.g. [(1, 64, 64)] for a 1024x1024 image; got {img_shapes!r}") from None
+    if not shapes:
+        raise ValueError("img_shapes is empty: give at least one (frames, height, width) triple")
+    for f, h, w in shapes:
+        if f < 1 or h < 1 or w < 1:
+            raise ValueError(f"img_shapes entries must be positive; got {(f, h, w)}")
+    return shapes
+
+
+def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int, *,
+                           theta: float = QWEN_THETA,
+                           axes_dim: Sequence[int] = QWEN_AXES_DIM,
+                           scale_rope: bool = True,
+                           device: torch.device | str | None = None) -> RopeCaches:
+    """Qwen-Image's RoPE caches for one sample, as diffusers' ``QwenEmbedRope`` computes them.
+
+    Args:
+        img_shapes: ``[(frames, height, width), ...]`` in latent patches (a 1024x1024 image is
+            ``(1, 64, 64)``). Entry k > 0 is edit/condition image k (frame offset k).
+        txt_seq_len: text tokens.
+        device: where the caches are put.
+
+    Returns:
+        ``RopeCaches(img [sum f*h*w, sum(axes_dim)], txt [txt_seq_len, sum(axes_dim)])``, fp32.
+        Results are memoised per (shapes, length, device): treat them as read-only.
+
+    Raises:
+        RopeCacheOverflowError: the text positions run past diffusers' 4096-entry table.
+    """
+    shapes = _check_img_shapes(img_shapes)
+    if int(txt_seq_len) < 1:
+        raise ValueError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
+    axes = tuple(int(d) for d in axes_dim)
+    if len(axes) != 3 or any(d <= 0 or d % 2 for d in axes):
+        raise ValueError(f"axes_dim must be three positive even widths; got {axes_dim!r}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return _build_cached(shapes, int(txt_seq_len), float(theta), axes, bool(scale_rope), dev)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
+                  axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
+    for k, (f, h, w) in enumerate(shapes):
+        if k + f > QWEN_MAX_POSITIONS or max(h, w) > QWEN_MAX_POSITIONS:
+            raise RopeCacheOverflowError(
+                f"QwenImage RoPE image cache overflow: image {k} has shape {(f, h, w)} but the "
+                f"position table holds {QWEN_MAX_POSITIONS} positions per axis",
+                required=max(k + f, h, w), available=QWEN_MAX_POSITIONS)
+    offset = max(max(h // 2, w // 2) if scale_rope else max(h, w) for _, h, w in shapes)
+    required = offset + txt_seq_len
+    if required > QWEN_MAX_POSITIONS:
+        raise RopeCacheOverflowError(
+            f"QwenImage RoPE text cache overflow: required_txt_seq_len={required}, "
+            f"txt_cache_len={QWEN_MAX_POSITIONS}, overflow={required - QWEN_MAX_POSITIONS} "
+            f"(text offset {offset} from the largest image + {txt_seq_len} text tokens). Fix: "
+            f"shorten the prompt to at most {QWEN_MAX_POSITIONS - offset} tokens or use smaller "
+            f"images.", required=required, available=QWEN_MAX_POSITIONS)
+    pos, neg = _qwen_tables(theta, axes)
+    img = torch.cat([_image_freqs(pos, neg, axes, f, h, w, k, scale_rope)
+                     for k, (f, h, w) in enumerate(shapes)], dim=0)
+    txt = pos[offset:offset + txt_seq_len]
+    return RopeCaches(_complex_to_cache(img).to(device), _complex_to_cache(txt).to(device))
+
+
+# --------------------------------------------------------------------------------------------
+# Describing what arrived (for error messages)
+# --------------------------------------------------------------------------------------------
+
+def _describe(obj: object) -> str:
+    if obj is None:
+        return "None"
+    if isinstance(obj, torch.Tensor):
+        kind = "complex " if obj.is_complex() else ""
+        return f"a {kind}tensor {tuple(obj.shape)} {obj.dtype} on {obj.device}"
+    if isinstance(obj, (tuple, list)):
+        kind = type(obj).__name__
+        n = len(obj)
+        if all(isinstance(t, torch.Tensor) for t in obj):
+            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in obj)
+            text = f"a {kind} of {n} tensors ({shapes})"
+            if n == 4:
+                text += ", which looks like a (cos, sin) pair per stream"
+            elif n == 2 and all(t.is_complex() for t in obj):
+                text += ", which looks like diffusers' complex QwenEmbedRope output"
+            return text
+        if n == 2 and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in obj):
+            return f"a {kind} of 2 pairs, which looks like ((img_cos, img_sin), (txt_cos, txt_sin))"
+        return f"a {kind} of {n} items ({', '.join(type(x).__name__ for x in obj)})"
+    return f"a {type(obj).__name__}"
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------------
+
+def _is_real_2d(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_complex()
+
+
+def _looks_like_cache(t: torch.Tensor) -> bool:
+    """cos half then sin half: cos^2 + sin^2 == 1 everywhere."""
+    if t.shape[1] % 2:
+        return False
+    h = t.shape[1] // 2
+    tf = t.float()
+    return bool(torch.allclose(tf[:, :h] ** 2 + tf[:, h:] ** 2, torch.ones(()), atol=1e-3))
+
+
+def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
+                   stream: str) -> torch.Tensor:
+    if not (_is_real_2d(cos) and _is_real_2d(sin)) or cos.shape != sin.shape:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) pair must be "
+            f"two real 2-D tensors of one shape; got {_describe((cos, sin))}")
+    width = cos.shape[1]
+    full = (head_dim is not None and width == head_dim) or (
+        head_dim is None and width % 2 == 0 and width >= 2 and (
+            torch.equal(cos[:, 0::2], cos[:, 1::2]) or
+            torch.equal(cos[:, :width // 2], cos[:, width // 2:])))
+    if not full:
+        return torch.cat([cos, sin], dim=-1).float().contiguous()
+    if torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2]):
+        return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=-1).float().contiguous()
+    if torch.equal(cos[:, :width // 2], cos[:, width // 2:]):
+        raise RopeCacheError(
+            f"the {stream} (cos, sin) tables are full width and half-duplicated (cos[:, :h] == "
+            f"cos[:, h:]), i.e. NeoX pairing (j, j + h). Qwen-Image rotates interleaved pairs "
+            f"(2j, 2j + 1), so these tables do not belong to Qwen-Image weights. Fix: build the "
+            f"caches with qkrope.runtime.build_qwen_rope_caches, or export with interleaved=False "
+            f"if the model really is NeoX-style and pass cat([cos[:, :h], sin[:, :h]], -1).")
+    raise RopeCacheError(
+        f"the {stream} (cos, sin) tables have width {width} (= head_dim) but are neither "
+        f"interleave-duplicated (cos[:, 0::2] == cos[:, 1::2]) nor half-duplicated; cannot tell "
+        f"which angles they hold. Fix: pass half-width (cos, sin) tables [S, rotary_dim/2].")
+
+
+def _single_to_cache(t: torch.Tensor, head_dim: int | None, stream: str) -> torch.Tensor:
+    if t.is_complex():
+        if t.dim() != 2:
+            raise RopeCacheError(f"image_rotary_emb must be cos_sin_cache tensors: the {stream} "
+                                 f"complex frequencies must be [S, rotary_dim/2]; got "
+                                 f"{_describe(t)}")
+        return _complex_to_cache(t)
+    if t.dim() != 2:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: the {stream} entry must be 2-D; got "
+            f"{_describe(t)}. {_CONVERT_HINT}")
+    width = t.shape[1]
+    if head_dim is not None:
+        is_cache = width != head_dim // 2
+    else:
+        is_cache = _looks_like_cache(t)
+    if is_cache:
+        return t.float().contiguous()
+    angles = t.float()
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1).contiguous()
+
+
+def to_cos_sin_caches(image_rotary_emb: object, *, head_dim: int | None = None) -> RopeCaches:
+    """Convert any supported RoPE format (spec section 5) to the ``(img_cache, txt_cache)`` pair.
+
+    Accepted: diffusers' complex ``(img_freqs, txt_freqs)``; real angle tables ``[S, rd/2]``;
+    per-stream ``(cos, sin)`` tables, half width or interleave-duplicated full width, nested
+    ``((img_cos, img_sin), (txt_cos, txt_sin))`` or flat ``(img_cos, img_sin, txt_cos, txt_sin)``;
+    an existing cache pair (returned as fp32 contiguous tensors, a copy only if needed).
+
+    ``head_dim`` (the attention head size) removes the ambiguity between a real angle table
+    (width head_dim/2) and a cache (width head_dim); without it the values decide.
+
+    Raises RopeCacheError for NeoX half-duplicated tables (not Qwen-Image's pairing) and anything
+    unrecognised.
+    """
+    obj = image_rotary_emb
+    if isinstance(obj, RopeCaches):
+        return RopeCaches(obj.img.float().contiguous(), obj.txt.float().contiguous())
+    if isinstance(obj, (tuple, list)):
+        if len(obj) == 4 and all(isinstance(t, torch.Tensor) for t in obj):
+            return RopeCaches(_pair_to_cache(obj[0], obj[1], head_dim, "image"),
+                              _pair_to_cache(obj[2], obj[3], head_dim, "text"))
+        if len(obj) == 2 and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in obj):
+            return RopeCaches(_pair_to_cache(obj[0][0], obj[0][1], head_dim, "image"),
+                              _pair_to_cache(obj[1][0], obj[1][1], head_dim, "text"))
+        if len(obj) == 2 and all(isinstance(t, torch.Tensor) for t in obj):
+            return RopeCaches(_single_to_cache(obj[0], head_dim, "image"),
+                              _single_to_cache(obj[1], head_dim, "text"))
+    raise RopeCacheError(
+        f"image_rotary_emb must be cos_sin_cache tensors, or one of the formats "
+        f"to_cos_sin_caches converts (a complex (img, txt) pair, angle tables, (cos, sin) pairs per "
+        f"stream); got {_describe(obj)}.")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+def validate_cos_sin_caches(image_rotary_emb: object, *, head_dim: int, img_seq_len: int,
+                            txt_seq_len: int, device: torch.device | str | None = None,
+                            full: bool = False) -> RopeCaches:
+    """Check a ``(img_cache, txt_cache)`` pair against a model's head size and token counts.
+
+    Never copies or converts. The default check reads metadata only (no device synchronisation);
+    ``full=True`` also reads the values (finite, cos^2 + sin^2 close to 1), which synchronises.
+
+    Raises:
+        RopeCacheError (a RuntimeError) whose message starts with a stable phrase, says what
+        arrived and how to fix it; RopeCacheOverflowError when a cache has too few rows.
+    """
+    obj = image_rotary_emb
+    if not (isinstance(obj, (tuple, list)) and len(obj) == 2
+            and all(isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_complex()
+                    for t in obj)):
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: a pair (img_cache, txt_cache) of "
+            f"2-D float32 [rows, rotary_dim] tensors; got {_describe(obj)}. {_CONVERT_HINT}")
+    want_device = torch.device(device) if device is not None else None
+    for stream, cache, seq_len in (("img", obj[0], img_seq_len), ("txt", obj[1], txt_seq_len)):
+        name = f"{stream} cos_sin_cache"
+        if cache.dtype != torch.float32:
+            raise RopeCacheError(
+                f"{name} must be float32; got {cache.dtype} {tuple(cache.shape)}. Fix: pass "
+                f"cache.float() (RoPE angles lose accuracy below fp32, so caches stay fp32 even for "
+                f"bf16/fp16 models).")
+        rows, width = cache.shape
+        if width <= 0 or width % 2 or width > head_dim:
+            raise RopeCacheError(
+                f"{name} width (rotary_dim) must be even and between 2 and head_dim={head_dim}; got "
+                f"{width} (shape {tuple(cache.shape)}). Fix: the cache is [rows, rotary_dim] with "
+                f"cos in the first half and sin in the second; convert other layouts with "
+                f"qkrope.runtime.to_cos_sin_caches(..., head_dim={head_dim}).")
+        if rows < seq_len:
+            raise RopeCacheOverflowError(
+                f"{name} has too few rows: required={seq_len}, available={rows}, "
+                f"overflow={seq_len - rows} (one row per {stream} token). Fix: build the caches for "
+                f"the actual shapes, e.g. qkrope.runtime.build_qwen_rope_caches(img_shapes, "
+                f"txt_seq_len).", required=seq_len, available=rows)
+        if want_device is not None and not _same_device(cache.device, want_device):
+            raise RopeCacheError(
+                f"{name} is on {cache.device} but the activations are on {want_device}. Fix: "
+                f"move the caches once, e.g. build_qwen_rope_caches(..., device={str(want_device)!r}).")
+        if not cache.is_contiguous():
+            raise RopeCacheError(
+                f"{name} must be contiguous; got strides {cache.stride()} for shape "
+                f"{tuple(cache.shape)}. Fix: pass cache.contiguous().")
+        if full:
+            if not bool(torch.isfinite(cache).all()):
+                raise RopeCacheError(f"{name} has non-finite values (NaN or inf). Fix: rebuild it.")
+            h = width // 2
+            err = (cache[:, :h] ** 2 + cache[:, h:] ** 2 - 1.0).abs().max().item() if rows else 0.0
+            if err > 1e-3:
+                raise RopeCacheError(
+                    f"{name} values are not (cos, sin) pairs: max |cos^2 + sin^2 - 1| = {err:.3g}. "
+                    f"Fix: the cache holds cos in columns [0, {h}) and sin in [{h}, {width}); "
+                    f"angles or interleaved tables must be converted with to_cos_sin_caches.")
+    return RopeCaches(obj[0], obj[1])
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        ia = a.index if a.index is not None else torch.cuda.current_device()
+        ib = b.index if b.index is not None else torch.cuda.current_device()
+        return ia == ib
+    return True
