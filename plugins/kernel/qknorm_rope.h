@@ -11,6 +11,11 @@
 
 #include <cstdint>
 
+// The CUDA stream type without the CUDA headers (identical to cuda_runtime_api.h's typedef), so
+// host-only code can include this header.
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;
+
 namespace qkrope
 {
 
@@ -64,5 +69,12 @@ Status checkParams(QKNormRoPEParams const& p) noexcept;
 
 // Human-readable text for a status (static storage).
 char const* statusString(Status s) noexcept;
+
+// Enqueues the fused kernel for q and k on `stream` (one launch). Calls checkParams first and
+// returns its status without launching when it fails; kCUDA_ERROR when the launch fails (the
+// CUDA error is left for the caller to read with cudaGetLastError). An empty problem (batch, seq
+// or heads zero) is a successful no-op. q_out may alias q and k_out may alias k (in place).
+// Implemented in qknorm_rope.cu (the qkrope_kernel_objs object library).
+Status launchQKNormRoPE(QKNormRoPEParams const& p, cudaStream_t stream) noexcept;
 
 } // namespace qkrope
