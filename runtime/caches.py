@@ -180,12 +180,12 @@ def _describe(obj: object) -> str:
         n = len(obj)
         if all(isinstance(t, torch.Tensor) for t in obj):
             shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in obj)
-            text = f"a {kind} of {n} tensors ({shapes})"
+            text = f"a {kind} of {n} tensors"
             if n == 4:
                 text += ", which looks like a (cos, sin) pair per stream"
             elif n == 2 and all(t.is_complex() for t in obj):
                 text += ", which looks like diffusers' complex QwenEmbedRope output"
-            return text
+            return f"{text} [{shapes}]"
         if n == 2 and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in obj):
             return f"a {kind} of 2 pairs, which looks like ((img_cos, img_sin), (txt_cos, txt_sin))"
         return f"a {kind} of {n} items ({', '.join(type(x).__name__ for x in obj)})"

@@ -1,0 +1,235 @@
+"""Qwen-Image RoPE caches vs diffusers' QwenEmbedRope, converters and validation (spec 2, 5-7)."""
+
+import math
+
+import pytest
+import torch
+
+from qkrope.runtime import (RopeCacheError, RopeCacheOverflowError, RopeCaches,
+                            build_qwen_rope_caches, to_cos_sin_caches, validate_cos_sin_caches)
+
+from _diffusers_ref import diffusers_freqs
+
+SHAPES = [
+    [(1, 4, 4)],
+    [(1, 5, 7)],          # odd, non-square
+    [(1, 64, 64)],        # 1024x1024
+    [(3, 4, 6)],          # several frames
+    [(1, 6, 4), (1, 4, 4)],             # edit: target + one condition image
+    [(1, 4, 6), (1, 3, 5), (1, 8, 2)],  # edit with 3 images, different sizes
+]
+
+
+@pytest.mark.parametrize("img_shapes", SHAPES, ids=str)
+@pytest.mark.parametrize("txt_len", [1, 7, 300])
+def test_caches_match_diffusers_bit_for_bit(img_shapes, txt_len):
+    img_freqs, txt_freqs = diffusers_freqs(img_shapes, txt_len)
+    caches = build_qwen_rope_caches(img_shapes, txt_len)
+    assert caches.img.dtype == torch.float32 and caches.txt.dtype == torch.float32
+    assert caches.img.shape == (sum(f * h * w for f, h, w in img_shapes), 128)
+    assert caches.txt.shape == (txt_len, 128)
+    assert torch.equal(caches.img, torch.cat([img_freqs.real, img_freqs.imag], -1).float())
+    assert torch.equal(caches.txt, torch.cat([txt_freqs.real, txt_freqs.imag], -1).float())
+
+
+def test_spec_check_values():
+    caches = build_qwen_rope_caches([(1, 4, 4)], 3)
+    assert caches.img.shape == (16, 128) and caches.txt.shape == (3, 128)
+    # token 10 = (frame 0, h index 2, w index 2) -> positions (0, 0, 0): cos 1, sin 0
+    assert torch.equal(caches.img[10], torch.cat([torch.ones(64), torch.zeros(64)]))
+    assert caches.img[5, 8].item() == pytest.approx(math.cos(-1), abs=1e-7)
+    assert caches.img[5, 72].item() == pytest.approx(math.sin(-1), abs=1e-7)
+    assert caches.img[5, 8].item() == pytest.approx(0.5403023, abs=1e-7)
+    assert caches.img[5, 72].item() == pytest.approx(-0.8414710, abs=1e-7)
+    # text offset 2: text token 0 sits at position 2 on all three axes
+    inv_freq_frame0 = 1.0  # j = 0 of every axis
+    assert caches.txt[0, 0].item() == pytest.approx(math.cos(2 * inv_freq_frame0), abs=1e-7)
+    assert caches.txt[0, 8].item() == pytest.approx(math.cos(2), abs=1e-7)  # height axis j=0
+
+
+def test_text_overflow_boundary():
+    # offset = max(h//2, w//2) = 32 for (1, 64, 64): 32 + 4064 = 4096 is the last that fits
+    ok = build_qwen_rope_caches([(1, 64, 64)], 4096 - 32)
+    assert ok.txt.shape[0] == 4064
+    with pytest.raises(RopeCacheOverflowError) as err:
+        build_qwen_rope_caches([(1, 64, 64)], 4097 - 32)
+    msg = str(err.value)
+    assert "text cache overflow" in msg
+    assert "required_txt_seq_len=4097" in msg and "txt_cache_len=4096" in msg and "overflow=1" in msg
+    assert (err.value.required, err.value.available, err.value.overflow) == (4097, 4096, 1)
+    assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)
+
+
+def test_builder_memoises_and_rejects_bad_shapes():
+    a = build_qwen_rope_caches([(1, 4, 4)], 5)
+    b = build_qwen_rope_caches([[1, 4, 4]], 5)
+    assert a.img is b.img  # a denoising loop does not rebuild them
+    with pytest.raises(ValueError, match="img_shapes"):
+        build_qwen_rope_caches([(1, 4)], 5)
+    with pytest.raises(ValueError, match="positive"):
+        build_qwen_rope_caches([(1, 0, 4)], 5)
+    with pytest.raises(ValueError, match="txt_seq_len"):
+        build_qwen_rope_caches([(1, 4, 4)], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Converters (spec section 5)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference():
+    shapes, txt = [(1, 4, 6), (1, 3, 3)], 5
+    return build_qwen_rope_caches(shapes, txt), diffusers_freqs(shapes, txt)
+
+
+def _half(cache):
+    h = cache.shape[1] // 2
+    return cache[:, :h], cache[:, h:]
+
+
+def test_convert_complex_pair(reference):
+    caches, (img_f, txt_f) = reference
+    out = to_cos_sin_caches((img_f, txt_f))
+    assert isinstance(out, RopeCaches)
+    assert torch.equal(out.img, caches.img) and torch.equal(out.txt, caches.txt)
+
+
+def test_convert_real_angles(reference):
+    caches, (img_f, txt_f) = reference
+    for head_dim in (128, None):
+        out = to_cos_sin_caches((img_f.angle(), txt_f.angle()), head_dim=head_dim)
+        torch.testing.assert_close(out.img, caches.img, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out.txt, caches.txt, atol=1e-6, rtol=0)
+
+
+def test_convert_half_width_cos_sin_nested_and_flat(reference):
+    caches, _ = reference
+    (ic, is_), (tc, ts) = _half(caches.img), _half(caches.txt)
+    for fmt in (((ic, is_), (tc, ts)), (ic, is_, tc, ts)):
+        for head_dim in (128, None):
+            out = to_cos_sin_caches(fmt, head_dim=head_dim)
+            assert torch.equal(out.img, caches.img) and torch.equal(out.txt, caches.txt)
+
+
+def test_convert_full_width_interleave_duplicated(reference):
+    caches, _ = reference
+    (ic, is_), (tc, ts) = _half(caches.img), _half(caches.txt)
+    dup = [t.repeat_interleave(2, dim=1) for t in (ic, is_, tc, ts)]
+    for head_dim in (128, None):
+        out = to_cos_sin_caches(tuple(dup), head_dim=head_dim)
+        assert torch.equal(out.img, caches.img) and torch.equal(out.txt, caches.txt)
+    # bf16 tables come back as fp32
+    out = to_cos_sin_caches(tuple(t.to(torch.bfloat16) for t in dup), head_dim=128)
+    assert out.img.dtype == torch.float32
+
+
+def test_convert_rejects_neox_half_duplicated(reference):
+    caches, _ = reference
+    (ic, is_), (tc, ts) = _half(caches.img), _half(caches.txt)
+    neox = [torch.cat([t, t], dim=1) for t in (ic, is_, tc, ts)]
+    with pytest.raises(RopeCacheError, match="NeoX"):
+        to_cos_sin_caches(tuple(neox), head_dim=128)
+
+
+def test_convert_existing_caches_and_garbage(reference):
+    caches, _ = reference
+    out = to_cos_sin_caches(caches, head_dim=128)
+    assert out.img is caches.img  # already fp32 contiguous: no copy
+    out = to_cos_sin_caches((caches.img.double(), caches.txt), head_dim=128)
+    assert out.img.dtype == torch.float32
+    for bad in (None, "rope", (caches.img,), {"img": caches.img}, (caches.img[None], caches.txt)):
+        with pytest.raises(RopeCacheError, match="^image_rotary_emb must be cos_sin_cache tensors"):
+            to_cos_sin_caches(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (spec section 7)
+# ---------------------------------------------------------------------------------------------
+
+def _validate(emb, **kw):
+    args = dict(head_dim=128, img_seq_len=24 + 9, txt_seq_len=5)
+    args.update(kw)
+    return validate_cos_sin_caches(emb, **args)
+
+
+def test_validate_accepts_good_caches_without_copying(reference):
+    caches, _ = reference
+    out = _validate(caches, full=True)
+    assert out.img is caches.img and out.txt is caches.txt
+    # R > S is allowed
+    assert _validate(caches, img_seq_len=10, txt_seq_len=1).img is caches.img
+
+
+def test_validate_rejects_diffusers_style_four_tuple(reference):
+    """The case this project exists for: per-stream (cos, sin) passed where caches are expected."""
+    caches, _ = reference
+    four = (*_half(caches.img), *_half(caches.txt))
+    with pytest.raises(RopeCacheError) as err:
+        _validate(four)
+    msg = str(err.value)
+    assert msg.startswith("image_rotary_emb must be cos_sin_cache tensors")
+    assert "a tuple of 4 tensors, which looks like a (cos, sin) pair per stream" in msg
+    assert "to_cos_sin_caches" in msg
+
+
+@pytest.mark.parametrize("what", ["complex", "nested", "one", "3d", "none", "list3"])
+def test_validate_rejects_wrong_containers(reference, what):
+    caches, (img_f, txt_f) = reference
+    emb = {
+        "complex": (img_f, txt_f),
+        "nested": (_half(caches.img), _half(caches.txt)),
+        "one": caches.img,
+        "3d": (caches.img[None], caches.txt),
+        "none": None,
+        "list3": [caches.img, caches.txt, caches.txt],
+    }[what]
+    with pytest.raises(RopeCacheError, match="^image_rotary_emb must be cos_sin_cache tensors") as e:
+        _validate(emb)
+    assert "to_cos_sin_caches" in str(e.value)
+    if what == "complex":
+        assert "complex" in str(e.value)
+
+
+def test_validate_dtype_width_rows_contiguity_device(reference):
+    caches, _ = reference
+    img, txt = caches
+    with pytest.raises(RopeCacheError, match="img cos_sin_cache must be float32; got torch.bfloat16"):
+        _validate((img.bfloat16(), txt))
+    with pytest.raises(RopeCacheError, match="txt cos_sin_cache width .* got 127"):
+        _validate((img, txt[:, :127].contiguous()))
+    with pytest.raises(RopeCacheError, match="width .* got 130"):
+        _validate((img, torch.zeros(5, 130)))
+    with pytest.raises(RopeCacheOverflowError) as err:
+        _validate((img[:30].contiguous(), txt))
+    assert "required=33, available=30, overflow=3" in str(err.value)
+    with pytest.raises(RopeCacheError, match="contiguous"):
+        _validate((img, torch.cat([txt, txt], 1)[:, ::2]))
+    with pytest.raises(RopeCacheError, match="on cpu but the activations are on meta"):
+        _validate(caches, device="meta")
+    # partial rotary: width < head_dim is fine
+    _validate((img[:, :64].contiguous(), txt[:, :64].contiguous()))
+
+
+def test_validate_full_checks_values(reference):
+    caches, _ = reference
+    img, txt = caches
+    bad = img.clone()
+    bad[3, 5] = float("nan")
+    _validate((bad, txt))  # the default check reads metadata only
+    with pytest.raises(RopeCacheError, match="non-finite"):
+        _validate((bad, txt), full=True)
+    angles = torch.rand(5, 128)
+    with pytest.raises(RopeCacheError, match=r"cos\^2 \+ sin\^2"):
+        _validate((img, angles), full=True)
+
+
+def test_validate_default_path_does_not_synchronise(reference, monkeypatch):
+    """Metadata only: no tensor data is read (would force a device sync on CUDA)."""
+    caches, _ = reference
+    calls = []
+    for name in ("item", "tolist", "__bool__", "all", "any"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+    _validate(caches)
+    assert calls == []
