@@ -1,0 +1,395 @@
+"""``qkrope triton-repo``: a Triton Inference Server model repository for a built engine.
+
+Layout written (one model directory, created atomically)::
+
+    REPO/<name>/config.pbtxt             platform "tensorrt_plan", I/O from the engine's sidecar
+    REPO/<name>/1/model.plan             copy of the engine
+    REPO/<name>/libqkrope_plugin.so      copy of the plugin library (unless --no-copy-plugin)
+
+The plugin library is a *file* in the model directory, not a ``REPO/plugins/`` folder: Triton
+treats every sub-directory of a model repository as a model and, with the default
+``--model-control-mode=none`` and ``--exit-on-error=true``, fails to start on a directory without
+a model in it. Files next to ``config.pbtxt`` (like label files) are ignored by Triton's version
+scan, so the model directory stays self-contained and moves with one rename.
+
+The TensorRT backend ``dlopen``s the libraries named in ``--backend-config=tensorrt,plugins=...``
+before it deserialises any plan, so the library must register its plugin creators when loaded
+(the qkrope plugin library does, through its static registrar / ``getCreators`` export).
+
+``max_batch_size`` is 0 by default: TensorRT 10 networks have explicit batch dimensions, and the
+attention engine's RoPE cache inputs (``[rows, rotary_dim]``) have no batch axis at all, so
+Triton's implicit leading batch dimension (``max_batch_size > 0``) cannot describe them. With
+``max_batch_size: 0`` the batch is an ordinary dynamic dim (-1) of the activation inputs, and
+clients send full shapes. ``--max-batch-size N > 0`` is accepted only for engines whose every
+input and output has a dynamic leading dimension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+PLUGIN_FILE_NAME = "libqkrope_plugin.so"
+
+# Every spelling of a tensor dtype the sidecar might use -> Triton's DataType enum name.
+_TRITON_DTYPES = {
+    "float32": "TYPE_FP32", "fp32": "TYPE_FP32", "float": "TYPE_FP32", "f32": "TYPE_FP32",
+    "float16": "TYPE_FP16", "fp16": "TYPE_FP16", "half": "TYPE_FP16", "f16": "TYPE_FP16",
+    "bfloat16": "TYPE_BF16", "bf16": "TYPE_BF16",
+    "float64": "TYPE_FP64", "fp64": "TYPE_FP64", "double": "TYPE_FP64",
+    "bool": "TYPE_BOOL", "boolean": "TYPE_BOOL",
+    "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32", "int64": "TYPE_INT64",
+    "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
+    "uint64": "TYPE_UINT64",
+}
+
+
+class TritonRepoError(RuntimeError):
+    """Bad input for ``qkrope triton-repo`` (the message says what was found and the fix)."""
+
+
+def triton_dtype(dtype: Any) -> str:
+    """Map a dtype spelling (numpy/torch/TensorRT name, e.g. ``"bfloat16"``, ``"torch.float16"``,
+    ``"DataType.BF16"``, ``"HALF"``) to Triton's ``TYPE_*`` name."""
+    text = str(dtype).strip().lower()
+    for prefix in ("torch.", "datatype.", "trt.", "tensorrt.", "np.", "numpy.", "type_"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    if text in ("fp8", "float8", "int4", "fp4", "float4", "e4m3", "e5m2"):
+        raise TritonRepoError(
+            f"tensor dtype {dtype!r} has no Triton TYPE_* equivalent; Triton's TensorRT backend "
+            "cannot serve engines with such I/O tensors (keep FP8/INT4 inside the network)")
+    if text in _TRITON_DTYPES:
+        return _TRITON_DTYPES[text]
+    raise TritonRepoError(f"unknown tensor dtype {dtype!r} in the engine sidecar; expected one of "
+                          f"{sorted(set(_TRITON_DTYPES))}")
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str           # Triton TYPE_* name
+    dims: list[int]      # -1 for dynamic axes
+
+
+@dataclass
+class EngineIO:
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    sidecar: dict = field(default_factory=dict)
+
+
+def sidecar_path(engine: os.PathLike | str) -> Path:
+    return Path(str(engine) + ".json")
+
+
+def load_engine_sidecar(engine: os.PathLike | str) -> dict:
+    """Read ``<engine>.json`` (written by ``qkrope build``) with clear errors."""
+    engine = Path(engine)
+    if not engine.is_file():
+        raise TritonRepoError(f"engine file not found: {engine}. Build one first: "
+                              "qkrope build MODEL.onnx -o MODEL.engine --plugin LIB")
+    side = sidecar_path(engine)
+    if not side.is_file():
+        raise TritonRepoError(
+            f"the engine's sidecar {side} is missing: it holds the I/O names, dtypes and dynamic "
+            "dims the Triton config needs. Rebuild the engine with `qkrope build` (which writes "
+            "it next to the engine), or copy it alongside if you moved the engine")
+    try:
+        data = json.loads(side.read_text())
+    except json.JSONDecodeError as exc:
+        raise TritonRepoError(f"the engine sidecar {side} is not valid JSON ({exc}); rebuild the "
+                              "engine with `qkrope build`") from exc
+    if not isinstance(data, dict):
+        raise TritonRepoError(f"the engine sidecar {side} holds a {type(data).__name__}, expected "
+                              "a JSON object; rebuild the engine with `qkrope build`")
+    return data
+
+
+def _profile_ranges(sidecar: Mapping) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """name -> [(min, max) per profile]. Accepts ``profiles`` as a list of
+    ``{name: {min, opt, max}}`` or of ``{"inputs"|"shapes": {name: ...}}`` objects, or a single
+    mapping; entries may also be ``[min, opt, max]`` lists."""
+    profiles = sidecar.get("profiles") or sidecar.get("optimization_profiles") or []
+    if isinstance(profiles, Mapping):
+        profiles = [profiles]
+    out: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for prof in profiles:
+        if not isinstance(prof, Mapping):
+            continue
+        shapes = prof.get("inputs") or prof.get("shapes") or prof
+        if not isinstance(shapes, Mapping):
+            continue
+        for name, rng in shapes.items():
+            if isinstance(rng, Mapping) and "min" in rng and "max" in rng:
+                lo, hi = rng["min"], rng["max"]
+            elif isinstance(rng, (list, tuple)) and len(rng) == 3:
+                lo, hi = rng[0], rng[2]
+            else:
+                continue
+            out.setdefault(str(name), []).append((list(map(int, lo)), list(map(int, hi))))
+    return out
+
+
+def _tensor_list(sidecar: Mapping, key: str) -> list[Mapping]:
+    entries = sidecar.get(key)
+    if entries is None and isinstance(sidecar.get("io"), Mapping):
+        entries = sidecar["io"].get(key)
+    if isinstance(entries, Mapping):  # {name: {dtype, shape}}
+        entries = [dict(v, name=k) for k, v in entries.items()]
+    if not entries:
+        raise TritonRepoError(f"the engine sidecar lists no {key}; rebuild the engine with "
+                              "`qkrope build` (its sidecar records every I/O tensor)")
+    return list(entries)
+
+
+def engine_io(sidecar: Mapping) -> EngineIO:
+    """The engine's inputs and outputs as Triton sees them: an axis is -1 when the sidecar's
+    shape says -1 or when any optimisation profile lets it vary (min != max)."""
+    ranges = _profile_ranges(sidecar)
+
+    def spec(entry: Mapping, is_input: bool) -> TensorSpec:
+        name = entry.get("name")
+        if not name:
+            raise TritonRepoError(f"an engine sidecar tensor entry has no name: {dict(entry)}")
+        dtype = entry.get("dtype", entry.get("data_type"))
+        if dtype is None:
+            raise TritonRepoError(f"the engine sidecar gives no dtype for tensor {name!r}")
+        shape = entry.get("shape", entry.get("dims"))
+        if shape is None:
+            prof = ranges.get(name)
+            if not prof:
+                raise TritonRepoError(f"the engine sidecar gives no shape for tensor {name!r}")
+            shape = prof[0][0]
+        dims = [int(d) if d is not None and not isinstance(d, str) else -1 for d in shape]
+        for lo, hi in ranges.get(name, []) if is_input else []:
+            if len(lo) != len(dims):
+                raise TritonRepoError(
+                    f"input {name!r}: the sidecar's shape has rank {len(dims)} but a profile "
+                    f"gives rank {len(lo)}; the sidecar is inconsistent, rebuild the engine")
+            dims = [-1 if (a != b) else d for d, a, b in zip(dims, lo, hi)]
+        return TensorSpec(str(name), triton_dtype(dtype), dims)
+
+    return EngineIO([spec(e, True) for e in _tensor_list(sidecar, "inputs")],
+                    [spec(e, False) for e in _tensor_list(sidecar, "outputs")], dict(sidecar))
+
+
+def _pb_str(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid protobuf text-format string
+
+
+def render_config(name: str, io: EngineIO, *, max_batch_size: int = 0, instances: int = 1,
+                  gpus: Iterable[int] | None = None) -> str:
+    """config.pbtxt text for a ``tensorrt_plan`` model."""
+    if instances < 1:
+        raise TritonRepoError(f"--instances must be >= 1, got {instances}")
+    if max_batch_size < 0:
+        raise TritonRepoError(f"--max-batch-size must be >= 0, got {max_batch_size}")
+    tensors = {"input": io.inputs, "output": io.outputs}
+    if max_batch_size > 0:
+        bad = [t.name for t in io.inputs + io.outputs if not t.dims or t.dims[0] != -1]
+        # The leading axis is a batch axis only if every input's profile gives it the same range
+        # (a cache's row count, [1, max_tokens], is not the batch range).
+        lead = {}
+        for name, ranges in _profile_ranges(io.sidecar).items():
+            if ranges and ranges[0][0]:
+                lead[name] = (ranges[0][0][0], ranges[0][1][0])
+        if len(set(lead.values())) > 1:
+            common = max(set(lead.values()), key=list(lead.values()).count)
+            bad += [n for n, r in lead.items() if r != common and n not in bad]
+        batch_max = min((hi for _, hi in lead.values()), default=None)
+        if not bad and batch_max is not None and max_batch_size > batch_max:
+            raise TritonRepoError(f"--max-batch-size {max_batch_size} exceeds the engine "
+                                  f"profile's largest batch {batch_max}; rebuild the engine "
+                                  "with a larger --max-batch or lower --max-batch-size")
+        if bad:
+            raise TritonRepoError(
+                f"--max-batch-size {max_batch_size} needs a dynamic leading batch dim on every "
+                f"input and output, but {bad} have none (the RoPE caches [rows, rotary_dim] are "
+                "shared across the batch). Use --max-batch-size 0: the batch stays an explicit, "
+                "dynamic dim of hidden_states / encoder_hidden_states")
+        tensors = {k: [TensorSpec(t.name, t.dtype, t.dims[1:]) for t in v]
+                   for k, v in tensors.items()}
+    lines = [f"name: {_pb_str(name)}", 'platform: "tensorrt_plan"',
+             f"max_batch_size: {max_batch_size}",
+             'default_model_filename: "model.plan"']
+    for kind, specs in tensors.items():
+        for t in specs:
+            dims = ", ".join(str(d) for d in t.dims)
+            lines.append(f"{kind} {{\n  name: {_pb_str(t.name)}\n  data_type: {t.dtype}\n"
+                         f"  dims: [ {dims} ]\n}}")
+    group = f"instance_group {{\n  count: {instances}\n  kind: KIND_GPU\n"
+    if gpus:
+        group += f"  gpus: [ {', '.join(str(int(g)) for g in gpus)} ]\n"
+    lines.append(group + "}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_config(text: str):
+    """Parse config.pbtxt text into ``tritonclient``'s ``ModelConfig`` protobuf (schema check)."""
+    from qkrope._deps import require
+
+    pb = require("tritonclient.grpc.model_config_pb2", "checking a Triton model config")
+    text_format = require("google.protobuf.text_format", "checking a Triton model config")
+    return text_format.Parse(text, pb.ModelConfig())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sidecar_plugin(sidecar: Mapping) -> tuple[str | None, str | None]:
+    """(path, sha256) of the plugin library the engine was built with, if recorded."""
+    plug = sidecar.get("plugin") or sidecar.get("plugin_library") or {}
+    if isinstance(plug, str):
+        return plug, sidecar.get("plugin_sha256")
+    if isinstance(plug, Mapping):
+        return plug.get("path"), plug.get("sha256")
+    return None, None
+
+
+def resolve_plugin(plugin: str | None, sidecar: Mapping, *, check_hash: bool = True) -> Path:
+    recorded_path, recorded_hash = _sidecar_plugin(sidecar)
+    if plugin is None:
+        plugin = recorded_path
+        if plugin is None:
+            try:
+                from qkrope.runtime.plugin_build import find_plugin_library
+
+                plugin = find_plugin_library("trt")
+            except Exception:  # noqa: BLE001 - any failure means "not found"; reported below
+                plugin = None
+        if plugin is None:
+            raise TritonRepoError(
+                "no plugin library given and none recorded in the engine sidecar; pass "
+                f"--plugin path/to/{PLUGIN_FILE_NAME} (build it with `qkrope build-plugin`)")
+    path = Path(plugin)
+    if not path.is_file():
+        raise TritonRepoError(f"plugin library not found: {path}; build it with "
+                              "`qkrope build-plugin` or pass --plugin with its path")
+    if check_hash and recorded_hash:
+        actual = _sha256(path)
+        if actual != recorded_hash:
+            raise TritonRepoError(
+                f"plugin library {path} (sha256 {actual[:12]}...) is not the one the engine was "
+                f"built with (sha256 {recorded_hash[:12]}..., {recorded_path}); an engine must "
+                "be served with the plugin it was built against. Pass that library, rebuild the "
+                "engine, or use --no-plugin-hash-check if you know they are compatible")
+    return path.resolve()
+
+
+@dataclass
+class RepoResult:
+    model_dir: Path
+    config_path: Path
+    plan_path: Path
+    plugin_path: Path
+    command: str
+
+
+def server_command(repo: Path, plugin_path: Path) -> str:
+    return (f"tritonserver --model-repository={repo.resolve()} "
+            f"--backend-config=tensorrt,plugins=\"{plugin_path.resolve()}\"")
+
+
+def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
+                     plugin: os.PathLike | str | None = None, name: str | None = None,
+                     max_batch_size: int = 0, instances: int = 1, force: bool = False,
+                     copy_plugin: bool = True, check_plugin_hash: bool = True) -> RepoResult:
+    """Write ``repo/<name>`` for ``engine``. The model directory is assembled in a temporary
+    directory next to ``repo`` and moved in with one rename, so a reader never sees half of it;
+    an existing model directory is replaced only with ``force``."""
+    engine = Path(engine)
+    repo = Path(repo)
+    sidecar = load_engine_sidecar(engine)
+    io = engine_io(sidecar)
+    name = name or engine.name.split(".")[0]
+    if not name or "/" in name or name.startswith("."):
+        raise TritonRepoError(f"invalid model name {name!r}: Triton model names are directory "
+                              "names; pass --name")
+    plugin_src = resolve_plugin(None if plugin is None else str(plugin), sidecar,
+                                check_hash=check_plugin_hash)
+    text = render_config(name, io, max_batch_size=max_batch_size, instances=instances)
+    try:
+        parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
+    except ImportError:
+        pass  # tritonclient not installed: the config is still written
+
+    target = repo / name
+    if target.exists() and not force:
+        raise TritonRepoError(f"{target} already exists; pass --force to replace it or "
+                              "--name to write another model")
+    if repo.exists() and not repo.is_dir():
+        raise TritonRepoError(f"{repo} exists and is not a directory")
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.{name}.", dir=repo.parent))
+    try:
+        staged = tmp / name
+        (staged / "1").mkdir(parents=True)
+        shutil.copyfile(engine, staged / "1" / "model.plan")
+        (staged / "config.pbtxt").write_text(text)
+        if copy_plugin:
+            shutil.copy2(plugin_src, staged / PLUGIN_FILE_NAME)
+        repo.mkdir(parents=True, exist_ok=True)
+        old = None
+        if target.exists():
+            old = tmp / f"{name}.old"
+            os.rename(target, old)
+        os.rename(staged, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    plugin_final = (target / PLUGIN_FILE_NAME) if copy_plugin else plugin_src
+    return RepoResult(target, target / "config.pbtxt", target / "1" / "model.plan",
+                      plugin_final.resolve(), server_command(repo, plugin_final))
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "triton-repo", help="write a Triton Inference Server model repository for an engine",
+        description="Write REPO/<name>/{config.pbtxt, 1/model.plan, libqkrope_plugin.so} from a "
+                    "TensorRT engine and its sidecar (MODEL.engine.json, written by `qkrope "
+                    "build`), and print the tritonserver command that loads the plugin.")
+    p.add_argument("--engine", required=True, help="the TensorRT engine (MODEL.engine)")
+    p.add_argument("--plugin", default=None,
+                   help=f"the plugin library ({PLUGIN_FILE_NAME}); default: the one recorded in "
+                        "the engine sidecar")
+    p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
+                   help="model repository directory (created if missing)")
+    p.add_argument("--name", default=None, help="model name (default: engine file stem)")
+    p.add_argument("--max-batch-size", type=int, default=0,
+                   help="Triton max_batch_size (default 0: the batch is an explicit dynamic dim "
+                        "of the engine and the RoPE caches have no batch axis)")
+    p.add_argument("--instances", type=int, default=1, help="instance_group count (KIND_GPU)")
+    p.add_argument("--force", action="store_true", help="replace an existing model directory")
+    p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
+                   help="reference the plugin library where it is instead of copying it into "
+                        "the model directory")
+    p.add_argument("--no-plugin-hash-check", dest="check_plugin_hash", action="store_false",
+                   help="do not require the plugin's sha256 to match the engine sidecar's")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    res = write_repository(args.engine, args.repo, plugin=args.plugin, name=args.name,
+                           max_batch_size=args.max_batch_size, instances=args.instances,
+                           force=args.force, copy_plugin=args.copy_plugin,
+                           check_plugin_hash=args.check_plugin_hash)
+    print(f"wrote {res.model_dir}/ (config.pbtxt, 1/model.plan"
+          f"{', ' + PLUGIN_FILE_NAME if args.copy_plugin else ''})")
+    print("serve it with:")
+    print(f"  {res.command}")
+    sys.stdout.flush()
+    return 0

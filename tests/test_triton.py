@@ -1,0 +1,176 @@
+"""``qkrope triton-repo``: the config.pbtxt parses as Triton's ModelConfig and matches the engine.
+
+No TensorRT needed: the engine file is dummy bytes, its sidecar is a realistic one (written by
+the engine module's own writer when it exposes one, else following its schema).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from qkrope.cli import main as cli_main
+from qkrope.runtime import triton
+
+model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+text_format = pytest.importorskip("google.protobuf.text_format")
+
+C = 3072
+MAX_IMG, MAX_TXT = 4096, 512
+
+INPUTS = [
+    ("hidden_states", "bfloat16", [-1, -1, C]),
+    ("encoder_hidden_states", "bfloat16", [-1, -1, C]),
+    ("img_cache", "float32", [-1, 128]),
+    ("txt_cache", "float32", [-1, 128]),
+    ("encoder_hidden_states_mask", "bool", [-1, -1]),
+]
+OUTPUTS = [("img_out", "bfloat16", [-1, -1, C]), ("txt_out", "bfloat16", [-1, -1, C])]
+PROFILE = {
+    "hidden_states": {"min": [1, 1, C], "opt": [1, 1024, C], "max": [2, MAX_IMG, C]},
+    "encoder_hidden_states": {"min": [1, 1, C], "opt": [1, 512, C], "max": [2, MAX_TXT, C]},
+    "img_cache": {"min": [1, 128], "opt": [1024, 128], "max": [MAX_IMG, 128]},
+    "txt_cache": {"min": [1, 128], "opt": [512, 128], "max": [MAX_TXT, 128]},
+    "encoder_hidden_states_mask": {"min": [1, 1], "opt": [1, 512], "max": [2, MAX_TXT]},
+}
+TYPE = {"bfloat16": "TYPE_BF16", "float32": "TYPE_FP32", "bool": "TYPE_BOOL"}
+
+
+def _sidecar(plugin: Path) -> dict:
+    return {
+        "format": "qkrope-engine/1",
+        "tensorrt_version": "10.14.1",
+        "gpu": {"name": "NVIDIA H200", "compute_capability": "9.0"},
+        "profiles": [PROFILE],
+        "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in INPUTS],
+        "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in OUTPUTS],
+        "plugin": {"path": str(plugin), "sha256": hashlib.sha256(plugin.read_bytes()).hexdigest()},
+        "onnx": {"config": {"dim": C, "heads": 24, "head_dim": 128}},
+    }
+
+
+@pytest.fixture
+def engine(tmp_path):
+    plugin = tmp_path / "build" / "libqkrope_plugin.so"
+    plugin.parent.mkdir()
+    plugin.write_bytes(b"\x7fELF fake plugin")
+    eng = tmp_path / "attn.engine"
+    eng.write_bytes(b"not really a TensorRT plan" * 10)
+    Path(str(eng) + ".json").write_text(json.dumps(_sidecar(plugin), indent=2))
+    return eng, plugin
+
+
+def _parse(path: Path):
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def test_repo_config_parses_and_matches_engine_io(engine, tmp_path, capsys):
+    eng, plugin = engine
+    repo = tmp_path / "repo"
+    rc = cli_main(["triton-repo", "--engine", str(eng), "--plugin", str(plugin), "-o", str(repo),
+                   "--instances", "2"])
+    assert rc == 0
+    model = repo / "attn"
+    assert (model / "1" / "model.plan").read_bytes() == eng.read_bytes()
+    assert (model / triton.PLUGIN_FILE_NAME).read_bytes() == plugin.read_bytes()
+    cfg = _parse(model / "config.pbtxt")
+    assert cfg.name == "attn" and cfg.platform == "tensorrt_plan"
+    assert cfg.max_batch_size == 0
+    assert cfg.default_model_filename == "model.plan"
+    got_in = {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims))
+              for t in cfg.input}
+    got_out = {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims))
+               for t in cfg.output}
+    assert got_in == {n: (TYPE[d], s) for n, d, s in INPUTS}
+    assert got_out == {n: (TYPE[d], s) for n, d, s in OUTPUTS}
+    assert [t.name for t in cfg.input] == [n for n, _, _ in INPUTS]  # engine order kept
+    assert cfg.instance_group[0].count == 2
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    out = capsys.readouterr().out
+    lib = (model / triton.PLUGIN_FILE_NAME).resolve()
+    assert (f"tritonserver --model-repository={repo.resolve()} "
+            f"--backend-config=tensorrt,plugins=\"{lib}\"") in out
+    # nothing left behind by the atomic write
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attn.engine", "attn.engine.json",
+                                                          "build", "repo"]
+
+
+def test_static_axes_stay_static_and_profiles_mark_dynamic(tmp_path):
+    side = {
+        "inputs": [{"name": "x", "dtype": "DataType.HALF", "shape": [2, 16, 8]}],
+        "outputs": [{"name": "y", "dtype": "torch.float16", "shape": [2, 16, 8]}],
+        "profiles": [{"x": {"min": [2, 1, 8], "opt": [2, 8, 8], "max": [2, 16, 8]}}],
+    }
+    io = triton.engine_io(side)
+    assert io.inputs[0].dims == [2, -1, 8] and io.inputs[0].dtype == "TYPE_FP16"
+    assert io.outputs[0].dims == [2, 16, 8]
+    cfg = text_format.Parse(triton.render_config("m", io), model_config_pb2.ModelConfig())
+    assert list(cfg.input[0].dims) == [2, -1, 8]
+
+
+def test_max_batch_size_needs_batch_axis_everywhere(engine, tmp_path):
+    eng, plugin = engine
+    with pytest.raises(triton.TritonRepoError, match="RoPE caches"):
+        triton.write_repository(eng, tmp_path / "r", plugin=plugin, max_batch_size=2)
+    side = {"inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 4]}]}
+    cfg = text_format.Parse(triton.render_config("m", triton.engine_io(side), max_batch_size=8),
+                            model_config_pb2.ModelConfig())
+    assert cfg.max_batch_size == 8 and list(cfg.input[0].dims) == [4]
+
+
+def test_refuses_overwrite_without_force(engine, tmp_path):
+    eng, plugin = engine
+    repo = tmp_path / "repo"
+    triton.write_repository(eng, repo, plugin=plugin)
+    (repo / "attn" / "marker").write_text("old")
+    with pytest.raises(triton.TritonRepoError, match="--force"):
+        triton.write_repository(eng, repo, plugin=plugin)
+    assert (repo / "attn" / "marker").exists()
+    triton.write_repository(eng, repo, plugin=plugin, force=True, name="attn")
+    assert not (repo / "attn" / "marker").exists()
+    assert (repo / "attn" / "config.pbtxt").is_file()
+
+
+def test_missing_engine_and_sidecar_errors(engine, tmp_path, capsys):
+    eng, plugin = engine
+    rc = cli_main(["triton-repo", "--engine", str(tmp_path / "nope.engine"), "--plugin",
+                   str(plugin), "-o", str(tmp_path / "r")])
+    assert rc == 2
+    assert "engine file not found" in capsys.readouterr().err
+    Path(str(eng) + ".json").unlink()
+    with pytest.raises(triton.TritonRepoError, match="sidecar .* is missing"):
+        triton.write_repository(eng, tmp_path / "r", plugin=plugin)
+    assert not (tmp_path / "r").exists()
+
+
+def test_plugin_hash_mismatch_and_default_from_sidecar(engine, tmp_path):
+    eng, plugin = engine
+    other = tmp_path / "other.so"
+    other.write_bytes(b"a different build")
+    with pytest.raises(triton.TritonRepoError, match="not the one the engine was built with"):
+        triton.write_repository(eng, tmp_path / "r", plugin=other)
+    res = triton.write_repository(eng, tmp_path / "r2", plugin=other, check_plugin_hash=False,
+                                  copy_plugin=False)
+    assert res.plugin_path == other.resolve()
+    assert not (res.model_dir / triton.PLUGIN_FILE_NAME).exists()
+    res = triton.write_repository(eng, tmp_path / "r3")  # plugin from the sidecar
+    assert (res.model_dir / triton.PLUGIN_FILE_NAME).read_bytes() == plugin.read_bytes()
+
+
+@pytest.mark.parametrize("spelling,expected", [
+    ("bfloat16", "TYPE_BF16"), ("DataType.BF16", "TYPE_BF16"), ("float", "TYPE_FP32"),
+    ("DataType.FLOAT", "TYPE_FP32"), ("half", "TYPE_FP16"), ("bool", "TYPE_BOOL"),
+    ("DataType.INT64", "TYPE_INT64"), ("int32", "TYPE_INT32"), ("uint8", "TYPE_UINT8"),
+])
+def test_dtype_names(spelling, expected):
+    assert triton.triton_dtype(spelling) == expected
+    assert expected in model_config_pb2.DataType.keys()
+
+
+def test_fp8_io_rejected():
+    with pytest.raises(triton.TritonRepoError, match="no Triton TYPE_"):
+        triton.triton_dtype("DataType.FP8")
