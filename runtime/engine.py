@@ -1,0 +1,594 @@
+"""``qkrope build``: ONNX model -> TensorRT engine with the QKNormRoPE plugin doing the fused work.
+
+Steps (TensorRT 10.x / 11.x Python API; the TensorRT calls are kept thin, the logic around them is
+in plain functions that run without TensorRT):
+
+1. load the plugin library: ``ctypes.CDLL(lib, RTLD_GLOBAL)`` for the self-registering library,
+   ``IPluginRegistry.load_library`` for the version-compatible (VC) one, then check the registry
+   has the ``QKNormRoPE`` / ``1`` / ``qkrope`` creator;
+2. parse the ONNX file into a strongly typed network (precision was fixed at export), with the
+   parser flag ``ENABLE_PLUGIN_OVERRIDE`` where the TensorRT version has it;
+3. **check the network holds one QKNormRoPE plugin layer per QKNormRoPE node** of the ONNX file,
+   and fail if TensorRT fell back to the nodes' function bodies (standard layers);
+4. one optimisation profile (:mod:`qkrope.runtime.profiles`), optional timing cache, builder
+   optimisation level, workspace limit, version compatibility (the VC plugin library serialised
+   into the engine);
+5. build with a progress display fed by ``trt.IProgressMonitor``;
+6. write the engine atomically and a sidecar ``<engine>.json`` (TensorRT version, GPU, profile,
+   I/O, plugin library path + sha256, the model config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence, TextIO
+
+from qkrope._deps import require
+
+from . import profiles as prof
+from . import trt_utils as tu
+
+ENGINE_SIDECAR_FORMAT = "qkrope-engine/1"
+MIN_TRT_MAJOR = 10
+
+
+class EngineBuildError(RuntimeError):
+    """The engine could not be built; the message says why and what to do."""
+
+
+class PluginFallbackError(EngineBuildError):
+    """TensorRT parsed QKNormRoPE nodes into their function bodies instead of the plugin."""
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT access (thin)
+# --------------------------------------------------------------------------------------------
+
+def import_tensorrt(feature: str = "qkrope build (TensorRT engine building)"):
+    """``import tensorrt`` or MissingDependencyError with the install hint; checks the version."""
+    trt = require("tensorrt", feature)
+    check_trt_version(getattr(trt, "__version__", "0"))
+    return trt
+
+
+def check_trt_version(version: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return (0, 0)
+    if major < MIN_TRT_MAJOR:
+        raise EngineBuildError(
+            f"TensorRT {version} is too old: qkrope needs TensorRT {MIN_TRT_MAJOR}.x or newer "
+            f"(IPluginV3 plugins, strongly typed networks, the parser preferring a registered "
+            f"plugin over an ONNX local function from 10.7). Fix: install TensorRT 10.7+ or use "
+            f"an NGC TensorRT container")
+    return major, minor
+
+
+def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: bool = False,
+                        registry=None) -> Any:
+    """Load the plugin library so its creators are registered, then check QKNormRoPE is there.
+
+    The regular library registers its creator when loaded (a static initialiser calling
+    ``getPluginRegistry()->registerCreator``), so ``dlopen`` with RTLD_GLOBAL is enough (this is
+    also what Triton's TensorRT backend and ``trtexec --staticPlugins`` do). The VC library
+    exports ``getCreators``/``setLoggerFinder`` instead and must go through
+    ``IPluginRegistry.load_library`` so that TensorRT can serialise it into a VC engine.
+    """
+    from qkrope.export import contract
+
+    path = str(Path(path).resolve())
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
+                                f"`qkrope build-plugin` or pass --plugin PATH")
+    registry = registry if registry is not None else trt.get_plugin_registry()
+    if version_compatible:
+        handle = registry.load_library(path)
+        if handle is None:
+            raise EngineBuildError(
+                f"TensorRT could not load the version-compatible plugin library {path} with "
+                f"IPluginRegistry.load_library (see TensorRT's log above). Fix: pass the VC "
+                f"library (the one exporting getCreators), e.g. the output of "
+                f"`qkrope build-plugin` named *_vc.so")
+    else:
+        try:
+            handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise EngineBuildError(f"could not load the plugin library {path}: {exc}. Fix: check "
+                                   f"it was built for this TensorRT/CUDA and that "
+                                   f"LD_LIBRARY_PATH reaches libnvinfer") from exc
+    creator = registry.get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
+                                   contract.PLUGIN_NAMESPACE)
+    if creator is None:
+        raise EngineBuildError(
+            f"{path} loaded, but TensorRT's plugin registry has no creator "
+            f"{contract.PLUGIN_NAME!r} version {contract.PLUGIN_VERSION!r} in namespace "
+            f"{contract.PLUGIN_NAMESPACE!r}. Fix: pass qkrope's plugin library "
+            f"({'the VC build' if version_compatible else 'the self-registering build'}; "
+            f"`qkrope build-plugin` makes both)")
+    return handle
+
+
+def network_creation_flags(trt) -> int:
+    """STRONGLY_TYPED where the enum has it (TRT 10; always on in TRT 11)."""
+    flags = 0
+    member = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    if member is not None:
+        flags |= 1 << int(member)
+    return flags
+
+
+def set_parser_flags(parser, trt) -> list[str]:
+    """Enable ENABLE_PLUGIN_OVERRIDE where the parser has it (10.15+): a registered plugin then
+    replaces a same-named local function even when the node had no plugin_namespace."""
+    enabled = []
+    flag_enum = getattr(trt, "OnnxParserFlag", None)
+    member = getattr(flag_enum, "ENABLE_PLUGIN_OVERRIDE", None) if flag_enum else None
+    if member is not None:
+        parser.set_flag(member)
+        enabled.append("ENABLE_PLUGIN_OVERRIDE")
+    return enabled
+
+
+# --------------------------------------------------------------------------------------------
+# Plugin-layer detection (works on any network-like object; tests use fakes)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PluginLayer:
+    index: int
+    layer_name: str
+    plugin_name: str | None
+    plugin_version: str | None
+    plugin_namespace: str | None
+    identified_by: str  # "plugin" (read from the plugin object) or "layer name"
+
+
+def _plugin_identity(layer, trt) -> tuple[str, str, str] | None:
+    """(name, version, namespace) of an IPluginV3 layer's plugin, or None if unreadable."""
+    try:
+        if not hasattr(layer, "plugin"):
+            layer.__class__ = trt.IPluginV3Layer  # network.get_layer returns the ILayer base
+        core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+        return (str(core.plugin_name), str(core.plugin_version), str(core.plugin_namespace))
+    except Exception:
+        return None
+
+
+def find_plugin_layers(network, trt, *, node_names: Sequence[str] = ()) -> tuple[
+        list[PluginLayer], list[PluginLayer]]:
+    """(QKNormRoPE plugin layers, other plugin layers) of a parsed network.
+
+    A layer counts when its type is ``LayerType.PLUGIN_V3`` and its plugin reports name
+    QKNormRoPE and namespace qkrope; when the plugin object cannot be inspected, a layer whose
+    name is one of the ONNX QKNormRoPE node names (the parser names layers after nodes) counts.
+    """
+    from qkrope.export import contract
+
+    ours, others = [], []
+    v3 = getattr(trt.LayerType, "PLUGIN_V3", None)
+    plugin_types = {t for t in (getattr(trt.LayerType, "PLUGIN", None),
+                                getattr(trt.LayerType, "PLUGIN_V2", None), v3) if t is not None}
+    node_names = set(node_names)
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type not in plugin_types:
+            continue
+        ident = _plugin_identity(layer, trt) if layer.type == v3 else None
+        if ident is not None:
+            info = PluginLayer(i, layer.name, *ident, identified_by="plugin")
+            match = (info.plugin_name == contract.PLUGIN_NAME
+                     and info.plugin_namespace == contract.PLUGIN_NAMESPACE)
+        else:
+            info = PluginLayer(i, layer.name, None, None, None, identified_by="layer name")
+            match = layer.type == v3 and (layer.name in node_names
+                                          or any(n and n in layer.name for n in node_names))
+        (ours if match else others).append(info)
+    return ours, others
+
+
+def check_plugin_layers(network, trt, expected: Sequence[str] | int, *,
+                        trt_version: str = "?", plugin_registered: bool | None = None
+                        ) -> list[PluginLayer]:
+    """Fail loudly unless the network has exactly one QKNormRoPE plugin layer per ONNX node."""
+    node_names = list(expected) if not isinstance(expected, int) else []
+    n_expected = expected if isinstance(expected, int) else len(node_names)
+    ours, others = find_plugin_layers(network, trt, node_names=node_names)
+    if n_expected == 0:
+        raise PluginFallbackError(
+            "the ONNX model has no QKNormRoPE nodes (domain 'qkrope'), so the engine would not use "
+            "the fused plugin. Fix: export with `qkrope export` (it writes the nodes), or build "
+            "the decomposed model with trtexec/polygraphy if that is what you want")
+    if len(ours) == n_expected:
+        return ours
+    where = (f"{len(ours)} of {n_expected} QKNormRoPE node(s) became plugin layers"
+             + (f" (other plugin layers: {', '.join(o.layer_name for o in others)})"
+                if others else ""))
+    reasons = [f"TensorRT {trt_version} parsed the rest through the nodes' ONNX function body "
+               f"(standard layers), which is correct but not fused"]
+    if plugin_registered is False:
+        reasons.append("the QKNormRoPE creator was not in the plugin registry at parse time")
+    reasons.append("TensorRT 10.6 and older always use a node's local function; 10.7-10.14 "
+                   "prefer a registered plugin; 10.15+/11 need the node's plugin_namespace "
+                   "attribute or the parser flag ENABLE_PLUGIN_OVERRIDE")
+    raise PluginFallbackError(
+        f"{where}: {'; '.join(reasons)}. Fix: use TensorRT 10.7 or newer, load qkrope's plugin "
+        f"library with --plugin, and export with `qkrope export` (it writes plugin_namespace)")
+
+
+# --------------------------------------------------------------------------------------------
+# Progress display
+# --------------------------------------------------------------------------------------------
+
+class BuildProgress:
+    """Renders TensorRT's build phases. On a terminal: one redrawn line with a bar for the
+    innermost active phase; otherwise: plain lines when top-level phases start and finish.
+
+    ``step_complete`` returns False after :meth:`cancel` (TensorRT then stops the build).
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None,
+                 max_depth: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.max_depth = max_depth
+        self.clock = clock
+        self.phases: dict[str, dict] = {}
+        self.cancelled = False
+        self._last_len = 0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def _depth(self, name: str) -> int:
+        depth, parent = 0, self.phases.get(name, {}).get("parent")
+        while parent is not None and parent in self.phases:
+            depth += 1
+            parent = self.phases[parent].get("parent")
+        return depth
+
+    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+        self.phases[phase_name] = {"parent": parent_phase, "steps": max(int(num_steps), 0),
+                                   "done": 0, "t0": self.clock()}
+        depth = self._depth(phase_name)
+        if self.tty:
+            self._redraw(phase_name)
+        elif depth <= self.max_depth:
+            steps = f" ({num_steps} steps)" if num_steps > 1 else ""
+            self._line(f"{'  ' * depth}[build] {phase_name}{steps}")
+
+    def step_complete(self, phase_name: str, step: int) -> bool:
+        if phase_name in self.phases:
+            self.phases[phase_name]["done"] = int(step) + 1
+            if self.tty:
+                self._redraw(phase_name)
+        return not self.cancelled
+
+    def phase_finish(self, phase_name: str) -> None:
+        info = self.phases.get(phase_name)
+        if info is None:
+            return
+        depth = self._depth(phase_name)
+        elapsed = self.clock() - info["t0"]
+        del self.phases[phase_name]
+        if self.tty:
+            if depth == 0:
+                self._clear()
+                self._line(f"[build] {phase_name} done in {elapsed:.1f} s")
+        elif depth <= self.max_depth:
+            self._line(f"{'  ' * depth}[build] {phase_name} done in {elapsed:.1f} s")
+
+    # rendering
+    def _line(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _clear(self) -> None:
+        if self._last_len:
+            self.stream.write("\r" + " " * self._last_len + "\r")
+            self._last_len = 0
+
+    def _redraw(self, phase_name: str) -> None:
+        info = self.phases[phase_name]
+        chain, p = [phase_name], info["parent"]
+        while p is not None and p in self.phases:
+            chain.append(p)
+            p = self.phases[p]["parent"]
+        label = " > ".join(reversed(chain))
+        steps, done = info["steps"], info["done"]
+        if steps > 0:
+            width = 24
+            filled = int(width * min(done, steps) / steps)
+            bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{steps} "
+        else:
+            bar = ""
+        text = f"\r{bar}{label}"[:160]
+        pad = max(self._last_len - len(text), 0)
+        self.stream.write(text + " " * pad)
+        self.stream.flush()
+        self._last_len = len(text)
+
+
+def make_progress_monitor(trt, progress: BuildProgress):
+    """A ``trt.IProgressMonitor`` forwarding to ``progress`` (exceptions never reach TensorRT)."""
+
+    class _Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            try:
+                progress.phase_start(phase_name, parent_phase, num_steps)
+            except Exception:
+                pass
+
+        def step_complete(self, phase_name, step):
+            try:
+                return progress.step_complete(phase_name, step)
+            except Exception:
+                return True
+
+        def phase_finish(self, phase_name):
+            try:
+                progress.phase_finish(phase_name)
+            except Exception:
+                pass
+
+    return _Monitor()
+
+
+# --------------------------------------------------------------------------------------------
+# Sidecar
+# --------------------------------------------------------------------------------------------
+
+def network_io(network) -> tuple[list[dict], list[dict]]:
+    """[{"name", "dtype", "shape"}] of the network's inputs and outputs (-1 = dynamic)."""
+    def one(t):
+        return {"name": t.name, "dtype": tu.dtype_name(t.dtype), "shape": [int(d) for d in t.shape]}
+
+    return ([one(network.get_input(i)) for i in range(network.num_inputs)],
+            [one(network.get_output(i)) for i in range(network.num_outputs)])
+
+
+def engine_sidecar(*, trt_version: str, onnx_path: str, model: dict, profile: prof.Profile,
+                   inputs: list[dict], outputs: list[dict], plugin_path: str | None,
+                   plugin_sha256: str | None, version_compatible: bool,
+                   builder_optimization_level: int | None, strongly_typed: bool,
+                   plugin_layers: int, parser_flags: Sequence[str], gpu: dict | None,
+                   build_seconds: float | None = None) -> dict:
+    """The JSON written next to the engine. Symbolic axis names from the ONNX sidecar are kept
+    per input/output under ``axes`` so deployment tools can name dynamic dims."""
+    sym = {s["name"]: s.get("shape") for s in model.get("inputs", []) + model.get("outputs", [])}
+
+    def with_axes(items):
+        out = []
+        for item in items:
+            entry = dict(item)
+            if sym.get(item["name"]) is not None:
+                entry["axes"] = [d if isinstance(d, str) else None for d in sym[item["name"]]]
+            out.append(entry)
+        return out
+
+    return {
+        "format": ENGINE_SIDECAR_FORMAT,
+        "tensorrt_version": trt_version,
+        "gpu": gpu,
+        "onnx": str(onnx_path),
+        "inputs": with_axes(inputs),
+        "outputs": with_axes(outputs),
+        "profiles": [prof.profile_to_json(profile)],
+        "plugin": ({"path": plugin_path, "sha256": plugin_sha256,
+                    "serialized_in_engine": bool(version_compatible)} if plugin_path else None),
+        "plugin_layers": plugin_layers,
+        "version_compatible": bool(version_compatible),
+        "strongly_typed": bool(strongly_typed),
+        "builder_optimization_level": builder_optimization_level,
+        "parser_flags": list(parser_flags),
+        "config": model.get("config", {}),
+        "dynamic_axes": model.get("dynamic_axes", {}),
+        "sample": model.get("sample", {}),
+        "build_seconds": build_seconds,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def resolve_plugin_library(plugin: str | None, *, version_compatible: bool) -> str:
+    """The --plugin path, or the library ``qkrope build-plugin`` made."""
+    if plugin:
+        return str(Path(plugin).resolve())
+    try:
+        from .plugin_build import find_plugin_library
+    except ImportError as exc:  # pragma: no cover - until plugin_build lands
+        raise EngineBuildError("no --plugin given and qkrope cannot locate a built plugin "
+                               "library. Fix: pass --plugin PATH/TO/libqkrope_plugin.so") from exc
+    return str(find_plugin_library(kind="vc" if version_compatible else "plugin"))
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class BuildOptions:
+    plugin: str | None = None
+    min_shapes: dict | None = None
+    opt_shapes: dict | None = None
+    max_shapes: dict | None = None
+    max_batch: int | None = None
+    max_img_tokens: int | None = None
+    max_txt_tokens: int | None = None
+    timing_cache: str | None = None
+    version_compatible: bool = False
+    builder_optimization_level: int | None = None
+    workspace_mib: int | None = None
+    progress: bool = True
+    verbose: bool = False
+
+
+def plan_profile(model: dict, opts: BuildOptions) -> prof.Profile:
+    """Derive and validate the profile (no TensorRT needed)."""
+    profile = prof.derive_profile(
+        model, min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes,
+        max_shapes=opts.max_shapes, max_batch=opts.max_batch,
+        max_img_tokens=opts.max_img_tokens, max_txt_tokens=opts.max_txt_tokens)
+    prof.validate_profile(profile, model["inputs"])
+    return profile
+
+
+def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
+                 opts: BuildOptions | None = None, *, log: TextIO | None = None) -> dict:
+    """Build ``engine_path`` from ``onnx_path``; returns the sidecar dict (also written)."""
+    opts = opts or BuildOptions()
+    log = log if log is not None else sys.stderr
+    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    trt = import_tensorrt()
+    if not onnx_path.exists():
+        raise FileNotFoundError(f"{onnx_path} does not exist. Fix: export it with `qkrope export`")
+    model = tu.load_model_description(onnx_path)
+    profile = plan_profile(model, opts)
+    node_names = tu.count_plugin_nodes(onnx_path)
+    plugin_path = resolve_plugin_library(opts.plugin, version_compatible=opts.version_compatible)
+
+    logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
+    if hasattr(trt, "init_libnvinfer_plugins"):
+        trt.init_libnvinfer_plugins(logger, "")
+    load_plugin_library(trt, plugin_path, version_compatible=opts.version_compatible)
+
+    builder = trt.Builder(logger)
+    flags = network_creation_flags(trt)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    parser_flags = set_parser_flags(parser, trt)
+    print(f"[build] parsing {onnx_path} (TensorRT {trt.__version__})", file=log)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n  {errors}")
+    layers = check_plugin_layers(network, trt, node_names, trt_version=trt.__version__,
+                                 plugin_registered=True)
+    print(f"[build] {len(layers)} QKNormRoPE plugin layer(s), one per ONNX node", file=log)
+
+    inputs, outputs = network_io(network)
+    net_names = [i["name"] for i in inputs]
+    if sorted(net_names) != sorted(profile):
+        raise EngineBuildError(
+            f"the network's inputs ({', '.join(net_names)}) differ from the model description's "
+            f"({', '.join(profile)}; from {model['source']}). Fix: re-export so the sidecar "
+            f"matches the ONNX file")
+
+    config = builder.create_builder_config()
+    trt_profile = builder.create_optimization_profile()
+    for name, levels in profile.items():
+        trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
+    config.add_optimization_profile(trt_profile)
+    if opts.workspace_mib:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
+    if opts.builder_optimization_level is not None:
+        config.builder_optimization_level = int(opts.builder_optimization_level)
+    if opts.version_compatible:
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+        config.plugins_to_serialize = [plugin_path]
+    cache = None
+    if opts.timing_cache:
+        data = Path(opts.timing_cache).read_bytes() if Path(opts.timing_cache).exists() else b""
+        cache = config.create_timing_cache(data)
+        config.set_timing_cache(cache, ignore_mismatch=True)
+    progress = BuildProgress(log) if opts.progress else None
+    if progress is not None and hasattr(trt, "IProgressMonitor"):
+        config.progress_monitor = make_progress_monitor(trt, progress)
+
+    print("[build] profile:\n" + prof.format_profile(profile), file=log)
+    t0 = time.monotonic()
+    try:
+        serialized = builder.build_serialized_network(network, config)
+    except KeyboardInterrupt:
+        if progress is not None:
+            progress.cancel()
+        raise
+    seconds = time.monotonic() - t0
+    if serialized is None:
+        raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
+                               f"file was written to {engine_path}")
+
+    tu.write_atomic(engine_path, serialized)
+    if opts.timing_cache:
+        tu.write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
+    sidecar = engine_sidecar(
+        trt_version=trt.__version__, onnx_path=str(onnx_path.resolve()), model=model,
+        profile=profile, inputs=inputs, outputs=outputs, plugin_path=plugin_path,
+        plugin_sha256=tu.sha256_file(plugin_path), version_compatible=opts.version_compatible,
+        builder_optimization_level=opts.builder_optimization_level,
+        strongly_typed=bool(flags), plugin_layers=len(layers), parser_flags=parser_flags,
+        gpu=tu.gpu_info(), build_seconds=round(seconds, 3))
+    tu.write_json_atomic(tu.engine_sidecar_path(engine_path), sidecar)
+    return sidecar
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "build", help="build a TensorRT engine with the QKNormRoPE plugin",
+        description="Build a TensorRT engine from an ONNX model exported by `qkrope export`. "
+                    "The QKNormRoPE nodes become the fused plugin (the build fails if TensorRT "
+                    "falls back to their function bodies). Profiles come from the model's sidecar "
+                    "(min 1 token, opt = the export sample, max = the --max-* flags or 4096 image "
+                    "+ 512 text tokens, batch 2) unless --min/--opt/--max give them.")
+    p.add_argument("onnx", metavar="MODEL.onnx", help="model written by `qkrope export`")
+    p.add_argument("-o", "--output", metavar="MODEL.engine",
+                   help="engine path (default: MODEL.engine next to the ONNX file); a sidecar "
+                        "MODEL.engine.json is written next to it")
+    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the one "
+                   "`qkrope build-plugin` built; the VC library with --version-compatible)")
+    for level in prof.LEVELS:
+        p.add_argument(f"--{level}", dest=f"{level}_shapes", nargs="+", action="extend",
+                       default=[], metavar="NAME:DIMxDIM",
+                       help=f"{level} shape of an input (polygraphy syntax); overrides the derived "
+                            f"profile for that input")
+    p.add_argument("--max-batch", type=int, help="profile max batch (default: max(export, 2))")
+    p.add_argument("--max-img-tokens", type=int,
+                   help="profile max image tokens (default: max(export, 4096) = 1024x1024)")
+    p.add_argument("--max-txt-tokens", type=int,
+                   help="profile max text tokens (default: max(export, 512))")
+    p.add_argument("--timing-cache", metavar="FILE",
+                   help="read and update a TensorRT timing cache (faster rebuilds)")
+    p.add_argument("--version-compatible", action="store_true",
+                   help="build a version-compatible engine with the VC plugin library serialised "
+                        "into it")
+    p.add_argument("--builder-optimization-level", type=int, choices=range(0, 6), metavar="0-5",
+                   help="TensorRT builder optimisation level (default: TensorRT's, 3)")
+    p.add_argument("--workspace", type=int, metavar="MiB", help="workspace memory pool limit")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    onnx_path = Path(args.onnx)
+    engine_path = Path(args.output) if args.output else onnx_path.with_suffix(".engine")
+    opts = BuildOptions(
+        plugin=args.plugin,
+        min_shapes=prof.parse_shape_specs(args.min_shapes),
+        opt_shapes=prof.parse_shape_specs(args.opt_shapes),
+        max_shapes=prof.parse_shape_specs(args.max_shapes),
+        max_batch=args.max_batch, max_img_tokens=args.max_img_tokens,
+        max_txt_tokens=args.max_txt_tokens, timing_cache=args.timing_cache,
+        version_compatible=args.version_compatible,
+        builder_optimization_level=args.builder_optimization_level,
+        workspace_mib=args.workspace, progress=not args.no_progress, verbose=args.verbose)
+    sidecar = build_engine(onnx_path, engine_path, opts)
+    gpu = sidecar.get("gpu") or {}
+    print(f"wrote {engine_path} (TensorRT {sidecar['tensorrt_version']}, "
+          f"{gpu.get('name', 'GPU ?')} sm_{gpu.get('compute_capability', '?')}, "
+          f"{sidecar['plugin_layers']} plugin layers"
+          f"{', version-compatible' if sidecar['version_compatible'] else ''}) and "
+          f"{tu.engine_sidecar_path(engine_path)}")
+    return 0

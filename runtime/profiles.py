@@ -1,0 +1,308 @@
+"""TensorRT optimisation profiles for qkrope models, as plain data (no TensorRT needed).
+
+A profile maps every network input to three shapes ``{"min": (...), "opt": (...), "max": (...)}``.
+:func:`derive_profile` builds it from the model's input description (the exporter's sidecar
+``<model>.onnx.json``, or the ONNX graph's own inputs) plus the ``qkrope build`` flags;
+:func:`validate_profile` checks it before anything is handed to TensorRT.
+
+Derivation rules (named axes of the sidecar):
+
+=================  ====  ==========================  ===========================================
+axis               min   opt                         max
+=================  ====  ==========================  ===========================================
+batch              1     the export sample's batch   ``--max-batch`` or max(opt, 2) (CFG pairs)
+img_tokens         1     export value                ``--max-img-tokens`` or max(opt, 4096)
+                                                     (4096 = a 1024x1024 image)
+txt_tokens         1     export value                ``--max-txt-tokens`` or max(opt, 512)
+img_cache_rows     = img_tokens' min/opt/max (at least; a cache has >= 1 row per token)
+txt_cache_rows     = txt_tokens' min/opt/max (at least)
+any other axis     export value for all three (fixed); override with --min/--opt/--max
+=================  ====  ==========================  ===========================================
+
+Explicit ``--min/--opt/--max NAME:DxDxD`` shapes replace the derived ones for that input. After
+overrides, every cache-rows dimension is raised to at least the token dimension of its stream at
+the same level (min, opt, max), so an engine always accepts one cache row per token.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping, Sequence
+
+LEVELS = ("min", "opt", "max")
+
+DEFAULT_MAX_BATCH = 2
+DEFAULT_MAX_IMG_TOKENS = 4096   # 1024x1024 image: 64 x 64 latent patches
+DEFAULT_MAX_TXT_TOKENS = 512
+
+# cache-rows axis -> the token axis of the same stream
+CACHE_ROWS_FOR = {"img_cache_rows": "img_tokens", "txt_cache_rows": "txt_tokens"}
+
+Shape = tuple[int, ...]
+Profile = dict[str, dict[str, Shape]]
+
+
+class ProfileError(ValueError):
+    """An optimisation profile (derived or given by flags) is malformed or inconsistent."""
+
+
+# --------------------------------------------------------------------------------------------
+# Command-line shapes
+# --------------------------------------------------------------------------------------------
+
+_SHAPE_RE = re.compile(r"^(?P<name>[^:]+):(?P<dims>\d+(?:[x,]\d+)*)?$")
+
+
+def parse_shape_spec(text: str) -> tuple[str, Shape]:
+    """``"hidden_states:1x4096x3072"`` -> ``("hidden_states", (1, 4096, 3072))``.
+
+    ``NAME:`` (no dims) is a scalar. Dimensions are separated by ``x`` (or ``,``).
+    """
+    m = _SHAPE_RE.match(text.strip())
+    if not m:
+        raise ProfileError(
+            f"cannot read the shape {text!r}: expected NAME:DIMxDIMx... such as "
+            f"hidden_states:1x4096x3072 (polygraphy's --trt-*-shapes syntax)")
+    dims = m.group("dims")
+    shape = tuple(int(d) for d in re.split(r"[x,]", dims)) if dims else ()
+    return m.group("name"), shape
+
+
+def parse_shape_specs(items: Iterable[str] | None) -> dict[str, Shape]:
+    """Several ``NAME:DIMS`` items (one flag may hold many) -> ``{name: shape}``."""
+    out: dict[str, Shape] = {}
+    for item in items or ():
+        for part in str(item).split():
+            name, shape = parse_shape_spec(part)
+            if name in out and out[name] != shape:
+                raise ProfileError(f"input {name!r} is given twice with different shapes: "
+                                   f"{_fmt(out[name])} and {_fmt(shape)}")
+            out[name] = shape
+    return out
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) if shape else "(scalar)"
+
+
+def format_profile(profile: Mapping[str, Mapping[str, Sequence[int]]]) -> str:
+    """Human-readable table, one line per input."""
+    lines = []
+    width = max((len(n) for n in profile), default=0)
+    for name, levels in profile.items():
+        lines.append(f"  {name:<{width}}  min {_fmt(levels['min'])}  opt {_fmt(levels['opt'])}  "
+                     f"max {_fmt(levels['max'])}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Derivation
+# --------------------------------------------------------------------------------------------
+
+def _export_values(model: Mapping) -> dict[str, int]:
+    """Axis name -> the value it had at export (from ``dynamic_axes`` and ``sample``)."""
+    values: dict[str, int] = {}
+    for axis, info in (model.get("dynamic_axes") or {}).items():
+        if isinstance(info, Mapping) and info.get("export_value") is not None:
+            values[axis] = int(info["export_value"])
+        elif isinstance(info, int):
+            values[axis] = int(info)
+    sample = model.get("sample") or {}
+    if "batch" not in values and sample.get("batch") is not None:
+        values["batch"] = int(sample["batch"])
+    if "img_tokens" not in values and sample.get("img_shapes"):
+        values["img_tokens"] = sum(int(f) * int(h) * int(w) for f, h, w in sample["img_shapes"])
+    if "txt_tokens" not in values and sample.get("txt_len") is not None:
+        values["txt_tokens"] = int(sample["txt_len"])
+    return values
+
+
+def axis_ranges(model: Mapping, *, max_batch: int | None = None,
+                max_img_tokens: int | None = None,
+                max_txt_tokens: int | None = None) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) per named axis of ``model`` (a sidecar-like dict), by the rules above."""
+    export = _export_values(model)
+    axes = {a for spec in model.get("inputs", ()) for a in spec.get("shape", ())
+            if isinstance(a, str)}
+    ranges: dict[str, tuple[int, int, int]] = {}
+    flags = {"batch": (max_batch, DEFAULT_MAX_BATCH, "--max-batch"),
+             "img_tokens": (max_img_tokens, DEFAULT_MAX_IMG_TOKENS, "--max-img-tokens"),
+             "txt_tokens": (max_txt_tokens, DEFAULT_MAX_TXT_TOKENS, "--max-txt-tokens")}
+    for axis, (given, default, flag) in flags.items():
+        if given is not None and int(given) < 1:
+            raise ProfileError(f"{flag} must be >= 1; got {given}")
+    for axis in sorted(axes):
+        if axis in flags:
+            given, default, flag = flags[axis]
+            opt = export.get(axis, 1)
+            hi = int(given) if given is not None else max(opt, default)
+            opt = min(opt, hi)  # a smaller explicit max pulls opt down with it
+            ranges[axis] = (1, opt, hi)
+        elif axis not in CACHE_ROWS_FOR:
+            if axis not in export:
+                raise ProfileError(
+                    f"the model's axis {axis!r} has no export value in the sidecar, so its "
+                    f"profile range is unknown. Fix: give the shapes of the inputs that use it "
+                    f"with --min/--opt/--max NAME:DIMxDIM...")
+            v = export[axis]
+            ranges[axis] = (v, v, v)
+    for rows_axis, token_axis in CACHE_ROWS_FOR.items():
+        if rows_axis in axes:
+            tok = ranges.get(token_axis)
+            exp = export.get(rows_axis)
+            if tok is None:
+                v = exp if exp is not None else 1
+                ranges[rows_axis] = (1, v, max(v, DEFAULT_MAX_TXT_TOKENS
+                                               if rows_axis == "txt_cache_rows"
+                                               else DEFAULT_MAX_IMG_TOKENS))
+            else:
+                ranges[rows_axis] = tok
+    return ranges
+
+
+def derive_profile(model: Mapping, *, min_shapes: Mapping[str, Shape] | None = None,
+                   opt_shapes: Mapping[str, Shape] | None = None,
+                   max_shapes: Mapping[str, Shape] | None = None,
+                   max_batch: int | None = None, max_img_tokens: int | None = None,
+                   max_txt_tokens: int | None = None) -> Profile:
+    """The profile for every input of ``model`` (sidecar-like: ``inputs`` with ``shape`` lists of
+    ints and axis names, ``dynamic_axes``, ``sample``), explicit shapes taking precedence.
+
+    Raises ProfileError with the input, the level and the fix when something does not fit.
+    """
+    inputs = list(model.get("inputs", ()))
+    if not inputs:
+        raise ProfileError("the model description lists no inputs")
+    names = [spec["name"] for spec in inputs]
+    overrides = {"min": dict(min_shapes or {}), "opt": dict(opt_shapes or {}),
+                 "max": dict(max_shapes or {})}
+    for level, shapes in overrides.items():
+        unknown = sorted(set(shapes) - set(names))
+        if unknown:
+            raise ProfileError(f"--{level} names {', '.join(map(repr, unknown))}, which the model "
+                               f"does not have; its inputs are: {', '.join(names)}")
+
+    # Axes only need a derived range for the inputs that are not fully given by flags.
+    needs_axes = [spec for spec in inputs
+                  if not all(spec["name"] in overrides[lvl] for lvl in LEVELS)]
+    ranges = axis_ranges({**model, "inputs": needs_axes}, max_batch=max_batch,
+                         max_img_tokens=max_img_tokens, max_txt_tokens=max_txt_tokens)
+
+    profile: Profile = {}
+    for spec in inputs:
+        name, shape = spec["name"], list(spec.get("shape", ()))
+        entry: dict[str, Shape] = {}
+        for i, level in enumerate(LEVELS):
+            if name in overrides[level]:
+                given = tuple(int(d) for d in overrides[level][name])
+                if len(given) != len(shape):
+                    raise ProfileError(
+                        f"--{level} {name}:{_fmt(given)} has {len(given)} dimensions but {name} "
+                        f"has {len(shape)} ({_describe_shape(shape)})")
+                entry[level] = given
+            else:
+                entry[level] = tuple(d if isinstance(d, int) else ranges[d][i] for d in shape)
+        profile[name] = entry
+    return reconcile_cache_rows(profile, inputs)
+
+
+def _describe_shape(shape: Sequence) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _axis_positions(inputs: Sequence[Mapping]) -> dict[str, list[tuple[str, int]]]:
+    pos: dict[str, list[tuple[str, int]]] = {}
+    for spec in inputs:
+        for i, d in enumerate(spec.get("shape", ())):
+            if isinstance(d, str):
+                pos.setdefault(d, []).append((spec["name"], i))
+    return pos
+
+
+def reconcile_cache_rows(profile: Profile, inputs: Sequence[Mapping]) -> Profile:
+    """Raise every cache-rows dimension to at least its stream's token count, per level."""
+    pos = _axis_positions(inputs)
+    out = {name: dict(levels) for name, levels in profile.items()}
+    for rows_axis, token_axis in CACHE_ROWS_FOR.items():
+        if rows_axis not in pos or token_axis not in pos:
+            continue
+        for level in LEVELS:
+            tokens = max(out[n][level][i] for n, i in pos[token_axis])
+            for n, i in pos[rows_axis]:
+                shape = list(out[n][level])
+                if shape[i] < tokens:
+                    shape[i] = tokens
+                    out[n][level] = tuple(shape)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+def validate_profile(profile: Mapping[str, Mapping[str, Sequence[int]]],
+                     inputs: Sequence[Mapping]) -> None:
+    """Check ``profile`` against the model inputs (``[{"name", "shape": [int | axis]}]``).
+
+    Every input has min/opt/max of the input's rank; static dimensions equal the model's; every
+    dimension >= 1 and min <= opt <= max; an axis shared by several inputs (batch, tokens) has one
+    value per level; cache rows >= tokens per level.
+    """
+    names = [spec["name"] for spec in inputs]
+    missing = [n for n in names if n not in profile]
+    if missing:
+        raise ProfileError(f"no profile shapes for input(s) {', '.join(missing)}. Fix: give them "
+                           f"with --min/--opt/--max NAME:DIMxDIM... (all three levels)")
+    extra = sorted(set(profile) - set(names))
+    if extra:
+        raise ProfileError(f"profile names {', '.join(extra)}, which the model does not have; "
+                           f"its inputs are: {', '.join(names)}")
+    for spec in inputs:
+        name, shape = spec["name"], list(spec.get("shape", ()))
+        levels = profile[name]
+        for level in LEVELS:
+            if level not in levels:
+                raise ProfileError(f"input {name}: no {level} shape. Fix: pass --{level} "
+                                   f"{name}:DIMxDIM...")
+            dims = tuple(levels[level])
+            if len(dims) != len(shape):
+                raise ProfileError(f"input {name}: the {level} shape {_fmt(dims)} has {len(dims)} "
+                                   f"dimensions; the model's {name} is {_describe_shape(shape)}")
+            for i, (d, want) in enumerate(zip(dims, shape)):
+                if isinstance(want, int) and want >= 0 and d != want:
+                    raise ProfileError(
+                        f"input {name}: dimension {i} is static ({want}) in the model but the "
+                        f"{level} shape {_fmt(dims)} has {d}. Fix: use {want} there, or re-export "
+                        f"the model with that dimension dynamic")
+                if d < 1:
+                    raise ProfileError(f"input {name}: the {level} shape {_fmt(dims)} has a "
+                                       f"dimension < 1")
+        for i in range(len(shape)):
+            lo, opt, hi = (levels[lv][i] for lv in LEVELS)
+            if not lo <= opt <= hi:
+                raise ProfileError(
+                    f"input {name}: dimension {i} must satisfy min <= opt <= max; got min {lo}, "
+                    f"opt {opt}, max {hi} (min {_fmt(levels['min'])}, opt {_fmt(levels['opt'])}, "
+                    f"max {_fmt(levels['max'])})")
+    pos = _axis_positions(inputs)
+    for axis, where in pos.items():
+        for level in LEVELS:
+            values = {(n, i): profile[n][level][i] for n, i in where}
+            if len(set(values.values())) > 1:
+                detail = ", ".join(f"{n}[{i}] = {v}" for (n, i), v in values.items())
+                raise ProfileError(f"axis {axis!r} must have one {level} value across inputs; got "
+                                   f"{detail}. Fix: make the --{level} shapes agree")
+    for rows_axis, token_axis in CACHE_ROWS_FOR.items():
+        if rows_axis in pos and token_axis in pos:
+            for level in LEVELS:
+                rows = min(profile[n][level][i] for n, i in pos[rows_axis])
+                tokens = max(profile[n][level][i] for n, i in pos[token_axis])
+                if rows < tokens:
+                    raise ProfileError(
+                        f"{rows_axis} ({rows}) is smaller than {token_axis} ({tokens}) in the "
+                        f"{level} shapes: a RoPE cache needs one row per token. Fix: raise the "
+                        f"cache input's first dimension to at least {tokens}")
+
+
+def profile_to_json(profile: Mapping[str, Mapping[str, Sequence[int]]]) -> dict:
+    return {name: {lv: list(levels[lv]) for lv in LEVELS} for name, levels in profile.items()}
