@@ -16,15 +16,15 @@
 //     round once. With fp32 activations both modes are the same computation.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #define QKROPE_HD __host__ __device__ __forceinline__
 #else
-#include <cmath>
-#include <cstring>
 #define QKROPE_HD inline
 #endif
 

@@ -1,0 +1,56 @@
+// qkrope: the C-ABI CUDA launcher library (libqkrope_kernels.so), for tests and benchmarks from
+// Python with torch CUDA tensors, without TensorRT. Only the qkrope_* functions are exported.
+#include "qknorm_rope.h"
+#include "qknorm_rope_capi.h"
+
+#include <cuda_runtime.h>
+
+namespace
+{
+
+bool validDtype(int32_t dtype)
+{
+    return dtype >= 0 && dtype <= 2;
+}
+
+} // namespace
+
+extern "C" int32_t qkrope_launch(void const* q, void const* k, void const* q_weight, void const* k_weight,
+    float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype,
+    void* stream)
+{
+    if (!validDtype(dtype))
+    {
+        return static_cast<int32_t>(qkrope::Status::kBAD_DTYPE);
+    }
+    qkrope::QKNormRoPEParams p;
+    p.q = q;
+    p.k = k;
+    p.qWeight = q_weight;
+    p.kWeight = k_weight;
+    p.cache = cache;
+    p.qOut = q_out;
+    p.kOut = k_out;
+    p.batch = batch;
+    p.seqLen = seq_len;
+    p.numHeads = num_heads;
+    p.headDim = head_dim;
+    p.rotaryDim = rotary_dim;
+    p.cacheRows = cache_rows;
+    p.eps = eps;
+    p.interleaved = interleaved != 0;
+    p.rounding = rounding;
+    p.dtype = static_cast<qkrope::DataType>(dtype);
+    return static_cast<int32_t>(qkrope::launchQKNormRoPE(p, static_cast<cudaStream_t>(stream)));
+}
+
+extern "C" char const* qkrope_status_string(int32_t status)
+{
+    return qkrope::statusString(static_cast<qkrope::Status>(status));
+}
+
+extern "C" int32_t qkrope_capi_version(void)
+{
+    return QKROPE_CAPI_VERSION;
+}

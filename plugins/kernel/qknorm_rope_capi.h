@@ -1,0 +1,39 @@
+// qkrope: C ABI of the kernel libraries, for ctypes (runtime/kernels.py) and other languages.
+//   libqkrope_kernels.so      : qkrope_launch (CUDA, device pointers, a cudaStream_t as void*)
+//   libqkrope_kernel_host.so  : qkrope_host_run (the same arithmetic on the CPU, host pointers)
+// Tensors are contiguous: q, k, q_out, k_out [batch, seq_len, num_heads, head_dim]; weights
+// [head_dim] in the activation dtype; cache [cache_rows, rotary_dim] float32.
+// dtype: 0 float32, 1 float16, 2 bfloat16 (qkrope::DataType). interleaved: 1 GPT-J pairs, 0 NeoX.
+// Return value: 0 on success, otherwise a qkrope::Status code; *_status_string gives its text.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define QKROPE_CAPI_EXPORT __declspec(dllexport)
+#else
+#define QKROPE_CAPI_EXPORT __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QKROPE_CAPI_VERSION 1
+
+QKROPE_CAPI_EXPORT int32_t qkrope_launch(void const* q, void const* k, void const* q_weight, void const* k_weight,
+    float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype,
+    void* stream);
+QKROPE_CAPI_EXPORT char const* qkrope_status_string(int32_t status);
+QKROPE_CAPI_EXPORT int32_t qkrope_capi_version(void);
+
+QKROPE_CAPI_EXPORT int32_t qkrope_host_run(void const* q, void const* k, void const* q_weight, void const* k_weight,
+    float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype);
+QKROPE_CAPI_EXPORT char const* qkrope_host_status_string(int32_t status);
+QKROPE_CAPI_EXPORT int32_t qkrope_host_capi_version(void);
+
+#ifdef __cplusplus
+}
+#endif

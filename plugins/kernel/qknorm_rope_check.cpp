@@ -1,0 +1,65 @@
+// qkrope: parameter validation and status text for the QKNormRoPE launch interface. Host-only
+// (no CUDA), so it is part of the CPU library as well as of the CUDA objects.
+#include "qknorm_rope.h"
+
+#include <cmath>
+
+namespace qkrope
+{
+
+Status checkParams(QKNormRoPEParams const& p) noexcept
+{
+    if (p.dtype != DataType::kFLOAT32 && p.dtype != DataType::kFLOAT16 && p.dtype != DataType::kBFLOAT16)
+    {
+        return Status::kBAD_DTYPE;
+    }
+    if (p.batch < 0 || p.seqLen < 0 || p.numHeads < 0 || p.cacheRows < 0)
+    {
+        return Status::kBAD_SHAPE;
+    }
+    if (p.headDim <= 0 || p.headDim % 2 != 0 || p.headDim > kMAX_HEAD_DIM)
+    {
+        return Status::kBAD_SHAPE;
+    }
+    if (p.rotaryDim <= 0 || p.rotaryDim % 2 != 0 || p.rotaryDim > p.headDim)
+    {
+        return Status::kBAD_ROTARY_DIM;
+    }
+    if (p.cacheRows < p.seqLen)
+    {
+        return Status::kCACHE_OVERFLOW;
+    }
+    if (!std::isfinite(p.eps) || !(p.eps > 0.0F) || (p.rounding != 0 && p.rounding != 1))
+    {
+        return Status::kBAD_ATTRIBUTE;
+    }
+    bool const empty = p.batch == 0 || p.seqLen == 0 || p.numHeads == 0;
+    if (!empty
+        && (p.q == nullptr || p.k == nullptr || p.qWeight == nullptr || p.kWeight == nullptr || p.cache == nullptr
+            || p.qOut == nullptr || p.kOut == nullptr))
+    {
+        return Status::kNULL_POINTER;
+    }
+    return Status::kSUCCESS;
+}
+
+char const* statusString(Status s) noexcept
+{
+    switch (s)
+    {
+    case Status::kSUCCESS: return "success";
+    case Status::kNULL_POINTER: return "a required pointer (q, k, weights, cache or outputs) is null";
+    case Status::kBAD_SHAPE:
+        return "bad shape: batch, seq_len and num_heads must be >= 0, head_dim even and in [2, 512]";
+    case Status::kBAD_ROTARY_DIM:
+        return "bad rotary_dim (cos_sin_cache width): must be even, > 0 and <= head_dim";
+    case Status::kCACHE_OVERFLOW:
+        return "cos_sin_cache overflow: the cache has fewer rows than the sequence has tokens";
+    case Status::kBAD_DTYPE: return "bad dtype: q/k/weights must be float32, float16 or bfloat16";
+    case Status::kBAD_ATTRIBUTE: return "bad attribute: epsilon must be finite and > 0, rounding 0 or 1";
+    case Status::kCUDA_ERROR: return "CUDA error while launching the QKNormRoPE kernel";
+    }
+    return "unknown qkrope status";
+}
+
+} // namespace qkrope

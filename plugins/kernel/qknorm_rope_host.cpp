@@ -1,0 +1,94 @@
+// qkrope: the CPU build of the kernel arithmetic (libqkrope_kernel_host.so). It runs the same
+// __host__ __device__ functions as the CUDA kernel (qknorm_rope_math.h), one row at a time, so
+// the tests can check the kernel's maths against the PyTorch reference on a machine without a
+// GPU. Built by a plain C++ compiler with -ffp-contract=off (no FMA contraction, as on the
+// device where the header uses __fmul_rn/__fadd_rn). Only the qkrope_host_* functions are
+// exported.
+#include "qknorm_rope.h"
+#include "qknorm_rope_capi.h"
+#include "qknorm_rope_math.h"
+
+namespace
+{
+
+template <typename T>
+void runRows(qkrope::QKNormRoPEParams const& p)
+{
+    using Storage = typename T::Storage;
+    float scratch[qkrope::kMAX_HEAD_DIM];
+    int64_t const tokens = p.batch * p.seqLen;
+    int const headDim = static_cast<int>(p.headDim);
+    int const rotaryDim = static_cast<int>(p.rotaryDim);
+    for (int64_t t = 0; t < tokens; ++t)
+    {
+        float const* cacheRow = p.cache + (t % p.seqLen) * p.rotaryDim;
+        for (int which = 0; which < 2; ++which)
+        {
+            Storage const* src = static_cast<Storage const*>(which == 0 ? p.q : p.k);
+            Storage* dst = static_cast<Storage*>(which == 0 ? p.qOut : p.kOut);
+            Storage const* w = static_cast<Storage const*>(which == 0 ? p.qWeight : p.kWeight);
+            for (int64_t h = 0; h < p.numHeads; ++h)
+            {
+                int64_t const offset = (t * p.numHeads + h) * p.headDim;
+                qkrope::math::normRopeRow<T>(src + offset, w, cacheRow, dst + offset, headDim, rotaryDim, p.eps,
+                    p.interleaved, p.rounding, scratch);
+            }
+        }
+    }
+}
+
+} // namespace
+
+extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_weight, void const* k_weight,
+    float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype)
+{
+    if (dtype < 0 || dtype > 2)
+    {
+        return static_cast<int32_t>(qkrope::Status::kBAD_DTYPE);
+    }
+    qkrope::QKNormRoPEParams p;
+    p.q = q;
+    p.k = k;
+    p.qWeight = q_weight;
+    p.kWeight = k_weight;
+    p.cache = cache;
+    p.qOut = q_out;
+    p.kOut = k_out;
+    p.batch = batch;
+    p.seqLen = seq_len;
+    p.numHeads = num_heads;
+    p.headDim = head_dim;
+    p.rotaryDim = rotary_dim;
+    p.cacheRows = cache_rows;
+    p.eps = eps;
+    p.interleaved = interleaved != 0;
+    p.rounding = rounding;
+    p.dtype = static_cast<qkrope::DataType>(dtype);
+    qkrope::Status const s = qkrope::checkParams(p);
+    if (s != qkrope::Status::kSUCCESS)
+    {
+        return static_cast<int32_t>(s);
+    }
+    if (batch == 0 || seq_len == 0 || num_heads == 0)
+    {
+        return 0;
+    }
+    switch (p.dtype)
+    {
+    case qkrope::DataType::kFLOAT32: runRows<qkrope::math::Fp32>(p); break;
+    case qkrope::DataType::kFLOAT16: runRows<qkrope::math::Fp16>(p); break;
+    case qkrope::DataType::kBFLOAT16: runRows<qkrope::math::Bf16>(p); break;
+    }
+    return 0;
+}
+
+extern "C" char const* qkrope_host_status_string(int32_t status)
+{
+    return qkrope::statusString(static_cast<qkrope::Status>(status));
+}
+
+extern "C" int32_t qkrope_host_capi_version(void)
+{
+    return QKROPE_CAPI_VERSION;
+}

@@ -1,0 +1,106 @@
+"""Shared cases and checks for the kernel tests (CPU build and CUDA launch of the same maths).
+
+Numerical policy (see plugins/kernel/qknorm_rope_math.h):
+- against an fp32 reference computed from the same (rounded) inputs: fp32 <= 1e-5 absolute,
+  fp16 <= 2e-3 and bf16 <= 1e-2 relative (max |diff| / max |reference|);
+- bit-exact with the reference (same dtype, same rounding mode) whenever the fp32 sum of squares
+  is exact, which the "grid" inputs guarantee (x = k/16, |k| <= 127, D <= 512): then every
+  operation is the same correctly rounded IEEE operation in the same order, in every dtype and
+  both rounding modes;
+- on arbitrary inputs the only freedom left is the order of the fp32 sum of squares (torch's
+  vectorised CPU reduction, the kernel's per-lane sums and shuffle tree): an element may then
+  differ by at most one dtype ulp at the row's scale (eps * max |row|), in < 0.1% of elements.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from qkrope.export import qk_norm_rope_reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (head_dim, rotary_dim): fast-path sizes, general sizes, partial rotary on both paths.
+HEAD_ROT = ((64, 64), (128, 128), (256, 256), (96, 96), (48, 48), (128, 64), (64, 32),
+            (256, 128), (96, 32), (128, 40))
+REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+ABS_TOL_FP32 = 1e-5
+
+CASES = list(itertools.product(DTYPES, (True, False), (0, 1), HEAD_ROT))
+
+
+def case_id(case) -> str:
+    dtype, inter, rnd, (d, r) = case
+    return f"{str(dtype).split('.')[-1]}-{'gptj' if inter else 'neox'}-r{rnd}-d{d}-rot{r}"
+
+
+def make_inputs(dtype, head_dim, rotary_dim, *, batch=2, seq=6, heads=3, extra_rows=3,
+                grid=False, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, seq, heads, head_dim)
+    if grid:
+        # exactly representable in bf16/fp16 and with an order-independent fp32 sum of squares
+        q = torch.randint(-127, 128, shape, generator=g).float() / 16
+        k = torch.randint(-127, 128, shape, generator=g).float() / 4
+    else:
+        q = torch.randn(shape, generator=g)
+        k = torch.randn(shape, generator=g) * 3.0
+    qw = torch.rand(head_dim, generator=g) + 0.5
+    kw = torch.rand(head_dim, generator=g) * 2.0 - 1.0
+    angles = torch.randn(seq + extra_rows, rotary_dim // 2, generator=g) * 3.0
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1).float().contiguous()
+    t = [x.to(dtype).to(device).contiguous() for x in (q, k, qw, kw)]
+    return (*t, cache.to(device))
+
+
+def reference(q, k, qw, kw, cache, **kw_):
+    """The project's Python reference, on the CPU."""
+    return qk_norm_rope_reference(q.cpu(), k.cpu(), qw.cpu(), kw.cpu(), cache.cpu(), **kw_)
+
+
+def fp32_reference(q, k, qw, kw, cache, *, interleaved):
+    return reference(q.float(), k.float(), qw.float(), kw.float(), cache, interleaved=interleaved,
+                     rounding=0)
+
+
+def check_against_fp32(outs, inputs, dtype, interleaved) -> float:
+    """Return the error measure and assert it is within the tolerance."""
+    ref32 = fp32_reference(*inputs, interleaved=interleaved)
+    worst = 0.0
+    for out, r in zip(outs, ref32):
+        d = (out.cpu().float() - r).abs().max().item()
+        if dtype == torch.float32:
+            assert d <= ABS_TOL_FP32, f"fp32 max abs error {d:.3e} > {ABS_TOL_FP32}"
+            worst = max(worst, d)
+        else:
+            rel = d / r.abs().max().item()
+            assert rel <= REL_TOL[dtype], f"{dtype} relative error {rel:.3e} > {REL_TOL[dtype]}"
+            worst = max(worst, rel)
+    return worst
+
+
+def assert_bit_exact(outs, refs):
+    for name, out, r in zip(("q_out", "k_out"), outs, refs):
+        out = out.cpu()
+        assert out.dtype == r.dtype and out.shape == r.shape
+        bad = (out.float() != r.float()) & ~(out.isnan() & r.isnan())
+        assert not bad.any(), (f"{name}: {int(bad.sum())} of {out.numel()} elements differ from the "
+                               f"reference, first at {tuple(bad.nonzero()[0].tolist())}")
+
+
+def assert_within_order_policy(outs, refs, dtype):
+    """Arbitrary inputs: differences only from the sum-of-squares order (module docstring)."""
+    eps = torch.finfo(dtype).eps
+    total = 0
+    differ = 0
+    for out, r in zip(outs, refs):
+        out = out.cpu().float()
+        r = r.float()
+        diff = (out - r).abs()
+        rowmax = r.abs().amax(dim=-1, keepdim=True)
+        assert bool((diff <= eps * rowmax).all()), (
+            f"difference {float((diff / rowmax).max()):.3e} x row max exceeds one ulp ({eps})")
+        differ += int((diff > 0).sum())
+        total += out.numel()
+    assert differ <= 1e-3 * total, f"{differ} of {total} elements differ (> 0.1%)"

@@ -1,0 +1,179 @@
+"""The kernel's arithmetic (plugins/kernel/qknorm_rope_math.h) compiled for the CPU
+(libqkrope_kernel_host.so), checked against the PyTorch reference: every dtype, GPT-J and NeoX
+pairing, both rounding modes, fast-path and general head sizes, partial rotary, caches with more
+rows than tokens, and the parameter checks. Numerical policy: tests/_kernel_cases.py.
+
+The library is built here (cmake on plugins/kernel into build/kernel-host) unless
+QKROPE_KERNEL_HOST_LIB names one already built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _kernel_cases import (CASES, assert_bit_exact, assert_within_order_policy, case_id,
+                           check_against_fp32, make_inputs, reference)
+from qkrope.runtime import kernels
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD_DIR = REPO / "build" / "kernel-host"
+
+
+def _build_host_library() -> Path:
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler found (set CXX or install g++): cannot build the CPU kernel library")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake not found: cannot build the CPU kernel library (pip install cmake)")
+    if not (BUILD_DIR / "CMakeCache.txt").is_file():
+        subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(BUILD_DIR),
+                        "-DQKROPE_WITH_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                       check=True, capture_output=True, text=True)
+    res = subprocess.run([cmake, "--build", str(BUILD_DIR), "--target", "qkrope_kernel_host",
+                          "-j2"], capture_output=True, text=True)
+    assert res.returncode == 0, f"building the CPU kernel library failed:\n{res.stdout}\n{res.stderr}"
+    lib = BUILD_DIR / kernels.HOST_LIB_NAME
+    assert lib.is_file(), f"{lib} was not produced"
+    return lib
+
+
+@pytest.fixture(scope="module")
+def host_lib():
+    explicit = os.environ.get(kernels.HOST_LIB_ENV)
+    if explicit:
+        yield Path(explicit)
+        return
+    lib = _build_host_library()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernels.HOST_LIB_ENV, str(lib))
+        yield lib
+
+
+def _run(inputs, **kw):
+    return kernels.host_qk_norm_rope(*inputs, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(host_lib, case):
+    dtype, interleaved, rounding, (head_dim, rotary_dim) = case
+    kw = dict(interleaved=interleaved, rounding=rounding)
+
+    # arbitrary inputs: accuracy against fp32, and the reference of the same dtype/mode
+    inputs = make_inputs(dtype, head_dim, rotary_dim, seed=head_dim + rotary_dim)
+    outs = _run(inputs, **kw)
+    check_against_fp32(outs, inputs, dtype, interleaved)
+    if dtype != torch.float32:
+        assert_within_order_policy(outs, reference(*inputs, **kw), dtype)
+
+    # inputs with an exact sum of squares: bit-exact with the reference in every dtype and mode
+    grid = make_inputs(dtype, head_dim, rotary_dim, grid=True, seed=7)
+    assert_bit_exact(_run(grid, **kw), reference(*grid, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen_image_shape_rounding1(host_lib, dtype):
+    """Qwen-Image's head layout (24 x 128), diffusers' rounding order, many random rows."""
+    inputs = make_inputs(dtype, 128, 128, batch=1, seq=48, heads=24, extra_rows=16, seed=3)
+    kw = dict(interleaved=True, rounding=1)
+    outs = _run(inputs, **kw)
+    check_against_fp32(outs, inputs, dtype, True)
+    assert_within_order_policy(outs, reference(*inputs, **kw), dtype)
+
+
+def test_in_place(host_lib):
+    q, k, qw, kw, cache = make_inputs(torch.bfloat16, 128, 64, seed=5)
+    expected = _run((q, k, qw, kw, cache))
+    q2, k2 = q.clone(), k.clone()
+    outs = kernels.host_qk_norm_rope(q2, k2, qw, kw, cache, out=(q2, k2))
+    assert outs[0] is q2 and torch.equal(q2, expected[0]) and torch.equal(k2, expected[1])
+
+
+def test_fp32_rounding_modes_identical(host_lib):
+    inputs = make_inputs(torch.float32, 96, 64, seed=9)
+    a = _run(inputs, rounding=0)
+    b = _run(inputs, rounding=1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_empty_problem(host_lib):
+    q, k, qw, kw, cache = make_inputs(torch.float16, 64, 64, seq=0, extra_rows=2)
+    outs = _run((q, k, qw, kw, cache))
+    assert outs[0].shape == q.shape and outs[0].numel() == 0
+
+
+def _status(exc_info) -> int:
+    return exc_info.value.status
+
+
+@pytest.mark.parametrize("what, head_dim, cache_shape, extra, status", [
+    ("cache overflow", 64, (5, 64), {}, 4),            # 6 tokens, 5 rows
+    ("odd rotary dim", 64, (8, 33), {}, 3),
+    ("rotary > head_dim", 64, (8, 66), {}, 3),
+    ("head_dim > 512", 514, (8, 64), {}, 2),
+    ("odd head_dim", 63, (8, 32), {}, 2),
+    ("rounding 2", 64, (8, 64), {"rounding": 2}, 6),
+    ("eps 0", 64, (8, 64), {"eps": 0.0}, 6),
+    ("eps nan", 64, (8, 64), {"eps": float("nan")}, 6),
+])
+def test_bad_params_return_status(host_lib, what, head_dim, cache_shape, extra, status):
+    shape = (2, 6, 2, head_dim)
+    q = torch.randn(shape)
+    k = torch.randn(shape)
+    w = torch.ones(head_dim)
+    cache = torch.zeros(cache_shape)
+    with pytest.raises(kernels.KernelStatusError) as exc_info:
+        kernels.host_qk_norm_rope(q, k, w, w, cache, **extra)
+    assert _status(exc_info) == status, what
+    text = kernels._load(kernels.HOST_LIB_ENV, kernels.HOST_LIB_NAME, "", "qkrope_host_run",
+                         "qkrope_host_status_string", cuda=False).qkrope_host_status_string(status)
+    assert text.decode() in str(exc_info.value)
+
+
+def test_null_pointer_and_bad_dtype_codes(host_lib):
+    lib = ctypes.CDLL(str(host_lib))
+    fn = lib.qkrope_host_run
+    fn.restype = ctypes.c_int32
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int32] * 3
+    args = [None] * 7 + [1, 2, 2, 64, 64, 2, 1e-6, 1, 0]
+    assert fn(*args, 0) == 1           # kNULL_POINTER
+    assert fn(*args, 7) == 5           # kBAD_DTYPE
+    empty = [None] * 7 + [0, 2, 2, 64, 64, 2, 1e-6, 1, 0, 2]
+    assert fn(*empty) == 0             # nothing to do: pointers may be null
+    lib.qkrope_host_status_string.restype = ctypes.c_char_p
+    assert b"overflow" in lib.qkrope_host_status_string(4)
+    assert lib.qkrope_host_capi_version() == 1
+
+
+def test_python_side_checks(host_lib):
+    q, k, qw, kw, cache = make_inputs(torch.float32, 64, 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.host_qk_norm_rope(q.transpose(1, 2), k.transpose(1, 2), qw, kw, cache)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.host_qk_norm_rope(q, k, qw, kw, cache.double())
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.host_qk_norm_rope(q, k.half(), qw, kw, cache)
+
+
+def test_missing_library_message(monkeypatch, tmp_path):
+    monkeypatch.setenv(kernels.HOST_LIB_ENV, str(tmp_path / "nope.so"))
+    q, k, qw, kw, cache = make_inputs(torch.float32, 64, 64)
+    with pytest.raises(kernels.KernelLibraryError, match="cmake -S plugins/kernel"):
+        kernels.host_qk_norm_rope(q, k, qw, kw, cache)
+
+
+def test_exports_only_c_abi(host_lib):
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) not available to list the library's symbols")
+    out = subprocess.run([nm, "-D", "--defined-only", str(host_lib)], capture_output=True,
+                         text=True, check=True).stdout
+    names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
+    assert names == ["qkrope_host_capi_version", "qkrope_host_run", "qkrope_host_status_string"]
