@@ -1,0 +1,115 @@
+"""``qkrope bench``: pure helpers and the CPU path (tiny sizes, a few seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qkrope.cli import main as cli_main
+from qkrope.runtime import bench
+
+
+def test_bytes_moved_matches_the_design_figure():
+    # 1024x1024 image (4096 tokens) + 512 text tokens, 24 heads x 128, bf16, fp32 cache.
+    assert bench.image_tokens(1024) == 4096 and bench.image_tokens(512) == 1024
+    n = bench.qknorm_rope_bytes(4096, 512, 24, 128, act_bytes=2)
+    # q, k read + q_out, k_out written: 4 x 4608 x 24 x 128 x 2 B = 113,246,208
+    # cache rows: 4608 x 128 x 4 B = 2,359,296; weights: 4 x 128 x 2 B = 1,024
+    assert n == 113_246_208 + 2_359_296 + 1_024 == 115_606_528
+    assert round(n / 1e6, 1) == 115.6                       # DESIGN.md: "about 115.6 MB"
+    assert round(n / 4.8e12 * 1e6, 1) == 24.1               # "24.1 us at 4.8 TB/s"
+    # batch doubles the activations, not the cache rows or weights
+    assert bench.qknorm_rope_bytes(4096, 512, 24, 128, batch=2) == 2 * 113_246_208 + 2_360_320
+    # partial rotary reads fewer cache columns
+    assert bench.qknorm_rope_bytes(1, 0, 1, 128, rotary_dim=64, act_bytes=4) == \
+        4 * 128 * 4 + 2 * 128 * 4 + 64 * 4 + 2 * 128 * 4
+
+
+def test_summarize():
+    st = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert st["median_ms"] == 3.0 and st["min_ms"] == 1.0 and st["mean_ms"] == 3.0
+    assert st["p10_ms"] == pytest.approx(1.4) and st["p90_ms"] == pytest.approx(4.6)
+    assert st["n"] == 5
+    assert bench.summarize([2.0])["stdev_ms"] == 0.0
+    assert bench.summarize([1.0, 2.0])["median_ms"] == 1.5
+    with pytest.raises(ValueError):
+        bench.summarize([])
+
+
+def test_peak_table_and_parsing():
+    assert bench.peak_gbps("NVIDIA H200") == 4800.0
+    assert bench.peak_gbps("NVIDIA H100 PCIe") == 2000.0
+    assert bench.peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+    assert bench.peak_gbps("NVIDIA GH200 480GB") == 4000.0
+    assert bench.peak_gbps("Some Future GPU") is None
+    assert bench.peak_gbps("NVIDIA H200", override=1234) == 1234.0
+    assert bench.parse_int_list("512, 1024") == [512, 1024]
+    with pytest.raises(ValueError):
+        bench.parse_int_list("512,x")
+    with pytest.raises(ValueError):
+        bench.image_tokens(500)
+    assert bench.qwen_axes_dim(128) == (16, 56, 56)
+    for d in (32, 64, 96):
+        a = bench.qwen_axes_dim(d)
+        assert sum(a) == d and all(x > 0 and x % 2 == 0 for x in a)
+
+
+def test_time_cpu_counts_calls():
+    calls = []
+    times = bench.time_cpu(lambda: calls.append(1), iters=4, warmup=2)
+    assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_cpu_bench_writes_table_and_png(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = cli_main(["bench", "--sizes", "64,128", "--batches", "1", "--heads", "2",
+                   "--head-dim", "32", "--text-len", "8", "--iters", "3", "--warmup", "1",
+                   "--out", str(out)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    md = (out / "bench.md").read_text()
+    rows = json.loads((out / "bench.json").read_text())
+    by = {(r["backend"], r["size"]): r for r in rows}
+
+    # measured: torch eager (and ONNX Runtime when the exporter is present), with the machine
+    for size, tokens in ((64, 16), (128, 64)):
+        r = by[("torch-eager", size)]
+        assert r["status"] == "ok" and r["median_ms"] > 0 and r["img_tokens"] == tokens
+        assert r["machine"]["torch"] == torch.__version__ and r["machine"]["cpu"]
+        assert "onnxruntime" in r["machine"] and "tensorrt" in r["machine"]
+        assert f"| torch-eager | {size} | {tokens} | 8 | 1 | float32 |" in md
+        ort = by[("onnxruntime-cpu", size)]
+        assert ort["status"] in ("ok", "skipped")
+        if ort["status"] == "ok":
+            assert f"| onnxruntime-cpu | {size} | {tokens} | 8 | 1 | float32 |" in md
+        else:
+            assert ort["reason"]
+    # GPU rows: skipped, with the reason, in the file and on stdout
+    for backend in ("trt-plugin", "trt-function-body", "torch-compile", "kernel"):
+        for size in (64, 128):
+            r = by[(backend, size)]
+            assert r["status"] == "skipped" and "requires CUDA" in r["reason"], r
+    assert "requires TensorRT" in by[("trt-plugin", 64)]["reason"]
+    for text in (md, stdout):
+        assert "- trt-plugin: skipped, requires CUDA" in text
+        assert "- kernel: skipped, requires CUDA" in text
+        assert "- torch-compile: skipped, requires CUDA" in text
+    assert not [p for p in out.iterdir() if p.name.startswith("qkrope-bench-")]  # temp removed
+
+
+def test_plot_with_nothing_measured(tmp_path):
+    row = bench.Row("trt-plugin", 512, 1024, 512, 1, "bfloat16", status="skipped",
+                    reason=bench.REQUIRES_CUDA)
+    p = bench.write_plot([row], tmp_path / "x.png")
+    assert p.read_bytes()[:4] == b"\x89PNG"
+    assert "- trt-plugin: skipped, requires CUDA" in bench.format_table([row])
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    assert cli_main(["bench", "--sizes", "500", "--device", "cpu"]) == 2
+    assert "multiple of 16" in capsys.readouterr().err
