@@ -196,7 +196,11 @@ def render_config(name: str, io: EngineIO, *, max_batch_size: int = 0, instances
     tensors = {"input": io.inputs, "output": io.outputs}
     if max_batch_size > 0:
         bad = [t.name for t in io.inputs + io.outputs if not t.dims or t.dims[0] != -1]
-        # The leading axis is a batch axis only if every input's profile gives it the same range
+        # Named axes (qkrope build records the exporter's names under "axes") settle it.
+        axes = {e.get("name"): e.get("axes") for key in ("inputs", "outputs")
+                for e in (io.sidecar.get(key) or []) if isinstance(e, Mapping)}
+        bad += [n for n, a in axes.items() if a and a[0] not in (None, "batch") and n not in bad]
+        # Otherwise the leading axis is a batch axis only if every input's profile gives it the same range
         # (a cache's row count, [1, max_tokens], is not the batch range).
         lead = {}
         for name, ranges in _profile_ranges(io.sidecar).items():

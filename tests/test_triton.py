@@ -21,35 +21,58 @@ text_format = pytest.importorskip("google.protobuf.text_format")
 C = 3072
 MAX_IMG, MAX_TXT = 4096, 512
 
+# What `qkrope export` writes for the attention block (symbolic axes) and what TensorRT's network
+# reports for it (-1 = dynamic); dtypes as qkrope.runtime.trt_utils.dtype_name spells them.
 INPUTS = [
-    ("hidden_states", "bfloat16", [-1, -1, C]),
-    ("encoder_hidden_states", "bfloat16", [-1, -1, C]),
-    ("img_cache", "float32", [-1, 128]),
-    ("txt_cache", "float32", [-1, 128]),
-    ("encoder_hidden_states_mask", "bool", [-1, -1]),
+    ("hidden_states", "bfloat16", ["batch", "img_tokens", C]),
+    ("encoder_hidden_states", "bfloat16", ["batch", "txt_tokens", C]),
+    ("encoder_hidden_states_mask", "bool", ["batch", "txt_tokens"]),
+    ("img_cos_sin_cache", "float32", ["img_cache_rows", 128]),
+    ("txt_cos_sin_cache", "float32", ["txt_cache_rows", 128]),
 ]
-OUTPUTS = [("img_out", "bfloat16", [-1, -1, C]), ("txt_out", "bfloat16", [-1, -1, C])]
-PROFILE = {
-    "hidden_states": {"min": [1, 1, C], "opt": [1, 1024, C], "max": [2, MAX_IMG, C]},
-    "encoder_hidden_states": {"min": [1, 1, C], "opt": [1, 512, C], "max": [2, MAX_TXT, C]},
-    "img_cache": {"min": [1, 128], "opt": [1024, 128], "max": [MAX_IMG, 128]},
-    "txt_cache": {"min": [1, 128], "opt": [512, 128], "max": [MAX_TXT, 128]},
-    "encoder_hidden_states_mask": {"min": [1, 1], "opt": [1, 512], "max": [2, MAX_TXT]},
-}
+OUTPUTS = [("img_out", "bfloat16", ["batch", "img_tokens", C]),
+           ("txt_out", "bfloat16", ["batch", "txt_tokens", C])]
+AXIS_RANGE = {"batch": (1, 1, 2), "img_tokens": (1, 1024, MAX_IMG),
+              "txt_tokens": (1, 512, MAX_TXT), "img_cache_rows": (1, 1024, MAX_IMG),
+              "txt_cache_rows": (1, 512, MAX_TXT)}
 TYPE = {"bfloat16": "TYPE_BF16", "float32": "TYPE_FP32", "bool": "TYPE_BOOL"}
 
 
+def _dyn(shape):
+    return [-1 if isinstance(d, str) else d for d in shape]
+
+
+def _profile():
+    return {n: {lv: tuple(AXIS_RANGE[d][i] if isinstance(d, str) else d for d in shape)
+                for i, lv in enumerate(("min", "opt", "max"))} for n, _, shape in INPUTS}
+
+
 def _sidecar(plugin: Path) -> dict:
-    return {
-        "format": "qkrope-engine/1",
-        "tensorrt_version": "10.14.1",
-        "gpu": {"name": "NVIDIA H200", "compute_capability": "9.0"},
-        "profiles": [PROFILE],
-        "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in INPUTS],
-        "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in OUTPUTS],
-        "plugin": {"path": str(plugin), "sha256": hashlib.sha256(plugin.read_bytes()).hexdigest()},
-        "onnx": {"config": {"dim": C, "heads": 24, "head_dim": 128}},
-    }
+    """The engine sidecar as `qkrope build` writes it: through runtime/engine.py's own writer
+    when it exposes one, else a hand-made object of the same schema."""
+    model = {"inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in INPUTS],
+             "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in OUTPUTS],
+             "config": {"dim": C, "heads": 24, "head_dim": 128},
+             "dynamic_axes": {a: {"export_value": r[1]} for a, r in AXIS_RANGE.items()},
+             "sample": {"img_shapes": [[1, 32, 32]], "txt_len": 512, "batch": 1}}
+    net_in = [{"name": n, "dtype": d, "shape": _dyn(s)} for n, d, s in INPUTS]
+    net_out = [{"name": n, "dtype": d, "shape": _dyn(s)} for n, d, s in OUTPUTS]
+    sha = hashlib.sha256(plugin.read_bytes()).hexdigest()
+    try:
+        from qkrope.runtime.engine import engine_sidecar
+    except ImportError:
+        engine_sidecar = None
+    if engine_sidecar is not None:
+        return engine_sidecar(
+            trt_version="10.14.1.48", onnx_path="/models/attn.onnx", model=model,
+            profile=_profile(), inputs=net_in, outputs=net_out, plugin_path=str(plugin),
+            plugin_sha256=sha, version_compatible=False, builder_optimization_level=3,
+            strongly_typed=True, plugin_layers=2, parser_flags=[],
+            gpu={"name": "NVIDIA H200", "compute_capability": "9.0"})
+    return {"format": "qkrope-engine/1", "tensorrt_version": "10.14.1.48",
+            "gpu": {"name": "NVIDIA H200"}, "inputs": net_in, "outputs": net_out,
+            "profiles": [{n: {k: list(v) for k, v in lv.items()} for n, lv in _profile().items()}],
+            "plugin": {"path": str(plugin), "sha256": sha}, "config": model["config"]}
 
 
 @pytest.fixture
@@ -59,7 +82,9 @@ def engine(tmp_path):
     plugin.write_bytes(b"\x7fELF fake plugin")
     eng = tmp_path / "attn.engine"
     eng.write_bytes(b"not really a TensorRT plan" * 10)
-    Path(str(eng) + ".json").write_text(json.dumps(_sidecar(plugin), indent=2))
+    side = _sidecar(plugin)
+    assert side["inputs"][0]["shape"] == [-1, -1, C]
+    Path(str(eng) + ".json").write_text(json.dumps(side, indent=2))
     return eng, plugin
 
 
@@ -84,8 +109,8 @@ def test_repo_config_parses_and_matches_engine_io(engine, tmp_path, capsys):
               for t in cfg.input}
     got_out = {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims))
                for t in cfg.output}
-    assert got_in == {n: (TYPE[d], s) for n, d, s in INPUTS}
-    assert got_out == {n: (TYPE[d], s) for n, d, s in OUTPUTS}
+    assert got_in == {n: (TYPE[d], _dyn(s)) for n, d, s in INPUTS}
+    assert got_out == {n: (TYPE[d], _dyn(s)) for n, d, s in OUTPUTS}
     assert [t.name for t in cfg.input] == [n for n, _, _ in INPUTS]  # engine order kept
     assert cfg.instance_group[0].count == 2
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
