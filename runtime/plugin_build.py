@@ -1,0 +1,179 @@
+"""Build and locate the native libraries: ``qkrope build-plugin``.
+
+The build itself is ``scripts/build_plugins.sh`` (CMake over ``plugins/``); this module runs it
+from Python and finds what it produced:
+
+- ``libqkrope_plugin.so``: the TensorRT plugin that registers itself when loaded (``LD_PRELOAD``,
+  ``polygraphy --plugins``, ``trtexec --staticPlugins``, Triton ``plugins=``).
+- ``libqkrope_vc_plugin.so``: exports only ``getCreators``/``setLoggerFinder``
+  (``trtexec --dynamicPlugins``, ``IPluginRegistry::loadLibrary``, version-compatible engines).
+- ``libqkrope_kernels.so`` (CUDA C-ABI launcher) and ``libqkrope_kernel_host.so`` (CPU build).
+
+Lookup order for :func:`find_plugin_library`: the environment variable (``QKROPE_PLUGIN_LIB``,
+``QKROPE_VC_PLUGIN_LIB``, ...), then ``<repo>/build/plugins/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = [
+    "PluginBuildError",
+    "PluginNotBuiltError",
+    "LIBRARY_FILES",
+    "DEFAULT_BUILD_DIR",
+    "build_command",
+    "build_plugins",
+    "find_plugin_library",
+    "add_parser",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_plugins.sh"
+DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "plugins"
+
+# kind -> (file name, environment variable overriding the path)
+LIBRARY_FILES = {
+    "plugin": ("libqkrope_plugin.so", "QKROPE_PLUGIN_LIB"),
+    "vc": ("libqkrope_vc_plugin.so", "QKROPE_VC_PLUGIN_LIB"),
+    "kernels": ("libqkrope_kernels.so", "QKROPE_KERNELS_LIB"),
+    "kernel_host": ("libqkrope_kernel_host.so", "QKROPE_KERNEL_HOST_LIB"),
+    "host_test": ("qkrope_plugin_host_test", "QKROPE_PLUGIN_HOST_TEST"),
+}
+_ALIASES = {"trt": "plugin", "static": "plugin", "dynamic": "vc", "version_compatible": "vc"}
+
+
+class PluginBuildError(RuntimeError):
+    """The native build failed; the message carries the command and the end of its output."""
+
+
+class PluginNotBuiltError(FileNotFoundError):
+    """A native library was asked for but has not been built; the message says how to build it."""
+
+
+def build_command(*, host_only: bool = False, arch: str | None = None, tensorrt_root: str | None = None,
+                  build_dir: str | os.PathLike | None = None, jobs: int | None = None,
+                  clean: bool = False) -> list[str]:
+    """The ``bash scripts/build_plugins.sh ...`` command line for these options."""
+    cmd = ["bash", str(BUILD_SCRIPT)]
+    if host_only:
+        cmd.append("--host-only")
+    if arch:
+        cmd += ["--arch", str(arch)]
+    if tensorrt_root:
+        cmd += ["--tensorrt-root", str(tensorrt_root)]
+    if build_dir is not None:
+        cmd += ["--build-dir", str(build_dir)]
+    if jobs is not None:
+        cmd += ["--jobs", str(int(jobs))]
+    if clean:
+        cmd.append("--clean")
+    return cmd
+
+
+def _shell_line(cmd: list[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def build_plugins(*, host_only: bool = False, arch: str | None = None, tensorrt_root: str | None = None,
+                  build_dir: str | os.PathLike | None = None, jobs: int | None = None, clean: bool = False,
+                  quiet: bool = False) -> Path:
+    """Run ``scripts/build_plugins.sh`` and return the build directory.
+
+    ``quiet`` captures the output (shown only on failure); otherwise it streams to the terminal,
+    which is the progress report for a build that takes a minute or more.
+    """
+    if shutil.which("bash") is None:
+        raise PluginBuildError("bash is needed to run scripts/build_plugins.sh")
+    if not BUILD_SCRIPT.is_file():
+        raise PluginBuildError(f"{BUILD_SCRIPT} not found: build_plugins needs a source checkout of qkrope")
+    cmd = build_command(host_only=host_only, arch=arch, tensorrt_root=tensorrt_root, build_dir=build_dir,
+                        jobs=jobs, clean=clean)
+    env = dict(os.environ)
+    env.setdefault("PYTHON", sys.executable)
+    if quiet:
+        res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = (res.stdout + res.stderr)[-4000:]
+            raise PluginBuildError(f"native build failed (exit {res.returncode}): {_shell_line(cmd)}\n{tail}")
+    else:
+        res = subprocess.run(cmd, cwd=REPO_ROOT, env=env)
+        if res.returncode != 0:
+            raise PluginBuildError(f"native build failed (exit {res.returncode}): {_shell_line(cmd)}; "
+                                   "see the output above")
+    return Path(build_dir).resolve() if build_dir is not None else DEFAULT_BUILD_DIR
+
+
+def find_plugin_library(kind: str = "plugin", *, build_dir: str | os.PathLike | None = None) -> Path:
+    """Path of a built library: ``kind`` is "plugin" (self-registering), "vc" (version-compatible),
+    "kernels", "kernel_host" or "host_test". Raises :class:`PluginNotBuiltError` with the build
+    command when it is missing."""
+    key = _ALIASES.get(kind, kind)
+    if key not in LIBRARY_FILES:
+        raise ValueError(f"unknown library kind {kind!r}; expected one of {sorted(LIBRARY_FILES)}")
+    name, env_var = LIBRARY_FILES[key]
+    override = os.environ.get(env_var)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise PluginNotBuiltError(f"{env_var}={override} does not name a file")
+        return path.resolve()
+    base = Path(build_dir) if build_dir is not None else DEFAULT_BUILD_DIR
+    path = base / name
+    if path.is_file():
+        return path.resolve()
+    how = "bash scripts/build_plugins.sh --host-only" if key == "kernel_host" else "qkrope build-plugin"
+    raise PluginNotBuiltError(
+        f"{name} not found in {base}. Build it with `{how}` (same as `bash scripts/build_plugins.sh`"
+        f" from the repository root), or set {env_var} to its path.")
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = build_plugins(host_only=args.host_only, arch=args.arch, tensorrt_root=args.tensorrt_root,
+                        build_dir=args.build_dir, jobs=args.jobs, clean=args.clean)
+    kinds = ("kernel_host",) if args.host_only else ("plugin", "vc", "kernels", "kernel_host")
+    print("qkrope build-plugin: built")
+    for kind in kinds:
+        try:
+            print(f"  {kind:12s} {find_plugin_library(kind, build_dir=out)}")
+        except PluginNotBuiltError:
+            print(f"  {kind:12s} (not built: no TensorRT headers?)" if kind in ("plugin", "vc") else
+                  f"  {kind:12s} (not built)")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``qkrope build-plugin`` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "build-plugin",
+        help="build the CUDA kernel and the TensorRT plugin libraries (CMake, nvcc)",
+        description="Build libqkrope_plugin.so (self-registering), libqkrope_vc_plugin.so "
+                    "(version-compatible: getCreators/setLoggerFinder), libqkrope_kernels.so and "
+                    "libqkrope_kernel_host.so into build/plugins. TensorRT headers come from "
+                    "--tensorrt-root / TensorRT_ROOT / the standard install paths, else the pinned "
+                    "kernel-lens 2.0.1 wheel (no TensorRT library is needed to build).",
+    )
+    p.add_argument("--host-only", action="store_true",
+                   help="build only the CPU kernel library (no CUDA, no TensorRT)")
+    p.add_argument("--arch", metavar="LIST",
+                   help='CUDA architectures, e.g. "90" or "80;90;100" (default: 80;86;89;90;100 + PTX)')
+    p.add_argument("--tensorrt-root", metavar="DIR", help="TensorRT install prefix (DIR/include)")
+    p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {DEFAULT_BUILD_DIR}")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default 2)")
+    p.add_argument("--clean", action="store_true", help="remove the build directory first")
+    p.set_defaults(func=_run)
+    return p
+
+
+# Name the brief also mentions.
+add_cli = add_parser
