@@ -33,13 +33,14 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 PIXELS_PER_TOKEN = 16
 
@@ -444,9 +445,7 @@ def _bench_torch(cfg: Config, rows: list[Row], machine: dict, *, compiled: bool)
 
 
 def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Path) -> None:
-    import numpy as np
     import onnxruntime as ort
-    import torch
 
     backend = "onnxruntime-cpu"
     block = _make_block(cfg)
@@ -462,11 +461,11 @@ def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Pat
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
+    types = {i.name: i.type for i in sess.get_inputs()}
     for size in cfg.sizes:
         for batch in cfg.batches:
             hs, ehs, (img_cache, txt_cache) = _make_inputs(cfg, size, batch)
-            feeds = _ort_feeds(names, hs, ehs, img_cache, txt_cache)
+            feeds = _ort_feeds(types, hs, ehs, img_cache, txt_cache)
             try:
                 times = time_cpu(lambda: sess.run(None, feeds), iters=cfg.iters,
                                  warmup=cfg.warmup)
@@ -475,10 +474,13 @@ def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Pat
                                  reason=f"{type(exc).__name__}: {exc}"[:300]))
                 continue
             rows.append(_measured(cfg, backend, size, batch, machine, times))
-    del np, torch
 
 
-def _ort_feeds(names: Sequence[str], hs, ehs, img_cache, txt_cache) -> dict:
+def _ort_feeds(types: Mapping[str, str], hs, ehs, img_cache, txt_cache) -> dict:
+    """Feeds by input name: *mask* -> all ones, *cache* -> the stream's cache (img/txt in the
+    name), encoder/txt -> encoder_hidden_states, anything else -> hidden_states."""
+    import torch
+
     def np_(t):
         t = t.detach().cpu()
         if str(t.dtype) == "torch.bfloat16":
@@ -487,9 +489,11 @@ def _ort_feeds(names: Sequence[str], hs, ehs, img_cache, txt_cache) -> dict:
         return t.numpy()
 
     by_role = {}
-    for n in names:
+    for n, onnx_type in types.items():
         low = n.lower()
         if "mask" in low:
+            by_role[n] = torch.ones(ehs.shape[0], ehs.shape[1],
+                                    dtype=torch.bool if onnx_type == "tensor(bool)" else hs.dtype)
             continue
         if "cache" in low or "rotary" in low or "rope" in low:
             by_role[n] = img_cache if ("img" in low or "image" in low or low.endswith("_0")) \
@@ -544,22 +548,77 @@ def _bench_engine(cfg: Config, rows: list[Row], machine: dict, backend: str,
             rows.append(_measured(cfg, backend, size, batch, machine, times))
 
 
-def _build_engines(cfg: Config, workdir: Path) -> tuple[str | None, str | None, str]:
-    """Export + build the plugin and the no-plugin engines when the user gave none.
-    Returns (engine, engine_no_plugin, note)."""
-    from qkrope.runtime import engine as engine_mod
+def build_function_body_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, *,
+                               max_batch: int | None = None, max_img_tokens: int | None = None,
+                               max_txt_tokens: int | None = None) -> dict:
+    """Build an engine from the same ONNX file *without* the plugin: the parser then inlines the
+    model-local ``qkrope::QKNormRoPE`` function body (standard layers). This must run in a
+    process where the plugin library has not been loaded (TensorRT 10.7-10.14 prefer any
+    registered plugin), and no ENABLE_PLUGIN_OVERRIDE parser flag is set. Returns the sidecar
+    (also written next to the engine; its ``plugin`` is null)."""
+    from qkrope.export import contract
+    from qkrope.runtime import engine as E
+    from qkrope.runtime import trt_utils as tu
+
+    trt = E.import_tensorrt("qkrope bench (TensorRT on the function body)")
+    if trt.get_plugin_registry().get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
+                                             contract.PLUGIN_NAMESPACE) is not None:
+        raise RuntimeError("the QKNormRoPE plugin is already registered in this process, so the "
+                           "parser would use it; build the function-body engine first or in a "
+                           "fresh process")
+    model = tu.load_model_description(onnx_path)
+    profile = E.plan_profile(model, E.BuildOptions(max_batch=max_batch,
+                                                   max_img_tokens=max_img_tokens,
+                                                   max_txt_tokens=max_txt_tokens))
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = E.network_creation_flags(trt)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+    ours, _ = E.find_plugin_layers(network, trt)
+    if ours:
+        raise RuntimeError(f"the no-plugin network still has {len(ours)} QKNormRoPE plugin "
+                           "layer(s); it would not measure the function body")
+    config = builder.create_builder_config()
+    trt_profile = builder.create_optimization_profile()
+    for name, levels in profile.items():
+        trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
+    config.add_optimization_profile(trt_profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError("TensorRT failed to build the function-body engine (see its log)")
+    tu.write_atomic(engine_path, serialized)
+    inputs, outputs = E.network_io(network)
+    sidecar = E.engine_sidecar(
+        trt_version=trt.__version__, onnx_path=str(Path(onnx_path).resolve()), model=model,
+        profile=profile, inputs=inputs, outputs=outputs, plugin_path=None, plugin_sha256=None,
+        version_compatible=False, builder_optimization_level=None, strongly_typed=bool(flags),
+        plugin_layers=0, parser_flags=[], gpu=tu.gpu_info())
+    tu.write_json_atomic(tu.engine_sidecar_path(engine_path), sidecar)
+    return sidecar
+
+
+def _build_engines(cfg: Config, workdir: Path, log: Callable[[str], None]
+                   ) -> tuple[str | None, str | None]:
+    """Export the block once, then build the no-plugin engine (first: nothing registered yet)
+    and the plugin engine, with one profile covering every benchmarked size and batch."""
+    from qkrope.runtime import engine as E
 
     block = _make_block(cfg)
     onnx_path = _export_onnx(cfg, block, _make_inputs(cfg, min(cfg.sizes), min(cfg.batches)),
                              workdir / "attention.onnx")
-    build = getattr(engine_mod, "build_engine")
-    common = dict(max_batch=max(cfg.batches), max_img_tokens=image_tokens(max(cfg.sizes)),
+    limits = dict(max_batch=max(cfg.batches), max_img_tokens=image_tokens(max(cfg.sizes)),
                   max_txt_tokens=cfg.text_len)
-    eng = workdir / "attention.engine"
-    build(onnx_path, eng, plugin=cfg.plugin, **common)
     eng_np = workdir / "attention.noplugin.engine"
-    build(onnx_path, eng_np, plugin=None, **common)
-    return str(eng), str(eng_np), f"engines built in {workdir}"
+    log(f"building {eng_np} (TensorRT, function body, no plugin)")
+    build_function_body_engine(onnx_path, eng_np, **limits)
+    eng = workdir / "attention.engine"
+    log(f"building {eng} (TensorRT + QKNormRoPE plugin)")
+    E.build_engine(onnx_path, eng, E.BuildOptions(plugin=cfg.plugin, progress=False, **limits))
+    return str(eng), str(eng_np)
 
 
 def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
@@ -631,8 +690,7 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
         engine, engine_np = cfg.engine, cfg.engine_no_plugin
         if trt and engine is None and engine_np is None:
             try:
-                engine, engine_np, note = _build_engines(cfg, workdir)
-                log(note)
+                engine, engine_np = _build_engines(cfg, workdir, log)
             except Exception as exc:  # noqa: BLE001
                 reason = f"engine build failed: {type(exc).__name__}: {exc}"[:300]
                 _skip_all(cfg, rows, "trt-plugin", reason, machine)
@@ -658,10 +716,10 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
         _skip_all(cfg, rows, "torch-compile", REQUIRES_CUDA + " (CPU Inductor is not the "
                   "deployment target; measured on the GPU only)", machine)
         _skip_all(cfg, rows, "kernel", REQUIRES_CUDA, machine)
-    with contextlib.suppress(OSError):
-        for p in workdir.iterdir():
-            p.unlink()
-        workdir.rmdir()
+    if any(workdir.iterdir()) and on_gpu:
+        log(f"kept the exported model and engines in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     return rows
 
 
