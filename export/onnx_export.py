@@ -1,0 +1,577 @@
+"""``qkrope export``: the Qwen-Image attention block or a whole diffusers transformer to ONNX.
+
+Exporter path: ``torch.onnx.export(..., dynamo=True)`` (torch.export + onnxscript/torchlib) with
+``custom_translation_table={torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation}``:
+every call of the fused op becomes one ``qkrope::QKNormRoPE`` node (spec section 4). After the
+export the model-local function body is added (one body per model, see
+:mod:`qkrope.export.onnx_function`), the IR version is pinned to 10 (ONNX Runtime 1.31 rejects
+the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict
+shape inference with every graph output shaped, QKNormRoPE node count, no complex types).
+
+Files are written to a temporary folder next to the destination and moved into place with
+``os.replace`` (the ``.onnx.data`` external-data companion first, for models over 1.5 GiB, then
+the ``.onnx``, then the sidecar ``.onnx.json``): a failed export leaves no partial file.
+
+Graph inputs are named after diffusers' arguments: ``hidden_states``, ``encoder_hidden_states``,
+``encoder_hidden_states_mask`` (**bool** ``[batch, txt_tokens]``, True = attend, in both models:
+diffusers normalises any mask to bool before attention, and a float mask fed to SDPA would be
+*additive*, so bool removes the ambiguity; pass ``mask > 0`` for a 1.0/0.0 mask), ``timestep``
+(transformer; ``[batch]`` in the model dtype, as the pipeline passes it), ``img_cos_sin_cache``,
+``txt_cos_sin_cache`` (fp32 ``[rows, rotary_dim]``). Outputs: ``img_out``, ``txt_out`` (attention)
+or ``sample`` (transformer). Dynamic axes: ``batch``, ``img_tokens``, ``txt_tokens``,
+``img_cache_rows``, ``txt_cache_rows``.
+
+torch.export specialises dimensions whose sample value is 0 or 1, so tracing always uses a batch
+of at least 2 and at least 2 tokens per stream (the sidecar records the traced sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import contract
+from .onnx_function import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, FunctionVariant,
+                            make_function_proto, qk_norm_rope_translation)
+
+IR_VERSION = 10
+EXTERNAL_DATA_THRESHOLD = 1536 * 1024 * 1024  # bytes of initializers; protobuf's limit is 2 GiB
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ATTENTION_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                    "img_cos_sin_cache", "txt_cos_sin_cache")
+ATTENTION_OUTPUTS = ("img_out", "txt_out")
+TRANSFORMER_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                      "timestep", "img_cos_sin_cache", "txt_cos_sin_cache")
+TRANSFORMER_OUTPUTS = ("sample",)
+DEFAULT_ATTENTION_SAMPLE = dict(img_shapes=[(1, 16, 16)], txt_len=32, batch=2)
+DEFAULT_TRANSFORMER_SAMPLE = dict(img_shapes=[(1, 8, 8)], txt_len=16, batch=2)
+
+
+class ExportError(RuntimeError):
+    """The export failed or produced a model that breaks the node contract."""
+
+
+def _log(progress: bool, message: str) -> None:
+    if progress:
+        print(f"qkrope export: {message}", file=sys.stderr, flush=True)
+
+
+def default_axes_dims(rotary_dim: int) -> tuple[int, int, int]:
+    """Qwen-Image's (16, 56, 56) for 128; otherwise the same proportions (frame ~ 1/8), even."""
+    if rotary_dim == 128:
+        return (16, 56, 56)
+    if rotary_dim < 6 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and >= 6 (three RoPE axes); got {rotary_dim}")
+    f = 2 * max(1, rotary_dim // 16)
+    rest = rotary_dim - f
+    h = 2 * (rest // 4)
+    return (f, h, rest - h)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrappers whose forward arguments are the graph inputs
+# --------------------------------------------------------------------------------------------
+
+class CacheInputAttention(nn.Module):
+    """QwenImageAttention with the graph's input order and names."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.attn = attention
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        return self.attn(hidden_states, encoder_hidden_states,
+                         (img_cos_sin_cache, txt_cos_sin_cache), encoder_hidden_states_mask)
+
+
+def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
+    dim = torch.export.Dim
+    axes = {a: dim(a) for a in ("batch", "img_tokens", "txt_tokens", "img_cache_rows",
+                                 "txt_cache_rows")}
+    table = {
+        "hidden_states": {0: axes["batch"], 1: axes["img_tokens"]},
+        "encoder_hidden_states": {0: axes["batch"], 1: axes["txt_tokens"]},
+        "encoder_hidden_states_mask": {0: axes["batch"], 1: axes["txt_tokens"]},
+        "timestep": {0: axes["batch"]},
+        "img_cos_sin_cache": {0: axes["img_cache_rows"]},
+        "txt_cos_sin_cache": {0: axes["txt_cache_rows"]},
+    }
+    return {n: table[n] for n in names}
+
+
+# --------------------------------------------------------------------------------------------
+# Export core
+# --------------------------------------------------------------------------------------------
+
+def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
+                  output_names: Sequence[str], opset: int):
+    """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet)."""
+    import warnings
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, args, dynamo=True, opset_version=opset, optimize=True, verbose=False,
+            input_names=list(input_names), output_names=list(output_names),
+            dynamic_shapes=_dynamic_shapes(input_names),
+            custom_translation_table={
+                torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
+        )
+    return program.model
+
+
+def _qk_nodes(model) -> list:
+    return [n for n in model.graph.all_nodes()
+            if n.domain == contract.DOMAIN and n.op_type == contract.OP_TYPE]
+
+
+def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
+                   expected_nodes: int | None = None):
+    """Add the function body, pin the IR version, check the node contract (in place)."""
+    import onnx_ir as ir
+
+    nodes = _qk_nodes(model)
+    if expected_nodes is not None and len(nodes) != expected_nodes:
+        raise ExportError(f"expected {expected_nodes} QKNormRoPE nodes (one per stream per "
+                          f"attention), the export wrote {len(nodes)}")
+    variants = set()
+    for node in nodes:
+        attrs = {k: v.value for k, v in node.attributes.items()}
+        if sorted(attrs) != sorted(a.name for a in contract.ATTRIBUTES):
+            raise ExportError(f"QKNormRoPE node {node.name} has attributes {sorted(attrs)}, the "
+                              f"contract lists {[a.name for a in contract.ATTRIBUTES]}")
+        variants.add(FunctionVariant(bool(attrs["interleaved"]), int(attrs["rounding"]),
+                                     rotary_dim < head_dim))
+    if len(variants) > 1:
+        raise ExportError(f"the model's QKNormRoPE nodes use different interleaved/rounding "
+                          f"settings {sorted(v.tag for v in variants)}; one model carries one "
+                          f"function body, so export them as separate models")
+    variant = variants.pop() if variants else FunctionVariant(partial=rotary_dim < head_dim)
+    function = ir.serde.deserialize_function(make_function_proto(variant, opset=opset))
+    model.functions[function.identifier()] = function
+    model.opset_imports[contract.DOMAIN] = contract.DOMAIN_VERSION
+    model.ir_version = IR_VERSION
+    values = list(model.graph.inputs) + [o for n in model.graph.all_nodes() for o in n.outputs]
+    for value in values:
+        if value.dtype is not None and "COMPLEX" in value.dtype.name:
+            raise ExportError(f"graph value {value.name} is complex ({value.dtype.name})")
+    return model
+
+
+def _initializer_bytes(model) -> int:
+    total = 0
+    for value in model.graph.initializers.values():
+        if value.const_value is not None:
+            total += value.const_value.nbytes
+    return total
+
+
+def verify_onnx_file(path: str | os.PathLike) -> None:
+    """onnx.checker full check + strict shape inference; every graph output must get a shape."""
+    import onnx
+
+    path = str(path)
+    try:
+        onnx.checker.check_model(path, full_check=True)
+        model = onnx.load(path, load_external_data=False)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise ExportError(f"the exported model fails onnx's checks: {exc}") from exc
+    for out in inferred.graph.output:
+        if not out.type.tensor_type.HasField("shape"):
+            raise ExportError(f"shape inference gave output {out.name} no shape")
+
+
+def save_model_atomic(model, out: Path, *, progress: bool = False) -> list[Path]:
+    """Save an onnx_ir Model to ``out`` (+ ``out.data`` when large) atomically; verify it first.
+
+    Returns the paths written (the .onnx first)."""
+    import onnx_ir as ir
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data_name = out.name + ".data"
+    external = _initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        tmp_model = tmpdir / out.name
+        if external:
+            _log(progress, f"writing {out} with external data {data_name}")
+            ir.save(model, tmp_model, external_data=data_name)
+        else:
+            ir.save(model, tmp_model)
+        _log(progress, "checking the model (onnx.checker full check, shape inference)")
+        verify_onnx_file(tmp_model)
+        written = []
+        if external:
+            os.replace(tmpdir / data_name, out.parent / data_name)
+            written.append(out.parent / data_name)
+        elif (out.parent / data_name).exists():
+            os.unlink(out.parent / data_name)  # a stale companion of an older, larger export
+        os.replace(tmp_model, out)
+        written.insert(0, out)
+        return written
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _versions(extra: Sequence[str] = ()) -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("qkrope", "torch", "onnx", "onnxscript", "onnx-ir", "onnxruntime", *extra):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _tensor_infos(model, axis_names: set[str]) -> tuple[list[dict], list[dict]]:
+    def desc(v):
+        shape = []
+        for d in v.shape:
+            if isinstance(d, int):
+                shape.append(d)
+            else:
+                name = str(d)
+                if name not in axis_names:
+                    raise ExportError(f"{v.name} has an unexpected dynamic axis {name!r}; the "
+                                      f"export fixed the wrong dimensions")
+                shape.append(name)
+        return {"name": v.name, "dtype": v.dtype.numpy().name if v.dtype.name != "BFLOAT16"
+                else "bfloat16", "shape": shape}
+
+    return [desc(v) for v in model.graph.inputs], [desc(v) for v in model.graph.outputs]
+
+
+def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
+    from qkrope.runtime.model_info import ModelInfo, sidecar_path
+
+    axis_values = info_fields.pop("axis_values")
+    inputs, outputs = _tensor_infos(model, set(axis_values))
+    info = ModelInfo(inputs=[], outputs=[], **info_fields)
+    from qkrope.runtime.model_info import TensorInfo
+
+    info.inputs = [TensorInfo.from_dict(d) for d in inputs]
+    info.outputs = [TensorInfo.from_dict(d) for d in outputs]
+    info.dynamic_axes = {a: {"export_value": int(v)} for a, v in axis_values.items()}
+    written = save_model_atomic(model, out, progress=progress)
+    try:
+        info.save(out)
+    except BaseException:
+        for p in written:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        raise
+    return info, written + [sidecar_path(out)]
+
+
+@dataclass
+class Sample:
+    img_shapes: list[tuple[int, int, int]]
+    txt_len: int
+    batch: int
+
+    @property
+    def img_tokens(self) -> int:
+        return sum(f * h * w for f, h, w in self.img_shapes)
+
+
+def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
+    shapes = [tuple(int(v) for v in s) for s in (img_shapes or defaults["img_shapes"])]
+    txt_len = int(txt_len if txt_len is not None else defaults["txt_len"])
+    batch = int(batch if batch is not None else defaults["batch"])
+    for s in shapes:
+        if len(s) != 3 or min(s) < 1:
+            raise ValueError(f"--img-shape takes three positive integers F H W (latent patches); "
+                             f"got {s}")
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1; got {batch}")
+    if txt_len < 2:
+        raise ValueError(f"--txt-len must be >= 2 for tracing (torch.export fixes axes whose "
+                         f"sample size is 0 or 1); got {txt_len}")
+    sample = Sample(shapes, txt_len, max(batch, 2))
+    if sample.img_tokens < 2:
+        raise ValueError(f"the sample image must have >= 2 tokens for tracing; got {shapes}")
+    return sample
+
+
+def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: int,
+                 axes_dim: Sequence[int], with_timestep: bool, seed: int):
+    from qkrope.runtime.caches import build_qwen_rope_caches
+
+    g = torch.Generator().manual_seed(seed + 1)
+    caches = build_qwen_rope_caches(sample.img_shapes, sample.txt_len, axes_dim=tuple(axes_dim))
+    hs = torch.randn(sample.batch, sample.img_tokens, feat_img, generator=g).to(dtype)
+    ehs = torch.randn(sample.batch, sample.txt_len, feat_txt, generator=g).to(dtype)
+    mask = torch.ones(sample.batch, sample.txt_len, dtype=torch.bool)
+    mask[-1, -1] = False
+    args = [hs, ehs, mask]
+    if with_timestep:
+        args.append(torch.full((sample.batch,), 0.5, dtype=dtype))
+    args += [caches.img.clone(), caches.txt.clone()]
+    return tuple(args)
+
+
+def _check_opset(opset: int) -> int:
+    if not MIN_OPSET <= int(opset) <= MAX_OPSET:
+        raise ValueError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET} (the dynamo exporter "
+                         f"targets opset 18+; the default {DEFAULT_OPSET} has the widest TensorRT/"
+                         f"ONNX Runtime support); got {opset}")
+    return int(opset)
+
+
+def _check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(TORCH_DTYPES)}; got {dtype!r}")
+    return TORCH_DTYPES[dtype]
+
+
+def _check_out(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    if out.suffix != ".onnx":
+        raise ValueError(f"--out must end in .onnx; got {str(out)!r}")
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Attention block
+# --------------------------------------------------------------------------------------------
+
+def _sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A safetensors file or a torch-saved state dict (diffusers parameter names)."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--weights {path!r} does not exist")
+    if path.endswith(".safetensors"):
+        from qkrope._deps import require
+
+        st = require("safetensors.torch", "loading --weights *.safetensors")
+        return st.load_file(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"--weights {path!r} does not hold a state dict (got {type(state)})")
+    return state
+
+
+def build_attention(config: dict[str, Any]) -> nn.Module:
+    """The QwenImageAttention an attention export was made from, rebuilt from the sidecar config
+    (seeded random weights, or the weights file it names)."""
+    from .attention import QwenImageAttention
+
+    torch.manual_seed(int(config.get("seed", 0)))
+    module = QwenImageAttention(int(config["dim"]), int(config["heads"]), int(config["head_dim"]),
+                                eps=float(config["eps"]), interleaved=bool(config["interleaved"]),
+                                rounding=int(config["rounding"]), validate=False)
+    weights = config.get("weights")
+    if weights:
+        state = load_state_dict(weights)
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"--weights {weights!r} does not match the attention block "
+                             f"(diffusers names): missing {missing[:6]}, unexpected "
+                             f"{unexpected[:6]}")
+    else:
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.startswith("norm"):
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                else:
+                    p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return module.to(TORCH_DTYPES[config["dtype"]]).eval()
+
+
+def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int = 128,
+                     rotary_dim: int | None = None, dtype: str = "fp32",
+                     opset: int = DEFAULT_OPSET, eps: float = contract.DEFAULT_EPS,
+                     interleaved: bool = True, rounding: int = 0,
+                     weights: str | os.PathLike | None = None, seed: int = 0,
+                     img_shapes: Sequence[Sequence[int]] | None = None,
+                     txt_len: int | None = None, batch: int | None = None,
+                     progress: bool = False):
+    """Export the Qwen-Image attention block; returns ``(ModelInfo, [written paths])``."""
+    out = _check_out(out)
+    tdtype = _check_dtype(dtype)
+    opset = _check_opset(opset)
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+        raise ValueError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "
+                         f"{rotary_dim}")
+    contract.node_attributes(eps=eps, interleaved=interleaved, rounding=rounding)  # validates
+    axes_dim = default_axes_dims(rotary_dim)
+    sample = _sample(img_shapes, txt_len, batch, DEFAULT_ATTENTION_SAMPLE)
+    config = dict(dim=heads * head_dim, heads=int(heads), head_dim=int(head_dim), eps=float(eps),
+                  interleaved=bool(interleaved), rounding=int(rounding), rotary_dim=rotary_dim,
+                  axes_dims_rope=list(axes_dim), seed=int(seed), dtype=dtype,
+                  weights=str(Path(weights).resolve()) if weights else None,
+                  weights_sha256=_sha256(weights) if weights else None)
+    t0 = time.perf_counter()
+    module = build_attention(config)
+    args = _sample_args(sample, tdtype, config["dim"], config["dim"], axes_dim, False, seed)
+    _log(progress, f"exporting the attention block ({heads} heads x {head_dim}, {dtype}, opset "
+                   f"{opset})")
+    model = _torch_export(CacheInputAttention(module), args, ATTENTION_INPUTS, ATTENTION_OUTPUTS,
+                          opset)
+    finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim, expected_nodes=2)
+    info, written = _write_outputs(model, out, dict(
+        model="attention", opset=opset, ir_version=IR_VERSION, dtype=dtype,
+        dynamic_axes={}, node_attributes=contract.node_attributes(
+            eps=eps, interleaved=interleaved, rounding=rounding),
+        config=config, sample=_sample_dict(sample), versions=_versions(),
+        axis_values=_axis_values(sample)), progress=progress)
+    _log(progress, f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    return info, written
+
+
+def _sample_dict(sample: Sample) -> dict:
+    return {"img_shapes": [list(s) for s in sample.img_shapes], "txt_len": sample.txt_len,
+            "batch": sample.batch}
+
+
+def _axis_values(sample: Sample) -> dict[str, int]:
+    return {"batch": sample.batch, "img_tokens": sample.img_tokens,
+            "txt_tokens": sample.txt_len, "img_cache_rows": sample.img_tokens,
+            "txt_cache_rows": sample.txt_len}
+
+
+# --------------------------------------------------------------------------------------------
+# Whole transformer
+# --------------------------------------------------------------------------------------------
+
+def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
+                       layers: int | None = None, dtype: str = "fp32",
+                       opset: int = DEFAULT_OPSET, rounding: int = 0,
+                       img_shapes: Sequence[Sequence[int]] | None = None,
+                       txt_len: int | None = None, batch: int | None = None,
+                       progress: bool = True):
+    """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs."""
+    from .patch_diffusers import CacheInputTransformer, load_transformer
+
+    out = _check_out(out)
+    tdtype = _check_dtype(dtype)
+    opset = _check_opset(opset)
+    sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
+    t0 = time.perf_counter()
+    _log(progress, f"[1/4] loading {diffusers_dir} ({dtype})")
+    transformer = load_transformer(str(diffusers_dir), dtype=tdtype)
+    cfg = dict(transformer.config)
+    head_dim = int(cfg["attention_head_dim"])
+    axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])
+    rotary_dim = sum(axes_dim)
+    wrapper = CacheInputTransformer(transformer, layers, rounding=rounding).eval()
+    n_layers = wrapper.num_layers
+    eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
+    in_channels = int(cfg["in_channels"])
+    args = _sample_args(sample, tdtype, in_channels, int(cfg["joint_attention_dim"]), axes_dim,
+                        True, 0)
+    _log(progress, f"[2/4] tracing {n_layers} of {len(transformer.transformer_blocks)} blocks "
+                   f"(torch.export; sample {sample.img_shapes}, {sample.txt_len} text tokens, "
+                   f"batch {sample.batch})")
+    model = _torch_export(wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset)
+    _log(progress, f"[3/4] adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes) "
+                   f"after {time.perf_counter() - t0:.1f} s")
+    finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
+                   expected_nodes=2 * n_layers)
+    config = dict(dim=int(cfg["num_attention_heads"]) * head_dim,
+                  heads=int(cfg["num_attention_heads"]), head_dim=head_dim, eps=eps,
+                  interleaved=True, rounding=int(rounding), rotary_dim=rotary_dim,
+                  axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
+                  diffusers_dir=str(Path(diffusers_dir).resolve()),
+                  diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
+                                    for k, v in cfg.items() if not k.startswith("_")
+                                    or k in ("_class_name", "_diffusers_version")},
+                  num_layers_exported=n_layers)
+    _log(progress, f"[4/4] writing {out}")
+    info, written = _write_outputs(model, out, dict(
+        model="transformer", opset=opset, ir_version=IR_VERSION, dtype=dtype,
+        dynamic_axes={}, node_attributes=contract.node_attributes(
+            eps=eps, interleaved=True, rounding=rounding),
+        config=config, sample=_sample_dict(sample), versions=_versions(("diffusers",)),
+        axis_values=_axis_values(sample)), progress=progress)
+    _log(progress, f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
+    return info, written
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export", help="export the Qwen-Image attention block or a diffusers transformer to ONNX",
+        description=__doc__.split("\n\n")[0] + " Writes MODEL.onnx and MODEL.onnx.json.")
+    p.add_argument("--model", choices=("attention", "transformer"), default="attention")
+    p.add_argument("--out", "-o", default=None,
+                   help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32",
+                   help="weights and activations (caches stay fp32); the engine's precision")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
+                   help="sample image in latent patches; repeat for edit condition images")
+    p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
+    p.add_argument("--batch", type=int, default=None, help="sample batch (traced with >= 2)")
+    p.add_argument("--rounding", type=int, choices=(0, 1), default=0,
+                   help="0: one rounding at the end (default); 1: diffusers' eager order")
+    a = p.add_argument_group("attention block (--model attention)")
+    a.add_argument("--heads", type=int, default=24)
+    a.add_argument("--head-dim", type=int, default=128)
+    a.add_argument("--rotary-dim", type=int, default=None, help="default: head_dim")
+    a.add_argument("--neox", action="store_true", help="NeoX pairing (j, j + rd/2)")
+    a.add_argument("--eps", type=float, default=contract.DEFAULT_EPS)
+    a.add_argument("--weights", default=None,
+                   help="safetensors / torch state dict with diffusers names (default: seeded "
+                        "random weights)")
+    a.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("transformer (--model transformer)")
+    t.add_argument("--diffusers", metavar="DIR", default=None,
+                   help="local folder of a saved QwenImageTransformer2DModel")
+    t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
+    common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
+                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding)
+    if args.model == "transformer":
+        if not args.diffusers:
+            raise ValueError("--model transformer needs --diffusers DIR (a local saved "
+                             "QwenImageTransformer2DModel)")
+        info, written = export_transformer(out, args.diffusers, layers=args.layers,
+                                           progress=True, **common)
+    else:
+        if args.diffusers or args.layers:
+            raise ValueError("--diffusers/--layers apply to --model transformer")
+        info, written = export_attention(
+            out, heads=args.heads, head_dim=args.head_dim, rotary_dim=args.rotary_dim,
+            eps=args.eps, interleaved=not args.neox, weights=args.weights, seed=args.seed,
+            progress=True, **common)
+    for path in written:
+        print(path)
+    return 0

@@ -1,0 +1,236 @@
+"""ONNX side of QKNormRoPE: the torch.onnx translation and the model-local function body.
+
+Two things live here (spec section 4):
+
+1. :func:`qk_norm_rope_translation`, the entry of ``custom_translation_table`` for
+   ``torch.ops.qkrope.qk_norm_rope``. The dynamo exporter traces it with onnxscript and it writes
+   exactly one ``qkrope::QKNormRoPE`` node per call, with the attributes from
+   :func:`qkrope.export.contract.node_attributes` (so the node contract has one source).
+
+2. :func:`make_function_proto`, the model-local ONNX function ``qkrope::QKNormRoPE`` whose body
+   implements spec section 3 with standard ONNX ops, so ONNX Runtime (any execution provider),
+   ``onnx.reference`` and TensorRT without the plugin can run the same file.
+
+Opset. The default is **18**: it is the opset torch's dynamo exporter (torchlib) emits natively
+(lower opsets go through onnx's version converter, which is lossy and slow on big graphs); ONNX
+Runtime supports it since 1.14 and TensorRT's ONNX parser since 8.6 (TensorRT 10.x parses opsets
+9-22). The body uses only ops whose opset-18 signatures are unchanged up to opset 23 (Cast,
+CastLike, Mul, Add, Sub, Sqrt, Reciprocal, ReduceMean with ``axes`` as an input, Shape, Slice,
+Split, Reshape, Concat, Unsqueeze, Constant), so the same body is valid for ``--opset`` 18..23.
+Opset 17 or lower is refused (ReduceMean/Split/Unsqueeze signatures differ and the exporter does
+not target them).
+
+Function body strategy. ``epsilon`` is an *attribute reference* inside the body
+(``Constant(value_float=@epsilon)``), so the body follows each node's value exactly. The other
+two attributes change the *structure* of the computation (``interleaved``: which elements form a
+pair; ``rounding``: extra casts to the activation dtype), and ONNX functions cannot branch on an
+attribute without a runtime ``If`` or computing both variants and selecting (both of which would
+make the TensorRT no-plugin fallback and ONNX Runtime slower, and ``If`` with subgraphs inside a
+function is poorly supported by TensorRT's parser). ONNX allows one function per (domain, name)
+without overloads, and TensorRT's parser looks functions up by name only, so the exporter emits
+one body per model, specialised for the (interleaved, rounding, partial-rotary) combination all of
+the model's QKNormRoPE nodes share; :func:`qkrope.export.onnx_export` refuses a model whose nodes
+disagree, and :func:`function_variant` reads the variant back from a model for checks.
+The body is generic in the activation dtype (``CastLike`` to the input), in the number of rows,
+tokens, heads, and in ``rotary_dim`` (read from the cache's shape); only whether
+``rotary_dim < head_dim`` (a pass-through tail exists) is structural. The function still declares
+all five attributes with their defaults so a node may carry them (onnx.checker and ONNX Runtime
+accept them; TensorRT's parser ignores unreferenced ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto, helper
+from onnxscript.values import Op, Opset
+
+from . import contract
+
+DEFAULT_OPSET = 18
+MIN_OPSET = 18
+MAX_OPSET = 23
+
+QKNORMROPE = Opset(contract.DOMAIN, contract.DOMAIN_VERSION)
+
+
+def _op_schema() -> onnx.defs.OpSchema:
+    """An OpSchema for the node, built from the contract and *not* registered globally: onnxscript
+    needs one to emit a call; the model itself carries the function body instead."""
+    S = onnx.defs.OpSchema
+    act = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations")
+    cache = ("C", ["tensor(float)"], "cos_sin_cache")
+    types = {"q": "T", "k": "T", "q_weight": "T", "k_weight": "T", "cos_sin_cache": "C"}
+    attr_types = {"FLOAT": S.AttrType.FLOAT, "INT": S.AttrType.INT, "STRING": S.AttrType.STRING}
+    return S(
+        contract.OP_TYPE, contract.DOMAIN, contract.DOMAIN_VERSION,
+        "Fused per-head RMSNorm + RoPE (qkrope spec section 3).",
+        inputs=[S.FormalParameter(name, types[name]) for name in contract.INPUTS],
+        outputs=[S.FormalParameter(name, "T") for name in contract.OUTPUTS],
+        type_constraints=[act, cache],
+        attributes=[S.Attribute(a.name, attr_types[a.onnx_type], a.name, required=False)
+                    for a in contract.ATTRIBUTES],
+    )
+
+
+_QKNORMROPE_OP = Op(QKNORMROPE, contract.OP_TYPE, _op_schema())
+
+
+def qk_norm_rope_translation(q, k, q_weight, k_weight, cos_sin_cache, eps: float = 1e-6,
+                             interleaved: bool = True, rounding: int = 0):
+    """``torch.ops.qkrope.qk_norm_rope`` -> one ``qkrope::QKNormRoPE`` node (traced by torch.onnx).
+
+    The attributes are written from :func:`contract.node_attributes`; the function body is added
+    to the model afterwards (see the module docstring for why).
+    """
+    attrs = contract.node_attributes(eps=float(eps), interleaved=bool(interleaved),
+                                     rounding=int(rounding))
+    q_out, k_out = _QKNORMROPE_OP(q, k, q_weight, k_weight, cos_sin_cache, **attrs)
+    return q_out, k_out
+
+
+@dataclass(frozen=True)
+class FunctionVariant:
+    """The structural choices a function body is specialised for."""
+
+    interleaved: bool = True
+    rounding: int = 0
+    partial: bool = False  # rotary_dim < head_dim: a tail of dims is normalised, not rotated
+
+    @property
+    def tag(self) -> str:
+        return (f"{'interleaved' if self.interleaved else 'neox'}-rounding{self.rounding}"
+                f"{'-partial' if self.partial else ''}")
+
+
+def _const_ints(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
+        name + "_value", TensorProto.INT64, [len(values)], values))
+
+
+def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[onnx.NodeProto]:
+    """Nodes computing spec section 3 for one of q/k. ``p`` prefixes every intermediate name."""
+    n = helper.make_node
+    nodes = [
+        n("Cast", [x], [f"{p}xf"], to=TensorProto.FLOAT),
+        n("Mul", [f"{p}xf", f"{p}xf"], [f"{p}sq"]),
+        n("ReduceMean", [f"{p}sq", "axes_last"], [f"{p}ms"], keepdims=1),
+        n("Add", [f"{p}ms", "eps"], [f"{p}mse"]),
+        n("Sqrt", [f"{p}mse"], [f"{p}rms"]),
+        n("Reciprocal", [f"{p}rms"], [f"{p}inv"]),
+        n("Mul", [f"{p}xf", f"{p}inv"], [f"{p}xn"]),
+    ]
+    if v.rounding == 1:
+        # diffusers' eager order: round x*inv to the activation dtype, multiply by the weight in
+        # that dtype (rounded again), then rotate in fp32. Identity casts for fp32 activations.
+        nodes += [
+            n("CastLike", [f"{p}xn", x], [f"{p}xn_r"]),
+            n("CastLike", [w, x], [f"{p}w_r"]),
+            n("Mul", [f"{p}xn_r", f"{p}w_r"], [f"{p}yw_r"]),
+            n("Cast", [f"{p}yw_r"], [f"{p}y"], to=TensorProto.FLOAT),
+        ]
+    else:
+        nodes += [
+            n("Cast", [w], [f"{p}wf"], to=TensorProto.FLOAT),
+            n("Mul", [f"{p}xn", f"{p}wf"], [f"{p}y"]),
+        ]
+    # cache rows for this stream's tokens: cache[:S] -> cos [1, S, 1, half], sin likewise
+    nodes += [
+        n("Shape", [x], [f"{p}seq"], start=1, end=2),
+        n("Slice", ["cos_sin_cache", "zero1", f"{p}seq", "zero1"], [f"{p}rows"]),
+        n("Slice", [f"{p}rows", "zero1", "half", "one1"], [f"{p}cos2"]),
+        n("Slice", [f"{p}rows", "half", "rot", "one1"], [f"{p}sin2"]),
+    ]
+    y_rot = f"{p}y"
+    if v.partial:
+        nodes += [
+            n("Slice", [f"{p}y", "zero1", "rot", "minus1"], [f"{p}yr"]),
+            n("Slice", [f"{p}y", "rot", "int_max", "minus1"], [f"{p}ypass"]),
+        ]
+        y_rot = f"{p}yr"
+    if v.interleaved:
+        # [B, S, H, rd] -> [B, S, H, half, 2]; a = [..., 0], b = [..., 1]
+        nodes += [
+            n("Unsqueeze", [f"{p}cos2", "axes_0_2_4"], [f"{p}cos"]),
+            n("Unsqueeze", [f"{p}sin2", "axes_0_2_4"], [f"{p}sin"]),
+            n("Reshape", [y_rot, "shape_pairs"], [f"{p}pairs"]),
+            n("Split", [f"{p}pairs"], [f"{p}a", f"{p}b"], axis=-1, num_outputs=2),
+        ]
+    else:
+        nodes += [
+            n("Unsqueeze", [f"{p}cos2", "axes_0_2"], [f"{p}cos"]),
+            n("Unsqueeze", [f"{p}sin2", "axes_0_2"], [f"{p}sin"]),
+            n("Slice", [y_rot, "zero1", "half", "minus1"], [f"{p}a"]),
+            n("Slice", [y_rot, "half", "rot", "minus1"], [f"{p}b"]),
+        ]
+    nodes += [
+        n("Mul", [f"{p}a", f"{p}cos"], [f"{p}ac"]),
+        n("Mul", [f"{p}b", f"{p}sin"], [f"{p}bs"]),
+        n("Sub", [f"{p}ac", f"{p}bs"], [f"{p}ra"]),
+        n("Mul", [f"{p}a", f"{p}sin"], [f"{p}as"]),
+        n("Mul", [f"{p}b", f"{p}cos"], [f"{p}bc"]),
+        n("Add", [f"{p}as", f"{p}bc"], [f"{p}rb"]),
+        n("Concat", [f"{p}ra", f"{p}rb"], [f"{p}rot_out"], axis=-1),
+    ]
+    rot_out = f"{p}rot_out"
+    if v.interleaved:
+        nodes.append(n("Reshape", [rot_out, "shape_flat"], [f"{p}rot_flat"]))
+        rot_out = f"{p}rot_flat"
+    if v.partial:
+        nodes.append(n("Concat", [rot_out, f"{p}ypass"], [f"{p}full"], axis=-1))
+        rot_out = f"{p}full"
+    nodes.append(n("CastLike", [rot_out, x], [out]))
+    return nodes
+
+
+def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
+                        opset: int = DEFAULT_OPSET) -> onnx.FunctionProto:
+    """The model-local function ``qkrope::QKNormRoPE`` (spec section 3 in standard ops)."""
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"the QKNormRoPE function body is written for opsets {MIN_OPSET}.."
+                         f"{MAX_OPSET}; got {opset}")
+    n = helper.make_node
+    common = [
+        n("Constant", [], ["eps"], value_float=1e-6),  # replaced by an attribute reference below
+        _const_ints("axes_last", [-1]),
+        _const_ints("zero1", [0]),
+        _const_ints("one1", [1]),
+        _const_ints("minus1", [-1]),
+        _const_ints("two1", [2]),
+        _const_ints("int_max", [2**62]),
+        _const_ints("axes_0_2", [0, 2]),
+        _const_ints("axes_0_2_4", [0, 2, 4]),
+        _const_ints("shape_pairs", [0, 0, 0, -1, 2]),
+        _const_ints("shape_flat", [0, 0, 0, -1]),
+        n("Shape", ["cos_sin_cache"], ["rot"], start=1, end=2),
+        n("Div", ["rot", "two1"], ["half"]),
+    ]
+    # epsilon follows the node: Constant(value_float=@epsilon)
+    eps_attr = onnx.AttributeProto()
+    eps_attr.name = "value_float"
+    eps_attr.ref_attr_name = "epsilon"
+    eps_attr.type = onnx.AttributeProto.FLOAT
+    del common[0].attribute[:]
+    common[0].attribute.append(eps_attr)
+
+    q_in, k_in, qw_in, kw_in, _ = contract.INPUTS
+    nodes = (common + _stream_nodes("q_", q_in, qw_in, contract.OUTPUTS[0], variant)
+             + _stream_nodes("k_", k_in, kw_in, contract.OUTPUTS[1], variant))
+    defaults = []
+    for a in contract.ATTRIBUTES:
+        defaults.append(helper.make_attribute(a.name, a.default))
+    fn = helper.make_function(
+        contract.DOMAIN, contract.OP_TYPE, list(contract.INPUTS), list(contract.OUTPUTS), nodes,
+        opset_imports=[helper.make_opsetid("", opset)], attributes=[],
+        doc_string=f"QKNormRoPE ({variant.tag}); qkrope spec section 3",
+    )
+    fn.attribute_proto.extend(defaults)
+    return fn
+
+
+def function_variant(function: onnx.FunctionProto) -> FunctionVariant:
+    """Read back which variant a body (made by :func:`make_function_proto`) implements."""
+    names = {o for node in function.node for o in node.output}
+    return FunctionVariant(interleaved="q_pairs" in names, rounding=int("q_xn_r" in names),
+                           partial="q_ypass" in names)

@@ -1,0 +1,169 @@
+"""Make a diffusers ``QwenImageTransformer2DModel`` exportable: RoPE as two 2-D cache inputs.
+
+diffusers' Qwen-Image RoPE is complex-valued (``QwenEmbedRope`` returns complex frequencies and
+``apply_rotary_emb_qwen`` multiplies complex tensors), which neither torch.onnx exporter can
+translate. Here:
+
+- :class:`QKNormRoPEAttnProcessor` replaces ``QwenDoubleStreamAttnProcessor2_0`` on every joint
+  attention (through diffusers' ``set_attn_processor``): it takes ``image_rotary_emb`` as the
+  ``(img_cache, txt_cache)`` pair and runs per-head RMSNorm + RoPE as one
+  ``qkrope.export.qk_norm_rope`` call per stream (one ``QKNormRoPE`` ONNX node per stream).
+- :class:`CacheInputTransformer` wraps the model with a ``forward`` whose inputs are the graph
+  inputs (``hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
+  img_cos_sin_cache, txt_cos_sin_cache``); ``pos_embed`` (the complex RoPE) is never called, so it
+  is not in the graph. It replicates ``QwenImageTransformer2DModel.forward`` for the standard
+  Qwen-Image configuration (no ``zero_cond_t``, no additional t-cond, no layer-3D RoPE, no
+  controlnet residuals).
+
+diffusers is imported lazily (it is optional).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkrope._deps import require
+
+from . import contract
+from .ops import qk_norm_rope
+
+
+class QKNormRoPEAttnProcessor:
+    """Drop-in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` taking 2-D RoPE caches."""
+
+    def __init__(self, *, interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                 rounding: int = contract.DEFAULT_ROUNDING):
+        self.interleaved = interleaved
+        self.rounding = rounding
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None,
+                 encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
+        if encoder_hidden_states is None:
+            raise ValueError("QKNormRoPEAttnProcessor requires encoder_hidden_states (text stream)")
+        if attention_mask is not None:
+            raise ValueError("QKNormRoPEAttnProcessor takes encoder_hidden_states_mask, not an "
+                             "external attention_mask")
+        if image_rotary_emb is None:
+            raise ValueError("QKNormRoPEAttnProcessor needs image_rotary_emb=(img_cache, "
+                             "txt_cache); build them with qkrope.runtime.build_qwen_rope_caches")
+        img_cache, txt_cache = image_rotary_emb
+        batch, s_img = hidden_states.shape[:2]
+        s_txt = encoder_hidden_states.shape[1]
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x):
+            return x.unflatten(-1, (-1, head_dim))
+
+        img_q, img_k = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
+        img_v = heads(attn.to_v(hidden_states))
+        txt_q = heads(attn.add_q_proj(encoder_hidden_states))
+        txt_k = heads(attn.add_k_proj(encoder_hidden_states))
+        txt_v = heads(attn.add_v_proj(encoder_hidden_states))
+
+        opts = dict(eps=float(attn.norm_q.eps), interleaved=self.interleaved,
+                    rounding=self.rounding)
+        img_q, img_k = qk_norm_rope(img_q, img_k, attn.norm_q.weight, attn.norm_k.weight,
+                                    img_cache, **opts)
+        txt_q, txt_k = qk_norm_rope(txt_q, txt_k, attn.norm_added_q.weight,
+                                    attn.norm_added_k.weight, txt_cache, **opts)
+
+        q = torch.cat([txt_q, img_q], dim=1).transpose(1, 2)
+        k = torch.cat([txt_k, img_k], dim=1).transpose(1, 2)
+        v = torch.cat([txt_v, img_v], dim=1).transpose(1, 2)
+        mask = None
+        if encoder_hidden_states_mask is not None:
+            img_mask = torch.ones(batch, s_img, dtype=torch.bool, device=hidden_states.device)
+            mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1)
+            mask = mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                             is_causal=False)
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+        txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
+        img_out = attn.to_out[0](out[:, s_txt:].contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        return img_out, txt_out
+
+
+def check_supported(transformer: nn.Module) -> None:
+    """Raise ValueError for configurations CacheInputTransformer does not reproduce."""
+    cfg = transformer.config
+    for key in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+        if cfg.get(key, False):
+            raise ValueError(f"the diffusers config sets {key}=True, which qkrope's transformer "
+                             f"export does not support yet (standard Qwen-Image only)")
+    head_dim = cfg["attention_head_dim"]
+    if sum(cfg["axes_dims_rope"]) > head_dim:
+        raise ValueError(f"axes_dims_rope {tuple(cfg['axes_dims_rope'])} sums to more than "
+                         f"attention_head_dim={head_dim}")
+
+
+def patch_transformer(transformer: nn.Module, *, interleaved: bool = True,
+                      rounding: int = 0) -> nn.Module:
+    """Swap every joint attention processor for :class:`QKNormRoPEAttnProcessor` (in place)."""
+    require("diffusers", "exporting a diffusers transformer")
+    check_supported(transformer)
+    transformer.set_attn_processor(QKNormRoPEAttnProcessor(interleaved=interleaved,
+                                                           rounding=rounding))
+    return transformer
+
+
+class CacheInputTransformer(nn.Module):
+    """``QwenImageTransformer2DModel`` with the RoPE caches as inputs (see module docstring).
+
+    ``forward(hidden_states [B, S_img, in_channels], encoder_hidden_states [B, S_txt,
+    joint_attention_dim], encoder_hidden_states_mask [B, S_txt] bool, timestep [B],
+    img_cos_sin_cache [R_img, rd] fp32, txt_cos_sin_cache [R_txt, rd] fp32) -> sample``.
+    ``num_layers`` keeps the first N blocks (all by default).
+    """
+
+    def __init__(self, transformer: nn.Module, num_layers: int | None = None, *,
+                 interleaved: bool = True, rounding: int = 0):
+        super().__init__()
+        patch_transformer(transformer, interleaved=interleaved, rounding=rounding)
+        total = len(transformer.transformer_blocks)
+        if num_layers is not None and not 1 <= num_layers <= total:
+            raise ValueError(f"--layers must be between 1 and {total} (the model's num_layers); "
+                             f"got {num_layers}")
+        self.num_layers = total if num_layers is None else num_layers
+        self.transformer = transformer
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        t = self.transformer
+        hidden_states = t.img_in(hidden_states)
+        timestep = timestep.to(hidden_states.dtype)
+        encoder_hidden_states = t.txt_in(t.txt_norm(encoder_hidden_states))
+        mask = encoder_hidden_states_mask.to(torch.bool)
+        temb = t.time_text_embed(timestep, hidden_states)
+        rope = (img_cos_sin_cache, txt_cos_sin_cache)
+        for block in t.transformer_blocks[:self.num_layers]:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                encoder_hidden_states_mask=mask, temb=temb, image_rotary_emb=rope)
+        hidden_states = t.norm_out(hidden_states, temb)
+        return t.proj_out(hidden_states)
+
+
+def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``QwenImageTransformer2DModel.from_pretrained(directory)``, local files only."""
+    import os
+
+    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
+    if not directory or not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"--diffusers {directory!r} is not a directory: give the local folder of a saved "
+            f"QwenImageTransformer2DModel (the one with config.json and the weights; for a "
+            f"pipeline folder, its transformer/ subfolder). Nothing is downloaded.")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        sub = os.path.join(directory, "transformer")
+        if os.path.isfile(os.path.join(sub, "config.json")):
+            directory = sub
+        else:
+            raise FileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
+                                    f"transformer/config.json): not a saved diffusers model")
+    model = diffusers.QwenImageTransformer2DModel.from_pretrained(
+        directory, torch_dtype=dtype, local_files_only=True)
+    return model.eval()
