@@ -338,6 +338,7 @@ class Config:
     peak_gbps: float | None = None
     out: Path | None = None
     seed: int = 0
+    threads: int | None = None
 
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -376,7 +377,10 @@ def _make_inputs(cfg: Config, size: int, batch: int):
     ehs = torch.randn(batch, cfg.text_len, c, generator=gen).to(cfg.device, dt)
     caches = build_qwen_rope_caches([(1, side, side)], cfg.text_len,
                                     axes_dim=qwen_axes_dim(cfg.head_dim), device=cfg.device)
-    return hs, ehs, (caches[0], caches[1])
+    # The text mask is passed everywhere (as diffusers' pipeline does), all ones, so every
+    # backend runs the same masked attention.
+    mask = torch.ones(batch, cfg.text_len, dtype=torch.bool, device=cfg.device)
+    return hs, ehs, (caches[0], caches[1]), mask
 
 
 @contextlib.contextmanager
@@ -411,13 +415,18 @@ def _timer(cfg: Config):
     return time_cuda if cfg.device.startswith("cuda") else time_cpu
 
 
-def _export_onnx(cfg: Config, block, sample, path: Path) -> Path:
-    """Export the block with the project's exporter (``qkrope.export.onnx_export``)."""
-    from qkrope.export import onnx_export
+_SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
-    hs, ehs, caches = sample
-    fn = getattr(onnx_export, "export_attention", None) or getattr(onnx_export, "export_onnx")
-    fn(block, path, hidden_states=hs, encoder_hidden_states=ehs, image_rotary_emb=caches)
+
+def _export_onnx(cfg: Config, path: Path) -> Path:
+    """Export the attention block with the project's exporter (``qkrope export``'s function),
+    with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it)."""
+    from qkrope.export.onnx_export import export_attention
+
+    side = min(cfg.sizes) // PIXELS_PER_TOKEN
+    export_attention(path, heads=cfg.heads, head_dim=cfg.head_dim, dtype=_SHORT_DTYPE[cfg.dtype],
+                     seed=cfg.seed, img_shapes=[(1, side, side)], txt_len=cfg.text_len,
+                     batch=max(2, max(cfg.batches)))
     return path
 
 
@@ -433,9 +442,9 @@ def _bench_torch(cfg: Config, rows: list[Row], machine: dict, *, compiled: bool)
     with ctx, torch.inference_mode():
         for size in cfg.sizes:
             for batch in cfg.batches:
-                hs, ehs, caches = _make_inputs(cfg, size, batch)
+                hs, ehs, caches, mask = _make_inputs(cfg, size, batch)
                 try:
-                    times = _timer(cfg)(lambda: fn_block(hs, ehs, caches), iters=cfg.iters,
+                    times = _timer(cfg)(lambda: fn_block(hs, ehs, caches, mask), iters=cfg.iters,
                                         warmup=cfg.warmup + (2 if compiled else 0))
                 except Exception as exc:  # noqa: BLE001 - a failed row must not end the bench
                     rows.append(_row(cfg, backend, size, batch, machine, status="failed",
@@ -448,24 +457,29 @@ def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Pat
     import onnxruntime as ort
 
     backend = "onnxruntime-cpu"
-    block = _make_block(cfg)
     onnx_path = workdir / "attention.onnx"
     try:
-        _export_onnx(cfg, block, _make_inputs(cfg, cfg.sizes[0], cfg.batches[0]), onnx_path)
+        _export_onnx(cfg, onnx_path)
     except Exception as exc:  # noqa: BLE001
         for size in cfg.sizes:
             for batch in cfg.batches:
                 rows.append(_row(cfg, backend, size, batch, machine, status="skipped",
                                  reason=f"ONNX export failed ({type(exc).__name__}: {exc})"[:300]))
         return
+    import torch
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Same thread count as torch, and no spin-waiting after a run: spinning ORT threads would
+    # steal the cores from the next torch measurement.
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     types = {i.name: i.type for i in sess.get_inputs()}
     for size in cfg.sizes:
         for batch in cfg.batches:
-            hs, ehs, (img_cache, txt_cache) = _make_inputs(cfg, size, batch)
-            feeds = _ort_feeds(types, hs, ehs, img_cache, txt_cache)
+            hs, ehs, (img_cache, txt_cache), mask = _make_inputs(cfg, size, batch)
+            feeds = _ort_feeds(types, hs, ehs, img_cache, txt_cache, mask)
             try:
                 times = time_cpu(lambda: sess.run(None, feeds), iters=cfg.iters,
                                  warmup=cfg.warmup)
@@ -474,9 +488,10 @@ def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Pat
                                  reason=f"{type(exc).__name__}: {exc}"[:300]))
                 continue
             rows.append(_measured(cfg, backend, size, batch, machine, times))
+    del sess
 
 
-def _ort_feeds(types: Mapping[str, str], hs, ehs, img_cache, txt_cache) -> dict:
+def _ort_feeds(types: Mapping[str, str], hs, ehs, img_cache, txt_cache, mask) -> dict:
     """Feeds by input name: *mask* -> all ones, *cache* -> the stream's cache (img/txt in the
     name), encoder/txt -> encoder_hidden_states, anything else -> hidden_states."""
     import torch
@@ -492,8 +507,7 @@ def _ort_feeds(types: Mapping[str, str], hs, ehs, img_cache, txt_cache) -> dict:
     for n, onnx_type in types.items():
         low = n.lower()
         if "mask" in low:
-            by_role[n] = torch.ones(ehs.shape[0], ehs.shape[1],
-                                    dtype=torch.bool if onnx_type == "tensor(bool)" else hs.dtype)
+            by_role[n] = mask if onnx_type == "tensor(bool)" else mask.to(hs.dtype)
             continue
         if "cache" in low or "rotary" in low or "rope" in low:
             by_role[n] = img_cache if ("img" in low or "image" in low or low.endswith("_0")) \
@@ -536,10 +550,9 @@ def _bench_engine(cfg: Config, rows: list[Row], machine: dict, backend: str,
         return
     for size in cfg.sizes:
         for batch in cfg.batches:
-            hs, ehs, caches = _make_inputs(cfg, size, batch)
+            hs, ehs, caches, mask = _make_inputs(cfg, size, batch)
             try:
-                times = time_cuda(lambda: runner(hidden_states=hs, encoder_hidden_states=ehs,
-                                                 image_rotary_emb=caches),
+                times = time_cuda(lambda: runner(hs, ehs, caches, mask),
                                   iters=cfg.iters, warmup=cfg.warmup)
             except Exception as exc:  # noqa: BLE001
                 rows.append(_row(cfg, backend, size, batch, machine, status="failed",
@@ -607,9 +620,7 @@ def _build_engines(cfg: Config, workdir: Path, log: Callable[[str], None]
     and the plugin engine, with one profile covering every benchmarked size and batch."""
     from qkrope.runtime import engine as E
 
-    block = _make_block(cfg)
-    onnx_path = _export_onnx(cfg, block, _make_inputs(cfg, min(cfg.sizes), min(cfg.batches)),
-                             workdir / "attention.onnx")
+    onnx_path = _export_onnx(cfg, workdir / "attention.onnx")
     limits = dict(max_batch=max(cfg.batches), max_img_tokens=image_tokens(max(cfg.sizes)),
                   max_txt_tokens=cfg.text_len)
     eng_np = workdir / "attention.noplugin.engine"
@@ -639,7 +650,7 @@ def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
     for size in cfg.sizes:
         for batch in cfg.batches:
             s_img = image_tokens(size)
-            _, _, (img_cache, txt_cache) = _make_inputs(cfg, size, 1)
+            _, _, (img_cache, txt_cache), _ = _make_inputs(cfg, size, 1)
             bufs = []
             for s, cache in ((s_img, img_cache), (cfg.text_len, txt_cache)):
                 q = torch.randn(batch, s, cfg.heads, cfg.head_dim, device=cfg.device, dtype=dt)
@@ -674,7 +685,16 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
     for size in cfg.sizes:
         image_tokens(size)  # validate early
     on_gpu = cfg.device.startswith("cuda")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
     machine = machine_info(cfg.device)
+    machine["cpu_threads"] = str(torch.get_num_threads())
+    with contextlib.suppress(OSError):
+        load1 = os.getloadavg()[0]
+        machine["load_avg_1min"] = f"{load1:.2f}"
+        if not on_gpu and load1 > (os.cpu_count() or 1) - 0.5:
+            log(f"warning: the machine is busy (1-min load {load1:.2f} on {os.cpu_count()} "
+                "cores); CPU timings will be noisy. --threads 1 is steadier on a shared machine")
     rows: list[Row] = []
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -780,6 +800,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch and ONNX Runtime (default: torch's default)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.set_defaults(func=run)
     return p
@@ -805,7 +827,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         warmup=args.warmup if args.warmup is not None else (10 if gpu else 2),
         device=device, engine=args.engine, plugin=args.plugin,
         engine_no_plugin=args.engine_no_plugin, peak_gbps=args.peak_gbps,
-        out=Path(args.out))
+        out=Path(args.out), threads=args.threads)
     for s in cfg.sizes:
         image_tokens(s)
     qwen_axes_dim(cfg.head_dim)
