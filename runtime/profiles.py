@@ -19,7 +19,9 @@ txt_cache_rows     = txt_tokens' min/opt/max (at least)
 any other axis     export value for all three (fixed); override with --min/--opt/--max
 =================  ====  ==========================  ===========================================
 
-Explicit ``--min/--opt/--max NAME:DxDxD`` shapes replace the derived ones for that input. After
+Explicit ``--min/--opt/--max NAME:DxDxD`` shapes replace the derived ones for that input, and
+the named axes they fix apply to the other inputs at that level (``--max
+encoder_hidden_states:2x40x3072`` also makes the mask's max text length 40). After
 overrides, every cache-rows dimension is raised to at least the token dimension of its stream at
 the same level (min, opt, max), so an engine always accepts one cache row per token.
 """
@@ -188,22 +190,44 @@ def derive_profile(model: Mapping, *, min_shapes: Mapping[str, Shape] | None = N
     ranges = axis_ranges({**model, "inputs": needs_axes}, max_batch=max_batch,
                          max_img_tokens=max_img_tokens, max_txt_tokens=max_txt_tokens)
 
+    # An explicit shape also sets its named axes for the other inputs at that level
+    # (--max encoder_hidden_states:2x40x3072 makes the mask's and the text cache's max 40 too).
+    given_axes: dict[str, dict[str, int]] = {level: {} for level in LEVELS}
+    by_name = {spec["name"]: list(spec.get("shape", ())) for spec in inputs}
+    for level in LEVELS:
+        for name, given in overrides[level].items():
+            shape = by_name[name]
+            given = tuple(int(d) for d in given)
+            if len(given) != len(shape):
+                raise ProfileError(
+                    f"--{level} {name}:{_fmt(given)} has {len(given)} dimensions but {name} "
+                    f"has {len(shape)} ({_describe_shape(shape)})")
+            overrides[level][name] = given
+            for d, v in zip(shape, given):
+                if isinstance(d, str):
+                    given_axes[level].setdefault(d, v)
+
     profile: Profile = {}
     for spec in inputs:
         name, shape = spec["name"], list(spec.get("shape", ()))
         entry: dict[str, Shape] = {}
         for i, level in enumerate(LEVELS):
             if name in overrides[level]:
-                given = tuple(int(d) for d in overrides[level][name])
-                if len(given) != len(shape):
-                    raise ProfileError(
-                        f"--{level} {name}:{_fmt(given)} has {len(given)} dimensions but {name} "
-                        f"has {len(shape)} ({_describe_shape(shape)})")
-                entry[level] = given
+                entry[level] = overrides[level][name]
             else:
-                entry[level] = tuple(d if isinstance(d, int) else ranges[d][i] for d in shape)
+                entry[level] = tuple(
+                    d if isinstance(d, int) else _axis_value(d, given_axes[level], ranges, i)
+                    for d in shape)
         profile[name] = entry
     return reconcile_cache_rows(profile, inputs)
+
+
+def _axis_value(axis: str, given: Mapping[str, int], ranges: Mapping, i: int) -> int:
+    if axis in given:
+        return given[axis]
+    if axis in CACHE_ROWS_FOR and CACHE_ROWS_FOR[axis] in given:
+        return given[CACHE_ROWS_FOR[axis]]  # cache rows follow explicitly given token counts
+    return ranges[axis][i]
 
 
 def _describe_shape(shape: Sequence) -> str:
