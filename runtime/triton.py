@@ -272,7 +272,7 @@ def resolve_plugin(plugin: str | None, sidecar: Mapping, *, check_hash: bool = T
             try:
                 from qkrope.runtime.plugin_build import find_plugin_library
 
-                plugin = find_plugin_library("trt")
+                plugin = find_plugin_library("plugin")
             except Exception:  # noqa: BLE001 - any failure means "not found"; reported below
                 plugin = None
         if plugin is None:
