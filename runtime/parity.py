@@ -1,0 +1,438 @@
+"""``qkrope check MODEL.onnx``: parity of the exported model (and a TensorRT engine) with PyTorch.
+
+Steps:
+
+1. Read the sidecar (:class:`qkrope.runtime.model_info.ModelInfo`) and generate deterministic
+   inputs for the requested sizes (default: sizes *other* than the export sample, with edit
+   images, batch 2 and a text mask), including the correct caches from
+   ``build_qwen_rope_caches``.
+2. Reference outputs from PyTorch: the attention block is rebuilt from the sidecar (the same
+   seeded weights or the ``--weights`` file it names; the reference is the source model, so an
+   ONNX file whose weights were changed fails); a transformer is diffusers' own
+   ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) loaded from
+   ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported blocks.
+3. polygraphy's ``Comparator.run`` with its ONNX Runtime runner (``OnnxrtRunner``; bf16 models go
+   through :class:`OrtValueRunner` because polygraphy 0.53's ORT runner rejects bf16 inputs) and,
+   with ``--engine``, its TensorRT runner (``TrtRunner``, the plugin library loaded first).
+   ``compare_accuracy`` checks every runner against the reference (and TensorRT against ONNX
+   Runtime) with the per-dtype tolerances below; a table prints max abs / max rel error per
+   output, and the exit status is 1 on any mismatch.
+4. Inputs and outputs are written in polygraphy's JSON formats (``inputs.json`` for
+   ``--load-inputs``, ``reference_outputs.json`` for ``--load-outputs``, ``run_results.json``),
+   with ``polygraphy_cmd.sh``: the ``polygraphy run`` line to redo the comparison by hand.
+
+Tolerances (elementwise, polygraphy's rule: an element fails when its absolute error exceeds
+``atol`` *and* its relative error exceeds ``rtol``). ``atol`` scales with the output: ``scale`` is
+max |reference| of that output, ``ulp(scale)`` the spacing of the activation dtype there.
+
+- fp32: atol = 1e-5 x scale, rtol = 1e-4. Both sides compute in fp32; differences come only
+  from summation order in matmuls/attention (observed <= 5e-7 x scale for one block, ~1.5e-5 x
+  scale through a 2-block transformer with large random weights, hence the transformer gets 1e-4).
+- fp16: atol = 2 ulp(scale), rtol = 2^-9 (two fp16 ulps relative). The outputs are rounded to
+  fp16 once by each side after differently ordered fp32/fp16 accumulations: one rounding step
+  either way is expected (observed: 1 ulp), two is the bound; transformers get 8 ulp (errors from
+  several rounded layers accumulate).
+- bf16: atol = 2 ulp(scale) (1.6% of scale), rtol = 2^-6 — the same "one bf16 step from the
+  split path" as sglang's fused-kernel test (atol 8e-2 at scale ~4, rtol 1e-2); transformers 8 ulp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from qkrope._deps import require
+
+from .model_info import ModelInfo, to_ort_value, to_torch
+
+# dtype -> (atol in ulps of the output scale or a fraction of the scale for fp32, rtol)
+TOLERANCES = {
+    "fp32": {"atol_scale": 1e-5, "rtol": 1e-4},
+    "fp16": {"atol_ulps": 2, "rtol": 2.0 ** -9},
+    "bf16": {"atol_ulps": 2, "rtol": 2.0 ** -6},
+}
+TRANSFORMER_FACTOR = {"fp32": 10.0, "fp16": 4.0, "bf16": 4.0}
+# Check sizes that differ from the export sample (edit image, odd sizes, masked text).
+DEFAULT_CHECK_SAMPLE = dict(img_shapes=[(1, 6, 5), (1, 4, 4)], txt_len=11, batch=2)
+
+TRT_MISSING = ("the TensorRT side of `qkrope check` needs TensorRT's Python bindings and a CUDA "
+               "GPU")
+
+
+class ParityError(RuntimeError):
+    pass
+
+
+def _spacing(v: float, dtype: str) -> float:
+    """The spacing (one ulp) of ``dtype`` numbers at magnitude ``v``."""
+    mant = {"fp16": 10, "bf16": 7}[dtype]
+    if v <= 0:
+        return 0.0
+    exp = int(np.floor(np.log2(v)))
+    return 2.0 ** (exp - mant)
+
+
+def tolerances(dtype: str, reference: Mapping[str, np.ndarray], *,
+               model: str = "attention") -> dict[str, tuple[float, float]]:
+    """{output: (atol, rtol)} for this dtype and these reference outputs."""
+    rule = TOLERANCES[dtype]
+    factor = TRANSFORMER_FACTOR[dtype] if model == "transformer" else 1.0
+    out = {}
+    for name, ref in reference.items():
+        scale = float(np.max(np.abs(ref.astype(np.float32)))) if ref.size else 0.0
+        if "atol_scale" in rule:
+            atol = rule["atol_scale"] * factor * max(scale, 1e-6)
+        else:
+            atol = rule["atol_ulps"] * factor * _spacing(max(scale, 1e-6), dtype)
+        out[name] = (atol, rule["rtol"] * factor)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
+                      img_shapes: Sequence[Sequence[int]], *,
+                      diffusers_dir: str | None = None) -> dict[str, np.ndarray]:
+    """PyTorch outputs (float32 numpy) for the model a sidecar describes."""
+    import torch
+
+    t = {k: to_torch(v) for k, v in feeds.items()}
+    with torch.no_grad():
+        if info.model == "attention":
+            from qkrope.export.onnx_export import build_attention
+
+            module = build_attention({**info.config, "dtype": info.dtype})
+            img, txt = module(t["hidden_states"], t["encoder_hidden_states"],
+                              (t["img_cos_sin_cache"], t["txt_cos_sin_cache"]),
+                              t["encoder_hidden_states_mask"])
+            outs = {"img_out": img, "txt_out": txt}
+        else:
+            from qkrope.export.onnx_export import TORCH_DTYPES
+            from qkrope.export.patch_diffusers import load_transformer
+
+            directory = diffusers_dir or info.config.get("diffusers_dir")
+            if not directory:
+                raise ParityError("the transformer's reference needs --diffusers DIR")
+            model = load_transformer(directory, dtype=TORCH_DTYPES[info.dtype])
+            n = int(info.config.get("num_layers_exported", len(model.transformer_blocks)))
+            model.transformer_blocks = model.transformer_blocks[:n]
+            batch = t["hidden_states"].shape[0]
+            sample = model(hidden_states=t["hidden_states"],
+                           encoder_hidden_states=t["encoder_hidden_states"],
+                           encoder_hidden_states_mask=t["encoder_hidden_states_mask"],
+                           timestep=t["timestep"],
+                           img_shapes=[[tuple(s) for s in img_shapes]] * batch,
+                           return_dict=False)[0]
+            outs = {info.output_names[0]: sample}
+    return {k: v.float().numpy() for k, v in outs.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Runners
+# --------------------------------------------------------------------------------------------
+
+def _base_runner():
+    from polygraphy.backend.base import BaseRunner
+
+    return BaseRunner
+
+
+def make_ort_runner(onnx_path: str, dtype: str, providers: Sequence[str] = ("cpu",)):
+    """polygraphy's OnnxrtRunner, or OrtValueRunner for bf16 models."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    if dtype != "bf16":
+        return OnnxrtRunner(SessionFromOnnx(onnx_path, providers=list(providers)),
+                            name="onnxrt-runner")
+    return OrtValueRunner(onnx_path, providers)
+
+
+class OrtValueRunner:  # subclassed from polygraphy's BaseRunner at first use (lazy import)
+    def __new__(cls, onnx_path: str, providers: Sequence[str] = ("cpu",)):
+        base = _base_runner()
+
+        class _OrtValueRunner(base):
+            """ONNX Runtime through OrtValues (bfloat16 inputs/outputs), outputs as float32."""
+
+            def __init__(self):
+                super().__init__(name="onnxrt-runner", prefix="onnxrt-bf16-runner")
+                self.path = onnx_path
+                self.providers = [_ort_provider(p) for p in providers]
+
+            def activate_impl(self):
+                import onnxruntime as ort
+
+                self.sess = ort.InferenceSession(self.path, providers=self.providers)
+
+            def get_input_metadata_impl(self):
+                from polygraphy.common import TensorMetadata
+
+                meta = TensorMetadata()
+                for i in self.sess.get_inputs():
+                    meta.add(i.name, dtype=None, shape=i.shape)
+                return meta
+
+            def infer_impl(self, feed_dict):
+                start = time.perf_counter()
+                outs = self.sess.run_with_ort_values(
+                    None, {k: to_ort_value(np.asarray(v)) for k, v in feed_dict.items()})
+                self.inference_time = time.perf_counter() - start
+                result = {}
+                for meta, value in zip(self.sess.get_outputs(), outs):
+                    result[meta.name] = _ortvalue_to_f32(value)
+                return result
+
+            def deactivate_impl(self):
+                del self.sess
+
+        return _OrtValueRunner()
+
+
+def _ortvalue_to_f32(value) -> np.ndarray:
+    if value.data_type() == "tensor(bfloat16)":
+        raw = np.array(value.numpy(), copy=False)
+        bits = raw.view(np.uint16) if raw.dtype.itemsize == 2 else raw.astype(np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(value.numpy()).astype(np.float32)
+
+
+def _ort_provider(name: str) -> str:
+    return {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+            "trt": "TensorrtExecutionProvider"}.get(name.lower(), name)
+
+
+def load_plugin_library(path: str | os.PathLike):
+    """dlopen the plugin library (it registers its creators when loaded)."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--plugin {path!r} does not exist: build it with `qkrope "
+                                f"build-plugin`")
+    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def make_trt_runner(engine_path: str, plugin: str | None):
+    """polygraphy's TrtRunner on a serialised engine, with the plugin library loaded first."""
+    require("tensorrt", TRT_MISSING)
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_cuda = False
+    if not has_cuda:
+        raise ParityError(f"{TRT_MISSING}, and no CUDA GPU is visible. Run it on a machine with "
+                          f"a GPU and TensorRT (for example an NGC TensorRT container, "
+                          f"nvcr.io/nvidia/tensorrt), or drop --engine for the ONNX Runtime check")
+    if plugin:
+        load_plugin_library(plugin)
+    from polygraphy.backend.common import BytesFromPath
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    if not os.path.isfile(engine_path):
+        raise FileNotFoundError(f"--engine {engine_path!r} does not exist: build it with "
+                                f"`qkrope build`")
+    return TrtRunner(EngineFromBytes(BytesFromPath(engine_path)), name="trt-runner")
+
+
+# --------------------------------------------------------------------------------------------
+# The check
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    runner: str
+    against: str
+    output: str
+    max_abs: float
+    max_rel: float
+    atol: float
+    rtol: float
+    passed: bool
+
+
+def compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, atol: float, rtol: float,
+                   runner: str = "onnxrt", against: str = "pytorch") -> Row:
+    got = np.asarray(got, dtype=np.float32)
+    ref = np.asarray(ref, dtype=np.float32)
+    if got.shape != ref.shape:
+        return Row(runner, against, name, float("inf"), float("inf"), atol, rtol, False)
+    absdiff = np.abs(got - ref)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        reldiff = absdiff / np.abs(ref)
+    bad = ((absdiff > atol) | np.isnan(absdiff)) & ((reldiff > rtol) | np.isnan(reldiff))
+    finite_rel = reldiff[np.isfinite(reldiff)]
+    return Row(runner, against, name, float(absdiff.max()) if absdiff.size else 0.0,
+               float(finite_rel.max()) if finite_rel.size else 0.0, atol, rtol,
+               not bool(bad.any()))
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    head = f"{'runner':<10} {'vs':<10} {'output':<10} {'max abs':>10} {'max rel':>10} " \
+           f"{'atol':>10} {'rtol':>9}  result"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.runner:<10} {r.against:<10} {r.output:<10} {r.max_abs:>10.3g} "
+                     f"{r.max_rel:>10.3g} {r.atol:>10.3g} {r.rtol:>9.3g}  "
+                     f"{'pass' if r.passed else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def _f32(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in outputs.items():
+        if hasattr(v, "detach"):  # torch tensor (TrtRunner may return them)
+            v = v.detach().float().cpu().numpy()
+        out[k] = np.asarray(v).astype(np.float32)
+    return out
+
+
+def _json_feed(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inputs for polygraphy's JSON (bfloat16 widened to float32: lossless; polygraphy has no
+    bfloat16 numpy type)."""
+    return {k: (v.astype(np.float32) if v.dtype.name == "bfloat16" else v)
+            for k, v in feeds.items()}
+
+
+def polygraphy_command(onnx_path: str, workdir: Path, tol: Mapping[str, tuple[float, float]], *,
+                       engine: str | None = None, plugin: str | None = None) -> str:
+    atol = " ".join(f"{k}:{v[0]:.6g}" for k, v in tol.items())
+    rtol = " ".join(f"{k}:{v[1]:.6g}" for k, v in tol.items())
+    model = [engine, "--model-type", "engine", "--trt"] if engine else [onnx_path, "--onnxrt"]
+    parts = ["polygraphy", "run", *model]
+    if engine and plugin:
+        parts += ["--plugins", plugin]
+    parts += ["--load-inputs", str(workdir / "inputs.json"),
+              "--load-outputs", str(workdir / "reference_outputs.json")]
+    return shlex.join(parts) + f" --atol {atol} --rtol {rtol} --check-error-stat elemwise"
+
+
+def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, batch=None,
+                seed: int = 0, diffusers_dir: str | None = None, engine: str | None = None,
+                plugin: str | None = None, providers: Sequence[str] = ("cpu",),
+                workdir: str | os.PathLike | None = None, out=sys.stdout,
+                verbose: bool = False) -> tuple[bool, list[Row]]:
+    """Run the parity check; returns (passed, rows). See the module docstring."""
+    from polygraphy.logger import G_LOGGER
+
+    with G_LOGGER.verbosity(G_LOGGER.INFO if verbose else G_LOGGER.ERROR):
+        return _check_model(onnx_path, img_shapes=img_shapes, txt_len=txt_len, batch=batch,
+                            seed=seed, diffusers_dir=diffusers_dir, engine=engine, plugin=plugin,
+                            providers=providers, workdir=workdir, out=out)
+
+
+def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, engine, plugin,
+                 providers, workdir, out):
+    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator.struct import IterationResult, RunResults
+    from polygraphy.json import save_json
+
+    onnx_path = str(onnx_path)
+    if not os.path.isfile(onnx_path):
+        raise FileNotFoundError(f"{onnx_path!r} does not exist: export it with `qkrope export`")
+    info = ModelInfo.load(onnx_path)
+    img_shapes = img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"]
+    txt_len = txt_len or DEFAULT_CHECK_SAMPLE["txt_len"]
+    batch = batch or DEFAULT_CHECK_SAMPLE["batch"]
+    feeds = info.make_inputs(img_shapes, txt_len, batch, seed=seed)
+    reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir)
+    tol = tolerances(info.dtype, reference, model=info.model)
+
+    runners = [make_ort_runner(onnx_path, info.dtype, providers)]
+    if engine:
+        runners.append(make_trt_runner(str(engine), plugin))
+    results = Comparator.run(runners, data_loader=[feeds])
+    converted = RunResults()
+    for name, iterations in results:
+        converted.append((name, [IterationResult(_f32(it), runner_name=name)
+                                 for it in iterations]))
+    converted.append(("pytorch", [IterationResult(reference, runner_name="pytorch")]))
+
+    workdir = Path(workdir) if workdir else Path(onnx_path + ".check")
+    workdir.mkdir(parents=True, exist_ok=True)
+    save_json([_json_feed(feeds)], str(workdir / "inputs.json"))
+    ref_results = RunResults()
+    ref_results.append(("pytorch", [IterationResult(reference, runner_name="pytorch")]))
+    ref_results.save(str(workdir / "reference_outputs.json"))
+    converted.save(str(workdir / "run_results.json"))
+    cmd = polygraphy_command(onnx_path, workdir, tol, engine=engine, plugin=plugin)
+    (workdir / "polygraphy_cmd.sh").write_text("#!/bin/sh\n" + cmd + "\n")
+
+    compare = CompareFunc.simple(atol={k: v[0] for k, v in tol.items()},
+                                 rtol={k: v[1] for k, v in tol.items()},
+                                 check_error_stat="elemwise")
+    pairs = [(i, len(converted) - 1) for i in range(len(converted) - 1)]
+    if engine:
+        pairs.append((1, 0))  # TensorRT vs ONNX Runtime
+    accuracy = Comparator.compare_accuracy(converted, compare_func=compare,
+                                           comparisons=pairs)
+    rows = []
+    short = {"onnxrt-runner": "onnxrt", "trt-runner": "tensorrt", "pytorch": "pytorch"}
+    for a, b in pairs:
+        name_a, name_b = converted[a][0], converted[b][0]
+        ref_out = converted[b][1][0]
+        for output in info.output_names:
+            atol, rtol = tol[output]
+            rows.append(compare_arrays(output, converted[a][1][0][output], ref_out[output], atol,
+                                       rtol, short.get(name_a, name_a), short.get(name_b, name_b)))
+    passed = bool(accuracy) and all(r.passed for r in rows)
+    print(f"qkrope check: {onnx_path} ({info.model}, {info.dtype}); inputs: img_shapes "
+          f"{[list(s) for s in img_shapes]}, {txt_len} text tokens, batch {batch}, seed {seed}",
+          file=out)
+    print(format_table(rows), file=out)
+    print(f"polygraphy inputs/outputs: {workdir}/; rerun by hand: sh "
+          f"{workdir / 'polygraphy_cmd.sh'}", file=out)
+    print(f"qkrope check: {'PASSED' if passed else 'FAILED: outputs differ from the PyTorch reference beyond the ' + info.dtype + ' tolerance'}",
+          file=out)
+    return passed, rows
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "check", help="parity of an exported model (ONNX Runtime, TensorRT) with PyTorch",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("onnx", metavar="MODEL.onnx")
+    p.add_argument("--engine", default=None, help="also run this TensorRT engine (needs --plugin)")
+    p.add_argument("--plugin", default=None, help="the QKNormRoPE plugin library (.so)")
+    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"))
+    p.add_argument("--txt-len", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--diffusers", default=None, help="transformer reference folder (default: "
+                                                      "the one recorded at export)")
+    p.add_argument("--providers", nargs="+", default=["cpu"],
+                   help="ONNX Runtime execution providers (cpu, cuda)")
+    p.add_argument("--workdir", default=None, help="where the polygraphy JSON files go "
+                                                   "(default: MODEL.onnx.check/)")
+    p.add_argument("--verbose", "-v", action="store_true", help="polygraphy's own log too")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.engine and not args.plugin:
+        raise ValueError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
+    try:
+        passed, _ = check_model(args.onnx, img_shapes=args.img_shape, txt_len=args.txt_len,
+                                batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,
+                                engine=args.engine, plugin=args.plugin, providers=args.providers,
+                                workdir=args.workdir, verbose=args.verbose)
+    except Exception as exc:  # ORT without bf16 kernels and the like: say what to do
+        if "NOT_IMPLEMENTED" in str(exc):
+            raise ParityError(
+                f"ONNX Runtime's {'/'.join(args.providers)} provider cannot run this model "
+                f"({str(exc).splitlines()[0][:200]}). bfloat16 MatMul has no CPU kernel in ONNX "
+                f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu) or "
+                f"--engine/--plugin (TensorRT)") from None
+        raise
+    return 0 if passed else 1
