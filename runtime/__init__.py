@@ -20,3 +20,8 @@ __all__ = [
     "to_cos_sin_caches",
     "validate_cos_sin_caches",
 ]
+
+# Runtime wrapper (TensorRT engine or ONNX model behind one interface); backends import lazily.
+from .runner import Runner, RunnerError, RunnerInputError, load  # noqa: E402
+
+__all__ += ["load", "Runner", "RunnerError", "RunnerInputError"]

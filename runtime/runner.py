@@ -1,0 +1,674 @@
+"""One interface over a TensorRT engine and an ONNX model: :func:`load`.
+
+    runner = qkrope.runtime.load("attn.engine")            # or "attn.onnx" (ONNX Runtime)
+    img_out, txt_out = runner(hidden_states, encoder_hidden_states,
+                              image_rotary_emb=(img_cache, txt_cache))
+    img_out, txt_out = runner.run_qwen(hidden_states, encoder_hidden_states,
+                                       img_shapes=[(1, 64, 64)])
+
+Every call is checked **before** anything executes: the RoPE caches with
+:func:`~qkrope.runtime.validate_cos_sin_caches` (head_dim from the model), then every input's
+dtype, rank, dimensions (static ones, the engine profile's min/max, shared axes such as batch),
+device and contiguity. Failures raise :class:`RopeCacheError` (the cache pair) or
+:class:`RunnerInputError` (everything else), both RuntimeErrors whose message says what was
+received, what was expected and the fix. Nothing is converted or copied silently.
+
+Threads, streams, buffers:
+
+- TensorRT: one ``IExecutionContext`` per calling thread (``threading.local``), created on the
+  thread's first call, each with its own ``torch.cuda.Stream``. The engine is shared. The runner
+  makes its stream wait for the caller's current stream, enqueues with ``execute_async_v3``, and
+  makes the caller's current stream wait for it, so results are ordered on the caller's stream
+  without a host synchronisation.
+- Outputs are allocated once per (thread, output, shape) and reused: the tensors a call returns
+  are overwritten by the next call with the same shapes on the same thread. Pass
+  ``copy_outputs=True`` to :func:`load` (or ``.clone()`` them) to keep them.
+- ONNX Runtime: one ``InferenceSession`` (thread-safe ``run``); inputs and outputs are bound
+  zero-copy with ``IOBinding`` from torch tensors by pointer and ONNX element type. That is how
+  bfloat16 works (numpy has no bfloat16): no conversion happens anywhere. ONNX Runtime's CPU
+  execution provider has no bfloat16 kernels for most ops, so bf16 models need the CUDA provider
+  (or export in float32 for CPU use).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from qkrope._deps import MissingDependencyError, require
+
+from . import trt_utils as tu
+from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
+                     validate_cos_sin_caches)
+
+ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
+         "encoder_hidden_states_mask", "timestep")
+
+
+class RunnerError(RuntimeError):
+    """The runner cannot be created or cannot run (missing library, bad engine, failed enqueue)."""
+
+
+class RunnerInputError(RunnerError, ValueError):
+    """An input does not match the model. The message says received / expected / fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# What the model accepts
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output. ``dims[i] = (lo, hi)``; ``hi`` None = unbounded; static dims
+    have lo == hi. ``axes[i]`` names a dynamic dimension shared between tensors (or None)."""
+
+    name: str
+    dtype: str
+    dims: tuple[tuple[int, int | None], ...]
+    axes: tuple[str | None, ...]
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    def describe(self) -> str:
+        parts = []
+        for (lo, hi), ax in zip(self.dims, self.axes):
+            if lo == hi:
+                parts.append(str(lo))
+            else:
+                rng = f"{lo}..{hi if hi is not None else ''}"
+                parts.append(f"{ax}={rng}" if ax else rng)
+        return f"[{', '.join(parts)}] {self.dtype}"
+
+
+@dataclass
+class ModelIO:
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    head_dim: int | None
+    roles: dict[str, str] = field(default_factory=dict)  # role -> input name
+    source: str = ""
+    config: dict = field(default_factory=dict)  # the exporter's model config (sidecar)
+
+    def input(self, name: str) -> TensorSpec:
+        return next(s for s in self.inputs if s.name == name)
+
+
+def spec_from_shape(name: str, dtype: str, shape: Sequence, *,
+                    bounds: tuple[Sequence[int], Sequence[int]] | None = None) -> TensorSpec:
+    """A TensorSpec from a sidecar/ONNX shape (ints, axis names, -1/None) and optional profile
+    (min, max) shapes."""
+    dims, axes = [], []
+    for i, d in enumerate(shape):
+        if isinstance(d, int) and d >= 0:
+            dims.append((d, d))
+            axes.append(None)
+        else:
+            lo, hi = 1, None
+            if bounds is not None:
+                lo, hi = int(bounds[0][i]), int(bounds[1][i])
+            dims.append((lo, hi))
+            axes.append(d if isinstance(d, str) else None)
+    return TensorSpec(name, tu.dtype_name(dtype), tuple(dims), tuple(axes))
+
+
+def _has(name: str, *words: str) -> bool:
+    return any(w in name for w in words)
+
+
+def assign_roles(specs: Sequence[TensorSpec]) -> dict[str, str]:
+    """Map the runner's arguments to model input names, by exact names first, then by axis names
+    (``img_cache_rows`` / ``txt_cache_rows``), then by name patterns."""
+    roles: dict[str, str] = {}
+    for s in specs:
+        low = s.name.lower()
+        if low in ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                   "timestep"):
+            roles[low] = s.name
+    for s in specs:
+        low = s.name.lower()
+        if s.name in roles.values():
+            continue
+        first_axis = s.axes[0] if s.axes else None
+        if first_axis == "img_cache_rows" or (
+                _has(low, "img", "image") and _has(low, "cache", "rope", "rotary", "cos_sin")):
+            roles.setdefault("img_cache", s.name)
+        elif first_axis == "txt_cache_rows" or (
+                _has(low, "txt", "text") and _has(low, "cache", "rope", "rotary", "cos_sin")):
+            roles.setdefault("txt_cache", s.name)
+        elif "mask" in low:
+            roles.setdefault("encoder_hidden_states_mask", s.name)
+        elif "timestep" in low:
+            roles.setdefault("timestep", s.name)
+    return roles
+
+
+def _torch_dtype_name(t: torch.Tensor) -> str:
+    return tu.dtype_name(t.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks (pure; run before any execution)
+# --------------------------------------------------------------------------------------------
+
+def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device) -> dict[str, int]:
+    """Check every fed tensor against ``io``; returns the value of every named axis.
+
+    Raises RunnerInputError naming the input, what was received, what was expected, the fix.
+    """
+    role_of = {v: k for k, v in io.roles.items()}
+    axis_values: dict[str, tuple[int, str]] = {}
+    for spec in io.inputs:
+        if spec.name not in feeds or feeds[spec.name] is None:
+            raise RunnerInputError(
+                f"the model input {spec.name!r} ({spec.describe()}) was not given. Fix: pass it "
+                f"({'as ' + role_of[spec.name] + '=' if spec.name in role_of else 'in extra_inputs='}...)")
+        t = feeds[spec.name]
+        label = role_of.get(spec.name, spec.name)
+        if label != spec.name:
+            label = f"{label} (model input {spec.name!r})"
+        if not isinstance(t, torch.Tensor):
+            raise RunnerInputError(f"{label} must be a torch.Tensor; got {type(t).__name__}. Fix: "
+                                   f"torch.as_tensor(...)")
+        if t.device != device and not (t.device.type == device.type == "cuda"
+                                       and _same_cuda(t.device, device)):
+            raise RunnerInputError(
+                f"{label} is on {t.device} but hidden_states is on {device}; all inputs must be on "
+                f"one device. Fix: {label.split()[0]}.to({str(device)!r})")
+        got_dtype = _torch_dtype_name(t)
+        if got_dtype != spec.dtype and role_of.get(spec.name) == "encoder_hidden_states_mask":
+            raise RunnerInputError(
+                f"{label} has dtype {got_dtype}; the model expects {spec.dtype} [batch, "
+                f"txt_tokens]. Fix: pass mask.to(torch.{spec.dtype})"
+                + (" (True = attend; for a 1/0 float mask use mask > 0)"
+                   if spec.dtype == "bool" else ""))
+        if got_dtype != spec.dtype:
+            raise RunnerInputError(
+                f"{label} has dtype {got_dtype}; the model expects {spec.dtype} (precision is fixed "
+                f"at export). Fix: pass {label.split()[0]}.to(torch.{spec.dtype}) or export the "
+                f"model in {got_dtype}")
+        if t.dim() != spec.rank:
+            raise RunnerInputError(f"{label} has shape {tuple(t.shape)} ({t.dim()}-D); the model "
+                                   f"expects {spec.rank}-D {spec.describe()}. Fix: reshape it")
+        for i, (n, (lo, hi), ax) in enumerate(zip(t.shape, spec.dims, spec.axes)):
+            if lo == hi and n != lo:
+                what = "hidden size" if (i == spec.rank - 1 and role_of.get(spec.name) in (
+                    "hidden_states", "encoder_hidden_states")) else f"dimension {i}"
+                raise RunnerInputError(
+                    f"{label} has shape {tuple(t.shape)}: {what} is {n}, the model's is {lo} "
+                    f"(expected {spec.describe()}). Fix: feed tensors of the model this "
+                    f"engine/ONNX file was exported from")
+            if n < lo or (hi is not None and n > hi):
+                axis = f" ({ax})" if ax else ""
+                raise RunnerInputError(
+                    f"{label} has shape {tuple(t.shape)}: dimension {i}{axis} = {n} is outside the "
+                    f"range {lo}..{hi} this engine was built for (expected {spec.describe()}). Fix: "
+                    f"rebuild with `qkrope build` and larger --max-batch/--max-img-tokens/"
+                    f"--max-txt-tokens (or --min/--opt/--max shapes)")
+            if ax is not None:
+                if ax in axis_values and axis_values[ax][0] != n:
+                    other_n, other = axis_values[ax]
+                    raise RunnerInputError(
+                        f"{ax} mismatch: {label} has {n} in dimension {i} but {other} has "
+                        f"{other_n}. Fix: give all inputs the same {ax}")
+                axis_values.setdefault(ax, (n, label))
+        if not t.is_contiguous():
+            raise RunnerInputError(f"{label} must be contiguous; got strides {t.stride()} for "
+                                   f"shape {tuple(t.shape)}. Fix: pass {label.split()[0]}"
+                                   f".contiguous()")
+    unknown = sorted(set(feeds) - {s.name for s in io.inputs})
+    if unknown:
+        raise RunnerInputError(f"unknown input(s) {', '.join(unknown)}; the model's inputs are "
+                               f"{', '.join(s.name for s in io.inputs)}. Fix: drop them from "
+                               f"extra_inputs")
+    return {ax: v for ax, (v, _) in axis_values.items()}
+
+
+def _same_cuda(a: torch.device, b: torch.device) -> bool:
+    cur = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+
+
+def check_roles(hidden_states, encoder_hidden_states, mask, timestep) -> None:
+    """Checks that do not depend on the model: types, ranks, batch, mask shape."""
+    for name, t in (("hidden_states", hidden_states),
+                    ("encoder_hidden_states", encoder_hidden_states)):
+        if not isinstance(t, torch.Tensor):
+            raise RunnerInputError(f"{name} must be a torch.Tensor [batch, tokens, dim]; got "
+                                   f"{type(t).__name__}. Fix: torch.as_tensor({name})")
+        if t.dim() != 3:
+            raise RunnerInputError(f"{name} must be 3-D [batch, tokens, dim]; got shape "
+                                   f"{tuple(t.shape)}. Fix: add the batch dimension "
+                                   f"({name}.unsqueeze(0)) or flatten heads into dim")
+    b, s_txt = encoder_hidden_states.shape[0], encoder_hidden_states.shape[1]
+    if hidden_states.shape[0] != b:
+        raise RunnerInputError(
+            f"batch mismatch: hidden_states has batch {hidden_states.shape[0]}, "
+            f"encoder_hidden_states has {b}. Fix: give both the same batch (e.g. repeat the "
+            f"prompt embedding for classifier-free guidance)")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (b, s_txt):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise RunnerInputError(
+                f"encoder_hidden_states_mask must be [batch, txt_tokens] = {(b, s_txt)} (1 = "
+                f"attend); got {got}. Fix: one row per batch item, one column per text token")
+
+
+# --------------------------------------------------------------------------------------------
+# The common runner
+# --------------------------------------------------------------------------------------------
+
+class Runner:
+    """Base class: argument mapping and checks; subclasses implement :meth:`_execute`."""
+
+    backend = "?"
+
+    def __init__(self, io: ModelIO, *, copy_outputs: bool = False):
+        self.io = io
+        self.copy_outputs = copy_outputs
+        self._local = threading.local()
+        missing = [r for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache")
+                   if r not in io.roles]
+        if missing:
+            raise RunnerError(
+                f"cannot tell which model inputs are {', '.join(missing)} (inputs: "
+                f"{', '.join(s.name for s in io.inputs)}; from {io.source}). Fix: export with "
+                f"`qkrope export`, whose input names the runner knows")
+        if io.head_dim is None:
+            raise RunnerError(f"the model's head_dim is unknown ({io.source} has no config and no "
+                              f"QKNormRoPE weights). Fix: keep the sidecar JSON next to the model")
+
+    @property
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.io.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [s.name for s in self.io.outputs]
+
+    def _buffers(self) -> dict:
+        if not hasattr(self._local, "buffers"):
+            self._local.buffers = {}
+        return self._local.buffers
+
+    def _output_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+        """Allocated once per (thread, output, shape, dtype, device), then reused."""
+        key = (name, shape, dtype, device)
+        buffers = self._buffers()
+        buf = buffers.get(key)
+        if buf is None:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            buffers[key] = buf
+        return buf
+
+    def prepare(self, hidden_states, encoder_hidden_states, image_rotary_emb,
+                encoder_hidden_states_mask=None, timestep=None, *,
+                extra_inputs: Mapping[str, torch.Tensor] | None = None,
+                full_check: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Validate everything and return ``(feeds by model input name, axis values)``."""
+        check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep)
+        device = hidden_states.device
+        caches = validate_cos_sin_caches(
+            image_rotary_emb, head_dim=self.io.head_dim, img_seq_len=hidden_states.shape[1],
+            txt_seq_len=encoder_hidden_states.shape[1], device=device, full=full_check)
+        self._check_device(device)
+        roles = self.io.roles
+        feeds: dict[str, Any] = {roles["hidden_states"]: hidden_states,
+                                 roles["encoder_hidden_states"]: encoder_hidden_states,
+                                 roles["img_cache"]: caches.img, roles["txt_cache"]: caches.txt}
+        if encoder_hidden_states_mask is not None:
+            if "encoder_hidden_states_mask" not in roles:
+                raise RunnerInputError(
+                    "encoder_hidden_states_mask was given but this model has no mask input (it "
+                    "was exported without one, so every text token is attended). Fix: drop the "
+                    "mask, or re-export with a mask input")
+            feeds[roles["encoder_hidden_states_mask"]] = encoder_hidden_states_mask
+        elif "encoder_hidden_states_mask" in roles:
+            spec = self.io.input(roles["encoder_hidden_states_mask"])
+            b, s = encoder_hidden_states.shape[:2]
+            feeds[spec.name] = self._ones_mask((b, s), tu.torch_dtype(spec.dtype), device)
+        if timestep is not None:
+            if "timestep" not in roles:
+                raise RunnerInputError("timestep was given but this model has no timestep input "
+                                       "(an attention block takes none). Fix: drop it")
+            feeds[roles["timestep"]] = timestep
+        elif "timestep" in roles:
+            raise RunnerInputError(f"this model needs timestep (input {roles['timestep']!r}, "
+                                   f"{self.io.input(roles['timestep']).describe()}). Fix: pass "
+                                   f"timestep=...")
+        for name, t in (extra_inputs or {}).items():
+            feeds[name] = t
+        axes = check_inputs(self.io, feeds, device=device)
+        return feeds, axes
+
+    def _ones_mask(self, shape, dtype, device) -> torch.Tensor:
+        key = ("__mask__", tuple(shape), dtype, device)
+        buffers = self._buffers()
+        if key not in buffers:
+            buffers[key] = torch.ones(shape, dtype=dtype, device=device)
+        return buffers[key]
+
+    def __call__(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 image_rotary_emb: Any, encoder_hidden_states_mask: torch.Tensor | None = None,
+                 timestep: torch.Tensor | None = None, *,
+                 extra_inputs: Mapping[str, torch.Tensor] | None = None,
+                 full_check: bool = False):
+        """Run the model. Returns the outputs in model order: a tuple ``(img_out, txt_out)`` for an
+        attention block, a single tensor for a one-output model.
+
+        ``image_rotary_emb`` is the ``(img_cache, txt_cache)`` pair (``[rows, rotary_dim]``
+        float32 on the activations' device; convert other formats with ``to_cos_sin_caches``).
+        ``full_check=True`` also checks cache values (synchronises the device).
+        """
+        feeds, axes = self.prepare(hidden_states, encoder_hidden_states, image_rotary_emb,
+                                   encoder_hidden_states_mask, timestep,
+                                   extra_inputs=extra_inputs, full_check=full_check)
+        outs = self._execute(feeds, axes, hidden_states.device)
+        if self.copy_outputs:
+            outs = [o.clone() for o in outs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def run_qwen(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
+                 img_shapes: Sequence[Sequence[int]], txt_len: int | None = None,
+                 mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None, **kw):
+        """Build Qwen-Image's caches from ``img_shapes`` (latent patches, e.g. ``[(1, 64, 64)]``)
+        and the text length (default: ``encoder_hidden_states.shape[1]``), memoised per shape and
+        device by :func:`build_qwen_rope_caches`, then call the runner. The RoPE axes widths are
+        the model's ``axes_dims_rope`` (sidecar config), Qwen-Image's (16, 56, 56) by default.
+        A ``txt_len`` shorter than the text tokens is reported by the cache check (overflow)."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            check_roles(hidden_states, encoder_hidden_states, None, None)
+        txt = int(txt_len) if txt_len is not None else int(encoder_hidden_states.shape[1])
+        axes_dim = tuple(self.io.config.get("axes_dims_rope") or QWEN_AXES_DIM)
+        caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=axes_dim,
+                                        device=hidden_states.device)
+        if caches.img.shape[0] != hidden_states.shape[1]:
+            raise RunnerInputError(
+                f"img_shapes {list(img_shapes)} give {caches.img.shape[0]} image tokens but "
+                f"hidden_states has {hidden_states.shape[1]}. Fix: pass the latent patch grid of "
+                f"this batch (frames, height/2/8..., width...) so that sum(f*h*w) = tokens")
+        return self(hidden_states, encoder_hidden_states, caches, mask, timestep, **kw)
+
+    # backend hooks
+    def _check_device(self, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def _execute(self, feeds: dict[str, torch.Tensor], axes: dict[str, int],
+                 device: torch.device) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime
+# --------------------------------------------------------------------------------------------
+
+def default_providers() -> list[str]:
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    return (["CUDAExecutionProvider", "CPUExecutionProvider"]
+            if "CUDAExecutionProvider" in avail else ["CPUExecutionProvider"])
+
+
+def onnx_model_io(path: str | os.PathLike, session=None) -> ModelIO:
+    """ModelIO of an ONNX file: names/dtypes/shapes from the graph (or a session), axis names and
+    head_dim from the sidecar when present."""
+    desc = tu.load_model_description(path)
+    graph = tu.describe_onnx_graph(path) if "inputs" not in desc else None
+    inputs_src = desc.get("inputs") or graph["inputs"]
+    outputs_src = desc.get("outputs") or (graph or tu.describe_onnx_graph(path))["outputs"]
+    if session is not None:
+        # The session's view is authoritative for names and dtypes.
+        sess_in = {i.name: i for i in session.get_inputs()}
+        sess_out = {o.name: o for o in session.get_outputs()}
+        if set(sess_in) != {s["name"] for s in inputs_src}:
+            inputs_src = [{"name": i.name, "dtype": i.type, "shape": [
+                d if isinstance(d, (int, str)) else None for d in i.shape]}
+                for i in session.get_inputs()]
+        else:
+            inputs_src = [{**s, "dtype": tu.dtype_name(sess_in[s["name"]].type)}
+                          for s in inputs_src]
+        if set(sess_out) != {s["name"] for s in outputs_src}:
+            outputs_src = [{"name": o.name, "dtype": o.type, "shape": [
+                d if isinstance(d, (int, str)) else None for d in o.shape]}
+                for o in session.get_outputs()]
+    inputs = [spec_from_shape(s["name"], s["dtype"], s["shape"]) for s in inputs_src]
+    outputs = [spec_from_shape(s["name"], s["dtype"], s["shape"]) for s in outputs_src]
+    head_dim = (desc.get("config") or {}).get("head_dim") or tu.head_dim_from_onnx(path)
+    return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
+                   source=desc.get("source", str(path)), config=dict(desc.get("config") or {}))
+
+
+class OrtRunner(Runner):
+    """ONNX Runtime backend (CPU or CUDA execution provider); zero-copy IOBinding."""
+
+    backend = "onnxruntime"
+
+    def __init__(self, path: str | os.PathLike, *, providers: Sequence | None = None,
+                 session_options=None, copy_outputs: bool = False):
+        ort = require("onnxruntime", "the ONNX Runtime runner")
+        self.path = str(path)
+        self.providers = list(providers) if providers else default_providers()
+        try:
+            self.session = ort.InferenceSession(self.path, sess_options=session_options,
+                                                providers=self.providers)
+        except Exception as exc:
+            if "NOT_IMPLEMENTED" in str(exc) or "Could not find an implementation" in str(exc):
+                raise RunnerError(
+                    f"ONNX Runtime ({', '.join(map(str, self.providers))}) has no kernel for an "
+                    f"op of {self.path} in its dtype: {exc}. ONNX Runtime's CPU provider has no "
+                    f"bfloat16 MatMul/Gemm. Fix: use onnxruntime-gpu with "
+                    f"providers=['CUDAExecutionProvider'], export with --dtype fp32 for CPU use, "
+                    f"or build a TensorRT engine") from exc
+            raise
+        self.onnx_codes = tu.ONNX_DTYPE_CODES
+        super().__init__(onnx_model_io(self.path, self.session), copy_outputs=copy_outputs)
+        self._cuda_ok = "CUDAExecutionProvider" in self.session.get_providers()
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type == "cuda" and not self._cuda_ok:
+            raise RunnerInputError(
+                f"the inputs are on {device} but this ONNX Runtime session runs on "
+                f"{self.session.get_providers()}. Fix: pass CPU tensors, or install "
+                f"onnxruntime-gpu and load with providers=['CUDAExecutionProvider']")
+        if device.type not in ("cpu", "cuda"):
+            raise RunnerInputError(f"the inputs are on {device}; this runner takes cpu or cuda "
+                                   f"tensors. Fix: move them with .to('cpu') or .to('cuda')")
+
+    def _resolve(self, spec: TensorSpec, axes: Mapping[str, int]) -> tuple[int, ...] | None:
+        shape = []
+        for (lo, hi), ax in zip(spec.dims, spec.axes):
+            if lo == hi:
+                shape.append(lo)
+            elif ax is not None and ax in axes:
+                shape.append(axes[ax])
+            else:
+                return None
+        return tuple(shape)
+
+    def _execute(self, feeds, axes, device):
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # ORT runs on its own stream
+        binding = self.session.io_binding()
+        dev_id = (device.index or 0) if device.type == "cuda" else 0
+        for name, t in feeds.items():
+            binding.bind_input(name, device.type, dev_id, self.onnx_codes[_torch_dtype_name(t)],
+                               list(t.shape), t.data_ptr())
+        outs: list[torch.Tensor | None] = []
+        for spec in self.io.outputs:
+            shape = self._resolve(spec, axes)
+            if shape is None:
+                binding.bind_output(spec.name, device.type, dev_id)
+                outs.append(None)
+            else:
+                buf = self._output_buffer(spec.name, shape, tu.torch_dtype(spec.dtype), device)
+                binding.bind_output(spec.name, device.type, dev_id,
+                                    self.onnx_codes[spec.dtype], list(shape), buf.data_ptr())
+                outs.append(buf)
+        self.session.run_with_iobinding(binding)
+        if any(o is None for o in outs):
+            ort_values = binding.get_outputs()
+            for i, o in enumerate(outs):
+                if o is None:
+                    if self.io.outputs[i].dtype == "bfloat16":
+                        raise RunnerError(f"cannot read the bfloat16 output "
+                                          f"{self.io.outputs[i].name} of unresolvable shape")
+                    outs[i] = torch.from_numpy(ort_values[i].numpy()).to(device)
+        return outs
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT
+# --------------------------------------------------------------------------------------------
+
+def engine_model_io(engine, trt, sidecar: Mapping | None, *, profile: int = 0) -> ModelIO:
+    """ModelIO of a deserialised engine: names, dtypes, the profile's min/max per input."""
+    sym = {}
+    if sidecar:
+        for item in list(sidecar.get("inputs", [])) + list(sidecar.get("outputs", [])):
+            if item.get("axes"):
+                sym[item["name"]] = item["axes"]
+    inputs, outputs = [], []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        dtype = tu.dtype_name(engine.get_tensor_dtype(name))
+        shape = [int(d) for d in engine.get_tensor_shape(name)]
+        axes = sym.get(name)
+        shape_sym = [(axes[j] if axes and j < len(axes) and axes[j] and d < 0 else d)
+                     for j, d in enumerate(shape)]
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            lo, _opt, hi = engine.get_tensor_profile_shape(name, profile)
+            inputs.append(spec_from_shape(name, dtype, shape_sym,
+                                          bounds=([int(d) for d in lo], [int(d) for d in hi])))
+        else:
+            outputs.append(spec_from_shape(name, dtype, shape_sym))
+    head_dim = ((sidecar or {}).get("config") or {}).get("head_dim")
+    return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
+                   source=str((sidecar or {}).get("onnx", "the engine")),
+                   config=dict((sidecar or {}).get("config") or {}))
+
+
+class TensorRTRunner(Runner):
+    """TensorRT backend: shared engine, one execution context + CUDA stream per thread."""
+
+    backend = "tensorrt"
+
+    def __init__(self, path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
+                 copy_outputs: bool = False, verbose: bool = False):
+        from .engine import import_tensorrt, load_plugin_library
+
+        trt = import_tensorrt("the TensorRT runner (qkrope.runtime.load of an engine)")
+        if not torch.cuda.is_available():
+            raise MissingDependencyError(
+                "the TensorRT runner needs a CUDA GPU and a CUDA build of torch; none is "
+                "available here. Fix: run on a GPU machine (e.g. an NGC TensorRT container), or "
+                "load the .onnx file to use ONNX Runtime")
+        self.trt = trt
+        self.path = str(path)
+        side_path = tu.engine_sidecar_path(path)
+        self.sidecar = tu.read_json(side_path) if side_path.exists() else {}
+        vc = bool(self.sidecar.get("version_compatible"))
+        lib = plugin or (self.sidecar.get("plugin") or {}).get("path")
+        if lib is None and not vc:
+            from .plugin_build import find_plugin_library
+            lib = find_plugin_library(kind="plugin")
+        self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        if vc:
+            # The VC plugin library is serialised in the engine; the lean runtime loads it.
+            self.runtime.engine_host_code_allowed = True
+            if plugin is not None:
+                load_plugin_library(trt, plugin, version_compatible=True,
+                                    registry=self.runtime.get_plugin_registry())
+        else:
+            load_plugin_library(trt, lib, version_compatible=False)
+        data = Path(path).read_bytes()
+        self.engine = self.runtime.deserialize_cuda_engine(data)
+        if self.engine is None:
+            raise RunnerError(
+                f"TensorRT could not deserialise {path} (see its log above): it was built by "
+                f"TensorRT {self.sidecar.get('tensorrt_version', '?')} for "
+                f"{(self.sidecar.get('gpu') or {}).get('name', '?')}; engines only load on the "
+                f"same TensorRT version and GPU (or with --version-compatible). Fix: rebuild with "
+                f"`qkrope build`")
+        super().__init__(engine_model_io(self.engine, trt, self.sidecar),
+                         copy_outputs=copy_outputs)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type != "cuda" or not _same_cuda(device, self.device):
+            raise RunnerInputError(
+                f"the inputs are on {device} but the TensorRT engine runs on {self.device}. Fix: "
+                f"move them with .to({str(self.device)!r}) (caches too)")
+
+    def _thread_state(self):
+        loc = self._local
+        if not hasattr(loc, "context"):
+            ctx = self.engine.create_execution_context()
+            if ctx is None:
+                raise RunnerError("TensorRT could not create an execution context (out of device "
+                                  "memory?)")
+            loc.context = ctx
+            loc.stream = torch.cuda.Stream(device=self.device)
+        return loc
+
+    def _execute(self, feeds, axes, device):
+        st = self._thread_state()
+        ctx = st.context
+        for name, t in feeds.items():
+            if not ctx.set_input_shape(name, tuple(t.shape)):
+                raise RunnerInputError(f"TensorRT rejected the shape {tuple(t.shape)} for {name}")
+            ctx.set_tensor_address(name, t.data_ptr())
+        outs = []
+        for spec in self.io.outputs:
+            shape = tuple(int(d) for d in ctx.get_tensor_shape(spec.name))
+            buf = self._output_buffer(spec.name, shape, tu.torch_dtype(spec.dtype), device)
+            ctx.set_tensor_address(spec.name, buf.data_ptr())
+            outs.append(buf)
+        caller = torch.cuda.current_stream(device)
+        st.stream.wait_stream(caller)
+        if not ctx.execute_async_v3(st.stream.cuda_stream):
+            raise RunnerError("TensorRT's execute_async_v3 failed (see its log above)")
+        for t in feeds.values():
+            t.record_stream(st.stream)
+        caller.wait_stream(st.stream)
+        return outs
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
+         providers: Sequence | None = None, copy_outputs: bool = False) -> Runner:
+    """Open a model for inference, chosen by the file suffix.
+
+    - ``.engine`` / ``.plan``: TensorRT (needs TensorRT, a CUDA GPU and the QKNormRoPE plugin
+      library: ``plugin``, else the path recorded in ``<engine>.json``, else the library
+      ``qkrope build-plugin`` built).
+    - ``.onnx``: ONNX Runtime with ``providers`` (default: CUDA if onnxruntime-gpu is installed,
+      else CPU). Runs the model's QKNormRoPE function body; ``plugin`` is ignored.
+
+    Returns a :class:`Runner`; see the module docstring for the thread/stream/buffer model.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist")
+    suffix = p.suffix.lower()
+    if suffix in (".engine", ".plan", ".trt"):
+        return TensorRTRunner(p, plugin=plugin, copy_outputs=copy_outputs)
+    if suffix == ".onnx":
+        return OrtRunner(p, providers=providers, copy_outputs=copy_outputs)
+    raise RunnerError(f"cannot tell the backend of {p} from its suffix {suffix!r}: use .engine or "
+                      f".plan for TensorRT, .onnx for ONNX Runtime")
+
+
+__all__ = ["load", "Runner", "OrtRunner", "TensorRTRunner", "RunnerError", "RunnerInputError",
+           "ModelIO", "TensorSpec", "RopeCacheError"]

@@ -1,0 +1,423 @@
+"""The runtime wrapper (`qkrope.runtime.load`) on the ONNX Runtime backend: parity with the eager
+QwenImageAttention, every bad input rejected before anything executes, output buffer reuse,
+threads, bf16 binding, and the TensorRT backend's missing-dependency message.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkrope._deps import MissingDependencyError
+from qkrope.runtime import RopeCacheError, RopeCacheOverflowError, build_qwen_rope_caches
+from qkrope.runtime import runner as rn
+
+HEADS, HEAD_DIM = 2, 16
+C = HEADS * HEAD_DIM
+IMG_SHAPES = [(1, 4, 4)]
+S_IMG, S_TXT = 16, 5
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from qkrope.export.onnx_export import build_attention, export_attention
+
+    path = tmp_path_factory.mktemp("runner") / "attn.onnx"
+    info, _ = export_attention(path, heads=HEADS, head_dim=HEAD_DIM, img_shapes=IMG_SHAPES,
+                               txt_len=S_TXT, batch=2)
+    config = json.loads(Path(str(path) + ".json").read_text())["config"]
+    return path, build_attention(config)
+
+
+class SpySession:
+    """Delegates to the ORT session and counts executions."""
+
+    def __init__(self, session):
+        self._s = session
+        self.calls = 0
+
+    def run_with_iobinding(self, *a, **k):
+        self.calls += 1
+        return self._s.run_with_iobinding(*a, **k)
+
+    def run(self, *a, **k):  # pragma: no cover - the runner uses IOBinding
+        self.calls += 1
+        return self._s.run(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+@pytest.fixture(scope="module")
+def runner(exported):
+    r = rn.load(exported[0])
+    r.session = SpySession(r.session)
+    return r
+
+
+def inputs(batch=2, s_img=S_IMG, s_txt=S_TXT, img_shapes=IMG_SHAPES, seed=0, extra_rows=0,
+           axes_dim=(2, 6, 8)):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(batch, s_img, C, generator=g)
+    ehs = torch.randn(batch, s_txt, C, generator=g)
+    caches = build_qwen_rope_caches(img_shapes, s_txt + extra_rows, axes_dim=axes_dim)
+    return hs, ehs, (caches.img, caches.txt)
+
+
+# --------------------------------------------------------------------------------------------
+# Parity
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch,img_shapes,s_txt,masked", [
+    (2, [(1, 4, 4)], 5, False),
+    (1, [(1, 2, 3)], 7, True),
+    (3, [(1, 4, 4), (1, 2, 2)], 4, True),
+])
+def test_ort_parity_with_eager(runner, exported, batch, img_shapes, s_txt, masked):
+    module = exported[1]
+    s_img = sum(f * h * w for f, h, w in img_shapes)
+    hs, ehs, caches = inputs(batch, s_img, s_txt, img_shapes)
+    mask = None
+    if masked:
+        mask = torch.ones(batch, s_txt, dtype=torch.bool)
+        mask[0, -2:] = False
+    with torch.no_grad():
+        ref_img, ref_txt = module(hs, ehs, caches, mask)
+    img, txt = runner(hs, ehs, caches, mask)
+    assert img.shape == (batch, s_img, C) and txt.shape == (batch, s_txt, C)
+    torch.testing.assert_close(img, ref_img, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(txt, ref_txt, atol=2e-5, rtol=1e-4)
+
+
+def test_run_qwen_builds_caches_and_matches(runner, exported):
+    hs, ehs, caches = inputs()
+    with torch.no_grad():
+        ref_img, ref_txt = exported[1](hs, ehs, caches)
+    img, txt = runner.run_qwen(hs, ehs, img_shapes=IMG_SHAPES)
+    torch.testing.assert_close(img, ref_img, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(txt, ref_txt, atol=2e-5, rtol=1e-4)
+    # caches with more rows than tokens are allowed (rows past the tokens are unused)
+    img2, _ = runner(hs, ehs, inputs(extra_rows=3)[2])
+    torch.testing.assert_close(img2, ref_img, atol=2e-5, rtol=1e-4)
+    with pytest.raises(rn.RunnerInputError, match="give 12 image tokens but hidden_states has 16"):
+        runner.run_qwen(hs, ehs, img_shapes=[(1, 3, 4)])
+
+
+def test_outputs_allocated_once_per_shape(exported):
+    r = rn.load(exported[0])
+    hs, ehs, caches = inputs()
+    a_img, _ = r(hs, ehs, caches)
+    ptr = a_img.data_ptr()
+    b_img, _ = r(hs * 2, ehs, caches)
+    assert b_img.data_ptr() == ptr  # same buffer, overwritten
+    c_img, _ = r(*inputs(batch=1)[:2], caches)
+    assert c_img.data_ptr() != ptr and c_img.shape[0] == 1
+    d_img, _ = r(hs, ehs, caches)
+    assert d_img.data_ptr() == ptr  # the batch-2 buffer is still cached
+    keep = rn.load(exported[0], copy_outputs=True)
+    e_img, _ = keep(hs, ehs, caches)
+    f_img, _ = keep(hs, ehs, caches)
+    assert e_img.data_ptr() != f_img.data_ptr()
+
+
+def test_threads_get_their_own_buffers(runner, exported):
+    results, errors = {}, []
+
+    def work(seed):
+        try:
+            hs, ehs, caches = inputs(seed=seed)
+            for _ in range(3):
+                img, _ = runner(hs, ehs, caches)
+            with torch.no_grad():
+                ref, _ = exported[1](hs, ehs, caches)
+            results[seed] = (img.clone(), ref)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for img, ref in results.values():
+        torch.testing.assert_close(img, ref, atol=2e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs: rejected before anything executes
+# --------------------------------------------------------------------------------------------
+
+def _bad_cases():
+    hs, ehs, (img, txt) = inputs()
+    cases = {}
+    cos, sin = img[:, :8], img[:, 8:]
+    tcos, tsin = txt[:, :8], txt[:, 8:]
+    cases["diffusers 4-tuple"] = (
+        dict(image_rotary_emb=(cos, sin, tcos, tsin)), RopeCacheError,
+        r"image_rotary_emb must be cos_sin_cache tensors.*4 tensors.*to_cos_sin_caches")
+    cases["complex pair"] = (
+        dict(image_rotary_emb=(torch.polar(torch.ones(16, 8), torch.zeros(16, 8)),
+                               torch.polar(torch.ones(5, 8), torch.zeros(5, 8)))),
+        RopeCacheError, r"image_rotary_emb must be cos_sin_cache tensors.*to_cos_sin_caches")
+    cases["nested (cos, sin) pairs"] = (
+        dict(image_rotary_emb=((cos, sin), (tcos, tsin))), RopeCacheError,
+        "image_rotary_emb must be cos_sin_cache tensors")
+    cases["single tensor"] = (dict(image_rotary_emb=img), RopeCacheError,
+                              "image_rotary_emb must be cos_sin_cache tensors")
+    cases["cache dtype"] = (dict(image_rotary_emb=(img.half(), txt)), RopeCacheError,
+                            "img cos_sin_cache must be float32")
+    cases["rows overflow"] = (dict(image_rotary_emb=(img[:10], txt)), RopeCacheOverflowError,
+                              "required=16, available=10, overflow=6")
+    cases["txt rows overflow"] = (dict(image_rotary_emb=(img, txt[:2])), RopeCacheOverflowError,
+                                  "txt cos_sin_cache has too few rows")
+    cases["width > head_dim"] = (dict(image_rotary_emb=(torch.zeros(16, 18), txt)),
+                                 RopeCacheError, "width .* must be even")
+    cases["width != model's rotary_dim"] = (
+        dict(image_rotary_emb=(img[:, :8].contiguous(), txt)), rn.RunnerInputError,
+        r"img_cache \(model input 'img_cos_sin_cache'\) has shape \(16, 8\): dimension 1 is 8, "
+        r"the model's is 16")
+    cases["cache device"] = (dict(image_rotary_emb=(img.to("meta"), txt)), RopeCacheError,
+                             "is on meta but the activations are on cpu")
+    cases["cache non-contiguous"] = (
+        dict(image_rotary_emb=(torch.zeros(16, 32)[:, ::2], txt)), RopeCacheError,
+        "must be contiguous")
+    cases["hidden size"] = (dict(hidden_states=torch.randn(2, 16, 64)), rn.RunnerInputError,
+                            "hidden size is 64, the model's is 32")
+    cases["encoder hidden size"] = (dict(encoder_hidden_states=torch.randn(2, 5, 16)),
+                                    rn.RunnerInputError, "hidden size is 16, the model's is 32")
+    cases["hidden dtype"] = (dict(hidden_states=hs.bfloat16()), rn.RunnerInputError,
+                             r"has dtype bfloat16; the model expects float32.*\.to\(torch.float32\)")
+    cases["hidden rank"] = (dict(hidden_states=hs[0]), rn.RunnerInputError, "must be 3-D")
+    cases["hidden not a tensor"] = (dict(hidden_states=hs.numpy()), rn.RunnerInputError,
+                                    "must be a torch.Tensor")
+    cases["hidden non-contiguous"] = (dict(hidden_states=hs.transpose(0, 1).contiguous()
+                                           .transpose(0, 1)), rn.RunnerInputError,
+                                      "must be contiguous")
+    cases["hidden device"] = (dict(hidden_states=hs.to("meta"), encoder_hidden_states=ehs.to("meta"),
+                                   image_rotary_emb=(img.to("meta"), txt.to("meta"))),
+                              rn.RunnerInputError, "the inputs are on meta; this runner takes cpu or cuda")
+    cases["batch mismatch"] = (dict(encoder_hidden_states=torch.randn(1, 5, C)),
+                               rn.RunnerInputError, "batch mismatch: hidden_states has batch 2")
+    cases["mask shape"] = (dict(encoder_hidden_states_mask=torch.ones(2, 4, dtype=torch.bool)),
+                           rn.RunnerInputError,
+                           r"encoder_hidden_states_mask must be \[batch, txt_tokens\] = \(2, 5\)")
+    cases["mask dtype"] = (dict(encoder_hidden_states_mask=torch.ones(2, 5)), rn.RunnerInputError,
+                           "expects bool .*mask > 0")
+    cases["mask device"] = (dict(encoder_hidden_states_mask=torch.ones(2, 5, dtype=torch.bool,
+                                                                       device="meta")),
+                            rn.RunnerInputError, "is on meta but hidden_states is on cpu")
+    cases["timestep on an attention block"] = (dict(timestep=torch.ones(2)), rn.RunnerInputError,
+                                               "no timestep input")
+    cases["unknown extra input"] = (dict(extra_inputs={"bogus": torch.ones(1)}),
+                                    rn.RunnerInputError, "unknown input")
+    return cases
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_rejected_before_execution(runner, case):
+    overrides, exc_type, pattern = BAD[case]
+    hs, ehs, caches = inputs()
+    kwargs = dict(hidden_states=hs, encoder_hidden_states=ehs, image_rotary_emb=caches)
+    kwargs.update(overrides)
+    before = runner.session.calls
+    with pytest.raises(exc_type, match=pattern) as info:
+        runner(**kwargs)
+    assert runner.session.calls == before, "the model ran despite a failed check"
+    assert isinstance(info.value, RuntimeError)
+    assert "Fix" in str(info.value)
+
+
+def test_errors_are_runtime_and_value_errors():
+    assert issubclass(rn.RunnerInputError, RuntimeError)
+    assert issubclass(rn.RunnerInputError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------
+# bf16 through IOBinding (numpy has no bfloat16): a graph ORT's CPU provider can run in bf16
+# --------------------------------------------------------------------------------------------
+
+def _write_bf16_identity_model(path: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    bf, f32, b = TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.BOOL
+    ins = [helper.make_tensor_value_info("hidden_states", bf, ["batch", "img_tokens", C]),
+           helper.make_tensor_value_info("encoder_hidden_states", bf, ["batch", "txt_tokens", C]),
+           helper.make_tensor_value_info("encoder_hidden_states_mask", b, ["batch", "txt_tokens"]),
+           helper.make_tensor_value_info("img_cos_sin_cache", f32, ["img_cache_rows", HEAD_DIM]),
+           helper.make_tensor_value_info("txt_cos_sin_cache", f32, ["txt_cache_rows", HEAD_DIM])]
+    outs = [helper.make_tensor_value_info("img_out", bf, ["batch", "img_tokens", C]),
+            helper.make_tensor_value_info("txt_out", bf, ["batch", "txt_tokens", C])]
+    nodes = [helper.make_node("Identity", ["hidden_states"], ["img_out"]),
+             helper.make_node("Identity", ["encoder_hidden_states"], ["txt_out"])]
+    model = helper.make_model(helper.make_graph(nodes, "bf16_identity", ins, outs),
+                              opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.save(model, str(path))
+    Path(str(path) + ".json").write_text(json.dumps({
+        "inputs": [{"name": i.name, "dtype": d, "shape": s} for i, d, s in zip(
+            ins, ["bfloat16", "bfloat16", "bool", "float32", "float32"],
+            [["batch", "img_tokens", C], ["batch", "txt_tokens", C], ["batch", "txt_tokens"],
+             ["img_cache_rows", HEAD_DIM], ["txt_cache_rows", HEAD_DIM]])],
+        "outputs": [{"name": "img_out", "dtype": "bfloat16", "shape": ["batch", "img_tokens", C]},
+                    {"name": "txt_out", "dtype": "bfloat16", "shape": ["batch", "txt_tokens", C]}],
+        "config": {"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]}}))
+    return path
+
+
+def test_bf16_zero_copy_binding(tmp_path):
+    r = rn.load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
+    hs, ehs, caches = inputs()
+    hs, ehs = hs.bfloat16(), ehs.bfloat16()
+    img, txt = r(hs, ehs, caches)
+    assert img.dtype == torch.bfloat16
+    assert torch.equal(img, hs) and torch.equal(txt, ehs)  # bit-exact: no conversion anywhere
+    with pytest.raises(rn.RunnerInputError, match="has dtype float32; the model expects bfloat16"):
+        r(hs.float(), ehs, caches)
+
+
+# --------------------------------------------------------------------------------------------
+# load(): suffixes, missing TensorRT
+# --------------------------------------------------------------------------------------------
+
+def test_load_dispatch_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError):
+        rn.load(tmp_path / "nope.onnx")
+    odd = tmp_path / "model.bin"
+    odd.write_bytes(b"x")
+    with pytest.raises(rn.RunnerError, match=r"\.engine or \.plan"):
+        rn.load(odd)
+    eng_file = tmp_path / "model.engine"
+    eng_file.write_bytes(b"not an engine")
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(MissingDependencyError, match="NGC TensorRT container"):
+        rn.load(eng_file)
+
+
+def test_load_is_exported_from_runtime():
+    import qkrope.runtime as rt
+
+    assert rt.load is rn.load
+    assert rt.RunnerInputError is rn.RunnerInputError
+
+
+def test_bf16_model_on_cpu_provider_gets_clear_error(tmp_path, monkeypatch):
+    import onnxruntime as ort
+
+    class NoKernel:
+        def __init__(self, *a, **k):
+            raise RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an "
+                               "implementation for MatMul(13) node with name 'node_MatMul_8'")
+
+    monkeypatch.setattr(ort, "InferenceSession", NoKernel)
+    f = tmp_path / "m.onnx"
+    f.write_bytes(b"")
+    with pytest.raises(rn.RunnerError, match="no bfloat16 MatMul.*CUDAExecutionProvider"):
+        rn.load(f)
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT engine I/O -> checks against the profile (fake engine; no TensorRT needed)
+# --------------------------------------------------------------------------------------------
+
+class _Mode:
+    INPUT, OUTPUT = "IN", "OUT"
+
+
+class _DT:
+    def __init__(self, name):
+        self.name = name
+
+
+class FakeEngine:
+    """The ICudaEngine calls engine_model_io makes, for the tiny attention block."""
+
+    def __init__(self, max_img=64, max_txt=8, max_batch=2):
+        d = [("hidden_states", "FLOAT", [-1, -1, C], [(1, 1, C), (2, 16, C), (max_batch, max_img, C)]),
+             ("encoder_hidden_states", "FLOAT", [-1, -1, C],
+              [(1, 1, C), (2, 5, C), (max_batch, max_txt, C)]),
+             ("encoder_hidden_states_mask", "BOOL", [-1, -1],
+              [(1, 1), (2, 5), (max_batch, max_txt)]),
+             ("img_cos_sin_cache", "FLOAT", [-1, HEAD_DIM],
+              [(1, HEAD_DIM), (16, HEAD_DIM), (max_img, HEAD_DIM)]),
+             ("txt_cos_sin_cache", "FLOAT", [-1, HEAD_DIM],
+              [(1, HEAD_DIM), (5, HEAD_DIM), (max_txt, HEAD_DIM)])]
+        self.io = [(n, t, s, p, _Mode.INPUT) for n, t, s, p in d]
+        self.io += [("img_out", "FLOAT", [-1, -1, C], None, _Mode.OUTPUT),
+                    ("txt_out", "FLOAT", [-1, -1, C], None, _Mode.OUTPUT)]
+        self.num_io_tensors = len(self.io)
+
+    def _get(self, name):
+        return next(e for e in self.io if e[0] == name)
+
+    def get_tensor_name(self, i):
+        return self.io[i][0]
+
+    def get_tensor_dtype(self, name):
+        return _DT(self._get(name)[1])
+
+    def get_tensor_shape(self, name):
+        return self._get(name)[2]
+
+    def get_tensor_mode(self, name):
+        return self._get(name)[4]
+
+    def get_tensor_profile_shape(self, name, profile):
+        assert profile == 0
+        return self._get(name)[3]
+
+
+class RecordingRunner(rn.Runner):
+    backend = "fake"
+
+    def __init__(self, io):
+        super().__init__(io)
+        self.executed = 0
+
+    def _check_device(self, device):
+        pass
+
+    def _execute(self, feeds, axes, device):
+        self.executed += 1
+        return [torch.zeros(1), torch.zeros(1)]
+
+
+def test_engine_io_and_profile_bounds():
+    import types
+
+    trt = types.SimpleNamespace(TensorIOMode=_Mode)
+    side = {"config": {"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]},
+            "inputs": [{"name": "hidden_states", "axes": ["batch", "img_tokens", None]},
+                       {"name": "encoder_hidden_states", "axes": ["batch", "txt_tokens", None]},
+                       {"name": "encoder_hidden_states_mask", "axes": ["batch", "txt_tokens"]},
+                       {"name": "img_cos_sin_cache", "axes": ["img_cache_rows", None]},
+                       {"name": "txt_cos_sin_cache", "axes": ["txt_cache_rows", None]}]}
+    io = rn.engine_model_io(FakeEngine(), trt, side)
+    assert io.head_dim == HEAD_DIM
+    assert io.roles["img_cache"] == "img_cos_sin_cache"
+    assert io.input("hidden_states").dims == ((1, 2), (1, 64), (C, C))
+    assert io.input("hidden_states").axes == ("batch", "img_tokens", None)
+    r = RecordingRunner(io)
+    hs, ehs, caches = inputs()
+    r(hs, ehs, caches)
+    assert r.executed == 1
+    r.run_qwen(hs, ehs, img_shapes=IMG_SHAPES)
+    assert r.executed == 2
+    # beyond the profile: text tokens 9 > max 8, batch 3 > 2, cache rows 80 > 64
+    with pytest.raises(rn.RunnerInputError, match=r"txt_tokens\) = 9 is outside the range 1..8.*"
+                                                  r"--max-txt-tokens"):
+        r(*inputs(s_txt=9))
+    with pytest.raises(rn.RunnerInputError, match=r"dimension 0 \(batch\) = 3 is outside"):
+        r(*inputs(batch=3))
+    big = build_qwen_rope_caches([(1, 8, 10)], 5, axes_dim=(2, 6, 8))
+    with pytest.raises(rn.RunnerInputError, match=r"img_cache_rows\) = 80 is outside the range"):
+        r(hs, ehs, (big.img, caches[1]))
+    assert r.executed == 2
