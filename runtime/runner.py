@@ -555,6 +555,32 @@ def engine_model_io(engine, trt, sidecar: Mapping | None, *, profile: int = 0) -
                    config=dict((sidecar or {}).get("config") or {}))
 
 
+def resolve_runtime_plugin(plugin, sidecar: Mapping) -> Path:
+    """The plugin library for a (non-VC) engine: ``plugin``, else the path in the engine's sidecar
+    if it still exists, else the library ``qkrope build-plugin`` built. Warns when its sha256
+    differs from the one the engine was built with."""
+    import warnings
+
+    recorded = sidecar.get("plugin") or {}
+    if plugin is not None:
+        path = Path(plugin)
+    elif recorded.get("path") and Path(recorded["path"]).is_file():
+        path = Path(recorded["path"])
+    else:
+        from .plugin_build import find_plugin_library
+
+        path = Path(find_plugin_library(kind="plugin"))
+    if not path.is_file():
+        raise FileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
+                                f"`qkrope build-plugin` or pass plugin=PATH")
+    if recorded.get("sha256") and tu.sha256_file(path) != recorded["sha256"]:
+        warnings.warn(f"the plugin library {path} differs from the one the engine was built with "
+                      f"({recorded.get('path')}, sha256 {recorded['sha256'][:12]}...): results may "
+                      f"differ or deserialisation may fail; rebuild the engine with this library",
+                      RuntimeWarning, stacklevel=3)
+    return path
+
+
 class TensorRTRunner(Runner):
     """TensorRT backend: shared engine, one execution context + CUDA stream per thread."""
 
@@ -575,20 +601,16 @@ class TensorRTRunner(Runner):
         side_path = tu.engine_sidecar_path(path)
         self.sidecar = tu.read_json(side_path) if side_path.exists() else {}
         vc = bool(self.sidecar.get("version_compatible"))
-        lib = plugin or (self.sidecar.get("plugin") or {}).get("path")
-        if lib is None and not vc:
-            from .plugin_build import find_plugin_library
-            lib = find_plugin_library(kind="plugin")
         self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
+        self.plugin_path = None
         if vc:
-            # The VC plugin library is serialised in the engine; the lean runtime loads it.
+            # A version-compatible engine carries its (VC) plugin library; TensorRT loads it on
+            # deserialisation, which needs host code to be allowed. `plugin` is not loaded.
             self.runtime.engine_host_code_allowed = True
-            if plugin is not None:
-                load_plugin_library(trt, plugin, version_compatible=True,
-                                    registry=self.runtime.get_plugin_registry())
         else:
-            load_plugin_library(trt, lib, version_compatible=False)
+            self.plugin_path = str(resolve_runtime_plugin(plugin, self.sidecar))
+            load_plugin_library(trt, self.plugin_path, version_compatible=False)
         data = Path(path).read_bytes()
         self.engine = self.runtime.deserialize_cuda_engine(data)
         if self.engine is None:

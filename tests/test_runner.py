@@ -421,3 +421,18 @@ def test_engine_io_and_profile_bounds():
     with pytest.raises(rn.RunnerInputError, match=r"img_cache_rows\) = 80 is outside the range"):
         r(hs, ehs, (big.img, caches[1]))
     assert r.executed == 2
+
+
+def test_runtime_plugin_resolution(tmp_path):
+    lib = tmp_path / "libqkrope_plugin.so"
+    lib.write_bytes(b"v1")
+    from qkrope.runtime import trt_utils as tu
+
+    side = {"plugin": {"path": str(lib), "sha256": tu.sha256_file(lib)}}
+    assert rn.resolve_runtime_plugin(None, side) == lib
+    other = tmp_path / "other.so"
+    other.write_bytes(b"v2")
+    with pytest.warns(RuntimeWarning, match="differs from the one the engine was built with"):
+        assert rn.resolve_runtime_plugin(other, side) == other
+    with pytest.raises(FileNotFoundError, match="qkrope build-plugin"):
+        rn.resolve_runtime_plugin(tmp_path / "missing.so", side)

@@ -1,0 +1,201 @@
+"""TensorRT engine build and the TensorRT runner, on a GPU with TensorRT (skipped elsewhere).
+
+Run where TensorRT 10.7+ and CUDA exist, after `qkrope build-plugin`:
+
+    python -m pytest -q tests/test_tensorrt_gpu.py
+
+Covers: the engine really uses the QKNormRoPE plugin (one plugin layer per node), the sidecar,
+the TensorRT runner against ONNX Runtime (fp32) and the eager module (bf16), dynamic shapes inside
+the profile, checks before execution, per-thread contexts, a version-compatible build, and the CLI
+with a timing cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.tensorrt,
+    pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None or not torch.cuda.is_available(),
+                       reason="requires TensorRT and CUDA"),
+]
+
+HEADS, HEAD_DIM = 2, 64
+C = HEADS * HEAD_DIM
+IMG_SHAPES = [(1, 4, 4)]
+S_TXT = 6
+
+
+def _plugin(kind="plugin") -> str:
+    from qkrope.runtime.plugin_build import PluginNotBuiltError, find_plugin_library
+
+    try:
+        return str(find_plugin_library(kind))
+    except PluginNotBuiltError as exc:
+        pytest.skip(f"plugin library not built: {exc}")
+
+
+def _export(path: Path, dtype: str):
+    from qkrope.export.onnx_export import build_attention, export_attention
+
+    export_attention(path, heads=HEADS, head_dim=HEAD_DIM, img_shapes=IMG_SHAPES, txt_len=S_TXT,
+                     batch=2, dtype=dtype)
+    config = json.loads(Path(str(path) + ".json").read_text())["config"]
+    return build_attention(config)
+
+
+def _build(onnx_path: Path, engine_path: Path, **kw):
+    from qkrope.runtime.engine import BuildOptions, build_engine
+
+    opts = BuildOptions(plugin=kw.pop("plugin", None) or _plugin(), max_img_tokens=64,
+                        max_txt_tokens=16, max_batch=2, progress=False, **kw)
+    return build_engine(onnx_path, engine_path, opts)
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trt32")
+    module = _export(d / "attn.onnx", "fp32")
+    side = _build(d / "attn.onnx", d / "attn.engine")
+    return d, module, side
+
+
+def _inputs(device, dtype=torch.float32, batch=2, img_shapes=IMG_SHAPES, s_txt=S_TXT, seed=0,
+            axes_dim=None):
+    from qkrope.runtime import build_qwen_rope_caches
+
+    g = torch.Generator().manual_seed(seed)
+    s_img = sum(f * h * w for f, h, w in img_shapes)
+    hs = torch.randn(batch, s_img, C, generator=g).to(device, dtype)
+    ehs = torch.randn(batch, s_txt, C, generator=g).to(device, dtype)
+    from qkrope.export.onnx_export import default_axes_dims
+
+    caches = build_qwen_rope_caches(img_shapes, s_txt, axes_dim=axes_dim or
+                                    default_axes_dims(HEAD_DIM), device=device)
+    return hs, ehs, (caches.img, caches.txt)
+
+
+def test_engine_uses_plugin_and_writes_sidecar(fp32):
+    d, _, side = fp32
+    assert (d / "attn.engine").stat().st_size > 0
+    on_disk = json.loads((d / "attn.engine.json").read_text())
+    assert on_disk["plugin_layers"] == 2 == side["plugin_layers"]
+    assert on_disk["gpu"]["compute_capability"]
+    assert on_disk["profiles"][0]["hidden_states"]["max"] == [2, 64, C]
+    assert on_disk["plugin"]["sha256"]
+
+
+@pytest.mark.parametrize("batch,img_shapes,s_txt", [(2, IMG_SHAPES, S_TXT), (1, [(1, 2, 3)], 3),
+                                                   (2, [(1, 8, 8)], 16)])
+def test_trt_runner_matches_onnxruntime(fp32, batch, img_shapes, s_txt):
+    from qkrope.runtime import load
+
+    d, _, _ = fp32
+    trt_runner = load(d / "attn.engine", copy_outputs=True)
+    ort_runner = load(d / "attn.onnx", providers=["CPUExecutionProvider"])
+    hs, ehs, caches = _inputs("cuda", batch=batch, img_shapes=img_shapes, s_txt=s_txt)
+    mask = torch.ones(batch, s_txt, dtype=torch.bool, device="cuda")
+    mask[0, -1] = False
+    got = trt_runner(hs, ehs, caches, mask)
+    want = ort_runner(hs.cpu(), ehs.cpu(), tuple(c.cpu() for c in caches), mask.cpu())
+    for g, w in zip(got, want):
+        assert g.is_cuda
+        torch.testing.assert_close(g.cpu(), w, atol=2e-4, rtol=1e-3)
+
+
+def test_trt_runner_checks_before_execution_and_reuses_outputs(fp32):
+    from qkrope.runtime import RopeCacheError, RunnerInputError, load
+
+    d, _, _ = fp32
+    r = load(d / "attn.engine")
+    hs, ehs, caches = _inputs("cuda")
+    a, _ = r(hs, ehs, caches)
+    b, _ = r(hs, ehs, caches)
+    assert a.data_ptr() == b.data_ptr()
+    with pytest.raises(RopeCacheError, match="is on cpu"):
+        r(hs, ehs, tuple(c.cpu() for c in caches))
+    with pytest.raises(RunnerInputError, match="outside the range"):
+        r(*_inputs("cuda", s_txt=17))
+    with pytest.raises(RunnerInputError, match="TensorRT engine runs on"):
+        r(hs.cpu(), ehs.cpu(), tuple(c.cpu() for c in caches))
+
+
+def test_trt_runner_threads(fp32):
+    from qkrope.runtime import load
+
+    d, module, _ = fp32
+    r = load(d / "attn.engine")
+    module = module.cuda()
+    errors, done = [], []
+
+    def work(seed):
+        try:
+            hs, ehs, caches = _inputs("cuda", seed=seed)
+            for _ in range(5):
+                img, txt = r(hs, ehs, caches)
+            torch.cuda.current_stream().synchronize()
+            with torch.no_grad():
+                ref_img, _ = module(hs, ehs, caches)
+            torch.testing.assert_close(img, ref_img, atol=2e-4, rtol=1e-3)
+            done.append(seed)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(done) == [0, 1, 2]
+
+
+def test_bf16_engine_vs_eager(tmp_path):
+    from qkrope.runtime import load
+
+    module = _export(tmp_path / "bf16.onnx", "bf16").cuda()
+    _build(tmp_path / "bf16.onnx", tmp_path / "bf16.engine")
+    r = load(tmp_path / "bf16.engine")
+    hs, ehs, caches = _inputs("cuda", torch.bfloat16)
+    img, txt = r(hs, ehs, caches)
+    with torch.no_grad():
+        ref_img, ref_txt = module(hs, ehs, caches)
+    assert img.dtype == torch.bfloat16
+    # one bf16 rounding step apart at most (sglang's fused-kernel tolerance)
+    torch.testing.assert_close(img, ref_img, atol=8e-2, rtol=1e-2)
+    torch.testing.assert_close(txt, ref_txt, atol=8e-2, rtol=1e-2)
+
+
+def test_version_compatible_engine(fp32, tmp_path):
+    from qkrope.runtime import load
+
+    d, _, _ = fp32
+    side = _build(d / "attn.onnx", tmp_path / "vc.engine", plugin=_plugin("vc"),
+                  version_compatible=True)
+    assert side["version_compatible"] and side["plugin"]["serialized_in_engine"]
+    r = load(tmp_path / "vc.engine", copy_outputs=True)
+    ort_runner = load(d / "attn.onnx", providers=["CPUExecutionProvider"])
+    hs, ehs, caches = _inputs("cuda")
+    got = r(hs, ehs, caches)
+    want = ort_runner(hs.cpu(), ehs.cpu(), tuple(c.cpu() for c in caches))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=2e-4, rtol=1e-3)
+
+
+def test_cli_build_with_timing_cache(fp32, tmp_path):
+    from qkrope import cli
+
+    d, _, _ = fp32
+    out, cache = tmp_path / "cli.engine", tmp_path / "timing.cache"
+    rc = cli.main(["build", str(d / "attn.onnx"), "-o", str(out), "--plugin", _plugin(),
+                   "--max-img-tokens", "64", "--max-txt-tokens", "16", "--timing-cache",
+                   str(cache), "--builder-optimization-level", "2", "--no-progress"])
+    assert rc == 0
+    assert out.stat().st_size > 0 and cache.stat().st_size > 0
+    assert json.loads(Path(str(out) + ".json").read_text())["builder_optimization_level"] == 2
