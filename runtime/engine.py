@@ -499,8 +499,10 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         cache = config.create_timing_cache(data)
         config.set_timing_cache(cache, ignore_mismatch=True)
     progress = BuildProgress(log) if opts.progress else None
+    monitor = None  # kept referenced until the build returns (TensorRT holds a raw pointer)
     if progress is not None and hasattr(trt, "IProgressMonitor"):
-        config.progress_monitor = make_progress_monitor(trt, progress)
+        monitor = make_progress_monitor(trt, progress)
+        config.progress_monitor = monitor
 
     print("[build] profile:\n" + prof.format_profile(profile), file=log)
     t0 = time.monotonic()
@@ -511,6 +513,7 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
             progress.cancel()
         raise
     seconds = time.monotonic() - t0
+    del monitor
     if serialized is None:
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
