@@ -160,6 +160,7 @@ def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
                           f"settings {sorted(v.tag for v in variants)}; one model carries one "
                           f"function body, so export them as separate models")
     variant = variants.pop() if variants else FunctionVariant(partial=rotary_dim < head_dim)
+    opset = int(model.opset_imports.get("", opset))  # the body imports the model's own opset
     function = ir.serde.deserialize_function(make_function_proto(variant, opset=opset))
     model.functions[function.identifier()] = function
     model.opset_imports[contract.DOMAIN] = contract.DOMAIN_VERSION

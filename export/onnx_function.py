@@ -124,10 +124,16 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
     if v.rounding == 1:
         # diffusers' eager order: round x*inv to the activation dtype, multiply by the weight in
         # that dtype (rounded again), then rotate in fp32. Identity casts for fp32 activations.
+        # The multiply runs in fp32 on values already rounded to the activation dtype, then is
+        # rounded: a product of two 11-bit (fp16) or 8-bit (bf16) significands is exact in fp32,
+        # so this equals a correctly rounded fp16/bf16 multiply bit for bit, and needs only Cast
+        # kernels in the activation dtype (ONNX Runtime's CPU provider has no bf16 Mul).
         nodes += [
             n("CastLike", [f"{p}xn", x], [f"{p}xn_r"]),
-            n("CastLike", [w, x], [f"{p}w_r"]),
-            n("Mul", [f"{p}xn_r", f"{p}w_r"], [f"{p}yw_r"]),
+            n("Cast", [f"{p}xn_r"], [f"{p}xn_rf"], to=TensorProto.FLOAT),
+            n("Cast", [w], [f"{p}wf"], to=TensorProto.FLOAT),
+            n("Mul", [f"{p}xn_rf", f"{p}wf"], [f"{p}yw"]),
+            n("CastLike", [f"{p}yw", x], [f"{p}yw_r"]),
             n("Cast", [f"{p}yw_r"], [f"{p}y"], to=TensorProto.FLOAT),
         ]
     else:

@@ -98,6 +98,21 @@ def to_ort_value(array: np.ndarray):
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
 
 
+def from_ort_value(value) -> np.ndarray:
+    """An ``onnxruntime.OrtValue`` (CPU) -> numpy; bfloat16 -> ml_dtypes bfloat16 (ORT's own
+    ``OrtValue.numpy()`` raises for bfloat16, so the bytes are copied from its buffer)."""
+    if value.data_type() != "tensor(bfloat16)":
+        return np.asarray(value.numpy())
+    import ctypes
+
+    if value.device_name().lower() != "cpu":
+        raise ValueError("from_ort_value reads bfloat16 OrtValues from CPU memory only")
+    shape = tuple(value.shape())
+    count = int(np.prod(shape)) if shape else 1
+    buf = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(buf).copy().reshape(shape).view(numpy_dtype("bfloat16"))
+
+
 @dataclass
 class TensorInfo:
     name: str

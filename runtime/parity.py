@@ -52,7 +52,7 @@ import numpy as np
 
 from qkrope._deps import require
 
-from .model_info import ModelInfo, to_ort_value, to_torch
+from .model_info import ModelInfo, from_ort_value, to_ort_value, to_torch
 
 # dtype -> (atol in ulps of the output scale or a fraction of the scale for fp32, rtol)
 TOLERANCES = {
@@ -200,11 +200,7 @@ class OrtValueRunner:  # subclassed from polygraphy's BaseRunner at first use (l
 
 
 def _ortvalue_to_f32(value) -> np.ndarray:
-    if value.data_type() == "tensor(bfloat16)":
-        raw = np.array(value.numpy(), copy=False)
-        bits = raw.view(np.uint16) if raw.dtype.itemsize == 2 else raw.astype(np.uint16)
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(value.numpy()).astype(np.float32)
+    return from_ort_value(value).astype(np.float32)
 
 
 def _ort_provider(name: str) -> str:

@@ -1,0 +1,325 @@
+"""ONNX export of the attention block and of the op (issue 3): node contract, function body,
+checker/shape inference, ONNX Runtime parity with the PyTorch module and with diffusers, CLI
+errors. Tiny sizes (2 heads x 64) except one export at Qwen-Image's default sizes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from qkrope.cli import main
+from qkrope.export import contract, qk_norm_rope_reference
+from qkrope.export.onnx_export import (ExportError, build_attention, export_attention,
+                                       finalize_model)
+from qkrope.export.onnx_function import qk_norm_rope_translation
+from qkrope.runtime import build_qwen_rope_caches
+from qkrope.runtime.model_info import (ModelInfo, from_ort_value, from_torch, to_ort_value,
+                                       to_torch)
+
+HEADS, HEAD_DIM = 2, 64
+ONNX_TYPES = {"FLOAT": onnx.AttributeProto.FLOAT, "INT": onnx.AttributeProto.INT,
+              "STRING": onnx.AttributeProto.STRING}
+
+
+def _session(path):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _run(path, feeds):
+    sess = _session(path)
+    outs = sess.run_with_ort_values(None, {k: to_ort_value(v) for k, v in feeds.items()})
+    return [from_ort_value(o) for o in outs]
+
+
+def _ref(info, feeds):
+    module = build_attention({**info.config, "dtype": info.dtype})
+    t = {k: to_torch(v) for k, v in feeds.items()}
+    with torch.no_grad():
+        return module(t["hidden_states"], t["encoder_hidden_states"],
+                      (t["img_cos_sin_cache"], t["txt_cos_sin_cache"]),
+                      t["encoder_hidden_states_mask"])
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("attn") / "attn.onnx"
+    export_attention(out, heads=HEADS, head_dim=HEAD_DIM)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("attn16") / "attn16.onnx"
+    export_attention(out, heads=HEADS, head_dim=HEAD_DIM, dtype="fp16")
+    return out
+
+
+# ------------------------------------------------------------------------- node contract
+def test_node_contract(fp32_model):
+    model = onnx.load(str(fp32_model))
+    nodes = [n for n in model.graph.node if n.op_type == contract.OP_TYPE]
+    assert len(nodes) == 2, "one QKNormRoPE node per stream"
+    for node in nodes:
+        assert node.domain == contract.DOMAIN
+        assert len(node.input) == len(contract.INPUTS) and len(node.output) == 2
+        attrs = {a.name: a for a in node.attribute}
+        assert sorted(attrs) == sorted(a.name for a in contract.ATTRIBUTES)
+        for spec in contract.ATTRIBUTES:
+            assert attrs[spec.name].type == ONNX_TYPES[spec.onnx_type], spec.name
+        values = {k: onnx.helper.get_attribute_value(a) for k, a in attrs.items()}
+        values = {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
+        expected = contract.node_attributes()
+        assert values["interleaved"] == 1 and values["rounding"] == 0
+        assert values["plugin_version"] == "1" and values["plugin_namespace"] == "qkrope"
+        assert values["epsilon"] == pytest.approx(expected["epsilon"])
+    # the cache inputs of the two nodes are the two graph inputs
+    assert {n.input[4] for n in nodes} == {"img_cos_sin_cache", "txt_cos_sin_cache"}
+    imports = {o.domain: o.version for o in model.opset_import}
+    assert imports[contract.DOMAIN] == contract.DOMAIN_VERSION and imports[""] == 18
+    fns = [f for f in model.functions if (f.domain, f.name) == (contract.DOMAIN, contract.OP_TYPE)]
+    assert len(fns) == 1
+    assert list(fns[0].input) == list(contract.INPUTS)
+    assert list(fns[0].output) == list(contract.OUTPUTS)
+    assert model.ir_version == 10
+
+
+def test_caches_are_2d_fp32_inputs_and_no_complex(fp32_model):
+    model = onnx.load(str(fp32_model))
+    inputs = {i.name: i.type.tensor_type for i in model.graph.input}
+    assert list(inputs) == ["hidden_states", "encoder_hidden_states",
+                            "encoder_hidden_states_mask", "img_cos_sin_cache",
+                            "txt_cos_sin_cache"]
+    for name, rows in (("img_cos_sin_cache", "img_cache_rows"),
+                       ("txt_cos_sin_cache", "txt_cache_rows")):
+        tt = inputs[name]
+        assert tt.elem_type == onnx.TensorProto.FLOAT
+        assert [d.dim_param or d.dim_value for d in tt.shape.dim] == [rows, HEAD_DIM]
+    assert inputs["encoder_hidden_states_mask"].elem_type == onnx.TensorProto.BOOL
+    assert [d.dim_param for d in inputs["hidden_states"].shape.dim[:2]] == ["batch", "img_tokens"]
+    inferred = onnx.shape_inference.infer_shapes(model)
+    complex_types = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
+    values = (list(inferred.graph.input) + list(inferred.graph.output)
+              + list(inferred.graph.value_info))
+    assert all(v.type.tensor_type.elem_type not in complex_types for v in values)
+    assert all(t.data_type not in complex_types for t in model.graph.initializer)
+
+
+def test_checker_and_shape_inference(fp32_model):
+    onnx.checker.check_model(str(fp32_model), full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(fp32_model)), strict_mode=True,
+                                                 data_prop=True)
+    for out in inferred.graph.output:
+        dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
+        assert len(dims) == 3 and all(dims), (out.name, dims)
+
+
+def test_sidecar(fp32_model):
+    info = ModelInfo.load(fp32_model)
+    assert info.model == "attention" and info.dtype == "fp32" and info.opset == 18
+    assert info.ir_version == 10 and info.output_names == ["img_out", "txt_out"]
+    assert set(info.dynamic_axes) == {"batch", "img_tokens", "txt_tokens", "img_cache_rows",
+                                      "txt_cache_rows"}
+    assert info.node_attributes == contract.node_attributes()
+    assert info.config["heads"] == HEADS and info.config["head_dim"] == HEAD_DIM
+    assert info.input_shape("img_cos_sin_cache", batch=3, img_tokens=7, txt_tokens=5) == (7, 64)
+    assert info.input_shape("hidden_states", batch=3, img_tokens=7, txt_tokens=5) == (3, 7, 128)
+    assert oct(os.stat(str(fp32_model) + ".json").st_mode & 0o777) != "0o600"
+
+
+def test_sidecar_missing_is_clear(tmp_path):
+    with pytest.raises(ValueError, match="qkrope export"):
+        ModelInfo.load(tmp_path / "nothing.onnx")
+
+
+# ------------------------------------------------------------------------- ORT parity
+CASES = [  # img_shapes, txt_len, batch: all differ from the export sample
+    ([(1, 6, 5)], 9, 2),
+    ([(1, 4, 6), (1, 3, 4), (1, 2, 2)], 13, 2),  # edit: generated image + two condition images
+    ([(1, 5, 5)], 3, 1),
+]
+
+
+@pytest.mark.parametrize("img_shapes,txt_len,batch", CASES)
+def test_ort_matches_module_fp32(fp32_model, img_shapes, txt_len, batch):
+    info = ModelInfo.load(fp32_model)
+    feeds = info.make_inputs(img_shapes, txt_len, batch, seed=1)
+    if batch == 2:
+        assert not feeds["encoder_hidden_states_mask"].all()  # a text mask is exercised
+    outs = _run(fp32_model, feeds)
+    for got, ref in zip(outs, _ref(info, feeds)):
+        err = np.abs(got - ref.numpy()).max()
+        assert err <= 2e-6 * max(1.0, np.abs(ref.numpy()).max()), err
+
+
+def test_ort_matches_module_fp16(fp16_model):
+    info = ModelInfo.load(fp16_model)
+    feeds = info.make_inputs([(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
+    for got, ref in zip(_run(fp16_model, feeds), _ref(info, feeds)):
+        ref = ref.float().numpy()
+        scale = np.abs(ref).max()
+        ulp = 2.0 ** (np.floor(np.log2(scale)) - 10)
+        # bound: 2 fp16 ulps of the output scale (observed: 1 ulp)
+        assert np.abs(got.astype(np.float32) - ref).max() <= 2 * ulp
+
+
+def test_ort_matches_diffusers(tmp_path):
+    """Weights from a diffusers Attention (--weights), compared with diffusers' own forward
+    (complex RoPE) at sizes other than the export size, batch 2, a text mask, edit images."""
+    from safetensors.torch import save_file
+
+    from _diffusers_ref import diffusers_freqs, qwen_attention
+
+    attn = qwen_attention(HEADS, HEAD_DIM, seed=3)
+    weights = tmp_path / "attn.safetensors"
+    save_file({k: v.contiguous() for k, v in attn.state_dict().items()}, str(weights))
+    out = tmp_path / "d.onnx"
+    info, _ = export_attention(out, heads=HEADS, head_dim=HEAD_DIM, weights=weights)
+    img_shapes, txt_len = [(1, 4, 5), (1, 2, 3)], 7
+    feeds = info.make_inputs(img_shapes, txt_len, 2, seed=4)
+    axes = tuple(info.config["axes_dims_rope"])
+    freqs = diffusers_freqs(img_shapes, txt_len, axes)
+    with torch.no_grad():
+        ref = attn(hidden_states=torch.from_numpy(feeds["hidden_states"]),
+                   encoder_hidden_states=torch.from_numpy(feeds["encoder_hidden_states"]),
+                   encoder_hidden_states_mask=torch.from_numpy(
+                       feeds["encoder_hidden_states_mask"]),
+                   image_rotary_emb=freqs)
+    for got, r in zip(_run(out, feeds), ref):
+        assert np.abs(got - r.numpy()).max() <= 1e-5 * max(1.0, np.abs(r.numpy()).max())
+
+
+# ------------------------------------------------------------------------- the function body
+class _OpOnly(torch.nn.Module):
+    def __init__(self, interleaved, rounding):
+        super().__init__()
+        self.interleaved, self.rounding = interleaved, rounding
+
+    def forward(self, q, k, q_weight, k_weight, cos_sin_cache):
+        from qkrope.export import qk_norm_rope
+
+        return qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, eps=1e-5,
+                            interleaved=self.interleaved, rounding=self.rounding)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved,rounding,rotary_dim", [
+    (True, 0, 64), (True, 1, 64), (False, 0, 64), (True, 0, 48), (False, 1, 32)])
+def test_function_body_variants(tmp_path, dtype, interleaved, rounding, rotary_dim):
+    """The op alone: the function body (ONNX Runtime) vs the PyTorch reference, for NeoX,
+    partial rotary, rounding=1, and every activation dtype (bf16 included: the body only needs
+    Cast/elementwise kernels, which ONNX Runtime's CPU provider has for bf16)."""
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 7, 3, 64, generator=g) * 3).to(dtype)
+    k = torch.randn(2, 7, 3, 64, generator=g).to(dtype)
+    qw = (1 + 0.3 * torch.randn(64, generator=g)).to(dtype)
+    kw = (1 + 0.3 * torch.randn(64, generator=g)).to(dtype)
+    angles = torch.randn(9, rotary_dim // 2, generator=g) * 3
+    cache = torch.cat([angles.cos(), angles.sin()], -1)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            _OpOnly(interleaved, rounding), (q, k, qw, kw, cache), dynamo=True,
+            input_names=list(contract.INPUTS), output_names=list(contract.OUTPUTS),
+            custom_translation_table={
+                torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
+            verbose=False)
+    model = finalize_model(program.model, opset=18, head_dim=64, rotary_dim=rotary_dim,
+                           expected_nodes=1)
+    import onnx_ir as ir
+
+    path = tmp_path / "op.onnx"
+    ir.save(model, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    feeds = {n: from_torch(t) for n, t in zip(contract.INPUTS, (q, k, qw, kw, cache))}
+    got = _run(path, feeds)
+    ref = qk_norm_rope_reference(q, k, qw, kw, cache, eps=1e-5, interleaved=interleaved,
+                                 rounding=rounding)
+    for g_out, r in zip(got, ref):
+        g_t = to_torch(g_out).float()
+        r = r.float()
+        scale = r.abs().max().item()
+        tol = {torch.float32: 2e-6 * scale, torch.float16: 2.0 ** (np.log2(scale) // 1 - 10),
+               torch.bfloat16: 2.0 ** (np.log2(scale) // 1 - 7)}[dtype]
+        assert (g_t - r).abs().max().item() <= tol
+        if dtype != torch.float32:  # at most one rounding step apart, and rarely
+            assert (g_t != r).float().mean().item() < 0.05
+
+
+def test_mixed_variants_refused():
+    class _Two(torch.nn.Module):
+        def forward(self, q, k, qw, kw, cache):
+            from qkrope.export import qk_norm_rope
+
+            a = qk_norm_rope(q, k, qw, kw, cache, interleaved=True)
+            b = qk_norm_rope(q, k, qw, kw, cache, interleaved=False)
+            return a[0] + b[0]
+
+    args = (torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.ones(8), torch.ones(8),
+            torch.randn(4, 8))
+    with torch.no_grad():
+        program = torch.onnx.export(_Two(), args, dynamo=True, verbose=False,
+                                    custom_translation_table={
+                                        torch.ops.qkrope.qk_norm_rope.default:
+                                            qk_norm_rope_translation})
+    with pytest.raises(ExportError, match="different interleaved/rounding"):
+        finalize_model(program.model, opset=18, head_dim=8, rotary_dim=8)
+
+
+# ------------------------------------------------------------------------- default sizes
+@pytest.mark.slow
+def test_export_default_qwen_sizes(tmp_path):
+    out = tmp_path / "qwen.onnx"
+    assert main(["export", "--out", str(out)]) == 0
+    info = ModelInfo.load(out)
+    assert (info.config["heads"], info.config["head_dim"], info.config["dim"]) == (24, 128, 3072)
+    assert info.config["axes_dims_rope"] == [16, 56, 56]
+    assert out.stat().st_size > 6 * 3072 * 3072 * 4  # eight C x C fp32 linears, >= six counted
+
+
+# ------------------------------------------------------------------------- CLI errors
+def _no_outputs(directory: Path):
+    leftovers = [p.name for p in directory.iterdir()]
+    assert leftovers == [], leftovers
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "transformer", "--diffusers", "/nonexistent/qwen"], "is not a directory"),
+    (["--model", "transformer"], "needs --diffusers"),
+    (["--heads", "2", "--head-dim", "64", "--rotary-dim", "70"], "rotary-dim"),
+    (["--heads", "2", "--head-dim", "64", "--img-shape", "1", "0", "4"], "positive"),
+    (["--heads", "2", "--head-dim", "64", "--txt-len", "5000"], "text cache overflow"),
+    (["--heads", "2", "--head-dim", "64", "--opset", "13"], "--opset"),
+])
+def test_cli_bad_input(tmp_path, capsys, argv, message):
+    out = tmp_path / "out" / "m.onnx"
+    out.parent.mkdir()
+    assert main(["export", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "qkrope export: error:" in err and message in err
+    _no_outputs(out.parent)
+
+
+def test_cli_unknown_dtype(tmp_path, capsys):
+    out = tmp_path / "m.onnx"
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "--out", str(out), "--dtype", "int8"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    from qkrope.export import onnx_export
+
+    def boom(path):
+        raise ExportError("simulated checker failure")
+
+    monkeypatch.setattr(onnx_export, "verify_onnx_file", boom)
+    with pytest.raises(ExportError):
+        export_attention(tmp_path / "m.onnx", heads=HEADS, head_dim=HEAD_DIM)
+    _no_outputs(tmp_path)
