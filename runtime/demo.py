@@ -1,0 +1,244 @@
+"""``qkrope demo``: the main job on the built-in default, end to end.
+
+1. caches    build Qwen-Image's RoPE caches for a 1024x1024 image + 512 text tokens, spec checks
+2. diffusers QwenImageAttention (fused op) vs diffusers' attention, same random weights
+3. export    the Qwen-Image attention block (24 heads x 128, fp32) to ONNX
+4. check     polygraphy: ONNX Runtime vs the PyTorch reference
+5. plugin    build the CUDA kernel + TensorRT plugin libraries (CPU kernel build at least)
+6. engine    [TensorRT + GPU] export in bf16, build the engine with the plugin
+7. trt-check [TensorRT + GPU] polygraphy: TensorRT vs ONNX Runtime vs PyTorch
+8. bench     [GPU] fused plugin vs function body vs eager vs torch.compile
+
+Steps that need what this machine lacks are reported as SKIPPED with the reason; a failed step
+makes the exit status non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # "ok" | "SKIPPED" | "FAILED"
+    seconds: float
+    detail: str
+
+
+class Skip(Exception):
+    """Raised by a step that cannot run on this machine; the message is the reason."""
+
+
+def _cli(argv: list[str]) -> None:
+    from qkrope import cli
+
+    print(f"\n$ qkrope {' '.join(argv)}", flush=True)
+    code = cli.main(argv)
+    if code != 0:
+        raise RuntimeError(f"`qkrope {' '.join(argv)}` exited with status {code}")
+
+
+def gpu_reasons() -> list[str]:
+    """Why the TensorRT/GPU steps cannot run here (empty when they can)."""
+    reasons = []
+    import torch
+
+    if not torch.cuda.is_available():
+        reasons.append("requires CUDA (torch.cuda.is_available() is False: no GPU or a CPU build "
+                       "of torch)")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError as exc:
+        reasons.append(f"requires TensorRT (import tensorrt failed: {exc}; install TensorRT's "
+                       f"Python bindings or use an NGC TensorRT container)")
+    return reasons
+
+
+def step_caches(args) -> str:
+    from qkrope.runtime import build_qwen_rope_caches
+
+    caches = build_qwen_rope_caches([(1, 64, 64)], 512)
+    small = build_qwen_rope_caches([(1, 4, 4)], 3)
+    assert abs(small.img[5, 8].item() - math.cos(-1)) < 1e-7, "spec check value img[5, 8]"
+    assert abs(small.img[5, 72].item() - math.sin(-1)) < 1e-7, "spec check value img[5, 72]"
+    return (f"img {tuple(caches.img.shape)} + txt {tuple(caches.txt.shape)} fp32 for 1024x1024 + "
+            f"512 text tokens; spec check values hold")
+
+
+def step_diffusers(args) -> str:
+    import torch
+
+    from qkrope._deps import require
+    from qkrope.export import QwenImageAttention
+    from qkrope.runtime import build_qwen_rope_caches
+
+    qwen = require("diffusers.models.transformers.transformer_qwenimage",
+                   "the diffusers parity step")
+    from diffusers.models.attention_processor import Attention
+
+    heads, head_dim = args.heads, args.head_dim
+    dim = heads * head_dim
+    torch.manual_seed(0)
+    attn = Attention(query_dim=dim, cross_attention_dim=None, added_kv_proj_dim=dim,
+                     dim_head=head_dim, heads=heads, out_dim=dim, context_pre_only=False,
+                     bias=True, processor=qwen.QwenDoubleStreamAttnProcessor2_0(),
+                     qk_norm="rms_norm", eps=1e-6).eval()
+    from qkrope.export.onnx_export import default_axes_dims
+
+    axes = default_axes_dims(head_dim)
+    shapes, txt = [(1, 8, 8)], 16
+    rope = qwen.QwenEmbedRope(theta=10000, axes_dim=list(axes), scale_rope=True)
+    freqs = rope([shapes], max_txt_seq_len=txt, device=torch.device("cpu"))
+    hs, ehs = torch.randn(1, 64, dim), torch.randn(1, txt, dim)
+    with torch.no_grad():
+        ref = attn(hidden_states=hs, encoder_hidden_states=ehs, image_rotary_emb=freqs)
+        out = QwenImageAttention.from_diffusers(attn)(
+            hs, ehs, build_qwen_rope_caches(shapes, txt, axes_dim=axes))
+    err = max((a - b).abs().max().item() for a, b in zip(ref, out))
+    if err > 1e-5:
+        raise RuntimeError(f"QwenImageAttention differs from diffusers by {err:.3g} (> 1e-5)")
+    return f"{heads}x{head_dim} fp32, 64 image + 16 text tokens: max abs error {err:.2g} (<= 1e-5)"
+
+
+def step_export(args) -> str:
+    _cli(["export", "--model", "attention", "--heads", str(args.heads), "--head-dim",
+          str(args.head_dim), "--dtype", "fp32", "--out", str(args.onnx)])
+    size = sum(p.stat().st_size for p in args.onnx.parent.glob(args.onnx.name + "*"))
+    return f"{args.onnx} ({size / 1e6:.0f} MB with its sidecar/data)"
+
+
+def step_check(args) -> str:
+    _cli(["check", str(args.onnx)])
+    return "ONNX Runtime matches the PyTorch reference (table above)"
+
+
+def step_plugin(args) -> str:
+    from qkrope.runtime.plugin_build import find_plugin_library
+
+    _cli(["build-plugin"])
+    built = []
+    for kind in ("plugin", "vc", "kernels", "kernel_host"):
+        try:
+            built.append(find_plugin_library(kind).name)
+        except (FileNotFoundError, ValueError):
+            pass
+    if not built:
+        raise RuntimeError("the build finished but no library was found in build/plugins")
+    missing = {"libqkrope_plugin.so", "libqkrope_vc_plugin.so"} - set(built)
+    note = f" (not built: {', '.join(sorted(missing))}: nvcc or TensorRT headers missing)" if missing else ""
+    return ", ".join(built) + note
+
+
+def _need_gpu():
+    reasons = gpu_reasons()
+    if reasons:
+        raise Skip("; ".join(reasons))
+
+
+def step_engine(args) -> str:
+    _need_gpu()
+    _cli(["export", "--model", "attention", "--heads", str(args.heads), "--head-dim",
+          str(args.head_dim), "--dtype", "bf16", "--out", str(args.onnx_bf16)])
+    _cli(["build", str(args.onnx_bf16), "-o", str(args.engine)])
+    return f"{args.engine}"
+
+
+def step_trt_check(args) -> str:
+    _need_gpu()
+    from qkrope.runtime.plugin_build import find_plugin_library
+
+    _cli(["check", str(args.onnx_bf16), "--engine", str(args.engine), "--plugin",
+          str(find_plugin_library("plugin"))])
+    return "TensorRT (plugin) matches ONNX Runtime and the PyTorch reference"
+
+
+def step_bench(args) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Skip("requires CUDA (the benchmark measures GPU latency and bandwidth; "
+                   "`qkrope bench` alone reports the CPU ONNX Runtime numbers)")
+    _cli(["bench", "--out", str(args.out / "bench")])
+    return f"table and plot in {args.out / 'bench'}"
+
+
+STEPS: list[tuple[str, Callable]] = [
+    ("caches", step_caches),
+    ("diffusers", step_diffusers),
+    ("export", step_export),
+    ("check", step_check),
+    ("plugin", step_plugin),
+    ("engine", step_engine),
+    ("trt-check", step_trt_check),
+    ("bench", step_bench),
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.onnx = args.out / "qwen_attention.onnx"
+    args.onnx_bf16 = args.out / "qwen_attention_bf16.onnx"
+    args.engine = args.out / "qwen_attention_bf16.engine"
+    skip = set(args.skip or [])
+    results: list[StepResult] = []
+    failed_before: set[str] = set()
+    for name, fn in STEPS:
+        print(f"\n=== {name} ===", flush=True)
+        t0 = time.perf_counter()
+        if name in skip:
+            results.append(StepResult(name, "SKIPPED", 0.0, "--skip on the command line"))
+            print(f"SKIPPED: --skip {name}")
+            continue
+        needs = {"check": "export", "trt-check": "engine"}.get(name)
+        if needs in failed_before:
+            results.append(StepResult(name, "SKIPPED", 0.0, f"step '{needs}' failed"))
+            print(f"SKIPPED: step '{needs}' failed")
+            continue
+        try:
+            detail = fn(args)
+            status = "ok"
+        except Skip as exc:
+            status, detail = "SKIPPED", str(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the job goes on
+            status, detail = "FAILED", f"{type(exc).__name__}: {exc}"
+            failed_before.add(name)
+        dt = time.perf_counter() - t0
+        results.append(StepResult(name, status, dt, detail))
+        print(f"{status}: {detail}", flush=True)
+
+    width = shutil.get_terminal_size((100, 20)).columns
+    print("\n" + "=" * min(width, 100))
+    print("qkrope demo summary")
+    for r in results:
+        print(f"  {r.name:<10} {r.status:<8} {r.seconds:7.1f} s  {r.detail}")
+    failed = [r.name for r in results if r.status == "FAILED"]
+    skipped = [r.name for r in results if r.status == "SKIPPED"]
+    if skipped:
+        print(f"skipped: {', '.join(skipped)} (reasons above)")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "demo", help="the main job: export, check, build the plugin (and engine where possible)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out", help="output folder (default: out/)")
+    p.add_argument("--heads", type=int, default=24, help="attention heads (default: 24, Qwen-Image)")
+    p.add_argument("--head-dim", type=int, default=128,
+                   help="head size (default: 128, Qwen-Image)")
+    p.add_argument("--skip", action="append", choices=[name for name, _ in STEPS],
+                   help="skip a step (repeatable)")
+    p.set_defaults(func=run)
+    return p
