@@ -316,11 +316,12 @@ def polygraphy_command(onnx_path: str, workdir: Path, tol: Mapping[str, tuple[fl
 def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, batch=None,
                 seed: int = 0, diffusers_dir: str | None = None, engine: str | None = None,
                 plugin: str | None = None, providers: Sequence[str] = ("cpu",),
-                workdir: str | os.PathLike | None = None, out=sys.stdout,
+                workdir: str | os.PathLike | None = None, out=None,
                 verbose: bool = False) -> tuple[bool, list[Row]]:
     """Run the parity check; returns (passed, rows). See the module docstring."""
     from polygraphy.logger import G_LOGGER
 
+    out = out if out is not None else sys.stdout
     with G_LOGGER.verbosity(G_LOGGER.INFO if verbose else G_LOGGER.ERROR):
         return _check_model(onnx_path, img_shapes=img_shapes, txt_len=txt_len, batch=batch,
                             seed=seed, diffusers_dir=diffusers_dir, engine=engine, plugin=plugin,

@@ -1,0 +1,116 @@
+"""`qkrope check`: passes on a good model, fails (non-zero, clear) on perturbed weights; the
+polygraphy files and command; the TensorRT side's missing-dependency message (CPU) and a
+TensorRT run where TensorRT and CUDA exist."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from qkrope.cli import main
+from qkrope.export.onnx_export import export_attention
+from qkrope.runtime import parity
+
+
+def _has_trt_and_cuda() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    out = tmp_path_factory.mktemp("check") / "attn.onnx"
+    export_attention(out, heads=2, head_dim=64)
+    return out
+
+
+def test_check_passes(good, capsys, tmp_path):
+    work = tmp_path / "work"
+    assert main(["check", str(good), "--workdir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "img_out" in out and "txt_out" in out and "max abs" in out
+    for name in ("inputs.json", "reference_outputs.json", "run_results.json", "polygraphy_cmd.sh"):
+        assert (work / name).is_file()
+    cmd = (work / "polygraphy_cmd.sh").read_text()
+    assert "polygraphy run" in cmd and "--onnxrt" in cmd and "--load-outputs" in cmd
+
+
+def test_polygraphy_command_reruns(good, tmp_path):
+    work = tmp_path / "work"
+    assert main(["check", str(good), "--workdir", str(work)]) == 0
+    exe = shutil.which("polygraphy") or os.path.join(os.path.dirname(os.sys.executable),
+                                                     "polygraphy")
+    cmd = (work / "polygraphy_cmd.sh").read_text().splitlines()[1].replace("polygraphy", exe, 1)
+    result = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_check_fails_on_perturbed_weights(good, tmp_path, capsys):
+    model = onnx.load(str(good))
+    target = next(t for t in model.graph.initializer if t.name.endswith("norm_q.weight"))
+    arr = numpy_helper.to_array(target).copy()
+    arr[::2] *= 1.5
+    target.CopyFrom(numpy_helper.from_array(arr, target.name))
+    bad = tmp_path / "bad.onnx"
+    onnx.save(model, str(bad))
+    shutil.copy(str(good) + ".json", str(bad) + ".json")
+    assert main(["check", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "FAILED" in out
+
+
+def test_check_without_sidecar(good, tmp_path, capsys):
+    lone = tmp_path / "lone.onnx"
+    shutil.copy(good, lone)
+    assert main(["check", str(lone)]) == 2
+    assert "qkrope export" in capsys.readouterr().err
+
+
+def test_tolerances_scale_with_output():
+    ref = {"a": np.full((4,), 3.0, np.float32)}
+    atol, rtol = parity.tolerances("bf16", ref)["a"]
+    assert atol == pytest.approx(2 * 2.0 ** (1 - 7)) and rtol == 2.0 ** -6   # 2 bf16 ulps at 3
+    atol, _ = parity.tolerances("fp16", ref)["a"]
+    assert atol == pytest.approx(2 * 2.0 ** (1 - 10))
+    atol, rtol = parity.tolerances("fp32", ref)["a"]
+    assert atol == pytest.approx(3e-5) and rtol == 1e-4
+    row = parity.compare_arrays("a", ref["a"] + 0.05, ref["a"], 0.01, 0.01)
+    assert not row.passed and row.max_abs == pytest.approx(0.05, rel=1e-3)
+
+
+@pytest.mark.skipif(_has_trt_and_cuda(), reason="TensorRT present: the missing-TRT path is moot")
+def test_engine_without_tensorrt_is_one_clear_message(good, tmp_path, capsys):
+    engine, plugin = tmp_path / "m.engine", tmp_path / "libqkrope.so"
+    engine.write_bytes(b"x")
+    plugin.write_bytes(b"x")
+    assert main(["check", str(good), "--engine", str(engine), "--plugin", str(plugin)]) == 2
+    err = capsys.readouterr().err
+    assert "TensorRT" in err and ("NGC" in err or "nvcr.io" in err)
+
+
+def test_engine_needs_plugin(good, capsys):
+    assert main(["check", str(good), "--engine", "m.engine"]) == 2
+    assert "--plugin" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _has_trt_and_cuda(), reason="requires TensorRT and CUDA")
+def test_tensorrt_parity(good, tmp_path, capsys):
+    """Build the plugin and an engine, then TensorRT vs ONNX Runtime vs PyTorch."""
+    plugin = os.environ.get("QKROPE_PLUGIN")
+    if not plugin or not os.path.isfile(plugin):
+        pytest.skip("set QKROPE_PLUGIN to the built plugin library (qkrope build-plugin)")
+    engine = tmp_path / "attn.engine"
+    assert main(["build", str(good), "-o", str(engine), "--plugin", plugin]) == 0
+    assert main(["check", str(good), "--engine", str(engine), "--plugin", plugin]) == 0
+    out = capsys.readouterr().out
+    assert "tensorrt" in out and "PASSED" in out
