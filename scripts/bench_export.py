@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Export benchmark (not a test): export time and file size for the default Qwen-Image attention
+block and a 2-layer transformer; ONNX Runtime CPU latency of the attention block at 512x512
+(1024 image tokens) and 1024x1024 (4096) vs PyTorch eager of the same module, as a ratio.
+
+    python scripts/bench_export.py [--repeats 3] [--txt-len 512] [--skip-1024]
+
+The 2-layer transformer is a random QwenImageTransformer2DModel with Qwen-Image's real widths
+(24 x 128 heads, joint_attention_dim 3584, in_channels 64), built in code and saved to a temp dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import onnxruntime as ort
+
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), onnxruntime {ort.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def size_of(path: Path) -> int:
+    total = path.stat().st_size
+    data = Path(str(path) + ".data")
+    return total + (data.stat().st_size if data.exists() else 0)
+
+
+def time_it(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--txt-len", type=int, default=512)
+    ap.add_argument("--skip-1024", action="store_true")
+    ap.add_argument("--skip-transformer", action="store_true")
+    args = ap.parse_args()
+
+    import onnxruntime as ort
+    from qkrope.export.onnx_export import build_attention, export_attention, export_transformer
+    from qkrope.runtime.model_info import ModelInfo, to_torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        attn_path = tmp / "attn.onnx"
+        t = time.perf_counter()
+        export_attention(attn_path)
+        rows.append(("export attention block (24x128, fp32)", f"{time.perf_counter() - t:.1f} s",
+                     f"{size_of(attn_path) / 1e6:.1f} MB"))
+        if not args.skip_transformer:
+            from diffusers import QwenImageTransformer2DModel
+
+            torch.manual_seed(0)
+            model = QwenImageTransformer2DModel(num_layers=2)  # Qwen-Image widths
+            model.save_pretrained(str(tmp / "qwen2"))
+            del model
+            tr_path = tmp / "tr.onnx"
+            t = time.perf_counter()
+            export_transformer(tr_path, tmp / "qwen2", progress=False)
+            rows.append(("export transformer, 2 layers (fp32)",
+                         f"{time.perf_counter() - t:.1f} s", f"{size_of(tr_path) / 1e6:.1f} MB"))
+
+        info = ModelInfo.load(attn_path)
+        module = build_attention({**info.config, "dtype": info.dtype})
+        opts = ort.SessionOptions()
+        sess = ort.InferenceSession(str(attn_path), opts, providers=["CPUExecutionProvider"])
+        lat = []
+        sizes = [("512x512", (1, 32, 32))] + ([] if args.skip_1024 else
+                                              [("1024x1024", (1, 64, 64))])
+        for label, shape in sizes:
+            feeds = info.make_inputs([shape], args.txt_len, 1, seed=0)
+            tt = {k: to_torch(v) for k, v in feeds.items()}
+            t_ort = time_it(lambda: sess.run(None, feeds), args.repeats)
+            with torch.no_grad():
+                t_eager = time_it(lambda: module(
+                    tt["hidden_states"], tt["encoder_hidden_states"],
+                    (tt["img_cos_sin_cache"], tt["txt_cos_sin_cache"]),
+                    tt["encoder_hidden_states_mask"]), args.repeats)
+            tokens = shape[0] * shape[1] * shape[2]
+            lat.append((f"{label} ({tokens} img + {args.txt_len} txt, batch 1)",
+                        f"{t_ort * 1e3:.0f} ms", f"{t_eager * 1e3:.0f} ms",
+                        f"{t_ort / t_eager:.2f}x"))
+
+    print(f"machine: {machine()}")
+    print()
+    print(f"{'export':<42} {'time':>8} {'size':>10}")
+    for r in rows:
+        print(f"{r[0]:<42} {r[1]:>8} {r[2]:>10}")
+    print()
+    print(f"attention block latency, best of {args.repeats} (ratio = ORT / eager; < 1: ORT faster)")
+    print(f"{'size':<42} {'ORT CPU':>9} {'eager':>9} {'ratio':>7}")
+    for r in lat:
+        print(f"{r[0]:<42} {r[1]:>9} {r[2]:>9} {r[3]:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
