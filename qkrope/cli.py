@@ -39,13 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qkrope {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # TODO(lead): strict once every subcommand has landed
-            if exc.name == name:
-                continue
-            raise
-        module.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 

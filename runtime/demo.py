@@ -155,9 +155,19 @@ def step_trt_check(args) -> str:
     _need_gpu()
     from qkrope.runtime.plugin_build import find_plugin_library
 
-    _cli(["check", str(args.onnx_bf16), "--engine", str(args.engine), "--plugin",
-          str(find_plugin_library("plugin"))])
-    return "TensorRT (plugin) matches ONNX Runtime and the PyTorch reference"
+    import onnxruntime as ort
+
+    argv = ["check", str(args.onnx_bf16), "--engine", str(args.engine), "--plugin",
+            str(find_plugin_library("plugin"))]
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        argv += ["--providers", "cuda"]
+        against = "ONNX Runtime (CUDA) and the PyTorch reference"
+    else:
+        # ONNX Runtime's CPU provider has no bf16 MatMul: TensorRT vs PyTorch only
+        argv += ["--no-onnxrt"]
+        against = "the PyTorch reference (ONNX Runtime has no CUDA provider here)"
+    _cli(argv)
+    return f"TensorRT (plugin) matches {against}"
 
 
 def step_bench(args) -> str:

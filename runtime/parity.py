@@ -317,7 +317,7 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
                 seed: int = 0, diffusers_dir: str | None = None, engine: str | None = None,
                 plugin: str | None = None, providers: Sequence[str] = ("cpu",),
                 workdir: str | os.PathLike | None = None, out=None,
-                verbose: bool = False) -> tuple[bool, list[Row]]:
+                verbose: bool = False, onnxrt: bool = True) -> tuple[bool, list[Row]]:
     """Run the parity check; returns (passed, rows). See the module docstring."""
     from polygraphy.logger import G_LOGGER
 
@@ -325,11 +325,11 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
     with G_LOGGER.verbosity(G_LOGGER.INFO if verbose else G_LOGGER.ERROR):
         return _check_model(onnx_path, img_shapes=img_shapes, txt_len=txt_len, batch=batch,
                             seed=seed, diffusers_dir=diffusers_dir, engine=engine, plugin=plugin,
-                            providers=providers, workdir=workdir, out=out)
+                            providers=providers, workdir=workdir, out=out, onnxrt=onnxrt)
 
 
 def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, engine, plugin,
-                 providers, workdir, out):
+                 providers, workdir, out, onnxrt):
     from polygraphy.comparator import Comparator, CompareFunc
     from polygraphy.comparator.struct import IterationResult, RunResults
     from polygraphy.json import save_json
@@ -345,7 +345,9 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir)
     tol = tolerances(info.dtype, reference, model=info.model)
 
-    runners = [make_ort_runner(onnx_path, info.dtype, providers)]
+    if not onnxrt and not engine:
+        raise ValueError("--no-onnxrt leaves nothing to check: give --engine/--plugin as well")
+    runners = [make_ort_runner(onnx_path, info.dtype, providers)] if onnxrt else []
     if engine:
         runners.append(make_trt_runner(str(engine), plugin))
     results = Comparator.run(runners, data_loader=[feeds])
@@ -369,7 +371,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
                                  rtol={k: v[1] for k, v in tol.items()},
                                  check_error_stat="elemwise")
     pairs = [(i, len(converted) - 1) for i in range(len(converted) - 1)]
-    if engine:
+    if engine and onnxrt:
         pairs.append((1, 0))  # TensorRT vs ONNX Runtime
     accuracy = Comparator.compare_accuracy(converted, compare_func=compare,
                                            comparisons=pairs)
@@ -409,6 +411,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                       "the one recorded at export)")
     p.add_argument("--providers", nargs="+", default=["cpu"],
                    help="ONNX Runtime execution providers (cpu, cuda)")
+    p.add_argument("--no-onnxrt", dest="onnxrt", action="store_false",
+                   help="with --engine: compare TensorRT with PyTorch only (e.g. a bf16 model "
+                        "where ONNX Runtime has only its CPU provider, which lacks bf16 MatMul)")
     p.add_argument("--workdir", default=None, help="where the polygraphy JSON files go "
                                                    "(default: MODEL.onnx.check/)")
     p.add_argument("--verbose", "-v", action="store_true", help="polygraphy's own log too")
@@ -423,13 +428,13 @@ def run(args: argparse.Namespace) -> int:
         passed, _ = check_model(args.onnx, img_shapes=args.img_shape, txt_len=args.txt_len,
                                 batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,
                                 engine=args.engine, plugin=args.plugin, providers=args.providers,
-                                workdir=args.workdir, verbose=args.verbose)
+                                workdir=args.workdir, verbose=args.verbose, onnxrt=args.onnxrt)
     except Exception as exc:  # ORT without bf16 kernels and the like: say what to do
         if "NOT_IMPLEMENTED" in str(exc):
             raise ParityError(
                 f"ONNX Runtime's {'/'.join(args.providers)} provider cannot run this model "
                 f"({str(exc).splitlines()[0][:200]}). bfloat16 MatMul has no CPU kernel in ONNX "
-                f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu) or "
-                f"--engine/--plugin (TensorRT)") from None
+                f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu), or with "
+                f"--engine/--plugin --no-onnxrt (TensorRT vs PyTorch)") from None
         raise
     return 0 if passed else 1
