@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
 import shutil
 import sys
@@ -37,10 +36,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
+
+from qkrope._fileio import sha256_file
 
 from . import contract
 from .onnx_function import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, FunctionVariant,
@@ -355,14 +356,6 @@ def _check_out(out: str | os.PathLike) -> Path:
 # Attention block
 # --------------------------------------------------------------------------------------------
 
-def _sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A safetensors file or a torch-saved state dict (diffusers parameter names)."""
     path = str(path)
@@ -429,7 +422,7 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
                   interleaved=bool(interleaved), rounding=int(rounding), rotary_dim=rotary_dim,
                   axes_dims_rope=list(axes_dim), seed=int(seed), dtype=dtype,
                   weights=str(Path(weights).resolve()) if weights else None,
-                  weights_sha256=_sha256(weights) if weights else None)
+                  weights_sha256=sha256_file(weights) if weights else None)
     t0 = time.perf_counter()
     module = build_attention(config)
     args = _sample_args(sample, tdtype, config["dim"], config["dim"], axes_dim, False, seed)

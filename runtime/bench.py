@@ -495,7 +495,6 @@ def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Pat
 def _ort_feeds(types: Mapping[str, str], hs, ehs, img_cache, txt_cache, mask) -> dict:
     """Feeds by input name: *mask* -> all ones, *cache* -> the stream's cache (img/txt in the
     name), encoder/txt -> encoder_hidden_states, anything else -> hidden_states."""
-    import torch
 
     def np_(t):
         t = t.detach().cpu()

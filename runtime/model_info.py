@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from qkrope._fileio import write_text_atomic
 
 FORMAT = "qkrope-onnx/1"
 MODELS = ("attention", "transformer")
@@ -264,22 +265,3 @@ class ModelInfo:
                 feeds[t.name] = rng.standard_normal(self.input_shape(t.name, **sizes)).astype(
                     np.float32).astype(dtype)
         return feeds
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a text file via a temp file in the same directory and os.replace."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a sidecar is as readable as usual
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -27,7 +27,6 @@ input and output has a dynamic leading dimension.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from qkrope._fileio import sha256_file
 
 PLUGIN_FILE_NAME = "libqkrope_plugin.so"
 
@@ -246,14 +247,6 @@ def parse_config(text: str):
     return text_format.Parse(text, pb.ModelConfig())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sidecar_plugin(sidecar: Mapping) -> tuple[str | None, str | None]:
     """(path, sha256) of the plugin library the engine was built with, if recorded."""
     plug = sidecar.get("plugin") or sidecar.get("plugin_library") or {}
@@ -284,7 +277,7 @@ def resolve_plugin(plugin: str | None, sidecar: Mapping, *, check_hash: bool = T
         raise TritonRepoError(f"plugin library not found: {path}; build it with "
                               "`qkrope build-plugin` or pass --plugin with its path")
     if check_hash and recorded_hash:
-        actual = _sha256(path)
+        actual = sha256_file(path)
         if actual != recorded_hash:
             raise TritonRepoError(
                 f"plugin library {path} (sha256 {actual[:12]}...) is not the one the engine was "

@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+from qkrope._fileio import sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
 # ONNX TensorProto element type -> dtype name
 ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64",
@@ -148,38 +148,6 @@ def head_dim_from_onnx(onnx_path: str | os.PathLike) -> int | None:
 # --------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------
-
-def write_atomic(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to a temporary file next to ``path``, fsync it, then rename over ``path``:
-    readers see the old file or the complete new one, never a partial write."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(memoryview(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Mapping) -> None:
-    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def gpu_info() -> dict | None:
     """Name and compute capability of the current CUDA device, or None without one."""

@@ -9,7 +9,6 @@ is built here (cmake on plugins/kernel with CUDA, native architecture).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path

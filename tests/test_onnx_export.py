@@ -18,7 +18,6 @@ from qkrope.export import contract, qk_norm_rope_reference
 from qkrope.export.onnx_export import (ExportError, build_attention, export_attention,
                                        finalize_model)
 from qkrope.export.onnx_function import qk_norm_rope_translation
-from qkrope.runtime import build_qwen_rope_caches
 from qkrope.runtime.model_info import (ModelInfo, from_ort_value, from_torch, to_ort_value,
                                        to_torch)
 
