@@ -86,15 +86,11 @@ class QwenImageAttention(nn.Module):
         module.load_state_dict(attn.state_dict(), strict=True)
         return module
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (-1, self.head_dim))
-
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
                 encoder_hidden_states_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, s_img, _ = hidden_states.shape
-        s_txt = encoder_hidden_states.shape[1]
+        s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
         if self.validate and not torch.compiler.is_compiling():
             from qkrope.runtime.caches import validate_cos_sin_caches
 
@@ -102,32 +98,51 @@ class QwenImageAttention(nn.Module):
                                     txt_seq_len=s_txt, device=hidden_states.device)
         img_cache, txt_cache = image_rotary_emb
 
-        img_q = self._heads(self.to_q(hidden_states))
-        img_k = self._heads(self.to_k(hidden_states))
-        img_v = self._heads(self.to_v(hidden_states))
-        txt_q = self._heads(self.add_q_proj(encoder_hidden_states))
-        txt_k = self._heads(self.add_k_proj(encoder_hidden_states))
-        txt_v = self._heads(self.add_v_proj(encoder_hidden_states))
+        return joint_attention(self, hidden_states, encoder_hidden_states, img_cache, txt_cache,
+                               encoder_hidden_states_mask, head_dim=self.head_dim, eps=self.eps,
+                               interleaved=self.interleaved, rounding=self.rounding)
 
-        opts = dict(eps=self.eps, interleaved=self.interleaved, rounding=self.rounding)
-        img_q, img_k = qk_norm_rope(img_q, img_k, self.norm_q.weight, self.norm_k.weight,
-                                    img_cache, **opts)
-        txt_q, txt_k = qk_norm_rope(txt_q, txt_k, self.norm_added_q.weight,
-                                    self.norm_added_k.weight, txt_cache, **opts)
 
-        # joint sequence [text, image]; SDPA wants [B, H, S, D]
-        q = torch.cat([txt_q, img_q], dim=1).transpose(1, 2)
-        k = torch.cat([txt_k, img_k], dim=1).transpose(1, 2)
-        v = torch.cat([txt_v, img_v], dim=1).transpose(1, 2)
-        mask = None
-        if encoder_hidden_states_mask is not None:
-            img_mask = torch.ones(batch, s_img, dtype=torch.bool, device=hidden_states.device)
-            mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1)
-            mask = mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
-                                             is_causal=False)
-        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,
+                    encoder_hidden_states: torch.Tensor, img_cache: torch.Tensor,
+                    txt_cache: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None, *,
+                    head_dim: int, eps: float, interleaved: bool, rounding: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image joint attention on any module with diffusers' attribute names (``to_q`` ...
+    ``to_add_out``, ``norm_q.weight`` ...): QwenImageAttention and diffusers' own ``Attention``
+    (through :class:`qkrope.export.patch_diffusers.QKNormRoPEAttnProcessor`) share it."""
+    batch, s_img, _ = hidden_states.shape
+    s_txt = encoder_hidden_states.shape[1]
 
-        txt_out = self.to_add_out(out[:, :s_txt].contiguous())
-        img_out = self.to_out[0](out[:, s_txt:].contiguous())
-        return img_out, txt_out
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, head_dim))
+
+    img_q, img_k, img_v = (heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)),
+                           heads(attn.to_v(hidden_states)))
+    txt_q, txt_k, txt_v = (heads(attn.add_q_proj(encoder_hidden_states)),
+                           heads(attn.add_k_proj(encoder_hidden_states)),
+                           heads(attn.add_v_proj(encoder_hidden_states)))
+
+    opts = dict(eps=eps, interleaved=interleaved, rounding=rounding)
+    img_q, img_k = qk_norm_rope(img_q, img_k, attn.norm_q.weight, attn.norm_k.weight, img_cache,
+                                **opts)
+    txt_q, txt_k = qk_norm_rope(txt_q, txt_k, attn.norm_added_q.weight,
+                                attn.norm_added_k.weight, txt_cache, **opts)
+
+    # joint sequence [text, image]; SDPA wants [B, H, S, D]
+    q = torch.cat([txt_q, img_q], dim=1).transpose(1, 2)
+    k = torch.cat([txt_k, img_k], dim=1).transpose(1, 2)
+    v = torch.cat([txt_v, img_v], dim=1).transpose(1, 2)
+    mask = None
+    if encoder_hidden_states_mask is not None:
+        img_mask = torch.ones(batch, s_img, dtype=torch.bool, device=hidden_states.device)
+        mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1)
+        mask = mask[:, None, None, :]  # image keys are never masked
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+
+    txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
+    img_out = attn.to_out[0](out[:, s_txt:].contiguous())
+    if len(attn.to_out) > 1:
+        img_out = attn.to_out[1](img_out)  # dropout (identity at inference)
+    return img_out, txt_out

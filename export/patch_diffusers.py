@@ -21,13 +21,12 @@ diffusers is imported lazily (it is optional).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qkrope._deps import require
 
 from . import contract
-from .ops import qk_norm_rope
+from .attention import joint_attention
 
 
 class QKNormRoPEAttnProcessor:
@@ -49,42 +48,10 @@ class QKNormRoPEAttnProcessor:
             raise ValueError("QKNormRoPEAttnProcessor needs image_rotary_emb=(img_cache, "
                              "txt_cache); build them with qkrope.runtime.build_qwen_rope_caches")
         img_cache, txt_cache = image_rotary_emb
-        batch, s_img = hidden_states.shape[:2]
-        s_txt = encoder_hidden_states.shape[1]
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(x):
-            return x.unflatten(-1, (-1, head_dim))
-
-        img_q, img_k = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states))
-        img_v = heads(attn.to_v(hidden_states))
-        txt_q = heads(attn.add_q_proj(encoder_hidden_states))
-        txt_k = heads(attn.add_k_proj(encoder_hidden_states))
-        txt_v = heads(attn.add_v_proj(encoder_hidden_states))
-
-        opts = dict(eps=float(attn.norm_q.eps), interleaved=self.interleaved,
-                    rounding=self.rounding)
-        img_q, img_k = qk_norm_rope(img_q, img_k, attn.norm_q.weight, attn.norm_k.weight,
-                                    img_cache, **opts)
-        txt_q, txt_k = qk_norm_rope(txt_q, txt_k, attn.norm_added_q.weight,
-                                    attn.norm_added_k.weight, txt_cache, **opts)
-
-        q = torch.cat([txt_q, img_q], dim=1).transpose(1, 2)
-        k = torch.cat([txt_k, img_k], dim=1).transpose(1, 2)
-        v = torch.cat([txt_v, img_v], dim=1).transpose(1, 2)
-        mask = None
-        if encoder_hidden_states_mask is not None:
-            img_mask = torch.ones(batch, s_img, dtype=torch.bool, device=hidden_states.device)
-            mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1)
-            mask = mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
-                                             is_causal=False)
-        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
-        txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
-        img_out = attn.to_out[0](out[:, s_txt:].contiguous())
-        if len(attn.to_out) > 1:
-            img_out = attn.to_out[1](img_out)
-        return img_out, txt_out
+        return joint_attention(attn, hidden_states, encoder_hidden_states, img_cache, txt_cache,
+                               encoder_hidden_states_mask, head_dim=attn.inner_dim // attn.heads,
+                               eps=float(attn.norm_q.eps), interleaved=self.interleaved,
+                               rounding=self.rounding)
 
 
 def check_supported(transformer: nn.Module) -> None:

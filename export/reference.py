@@ -41,10 +41,11 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: 
     return out.to(x.dtype)
 
 
-def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
-                            rounding: int) -> None:
-    """Raise ValueError naming what was received when the arguments break the op's contract."""
+def check_tensor_layout(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                        k_weight: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Ranks, shapes and dtypes of the op's tensors (ValueError naming what was received).
+    The values that the kernel itself must refuse (cache rows, rotary_dim, eps, rounding) are
+    checked by :func:`check_qk_norm_rope_args`."""
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(
             f"q and k must both be [batch, seq, heads, head_dim] with the same shape; got q "
@@ -62,6 +63,14 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
             f"cos_sin_cache must be a 2-D float32 [rows, rotary_dim] tensor; got "
             f"{tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}. Convert other RoPE formats with "
             f"qkrope.runtime.to_cos_sin_caches")
+
+
+def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
+                            rounding: int) -> None:
+    """Raise ValueError naming what was received when the arguments break the op's contract."""
+    check_tensor_layout(q, k, q_weight, k_weight, cos_sin_cache)
+    head_dim = q.shape[-1]
     rows, rotary_dim = cos_sin_cache.shape
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"cos_sin_cache width (rotary_dim) must be even and in (0, head_dim="

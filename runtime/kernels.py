@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from qkrope.export.reference import check_tensor_layout
+
 __all__ = [
     "KernelLibraryError",
     "KernelStatusError",
@@ -127,19 +129,7 @@ def _check_args(q, k, q_weight, k_weight, cache, device_type: str) -> None:
     if device_type == "cuda" and len({t.device for t in tensors.values()}) != 1:
         raise ValueError("q, k, weights and cache must all be on the same CUDA device; got "
                          + ", ".join(f"{n}={t.device}" for n, t in tensors.items()))
-    if q.dim() != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [batch, seq, heads, head_dim] with the same shape; "
-                         f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if q.dtype not in DTYPE_CODES or k.dtype != q.dtype:
-        raise ValueError(f"q and k must share one dtype among float32/float16/bfloat16; got "
-                         f"{q.dtype} and {k.dtype}")
-    head_dim = q.shape[-1]
-    for n, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if tuple(w.shape) != (head_dim,) or w.dtype != q.dtype:
-            raise ValueError(f"{n} must be [{head_dim}] {q.dtype}; got {tuple(w.shape)} {w.dtype}")
-    if cache.dim() != 2 or cache.dtype != torch.float32:
-        raise ValueError(f"cos_sin_cache must be a 2-D float32 [rows, rotary_dim] tensor; got "
-                         f"{tuple(cache.shape)} {cache.dtype}")
+    check_tensor_layout(q, k, q_weight, k_weight, cache)
 
 
 def _call(fn, status_fn, what, q, k, q_weight, k_weight, cache, q_out, k_out, eps, interleaved,
