@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from qkrope._fileio import sha256_file
+from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from . import contract
 from .onnx_function import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, FunctionVariant,
@@ -67,18 +68,6 @@ class ExportError(RuntimeError):
 def _log(progress: bool, message: str) -> None:
     if progress:
         print(f"qkrope export: {message}", file=sys.stderr, flush=True)
-
-
-def default_axes_dims(rotary_dim: int) -> tuple[int, int, int]:
-    """Qwen-Image's (16, 56, 56) for 128; otherwise the same proportions (frame ~ 1/8), even."""
-    if rotary_dim == 128:
-        return (16, 56, 56)
-    if rotary_dim < 6 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even and >= 6 (three RoPE axes); got {rotary_dim}")
-    f = 2 * max(1, rotary_dim // 16)
-    rest = rotary_dim - f
-    h = 2 * (rest // 4)
-    return (f, h, rest - h)
 
 
 # --------------------------------------------------------------------------------------------

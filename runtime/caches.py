@@ -50,6 +50,20 @@ class RopeCacheOverflowError(RopeCacheError, ValueError):
 # Building Qwen-Image caches
 # --------------------------------------------------------------------------------------------
 
+def default_axes_dims(rotary_dim: int) -> tuple[int, int, int]:
+    """RoPE widths of the (frame, height, width) axes for a head of ``rotary_dim`` rotated dims:
+    Qwen-Image's (16, 56, 56) for 128, otherwise the same proportions (frame ~ 1/8), each even.
+    Used for the tiny test/benchmark configurations whose heads are not 128 wide."""
+    if rotary_dim == 128:
+        return QWEN_AXES_DIM
+    if rotary_dim < 6 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and >= 6 (three RoPE axes); got {rotary_dim}")
+    f = 2 * max(1, rotary_dim // 16)
+    rest = rotary_dim - f
+    h = 2 * (rest // 4)
+    return (f, h, rest - h)
+
+
 @functools.lru_cache(maxsize=8)
 def _qwen_tables(theta: float, axes_dim: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' ``QwenEmbedRope.pos_freqs`` / ``neg_freqs``: complex ``[4096, sum(axes)/2]``.

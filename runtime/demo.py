@@ -91,7 +91,7 @@ def step_diffusers(args) -> str:
                      dim_head=head_dim, heads=heads, out_dim=dim, context_pre_only=False,
                      bias=True, processor=qwen.QwenDoubleStreamAttnProcessor2_0(),
                      qk_norm="rms_norm", eps=1e-6).eval()
-    from qkrope.export.onnx_export import default_axes_dims
+    from qkrope.runtime.caches import default_axes_dims
 
     axes = default_axes_dims(head_dim)
     shapes, txt = [(1, 8, 8)], 16

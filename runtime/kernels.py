@@ -132,6 +132,56 @@ def _check_args(q, k, q_weight, k_weight, cache, device_type: str) -> None:
     check_tensor_layout(q, k, q_weight, k_weight, cache)
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, a1 = _byte_range(a)
+    b0, b1 = _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_out(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``out=(q_out, k_out)`` before anything is launched (the kernels write
+    q.numel() elements of q's dtype through each pointer, unchecked).
+
+    Each output must be a contiguous tensor of q's shape, dtype and device. The kernels read
+    every element of a row before writing that row's elements, and each (token, head) row is
+    owned by one thread group, so ``q_out`` may be exactly ``q`` and ``k_out`` exactly ``k``
+    (in place); any other overlap with an input or between the two outputs is rejected."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out must be a pair (q_out, k_out) of tensors, got {type(out).__name__}"
+                         + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    q_out, k_out = out
+    for n, t in (("q_out", q_out), ("k_out", k_out)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"out: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"out: {n} has shape {tuple(t.shape)}, expected q's shape {tuple(q.shape)}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"out: {n} has dtype {t.dtype}, expected q's dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"out: {n} is on {t.device}, expected q's device {q.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"out: {n} must be contiguous; got strides {t.stride()}")
+    if _overlaps(q_out, k_out):
+        raise ValueError("out: q_out and k_out overlap in memory; pass two separate tensors")
+    inputs = {"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight, "cos_sin_cache": cache}
+    for n, t, own in (("q_out", q_out, "q"), ("k_out", k_out, "k")):
+        for m, src in inputs.items():
+            if not _overlaps(t, src):
+                continue
+            if m == own and t.data_ptr() == src.data_ptr() and t.numel() == src.numel():
+                continue  # exact alias of its own input: in-place update, supported
+            raise ValueError(f"out: {n} overlaps {m} in memory (only {n} = {own} exactly, an "
+                             f"in-place update, is allowed); pass a separate output tensor")
+    return q_out, k_out
+
+
 def _call(fn, status_fn, what, q, k, q_weight, k_weight, cache, q_out, k_out, eps, interleaved,
           rounding, extra=()):
     b, s, h, d = q.shape
@@ -152,11 +202,15 @@ def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                       interleaved: bool = True, rounding: int = 0,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """QKNormRoPE through the CPU build of the kernel arithmetic (torch CPU tensors)."""
+    """QKNormRoPE through the CPU build of the kernel arithmetic (torch CPU tensors).
+
+    ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
+    of q's shape, dtype and device (checked, ``ValueError`` before anything runs)."""
     lib = _load(HOST_LIB_ENV, HOST_LIB_NAME, HOST_BUILD_COMMAND, "qkrope_host_run",
                 "qkrope_host_status_string", cuda=False)
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu")
-    q_out, k_out = out if out is not None else (torch.empty_like(q), torch.empty_like(k))
+    q_out, k_out = (_check_out(out, q, k, q_weight, k_weight, cos_sin_cache) if out is not None
+                    else (torch.empty_like(q), torch.empty_like(k)))
     _call(lib.qkrope_host_run, lib.qkrope_host_status_string, "qkrope_host_run", q, k, q_weight,
           k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding)
     return q_out, k_out
@@ -169,11 +223,13 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the fused CUDA kernel on the current CUDA stream (torch CUDA tensors).
 
-    ``out`` may be ``(q, k)`` for an in-place update."""
+    ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
+    of q's shape, dtype and device (checked, ``ValueError`` before anything is launched)."""
     lib = _load(CUDA_LIB_ENV, CUDA_LIB_NAME, CUDA_BUILD_COMMAND, "qkrope_launch",
                 "qkrope_status_string", cuda=True)
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cuda")
-    q_out, k_out = out if out is not None else (torch.empty_like(q), torch.empty_like(k))
+    q_out, k_out = (_check_out(out, q, k, q_weight, k_weight, cos_sin_cache) if out is not None
+                    else (torch.empty_like(q), torch.empty_like(k)))
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         _call(lib.qkrope_launch, lib.qkrope_status_string, "qkrope_launch", q, k, q_weight,

@@ -162,6 +162,82 @@ def test_python_side_checks(host_lib):
         kernels.host_qk_norm_rope(q, k.half(), qw, kw, cache)
 
 
+def _bad_outs(q, k, qw, kw, cache):
+    """(id, out) pairs the bindings must refuse before the library is called."""
+    big = torch.empty(q.numel() * 2, dtype=q.dtype)
+    joint = torch.empty(2 * q.numel(), dtype=q.dtype)
+    return [
+        ("not a pair", (torch.empty_like(q),)),
+        ("not tensors", (None, None)),
+        ("short q_out", (torch.empty(q.shape[0], q.shape[1] - 1, *q.shape[2:], dtype=q.dtype),
+                         torch.empty_like(k))),
+        ("flat k_out", (torch.empty_like(q), torch.empty(k.numel(), dtype=k.dtype))),
+        ("wrong dtype", (torch.empty_like(q, dtype=torch.float16), torch.empty_like(k))),
+        ("wrong device", (torch.empty_like(q, device="meta"), torch.empty_like(k))),
+        ("non-contiguous", (torch.empty_like(q).transpose(1, 2).contiguous().transpose(1, 2),
+                            torch.empty_like(k))),
+        ("q_out is k", (k, torch.empty_like(k))),
+        ("swapped in place", (k, q)),
+        ("same tensor twice", (big[: q.numel()].view(q.shape),) * 2),
+        ("outputs overlap", (joint[: q.numel()].view(q.shape), joint[1: q.numel() + 1].view(q.shape))),
+        ("q_out shifted over q", (_shifted_alias(q), torch.empty_like(k))),
+        ("k_out over cache", (torch.empty_like(q), _over(cache, k))),
+    ]
+
+
+def _shifted_alias(q):
+    base = torch.empty(q.numel() + 1, dtype=q.dtype)
+    base[1:].copy_(q.reshape(-1))
+    q.set_(base[1:].view(q.shape))  # q now lives at base[1:]
+    return base[: q.numel()].view(q.shape)  # partial overlap with q, not the same start
+
+
+def _over(cache, like):
+    """A tensor shaped like `like` whose bytes start inside the cache's storage."""
+    n = like.numel() * like.element_size()
+    store = torch.empty(cache.numel() * 4 + n, dtype=torch.uint8)
+    store[: cache.numel() * 4].copy_(cache.reshape(-1).view(torch.uint8))
+    cache.set_(store[: cache.numel() * 4].view(torch.float32).view(cache.shape))
+    return store[8: 8 + n].view(like.dtype).view(like.shape)
+
+
+@pytest.mark.parametrize("which", ["host", "cuda"])
+def test_bad_out_raises_before_the_call(host_lib, monkeypatch, which):
+    """A bad out= must be refused in Python: the library writes q.numel() elements through each
+    pointer unchecked (a short buffer was an out-of-bounds write, a segfault)."""
+    called = []
+    monkeypatch.setattr(kernels, "_call", lambda *a, **k: called.append(a))
+    if which == "cuda":
+        # no GPU needed: every case fails before the library is loaded or anything is launched
+        monkeypatch.setattr(kernels, "_load", lambda *a, **k: type("L", (), {
+            "qkrope_launch": None, "qkrope_status_string": None})())
+        monkeypatch.setattr(kernels, "_check_args", lambda *a, **k: None)
+        fn = kernels.cuda_qk_norm_rope
+    else:
+        fn = kernels.host_qk_norm_rope
+    n_cases = len(_bad_outs(*make_inputs(torch.float32, 64, 64)))
+    for i in range(n_cases):
+        q, k, qw, kw, cache = make_inputs(torch.float32, 64, 64)
+        what, out = _bad_outs(q, k, qw, kw, cache)[i]
+        with pytest.raises(ValueError, match="out"):
+            fn(q, k, qw, kw, cache, out=out)
+        assert not called, f"{which}: {what}: the library was called"
+
+
+def test_good_out_tensors(host_lib):
+    q, k, qw, kw, cache = make_inputs(torch.bfloat16, 128, 64, seed=3)
+    expected = _run((q, k, qw, kw, cache))
+    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+    outs = kernels.host_qk_norm_rope(q, k, qw, kw, cache, out=(q_out, k_out))
+    assert outs[0] is q_out and outs[1] is k_out
+    assert torch.equal(q_out, expected[0]) and torch.equal(k_out, expected[1])
+    # views of one buffer that do not overlap are fine
+    buf = torch.empty(2 * q.numel(), dtype=q.dtype)
+    outs = kernels.host_qk_norm_rope(q, k, qw, kw, cache, out=(buf[: q.numel()].view(q.shape),
+                                                               buf[q.numel():].view(q.shape)))
+    assert torch.equal(outs[0], expected[0]) and torch.equal(outs[1], expected[1])
+
+
 def test_missing_library_message(monkeypatch, tmp_path):
     monkeypatch.setenv(kernels.HOST_LIB_ENV, str(tmp_path / "nope.so"))
     q, k, qw, kw, cache = make_inputs(torch.float32, 64, 64)

@@ -966,50 +966,79 @@ void testPlugin(IPluginCreatorV3One* c, RecordingLogger& logger)
             "shape_change.cache_overflow", logger.lastSince(mark));
     }
 
-    // ---- enqueue refuses malformed runtime shapes before touching memory (null pointers here:
-    //      any access would crash the test).
+    // ---- enqueue refuses malformed runtime shapes before touching memory. The pointers are
+    //      distinct and non-null (small host buffers, never dereferenced by the plugin on the host):
+    //      null pointers would make checkParams return kNULL_POINTER for every case and mask which
+    //      check refused. Each case must get enqueue's own status and a message naming its cause.
     {
-        void const* inputs[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
-        void* outputs[2] = {nullptr, nullptr};
+        alignas(16) static unsigned char dummy[7][64];
+        void const* inputs[5] = {dummy[0], dummy[1], dummy[2], dummy[3], dummy[4]};
+        void* outputs[2] = {dummy[5], dummy[6]};
+        void const* nullInputs[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+        void* nullOutputs[2] = {nullptr, nullptr};
+        constexpr int32_t kBadShape = 2;   // qkrope::Status::kBAD_SHAPE (enqueue's own refusals)
+        constexpr int32_t kNullPointer = 1; // qkrope::Status::kNULL_POINTER
         struct Case
         {
             char const* name;
             Shapes s;
             DataType cacheType;
+            int32_t status;
+            std::vector<char const*> needles; // all must occur in the logged message
+            bool nullPointers;
         };
         Shapes base = goodShapes();
         std::vector<Case> cases;
         Shapes s = base;
         s.cache = {15, 128};
-        cases.push_back({"cache_overflow", s, DataType::kFLOAT});
+        cases.push_back({"cache_overflow", s, DataType::kFLOAT, kBadShape,
+            {"overflow", "required rows (seq_len) = 16, cache rows = 15", "nothing was executed"}, false});
         s = base;
         s.cache = {20, 127};
-        cases.push_back({"rotary_odd", s, DataType::kFLOAT});
+        cases.push_back({"rotary_odd", s, DataType::kFLOAT, kBadShape,
+            {"rotary_dim 127", "expected an even value", "nothing was executed"}, false});
         s = base;
         s.cache = {20, 130};
-        cases.push_back({"rotary_gt_head_dim", s, DataType::kFLOAT});
+        cases.push_back({"rotary_gt_head_dim", s, DataType::kFLOAT, kBadShape,
+            {"rotary_dim 130", "head_dim = 128", "nothing was executed"}, false});
         s = base;
         s.kw = {64};
-        cases.push_back({"weight_length", s, DataType::kFLOAT});
+        cases.push_back({"weight_length", s, DataType::kFLOAT, kBadShape,
+            {"k_weight has length 64", "expected head_dim = 128", "nothing was executed"}, false});
         s = base;
         s.k = {2, 16, 8, 128};
-        cases.push_back({"qk_mismatch", s, DataType::kFLOAT});
-        cases.push_back({"cache_not_fp32", base, DataType::kHALF});
-        cases.push_back({"null_pointers", base, DataType::kFLOAT});
+        cases.push_back({"qk_mismatch", s, DataType::kFLOAT, kBadShape, {"same shape", "nothing was executed"}, false});
+        cases.push_back({"cache_not_fp32", base, DataType::kHALF, kBadShape,
+            {"unsupported dtypes", "cache float16", "nothing was executed"}, false});
+        cases.push_back({"null_pointers", base, DataType::kFLOAT, kNullPointer, {"null"}, true});
         for (auto const& cs : cases)
         {
             auto d = descs(cs.s, DataType::kHALF, cs.cacheType);
             size_t const mark = logger.messages.size();
-            int32_t const rc = rt->enqueue(d.data(), d.data() + 5, inputs, outputs, nullptr, nullptr);
-            check(rc != 0 && logger.errorsSince(mark) == 1, std::string("enqueue.refuses.") + cs.name,
-                "rc " + std::to_string(rc) + ": " + logger.lastSince(mark));
+            int32_t const rc = rt->enqueue(d.data(), d.data() + 5, cs.nullPointers ? nullInputs : inputs,
+                cs.nullPointers ? nullOutputs : outputs, nullptr, nullptr);
+            std::string const msg = logger.lastSince(mark);
+            bool named = true;
+            std::string missing;
+            for (char const* n : cs.needles)
+            {
+                if (msg.find(n) == std::string::npos)
+                {
+                    named = false;
+                    missing += std::string(" '") + n + "'";
+                }
+            }
+            check(rc == cs.status && logger.errorsSince(mark) == 1 && named, std::string("enqueue.refuses.") + cs.name,
+                "rc " + std::to_string(rc) + " (expected " + std::to_string(cs.status) + "), errors "
+                    + std::to_string(logger.errorsSince(mark)) + (named ? "" : ", message lacks" + missing) + ": "
+                    + msg);
         }
         Shapes empty = base;
         empty.q = {0, 16, 4, 128};
         empty.k = {0, 16, 4, 128};
         auto d = descs(empty, DataType::kHALF);
-        check(rt->enqueue(d.data(), d.data() + 5, inputs, outputs, nullptr, nullptr) == 0, "enqueue.empty_batch_noop",
-            logger.lastSince(0));
+        check(rt->enqueue(d.data(), d.data() + 5, nullInputs, nullOutputs, nullptr, nullptr) == 0,
+            "enqueue.empty_batch_noop", logger.lastSince(0));
     }
 
     // ---- serialise -> recreate (runtime phase), clone, attachToContext.
