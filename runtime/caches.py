@@ -230,25 +230,32 @@ def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
             f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) pair must be "
             f"two real 2-D tensors of one shape; got {_describe((cos, sin))}")
     width = cos.shape[1]
-    full = (head_dim is not None and width == head_dim) or (
-        head_dim is None and width % 2 == 0 and width >= 2 and (
-            torch.equal(cos[:, 0::2], cos[:, 1::2]) or
-            torch.equal(cos[:, :width // 2], cos[:, width // 2:])))
+    if head_dim is not None and width > head_dim:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) tables are "
+            f"{width} wide, more than head_dim={head_dim}; got {_describe((cos, sin))}")
+    even = width % 2 == 0
+    h = width // 2
+    interleave_dup = even and bool(torch.equal(cos[:, 0::2], cos[:, 1::2])
+                                   and torch.equal(sin[:, 0::2], sin[:, 1::2]))
+    half_dup = even and bool(torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:]))
+    # The values decide. Only tables whose angles are all equal (e.g. every position 0) fit both
+    # patterns; then the width decides: half-width tables give a cache twice as wide, which must
+    # still fit in head_dim.
+    if interleave_dup and half_dup:
+        full = head_dim is not None and 2 * width > head_dim
+    else:
+        full = interleave_dup or half_dup
     if not full:
         return torch.cat([cos, sin], dim=-1).float().contiguous()
-    if torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2]):
+    if interleave_dup:
         return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=-1).float().contiguous()
-    if torch.equal(cos[:, :width // 2], cos[:, width // 2:]):
-        raise RopeCacheError(
-            f"the {stream} (cos, sin) tables are full width and half-duplicated (cos[:, :h] == "
-            f"cos[:, h:]), i.e. NeoX pairing (j, j + h). Qwen-Image rotates interleaved pairs "
-            f"(2j, 2j + 1), so these tables do not belong to Qwen-Image weights. Fix: build the "
-            f"caches with qkrope.runtime.build_qwen_rope_caches, or export with interleaved=False "
-            f"if the model really is NeoX-style and pass cat([cos[:, :h], sin[:, :h]], -1).")
     raise RopeCacheError(
-        f"the {stream} (cos, sin) tables have width {width} (= head_dim) but are neither "
-        f"interleave-duplicated (cos[:, 0::2] == cos[:, 1::2]) nor half-duplicated; cannot tell "
-        f"which angles they hold. Fix: pass half-width (cos, sin) tables [S, rotary_dim/2].")
+        f"the {stream} (cos, sin) tables are full width and half-duplicated (cos[:, :h] == "
+        f"cos[:, h:]), i.e. NeoX pairing (j, j + h). Qwen-Image rotates interleaved pairs "
+        f"(2j, 2j + 1), so these tables do not belong to Qwen-Image weights. Fix: build the "
+        f"caches with qkrope.runtime.build_qwen_rope_caches, or export with interleaved=False "
+        f"if the model really is NeoX-style and pass cat([cos[:, :h], sin[:, :h]], -1).")
 
 
 def _single_to_cache(t: torch.Tensor, head_dim: int | None, stream: str) -> torch.Tensor:
@@ -263,10 +270,15 @@ def _single_to_cache(t: torch.Tensor, head_dim: int | None, stream: str) -> torc
             f"image_rotary_emb must be cos_sin_cache tensors: the {stream} entry must be 2-D; got "
             f"{_describe(t)}. {_CONVERT_HINT}")
     width = t.shape[1]
-    if head_dim is not None:
-        is_cache = width != head_dim // 2
-    else:
-        is_cache = _looks_like_cache(t)
+    # A cache holds (cos, sin) pairs: cos^2 + sin^2 == 1 in every row. An angle table does not
+    # (all-zero angles give 0). The width alone cannot tell them apart under partial rotary.
+    is_cache = _looks_like_cache(t)
+    limit = width if is_cache else 2 * width
+    if head_dim is not None and limit > head_dim:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: the {stream} "
+            f"{'cache' if is_cache else 'angle table'} {tuple(t.shape)} gives a rotary_dim of "
+            f"{limit}, more than head_dim={head_dim}. {_CONVERT_HINT}")
     if is_cache:
         return t.float().contiguous()
     angles = t.float()
@@ -281,14 +293,21 @@ def to_cos_sin_caches(image_rotary_emb: object, *, head_dim: int | None = None) 
     ``((img_cos, img_sin), (txt_cos, txt_sin))`` or flat ``(img_cos, img_sin, txt_cos, txt_sin)``;
     an existing cache pair (returned as fp32 contiguous tensors, a copy only if needed).
 
-    ``head_dim`` (the attention head size) removes the ambiguity between a real angle table
-    (width head_dim/2) and a cache (width head_dim); without it the values decide.
+    The values decide what a real table holds (cos^2 + sin^2 == 1 for a cache; duplicated columns
+    for full-width (cos, sin) tables); ``head_dim`` (the attention head size) breaks the one tie
+    (tables whose angles are all equal) and rejects tables wider than the head.
 
     Raises RopeCacheError for NeoX half-duplicated tables (not Qwen-Image's pairing) and anything
     unrecognised.
     """
     obj = image_rotary_emb
     if isinstance(obj, RopeCaches):
+        for stream, t in (("image", obj.img), ("text", obj.txt)):
+            if head_dim is not None and t.shape[-1] > head_dim:
+                raise RopeCacheError(
+                    f"image_rotary_emb must be cos_sin_cache tensors: the {stream} cache "
+                    f"{tuple(t.shape)} is wider than head_dim={head_dim}; its width is the "
+                    f"rotary_dim, at most the head size. {_CONVERT_HINT}")
         return RopeCaches(obj.img.float().contiguous(), obj.txt.float().contiguous())
     if isinstance(obj, (tuple, list)):
         if len(obj) == 4 and all(isinstance(t, torch.Tensor) for t in obj):

@@ -233,3 +233,41 @@ def test_validate_default_path_does_not_synchronise(reference, monkeypatch):
                             lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
     _validate(caches)
     assert calls == []
+
+
+@pytest.mark.parametrize("head_dim", [128, None])
+def test_convert_partial_rotary_tables(reference, head_dim):
+    """rotary_dim 64 < head_dim 128: full-width interleave-duplicated (cos, sin) tables are as
+    wide as half a head, and angle tables are a quarter of it; neither may be mistaken for the
+    other format."""
+    caches, _ = reference
+    (ic, is_), (tc, ts) = _half(caches.img), _half(caches.txt)
+    ic, is_, tc, ts = (t[:, :32].contiguous() for t in (ic, is_, tc, ts))  # 32 pairs: rd = 64
+    want_img, want_txt = torch.cat([ic, is_], -1), torch.cat([tc, ts], -1)
+    dup = tuple(t.repeat_interleave(2, dim=1) for t in (ic, is_, tc, ts))  # [S, 64] each
+    out = to_cos_sin_caches(dup, head_dim=head_dim)
+    assert torch.equal(out.img, want_img) and torch.equal(out.txt, want_txt)
+    out = to_cos_sin_caches((ic, is_, tc, ts), head_dim=head_dim)  # half width [S, 32]
+    assert torch.equal(out.img, want_img) and torch.equal(out.txt, want_txt)
+    angles = (torch.atan2(is_, ic), torch.atan2(ts, tc))  # [S, 32] angle tables
+    out = to_cos_sin_caches(angles, head_dim=head_dim)
+    torch.testing.assert_close(out.img, want_img, atol=1e-6, rtol=0)
+    assert out.img.shape[1] == 64
+    out = to_cos_sin_caches((want_img, want_txt), head_dim=head_dim)  # already caches [S, 64]
+    assert out.img is want_img or torch.equal(out.img, want_img)
+
+
+def test_convert_rejects_tables_wider_than_the_head(reference):
+    caches, _ = reference
+    with pytest.raises(RopeCacheError, match="head_dim=64"):
+        to_cos_sin_caches(caches, head_dim=64)
+    (ic, is_), (tc, ts) = _half(caches.img), _half(caches.txt)
+    with pytest.raises(RopeCacheError, match="more than head_dim=32"):
+        to_cos_sin_caches((ic, is_, tc, ts), head_dim=32)
+
+
+def test_convert_degenerate_tables_use_head_dim_to_break_the_tie():
+    """All positions 0: cos == 1, sin == 0 fits both 'half width' and 'duplicated full width'."""
+    ones, zeros = torch.ones(3, 64), torch.zeros(3, 64)
+    assert to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=64).img.shape == (3, 64)
+    assert to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=128).img.shape == (3, 128)
