@@ -123,7 +123,8 @@ def step_check(args) -> str:
 def step_plugin(args) -> str:
     from qkrope.runtime.plugin_build import find_plugin_library
 
-    _cli(["build-plugin"])
+    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    _cli(["build-plugin"] if nvcc else ["build-plugin", "--host-only"])
     built = []
     for kind in ("plugin", "vc", "kernels", "kernel_host"):
         try:
@@ -132,9 +133,15 @@ def step_plugin(args) -> str:
             pass
     if not built:
         raise RuntimeError("the build finished but no library was found in build/plugins")
-    missing = {"libqkrope_plugin.so", "libqkrope_vc_plugin.so"} - set(built)
-    note = f" (not built: {', '.join(sorted(missing))}: nvcc or TensorRT headers missing)" if missing else ""
-    return ", ".join(built) + note
+    missing = sorted({"libqkrope_plugin.so", "libqkrope_vc_plugin.so", "libqkrope_kernels.so"}
+                     - set(built))
+    if not nvcc:
+        raise Skip(f"requires nvcc (the CUDA toolkit) for {', '.join(missing)}; built only "
+                   f"{', '.join(built)} (the CPU build of the kernel arithmetic)")
+    if missing:
+        raise Skip(f"requires TensorRT headers for {', '.join(missing)} (install TensorRT or let "
+                   f"scripts/fetch_trt_headers.py reach PyPI); built {', '.join(built)}")
+    return ", ".join(built)
 
 
 def _need_gpu():

@@ -88,7 +88,11 @@ else
     if [[ "$FETCH" == 1 ]]; then
       [[ -n "$PY" ]] || { echo "build_plugins.sh: python3 is needed to fetch the TensorRT headers" >&2; exit 1; }
       echo "build_plugins.sh: no TensorRT install found; fetching the TensorRT headers (kernel-lens 2.0.1)"
-      "$PY" "$ROOT/scripts/fetch_trt_headers.py"
+      if ! "$PY" "$ROOT/scripts/fetch_trt_headers.py"; then
+        echo "build_plugins.sh: could not fetch the TensorRT headers (see above; PyPI unreachable?):" \
+             "building the CUDA kernel libraries without the TensorRT plugin. Fix: install TensorRT" \
+             "(or pass --tensorrt-root DIR) and rerun." >&2
+      fi
     else
       echo "build_plugins.sh: no TensorRT headers found and --no-fetch given; the plugin will not be built" >&2
     fi
