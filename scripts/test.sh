@@ -12,7 +12,10 @@ bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc || -n "${CUDACXX:-}" ]]; then
+have_nvcc() {
+    "${CUDACXX:-nvcc}" --version >/dev/null 2>&1 || /usr/local/cuda/bin/nvcc --version >/dev/null 2>&1
+}
+if have_nvcc; then
     echo "[test] building the kernel and plugin libraries (build/plugins)" >&2
     bash scripts/build_plugins.sh
 else
