@@ -350,14 +350,24 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = str(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--weights {path!r} does not exist")
-    if path.endswith(".safetensors"):
-        from qkrope._deps import require
+    expected = ("a safetensors file (*.safetensors) or a torch.save'd state dict whose keys are "
+                "diffusers' attention names (to_q.weight, norm_q.weight, ...)")
+    try:
+        if path.endswith(".safetensors"):
+            from qkrope._deps import require
 
-        st = require("safetensors.torch", "loading --weights *.safetensors")
-        return st.load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise ValueError(f"--weights {path!r} does not hold a state dict (got {type(state)})")
+            st = require("safetensors.torch", "loading --weights *.safetensors")
+            state = st.load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure means "not a weights file"
+        raise ValueError(f"--weights {path!r} could not be read as a weights file "
+                         f"({type(exc).__name__}); expected {expected}") from exc
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"--weights {path!r} holds a {type(state).__name__}, not a state dict of "
+                         f"tensors; expected {expected}")
     return state
 
 
@@ -400,6 +410,12 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
     out = _check_out(out)
     tdtype = _check_dtype(dtype)
     opset = _check_opset(opset)
+    if int(heads) < 1 or int(head_dim) < 2 or int(head_dim) % 2 or int(head_dim) > contract.MAX_HEAD_DIM:
+        raise ValueError(f"--heads must be >= 1 and --head-dim even in [2, "
+                         f"{contract.MAX_HEAD_DIM}]; got heads={heads}, head_dim={head_dim}")
+    if weights is not None and not os.path.isfile(weights):
+        raise FileNotFoundError(f"--weights {str(weights)!r} does not exist: give a safetensors "
+                                f"file or a torch state dict with diffusers' attention names")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
         raise ValueError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "

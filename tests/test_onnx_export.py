@@ -293,6 +293,10 @@ def _no_outputs(directory: Path):
     (["--heads", "2", "--head-dim", "64", "--img-shape", "1", "0", "4"], "positive"),
     (["--heads", "2", "--head-dim", "64", "--txt-len", "5000"], "text cache overflow"),
     (["--heads", "2", "--head-dim", "64", "--opset", "13"], "--opset"),
+    (["--heads", "0"], "--heads must be >= 1"),
+    (["--heads", "2", "--head-dim", "63"], "--head-dim even"),
+    (["--heads", "2", "--head-dim", "64", "--weights", "/nonexistent/w.safetensors"],
+     "does not exist"),
 ])
 def test_cli_bad_input(tmp_path, capsys, argv, message):
     out = tmp_path / "out" / "m.onnx"
@@ -301,6 +305,31 @@ def test_cli_bad_input(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert "qkrope export: error:" in err and message in err
     _no_outputs(out.parent)
+
+
+def test_cli_unreadable_weights(tmp_path, capsys):
+    weights = tmp_path / "w.pt"
+    weights.write_text("{}")
+    out = tmp_path / "out" / "m.onnx"
+    out.parent.mkdir()
+    assert main(["export", "--out", str(out), "--heads", "2", "--head-dim", "64", "--weights",
+                 str(weights)]) == 2
+    err = capsys.readouterr().err
+    assert "could not be read as a weights file" in err and "state dict" in err
+    _no_outputs(out.parent)
+
+
+def test_cli_keeps_tracebacks_of_internal_failures(tmp_path, monkeypatch):
+    """Only input errors become one-line messages; a failure inside a dependency propagates."""
+    from qkrope.export import onnx_export
+
+    def broken(*a, **k):
+        raise RuntimeError("internal failure in a dependency")
+
+    monkeypatch.setattr(onnx_export, "_torch_export", broken)
+    with pytest.raises(RuntimeError, match="internal failure"):
+        main(["export", "--out", str(tmp_path / "m.onnx"), "--heads", "2", "--head-dim", "64"])
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_cli_unknown_dtype(tmp_path, capsys):
