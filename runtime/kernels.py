@@ -44,8 +44,32 @@ CUDA_LIB_NAME = "libqkrope_kernels.so"
 _SEARCH_DIRS = ("build/plugins", "build/kernel")
 
 HOST_BUILD_COMMAND = ("cmake -S plugins/kernel -B build/kernel && cmake --build build/kernel -j2")
+# The architecture is spelled out: CMAKE_CUDA_ARCHITECTURES=native needs CMake >= 3.24 (see
+# cuda_arch_for_cmake); 90 = Hopper (H100/H200), 100 = Blackwell, 89 = Ada, 80/86 = Ampere.
 CUDA_BUILD_COMMAND = ("cmake -S plugins/kernel -B build/kernel -DQKROPE_WITH_CUDA=ON "
-                      "-DCMAKE_CUDA_ARCHITECTURES=native && cmake --build build/kernel -j2")
+                      "-DCMAKE_CUDA_ARCHITECTURES=<sm, e.g. 90> && cmake --build build/kernel -j2")
+
+
+def cuda_arch_for_cmake(cmake: str | None = None) -> str:
+    """A CMAKE_CUDA_ARCHITECTURES value for this machine: the current GPU's compute capability
+    (e.g. "90") when PyTorch sees one, else "native" if cmake is >= 3.24 (which understands it),
+    else "90"."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}{minor}"
+    import re
+    import shutil
+    import subprocess
+    exe = cmake or shutil.which("cmake")
+    if exe:
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout
+            m = re.search(r"(\d+)\.(\d+)", out)
+            if m and (int(m.group(1)), int(m.group(2))) >= (3, 24):
+                return "native"
+        except OSError:
+            pass
+    return "90"
 
 # qkrope::DataType
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -159,7 +183,7 @@ def _check_out(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torc
     q_out, k_out = out
     for n, t in (("q_out", q_out), ("k_out", k_out)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"out: {n} must be a torch.Tensor, got {type(t).__name__}")
+            raise ValueError(f"out: {n} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
         if tuple(t.shape) != tuple(q.shape):
             raise ValueError(f"out: {n} has shape {tuple(t.shape)}, expected q's shape {tuple(q.shape)}")
         if t.dtype != q.dtype:

@@ -73,56 +73,99 @@ def main(argv=None) -> int:
             times.append(start.elapsed_time(end) * 1e-3)
         return statistics.median(times)
 
-    compiled = None
+    out = args.json
+    if out is None:
+        base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent.parent / "build"
+        out = base / "bench_kernel.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+
+    def save(phase: str) -> None:
+        # Rewritten after every measurement (atomically), so a timeout (scripts/gpu_check.sh runs
+        # this under `timeout`) never loses what was already measured.
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({"gpu": gpu, "peak_tbs": args.peak_tbs, "iters": args.iters,
+                                   "rounding": args.rounding, "torch": torch.__version__,
+                                   "phase": phase, "rows": rows}, indent=2))
+        os.replace(tmp, out)
+
+    def add_rates(entry) -> None:
+        for name in ("fused", "eager", "compile"):
+            us = entry.get(f"{name}_us")
+            if us:
+                entry[f"{name}_gbs"] = entry["bytes"] / (us * 1e-6) / 1e9
+                entry[f"{name}_pct_peak"] = 100.0 * entry["bytes"] / (us * 1e-6) / peak
+
+    kw_ = {"eps": 1e-6, "interleaved": True, "rounding": args.rounding}
+
+    def make_case(seq: int, batch: int):
+        g = torch.Generator(device=dev).manual_seed(0)
+        shape = (batch, seq, HEADS, HEAD_DIM)
+        q = torch.randn(shape, generator=g, device=dev).to(torch.bfloat16)
+        k = torch.randn(shape, generator=g, device=dev).to(torch.bfloat16)
+        qw = (torch.rand(HEAD_DIM, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+        kw = (torch.rand(HEAD_DIM, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+        ang = torch.rand(seq, HEAD_DIM // 2, generator=g, device=dev) * 6.0
+        cache = torch.cat([ang.cos(), ang.sin()], -1).contiguous()
+        return q, k, qw, kw, cache
+
+    cases = [(res, img_tokens if stream == "img" else TXT_TOKENS, batch, stream)
+             for res, img_tokens in RESOLUTIONS.items() for batch in (1, 2)
+             for stream in ("img", "txt")]
+
+    # Phase 1: fused and eager for every shape (cheap, and what matters), each row printed and
+    # saved as soon as it is measured.
+    print(f"GPU: {gpu}; phase 1: fused and eager (phase 2: torch.compile"
+          f"{', skipped' if args.no_compile else ''})", flush=True)
+    for res, seq, batch, stream in cases:
+        q, k, qw, kw, cache = make_case(seq, batch)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        nbytes = (4 * q.numel() * q.element_size() + 2 * HEAD_DIM * 2 + seq * HEAD_DIM * 4)
+        entry = {"resolution": res, "batch": batch, "stream": stream, "tokens": seq, "bytes": nbytes}
+        args_ = (q, k, qw, kw, cache)
+
+        def fused(args_=args_, out_=(q_out, k_out)):
+            return kernels.cuda_qk_norm_rope(*args_, out=out_, **kw_)
+
+        def eager(args_=args_):
+            return qk_norm_rope_reference(*args_, **kw_)
+
+        # correctness guard before timing
+        fused()
+        ref = eager()
+        entry["max_abs_diff_vs_eager"] = max((a.float() - b.float()).abs().max().item()
+                                             for a, b in zip((q_out, k_out), ref))
+        for name, fn in (("fused", fused), ("eager", eager)):
+            entry[f"{name}_us"] = timed(fn) * 1e6
+        add_rates(entry)
+        rows.append(entry)
+        save("fused+eager")
+        print(f"  measured {res} B={batch} {stream} {seq} tokens: fused {entry['fused_us']:.1f} us "
+              f"({entry['fused_pct_peak']:.1f}% of peak), eager {entry['eager_us']:.1f} us, "
+              f"max |diff| {entry['max_abs_diff_vs_eager']:.3g}", flush=True)
+        del q, k, q_out, k_out, ref, args_, fused, eager
+
+    # Phase 2: torch.compile (slow to compile; may be cut off by a timeout without losing phase 1).
     if not args.no_compile:
         compiled = torch.compile(qk_norm_rope_reference, dynamic=False)
-
-    rows = []
-    for res, img_tokens in RESOLUTIONS.items():
-        for batch in (1, 2):
-            for stream, seq in (("img", img_tokens), ("txt", TXT_TOKENS)):
-                g = torch.Generator(device=dev).manual_seed(0)
-                shape = (batch, seq, HEADS, HEAD_DIM)
-                q = torch.randn(shape, generator=g, device=dev).to(torch.bfloat16)
-                k = torch.randn(shape, generator=g, device=dev).to(torch.bfloat16)
-                qw = (torch.rand(HEAD_DIM, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-                kw = (torch.rand(HEAD_DIM, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-                ang = torch.rand(seq, HEAD_DIM // 2, generator=g, device=dev) * 6.0
-                cache = torch.cat([ang.cos(), ang.sin()], -1).contiguous()
-                kw_ = dict(eps=1e-6, interleaved=True, rounding=args.rounding)
-                q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-
-                nbytes = (4 * q.numel() * q.element_size() + 2 * HEAD_DIM * 2
-                          + seq * HEAD_DIM * 4)
-                entry = {"resolution": res, "batch": batch, "stream": stream, "tokens": seq,
-                         "bytes": nbytes}
-
-                fused = lambda: kernels.cuda_qk_norm_rope(q, k, qw, kw, cache, out=(q_out, k_out), **kw_)  # noqa: E731
-                eager = lambda: qk_norm_rope_reference(q, k, qw, kw, cache, **kw_)  # noqa: E731
-                # correctness guard before timing
-                fused()
-                ref = eager()
-                err = max((a.float() - b.float()).abs().max().item() for a, b in zip((q_out, k_out), ref))
-                entry["max_abs_diff_vs_eager"] = err
-
-                for name, fn in (("fused", fused), ("eager", eager)):
-                    entry[f"{name}_us"] = timed(fn) * 1e6
-                if compiled is not None:
-                    try:
-                        t0 = time.perf_counter()
-                        compiled(q, k, qw, kw, cache, **kw_)
-                        torch.cuda.synchronize()
-                        entry["compile_s"] = time.perf_counter() - t0
-                        entry["compile_us"] = timed(lambda: compiled(q, k, qw, kw, cache, **kw_)) * 1e6
-                    except Exception as exc:  # noqa: BLE001 - report and continue
-                        entry["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                for name in ("fused", "eager", "compile"):
-                    us = entry.get(f"{name}_us")
-                    if us:
-                        entry[f"{name}_gbs"] = nbytes / (us * 1e-6) / 1e9
-                        entry[f"{name}_pct_peak"] = 100.0 * nbytes / (us * 1e-6) / peak
-                rows.append(entry)
-                del q, k, q_out, k_out, ref
+        for entry in rows:
+            q, k, qw, kw, cache = make_case(entry["tokens"], entry["batch"])
+            try:
+                t0 = time.perf_counter()
+                compiled(q, k, qw, kw, cache, **kw_)
+                torch.cuda.synchronize()
+                entry["compile_s"] = time.perf_counter() - t0
+                entry["compile_us"] = timed(
+                    lambda a=(q, k, qw, kw, cache): compiled(*a, **kw_)) * 1e6
+            except Exception as exc:  # noqa: BLE001 - report and continue
+                entry["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            add_rates(entry)
+            save("fused+eager+compile (partial)")
+            print(f"  compiled {entry['resolution']} B={entry['batch']} {entry['stream']}: "
+                  + (f"{entry['compile_us']:.1f} us" if entry.get("compile_us") else
+                     entry.get("compile_error", "?")), flush=True)
+            del q, k
+    save("complete")
 
     hdr = (f"{'shape':<10} {'B':>1} {'strm':<4} {'tok':>5} {'MB':>6} | {'fused us':>8} {'GB/s':>6} "
            f"{'%pk':>5} | {'eager us':>8} {'%pk':>5} | {'compile us':>10} {'%pk':>5} | "
@@ -150,14 +193,6 @@ def main(argv=None) -> int:
             print(f"  {res} B={batch}: {nb / 1e6:.1f} MB, fused {us:.1f} us, "
                   f"{nb / (us * 1e-6) / 1e9:.0f} GB/s = {100 * nb / (us * 1e-6) / peak:.1f}% of peak")
 
-    out = args.json
-    if out is None:
-        base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent.parent / "build"
-        out = base / "bench_kernel.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": gpu, "peak_tbs": args.peak_tbs, "iters": args.iters,
-                               "rounding": args.rounding, "torch": torch.__version__,
-                               "rows": rows}, indent=2))
     print(f"\nwrote {out}")
     return 0
 

@@ -5,8 +5,11 @@
 #   2. pytest tests/test_kernel_cuda.py tests/test_kernel_host.py
 #   3. scripts/bench_kernel.py (fused vs eager vs torch.compile at Qwen-Image shapes)
 # Logs and the benchmark JSON go to $OUT (default build/gpu_check). Total well under 8 minutes.
+# The benchmark rewrites its JSON after every measured row (fused/eager first, torch.compile last),
+# so its 300 s timeout never loses figures already measured.
 #
 #   bash scripts/gpu_check.sh                 # CUDA_ARCH=90 by default; CUDA_ARCH=native also works
+#                                             # (cmake < 3.24: the GPU's compute capability instead)
 #   CUDA_ARCH=100 BENCH_ARGS="--no-compile" bash scripts/gpu_check.sh
 # Exit status: 0 when the build and both test files pass (and the benchmark ran), else non-zero.
 set -uo pipefail
@@ -37,6 +40,15 @@ say "nvcc: $($NVCC --version | tail -2 | head -1)"
 
 # ---- 1. build -------------------------------------------------------------------------------
 if command -v cmake > /dev/null; then
+  # CMAKE_CUDA_ARCHITECTURES=native needs CMake >= 3.24: with an older cmake use this GPU's
+  # compute capability (nvidia-smi, else PyTorch), else 90.
+  CMAKE_VER="$(cmake --version | head -1 | grep -oE '[0-9]+\.[0-9]+' | head -1)"
+  if [[ "$ARCH" == native ]] && ! printf '3.24\n%s\n' "$CMAKE_VER" | sort -V -C; then
+    CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')"
+    [[ -z "$CAP" ]] && CAP="$("$PY" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())' 2>/dev/null)"
+    ARCH="${CAP:-90}"
+    say "cmake $CMAKE_VER < 3.24 does not know CMAKE_CUDA_ARCHITECTURES=native: using $ARCH"
+  fi
   say "cmake build (log: $OUT/build.log)"
   { cmake -S plugins/kernel -B "$BUILD" -DQKROPE_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \

@@ -4,7 +4,7 @@ path (misaligned tensors), the y-split and grid-stride paths, in-place use and 6
 Numerical policy: tests/_kernel_cases.py. Skipped without a CUDA GPU.
 
 The library is taken from QKROPE_KERNELS_LIB or build/plugins / build/kernel; if it is missing it
-is built here (cmake on plugins/kernel with CUDA, native architecture).
+is built here (cmake on plugins/kernel with CUDA, for this GPU's compute capability).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def cuda_lib():
     build = REPO / "build" / "kernel"
     subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(build),
                     "-DQKROPE_WITH_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}",
-                    "-DCMAKE_CUDA_ARCHITECTURES=native"], check=True)
+                    # this GPU's arch, explicitly: "native" needs cmake >= 3.24
+                    f"-DCMAKE_CUDA_ARCHITECTURES={kernels.cuda_arch_for_cmake(cmake)}"], check=True)
     subprocess.run([cmake, "--build", str(build), "-j4"], check=True)
     lib = build / kernels.CUDA_LIB_NAME
     with pytest.MonkeyPatch.context() as mp:

@@ -8,10 +8,21 @@
 #   4. QKROPE_TRT_FALLBACK_INCLUDE_DIR (the headers scripts/fetch_trt_headers.py unpacks from the
 #      PyPI wheel kernel-lens==2.0.1 into third_party/tensorrt-headers/include)
 #
+# A fallback picked by an earlier configure is re-checked on every configure (an install found
+# later wins). TensorRT older than 10 is a FATAL_ERROR naming the version and path found.
+#
 # Results: TensorRT_FOUND, TensorRT_INCLUDE_DIR, TensorRT_VERSION, TensorRT_VERSION_MAJOR,
 # TensorRT_SOURCE ("explicit", "install" or "fallback"), and the INTERFACE target
 # TensorRT::headers (include directories marked SYSTEM, so the headers' own deprecation warnings
 # stay out of our builds).
+
+# A fallback chosen by an earlier configure is not sticky: search for an install again (one may
+# have been installed since) and only fall back again if none is found.
+if(TensorRT_INCLUDE_DIR AND QKROPE_TRT_FALLBACK_IN_CACHE
+   AND TensorRT_INCLUDE_DIR STREQUAL QKROPE_TRT_FALLBACK_IN_CACHE)
+  unset(TensorRT_INCLUDE_DIR CACHE)
+  unset(TensorRT_INCLUDE_DIR)
+endif()
 
 set(_qkrope_trt_source "install")
 if(TensorRT_INCLUDE_DIR)
@@ -49,7 +60,11 @@ find_path(TensorRT_INCLUDE_DIR NvInferRuntime.h
 if(NOT TensorRT_INCLUDE_DIR AND QKROPE_TRT_FALLBACK_INCLUDE_DIR
    AND EXISTS "${QKROPE_TRT_FALLBACK_INCLUDE_DIR}/NvInferRuntime.h")
   set(TensorRT_INCLUDE_DIR "${QKROPE_TRT_FALLBACK_INCLUDE_DIR}" CACHE PATH "TensorRT include directory" FORCE)
+  set(QKROPE_TRT_FALLBACK_IN_CACHE "${QKROPE_TRT_FALLBACK_INCLUDE_DIR}" CACHE INTERNAL
+      "TensorRT_INCLUDE_DIR was set to the fallback by FindTensorRT (re-searched on every configure)")
   set(_qkrope_trt_source "fallback")
+else()
+  unset(QKROPE_TRT_FALLBACK_IN_CACHE CACHE)
 endif()
 if(TensorRT_INCLUDE_DIR AND QKROPE_TRT_FALLBACK_INCLUDE_DIR
    AND TensorRT_INCLUDE_DIR STREQUAL QKROPE_TRT_FALLBACK_INCLUDE_DIR)
@@ -69,6 +84,21 @@ if(TensorRT_INCLUDE_DIR AND EXISTS "${TensorRT_INCLUDE_DIR}/NvInferVersion.h")
     endforeach()
   endforeach()
   set(TensorRT_VERSION "${TensorRT_VERSION_MAJOR}.${TensorRT_VERSION_MINOR}.${TensorRT_VERSION_PATCH}")
+endif()
+
+# The plugin implements IPluginV3 (TensorRT >= 10); older headers cannot build it.
+if(TensorRT_INCLUDE_DIR)
+  if(NOT TensorRT_VERSION_MAJOR)
+    message(FATAL_ERROR "FindTensorRT: cannot read the TensorRT version from "
+                        "${TensorRT_INCLUDE_DIR}/NvInferVersion.h (missing or unrecognised); qkrope "
+                        "needs TensorRT >= 10 headers. Point -DTensorRT_ROOT / -DTensorRT_INCLUDE_DIR at one.")
+  elseif(TensorRT_VERSION_MAJOR LESS 10)
+    message(FATAL_ERROR "FindTensorRT: found TensorRT ${TensorRT_VERSION} headers in "
+                        "${TensorRT_INCLUDE_DIR}, but qkrope's plugin needs TensorRT >= 10 (IPluginV3). "
+                        "Point -DTensorRT_ROOT / -DTensorRT_INCLUDE_DIR at a TensorRT 10 or 11 install, or "
+                        "run scripts/fetch_trt_headers.py and pass -DTensorRT_INCLUDE_DIR="
+                        "${QKROPE_TRT_FALLBACK_INCLUDE_DIR}.")
+  endif()
 endif()
 
 include(FindPackageHandleStandardArgs)

@@ -8,8 +8,12 @@
 //   - its q and k weights are loaded once for the whole kernel (registers),
 //   - its cos/sin values are loaded once per token (registers) and reused for every head of q
 //     and k it processes: the cache row is read from memory once per token per block,
-//   - up to kUnroll rows are loaded (128-bit, streaming) before any is computed, to keep
-//     enough bytes in flight per SM.
+//   - UNROLL rows (1..4, a template parameter) are loaded (128-bit, streaming) before any is
+//     computed, to keep enough bytes in flight per SM. The launcher picks UNROLL from the row-group
+//     passes a block makes over its rows: as many rows as possible in the fewest rounds, spread
+//     evenly (unrollFor), so no empty slot is carried through registers, math and shuffles.
+//     Qwen-Image bf16/fp16, head_dim 128: 48 rows per token, 16 per pass -> UNROLL 3 in one round
+//     (before: a fixed 4 with the 4th slot always empty, 80 registers on sm_90 -> now 75).
 // The sum of squares is reduced with xor shuffles inside the row group; NeoX pairs that live in
 // another thread are exchanged with a shuffle whose lane index is relative to the row group (so
 // partial rotary with several rows per warp is correct). When there are few tokens the 2*H rows
@@ -38,7 +42,7 @@ using math::Fp32;
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kUnroll = 4;        // rows per thread loaded before any is computed
+constexpr int kMaxUnroll = 4;     // at most this many rows per thread loaded before any is computed
 constexpr int kFastMinBlocks = 3; // >= 768 resident threads per SM (<= 85 registers)
 constexpr int kMaxDevices = 64;
 constexpr unsigned kFullMask = 0xFFFFFFFFU;
@@ -124,9 +128,10 @@ __device__ __forceinline__ void storeStreaming(typename T::Storage* p, float con
 
 // ---------------------------------------------------------------------------------------------
 // Fast path.
-template <typename T, int HEAD_DIM, bool INTERLEAVED>
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int UNROLL>
 __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel(KernelArgs const a)
 {
+    static_assert(UNROLL >= 1 && UNROLL <= kMaxUnroll, "bad unroll");
     using C = FastConfig<T, HEAD_DIM>;
     using Storage = typename T::Storage;
     constexpr int kVec = C::kVec;
@@ -180,11 +185,11 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
         }
 
         int64_t const tokenRow = t * numHeads; // row index of (t, head 0)
-        for (int rBase = rowBegin; rBase < rowEnd; rBase += kRowsPerPass * kUnroll)
+        for (int rBase = rowBegin; rBase < rowEnd; rBase += kRowsPerPass * UNROLL)
         {
-            float x[kUnroll][kElems];
+            float x[UNROLL][kElems];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
+            for (int u = 0; u < UNROLL; ++u)
             {
                 int const r = rBase + u * kRowsPerPass + group;
                 if (r < rowEnd)
@@ -215,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
             }
 
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
+            for (int u = 0; u < UNROLL; ++u)
             {
                 int const r = rBase + u * kRowsPerPass + group;
                 bool const isQ = r < numHeads;
@@ -409,6 +414,9 @@ int smCount(int device)
     int count = 0;
     if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0)
     {
+        // A failed query must not leave its error behind: the launch below would then report
+        // kCUDA_ERROR although it succeeded (cudaGetLastError returns the last error of the thread).
+        (void) cudaGetLastError();
         count = 1;
     }
     if (device >= 0 && device < kMaxDevices)
@@ -432,6 +440,7 @@ int blocksPerSm(Kernel kernel, int device, std::atomic<int>* cache)
     int blocks = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0) != cudaSuccess || blocks <= 0)
     {
+        (void) cudaGetLastError(); // see smCount
         blocks = 1;
     }
     if (device >= 0 && device < kMaxDevices)
@@ -446,13 +455,33 @@ int64_t ceilDiv(int64_t a, int64_t b)
     return (a + b - 1) / b;
 }
 
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int UNROLL>
+cudaError_t launchFastUnrolled(KernelArgs const& a, dim3 const grid, cudaStream_t stream)
+{
+    qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, UNROLL><<<grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+// Rows per thread loaded before any is computed, for `passes` row-group passes per block: as many
+// as possible (<= kMaxUnroll) in the fewest rounds, spread evenly, so no slot is carried through
+// the registers and the shuffles empty (Qwen-Image bf16/fp16 head_dim 128: 48 rows of a token,
+// 16 per pass -> 3 passes -> UNROLL 3, one round; fp32: 6 passes -> 2 rounds of 3).
+int64_t unrollFor(int64_t passes)
+{
+    int64_t const rounds = ceilDiv(passes, kMaxUnroll);
+    return ceilDiv(passes, rounds);
+}
+
 template <typename T, int HEAD_DIM, bool INTERLEAVED>
 cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
 {
     using C = FastConfig<T, HEAD_DIM>;
+    // The grid is sized with the occupancy of the most register-hungry instance (UNROLL 4), so the
+    // split decision does not depend on the unroll it then selects.
     static std::atomic<int> occupancy[kMaxDevices];
-    auto kernel = qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED>;
-    int64_t const target = static_cast<int64_t>(blocksPerSm(kernel, device, occupancy)) * smCount(device);
+    int64_t const target = static_cast<int64_t>(blocksPerSm(qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, kMaxUnroll>,
+                               device, occupancy))
+        * smCount(device);
 
     int64_t const rowsPerToken = 2 * static_cast<int64_t>(a.numHeads);
     int64_t const passes = ceilDiv(rowsPerToken, C::kRowsPerPass);
@@ -462,7 +491,8 @@ cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
         splits = ceilDiv(target, a.numTokens);
         splits = splits < passes ? splits : passes;
     }
-    int64_t const rowsPerSplit = ceilDiv(passes, splits) * C::kRowsPerPass;
+    int64_t const passesPerSplit = ceilDiv(passes, splits);
+    int64_t const rowsPerSplit = passesPerSplit * C::kRowsPerPass;
     splits = ceilDiv(rowsPerToken, rowsPerSplit);
     a.rowsPerSplit = static_cast<int32_t>(rowsPerSplit);
 
@@ -470,8 +500,13 @@ cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
     int64_t const maxGridX = target * 16; // beyond that, blocks loop over tokens
     gridX = gridX < maxGridX ? gridX : maxGridX;
     dim3 const grid(static_cast<unsigned>(gridX), static_cast<unsigned>(splits), 1);
-    kernel<<<grid, kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    switch (unrollFor(passesPerSplit))
+    {
+    case 1: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 1>(a, grid, stream);
+    case 2: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 2>(a, grid, stream);
+    case 3: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 3>(a, grid, stream);
+    default: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 4>(a, grid, stream);
+    }
 }
 
 template <typename T>

@@ -246,36 +246,121 @@ std::string attributeSummary(QKNormRoPEAttributes const& a)
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
-    nvinfer1::ILoggerFinder* expected = nullptr;
-    if (finder != nullptr)
+    if (finder == nullptr)
     {
-        gLoggerFinder.compare_exchange_strong(expected, finder);
+        return;
     }
+    // The finder's vtable is that of the TensorRT that calls us: with another major (11.x finders
+    // derive from IVersionedInterface) findLogger() would be the wrong slot. Ignore it then;
+    // messages go to stderr.
+    TensorRTSymbol const trt = lookupTensorRTSymbol("getInferLibVersion");
+    if (trt.status == TensorRTLookup::kOTHER_MAJOR)
+    {
+        static std::atomic<bool> warned{false};
+        if (!warned.exchange(true))
+        {
+            std::fprintf(stderr,
+                "[qkrope] QKNormRoPE plugin built with TensorRT " QKROPE_STR(NV_TENSORRT_MAJOR)
+                " headers runs in TensorRT %d.%d (%s): its logger is not used (ILogger ABI differs), "
+                "messages go to stderr\n",
+                trt.runtimeVersion / 10000, trt.runtimeVersion / 100 % 100, trt.library ? trt.library : "?");
+        }
+        return;
+    }
+    nvinfer1::ILoggerFinder* expected = nullptr;
+    gLoggerFinder.compare_exchange_strong(expected, finder);
+}
+
+namespace
+{
+
+// getInferLibVersion() of a handle (or RTLD_DEFAULT); 0 when it does not export one.
+int32_t runtimeVersionOf(void* handle) noexcept
+{
+    using VersionFn = int32_t (*)();
+    void* sym = dlsym(handle, "getInferLibVersion");
+    return sym != nullptr ? reinterpret_cast<VersionFn>(sym)() : 0;
+}
+
+bool sameMajor(int32_t version) noexcept
+{
+    // getInferLibVersion(): (MAJOR * 100 + MINOR) * 100 + PATCH. Unknown (0) counts as compatible.
+    return version == 0 || version / 10000 == NV_TENSORRT_MAJOR;
+}
+
+} // namespace
+
+TensorRTSymbol lookupTensorRTSymbol(char const* name) noexcept
+{
+    // TensorRT loaded with RTLD_LOCAL (Python's `import tensorrt`, Triton's backend) is only
+    // reachable through its handle; RTLD_NOLOAD never loads anything. The built major first, then
+    // 10 and 11 explicitly, so a build is found whichever major the process runs (and a mismatch
+    // is reported rather than silently ignored).
+    static char const* const kLibs[] = {
+        "libnvinfer.so." QKROPE_STR(NV_TENSORRT_MAJOR),
+        "libnvinfer.so.10",
+        "libnvinfer.so.11",
+        "libnvinfer.so",
+        "libnvinfer_lean.so." QKROPE_STR(NV_TENSORRT_MAJOR),
+        "libnvinfer_lean.so.10",
+        "libnvinfer_lean.so.11",
+        "libnvinfer_dispatch.so." QKROPE_STR(NV_TENSORRT_MAJOR),
+        "libnvinfer_dispatch.so.10",
+        "libnvinfer_dispatch.so.11",
+    };
+    TensorRTSymbol other;
+    bool anyLoaded = false;
+    for (char const* lib : kLibs)
+    {
+        void* handle = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
+        if (handle == nullptr)
+        {
+            continue;
+        }
+        anyLoaded = true;
+        int32_t const version = runtimeVersionOf(handle);
+        void* sym = dlsym(handle, name);
+        dlclose(handle); // drops only the reference RTLD_NOLOAD added
+        if (!sameMajor(version))
+        {
+            if (other.status != TensorRTLookup::kOTHER_MAJOR)
+            {
+                other.status = TensorRTLookup::kOTHER_MAJOR;
+                other.runtimeVersion = version;
+                other.library = lib;
+            }
+            continue;
+        }
+        if (sym != nullptr)
+        {
+            return TensorRTSymbol{sym, TensorRTLookup::kFOUND, version, lib};
+        }
+    }
+    if (other.status == TensorRTLookup::kOTHER_MAJOR)
+    {
+        return other; // never fall back to the global scope: it would resolve to that TensorRT
+    }
+    if (!anyLoaded)
+    {
+        // No libnvinfer by any of those names (e.g. TensorRT linked statically into the executable,
+        // or a test's stand-ins): the global scope, checked for a version too when it has one.
+        if (void* sym = dlsym(RTLD_DEFAULT, name))
+        {
+            int32_t const version = runtimeVersionOf(RTLD_DEFAULT);
+            if (!sameMajor(version))
+            {
+                return TensorRTSymbol{nullptr, TensorRTLookup::kOTHER_MAJOR, version, nullptr};
+            }
+            return TensorRTSymbol{sym, TensorRTLookup::kFOUND, version, nullptr};
+        }
+    }
+    return TensorRTSymbol{};
 }
 
 void* findTensorRTSymbol(char const* name) noexcept
 {
-    if (void* sym = dlsym(RTLD_DEFAULT, name))
-    {
-        return sym;
-    }
-    // TensorRT loaded with RTLD_LOCAL (e.g. Python's `import tensorrt`, Triton's backend): look it
-    // up in the already-loaded library; RTLD_NOLOAD never loads anything.
-    static char const* const kLibs[] = {"libnvinfer.so." QKROPE_STR(NV_TENSORRT_MAJOR), "libnvinfer.so",
-        "libnvinfer_lean.so." QKROPE_STR(NV_TENSORRT_MAJOR), "libnvinfer_dispatch.so." QKROPE_STR(NV_TENSORRT_MAJOR)};
-    for (char const* lib : kLibs)
-    {
-        if (void* handle = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD))
-        {
-            void* sym = dlsym(handle, name);
-            dlclose(handle); // drops only the reference RTLD_NOLOAD added
-            if (sym != nullptr)
-            {
-                return sym;
-            }
-        }
-    }
-    return nullptr;
+    TensorRTSymbol const s = lookupTensorRTSymbol(name);
+    return s.status == TensorRTLookup::kFOUND ? s.symbol : nullptr;
 }
 
 void logMessage(ILogger::Severity severity, char const* msg) noexcept

@@ -10,14 +10,18 @@
 //     creator with TensorRT's plugin registry when the library is loaded (LD_PRELOAD, dlopen,
 //     `polygraphy --plugins`, `trtexec --staticPlugins`, Triton's `plugins=` backend config).
 //     The library is not linked against libnvinfer: `getPluginRegistry` is resolved at load time
-//     from the global symbol scope, or from an already-loaded libnvinfer.so.<major> (RTLD_NOLOAD,
-//     so it is never loaded by us). When TensorRT is not in the process at load time (e.g. a test
-//     or a bare dlopen) nothing is registered, the creator object simply stays alive, and loading
-//     succeeds; load the library after TensorRT (import tensorrt / create the builder first).
+//     from an already-loaded libnvinfer.so.<major> (.so.10, .so.11, lean, dispatch; RTLD_NOLOAD,
+//     so it is never loaded by us), else from the global symbol scope. When TensorRT is not in the
+//     process at load time (e.g. a test or a bare dlopen) nothing is registered (one line on
+//     stderr says so), the creator object simply stays alive, and loading succeeds; load the
+//     library after TensorRT (import tensorrt / create the builder first). A TensorRT of another
+//     major than the headers it was built with is refused with a message (registry ABI differs).
 #include "qknorm_rope_plugin.h"
 
 #include <cstdio>
-#include <cstdlib>
+
+#define QKROPE_ENTRY_STR2(x) #x
+#define QKROPE_ENTRY_STR(x) QKROPE_ENTRY_STR2(x)
 
 #ifndef QKROPE_VC_PLUGIN
 #define QKROPE_VC_PLUGIN 0
@@ -59,17 +63,30 @@ struct SelfRegistration
     SelfRegistration() noexcept
     {
         using GetRegistryFn = nvinfer1::IPluginRegistry* (*) ();
-        void* sym = qkrope::plugin::findTensorRTSymbol("getPluginRegistry");
+        qkrope::plugin::TensorRTSymbol const trt = qkrope::plugin::lookupTensorRTSymbol("getPluginRegistry");
+        void* sym = trt.symbol;
+        if (trt.status == qkrope::plugin::TensorRTLookup::kOTHER_MAJOR)
+        {
+            // The registry's vtable differs between majors (11.x dropped the deprecated
+            // IPluginCreator methods): registerCreator would call another method. Refuse loudly.
+            std::fprintf(stderr,
+                "[qkrope] libqkrope_plugin.so: QKNormRoPE not registered: this library was built with "
+                "TensorRT " QKROPE_ENTRY_STR(NV_TENSORRT_MAJOR) " headers but the process runs TensorRT %d.%d "
+                "(%s), whose IPluginRegistry/ILogger ABI differs. Rebuild it with that TensorRT's headers "
+                "(bash scripts/build_plugins.sh --tensorrt-root <TensorRT>), or load libqkrope_vc_plugin.so "
+                "with IPluginRegistry::loadLibrary.\n",
+                trt.runtimeVersion / 10000, trt.runtimeVersion / 100 % 100, trt.library ? trt.library : "global scope");
+            return;
+        }
         if (sym == nullptr)
         {
             // TensorRT is not in this process: nothing to register with. The creator stays reachable
-            // (function-local static) and loading still succeeds.
-            if (std::getenv("QKROPE_PLUGIN_DEBUG") != nullptr)
-            {
-                std::fprintf(stderr,
-                    "[qkrope] libqkrope_plugin.so: TensorRT (getPluginRegistry) not found in the process; "
-                    "QKNormRoPE was not registered. Load TensorRT before this library.\n");
-            }
+            // (function-local static) and loading still succeeds. Said once, always: a silent
+            // non-registration shows up much later as "plugin not found" from the ONNX parser.
+            std::fprintf(stderr,
+                "[qkrope] libqkrope_plugin.so: QKNormRoPE not registered: no TensorRT in this process "
+                "(getPluginRegistry not found in libnvinfer.so.10/.so.11, lean/dispatch or the global "
+                "scope). Load TensorRT before this library.\n");
             return;
         }
         nvinfer1::IPluginRegistry* registry = reinterpret_cast<GetRegistryFn>(sym)();
