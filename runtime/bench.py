@@ -17,9 +17,13 @@ kernel                 ``cuda_qk_norm_rope`` alone: achieved GB/s vs the GPU pea
 =====================  ==========================================================  ===========
 
 Sizes are image side lengths in pixels: Qwen-Image has 16 px per latent token (VAE /8, patch 2),
-so 512 -> 32x32 = 1024 image tokens and 1024 -> 64x64 = 4096. Timing: warm-up calls, then
-``--iters`` timed calls, each timed alone (CUDA events on a GPU, ``perf_counter`` on the CPU),
-median reported with p10/p90. Every row carries the machine it ran on.
+so 512 -> 32x32 = 1024 image tokens and 1024 -> 64x64 = 4096. Timing: size by size, warm-up
+calls, then ``--iters`` rounds in which every backend is called once (rotating order, so load
+changes hit all backends alike), each call timed alone (CUDA events on a GPU, ``perf_counter`` on
+the CPU), median reported with p10/p90. All backends run the one exported block (eager PyTorch
+is ``build_attention`` of its sidecar) on ``ModelInfo.make_inputs`` inputs. On the CPU, torch
+and ONNX Runtime use one thread unless ``--threads`` says otherwise (the table says which).
+Every row carries the machine it ran on.
 
 On a CPU-only machine the defaults are small (2 heads x 64, 256 px, 64 text tokens, fp32) so the
 command finishes in seconds; choose ``--sizes/--heads/--head-dim/--text-len`` to go bigger.
@@ -41,6 +45,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+from . import dtypes
+from .caches import default_axes_dims
 
 PIXELS_PER_TOKEN = 16
 
@@ -150,18 +157,6 @@ def parse_int_list(text: str | Sequence[int]) -> list[int]:
     return vals
 
 
-def qwen_axes_dim(head_dim: int) -> tuple[int, int, int]:
-    """Qwen-Image's RoPE axes split (16, 56, 56) for D = 128, scaled for other head dims."""
-    if head_dim == 128:
-        return (16, 56, 56)
-    if head_dim % 8 or head_dim < 8:
-        raise ValueError(f"head_dim must be a multiple of 8 for the benchmark; got {head_dim}")
-    a0 = 2 * max(1, head_dim // 16)
-    rest = head_dim - a0
-    a1 = 2 * (rest // 4)
-    return (a0, a1, rest - a1)
-
-
 # --------------------------------------------------------------------------------------------
 # Rows, machine, table, plot
 # --------------------------------------------------------------------------------------------
@@ -228,9 +223,13 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     """Markdown table of the measured rows, then the skipped rows with their reasons."""
+    threads = sorted({r.machine.get("cpu_threads") for r in rows if r.status == "ok"
+                      and r.machine.get("cpu_threads")}, key=str)
+    title = (f"CPU threads (torch, ONNX Runtime): {', '.join(map(str, threads))}; backends "
+             f"measured interleaved, size by size" if threads else "")
     head = ("| backend | size | img tok | txt tok | batch | dtype | median ms | p10 ms | p90 ms | "
             "iters | GB/s | % peak | device |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = ([title, ""] if title else []) + [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if r.status != "ok":
             continue
@@ -318,6 +317,55 @@ def time_cuda(fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def time_one_cuda(fn: Callable[[], Any]) -> float:
+    """One call timed alone with CUDA events on the current stream (ms)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_one_cpu(fn: Callable[[], Any]) -> float:
+    """One call timed alone with ``perf_counter`` (ms)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, iters: int, warmup: int,
+                     cuda: bool = False) -> dict[str, list[float] | BaseException]:
+    """Per-call times (ms) of several backends measured **interleaved**: every round calls each
+    backend once, the order rotating from round to round, so a change in machine load (another
+    process, thermal state) hits every backend alike instead of whichever ran last. Each call is
+    timed alone. A backend that raises gets its exception instead of a list; the others go on."""
+    one = time_one_cuda if cuda else time_one_cpu
+    out: dict[str, list[float] | BaseException] = {}
+    live = []
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+        except Exception as exc:  # noqa: BLE001 - reported per backend
+            out[name] = exc
+            continue
+        out[name] = []
+        live.append(name)
+    for i in range(iters):
+        k = i % len(live) if live else 0
+        for name in live[k:] + live[:k]:
+            if isinstance(out[name], BaseException):
+                continue
+            try:
+                out[name].append(one(fns[name]))  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001
+                out[name] = exc
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The benchmark
 # --------------------------------------------------------------------------------------------
@@ -339,49 +387,60 @@ class Config:
     peak_gbps: float | None = None
     out: Path | None = None
     seed: int = 0
-    threads: int | None = None
+    threads: int | None = None   # CPU threads for torch and ONNX Runtime (None: 1 on the CPU)
 
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+#: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
+#: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
+DEFAULT_CPU_THREADS = 1
+DTYPE_CHOICES = sorted(set(dtypes.NAME_BY_SHORT) | set(dtypes.NAME_BY_SHORT.values()))
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, _DTYPES[name])
-
-
-def _make_block(cfg: Config):
-    import torch
-
-    from qkrope.export import QwenImageAttention
-
-    torch.manual_seed(cfg.seed)
-    block = QwenImageAttention(cfg.heads * cfg.head_dim, cfg.heads, cfg.head_dim, validate=False)
-    with torch.no_grad():  # non-trivial norm weights
-        for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-            getattr(block, n).weight.uniform_(0.5, 1.5)
-    return block.eval().to(device=cfg.device, dtype=_torch_dtype(cfg.dtype))
+def cpu_threads(cfg: Config) -> int | None:
+    """Threads for torch and ONNX Runtime: ``--threads``, else 1 on the CPU path, else None
+    (torch's default; the GPU rows do not depend on it)."""
+    if cfg.threads:
+        return int(cfg.threads)
+    return None if cfg.device.startswith("cuda") else DEFAULT_CPU_THREADS
 
 
-def _make_inputs(cfg: Config, size: int, batch: int):
-    import torch
+def _block_config(info) -> dict:
+    """The exporter's config for the block (``build_attention`` rebuilds the exported weights)."""
+    return {**info.config, "dtype": info.dtype}
 
-    from qkrope.runtime import build_qwen_rope_caches
 
+def _make_block(cfg: Config, info):
+    """The exported QwenImageAttention, rebuilt by the exporter's ``build_attention`` from the
+    sidecar: eager PyTorch runs the same weights as the ONNX model and the engines."""
+    from qkrope.export.onnx_export import build_attention
+
+    return build_attention(_block_config(info)).to(cfg.device).eval()
+
+
+def _input_roles(info) -> dict[str, str]:
+    """role -> input name, by the runner's own mapping (:func:`runner.assign_roles`)."""
+    from .runner import assign_roles, spec_from_shape
+
+    return assign_roles([spec_from_shape(t.name, t.dtype, t.shape) for t in info.inputs])
+
+
+def _make_feeds(cfg: Config, info, size: int, batch: int):
+    """Inputs for every graph input by name (numpy; :meth:`ModelInfo.make_inputs`: the model's
+    dtypes, Qwen-Image caches for this image, a text mask)."""
     side = size // PIXELS_PER_TOKEN
-    gen = torch.Generator().manual_seed(cfg.seed + size + batch)
-    c = cfg.heads * cfg.head_dim
-    dt = _torch_dtype(cfg.dtype)
-    hs = torch.randn(batch, side * side, c, generator=gen).to(cfg.device, dt)
-    ehs = torch.randn(batch, cfg.text_len, c, generator=gen).to(cfg.device, dt)
-    caches = build_qwen_rope_caches([(1, side, side)], cfg.text_len,
-                                    axes_dim=qwen_axes_dim(cfg.head_dim), device=cfg.device)
-    # The text mask is passed everywhere (as diffusers' pipeline does), all ones, so every
-    # backend runs the same masked attention.
-    mask = torch.ones(batch, cfg.text_len, dtype=torch.bool, device=cfg.device)
-    return hs, ehs, (caches[0], caches[1]), mask
+    return info.make_inputs([(1, side, side)], cfg.text_len, batch, seed=cfg.seed + size + batch)
+
+
+def _make_inputs(cfg: Config, info, size: int, batch: int):
+    """``(hidden_states, encoder_hidden_states, (img_cache, txt_cache), mask)`` as torch tensors
+    on the device, from :func:`_make_feeds`."""
+    from .model_info import to_torch
+
+    feeds = _make_feeds(cfg, info, size, batch)
+    roles = _input_roles(info)
+    t = {role: to_torch(feeds[name]).to(cfg.device) for role, name in roles.items()}
+    return (t["hidden_states"], t["encoder_hidden_states"], (t["img_cache"], t["txt_cache"]),
+            t.get("encoder_hidden_states_mask"))
 
 
 @contextlib.contextmanager
@@ -412,111 +471,108 @@ def _measured(cfg: Config, backend: str, size: int, batch: int, machine: dict,
                 p10_ms=st["p10_ms"], p90_ms=st["p90_ms"], iters=int(st["n"]))
 
 
-def _timer(cfg: Config):
-    return time_cuda if cfg.device.startswith("cuda") else time_cpu
-
-
-_SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def _export_onnx(cfg: Config, path: Path) -> Path:
+def _export_onnx(cfg: Config, path: Path):
     """Export the attention block with the project's exporter (``qkrope export``'s function),
-    with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it)."""
+    with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it).
+    Returns its ModelInfo."""
     from qkrope.export.onnx_export import export_attention
 
     side = min(cfg.sizes) // PIXELS_PER_TOKEN
-    export_attention(path, heads=cfg.heads, head_dim=cfg.head_dim, dtype=_SHORT_DTYPE[cfg.dtype],
-                     seed=cfg.seed, img_shapes=[(1, side, side)], txt_len=cfg.text_len,
-                     batch=max(2, max(cfg.batches)))
-    return path
+    info, _ = export_attention(path, heads=cfg.heads, head_dim=cfg.head_dim,
+                               dtype=dtypes.short_name(cfg.dtype), seed=cfg.seed,
+                               img_shapes=[(1, side, side)], txt_len=cfg.text_len,
+                               batch=max(2, max(cfg.batches)))
+    return info
 
 
-def _bench_torch(cfg: Config, rows: list[Row], machine: dict, *, compiled: bool) -> None:
+def _torch_backends(cfg: Config, info, *, compiled: bool) -> dict[str, Callable]:
+    """``{backend: prepare(size, batch) -> call}`` for torch eager (and torch.compile)."""
     import torch
 
-    backend = "torch-compile" if compiled else "torch-eager"
-    block = _make_block(cfg)
-    fn_block = block
+    block = _make_block(cfg, info)
+
+    def eager(size, batch):
+        hs, ehs, caches, mask = _make_inputs(cfg, info, size, batch)
+        return lambda: block(hs, ehs, caches, mask)
+
+    out = {"torch-eager": eager}
     if compiled:
-        fn_block = torch.compile(block, dynamic=False)
-    ctx = _reference_inlined() if compiled else contextlib.nullcontext()
-    with ctx, torch.inference_mode():
-        for size in cfg.sizes:
-            for batch in cfg.batches:
-                hs, ehs, caches, mask = _make_inputs(cfg, size, batch)
-                try:
-                    times = _timer(cfg)(lambda: fn_block(hs, ehs, caches, mask), iters=cfg.iters,
-                                        warmup=cfg.warmup + (2 if compiled else 0))
-                except Exception as exc:  # noqa: BLE001 - a failed row must not end the bench
-                    rows.append(_row(cfg, backend, size, batch, machine, status="failed",
-                                     reason=f"{type(exc).__name__}: {exc}"[:300]))
-                    continue
-                rows.append(_measured(cfg, backend, size, batch, machine, times))
+        compiled_block = torch.compile(block, dynamic=False)
+
+        def comp(size, batch):
+            hs, ehs, caches, mask = _make_inputs(cfg, info, size, batch)
+
+            def call():
+                # the reference maths only while the compiled block runs (eager keeps the op)
+                with _reference_inlined():
+                    return compiled_block(hs, ehs, caches, mask)
+
+            for _ in range(2):  # compilation for this shape, outside the warm-up count
+                call()
+            return call
+
+        out["torch-compile"] = comp
+    return out
 
 
-def _bench_onnxruntime(cfg: Config, rows: list[Row], machine: dict, workdir: Path) -> None:
+def _ort_backend(cfg: Config, info, onnx_path: Path) -> dict[str, Callable]:
+    """``{"onnxruntime-cpu": prepare}``: ONNX Runtime CPU with the bench's thread count."""
     import onnxruntime as ort
 
-    backend = "onnxruntime-cpu"
-    onnx_path = workdir / "attention.onnx"
-    try:
-        _export_onnx(cfg, onnx_path)
-    except Exception as exc:  # noqa: BLE001
-        for size in cfg.sizes:
-            for batch in cfg.batches:
-                rows.append(_row(cfg, backend, size, batch, machine, status="skipped",
-                                 reason=f"ONNX export failed ({type(exc).__name__}: {exc})"[:300]))
-        return
-    import torch
-
+    if cfg.dtype == "bfloat16":
+        raise ValueError("ONNX Runtime's CPU provider has no bfloat16 kernels for this graph; "
+                         "use --dtype fp32 on the CPU")
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Same thread count as torch, and no spin-waiting after a run: spinning ORT threads would
-    # steal the cores from the next torch measurement.
-    so.intra_op_num_threads = torch.get_num_threads()
+    threads = cpu_threads(cfg)
+    if threads:
+        so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    # no spin-waiting after a run: spinning ORT threads would steal the cores from the next
+    # (interleaved) torch call
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-    types = {i.name: i.type for i in sess.get_inputs()}
+
+    def prepare(size, batch):
+        feeds = _make_feeds(cfg, info, size, batch)
+        return lambda: sess.run(None, feeds)
+
+    return {"onnxruntime-cpu": prepare}
+
+
+def _engine_backend(cfg: Config, backend: str, engine: str, plugin: str | None, info):
+    """``{backend: prepare}`` for a TensorRT engine through ``qkrope.runtime.load``."""
+    from qkrope import runtime
+
+    runner = runtime.load(engine, plugin=plugin)
+
+    def prepare(size, batch):
+        hs, ehs, caches, mask = _make_inputs(cfg, info, size, batch)
+        return lambda: runner(hs, ehs, caches, mask)
+
+    return {backend: prepare}
+
+
+def _measure(cfg: Config, rows: list[Row], machine: dict,
+             backends: Mapping[str, Callable[[int, int], Callable[[], Any]]]) -> None:
+    """Measure ``backends`` size by size, interleaved (:func:`time_interleaved`)."""
+    cuda = cfg.device.startswith("cuda")
     for size in cfg.sizes:
         for batch in cfg.batches:
-            hs, ehs, (img_cache, txt_cache), mask = _make_inputs(cfg, size, batch)
-            feeds = _ort_feeds(types, hs, ehs, img_cache, txt_cache, mask)
-            try:
-                times = time_cpu(lambda: sess.run(None, feeds), iters=cfg.iters,
-                                 warmup=cfg.warmup)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(_row(cfg, backend, size, batch, machine, status="failed",
-                                 reason=f"{type(exc).__name__}: {exc}"[:300]))
-                continue
-            rows.append(_measured(cfg, backend, size, batch, machine, times))
-    del sess
-
-
-def _ort_feeds(types: Mapping[str, str], hs, ehs, img_cache, txt_cache, mask) -> dict:
-    """Feeds by input name: *mask* -> all ones, *cache* -> the stream's cache (img/txt in the
-    name), encoder/txt -> encoder_hidden_states, anything else -> hidden_states."""
-
-    def np_(t):
-        t = t.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":
-            raise ValueError("ONNX Runtime's CPU provider has no bfloat16 kernels for this graph; "
-                             "use --dtype fp32 on the CPU")
-        return t.numpy()
-
-    by_role = {}
-    for n, onnx_type in types.items():
-        low = n.lower()
-        if "mask" in low:
-            by_role[n] = mask if onnx_type == "tensor(bool)" else mask.to(hs.dtype)
-            continue
-        if "cache" in low or "rotary" in low or "rope" in low:
-            by_role[n] = img_cache if ("img" in low or "image" in low or low.endswith("_0")) \
-                else txt_cache
-        elif "encoder" in low or "txt" in low or "text" in low:
-            by_role[n] = ehs
-        else:
-            by_role[n] = hs
-    return {n: np_(t) for n, t in by_role.items()}
+            calls, failed = {}, {}
+            for name, prepare in backends.items():
+                try:
+                    calls[name] = prepare(size, batch)
+                except Exception as exc:  # noqa: BLE001 - a failed row must not end the bench
+                    failed[name] = exc
+            results = time_interleaved(calls, iters=cfg.iters, warmup=cfg.warmup, cuda=cuda)
+            for name in backends:
+                res = failed.get(name, results.get(name))
+                if isinstance(res, BaseException):
+                    rows.append(_row(cfg, name, size, batch, machine, status="failed",
+                                     reason=f"{type(res).__name__}: {res}"[:300]))
+                else:
+                    rows.append(_measured(cfg, name, size, batch, machine, res))
 
 
 def _skip_all(cfg: Config, rows: list[Row], backend: str, reason: str, machine: dict) -> None:
@@ -531,34 +587,6 @@ def _have_tensorrt() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _bench_engine(cfg: Config, rows: list[Row], machine: dict, backend: str,
-                  engine: str | None, plugin: str | None) -> None:
-    """Time a TensorRT engine through ``qkrope.runtime.load`` (torch CUDA tensors in/out)."""
-    if engine is None:
-        _skip_all(cfg, rows, backend, "no engine given (--engine / --engine-no-plugin; build "
-                  "them with `qkrope build`)", machine)
-        return
-    try:
-        from qkrope import runtime
-
-        runner = runtime.load(engine, plugin=plugin)
-    except Exception as exc:  # noqa: BLE001
-        _skip_all(cfg, rows, backend, f"cannot load {engine}: {type(exc).__name__}: {exc}"[:300],
-                  machine)
-        return
-    for size in cfg.sizes:
-        for batch in cfg.batches:
-            hs, ehs, caches, mask = _make_inputs(cfg, size, batch)
-            try:
-                times = time_cuda(lambda: runner(hs, ehs, caches, mask),
-                                  iters=cfg.iters, warmup=cfg.warmup)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(_row(cfg, backend, size, batch, machine, status="failed",
-                                 reason=f"{type(exc).__name__}: {exc}"[:300]))
-                continue
-            rows.append(_measured(cfg, backend, size, batch, machine, times))
 
 
 def build_function_body_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, *,
@@ -614,19 +642,14 @@ def build_function_body_engine(onnx_path: str | os.PathLike, engine_path: str | 
     return sidecar
 
 
-def _build_engines(cfg: Config, workdir: Path, log: Callable[[str], None]
+def _build_engines(cfg: Config, onnx_path: Path, workdir: Path, log: Callable[[str], None]
                    ) -> dict[str, tuple[str | None, str]]:
-    """Export the block once, then build the no-plugin engine (first: nothing registered yet)
+    """From the exported block, build the no-plugin engine (first: nothing registered yet)
     and the plugin engine, with one profile covering every benchmarked size and batch.
     Returns ``{backend: (engine path or None, reason it is None)}``."""
     from qkrope.runtime import engine as E
 
     out: dict[str, tuple[str | None, str]] = {}
-    try:
-        onnx_path = _export_onnx(cfg, workdir / "attention.onnx")
-    except Exception as exc:  # noqa: BLE001
-        reason = f"ONNX export failed: {type(exc).__name__}: {exc}"[:300]
-        return {"trt-plugin": (None, reason), "trt-function-body": (None, reason)}
     limits = dict(max_batch=max(cfg.batches), max_img_tokens=image_tokens(max(cfg.sizes)),
                   max_txt_tokens=cfg.text_len)
     eng_np = workdir / "attention.noplugin.engine"
@@ -683,17 +706,24 @@ def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
                   "-B build/kernel -DQKROPE_WITH_CUDA=ON && cmake --build build/kernel)", machine)
         return
     peak = peak_gbps(machine.get("gpu"), cfg.peak_gbps)
-    dt = _torch_dtype(cfg.dtype)
+    from .caches import build_qwen_rope_caches
+
+    dt = dtypes.torch_dtype(cfg.dtype)
     act = torch.tensor([], dtype=dt).element_size()
     for size in cfg.sizes:
         for batch in cfg.batches:
             s_img = image_tokens(size)
-            _, _, (img_cache, txt_cache), _ = _make_inputs(cfg, size, 1)
+            side = size // PIXELS_PER_TOKEN
+            img_cache, txt_cache = build_qwen_rope_caches(
+                [(1, side, side)], cfg.text_len, axes_dim=default_axes_dims(cfg.head_dim),
+                device=cfg.device)
+            gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed + size + batch)
             bufs = []
             for s, cache in ((s_img, img_cache), (cfg.text_len, txt_cache)):
-                q = torch.randn(batch, s, cfg.heads, cfg.head_dim, device=cfg.device, dtype=dt)
-                k = torch.randn_like(q)
-                w = torch.rand(cfg.head_dim, device=cfg.device, dtype=dt) + 0.5
+                q = torch.randn(batch, s, cfg.heads, cfg.head_dim, device=cfg.device, dtype=dt,
+                                generator=gen)
+                k = torch.randn(q.shape, device=cfg.device, dtype=dt, generator=gen)
+                w = torch.rand(cfg.head_dim, device=cfg.device, dtype=dt, generator=gen) + 0.5
                 bufs.append((q, k, w, w.clone(), cache, (torch.empty_like(q),
                                                          torch.empty_like(k))))
 
@@ -719,14 +749,28 @@ def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
 
 
 def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
-    """Measure every row that this machine can, and report the others as skipped."""
+    """Measure every row that this machine can, and report the others as skipped. torch's
+    thread count and grad mode are restored afterwards."""
     import torch
 
     for size in cfg.sizes:
         image_tokens(size)  # validate early
+    saved_threads, saved_grad = torch.get_num_threads(), torch.is_grad_enabled()
+    threads = cpu_threads(cfg)
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        torch.set_grad_enabled(False)
+        return _run_bench(cfg, log)
+    finally:
+        torch.set_num_threads(saved_threads)
+        torch.set_grad_enabled(saved_grad)
+
+
+def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[Row]:
+    import torch
+
     on_gpu = cfg.device.startswith("cuda")
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
     machine = machine_info(cfg.device)
     machine["cpu_threads"] = str(torch.get_num_threads())
     with contextlib.suppress(OSError):
@@ -734,7 +778,8 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
         machine["load_avg_1min"] = f"{load1:.2f}"
         if not on_gpu and load1 > (os.cpu_count() or 1) - 0.5:
             log(f"warning: the machine is busy (1-min load {load1:.2f} on {os.cpu_count()} "
-                "cores); CPU timings will be noisy. --threads 1 is steadier on a shared machine")
+                f"cores); CPU timings will be noisy even with {torch.get_num_threads()} "
+                f"thread(s)")
     rows: list[Row] = []
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -742,9 +787,31 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
     log(f"machine: {json.dumps(machine)}")
     log(f"config: sizes {cfg.sizes} px, batches {cfg.batches}, {cfg.heads} heads x "
         f"{cfg.head_dim}, text {cfg.text_len} tokens, {cfg.dtype}, {cfg.iters} iters "
-        f"({cfg.warmup} warm-up)")
-    torch.set_grad_enabled(False)
+        f"({cfg.warmup} warm-up), {torch.get_num_threads()} CPU thread(s), backends interleaved")
 
+    # One export: the ONNX Runtime rows, the engines and eager PyTorch (build_attention from its
+    # sidecar) all run the same weights.
+    onnx_path = workdir / "attention.onnx"
+    try:
+        info = _export_onnx(cfg, onnx_path)
+        export_error = ""
+    except Exception as exc:  # noqa: BLE001
+        info, export_error = None, f"ONNX export failed ({type(exc).__name__}: {exc})"[:300]
+
+    def skip_or(names, make):
+        """``make()`` -> backends, or every row of ``names`` skipped with the reason."""
+        if info is None:
+            for b in names:
+                _skip_all(cfg, rows, b, export_error, machine)
+            return {}
+        try:
+            return make()
+        except Exception as exc:  # noqa: BLE001
+            for b in names:
+                _skip_all(cfg, rows, b, f"{type(exc).__name__}: {exc}"[:300], machine)
+            return {}
+
+    backends: dict[str, Callable] = {}
     if on_gpu:
         given = {"trt-plugin": cfg.engine, "trt-function-body": cfg.engine_no_plugin}
         plugins = {"trt-plugin": cfg.plugin, "trt-function-body": None}
@@ -753,28 +820,33 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
                 _skip_all(cfg, rows, b, REQUIRES_TRT, machine)
         else:
             built: dict[str, tuple[str | None, str]] = {}
-            if not all(given.values()):
+            if not all(given.values()) and info is not None:
                 # build the missing ones (the no-plugin engine before the plugin is loaded)
-                built = _build_engines(cfg, workdir, log)
+                built = _build_engines(cfg, onnx_path, workdir, log)
             for b in ("trt-function-body", "trt-plugin"):
-                path, reason = (given[b], "") if given[b] else built.get(b, (None, "not built"))
+                path, reason = ((given[b], "") if given[b] else
+                                built.get(b, (None, export_error or "not built")))
                 if path is None:
                     _skip_all(cfg, rows, b, reason, machine)
                 else:
-                    _bench_engine(cfg, rows, machine, b, path, plugins[b])
-        _bench_torch(cfg, rows, machine, compiled=False)
-        _bench_torch(cfg, rows, machine, compiled=True)
+                    backends.update(skip_or([b], lambda b=b, path=path: _engine_backend(
+                        cfg, b, path, plugins[b], info)))
+        backends.update(skip_or(["torch-eager", "torch-compile"],
+                                lambda: _torch_backends(cfg, info, compiled=True)))
+        _measure(cfg, rows, machine, backends)
         _bench_kernel(cfg, rows, machine)
     else:
         for b in ("trt-plugin", "trt-function-body"):
             _skip_all(cfg, rows, b, REQUIRES_CUDA + "; " + REQUIRES_TRT
                       if not _have_tensorrt() else REQUIRES_CUDA, machine)
-        _bench_onnxruntime(cfg, rows, machine, workdir)
-        _bench_torch(cfg, rows, machine, compiled=False)
+        backends.update(skip_or(["onnxruntime-cpu"], lambda: _ort_backend(cfg, info, onnx_path)))
+        backends.update(skip_or(["torch-eager"],
+                                lambda: _torch_backends(cfg, info, compiled=False)))
+        _measure(cfg, rows, machine, backends)
         _skip_all(cfg, rows, "torch-compile", REQUIRES_CUDA + " (CPU Inductor is not the "
                   "deployment target; measured on the GPU only)", machine)
         _skip_all(cfg, rows, "kernel", REQUIRES_CUDA, machine)
-    if any(workdir.iterdir()) and on_gpu:
+    if on_gpu and any(p.suffix == ".engine" for p in workdir.iterdir()):
         log(f"kept the exported model and engines in {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -790,7 +862,8 @@ def write_outputs(rows: Sequence[Row], out: Path, cfg: Config | None = None) -> 
           ""]
     if cfg is not None:
         md += [f"Config: {cfg.heads} heads x {cfg.head_dim}, text {cfg.text_len} tokens, "
-               f"{cfg.dtype}, median of {cfg.iters} calls after {cfg.warmup} warm-up", ""]
+               f"{cfg.dtype}, median of {cfg.iters} calls after {cfg.warmup} warm-up, "
+               f"{cpu_threads(cfg) or 'default'} CPU thread(s)", ""]
     md += [table, ""]
     paths = {"markdown": out / "bench.md", "json": out / "bench.json", "png": out / "bench.png"}
     paths["markdown"].write_text("\n".join(md))
@@ -820,7 +893,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "512,1024 on a GPU, 256 on the CPU")
     p.add_argument("--batches", default=None, help="batch sizes; default 1,2 on a GPU, 1 on "
                                                    "the CPU")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                    help="activation dtype; default bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--heads", type=int, default=None, help="default 24 (GPU), 2 (CPU)")
     p.add_argument("--head-dim", type=int, default=None, help="default 128 (GPU), 64 (CPU)")
@@ -839,7 +912,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch and ONNX Runtime (default: torch's default)")
+                   help=f"CPU threads for torch and ONNX Runtime (default: "
+                        f"{DEFAULT_CPU_THREADS} on the CPU, so that the numbers measure the code "
+                        f"rather than thread-pool contention; torch's default on a GPU)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.set_defaults(func=run)
     return p
@@ -853,7 +928,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if gpu and not torch.cuda.is_available():
         raise RuntimeError(f"--device {device} requested but torch sees no CUDA GPU "
                            f"(torch {torch.__version__}); use --device cpu")
-    dtype = _DTYPES[args.dtype] if args.dtype else ("bfloat16" if gpu else "float32")
+    dtype = dtypes.canonical(args.dtype) if args.dtype else ("bfloat16" if gpu else "float32")
     cfg = Config(
         sizes=parse_int_list(args.sizes or ("512,1024" if gpu else "256")),
         batches=parse_int_list(args.batches or ("1,2" if gpu else "1")),
@@ -868,7 +943,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         out=Path(args.out), threads=args.threads)
     for s in cfg.sizes:
         image_tokens(s)
-    qwen_axes_dim(cfg.head_dim)
+    default_axes_dims(cfg.head_dim)
     if cfg.iters < 1:
         raise ValueError(f"--iters must be >= 1; got {cfg.iters}")
     return cfg

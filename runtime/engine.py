@@ -33,6 +33,7 @@ from qkrope._deps import require
 
 from . import profiles as prof
 from . import trt_utils as tu
+from .plugin_build import resolve_plugin_library
 
 ENGINE_SIDECAR_FORMAT = "qkrope-engine/1"
 MIN_TRT_MAJOR = 10
@@ -398,18 +399,6 @@ def engine_sidecar(*, trt_version: str, onnx_path: str, model: dict, profile: pr
     }
 
 
-def resolve_plugin_library(plugin: str | None, *, version_compatible: bool) -> str:
-    """The --plugin path, or the library ``qkrope build-plugin`` made."""
-    if plugin:
-        return str(Path(plugin).resolve())
-    try:
-        from .plugin_build import find_plugin_library
-    except ImportError as exc:  # pragma: no cover - until plugin_build lands
-        raise EngineBuildError("no --plugin given and qkrope cannot locate a built plugin "
-                               "library. Fix: pass --plugin PATH/TO/libqkrope_plugin.so") from exc
-    return str(find_plugin_library(kind="vc" if version_compatible else "plugin"))
-
-
 # --------------------------------------------------------------------------------------------
 # Build
 # --------------------------------------------------------------------------------------------
@@ -453,7 +442,8 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     model = tu.load_model_description(onnx_path)
     profile = plan_profile(model, opts)
     node_names = tu.count_plugin_nodes(onnx_path)
-    plugin_path = resolve_plugin_library(opts.plugin, version_compatible=opts.version_compatible)
+    plugin_path = str(resolve_plugin_library(
+        opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
 
     logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
     if hasattr(trt, "init_libnvinfer_plugins"):
@@ -552,9 +542,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "`qkrope build-plugin` built; the VC library with --version-compatible)")
     for level in prof.LEVELS:
         p.add_argument(f"--{level}", dest=f"{level}_shapes", nargs="+", action="extend",
-                       default=[], metavar="NAME:DIMxDIM",
-                       help=f"{level} shape of an input (polygraphy syntax); overrides the derived "
-                            f"profile for that input")
+                       default=[], metavar="NAME:SHAPE",
+                       help=f"{level} shape of an input, as NAME:DIMxDIMx... (trtexec's "
+                            f"--{level}Shapes syntax) or NAME:[DIM,DIM,...] (polygraphy's "
+                            f"--trt-{level}-shapes syntax); overrides the derived profile for "
+                            f"that input")
     p.add_argument("--max-batch", type=int, help="profile max batch (default: max(export, 2))")
     p.add_argument("--max-img-tokens", type=int,
                    help="profile max image tokens (default: max(export, 4096) = 1024x1024)")

@@ -45,9 +45,11 @@ import numpy as np
 
 from qkrope._fileio import write_text_atomic
 
+from . import dtypes
+
 FORMAT = "qkrope-onnx/1"
 MODELS = ("attention", "transformer")
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype -> numpy name
+DTYPES = dtypes.NAME_BY_SHORT  # --dtype -> numpy name (the one table, in runtime/dtypes.py)
 AXES = ("batch", "img_tokens", "txt_tokens", "img_cache_rows", "txt_cache_rows")
 
 
@@ -62,11 +64,7 @@ def sidecar_path(onnx_path: str | os.PathLike) -> Path:
 
 def numpy_dtype(name: str) -> np.dtype:
     """A numpy dtype from its name, ``"bfloat16"`` included (ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return dtypes.numpy_dtype(name)
 
 
 def to_torch(array: np.ndarray):

@@ -39,7 +39,6 @@ max |reference| of that output, ``ulp(scale)`` the spacing of the activation dty
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shlex
 import sys
@@ -118,13 +117,14 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                               t["encoder_hidden_states_mask"])
             outs = {"img_out": img, "txt_out": txt}
         else:
-            from qkrope.export.onnx_export import TORCH_DTYPES
             from qkrope.export.patch_diffusers import load_transformer
+
+            from .dtypes import TORCH_BY_SHORT
 
             directory = diffusers_dir or info.config.get("diffusers_dir")
             if not directory:
                 raise ParityError("the transformer's reference needs --diffusers DIR")
-            model = load_transformer(directory, dtype=TORCH_DTYPES[info.dtype])
+            model = load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
             n = int(info.config.get("num_layers_exported", len(model.transformer_blocks)))
             model.transformer_blocks = model.transformer_blocks[:n]
             batch = t["hidden_states"].shape[0]
@@ -208,18 +208,29 @@ def _ort_provider(name: str) -> str:
             "trt": "TensorrtExecutionProvider"}.get(name.lower(), name)
 
 
-def load_plugin_library(path: str | os.PathLike):
-    """dlopen the plugin library (it registers its creators when loaded)."""
-    path = str(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--plugin {path!r} does not exist: build it with `qkrope "
+def validate_arguments(onnx_path: str, *, engine: str | None, plugin: str | None,
+                       onnxrt: bool) -> None:
+    """Every check on the arguments that needs no computation, before anything runs."""
+    if not os.path.isfile(onnx_path):
+        raise FileNotFoundError(f"{onnx_path!r} does not exist: export it with `qkrope export`")
+    if not onnxrt and not engine:
+        raise ValueError("--no-onnxrt leaves nothing to check: give --engine/--plugin as well")
+    if engine and not os.path.isfile(engine):
+        raise FileNotFoundError(f"--engine {engine!r} does not exist: build it with "
+                                f"`qkrope build`")
+    if plugin and not os.path.isfile(plugin):
+        raise FileNotFoundError(f"--plugin {plugin!r} does not exist: build it with `qkrope "
                                 f"build-plugin`")
-    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def make_trt_runner(engine_path: str, plugin: str | None):
-    """polygraphy's TrtRunner on a serialised engine, with the plugin library loaded first."""
-    require("tensorrt", TRT_MISSING)
+    """polygraphy's TrtRunner on a serialised engine, with the plugin library loaded first
+    (:func:`qkrope.runtime.engine.load_plugin_library`: dlopen, then the QKNormRoPE creator must
+    be in TensorRT's registry)."""
+    if not os.path.isfile(engine_path):
+        raise FileNotFoundError(f"--engine {engine_path!r} does not exist: build it with "
+                                f"`qkrope build`")
+    trt = require("tensorrt", TRT_MISSING)
     try:
         import torch
 
@@ -231,13 +242,12 @@ def make_trt_runner(engine_path: str, plugin: str | None):
                           f"a GPU and TensorRT (for example an NGC TensorRT container, "
                           f"nvcr.io/nvidia/tensorrt), or drop --engine for the ONNX Runtime check")
     if plugin:
-        load_plugin_library(plugin)
+        from .engine import load_plugin_library
+
+        load_plugin_library(trt, plugin, version_compatible=False)
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    if not os.path.isfile(engine_path):
-        raise FileNotFoundError(f"--engine {engine_path!r} does not exist: build it with "
-                                f"`qkrope build`")
     return TrtRunner(EngineFromBytes(BytesFromPath(engine_path)), name="trt-runner")
 
 
@@ -335,21 +345,20 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     from polygraphy.json import save_json
 
     onnx_path = str(onnx_path)
-    if not os.path.isfile(onnx_path):
-        raise FileNotFoundError(f"{onnx_path!r} does not exist: export it with `qkrope export`")
+    engine = str(engine) if engine else None
+    plugin = str(plugin) if plugin else None
+    validate_arguments(onnx_path, engine=engine, plugin=plugin, onnxrt=onnxrt)
     info = ModelInfo.load(onnx_path)
+    # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
+    runners = [make_ort_runner(onnx_path, info.dtype, providers)] if onnxrt else []
+    if engine:
+        runners.append(make_trt_runner(engine, plugin))
     img_shapes = img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"]
     txt_len = txt_len or DEFAULT_CHECK_SAMPLE["txt_len"]
     batch = batch or DEFAULT_CHECK_SAMPLE["batch"]
     feeds = info.make_inputs(img_shapes, txt_len, batch, seed=seed)
     reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir)
     tol = tolerances(info.dtype, reference, model=info.model)
-
-    if not onnxrt and not engine:
-        raise ValueError("--no-onnxrt leaves nothing to check: give --engine/--plugin as well")
-    runners = [make_ort_runner(onnx_path, info.dtype, providers)] if onnxrt else []
-    if engine:
-        runners.append(make_trt_runner(str(engine), plugin))
     results = Comparator.run(runners, data_loader=[feeds])
     converted = RunResults()
     for name, iterations in results:

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Mapping
 
 __all__ = [
     "PluginBuildError",
@@ -30,6 +31,9 @@ __all__ = [
     "build_command",
     "build_plugins",
     "find_plugin_library",
+    "plugin_record",
+    "resolve_plugin_library",
+    "plugin_sha256_mismatch",
     "add_parser",
 ]
 
@@ -135,6 +139,55 @@ def find_plugin_library(kind: str = "plugin", *, build_dir: str | os.PathLike | 
         f" from the repository root), or set {env_var} to its path.")
 
 
+def plugin_record(sidecar: Mapping[str, Any] | None) -> dict[str, str | None]:
+    """``{"path", "sha256"}`` of the plugin library an engine sidecar records (``qkrope build``
+    writes ``"plugin": {"path", "sha256", ...}``; a bare path string is accepted too)."""
+    sidecar = sidecar or {}
+    plug = sidecar.get("plugin") or sidecar.get("plugin_library") or {}
+    if isinstance(plug, (str, os.PathLike)):
+        return {"path": str(plug), "sha256": sidecar.get("plugin_sha256")}
+    if isinstance(plug, Mapping):
+        return {"path": plug.get("path"), "sha256": plug.get("sha256")}
+    return {"path": None, "sha256": None}
+
+
+def resolve_plugin_library(explicit: str | os.PathLike | None = None,
+                           sidecar_record: Mapping[str, Any] | None = None, kind: str = "plugin",
+                           *, build_dir: str | os.PathLike | None = None) -> Path:
+    """The plugin library to load, as an absolute path. In order: ``explicit`` (``--plugin``;
+    must exist), the path an engine sidecar recorded (``sidecar_record``, see
+    :func:`plugin_record`) if that file still exists, else the library of ``kind`` ("plugin" or
+    "vc") that ``qkrope build-plugin`` built (:func:`find_plugin_library`). Raises
+    :class:`PluginNotBuiltError` (a FileNotFoundError) saying how to build or pass it.
+
+    The one resolver used by ``qkrope build``, the TensorRT runner and ``qkrope triton-repo``;
+    compare the result with the record's sha256 with :func:`plugin_sha256_mismatch`."""
+    if explicit is not None and str(explicit) != "":
+        path = Path(explicit)
+        if not path.is_file():
+            raise PluginNotBuiltError(f"plugin library {path} does not exist. Fix: build it with "
+                                      f"`qkrope build-plugin` or pass the path of a built "
+                                      f"{LIBRARY_FILES[_ALIASES.get(kind, kind)][0]}")
+        return path.resolve()
+    recorded = (sidecar_record or {}).get("path")
+    if recorded and Path(recorded).is_file():
+        return Path(recorded).resolve()
+    return find_plugin_library(kind, build_dir=build_dir)
+
+
+def plugin_sha256_mismatch(path: str | os.PathLike,
+                           sidecar_record: Mapping[str, Any] | None) -> str | None:
+    """The sha256 of ``path`` when the record has a different one, else None (no record, or the
+    same library)."""
+    from qkrope._fileio import sha256_file
+
+    want = (sidecar_record or {}).get("sha256")
+    if not want:
+        return None
+    actual = sha256_file(path)
+    return actual if actual != want else None
+
+
 # ---- CLI ------------------------------------------------------------------------------------
 
 
@@ -174,6 +227,3 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=_run)
     return p
 
-
-# Name the brief also mentions.
-add_cli = add_parser

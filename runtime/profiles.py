@@ -19,7 +19,8 @@ txt_cache_rows     = txt_tokens' min/opt/max (at least)
 any other axis     export value for all three (fixed); override with --min/--opt/--max
 =================  ====  ==========================  ===========================================
 
-Explicit ``--min/--opt/--max NAME:DxDxD`` shapes replace the derived ones for that input, and
+Explicit ``--min/--opt/--max NAME:DxDxD`` (trtexec's syntax) or ``NAME:[D,D,D]`` (polygraphy's)
+shapes replace the derived ones for that input, and
 the named axes they fix apply to the other inputs at that level (``--max
 encoder_hidden_states:2x40x3072`` also makes the mask's max text length 40). After
 overrides, every cache-rows dimension is raised to at least the token dimension of its stream at
@@ -52,29 +53,37 @@ class ProfileError(ValueError):
 # Command-line shapes
 # --------------------------------------------------------------------------------------------
 
-_SHAPE_RE = re.compile(r"^(?P<name>[^:]+):(?P<dims>\d+(?:[x,]\d+)*)?$")
+# trtexec's NAME:DxDxD (also NAME:D,D,D) or polygraphy's NAME:[D,D,D]; NAME: / NAME:[] = scalar.
+_SHAPE_RE = re.compile(r"^(?P<name>[^:\[\]]+):(?:\[(?P<list>\d+(?:,\d+)*)?\]|"
+                       r"(?P<dims>\d+(?:[x,]\d+)*))?$")
+SHAPE_SYNTAX = ("NAME:DIMxDIMx... (trtexec's --minShapes syntax, e.g. hidden_states:1x4096x3072) "
+                "or NAME:[DIM,DIM,...] (polygraphy's --trt-min-shapes syntax, e.g. "
+                "hidden_states:[1,4096,3072])")
 
 
 def parse_shape_spec(text: str) -> tuple[str, Shape]:
-    """``"hidden_states:1x4096x3072"`` -> ``("hidden_states", (1, 4096, 3072))``.
+    """``"hidden_states:1x4096x3072"`` or ``"hidden_states:[1,4096,3072]"`` ->
+    ``("hidden_states", (1, 4096, 3072))``.
 
-    ``NAME:`` (no dims) is a scalar. Dimensions are separated by ``x`` (or ``,``).
+    ``NAME:`` or ``NAME:[]`` (no dims) is a scalar. trtexec's form separates dimensions with
+    ``x`` (or ``,``); polygraphy's puts them in brackets separated by ``,`` (spaces allowed).
     """
-    m = _SHAPE_RE.match(text.strip())
+    m = _SHAPE_RE.match(re.sub(r"\s+", "", text))
     if not m:
-        raise ProfileError(
-            f"cannot read the shape {text!r}: expected NAME:DIMxDIMx... such as "
-            f"hidden_states:1x4096x3072 (polygraphy's --trt-*-shapes syntax)")
-    dims = m.group("dims")
+        raise ProfileError(f"cannot read the shape {text!r}: expected {SHAPE_SYNTAX}")
+    dims = m.group("list") or m.group("dims")
     shape = tuple(int(d) for d in re.split(r"[x,]", dims)) if dims else ()
     return m.group("name"), shape
 
 
 def parse_shape_specs(items: Iterable[str] | None) -> dict[str, Shape]:
-    """Several ``NAME:DIMS`` items (one flag may hold many) -> ``{name: shape}``."""
+    """Several ``NAME:DIMS`` items (one flag may hold many, separated by spaces) ->
+    ``{name: shape}``."""
     out: dict[str, Shape] = {}
     for item in items or ():
-        for part in str(item).split():
+        # spaces inside polygraphy's brackets do not separate items
+        item = re.sub(r"\[[^\]]*\]", lambda m: re.sub(r"\s+", "", m.group(0)), str(item))
+        for part in item.split():
             name, shape = parse_shape_spec(part)
             if name in out and out[name] != shape:
                 raise ProfileError(f"input {name!r} is given twice with different shapes: "

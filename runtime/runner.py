@@ -42,6 +42,7 @@ import torch
 
 from qkrope._deps import MissingDependencyError, require
 
+from . import dtypes
 from . import trt_utils as tu
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)
@@ -115,7 +116,7 @@ def spec_from_shape(name: str, dtype: str, shape: Sequence, *,
                 lo, hi = int(bounds[0][i]), int(bounds[1][i])
             dims.append((lo, hi))
             axes.append(d if isinstance(d, str) else None)
-    return TensorSpec(name, tu.dtype_name(dtype), tuple(dims), tuple(axes))
+    return TensorSpec(name, dtypes.canonical(dtype), tuple(dims), tuple(axes))
 
 
 def _has(name: str, *words: str) -> bool:
@@ -150,7 +151,7 @@ def assign_roles(specs: Sequence[TensorSpec]) -> dict[str, str]:
 
 
 def _torch_dtype_name(t: torch.Tensor) -> str:
-    return tu.dtype_name(t.dtype)
+    return dtypes.canonical(t.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +228,31 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
         raise RunnerInputError(f"unknown input(s) {', '.join(unknown)}; the model's inputs are "
                                f"{', '.join(s.name for s in io.inputs)}. Fix: drop them from "
                                f"extra_inputs")
+    _check_cache_rows(io, feeds)
     return {ax: v for ax, (v, _) in axis_values.items()}
+
+
+# cache role -> (the activation role of the same stream, its token dimension, stream name)
+_CACHE_STREAMS = {"img_cache": ("hidden_states", "image"),
+                  "txt_cache": ("encoder_hidden_states", "text")}
+
+
+def _check_cache_rows(io: ModelIO, feeds: Mapping[str, Any]) -> None:
+    """A RoPE cache needs one row per token of its stream: rows >= tokens (whatever the path
+    that put the cache in ``feeds``, and even when the model's axes are unnamed)."""
+    for cache_role, (act_role, stream) in _CACHE_STREAMS.items():
+        cache = feeds.get(io.roles.get(cache_role, ""))
+        act = feeds.get(io.roles.get(act_role, ""))
+        if not (isinstance(cache, torch.Tensor) and isinstance(act, torch.Tensor)
+                and cache.dim() >= 1 and act.dim() >= 2):
+            continue
+        rows, tokens = int(cache.shape[0]), int(act.shape[1])
+        if rows < tokens:
+            raise RunnerInputError(
+                f"{cache_role} (model input {io.roles[cache_role]!r}) has {rows} rows but "
+                f"{act_role} has {tokens} {stream} tokens: a RoPE cache needs one row per token. "
+                f"Fix: build the cache for these sizes (qkrope.runtime.build_qwen_rope_caches or "
+                f"runner.run_qwen)")
 
 
 def _same_cuda(a: torch.device, b: torch.device) -> bool:
@@ -235,7 +260,7 @@ def _same_cuda(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
 
 
-def check_roles(hidden_states, encoder_hidden_states, mask, timestep) -> None:
+def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
     """Checks that do not depend on the model: types, ranks, batch, mask shape."""
     for name, t in (("hidden_states", hidden_states),
                     ("encoder_hidden_states", encoder_hidden_states)):
@@ -313,7 +338,7 @@ class Runner:
                 extra_inputs: Mapping[str, torch.Tensor] | None = None,
                 full_check: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Validate everything and return ``(feeds by model input name, axis values)``."""
-        check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep)
+        check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask)
         device = hidden_states.device
         caches = validate_cos_sin_caches(
             image_rotary_emb, head_dim=self.io.head_dim, img_seq_len=hidden_states.shape[1],
@@ -333,7 +358,7 @@ class Runner:
         elif "encoder_hidden_states_mask" in roles:
             spec = self.io.input(roles["encoder_hidden_states_mask"])
             b, s = encoder_hidden_states.shape[:2]
-            feeds[spec.name] = self._ones_mask((b, s), tu.torch_dtype(spec.dtype), device)
+            feeds[spec.name] = self._ones_mask((b, s), dtypes.torch_dtype(spec.dtype), device)
         if timestep is not None:
             if "timestep" not in roles:
                 raise RunnerInputError("timestep was given but this model has no timestep input "
@@ -343,7 +368,18 @@ class Runner:
             raise RunnerInputError(f"this model needs timestep (input {roles['timestep']!r}, "
                                    f"{self.io.input(roles['timestep']).describe()}). Fix: pass "
                                    f"timestep=...")
+        role_of = {v: k for k, v in roles.items()}
         for name, t in (extra_inputs or {}).items():
+            if name in role_of or name in feeds:
+                role = role_of.get(name)
+                how = ("image_rotary_emb=(img_cache, txt_cache)" if role in ("img_cache",
+                                                                              "txt_cache")
+                       else f"{role}=..." if role else "its argument")
+                raise RunnerInputError(
+                    f"extra_inputs names {name!r}, which is the model's {role or 'input'} "
+                    f"{'input ' if role else ''}and is passed (and checked) through the runner's "
+                    f"own argument; extra_inputs may not replace it. Fix: pass it as {how} and "
+                    f"keep extra_inputs for inputs the runner has no argument for")
             feeds[name] = t
         axes = check_inputs(self.io, feeds, device=device)
         return feeds, axes
@@ -384,7 +420,7 @@ class Runner:
         the model's ``axes_dims_rope`` (sidecar config), Qwen-Image's (16, 56, 56) by default.
         A ``txt_len`` shorter than the text tokens is reported by the cache check (overflow)."""
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            check_roles(hidden_states, encoder_hidden_states, None, None)
+            check_roles(hidden_states, encoder_hidden_states, None)
         txt = int(txt_len) if txt_len is not None else int(encoder_hidden_states.shape[1])
         axes_dim = tuple(self.io.config.get("axes_dims_rope") or QWEN_AXES_DIM)
         caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=axes_dim,
@@ -433,7 +469,7 @@ def onnx_model_io(path: str | os.PathLike, session=None) -> ModelIO:
                 d if isinstance(d, (int, str)) else None for d in i.shape]}
                 for i in session.get_inputs()]
         else:
-            inputs_src = [{**s, "dtype": tu.dtype_name(sess_in[s["name"]].type)}
+            inputs_src = [{**s, "dtype": dtypes.canonical(sess_in[s["name"]].type)}
                           for s in inputs_src]
         if set(sess_out) != {s["name"] for s in outputs_src}:
             outputs_src = [{"name": o.name, "dtype": o.type, "shape": [
@@ -468,7 +504,7 @@ class OrtRunner(Runner):
                     f"providers=['CUDAExecutionProvider'], export with --dtype fp32 for CPU use, "
                     f"or build a TensorRT engine") from exc
             raise
-        self.onnx_codes = tu.ONNX_DTYPE_CODES
+        self.onnx_codes = dtypes.ONNX_BY_NAME
         super().__init__(onnx_model_io(self.path, self.session), copy_outputs=copy_outputs)
         self._cuda_ok = "CUDAExecutionProvider" in self.session.get_providers()
 
@@ -496,19 +532,28 @@ class OrtRunner(Runner):
     def _execute(self, feeds, axes, device):
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # ORT runs on its own stream
+        shapes = [self._resolve(spec, axes) for spec in self.io.outputs]
+        for spec, shape in zip(self.io.outputs, shapes):
+            if shape is None and spec.dtype == "bfloat16":
+                # Known before anything runs: ORT would allocate the output itself, and a
+                # bfloat16 OrtValue cannot be read back through numpy.
+                raise RunnerError(
+                    f"cannot bind the bfloat16 output {spec.name} ({spec.describe()}): its shape "
+                    f"does not follow from the inputs' named axes, and ONNX Runtime's own "
+                    f"bfloat16 output cannot be read back. Fix: keep the sidecar JSON (axis "
+                    f"names) next to the model, or re-export it with `qkrope export`")
         binding = self.session.io_binding()
         dev_id = (device.index or 0) if device.type == "cuda" else 0
         for name, t in feeds.items():
             binding.bind_input(name, device.type, dev_id, self.onnx_codes[_torch_dtype_name(t)],
                                list(t.shape), t.data_ptr())
         outs: list[torch.Tensor | None] = []
-        for spec in self.io.outputs:
-            shape = self._resolve(spec, axes)
+        for spec, shape in zip(self.io.outputs, shapes):
             if shape is None:
                 binding.bind_output(spec.name, device.type, dev_id)
                 outs.append(None)
             else:
-                buf = self._output_buffer(spec.name, shape, tu.torch_dtype(spec.dtype), device)
+                buf = self._output_buffer(spec.name, shape, dtypes.torch_dtype(spec.dtype), device)
                 binding.bind_output(spec.name, device.type, dev_id,
                                     self.onnx_codes[spec.dtype], list(shape), buf.data_ptr())
                 outs.append(buf)
@@ -517,9 +562,6 @@ class OrtRunner(Runner):
             ort_values = binding.get_outputs()
             for i, o in enumerate(outs):
                 if o is None:
-                    if self.io.outputs[i].dtype == "bfloat16":
-                        raise RunnerError(f"cannot read the bfloat16 output "
-                                          f"{self.io.outputs[i].name} of unresolvable shape")
                     outs[i] = torch.from_numpy(ort_values[i].numpy()).to(device)
         return outs
 
@@ -538,7 +580,7 @@ def engine_model_io(engine, trt, sidecar: Mapping | None, *, profile: int = 0) -
     inputs, outputs = [], []
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
-        dtype = tu.dtype_name(engine.get_tensor_dtype(name))
+        dtype = dtypes.canonical(engine.get_tensor_dtype(name))
         shape = [int(d) for d in engine.get_tensor_shape(name)]
         axes = sym.get(name)
         shape_sym = [(axes[j] if axes and j < len(axes) and axes[j] and d < 0 else d)
@@ -556,26 +598,18 @@ def engine_model_io(engine, trt, sidecar: Mapping | None, *, profile: int = 0) -
 
 
 def resolve_runtime_plugin(plugin, sidecar: Mapping) -> Path:
-    """The plugin library for a (non-VC) engine: ``plugin``, else the path in the engine's sidecar
-    if it still exists, else the library ``qkrope build-plugin`` built. Warns when its sha256
-    differs from the one the engine was built with."""
+    """The plugin library for a (non-VC) engine (:func:`plugin_build.resolve_plugin_library`:
+    ``plugin``, else the sidecar's path if it still exists, else the built one). Warns when its
+    sha256 differs from the one the engine was built with."""
     import warnings
 
-    recorded = sidecar.get("plugin") or {}
-    if plugin is not None:
-        path = Path(plugin)
-    elif recorded.get("path") and Path(recorded["path"]).is_file():
-        path = Path(recorded["path"])
-    else:
-        from .plugin_build import find_plugin_library
+    from .plugin_build import plugin_record, plugin_sha256_mismatch, resolve_plugin_library
 
-        path = Path(find_plugin_library(kind="plugin"))
-    if not path.is_file():
-        raise FileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
-                                f"`qkrope build-plugin` or pass plugin=PATH")
-    if recorded.get("sha256") and tu.sha256_file(path) != recorded["sha256"]:
+    record = plugin_record(sidecar)
+    path = resolve_plugin_library(plugin, record, kind="plugin")
+    if plugin_sha256_mismatch(path, record):
         warnings.warn(f"the plugin library {path} differs from the one the engine was built with "
-                      f"({recorded.get('path')}, sha256 {recorded['sha256'][:12]}...): results may "
+                      f"({record.get('path')}, sha256 {record['sha256'][:12]}...): results may "
                       f"differ or deserialisation may fail; rebuild the engine with this library",
                       RuntimeWarning, stacklevel=3)
     return path
@@ -651,7 +685,7 @@ class TensorRTRunner(Runner):
         outs = []
         for spec in self.io.outputs:
             shape = tuple(int(d) for d in ctx.get_tensor_shape(spec.name))
-            buf = self._output_buffer(spec.name, shape, tu.torch_dtype(spec.dtype), device)
+            buf = self._output_buffer(spec.name, shape, dtypes.torch_dtype(spec.dtype), device)
             ctx.set_tensor_address(spec.name, buf.data_ptr())
             outs.append(buf)
         caller = torch.cuda.current_stream(device)

@@ -36,22 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from qkrope._fileio import sha256_file
+from . import dtypes
+from .trt_utils import engine_sidecar_path as sidecar_path
 
 PLUGIN_FILE_NAME = "libqkrope_plugin.so"
-
-# Every spelling of a tensor dtype the sidecar might use -> Triton's DataType enum name.
-_TRITON_DTYPES = {
-    "float32": "TYPE_FP32", "fp32": "TYPE_FP32", "float": "TYPE_FP32", "f32": "TYPE_FP32",
-    "float16": "TYPE_FP16", "fp16": "TYPE_FP16", "half": "TYPE_FP16", "f16": "TYPE_FP16",
-    "bfloat16": "TYPE_BF16", "bf16": "TYPE_BF16",
-    "float64": "TYPE_FP64", "fp64": "TYPE_FP64", "double": "TYPE_FP64",
-    "bool": "TYPE_BOOL", "boolean": "TYPE_BOOL",
-    "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32", "int64": "TYPE_INT64",
-    "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
-    "uint64": "TYPE_UINT64",
-}
-
 
 class TritonRepoError(RuntimeError):
     """Bad input for ``qkrope triton-repo`` (the message says what was found and the fix)."""
@@ -59,19 +47,24 @@ class TritonRepoError(RuntimeError):
 
 def triton_dtype(dtype: Any) -> str:
     """Map a dtype spelling (numpy/torch/TensorRT name, e.g. ``"bfloat16"``, ``"torch.float16"``,
-    ``"DataType.BF16"``, ``"HALF"``) to Triton's ``TYPE_*`` name."""
-    text = str(dtype).strip().lower()
-    for prefix in ("torch.", "datatype.", "trt.", "tensorrt.", "np.", "numpy.", "type_"):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    if text in ("fp8", "float8", "int4", "fp4", "float4", "e4m3", "e5m2"):
+    ``"DataType.BF16"``, ``"HALF"``) to Triton's ``TYPE_*`` name (:mod:`qkrope.runtime.dtypes`)."""
+    name = dtypes.canonical(dtype)
+    if name.startswith(("float8", "float4", "int4", "fp8", "fp4", "e4m3", "e5m2")):
         raise TritonRepoError(
             f"tensor dtype {dtype!r} has no Triton TYPE_* equivalent; Triton's TensorRT backend "
             "cannot serve engines with such I/O tensors (keep FP8/INT4 inside the network)")
-    if text in _TRITON_DTYPES:
-        return _TRITON_DTYPES[text]
-    raise TritonRepoError(f"unknown tensor dtype {dtype!r} in the engine sidecar; expected one of "
-                          f"{sorted(set(_TRITON_DTYPES))}")
+    triton = dtypes.triton_type(name)
+    if triton is None:
+        raise TritonRepoError(f"unknown tensor dtype {dtype!r} in the engine sidecar; expected one "
+                              f"of {sorted(dtypes.TRITON_BY_NAME)}")
+    return triton
+
+
+def default_model_name(engine: os.PathLike | str) -> str:
+    """The engine file's stem (:attr:`pathlib.PurePath.stem`): the name without its last suffix,
+    ``.engine`` / ``.plan`` (any case) or another (``attn.fp16.engine`` -> ``attn.fp16``,
+    ``model.PLAN`` -> ``model``, ``attn`` -> ``attn``)."""
+    return Path(engine).stem
 
 
 @dataclass
@@ -86,10 +79,6 @@ class EngineIO:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     sidecar: dict = field(default_factory=dict)
-
-
-def sidecar_path(engine: os.PathLike | str) -> Path:
-    return Path(str(engine) + ".json")
 
 
 def load_engine_sidecar(engine: os.PathLike | str) -> dict:
@@ -247,44 +236,25 @@ def parse_config(text: str):
     return text_format.Parse(text, pb.ModelConfig())
 
 
-def _sidecar_plugin(sidecar: Mapping) -> tuple[str | None, str | None]:
-    """(path, sha256) of the plugin library the engine was built with, if recorded."""
-    plug = sidecar.get("plugin") or sidecar.get("plugin_library") or {}
-    if isinstance(plug, str):
-        return plug, sidecar.get("plugin_sha256")
-    if isinstance(plug, Mapping):
-        return plug.get("path"), plug.get("sha256")
-    return None, None
-
-
 def resolve_plugin(plugin: str | None, sidecar: Mapping, *, check_hash: bool = True) -> Path:
-    recorded_path, recorded_hash = _sidecar_plugin(sidecar)
-    if plugin is None:
-        plugin = recorded_path
-        if plugin is None:
-            try:
-                from qkrope.runtime.plugin_build import find_plugin_library
+    """The plugin library to copy/serve (:func:`plugin_build.resolve_plugin_library`: ``plugin``,
+    else the sidecar's path if it still exists, else the built one); with ``check_hash``, it must
+    be the library the engine was built with."""
+    from .plugin_build import plugin_record, plugin_sha256_mismatch, resolve_plugin_library
 
-                plugin = find_plugin_library("plugin")
-            except Exception:  # noqa: BLE001 - any failure means "not found"; reported below
-                plugin = None
-        if plugin is None:
-            raise TritonRepoError(
-                "no plugin library given and none recorded in the engine sidecar; pass "
-                f"--plugin path/to/{PLUGIN_FILE_NAME} (build it with `qkrope build-plugin`)")
-    path = Path(plugin)
-    if not path.is_file():
-        raise TritonRepoError(f"plugin library not found: {path}; build it with "
-                              "`qkrope build-plugin` or pass --plugin with its path")
-    if check_hash and recorded_hash:
-        actual = sha256_file(path)
-        if actual != recorded_hash:
-            raise TritonRepoError(
-                f"plugin library {path} (sha256 {actual[:12]}...) is not the one the engine was "
-                f"built with (sha256 {recorded_hash[:12]}..., {recorded_path}); an engine must "
-                "be served with the plugin it was built against. Pass that library, rebuild the "
-                "engine, or use --no-plugin-hash-check if you know they are compatible")
-    return path.resolve()
+    record = plugin_record(sidecar)
+    try:
+        path = resolve_plugin_library(plugin, record, kind="plugin")
+    except FileNotFoundError as exc:
+        raise TritonRepoError(f"plugin library not found: {exc}") from None
+    actual = plugin_sha256_mismatch(path, record) if check_hash else None
+    if actual:
+        raise TritonRepoError(
+            f"plugin library {path} (sha256 {actual[:12]}...) is not the one the engine was "
+            f"built with (sha256 {record['sha256'][:12]}..., {record['path']}); an engine must "
+            "be served with the plugin it was built against. Pass that library, rebuild the "
+            "engine, or use --no-plugin-hash-check if you know they are compatible")
+    return path
 
 
 @dataclass
@@ -312,7 +282,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     repo = Path(repo)
     sidecar = load_engine_sidecar(engine)
     io = engine_io(sidecar)
-    name = name or engine.name.split(".")[0]
+    name = name or default_model_name(engine)
     if not name or "/" in name or name.startswith("."):
         raise TritonRepoError(f"invalid model name {name!r}: Triton model names are directory "
                               "names; pass --name")
@@ -321,8 +291,10 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     text = render_config(name, io, max_batch_size=max_batch_size, instances=instances)
     try:
         parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
-    except ImportError:
-        pass  # tritonclient not installed: the config is still written
+    except ImportError as exc:  # MissingDependencyError is an ImportError
+        print(f"warning: config.pbtxt not checked against Triton's ModelConfig schema "
+              f"({str(exc).splitlines()[0] if str(exc) else 'tritonclient not installed'}); "
+              f"install tritonclient[grpc] to check it", file=sys.stderr)
 
     target = repo / name
     if target.exists() and not force:
@@ -344,7 +316,12 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
         if target.exists():
             old = tmp / f"{name}.old"
             os.rename(target, old)
-        os.rename(staged, target)
+        try:
+            os.rename(staged, target)
+        except BaseException:
+            if old is not None and not target.exists():
+                os.rename(old, target)  # put the previous model back before tmp is removed
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plugin_final = (target / PLUGIN_FILE_NAME) if copy_plugin else plugin_src
@@ -364,7 +341,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the engine sidecar")
     p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
                    help="model repository directory (created if missing)")
-    p.add_argument("--name", default=None, help="model name (default: engine file stem)")
+    p.add_argument("--name", default=None,
+                   help="model name (default: the engine file stem, e.g. attn.fp16 for "
+                        "attn.fp16.engine)")
     p.add_argument("--max-batch-size", type=int, default=0,
                    help="Triton max_batch_size (default 0: the batch is an explicit dynamic dim "
                         "of the engine and the RoPE caches have no batch axis)")

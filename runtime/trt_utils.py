@@ -2,8 +2,8 @@
 
 - model descriptions: the exporter's sidecar ``<model>.onnx.json`` or, without one, the ONNX
   graph's own inputs/outputs;
-- dtype names (one spelling for ONNX, TensorRT and torch: ``float32``, ``bfloat16``, ...);
-- atomic file writes; sha256; the GPU name.
+- dtype names (:mod:`qkrope.runtime.dtypes`: one spelling for ONNX, TensorRT and torch);
+- the engine sidecar path; the GPU name (atomic writes and sha256 re-exported from _fileio).
 """
 
 from __future__ import annotations
@@ -15,52 +15,19 @@ from typing import Any
 
 from qkrope._fileio import sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
-# ONNX TensorProto element type -> dtype name
-ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64",
-               9: "bool", 10: "float16", 11: "float64", 16: "bfloat16"}
-ONNX_DTYPE_CODES = {v: k for k, v in ONNX_DTYPES.items()}
-# ONNX Runtime type strings
-ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
-              "tensor(bfloat16)": "bfloat16", "tensor(double)": "float64",
-              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8",
-              "tensor(uint8)": "uint8", "tensor(bool)": "bool"}
-# tensorrt.DataType member name -> dtype name
-TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8",
-              "INT32": "int32", "INT64": "int64", "BOOL": "bool", "UINT8": "uint8",
-              "FP8": "float8_e4m3fn", "INT4": "int4", "FP4": "float4_e2m1"}
+from . import dtypes
 
-
-def torch_dtype(name: str):
-    import torch
-
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-             "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
-             "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool, "int16": torch.int16}
-    if name not in table:
-        raise ValueError(f"dtype {name!r} has no torch equivalent the runner supports")
-    return table[name]
 
 
 def dtype_name(dtype: Any) -> str:
-    """A torch dtype, a tensorrt.DataType, an ONNX elem type or a name -> ``"float32"`` style."""
-    if isinstance(dtype, str):
-        return ORT_DTYPES.get(dtype, dtype)
-    if isinstance(dtype, int):
-        return ONNX_DTYPES.get(dtype, str(dtype))
-    text = str(dtype)
-    if text.startswith("torch."):
-        return text[len("torch."):]
-    name = getattr(dtype, "name", None) or text.rsplit(".", 1)[-1]
-    return TRT_DTYPES.get(name, name.lower())
+    """A torch dtype, a tensorrt.DataType, an ONNX elem type or a name -> ``"float32"`` style
+    (:func:`qkrope.runtime.dtypes.canonical`)."""
+    return dtypes.canonical(dtype)
 
 
 # --------------------------------------------------------------------------------------------
 # Model descriptions
 # --------------------------------------------------------------------------------------------
-
-def onnx_sidecar_path(onnx_path: str | os.PathLike) -> Path:
-    return Path(str(onnx_path) + ".json")
-
 
 def engine_sidecar_path(engine_path: str | os.PathLike) -> Path:
     return Path(str(engine_path) + ".json")
@@ -90,7 +57,7 @@ def describe_onnx_graph(onnx_path: str | os.PathLike) -> dict:
                     shape.append(d.dim_param)
                 else:
                     shape.append(f"{vi.name}.{i}")
-            out.append({"name": vi.name, "dtype": ONNX_DTYPES.get(t.elem_type, str(t.elem_type)),
+            out.append({"name": vi.name, "dtype": dtypes.canonical(int(t.elem_type)),
                         "shape": shape})
         return out
 
@@ -100,14 +67,14 @@ def describe_onnx_graph(onnx_path: str | os.PathLike) -> dict:
 
 
 def load_model_description(onnx_path: str | os.PathLike) -> dict:
-    """The exporter's sidecar when it exists (authoritative: axis names, config, export sample),
-    otherwise what the ONNX graph says. ``"source"`` records which."""
-    side = onnx_sidecar_path(onnx_path)
+    """The exporter's sidecar as a dict when it exists (read and format-checked by
+    :meth:`ModelInfo.load <qkrope.runtime.model_info.ModelInfo.load>`: axis names, config, export
+    sample), otherwise what the ONNX graph says. ``"source"`` records which."""
+    from .model_info import ModelInfo, sidecar_path
+
+    side = sidecar_path(onnx_path)
     if side.exists():
-        desc = read_json(side)
-        desc.setdefault("config", {})
-        desc.setdefault("dynamic_axes", {})
-        desc.setdefault("sample", {})
+        desc = ModelInfo.load(onnx_path).to_dict()
         desc["source"] = str(side)
         return desc
     desc = describe_onnx_graph(onnx_path)

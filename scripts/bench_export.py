@@ -3,7 +3,10 @@
 block and a 2-layer transformer; ONNX Runtime CPU latency of the attention block at 512x512
 (1024 image tokens) and 1024x1024 (4096) vs PyTorch eager of the same module, as a ratio.
 
-    python scripts/bench_export.py [--repeats 3] [--txt-len 512] [--skip-1024]
+    python scripts/bench_export.py [--repeats 3] [--txt-len 512] [--skip-1024] [--threads 1]
+
+Latency: one thread for both torch and ONNX Runtime by default (``--threads`` to change), the two
+backends interleaved call by call (``qkrope.runtime.bench.time_interleaved``), median reported.
 
 The 2-layer transformer is a random QwenImageTransformer2DModel with Qwen-Image's real widths
 (24 x 128 heads, joint_attention_dim 3584, in_channels 64), built in code and saved to a temp dir.
@@ -12,8 +15,7 @@ The 2-layer transformer is a random QwenImageTransformer2DModel with Qwen-Image'
 from __future__ import annotations
 
 import argparse
-import os
-import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -22,37 +24,10 @@ from pathlib import Path
 import torch
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import onnxruntime as ort
-
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), onnxruntime {ort.__version__}, "
-            f"Python {platform.python_version()}")
-
-
 def size_of(path: Path) -> int:
     total = path.stat().st_size
     data = Path(str(path) + ".data")
     return total + (data.stat().st_size if data.exists() else 0)
-
-
-def time_it(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> int:
@@ -61,10 +36,15 @@ def main() -> int:
     ap.add_argument("--txt-len", type=int, default=512)
     ap.add_argument("--skip-1024", action="store_true")
     ap.add_argument("--skip-transformer", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch and ONNX Runtime (default 1: measures the code, "
+                         "not thread-pool contention on a shared machine)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     import onnxruntime as ort
     from qkrope.export.onnx_export import build_attention, export_attention, export_transformer
+    from qkrope.runtime.bench import machine_info, time_interleaved
     from qkrope.runtime.model_info import ModelInfo, to_torch
 
     rows = []
@@ -91,6 +71,9 @@ def main() -> int:
         info = ModelInfo.load(attn_path)
         module = build_attention({**info.config, "dtype": info.dtype})
         opts = ort.SessionOptions()
+        opts.intra_op_num_threads = args.threads
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = ort.InferenceSession(str(attn_path), opts, providers=["CPUExecutionProvider"])
         lat = []
         sizes = [("512x512", (1, 32, 32))] + ([] if args.skip_1024 else
@@ -98,24 +81,33 @@ def main() -> int:
         for label, shape in sizes:
             feeds = info.make_inputs([shape], args.txt_len, 1, seed=0)
             tt = {k: to_torch(v) for k, v in feeds.items()}
-            t_ort = time_it(lambda: sess.run(None, feeds), args.repeats)
             with torch.no_grad():
-                t_eager = time_it(lambda: module(
-                    tt["hidden_states"], tt["encoder_hidden_states"],
-                    (tt["img_cos_sin_cache"], tt["txt_cos_sin_cache"]),
-                    tt["encoder_hidden_states_mask"]), args.repeats)
+                times = time_interleaved({
+                    "ort": lambda: sess.run(None, feeds),
+                    "eager": lambda: module(
+                        tt["hidden_states"], tt["encoder_hidden_states"],
+                        (tt["img_cos_sin_cache"], tt["txt_cos_sin_cache"]),
+                        tt["encoder_hidden_states_mask"])}, iters=args.repeats, warmup=1)
+            for name, res in times.items():
+                if isinstance(res, BaseException):
+                    raise res
+            t_ort = statistics.median(times["ort"]) / 1e3
+            t_eager = statistics.median(times["eager"]) / 1e3
             tokens = shape[0] * shape[1] * shape[2]
             lat.append((f"{label} ({tokens} img + {args.txt_len} txt, batch 1)",
                         f"{t_ort * 1e3:.0f} ms", f"{t_eager * 1e3:.0f} ms",
                         f"{t_ort / t_eager:.2f}x"))
 
-    print(f"machine: {machine()}")
+    m = machine_info("cpu")
+    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, onnxruntime "
+          f"{m['onnxruntime']}, Python {m['python']}")
     print()
     print(f"{'export':<42} {'time':>8} {'size':>10}")
     for r in rows:
         print(f"{r[0]:<42} {r[1]:>8} {r[2]:>10}")
     print()
-    print(f"attention block latency, best of {args.repeats} (ratio = ORT / eager; < 1: ORT faster)")
+    print(f"attention block latency, median of {args.repeats} interleaved calls, {args.threads} "
+          f"CPU thread(s) for torch and ORT (ratio = ORT / eager; < 1: ORT faster)")
     print(f"{'size':<42} {'ORT CPU':>9} {'eager':>9} {'ratio':>7}")
     for r in lat:
         print(f"{r[0]:<42} {r[1]:>9} {r[2]:>9} {r[3]:>7}")

@@ -9,6 +9,7 @@ import torch
 
 from qkrope.cli import main as cli_main
 from qkrope.runtime import bench
+from qkrope.runtime.caches import default_axes_dims
 
 try:
     import qkrope.export.onnx_export  # noqa: F401
@@ -56,17 +57,66 @@ def test_peak_table_and_parsing():
         bench.parse_int_list("512,x")
     with pytest.raises(ValueError):
         bench.image_tokens(500)
-    assert bench.qwen_axes_dim(128) == (16, 56, 56)
-    try:  # the exporter's split, so the benchmark's caches fit the exported model
-        from qkrope.export.onnx_export import default_axes_dims
-    except ImportError:
-        default_axes_dims = None
-    if default_axes_dims is not None:
-        for d in (32, 64, 96, 128):
-            assert bench.qwen_axes_dim(d) == default_axes_dims(d)
-    for d in (32, 64, 96):
-        a = bench.qwen_axes_dim(d)
-        assert sum(a) == d and all(x > 0 and x % 2 == 0 for x in a)
+    # the RoPE split is the caches module's (the exporter uses the same): no private copy
+    assert not hasattr(bench, "qwen_axes_dim")
+    assert bench.default_axes_dims is default_axes_dims
+
+
+def test_no_private_dtype_tables_or_global_seed():
+    import inspect
+
+    src = inspect.getsource(bench)
+    assert "torch.manual_seed" not in src
+    for name in ("_DTYPES", "_SHORT_DTYPE", "_torch_dtype", "_ort_feeds"):
+        assert not hasattr(bench, name), name
+    assert set(bench.DTYPE_CHOICES) == {"fp32", "fp16", "bf16", "float32", "float16", "bfloat16"}
+
+
+def test_cpu_threads_default_to_one_on_the_cpu():
+    cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cpu")
+    assert bench.cpu_threads(cfg) == 1 == bench.DEFAULT_CPU_THREADS
+    cfg.threads = 3
+    assert bench.cpu_threads(cfg) == 3
+    cfg.threads, cfg.device = None, "cuda"
+    assert bench.cpu_threads(cfg) is None
+
+
+def test_time_interleaved_rotates_backends_and_isolates_failures():
+    calls = []
+
+    def boom():
+        calls.append("c")
+        if len([c for c in calls if c == "c"]) > 2:
+            raise RuntimeError("third call")
+
+    res = bench.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
+                                  "c": boom}, iters=4, warmup=1)
+    assert calls[:3] == ["a", "b", "c"]                       # warm-up, one each
+    timed = calls[3:]
+    assert timed[:3] == ["a", "b", "c"] and timed[3:6] == ["b", "c", "a"]  # rotating order
+    assert isinstance(res["c"], RuntimeError)
+    assert len(res["a"]) == 4 and len(res["b"]) == 4
+
+
+@pytest.mark.skipif(not HAVE_EXPORTER, reason="needs the exporter")
+def test_eager_block_runs_the_exported_weights(tmp_path):
+    """torch-eager and onnxruntime-cpu rows must time the same model: the eager block is the
+    exporter's build_attention of the exported sidecar, the inputs ModelInfo.make_inputs."""
+    import onnxruntime as ort
+
+    cfg = bench.Config(sizes=[64], batches=[2], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cpu", seed=3)
+    info = bench._export_onnx(cfg, tmp_path / "a.onnx")
+    block = bench._make_block(cfg, info)
+    hs, ehs, caches, mask = bench._make_inputs(cfg, info, 64, 2)
+    with torch.no_grad():
+        img, txt = block(hs, ehs, caches, mask)
+    feeds = bench._make_feeds(cfg, info, 64, 2)
+    sess = ort.InferenceSession(str(tmp_path / "a.onnx"), providers=["CPUExecutionProvider"])
+    ort_img, ort_txt = sess.run(None, feeds)
+    assert torch.allclose(img, torch.from_numpy(ort_img), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(txt, torch.from_numpy(ort_txt), atol=1e-4, rtol=1e-4)
 
 
 def test_time_cpu_counts_calls():
@@ -78,10 +128,12 @@ def test_time_cpu_counts_calls():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_cpu_bench_writes_table_and_png(tmp_path, capsys):
     out = tmp_path / "bench"
+    threads_before = torch.get_num_threads()
     rc = cli_main(["bench", "--sizes", "64,128", "--batches", "1", "--heads", "2",
                    "--head-dim", "32", "--text-len", "8", "--iters", "3", "--warmup", "1",
-                   "--threads", "1", "--out", str(out)])
+                   "--out", str(out)])
     assert rc == 0
+    assert torch.get_num_threads() == threads_before and torch.is_grad_enabled()  # restored
     stdout = capsys.readouterr().out
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
@@ -103,6 +155,10 @@ def test_cpu_bench_writes_table_and_png(tmp_path, capsys):
         assert ort["status"] == "ok" and ort["median_ms"] > 0, ort
         assert ort["machine"]["onnxruntime"] not in ("", "not installed")
         assert f"| onnxruntime-cpu | {size} | {tokens} | 8 | 1 | float32 |" in md
+    # one CPU thread by default (no --threads), said above the table
+    assert {r["machine"]["cpu_threads"] for r in rows if r["status"] == "ok"} == {"1"}
+    for text in (md, stdout):
+        assert "CPU threads (torch, ONNX Runtime): 1; backends measured interleaved" in text
     # GPU rows: skipped, with the reason, in the file and on stdout
     for backend in ("trt-plugin", "trt-function-body", "torch-compile", "kernel"):
         for size in (64, 128):

@@ -98,6 +98,51 @@ def test_engine_without_tensorrt_is_one_clear_message(good, tmp_path, capsys):
     assert "TensorRT" in err and ("NGC" in err or "nvcr.io" in err)
 
 
+def test_arguments_checked_before_the_reference_runs(good, tmp_path, monkeypatch):
+    """--no-onnxrt without --engine, a missing engine or plugin: rejected before the PyTorch
+    reference (or any plugin loading) happens."""
+    def no_reference(*a, **k):
+        raise AssertionError("the reference was computed before the arguments were checked")
+
+    monkeypatch.setattr(parity, "reference_outputs", no_reference)
+    with pytest.raises(ValueError, match="--no-onnxrt leaves nothing to check"):
+        parity.check_model(good, onnxrt=False)
+    with pytest.raises(FileNotFoundError, match="--engine .* does not exist"):
+        parity.check_model(good, engine=str(tmp_path / "none.engine"),
+                           plugin=str(tmp_path / "none.so"))
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"x")
+
+    def no_trt(*a, **k):
+        raise AssertionError("make_trt_runner (plugin dlopen) ran before the plugin was checked")
+
+    monkeypatch.setattr(parity, "make_trt_runner", no_trt)
+    with pytest.raises(FileNotFoundError, match="--plugin .* does not exist"):
+        parity.check_model(good, engine=str(engine), plugin=str(tmp_path / "none.so"))
+
+
+def test_trt_runner_loads_the_plugin_through_engine_module(tmp_path, monkeypatch):
+    """One plugin loader: parity uses engine.load_plugin_library, which also checks that the
+    QKNormRoPE creator got registered."""
+    import types
+
+    from qkrope.runtime import engine as eng
+
+    assert not hasattr(parity, "load_plugin_library")
+    registry = types.SimpleNamespace(get_creator=lambda *a: None)
+    fake_trt = types.SimpleNamespace(__version__="10.14.1", get_plugin_registry=lambda: registry)
+    monkeypatch.setitem(__import__("sys").modules, "tensorrt", fake_trt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    loaded = []
+    monkeypatch.setattr(eng.ctypes, "CDLL", lambda path, mode=0: loaded.append(path))
+    engine, plugin = tmp_path / "m.engine", tmp_path / "libother.so"
+    engine.write_bytes(b"x")
+    plugin.write_bytes(b"x")
+    with pytest.raises(eng.EngineBuildError, match="no creator 'QKNormRoPE'"):
+        parity.make_trt_runner(str(engine), str(plugin))
+    assert loaded == [str(plugin.resolve())]
+
+
 def test_engine_needs_plugin(good, capsys):
     assert main(["check", str(good), "--engine", "m.engine"]) == 2
     assert "--plugin" in capsys.readouterr().err

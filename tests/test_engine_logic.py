@@ -32,7 +32,8 @@ def sidecar_dict(batch=2, img=16, txt=5, with_timestep=False):
     if with_timestep:
         inputs.insert(3, {"name": "timestep", "dtype": "float32", "shape": ["batch"]})
     return {
-        "format": "qkrope-onnx/1", "model": "attention",
+        "format": "qkrope-onnx/1", "model": "attention", "opset": 18, "ir_version": 10,
+        "dtype": "fp32", "node_attributes": {},
         "inputs": inputs,
         "outputs": [{"name": "img_out", "dtype": "float32", "shape": ["batch", "img_tokens", C]},
                     {"name": "txt_out", "dtype": "float32", "shape": ["batch", "txt_tokens", C]}],
@@ -58,6 +59,107 @@ def test_parse_shape_specs():
         prof.parse_shape_spec("model.onnx")
     with pytest.raises(prof.ProfileError, match="twice"):
         prof.parse_shape_specs(["a:1x2", "a:1x3"])
+
+
+def test_parse_shape_specs_polygraphy_syntax():
+    """polygraphy's --trt-*-shapes NAME:[d0,d1,...] is accepted beside trtexec's NAME:DxD."""
+    assert prof.parse_shape_spec("hidden_states:[1,4096,3072]") == ("hidden_states",
+                                                                     (1, 4096, 3072))
+    assert prof.parse_shape_spec("hidden_states:[1, 4096, 3072]") == ("hidden_states",
+                                                                       (1, 4096, 3072))
+    assert prof.parse_shape_spec("t:[]") == ("t", ())
+    assert prof.parse_shape_specs(["a:[1,2] b:3x4", "c:[5, 6] d:[7]"]) == {
+        "a": (1, 2), "b": (3, 4), "c": (5, 6), "d": (7,)}
+    assert prof.parse_shape_specs(["a:[1,2]", "a:1x2"]) == {"a": (1, 2)}  # same shape, twice
+    for bad in ("a:[1x2]", "a:[1,2", "a:1,2]", "a:[1,,2]", "[1,2]"):
+        with pytest.raises(prof.ProfileError, match=r"NAME:DIMxDIM.*trtexec.*NAME:\[DIM,DIM"):
+            prof.parse_shape_spec(bad)
+
+
+def test_build_help_names_both_shape_syntaxes(capsys):
+    from qkrope import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["build", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "NAME:DIMxDIMx... (trtexec's --minShapes syntax)" in text
+    assert "NAME:[DIM,DIM,...] (polygraphy's --trt-min-shapes syntax)" in text
+    assert "(polygraphy syntax)" not in text
+
+
+def test_fake_build_accepts_polygraphy_shapes(tmp_path, monkeypatch):
+    """--max NAME:[...] reaches the profile exactly like NAME:DxD."""
+    import argparse
+
+    seen = {}
+    monkeypatch.setattr(eng, "build_engine",
+                        lambda onnx, out, opts: seen.setdefault("opts", opts) and {
+                            "gpu": {}, "tensorrt_version": "x", "plugin_layers": 2,
+                            "version_compatible": False})
+    ap = argparse.ArgumentParser()
+    eng.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["build", "m.onnx", "--max", "encoder_hidden_states:[2,40,32]",
+                          "--min", "encoder_hidden_states:1x1x32"])
+    eng.run(args)
+    assert seen["opts"].max_shapes == {"encoder_hidden_states": (2, 40, 32)}
+    assert seen["opts"].min_shapes == {"encoder_hidden_states": (1, 1, 32)}
+
+
+# --------------------------------------------------------------------------------------------
+# One dtype table; one sidecar reader
+# --------------------------------------------------------------------------------------------
+
+def test_dtypes_module_maps_every_layer():
+    import numpy as np
+    import torch
+    from onnx import TensorProto
+
+    from qkrope.runtime import dtypes
+
+    rows = [("fp32", "float32", torch.float32, TensorProto.FLOAT, "FLOAT", "TYPE_FP32"),
+            ("fp16", "float16", torch.float16, TensorProto.FLOAT16, "HALF", "TYPE_FP16"),
+            ("bf16", "bfloat16", torch.bfloat16, TensorProto.BFLOAT16, "BF16", "TYPE_BF16")]
+    for short, name, tdt, onnx_code, trt_name, triton_name in rows:
+        for spelling in (short, name, tdt, onnx_code, trt_name, f"DataType.{trt_name}",
+                         triton_name, str(tdt)):
+            assert dtypes.canonical(spelling) == name, spelling
+        assert dtypes.NAME_BY_SHORT[short] == name and dtypes.short_name(tdt) == short
+        assert dtypes.TORCH_BY_SHORT[short] is tdt and dtypes.torch_dtype(name) is tdt
+        assert dtypes.onnx_code(short) == onnx_code and dtypes.triton_type(tdt) == triton_name
+        assert dtypes.TRT_BY_NAME[name] == trt_name
+    assert dtypes.numpy_dtype("bf16").name == "bfloat16"
+    assert dtypes.numpy_dtype("fp16") == np.float16
+    assert dtypes.canonical("tensor(float)") == "float32"
+    assert dtypes.canonical(TensorProto.BOOL) == "bool" and dtypes.canonical("BOOL") == "bool"
+    assert dtypes.canonical("half") == "float16" and dtypes.canonical("float") == "float32"
+    assert dtypes.canonical("DataType.FP8") == "float8_e4m3fn"
+    with pytest.raises(ValueError):
+        dtypes.torch_dtype("float8_e4m3fn")
+    with pytest.raises(ValueError):
+        dtypes.short_name("int64")
+    # the runtime modules use it (no private tables left)
+    from qkrope.runtime import model_info, triton
+    assert model_info.DTYPES is dtypes.NAME_BY_SHORT
+    for mod, names in ((tu, ("ONNX_DTYPES", "ONNX_DTYPE_CODES", "ORT_DTYPES", "TRT_DTYPES",
+                             "torch_dtype")), (triton, ("_TRITON_DTYPES",))):
+        for n in names:
+            assert not hasattr(mod, n), f"{mod.__name__}.{n}"
+
+
+def test_model_description_is_read_through_model_info(tmp_path):
+    """trt_utils.load_model_description reads the sidecar with ModelInfo (format checked), and
+    the sidecar path has one definition."""
+    from qkrope.runtime.model_info import ModelInfoError, sidecar_path
+
+    assert not hasattr(tu, "onnx_sidecar_path")
+    p = write_tiny_onnx(tmp_path / "m.onnx")
+    desc = tu.load_model_description(p)
+    assert desc["source"] == str(sidecar_path(p)) and desc["format"] == "qkrope-onnx/1"
+    side = json.loads(sidecar_path(p).read_text())
+    side["format"] = "someone-elses/2"
+    sidecar_path(p).write_text(json.dumps(side))
+    with pytest.raises(ModelInfoError, match="not a qkrope sidecar"):
+        tu.load_model_description(p)
 
 
 def test_derive_profile_defaults_from_sidecar():

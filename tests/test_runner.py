@@ -216,6 +216,18 @@ def _bad_cases():
                                                "no timestep input")
     cases["unknown extra input"] = (dict(extra_inputs={"bogus": torch.ones(1)}),
                                     rn.RunnerInputError, "unknown input")
+    # extra_inputs must not replace an input the runner already validated (a short cache passed
+    # this way used to reach ONNX Runtime and run)
+    cases["extra_inputs replaces the image cache"] = (
+        dict(extra_inputs={"img_cos_sin_cache": img[:4].contiguous()}), rn.RunnerInputError,
+        r"extra_inputs names 'img_cos_sin_cache', which is the model's img_cache input.*"
+        r"image_rotary_emb=")
+    cases["extra_inputs replaces hidden_states"] = (
+        dict(extra_inputs={"hidden_states": hs.clone()}), rn.RunnerInputError,
+        "extra_inputs names 'hidden_states'.*hidden_states=")
+    cases["extra_inputs replaces the default mask"] = (
+        dict(extra_inputs={"encoder_hidden_states_mask": torch.ones(2, 5, dtype=torch.bool)}),
+        rn.RunnerInputError, "encoder_hidden_states_mask=")
     return cases
 
 
@@ -234,6 +246,49 @@ def test_bad_input_rejected_before_execution(runner, case):
     assert runner.session.calls == before, "the model ran despite a failed check"
     assert isinstance(info.value, RuntimeError)
     assert "Fix" in str(info.value)
+
+
+def test_check_inputs_rejects_short_caches_whatever_the_path(runner):
+    """check_inputs itself (not only the cache validation in prepare) needs cache rows >= the
+    tokens of the cache's stream."""
+    hs, ehs, (img, txt) = inputs()
+    roles = runner.io.roles
+    good = {roles["hidden_states"]: hs, roles["encoder_hidden_states"]: ehs,
+            roles["encoder_hidden_states_mask"]: torch.ones(2, S_TXT, dtype=torch.bool),
+            roles["img_cache"]: img, roles["txt_cache"]: txt}
+    rn.check_inputs(runner.io, good, device=torch.device("cpu"))
+    with pytest.raises(rn.RunnerInputError, match=r"img_cache .* has 10 rows but hidden_states "
+                                                  r"has 16 image tokens.*one row per token"):
+        rn.check_inputs(runner.io, {**good, roles["img_cache"]: img[:10].contiguous()},
+                        device=torch.device("cpu"))
+    with pytest.raises(rn.RunnerInputError, match=r"txt_cache .* has 3 rows but "
+                                                  r"encoder_hidden_states has 5 text tokens"):
+        rn.check_inputs(runner.io, {**good, roles["txt_cache"]: txt[:3].contiguous()},
+                        device=torch.device("cpu"))
+    # more rows than tokens is fine (a cache built for the longest prompt)
+    longer = build_qwen_rope_caches(IMG_SHAPES, S_TXT + 3, axes_dim=(2, 6, 8)).txt
+    rn.check_inputs(runner.io, {**good, roles["txt_cache"]: longer}, device=torch.device("cpu"))
+
+
+def test_check_roles_takes_no_timestep():
+    import inspect
+
+    assert list(inspect.signature(rn.check_roles).parameters) == [
+        "hidden_states", "encoder_hidden_states", "mask"]
+
+
+def test_bf16_unresolvable_output_rejected_before_execution(tmp_path):
+    """A bf16 output whose shape does not follow from the inputs' named axes cannot be read back:
+    that is known before anything runs, so the session must not run."""
+    r = rn.load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
+    spec = r.io.outputs[0]
+    r.io.outputs[0] = rn.TensorSpec(spec.name, spec.dtype, spec.dims,
+                                    ("mystery_axis",) + spec.axes[1:])
+    r.session = SpySession(r.session)
+    hs, ehs, caches = inputs()
+    with pytest.raises(rn.RunnerError, match="cannot bind the bfloat16 output img_out"):
+        r(hs.bfloat16(), ehs.bfloat16(), caches)
+    assert r.session.calls == 0, "ONNX Runtime ran before the unresolvable output was reported"
 
 
 def test_errors_are_runtime_and_value_errors():
@@ -263,6 +318,9 @@ def _write_bf16_identity_model(path: Path) -> Path:
                               opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.save(model, str(path))
     Path(str(path) + ".json").write_text(json.dumps({
+        "format": "qkrope-onnx/1", "model": "attention", "opset": 18, "ir_version": 10,
+        "dtype": "bf16", "dynamic_axes": {}, "node_attributes": {},
+        "sample": {"img_shapes": [list(IMG_SHAPES[0])], "txt_len": S_TXT, "batch": 2},
         "inputs": [{"name": i.name, "dtype": d, "shape": s} for i, d, s in zip(
             ins, ["bfloat16", "bfloat16", "bool", "float32", "float32"],
             [["batch", "img_tokens", C], ["batch", "txt_tokens", C], ["batch", "txt_tokens"],
@@ -421,6 +479,39 @@ def test_engine_io_and_profile_bounds():
     with pytest.raises(rn.RunnerInputError, match=r"img_cache_rows\) = 80 is outside the range"):
         r(hs, ehs, (big.img, caches[1]))
     assert r.executed == 2
+
+
+def test_plugin_resolution_is_one_function(tmp_path, monkeypatch):
+    """engine (qkrope build), runner and triton all resolve the plugin with
+    plugin_build.resolve_plugin_library: explicit, else the sidecar's path if it exists, else
+    the built library."""
+    from qkrope.runtime import engine as eng
+    from qkrope.runtime import plugin_build as pb
+    from qkrope.runtime import triton
+
+    built = tmp_path / "build" / "libqkrope_plugin.so"
+    built.parent.mkdir()
+    built.write_bytes(b"built")
+    monkeypatch.setenv("QKROPE_PLUGIN_LIB", str(built))
+    recorded = tmp_path / "recorded.so"
+    recorded.write_bytes(b"recorded")
+    record = pb.plugin_record({"plugin": {"path": str(recorded), "sha256": None}})
+    assert pb.resolve_plugin_library(None, record) == recorded.resolve()
+    assert pb.resolve_plugin_library(None, {"path": str(tmp_path / "gone.so")}) == built.resolve()
+    assert pb.resolve_plugin_library(None, None) == built.resolve()
+    assert pb.resolve_plugin_library(built, record) == built.resolve()
+    with pytest.raises(FileNotFoundError, match="qkrope build-plugin"):
+        pb.resolve_plugin_library(tmp_path / "missing.so", record)
+    assert pb.plugin_record({"plugin": "x.so", "plugin_sha256": "ab"}) == {"path": "x.so",
+                                                                           "sha256": "ab"}
+    assert pb.plugin_sha256_mismatch(recorded, {"sha256": None}) is None
+    assert pb.plugin_sha256_mismatch(recorded, {"sha256": "0" * 64}) is not None
+    # the callers use it (no private copies left)
+    assert not hasattr(eng, "resolve_plugin_library") or \
+        eng.resolve_plugin_library is pb.resolve_plugin_library
+    assert triton.resolve_plugin(None, {"plugin": {"path": str(recorded)}}) == recorded.resolve()
+    assert rn.resolve_runtime_plugin(None, {}) == built.resolve()
+    assert not hasattr(pb, "add_cli")
 
 
 def test_runtime_plugin_resolution(tmp_path):

@@ -199,3 +199,60 @@ def test_dtype_names(spelling, expected):
 def test_fp8_io_rejected():
     with pytest.raises(triton.TritonRepoError, match="no Triton TYPE_"):
         triton.triton_dtype("DataType.FP8")
+
+
+def test_default_model_name_is_the_engine_stem(engine, tmp_path, capsys):
+    """--name's help says "engine file stem": the code agrees (a dotted stem stays whole)."""
+    eng, plugin = engine
+    assert triton.default_model_name("a/attn.fp16.engine") == "attn.fp16"
+    assert triton.default_model_name("model.PLAN") == "model"
+    assert triton.default_model_name("attn") == "attn"
+    dotted = tmp_path / "attn.bf16.engine"
+    dotted.write_bytes(eng.read_bytes())
+    Path(str(dotted) + ".json").write_text(Path(str(eng) + ".json").read_text())
+    res = triton.write_repository(dotted, tmp_path / "r", plugin=plugin)
+    assert res.model_dir.name == "attn.bf16"
+    assert _parse(res.config_path).name == "attn.bf16"
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    triton.add_parser(ap.add_subparsers())
+    with pytest.raises(SystemExit):
+        ap.parse_args(["triton-repo", "--help"])
+    assert "engine file stem" in " ".join(capsys.readouterr().out.split())
+
+
+def test_missing_tritonclient_warns(engine, tmp_path, monkeypatch, capsys):
+    eng, plugin = engine
+
+    def no_tritonclient(text):
+        from qkrope._deps import MissingDependencyError
+
+        raise MissingDependencyError("tritonclient is not installed")
+
+    monkeypatch.setattr(triton, "parse_config", no_tritonclient)
+    res = triton.write_repository(eng, tmp_path / "r", plugin=plugin)
+    assert res.config_path.is_file()  # still written
+    err = capsys.readouterr().err
+    assert "warning: config.pbtxt not checked against Triton's ModelConfig schema" in err
+    assert "tritonclient" in err
+
+
+def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monkeypatch):
+    eng, plugin = engine
+    repo = tmp_path / "repo"
+    triton.write_repository(eng, repo, plugin=plugin)
+    (repo / "attn" / "marker").write_text("old")
+    real_rename = triton.os.rename
+
+    def rename(src, dst):
+        if Path(dst) == repo / "attn" and Path(src).name == "attn":  # the staged model moving in
+            raise OSError("disk full")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(triton.os, "rename", rename)
+    with pytest.raises(OSError, match="disk full"):
+        triton.write_repository(eng, repo, plugin=plugin, force=True)
+    assert (repo / "attn" / "marker").read_text() == "old"  # the old model is back
+    assert sorted(p.name for p in repo.iterdir()) == ["attn"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".repo.")]  # temp removed
