@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from qkrope._fileio import sha256_file
+from qkrope.runtime import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from . import contract
@@ -50,7 +51,7 @@ from .onnx_function import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, FunctionVariant
 
 IR_VERSION = 10
 EXTERNAL_DATA_THRESHOLD = 1536 * 1024 * 1024  # bytes of initializers; protobuf's limit is 2 GiB
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_DTYPES = dtypes.TORCH_BY_SHORT  # "fp32" | "fp16" | "bf16" -> torch dtype
 ATTENTION_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
                     "img_cos_sin_cache", "txt_cos_sin_cache")
 ATTENTION_OUTPUTS = ("img_out", "txt_out")
@@ -376,10 +377,11 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
     (seeded random weights, or the weights file it names)."""
     from .attention import QwenImageAttention
 
-    torch.manual_seed(int(config.get("seed", 0)))
-    module = QwenImageAttention(int(config["dim"]), int(config["heads"]), int(config["head_dim"]),
-                                eps=float(config["eps"]), interleaved=bool(config["interleaved"]),
-                                rounding=int(config["rounding"]), validate=False)
+    with torch.random.fork_rng(devices=[]):  # nn.Linear's own init must not move the caller's RNG
+        module = QwenImageAttention(int(config["dim"]), int(config["heads"]),
+                                    int(config["head_dim"]), eps=float(config["eps"]),
+                                    interleaved=bool(config["interleaved"]),
+                                    rounding=int(config["rounding"]), validate=False)
     weights = config.get("weights")
     if weights:
         state = load_state_dict(weights)
@@ -389,12 +391,14 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
                              f"(diffusers names): missing {missing[:6]}, unexpected "
                              f"{unexpected[:6]}")
     else:
+        g = torch.Generator().manual_seed(int(config.get("seed", 0)))
         with torch.no_grad():
             for name, p in module.named_parameters():
+                noise = torch.randn(p.shape, generator=g)
                 if name.startswith("norm"):
-                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                    p.copy_(1.0 + 0.3 * noise)  # RMSNorm weights near 1, not all 1
                 else:
-                    p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+                    p.copy_(noise / p.shape[-1] ** 0.5)
     return module.to(TORCH_DTYPES[config["dtype"]]).eval()
 
 
