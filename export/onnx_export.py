@@ -110,17 +110,26 @@ def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
 def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
                   output_names: Sequence[str], opset: int):
     """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet)."""
+    import logging
     import warnings
 
+    # torch.onnx logs one warning per torchvision op it cannot register when torchvision is
+    # absent; that is noise for this model, so it is silenced for the duration of the export.
+    registration_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration_log.level
+    registration_log.setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            module, args, dynamo=True, opset_version=opset, optimize=True, verbose=False,
-            input_names=list(input_names), output_names=list(output_names),
-            dynamic_shapes=_dynamic_shapes(input_names),
-            custom_translation_table={
-                torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
-        )
+        try:
+            program = torch.onnx.export(
+                module, args, dynamo=True, opset_version=opset, optimize=True, verbose=False,
+                input_names=list(input_names), output_names=list(output_names),
+                dynamic_shapes=_dynamic_shapes(input_names),
+                custom_translation_table={
+                    torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
+            )
+        finally:
+            registration_log.setLevel(level)
     return program.model
 
 
