@@ -131,6 +131,12 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> n
         else:
             raise FileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
                                     f"transformer/config.json): not a saved diffusers model")
-    model = diffusers.QwenImageTransformer2DModel.from_pretrained(
-        directory, torch_dtype=dtype, local_files_only=True)
+    # diffusers advises installing `accelerate` on every load; that is not an error here.
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()
+    try:
+        model = diffusers.QwenImageTransformer2DModel.from_pretrained(
+            directory, torch_dtype=dtype, local_files_only=True)
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
     return model.eval()
