@@ -340,7 +340,14 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
 
 def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, engine, plugin,
                  providers, workdir, out, onnxrt):
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator
+
+    try:  # present in polygraphy 0.53; CompareFunc.simple is deprecated (removed in 0.60)
+        from polygraphy.comparator.compare import SimpleCompareFunc
+    except ImportError:  # pragma: no cover - older polygraphy
+        from polygraphy.comparator import CompareFunc
+
+        SimpleCompareFunc = CompareFunc.simple
     from polygraphy.comparator.struct import IterationResult, RunResults
     from polygraphy.json import save_json
 
@@ -376,7 +383,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     cmd = polygraphy_command(onnx_path, workdir, tol, engine=engine, plugin=plugin)
     (workdir / "polygraphy_cmd.sh").write_text("#!/bin/sh\n" + cmd + "\n")
 
-    compare = CompareFunc.simple(atol={k: v[0] for k, v in tol.items()},
+    compare = SimpleCompareFunc(atol={k: v[0] for k, v in tol.items()},
                                  rtol={k: v[1] for k, v in tol.items()},
                                  check_error_stat="elemwise")
     pairs = [(i, len(converted) - 1) for i in range(len(converted) - 1)]
