@@ -158,20 +158,27 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
 def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
                   axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
     for k, (f, h, w) in enumerate(shapes):
-        if k + f > QWEN_MAX_POSITIONS or max(h, w) > QWEN_MAX_POSITIONS:
+        # frames use positions k .. k+f-1; centred height/width use -(n - n//2) .. n//2 - 1 (both
+        # tables hold 4096 entries), uncentred ones 0 .. n-1
+        extent = max(h - h // 2, w - w // 2) if scale_rope else max(h, w)
+        if k + f > QWEN_MAX_POSITIONS or extent > QWEN_MAX_POSITIONS:
             raise RopeCacheOverflowError(
-                f"QwenImage RoPE image cache overflow: image {k} has shape {(f, h, w)} but the "
-                f"position table holds {QWEN_MAX_POSITIONS} positions per axis",
-                required=max(k + f, h, w), available=QWEN_MAX_POSITIONS)
+                f"QwenImage RoPE image cache overflow: image {k} has shape {(f, h, w)} "
+                f"(frames, height, width in latent patches) but the position tables hold "
+                f"{QWEN_MAX_POSITIONS} positions per axis and direction. Fix: use fewer frames or "
+                f"a smaller image.", required=max(k + f, extent), available=QWEN_MAX_POSITIONS)
     offset = max(max(h // 2, w // 2) if scale_rope else max(h, w) for _, h, w in shapes)
-    required = offset + txt_seq_len
-    if required > QWEN_MAX_POSITIONS:
+    # Text token j sits at position offset + j; the table ends at 4096, so the text stream has
+    # 4096 - offset rows. The three numbers mean what sglang's guard reports.
+    txt_cache_len = QWEN_MAX_POSITIONS - offset
+    if txt_seq_len > txt_cache_len:
         raise RopeCacheOverflowError(
-            f"QwenImage RoPE text cache overflow: required_txt_seq_len={required}, "
-            f"txt_cache_len={QWEN_MAX_POSITIONS}, overflow={required - QWEN_MAX_POSITIONS} "
-            f"(text offset {offset} from the largest image + {txt_seq_len} text tokens). Fix: "
-            f"shorten the prompt to at most {QWEN_MAX_POSITIONS - offset} tokens or use smaller "
-            f"images.", required=required, available=QWEN_MAX_POSITIONS)
+            f"QwenImage RoPE text cache overflow: required_txt_seq_len={txt_seq_len}, "
+            f"txt_cache_len={txt_cache_len}, overflow={txt_seq_len - txt_cache_len} (the text "
+            f"positions start at offset {offset}, set by the largest image, and the position "
+            f"table ends at {QWEN_MAX_POSITIONS}). Fix: shorten the prompt to at most "
+            f"{txt_cache_len} tokens, or use fewer or smaller images.",
+            required=txt_seq_len, available=txt_cache_len)
     pos, neg = _qwen_tables(theta, axes)
     img = torch.cat([_image_freqs(pos, neg, axes, f, h, w, k, scale_rope)
                      for k, (f, h, w) in enumerate(shapes)], dim=0)

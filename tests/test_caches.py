@@ -48,6 +48,8 @@ def test_spec_check_values():
 
 
 def test_text_overflow_boundary():
+    """offset + S_txt = 4096 passes, 4097 fails; the numbers are sglang's: required = text tokens,
+    txt_cache_len = rows left for text (4096 - offset)."""
     # offset = max(h//2, w//2) = 32 for (1, 64, 64): 32 + 4064 = 4096 is the last that fits
     ok = build_qwen_rope_caches([(1, 64, 64)], 4096 - 32)
     assert ok.txt.shape[0] == 4064
@@ -55,9 +57,23 @@ def test_text_overflow_boundary():
         build_qwen_rope_caches([(1, 64, 64)], 4097 - 32)
     msg = str(err.value)
     assert "text cache overflow" in msg
-    assert "required_txt_seq_len=4097" in msg and "txt_cache_len=4096" in msg and "overflow=1" in msg
-    assert (err.value.required, err.value.available, err.value.overflow) == (4097, 4096, 1)
+    assert "required_txt_seq_len=4065" in msg and "txt_cache_len=4064" in msg and "overflow=1" in msg
+    assert (err.value.required, err.value.available, err.value.overflow) == (4065, 4064, 1)
     assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)
+    # the offset comes from the largest of several images
+    with pytest.raises(RopeCacheOverflowError, match="txt_cache_len=4046, overflow=4"):
+        build_qwen_rope_caches([(1, 4, 4), (1, 100, 20)], 4050)
+
+
+def test_image_extent_limits_match_the_tables():
+    """Centred heights/widths reach -(n - n//2): more than 4096 patches fit the 4096-entry tables."""
+    img, txt = build_qwen_rope_caches([(1, 8190, 1)], 1)
+    freqs = diffusers_freqs([(1, 8190, 1)], 1)
+    assert torch.equal(img, torch.cat([freqs[0].real, freqs[0].imag], -1).float())
+    with pytest.raises(RopeCacheOverflowError, match="image cache overflow"):
+        build_qwen_rope_caches([(1, 8194, 1)], 1)
+    with pytest.raises(RopeCacheOverflowError, match="image cache overflow"):
+        build_qwen_rope_caches([(4097, 1, 1)], 1)
 
 
 def test_builder_memoises_and_rejects_bad_shapes():
