@@ -123,7 +123,9 @@ def step_check(args) -> str:
 def step_plugin(args) -> str:
     from qkrope.runtime.plugin_build import find_plugin_library
 
-    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    from qkrope.runtime.plugin_build import find_nvcc
+
+    nvcc = find_nvcc()
     _cli(["build-plugin"] if nvcc else ["build-plugin", "--host-only"])
     built = []
     for kind in ("plugin", "vc", "kernels", "kernel_host"):

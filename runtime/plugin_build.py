@@ -60,6 +60,26 @@ class PluginNotBuiltError(FileNotFoundError):
     """A native library was asked for but has not been built; the message says how to build it."""
 
 
+NVCC_DEFAULT_PATH = "/usr/local/cuda/bin/nvcc"
+
+
+def find_nvcc() -> str | None:
+    """The CUDA compiler the build would use ($CUDACXX, nvcc on PATH, /usr/local/cuda/bin/nvcc),
+    or None. A candidate counts only if ``nvcc --version`` runs: a wrapper left behind by a
+    removed toolkit is "no nvcc", not a build failure. The one rule the CLI, the main job and the
+    tests share (scripts/build_plugins.sh and scripts/test.sh apply the same rule in shell)."""
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), NVCC_DEFAULT_PATH):
+        if not cand:
+            continue
+        try:
+            res = subprocess.run([cand, "--version"], capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if res.returncode == 0:
+            return cand
+    return None
+
+
 def build_command(*, host_only: bool = False, arch: str | None = None, tensorrt_root: str | None = None,
                   build_dir: str | os.PathLike | None = None, jobs: int | None = None,
                   clean: bool = False) -> list[str]:

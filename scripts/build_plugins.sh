@@ -59,12 +59,15 @@ if [[ "$HOST_ONLY" == 1 ]]; then
   CMAKE_ARGS+=(-DQKROPE_WITH_CUDA=OFF -DQKROPE_BUILD_PLUGIN=OFF)
 else
   CMAKE_ARGS+=(-DQKROPE_WITH_CUDA=ON)
-  if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]] && [[ -z "${CUDACXX:-}" ]]; then
+  # nvcc counts only if it runs (same rule as qkrope.runtime.plugin_build.find_nvcc)
+  if [[ -z "${CUDACXX:-}" ]] && ! nvcc --version >/dev/null 2>&1 && /usr/local/cuda/bin/nvcc --version >/dev/null 2>&1; then
+    export CUDACXX=/usr/local/cuda/bin/nvcc
+  fi
+  if ! "${CUDACXX:-nvcc}" --version >/dev/null 2>&1; then
     echo "build_plugins.sh: nvcc not found. Install the CUDA toolkit (12.x or 13.x) and put nvcc on PATH" \
          "(or set CUDACXX), or build only the CPU kernel library with --host-only." >&2
     exit 1
   fi
-  if [[ -z "${CUDACXX:-}" ]] && ! command -v nvcc >/dev/null; then export CUDACXX=/usr/local/cuda/bin/nvcc; fi
   [[ -n "$ARCH" ]] && CMAKE_ARGS+=("-DCMAKE_CUDA_ARCHITECTURES=$ARCH")
 
   # TensorRT headers: an install first, else the pinned fallback.

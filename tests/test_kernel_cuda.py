@@ -33,7 +33,9 @@ def cuda_lib():
         yield path
         return
     cmake = shutil.which("cmake")
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    from qkrope.runtime.plugin_build import find_nvcc
+
+    nvcc = find_nvcc()
     if cmake is None or nvcc is None:
         pytest.fail(f"{kernels.CUDA_LIB_NAME} is missing and cmake/nvcc are not available to build "
                     f"it; build it with: {kernels.CUDA_BUILD_COMMAND}")
