@@ -415,7 +415,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "check", help="parity of an exported model (ONNX Runtime, TensorRT) with PyTorch",
-        description=__doc__.split("\n\n")[0])
+        description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("onnx", metavar="MODEL.onnx")
     p.add_argument("--engine", default=None, help="also run this TensorRT engine (needs --plugin)")
     p.add_argument("--plugin", default=None, help="the QKNormRoPE plugin library (.so)")

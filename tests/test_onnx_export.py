@@ -289,6 +289,8 @@ def _no_outputs(directory: Path):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "transformer", "--diffusers", "/nonexistent/qwen"], "is not a directory"),
     (["--model", "transformer"], "needs --diffusers"),
+    (["--model", "transformer", "--diffusers", "/x", "--weights", "w.pt", "--heads", "4"],
+     "--heads, --weights apply to --model attention only"),
     (["--heads", "2", "--head-dim", "64", "--rotary-dim", "70"], "rotary-dim"),
     (["--heads", "2", "--head-dim", "64", "--img-shape", "1", "0", "4"], "positive"),
     (["--heads", "2", "--head-dim", "64", "--txt-len", "5000"], "text cache overflow"),
