@@ -5,8 +5,11 @@
 3. export    the Qwen-Image attention block (24 heads x 128, fp32) to ONNX
 4. check     polygraphy: ONNX Runtime vs the PyTorch reference
 5. plugin    build the CUDA kernel + TensorRT plugin libraries (CPU kernel build at least)
-6. engine    [TensorRT + GPU] export in bf16, build the engine with the plugin
-7. trt-check [TensorRT + GPU] polygraphy: TensorRT vs ONNX Runtime vs PyTorch
+6. engine    [TensorRT + GPU] engines with the plugin: from the fp32 export, and from a bf16
+             export (the deployment precision; TensorRT 11 networks are strongly typed)
+7. trt-check [TensorRT + GPU] polygraphy: fp32 engine vs ONNX Runtime vs PyTorch; bf16 engine vs
+             PyTorch (and ONNX Runtime when its CUDA provider is installed: its CPU provider
+             has no bf16 MatMul)
 8. bench     [GPU] fused plugin vs function body vs eager vs torch.compile
 
 Steps that need what this machine lacks are reported as SKIPPED with the reason; a failed step
@@ -156,8 +159,9 @@ def step_engine(args) -> str:
     _need_gpu()
     _cli(["export", "--model", "attention", "--heads", str(args.heads), "--head-dim",
           str(args.head_dim), "--dtype", "bf16", "--out", str(args.onnx_bf16)])
+    _cli(["build", str(args.onnx), "-o", str(args.engine_fp32)])
     _cli(["build", str(args.onnx_bf16), "-o", str(args.engine)])
-    return f"{args.engine}"
+    return f"{args.engine_fp32}, {args.engine}"
 
 
 def step_trt_check(args) -> str:
@@ -166,8 +170,9 @@ def step_trt_check(args) -> str:
 
     import onnxruntime as ort
 
-    argv = ["check", str(args.onnx_bf16), "--engine", str(args.engine), "--plugin",
-            str(find_plugin_library("plugin"))]
+    plugin = str(find_plugin_library("plugin"))
+    _cli(["check", str(args.onnx), "--engine", str(args.engine_fp32), "--plugin", plugin])
+    argv = ["check", str(args.onnx_bf16), "--engine", str(args.engine), "--plugin", plugin]
     if "CUDAExecutionProvider" in ort.get_available_providers():
         argv += ["--providers", "cuda"]
         against = "ONNX Runtime (CUDA) and the PyTorch reference"
@@ -176,7 +181,8 @@ def step_trt_check(args) -> str:
         argv += ["--no-onnxrt"]
         against = "the PyTorch reference (ONNX Runtime has no CUDA provider here)"
     _cli(argv)
-    return f"TensorRT (plugin) matches {against}"
+    return (f"fp32 engine matches ONNX Runtime and the PyTorch reference; bf16 engine matches "
+            f"{against}")
 
 
 def step_bench(args) -> str:
@@ -207,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     args.onnx = args.out / "qwen_attention.onnx"
     args.onnx_bf16 = args.out / "qwen_attention_bf16.onnx"
     args.engine = args.out / "qwen_attention_bf16.engine"
+    args.engine_fp32 = args.out / "qwen_attention.engine"
     skip = set(args.skip or [])
     results: list[StepResult] = []
     failed_before: set[str] = set()
