@@ -26,12 +26,12 @@ ONNX_TYPES = {"FLOAT": onnx.AttributeProto.FLOAT, "INT": onnx.AttributeProto.INT
               "STRING": onnx.AttributeProto.STRING}
 
 
-def _session(path):
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+def _session(path, providers=("CPUExecutionProvider",)):
+    return ort.InferenceSession(str(path), providers=list(providers))
 
 
-def _run(path, feeds):
-    sess = _session(path)
+def _run(path, feeds, providers=("CPUExecutionProvider",)):
+    sess = _session(path, providers)
     outs = sess.run_with_ort_values(None, {k: to_ort_value(v) for k, v in feeds.items()})
     return [from_ort_value(o) for o in outs]
 
@@ -164,6 +164,22 @@ def test_ort_matches_module_fp16(fp16_model):
         scale = np.abs(ref).max()
         ulp = 2.0 ** (np.floor(np.log2(scale)) - 10)
         # bound: 2 fp16 ulps of the output scale (observed: 1 ulp)
+        assert np.abs(got.astype(np.float32) - ref).max() <= 2 * ulp
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="requires onnxruntime-gpu and a CUDA GPU: ONNX Runtime's CPU provider "
+                           "has no bf16 MatMul (on the CPU, bf16 is covered by "
+                           "test_function_body_variants and the runner's clear-error test)")
+def test_ort_matches_module_bf16_cuda(tmp_path):
+    out = tmp_path / "attn_bf16.onnx"
+    info, _ = export_attention(out, heads=HEADS, head_dim=HEAD_DIM, dtype="bf16")
+    feeds = info.make_inputs([(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
+    got_all = _run(out, feeds, providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+    for got, ref in zip(got_all, _ref(info, feeds)):
+        ref = ref.float().numpy()
+        ulp = 2.0 ** (np.floor(np.log2(np.abs(ref).max())) - 7)
+        # bound: 2 bf16 ulps of the output scale, the same reasoning as the fp16 test
         assert np.abs(got.astype(np.float32) - ref).max() <= 2 * ulp
 
 

@@ -15,8 +15,10 @@ import pytest
 from qkrope.cli import main as cli_main
 from qkrope.runtime import triton
 
-model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
-text_format = pytest.importorskip("google.protobuf.text_format")
+# tritonclient[grpc] is a test dependency: the schema check must run, not skip
+from google.protobuf import text_format  # noqa: E402
+from tritonclient.grpc import model_config_pb2  # noqa: E402
+from qkrope.runtime.engine import engine_sidecar  # noqa: E402
 
 C = 3072
 MAX_IMG, MAX_TXT = 4096, 512
@@ -58,21 +60,12 @@ def _sidecar(plugin: Path) -> dict:
     net_in = [{"name": n, "dtype": d, "shape": _dyn(s)} for n, d, s in INPUTS]
     net_out = [{"name": n, "dtype": d, "shape": _dyn(s)} for n, d, s in OUTPUTS]
     sha = hashlib.sha256(plugin.read_bytes()).hexdigest()
-    try:
-        from qkrope.runtime.engine import engine_sidecar
-    except ImportError:
-        engine_sidecar = None
-    if engine_sidecar is not None:
-        return engine_sidecar(
-            trt_version="10.14.1.48", onnx_path="/models/attn.onnx", model=model,
-            profile=_profile(), inputs=net_in, outputs=net_out, plugin_path=str(plugin),
-            plugin_sha256=sha, version_compatible=False, builder_optimization_level=3,
-            strongly_typed=True, plugin_layers=2, parser_flags=[],
-            gpu={"name": "NVIDIA H200", "compute_capability": "9.0"})
-    return {"format": "qkrope-engine/1", "tensorrt_version": "10.14.1.48",
-            "gpu": {"name": "NVIDIA H200"}, "inputs": net_in, "outputs": net_out,
-            "profiles": [{n: {k: list(v) for k, v in lv.items()} for n, lv in _profile().items()}],
-            "plugin": {"path": str(plugin), "sha256": sha}, "config": model["config"]}
+    return engine_sidecar(
+        trt_version="10.14.1.48", onnx_path="/models/attn.onnx", model=model,
+        profile=_profile(), inputs=net_in, outputs=net_out, plugin_path=str(plugin),
+        plugin_sha256=sha, version_compatible=False, builder_optimization_level=3,
+        strongly_typed=True, plugin_layers=2, parser_flags=[],
+        gpu={"name": "NVIDIA H200", "compute_capability": "9.0"})
 
 
 @pytest.fixture
