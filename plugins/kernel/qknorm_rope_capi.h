@@ -36,4 +36,40 @@ QKROPE_CAPI_EXPORT int32_t qkrope_host_capi_version(void);
 
 #ifdef __cplusplus
 }
+
+#include "qknorm_rope.h"
+
+namespace qkrope
+{
+// The C-ABI arguments as launch parameters; shared by both libraries so they cannot drift.
+// Returns kBAD_DTYPE for a dtype code outside 0..2 (checked before the enum cast).
+inline Status paramsFromCAbi(void const* q, void const* k, void const* qWeight, void const* kWeight,
+    float const* cache, void* qOut, void* kOut, int64_t batch, int64_t seqLen, int64_t numHeads, int64_t headDim,
+    int64_t rotaryDim, int64_t cacheRows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype,
+    QKNormRoPEParams& p) noexcept
+{
+    if (dtype < 0 || dtype > 2)
+    {
+        return Status::kBAD_DTYPE;
+    }
+    p.q = q;
+    p.k = k;
+    p.qWeight = qWeight;
+    p.kWeight = kWeight;
+    p.cache = cache;
+    p.qOut = qOut;
+    p.kOut = kOut;
+    p.batch = batch;
+    p.seqLen = seqLen;
+    p.numHeads = numHeads;
+    p.headDim = headDim;
+    p.rotaryDim = rotaryDim;
+    p.cacheRows = cacheRows;
+    p.eps = eps;
+    p.interleaved = interleaved != 0;
+    p.rounding = rounding;
+    p.dtype = static_cast<DataType>(dtype);
+    return Status::kSUCCESS;
+}
+} // namespace qkrope
 #endif

@@ -43,28 +43,13 @@ extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_w
     float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
     int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype)
 {
-    if (dtype < 0 || dtype > 2)
-    {
-        return static_cast<int32_t>(qkrope::Status::kBAD_DTYPE);
-    }
     qkrope::QKNormRoPEParams p;
-    p.q = q;
-    p.k = k;
-    p.qWeight = q_weight;
-    p.kWeight = k_weight;
-    p.cache = cache;
-    p.qOut = q_out;
-    p.kOut = k_out;
-    p.batch = batch;
-    p.seqLen = seq_len;
-    p.numHeads = num_heads;
-    p.headDim = head_dim;
-    p.rotaryDim = rotary_dim;
-    p.cacheRows = cache_rows;
-    p.eps = eps;
-    p.interleaved = interleaved != 0;
-    p.rounding = rounding;
-    p.dtype = static_cast<qkrope::DataType>(dtype);
+    qkrope::Status const bad = qkrope::paramsFromCAbi(q, k, q_weight, k_weight, cache, q_out, k_out, batch,
+        seq_len, num_heads, head_dim, rotary_dim, cache_rows, eps, interleaved, rounding, dtype, p);
+    if (bad != qkrope::Status::kSUCCESS)
+    {
+        return static_cast<int32_t>(bad);
+    }
     qkrope::Status const s = qkrope::checkParams(p);
     if (s != qkrope::Status::kSUCCESS)
     {
