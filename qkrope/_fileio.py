@@ -16,6 +16,15 @@ from typing import Any
 
 
 def _umask() -> int:
+    """The process umask, read without changing it where Linux exposes it (os.umask alone must
+    set it to read it, which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
