@@ -30,6 +30,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 namespace qkrope
 {
@@ -450,6 +453,25 @@ int blocksPerSm(Kernel kernel, int device, std::atomic<int>* cache)
     return blocks;
 }
 
+// The one place kernels are launched. cudaLaunchKernel returns the status of this launch itself,
+// so an error left behind by earlier work on the thread is never reported as this launch's
+// failure (cudaGetLastError after <<<>>> would). Each argument is converted to the kernel's
+// parameter type first, so the runtime reads exactly the objects it expects. The SIMT emulation
+// (plugins/simt) provides the same cudaLaunchKernel, which is how the unchanged source runs there.
+template <typename... Params, typename... Args>
+cudaError_t launchKernel(void (*kernel)(Params...), dim3 const grid, dim3 const block, cudaStream_t stream,
+    Args&&... args)
+{
+    static_assert(sizeof...(Params) == sizeof...(Args), "one argument per kernel parameter");
+    std::tuple<std::decay_t<Params>...> values(std::forward<Args>(args)...);
+    return std::apply(
+        [&](auto&... v) {
+            void* argv[] = {static_cast<void*>(&v)...};
+            return cudaLaunchKernel(kernel, grid, block, argv, 0, stream);
+        },
+        values);
+}
+
 int64_t ceilDiv(int64_t a, int64_t b)
 {
     return (a + b - 1) / b;
@@ -458,8 +480,7 @@ int64_t ceilDiv(int64_t a, int64_t b)
 template <typename T, int HEAD_DIM, bool INTERLEAVED, int UNROLL>
 cudaError_t launchFastUnrolled(KernelArgs const& a, dim3 const grid, cudaStream_t stream)
 {
-    qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, UNROLL><<<grid, kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launchKernel(qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, UNROLL>, grid, dim3(kThreads), stream, a);
 }
 
 // Rows per thread loaded before any is computed, for `passes` row-group passes per block: as many
@@ -519,8 +540,7 @@ cudaError_t launchGeneral(KernelArgs const& a, bool interleaved, int device, cud
     int64_t gridX = ceilDiv(totalRows, kWarpsPerBlock);
     int64_t const maxGridX = target * 16;
     gridX = gridX < maxGridX ? gridX : maxGridX;
-    kernel<<<static_cast<unsigned>(gridX), kThreads, 0, stream>>>(a, interleaved);
-    return cudaGetLastError();
+    return launchKernel(kernel, dim3(static_cast<unsigned>(gridX)), dim3(kThreads), stream, a, interleaved);
 }
 
 bool aligned16(void const* p)
