@@ -8,8 +8,19 @@ Numerical policy (see plugins/kernel/qknorm_rope_math.h):
   operation is the same correctly rounded IEEE operation in the same order, in every dtype and
   both rounding modes;
 - on arbitrary inputs the only freedom left is the order of the fp32 sum of squares (torch's
-  vectorised CPU reduction, the kernel's per-lane sums and shuffle tree): an element may then
-  differ by at most one dtype ulp at the row's scale (eps * max |row|), in < 0.1% of elements.
+  vectorised CPU reduction; the kernel's per-lane fused multiply-adds and shuffle tree, which the
+  CPU build reproduces exactly, see plugins/kernel/qknorm_rope_plan.h). A different order moves
+  the sum, and so inv, by a few fp32 ulps (relative ~1e-7), far below a bf16/fp16 step (2^-8 /
+  2^-11). Bound (docs/spec.md section 3), in steps of the dtype at the row's scale
+  (finfo.eps * max |row|, which is >= one ulp of every element of the row):
+    rounding=0: the output is rounded once, so a perturbed value can cross at most one rounding
+      boundary: <= 1 step;
+    rounding=1: the normalised value is rounded before the rotation, so each of the two values a
+      rotated output combines can flip by one step (and |cos|, |sin| <= 1), and the final
+      rounding adds none beyond the boundary it may cross: <= 2 steps.
+  The fraction of elements that differ has no derivable bound (it depends on how close values
+  fall to rounding boundaries: an independent run of sglang's cases measured 0.34% on a small
+  case), so only the magnitude is asserted.
 """
 
 from __future__ import annotations
@@ -89,18 +100,22 @@ def assert_bit_exact(outs, refs):
                                f"reference, first at {tuple(bad.nonzero()[0].tolist())}")
 
 
-def assert_within_order_policy(outs, refs, dtype):
+def order_policy_steps(rounding: int) -> int:
+    """Largest difference, in dtype steps at the row's scale, that a different order of the sum
+    of squares can cause (module docstring)."""
+    return 2 if rounding == 1 else 1
+
+
+def assert_within_order_policy(outs, refs, dtype, rounding):
     """Arbitrary inputs: differences only from the sum-of-squares order (module docstring)."""
+    steps = order_policy_steps(rounding)
     eps = torch.finfo(dtype).eps
-    total = 0
-    differ = 0
     for out, r in zip(outs, refs):
         out = out.cpu().float()
         r = r.float()
         diff = (out - r).abs()
         rowmax = r.abs().amax(dim=-1, keepdim=True)
-        assert bool((diff <= eps * rowmax).all()), (
-            f"difference {float((diff / rowmax).max()):.3e} x row max exceeds one ulp ({eps})")
-        differ += int((diff > 0).sum())
-        total += out.numel()
-    assert differ <= 1e-3 * total, f"{differ} of {total} elements differ (> 0.1%)"
+        worst = float((diff / rowmax.clamp_min(torch.finfo(torch.float32).tiny)).max())
+        assert bool((diff <= steps * eps * rowmax).all()), (
+            f"difference {worst:.3e} x row max exceeds {steps} step(s) of {dtype} ({steps * eps:.3e}) "
+            f"allowed for rounding={rounding}")

@@ -1,35 +1,50 @@
-// qkrope: the fused QK-RMSNorm + RoPE CUDA kernel (spec section 3) and its launcher.
+// qkrope: the fused QK-RMSNorm + RoPE CUDA kernel (docs/spec.md section 3) and its launcher.
 //
-// Fast path (head_dim 64/128/256, 16-byte aligned tensors): one block of 256 threads works on
-// one token at a time (grid-stride over tokens). Within the block, a "row group" of L threads
-// (L = head_dim / elements-per-128-bit-vector, at most 32) owns one (token, head) row of q or k;
-// the block's 256 / L row groups walk the token's 2*H rows (q heads, then k heads). Every
-// thread always owns the same element positions of a row, so
-//   - its q and k weights are loaded once for the whole kernel (registers),
-//   - its cos/sin values are loaded once per token (registers) and reused for every head of q
-//     and k it processes: the cache row is read from memory once per token per block,
-//   - UNROLL rows (1..4, a template parameter) are loaded (128-bit, streaming) before any is
-//     computed, to keep enough bytes in flight per SM. The launcher picks UNROLL from the row-group
-//     passes a block makes over its rows: as many rows as possible in the fewest rounds, spread
-//     evenly (unrollFor), so no empty slot is carried through registers, math and shuffles.
-//     Qwen-Image bf16/fp16, head_dim 128: 48 rows per token, 16 per pass -> UNROLL 3 in one round
-//     (before: a fixed 4 with the 4th slot always empty, 80 registers on sm_90 -> now 75).
-// The sum of squares is reduced with xor shuffles inside the row group; NeoX pairs that live in
-// another thread are exchanged with a shuffle whose lane index is relative to the row group (so
-// partial rotary with several rows per warp is correct). When there are few tokens the 2*H rows
-// of a token are split over blockIdx.y so that small problems still fill the GPU.
+// The op is memory-bound (per element: read 2 or 4 bytes, write as many, ~12 fp32 operations), so
+// the design is about keeping enough bytes in flight and issuing few instructions per element.
 //
-// General path (any even head_dim <= 512, any alignment, NeoX layouts the fast path does not
-// cover): one warp per row, the normalised row staged in shared memory for the pair exchange.
+// Work decomposition (both paths). A "row group" of threads owns one (token, head) row at a time;
+// a work unit is `rows` consecutive heads of q or of k of one token. Each group has a fixed slot
+// (q or k, which heads) for the whole kernel and walks tokens with a fixed stride, so
+//   - its weight elements (q's or k's) are loaded and converted once, into registers;
+//   - no division or q/k selection happens per row or per token;
+//   - the grid holds a whole number of tokens (splitTokens): `tokenStep` tokens are in flight at
+//     once and every group does the same number of tokens, +-1. With at most one unit per group
+//     in flight this keeps every SM busy down to a few hundred tokens (Qwen-Image's 512-token
+//     text stream and the 1024-token 512x512 image included): the launcher picks the rows per
+//     unit that minimise rounds x rows for the problem (pickRows).
 //
-// All index arithmetic that can exceed 2^31 is int64.
+// Fast path (head_dim 64/128/256, q/k/outputs 16-byte aligned; qknorm_rope_plan.h): a row group is
+// head_dim / (elements per 128 bits) threads (<= 32), each owning whole 128-bit chunks of the row.
+//   - software pipeline: all rows of the next token's unit are loaded (128-bit, evict-first) and
+//     its cos/sin fetched (128-bit where the cache allows) before the current unit's maths, so
+//     2 x rows x 16 bytes per thread are in flight while it computes;
+//   - sum of squares by fused multiply-adds, reduced with xor shuffles inside the group, all rows
+//     of a unit interleaved; 1/D is an exact multiplication (power-of-two D);
+//   - rounding mode, pairing and full/partial rotary are template parameters, so the Qwen-Image
+//     instance carries no per-element selects; bf16/fp16 pack two elements per conversion and
+//     canonicalise NaNs only when a row produced one (one predicate per pair on the common path);
+//   - NeoX partners in other lanes come through __shfl_sync relative to the row group; the
+//     partner's sign is folded into the sin values once per token;
+//   - outputs are stored with the default cache policy (the attention kernel reads them next).
+// General path (any even head_dim <= 512, any alignment): a warp owns a row, each lane element
+// pairs lane, lane + 32, ...; NeoX pairs are exchanged through shared memory.
+//
+// Launches go through launchKernel (cudaLaunchKernel): a launch reports its own status, never an
+// error left behind by earlier work. The SIMT emulation (plugins/simt) provides the same runtime
+// entry points, which is how this unchanged source runs on a CPU in CI.
+//
+// All index arithmetic that can exceed 2^31 is int64 (checkParams keeps a token's heads x
+// head_dim below 2^31, which is indexed with int32).
 #include "qknorm_rope.h"
 #include "qknorm_rope_math.h"
+#include "qknorm_rope_plan.h"
 
 #include <cuda_runtime.h>
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -45,8 +60,8 @@ using math::Fp32;
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kMaxUnroll = 4;     // at most this many rows per thread loaded before any is computed
-constexpr int kFastMinBlocks = 3; // >= 768 resident threads per SM (<= 85 registers)
+constexpr int kMaxRows = 4;       // rows per work unit of the fast path: 1..maxRows() <= kMaxRows
+constexpr int kFastMinBlocks = 2; // >= 512 resident threads per SM (<= 128 registers)
 constexpr int kMaxDevices = 64;
 constexpr unsigned kFullMask = 0xFFFFFFFFU;
 
@@ -61,257 +76,466 @@ struct KernelArgs
     void* kOut;
     int64_t numTokens; // batch * seqLen
     int64_t seqLen;
+    int64_t tokenStep; // tokens between two consecutive tokens of one row group (splitTokens)
+    int64_t seqStep;   // tokenStep % seqLen
     int32_t numHeads;
     int32_t headDim;
     int32_t rotaryDim;
-    int32_t rowsPerSplit; // fast path: rows of a token handled per blockIdx.y
+    int32_t unitsPerToken; // row-group slots per token: 2 (q, k) x units per tensor
     float eps;
-    int32_t rounding;
+    int32_t rounding;  // general path only (a template parameter of the fast path)
+    bool interleaved;  // general path only
 };
 
-template <typename T, int HEAD_DIM>
-struct FastConfig
+template <typename To, typename From>
+__device__ __forceinline__ To bitCast(From const& from)
 {
-    using Storage = typename T::Storage;
-    static constexpr int kVec = 16 / static_cast<int>(sizeof(Storage)); // elements per 128 bits
-    static constexpr int kChunks = HEAD_DIM / kVec;                      // 128-bit chunks per row
-    static constexpr int kLanes = kChunks < 32 ? kChunks : 32;          // threads per row
-    static constexpr int kNV = kChunks / kLanes;                         // chunks per thread
-    static constexpr int kElems = kNV * kVec;                            // elements per thread
-    static constexpr int kRowsPerPass = kThreads / kLanes;
-    static_assert(HEAD_DIM % kVec == 0 && kChunks % kLanes == 0, "bad head_dim");
-    static_assert((kLanes & (kLanes - 1)) == 0 && 32 % kLanes == 0, "row group must divide a warp");
-};
-
-template <typename Storage, int N>
-struct alignas(16) Vec
-{
-    Storage v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ void loadStreaming(typename T::Storage const* p, float (&out)[N])
-{
-    using V = Vec<typename T::Storage, N>;
-    static_assert(sizeof(V) == 16, "one 128-bit access");
-    uint4 const raw = __ldcs(reinterpret_cast<uint4 const*>(p));
-    V const vec = *reinterpret_cast<V const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-    {
-        out[i] = T::toFloat(vec.v[i]);
-    }
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void loadCached(typename T::Storage const* p, float* out)
-{
-    using V = Vec<typename T::Storage, N>;
-    uint4 const raw = __ldg(reinterpret_cast<uint4 const*>(p));
-    V const vec = *reinterpret_cast<V const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-    {
-        out[i] = T::toFloat(vec.v[i]);
-    }
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void storeStreaming(typename T::Storage* p, float const* in)
-{
-    using V = Vec<typename T::Storage, N>;
-    V vec;
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-    {
-        vec.v[i] = T::fromFloat(in[i]);
-    }
-    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<uint4 const*>(&vec));
+    static_assert(sizeof(To) == sizeof(From), "same size");
+    To to;
+    memcpy(&to, &from, sizeof(To));
+    return to;
 }
 
 // ---------------------------------------------------------------------------------------------
+// 128-bit chunks <-> fp32, per element type. pack2 is the hardware conversion (round to nearest
+// even; a NaN becomes 0x7FFF, canonicalised by the caller); unpack of bf16 is a shift/mask.
+template <typename T>
+struct Chunk;
+
+template <>
+struct Chunk<Fp32>
+{
+    __device__ __forceinline__ static void unpack(uint4 const r, float* out)
+    {
+        out[0] = __uint_as_float(r.x);
+        out[1] = __uint_as_float(r.y);
+        out[2] = __uint_as_float(r.z);
+        out[3] = __uint_as_float(r.w);
+    }
+    __device__ __forceinline__ static uint4 pack(float const* in, unsigned& /*nan*/)
+    {
+        return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]),
+            __float_as_uint(in[3]));
+    }
+};
+
+constexpr uint32_t kHardwareNaN = 0x7FFFU; // what cvt.rn.{bf16,f16}.f32 returns for a NaN
+
+template <typename T>
+struct Chunk16
+{
+    __device__ __forceinline__ static void unpack(uint4 const r, float* out)
+    {
+        uint32_t const words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+            T::unpack2(words[i], out[2 * i], out[2 * i + 1]);
+        }
+    }
+    // Hardware conversion: a NaN becomes 0x7FFF (never the result of a non-NaN value). `nan`
+    // records that one was packed, one predicate per pair; the kernel canonicalises afterwards.
+    __device__ __forceinline__ static uint4 pack(float const* in, unsigned& nan)
+    {
+        uint32_t words[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+            words[i] = T::pack2(in[2 * i], in[2 * i + 1]);
+            nan |= (in[2 * i] != in[2 * i]) || (in[2 * i + 1] != in[2 * i + 1]) ? 1U : 0U;
+        }
+        return make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    // The halves of a chunk that hold the hardware NaN, replaced by torch's canonical NaN.
+    __device__ __forceinline__ static uint4 canonicalNaNs(uint4 const r)
+    {
+        uint32_t words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+            uint32_t const lo = words[i] & 0xFFFFU;
+            uint32_t const hi = words[i] >> 16;
+            words[i] = (lo == kHardwareNaN ? T::kCanonicalNaN : lo)
+                | ((hi == kHardwareNaN ? T::kCanonicalNaN : hi) << 16);
+        }
+        return make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    // Round a pair to the element type and back (rounding = 1); NaN payloads do not matter here.
+    __device__ __forceinline__ static void round2(float& a, float& b)
+    {
+        T::unpack2(T::pack2(a, b), a, b);
+    }
+};
+
+struct Bf16Ops
+{
+    static constexpr uint32_t kCanonicalNaN = math::kBf16CanonicalNaN;
+    __device__ __forceinline__ static void unpack2(uint32_t const w, float& lo, float& hi)
+    {
+        lo = __uint_as_float(w << 16);
+        hi = __uint_as_float(w & 0xFFFF0000U);
+    }
+    __device__ __forceinline__ static uint32_t pack2(float const lo, float const hi)
+    {
+        return bitCast<uint32_t>(__floats2bfloat162_rn(lo, hi));
+    }
+};
+
+struct Fp16Ops
+{
+    static constexpr uint32_t kCanonicalNaN = math::kFp16CanonicalNaN;
+    __device__ __forceinline__ static void unpack2(uint32_t const w, float& lo, float& hi)
+    {
+        float2 const f = __half22float2(bitCast<__half2>(w));
+        lo = f.x;
+        hi = f.y;
+    }
+    __device__ __forceinline__ static uint32_t pack2(float const lo, float const hi)
+    {
+        return bitCast<uint32_t>(__floats2half2_rn(lo, hi));
+    }
+};
+
+template <>
+struct Chunk<Bf16> : Chunk16<Bf16Ops>
+{
+};
+
+template <>
+struct Chunk<Fp16> : Chunk16<Fp16Ops>
+{
+};
+
+// ---------------------------------------------------------------------------------------------
 // Fast path.
-template <typename T, int HEAD_DIM, bool INTERLEAVED, int UNROLL>
+// kernel-report: qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROWS, int ROUNDING, bool FULL_ROTARY>
 __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel(KernelArgs const a)
 {
-    static_assert(UNROLL >= 1 && UNROLL <= kMaxUnroll, "bad unroll");
-    using C = FastConfig<T, HEAD_DIM>;
     using Storage = typename T::Storage;
-    constexpr int kVec = C::kVec;
-    constexpr int kLanes = C::kLanes;
-    constexpr int kNV = C::kNV;
-    constexpr int kElems = C::kElems;
-    constexpr int kRowsPerPass = C::kRowsPerPass;
-    // cos/sin values a thread needs: one per pair it owns (interleaved) or one per element (NeoX)
-    constexpr int kTrig = INTERLEAVED ? kElems / 2 : kElems;
+    using Ch = Chunk<T>;
+    constexpr int kBytes = static_cast<int>(sizeof(Storage));
+    constexpr int kVec = fastVec(kBytes);
+    constexpr int kLanes = fastLanes(HEAD_DIM, kBytes);
+    constexpr int kNV = fastChunksPerThread(HEAD_DIM, kBytes);
+    constexpr int kElems = kNV * kVec;
+    constexpr int kGroups = kThreads / kLanes;
+    // cos/sin values per thread and token: one per pair (interleaved), one per element of the
+    // first chunk (NeoX: with two chunks per thread the second holds the partners), in runs of
+    // consecutive cache columns, one run per chunk (interleaved) or one run (NeoX).
+    constexpr int kTrig = INTERLEAVED ? kElems / 2 : kVec;
+    constexpr int kRuns = INTERLEAVED ? kNV : 1;
+    constexpr int kRun = kTrig / kRuns;
+    static_assert(ROWS >= 1 && ROWS <= kMaxRows, "rows per unit");
+    static_assert(kNV == 1 || kNV == 2, "one or two chunks per thread");
+    static_assert(INTERLEAVED || kNV == 1 || FULL_ROTARY, "NeoX with two chunks pairs up only at full rotary");
+    static_assert(ROUNDING == 0 || !T::kIsFloat32, "fp32 has one rounding mode");
 
-    int const lane = static_cast<int>(threadIdx.x) % kLanes; // position inside the row group
-    int const group = static_cast<int>(threadIdx.x) / kLanes;
+    int const lane = static_cast<int>(threadIdx.x) % kLanes;
+    int64_t const group = static_cast<int64_t>(blockIdx.x) * kGroups + static_cast<int>(threadIdx.x) / kLanes;
+    int const units = a.unitsPerToken;
+    int const slot = static_cast<int>(group % units);
+    int64_t t = group / units;
+    bool const isQ = slot < units / 2;
+    int const headBase = (isQ ? slot : slot - units / 2) * ROWS;
     int const numHeads = a.numHeads;
-    int const rowBegin = static_cast<int>(blockIdx.y) * a.rowsPerSplit;
-    int const rowEnd = min(rowBegin + a.rowsPerSplit, 2 * numHeads);
     int const rot = a.rotaryDim;
     int const half = rot / 2;
 
     // Element index of element i of this thread's chunk v.
     auto elem = [lane](int v, int i) { return (v * kLanes + lane) * kVec + i; };
 
-    // NeoX exchange partner (kNV == 1): the lane holding element e +/- half, relative to the group.
-    int const halfChunks = half / kVec;
-    int const rotChunks = rot / kVec;
-    int const partner = lane < halfChunks ? lane + halfChunks : (lane < rotChunks ? lane - halfChunks : lane);
+    Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k);
+    Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut);
 
-    // Weights: loaded once per thread for the whole kernel.
-    float qw[kElems];
-    float kw[kElems];
+    // The weights, once for the whole kernel (scalar loads: they need no alignment).
+    float w[kElems];
+    {
+        Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
+#pragma unroll
+        for (int v = 0; v < kNV; ++v)
+        {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i)
+            {
+                w[v * kVec + i] = T::toFloat(__ldg(weight + elem(v, i)));
+            }
+        }
+    }
+
+    // The unit's rows inside a token. When ROWS does not divide the head count, the last unit
+    // repeats the last head: loaded (in bounds), never stored.
+    int rowOffset[ROWS];
+    unsigned stored = 0;
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u)
+    {
+        int const h = headBase + u;
+        rowOffset[u] = (h < numHeads ? h : numHeads - 1) * HEAD_DIM + elem(0, 0);
+        stored |= (h < numHeads ? 1U : 0U) << u;
+    }
+
+    // cos/sin columns: run r starts at trigBase[r]. NeoX: a chunk is all first-half elements
+    // (partner + half, sin negated), all second-half, or, past rotary_dim, passed through.
+    int trigBase[kRuns];
+    bool runRotated[kRuns];
+#pragma unroll
+    for (int r = 0; r < kRuns; ++r)
+    {
+        int const e = elem(r, 0);
+        trigBase[r] = INTERLEAVED ? e / 2 : (e < half ? e : e - half);
+        runRotated[r] = e < rot;
+    }
+    int const e0 = elem(0, 0);
+    bool const neoxFirst = !INTERLEAVED && kNV == 1 && e0 < half;
+    int const partner = neoxFirst ? lane + half / kVec : (e0 < rot ? lane - half / kVec : lane);
+    // Partial rotary: which of this thread's elements are rotated (bit per element).
+    unsigned rotatedMask = 0;
 #pragma unroll
     for (int v = 0; v < kNV; ++v)
     {
-        loadCached<T, kVec>(static_cast<Storage const*>(a.qWeight) + elem(v, 0), qw + v * kVec);
-        loadCached<T, kVec>(static_cast<Storage const*>(a.kWeight) + elem(v, 0), kw + v * kVec);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i)
+        {
+            rotatedMask |= (elem(v, i) < rot ? 1U : 0U) << (v * kVec + i);
+        }
     }
 
-    for (int64_t t = blockIdx.x; t < a.numTokens; t += gridDim.x)
-    {
-        // This token's cos/sin, once, reused for all its q and k heads.
-        float const* cacheRow = a.cache + (t % a.seqLen) * static_cast<int64_t>(rot);
-        float cosv[kTrig];
-        float sinv[kTrig];
+    auto loadRows = [&](Storage const* const token, uint4 (&raw)[ROWS][kNV]) {
 #pragma unroll
-        for (int p = 0; p < kTrig; ++p)
+        for (int u = 0; u < ROWS; ++u)
         {
-            int const e = INTERLEAVED ? elem(p / (kVec / 2), 2 * (p % (kVec / 2))) : elem(p / kVec, p % kVec);
-            int const j = INTERLEAVED ? e / 2 : (e < half ? e : e - half);
-            bool const rotated = e < rot;
-            cosv[p] = rotated ? __ldg(cacheRow + j) : 1.0F;
-            sinv[p] = rotated ? __ldg(cacheRow + half + j) : 0.0F;
-        }
-
-        int64_t const tokenRow = t * numHeads; // row index of (t, head 0)
-        for (int rBase = rowBegin; rBase < rowEnd; rBase += kRowsPerPass * UNROLL)
-        {
-            float x[UNROLL][kElems];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
+            for (int v = 0; v < kNV; ++v)
             {
-                int const r = rBase + u * kRowsPerPass + group;
-                if (r < rowEnd)
+                raw[u][v] = __ldcs(reinterpret_cast<uint4 const*>(token + rowOffset[u] + v * kLanes * kVec));
+            }
+        }
+    };
+    // cos/sin of one token: 16-byte aligned runs (selectPath: cache 16-byte aligned, rotary half a
+    // multiple of 4), each rotated entirely or not at all.
+    auto loadTrig = [&](float const* const row, float (&cosv)[kTrig], float (&sinv)[kTrig]) {
+#pragma unroll
+        for (int r = 0; r < kRuns; ++r)
+        {
+            float* const c = cosv + r * kRun;
+            float* const n = sinv + r * kRun;
+#pragma unroll
+            for (int m = 0; m < kRun; m += (kRun >= 4 ? 4 : 2))
+            {
+                if constexpr (kRun >= 4)
                 {
-                    bool const isQ = r < numHeads;
-                    int64_t const offset = (tokenRow + (isQ ? r : r - numHeads)) * HEAD_DIM;
-                    Storage const* src = static_cast<Storage const*>(isQ ? a.q : a.k) + offset;
-#pragma unroll
-                    for (int v = 0; v < kNV; ++v)
+                    float4 cv = make_float4(1.0F, 1.0F, 1.0F, 1.0F);
+                    float4 nv = make_float4(0.0F, 0.0F, 0.0F, 0.0F);
+                    if (FULL_ROTARY || runRotated[r])
                     {
-                        float tmp[kVec];
-                        loadStreaming<T, kVec>(src + elem(v, 0), tmp);
-#pragma unroll
-                        for (int i = 0; i < kVec; ++i)
-                        {
-                            x[u][v * kVec + i] = tmp[i];
-                        }
+                        cv = __ldg(reinterpret_cast<float4 const*>(row + trigBase[r] + m));
+                        nv = __ldg(reinterpret_cast<float4 const*>(row + half + trigBase[r] + m));
                     }
+                    c[m] = cv.x, c[m + 1] = cv.y, c[m + 2] = cv.z, c[m + 3] = cv.w;
+                    n[m] = nv.x, n[m + 1] = nv.y, n[m + 2] = nv.z, n[m + 3] = nv.w;
                 }
                 else
                 {
-#pragma unroll
-                    for (int i = 0; i < kElems; ++i)
+                    float2 cv = make_float2(1.0F, 1.0F);
+                    float2 nv = make_float2(0.0F, 0.0F);
+                    if (FULL_ROTARY || runRotated[r])
                     {
-                        x[u][i] = 0.0F;
+                        cv = __ldg(reinterpret_cast<float2 const*>(row + trigBase[r] + m));
+                        nv = __ldg(reinterpret_cast<float2 const*>(row + half + trigBase[r] + m));
                     }
+                    c[m] = cv.x, c[m + 1] = cv.y;
+                    n[m] = nv.x, n[m + 1] = nv.y;
+                }
+            }
+            if (neoxFirst)
+            {
+#pragma unroll
+                for (int m = 0; m < kRun; ++m)
+                {
+                    n[m] = -n[m]; // a*c - b*n == a*c + b*(-n), exactly
+                }
+            }
+        }
+    };
+
+    // Walk this group's tokens with pointers (no per-token multiplications): token t, t + step, ...
+    int64_t const tokenElems = static_cast<int64_t>(numHeads) * HEAD_DIM;
+    int64_t const stepElems = a.tokenStep * tokenElems;
+    int64_t remaining = t < a.numTokens ? (a.numTokens - t + a.tokenStep - 1) / a.tokenStep : 0;
+    Storage const* in = src + t * tokenElems;
+    Storage* out = dst + t * tokenElems;
+    float const* trig = a.cache + (t < a.numTokens ? t % a.seqLen : 0) * rot;
+    float const* const trigEnd = a.cache + a.seqLen * rot;
+    int64_t const trigStep = a.seqStep * rot;
+    int64_t const trigWrap = a.seqLen * rot;
+    unsigned packedNaN = 0;
+
+    // One token: fetch its cos/sin, issue the next token's row loads into `next`, then normalise,
+    // rotate and store `cur`. Called alternately with the two buffers swapped (no copies).
+    auto token = [&](uint4 (&cur)[ROWS][kNV], uint4 (&next)[ROWS][kNV]) {
+        float cosv[kTrig];
+        float sinv[kTrig];
+        loadTrig(trig, cosv, sinv);
+        Storage const* const inNext = in + stepElems;
+        if (remaining > 1)
+        {
+            loadRows(inNext, next);
+        }
+
+        // Sum of squares of every row, the rows' reductions interleaved.
+        float sumSq[ROWS];
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+            float x[kElems];
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+                Ch::unpack(cur[u][v], x + v * kVec);
+            }
+            sumSq[u] = 0.0F;
+#pragma unroll
+            for (int i = 0; i < kElems; ++i)
+            {
+                sumSq[u] = math::fmaSquare(x[i], sumSq[u]);
+            }
+        }
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset /= 2)
+        {
+#pragma unroll
+            for (int u = 0; u < ROWS; ++u)
+            {
+                sumSq[u] = math::add(sumSq[u], __shfl_xor_sync(kFullMask, sumSq[u], offset, kLanes));
+            }
+        }
+
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+            float const inv = math::rmsInvPow2<HEAD_DIM>(sumSq[u], a.eps);
+            float x[kElems];
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+                Ch::unpack(cur[u][v], x + v * kVec);
+            }
+            float y[kElems];
+#pragma unroll
+            for (int i = 0; i < kElems; i += 2)
+            {
+                float n0 = math::mul(x[i], inv);
+                float n1 = math::mul(x[i + 1], inv);
+                if constexpr (ROUNDING == 1)
+                {
+                    Ch::round2(n0, n1);
+                    n0 = math::mul(n0, w[i]);
+                    n1 = math::mul(n1, w[i + 1]);
+                    Ch::round2(n0, n1);
+                }
+                else
+                {
+                    n0 = math::mul(n0, w[i]);
+                    n1 = math::mul(n1, w[i + 1]);
+                }
+                y[i] = n0;
+                y[i + 1] = n1;
+            }
+
+            float o[kElems];
+            if constexpr (INTERLEAVED)
+            {
+#pragma unroll
+                for (int p = 0; p < kElems / 2; ++p)
+                {
+                    o[2 * p] = math::rotateFirst(y[2 * p], y[2 * p + 1], cosv[p], sinv[p]);
+                    o[2 * p + 1] = math::rotateSecond(y[2 * p], y[2 * p + 1], cosv[p], sinv[p]);
+                }
+            }
+            else if constexpr (kNV == 1)
+            {
+#pragma unroll
+                for (int i = 0; i < kElems; ++i)
+                {
+                    // every lane of the group takes part (pass-through lanes fetch their own value)
+                    float const other = __shfl_sync(kFullMask, y[i], partner, kLanes);
+                    // first half: y*c - other*n (sin negated); second half: other*n + y*c
+                    o[i] = math::add(math::mul(y[i], cosv[i]), math::mul(other, sinv[i]));
+                }
+            }
+            else
+            {
+#pragma unroll
+                for (int i = 0; i < kVec; ++i)
+                {
+                    o[i] = math::rotateFirst(y[i], y[kVec + i], cosv[i], sinv[i]);
+                    o[kVec + i] = math::rotateSecond(y[i], y[kVec + i], cosv[i], sinv[i]);
+                }
+            }
+            if constexpr (!FULL_ROTARY)
+            {
+#pragma unroll
+                for (int i = 0; i < kElems; ++i)
+                {
+                    o[i] = (rotatedMask >> i) & 1U ? o[i] : y[i];
                 }
             }
 
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
+            if ((stored >> u) & 1U)
             {
-                int const r = rBase + u * kRowsPerPass + group;
-                bool const isQ = r < numHeads;
+#pragma unroll
+                for (int v = 0; v < kNV; ++v)
+                {
+                    *reinterpret_cast<uint4*>(out + rowOffset[u] + v * kLanes * kVec)
+                        = Ch::pack(o + v * kVec, packedNaN);
+                }
+            }
+        }
 
-                float sumSq = 0.0F;
-#pragma unroll
-                for (int i = 0; i < kElems; ++i)
-                {
-                    sumSq = math::add(sumSq, math::mul(x[u][i], x[u][i]));
-                }
-#pragma unroll
-                for (int offset = kLanes / 2; offset > 0; offset /= 2)
-                {
-                    sumSq = math::add(sumSq, __shfl_xor_sync(kFullMask, sumSq, offset));
-                }
-                float const inv = math::rmsInv(sumSq, HEAD_DIM, a.eps);
+        in = inNext;
+        out += stepElems;
+        trig += trigStep;
+        trig = trig >= trigEnd ? trig - trigWrap : trig;
+        --remaining;
+    };
 
-                float y[kElems];
-#pragma unroll
-                for (int i = 0; i < kElems; ++i)
-                {
-                    y[i] = math::normalize<T>(x[u][i], inv, isQ ? qw[i] : kw[i], a.rounding);
-                }
+    uint4 rawA[ROWS][kNV];
+    uint4 rawB[ROWS][kNV];
+    if (remaining > 0)
+    {
+        loadRows(in, rawA);
+    }
+    while (remaining > 0)
+    {
+        token(rawA, rawB);
+        if (remaining == 0)
+        {
+            break;
+        }
+        token(rawB, rawA);
+    }
 
-                float out[kElems];
-                if constexpr (INTERLEAVED)
-                {
+    // Rare: a row produced a NaN (NaN or inf inputs, weights or cache). Give the halves this
+    // thread stored torch's canonical NaN, outside the hot loop. Only this thread wrote them.
+    if constexpr (!T::kIsFloat32)
+    {
+        if (__builtin_expect(packedNaN != 0, 0))
+        {
+            for (int64_t tt = group / units; tt < a.numTokens; tt += a.tokenStep)
+            {
+                Storage* const row = dst + tt * tokenElems;
 #pragma unroll
-                    for (int p = 0; p < kElems / 2; ++p)
-                    {
-                        float const ya = y[2 * p];
-                        float const yb = y[2 * p + 1];
-                        out[2 * p] = math::rotateFirst(ya, yb, cosv[p], sinv[p]);
-                        out[2 * p + 1] = math::rotateSecond(ya, yb, cosv[p], sinv[p]);
-                        // elements >= rotary_dim: cos = 1, sin = 0 would be exact too, but keep
-                        // them untouched explicitly (no -0.0 / NaN surprises).
-                        if (elem((2 * p) / kVec, (2 * p) % kVec) >= rot)
-                        {
-                            out[2 * p] = ya;
-                            out[2 * p + 1] = yb;
-                        }
-                    }
-                }
-                else if constexpr (kNV == 1)
+                for (int u = 0; u < ROWS; ++u)
                 {
-#pragma unroll
-                    for (int i = 0; i < kElems; ++i)
-                    {
-                        // every lane of the warp takes part in the shuffle
-                        float const other = __shfl_sync(kFullMask, y[i], partner, kLanes);
-                        int const e = elem(0, i);
-                        if (e < half)
-                        {
-                            out[i] = math::rotateFirst(y[i], other, cosv[i], sinv[i]);
-                        }
-                        else if (e < rot)
-                        {
-                            out[i] = math::rotateSecond(other, y[i], cosv[i], sinv[i]);
-                        }
-                        else
-                        {
-                            out[i] = y[i];
-                        }
-                    }
-                }
-                else
-                {
-                    // kNV == 2 with rotary_dim == head_dim: chunk v = 0 holds the first halves,
-                    // chunk v = 1 the partners, in the same thread.
-                    static_assert(kNV == 2, "NeoX in-thread pairing expects two chunks per thread");
-#pragma unroll
-                    for (int i = 0; i < kVec; ++i)
-                    {
-                        float const ya = y[i];
-                        float const yb = y[kVec + i];
-                        out[i] = math::rotateFirst(ya, yb, cosv[i], sinv[i]);
-                        out[kVec + i] = math::rotateSecond(ya, yb, cosv[kVec + i], sinv[kVec + i]);
-                    }
-                }
-
-                if (r < rowEnd)
-                {
-                    int64_t const offset = (tokenRow + (isQ ? r : r - numHeads)) * HEAD_DIM;
-                    Storage* dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut) + offset;
 #pragma unroll
                     for (int v = 0; v < kNV; ++v)
                     {
-                        storeStreaming<T, kVec>(dst + elem(v, 0), out + v * kVec);
+                        if ((stored >> u) & 1U)
+                        {
+                            uint4* const chunk = reinterpret_cast<uint4*>(row + rowOffset[u] + v * kLanes * kVec);
+                            *chunk = Ch::canonicalNaNs(*chunk);
+                        }
                     }
                 }
             }
@@ -320,144 +544,184 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
 }
 
 // ---------------------------------------------------------------------------------------------
-// General path: one warp per (token, q/k, head) row, any even head_dim <= 512.
-constexpr int kGeneralPerLane = static_cast<int>(kMAX_HEAD_DIM) / 32;
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs const a, bool const interleaved)
+// General path: one warp per (token, q/k, head) row, lane owning element pairs lane + 32 i.
+// kernel-report: qkNormRopeGeneralKernel<T, PAIRS, ALIGNED>
+template <typename T, int PAIRS, bool ALIGNED>
+__global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs const a)
 {
     using Storage = typename T::Storage;
-    __shared__ float staged[kWarpsPerBlock][kMAX_HEAD_DIM];
+    constexpr int kE = 2 * PAIRS;
+    static_assert(PAIRS * 2 * kGeneralLanes >= 2 && PAIRS <= kMAX_HEAD_DIM / (2 * kGeneralLanes), "pairs");
+    __shared__ float staged[kWarpsPerBlock][kMAX_HEAD_DIM]; // NeoX partner exchange
 
     int const warp = static_cast<int>(threadIdx.x) / 32;
     int const lane = static_cast<int>(threadIdx.x) % 32;
+    int64_t const group = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+    int const units = a.unitsPerToken; // 2 * numHeads
+    int const slot = static_cast<int>(group % units);
+    int64_t t = group / units;
     int const numHeads = a.numHeads;
+    bool const isQ = slot < numHeads;
+    int const head = isQ ? slot : slot - numHeads;
     int const headDim = a.headDim;
     int const rot = a.rotaryDim;
     int const half = rot / 2;
-    int64_t const rowsPerToken = 2 * static_cast<int64_t>(numHeads);
-    int64_t const totalRows = a.numTokens * rowsPerToken;
-    float* ys = staged[warp];
+    bool const interleaved = a.interleaved;
+    int64_t const tokenElems = static_cast<int64_t>(numHeads) * headDim;
+    Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k) + static_cast<int64_t>(head) * headDim;
+    Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut) + static_cast<int64_t>(head) * headDim;
+    float* const ys = staged[warp];
 
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; row < totalRows;
-         row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock)
+    auto elemOf = [lane](int i, int c) { return 2 * (lane + kGeneralLanes * i) + c; };
+    float w[kE];
     {
-        int64_t const t = row / rowsPerToken;
-        int const r = static_cast<int>(row - t * rowsPerToken);
-        bool const isQ = r < numHeads;
-        int64_t const offset = (t * numHeads + (isQ ? r : r - numHeads)) * static_cast<int64_t>(headDim);
-        Storage const* src = static_cast<Storage const*>(isQ ? a.q : a.k) + offset;
-        Storage const* w = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
-        float const* cacheRow = a.cache + (t % a.seqLen) * static_cast<int64_t>(rot);
+        Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
+#pragma unroll
+        for (int i = 0; i < kE; ++i)
+        {
+            int const e = elemOf(i / 2, i % 2);
+            w[i] = e < headDim ? T::toFloat(__ldg(weight + e)) : 0.0F;
+        }
+    }
 
-        float x[kGeneralPerLane];
+    int64_t s = t < a.numTokens ? t % a.seqLen : 0;
+    for (; t < a.numTokens; t += a.tokenStep)
+    {
+        Storage const* const row = src + t * tokenElems;
+        float const* const cacheRow = a.cache + s * rot;
+
+        float x[kE];
+#pragma unroll
+        for (int i = 0; i < PAIRS; ++i)
+        {
+            int const e = elemOf(i, 0);
+            if (e < headDim)
+            {
+                if constexpr (ALIGNED)
+                {
+                    using Pair = std::conditional_t<sizeof(Storage) == 4, uint2, uint32_t>;
+                    Pair const bits = *reinterpret_cast<Pair const*>(row + e);
+                    Storage pair[2];
+                    memcpy(pair, &bits, sizeof(pair));
+                    x[2 * i] = T::toFloat(pair[0]);
+                    x[2 * i + 1] = T::toFloat(pair[1]);
+                }
+                else
+                {
+                    x[2 * i] = T::toFloat(row[e]);
+                    x[2 * i + 1] = T::toFloat(row[e + 1]);
+                }
+            }
+            else
+            {
+                x[2 * i] = 0.0F;
+                x[2 * i + 1] = 0.0F;
+            }
+        }
         float sumSq = 0.0F;
 #pragma unroll
-        for (int i = 0; i < kGeneralPerLane; ++i)
+        for (int i = 0; i < kE; ++i)
         {
-            int const e = lane + 32 * i;
-            x[i] = e < headDim ? T::toFloat(src[e]) : 0.0F;
-            sumSq = math::add(sumSq, math::mul(x[i], x[i]));
+            sumSq = math::fmaSquare(x[i], sumSq); // zeros past head_dim add exactly nothing
         }
 #pragma unroll
-        for (int o = 16; o > 0; o /= 2)
+        for (int offset = kGeneralLanes / 2; offset > 0; offset /= 2)
         {
-            sumSq = math::add(sumSq, __shfl_xor_sync(kFullMask, sumSq, o));
+            sumSq = math::add(sumSq, __shfl_xor_sync(kFullMask, sumSq, offset, kGeneralLanes));
         }
         float const inv = math::rmsInv(sumSq, headDim, a.eps);
+        float y[kE];
 #pragma unroll
-        for (int i = 0; i < kGeneralPerLane; ++i)
+        for (int i = 0; i < kE; ++i)
         {
-            int const e = lane + 32 * i;
-            if (e < headDim)
-            {
-                ys[e] = math::normalize<T>(x[i], inv, T::toFloat(w[e]), a.rounding);
-            }
+            y[i] = math::normalize<T>(x[i], inv, w[i], a.rounding);
         }
-        __syncwarp();
 
-        Storage* dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut) + offset;
-#pragma unroll
-        for (int i = 0; i < kGeneralPerLane; ++i)
+        float o[kE];
+        if (interleaved)
         {
-            int const e = lane + 32 * i;
-            if (e < headDim)
+#pragma unroll
+            for (int i = 0; i < PAIRS; ++i)
             {
-                float result = ys[e];
-                if (e < rot)
+                int const j = elemOf(i, 0) / 2;
+                if (2 * j < rot)
                 {
-                    int const j = interleaved ? e / 2 : (e < half ? e : e - half);
-                    bool const first = interleaved ? (e % 2 == 0) : (e < half);
-                    int const ia = interleaved ? 2 * j : j;
-                    int const ib = interleaved ? 2 * j + 1 : j + half;
                     float const c = __ldg(cacheRow + j);
                     float const n = __ldg(cacheRow + half + j);
-                    result = first ? math::rotateFirst(ys[ia], ys[ib], c, n) : math::rotateSecond(ys[ia], ys[ib], c, n);
+                    o[2 * i] = math::rotateFirst(y[2 * i], y[2 * i + 1], c, n);
+                    o[2 * i + 1] = math::rotateSecond(y[2 * i], y[2 * i + 1], c, n);
                 }
-                dst[e] = T::fromFloat(result);
+                else
+                {
+                    o[2 * i] = y[2 * i];
+                    o[2 * i + 1] = y[2 * i + 1];
+                }
             }
         }
-        __syncwarp(); // ys is rewritten by the next row
+        else
+        {
+#pragma unroll
+            for (int i = 0; i < kE; ++i)
+            {
+                int const e = elemOf(i / 2, i % 2);
+                if (e < headDim)
+                {
+                    ys[e] = y[i];
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < kE; ++i)
+            {
+                int const e = elemOf(i / 2, i % 2);
+                o[i] = y[i];
+                if (e < half)
+                {
+                    o[i] = math::rotateFirst(y[i], ys[e + half], __ldg(cacheRow + e), __ldg(cacheRow + half + e));
+                }
+                else if (e < rot)
+                {
+                    int const j = e - half;
+                    o[i] = math::rotateSecond(ys[j], y[i], __ldg(cacheRow + j), __ldg(cacheRow + half + j));
+                }
+            }
+            __syncwarp(); // ys is rewritten for the next token
+        }
+
+        Storage* const outRow = dst + t * tokenElems;
+#pragma unroll
+        for (int i = 0; i < PAIRS; ++i)
+        {
+            int const e = elemOf(i, 0);
+            if (e < headDim)
+            {
+                Storage const pair[2] = {T::fromFloat(o[2 * i]), T::fromFloat(o[2 * i + 1])};
+                if constexpr (ALIGNED)
+                {
+                    using Pair = std::conditional_t<sizeof(Storage) == 4, uint2, uint32_t>;
+                    Pair bits;
+                    memcpy(&bits, pair, sizeof(bits));
+                    *reinterpret_cast<Pair*>(outRow + e) = bits;
+                }
+                else
+                {
+                    outRow[e] = pair[0];
+                    outRow[e + 1] = pair[1];
+                }
+            }
+        }
+        s += a.seqStep;
+        s = s >= a.seqLen ? s - a.seqLen : s;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.
-int smCount(int device)
-{
-    static std::atomic<int> cached[kMaxDevices];
-    if (device >= 0 && device < kMaxDevices)
-    {
-        int const c = cached[device].load(std::memory_order_relaxed);
-        if (c > 0)
-        {
-            return c;
-        }
-    }
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0)
-    {
-        // A failed query must not leave its error behind: the launch below would then report
-        // kCUDA_ERROR although it succeeded (cudaGetLastError returns the last error of the thread).
-        (void) cudaGetLastError();
-        count = 1;
-    }
-    if (device >= 0 && device < kMaxDevices)
-    {
-        cached[device].store(count, std::memory_order_relaxed);
-    }
-    return count;
-}
-
-template <typename Kernel>
-int blocksPerSm(Kernel kernel, int device, std::atomic<int>* cache)
-{
-    if (device >= 0 && device < kMaxDevices)
-    {
-        int const c = cache[device].load(std::memory_order_relaxed);
-        if (c > 0)
-        {
-            return c;
-        }
-    }
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0) != cudaSuccess || blocks <= 0)
-    {
-        (void) cudaGetLastError(); // see smCount
-        blocks = 1;
-    }
-    if (device >= 0 && device < kMaxDevices)
-    {
-        cache[device].store(blocks, std::memory_order_relaxed);
-    }
-    return blocks;
-}
 
 // The one place kernels are launched. cudaLaunchKernel returns the status of this launch itself,
 // so an error left behind by earlier work on the thread is never reported as this launch's
 // failure (cudaGetLastError after <<<>>> would). Each argument is converted to the kernel's
-// parameter type first, so the runtime reads exactly the objects it expects. The SIMT emulation
-// (plugins/simt) provides the same cudaLaunchKernel, which is how the unchanged source runs there.
+// parameter type first, so the runtime reads exactly the objects it expects.
 template <typename... Params, typename... Args>
 cudaError_t launchKernel(void (*kernel)(Params...), dim3 const grid, dim3 const block, cudaStream_t stream,
     Args&&... args)
@@ -472,117 +736,245 @@ cudaError_t launchKernel(void (*kernel)(Params...), dim3 const grid, dim3 const 
         values);
 }
 
+// A device query that fails falls back to `fallback`; the error it raised is consumed only when
+// the thread had none before, so an earlier error stays for its owner to read.
+template <typename Query>
+int queryOr(Query query, int fallback)
+{
+    cudaError_t const before = cudaPeekAtLastError();
+    int value = 0;
+    if (query(&value) != cudaSuccess || value <= 0)
+    {
+        if (before == cudaSuccess)
+        {
+            (void) cudaGetLastError();
+        }
+        return fallback;
+    }
+    return value;
+}
+
+int smCount(int device)
+{
+    static std::atomic<int> cached[kMaxDevices];
+    bool const cacheable = device >= 0 && device < kMaxDevices;
+    if (cacheable && cached[device].load(std::memory_order_relaxed) > 0)
+    {
+        return cached[device].load(std::memory_order_relaxed);
+    }
+    int const count = queryOr(
+        [device](int* v) { return cudaDeviceGetAttribute(v, cudaDevAttrMultiProcessorCount, device); }, 1);
+    if (cacheable)
+    {
+        cached[device].store(count, std::memory_order_relaxed);
+    }
+    return count;
+}
+
+// Resident blocks of KERNEL on the whole device (blocks per SM from the occupancy query x SMs),
+// cached per kernel instance and device.
+template <auto KERNEL>
+int64_t residentBlocks(int device)
+{
+    auto const kernel = KERNEL;
+    static std::atomic<int> cached[kMaxDevices];
+    bool const cacheable = device >= 0 && device < kMaxDevices;
+    int perSm = cacheable ? cached[device].load(std::memory_order_relaxed) : 0;
+    if (perSm <= 0)
+    {
+        perSm = queryOr(
+            [kernel](int* v) { return cudaOccupancyMaxActiveBlocksPerMultiprocessor(v, kernel, kThreads, 0); }, 1);
+        if (cacheable)
+        {
+            cached[device].store(perSm, std::memory_order_relaxed);
+        }
+    }
+    return static_cast<int64_t>(perSm) * smCount(device);
+}
+
 int64_t ceilDiv(int64_t a, int64_t b)
 {
     return (a + b - 1) / b;
 }
 
-template <typename T, int HEAD_DIM, bool INTERLEAVED, int UNROLL>
-cudaError_t launchFastUnrolled(KernelArgs const& a, dim3 const grid, cudaStream_t stream)
+int64_t gcd(int64_t a, int64_t b)
 {
-    return launchKernel(qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, UNROLL>, grid, dim3(kThreads), stream, a);
+    while (b != 0)
+    {
+        int64_t const r = a % b;
+        a = b;
+        b = r;
+    }
+    return a;
 }
 
-// Rows per thread loaded before any is computed, for `passes` row-group passes per block: as many
-// as possible (<= kMaxUnroll) in the fewest rounds, spread evenly, so no slot is carried through
-// the registers and the shuffles empty (Qwen-Image bf16/fp16 head_dim 128: 48 rows of a token,
-// 16 per pass -> 3 passes -> UNROLL 3, one round; fp32: 6 passes -> 2 rounds of 3).
-int64_t unrollFor(int64_t passes)
+struct TokenSplit
 {
-    int64_t const rounds = ceilDiv(passes, kMaxUnroll);
-    return ceilDiv(passes, rounds);
+    int64_t blocks;    // grid size
+    int64_t tokenStep; // tokens in flight at once = tokens between a group's consecutive tokens
+};
+
+// Grid for `unitsPerToken` row-group slots per token and `groupsPerBlock` groups per block: a
+// multiple of the smallest block count whose groups cover whole tokens, no larger than the
+// resident blocks (so every block is resident and walks tokens) nor than the problem needs.
+TokenSplit splitTokens(int64_t numTokens, int64_t unitsPerToken, int64_t groupsPerBlock, int64_t resident)
+{
+    int64_t const g = gcd(unitsPerToken, groupsPerBlock);
+    int64_t const quantumBlocks = unitsPerToken / g;
+    int64_t const quantumTokens = groupsPerBlock / g;
+    int64_t const needed = ceilDiv(numTokens, quantumTokens) * quantumBlocks;
+    int64_t const fit = resident / quantumBlocks * quantumBlocks;
+    int64_t blocks = needed < fit ? needed : fit;
+    blocks = blocks > quantumBlocks ? blocks : quantumBlocks;
+    return TokenSplit{blocks, blocks / quantumBlocks * quantumTokens};
 }
 
+// Rows per unit an instance may hold without spilling under its 128-register budget: 4 for
+// interleaved pairs in one chunk, 3 where NeoX shuffles or two chunks per thread need more registers.
 template <typename T, int HEAD_DIM, bool INTERLEAVED>
+constexpr int maxRows()
+{
+    return INTERLEAVED && fastChunksPerThread(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage))) == 1 ? 4 : 3;
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY, int ROWS>
+int64_t fastResident(int device)
+{
+    if constexpr (ROWS <= maxRows<T, HEAD_DIM, INTERLEAVED>())
+    {
+        return residentBlocks<qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>>(device);
+    }
+    return 0;
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY, int ROWS>
+cudaError_t launchFastRows(KernelArgs const& a, dim3 const grid, cudaStream_t stream)
+{
+    if constexpr (ROWS <= maxRows<T, HEAD_DIM, INTERLEAVED>())
+    {
+        return launchKernel(qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>, grid,
+            dim3(kThreads), stream, a);
+    }
+    return cudaErrorInvalidValue; // unreachable: launchFast never picks more than maxRows()
+}
+
+// Fast path: rows per unit minimising (rounds of tokens) x (rows per round), i.e. the time of the
+// busiest row group; ties go to more rows (fewer cos/sin loads and unit set-ups per row).
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY>
 cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
 {
-    using C = FastConfig<T, HEAD_DIM>;
-    // The grid is sized with the occupancy of the most register-hungry instance (UNROLL 4), so the
-    // split decision does not depend on the unroll it then selects.
-    static std::atomic<int> occupancy[kMaxDevices];
-    int64_t const target = static_cast<int64_t>(blocksPerSm(qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, kMaxUnroll>,
-                               device, occupancy))
-        * smCount(device);
-
-    int64_t const rowsPerToken = 2 * static_cast<int64_t>(a.numHeads);
-    int64_t const passes = ceilDiv(rowsPerToken, C::kRowsPerPass);
-    int64_t splits = 1;
-    if (a.numTokens < target)
+    constexpr int kGroups = kThreads / fastLanes(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage)));
+    constexpr int kRowsMax = maxRows<T, HEAD_DIM, INTERLEAVED>();
+    int64_t const resident[kMaxRows] = {fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 1>(device),
+        fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 2>(device),
+        fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(device),
+        fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 4>(device)};
+    int best = 0;
+    int64_t bestCost = 0;
+    TokenSplit bestSplit{};
+    for (int rows = kRowsMax; rows >= 1; --rows)
     {
-        splits = ceilDiv(target, a.numTokens);
-        splits = splits < passes ? splits : passes;
+        int64_t const units = 2 * ceilDiv(a.numHeads, rows);
+        TokenSplit const split = splitTokens(a.numTokens, units, kGroups, resident[rows - 1]);
+        int64_t const cost = ceilDiv(a.numTokens, split.tokenStep) * rows;
+        if (best == 0 || cost < bestCost)
+        {
+            best = rows;
+            bestCost = cost;
+            bestSplit = split;
+        }
     }
-    int64_t const passesPerSplit = ceilDiv(passes, splits);
-    int64_t const rowsPerSplit = passesPerSplit * C::kRowsPerPass;
-    splits = ceilDiv(rowsPerToken, rowsPerSplit);
-    a.rowsPerSplit = static_cast<int32_t>(rowsPerSplit);
-
-    int64_t gridX = a.numTokens;
-    int64_t const maxGridX = target * 16; // beyond that, blocks loop over tokens
-    gridX = gridX < maxGridX ? gridX : maxGridX;
-    dim3 const grid(static_cast<unsigned>(gridX), static_cast<unsigned>(splits), 1);
-    switch (unrollFor(passesPerSplit))
+    a.unitsPerToken = static_cast<int32_t>(2 * ceilDiv(a.numHeads, best));
+    a.tokenStep = bestSplit.tokenStep;
+    a.seqStep = bestSplit.tokenStep % a.seqLen;
+    dim3 const grid(static_cast<unsigned>(bestSplit.blocks));
+    switch (best)
     {
-    case 1: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 1>(a, grid, stream);
-    case 2: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 2>(a, grid, stream);
-    case 3: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 3>(a, grid, stream);
-    default: return launchFastUnrolled<T, HEAD_DIM, INTERLEAVED, 4>(a, grid, stream);
+    case 1: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 1>(a, grid, stream);
+    case 2: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 2>(a, grid, stream);
+    case 3: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(a, grid, stream);
+    default: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 4>(a, grid, stream);
     }
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING>
+cudaError_t launchFastRotary(KernelArgs const& a, int device, cudaStream_t stream)
+{
+    constexpr int kNV = fastChunksPerThread(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage)));
+    if (a.rotaryDim == HEAD_DIM)
+    {
+        return launchFast<T, HEAD_DIM, INTERLEAVED, ROUNDING, true>(a, device, stream);
+    }
+    if constexpr (INTERLEAVED || kNV == 1)
+    {
+        return launchFast<T, HEAD_DIM, INTERLEAVED, ROUNDING, false>(a, device, stream);
+    }
+    return cudaErrorInvalidValue; // unreachable: selectPath sends this case to the general path
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t launchFastHeadDim(KernelArgs const& a, bool interleaved, int rounding, int device, cudaStream_t stream)
+{
+    if constexpr (!T::kIsFloat32)
+    {
+        if (rounding == 1)
+        {
+            return interleaved ? launchFastRotary<T, HEAD_DIM, true, 1>(a, device, stream)
+                               : launchFastRotary<T, HEAD_DIM, false, 1>(a, device, stream);
+        }
+    }
+    return interleaved ? launchFastRotary<T, HEAD_DIM, true, 0>(a, device, stream)
+                       : launchFastRotary<T, HEAD_DIM, false, 0>(a, device, stream);
+}
+
+template <typename T, int PAIRS, bool ALIGNED>
+cudaError_t launchGeneralKernel(KernelArgs a, int device, cudaStream_t stream)
+{
+    constexpr auto kernel = qkNormRopeGeneralKernel<T, PAIRS, ALIGNED>;
+    int64_t const units = 2 * static_cast<int64_t>(a.numHeads);
+    TokenSplit const split = splitTokens(a.numTokens, units, kWarpsPerBlock, residentBlocks<kernel>(device));
+    a.unitsPerToken = static_cast<int32_t>(units);
+    a.tokenStep = split.tokenStep;
+    a.seqStep = split.tokenStep % a.seqLen;
+    return launchKernel(kernel, dim3(static_cast<unsigned>(split.blocks)), dim3(kThreads), stream, a);
+}
+
+template <typename T, int PAIRS>
+cudaError_t launchGeneralPairs(KernelArgs const& a, bool isAligned, int device, cudaStream_t stream)
+{
+    return isAligned ? launchGeneralKernel<T, PAIRS, true>(a, device, stream)
+                     : launchGeneralKernel<T, PAIRS, false>(a, device, stream);
 }
 
 template <typename T>
-cudaError_t launchGeneral(KernelArgs const& a, bool interleaved, int device, cudaStream_t stream)
+cudaError_t launchGeneral(KernelArgs const& a, int device, cudaStream_t stream)
 {
-    static std::atomic<int> occupancy[kMaxDevices];
-    auto kernel = qkNormRopeGeneralKernel<T>;
-    int64_t const target = static_cast<int64_t>(blocksPerSm(kernel, device, occupancy)) * smCount(device);
-    int64_t const totalRows = a.numTokens * 2 * static_cast<int64_t>(a.numHeads);
-    int64_t gridX = ceilDiv(totalRows, kWarpsPerBlock);
-    int64_t const maxGridX = target * 16;
-    gridX = gridX < maxGridX ? gridX : maxGridX;
-    return launchKernel(kernel, dim3(static_cast<unsigned>(gridX)), dim3(kThreads), stream, a, interleaved);
-}
-
-bool aligned16(void const* p)
-{
-    return (reinterpret_cast<uintptr_t>(p) & 15U) == 0;
+    constexpr uintptr_t kPairBytes = 2 * sizeof(typename T::Storage);
+    bool const isAligned = aligned(a.q, kPairBytes) && aligned(a.k, kPairBytes) && aligned(a.qOut, kPairBytes)
+        && aligned(a.kOut, kPairBytes);
+    int const pairsPerLane = static_cast<int>(ceilDiv(a.headDim, 2 * kGeneralLanes));
+    if (pairsPerLane <= 1)
+        return launchGeneralPairs<T, 1>(a, isAligned, device, stream);
+    if (pairsPerLane <= 2)
+        return launchGeneralPairs<T, 2>(a, isAligned, device, stream);
+    if (pairsPerLane <= 4)
+        return launchGeneralPairs<T, 4>(a, isAligned, device, stream);
+    return launchGeneralPairs<T, 8>(a, isAligned, device, stream);
 }
 
 template <typename T>
-cudaError_t dispatch(KernelArgs const& a, bool interleaved, int device, cudaStream_t stream)
+cudaError_t dispatch(KernelArgs const& a, QKNormRoPEParams const& p, int device, cudaStream_t stream)
 {
-    using Storage = typename T::Storage;
-    constexpr int kVec = 16 / static_cast<int>(sizeof(Storage));
-    bool const aligned = aligned16(a.q) && aligned16(a.k) && aligned16(a.qOut) && aligned16(a.kOut)
-        && aligned16(a.qWeight) && aligned16(a.kWeight);
-    int const half = a.rotaryDim / 2;
-    bool const neoxOk = half % kVec == 0;
-    if (aligned)
+    if (selectPath(p) == KernelPath::kFast)
     {
         switch (a.headDim)
         {
-        case 64:
-            if (interleaved)
-                return launchFast<T, 64, true>(a, device, stream);
-            if (neoxOk && (FastConfig<T, 64>::kNV == 1 || a.rotaryDim == 64))
-                return launchFast<T, 64, false>(a, device, stream);
-            break;
-        case 128:
-            if (interleaved)
-                return launchFast<T, 128, true>(a, device, stream);
-            if (neoxOk && (FastConfig<T, 128>::kNV == 1 || a.rotaryDim == 128))
-                return launchFast<T, 128, false>(a, device, stream);
-            break;
-        case 256:
-            if (interleaved)
-                return launchFast<T, 256, true>(a, device, stream);
-            if (neoxOk && (FastConfig<T, 256>::kNV == 1 || a.rotaryDim == 256))
-                return launchFast<T, 256, false>(a, device, stream);
-            break;
-        default: break;
+        case 64: return launchFastHeadDim<T, 64>(a, p.interleaved, p.rounding, device, stream);
+        case 128: return launchFastHeadDim<T, 128>(a, p.interleaved, p.rounding, device, stream);
+        default: return launchFastHeadDim<T, 256>(a, p.interleaved, p.rounding, device, stream);
         }
     }
-    return launchGeneral<T>(a, interleaved, device, stream);
+    return launchGeneral<T>(a, device, stream);
 }
 
 } // namespace
@@ -598,11 +990,6 @@ Status launchQKNormRoPE(QKNormRoPEParams const& p, cudaStream_t stream) noexcept
     {
         return Status::kSUCCESS;
     }
-    // 2 * num_heads rows per token are indexed with int32 inside a token.
-    if (p.numHeads > (int64_t{1} << 29))
-    {
-        return Status::kBAD_SHAPE;
-    }
     KernelArgs a{};
     a.q = p.q;
     a.k = p.k;
@@ -616,9 +1003,9 @@ Status launchQKNormRoPE(QKNormRoPEParams const& p, cudaStream_t stream) noexcept
     a.numHeads = static_cast<int32_t>(p.numHeads);
     a.headDim = static_cast<int32_t>(p.headDim);
     a.rotaryDim = static_cast<int32_t>(p.rotaryDim);
-    a.rowsPerSplit = 0;
     a.eps = p.eps;
     a.rounding = p.rounding;
+    a.interleaved = p.interleaved;
 
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess)
@@ -628,9 +1015,9 @@ Status launchQKNormRoPE(QKNormRoPEParams const& p, cudaStream_t stream) noexcept
     cudaError_t err = cudaSuccess;
     switch (p.dtype)
     {
-    case DataType::kFLOAT32: err = dispatch<Fp32>(a, p.interleaved, device, stream); break;
-    case DataType::kFLOAT16: err = dispatch<Fp16>(a, p.interleaved, device, stream); break;
-    case DataType::kBFLOAT16: err = dispatch<Bf16>(a, p.interleaved, device, stream); break;
+    case DataType::kFLOAT32: err = dispatch<Fp32>(a, p, device, stream); break;
+    case DataType::kFLOAT16: err = dispatch<Fp16>(a, p, device, stream); break;
+    case DataType::kBFLOAT16: err = dispatch<Bf16>(a, p, device, stream); break;
     }
     return err == cudaSuccess ? Status::kSUCCESS : Status::kCUDA_ERROR;
 }

@@ -2,6 +2,7 @@
 // (no CUDA), so it is part of the CPU library as well as of the CUDA objects.
 #include "qknorm_rope.h"
 
+#include <climits>
 #include <cmath>
 
 namespace qkrope
@@ -18,6 +19,16 @@ Status checkParams(QKNormRoPEParams const& p) noexcept
         return Status::kBAD_SHAPE;
     }
     if (p.headDim <= 0 || p.headDim % 2 != 0 || p.headDim > kMAX_HEAD_DIM)
+    {
+        return Status::kBAD_SHAPE;
+    }
+    // Sizes whose products overflow: the element counts of q/k and the cache must fit int64, and
+    // one token's heads * head_dim elements int32 (the kernels index within a token with int32).
+    int64_t elements = 0;
+    int64_t cacheElements = 0;
+    if (__builtin_mul_overflow(p.batch, p.seqLen, &elements) || __builtin_mul_overflow(elements, p.numHeads, &elements)
+        || __builtin_mul_overflow(elements, p.headDim, &elements) || p.numHeads > INT32_MAX / p.headDim
+        || __builtin_mul_overflow(p.cacheRows, p.rotaryDim, &cacheElements))
     {
         return Status::kBAD_SHAPE;
     }
@@ -50,7 +61,8 @@ char const* statusString(Status s) noexcept
     case Status::kSUCCESS: return "success";
     case Status::kNULL_POINTER: return "a required pointer (q, k, weights, cache or outputs) is null";
     case Status::kBAD_SHAPE:
-        return "bad shape: batch, seq_len and num_heads must be >= 0, head_dim even and in [2, 512]";
+        return "bad shape: batch, seq_len and num_heads must be >= 0, head_dim even and in [2, 512], "
+               "batch * seq_len * num_heads * head_dim within int64 and num_heads * head_dim < 2^31";
     case Status::kBAD_ROTARY_DIM:
         return "bad rotary_dim (cos_sin_cache width): must be even, > 0 and <= head_dim";
     case Status::kCACHE_OVERFLOW:

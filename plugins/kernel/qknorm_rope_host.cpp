@@ -1,12 +1,14 @@
 // qkrope: the CPU build of the kernel arithmetic (libqkrope_kernel_host.so). It runs the same
 // __host__ __device__ functions as the CUDA kernel (qknorm_rope_math.h), one row at a time, so
 // the tests can check the kernel's maths against the PyTorch reference on a machine without a
-// GPU. Built by a plain C++ compiler with -ffp-contract=off (no FMA contraction, as on the
-// device where the header uses __fmul_rn/__fadd_rn). Only the qkrope_host_* functions are
-// exported.
+// GPU. The sum of squares follows the order of the kernel path the launcher would take for the
+// same arguments (qknorm_rope_plan.h), so this build and the kernel agree bit for bit. Built by a
+// plain C++ compiler with -ffp-contract=off (no FMA contraction, as on the device where the
+// header uses __fmul_rn/__fadd_rn). Only the qkrope_host_* functions are exported.
 #include "qknorm_rope.h"
 #include "qknorm_rope_capi.h"
 #include "qknorm_rope_math.h"
+#include "qknorm_rope_plan.h"
 
 namespace
 {
@@ -19,6 +21,7 @@ void runRows(qkrope::QKNormRoPEParams const& p)
     int64_t const tokens = p.batch * p.seqLen;
     int const headDim = static_cast<int>(p.headDim);
     int const rotaryDim = static_cast<int>(p.rotaryDim);
+    qkrope::SumLayout const layout = qkrope::sumLayout(p);
     for (int64_t t = 0; t < tokens; ++t)
     {
         float const* cacheRow = p.cache + (t % p.seqLen) * p.rotaryDim;
@@ -31,7 +34,7 @@ void runRows(qkrope::QKNormRoPEParams const& p)
             {
                 int64_t const offset = (t * p.numHeads + h) * p.headDim;
                 qkrope::math::normRopeRow<T>(src + offset, w, cacheRow, dst + offset, headDim, rotaryDim, p.eps,
-                    p.interleaved, p.rounding, scratch);
+                    p.interleaved, p.rounding, layout.lanes, layout.vec, scratch);
             }
         }
     }

@@ -1,16 +1,21 @@
-// qkrope: the per-row arithmetic of QKNormRoPE (spec section 3), shared by the CUDA kernel and
-// the host-only CPU build used by the tests. Everything here is __host__ __device__ and compiles
-// with plain g++ (no CUDA headers) as well as with nvcc.
+// qkrope: the per-row arithmetic of QKNormRoPE (docs/spec.md section 3), shared by the CUDA kernel
+// and the host-only CPU build used by the tests. Everything here is __host__ __device__ and
+// compiles with plain g++ (no CUDA headers) as well as with nvcc and under the SIMT emulation.
 //
 // Numerics (chosen so that the host build, the CUDA kernel and the PyTorch reference agree):
 //   - all maths in fp32; every multiply/add is an explicit, separately rounded IEEE operation
-//     (no FMA contraction: on the device through __fmul_rn/__fadd_rn/__fsub_rn, on the host by
-//     building with -ffp-contract=off), in the same order as export/reference.py;
-//   - inv = 1 / sqrt(sum(x^2) / D + eps), correctly rounded sqrt and division (what torch.rsqrt
-//     computes on the CPU); the sum of squares is the only place where the summation order
-//     differs from torch (see sumOfSquares below);
-//   - fp16/bf16 <-> fp32 conversions round to nearest even, bit-exact with torch's (NaN -> the
-//     canonical quiet NaN, overflow -> inf).
+//     (on the device through __fmul_rn/__fadd_rn/__fsub_rn, on the host by building with
+//     -ffp-contract=off), in the same order as export/reference.py, except the sum of squares,
+//     which accumulates with fused multiply-adds (one rounding per element instead of two);
+//   - the sum of squares is the only place where the order differs from torch. Its order is a
+//     defined function of the kernel path (qknorm_rope_plan.h: SumLayout): per-lane partial sums
+//     over the lane's chunks in element order, then a butterfly over the lanes. The host build
+//     (sumSquares below) reproduces it exactly, so host and device agree bit for bit;
+//   - inv = 1 / sqrt(sum(x^2) / D + eps), correctly rounded division and sqrt (what torch.rsqrt
+//     computes on the CPU); for a power-of-two D the division by D is an exact multiplication;
+//   - fp16/bf16 <-> fp32 conversions round to nearest even, bit-exact with torch's, and a NaN
+//     becomes torch's canonical quiet NaN (bf16 0x7FC0, fp16 0x7E00) on the host and the device
+//     alike (the hardware conversions give 0x7FFF, so the device code canonicalises);
 //   - rounding = 0: y = (x * inv) * w in fp32, rotate in fp32, round once.
 //     rounding = 1: y = round(round(x * inv) * w) (diffusers' RMSNorm order), rotate in fp32,
 //     round once. With fp32 activations both modes are the same computation.
@@ -62,16 +67,43 @@ QKROPE_HD float sub(float a, float b)
 #endif
 }
 
-// 1 / sqrt(meanSq + eps) with meanSq = sumSq / D: IEEE division, IEEE sqrt, IEEE division.
+// acc + x * x with one rounding (the sum-of-squares step).
+QKROPE_HD float fmaSquare(float x, float acc)
+{
+#if defined(__CUDA_ARCH__)
+    return __fmaf_rn(x, x, acc);
+#else
+    return std::fma(x, x, acc);
+#endif
+}
+
+// 1 / sqrt(meanSq + eps): correctly rounded sqrt, then a correctly rounded reciprocal.
+QKROPE_HD float invSqrt(float meanSqPlusEps)
+{
+#if defined(__CUDA_ARCH__)
+    return __frcp_rn(__fsqrt_rn(meanSqPlusEps));
+#else
+    return 1.0F / std::sqrt(meanSqPlusEps);
+#endif
+}
+
+// 1 / sqrt(sumSq / D + eps) for any D: IEEE division by D.
 QKROPE_HD float rmsInv(float sumSq, int headDim, float eps)
 {
 #if defined(__CUDA_ARCH__)
-    float const meanSq = __fdiv_rn(sumSq, static_cast<float>(headDim));
-    return __fdiv_rn(1.0F, __fsqrt_rn(__fadd_rn(meanSq, eps)));
+    return invSqrt(__fadd_rn(__fdiv_rn(sumSq, static_cast<float>(headDim)), eps));
 #else
-    float const meanSq = sumSq / static_cast<float>(headDim);
-    return 1.0F / std::sqrt(meanSq + eps);
+    return invSqrt(sumSq / static_cast<float>(headDim) + eps);
 #endif
+}
+
+// The same for a power-of-two D known at compile time: sumSq * (1/D) is exact and equal to the
+// IEEE division (both are the correctly rounded sumSq / D), without a division on the device.
+template <int HEAD_DIM>
+QKROPE_HD float rmsInvPow2(float sumSq, float eps)
+{
+    static_assert(HEAD_DIM > 0 && (HEAD_DIM & (HEAD_DIM - 1)) == 0, "power-of-two head_dim only");
+    return invSqrt(add(mul(sumSq, 1.0F / static_cast<float>(HEAD_DIM)), eps));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -98,6 +130,10 @@ QKROPE_HD float bitsFloat(uint32_t u)
 #endif
 }
 
+// torch's canonical quiet NaNs (what every conversion below returns for a NaN input).
+constexpr uint16_t kBf16CanonicalNaN = 0x7FC0U;
+constexpr uint16_t kFp16CanonicalNaN = 0x7E00U;
+
 // bfloat16: the upper 16 bits of an fp32, round to nearest even; NaN -> 0x7FC0 (as torch).
 QKROPE_HD float bf16ToFloat(uint16_t h)
 {
@@ -109,14 +145,14 @@ QKROPE_HD uint16_t floatToBf16(float f)
 #if defined(__CUDA_ARCH__)
     if (f != f)
     {
-        return 0x7FC0U;
+        return kBf16CanonicalNaN; // the hardware conversion would give 0x7FFF
     }
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 #else
     uint32_t const u = floatBits(f);
     if ((u & 0x7FFFFFFFU) > 0x7F800000U)
     {
-        return 0x7FC0U;
+        return kBf16CanonicalNaN;
     }
     uint32_t const roundingBias = 0x7FFFU + ((u >> 16) & 1U);
     return static_cast<uint16_t>((u + roundingBias) >> 16);
@@ -149,6 +185,10 @@ QKROPE_HD float fp16ToFloat(uint16_t h)
 QKROPE_HD uint16_t floatToFp16(float f)
 {
 #if defined(__CUDA_ARCH__)
+    if (f != f)
+    {
+        return kFp16CanonicalNaN; // the hardware conversion would give 0x7FFF
+    }
     return __half_as_ushort(__float2half_rn(f));
 #else
     uint32_t u = floatBits(f);
@@ -157,7 +197,7 @@ QKROPE_HD uint16_t floatToFp16(float f)
     uint16_t out;
     if (u >= 0x47800000U) // |f| >= 2^16 (or inf / NaN): inf or NaN in fp16
     {
-        out = (u > 0x7F800000U) ? 0x7E00U : 0x7C00U;
+        out = (u > 0x7F800000U) ? kFp16CanonicalNaN : 0x7C00U;
     }
     else if (u < 0x38800000U) // |f| < 2^-14: fp16 subnormal or zero
     {
@@ -255,24 +295,56 @@ QKROPE_HD float rotateSecond(float a, float b, float c, float n)
 }
 
 // ---------------------------------------------------------------------------------------------
-// One whole row on one thread (host build; the general CUDA path follows the same steps).
-//   x, w, out : headDim elements; cacheRow : rotaryDim floats (cos half, then sin half).
-// out may alias x. Sum of squares: sequential, in element order.
+// Sum of squares of one row in the order a kernel with `lanes` lanes and chunks of `vec`
+// consecutive elements computes it (qknorm_rope_plan.h, SumLayout): chunk c belongs to lane
+// c % lanes; each lane accumulates its chunks in increasing element order with fmaSquare; then
+// for offset = lanes/2 .. 1 every lane adds the value of lane (lane ^ offset), own value first
+// (a butterfly, as __shfl_xor_sync computes it). Every lane ends with the same sum. lanes is a
+// power of two <= 32. Host-side model of the kernels' reduction.
 template <typename T>
-QKROPE_HD void normRopeRow(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
-    typename T::Storage* out, int headDim, int rotaryDim, float eps, bool interleaved, int32_t rounding, float* scratch)
+inline float sumSquares(typename T::Storage const* x, int headDim, int lanes, int vec)
 {
-    float sumSq = 0.0F;
-    for (int e = 0; e < headDim; ++e)
+    float partial[32];
+    float next[32];
+    for (int l = 0; l < lanes; ++l)
     {
-        float const v = T::toFloat(x[e]);
-        scratch[e] = v;
-        sumSq = add(sumSq, mul(v, v));
+        partial[l] = 0.0F;
     }
-    float const inv = rmsInv(sumSq, headDim, eps);
+    for (int c = 0; c * vec < headDim; ++c)
+    {
+        int const l = c % lanes;
+        for (int i = 0; i < vec && c * vec + i < headDim; ++i)
+        {
+            partial[l] = fmaSquare(T::toFloat(x[c * vec + i]), partial[l]);
+        }
+    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2)
+    {
+        for (int l = 0; l < lanes; ++l)
+        {
+            next[l] = add(partial[l], partial[l ^ offset]);
+        }
+        for (int l = 0; l < lanes; ++l)
+        {
+            partial[l] = next[l];
+        }
+    }
+    return partial[0];
+}
+
+// One whole row on one thread (host build), with the sum of squares in the order of the kernel
+// path that the launcher takes for the same problem (lanes, vec: see sumSquares).
+//   x, w, out : headDim elements; cacheRow : rotaryDim floats (cos half, then sin half).
+// out may alias x.
+template <typename T>
+inline void normRopeRow(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
+    typename T::Storage* out, int headDim, int rotaryDim, float eps, bool interleaved, int32_t rounding, int lanes,
+    int vec, float* scratch)
+{
+    float const inv = rmsInv(sumSquares<T>(x, headDim, lanes, vec), headDim, eps);
     for (int e = 0; e < headDim; ++e)
     {
-        scratch[e] = normalize<T>(scratch[e], inv, T::toFloat(w[e]), rounding);
+        scratch[e] = normalize<T>(T::toFloat(x[e]), inv, T::toFloat(w[e]), rounding);
     }
     int const half = rotaryDim / 2;
     for (int j = 0; j < half; ++j)
