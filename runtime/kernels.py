@@ -260,3 +260,126 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
               k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
               extra=(ctypes.c_void_p(stream),))
     return q_out, k_out
+
+
+# ---- SIMT emulation of the CUDA kernel (plugins/simt) -----------------------------------------------
+# libqkrope_kernels_simt.so is the unchanged qknorm_rope.cu compiled with the host C++ compiler on
+# stand-in CUDA headers: every CUDA thread of a block runs as a fiber, warp shuffles and barriers
+# are real barriers (a lane that skips one is reported, not hung on). Same C ABI as
+# libqkrope_kernels.so on host pointers, plus qkrope_simt_* controls (device shape, scheduling
+# seed, per-launch records, the emulator's error message).
+
+SIMT_LIB_ENV = "QKROPE_KERNELS_SIMT_LIB"
+SIMT_LIB_NAME = "libqkrope_kernels_simt.so"
+SIMT_BUILD_COMMAND = ("cmake -S plugins/kernel -B build/kernel && "
+                      "cmake --build build/kernel --target qkrope_kernels_simt -j2")
+
+
+class SimtLaunchError(KernelStatusError):
+    """The emulated launch failed (e.g. a deadlock or a misaligned access): ``emulator_message``
+    says where (kernel instance, block, warp, lanes, intrinsic, source line)."""
+
+    def __init__(self, status: int, text: str, what: str, emulator_message: str):
+        super().__init__(status, f"{text}; emulator: {emulator_message}" if emulator_message
+                         else text, what)
+        self.emulator_message = emulator_message
+
+
+def simt_library_path() -> Path | None:
+    """Where the SIMT emulation library would be loaded from (None if not found)."""
+    return _find(SIMT_LIB_ENV, SIMT_LIB_NAME)
+
+
+def _simt_lib() -> ctypes.CDLL:
+    lib = _load(SIMT_LIB_ENV, SIMT_LIB_NAME, SIMT_BUILD_COMMAND, "qkrope_launch",
+                "qkrope_status_string", cuda=True)
+    if not getattr(lib, "_qkrope_simt_ready", False):
+        with _lock:
+            lib.qkrope_simt_configure.restype = ctypes.c_int32
+            lib.qkrope_simt_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
+            for name in ("qkrope_simt_config_json", "qkrope_simt_last_error",
+                         "qkrope_simt_launches_json"):
+                getattr(lib, name).restype = ctypes.c_char_p
+                getattr(lib, name).argtypes = []
+            lib.qkrope_simt_symbols_json.restype = ctypes.c_char_p
+            lib.qkrope_simt_symbols_json.argtypes = [ctypes.c_char_p]
+            lib.qkrope_simt_reset.restype = None
+            lib.qkrope_simt_reset.argtypes = []
+            lib.qkrope_simt_set_dry_run.restype = None
+            lib.qkrope_simt_set_dry_run.argtypes = [ctypes.c_int32]
+            lib.qkrope_simt_set_stack_size.restype = ctypes.c_int32
+            lib.qkrope_simt_set_stack_size.argtypes = [ctypes.c_int64]
+            lib._qkrope_simt_ready = True
+    return lib
+
+
+def simt_configure(num_sms: int | None = None, blocks_per_sm: int | None = None,
+                   seed: int | None = None, dry_run: bool | None = None) -> dict:
+    """Shape the emulated device (None keeps a value): ``num_sms`` (cudaDevAttrMultiProcessorCount),
+    ``blocks_per_sm`` (what the occupancy query returns), ``seed`` (0: round-robin order of
+    fibers and blocks, else a seeded random order), ``dry_run`` (record launches without running
+    them). Each distinct device shape is its own device id (the launcher caches per device).
+    Returns the configuration now in effect."""
+    import json
+    lib = _simt_lib()
+    dev = lib.qkrope_simt_configure(-1 if num_sms is None else int(num_sms),
+                                    -1 if blocks_per_sm is None else int(blocks_per_sm),
+                                    -1 if seed is None else int(seed))
+    if dev < 0:
+        raise ValueError(f"simt_configure: invalid device shape num_sms={num_sms}, "
+                         f"blocks_per_sm={blocks_per_sm} (1..1024 SMs, 1..64 blocks per SM, seed >= 0)")
+    if dry_run is not None:
+        lib.qkrope_simt_set_dry_run(int(bool(dry_run)))
+    return json.loads(lib.qkrope_simt_config_json().decode())
+
+
+def simt_last_launches() -> list[dict]:
+    """The emulated launches since the last :func:`simt_reset`, oldest first: ``kernel`` (the
+    demangled instance), ``grid``, ``block``, ``num_sms``, ``blocks_per_sm``, ``seed``,
+    ``status`` (cudaError_t), ``error``, ``blocks_run``, ``collectives``, ``barriers``."""
+    import json
+    return json.loads(_simt_lib().qkrope_simt_launches_json().decode())
+
+
+def simt_reset() -> None:
+    """Forget the recorded launches and the last error message."""
+    _simt_lib().qkrope_simt_reset()
+
+
+def simt_last_error() -> str:
+    """The emulator's message for the last failed launch ("" if none since the last reset)."""
+    return _simt_lib().qkrope_simt_last_error().decode()
+
+
+def simt_kernel_symbols(substring: str) -> list[str]:
+    """Demangled names of the library's function symbols containing ``substring``: the kernel
+    template instances compiled into it."""
+    import json
+    return json.loads(_simt_lib().qkrope_simt_symbols_json(substring.encode()).decode())
+
+
+def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *, eps: float = 1e-6,
+                      interleaved: bool = True, rounding: int = 0,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """QKNormRoPE through the emulated CUDA kernel and launcher (torch CPU tensors).
+
+    ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
+    of q's shape, dtype and device. A failed emulated launch raises :class:`SimtLaunchError`."""
+    lib = _simt_lib()
+    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu")
+    q_out, k_out = (_check_out(out, q, k, q_weight, k_weight, cos_sin_cache) if out is not None
+                    else (torch.empty_like(q), torch.empty_like(k)))
+    try:
+        _call(lib.qkrope_launch, lib.qkrope_status_string, "qkrope_launch (simt)", q, k, q_weight,
+              k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
+              extra=(ctypes.c_void_p(None),))
+    except KernelStatusError as exc:
+        raise SimtLaunchError(exc.status, lib.qkrope_status_string(exc.status).decode(),
+                              "qkrope_launch (simt)", simt_last_error()) from None
+    return q_out, k_out
+
+
+__all__ += ["SimtLaunchError", "simt_qk_norm_rope", "simt_configure", "simt_last_launches",
+            "simt_reset", "simt_last_error", "simt_kernel_symbols", "simt_library_path"]
