@@ -13,17 +13,19 @@ torch-compile          ``torch.compile`` of the block with the *reference* maths
                        inlined (the custom op is opaque to Inductor, so the
                        reference is patched in to give the compiler a fair chance)
 onnxruntime-cpu        the exported ONNX (function body) under ONNX Runtime CPU    CPU runs
-kernel                 ``cuda_qk_norm_rope`` alone: achieved GB/s vs the GPU peak   GPU + lib
+kernel                 the fused kernel's img + txt launches alone: GB/s vs peak   GPU + lib
 =====================  ==========================================================  ===========
 
 Sizes are image side lengths in pixels: Qwen-Image has 16 px per latent token (VAE /8, patch 2),
 so 512 -> 32x32 = 1024 image tokens and 1024 -> 64x64 = 4096. Timing: size by size, warm-up
 calls, then ``--iters`` rounds in which every backend is called once (rotating order, so load
 changes hit all backends alike), each call timed alone (CUDA events on a GPU, ``perf_counter`` on
-the CPU), median reported with p10/p90. All backends run the one exported block (eager PyTorch
-is ``build_attention`` of its sidecar) on ``ModelInfo.make_inputs`` inputs. On the CPU, torch
-and ONNX Runtime use one thread unless ``--threads`` says otherwise (the table says which).
-Every row carries the machine it ran on.
+the CPU), median reported with p10/p90. The ``kernel`` rows use the project's one kernel-timing
+method instead (:mod:`qkrope.runtime.kernel_bench`, also behind ``scripts/bench_kernel.py``: raw
+C-ABI launches captured in a CUDA graph, rotating over buffers larger than 2 x L2). All
+backends run the one exported block (eager PyTorch is ``build_attention`` of its sidecar) on
+``ModelInfo.make_inputs`` inputs. On the CPU, torch and ONNX Runtime use one thread unless
+``--threads`` says otherwise (the table says which). Every row carries the machine it ran on.
 
 On a CPU-only machine the defaults are small (2 heads x 64, 256 px, 64 text tokens, fp32) so the
 command finishes in seconds; choose ``--sizes/--heads/--head-dim/--text-len`` to go bigger.
@@ -98,22 +100,27 @@ def image_tokens(size_px: int, pixels_per_token: int = PIXELS_PER_TOKEN) -> int:
     return side * side
 
 
+def qknorm_rope_stream_bytes(tokens: int, heads: int, head_dim: int, *, batch: int = 1,
+                             act_bytes: int = 2, rotary_dim: int | None = None,
+                             cache_bytes: int = 4) -> int:
+    """Minimum DRAM traffic of one QKNormRoPE launch (one stream of S = ``tokens`` tokens): q and
+    k read, q_out and k_out written (4 x B*S*H*D activations), the two RMSNorm weights ([D] each,
+    activation dtype) and the S cache rows it uses (S x rotary_dim fp32; rows are shared across
+    the batch, so read once). The one formula of the project (``qkrope bench`` and
+    ``scripts/bench_kernel.py``)."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    return (4 * batch * tokens * heads * head_dim * act_bytes + 2 * head_dim * act_bytes
+            + tokens * rotary_dim * cache_bytes)
+
+
 def qknorm_rope_bytes(img_tokens: int, txt_tokens: int, heads: int, head_dim: int, *,
                       batch: int = 1, act_bytes: int = 2, rotary_dim: int | None = None,
                       cache_bytes: int = 4) -> int:
-    """Minimum DRAM traffic of the op over both streams of one attention block.
-
-    Per stream with S tokens: q and k read, q_out and k_out written (4 x B*S*H*D activations),
-    the two RMSNorm weights ([D] each, activation dtype) and the S cache rows it uses
-    (S x rotary_dim fp32; rows are shared across the batch, so read once).
-    """
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    total = 0
-    for s in (img_tokens, txt_tokens):
-        total += 4 * batch * s * heads * head_dim * act_bytes
-        total += 2 * head_dim * act_bytes
-        total += s * rotary_dim * cache_bytes
-    return total
+    """Minimum DRAM traffic of the op over both streams of one attention block (the image and
+    the text launch): :func:`qknorm_rope_stream_bytes` of each."""
+    return sum(qknorm_rope_stream_bytes(s, heads, head_dim, batch=batch, act_bytes=act_bytes,
+                                        rotary_dim=rotary_dim, cache_bytes=cache_bytes)
+               for s in (img_tokens, txt_tokens))
 
 
 def peak_gbps(device_name: str | None, override: float | None = None) -> float | None:
@@ -183,7 +190,8 @@ class Row:
 
 
 def machine_info(device: str = "cpu") -> dict[str, str]:
-    """CPU model, GPU name and the versions of torch / ONNX Runtime / TensorRT."""
+    """CPU model, GPU name and the versions of torch / ONNX Runtime / TensorRT; on a CUDA device
+    also its SM count, L2, memory, driver and clocks (:func:`gpu_details`)."""
     info: dict[str, str] = {"cpu": _cpu_model(), "cores": str(os.cpu_count() or "?"),
                             "python": platform.python_version()}
     import torch
@@ -204,6 +212,42 @@ def machine_info(device: str = "cpu") -> dict[str, str]:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = str(torch.version.cuda)
+        info.update(gpu_details(torch.device(device)))
+    return info
+
+
+def gpu_details(device) -> dict[str, str]:
+    """SM count, L2 size, compute capability and memory of a CUDA device (PyTorch), plus the
+    driver version and current / maximum clocks from ``nvidia-smi`` where it runs."""
+    import subprocess
+
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    info = {"sm_count": str(props.multi_processor_count),
+            "l2_mib": f"{getattr(props, 'L2_cache_size', 0) / 2**20:g}",
+            "compute_capability": f"{props.major}.{props.minor}",
+            "gpu_memory_gib": f"{props.total_memory / 2**30:.0f}"}
+    if getattr(props, "memory_bus_width", 0):
+        info["memory_bus_bits"] = str(props.memory_bus_width)
+    uuid = str(getattr(props, "uuid", "") or "")
+    # nvidia-smi by UUID (CUDA_VISIBLE_DEVICES may renumber the devices), else by index
+    idents = ([uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"] if uuid else []) \
+        + [str(torch.device(device).index or 0)]
+    fields = ("driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem")
+    smi = shutil.which("nvidia-smi")
+    for ident in idents if smi else []:
+        try:
+            out = subprocess.run([smi, f"--id={ident}", f"--query-gpu={','.join(fields)}",
+                                  "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True, timeout=15, check=False).stdout.strip()
+            vals = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+        except (OSError, subprocess.SubprocessError, IndexError):
+            vals = []
+        if len(vals) == len(fields):
+            info["driver"] = vals[0]
+            info["clocks_mhz"] = f"sm {vals[1]}/{vals[2]} max, mem {vals[3]}/{vals[4]} max"
+            break
     return info
 
 
@@ -298,23 +342,6 @@ def time_cpu(fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
-
-
-def time_cuda(fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
-    """Per-call times in ms with CUDA events on the current stream (each call timed alone)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def time_one_cuda(fn: Callable[[], Any]) -> float:
@@ -670,81 +697,37 @@ def _build_engines(cfg: Config, onnx_path: Path, workdir: Path, log: Callable[[s
     return out
 
 
-def _graph_or_direct(fn: Callable[[], Any], reps: int = 10) -> tuple[Callable[[], Any], int, str]:
-    """Capture ``reps`` calls of ``fn`` in a CUDA graph so the kernel time is not hidden behind
-    Python/ctypes launch overhead (a 1024x1024 block is ~25 us of work); fall back to direct
-    calls when capture fails."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except Exception as exc:  # noqa: BLE001
-        torch.cuda.synchronize()
-        return fn, 1, f"direct launches (CUDA graph capture failed: {exc})"[:200]
-    return graph.replay, reps, f"CUDA graph of {reps} calls (img + txt launch each)"
-
-
 def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
+    """``kernel`` rows: the fused kernel's img + txt launches of one block, timed by the one
+    kernel-timing method (:mod:`qkrope.runtime.kernel_bench`: raw C-ABI launches in a CUDA
+    graph over buffer sets larger than 2 x L2, after a validated and checked call)."""
     import torch
 
-    try:
-        from qkrope.runtime.kernels import cuda_qk_norm_rope, cuda_library_path
-    except ImportError as exc:
-        _skip_all(cfg, rows, "kernel", f"qkrope.runtime.kernels unavailable ({exc})", machine)
-        return
+    from . import kernel_bench as kb
+    from .kernels import cuda_library_path
+
     if cuda_library_path() is None:
         _skip_all(cfg, rows, "kernel", "libqkrope_kernels.so not built (cmake -S plugins/kernel "
                   "-B build/kernel -DQKROPE_WITH_CUDA=ON && cmake --build build/kernel)", machine)
         return
-    peak = peak_gbps(machine.get("gpu"), cfg.peak_gbps)
-    from .caches import build_qwen_rope_caches
-
-    dt = dtypes.torch_dtype(cfg.dtype)
-    act = torch.tensor([], dtype=dt).element_size()
+    device = torch.device(cfg.device)
+    peak, _ = kb.device_peak(device, cfg.peak_gbps)
+    l2 = kb.l2_bytes(device)
+    opts = kb.Options(iters=cfg.iters, warmup=cfg.warmup, seed=cfg.seed)
     for size in cfg.sizes:
         for batch in cfg.batches:
-            s_img = image_tokens(size)
-            side = size // PIXELS_PER_TOKEN
-            img_cache, txt_cache = build_qwen_rope_caches(
-                [(1, side, side)], cfg.text_len, axes_dim=default_axes_dims(cfg.head_dim),
-                device=cfg.device)
-            gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed + size + batch)
-            bufs = []
-            for s, cache in ((s_img, img_cache), (cfg.text_len, txt_cache)):
-                q = torch.randn(batch, s, cfg.heads, cfg.head_dim, device=cfg.device, dtype=dt,
-                                generator=gen)
-                k = torch.randn(q.shape, device=cfg.device, dtype=dt, generator=gen)
-                w = torch.rand(cfg.head_dim, device=cfg.device, dtype=dt, generator=gen) + 0.5
-                bufs.append((q, k, w, w.clone(), cache, (torch.empty_like(q),
-                                                         torch.empty_like(k))))
-
-            def both():
-                for q, k, qw, kw, cache, out in bufs:
-                    cuda_qk_norm_rope(q, k, qw, kw, cache, out=out)
-
-            try:
-                fn, reps, note = _graph_or_direct(both)
-                times = [t / reps for t in time_cuda(fn, iters=cfg.iters, warmup=cfg.warmup)]
-            except Exception as exc:  # noqa: BLE001
+            case = kb.Case(size, batch, "block", heads=cfg.heads, head_dim=cfg.head_dim,
+                           txt_tokens=cfg.text_len, dtype=cfg.dtype)
+            r = kb.measure(case, "fused", opts, device=device, peak=peak, l2=l2)
+            if r["status"] != "ok":
                 rows.append(_row(cfg, "kernel", size, batch, machine, status="failed",
-                                 reason=f"{type(exc).__name__}: {exc}"[:300]))
+                                 reason=r["reason"]))
                 continue
-            row = _measured(cfg, "kernel", size, batch, machine, times)
-            row.note = note
-            nbytes = qknorm_rope_bytes(s_img, cfg.text_len, cfg.heads, cfg.head_dim,
-                                       batch=batch, act_bytes=act,
-                                       rotary_dim=img_cache.shape[1])
-            row.gbps = nbytes / (row.median_ms * 1e-3) / 1e9
-            row.peak_fraction = None if peak is None else row.gbps / peak
+            row = _row(cfg, "kernel", size, batch, machine, median_ms=r["median_us"] * 1e-3,
+                       p10_ms=r["p10_us"] * 1e-3, p90_ms=r["p90_us"] * 1e-3, iters=r["iters"])
+            row.note = f"img + txt launch per block; {r['method']}"
+            row.gbps = r["gbs"]
+            row.peak_fraction = None if r["pct_peak"] is None else r["pct_peak"] / 100.0
             rows.append(row)
 
 

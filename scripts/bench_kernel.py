@@ -1,200 +1,249 @@
 #!/usr/bin/env python
-"""Bandwidth benchmark of the fused QKNormRoPE CUDA kernel at Qwen-Image shapes.
+"""Bandwidth of the fused QKNormRoPE CUDA kernel at Qwen-Image shapes, vs torch eager and torch.compile.
 
-Compares, per call (one stream of one transformer block):
-  fused     libqkrope_kernels.so through qkrope.runtime.kernels.cuda_qk_norm_rope
-  eager     qkrope.export.qk_norm_rope_reference in PyTorch eager mode
-  compile   torch.compile of the same reference (static shapes)
+Rows: 512x512 (1024 image tokens) and 1024x1024 (4096 image tokens), 512 text tokens, batch 1
+and 2, 24 heads x 128, bf16 q/k/weights, fp32 cos|sin cache; per stream (img, txt) and per block
+(block = the img and the txt launch a transformer block makes). Backends:
+  fused     libqkrope_kernels.so's C ABI qkrope_launch, called directly through ctypes
+  eager     qkrope.export.qk_norm_rope_reference in eager PyTorch
+  compile   torch.compile of the same reference (static shapes, default mode)
 
-Shapes: 512x512 (1024 image tokens) and 1024x1024 (4096 image tokens) plus 512 text tokens,
-batch 1 and 2, 24 heads x 128, bf16 activations and weights, fp32 cache.
-Timing: CUDA events around each call, L2 flushed before every call (so small shapes do not run
-from L2), warm-up first, median over the timed calls.
-Bytes moved = read q, k + write q_out, k_out + both weights + the cache rows used.
+Method (qkrope.runtime.kernel_bench, the one used by `qkrope bench`'s kernel rows too): buffer
+sets rotated so that together they exceed 2 x L2 (every launch reads DRAM); the fused launch is
+validated once through qkrope.runtime.kernels.cuda_qk_norm_rope and spot-checked against an fp32
+reference; N launches over the sets are captured in a CUDA graph, replays timed with CUDA events,
+per-launch time = elapsed / N, median and p10/p90 over the replays. Bytes = q, k read + q_out,
+k_out written + both weights + the cache rows; % of peak against the GPU's data-sheet bandwidth.
+The JSON is rewritten (atomically) after every row; fused and eager rows come first,
+torch.compile (slow to compile) last. Exit status: 0, 1 if a fused row failed, 2 without CUDA
+or without libqkrope_kernels.so.
 
-    python scripts/bench_kernel.py [--iters 100] [--json out.json] [--no-compile] [--peak-tbs 4.8]
+    python scripts/bench_kernel.py [--quick] [--shapes 512:1,1024] [--no-compile] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-HEADS, HEAD_DIM = 24, 128
-TXT_TOKENS = 512
-RESOLUTIONS = {"512x512": 1024, "1024x1024": 4096}  # image tokens (16x16 pixels per token)
+REPO = Path(__file__).resolve().parent.parent
+NO_CUDA = ("bench_kernel: no CUDA device visible to PyTorch (torch.cuda.is_available() is False"
+           "{why}); run this on a machine with an NVIDIA GPU and a CUDA build of PyTorch.")
+QUICK = {"shapes": "1024:1", "iters": 5, "warmup": 2, "launches": 8}
+DEFAULTS = {"shapes": "512,1024", "iters": 30, "warmup": 5, "launches": 20}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"512:1,1024"`` -> [(512, 1), (1024, 1), (1024, 2)]: resolution (``512`` or ``512x512``)
+    with an optional ``:batch``; without one, batches 1 and 2."""
+    from qkrope.runtime.bench import image_tokens
+    from qkrope.runtime.kernel_bench import BATCHES
+
+    out: list[tuple[int, int]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        res_s, _, batch_s = item.partition(":")
+        side, _, other = res_s.lower().partition("x")
+        try:
+            res = int(side)
+            if other and int(other) != res:
+                raise ValueError("only square images")
+            batches = [int(batch_s)] if batch_s else list(BATCHES)
+            image_tokens(res)
+        except ValueError as exc:
+            raise ValueError(f"--shapes: bad entry {item!r} ({exc}); expected e.g. "
+                             f"512,1024:2 or 1024x1024:1") from None
+        if any(b < 1 for b in batches):
+            raise ValueError(f"--shapes: batch must be >= 1 in {item!r}")
+        out += [(res, b) for b in batches if (res, b) not in out]
+    if not out:
+        raise ValueError(f"--shapes: no shape in {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Method and rows: see the top of scripts/bench_kernel.py and "
+               "runtime/kernel_bench.py.")
+    ap.add_argument("--iters", type=int, default=None,
+                    help=f"timed graph replays per row (default {DEFAULTS['iters']}, "
+                         f"--quick {QUICK['iters']})")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help=f"warm-up replays (default {DEFAULTS['warmup']}, --quick "
+                         f"{QUICK['warmup']})")
+    ap.add_argument("--launches-per-graph", dest="launches", type=int, default=None,
+                    help=f"launches captured per CUDA graph, rounded up to a multiple of the "
+                         f"buffer sets (default {DEFAULTS['launches']}, --quick "
+                         f"{QUICK['launches']})")
+    ap.add_argument("--shapes", default=None,
+                    help=f"resolutions[:batch], comma-separated (default {DEFAULTS['shapes']}: "
+                         f"each with batch 1 and 2; --quick {QUICK['shapes']})")
+    ap.add_argument("--streams", default="img,txt,block",
+                    help="streams to measure: img, txt, block (= img + txt launches of one "
+                         "block); default all three")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="results file, rewritten after every row (default "
+                         "$OUT/bench_kernel.json, else build/bench_kernel.json)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    ap.add_argument("--rounding", type=int, default=0, choices=(0, 1),
+                    help="the op's rounding attribute (1: diffusers' bf16 intermediate "
+                         "rounding)")
+    ap.add_argument("--peak-gbs", type=float, default=None,
+                    help="peak memory bandwidth in GB/s (default: data-sheet table by GPU name, "
+                         "H200 4800)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="soft time limit: rows not started by then are recorded as skipped "
+                         "and the table is still printed")
+    ap.add_argument("--quick", action="store_true",
+                    help="one shape (1024x1024, batch 1), few iterations: a rerun check")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    base = QUICK if args.quick else DEFAULTS
+    for key, val in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    try:
+        args.shape_list = parse_shapes(args.shapes)
+        args.stream_list = _parse_streams(args.streams)
+    except ValueError as exc:
+        ap.error(str(exc))
+    for name in ("iters", "launches"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('launches', 'launches-per-graph')} must be >= 1")
+    if args.warmup < 0:
+        ap.error("--warmup must be >= 0")
+    if args.json is None:
+        base_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "build"
+        args.json = base_dir / "bench_kernel.json"
+    return args
+
+
+def _parse_streams(text: str) -> list[str]:
+    from qkrope.runtime.kernel_bench import STREAMS
+
+    vals = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in vals if s not in STREAMS]
+    if bad or not vals:
+        raise ValueError(f"--streams: expected a subset of {','.join(STREAMS)}; got {text!r}")
+    return [s for s in STREAMS if s in vals]
+
+
+def _line(row: dict) -> str:
+    head = f"  {row['resolution']}x{row['resolution']} B={row['batch']} {row['stream']:<5} " \
+           f"{row['backend']:<7}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}: {row['reason']}"
+    pct = "" if row["pct_peak"] is None else f" = {row['pct_peak']:.1f}% of peak"
+    extra = f", compiled+checked in {row['compile_s']} s" if "compile_s" in row else ""
+    return (f"{head} {row['median_us']:8.1f} us (p10 {row['p10_us']:.1f}, p90 "
+            f"{row['p90_us']:.1f}), {row['gbs']:.0f} GB/s{pct}; K={row['sets']} sets x "
+            f"{row['bytes'] / 1e6:.1f} MB, {row['launches_per_graph']} launches/graph"
+            f"{'' if row.get('graph') else ' (NO graph)'}, max rel err "
+            f"{row['max_rel_err']:.2g}{extra}")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=100, help="timed calls per measurement")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--json", type=Path, default=None,
-                    help="where to write the results (default $OUT/bench_kernel.json or "
-                         "build/bench_kernel.json)")
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--peak-tbs", type=float, default=4.8, help="peak HBM bandwidth in TB/s")
-    ap.add_argument("--rounding", type=int, default=0, choices=(0, 1))
-    args = ap.parse_args(argv)
-
+    args = parse_args(argv)
     import torch
+
     if not torch.cuda.is_available():
-        print("bench_kernel: no CUDA device visible to PyTorch (torch.cuda.is_available() is False); "
-              "run this on a machine with an NVIDIA GPU and a CUDA build of PyTorch.",
-              file=sys.stderr)
+        why = "" if torch.version.cuda else f"; torch {torch.__version__} is a CPU-only build"
+        print(NO_CUDA.format(why=why), file=sys.stderr)
         return 2
 
-    from qkrope.export import qk_norm_rope_reference
-    from qkrope.runtime import kernels
+    from qkrope.runtime import bench, kernels
+    from qkrope.runtime import kernel_bench as kb
 
-    dev = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(dev)
-    peak = args.peak_tbs * 1e12
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)  # > any GPU's L2
+    if kernels.cuda_library_path() is None:
+        print(f"bench_kernel: {kernels.CUDA_LIB_NAME} not found; build it with: "
+              f"{kernels.CUDA_BUILD_COMMAND} (or set {kernels.CUDA_LIB_ENV})", file=sys.stderr)
+        return 2
 
-    def timed(fn) -> float:
-        for _ in range(args.warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.iters):
-            flush.zero_()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return statistics.median(times)
+    t_start = time.monotonic()
+    device = torch.device("cuda", torch.cuda.current_device())
+    machine = bench.machine_info(str(device))
+    peak, peak_src = kb.device_peak(device, args.peak_gbs)
+    l2 = kb.l2_bytes(device)
+    opts = kb.Options(iters=args.iters, warmup=args.warmup, launches=args.launches,
+                      rounding=args.rounding)
+    cases = [kb.Case(res, batch, stream) for res, batch in args.shape_list
+             for stream in args.stream_list]
+    machine_line = (f"GPU {machine.get('gpu')}, {machine.get('sm_count')} SMs, L2 "
+                    f"{l2 / 2**20:g} MiB, CC {machine.get('compute_capability')}, clocks "
+                    f"{machine.get('clocks_mhz', 'n/a')} MHz, driver {machine.get('driver', '?')}, "
+                    f"CUDA {torch.version.cuda}, torch {torch.__version__}, python "
+                    f"{machine.get('python')}")
+    peak_line = (f"peak {peak:.0f} GB/s ({peak_src})" if peak else f"peak {peak_src}")
+    config_line = (f"bf16, {kb.HEADS} heads x {kb.HEAD_DIM}, fp32 cache, rounding="
+                   f"{args.rounding}; {args.iters} timed replays after {args.warmup} warm-up, "
+                   f">= {args.launches} launches per CUDA graph, buffer sets > "
+                   f"{opts.l2_factor:g} x L2")
+    print(machine_line, flush=True)
+    print(peak_line + "; " + config_line, flush=True)
+    rec = kb.Recorder(args.json, meta={
+        "machine": machine, "machine_line": machine_line, "peak_gbs": peak,
+        "peak_source": peak_src, "l2_bytes": l2, "iters": args.iters, "warmup": args.warmup,
+        "launches_per_graph": args.launches, "rounding": args.rounding,
+        "method": kb.__doc__.split("Method", 1)[1].strip() if kb.__doc__ else ""})
+    rec.save("starting")
 
-    out = args.json
-    if out is None:
-        base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent.parent / "build"
-        out = base / "bench_kernel.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
+    def over_budget() -> bool:
+        return args.budget_s is not None and time.monotonic() - t_start > args.budget_s
 
-    def save(phase: str) -> None:
-        # Rewritten after every measurement (atomically), so a timeout (scripts/gpu_check.sh runs
-        # this under `timeout`) never loses what was already measured.
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps({"gpu": gpu, "peak_tbs": args.peak_tbs, "iters": args.iters,
-                                   "rounding": args.rounding, "torch": torch.__version__,
-                                   "phase": phase, "rows": rows}, indent=2))
-        os.replace(tmp, out)
+    def run(case, backend, compiled=None):
+        if over_budget():
+            row = kb.result_row(case, backend, status="skipped",
+                                reason=f"--budget-s {args.budget_s:g} s spent")
+        else:
+            row = kb.measure(case, backend, opts, device=device, peak=peak, l2=l2,
+                             compiled=compiled)
+        rec.add(row, phase=f"{backend} rows")
+        print(_line(row), flush=True)
+        return row
 
-    def add_rates(entry) -> None:
-        for name in ("fused", "eager", "compile"):
-            us = entry.get(f"{name}_us")
-            if us:
-                entry[f"{name}_gbs"] = entry["bytes"] / (us * 1e-6) / 1e9
-                entry[f"{name}_pct_peak"] = 100.0 * entry["bytes"] / (us * 1e-6) / peak
+    torch.set_grad_enabled(False)
+    print("phase 1: fused and eager", flush=True)
+    for case in cases:
+        for backend in ("fused", "eager"):
+            run(case, backend)
+    if args.no_compile:
+        print("phase 2: torch.compile skipped (--no-compile)", flush=True)
+    else:
+        print("phase 2: torch.compile (compiled per shape before its graph is captured)",
+              flush=True)
+        try:
+            compiled = kb.make_compiled()
+            err = None
+        except Exception as exc:  # noqa: BLE001 - every compile row says why
+            compiled, err = None, f"torch.compile unavailable: {type(exc).__name__}: {exc}"
+        for case in cases:
+            if err:
+                row = kb.result_row(case, "compile", status="failed", reason=err[:400])
+                rec.add(row, phase="compile rows")
+                print(_line(row), flush=True)
+            else:
+                run(case, "compile", compiled)
 
-    kw_ = {"eps": 1e-6, "interleaved": True, "rounding": args.rounding}
-
-    def make_case(seq: int, batch: int):
-        g = torch.Generator(device=dev).manual_seed(0)
-        shape = (batch, seq, HEADS, HEAD_DIM)
-        q = torch.randn(shape, generator=g, device=dev).to(torch.bfloat16)
-        k = torch.randn(shape, generator=g, device=dev).to(torch.bfloat16)
-        qw = (torch.rand(HEAD_DIM, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-        kw = (torch.rand(HEAD_DIM, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-        ang = torch.rand(seq, HEAD_DIM // 2, generator=g, device=dev) * 6.0
-        cache = torch.cat([ang.cos(), ang.sin()], -1).contiguous()
-        return q, k, qw, kw, cache
-
-    cases = [(res, img_tokens if stream == "img" else TXT_TOKENS, batch, stream)
-             for res, img_tokens in RESOLUTIONS.items() for batch in (1, 2)
-             for stream in ("img", "txt")]
-
-    # Phase 1: fused and eager for every shape (cheap, and what matters), each row printed and
-    # saved as soon as it is measured.
-    print(f"GPU: {gpu}; phase 1: fused and eager (phase 2: torch.compile"
-          f"{', skipped' if args.no_compile else ''})", flush=True)
-    for res, seq, batch, stream in cases:
-        q, k, qw, kw, cache = make_case(seq, batch)
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        nbytes = (4 * q.numel() * q.element_size() + 2 * HEAD_DIM * 2 + seq * HEAD_DIM * 4)
-        entry = {"resolution": res, "batch": batch, "stream": stream, "tokens": seq, "bytes": nbytes}
-        args_ = (q, k, qw, kw, cache)
-
-        def fused(args_=args_, out_=(q_out, k_out)):
-            return kernels.cuda_qk_norm_rope(*args_, out=out_, **kw_)
-
-        def eager(args_=args_):
-            return qk_norm_rope_reference(*args_, **kw_)
-
-        # correctness guard before timing
-        fused()
-        ref = eager()
-        entry["max_abs_diff_vs_eager"] = max((a.float() - b.float()).abs().max().item()
-                                             for a, b in zip((q_out, k_out), ref))
-        for name, fn in (("fused", fused), ("eager", eager)):
-            entry[f"{name}_us"] = timed(fn) * 1e6
-        add_rates(entry)
-        rows.append(entry)
-        save("fused+eager")
-        print(f"  measured {res} B={batch} {stream} {seq} tokens: fused {entry['fused_us']:.1f} us "
-              f"({entry['fused_pct_peak']:.1f}% of peak), eager {entry['eager_us']:.1f} us, "
-              f"max |diff| {entry['max_abs_diff_vs_eager']:.3g}", flush=True)
-        del q, k, q_out, k_out, ref, args_, fused, eager
-
-    # Phase 2: torch.compile (slow to compile; may be cut off by a timeout without losing phase 1).
-    if not args.no_compile:
-        compiled = torch.compile(qk_norm_rope_reference, dynamic=False)
-        for entry in rows:
-            q, k, qw, kw, cache = make_case(entry["tokens"], entry["batch"])
-            try:
-                t0 = time.perf_counter()
-                compiled(q, k, qw, kw, cache, **kw_)
-                torch.cuda.synchronize()
-                entry["compile_s"] = time.perf_counter() - t0
-                entry["compile_us"] = timed(
-                    lambda a=(q, k, qw, kw, cache): compiled(*a, **kw_)) * 1e6
-            except Exception as exc:  # noqa: BLE001 - report and continue
-                entry["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            add_rates(entry)
-            save("fused+eager+compile (partial)")
-            print(f"  compiled {entry['resolution']} B={entry['batch']} {entry['stream']}: "
-                  + (f"{entry['compile_us']:.1f} us" if entry.get("compile_us") else
-                     entry.get("compile_error", "?")), flush=True)
-            del q, k
-    save("complete")
-
-    hdr = (f"{'shape':<10} {'B':>1} {'strm':<4} {'tok':>5} {'MB':>6} | {'fused us':>8} {'GB/s':>6} "
-           f"{'%pk':>5} | {'eager us':>8} {'%pk':>5} | {'compile us':>10} {'%pk':>5} | "
-           f"{'vs eager':>8} {'vs comp':>7}")
-    print(f"GPU: {gpu}; peak {args.peak_tbs} TB/s; bf16, {HEADS} heads x {HEAD_DIM}, fp32 cache, "
-          f"rounding={args.rounding}; median of {args.iters} calls, L2 flushed before each")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        comp_us = r.get("compile_us")
-        print(f"{r['resolution']:<10} {r['batch']:>1} {r['stream']:<4} {r['tokens']:>5} "
-              f"{r['bytes'] / 1e6:>6.1f} | {r['fused_us']:>8.1f} {r['fused_gbs']:>6.0f} "
-              f"{r['fused_pct_peak']:>5.1f} | {r['eager_us']:>8.1f} {r['eager_pct_peak']:>5.1f} | "
-              + (f"{comp_us:>10.1f} {r['compile_pct_peak']:>5.1f} | " if comp_us else
-                 f"{'n/a':>10} {'':>5} | ")
-              + f"{r['eager_us'] / r['fused_us']:>7.2f}x "
-              + (f"{comp_us / r['fused_us']:>6.2f}x" if comp_us else f"{'n/a':>7}"))
-    # per transformer block (img + txt call) at each resolution/batch
-    print("\nper block (img + txt):")
-    for res in RESOLUTIONS:
-        for batch in (1, 2):
-            sel = [r for r in rows if r["resolution"] == res and r["batch"] == batch]
-            us = sum(r["fused_us"] for r in sel)
-            nb = sum(r["bytes"] for r in sel)
-            print(f"  {res} B={batch}: {nb / 1e6:.1f} MB, fused {us:.1f} us, "
-                  f"{nb / (us * 1e-6) / 1e9:.0f} GB/s = {100 * nb / (us * 1e-6) / peak:.1f}% of peak")
-
-    print(f"\nwrote {out}")
-    return 0
+    table = kb.format_markdown(rec.rows, peak=peak, header=[
+        f"## qkrope kernel benchmark ({time.strftime('%Y-%m-%d %H:%M')})", "", machine_line, "",
+        peak_line + "; " + config_line + "; times per launch unit (block: img + txt launch)",
+        ""])
+    rec.meta["markdown"] = table
+    rec.save("complete")
+    print()
+    print(table)
+    print(f"\nwrote {args.json} ({len(rec.rows)} rows, {time.monotonic() - t_start:.0f} s)")
+    fused_failed = [r for r in rec.rows if r["backend"] == "fused" and r["status"] == "failed"]
+    return 1 if fused_failed else 0
 
 
 if __name__ == "__main__":
