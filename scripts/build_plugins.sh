@@ -53,7 +53,9 @@ if [[ -z "$PY" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || true)"; fi
 fi
 
-CMAKE_ARGS=(-S "$ROOT/plugins" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE="$BUILD_TYPE")
+# The SIMT emulation of the kernel is a test tool: tests/test_kernel_simt.py builds it in its own
+# folder (build/kernel-simt, which its source mutants reuse), so it is not built here.
+CMAKE_ARGS=(-S "$ROOT/plugins" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DQKROPE_BUILD_SIMT=OFF)
 
 if [[ "$HOST_ONLY" == 1 ]]; then
   CMAKE_ARGS+=(-DQKROPE_WITH_CUDA=OFF -DQKROPE_BUILD_PLUGIN=OFF)

@@ -21,6 +21,8 @@ macro(qkrope_enable_cuda)
     set(CMAKE_CUDA_ARCHITECTURES "${_qkrope_archs}" CACHE STRING
         "CUDA architectures (default: SASS 80;86;89;90;100 + PTX of the highest)" FORCE)
   endif()
+  # nvcc compiles the architectures of a file in parallel (the kernel has ~230 instances per arch)
+  string(APPEND CMAKE_CUDA_FLAGS " --threads 0")
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   message(STATUS "qkrope: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
