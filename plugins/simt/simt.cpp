@@ -1562,6 +1562,18 @@ SIMT_EXPORT char const* qkrope_simt_last_error(void)
     return simt::lastErrorMessage();
 }
 
+// The calling thread's pending CUDA error (cudaPeekAtLastError), and a way to plant one: tests use
+// it to check that a launch reports its own status and leaves an earlier error for its owner.
+SIMT_EXPORT int32_t qkrope_simt_peek_error(void)
+{
+    return static_cast<int32_t>(cudaPeekAtLastError());
+}
+
+SIMT_EXPORT void qkrope_simt_set_pending_error(int32_t error)
+{
+    simt::detail::setLastError(static_cast<cudaError_t>(error));
+}
+
 SIMT_EXPORT void qkrope_simt_reset(void)
 {
     simt::clearStats();
