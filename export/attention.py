@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkrope.errors import InputError
 from . import contract
 from .ops import qk_norm_rope
 
@@ -47,9 +48,9 @@ class QwenImageAttention(nn.Module):
                  validate: bool = True):
         super().__init__()
         if heads * head_dim != dim:
-            raise ValueError(f"heads * head_dim must equal dim; got {heads} x {head_dim} != {dim}")
+            raise InputError(f"heads * head_dim must equal dim; got {heads} x {head_dim} != {dim}")
         if head_dim % 2 or head_dim > contract.MAX_HEAD_DIM:
-            raise ValueError(f"head_dim must be even and <= {contract.MAX_HEAD_DIM}; got {head_dim}")
+            raise InputError(f"head_dim must be even and <= {contract.MAX_HEAD_DIM}; got {head_dim}")
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
         self.eps, self.interleaved, self.rounding, self.validate = eps, interleaved, rounding, validate
         inner = heads * head_dim
@@ -78,7 +79,7 @@ class QwenImageAttention(nn.Module):
         dim = attn.to_q.in_features
         norm = getattr(attn, "norm_q", None)
         if norm is None or getattr(attn, "norm_added_q", None) is None:
-            raise ValueError("the diffusers Attention has no per-head QK RMSNorm (norm_q / "
+            raise InputError("the diffusers Attention has no per-head QK RMSNorm (norm_q / "
                              "norm_added_q): it is not Qwen-Image's joint attention")
         kwargs.setdefault("eps", float(norm.eps))
         ref = next(attn.parameters())

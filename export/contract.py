@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qkrope.errors import InputError
+
 DOMAIN = "qkrope"
 DOMAIN_VERSION = 1
 OP_TYPE = "QKNormRoPE"
@@ -55,9 +57,9 @@ def node_attributes(*, eps: float = DEFAULT_EPS, interleaved: bool = DEFAULT_INT
                     rounding: int = DEFAULT_ROUNDING) -> dict[str, float | int | str]:
     """The attribute values written on one node, validated."""
     if not (eps > 0.0 and eps < 1.0):
-        raise ValueError(f"epsilon must be in (0, 1), got {eps!r}")
+        raise InputError(f"epsilon must be in (0, 1), got {eps!r}")
     if rounding not in (0, 1):
-        raise ValueError(f"rounding must be 0 or 1, got {rounding!r}")
+        raise InputError(f"rounding must be 0 or 1, got {rounding!r}")
     return {
         "epsilon": float(eps),
         "interleaved": int(bool(interleaved)),

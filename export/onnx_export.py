@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope._fileio import sha256_file
 from qkrope.runtime import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
@@ -62,7 +63,7 @@ DEFAULT_ATTENTION_SAMPLE = dict(img_shapes=[(1, 16, 16)], txt_len=32, batch=2)
 DEFAULT_TRANSFORMER_SAMPLE = dict(img_shapes=[(1, 8, 8)], txt_len=16, batch=2)
 
 
-class ExportError(RuntimeError):
+class ExportError(QkropeError, RuntimeError):
     """The export failed or produced a model that breaks the node contract."""
 
 
@@ -298,16 +299,16 @@ def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
     batch = int(batch if batch is not None else defaults["batch"])
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
-            raise ValueError(f"--img-shape takes three positive integers F H W (latent patches); "
+            raise InputError(f"--img-shape takes three positive integers F H W (latent patches); "
                              f"got {s}")
     if batch < 1:
-        raise ValueError(f"--batch must be >= 1; got {batch}")
+        raise InputError(f"--batch must be >= 1; got {batch}")
     if txt_len < 2:
-        raise ValueError(f"--txt-len must be >= 2 for tracing (torch.export fixes axes whose "
+        raise InputError(f"--txt-len must be >= 2 for tracing (torch.export fixes axes whose "
                          f"sample size is 0 or 1); got {txt_len}")
     sample = Sample(shapes, txt_len, max(batch, 2))
     if sample.img_tokens < 2:
-        raise ValueError(f"the sample image must have >= 2 tokens for tracing; got {shapes}")
+        raise InputError(f"the sample image must have >= 2 tokens for tracing; got {shapes}")
     return sample
 
 
@@ -330,7 +331,7 @@ def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: in
 
 def _check_opset(opset: int) -> int:
     if not MIN_OPSET <= int(opset) <= MAX_OPSET:
-        raise ValueError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET} (the dynamo exporter "
+        raise InputError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET} (the dynamo exporter "
                          f"targets opset 18+; the default {DEFAULT_OPSET} has the widest TensorRT/"
                          f"ONNX Runtime support); got {opset}")
     return int(opset)
@@ -338,16 +339,16 @@ def _check_opset(opset: int) -> int:
 
 def _check_dtype(dtype: str) -> torch.dtype:
     if dtype not in TORCH_DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(TORCH_DTYPES)}; got {dtype!r}")
+        raise InputError(f"--dtype must be one of {sorted(TORCH_DTYPES)}; got {dtype!r}")
     return TORCH_DTYPES[dtype]
 
 
 def _check_out(out: str | os.PathLike) -> Path:
     out = Path(out)
     if out.suffix != ".onnx":
-        raise ValueError(f"--out must end in .onnx; got {str(out)!r}")
+        raise InputError(f"--out must end in .onnx; got {str(out)!r}")
     if out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a directory")
+        raise InputError(f"--out {str(out)!r} is a directory")
     return out
 
 
@@ -359,7 +360,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A safetensors file or a torch-saved state dict (diffusers parameter names)."""
     path = str(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--weights {path!r} does not exist")
+        raise InputFileNotFoundError(f"--weights {path!r} does not exist")
     expected = ("a safetensors file (*.safetensors) or a torch.save'd state dict whose keys are "
                 "diffusers' attention names (to_q.weight, norm_q.weight, ...)")
     try:
@@ -373,10 +374,10 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     except ImportError:
         raise
     except Exception as exc:  # noqa: BLE001 - any reader failure means "not a weights file"
-        raise ValueError(f"--weights {path!r} could not be read as a weights file "
+        raise InputError(f"--weights {path!r} could not be read as a weights file "
                          f"({type(exc).__name__}); expected {expected}") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"--weights {path!r} holds a {type(state).__name__}, not a state dict of "
+        raise InputError(f"--weights {path!r} holds a {type(state).__name__}, not a state dict of "
                          f"tensors; expected {expected}")
     return state
 
@@ -396,7 +397,7 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
         state = load_state_dict(weights)
         missing, unexpected = module.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"--weights {weights!r} does not match the attention block "
+            raise InputError(f"--weights {weights!r} does not match the attention block "
                              f"(diffusers names): missing {missing[:6]}, unexpected "
                              f"{unexpected[:6]}")
     else:
@@ -424,14 +425,14 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
     tdtype = _check_dtype(dtype)
     opset = _check_opset(opset)
     if int(heads) < 1 or int(head_dim) < 2 or int(head_dim) % 2 or int(head_dim) > contract.MAX_HEAD_DIM:
-        raise ValueError(f"--heads must be >= 1 and --head-dim even in [2, "
+        raise InputError(f"--heads must be >= 1 and --head-dim even in [2, "
                          f"{contract.MAX_HEAD_DIM}]; got heads={heads}, head_dim={head_dim}")
     if weights is not None and not os.path.isfile(weights):
-        raise FileNotFoundError(f"--weights {str(weights)!r} does not exist: give a safetensors "
+        raise InputFileNotFoundError(f"--weights {str(weights)!r} does not exist: give a safetensors "
                                 f"file or a torch state dict with diffusers' attention names")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
-        raise ValueError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "
+        raise InputError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "
                          f"{rotary_dim}")
     contract.node_attributes(eps=eps, interleaved=interleaved, rounding=rounding)  # validates
     axes_dim = default_axes_dims(rotary_dim)
@@ -580,17 +581,17 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "transformer":
         given = [flag for flag, value in attention_only.items() if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
+            raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
                              f"--model attention only; a transformer's sizes, epsilon and "
                              f"weights come from its --diffusers folder")
         if not args.diffusers:
-            raise ValueError("--model transformer needs --diffusers DIR (a local saved "
+            raise InputError("--model transformer needs --diffusers DIR (a local saved "
                              "QwenImageTransformer2DModel)")
         info, written = export_transformer(out, args.diffusers, layers=args.layers,
                                            progress=True, **common)
     else:
         if args.diffusers or args.layers:
-            raise ValueError("--diffusers/--layers apply to --model transformer")
+            raise InputError("--diffusers/--layers apply to --model transformer")
         info, written = export_attention(
             out, heads=24 if args.heads is None else args.heads,
             head_dim=128 if args.head_dim is None else args.head_dim,

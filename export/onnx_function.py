@@ -46,6 +46,7 @@ import onnx
 from onnx import TensorProto, helper
 from onnxscript.values import Op, Opset
 
+from qkrope.errors import InputError
 from . import contract
 
 DEFAULT_OPSET = 18
@@ -194,7 +195,7 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
                         opset: int = DEFAULT_OPSET) -> onnx.FunctionProto:
     """The model-local function ``qkrope::QKNormRoPE`` (spec section 3 in standard ops)."""
     if not MIN_OPSET <= opset <= MAX_OPSET:
-        raise ValueError(f"the QKNormRoPE function body is written for opsets {MIN_OPSET}.."
+        raise InputError(f"the QKNormRoPE function body is written for opsets {MIN_OPSET}.."
                          f"{MAX_OPSET}; got {opset}")
     n = helper.make_node
     common = [

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qkrope.errors import InputError, InputFileNotFoundError
 from qkrope._deps import require
 
 from . import contract
@@ -40,12 +41,12 @@ class QKNormRoPEAttnProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None,
                  encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
         if encoder_hidden_states is None:
-            raise ValueError("QKNormRoPEAttnProcessor requires encoder_hidden_states (text stream)")
+            raise InputError("QKNormRoPEAttnProcessor requires encoder_hidden_states (text stream)")
         if attention_mask is not None:
-            raise ValueError("QKNormRoPEAttnProcessor takes encoder_hidden_states_mask, not an "
+            raise InputError("QKNormRoPEAttnProcessor takes encoder_hidden_states_mask, not an "
                              "external attention_mask")
         if image_rotary_emb is None:
-            raise ValueError("QKNormRoPEAttnProcessor needs image_rotary_emb=(img_cache, "
+            raise InputError("QKNormRoPEAttnProcessor needs image_rotary_emb=(img_cache, "
                              "txt_cache); build them with qkrope.runtime.build_qwen_rope_caches")
         img_cache, txt_cache = image_rotary_emb
         return joint_attention(attn, hidden_states, encoder_hidden_states, img_cache, txt_cache,
@@ -59,11 +60,11 @@ def check_supported(transformer: nn.Module) -> None:
     cfg = transformer.config
     for key in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
         if cfg.get(key, False):
-            raise ValueError(f"the diffusers config sets {key}=True, which qkrope's transformer "
+            raise InputError(f"the diffusers config sets {key}=True, which qkrope's transformer "
                              f"export does not support yet (standard Qwen-Image only)")
     head_dim = cfg["attention_head_dim"]
     if sum(cfg["axes_dims_rope"]) > head_dim:
-        raise ValueError(f"axes_dims_rope {tuple(cfg['axes_dims_rope'])} sums to more than "
+        raise InputError(f"axes_dims_rope {tuple(cfg['axes_dims_rope'])} sums to more than "
                          f"attention_head_dim={head_dim}")
 
 
@@ -92,7 +93,7 @@ class CacheInputTransformer(nn.Module):
         patch_transformer(transformer, interleaved=interleaved, rounding=rounding)
         total = len(transformer.transformer_blocks)
         if num_layers is not None and not 1 <= num_layers <= total:
-            raise ValueError(f"--layers must be between 1 and {total} (the model's num_layers); "
+            raise InputError(f"--layers must be between 1 and {total} (the model's num_layers); "
                              f"got {num_layers}")
         self.num_layers = total if num_layers is None else num_layers
         self.transformer = transformer
@@ -120,7 +121,7 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> n
 
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     if not directory or not os.path.isdir(directory):
-        raise FileNotFoundError(
+        raise InputFileNotFoundError(
             f"--diffusers {directory!r} is not a directory: give the local folder of a saved "
             f"QwenImageTransformer2DModel (the one with config.json and the weights; for a "
             f"pipeline folder, its transformer/ subfolder). Nothing is downloaded.")
@@ -129,7 +130,7 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> n
         if os.path.isfile(os.path.join(sub, "config.json")):
             directory = sub
         else:
-            raise FileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
+            raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
                                     f"transformer/config.json): not a saved diffusers model")
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from qkrope.errors import InputError
+
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -47,19 +49,19 @@ def check_tensor_layout(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
     The values that the kernel itself must refuse (cache rows, rotary_dim, eps, rounding) are
     checked by :func:`check_qk_norm_rope_args`."""
     if q.dim() != 4 or q.shape != k.shape:
-        raise ValueError(
+        raise InputError(
             f"q and k must both be [batch, seq, heads, head_dim] with the same shape; got q "
             f"{tuple(q.shape)} and k {tuple(k.shape)}")
     if q.dtype not in _ACTIVATION_DTYPES or k.dtype != q.dtype:
-        raise ValueError(f"q and k must share one dtype among float32/float16/bfloat16; got "
+        raise InputError(f"q and k must share one dtype among float32/float16/bfloat16; got "
                          f"{q.dtype} and {k.dtype}")
     head_dim = q.shape[-1]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(w.shape) != (head_dim,) or w.dtype != q.dtype:
-            raise ValueError(f"{name} must be [{head_dim}] {q.dtype} (head_dim, q's dtype); got "
+            raise InputError(f"{name} must be [{head_dim}] {q.dtype} (head_dim, q's dtype); got "
                              f"{tuple(w.shape)} {w.dtype}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32:
-        raise ValueError(
+        raise InputError(
             f"cos_sin_cache must be a 2-D float32 [rows, rotary_dim] tensor; got "
             f"{tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}. Convert other RoPE formats with "
             f"qkrope.runtime.to_cos_sin_caches")
@@ -73,17 +75,17 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
     head_dim = q.shape[-1]
     rows, rotary_dim = cos_sin_cache.shape
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"cos_sin_cache width (rotary_dim) must be even and in (0, head_dim="
+        raise InputError(f"cos_sin_cache width (rotary_dim) must be even and in (0, head_dim="
                          f"{head_dim}]; got {rotary_dim}")
     if rows < q.shape[1]:
-        raise ValueError(
+        raise InputError(
             f"cos_sin_cache has {rows} rows but q/k have {q.shape[1]} tokens (required="
             f"{q.shape[1]}, available={rows}, overflow={q.shape[1] - rows}); build the cache for "
             f"the actual sequence length")
     if not (0.0 < eps < 1.0):
-        raise ValueError(f"eps must be in (0, 1); got {eps!r}")
+        raise InputError(f"eps must be in (0, 1); got {eps!r}")
     if rounding not in (0, 1):
-        raise ValueError(f"rounding must be 0 (one rounding) or 1 (diffusers' order); got "
+        raise InputError(f"rounding must be 0 (one rounding) or 1 (diffusers' order); got "
                          f"{rounding!r}")
 
 

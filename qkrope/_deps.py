@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from qkrope.errors import QkropeError
+
 # module name -> what to install
 _HINTS = {
     "diffusers": "pip install 'qkrope[diffusers]'  (or: pip install diffusers safetensors)",
@@ -18,7 +20,7 @@ _HINTS = {
 }
 
 
-class MissingDependencyError(ImportError):
+class MissingDependencyError(QkropeError, ImportError):
     """An optional dependency needed for this feature is not installed."""
 
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 from qkrope import __version__
-from qkrope._deps import MissingDependencyError
+from qkrope.errors import QkropeError
 
 # (module, in the order shown by --help)
 _SUBCOMMAND_MODULES = (
@@ -42,28 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PACKAGE_DIRS = tuple(str(Path(m).resolve().parent) for m in (
-    __file__, importlib.util.find_spec("qkrope.export").origin,
-    importlib.util.find_spec("qkrope.runtime").origin))
-
-
-def _raised_by_qkrope(exc: BaseException) -> bool:
-    """True for the project's own error classes, and for ValueError/FileNotFoundError raised by
-    qkrope code (argument and input checks). Anything else is a bug or an internal failure of a
-    dependency and keeps its traceback."""
-    if type(exc).__module__.split(".")[0] == "qkrope":
-        return True
-    if isinstance(exc, MissingDependencyError):
-        return True
-    if isinstance(exc, (ValueError, FileNotFoundError)):
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(
-            _PACKAGE_DIRS)
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI. Errors raised for bad input print one line (they carry what was received and
     the fix) and exit 2; other failures keep their traceback (exit 1). QKROPE_DEBUG=1 shows the
@@ -79,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qkrope {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - sorted into user errors and failures below
-        if os.environ.get("QKROPE_DEBUG") or not _raised_by_qkrope(exc):
+        # The class decides: qkrope's own errors (QkropeError) are user errors whose message
+        # carries the fix; anything else is a bug or a dependency's failure (traceback).
+        if os.environ.get("QKROPE_DEBUG") or not isinstance(exc, QkropeError):
             raise
         print(f"qkrope {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from qkrope.errors import InputError
 from . import dtypes
 from .caches import default_axes_dims
 
@@ -94,7 +95,7 @@ REQUIRES_TRT = "requires TensorRT (Python package 'tensorrt' not importable)"
 def image_tokens(size_px: int, pixels_per_token: int = PIXELS_PER_TOKEN) -> int:
     """Image tokens of a square ``size_px`` image: ``(size_px / 16) ** 2``."""
     if size_px <= 0 or size_px % pixels_per_token:
-        raise ValueError(f"image size must be a positive multiple of {pixels_per_token} px; "
+        raise InputError(f"image size must be a positive multiple of {pixels_per_token} px; "
                          f"got {size_px}")
     side = size_px // pixels_per_token
     return side * side
@@ -138,7 +139,7 @@ def peak_gbps(device_name: str | None, override: float | None = None) -> float |
 def summarize(times_ms: Sequence[float]) -> dict[str, float]:
     """median / mean / min / p10 / p90 / stdev of per-call times (ms)."""
     if not times_ms:
-        raise ValueError("no timings to summarise")
+        raise InputError("no timings to summarise")
     xs = sorted(float(t) for t in times_ms)
 
     def pct(p: float) -> float:  # linear interpolation, like numpy's default
@@ -157,10 +158,10 @@ def parse_int_list(text: str | Sequence[int]) -> list[int]:
     try:
         vals = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError as exc:
-        raise ValueError(f"expected comma-separated integers such as 512,1024; got {text!r}") \
+        raise InputError(f"expected comma-separated integers such as 512,1024; got {text!r}") \
             from exc
     if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"expected positive comma-separated integers; got {text!r}")
+        raise InputError(f"expected positive comma-separated integers; got {text!r}")
     return vals
 
 
@@ -547,7 +548,7 @@ def _ort_backend(cfg: Config, info, onnx_path: Path) -> dict[str, Callable]:
     import onnxruntime as ort
 
     if cfg.dtype == "bfloat16":
-        raise ValueError("ONNX Runtime's CPU provider has no bfloat16 kernels for this graph; "
+        raise InputError("ONNX Runtime's CPU provider has no bfloat16 kernels for this graph; "
                          "use --dtype fp32 on the CPU")
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -928,7 +929,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         image_tokens(s)
     default_axes_dims(cfg.head_dim)
     if cfg.iters < 1:
-        raise ValueError(f"--iters must be >= 1; got {cfg.iters}")
+        raise InputError(f"--iters must be >= 1; got {cfg.iters}")
     return cfg
 
 

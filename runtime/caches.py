@@ -14,6 +14,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from qkrope.errors import InputError, QkropeError
+
 QWEN_THETA = 10000
 QWEN_AXES_DIM = (16, 56, 56)
 # diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
@@ -32,7 +34,7 @@ class RopeCaches(NamedTuple):
     txt: torch.Tensor
 
 
-class RopeCacheError(RuntimeError):
+class RopeCacheError(QkropeError, RuntimeError):
     """A RoPE cache input is malformed. The message says what arrived and how to fix it."""
 
 
@@ -57,7 +59,7 @@ def default_axes_dims(rotary_dim: int) -> tuple[int, int, int]:
     if rotary_dim == 128:
         return QWEN_AXES_DIM
     if rotary_dim < 6 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even and >= 6 (three RoPE axes); got {rotary_dim}")
+        raise InputError(f"rotary_dim must be even and >= 6 (three RoPE axes); got {rotary_dim}")
     f = 2 * max(1, rotary_dim // 16)
     rest = rotary_dim - f
     h = 2 * (rest // 4)
@@ -113,14 +115,14 @@ def _check_img_shapes(img_shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, i
     try:
         shapes = tuple((int(f), int(h), int(w)) for f, h, w in img_shapes)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise InputError(
             f"img_shapes must be a list of (frames, height, width) triples in latent patches, "
             f"e.g. [(1, 64, 64)] for a 1024x1024 image; got {img_shapes!r}") from None
     if not shapes:
-        raise ValueError("img_shapes is empty: give at least one (frames, height, width) triple")
+        raise InputError("img_shapes is empty: give at least one (frames, height, width) triple")
     for f, h, w in shapes:
         if f < 1 or h < 1 or w < 1:
-            raise ValueError(f"img_shapes entries must be positive; got {(f, h, w)}")
+            raise InputError(f"img_shapes entries must be positive; got {(f, h, w)}")
     return shapes
 
 
@@ -146,10 +148,10 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
     """
     shapes = _check_img_shapes(img_shapes)
     if int(txt_seq_len) < 1:
-        raise ValueError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
+        raise InputError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
     axes = tuple(int(d) for d in axes_dim)
     if len(axes) != 3 or any(d <= 0 or d % 2 for d in axes):
-        raise ValueError(f"axes_dim must be three positive even widths; got {axes_dim!r}")
+        raise InputError(f"axes_dim must be three positive even widths; got {axes_dim!r}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     return _build_cached(shapes, int(txt_seq_len), float(theta), axes, bool(scale_rope), dev)
 

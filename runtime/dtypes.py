@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from qkrope.errors import InputError
+
 #: ``--dtype`` short names -> canonical (numpy) names: the model precisions qkrope exports.
 NAME_BY_SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SHORT_BY_NAME = {v: k for k, v in NAME_BY_SHORT.items()}
@@ -109,7 +111,7 @@ def torch_dtype(dtype: Any) -> torch.dtype:
     """The torch dtype for any spelling; ValueError for one torch cannot hold."""
     name = canonical(dtype)
     if name not in TORCH_BY_NAME:
-        raise ValueError(f"dtype {dtype!r} has no torch equivalent qkrope supports "
+        raise InputError(f"dtype {dtype!r} has no torch equivalent qkrope supports "
                          f"({', '.join(TORCH_BY_NAME)})")
     return TORCH_BY_NAME[name]
 
@@ -118,7 +120,7 @@ def short_name(dtype: Any) -> str:
     """``fp32`` / ``fp16`` / ``bf16`` for a model precision in any spelling."""
     name = canonical(dtype)
     if name not in SHORT_BY_NAME:
-        raise ValueError(f"dtype {dtype!r} is not a model precision qkrope exports "
+        raise InputError(f"dtype {dtype!r} is not a model precision qkrope exports "
                          f"({', '.join(NAME_BY_SHORT)})")
     return SHORT_BY_NAME[name]
 
@@ -127,7 +129,7 @@ def onnx_code(dtype: Any) -> int:
     """The ONNX ``TensorProto`` element type for any spelling."""
     name = canonical(dtype)
     if name not in ONNX_BY_NAME:
-        raise ValueError(f"dtype {dtype!r} has no ONNX element type in qkrope's table")
+        raise InputError(f"dtype {dtype!r} has no ONNX element type in qkrope's table")
     return ONNX_BY_NAME[name]
 
 

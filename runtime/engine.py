@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
+from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._deps import require
 
 from . import profiles as prof
@@ -39,7 +40,7 @@ ENGINE_SIDECAR_FORMAT = "qkrope-engine/1"
 MIN_TRT_MAJOR = 10
 
 
-class EngineBuildError(RuntimeError):
+class EngineBuildError(QkropeError, RuntimeError):
     """The engine could not be built; the message says why and what to do."""
 
 
@@ -86,7 +87,7 @@ def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: boo
 
     path = str(Path(path).resolve())
     if not os.path.exists(path):
-        raise FileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
+        raise InputFileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
                                 f"`qkrope build-plugin` or pass --plugin PATH")
     registry = registry if registry is not None else trt.get_plugin_registry()
     if version_compatible:
@@ -438,7 +439,7 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     trt = import_tensorrt()
     if not onnx_path.exists():
-        raise FileNotFoundError(f"{onnx_path} does not exist. Fix: export it with `qkrope export`")
+        raise InputFileNotFoundError(f"{onnx_path} does not exist. Fix: export it with `qkrope export`")
     model = tu.load_model_description(onnx_path)
     profile = plan_profile(model, opts)
     node_names = tu.count_plugin_nodes(onnx_path)

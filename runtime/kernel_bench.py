@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
+from qkrope.errors import InputError, QkropeError
 from .bench import image_tokens, peak_gbps, qknorm_rope_stream_bytes, summarize
 
 # Qwen-Image attention: 24 heads x 128, 512 text tokens, bf16 activations and weights.
@@ -55,7 +56,7 @@ DEFAULT_LAUNCHES = 20            # launch units per CUDA graph (rounded up to a 
 REL_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
-class BenchCheckError(RuntimeError):
+class BenchCheckError(QkropeError, RuntimeError):
     """The output that would be timed is wrong: nothing is benchmarked."""
 
 
@@ -78,10 +79,10 @@ class Case:
 
     def __post_init__(self):
         if self.stream not in STREAMS:
-            raise ValueError(f"stream must be one of {', '.join(STREAMS)}; got {self.stream!r}")
+            raise InputError(f"stream must be one of {', '.join(STREAMS)}; got {self.stream!r}")
         image_tokens(self.resolution)  # validates the resolution
         if self.batch < 1:
-            raise ValueError(f"batch must be >= 1; got {self.batch}")
+            raise InputError(f"batch must be >= 1; got {self.batch}")
 
     @property
     def stream_tokens(self) -> tuple[int, ...]:
@@ -124,7 +125,7 @@ def rotation_sets(set_bytes: int, l2_bytes: int, *, factor: float = L2_FACTOR,
     """Buffer sets to rotate over: the smallest K with ``K * set_bytes > factor * l2_bytes``,
     at least ``min_sets``, at most ``max_sets``."""
     if set_bytes <= 0:
-        raise ValueError(f"set_bytes must be positive; got {set_bytes}")
+        raise InputError(f"set_bytes must be positive; got {set_bytes}")
     k = math.floor(factor * max(0, l2_bytes) / set_bytes) + 1
     return max(min_sets, min(max_sets, k))
 
@@ -133,7 +134,7 @@ def graph_launches(requested: int, sets: int) -> int:
     """Launch units per graph: at least ``requested`` and ``sets``, a multiple of ``sets`` (every
     set used equally often)."""
     if requested < 1 or sets < 1:
-        raise ValueError(f"launches and sets must be >= 1; got {requested}, {sets}")
+        raise InputError(f"launches and sets must be >= 1; got {requested}, {sets}")
     return sets * math.ceil(max(requested, sets) / sets)
 
 
@@ -200,7 +201,7 @@ def time_launches(step: Callable[[int], Any], *, sets: int, launches: int, iters
 
         cuda = torch.cuda
     if iters < 1:
-        raise ValueError(f"iters must be >= 1; got {iters}")
+        raise InputError(f"iters must be >= 1; got {iters}")
     side = cuda.Stream()
     side.wait_stream(cuda.current_stream())
     with cuda.stream(side):
@@ -416,7 +417,7 @@ def measure(case: Case, backend: str, opts: Options, *, device, peak: float | No
                 step, err = _torch_step(bufs, opts, case.dtype, compiled)
                 row["compile_s"] = round(time.perf_counter() - t0, 2)
             else:
-                raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+                raise InputError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
             row["max_rel_err"] = err
             timing = time_launches(step, sets=sets, launches=launches, iters=opts.iters,
                                    warmup=opts.warmup)

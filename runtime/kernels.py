@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from qkrope.errors import InputError, QkropeError
 from qkrope.export.reference import check_tensor_layout
 
 __all__ = [
@@ -76,11 +77,11 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 512
 
 
-class KernelLibraryError(RuntimeError):
+class KernelLibraryError(QkropeError, RuntimeError):
     """A kernel library is missing or cannot be loaded."""
 
 
-class KernelStatusError(RuntimeError):
+class KernelStatusError(QkropeError, RuntimeError):
     """The library refused the call (a non-zero qkrope::Status)."""
 
     def __init__(self, status: int, text: str, what: str):
@@ -147,11 +148,11 @@ def _check_args(q, k, q_weight, k_weight, cache, device_type: str) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != device_type:
-            raise ValueError(f"{n} must be on a {device_type} device, got {t.device}")
+            raise InputError(f"{n} must be on a {device_type} device, got {t.device}")
         if not t.is_contiguous():
-            raise ValueError(f"{n} must be contiguous (call .contiguous()); got strides {t.stride()}")
+            raise InputError(f"{n} must be contiguous (call .contiguous()); got strides {t.stride()}")
     if device_type == "cuda" and len({t.device for t in tensors.values()}) != 1:
-        raise ValueError("q, k, weights and cache must all be on the same CUDA device; got "
+        raise InputError("q, k, weights and cache must all be on the same CUDA device; got "
                          + ", ".join(f"{n}={t.device}" for n, t in tensors.items()))
     check_tensor_layout(q, k, q_weight, k_weight, cache)
 
@@ -178,22 +179,22 @@ def _check_out(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torc
     owned by one thread group, so ``q_out`` may be exactly ``q`` and ``k_out`` exactly ``k``
     (in place); any other overlap with an input or between the two outputs is rejected."""
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ValueError(f"out must be a pair (q_out, k_out) of tensors, got {type(out).__name__}"
+        raise InputError(f"out must be a pair (q_out, k_out) of tensors, got {type(out).__name__}"
                          + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
     q_out, k_out = out
     for n, t in (("q_out", q_out), ("k_out", k_out)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"out: {n} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+            raise InputError(f"out: {n} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
         if tuple(t.shape) != tuple(q.shape):
-            raise ValueError(f"out: {n} has shape {tuple(t.shape)}, expected q's shape {tuple(q.shape)}")
+            raise InputError(f"out: {n} has shape {tuple(t.shape)}, expected q's shape {tuple(q.shape)}")
         if t.dtype != q.dtype:
-            raise ValueError(f"out: {n} has dtype {t.dtype}, expected q's dtype {q.dtype}")
+            raise InputError(f"out: {n} has dtype {t.dtype}, expected q's dtype {q.dtype}")
         if t.device != q.device:
-            raise ValueError(f"out: {n} is on {t.device}, expected q's device {q.device}")
+            raise InputError(f"out: {n} is on {t.device}, expected q's device {q.device}")
         if not t.is_contiguous():
-            raise ValueError(f"out: {n} must be contiguous; got strides {t.stride()}")
+            raise InputError(f"out: {n} must be contiguous; got strides {t.stride()}")
     if _overlaps(q_out, k_out):
-        raise ValueError("out: q_out and k_out overlap in memory; pass two separate tensors")
+        raise InputError("out: q_out and k_out overlap in memory; pass two separate tensors")
     inputs = {"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight, "cos_sin_cache": cache}
     for n, t, own in (("q_out", q_out, "q"), ("k_out", k_out, "k")):
         for m, src in inputs.items():
@@ -201,7 +202,7 @@ def _check_out(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torc
                 continue
             if m == own and t.data_ptr() == src.data_ptr() and t.numel() == src.numel():
                 continue  # exact alias of its own input: in-place update, supported
-            raise ValueError(f"out: {n} overlaps {m} in memory (only {n} = {own} exactly, an "
+            raise InputError(f"out: {n} overlaps {m} in memory (only {n} = {own} exactly, an "
                              f"in-place update, is allowed); pass a separate output tensor")
     return q_out, k_out
 
@@ -326,7 +327,7 @@ def simt_configure(num_sms: int | None = None, blocks_per_sm: int | None = None,
                                     -1 if blocks_per_sm is None else int(blocks_per_sm),
                                     -1 if seed is None else int(seed))
     if dev < 0:
-        raise ValueError(f"simt_configure: invalid device shape num_sms={num_sms}, "
+        raise InputError(f"simt_configure: invalid device shape num_sms={num_sms}, "
                          f"blocks_per_sm={blocks_per_sm} (1..1024 SMs, 1..64 blocks per SM, seed >= 0)")
     if dry_run is not None:
         lib.qkrope_simt_set_dry_run(int(bool(dry_run)))

@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from qkrope.errors import InputError, QkropeError
 from qkrope._fileio import write_text_atomic
 
 from . import dtypes
@@ -53,7 +54,7 @@ DTYPES = dtypes.NAME_BY_SHORT  # --dtype -> numpy name (the one table, in runtim
 AXES = ("batch", "img_tokens", "txt_tokens", "img_cache_rows", "txt_cache_rows")
 
 
-class ModelInfoError(ValueError):
+class ModelInfoError(QkropeError, ValueError):
     """The sidecar is missing, unreadable or not in this schema."""
 
 
@@ -105,7 +106,7 @@ def from_ort_value(value) -> np.ndarray:
     import ctypes
 
     if value.device_name().lower() != "cpu":
-        raise ValueError("from_ort_value reads bfloat16 OrtValues from CPU memory only")
+        raise InputError("from_ort_value reads bfloat16 OrtValues from CPU memory only")
     shape = tuple(value.shape())
     count = int(np.prod(shape)) if shape else 1
     buf = (ctypes.c_uint16 * count).from_address(value.data_ptr())

@@ -49,6 +49,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope._deps import require
 
 from .model_info import ModelInfo, from_ort_value, to_ort_value, to_torch
@@ -67,7 +68,7 @@ TRT_MISSING = ("the TensorRT side of `qkrope check` needs TensorRT's Python bind
                "GPU")
 
 
-class ParityError(RuntimeError):
+class ParityError(QkropeError, RuntimeError):
     pass
 
 
@@ -212,14 +213,14 @@ def validate_arguments(onnx_path: str, *, engine: str | None, plugin: str | None
                        onnxrt: bool) -> None:
     """Every check on the arguments that needs no computation, before anything runs."""
     if not os.path.isfile(onnx_path):
-        raise FileNotFoundError(f"{onnx_path!r} does not exist: export it with `qkrope export`")
+        raise InputFileNotFoundError(f"{onnx_path!r} does not exist: export it with `qkrope export`")
     if not onnxrt and not engine:
-        raise ValueError("--no-onnxrt leaves nothing to check: give --engine/--plugin as well")
+        raise InputError("--no-onnxrt leaves nothing to check: give --engine/--plugin as well")
     if engine and not os.path.isfile(engine):
-        raise FileNotFoundError(f"--engine {engine!r} does not exist: build it with "
+        raise InputFileNotFoundError(f"--engine {engine!r} does not exist: build it with "
                                 f"`qkrope build`")
     if plugin and not os.path.isfile(plugin):
-        raise FileNotFoundError(f"--plugin {plugin!r} does not exist: build it with `qkrope "
+        raise InputFileNotFoundError(f"--plugin {plugin!r} does not exist: build it with `qkrope "
                                 f"build-plugin`")
 
 
@@ -228,7 +229,7 @@ def make_trt_runner(engine_path: str, plugin: str | None):
     (:func:`qkrope.runtime.engine.load_plugin_library`: dlopen, then the QKNormRoPE creator must
     be in TensorRT's registry)."""
     if not os.path.isfile(engine_path):
-        raise FileNotFoundError(f"--engine {engine_path!r} does not exist: build it with "
+        raise InputFileNotFoundError(f"--engine {engine_path!r} does not exist: build it with "
                                 f"`qkrope build`")
     trt = require("tensorrt", TRT_MISSING)
     try:
@@ -439,7 +440,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine and not args.plugin:
-        raise ValueError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
+        raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
     try:
         passed, _ = check_model(args.onnx, img_shapes=args.img_shape, txt_len=args.txt_len,
                                 batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from qkrope.errors import InputError, QkropeError
+
 __all__ = [
     "PluginBuildError",
     "PluginNotBuiltError",
@@ -52,11 +54,11 @@ LIBRARY_FILES = {
 _ALIASES = {"trt": "plugin", "static": "plugin", "dynamic": "vc", "version_compatible": "vc"}
 
 
-class PluginBuildError(RuntimeError):
+class PluginBuildError(QkropeError, RuntimeError):
     """The native build failed; the message carries the command and the end of its output."""
 
 
-class PluginNotBuiltError(FileNotFoundError):
+class PluginNotBuiltError(QkropeError, FileNotFoundError):
     """A native library was asked for but has not been built; the message says how to build it."""
 
 
@@ -141,7 +143,7 @@ def find_plugin_library(kind: str = "plugin", *, build_dir: str | os.PathLike | 
     command when it is missing."""
     key = _ALIASES.get(kind, kind)
     if key not in LIBRARY_FILES:
-        raise ValueError(f"unknown library kind {kind!r}; expected one of {sorted(LIBRARY_FILES)}")
+        raise InputError(f"unknown library kind {kind!r}; expected one of {sorted(LIBRARY_FILES)}")
     name, env_var = LIBRARY_FILES[key]
     override = os.environ.get(env_var)
     if override:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping, Sequence
 
+from qkrope.errors import QkropeError
+
 LEVELS = ("min", "opt", "max")
 
 DEFAULT_MAX_BATCH = 2
@@ -45,7 +47,7 @@ Shape = tuple[int, ...]
 Profile = dict[str, dict[str, Shape]]
 
 
-class ProfileError(ValueError):
+class ProfileError(QkropeError, ValueError):
     """An optimisation profile (derived or given by flags) is malformed or inconsistent."""
 
 

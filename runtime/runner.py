@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._deps import MissingDependencyError, require
 
 from . import dtypes
@@ -51,7 +52,7 @@ ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep")
 
 
-class RunnerError(RuntimeError):
+class RunnerError(QkropeError, RuntimeError):
     """The runner cannot be created or cannot run (missing library, bad engine, failed enqueue)."""
 
 
@@ -716,7 +717,7 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
     """
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{p} does not exist")
+        raise InputFileNotFoundError(f"{p} does not exist")
     suffix = p.suffix.lower()
     if suffix in (".engine", ".plan", ".trt"):
         return TensorRTRunner(p, plugin=plugin, copy_outputs=copy_outputs)

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from qkrope.errors import QkropeError
 from . import dtypes
 from .trt_utils import engine_sidecar_path as sidecar_path
 
 PLUGIN_FILE_NAME = "libqkrope_plugin.so"
 
-class TritonRepoError(RuntimeError):
+class TritonRepoError(QkropeError, RuntimeError):
     """Bad input for ``qkrope triton-repo`` (the message says what was found and the fix)."""
 
 

@@ -1,0 +1,73 @@
+"""One error base class: every error qkrope raises on purpose is a QkropeError, and the CLI's
+"user error or bug" decision reads the class (not where the traceback ends)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import qkrope
+from qkrope import cli
+from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
+
+# Control-flow signals that never leave their module (not errors).
+_INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.demo.Skip"}
+
+
+def _modules():
+    import qkrope.export
+    import qkrope.runtime
+
+    names = set()
+    for pkg in (qkrope, qkrope.export, qkrope.runtime):  # export/, runtime/ live apart on disk
+        names.add(pkg.__name__)
+        names.update(i.name for i in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."))
+    for name in sorted(names - {"qkrope.__main__"}):
+        yield importlib.import_module(name)
+
+
+def test_every_project_error_derives_from_qkrope_error():
+    found = []
+    for mod in _modules():
+        for name, obj in vars(mod).items():
+            if (inspect.isclass(obj) and issubclass(obj, BaseException)
+                    and obj.__module__ == mod.__name__
+                    and f"{mod.__name__}.{name}" not in _INTERNAL):
+                found.append(obj)
+                assert issubclass(obj, QkropeError), f"{mod.__name__}.{name}"
+    names = {c.__name__ for c in found}
+    for expected in ("RopeCacheError", "RunnerError", "EngineBuildError", "ExportError",
+                     "MissingDependencyError", "ProfileError", "TritonRepoError"):
+        assert expected in names
+    assert issubclass(InputError, ValueError) and issubclass(InputFileNotFoundError,
+                                                             FileNotFoundError)
+
+
+def _cli_with(monkeypatch, exc):
+    def raising_parser():
+        p = argparse.ArgumentParser(prog="qkrope")
+        sub = p.add_subparsers(dest="command")
+        sub.add_parser("boom").set_defaults(func=lambda args: (_ for _ in ()).throw(exc))
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", raising_parser)
+    monkeypatch.delenv("QKROPE_DEBUG", raising=False)
+    return cli.main(["boom"])
+
+
+def test_cli_user_error_is_one_line_exit_2(monkeypatch, capsys):
+    assert _cli_with(monkeypatch, InputError("bad --thing 3; Fix: use 4")) == 2
+    err = capsys.readouterr().err
+    assert err == "qkrope boom: error: bad --thing 3; Fix: use 4\n"
+
+
+def test_cli_other_exceptions_keep_their_traceback(monkeypatch):
+    # a ValueError that is not a QkropeError is a bug, wherever it was raised
+    with pytest.raises(ValueError, match="internal"):
+        _cli_with(monkeypatch, ValueError("internal"))
+    with pytest.raises(KeyError):
+        _cli_with(monkeypatch, KeyError("x"))
