@@ -17,6 +17,7 @@
 //     library after TensorRT (import tensorrt / create the builder first). A TensorRT of another
 //     major than the headers it was built with is refused with a message (registry ABI differs).
 #include "qknorm_rope_plugin.h"
+#include "qknorm_rope_trt_runtime.h"
 
 #include <cstdio>
 
