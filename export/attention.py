@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkrope.errors import InputError
-from . import contract
+from qkrope import contract
 from .ops import qk_norm_rope
 
 
@@ -44,7 +44,9 @@ class QwenImageAttention(nn.Module):
     """
 
     def __init__(self, dim: int = 3072, heads: int = 24, head_dim: int = 128, *,
-                 eps: float = contract.DEFAULT_EPS, interleaved: bool = True, rounding: int = 0,
+                 eps: float = contract.DEFAULT_EPS,
+                 interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                 rounding: int = contract.DEFAULT_ROUNDING,
                  validate: bool = True):
         super().__init__()
         if heads * head_dim != dim:

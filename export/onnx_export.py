@@ -43,10 +43,10 @@ from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope._fileio import sha256_file
-from qkrope.runtime import dtypes
+from qkrope import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
-from . import contract
+from qkrope import contract
 from .onnx_function import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, FunctionVariant,
                             make_function_proto, qk_norm_rope_translation)
 
@@ -415,7 +415,8 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
 def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int = 128,
                      rotary_dim: int | None = None, dtype: str = "fp32",
                      opset: int = DEFAULT_OPSET, eps: float = contract.DEFAULT_EPS,
-                     interleaved: bool = True, rounding: int = 0,
+                     interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                     rounding: int = contract.DEFAULT_ROUNDING,
                      weights: str | os.PathLike | None = None, seed: int = 0,
                      img_shapes: Sequence[Sequence[int]] | None = None,
                      txt_len: int | None = None, batch: int | None = None,
@@ -477,7 +478,7 @@ def _axis_values(sample: Sample) -> dict[str, int]:
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
                        layers: int | None = None, dtype: str = "fp32",
-                       opset: int = DEFAULT_OPSET, rounding: int = 0,
+                       opset: int = DEFAULT_OPSET, rounding: int = contract.DEFAULT_ROUNDING,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
                        progress: bool = True):
@@ -511,7 +512,8 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                    expected_nodes=2 * n_layers)
     config = dict(dim=int(cfg["num_attention_heads"]) * head_dim,
                   heads=int(cfg["num_attention_heads"]), head_dim=head_dim, eps=eps,
-                  interleaved=True, rounding=int(rounding), rotary_dim=rotary_dim,
+                  interleaved=contract.DEFAULT_INTERLEAVED, rounding=int(rounding),
+                  rotary_dim=rotary_dim,
                   axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
                   diffusers_dir=str(Path(diffusers_dir).resolve()),
                   diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
@@ -522,7 +524,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     info, written = _write_outputs(model, out, dict(
         model="transformer", opset=opset, ir_version=IR_VERSION, dtype=dtype,
         dynamic_axes={}, node_attributes=contract.node_attributes(
-            eps=eps, interleaved=True, rounding=rounding),
+            eps=eps, interleaved=contract.DEFAULT_INTERLEAVED, rounding=rounding),
         config=config, sample=_sample_dict(sample), versions=_versions(("diffusers",)),
         axis_values=_axis_values(sample)), progress=progress)
     _log(progress, f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")

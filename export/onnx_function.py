@@ -47,7 +47,7 @@ from onnx import TensorProto, helper
 from onnxscript.values import Op, Opset
 
 from qkrope.errors import InputError
-from . import contract
+from qkrope import contract
 
 DEFAULT_OPSET = 18
 MIN_OPSET = 18
@@ -78,8 +78,10 @@ def _op_schema() -> onnx.defs.OpSchema:
 _QKNORMROPE_OP = Op(QKNORMROPE, contract.OP_TYPE, _op_schema())
 
 
-def qk_norm_rope_translation(q, k, q_weight, k_weight, cos_sin_cache, eps: float = 1e-6,
-                             interleaved: bool = True, rounding: int = 0):
+def qk_norm_rope_translation(q, k, q_weight, k_weight, cos_sin_cache, 
+                             eps: float = contract.DEFAULT_EPS,
+                             interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                             rounding: int = contract.DEFAULT_ROUNDING):
     """``torch.ops.qkrope.qk_norm_rope`` -> one ``qkrope::QKNormRoPE`` node (traced by torch.onnx).
 
     The attributes are written from :func:`contract.node_attributes`; the function body is added
@@ -95,8 +97,8 @@ def qk_norm_rope_translation(q, k, q_weight, k_weight, cos_sin_cache, eps: float
 class FunctionVariant:
     """The structural choices a function body is specialised for."""
 
-    interleaved: bool = True
-    rounding: int = 0
+    interleaved: bool = contract.DEFAULT_INTERLEAVED
+    rounding: int = contract.DEFAULT_ROUNDING
     partial: bool = False  # rotary_dim < head_dim: a tail of dims is normalised, not rotated
 
     @property
@@ -199,7 +201,7 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
                          f"{MAX_OPSET}; got {opset}")
     n = helper.make_node
     common = [
-        n("Constant", [], ["eps"], value_float=1e-6),  # replaced by an attribute reference below
+        n("Constant", [], ["eps"], value_float=contract.DEFAULT_EPS),  # replaced by an attribute reference below
         _const_ints("axes_last", [-1]),
         _const_ints("zero1", [0]),
         _const_ints("one1", [1]),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import contract
+from qkrope import contract
 from .reference import check_qk_norm_rope_args, qk_norm_rope_reference
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from qkrope.errors import InputError, InputFileNotFoundError
 from qkrope._deps import require
 
-from . import contract
+from qkrope import contract
 from .attention import joint_attention
 
 
@@ -68,8 +68,9 @@ def check_supported(transformer: nn.Module) -> None:
                          f"attention_head_dim={head_dim}")
 
 
-def patch_transformer(transformer: nn.Module, *, interleaved: bool = True,
-                      rounding: int = 0) -> nn.Module:
+def patch_transformer(transformer: nn.Module, *,
+                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                      rounding: int = contract.DEFAULT_ROUNDING) -> nn.Module:
     """Swap every joint attention processor for :class:`QKNormRoPEAttnProcessor` (in place)."""
     require("diffusers", "exporting a diffusers transformer")
     check_supported(transformer)
@@ -88,7 +89,8 @@ class CacheInputTransformer(nn.Module):
     """
 
     def __init__(self, transformer: nn.Module, num_layers: int | None = None, *,
-                 interleaved: bool = True, rounding: int = 0):
+                 interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                 rounding: int = contract.DEFAULT_ROUNDING):
         super().__init__()
         patch_transformer(transformer, interleaved=interleaved, rounding=rounding)
         total = len(transformer.transformer_blocks)

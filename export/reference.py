@@ -1,4 +1,4 @@
-"""The maths of QKNormRoPE (spec section 3) in plain PyTorch: the project's one Python reference.
+"""The maths of QKNormRoPE (docs/spec.md section 3) in plain PyTorch: the project's one Python reference.
 
 Everything else (the torch custom op, the ONNX function body, the CUDA kernel and its CPU build)
 is checked against :func:`qk_norm_rope_reference`.
@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from qkrope import contract
 from qkrope.errors import InputError
-
-_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
+from qkrope.layout import check_tensor_layout
 
 def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: float,
                interleaved: bool, rounding: int) -> torch.Tensor:
@@ -43,30 +42,6 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: 
     return out.to(x.dtype)
 
 
-def check_tensor_layout(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                        k_weight: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-    """Ranks, shapes and dtypes of the op's tensors (ValueError naming what was received).
-    The values that the kernel itself must refuse (cache rows, rotary_dim, eps, rounding) are
-    checked by :func:`check_qk_norm_rope_args`."""
-    if q.dim() != 4 or q.shape != k.shape:
-        raise InputError(
-            f"q and k must both be [batch, seq, heads, head_dim] with the same shape; got q "
-            f"{tuple(q.shape)} and k {tuple(k.shape)}")
-    if q.dtype not in _ACTIVATION_DTYPES or k.dtype != q.dtype:
-        raise InputError(f"q and k must share one dtype among float32/float16/bfloat16; got "
-                         f"{q.dtype} and {k.dtype}")
-    head_dim = q.shape[-1]
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if tuple(w.shape) != (head_dim,) or w.dtype != q.dtype:
-            raise InputError(f"{name} must be [{head_dim}] {q.dtype} (head_dim, q's dtype); got "
-                             f"{tuple(w.shape)} {w.dtype}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32:
-        raise InputError(
-            f"cos_sin_cache must be a 2-D float32 [rows, rotary_dim] tensor; got "
-            f"{tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}. Convert other RoPE formats with "
-            f"qkrope.runtime.to_cos_sin_caches")
-
-
 def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                             k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
                             rounding: int) -> None:
@@ -91,12 +66,13 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
-                           eps: float = 1e-6, interleaved: bool = True,
-                           rounding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float = contract.DEFAULT_EPS,
+                           interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                           rounding: int = contract.DEFAULT_ROUNDING) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, then RoPE from a 2-D ``[rows, rotary_dim]`` fp32 cache.
 
     q, k: ``[B, S, H, D]``; weights ``[D]``; cache row ``s`` is token ``s`` (cos half, sin half).
-    Dims at or beyond ``rotary_dim`` are normalised but not rotated. See spec section 3.
+    Dims at or beyond ``rotary_dim`` are normalised but not rotated. See docs/spec.md section 3.
     """
     return (_norm_rope(q, q_weight, cos_sin_cache, eps, interleaved, rounding),
             _norm_rope(k, k_weight, cos_sin_cache, eps, interleaved, rounding))

@@ -1,6 +1,8 @@
-"""The QKNormRoPE ONNX node contract: the one place that names the node, its inputs, outputs and
-attributes (spec section 4). The exporter writes from it, the tests check against it, and the
-TensorRT plugin's field list is compared with it by tests/test_plugin_host.py.
+"""The QKNormRoPE node contract: the one place that names the node, its inputs, outputs and
+attributes, and states each default once (docs/spec.md section 4). The exporter writes from it,
+every signature with an ``eps``/``interleaved``/``rounding`` parameter takes its default from
+here, the tests check against it, and the TensorRT plugin's field list is compared with it by
+tests/test_plugin_host.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ PLUGIN_NAME = OP_TYPE
 PLUGIN_VERSION = "1"
 PLUGIN_NAMESPACE = DOMAIN
 
+# The op's defaults (spec section 4), each stated once.
+DEFAULT_EPS = 1e-6
+DEFAULT_INTERLEAVED = True
+DEFAULT_ROUNDING = 0
+
 
 @dataclass(frozen=True)
 class Attribute:
@@ -32,9 +39,9 @@ class Attribute:
 
 
 ATTRIBUTES = (
-    Attribute("epsilon", "FLOAT", 1e-6, "kFLOAT32"),
-    Attribute("interleaved", "INT", 1, "kINT32"),
-    Attribute("rounding", "INT", 0, "kINT32"),
+    Attribute("epsilon", "FLOAT", DEFAULT_EPS, "kFLOAT32"),
+    Attribute("interleaved", "INT", int(DEFAULT_INTERLEAVED), "kINT32"),
+    Attribute("rounding", "INT", DEFAULT_ROUNDING, "kINT32"),
     # Read by the ONNX parser to find the plugin in the registry; not plugin fields.
     Attribute("plugin_version", "STRING", PLUGIN_VERSION, None),
     Attribute("plugin_namespace", "STRING", PLUGIN_NAMESPACE, None),
@@ -43,10 +50,6 @@ ATTRIBUTES = (
 ATTRIBUTE_BY_NAME = {a.name: a for a in ATTRIBUTES}
 # The fields the plugin creator must list, in order, with their TensorRT types.
 PLUGIN_FIELDS = tuple((a.name, a.plugin_field) for a in ATTRIBUTES if a.plugin_field is not None)
-
-DEFAULT_EPS = 1e-6
-DEFAULT_INTERLEAVED = True
-DEFAULT_ROUNDING = 0
 
 # Activation dtypes the op supports (the cache is always float32).
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")

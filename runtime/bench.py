@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from qkrope.errors import InputError
-from . import dtypes
+from qkrope import dtypes
 from .caches import default_axes_dims
 
 PIXELS_PER_TOKEN = 16
@@ -625,7 +625,7 @@ def build_function_body_engine(onnx_path: str | os.PathLike, engine_path: str | 
     process where the plugin library has not been loaded (TensorRT 10.7-10.14 prefer any
     registered plugin), and no ENABLE_PLUGIN_OVERRIDE parser flag is set. Returns the sidecar
     (also written next to the engine; its ``plugin`` is null)."""
-    from qkrope.export import contract
+    from qkrope import contract
     from qkrope.runtime import engine as E
     from qkrope.runtime import trt_utils as tu
 

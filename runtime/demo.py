@@ -79,6 +79,7 @@ def step_caches(args) -> str:
 def step_diffusers(args) -> str:
     import torch
 
+    from qkrope import contract
     from qkrope._deps import require
     from qkrope.export import QwenImageAttention
     from qkrope.runtime import build_qwen_rope_caches
@@ -93,7 +94,7 @@ def step_diffusers(args) -> str:
     attn = Attention(query_dim=dim, cross_attention_dim=None, added_kv_proj_dim=dim,
                      dim_head=head_dim, heads=heads, out_dim=dim, context_pre_only=False,
                      bias=True, processor=qwen.QwenDoubleStreamAttnProcessor2_0(),
-                     qk_norm="rms_norm", eps=1e-6).eval()
+                     qk_norm="rms_norm", eps=contract.DEFAULT_EPS).eval()
     from qkrope.runtime.caches import default_axes_dims
 
     axes = default_axes_dims(head_dim)

@@ -83,7 +83,7 @@ def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: boo
     exports ``getCreators``/``setLoggerFinder`` instead and must go through
     ``IPluginRegistry.load_library`` so that TensorRT can serialise it into a VC engine.
     """
-    from qkrope.export import contract
+    from qkrope import contract
 
     path = str(Path(path).resolve())
     if not os.path.exists(path):
@@ -171,7 +171,7 @@ def find_plugin_layers(network, trt, *, node_names: Sequence[str] = ()) -> tuple
     QKNormRoPE and namespace qkrope; when the plugin object cannot be inspected, a layer whose
     name is one of the ONNX QKNormRoPE node names (the parser names layers after nodes) counts.
     """
-    from qkrope.export import contract
+    from qkrope import contract
 
     ours, others = [], []
     v3 = getattr(trt.LayerType, "PLUGIN_V3", None)

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
+from qkrope import contract
 from qkrope.errors import InputError, QkropeError
 from .bench import image_tokens, peak_gbps, qknorm_rope_stream_bytes, summarize
 
@@ -265,7 +266,7 @@ def make_sets(case: Case, sets: int, *, device, seed: int = 0) -> list[list[Stre
     copies of it in their own memory."""
     import torch
 
-    from . import dtypes
+    from qkrope import dtypes
 
     dt = dtypes.torch_dtype(case.dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -307,9 +308,9 @@ class Options:
     iters: int = 30
     warmup: int = 5
     launches: int = DEFAULT_LAUNCHES
-    rounding: int = 0
-    eps: float = 1e-6
-    interleaved: bool = True
+    rounding: int = contract.DEFAULT_ROUNDING
+    eps: float = contract.DEFAULT_EPS
+    interleaved: bool = contract.DEFAULT_INTERLEAVED
     l2_factor: float = L2_FACTOR
     seed: int = 0
 

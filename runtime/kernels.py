@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from qkrope.errors import InputError, QkropeError
-from qkrope.export.reference import check_tensor_layout
+from qkrope import contract
+from qkrope.layout import check_tensor_layout
 
 __all__ = [
     "KernelLibraryError",
@@ -74,7 +75,7 @@ def cuda_arch_for_cmake(cmake: str | None = None) -> str:
 
 # qkrope::DataType
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-MAX_HEAD_DIM = 512
+MAX_HEAD_DIM = contract.MAX_HEAD_DIM
 
 
 class KernelLibraryError(QkropeError, RuntimeError):
@@ -223,8 +224,10 @@ def _call(fn, status_fn, what, q, k, q_weight, k_weight, cache, q_out, k_out, ep
 
 
 def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *, eps: float = 1e-6,
-                      interleaved: bool = True, rounding: int = 0,
+                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                      eps: float = contract.DEFAULT_EPS,
+                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                      rounding: int = contract.DEFAULT_ROUNDING,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the CPU build of the kernel arithmetic (torch CPU tensors).
@@ -242,8 +245,10 @@ def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
 
 def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *, eps: float = 1e-6,
-                      interleaved: bool = True, rounding: int = 0,
+                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                      eps: float = contract.DEFAULT_EPS,
+                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                      rounding: int = contract.DEFAULT_ROUNDING,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the fused CUDA kernel on the current CUDA stream (torch CUDA tensors).
@@ -360,8 +365,10 @@ def simt_kernel_symbols(substring: str) -> list[str]:
 
 
 def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *, eps: float = 1e-6,
-                      interleaved: bool = True, rounding: int = 0,
+                      k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                      eps: float = contract.DEFAULT_EPS,
+                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                      rounding: int = contract.DEFAULT_ROUNDING,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the emulated CUDA kernel and launcher (torch CPU tensors).

@@ -46,7 +46,7 @@ import numpy as np
 from qkrope.errors import InputError, QkropeError
 from qkrope._fileio import write_text_atomic
 
-from . import dtypes
+from qkrope import dtypes
 
 FORMAT = "qkrope-onnx/1"
 MODELS = ("attention", "transformer")

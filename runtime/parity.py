@@ -120,7 +120,7 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         else:
             from qkrope.export.patch_diffusers import load_transformer
 
-            from .dtypes import TORCH_BY_SHORT
+            from qkrope.dtypes import TORCH_BY_SHORT
 
             directory = diffusers_dir or info.config.get("diffusers_dir")
             if not directory:

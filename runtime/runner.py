@@ -43,7 +43,7 @@ import torch
 from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._deps import MissingDependencyError, require
 
-from . import dtypes
+from qkrope import dtypes
 from . import trt_utils as tu
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from qkrope.errors import QkropeError
-from . import dtypes
+from qkrope import dtypes
 from .trt_utils import engine_sidecar_path as sidecar_path
 
 PLUGIN_FILE_NAME = "libqkrope_plugin.so"

@@ -15,7 +15,7 @@ from typing import Any
 
 from qkrope._fileio import sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
-from . import dtypes
+from qkrope import dtypes
 
 
 
@@ -86,7 +86,7 @@ def count_plugin_nodes(onnx_path: str | os.PathLike) -> list[str]:
     """Names of the QKNormRoPE nodes in the model's main graph (not inside function bodies)."""
     import onnx
 
-    from qkrope.export import contract
+    from qkrope import contract
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     names = []
@@ -100,7 +100,7 @@ def head_dim_from_onnx(onnx_path: str | os.PathLike) -> int | None:
     """head_dim read from the first QKNormRoPE node's q_weight initializer, if there is one."""
     import onnx
 
-    from qkrope.export import contract
+    from qkrope import contract
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     inits = {i.name: i for i in model.graph.initializer}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qkrope.export import contract
+from qkrope import contract
 from qkrope.runtime import engine as eng
 from qkrope.runtime import profiles as prof
 from qkrope.runtime import trt_utils as tu
@@ -114,7 +114,7 @@ def test_dtypes_module_maps_every_layer():
     import torch
     from onnx import TensorProto
 
-    from qkrope.runtime import dtypes
+    from qkrope import dtypes
 
     rows = [("fp32", "float32", torch.float32, TensorProto.FLOAT, "FLOAT", "TYPE_FP32"),
             ("fp16", "float16", torch.float16, TensorProto.FLOAT16, "HALF", "TYPE_FP16"),

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from qkrope.cli import main
-from qkrope.export import contract, qk_norm_rope_reference
+from qkrope import contract
+from qkrope.export import qk_norm_rope_reference
 from qkrope.export.onnx_export import (ExportError, build_attention, export_attention,
                                        finalize_model)
 from qkrope.export.onnx_function import qk_norm_rope_translation

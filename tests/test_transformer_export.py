@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qkrope.cli import main
-from qkrope.export import contract
+from qkrope import contract
 from qkrope.runtime.model_info import ModelInfo
 
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
