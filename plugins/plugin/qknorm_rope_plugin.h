@@ -1,27 +1,17 @@
 // qkrope: TensorRT IPluginV3 adapter for the fused QK-RMSNorm + RoPE kernel.
 //
-// The node contract (spec ../shared/spec/qknorm_rope.md, sections 3-4):
-//   name "QKNormRoPE", version "1", namespace "qkrope"
+// The node contract (docs/spec.md sections 3-4):
+//   name, version, namespace: kPLUGIN_NAME / kPLUGIN_VERSION / kPLUGIN_NAMESPACE (qknorm_rope_fields.h)
 //   inputs  q [B,S,H,D], k [B,S,H,D], q_weight [D], k_weight [D], cos_sin_cache [R, rotary_dim] fp32
 //   outputs q_out, k_out (same shapes and dtype as q, k)
-//   fields  epsilon (kFLOAT32, default 1e-6), interleaved (kINT32, default 1), rounding (kINT32, default 0)
-//
-// Field parsing rules (QKNormRoPEPluginCreator::createPlugin, both phases):
-//   - A missing field takes the spec default (the ONNX parser skips attributes the node lacks).
-//   - epsilon: kFLOAT32 (what the parser forwards for a FLOAT attribute); kFLOAT64 is accepted too
-//     (Python/numpy callers) when it converts to a finite float32. Must be finite and > 0.
-//   - interleaved, rounding: kINT32 (the parser narrows the ONNX int64 to int32); kINT64, kINT16 and
-//     kINT8 are accepted too (Python/numpy callers). Must be 0 or 1.
-//   - plugin_version / plugin_namespace: the parser does not forward them (they are not in
-//     getFieldNames()), but when a caller passes them as kCHAR (with or without the trailing NUL
-//     counted in length) they must equal "1" / "qkrope".
-//   - Every field must have length 1 (strings: any length) and non-null data. Any other name, a
-//     duplicate, a wrong type or an out-of-range value makes createPlugin log one clear error
-//     message (through the TensorRT logger) and return nullptr. Nothing throws across the ABI.
+//   fields  kFIELDS (qknorm_rope_fields.h: name, type, default, valid range, parsing rules)
+// Every entry point checks what it receives (field collections, tensor counts, Dims ranks and
+// extents, dtypes) before using it, logs one clear message through the TensorRT logger when it
+// refuses, and never throws across the ABI (qknorm_rope_check.h).
 #pragma once
 
 #include "qknorm_rope.h"
-#include "qknorm_rope_trt_runtime.h"
+#include "qknorm_rope_fields.h"
 
 #include <NvInferRuntime.h>
 
@@ -33,10 +23,6 @@ namespace qkrope
 {
 namespace plugin
 {
-
-constexpr char const* kPLUGIN_NAME = "QKNormRoPE";
-constexpr char const* kPLUGIN_VERSION = "1";
-constexpr char const* kPLUGIN_NAMESPACE = "qkrope";
 
 constexpr int32_t kNB_INPUTS = 5;
 constexpr int32_t kNB_OUTPUTS = 2;
@@ -50,20 +36,6 @@ enum IOIndex : int32_t
     kQ_OUT = 5,
     kK_OUT = 6,
 };
-
-constexpr float kDEFAULT_EPSILON = 1e-6F;
-constexpr int32_t kDEFAULT_INTERLEAVED = 1;
-constexpr int32_t kDEFAULT_ROUNDING = 0;
-
-struct QKNormRoPEAttributes
-{
-    float epsilon{kDEFAULT_EPSILON};
-    int32_t interleaved{kDEFAULT_INTERLEAVED};
-    int32_t rounding{kDEFAULT_ROUNDING};
-};
-
-// Parses a field collection by the rules above. Returns false and sets `error` on a bad field.
-bool parseFields(nvinfer1::PluginFieldCollection const* fc, QKNormRoPEAttributes& out, std::string& error) noexcept;
 
 class QKNormRoPEPlugin final : public nvinfer1::IPluginV3,
                                public nvinfer1::IPluginV3OneCore,
@@ -116,6 +88,10 @@ public:
 
 private:
     void logError(std::string const& msg) const noexcept;
+    // Runs an entry point's body: a refusal or an exception is logged as "<where>: <message>" and
+    // `failure` returned (see guarded()).
+    template <typename R, typename Body>
+    R run(char const* where, R failure, Body&& body) const noexcept;
 
     std::string mLayerName;
     QKNormRoPEAttributes mAttrs;

@@ -444,6 +444,10 @@ std::vector<BadField> badFieldCases()
     };
     Fields nullData;
     nullData.raw("epsilon", std::vector<char>(4), PluginFieldType::kFLOAT32, 1, /*nullData=*/true);
+    // A kCHAR whose length is negative: refused, not read as a huge size_t (the string would be
+    // scanned past its end up to some NUL).
+    Fields negativeLength;
+    negativeLength.raw("plugin_version", {'1', '\0'}, PluginFieldType::kCHAR, -1);
     Fields duplicate;
     duplicate.add("rounding", int32_t{0}, PluginFieldType::kINT32).add("rounding", int32_t{1}, PluginFieldType::kINT32);
     using T = PluginFieldType;
@@ -471,6 +475,7 @@ std::vector<BadField> badFieldCases()
         {"plugin_version_mismatch", "plugin_version", str("plugin_version", "2")},
         {"plugin_namespace_mismatch", "plugin_namespace", str("plugin_namespace", "other")},
         {"plugin_version_wrong_type", "plugin_version", one("plugin_version", int32_t{1}, T::kINT32)},
+        {"plugin_version_negative_length", "plugin_version", negativeLength},
     };
 }
 

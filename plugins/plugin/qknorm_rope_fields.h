@@ -1,0 +1,98 @@
+// qkrope: the QKNormRoPE node's identity and its plugin fields (docs/spec.md section 4). kFIELDS is
+// the one description of the fields: getFieldNames, parseFields (createPlugin, both phases),
+// getFieldsToSerialize and the attribute summary (timing-cache ID) all read it.
+//
+// Parsing rules (parseFields):
+//   - A missing attribute takes its default (the ONNX parser skips attributes the node lacks).
+//   - kFLOAT32 fields: kFLOAT32 (what the parser forwards for a FLOAT attribute) or kFLOAT64
+//     (Python/numpy callers); the value, as float32, must be finite and in the field's range.
+//   - kINT32 fields: kINT32 (the parser narrows the ONNX int64 to int32), kINT64, kINT16 or kINT8;
+//     the value must be in the field's range.
+//   - Identity fields (plugin_version, plugin_namespace): not in getFieldNames, so the parser does
+//     not forward them, but a caller may pass them as kCHAR (length counting the trailing NUL or
+//     not); they must then equal this plugin's version / namespace.
+//   - Numeric fields have length 1, strings a length >= 0, and every field non-null data. Any other
+//     name, a duplicate, a wrong type or length or an out-of-range value is refused (PluginError
+//     naming the field): createPlugin logs it and returns nullptr.
+#pragma once
+
+#include <NvInferRuntime.h>
+
+#include <cfloat>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qkrope
+{
+namespace plugin
+{
+
+constexpr char const* kPLUGIN_NAME = "QKNormRoPE";
+constexpr char const* kPLUGIN_VERSION = "1";
+constexpr char const* kPLUGIN_NAMESPACE = "qkrope";
+
+// The node's attributes; default values come from kFIELDS (defaultAttributes()).
+struct QKNormRoPEAttributes
+{
+    float epsilon;
+    int32_t interleaved;
+    int32_t rounding;
+};
+
+enum class FieldKind : int32_t
+{
+    kATTRIBUTE = 0, // advertised by getFieldNames, parsed into QKNormRoPEAttributes, serialised
+    kIDENTITY = 1,  // kCHAR, accepted when given, must equal `identity`; neither advertised nor serialised
+};
+
+struct FieldSpec
+{
+    char const* name;
+    FieldKind kind;
+    nvinfer1::PluginFieldType type; // kFLOAT32 (member float), kINT32 (member int32_t) or kCHAR (identity)
+    double defaultValue;            // attributes: the value of a missing field
+    double min;                     // attributes: valid range, [min, max] or (min, max] when minExclusive
+    bool minExclusive;
+    double max;
+    size_t offset;        // attributes: offsetof(QKNormRoPEAttributes, member)
+    char const* identity; // identity fields: the only accepted value
+    char const* meaning;  // what the values mean, appended to an out-of-range message
+};
+
+inline constexpr FieldSpec kFIELDS[] = {
+    {"epsilon", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kFLOAT32, 1e-6, 0.0, true, FLT_MAX,
+        offsetof(QKNormRoPEAttributes, epsilon), nullptr, "Qwen-Image uses 1e-6"},
+    {"interleaved", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kINT32, 1, 0, false, 1,
+        offsetof(QKNormRoPEAttributes, interleaved), nullptr,
+        "1: interleaved pairs (2j, 2j+1) as in Qwen-Image/GPT-J; 0: NeoX halves"},
+    {"rounding", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kINT32, 0, 0, false, 1,
+        offsetof(QKNormRoPEAttributes, rounding), nullptr,
+        "0: one rounding at the end; 1: diffusers' eager rounding order"},
+    {"plugin_version", FieldKind::kIDENTITY, nvinfer1::PluginFieldType::kCHAR, 0, 0, false, 0, 0, kPLUGIN_VERSION,
+        nullptr},
+    {"plugin_namespace", FieldKind::kIDENTITY, nvinfer1::PluginFieldType::kCHAR, 0, 0, false, 0, 0,
+        kPLUGIN_NAMESPACE, nullptr},
+};
+
+// The attributes of a node that gives no fields.
+QKNormRoPEAttributes defaultAttributes() noexcept;
+
+// Parses a field collection by the rules above; throws PluginError naming the bad field.
+QKNormRoPEAttributes parseFields(nvinfer1::PluginFieldCollection const* fc);
+
+// The attribute fields, in table order, with data null (getFieldNames) or pointing into `attrs`
+// (getFieldsToSerialize; valid while `attrs` lives).
+std::vector<nvinfer1::PluginField> advertisedFields();
+std::vector<nvinfer1::PluginField> serializedFields(QKNormRoPEAttributes& attrs);
+
+// "epsilon=1e-06;interleaved=1;rounding=0": every attribute, in table order (timing-cache ID and
+// metadata string).
+std::string attributeSummary(QKNormRoPEAttributes const& attrs);
+
+// What the exporter writes, for error messages: "epsilon (FLOAT > 0), interleaved (INT 0 or 1), ...".
+std::string exportedFieldsHint();
+
+} // namespace plugin
+} // namespace qkrope
