@@ -60,8 +60,21 @@ char const* dataTypeName(DataType t) noexcept
     return "an unsupported type";
 }
 
+// q, k, q_weight, k_weight, cos_sin_cache, q_out, k_out (IOIndex order).
+char const* const kTENSOR_NAMES[kNB_INPUTS + kNB_OUTPUTS]
+    = {"q", "k", "q_weight", "k_weight", "cos_sin_cache", "q_out", "k_out"};
+
+bool validRank(int32_t nbDims) noexcept
+{
+    return nbDims >= 0 && nbDims <= Dims::MAX_DIMS;
+}
+
 std::string dimsString(Dims const& d)
 {
+    if (!validRank(d.nbDims))
+    {
+        return "[invalid rank " + std::to_string(d.nbDims) + "]";
+    }
     std::ostringstream os;
     os << "[";
     for (int32_t i = 0; i < d.nbDims; ++i)
@@ -72,18 +85,55 @@ std::string dimsString(Dims const& d)
     return os.str();
 }
 
+// Tensor `t` (IOIndex) with this rank, or an empty string when it is one a Dims can hold.
+std::string rankError(int32_t t, int32_t nbDims)
+{
+    if (validRank(nbDims))
+    {
+        return {};
+    }
+    return std::string(t < kNB_INPUTS ? "input " : "output ") + std::to_string(t < kNB_INPUTS ? t : t - kNB_INPUTS)
+        + " (" + kTENSOR_NAMES[t] + ") has an invalid rank: nbDims = " + std::to_string(nbDims) + ", expected 0 to "
+        + std::to_string(Dims::MAX_DIMS);
+}
+
+Dims const& dimsOf(PluginTensorDesc const& d) noexcept
+{
+    return d.dims;
+}
+
+Dims const& dimsOf(DynamicPluginTensorDesc const& d) noexcept
+{
+    return d.desc.dims;
+}
+
+// The first thing every entry point that receives tensor descriptors does: every rank (inputs and
+// outputs) within [0, Dims::MAX_DIMS] before any extent d[j] is read or printed.
+template <typename Desc>
+std::string checkRanks(Desc const* in, Desc const* out)
+{
+    for (int32_t t = 0; t < kNB_INPUTS + kNB_OUTPUTS; ++t)
+    {
+        std::string err = rankError(t, dimsOf(t < kNB_INPUTS ? in[t] : out[t - kNB_INPUTS]).nbDims);
+        if (!err.empty())
+        {
+            return err;
+        }
+    }
+    return {};
+}
+
 // Dimension checks shared by build-time (possibly unknown, -1) and run-time (known) shapes.
 // dims: q, k, q_weight, k_weight, cache. Returns an empty string when consistent.
 std::string checkDims(Dims const* d)
 {
-    static char const* const kNames[kNB_INPUTS] = {"q", "k", "q_weight", "k_weight", "cos_sin_cache"};
     static int32_t const kRanks[kNB_INPUTS] = {4, 4, 1, 1, 2};
     std::ostringstream os;
     for (int32_t i = 0; i < kNB_INPUTS; ++i)
     {
         if (d[i].nbDims != kRanks[i])
         {
-            os << "input " << i << " (" << kNames[i] << ") has rank " << d[i].nbDims << " " << dimsString(d[i])
+            os << "input " << i << " (" << kTENSOR_NAMES[i] << ") has rank " << d[i].nbDims << " " << dimsString(d[i])
                << ", expected rank " << kRanks[i];
             return os.str();
         }
@@ -109,7 +159,7 @@ std::string checkDims(Dims const* d)
     {
         if (known(headDim) && known(d[w].d[0]) && d[w].d[0] != headDim)
         {
-            os << kNames[w] << " has length " << d[w].d[0] << ", expected head_dim = " << headDim;
+            os << kTENSOR_NAMES[w] << " has length " << d[w].d[0] << ", expected head_dim = " << headDim;
             return os.str();
         }
     }
@@ -224,12 +274,14 @@ int32_t QKNormRoPEPlugin::configurePlugin(
     return run<int32_t>("configurePlugin", 1, [&] {
         QKROPE_VALIDATE(in != nullptr && out != nullptr && nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS,
             countError(nbInputs, nbOutputs));
+        std::string err = checkRanks(in, out);
+        QKROPE_VALIDATE(err.empty(), err);
         Dims d[kNB_INPUTS];
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
             d[i] = in[i].desc.dims; // -1 where the dimension is dynamic
         }
-        std::string const err = checkDims(d);
+        err = checkDims(d);
         QKROPE_VALIDATE(err.empty(), err);
         return 0;
     });
@@ -261,8 +313,8 @@ int32_t QKNormRoPEPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInp
         Dims d[kNB_INPUTS];
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
-            QKROPE_VALIDATE(inputs[i].nbDims >= 0 && inputs[i].nbDims <= Dims::MAX_DIMS,
-                "input " + std::to_string(i) + " has an invalid rank");
+            std::string const err = rankError(i, inputs[i].nbDims);
+            QKROPE_VALIDATE(err.empty(), err);
             d[i].nbDims = inputs[i].nbDims;
             for (int32_t j = 0; j < inputs[i].nbDims; ++j)
             {
@@ -321,12 +373,14 @@ int32_t QKNormRoPEPlugin::onShapeChange(
     return run<int32_t>("onShapeChange", 1, [&] {
         QKROPE_VALIDATE(in != nullptr && out != nullptr && nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS,
             countError(nbInputs, nbOutputs));
+        std::string err = checkRanks(in, out);
+        QKROPE_VALIDATE(err.empty(), err);
         Dims d[kNB_INPUTS];
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
             d[i] = in[i].dims;
         }
-        std::string const err = checkDims(d);
+        err = checkDims(d);
         QKROPE_VALIDATE(err.empty(), err);
         return 0;
     });
@@ -335,10 +389,19 @@ int32_t QKNormRoPEPlugin::onShapeChange(
 namespace
 {
 
-// enqueue's checks beyond checkDims: resolved input extents, outputs shaped like their inputs, and
-// the dtypes. Returns an empty string when the call may run.
-std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, Dims const* d)
+// enqueue's checks: ranks, resolved input extents (copied into d), checkDims, outputs shaped like
+// their inputs, and the dtypes. Returns an empty string when the call may run.
+std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, Dims* d)
 {
+    std::string err = checkRanks(inputDesc, outputDesc);
+    if (!err.empty())
+    {
+        return err;
+    }
+    for (int32_t i = 0; i < kNB_INPUTS; ++i)
+    {
+        d[i] = inputDesc[i].dims;
+    }
     for (int32_t i = 0; i < kNB_INPUTS; ++i)
     {
         for (int32_t j = 0; j < d[i].nbDims; ++j)
@@ -349,7 +412,7 @@ std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorD
             }
         }
     }
-    std::string err = checkDims(d);
+    err = checkDims(d);
     if (!err.empty())
     {
         return err;
@@ -395,10 +458,6 @@ int32_t QKNormRoPEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
         QKROPE_VALIDATE(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
             "null tensor descriptors or pointers", static_cast<int32_t>(Status::kNULL_POINTER));
         Dims d[kNB_INPUTS];
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            d[i] = inputDesc[i].dims;
-        }
         std::string const err = checkRuntimeTensors(inputDesc, outputDesc, d);
         QKROPE_VALIDATE(err.empty(), err + "; nothing was executed", static_cast<int32_t>(Status::kBAD_SHAPE));
 

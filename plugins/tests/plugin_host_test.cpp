@@ -95,6 +95,18 @@ std::string missingFrom(std::string const& msg, std::vector<char const*> const& 
     return missing;
 }
 
+// A refusal: the expected return code, exactly one error logged since `mark`, naming every needle.
+void checkRefusal(std::string const& name, int32_t rc, int32_t expected, RecordingLogger const& logger, size_t mark,
+    std::vector<char const*> const& needles)
+{
+    std::string const msg = logger.lastSince(mark);
+    std::string const missing = missingFrom(msg, needles);
+    size_t const errors = logger.errorsSince(mark);
+    check(rc == expected && errors == 1 && missing.empty(), name,
+        "rc " + std::to_string(rc) + " (expected " + std::to_string(expected) + "), errors " + std::to_string(errors)
+            + (missing.empty() ? "" : ", message lacks" + missing) + ": " + msg);
+}
+
 char const* fieldTypeName(PluginFieldType t)
 {
     switch (t)
@@ -329,6 +341,34 @@ std::vector<DynamicPluginTensorDesc> dynDescs(Shapes const& s, DataType t)
         out.push_back(dd);
     }
     return out;
+}
+
+// Dims no TensorRT produces: a rank outside [0, Dims::MAX_DIMS] on one tensor (IOIndex: 0-4 the
+// inputs, 5-6 the outputs). Entry points must refuse them before reading (or printing) an extent.
+struct BadRank
+{
+    char const* name;
+    int32_t tensor;
+    int32_t nbDims;
+    std::vector<char const*> needles;
+};
+
+std::vector<BadRank> badRankCases()
+{
+    return {
+        {"nb_dims_9", 0, 9, {"invalid rank", "nbDims = 9", "(q)"}},
+        {"nb_dims_negative", 3, -1, {"invalid rank", "nbDims = -1", "(k_weight)"}},
+        {"out_nb_dims_9", 5, 9, {"invalid rank", "nbDims = 9", "(q_out)"}},
+    };
+}
+
+void setRank(Dims& d, int32_t nbDims)
+{
+    for (int32_t j = d.nbDims < 0 ? 0 : d.nbDims; j < Dims::MAX_DIMS; ++j)
+    {
+        d.d[j] = 1;
+    }
+    d.nbDims = nbDims;
 }
 
 // ---- creator: identity and field list --------------------------------------------------------
@@ -596,6 +636,11 @@ void testOutputShapes(IPluginV3OneBuild* build, RecordingLogger& logger)
         auto rb = run(b.in);
         check(rb.first != 0 && rb.second != "<no message>", std::string("shapes.bad.") + b.name, rb.second);
     }
+    std::vector<DimsExprs> rank9 = in;
+    rank9[0].nbDims = 9;
+    auto r9 = run(rank9);
+    check(r9.first != 0 && missingFrom(r9.second, {"invalid rank", "nbDims = 9", "(q)"}).empty(),
+        "shapes.bad.nb_dims_9", r9.second);
     std::vector<DimsExprs> four(in.begin(), in.begin() + 4);
     check(build->getOutputShapes(four.data(), 4, nullptr, 0, out, 2, eb) != 0, "shapes.bad.nb_inputs");
 }
@@ -705,6 +750,14 @@ void testConfigure(IPluginV3OneBuild* build, RecordingLogger& logger)
     check(build->configurePlugin(inBad.data(), 5, inBad.data() + 5, 2) != 0
             && logger.lastSince(mark).find("overflow") != std::string::npos,
         "configure.static_cache_overflow", logger.lastSince(mark));
+    for (BadRank const& b : badRankCases())
+    {
+        auto d = dynDescs(goodShapes(), DataType::kHALF);
+        setRank(d[b.tensor].desc.dims, b.nbDims);
+        size_t const at = logger.mark();
+        int32_t const rc = build->configurePlugin(d.data(), 5, d.data() + 5, 2);
+        checkRefusal(std::string("configure.bad.") + b.name, rc, 1, logger, at, b.needles);
+    }
 }
 
 // ---- shape_change: onShapeChange (run time) ---------------------------------------------------
@@ -721,6 +774,14 @@ void testShapeChange(IPluginV3OneRuntime* rt, RecordingLogger& logger)
             && logger.lastSince(mark).find("required rows (seq_len) = 16, cache rows = 15, overflow = 1")
                 != std::string::npos,
         "shape_change.cache_overflow", logger.lastSince(mark));
+    for (BadRank const& b : badRankCases())
+    {
+        auto d = descs(goodShapes(), DataType::kHALF);
+        setRank(d[b.tensor].dims, b.nbDims);
+        size_t const at = logger.mark();
+        int32_t const rc = rt->onShapeChange(d.data(), 5, d.data() + 5, 2);
+        checkRefusal(std::string("shape_change.bad.") + b.name, rc, 1, logger, at, b.needles);
+    }
 }
 
 // ---- enqueue: refuses malformed runtime shapes without touching memory -----------------------
@@ -773,13 +834,17 @@ void testEnqueue(IPluginV3OneRuntime* rt, RecordingLogger& logger)
         size_t const mark = logger.mark();
         int32_t const rc = rt->enqueue(d.data(), d.data() + 5, cs.nullPointers ? nullInputs : inputs,
             cs.nullPointers ? nullOutputs : outputs, nullptr, nullptr);
-        std::string const msg = logger.lastSince(mark);
-        std::string const missing = missingFrom(msg, cs.needles);
-        check(rc == cs.status && logger.errorsSince(mark) == 1 && missing.empty(),
-            std::string("enqueue.refuses.") + cs.name,
-            "rc " + std::to_string(rc) + " (expected " + std::to_string(cs.status) + "), errors "
-                + std::to_string(logger.errorsSince(mark)) + (missing.empty() ? "" : ", message lacks" + missing)
-                + ": " + msg);
+        checkRefusal(std::string("enqueue.refuses.") + cs.name, rc, cs.status, logger, mark, cs.needles);
+    }
+    for (BadRank const& b : badRankCases())
+    {
+        auto d = descs(base, DataType::kHALF);
+        setRank(d[b.tensor].dims, b.nbDims);
+        std::vector<char const*> needles = b.needles;
+        needles.push_back("nothing was executed");
+        size_t const mark = logger.mark();
+        int32_t const rc = rt->enqueue(d.data(), d.data() + 5, inputs, outputs, nullptr, nullptr);
+        checkRefusal(std::string("enqueue.refuses.") + b.name, rc, kBadShape, logger, mark, needles);
     }
     Shapes empty = base;
     empty.q = {0, 16, 4, 128};
