@@ -27,7 +27,6 @@ of at least 2 and at least 2 tokens per stream (the sidecar records the traced s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -529,78 +528,3 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         axis_values=_axis_values(sample)), progress=progress)
     _log(progress, f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "export", help="export the Qwen-Image attention block or a diffusers transformer to ONNX",
-        description=__doc__.split("\n\n")[0].replace("``", "")
-        + " Writes MODEL.onnx and MODEL.onnx.json.")
-    p.add_argument("--model", choices=("attention", "transformer"), default="attention")
-    p.add_argument("--out", "-o", default=None,
-                   help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
-    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32",
-                   help="weights and activations (caches stay fp32); the engine's precision")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
-    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
-                   help="sample image in latent patches; repeat for edit condition images")
-    p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
-    p.add_argument("--batch", type=int, default=None, help="sample batch (traced with >= 2)")
-    p.add_argument("--rounding", type=int, choices=(0, 1), default=0,
-                   help="0: one rounding at the end (default); 1: diffusers' eager order")
-    a = p.add_argument_group("attention block (--model attention)")
-    a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
-    a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")
-    a.add_argument("--rotary-dim", type=int, default=None, help="default: head_dim")
-    a.add_argument("--neox", action="store_true", help="NeoX pairing (j, j + rd/2)")
-    a.add_argument("--eps", type=float, default=None,
-                   help=f"RMSNorm epsilon (default: {contract.DEFAULT_EPS:g})")
-    a.add_argument("--weights", default=None,
-                   help="safetensors / torch state dict with diffusers names (default: seeded "
-                        "random weights)")
-    a.add_argument("--seed", type=int, default=None,
-                   help="seed of the random weights (default: 0)")
-    t = p.add_argument_group("transformer (--model transformer)")
-    t.add_argument("--diffusers", metavar="DIR", default=None,
-                   help="local folder of a saved QwenImageTransformer2DModel")
-    t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
-    p.set_defaults(func=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
-    common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
-                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding)
-    attention_only = {"--heads": args.heads, "--head-dim": args.head_dim,
-                      "--rotary-dim": args.rotary_dim, "--neox": args.neox or None,
-                      "--eps": args.eps, "--weights": args.weights, "--seed": args.seed}
-    if args.model == "transformer":
-        given = [flag for flag, value in attention_only.items() if value is not None]
-        if given:
-            raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
-                             f"--model attention only; a transformer's sizes, epsilon and "
-                             f"weights come from its --diffusers folder")
-        if not args.diffusers:
-            raise InputError("--model transformer needs --diffusers DIR (a local saved "
-                             "QwenImageTransformer2DModel)")
-        info, written = export_transformer(out, args.diffusers, layers=args.layers,
-                                           progress=True, **common)
-    else:
-        if args.diffusers or args.layers:
-            raise InputError("--diffusers/--layers apply to --model transformer")
-        info, written = export_attention(
-            out, heads=24 if args.heads is None else args.heads,
-            head_dim=128 if args.head_dim is None else args.head_dim,
-            rotary_dim=args.rotary_dim,
-            eps=contract.DEFAULT_EPS if args.eps is None else args.eps,
-            interleaved=not args.neox, weights=args.weights,
-            seed=0 if args.seed is None else args.seed, progress=True, **common)
-    for path in written:
-        print(path)
-    return 0

@@ -1,6 +1,6 @@
 """``qkrope`` command line: export | check | build | build-plugin | triton-repo | bench | demo.
 
-Each subcommand lives in its own module that defines ``add_parser(subparsers)``; the parser it
+Each subcommand lives in its own module of :mod:`qkrope.apps` that defines ``add_parser(subparsers)``; the parser it
 registers sets ``func(args) -> int``. Modules keep their heavy imports (diffusers, TensorRT)
 inside functions, so ``qkrope --help`` stays fast and works without them.
 """
@@ -17,13 +17,13 @@ from qkrope.errors import QkropeError
 
 # (module, in the order shown by --help)
 _SUBCOMMAND_MODULES = (
-    "qkrope.export.onnx_export",     # export
-    "qkrope.runtime.parity",         # check
-    "qkrope.runtime.plugin_build",   # build-plugin
-    "qkrope.runtime.engine",         # build
-    "qkrope.runtime.triton",         # triton-repo
-    "qkrope.runtime.bench",          # bench
-    "qkrope.runtime.demo",           # demo (the README's main job)
+    "qkrope.apps.export",            # export
+    "qkrope.apps.check",             # check
+    "qkrope.apps.build_plugin",      # build-plugin
+    "qkrope.apps.build",             # build
+    "qkrope.apps.triton_repo",       # triton-repo
+    "qkrope.apps.bench",             # bench
+    "qkrope.apps.demo",              # demo (the README's main job)
 )
 
 

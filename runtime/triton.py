@@ -26,7 +26,6 @@ input and output has a dynamic leading dimension.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -328,45 +327,3 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     plugin_final = (target / PLUGIN_FILE_NAME) if copy_plugin else plugin_src
     return RepoResult(target, target / "config.pbtxt", target / "1" / "model.plan",
                       plugin_final.resolve(), server_command(repo, plugin_final))
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "triton-repo", help="write a Triton Inference Server model repository for an engine",
-        description="Write REPO/<name>/{config.pbtxt, 1/model.plan, libqkrope_plugin.so} from a "
-                    "TensorRT engine and its sidecar (MODEL.engine.json, written by `qkrope "
-                    "build`), and print the tritonserver command that loads the plugin.")
-    p.add_argument("--engine", required=True, help="the TensorRT engine (MODEL.engine)")
-    p.add_argument("--plugin", default=None,
-                   help=f"the plugin library ({PLUGIN_FILE_NAME}); default: the one recorded in "
-                        "the engine sidecar")
-    p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
-                   help="model repository directory (created if missing)")
-    p.add_argument("--name", default=None,
-                   help="model name (default: the engine file stem, e.g. attn.fp16 for "
-                        "attn.fp16.engine)")
-    p.add_argument("--max-batch-size", type=int, default=0,
-                   help="Triton max_batch_size (default 0: the batch is an explicit dynamic dim "
-                        "of the engine and the RoPE caches have no batch axis)")
-    p.add_argument("--instances", type=int, default=1, help="instance_group count (KIND_GPU)")
-    p.add_argument("--force", action="store_true", help="replace an existing model directory")
-    p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
-                   help="reference the plugin library where it is instead of copying it into "
-                        "the model directory")
-    p.add_argument("--no-plugin-hash-check", dest="check_plugin_hash", action="store_false",
-                   help="do not require the plugin's sha256 to match the engine sidecar's")
-    p.set_defaults(func=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    res = write_repository(args.engine, args.repo, plugin=args.plugin, name=args.name,
-                           max_batch_size=args.max_batch_size, instances=args.instances,
-                           force=args.force, copy_plugin=args.copy_plugin,
-                           check_plugin_hash=args.check_plugin_hash)
-    print(f"wrote {res.model_dir}/ (config.pbtxt, 1/model.plan"
-          f"{', ' + PLUGIN_FILE_NAME if args.copy_plugin else ''})")
-    print("serve it with:")
-    print(f"  {res.command}")
-    sys.stdout.flush()
-    return 0

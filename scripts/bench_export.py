@@ -6,7 +6,7 @@ block and a 2-layer transformer; ONNX Runtime CPU latency of the attention block
     python scripts/bench_export.py [--repeats 3] [--txt-len 512] [--skip-1024] [--threads 1]
 
 Latency: one thread for both torch and ONNX Runtime by default (``--threads`` to change), the two
-backends interleaved call by call (``qkrope.runtime.bench.time_interleaved``), median reported.
+backends interleaved call by call (``qkrope.apps.measure.time_interleaved``), median reported.
 
 The 2-layer transformer is a random QwenImageTransformer2DModel with Qwen-Image's real widths
 (24 x 128 heads, joint_attention_dim 3584, in_channels 64), built in code and saved to a temp dir.
@@ -44,7 +44,7 @@ def main() -> int:
 
     import onnxruntime as ort
     from qkrope.export.onnx_export import build_attention, export_attention, export_transformer
-    from qkrope.runtime.bench import machine_info, time_interleaved
+    from qkrope.apps.measure import machine_info, time_interleaved
     from qkrope.runtime.model_info import ModelInfo, to_torch
 
     rows = []

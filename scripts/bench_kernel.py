@@ -8,7 +8,7 @@ and 2, 24 heads x 128, bf16 q/k/weights, fp32 cos|sin cache; per stream (img, tx
   eager     qkrope.export.qk_norm_rope_reference in eager PyTorch
   compile   torch.compile of the same reference (static shapes, default mode)
 
-Method (qkrope.runtime.kernel_bench, the one used by `qkrope bench`'s kernel rows too): buffer
+Method (qkrope.apps.kernel_bench, the one used by `qkrope bench`'s kernel rows too): buffer
 sets rotated so that together they exceed 2 x L2 (every launch reads DRAM); the fused launch is
 validated once through qkrope.runtime.kernels.cuda_qk_norm_rope and spot-checked against an fp32
 reference; N launches over the sets are captured in a CUDA graph, replays timed with CUDA events,
@@ -39,8 +39,8 @@ DEFAULTS = {"shapes": "512,1024", "iters": 30, "warmup": 5, "launches": 20}
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``"512:1,1024"`` -> [(512, 1), (1024, 1), (1024, 2)]: resolution (``512`` or ``512x512``)
     with an optional ``:batch``; without one, batches 1 and 2."""
-    from qkrope.runtime.bench import image_tokens
-    from qkrope.runtime.kernel_bench import BATCHES
+    from qkrope.apps.measure import image_tokens
+    from qkrope.apps.kernel_bench import BATCHES
 
     out: list[tuple[int, int]] = []
     for item in (x.strip() for x in text.split(",")):
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="Method and rows: see the top of scripts/bench_kernel.py and "
-               "runtime/kernel_bench.py.")
+               "qkrope/apps/kernel_bench.py.")
     ap.add_argument("--iters", type=int, default=None,
                     help=f"timed graph replays per row (default {DEFAULTS['iters']}, "
                          f"--quick {QUICK['iters']})")
@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _parse_streams(text: str) -> list[str]:
-    from qkrope.runtime.kernel_bench import STREAMS
+    from qkrope.apps.kernel_bench import STREAMS
 
     vals = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in vals if s not in STREAMS]
@@ -160,8 +160,9 @@ def main(argv=None) -> int:
         print(NO_CUDA.format(why=why), file=sys.stderr)
         return 2
 
-    from qkrope.runtime import bench, kernels
-    from qkrope.runtime import kernel_bench as kb
+    from qkrope.apps import measure
+    from qkrope.apps import kernel_bench as kb
+    from qkrope.runtime import kernels
 
     if kernels.cuda_library_path() is None:
         print(f"bench_kernel: {kernels.CUDA_LIB_NAME} not found; build it with: "
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
 
     t_start = time.monotonic()
     device = torch.device("cuda", torch.cuda.current_device())
-    machine = bench.machine_info(str(device))
+    machine = measure.machine_info(str(device))
     peak, peak_src = kb.device_peak(device, args.peak_gbs)
     l2 = kb.l2_bytes(device)
     opts = kb.Options(iters=args.iters, warmup=args.warmup, launches=args.launches,

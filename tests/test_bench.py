@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkrope.cli import main as cli_main
-from qkrope.runtime import bench
+from qkrope.apps import bench, measure
 from qkrope.runtime.caches import default_axes_dims
 
 try:
@@ -20,43 +20,43 @@ except ImportError:
 
 def test_bytes_moved_matches_the_design_figure():
     # 1024x1024 image (4096 tokens) + 512 text tokens, 24 heads x 128, bf16, fp32 cache.
-    assert bench.image_tokens(1024) == 4096 and bench.image_tokens(512) == 1024
-    n = bench.qknorm_rope_bytes(4096, 512, 24, 128, act_bytes=2)
+    assert measure.image_tokens(1024) == 4096 and measure.image_tokens(512) == 1024
+    n = measure.qknorm_rope_bytes(4096, 512, 24, 128, act_bytes=2)
     # q, k read + q_out, k_out written: 4 x 4608 x 24 x 128 x 2 B = 113,246,208
     # cache rows: 4608 x 128 x 4 B = 2,359,296; weights: 4 x 128 x 2 B = 1,024
     assert n == 113_246_208 + 2_359_296 + 1_024 == 115_606_528
     assert round(n / 1e6, 1) == 115.6                       # DESIGN.md: "about 115.6 MB"
     assert round(n / 4.8e12 * 1e6, 1) == 24.1               # "24.1 us at 4.8 TB/s"
     # batch doubles the activations, not the cache rows or weights
-    assert bench.qknorm_rope_bytes(4096, 512, 24, 128, batch=2) == 2 * 113_246_208 + 2_360_320
+    assert measure.qknorm_rope_bytes(4096, 512, 24, 128, batch=2) == 2 * 113_246_208 + 2_360_320
     # partial rotary reads fewer cache columns
-    assert bench.qknorm_rope_bytes(1, 0, 1, 128, rotary_dim=64, act_bytes=4) == \
+    assert measure.qknorm_rope_bytes(1, 0, 1, 128, rotary_dim=64, act_bytes=4) == \
         4 * 128 * 4 + 2 * 128 * 4 + 64 * 4 + 2 * 128 * 4
 
 
 def test_summarize():
-    st = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    st = measure.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
     assert st["median_ms"] == 3.0 and st["min_ms"] == 1.0 and st["mean_ms"] == 3.0
     assert st["p10_ms"] == pytest.approx(1.4) and st["p90_ms"] == pytest.approx(4.6)
     assert st["n"] == 5
-    assert bench.summarize([2.0])["stdev_ms"] == 0.0
-    assert bench.summarize([1.0, 2.0])["median_ms"] == 1.5
+    assert measure.summarize([2.0])["stdev_ms"] == 0.0
+    assert measure.summarize([1.0, 2.0])["median_ms"] == 1.5
     with pytest.raises(ValueError):
-        bench.summarize([])
+        measure.summarize([])
 
 
 def test_peak_table_and_parsing():
-    assert bench.peak_gbps("NVIDIA H200") == 4800.0
-    assert bench.peak_gbps("NVIDIA H100 PCIe") == 2000.0
-    assert bench.peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
-    assert bench.peak_gbps("NVIDIA GH200 480GB") == 4000.0
-    assert bench.peak_gbps("Some Future GPU") is None
-    assert bench.peak_gbps("NVIDIA H200", override=1234) == 1234.0
+    assert measure.peak_gbps("NVIDIA H200") == 4800.0
+    assert measure.peak_gbps("NVIDIA H100 PCIe") == 2000.0
+    assert measure.peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+    assert measure.peak_gbps("NVIDIA GH200 480GB") == 4000.0
+    assert measure.peak_gbps("Some Future GPU") is None
+    assert measure.peak_gbps("NVIDIA H200", override=1234) == 1234.0
     assert bench.parse_int_list("512, 1024") == [512, 1024]
     with pytest.raises(ValueError):
         bench.parse_int_list("512,x")
     with pytest.raises(ValueError):
-        bench.image_tokens(500)
+        measure.image_tokens(500)
     # the RoPE split is the caches module's (the exporter uses the same): no private copy
     assert not hasattr(bench, "qwen_axes_dim")
     assert bench.default_axes_dims is default_axes_dims
@@ -90,7 +90,7 @@ def test_time_interleaved_rotates_backends_and_isolates_failures():
         if len([c for c in calls if c == "c"]) > 2:
             raise RuntimeError("third call")
 
-    res = bench.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
+    res = measure.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
                                   "c": boom}, iters=4, warmup=1)
     assert calls[:3] == ["a", "b", "c"]                       # warm-up, one each
     timed = calls[3:]
@@ -121,7 +121,7 @@ def test_eager_block_runs_the_exported_weights(tmp_path):
 
 def test_time_cpu_counts_calls():
     calls = []
-    times = bench.time_cpu(lambda: calls.append(1), iters=4, warmup=2)
+    times = measure.time_cpu(lambda: calls.append(1), iters=4, warmup=2)
     assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)
 
 
@@ -173,11 +173,11 @@ def test_cpu_bench_writes_table_and_png(tmp_path, capsys):
 
 
 def test_plot_with_nothing_measured(tmp_path):
-    row = bench.Row("trt-plugin", 512, 1024, 512, 1, "bfloat16", status="skipped",
+    row = measure.BenchRow("trt-plugin", 512, 1024, 512, 1, "bfloat16", status="skipped",
                     reason=bench.REQUIRES_CUDA)
     p = bench.write_plot([row], tmp_path / "x.png")
     assert p.read_bytes()[:4] == b"\x89PNG"
-    assert "- trt-plugin: skipped, requires CUDA" in bench.format_table([row])
+    assert "- trt-plugin: skipped, requires CUDA" in measure.format_bench_table([row])
 
 
 def test_bad_arguments_are_one_line_errors(capsys):

@@ -1,4 +1,4 @@
-"""scripts/bench_kernel.py and qkrope.runtime.kernel_bench: what runs without a GPU (arguments,
+"""scripts/bench_kernel.py and qkrope.apps.kernel_bench: what runs without a GPU (arguments,
 the bytes formula, buffer rotation, peak lookup, the timing loop against a fake torch.cuda, the
 no-CUDA exit, the JSON rows, the table). The GPU path itself runs in scripts/gpu_check.sh."""
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkrope.runtime import bench, kernels
-from qkrope.runtime import kernel_bench as kb
+from qkrope.apps import bench, measure
+from qkrope.apps import kernel_bench as kb
+from qkrope.runtime import kernels
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "bench_kernel.py"
@@ -50,8 +51,8 @@ def test_bytes_formula_by_hand():
     assert txt.bytes == 4 * 512 * 24 * 128 * 2 + 512 * 128 * 4 + 2 * 128 * 2
     assert img.bytes + txt.bytes == block.bytes
     # one formula: qkrope bench's block bytes are the same numbers
-    assert bench.qknorm_rope_bytes(4096, 512, 24, 128) == block.bytes
-    assert bench.qknorm_rope_bytes(4096, 512, 24, 128, batch=2) == kb.Case(1024, 2, "block").bytes
+    assert measure.qknorm_rope_bytes(4096, 512, 24, 128) == block.bytes
+    assert measure.qknorm_rope_bytes(4096, 512, 24, 128, batch=2) == kb.Case(1024, 2, "block").bytes
     # batch 2 doubles the activations only; 512x512 has 1024 image tokens
     assert kb.Case(1024, 2, "img").bytes == 2 * 4 * 4096 * 24 * 128 * 2 + 4096 * 128 * 4 + 512
     assert kb.Case(512, 1, "img").tokens == 1024
@@ -69,9 +70,9 @@ def test_rates_and_peak_table():
     for name, peak in (("NVIDIA H200", 4800.0), ("NVIDIA H100 80GB HBM3", 3350.0),
                        ("NVIDIA H100 PCIe", 2000.0), ("NVIDIA A100-SXM4-80GB", 2039.0),
                        ("NVIDIA B200", 8000.0), ("NVIDIA L40S", 864.0)):
-        assert bench.peak_gbps(name) == peak, name
-    assert bench.peak_gbps("Some Future GPU") is None
-    assert bench.peak_gbps("NVIDIA H200", override=4000) == 4000.0
+        assert measure.peak_gbps(name) == peak, name
+    assert measure.peak_gbps("Some Future GPU") is None
+    assert measure.peak_gbps("NVIDIA H200", override=4000) == 4000.0
 
 
 # ---- buffer rotation and graph size ---------------------------------------------------------------
@@ -433,12 +434,12 @@ def test_gpu_details_from_properties_and_nvidia_smi(monkeypatch, tmp_path):
                    'echo "570.86.15, 1980, 1980, 3201, 3201"\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    info = bench.gpu_details(torch.device("cuda", 0))
+    info = measure.gpu_details(torch.device("cuda", 0))
     assert info == {"sm_count": "132", "l2_mib": "50", "compute_capability": "9.0",
                     "gpu_memory_gib": "140", "memory_bus_bits": "6144", "driver": "570.86.15",
                     "clocks_mhz": "sm 1980/1980 max, mem 3201/3201 max"}
     smi.write_text("#!/bin/sh\nexit 9\n")                 # nvidia-smi fails: no clocks, no error
-    assert "clocks_mhz" not in bench.gpu_details(torch.device("cuda", 0))
+    assert "clocks_mhz" not in measure.gpu_details(torch.device("cuda", 0))
 
 
 def test_device_peak_sources(monkeypatch):

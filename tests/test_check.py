@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from qkrope.cli import main
 from qkrope.export.onnx_export import export_attention
-from qkrope.runtime import parity
+from qkrope.apps import check as parity
 
 
 def _has_trt_and_cuda() -> bool:

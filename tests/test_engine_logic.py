@@ -97,10 +97,12 @@ def test_fake_build_accepts_polygraphy_shapes(tmp_path, monkeypatch):
                             "gpu": {}, "tensorrt_version": "x", "plugin_layers": 2,
                             "version_compatible": False})
     ap = argparse.ArgumentParser()
-    eng.add_parser(ap.add_subparsers())
+    from qkrope.apps import build as build_app
+
+    build_app.add_parser(ap.add_subparsers())
     args = ap.parse_args(["build", "m.onnx", "--max", "encoder_hidden_states:[2,40,32]",
                           "--min", "encoder_hidden_states:1x1x32"])
-    eng.run(args)
+    build_app.run(args)
     assert seen["opts"].max_shapes == {"encoder_hidden_states": (2, 40, 32)}
     assert seen["opts"].min_shapes == {"encoder_hidden_states": (1, 1, 32)}
 

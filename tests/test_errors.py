@@ -15,7 +15,7 @@ from qkrope import cli
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 # Control-flow signals that never leave their module (not errors).
-_INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.demo.Skip"}
+_INTERNAL = {"qkrope.apps.demo.Skip"}
 
 
 def _modules():

@@ -209,7 +209,9 @@ def test_default_model_name_is_the_engine_stem(engine, tmp_path, capsys):
     import argparse
 
     ap = argparse.ArgumentParser()
-    triton.add_parser(ap.add_subparsers())
+    from qkrope.apps import triton_repo
+
+    triton_repo.add_parser(ap.add_subparsers())
     with pytest.raises(SystemExit):
         ap.parse_args(["triton-repo", "--help"])
     assert "engine file stem" in " ".join(capsys.readouterr().out.split())

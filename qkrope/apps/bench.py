@@ -21,7 +21,7 @@ so 512 -> 32x32 = 1024 image tokens and 1024 -> 64x64 = 4096. Timing: size by si
 calls, then ``--iters`` rounds in which every backend is called once (rotating order, so load
 changes hit all backends alike), each call timed alone (CUDA events on a GPU, ``perf_counter`` on
 the CPU), median reported with p10/p90. The ``kernel`` rows use the project's one kernel-timing
-method instead (:mod:`qkrope.runtime.kernel_bench`, also behind ``scripts/bench_kernel.py``: raw
+method instead (:mod:`qkrope.apps.kernel_bench`, also behind ``scripts/bench_kernel.py``: raw
 C-ABI launches captured in a CUDA graph, rotating over buffers larger than 2 x L2). All
 backends run the one exported block (eager PyTorch is ``build_attention`` of its sidecar) on
 ``ModelInfo.make_inputs`` inputs. On the CPU, torch and ONNX Runtime use one thread unless
@@ -36,53 +36,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from qkrope.errors import InputError
 from qkrope import dtypes
-from .caches import default_axes_dims
+from qkrope.errors import InputError
+from qkrope.runtime.caches import default_axes_dims
 
-PIXELS_PER_TOKEN = 16
+from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens, machine_info, peak_gbps, summarize, time_interleaved)
 
-# Peak HBM / GDDR bandwidth in GB/s (1 GB = 1e9 B), from the vendors' data sheets. Matched by
-# substring of torch.cuda.get_device_name(), longest key first.
-PEAK_GBPS = {
-    "H200": 4800.0,
-    "H100 NVL": 3900.0,
-    "H100 PCIe": 2000.0,
-    "H100": 3350.0,          # SXM5 80 GB
-    "H800": 3350.0,
-    "H20": 4000.0,
-    "GH200": 4000.0,
-    "B200": 8000.0,
-    "GB200": 8000.0,
-    "B100": 8000.0,
-    "A100-SXM4-80GB": 2039.0,
-    "A100 80GB PCIe": 1935.0,
-    "A100-PCIE-40GB": 1555.0,
-    "A100-SXM4-40GB": 1555.0,
-    "A100": 1555.0,
-    "A10G": 600.0,
-    "A10": 600.0,
-    "L40S": 864.0,
-    "L40": 864.0,
-    "L4": 300.0,
-    "RTX 6000 Ada": 960.0,
-    "RTX 4090": 1008.0,
-    "RTX 3090": 936.0,
-    "V100": 900.0,
-    "T4": 320.0,
-}
 
 REQUIRES_CUDA = "requires CUDA (no GPU visible to torch)"
 REQUIRES_TRT = "requires TensorRT (Python package 'tensorrt' not importable)"
@@ -91,65 +58,6 @@ REQUIRES_TRT = "requires TensorRT (Python package 'tensorrt' not importable)"
 # --------------------------------------------------------------------------------------------
 # Pure helpers (unit tested)
 # --------------------------------------------------------------------------------------------
-
-def image_tokens(size_px: int, pixels_per_token: int = PIXELS_PER_TOKEN) -> int:
-    """Image tokens of a square ``size_px`` image: ``(size_px / 16) ** 2``."""
-    if size_px <= 0 or size_px % pixels_per_token:
-        raise InputError(f"image size must be a positive multiple of {pixels_per_token} px; "
-                         f"got {size_px}")
-    side = size_px // pixels_per_token
-    return side * side
-
-
-def qknorm_rope_stream_bytes(tokens: int, heads: int, head_dim: int, *, batch: int = 1,
-                             act_bytes: int = 2, rotary_dim: int | None = None,
-                             cache_bytes: int = 4) -> int:
-    """Minimum DRAM traffic of one QKNormRoPE launch (one stream of S = ``tokens`` tokens): q and
-    k read, q_out and k_out written (4 x B*S*H*D activations), the two RMSNorm weights ([D] each,
-    activation dtype) and the S cache rows it uses (S x rotary_dim fp32; rows are shared across
-    the batch, so read once). The one formula of the project (``qkrope bench`` and
-    ``scripts/bench_kernel.py``)."""
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    return (4 * batch * tokens * heads * head_dim * act_bytes + 2 * head_dim * act_bytes
-            + tokens * rotary_dim * cache_bytes)
-
-
-def qknorm_rope_bytes(img_tokens: int, txt_tokens: int, heads: int, head_dim: int, *,
-                      batch: int = 1, act_bytes: int = 2, rotary_dim: int | None = None,
-                      cache_bytes: int = 4) -> int:
-    """Minimum DRAM traffic of the op over both streams of one attention block (the image and
-    the text launch): :func:`qknorm_rope_stream_bytes` of each."""
-    return sum(qknorm_rope_stream_bytes(s, heads, head_dim, batch=batch, act_bytes=act_bytes,
-                                        rotary_dim=rotary_dim, cache_bytes=cache_bytes)
-               for s in (img_tokens, txt_tokens))
-
-
-def peak_gbps(device_name: str | None, override: float | None = None) -> float | None:
-    """Peak memory bandwidth for ``device_name`` (GB/s), ``override`` first; None if unknown."""
-    if override is not None:
-        return float(override)
-    if not device_name:
-        return None
-    for key in sorted(PEAK_GBPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
-            return PEAK_GBPS[key]
-    return None
-
-
-def summarize(times_ms: Sequence[float]) -> dict[str, float]:
-    """median / mean / min / p10 / p90 / stdev of per-call times (ms)."""
-    if not times_ms:
-        raise InputError("no timings to summarise")
-    xs = sorted(float(t) for t in times_ms)
-
-    def pct(p: float) -> float:  # linear interpolation, like numpy's default
-        pos = (len(xs) - 1) * p
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return {"median_ms": statistics.median(xs), "mean_ms": statistics.fmean(xs),
-            "min_ms": xs[0], "p10_ms": pct(0.10), "p90_ms": pct(0.90),
-            "stdev_ms": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
 def parse_int_list(text: str | Sequence[int]) -> list[int]:
@@ -169,134 +77,8 @@ def parse_int_list(text: str | Sequence[int]) -> list[int]:
 # Rows, machine, table, plot
 # --------------------------------------------------------------------------------------------
 
-@dataclass
-class Row:
-    backend: str
-    size: int                 # image side in px
-    img_tokens: int
-    txt_tokens: int
-    batch: int
-    dtype: str
-    status: str = "ok"        # "ok" | "skipped" | "failed"
-    reason: str = ""
-    median_ms: float | None = None
-    p10_ms: float | None = None
-    p90_ms: float | None = None
-    iters: int = 0
-    gbps: float | None = None
-    peak_fraction: float | None = None
-    device: str = ""
-    note: str = ""
-    machine: dict = field(default_factory=dict)
 
-
-def machine_info(device: str = "cpu") -> dict[str, str]:
-    """CPU model, GPU name and the versions of torch / ONNX Runtime / TensorRT; on a CUDA device
-    also its SM count, L2, memory, driver and clocks (:func:`gpu_details`)."""
-    info: dict[str, str] = {"cpu": _cpu_model(), "cores": str(os.cpu_count() or "?"),
-                            "python": platform.python_version()}
-    import torch
-
-    info["torch"] = torch.__version__
-    try:
-        import onnxruntime as ort
-
-        info["onnxruntime"] = ort.__version__
-    except ImportError:
-        info["onnxruntime"] = "not installed"
-    try:
-        import tensorrt as trt  # noqa: F401
-
-        info["tensorrt"] = trt.__version__
-    except ImportError:
-        info["tensorrt"] = "not installed"
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        info["cuda"] = str(torch.version.cuda)
-        info.update(gpu_details(torch.device(device)))
-    return info
-
-
-def gpu_details(device) -> dict[str, str]:
-    """SM count, L2 size, compute capability and memory of a CUDA device (PyTorch), plus the
-    driver version and current / maximum clocks from ``nvidia-smi`` where it runs."""
-    import subprocess
-
-    import torch
-
-    props = torch.cuda.get_device_properties(device)
-    info = {"sm_count": str(props.multi_processor_count),
-            "l2_mib": f"{getattr(props, 'L2_cache_size', 0) / 2**20:g}",
-            "compute_capability": f"{props.major}.{props.minor}",
-            "gpu_memory_gib": f"{props.total_memory / 2**30:.0f}"}
-    if getattr(props, "memory_bus_width", 0):
-        info["memory_bus_bits"] = str(props.memory_bus_width)
-    uuid = str(getattr(props, "uuid", "") or "")
-    # nvidia-smi by UUID (CUDA_VISIBLE_DEVICES may renumber the devices), else by index
-    idents = ([uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"] if uuid else []) \
-        + [str(torch.device(device).index or 0)]
-    fields = ("driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem")
-    smi = shutil.which("nvidia-smi")
-    for ident in idents if smi else []:
-        try:
-            out = subprocess.run([smi, f"--id={ident}", f"--query-gpu={','.join(fields)}",
-                                  "--format=csv,noheader,nounits"], capture_output=True,
-                                 text=True, timeout=15, check=False).stdout.strip()
-            vals = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
-        except (OSError, subprocess.SubprocessError, IndexError):
-            vals = []
-        if len(vals) == len(fields):
-            info["driver"] = vals[0]
-            info["clocks_mhz"] = f"sm {vals[1]}/{vals[2]} max, mem {vals[3]}/{vals[4]} max"
-            break
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    """Markdown table of the measured rows, then the skipped rows with their reasons."""
-    threads = sorted({r.machine.get("cpu_threads") for r in rows if r.status == "ok"
-                      and r.machine.get("cpu_threads")}, key=str)
-    title = (f"CPU threads (torch, ONNX Runtime): {', '.join(map(str, threads))}; backends "
-             f"measured interleaved, size by size" if threads else "")
-    head = ("| backend | size | img tok | txt tok | batch | dtype | median ms | p10 ms | p90 ms | "
-            "iters | GB/s | % peak | device |")
-    lines = ([title, ""] if title else []) + [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        if r.status != "ok":
-            continue
-        pct = None if r.peak_fraction is None else 100.0 * r.peak_fraction
-        lines.append(f"| {r.backend} | {r.size} | {r.img_tokens} | {r.txt_tokens} | {r.batch} | "
-                     f"{r.dtype} | {_fmt(r.median_ms)} | {_fmt(r.p10_ms)} | {_fmt(r.p90_ms)} | "
-                     f"{r.iters} | {_fmt(r.gbps, '.0f')} | {_fmt(pct, '.1f')} | {r.device} |")
-    skipped = [r for r in rows if r.status != "ok"]
-    if skipped:
-        lines += ["", "Not measured:", ""]
-        seen = set()
-        for r in skipped:
-            key = (r.backend, r.status, r.reason)
-            if key in seen:
-                continue
-            seen.add(key)
-            n = sum(1 for x in skipped if (x.backend, x.status, x.reason) == key)
-            lines.append(f"- {r.backend}: {r.status}, {r.reason} ({n} row{'s' * (n != 1)})")
-    return "\n".join(lines)
-
-
-def write_plot(rows: Sequence[Row], path: Path) -> Path:
+def write_plot(rows: Sequence[BenchRow], path: Path) -> Path:
     """Bar chart of median latency per (size, batch) and backend, as a PNG (matplotlib Agg)."""
     from qkrope._deps import require
 
@@ -333,65 +115,6 @@ def write_plot(rows: Sequence[Row], path: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
-
-def time_cpu(fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def time_one_cuda(fn: Callable[[], Any]) -> float:
-    """One call timed alone with CUDA events on the current stream (ms)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def time_one_cpu(fn: Callable[[], Any]) -> float:
-    """One call timed alone with ``perf_counter`` (ms)."""
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, iters: int, warmup: int,
-                     cuda: bool = False) -> dict[str, list[float] | BaseException]:
-    """Per-call times (ms) of several backends measured **interleaved**: every round calls each
-    backend once, the order rotating from round to round, so a change in machine load (another
-    process, thermal state) hits every backend alike instead of whichever ran last. Each call is
-    timed alone. A backend that raises gets its exception instead of a list; the others go on."""
-    one = time_one_cuda if cuda else time_one_cpu
-    out: dict[str, list[float] | BaseException] = {}
-    live = []
-    for name, fn in fns.items():
-        try:
-            for _ in range(warmup):
-                fn()
-        except Exception as exc:  # noqa: BLE001 - reported per backend
-            out[name] = exc
-            continue
-        out[name] = []
-        live.append(name)
-    for i in range(iters):
-        k = i % len(live) if live else 0
-        for name in live[k:] + live[:k]:
-            if isinstance(out[name], BaseException):
-                continue
-            try:
-                out[name].append(one(fns[name]))  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001
-                out[name] = exc
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,7 +170,7 @@ def _make_block(cfg: Config, info):
 
 def _input_roles(info) -> dict[str, str]:
     """role -> input name, by the runner's own mapping (:func:`runner.assign_roles`)."""
-    from .runner import assign_roles, spec_from_shape
+    from qkrope.runtime.runner import assign_roles, spec_from_shape
 
     return assign_roles([spec_from_shape(t.name, t.dtype, t.shape) for t in info.inputs])
 
@@ -462,7 +185,7 @@ def _make_feeds(cfg: Config, info, size: int, batch: int):
 def _make_inputs(cfg: Config, info, size: int, batch: int):
     """``(hidden_states, encoder_hidden_states, (img_cache, txt_cache), mask)`` as torch tensors
     on the device, from :func:`_make_feeds`."""
-    from .model_info import to_torch
+    from qkrope.runtime.model_info import to_torch
 
     feeds = _make_feeds(cfg, info, size, batch)
     roles = _input_roles(info)
@@ -486,14 +209,14 @@ def _reference_inlined():
         attn_mod.qk_norm_rope = saved
 
 
-def _row(cfg: Config, backend: str, size: int, batch: int, machine: dict, **kw) -> Row:
-    return Row(backend=backend, size=size, img_tokens=image_tokens(size), txt_tokens=cfg.text_len,
+def _row(cfg: Config, backend: str, size: int, batch: int, machine: dict, **kw) -> BenchRow:
+    return BenchRow(backend=backend, size=size, img_tokens=image_tokens(size), txt_tokens=cfg.text_len,
                batch=batch, dtype=cfg.dtype, device=machine.get("gpu") or machine.get("cpu", ""),
                machine=machine, **kw)
 
 
 def _measured(cfg: Config, backend: str, size: int, batch: int, machine: dict,
-              times: list[float]) -> Row:
+              times: list[float]) -> BenchRow:
     st = summarize(times)
     return _row(cfg, backend, size, batch, machine, median_ms=st["median_ms"],
                 p10_ms=st["p10_ms"], p90_ms=st["p90_ms"], iters=int(st["n"]))
@@ -581,7 +304,7 @@ def _engine_backend(cfg: Config, backend: str, engine: str, plugin: str | None, 
     return {backend: prepare}
 
 
-def _measure(cfg: Config, rows: list[Row], machine: dict,
+def _measure(cfg: Config, rows: list[BenchRow], machine: dict,
              backends: Mapping[str, Callable[[int, int], Callable[[], Any]]]) -> None:
     """Measure ``backends`` size by size, interleaved (:func:`time_interleaved`)."""
     cuda = cfg.device.startswith("cuda")
@@ -603,7 +326,7 @@ def _measure(cfg: Config, rows: list[Row], machine: dict,
                     rows.append(_measured(cfg, name, size, batch, machine, res))
 
 
-def _skip_all(cfg: Config, rows: list[Row], backend: str, reason: str, machine: dict) -> None:
+def _skip_all(cfg: Config, rows: list[BenchRow], backend: str, reason: str, machine: dict) -> None:
     for size in cfg.sizes:
         for batch in cfg.batches:
             rows.append(_row(cfg, backend, size, batch, machine, status="skipped", reason=reason))
@@ -698,14 +421,14 @@ def _build_engines(cfg: Config, onnx_path: Path, workdir: Path, log: Callable[[s
     return out
 
 
-def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
+def _bench_kernel(cfg: Config, rows: list[BenchRow], machine: dict) -> None:
     """``kernel`` rows: the fused kernel's img + txt launches of one block, timed by the one
-    kernel-timing method (:mod:`qkrope.runtime.kernel_bench`: raw C-ABI launches in a CUDA
+    kernel-timing method (:mod:`qkrope.apps.kernel_bench`: raw C-ABI launches in a CUDA
     graph over buffer sets larger than 2 x L2, after a validated and checked call)."""
     import torch
 
     from . import kernel_bench as kb
-    from .kernels import cuda_library_path
+    from qkrope.runtime.kernels import cuda_library_path
 
     if cuda_library_path() is None:
         _skip_all(cfg, rows, "kernel", "libqkrope_kernels.so not built (cmake -S plugins/kernel "
@@ -732,7 +455,7 @@ def _bench_kernel(cfg: Config, rows: list[Row], machine: dict) -> None:
             rows.append(row)
 
 
-def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
+def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[BenchRow]:
     """Measure every row that this machine can, and report the others as skipped. torch's
     thread count and grad mode are restored afterwards."""
     import torch
@@ -751,7 +474,7 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[Row]:
         torch.set_grad_enabled(saved_grad)
 
 
-def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[Row]:
+def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
     import torch
 
     on_gpu = cfg.device.startswith("cuda")
@@ -764,7 +487,7 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[Row]:
             log(f"warning: the machine is busy (1-min load {load1:.2f} on {os.cpu_count()} "
                 f"cores); CPU timings will be noisy even with {torch.get_num_threads()} "
                 f"thread(s)")
-    rows: list[Row] = []
+    rows: list[BenchRow] = []
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="qkrope-bench-", dir=cfg.out))
@@ -837,10 +560,10 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[Row]:
     return rows
 
 
-def write_outputs(rows: Sequence[Row], out: Path, cfg: Config | None = None) -> dict[str, Path]:
+def write_outputs(rows: Sequence[BenchRow], out: Path, cfg: Config | None = None) -> dict[str, Path]:
     """bench.md (table + machine), bench.json (every row), bench.png (plot)."""
     out.mkdir(parents=True, exist_ok=True)
-    table = format_table(rows)
+    table = format_bench_table(rows)
     machine = next((r.machine for r in rows if r.status == "ok"), rows[0].machine if rows else {})
     md = ["# qkrope bench", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
           ""]
@@ -938,7 +661,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(cfg)
     paths = write_outputs(rows, cfg.out, cfg)
-    print(format_table(rows))
+    print(format_bench_table(rows))
     print(f"wrote {paths['markdown']}, {paths['json']}, {paths['png']}")
     sys.stdout.flush()
     failed = [r for r in rows if r.status == "failed"]

@@ -43,16 +43,17 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope._deps import require
+from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
-from .model_info import ModelInfo, from_ort_value, to_ort_value, to_torch
+from qkrope.runtime.model_info import ModelInfo, from_ort_value, to_ort_value, to_torch
+
+from .measure import CheckRow, format_check_table
 
 # dtype -> (atol in ulps of the output scale or a fraction of the scale for fp32, rtol)
 TOLERANCES = {
@@ -243,7 +244,7 @@ def make_trt_runner(engine_path: str, plugin: str | None):
                           f"a GPU and TensorRT (for example an NGC TensorRT container, "
                           f"nvcr.io/nvidia/tensorrt), or drop --engine for the ONNX Runtime check")
     if plugin:
-        from .engine import load_plugin_library
+        from qkrope.runtime.engine import load_plugin_library
 
         load_plugin_library(trt, plugin, version_compatible=False)
     from polygraphy.backend.common import BytesFromPath
@@ -256,43 +257,21 @@ def make_trt_runner(engine_path: str, plugin: str | None):
 # The check
 # --------------------------------------------------------------------------------------------
 
-@dataclass
-class Row:
-    runner: str
-    against: str
-    output: str
-    max_abs: float
-    max_rel: float
-    atol: float
-    rtol: float
-    passed: bool
-
 
 def compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, atol: float, rtol: float,
-                   runner: str = "onnxrt", against: str = "pytorch") -> Row:
+                   runner: str = "onnxrt", against: str = "pytorch") -> CheckRow:
     got = np.asarray(got, dtype=np.float32)
     ref = np.asarray(ref, dtype=np.float32)
     if got.shape != ref.shape:
-        return Row(runner, against, name, float("inf"), float("inf"), atol, rtol, False)
+        return CheckRow(runner, against, name, float("inf"), float("inf"), atol, rtol, False)
     absdiff = np.abs(got - ref)
     with np.errstate(divide="ignore", invalid="ignore"):
         reldiff = absdiff / np.abs(ref)
     bad = ((absdiff > atol) | np.isnan(absdiff)) & ((reldiff > rtol) | np.isnan(reldiff))
     finite_rel = reldiff[np.isfinite(reldiff)]
-    return Row(runner, against, name, float(absdiff.max()) if absdiff.size else 0.0,
+    return CheckRow(runner, against, name, float(absdiff.max()) if absdiff.size else 0.0,
                float(finite_rel.max()) if finite_rel.size else 0.0, atol, rtol,
                not bool(bad.any()))
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    head = f"{'runner':<10} {'vs':<10} {'output':<10} {'max abs':>10} {'max rel':>10} " \
-           f"{'atol':>10} {'rtol':>9}  result"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.runner:<10} {r.against:<10} {r.output:<10} {r.max_abs:>10.3g} "
-                     f"{r.max_rel:>10.3g} {r.atol:>10.3g} {r.rtol:>9.3g}  "
-                     f"{'pass' if r.passed else 'FAIL'}")
-    return "\n".join(lines)
 
 
 def _f32(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -328,7 +307,7 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
                 seed: int = 0, diffusers_dir: str | None = None, engine: str | None = None,
                 plugin: str | None = None, providers: Sequence[str] = ("cpu",),
                 workdir: str | os.PathLike | None = None, out=None,
-                verbose: bool = False, onnxrt: bool = True) -> tuple[bool, list[Row]]:
+                verbose: bool = False, onnxrt: bool = True) -> tuple[bool, list[CheckRow]]:
     """Run the parity check; returns (passed, rows). See the module docstring."""
     from polygraphy.logger import G_LOGGER
 
@@ -405,7 +384,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     print(f"qkrope check: {onnx_path} ({info.model}, {info.dtype}); inputs: img_shapes "
           f"{[list(s) for s in img_shapes]}, {txt_len} text tokens, batch {batch}, seed {seed}",
           file=out)
-    print(format_table(rows), file=out)
+    print(format_check_table(rows), file=out)
     print(f"polygraphy inputs/outputs: {workdir}/; rerun by hand: sh "
           f"{workdir / 'polygraphy_cmd.sh'}", file=out)
     print(f"qkrope check: {'PASSED' if passed else 'FAILED: outputs differ from the PyTorch reference beyond the ' + info.dtype + ' tolerance'}",

@@ -1,9 +1,9 @@
 """The one way this project times the QKNormRoPE kernel (and the PyTorch versions of the op).
 
 Used by ``scripts/bench_kernel.py`` (every row) and by ``qkrope bench``'s ``kernel`` rows. The
-bytes formula (:func:`qkrope.runtime.bench.qknorm_rope_stream_bytes`), the peak-bandwidth table
-(:func:`~qkrope.runtime.bench.peak_gbps`), the statistics (:func:`~qkrope.runtime.bench.summarize`)
-and the machine description (:func:`~qkrope.runtime.bench.machine_info`) live in ``bench.py``.
+bytes formula (:func:`qkrope.apps.measure.qknorm_rope_stream_bytes`), the peak-bandwidth table
+(:func:`~qkrope.apps.measure.peak_gbps`), the statistics (:func:`~qkrope.apps.measure.summarize`)
+and the machine description (:func:`~qkrope.apps.measure.machine_info`) live in ``measure.py``.
 
 Method (so that the numbers are the kernel's, not Python's):
 
@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from qkrope import contract
 from qkrope.errors import InputError, QkropeError
-from .bench import image_tokens, peak_gbps, qknorm_rope_stream_bytes, summarize
+from .measure import image_tokens, peak_gbps, qknorm_rope_stream_bytes, summarize
 
 # Qwen-Image attention: 24 heads x 128, 512 text tokens, bf16 activations and weights.
 HEADS, HEAD_DIM, TXT_TOKENS = 24, 128, 512
@@ -161,7 +161,7 @@ class StreamTensors(NamedTuple):
 def launch_args(t: StreamTensors, *, eps: float, interleaved: bool, rounding: int) -> tuple:
     """The C-ABI argument tuple of ``qkrope_launch`` for these tensors, without the stream (in the
     order of ``plugins/kernel/qknorm_rope_capi.h`` and :func:`qkrope.runtime.kernels._call`)."""
-    from .kernels import DTYPE_CODES
+    from qkrope.runtime.kernels import DTYPE_CODES
 
     b, s, h, d = t.q.shape
     rows, rot = t.cache.shape
@@ -319,7 +319,7 @@ def _fused_step(sets: list[list[StreamTensors]], opts: Options, dtype: str):
     """Validate once, spot-check, prepare the raw ctypes launches; returns (step, max rel err)."""
     import torch
 
-    from . import kernels
+    from qkrope.runtime import kernels
 
     kw = dict(eps=opts.eps, interleaved=opts.interleaved, rounding=opts.rounding)
     worst = 0.0

@@ -1,0 +1,71 @@
+"""``qkrope build``: argument handling over :func:`qkrope.runtime.engine.build_engine`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qkrope.runtime import engine, profiles, trt_utils
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "build", help="build a TensorRT engine with the QKNormRoPE plugin",
+        description="Build a TensorRT engine from an ONNX model exported by `qkrope export`. "
+                    "The QKNormRoPE nodes become the fused plugin (the build fails if TensorRT "
+                    "falls back to their function bodies). Profiles come from the model's sidecar "
+                    "(min 1 token, opt = the export sample, max = the --max-* flags or 4096 image "
+                    "+ 512 text tokens, batch 2) unless --min/--opt/--max give them.")
+    p.add_argument("onnx", metavar="MODEL.onnx", help="model written by `qkrope export`")
+    p.add_argument("-o", "--output", metavar="MODEL.engine",
+                   help="engine path (default: MODEL.engine next to the ONNX file); a sidecar "
+                        "MODEL.engine.json is written next to it")
+    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the one "
+                   "`qkrope build-plugin` built; the VC library with --version-compatible)")
+    for level in profiles.LEVELS:
+        p.add_argument(f"--{level}", dest=f"{level}_shapes", nargs="+", action="extend",
+                       default=[], metavar="NAME:SHAPE",
+                       help=f"{level} shape of an input, as NAME:DIMxDIMx... (trtexec's "
+                            f"--{level}Shapes syntax) or NAME:[DIM,DIM,...] (polygraphy's "
+                            f"--trt-{level}-shapes syntax); overrides the derived profile for "
+                            f"that input")
+    p.add_argument("--max-batch", type=int, help="profile max batch (default: max(export, 2))")
+    p.add_argument("--max-img-tokens", type=int,
+                   help="profile max image tokens (default: max(export, 4096) = 1024x1024)")
+    p.add_argument("--max-txt-tokens", type=int,
+                   help="profile max text tokens (default: max(export, 512))")
+    p.add_argument("--timing-cache", metavar="FILE",
+                   help="read and update a TensorRT timing cache (faster rebuilds)")
+    p.add_argument("--version-compatible", action="store_true",
+                   help="build a version-compatible engine with the VC plugin library serialised "
+                        "into it")
+    p.add_argument("--builder-optimization-level", type=int, choices=range(0, 6), metavar="0-5",
+                   help="TensorRT builder optimisation level (default: TensorRT's, 3)")
+    p.add_argument("--workspace", type=int, metavar="MiB", help="workspace memory pool limit")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    onnx_path = Path(args.onnx)
+    engine_path = Path(args.output) if args.output else onnx_path.with_suffix(".engine")
+    opts = engine.BuildOptions(
+        plugin=args.plugin,
+        min_shapes=profiles.parse_shape_specs(args.min_shapes),
+        opt_shapes=profiles.parse_shape_specs(args.opt_shapes),
+        max_shapes=profiles.parse_shape_specs(args.max_shapes),
+        max_batch=args.max_batch, max_img_tokens=args.max_img_tokens,
+        max_txt_tokens=args.max_txt_tokens, timing_cache=args.timing_cache,
+        version_compatible=args.version_compatible,
+        builder_optimization_level=args.builder_optimization_level,
+        workspace_mib=args.workspace, progress=not args.no_progress, verbose=args.verbose)
+    sidecar = engine.build_engine(onnx_path, engine_path, opts)
+    gpu = sidecar.get("gpu") or {}
+    print(f"wrote {engine_path} (TensorRT {sidecar['tensorrt_version']}, "
+          f"{gpu.get('name', 'GPU ?')} sm_{gpu.get('compute_capability', '?')}, "
+          f"{sidecar['plugin_layers']} plugin layers"
+          f"{', version-compatible' if sidecar['version_compatible'] else ''}) and "
+          f"{trt_utils.engine_sidecar_path(engine_path)}")
+    return 0

@@ -1,0 +1,45 @@
+"""``qkrope build-plugin``: argument handling over :func:`qkrope.runtime.plugin_build.build_plugins`."""
+
+from __future__ import annotations
+
+import argparse
+
+from qkrope.runtime import plugin_build
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = plugin_build.build_plugins(host_only=args.host_only, arch=args.arch, tensorrt_root=args.tensorrt_root,
+                        build_dir=args.build_dir, jobs=args.jobs, clean=args.clean)
+    kinds = ("kernel_host",) if args.host_only else ("plugin", "vc", "kernels", "kernel_host")
+    print("qkrope build-plugin: built")
+    for kind in kinds:
+        try:
+            print(f"  {kind:12s} {plugin_build.find_plugin_library(kind, build_dir=out)}")
+        except plugin_build.PluginNotBuiltError:
+            print(f"  {kind:12s} (not built: no TensorRT headers?)" if kind in ("plugin", "vc") else
+                  f"  {kind:12s} (not built)")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``qkrope build-plugin`` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "build-plugin",
+        help="build the CUDA kernel and the TensorRT plugin libraries (CMake, nvcc)",
+        description="Build libqkrope_plugin.so (self-registering), libqkrope_vc_plugin.so "
+                    "(version-compatible: getCreators/setLoggerFinder), libqkrope_kernels.so and "
+                    "libqkrope_kernel_host.so into build/plugins. TensorRT headers come from "
+                    "--tensorrt-root / TensorRT_ROOT / the standard install paths, else the pinned "
+                    "kernel-lens 2.0.1 wheel (no TensorRT library is needed to build).",
+    )
+    p.add_argument("--host-only", action="store_true",
+                   help="build only the CPU kernel library (no CUDA, no TensorRT)")
+    p.add_argument("--arch", metavar="LIST",
+                   help='CUDA architectures, e.g. "90" or "80;90;100" (default: 80;86;89;90;100 + PTX)')
+    p.add_argument("--tensorrt-root", metavar="DIR", help="TensorRT install prefix (DIR/include)")
+    p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {plugin_build.DEFAULT_BUILD_DIR}")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default 2)")
+    p.add_argument("--clean", action="store_true", help="remove the build directory first")
+    p.set_defaults(func=_run)
+    return p
+

@@ -1,0 +1,120 @@
+"""The folders show the layers, and the imports agree (parsed with ``ast``, lazy imports in
+function bodies included):
+
+    qkrope.apps.demo (the main job)          ->  qkrope.cli (runs the other commands)
+    qkrope.cli       (dispatcher)            ->  the apps, by name (importlib)
+    qkrope.apps      (command applications)  ->  qkrope.export, qkrope.runtime, the root
+    qkrope.export    (PyTorch side)          ->  qkrope.runtime (caches), the root
+    qkrope.runtime   (inference/deployment)  ->  the root only: never qkrope.export or the apps
+    the root         (contract, dtypes, layout, sidecars, errors, files)  ->  nothing above it
+
+and no two modules import each other through any chain (no cycles).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# installed package -> folder (pyproject.toml's package-dir)
+PACKAGES = {"qkrope": ROOT / "qkrope", "qkrope.export": ROOT / "export",
+            "qkrope.runtime": ROOT / "runtime"}
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if name.startswith("qkrope.") and name.split(".")[1] in ("export", "runtime") \
+                    and pkg == "qkrope":
+                continue
+            mods[name] = path
+    return mods
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    is_pkg = path.name == "__init__.py"
+    base = name if is_pkg else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+            out.update(t for t in targets if t in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                mod = ".".join(parts[:len(parts) - node.level + 1])
+                mod = f"{mod}.{node.module}" if node.module else mod
+            else:
+                mod = node.module or ""
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                if sub in known:
+                    out.add(sub)
+                elif mod in known:
+                    out.add(mod)
+    out.discard(name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {name: _imports(name, path, known) for name, path in mods.items()}
+
+
+def test_the_graph_covers_every_module():
+    g = _graph()
+    for expected in ("qkrope.contract", "qkrope.dtypes", "qkrope.cli", "qkrope.apps.check",
+                     "qkrope.export.onnx_export", "qkrope.runtime.runner",
+                     "qkrope.runtime.engine"):
+        assert expected in g
+    assert "qkrope.contract" in g["qkrope.export.onnx_export"]
+    assert "qkrope.runtime.engine" in g["qkrope.runtime.runner"]  # lazy imports count
+
+
+def test_runtime_never_imports_export_or_the_apps():
+    bad = [(m, t) for m, targets in _graph().items() if m.startswith("qkrope.runtime")
+           for t in targets if t.startswith(("qkrope.export", "qkrope.apps"))]
+    assert bad == []
+
+
+def test_the_root_and_export_do_not_import_upwards():
+    layer = {"qkrope.apps": 3, "qkrope.export": 2, "qkrope.runtime": 1}
+
+    def level(mod: str) -> int:
+        if mod == "qkrope.apps.demo":
+            return 5  # the main job runs the other commands through the dispatcher
+        if mod == "qkrope.cli" or mod == "qkrope.__main__":
+            return 4  # the dispatcher sits above the apps (it finds them by name)
+        return next((v for k, v in layer.items() if mod == k or mod.startswith(k + ".")), 0)
+
+    bad = [(m, t) for m, targets in _graph().items() for t in targets if level(t) > level(m)]
+    assert bad == []
+
+
+def test_no_import_cycles():
+    g = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(g.get(m, ())):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert cycles == []
