@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
+from qkrope.sidecars import ModelInfo, TensorInfo, sidecar_path
 from qkrope._fileio import sha256_file
 from qkrope import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
@@ -241,7 +242,7 @@ def _versions(extra: Sequence[str] = ()) -> dict[str, str]:
     return out
 
 
-def _tensor_infos(model, axis_names: set[str]) -> tuple[list[dict], list[dict]]:
+def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[TensorInfo]]:
     def desc(v):
         shape = []
         for d in v.shape:
@@ -253,23 +254,17 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[dict], list[dict]]:
                     raise ExportError(f"{v.name} has an unexpected dynamic axis {name!r}; the "
                                       f"export fixed the wrong dimensions")
                 shape.append(name)
-        return {"name": v.name, "dtype": v.dtype.numpy().name if v.dtype.name != "BFLOAT16"
-                else "bfloat16", "shape": shape}
+        return TensorInfo(v.name, v.dtype.numpy().name if v.dtype.name != "BFLOAT16"
+                          else "bfloat16", shape)
 
     return [desc(v) for v in model.graph.inputs], [desc(v) for v in model.graph.outputs]
 
 
 def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
-    from qkrope.runtime.model_info import ModelInfo, sidecar_path
-
     axis_values = info_fields.pop("axis_values")
     inputs, outputs = _tensor_infos(model, set(axis_values))
-    info = ModelInfo(inputs=[], outputs=[], **info_fields)
-    from qkrope.runtime.model_info import TensorInfo
-
-    info.inputs = [TensorInfo.from_dict(d) for d in inputs]
-    info.outputs = [TensorInfo.from_dict(d) for d in outputs]
-    info.dynamic_axes = {a: {"export_value": int(v)} for a, v in axis_values.items()}
+    info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
+    info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
     written = save_model_atomic(model, out, progress=progress)
     try:
         info.save(out)

@@ -29,13 +29,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
+from qkrope.sidecars import EngineInfo, EngineTensor, ModelInfo, PluginRecord, engine_tensors
+from qkrope import contract, dtypes
 from qkrope._deps import require
+from qkrope._fileio import sha256_file, write_atomic
 
 from . import profiles as prof
 from . import trt_utils as tu
 from .plugin_build import resolve_plugin_library
 
-ENGINE_SIDECAR_FORMAT = "qkrope-engine/1"
 MIN_TRT_MAJOR = 10
 
 
@@ -82,8 +84,6 @@ def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: boo
     exports ``getCreators``/``setLoggerFinder`` instead and must go through
     ``IPluginRegistry.load_library`` so that TensorRT can serialise it into a VC engine.
     """
-    from qkrope import contract
-
     path = str(Path(path).resolve())
     if not os.path.exists(path):
         raise InputFileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
@@ -116,13 +116,24 @@ def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: boo
     return handle
 
 
+def trt_major(trt) -> int:
+    try:
+        return int(str(getattr(trt, "__version__", "0")).split(".")[0])
+    except ValueError:
+        return 0
+
+
 def network_creation_flags(trt) -> int:
-    """STRONGLY_TYPED where the enum has it (TRT 10; always on in TRT 11)."""
-    flags = 0
+    """``1 << STRONGLY_TYPED`` on TensorRT 10 (where the flag exists, value 1). TensorRT 11
+    networks are always strongly typed and the flag is deprecated (value 0): nothing is passed."""
+    if trt_major(trt) >= 11:
+        return 0
     member = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    if member is not None:
-        flags |= 1 << int(member)
-    return flags
+    return 1 << int(member) if member is not None else 0
+
+
+def is_strongly_typed(trt, flags: int) -> bool:
+    return trt_major(trt) >= 11 or bool(flags)
 
 
 def set_parser_flags(parser, trt) -> list[str]:
@@ -152,10 +163,12 @@ class PluginLayer:
 
 
 def _plugin_identity(layer, trt) -> tuple[str, str, str] | None:
-    """(name, version, namespace) of an IPluginV3 layer's plugin, or None if unreadable."""
+    """(name, version, namespace) of an IPluginV3 layer's plugin, or None if unreadable.
+
+    ``network.get_layer`` returns the ``ILayer`` base class; like polygraphy, the layer is cast
+    to its type's class (``layer.__class__ = trt.IPluginV3Layer``) before ``.plugin`` exists."""
     try:
-        if not hasattr(layer, "plugin"):
-            layer.__class__ = trt.IPluginV3Layer  # network.get_layer returns the ILayer base
+        layer.__class__ = trt.IPluginV3Layer
         core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
         return (str(core.plugin_name), str(core.plugin_version), str(core.plugin_namespace))
     except Exception:
@@ -170,8 +183,6 @@ def find_plugin_layers(network, trt, *, node_names: Sequence[str] = ()) -> tuple
     QKNormRoPE and namespace qkrope; when the plugin object cannot be inspected, a layer whose
     name is one of the ONNX QKNormRoPE node names (the parser names layers after nodes) counts.
     """
-    from qkrope import contract
-
     ours, others = [], []
     v3 = getattr(trt.LayerType, "PLUGIN_V3", None)
     plugin_types = {t for t in (getattr(trt.LayerType, "PLUGIN", None),
@@ -345,58 +356,16 @@ def make_progress_monitor(trt, progress: BuildProgress):
 
 
 # --------------------------------------------------------------------------------------------
-# Sidecar
+# Network I/O (for the engine sidecar)
 # --------------------------------------------------------------------------------------------
 
-def network_io(network) -> tuple[list[dict], list[dict]]:
-    """[{"name", "dtype", "shape"}] of the network's inputs and outputs (-1 = dynamic)."""
+def network_io(network) -> tuple[list[EngineTensor], list[EngineTensor]]:
+    """The network's inputs and outputs (-1 = dynamic)."""
     def one(t):
-        return {"name": t.name, "dtype": tu.dtype_name(t.dtype), "shape": [int(d) for d in t.shape]}
+        return EngineTensor(t.name, dtypes.canonical(t.dtype), [int(d) for d in t.shape])
 
     return ([one(network.get_input(i)) for i in range(network.num_inputs)],
             [one(network.get_output(i)) for i in range(network.num_outputs)])
-
-
-def engine_sidecar(*, trt_version: str, onnx_path: str, model: dict, profile: prof.Profile,
-                   inputs: list[dict], outputs: list[dict], plugin_path: str | None,
-                   plugin_sha256: str | None, version_compatible: bool,
-                   builder_optimization_level: int | None, strongly_typed: bool,
-                   plugin_layers: int, parser_flags: Sequence[str], gpu: dict | None,
-                   build_seconds: float | None = None) -> dict:
-    """The JSON written next to the engine. Symbolic axis names from the ONNX sidecar are kept
-    per input/output under ``axes`` so deployment tools can name dynamic dims."""
-    sym = {s["name"]: s.get("shape") for s in model.get("inputs", []) + model.get("outputs", [])}
-
-    def with_axes(items):
-        out = []
-        for item in items:
-            entry = dict(item)
-            if sym.get(item["name"]) is not None:
-                entry["axes"] = [d if isinstance(d, str) else None for d in sym[item["name"]]]
-            out.append(entry)
-        return out
-
-    return {
-        "format": ENGINE_SIDECAR_FORMAT,
-        "tensorrt_version": trt_version,
-        "gpu": gpu,
-        "onnx": str(onnx_path),
-        "inputs": with_axes(inputs),
-        "outputs": with_axes(outputs),
-        "profiles": [prof.profile_to_json(profile)],
-        "plugin": ({"path": plugin_path, "sha256": plugin_sha256,
-                    "serialized_in_engine": bool(version_compatible)} if plugin_path else None),
-        "plugin_layers": plugin_layers,
-        "version_compatible": bool(version_compatible),
-        "strongly_typed": bool(strongly_typed),
-        "builder_optimization_level": builder_optimization_level,
-        "parser_flags": list(parser_flags),
-        "config": model.get("config", {}),
-        "dynamic_axes": model.get("dynamic_axes", {}),
-        "sample": model.get("sample", {}),
-        "build_seconds": build_seconds,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,6 +375,9 @@ def engine_sidecar(*, trt_version: str, onnx_path: str, model: dict, profile: pr
 @dataclass
 class BuildOptions:
     plugin: str | None = None
+    # False: the engine of the same ONNX file *without* the plugin (the parser inlines the
+    # nodes' function body; for the benchmark). Needs a process where the plugin is not loaded.
+    use_plugin: bool = True
     min_shapes: dict | None = None
     opt_shapes: dict | None = None
     max_shapes: dict | None = None
@@ -420,55 +392,75 @@ class BuildOptions:
     verbose: bool = False
 
 
-def plan_profile(model: dict, opts: BuildOptions) -> prof.Profile:
+def plan_profile(model: ModelInfo, opts: BuildOptions) -> prof.Profile:
     """Derive and validate the profile (no TensorRT needed)."""
     profile = prof.derive_profile(
         model, min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes,
         max_shapes=opts.max_shapes, max_batch=opts.max_batch,
         max_img_tokens=opts.max_img_tokens, max_txt_tokens=opts.max_txt_tokens)
-    prof.validate_profile(profile, model["inputs"])
+    prof.validate_profile(profile, model.inputs)
     return profile
 
 
 def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
-                 opts: BuildOptions | None = None, *, log: TextIO | None = None) -> dict:
-    """Build ``engine_path`` from ``onnx_path``; returns the sidecar dict (also written)."""
+                 opts: BuildOptions | None = None, *, log: TextIO | None = None) -> EngineInfo:
+    """Build ``engine_path`` from ``onnx_path``; returns its sidecar (also written next to it).
+
+    With ``opts.use_plugin`` (default) the QKNormRoPE nodes must become plugin layers; without
+    it they must not (the function-body engine the benchmark compares against)."""
     opts = opts or BuildOptions()
     log = log if log is not None else sys.stderr
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     trt = import_tensorrt()
     if not onnx_path.exists():
         raise InputFileNotFoundError(f"{onnx_path} does not exist. Fix: export it with `qkrope export`")
-    model = tu.load_model_description(onnx_path)
+    model = ModelInfo.describe(onnx_path)
     profile = plan_profile(model, opts)
     node_names = tu.count_plugin_nodes(onnx_path)
-    plugin_path = str(resolve_plugin_library(
-        opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
+    if opts.use_plugin:
+        plugin_path: str | None = str(resolve_plugin_library(
+            opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
+    else:
+        plugin_path = None
 
     logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
-    if hasattr(trt, "init_libnvinfer_plugins"):
-        trt.init_libnvinfer_plugins(logger, "")
-    load_plugin_library(trt, plugin_path, version_compatible=opts.version_compatible)
+    if plugin_path is not None:
+        if hasattr(trt, "init_libnvinfer_plugins"):
+            trt.init_libnvinfer_plugins(logger, "")
+        load_plugin_library(trt, plugin_path, version_compatible=opts.version_compatible)
+    elif trt.get_plugin_registry().get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
+                                               contract.PLUGIN_NAMESPACE) is not None:
+        raise EngineBuildError(
+            "the QKNormRoPE plugin is already registered in this process, so the parser would "
+            "use it; build the function-body engine first or in a fresh process")
 
     builder = trt.Builder(logger)
     flags = network_creation_flags(trt)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    parser_flags = set_parser_flags(parser, trt)
+    parser_flags = set_parser_flags(parser, trt) if plugin_path is not None else []
     print(f"[build] parsing {onnx_path} (TensorRT {trt.__version__})", file=log)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n  {errors}")
-    layers = check_plugin_layers(network, trt, node_names, trt_version=trt.__version__,
-                                 plugin_registered=True)
-    print(f"[build] {len(layers)} QKNormRoPE plugin layer(s), one per ONNX node", file=log)
+    if plugin_path is not None:
+        layers = check_plugin_layers(network, trt, node_names, trt_version=trt.__version__,
+                                     plugin_registered=True)
+        print(f"[build] {len(layers)} QKNormRoPE plugin layer(s), one per ONNX node", file=log)
+    else:
+        layers, _ = find_plugin_layers(network, trt)
+        if layers:
+            raise EngineBuildError(f"the no-plugin network still has {len(layers)} QKNormRoPE "
+                                   f"plugin layer(s); it would not measure the function body")
+        print(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their function "
+              f"body", file=log)
 
     inputs, outputs = network_io(network)
-    net_names = [i["name"] for i in inputs]
+    net_names = [i.name for i in inputs]
     if sorted(net_names) != sorted(profile):
         raise EngineBuildError(
             f"the network's inputs ({', '.join(net_names)}) differ from the model description's "
-            f"({', '.join(profile)}; from {model['source']}). Fix: re-export so the sidecar "
+            f"({', '.join(profile)}; from {model.source}). Fix: re-export so the sidecar "
             f"matches the ONNX file")
 
     config = builder.create_builder_config()
@@ -508,15 +500,20 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
 
-    tu.write_atomic(engine_path, serialized)
+    write_atomic(engine_path, serialized)
     if opts.timing_cache:
-        tu.write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
-    sidecar = engine_sidecar(
-        trt_version=trt.__version__, onnx_path=str(onnx_path.resolve()), model=model,
-        profile=profile, inputs=inputs, outputs=outputs, plugin_path=plugin_path,
-        plugin_sha256=tu.sha256_file(plugin_path), version_compatible=opts.version_compatible,
+        write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
+    info = EngineInfo(
+        tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
+        inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
+        profiles=[prof.profile_to_json(profile)],
+        plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
+                             bool(opts.version_compatible)) if plugin_path else None),
+        plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),
+        strongly_typed=is_strongly_typed(trt, flags),
         builder_optimization_level=opts.builder_optimization_level,
-        strongly_typed=bool(flags), plugin_layers=len(layers), parser_flags=parser_flags,
-        gpu=tu.gpu_info(), build_seconds=round(seconds, 3))
-    tu.write_json_atomic(tu.engine_sidecar_path(engine_path), sidecar)
-    return sidecar
+        parser_flags=list(parser_flags), config=dict(model.config),
+        dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
+        build_seconds=round(seconds, 3))
+    info.save(engine_path)
+    return info

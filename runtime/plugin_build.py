@@ -20,9 +20,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping
 
 from qkrope.errors import InputError, QkropeError
+from qkrope.sidecars import PluginRecord
 
 __all__ = [
     "PluginBuildError",
@@ -32,9 +32,8 @@ __all__ = [
     "build_command",
     "build_plugins",
     "find_plugin_library",
-    "plugin_record",
+    "PluginMismatchError",
     "resolve_plugin_library",
-    "plugin_sha256_mismatch",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -159,50 +158,54 @@ def find_plugin_library(kind: str = "plugin", *, build_dir: str | os.PathLike | 
         f" from the repository root), or set {env_var} to its path.")
 
 
-def plugin_record(sidecar: Mapping[str, Any] | None) -> dict[str, str | None]:
-    """``{"path", "sha256"}`` of the plugin library an engine sidecar records (``qkrope build``
-    writes ``"plugin": {"path", "sha256", ...}``; a bare path string is accepted too)."""
-    sidecar = sidecar or {}
-    plug = sidecar.get("plugin") or sidecar.get("plugin_library") or {}
-    if isinstance(plug, (str, os.PathLike)):
-        return {"path": str(plug), "sha256": sidecar.get("plugin_sha256")}
-    if isinstance(plug, Mapping):
-        return {"path": plug.get("path"), "sha256": plug.get("sha256")}
-    return {"path": None, "sha256": None}
+class PluginMismatchError(QkropeError, RuntimeError):
+    """The plugin library is not the one the engine was built with (its sha256 differs)."""
 
 
 def resolve_plugin_library(explicit: str | os.PathLike | None = None,
-                           sidecar_record: Mapping[str, Any] | None = None, kind: str = "plugin",
-                           *, build_dir: str | os.PathLike | None = None) -> Path:
-    """The plugin library to load, as an absolute path. In order: ``explicit`` (``--plugin``;
-    must exist), the path an engine sidecar recorded (``sidecar_record``, see
-    :func:`plugin_record`) if that file still exists, else the library of ``kind`` ("plugin" or
-    "vc") that ``qkrope build-plugin`` built (:func:`find_plugin_library`). Raises
+                           recorded: PluginRecord | None = None, kind: str = "plugin",
+                           *, check_hash: str = "off",
+                           build_dir: str | os.PathLike | None = None) -> Path:
+    """The plugin library to load, as an absolute path: the one resolver used by ``qkrope
+    build``, the TensorRT runner and ``qkrope triton-repo``.
+
+    In order: ``explicit`` (``--plugin``; must exist), the library an engine sidecar recorded
+    (``recorded``) if that file still exists, else the library of ``kind`` ("plugin" or "vc")
+    that ``qkrope build-plugin`` built (:func:`find_plugin_library`). Raises
     :class:`PluginNotBuiltError` (a FileNotFoundError) saying how to build or pass it.
 
-    The one resolver used by ``qkrope build``, the TensorRT runner and ``qkrope triton-repo``;
-    compare the result with the record's sha256 with :func:`plugin_sha256_mismatch`."""
+    ``check_hash`` compares the result with the record's sha256: ``"off"``, ``"warn"`` (a
+    RuntimeWarning) or ``"error"`` (:class:`PluginMismatchError`).
+    """
+    if check_hash not in ("off", "warn", "error"):
+        raise InputError(f"check_hash must be 'off', 'warn' or 'error'; got {check_hash!r}")
     if explicit is not None and str(explicit) != "":
         path = Path(explicit)
         if not path.is_file():
             raise PluginNotBuiltError(f"plugin library {path} does not exist. Fix: build it with "
                                       f"`qkrope build-plugin` or pass the path of a built "
                                       f"{LIBRARY_FILES[_ALIASES.get(kind, kind)][0]}")
-        return path.resolve()
-    recorded = (sidecar_record or {}).get("path")
-    if recorded and Path(recorded).is_file():
-        return Path(recorded).resolve()
-    return find_plugin_library(kind, build_dir=build_dir)
+        path = path.resolve()
+    elif recorded is not None and recorded.path and Path(recorded.path).is_file():
+        path = Path(recorded.path).resolve()
+    else:
+        path = find_plugin_library(kind, build_dir=build_dir)
+    if check_hash != "off" and recorded is not None and recorded.sha256:
+        from qkrope._fileio import sha256_file
 
+        actual = sha256_file(path)
+        if actual != recorded.sha256:
+            if check_hash == "error":
+                raise PluginMismatchError(
+                    f"plugin library {path} (sha256 {actual[:12]}...) is not the one the engine "
+                    f"was built with (sha256 {recorded.sha256[:12]}..., {recorded.path}); an "
+                    f"engine must be served with the plugin it was built against. Pass that "
+                    f"library, rebuild the engine, or use --no-plugin-hash-check if you know "
+                    f"they are compatible")
+            import warnings
 
-def plugin_sha256_mismatch(path: str | os.PathLike,
-                           sidecar_record: Mapping[str, Any] | None) -> str | None:
-    """The sha256 of ``path`` when the record has a different one, else None (no record, or the
-    same library)."""
-    from qkrope._fileio import sha256_file
-
-    want = (sidecar_record or {}).get("sha256")
-    if not want:
-        return None
-    actual = sha256_file(path)
-    return actual if actual != want else None
+            warnings.warn(f"the plugin library {path} differs from the one the engine was built "
+                          f"with ({recorded.path}, sha256 {recorded.sha256[:12]}...): results "
+                          f"may differ or deserialisation may fail; rebuild the engine with this "
+                          f"library", RuntimeWarning, stacklevel=3)
+    return path

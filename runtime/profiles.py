@@ -1,8 +1,8 @@
 """TensorRT optimisation profiles for qkrope models, as plain data (no TensorRT needed).
 
 A profile maps every network input to three shapes ``{"min": (...), "opt": (...), "max": (...)}``.
-:func:`derive_profile` builds it from the model's input description (the exporter's sidecar
-``<model>.onnx.json``, or the ONNX graph's own inputs) plus the ``qkrope build`` flags;
+:func:`derive_profile` builds it from the model's description (:class:`qkrope.sidecars.ModelInfo`:
+the exporter's sidecar ``<model>.onnx.json``, or the ONNX graph's own inputs) plus the ``qkrope build`` flags;
 :func:`validate_profile` checks it before anything is handed to TensorRT.
 
 Derivation rules (named axes of the sidecar):
@@ -33,8 +33,8 @@ import re
 from typing import Iterable, Mapping, Sequence
 
 from qkrope.errors import QkropeError
+from qkrope.sidecars import LEVELS, ModelInfo, TensorInfo
 
-LEVELS = ("min", "opt", "max")
 
 DEFAULT_MAX_BATCH = 2
 DEFAULT_MAX_IMG_TOKENS = 4096   # 1024x1024 image: 64 x 64 latent patches
@@ -112,31 +112,12 @@ def format_profile(profile: Mapping[str, Mapping[str, Sequence[int]]]) -> str:
 # Derivation
 # --------------------------------------------------------------------------------------------
 
-def _export_values(model: Mapping) -> dict[str, int]:
-    """Axis name -> the value it had at export (from ``dynamic_axes`` and ``sample``)."""
-    values: dict[str, int] = {}
-    for axis, info in (model.get("dynamic_axes") or {}).items():
-        if isinstance(info, Mapping) and info.get("export_value") is not None:
-            values[axis] = int(info["export_value"])
-        elif isinstance(info, int):
-            values[axis] = int(info)
-    sample = model.get("sample") or {}
-    if "batch" not in values and sample.get("batch") is not None:
-        values["batch"] = int(sample["batch"])
-    if "img_tokens" not in values and sample.get("img_shapes"):
-        values["img_tokens"] = sum(int(f) * int(h) * int(w) for f, h, w in sample["img_shapes"])
-    if "txt_tokens" not in values and sample.get("txt_len") is not None:
-        values["txt_tokens"] = int(sample["txt_len"])
-    return values
-
-
-def axis_ranges(model: Mapping, *, max_batch: int | None = None,
-                max_img_tokens: int | None = None,
+def axis_ranges(inputs: Sequence[TensorInfo], export: Mapping[str, int], *,
+                max_batch: int | None = None, max_img_tokens: int | None = None,
                 max_txt_tokens: int | None = None) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) per named axis of ``model`` (a sidecar-like dict), by the rules above."""
-    export = _export_values(model)
-    axes = {a for spec in model.get("inputs", ()) for a in spec.get("shape", ())
-            if isinstance(a, str)}
+    """(min, opt, max) per named axis of ``inputs``, by the rules above; ``export`` holds the
+    axes' export values (:meth:`ModelInfo.export_values <qkrope.sidecars.ModelInfo.export_values>`)."""
+    axes = {a for spec in inputs for a in spec.shape if isinstance(a, str)}
     ranges: dict[str, tuple[int, int, int]] = {}
     flags = {"batch": (max_batch, DEFAULT_MAX_BATCH, "--max-batch"),
              "img_tokens": (max_img_tokens, DEFAULT_MAX_IMG_TOKENS, "--max-img-tokens"),
@@ -173,20 +154,20 @@ def axis_ranges(model: Mapping, *, max_batch: int | None = None,
     return ranges
 
 
-def derive_profile(model: Mapping, *, min_shapes: Mapping[str, Shape] | None = None,
+def derive_profile(model: ModelInfo, *, min_shapes: Mapping[str, Shape] | None = None,
                    opt_shapes: Mapping[str, Shape] | None = None,
                    max_shapes: Mapping[str, Shape] | None = None,
                    max_batch: int | None = None, max_img_tokens: int | None = None,
                    max_txt_tokens: int | None = None) -> Profile:
-    """The profile for every input of ``model`` (sidecar-like: ``inputs`` with ``shape`` lists of
-    ints and axis names, ``dynamic_axes``, ``sample``), explicit shapes taking precedence.
+    """The profile for every input of ``model`` (its ``inputs``' shapes of ints and axis names,
+    the axes' export values), explicit shapes taking precedence.
 
     Raises ProfileError with the input, the level and the fix when something does not fit.
     """
-    inputs = list(model.get("inputs", ()))
+    inputs = list(model.inputs)
     if not inputs:
         raise ProfileError("the model description lists no inputs")
-    names = [spec["name"] for spec in inputs]
+    names = [spec.name for spec in inputs]
     overrides = {"min": dict(min_shapes or {}), "opt": dict(opt_shapes or {}),
                  "max": dict(max_shapes or {})}
     for level, shapes in overrides.items():
@@ -197,14 +178,14 @@ def derive_profile(model: Mapping, *, min_shapes: Mapping[str, Shape] | None = N
 
     # Axes only need a derived range for the inputs that are not fully given by flags.
     needs_axes = [spec for spec in inputs
-                  if not all(spec["name"] in overrides[lvl] for lvl in LEVELS)]
-    ranges = axis_ranges({**model, "inputs": needs_axes}, max_batch=max_batch,
+                  if not all(spec.name in overrides[lvl] for lvl in LEVELS)]
+    ranges = axis_ranges(needs_axes, model.export_values(), max_batch=max_batch,
                          max_img_tokens=max_img_tokens, max_txt_tokens=max_txt_tokens)
 
     # An explicit shape also sets its named axes for the other inputs at that level
     # (--max encoder_hidden_states:2x40x3072 makes the mask's and the text cache's max 40 too).
     given_axes: dict[str, dict[str, int]] = {level: {} for level in LEVELS}
-    by_name = {spec["name"]: list(spec.get("shape", ())) for spec in inputs}
+    by_name = {spec.name: list(spec.shape) for spec in inputs}
     for level in LEVELS:
         for name, given in overrides[level].items():
             shape = by_name[name]
@@ -220,7 +201,7 @@ def derive_profile(model: Mapping, *, min_shapes: Mapping[str, Shape] | None = N
 
     profile: Profile = {}
     for spec in inputs:
-        name, shape = spec["name"], list(spec.get("shape", ()))
+        name, shape = spec.name, list(spec.shape)
         entry: dict[str, Shape] = {}
         for i, level in enumerate(LEVELS):
             if name in overrides[level]:
@@ -245,16 +226,16 @@ def _describe_shape(shape: Sequence) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _axis_positions(inputs: Sequence[Mapping]) -> dict[str, list[tuple[str, int]]]:
+def _axis_positions(inputs: Sequence[TensorInfo]) -> dict[str, list[tuple[str, int]]]:
     pos: dict[str, list[tuple[str, int]]] = {}
     for spec in inputs:
-        for i, d in enumerate(spec.get("shape", ())):
+        for i, d in enumerate(spec.shape):
             if isinstance(d, str):
-                pos.setdefault(d, []).append((spec["name"], i))
+                pos.setdefault(d, []).append((spec.name, i))
     return pos
 
 
-def reconcile_cache_rows(profile: Profile, inputs: Sequence[Mapping]) -> Profile:
+def reconcile_cache_rows(profile: Profile, inputs: Sequence[TensorInfo]) -> Profile:
     """Raise every cache-rows dimension to at least its stream's token count, per level."""
     pos = _axis_positions(inputs)
     out = {name: dict(levels) for name, levels in profile.items()}
@@ -276,14 +257,14 @@ def reconcile_cache_rows(profile: Profile, inputs: Sequence[Mapping]) -> Profile
 # --------------------------------------------------------------------------------------------
 
 def validate_profile(profile: Mapping[str, Mapping[str, Sequence[int]]],
-                     inputs: Sequence[Mapping]) -> None:
-    """Check ``profile`` against the model inputs (``[{"name", "shape": [int | axis]}]``).
+                     inputs: Sequence[TensorInfo]) -> None:
+    """Check ``profile`` against the model inputs (shapes of ints and axis names).
 
     Every input has min/opt/max of the input's rank; static dimensions equal the model's; every
     dimension >= 1 and min <= opt <= max; an axis shared by several inputs (batch, tokens) has one
     value per level; cache rows >= tokens per level.
     """
-    names = [spec["name"] for spec in inputs]
+    names = [spec.name for spec in inputs]
     missing = [n for n in names if n not in profile]
     if missing:
         raise ProfileError(f"no profile shapes for input(s) {', '.join(missing)}. Fix: give them "
@@ -293,7 +274,7 @@ def validate_profile(profile: Mapping[str, Mapping[str, Sequence[int]]],
         raise ProfileError(f"profile names {', '.join(extra)}, which the model does not have; "
                            f"its inputs are: {', '.join(names)}")
     for spec in inputs:
-        name, shape = spec["name"], list(spec.get("shape", ()))
+        name, shape = spec.name, list(spec.shape)
         levels = profile[name]
         for level in LEVELS:
             if level not in levels:

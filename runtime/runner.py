@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
+from qkrope.sidecars import EngineInfo, ModelInfo, engine_sidecar_path
 from qkrope._deps import MissingDependencyError, require
 
 from qkrope import dtypes
@@ -457,30 +458,27 @@ def default_providers() -> list[str]:
 def onnx_model_io(path: str | os.PathLike, session=None) -> ModelIO:
     """ModelIO of an ONNX file: names/dtypes/shapes from the graph (or a session), axis names and
     head_dim from the sidecar when present."""
-    desc = tu.load_model_description(path)
-    graph = tu.describe_onnx_graph(path) if "inputs" not in desc else None
-    inputs_src = desc.get("inputs") or graph["inputs"]
-    outputs_src = desc.get("outputs") or (graph or tu.describe_onnx_graph(path))["outputs"]
+    desc = ModelInfo.describe(path)
+    inputs_src = [(t.name, t.dtype, t.shape) for t in desc.inputs]
+    outputs_src = [(t.name, t.dtype, t.shape) for t in desc.outputs]
     if session is not None:
         # The session's view is authoritative for names and dtypes.
         sess_in = {i.name: i for i in session.get_inputs()}
         sess_out = {o.name: o for o in session.get_outputs()}
-        if set(sess_in) != {s["name"] for s in inputs_src}:
-            inputs_src = [{"name": i.name, "dtype": i.type, "shape": [
-                d if isinstance(d, (int, str)) else None for d in i.shape]}
-                for i in session.get_inputs()]
+        if set(sess_in) != {name for name, _, _ in inputs_src}:
+            inputs_src = [(i.name, i.type, [d if isinstance(d, (int, str)) else None
+                                            for d in i.shape]) for i in session.get_inputs()]
         else:
-            inputs_src = [{**s, "dtype": dtypes.canonical(sess_in[s["name"]].type)}
-                          for s in inputs_src]
-        if set(sess_out) != {s["name"] for s in outputs_src}:
-            outputs_src = [{"name": o.name, "dtype": o.type, "shape": [
-                d if isinstance(d, (int, str)) else None for d in o.shape]}
-                for o in session.get_outputs()]
-    inputs = [spec_from_shape(s["name"], s["dtype"], s["shape"]) for s in inputs_src]
-    outputs = [spec_from_shape(s["name"], s["dtype"], s["shape"]) for s in outputs_src]
-    head_dim = (desc.get("config") or {}).get("head_dim") or tu.head_dim_from_onnx(path)
+            inputs_src = [(name, dtypes.canonical(sess_in[name].type), shape)
+                          for name, _, shape in inputs_src]
+        if set(sess_out) != {name for name, _, _ in outputs_src}:
+            outputs_src = [(o.name, o.type, [d if isinstance(d, (int, str)) else None
+                                             for d in o.shape]) for o in session.get_outputs()]
+    inputs = [spec_from_shape(*t) for t in inputs_src]
+    outputs = [spec_from_shape(*t) for t in outputs_src]
+    head_dim = desc.config.get("head_dim") or tu.head_dim_from_onnx(path)
     return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
-                   source=desc.get("source", str(path)), config=dict(desc.get("config") or {}))
+                   source=desc.source or str(path), config=dict(desc.config))
 
 
 class OrtRunner(Runner):
@@ -571,13 +569,14 @@ class OrtRunner(Runner):
 # TensorRT
 # --------------------------------------------------------------------------------------------
 
-def engine_model_io(engine, trt, sidecar: Mapping | None, *, profile: int = 0) -> ModelIO:
-    """ModelIO of a deserialised engine: names, dtypes, the profile's min/max per input."""
+def engine_model_io(engine, trt, sidecar: EngineInfo | None, *, profile: int = 0) -> ModelIO:
+    """ModelIO of a deserialised engine: names, dtypes, the profile's min/max per input; axis
+    names and the model config from its sidecar when there is one."""
     sym = {}
-    if sidecar:
-        for item in list(sidecar.get("inputs", [])) + list(sidecar.get("outputs", [])):
-            if item.get("axes"):
-                sym[item["name"]] = item["axes"]
+    if sidecar is not None:
+        for item in sidecar.inputs + sidecar.outputs:
+            if item.axes:
+                sym[item.name] = item.axes
     inputs, outputs = [], []
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
@@ -592,28 +591,10 @@ def engine_model_io(engine, trt, sidecar: Mapping | None, *, profile: int = 0) -
                                           bounds=([int(d) for d in lo], [int(d) for d in hi])))
         else:
             outputs.append(spec_from_shape(name, dtype, shape_sym))
-    head_dim = ((sidecar or {}).get("config") or {}).get("head_dim")
+    config = dict(sidecar.config) if sidecar is not None else {}
+    head_dim = config.get("head_dim")
     return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
-                   source=str((sidecar or {}).get("onnx", "the engine")),
-                   config=dict((sidecar or {}).get("config") or {}))
-
-
-def resolve_runtime_plugin(plugin, sidecar: Mapping) -> Path:
-    """The plugin library for a (non-VC) engine (:func:`plugin_build.resolve_plugin_library`:
-    ``plugin``, else the sidecar's path if it still exists, else the built one). Warns when its
-    sha256 differs from the one the engine was built with."""
-    import warnings
-
-    from .plugin_build import plugin_record, plugin_sha256_mismatch, resolve_plugin_library
-
-    record = plugin_record(sidecar)
-    path = resolve_plugin_library(plugin, record, kind="plugin")
-    if plugin_sha256_mismatch(path, record):
-        warnings.warn(f"the plugin library {path} differs from the one the engine was built with "
-                      f"({record.get('path')}, sha256 {record['sha256'][:12]}...): results may "
-                      f"differ or deserialisation may fail; rebuild the engine with this library",
-                      RuntimeWarning, stacklevel=3)
-    return path
+                   source=sidecar.onnx if sidecar is not None else "the engine", config=config)
 
 
 class TensorRTRunner(Runner):
@@ -624,6 +605,7 @@ class TensorRTRunner(Runner):
     def __init__(self, path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
                  copy_outputs: bool = False, verbose: bool = False):
         from .engine import import_tensorrt, load_plugin_library
+        from .plugin_build import resolve_plugin_library
 
         trt = import_tensorrt("the TensorRT runner (qkrope.runtime.load of an engine)")
         if not torch.cuda.is_available():
@@ -633,9 +615,8 @@ class TensorRTRunner(Runner):
                 "load the .onnx file to use ONNX Runtime")
         self.trt = trt
         self.path = str(path)
-        side_path = tu.engine_sidecar_path(path)
-        self.sidecar = tu.read_json(side_path) if side_path.exists() else {}
-        vc = bool(self.sidecar.get("version_compatible"))
+        self.sidecar = EngineInfo.load(path) if engine_sidecar_path(path).exists() else None
+        vc = bool(self.sidecar and self.sidecar.version_compatible)
         self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
         self.plugin_path = None
@@ -644,15 +625,19 @@ class TensorRTRunner(Runner):
             # deserialisation, which needs host code to be allowed. `plugin` is not loaded.
             self.runtime.engine_host_code_allowed = True
         else:
-            self.plugin_path = str(resolve_runtime_plugin(plugin, self.sidecar))
+            # the sidecar's library unless `plugin` is given; warn if it is not the one the
+            # engine was built with
+            self.plugin_path = str(resolve_plugin_library(
+                plugin, self.sidecar.plugin if self.sidecar else None, kind="plugin",
+                check_hash="warn"))
             load_plugin_library(trt, self.plugin_path, version_compatible=False)
         data = Path(path).read_bytes()
         self.engine = self.runtime.deserialize_cuda_engine(data)
         if self.engine is None:
             raise RunnerError(
                 f"TensorRT could not deserialise {path} (see its log above): it was built by "
-                f"TensorRT {self.sidecar.get('tensorrt_version', '?')} for "
-                f"{(self.sidecar.get('gpu') or {}).get('name', '?')}; engines only load on the "
+                f"TensorRT {self.sidecar.tensorrt_version if self.sidecar else '?'} for "
+                f"{((self.sidecar.gpu if self.sidecar else None) or {}).get('name', '?')}; engines only load on the "
                 f"same TensorRT version and GPU (or with --version-compatible). Fix: rebuild with "
                 f"`qkrope build`")
         super().__init__(engine_model_io(self.engine, trt, self.sidecar),

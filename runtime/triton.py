@@ -31,13 +31,15 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
-from qkrope.errors import QkropeError
 from qkrope import dtypes
-from .trt_utils import engine_sidecar_path as sidecar_path
+from qkrope.errors import QkropeError
+from qkrope.sidecars import EngineInfo
+
+from .plugin_build import PluginNotBuiltError, resolve_plugin_library
 
 PLUGIN_FILE_NAME = "libqkrope_plugin.so"
 
@@ -67,133 +69,57 @@ def default_model_name(engine: os.PathLike | str) -> str:
     return Path(engine).stem
 
 
-@dataclass
-class TensorSpec:
-    name: str
-    dtype: str           # Triton TYPE_* name
-    dims: list[int]      # -1 for dynamic axes
-
-
-@dataclass
-class EngineIO:
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    sidecar: dict = field(default_factory=dict)
-
-
-def load_engine_sidecar(engine: os.PathLike | str) -> dict:
-    """Read ``<engine>.json`` (written by ``qkrope build``) with clear errors."""
+def load_engine_sidecar(engine: os.PathLike | str) -> EngineInfo:
+    """The engine's sidecar (:meth:`EngineInfo.load`), after checking the engine file exists."""
     engine = Path(engine)
     if not engine.is_file():
         raise TritonRepoError(f"engine file not found: {engine}. Build one first: "
                               "qkrope build MODEL.onnx -o MODEL.engine --plugin LIB")
-    side = sidecar_path(engine)
-    if not side.is_file():
-        raise TritonRepoError(
-            f"the engine's sidecar {side} is missing: it holds the I/O names, dtypes and dynamic "
-            "dims the Triton config needs. Rebuild the engine with `qkrope build` (which writes "
-            "it next to the engine), or copy it alongside if you moved the engine")
-    try:
-        data = json.loads(side.read_text())
-    except json.JSONDecodeError as exc:
-        raise TritonRepoError(f"the engine sidecar {side} is not valid JSON ({exc}); rebuild the "
-                              "engine with `qkrope build`") from exc
-    if not isinstance(data, dict):
-        raise TritonRepoError(f"the engine sidecar {side} holds a {type(data).__name__}, expected "
-                              "a JSON object; rebuild the engine with `qkrope build`")
-    return data
+    return EngineInfo.load(engine)
 
 
-def _profile_ranges(sidecar: Mapping) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """name -> [(min, max) per profile]. Accepts ``profiles`` as a list of
-    ``{name: {min, opt, max}}`` or of ``{"inputs"|"shapes": {name: ...}}`` objects, or a single
-    mapping; entries may also be ``[min, opt, max]`` lists."""
-    profiles = sidecar.get("profiles") or sidecar.get("optimization_profiles") or []
-    if isinstance(profiles, Mapping):
-        profiles = [profiles]
-    out: dict[str, list[tuple[list[int], list[int]]]] = {}
-    for prof in profiles:
-        if not isinstance(prof, Mapping):
-            continue
-        shapes = prof.get("inputs") or prof.get("shapes") or prof
-        if not isinstance(shapes, Mapping):
-            continue
-        for name, rng in shapes.items():
-            if isinstance(rng, Mapping) and "min" in rng and "max" in rng:
-                lo, hi = rng["min"], rng["max"]
-            elif isinstance(rng, (list, tuple)) and len(rng) == 3:
-                lo, hi = rng[0], rng[2]
-            else:
-                continue
-            out.setdefault(str(name), []).append((list(map(int, lo)), list(map(int, hi))))
-    return out
-
-
-def _tensor_list(sidecar: Mapping, key: str) -> list[Mapping]:
-    entries = sidecar.get(key)
-    if entries is None and isinstance(sidecar.get("io"), Mapping):
-        entries = sidecar["io"].get(key)
-    if isinstance(entries, Mapping):  # {name: {dtype, shape}}
-        entries = [dict(v, name=k) for k, v in entries.items()]
-    if not entries:
-        raise TritonRepoError(f"the engine sidecar lists no {key}; rebuild the engine with "
-                              "`qkrope build` (its sidecar records every I/O tensor)")
-    return list(entries)
-
-
-def engine_io(sidecar: Mapping) -> EngineIO:
-    """The engine's inputs and outputs as Triton sees them: an axis is -1 when the sidecar's
-    shape says -1 or when any optimisation profile lets it vary (min != max)."""
-    ranges = _profile_ranges(sidecar)
-
-    def spec(entry: Mapping, is_input: bool) -> TensorSpec:
-        name = entry.get("name")
-        if not name:
-            raise TritonRepoError(f"an engine sidecar tensor entry has no name: {dict(entry)}")
-        dtype = entry.get("dtype", entry.get("data_type"))
-        if dtype is None:
-            raise TritonRepoError(f"the engine sidecar gives no dtype for tensor {name!r}")
-        shape = entry.get("shape", entry.get("dims"))
-        if shape is None:
-            prof = ranges.get(name)
-            if not prof:
-                raise TritonRepoError(f"the engine sidecar gives no shape for tensor {name!r}")
-            shape = prof[0][0]
-        dims = [int(d) if d is not None and not isinstance(d, str) else -1 for d in shape]
-        for lo, hi in ranges.get(name, []) if is_input else []:
+def triton_dims(info: EngineInfo) -> dict[str, list[int]]:
+    """Every engine tensor's dims as Triton sees them: an axis is -1 when the sidecar's shape
+    says -1 or when an optimisation profile lets it vary (min != max)."""
+    ranges = info.profile_ranges()
+    input_names = {t.name for t in info.inputs}
+    out: dict[str, list[int]] = {}
+    for t in info.inputs + info.outputs:
+        dims = [int(d) for d in t.shape]
+        for lo, hi in ranges.get(t.name, []) if t.name in input_names else []:
             if len(lo) != len(dims):
                 raise TritonRepoError(
-                    f"input {name!r}: the sidecar's shape has rank {len(dims)} but a profile "
+                    f"input {t.name!r}: the sidecar's shape has rank {len(dims)} but a profile "
                     f"gives rank {len(lo)}; the sidecar is inconsistent, rebuild the engine")
             dims = [-1 if (a != b) else d for d, a, b in zip(dims, lo, hi)]
-        return TensorSpec(str(name), triton_dtype(dtype), dims)
-
-    return EngineIO([spec(e, True) for e in _tensor_list(sidecar, "inputs")],
-                    [spec(e, False) for e in _tensor_list(sidecar, "outputs")], dict(sidecar))
+        out[t.name] = dims
+    return out
 
 
 def _pb_str(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a valid protobuf text-format string
 
 
-def render_config(name: str, io: EngineIO, *, max_batch_size: int = 0, instances: int = 1,
+def render_config(name: str, info: EngineInfo, *, max_batch_size: int = 0, instances: int = 1,
                   gpus: Iterable[int] | None = None) -> str:
     """config.pbtxt text for a ``tensorrt_plan`` model."""
     if instances < 1:
         raise TritonRepoError(f"--instances must be >= 1, got {instances}")
     if max_batch_size < 0:
         raise TritonRepoError(f"--max-batch-size must be >= 0, got {max_batch_size}")
-    tensors = {"input": io.inputs, "output": io.outputs}
+    dims = triton_dims(info)
+    tensors = {kind: [(t.name, triton_dtype(t.dtype), dims[t.name]) for t in items]
+               for kind, items in (("input", info.inputs), ("output", info.outputs))}
     if max_batch_size > 0:
-        bad = [t.name for t in io.inputs + io.outputs if not t.dims or t.dims[0] != -1]
+        bad = [t.name for t in info.inputs + info.outputs if not dims[t.name]
+               or dims[t.name][0] != -1]
         # Named axes (qkrope build records the exporter's names under "axes") settle it.
-        axes = {e.get("name"): e.get("axes") for key in ("inputs", "outputs")
-                for e in (io.sidecar.get(key) or []) if isinstance(e, Mapping)}
-        bad += [n for n, a in axes.items() if a and a[0] not in (None, "batch") and n not in bad]
+        bad += [t.name for t in info.inputs + info.outputs
+                if t.axes and t.axes[0] not in (None, "batch") and t.name not in bad]
         # Otherwise the leading axis is a batch axis only if every input's profile gives it the same range
         # (a cache's row count, [1, max_tokens], is not the batch range).
         lead = {}
-        for name, ranges in _profile_ranges(io.sidecar).items():
+        for name, ranges in info.profile_ranges().items():
             if ranges and ranges[0][0]:
                 lead[name] = (ranges[0][0][0], ranges[0][1][0])
         if len(set(lead.values())) > 1:
@@ -210,16 +136,15 @@ def render_config(name: str, io: EngineIO, *, max_batch_size: int = 0, instances
                 f"input and output, but {bad} have none (the RoPE caches [rows, rotary_dim] are "
                 "shared across the batch). Use --max-batch-size 0: the batch stays an explicit, "
                 "dynamic dim of hidden_states / encoder_hidden_states")
-        tensors = {k: [TensorSpec(t.name, t.dtype, t.dims[1:]) for t in v]
-                   for k, v in tensors.items()}
+        tensors = {k: [(n, dt, d[1:]) for n, dt, d in v] for k, v in tensors.items()}
     lines = [f"name: {_pb_str(name)}", 'platform: "tensorrt_plan"',
              f"max_batch_size: {max_batch_size}",
              'default_model_filename: "model.plan"']
     for kind, specs in tensors.items():
-        for t in specs:
-            dims = ", ".join(str(d) for d in t.dims)
-            lines.append(f"{kind} {{\n  name: {_pb_str(t.name)}\n  data_type: {t.dtype}\n"
-                         f"  dims: [ {dims} ]\n}}")
+        for t_name, t_dtype, t_dims in specs:
+            text = ", ".join(str(d) for d in t_dims)
+            lines.append(f"{kind} {{\n  name: {_pb_str(t_name)}\n  data_type: {t_dtype}\n"
+                         f"  dims: [ {text} ]\n}}")
     group = f"instance_group {{\n  count: {instances}\n  kind: KIND_GPU\n"
     if gpus:
         group += f"  gpus: [ {', '.join(str(int(g)) for g in gpus)} ]\n"
@@ -234,27 +159,6 @@ def parse_config(text: str):
     pb = require("tritonclient.grpc.model_config_pb2", "checking a Triton model config")
     text_format = require("google.protobuf.text_format", "checking a Triton model config")
     return text_format.Parse(text, pb.ModelConfig())
-
-
-def resolve_plugin(plugin: str | None, sidecar: Mapping, *, check_hash: bool = True) -> Path:
-    """The plugin library to copy/serve (:func:`plugin_build.resolve_plugin_library`: ``plugin``,
-    else the sidecar's path if it still exists, else the built one); with ``check_hash``, it must
-    be the library the engine was built with."""
-    from .plugin_build import plugin_record, plugin_sha256_mismatch, resolve_plugin_library
-
-    record = plugin_record(sidecar)
-    try:
-        path = resolve_plugin_library(plugin, record, kind="plugin")
-    except FileNotFoundError as exc:
-        raise TritonRepoError(f"plugin library not found: {exc}") from None
-    actual = plugin_sha256_mismatch(path, record) if check_hash else None
-    if actual:
-        raise TritonRepoError(
-            f"plugin library {path} (sha256 {actual[:12]}...) is not the one the engine was "
-            f"built with (sha256 {record['sha256'][:12]}..., {record['path']}); an engine must "
-            "be served with the plugin it was built against. Pass that library, rebuild the "
-            "engine, or use --no-plugin-hash-check if you know they are compatible")
-    return path
 
 
 @dataclass
@@ -280,15 +184,18 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     an existing model directory is replaced only with ``force``."""
     engine = Path(engine)
     repo = Path(repo)
-    sidecar = load_engine_sidecar(engine)
-    io = engine_io(sidecar)
+    info = load_engine_sidecar(engine)
     name = name or default_model_name(engine)
     if not name or "/" in name or name.startswith("."):
         raise TritonRepoError(f"invalid model name {name!r}: Triton model names are directory "
                               "names; pass --name")
-    plugin_src = resolve_plugin(None if plugin is None else str(plugin), sidecar,
-                                check_hash=check_plugin_hash)
-    text = render_config(name, io, max_batch_size=max_batch_size, instances=instances)
+    try:
+        plugin_src = resolve_plugin_library(None if plugin is None else str(plugin), info.plugin,
+                                            kind="plugin",
+                                            check_hash="error" if check_plugin_hash else "off")
+    except PluginNotBuiltError as exc:
+        raise TritonRepoError(f"plugin library not found: {exc}") from None
+    text = render_config(name, info, max_batch_size=max_batch_size, instances=instances)
     try:
         parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
     except ImportError as exc:  # MissingDependencyError is an ImportError

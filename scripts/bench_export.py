@@ -45,7 +45,8 @@ def main() -> int:
     import onnxruntime as ort
     from qkrope.export.onnx_export import build_attention, export_attention, export_transformer
     from qkrope.apps.measure import machine_info, time_interleaved
-    from qkrope.runtime.model_info import ModelInfo, to_torch
+    from qkrope.runtime.inputs import make_inputs, to_torch
+    from qkrope.sidecars import ModelInfo
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +80,7 @@ def main() -> int:
         sizes = [("512x512", (1, 32, 32))] + ([] if args.skip_1024 else
                                               [("1024x1024", (1, 64, 64))])
         for label, shape in sizes:
-            feeds = info.make_inputs([shape], args.txt_len, 1, seed=0)
+            feeds = make_inputs(info, [shape], args.txt_len, 1, seed=0)
             tt = {k: to_torch(v) for k, v in feeds.items()}
             with torch.no_grad():
                 times = time_interleaved({

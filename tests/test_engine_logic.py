@@ -16,7 +16,10 @@ import pytest
 from qkrope import contract
 from qkrope.runtime import engine as eng
 from qkrope.runtime import profiles as prof
+from qkrope._fileio import sha256_file, write_atomic
 from qkrope.runtime import trt_utils as tu
+from qkrope.sidecars import (ENGINE_FORMAT, EngineInfo, EngineTensor, ModelInfo, PluginRecord,
+                             TensorInfo, engine_tensors)
 
 C = 32  # model width of the tiny test model
 
@@ -32,7 +35,8 @@ def sidecar_dict(batch=2, img=16, txt=5, with_timestep=False):
     if with_timestep:
         inputs.insert(3, {"name": "timestep", "dtype": "float32", "shape": ["batch"]})
     return {
-        "format": "qkrope-onnx/1", "model": "attention", "opset": 18, "ir_version": 10,
+        "format": "qkrope-onnx", "format_version": 1, "model": "attention", "opset": 18,
+        "ir_version": 10,
         "dtype": "fp32", "node_attributes": {},
         "inputs": inputs,
         "outputs": [{"name": "img_out", "dtype": "float32", "shape": ["batch", "img_tokens", C]},
@@ -44,6 +48,10 @@ def sidecar_dict(batch=2, img=16, txt=5, with_timestep=False):
         "config": {"dim": C, "heads": 2, "head_dim": 16},
         "sample": {"img_shapes": [[1, 4, 4]], "txt_len": txt, "batch": batch},
     }
+
+
+def model(**kw) -> ModelInfo:
+    return ModelInfo.from_dict(sidecar_dict(**kw))
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,9 +101,9 @@ def test_fake_build_accepts_polygraphy_shapes(tmp_path, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(eng, "build_engine",
-                        lambda onnx, out, opts: seen.setdefault("opts", opts) and {
-                            "gpu": {}, "tensorrt_version": "x", "plugin_layers": 2,
-                            "version_compatible": False})
+                        lambda onnx, out, opts: seen.setdefault("opts", opts) and types.SimpleNamespace(
+                            gpu={}, tensorrt_version="x", plugin_layers=2,
+                            version_compatible=False))
     ap = argparse.ArgumentParser()
     from qkrope.apps import build as build_app
 
@@ -140,8 +148,9 @@ def test_dtypes_module_maps_every_layer():
     with pytest.raises(ValueError):
         dtypes.short_name("int64")
     # the runtime modules use it (no private tables left)
-    from qkrope.runtime import model_info, triton
-    assert model_info.DTYPES is dtypes.NAME_BY_SHORT
+    from qkrope import sidecars
+    from qkrope.runtime import triton
+    assert sidecars.DTYPES is dtypes.NAME_BY_SHORT
     for mod, names in ((tu, ("ONNX_DTYPES", "ONNX_DTYPE_CODES", "ORT_DTYPES", "TRT_DTYPES",
                              "torch_dtype")), (triton, ("_TRITON_DTYPES",))):
         for n in names:
@@ -149,61 +158,64 @@ def test_dtypes_module_maps_every_layer():
 
 
 def test_model_description_is_read_through_model_info(tmp_path):
-    """trt_utils.load_model_description reads the sidecar with ModelInfo (format checked), and
-    the sidecar path has one definition."""
-    from qkrope.runtime.model_info import ModelInfoError, sidecar_path
+    """ModelInfo.describe reads the sidecar with ModelInfo.load (format checked); the dict forms
+    of the description are gone, and the sidecar path has one definition."""
+    from qkrope.sidecars import ModelInfoError, sidecar_path
 
-    assert not hasattr(tu, "onnx_sidecar_path")
+    for gone in ("onnx_sidecar_path", "load_model_description", "describe_onnx_graph",
+                 "read_json", "engine_sidecar_path"):
+        assert not hasattr(tu, gone), gone
     p = write_tiny_onnx(tmp_path / "m.onnx")
-    desc = tu.load_model_description(p)
-    assert desc["source"] == str(sidecar_path(p)) and desc["format"] == "qkrope-onnx/1"
+    desc = ModelInfo.describe(p)
+    assert desc.source == str(sidecar_path(p)) and desc.to_dict()["format"] == "qkrope-onnx"
+    assert desc.to_dict()["format_version"] == 1
     side = json.loads(sidecar_path(p).read_text())
     side["format"] = "someone-elses/2"
     sidecar_path(p).write_text(json.dumps(side))
     with pytest.raises(ModelInfoError, match="not a qkrope sidecar"):
-        tu.load_model_description(p)
+        ModelInfo.describe(p)
 
 
 def test_derive_profile_defaults_from_sidecar():
-    p = prof.derive_profile(sidecar_dict())
+    p = prof.derive_profile(model())
     assert p["hidden_states"] == {"min": (1, 1, C), "opt": (2, 16, C), "max": (2, 4096, C)}
     assert p["encoder_hidden_states"] == {"min": (1, 1, C), "opt": (2, 5, C), "max": (2, 512, C)}
     assert p["encoder_hidden_states_mask"]["max"] == (2, 512)
     # cache rows follow the tokens of their stream
     assert p["img_cos_sin_cache"] == {"min": (1, 16), "opt": (16, 16), "max": (4096, 16)}
     assert p["txt_cos_sin_cache"] == {"min": (1, 16), "opt": (5, 16), "max": (512, 16)}
-    prof.validate_profile(p, sidecar_dict()["inputs"])
+    prof.validate_profile(p, model().inputs)
     assert "hidden_states" in prof.format_profile(p)
 
 
 def test_derive_profile_max_flags_and_small_max_pulls_opt():
-    p = prof.derive_profile(sidecar_dict(), max_batch=4, max_img_tokens=8, max_txt_tokens=64)
+    p = prof.derive_profile(model(), max_batch=4, max_img_tokens=8, max_txt_tokens=64)
     assert p["hidden_states"]["max"] == (4, 8, C)
     assert p["hidden_states"]["opt"] == (2, 8, C)  # export value 16 > max 8
     assert p["txt_cos_sin_cache"]["max"] == (64, 16)
     with pytest.raises(prof.ProfileError, match="--max-batch"):
-        prof.derive_profile(sidecar_dict(), max_batch=0)
+        prof.derive_profile(model(), max_batch=0)
 
 
 def test_explicit_shapes_override_and_cache_rows_are_raised():
     p = prof.derive_profile(
-        sidecar_dict(),
+        model(),
         max_shapes={"hidden_states": (2, 8192, C), "img_cos_sin_cache": (100, 16)},
         opt_shapes={"img_cos_sin_cache": (3, 16)})
     assert p["hidden_states"]["max"] == (2, 8192, C)
     # cache rows raised to the tokens at each level, whatever was given
     assert p["img_cos_sin_cache"]["max"] == (8192, 16)
     assert p["img_cos_sin_cache"]["opt"] == (16, 16)
-    prof.validate_profile(p, sidecar_dict()["inputs"])
+    prof.validate_profile(p, model().inputs)
 
 
 def test_profile_errors():
-    inputs = sidecar_dict()["inputs"]
+    inputs = model().inputs
     with pytest.raises(prof.ProfileError, match="does not have"):
-        prof.derive_profile(sidecar_dict(), min_shapes={"nope": (1,)})
+        prof.derive_profile(model(), min_shapes={"nope": (1,)})
     with pytest.raises(prof.ProfileError, match="has 2 dimensions but hidden_states has 3"):
-        prof.derive_profile(sidecar_dict(), max_shapes={"hidden_states": (1, 2)})
-    good = prof.derive_profile(sidecar_dict())
+        prof.derive_profile(model(), max_shapes={"hidden_states": (1, 2)})
+    good = prof.derive_profile(model())
 
     bad = json.loads(json.dumps(prof.profile_to_json(good)))
     bad["hidden_states"]["min"] = [1, 32, C]  # min > opt (16)
@@ -233,8 +245,8 @@ def test_profile_errors():
 
 
 def test_unknown_axis_needs_explicit_shapes():
-    side = sidecar_dict()
-    side["inputs"].append({"name": "extra", "dtype": "float32", "shape": ["mystery", 4]})
+    side = model()
+    side.inputs.append(TensorInfo("extra", "float32", ["mystery", 4]))
     with pytest.raises(prof.ProfileError, match="mystery"):
         prof.derive_profile(side)
     p = prof.derive_profile(side, min_shapes={"extra": (1, 4)}, opt_shapes={"extra": (2, 4)},
@@ -385,8 +397,8 @@ def test_progress_tty_bar():
 
 def test_write_atomic_replaces_and_cleans_up(tmp_path):
     target = tmp_path / "sub" / "m.engine"
-    tu.write_atomic(target, b"one")
-    tu.write_atomic(target, memoryview(b"two"))
+    write_atomic(target, b"one")
+    write_atomic(target, memoryview(b"two"))
     assert target.read_bytes() == b"two"
 
     class Boom:
@@ -394,27 +406,30 @@ def test_write_atomic_replaces_and_cleans_up(tmp_path):
             raise RuntimeError("boom")
 
     with pytest.raises(TypeError):
-        tu.write_atomic(target, Boom())
+        write_atomic(target, Boom())
     assert target.read_bytes() == b"two"
     assert sorted(p.name for p in target.parent.iterdir()) == ["m.engine"]
 
 
 def test_engine_sidecar_contents():
-    side = sidecar_dict()
+    side = model()
     profile = prof.derive_profile(side)
-    doc = eng.engine_sidecar(
-        trt_version="10.14.1", onnx_path="/m.onnx", model=side, profile=profile,
-        inputs=[{"name": "hidden_states", "dtype": "float32", "shape": [-1, -1, C]}],
-        outputs=[{"name": "img_out", "dtype": "float32", "shape": [-1, -1, C]}],
-        plugin_path="/lib.so", plugin_sha256="ab", version_compatible=True,
-        builder_optimization_level=3, strongly_typed=True, plugin_layers=2,
-        parser_flags=["ENABLE_PLUGIN_OVERRIDE"], gpu={"name": "H200", "compute_capability": "9.0"})
-    assert doc["format"] == eng.ENGINE_SIDECAR_FORMAT
+    info = EngineInfo(
+        tensorrt_version="10.14.1", onnx="/m.onnx",
+        inputs=engine_tensors([EngineTensor("hidden_states", "float32", [-1, -1, C])], side),
+        outputs=engine_tensors([EngineTensor("img_out", "float32", [-1, -1, C])], side),
+        profiles=[prof.profile_to_json(profile)],
+        plugin=PluginRecord("/lib.so", "ab", True), plugin_layers=2, version_compatible=True,
+        strongly_typed=True, builder_optimization_level=3,
+        parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
+        gpu={"name": "H200", "compute_capability": "9.0"})
+    doc = info.to_dict()
+    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == 1
     assert doc["inputs"][0]["axes"] == ["batch", "img_tokens", None]
     assert doc["profiles"][0]["hidden_states"]["max"] == [2, 4096, C]
     assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}
     assert doc["config"]["head_dim"] == 16 and doc["version_compatible"] is True
-    json.dumps(doc)
+    assert EngineInfo.from_dict(json.loads(json.dumps(doc))) == info
 
 
 def test_trt_version_gate():
@@ -463,11 +478,10 @@ def test_count_nodes_and_describe_graph(tmp_path):
     p = write_tiny_onnx(tmp_path / "m.onnx", sidecar=False)
     assert tu.count_plugin_nodes(p) == ["img_qknorm", "txt_qknorm"]
     assert tu.head_dim_from_onnx(p) == 16
-    desc = tu.load_model_description(p)
-    assert desc["source"] == str(p)
-    assert desc["inputs"][0] == {"name": "hidden_states", "dtype": "float32",
-                                 "shape": ["batch", "img_tokens", C]}
-    assert [i["name"] for i in desc["inputs"]] == [s["name"] for s in sidecar_dict()["inputs"]]
+    desc = ModelInfo.describe(p)
+    assert desc.source == str(p)
+    assert desc.inputs[0] == TensorInfo("hidden_states", "float32", ["batch", "img_tokens", C])
+    assert desc.input_names == [s["name"] for s in sidecar_dict()["inputs"]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,13 +555,13 @@ def make_fake_trt(*, fallback=False, registered=True, build_ok=True):
             state.parser_flags.append(flag)
 
         def parse_from_file(self, path):
-            desc = tu.describe_onnx_graph(path)
+            desc = ModelInfo.from_onnx_graph(path)
             dt = {"float32": "FLOAT", "bool": "BOOL"}
-            self.network.inputs = [FakeTensor(i["name"], dt[i["dtype"]],
-                                              [d if isinstance(d, int) else -1 for d in i["shape"]])
-                                   for i in desc["inputs"]]
-            self.network.outputs = [FakeTensor(o["name"], "FLOAT", [-1, -1, C])
-                                    for o in desc["outputs"]]
+            self.network.inputs = [FakeTensor(i.name, dt[i.dtype],
+                                              [d if isinstance(d, int) else -1 for d in i.shape])
+                                   for i in desc.inputs]
+            self.network.outputs = [FakeTensor(o.name, "FLOAT", [-1, -1, C])
+                                    for o in desc.outputs]
             for name in tu.count_plugin_nodes(path):
                 if fallback:
                     self.network.layers += [FakeLayer(LT.ELEMENTWISE, f"{name}_body{i}")
@@ -671,7 +685,7 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
     assert state.progress_calls == 1 and "[build] Building" in captured.err
     side = json.loads(Path(str(out) + ".json").read_text())
     assert side["tensorrt_version"] == "10.14.1"
-    assert side["plugin"]["sha256"] == tu.sha256_file(lib)
+    assert side["plugin"]["sha256"] == sha256_file(lib)
     assert side["plugin_layers"] == 2 and side["strongly_typed"] is True
     assert side["inputs"][2] == {"name": "encoder_hidden_states_mask", "dtype": "bool",
                                  "shape": [-1, -1], "axes": ["batch", "txt_tokens"]}

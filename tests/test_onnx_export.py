@@ -19,8 +19,9 @@ from qkrope.export import qk_norm_rope_reference
 from qkrope.export.onnx_export import (ExportError, build_attention, export_attention,
                                        finalize_model)
 from qkrope.export.onnx_function import qk_norm_rope_translation
-from qkrope.runtime.model_info import (ModelInfo, from_ort_value, from_torch, to_ort_value,
-                                       to_torch)
+from qkrope.runtime.inputs import (from_ort_value, from_torch, make_inputs, to_ort_value,
+                                   to_torch)
+from qkrope.sidecars import ModelInfo
 
 HEADS, HEAD_DIM = 2, 64
 ONNX_TYPES = {"FLOAT": onnx.AttributeProto.FLOAT, "INT": onnx.AttributeProto.INT,
@@ -148,7 +149,7 @@ CASES = [  # img_shapes, txt_len, batch: all differ from the export sample
 @pytest.mark.parametrize("img_shapes,txt_len,batch", CASES)
 def test_ort_matches_module_fp32(fp32_model, img_shapes, txt_len, batch):
     info = ModelInfo.load(fp32_model)
-    feeds = info.make_inputs(img_shapes, txt_len, batch, seed=1)
+    feeds = make_inputs(info, img_shapes, txt_len, batch, seed=1)
     if batch == 2:
         assert not feeds["encoder_hidden_states_mask"].all()  # a text mask is exercised
     outs = _run(fp32_model, feeds)
@@ -159,7 +160,7 @@ def test_ort_matches_module_fp32(fp32_model, img_shapes, txt_len, batch):
 
 def test_ort_matches_module_fp16(fp16_model):
     info = ModelInfo.load(fp16_model)
-    feeds = info.make_inputs([(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
+    feeds = make_inputs(info, [(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
     for got, ref in zip(_run(fp16_model, feeds), _ref(info, feeds)):
         ref = ref.float().numpy()
         scale = np.abs(ref).max()
@@ -175,7 +176,7 @@ def test_ort_matches_module_fp16(fp16_model):
 def test_ort_matches_module_bf16_cuda(tmp_path):
     out = tmp_path / "attn_bf16.onnx"
     info, _ = export_attention(out, heads=HEADS, head_dim=HEAD_DIM, dtype="bf16")
-    feeds = info.make_inputs([(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
+    feeds = make_inputs(info, [(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
     got_all = _run(out, feeds, providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
     for got, ref in zip(got_all, _ref(info, feeds)):
         ref = ref.float().numpy()
@@ -197,7 +198,7 @@ def test_ort_matches_diffusers(tmp_path):
     out = tmp_path / "d.onnx"
     info, _ = export_attention(out, heads=HEADS, head_dim=HEAD_DIM, weights=weights)
     img_shapes, txt_len = [(1, 4, 5), (1, 2, 3)], 7
-    feeds = info.make_inputs(img_shapes, txt_len, 2, seed=4)
+    feeds = make_inputs(info, img_shapes, txt_len, 2, seed=4)
     axes = tuple(info.config["axes_dims_rope"])
     freqs = diffusers_freqs(img_shapes, txt_len, axes)
     with torch.no_grad():

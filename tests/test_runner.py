@@ -318,7 +318,8 @@ def _write_bf16_identity_model(path: Path) -> Path:
                               opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.save(model, str(path))
     Path(str(path) + ".json").write_text(json.dumps({
-        "format": "qkrope-onnx/1", "model": "attention", "opset": 18, "ir_version": 10,
+        "format": "qkrope-onnx", "format_version": 1, "model": "attention", "opset": 18,
+        "ir_version": 10,
         "dtype": "bf16", "dynamic_axes": {}, "node_attributes": {},
         "sample": {"img_shapes": [list(IMG_SHAPES[0])], "txt_len": S_TXT, "batch": 2},
         "inputs": [{"name": i.name, "dtype": d, "shape": s} for i, d, s in zip(
@@ -452,12 +453,18 @@ def test_engine_io_and_profile_bounds():
     import types
 
     trt = types.SimpleNamespace(TensorIOMode=_Mode)
-    side = {"config": {"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]},
-            "inputs": [{"name": "hidden_states", "axes": ["batch", "img_tokens", None]},
-                       {"name": "encoder_hidden_states", "axes": ["batch", "txt_tokens", None]},
-                       {"name": "encoder_hidden_states_mask", "axes": ["batch", "txt_tokens"]},
-                       {"name": "img_cos_sin_cache", "axes": ["img_cache_rows", None]},
-                       {"name": "txt_cos_sin_cache", "axes": ["txt_cache_rows", None]}]}
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    axes = {"hidden_states": ["batch", "img_tokens", None],
+            "encoder_hidden_states": ["batch", "txt_tokens", None],
+            "encoder_hidden_states_mask": ["batch", "txt_tokens"],
+            "img_cos_sin_cache": ["img_cache_rows", None],
+            "txt_cos_sin_cache": ["txt_cache_rows", None]}
+    side = EngineInfo(
+        tensorrt_version="10.14", onnx="/m.onnx",
+        inputs=[EngineTensor(n, "float32", [-1] * len(a), a) for n, a in axes.items()],
+        outputs=[], profiles=[], plugin=None, plugin_layers=2, version_compatible=False,
+        strongly_typed=True, config={"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]})
     io = rn.engine_model_io(FakeEngine(), trt, side)
     assert io.head_dim == HEAD_DIM
     assert io.roles["img_cache"] == "img_cos_sin_cache"
@@ -484,10 +491,13 @@ def test_engine_io_and_profile_bounds():
 def test_plugin_resolution_is_one_function(tmp_path, monkeypatch):
     """engine (qkrope build), runner and triton all resolve the plugin with
     plugin_build.resolve_plugin_library: explicit, else the sidecar's path if it exists, else
-    the built library."""
+    the built library; the hash check is one of its options."""
+    import inspect
+
     from qkrope.runtime import engine as eng
     from qkrope.runtime import plugin_build as pb
     from qkrope.runtime import triton
+    from qkrope.sidecars import PluginRecord
 
     built = tmp_path / "build" / "libqkrope_plugin.so"
     built.parent.mkdir()
@@ -495,35 +505,42 @@ def test_plugin_resolution_is_one_function(tmp_path, monkeypatch):
     monkeypatch.setenv("QKROPE_PLUGIN_LIB", str(built))
     recorded = tmp_path / "recorded.so"
     recorded.write_bytes(b"recorded")
-    record = pb.plugin_record({"plugin": {"path": str(recorded), "sha256": None}})
+    record = PluginRecord(str(recorded), None)
     assert pb.resolve_plugin_library(None, record) == recorded.resolve()
-    assert pb.resolve_plugin_library(None, {"path": str(tmp_path / "gone.so")}) == built.resolve()
+    assert pb.resolve_plugin_library(None, PluginRecord(str(tmp_path / "gone.so"))) == \
+        built.resolve()
     assert pb.resolve_plugin_library(None, None) == built.resolve()
     assert pb.resolve_plugin_library(built, record) == built.resolve()
     with pytest.raises(FileNotFoundError, match="qkrope build-plugin"):
         pb.resolve_plugin_library(tmp_path / "missing.so", record)
-    assert pb.plugin_record({"plugin": "x.so", "plugin_sha256": "ab"}) == {"path": "x.so",
-                                                                           "sha256": "ab"}
-    assert pb.plugin_sha256_mismatch(recorded, {"sha256": None}) is None
-    assert pb.plugin_sha256_mismatch(recorded, {"sha256": "0" * 64}) is not None
-    # the callers use it (no private copies left)
+    assert pb.resolve_plugin_library(recorded, PluginRecord(str(recorded), None),
+                                     check_hash="error") == recorded.resolve()
+    with pytest.raises(pb.PluginMismatchError):
+        pb.resolve_plugin_library(recorded, PluginRecord(str(recorded), "0" * 64),
+                                  check_hash="error")
+    # the callers use it (no private copies or other spellings left)
     assert not hasattr(eng, "resolve_plugin_library") or \
         eng.resolve_plugin_library is pb.resolve_plugin_library
-    assert triton.resolve_plugin(None, {"plugin": {"path": str(recorded)}}) == recorded.resolve()
-    assert rn.resolve_runtime_plugin(None, {}) == built.resolve()
-    assert not hasattr(pb, "add_cli")
+    for gone in ((pb, "plugin_record"), (pb, "plugin_sha256_mismatch"), (pb, "add_cli"),
+                 (triton, "resolve_plugin"), (rn, "resolve_runtime_plugin")):
+        assert not hasattr(*gone), gone
+    for mod in (rn, triton):
+        assert "resolve_plugin_library(" in inspect.getsource(mod)
 
 
 def test_runtime_plugin_resolution(tmp_path):
+    """The runner's use: the engine's recorded library, a warning for a different one."""
+    from qkrope._fileio import sha256_file
+    from qkrope.runtime.plugin_build import resolve_plugin_library
+    from qkrope.sidecars import PluginRecord
+
     lib = tmp_path / "libqkrope_plugin.so"
     lib.write_bytes(b"v1")
-    from qkrope.runtime import trt_utils as tu
-
-    side = {"plugin": {"path": str(lib), "sha256": tu.sha256_file(lib)}}
-    assert rn.resolve_runtime_plugin(None, side) == lib
+    record = PluginRecord(str(lib), sha256_file(lib))
+    assert resolve_plugin_library(None, record, check_hash="warn") == lib
     other = tmp_path / "other.so"
     other.write_bytes(b"v2")
     with pytest.warns(RuntimeWarning, match="differs from the one the engine was built with"):
-        assert rn.resolve_runtime_plugin(other, side) == other
+        assert resolve_plugin_library(other, record, check_hash="warn") == other
     with pytest.raises(FileNotFoundError, match="qkrope build-plugin"):
-        rn.resolve_runtime_plugin(tmp_path / "missing.so", side)
+        resolve_plugin_library(tmp_path / "missing.so", record, check_hash="warn")

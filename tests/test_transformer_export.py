@@ -12,7 +12,8 @@ import torch
 
 from qkrope.cli import main
 from qkrope import contract
-from qkrope.runtime.model_info import ModelInfo
+from qkrope.runtime.inputs import make_inputs
+from qkrope.sidecars import ModelInfo
 
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
@@ -65,7 +66,7 @@ def test_graph(exported):
 ])
 def test_matches_diffusers_forward(exported, tiny_dir, img_shapes, txt_len, batch):
     info = ModelInfo.load(exported)
-    feeds = info.make_inputs(img_shapes, txt_len, batch, seed=7)
+    feeds = make_inputs(info, img_shapes, txt_len, batch, seed=7)
     sess = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)[0]
     ref_model = diffusers.QwenImageTransformer2DModel.from_pretrained(str(tiny_dir)).eval()

@@ -18,13 +18,15 @@ from qkrope.runtime import triton
 # tritonclient[grpc] is a test dependency: the schema check must run, not skip
 from google.protobuf import text_format  # noqa: E402
 from tritonclient.grpc import model_config_pb2  # noqa: E402
-from qkrope.runtime.engine import engine_sidecar  # noqa: E402
+from qkrope.runtime.plugin_build import PluginMismatchError  # noqa: E402
+from qkrope.sidecars import (EngineInfo, EngineInfoError, EngineTensor, ModelInfo,  # noqa: E402
+                             PluginRecord, TensorInfo, engine_tensors)
 
 C = 3072
 MAX_IMG, MAX_TXT = 4096, 512
 
 # What `qkrope export` writes for the attention block (symbolic axes) and what TensorRT's network
-# reports for it (-1 = dynamic); dtypes as qkrope.runtime.trt_utils.dtype_name spells them.
+# reports for it (-1 = dynamic); dtypes as qkrope.dtypes.canonical spells them.
 INPUTS = [
     ("hidden_states", "bfloat16", ["batch", "img_tokens", C]),
     ("encoder_hidden_states", "bfloat16", ["batch", "txt_tokens", C]),
@@ -50,22 +52,27 @@ def _profile():
 
 
 def _sidecar(plugin: Path) -> dict:
-    """The engine sidecar as `qkrope build` writes it: through runtime/engine.py's own writer
-    when it exposes one, else a hand-made object of the same schema."""
-    model = {"inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in INPUTS],
-             "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in OUTPUTS],
-             "config": {"dim": C, "heads": 24, "head_dim": 128},
-             "dynamic_axes": {a: {"export_value": r[1]} for a, r in AXIS_RANGE.items()},
-             "sample": {"img_shapes": [[1, 32, 32]], "txt_len": 512, "batch": 1}}
-    net_in = [{"name": n, "dtype": d, "shape": _dyn(s)} for n, d, s in INPUTS]
-    net_out = [{"name": n, "dtype": d, "shape": _dyn(s)} for n, d, s in OUTPUTS]
+    """The engine sidecar as `qkrope build` writes it: through the one writer
+    (qkrope.sidecars.EngineInfo, the record runtime/engine.py fills)."""
+    model = ModelInfo(
+        model="attention", opset=18, ir_version=10, dtype="bf16",
+        inputs=[TensorInfo(n, d, s) for n, d, s in INPUTS],
+        outputs=[TensorInfo(n, d, s) for n, d, s in OUTPUTS], node_attributes={},
+        config={"dim": C, "heads": 24, "head_dim": 128},
+        dynamic_axes={a: {"export_value": r[1]} for a, r in AXIS_RANGE.items()},
+        sample={"img_shapes": [[1, 32, 32]], "txt_len": 512, "batch": 1})
+    net_in = [EngineTensor(n, d, _dyn(s)) for n, d, s in INPUTS]
+    net_out = [EngineTensor(n, d, _dyn(s)) for n, d, s in OUTPUTS]
     sha = hashlib.sha256(plugin.read_bytes()).hexdigest()
-    return engine_sidecar(
-        trt_version="10.14.1.48", onnx_path="/models/attn.onnx", model=model,
-        profile=_profile(), inputs=net_in, outputs=net_out, plugin_path=str(plugin),
-        plugin_sha256=sha, version_compatible=False, builder_optimization_level=3,
-        strongly_typed=True, plugin_layers=2, parser_flags=[],
-        gpu={"name": "NVIDIA H200", "compute_capability": "9.0"})
+    return EngineInfo(
+        tensorrt_version="10.14.1.48", onnx="/models/attn.onnx",
+        inputs=engine_tensors(net_in, model), outputs=engine_tensors(net_out, model),
+        profiles=[{n: {lv: list(v) for lv, v in levels.items()}
+                   for n, levels in _profile().items()}],
+        plugin=PluginRecord(str(plugin), sha), plugin_layers=2, version_compatible=False,
+        strongly_typed=True, builder_optimization_level=3, parser_flags=[],
+        config=model.config, dynamic_axes=model.dynamic_axes, sample=model.sample,
+        gpu={"name": "NVIDIA H200", "compute_capability": "9.0"}).to_dict()
 
 
 @pytest.fixture
@@ -116,26 +123,31 @@ def test_repo_config_parses_and_matches_engine_io(engine, tmp_path, capsys):
                                                           "build", "repo"]
 
 
+def _engine(inputs, outputs, profiles=()):
+    return EngineInfo(tensorrt_version="10.14", onnx="/m.onnx",
+                      inputs=[EngineTensor(*t) for t in inputs],
+                      outputs=[EngineTensor(*t) for t in outputs], profiles=list(profiles),
+                      plugin=None, plugin_layers=0, version_compatible=False,
+                      strongly_typed=True)
+
+
 def test_static_axes_stay_static_and_profiles_mark_dynamic(tmp_path):
-    side = {
-        "inputs": [{"name": "x", "dtype": "DataType.HALF", "shape": [2, 16, 8]}],
-        "outputs": [{"name": "y", "dtype": "torch.float16", "shape": [2, 16, 8]}],
-        "profiles": [{"x": {"min": [2, 1, 8], "opt": [2, 8, 8], "max": [2, 16, 8]}}],
-    }
-    io = triton.engine_io(side)
-    assert io.inputs[0].dims == [2, -1, 8] and io.inputs[0].dtype == "TYPE_FP16"
-    assert io.outputs[0].dims == [2, 16, 8]
-    cfg = text_format.Parse(triton.render_config("m", io), model_config_pb2.ModelConfig())
+    info = _engine([("x", "float16", [2, 16, 8])], [("y", "float16", [2, 16, 8])],
+                   [{"x": {"min": [2, 1, 8], "opt": [2, 8, 8], "max": [2, 16, 8]}}])
+    dims = triton.triton_dims(info)
+    assert dims["x"] == [2, -1, 8] and triton.triton_dtype(info.inputs[0].dtype) == "TYPE_FP16"
+    assert dims["y"] == [2, 16, 8]
+    cfg = text_format.Parse(triton.render_config("m", info), model_config_pb2.ModelConfig())
     assert list(cfg.input[0].dims) == [2, -1, 8]
+    assert model_config_pb2.DataType.Name(cfg.input[0].data_type) == "TYPE_FP16"
 
 
 def test_max_batch_size_needs_batch_axis_everywhere(engine, tmp_path):
     eng, plugin = engine
     with pytest.raises(triton.TritonRepoError, match="RoPE caches"):
         triton.write_repository(eng, tmp_path / "r", plugin=plugin, max_batch_size=2)
-    side = {"inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 4]}],
-            "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 4]}]}
-    cfg = text_format.Parse(triton.render_config("m", triton.engine_io(side), max_batch_size=8),
+    info = _engine([("x", "float32", [-1, 4])], [("y", "float32", [-1, 4])])
+    cfg = text_format.Parse(triton.render_config("m", info, max_batch_size=8),
                             model_config_pb2.ModelConfig())
     assert cfg.max_batch_size == 8 and list(cfg.input[0].dims) == [4]
 
@@ -160,7 +172,7 @@ def test_missing_engine_and_sidecar_errors(engine, tmp_path, capsys):
     assert rc == 2
     assert "engine file not found" in capsys.readouterr().err
     Path(str(eng) + ".json").unlink()
-    with pytest.raises(triton.TritonRepoError, match="sidecar .* is missing"):
+    with pytest.raises(EngineInfoError, match="sidecar .* is missing"):
         triton.write_repository(eng, tmp_path / "r", plugin=plugin)
     assert not (tmp_path / "r").exists()
 
@@ -169,7 +181,7 @@ def test_plugin_hash_mismatch_and_default_from_sidecar(engine, tmp_path):
     eng, plugin = engine
     other = tmp_path / "other.so"
     other.write_bytes(b"a different build")
-    with pytest.raises(triton.TritonRepoError, match="not the one the engine was built with"):
+    with pytest.raises(PluginMismatchError, match="not the one the engine was built with"):
         triton.write_repository(eng, tmp_path / "r", plugin=other)
     res = triton.write_repository(eng, tmp_path / "r2", plugin=other, check_plugin_hash=False,
                                   copy_plugin=False)

@@ -24,7 +24,7 @@ the CPU), median reported with p10/p90. The ``kernel`` rows use the project's on
 method instead (:mod:`qkrope.apps.kernel_bench`, also behind ``scripts/bench_kernel.py``: raw
 C-ABI launches captured in a CUDA graph, rotating over buffers larger than 2 x L2). All
 backends run the one exported block (eager PyTorch is ``build_attention`` of its sidecar) on
-``ModelInfo.make_inputs`` inputs. On the CPU, torch and ONNX Runtime use one thread unless
+``qkrope.runtime.inputs.make_inputs`` inputs. On the CPU, torch and ONNX Runtime use one thread unless
 ``--threads`` says otherwise (the table says which). Every row carries the machine it ran on.
 
 On a CPU-only machine the defaults are small (2 heads x 64, 256 px, 64 text tokens, fp32) so the
@@ -176,16 +176,18 @@ def _input_roles(info) -> dict[str, str]:
 
 
 def _make_feeds(cfg: Config, info, size: int, batch: int):
-    """Inputs for every graph input by name (numpy; :meth:`ModelInfo.make_inputs`: the model's
+    """Inputs for every graph input by name (numpy; :func:`qkrope.runtime.inputs.make_inputs`: the model's
     dtypes, Qwen-Image caches for this image, a text mask)."""
     side = size // PIXELS_PER_TOKEN
-    return info.make_inputs([(1, side, side)], cfg.text_len, batch, seed=cfg.seed + size + batch)
+    from qkrope.runtime.inputs import make_inputs
+
+    return make_inputs(info, [(1, side, side)], cfg.text_len, batch, seed=cfg.seed + size + batch)
 
 
 def _make_inputs(cfg: Config, info, size: int, batch: int):
     """``(hidden_states, encoder_hidden_states, (img_cache, txt_cache), mask)`` as torch tensors
     on the device, from :func:`_make_feeds`."""
-    from qkrope.runtime.model_info import to_torch
+    from qkrope.runtime.inputs import to_torch
 
     feeds = _make_feeds(cfg, info, size, batch)
     roles = _input_roles(info)
@@ -340,59 +342,6 @@ def _have_tensorrt() -> bool:
     return True
 
 
-def build_function_body_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, *,
-                               max_batch: int | None = None, max_img_tokens: int | None = None,
-                               max_txt_tokens: int | None = None) -> dict:
-    """Build an engine from the same ONNX file *without* the plugin: the parser then inlines the
-    model-local ``qkrope::QKNormRoPE`` function body (standard layers). This must run in a
-    process where the plugin library has not been loaded (TensorRT 10.7-10.14 prefer any
-    registered plugin), and no ENABLE_PLUGIN_OVERRIDE parser flag is set. Returns the sidecar
-    (also written next to the engine; its ``plugin`` is null)."""
-    from qkrope import contract
-    from qkrope.runtime import engine as E
-    from qkrope.runtime import trt_utils as tu
-
-    trt = E.import_tensorrt("qkrope bench (TensorRT on the function body)")
-    if trt.get_plugin_registry().get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
-                                             contract.PLUGIN_NAMESPACE) is not None:
-        raise RuntimeError("the QKNormRoPE plugin is already registered in this process, so the "
-                           "parser would use it; build the function-body engine first or in a "
-                           "fresh process")
-    model = tu.load_model_description(onnx_path)
-    profile = E.plan_profile(model, E.BuildOptions(max_batch=max_batch,
-                                                   max_img_tokens=max_img_tokens,
-                                                   max_txt_tokens=max_txt_tokens))
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    flags = E.network_creation_flags(trt)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
-    ours, _ = E.find_plugin_layers(network, trt)
-    if ours:
-        raise RuntimeError(f"the no-plugin network still has {len(ours)} QKNormRoPE plugin "
-                           "layer(s); it would not measure the function body")
-    config = builder.create_builder_config()
-    trt_profile = builder.create_optimization_profile()
-    for name, levels in profile.items():
-        trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
-    config.add_optimization_profile(trt_profile)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise RuntimeError("TensorRT failed to build the function-body engine (see its log)")
-    tu.write_atomic(engine_path, serialized)
-    inputs, outputs = E.network_io(network)
-    sidecar = E.engine_sidecar(
-        trt_version=trt.__version__, onnx_path=str(Path(onnx_path).resolve()), model=model,
-        profile=profile, inputs=inputs, outputs=outputs, plugin_path=None, plugin_sha256=None,
-        version_compatible=False, builder_optimization_level=None, strongly_typed=bool(flags),
-        plugin_layers=0, parser_flags=[], gpu=tu.gpu_info())
-    tu.write_json_atomic(tu.engine_sidecar_path(engine_path), sidecar)
-    return sidecar
-
-
 def _build_engines(cfg: Config, onnx_path: Path, workdir: Path, log: Callable[[str], None]
                    ) -> dict[str, tuple[str | None, str]]:
     """From the exported block, build the no-plugin engine (first: nothing registered yet)
@@ -406,7 +355,8 @@ def _build_engines(cfg: Config, onnx_path: Path, workdir: Path, log: Callable[[s
     eng_np = workdir / "attention.noplugin.engine"
     log(f"building {eng_np} (TensorRT, function body, no plugin)")
     try:
-        build_function_body_engine(onnx_path, eng_np, **limits)
+        E.build_engine(onnx_path, eng_np, E.BuildOptions(use_plugin=False, progress=False,
+                                                         **limits))
         out["trt-function-body"] = (str(eng_np), "")
     except Exception as exc:  # noqa: BLE001
         out["trt-function-body"] = (None, f"engine build failed: {type(exc).__name__}: {exc}"[:300])

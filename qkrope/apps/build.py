@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qkrope.runtime import engine, profiles, trt_utils
+from qkrope.runtime import engine, profiles
+from qkrope.sidecars import engine_sidecar_path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
         version_compatible=args.version_compatible,
         builder_optimization_level=args.builder_optimization_level,
         workspace_mib=args.workspace, progress=not args.no_progress, verbose=args.verbose)
-    sidecar = engine.build_engine(onnx_path, engine_path, opts)
-    gpu = sidecar.get("gpu") or {}
-    print(f"wrote {engine_path} (TensorRT {sidecar['tensorrt_version']}, "
+    info = engine.build_engine(onnx_path, engine_path, opts)
+    gpu = info.gpu or {}
+    print(f"wrote {engine_path} (TensorRT {info.tensorrt_version}, "
           f"{gpu.get('name', 'GPU ?')} sm_{gpu.get('compute_capability', '?')}, "
-          f"{sidecar['plugin_layers']} plugin layers"
-          f"{', version-compatible' if sidecar['version_compatible'] else ''}) and "
-          f"{trt_utils.engine_sidecar_path(engine_path)}")
+          f"{info.plugin_layers} plugin layers"
+          f"{', version-compatible' if info.version_compatible else ''}) and "
+          f"{engine_sidecar_path(engine_path)}")
     return 0

@@ -2,7 +2,7 @@
 
 Steps:
 
-1. Read the sidecar (:class:`qkrope.runtime.model_info.ModelInfo`) and generate deterministic
+1. Read the sidecar (:class:`qkrope.sidecars.ModelInfo`) and generate deterministic
    inputs for the requested sizes (default: sizes *other* than the export sample, with edit
    images, batch 2 and a text mask), including the correct caches from
    ``build_qwen_rope_caches``.
@@ -51,7 +51,8 @@ import numpy as np
 from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
-from qkrope.runtime.model_info import ModelInfo, from_ort_value, to_ort_value, to_torch
+from qkrope.runtime.inputs import from_ort_value, make_inputs, to_ort_value, to_torch
+from qkrope.sidecars import ModelInfo
 
 from .measure import CheckRow, format_check_table
 
@@ -343,7 +344,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     img_shapes = img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"]
     txt_len = txt_len or DEFAULT_CHECK_SAMPLE["txt_len"]
     batch = batch or DEFAULT_CHECK_SAMPLE["batch"]
-    feeds = info.make_inputs(img_shapes, txt_len, batch, seed=seed)
+    feeds = make_inputs(info, img_shapes, txt_len, batch, seed=seed)
     reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir)
     tol = tolerances(info.dtype, reference, model=info.model)
     results = Comparator.run(runners, data_loader=[feeds])

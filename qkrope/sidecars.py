@@ -1,0 +1,508 @@
+"""The typed descriptions of models and engines: the two sidecar files, one writer and one reader
+each, a format version, and a check on load.
+
+``M.onnx.json`` (:class:`ModelInfo`), written by ``qkrope export`` next to every model and read by
+``qkrope build``, ``qkrope check``, the runner and the benchmark::
+
+    {
+      "format": "qkrope-onnx", "format_version": 1,
+      "model": "attention" | "transformer",
+      "opset": 18, "ir_version": 10,
+      "dtype": "fp32" | "fp16" | "bf16",                 # weights and activations
+      "inputs":  [{"name": str, "dtype": "float32"|"float16"|"bfloat16"|"bool"|...,
+                   "shape": [int | axis-name str, ...]}, ...],   # graph order
+      "outputs": [same],
+      "dynamic_axes": {"batch": {"export_value": 2}, "img_tokens": {...}, "txt_tokens": {...},
+                       "img_cache_rows": {...}, "txt_cache_rows": {...}},
+      "node_attributes": {"epsilon": 1e-06, "interleaved": 1, "rounding": 0,
+                          "plugin_version": "1", "plugin_namespace": "qkrope"},
+      "config": {"dim", "heads", "head_dim", "eps", "interleaved", "rounding", "rotary_dim",
+                 "axes_dims_rope", "seed", "weights" (path or null), "weights_sha256",
+                 ... transformers add "diffusers_dir", "diffusers_config" (the model's config
+                 dict) and "num_layers_exported"},
+      "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
+      "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?}
+    }
+
+``M.engine.json`` (:class:`EngineInfo`), written by ``qkrope build`` next to the engine and read
+by the TensorRT runner and ``qkrope triton-repo``::
+
+    {
+      "format": "qkrope-engine", "format_version": 1,
+      "tensorrt_version": str, "gpu": {"name", "compute_capability", "index"} | null,
+      "onnx": absolute path of the source model,
+      "inputs":  [{"name", "dtype", "shape": [int, -1 = dynamic], "axes"?: [axis name | null]}],
+      "outputs": [same],
+      "profiles": [{input name: {"min": [...], "opt": [...], "max": [...]}}],
+      "plugin": {"path", "sha256", "serialized_in_engine"} | null (no plugin: function body),
+      "plugin_layers": int, "version_compatible": bool, "strongly_typed": bool,
+      "builder_optimization_level": int | null, "parser_flags": [str],
+      "config", "dynamic_axes", "sample": copied from the model's sidecar,
+      "build_seconds": float | null, "created": "YYYY-mm-ddTHH:MM:SSZ"
+    }
+
+Dtype names are numpy's (``"bfloat16"`` is ml_dtypes' name, :mod:`qkrope.dtypes`). A file of
+another format or version, a missing or mistyped field, is a :class:`SidecarError` naming the file
+and what is wrong (never a KeyError).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from qkrope import dtypes
+from qkrope._fileio import write_json_atomic
+from qkrope.errors import QkropeError
+
+FORMAT_VERSION = 1
+ONNX_FORMAT = "qkrope-onnx"
+ENGINE_FORMAT = "qkrope-engine"
+MODELS = ("attention", "transformer")
+DTYPES = dtypes.NAME_BY_SHORT  # --dtype -> numpy name (the one table, qkrope/dtypes.py)
+AXES = ("batch", "img_tokens", "txt_tokens", "img_cache_rows", "txt_cache_rows")
+LEVELS = ("min", "opt", "max")
+
+
+class SidecarError(QkropeError, ValueError):
+    """A sidecar is missing, unreadable, or not in its schema; the message names the file."""
+
+
+class ModelInfoError(SidecarError):
+    """The ONNX sidecar ``M.onnx.json`` is missing, unreadable or not in this schema."""
+
+
+class EngineInfoError(SidecarError):
+    """The engine sidecar ``M.engine.json`` is missing, unreadable or not in this schema."""
+
+
+def sidecar_path(onnx_path: str | os.PathLike) -> Path:
+    """``model.onnx`` -> ``model.onnx.json``."""
+    return Path(str(onnx_path) + ".json")
+
+
+def engine_sidecar_path(engine_path: str | os.PathLike) -> Path:
+    """``model.engine`` -> ``model.engine.json``."""
+    return Path(str(engine_path) + ".json")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading helpers: every field read through these, so a bad file is one clear error
+# --------------------------------------------------------------------------------------------
+
+class _Fields:
+    """Typed access to one JSON object of a sidecar; failures name the file and the field."""
+
+    def __init__(self, data: Any, where: str, error: type[SidecarError], fix: str):
+        self.where, self.error, self.fix = where, error, fix
+        if not isinstance(data, Mapping):
+            self.fail(f"holds a {type(data).__name__}, expected a JSON object")
+        self.data = data
+
+    def fail(self, what: str):
+        raise self.error(f"{self.where} {what}. Fix: {self.fix}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], *, optional: bool = False,
+            default: Any = None) -> Any:
+        if key not in self.data:
+            if optional:
+                return default
+            self.fail(f"has no {key!r} field")
+        value = self.data[key]
+        if value is None and optional:
+            return default
+        if isinstance(value, bool) and kind in (int, float, (int, float)):
+            self.fail(f"field {key!r} must be a number, got {value!r}")
+        if not isinstance(value, kind):
+            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            self.fail(f"field {key!r} must be {names}, got {type(value).__name__} {value!r}")
+        return value
+
+    def obj(self, key: str, *, optional: bool = False) -> dict:
+        return dict(self.get(key, dict, optional=optional, default={}))
+
+    def sub(self, data: Any, where: str) -> "_Fields":
+        return _Fields(data, f"{self.where}: {where}", self.error, self.fix)
+
+
+def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) -> Any:
+    if not path.is_file():
+        raise error(missing)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"cannot read the sidecar {path}: {exc}. Fix: {fix}") from None
+
+
+def _check_format(f: _Fields, fmt: str) -> None:
+    got = f.data.get("format")
+    if got != fmt:
+        f.fail(f"is not a qkrope sidecar of format {fmt!r} (got format={got!r})")
+    version = f.data.get("format_version")
+    if version != FORMAT_VERSION:
+        f.fail(f"has format_version {version!r}; this qkrope reads version {FORMAT_VERSION}")
+
+
+def _dims(f: _Fields, value: Any, key: str, allowed: tuple[type, ...]) -> list:
+    if not isinstance(value, list) or any(isinstance(d, bool) or not isinstance(d, allowed)
+                                          for d in value):
+        f.fail(f"field {key!r} must be a list of {'/'.join(t.__name__ for t in allowed)}, got "
+               f"{value!r}")
+    return list(value)
+
+
+# --------------------------------------------------------------------------------------------
+# The ONNX sidecar
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorInfo:
+    """One model input or output: dims are ints or axis names (a dynamic axis)."""
+
+    name: str
+    dtype: str
+    shape: list  # int or axis name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def _read(cls, f: _Fields) -> "TensorInfo":
+        return cls(f.get("name", str), f.get("dtype", str),
+                   _dims(f, f.get("shape", list), "shape", (int, str)))
+
+
+_ONNX_FIX = "re-export with `qkrope export`"
+
+
+@dataclass
+class ModelInfo:
+    """One exported model's description (the module docstring has the JSON schema).
+    ``source`` says where it was read from (not written)."""
+
+    model: str
+    opset: int
+    ir_version: int
+    dtype: str
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    dynamic_axes: dict[str, dict[str, int]]
+    node_attributes: dict[str, Any]
+    config: dict[str, Any]
+    sample: dict[str, Any]
+    versions: dict[str, str] = field(default_factory=dict)
+    source: str = field(default="", compare=False, repr=False)
+
+    # ---------------------------------------------------------------- the one writer / reader
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": ONNX_FORMAT, "format_version": FORMAT_VERSION, "model": self.model,
+                "opset": self.opset, "ir_version": self.ir_version, "dtype": self.dtype,
+                "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs],
+                "dynamic_axes": {k: dict(v) for k, v in self.dynamic_axes.items()},
+                "node_attributes": dict(self.node_attributes), "config": dict(self.config),
+                "sample": dict(self.sample), "versions": dict(self.versions)}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "<dict>") -> "ModelInfo":
+        f = _Fields(d, source, ModelInfoError, _ONNX_FIX)
+        _check_format(f, ONNX_FORMAT)
+        axes = {}
+        for name, v in f.obj("dynamic_axes").items():
+            axes[str(name)] = {"export_value": f.sub(v, f"dynamic_axes[{name!r}]").get(
+                "export_value", int)}
+        info = cls(
+            model=f.get("model", str), opset=f.get("opset", int),
+            ir_version=f.get("ir_version", int), dtype=f.get("dtype", str),
+            inputs=[TensorInfo._read(f.sub(t, f"inputs[{i}]"))
+                    for i, t in enumerate(f.get("inputs", list))],
+            outputs=[TensorInfo._read(f.sub(t, f"outputs[{i}]"))
+                     for i, t in enumerate(f.get("outputs", list))],
+            dynamic_axes=axes, node_attributes=f.obj("node_attributes"), config=f.obj("config"),
+            sample=f.obj("sample"), versions=f.obj("versions", optional=True), source=source)
+        if info.model not in MODELS or info.dtype not in DTYPES:
+            f.fail(f"names an unknown model {info.model!r} or dtype {info.dtype!r} (expected one "
+                   f"of {MODELS} and {tuple(DTYPES)})")
+        return info
+
+    @classmethod
+    def load(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
+        """Read ``<onnx_path>.json``; a clear error when it is missing or invalid."""
+        path = sidecar_path(onnx_path)
+        data = _read_json(path, ModelInfoError,
+                          f"no sidecar {path} next to {onnx_path}: qkrope reads model sizes, axes "
+                          f"and the source weights from it. Fix: export the model with `qkrope "
+                          f"export --out {onnx_path}`.", _ONNX_FIX)
+        return cls.from_dict(data, source=str(path))
+
+    def save(self, onnx_path: str | os.PathLike) -> Path:
+        """Write ``<onnx_path>.json`` atomically (temp file + os.replace)."""
+        path = sidecar_path(onnx_path)
+        write_json_atomic(path, self.to_dict())
+        return path
+
+    @classmethod
+    def describe(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
+        """The model's description: its sidecar when there is one (axis names, config, export
+        sample), else what the ONNX graph says (:meth:`from_onnx_graph`)."""
+        if sidecar_path(onnx_path).exists():
+            return cls.load(onnx_path)
+        return cls.from_onnx_graph(onnx_path)
+
+    @classmethod
+    def from_onnx_graph(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
+        """Inputs/outputs of an ONNX file without a sidecar (dims: int, the ``dim_param`` name,
+        or ``<input>.<i>`` for an unnamed dynamic dimension); ``model`` and ``dtype`` are empty,
+        config/axes/sample unknown. Weights are not loaded."""
+        import onnx
+
+        model = onnx.load(str(onnx_path), load_external_data=False)
+
+        def io(values) -> list[TensorInfo]:
+            out = []
+            for vi in values:
+                t = vi.type.tensor_type
+                shape: list = []
+                for i, d in enumerate(t.shape.dim):
+                    if d.HasField("dim_value"):
+                        shape.append(int(d.dim_value))
+                    else:
+                        shape.append(d.dim_param or f"{vi.name}.{i}")
+                out.append(TensorInfo(vi.name, dtypes.canonical(int(t.elem_type)), shape))
+            return out
+
+        init_names = {i.name for i in model.graph.initializer}
+        return cls(model="", opset=0, ir_version=int(model.ir_version), dtype="",
+                   inputs=io(v for v in model.graph.input if v.name not in init_names),
+                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes={},
+                   config={}, sample={}, source=str(onnx_path))
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def tensor(self, name: str) -> TensorInfo:
+        for t in self.inputs + self.outputs:
+            if t.name == name:
+                return t
+        raise ModelInfoError(f"{name!r} is not an input or output of this model; it has inputs "
+                             f"{self.input_names} and outputs {self.output_names}")
+
+    def export_values(self) -> dict[str, int]:
+        """Axis name -> the value it had at export (``dynamic_axes``, else the ``sample``)."""
+        values = {axis: int(v["export_value"]) for axis, v in self.dynamic_axes.items()}
+        sample = self.sample
+        if "batch" not in values and sample.get("batch") is not None:
+            values["batch"] = int(sample["batch"])
+        if "img_tokens" not in values and sample.get("img_shapes"):
+            values["img_tokens"] = sum(int(f) * int(h) * int(w)
+                                       for f, h, w in sample["img_shapes"])
+        if "txt_tokens" not in values and sample.get("txt_len") is not None:
+            values["txt_tokens"] = int(sample["txt_len"])
+        return values
+
+    def input_shape(self, name: str, *, batch: int, img_tokens: int, txt_tokens: int,
+                    img_cache_rows: int | None = None,
+                    txt_cache_rows: int | None = None) -> tuple[int, ...]:
+        """The concrete shape of input (or output) ``name`` for these sizes; cache rows default
+        to the token counts."""
+        values = {"batch": batch, "img_tokens": img_tokens, "txt_tokens": txt_tokens,
+                  "img_cache_rows": img_tokens if img_cache_rows is None else img_cache_rows,
+                  "txt_cache_rows": txt_tokens if txt_cache_rows is None else txt_cache_rows}
+        out = []
+        for d in self.tensor(name).shape:
+            if isinstance(d, str):
+                if d not in values:
+                    raise ModelInfoError(f"{name}: unknown axis name {d!r}")
+                out.append(int(values[d]))
+            else:
+                out.append(int(d))
+        return tuple(out)
+
+    def axes_dims_rope(self) -> tuple[int, int, int]:
+        return tuple(int(v) for v in self.config["axes_dims_rope"])  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# The engine sidecar
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineTensor:
+    """One engine input or output as TensorRT's network reports it (-1 = dynamic), with the
+    exporter's axis names where the model's sidecar had them."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    axes: list[str | None] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.axes is not None:
+            d["axes"] = list(self.axes)
+        return d
+
+    @classmethod
+    def _read(cls, f: _Fields) -> "EngineTensor":
+        axes = f.get("axes", list, optional=True)
+        if axes is not None and any(a is not None and not isinstance(a, str) for a in axes):
+            f.fail(f"field 'axes' must list axis names or null, got {axes!r}")
+        return cls(f.get("name", str), f.get("dtype", str),
+                   _dims(f, f.get("shape", list), "shape", (int,)), axes)
+
+
+@dataclass
+class PluginRecord:
+    """The plugin library an engine was built with."""
+
+    path: str
+    sha256: str | None = None
+    serialized_in_engine: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "sha256": self.sha256,
+                "serialized_in_engine": self.serialized_in_engine}
+
+
+_ENGINE_FIX = "rebuild the engine with `qkrope build` (it writes the sidecar next to the engine)"
+
+
+@dataclass
+class EngineInfo:
+    """One built engine's description (the module docstring has the JSON schema)."""
+
+    tensorrt_version: str
+    onnx: str
+    inputs: list[EngineTensor]
+    outputs: list[EngineTensor]
+    profiles: list[dict[str, dict[str, list[int]]]]
+    plugin: PluginRecord | None
+    plugin_layers: int
+    version_compatible: bool
+    strongly_typed: bool
+    builder_optimization_level: int | None = None
+    parser_flags: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    dynamic_axes: dict[str, Any] = field(default_factory=dict)
+    sample: dict[str, Any] = field(default_factory=dict)
+    gpu: dict[str, Any] | None = None
+    build_seconds: float | None = None
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                               time.gmtime()))
+    source: str = field(default="", compare=False, repr=False)
+
+    def tensor(self, name: str) -> EngineTensor:
+        for t in self.inputs + self.outputs:
+            if t.name == name:
+                return t
+        raise EngineInfoError(f"{name!r} is not an input or output of this engine")
+
+    def profile_ranges(self) -> dict[str, list[tuple[list[int], list[int]]]]:
+        """input name -> [(min, max) per optimisation profile]."""
+        out: dict[str, list[tuple[list[int], list[int]]]] = {}
+        for prof in self.profiles:
+            for name, levels in prof.items():
+                out.setdefault(name, []).append((list(levels["min"]), list(levels["max"])))
+        return out
+
+    # ---------------------------------------------------------------- the one writer / reader
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": ENGINE_FORMAT, "format_version": FORMAT_VERSION,
+            "tensorrt_version": self.tensorrt_version, "gpu": self.gpu, "onnx": self.onnx,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "profiles": [{n: {lv: list(v[lv]) for lv in LEVELS} for n, v in p.items()}
+                         for p in self.profiles],
+            "plugin": self.plugin.to_dict() if self.plugin is not None else None,
+            "plugin_layers": self.plugin_layers, "version_compatible": self.version_compatible,
+            "strongly_typed": self.strongly_typed,
+            "builder_optimization_level": self.builder_optimization_level,
+            "parser_flags": list(self.parser_flags), "config": dict(self.config),
+            "dynamic_axes": dict(self.dynamic_axes), "sample": dict(self.sample),
+            "build_seconds": self.build_seconds, "created": self.created,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "<dict>") -> "EngineInfo":
+        f = _Fields(d, source, EngineInfoError, _ENGINE_FIX)
+        _check_format(f, ENGINE_FORMAT)
+        tensors = {}
+        for key in ("inputs", "outputs"):
+            tensors[key] = [EngineTensor._read(f.sub(t, f"{key}[{i}]"))
+                            for i, t in enumerate(f.get(key, list))]
+            if not tensors[key]:
+                f.fail(f"lists no {key}")
+        profiles = []
+        for i, p in enumerate(f.get("profiles", list)):
+            pf = f.sub(p, f"profiles[{i}]")
+            prof = {}
+            for name, levels in pf.data.items():
+                lf = pf.sub(levels, f"input {name!r}")
+                prof[str(name)] = {lv: _dims(lf, lf.get(lv, list), lv, (int,)) for lv in LEVELS}
+            profiles.append(prof)
+        plugin = None
+        raw = f.get("plugin", dict, optional=True)
+        if raw is not None:
+            pf = f.sub(raw, "plugin")
+            plugin = PluginRecord(pf.get("path", str), pf.get("sha256", str, optional=True),
+                                  bool(pf.get("serialized_in_engine", bool, optional=True,
+                                              default=False)))
+        gpu = f.get("gpu", dict, optional=True)
+        return cls(
+            tensorrt_version=f.get("tensorrt_version", str), onnx=f.get("onnx", str),
+            inputs=tensors["inputs"], outputs=tensors["outputs"], profiles=profiles,
+            plugin=plugin, plugin_layers=f.get("plugin_layers", int),
+            version_compatible=f.get("version_compatible", bool),
+            strongly_typed=f.get("strongly_typed", bool),
+            builder_optimization_level=f.get("builder_optimization_level", int, optional=True),
+            parser_flags=[str(x) for x in f.get("parser_flags", list)],
+            config=f.obj("config"), dynamic_axes=f.obj("dynamic_axes"), sample=f.obj("sample"),
+            gpu=dict(gpu) if gpu is not None else None,
+            build_seconds=f.get("build_seconds", (int, float), optional=True),
+            created=f.get("created", str, optional=True, default=""), source=source)
+
+    @classmethod
+    def load(cls, engine_path: str | os.PathLike) -> "EngineInfo":
+        """Read ``<engine>.json``; a clear error when it is missing or invalid."""
+        path = engine_sidecar_path(engine_path)
+        data = _read_json(
+            path, EngineInfoError,
+            f"the engine's sidecar {path} is missing: it holds the I/O names, dtypes, dynamic "
+            f"dims, profile and plugin library of {engine_path}. Fix: rebuild the engine with "
+            f"`qkrope build` (which writes it next to the engine), or copy it alongside if you "
+            f"moved the engine", _ENGINE_FIX)
+        return cls.from_dict(data, source=str(path))
+
+    def save(self, engine_path: str | os.PathLike) -> Path:
+        """Write ``<engine>.json`` atomically."""
+        path = engine_sidecar_path(engine_path)
+        write_json_atomic(path, self.to_dict())
+        return path
+
+
+def engine_tensors(items: Sequence[EngineTensor], model: ModelInfo) -> list[EngineTensor]:
+    """``items`` with the model's axis names attached (dynamic dims named by the exporter)."""
+    named = {t.name: t.shape for t in model.inputs + model.outputs}
+    out = []
+    for t in items:
+        shape = named.get(t.name)
+        axes = [d if isinstance(d, str) else None for d in shape] if shape is not None else None
+        out.append(EngineTensor(t.name, t.dtype, list(t.shape), axes))
+    return out
+
+
+__all__ = ["FORMAT_VERSION", "ONNX_FORMAT", "ENGINE_FORMAT", "SidecarError", "ModelInfoError",
+           "EngineInfoError", "TensorInfo", "ModelInfo", "EngineTensor", "PluginRecord",
+           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path"]

@@ -1,0 +1,107 @@
+"""Sample inputs for a described model, and exact array conversions between numpy, torch and
+ONNX Runtime.
+
+**bfloat16 arrays**: numpy has no bfloat16, so :func:`make_inputs` returns ``ml_dtypes.bfloat16``
+arrays (ml_dtypes is a dependency of onnx, so it is always installed; ``onnx.numpy_helper`` uses
+the same type). Use :func:`to_torch` for a torch tensor (exact) and :func:`to_ort_value` for ONNX
+Runtime, whose ``InferenceSession.run`` rejects ml_dtypes arrays but accepts an ``OrtValue`` built
+from the raw 16-bit pattern. polygraphy 0.53's ONNX Runtime runner rejects bfloat16 inputs of
+every kind, which is why ``qkrope check`` runs bf16 models through its own thin OrtValue runner.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from qkrope import dtypes
+from qkrope.errors import InputError
+from qkrope.sidecars import ModelInfo
+
+from .caches import build_qwen_rope_caches
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A numpy dtype from its name, ``"bfloat16"`` included (ml_dtypes)."""
+    return dtypes.numpy_dtype(name)
+
+
+def to_torch(array: np.ndarray):
+    """numpy (ml_dtypes bfloat16 included) -> torch tensor, exactly."""
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def from_torch(tensor) -> np.ndarray:
+    """torch tensor -> numpy on the CPU; bfloat16 becomes an ml_dtypes bfloat16 array, exactly."""
+    import torch
+
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return t.numpy()
+
+
+def to_ort_value(array: np.ndarray):
+    """An ``onnxruntime.OrtValue`` for any input array, bfloat16 (ml_dtypes) included."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    if array.dtype.name == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(array).view(np.uint16), TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+
+
+def from_ort_value(value) -> np.ndarray:
+    """An ``onnxruntime.OrtValue`` (CPU) -> numpy; bfloat16 -> ml_dtypes bfloat16 (ORT's own
+    ``OrtValue.numpy()`` raises for bfloat16, so the bytes are copied from its buffer)."""
+    if value.data_type() != "tensor(bfloat16)":
+        return np.asarray(value.numpy())
+    import ctypes
+
+    if value.device_name().lower() != "cpu":
+        raise InputError("from_ort_value reads bfloat16 OrtValues from CPU memory only")
+    shape = tuple(value.shape())
+    count = int(np.prod(shape)) if shape else 1
+    buf = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(buf).copy().reshape(shape).view(numpy_dtype("bfloat16"))
+
+
+def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = None,
+                txt_len: int | None = None, batch: int | None = None,
+                seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic inputs for every graph input of ``info`` (in graph order) for these sizes
+    (default: the export sample): activations ~ N(0, 1) in the model dtype, a text mask with the
+    last quarter of the second batch item's tokens masked (all ones for batch 1), timesteps in
+    (0, 1), and the correct Qwen-Image caches from build_qwen_rope_caches."""
+    img_shapes = [tuple(int(v) for v in s) for s in (img_shapes or info.sample["img_shapes"])]
+    txt_len = int(txt_len or info.sample["txt_len"])
+    batch = int(batch or info.sample["batch"])
+    img_tokens = sum(f * h * w for f, h, w in img_shapes)
+    caches = build_qwen_rope_caches(img_shapes, txt_len, axes_dim=info.axes_dims_rope())
+    rng = np.random.default_rng(seed)
+    sizes = dict(batch=batch, img_tokens=img_tokens, txt_tokens=txt_len)
+    feeds: dict[str, np.ndarray] = {}
+    for t in info.inputs:
+        dtype = numpy_dtype(t.dtype)
+        if t.name == "img_cos_sin_cache":
+            feeds[t.name] = caches.img.numpy().copy()
+        elif t.name == "txt_cos_sin_cache":
+            feeds[t.name] = caches.txt.numpy().copy()
+        elif t.name == "encoder_hidden_states_mask":
+            mask = np.ones(info.input_shape(t.name, **sizes), dtype=bool)
+            if batch > 1 and txt_len > 1:
+                mask[1, txt_len - max(1, txt_len // 4):] = False
+            feeds[t.name] = mask.astype(dtype)
+        elif t.name == "timestep":
+            feeds[t.name] = rng.uniform(0.05, 0.95, info.input_shape(t.name, **sizes)).astype(
+                np.float32).astype(dtype)
+        else:
+            feeds[t.name] = rng.standard_normal(info.input_shape(t.name, **sizes)).astype(
+                np.float32).astype(dtype)
+    return feeds

@@ -1,0 +1,99 @@
+"""qkrope/sidecars.py: the two typed sidecars, one writer and one reader each, and the check on
+load (a wrong version or shape of the file is a SidecarError naming the file, never a KeyError)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qkrope.errors import QkropeError
+from qkrope.sidecars import (EngineInfo, EngineInfoError, EngineTensor, ModelInfo, ModelInfoError,
+                             PluginRecord, TensorInfo, engine_sidecar_path, sidecar_path)
+
+
+def _model() -> ModelInfo:
+    return ModelInfo(model="attention", opset=18, ir_version=10, dtype="fp32",
+                     inputs=[TensorInfo("hidden_states", "float32", ["batch", "img_tokens", 8])],
+                     outputs=[TensorInfo("img_out", "float32", ["batch", "img_tokens", 8])],
+                     dynamic_axes={"batch": {"export_value": 2}, "img_tokens": {"export_value": 4}},
+                     node_attributes={}, config={"head_dim": 4}, sample={"batch": 2})
+
+
+def _engine() -> EngineInfo:
+    return EngineInfo(tensorrt_version="10.14.1", onnx="/m.onnx",
+                      inputs=[EngineTensor("x", "float32", [-1, 8], ["batch", None])],
+                      outputs=[EngineTensor("y", "float32", [-1, 8])],
+                      profiles=[{"x": {"min": [1, 8], "opt": [2, 8], "max": [4, 8]}}],
+                      plugin=PluginRecord("/lib.so", "ab"), plugin_layers=2,
+                      version_compatible=False, strongly_typed=True)
+
+
+def test_round_trips(tmp_path):
+    m = _model()
+    assert m.save(tmp_path / "m.onnx") == sidecar_path(tmp_path / "m.onnx")
+    back = ModelInfo.load(tmp_path / "m.onnx")
+    assert back == m and back.source == str(sidecar_path(tmp_path / "m.onnx"))
+    assert back.to_dict()["format_version"] == 1 and "source" not in back.to_dict()
+    assert back.export_values() == {"batch": 2, "img_tokens": 4}
+    e = _engine()
+    e.save(tmp_path / "m.engine")
+    got = EngineInfo.load(tmp_path / "m.engine")
+    assert got == e and got.plugin == PluginRecord("/lib.so", "ab", False)
+    assert got.profile_ranges() == {"x": [([1, 8], [4, 8])]}
+    assert "axes" not in got.to_dict()["outputs"][0]
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d.update(format_version=2), "format_version 2; this qkrope reads version 1"),
+    (lambda d: d.pop("format_version"), "format_version None"),
+    (lambda d: d.update(format="qkrope-onnx/1"), "not a qkrope sidecar of format"),
+    (lambda d: d.pop("opset"), "has no 'opset' field"),
+    (lambda d: d.update(opset="18"), "field 'opset' must be int"),
+    (lambda d: d["inputs"][0].update(shape="batch"), r"inputs\[0\] field 'shape' must be list"),
+    (lambda d: d["dynamic_axes"].update(batch=2), r"dynamic_axes\['batch'\] holds a int"),
+    (lambda d: d.update(model="unet"), "unknown model 'unet'"),
+])
+def test_model_sidecar_errors_name_the_file(tmp_path, change, match):
+    _model().save(tmp_path / "m.onnx")
+    path = sidecar_path(tmp_path / "m.onnx")
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ModelInfoError, match=match) as exc:
+        ModelInfo.load(tmp_path / "m.onnx")
+    assert str(path) in str(exc.value) and "qkrope export" in str(exc.value)
+    assert isinstance(exc.value, QkropeError)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d.update(format_version=0), "format_version 0"),
+    (lambda d: d.pop("inputs"), "has no 'inputs' field"),
+    (lambda d: d.update(inputs=[]), "lists no inputs"),
+    (lambda d: d["plugin"].pop("path"), "plugin has no 'path' field"),
+    (lambda d: d["profiles"][0]["x"].pop("max"), "has no 'max' field"),
+    (lambda d: d["outputs"][0].update(shape=[-1, "8"]), "must be a list of int"),
+    (lambda d: d.update(version_compatible="no"), "'version_compatible' must be bool"),
+])
+def test_engine_sidecar_errors_name_the_file(tmp_path, change, match):
+    _engine().save(tmp_path / "m.engine")
+    path = engine_sidecar_path(tmp_path / "m.engine")
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(EngineInfoError, match=match) as exc:
+        EngineInfo.load(tmp_path / "m.engine")
+    assert str(path) in str(exc.value) and "qkrope build" in str(exc.value)
+
+
+def test_unreadable_and_missing_files(tmp_path):
+    with pytest.raises(EngineInfoError, match="sidecar .* is missing"):
+        EngineInfo.load(tmp_path / "nothing.engine")
+    engine_sidecar_path(tmp_path / "a.engine").write_text("{not json")
+    with pytest.raises(EngineInfoError, match="cannot read the sidecar"):
+        EngineInfo.load(tmp_path / "a.engine")
+    engine_sidecar_path(tmp_path / "b.engine").write_text("[1, 2]")
+    with pytest.raises(EngineInfoError, match="holds a list, expected a JSON object"):
+        EngineInfo.load(tmp_path / "b.engine")
+    with pytest.raises(ModelInfoError, match="no sidecar"):
+        ModelInfo.load(tmp_path / "nothing.onnx")
