@@ -47,8 +47,9 @@ from qkrope import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from qkrope import contract
-from .onnx_function import (DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, FunctionVariant,
-                            make_function_proto, qk_norm_rope_translation)
+
+from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
+                            FunctionVariant, make_function_proto, qk_norm_rope_translation)
 
 IR_VERSION = 10
 EXTERNAL_DATA_THRESHOLD = 1536 * 1024 * 1024  # bytes of initializers; protobuf's limit is 2 GiB
@@ -164,6 +165,7 @@ def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
     opset = int(model.opset_imports.get("", opset))  # the body imports the model's own opset
     function = ir.serde.deserialize_function(make_function_proto(variant, opset=opset))
     model.functions[function.identifier()] = function
+    model.metadata_props[FUNCTION_BODY_KEY] = variant.tag  # what function_variant() reads
     model.opset_imports[contract.DOMAIN] = contract.DOMAIN_VERSION
     model.ir_version = IR_VERSION
     values = list(model.graph.inputs) + [o for n in model.graph.all_nodes() for o in n.outputs]

@@ -30,7 +30,8 @@ function is poorly supported by TensorRT's parser). ONNX allows one function per
 without overloads, and TensorRT's parser looks functions up by name only, so the exporter emits
 one body per model, specialised for the (interleaved, rounding, partial-rotary) combination all of
 the model's QKNormRoPE nodes share; :func:`qkrope.export.onnx_export` refuses a model whose nodes
-disagree, and :func:`function_variant` reads the variant back from a model for checks.
+disagree, records the variant in the model's metadata (``qkrope.function_body``), and
+:func:`function_variant` reads that record back.
 The body is generic in the activation dtype (``CastLike`` to the input), in the number of rows,
 tokens, heads, and in ``rotary_dim`` (read from the cache's shape); only whether
 ``rotary_dim < head_dim`` (a pass-through tail exists) is structural. The function still declares
@@ -105,6 +106,16 @@ class FunctionVariant:
     def tag(self) -> str:
         return (f"{'interleaved' if self.interleaved else 'neox'}-rounding{self.rounding}"
                 f"{'-partial' if self.partial else ''}")
+
+    @classmethod
+    def from_tag(cls, tag: str) -> "FunctionVariant":
+        parts = tag.split("-")
+        if (len(parts) not in (2, 3) or parts[0] not in ("interleaved", "neox")
+                or parts[1] not in ("rounding0", "rounding1")
+                or parts[2:] not in ([], ["partial"])):
+            raise InputError(f"{tag!r} is not a QKNormRoPE function-body tag (e.g. "
+                             f"'interleaved-rounding0', 'neox-rounding1-partial')")
+        return cls(parts[0] == "interleaved", int(parts[1][-1]), len(parts) == 3)
 
 
 def _const_ints(name: str, values: list[int]) -> onnx.NodeProto:
@@ -238,8 +249,14 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
     return fn
 
 
-def function_variant(function: onnx.FunctionProto) -> FunctionVariant:
-    """Read back which variant a body (made by :func:`make_function_proto`) implements."""
-    names = {o for node in function.node for o in node.output}
-    return FunctionVariant(interleaved="q_pairs" in names, rounding=int("q_xn_r" in names),
-                           partial="q_ypass" in names)
+FUNCTION_BODY_KEY = "qkrope.function_body"  # model metadata_props key the exporter writes
+
+
+def function_variant(model: onnx.ModelProto) -> FunctionVariant:
+    """The variant of the model's function body, as the exporter recorded it in the model's
+    metadata (``qkrope.function_body``, :attr:`FunctionVariant.tag`)."""
+    props = {p.key: p.value for p in model.metadata_props}
+    if FUNCTION_BODY_KEY not in props:
+        raise InputError(f"the model has no {FUNCTION_BODY_KEY!r} metadata: it was not written "
+                         f"by `qkrope export`. Fix: re-export it")
+    return FunctionVariant.from_tag(props[FUNCTION_BODY_KEY])

@@ -18,7 +18,8 @@ from qkrope import contract
 from qkrope.export import qk_norm_rope_reference
 from qkrope.export.onnx_export import (ExportError, build_attention, export_attention,
                                        finalize_model)
-from qkrope.export.onnx_function import qk_norm_rope_translation
+from qkrope.export.onnx_function import (FunctionVariant, function_variant,
+                                         qk_norm_rope_translation)
 from qkrope.runtime.inputs import (from_ort_value, from_torch, make_inputs, to_ort_value,
                                    to_torch)
 from qkrope.sidecars import ModelInfo
@@ -131,6 +132,8 @@ def test_sidecar(fp32_model):
     assert info.input_shape("img_cos_sin_cache", batch=3, img_tokens=7, txt_tokens=5) == (7, 64)
     assert info.input_shape("hidden_states", batch=3, img_tokens=7, txt_tokens=5) == (3, 7, 128)
     assert oct(os.stat(str(fp32_model) + ".json").st_mode & 0o777) != "0o600"
+    assert function_variant(onnx.load(str(fp32_model), load_external_data=False)) == \
+        FunctionVariant(interleaved=True, rounding=0, partial=False)
 
 
 def test_sidecar_missing_is_clear(tmp_path):
@@ -252,6 +255,9 @@ def test_function_body_variants(tmp_path, dtype, interleaved, rounding, rotary_d
     path = tmp_path / "op.onnx"
     ir.save(model, path)
     onnx.checker.check_model(str(path), full_check=True)
+    # the body's variant is read from what the exporter recorded, not from its node names
+    assert function_variant(onnx.load(str(path))) == FunctionVariant(
+        bool(interleaved), int(rounding), rotary_dim < 64)
     feeds = {n: from_torch(t) for n, t in zip(contract.INPUTS, (q, k, qw, kw, cache))}
     got = _run(path, feeds)
     ref = qk_norm_rope_reference(q, k, qw, kw, cache, eps=1e-5, interleaved=interleaved,
