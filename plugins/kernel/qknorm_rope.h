@@ -2,7 +2,7 @@
 // cos/sin cache. This header is the launch interface shared by the TensorRT plugin, the C-ABI
 // test/benchmark library and the CPU build of the kernel arithmetic.
 //
-// Contract (../shared/spec/qknorm_rope.md, section 3):
+// Contract (docs/spec.md, section 3):
 //   q, k, q_out, k_out : [batch, seq_len, num_heads, head_dim], contiguous, one dtype
 //   q_weight, k_weight : [head_dim], same dtype as q
 //   cache              : [cache_rows, rotary_dim] fp32; row s = token s of the stream;
