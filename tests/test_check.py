@@ -124,13 +124,12 @@ def test_arguments_checked_before_the_reference_runs(good, tmp_path, monkeypatch
 def test_trt_runner_loads_the_plugin_through_engine_module(tmp_path, monkeypatch):
     """One plugin loader: parity uses engine.load_plugin_library, which also checks that the
     QKNormRoPE creator got registered."""
-    import types
+    import fake_tensorrt as ft
 
     from qkrope.runtime import engine as eng
 
     assert not hasattr(parity, "load_plugin_library")
-    registry = types.SimpleNamespace(get_creator=lambda *a: None)
-    fake_trt = types.SimpleNamespace(__version__="10.14.1", get_plugin_registry=lambda: registry)
+    fake_trt, _ = ft.make_fake_trt("10.14.1", registered=False)
     monkeypatch.setitem(__import__("sys").modules, "tensorrt", fake_trt)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     loaded = []

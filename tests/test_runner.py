@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import fake_tensorrt as ft
 import pytest
 import torch
 
@@ -387,51 +388,20 @@ def test_bf16_model_on_cpu_provider_gets_clear_error(tmp_path, monkeypatch):
 # TensorRT engine I/O -> checks against the profile (fake engine; no TensorRT needed)
 # --------------------------------------------------------------------------------------------
 
-class _Mode:
-    INPUT, OUTPUT = "IN", "OUT"
-
-
-class _DT:
-    def __init__(self, name):
-        self.name = name
-
-
-class FakeEngine:
+def fake_engine(max_img=64, max_txt=8, max_batch=2) -> ft.ICudaEngine:
     """The ICudaEngine calls engine_model_io makes, for the tiny attention block."""
-
-    def __init__(self, max_img=64, max_txt=8, max_batch=2):
-        d = [("hidden_states", "FLOAT", [-1, -1, C], [(1, 1, C), (2, 16, C), (max_batch, max_img, C)]),
-             ("encoder_hidden_states", "FLOAT", [-1, -1, C],
-              [(1, 1, C), (2, 5, C), (max_batch, max_txt, C)]),
-             ("encoder_hidden_states_mask", "BOOL", [-1, -1],
-              [(1, 1), (2, 5), (max_batch, max_txt)]),
-             ("img_cos_sin_cache", "FLOAT", [-1, HEAD_DIM],
-              [(1, HEAD_DIM), (16, HEAD_DIM), (max_img, HEAD_DIM)]),
-             ("txt_cos_sin_cache", "FLOAT", [-1, HEAD_DIM],
-              [(1, HEAD_DIM), (5, HEAD_DIM), (max_txt, HEAD_DIM)])]
-        self.io = [(n, t, s, p, _Mode.INPUT) for n, t, s, p in d]
-        self.io += [("img_out", "FLOAT", [-1, -1, C], None, _Mode.OUTPUT),
-                    ("txt_out", "FLOAT", [-1, -1, C], None, _Mode.OUTPUT)]
-        self.num_io_tensors = len(self.io)
-
-    def _get(self, name):
-        return next(e for e in self.io if e[0] == name)
-
-    def get_tensor_name(self, i):
-        return self.io[i][0]
-
-    def get_tensor_dtype(self, name):
-        return _DT(self._get(name)[1])
-
-    def get_tensor_shape(self, name):
-        return self._get(name)[2]
-
-    def get_tensor_mode(self, name):
-        return self._get(name)[4]
-
-    def get_tensor_profile_shape(self, name, profile):
-        assert profile == 0
-        return self._get(name)[3]
+    d = [("hidden_states", "FLOAT", [-1, -1, C], [(1, 1, C), (2, 16, C), (max_batch, max_img, C)]),
+         ("encoder_hidden_states", "FLOAT", [-1, -1, C],
+          [(1, 1, C), (2, 5, C), (max_batch, max_txt, C)]),
+         ("encoder_hidden_states_mask", "BOOL", [-1, -1], [(1, 1), (2, 5), (max_batch, max_txt)]),
+         ("img_cos_sin_cache", "FLOAT", [-1, HEAD_DIM],
+          [(1, HEAD_DIM), (16, HEAD_DIM), (max_img, HEAD_DIM)]),
+         ("txt_cos_sin_cache", "FLOAT", [-1, HEAD_DIM],
+          [(1, HEAD_DIM), (5, HEAD_DIM), (max_txt, HEAD_DIM)])]
+    io = [(n, t, s, p, ft.TensorIOMode.INPUT) for n, t, s, p in d]
+    io += [("img_out", "FLOAT", [-1, -1, C], None, ft.TensorIOMode.OUTPUT),
+           ("txt_out", "FLOAT", [-1, -1, C], None, ft.TensorIOMode.OUTPUT)]
+    return ft.ICudaEngine(io)
 
 
 class RecordingRunner(rn.Runner):
@@ -450,9 +420,7 @@ class RecordingRunner(rn.Runner):
 
 
 def test_engine_io_and_profile_bounds():
-    import types
-
-    trt = types.SimpleNamespace(TensorIOMode=_Mode)
+    trt, _ = ft.make_fake_trt()
     from qkrope.sidecars import EngineInfo, EngineTensor
 
     axes = {"hidden_states": ["batch", "img_tokens", None],
@@ -465,7 +433,7 @@ def test_engine_io_and_profile_bounds():
         inputs=[EngineTensor(n, "float32", [-1] * len(a), a) for n, a in axes.items()],
         outputs=[], profiles=[], plugin=None, plugin_layers=2, version_compatible=False,
         strongly_typed=True, config={"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]})
-    io = rn.engine_model_io(FakeEngine(), trt, side)
+    io = rn.engine_model_io(fake_engine(), trt, side)
     assert io.head_dim == HEAD_DIM
     assert io.roles["img_cache"] == "img_cos_sin_cache"
     assert io.input("hidden_states").dims == ((1, 2), (1, 64), (C, C))

@@ -7,9 +7,14 @@ import json
 
 import pytest
 
+from _tiny_model import C, model, sidecar_dict, write_tiny_onnx
+
 from qkrope.errors import QkropeError
-from qkrope.sidecars import (EngineInfo, EngineInfoError, EngineTensor, ModelInfo, ModelInfoError,
-                             PluginRecord, TensorInfo, engine_sidecar_path, sidecar_path)
+from qkrope.runtime import profiles as prof
+from qkrope.runtime import trt_utils as tu
+from qkrope.sidecars import (ENGINE_FORMAT, EngineInfo, EngineInfoError, EngineTensor, ModelInfo,
+                             ModelInfoError, PluginRecord, TensorInfo, engine_sidecar_path,
+                             engine_tensors, sidecar_path)
 
 
 def _model() -> ModelInfo:
@@ -97,3 +102,52 @@ def test_unreadable_and_missing_files(tmp_path):
         EngineInfo.load(tmp_path / "b.engine")
     with pytest.raises(ModelInfoError, match="no sidecar"):
         ModelInfo.load(tmp_path / "nothing.onnx")
+
+
+def test_model_description_is_read_through_model_info(tmp_path):
+    """ModelInfo.describe reads the sidecar with ModelInfo.load (format checked); the dict forms
+    of the description are gone, and the sidecar path has one definition."""
+    from qkrope.sidecars import ModelInfoError, sidecar_path
+
+    for gone in ("onnx_sidecar_path", "load_model_description", "describe_onnx_graph",
+                 "read_json", "engine_sidecar_path"):
+        assert not hasattr(tu, gone), gone
+    p = write_tiny_onnx(tmp_path / "m.onnx")
+    desc = ModelInfo.describe(p)
+    assert desc.source == str(sidecar_path(p)) and desc.to_dict()["format"] == "qkrope-onnx"
+    assert desc.to_dict()["format_version"] == 1
+    side = json.loads(sidecar_path(p).read_text())
+    side["format"] = "someone-elses/2"
+    sidecar_path(p).write_text(json.dumps(side))
+    with pytest.raises(ModelInfoError, match="not a qkrope sidecar"):
+        ModelInfo.describe(p)
+
+
+def test_engine_sidecar_contents():
+    side = model()
+    profile = prof.derive_profile(side)
+    info = EngineInfo(
+        tensorrt_version="10.14.1", onnx="/m.onnx",
+        inputs=engine_tensors([EngineTensor("hidden_states", "float32", [-1, -1, C])], side),
+        outputs=engine_tensors([EngineTensor("img_out", "float32", [-1, -1, C])], side),
+        profiles=[prof.profile_to_json(profile)],
+        plugin=PluginRecord("/lib.so", "ab", True), plugin_layers=2, version_compatible=True,
+        strongly_typed=True, builder_optimization_level=3,
+        parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
+        gpu={"name": "H200", "compute_capability": "9.0"})
+    doc = info.to_dict()
+    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == 1
+    assert doc["inputs"][0]["axes"] == ["batch", "img_tokens", None]
+    assert doc["profiles"][0]["hidden_states"]["max"] == [2, 4096, C]
+    assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}
+    assert doc["config"]["head_dim"] == 16 and doc["version_compatible"] is True
+    assert EngineInfo.from_dict(json.loads(json.dumps(doc))) == info
+
+
+def test_description_from_the_onnx_graph(tmp_path):
+    """Without a sidecar, the description comes from the ONNX graph (dim_param names kept)."""
+    p = write_tiny_onnx(tmp_path / "m.onnx", sidecar=False)
+    desc = ModelInfo.describe(p)
+    assert desc.source == str(p)
+    assert desc.inputs[0] == TensorInfo("hidden_states", "float32", ["batch", "img_tokens", C])
+    assert desc.input_names == [s["name"] for s in sidecar_dict()["inputs"]]

@@ -1,0 +1,291 @@
+"""The one fake ``tensorrt`` module of the Python tests (no TensorRT library is needed).
+
+It follows the real Python API where the product code relies on it:
+
+- ``NetworkDefinitionCreationFlag.STRONGLY_TYPED`` is 1 in TensorRT 10 and 0 in 11, where it is
+  deprecated (every network is strongly typed); ``Builder.create_network(flags)`` records what
+  it was given.
+- ``OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE`` exists from 10.15 on (not on a "10.14" fake).
+- ``network.get_layer(i)`` returns a fresh :class:`ILayer`, which has no ``.plugin``: the caller
+  casts it (``layer.__class__ = trt.IPluginV3Layer``) when ``layer.type`` is
+  ``LayerType.PLUGIN_V3``, as polygraphy does.
+- ``Builder.build_serialized_network`` returns an :class:`IHostMemory` (a buffer) or None.
+- ``ICudaEngine``: the I/O queries the runner makes (names, dtypes, shapes, modes, profiles).
+
+``make_fake_trt(version=...)`` returns ``(module, state)``; ``state`` records what the code under
+test did (flags, parser flags, profile shapes, loaded libraries, progress calls).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Sequence
+
+from qkrope import contract
+
+
+class LayerType:
+    PLUGIN = "PLUGIN"
+    PLUGIN_V2 = "PLUGIN_V2"
+    PLUGIN_V3 = "PLUGIN_V3"
+    MATRIX_MULTIPLY = "MATRIX_MULTIPLY"
+    ELEMENTWISE = "ELEMENTWISE"
+
+
+class PluginCapabilityType:
+    CORE = "CORE"
+
+
+class TensorIOMode:
+    INPUT, OUTPUT = "INPUT", "OUTPUT"
+
+
+class DataType:
+    def __init__(self, name: str):
+        self.name = name  # FLOAT, HALF, BF16, BOOL, ...
+
+
+class PluginCore:
+    """What ``get_capability_interface(CORE)`` returns: the plugin's identity."""
+
+    def __init__(self, name, version, namespace):
+        self.plugin_name, self.plugin_version, self.plugin_namespace = name, version, namespace
+
+
+class Plugin:
+    def __init__(self, core: PluginCore | None = None, broken: bool = False):
+        self.core, self.broken = core, broken
+
+    def get_capability_interface(self, kind):
+        assert kind == PluginCapabilityType.CORE
+        if self.broken:
+            raise RuntimeError("cannot cast")
+        return self.core
+
+
+class ILayer:
+    """The base class ``get_layer`` returns: no ``plugin`` attribute until cast."""
+
+    def __init__(self, type, name, plugin=None):
+        self.type, self.name, self._plugin = type, name, plugin
+
+
+class IPluginV3Layer(ILayer):
+    @property
+    def plugin(self):
+        return self._plugin
+
+
+def qknorm_rope_layer(name="node_qk_0") -> tuple:
+    """A layer spec (type, name, plugin) of a QKNormRoPE plugin layer."""
+    return (LayerType.PLUGIN_V3, name, Plugin(PluginCore(
+        contract.PLUGIN_NAME, contract.PLUGIN_VERSION, contract.PLUGIN_NAMESPACE)))
+
+
+class ITensor:
+    def __init__(self, name, dtype, shape):
+        self.name, self.dtype, self.shape = name, DataType(dtype), shape
+
+
+class INetworkDefinition:
+    """Layers are kept as (type, name, plugin) specs; every get_layer call wraps one in a new
+    ILayer, like the real bindings."""
+
+    def __init__(self, layers: Sequence[tuple] = (), inputs=(), outputs=(), flags: int = 0):
+        self.layers, self.inputs, self.outputs = list(layers), list(inputs), list(outputs)
+        self.flags = flags
+
+    @property
+    def num_layers(self):
+        return len(self.layers)
+
+    def get_layer(self, i):
+        return ILayer(*self.layers[i])
+
+    @property
+    def num_inputs(self):
+        return len(self.inputs)
+
+    def get_input(self, i):
+        return self.inputs[i]
+
+    @property
+    def num_outputs(self):
+        return len(self.outputs)
+
+    def get_output(self, i):
+        return self.outputs[i]
+
+
+class IHostMemory(bytes):
+    """The serialised engine: a buffer (``memoryview`` works) with ``nbytes``."""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self)
+
+
+class ICudaEngine:
+    """The ICudaEngine queries ``runner.engine_model_io`` makes. ``io``: (name, TensorRT dtype
+    name, shape with -1, [min, opt, max] or None, TensorIOMode)."""
+
+    def __init__(self, io: Sequence[tuple]):
+        self.io = list(io)
+        self.num_io_tensors = len(self.io)
+
+    def _get(self, name):
+        return next(e for e in self.io if e[0] == name)
+
+    def get_tensor_name(self, i):
+        return self.io[i][0]
+
+    def get_tensor_dtype(self, name):
+        return DataType(self._get(name)[1])
+
+    def get_tensor_shape(self, name):
+        return self._get(name)[2]
+
+    def get_tensor_mode(self, name):
+        return self._get(name)[4]
+
+    def get_tensor_profile_shape(self, name, profile):
+        assert profile == 0
+        return self._get(name)[3]
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return major, minor
+
+
+def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registered: bool = True,
+                  build_ok: bool = True, parse=None):
+    """A fake ``tensorrt`` module of ``version`` and the state it records.
+
+    ``parse(network, path)`` fills the network when the parser reads a file (see
+    tests/_tiny_model.py); ``fallback`` makes it inline the function bodies instead of plugin
+    layers; ``registered=False`` leaves the QKNormRoPE creator out of the registry;
+    ``build_ok=False`` makes ``build_serialized_network`` return None.
+    """
+    major, minor = _version_tuple(version)
+    state = types.SimpleNamespace(flags=None, parser_flags=[], profile={}, config=None,
+                                  loaded=[], progress_calls=0, fallback=fallback)
+
+    class Registry:
+        def get_creator(self, name, version, namespace):
+            key = (name, version, namespace)
+            ok = registered and key == (contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
+                                        contract.PLUGIN_NAMESPACE)
+            return object() if ok else None
+
+        def load_library(self, path):
+            state.loaded.append(("registry", path))
+            return object()
+
+    registry = Registry()
+
+    class Logger:
+        WARNING, VERBOSE = "W", "V"
+
+        def __init__(self, level):
+            self.level = level
+
+    class OnnxParser:
+        num_errors = 0
+
+        def __init__(self, network, logger):
+            self.network = network
+
+        def set_flag(self, flag):
+            state.parser_flags.append(flag)
+
+        def parse_from_file(self, path):
+            if parse is not None:
+                parse(self.network, path, state)
+            return True
+
+    class Profile:
+        def set_shape(self, name, lo, opt, hi):
+            state.profile[name] = (tuple(lo), tuple(opt), tuple(hi))
+
+    class TimingCache:
+        def __init__(self, data):
+            self.data = data
+
+        def serialize(self):
+            return IHostMemory(b"TIMING" + bytes(self.data))
+
+    class BuilderConfig:
+        def __init__(self):
+            state.config = self
+            self.flags, self.pools = [], {}
+            self.builder_optimization_level = None
+            self.plugins_to_serialize = []
+            self.progress_monitor = None
+            self.cache = None
+
+        def add_optimization_profile(self, p):
+            self.profile = p
+
+        def set_memory_pool_limit(self, pool, size):
+            self.pools[pool] = size
+
+        def set_flag(self, f):
+            self.flags.append(f)
+
+        def create_timing_cache(self, data):
+            return TimingCache(data)
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            self.cache = cache
+
+        def get_timing_cache(self):
+            return self.cache
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags=0):
+            state.flags = flags
+            return INetworkDefinition(flags=flags)
+
+        def create_builder_config(self):
+            return BuilderConfig()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            mon = config.progress_monitor
+            if mon is not None:
+                mon.phase_start("Building", None, 2)
+                mon.step_complete("Building", 0)
+                mon.phase_finish("Building")
+                state.progress_calls += 1
+            return IHostMemory(b"SERIALIZED-ENGINE") if build_ok else None
+
+    class IProgressMonitor:
+        def __init__(self):
+            pass
+
+    # TensorRT 10: EXPLICIT_BATCH 0 (deprecated), STRONGLY_TYPED 1; TensorRT 11: STRONGLY_TYPED
+    # is 0 and deprecated (strongly typed is always on).
+    creation_flags = (types.SimpleNamespace(EXPLICIT_BATCH=0, STRONGLY_TYPED=1) if major < 11
+                      else types.SimpleNamespace(STRONGLY_TYPED=0))
+    parser_flags = {"NATIVE_INSTANCENORM": 0}
+    if (major, minor) >= (10, 15):
+        parser_flags["ENABLE_PLUGIN_OVERRIDE"] = "ENABLE_PLUGIN_OVERRIDE"
+    trt = types.SimpleNamespace(
+        __version__=version, Logger=Logger, Builder=Builder, OnnxParser=OnnxParser,
+        init_libnvinfer_plugins=lambda logger, ns: True,
+        get_plugin_registry=lambda: registry,
+        NetworkDefinitionCreationFlag=creation_flags,
+        OnnxParserFlag=types.SimpleNamespace(**parser_flags),
+        LayerType=LayerType, PluginCapabilityType=PluginCapabilityType,
+        ILayer=ILayer, IPluginV3Layer=IPluginV3Layer, IProgressMonitor=IProgressMonitor,
+        IHostMemory=IHostMemory, ICudaEngine=ICudaEngine, TensorIOMode=TensorIOMode,
+        DataType=DataType,
+        MemoryPoolType=types.SimpleNamespace(WORKSPACE="WS"),
+        BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC"))
+    return trt, state

@@ -1,0 +1,260 @@
+"""qkrope.runtime.engine (`qkrope build`) without TensorRT: plugin-layer detection, the progress
+display, the version gate, the missing-TensorRT message, and the whole build driven through the
+shared fake ``tensorrt`` (tests/fake_tensorrt.py: flags, profile shapes, atomic writes, sidecar
+contents) for TensorRT 10.14, 10.15 and 11.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import fake_tensorrt as ft
+import pytest
+from _tiny_model import C, parse_tiny, write_tiny_onnx
+
+from qkrope._fileio import sha256_file
+from qkrope.runtime import engine as eng
+
+LT = ft.LayerType
+TRT, _ = ft.make_fake_trt()
+ours = ft.qknorm_rope_layer
+
+
+# --------------------------------------------------------------------------------------------
+# Plugin-layer detection over fake networks
+# --------------------------------------------------------------------------------------------
+
+def test_plugin_layers_found():
+    net = ft.INetworkDefinition([(LT.MATRIX_MULTIPLY, "mm", None), ours("a"), ours("b"),
+                                  (LT.PLUGIN_V3, "other", ft.Plugin(ft.PluginCore(
+                                      "QKNormRoPE", "1", "someone_else")))])
+    found = eng.check_plugin_layers(net, TRT, ["a", "b"])
+    assert [f.layer_name for f in found] == ["a", "b"]
+    assert all(f.identified_by == "plugin" for f in found)
+    mine, others = eng.find_plugin_layers(net, TRT)
+    assert [o.plugin_namespace for o in others] == ["someone_else"]
+
+
+def test_function_body_fallback_fails_loudly():
+    body = ft.INetworkDefinition([(LT.ELEMENTWISE, f"QKNormRoPE_body_{i}", None)
+                                  for i in range(20)])
+    with pytest.raises(eng.PluginFallbackError) as exc:
+        eng.check_plugin_layers(body, TRT, ["a", "b"], trt_version="10.6.0")
+    msg = str(exc.value)
+    assert "0 of 2" in msg and "function body" in msg and "10.7" in msg
+
+
+def test_partial_fallback_and_no_nodes():
+    with pytest.raises(eng.PluginFallbackError, match="1 of 2"):
+        eng.check_plugin_layers(ft.INetworkDefinition([ours("a")]), TRT, ["a", "b"])
+    with pytest.raises(eng.PluginFallbackError, match="no QKNormRoPE nodes"):
+        eng.check_plugin_layers(ft.INetworkDefinition([ours("a")]), TRT, [])
+
+
+def test_uninspectable_plugin_matched_by_node_name():
+    net = ft.INetworkDefinition([(LT.PLUGIN_V3, "node_QKNormRoPE_0", ft.Plugin(broken=True)),
+                                  (LT.PLUGIN_V3, "unrelated", ft.Plugin(broken=True))])
+    found = eng.check_plugin_layers(net, TRT, ["node_QKNormRoPE_0"])
+    assert found[0].identified_by == "layer name"
+
+
+def test_get_layer_returns_an_ilayer_that_must_be_cast():
+    """Like the real bindings: no .plugin before the cast, and the detection casts by type."""
+    net = ft.INetworkDefinition([ours("a")])
+    layer = net.get_layer(0)
+    assert type(layer) is ft.ILayer and not hasattr(layer, "plugin")
+    assert [f.identified_by for f in eng.find_plugin_layers(net, TRT)[0]] == ["plugin"]
+
+
+# --------------------------------------------------------------------------------------------
+# Progress display
+# --------------------------------------------------------------------------------------------
+
+def test_progress_plain_lines_and_cancel():
+    out = io.StringIO()
+    t = iter(range(100))
+    p = eng.BuildProgress(out, tty=False, clock=lambda: float(next(t)))
+    p.phase_start("Building engine", None, 3)
+    p.phase_start("Tactic selection", "Building engine", 10)
+    p.phase_start("deep", "Tactic selection", 2)  # depth 2: not printed
+    assert p.step_complete("deep", 0) is True
+    p.phase_finish("deep")
+    p.phase_finish("Tactic selection")
+    p.cancel()
+    assert p.step_complete("Building engine", 1) is False
+    p.phase_finish("Building engine")
+    text = out.getvalue()
+    assert "[build] Building engine (3 steps)" in text
+    assert "  [build] Tactic selection (10 steps)" in text
+    assert "deep" not in text and "\r" not in text
+    assert "Building engine done in" in text
+
+
+def test_progress_tty_bar():
+    out = io.StringIO()
+    p = eng.BuildProgress(out, tty=True)
+    p.phase_start("Build", None, 4)
+    p.step_complete("Build", 1)
+    assert "\r[############............] 2/4 Build" in out.getvalue()
+    p.phase_finish("Build")
+    assert out.getvalue().rstrip().endswith("s")
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT versions
+# --------------------------------------------------------------------------------------------
+
+def test_trt_version_gate():
+    assert eng.check_trt_version("10.14.1.48") == (10, 14)
+    assert eng.check_trt_version("11.0.0") == (11, 0)
+    with pytest.raises(eng.EngineBuildError, match="too old"):
+        eng.check_trt_version("8.6.1")
+
+
+def test_network_flags_follow_the_tensorrt_version():
+    """STRONGLY_TYPED (1) on TensorRT 10; nothing on 11, where the flag is deprecated (0) and
+    every network is strongly typed."""
+    trt10, _ = ft.make_fake_trt("10.14.1")
+    trt11, _ = ft.make_fake_trt("11.1.0")
+    assert trt10.NetworkDefinitionCreationFlag.STRONGLY_TYPED == 1
+    assert trt11.NetworkDefinitionCreationFlag.STRONGLY_TYPED == 0
+    assert eng.network_creation_flags(trt10) == 1 << 1
+    assert eng.network_creation_flags(trt11) == 0
+    assert eng.is_strongly_typed(trt10, 2) and eng.is_strongly_typed(trt11, 0)
+
+
+def test_parser_override_flag_only_where_it_exists():
+    for version, expected in (("10.14.1", []), ("10.15.1", ["ENABLE_PLUGIN_OVERRIDE"]),
+                              ("11.1.0", ["ENABLE_PLUGIN_OVERRIDE"])):
+        trt, state = ft.make_fake_trt(version)
+        assert hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE") == bool(expected)
+        parser = trt.OnnxParser(None, None)
+        assert eng.set_parser_flags(parser, trt) == expected
+        assert state.parser_flags == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Missing TensorRT
+# --------------------------------------------------------------------------------------------
+
+def test_build_without_tensorrt_one_message_exit_2(tmp_path, monkeypatch, capsys):
+    from qkrope import cli
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+    onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
+    out = tmp_path / "m.engine"
+    rc = cli.main(["build", str(onnx_path), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1, err  # one message
+    assert "tensorrt" in err and "NGC TensorRT container" in err and "qkrope build" in err
+    assert not out.exists() and not Path(str(out) + ".json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# The whole build through the fake tensorrt module
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    def setup(**kw):
+        trt, state = ft.make_fake_trt(parse=parse_tiny, **kw)
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        monkeypatch.setattr(eng.ctypes, "CDLL",
+                            lambda path, mode=0: state.loaded.append(("dlopen", path)))
+        lib = tmp_path / "libqkrope_plugin.so"
+        lib.write_bytes(b"\x7fELF fake")
+        onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
+        return trt, state, onnx_path, lib
+    return setup
+
+
+def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build()
+    out = tmp_path / "out" / "m.engine"
+    tc = tmp_path / "timing.cache"
+    rc = cli.main(["build", str(onnx_path), "-o", str(out), "--plugin", str(lib),
+                   "--max-img-tokens", "64", "--timing-cache", str(tc),
+                   "--builder-optimization-level", "4", "--workspace", "256",
+                   "--max", "encoder_hidden_states:2x40x32"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert out.read_bytes() == b"SERIALIZED-ENGINE"
+    assert tc.read_bytes() == b"TIMING"
+    assert state.flags == 1 << 1  # STRONGLY_TYPED (1 in TensorRT 10)
+    assert state.parser_flags == []  # no ENABLE_PLUGIN_OVERRIDE before 10.15
+    assert state.loaded == [("dlopen", str(lib.resolve()))]
+    assert state.config.pools == {"WS": 256 << 20}
+    assert state.config.builder_optimization_level == 4
+    assert state.profile["hidden_states"] == ((1, 1, C), (2, 16, C), (2, 64, C))
+    assert state.profile["txt_cos_sin_cache"][2] == (40, 16)  # raised to the text tokens
+    assert state.progress_calls == 1 and "[build] Building" in captured.err
+    side = json.loads(Path(str(out) + ".json").read_text())
+    assert side["tensorrt_version"] == "10.14.1"
+    assert side["plugin"]["sha256"] == sha256_file(lib)
+    assert side["plugin_layers"] == 2 and side["strongly_typed"] is True
+    assert side["inputs"][2] == {"name": "encoder_hidden_states_mask", "dtype": "bool",
+                                 "shape": [-1, -1], "axes": ["batch", "txt_tokens"]}
+    assert side["config"]["head_dim"] == 16
+    assert "wrote" in captured.out
+
+
+def test_fake_build_version_compatible_uses_registry(fake_build, tmp_path):
+    trt, state, onnx_path, lib = fake_build()
+    eng.build_engine(onnx_path, tmp_path / "vc.engine",
+                     eng.BuildOptions(plugin=str(lib), version_compatible=True, progress=False),
+                     log=io.StringIO())
+    assert state.loaded == [("registry", str(lib.resolve()))]
+    assert state.config.flags == ["VC"]
+    assert state.config.plugins_to_serialize == [str(lib.resolve())]
+    assert json.loads((tmp_path / "vc.engine.json").read_text())["version_compatible"] is True
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(fallback=True), "function body"),
+    (dict(registered=False), "no creator"),
+    (dict(build_ok=False), "failed to build"),
+])
+def test_fake_build_failures_write_nothing(fake_build, tmp_path, kw, match):
+    trt, state, onnx_path, lib = fake_build(**kw)
+    out = tmp_path / "bad.engine"
+    with pytest.raises(eng.EngineBuildError, match=match):
+        eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
+                         log=io.StringIO())
+    assert not out.exists() and not Path(str(out) + ".json").exists()
+
+
+@pytest.mark.parametrize("version,flags,parser_flags", [
+    ("10.15.1", 1 << 1, ["ENABLE_PLUGIN_OVERRIDE"]),
+    ("11.1.0", 0, ["ENABLE_PLUGIN_OVERRIDE"]),
+])
+def test_fake_build_newer_tensorrt(fake_build, tmp_path, version, flags, parser_flags):
+    """10.15: the override flag is set; 11: no deprecated STRONGLY_TYPED flag is passed, and the
+    engine is recorded as strongly typed all the same."""
+    trt, state, onnx_path, lib = fake_build(version=version)
+    info = eng.build_engine(onnx_path, tmp_path / "m.engine",
+                            eng.BuildOptions(plugin=str(lib), progress=False), log=io.StringIO())
+    assert state.flags == flags and state.parser_flags == parser_flags
+    assert info.strongly_typed is True and info.tensorrt_version == version
+    assert info.plugin_layers == 2
+
+
+def test_fake_build_function_body_engine(fake_build, tmp_path):
+    """The no-plugin engine is an option of the one builder: nothing loaded, no parser flag,
+    and it must hold no QKNormRoPE plugin layer."""
+    trt, state, onnx_path, lib = fake_build(version="10.15.1", registered=False, fallback=True)
+    info = eng.build_engine(onnx_path, tmp_path / "np.engine",
+                            eng.BuildOptions(use_plugin=False, progress=False), log=io.StringIO())
+    assert state.loaded == [] and state.parser_flags == []
+    assert info.plugin is None and info.plugin_layers == 0
+    assert json.loads((tmp_path / "np.engine.json").read_text())["plugin"] is None
+    trt, state, onnx_path, lib = fake_build(registered=True, fallback=True)
+    with pytest.raises(eng.EngineBuildError, match="already registered"):
+        eng.build_engine(onnx_path, tmp_path / "np2.engine",
+                         eng.BuildOptions(use_plugin=False, progress=False), log=io.StringIO())
