@@ -27,7 +27,7 @@ class RMSNormWeight(nn.Module):
 
 
 class QwenImageAttention(nn.Module):
-    """Qwen-Image joint attention (spec section 1).
+    """Qwen-Image joint attention (docs/spec.md section 1).
 
     ``forward(hidden_states [B, S_img, C], encoder_hidden_states [B, S_txt, C],
     image_rotary_emb=(img_cache, txt_cache), encoder_hidden_states_mask=None [B, S_txt])``

@@ -2,7 +2,7 @@
 
 Exporter path: ``torch.onnx.export(..., dynamo=True)`` (torch.export + onnxscript/torchlib) with
 ``custom_translation_table={torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation}``:
-every call of the fused op becomes one ``qkrope::QKNormRoPE`` node (spec section 4). After the
+every call of the fused op becomes one ``qkrope::QKNormRoPE`` node (docs/spec.md section 4). After the
 export the model-local function body is added (one body per model, see
 :mod:`qkrope.export.onnx_function`), the IR version is pinned to 10 (ONNX Runtime 1.31 rejects
 the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict

@@ -1,6 +1,6 @@
 """ONNX side of QKNormRoPE: the torch.onnx translation and the model-local function body.
 
-Two things live here (spec section 4):
+Two things live here (docs/spec.md section 4):
 
 1. :func:`qk_norm_rope_translation`, the entry of ``custom_translation_table`` for
    ``torch.ops.qkrope.qk_norm_rope``. The dynamo exporter traces it with onnxscript and it writes
@@ -8,8 +8,8 @@ Two things live here (spec section 4):
    :func:`qkrope.export.contract.node_attributes` (so the node contract has one source).
 
 2. :func:`make_function_proto`, the model-local ONNX function ``qkrope::QKNormRoPE`` whose body
-   implements spec section 3 with standard ONNX ops, so ONNX Runtime (any execution provider),
-   ``onnx.reference`` and TensorRT without the plugin can run the same file.
+   implements docs/spec.md section 3 with standard ONNX ops, so ONNX Runtime (any execution
+   provider), ``onnx.reference`` and TensorRT without the plugin can run the same file.
 
 Opset. The default is **18**: it is the opset torch's dynamo exporter (torchlib) emits natively
 (lower opsets go through onnx's version converter, which is lossy and slow on big graphs); ONNX
@@ -67,7 +67,7 @@ def _op_schema() -> onnx.defs.OpSchema:
     attr_types = {"FLOAT": S.AttrType.FLOAT, "INT": S.AttrType.INT, "STRING": S.AttrType.STRING}
     return S(
         contract.OP_TYPE, contract.DOMAIN, contract.DOMAIN_VERSION,
-        "Fused per-head RMSNorm + RoPE (qkrope spec section 3).",
+        "Fused per-head RMSNorm + RoPE (docs/spec.md section 3).",
         inputs=[S.FormalParameter(name, types[name]) for name in contract.INPUTS],
         outputs=[S.FormalParameter(name, "T") for name in contract.OUTPUTS],
         type_constraints=[act, cache],
@@ -124,7 +124,7 @@ def _const_ints(name: str, values: list[int]) -> onnx.NodeProto:
 
 
 def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[onnx.NodeProto]:
-    """Nodes computing spec section 3 for one of q/k. ``p`` prefixes every intermediate name."""
+    """Nodes computing docs/spec.md section 3 for one of q/k. ``p`` prefixes every intermediate name."""
     n = helper.make_node
     nodes = [
         n("Cast", [x], [f"{p}xf"], to=TensorProto.FLOAT),
@@ -206,7 +206,7 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
 
 def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
                         opset: int = DEFAULT_OPSET) -> onnx.FunctionProto:
-    """The model-local function ``qkrope::QKNormRoPE`` (spec section 3 in standard ops)."""
+    """The model-local function ``qkrope::QKNormRoPE`` (docs/spec.md section 3 in standard ops)."""
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise InputError(f"the QKNormRoPE function body is written for opsets {MIN_OPSET}.."
                          f"{MAX_OPSET}; got {opset}")
@@ -243,7 +243,7 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
     fn = helper.make_function(
         contract.DOMAIN, contract.OP_TYPE, list(contract.INPUTS), list(contract.OUTPUTS), nodes,
         opset_imports=[helper.make_opsetid("", opset)], attributes=[],
-        doc_string=f"QKNormRoPE ({variant.tag}); qkrope spec section 3",
+        doc_string=f"QKNormRoPE ({variant.tag}); docs/spec.md section 3",
     )
     fn.attribute_proto.extend(defaults)
     return fn

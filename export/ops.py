@@ -29,7 +29,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                  cos_sin_cache: torch.Tensor, *, eps: float = contract.DEFAULT_EPS,
                  interleaved: bool = contract.DEFAULT_INTERLEAVED,
                  rounding: int = contract.DEFAULT_ROUNDING) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused per-head QK-RMSNorm + RoPE (spec section 3) as one op.
+    """Fused per-head QK-RMSNorm + RoPE (docs/spec.md section 3) as one op.
 
     Args:
         q, k: ``[B, S, H, D]``, one dtype among float32/float16/bfloat16.

@@ -1,6 +1,7 @@
 """``qkrope`` command line: export | check | build | build-plugin | triton-repo | bench | demo.
 
-Each subcommand lives in its own module of :mod:`qkrope.apps` that defines ``add_parser(subparsers)``; the parser it
+Each subcommand lives in its own module of :mod:`qkrope.apps` that defines
+``add_parser(subparsers)``; the parser it
 registers sets ``func(args) -> int``. Modules keep their heavy imports (diffusers, TensorRT)
 inside functions, so ``qkrope --help`` stays fast and works without them.
 """

@@ -24,7 +24,7 @@ PLUGIN_NAME = OP_TYPE
 PLUGIN_VERSION = "1"
 PLUGIN_NAMESPACE = DOMAIN
 
-# The op's defaults (spec section 4), each stated once.
+# The op's defaults (docs/spec.md section 4), each stated once.
 DEFAULT_EPS = 1e-6
 DEFAULT_INTERLEAVED = True
 DEFAULT_ROUNDING = 0

@@ -1,4 +1,4 @@
-"""RoPE caches in the 2-D ``cos_sin_cache`` format (spec sections 2, 5, 6, 7).
+"""RoPE caches in the 2-D ``cos_sin_cache`` format (docs/spec.md sections 2, 5, 6, 7).
 
 - :func:`build_qwen_rope_caches` computes Qwen-Image's caches from the image shapes and text
   length, exactly as diffusers' ``QwenEmbedRope`` does (same tables, same positions).
@@ -295,7 +295,7 @@ def _single_to_cache(t: torch.Tensor, head_dim: int | None, stream: str) -> torc
 
 
 def to_cos_sin_caches(image_rotary_emb: object, *, head_dim: int | None = None) -> RopeCaches:
-    """Convert any supported RoPE format (spec section 5) to the ``(img_cache, txt_cache)`` pair.
+    """Convert any supported RoPE format (docs/spec.md section 5) to the ``(img_cache, txt_cache)`` pair.
 
     Accepted: diffusers' complex ``(img_freqs, txt_freqs)``; real angle tables ``[S, rd/2]``;
     per-stream ``(cos, sin)`` tables, half width or interleave-duplicated full width, nested

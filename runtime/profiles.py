@@ -1,8 +1,9 @@
 """TensorRT optimisation profiles for qkrope models, as plain data (no TensorRT needed).
 
 A profile maps every network input to three shapes ``{"min": (...), "opt": (...), "max": (...)}``.
-:func:`derive_profile` builds it from the model's description (:class:`qkrope.sidecars.ModelInfo`:
-the exporter's sidecar ``<model>.onnx.json``, or the ONNX graph's own inputs) plus the ``qkrope build`` flags;
+:func:`derive_profile` builds it from the model's description
+(:class:`qkrope.sidecars.ModelInfo`: the exporter's sidecar ``<model>.onnx.json``, or the ONNX
+graph's own inputs) plus the ``qkrope build`` flags;
 :func:`validate_profile` checks it before anything is handed to TensorRT.
 
 Derivation rules (named axes of the sidecar):
@@ -116,7 +117,7 @@ def axis_ranges(inputs: Sequence[TensorInfo], export: Mapping[str, int], *,
                 max_batch: int | None = None, max_img_tokens: int | None = None,
                 max_txt_tokens: int | None = None) -> dict[str, tuple[int, int, int]]:
     """(min, opt, max) per named axis of ``inputs``, by the rules above; ``export`` holds the
-    axes' export values (:meth:`ModelInfo.export_values <qkrope.sidecars.ModelInfo.export_values>`)."""
+    axes' export values (:meth:`qkrope.sidecars.ModelInfo.export_values`)."""
     axes = {a for spec in inputs for a in spec.shape if isinstance(a, str)}
     ranges: dict[str, tuple[int, int, int]] = {}
     flags = {"batch": (max_batch, DEFAULT_MAX_BATCH, "--max-batch"),

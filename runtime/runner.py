@@ -634,10 +634,11 @@ class TensorRTRunner(Runner):
         data = Path(path).read_bytes()
         self.engine = self.runtime.deserialize_cuda_engine(data)
         if self.engine is None:
+            side = self.sidecar
             raise RunnerError(
                 f"TensorRT could not deserialise {path} (see its log above): it was built by "
-                f"TensorRT {self.sidecar.tensorrt_version if self.sidecar else '?'} for "
-                f"{((self.sidecar.gpu if self.sidecar else None) or {}).get('name', '?')}; engines only load on the "
+                f"TensorRT {side.tensorrt_version if side else '?'} for "
+                f"{((side.gpu if side else None) or {}).get('name', '?')}; engines only load on the "
                 f"same TensorRT version and GPU (or with --version-compatible). Fix: rebuild with "
                 f"`qkrope build`")
         super().__init__(engine_model_io(self.engine, trt, self.sidecar),

@@ -1,4 +1,5 @@
-"""Qwen-Image RoPE caches vs diffusers' QwenEmbedRope, converters and validation (spec 2, 5-7)."""
+"""Qwen-Image RoPE caches vs diffusers' QwenEmbedRope, converters and validation
+(docs/spec.md sections 2, 5-7)."""
 
 import math
 
@@ -89,7 +90,7 @@ def test_builder_memoises_and_rejects_bad_shapes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Converters (spec section 5)
+# Converters (docs/spec.md section 5)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_convert_existing_caches_and_garbage(reference):
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation (spec section 7)
+# Validation (docs/spec.md section 7)
 # ---------------------------------------------------------------------------------------------
 
 def _validate(emb, **kw):
