@@ -85,7 +85,7 @@ def test_engine_uses_plugin_and_writes_sidecar(fp32):
     d, _, side = fp32
     assert (d / "attn.engine").stat().st_size > 0
     on_disk = json.loads((d / "attn.engine.json").read_text())
-    assert on_disk["plugin_layers"] == 2 == side["plugin_layers"]
+    assert on_disk["plugin_layers"] == 2 == side.plugin_layers
     assert on_disk["gpu"]["compute_capability"]
     assert on_disk["profiles"][0]["hidden_states"]["max"] == [2, 64, C]
     assert on_disk["plugin"]["sha256"]
