@@ -10,6 +10,9 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -20,6 +23,9 @@ QWEN_THETA = 10000
 QWEN_AXES_DIM = (16, 56, 56)
 # diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
 QWEN_MAX_POSITIONS = 4096
+# Refuse, before allocating, caches larger than this (a 1328x1328 image with 1024 text tokens
+# needs 3.9 MiB; shapes given in pixels instead of latent patches would need terabytes).
+MAX_CACHE_BYTES = 2 * 2**30
 
 _CONVERT_HINT = ("Fix: convert it with qkrope.runtime.to_cos_sin_caches(image_rotary_emb, "
                  "head_dim=...) or build it with qkrope.runtime.build_qwen_rope_caches(img_shapes, "
@@ -108,22 +114,52 @@ def _complex_to_cache(freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat([freqs.real, freqs.imag], dim=-1).float().contiguous()
 
 
-def _check_img_shapes(img_shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
-    if isinstance(img_shapes, tuple) and len(img_shapes) == 3 and all(
-            isinstance(v, int) for v in img_shapes):
-        img_shapes = [img_shapes]  # one (f, h, w) triple
+def _whole(value: object, what: str) -> int:
+    """An integer argument given as an int (or numpy/torch integer), never a float, str or bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise InputError(f"{what} must be an integer; got the bool {value!r}")
     try:
-        shapes = tuple((int(f), int(h), int(w)) for f, h, w in img_shapes)
-    except (TypeError, ValueError):
-        raise InputError(
-            f"img_shapes must be a list of (frames, height, width) triples in latent patches, "
-            f"e.g. [(1, 64, 64)] for a 1024x1024 image; got {img_shapes!r}") from None
-    if not shapes:
+        return operator.index(value)
+    except TypeError:
+        raise InputError(f"{what} must be an integer; got {value!r} ({type(value).__name__})") from None
+
+
+def _is_triple(entry: object) -> bool:
+    return isinstance(entry, Sequence) and not isinstance(entry, (str, bytes)) and len(entry) == 3 and all(
+        not isinstance(v, Sequence) for v in entry)
+
+
+def _check_img_shapes(img_shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
+    example = ("img_shapes must be a list of (frames, height, width) triples in latent patches, "
+               "e.g. [(1, 64, 64)] for a 1024x1024 image, or diffusers' per-batch form "
+               "[[(1, 64, 64)]] * batch_size")
+    if isinstance(img_shapes, tuple) and _is_triple(img_shapes):
+        img_shapes = [img_shapes]  # one (f, h, w) triple
+    if not isinstance(img_shapes, Sequence) or isinstance(img_shapes, (str, bytes)):
+        raise InputError(f"{example}; got {img_shapes!r}")
+    entries = list(img_shapes)
+    if entries and all(isinstance(e, Sequence) and not isinstance(e, (str, bytes)) and not _is_triple(e)
+                       and len(e) > 0 and all(_is_triple(x) for x in e) for e in entries):
+        # diffusers' pipelines pass one list of image shapes per batch item. The caches have no
+        # batch axis, so this is unambiguous only when every batch item has the same images.
+        per_item = [tuple(tuple(x) for x in e) for e in entries]
+        if any(item != per_item[0] for item in per_item[1:]):
+            raise InputError(
+                f"img_shapes gives different images per batch item ({per_item}); the RoPE caches "
+                f"have no batch axis (one row per token, shared by the batch), so every item of a "
+                f"batch must have the same image shapes. Fix: batch only samples of one size.")
+        entries = list(per_item[0])
+    if not entries:
         raise InputError("img_shapes is empty: give at least one (frames, height, width) triple")
-    for f, h, w in shapes:
+    shapes = []
+    for entry in entries:
+        if not _is_triple(entry):
+            raise InputError(f"{example}; got the entry {entry!r} in {img_shapes!r}")
+        f, h, w = (_whole(v, "img_shapes values (frames, height, width)") for v in entry)
         if f < 1 or h < 1 or w < 1:
             raise InputError(f"img_shapes entries must be positive; got {(f, h, w)}")
-    return shapes
+        shapes.append((f, h, w))
+    return tuple(shapes)
 
 
 def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int, *,
@@ -147,13 +183,27 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
         RopeCacheOverflowError: the text positions run past diffusers' 4096-entry table.
     """
     shapes = _check_img_shapes(img_shapes)
-    if int(txt_seq_len) < 1:
+    txt_seq_len = _whole(txt_seq_len, "txt_seq_len")
+    if txt_seq_len < 1:
         raise InputError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
-    axes = tuple(int(d) for d in axes_dim)
+    axes = tuple(_whole(d, "axes_dim values") for d in axes_dim)
     if len(axes) != 3 or any(d <= 0 or d % 2 for d in axes):
         raise InputError(f"axes_dim must be three positive even widths; got {axes_dim!r}")
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
+        raise InputError(f"theta (the RoPE base) must be a finite number > 0, e.g. {QWEN_THETA}; got {theta!r}")
+    if not isinstance(scale_rope, bool):
+        raise InputError(f"scale_rope must be True or False; got {scale_rope!r}")
+    # Fail before allocating: the caches are one fp32 row of sum(axes_dim) values per token.
+    tokens = sum(f * h * w for f, h, w in shapes) + txt_seq_len
+    nbytes = tokens * sum(axes) * 4
+    if nbytes > MAX_CACHE_BYTES:
+        raise InputError(
+            f"img_shapes {list(shapes)} with {txt_seq_len} text tokens need RoPE caches of "
+            f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
+            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
+            f"Fix: the shapes are in latent patches (a 1024x1024 image is (1, 64, 64)), not pixels.")
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return _build_cached(shapes, int(txt_seq_len), float(theta), axes, bool(scale_rope), dev)
+    return _build_cached(shapes, txt_seq_len, float(theta), axes, scale_rope, dev)
 
 
 @functools.lru_cache(maxsize=64)
@@ -223,13 +273,85 @@ def _is_real_2d(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_complex()
 
 
-def _looks_like_cache(t: torch.Tensor) -> bool:
-    """cos half then sin half: cos^2 + sin^2 == 1 everywhere."""
-    if t.shape[1] % 2:
-        return False
+# How far a genuine cache can be from cos^2 + sin^2 == 1. Rounding cos and sin to bfloat16 (unit
+# roundoff u = 2^-8, the coarsest dtype a cache may have passed through) moves each square by at
+# most (2u + u^2) of itself, so the sum by at most 2u + u^2; fp32 cos/sin add a few fp32 ulps
+# (< 1e-6). One bound for every storage dtype: a float32 tensor may hold a bf16 cache's values
+# (the `.float()` of one), and fp16 holds bf16's values exactly.
+_U_BF16 = 2.0 ** -8
+CACHE_IDENTITY_TOL = 2 * _U_BF16 + _U_BF16 ** 2 + 1e-6
+# Every row of a RoPE angle table is far from the identity: it holds low-frequency columns whose
+# angles are near 0 (a^2 + b^2 near 0, off by ~1) and high-frequency ones whose angles are large
+# (off by far more). A row in which every pair has a^2 + b^2 within 1/2 of 1 is no angle table.
+_ANGLE_ROW_DISTANCE = 0.5
+
+
+def _identity_distance(t: torch.Tensor) -> torch.Tensor:
+    """|t[:, j]^2 + t[:, j + h]^2 - 1| for every row and pair j < h (float64, on t's device)."""
     h = t.shape[1] // 2
-    tf = t.float()
-    return bool(torch.allclose(tf[:, :h] ** 2 + tf[:, h:] ** 2, torch.ones(()), atol=1e-3))
+    t64 = t.double()
+    return (t64[:, :h] ** 2 + t64[:, h:2 * h] ** 2 - 1.0).abs()
+
+
+def _classify_table(t: torch.Tensor, stream: str) -> str:
+    """'cache' or 'angles' for one real 2-D table; anything else is an error saying what the
+    table looks like (docs/spec.md section 5: the converter never guesses)."""
+    what = f"the {stream} table {tuple(t.shape)} {t.dtype}"
+    if t.device.type == "meta" or t.layout != torch.strided:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: cannot read the values of {what} on "
+            f"{t.device} ({t.layout}); pass a dense tensor with values (e.g. .to_dense()).")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise RopeCacheError(f"image_rotary_emb must be cos_sin_cache tensors: {what} is empty, so "
+                             f"its format cannot be told. {_CONVERT_HINT}")
+    if not bool(torch.isfinite(t).all()):
+        raise RopeCacheError(f"image_rotary_emb must be cos_sin_cache tensors: {what} has NaN or "
+                             f"inf values. {_CONVERT_HINT}")
+    low_precision = t.dtype not in (torch.float32, torch.float64)
+    if t.shape[1] % 2 == 0:
+        d = _identity_distance(t)
+        if float(d.max()) <= CACHE_IDENTITY_TOL:
+            return "cache"
+        inter = (t.double()[:, 0::2] ** 2 + t.double()[:, 1::2] ** 2 - 1.0).abs()
+        if float(inter.max()) <= CACHE_IDENTITY_TOL:
+            raise RopeCacheError(
+                f"image_rotary_emb must be cos_sin_cache tensors: {what} holds (cos, sin) pairs "
+                f"interleaved column by column (cos_j, sin_j, ...); a cos_sin_cache has all cos "
+                f"first, then all sin. Fix: torch.cat([t[:, 0::2], t[:, 1::2]], dim=-1).float().")
+        rows_far = bool((d.amax(dim=1) > _ANGLE_ROW_DISTANCE).all())
+        near = f"max |cos^2 + sin^2 - 1| = {float(d.max()):.3g}"
+    else:
+        rows_far, near = True, "an odd width"
+    if rows_far and not low_precision:
+        return "angles"
+    if rows_far:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: {what} looks like an angle table "
+            f"stored in {t.dtype}, which cannot hold RoPE angles (positions x frequencies lose "
+            f"their fractional part). Fix: compute the angles, or the caches, in float32.")
+    raise RopeCacheError(
+        f"image_rotary_emb must be cos_sin_cache tensors: {what} is neither a cos/sin cache "
+        f"({near}, more than the {CACHE_IDENTITY_TOL:.2g} rounding to bfloat16 can cause) nor an "
+        f"angle table (some rows are close to cos^2 + sin^2 == 1). It may be a damaged or "
+        f"differently laid out cache. Fix: build the caches with "
+        f"qkrope.runtime.build_qwen_rope_caches(img_shapes, txt_seq_len) or pass the angles.")
+
+
+def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, stream: str) -> None:
+    """(cos, sin) tables must hold cos and sin of the same angles: cos^2 + sin^2 == 1."""
+    if cos.device.type == "meta" or cos.layout != torch.strided or sin.layout != torch.strided:
+        raise RopeCacheError(f"image_rotary_emb must be cos_sin_cache tensors: cannot read the "
+                             f"{stream} (cos, sin) values ({cos.device}, {cos.layout}); pass "
+                             f"dense tensors with values.")
+    if cos.numel() == 0:
+        return
+    err = float((cos.double() ** 2 + sin.double() ** 2 - 1.0).abs().max())
+    if not err <= CACHE_IDENTITY_TOL:
+        raise RopeCacheError(
+            f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) pair is not "
+            f"cos and sin of the same angles (max |cos^2 + sin^2 - 1| = {err:.3g}, more than the "
+            f"{CACHE_IDENTITY_TOL:.2g} rounding to bfloat16 can cause); got "
+            f"{_describe((cos, sin))}. {_CONVERT_HINT}")
 
 
 def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
@@ -243,6 +365,7 @@ def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
         raise RopeCacheError(
             f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) tables are "
             f"{width} wide, more than head_dim={head_dim}; got {_describe((cos, sin))}")
+    _check_cos_sin(cos, sin, stream)
     even = width % 2 == 0
     h = width // 2
     interleave_dup = even and bool(torch.equal(cos[:, 0::2], cos[:, 1::2])
@@ -256,6 +379,11 @@ def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
     else:
         full = interleave_dup or half_dup
     if not full:
+        if head_dim is not None and 2 * width > head_dim:
+            raise RopeCacheError(
+                f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) tables "
+                f"are half width ({width} pairs), which gives a rotary_dim of {2 * width}, more "
+                f"than head_dim={head_dim}; got {_describe((cos, sin))}")
         return torch.cat([cos, sin], dim=-1).float().contiguous()
     if interleave_dup:
         return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=-1).float().contiguous()
@@ -273,22 +401,27 @@ def _single_to_cache(t: torch.Tensor, head_dim: int | None, stream: str) -> torc
             raise RopeCacheError(f"image_rotary_emb must be cos_sin_cache tensors: the {stream} "
                                  f"complex frequencies must be [S, rotary_dim/2]; got "
                                  f"{_describe(t)}")
+        if head_dim is not None and 2 * t.shape[1] > head_dim:
+            raise RopeCacheError(
+                f"image_rotary_emb must be cos_sin_cache tensors: the {stream} complex "
+                f"frequencies {tuple(t.shape)} give a rotary_dim of {2 * t.shape[1]}, more than "
+                f"head_dim={head_dim}. {_CONVERT_HINT}")
         return _complex_to_cache(t)
     if t.dim() != 2:
         raise RopeCacheError(
             f"image_rotary_emb must be cos_sin_cache tensors: the {stream} entry must be 2-D; got "
             f"{_describe(t)}. {_CONVERT_HINT}")
-    width = t.shape[1]
-    # A cache holds (cos, sin) pairs: cos^2 + sin^2 == 1 in every row. An angle table does not
-    # (all-zero angles give 0). The width alone cannot tell them apart under partial rotary.
-    is_cache = _looks_like_cache(t)
-    limit = width if is_cache else 2 * width
+    # A cache holds (cos, sin) pairs: cos^2 + sin^2 == 1 in every row, within what rounding can
+    # do. An angle table is far from that in every row. The width alone cannot tell them apart
+    # under partial rotary; anything in between is refused.
+    kind = _classify_table(t, stream)
+    limit = t.shape[1] if kind == "cache" else 2 * t.shape[1]
     if head_dim is not None and limit > head_dim:
         raise RopeCacheError(
             f"image_rotary_emb must be cos_sin_cache tensors: the {stream} "
-            f"{'cache' if is_cache else 'angle table'} {tuple(t.shape)} gives a rotary_dim of "
+            f"{'cache' if kind == 'cache' else 'angle table'} {tuple(t.shape)} gives a rotary_dim of "
             f"{limit}, more than head_dim={head_dim}. {_CONVERT_HINT}")
-    if is_cache:
+    if kind == "cache":
         return t.float().contiguous()
     angles = t.float()
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1).contiguous()
@@ -302,12 +435,17 @@ def to_cos_sin_caches(image_rotary_emb: object, *, head_dim: int | None = None) 
     ``((img_cos, img_sin), (txt_cos, txt_sin))`` or flat ``(img_cos, img_sin, txt_cos, txt_sin)``;
     an existing cache pair (returned as fp32 contiguous tensors, a copy only if needed).
 
-    The values decide what a real table holds (cos^2 + sin^2 == 1 for a cache; duplicated columns
-    for full-width (cos, sin) tables); ``head_dim`` (the attention head size) breaks the one tie
-    (tables whose angles are all equal) and rejects tables wider than the head.
+    The values decide what a real table holds: a cache satisfies cos^2 + sin^2 == 1 within what
+    rounding through bfloat16 can cause (``CACHE_IDENTITY_TOL``; a cache stored in bf16/fp16 is
+    converted with ``.float()``), an angle table is far from it in every row, and (cos, sin) pairs
+    must be cos and sin of the same angles; full-width (cos, sin) tables have duplicated columns.
+    ``head_dim`` (the attention head size) breaks the one tie (tables whose angles are all
+    equal) and rejects tables (caches, angles, complex frequencies) wider than the head.
 
-    Raises RopeCacheError for NeoX half-duplicated tables (not Qwen-Image's pairing) and anything
-    unrecognised.
+    Raises RopeCacheError, saying what the tensor looks like and the fix, for anything it cannot
+    classify with certainty (a damaged or interleaved cache, low-precision angles, NaN/inf, meta
+    or sparse tensors), for NeoX half-duplicated tables (not Qwen-Image's pairing) and anything
+    unrecognised: it never guesses.
     """
     obj = image_rotary_emb
     if isinstance(obj, RopeCaches):
@@ -378,6 +516,10 @@ def validate_cos_sin_caches(image_rotary_emb: object, *, head_dim: int, img_seq_
                 f"overflow={seq_len - rows} (one row per {stream} token). Fix: build the caches for "
                 f"the actual shapes, e.g. qkrope.runtime.build_qwen_rope_caches(img_shapes, "
                 f"txt_seq_len).", required=seq_len, available=rows)
+        if cache.layout != torch.strided:
+            raise RopeCacheError(
+                f"{name} must be a dense tensor; got a {cache.layout} tensor {tuple(cache.shape)}. "
+                f"Fix: pass cache.to_dense().")
         if want_device is not None and not _same_device(cache.device, want_device):
             raise RopeCacheError(
                 f"{name} is on {cache.device} but the activations are on {want_device}. Fix: "
@@ -387,11 +529,15 @@ def validate_cos_sin_caches(image_rotary_emb: object, *, head_dim: int, img_seq_
                 f"{name} must be contiguous; got strides {cache.stride()} for shape "
                 f"{tuple(cache.shape)}. Fix: pass cache.contiguous().")
         if full:
+            if cache.device.type == "meta":
+                raise RopeCacheError(
+                    f"{name} is a meta tensor (shape only, no values), so full=True cannot check its "
+                    f"values. Fix: validate the real caches, or pass full=False for a metadata check.")
             if not bool(torch.isfinite(cache).all()):
                 raise RopeCacheError(f"{name} has non-finite values (NaN or inf). Fix: rebuild it.")
             h = width // 2
-            err = (cache[:, :h] ** 2 + cache[:, h:] ** 2 - 1.0).abs().max().item() if rows else 0.0
-            if err > 1e-3:
+            err = float(_identity_distance(cache).max()) if rows else 0.0
+            if err > CACHE_IDENTITY_TOL:
                 raise RopeCacheError(
                     f"{name} values are not (cos, sin) pairs: max |cos^2 + sin^2 - 1| = {err:.3g}. "
                     f"Fix: the cache holds cos in columns [0, {h}) and sin in [{h}, {width}); "

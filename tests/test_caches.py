@@ -288,3 +288,127 @@ def test_convert_degenerate_tables_use_head_dim_to_break_the_tie():
     ones, zeros = torch.ones(3, 64), torch.zeros(3, 64)
     assert to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=64).img.shape == (3, 64)
     assert to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=128).img.shape == (3, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification never guesses (issue 10, class 1) and builder arguments (class 5)
+# ---------------------------------------------------------------------------------------------
+
+def _partial(cache, pairs):
+    h = cache.shape[1] // 2
+    return torch.cat([cache[:, :pairs], cache[:, h:h + pairs]], dim=-1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pairs", [64, 16])  # full rotary (128 wide), partial (32 wide)
+def test_low_precision_cache_is_a_cache(reference, dtype, pairs):
+    """A correct cache stored in bf16/fp16 is converted with .float(), never taken for angles
+    (the old 1e-3 check made a 32-wide bf16 cache for head_dim 64 a 64-wide cos(cache) table
+    that passed full validation and moved the attention output by 0.28)."""
+    caches, _ = reference
+    img, txt = _partial(caches.img, pairs), _partial(caches.txt, pairs)
+    low = (img.to(dtype), txt.to(dtype))
+    for head_dim in (2 * pairs, 128, None):
+        out = to_cos_sin_caches(low, head_dim=head_dim)
+        assert out.img.shape == img.shape and out.img.dtype == torch.float32
+        assert torch.equal(out.img, low[0].float()) and torch.equal(out.txt, low[1].float())
+    validate_cos_sin_caches(out, head_dim=2 * pairs, img_seq_len=img.shape[0],
+                            txt_seq_len=txt.shape[0], full=True)
+    # the .float() of such a cache is a cache too (what the error messages tell users to do)
+    assert torch.equal(to_cos_sin_caches((low[0].float(), low[1].float())).img, low[0].float())
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda c: c * 1.05, "neither a cos/sin cache"),                       # scaled: |.|^2 = 1.1
+    (lambda c: c + 0.05 * torch.randn(c.shape, generator=torch.Generator().manual_seed(0)),
+     "neither a cos/sin cache"),                                           # noisy
+    (lambda c: torch.stack([c[:, :c.shape[1] // 2], c[:, c.shape[1] // 2:]], -1).flatten(1),
+     "interleaved column by column"),                                      # (cos_j, sin_j) layout
+    (lambda c: c.to(torch.bfloat16).float() * 1.01, "neither a cos/sin cache"),
+])
+def test_near_caches_are_refused_not_guessed(reference, make, match):
+    caches, _ = reference
+    bad = (make(caches.img), make(caches.txt))
+    with pytest.raises(RopeCacheError, match=match):
+        to_cos_sin_caches(bad, head_dim=128)
+
+
+def test_tables_that_cannot_be_classified_are_errors(reference):
+    caches, (img_f, txt_f) = reference
+    angles = (torch.atan2(_half(caches.img)[1], _half(caches.img)[0]),
+              torch.atan2(_half(caches.txt)[1], _half(caches.txt)[0]))
+    with pytest.raises(RopeCacheError, match="angle table stored in torch.bfloat16"):
+        to_cos_sin_caches(tuple(a.to(torch.bfloat16) for a in angles))
+    nan = caches.img.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(RopeCacheError, match="NaN or inf"):
+        to_cos_sin_caches((nan, caches.txt))
+    with pytest.raises(RopeCacheError, match="empty"):
+        to_cos_sin_caches((caches.img[:0], caches.txt))
+    with pytest.raises(RopeCacheError, match="cannot read the values"):
+        to_cos_sin_caches((caches.img.to("meta"), caches.txt.to("meta")))
+    with pytest.raises(RopeCacheError, match="cannot read the values"):
+        to_cos_sin_caches((caches.img.to_sparse(), caches.txt.to_sparse()))
+    # complex frequencies and angle tables wider than the head
+    with pytest.raises(RopeCacheError, match="more than head_dim=64"):
+        to_cos_sin_caches((img_f, txt_f), head_dim=64)
+    with pytest.raises(RopeCacheError, match="more than head_dim=64"):
+        to_cos_sin_caches(angles, head_dim=64)
+    # (cos, sin) pairs that are not cos and sin of one angle
+    (ic, _), (tc, _) = _half(caches.img), _half(caches.txt)
+    with pytest.raises(RopeCacheError, match="not cos and sin of the same angles"):
+        to_cos_sin_caches((ic, ic, tc, tc))
+    # half-width (cos, sin) pairs whose cache would be wider than the head
+    (ic, is_), (tc, ts) = _half(caches.img), _half(caches.txt)
+    with pytest.raises(RopeCacheError, match="more than head_dim=100"):
+        to_cos_sin_caches((ic, is_, tc, ts), head_dim=100)
+
+
+def test_validate_full_refuses_meta_and_sparse_clearly(reference):
+    caches, _ = reference
+    meta = (caches.img.to("meta"), caches.txt.to("meta"))
+    kw = dict(head_dim=128, img_seq_len=caches.img.shape[0], txt_seq_len=caches.txt.shape[0])
+    validate_cos_sin_caches(meta, **kw)  # metadata only: fine
+    with pytest.raises(RopeCacheError, match="meta tensor"):
+        validate_cos_sin_caches(meta, full=True, **kw)
+    with pytest.raises(RopeCacheError, match="to_dense"):
+        validate_cos_sin_caches((caches.img.to_sparse(), caches.txt), **kw)
+
+
+@pytest.mark.parametrize("theta", [0, -1.0, float("nan"), float("inf"), "10000", True])
+def test_builder_refuses_bad_theta(theta):
+    with pytest.raises(ValueError, match="theta"):
+        build_qwen_rope_caches([(1, 4, 4)], 3, theta=theta)
+
+
+@pytest.mark.parametrize("img_shapes, txt", [
+    ([(1, 4.7, 4)], 3), ([(1, 4.0, 4)], 3), ([(1, "4", 4)], 3), ([(True, 4, 4)], 3),
+    ([(1, 4, 4)], True), ([(1, 4, 4)], 3.0), ([(1, 4, 4)], "3"), ("1,4,4", 3),
+])
+def test_builder_refuses_coercible_values(img_shapes, txt):
+    with pytest.raises(ValueError, match="img_shapes|txt_seq_len"):
+        build_qwen_rope_caches(img_shapes, txt)
+
+
+def test_builder_accepts_diffusers_nested_per_batch_shapes():
+    flat = build_qwen_rope_caches([(1, 4, 6), (1, 2, 2)], 5)
+    for nested in ([[(1, 4, 6), (1, 2, 2)]], [[(1, 4, 6), (1, 2, 2)]] * 3,
+                   [[[1, 4, 6], [1, 2, 2]]] * 2):
+        got = build_qwen_rope_caches(nested, 5)
+        assert torch.equal(got.img, flat.img) and torch.equal(got.txt, flat.txt)
+    with pytest.raises(ValueError, match="different images per batch item"):
+        build_qwen_rope_caches([[(1, 4, 6)], [(1, 4, 4)]], 5)
+
+
+def test_builder_refuses_huge_shapes_before_allocating(monkeypatch):
+    """Shapes given in pixels (4096 instead of 256 patches) fail fast, with the limit."""
+    import qkrope.runtime.caches as caches_mod
+
+    def no_build(*a, **k):
+        raise AssertionError("the caches were being built")
+
+    monkeypatch.setattr(caches_mod, "_build_cached", no_build)
+    with pytest.raises(ValueError, match="GiB limit"):
+        build_qwen_rope_caches([(1, 4096, 4096)], 512)  # 8 GiB
+    with pytest.raises(ValueError, match="GiB limit"):
+        build_qwen_rope_caches([(4000, 64, 64)], 512)
