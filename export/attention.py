@@ -51,8 +51,10 @@ class QwenImageAttention(nn.Module):
         super().__init__()
         if heads * head_dim != dim:
             raise InputError(f"heads * head_dim must equal dim; got {heads} x {head_dim} != {dim}")
-        if head_dim % 2 or head_dim > contract.MAX_HEAD_DIM:
-            raise InputError(f"head_dim must be even and <= {contract.MAX_HEAD_DIM}; got {head_dim}")
+        contract.check_head_dim(head_dim)
+        contract.check_epsilon(eps)
+        interleaved = contract.check_interleaved(interleaved)
+        rounding = contract.check_rounding(rounding)
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
         self.eps, self.interleaved, self.rounding, self.validate = eps, interleaved, rounding, validate
         inner = heads * head_dim
@@ -93,6 +95,9 @@ class QwenImageAttention(nn.Module):
                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
                 encoder_hidden_states_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():
+            check_block_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                               dim=self.dim)
         s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
         if self.validate and not torch.compiler.is_compiling():
             from qkrope.runtime.caches import validate_cos_sin_caches
@@ -104,6 +109,35 @@ class QwenImageAttention(nn.Module):
         return joint_attention(self, hidden_states, encoder_hidden_states, img_cache, txt_cache,
                                encoder_hidden_states_mask, head_dim=self.head_dim, eps=self.eps,
                                interleaved=self.interleaved, rounding=self.rounding)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(int(d)) for d in t.shape) + "]"
+
+
+def check_block_inputs(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                       encoder_hidden_states_mask: torch.Tensor | None, *, dim: int) -> None:
+    """The attention block's activations: ``[B, S_img, dim]``, ``[B, S_txt, dim]`` and an
+    optional ``[B, S_txt]`` mask; an InputError naming the shapes otherwise (metadata only)."""
+    for name, t, axis in (("hidden_states", hidden_states, "img_tokens"),
+                          ("encoder_hidden_states", encoder_hidden_states, "txt_tokens")):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor [batch, {axis}, dim={dim}]; got a "
+                             f"{type(t).__name__}")
+        if t.dim() != 3 or t.shape[-1] != dim:
+            raise InputError(f"{name} must be [batch, {axis}, dim={dim}]; got {_shape(t)}")
+    if hidden_states.shape[0] != encoder_hidden_states.shape[0]:
+        raise InputError(f"hidden_states has batch {hidden_states.shape[0]} but "
+                         f"encoder_hidden_states has batch {encoder_hidden_states.shape[0]} "
+                         f"(hidden_states {_shape(hidden_states)}, encoder_hidden_states "
+                         f"{_shape(encoder_hidden_states)}): one batch for both streams")
+    mask = encoder_hidden_states_mask
+    if mask is not None:
+        want = [int(encoder_hidden_states.shape[0]), int(encoder_hidden_states.shape[1])]
+        if not isinstance(mask, torch.Tensor) or list(mask.shape) != want:
+            got = _shape(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise InputError(f"encoder_hidden_states_mask must be [batch, txt_tokens] = {want} "
+                             f"(encoder_hidden_states {_shape(encoder_hidden_states)}); got {got}")
 
 
 def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,

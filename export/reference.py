@@ -44,10 +44,23 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: 
 
 def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                             k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
-                            rounding: int) -> None:
-    """Raise ValueError naming what was received when the arguments break the op's contract."""
+                            rounding: int,
+                            interleaved: bool = contract.DEFAULT_INTERLEAVED) -> None:
+    """Raise InputError naming what was received when the arguments break the op's contract (the
+    value rules are qkrope.contract's: epsilon, head_dim, interleaved, rounding)."""
+    tensors = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
+               ("cos_sin_cache", cos_sin_cache))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor; got a {type(t).__name__}")
+    for name, t in tensors[1:]:
+        if t.device != q.device:
+            raise InputError(f"{name} is on device {t.device} but q is on {q.device}: every "
+                             f"tensor of the op must be on q's device (move it with "
+                             f".to({str(q.device)!r}))")
     check_tensor_layout(q, k, q_weight, k_weight, cos_sin_cache)
     head_dim = q.shape[-1]
+    contract.check_head_dim(head_dim)
     rows, rotary_dim = cos_sin_cache.shape
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise InputError(f"cos_sin_cache width (rotary_dim) must be even and in (0, head_dim="
@@ -57,11 +70,9 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
             f"cos_sin_cache has {rows} rows but q/k have {q.shape[1]} tokens (required="
             f"{q.shape[1]}, available={rows}, overflow={q.shape[1] - rows}); build the cache for "
             f"the actual sequence length")
-    if not (0.0 < eps < 1.0):
-        raise InputError(f"eps must be in (0, 1); got {eps!r}")
-    if rounding not in (0, 1):
-        raise InputError(f"rounding must be 0 (one rounding) or 1 (diffusers' order); got "
-                         f"{rounding!r}")
+    contract.check_epsilon(eps)
+    contract.check_rounding(rounding)
+    contract.check_interleaved(interleaved)
 
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,

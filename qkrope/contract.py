@@ -7,9 +7,12 @@ tests/test_plugin_host.py.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+from typing import Any
 
-from qkrope.errors import InputError
+from qkrope.errors import InputError, QkropeError
 
 DOMAIN = "qkrope"
 DOMAIN_VERSION = 1
@@ -53,20 +56,218 @@ PLUGIN_FIELDS = tuple((a.name, a.plugin_field) for a in ATTRIBUTES if a.plugin_f
 
 # Activation dtypes the op supports (the cache is always float32).
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")
+
+# head_dim: even and in [MIN_HEAD_DIM, MAX_HEAD_DIM], the kernel's rule (kMAX_HEAD_DIM in
+# plugins/kernel/qknorm_rope.h, checked by checkParams in plugins/kernel/qknorm_rope_check.cpp).
+MIN_HEAD_DIM = 2
 MAX_HEAD_DIM = 512
+
+# --------------------------------------------------------------------------------------------
+# The value rules, each stated once. The C ABI (checkParams, plugins/kernel/qknorm_rope_check.cpp)
+# and the plugin's field table (kFIELDS, plugins/plugin/qknorm_rope_fields.h) mirror them.
+# --------------------------------------------------------------------------------------------
+
+EPSILON_RULE = "a finite float with 0 < eps < 1 in float32"
+
+
+def epsilon_error(eps: Any) -> str | None:
+    """None when ``eps`` is a valid epsilon, else why not. The one rule: a real number (not a
+    bool or a string) that is finite and, once narrowed to float32 (how the node, the plugin and
+    the kernel hold it), strictly between 0 and 1. So 1e-50, which float32 stores as 0.0, and
+    0.99999999, which it stores as 1.0, are refused."""
+    import numpy as np
+
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating,
+                                                                  np.integer)):
+        return f"got a {type(eps).__name__} {eps!r}"
+    value = float(eps)
+    if not math.isfinite(value):
+        return f"got {eps!r}"
+    with np.errstate(over="ignore", under="ignore"):
+        narrowed = float(np.float32(value))
+    if not (math.isfinite(narrowed) and 0.0 < narrowed < 1.0):
+        return f"got {eps!r}, which float32 stores as {narrowed!r}"
+    return None
+
+
+def check_epsilon(eps: Any, *, what: str = "eps") -> float:
+    """``float(eps)`` when it obeys :func:`epsilon_error`'s rule, else an InputError."""
+    why = epsilon_error(eps)
+    if why is not None:
+        raise InputError(f"{what} must be {EPSILON_RULE} (Qwen-Image uses {DEFAULT_EPS:g}); {why}")
+    return float(eps)
+
+
+def head_dim_error(head_dim: Any) -> str | None:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        try:
+            import numpy as np
+
+            if isinstance(head_dim, np.integer):
+                head_dim = int(head_dim)
+            else:
+                return f"got a {type(head_dim).__name__} {head_dim!r}"
+        except ImportError:  # pragma: no cover
+            return f"got a {type(head_dim).__name__} {head_dim!r}"
+    if head_dim % 2 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return f"got {head_dim}"
+    return None
+
+
+def check_head_dim(head_dim: Any, *, what: str = "head_dim") -> int:
+    """The kernel's head_dim rule: even and in [2, 512]."""
+    why = head_dim_error(head_dim)
+    if why is not None:
+        raise InputError(f"{what} must be even and in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (the "
+                         f"kernel's limit); {why}")
+    return int(head_dim)
+
+
+def _is_01(value: Any) -> bool:
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    return isinstance(value, (int, np.integer)) and int(value) in (0, 1)
+
+
+def check_interleaved(value: Any, *, what: str = "interleaved") -> bool:
+    """True/False (or 0/1); anything else ("no", 2, None) is an error, never truthiness."""
+    if not _is_01(value):
+        raise InputError(f"{what} must be True/False (or 1/0): True pairs (2j, 2j+1) as in "
+                         f"Qwen-Image, False NeoX halves; got a {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_rounding(value: Any, *, what: str = "rounding") -> int:
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)) or not _is_01(value):
+        raise InputError(f"{what} must be 0 (one rounding) or 1 (diffusers' order); got "
+                         f"{value!r}")
+    return int(value)
 
 
 def node_attributes(*, eps: float = DEFAULT_EPS, interleaved: bool = DEFAULT_INTERLEAVED,
                     rounding: int = DEFAULT_ROUNDING) -> dict[str, float | int | str]:
     """The attribute values written on one node, validated."""
-    if not (eps > 0.0 and eps < 1.0):
-        raise InputError(f"epsilon must be in (0, 1), got {eps!r}")
-    if rounding not in (0, 1):
-        raise InputError(f"rounding must be 0 or 1, got {rounding!r}")
+    eps = check_epsilon(eps, what="epsilon")
+    interleaved = check_interleaved(interleaved)
+    rounding = check_rounding(rounding)
     return {
         "epsilon": float(eps),
-        "interleaved": int(bool(interleaved)),
+        "interleaved": int(interleaved),
         "rounding": int(rounding),
         "plugin_version": PLUGIN_VERSION,
         "plugin_namespace": PLUGIN_NAMESPACE,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# The one validator of QKNormRoPE nodes in an ONNX model (every consumer runs it first)
+# --------------------------------------------------------------------------------------------
+
+class NodeContractError(QkropeError, ValueError):
+    """A QKNormRoPE node of an ONNX model breaks the node contract (docs/spec.md section 4); the
+    message names the model, the node and the attribute."""
+
+
+_VALID_VALUES = {
+    "interleaved": ((0, 1), "0 or 1 (1: interleaved pairs (2j, 2j+1), 0: NeoX halves)"),
+    "rounding": ((0, 1), "0 or 1 (0: one rounding, 1: diffusers' eager order)"),
+    "plugin_version": ((PLUGIN_VERSION,), f"{PLUGIN_VERSION!r}"),
+    "plugin_namespace": ((PLUGIN_NAMESPACE,), f"{PLUGIN_NAMESPACE!r}"),
+}
+
+
+def _subgraphs(node):
+    import onnx
+
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def _all_nodes(graph):
+    for node in graph.node:
+        yield node
+        for sub in _subgraphs(node):
+            yield from _all_nodes(sub)
+
+
+def validate_qknorm_rope_nodes(model: Any, *, where: str) -> int:
+    """Check every ``QKNormRoPE`` node of an ONNX model against the node contract; returns how
+    many there are (0 is allowed: a model without the op).
+
+    ``model`` is an ``onnx.ModelProto`` or the path of an ONNX file (read without its external
+    data); ``where`` names it in messages (usually the path). Checked per node, in the main graph,
+    its subgraphs and the model-local functions: domain ``qkrope`` (and the model imports it at
+    version 1), 5 inputs and 2 outputs, no unknown attribute, and each contract attribute present
+    with its ONNX type and a valid value (``epsilon`` FLOAT by :func:`epsilon_error`'s rule,
+    ``interleaved``/``rounding`` INT 0 or 1, ``plugin_version`` STRING "1", ``plugin_namespace``
+    STRING "qkrope"). Raises :class:`NodeContractError` naming the node and the attribute."""
+    import onnx
+
+    fix = "Fix: re-export the model with `qkrope export`"
+    if isinstance(model, (str, os.PathLike)):
+        try:
+            model = onnx.load(str(model), load_external_data=False)
+        except Exception as exc:  # noqa: BLE001 - any parse failure: not an ONNX file
+            raise NodeContractError(f"{where}: cannot be read as an ONNX model "
+                                    f"({type(exc).__name__}: {exc}). {fix}") from None
+    type_ids = {"FLOAT": onnx.AttributeProto.FLOAT, "INT": onnx.AttributeProto.INT,
+                "STRING": onnx.AttributeProto.STRING}
+    type_names = {v: k for k, v in onnx.AttributeProto.AttributeType.items()}
+    graphs = [("graph", n) for n in _all_nodes(model.graph)]
+    for fn in model.functions:
+        if (fn.domain, fn.name) == (DOMAIN, OP_TYPE):
+            continue  # the op's own body: standard ops
+        graphs += [(f"function {fn.domain}::{fn.name}", n) for n in fn.node]
+    count = 0
+    for i, (scope, node) in enumerate(graphs):
+        if node.op_type != OP_TYPE:
+            continue
+        count += 1
+        label = f"{where}: {OP_TYPE} node {node.name or '#' + str(i)!r} ({scope})"
+
+        def fail(what: str) -> None:
+            raise NodeContractError(f"{label}: {what}. {fix}")
+
+        if node.domain != DOMAIN:
+            fail(f"has domain {node.domain!r}, the contract's is {DOMAIN!r}")
+        if len(node.input) != len(INPUTS) or any(not n for n in node.input):
+            fail(f"has inputs {list(node.input)}, expected {len(INPUTS)} named inputs "
+                 f"{list(INPUTS)}")
+        if len(node.output) != len(OUTPUTS) or any(not n for n in node.output):
+            fail(f"has outputs {list(node.output)}, expected {len(OUTPUTS)} {list(OUTPUTS)}")
+        attrs = {a.name: a for a in node.attribute}
+        unknown = sorted(set(attrs) - set(ATTRIBUTE_BY_NAME))
+        if unknown:
+            fail(f"has unknown attribute {unknown[0]!r}; the contract lists "
+                 f"{[a.name for a in ATTRIBUTES]}")
+        for spec in ATTRIBUTES:
+            a = attrs.get(spec.name)
+            if a is None:
+                fail(f"has no attribute {spec.name!r} ({spec.onnx_type}, "
+                     f"{spec.default!r} by default)")
+            if a.type != type_ids[spec.onnx_type]:
+                fail(f"attribute {spec.name!r} has type {type_names.get(a.type, a.type)}, "
+                     f"expected {spec.onnx_type}")
+            if spec.onnx_type == "FLOAT":
+                why = epsilon_error(float(a.f))
+                if why is not None:
+                    fail(f"attribute {spec.name!r} = {a.f!r} is invalid: expected {EPSILON_RULE}")
+                continue
+            value = int(a.i) if spec.onnx_type == "INT" else a.s.decode("utf-8", "replace")
+            allowed, text = _VALID_VALUES[spec.name]
+            if value not in allowed:
+                fail(f"attribute {spec.name!r} = {value!r} is invalid: expected {text}")
+    if count:
+        imports = {o.domain: o.version for o in model.opset_import}
+        if imports.get(DOMAIN) != DOMAIN_VERSION:
+            raise NodeContractError(
+                f"{where}: has {count} {OP_TYPE} node(s) but imports domain {DOMAIN!r} at "
+                f"version {imports.get(DOMAIN)!r}, expected {DOMAIN_VERSION}. {fix}")
+    return count

@@ -135,3 +135,44 @@ def test_state_dict_names_are_diffusers_names():
     assert set(ours.state_dict()) == set(attn.state_dict())
     with pytest.raises(ValueError, match="heads \\* head_dim must equal dim"):
         QwenImageAttention(100, 2, 32)
+
+
+# ------------------------------------------------------------------ issue 10, class 6
+def _block_inputs(batch=2, s_img=16, txt=5, dim=64):
+    caches = build_qwen_rope_caches([(1, 4, 4)], txt, axes_dim=(8, 12, 12))
+    return (torch.randn(batch, s_img, dim), torch.randn(batch, txt, dim), caches)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("batch", r"hidden_states has batch 2 but encoder_hidden_states has batch 3 "
+              r"\(hidden_states \[2, 16, 64\], encoder_hidden_states \[3, 5, 64\]\)"),
+    ("mask_len", r"encoder_hidden_states_mask must be \[batch, txt_tokens\] = \[2, 5\] "
+                 r"\(encoder_hidden_states \[2, 5, 64\]\); got \[2, 4\]"),
+    ("mask_batch", r"encoder_hidden_states_mask must be \[batch, txt_tokens\] = \[2, 5\]"),
+    ("mask_3d", r"encoder_hidden_states_mask must be \[batch, txt_tokens\] = \[2, 5\]"),
+    ("hs_2d", r"hidden_states must be \[batch, img_tokens, dim=64\]; got \[16, 64\]"),
+    ("ehs_2d", r"encoder_hidden_states must be \[batch, txt_tokens, dim=64\]; got \[5, 64\]"),
+    ("width", r"hidden_states must be \[batch, img_tokens, dim=64\]; got \[2, 16, 32\]"),
+])
+def test_forward_names_mismatched_shapes(case, match):
+    from qkrope.errors import InputError
+
+    attn = QwenImageAttention(64, 2, 32)
+    hs, ehs, caches = _block_inputs()
+    mask = None
+    if case == "batch":
+        ehs = torch.randn(3, 5, 64)
+    elif case == "mask_len":
+        mask = torch.ones(2, 4, dtype=torch.bool)
+    elif case == "mask_batch":
+        mask = torch.ones(1, 5, dtype=torch.bool)
+    elif case == "mask_3d":
+        mask = torch.ones(2, 5, 1, dtype=torch.bool)
+    elif case == "hs_2d":
+        hs = hs[0]
+    elif case == "ehs_2d":
+        ehs = ehs[0]
+    elif case == "width":
+        hs = hs[..., :32]
+    with pytest.raises(InputError, match=match):
+        attn(hs, ehs, caches, mask)

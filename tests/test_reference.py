@@ -2,9 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from qkrope import contract
+from qkrope.errors import InputError
 from qkrope.export import qk_norm_rope, qk_norm_rope_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -153,3 +156,56 @@ def test_bad_arguments_are_named(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         qk_norm_rope(args["q"], args["k"], args["qw"], args["kw"], args["cache"], **kw)
+
+
+# ------------------------------------------------------------------ issue 10, class 3 and 5
+def _args(head_dim=32, **over):
+    args = dict(q=torch.zeros(1, 4, 2, head_dim), k=torch.zeros(1, 4, 2, head_dim),
+                qw=torch.ones(head_dim), kw=torch.ones(head_dim), cache=torch.ones(4, 32))
+    args.update(over)
+    return args
+
+
+def _call(args, **kw):
+    return qk_norm_rope(args["q"], args["k"], args["qw"], args["kw"], args["cache"], **kw)
+
+
+@pytest.mark.parametrize("name", ["cache", "qw", "kw", "k"])
+def test_tensor_on_another_device_than_q_is_refused(name):
+    """A cache (or weight, or k) on the meta device used to give uninitialised memory."""
+    args = _args()
+    args[name] = args[name].to("meta")
+    with pytest.raises(InputError, match=rf"(?s)on device meta.*q is on cpu"):
+        _call(args)
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 2, -1, 0.5, None, "1"])
+def test_interleaved_must_be_a_bool_or_0_1(value):
+    with pytest.raises(InputError, match="interleaved must be True/False"):
+        _call(_args(), interleaved=value)
+
+
+@pytest.mark.parametrize("value", [True, False, 0, 1, np.bool_(True)])
+def test_interleaved_bool_or_0_1_is_accepted(value):
+    _call(_args(), interleaved=value)
+
+
+@pytest.mark.parametrize("head_dim", [63, 1024, 514])
+def test_head_dim_outside_the_kernel_rule_is_refused(head_dim):
+    args = _args(head_dim, cache=torch.ones(4, 32))
+    with pytest.raises(InputError, match=rf"head_dim must be even and in \[2, 512\].*; got {head_dim}"):
+        _call(args)
+
+
+@pytest.mark.parametrize("eps", [1e-50, -1e-50, 0.0, 1.0, 1.5, float("nan"), float("inf"),
+                                 "1e-6", True])
+def test_eps_outside_the_one_float32_rule_is_refused(eps):
+    with pytest.raises(InputError, match="eps must be a finite float with 0 < eps < 1 in float32"):
+        _call(_args(), eps=eps)
+
+
+def test_eps_rule_is_the_contract_rule():
+    assert contract.epsilon_error(1e-6) is None and contract.epsilon_error(1e-45) is None
+    assert contract.epsilon_error(0.99999994) is None
+    for bad in (1e-50, 0.0, 1.0, 0.99999999, float("nan"), -1.0, 1e39):
+        assert contract.epsilon_error(bad) is not None, bad
