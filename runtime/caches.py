@@ -284,6 +284,9 @@ CACHE_IDENTITY_TOL = 2 * _U_BF16 + _U_BF16 ** 2 + 1e-6
 # angles are near 0 (a^2 + b^2 near 0, off by ~1) and high-frequency ones whose angles are large
 # (off by far more). A row in which every pair has a^2 + b^2 within 1/2 of 1 is no angle table.
 _ANGLE_ROW_DISTANCE = 0.5
+# Columns of a half-width (cos, sin) table belong to different frequencies: some row differs by
+# far more than this between neighbouring (or half-apart) columns unless every angle is ~0.
+_NEAR_DUPLICATE = 1e-3
 
 
 def _identity_distance(t: torch.Tensor) -> torch.Tensor:
@@ -371,11 +374,32 @@ def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
     interleave_dup = even and bool(torch.equal(cos[:, 0::2], cos[:, 1::2])
                                    and torch.equal(sin[:, 0::2], sin[:, 1::2]))
     half_dup = even and bool(torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:]))
+    # Duplicated tables are written by repeat_interleave / cat and are exact. Tables that are
+    # duplicated but for small differences are neither reading with certainty: refuse them.
+    if even and not (interleave_dup or half_dup) and cos.numel():
+        near = min(max(float((cos[:, 0::2] - cos[:, 1::2]).abs().max()), float((sin[:, 0::2] - sin[:, 1::2]).abs().max())),
+                   max(float((cos[:, :h] - cos[:, h:]).abs().max()), float((sin[:, :h] - sin[:, h:]).abs().max())))
+        if near <= _NEAR_DUPLICATE:
+            raise RopeCacheError(
+                f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) tables "
+                f"{tuple(cos.shape)} are duplicated column by column except for differences up to "
+                f"{near:.2g}, so they are neither a clean duplicated full-width table nor a "
+                f"half-width one. {_CONVERT_HINT}")
     # The values decide. Only tables whose angles are all equal (e.g. every position 0) fit both
-    # patterns; then the width decides: half-width tables give a cache twice as wide, which must
-    # still fit in head_dim.
+    # patterns; then only the width can: read as half width they give a cache twice as wide,
+    # which must fit in head_dim. If it fits, both readings are possible: an error, not a guess.
     if interleave_dup and half_dup:
-        full = head_dim is not None and 2 * width > head_dim
+        if head_dim is None or 2 * width <= head_dim:
+            raise RopeCacheError(
+                f"image_rotary_emb must be cos_sin_cache tensors: the {stream} (cos, sin) tables "
+                f"{tuple(cos.shape)} hold one angle per row in every column, so they read both as "
+                f"half width (a {2 * width}-wide cache) and as duplicated full width (a "
+                f"{width}-wide cache)"
+                + (f", and both fit head_dim={head_dim}" if head_dim is not None else
+                   " (no head_dim given to decide)")
+                + ". Fix: pass the cache itself, cat([cos, sin], -1) for half-width tables or "
+                  "cat([cos[:, 0::2], sin[:, 0::2]], -1) for duplicated ones.")
+        full = True
     else:
         full = interleave_dup or half_dup
     if not full:
@@ -406,7 +430,14 @@ def _single_to_cache(t: torch.Tensor, head_dim: int | None, stream: str) -> torc
                 f"image_rotary_emb must be cos_sin_cache tensors: the {stream} complex "
                 f"frequencies {tuple(t.shape)} give a rotary_dim of {2 * t.shape[1]}, more than "
                 f"head_dim={head_dim}. {_CONVERT_HINT}")
-        return _complex_to_cache(t)
+        cache = _complex_to_cache(t)
+        if cache.numel() and not float(_identity_distance(cache).max()) <= CACHE_IDENTITY_TOL:
+            raise RopeCacheError(
+                f"image_rotary_emb must be cos_sin_cache tensors: the {stream} complex frequencies "
+                f"{tuple(t.shape)} are not unit phasors (max ||f| ^ 2 - 1| = "
+                f"{float(_identity_distance(cache).max()):.3g}; RoPE's are polar(1, angle)). "
+                f"{_CONVERT_HINT}")
+        return cache
     if t.dim() != 2:
         raise RopeCacheError(
             f"image_rotary_emb must be cos_sin_cache tensors: the {stream} entry must be 2-D; got "

@@ -283,11 +283,15 @@ def test_convert_rejects_tables_wider_than_the_head(reference):
         to_cos_sin_caches((ic, is_, tc, ts), head_dim=32)
 
 
-def test_convert_degenerate_tables_use_head_dim_to_break_the_tie():
-    """All positions 0: cos == 1, sin == 0 fits both 'half width' and 'duplicated full width'."""
+def test_convert_degenerate_tables_decided_by_head_dim_or_refused():
+    """All positions 0: cos == 1, sin == 0 fits both 'half width' and 'duplicated full width'.
+    head_dim decides only when the half-width reading would not fit the head; otherwise both
+    readings are possible and the converter refuses instead of guessing."""
     ones, zeros = torch.ones(3, 64), torch.zeros(3, 64)
     assert to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=64).img.shape == (3, 64)
-    assert to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=128).img.shape == (3, 128)
+    for head_dim in (128, None):
+        with pytest.raises(RopeCacheError, match="read both as half width"):
+            to_cos_sin_caches((ones, zeros, ones, zeros), head_dim=head_dim)
 
 
 # ---------------------------------------------------------------------------------------------
