@@ -3,6 +3,9 @@
 Steps (TensorRT 10.x / 11.x Python API; the TensorRT calls are kept thin, the logic around them is
 in plain functions that run without TensorRT):
 
+0. without TensorRT (:func:`plan_build`): the options, the paths, the ONNX file (readable, its
+   QKNormRoPE nodes within the node contract, at least one of them), its description, the
+   profile and an explicit plugin library; only then is TensorRT required;
 1. load the plugin library: ``ctypes.CDLL(lib, RTLD_GLOBAL)`` for the self-registering library,
    ``IPluginRegistry.load_library`` for the version-compatible (VC) one, then check the registry
    has the ``QKNormRoPE`` / ``1`` / ``qkrope`` creator;
@@ -29,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
-from qkrope.sidecars import EngineInfo, EngineTensor, ModelInfo, PluginRecord, engine_tensors
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
+                             engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
 from qkrope._deps import require
 from qkrope._fileio import sha256_file, write_atomic
@@ -402,26 +406,81 @@ def plan_profile(model: ModelInfo, opts: BuildOptions) -> prof.Profile:
     return profile
 
 
+def check_options(opts: BuildOptions) -> None:
+    """The options' own values (no file, no TensorRT): sizes, levels, limits."""
+    for name, value in (("--max-batch", opts.max_batch), ("--max-img-tokens", opts.max_img_tokens),
+                        ("--max-txt-tokens", opts.max_txt_tokens),
+                        ("--workspace", opts.workspace_mib)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise prof.ProfileError(f"{name} must be >= 1; got {value!r}")
+    level = opts.builder_optimization_level
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int)
+                              or not 0 <= level <= 5):
+        raise EngineBuildError(f"--builder-optimization-level must be 0..5; got {level!r}")
+    if not opts.use_plugin and opts.version_compatible:
+        raise EngineBuildError("a version-compatible engine serialises the plugin library; "
+                               "it cannot be built without the plugin (use_plugin=False)")
+
+
+@dataclass
+class BuildPlan:
+    """Everything ``qkrope build`` decides before TensorRT is imported."""
+
+    onnx_path: Path
+    engine_path: Path
+    model: ModelInfo
+    profile: prof.Profile
+    node_names: list[str]
+    plugin_path: str | None
+
+
+def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
+               opts: BuildOptions) -> BuildPlan:
+    """Check the arguments and the model without TensorRT, in this order: the options, the
+    paths, the ONNX file (readable, its QKNormRoPE nodes within the node contract, at least one
+    when the plugin is used), its description and the profile, an explicit plugin library."""
+    check_options(opts)
+    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    if not onnx_path.is_file():
+        raise InputFileNotFoundError(f"{onnx_path} does not exist. Fix: export it with "
+                                     f"`qkrope export`")
+    resolved = {onnx_path.resolve(), sidecar_path(onnx_path).resolve()}
+    if engine_path.resolve() in resolved or engine_sidecar_path(engine_path).resolve() in resolved:
+        raise EngineBuildError(f"the engine {engine_path} would overwrite the model {onnx_path} "
+                               f"or its sidecar. Fix: pass -o MODEL.engine")
+    if engine_path.is_dir():
+        raise EngineBuildError(f"the engine path {engine_path} is a directory. Fix: pass -o "
+                               f"{engine_path / onnx_path.with_suffix('.engine').name}")
+    onnx_model = tu.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
+    model = ModelInfo.describe(onnx_path)
+    profile = plan_profile(model, opts)
+    plugin_path = None
+    if opts.use_plugin and opts.plugin:
+        plugin_path = str(resolve_plugin_library(
+            opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
+    return BuildPlan(onnx_path, engine_path, model, profile, tu.plugin_node_names(onnx_model),
+                     plugin_path)
+
+
 def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
                  opts: BuildOptions | None = None, *, log: TextIO | None = None) -> EngineInfo:
     """Build ``engine_path`` from ``onnx_path``; returns its sidecar (also written next to it).
 
-    With ``opts.use_plugin`` (default) the QKNormRoPE nodes must become plugin layers; without
-    it they must not (the function-body engine the benchmark compares against)."""
+    The arguments and the model are checked first (:func:`plan_build`), TensorRT is required
+    after that. With ``opts.use_plugin`` (default) the QKNormRoPE nodes must become plugin
+    layers; without it they must not (the function-body engine the benchmark compares
+    against)."""
     opts = opts or BuildOptions()
     log = log if log is not None else sys.stderr
-    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    plan = plan_build(onnx_path, engine_path, opts)
+    onnx_path, engine_path = plan.onnx_path, plan.engine_path
+    model, profile, node_names = plan.model, plan.profile, plan.node_names
     trt = import_tensorrt()
-    if not onnx_path.exists():
-        raise InputFileNotFoundError(f"{onnx_path} does not exist. Fix: export it with `qkrope export`")
-    model = ModelInfo.describe(onnx_path)
-    profile = plan_profile(model, opts)
-    node_names = tu.count_plugin_nodes(onnx_path)
-    if opts.use_plugin:
-        plugin_path: str | None = str(resolve_plugin_library(
-            opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
-    else:
-        plugin_path = None
+    plugin_path = plan.plugin_path
+    if opts.use_plugin and plugin_path is None:
+        plugin_path = str(resolve_plugin_library(
+            None, None, kind="vc" if opts.version_compatible else "plugin"))
 
     logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
     if plugin_path is not None:
@@ -468,7 +527,7 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     for name, levels in profile.items():
         trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
     config.add_optimization_profile(trt_profile)
-    if opts.workspace_mib:
+    if opts.workspace_mib is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
     if opts.builder_optimization_level is not None:
         config.builder_optimization_level = int(opts.builder_optimization_level)

@@ -98,6 +98,9 @@ class ModelIO:
     roles: dict[str, str] = field(default_factory=dict)  # role -> input name
     source: str = ""
     config: dict = field(default_factory=dict)  # the exporter's model config (sidecar)
+    # True when the dims' (lo, hi) bounds come from a TensorRT optimisation profile (a range the
+    # engine was built for), False for an ONNX model (any size >= 1)
+    profile_bounds: bool = False
 
     def input(self, name: str) -> TensorSpec:
         return next(s for s in self.inputs if s.name == name)
@@ -179,6 +182,11 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
         if not isinstance(t, torch.Tensor):
             raise RunnerInputError(f"{label} must be a torch.Tensor; got {type(t).__name__}. Fix: "
                                    f"torch.as_tensor(...)")
+        if t.layout != torch.strided:
+            kind = "sparse" if t.is_sparse or "sparse" in str(t.layout) else "non-strided"
+            raise RunnerInputError(
+                f"{label} is a {kind} tensor ({t.layout}, shape {tuple(t.shape)}); the model "
+                f"takes dense tensors. Fix: pass {label.split()[0]}.to_dense()")
         if t.device != device and not (t.device.type == device.type == "cuda"
                                        and _same_cuda(t.device, device)):
             raise RunnerInputError(
@@ -192,10 +200,16 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
                 + (" (True = attend; for a 1/0 float mask use mask > 0)"
                    if spec.dtype == "bool" else ""))
         if got_dtype != spec.dtype:
+            short = {v: k for k, v in dtypes.NAME_BY_SHORT.items()}
+            other = (f" (or re-export with `qkrope export --dtype {short[got_dtype]}` for "
+                     f"{got_dtype} activations)"
+                     if got_dtype in short and spec.dtype in short
+                     and role_of.get(spec.name) in ("hidden_states", "encoder_hidden_states")
+                     else "")
             raise RunnerInputError(
                 f"{label} has dtype {got_dtype}; the model expects {spec.dtype} (precision is fixed "
-                f"at export). Fix: pass {label.split()[0]}.to(torch.{spec.dtype}) or export the "
-                f"model in {got_dtype}")
+                f"at export). Fix: cast it to the model's dtype {spec.dtype}: "
+                f"{label.split()[0]}.to(torch.{spec.dtype}){other}")
         if t.dim() != spec.rank:
             raise RunnerInputError(f"{label} has shape {tuple(t.shape)} ({t.dim()}-D); the model "
                                    f"expects {spec.rank}-D {spec.describe()}. Fix: reshape it")
@@ -207,13 +221,24 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
                     f"{label} has shape {tuple(t.shape)}: {what} is {n}, the model's is {lo} "
                     f"(expected {spec.describe()}). Fix: feed tensors of the model this "
                     f"engine/ONNX file was exported from")
-            if n < lo or (hi is not None and n > hi):
-                axis = f" ({ax})" if ax else ""
+            axis = f" ({ax})" if ax else ""
+            if n < 1 <= lo:
+                raise RunnerInputError(
+                    f"{label} has shape {tuple(t.shape)}: dimension {i}{axis} is 0, and the "
+                    f"model needs at least 1 there (expected {spec.describe()}): an empty "
+                    f"{ax or 'dimension'} cannot run. Fix: pass at least one "
+                    f"{'batch item' if ax == 'batch' else 'element'} in dimension {i}")
+            if (n < lo or (hi is not None and n > hi)) and io.profile_bounds:
                 raise RunnerInputError(
                     f"{label} has shape {tuple(t.shape)}: dimension {i}{axis} = {n} is outside the "
                     f"range {lo}..{hi} this engine was built for (expected {spec.describe()}). Fix: "
                     f"rebuild with `qkrope build` and larger --max-batch/--max-img-tokens/"
                     f"--max-txt-tokens (or --min/--opt/--max shapes)")
+            if n < lo or (hi is not None and n > hi):
+                raise RunnerInputError(
+                    f"{label} has shape {tuple(t.shape)}: dimension {i}{axis} = {n} is outside "
+                    f"the model's range {lo}..{hi if hi is not None else ''} (expected "
+                    f"{spec.describe()}). Fix: pass a size in that range")
             if ax is not None:
                 if ax in axis_values and axis_values[ax][0] != n:
                     other_n, other = axis_values[ax]
@@ -245,8 +270,10 @@ def _check_cache_rows(io: ModelIO, feeds: Mapping[str, Any]) -> None:
     for cache_role, (act_role, stream) in _CACHE_STREAMS.items():
         cache = feeds.get(io.roles.get(cache_role, ""))
         act = feeds.get(io.roles.get(act_role, ""))
+        # only [batch, tokens, dim] activations have a token count (a 2-D tensor is a rank
+        # error, reported as such by the per-input check)
         if not (isinstance(cache, torch.Tensor) and isinstance(act, torch.Tensor)
-                and cache.dim() >= 1 and act.dim() >= 2):
+                and cache.dim() >= 1 and act.dim() == 3):
             continue
         rows, tokens = int(cache.shape[0]), int(act.shape[1])
         if rows < tokens:
@@ -455,10 +482,32 @@ def default_providers() -> list[str]:
             if "CUDAExecutionProvider" in avail else ["CPUExecutionProvider"])
 
 
-def onnx_model_io(path: str | os.PathLike, session=None) -> ModelIO:
+def _config_values(config: Mapping, source: str) -> tuple[int | None, list[int] | None]:
+    """(head_dim, axes_dims_rope) of a sidecar's model config, checked: a value of the wrong
+    type is a SidecarError naming the file and the field (not a ValueError deep in a call)."""
+    from qkrope.sidecars import ModelInfoError
+
+    def bad(key, value, expected):
+        raise ModelInfoError(f"{source}: config field {key!r} must be {expected}, got "
+                             f"{type(value).__name__} {value!r}. Fix: re-export with "
+                             f"`qkrope export`")
+
+    head_dim = config.get("head_dim")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)
+                                 or head_dim < 1):
+        bad("head_dim", head_dim, "a positive int")
+    axes = config.get("axes_dims_rope")
+    if axes is not None and (not isinstance(axes, (list, tuple)) or len(axes) != 3 or any(
+            isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in axes)):
+        bad("axes_dims_rope", axes, "a list of 3 non-negative ints")
+    return head_dim, (list(axes) if axes is not None else None)
+
+
+def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> ModelIO:
     """ModelIO of an ONNX file: names/dtypes/shapes from the graph (or a session), axis names and
-    head_dim from the sidecar when present."""
+    head_dim from the sidecar when present (``model``: the file's ModelProto, already read)."""
     desc = ModelInfo.describe(path)
+    sidecar_head_dim, _ = _config_values(desc.config, desc.source or str(path))
     inputs_src = [(t.name, t.dtype, t.shape) for t in desc.inputs]
     outputs_src = [(t.name, t.dtype, t.shape) for t in desc.outputs]
     if session is not None:
@@ -476,7 +525,7 @@ def onnx_model_io(path: str | os.PathLike, session=None) -> ModelIO:
                                              for d in o.shape]) for o in session.get_outputs()]
     inputs = [spec_from_shape(*t) for t in inputs_src]
     outputs = [spec_from_shape(*t) for t in outputs_src]
-    head_dim = desc.config.get("head_dim") or tu.head_dim_from_onnx(path)
+    head_dim = sidecar_head_dim or tu.head_dim_from_onnx(path, model)
     return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
                    source=desc.source or str(path), config=dict(desc.config))
 
@@ -490,6 +539,11 @@ class OrtRunner(Runner):
                  session_options=None, copy_outputs: bool = False):
         ort = require("onnxruntime", "the ONNX Runtime runner")
         self.path = str(path)
+        # First: a readable model whose QKNormRoPE nodes keep the node contract (the plugin
+        # creator would refuse what ONNX Runtime's function body would silently run), and a
+        # sidecar in its schema, before ONNX Runtime sees the file.
+        model = tu.checked_onnx_model(self.path)
+        onnx_model_io(self.path, model=model)
         self.providers = list(providers) if providers else default_providers()
         try:
             self.session = ort.InferenceSession(self.path, sess_options=session_options,
@@ -504,7 +558,8 @@ class OrtRunner(Runner):
                     f"or build a TensorRT engine") from exc
             raise
         self.onnx_codes = dtypes.ONNX_BY_NAME
-        super().__init__(onnx_model_io(self.path, self.session), copy_outputs=copy_outputs)
+        super().__init__(onnx_model_io(self.path, self.session, model=model),
+                         copy_outputs=copy_outputs)
         self._cuda_ok = "CUDAExecutionProvider" in self.session.get_providers()
 
     def _check_device(self, device: torch.device) -> None:
@@ -592,9 +647,10 @@ def engine_model_io(engine, trt, sidecar: EngineInfo | None, *, profile: int = 0
         else:
             outputs.append(spec_from_shape(name, dtype, shape_sym))
     config = dict(sidecar.config) if sidecar is not None else {}
-    head_dim = config.get("head_dim")
+    head_dim, _ = _config_values(config, sidecar.source if sidecar is not None else "the engine")
     return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
-                   source=sidecar.onnx if sidecar is not None else "the engine", config=config)
+                   source=sidecar.onnx if sidecar is not None else "the engine", config=config,
+                   profile_bounds=True)
 
 
 class TensorRTRunner(Runner):

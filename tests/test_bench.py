@@ -183,3 +183,39 @@ def test_plot_with_nothing_measured(tmp_path):
 def test_bad_arguments_are_one_line_errors(capsys):
     assert cli_main(["bench", "--sizes", "500", "--device", "cpu"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAVE_EXPORTER, reason="needs the exporter")
+@pytest.mark.parametrize("case", ["interleaved=5", "no-plugin_namespace"])
+def test_bench_checks_its_model_against_the_node_contract(tmp_path, monkeypatch, case):
+    """The exported model's QKNormRoPE nodes are validated before ONNX Runtime (or TensorRT)
+    opens it: a node outside the contract skips the rows with the attribute named."""
+    import onnxruntime as ort
+    from _bad_nodes import BAD_NODE_CASES, write_bad_copy
+    real_export = bench._export_onnx
+
+    def export_then_break(cfg, path):
+        info = real_export(cfg, path)
+        good = path.with_name("good.onnx")
+        path.rename(good)
+        path.with_name(path.name + ".json").rename(good.with_name("good.onnx.json"))
+        write_bad_copy(good, path, case)
+        return info
+
+    def refuse(*a, **k):
+        raise AssertionError("ONNX Runtime opened the model before the contract check")
+
+    monkeypatch.setattr(bench, "_export_onnx", export_then_break)
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cpu", seed=0, out=tmp_path)
+    rows = bench.run_bench(cfg, log=lambda s: None)
+    ort_row = next(r for r in rows if r.backend == "onnxruntime-cpu")
+    assert ort_row.status == "skipped" and BAD_NODE_CASES[case][0] in ort_row.reason, ort_row
+
+
+def test_cuda_device_without_gpu_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_main(["bench", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and err.count("\n") == 1

@@ -38,3 +38,84 @@ def test_fake_build_accepts_polygraphy_shapes(tmp_path, monkeypatch):
     build_app.run(args)
     assert seen["opts"].max_shapes == {"encoder_hidden_states": (2, 40, 32)}
     assert seen["opts"].min_shapes == {"encoder_hidden_states": (1, 1, 32)}
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments and the model before TensorRT (issue 10, classes 3 and 6): without TensorRT, every
+# one of these is reported as itself, in one line, and nothing is written
+# --------------------------------------------------------------------------------------------
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from _bad_nodes import BAD_NODE_CASES, BROKEN_FILES, write_bad_copy  # noqa: E402
+from _bad_nodes import write_broken_copy  # noqa: E402
+from _tiny_model import write_tiny_onnx  # noqa: E402
+
+
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+
+
+def _build(tmp_path, capsys, onnx_path, *extra):
+    from qkrope import cli
+
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc = cli.main(["build", str(onnx_path), "-o", str(tmp_path / "m.engine"), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "NGC TensorRT container" not in err, f"TensorRT was required first: {err}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+    return err
+
+
+@pytest.mark.parametrize("case", list(BAD_NODE_CASES))
+def test_build_refuses_nodes_that_break_the_contract(tmp_path, capsys, no_tensorrt, case):
+    good = write_tiny_onnx(tmp_path / "good.onnx")
+    bad, attribute, node = write_bad_copy(good, tmp_path / "bad.onnx", case)
+    err = _build(tmp_path, capsys, bad)
+    assert attribute in err and node in err
+
+
+@pytest.mark.parametrize("case", list(BROKEN_FILES))
+def test_build_unreadable_onnx_is_reported_without_tensorrt(tmp_path, capsys, no_tensorrt,
+                                                            case):
+    good = write_tiny_onnx(tmp_path / "good.onnx")
+    bad = write_broken_copy(good, tmp_path / "bad.onnx", case)
+    assert "not a readable ONNX model" in _build(tmp_path, capsys, bad)
+
+
+def test_build_model_without_qknorm_rope_nodes(tmp_path, capsys, no_tensorrt):
+    import onnx
+
+    path = write_tiny_onnx(tmp_path / "m.onnx")
+    model = onnx.load(str(path))
+    keep = [n for n in model.graph.node if n.op_type != "QKNormRoPE"]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    onnx.save(model, str(path))
+    assert "no QKNormRoPE nodes" in _build(tmp_path, capsys, path)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-img-tokens", "-4"], "--max-img-tokens must be >= 1"),
+    (["--max", "hidden_states:0x16x32"], "dimension < 1"),
+    (["--max", "hidden_states:2x16"], "hidden_states"),
+    (["--opt", "nosuchinput:1x2"], "nosuchinput"),
+    (["--plugin", "/nonexistent/libqkrope_plugin.so"], "does not exist"),
+    (["--workspace", "0"], "--workspace"),
+])
+def test_build_arguments_are_checked_before_tensorrt(tmp_path, capsys, no_tensorrt, args, match):
+    path = write_tiny_onnx(tmp_path / "m.onnx")
+    assert match in _build(tmp_path, capsys, path, *args)
+
+
+@pytest.mark.parametrize("sidecar", ["[]", '{"format": "qkrope-onnx", "format_version": 1}',
+                                     '{"format": "qkrope-engine", "format_version": 1}'])
+def test_build_wrong_shape_sidecar_is_one_line(tmp_path, capsys, no_tensorrt, sidecar):
+    path = write_tiny_onnx(tmp_path / "m.onnx")
+    Path(str(path) + ".json").write_text(sidecar)
+    assert "m.onnx.json" in _build(tmp_path, capsys, path)

@@ -158,3 +158,53 @@ def test_tensorrt_parity(good, tmp_path, capsys):
     assert main(["check", str(good), "--engine", str(engine), "--plugin", plugin]) == 0
     out = capsys.readouterr().out
     assert "tensorrt" in out and "PASSED" in out
+
+
+# --------------------------------------------------------------------------------------------
+# The node contract, unreadable files and bad sidecars: one line, before anything runs
+# (issue 10, classes 3 and 6)
+# --------------------------------------------------------------------------------------------
+
+from _bad_nodes import BAD_NODE_CASES, BROKEN_FILES, write_bad_copy  # noqa: E402
+from _bad_nodes import write_broken_copy  # noqa: E402
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """No runner or reference may start."""
+    def refuse(*a, **k):
+        raise AssertionError("a runner or the reference started before the model was checked")
+
+    monkeypatch.setattr(parity, "make_ort_runner", refuse)
+    monkeypatch.setattr(parity, "reference_outputs", refuse)
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("case", list(BAD_NODE_CASES))
+def test_check_refuses_nodes_that_break_the_contract(good, tmp_path, capsys, nothing_runs, case):
+    bad, attribute, node = write_bad_copy(good, tmp_path / "bad.onnx", case)
+    assert main(["check", str(bad)]) == 2
+    err = _one_line_error(capsys)
+    assert attribute in err and node in err
+
+
+@pytest.mark.parametrize("case", list(BROKEN_FILES))
+def test_check_unreadable_onnx_is_one_line(good, tmp_path, capsys, nothing_runs, case):
+    bad = write_broken_copy(good, tmp_path / "broken.onnx", case)
+    assert main(["check", str(bad)]) == 2
+    assert "not a readable ONNX model" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("sidecar", ["[]", '{"format": "qkrope-onnx", "format_version": 1, '
+                                           '"inputs": 5}', '"just a string"'])
+def test_check_wrong_shape_sidecar_is_one_line(good, tmp_path, capsys, nothing_runs, sidecar):
+    path = tmp_path / "m.onnx"
+    shutil.copy(good, path)
+    (tmp_path / "m.onnx.json").write_text(sidecar)
+    assert main(["check", str(path)]) == 2
+    assert "m.onnx.json" in _one_line_error(capsys)

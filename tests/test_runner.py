@@ -377,9 +377,8 @@ def test_bf16_model_on_cpu_provider_gets_clear_error(tmp_path, monkeypatch):
             raise RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an "
                                "implementation for MatMul(13) node with name 'node_MatMul_8'")
 
+    f = _write_bf16_identity_model(tmp_path / "m.onnx")
     monkeypatch.setattr(ort, "InferenceSession", NoKernel)
-    f = tmp_path / "m.onnx"
-    f.write_bytes(b"")
     with pytest.raises(rn.RunnerError, match="no bfloat16 MatMul.*CUDAExecutionProvider"):
         rn.load(f)
 
@@ -512,3 +511,97 @@ def test_runtime_plugin_resolution(tmp_path):
         assert resolve_plugin_library(other, record, check_hash="warn") == other
     with pytest.raises(FileNotFoundError, match="qkrope build-plugin"):
         resolve_plugin_library(tmp_path / "missing.so", record, check_hash="warn")
+
+
+# --------------------------------------------------------------------------------------------
+# The node contract and unreadable files, before ONNX Runtime sees the model (issue 10, 3 and 6)
+# --------------------------------------------------------------------------------------------
+
+from _bad_nodes import BAD_NODE_CASES, BROKEN_FILES, write_bad_copy  # noqa: E402
+from _bad_nodes import write_broken_copy  # noqa: E402
+
+
+def _no_session(monkeypatch):
+    import onnxruntime as ort
+
+    def refuse(*a, **k):
+        raise AssertionError("ONNX Runtime opened the model before the qkrope checks")
+
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+
+
+@pytest.mark.parametrize("case", list(BAD_NODE_CASES))
+def test_load_refuses_nodes_that_break_the_contract(exported, tmp_path, monkeypatch, case):
+    from qkrope.errors import QkropeError
+
+    bad, attribute, node = write_bad_copy(exported[0], tmp_path / "bad.onnx", case)
+    _no_session(monkeypatch)
+    with pytest.raises(QkropeError, match=attribute) as info:
+        rn.load(bad)
+    assert node in str(info.value)
+
+
+@pytest.mark.parametrize("case", list(BROKEN_FILES))
+def test_load_refuses_unreadable_onnx_files_clearly(exported, tmp_path, monkeypatch, case):
+    from qkrope.errors import QkropeError
+
+    bad = write_broken_copy(exported[0], tmp_path / "broken.onnx", case)
+    _no_session(monkeypatch)
+    with pytest.raises(QkropeError, match=r"not a readable ONNX model.*qkrope export"):
+        rn.load(bad)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d.update(inputs=5), "inputs"),
+    (lambda d: d.update(config=[1, 2]), "config"),
+    (lambda d: d["config"].update(head_dim="sixteen"), "head_dim"),
+    (lambda d: d["config"].update(axes_dims_rope="abc"), "axes_dims_rope"),
+])
+def test_load_wrong_shape_sidecar_is_a_sidecar_error(exported, tmp_path, edit, field):
+    import shutil
+
+    from qkrope.sidecars import SidecarError
+
+    path = tmp_path / "m.onnx"
+    shutil.copy(exported[0], path)
+    data = json.loads(Path(str(exported[0]) + ".json").read_text())
+    edit(data)
+    Path(str(path) + ".json").write_text(json.dumps(data))
+    with pytest.raises(SidecarError, match=field):
+        r = rn.load(path)
+        r.run_qwen(*inputs()[:2], img_shapes=IMG_SHAPES)
+
+
+def test_messages_say_the_right_fix(runner):
+    """2-D activations are a rank error (not a cache overflow), batch 0 on an ONNX model is not
+    an engine-profile problem, float64 is cast to the model's dtype, sparse tensors are made
+    dense."""
+    hs, ehs, caches = inputs()
+    with pytest.raises(rn.RunnerInputError, match="3-D") as info:
+        runner(hs[0], ehs, caches)
+    assert "rows" not in str(info.value) and "overflow" not in str(info.value)
+    with pytest.raises(rn.RunnerInputError, match="3-D"):
+        rn.check_inputs(runner.io, {runner.io.roles["hidden_states"]: hs[0]},
+                        device=torch.device("cpu"))
+    with pytest.raises(rn.RunnerInputError, match=r"batch.* 0.*at least 1") as info:
+        runner(hs[:0], ehs[:0], caches)
+    assert "qkrope build" not in str(info.value) and "engine" not in str(info.value)
+    with pytest.raises(rn.RunnerInputError, match=r"cast .*model's dtype float32.*"
+                                                  r"\.to\(torch\.float32\)") as info:
+        runner(hs.double(), ehs.double(), caches)
+    assert "export the model in float64" not in str(info.value)
+    for args in ((hs.to_sparse(), ehs, caches), (hs, ehs, caches,
+                                                 torch.ones(2, S_TXT, dtype=torch.bool).to_sparse())):
+        with pytest.raises(rn.RunnerInputError, match=r"sparse.*\.to_dense\(\)") as info:
+            runner(*args)
+        assert ".contiguous()" not in str(info.value)
+
+
+def test_engine_profile_range_still_says_rebuild():
+    """The 'rebuild with qkrope build' advice stays where it is right: a TensorRT profile."""
+    spec = rn.spec_from_shape("x", "float32", ["batch", 4], bounds=([1, 4], [2, 4]))
+    io = rn.ModelIO([spec], [], 16, {}, profile_bounds=True)
+    with pytest.raises(rn.RunnerInputError, match="qkrope build"):
+        rn.check_inputs(io, {"x": torch.zeros(3, 4)}, device=torch.device("cpu"))
+    with pytest.raises(rn.RunnerInputError, match="at least 1"):
+        rn.check_inputs(io, {"x": torch.zeros(0, 4)}, device=torch.device("cpu"))

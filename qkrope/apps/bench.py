@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 from qkrope import dtypes
 from qkrope.errors import InputError
 from qkrope.runtime.caches import default_axes_dims
+from qkrope.runtime.trt_utils import checked_onnx_model
 
 from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens, machine_info, peak_gbps, summarize, time_interleaved)
 
@@ -454,6 +455,13 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
         export_error = ""
     except Exception as exc:  # noqa: BLE001
         info, export_error = None, f"ONNX export failed ({type(exc).__name__}: {exc})"[:300]
+    if info is not None:
+        # like every consumer of an ONNX file: its QKNormRoPE nodes within the node contract
+        # before ONNX Runtime or TensorRT opens it
+        try:
+            checked_onnx_model(onnx_path, require_nodes=True)
+        except Exception as exc:  # noqa: BLE001
+            info, export_error = None, f"exported model refused ({type(exc).__name__}: {exc})"[:300]
 
     def skip_or(names, make):
         """``make()`` -> backends, or every row of ``names`` skipped with the reason."""
@@ -583,7 +591,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.startswith("cuda")
     if gpu and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {device} requested but torch sees no CUDA GPU "
+        raise InputError(f"--device {device} requested but torch sees no CUDA GPU "
                            f"(torch {torch.__version__}); use --device cpu")
     dtype = dtypes.canonical(args.dtype) if args.dtype else ("bfloat16" if gpu else "float32")
     cfg = Config(

@@ -2,10 +2,11 @@
 
 Steps:
 
-1. Read the sidecar (:class:`qkrope.sidecars.ModelInfo`) and generate deterministic
-   inputs for the requested sizes (default: sizes *other* than the export sample, with edit
-   images, batch 2 and a text mask), including the correct caches from
-   ``build_qwen_rope_caches``.
+1. Read the model and check its QKNormRoPE nodes against the node contract
+   (:func:`qkrope.runtime.trt_utils.checked_onnx_model`), then read the sidecar
+   (:class:`qkrope.sidecars.ModelInfo`) and generate deterministic inputs for the requested
+   sizes (default: sizes *other* than the export sample, with edit images, batch 2 and a text
+   mask), including the correct caches from ``build_qwen_rope_caches``.
 2. Reference outputs from PyTorch: the attention block is rebuilt from the sidecar (the same
    seeded weights or the ``--weights`` file it names; the reference is the source model, so an
    ONNX file whose weights were changed fails); a transformer is diffusers' own
@@ -52,6 +53,7 @@ from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 from qkrope.runtime.inputs import from_ort_value, make_inputs, to_ort_value, to_torch
+from qkrope.runtime.trt_utils import checked_onnx_model
 from qkrope.sidecars import ModelInfo
 
 from .measure import CheckRow, format_check_table
@@ -336,6 +338,9 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     engine = str(engine) if engine else None
     plugin = str(plugin) if plugin else None
     validate_arguments(onnx_path, engine=engine, plugin=plugin, onnxrt=onnxrt)
+    # First: a readable ONNX file whose QKNormRoPE nodes keep the node contract (the TensorRT
+    # plugin would refuse what ONNX Runtime's function body would run), then its sidecar.
+    checked_onnx_model(onnx_path)
     info = ModelInfo.load(onnx_path)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
     runners = [make_ort_runner(onnx_path, info.dtype, providers)] if onnxrt else []
