@@ -4,7 +4,14 @@ Layout written (one model directory, created atomically)::
 
     REPO/<name>/config.pbtxt             platform "tensorrt_plan", I/O from the engine's sidecar
     REPO/<name>/1/model.plan             copy of the engine
-    REPO/<name>/libqkrope_plugin.so      copy of the plugin library (unless --no-copy-plugin)
+    REPO/<name>/libqkrope_plugin.so      copy of the plugin library (unless --no-copy-plugin);
+                                         libqkrope_vc_plugin.so for a version-compatible engine,
+                                         nothing for an engine built without the plugin
+
+Only an engine with its engine sidecar (``M.engine.json``, :class:`EngineInfo`) is accepted: an
+ONNX model (by suffix or content) is refused, and the plugin library must match the sha256 the
+sidecar records (``--no-plugin-hash-check`` to skip). A version-compatible engine carries its VC
+plugin; the printed command adds ``--backend-config=tensorrt,version-compatible=true``.
 
 The plugin library is a *file* in the model directory, not a ``REPO/plugins/`` folder: Triton
 treats every sub-directory of a model repository as a model and, with the default
@@ -39,9 +46,11 @@ from qkrope import dtypes
 from qkrope.errors import QkropeError
 from qkrope.sidecars import EngineInfo
 
-from .plugin_build import PluginNotBuiltError, resolve_plugin_library
+from . import trt_utils as tu
+from .plugin_build import LIBRARY_FILES, PluginNotBuiltError, resolve_plugin_library
 
-PLUGIN_FILE_NAME = "libqkrope_plugin.so"
+PLUGIN_FILE_NAME = LIBRARY_FILES["plugin"][0]      # libqkrope_plugin.so
+VC_PLUGIN_FILE_NAME = LIBRARY_FILES["vc"][0]       # libqkrope_vc_plugin.so
 
 class TritonRepoError(QkropeError, RuntimeError):
     """Bad input for ``qkrope triton-repo`` (the message says what was found and the fix)."""
@@ -69,12 +78,44 @@ def default_model_name(engine: os.PathLike | str) -> str:
     return Path(engine).stem
 
 
-def load_engine_sidecar(engine: os.PathLike | str) -> EngineInfo:
-    """The engine's sidecar (:meth:`EngineInfo.load`), after checking the engine file exists."""
+def _looks_like_onnx(path: Path) -> bool:
+    """The first bytes of a ModelProto as onnx writes it: ir_version (field 1, a small varint),
+    then another ModelProto field in order (producer_name ... opset_import)."""
+    with open(path, "rb") as f:
+        head = f.read(3)
+    return (len(head) == 3 and head[0] == 0x08 and 1 <= head[1] <= 64
+            and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42))
+
+
+def check_engine_file(engine: os.PathLike | str) -> None:
+    """Refuse what is not a TensorRT engine: a missing or empty file, an ONNX model (by its
+    suffix or its content; its QKNormRoPE nodes are checked against the node contract first,
+    like every consumer of an ONNX file does)."""
     engine = Path(engine)
     if not engine.is_file():
         raise TritonRepoError(f"engine file not found: {engine}. Build one first: "
                               "qkrope build MODEL.onnx -o MODEL.engine --plugin LIB")
+    fix = (f"Fix: build the engine with `qkrope build {engine} -o "
+           f"{engine.with_suffix('.engine').name}` and pass that engine")
+    if engine.suffix.lower() == ".onnx" or _looks_like_onnx(engine):
+        try:
+            tu.checked_onnx_model(engine)
+        except tu.OnnxModelError:
+            if engine.suffix.lower() != ".onnx":
+                return  # a plan whose first bytes happen to look like ONNX
+            raise TritonRepoError(f"{engine} is not a TensorRT engine (an .onnx file). "
+                                  f"{fix}") from None
+        raise TritonRepoError(f"{engine} is an ONNX model, not a TensorRT engine: Triton's "
+                              f"tensorrt_plan platform serves serialised engines. {fix}")
+    if engine.stat().st_size == 0:
+        raise TritonRepoError(f"{engine} is empty, not a TensorRT engine. Fix: rebuild it with "
+                              f"`qkrope build`")
+
+
+def load_engine_sidecar(engine: os.PathLike | str) -> EngineInfo:
+    """The engine's sidecar (:meth:`EngineInfo.load`: an engine sidecar, not a model's), after
+    checking the engine file is one (:func:`check_engine_file`)."""
+    check_engine_file(engine)
     return EngineInfo.load(engine)
 
 
@@ -166,13 +207,53 @@ class RepoResult:
     model_dir: Path
     config_path: Path
     plan_path: Path
-    plugin_path: Path
+    plugin_path: Path | None  # None: a function-body engine, no plugin
     command: str
+    version_compatible: bool = False
 
 
-def server_command(repo: Path, plugin_path: Path) -> str:
-    return (f"tritonserver --model-repository={repo.resolve()} "
-            f"--backend-config=tensorrt,plugins=\"{plugin_path.resolve()}\"")
+def server_command(repo: Path, plugin_path: Path | None, *,
+                   version_compatible: bool = False, plugin_in_engine: bool = False) -> str:
+    """The tritonserver line: the plugin library for the TensorRT backend to dlopen (not for a
+    version-compatible engine that carries its plugin, nor for an engine without one), and
+    ``version-compatible=true`` for a version-compatible engine (TensorRT must be allowed to run
+    the host code serialised in it)."""
+    parts = [f"tritonserver --model-repository={repo.resolve()}"]
+    if plugin_path is not None and not (version_compatible and plugin_in_engine):
+        parts.append(f"--backend-config=tensorrt,plugins=\"{plugin_path.resolve()}\"")
+    if version_compatible:
+        parts.append("--backend-config=tensorrt,version-compatible=true")
+    return " ".join(parts)
+
+
+def resolve_engine_plugin(info: EngineInfo, plugin: os.PathLike | str | None, *,
+                          check_plugin_hash: bool = True) -> Path | None:
+    """The plugin library to serve ``info``'s engine with, checked against the engine sidecar's
+    record (sha256) unless ``check_plugin_hash`` is False; None for an engine built without the
+    plugin. A version-compatible engine takes the VC library."""
+    if info.plugin is None:
+        if info.plugin_layers:
+            raise TritonRepoError(
+                f"{info.source}: the engine has {info.plugin_layers} plugin layers but its "
+                f"sidecar records no plugin library, so the library to serve it with cannot be "
+                f"checked. Fix: rebuild the engine with `qkrope build`")
+        if plugin is not None:
+            raise TritonRepoError(f"the engine was built without the plugin ({info.source} "
+                                  f"records none); drop --plugin")
+        return None
+    if check_plugin_hash and not info.plugin.sha256:
+        raise TritonRepoError(
+            f"{info.source} records no sha256 of the plugin library the engine was built with, "
+            f"so the library to serve it with cannot be checked. Fix: rebuild the engine with "
+            f"`qkrope build` (it records the hash), or pass --no-plugin-hash-check if you know "
+            f"the library is the right one")
+    kind = "vc" if info.version_compatible else "plugin"
+    try:
+        return resolve_plugin_library(None if plugin is None else str(plugin), info.plugin,
+                                      kind=kind,
+                                      check_hash="error" if check_plugin_hash else "off")
+    except PluginNotBuiltError as exc:
+        raise TritonRepoError(f"plugin library not found: {exc}") from None
 
 
 def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
@@ -189,12 +270,10 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     if not name or "/" in name or name.startswith("."):
         raise TritonRepoError(f"invalid model name {name!r}: Triton model names are directory "
                               "names; pass --name")
-    try:
-        plugin_src = resolve_plugin_library(None if plugin is None else str(plugin), info.plugin,
-                                            kind="plugin",
-                                            check_hash="error" if check_plugin_hash else "off")
-    except PluginNotBuiltError as exc:
-        raise TritonRepoError(f"plugin library not found: {exc}") from None
+    plugin_src = resolve_engine_plugin(info, plugin, check_plugin_hash=check_plugin_hash)
+    vc = bool(info.version_compatible)
+    plugin_name = VC_PLUGIN_FILE_NAME if vc else PLUGIN_FILE_NAME
+    copy_plugin = copy_plugin and plugin_src is not None
     text = render_config(name, info, max_batch_size=max_batch_size, instances=instances)
     try:
         parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
@@ -217,7 +296,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
         shutil.copyfile(engine, staged / "1" / "model.plan")
         (staged / "config.pbtxt").write_text(text)
         if copy_plugin:
-            shutil.copy2(plugin_src, staged / PLUGIN_FILE_NAME)
+            shutil.copy2(plugin_src, staged / plugin_name)
         repo.mkdir(parents=True, exist_ok=True)
         old = None
         if target.exists():
@@ -231,6 +310,9 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    plugin_final = (target / PLUGIN_FILE_NAME) if copy_plugin else plugin_src
+    plugin_final = (target / plugin_name) if copy_plugin else plugin_src
+    in_engine = bool(info.plugin and info.plugin.serialized_in_engine)
     return RepoResult(target, target / "config.pbtxt", target / "1" / "model.plan",
-                      plugin_final.resolve(), server_command(repo, plugin_final))
+                      plugin_final.resolve() if plugin_final is not None else None,
+                      server_command(repo, plugin_final, version_compatible=vc,
+                                     plugin_in_engine=in_engine), version_compatible=vc)

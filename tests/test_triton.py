@@ -263,3 +263,120 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
     assert (repo / "attn" / "marker").read_text() == "old"  # the old model is back
     assert sorted(p.name for p in repo.iterdir()) == ["attn"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".repo.")]  # temp removed
+
+
+# --------------------------------------------------------------------------------------------
+# Only engines with their engine sidecar; the plugin checked by hash; VC engines (issue 10, 7)
+# --------------------------------------------------------------------------------------------
+
+from _bad_nodes import BAD_NODE_CASES, write_bad_copy  # noqa: E402
+from _tiny_model import write_tiny_onnx  # noqa: E402
+
+
+def _refused(capsys, tmp_path, *args):
+    rc = cli_main(["triton-repo", *args, "-o", str(tmp_path / "repo")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "repo").exists()
+    return err
+
+
+def test_an_onnx_model_is_not_an_engine(engine, tmp_path, capsys):
+    """`--engine m.onnx` (with its ONNX sidecar m.onnx.json) is refused, and so is an ONNX file
+    renamed .engine next to a genuine engine sidecar; nothing is written."""
+    eng, plugin = engine
+    model = write_tiny_onnx(tmp_path / "m.onnx")
+    err = _refused(capsys, tmp_path, "--engine", str(model), "--plugin", str(plugin))
+    assert "not a TensorRT engine" in err and "qkrope build" in err
+    disguised = tmp_path / "disguised.engine"
+    disguised.write_bytes(model.read_bytes())
+    Path(str(disguised) + ".json").write_text(Path(str(eng) + ".json").read_text())
+    err = _refused(capsys, tmp_path, "--engine", str(disguised), "--plugin", str(plugin))
+    assert "ONNX model" in err and "not a TensorRT engine" in err
+    empty = tmp_path / "empty.engine"
+    empty.write_bytes(b"")
+    Path(str(empty) + ".json").write_text(Path(str(eng) + ".json").read_text())
+    assert "empty" in _refused(capsys, tmp_path, "--engine", str(empty), "--plugin",
+                               str(plugin))
+
+
+@pytest.mark.parametrize("case", list(BAD_NODE_CASES))
+def test_an_onnx_model_with_bad_nodes_names_the_attribute(tmp_path, capsys, case):
+    good = write_tiny_onnx(tmp_path / "good.onnx")
+    bad, attribute, node = write_bad_copy(good, tmp_path / "bad.onnx", case)
+    err = _refused(capsys, tmp_path, "--engine", str(bad))
+    assert attribute in err and node in err
+
+
+def test_an_onnx_sidecar_next_to_an_engine_is_refused(engine, tmp_path, capsys):
+    eng, plugin = engine
+    Path(str(eng) + ".json").write_text(json.dumps(
+        {"format": "qkrope-onnx", "format_version": 1}))
+    assert "qkrope-engine" in _refused(capsys, tmp_path, "--engine", str(eng), "--plugin",
+                                       str(plugin))
+
+
+@pytest.mark.parametrize("sidecar", ["[]", '{"format": "qkrope-engine", "format_version": 1, '
+                                           '"inputs": 3}', "not json"])
+def test_wrong_shape_engine_sidecar_is_one_line(engine, tmp_path, capsys, sidecar):
+    eng, plugin = engine
+    Path(str(eng) + ".json").write_text(sidecar)
+    assert "attn.engine.json" in _refused(capsys, tmp_path, "--engine", str(eng), "--plugin",
+                                          str(plugin))
+
+
+def _edit_sidecar(eng, edit):
+    path = Path(str(eng) + ".json")
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_the_plugin_must_be_checked_against_the_sidecar(engine, tmp_path, monkeypatch):
+    """No sha256 recorded, or a plugin engine with no plugin record: the library cannot be
+    checked, so it is refused (whatever is in build/plugins); --no-plugin-hash-check allows it."""
+    eng, plugin = engine
+    monkeypatch.setenv("QKROPE_PLUGIN_LIB", str(plugin))  # "whatever is in build/plugins"
+    _edit_sidecar(eng, lambda d: d["plugin"].update(sha256=None))
+    with pytest.raises(triton.TritonRepoError, match="no sha256"):
+        triton.write_repository(eng, tmp_path / "r")
+    with pytest.raises(triton.TritonRepoError, match="no sha256"):
+        triton.write_repository(eng, tmp_path / "r", plugin=plugin)
+    assert not (tmp_path / "r").exists()
+    triton.write_repository(eng, tmp_path / "r", check_plugin_hash=False)
+    _edit_sidecar(eng, lambda d: d.update(plugin=None))  # plugin_layers stays 2
+    with pytest.raises(triton.TritonRepoError, match="2 plugin layers.*no plugin"):
+        triton.write_repository(eng, tmp_path / "r2", plugin=plugin)
+
+
+def test_a_function_body_engine_needs_no_plugin(engine, tmp_path, monkeypatch):
+    eng, plugin = engine
+    monkeypatch.setenv("QKROPE_PLUGIN_LIB", str(plugin))
+    _edit_sidecar(eng, lambda d: d.update(plugin=None, plugin_layers=0))
+    res = triton.write_repository(eng, tmp_path / "r")
+    assert res.plugin_path is None and "plugins=" not in res.command
+    assert sorted(p.name for p in res.model_dir.iterdir()) == ["1", "config.pbtxt"]
+    with pytest.raises(triton.TritonRepoError, match="without the plugin"):
+        triton.write_repository(eng, tmp_path / "r2", plugin=plugin)
+
+
+def test_version_compatible_engine_gets_the_vc_library_and_flag(engine, tmp_path, capsys):
+    eng, plugin = engine
+    vc = tmp_path / "build" / "libqkrope_vc_plugin.so"
+    vc.write_bytes(b"\x7fELF fake VC plugin")
+    sha = hashlib.sha256(vc.read_bytes()).hexdigest()
+    _edit_sidecar(eng, lambda d: d.update(version_compatible=True, plugin={
+        "path": str(vc), "sha256": sha, "serialized_in_engine": True}))
+    repo = tmp_path / "repo"
+    assert cli_main(["triton-repo", "--engine", str(eng), "-o", str(repo)]) == 0
+    model = repo / "attn"
+    assert sorted(p.name for p in model.iterdir()) == ["1", "config.pbtxt",
+                                                       "libqkrope_vc_plugin.so"]
+    assert (model / "libqkrope_vc_plugin.so").read_bytes() == vc.read_bytes()
+    out = capsys.readouterr().out
+    assert "--backend-config=tensorrt,version-compatible=true" in out
+    assert "libqkrope_vc_plugin.so" in out and triton.PLUGIN_FILE_NAME + "," not in out
+    # the static library is not the VC one the engine was built with
+    with pytest.raises(PluginMismatchError):
+        triton.write_repository(eng, tmp_path / "r2", plugin=plugin)

@@ -42,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
                            max_batch_size=args.max_batch_size, instances=args.instances,
                            force=args.force, copy_plugin=args.copy_plugin,
                            check_plugin_hash=args.check_plugin_hash)
-    print(f"wrote {res.model_dir}/ (config.pbtxt, 1/model.plan"
-          f"{', ' + triton.PLUGIN_FILE_NAME if args.copy_plugin else ''})")
+    plugin = (f", {res.plugin_path.name}" if res.plugin_path is not None
+              and res.plugin_path.parent == res.model_dir.resolve() else "")
+    print(f"wrote {res.model_dir}/ (config.pbtxt, 1/model.plan{plugin})")
     print("serve it with:")
     print(f"  {res.command}")
     sys.stdout.flush()
