@@ -25,3 +25,8 @@ __all__ = [
 from .runner import Runner, RunnerError, RunnerInputError, load  # noqa: E402
 
 __all__ += ["load", "Runner", "RunnerError", "RunnerInputError"]
+
+# Drop-in for diffusers' QwenImageTransformer2DModel in pipelines (diffusers imported lazily).
+from .transformer import QwenImageTransformer, load_transformer  # noqa: E402
+
+__all__ += ["QwenImageTransformer", "load_transformer"]

@@ -1,0 +1,192 @@
+"""A drop-in for diffusers' ``QwenImageTransformer2DModel`` backed by an exported model.
+
+``pipe.transformer = load_transformer("transformer.onnx")`` (ONNX Runtime, any provider) or
+``load_transformer("transformer.engine")`` (TensorRT) gives diffusers' ``QwenImagePipeline`` and
+``QwenImageEditPipeline`` what they use of a transformer, with nothing else changed:
+
+- ``config``: the diffusers config recorded in the export's sidecar (``in_channels``,
+  ``guidance_embeds``, ``axes_dims_rope``, ...), as a diffusers ``FrozenDict`` (attribute and key
+  access);
+- ``dtype`` and ``device`` of the exported model;
+- ``cache_context(name)``: a no-op context (nothing is cached between calls);
+- ``forward`` / ``__call__`` with diffusers' signature and return type: ``img_shapes`` in
+  diffusers' per-batch form (``[[(1, h, w), ...]] * batch``; every item the same, since the RoPE
+  caches have no batch axis), ``txt_seq_lens`` where an installed diffusers still passes it,
+  ``guidance``, ``attention_kwargs``, ``return_dict``.
+
+The RoPE caches are built (and memoised) from ``img_shapes`` and the text length by
+:func:`qkrope.runtime.build_qwen_rope_caches` and every input is validated before anything
+runs. Outputs are tensors the caller owns (a true-CFG pipeline keeps the conditional prediction
+while it computes the unconditional one). What the exported graph cannot honour is refused with
+a clear error, never ignored: ControlNet residuals, additional timestep conditioning, a LoRA
+scale or any other ``attention_kwargs``, a ``guidance`` value for a model exported without
+guidance embeddings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from qkrope import dtypes
+from qkrope._deps import require
+from qkrope.errors import InputError, QkropeError
+
+from .caches import QWEN_AXES_DIM, build_qwen_rope_caches
+from .runner import Runner, load
+
+
+class TransformerLoadError(QkropeError, ValueError):
+    """The file is not an exported diffusers transformer (an attention block, or no config)."""
+
+
+class QwenImageTransformer:
+    """What diffusers' Qwen-Image pipelines call on ``pipe.transformer``, run by a qkrope runner
+    (see the module docstring). Build it with :func:`load_transformer`."""
+
+    def __init__(self, runner: Runner, *, device: torch.device | str | None = None):
+        io = runner.io
+        cfg = io.config.get("diffusers_config")
+        if not isinstance(cfg, Mapping) or "timestep" not in io.roles:
+            raise TransformerLoadError(
+                f"{io.source} is not an exported diffusers transformer (its sidecar has "
+                f"{'no diffusers_config' if not isinstance(cfg, Mapping) else 'no timestep input'}"
+                f"; an attention block cannot stand in for a pipeline's transformer). Fix: export "
+                f"with `qkrope export --model transformer --diffusers DIR`.")
+        layers = io.config.get("num_layers_exported")
+        total = cfg.get("num_layers")
+        if layers is not None and total is not None and int(layers) != int(total):
+            raise TransformerLoadError(
+                f"{io.source} holds {layers} of the model's {total} transformer blocks (exported "
+                f"with --layers), so it is not the whole transformer a pipeline needs. Fix: "
+                f"export without --layers.")
+        self._runner = runner
+        self.config = _frozen_config(cfg)
+        self.dtype = dtypes.torch_dtype(io.input(io.roles["hidden_states"]).dtype)
+        self.device = torch.device(device) if device is not None else _runner_device(runner)
+        self._axes_dim = tuple(cfg.get("axes_dims_rope") or QWEN_AXES_DIM)
+
+    # what the pipelines use of a ModelMixin -------------------------------------------------
+    @contextlib.contextmanager
+    def cache_context(self, name: str):
+        """diffusers' cache hook (first-block caching, ...): nothing is cached here."""
+        yield
+
+    def eval(self) -> "QwenImageTransformer":
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                encoder_hidden_states_mask: torch.Tensor = None, timestep: torch.Tensor = None,
+                img_shapes: Sequence | None = None, txt_seq_lens: Sequence[int] | None = None,
+                guidance: torch.Tensor | None = None, attention_kwargs: Mapping | None = None,
+                controlnet_block_samples=None, additional_t_cond=None, return_dict: bool = True):
+        """diffusers' ``QwenImageTransformer2DModel.forward``: returns
+        ``Transformer2DModelOutput(sample=...)`` or ``(sample,)`` with ``return_dict=False``."""
+        self._refuse_unsupported(guidance, attention_kwargs, controlnet_block_samples,
+                                 additional_t_cond)
+        if encoder_hidden_states is None or timestep is None or img_shapes is None:
+            missing = [n for n, v in (("encoder_hidden_states", encoder_hidden_states),
+                                      ("timestep", timestep), ("img_shapes", img_shapes)) if v is None]
+            raise InputError(f"the transformer needs {', '.join(missing)} (diffusers' pipelines "
+                             f"pass them); got None")
+        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3:
+            raise InputError(f"encoder_hidden_states must be [batch, text_tokens, "
+                             f"{self.config.get('joint_attention_dim')}]; got "
+                             f"{getattr(encoder_hidden_states, 'shape', type(encoder_hidden_states))}")
+        txt = int(encoder_hidden_states.shape[1])
+        if txt_seq_lens is not None:
+            lens = [int(n) for n in txt_seq_lens]
+            if any(n < 0 or n > txt for n in lens):
+                raise InputError(f"txt_seq_lens {lens} exceed the {txt} text tokens of "
+                                 f"encoder_hidden_states")
+        if isinstance(timestep, torch.Tensor) and timestep.dim() == 0:
+            timestep = timestep.expand(hidden_states.shape[0])
+        if isinstance(timestep, torch.Tensor):
+            timestep = timestep.to(self.dtype)
+        mask = encoder_hidden_states_mask
+        if mask is not None and isinstance(mask, torch.Tensor):
+            mask = mask.to(torch.bool)  # diffusers passes 1/0 integers: True = attend
+        caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=self._axes_dim,
+                                        device=hidden_states.device
+                                        if isinstance(hidden_states, torch.Tensor) else None)
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3 \
+                and caches.img.shape[0] != hidden_states.shape[1]:
+            raise InputError(
+                f"img_shapes {img_shapes} give {caches.img.shape[0]} image tokens but "
+                f"hidden_states has {hidden_states.shape[1]}: img_shapes are the latent patch "
+                f"grids (frames, height / vae_scale / 2, width / vae_scale / 2) of the images")
+        # copy_outputs: the caller owns the result (a reused buffer would make true CFG's
+        # conditional and unconditional predictions the same tensor)
+        sample = self._runner(hidden_states, encoder_hidden_states, caches, mask, timestep)
+        sample = sample.clone() if not self._runner.copy_outputs else sample
+        if not return_dict:
+            return (sample,)
+        outputs = require("diffusers.models.modeling_outputs",
+                          "returning diffusers' Transformer2DModelOutput")
+        return outputs.Transformer2DModelOutput(sample=sample)
+
+    def _refuse_unsupported(self, guidance, attention_kwargs, controlnet_block_samples,
+                            additional_t_cond) -> None:
+        if controlnet_block_samples is not None:
+            raise InputError("controlnet_block_samples: the exported transformer has no ControlNet "
+                             "residual inputs. Fix: run a ControlNet pipeline on the PyTorch model")
+        if additional_t_cond is not None:
+            raise InputError("additional_t_cond: the exported transformer takes no additional "
+                             "timestep conditioning (use_additional_t_cond models are not exported)")
+        if guidance is not None:
+            why = ("this transformer was exported without guidance embeddings "
+                   "(guidance_embeds=False), so the value cannot be honoured. Fix: call the "
+                   "pipeline without guidance_scale"
+                   if not self.config.get("guidance_embeds", False) else
+                   "guidance-distilled Qwen-Image models are not exported by qkrope yet (the "
+                   "graph has no guidance input)")
+            raise InputError(f"guidance was given, but {why}")
+        if attention_kwargs:
+            scale = attention_kwargs.get("scale", 1.0) if isinstance(attention_kwargs, Mapping) else None
+            others = sorted(set(attention_kwargs) - {"scale"}) if isinstance(attention_kwargs, Mapping) else [attention_kwargs]
+            if others or scale != 1.0:
+                raise InputError(
+                    f"attention_kwargs {dict(attention_kwargs) if isinstance(attention_kwargs, Mapping) else attention_kwargs!r} "
+                    f"cannot be honoured by an exported graph (a LoRA scale or processor arguments "
+                    f"change weights or code that were fixed at export). Fix: fuse the LoRA into "
+                    f"the weights and re-export, or drop attention_kwargs")
+
+    def __repr__(self) -> str:
+        return (f"QwenImageTransformer({self._runner.io.source}, backend={self._runner.backend}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+
+def _frozen_config(cfg: Mapping[str, Any]):
+    try:
+        from diffusers.configuration_utils import FrozenDict
+    except ImportError:  # diffusers is what uses the config; without it a plain mapping will do
+        return dict(cfg)
+    return FrozenDict({k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()})
+
+
+def _runner_device(runner: Runner) -> torch.device:
+    if runner.backend == "tensorrt":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cuda")
+    providers = getattr(runner, "providers", None) or []
+    names = [p if isinstance(p, str) else p[0] for p in providers]
+    return torch.device("cuda") if names and names[0] == "CUDAExecutionProvider" else torch.device("cpu")
+
+
+def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
+                     providers: Sequence | None = None,
+                     device: torch.device | str | None = None) -> QwenImageTransformer:
+    """Open an exported diffusers transformer (``.onnx``: ONNX Runtime with ``providers``;
+    ``.engine``/``.plan``: TensorRT with the QKNormRoPE ``plugin``) as a drop-in for
+    ``pipe.transformer`` (module docstring)."""
+    return QwenImageTransformer(load(path, plugin=plugin, providers=providers), device=device)
+
+
+__all__ = ["QwenImageTransformer", "TransformerLoadError", "load_transformer"]
