@@ -1,19 +1,10 @@
 """A diffusers Qwen-Image pipeline runs on the exported transformer with nothing else changed:
 ``pipe.transformer = qkrope.runtime.load_transformer("transformer.onnx")``.
 
-A tiny random QwenImagePipeline is built in code (tiny QwenImageTransformer2DModel, tiny
-AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler; the text encoder is bypassed with
-prompt_embeds / prompt_embeds_mask; nothing is downloaded) and run twice from the same seed: with
-the PyTorch transformer and with its ONNX export through ONNX Runtime.
-
-Bound on the latents, derived: the exported transformer's output differs from diffusers' by the
-fp32 summation orders of ONNX Runtime's and PyTorch's kernels, <= 1e-4 x max|output|
-(tests/test_transformer_export.py). A flow-matching Euler step adds (sigma_next - sigma) x output
-to the latents and the sigmas travel at most 1 in total, so the latents carry at most that error
-over all steps; true CFG combines two predictions as neg + s (pos - neg), which amplifies an error
-by at most (1 + 2 s) before diffusers rescales it to the conditional prediction's norm. The
-predictions are of the latents' magnitude (unit-variance noise at the start), so
-|latents - reference| <= 1e-4 (1 + 2 s) max|reference| with s = 1 without true CFG.
+The tiny random QwenImagePipeline of qkrope.apps.tiny_pipeline (built in code, text encoder
+bypassed with prompt embeddings, nothing downloaded) runs twice from the same seed: with the
+PyTorch transformer and with its ONNX export through ONNX Runtime. The latents must agree within
+tiny_pipeline.latent_bound, whose derivation is written beside it.
 """
 
 from __future__ import annotations
@@ -24,54 +15,34 @@ import torch
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 pytest.importorskip("transformers", reason="QwenImagePipeline requires transformers (test extras)")
 
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.cli import main  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.runtime import load_transformer  # noqa: E402
 from qkrope.runtime.transformer import TransformerLoadError  # noqa: E402
 
-CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
-              num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(8, 12, 12))
-PARITY = 1e-4  # the transformer's ORT-vs-PyTorch bound (module docstring)
+CONFIG = tp.TRANSFORMER_CONFIG
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    torch.manual_seed(0)
-    transformer = diffusers.QwenImageTransformer2DModel(**CONFIG)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():  # non-trivial weights
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
-    transformer.eval()
+    transformer = tp.tiny_transformer()
     d = tmp_path_factory.mktemp("pipeline")
-    transformer.save_pretrained(str(d / "transformer"))
+    tp.save_transformer(transformer, d / "transformer")
     assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
                  "--out", str(d / "transformer.onnx")]) == 0
-    vae = diffusers.AutoencoderKLQwenImage(
-        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-        latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
-    return transformer, vae, d / "transformer.onnx"
+    return transformer, tp.tiny_vae(), d / "transformer.onnx"
 
 
-def _pipelines(models, cls=None):
+def _pipelines(models, edit=False):
     transformer, vae, onnx_path = models
-    cls = cls or diffusers.QwenImagePipeline
-    extra = {"processor": None} if cls is diffusers.QwenImageEditPipeline else {}
-    make = lambda t: cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,  # noqa: E731
-                         text_encoder=None, tokenizer=None, transformer=t, **extra)
-    ref = make(transformer)
-    ours = make(transformer)
+    ref = tp.pipeline(transformer, vae, edit=edit)
+    ours = tp.pipeline(transformer, vae, edit=edit)
     ours.transformer = load_transformer(onnx_path)  # the one line a user writes
     return ref, ours
 
 
-def _embeds(batch, tokens, seed, *, pad=0):
-    g = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(batch, tokens, CONFIG["joint_attention_dim"], generator=g)
-    mask = torch.ones(batch, tokens, dtype=torch.long)
-    if pad:
-        mask[-1, tokens - pad:] = 0  # the last prompt is shorter (padded)
-    return embeds, mask
+_embeds = tp.prompt_embeds
 
 
 def _run_both(ref, ours, **kw):
@@ -84,9 +55,9 @@ def _run_both(ref, ours, **kw):
 
 def _assert_close(got, want, cfg_scale=1.0):
     assert got.shape == want.shape
-    bound = PARITY * (1 + 2 * cfg_scale) * want.abs().max()
-    diff = (got - want).abs().max()
-    assert diff <= bound, f"latents differ by {float(diff):.3g} (bound {float(bound):.3g})"
+    bound = tp.latent_bound(want, cfg_scale)
+    diff = float((got - want).abs().max())
+    assert diff <= bound, f"latents differ by {diff:.3g} (bound {bound:.3g})"
 
 
 @pytest.mark.parametrize("height, width", [(32, 32), (32, 48)], ids=["square", "non-square"])
@@ -146,3 +117,21 @@ def test_attention_block_is_not_a_transformer(tmp_path):
     assert main(["export", "--heads", "2", "--head-dim", "16", "--out", str(out)]) == 0
     with pytest.raises(TransformerLoadError, match="not an exported diffusers transformer"):
         load_transformer(out)
+
+
+def test_edit_pipeline_with_a_condition_image(models, monkeypatch):
+    """QwenImageEditPipeline: the condition image's latents join the generated image's tokens
+    (img_shapes of two images per batch item, the second at frame offset 1)."""
+    import numpy as np
+    from PIL import Image
+
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
+
+    # the pipeline resizes the condition image to ~1024x1024 first; keep it tiny for a tiny model
+    monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: (56, 40, None))
+    ref, ours = _pipelines(models, edit=True)
+    image = Image.fromarray((np.random.default_rng(0).random((40, 56, 3)) * 255).astype(np.uint8))
+    pe, pm = _embeds(1, 6, seed=5)
+    a, b = _run_both(ref, ours, image=image, prompt_embeds=pe, prompt_embeds_mask=pm, height=32,
+                     width=48)
+    _assert_close(b, a)

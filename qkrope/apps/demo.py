@@ -4,13 +4,16 @@
 2. diffusers QwenImageAttention (fused op) vs diffusers' attention, same random weights
 3. export    the Qwen-Image attention block (24 heads x 128, fp32) to ONNX
 4. check     polygraphy: ONNX Runtime vs the PyTorch reference
-5. plugin    build the CUDA kernel + TensorRT plugin libraries (CPU kernel build at least)
-6. engine    [TensorRT + GPU] engines with the plugin: from the fp32 export, and from a bf16
+5. pipeline  a tiny random diffusers QwenImagePipeline (true CFG, non-square) run on the PyTorch
+             transformer and on its ONNX export through load_transformer: latents compared, the
+             two images written as PNGs side by side (out/pipeline/image_{pytorch,onnx}.png)
+6. plugin    build the CUDA kernel + TensorRT plugin libraries (CPU kernel build at least)
+7. engine    [TensorRT + GPU] engines with the plugin: from the fp32 export, and from a bf16
              export (the deployment precision; TensorRT 11 networks are strongly typed)
-7. trt-check [TensorRT + GPU] polygraphy: fp32 engine vs ONNX Runtime vs PyTorch; bf16 engine vs
+8. trt-check [TensorRT + GPU] polygraphy: fp32 engine vs ONNX Runtime vs PyTorch; bf16 engine vs
              PyTorch (and ONNX Runtime when its CUDA provider is installed: its CPU provider
              has no bf16 MatMul)
-8. bench     [GPU] fused plugin vs function body vs eager vs torch.compile
+9. bench     [GPU] fused plugin vs function body vs eager vs torch.compile
 
 Steps that need what this machine lacks are reported as SKIPPED with the reason; a failed step
 makes the exit status non-zero.
@@ -124,6 +127,51 @@ def step_check(args) -> str:
     return "ONNX Runtime matches the PyTorch reference (table above)"
 
 
+def step_pipeline(args) -> str:
+    try:
+        import diffusers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"requires diffusers and transformers ({exc}; pip install -e '.[test]')") from None
+    import torch
+
+    from qkrope.apps import tiny_pipeline as tp
+    from qkrope.runtime import load_transformer
+
+    d = args.out / "pipeline"
+    d.mkdir(parents=True, exist_ok=True)
+    model = tp.tiny_transformer()
+    tp.save_transformer(model, d / "transformer")
+    onnx_path = d / "transformer.onnx"
+    _cli(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
+          "--out", str(onnx_path)])
+    vae = tp.tiny_vae()
+    ref, ours = tp.pipeline(model, vae), tp.pipeline(model, vae)
+    ours.transformer = load_transformer(onnx_path)
+    pe, pm = tp.prompt_embeds(1, 7, seed=1)
+    ne, nm = tp.prompt_embeds(1, 5, seed=2)
+    cfg = 4.0
+    kw = dict(prompt_embeds=pe, prompt_embeds_mask=pm, negative_prompt_embeds=ne,
+              negative_prompt_embeds_mask=nm, true_cfg_scale=cfg, height=64, width=96,
+              num_inference_steps=4)
+    latents, pngs = {}, []
+    for name, pipe in (("pytorch", ref), ("onnx", ours)):
+        pipe.set_progress_bar_config(disable=True)
+        latents[name] = pipe(**kw, output_type="latent",
+                             generator=torch.Generator().manual_seed(0)).images
+        image = pipe(**kw, output_type="pil", generator=torch.Generator().manual_seed(0)).images[0]
+        pngs.append(d / f"image_{name}.png")
+        image.save(pngs[-1])
+    diff = float((latents["onnx"] - latents["pytorch"]).abs().max())
+    bound = tp.latent_bound(latents["pytorch"], cfg)
+    if diff > bound:
+        raise RuntimeError(f"pipeline latents on the exported transformer differ from PyTorch by "
+                           f"{diff:.3g} (bound {bound:.3g})")
+    return (f"QwenImagePipeline (tiny random, true CFG {cfg:g}, 64x96, 4 steps): pipe.transformer = "
+            f"load_transformer({onnx_path.name}) gives latents within {diff:.2g} of PyTorch "
+            f"(bound {bound:.2g}); images {pngs[0]} and {pngs[1]}")
+
+
 def step_plugin(args) -> str:
     from qkrope.runtime.plugin_build import find_plugin_library
 
@@ -201,6 +249,7 @@ STEPS: list[tuple[str, Callable]] = [
     ("diffusers", step_diffusers),
     ("export", step_export),
     ("check", step_check),
+    ("pipeline", step_pipeline),
     ("plugin", step_plugin),
     ("engine", step_engine),
     ("trt-check", step_trt_check),
