@@ -1,18 +1,51 @@
 """Atomic file writes and hashing shared by the exporter, the engine builder and the deployers.
 
-Every output file is written to a temporary name in its destination folder, flushed, then moved
-over the destination with ``os.replace``: readers see the old file or the complete new one, and a
-failure leaves nothing half-written.
+One file: :func:`write_atomic` writes a temporary name in the destination folder, flushes, then
+moves it over the destination with ``os.replace``: readers see the old file or the complete new
+one.
+
+A group of files (a model and its sidecar, an engine and its sidecar): :func:`staged_outputs`
+writes everything into one hidden staging folder next to the targets
+(``.qkrope-staging-<pid>-<process start>-<random>``), then :meth:`Staging.commit` moves the files
+into place in the order given, keeping a hard link to each old file so that any failure during
+the commit puts the old group back. Nothing outside the staging folder changes before the commit,
+so a failure while writing (a full disk, a read-only folder, a target that is a directory) leaves
+the old group intact. SIGTERM/SIGHUP during the staged block remove the staging folder and exit
+143/129 (a signal during the commit is held until the commit is done); a SIGKILL cannot be
+handled, so every :func:`staged_outputs` first removes the staging folders of processes that are
+gone. Writers order the commit so that a kill between two renames leaves a state the readers
+detect (the ONNX sidecar records the sha256 of its model: the sidecar moves first, the model
+last). OS errors become :class:`OutputWriteError`, one line naming the path and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
+import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
+
+from qkrope.errors import QkropeError
+
+STAGING_PREFIX = ".qkrope-staging-"
+_STAGING_RE = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-(\d+)-[0-9A-Za-z_]+$")
+_ACTIVE: set[str] = set()  # staging folders of this process in use
+_COMMITTING = threading.local()
+_PENDING_SIGNALS: list[int] = []
+
+
+class OutputWriteError(QkropeError, OSError):
+    """An output could not be written (read-only folder, full disk, a path component that is a
+    file, a target that is a directory); the message names the path and the fix."""
 
 
 def _umask() -> int:
@@ -65,3 +98,236 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+def output_error(exc: OSError, path: str | os.PathLike, *, flag: str = "--out") -> OutputWriteError:
+    """An OSError while writing ``path`` as one line with the fix (by errno)."""
+    if isinstance(exc, OutputWriteError):
+        return exc
+    code = exc.errno
+    where = exc.filename if exc.filename else path
+    reason = exc.strerror or str(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"the disk is full: free space on the disk of {path} or choose another {flag}"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"the folder is not writable: choose a writable folder with {flag}"
+    elif code in (errno.ENOTDIR, errno.EEXIST):
+        fix = f"a component of the path is a file, not a folder: choose another {flag}"
+    elif code == errno.EISDIR:
+        fix = f"the target is a directory: remove it or choose another {flag}"
+    else:
+        fix = f"check the folder of {path} or choose another {flag}"
+    return OutputWriteError(code, f"cannot write {path} ({where}: {reason}); {fix}")
+
+
+def check_output_folder(folder: str | os.PathLike, *, flag: str = "--out") -> Path:
+    """Fail fast, before any expensive work, when outputs cannot go into ``folder``: a path
+    component that is a file, or an existing folder that is not writable."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise OutputWriteError(errno.ENOTDIR, f"cannot write into {folder}: {probe} is a file, "
+                                              f"not a folder; choose another {flag}")
+    if probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputWriteError(errno.EACCES, f"cannot write into {folder}: {probe} is not "
+                                             f"writable; choose a writable folder with {flag}")
+    return folder
+
+
+# --------------------------------------------------------------------------------------------
+# Staged groups of outputs
+# --------------------------------------------------------------------------------------------
+
+def _start_time(pid: int) -> int:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22), 0 where
+    unknown; with the PID it identifies a process across PID reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    now = _start_time(pid)
+    return not (start and now and now != start)
+
+
+def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
+    """Remove the staging folders in ``folder`` whose process is gone (killed mid-write); the
+    ones of live processes (a concurrent writer) are kept. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _STAGING_RE.match(entry.name)
+        if m is None or entry.path in _ACTIVE:
+            continue
+        pid, start = int(m.group(1)), int(m.group(2))
+        # This process's own folders not in use are leftovers; another live process's are its.
+        if pid != os.getpid() and _alive(pid, start):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(Path(entry.path))
+    return removed
+
+
+class _Terminated(SystemExit):
+    pass
+
+
+def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
+    if getattr(_COMMITTING, "depth", 0):
+        _PENDING_SIGNALS.append(signum)  # finish the commit first
+        return
+    raise _Terminated(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_cleanup() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise SystemExit(128 + signum) so the staging folder is removed on the way
+    out; installed only in the main thread, over the default action, and restored after."""
+    installed = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                installed.append((sig, signal.signal(sig, _on_signal)))
+    try:
+        yield
+    finally:
+        for sig, previous in installed:
+            signal.signal(sig, previous)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class Staging:
+    """The staging folder of one group of outputs (see :func:`staged_outputs`)."""
+
+    def __init__(self, folder: Path, dir: Path, names: Sequence[str], flag: str):
+        self.folder, self.dir, self.names, self.flag = folder, dir, list(names), flag
+        self.committed = False
+
+    def path(self, name: str) -> Path:
+        """Where to write the output ``name`` (a plain file name in the target folder)."""
+        if name not in self.names:
+            raise ValueError(f"{name!r} is not one of the staged outputs {self.names}")
+        return self.dir / name
+
+    def commit(self, order: Sequence[str], *, remove: Sequence[str] = ()) -> list[Path]:
+        """Move the staged files ``order`` into the target folder in that order, then take the
+        targets ``remove`` away (stale companions). On any failure every target is put back as it
+        was and the error raised; signals wait for the end. Returns the paths written."""
+        for name in list(order) + list(remove):
+            self.path(name)
+            target = self.folder / name
+            if target.is_dir() and not target.is_symlink():
+                raise OutputWriteError(errno.EISDIR, f"cannot write {target}: {target} is a "
+                                                     f"directory; remove it or choose another "
+                                                     f"{self.flag}")
+        for name in order:
+            if not (self.dir / name).is_file():
+                raise ValueError(f"staged output {name!r} was not written")
+        backups = self.dir / ".old"
+        backups.mkdir()
+        done: list[tuple[str, bool]] = []  # (name, had an old file)
+        _COMMITTING.depth = getattr(_COMMITTING, "depth", 0) + 1
+        try:
+            try:
+                for name in order:
+                    target = self.folder / name
+                    had = self._backup(target, backups / name)
+                    os.replace(self.dir / name, target)
+                    done.append((name, had))
+                for name in remove:
+                    target = self.folder / name
+                    if target.exists() or target.is_symlink():
+                        os.replace(target, backups / name)
+                        done.append((name, True))
+                _fsync_dir(self.folder)
+            except BaseException:
+                self._rollback(done, backups)
+                raise
+            self.committed = True
+        finally:
+            _COMMITTING.depth -= 1
+            if not _COMMITTING.depth and _PENDING_SIGNALS:
+                signum = _PENDING_SIGNALS.pop()
+                _PENDING_SIGNALS.clear()
+                raise _Terminated(128 + signum)
+        return [self.folder / n for n in order]
+
+    @staticmethod
+    def _backup(target: Path, backup: Path) -> bool:
+        if not (target.exists() or target.is_symlink()):
+            return False
+        try:
+            os.link(target, backup, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK,
+                                 errno.EOPNOTSUPP):
+                raise
+            shutil.copy2(target, backup, follow_symlinks=False)  # no hard links here
+        return True
+
+    def _rollback(self, done: list[tuple[str, bool]], backups: Path) -> None:
+        for name, had in reversed(done):
+            target = self.folder / name
+            with contextlib.suppress(OSError):
+                if had:
+                    os.replace(backups / name, target)
+                else:
+                    os.unlink(target)
+
+
+@contextlib.contextmanager
+def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
+                   flag: str = "--out") -> Iterator[Staging]:
+    """A hidden staging folder in ``folder`` for the outputs ``names``; write them with
+    :meth:`Staging.path`, then call :meth:`Staging.commit`. Leaving the block (commit or not,
+    exception, SIGTERM) removes the staging folder; stale ones of dead processes are removed on
+    entry. OS errors inside the block become :class:`OutputWriteError` naming ``folder``."""
+    folder = check_output_folder(folder, flag=flag)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(exc, folder, flag=flag) from None
+    remove_stale_staging(folder)
+    pid = os.getpid()
+    dir = folder / f"{STAGING_PREFIX}{pid}-{_start_time(pid)}-{secrets.token_hex(4)}"
+    with _signals_cleanup():
+        try:
+            dir.mkdir()
+        except OSError as exc:
+            raise output_error(exc, folder, flag=flag) from None
+        _ACTIVE.add(str(dir))
+        try:
+            yield Staging(folder, dir, names, flag)
+        except OSError as exc:
+            raise output_error(exc, folder / (names[0] if names else ""), flag=flag) from None
+        finally:
+            shutil.rmtree(dir, ignore_errors=True)
+            _ACTIVE.discard(str(dir))
