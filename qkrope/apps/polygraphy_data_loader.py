@@ -1,0 +1,79 @@
+"""A polygraphy data-loader script that feeds real inputs to a qkrope model.
+
+polygraphy's default data loader fills every input with random values, so a model whose RoPE
+caches are inputs "passes" a comparison on meaningless caches. This script gives polygraphy the
+inputs qkrope itself checks with: the correct Qwen-Image caches (build_qwen_rope_caches) and
+deterministic activations, mask and timestep for the sizes of the export sample (from the
+model's sidecar)::
+
+    polygraphy run M.onnx --onnxrt \\
+        --data-loader-script "$(python -m qkrope.apps.polygraphy_data_loader)"
+    polygraphy run M.onnx --trt --onnxrt --plugins build/plugins/libqkrope_plugin.so \\
+        --data-loader-script "$(python -m qkrope.apps.polygraphy_data_loader)"
+
+``python -m qkrope.apps.polygraphy_data_loader`` prints this file's path. polygraphy calls
+``load_data()`` without arguments; the model is found in polygraphy's own command line (the first
+``.onnx`` argument; for an ``.engine``/``.plan`` argument, the ONNX file its sidecar names) or in
+``QKROPE_MODEL``. ``QKROPE_IMG_SHAPES`` (e.g. ``1x32x32``, several joined by ``,``),
+``QKROPE_TXT_LEN``, ``QKROPE_BATCH`` and ``QKROPE_SEED`` override the sample sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from qkrope.errors import InputError
+
+_MODEL_SUFFIXES = (".onnx",)
+_ENGINE_SUFFIXES = (".engine", ".plan")
+
+
+def find_model(argv: Sequence[str] | None = None) -> Path:
+    """The ONNX model polygraphy was asked to run (QKROPE_MODEL, else the command line)."""
+    explicit = os.environ.get("QKROPE_MODEL")
+    if explicit:
+        return _onnx_of(Path(explicit))
+    for arg in (sys.argv if argv is None else argv)[1:]:
+        if arg.lower().endswith(_MODEL_SUFFIXES + _ENGINE_SUFFIXES) and Path(arg).is_file():
+            return _onnx_of(Path(arg))
+    raise InputError("the qkrope data loader cannot tell which model polygraphy runs: no .onnx or "
+                     ".engine file in its command line. Fix: set QKROPE_MODEL=path/to/M.onnx")
+
+
+def _onnx_of(path: Path) -> Path:
+    if path.suffix.lower() in _ENGINE_SUFFIXES:
+        from qkrope.sidecars import EngineInfo
+
+        return Path(EngineInfo.load(path).onnx)
+    return path
+
+
+def _img_shapes(text: str) -> list[tuple[int, int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 for s in shapes):
+        raise InputError(f"QKROPE_IMG_SHAPES must be FxHxW triples joined by ',' (e.g. 1x32x32); "
+                         f"got {text!r}")
+    return shapes  # type: ignore[return-value]
+
+
+def load_data() -> Iterator[dict]:
+    """polygraphy's entry point: one feed dict of the model's inputs."""
+    from qkrope.runtime.inputs import make_inputs
+    from qkrope.sidecars import ModelInfo
+
+    info = ModelInfo.load(find_model())
+    env = os.environ
+    shapes = _img_shapes(env["QKROPE_IMG_SHAPES"]) if env.get("QKROPE_IMG_SHAPES") else None
+    yield make_inputs(info, shapes, int(env["QKROPE_TXT_LEN"]) if env.get("QKROPE_TXT_LEN") else None,
+                      int(env["QKROPE_BATCH"]) if env.get("QKROPE_BATCH") else None,
+                      seed=int(env.get("QKROPE_SEED", "0")))
+
+
+if __name__ == "__main__":
+    print(Path(__file__).resolve())
