@@ -1,0 +1,215 @@
+"""Fuzzing the QKNormRoPE plugin's creator, field parsing, deserialisation and tensor-descriptor
+entry points under ASan/UBSan (plugins/tests/plugin_fuzz.cpp, built by plugins/tests/fuzz/).
+
+The plugin's C++ sources are compiled into the fuzz binary with -fsanitize=address,undefined (no
+nvcc, no GPU: the kernel launch is a stub that returns the real checkParams' status). With clang and
+libFuzzer the binary is a coverage-guided libFuzzer target run from a small seed corpus written
+here; with any other compiler that has the sanitizer runtimes (g++) it is a seeded random loop.
+Each run is bounded (iterations and seconds) and must exit 0 with no sanitizer report and no
+violated invariant. Mutants of the plugin sources (temporary copies, regex-edited; the real files
+are never touched) prove that the fuzzer fails when the plugin is wrong.
+
+Budget (FUZZ_RUNS / FUZZ_SECONDS, env QKROPE_FUZZ_RUNS / QKROPE_FUZZ_SECONDS to change): about 10 s
+of fuzzing plus the build (about 10 s with two cores), and a few seconds per mutant.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FUZZ_SRC = REPO / "plugins" / "tests" / "fuzz"
+PLUGINS = REPO / "plugins"
+TRT_FALLBACK = REPO / "third_party" / "tensorrt-headers" / "include" / "NvInferRuntime.h"
+
+FUZZ_RUNS = int(os.environ.get("QKROPE_FUZZ_RUNS", "150000"))
+FUZZ_SECONDS = int(os.environ.get("QKROPE_FUZZ_SECONDS", "10"))
+MUTANT_RUNS = 50000
+MUTANT_SECONDS = 10
+
+SANITIZER_REPORT = re.compile(r"ERROR: (AddressSanitizer|LeakSanitizer|UndefinedBehaviorSanitizer|libFuzzer)"
+                              r"|runtime error:|INVARIANT VIOLATED")
+SANITIZER_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:symbolize=1:detect_stack_use_after_return=1",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+}
+
+
+def _sanitizers_link(cxx: str, extra: list[str]) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text("#include <cstddef>\n#include <cstdint>\n"
+                       + ('extern "C" int LLVMFuzzerTestOneInput(uint8_t const*, size_t) { return 0; }\n'
+                          if "-fsanitize=fuzzer" in extra else "int main() { return 0; }\n"))
+        res = subprocess.run([cxx, *extra, "-fsanitize=address,undefined", str(src), "-o", str(Path(tmp) / "a")],
+                             capture_output=True, text=True)
+        return res.returncode == 0
+
+
+def _compiler() -> tuple[str, str]:
+    """(compiler, expected engine): clang++ with libFuzzer, else a compiler with ASan/UBSan."""
+    explicit = os.environ.get("QKROPE_FUZZ_CXX")
+    candidates = [explicit] if explicit else ["clang++", os.environ.get("CXX", ""), "g++", "c++"]
+    fallback = None
+    for name in filter(None, candidates):
+        cxx = shutil.which(name)
+        if cxx is None:
+            continue
+        if _sanitizers_link(cxx, ["-fsanitize=fuzzer"]):
+            return cxx, "libfuzzer"
+        if fallback is None and _sanitizers_link(cxx, []):
+            fallback = cxx
+    if fallback is None:
+        pytest.skip("requires clang with libFuzzer/ASan (apt-get install clang libclang-rt-dev) or a g++ with the "
+                    "ASan/UBSan runtimes (libasan, libubsan): none of " + ", ".join(filter(None, candidates))
+                    + " links -fsanitize=address,undefined")
+    return fallback, "loop"
+
+
+def _ensure_trt_headers():
+    if TRT_FALLBACK.is_file() or list(Path("/usr/include").glob("*/NvInferRuntime.h")) \
+            or Path("/usr/include/NvInferRuntime.h").is_file() or os.environ.get("TensorRT_ROOT"):
+        return
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "fetch_trt_headers.py")],
+                         capture_output=True, text=True, timeout=300)
+    if res.returncode != 0 or not TRT_FALLBACK.is_file():
+        pytest.skip("requires TensorRT headers: none installed and scripts/fetch_trt_headers.py could not fetch "
+                    f"the pinned ones (is PyPI reachable?): {(res.stdout + res.stderr)[-500:]}")
+
+
+class FuzzBuild:
+    def __init__(self, cxx: str, build_dir: Path):
+        self.cxx = cxx
+        self.dir = build_dir
+        cache = (build_dir / "CMakeCache.txt").read_text()
+        m = re.search(r"QKROPE_FUZZ_ENGINE_USED:INTERNAL=(\w+)", cache)
+        assert m, "the fuzz build did not record its engine"
+        self.engine = m.group(1)
+
+    def configure(self, mutant_dir: Path | str = "") -> None:
+        res = subprocess.run(["cmake", "-S", str(FUZZ_SRC), "-B", str(self.dir), f"-DQKROPE_FUZZ_MUTANT_DIR={mutant_dir}"],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, f"configuring the fuzz build failed:\n{(res.stdout + res.stderr)[-4000:]}"
+
+    def build(self, target: str) -> Path:
+        res = subprocess.run(["cmake", "--build", str(self.dir), "--target", target, "-j2"],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, f"building {target} failed:\n{(res.stdout + res.stderr)[-4000:]}"
+        return self.dir / target
+
+    def run(self, binary: Path, workdir: Path, runs: int, seconds: int) -> subprocess.CompletedProcess:
+        workdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **SANITIZER_ENV}
+        if self.engine == "libfuzzer":
+            corpus = workdir / "corpus"
+            corpus.mkdir(exist_ok=True)
+            rng = random.Random(1)
+            # seeds: empty and all-zero inputs decode to the common valid choices; random ones to the rest
+            (corpus / "empty").write_bytes(b"")
+            (corpus / "zeros").write_bytes(bytes(64))
+            for i in range(24):
+                (corpus / f"random-{i}").write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(8, 300))))
+            cmd = [str(binary), f"-runs={runs}", f"-max_total_time={seconds}", "-seed=1", "-max_len=1024",
+                   f"-artifact_prefix={workdir}/", "-print_final_stats=1", str(corpus)]
+        else:
+            cmd = [str(binary), "--iterations", str(runs), "--seed", "1", "--max-len", "512"]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env, timeout=seconds + 120)
+
+
+@pytest.fixture(scope="module")
+def fuzz_build() -> FuzzBuild:
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not found: the fuzz target cannot be built (pip install cmake)")
+    cxx, _ = _compiler()
+    _ensure_trt_headers()
+    build_dir = REPO / "build" / f"plugin-fuzz-{Path(cxx).name}"
+    if not (build_dir / "CMakeCache.txt").is_file():
+        res = subprocess.run(["cmake", "-S", str(FUZZ_SRC), "-B", str(build_dir), f"-DCMAKE_CXX_COMPILER={cxx}",
+                              "-DQKROPE_FUZZ_MUTANT_DIR="], capture_output=True, text=True)
+        if res.returncode != 0 and "no TensorRT headers found" in res.stdout + res.stderr:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            pytest.skip("requires TensorRT headers (python scripts/fetch_trt_headers.py)")
+        assert res.returncode == 0, f"configuring the fuzz build failed:\n{(res.stdout + res.stderr)[-4000:]}"
+    fb = FuzzBuild(cxx, build_dir)
+    fb.configure("")
+    fb.build("qkrope_plugin_fuzz")
+    return fb
+
+
+def _report(res: subprocess.CompletedProcess) -> str:
+    return f"exit {res.returncode}\nstdout tail:\n{res.stdout[-3000:]}\nstderr tail:\n{res.stderr[-6000:]}"
+
+
+def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
+    res = fuzz_build.run(fuzz_build.dir / "qkrope_plugin_fuzz", tmp_path, FUZZ_RUNS, FUZZ_SECONDS)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, _report(res)
+    assert not SANITIZER_REPORT.search(out), _report(res)
+    if fuzz_build.engine == "libfuzzer":
+        m = re.search(r"Done (\d+) runs in (\d+) second", out)
+        assert m, _report(res)
+        runs = int(m.group(1))
+        assert runs >= min(FUZZ_RUNS, 10000), f"only {runs} runs:\n{_report(res)}"
+        cov = re.findall(r"cov: (\d+)", out)
+        print(f"\nlibFuzzer ({fuzz_build.cxx}): {runs} runs in {m.group(2)} s, coverage {cov[-1] if cov else '?'}")
+    else:
+        m = re.search(r"STATS (.*)", res.stdout)
+        assert m and f"{FUZZ_RUNS} iterations" in res.stdout, _report(res)
+        stats = dict(kv.split("=") for kv in m.group(1).split())
+        # the decoder must reach the accepting paths, not only the refusals
+        for key in ("created", "refused", "round_trips", "shapes_ok", "shapes_refused", "configure_ok",
+                    "configure_refused", "enqueue_ok", "enqueue_refused", "launches", "formats"):
+            assert int(stats[key]) > 0, f"no '{key}' in {FUZZ_RUNS} iterations: {stats}"
+        print(f"\nseeded loop ({fuzz_build.cxx}): {FUZZ_RUNS} iterations, seed 1: {stats}")
+
+
+# ---- mutants: the fuzzer must fail when the plugin is wrong ----------------------------------------
+# (description, source under plugins/, pattern, replacement, what must be reported). Applied to a
+# temporary copy with re.subn(count=1); a pattern that no longer matches skips its test.
+MUTANTS = [
+    ("string field: negative length not refused (read as a huge size_t)", "plugin/qknorm_rope_fields.cpp",
+     r"QKROPE_VALIDATE\(f\.length >= 0,[^;]*;", "", r"AddressSanitizer: heap-buffer-overflow"),
+    ("rank check lets nbDims = 9 through", "plugin/qknorm_rope_plugin.cpp",
+     r"return nbDims >= 0 && nbDims <= Dims::MAX_DIMS;", "return nbDims >= 0 && nbDims <= Dims::MAX_DIMS + 1;",
+     r"runtime error: index 8 out of bounds|AddressSanitizer|INVARIANT VIOLATED"),
+    ("an INT field accepts kFLOAT32", "plugin/qknorm_rope_fields.cpp",
+     r"(case PluginFieldType::kINT32:\s*return given == PluginFieldType::kINT32)",
+     r"\1 || given == PluginFieldType::kFLOAT32", r"INVARIANT VIOLATED|runtime error:"),
+]
+
+
+@pytest.fixture(scope="module")
+def mutant_root(fuzz_build: FuzzBuild, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz-mutants")
+    yield root
+    fuzz_build.configure("")  # drop the mutant target from the build's cache
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: re.sub(r"\W+", "_", m[0])[:48])
+def test_fuzzer_catches_mutant(fuzz_build: FuzzBuild, mutant_root: Path, mutant):
+    desc, src, pattern, repl, expect = mutant
+    text = (PLUGINS / src).read_text()
+    mutated, n = re.subn(pattern, repl, text, count=1)
+    if n == 0:
+        pytest.skip(f"mutant '{desc}': its regex no longer matches plugins/{src} (update MUTANTS)")
+    mdir = mutant_root / re.sub(r"\W+", "_", desc)[:40]
+    mdir.mkdir()
+    (mdir / Path(src).name).write_text(mutated)
+    fuzz_build.configure(mdir)
+    binary = fuzz_build.build("qkrope_plugin_fuzz_mutant")
+    res = fuzz_build.run(binary, mdir / "run", MUTANT_RUNS, MUTANT_SECONDS)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, f"mutant '{desc}' survived the fuzzer:\n{_report(res)}"
+    found = re.search(expect, out)
+    assert found, f"mutant '{desc}': the fuzzer failed but not with /{expect}/:\n{_report(res)}"
+    first = next((line for line in out.splitlines() if SANITIZER_REPORT.search(line)), found.group(0))
+    print(f"\nmutant: {desc}\n  caught: {first.strip()[:300]}")
