@@ -140,6 +140,28 @@ def check_block_inputs(hidden_states: torch.Tensor, encoder_hidden_states: torch
                              f"(encoder_hidden_states {_shape(encoder_hidden_states)}); got {got}")
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               head_dim: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v over [B, H, S, D].
+
+    Eager: PyTorch's SDPA (what diffusers calls, so parity stays exact). Exported: the pattern
+    TensorRT's attention fusion matches from primitive layers — BMM1 with Q and K pre-scaled,
+    the mask as one additive bias, Softmax, BMM2 — and nothing between Softmax and BMM2. SDPA's
+    export puts an IsNaN/Where guard there for rows whose keys are all masked, which cannot occur
+    in this model (image keys are never masked); without it the values are the same.
+    """
+    if not torch.onnx.is_in_onnx_export():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    scale = head_dim ** -0.25  # on Q and on K: 1/sqrt(D) together, as SDPA's math backend scales
+    scores = torch.matmul(q * scale, (k * scale).transpose(-2, -1))
+    if mask is not None:
+        # the bias in the scores' dtype (a Where, no Cast between it and the Add)
+        keep = torch.tensor(0.0, dtype=scores.dtype, device=scores.device)
+        drop = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+        scores = scores + torch.where(mask, keep, drop)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,
                     encoder_hidden_states: torch.Tensor, img_cache: torch.Tensor,
                     txt_cache: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None, *,
@@ -175,7 +197,7 @@ def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,
         img_mask = torch.ones(batch, s_img, dtype=torch.bool, device=hidden_states.device)
         mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1)
         mask = mask[:, None, None, :]  # image keys are never masked
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    out = _attention(q, k, v, mask, head_dim)
     out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
 
     txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
