@@ -21,7 +21,10 @@ each, a format version, and a check on load.
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
                  dict) and "num_layers_exported"},
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
-      "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?}
+      "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?},
+      "model_sha256": sha256 hex of the M.onnx it describes (checked by ModelInfo.load: a sidecar
+                      next to another model is "sidecar does not describe this model"; written
+                      by save() whenever the model file exists; null/absent: not checked)
     }
 
 ``M.engine.json`` (:class:`EngineInfo`), written by ``qkrope build`` next to the engine and read
@@ -56,7 +59,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from qkrope import dtypes
-from qkrope._fileio import write_json_atomic
+import re
+
+from qkrope._fileio import sha256_file, write_json_atomic
 from qkrope.errors import QkropeError
 
 FORMAT_VERSION = 1
@@ -196,6 +201,7 @@ class ModelInfo:
     config: dict[str, Any]
     sample: dict[str, Any]
     versions: dict[str, str] = field(default_factory=dict)
+    model_sha256: str | None = None
     source: str = field(default="", compare=False, repr=False)
 
     # ---------------------------------------------------------------- the one writer / reader
@@ -206,7 +212,8 @@ class ModelInfo:
                 "outputs": [t.to_dict() for t in self.outputs],
                 "dynamic_axes": {k: dict(v) for k, v in self.dynamic_axes.items()},
                 "node_attributes": dict(self.node_attributes), "config": dict(self.config),
-                "sample": dict(self.sample), "versions": dict(self.versions)}
+                "sample": dict(self.sample), "versions": dict(self.versions),
+                "model_sha256": self.model_sha256}
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "<dict>") -> "ModelInfo":
@@ -224,7 +231,10 @@ class ModelInfo:
             outputs=[TensorInfo._read(f.sub(t, f"outputs[{i}]"))
                      for i, t in enumerate(f.get("outputs", list))],
             dynamic_axes=axes, node_attributes=f.obj("node_attributes"), config=f.obj("config"),
-            sample=f.obj("sample"), versions=f.obj("versions", optional=True), source=source)
+            sample=f.obj("sample"), versions=f.obj("versions", optional=True),
+            model_sha256=f.get("model_sha256", str, optional=True), source=source)
+        if info.model_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", info.model_sha256):
+            f.fail(f"field 'model_sha256' must be a sha256 hex digest, got {info.model_sha256!r}")
         if info.model not in MODELS or info.dtype not in DTYPES:
             f.fail(f"names an unknown model {info.model!r} or dtype {info.dtype!r} (expected one "
                    f"of {MODELS} and {tuple(DTYPES)})")
@@ -238,11 +248,33 @@ class ModelInfo:
                           f"no sidecar {path} next to {onnx_path}: qkrope reads model sizes, axes "
                           f"and the source weights from it. Fix: export the model with `qkrope "
                           f"export --out {onnx_path}`.", _ONNX_FIX)
-        return cls.from_dict(data, source=str(path))
+        info = cls.from_dict(data, source=str(path))
+        info.check_describes(onnx_path)
+        return info
+
+    def check_describes(self, onnx_path: str | os.PathLike) -> None:
+        """A :class:`ModelInfoError` when this sidecar records a model hash and ``onnx_path`` is
+        another file (a stale sidecar, an interrupted re-export, a model replaced by hand)."""
+        if self.model_sha256 is None or not os.path.isfile(onnx_path):
+            return
+        try:
+            actual = sha256_file(onnx_path)
+        except OSError as exc:
+            raise ModelInfoError(f"cannot read {onnx_path} to check it against its sidecar: "
+                                 f"{exc}") from None
+        if actual != self.model_sha256:
+            raise ModelInfoError(
+                f"the sidecar {sidecar_path(onnx_path)} does not describe this model ({onnx_path} "
+                f"has sha256 {actual[:12]}…, the sidecar describes {self.model_sha256[:12]}…): the "
+                f"model or its sidecar was replaced, or an export was interrupted. Fix: re-export "
+                f"with `qkrope export --out {onnx_path}`")
 
     def save(self, onnx_path: str | os.PathLike) -> Path:
-        """Write ``<onnx_path>.json`` atomically (temp file + os.replace)."""
+        """Write ``<onnx_path>.json`` atomically (temp file + os.replace). When ``onnx_path``
+        exists, the sidecar records its sha256 (:attr:`model_sha256`)."""
         path = sidecar_path(onnx_path)
+        if os.path.isfile(onnx_path):
+            self.model_sha256 = sha256_file(onnx_path)
         write_json_atomic(path, self.to_dict())
         return path
 

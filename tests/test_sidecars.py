@@ -151,3 +151,37 @@ def test_description_from_the_onnx_graph(tmp_path):
     assert desc.source == str(p)
     assert desc.inputs[0] == TensorInfo("hidden_states", "float32", ["batch", "img_tokens", C])
     assert desc.input_names == [s["name"] for s in sidecar_dict()["inputs"]]
+
+
+# ------------------------------------------------------------------ issue 10, class 2
+def test_sidecar_records_and_checks_the_model_hash(tmp_path):
+    """The sidecar names the sha256 of the model file it describes; a sidecar left next to
+    another model (a stale pair, an interrupted re-export) is refused on load, not trusted."""
+    import hashlib
+
+    onnx_path = tmp_path / "m.onnx"
+    onnx_path.write_bytes(b"model one")
+    _model().save(onnx_path)
+    side = json.loads(sidecar_path(onnx_path).read_text())
+    assert side["model_sha256"] == hashlib.sha256(b"model one").hexdigest()
+    assert ModelInfo.load(onnx_path).model_sha256 == side["model_sha256"]
+    onnx_path.write_bytes(b"model two")
+    with pytest.raises(ModelInfoError, match=r"does not describe this model \(.*m\.onnx has "
+                                             r"sha256 [0-9a-f]{12}.*re-export") as exc:
+        ModelInfo.load(onnx_path)
+    assert str(sidecar_path(onnx_path)) in str(exc.value)
+    with pytest.raises(ModelInfoError, match="does not describe this model"):
+        ModelInfo.describe(onnx_path)
+
+
+@pytest.mark.parametrize("value", [12, "xyz", ""])
+def test_sidecar_model_hash_field_is_typed(tmp_path, value):
+    onnx_path = tmp_path / "m.onnx"
+    onnx_path.write_bytes(b"model")
+    _model().save(onnx_path)
+    path = sidecar_path(onnx_path)
+    data = json.loads(path.read_text())
+    data["model_sha256"] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ModelInfoError, match="model_sha256"):
+        ModelInfo.load(onnx_path)
