@@ -17,8 +17,8 @@ in plain functions that run without TensorRT):
    optimisation level, workspace limit, version compatibility (the VC plugin library serialised
    into the engine);
 5. build with a progress display fed by ``trt.IProgressMonitor``;
-6. write the engine atomically and a sidecar ``<engine>.json`` (TensorRT version, GPU, profile,
-   I/O, plugin library path + sha256, the model config).
+6. write the engine and its sidecar ``<engine>.json`` (TensorRT version, GPU, profile, I/O,
+   plugin library path + sha256, the model config) as a pair (:func:`write_engine_pair`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
 from qkrope._deps import require
-from qkrope._fileio import sha256_file, write_atomic
+from qkrope._fileio import (check_output_folder, output_error, sha256_file, staged_outputs,
+                            write_atomic)
 
 from . import profiles as prof
 from . import trt_utils as tu
@@ -452,6 +453,7 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     if engine_path.is_dir():
         raise EngineBuildError(f"the engine path {engine_path} is a directory. Fix: pass -o "
                                f"{engine_path / onnx_path.with_suffix('.engine').name}")
+    check_output_folder(engine_path.parent, flag="-o")  # fail before the build, not after it
     onnx_model = tu.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
     model = ModelInfo.describe(onnx_path)
     profile = plan_profile(model, opts)
@@ -559,9 +561,11 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
 
-    write_atomic(engine_path, serialized)
-    if opts.timing_cache:
-        write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
+    if opts.timing_cache:  # a cache, not an output: written before the engine pair
+        try:
+            write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
+        except OSError as exc:
+            raise output_error(exc, opts.timing_cache, flag="--timing-cache") from None
     info = EngineInfo(
         tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
         inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
@@ -574,5 +578,17 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         parser_flags=list(parser_flags), config=dict(model.config),
         dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
         build_seconds=round(seconds, 3))
-    info.save(engine_path)
+    write_engine_pair(engine_path, serialized, info)
     return info
+
+
+def write_engine_pair(engine_path: Path, serialized, info: EngineInfo) -> None:
+    """Replace the engine and its sidecar as a pair or not at all
+    (:func:`qkrope._fileio.staged_outputs`): both are written into a staging folder next to
+    them, then moved in, sidecar first and engine last; any failure puts the old pair back, and
+    a staging folder left by a killed build is removed by the next one."""
+    side_name = engine_sidecar_path(engine_path).name
+    with staged_outputs(engine_path.parent, [engine_path.name, side_name], flag="-o") as st:
+        write_atomic(st.path(engine_path.name), serialized)
+        info.save(st.path(engine_path.name))
+        st.commit([side_name, engine_path.name])

@@ -289,3 +289,38 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="WS"),
         BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC"))
     return trt, state
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection for the writers' tests (not TensorRT): fail the k-th write or rename step
+# --------------------------------------------------------------------------------------------
+
+WRITE_STEPS = (("os", "replace"), ("os", "rename"), ("os", "link"), ("os", "fsync"),
+               ("os", "chmod"), ("shutil", "copyfile"), ("shutil", "copy2"),
+               ("shutil", "copytree"), ("pathlib.Path", "write_text"),
+               ("pathlib.Path", "write_bytes"))
+
+
+class FailAt:
+    """Patch every write/rename step (``WRITE_STEPS``) with ``monkeypatch`` so that the k-th
+    call raises ``OSError(ENOSPC)``; ``calls`` counts them, ``fired`` says whether it failed."""
+
+    def __init__(self, monkeypatch, k: int):
+        import errno
+        import importlib
+        import pathlib
+
+        self.k, self.calls, self.fired = k, 0, False
+        for owner, name in WRITE_STEPS:
+            target = pathlib.Path if owner == "pathlib.Path" else importlib.import_module(owner)
+            real = getattr(target, name)
+
+            def step(*a, _real=real, _name=f"{owner}.{name}", **kw):
+                self.calls += 1
+                if self.calls == self.k:
+                    self.fired = True
+                    raise OSError(errno.ENOSPC, f"No space left on device (injected at "
+                                                f"{_name})")
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(target, name, step)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import fake_tensorrt as ft
+from fake_tensorrt import FailAt
 import pytest
 from _tiny_model import C, parse_tiny, write_tiny_onnx
 
@@ -258,3 +259,46 @@ def test_fake_build_function_body_engine(fake_build, tmp_path):
     with pytest.raises(eng.EngineBuildError, match="already registered"):
         eng.build_engine(onnx_path, tmp_path / "np2.engine",
                          eng.BuildOptions(use_plugin=False, progress=False), log=io.StringIO())
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection: the engine and its sidecar are replaced as a pair or not at all
+# --------------------------------------------------------------------------------------------
+
+def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build, tmp_path,
+                                                                      monkeypatch):
+    from qkrope.errors import QkropeError
+
+    trt, state, onnx_path, lib = fake_build()
+    out = tmp_path / "out"
+    engine = out / "m.engine"
+    side = Path(str(engine) + ".json")
+    opts = eng.BuildOptions(plugin=str(lib), progress=False)
+    eng.build_engine(onnx_path, engine, opts, log=io.StringIO())
+    old_side = json.loads(side.read_text())
+    old_side["created"] = "OLD"
+
+    def reset_old():
+        engine.write_bytes(b"OLD-ENGINE")
+        side.write_text(json.dumps(old_side))
+
+    k, outcomes = 1, set()
+    while True:
+        reset_old()
+        with monkeypatch.context() as m:
+            fail = FailAt(m, k)
+            try:
+                eng.build_engine(onnx_path, engine, opts, log=io.StringIO())
+            except QkropeError as exc:
+                assert "No space left" in str(exc) and "\n" not in str(exc)
+            except OSError as exc:  # pragma: no cover - reported below
+                pytest.fail(f"step {k}: a raw {type(exc).__name__}: {exc}")
+        pair = (engine.read_bytes(), json.loads(side.read_text())["created"] == "OLD")
+        assert pair in ((b"OLD-ENGINE", True), (b"SERIALIZED-ENGINE", False)), (k, pair)
+        outcomes.add(pair[1])
+        eng.build_engine(onnx_path, engine, opts, log=io.StringIO())  # the next run
+        assert sorted(p.name for p in out.iterdir()) == ["m.engine", "m.engine.json"], k
+        if not fail.fired:
+            break
+        k += 1
+    assert k > 2 and outcomes == {True, False}  # failures were injected, and the last run wrote
