@@ -37,12 +37,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from qkrope import dtypes
+from qkrope._fileio import staged_outputs
 from qkrope.errors import QkropeError
 from qkrope.sidecars import EngineInfo
 
@@ -256,13 +256,55 @@ def resolve_engine_plugin(info: EngineInfo, plugin: os.PathLike | str | None, *,
         raise TritonRepoError(f"plugin library not found: {exc}") from None
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the file system cannot, so the caller falls back to two renames."""
+    import ctypes
+    import errno
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def swap_in(staged: Path, target: Path) -> None:
+    """Put the directory ``staged`` at ``target``: a rename when there is none; else one
+    atomic exchange (the old directory ends up at ``staged``, inside the staging folder that is
+    removed afterwards), so a reader or a kill never sees ``target`` missing or half-written.
+    Without an atomic exchange: two renames, the old directory put back on any failure."""
+    if not target.exists():
+        os.rename(staged, target)
+        return
+    if _exchange(staged, target):
+        return
+    old = staged.with_name(staged.name + ".old")
+    os.rename(target, old)
+    try:
+        os.rename(staged, target)
+    except BaseException:
+        if not target.exists():
+            os.rename(old, target)  # put the previous model back before staging is removed
+        raise
+
+
 def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                      plugin: os.PathLike | str | None = None, name: str | None = None,
                      max_batch_size: int = 0, instances: int = 1, force: bool = False,
                      copy_plugin: bool = True, check_plugin_hash: bool = True) -> RepoResult:
-    """Write ``repo/<name>`` for ``engine``. The model directory is assembled in a temporary
-    directory next to ``repo`` and moved in with one rename, so a reader never sees half of it;
-    an existing model directory is replaced only with ``force``."""
+    """Write ``repo/<name>`` for ``engine``. The model directory is assembled in a staging
+    folder next to ``repo`` (:func:`qkrope._fileio.staged_outputs`: removed on any failure or
+    SIGTERM, and by the next run after a SIGKILL) and swapped in whole (:func:`swap_in`), so a
+    reader sees the old model or the new one, never a mix; an existing model directory is
+    replaced only with ``force``. Write failures are one-line OutputWriteErrors."""
     engine = Path(engine)
     repo = Path(repo)
     info = load_engine_sidecar(engine)
@@ -288,28 +330,20 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                               "--name to write another model")
     if repo.exists() and not repo.is_dir():
         raise TritonRepoError(f"{repo} exists and is not a directory")
-    repo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.{name}.", dir=repo.parent))
-    try:
-        staged = tmp / name
+    if target.exists() and (target.is_symlink() or not target.is_dir()):
+        raise TritonRepoError(f"{target} exists and is not a model directory; remove it or "
+                              f"pass --name")
+    # Assembled in a staging folder next to the repository (not inside it: Triton takes every
+    # sub-directory of a repository for a model), then swapped in whole.
+    with staged_outputs(repo.parent, [], flag="--output") as st:
+        staged = st.dir / name
         (staged / "1").mkdir(parents=True)
         shutil.copyfile(engine, staged / "1" / "model.plan")
         (staged / "config.pbtxt").write_text(text)
         if copy_plugin:
             shutil.copy2(plugin_src, staged / plugin_name)
         repo.mkdir(parents=True, exist_ok=True)
-        old = None
-        if target.exists():
-            old = tmp / f"{name}.old"
-            os.rename(target, old)
-        try:
-            os.rename(staged, target)
-        except BaseException:
-            if old is not None and not target.exists():
-                os.rename(old, target)  # put the previous model back before tmp is removed
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        swap_in(staged, target)
     plugin_final = (target / plugin_name) if copy_plugin else plugin_src
     in_engine = bool(info.plugin and info.plugin.serialized_in_engine)
     return RepoResult(target, target / "config.pbtxt", target / "1" / "model.plan",

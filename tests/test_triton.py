@@ -258,11 +258,12 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
         return real_rename(src, dst)
 
     monkeypatch.setattr(triton.os, "rename", rename)
+    monkeypatch.setattr(triton, "_exchange", lambda a, b: False)  # the two-rename fallback
     with pytest.raises(OSError, match="disk full"):
         triton.write_repository(eng, repo, plugin=plugin, force=True)
     assert (repo / "attn" / "marker").read_text() == "old"  # the old model is back
     assert sorted(p.name for p in repo.iterdir()) == ["attn"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".repo.")]  # temp removed
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,3 +381,88 @@ def test_version_compatible_engine_gets_the_vc_library_and_flag(engine, tmp_path
     # the static library is not the VC one the engine was built with
     with pytest.raises(PluginMismatchError):
         triton.write_repository(eng, tmp_path / "r2", plugin=plugin)
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection: the model directory is the old one or the new one, never a mix
+# --------------------------------------------------------------------------------------------
+
+from fake_tensorrt import FailAt  # noqa: E402
+
+
+def _model_state(model: Path):
+    files = sorted(str(p.relative_to(model)) for p in model.rglob("*"))
+    if (model / "marker").exists():
+        assert (model / "1" / "model.plan").read_bytes() == b"OLD-PLAN", files
+        return "old"
+    assert files == ["1", "1/model.plan", "config.pbtxt", triton.PLUGIN_FILE_NAME], files
+    assert (model / "config.pbtxt").read_text().startswith('name: "attn"')
+    return "new"
+
+
+def _temporaries(*folders):
+    return [p.name for f in folders for p in f.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_repository_replaced_whole_at_every_failing_step(engine, tmp_path, monkeypatch,
+                                                         exchange):
+    from qkrope.errors import QkropeError
+
+    eng, plugin = engine
+    if not exchange:
+        monkeypatch.setattr(triton, "_exchange", lambda a, b: False)
+    repo = tmp_path / "repo"
+    model = repo / "attn"
+
+    def reset_old():
+        import shutil
+
+        shutil.rmtree(repo, ignore_errors=True)
+        (model / "1").mkdir(parents=True)
+        (model / "1" / "model.plan").write_bytes(b"OLD-PLAN")
+        (model / "config.pbtxt").write_text('name: "attn"\n')
+        (model / "marker").write_text("old")
+
+    k, outcomes = 1, set()
+    while True:
+        reset_old()
+        with monkeypatch.context() as m:
+            fail = FailAt(m, k)
+            try:
+                triton.write_repository(eng, repo, plugin=plugin, force=True)
+            except QkropeError as exc:
+                assert "No space left" in str(exc) and "\n" not in str(exc), k
+            except OSError as exc:
+                pytest.fail(f"step {k}: a raw {type(exc).__name__}: {exc}")
+        outcomes.add(_model_state(model))
+        assert sorted(p.name for p in repo.iterdir()) == ["attn"], k
+        triton.write_repository(eng, repo, plugin=plugin, force=True)  # the next run
+        assert _model_state(model) == "new"
+        assert not _temporaries(tmp_path, repo), (k, _temporaries(tmp_path, repo))
+        if not fail.fired:
+            break
+        k += 1
+    assert k > 3 and outcomes == {"old", "new"}
+
+
+def test_a_killed_run_leaves_nothing_after_the_next(engine, tmp_path):
+    """A SIGKILL cannot be handled: the staging folder it leaves (named after a dead process)
+    is removed by the next run, and the model directory is never missing (it is exchanged
+    with the staged one in one step)."""
+    import subprocess
+    import sys
+
+    from qkrope import _fileio
+
+    eng, plugin = engine
+    repo = tmp_path / "repo"
+    triton.write_repository(eng, repo, plugin=plugin)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"{_fileio.STAGING_PREFIX}{dead}-0-abc"
+    (stale / "attn" / "1").mkdir(parents=True)
+    (stale / "attn" / "1" / "model.plan").write_bytes(b"half")
+    triton.write_repository(eng, repo, plugin=plugin, force=True)
+    assert not stale.exists() and not _temporaries(tmp_path, repo)
+    assert _model_state(repo / "attn") == "new"
