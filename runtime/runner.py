@@ -762,6 +762,10 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
         raise InputFileNotFoundError(f"{p} does not exist")
     suffix = p.suffix.lower()
     if suffix in (".engine", ".plan", ".trt"):
+        try:
+            tu.check_engine_file(p)  # an ONNX model or an empty file: said before TensorRT
+        except tu.NotAnEngineError as exc:
+            raise RunnerError(str(exc)) from None
         return TensorRTRunner(p, plugin=plugin, copy_outputs=copy_outputs)
     if suffix == ".onnx":
         return OrtRunner(p, providers=providers, copy_outputs=copy_outputs)

@@ -78,38 +78,15 @@ def default_model_name(engine: os.PathLike | str) -> str:
     return Path(engine).stem
 
 
-def _looks_like_onnx(path: Path) -> bool:
-    """The first bytes of a ModelProto as onnx writes it: ir_version (field 1, a small varint),
-    then another ModelProto field in order (producer_name ... opset_import)."""
-    with open(path, "rb") as f:
-        head = f.read(3)
-    return (len(head) == 3 and head[0] == 0x08 and 1 <= head[1] <= 64
-            and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42))
-
-
 def check_engine_file(engine: os.PathLike | str) -> None:
-    """Refuse what is not a TensorRT engine: a missing or empty file, an ONNX model (by its
-    suffix or its content; its QKNormRoPE nodes are checked against the node contract first,
-    like every consumer of an ONNX file does)."""
+    """Refuse what is not a TensorRT engine: a missing or empty file, an ONNX model
+    (:func:`qkrope.runtime.trt_utils.check_engine_file`; Triton's tensorrt_plan platform serves
+    serialised engines)."""
     engine = Path(engine)
     if not engine.is_file():
         raise TritonRepoError(f"engine file not found: {engine}. Build one first: "
                               "qkrope build MODEL.onnx -o MODEL.engine --plugin LIB")
-    fix = (f"Fix: build the engine with `qkrope build {engine} -o "
-           f"{engine.with_suffix('.engine').name}` and pass that engine")
-    if engine.suffix.lower() == ".onnx" or _looks_like_onnx(engine):
-        try:
-            tu.checked_onnx_model(engine)
-        except tu.OnnxModelError:
-            if engine.suffix.lower() != ".onnx":
-                return  # a plan whose first bytes happen to look like ONNX
-            raise TritonRepoError(f"{engine} is not a TensorRT engine (an .onnx file). "
-                                  f"{fix}") from None
-        raise TritonRepoError(f"{engine} is an ONNX model, not a TensorRT engine: Triton's "
-                              f"tensorrt_plan platform serves serialised engines. {fix}")
-    if engine.stat().st_size == 0:
-        raise TritonRepoError(f"{engine} is empty, not a TensorRT engine. Fix: rebuild it with "
-                              f"`qkrope build`")
+    tu.check_engine_file(engine)
 
 
 def load_engine_sidecar(engine: os.PathLike | str) -> EngineInfo:

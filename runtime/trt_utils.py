@@ -58,6 +58,40 @@ def checked_onnx_model(onnx_path: str | os.PathLike, *, require_nodes: bool = Fa
     return model
 
 
+class NotAnEngineError(QkropeError, ValueError):
+    """A file given as a TensorRT engine is not one (an ONNX model, an empty file)."""
+
+
+def _looks_like_onnx(path: Path) -> bool:
+    """The first bytes of a ModelProto as onnx writes it: ir_version (field 1, a small varint),
+    then another ModelProto field in order (producer_name ... opset_import)."""
+    with open(path, "rb") as f:
+        head = f.read(3)
+    return (len(head) == 3 and head[0] == 0x08 and 1 <= head[1] <= 64
+            and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42))
+
+
+def check_engine_file(engine: str | os.PathLike) -> None:
+    """Refuse, before TensorRT is needed, what is not a serialised engine: an empty file or an
+    ONNX model (by its suffix or its content; its QKNormRoPE nodes are checked against the node
+    contract first, as every consumer of an ONNX file does). ``engine`` must exist."""
+    engine = Path(engine)
+    fix = (f"Fix: build an engine with `qkrope build {engine} -o "
+           f"{engine.with_suffix('.engine').name}` and pass that")
+    if engine.suffix.lower() == ".onnx" or _looks_like_onnx(engine):
+        try:
+            checked_onnx_model(engine)
+        except OnnxModelError:
+            if engine.suffix.lower() != ".onnx":
+                return  # a plan whose first bytes happen to look like ONNX
+            raise NotAnEngineError(f"{engine} is not a TensorRT engine (an .onnx file). "
+                                   f"{fix}") from None
+        raise NotAnEngineError(f"{engine} is an ONNX model, not a TensorRT engine. {fix}")
+    if engine.stat().st_size == 0:
+        raise NotAnEngineError(f"{engine} is empty, not a TensorRT engine. Fix: rebuild it "
+                               f"with `qkrope build`")
+
+
 def plugin_node_names(model) -> list[str]:
     """Names of the QKNormRoPE nodes in an ``onnx.ModelProto``'s main graph."""
     names = []

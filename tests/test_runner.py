@@ -605,3 +605,13 @@ def test_engine_profile_range_still_says_rebuild():
         rn.check_inputs(io, {"x": torch.zeros(3, 4)}, device=torch.device("cpu"))
     with pytest.raises(rn.RunnerInputError, match="at least 1"):
         rn.check_inputs(io, {"x": torch.zeros(0, 4)}, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("content", ["onnx", "empty"])
+def test_load_of_an_engine_that_is_not_one_is_refused_before_tensorrt(exported, tmp_path,
+                                                                      monkeypatch, content):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    fake = tmp_path / "m.engine"
+    fake.write_bytes(Path(exported[0]).read_bytes() if content == "onnx" else b"")
+    with pytest.raises(rn.RunnerError, match="not a TensorRT engine"):
+        rn.load(fake)
