@@ -8,9 +8,12 @@ export the model-local function body is added (one body per model, see
 the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict
 shape inference with every graph output shaped, QKNormRoPE node count, no complex types).
 
-Files are written to a temporary folder next to the destination and moved into place with
-``os.replace`` (the ``.onnx.data`` external-data companion first, for models over 1.5 GiB, then
-the ``.onnx``, then the sidecar ``.onnx.json``): a failed export leaves no partial file.
+Files are written to a hidden staging folder next to the destination and moved into place as a
+group by :func:`qkrope._fileio.staged_outputs` (the sidecar ``.onnx.json`` first, then the
+``.onnx.data`` external-data companion of models over 1.5 GiB, then the ``.onnx``; any failure
+puts the old files back): a failed re-export leaves the old model and sidecar as they were. The
+sidecar records the model's sha256, so a kill between two renames leaves a pair the reader
+refuses ("does not describe this model"), never a silently mixed one.
 
 Graph inputs are named after diffusers' arguments: ``hidden_states``, ``encoder_hidden_states``,
 ``encoder_hidden_states_mask`` (**bool** ``[batch, txt_tokens]``, True = attend, in both models:
@@ -27,11 +30,8 @@ of at least 2 and at least 2 tokens per stream (the sidecar records the traced s
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,7 @@ from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope.sidecars import ModelInfo, TensorInfo, sidecar_path
-from qkrope._fileio import sha256_file
+from qkrope._fileio import check_output_folder, sha256_file, staged_outputs
 from qkrope import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
@@ -199,37 +199,48 @@ def verify_onnx_file(path: str | os.PathLike) -> None:
             raise ExportError(f"shape inference gave output {out.name} no shape")
 
 
-def save_model_atomic(model, out: Path, *, progress: bool = False) -> list[Path]:
-    """Save an onnx_ir Model to ``out`` (+ ``out.data`` when large) atomically; verify it first.
-
-    Returns the paths written (the .onnx first)."""
+def _save_staged(model, out: Path, st, *, progress: bool) -> bool:
+    """Save and verify the model into the staging folder ``st``; True when it has external data."""
     import onnx_ir as ir
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     data_name = out.name + ".data"
     external = _initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        tmp_model = tmpdir / out.name
-        if external:
-            _log(progress, f"writing {out} with external data {data_name}")
-            ir.save(model, tmp_model, external_data=data_name)
-        else:
-            ir.save(model, tmp_model)
-        _log(progress, "checking the model (onnx.checker full check, shape inference)")
-        verify_onnx_file(tmp_model)
-        written = []
-        if external:
-            os.replace(tmpdir / data_name, out.parent / data_name)
-            written.append(out.parent / data_name)
-        elif (out.parent / data_name).exists():
-            os.unlink(out.parent / data_name)  # a stale companion of an older, larger export
-        os.replace(tmp_model, out)
-        written.insert(0, out)
-        return written
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    tmp_model = st.path(out.name)
+    if external:
+        _log(progress, f"writing {out} with external data {data_name}")
+        ir.save(model, tmp_model, external_data=data_name)
+    else:
+        ir.save(model, tmp_model)
+    _log(progress, "checking the model (onnx.checker full check, shape inference)")
+    verify_onnx_file(tmp_model)
+    import onnx
+
+    contract.validate_qknorm_rope_nodes(onnx.load(str(tmp_model), load_external_data=False),
+                                        where=str(out))
+    return external
+
+
+def _commit_order(out: Path, external: bool) -> tuple[list[str], list[str]]:
+    """The sidecar first, the external data next, the model last (and a stale ``.data`` of an
+    older, larger export removed after): a kill between two renames leaves a sidecar whose
+    model_sha256 does not match the model, which the reader refuses, and every state where the
+    sidecar matches the model has the data file that model was written with."""
+    data_name, side = out.name + ".data", sidecar_path(out).name
+    if external:
+        return [side, data_name, out.name], []
+    return [side, out.name], [data_name]
+
+
+def save_model_atomic(model, out: Path, *, progress: bool = False) -> list[Path]:
+    """Save an onnx_ir Model to ``out`` (+ ``out.data`` when large) atomically, without a
+    sidecar; verify it first. Returns the paths written (the .onnx first)."""
+    out = Path(out)
+    names = [out.name, out.name + ".data"]
+    with staged_outputs(out.parent, names) as st:
+        external = _save_staged(model, out, st, progress=progress)
+        order = [out.name + ".data", out.name] if external else [out.name]
+        written = st.commit(order, remove=[] if external else [out.name + ".data"])
+    return written[::-1] if external else written
 
 
 def _versions(extra: Sequence[str] = ()) -> dict[str, str]:
@@ -263,18 +274,19 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[T
 
 
 def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
+    """The model (+ external data) and its sidecar, replaced as a group or not at all
+    (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
     axis_values = info_fields.pop("axis_values")
     inputs, outputs = _tensor_infos(model, set(axis_values))
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
-    written = save_model_atomic(model, out, progress=progress)
-    try:
-        info.save(out)
-    except BaseException:
-        for p in written:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        raise
+    names = [out.name, out.name + ".data", sidecar_path(out).name]
+    with staged_outputs(out.parent, names) as st:
+        external = _save_staged(model, out, st, progress=progress)
+        info.save(st.path(out.name))  # records the staged model's sha256
+        order, remove = _commit_order(out, external)
+        st.commit(order, remove=remove)
+    written = [out] + ([out.parent / (out.name + ".data")] if external else [])
     return info, written + [sidecar_path(out)]
 
 
@@ -345,6 +357,7 @@ def _check_out(out: str | os.PathLike) -> Path:
         raise InputError(f"--out must end in .onnx; got {str(out)!r}")
     if out.is_dir():
         raise InputError(f"--out {str(out)!r} is a directory")
+    check_output_folder(out.parent)  # before the trace: a file in the path, a read-only folder
     return out
 
 
@@ -421,9 +434,10 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
     out = _check_out(out)
     tdtype = _check_dtype(dtype)
     opset = _check_opset(opset)
-    if int(heads) < 1 or int(head_dim) < 2 or int(head_dim) % 2 or int(head_dim) > contract.MAX_HEAD_DIM:
-        raise InputError(f"--heads must be >= 1 and --head-dim even in [2, "
-                         f"{contract.MAX_HEAD_DIM}]; got heads={heads}, head_dim={head_dim}")
+    if int(heads) < 1:
+        raise InputError(f"--heads must be >= 1; got {heads}")
+    contract.check_head_dim(head_dim, what="--head-dim")
+    contract.check_epsilon(eps, what="--eps")
     if weights is not None and not os.path.isfile(weights):
         raise InputFileNotFoundError(f"--weights {str(weights)!r} does not exist: give a safetensors "
                                 f"file or a torch state dict with diffusers' attention names")
