@@ -122,6 +122,11 @@ def _status(exc_info) -> int:
     ("rounding 2", 64, (8, 64), {"rounding": 2}, 6),
     ("eps 0", 64, (8, 64), {"eps": 0.0}, 6),
     ("eps nan", 64, (8, 64), {"eps": float("nan")}, 6),
+    # the contract's one epsilon rule (qkrope/contract.py epsilon_error): 0 < eps < 1
+    ("eps 1", 64, (8, 64), {"eps": 1.0}, 6),
+    ("eps 2", 64, (8, 64), {"eps": 2.0}, 6),
+    ("eps inf", 64, (8, 64), {"eps": float("inf")}, 6),
+    ("eps -1", 64, (8, 64), {"eps": -1.0}, 6),
 ])
 def test_bad_params_return_status(host_lib, what, head_dim, cache_shape, extra, status):
     shape = (2, 6, 2, head_dim)

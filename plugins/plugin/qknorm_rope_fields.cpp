@@ -98,12 +98,13 @@ std::string rangeText(FieldSpec const& s)
     {
         return (s.minExclusive ? "> " : ">= ") + number(s.min);
     }
-    return "in " + std::string(s.minExclusive ? "(" : "[") + number(s.min) + ", " + number(s.max) + "]";
+    return "in " + std::string(s.minExclusive ? "(" : "[") + number(s.min) + ", " + number(s.max)
+        + (s.maxExclusive ? ")" : "]");
 }
 
 bool inRange(FieldSpec const& s, double v) noexcept
 {
-    return (s.minExclusive ? v > s.min : v >= s.min) && v <= s.max;
+    return (s.minExclusive ? v > s.min : v >= s.min) && (s.maxExclusive ? v < s.max : v <= s.max);
 }
 
 void* slotOf(QKNormRoPEAttributes& a, FieldSpec const& s) noexcept

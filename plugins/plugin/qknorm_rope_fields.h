@@ -59,11 +59,15 @@ struct FieldSpec
     size_t offset;        // attributes: offsetof(QKNormRoPEAttributes, member)
     char const* identity; // identity fields: the only accepted value
     char const* meaning;  // what the values mean, appended to an out-of-range message
+    bool maxExclusive = false; // attributes: the range is [min, max) / (min, max)
 };
 
 inline constexpr FieldSpec kFIELDS[] = {
-    {"epsilon", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kFLOAT32, 1e-6, 0.0, true, FLT_MAX,
-        offsetof(QKNormRoPEAttributes, epsilon), nullptr, "Qwen-Image uses 1e-6"},
+    // The contract's one epsilon rule (qkrope/contract.py, epsilon_error): finite, 0 < eps < 1, checked
+    // on the value and on its float32 narrowing (readAttribute); checkParams in
+    // plugins/kernel/qknorm_rope_check.cpp says the same.
+    {"epsilon", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kFLOAT32, 1e-6, 0.0, true, 1.0,
+        offsetof(QKNormRoPEAttributes, epsilon), nullptr, "Qwen-Image uses 1e-6", true},
     {"interleaved", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kINT32, 1, 0, false, 1,
         offsetof(QKNormRoPEAttributes, interleaved), nullptr,
         "1: interleaved pairs (2j, 2j+1) as in Qwen-Image/GPT-J; 0: NeoX halves"},
@@ -91,7 +95,7 @@ std::vector<nvinfer1::PluginField> serializedFields(QKNormRoPEAttributes& attrs)
 // metadata string).
 std::string attributeSummary(QKNormRoPEAttributes const& attrs);
 
-// What the exporter writes, for error messages: "epsilon (FLOAT > 0), interleaved (INT 0 or 1), ...".
+// What the exporter writes, for error messages: "epsilon (FLOAT in (0, 1)), interleaved (INT 0 or 1), ...".
 std::string exportedFieldsHint();
 
 } // namespace plugin
