@@ -63,7 +63,14 @@ def test_check_fails_on_perturbed_weights(good, tmp_path, capsys):
     target.CopyFrom(numpy_helper.from_array(arr, target.name))
     bad = tmp_path / "bad.onnx"
     onnx.save(model, str(bad))
-    shutil.copy(str(good) + ".json", str(bad) + ".json")
+    # the sidecar of the source model, re-pointed at the edited file (it records its sha256)
+    import json
+
+    from qkrope._fileio import sha256_file
+
+    side = json.loads(open(str(good) + ".json").read())
+    side["model_sha256"] = sha256_file(bad)
+    open(str(bad) + ".json", "w").write(json.dumps(side))
     assert main(["check", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "FAILED" in out
