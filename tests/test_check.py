@@ -215,3 +215,10 @@ def test_check_wrong_shape_sidecar_is_one_line(good, tmp_path, capsys, nothing_r
     (tmp_path / "m.onnx.json").write_text(sidecar)
     assert main(["check", str(path)]) == 2
     assert "m.onnx.json" in _one_line_error(capsys)
+
+
+def test_engine_that_is_an_onnx_model_is_refused_first(good, tmp_path, capsys, nothing_runs):
+    plugin = tmp_path / "lib.so"
+    plugin.write_bytes(b"x")
+    assert main(["check", str(good), "--engine", str(good), "--plugin", str(plugin)]) == 2
+    assert "not a TensorRT engine" in _one_line_error(capsys)

@@ -53,7 +53,7 @@ from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 from qkrope.runtime.inputs import from_ort_value, make_inputs, to_ort_value, to_torch
-from qkrope.runtime.trt_utils import checked_onnx_model
+from qkrope.runtime.trt_utils import check_engine_file, checked_onnx_model
 from qkrope.sidecars import ModelInfo
 
 from .measure import CheckRow, format_check_table
@@ -223,6 +223,8 @@ def validate_arguments(onnx_path: str, *, engine: str | None, plugin: str | None
     if engine and not os.path.isfile(engine):
         raise InputFileNotFoundError(f"--engine {engine!r} does not exist: build it with "
                                 f"`qkrope build`")
+    if engine:
+        check_engine_file(engine)  # an ONNX model or an empty file is not an engine
     if plugin and not os.path.isfile(plugin):
         raise InputFileNotFoundError(f"--plugin {plugin!r} does not exist: build it with `qkrope "
                                 f"build-plugin`")
