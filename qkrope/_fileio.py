@@ -188,15 +188,11 @@ def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
-class _Terminated(SystemExit):
-    pass
-
-
 def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
     if getattr(_COMMITTING, "depth", 0):
         _PENDING_SIGNALS.append(signum)  # finish the commit first
         return
-    raise _Terminated(128 + signum)
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
@@ -277,7 +273,7 @@ class Staging:
             if not _COMMITTING.depth and _PENDING_SIGNALS:
                 signum = _PENDING_SIGNALS.pop()
                 _PENDING_SIGNALS.clear()
-                raise _Terminated(128 + signum)
+                raise SystemExit(128 + signum)
         return [self.folder / n for n in order]
 
     @staticmethod

@@ -575,7 +575,7 @@ bool typeAccepted(PluginFieldType declared, PluginFieldType given)
 
 bool inRange(qp::FieldSpec const& s, double v)
 {
-    return (s.minExclusive ? v > s.min : v >= s.min) && v <= s.max;
+    return (s.minExclusive ? v > s.min : v >= s.min) && (s.maxExclusive ? v < s.max : v <= s.max);
 }
 
 Expected model(Collection const& c)
