@@ -54,11 +54,11 @@ enum class Status : int32_t
 {
     kSUCCESS = 0,
     kNULL_POINTER = 1,
-    kBAD_SHAPE = 2,          // a negative extent, or head_dim odd / > kMAX_HEAD_DIM
+    kBAD_SHAPE = 2,          // a negative extent, head_dim odd / > kMAX_HEAD_DIM, or sizes that overflow
     kBAD_ROTARY_DIM = 3,     // rotary_dim odd, zero, or > head_dim
     kCACHE_OVERFLOW = 4,     // cache_rows < seq_len
     kBAD_DTYPE = 5,
-    kBAD_ATTRIBUTE = 6,      // eps not finite / <= 0, rounding not 0 or 1
+    kBAD_ATTRIBUTE = 6,      // eps not finite or outside (0, 1) (qkrope/contract.py), rounding not 0 or 1
     kCUDA_ERROR = 7,
 };
 
