@@ -155,18 +155,37 @@ def render_config(name: str, info: EngineInfo, *, max_batch_size: int = 0, insta
                 "shared across the batch). Use --max-batch-size 0: the batch stays an explicit, "
                 "dynamic dim of hidden_states / encoder_hidden_states")
         tensors = {k: [(n, dt, d[1:]) for n, dt, d in v] for k, v in tensors.items()}
-    lines = [f"name: {_pb_str(name)}", 'platform: "tensorrt_plan"',
-             f"max_batch_size: {max_batch_size}",
-             'default_model_filename: "model.plan"']
-    for kind, specs in tensors.items():
+    return _render([f"name: {_pb_str(name)}", 'platform: "tensorrt_plan"',
+                    f"max_batch_size: {max_batch_size}",
+                    'default_model_filename: "model.plan"'], tensors, instances=instances,
+                   kind="KIND_GPU", gpus=gpus)
+
+
+Specs = dict[str, list[tuple[str, str, list[int]]]]  # "input"/"output" -> (name, TYPE_*, dims)
+
+
+def _render(header: list[str], tensors: Specs, *, instances: int | None = 1,
+            kind: str = "KIND_GPU", gpus: Iterable[int] | None = None,
+            parameters: dict[str, str] | None = None, tail: Iterable[str] = ()) -> str:
+    """config.pbtxt text: the header lines, the I/O, ``parameters``, the instance group
+    (none for ``instances=None``: an ensemble has none) and ``tail`` blocks."""
+    lines = list(header)
+    for io_kind, specs in tensors.items():
         for t_name, t_dtype, t_dims in specs:
             text = ", ".join(str(d) for d in t_dims)
-            lines.append(f"{kind} {{\n  name: {_pb_str(t_name)}\n  data_type: {t_dtype}\n"
+            lines.append(f"{io_kind} {{\n  name: {_pb_str(t_name)}\n  data_type: {t_dtype}\n"
                          f"  dims: [ {text} ]\n}}")
-    group = f"instance_group {{\n  count: {instances}\n  kind: KIND_GPU\n"
-    if gpus:
-        group += f"  gpus: [ {', '.join(str(int(g)) for g in gpus)} ]\n"
-    lines.append(group + "}")
+    for key, value in (parameters or {}).items():
+        lines.append(f"parameters {{\n  key: {_pb_str(key)}\n  value {{ string_value: "
+                     f"{_pb_str(value)} }}\n}}")
+    if instances is not None:
+        if instances < 1:
+            raise TritonRepoError(f"--instances must be >= 1, got {instances}")
+        group = f"instance_group {{\n  count: {instances}\n  kind: {kind}\n"
+        if gpus:
+            group += f"  gpus: [ {', '.join(str(int(g)) for g in gpus)} ]\n"
+        lines.append(group + "}")
+    lines.extend(tail)
     return "\n".join(lines) + "\n"
 
 
@@ -187,6 +206,7 @@ class RepoResult:
     plugin_path: Path | None  # None: a function-body engine, no plugin
     command: str
     version_compatible: bool = False
+    models: list[Path] | None = None  # every model directory written (main, rope, ensemble)
 
 
 def server_command(repo: Path, plugin_path: Path | None, *,
@@ -273,57 +293,283 @@ def swap_in(staged: Path, target: Path) -> None:
         raise
 
 
-def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
-                     plugin: os.PathLike | str | None = None, name: str | None = None,
-                     max_batch_size: int = 0, instances: int = 1, force: bool = False,
-                     copy_plugin: bool = True, check_plugin_hash: bool = True) -> RepoResult:
-    """Write ``repo/<name>`` for ``engine``. The model directory is assembled in a staging
-    folder next to ``repo`` (:func:`qkrope._fileio.staged_outputs`: removed on any failure or
-    SIGTERM, and by the next run after a SIGKILL) and swapped in whole (:func:`swap_in`), so a
-    reader sees the old model or the new one, never a mix; an existing model directory is
-    replaced only with ``force``. Write failures are one-line OutputWriteErrors."""
-    engine = Path(engine)
-    repo = Path(repo)
-    info = load_engine_sidecar(engine)
-    name = name or default_model_name(engine)
-    if not name or "/" in name or name.startswith("."):
-        raise TritonRepoError(f"invalid model name {name!r}: Triton model names are directory "
-                              "names; pass --name")
-    plugin_src = resolve_engine_plugin(info, plugin, check_plugin_hash=check_plugin_hash)
-    vc = bool(info.version_compatible)
-    plugin_name = VC_PLUGIN_FILE_NAME if vc else PLUGIN_FILE_NAME
-    copy_plugin = copy_plugin and plugin_src is not None
-    text = render_config(name, info, max_batch_size=max_batch_size, instances=instances)
+ROPE_MODEL_TEMPLATE = Path(__file__).with_name("triton_rope_model.py")
+CACHE_INPUTS = ("img_cos_sin_cache", "txt_cos_sin_cache")
+TXT_TENSOR = "encoder_hidden_states_mask"  # the rope model reads the text length off its shape
+
+
+def is_transformer(input_names: Iterable[str], config: dict | None, model: str | None = None) -> bool:
+    """A whole diffusers transformer (``qkrope export --model transformer``): a timestep input
+    and both cache inputs; the attention block has no timestep."""
+    names = set(input_names)
+    if model is not None and model != "transformer":
+        return False
+    return "timestep" in names and set(CACHE_INPUTS) <= names and (
+        model == "transformer" or "diffusers_config" in (config or {}))
+
+
+def _axes_dim(config: dict, rotary_dim: int) -> tuple[int, int, int]:
+    from .caches import QWEN_AXES_DIM
+
+    cfg = config.get("diffusers_config") if isinstance(config.get("diffusers_config"), dict) else {}
+    axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_AXES_DIM))
+    if sum(axes) != rotary_dim:
+        raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
+                              f"{list(axes)} sum to {sum(axes)}; the sidecar is inconsistent")
+    return axes  # type: ignore[return-value]
+
+
+def render_rope_config(name: str, main: Specs, config: dict, *, instances: int = 1) -> str:
+    """config.pbtxt of the Python-backend model that builds the caches
+    (:mod:`qkrope.runtime.triton_rope_model`) for the main model whose I/O is ``main``."""
+    from .caches import QWEN_THETA
+
+    by_name = {n: (dt, d) for n, dt, d in main["input"]}
+    if TXT_TENSOR not in by_name:
+        raise TritonRepoError(f"the model has no {TXT_TENSOR} input to read the text length from")
+    dims = [by_name[c][1] for c in CACHE_INPUTS]
+    width = {d[-1] for d in dims}
+    if len(width) != 1 or -1 in width or any(len(d) != 2 for d in dims):
+        raise TritonRepoError(f"the cache inputs must be [rows, rotary_dim] with a fixed "
+                              f"rotary_dim; got {dims}")
+    rotary = width.pop()
+    axes = _axes_dim(config, rotary)
+    dt, d = by_name[TXT_TENSOR]
+    tensors = {"input": [("img_shapes", "TYPE_INT64", [-1, 3]), (TXT_TENSOR, dt, d)],
+               "output": [(c, "TYPE_FP32", [-1, rotary]) for c in CACHE_INPUTS]}
+    return _render([f"name: {_pb_str(name)}", 'backend: "python"', "max_batch_size: 0"],
+                   tensors, instances=instances, kind="KIND_CPU", parameters={
+                       "axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_THETA),
+                       "scale_rope": "true", "txt_tensor": TXT_TENSOR,
+                       "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1]})
+
+
+def _step(model: str, inputs: Iterable[str], outputs: Iterable[str]) -> str:
+    maps = [f"    input_map {{ key: {_pb_str(n)} value: {_pb_str(n)} }}" for n in inputs]
+    maps += [f"    output_map {{ key: {_pb_str(n)} value: {_pb_str(n)} }}" for n in outputs]
+    return (f"  step {{\n    model_name: {_pb_str(model)}\n    model_version: -1\n"
+            + "\n".join(maps) + "\n  }")
+
+
+def render_ensemble_config(name: str, main_name: str, rope_name: str, main: Specs) -> str:
+    """The ensemble: client inputs (the main model's minus the caches, plus ``img_shapes``) ->
+    the rope model -> the main model -> its outputs (``sample``)."""
+    inputs = [t for t in main["input"] if t[0] not in CACHE_INPUTS]
+    by_name = {t[0]: t for t in main["input"]}
+    steps = [_step(rope_name, ["img_shapes", TXT_TENSOR], CACHE_INPUTS),
+             _step(main_name, [t[0] for t in main["input"]], [t[0] for t in main["output"]])]
+    tensors = {"input": inputs[:] + [("img_shapes", "TYPE_INT64", [-1, 3])],
+               "output": list(main["output"])}
+    assert TXT_TENSOR in by_name
+    return _render([f"name: {_pb_str(name)}", 'platform: "ensemble"', "max_batch_size: 0"],
+                   tensors, instances=None,
+                   tail=["ensemble_scheduling {\n" + "\n".join(steps) + "\n}"])
+
+
+def _engine_specs(info: EngineInfo) -> Specs:
+    dims = triton_dims(info)
+    return {kind: [(t.name, triton_dtype(t.dtype), dims[t.name]) for t in items]
+            for kind, items in (("input", info.inputs), ("output", info.outputs))}
+
+
+def onnx_specs(info) -> Specs:
+    """Triton I/O of an exported ONNX model from its sidecar (:class:`ModelInfo`): a named
+    (symbolic) axis is -1."""
+    return {kind: [(t.name, triton_dtype(t.dtype), [d if isinstance(d, int) else -1
+                                                     for d in t.shape]) for t in items]
+            for kind, items in (("input", info.inputs), ("output", info.outputs))}
+
+
+def render_onnx_config(name: str, specs: Specs, *, instances: int = 1,
+                       gpus: Iterable[int] | None = None) -> str:
+    """config.pbtxt of an ``onnxruntime``-backend model (``1/model.onnx``; ONNX Runtime runs
+    the QKNormRoPE nodes' function bodies, so no plugin)."""
+    return _render([f"name: {_pb_str(name)}", 'backend: "onnxruntime"', "max_batch_size: 0",
+                    'default_model_filename: "model.onnx"'], specs, instances=instances,
+                   kind="KIND_AUTO", gpus=gpus)
+
+
+def _check_parses(*texts: str) -> None:
     try:
-        parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
+        for text in texts:
+            parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
     except ImportError as exc:  # MissingDependencyError is an ImportError
         print(f"warning: config.pbtxt not checked against Triton's ModelConfig schema "
               f"({str(exc).splitlines()[0] if str(exc) else 'tritonclient not installed'}); "
               f"install tritonclient[grpc] to check it", file=sys.stderr)
 
-    target = repo / name
-    if target.exists() and not force:
-        raise TritonRepoError(f"{target} already exists; pass --force to replace it or "
-                              "--name to write another model")
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name.startswith("."):
+        raise TritonRepoError(f"invalid model name {name!r}: Triton model names are directory "
+                              "names; pass --name")
+
+
+def _write_models(repo: Path, models: dict[str, Any], *, force: bool) -> None:
+    """Write ``repo/<name>`` for each ``name -> fill(staged_dir)``. Every model directory is
+    assembled in a staging folder next to ``repo`` (:func:`qkrope._fileio.staged_outputs`:
+    removed on any failure or SIGTERM, and by the next run after a SIGKILL) and swapped in whole
+    (:func:`swap_in`), in order (an ensemble last, after the models it calls), so a reader sees
+    each model old or new, never a mix; existing model directories are replaced only with
+    ``force``. Write failures are one-line OutputWriteErrors."""
     if repo.exists() and not repo.is_dir():
         raise TritonRepoError(f"{repo} exists and is not a directory")
-    if target.exists() and (target.is_symlink() or not target.is_dir()):
-        raise TritonRepoError(f"{target} exists and is not a model directory; remove it or "
-                              f"pass --name")
+    for name in models:
+        _check_name(name)
+        target = repo / name
+        if target.exists() and not force:
+            raise TritonRepoError(f"{target} already exists; pass --force to replace it or "
+                                  "--name to write another model")
+        if target.exists() and (target.is_symlink() or not target.is_dir()):
+            raise TritonRepoError(f"{target} exists and is not a model directory; remove it or "
+                                  f"pass --name")
     # Assembled in a staging folder next to the repository (not inside it: Triton takes every
     # sub-directory of a repository for a model), then swapped in whole.
     with staged_outputs(repo.parent, [], flag="--output") as st:
-        staged = st.dir / name
-        (staged / "1").mkdir(parents=True)
-        shutil.copyfile(engine, staged / "1" / "model.plan")
-        (staged / "config.pbtxt").write_text(text)
-        if copy_plugin:
-            shutil.copy2(plugin_src, staged / plugin_name)
+        staged = {}
+        for name, fill in models.items():
+            staged[name] = st.dir / name
+            (staged[name] / "1").mkdir(parents=True)
+            fill(staged[name])
         repo.mkdir(parents=True, exist_ok=True)
-        swap_in(staged, target)
-    plugin_final = (target / plugin_name) if copy_plugin else plugin_src
+        for name in models:
+            swap_in(staged[name], repo / name)
+
+
+def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict, instances: int,
+                 models: dict) -> dict:
+    """Add the rope model and the ensemble (named ``repo_name``) after the main model."""
+    rope_name = f"{repo_name}_rope"
+    rope_text = render_rope_config(rope_name, main, config, instances=instances)
+    ens_text = render_ensemble_config(repo_name, main_name, rope_name, main)
+    _check_parses(rope_text, ens_text)
+
+    def fill_rope(d: Path) -> None:
+        (d / "config.pbtxt").write_text(rope_text)
+        shutil.copyfile(ROPE_MODEL_TEMPLATE, d / "1" / "model.py")
+
+    def fill_ensemble(d: Path) -> None:
+        (d / "config.pbtxt").write_text(ens_text)
+
+    models[rope_name] = fill_rope
+    models[repo_name] = fill_ensemble
+    return models
+
+
+PYTHON_ENV_NOTE = ("the Python backend's environment needs qkrope and torch installed "
+                   "(pip install qkrope) for the *_rope model")
+
+
+def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
+                     plugin: os.PathLike | str | None = None, name: str | None = None,
+                     max_batch_size: int = 0, instances: int = 1, force: bool = False,
+                     copy_plugin: bool = True, check_plugin_hash: bool = True,
+                     ensemble: bool | None = None) -> RepoResult:
+    """Write ``repo/<name>`` for ``engine`` (:func:`_write_models`). For a whole transformer
+    (:func:`is_transformer`; ``ensemble=None``: whenever it is one) three models:
+    ``<name>_trt`` (the engine), ``<name>_rope`` (Python backend, the caches) and ``<name>``
+    (the ensemble clients call); else the one model ``<name>``."""
+    engine = Path(engine)
+    repo = Path(repo)
+    info = load_engine_sidecar(engine)
+    name = name or default_model_name(engine)
+    _check_name(name)
+    plugin_src = resolve_engine_plugin(info, plugin, check_plugin_hash=check_plugin_hash)
+    vc = bool(info.version_compatible)
+    plugin_name = VC_PLUGIN_FILE_NAME if vc else PLUGIN_FILE_NAME
+    copy_plugin = copy_plugin and plugin_src is not None
+    whole = is_transformer([t.name for t in info.inputs], info.config)
+    if ensemble and not whole:
+        raise TritonRepoError(f"{engine} is not a whole transformer (no timestep input), so it "
+                              "gets no ensemble")
+    whole = whole if ensemble is None else bool(ensemble)
+    if whole and max_batch_size:
+        raise TritonRepoError("the transformer ensemble needs --max-batch-size 0 (the RoPE "
+                              "caches have no batch axis)")
+    main_name = f"{name}_trt" if whole else name
+    text = render_config(main_name, info, max_batch_size=max_batch_size, instances=instances)
+    _check_parses(text)
+
+    def fill_main(d: Path) -> None:
+        shutil.copyfile(engine, d / "1" / "model.plan")
+        (d / "config.pbtxt").write_text(text)
+        if copy_plugin:
+            shutil.copy2(plugin_src, d / plugin_name)
+
+    models: dict[str, Any] = {main_name: fill_main}
+    if whole:
+        _rope_models(name, main_name, _engine_specs(info), info.config, instances, models)
+    _write_models(repo, models, force=force)
+    target = repo / name
+    main_dir = repo / main_name
+    plugin_final = (main_dir / plugin_name) if copy_plugin else plugin_src
     in_engine = bool(info.plugin and info.plugin.serialized_in_engine)
-    return RepoResult(target, target / "config.pbtxt", target / "1" / "model.plan",
+    return RepoResult(target, target / "config.pbtxt", main_dir / "1" / "model.plan",
                       plugin_final.resolve() if plugin_final is not None else None,
                       server_command(repo, plugin_final, version_compatible=vc,
-                                     plugin_in_engine=in_engine), version_compatible=vc)
+                                     plugin_in_engine=in_engine), version_compatible=vc,
+                      models=[repo / m for m in models])
+
+
+def _onnx_files(onnx_path: Path) -> list[Path]:
+    """The ONNX file's external data files (next to it, as its tensors name them)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - not a protobuf: not an ONNX model
+        raise TritonRepoError(f"{onnx_path} is not an ONNX model ({type(exc).__name__}); "
+                              "--backend onnxruntime serves the .onnx from `qkrope export`, "
+                              "not a TensorRT engine") from None
+    locs = []
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location" and e.value not in locs:
+                locs.append(e.value)
+    return [onnx_path.parent / loc for loc in locs]
+
+
+def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str, *,
+                          name: str | None = None, instances: int = 1,
+                          force: bool = False) -> RepoResult:
+    """``--backend onnxruntime``: serve ``qkrope export``'s .onnx (and its external data file)
+    with Triton's onnxruntime backend, no TensorRT or plugin. A transformer gets the ensemble
+    (``<name>_onnx``, ``<name>_rope``, ``<name>``), an attention block one model ``<name>``."""
+    from qkrope.sidecars import ModelInfo
+
+    onnx_path = Path(onnx_path)
+    repo = Path(repo)
+    if not onnx_path.is_file():
+        raise TritonRepoError(f"ONNX model not found: {onnx_path}. Export one first: "
+                              "qkrope export --out MODEL.onnx")
+    if onnx_path.suffix.lower() in (".engine", ".plan"):
+        raise TritonRepoError(f"{onnx_path} is a TensorRT engine; --backend onnxruntime serves "
+                              "the .onnx model (use --backend tensorrt --engine for an engine)")
+    data = _onnx_files(onnx_path)
+    for f in data:
+        if not f.is_file() or f.parent.resolve() != onnx_path.parent.resolve():
+            raise TritonRepoError(f"{onnx_path}'s external data file {f} is missing (or not "
+                                  "next to it); re-export the model")
+    info = ModelInfo.load(onnx_path)
+    name = name or default_model_name(onnx_path)
+    _check_name(name)
+    whole = is_transformer([t.name for t in info.inputs], info.config, info.model)
+    main_name = f"{name}_onnx" if whole else name
+    specs = onnx_specs(info)
+    text = render_onnx_config(main_name, specs, instances=instances)
+    _check_parses(text)
+
+    def fill_main(d: Path) -> None:
+        shutil.copyfile(onnx_path, d / "1" / "model.onnx")
+        for f in data:  # keeps the name the model's tensors refer to
+            shutil.copyfile(f, d / "1" / f.name)
+        (d / "config.pbtxt").write_text(text)
+
+    models: dict[str, Any] = {main_name: fill_main}
+    if whole:
+        _rope_models(name, main_name, specs, info.config, instances, models)
+    _write_models(repo, models, force=force)
+    target = repo / name
+    return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",
+                      None, f"tritonserver --model-repository={repo.resolve()}",
+                      models=[repo / m for m in models])

@@ -14,7 +14,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Write REPO/<name>/{config.pbtxt, 1/model.plan, libqkrope_plugin.so} from a "
                     "TensorRT engine and its sidecar (MODEL.engine.json, written by `qkrope "
                     "build`), and print the tritonserver command that loads the plugin.")
-    p.add_argument("--engine", required=True, help="the TensorRT engine (MODEL.engine)")
+    p.add_argument("--engine", default=None, help="the TensorRT engine (MODEL.engine)")
+    p.add_argument("--backend", choices=("tensorrt", "onnxruntime"), default="tensorrt",
+                   help="tensorrt (default: --engine) or onnxruntime (--onnx MODEL.onnx, no "
+                        "TensorRT or plugin). A whole transformer gets an ensemble <name> over "
+                        "<name>_rope (Python backend: the RoPE caches from img_shapes) and "
+                        "<name>_trt / <name>_onnx")
+    p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
     p.add_argument("--plugin", default=None,
                    help=f"the plugin library ({triton.PLUGIN_FILE_NAME}); default: the one recorded in "
                         "the engine sidecar")
@@ -38,13 +44,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    res = triton.write_repository(args.engine, args.repo, plugin=args.plugin, name=args.name,
-                           max_batch_size=args.max_batch_size, instances=args.instances,
-                           force=args.force, copy_plugin=args.copy_plugin,
-                           check_plugin_hash=args.check_plugin_hash)
-    plugin = (f", {res.plugin_path.name}" if res.plugin_path is not None
-              and res.plugin_path.parent == res.model_dir.resolve() else "")
-    print(f"wrote {res.model_dir}/ (config.pbtxt, 1/model.plan{plugin})")
+    if args.backend == "onnxruntime":
+        if args.engine is not None or args.onnx is None:
+            raise triton.TritonRepoError("--backend onnxruntime serves an ONNX model: pass "
+                                         "--onnx MODEL.onnx (not --engine)")
+        res = triton.write_onnx_repository(args.onnx, args.repo, name=args.name,
+                                           instances=args.instances, force=args.force)
+    else:
+        if args.engine is None or args.onnx is not None:
+            raise triton.TritonRepoError("--backend tensorrt serves an engine: pass --engine "
+                                         "MODEL.engine (or --backend onnxruntime --onnx M.onnx)")
+        res = triton.write_repository(args.engine, args.repo, plugin=args.plugin,
+                                      name=args.name, max_batch_size=args.max_batch_size,
+                                      instances=args.instances, force=args.force,
+                                      copy_plugin=args.copy_plugin,
+                                      check_plugin_hash=args.check_plugin_hash)
+    if res.models and len(res.models) > 1:
+        print(f"wrote {', '.join(str(m) + '/' for m in res.models)} (ensemble {res.model_dir.name}:"
+              f" clients send img_shapes, not the caches)")
+        print(f"note: {triton.PYTHON_ENV_NOTE}")
+    else:
+        plugin = (f", {res.plugin_path.name}" if res.plugin_path is not None
+                  and res.plugin_path.parent == res.model_dir.resolve() else "")
+        print(f"wrote {res.model_dir}/ (config.pbtxt, 1/{res.plan_path.name}{plugin})")
     print("serve it with:")
     print(f"  {res.command}")
     sys.stdout.flush()
