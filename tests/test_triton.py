@@ -466,3 +466,178 @@ def test_a_killed_run_leaves_nothing_after_the_next(engine, tmp_path):
     triton.write_repository(eng, repo, plugin=plugin, force=True)
     assert not stale.exists() and not _temporaries(tmp_path, repo)
     assert _model_state(repo / "attn") == "new"
+
+
+# --------------------------------------------------------------------------------------------
+# The whole transformer: ensemble = Python-backend RoPE model -> TensorRT / ONNX Runtime model
+# (issue 11 part 4)
+# --------------------------------------------------------------------------------------------
+
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from qkrope.runtime.caches import build_qwen_rope_caches  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_transformer_onnx(tmp_path_factory):
+    from qkrope.apps import tiny_pipeline as tp
+
+    d = tmp_path_factory.mktemp("tinytr")
+    tp.save_transformer(tp.tiny_transformer(), d / "t")
+    out = d / "tiny.onnx"
+    assert cli_main(["export", "--model", "transformer", "--diffusers", str(d / "t"),
+                     "--out", str(out)]) == 0
+    return out
+
+
+def _io(cfg, kind):
+    return [(t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims))
+            for t in getattr(cfg, kind)]
+
+
+def _check_ensemble(repo: Path, name: str, main_name: str, main_io):
+    cfgs = {p.name: _parse(p / "config.pbtxt") for p in repo.iterdir()}
+    assert set(cfgs) == {name, main_name, f"{name}_rope"}
+    main, rope, ens = cfgs[main_name], cfgs[f"{name}_rope"], cfgs[name]
+    assert (_io(main, "input"), _io(main, "output")) == main_io
+    assert ens.platform == "ensemble" and ens.max_batch_size == 0
+    assert rope.backend == "python" and rope.max_batch_size == 0
+    assert (repo / f"{name}_rope" / "1" / "model.py").read_text() == \
+        triton.ROPE_MODEL_TEMPLATE.read_text()
+    client = {n for n, _, _ in _io(ens, "input")}
+    assert client == {n for n, _, _ in main_io[0]} - set(triton.CACHE_INPUTS) | {"img_shapes"}
+    # wiring: every step's model exists and each input map names the model's real input and a
+    # tensor that exists upstream (a client input or an earlier step's output)
+    avail = {n: (dt, d) for n, dt, d in _io(ens, "input")}
+    for step in ens.ensemble_scheduling.step:
+        model = cfgs[step.model_name]
+        ins = {n: (dt, d) for n, dt, d in _io(model, "input")}
+        assert set(step.input_map) == set(ins)
+        for key, value in step.input_map.items():
+            assert value in avail and avail[value][0] == ins[key][0]
+        outs = {n: (dt, d) for n, dt, d in _io(model, "output")}
+        for key, value in step.output_map.items():
+            avail[value] = outs[key]
+    assert [o[0] for o in _io(ens, "output")] == ["sample"]
+    assert all(o in avail for o, _, _ in _io(ens, "output"))
+    return cfgs
+
+
+def _onnx_io(onnx_path):
+    info = ModelInfo.load(onnx_path)
+    return tuple([(t.name, TYPE.get(t.dtype, triton.triton_dtype(t.dtype)),
+                   [d if isinstance(d, int) else -1 for d in t.shape]) for t in items]
+                 for items in (info.inputs, info.outputs))
+
+
+def test_onnxruntime_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert cli_main(["triton-repo", "--backend", "onnxruntime", "--onnx",
+                     str(tiny_transformer_onnx), "-o", str(repo)]) == 0
+    cfgs = _check_ensemble(repo, "tiny", "tiny_onnx", _onnx_io(tiny_transformer_onnx))
+    assert cfgs["tiny_onnx"].backend == "onnxruntime"
+    files = sorted(p.name for p in (repo / "tiny_onnx" / "1").iterdir())
+    data = Path(str(tiny_transformer_onnx) + ".data")
+    assert files == ["model.onnx"] + (["tiny.onnx.data"] if data.exists() else [])
+    assert "qkrope" in capsys.readouterr().out  # the Python env note
+    # an engine is refused for --backend onnxruntime
+    eng = tmp_path / "x.engine"
+    eng.write_bytes(b"plan")
+    assert cli_main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(eng), "-o",
+                     str(tmp_path / "r2")]) == 2
+    assert not (tmp_path / "r2").exists()
+
+
+def test_tensorrt_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_path):
+    info = ModelInfo.load(tiny_transformer_onnx)
+    plugin = tmp_path / "libqkrope_plugin.so"
+    plugin.write_bytes(b"\x7fELF fake plugin")
+    net = lambda items: [EngineTensor(t.name, t.dtype, _dyn(t.shape)) for t in items]  # noqa
+    side = EngineInfo(
+        tensorrt_version="10.14", onnx=str(tiny_transformer_onnx),
+        inputs=engine_tensors(net(info.inputs), info),
+        outputs=engine_tensors(net(info.outputs), info), profiles=[],
+        plugin=PluginRecord(str(plugin), hashlib.sha256(plugin.read_bytes()).hexdigest()),
+        plugin_layers=2, version_compatible=False, strongly_typed=True, config=info.config)
+    eng = tmp_path / "tiny.engine"
+    eng.write_bytes(b"not really a TensorRT plan" * 10)
+    Path(str(eng) + ".json").write_text(json.dumps(side.to_dict()))
+    repo = tmp_path / "repo"
+    res = triton.write_repository(eng, repo, plugin=plugin)
+    cfgs = _check_ensemble(repo, "tiny", "tiny_trt", _onnx_io(tiny_transformer_onnx))
+    assert cfgs["tiny_trt"].platform == "tensorrt_plan"
+    assert (repo / "tiny_trt" / triton.PLUGIN_FILE_NAME).is_file()
+    assert res.model_dir == repo / "tiny" and "plugins=" in res.command
+
+
+class _Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+def _stand_in_pb_utils():
+    m = types.ModuleType("triton_python_backend_utils")
+    m.Tensor = _Tensor
+
+    class InferenceRequest:
+        def __init__(self, inputs):
+            self.inputs = inputs
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.output_tensors, self.error = output_tensors, error
+
+    class TritonError(Exception):
+        pass
+
+    m.InferenceRequest, m.InferenceResponse, m.TritonError = (InferenceRequest,
+                                                              InferenceResponse, TritonError)
+    m.get_input_tensor_by_name = lambda r, n: next((t for t in r.inputs if t.name() == n), None)
+    m.get_output_tensor_by_name = lambda r, n: next(
+        (t for t in r.output_tensors if t.name() == n), None)
+    return m
+
+
+def test_the_rope_model_builds_the_library_caches(tiny_transformer_onnx, tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    triton.write_onnx_repository(tiny_transformer_onnx, repo)
+    rope_dir = repo / "tiny_rope"
+    from google.protobuf import json_format
+
+    cfg = json_format.MessageToDict(_parse(rope_dir / "config.pbtxt"),
+                                    preserving_proto_field_name=True)
+    pb = _stand_in_pb_utils()
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    spec = importlib.util.spec_from_file_location("tiny_rope_model", rope_dir / "1" / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(cfg)})
+    axes = tuple(ModelInfo.load(tiny_transformer_onnx).config["diffusers_config"]
+                 ["axes_dims_rope"])
+    for shapes, txt in (([[1, 4, 6]], 7), ([[1, 3, 3], [1, 2, 4]], 5)):
+        req = pb.InferenceRequest([_Tensor("img_shapes", np.array(shapes, np.int64)),
+                                   _Tensor("encoder_hidden_states_mask",
+                                           np.ones((2, txt), bool))])
+        resp, = model.execute([req])
+        assert resp.error is None
+        ref = build_qwen_rope_caches(shapes, txt, axes_dim=axes)
+        img = pb.get_output_tensor_by_name(resp, "img_cos_sin_cache").as_numpy()
+        txt_c = pb.get_output_tensor_by_name(resp, "txt_cos_sin_cache").as_numpy()
+        assert img.dtype == np.float32 and txt_c.dtype == np.float32
+        assert np.array_equal(img, ref.img.numpy()) and np.array_equal(txt_c, ref.txt.numpy())
+        assert img.shape[1] == sum(axes)
+    bad, = model.execute([pb.InferenceRequest([_Tensor("img_shapes", np.zeros((2,), np.int64)),
+                                               _Tensor("encoder_hidden_states_mask",
+                                                       np.ones((1, 3), bool))])])
+    assert bad.error is not None and "img_shapes" in str(bad.error)
