@@ -2,8 +2,9 @@
 
 Each subcommand lives in its own module of :mod:`qkrope.apps` that defines
 ``add_parser(subparsers)``; the parser it
-registers sets ``func(args) -> int``. Modules keep their heavy imports (diffusers, TensorRT)
-inside functions, so ``qkrope --help`` stays fast and works without them.
+registers sets ``func(args) -> int``. Modules keep their heavy imports (torch, onnx, diffusers, TensorRT)
+inside functions, and a subcommand's module is imported only when that subcommand is parsed, so
+``qkrope --help`` and ``qkrope CMD --help`` stay fast and work without them.
 """
 
 from __future__ import annotations
@@ -16,28 +17,87 @@ import sys
 from qkrope import __version__
 from qkrope.errors import QkropeError
 
-# (module, in the order shown by --help)
-_SUBCOMMAND_MODULES = (
-    "qkrope.apps.export",            # export
-    "qkrope.apps.check",             # check
-    "qkrope.apps.build_plugin",      # build-plugin
-    "qkrope.apps.build",             # build
-    "qkrope.apps.triton_repo",       # triton-repo
-    "qkrope.apps.bench",             # bench
-    "qkrope.apps.demo",              # demo (the README's main job)
+# (command, module, one-line help shown by `qkrope --help`), in the order shown by --help. The
+# help lines are kept here so that `qkrope --help` imports no command module;
+# tests/test_cli_help.py checks that each equals the help its module registers.
+_SUBCOMMANDS = (
+    ("export", "qkrope.apps.export",
+     "export the Qwen-Image attention block or a diffusers transformer to ONNX"),
+    ("check", "qkrope.apps.check",
+     "parity of an exported model (ONNX Runtime, TensorRT) with PyTorch"),
+    ("build-plugin", "qkrope.apps.build_plugin",
+     "build the CUDA kernel and the TensorRT plugin libraries (CMake, nvcc)"),
+    ("build", "qkrope.apps.build", "build a TensorRT engine with the QKNormRoPE plugin"),
+    ("triton-repo", "qkrope.apps.triton_repo",
+     "write a Triton Inference Server model repository for an engine"),
+    ("bench", "qkrope.apps.bench",
+     "benchmark the attention block (TensorRT plugin vs no plugin vs torch) and the kernel's "
+     "bandwidth"),
+    ("demo", "qkrope.apps.demo",
+     "the main job: export, check, build the plugin (and engine where possible)"),
 )
+_SUBCOMMAND_MODULES = tuple(module for _, module, _ in _SUBCOMMANDS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Into:
+    """Stands in for the subparsers object handed to a module's ``add_parser``: the parser it
+    asks for is the lazy parser already registered under that name."""
+
+    def __init__(self, parser: "_LazyCommandParser"):
+        self._parser = parser
+
+    def add_parser(self, name, **kwargs):
+        kwargs.pop("help", None)
+        kwargs.pop("aliases", None)
+        for key in ("description", "epilog", "formatter_class", "usage"):
+            if key in kwargs:
+                setattr(self._parser, key, kwargs.pop(key))
+        return self._parser
+
+
+class _LazyCommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose arguments are added by its module only when that subcommand is
+    parsed or its help is shown, so `qkrope --help` and `qkrope CMD --help` import only CMD's
+    module (whose heavy imports, torch among them, are inside its command function)."""
+
+    def __init__(self, *args, module: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def load(self) -> "_LazyCommandParser":
+        if self._module is not None:
+            module, self._module = self._module, None
+            importlib.import_module(module).add_parser(_Into(self))
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self):
+        self.load()
+        return super().format_help()
+
+    def format_usage(self):
+        self.load()
+        return super().format_usage()
+
+
+def build_parser(*, load_all: bool = False) -> argparse.ArgumentParser:
+    """The ``qkrope`` parser. A subcommand's module is imported when that subcommand is parsed
+    (or at once for every subcommand with ``load_all=True``)."""
     parser = argparse.ArgumentParser(
         prog="qkrope",
         description="Export diffusion transformers with fused QK-RMSNorm + RoPE (Qwen-Image) to "
                     "ONNX and TensorRT, check parity, and deploy.",
     )
     parser.add_argument("--version", action="version", version=f"qkrope {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _SUBCOMMAND_MODULES:
-        importlib.import_module(name).add_parser(sub)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                parser_class=_LazyCommandParser)
+    for name, module, help_line in _SUBCOMMANDS:
+        command = sub.add_parser(name, help=help_line, module=module)
+        if load_all:
+            command.load()
     return parser
 
 

@@ -44,10 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from qkrope import dtypes
 from qkrope.errors import InputError
-from qkrope.runtime.caches import default_axes_dims
-from qkrope.runtime.trt_utils import checked_onnx_model
 
 from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens, machine_info, peak_gbps, summarize, time_interleaved)
 
@@ -145,7 +142,23 @@ class Config:
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
 #: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
 DEFAULT_CPU_THREADS = 1
-DTYPE_CHOICES = sorted(set(dtypes.NAME_BY_SHORT) | set(dtypes.NAME_BY_SHORT.values()))
+# qkrope.dtypes' short and full names, spelled out so that `qkrope bench --help` imports no torch
+# (tests/test_cli_help.py checks them against qkrope.dtypes.NAME_BY_SHORT).
+DTYPE_CHOICES = sorted({"fp32", "fp16", "bf16", "float32", "float16", "bfloat16"})
+
+# torch-importing names of this module's API, imported on first use (`qkrope bench --help` stays
+# light; the functions below import them where they need them).
+_LAZY = {"dtypes": ("qkrope", "dtypes"),
+         "default_axes_dims": ("qkrope.runtime.caches", "default_axes_dims"),
+         "checked_onnx_model": ("qkrope.runtime.trt_utils", "checked_onnx_model")}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cpu_threads(cfg: Config) -> int | None:
@@ -229,6 +242,7 @@ def _export_onnx(cfg: Config, path: Path):
     """Export the attention block with the project's exporter (``qkrope export``'s function),
     with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it).
     Returns its ModelInfo."""
+    from qkrope import dtypes
     from qkrope.export.onnx_export import export_attention
 
     side = min(cfg.sizes) // PIXELS_PER_TOKEN
@@ -428,6 +442,8 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[BenchR
 def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
     import torch
 
+    from qkrope.runtime.trt_utils import checked_onnx_model
+
     on_gpu = cfg.device.startswith("cuda")
     machine = machine_info(cfg.device)
     machine["cpu_threads"] = str(torch.get_num_threads())
@@ -587,6 +603,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     import torch
+
+    from qkrope import dtypes
+    from qkrope.runtime.caches import default_axes_dims
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.startswith("cuda")

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from qkrope.runtime import plugin_build
+# `qkrope build-plugin --help` shows it without importing qkrope.runtime (torch);
+# tests/test_cli_help.py checks it equals plugin_build.DEFAULT_BUILD_DIR.
+DEFAULT_BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "plugins"
 
 
 def _run(args: argparse.Namespace) -> int:
+    from qkrope.runtime import plugin_build  # imports torch: only when building
+
     out = plugin_build.build_plugins(host_only=args.host_only, arch=args.arch, tensorrt_root=args.tensorrt_root,
                         build_dir=args.build_dir, jobs=args.jobs, clean=args.clean)
     kinds = ("kernel_host",) if args.host_only else ("plugin", "vc", "kernels", "kernel_host")
@@ -37,7 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--arch", metavar="LIST",
                    help='CUDA architectures, e.g. "90" or "80;90;100" (default: 80;86;89;90;100 + PTX)')
     p.add_argument("--tensorrt-root", metavar="DIR", help="TensorRT install prefix (DIR/include)")
-    p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {plugin_build.DEFAULT_BUILD_DIR}")
+    p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {DEFAULT_BUILD_DIR}")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default 2)")
     p.add_argument("--clean", action="store_true", help="remove the build directory first")
     p.set_defaults(func=_run)

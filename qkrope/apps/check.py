@@ -52,9 +52,19 @@ import numpy as np
 from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
-from qkrope.runtime.inputs import from_ort_value, make_inputs, to_ort_value, to_torch
-from qkrope.runtime.trt_utils import check_engine_file, checked_onnx_model
-from qkrope.sidecars import ModelInfo
+# qkrope.runtime and qkrope.sidecars import torch: the functions below import what they use, so
+# `qkrope check --help` stays light. The names stay reachable as attributes of this module.
+_LAZY = {"from_ort_value": "qkrope.runtime.inputs", "make_inputs": "qkrope.runtime.inputs",
+         "to_ort_value": "qkrope.runtime.inputs", "to_torch": "qkrope.runtime.inputs",
+         "check_engine_file": "qkrope.runtime.trt_utils",
+         "checked_onnx_model": "qkrope.runtime.trt_utils", "ModelInfo": "qkrope.sidecars"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 from .measure import CheckRow, format_check_table
 
@@ -110,6 +120,8 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                       diffusers_dir: str | None = None) -> dict[str, np.ndarray]:
     """PyTorch outputs (float32 numpy) for the model a sidecar describes."""
     import torch
+
+    from qkrope.runtime.inputs import to_torch
 
     t = {k: to_torch(v) for k, v in feeds.items()}
     with torch.no_grad():
@@ -190,6 +202,8 @@ class OrtValueRunner:  # subclassed from polygraphy's BaseRunner at first use (l
 
             def infer_impl(self, feed_dict):
                 start = time.perf_counter()
+                from qkrope.runtime.inputs import to_ort_value
+
                 outs = self.sess.run_with_ort_values(
                     None, {k: to_ort_value(np.asarray(v)) for k, v in feed_dict.items()})
                 self.inference_time = time.perf_counter() - start
@@ -205,6 +219,8 @@ class OrtValueRunner:  # subclassed from polygraphy's BaseRunner at first use (l
 
 
 def _ortvalue_to_f32(value) -> np.ndarray:
+    from qkrope.runtime.inputs import from_ort_value
+
     return from_ort_value(value).astype(np.float32)
 
 
@@ -224,6 +240,8 @@ def validate_arguments(onnx_path: str, *, engine: str | None, plugin: str | None
         raise InputFileNotFoundError(f"--engine {engine!r} does not exist: build it with "
                                 f"`qkrope build`")
     if engine:
+        from qkrope.runtime.trt_utils import check_engine_file
+
         check_engine_file(engine)  # an ONNX model or an empty file is not an engine
     if plugin and not os.path.isfile(plugin):
         raise InputFileNotFoundError(f"--plugin {plugin!r} does not exist: build it with `qkrope "
@@ -335,6 +353,10 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
         SimpleCompareFunc = CompareFunc.simple
     from polygraphy.comparator.struct import IterationResult, RunResults
     from polygraphy.json import save_json
+
+    from qkrope.runtime.inputs import make_inputs
+    from qkrope.runtime.trt_utils import checked_onnx_model
+    from qkrope.sidecars import ModelInfo
 
     onnx_path = str(onnx_path)
     engine = str(engine) if engine else None

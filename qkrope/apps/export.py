@@ -6,21 +6,25 @@ import argparse
 
 from qkrope import contract
 from qkrope.errors import InputError
-from qkrope.export import onnx_export
+
+# Shown by `qkrope export --help` without importing the exporter (torch, onnx, onnxscript);
+# tests/test_cli_help.py checks them against qkrope.export.onnx_export / onnx_function.
+DESCRIPTION = "qkrope export: the Qwen-Image attention block or a whole diffusers transformer to ONNX."
+DTYPES = ("bf16", "fp16", "fp32")
+DEFAULT_OPSET, MIN_OPSET, MAX_OPSET = 18, 18, 23
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "export", help="export the Qwen-Image attention block or a diffusers transformer to ONNX",
-        description=onnx_export.__doc__.split("\n\n")[0].replace("``", "")
-        + " Writes MODEL.onnx and MODEL.onnx.json.")
+        description=DESCRIPTION + " Writes MODEL.onnx and MODEL.onnx.json.")
     p.add_argument("--model", choices=("attention", "transformer"), default="attention")
     p.add_argument("--out", "-o", default=None,
                    help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
-    p.add_argument("--dtype", choices=sorted(onnx_export.TORCH_DTYPES), default="fp32",
+    p.add_argument("--dtype", choices=DTYPES, default="fp32",
                    help="weights and activations (caches stay fp32); the engine's precision")
-    p.add_argument("--opset", type=int, default=onnx_export.DEFAULT_OPSET,
-                   help=f"ONNX opset, {onnx_export.MIN_OPSET}..{onnx_export.MAX_OPSET} (default {onnx_export.DEFAULT_OPSET})")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
     p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
                    help="sample image in latent patches; repeat for edit condition images")
     p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
@@ -48,6 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
+
     out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
     common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
                   txt_len=args.txt_len, batch=args.batch, rounding=args.rounding)
