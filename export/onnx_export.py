@@ -273,6 +273,41 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[T
     return [desc(v) for v in model.graph.inputs], [desc(v) for v in model.graph.outputs]
 
 
+#: What each graph input is (the ONNX file's doc strings on its inputs).
+_CACHE_DOC = ("RoPE cache, float32, one row per token: the cos half then the sin half of the "
+              "rotary dimension ([rows, rotary_dim]; build it with "
+              "qkrope.runtime.build_qwen_rope_caches)")
+INPUT_DOCS = {
+    "hidden_states": "image tokens, [batch, img_tokens, features] (packed latent patches for the "
+                     "transformer)",
+    "encoder_hidden_states": "text tokens (prompt embeddings), [batch, txt_tokens, features]",
+    "encoder_hidden_states_mask": "text mask, bool [batch, txt_tokens]: True = attend to that "
+                                  "text token, False = padding",
+    "timestep": "diffusion timestep per sample, [batch] (diffusers' timestep / 1000 scale as the "
+                "pipeline passes it)",
+    "img_cos_sin_cache": _CACHE_DOC + " for the image tokens, [img_cache_rows, rotary_dim]",
+    "txt_cos_sin_cache": _CACHE_DOC + " for the text tokens, [txt_cache_rows, rotary_dim]",
+}
+METADATA_PREFIX = "qkrope."
+
+
+def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:
+    """metadata_props (qkrope version, node contract version, model kind, dtype, config as JSON)
+    and a doc string on every graph input (in place)."""
+    import json
+
+    from qkrope import __version__
+
+    props = {"version": __version__, "contract_version": contract.CONTRACT_VERSION,
+             "domain_version": str(contract.DOMAIN_VERSION), "model": kind, "dtype": dtype,
+             "config": json.dumps(config, sort_keys=True)}
+    for key, value in props.items():
+        model.metadata_props[METADATA_PREFIX + key] = value
+    for value in model.graph.inputs:
+        if value.name in INPUT_DOCS:
+            value.doc_string = INPUT_DOCS[value.name]
+
+
 def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
     (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
@@ -280,6 +315,7 @@ def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
     inputs, outputs = _tensor_infos(model, set(axis_values))
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
+    annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config)
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     with staged_outputs(out.parent, names) as st:
         external = _save_staged(model, out, st, progress=progress)

@@ -16,6 +16,9 @@ from qkrope.errors import InputError, QkropeError
 
 DOMAIN = "qkrope"
 DOMAIN_VERSION = 1
+# Version of the node contract (inputs, attributes, cache format; docs/spec.md section 4) that an
+# exported model's QKNormRoPE nodes follow; recorded in the ONNX file's metadata_props.
+CONTRACT_VERSION = "1"
 OP_TYPE = "QKNormRoPE"
 # The torch custom op that stands for the node before export: torch.ops.qkrope.qk_norm_rope
 TORCH_OP = "qkrope::qk_norm_rope"

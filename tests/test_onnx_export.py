@@ -136,6 +136,30 @@ def test_sidecar(fp32_model):
         FunctionVariant(interleaved=True, rounding=0, partial=False)
 
 
+def test_metadata_props_and_input_docs(fp32_model):
+    """The ONNX file says what it is (issue 11): qkrope and node-contract versions, model kind,
+    dtype, config as JSON, and a doc string on every input (shapes, cache format, mask)."""
+    import json
+
+    import qkrope
+
+    model = onnx.load(str(fp32_model), load_external_data=False)
+    props = {p.key: p.value for p in model.metadata_props}
+    assert props["qkrope.version"] == qkrope.__version__
+    assert props["qkrope.contract_version"] == contract.CONTRACT_VERSION
+    assert props["qkrope.model"] == "attention" and props["qkrope.dtype"] == "fp32"
+    config = json.loads(props["qkrope.config"])
+    assert config == ModelInfo.load(fp32_model).config
+    assert config["heads"] == HEADS and config["head_dim"] == HEAD_DIM
+    docs = {i.name: i.doc_string for i in model.graph.input}
+    assert all(docs.values()), docs
+    for name in ("img_cos_sin_cache", "txt_cos_sin_cache"):
+        assert "cos half then the sin half" in docs[name] and "float32" in docs[name]
+        assert "one row per token" in docs[name]
+    assert "True = attend" in docs["encoder_hidden_states_mask"]
+    assert "[batch, img_tokens" in docs["hidden_states"]
+
+
 def test_sidecar_missing_is_clear(tmp_path):
     with pytest.raises(ValueError, match="qkrope export"):
         ModelInfo.load(tmp_path / "nothing.onnx")
