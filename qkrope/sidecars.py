@@ -430,6 +430,8 @@ class EngineInfo:
     sample: dict[str, Any] = field(default_factory=dict)
     gpu: dict[str, Any] | None = None
     build_seconds: float | None = None
+    refittable: bool = False
+    profile_labels: list[str] = field(default_factory=list)  # "1024x1024" per preset, or ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime()))
     source: str = field(default="", compare=False, repr=False)
@@ -464,6 +466,7 @@ class EngineInfo:
             "parser_flags": list(self.parser_flags), "config": dict(self.config),
             "dynamic_axes": dict(self.dynamic_axes), "sample": dict(self.sample),
             "build_seconds": self.build_seconds, "created": self.created,
+            "refittable": self.refittable, "profile_labels": list(self.profile_labels),
         }
 
     @classmethod
@@ -503,6 +506,9 @@ class EngineInfo:
             config=f.obj("config"), dynamic_axes=f.obj("dynamic_axes"), sample=f.obj("sample"),
             gpu=dict(gpu) if gpu is not None else None,
             build_seconds=f.get("build_seconds", (int, float), optional=True),
+            refittable=f.get("refittable", bool, optional=True, default=False),
+            profile_labels=[str(x) for x in f.get("profile_labels", list, optional=True,
+                                                   default=[])],
             created=f.get("created", str, optional=True, default=""), source=source)
 
     @classmethod

@@ -395,16 +395,59 @@ class BuildOptions:
     workspace_mib: int | None = None
     progress: bool = True
     verbose: bool = False
+    # resolution presets (width, height): one optimisation profile each
+    resolutions: list | None = None
+    txt_tokens: tuple[int, int] | None = None   # --txt-tokens MIN:MAX
+    batch: tuple[int, int] | None = None        # --batch MIN:MAX
+    refit: bool = False                         # BuilderFlag.REFIT
 
 
-def plan_profile(model: ModelInfo, opts: BuildOptions) -> prof.Profile:
-    """Derive and validate the profile (no TensorRT needed)."""
+# the whole transformer's default when no preset, range or shape is given: a 1024x1024 image
+DEFAULT_TRANSFORMER_RESOLUTIONS = [(1024, 1024)]
+
+
+def _is_transformer(model: ModelInfo) -> bool:
+    return any(spec.name == "timestep" for spec in model.inputs)
+
+
+def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.Profile]]:
+    """Derive and validate the profiles, ``[(label, profile)]`` (no TensorRT needed): one per
+    resolution preset, or the one of the ranges/shapes given. A whole transformer with no
+    preset, range or shape flag gets the 1024x1024 preset (opt 4096 image tokens, text
+    1..512, batch 1..2), not its tiny export sample as opt."""
+    resolutions = opts.resolutions
+    no_flags = not (opts.min_shapes or opts.opt_shapes or opts.max_shapes or opts.max_batch
+                    or opts.max_img_tokens or opts.max_txt_tokens)
+    if not resolutions and no_flags and _is_transformer(model):
+        resolutions = DEFAULT_TRANSFORMER_RESOLUTIONS
+    if resolutions:
+        if opts.max_batch or opts.max_img_tokens or opts.max_txt_tokens:
+            raise prof.ProfileError("--resolutions sets the image tokens of each profile; give "
+                                    "the text and batch ranges with --txt-tokens MIN:MAX and "
+                                    "--batch MIN:MAX instead of --max-*")
+        return prof.derive_preset_profiles(
+            model, list(resolutions), txt_tokens=opts.txt_tokens, batch=opts.batch,
+            min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes, max_shapes=opts.max_shapes)
+    if opts.txt_tokens or opts.batch:
+        levels = {}
+        if opts.txt_tokens:
+            levels["txt_tokens"] = (opts.txt_tokens[0], opts.txt_tokens[1], opts.txt_tokens[1])
+        if opts.batch:
+            levels["batch"] = (opts.batch[0], opts.batch[1], opts.batch[1])
+    else:
+        levels = None
     profile = prof.derive_profile(
         model, min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes,
         max_shapes=opts.max_shapes, max_batch=opts.max_batch,
-        max_img_tokens=opts.max_img_tokens, max_txt_tokens=opts.max_txt_tokens)
+        max_img_tokens=opts.max_img_tokens, max_txt_tokens=opts.max_txt_tokens,
+        axis_levels=levels)
     prof.validate_profile(profile, model.inputs)
-    return profile
+    return [("", profile)]
+
+
+def plan_profile(model: ModelInfo, opts: BuildOptions) -> prof.Profile:
+    """The first profile of :func:`plan_profiles`."""
+    return plan_profiles(model, opts)[0][1]
 
 
 def check_options(opts: BuildOptions) -> None:
@@ -434,6 +477,7 @@ class BuildPlan:
     profile: prof.Profile
     node_names: list[str]
     plugin_path: str | None
+    profiles: list = None  # [(label, profile)]; profile is the first
 
 
 def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
@@ -456,13 +500,14 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     check_output_folder(engine_path.parent, flag="-o")  # fail before the build, not after it
     onnx_model = tu.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
     model = ModelInfo.describe(onnx_path)
-    profile = plan_profile(model, opts)
+    profiles = plan_profiles(model, opts)
+    profile = profiles[0][1]
     plugin_path = None
     if opts.use_plugin and opts.plugin:
         plugin_path = str(resolve_plugin_library(
             opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
     return BuildPlan(onnx_path, engine_path, model, profile, tu.plugin_node_names(onnx_model),
-                     plugin_path)
+                     plugin_path, profiles)
 
 
 def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
@@ -525,10 +570,14 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
             f"matches the ONNX file")
 
     config = builder.create_builder_config()
-    trt_profile = builder.create_optimization_profile()
-    for name, levels in profile.items():
-        trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
-    config.add_optimization_profile(trt_profile)
+    for _label, one in plan.profiles:  # one IOptimizationProfile per preset, in order
+        trt_profile = builder.create_optimization_profile()
+        for name, levels in one.items():
+            trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
+        if config.add_optimization_profile(trt_profile) < 0:
+            raise EngineBuildError(f"TensorRT refused the optimisation profile {_label or 0}")
+    if opts.refit:
+        config.set_flag(trt.BuilderFlag.REFIT)
     if opts.workspace_mib is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
     if opts.builder_optimization_level is not None:
@@ -547,7 +596,9 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         monitor = make_progress_monitor(trt, progress)
         config.progress_monitor = monitor
 
-    print("[build] profile:\n" + prof.format_profile(profile), file=log)
+    for k, (label, one) in enumerate(plan.profiles):
+        print(f"[build] profile {k}{' (' + label + ')' if label else ''}:\n"
+              + prof.format_profile(one), file=log)
     t0 = time.monotonic()
     try:
         serialized = builder.build_serialized_network(network, config)
@@ -569,7 +620,8 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     info = EngineInfo(
         tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
         inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
-        profiles=[prof.profile_to_json(profile)],
+        profiles=[prof.profile_to_json(one) for _label, one in plan.profiles],
+        profile_labels=[label for label, _one in plan.profiles], refittable=bool(opts.refit),
         plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
                              bool(opts.version_compatible)) if plugin_path else None),
         plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),

@@ -159,7 +159,8 @@ def derive_profile(model: ModelInfo, *, min_shapes: Mapping[str, Shape] | None =
                    opt_shapes: Mapping[str, Shape] | None = None,
                    max_shapes: Mapping[str, Shape] | None = None,
                    max_batch: int | None = None, max_img_tokens: int | None = None,
-                   max_txt_tokens: int | None = None) -> Profile:
+                   max_txt_tokens: int | None = None,
+                   axis_levels: Mapping[str, tuple[int, int, int]] | None = None) -> Profile:
     """The profile for every input of ``model`` (its ``inputs``' shapes of ints and axis names,
     the axes' export values), explicit shapes taking precedence.
 
@@ -182,6 +183,12 @@ def derive_profile(model: ModelInfo, *, min_shapes: Mapping[str, Shape] | None =
                   if not all(spec.name in overrides[lvl] for lvl in LEVELS)]
     ranges = axis_ranges(needs_axes, model.export_values(), max_batch=max_batch,
                          max_img_tokens=max_img_tokens, max_txt_tokens=max_txt_tokens)
+    for axis, levels in (axis_levels or {}).items():  # a preset's (min, opt, max) per axis
+        if axis in ranges:
+            ranges[axis] = tuple(int(v) for v in levels)
+            for rows_axis, token_axis in CACHE_ROWS_FOR.items():
+                if token_axis == axis and rows_axis in ranges:
+                    ranges[rows_axis] = ranges[axis]
 
     # An explicit shape also sets its named axes for the other inputs at that level
     # (--max encoder_hidden_states:2x40x3072 makes the mask's and the text cache's max 40 too).
@@ -251,6 +258,133 @@ def reconcile_cache_rows(profile: Profile, inputs: Sequence[TensorInfo]) -> Prof
                     shape[i] = tokens
                     out[n][level] = tuple(shape)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution presets: one profile per preset
+# --------------------------------------------------------------------------------------------
+
+# Qwen-Image: 8x VAE downsampling, then 2x2 latent patches -> one image token per 16x16 pixels.
+PIXELS_PER_TOKEN = 16
+
+
+def parse_resolutions(text: str | Sequence[str] | None) -> list[tuple[int, int]]:
+    """``"512x512,1024x1024"`` (or a list of such items) -> ``[(512, 512), (1024, 1024)]``
+    as (width, height); each side a positive multiple of 16 pixels."""
+    items: list[str] = []
+    for part in ([text] if isinstance(text, str) else list(text or ())):
+        items += [p for p in re.split(r"[,\s]+", str(part)) if p]
+    out = []
+    for item in items:
+        m = re.fullmatch(r"(\d+)[xX*](\d+)", item)
+        if not m:
+            raise ProfileError(f"cannot read the resolution {item!r}: expected WIDTHxHEIGHT in "
+                               f"pixels, e.g. --resolutions 512x512,1024x1024,1328x1328")
+        w, h = int(m.group(1)), int(m.group(2))
+        if w < 1 or h < 1 or w % PIXELS_PER_TOKEN or h % PIXELS_PER_TOKEN:
+            raise ProfileError(f"the resolution {item} must have both sides positive multiples of "
+                               f"{PIXELS_PER_TOKEN} pixels (8x VAE and 2x2 patches: one image "
+                               f"token per {PIXELS_PER_TOKEN}x{PIXELS_PER_TOKEN} pixels)")
+        if (w, h) not in out:
+            out.append((w, h))
+    if not out:
+        raise ProfileError("--resolutions lists no resolution; expected e.g. 512x512,1024x1024")
+    return out
+
+
+def image_tokens(width: int, height: int) -> int:
+    """Image tokens of a Qwen-Image picture: ``(h / 16) * (w / 16)`` (1024x1024 -> 4096)."""
+    return (int(height) // PIXELS_PER_TOKEN) * (int(width) // PIXELS_PER_TOKEN)
+
+
+def parse_range(text: str | None, flag: str) -> tuple[int, int] | None:
+    """``"1:512"`` -> ``(1, 512)``; a single ``"N"`` is ``(N, N)``."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
+    if not m:
+        raise ProfileError(f"{flag} expects MIN:MAX (e.g. {flag} 1:512); got {text!r}")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if not 1 <= lo <= hi:
+        raise ProfileError(f"{flag} {text}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def preset_axis_levels(resolutions: Sequence[tuple[int, int]], *,
+                       txt_tokens: tuple[int, int] = (1, DEFAULT_MAX_TXT_TOKENS),
+                       batch: tuple[int, int] = (1, DEFAULT_MAX_BATCH)
+                       ) -> list[tuple[str, dict[str, tuple[int, int, int]]]]:
+    """One ``(label, {axis: (min, opt, max)})`` per preset, smallest image first.
+
+    Image tokens: min 1, opt = max = the preset's tokens; text tokens and batch: min = the
+    range's min, opt = max = the range's max (CFG runs batch 2)."""
+    presets = sorted(resolutions, key=lambda wh: (image_tokens(*wh), wh))
+    out = []
+    for w, h in presets:
+        n = image_tokens(w, h)
+        out.append((f"{w}x{h}", {"img_tokens": (1, n, n),
+                                 "txt_tokens": (txt_tokens[0], txt_tokens[1], txt_tokens[1]),
+                                 "batch": (batch[0], batch[1], batch[1])}))
+    return out
+
+
+def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, int]], *,
+                           txt_tokens: tuple[int, int] | None = None,
+                           batch: tuple[int, int] | None = None,
+                           min_shapes: Mapping[str, Shape] | None = None,
+                           opt_shapes: Mapping[str, Shape] | None = None,
+                           max_shapes: Mapping[str, Shape] | None = None
+                           ) -> list[tuple[str, Profile]]:
+    """One validated profile per resolution preset (``[(label, profile)]``, smallest first).
+
+    ``txt_tokens`` defaults to 1..max(512, the export's text tokens); ``batch`` to 1..2.
+    Explicit --min/--opt/--max shapes apply to every preset."""
+    export = model.export_values()
+    if txt_tokens is None:
+        txt_tokens = (1, max(DEFAULT_MAX_TXT_TOKENS, int(export.get("txt_tokens", 1))))
+    if batch is None:
+        batch = (1, DEFAULT_MAX_BATCH)
+    out = []
+    for label, levels in preset_axis_levels(resolutions, txt_tokens=txt_tokens, batch=batch):
+        profile = derive_profile(model, min_shapes=min_shapes, opt_shapes=opt_shapes,
+                                 max_shapes=max_shapes, axis_levels=levels)
+        try:
+            validate_profile(profile, model.inputs)
+        except ProfileError as exc:
+            raise ProfileError(f"resolution preset {label}: {exc}") from None
+        out.append((label, profile))
+    return out
+
+
+def select_profile(ranges: Sequence[Mapping[str, tuple[Sequence[int], Sequence[int]]]],
+                   shapes: Mapping[str, Sequence[int]],
+                   labels: Sequence[str] | None = None) -> int:
+    """Index of the first profile whose [min, max] holds every input shape in ``shapes``.
+
+    ``ranges[k][name] = (min, max)``. Raises ProfileError naming every profile otherwise."""
+    for k, prof in enumerate(ranges):
+        ok = True
+        for name, shape in shapes.items():
+            if name not in prof:
+                continue
+            lo, hi = prof[name]
+            if len(lo) != len(shape) or not all(int(a) <= int(d) <= int(b)
+                                                for a, d, b in zip(lo, shape, hi)):
+                ok = False
+                break
+        if ok:
+            return k
+    got = ", ".join(f"{n} {_fmt(s)}" for n, s in shapes.items())
+    lines = []
+    for k, prof in enumerate(ranges):
+        label = f" ({labels[k]})" if labels and k < len(labels) and labels[k] else ""
+        spans = ", ".join(f"{n} {_fmt(lo)}..{_fmt(hi)}" for n, (lo, hi) in prof.items())
+        lines.append(f"profile {k}{label}: {spans}")
+    raise ProfileError(f"no optimisation profile of the engine covers the shapes {got}; the "
+                       f"engine's profiles are:\n  " + "\n  ".join(lines) +
+                       "\nFix: use shapes inside one profile, or rebuild with `qkrope build "
+                       "--resolutions ...` (or --min/--max) covering them")
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ It follows the real Python API where the product code relies on it:
   casts it (``layer.__class__ = trt.IPluginV3Layer``) when ``layer.type`` is
   ``LayerType.PLUGIN_V3``, as polygraphy does.
 - ``Builder.build_serialized_network`` returns an :class:`IHostMemory` (a buffer) or None.
-- ``ICudaEngine``: the I/O queries the runner makes (names, dtypes, shapes, modes, profiles).
+- ``ICudaEngine``: the I/O queries the runner makes (names, dtypes, shapes, modes, profiles,
+  ``num_optimization_profiles``) and ``create_execution_context`` (:class:`IExecutionContext`).
+- ``Refitter(engine, logger)``: ``get_all_weights``, ``get_named_weights``,
+  ``set_named_weights``, ``get_missing_weights``, ``refit_cuda_engine``.
 
 ``make_fake_trt(version=...)`` returns ``(module, state)``; ``state`` records what the code under
 test did (flags, parser flags, profile shapes, loaded libraries, progress calls).
@@ -125,13 +128,68 @@ class IHostMemory(bytes):
         return len(self)
 
 
-class ICudaEngine:
-    """The ICudaEngine queries ``runner.engine_model_io`` makes. ``io``: (name, TensorRT dtype
-    name, shape with -1, [min, opt, max] or None, TensorIOMode)."""
+class IExecutionContext:
+    """The calls the TensorRT runner makes: ``set_optimization_profile_async(k, stream)`` (True;
+    False for an index the engine does not have), ``set_input_shape`` (False outside the
+    context's profile, like the real one), ``set_tensor_address``, ``get_tensor_shape`` of an
+    output (the shape of the input named in the engine's ``output_like``), ``execute_async_v3``
+    (True; counted in ``engine.calls``)."""
 
-    def __init__(self, io: Sequence[tuple]):
+    def __init__(self, engine):
+        self.engine, self.profile = engine, 0
+        self.shapes, self.addresses = {}, {}
+
+    @property
+    def active_optimization_profile(self):
+        return self.profile
+
+    def set_optimization_profile_async(self, index, stream_handle):
+        if not 0 <= index < self.engine.num_optimization_profiles:
+            return False
+        self.profile = index
+        self.engine.calls.append(("set_optimization_profile_async", index, stream_handle))
+        return True
+
+    def set_input_shape(self, name, shape):
+        lo, _opt, hi = self.engine.get_tensor_profile_shape(name, self.profile)
+        if len(shape) != len(lo) or not all(a <= d <= b for a, d, b in zip(lo, shape, hi)):
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name, ptr):
+        self.addresses[name] = ptr
+        return True
+
+    def get_tensor_shape(self, name):
+        return self.shapes[self.engine.output_like[name]]
+
+    def execute_async_v3(self, stream_handle):
+        self.engine.calls.append(("execute_async_v3", self.profile, dict(self.shapes),
+                                  stream_handle))
+        return True
+
+
+class ICudaEngine:
+    """The ICudaEngine queries ``runner.engine_model_io`` and the TensorRT runner make.
+    ``io``: (name, TensorRT dtype name, shape with -1, [min, opt, max] or None, TensorIOMode);
+    ``profiles``: more optimisation profiles, ``{input: (min, opt, max)}`` each (profile 0 is
+    the one in ``io`` unless ``profiles`` is given); ``output_like``: output -> the input whose
+    shape it has (for the fake context)."""
+
+    def __init__(self, io: Sequence[tuple], profiles: Sequence[dict] | None = None,
+                 output_like: dict | None = None):
         self.io = list(io)
         self.num_io_tensors = len(self.io)
+        if profiles is None:
+            profiles = [{e[0]: tuple(e[3]) for e in self.io if e[3] is not None}]
+        self.profiles = [dict(p) for p in profiles]
+        self.output_like = dict(output_like or {})
+        self.contexts, self.calls = [], []
+
+    @property
+    def num_optimization_profiles(self):
+        return len(self.profiles)
 
     def _get(self, name):
         return next(e for e in self.io if e[0] == name)
@@ -149,8 +207,13 @@ class ICudaEngine:
         return self._get(name)[4]
 
     def get_tensor_profile_shape(self, name, profile):
-        assert profile == 0
-        return self._get(name)[3]
+        assert 0 <= profile < len(self.profiles), profile
+        return [tuple(s) for s in self.profiles[profile][name]]
+
+    def create_execution_context(self):
+        ctx = IExecutionContext(self)
+        self.contexts.append(ctx)
+        return ctx
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -168,7 +231,8 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
     ``build_ok=False`` makes ``build_serialized_network`` return None.
     """
     major, minor = _version_tuple(version)
-    state = types.SimpleNamespace(flags=None, parser_flags=[], profile={}, config=None,
+    state = types.SimpleNamespace(flags=None, parser_flags=[], profile={}, profiles=[],
+                                  config=None,
                                   loaded=[], progress_calls=0, fallback=fallback)
 
     class Registry:
@@ -205,8 +269,13 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
             return True
 
     class Profile:
+        """IOptimizationProfile: set_shape(name, min, opt, max)."""
+
+        def __init__(self):
+            self.shapes = {}
+
         def set_shape(self, name, lo, opt, hi):
-            state.profile[name] = (tuple(lo), tuple(opt), tuple(hi))
+            self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
 
     class TimingCache:
         def __init__(self, data):
@@ -225,7 +294,12 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
             self.cache = None
 
         def add_optimization_profile(self, p):
+            """Returns the profile's index (the real API: an int, -1 on failure)."""
             self.profile = p
+            state.profiles.append(dict(p.shapes))
+            if len(state.profiles) == 1:
+                state.profile.update(p.shapes)
+            return len(state.profiles) - 1
 
         def set_memory_pool_limit(self, pool, size):
             self.pools[pool] = size
@@ -284,10 +358,11 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         OnnxParserFlag=types.SimpleNamespace(**parser_flags),
         LayerType=LayerType, PluginCapabilityType=PluginCapabilityType,
         ILayer=ILayer, IPluginV3Layer=IPluginV3Layer, IProgressMonitor=IProgressMonitor,
-        IHostMemory=IHostMemory, ICudaEngine=ICudaEngine, TensorIOMode=TensorIOMode,
+        IHostMemory=IHostMemory, ICudaEngine=ICudaEngine, IExecutionContext=IExecutionContext, TensorIOMode=TensorIOMode,
         DataType=DataType,
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="WS"),
-        BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC"))
+        BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC", REFIT="REFIT",
+                                          REFIT_IDENTICAL="REFIT_IDENTICAL"))
     return trt, state
 
 

@@ -302,3 +302,43 @@ def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build,
             break
         k += 1
     assert k > 2 and outcomes == {True, False}  # failures were injected, and the last run wrote
+
+
+def test_fake_build_resolution_presets_make_one_profile_each(fake_build, tmp_path, capsys):
+    """--resolutions: one IOptimizationProfile per preset, in order, all in the sidecar;
+    --refit sets BuilderFlag.REFIT and the sidecar says refittable."""
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build()
+    out = tmp_path / "p.engine"
+    rc = cli.main(["build", str(onnx_path), "-o", str(out), "--plugin", str(lib),
+                   "--resolutions", "1024x1024,512x512,1328x1328", "--txt-tokens", "1:256",
+                   "--batch", "1:2", "--refit", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert len(state.profiles) == 3
+    for p, n in zip(state.profiles, (1024, 4096, 83 * 83)):
+        assert p["hidden_states"] == ((1, 1, C), (2, n, C), (2, n, C))
+        assert p["encoder_hidden_states"] == ((1, 1, C), (2, 256, C), (2, 256, C))
+        assert p["img_cos_sin_cache"] == ((1, 16), (n, 16), (n, 16))
+    assert state.config.flags == ["REFIT"]
+    side = eng.EngineInfo.load(out)
+    assert side.refittable is True
+    assert side.profile_labels == ["512x512", "1024x1024", "1328x1328"]
+    assert [p["hidden_states"]["max"] for p in side.profiles] == [[2, 1024, C], [2, 4096, C],
+                                                                   [2, 83 * 83, C]]
+    assert "3 profile(s)" in captured.out and "refittable" in captured.out
+
+
+def test_transformer_default_opt_is_1024_preset_not_the_sample():
+    from _tiny_model import model
+
+    m = model(with_timestep=True)
+    [(label, p)] = eng.plan_profiles(m, eng.BuildOptions())
+    assert label == "1024x1024"
+    assert p["hidden_states"]["opt"] == (2, 4096, C)
+    # an attention block keeps the export sample as opt
+    [(label, p)] = eng.plan_profiles(model(), eng.BuildOptions())
+    assert label == "" and p["hidden_states"]["opt"] == (2, 16, C)
+    with pytest.raises(eng.prof.ProfileError, match="--txt-tokens"):
+        eng.plan_profiles(m, eng.BuildOptions(resolutions=[(512, 512)], max_txt_tokens=9))

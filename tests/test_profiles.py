@@ -114,3 +114,67 @@ def test_unknown_axis_needs_explicit_shapes():
     p = prof.derive_profile(side, min_shapes={"extra": (1, 4)}, opt_shapes={"extra": (2, 4)},
                             max_shapes={"extra": (3, 4)})
     assert p["extra"] == {"min": (1, 4), "opt": (2, 4), "max": (3, 4)}
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution presets (issue 11, part 3): one profile per preset; the runner's choice
+# --------------------------------------------------------------------------------------------
+
+def test_resolutions_and_ranges_parse():
+    assert prof.parse_resolutions("512x512,1024x1024, 1328x1328") == [
+        (512, 512), (1024, 1024), (1328, 1328)]
+    assert prof.image_tokens(1024, 1024) == 4096  # 8x VAE, 2x2 patches: 16 px per token
+    assert prof.image_tokens(1328, 1328) == 83 * 83
+    assert prof.image_tokens(1664, 928) == 104 * 58
+    assert prof.parse_range("1:512", "--txt-tokens") == (1, 512)
+    assert prof.parse_range("2", "--batch") == (2, 2)
+    for bad in ("1024", "1000x1000", "0x512", "axb"):
+        with pytest.raises(prof.ProfileError, match="resolution"):
+            prof.parse_resolutions(bad)
+    for bad in ("3:1", "0:4", "a:b"):
+        with pytest.raises(prof.ProfileError, match="--batch"):
+            prof.parse_range(bad, "--batch")
+
+
+def test_three_presets_make_three_profiles():
+    m = model(with_timestep=True)
+    out = prof.derive_preset_profiles(m, prof.parse_resolutions("1328x1328,512x512,1024x1024"))
+    assert [label for label, _ in out] == ["512x512", "1024x1024", "1328x1328"]  # smallest first
+    for (label, p), n in zip(out, (1024, 4096, 83 * 83)):
+        assert p["hidden_states"] == {"min": (1, 1, C), "opt": (2, n, C), "max": (2, n, C)}
+        assert p["encoder_hidden_states"] == {"min": (1, 1, C), "opt": (2, 512, C),
+                                              "max": (2, 512, C)}
+        assert p["encoder_hidden_states_mask"]["max"] == (2, 512)
+        assert p["img_cos_sin_cache"] == {"min": (1, 16), "opt": (n, 16), "max": (n, 16)}
+        assert p["txt_cos_sin_cache"]["max"] == (512, 16)
+        prof.validate_profile(p, m.inputs)
+
+
+def test_presets_take_text_and_batch_ranges():
+    out = prof.derive_preset_profiles(model(), [(512, 512)], txt_tokens=(8, 256), batch=(2, 2))
+    p = out[0][1]
+    assert p["encoder_hidden_states"] == {"min": (2, 8, C), "opt": (2, 256, C),
+                                          "max": (2, 256, C)}
+    assert p["hidden_states"]["min"] == (2, 1, C)
+
+
+def test_select_profile_first_covering_and_refusal():
+    m = model()
+    out = prof.derive_preset_profiles(m, [(512, 512), (1024, 1024), (1328, 1328)])
+    ranges = [{n: (lv["min"], lv["max"]) for n, lv in p.items()} for _, p in out]
+    labels = [label for label, _ in out]
+
+    def shapes(b, img, txt):
+        return {"hidden_states": (b, img, C), "encoder_hidden_states": (b, txt, C),
+                "img_cos_sin_cache": (img, 16), "txt_cos_sin_cache": (txt, 16)}
+
+    assert prof.select_profile(ranges, shapes(1, 64, 7)) == 0
+    assert prof.select_profile(ranges, shapes(2, 1024, 512)) == 0
+    assert prof.select_profile(ranges, shapes(2, 1025, 20)) == 1
+    assert prof.select_profile(ranges, shapes(2, 4096, 20)) == 1
+    assert prof.select_profile(ranges, shapes(1, 83 * 83, 20)) == 2
+    for bad in (shapes(1, 83 * 83 + 1, 20), shapes(3, 64, 7), shapes(1, 64, 513)):
+        with pytest.raises(prof.ProfileError, match=r"no optimisation profile.*\n  profile 0 "
+                           r"\(512x512\).*\n  profile 1 \(1024x1024\).*\n  profile 2 "
+                           r"\(1328x1328\)"):
+            prof.select_profile(ranges, bad, labels)

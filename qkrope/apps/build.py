@@ -30,6 +30,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                             f"--{level}Shapes syntax) or NAME:[DIM,DIM,...] (polygraphy's "
                             f"--trt-{level}-shapes syntax); overrides the derived profile for "
                             f"that input")
+    p.add_argument("--resolutions", metavar="WxH[,WxH...]",
+                   help="resolution presets in pixels, e.g. 512x512,1024x1024,1328x1328: one "
+                        "optimisation profile each (image tokens = W/16 * H/16: min 1, opt = max "
+                        "= the preset); the runner picks the first profile holding a call's "
+                        "shapes. Default for a whole transformer: 1024x1024")
+    p.add_argument("--txt-tokens", metavar="MIN:MAX",
+                   help="text-token range of every profile (default 1:512, or up to the "
+                        "export's text length)")
+    p.add_argument("--batch", metavar="MIN:MAX",
+                   help="batch range of every profile (default 1:2, a CFG pair)")
+    p.add_argument("--refit", action="store_true",
+                   help="build a refittable engine (BuilderFlag.REFIT) whose weights "
+                        "`qkrope refit` can replace by diffusers parameter name")
     p.add_argument("--max-batch", type=int, help="profile max batch (default: max(export, 2))")
     p.add_argument("--max-img-tokens", type=int,
                    help="profile max image tokens (default: max(export, 4096) = 1024x1024)")
@@ -61,12 +74,18 @@ def run(args: argparse.Namespace) -> int:
         max_txt_tokens=args.max_txt_tokens, timing_cache=args.timing_cache,
         version_compatible=args.version_compatible,
         builder_optimization_level=args.builder_optimization_level,
-        workspace_mib=args.workspace, progress=not args.no_progress, verbose=args.verbose)
+        workspace_mib=args.workspace, progress=not args.no_progress, verbose=args.verbose,
+        resolutions=(profiles.parse_resolutions(args.resolutions)
+                     if args.resolutions is not None else None),
+        txt_tokens=profiles.parse_range(args.txt_tokens, "--txt-tokens"),
+        batch=profiles.parse_range(args.batch, "--batch"), refit=args.refit)
     info = engine.build_engine(onnx_path, engine_path, opts)
     gpu = info.gpu or {}
     print(f"wrote {engine_path} (TensorRT {info.tensorrt_version}, "
           f"{gpu.get('name', 'GPU ?')} sm_{gpu.get('compute_capability', '?')}, "
           f"{info.plugin_layers} plugin layers"
-          f"{', version-compatible' if info.version_compatible else ''}) and "
+          f"{', version-compatible' if info.version_compatible else ''}"
+          f"{', refittable' if getattr(info, 'refittable', False) else ''}, "
+          f"{len(getattr(info, 'profiles', None) or [0])} profile(s)) and "
           f"{engine_sidecar_path(engine_path)}")
     return 0
