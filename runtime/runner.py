@@ -624,14 +624,19 @@ class OrtRunner(Runner):
 # TensorRT
 # --------------------------------------------------------------------------------------------
 
-def engine_model_io(engine, trt, sidecar: EngineInfo | None, *, profile: int = 0) -> ModelIO:
-    """ModelIO of a deserialised engine: names, dtypes, the profile's min/max per input; axis
-    names and the model config from its sidecar when there is one."""
+def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
+                    profile: int | None = None) -> ModelIO:
+    """ModelIO of a deserialised engine: names, dtypes, per input the min/max of ``profile``
+    (default: the union of every optimisation profile, so that the checks before a call accept
+    what some profile accepts; the TensorRT runner then picks the profile); axis names and the
+    model config from its sidecar when there is one."""
     sym = {}
     if sidecar is not None:
         for item in sidecar.inputs + sidecar.outputs:
             if item.axes:
                 sym[item.name] = item.axes
+    n_profiles = max(int(getattr(engine, "num_optimization_profiles", 1)), 1)
+    chosen = range(n_profiles) if profile is None else [profile]
     inputs, outputs = [], []
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
@@ -641,9 +646,14 @@ def engine_model_io(engine, trt, sidecar: EngineInfo | None, *, profile: int = 0
         shape_sym = [(axes[j] if axes and j < len(axes) and axes[j] and d < 0 else d)
                      for j, d in enumerate(shape)]
         if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            lo, _opt, hi = engine.get_tensor_profile_shape(name, profile)
-            inputs.append(spec_from_shape(name, dtype, shape_sym,
-                                          bounds=([int(d) for d in lo], [int(d) for d in hi])))
+            los, his = [], []
+            for k in chosen:
+                lo, _opt, hi = engine.get_tensor_profile_shape(name, k)
+                los.append([int(d) for d in lo])
+                his.append([int(d) for d in hi])
+            lo = [min(c) for c in zip(*los)]
+            hi = [max(c) for c in zip(*his)]
+            inputs.append(spec_from_shape(name, dtype, shape_sym, bounds=(lo, hi)))
         else:
             outputs.append(spec_from_shape(name, dtype, shape_sym))
     config = dict(sidecar.config) if sidecar is not None else {}
@@ -653,13 +663,58 @@ def engine_model_io(engine, trt, sidecar: EngineInfo | None, *, profile: int = 0
                    profile_bounds=True)
 
 
+class TorchCuda:
+    """The CUDA operations of :class:`TensorRTRunner` (streams, events, CUDA graphs), in one
+    place so that the bookkeeping around them is tested with a stand-in where there is no GPU."""
+
+    def new_stream(self, device):
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device):
+        return torch.cuda.current_stream(device)
+
+    def handle(self, stream) -> int:
+        return stream.cuda_stream
+
+    def wait(self, waiter, waited) -> None:
+        waiter.wait_stream(waited)
+
+    def record(self, tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def stream_scope(self, stream):
+        return torch.cuda.stream(stream)
+
+    def new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph, stream):
+        """Context manager: capture what is enqueued on ``stream`` into ``graph``."""
+        return torch.cuda.graph(graph, stream=stream)
+
+    def replay(self, graph, stream) -> None:
+        with torch.cuda.stream(stream):
+            graph.replay()
+
+
 class TensorRTRunner(Runner):
-    """TensorRT backend: shared engine, one execution context + CUDA stream per thread."""
+    """TensorRT backend: shared engine; per thread, one CUDA stream and one execution context
+    per optimisation profile (created on first use, bound to its profile with
+    ``set_optimization_profile_async`` on the thread's stream). Each call runs on the first
+    profile whose [min, max] holds its shapes; shapes no profile holds are refused naming the
+    profiles.
+
+    ``cuda_graph=True`` (off by default: not yet verified on a GPU in this project's CI)
+    captures ``execute_async_v3`` once per (thread, profile, input shapes) into a
+    ``torch.cuda.CUDAGraph`` over static input and output buffers and replays it on later calls
+    with the same shapes (inputs are copied into the static buffers first). The returned
+    outputs are those static buffers: overwritten by the next call with the same shapes, as
+    without graphs."""
 
     backend = "tensorrt"
 
     def __init__(self, path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
-                 copy_outputs: bool = False, verbose: bool = False):
+                 copy_outputs: bool = False, verbose: bool = False, cuda_graph: bool = False):
         from .engine import import_tensorrt, load_plugin_library
         from .plugin_build import resolve_plugin_library
 
@@ -669,10 +724,9 @@ class TensorRTRunner(Runner):
                 "the TensorRT runner needs a CUDA GPU and a CUDA build of torch; none is "
                 "available here. Fix: run on a GPU machine (e.g. an NGC TensorRT container), or "
                 "load the .onnx file to use ONNX Runtime")
-        self.trt = trt
         self.path = str(path)
-        self.sidecar = EngineInfo.load(path) if engine_sidecar_path(path).exists() else None
-        vc = bool(self.sidecar and self.sidecar.version_compatible)
+        sidecar = EngineInfo.load(path) if engine_sidecar_path(path).exists() else None
+        vc = bool(sidecar and sidecar.version_compatible)
         self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
         self.plugin_path = None
@@ -684,22 +738,43 @@ class TensorRTRunner(Runner):
             # the sidecar's library unless `plugin` is given; warn if it is not the one the
             # engine was built with
             self.plugin_path = str(resolve_plugin_library(
-                plugin, self.sidecar.plugin if self.sidecar else None, kind="plugin",
+                plugin, sidecar.plugin if sidecar else None, kind="plugin",
                 check_hash="warn"))
             load_plugin_library(trt, self.plugin_path, version_compatible=False)
         data = Path(path).read_bytes()
-        self.engine = self.runtime.deserialize_cuda_engine(data)
-        if self.engine is None:
-            side = self.sidecar
+        engine = self.runtime.deserialize_cuda_engine(data)
+        if engine is None:
+            side = sidecar
             raise RunnerError(
                 f"TensorRT could not deserialise {path} (see its log above): it was built by "
                 f"TensorRT {side.tensorrt_version if side else '?'} for "
                 f"{((side.gpu if side else None) or {}).get('name', '?')}; engines only load on the "
                 f"same TensorRT version and GPU (or with --version-compatible). Fix: rebuild with "
                 f"`qkrope build`")
-        super().__init__(engine_model_io(self.engine, trt, self.sidecar),
-                         copy_outputs=copy_outputs)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._setup(engine, trt, sidecar, copy_outputs=copy_outputs, cuda_graph=cuda_graph,
+                    device=torch.device("cuda", torch.cuda.current_device()))
+
+    def _setup(self, engine, trt, sidecar, *, copy_outputs: bool = False,
+               cuda_graph: bool = False, device=None, cuda=None) -> None:
+        """Everything after deserialisation (also how the tests make a runner over a fake
+        engine and a stand-in for :class:`TorchCuda`)."""
+        self.trt, self.engine, self.sidecar = trt, engine, sidecar
+        Runner.__init__(self, engine_model_io(engine, trt, sidecar), copy_outputs=copy_outputs)
+        self.device = device
+        self.cuda = cuda if cuda is not None else TorchCuda()
+        self.cuda_graph = bool(cuda_graph)
+        names = set(self.input_names)
+        self.profile_ranges = []
+        for k in range(max(int(getattr(engine, "num_optimization_profiles", 1)), 1)):
+            prof = {}
+            for n in self.input_names:
+                lo, _opt, hi = engine.get_tensor_profile_shape(n, k)
+                prof[n] = ([int(d) for d in lo], [int(d) for d in hi])
+            self.profile_ranges.append(prof)
+        labels = list(sidecar.profile_labels) if sidecar is not None else []
+        self.profile_labels = (labels if len(labels) == len(self.profile_ranges)
+                               else [""] * len(self.profile_ranges))
+        assert names == set(self.profile_ranges[0])
 
     def _check_device(self, device: torch.device) -> None:
         if device.type != "cuda" or not _same_cuda(device, self.device):
@@ -707,23 +782,42 @@ class TensorRTRunner(Runner):
                 f"the inputs are on {device} but the TensorRT engine runs on {self.device}. Fix: "
                 f"move them with .to({str(self.device)!r}) (caches too)")
 
+    def select_profile(self, shapes: Mapping[str, Sequence[int]]) -> int:
+        """The first optimisation profile whose [min, max] holds every input shape."""
+        from .profiles import ProfileError, select_profile
+
+        try:
+            return select_profile(self.profile_ranges, shapes, self.profile_labels)
+        except ProfileError as exc:
+            raise RunnerInputError(str(exc)) from None
+
     def _thread_state(self):
         loc = self._local
-        if not hasattr(loc, "context"):
+        if not hasattr(loc, "contexts"):
+            loc.contexts = {}   # profile index -> IExecutionContext
+            loc.graphs = {}     # (profile, input shapes) -> (graph, static inputs, outputs)
+            loc.stream = self.cuda.new_stream(self.device)
+        return loc
+
+    def _context(self, st, k: int):
+        ctx = st.contexts.get(k)
+        if ctx is None:
             ctx = self.engine.create_execution_context()
             if ctx is None:
                 raise RunnerError("TensorRT could not create an execution context (out of device "
                                   "memory?)")
-            loc.context = ctx
-            loc.stream = torch.cuda.Stream(device=self.device)
-        return loc
+            if len(self.profile_ranges) > 1 or k != 0:
+                if not ctx.set_optimization_profile_async(k, self.cuda.handle(st.stream)):
+                    raise RunnerError(f"TensorRT could not select optimisation profile {k} on a "
+                                      f"new execution context (see its log above)")
+            st.contexts[k] = ctx
+        return ctx
 
-    def _execute(self, feeds, axes, device):
-        st = self._thread_state()
-        ctx = st.context
+    def _bind(self, ctx, feeds, device, k: int):
         for name, t in feeds.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
-                raise RunnerInputError(f"TensorRT rejected the shape {tuple(t.shape)} for {name}")
+                raise RunnerInputError(f"TensorRT rejected the shape {tuple(t.shape)} for {name} "
+                                       f"(profile {k})")
             ctx.set_tensor_address(name, t.data_ptr())
         outs = []
         for spec in self.io.outputs:
@@ -731,14 +825,48 @@ class TensorRTRunner(Runner):
             buf = self._output_buffer(spec.name, shape, dtypes.torch_dtype(spec.dtype), device)
             ctx.set_tensor_address(spec.name, buf.data_ptr())
             outs.append(buf)
-        caller = torch.cuda.current_stream(device)
-        st.stream.wait_stream(caller)
-        if not ctx.execute_async_v3(st.stream.cuda_stream):
-            raise RunnerError("TensorRT's execute_async_v3 failed (see its log above)")
-        for t in feeds.values():
-            t.record_stream(st.stream)
-        caller.wait_stream(st.stream)
         return outs
+
+    def _enqueue(self, ctx, st) -> None:
+        if not ctx.execute_async_v3(self.cuda.handle(st.stream)):
+            raise RunnerError("TensorRT's execute_async_v3 failed (see its log above)")
+
+    def _execute(self, feeds, axes, device):
+        shapes = {n: tuple(int(d) for d in t.shape) for n, t in feeds.items()}
+        k = self.select_profile(shapes)
+        st = self._thread_state()
+        ctx = self._context(st, k)
+        caller = self.cuda.current_stream(device)
+        self.cuda.wait(st.stream, caller)
+        if not self.cuda_graph:
+            outs = self._bind(ctx, feeds, device, k)
+            self._enqueue(ctx, st)
+        else:
+            key = (k, tuple(sorted(shapes.items())))
+            entry = st.graphs.get(key)
+            if entry is None:
+                with self.cuda.stream_scope(st.stream):
+                    static = {n: torch.empty_like(t) for n, t in feeds.items()}
+                    for n, t in feeds.items():
+                        static[n].copy_(t)
+                outs = self._bind(ctx, static, device, k)
+                # one eager run first: TensorRT finishes deferred work (shape-dependent setup)
+                # outside the capture, then the enqueue is captured
+                self._enqueue(ctx, st)
+                graph = self.cuda.new_graph()
+                with self.cuda.capture(graph, st.stream):
+                    self._enqueue(ctx, st)
+                st.graphs[key] = (graph, static, outs)
+            else:
+                graph, static, outs = entry
+                with self.cuda.stream_scope(st.stream):
+                    for n, t in feeds.items():
+                        static[n].copy_(t)
+                self.cuda.replay(graph, st.stream)
+        for t in feeds.values():
+            self.cuda.record(t, st.stream)
+        self.cuda.wait(caller, st.stream)
+        return list(outs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -746,7 +874,8 @@ class TensorRTRunner(Runner):
 # --------------------------------------------------------------------------------------------
 
 def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
-         providers: Sequence | None = None, copy_outputs: bool = False) -> Runner:
+         providers: Sequence | None = None, copy_outputs: bool = False,
+         cuda_graph: bool = False) -> Runner:
     """Open a model for inference, chosen by the file suffix.
 
     - ``.engine`` / ``.plan``: TensorRT (needs TensorRT, a CUDA GPU and the QKNormRoPE plugin
@@ -755,7 +884,8 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
     - ``.onnx``: ONNX Runtime with ``providers`` (default: CUDA if onnxruntime-gpu is installed,
       else CPU). Runs the model's QKNormRoPE function body; ``plugin`` is ignored.
 
-    Returns a :class:`Runner`; see the module docstring for the thread/stream/buffer model.
+    ``cuda_graph=True`` (TensorRT only, off by default) replays a captured CUDA graph per
+    input shapes (see :class:`TensorRTRunner`). Returns a :class:`Runner`; see the module docstring for the thread/stream/buffer model.
     """
     p = Path(path)
     if not p.exists():
@@ -766,7 +896,7 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
             tu.check_engine_file(p)  # an ONNX model or an empty file: said before TensorRT
         except tu.NotAnEngineError as exc:
             raise RunnerError(str(exc)) from None
-        return TensorRTRunner(p, plugin=plugin, copy_outputs=copy_outputs)
+        return TensorRTRunner(p, plugin=plugin, copy_outputs=copy_outputs, cuda_graph=cuda_graph)
     if suffix == ".onnx":
         return OrtRunner(p, providers=providers, copy_outputs=copy_outputs)
     raise RunnerError(f"cannot tell the backend of {p} from its suffix {suffix!r}: use .engine or "

@@ -615,3 +615,209 @@ def test_load_of_an_engine_that_is_not_one_is_refused_before_tensorrt(exported, 
     fake.write_bytes(Path(exported[0]).read_bytes() if content == "onnx" else b"")
     with pytest.raises(rn.RunnerError, match="not a TensorRT engine"):
         rn.load(fake)
+
+
+# --------------------------------------------------------------------------------------------
+# Several optimisation profiles: the runner's choice; CUDA graph bookkeeping (fake engine and a
+# stand-in for the CUDA calls; the real capture is in test_trt_runner_cuda_graph_on_gpu)
+# --------------------------------------------------------------------------------------------
+
+def _profile(batch, img, txt):
+    """{input: (min, opt, max)} of a profile up to (batch, img, txt); batch = (lo, hi)."""
+    b0, b1 = batch
+    return {"hidden_states": ((b0, 1, C), (b1, img, C), (b1, img, C)),
+            "encoder_hidden_states": ((b0, 1, C), (b1, txt, C), (b1, txt, C)),
+            "encoder_hidden_states_mask": ((b0, 1), (b1, txt), (b1, txt)),
+            "img_cos_sin_cache": ((1, HEAD_DIM), (img, HEAD_DIM), (img, HEAD_DIM)),
+            "txt_cos_sin_cache": ((1, HEAD_DIM), (txt, HEAD_DIM), (txt, HEAD_DIM))}
+
+
+def _multi_engine(profiles):
+    io = [(n, t, s, None, ft.TensorIOMode.INPUT) for n, t, s in (
+        ("hidden_states", "FLOAT", [-1, -1, C]), ("encoder_hidden_states", "FLOAT", [-1, -1, C]),
+        ("encoder_hidden_states_mask", "BOOL", [-1, -1]),
+        ("img_cos_sin_cache", "FLOAT", [-1, HEAD_DIM]),
+        ("txt_cos_sin_cache", "FLOAT", [-1, HEAD_DIM]))]
+    io += [("img_out", "FLOAT", [-1, -1, C], None, ft.TensorIOMode.OUTPUT),
+           ("txt_out", "FLOAT", [-1, -1, C], None, ft.TensorIOMode.OUTPUT)]
+    return ft.ICudaEngine(io, profiles=profiles, output_like={
+        "img_out": "hidden_states", "txt_out": "encoder_hidden_states"})
+
+
+def _engine_sidecar(labels=()):
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    axes = {"hidden_states": ["batch", "img_tokens", None],
+            "encoder_hidden_states": ["batch", "txt_tokens", None],
+            "encoder_hidden_states_mask": ["batch", "txt_tokens"],
+            "img_cos_sin_cache": ["img_cache_rows", None],
+            "txt_cos_sin_cache": ["txt_cache_rows", None]}
+    return EngineInfo(
+        tensorrt_version="10.14", onnx="/m.onnx",
+        inputs=[EngineTensor(n, "float32", [-1] * len(a), a) for n, a in axes.items()],
+        outputs=[], profiles=[], plugin=None, plugin_layers=2, version_compatible=False,
+        strongly_typed=True, config={"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]},
+        profile_labels=list(labels))
+
+
+class FakeCuda:
+    """Stands in for rn.TorchCuda: streams are plain objects, graphs record what they
+    captured and count replays."""
+
+    class Graph:
+        def __init__(self):
+            self.captured, self.replays = [], 0
+
+    def __init__(self):
+        self.graphs, self.capturing = [], None
+
+    def new_stream(self, device):
+        return types.SimpleNamespace(cuda_stream=1000 + len(self.graphs))
+
+    def current_stream(self, device):
+        return types.SimpleNamespace(cuda_stream=0)
+
+    def handle(self, stream):
+        return stream.cuda_stream
+
+    def wait(self, a, b):
+        pass
+
+    def record(self, t, s):
+        pass
+
+    def stream_scope(self, s):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def new_graph(self):
+        g = FakeCuda.Graph()
+        self.graphs.append(g)
+        return g
+
+    def capture(self, graph, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            self.capturing = graph
+            yield
+            self.capturing = None
+        return cm()
+
+    def replay(self, graph, stream):
+        graph.replays += 1
+
+
+import types  # noqa: E402
+
+
+def _fake_trt_runner(profiles, labels=(), cuda_graph=False):
+    trt, _ = ft.make_fake_trt()
+    engine = _multi_engine(profiles)
+    r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
+    cuda = FakeCuda()
+    r._setup(engine, trt, _engine_sidecar(labels), device=torch.device("cpu"), cuda=cuda,
+             cuda_graph=cuda_graph)
+    r._check_device = lambda device: None
+    return r, engine, cuda
+
+
+def _qwen_inputs(batch, grid, s_txt):
+    return inputs(batch=batch, s_img=grid * grid, s_txt=s_txt, img_shapes=[(1, grid, grid)])
+
+
+def test_trt_runner_picks_the_first_profile_holding_the_shapes():
+    presets = [_profile((1, 2), 16, 8), _profile((1, 2), 64, 8), _profile((1, 2), 256, 8)]
+    r, engine, _ = _fake_trt_runner(presets, labels=["64x64", "128x128", "256x256"])
+    assert r.io.input("hidden_states").dims == ((1, 2), (1, 256), (C, C))  # the union
+    assert r.select_profile({"hidden_states": (2, 16, C)}) == 0
+    for grid, want in ((4, 0), (8, 1), (6, 1), (16, 2), (4, 0)):
+        r(*_qwen_inputs(2, grid, 5))
+        assert engine.calls[-1][0] == "execute_async_v3" and engine.calls[-1][1] == want
+    # one context per profile used on this thread, each bound to its profile on the stream
+    assert [c.profile for c in engine.contexts] == [0, 1, 2]
+    assert [c[1] for c in engine.calls if c[0] == "set_optimization_profile_async"] == [0, 1, 2]
+    # a second thread gets its own contexts
+    t = threading.Thread(target=lambda: r(*_qwen_inputs(1, 4, 3)))
+    t.start()
+    t.join()
+    assert len(engine.contexts) == 4 and engine.contexts[-1].profile == 0
+    # beyond every profile: refused before anything runs (the union's bounds)
+    n = len(engine.calls)
+    with pytest.raises(rn.RunnerInputError, match="outside the range"):
+        r(*_qwen_inputs(2, 18, 5))
+    assert len(engine.calls) == n
+
+
+def test_trt_runner_refuses_shapes_no_profile_holds_naming_them():
+    # profile 0: batch 1, up to 256 image tokens; profile 1: batch 2, up to 16
+    r, engine, _ = _fake_trt_runner([_profile((1, 1), 256, 8), _profile((2, 2), 16, 8)],
+                                    labels=["single", "cfg"])
+    r(*_qwen_inputs(1, 16, 5))
+    r(*_qwen_inputs(2, 4, 5))
+    assert [c[1] for c in engine.calls if c[0] == "execute_async_v3"] == [0, 1]
+    with pytest.raises(rn.RunnerInputError, match=r"no optimisation profile.*hidden_states 2x64x"
+                       r".*\n  profile 0 \(single\): hidden_states 1x1x\d+..1x256x\d+.*\n  "
+                       r"profile 1 \(cfg\)"):
+        r(*_qwen_inputs(2, 8, 5))
+
+
+def test_trt_runner_cuda_graph_captures_once_per_shapes_then_replays():
+    r, engine, cuda = _fake_trt_runner([_profile((1, 2), 16, 8), _profile((1, 2), 64, 8)],
+                                       cuda_graph=True)
+    hs, ehs, caches = _qwen_inputs(2, 4, 5)
+    out1 = r(hs, ehs, caches)
+    assert len(cuda.graphs) == 1
+    execs = [c for c in engine.calls if c[0] == "execute_async_v3"]
+    assert len(execs) == 2  # one eager run, then the captured one
+    ctx = engine.contexts[0]
+    static = ctx.addresses["hidden_states"]
+    assert static != hs.data_ptr()  # bound to the graph's static input buffer
+    hs2, ehs2, caches2 = _qwen_inputs(2, 4, 5)
+    out2 = r(hs2 + 1, ehs2, caches2)
+    assert len(cuda.graphs) == 1 and cuda.graphs[0].replays == 1
+    assert len([c for c in engine.calls if c[0] == "execute_async_v3"]) == 2  # replay only
+    assert out2[0].data_ptr() == out1[0].data_ptr()  # the graph's static outputs
+    # the static input holds the new call's values
+    graph, static_in, _outs = next(iter(r._local.graphs.values()))
+    assert torch.equal(static_in["hidden_states"], hs2 + 1)
+    # other shapes (another profile): a second capture; then a replay of the first again
+    r(*_qwen_inputs(2, 8, 5))
+    assert len(cuda.graphs) == 2 and engine.contexts[-1].profile == 1
+    r(*_qwen_inputs(2, 4, 5))
+    assert cuda.graphs[0].replays == 2 and cuda.graphs[1].replays == 0
+
+
+def test_trt_runner_without_cuda_graph_captures_nothing():
+    r, engine, cuda = _fake_trt_runner([_profile((1, 2), 16, 8)])
+    r(*_qwen_inputs(2, 4, 5))
+    r(*_qwen_inputs(2, 4, 5))
+    assert cuda.graphs == [] and len(engine.contexts) == 1
+    assert not any(c[0] == "set_optimization_profile_async" for c in engine.calls)
+
+
+def test_trt_runner_cuda_graph_on_gpu(tmp_path):
+    """The real capture: needs an engine built here (QKROPE_TEST_ENGINE) on a CUDA GPU."""
+    import os
+
+    trt = pytest.importorskip("tensorrt", reason="requires TensorRT and CUDA")
+    if not torch.cuda.is_available() or not os.environ.get("QKROPE_TEST_ENGINE"):
+        pytest.skip("requires TensorRT and CUDA (and QKROPE_TEST_ENGINE=an attention-block "
+                    "engine built by `qkrope build`)")
+    del trt
+    eager = rn.load(os.environ["QKROPE_TEST_ENGINE"], copy_outputs=True)
+    graphed = rn.load(os.environ["QKROPE_TEST_ENGINE"], copy_outputs=True, cuda_graph=True)
+    spec = eager.io.input(eager.io.roles["hidden_states"])
+    width = spec.dims[2][0]
+    for seed in (0, 1, 2):
+        g = torch.Generator().manual_seed(seed)
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(spec.dtype,
+                                                                           torch.float32)
+        hs = torch.randn(1, 16, width, generator=g).to("cuda", dtype)
+        ehs = torch.randn(1, 5, width, generator=g).to("cuda", dtype)
+        a = eager.run_qwen(hs, ehs, img_shapes=[(1, 4, 4)])
+        b = graphed.run_qwen(hs, ehs, img_shapes=[(1, 4, 4)])
+        torch.cuda.synchronize()
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
