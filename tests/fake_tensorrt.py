@@ -48,6 +48,65 @@ class DataType:
         self.name = name  # FLOAT, HALF, BF16, BOOL, ...
 
 
+for _n in ("FLOAT", "HALF", "BF16", "INT8", "INT32", "INT64", "BOOL", "UINT8", "FP8"):
+    setattr(DataType, _n, DataType(_n))
+
+
+class Weights:
+    """``trt.Weights(dtype, ptr, count)`` (the real constructor's host form); ``dtype``, ``size``
+    (element count)."""
+
+    def __init__(self, dtype, ptr=0, count=0):
+        self.dtype, self.ptr, self.size = dtype, ptr, int(count)
+
+
+class Refitter:
+    """``trt.Refitter(engine, logger)`` over a :class:`RefittableEngine`: ``get_all_weights``
+    (names), ``get_named_weights`` (a Weights of the engine's dtype and count),
+    ``set_named_weights`` (False when dtype or count differ, as TensorRT refuses them),
+    ``get_missing_weights`` (none: a partial refit keeps the other weights),
+    ``refit_cuda_engine`` (True; records what was set in ``engine.refits``)."""
+
+    def __init__(self, engine, logger):
+        if not engine.refittable:
+            raise RuntimeError("engine is not refittable")
+        self.engine, self.set = engine, {}
+
+    def get_all_weights(self):
+        return list(self.engine.weights)
+
+    def get_named_weights(self, name):
+        dtype, count = self.engine.weights[name]
+        return Weights(DataType(dtype), 0, count)
+
+    def set_named_weights(self, name, weights):
+        if name not in self.engine.weights:
+            return False
+        dtype, count = self.engine.weights[name]
+        if weights.dtype.name != dtype or weights.size != count:
+            return False
+        self.set[name] = weights
+        return True
+
+    def get_missing_weights(self):
+        return []
+
+    def refit_cuda_engine(self):
+        self.engine.refits.append(sorted(self.set))
+        return True
+
+
+class RefittableEngine:
+    """An ICudaEngine as far as refitting goes: ``weights`` {name: (dtype name, count)},
+    ``refittable``, ``serialize()``."""
+
+    def __init__(self, weights, refittable=True):
+        self.weights, self.refittable, self.refits = dict(weights), refittable, []
+
+    def serialize(self):
+        return IHostMemory(b"REFITTED-ENGINE-%d" % len(self.refits))
+
+
 class PluginCore:
     """What ``get_capability_interface(CORE)`` returns: the plugin's identity."""
 
@@ -358,7 +417,8 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         OnnxParserFlag=types.SimpleNamespace(**parser_flags),
         LayerType=LayerType, PluginCapabilityType=PluginCapabilityType,
         ILayer=ILayer, IPluginV3Layer=IPluginV3Layer, IProgressMonitor=IProgressMonitor,
-        IHostMemory=IHostMemory, ICudaEngine=ICudaEngine, IExecutionContext=IExecutionContext, TensorIOMode=TensorIOMode,
+        IHostMemory=IHostMemory, ICudaEngine=ICudaEngine, IExecutionContext=IExecutionContext,
+        Weights=Weights, Refitter=Refitter, TensorIOMode=TensorIOMode,
         DataType=DataType,
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="WS"),
         BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC", REFIT="REFIT",

@@ -1,0 +1,216 @@
+"""``qkrope refit M.engine --diffusers DIR`` (or ``--state-dict FILE``): replace the weights of a
+refittable engine (``qkrope build --refit``) by diffusers parameter name, e.g. after fusing a LoRA.
+
+Name map: TensorRT's refitter weight names == the ONNX initializer names == the diffusers
+state-dict keys (``qkrope export`` keeps every state-dict entry as its own initializer named by
+its key). Every refitter name must be given by the state dict and every state-dict key must be a
+refitter name (``--allow-missing`` / ``--allow-extra`` relax that to a report); element counts
+and dtypes must match exactly (nothing is cast). The refitted engine and its sidecar are written
+as a pair (:func:`qkrope._fileio.staged_outputs`), in place or to ``-o``.
+
+TensorRT 10.x/11 API used: ``trt.Refitter(engine, logger)``, ``get_all_weights()``,
+``get_named_weights(name)`` (a ``trt.Weights``: ``dtype``, ``size``), ``set_named_weights(name,
+trt.Weights(dtype, ptr, count))``, ``get_missing_weights()``, ``refit_cuda_engine()``,
+``engine.serialize()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from qkrope.errors import InputFileNotFoundError, QkropeError
+
+
+class RefitError(QkropeError, RuntimeError):
+    """The engine cannot be refitted with these weights; the message says why and the fix."""
+
+
+@dataclass
+class RefitReport:
+    refitted: list[str] = field(default_factory=list)
+    not_covered: list[str] = field(default_factory=list)   # refitter names the state dict lacks
+    not_in_engine: list[str] = field(default_factory=list)  # state-dict keys the engine lacks
+
+
+def _short(names, n=8) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def name_map(refitter_names, state_dict_keys) -> tuple[list[str], list[str], list[str]]:
+    """(names in both, refitter names not covered, state-dict keys not in the engine): the map
+    is the identity (refitter name == ONNX initializer name == state-dict key)."""
+    engine, given = set(refitter_names), set(state_dict_keys)
+    return sorted(engine & given), sorted(engine - given), sorted(given - engine)
+
+
+def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
+                 allow_missing: bool = False, allow_extra: bool = False) -> RefitReport:
+    """Set every mapped weight of ``engine`` from ``state_dict`` (torch tensors) and refit it.
+
+    Raises RefitError for a non-refittable engine, uncovered names / unknown keys (unless
+    allowed), a count or dtype mismatch, or a refit TensorRT rejects."""
+    import torch
+
+    from qkrope import dtypes
+
+    if getattr(engine, "refittable", True) is False:
+        raise RefitError("the engine was not built refittable. Fix: rebuild it with "
+                         "`qkrope build --refit`")
+    refitter = trt.Refitter(engine, logger)
+    names = list(refitter.get_all_weights())
+    both, not_covered, not_in_engine = name_map(names, state_dict)
+    report = RefitReport(both, not_covered, not_in_engine)
+    problems = []
+    if not_covered and not allow_missing:
+        problems.append(f"{len(not_covered)} engine weight(s) have no state-dict entry: "
+                        f"{_short(not_covered)}")
+    if not_in_engine and not allow_extra:
+        problems.append(f"{len(not_in_engine)} state-dict key(s) are not weights of the engine: "
+                        f"{_short(not_in_engine)}")
+    if not both:
+        problems.append("no state-dict key names an engine weight (the map is by diffusers "
+                        "parameter name: was the engine exported by `qkrope export`?)")
+    keep, mismatched = [], []
+    for name in both:
+        current = refitter.get_named_weights(name)
+        want_dtype = dtypes.canonical(current.dtype)
+        want_count = int(current.size)
+        t = state_dict[name]
+        if not isinstance(t, torch.Tensor):
+            mismatched.append(f"{name}: not a tensor ({type(t).__name__})")
+            continue
+        got_dtype = dtypes.canonical(t.dtype)
+        if got_dtype != want_dtype or t.numel() != want_count:
+            mismatched.append(f"{name}: engine {want_dtype} x {want_count}, state dict "
+                              f"{got_dtype} {list(t.shape)} ({t.numel()})")
+            continue
+        keep.append((name, t, current.dtype))
+    if mismatched:
+        problems.append(f"{len(mismatched)} weight(s) differ in dtype or size (nothing is "
+                        f"cast): " + "; ".join(mismatched[:8])
+                        + (f" (+{len(mismatched) - 8} more)" if len(mismatched) > 8 else ""))
+    if problems:
+        raise RefitError("cannot refit: " + "; ".join(problems) + ". Fix: pass the state dict "
+                         "of the model the engine was exported from (same config and dtype), or "
+                         "--allow-missing / --allow-extra to refit only the names in both")
+    alive = []  # the host copies stay referenced until refit_cuda_engine returns
+    for name, t, trt_dtype in keep:
+        host = t.detach().to("cpu").contiguous()
+        alive.append(host)
+        if not refitter.set_named_weights(name, trt.Weights(trt_dtype, host.data_ptr(),
+                                                            host.numel())):
+            raise RefitError(f"TensorRT refused the weight {name} (see its log above)")
+    missing = list(refitter.get_missing_weights())
+    if missing:
+        raise RefitError(f"TensorRT still needs {len(missing)} weight(s) before it can refit: "
+                         f"{_short(missing)}. Fix: give them in the state dict")
+    if not refitter.refit_cuda_engine():
+        raise RefitError("TensorRT's refit_cuda_engine failed (see its log above)")
+    del alive
+    return report
+
+
+def load_state_dict(diffusers: str | None = None, state_dict: str | None = None) -> dict:
+    """The weights by diffusers parameter name: a diffusers model folder (its ``transformer``
+    subfolder when given a pipeline folder; ``*.safetensors`` shards) or one file
+    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``)."""
+    import torch
+
+    if (diffusers is None) == (state_dict is None):
+        raise RefitError("give exactly one of --diffusers DIR and --state-dict FILE")
+    if state_dict is not None:
+        p = Path(state_dict)
+        if not p.is_file():
+            raise InputFileNotFoundError(f"{p} does not exist")
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return dict(load_file(str(p)))
+        return dict(torch.load(p, map_location="cpu", weights_only=True))
+    d = Path(diffusers)
+    if not d.is_dir():
+        raise InputFileNotFoundError(f"{d} is not a folder")
+    if (d / "transformer").is_dir() and not list(d.glob("*.safetensors")):
+        d = d / "transformer"
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise RefitError(f"{d} holds no *.safetensors file. Fix: save the model with "
+                         f"save_pretrained(..., safe_serialization=True), or pass --state-dict")
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "refit", help="replace an engine's weights by diffusers parameter name",
+        description="Update the weights of an engine built with `qkrope build --refit` from a "
+                    "diffusers model folder or a state-dict file (e.g. after fusing a LoRA); "
+                    "weights are matched by state-dict key (= ONNX initializer name = TensorRT "
+                    "weight name). The engine and its sidecar are replaced as a pair.")
+    p.add_argument("engine", metavar="MODEL.engine")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--diffusers", metavar="DIR", help="diffusers transformer (or pipeline) "
+                     "folder with *.safetensors weights")
+    src.add_argument("--state-dict", metavar="FILE", help=".safetensors (or torch .pt) state "
+                     "dict keyed by diffusers parameter name")
+    p.add_argument("-o", "--output", metavar="OUT.engine",
+                   help="write the refitted engine here (default: replace MODEL.engine)")
+    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
+                   "sidecar's)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="engine weights the state dict lacks keep their values")
+    p.add_argument("--allow-extra", action="store_true",
+                   help="state-dict keys the engine does not have are ignored")
+    p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from qkrope.runtime.engine import import_tensorrt, load_plugin_library, write_engine_pair
+    from qkrope.runtime.plugin_build import resolve_plugin_library
+    from qkrope.sidecars import EngineInfo
+
+    engine_path = Path(args.engine)
+    if not engine_path.is_file():
+        raise InputFileNotFoundError(f"{engine_path} does not exist")
+    info = EngineInfo.load(engine_path)
+    if not info.refittable:
+        raise RefitError(f"{engine_path} was not built refittable (its sidecar says "
+                         f"refittable: false). Fix: rebuild it with `qkrope build --refit`")
+    weights = load_state_dict(args.diffusers, args.state_dict)
+    trt = import_tensorrt("qkrope refit (TensorRT engine refitting)")
+    logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
+    runtime = trt.Runtime(logger)
+    if info.version_compatible:
+        runtime.engine_host_code_allowed = True
+    else:
+        lib = resolve_plugin_library(args.plugin, info.plugin, kind="plugin", check_hash="warn")
+        load_plugin_library(trt, lib)
+    engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+    if engine is None:
+        raise RefitError(f"TensorRT could not deserialise {engine_path} (see its log above)")
+    report = refit_engine(trt, engine, logger, weights, allow_missing=args.allow_missing,
+                          allow_extra=args.allow_extra)
+    out = Path(args.output) if args.output else engine_path
+    write_engine_pair(out, engine.serialize(), dataclasses.replace(info))
+    print(f"refitted {len(report.refitted)} weight(s) of {engine_path}; wrote {out}"
+          + (f"; kept {len(report.not_covered)} engine weight(s) the state dict lacks"
+             if report.not_covered else "")
+          + (f"; ignored {len(report.not_in_engine)} unknown key(s)"
+             if report.not_in_engine else ""))
+    return 0
+
+
+__all__ = ["RefitError", "RefitReport", "name_map", "refit_engine", "load_state_dict"]
