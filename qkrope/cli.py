@@ -28,6 +28,7 @@ _SUBCOMMANDS = (
     ("build-plugin", "qkrope.apps.build_plugin",
      "build the CUDA kernel and the TensorRT plugin libraries (CMake, nvcc)"),
     ("build", "qkrope.apps.build", "build a TensorRT engine with the QKNormRoPE plugin"),
+    ("refit", "qkrope.apps.refit", "replace an engine's weights by diffusers parameter name"),
     ("triton-repo", "qkrope.apps.triton_repo",
      "write a Triton Inference Server model repository for an engine"),
     ("bench", "qkrope.apps.bench",
