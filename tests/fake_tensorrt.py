@@ -12,7 +12,8 @@ It follows the real Python API where the product code relies on it:
 - ``Builder.build_serialized_network`` returns an :class:`IHostMemory` (a buffer) or None.
 - ``ICudaEngine``: the I/O queries the runner makes (names, dtypes, shapes, modes, profiles,
   ``num_optimization_profiles``) and ``create_execution_context`` (:class:`IExecutionContext`).
-- ``Refitter(engine, logger)``: ``get_all_weights``, ``get_named_weights``,
+- ``Refitter(engine, logger)``: ``get_all_weights``, ``get_weights_prototype``,
+  ``get_named_weights``,
   ``set_named_weights``, ``get_missing_weights``, ``refit_cuda_engine``.
 
 ``make_fake_trt(version=...)`` returns ``(module, state)``; ``state`` records what the code under
@@ -62,7 +63,8 @@ class Weights:
 
 class Refitter:
     """``trt.Refitter(engine, logger)`` over a :class:`RefittableEngine`: ``get_all_weights``
-    (names), ``get_named_weights`` (a Weights of the engine's dtype and count),
+    (names), ``get_weights_prototype`` (a Weights of the build's dtype and count),
+    ``get_named_weights`` (what was set),
     ``set_named_weights`` (False when dtype or count differ, as TensorRT refuses them),
     ``get_missing_weights`` (none: a partial refit keeps the other weights),
     ``refit_cuda_engine`` (True; records what was set in ``engine.refits``)."""
@@ -75,9 +77,14 @@ class Refitter:
     def get_all_weights(self):
         return list(self.engine.weights)
 
-    def get_named_weights(self, name):
+    def get_weights_prototype(self, name):
+        """The dtype and count of the weights the engine was built with (no data)."""
         dtype, count = self.engine.weights[name]
         return Weights(DataType(dtype), 0, count)
+
+    def get_named_weights(self, name):
+        """Weights set so far under ``name`` (empty FLOAT weights when none were set)."""
+        return self.set.get(name, Weights(DataType.FLOAT, 0, 0))
 
     def set_named_weights(self, name, weights):
         if name not in self.engine.weights:

@@ -9,7 +9,8 @@ and dtypes must match exactly (nothing is cast). The refitted engine and its sid
 as a pair (:func:`qkrope._fileio.staged_outputs`), in place or to ``-o``.
 
 TensorRT 10.x/11 API used: ``trt.Refitter(engine, logger)``, ``get_all_weights()``,
-``get_named_weights(name)`` (a ``trt.Weights``: ``dtype``, ``size``), ``set_named_weights(name,
+``get_weights_prototype(name)`` (a ``trt.Weights`` of the build's ``dtype`` and ``size``,
+the count and type ``set_named_weights`` checks against), ``set_named_weights(name,
 trt.Weights(dtype, ptr, count))``, ``get_missing_weights()``, ``refit_cuda_engine()``,
 ``engine.serialize()``.
 """
@@ -78,7 +79,7 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
                         "parameter name: was the engine exported by `qkrope export`?)")
     keep, mismatched = [], []
     for name in both:
-        current = refitter.get_named_weights(name)
+        current = refitter.get_weights_prototype(name)  # the build's dtype and count
         want_dtype = dtypes.canonical(current.dtype)
         want_count = int(current.size)
         t = state_dict[name]
