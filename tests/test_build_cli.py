@@ -107,6 +107,11 @@ def test_build_model_without_qknorm_rope_nodes(tmp_path, capsys, no_tensorrt):
     (["--opt", "nosuchinput:1x2"], "nosuchinput"),
     (["--plugin", "/nonexistent/libqkrope_plugin.so"], "does not exist"),
     (["--workspace", "0"], "--workspace"),
+    (["--resolutions", "1000x1000"], "multiples of 16"),
+    (["--resolutions", "1024"], "WIDTHxHEIGHT"),
+    (["--txt-tokens", "512:1"], "--txt-tokens"),
+    (["--batch", "0:2"], "--batch"),
+    (["--resolutions", "512x512", "--max-txt-tokens", "40"], "--txt-tokens MIN:MAX"),
 ])
 def test_build_arguments_are_checked_before_tensorrt(tmp_path, capsys, no_tensorrt, args, match):
     path = write_tiny_onnx(tmp_path / "m.onnx")
@@ -119,3 +124,23 @@ def test_build_wrong_shape_sidecar_is_one_line(tmp_path, capsys, no_tensorrt, si
     path = write_tiny_onnx(tmp_path / "m.onnx")
     Path(str(path) + ".json").write_text(sidecar)
     assert "m.onnx.json" in _build(tmp_path, capsys, path)
+
+
+def test_build_preset_flags_reach_the_builder(monkeypatch):
+    """--resolutions / --txt-tokens / --batch / --refit become BuildOptions."""
+    import argparse
+
+    seen = {}
+    monkeypatch.setattr(eng, "build_engine",
+                        lambda onnx, out, opts: seen.setdefault("opts", opts) and types.SimpleNamespace(
+                            gpu={}, tensorrt_version="x", plugin_layers=2,
+                            version_compatible=False, refittable=True, profiles=[{}, {}]))
+    ap = argparse.ArgumentParser()
+    from qkrope.apps import build as build_app
+
+    build_app.add_parser(ap.add_subparsers())
+    build_app.run(ap.parse_args(["build", "m.onnx", "--resolutions", "512x512,1328x1328",
+                                 "--txt-tokens", "1:256", "--batch", "1:2", "--refit"]))
+    opts = seen["opts"]
+    assert opts.resolutions == [(512, 512), (1328, 1328)]
+    assert opts.txt_tokens == (1, 256) and opts.batch == (1, 2) and opts.refit is True
