@@ -13,9 +13,11 @@ in plain functions that run without TensorRT):
    parser flag ``ENABLE_PLUGIN_OVERRIDE`` where the TensorRT version has it;
 3. **check the network holds one QKNormRoPE plugin layer per QKNormRoPE node** of the ONNX file,
    and fail if TensorRT fell back to the nodes' function bodies (standard layers);
-4. one optimisation profile (:mod:`qkrope.runtime.profiles`), optional timing cache, builder
-   optimisation level, workspace limit, version compatibility (the VC plugin library serialised
-   into the engine);
+4. the optimisation profiles (:mod:`qkrope.runtime.profiles`): one per resolution preset
+   (``--resolutions``; a whole transformer defaults to the 1024x1024 preset) or the one of the
+   given ranges, each an ``IOptimizationProfile`` added in order; ``BuilderFlag.REFIT`` with
+   ``--refit``; optional timing cache, builder optimisation level, workspace limit, version
+   compatibility (the VC plugin library serialised into the engine);
 5. build with a progress display fed by ``trt.IProgressMonitor``;
 6. write the engine and its sidecar ``<engine>.json`` (TensorRT version, GPU, profile, I/O,
    plugin library path + sha256, the model config) as a pair (:func:`write_engine_pair`).

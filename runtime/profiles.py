@@ -26,6 +26,13 @@ the named axes they fix apply to the other inputs at that level (``--max
 encoder_hidden_states:2x40x3072`` also makes the mask's max text length 40). After
 overrides, every cache-rows dimension is raised to at least the token dimension of its stream at
 the same level (min, opt, max), so an engine always accepts one cache row per token.
+
+Resolution presets (``qkrope build --resolutions 512x512,1024x1024,1328x1328``,
+:func:`derive_preset_profiles`) make one profile per preset, smallest first: image tokens
+(16 px per token for Qwen-Image: 8x VAE, 2x2 patches; 1024x1024 -> 4096) min 1, opt = max = the
+preset; text tokens ``--txt-tokens MIN:MAX`` (default 1..512) and batch ``--batch MIN:MAX``
+(default 1..2, a CFG pair) min = the range's min, opt = max = its max. :func:`select_profile`
+is the runner's choice: the first profile whose [min, max] holds a call's shapes.
 """
 
 from __future__ import annotations
