@@ -15,8 +15,12 @@ received, what was expected and the fix. Nothing is converted or copied silently
 
 Threads, streams, buffers:
 
-- TensorRT: one ``IExecutionContext`` per calling thread (``threading.local``), created on the
-  thread's first call, each with its own ``torch.cuda.Stream``. The engine is shared. The runner
+- TensorRT: per calling thread (``threading.local``) one ``torch.cuda.Stream`` and one
+  ``IExecutionContext`` per optimisation profile, created on first use and bound to its profile
+  with ``set_optimization_profile_async`` on that stream; each call runs on the first profile
+  whose [min, max] holds its shapes (shapes no profile holds are refused, naming the profiles).
+  ``cuda_graph=True`` replays a CUDA graph captured once per (profile, shapes). The engine is
+  shared. The runner
   makes its stream wait for the caller's current stream, enqueues with ``execute_async_v3``, and
   makes the caller's current stream wait for it, so results are ordered on the caller's stream
   without a host synchronisation.
