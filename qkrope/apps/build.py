@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qkrope.runtime import engine, profiles
-from qkrope.sidecars import engine_sidecar_path
+# Spelled out so that `qkrope build --help` imports no torch (qkrope.sidecars.LEVELS; checked by
+# tests/test_cli_help.py); the runtime modules are imported by run().
+LEVELS = ("min", "opt", "max")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,7 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "MODEL.engine.json is written next to it")
     p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the one "
                    "`qkrope build-plugin` built; the VC library with --version-compatible)")
-    for level in profiles.LEVELS:
+    for level in LEVELS:
         p.add_argument(f"--{level}", dest=f"{level}_shapes", nargs="+", action="extend",
                        default=[], metavar="NAME:SHAPE",
                        help=f"{level} shape of an input, as NAME:DIMxDIMx... (trtexec's "
@@ -63,6 +64,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope.runtime import engine, profiles
+    from qkrope.sidecars import engine_sidecar_path
+
     onnx_path = Path(args.onnx)
     engine_path = Path(args.output) if args.output else onnx_path.with_suffix(".engine")
     opts = engine.BuildOptions(

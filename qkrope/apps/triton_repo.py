@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qkrope.runtime import triton
+# Spelled out so that `qkrope triton-repo --help` imports no torch (runtime.triton.PLUGIN_FILE_NAME;
+# checked by tests/test_cli_help.py); qkrope.runtime.triton is imported by run().
+PLUGIN_FILE_NAME = "libqkrope_plugin.so"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,7 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
     p.add_argument("--plugin", default=None,
-                   help=f"the plugin library ({triton.PLUGIN_FILE_NAME}); default: the one recorded in "
+                   help=f"the plugin library ({PLUGIN_FILE_NAME}); default: the one recorded in "
                         "the engine sidecar")
     p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
                    help="model repository directory (created if missing)")
@@ -44,6 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope.runtime import triton
+
     if args.backend == "onnxruntime":
         if args.engine is not None or args.onnx is None:
             raise triton.TritonRepoError("--backend onnxruntime serves an ONNX model: pass "
