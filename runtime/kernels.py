@@ -171,6 +171,13 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _outputs(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """New ``(q_out, k_out)`` like q and k when ``out`` is None, else ``out`` checked."""
+    if out is None:
+        return torch.empty_like(q), torch.empty_like(k)
+    return _check_out(out, q, k, q_weight, k_weight, cache)
+
+
 def _check_out(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``out=(q_out, k_out)`` before anything is launched (the kernels write
     q.numel() elements of q's dtype through each pointer, unchecked).
@@ -237,8 +244,7 @@ def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     lib = _load(HOST_LIB_ENV, HOST_LIB_NAME, HOST_BUILD_COMMAND, "qkrope_host_run",
                 "qkrope_host_status_string", cuda=False)
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu")
-    q_out, k_out = (_check_out(out, q, k, q_weight, k_weight, cos_sin_cache) if out is not None
-                    else (torch.empty_like(q), torch.empty_like(k)))
+    q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     _call(lib.qkrope_host_run, lib.qkrope_host_status_string, "qkrope_host_run", q, k, q_weight,
           k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding)
     return q_out, k_out
@@ -258,8 +264,7 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     lib = _load(CUDA_LIB_ENV, CUDA_LIB_NAME, CUDA_BUILD_COMMAND, "qkrope_launch",
                 "qkrope_status_string", cuda=True)
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cuda")
-    q_out, k_out = (_check_out(out, q, k, q_weight, k_weight, cos_sin_cache) if out is not None
-                    else (torch.empty_like(q), torch.empty_like(k)))
+    q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         _call(lib.qkrope_launch, lib.qkrope_status_string, "qkrope_launch", q, k, q_weight,
@@ -377,8 +382,7 @@ def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     of q's shape, dtype and device. A failed emulated launch raises :class:`SimtLaunchError`."""
     lib = _simt_lib()
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu")
-    q_out, k_out = (_check_out(out, q, k, q_weight, k_weight, cos_sin_cache) if out is not None
-                    else (torch.empty_like(q), torch.empty_like(k)))
+    q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     try:
         _call(lib.qkrope_launch, lib.qkrope_status_string, "qkrope_launch (simt)", q, k, q_weight,
               k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
