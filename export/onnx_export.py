@@ -31,7 +31,6 @@ of at least 2 and at least 2 tokens per stream (the sidecar records the traced s
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from qkrope import dtypes
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from qkrope import contract
+from qkrope._progress import Steps
 
 from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
                             FunctionVariant, make_function_proto, qk_norm_rope_translation)
@@ -66,11 +66,6 @@ DEFAULT_TRANSFORMER_SAMPLE = dict(img_shapes=[(1, 8, 8)], txt_len=16, batch=2)
 
 class ExportError(QkropeError, RuntimeError):
     """The export failed or produced a model that breaks the node contract."""
-
-
-def _log(progress: bool, message: str) -> None:
-    if progress:
-        print(f"qkrope export: {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,8 +105,13 @@ def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
 # --------------------------------------------------------------------------------------------
 
 def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
-                  output_names: Sequence[str], opset: int):
-    """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet)."""
+                  output_names: Sequence[str], opset: int, *, parameters_of: str,
+                  steps: Steps | None = None, what: str = "the model"):
+    """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet) whose
+    parameters are named by their state-dict keys (:func:`_keep_parameters`).
+
+    ``parameters_of`` is the attribute of the wrapper ``module`` that holds the diffusers module
+    (``"attn"``, ``"transformer"``): its state-dict keys name the initializers."""
     import logging
     import warnings
 
@@ -120,11 +120,13 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
     registration_log = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration_log.level
     registration_log.setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
+    steps = steps or Steps("qkrope export", 0, enabled=False)
+    with steps.step(f"tracing {what} (torch.export, ONNX translation)"), \
+            warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(
-                module, args, dynamo=True, opset_version=opset, optimize=True, verbose=False,
+                module, args, dynamo=True, opset_version=opset, optimize=False, verbose=False,
                 input_names=list(input_names), output_names=list(output_names),
                 dynamic_shapes=_dynamic_shapes(input_names),
                 custom_translation_table={
@@ -132,7 +134,77 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
             )
         finally:
             registration_log.setLevel(level)
-    return program.model
+    model = program.model
+    inner = getattr(module, parameters_of)
+    keys = _rename_parameters(model, inner.state_dict(), prefix=parameters_of + ".")
+    with steps.step(f"optimising the graph (onnxscript; {len(keys)} parameters kept by name)"):
+        _optimize(model, keys)
+    return model
+
+
+def _rename_parameters(model, state_dict, *, prefix: str) -> list[str]:
+    """Name each initializer torch.export lifted from a parameter or buffer by its key in the
+    wrapped module's state dict (``transformer.img_in.weight`` -> ``img_in.weight``); returns
+    the keys found in the graph."""
+    found = []
+    for key in state_dict:
+        value = model.graph.initializers.get(prefix + key)
+        if value is not None:
+            value.name = key
+            found.append(key)
+    return found
+
+
+def _optimize(model, parameters: Sequence[str]) -> None:
+    """What ``torch.onnx.export(optimize=True)`` runs (onnxscript's optimizer, then its opset-23
+    fusions), with the parameters left as they are.
+
+    The optimizer would otherwise fold ``Transpose(weight)`` of every Linear into an unnamed
+    transposed copy and merge parameters whose values happen to be equal (all-ones norm weights
+    of a fresh model), so weights could not be mapped back by name (``qkrope refit``, a LoRA
+    fused after export). While it runs, the parameters are also graph inputs: ONNX's overridable
+    initializers, which constant folding and initializer deduplication never touch. TensorRT
+    and ONNX Runtime fold the transposes when they load the model."""
+    import logging
+
+    import onnx_ir as ir
+    import onnxscript.optimizer
+    from onnxscript.rewriter import onnx_fusions
+
+    graph = model.graph
+    protected = [graph.initializers[k] for k in parameters]
+    graph.inputs.extend(protected)
+    # the deduplication pass logs one warning per skipped (= protected) initializer
+    dedup_log = logging.getLogger("onnx_ir.passes.common.initializer_deduplication")
+    level = dedup_log.level
+    dedup_log.setLevel(logging.ERROR)
+    try:
+        onnxscript.optimizer.optimize_ir(model)
+        onnx_fusions.fuse(model)
+    finally:
+        dedup_log.setLevel(level)
+        for value in protected:
+            graph.inputs.remove(value)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # parameters the outputs do not use
+
+
+def check_parameters(model, state_dict) -> list[str]:
+    """Every state-dict key the graph uses is an initializer of that name with the tensor's
+    shape and dtype; returns the keys the graph does not use (sorted): blocks past ``--layers``,
+    and the last block's text-stream output path, which no output depends on."""
+    missing = []
+    for key, tensor in state_dict.items():
+        value = model.graph.initializers.get(key)
+        if value is None:
+            missing.append(key)
+            continue
+        got = value.const_value
+        if (got is None or list(got.shape) != list(tensor.shape)
+                or dtypes.canonical(int(got.dtype)) != dtypes.canonical(tensor.dtype)):
+            raise ExportError(f"initializer {key} is {got!r}, the state dict has "
+                              f"{list(tensor.shape)} {tensor.dtype}: the export changed a "
+                              f"parameter (refit by name would be wrong)")
+    return sorted(missing)
 
 
 def _qk_nodes(model) -> list:
@@ -199,7 +271,7 @@ def verify_onnx_file(path: str | os.PathLike) -> None:
             raise ExportError(f"shape inference gave output {out.name} no shape")
 
 
-def _save_staged(model, out: Path, st, *, progress: bool) -> bool:
+def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     """Save and verify the model into the staging folder ``st``; True when it has external data."""
     import onnx_ir as ir
 
@@ -207,16 +279,24 @@ def _save_staged(model, out: Path, st, *, progress: bool) -> bool:
     external = _initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
     tmp_model = st.path(out.name)
     if external:
-        _log(progress, f"writing {out} with external data {data_name}")
-        ir.save(model, tmp_model, external_data=data_name)
-    else:
-        ir.save(model, tmp_model)
-    _log(progress, "checking the model (onnx.checker full check, shape inference)")
-    verify_onnx_file(tmp_model)
-    import onnx
+        gib = _initializer_bytes(model) / 2**30
+        with steps.step(f"writing {out.name} with {gib:.1f} GiB of external data {data_name}"), \
+                steps.counter("tensors", unit="tensor") as bar:
+            def written(_tensor, info) -> None:
+                bar.set_total(info.total)
+                bar.update()
 
-    contract.validate_qknorm_rope_nodes(onnx.load(str(tmp_model), load_external_data=False),
-                                        where=str(out))
+            ir.save(model, tmp_model, external_data=data_name, callback=written)
+    else:
+        with steps.step(f"writing {out.name}"):
+            ir.save(model, tmp_model)
+    with steps.step("checking it (onnx.checker full check, strict shape inference, node "
+                    "contract)"):
+        verify_onnx_file(tmp_model)
+        import onnx
+
+        contract.validate_qknorm_rope_nodes(onnx.load(str(tmp_model), load_external_data=False),
+                                            where=str(out))
     return external
 
 
@@ -229,18 +309,6 @@ def _commit_order(out: Path, external: bool) -> tuple[list[str], list[str]]:
     if external:
         return [side, data_name, out.name], []
     return [side, out.name], [data_name]
-
-
-def save_model_atomic(model, out: Path, *, progress: bool = False) -> list[Path]:
-    """Save an onnx_ir Model to ``out`` (+ ``out.data`` when large) atomically, without a
-    sidecar; verify it first. Returns the paths written (the .onnx first)."""
-    out = Path(out)
-    names = [out.name, out.name + ".data"]
-    with staged_outputs(out.parent, names) as st:
-        external = _save_staged(model, out, st, progress=progress)
-        order = [out.name + ".data", out.name] if external else [out.name]
-        written = st.commit(order, remove=[] if external else [out.name + ".data"])
-    return written[::-1] if external else written
 
 
 def _versions(extra: Sequence[str] = ()) -> dict[str, str]:
@@ -308,7 +376,7 @@ def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:
             value.doc_string = INPUT_DOCS[value.name]
 
 
-def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
+def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
     (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
     axis_values = info_fields.pop("axis_values")
@@ -318,7 +386,7 @@ def _write_outputs(model, out: Path, info_fields: dict, *, progress: bool):
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config)
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     with staged_outputs(out.parent, names) as st:
-        external = _save_staged(model, out, st, progress=progress)
+        external = _save_staged(model, out, st, steps)
         info.save(st.path(out.name))  # records the staged model's sha256
         order, remove = _commit_order(out, external)
         st.commit(order, remove=remove)
@@ -492,18 +560,25 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
     t0 = time.perf_counter()
     module = build_attention(config)
     args = _sample_args(sample, tdtype, config["dim"], config["dim"], axes_dim, False, seed)
-    _log(progress, f"exporting the attention block ({heads} heads x {head_dim}, {dtype}, opset "
-                   f"{opset})")
-    model = _torch_export(CacheInputAttention(module), args, ATTENTION_INPUTS, ATTENTION_OUTPUTS,
-                          opset)
-    finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim, expected_nodes=2)
-    info, written = _write_outputs(model, out, dict(
-        model="attention", opset=opset, ir_version=IR_VERSION, dtype=dtype,
-        dynamic_axes={}, node_attributes=contract.node_attributes(
-            eps=eps, interleaved=interleaved, rounding=rounding),
-        config=config, sample=_sample_dict(sample), versions=_versions(),
-        axis_values=_axis_values(sample)), progress=progress)
-    _log(progress, f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    with Steps("qkrope export", 5, enabled=progress) as steps:
+        model = _torch_export(CacheInputAttention(module), args, ATTENTION_INPUTS,
+                              ATTENTION_OUTPUTS, opset, parameters_of="attn", steps=steps,
+                              what=f"the attention block ({heads} heads x {head_dim}, {dtype}, "
+                                   f"opset {opset})")
+        not_in_graph = check_parameters(model, module.state_dict())
+        if not_in_graph:
+            raise ExportError(f"the attention graph does not use the parameters {not_in_graph}")
+        config["parameters"] = list(module.state_dict())  # initializer names (--refit)
+        with steps.step("adding the QKNormRoPE function body"):
+            finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
+                           expected_nodes=2)
+        info, written = _write_outputs(model, out, dict(
+            model="attention", opset=opset, ir_version=IR_VERSION, dtype=dtype,
+            dynamic_axes={}, node_attributes=contract.node_attributes(
+                eps=eps, interleaved=interleaved, rounding=rounding),
+            config=config, sample=_sample_dict(sample), versions=_versions(),
+            axis_values=_axis_values(sample)), steps)
+        steps.note(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return info, written
 
 
@@ -536,42 +611,46 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     opset = _check_opset(opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
     t0 = time.perf_counter()
-    _log(progress, f"[1/4] loading {diffusers_dir} ({dtype})")
-    transformer = load_transformer(str(diffusers_dir), dtype=tdtype)
-    cfg = dict(transformer.config)
-    head_dim = int(cfg["attention_head_dim"])
-    axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])
-    rotary_dim = sum(axes_dim)
-    wrapper = CacheInputTransformer(transformer, layers, rounding=rounding).eval()
-    n_layers = wrapper.num_layers
-    eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
-    in_channels = int(cfg["in_channels"])
-    args = _sample_args(sample, tdtype, in_channels, int(cfg["joint_attention_dim"]), axes_dim,
-                        True, 0)
-    _log(progress, f"[2/4] tracing {n_layers} of {len(transformer.transformer_blocks)} blocks "
-                   f"(torch.export; sample {sample.img_shapes}, {sample.txt_len} text tokens, "
-                   f"batch {sample.batch})")
-    model = _torch_export(wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset)
-    _log(progress, f"[3/4] adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes) "
-                   f"after {time.perf_counter() - t0:.1f} s")
-    finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
-                   expected_nodes=2 * n_layers)
-    config = dict(dim=int(cfg["num_attention_heads"]) * head_dim,
-                  heads=int(cfg["num_attention_heads"]), head_dim=head_dim, eps=eps,
-                  interleaved=contract.DEFAULT_INTERLEAVED, rounding=int(rounding),
-                  rotary_dim=rotary_dim,
-                  axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
-                  diffusers_dir=str(Path(diffusers_dir).resolve()),
-                  diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
-                                    for k, v in cfg.items() if not k.startswith("_")
-                                    or k in ("_class_name", "_diffusers_version")},
-                  num_layers_exported=n_layers)
-    _log(progress, f"[4/4] writing {out}")
-    info, written = _write_outputs(model, out, dict(
-        model="transformer", opset=opset, ir_version=IR_VERSION, dtype=dtype,
-        dynamic_axes={}, node_attributes=contract.node_attributes(
-            eps=eps, interleaved=contract.DEFAULT_INTERLEAVED, rounding=rounding),
-        config=config, sample=_sample_dict(sample), versions=_versions(("diffusers",)),
-        axis_values=_axis_values(sample)), progress=progress)
-    _log(progress, f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
+    with Steps("qkrope export", 6, enabled=progress) as steps:
+        with steps.step(f"loading {diffusers_dir} ({dtype})"):
+            transformer = load_transformer(str(diffusers_dir), dtype=tdtype)
+        cfg = dict(transformer.config)
+        head_dim = int(cfg["attention_head_dim"])
+        axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])
+        rotary_dim = sum(axes_dim)
+        wrapper = CacheInputTransformer(transformer, layers, rounding=rounding).eval()
+        n_layers = wrapper.num_layers
+        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
+        args = _sample_args(sample, tdtype, int(cfg["in_channels"]),
+                            int(cfg["joint_attention_dim"]), axes_dim, True, 0)
+        model = _torch_export(
+            wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset,
+            parameters_of="transformer", steps=steps,
+            what=f"{n_layers} of {len(transformer.transformer_blocks)} blocks (sample "
+                 f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch})")
+        not_in_graph = check_parameters(model, transformer.state_dict())
+        with steps.step(f"adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes)"):
+            finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
+                           expected_nodes=2 * n_layers)
+        config = dict(dim=int(cfg["num_attention_heads"]) * head_dim,
+                      heads=int(cfg["num_attention_heads"]), head_dim=head_dim, eps=eps,
+                      interleaved=contract.DEFAULT_INTERLEAVED, rounding=int(rounding),
+                      rotary_dim=rotary_dim,
+                      axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
+                      diffusers_dir=str(Path(diffusers_dir).resolve()),
+                      diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
+                                        for k, v in cfg.items() if not k.startswith("_")
+                                        or k in ("_class_name", "_diffusers_version")},
+                      num_layers_exported=n_layers,
+                      # the state-dict keys that are initializers of that name (qkrope build
+                      # --refit marks them refittable) and those the graph does not use
+                      parameters=[k for k in transformer.state_dict() if k not in not_in_graph],
+                      parameters_not_in_graph=not_in_graph)
+        info, written = _write_outputs(model, out, dict(
+            model="transformer", opset=opset, ir_version=IR_VERSION, dtype=dtype,
+            dynamic_axes={}, node_attributes=contract.node_attributes(
+                eps=eps, interleaved=contract.DEFAULT_INTERLEAVED, rounding=rounding),
+            config=config, sample=_sample_dict(sample), versions=_versions(("diffusers",)),
+            axis_values=_axis_values(sample)), steps)
+        steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

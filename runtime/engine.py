@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
+from qkrope._progress import Steps
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
@@ -246,24 +247,30 @@ def check_plugin_layers(network, trt, expected: Sequence[str] | int, *,
 # --------------------------------------------------------------------------------------------
 
 class BuildProgress:
-    """Renders TensorRT's build phases. On a terminal: one redrawn line with a bar for the
-    innermost active phase; otherwise: plain lines when top-level phases start and finish.
+    """Renders TensorRT's build phases (``trt.IProgressMonitor`` calls). On a terminal: a tqdm bar
+    per active phase down to ``max_depth`` (nested phases below their parent, removed when they
+    finish); otherwise: plain lines when phases down to ``max_depth`` start and finish.
 
     ``step_complete`` returns False after :meth:`cancel` (TensorRT then stops the build).
     """
 
     def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None,
                  max_depth: int = 1, clock: Callable[[], float] = time.monotonic):
+        from qkrope._progress import is_terminal
+
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
+        self.tty = is_terminal(self.stream) if tty is None else tty
         self.max_depth = max_depth
         self.clock = clock
         self.phases: dict[str, dict] = {}
         self.cancelled = False
-        self._last_len = 0
 
     def cancel(self) -> None:
         self.cancelled = True
+        for info in self.phases.values():
+            if info.get("bar") is not None:
+                info["bar"].close()
+                info["bar"] = None
 
     def _depth(self, name: str) -> int:
         depth, parent = 0, self.phases.get(name, {}).get("parent")
@@ -273,65 +280,52 @@ class BuildProgress:
         return depth
 
     def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
-        self.phases[phase_name] = {"parent": parent_phase, "steps": max(int(num_steps), 0),
-                                   "done": 0, "t0": self.clock()}
+        info = {"parent": parent_phase, "steps": max(int(num_steps), 0), "t0": self.clock(),
+                "bar": None}
+        self.phases[phase_name] = info
         depth = self._depth(phase_name)
+        if depth > self.max_depth:
+            return
         if self.tty:
-            self._redraw(phase_name)
-        elif depth <= self.max_depth:
-            steps = f" ({num_steps} steps)" if num_steps > 1 else ""
+            from tqdm.auto import tqdm
+
+            from qkrope._progress import _screen
+
+            info["bar"] = tqdm(total=info["steps"] or None, desc=f"[build] {phase_name}",
+                               file=self.stream, leave=False, unit="step",
+                               **_screen())
+        else:
+            steps = f" ({info['steps']} steps)" if info["steps"] > 1 else ""
             self._line(f"{'  ' * depth}[build] {phase_name}{steps}")
 
     def step_complete(self, phase_name: str, step: int) -> bool:
-        if phase_name in self.phases:
-            self.phases[phase_name]["done"] = int(step) + 1
-            if self.tty:
-                self._redraw(phase_name)
+        info = self.phases.get(phase_name)
+        if info is not None and info["bar"] is not None:
+            bar = info["bar"]
+            bar.n = int(step) + 1
+            bar.refresh()
         return not self.cancelled
 
     def phase_finish(self, phase_name: str) -> None:
-        info = self.phases.get(phase_name)
+        depth = self._depth(phase_name)
+        info = self.phases.pop(phase_name, None)
         if info is None:
             return
-        depth = self._depth(phase_name)
         elapsed = self.clock() - info["t0"]
-        del self.phases[phase_name]
-        if self.tty:
-            if depth == 0:
-                self._clear()
-                self._line(f"[build] {phase_name} done in {elapsed:.1f} s")
-        elif depth <= self.max_depth:
-            self._line(f"{'  ' * depth}[build] {phase_name} done in {elapsed:.1f} s")
+        if info["bar"] is not None:
+            info["bar"].close()
+        if depth > self.max_depth or (self.tty and depth > 0):
+            return
+        self._line(f"{'  ' * depth}[build] {phase_name} done in {elapsed:.1f} s")
 
-    # rendering
     def _line(self, text: str) -> None:
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        if self.tty:
+            from tqdm.auto import tqdm
 
-    def _clear(self) -> None:
-        if self._last_len:
-            self.stream.write("\r" + " " * self._last_len + "\r")
-            self._last_len = 0
-
-    def _redraw(self, phase_name: str) -> None:
-        info = self.phases[phase_name]
-        chain, p = [phase_name], info["parent"]
-        while p is not None and p in self.phases:
-            chain.append(p)
-            p = self.phases[p]["parent"]
-        label = " > ".join(reversed(chain))
-        steps, done = info["steps"], info["done"]
-        if steps > 0:
-            width = 24
-            filled = int(width * min(done, steps) / steps)
-            bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{steps} "
+            tqdm.write(text, file=self.stream)
         else:
-            bar = ""
-        text = f"\r{bar}{label}"[:160]
-        pad = max(self._last_len - len(text), 0)
-        self.stream.write(text + " " * pad)
-        self.stream.flush()
-        self._last_len = len(text)
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
 
 def make_progress_monitor(trt, progress: BuildProgress):
@@ -360,6 +354,28 @@ def make_progress_monitor(trt, progress: BuildProgress):
                 pass
 
     return _Monitor()
+
+
+def set_refit(trt, config, network, parameters, log: TextIO) -> str:
+    """``--refit``: the model's parameters (the sidecar's ``config.parameters``, named as their
+    initializers) become refittable. Where TensorRT can mark weights one by one
+    (``BuilderFlag.REFIT_INDIVIDUAL`` + ``network.mark_weights_refittable``, TensorRT 10.0+)
+    only they are, so the constants the export made stay free for constant folding; otherwise
+    (an older sidecar without the list, a name the network does not know) every weight is
+    (``BuilderFlag.REFIT``). Returns ``"individual"`` or ``"all"``."""
+    individual = getattr(trt.BuilderFlag, "REFIT_INDIVIDUAL", None)
+    if parameters and individual is not None and hasattr(network, "mark_weights_refittable"):
+        unknown = [n for n in parameters if not network.mark_weights_refittable(n)]
+        if not unknown:
+            config.set_flag(individual)
+            print(f"[build] refit: {len(parameters)} parameter(s) marked refittable", file=log)
+            return "individual"
+        shown = ", ".join(unknown[:4]) + (f" (+{len(unknown) - 4} more)" if len(unknown) > 4
+                                          else "")
+        print(f"[build] warning: TensorRT's network has no weights named {shown}; every "
+              f"weight is made refittable instead (BuilderFlag.REFIT)", file=log)
+    config.set_flag(trt.BuilderFlag.REFIT)
+    return "all"
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,7 +417,7 @@ class BuildOptions:
     resolutions: list | None = None
     txt_tokens: tuple[int, int] | None = None   # --txt-tokens MIN:MAX
     batch: tuple[int, int] | None = None        # --batch MIN:MAX
-    refit: bool = False                         # BuilderFlag.REFIT
+    refit: bool = False                         # set_refit: the parameters refittable
 
 
 # the whole transformer's default when no preset, range or shape is given: a 1024x1024 image
@@ -522,6 +538,12 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     against)."""
     opts = opts or BuildOptions()
     log = log if log is not None else sys.stderr
+    with Steps("qkrope build", 3, enabled=opts.progress, stream=log) as steps:
+        return _build_engine(onnx_path, engine_path, opts, log, steps)
+
+
+def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
+                  steps: Steps) -> EngineInfo:
     plan = plan_build(onnx_path, engine_path, opts)
     onnx_path, engine_path = plan.onnx_path, plan.engine_path
     model, profile, node_names = plan.model, plan.profile, plan.node_names
@@ -547,8 +569,11 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     parser_flags = set_parser_flags(parser, trt) if plugin_path is not None else []
-    print(f"[build] parsing {onnx_path} (TensorRT {trt.__version__})", file=log)
-    if not parser.parse_from_file(str(onnx_path)):
+    with steps.step(f"parsing {onnx_path} (TensorRT {trt.__version__})"):
+        parsed = parser.parse_from_file(str(onnx_path))
+    if not opts.progress:
+        print(f"[build] parsed {onnx_path} (TensorRT {trt.__version__})", file=log)
+    if not parsed:
         errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n  {errors}")
     if plugin_path is not None:
@@ -579,7 +604,7 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         if config.add_optimization_profile(trt_profile) < 0:
             raise EngineBuildError(f"TensorRT refused the optimisation profile {_label or 0}")
     if opts.refit:
-        config.set_flag(trt.BuilderFlag.REFIT)
+        set_refit(trt, config, network, model.config.get("parameters"), log)
     if opts.workspace_mib is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
     if opts.builder_optimization_level is not None:
@@ -603,7 +628,8 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
               + prof.format_profile(one), file=log)
     t0 = time.monotonic()
     try:
-        serialized = builder.build_serialized_network(network, config)
+        with steps.step("building (TensorRT: tactic selection and kernel compilation)"):
+            serialized = builder.build_serialized_network(network, config)
     except KeyboardInterrupt:
         if progress is not None:
             progress.cancel()
@@ -632,7 +658,9 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         parser_flags=list(parser_flags), config=dict(model.config),
         dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
         build_seconds=round(seconds, 3))
-    write_engine_pair(engine_path, serialized, info)
+    with steps.step(f"writing {engine_path} ({serialized.nbytes / 2**20:.1f} MiB) and its "
+                    f"sidecar"):
+        write_engine_pair(engine_path, serialized, info)
     return info
 
 

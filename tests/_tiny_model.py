@@ -37,7 +37,8 @@ def sidecar_dict(batch=2, img=16, txt=5, with_timestep=False):
                          "txt_tokens": {"export_value": txt},
                          "img_cache_rows": {"export_value": img},
                          "txt_cache_rows": {"export_value": txt}},
-        "config": {"dim": C, "heads": 2, "head_dim": 16},
+        "config": {"dim": C, "heads": 2, "head_dim": 16,
+                   "parameters": ["w"]},  # the initializer that is a model parameter
         "sample": {"img_shapes": [[1, 4, 4]], "txt_len": txt, "batch": batch},
     }
 
@@ -86,6 +87,10 @@ def parse_tiny(network, path, state) -> None:
                                  [d if isinstance(d, int) else -1 for d in i.shape])
                       for i in desc.inputs]
     network.outputs = [ft.ITensor(o.name, "FLOAT", [-1, -1, C]) for o in desc.outputs]
+    import onnx
+
+    network.weights = {t.name for t in onnx.load(str(path)).graph.initializer}
+    state.network = network
     for name in tu.count_plugin_nodes(path):
         if state.fallback:
             network.layers += [(ft.LayerType.ELEMENTWISE, f"{name}_body{i}", None)

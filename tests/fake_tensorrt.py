@@ -163,6 +163,15 @@ class INetworkDefinition:
     def __init__(self, layers: Sequence[tuple] = (), inputs=(), outputs=(), flags: int = 0):
         self.layers, self.inputs, self.outputs = list(layers), list(inputs), list(outputs)
         self.flags = flags
+        self.weights: set[str] = set()  # weight names (the ONNX parser: initializer names)
+        self.marked: list[str] = []
+
+    def mark_weights_refittable(self, name):
+        """True for a weight of the network (recorded), False otherwise, like the real one."""
+        if name not in self.weights:
+            return False
+        self.marked.append(name)
+        return True
 
     @property
     def num_layers(self):
@@ -429,7 +438,8 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         DataType=DataType,
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="WS"),
         BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC", REFIT="REFIT",
-                                          REFIT_IDENTICAL="REFIT_IDENTICAL"))
+                                          REFIT_IDENTICAL="REFIT_IDENTICAL",
+                                          REFIT_INDIVIDUAL="REFIT_INDIVIDUAL"))
     return trt, state
 
 

@@ -94,14 +94,21 @@ def test_progress_plain_lines_and_cancel():
     assert "Building engine done in" in text
 
 
-def test_progress_tty_bar():
+def test_progress_tty_bars():
+    """On a terminal: a tqdm bar per phase (steps counted), the top phase's time when it ends."""
     out = io.StringIO()
     p = eng.BuildProgress(out, tty=True)
     p.phase_start("Build", None, 4)
+    p.phase_start("Tactics", "Build", 3)
+    p.step_complete("Tactics", 2)
+    assert "[build] Tactics" in out.getvalue() and "3/3" in out.getvalue()
+    p.phase_finish("Tactics")
     p.step_complete("Build", 1)
-    assert "\r[############............] 2/4 Build" in out.getvalue()
+    assert "2/4" in out.getvalue()
     p.phase_finish("Build")
-    assert out.getvalue().rstrip().endswith("s")
+    assert not p.phases
+    assert "[build] Build done in" in out.getvalue()
+    assert "Tactics done in" not in out.getvalue()  # nested phases leave no line
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +313,8 @@ def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build,
 
 def test_fake_build_resolution_presets_make_one_profile_each(fake_build, tmp_path, capsys):
     """--resolutions: one IOptimizationProfile per preset, in order, all in the sidecar;
-    --refit sets BuilderFlag.REFIT and the sidecar says refittable."""
+    --refit marks the sidecar's parameters refittable (REFIT_INDIVIDUAL) and the sidecar says
+    refittable."""
     from qkrope import cli
 
     trt, state, onnx_path, lib = fake_build()
@@ -321,13 +329,36 @@ def test_fake_build_resolution_presets_make_one_profile_each(fake_build, tmp_pat
         assert p["hidden_states"] == ((1, 1, C), (2, n, C), (2, n, C))
         assert p["encoder_hidden_states"] == ((1, 1, C), (2, 256, C), (2, 256, C))
         assert p["img_cos_sin_cache"] == ((1, 16), (n, 16), (n, 16))
-    assert state.config.flags == ["REFIT"]
+    assert state.config.flags == ["REFIT_INDIVIDUAL"] and state.network.marked == ["w"]
+    assert "1 parameter(s) marked refittable" in captured.err
     side = eng.EngineInfo.load(out)
     assert side.refittable is True
     assert side.profile_labels == ["512x512", "1024x1024", "1328x1328"]
     assert [p["hidden_states"]["max"] for p in side.profiles] == [[2, 1024, C], [2, 4096, C],
                                                                    [2, 83 * 83, C]]
     assert "3 profile(s)" in captured.out and "refittable" in captured.out
+
+
+@pytest.mark.parametrize("parameters,flag", [(["w", "not_a_weight"], "REFIT"),
+                                              (None, "REFIT")])
+def test_refit_falls_back_to_every_weight(fake_build, tmp_path, capsys, parameters, flag):
+    """A parameter the network has no weights for, or a sidecar without the list (an older
+    export): every weight refittable (BuilderFlag.REFIT), with a warning for the first."""
+    import json
+
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build()
+    side_path = Path(str(onnx_path) + ".json")
+    side = json.loads(side_path.read_text())
+    side["config"]["parameters"] = parameters
+    side_path.write_text(json.dumps(side))
+    rc = cli.main(["build", str(onnx_path), "-o", str(tmp_path / "r.engine"), "--plugin",
+                   str(lib), "--refit", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert state.config.flags == [flag]
+    assert ("has no weights named not_a_weight" in captured.err) == (parameters is not None)
 
 
 def test_transformer_default_opt_is_1024_preset_not_the_sample():

@@ -29,6 +29,8 @@ def tiny_dir(tmp_path_factory):
         for name, p in model.named_parameters():  # non-trivial weights (default init zeroes some)
             p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.05)
                     + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+            if ".norm_added_" in name:  # diffusers' init: equal parameters, kept apart by name
+                p.fill_(1.0)
     path = tmp_path_factory.mktemp("tiny_qwen")
     model.save_pretrained(str(path))
     return path
@@ -80,6 +82,58 @@ def test_matches_diffusers_forward(exported, tiny_dir, img_shapes, txt_len, batc
                         return_dict=False)[0].numpy()
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+# the keys of a --layers 2 export of the 3-block model that are no initializer: block 2, and the
+# last exported block's text-stream output path (to_add_out, txt_mlp), which no output uses
+def _expected_not_in_graph(keys):
+    dead = ("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp.",
+            "transformer_blocks.2.")
+    return sorted(k for k in keys if k.startswith(dead))
+
+
+def test_every_parameter_is_its_own_initializer(exported, tiny_dir):
+    """What refit by name needs: every state-dict key the graph uses is an initializer of that
+    name holding exactly the state-dict tensor (not a transposed copy, not merged into an equal
+    parameter: the four norm_added_* weights are all ones), and the sidecar lists both sets."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(exported))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    sd = diffusers.QwenImageTransformer2DModel.from_pretrained(str(tiny_dir)).state_dict()
+    config = ModelInfo.load(exported).config
+    assert config["parameters_not_in_graph"] == _expected_not_in_graph(sd)
+    assert config["parameters"] == [k for k in sd if k not in config["parameters_not_in_graph"]]
+    for key in config["parameters"]:
+        np.testing.assert_array_equal(inits[key], sd[key].numpy(), err_msg=key)
+    ones = [k for k in config["parameters"] if ".norm_added_" in k]
+    assert len(ones) == 4 and all((inits[k] == 1).all() for k in ones)
+    users = {i for n in model.graph.node for i in n.input}
+    assert all(k in users for k in ones)  # each used by its own node input
+
+
+def test_refit_name_map_covers_the_export(exported, tiny_dir):
+    """qkrope refit over an engine whose weights are the export's initializers (the ONNX
+    parser names weights by initializer name): every parameter refitted from the diffusers
+    folder's state dict, the export's own constants kept, the unused keys skipped."""
+    import fake_tensorrt as ft
+    from onnx import numpy_helper
+
+    from qkrope.apps import refit
+
+    model = onnx.load(str(exported))
+    weights = {t.name: ("FLOAT", numpy_helper.to_array(t).size) for t in model.graph.initializer}
+    engine = ft.RefittableEngine(weights)
+    trt, _ = ft.make_fake_trt()
+    config = ModelInfo.load(exported).config
+    sd = refit.load_state_dict(diffusers=str(tiny_dir))
+    report = refit.refit_engine(trt, engine, None, sd, parameters=config["parameters"],
+                                not_in_graph=config["parameters_not_in_graph"])
+    assert report.refitted == sorted(config["parameters"]) and not report.not_covered
+    assert not report.not_in_engine
+    assert report.not_in_graph == _expected_not_in_graph(sd)
+    assert report.constants == sorted(set(weights) - set(sd)) and report.constants
+    assert engine.refits == [sorted(config["parameters"])]
 
 
 def test_check_passes_on_transformer(exported, capsys):

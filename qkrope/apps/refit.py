@@ -2,10 +2,15 @@
 refittable engine (``qkrope build --refit``) by diffusers parameter name, e.g. after fusing a LoRA.
 
 Name map: TensorRT's refitter weight names == the ONNX initializer names == the diffusers
-state-dict keys (``qkrope export`` keeps every state-dict entry as its own initializer named by
-its key). Every refitter name must be given by the state dict and every state-dict key must be a
-refitter name (``--allow-missing`` / ``--allow-extra`` relax that to a report); element counts
-and dtypes must match exactly (nothing is cast). The refitted engine and its sidecar are written
+state-dict keys (``qkrope export`` keeps every state-dict entry the graph uses as its own
+initializer named by its key, untransposed and never merged with an equal one, and lists them in
+the sidecar's ``config.parameters``; ``qkrope build --refit`` marks exactly those refittable).
+Every engine weight that is a parameter must be given by the state dict and every state-dict key
+must be an engine weight, except the keys the export recorded as not in the graph
+(``config.parameters_not_in_graph``: blocks past ``--layers``, the last block's text-output
+path); ``--allow-missing`` / ``--allow-extra`` relax that to a report. Engine weights that are
+no parameter (constants the export made) keep their values. Element counts and dtypes must
+match exactly (nothing is cast). The refitted engine and its sidecar are written
 as a pair (:func:`qkrope._fileio.staged_outputs`), in place or to ``-o``.
 
 TensorRT 10.x/11 API used: ``trt.Refitter(engine, logger)``, ``get_all_weights()``,
@@ -18,7 +23,6 @@ trt.Weights(dtype, ptr, count))``, ``get_missing_weights()``, ``refit_cuda_engin
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,8 +37,10 @@ class RefitError(QkropeError, RuntimeError):
 @dataclass
 class RefitReport:
     refitted: list[str] = field(default_factory=list)
-    not_covered: list[str] = field(default_factory=list)   # refitter names the state dict lacks
+    not_covered: list[str] = field(default_factory=list)   # engine parameters the state dict lacks
     not_in_engine: list[str] = field(default_factory=list)  # state-dict keys the engine lacks
+    not_in_graph: list[str] = field(default_factory=list)   # keys the export left out (expected)
+    constants: list[str] = field(default_factory=list)      # engine weights that are no parameter
 
 
 def _short(names, n=8) -> str:
@@ -43,16 +49,30 @@ def _short(names, n=8) -> str:
     return ", ".join(names[:n]) + more
 
 
-def name_map(refitter_names, state_dict_keys) -> tuple[list[str], list[str], list[str]]:
-    """(names in both, refitter names not covered, state-dict keys not in the engine): the map
-    is the identity (refitter name == ONNX initializer name == state-dict key)."""
-    engine, given = set(refitter_names), set(state_dict_keys)
-    return sorted(engine & given), sorted(engine - given), sorted(given - engine)
+def name_map(refitter_names, state_dict_keys, *, parameters=None, not_in_graph=()
+             ) -> RefitReport:
+    """Match the engine's refittable weights to a state dict; the map is the identity (refitter
+    name == ONNX initializer name == state-dict key).
+
+    ``parameters``: the state-dict keys the export kept as initializers (the model sidecar's
+    ``config.parameters``). Engine weights outside it are constants the export made (folded
+    shapes, the timestep frequencies) and keep their values; ``None`` (an older sidecar) counts
+    every engine weight as a parameter. ``not_in_graph``: keys the export recorded as unused by
+    the graph (blocks past ``--layers``, the last block's text-output path), ignored here."""
+    engine, given, skip = set(refitter_names), set(state_dict_keys), set(not_in_graph)
+    wanted = engine if parameters is None else engine & set(parameters)
+    report = RefitReport(refitted=sorted(wanted & given), not_covered=sorted(wanted - given),
+                         not_in_engine=sorted(given - engine - skip),
+                         not_in_graph=sorted((given & skip) - engine),
+                         constants=sorted(engine - wanted))
+    return report
 
 
 def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
-                 allow_missing: bool = False, allow_extra: bool = False) -> RefitReport:
-    """Set every mapped weight of ``engine`` from ``state_dict`` (torch tensors) and refit it.
+                 parameters=None, not_in_graph=(), allow_missing: bool = False,
+                 allow_extra: bool = False) -> RefitReport:
+    """Set every mapped weight of ``engine`` from ``state_dict`` (torch tensors) and refit it
+    (``parameters`` / ``not_in_graph``: see :func:`name_map`).
 
     Raises RefitError for a non-refittable engine, uncovered names / unknown keys (unless
     allowed), a count or dtype mismatch, or a refit TensorRT rejects."""
@@ -64,21 +84,20 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
         raise RefitError("the engine was not built refittable. Fix: rebuild it with "
                          "`qkrope build --refit`")
     refitter = trt.Refitter(engine, logger)
-    names = list(refitter.get_all_weights())
-    both, not_covered, not_in_engine = name_map(names, state_dict)
-    report = RefitReport(both, not_covered, not_in_engine)
+    report = name_map(list(refitter.get_all_weights()), state_dict, parameters=parameters,
+                      not_in_graph=not_in_graph)
     problems = []
-    if not_covered and not allow_missing:
-        problems.append(f"{len(not_covered)} engine weight(s) have no state-dict entry: "
-                        f"{_short(not_covered)}")
-    if not_in_engine and not allow_extra:
-        problems.append(f"{len(not_in_engine)} state-dict key(s) are not weights of the engine: "
-                        f"{_short(not_in_engine)}")
-    if not both:
+    if report.not_covered and not allow_missing:
+        problems.append(f"{len(report.not_covered)} engine weight(s) have no state-dict entry: "
+                        f"{_short(report.not_covered)}")
+    if report.not_in_engine and not allow_extra:
+        problems.append(f"{len(report.not_in_engine)} state-dict key(s) are not weights of the "
+                        f"engine: {_short(report.not_in_engine)}")
+    if not report.refitted:
         problems.append("no state-dict key names an engine weight (the map is by diffusers "
                         "parameter name: was the engine exported by `qkrope export`?)")
     keep, mismatched = [], []
-    for name in both:
+    for name in report.refitted:
         current = refitter.get_weights_prototype(name)  # the build's dtype and count
         want_dtype = dtypes.canonical(current.dtype)
         want_count = int(current.size)
@@ -202,15 +221,19 @@ def run(args: argparse.Namespace) -> int:
     engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
         raise RefitError(f"TensorRT could not deserialise {engine_path} (see its log above)")
-    report = refit_engine(trt, engine, logger, weights, allow_missing=args.allow_missing,
-                          allow_extra=args.allow_extra)
+    report = refit_engine(trt, engine, logger, weights,
+                          parameters=info.config.get("parameters"),
+                          not_in_graph=info.config.get("parameters_not_in_graph", ()),
+                          allow_missing=args.allow_missing, allow_extra=args.allow_extra)
     out = Path(args.output) if args.output else engine_path
     write_engine_pair(out, engine.serialize(), dataclasses.replace(info))
     print(f"refitted {len(report.refitted)} weight(s) of {engine_path}; wrote {out}"
           + (f"; kept {len(report.not_covered)} engine weight(s) the state dict lacks"
              if report.not_covered else "")
           + (f"; ignored {len(report.not_in_engine)} unknown key(s)"
-             if report.not_in_engine else ""))
+             if report.not_in_engine else "")
+          + (f"; skipped {len(report.not_in_graph)} key(s) the export left out of the graph"
+             if report.not_in_graph else ""))
     return 0
 
 

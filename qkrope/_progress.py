@@ -1,0 +1,161 @@
+"""Progress of the long commands (``qkrope export``, ``qkrope build``): tqdm bars on a terminal,
+plain lines in a log.
+
+:class:`Steps` is one command's numbered steps. On a terminal it is one tqdm bar ``[k/N]`` whose
+description is the running step and whose elapsed time keeps moving while a step runs (tqdm only
+redraws when it is updated, so a ticker thread refreshes it once a second; tracing a 60-block
+transformer is one step of a minute with nothing to count). Steps that can count their work
+(tensors written to external data) open a nested bar with :meth:`Steps.counter`. Elsewhere (a
+file, CI) every step is one line when it starts, so logs carry no carriage returns.
+``enabled=False`` prints nothing.
+
+The TensorRT build's own phases come from ``trt.IProgressMonitor``
+(:class:`qkrope.runtime.engine.BuildProgress`), drawn with the same tqdm bars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Callable, Iterator, TextIO
+
+
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or non-file stream
+        return False
+
+
+def _screen() -> dict:
+    """tqdm's width and height: the terminal's, or 80 x 24 where it reports none (a pty of zero
+    size, on which tqdm's own detection gives -1 rows and draws nothing)."""
+    import shutil
+
+    size = shutil.get_terminal_size()
+    return {"ncols": size.columns, "nrows": size.lines}
+
+
+class _Ticker:
+    """Refreshes a tqdm bar every ``interval`` seconds from a daemon thread until stopped."""
+
+    def __init__(self, bar, interval: float = 1.0):
+        self.bar, self.interval = bar, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qkrope-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.bar.refresh()
+            except Exception:  # noqa: BLE001 - a display problem must never end the command
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval)
+
+
+class _Counter:
+    def __init__(self, bar):
+        self.bar = bar
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def set_total(self, n: int) -> None:
+        if self.bar.total != n:
+            self.bar.total = n
+            self.bar.refresh()
+
+
+class _NullCounter:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_total(self, n: int) -> None:
+        pass
+
+
+class Steps:
+    """``with Steps("qkrope export", 6) as steps: with steps.step("tracing"): ...``."""
+
+    def __init__(self, prefix: str, total: int, *, enabled: bool = True,
+                 stream: TextIO | None = None, tty: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.prefix, self.total, self.enabled = prefix, int(total), enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = is_terminal(self.stream) if tty is None else tty
+        self.clock = clock
+        self.done = 0
+        self.t0 = clock()
+        self._bar = None
+        self._ticker = None
+        if enabled and self.tty:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total, file=self.stream, desc=f"{prefix}: starting",
+                             leave=True, bar_format="{desc} ({elapsed})",
+                             **_screen())
+            self._ticker = _Ticker(self._bar)
+
+    def __enter__(self) -> "Steps":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(ok=exc[0] is None)
+
+    def note(self, text: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(f"{self.prefix}: {text}", file=self.stream)
+        else:
+            print(f"{self.prefix}: {text}", file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def step(self, text: str) -> Iterator[None]:
+        """One numbered step: shown while it runs, counted when it returns."""
+        label = f"[{self.done + 1}/{self.total}] {text}"
+        if self._bar is not None:
+            self._bar.set_description_str(f"{self.prefix}: {label}", refresh=True)
+        elif self.enabled:
+            print(f"{self.prefix}: {label}", file=self.stream, flush=True)
+        yield
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    @contextlib.contextmanager
+    def counter(self, what: str, total: int | None = None, unit: str = "it"):
+        """A nested bar for work that can be counted; yields an object with ``update(n=1)`` and
+        ``set_total(n)``. Nothing is drawn off a terminal."""
+        if self._bar is None:
+            yield _NullCounter()
+            return
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, file=self.stream, desc=f"  {what}", unit=unit, leave=False,
+                   **_screen())
+        try:
+            yield _Counter(bar)
+        finally:
+            bar.close()
+
+    def close(self, *, ok: bool = True) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+        if self._bar is not None:
+            if ok:
+                self._bar.set_description_str(f"{self.prefix}: {self.done} steps done",
+                                              refresh=True)
+            self._bar.close()
+            self._bar = None
+
+
+__all__ = ["Steps", "is_terminal"]
