@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def test_cpu_bench_writes_table_and_png(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     md = (out / "bench.md").read_text()
     rows = json.loads((out / "bench.json").read_text())
-    by = {(r["backend"], r["size"]): r for r in rows}
+    by = {(r["backend"], r["size"]): r for r in rows if r["attention"] != "onnx23"}
 
     # measured: torch eager (and ONNX Runtime when the exporter is present), with the machine
     for size, tokens in ((64, 16), (128, 64)):
@@ -147,16 +148,20 @@ def test_cpu_bench_writes_table_and_png(tmp_path, capsys):
         assert r["status"] == "ok" and r["median_ms"] > 0 and r["img_tokens"] == tokens
         assert r["machine"]["torch"] == torch.__version__ and r["machine"]["cpu"]
         assert "onnxruntime" in r["machine"] and "tensorrt" in r["machine"]
-        assert f"| torch-eager | {size} | {tokens} | 8 | 1 | float32 |" in md
+        assert f"| torch-eager | sdpa | 1 | {size} | {tokens} | 8 | 1 | float32 |" in md
         ort = by[("onnxruntime-cpu", size)]
         if not HAVE_EXPORTER:  # the exporter is another module of this project
             assert ort["status"] == "skipped" and "ONNX export failed" in ort["reason"]
             continue
         assert ort["status"] == "ok" and ort["median_ms"] > 0, ort
         assert ort["machine"]["onnxruntime"] not in ("", "not installed")
-        assert f"| onnxruntime-cpu | {size} | {tokens} | 8 | 1 | float32 |" in md
-    # one CPU thread by default (no --threads), said above the table
+        assert f"| onnxruntime-cpu | primitive | 1 | {size} | {tokens} | 8 | 1 | float32 |" in md
+        assert ort["threads"] == 1 and ort["ort_vs_eager"] == pytest.approx(
+            ort["median_ms"] / r["median_ms"])
+        assert ort["profile"]["top_ops"] and ort["profile"]["total_us"] > 0
+    # one CPU thread by default (no --threads), said above the table and in every row
     assert {r["machine"]["cpu_threads"] for r in rows if r["status"] == "ok"} == {"1"}
+    assert {r["threads"] for r in rows if r["status"] == "ok"} == {1}
     for text in (md, stdout):
         assert "CPU threads (torch, ONNX Runtime): 1; backends measured interleaved" in text
     # GPU rows: skipped, with the reason, in the file and on stdout
@@ -194,8 +199,8 @@ def test_bench_checks_its_model_against_the_node_contract(tmp_path, monkeypatch,
     from _bad_nodes import BAD_NODE_CASES, write_bad_copy
     real_export = bench._export_onnx
 
-    def export_then_break(cfg, path):
-        info = real_export(cfg, path)
+    def export_then_break(cfg, path, **kw):
+        info = real_export(cfg, path, **kw)
         good = path.with_name("good.onnx")
         path.rename(good)
         path.with_name(path.name + ".json").rename(good.with_name("good.onnx.json"))
@@ -208,7 +213,8 @@ def test_bench_checks_its_model_against_the_node_contract(tmp_path, monkeypatch,
     monkeypatch.setattr(bench, "_export_onnx", export_then_break)
     monkeypatch.setattr(ort, "InferenceSession", refuse)
     cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
-                       text_len=8, iters=1, warmup=0, device="cpu", seed=0, out=tmp_path)
+                       text_len=8, iters=1, warmup=0, device="cpu", seed=0, out=tmp_path,
+                       attention=["primitive"])
     rows = bench.run_bench(cfg, log=lambda s: None)
     ort_row = next(r for r in rows if r.backend == "onnxruntime-cpu")
     assert ort_row.status == "skipped" and BAD_NODE_CASES[case][0] in ort_row.reason, ort_row
@@ -219,3 +225,339 @@ def test_cuda_device_without_gpu_is_one_line(capsys, monkeypatch):
     assert cli_main(["bench", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA GPU" in err and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------------------------
+# issue 12 part 3: thread sets, attention forms, ONNX Runtime's profile, TensorRT's inspector
+# --------------------------------------------------------------------------------------------
+
+def test_parse_threads_and_forms(monkeypatch):
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5}, raising=False)
+    assert bench.available_threads() == 4
+    assert bench.parse_threads("1,all") == [1, 4]
+    assert bench.parse_threads("all,1") == [4, 1]
+    assert bench.parse_threads("2, 1, 2") == [2, 1]          # each count once, order kept
+    assert bench.parse_threads("1,ALL,4") == [1, 4]
+    assert bench.parse_threads(3) == [3] and bench.parse_threads([1, "all"]) == [1, 4]
+    for bad in ("0", "1,x", "", ",", "-2", "1.5"):
+        with pytest.raises(ValueError, match="--threads"):
+            bench.parse_threads(bad)
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert bench.parse_threads("1,all") == [1]                 # one CPU: one set
+    assert bench.parse_attention_forms("onnx23, primitive") == ["onnx23", "primitive"]
+    assert bench.parse_attention_forms("primitive,primitive") == ["primitive"]
+    for bad in ("", "sdpa", "primitive,onnx22"):
+        with pytest.raises(ValueError, match="--attention"):
+            bench.parse_attention_forms(bad)
+
+
+def test_thread_counts_of_a_config():
+    cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cpu")
+    assert bench.thread_counts(cfg) == [1]
+    cfg.threads = [2, 1]
+    assert bench.thread_counts(cfg) == [2, 1] and bench.cpu_threads(cfg) == 2
+    cfg.threads, cfg.device = None, "cuda:0"
+    assert bench.thread_counts(cfg) == [None]
+
+
+def test_preset_qwen_and_flags_over_it(monkeypatch):
+    from qkrope import cli
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    parser = cli.build_parser()
+    cfg = bench.config_from_args(parser.parse_args(["bench", "--preset", "qwen", "--device",
+                                                    "cpu"]))
+    assert (cfg.heads, cfg.head_dim, cfg.sizes, cfg.text_len, cfg.batches) == \
+        (24, 128, [256, 512], 128, [1])
+    assert (cfg.dtype, cfg.threads, cfg.iters, cfg.warmup) == ("float32", [1, 2], 5, 2)
+    assert cfg.attention is None and cfg.profile_runs == 3
+    cfg = bench.config_from_args(parser.parse_args(
+        ["bench", "--preset", "qwen", "--device", "cpu", "--heads", "2", "--threads", "1",
+         "--warmup", "0", "--attention", "primitive", "--profile-runs", "0"]))
+    assert (cfg.heads, cfg.head_dim, cfg.threads, cfg.warmup) == (2, 128, [1], 0)
+    assert cfg.attention == ["primitive"] and cfg.profile_runs == 0
+    # without a preset: the small CPU defaults of the quick path
+    cfg = bench.config_from_args(parser.parse_args(["bench", "--device", "cpu"]))
+    assert (cfg.heads, cfg.head_dim, cfg.sizes, cfg.text_len, cfg.threads) == \
+        (2, 64, [256], 64, None)
+    with pytest.raises(ValueError, match="--threads"):
+        bench.config_from_args(parser.parse_args(["bench", "--device", "cpu", "--threads",
+                                                  "0"]))
+
+
+def _event(name, op, ts, dur, cat="Node"):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X",
+            "args": {"op_name": op, "provider": "CPUExecutionProvider"}}
+
+
+def test_aggregate_ort_profile_on_a_small_trace():
+    """Per-op sums per run over the last `runs` model_run windows only (the warm-up run
+    before them is left out), fence events ignored, the function body grouped apart."""
+    ev = [_event("model_run", "", 0, 100, cat="Session")]           # warm-up run
+    ev += [_event("node_matmul_kernel_time", "MatMul", 10, 999)]
+    for t0 in (1000, 2000):                                         # two profiled runs
+        ev.append(_event("model_run", "", t0, 900, cat="Session"))
+        ev.append(_event("node_matmul_kernel_time", "MatMul", t0 + 1, 60))
+        ev.append(_event("node_matmul_fence_before", "MatMul", t0 + 1, 500))
+        ev.append(_event("node_matmul/MatMulScaleFusion/_kernel_time", "FusedMatMul",
+                         t0 + 2, 20))
+        ev.append(_event("Mul_121_kernel_time", "Mul", t0 + 3, 10))  # nameless body node
+        ev.append(_event("_inlfunc_QKNormRoPE_token_0_sq_kernel_time", "Mul", t0 + 4, 6))
+        ev.append(_event("node_softmax_kernel_time", "Softmax", t0 + 5, 4))
+    prof = bench.aggregate_ort_profile(ev, runs=2, graph_nodes={"node_matmul", "node_softmax"},
+                                       functions=["QKNormRoPE"], top=2)
+    assert prof["runs"] == 2 and prof["total_us"] == pytest.approx(100.0)
+    assert prof["run_us"] == pytest.approx(900.0)
+    assert [(o["op"], o["us_per_run"], o["nodes"]) for o in prof["top_ops"]] == \
+        [("MatMul", 60.0, 1), ("FusedMatMul", 20.0, 1), ("(2 other op types)", 20.0, 3)]
+    assert sum(o["share_pct"] for o in prof["top_ops"]) == pytest.approx(100.0)
+    groups = {g["group"]: (g["us_per_run"], g["nodes"]) for g in prof["groups"]}
+    assert groups == {bench.REST_OF_GRAPH: (84.0, 3), "QKNormRoPE function body": (16.0, 2)}
+    # a graph node that happens to look like a nameless one stays in the graph
+    assert bench.classify_profiled_node("Mul_3", "Mul", graph_nodes={"Mul_3"},
+                                        functions=["F"]) == bench.REST_OF_GRAPH
+    assert bench.classify_profiled_node("Mul_3", "Add", functions=["F"]) == bench.REST_OF_GRAPH
+    assert bench.classify_profiled_node("Add_9", "Add", functions=["F", "G"]) == \
+        "inlined functions function body"
+    assert bench.classify_profiled_node("_inlfunc_G_token_1_x", "Add", functions=["F", "G"]) == \
+        "G function body"
+    assert "MatMul 60.0%" in bench.profile_summary(prof)
+    assert "QKNormRoPE function body 16.0% (2 nodes)" in bench.profile_summary(prof)
+
+
+@pytest.mark.skipif(not HAVE_EXPORTER, reason="needs the exporter")
+def test_thread_sets_ratio_and_a_real_ort_profile(tmp_path, monkeypatch):
+    """Two thread sets, each its own rows (eager and ORT with the same count); the ORT rows
+    carry a profile of a real profiled run and their ratio to eager of the same set."""
+    import onnx
+    import onnxruntime as ort
+
+    threads_before = torch.get_num_threads()
+    seen = []
+    real_session = bench._ort_session
+
+    def session(cfg, path, threads, **kw):
+        seen.append((threads, "profile_prefix" in kw, torch.get_num_threads()))
+        return real_session(cfg, path, threads, **kw)
+
+    monkeypatch.setattr(bench, "_ort_session", session)
+    cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=2, warmup=1, device="cpu", seed=1, out=tmp_path,
+                       threads=[1, 2], attention=["primitive"], profile_runs=2)
+    rows = bench.run_bench(cfg, log=lambda s: None)
+    assert torch.get_num_threads() == threads_before
+    # a timed and a separate profiled session per set, torch on the set's count meanwhile
+    assert seen == [(1, False, 1), (1, True, 1), (2, False, 2), (2, True, 2)]
+    ok = [r for r in rows if r.status == "ok"]
+    assert sorted((r.backend, r.threads) for r in ok) == [
+        ("onnxruntime-cpu", 1), ("onnxruntime-cpu", 2), ("torch-eager", 1), ("torch-eager", 2)]
+    eager = {r.threads: r for r in ok if r.backend == "torch-eager"}
+    ort_rows = [r for r in ok if r.backend == "onnxruntime-cpu"]
+    assert all(r.attention == "primitive" for r in ort_rows)
+    assert all(r.machine["cpu_threads"] == str(r.threads) for r in ok)
+
+    # the op types ORT ran: those of its optimised model of the same file
+    path = tmp_path / "m.onnx"
+    bench._export_onnx(cfg, path)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    opt = onnx.load(str(tmp_path / "opt.onnx"))
+    ran = {n.op_type for n in opt.graph.node}
+    nameless = sum(1 for n in opt.graph.node if not n.name)
+    for r in ort_rows:
+        assert r.ort_vs_eager == pytest.approx(r.median_ms / eager[r.threads].median_ms)
+        assert ("ONNX Runtime slower" in r.note) == (r.ort_vs_eager > 1.0), r.note
+        if r.ort_vs_eager > 1.0:
+            assert r.profile["top_ops"][0]["op"] in r.note
+        prof = r.profile
+        assert prof["runs"] == 2 and prof["threads"] == r.threads and prof["total_us"] > 0
+        assert sum(o["share_pct"] for o in prof["top_ops"]) == pytest.approx(100.0, abs=1e-6)
+        assert sum(o["us_per_run"] for o in prof["top_ops"]) == pytest.approx(prof["total_us"])
+        shares = [o["share_pct"] for o in prof["top_ops"] if not o["op"].startswith("(")]
+        assert shares == sorted(shares, reverse=True)
+        named = {o["op"] for o in prof["top_ops"] if not o["op"].startswith("(")}
+        assert named and named <= ran, named - ran
+        assert sum(o["nodes"] for o in prof["top_ops"]) <= len(opt.graph.node)
+        groups = {g["group"]: g for g in prof["groups"]}
+        body = groups["QKNormRoPE function body"]
+        assert body["nodes"] == nameless > 0 and 0 < body["share_pct"] < 100
+        assert sum(g["share_pct"] for g in prof["groups"]) == pytest.approx(100.0)
+    md = measure.format_bench_table(rows)
+    assert "CPU threads (torch, ONNX Runtime): 1, 2" in md
+    assert "| onnxruntime-cpu | primitive | 2 | 64 |" in md and "| torch-eager | sdpa | 1 | 64 |" in md
+    assert "QKNormRoPE function body" in bench.format_profiles(rows)
+
+
+def test_attach_ratios_pairs_rows_of_the_same_set():
+    def row(backend, threads, median, **kw):
+        return measure.BenchRow(backend, 256, 256, 128, 1, "float32", median_ms=median,
+                                threads=threads, **kw)
+
+    rows = [row("torch-eager", 1, 10.0), row("torch-eager", 2, 6.0),
+            row("onnxruntime-cpu", 1, 12.0, attention="primitive",
+                profile={"runs": 1, "total_us": 1.0, "run_us": None, "groups": [],
+                         "top_ops": [{"op": "MatMul", "us_per_run": 1.0, "share_pct": 100.0,
+                                      "nodes": 3}]}),
+            row("onnxruntime-cpu", 2, 3.0, attention="onnx23"),
+            row("onnxruntime-cpu", 4, 3.0, attention="primitive"),       # no eager at 4
+            row("onnxruntime-cpu", 1, None, attention="onnx23", status="skipped",
+                reason="why")]
+    bench.attach_ratios(rows)
+    assert rows[2].ort_vs_eager == pytest.approx(1.2) and "ONNX Runtime slower" in rows[2].note
+    assert "MatMul 100.0%" in rows[2].note
+    assert rows[3].ort_vs_eager == pytest.approx(0.5) and "no slower" in rows[3].note
+    assert rows[4].ort_vs_eager is None and rows[5].ort_vs_eager is None
+    assert rows[0].ort_vs_eager is None
+    assert "| 1.20 |" in measure.format_bench_table(rows)
+
+
+def test_onnx23_rows_are_skipped_with_the_reason(monkeypatch, tmp_path):
+    """Explicit skips, never silent: the default asks for both forms; a form that cannot run
+    leaves rows that say why (the exporter's or ONNX Runtime's reason)."""
+    cfg = bench.Config(sizes=[64, 128], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cpu", threads=[1, 2])
+    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "no attention= option")
+    assert bench.resolve_forms(cfg) == (["primitive"], {"onnx23": "no attention= option"})
+    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "")
+    monkeypatch.setattr(bench, "ort_attention23_reason", lambda: "ORT says no")
+    assert bench.resolve_forms(cfg) == (["primitive"], {"onnx23": "ORT says no"})
+    cfg.attention = ["onnx23"]
+    assert bench.resolve_forms(cfg) == ([], {"onnx23": "ORT says no"})
+    cfg.attention = ["primitive"]
+    assert bench.resolve_forms(cfg) == (["primitive"], {})
+    cfg.device, cfg.attention = "cuda", None           # ORT's CPU provider is not asked there
+    assert bench.resolve_forms(cfg) == (["primitive", "onnx23"], {})
+
+    # in a run: every (thread set, size) gets its skipped onnx23 row; nothing is exported
+    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "no attention= option")
+    monkeypatch.setattr(bench, "_export_onnx", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("export disabled in this test")))
+    cfg = bench.Config(sizes=[64, 128], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cpu", threads=[1, 2], out=tmp_path)
+    rows = bench.run_bench(cfg, log=lambda s: None)
+    skipped = [r for r in rows if r.attention == "onnx23"]
+    assert sorted((r.threads, r.size) for r in skipped) == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    assert all(r.status == "skipped" and r.reason == "no attention= option" for r in skipped)
+    prim = [r for r in rows if r.backend == "onnxruntime-cpu" and r.attention == "primitive"]
+    assert len(prim) == 4 and all(r.status == "skipped" and "export disabled" in r.reason
+                                  for r in prim)
+    assert all(r.reason for r in rows if r.status != "ok")
+    assert "- onnxruntime-cpu (onnx23): skipped, no attention= option (4 rows)" in \
+        measure.format_bench_table(rows)
+
+
+def test_ort_probe_of_opset23_attention():
+    """The probe answers "" or a reason naming ONNX Runtime, never raises."""
+    import onnxruntime as ort
+
+    reason = bench.ort_attention23_reason()
+    assert reason == "" or (ort.__version__ in reason and "Attention" in reason)
+
+
+_LAYER = {"Name": "x", "LayerType": "CaskGemmMatrixMultiply", "Inputs": [], "Outputs": [],
+          "TacticName": "sm90_xmma_gemm_bf16bf16_bf16f32", "Metadata": ""}
+
+
+def _layers(*layers):
+    return json.dumps({"Layers": [dict(_LAYER, **l) if isinstance(l, dict) else l
+                                  for l in layers], "Bindings": ["hidden_states"]})
+
+
+@pytest.mark.parametrize("info, want, basis", [
+    # a fused MHA kernel as a layer's tactic
+    (_layers({"Name": "q_proj"}, {"Name": "_gemm_mha_v2_myl0_3", "LayerType": "kgen",
+                                  "TacticName": "fmha_v2_flash_attention_bf16_64_64_S_128_sm90"}),
+     True, "fmha_v2_flash_attention"),
+    # an IAttention layer
+    (_layers({"Name": "attn", "LayerType": "Attention", "TacticName": ""}), True, "Attention"),
+    # the softmax inside a Myelin region
+    (_layers({"Name": "{ForeignNode[node_matmul...node_matmul_1]}", "LayerType": "Myelin",
+              "TacticName": "", "Metadata": "[ONNX Layer: node_matmul]\u001f"
+                                            "[ONNX Layer: node_softmax]\u001f"
+                                            "[ONNX Layer: node_matmul_1]"}),
+     True, "Myelin region"),
+    # the softmax as its own layer: BMM1, Softmax, BMM2 apart
+    (_layers({"Name": "node_matmul"}, {"Name": "node_softmax", "LayerType": "CaskSoftMax",
+                                       "TacticName": "0x3e8"}, {"Name": "node_matmul_1"}),
+     False, "its own layer"),
+    # a Myelin region elsewhere and a separate softmax: not fused
+    (_layers({"Name": "{ForeignNode[node_view...node_linear]}", "LayerType": "Myelin",
+              "TacticName": "", "Metadata": "[ONNX Layer: node_linear]"},
+             {"Name": "node_softmax", "LayerType": "SoftMax", "TacticName": ""}),
+     False, "node_softmax"),
+    # layer names only (no DETAILED verbosity), nothing said
+    (json.dumps({"Layers": ["node_matmul", "node_add", "node_matmul_1"]}), None, "names only"),
+    # names only, a separate softmax named
+    (json.dumps({"Layers": ["node_matmul", "node_softmax", "node_matmul_1"]}), False,
+     "node_softmax"),
+    # an ONNX node *named* attention is no evidence of a fused kernel
+    (_layers({"Name": "node_attention_out", "Metadata": "[ONNX Layer: node_attention_out]"}),
+     None, "no attention kernel"),
+    (json.dumps({"Layers": []}), None, "no layers"),
+])
+def test_fused_attention_from_inspector(info, want, basis):
+    got, why = bench.fused_attention_from_inspector(info)
+    assert got is want and basis in why, why
+    # a dict reads the same as its JSON text
+    assert bench.fused_attention_from_inspector(json.loads(info))[0] is want
+
+
+def test_engine_inspector_of_a_runner(tmp_path):
+    """_inspect_engine asks the engine's inspector for JSON layer information (the fake has
+    the two calls TensorRT's API has) and writes it out."""
+    asked = []
+
+    class Inspector:
+        def get_engine_information(self, fmt):
+            asked.append(fmt)
+            return _layers({"Name": "node_softmax", "LayerType": "SoftMax"})
+
+    class Engine:
+        def create_engine_inspector(self):
+            return Inspector()
+
+    class Trt:
+        class LayerInformationFormat:
+            JSON = "json-format"
+
+    runner = type("R", (), {"engine": Engine(), "trt": Trt})()
+    fused, basis = bench._inspect_engine(runner, tmp_path / "layers.json")
+    assert (fused, asked) == (False, ["json-format"]) and "node_softmax" in basis
+    assert json.loads((tmp_path / "layers.json").read_text())["Layers"][0]["Name"] == \
+        "node_softmax"
+    assert bench._inspect_engine(object()) == (None, "the runner exposes no TensorRT engine "
+                                                     "to inspect")
+
+
+def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
+    """_build_engines: every form's no-plugin engine before any plugin engine (the plugin must
+    not be registered yet), given engines not rebuilt, failures as reasons."""
+    from qkrope.runtime import engine as E
+
+    built = []
+
+    def fake_build(onnx_path, engine_path, opts):
+        built.append((Path(onnx_path).name, Path(engine_path).name, opts.use_plugin))
+        if "onnx23" in str(engine_path) and opts.use_plugin:
+            raise RuntimeError("parser: no importer for Attention")
+
+    monkeypatch.setattr(E, "build_engine", fake_build)
+    cfg = bench.Config(sizes=[256, 512], batches=[1], dtype="bfloat16", heads=2, head_dim=32,
+                       text_len=8, iters=1, warmup=0, device="cuda")
+    paths = {"primitive": tmp_path / "attention.primitive.onnx",
+             "onnx23": tmp_path / "attention.onnx23.onnx"}
+    out = bench._build_engines(cfg, paths, tmp_path, lambda s: None,
+                               skip={("trt-plugin", "primitive")})
+    assert built == [("attention.primitive.onnx", "attention.primitive.noplugin.engine", False),
+                     ("attention.onnx23.onnx", "attention.onnx23.noplugin.engine", False),
+                     ("attention.onnx23.onnx", "attention.onnx23.engine", True)]
+    assert out[("trt-function-body", "onnx23")][0].endswith("attention.onnx23.noplugin.engine")
+    path, reason = out[("trt-plugin", "onnx23")]
+    assert path is None and "no importer for Attention" in reason
+    assert ("trt-plugin", "primitive") not in out
+    fields = {f.name for f in __import__("dataclasses").fields(E.BuildOptions)}
+    assert bench._detailed_profiling(E) == (
+        {"profiling_verbosity": "detailed"} if "profiling_verbosity" in fields else {})

@@ -24,11 +24,38 @@ the CPU), median reported with p10/p90. The ``kernel`` rows use the project's on
 method instead (:mod:`qkrope.apps.kernel_bench`, also behind ``scripts/bench_kernel.py``: raw
 C-ABI launches captured in a CUDA graph, rotating over buffers larger than 2 x L2). All
 backends run the one exported block (eager PyTorch is ``build_attention`` of its sidecar) on
-``qkrope.runtime.inputs.make_inputs`` inputs. On the CPU, torch and ONNX Runtime use one thread unless
-``--threads`` says otherwise (the table says which). Every row carries the machine it ran on.
+``qkrope.runtime.inputs.make_inputs`` inputs. Every row carries the machine it ran on.
 
-On a CPU-only machine the defaults are small (2 heads x 64, 256 px, 64 text tokens, fp32) so the
-command finishes in seconds; choose ``--sizes/--heads/--head-dim/--text-len`` to go bigger.
+Thread sets (CPU): ``--threads 1,all`` (``all`` = the CPUs this process may run on) measures
+each count as its own set of rows: torch (``torch.set_num_threads``) and ONNX Runtime
+(``intra_op_num_threads``) use the same count within a set, and each row says which
+(``threads``). Without ``--threads`` the CPU path uses one thread.
+
+Attention forms: ``--attention primitive,onnx23`` exports the block once per form
+(``export_attention(attention=...)``: MatMul/Softmax/MatMul, or opset-23 ``Attention`` nodes) and
+gives every ONNX Runtime / TensorRT row its form (``attention``; torch eager's is ``sdpa``). By
+default both forms where the exporter has the option and ONNX Runtime's CPU provider runs an
+opset-23 ``Attention`` (probed on a tiny model), else ``primitive`` with the ``onnx23`` rows
+listed as skipped and why.
+
+ONNX Runtime's profile: after each thread set is timed, a *separate* profiled session per form
+and size (``SessionOptions.enable_profiling``; one warm-up run, then ``--profile-runs`` runs, the
+warm-up left out of the sums) gives per-op-type kernel time per run, its share of all kernel
+time, and the node count (``profile.top_ops`` of each ``onnxruntime-cpu`` row); the inlined
+QKNormRoPE function body is reported as a group of its own (``profile.groups``; see
+:func:`aggregate_ort_profile` for how its nodes are recognised). Each ONNX Runtime row also has
+``ort_vs_eager``: its median over torch eager's in the same set (below 1: ONNX Runtime faster);
+where it is above 1 the row's note names the profile's top ops.
+
+TensorRT (GPU): an engine with and without the plugin per attention form, built with
+``ProfilingVerbosity.DETAILED`` where the build options allow it, and ``fused_attention`` from the
+engine inspector's layer information (:func:`fused_attention_from_inspector` states the basis).
+
+Defaults: on a CPU-only machine small (2 heads x 64, 256 px, 64 text tokens, fp32, one thread),
+so the command finishes in seconds. ``--preset qwen`` is the real head configuration as the
+issue measured it: 24 heads x 128, 256 and 512 px (256 and 1024 image tokens), 128 text tokens,
+batch 1, and on the CPU fp32, threads ``1,all``, 5 timed calls after 2 warm-up (a few minutes on
+two cores); explicit flags override the preset.
 """
 
 from __future__ import annotations
@@ -37,12 +64,13 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qkrope.errors import InputError
 
@@ -71,6 +99,261 @@ def parse_int_list(text: str | Sequence[int]) -> list[int]:
     return vals
 
 
+#: the attention forms of the export (``export_attention(attention=...)``)
+ATTENTION_FORMS = ("primitive", "onnx23")
+#: the opset an ``onnx23`` export needs (``Attention`` is an opset-23 operator)
+ONNX23_OPSET = 23
+
+
+def available_threads() -> int:
+    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is
+    none): what ``--threads all`` means."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def parse_threads(text: str | int | Sequence[int | str]) -> list[int]:
+    """``"1,all"`` -> ``[1, available_threads()]``: positive counts or ``all``, in the order
+    given, each count once (``1,all`` on a one-CPU machine is one set)."""
+    items = [text] if isinstance(text, int) else (
+        text.replace(" ", "").split(",") if isinstance(text, str) else list(text))
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, str) and item.lower() == "all":
+            n = available_threads()
+        else:
+            try:
+                n = int(item)
+            except (TypeError, ValueError):
+                n = 0
+            if n <= 0:
+                raise InputError(f"--threads takes positive counts or 'all', comma-separated "
+                                 f"(such as 1,all); got {text!r}")
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise InputError(f"--threads takes positive counts or 'all', comma-separated; got {text!r}")
+    return out
+
+
+def parse_attention_forms(text: str | Sequence[str]) -> list[str]:
+    """``"primitive,onnx23"`` -> ``["primitive", "onnx23"]`` (each once, order kept)."""
+    items = text.replace(" ", "").split(",") if isinstance(text, str) else list(text)
+    forms = list(dict.fromkeys(i for i in items if i))
+    bad = [f for f in forms if f not in ATTENTION_FORMS]
+    if bad or not forms:
+        raise InputError(f"--attention takes {', '.join(ATTENTION_FORMS)} (comma-separated); "
+                         f"got {text!r}")
+    return forms
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime's profile and TensorRT's layer information (pure; unit tested)
+# --------------------------------------------------------------------------------------------
+
+#: the group of the inlined function bodies' nodes in :func:`aggregate_ort_profile`
+REST_OF_GRAPH = "rest of the graph"
+
+
+def _body_group(functions: Sequence[str], name: str | None = None) -> str:
+    if name is None:
+        name = functions[0] if len(functions) == 1 else "inlined functions"
+    return f"{name} function body"
+
+
+def classify_profiled_node(name: str, op: str, *, graph_nodes: Collection[str] = (),
+                           functions: Sequence[str] = ()) -> str:
+    """The group of one profiled node: ``"<Function> function body"`` or :data:`REST_OF_GRAPH`.
+
+    What an ONNX Runtime trace looks like (1.31, checked on the exported block): ORT inlines a
+    model-local function (QKNormRoPE has no kernel there) before optimising. The inlined nodes
+    keep the body's node names prefixed with ``_inlfunc_<Function>[_token_<n>]_``, and the
+    body's value names are prefixed the same way; our function's body nodes have *no* names,
+    so they come out nameless, and the profiler names a nameless node ``<OpType>_<index>``
+    (``Mul_121``). Every node of the exported graph itself has a name (the torch exporter's
+    ``node_...``), which ORT keeps, or extends with a ``/<Fusion>/`` suffix when it fuses nodes
+    (``node_matmul/MatMulScaleFusion/``). So a node is in a function body when its name has
+    the ``_inlfunc_`` prefix, or is ``<its op type>_<digits>`` and not a node name of the
+    exported graph; anything else (the graph's nodes, nodes ORT's optimisers made) is the
+    rest of the graph."""
+    if name.startswith("_inlfunc_"):
+        for f in sorted(functions, key=len, reverse=True):
+            if name.startswith(f"_inlfunc_{f}"):
+                return _body_group(functions, f)
+        return _body_group(functions, name[len("_inlfunc_"):].split("_", 1)[0] or None)
+    if name in graph_nodes or name.split("/", 1)[0] in graph_nodes:
+        return REST_OF_GRAPH
+    if re.fullmatch(re.escape(op) + r"_\d+", name):
+        return _body_group(functions)
+    return REST_OF_GRAPH
+
+
+def aggregate_ort_profile(events: Sequence[Mapping[str, Any]], *, runs: int | None = None,
+                          graph_nodes: Collection[str] = (), functions: Sequence[str] = (),
+                          top: int = 8) -> dict:
+    """Per-op-type kernel time of an ONNX Runtime profile (the list ``end_profiling()`` wrote).
+
+    The ``"Node"`` events named ``<node>_kernel_time`` are the kernels (older releases also
+    write ``_fence_before/after`` events; they are left out). Only those inside the last
+    ``runs`` ``model_run`` events count (so the warm-up runs before them do not); times are per
+    run. Returns ``{"runs", "total_us" (kernel time per run), "run_us" (mean model_run time,
+    which adds the executor's own overhead), "top_ops": [{"op", "us_per_run", "share_pct",
+    "nodes"}] (the ``top`` largest op types, then one ``"(N other op types)"`` entry, so the
+    shares add up to 100), "groups": [the same by :func:`classify_profiled_node`]}``."""
+    windows = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+               if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    if runs is not None and 0 < runs < len(windows):
+        windows = windows[-runs:]
+    nodes = [e for e in events if e.get("cat") == "Node"]
+    kernels = [e for e in nodes if str(e.get("name", "")).endswith("_kernel_time")] or nodes
+    if windows:
+        kernels = [e for e in kernels
+                   if any(a <= float(e.get("ts", -1)) <= b for a, b in windows)]
+    n_runs = len(windows) or (runs or 1)
+    by_op: dict[str, list] = {}
+    by_group: dict[str, list] = {}
+    for e in kernels:
+        name = str(e.get("name", ""))
+        if name.endswith("_kernel_time"):
+            name = name[: -len("_kernel_time")]
+        op = str((e.get("args") or {}).get("op_name") or name)
+        dur = float(e.get("dur", 0))
+        group = classify_profiled_node(name, op, graph_nodes=graph_nodes, functions=functions)
+        for table, key in ((by_op, op), (by_group, group)):
+            acc = table.setdefault(key, [0.0, set()])
+            acc[0] += dur
+            acc[1].add(name)
+    total = sum(v[0] for v in by_op.values())
+
+    def entries(table: dict, key: str, limit: int | None) -> list[dict]:
+        ranked = sorted(table.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        keep, rest = (ranked, []) if limit is None else (ranked[:limit], ranked[limit:])
+        out = [{key: k, "us_per_run": v[0] / n_runs,
+                "share_pct": 100.0 * v[0] / total if total else 0.0, "nodes": len(v[1])}
+               for k, v in keep]
+        if rest:
+            dur = sum(v[0] for _, v in rest)
+            out.append({key: f"({len(rest)} other op types)", "us_per_run": dur / n_runs,
+                        "share_pct": 100.0 * dur / total if total else 0.0,
+                        "nodes": sum(len(v[1]) for _, v in rest)})
+        return out
+
+    run_us = (sum(b - a for a, b in windows) / len(windows)) if windows else None
+    return {"runs": n_runs, "total_us": total / n_runs, "run_us": run_us,
+            "top_ops": entries(by_op, "op", top), "groups": entries(by_group, "group", None)}
+
+
+def profile_summary(profile: Mapping[str, Any] | None, *, ops: int = 4) -> str:
+    """One line: the top op types with their share, the function-body group, the totals."""
+    if not profile:
+        return "no profile"
+    tops = [o for o in profile.get("top_ops", []) if not str(o["op"]).startswith("(")][:ops]
+    text = ", ".join(f"{o['op']} {o['share_pct']:.1f}%" for o in tops)
+    bodies = [g for g in profile.get("groups", []) if g["group"] != REST_OF_GRAPH]
+    for g in bodies:
+        text += f"; {g['group']} {g['share_pct']:.1f}% ({g['nodes']} nodes)"
+    run = profile.get("run_us")
+    text += (f"; kernels {profile['total_us'] / 1e3:.1f} ms per run"
+             + (f" of {run / 1e3:.1f} ms" if run else "")
+             + f" ({profile['runs']} profiled run{'s' * (profile['runs'] != 1)})")
+    return text
+
+
+_FUSED_KERNEL = re.compile(r"fmha|mha|flash|attention", re.IGNORECASE)
+
+
+def fused_attention_from_inspector(info: str | Mapping[str, Any],
+                                   span: Sequence[str] = ("softmax", "attention")
+                                   ) -> tuple[bool | None, str]:
+    """Whether a TensorRT engine runs attention as a fused layer, from its inspector's layer
+    information (``IEngineInspector.get_engine_information(LayerInformationFormat.JSON)``).
+    Returns ``(answer, basis)``; ``answer`` is None where the information cannot tell.
+
+    Basis, in this order:
+
+    1. **yes**: a layer whose kernel says attention: its ``TacticName`` or ``LayerType``
+       mentions ``fmha``/``mha``/``flash``/``attention`` (TensorRT's fused multi-head attention
+       kernels are named so; ``LayerType`` ``Attention`` is an ``IAttentionLayer``);
+    2. **yes, inferred**: a Myelin layer (``LayerType`` ``Myelin``, or a ``{ForeignNode[...]}``
+       name) whose name or metadata names a node in ``span`` (the Softmax, or an ONNX
+       ``Attention`` node): TensorRT hands the span from BMM1 through BMM2 to Myelin, which is
+       where it fuses attention; the inspector does not list the kernels inside that region;
+    3. **no**: the softmax is a layer of its own outside Myelin (``LayerType`` or name
+       ``softmax``), so BMM1, Softmax and BMM2 run as separate kernels;
+    4. **unknown** otherwise: in particular an engine built without
+       ``ProfilingVerbosity.DETAILED`` lists layer names only, which are checked for the same
+       words but rarely say.
+
+    Node names are never taken as evidence of a fused kernel on their own (an ONNX node called
+    ``...attention...`` says nothing about how TensorRT ran it)."""
+    data = json.loads(info) if isinstance(info, (str, bytes)) else info
+    layers = list((data or {}).get("Layers", []) or [])
+    if not layers:
+        return None, "the inspector listed no layers"
+    detailed = any(isinstance(l, Mapping) for l in layers)
+    words = [w.lower() for w in span]
+
+    def text(layer, key):
+        v = layer.get(key, "") if isinstance(layer, Mapping) else ""
+        return v if isinstance(v, str) else json.dumps(v)
+
+    def name(layer):
+        return layer if isinstance(layer, str) else text(layer, "Name")
+
+    def is_myelin(layer):
+        return text(layer, "LayerType").lower() == "myelin" or "{foreignnode[" in name(layer).lower()
+
+    for layer in layers:
+        for key in ("TacticName", "LayerType"):
+            m = _FUSED_KERNEL.search(text(layer, key))
+            if m:
+                return True, f"layer {name(layer)!r}: {key} {text(layer, key)!r} names a fused " \
+                             f"attention kernel"
+    for layer in layers:
+        if is_myelin(layer):
+            spanned = (name(layer) + " " + text(layer, "Metadata")).lower()
+            hit = next((w for w in words if w in spanned), None)
+            if hit:
+                return True, (f"{hit} inside the Myelin region {name(layer)[:120]!r} (inferred: "
+                              f"TensorRT fuses attention in Myelin; the inspector does not list "
+                              f"its kernels)")
+    for layer in layers:
+        if is_myelin(layer):
+            continue
+        if "softmax" in text(layer, "LayerType").lower() or "softmax" in name(layer).lower():
+            return False, (f"softmax is its own layer {name(layer)!r}"
+                           + (f" ({text(layer, 'LayerType')})" if detailed else "")
+                           + ": the attention runs as separate kernels")
+    if not detailed:
+        return None, ("layer names only (engine built without ProfilingVerbosity.DETAILED): "
+                      "no attention kernel or softmax named")
+    return None, "no attention kernel, Myelin region over the softmax, or softmax layer found"
+
+
+def attach_ratios(rows: Sequence[BenchRow]) -> None:
+    """Set ``ort_vs_eager`` (ONNX Runtime median / torch-eager median of the same thread set,
+    size, batch and dtype) on every measured ``onnxruntime-*`` row, and a note saying whether
+    ONNX Runtime is no slower than eager; where it is slower the note names the top ops of the
+    row's profile."""
+    eager = {(r.threads, r.size, r.batch, r.dtype): r for r in rows
+             if r.backend == "torch-eager" and r.status == "ok" and r.median_ms}
+    for r in rows:
+        if not r.backend.startswith("onnxruntime") or r.status != "ok" or not r.median_ms:
+            continue
+        e = eager.get((r.threads, r.size, r.batch, r.dtype))
+        if e is None:
+            continue
+        r.ort_vs_eager = r.median_ms / e.median_ms
+        if r.ort_vs_eager <= 1.0:
+            verdict = f"ONNX Runtime no slower than torch eager ({r.ort_vs_eager:.2f}x)"
+        else:
+            verdict = (f"ONNX Runtime slower than torch eager ({r.ort_vs_eager:.2f}x); "
+                       f"profile: {profile_summary(r.profile)}")
+        r.note = f"{r.note}; {verdict}" if r.note else verdict
+
+
 # --------------------------------------------------------------------------------------------
 # Rows, machine, table, plot
 # --------------------------------------------------------------------------------------------
@@ -86,13 +369,20 @@ def write_plot(rows: Sequence[BenchRow], path: Path) -> Path:
     ok = [r for r in rows if r.status == "ok" and r.median_ms is not None
           and r.backend != "kernel"]
     groups = sorted({(r.size, r.batch) for r in ok})
-    backends = list(dict.fromkeys(r.backend for r in ok))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(groups) + 2), 3.8), dpi=100)
+    many_threads = len({r.threads for r in ok}) > 1
+
+    def series(r: BenchRow) -> str:
+        label = r.backend + (f" {r.attention}" if r.attention and r.attention != "sdpa" else "")
+        return label + (f" ({r.threads} thr)" if many_threads and r.threads else "")
+
+    backends = list(dict.fromkeys(series(r) for r in ok))
+    fig, ax = plt.subplots(figsize=(max(5.0, (0.6 + 0.3 * len(backends)) * len(groups) + 2),
+                                    3.8), dpi=100)
     width = 0.8 / max(1, len(backends))
     for i, b in enumerate(backends):
         xs, ys = [], []
         for g, (size, batch) in enumerate(groups):
-            hit = [r for r in ok if r.backend == b and (r.size, r.batch) == (size, batch)]
+            hit = [r for r in ok if series(r) == b and (r.size, r.batch) == (size, batch)]
             if hit:
                 xs.append(g + i * width)
                 ys.append(hit[0].median_ms)
@@ -103,7 +393,7 @@ def write_plot(rows: Sequence[BenchRow], path: Path) -> Path:
     dev = ok[0].device if ok else "no measurements"
     ax.set_title(f"Qwen-Image attention block ({dev})", fontsize=9)
     if backends:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
@@ -136,7 +426,12 @@ class Config:
     peak_gbps: float | None = None
     out: Path | None = None
     seed: int = 0
-    threads: int | None = None   # CPU threads for torch and ONNX Runtime (None: 1 on the CPU)
+    # CPU threads for torch and ONNX Runtime: one count or a list (one set of rows each);
+    # None: 1 on the CPU, torch's default on a GPU
+    threads: int | Sequence[int] | None = None
+    # attention forms to export and measure (ATTENTION_FORMS); None: both where they run
+    attention: Sequence[str] | None = None
+    profile_runs: int = 3        # ONNX Runtime profiled runs per row after one warm-up; 0: none
 
 
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
@@ -161,12 +456,26 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def cpu_threads(cfg: Config) -> int | None:
-    """Threads for torch and ONNX Runtime: ``--threads``, else 1 on the CPU path, else None
-    (torch's default; the GPU rows do not depend on it)."""
+#: ``--preset``: the model shape for every device, then what the CPU path adds. The flags given
+#: override it.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen": {"all": {"heads": 24, "head_dim": 128, "sizes": "256,512", "text_len": 128,
+                     "batches": "1"},
+             "cpu": {"dtype": "fp32", "threads": "1,all", "iters": 5, "warmup": 2}},
+}
+
+
+def thread_counts(cfg: Config) -> list[int | None]:
+    """The thread sets: ``--threads`` (one count or a list), else ``[1]`` on the CPU path, else
+    ``[None]`` (torch's default; the GPU rows do not depend on it)."""
     if cfg.threads:
-        return int(cfg.threads)
-    return None if cfg.device.startswith("cuda") else DEFAULT_CPU_THREADS
+        return list(parse_threads(cfg.threads))
+    return [None] if cfg.device.startswith("cuda") else [DEFAULT_CPU_THREADS]
+
+
+def cpu_threads(cfg: Config) -> int | None:
+    """The first thread set's count (:func:`thread_counts`)."""
+    return thread_counts(cfg)[0]
 
 
 def _block_config(info) -> dict:
@@ -225,45 +534,113 @@ def _reference_inlined():
         attn_mod.qk_norm_rope = saved
 
 
+Key = tuple  # (backend, attention form or "") of one series of rows
+
+
 def _row(cfg: Config, backend: str, size: int, batch: int, machine: dict, **kw) -> BenchRow:
+    if "threads" not in kw:
+        t = machine.get("cpu_threads")
+        kw["threads"] = int(t) if t not in (None, "") else None
     return BenchRow(backend=backend, size=size, img_tokens=image_tokens(size), txt_tokens=cfg.text_len,
                batch=batch, dtype=cfg.dtype, device=machine.get("gpu") or machine.get("cpu", ""),
                machine=machine, **kw)
 
 
-def _measured(cfg: Config, backend: str, size: int, batch: int, machine: dict,
-              times: list[float]) -> BenchRow:
+def _measured(cfg: Config, key: Key, size: int, batch: int, machine: dict,
+              times: list[float], **kw) -> BenchRow:
     st = summarize(times)
-    return _row(cfg, backend, size, batch, machine, median_ms=st["median_ms"],
-                p10_ms=st["p10_ms"], p90_ms=st["p90_ms"], iters=int(st["n"]))
+    return _row(cfg, key[0], size, batch, machine, attention=key[1], median_ms=st["median_ms"],
+                p10_ms=st["p10_ms"], p90_ms=st["p90_ms"], iters=int(st["n"]), **kw)
 
 
-def _export_onnx(cfg: Config, path: Path):
+def exporter_attention_reason() -> str:
+    """"" where the exporter takes ``attention=`` (the ``onnx23`` form), else why it cannot."""
+    import inspect
+
+    from qkrope.export.onnx_export import export_attention
+
+    if "attention" in inspect.signature(export_attention).parameters:
+        return ""
+    return ("this qkrope's export_attention has no attention= option, so there is no onnx23 "
+            "export to measure")
+
+
+def ort_attention23_reason() -> str:
+    """"" where ONNX Runtime's CPU provider runs an opset-23 ``Attention`` node (probed on a
+    1 x 2 x 4 x 8 model with an additive mask), else why it does not."""
+    try:
+        import numpy as np
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        shape = [1, 2, 4, 8]
+        io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv"]
+        mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, [1, 1, 4, 4])
+        out = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+        graph = helper.make_graph([helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"])],
+                                  "attention23_probe", io + [mask], [out])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX23_OPSET)])
+        model.ir_version = 10
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in "qkv"}
+        feeds["mask"] = np.zeros((1, 1, 4, 4), np.float32)
+        (y,) = sess.run(None, feeds)
+        if y.shape != tuple(shape):
+            return f"ONNX Runtime's opset-23 Attention returned shape {y.shape}, not {shape}"
+        return ""
+    except Exception as exc:  # noqa: BLE001 - the reason is reported in the skipped rows
+        import onnxruntime as ort
+        return (f"ONNX Runtime {ort.__version__}'s CPU provider cannot run an opset-23 "
+                f"Attention node ({type(exc).__name__}: {exc})")[:300]
+
+
+def resolve_forms(cfg: Config) -> tuple[list[str], dict[str, str]]:
+    """``(forms to export and measure, {form: why its rows are skipped})``. ``--attention``
+    given: those forms (one that cannot run is skipped with the reason). Not given: both where
+    they can run, else ``primitive``; a form left out is still listed as skipped with why."""
+    wanted = list(cfg.attention) if cfg.attention else list(ATTENTION_FORMS)
+    forms, skipped = [], {}
+    for form in wanted:
+        reason = ""
+        if form == "onnx23":
+            reason = exporter_attention_reason()
+            if not reason and not cfg.device.startswith("cuda"):
+                reason = ort_attention23_reason()
+        if reason:
+            skipped[form] = reason
+        else:
+            forms.append(form)
+    return forms, skipped
+
+
+def _export_onnx(cfg: Config, path: Path, attention: str = "primitive"):
     """Export the attention block with the project's exporter (``qkrope export``'s function),
-    with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it).
-    Returns its ModelInfo."""
+    with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it),
+    in the attention form ``attention`` (``onnx23``: opset 23). Returns its ModelInfo."""
     from qkrope import dtypes
     from qkrope.export.onnx_export import export_attention
 
+    form = {} if attention == "primitive" else {"attention": attention, "opset": ONNX23_OPSET}
     side = min(cfg.sizes) // PIXELS_PER_TOKEN
     info, _ = export_attention(path, heads=cfg.heads, head_dim=cfg.head_dim,
                                dtype=dtypes.short_name(cfg.dtype), seed=cfg.seed,
                                img_shapes=[(1, side, side)], txt_len=cfg.text_len,
-                               batch=max(2, max(cfg.batches)))
+                               batch=max(2, max(cfg.batches)), **form)
     return info
 
 
-def _torch_backends(cfg: Config, info, *, compiled: bool) -> dict[str, Callable]:
-    """``{backend: prepare(size, batch) -> call}`` for torch eager (and torch.compile)."""
+def _torch_backends(cfg: Config, info, *, compiled: bool, block=None) -> dict[Key, Callable]:
+    """``{key: prepare(size, batch) -> call}`` for torch eager (and torch.compile)."""
     import torch
 
-    block = _make_block(cfg, info)
+    block = _make_block(cfg, info) if block is None else block
 
     def eager(size, batch):
         hs, ehs, caches, mask = _make_inputs(cfg, info, size, batch)
         return lambda: block(hs, ehs, caches, mask)
 
-    out = {"torch-eager": eager}
+    out: dict[Key, Callable] = {("torch-eager", "sdpa"): eager}
     if compiled:
         compiled_block = torch.compile(block, dynamic=False)
 
@@ -279,12 +656,14 @@ def _torch_backends(cfg: Config, info, *, compiled: bool) -> dict[str, Callable]
                 call()
             return call
 
-        out["torch-compile"] = comp
+        out[("torch-compile", "")] = comp
     return out
 
 
-def _ort_backend(cfg: Config, info, onnx_path: Path) -> dict[str, Callable]:
-    """``{"onnxruntime-cpu": prepare}``: ONNX Runtime CPU with the bench's thread count."""
+def _ort_session(cfg: Config, onnx_path: Path, threads: int | None, *,
+                 profile_prefix: Path | None = None):
+    """ONNX Runtime CPU session with ``threads`` intra-op threads (one inter-op), no spinning,
+    every graph optimisation; profiling on where ``profile_prefix`` is given."""
     import onnxruntime as ort
 
     if cfg.dtype == "bfloat16":
@@ -292,61 +671,133 @@ def _ort_backend(cfg: Config, info, onnx_path: Path) -> dict[str, Callable]:
                          "use --dtype fp32 on the CPU")
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    threads = cpu_threads(cfg)
     if threads:
-        so.intra_op_num_threads = threads
+        so.intra_op_num_threads = int(threads)
     so.inter_op_num_threads = 1
     # no spin-waiting after a run: spinning ORT threads would steal the cores from the next
     # (interleaved) torch call
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile_prefix)
+    return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+
+
+def _ort_backend(cfg: Config, info, onnx_path: Path, threads: int | None = None,
+                 form: str = "primitive") -> dict[Key, Callable]:
+    """``{("onnxruntime-cpu", form): prepare}``: ONNX Runtime CPU with ``threads`` threads."""
+    sess = _ort_session(cfg, onnx_path, threads)
 
     def prepare(size, batch):
         feeds = _make_feeds(cfg, info, size, batch)
         return lambda: sess.run(None, feeds)
 
-    return {"onnxruntime-cpu": prepare}
+    return {("onnxruntime-cpu", form): prepare}
 
 
-def _engine_backend(cfg: Config, backend: str, engine: str, plugin: str | None, info):
-    """``{backend: prepare}`` for a TensorRT engine through ``qkrope.runtime.load``."""
+def graph_names(onnx_path: Path) -> tuple[set[str], list[str]]:
+    """(the node names of the model's main graph, its model-local functions' names), for
+    :func:`classify_profiled_node`."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return {n.name for n in model.graph.node if n.name}, [f.name for f in model.functions]
+
+
+def profile_ort(cfg: Config, info, onnx_path: Path, size: int, batch: int,
+                threads: int | None, workdir: Path, *, runs: int,
+                names: tuple[set[str], list[str]] | None = None) -> dict:
+    """ONNX Runtime's per-op profile of one row: a separate session with profiling on (so the
+    timed sessions are not perturbed), one warm-up run and ``runs`` profiled runs, aggregated by
+    :func:`aggregate_ort_profile`. The trace file is removed."""
+    prefix = workdir / f"ort-profile-{onnx_path.stem}-{threads or 'default'}t-{size}px-b{batch}"
+    sess = _ort_session(cfg, onnx_path, threads, profile_prefix=prefix)
+    feeds = _make_feeds(cfg, info, size, batch)
+    sess.run(None, feeds)  # warm-up, left out of the sums
+    for _ in range(runs):
+        sess.run(None, feeds)
+    trace = Path(sess.end_profiling())
+    try:
+        events = json.loads(trace.read_text())
+    finally:
+        trace.unlink(missing_ok=True)
+    nodes, functions = names if names is not None else graph_names(onnx_path)
+    prof = aggregate_ort_profile(events, runs=runs, graph_nodes=nodes, functions=functions)
+    prof["threads"] = threads
+    return prof
+
+
+def _inspect_engine(runner, dump: Path | None = None) -> tuple[bool | None, str]:
+    """``fused_attention_from_inspector`` of a loaded TensorRT runner's engine (and the layer
+    information written to ``dump``)."""
+    engine, trt = getattr(runner, "engine", None), getattr(runner, "trt", None)
+    if engine is None or trt is None:
+        return None, "the runner exposes no TensorRT engine to inspect"
+    try:
+        inspector = engine.create_engine_inspector()
+        info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"engine inspector failed ({type(exc).__name__}: {exc})"[:300]
+    if dump is not None:
+        with contextlib.suppress(OSError):
+            dump.write_text(info if isinstance(info, str) else json.dumps(info))
+    try:
+        return fused_attention_from_inspector(info)
+    except (ValueError, TypeError) as exc:
+        return None, f"unreadable inspector JSON ({type(exc).__name__}: {exc})"[:300]
+
+
+def _engine_backend(cfg: Config, backend: str, form: str, engine: str, plugin: str | None, info,
+                    extras: dict[Key, dict], workdir: Path | None = None) -> dict[Key, Callable]:
+    """``{(backend, form): prepare}`` for a TensorRT engine through ``qkrope.runtime.load``;
+    its inspector's verdict on fused attention goes to ``extras``."""
     from qkrope import runtime
 
     runner = runtime.load(engine, plugin=plugin)
+    key = (backend, form)
+    dump = workdir / f"layers.{backend}.{form}.json" if workdir is not None else None
+    fused, basis = _inspect_engine(runner, dump)
+    extras[key] = {"fused_attention": fused, "fused_attention_basis": basis}
 
     def prepare(size, batch):
         hs, ehs, caches, mask = _make_inputs(cfg, info, size, batch)
         return lambda: runner(hs, ehs, caches, mask)
 
-    return {backend: prepare}
+    return {key: prepare}
 
 
 def _measure(cfg: Config, rows: list[BenchRow], machine: dict,
-             backends: Mapping[str, Callable[[int, int], Callable[[], Any]]]) -> None:
+             backends: Mapping[Key, Callable[[int, int], Callable[[], Any]]],
+             extras: Mapping[Key, dict] | None = None) -> None:
     """Measure ``backends`` size by size, interleaved (:func:`time_interleaved`)."""
     cuda = cfg.device.startswith("cuda")
+    extras = extras or {}
     for size in cfg.sizes:
         for batch in cfg.batches:
             calls, failed = {}, {}
-            for name, prepare in backends.items():
+            for key, prepare in backends.items():
                 try:
-                    calls[name] = prepare(size, batch)
+                    calls[key] = prepare(size, batch)
                 except Exception as exc:  # noqa: BLE001 - a failed row must not end the bench
-                    failed[name] = exc
+                    failed[key] = exc
             results = time_interleaved(calls, iters=cfg.iters, warmup=cfg.warmup, cuda=cuda)
-            for name in backends:
-                res = failed.get(name, results.get(name))
+            for key in backends:
+                res = failed.get(key, results.get(key))
+                extra = dict(extras.get(key, {}))
                 if isinstance(res, BaseException):
-                    rows.append(_row(cfg, name, size, batch, machine, status="failed",
-                                     reason=f"{type(res).__name__}: {res}"[:300]))
+                    rows.append(_row(cfg, key[0], size, batch, machine, attention=key[1],
+                                     status="failed", reason=f"{type(res).__name__}: {res}"[:300],
+                                     **extra))
                 else:
-                    rows.append(_measured(cfg, name, size, batch, machine, res))
+                    rows.append(_measured(cfg, key, size, batch, machine, res, **extra))
 
 
-def _skip_all(cfg: Config, rows: list[BenchRow], backend: str, reason: str, machine: dict) -> None:
+def _skip_all(cfg: Config, rows: list[BenchRow], backend: str, reason: str, machine: dict,
+              attention: str = "") -> None:
     for size in cfg.sizes:
         for batch in cfg.batches:
-            rows.append(_row(cfg, backend, size, batch, machine, status="skipped", reason=reason))
+            rows.append(_row(cfg, backend, size, batch, machine, status="skipped", reason=reason,
+                             attention=attention))
 
 
 def _have_tensorrt() -> bool:
@@ -357,32 +808,43 @@ def _have_tensorrt() -> bool:
     return True
 
 
-def _build_engines(cfg: Config, onnx_path: Path, workdir: Path, log: Callable[[str], None]
-                   ) -> dict[str, tuple[str | None, str]]:
-    """From the exported block, build the no-plugin engine (first: nothing registered yet)
-    and the plugin engine, with one profile covering every benchmarked size and batch.
-    Returns ``{backend: (engine path or None, reason it is None)}``."""
+def _detailed_profiling(E) -> dict:
+    """``BuildOptions`` keyword for ``ProfilingVerbosity.DETAILED`` (what the engine inspector
+    needs to show layer types and tactics), where this qkrope's BuildOptions has the field."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(E.BuildOptions)}
+    return {"profiling_verbosity": "detailed"} if "profiling_verbosity" in names else {}
+
+
+def _build_engines(cfg: Config, onnx_paths: Mapping[str, Path], workdir: Path,
+                   log: Callable[[str], None], skip: Collection[Key] = ()
+                   ) -> dict[Key, tuple[str | None, str]]:
+    """From the exported block of each attention form, build the no-plugin engines (first:
+    nothing registered yet) and then the plugin engines, with one profile covering every
+    benchmarked size and batch, and detailed layer information for the inspector. Returns
+    ``{(backend, form): (engine path or None, reason it is None)}``; ``skip`` keys are not
+    built (an engine was given)."""
     from qkrope.runtime import engine as E
 
-    out: dict[str, tuple[str | None, str]] = {}
+    out: dict[Key, tuple[str | None, str]] = {}
     limits = dict(max_batch=max(cfg.batches), max_img_tokens=image_tokens(max(cfg.sizes)),
-                  max_txt_tokens=cfg.text_len)
-    eng_np = workdir / "attention.noplugin.engine"
-    log(f"building {eng_np} (TensorRT, function body, no plugin)")
-    try:
-        E.build_engine(onnx_path, eng_np, E.BuildOptions(use_plugin=False, progress=False,
-                                                         **limits))
-        out["trt-function-body"] = (str(eng_np), "")
-    except Exception as exc:  # noqa: BLE001
-        out["trt-function-body"] = (None, f"engine build failed: {type(exc).__name__}: {exc}"[:300])
-    eng = workdir / "attention.engine"
-    log(f"building {eng} (TensorRT + QKNormRoPE plugin)")
-    try:
-        E.build_engine(onnx_path, eng, E.BuildOptions(plugin=cfg.plugin, progress=False,
-                                                      **limits))
-        out["trt-plugin"] = (str(eng), "")
-    except Exception as exc:  # noqa: BLE001
-        out["trt-plugin"] = (None, f"engine build failed: {type(exc).__name__}: {exc}"[:300])
+                  max_txt_tokens=cfg.text_len, progress=False, **_detailed_profiling(E))
+    plan = [("trt-function-body", form, dict(use_plugin=False), "function body, no plugin")
+            for form in onnx_paths] + \
+           [("trt-plugin", form, dict(plugin=cfg.plugin), "QKNormRoPE plugin")
+            for form in onnx_paths]
+    for backend, form, kw, what in plan:
+        if (backend, form) in skip:
+            continue
+        suffix = ".noplugin.engine" if backend == "trt-function-body" else ".engine"
+        eng = workdir / f"attention.{form}{suffix}"
+        log(f"building {eng} (TensorRT, {form} attention, {what})")
+        try:
+            E.build_engine(onnx_paths[form], eng, E.BuildOptions(**kw, **limits))
+            out[(backend, form)] = (str(eng), "")
+        except Exception as exc:  # noqa: BLE001
+            out[(backend, form)] = (None, f"engine build failed: {type(exc).__name__}: {exc}"[:300])
     return out
 
 
@@ -420,6 +882,7 @@ def _bench_kernel(cfg: Config, rows: list[BenchRow], machine: dict) -> None:
             rows.append(row)
 
 
+
 def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[BenchRow]:
     """Measure every row that this machine can, and report the others as skipped. torch's
     thread count and grad mode are restored afterwards."""
@@ -428,10 +891,7 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[BenchR
     for size in cfg.sizes:
         image_tokens(size)  # validate early
     saved_threads, saved_grad = torch.get_num_threads(), torch.is_grad_enabled()
-    threads = cpu_threads(cfg)
     try:
-        if threads:
-            torch.set_num_threads(threads)
         torch.set_grad_enabled(False)
         return _run_bench(cfg, log)
     finally:
@@ -439,113 +899,218 @@ def run_bench(cfg: Config, *, log: Callable[[str], None] = print) -> list[BenchR
         torch.set_grad_enabled(saved_grad)
 
 
+@dataclass
+class _Export:
+    path: Path
+    info: Any = None
+    error: str = ""
+
+
+def _export_forms(cfg: Config, forms: Sequence[str], workdir: Path,
+                  log: Callable[[str], None]) -> dict[str, _Export]:
+    """One export per attention form (``attention.<form>.onnx``), each checked against the node
+    contract like every consumer of an ONNX file does before ONNX Runtime or TensorRT opens it."""
+    from qkrope.runtime.trt_utils import checked_onnx_model
+
+    out: dict[str, _Export] = {}
+    for form in forms:
+        ex = out[form] = _Export(workdir / f"attention.{form}.onnx")
+        log(f"exporting the block ({form} attention) to {ex.path}")
+        try:
+            ex.info = _export_onnx(cfg, ex.path, attention=form)
+        except Exception as exc:  # noqa: BLE001
+            ex.error = f"ONNX export failed ({type(exc).__name__}: {exc})"[:300]
+            continue
+        try:
+            checked_onnx_model(ex.path, require_nodes=True)
+        except Exception as exc:  # noqa: BLE001
+            ex.info, ex.error = None, f"exported model refused ({type(exc).__name__}: {exc})"[:300]
+    return out
+
+
 def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
     import torch
 
-    from qkrope.runtime.trt_utils import checked_onnx_model
-
     on_gpu = cfg.device.startswith("cuda")
+    sets = thread_counts(cfg)
+    if on_gpu and len(sets) > 1:
+        log(f"note: the GPU rows do not depend on CPU threads; measuring with {sets[0]} only")
+        sets = sets[:1]
     machine = machine_info(cfg.device)
-    machine["cpu_threads"] = str(torch.get_num_threads())
+    machine["cpu_threads"] = str(sets[0] or torch.get_num_threads())
     with contextlib.suppress(OSError):
         load1 = os.getloadavg()[0]
         machine["load_avg_1min"] = f"{load1:.2f}"
         if not on_gpu and load1 > (os.cpu_count() or 1) - 0.5:
             log(f"warning: the machine is busy (1-min load {load1:.2f} on {os.cpu_count()} "
-                f"cores); CPU timings will be noisy even with {torch.get_num_threads()} "
-                f"thread(s)")
+                f"cores); CPU timings will be noisy")
     rows: list[BenchRow] = []
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="qkrope-bench-", dir=cfg.out))
+    forms, form_skips = resolve_forms(cfg)
     log(f"machine: {json.dumps(machine)}")
     log(f"config: sizes {cfg.sizes} px, batches {cfg.batches}, {cfg.heads} heads x "
         f"{cfg.head_dim}, text {cfg.text_len} tokens, {cfg.dtype}, {cfg.iters} iters "
-        f"({cfg.warmup} warm-up), {torch.get_num_threads()} CPU thread(s), backends interleaved")
+        f"({cfg.warmup} warm-up), CPU thread sets {[t or 'default' for t in sets]}, attention "
+        f"{forms or '-'}{f' (skipped: {sorted(form_skips)})' if form_skips else ''}, backends "
+        f"interleaved")
+    for form, reason in form_skips.items():
+        log(f"{form} attention skipped: {reason}")
 
-    # One export: the ONNX Runtime rows, the engines and eager PyTorch (build_attention from its
-    # sidecar) all run the same weights.
-    onnx_path = workdir / "attention.onnx"
-    try:
-        info = _export_onnx(cfg, onnx_path)
-        export_error = ""
-    except Exception as exc:  # noqa: BLE001
-        info, export_error = None, f"ONNX export failed ({type(exc).__name__}: {exc})"[:300]
-    if info is not None:
-        # like every consumer of an ONNX file: its QKNormRoPE nodes within the node contract
-        # before ONNX Runtime or TensorRT opens it
-        try:
-            checked_onnx_model(onnx_path, require_nodes=True)
-        except Exception as exc:  # noqa: BLE001
-            info, export_error = None, f"exported model refused ({type(exc).__name__}: {exc})"[:300]
+    # One export per form: the ONNX Runtime rows, the engines and eager PyTorch (build_attention
+    # from the sidecar of the first form that exported) all run the same weights.
+    exports = _export_forms(cfg, forms, workdir, log)
+    good = [ex for ex in exports.values() if ex.info is not None]
+    info = good[0].info if good else None
+    export_error = "; ".join(ex.error for ex in exports.values() if ex.error) or \
+        "no attention form to export"
 
-    def skip_or(names, make):
-        """``make()`` -> backends, or every row of ``names`` skipped with the reason."""
+    def skip_or(keys: Sequence[Key], make, machine_=machine):
+        """``make()`` -> backends, or every row of ``keys`` skipped with the reason."""
         if info is None:
-            for b in names:
-                _skip_all(cfg, rows, b, export_error, machine)
+            for b, form in keys:
+                _skip_all(cfg, rows, b, export_error, machine_, attention=form)
             return {}
         try:
             return make()
         except Exception as exc:  # noqa: BLE001
-            for b in names:
-                _skip_all(cfg, rows, b, f"{type(exc).__name__}: {exc}"[:300], machine)
+            for b, form in keys:
+                _skip_all(cfg, rows, b, f"{type(exc).__name__}: {exc}"[:300], machine_,
+                          attention=form)
             return {}
 
-    backends: dict[str, Callable] = {}
+    block = None
+    if info is not None:
+        with contextlib.suppress(Exception):  # a failure here is reported by skip_or below
+            block = _make_block(cfg, info)
+    trt_names = ("trt-function-body", "trt-plugin")
     if on_gpu:
-        given = {"trt-plugin": cfg.engine, "trt-function-body": cfg.engine_no_plugin}
-        plugins = {"trt-plugin": cfg.plugin, "trt-function-body": None}
+        if sets[0]:
+            torch.set_num_threads(sets[0])
+        backends: dict[Key, Callable] = {}
+        extras: dict[Key, dict] = {}
         if not _have_tensorrt():
-            for b in given:
-                _skip_all(cfg, rows, b, REQUIRES_TRT, machine)
+            for b in trt_names:
+                for form in forms:
+                    _skip_all(cfg, rows, b, REQUIRES_TRT, machine, attention=form)
         else:
-            built: dict[str, tuple[str | None, str]] = {}
-            if not all(given.values()) and info is not None:
-                # build the missing ones (the no-plugin engine before the plugin is loaded)
-                built = _build_engines(cfg, onnx_path, workdir, log)
-            for b in ("trt-function-body", "trt-plugin"):
-                path, reason = ((given[b], "") if given[b] else
-                                built.get(b, (None, export_error or "not built")))
-                if path is None:
-                    _skip_all(cfg, rows, b, reason, machine)
-                else:
-                    backends.update(skip_or([b], lambda b=b, path=path: _engine_backend(
-                        cfg, b, path, plugins[b], info)))
-        backends.update(skip_or(["torch-eager", "torch-compile"],
-                                lambda: _torch_backends(cfg, info, compiled=True)))
-        _measure(cfg, rows, machine, backends)
+            # --engine / --engine-no-plugin stand for the first form's engines
+            given = {(b, forms[0]): e for b, e in (("trt-plugin", cfg.engine),
+                                                   ("trt-function-body", cfg.engine_no_plugin))
+                     if e and forms}
+            plugins = {"trt-plugin": cfg.plugin, "trt-function-body": None}
+            paths = {f: ex.path for f, ex in exports.items() if ex.info is not None}
+            built = _build_engines(cfg, paths, workdir, log, skip=given) if paths else {}
+            for form in forms:
+                for b in trt_names:
+                    key = (b, form)
+                    path, reason = ((given[key], "") if key in given else
+                                    built.get(key, (None, exports[form].error or "not built")))
+                    if path is None:
+                        _skip_all(cfg, rows, b, reason, machine, attention=form)
+                        continue
+                    finfo = exports[form].info or info
+                    backends.update(skip_or([key], lambda b=b, form=form, path=path, finfo=finfo:
+                                            _engine_backend(cfg, b, form, path, plugins[b], finfo,
+                                                            extras, workdir)))
+        backends.update(skip_or([("torch-eager", "sdpa"), ("torch-compile", "")],
+                                lambda: _torch_backends(cfg, info, compiled=True, block=block)))
+        _measure(cfg, rows, machine, backends, extras)
+        for r in rows:
+            if r.backend in trt_names and r.status == "ok" and r.fused_attention_basis:
+                verdict = {True: "yes", False: "no"}.get(r.fused_attention, "unknown")
+                r.note = f"fused attention: {verdict} ({r.fused_attention_basis})"
         _bench_kernel(cfg, rows, machine)
     else:
-        for b in ("trt-plugin", "trt-function-body"):
+        for b in trt_names:
             _skip_all(cfg, rows, b, REQUIRES_CUDA + "; " + REQUIRES_TRT
                       if not _have_tensorrt() else REQUIRES_CUDA, machine)
-        backends.update(skip_or(["onnxruntime-cpu"], lambda: _ort_backend(cfg, info, onnx_path)))
-        backends.update(skip_or(["torch-eager"],
-                                lambda: _torch_backends(cfg, info, compiled=False)))
-        _measure(cfg, rows, machine, backends)
+        names = {}
+        for threads in sets:
+            torch.set_num_threads(int(threads))
+            m = {**machine, "cpu_threads": str(threads)}
+            with contextlib.suppress(OSError):  # the load this set started under
+                m["load_avg_1min"] = f"{os.getloadavg()[0]:.2f}"
+            set_rows: list[BenchRow] = []
+            backends = {}
+            for form, ex in exports.items():
+                if ex.info is None:
+                    _skip_all(cfg, set_rows, "onnxruntime-cpu", ex.error, m, attention=form)
+                    continue
+                with contextlib.suppress(Exception):
+                    names.setdefault(form, graph_names(ex.path))
+                backends.update(skip_or([("onnxruntime-cpu", form)],
+                                        lambda ex=ex, form=form: _ort_backend(
+                                            cfg, ex.info, ex.path, threads, form), m))
+            backends.update(skip_or([("torch-eager", "sdpa")],
+                                    lambda: _torch_backends(cfg, info, compiled=False,
+                                                            block=block), m))
+            log(f"timing {threads} thread(s): {', '.join(f'{b} ({f})' if f else b for b, f in backends)}")
+            _measure(cfg, set_rows, m, backends)
+            del backends  # the timed sessions go before the profiled ones open
+            if cfg.profile_runs > 0:
+                for r in set_rows:
+                    if r.backend != "onnxruntime-cpu" or r.status != "ok":
+                        continue
+                    ex = exports[r.attention]
+                    try:
+                        r.profile = profile_ort(cfg, ex.info, ex.path, r.size, r.batch, threads,
+                                                workdir, runs=cfg.profile_runs,
+                                                names=names.get(r.attention))
+                        log(f"profile {r.attention}, {threads} thread(s), {r.size} px: "
+                            f"{profile_summary(r.profile)}")
+                    except Exception as exc:  # noqa: BLE001
+                        r.profile = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            attach_ratios(set_rows)
+            for form, reason in form_skips.items():
+                _skip_all(cfg, set_rows, "onnxruntime-cpu", reason, m, attention=form)
+            rows += set_rows
         _skip_all(cfg, rows, "torch-compile", REQUIRES_CUDA + " (CPU Inductor is not the "
                   "deployment target; measured on the GPU only)", machine)
         _skip_all(cfg, rows, "kernel", REQUIRES_CUDA, machine)
     if on_gpu and any(p.suffix == ".engine" for p in workdir.iterdir()):
-        log(f"kept the exported model and engines in {workdir}")
+        log(f"kept the exported models and engines in {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
     return rows
 
 
+def format_profiles(rows: Sequence[BenchRow]) -> str:
+    """One line per profiled ONNX Runtime row: its top ops and the function-body group."""
+    lines = []
+    for r in rows:
+        if r.profile is None:
+            continue
+        what = (f"error: {r.profile['error']}" if "error" in r.profile
+                else profile_summary(r.profile))
+        ratio = f" [{r.ort_vs_eager:.2f}x eager]" if r.ort_vs_eager is not None else ""
+        lines.append(f"- {r.attention}, {r.threads} thread(s), {r.size} px, batch {r.batch}"
+                     f"{ratio}: {what}")
+    return "\n".join(["ONNX Runtime profile (kernel time by op type, share of all kernels):", ""]
+                     + lines) if lines else ""
+
+
 def write_outputs(rows: Sequence[BenchRow], out: Path, cfg: Config | None = None) -> dict[str, Path]:
-    """bench.md (table + machine), bench.json (every row), bench.png (plot)."""
+    """bench.md (table + machine + ORT profiles), bench.json (every row), bench.png (plot)."""
     out.mkdir(parents=True, exist_ok=True)
     table = format_bench_table(rows)
     machine = next((r.machine for r in rows if r.status == "ok"), rows[0].machine if rows else {})
+    machine = {k: v for k, v in machine.items() if k != "cpu_threads"}
     md = ["# qkrope bench", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
           ""]
     if cfg is not None:
+        sets = ", ".join(str(t or "default") for t in thread_counts(cfg))
+        forms = sorted({r.attention for r in rows if r.backend.startswith(("onnxruntime", "trt"))
+                        and r.attention}, key=lambda f: ATTENTION_FORMS.index(f)
+                       if f in ATTENTION_FORMS else 99)
         md += [f"Config: {cfg.heads} heads x {cfg.head_dim}, text {cfg.text_len} tokens, "
                f"{cfg.dtype}, median of {cfg.iters} calls after {cfg.warmup} warm-up, "
-               f"{cpu_threads(cfg) or 'default'} CPU thread(s)", ""]
+               f"CPU thread sets {sets}, attention forms {', '.join(forms) or '-'}", ""]
     md += [table, ""]
+    profiles = format_profiles(rows)
+    if profiles:
+        md += [profiles, ""]
     paths = {"markdown": out / "bench.md", "json": out / "bench.json", "png": out / "bench.png"}
     paths["markdown"].write_text("\n".join(md))
     paths["json"].write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -564,11 +1129,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Latency of the Qwen-Image attention block: TensorRT with the fused plugin, "
                     "TensorRT on the ONNX function body (no plugin), torch eager and "
                     "torch.compile, plus the fused kernel's achieved bandwidth, on a GPU. On a "
-                    "CPU machine: ONNX Runtime CPU vs torch eager at small default sizes, and "
-                    "the GPU rows listed as skipped with the reason. Writes bench.md, "
-                    "bench.json and bench.png to --out.")
+                    "CPU machine: ONNX Runtime CPU vs torch eager (ratio and ONNX Runtime's "
+                    "per-op profile), and the GPU rows listed as skipped with the reason. Each "
+                    "attention form (--attention) and thread count (--threads) is its own set "
+                    "of rows. Writes bench.md, bench.json and bench.png to --out.")
     p.add_argument("--model", default="attention", choices=["attention"],
                    help="what to benchmark (the Qwen-Image joint attention block)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="qwen: 24 heads x 128, sizes 256,512, text 128 tokens, batch 1; on the "
+                        "CPU also fp32, --threads 1,all, 5 iters after 2 warm-up (a few "
+                        "minutes on 2 cores). Flags given override it")
     p.add_argument("--sizes", default=None,
                    help="image side lengths in px, comma-separated (16 px per token); default "
                         "512,1024 on a GPU, 256 on the CPU")
@@ -584,18 +1154,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls; default 10 / 2")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
                                                   "available)")
-    p.add_argument("--engine", default=None, help="TensorRT engine with the plugin (default: "
-                                                  "export and build one when TensorRT exists)")
+    p.add_argument("--attention", default=None,
+                   help="attention forms of the export, comma-separated: primitive "
+                        "(MatMul/Softmax/MatMul) and/or onnx23 (opset-23 Attention); one set of "
+                        "ONNX Runtime / TensorRT rows each. Default: both where the exporter and "
+                        "ONNX Runtime's CPU provider support onnx23, else primitive (the onnx23 "
+                        "rows then say why they were skipped)")
+    p.add_argument("--engine", default=None, help="TensorRT engine with the plugin, of the first "
+                                                  "--attention form (default: export and build "
+                                                  "one per form when TensorRT exists)")
     p.add_argument("--engine-no-plugin", default=None,
                    help="TensorRT engine of the same ONNX built without the plugin")
     p.add_argument("--plugin", default=None, help="the plugin library (libqkrope_plugin.so)")
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"CPU threads for torch and ONNX Runtime (default: "
-                        f"{DEFAULT_CPU_THREADS} on the CPU, so that the numbers measure the code "
-                        f"rather than thread-pool contention; torch's default on a GPU)")
+    p.add_argument("--threads", default=None,
+                   help=f"CPU threads for torch and ONNX Runtime: a count or a comma-separated "
+                        f"list, 'all' = every CPU this process may use (e.g. 1,all); each count "
+                        f"is its own set of rows. Default: {DEFAULT_CPU_THREADS} on the CPU, so "
+                        f"that the numbers measure the code rather than thread-pool contention; "
+                        f"torch's default on a GPU")
+    p.add_argument("--profile-runs", type=int, default=3,
+                   help="ONNX Runtime profiled runs per row (a separate session after the "
+                        "timing, one warm-up run first); 0 turns the profile off (default 3)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.set_defaults(func=run)
     return p
@@ -612,24 +1194,38 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if gpu and not torch.cuda.is_available():
         raise InputError(f"--device {device} requested but torch sees no CUDA GPU "
                            f"(torch {torch.__version__}); use --device cpu")
-    dtype = dtypes.canonical(args.dtype) if args.dtype else ("bfloat16" if gpu else "float32")
+    preset = PRESETS[args.preset] if getattr(args, "preset", None) else {}
+    given = {**preset.get("all", {}), **({} if gpu else preset.get("cpu", {}))}
+
+    def pick(name: str, default):
+        value = getattr(args, name, None)
+        return value if value is not None else given.get(name, default)
+
+    dtype_arg = pick("dtype", None)
+    dtype = dtypes.canonical(dtype_arg) if dtype_arg else ("bfloat16" if gpu else "float32")
+    threads = pick("threads", None)
+    attention = getattr(args, "attention", None)
     cfg = Config(
-        sizes=parse_int_list(args.sizes or ("512,1024" if gpu else "256")),
-        batches=parse_int_list(args.batches or ("1,2" if gpu else "1")),
+        sizes=parse_int_list(pick("sizes", None) or ("512,1024" if gpu else "256")),
+        batches=parse_int_list(pick("batches", None) or ("1,2" if gpu else "1")),
         dtype=dtype,
-        heads=args.heads or (24 if gpu else 2),
-        head_dim=args.head_dim or (128 if gpu else 64),
-        text_len=args.text_len or (512 if gpu else 64),
-        iters=args.iters or (50 if gpu else 10),
-        warmup=args.warmup if args.warmup is not None else (10 if gpu else 2),
+        heads=pick("heads", None) or (24 if gpu else 2),
+        head_dim=pick("head_dim", None) or (128 if gpu else 64),
+        text_len=pick("text_len", None) or (512 if gpu else 64),
+        iters=pick("iters", None) or (50 if gpu else 10),
+        warmup=pick("warmup", 10 if gpu else 2),
         device=device, engine=args.engine, plugin=args.plugin,
         engine_no_plugin=args.engine_no_plugin, peak_gbps=args.peak_gbps,
-        out=Path(args.out), threads=args.threads)
+        out=Path(args.out), threads=parse_threads(threads) if threads else None,
+        attention=parse_attention_forms(attention) if attention else None,
+        profile_runs=int(getattr(args, "profile_runs", 3)))
     for s in cfg.sizes:
         image_tokens(s)
     default_axes_dims(cfg.head_dim)
     if cfg.iters < 1:
         raise InputError(f"--iters must be >= 1; got {cfg.iters}")
+    if cfg.profile_runs < 0:
+        raise InputError(f"--profile-runs must be >= 0; got {cfg.profile_runs}")
     return cfg
 
 
@@ -639,6 +1235,10 @@ def run(args: argparse.Namespace) -> int:
     rows = run_bench(cfg)
     paths = write_outputs(rows, cfg.out, cfg)
     print(format_bench_table(rows))
+    profiles = format_profiles(rows)
+    if profiles:
+        print()
+        print(profiles)
     print(f"wrote {paths['markdown']}, {paths['json']}, {paths['png']}")
     sys.stdout.flush()
     failed = [r for r in rows if r.status == "failed"]

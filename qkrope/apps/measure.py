@@ -288,6 +288,12 @@ class BenchRow:
     device: str = ""
     note: str = ""
     machine: dict = field(default_factory=dict)
+    threads: int | None = None        # CPU threads of torch and ONNX Runtime in this row's set
+    attention: str = ""               # attention form: "primitive" | "onnx23" (ONNX rows), "sdpa"
+    ort_vs_eager: float | None = None  # ONNX Runtime median / torch-eager median, same set
+    profile: dict | None = None       # ONNX Runtime per-op profile (qkrope bench, CPU)
+    fused_attention: bool | None = None  # TensorRT inspector: a fused attention layer? None: unknown
+    fused_attention_basis: str = ""   # what that answer rests on
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -295,33 +301,59 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 
 def format_bench_table(rows: Sequence[BenchRow]) -> str:
-    """Markdown table of the measured rows, then the skipped rows with their reasons."""
-    threads = sorted({r.machine.get("cpu_threads") for r in rows if r.status == "ok"
-                      and r.machine.get("cpu_threads")}, key=str)
+    """Markdown table of the measured rows (thread count and attention form of each; ONNX
+    Runtime's ratio to torch eager of the same set), the rows' notes, then the skipped rows with
+    their reasons."""
+    threads = sorted({_row_threads(r) for r in rows if r.status == "ok"} - {None}, key=int)
     title = (f"CPU threads (torch, ONNX Runtime): {', '.join(map(str, threads))}; backends "
              f"measured interleaved, size by size" if threads else "")
-    head = ("| backend | size | img tok | txt tok | batch | dtype | median ms | p10 ms | p90 ms | "
-            "iters | GB/s | % peak | device |")
+    head = ("| backend | attention | threads | size | img tok | txt tok | batch | dtype | "
+            "median ms | p10 ms | p90 ms | iters | vs eager | GB/s | % peak | device |")
     lines = ([title, ""] if title else []) + [head, "|" + "---|" * (head.count("|") - 1)]
+    notes = []
     for r in rows:
         if r.status != "ok":
             continue
         pct = None if r.peak_fraction is None else 100.0 * r.peak_fraction
-        lines.append(f"| {r.backend} | {r.size} | {r.img_tokens} | {r.txt_tokens} | {r.batch} | "
+        t = _row_threads(r)
+        lines.append(f"| {r.backend} | {r.attention or '-'} | {'-' if t is None else t} | "
+                     f"{r.size} | {r.img_tokens} | {r.txt_tokens} | {r.batch} | "
                      f"{r.dtype} | {_fmt(r.median_ms)} | {_fmt(r.p10_ms)} | {_fmt(r.p90_ms)} | "
-                     f"{r.iters} | {_fmt(r.gbps, '.0f')} | {_fmt(pct, '.1f')} | {r.device} |")
+                     f"{r.iters} | {_fmt(r.ort_vs_eager, '.2f')} | {_fmt(r.gbps, '.0f')} | "
+                     f"{_fmt(pct, '.1f')} | {r.device} |")
+        if r.note:
+            notes.append(f"- {_row_label(r)}: {r.note}")
+    if notes:
+        lines += ["", "Notes:", ""] + list(dict.fromkeys(notes))
     skipped = [r for r in rows if r.status != "ok"]
     if skipped:
         lines += ["", "Not measured:", ""]
         seen = set()
         for r in skipped:
-            key = (r.backend, r.status, r.reason)
+            key = (r.backend, r.attention, r.status, r.reason)
             if key in seen:
                 continue
             seen.add(key)
-            n = sum(1 for x in skipped if (x.backend, x.status, x.reason) == key)
-            lines.append(f"- {r.backend}: {r.status}, {r.reason} ({n} row{'s' * (n != 1)})")
+            n = sum(1 for x in skipped if (x.backend, x.attention, x.status, x.reason) == key)
+            name = f"{r.backend} ({r.attention})" if r.attention else r.backend
+            lines.append(f"- {name}: {r.status}, {r.reason} ({n} row{'s' * (n != 1)})")
     return "\n".join(lines)
+
+
+def _row_threads(r: BenchRow) -> int | None:
+    """The row's CPU thread count (its own field; rows written before it: the machine's)."""
+    if r.threads is not None:
+        return int(r.threads)
+    t = r.machine.get("cpu_threads")
+    return int(t) if t not in (None, "") else None
+
+
+def _row_label(r: BenchRow) -> str:
+    t = _row_threads(r)
+    parts = [r.attention] if r.attention else []
+    parts += [f"{t} thread{'s' * (t != 1)}"] if t is not None else []
+    parts += [f"{r.size} px", f"batch {r.batch}"]
+    return f"{r.backend} ({', '.join(parts)})"
 
 
 @dataclass
