@@ -418,6 +418,13 @@ class BuildOptions:
     txt_tokens: tuple[int, int] | None = None   # --txt-tokens MIN:MAX
     batch: tuple[int, int] | None = None        # --batch MIN:MAX
     refit: bool = False                         # set_refit: the parameters refittable
+    # config.profiling_verbosity (PROFILING_VERBOSITIES; None: TensorRT's default): "detailed"
+    # lets the engine inspector report layer types and tactics (qkrope bench reads them)
+    profiling_verbosity: str | None = None
+
+
+#: BuildOptions.profiling_verbosity values (trt.ProfilingVerbosity members, lower case)
+PROFILING_VERBOSITIES = ("detailed", "layer_names_only", "none")
 
 
 # the whole transformer's default when no preset, range or shape is given: a 1024x1024 image
@@ -480,6 +487,11 @@ def check_options(opts: BuildOptions) -> None:
     if level is not None and (isinstance(level, bool) or not isinstance(level, int)
                               or not 0 <= level <= 5):
         raise EngineBuildError(f"--builder-optimization-level must be 0..5; got {level!r}")
+    if opts.profiling_verbosity is not None and \
+            opts.profiling_verbosity not in PROFILING_VERBOSITIES:
+        raise EngineBuildError(f"profiling_verbosity must be one of "
+                               f"{', '.join(PROFILING_VERBOSITIES)}; got "
+                               f"{opts.profiling_verbosity!r}")
     if not opts.use_plugin and opts.version_compatible:
         raise EngineBuildError("a version-compatible engine serialises the plugin library; "
                                "it cannot be built without the plugin (use_plugin=False)")
@@ -609,6 +621,9 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
     if opts.builder_optimization_level is not None:
         config.builder_optimization_level = int(opts.builder_optimization_level)
+    if opts.profiling_verbosity is not None:
+        config.profiling_verbosity = getattr(trt.ProfilingVerbosity,
+                                             opts.profiling_verbosity.upper())
     if opts.version_compatible:
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
         config.plugins_to_serialize = [plugin_path]

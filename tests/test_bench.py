@@ -561,3 +561,35 @@ def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
     fields = {f.name for f in __import__("dataclasses").fields(E.BuildOptions)}
     assert bench._detailed_profiling(E) == (
         {"profiling_verbosity": "detailed"} if "profiling_verbosity" in fields else {})
+
+
+def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, monkeypatch):
+    """BuildOptions.profiling_verbosity sets config.profiling_verbosity (the fake TensorRT of
+    tests/fake_tensorrt.py, given a ProfilingVerbosity enum here); unset, the config keeps
+    TensorRT's default; a bad value is refused before TensorRT is asked."""
+    import io
+    import sys
+    import types
+
+    import fake_tensorrt as ft
+    from _tiny_model import parse_tiny, write_tiny_onnx
+
+    from qkrope.runtime import engine as E
+
+    trt, state = ft.make_fake_trt(parse=parse_tiny)
+    monkeypatch.setattr(trt, "ProfilingVerbosity", types.SimpleNamespace(
+        DETAILED="PV.DETAILED", LAYER_NAMES_ONLY="PV.NAMES", NONE="PV.NONE"), raising=False)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(E.ctypes, "CDLL", lambda path, mode=0: None)
+    lib = tmp_path / "libqkrope_plugin.so"
+    lib.write_bytes(b"\x7fELF fake")
+    onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
+    E.build_engine(onnx_path, tmp_path / "a.engine",
+                   E.BuildOptions(plugin=str(lib), progress=False,
+                                  **bench._detailed_profiling(E)), log=io.StringIO())
+    assert state.config.profiling_verbosity == "PV.DETAILED"
+    E.build_engine(onnx_path, tmp_path / "b.engine",
+                   E.BuildOptions(plugin=str(lib), progress=False), log=io.StringIO())
+    assert not hasattr(state.config, "profiling_verbosity")
+    with pytest.raises(E.EngineBuildError, match="profiling_verbosity"):
+        E.check_options(E.BuildOptions(profiling_verbosity="loud"))
