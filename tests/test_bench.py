@@ -593,3 +593,135 @@ def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, 
     assert not hasattr(state.config, "profiling_verbosity")
     with pytest.raises(E.EngineBuildError, match="profiling_verbosity"):
         E.check_options(E.BuildOptions(profiling_verbosity="loud"))
+
+
+def _exporter_has_onnx23() -> bool:
+    return HAVE_EXPORTER and bench.exporter_attention_reason() == ""
+
+
+@pytest.mark.skipif(not _exporter_has_onnx23(), reason="the exporter has no attention= option")
+def test_onnx23_form_runs_under_ort_with_its_attention_node(tmp_path, monkeypatch):
+    """Both forms by default where they run: one export each (the onnx23 one at opset 23 with
+    Attention nodes), one ORT row each, and ORT's profile of the onnx23 rows shows its
+    Attention kernel."""
+    import onnx
+
+    if bench.ort_attention23_reason():
+        pytest.skip(bench.ort_attention23_reason())
+    real = bench.aggregate_ort_profile
+    monkeypatch.setattr(bench, "aggregate_ort_profile", lambda ev, **kw: real(ev, **{**kw,
+                                                                                    "top": 99}))
+    exported = []
+    real_export = bench._export_onnx
+
+    def export(cfg, path, **kw):
+        exported.append((path.name, kw))
+        return real_export(cfg, path, **kw)
+
+    monkeypatch.setattr(bench, "_export_onnx", export)
+    keep = tmp_path / "keep"
+    real_session = bench._ort_session
+
+    def session(cfg, path, threads, **kw):
+        keep.mkdir(exist_ok=True)
+        (keep / path.name).write_bytes(Path(path).read_bytes())
+        return real_session(cfg, path, threads, **kw)
+
+    monkeypatch.setattr(bench, "_ort_session", session)
+    cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=2, warmup=1, device="cpu", out=tmp_path,
+                       profile_runs=1)
+    rows = bench.run_bench(cfg, log=lambda s: None)
+    assert exported == [("attention.primitive.onnx", {"attention": "primitive"}),
+                        ("attention.onnx23.onnx", {"attention": "onnx23"})]
+    m23 = onnx.load(str(keep / "attention.onnx23.onnx"))
+    assert {o.version for o in m23.opset_import if o.domain in ("", "ai.onnx")} == {23}
+    assert any(n.op_type == "Attention" for n in m23.graph.node)
+    by = {r.attention: r for r in rows if r.backend == "onnxruntime-cpu"}
+    assert set(by) == {"primitive", "onnx23"}
+    assert all(r.status == "ok" and r.ort_vs_eager is not None for r in by.values())
+    ops = {o["op"] for o in by["onnx23"].profile["top_ops"]}
+    assert "Attention" in ops and "Softmax" not in ops
+    assert "Softmax" in {o["op"] for o in by["primitive"].profile["top_ops"]}
+
+
+@pytest.mark.skipif(not HAVE_EXPORTER, reason="needs the exporter")
+def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
+    """The GPU branch without a GPU: engines (faked) per form, with and without the plugin,
+    each row carrying its form and its inspector verdict; a failed build is a skipped row with
+    the build's reason. Timing runs on the CPU timer here (no CUDA events)."""
+    from qkrope import runtime
+
+    built = {}
+
+    def fake_build(cfg, paths, workdir, log, skip=()):
+        built["forms"] = list(paths)
+        out = {}
+        for form in paths:
+            for b in ("trt-function-body", "trt-plugin"):
+                eng = workdir / f"attention.{form}.{b}.engine"
+                eng.write_bytes(b"fake")
+                out[(b, form)] = (str(eng), "")
+        out[("trt-plugin", "onnx23")] = (None, "engine build failed: no Attention importer")
+        return out
+
+    layers = {"trt-function-body": {"Name": "node_softmax", "LayerType": "SoftMax"},
+              "trt-plugin": {"Name": "{ForeignNode[node_matmul...node_matmul_1]}",
+                             "LayerType": "Myelin", "Metadata": "[ONNX Layer: node_softmax]"}}
+
+    class Runner:
+        def __init__(self, path, plugin):
+            self.path, self.plugin = path, plugin
+            backend = "trt-plugin" if ".trt-plugin." in path else "trt-function-body"
+            info = _layers(layers[backend])
+            self.engine = type("E", (), {"create_engine_inspector": lambda s: type(
+                "I", (), {"get_engine_information": lambda s, fmt: info})()})()
+            self.trt = type("T", (), {"LayerInformationFormat": type("F", (), {"JSON": 1})})
+
+        def __call__(self, *args):
+            return args[0]
+
+    loaded = []
+
+    def fake_load(path, plugin=None):
+        loaded.append((Path(path).name, plugin))
+        return Runner(path, plugin)
+
+    cpu_inputs = bench._make_inputs
+    monkeypatch.setattr(bench, "_have_tensorrt", lambda: True)
+    monkeypatch.setattr(bench, "_build_engines", fake_build)
+    monkeypatch.setattr(runtime, "load", fake_load)
+    monkeypatch.setattr(bench, "_make_inputs", lambda cfg, info, size, batch: cpu_inputs(
+        bench.Config(**{**cfg.__dict__, "device": "cpu"}), info, size, batch))
+    monkeypatch.setattr(bench, "_torch_backends", lambda *a, **k: {
+        ("torch-eager", "sdpa"): lambda size, batch: (lambda: None)})
+    monkeypatch.setattr(bench, "time_interleaved", lambda calls, **kw: measure.time_interleaved(
+        calls, iters=kw["iters"], warmup=kw["warmup"], cuda=False))
+    monkeypatch.setattr(bench, "_bench_kernel", lambda cfg, rows, machine: None)
+    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "")
+    cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                       text_len=8, iters=2, warmup=0, device="cuda", out=tmp_path,
+                       plugin="/x/libqkrope_plugin.so", attention=["primitive"])
+    real_export = bench._export_onnx
+    monkeypatch.setattr(bench, "_export_onnx", lambda cfg, path, attention="primitive":
+                        real_export(cfg, path))                 # both forms as the primitive one
+    cfg.attention = ["primitive", "onnx23"]
+    rows = bench.run_bench(cfg, log=lambda s: None)
+    assert built["forms"] == ["primitive", "onnx23"]
+    trt_rows = {(r.backend, r.attention): r for r in rows if r.backend.startswith("trt")}
+    assert set(trt_rows) == {("trt-function-body", "primitive"), ("trt-plugin", "primitive"),
+                             ("trt-function-body", "onnx23"), ("trt-plugin", "onnx23")}
+    for form in ("primitive", "onnx23"):
+        fb = trt_rows[("trt-function-body", form)]
+        assert fb.status == "ok" and fb.fused_attention is False and "own layer" in fb.note
+    p = trt_rows[("trt-plugin", "primitive")]
+    assert p.status == "ok" and p.fused_attention is True and "Myelin" in p.fused_attention_basis
+    s = trt_rows[("trt-plugin", "onnx23")]
+    assert s.status == "skipped" and "no Attention importer" in s.reason
+    assert ("attention.primitive.trt-plugin.engine", "/x/libqkrope_plugin.so") in loaded
+    assert ("attention.primitive.trt-function-body.engine", None) in loaded
+    assert (tmp_path / next(p.name for p in tmp_path.iterdir() if p.is_dir())
+            / "layers.trt-plugin.primitive.json").exists()          # kept with the engines
+    assert not [r for r in rows if r.backend == "onnxruntime-cpu"]   # no ORT rows on a GPU
+    md = measure.format_bench_table(rows)
+    assert "| trt-plugin | primitive |" in md and "fused attention: yes" in md

@@ -42,20 +42,21 @@ ONNX Runtime's profile: after each thread set is timed, a *separate* profiled se
 and size (``SessionOptions.enable_profiling``; one warm-up run, then ``--profile-runs`` runs, the
 warm-up left out of the sums) gives per-op-type kernel time per run, its share of all kernel
 time, and the node count (``profile.top_ops`` of each ``onnxruntime-cpu`` row); the inlined
-QKNormRoPE function body is reported as a group of its own (``profile.groups``; see
-:func:`aggregate_ort_profile` for how its nodes are recognised). Each ONNX Runtime row also has
+QKNormRoPE function body is reported as a group of its own (``profile.groups``;
+:func:`classify_profiled_node` says how its nodes are recognised). Each ONNX Runtime row also has
 ``ort_vs_eager``: its median over torch eager's in the same set (below 1: ONNX Runtime faster);
 where it is above 1 the row's note names the profile's top ops.
 
 TensorRT (GPU): an engine with and without the plugin per attention form, built with
-``ProfilingVerbosity.DETAILED`` where the build options allow it, and ``fused_attention`` from the
-engine inspector's layer information (:func:`fused_attention_from_inspector` states the basis).
+``ProfilingVerbosity.DETAILED`` (``BuildOptions.profiling_verbosity``), and ``fused_attention``
+from the engine inspector's layer information (:func:`fused_attention_from_inspector` states the
+basis; the layer information is kept next to the engines as ``layers.<backend>.<form>.json``).
 
 Defaults: on a CPU-only machine small (2 heads x 64, 256 px, 64 text tokens, fp32, one thread),
 so the command finishes in seconds. ``--preset qwen`` is the real head configuration as the
 issue measured it: 24 heads x 128, 256 and 512 px (256 and 1024 image tokens), 128 text tokens,
-batch 1, and on the CPU fp32, threads ``1,all``, 5 timed calls after 2 warm-up (a few minutes on
-two cores); explicit flags override the preset.
+batch 1, and on the CPU fp32, threads ``1,all``, 5 timed calls after 2 warm-up (about two minutes
+on two cores); explicit flags override the preset.
 """
 
 from __future__ import annotations
@@ -1137,7 +1138,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="what to benchmark (the Qwen-Image joint attention block)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="qwen: 24 heads x 128, sizes 256,512, text 128 tokens, batch 1; on the "
-                        "CPU also fp32, --threads 1,all, 5 iters after 2 warm-up (a few "
+                        "CPU also fp32, --threads 1,all, 5 iters after 2 warm-up (about two "
                         "minutes on 2 cores). Flags given override it")
     p.add_argument("--sizes", default=None,
                    help="image side lengths in px, comma-separated (16 px per token); default "
