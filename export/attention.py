@@ -7,6 +7,10 @@ block exportable to ONNX (diffusers' own RoPE is complex-valued).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -140,17 +144,55 @@ def check_block_inputs(hidden_states: torch.Tensor, encoder_hidden_states: torch
                              f"(encoder_hidden_states {_shape(encoder_hidden_states)}); got {got}")
 
 
+#: How the exported graph spells softmax(q k^T / sqrt(D) + mask) v (``qkrope export --attention``):
+#: ``primitive``: MatMul -> Add(mask bias) -> Softmax -> MatMul, the pattern TensorRT's attention
+#: fusion matches and every ONNX backend runs (any opset); ``onnx23``: one opset-23 ``Attention``
+#: node (bool mask), for backends with a kernel for that operator (needs opset 23).
+ATTENTION_FORMS = ("primitive", "onnx23")
+DEFAULT_ATTENTION_FORM = "primitive"
+ATTENTION_OPSET = {"primitive": 18, "onnx23": 23}  # the lowest opset each form exists in
+_EXPORT_FORM: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "qkrope_attention_form", default=DEFAULT_ATTENTION_FORM)
+
+
+def check_attention_form(form: str, opset: int | None = None) -> str:
+    if form not in ATTENTION_FORMS:
+        raise InputError(f"--attention must be one of {', '.join(ATTENTION_FORMS)}; got {form!r}")
+    if opset is not None and int(opset) < ATTENTION_OPSET[form]:
+        raise InputError(f"--attention {form} needs --opset {ATTENTION_OPSET[form]} or newer (the "
+                         f"ONNX Attention operator was added in opset 23); got --opset {opset}")
+    return form
+
+
+@contextlib.contextmanager
+def attention_form(form: str) -> Iterator[None]:
+    """The form :func:`_attention` exports while the block runs under ``torch.onnx.export``."""
+    token = _EXPORT_FORM.set(check_attention_form(form))
+    try:
+        yield
+    finally:
+        _EXPORT_FORM.reset(token)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                head_dim: int) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v over [B, H, S, D].
 
-    Eager: PyTorch's SDPA (what diffusers calls, so parity stays exact). Exported: the pattern
-    TensorRT's attention fusion matches from primitive layers — BMM1 with Q and K pre-scaled,
-    the mask as one additive bias, Softmax, BMM2 — and nothing between Softmax and BMM2. SDPA's
-    export puts an IsNaN/Where guard there for rows whose keys are all masked, which cannot occur
-    in this model (image keys are never masked); without it the values are the same.
+    Eager: PyTorch's SDPA (what diffusers calls, so parity stays exact). Exported, by
+    :func:`attention_form`: ``onnx23`` keeps SDPA, which torch.onnx translates at opset 23 into
+    one ``Attention`` node (4-D inputs, the default scale 1/sqrt(D), the bool mask as its
+    ``attn_mask``, expanded to [B, 1, S_q, S_kv]: ONNX Runtime 1.31's CPU kernel refuses a mask
+    whose query axis is broadcast); ``primitive`` writes the pattern TensorRT's attention fusion matches from
+    primitive layers — BMM1 with Q and K pre-scaled, the mask as one additive bias, Softmax,
+    BMM2 — and nothing between Softmax and BMM2. SDPA's primitive export puts an IsNaN/Where
+    guard there for rows whose keys are all masked, which cannot occur in this model (image keys
+    are never masked); without it the values are the same.
     """
     if not torch.onnx.is_in_onnx_export():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    if _EXPORT_FORM.get() == "onnx23":
+        if mask is not None:  # ONNX Runtime's Attention kernel wants the mask's query axis full
+            mask = mask.expand(-1, -1, q.shape[2], -1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
     scale = head_dim ** -0.25  # on Q and on K: 1/sqrt(D) together, as SDPA's math backend scales
     scores = torch.matmul(q * scale, (k * scale).transpose(-2, -1))

@@ -48,6 +48,8 @@ from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this 
 from qkrope import contract
 from qkrope._progress import Steps
 
+from .attention import (ATTENTION_FORMS, ATTENTION_OPSET, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
+                        attention_form, check_attention_form)
 from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
                             FunctionVariant, make_function_proto, qk_norm_rope_translation)
 
@@ -106,7 +108,8 @@ def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
 
 def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
                   output_names: Sequence[str], opset: int, *, parameters_of: str,
-                  steps: Steps | None = None, what: str = "the model"):
+                  steps: Steps | None = None, what: str = "the model",
+                  attention: str = DEFAULT_ATTENTION_FORM):
     """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet) whose
     parameters are named by their state-dict keys (:func:`_keep_parameters`).
 
@@ -122,7 +125,7 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
     registration_log.setLevel(logging.ERROR)
     steps = steps or Steps("qkrope export", 0, enabled=False)
     with steps.step(f"tracing {what} (torch.export, ONNX translation)"), \
-            warnings.catch_warnings(), torch.no_grad():
+            warnings.catch_warnings(), torch.no_grad(), attention_form(attention):
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(
@@ -441,6 +444,11 @@ def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: in
     return tuple(args)
 
 
+def default_opset(attention: str = DEFAULT_ATTENTION_FORM) -> int:
+    """DEFAULT_OPSET, or the lowest opset that has the attention form (23 for ``onnx23``)."""
+    return max(DEFAULT_OPSET, ATTENTION_OPSET[check_attention_form(attention)])
+
+
 def _check_opset(opset: int) -> int:
     if not MIN_OPSET <= int(opset) <= MAX_OPSET:
         raise InputError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET} (the dynamo exporter "
@@ -527,17 +535,21 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
 
 def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int = 128,
                      rotary_dim: int | None = None, dtype: str = "fp32",
-                     opset: int = DEFAULT_OPSET, eps: float = contract.DEFAULT_EPS,
+                     opset: int | None = None, eps: float = contract.DEFAULT_EPS,
                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
                      rounding: int = contract.DEFAULT_ROUNDING,
                      weights: str | os.PathLike | None = None, seed: int = 0,
                      img_shapes: Sequence[Sequence[int]] | None = None,
                      txt_len: int | None = None, batch: int | None = None,
-                     progress: bool = False):
-    """Export the Qwen-Image attention block; returns ``(ModelInfo, [written paths])``."""
+                     attention: str = DEFAULT_ATTENTION_FORM, progress: bool = False):
+    """Export the Qwen-Image attention block; returns ``(ModelInfo, [written paths])``.
+
+    ``attention``: how softmax attention is written (:data:`ATTENTION_FORMS`); ``opset``
+    defaults to the lowest that has it (:func:`default_opset`)."""
     out = _check_out(out)
     tdtype = _check_dtype(dtype)
-    opset = _check_opset(opset)
+    opset = _check_opset(default_opset(attention) if opset is None else opset)
+    check_attention_form(attention, opset)
     if int(heads) < 1:
         raise InputError(f"--heads must be >= 1; got {heads}")
     contract.check_head_dim(head_dim, what="--head-dim")
@@ -556,7 +568,7 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
                   interleaved=bool(interleaved), rounding=int(rounding), rotary_dim=rotary_dim,
                   axes_dims_rope=list(axes_dim), seed=int(seed), dtype=dtype,
                   weights=str(Path(weights).resolve()) if weights else None,
-                  weights_sha256=sha256_file(weights) if weights else None)
+                  weights_sha256=sha256_file(weights) if weights else None, attention=attention)
     t0 = time.perf_counter()
     module = build_attention(config)
     args = _sample_args(sample, tdtype, config["dim"], config["dim"], axes_dim, False, seed)
@@ -564,7 +576,8 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
         model = _torch_export(CacheInputAttention(module), args, ATTENTION_INPUTS,
                               ATTENTION_OUTPUTS, opset, parameters_of="attn", steps=steps,
                               what=f"the attention block ({heads} heads x {head_dim}, {dtype}, "
-                                   f"opset {opset})")
+                                   f"opset {opset}, {attention} attention)",
+                              attention=attention)
         not_in_graph = check_parameters(model, module.state_dict())
         if not_in_graph:
             raise ExportError(f"the attention graph does not use the parameters {not_in_graph}")
@@ -599,16 +612,18 @@ def _axis_values(sample: Sample) -> dict[str, int]:
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
                        layers: int | None = None, dtype: str = "fp32",
-                       opset: int = DEFAULT_OPSET, rounding: int = contract.DEFAULT_ROUNDING,
+                       opset: int | None = None, rounding: int = contract.DEFAULT_ROUNDING,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
-                       progress: bool = True):
-    """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs."""
+                       attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True):
+    """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs
+    (``attention`` and ``opset``: as for :func:`export_attention`)."""
     from .patch_diffusers import CacheInputTransformer, load_transformer
 
     out = _check_out(out)
     tdtype = _check_dtype(dtype)
-    opset = _check_opset(opset)
+    opset = _check_opset(default_opset(attention) if opset is None else opset)
+    check_attention_form(attention, opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
     t0 = time.perf_counter()
     with Steps("qkrope export", 6, enabled=progress) as steps:
@@ -625,9 +640,10 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                             int(cfg["joint_attention_dim"]), axes_dim, True, 0)
         model = _torch_export(
             wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset,
-            parameters_of="transformer", steps=steps,
+            parameters_of="transformer", steps=steps, attention=attention,
             what=f"{n_layers} of {len(transformer.transformer_blocks)} blocks (sample "
-                 f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch})")
+                 f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch}; "
+                 f"{attention} attention, opset {opset})")
         not_in_graph = check_parameters(model, transformer.state_dict())
         with steps.step(f"adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
@@ -641,7 +657,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                       diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
                                         for k, v in cfg.items() if not k.startswith("_")
                                         or k in ("_class_name", "_diffusers_version")},
-                      num_layers_exported=n_layers,
+                      num_layers_exported=n_layers, attention=attention,
                       # the state-dict keys that are initializers of that name (qkrope build
                       # --refit marks them refittable) and those the graph does not use
                       parameters=[k for k in transformer.state_dict() if k not in not_in_graph],

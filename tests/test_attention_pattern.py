@@ -1,8 +1,9 @@
 """Every exported attention is in the pattern TensorRT fuses from primitive layers: BMM1 on a
 pre-scaled Q and a (transposed) pre-scaled K -> one additive mask bias (optional) -> Softmax ->
 BMM2, and nothing else between Softmax and BMM2 (issue 12). The walk fails on any other node in
-that span; the values are covered by the parity tests (tests/test_onnx_export.py,
-tests/test_transformer_export.py)."""
+that span. With ``--attention onnx23`` every attention is one opset-23 ``Attention`` node on the
+[B, H, S, D] q/k/v with the bool text mask, and no Softmax is left. The values are covered by
+the parity tests (tests/test_onnx_export.py, tests/test_transformer_export.py)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def exported(tmp_path_factory):
     d = tmp_path_factory.mktemp("pattern")
     out = {}
     for name, args in (("attention", ["--heads", "2", "--head-dim", "16"]),
-                       ("attention_bf16", ["--heads", "2", "--head-dim", "16", "--dtype", "bf16"])):
+                       ("attention_bf16", ["--heads", "2", "--head-dim", "16", "--dtype", "bf16"]),
+                       ("attention_onnx23", ["--heads", "2", "--head-dim", "16",
+                                             "--attention", "onnx23"])):
         out[name] = d / f"{name}.onnx"
         assert main(["export", *args, "--out", str(out[name])]) == 0
     return out
@@ -93,3 +96,38 @@ def test_the_walk_fails_on_a_node_between_softmax_and_bmm2(exported):
     g.node.insert(list(g.node).index(bmm2), guard)
     with pytest.raises(AssertionError, match="not one BMM2"):
         attention_spans(model)
+
+
+def onnx23_attentions(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The opset-23 Attention nodes; AssertionError when the primitive pattern is left too."""
+    assert {o.domain: o.version for o in model.opset_import}.get("", 0) >= 23
+    assert not any(n.op_type == "Softmax" for n in model.graph.node)
+    nodes = [n for n in model.graph.node if n.op_type == "Attention" and n.domain == ""]
+    inputs = {i.name: i for i in model.graph.input}
+    for n in nodes:
+        assert len(n.input) >= 4 and n.input[3], f"{n.name}: no attn_mask"
+        assert not [a for a in n.attribute if a.name in ("is_causal",) and a.i]
+    assert "encoder_hidden_states_mask" in inputs
+    return nodes
+
+
+def test_onnx23_attention_block(exported):
+    model = onnx.load(str(exported["attention_onnx23"]))
+    assert len(onnx23_attentions(model)) == 1
+
+
+def test_onnx23_transformer(tmp_path):
+    pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+    from qkrope.apps import tiny_pipeline as tp
+
+    tp.save_transformer(tp.tiny_transformer(), tmp_path / "t")
+    assert main(["export", "--model", "transformer", "--diffusers", str(tmp_path / "t"),
+                 "--attention", "onnx23", "--out", str(tmp_path / "t.onnx")]) == 0
+    model = onnx.load(str(tmp_path / "t.onnx"))
+    assert len(onnx23_attentions(model)) == tp.TRANSFORMER_CONFIG["num_layers"]
+
+
+def test_onnx23_needs_opset_23(tmp_path, capsys):
+    assert main(["export", "--heads", "2", "--head-dim", "16", "--attention", "onnx23",
+                 "--opset", "18", "--out", str(tmp_path / "a.onnx")]) != 0
+    assert "--attention onnx23 needs --opset 23" in capsys.readouterr().err

@@ -16,7 +16,8 @@ import torch
 from qkrope.cli import main
 from qkrope import contract
 from qkrope.export import qk_norm_rope_reference
-from qkrope.export.onnx_export import (ExportError, build_attention, export_attention,
+from qkrope.export.onnx_export import (ATTENTION_FORMS, ExportError, build_attention,
+                                       export_attention,
                                        finalize_model)
 from qkrope.export.onnx_function import (FunctionVariant, function_variant,
                                          qk_norm_rope_translation)
@@ -53,6 +54,21 @@ def fp32_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("attn") / "attn.onnx"
     export_attention(out, heads=HEADS, head_dim=HEAD_DIM)
     return out
+
+
+@pytest.fixture(scope="module")
+def form_models(tmp_path_factory):
+    """export_attention(dtype, attention form), exported once per pair."""
+    cache = {}
+
+    def get(dtype, form):
+        if (dtype, form) not in cache:
+            out = tmp_path_factory.mktemp(f"attn_{dtype}_{form}") / "attn.onnx"
+            export_attention(out, heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, attention=form)
+            cache[dtype, form] = out
+        return cache[dtype, form]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -173,22 +189,27 @@ CASES = [  # img_shapes, txt_len, batch: all differ from the export sample
 ]
 
 
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
 @pytest.mark.parametrize("img_shapes,txt_len,batch", CASES)
-def test_ort_matches_module_fp32(fp32_model, img_shapes, txt_len, batch):
-    info = ModelInfo.load(fp32_model)
+def test_ort_matches_module_fp32(form_models, form, img_shapes, txt_len, batch):
+    path = form_models("fp32", form)
+    info = ModelInfo.load(path)
+    assert info.config["attention"] == form
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=1)
     if batch == 2:
         assert not feeds["encoder_hidden_states_mask"].all()  # a text mask is exercised
-    outs = _run(fp32_model, feeds)
+    outs = _run(path, feeds)
     for got, ref in zip(outs, _ref(info, feeds)):
         err = np.abs(got - ref.numpy()).max()
         assert err <= 2e-6 * max(1.0, np.abs(ref.numpy()).max()), err
 
 
-def test_ort_matches_module_fp16(fp16_model):
-    info = ModelInfo.load(fp16_model)
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
+def test_ort_matches_module_fp16(form_models, form):
+    path = form_models("fp16", form)
+    info = ModelInfo.load(path)
     feeds = make_inputs(info, [(1, 6, 5), (1, 3, 4)], 9, 2, seed=2)
-    for got, ref in zip(_run(fp16_model, feeds), _ref(info, feeds)):
+    for got, ref in zip(_run(path, feeds), _ref(info, feeds)):
         ref = ref.float().numpy()
         scale = np.abs(ref).max()
         ulp = 2.0 ** (np.floor(np.log2(scale)) - 10)
@@ -212,7 +233,8 @@ def test_ort_matches_module_bf16_cuda(tmp_path):
         assert np.abs(got.astype(np.float32) - ref).max() <= 2 * ulp
 
 
-def test_ort_matches_diffusers(tmp_path):
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
+def test_ort_matches_diffusers(tmp_path, form):
     """Weights from a diffusers Attention (--weights), compared with diffusers' own forward
     (complex RoPE) at sizes other than the export size, batch 2, a text mask, edit images."""
     from safetensors.torch import save_file
@@ -223,7 +245,8 @@ def test_ort_matches_diffusers(tmp_path):
     weights = tmp_path / "attn.safetensors"
     save_file({k: v.contiguous() for k, v in attn.state_dict().items()}, str(weights))
     out = tmp_path / "d.onnx"
-    info, _ = export_attention(out, heads=HEADS, head_dim=HEAD_DIM, weights=weights)
+    info, _ = export_attention(out, heads=HEADS, head_dim=HEAD_DIM, weights=weights,
+                               attention=form)
     img_shapes, txt_len = [(1, 4, 5), (1, 2, 3)], 7
     feeds = make_inputs(info, img_shapes, txt_len, 2, seed=4)
     axes = tuple(info.config["axes_dims_rope"])

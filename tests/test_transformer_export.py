@@ -44,6 +44,14 @@ def exported(tiny_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def exported_onnx23(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tr23") / "tiny23.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(tiny_dir),
+                 "--layers", "2", "--attention", "onnx23", "--out", str(out)]) == 0
+    return out
+
+
 def test_graph(exported):
     model = onnx.load(str(exported))
     nodes = [n for n in model.graph.node if n.op_type == contract.OP_TYPE]
@@ -61,13 +69,16 @@ def test_graph(exported):
     onnx.checker.check_model(str(exported), full_check=True)
 
 
+@pytest.mark.parametrize("form", ["primitive", "onnx23"])
 @pytest.mark.parametrize("img_shapes,txt_len,batch", [
     ([(1, 6, 5)], 9, 2),
     ([(1, 4, 4), (1, 3, 5)], 7, 2),   # edit shapes
     ([(1, 3, 3)], 5, 1),
 ])
-def test_matches_diffusers_forward(exported, tiny_dir, img_shapes, txt_len, batch):
+def test_matches_diffusers_forward(request, tiny_dir, form, img_shapes, txt_len, batch):
+    exported = request.getfixturevalue("exported" if form == "primitive" else "exported_onnx23")
     info = ModelInfo.load(exported)
+    assert info.config["attention"] == form
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=7)
     sess = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)[0]

@@ -12,6 +12,7 @@ from qkrope.errors import InputError
 DESCRIPTION = "qkrope export: the Qwen-Image attention block or a whole diffusers transformer to ONNX."
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_OPSET, MIN_OPSET, MAX_OPSET = 18, 18, 23
+ATTENTION_FORMS = ("primitive", "onnx23")  # qkrope.export.attention.ATTENTION_FORMS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,8 +24,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32",
                    help="weights and activations (caches stay fp32); the engine's precision")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+    p.add_argument("--opset", type=int, default=None,
+                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET}; 23 with "
+                        f"--attention onnx23)")
+    p.add_argument("--attention", choices=ATTENTION_FORMS, default=ATTENTION_FORMS[0],
+                   help="how softmax attention is written: primitive = MatMul, mask bias, "
+                        "Softmax, MatMul (the pattern TensorRT fuses; any opset; default), "
+                        "onnx23 = one opset-23 Attention node per block (ONNX Runtime 1.23+, "
+                        "TensorRT 10.14+)")
     p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
                    help="sample image in latent patches; repeat for edit condition images")
     p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
     common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
-                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding)
+                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding,
+                  attention=args.attention)
     attention_only = {"--heads": args.heads, "--head-dim": args.head_dim,
                       "--rotary-dim": args.rotary_dim, "--neox": args.neox or None,
                       "--eps": args.eps, "--weights": args.weights, "--seed": args.seed}
