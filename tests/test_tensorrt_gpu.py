@@ -6,8 +6,8 @@ Run where TensorRT 10.7+ and CUDA exist, after `qkrope build-plugin`:
 
 Covers: the engine really uses the QKNormRoPE plugin (one plugin layer per node), the sidecar,
 the TensorRT runner against ONNX Runtime (fp32) and the eager module (bf16), dynamic shapes inside
-the profile, checks before execution, per-thread contexts, a version-compatible build, and the CLI
-with a timing cache.
+the profile, checks before execution, per-thread contexts, a version-compatible build, the CLI
+with a timing cache, a refit round trip by parameter name, and the opset-23 Attention form.
 """
 
 from __future__ import annotations
@@ -222,3 +222,63 @@ def test_cli_build_with_timing_cache(fp32, tmp_path):
     assert rc == 0
     assert out.stat().st_size > 0 and cache.stat().st_size > 0
     assert json.loads(Path(str(out) + ".json").read_text())["builder_optimization_level"] == 2
+
+
+def test_refit_round_trip(tmp_path):
+    """build --refit marks exactly the exported parameters refittable; qkrope refit with another
+    seed's weights (by diffusers name) makes the engine compute that model."""
+    import tensorrt as trt
+    from safetensors.torch import save_file
+
+    from qkrope import cli, runtime
+    from qkrope.export.onnx_export import build_attention
+
+    module_a = _export(tmp_path / "a.onnx", "fp32")
+    side = _build(tmp_path / "a.onnx", tmp_path / "a.engine", refit=True)
+    assert side.refittable
+    params = side.config["parameters"]
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(
+        (tmp_path / "a.engine").read_bytes())
+    names = set(trt.Refitter(engine, trt.Logger(trt.Logger.WARNING)).get_all_weights())
+    assert set(params) <= names  # every parameter refittable (and, with REFIT_INDIVIDUAL, only
+    del engine                   # they and the weights TensorRT ties to them)
+    module_b = build_attention({**side.config, "seed": 1})
+    save_file({k: v.contiguous() for k, v in module_b.state_dict().items()},
+              str(tmp_path / "b.safetensors"))
+    assert cli.main(["refit", str(tmp_path / "a.engine"), "--state-dict",
+                     str(tmp_path / "b.safetensors"), "-o", str(tmp_path / "b.engine")]) == 0
+    hs, ehs, caches = _inputs("cuda")
+    mask = torch.ones(hs.shape[0], S_TXT, dtype=torch.bool, device="cuda")
+    mask[0, -1] = False
+    outs = {}
+    for path, module in ((tmp_path / "a.engine", module_a), (tmp_path / "b.engine", module_b)):
+        got = runtime.load(path, copy_outputs=True)(hs, ehs, caches, mask)
+        with torch.no_grad():
+            ref = module.cuda()(hs, ehs, caches, mask)
+        for g, r in zip(got, ref):  # the tolerance of test_trt_runner_matches_onnxruntime
+            torch.testing.assert_close(g, r, atol=2e-4, rtol=1e-3)
+        outs[path.stem] = got[0]
+    assert not torch.allclose(outs["a"], outs["b"])  # the refit changed what it computes
+
+
+def test_onnx23_attention_engine(tmp_path):
+    """--attention onnx23 parses (TensorRT 10.14+ has the Attention operator) and matches ORT."""
+    import tensorrt as trt
+
+    from qkrope import runtime
+    from qkrope.export.onnx_export import export_attention
+
+    if tuple(int(x) for x in trt.__version__.split(".")[:2]) < (10, 14):
+        pytest.skip(f"requires TensorRT 10.14+ (the ONNX Attention operator); found "
+                    f"{trt.__version__}")
+    export_attention(tmp_path / "a23.onnx", heads=HEADS, head_dim=HEAD_DIM, img_shapes=IMG_SHAPES,
+                     txt_len=S_TXT, batch=2, attention="onnx23")
+    _build(tmp_path / "a23.onnx", tmp_path / "a23.engine")
+    hs, ehs, caches = _inputs("cuda")
+    mask = torch.ones(hs.shape[0], S_TXT, dtype=torch.bool, device="cuda")
+    mask[0, -1] = False
+    got = runtime.load(tmp_path / "a23.engine", copy_outputs=True)(hs, ehs, caches, mask)
+    ort_runner = runtime.load(tmp_path / "a23.onnx", providers=["CPUExecutionProvider"])
+    ref = ort_runner(hs.cpu(), ehs.cpu(), tuple(c.cpu() for c in caches), mask.cpu())
+    for g, r in zip(got, ref):  # the tolerance of test_trt_runner_matches_onnxruntime
+        torch.testing.assert_close(g.cpu(), r, atol=2e-4, rtol=1e-3)
