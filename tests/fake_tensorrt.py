@@ -93,6 +93,11 @@ class Refitter:
         if weights.dtype.name != dtype or weights.size != count:
             return False
         self.set[name] = weights
+        if weights.ptr:  # the bytes TensorRT would copy (read now: the caller owns the buffer)
+            import ctypes
+
+            itemsize = {"FLOAT": 4, "HALF": 2, "BF16": 2, "INT32": 4, "INT64": 8}[dtype]
+            self.engine.values[name] = ctypes.string_at(weights.ptr, count * itemsize)
         return True
 
     def get_missing_weights(self):
@@ -109,6 +114,7 @@ class RefittableEngine:
 
     def __init__(self, weights, refittable=True):
         self.weights, self.refittable, self.refits = dict(weights), refittable, []
+        self.values: dict[str, bytes] = {}  # what set_named_weights passed, per name
 
     def serialize(self):
         return IHostMemory(b"REFITTED-ENGINE-%d" % len(self.refits))

@@ -47,8 +47,9 @@ def test_missing_extra_and_mismatched_keys_are_clear_errors(state_dict):
                                             r"engine: lora_A.weight"):
         rf.refit_engine(trt, engine, None, more)
     wrong = dict(state_dict)
-    wrong[key] = state_dict[key].to(torch.bfloat16)
-    with pytest.raises(rf.RefitError, match=rf"differ in dtype or size.*{key}: engine float32"):
+    wrong[key] = state_dict[key].to(torch.int32)
+    with pytest.raises(rf.RefitError, match=rf"not floating-point.*{key}: engine float32 x "
+                                            rf"\d+, state dict int32"):
         rf.refit_engine(trt, engine, None, wrong)
     wrong[key] = torch.zeros(state_dict[key].numel() + 1)
     with pytest.raises(rf.RefitError, match=rf"{key}: engine float32 x \d+, state dict float32"):
@@ -59,6 +60,23 @@ def test_missing_extra_and_mismatched_keys_are_clear_errors(state_dict):
                              allow_missing=True, allow_extra=True)
     assert report.not_covered == [key] and report.not_in_engine == ["extra"]
     assert engine.refits == [sorted(fewer)]
+
+
+def test_other_float_dtypes_are_converted_like_the_export(state_dict):
+    """fp32 weights into an fp16 engine (and bf16 into fp32): each weight rounded once to the
+    engine's dtype, reported, and the bytes handed to TensorRT are what the export writes."""
+    trt, _ = ft.make_fake_trt()
+    fp16 = ft.RefittableEngine({k: ("HALF", v.numel()) for k, v in state_dict.items()})
+    report = rf.refit_engine(trt, fp16, None, state_dict)
+    assert report.cast == sorted(state_dict) and fp16.refits == [sorted(state_dict)]
+    for key, value in state_dict.items():
+        assert fp16.values[key] == value.half().numpy().tobytes(), key
+    fp32 = _engine_for(state_dict)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in state_dict.items()}
+    assert rf.refit_engine(trt, fp32, None, bf16).cast == sorted(state_dict)
+    key = sorted(state_dict)[0]
+    assert fp32.values[key] == bf16[key].float().numpy().tobytes()
+    assert rf.refit_engine(trt, fp32, None, state_dict).cast == []  # same dtype: no conversion
 
 
 def test_not_refittable_engine_is_refused(state_dict):

@@ -9,8 +9,9 @@ Every engine weight that is a parameter must be given by the state dict and ever
 must be an engine weight, except the keys the export recorded as not in the graph
 (``config.parameters_not_in_graph``: blocks past ``--layers``, the last block's text-output
 path); ``--allow-missing`` / ``--allow-extra`` relax that to a report. Engine weights that are
-no parameter (constants the export made) keep their values. Element counts and dtypes must
-match exactly (nothing is cast). The refitted engine and its sidecar are written
+no parameter (constants the export made) keep their values. Element counts must match; a
+floating-point weight of another float dtype is converted to the engine's (one rounding, what
+``qkrope export --dtype`` does to the same weights), anything else is refused. The refitted engine and its sidecar are written
 as a pair (:func:`qkrope._fileio.staged_outputs`), in place or to ``-o``.
 
 TensorRT 10.x/11 API used: ``trt.Refitter(engine, logger)``, ``get_all_weights()``,
@@ -41,6 +42,10 @@ class RefitReport:
     not_in_engine: list[str] = field(default_factory=list)  # state-dict keys the engine lacks
     not_in_graph: list[str] = field(default_factory=list)   # keys the export left out (expected)
     constants: list[str] = field(default_factory=list)      # engine weights that are no parameter
+    cast: list[str] = field(default_factory=list)           # converted to the engine's float dtype
+
+
+_FLOAT_NAMES = ("float32", "float16", "bfloat16")
 
 
 def _short(names, n=8) -> str:
@@ -106,18 +111,22 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
             mismatched.append(f"{name}: not a tensor ({type(t).__name__})")
             continue
         got_dtype = dtypes.canonical(t.dtype)
-        if got_dtype != want_dtype or t.numel() != want_count:
+        floats = t.is_floating_point() and want_dtype in _FLOAT_NAMES
+        if (got_dtype != want_dtype and not floats) or t.numel() != want_count:
             mismatched.append(f"{name}: engine {want_dtype} x {want_count}, state dict "
                               f"{got_dtype} {list(t.shape)} ({t.numel()})")
             continue
+        if got_dtype != want_dtype:  # what the export does to them: one rounding to the dtype
+            t = t.to(dtypes.torch_dtype(want_dtype))
+            report.cast.append(name)
         keep.append((name, t, current.dtype))
     if mismatched:
-        problems.append(f"{len(mismatched)} weight(s) differ in dtype or size (nothing is "
-                        f"cast): " + "; ".join(mismatched[:8])
+        problems.append(f"{len(mismatched)} weight(s) differ in size or are not floating-point "
+                        f"where the engine's are: " + "; ".join(mismatched[:8])
                         + (f" (+{len(mismatched) - 8} more)" if len(mismatched) > 8 else ""))
     if problems:
         raise RefitError("cannot refit: " + "; ".join(problems) + ". Fix: pass the state dict "
-                         "of the model the engine was exported from (same config and dtype), or "
+                         "of the model the engine was exported from (same config; other float dtypes are converted), or "
                          "--allow-missing / --allow-extra to refit only the names in both")
     alive = []  # the host copies stay referenced until refit_cuda_engine returns
     for name, t, trt_dtype in keep:
@@ -232,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
              if report.not_covered else "")
           + (f"; ignored {len(report.not_in_engine)} unknown key(s)"
              if report.not_in_engine else "")
+          + (f"; converted {len(report.cast)} to the engine's dtype" if report.cast else "")
           + (f"; skipped {len(report.not_in_graph)} key(s) the export left out of the graph"
              if report.not_in_graph else ""))
     return 0
