@@ -126,8 +126,9 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
                         + (f" (+{len(mismatched) - 8} more)" if len(mismatched) > 8 else ""))
     if problems:
         raise RefitError("cannot refit: " + "; ".join(problems) + ". Fix: pass the state dict "
-                         "of the model the engine was exported from (same config; other float dtypes are converted), or "
-                         "--allow-missing / --allow-extra to refit only the names in both")
+                         "of a model with the engine's config (its float weights may be of any "
+                         "float dtype), or --allow-missing / --allow-extra to refit only the "
+                         "names in both")
     alive = []  # the host copies stay referenced until refit_cuda_engine returns
     for name, t, trt_dtype in keep:
         host = t.detach().to("cpu").contiguous()
