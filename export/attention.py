@@ -144,13 +144,10 @@ def check_block_inputs(hidden_states: torch.Tensor, encoder_hidden_states: torch
                              f"(encoder_hidden_states {_shape(encoder_hidden_states)}); got {got}")
 
 
-#: How the exported graph spells softmax(q k^T / sqrt(D) + mask) v (``qkrope export --attention``):
-#: ``primitive``: MatMul -> Add(mask bias) -> Softmax -> MatMul, the pattern TensorRT's attention
-#: fusion matches and every ONNX backend runs (any opset); ``onnx23``: one opset-23 ``Attention``
-#: node (bool mask), for backends with a kernel for that operator (needs opset 23).
-ATTENTION_FORMS = ("primitive", "onnx23")
-DEFAULT_ATTENTION_FORM = "primitive"
-ATTENTION_OPSET = {"primitive": 18, "onnx23": 23}  # the lowest opset each form exists in
+#: How the exported graph spells softmax(q k^T / sqrt(D) + mask) v: :data:`contract.ATTENTION_FORMS`
+#: (``qkrope export --attention``), see :func:`_attention`.
+ATTENTION_FORMS = contract.ATTENTION_FORMS
+DEFAULT_ATTENTION_FORM = contract.DEFAULT_ATTENTION_FORM
 _EXPORT_FORM: contextvars.ContextVar[str] = contextvars.ContextVar(
     "qkrope_attention_form", default=DEFAULT_ATTENTION_FORM)
 
@@ -158,8 +155,9 @@ _EXPORT_FORM: contextvars.ContextVar[str] = contextvars.ContextVar(
 def check_attention_form(form: str, opset: int | None = None) -> str:
     if form not in ATTENTION_FORMS:
         raise InputError(f"--attention must be one of {', '.join(ATTENTION_FORMS)}; got {form!r}")
-    if opset is not None and int(opset) < ATTENTION_OPSET[form]:
-        raise InputError(f"--attention {form} needs --opset {ATTENTION_OPSET[form]} or newer (the "
+    need = contract.ATTENTION_MIN_OPSET.get(form)
+    if opset is not None and need is not None and int(opset) < need:
+        raise InputError(f"--attention {form} needs --opset {need} or newer (the "
                          f"ONNX Attention operator was added in opset 23); got --opset {opset}")
     return form
 

@@ -48,7 +48,7 @@ from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this 
 from qkrope import contract
 from qkrope._progress import Steps
 
-from .attention import (ATTENTION_FORMS, ATTENTION_OPSET, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
+from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
                         attention_form, check_attention_form)
 from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
                             FunctionVariant, make_function_proto, qk_norm_rope_translation)
@@ -446,7 +446,8 @@ def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: in
 
 def default_opset(attention: str = DEFAULT_ATTENTION_FORM) -> int:
     """DEFAULT_OPSET, or the lowest opset that has the attention form (23 for ``onnx23``)."""
-    return max(DEFAULT_OPSET, ATTENTION_OPSET[check_attention_form(attention)])
+    return max(DEFAULT_OPSET,
+               contract.ATTENTION_MIN_OPSET.get(check_attention_form(attention), DEFAULT_OPSET))
 
 
 def _check_opset(opset: int) -> int:

@@ -35,6 +35,13 @@ DEFAULT_EPS = 1e-6
 DEFAULT_INTERLEAVED = True
 DEFAULT_ROUNDING = 0
 
+# The attention around the node (docs/spec.md section 4; `qkrope export --attention`; built in
+# export/attention.py): "primitive" = MatMul, mask bias, Softmax, MatMul, any opset the exporter
+# writes; "onnx23" = one opset-23 ONNX Attention node, which needs that opset.
+ATTENTION_FORMS = ("primitive", "onnx23")
+DEFAULT_ATTENTION_FORM = ATTENTION_FORMS[0]
+ATTENTION_MIN_OPSET = {"onnx23": 23}
+
 
 @dataclass(frozen=True)
 class Attribute:

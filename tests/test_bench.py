@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
@@ -416,12 +417,9 @@ def test_attach_ratios_pairs_rows_of_the_same_set():
 
 def test_onnx23_rows_are_skipped_with_the_reason(monkeypatch, tmp_path):
     """Explicit skips, never silent: the default asks for both forms; a form that cannot run
-    leaves rows that say why (the exporter's or ONNX Runtime's reason)."""
+    leaves rows that say why (ONNX Runtime's reason)."""
     cfg = bench.Config(sizes=[64, 128], batches=[1], dtype="float32", heads=2, head_dim=32,
                        text_len=8, iters=1, warmup=0, device="cpu", threads=[1, 2])
-    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "no attention= option")
-    assert bench.resolve_forms(cfg) == (["primitive"], {"onnx23": "no attention= option"})
-    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "")
     monkeypatch.setattr(bench, "ort_attention23_reason", lambda: "ORT says no")
     assert bench.resolve_forms(cfg) == (["primitive"], {"onnx23": "ORT says no"})
     cfg.attention = ["onnx23"]
@@ -432,7 +430,7 @@ def test_onnx23_rows_are_skipped_with_the_reason(monkeypatch, tmp_path):
     assert bench.resolve_forms(cfg) == (["primitive", "onnx23"], {})
 
     # in a run: every (thread set, size) gets its skipped onnx23 row; nothing is exported
-    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "no attention= option")
+    monkeypatch.setattr(bench, "ort_attention23_reason", lambda: "ORT says no")
     monkeypatch.setattr(bench, "_export_onnx", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("export disabled in this test")))
     cfg = bench.Config(sizes=[64, 128], batches=[1], dtype="float32", heads=2, head_dim=32,
@@ -440,21 +438,41 @@ def test_onnx23_rows_are_skipped_with_the_reason(monkeypatch, tmp_path):
     rows = bench.run_bench(cfg, log=lambda s: None)
     skipped = [r for r in rows if r.attention == "onnx23"]
     assert sorted((r.threads, r.size) for r in skipped) == [(1, 64), (1, 128), (2, 64), (2, 128)]
-    assert all(r.status == "skipped" and r.reason == "no attention= option" for r in skipped)
+    assert all(r.status == "skipped" and r.reason == "ORT says no" for r in skipped)
     prim = [r for r in rows if r.backend == "onnxruntime-cpu" and r.attention == "primitive"]
     assert len(prim) == 4 and all(r.status == "skipped" and "export disabled" in r.reason
                                   for r in prim)
     assert all(r.reason for r in rows if r.status != "ok")
-    assert "- onnxruntime-cpu (onnx23): skipped, no attention= option (4 rows)" in \
+    assert "- onnxruntime-cpu (onnx23): skipped, ORT says no (4 rows)" in \
         measure.format_bench_table(rows)
 
 
-def test_ort_probe_of_opset23_attention():
-    """The probe answers "" or a reason naming ONNX Runtime, never raises."""
+@pytest.mark.skipif(not HAVE_EXPORTER, reason="requires the exporter's dependencies")
+def test_ort_probe_of_opset23_attention_agrees_with_the_export(tmp_path, monkeypatch):
+    """The probe says "" exactly when ONNX Runtime runs a real onnx23 export (bool text mask
+    with padding), and a reason naming ONNX Runtime's version when its session fails."""
     import onnxruntime as ort
 
+    from qkrope.export.onnx_export import export_attention
+    from qkrope.runtime.inputs import make_inputs
+
+    info, _ = export_attention(tmp_path / "a.onnx", heads=2, head_dim=16, attention="onnx23")
+    feeds = make_inputs(info, [(1, 3, 3)], 5, 2, seed=0)
+    feeds["encoder_hidden_states_mask"][0, -2:] = False
+    try:
+        ort.InferenceSession(str(tmp_path / "a.onnx"),
+                             providers=["CPUExecutionProvider"]).run(None, feeds)
+        runs = True
+    except Exception:  # noqa: BLE001
+        runs = False
+    assert (bench.ort_attention23_reason() == "") == runs
+
+    def refuse(*a, **k):
+        raise RuntimeError("no kernel for Attention(23)")
+
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
     reason = bench.ort_attention23_reason()
-    assert reason == "" or (ort.__version__ in reason and "Attention" in reason)
+    assert ort.__version__ in reason and "no kernel for Attention(23)" in reason
 
 
 _LAYER = {"Name": "x", "LayerType": "CaskGemmMatrixMultiply", "Inputs": [], "Outputs": [],
@@ -466,43 +484,65 @@ def _layers(*layers):
                                   for l in layers], "Bindings": ["hidden_states"]})
 
 
+SPAN = ("node_softmax",)  # the model's Softmax node (attention_span_nodes of the export)
+
+
 @pytest.mark.parametrize("info, want, basis", [
     # a fused MHA kernel as a layer's tactic
     (_layers({"Name": "q_proj"}, {"Name": "_gemm_mha_v2_myl0_3", "LayerType": "kgen",
                                   "TacticName": "fmha_v2_flash_attention_bf16_64_64_S_128_sm90"}),
-     True, "fmha_v2_flash_attention"),
-    # an IAttention layer
-    (_layers({"Name": "attn", "LayerType": "Attention", "TacticName": ""}), True, "Attention"),
-    # the softmax inside a Myelin region
+     "yes", "fmha_v2_flash_attention"),
+    # an IAttention layer holding the span node, its kernel not named: inferred only
+    (_layers({"Name": "attn", "LayerType": "Attention", "TacticName": "",
+              "Metadata": "[ONNX Layer: node_softmax]"}), "likely", "IAttention layer"),
+    # the softmax inside a Myelin region: inferred only
     (_layers({"Name": "{ForeignNode[node_matmul...node_matmul_1]}", "LayerType": "Myelin",
               "TacticName": "", "Metadata": "[ONNX Layer: node_matmul]\u001f"
                                             "[ONNX Layer: node_softmax]\u001f"
                                             "[ONNX Layer: node_matmul_1]"}),
-     True, "Myelin region"),
+     "likely", "Myelin region"),
+    # a Myelin region whose metadata names a node called ...attention..., not the span node
+    (_layers({"Name": "{ForeignNode[node_linear...node_attention_out]}", "LayerType": "Myelin",
+              "TacticName": "", "Metadata": "[ONNX Layer: node_attention_out]"}),
+     "unknown", "no attention kernel"),
     # the softmax as its own layer: BMM1, Softmax, BMM2 apart
     (_layers({"Name": "node_matmul"}, {"Name": "node_softmax", "LayerType": "CaskSoftMax",
                                        "TacticName": "0x3e8"}, {"Name": "node_matmul_1"}),
-     False, "its own layer"),
+     "no", "its own layer"),
     # a Myelin region elsewhere and a separate softmax: not fused
     (_layers({"Name": "{ForeignNode[node_view...node_linear]}", "LayerType": "Myelin",
               "TacticName": "", "Metadata": "[ONNX Layer: node_linear]"},
              {"Name": "node_softmax", "LayerType": "SoftMax", "TacticName": ""}),
-     False, "node_softmax"),
+     "no", "node_softmax"),
     # layer names only (no DETAILED verbosity), nothing said
-    (json.dumps({"Layers": ["node_matmul", "node_add", "node_matmul_1"]}), None, "names only"),
+    (json.dumps({"Layers": ["node_matmul", "node_add", "node_matmul_1"]}), "unknown",
+     "names only"),
     # names only, a separate softmax named
-    (json.dumps({"Layers": ["node_matmul", "node_softmax", "node_matmul_1"]}), False,
+    (json.dumps({"Layers": ["node_matmul", "node_softmax", "node_matmul_1"]}), "no",
      "node_softmax"),
     # an ONNX node *named* attention is no evidence of a fused kernel
     (_layers({"Name": "node_attention_out", "Metadata": "[ONNX Layer: node_attention_out]"}),
-     None, "no attention kernel"),
-    (json.dumps({"Layers": []}), None, "no layers"),
+     "unknown", "no attention kernel"),
+    (json.dumps({"Layers": []}), "unknown", "no layers"),
 ])
 def test_fused_attention_from_inspector(info, want, basis):
-    got, why = bench.fused_attention_from_inspector(info)
-    assert got is want and basis in why, why
+    got, why = bench.fused_attention_from_inspector(info, SPAN)
+    assert got == want and basis in why, why
+    assert want in bench.VERDICTS
     # a dict reads the same as its JSON text
-    assert bench.fused_attention_from_inspector(json.loads(info))[0] is want
+    assert bench.fused_attention_from_inspector(json.loads(info), SPAN)[0] == want
+
+
+def test_attention_span_nodes_of_both_forms(tmp_path):
+    """The span nodes are the export's Softmax (primitive) or Attention (onnx23) nodes."""
+    from qkrope.export.onnx_export import export_attention
+
+    for form, op in (("primitive", "Softmax"), ("onnx23", "Attention")):
+        path = tmp_path / f"{form}.onnx"
+        export_attention(path, heads=2, head_dim=16, attention=form)
+        nodes = bench.attention_span_nodes(path)
+        graph = onnx.load(str(path)).graph
+        assert nodes and nodes == [n.name for n in graph.node if n.op_type == op], form
 
 
 def test_engine_inspector_of_a_runner(tmp_path):
@@ -525,11 +565,11 @@ def test_engine_inspector_of_a_runner(tmp_path):
 
     runner = type("R", (), {"engine": Engine(), "trt": Trt})()
     fused, basis = bench._inspect_engine(runner, tmp_path / "layers.json")
-    assert (fused, asked) == (False, ["json-format"]) and "node_softmax" in basis
+    assert (fused, asked) == ("no", ["json-format"]) and "node_softmax" in basis
     assert json.loads((tmp_path / "layers.json").read_text())["Layers"][0]["Name"] == \
         "node_softmax"
-    assert bench._inspect_engine(object()) == (None, "the runner exposes no TensorRT engine "
-                                                     "to inspect")
+    assert bench._inspect_engine(object()) == ("unknown", "the runner exposes no TensorRT "
+                                                          "engine to inspect")
 
 
 def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
@@ -537,10 +577,11 @@ def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
     not be registered yet), given engines not rebuilt, failures as reasons."""
     from qkrope.runtime import engine as E
 
-    built = []
+    built, seen_options = [], []
 
     def fake_build(onnx_path, engine_path, opts):
         built.append((Path(onnx_path).name, Path(engine_path).name, opts.use_plugin))
+        seen_options.append({"profiling_verbosity": opts.profiling_verbosity})
         if "onnx23" in str(engine_path) and opts.use_plugin:
             raise RuntimeError("parser: no importer for Attention")
 
@@ -558,9 +599,7 @@ def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
     path, reason = out[("trt-plugin", "onnx23")]
     assert path is None and "no importer for Attention" in reason
     assert ("trt-plugin", "primitive") not in out
-    fields = {f.name for f in __import__("dataclasses").fields(E.BuildOptions)}
-    assert bench._detailed_profiling(E) == (
-        {"profiling_verbosity": "detailed"} if "profiling_verbosity" in fields else {})
+    assert all(kw["profiling_verbosity"] == "detailed" for kw in seen_options)
 
 
 def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, monkeypatch):
@@ -586,7 +625,7 @@ def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, 
     onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
     E.build_engine(onnx_path, tmp_path / "a.engine",
                    E.BuildOptions(plugin=str(lib), progress=False,
-                                  **bench._detailed_profiling(E)), log=io.StringIO())
+                                  profiling_verbosity="detailed"), log=io.StringIO())
     assert state.config.profiling_verbosity == "PV.DETAILED"
     E.build_engine(onnx_path, tmp_path / "b.engine",
                    E.BuildOptions(plugin=str(lib), progress=False), log=io.StringIO())
@@ -595,11 +634,7 @@ def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, 
         E.check_options(E.BuildOptions(profiling_verbosity="loud"))
 
 
-def _exporter_has_onnx23() -> bool:
-    return HAVE_EXPORTER and bench.exporter_attention_reason() == ""
-
-
-@pytest.mark.skipif(not _exporter_has_onnx23(), reason="the exporter has no attention= option")
+@pytest.mark.skipif(not HAVE_EXPORTER, reason="requires the exporter's dependencies")
 def test_onnx23_form_runs_under_ort_with_its_attention_node(tmp_path, monkeypatch):
     """Both forms by default where they run: one export each (the onnx23 one at opset 23 with
     Attention nodes), one ORT row each, and ORT's profile of the onnx23 rows shows its
@@ -698,7 +733,6 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "time_interleaved", lambda calls, **kw: measure.time_interleaved(
         calls, iters=kw["iters"], warmup=kw["warmup"], cuda=False))
     monkeypatch.setattr(bench, "_bench_kernel", lambda cfg, rows, machine: None)
-    monkeypatch.setattr(bench, "exporter_attention_reason", lambda: "")
     cfg = bench.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
                        text_len=8, iters=2, warmup=0, device="cuda", out=tmp_path,
                        plugin="/x/libqkrope_plugin.so", attention=["primitive"])
@@ -713,9 +747,10 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
                              ("trt-function-body", "onnx23"), ("trt-plugin", "onnx23")}
     for form in ("primitive", "onnx23"):
         fb = trt_rows[("trt-function-body", form)]
-        assert fb.status == "ok" and fb.fused_attention is False and "own layer" in fb.note
+        assert fb.status == "ok" and fb.fused_attention == "no" and "own layer" in fb.note
     p = trt_rows[("trt-plugin", "primitive")]
-    assert p.status == "ok" and p.fused_attention is True and "Myelin" in p.fused_attention_basis
+    assert p.status == "ok" and p.fused_attention == "likely"
+    assert "Myelin" in p.fused_attention_basis
     s = trt_rows[("trt-plugin", "onnx23")]
     assert s.status == "skipped" and "no Attention importer" in s.reason
     assert ("attention.primitive.trt-plugin.engine", "/x/libqkrope_plugin.so") in loaded
@@ -724,4 +759,4 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
             / "layers.trt-plugin.primitive.json").exists()          # kept with the engines
     assert not [r for r in rows if r.backend == "onnxruntime-cpu"]   # no ORT rows on a GPU
     md = measure.format_bench_table(rows)
-    assert "| trt-plugin | primitive |" in md and "fused attention: yes" in md
+    assert "| trt-plugin | primitive |" in md and "fused attention: likely" in md

@@ -82,8 +82,6 @@ def test_static_help_lines_and_defaults_match_their_sources():
     assert tuple(sorted(onnx_export.TORCH_DTYPES)) == export.DTYPES
     assert (export.DEFAULT_OPSET, export.MIN_OPSET, export.MAX_OPSET) == (
         onnx_function.DEFAULT_OPSET, onnx_function.MIN_OPSET, onnx_function.MAX_OPSET)
-    assert export.ATTENTION_FORMS == onnx_export.ATTENTION_FORMS
-    assert export.ATTENTION_FORMS[0] == onnx_export.DEFAULT_ATTENTION_FORM
     assert build_plugin.DEFAULT_BUILD_DIR == plugin_build.DEFAULT_BUILD_DIR
     from qkrope import sidecars
     from qkrope.apps import build, triton_repo

@@ -69,13 +69,15 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
+from qkrope import contract
 from qkrope.errors import InputError
 
-from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens, machine_info, peak_gbps, summarize, time_interleaved)
+from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
+                      machine_info, summarize, time_interleaved)
 
 
 REQUIRES_CUDA = "requires CUDA (no GPU visible to torch)"
@@ -100,10 +102,10 @@ def parse_int_list(text: str | Sequence[int]) -> list[int]:
     return vals
 
 
-#: the attention forms of the export (``export_attention(attention=...)``)
-ATTENTION_FORMS = ("primitive", "onnx23")
-#: the opset an ``onnx23`` export needs (``Attention`` is an opset-23 operator)
-ONNX23_OPSET = 23
+#: the attention forms of the export (``export_attention(attention=...)``), stated once there
+ATTENTION_FORMS = contract.ATTENTION_FORMS
+#: ONNX Runtime profiled runs per row (after one warm-up run), unless --profile-runs says
+DEFAULT_PROFILE_RUNS = 3
 
 
 def available_threads() -> int:
@@ -263,38 +265,50 @@ def profile_summary(profile: Mapping[str, Any] | None, *, ops: int = 4) -> str:
 
 
 _FUSED_KERNEL = re.compile(r"fmha|mha|flash|attention", re.IGNORECASE)
+#: fused_attention values: a kernel named so; the span inside one Myelin region; separate
+#: kernels; the information cannot tell
+VERDICTS = ("yes", "likely", "no", "unknown")
+
+
+def attention_span_nodes(onnx_path: Path) -> list[str]:
+    """The names of the nodes a fused attention must swallow: every Softmax (primitive form)
+    and every ``Attention`` node (onnx23) of the model's main graph."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return [n.name for n in model.graph.node
+            if n.name and n.domain in ("", "ai.onnx") and n.op_type in ("Softmax", "Attention")]
 
 
 def fused_attention_from_inspector(info: str | Mapping[str, Any],
-                                   span: Sequence[str] = ("softmax", "attention")
-                                   ) -> tuple[bool | None, str]:
-    """Whether a TensorRT engine runs attention as a fused layer, from its inspector's layer
+                                   span_nodes: Sequence[str] = ()) -> tuple[str, str]:
+    """Whether a TensorRT engine runs attention as a fused kernel, from its inspector's layer
     information (``IEngineInspector.get_engine_information(LayerInformationFormat.JSON)``).
-    Returns ``(answer, basis)``; ``answer`` is None where the information cannot tell.
+    Returns ``(verdict, basis)``, the verdict one of :data:`VERDICTS`.
 
-    Basis, in this order:
+    ``span_nodes``: the ONNX names of the model's Softmax / Attention nodes
+    (:func:`attention_span_nodes`); the metadata of a TensorRT layer lists the ONNX nodes it
+    came from, so a name there places that node inside the layer. Rules, in this order:
 
-    1. **yes**: a layer whose kernel says attention: its ``TacticName`` or ``LayerType``
-       mentions ``fmha``/``mha``/``flash``/``attention`` (TensorRT's fused multi-head attention
-       kernels are named so; ``LayerType`` ``Attention`` is an ``IAttentionLayer``);
-    2. **yes, inferred**: a Myelin layer (``LayerType`` ``Myelin``, or a ``{ForeignNode[...]}``
-       name) whose name or metadata names a node in ``span`` (the Softmax, or an ONNX
-       ``Attention`` node): TensorRT hands the span from BMM1 through BMM2 to Myelin, which is
-       where it fuses attention; the inspector does not list the kernels inside that region;
-    3. **no**: the softmax is a layer of its own outside Myelin (``LayerType`` or name
-       ``softmax``), so BMM1, Softmax and BMM2 run as separate kernels;
+    1. **yes**: a layer's ``TacticName`` mentions ``fmha``/``mha``/``flash``/``attention``
+       (TensorRT's fused multi-head attention kernels are named so);
+    2. **likely**: a layer that swallowed a span node without naming its kernel: a Myelin
+       region (``LayerType`` ``Myelin`` or a ``{ForeignNode[...]}`` name) or an
+       ``IAttentionLayer`` (``LayerType`` ``Attention``). TensorRT fuses attention there, but
+       Myelin may still run BMM1, Softmax and BMM2 as separate kernels and the inspector does
+       not list the kernels inside, so this is an inference, said as such;
+    3. **no**: a softmax is a layer of its own outside Myelin (``LayerType`` or name
+       ``softmax``): BMM1, Softmax and BMM2 run as separate kernels;
     4. **unknown** otherwise: in particular an engine built without
-       ``ProfilingVerbosity.DETAILED`` lists layer names only, which are checked for the same
-       words but rarely say.
+       ``ProfilingVerbosity.DETAILED`` lists layer names only.
 
-    Node names are never taken as evidence of a fused kernel on their own (an ONNX node called
-    ``...attention...`` says nothing about how TensorRT ran it)."""
+    A node's *name* saying ``attention`` is never evidence (only its identity as a span node
+    is)."""
     data = json.loads(info) if isinstance(info, (str, bytes)) else info
     layers = list((data or {}).get("Layers", []) or [])
     if not layers:
-        return None, "the inspector listed no layers"
+        return "unknown", "the inspector listed no layers"
     detailed = any(isinstance(l, Mapping) for l in layers)
-    words = [w.lower() for w in span]
 
     def text(layer, key):
         v = layer.get(key, "") if isinstance(layer, Mapping) else ""
@@ -303,34 +317,39 @@ def fused_attention_from_inspector(info: str | Mapping[str, Any],
     def name(layer):
         return layer if isinstance(layer, str) else text(layer, "Name")
 
+    def onnx_nodes(layer):  # the ONNX nodes a layer came from, by its metadata
+        meta = text(layer, "Metadata")
+        return set(re.findall(r"\[ONNX Layer: ([^\]]+)\]", meta)) | {name(layer)}
+
     def is_myelin(layer):
         return text(layer, "LayerType").lower() == "myelin" or "{foreignnode[" in name(layer).lower()
 
     for layer in layers:
-        for key in ("TacticName", "LayerType"):
-            m = _FUSED_KERNEL.search(text(layer, key))
-            if m:
-                return True, f"layer {name(layer)!r}: {key} {text(layer, key)!r} names a fused " \
-                             f"attention kernel"
+        m = _FUSED_KERNEL.search(text(layer, "TacticName"))
+        if m:
+            return "yes", (f"layer {name(layer)!r}: tactic {text(layer, 'TacticName')!r} names a "
+                           f"fused attention kernel")
+    span = set(span_nodes)
     for layer in layers:
-        if is_myelin(layer):
-            spanned = (name(layer) + " " + text(layer, "Metadata")).lower()
-            hit = next((w for w in words if w in spanned), None)
-            if hit:
-                return True, (f"{hit} inside the Myelin region {name(layer)[:120]!r} (inferred: "
-                              f"TensorRT fuses attention in Myelin; the inspector does not list "
-                              f"its kernels)")
+        kind = text(layer, "LayerType")
+        if is_myelin(layer) or kind.lower() == "attention":
+            inside = sorted(onnx_nodes(layer) & span)
+            if inside:
+                where = "Myelin region" if is_myelin(layer) else "IAttention layer"
+                return "likely", (f"{inside[0]} inside the {where} {name(layer)[:120]!r} "
+                                  f"(inferred: the inspector does not list the kernels inside)")
     for layer in layers:
         if is_myelin(layer):
             continue
         if "softmax" in text(layer, "LayerType").lower() or "softmax" in name(layer).lower():
-            return False, (f"softmax is its own layer {name(layer)!r}"
-                           + (f" ({text(layer, 'LayerType')})" if detailed else "")
-                           + ": the attention runs as separate kernels")
+            return "no", (f"softmax is its own layer {name(layer)!r}"
+                          + (f" ({text(layer, 'LayerType')})" if detailed else "")
+                          + ": the attention runs as separate kernels")
     if not detailed:
-        return None, ("layer names only (engine built without ProfilingVerbosity.DETAILED): "
-                      "no attention kernel or softmax named")
-    return None, "no attention kernel, Myelin region over the softmax, or softmax layer found"
+        return "unknown", ("layer names only (engine built without ProfilingVerbosity.DETAILED):"
+                           " no attention kernel or softmax named")
+    return "unknown", ("no attention kernel, no layer holding the model's Softmax/Attention "
+                       "node, and no softmax layer found")
 
 
 def attach_ratios(rows: Sequence[BenchRow]) -> None:
@@ -432,7 +451,7 @@ class Config:
     threads: int | Sequence[int] | None = None
     # attention forms to export and measure (ATTENTION_FORMS); None: both where they run
     attention: Sequence[str] | None = None
-    profile_runs: int = 3        # ONNX Runtime profiled runs per row after one warm-up; 0: none
+    profile_runs: int = DEFAULT_PROFILE_RUNS  # ONNX Runtime profiled runs per row; 0: none
 
 
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
@@ -554,46 +573,38 @@ def _measured(cfg: Config, key: Key, size: int, batch: int, machine: dict,
                 p10_ms=st["p10_ms"], p90_ms=st["p90_ms"], iters=int(st["n"]), **kw)
 
 
-def exporter_attention_reason() -> str:
-    """"" where the exporter takes ``attention=`` (the ``onnx23`` form), else why it cannot."""
-    import inspect
-
-    from qkrope.export.onnx_export import export_attention
-
-    if "attention" in inspect.signature(export_attention).parameters:
-        return ""
-    return ("this qkrope's export_attention has no attention= option, so there is no onnx23 "
-            "export to measure")
-
-
 def ort_attention23_reason() -> str:
-    """"" where ONNX Runtime's CPU provider runs an opset-23 ``Attention`` node (probed on a
-    1 x 2 x 4 x 8 model with an additive mask), else why it does not."""
+    """"" where ONNX Runtime's CPU provider runs an opset-23 ``Attention`` node the way the
+    ``onnx23`` export uses it (4-D q/k/v, a bool mask of shape [B, 1, S, S]; probed on a
+    1 x 2 x 4 x 8 model), else why it does not."""
     try:
         import numpy as np
         import onnxruntime as ort
         from onnx import TensorProto, helper
-
+    except ImportError as exc:
+        return f"ONNX Runtime or onnx is not importable ({exc})"
+    try:
         shape = [1, 2, 4, 8]
         io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv"]
-        mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, [1, 1, 4, 4])
+        mask = helper.make_tensor_value_info("mask", TensorProto.BOOL, [1, 1, 4, 4])
         out = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
         graph = helper.make_graph([helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"])],
                                   "attention23_probe", io + [mask], [out])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX23_OPSET)])
+        opset = contract.ATTENTION_MIN_OPSET["onnx23"]
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
         model.ir_version = 10
         sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in "qkv"}
-        feeds["mask"] = np.zeros((1, 1, 4, 4), np.float32)
+        feeds["mask"] = np.ones((1, 1, 4, 4), bool)
+        feeds["mask"][..., -1] = False  # one key masked: the text-padding case
         (y,) = sess.run(None, feeds)
         if y.shape != tuple(shape):
             return f"ONNX Runtime's opset-23 Attention returned shape {y.shape}, not {shape}"
         return ""
     except Exception as exc:  # noqa: BLE001 - the reason is reported in the skipped rows
-        import onnxruntime as ort
         return (f"ONNX Runtime {ort.__version__}'s CPU provider cannot run an opset-23 "
-                f"Attention node ({type(exc).__name__}: {exc})")[:300]
+                f"Attention node with a bool mask ({type(exc).__name__}: {exc})")[:300]
 
 
 def resolve_forms(cfg: Config) -> tuple[list[str], dict[str, str]]:
@@ -604,10 +615,8 @@ def resolve_forms(cfg: Config) -> tuple[list[str], dict[str, str]]:
     forms, skipped = [], {}
     for form in wanted:
         reason = ""
-        if form == "onnx23":
-            reason = exporter_attention_reason()
-            if not reason and not cfg.device.startswith("cuda"):
-                reason = ort_attention23_reason()
+        if form == "onnx23" and not cfg.device.startswith("cuda"):
+            reason = ort_attention23_reason()
         if reason:
             skipped[form] = reason
         else:
@@ -618,16 +627,16 @@ def resolve_forms(cfg: Config) -> tuple[list[str], dict[str, str]]:
 def _export_onnx(cfg: Config, path: Path, attention: str = "primitive"):
     """Export the attention block with the project's exporter (``qkrope export``'s function),
     with dynamic batch / token axes (sample batch >= 2 so torch.export does not specialise it),
-    in the attention form ``attention`` (``onnx23``: opset 23). Returns its ModelInfo."""
+    in the attention form ``attention`` (at the exporter's default opset for it). Returns its
+    ModelInfo."""
     from qkrope import dtypes
     from qkrope.export.onnx_export import export_attention
 
-    form = {} if attention == "primitive" else {"attention": attention, "opset": ONNX23_OPSET}
     side = min(cfg.sizes) // PIXELS_PER_TOKEN
     info, _ = export_attention(path, heads=cfg.heads, head_dim=cfg.head_dim,
                                dtype=dtypes.short_name(cfg.dtype), seed=cfg.seed,
                                img_shapes=[(1, side, side)], txt_len=cfg.text_len,
-                               batch=max(2, max(cfg.batches)), **form)
+                               batch=max(2, max(cfg.batches)), attention=attention)
     return info
 
 
@@ -728,28 +737,30 @@ def profile_ort(cfg: Config, info, onnx_path: Path, size: int, batch: int,
     return prof
 
 
-def _inspect_engine(runner, dump: Path | None = None) -> tuple[bool | None, str]:
+def _inspect_engine(runner, dump: Path | None = None, span_nodes: Sequence[str] = ()
+                    ) -> tuple[str, str]:
     """``fused_attention_from_inspector`` of a loaded TensorRT runner's engine (and the layer
     information written to ``dump``)."""
     engine, trt = getattr(runner, "engine", None), getattr(runner, "trt", None)
     if engine is None or trt is None:
-        return None, "the runner exposes no TensorRT engine to inspect"
+        return "unknown", "the runner exposes no TensorRT engine to inspect"
     try:
         inspector = engine.create_engine_inspector()
         info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
     except Exception as exc:  # noqa: BLE001
-        return None, f"engine inspector failed ({type(exc).__name__}: {exc})"[:300]
+        return "unknown", f"engine inspector failed ({type(exc).__name__}: {exc})"[:300]
     if dump is not None:
         with contextlib.suppress(OSError):
             dump.write_text(info if isinstance(info, str) else json.dumps(info))
     try:
-        return fused_attention_from_inspector(info)
+        return fused_attention_from_inspector(info, span_nodes)
     except (ValueError, TypeError) as exc:
-        return None, f"unreadable inspector JSON ({type(exc).__name__}: {exc})"[:300]
+        return "unknown", f"unreadable inspector JSON ({type(exc).__name__}: {exc})"[:300]
 
 
 def _engine_backend(cfg: Config, backend: str, form: str, engine: str, plugin: str | None, info,
-                    extras: dict[Key, dict], workdir: Path | None = None) -> dict[Key, Callable]:
+                    extras: dict[Key, dict], workdir: Path | None = None,
+                    span_nodes: Sequence[str] = ()) -> dict[Key, Callable]:
     """``{(backend, form): prepare}`` for a TensorRT engine through ``qkrope.runtime.load``;
     its inspector's verdict on fused attention goes to ``extras``."""
     from qkrope import runtime
@@ -757,7 +768,7 @@ def _engine_backend(cfg: Config, backend: str, form: str, engine: str, plugin: s
     runner = runtime.load(engine, plugin=plugin)
     key = (backend, form)
     dump = workdir / f"layers.{backend}.{form}.json" if workdir is not None else None
-    fused, basis = _inspect_engine(runner, dump)
+    fused, basis = _inspect_engine(runner, dump, span_nodes)
     extras[key] = {"fused_attention": fused, "fused_attention_basis": basis}
 
     def prepare(size, batch):
@@ -809,15 +820,6 @@ def _have_tensorrt() -> bool:
     return True
 
 
-def _detailed_profiling(E) -> dict:
-    """``BuildOptions`` keyword for ``ProfilingVerbosity.DETAILED`` (what the engine inspector
-    needs to show layer types and tactics), where this qkrope's BuildOptions has the field."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(E.BuildOptions)}
-    return {"profiling_verbosity": "detailed"} if "profiling_verbosity" in names else {}
-
-
 def _build_engines(cfg: Config, onnx_paths: Mapping[str, Path], workdir: Path,
                    log: Callable[[str], None], skip: Collection[Key] = ()
                    ) -> dict[Key, tuple[str | None, str]]:
@@ -830,7 +832,7 @@ def _build_engines(cfg: Config, onnx_paths: Mapping[str, Path], workdir: Path,
 
     out: dict[Key, tuple[str | None, str]] = {}
     limits = dict(max_batch=max(cfg.batches), max_img_tokens=image_tokens(max(cfg.sizes)),
-                  max_txt_tokens=cfg.text_len, progress=False, **_detailed_profiling(E))
+                  max_txt_tokens=cfg.text_len, progress=False, profiling_verbosity="detailed")
     plan = [("trt-function-body", form, dict(use_plugin=False), "function body, no plugin")
             for form in onnx_paths] + \
            [("trt-plugin", form, dict(plugin=cfg.plugin), "QKNormRoPE plugin")
@@ -949,6 +951,26 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="qkrope-bench-", dir=cfg.out))
+    try:
+        rows = _bench_in(cfg, workdir, rows, machine, sets, on_gpu, log)
+    except BaseException:  # a failed or interrupted run leaves no work folder behind
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    kept = [p.name for p in workdir.iterdir()
+            if p.suffix == ".engine" or (p.name.startswith("layers.") and p.suffix == ".json")]
+    if kept:
+        log(f"kept the exported models, engines and TensorRT layer information in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+def _bench_in(cfg: Config, workdir: Path, rows: list[BenchRow], machine: dict,
+              sets: Sequence[int | None], on_gpu: bool, log: Callable[[str], None]
+              ) -> list[BenchRow]:
+    """The body of :func:`_run_bench` inside its work folder."""
+    import torch
+
     forms, form_skips = resolve_forms(cfg)
     log(f"machine: {json.dumps(machine)}")
     log(f"config: sizes {cfg.sizes} px, batches {cfg.batches}, {cfg.heads} heads x "
@@ -1012,16 +1034,18 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
                         _skip_all(cfg, rows, b, reason, machine, attention=form)
                         continue
                     finfo = exports[form].info or info
-                    backends.update(skip_or([key], lambda b=b, form=form, path=path, finfo=finfo:
+                    span = (attention_span_nodes(exports[form].path)
+                            if exports[form].info is not None else [])
+                    backends.update(skip_or([key], lambda b=b, form=form, path=path, finfo=finfo,
+                                            span=span:
                                             _engine_backend(cfg, b, form, path, plugins[b], finfo,
-                                                            extras, workdir)))
+                                                            extras, workdir, span)))
         backends.update(skip_or([("torch-eager", "sdpa"), ("torch-compile", "")],
                                 lambda: _torch_backends(cfg, info, compiled=True, block=block)))
         _measure(cfg, rows, machine, backends, extras)
         for r in rows:
             if r.backend in trt_names and r.status == "ok" and r.fused_attention_basis:
-                verdict = {True: "yes", False: "no"}.get(r.fused_attention, "unknown")
-                r.note = f"fused attention: {verdict} ({r.fused_attention_basis})"
+                r.note = f"fused attention: {r.fused_attention} ({r.fused_attention_basis})"
         _bench_kernel(cfg, rows, machine)
     else:
         for b in trt_names:
@@ -1070,10 +1094,6 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
         _skip_all(cfg, rows, "torch-compile", REQUIRES_CUDA + " (CPU Inductor is not the "
                   "deployment target; measured on the GPU only)", machine)
         _skip_all(cfg, rows, "kernel", REQUIRES_CUDA, machine)
-    if on_gpu and any(p.suffix == ".engine" for p in workdir.iterdir()):
-        log(f"kept the exported models and engines in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     return rows
 
 
@@ -1176,9 +1196,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"is its own set of rows. Default: {DEFAULT_CPU_THREADS} on the CPU, so "
                         f"that the numbers measure the code rather than thread-pool contention; "
                         f"torch's default on a GPU")
-    p.add_argument("--profile-runs", type=int, default=3,
+    p.add_argument("--profile-runs", type=int, default=DEFAULT_PROFILE_RUNS,
                    help="ONNX Runtime profiled runs per row (a separate session after the "
-                        "timing, one warm-up run first); 0 turns the profile off (default 3)")
+                        f"timing, one warm-up run first); 0 turns the profile off (default "
+                        f"{DEFAULT_PROFILE_RUNS})")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.set_defaults(func=run)
     return p
@@ -1219,7 +1240,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         engine_no_plugin=args.engine_no_plugin, peak_gbps=args.peak_gbps,
         out=Path(args.out), threads=parse_threads(threads) if threads else None,
         attention=parse_attention_forms(attention) if attention else None,
-        profile_runs=int(getattr(args, "profile_runs", 3)))
+        profile_runs=int(getattr(args, "profile_runs", DEFAULT_PROFILE_RUNS)))
     for s in cfg.sizes:
         image_tokens(s)
     default_axes_dims(cfg.head_dim)

@@ -12,7 +12,6 @@ from qkrope.errors import InputError
 DESCRIPTION = "qkrope export: the Qwen-Image attention block or a whole diffusers transformer to ONNX."
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_OPSET, MIN_OPSET, MAX_OPSET = 18, 18, 23
-ATTENTION_FORMS = ("primitive", "onnx23")  # qkrope.export.attention.ATTENTION_FORMS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,7 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=None,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET}; 23 with "
                         f"--attention onnx23)")
-    p.add_argument("--attention", choices=ATTENTION_FORMS, default=ATTENTION_FORMS[0],
+    p.add_argument("--attention", choices=contract.ATTENTION_FORMS,
+                   default=contract.DEFAULT_ATTENTION_FORM,
                    help="how softmax attention is written: primitive = MatMul, mask bias, "
                         "Softmax, MatMul (the pattern TensorRT fuses; any opset; default), "
                         "onnx23 = one opset-23 Attention node per block (ONNX Runtime 1.23+, "

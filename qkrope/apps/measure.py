@@ -292,7 +292,7 @@ class BenchRow:
     attention: str = ""               # attention form: "primitive" | "onnx23" (ONNX rows), "sdpa"
     ort_vs_eager: float | None = None  # ONNX Runtime median / torch-eager median, same set
     profile: dict | None = None       # ONNX Runtime per-op profile (qkrope bench, CPU)
-    fused_attention: bool | None = None  # TensorRT inspector: a fused attention layer? None: unknown
+    fused_attention: str = ""  # TensorRT inspector: yes | likely | no | unknown ("": not TensorRT)
     fused_attention_basis: str = ""   # what that answer rests on
 
 
