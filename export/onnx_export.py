@@ -4,8 +4,8 @@ Exporter path: ``torch.onnx.export(..., dynamo=True)`` (torch.export + onnxscrip
 ``custom_translation_table={torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation}``:
 every call of the fused op becomes one ``qkrope::QKNormRoPE`` node (docs/spec.md section 4). After the
 export the model-local function body is added (one body per model, see
-:mod:`qkrope.export.onnx_function`), the IR version is pinned to 10 (ONNX Runtime 1.31 rejects
-the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict
+:mod:`qkrope.export.onnx_function`), the IR version is pinned to 10, or 11 at opset 23
+(:func:`ir_version_for`; ONNX Runtime 1.31 rejects the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict
 shape inference with every graph output shaped, QKNormRoPE node count, no complex types).
 
 Files are written to a hidden staging folder next to the destination and moved into place as a
@@ -53,7 +53,18 @@ from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (
 from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
                             FunctionVariant, make_function_proto, qk_norm_rope_translation)
 
-IR_VERSION = 10
+IR_VERSION = 10  # the floor: ONNX Runtime 1.31/1.32 reject the IR 14 onnx 1.23 writes
+
+
+def ir_version_for(opset: int) -> int:
+    """IR_VERSION, or the IR version ONNX pairs with ``opset`` where that is newer (11 for
+    opset 23, so an ``--attention onnx23`` model declares what its operators need)."""
+    import onnx
+
+    need = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", int(opset))],
+                                               ignore_unknown=True)
+    return max(IR_VERSION, int(need))
+
 EXTERNAL_DATA_THRESHOLD = 1536 * 1024 * 1024  # bytes of initializers; protobuf's limit is 2 GiB
 TORCH_DTYPES = dtypes.TORCH_BY_SHORT  # "fp32" | "fp16" | "bf16" -> torch dtype
 ATTENTION_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
@@ -242,7 +253,7 @@ def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
     model.functions[function.identifier()] = function
     model.metadata_props[FUNCTION_BODY_KEY] = variant.tag  # what function_variant() reads
     model.opset_imports[contract.DOMAIN] = contract.DOMAIN_VERSION
-    model.ir_version = IR_VERSION
+    model.ir_version = ir_version_for(opset)
     values = list(model.graph.inputs) + [o for n in model.graph.all_nodes() for o in n.outputs]
     for value in values:
         if value.dtype is not None and "COMPLEX" in value.dtype.name:
@@ -587,7 +598,7 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=2)
         info, written = _write_outputs(model, out, dict(
-            model="attention", opset=opset, ir_version=IR_VERSION, dtype=dtype,
+            model="attention", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=contract.node_attributes(
                 eps=eps, interleaved=interleaved, rounding=rounding),
             config=config, sample=_sample_dict(sample), versions=_versions(),
@@ -664,7 +675,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                       parameters=[k for k in transformer.state_dict() if k not in not_in_graph],
                       parameters_not_in_graph=not_in_graph)
         info, written = _write_outputs(model, out, dict(
-            model="transformer", opset=opset, ir_version=IR_VERSION, dtype=dtype,
+            model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=contract.node_attributes(
                 eps=eps, interleaved=contract.DEFAULT_INTERLEAVED, rounding=rounding),
             config=config, sample=_sample_dict(sample), versions=_versions(("diffusers",)),

@@ -108,6 +108,14 @@ class Steps:
     def __exit__(self, *exc) -> None:
         self.close(ok=exc[0] is None)
 
+    def write(self, text: str) -> None:
+        """A line of the command's own output, printed whether or not progress is shown (above
+        the bar on a terminal, so the two never share a line)."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def note(self, text: str) -> None:
         """A line of its own (above the bar on a terminal)."""
         if not self.enabled:

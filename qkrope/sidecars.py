@@ -41,7 +41,9 @@ by the TensorRT runner and ``qkrope triton-repo``::
       "plugin_layers": int, "version_compatible": bool, "strongly_typed": bool,
       "builder_optimization_level": int | null, "parser_flags": [str],
       "config", "dynamic_axes", "sample": copied from the model's sidecar,
-      "build_seconds": float | null, "created": "YYYY-mm-ddTHH:MM:SSZ"
+      "build_seconds": float | null, "created": "YYYY-mm-ddTHH:MM:SSZ",
+      "refittable": bool, "refit_mode": "individual" | "all" | null,
+      "profile_labels": ["1024x1024" per profile, or ""]
     }
 
 Dtype names are numpy's (``"bfloat16"`` is ml_dtypes' name, :mod:`qkrope.dtypes`). A file of
@@ -431,6 +433,9 @@ class EngineInfo:
     gpu: dict[str, Any] | None = None
     build_seconds: float | None = None
     refittable: bool = False
+    # "individual": only the exported parameters (BuilderFlag.REFIT_INDIVIDUAL); "all": every
+    # weight (BuilderFlag.REFIT); None: not refittable
+    refit_mode: str | None = None
     profile_labels: list[str] = field(default_factory=list)  # "1024x1024" per preset, or ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime()))
@@ -466,7 +471,8 @@ class EngineInfo:
             "parser_flags": list(self.parser_flags), "config": dict(self.config),
             "dynamic_axes": dict(self.dynamic_axes), "sample": dict(self.sample),
             "build_seconds": self.build_seconds, "created": self.created,
-            "refittable": self.refittable, "profile_labels": list(self.profile_labels),
+            "refittable": self.refittable, "refit_mode": self.refit_mode,
+            "profile_labels": list(self.profile_labels),
         }
 
     @classmethod
@@ -507,6 +513,7 @@ class EngineInfo:
             gpu=dict(gpu) if gpu is not None else None,
             build_seconds=f.get("build_seconds", (int, float), optional=True),
             refittable=f.get("refittable", bool, optional=True, default=False),
+            refit_mode=f.get("refit_mode", str, optional=True),
             profile_labels=[str(x) for x in f.get("profile_labels", list, optional=True,
                                                    default=[])],
             created=f.get("created", str, optional=True, default=""), source=source)

@@ -15,8 +15,8 @@ in plain functions that run without TensorRT):
    and fail if TensorRT fell back to the nodes' function bodies (standard layers);
 4. the optimisation profiles (:mod:`qkrope.runtime.profiles`): one per resolution preset
    (``--resolutions``; a whole transformer defaults to the 1024x1024 preset) or the one of the
-   given ranges, each an ``IOptimizationProfile`` added in order; ``BuilderFlag.REFIT`` with
-   ``--refit``; optional timing cache, builder optimisation level, workspace limit, version
+   given ranges, each an ``IOptimizationProfile`` added in order; with ``--refit`` the
+   exported parameters refittable (:func:`set_refit`); optional timing cache, builder optimisation level, workspace limit, version
    compatibility (the VC plugin library serialised into the engine);
 5. build with a progress display fed by ``trt.IProgressMonitor``;
 6. write the engine and its sidecar ``<engine>.json`` (TensorRT version, GPU, profile, I/O,
@@ -356,7 +356,7 @@ def make_progress_monitor(trt, progress: BuildProgress):
     return _Monitor()
 
 
-def set_refit(trt, config, network, parameters, log: TextIO) -> str:
+def set_refit(trt, config, network, parameters, say: Callable[[str], None]) -> str:
     """``--refit``: the model's parameters (the sidecar's ``config.parameters``, named as their
     initializers) become refittable. Where TensorRT can mark weights one by one
     (``BuilderFlag.REFIT_INDIVIDUAL`` + ``network.mark_weights_refittable``, TensorRT 10.0+)
@@ -368,12 +368,12 @@ def set_refit(trt, config, network, parameters, log: TextIO) -> str:
         unknown = [n for n in parameters if not network.mark_weights_refittable(n)]
         if not unknown:
             config.set_flag(individual)
-            print(f"[build] refit: {len(parameters)} parameter(s) marked refittable", file=log)
+            say(f"[build] refit: {len(parameters)} parameter(s) marked refittable")
             return "individual"
         shown = ", ".join(unknown[:4]) + (f" (+{len(unknown) - 4} more)" if len(unknown) > 4
                                           else "")
-        print(f"[build] warning: TensorRT's network has no weights named {shown}; every "
-              f"weight is made refittable instead (BuilderFlag.REFIT)", file=log)
+        say(f"[build] warning: TensorRT's network has no weights named {shown}; every "
+            f"weight is made refittable instead (BuilderFlag.REFIT)")
     config.set_flag(trt.BuilderFlag.REFIT)
     return "all"
 
@@ -584,21 +584,21 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     with steps.step(f"parsing {onnx_path} (TensorRT {trt.__version__})"):
         parsed = parser.parse_from_file(str(onnx_path))
     if not opts.progress:
-        print(f"[build] parsed {onnx_path} (TensorRT {trt.__version__})", file=log)
+        steps.write(f"[build] parsed {onnx_path} (TensorRT {trt.__version__})")
     if not parsed:
         errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n  {errors}")
     if plugin_path is not None:
         layers = check_plugin_layers(network, trt, node_names, trt_version=trt.__version__,
                                      plugin_registered=True)
-        print(f"[build] {len(layers)} QKNormRoPE plugin layer(s), one per ONNX node", file=log)
+        steps.write(f"[build] {len(layers)} QKNormRoPE plugin layer(s), one per ONNX node")
     else:
         layers, _ = find_plugin_layers(network, trt)
         if layers:
             raise EngineBuildError(f"the no-plugin network still has {len(layers)} QKNormRoPE "
                                    f"plugin layer(s); it would not measure the function body")
-        print(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their function "
-              f"body", file=log)
+        steps.write(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their "
+                    f"function body")
 
     inputs, outputs = network_io(network)
     net_names = [i.name for i in inputs]
@@ -615,8 +615,8 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
             trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
         if config.add_optimization_profile(trt_profile) < 0:
             raise EngineBuildError(f"TensorRT refused the optimisation profile {_label or 0}")
-    if opts.refit:
-        set_refit(trt, config, network, model.config.get("parameters"), log)
+    refit_mode = (set_refit(trt, config, network, model.config.get("parameters"), steps.write)
+                  if opts.refit else None)
     if opts.workspace_mib is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
     if opts.builder_optimization_level is not None:
@@ -639,16 +639,15 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         config.progress_monitor = monitor
 
     for k, (label, one) in enumerate(plan.profiles):
-        print(f"[build] profile {k}{' (' + label + ')' if label else ''}:\n"
-              + prof.format_profile(one), file=log)
+        steps.write(f"[build] profile {k}{' (' + label + ')' if label else ''}:\n"
+                    + prof.format_profile(one))
     t0 = time.monotonic()
     try:
         with steps.step("building (TensorRT: tactic selection and kernel compilation)"):
             serialized = builder.build_serialized_network(network, config)
-    except KeyboardInterrupt:
+    finally:  # stops a build TensorRT is still running (Ctrl-C) and closes the phase bars
         if progress is not None:
             progress.cancel()
-        raise
     seconds = time.monotonic() - t0
     del monitor
     if serialized is None:
@@ -665,6 +664,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
         profiles=[prof.profile_to_json(one) for _label, one in plan.profiles],
         profile_labels=[label for label, _one in plan.profiles], refittable=bool(opts.refit),
+        refit_mode=refit_mode,
         plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
                              bool(opts.version_compatible)) if plugin_path else None),
         plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),

@@ -101,6 +101,7 @@ def test_the_walk_fails_on_a_node_between_softmax_and_bmm2(exported):
 def onnx23_attentions(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """The opset-23 Attention nodes; AssertionError when the primitive pattern is left too."""
     assert {o.domain: o.version for o in model.opset_import}.get("", 0) >= 23
+    assert model.ir_version == 11  # the IR version ONNX pairs with opset 23
     assert not any(n.op_type == "Softmax" for n in model.graph.node)
     nodes = [n for n in model.graph.node if n.op_type == "Attention" and n.domain == ""]
     inputs = {i.name: i for i in model.graph.input}

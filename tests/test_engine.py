@@ -332,7 +332,7 @@ def test_fake_build_resolution_presets_make_one_profile_each(fake_build, tmp_pat
     assert state.config.flags == ["REFIT_INDIVIDUAL"] and state.network.marked == ["w"]
     assert "1 parameter(s) marked refittable" in captured.err
     side = eng.EngineInfo.load(out)
-    assert side.refittable is True
+    assert side.refittable is True and side.refit_mode == "individual"
     assert side.profile_labels == ["512x512", "1024x1024", "1328x1328"]
     assert [p["hidden_states"]["max"] for p in side.profiles] == [[2, 1024, C], [2, 4096, C],
                                                                    [2, 83 * 83, C]]
@@ -359,6 +359,26 @@ def test_refit_falls_back_to_every_weight(fake_build, tmp_path, capsys, paramete
     assert rc == 0, captured.err
     assert state.config.flags == [flag]
     assert ("has no weights named not_a_weight" in captured.err) == (parameters is not None)
+    assert eng.EngineInfo.load(tmp_path / "r.engine").refit_mode == "all"
+
+
+def test_build_announces_each_step_once(fake_build, tmp_path, capsys):
+    """The build's numbered steps (off a terminal: one line each) are 1..N of one N, and the
+    builder's own lines come in between."""
+    import re
+
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build()
+    assert cli.main(["build", str(onnx_path), "-o", str(tmp_path / "s.engine"), "--plugin",
+                     str(lib)]) == 0
+    err = capsys.readouterr().err
+    numbered = re.findall(r"^qkrope build: \[(\d+)/(\d+)\] ", err, flags=re.M)
+    total = int(numbered[0][1])
+    assert [int(k) for k, _ in numbered] == list(range(1, total + 1))
+    assert {int(n) for _, n in numbered} == {total}
+    assert "QKNormRoPE plugin layer(s), one per ONNX node" in err
+    assert eng.EngineInfo.load(tmp_path / "s.engine").refit_mode is None
 
 
 def test_transformer_default_opt_is_1024_preset_not_the_sample():

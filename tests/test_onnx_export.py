@@ -199,9 +199,18 @@ def test_ort_matches_module_fp32(form_models, form, img_shapes, txt_len, batch):
     if batch == 2:
         assert not feeds["encoder_hidden_states_mask"].all()  # a text mask is exercised
     outs = _run(path, feeds)
+    # ONNX Runtime and PyTorch compute the same fp32 sums in other orders (and ORT's Attention
+    # kernel its own). A reordered sum of n terms moves by about sqrt(n) unit roundoffs of the
+    # magnitude it sums (Higham & Mary's probabilistic analysis); the weights are scaled by
+    # 1/sqrt(fan-in), so each stage's magnitude is the output's, and the stages add: the
+    # projections (n = C), the RMS over D, the scores (n = D), the softmax sum and P.V (n = S
+    # tokens), the output projection (n = C): 49-54 u here. Observed: at most 13 u (onnx23), in
+    # line with the estimate, which is not a worst-case bound (that grows like n u per stage).
+    u, c, s_tok = 2.0 ** -24, HEADS * HEAD_DIM, sum(f * h * w for f, h, w in img_shapes) + txt_len
+    tol = u * (2 * np.sqrt(c) + 2 * np.sqrt(HEAD_DIM) + 2 * np.sqrt(s_tok))
     for got, ref in zip(outs, _ref(info, feeds)):
         err = np.abs(got - ref.numpy()).max()
-        assert err <= 2e-6 * max(1.0, np.abs(ref.numpy()).max()), err
+        assert err <= tol * max(1.0, np.abs(ref.numpy()).max()), (err, tol)
 
 
 @pytest.mark.parametrize("form", ATTENTION_FORMS)

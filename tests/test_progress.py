@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import re
 
+import pytest
+
 from qkrope._progress import Steps
 
 
@@ -70,3 +72,18 @@ def test_export_announces_each_step_once(tmp_path, capsys):
     assert [int(k) for k, _ in numbered] == list(range(1, total + 1))
     assert {int(n) for _, n in numbered} == {total}
     assert re.search(r"^qkrope export: wrote .*a\.onnx in [\d.]+ s$", err, flags=re.M)
+
+
+def test_transformer_export_announces_each_step_once(tmp_path, capsys):
+    pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+    from qkrope.apps import tiny_pipeline as tp
+    from qkrope.export.onnx_export import export_transformer
+
+    tp.save_transformer(tp.tiny_transformer(), tmp_path / "t")
+    export_transformer(tmp_path / "t.onnx", tmp_path / "t", progress=True)
+    err = capsys.readouterr().err
+    numbered = re.findall(r"^qkrope export: \[(\d+)/(\d+)\] ", err, flags=re.M)
+    total = int(numbered[0][1])
+    assert [int(k) for k, _ in numbered] == list(range(1, total + 1))
+    assert {int(n) for _, n in numbered} == {total}
+    assert re.search(r"^qkrope export: done in [\d.]+ s: ", err, flags=re.M)

@@ -42,8 +42,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", metavar="MIN:MAX",
                    help="batch range of every profile (default 1:2, a CFG pair)")
     p.add_argument("--refit", action="store_true",
-                   help="build a refittable engine (BuilderFlag.REFIT) whose weights "
-                        "`qkrope refit` can replace by diffusers parameter name")
+                   help="build a refittable engine whose weights `qkrope refit` can replace "
+                        "by diffusers parameter name (the exported parameters marked with "
+                        "BuilderFlag.REFIT_INDIVIDUAL; every weight with BuilderFlag.REFIT where "
+                        "that is not possible)")
     p.add_argument("--max-batch", type=int, help="profile max batch (default: max(export, 2))")
     p.add_argument("--max-img-tokens", type=int,
                    help="profile max image tokens (default: max(export, 4096) = 1024x1024)")
