@@ -365,7 +365,7 @@ def test_refit_falls_back_to_every_weight(fake_build, tmp_path, capsys, paramete
 def test_build_announces_each_step_once(fake_build, tmp_path, capsys):
     """The build's numbered steps (off a terminal: one line each) are 1..N of one N, and the
     builder's own lines come in between."""
-    import re
+    from test_progress import assert_numbered_once
 
     from qkrope import cli
 
@@ -373,10 +373,7 @@ def test_build_announces_each_step_once(fake_build, tmp_path, capsys):
     assert cli.main(["build", str(onnx_path), "-o", str(tmp_path / "s.engine"), "--plugin",
                      str(lib)]) == 0
     err = capsys.readouterr().err
-    numbered = re.findall(r"^qkrope build: \[(\d+)/(\d+)\] ", err, flags=re.M)
-    total = int(numbered[0][1])
-    assert [int(k) for k, _ in numbered] == list(range(1, total + 1))
-    assert {int(n) for _, n in numbered} == {total}
+    assert_numbered_once(err, "qkrope build")
     assert "QKNormRoPE plugin layer(s), one per ONNX node" in err
     assert eng.EngineInfo.load(tmp_path / "s.engine").refit_mode is None
 

@@ -11,6 +11,15 @@ import pytest
 from qkrope._progress import Steps
 
 
+def assert_numbered_once(err: str, prefix: str) -> None:
+    """The ``prefix: [k/N]`` step lines of a log are k = 1..N, each once, of one N."""
+    numbered = re.findall(rf"^{re.escape(prefix)}: \[(\d+)/(\d+)\] ", err, flags=re.M)
+    assert numbered, err
+    total = int(numbered[0][1])
+    assert [int(k) for k, _ in numbered] == list(range(1, total + 1)), numbered
+    assert {int(n) for _, n in numbered} == {total}, numbered
+
+
 def test_plain_lines_off_a_terminal():
     out = io.StringIO()
     with Steps("qkrope x", 2, stream=out, tty=False) as steps:
@@ -67,10 +76,7 @@ def test_export_announces_each_step_once(tmp_path, capsys):
 
     export_attention(tmp_path / "a.onnx", heads=2, head_dim=16, progress=True)
     err = capsys.readouterr().err
-    numbered = re.findall(r"^qkrope export: \[(\d+)/(\d+)\] ", err, flags=re.M)
-    total = int(numbered[0][1])
-    assert [int(k) for k, _ in numbered] == list(range(1, total + 1))
-    assert {int(n) for _, n in numbered} == {total}
+    assert_numbered_once(err, "qkrope export")
     assert re.search(r"^qkrope export: wrote .*a\.onnx in [\d.]+ s$", err, flags=re.M)
 
 
@@ -82,8 +88,5 @@ def test_transformer_export_announces_each_step_once(tmp_path, capsys):
     tp.save_transformer(tp.tiny_transformer(), tmp_path / "t")
     export_transformer(tmp_path / "t.onnx", tmp_path / "t", progress=True)
     err = capsys.readouterr().err
-    numbered = re.findall(r"^qkrope export: \[(\d+)/(\d+)\] ", err, flags=re.M)
-    total = int(numbered[0][1])
-    assert [int(k) for k, _ in numbered] == list(range(1, total + 1))
-    assert {int(n) for _, n in numbered} == {total}
+    assert_numbered_once(err, "qkrope export")
     assert re.search(r"^qkrope export: done in [\d.]+ s: ", err, flags=re.M)
