@@ -1,10 +1,11 @@
 """Progress of the long commands (``qkrope export``, ``qkrope build``): tqdm bars on a terminal,
 plain lines in a log.
 
-:class:`Steps` is one command's numbered steps. On a terminal it is one tqdm bar ``[k/N]`` whose
-description is the running step and whose elapsed time keeps moving while a step runs (tqdm only
+:class:`Steps` is one command's numbered steps. On a terminal it is one tqdm line
+``[elapsed] prefix: [k/N] step``; the elapsed time keeps moving while a step runs (tqdm only
 redraws when it is updated, so a ticker thread refreshes it once a second; tracing a 60-block
-transformer is one step of a minute with nothing to count). Steps that can count their work
+transformer is one step of a minute with nothing to count) and stays visible when a long step
+description is cut at the terminal's width. Steps that can count their work
 (tensors written to external data) open a nested bar with :meth:`Steps.counter`. Elsewhere (a
 file, CI) every step is one line when it starts, so logs carry no carriage returns.
 ``enabled=False`` prints nothing.
@@ -98,7 +99,7 @@ class Steps:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=self.total, file=self.stream, desc=f"{prefix}: starting",
-                             leave=True, bar_format="{desc} ({elapsed})",
+                             leave=True, bar_format="[{elapsed}] {desc}",
                              **_screen())
             self._ticker = _Ticker(self._bar)
 
