@@ -25,26 +25,6 @@ static_assert(sizeof(float) == 4 && sizeof(int32_t) == 4, "kFLOAT32 / kINT32 mem
 
 constexpr size_t kNB_FIELDS = sizeof(kFIELDS) / sizeof(kFIELDS[0]);
 
-char const* fieldTypeName(PluginFieldType t) noexcept
-{
-    switch (t)
-    {
-    case PluginFieldType::kFLOAT16: return "kFLOAT16";
-    case PluginFieldType::kFLOAT32: return "kFLOAT32";
-    case PluginFieldType::kFLOAT64: return "kFLOAT64";
-    case PluginFieldType::kINT8: return "kINT8";
-    case PluginFieldType::kINT16: return "kINT16";
-    case PluginFieldType::kINT32: return "kINT32";
-    case PluginFieldType::kCHAR: return "kCHAR";
-    case PluginFieldType::kDIMS: return "kDIMS";
-    case PluginFieldType::kUNKNOWN: return "kUNKNOWN";
-    case PluginFieldType::kBF16: return "kBF16";
-    case PluginFieldType::kINT64: return "kINT64";
-    default: break;
-    }
-    return "an unsupported PluginFieldType";
-}
-
 // The ONNX attribute type the parser turns into a field of this type, and the other widths a
 // direct caller may use.
 char const* onnxTypeName(PluginFieldType t) noexcept

@@ -29,6 +29,27 @@ namespace qkrope
 namespace plugin
 {
 
+// A PluginFieldType's enumerator name ("kFLOAT32"), for messages.
+inline char const* fieldTypeName(nvinfer1::PluginFieldType t) noexcept
+{
+    switch (t)
+    {
+    case nvinfer1::PluginFieldType::kFLOAT16: return "kFLOAT16";
+    case nvinfer1::PluginFieldType::kFLOAT32: return "kFLOAT32";
+    case nvinfer1::PluginFieldType::kFLOAT64: return "kFLOAT64";
+    case nvinfer1::PluginFieldType::kINT8: return "kINT8";
+    case nvinfer1::PluginFieldType::kINT16: return "kINT16";
+    case nvinfer1::PluginFieldType::kINT32: return "kINT32";
+    case nvinfer1::PluginFieldType::kCHAR: return "kCHAR";
+    case nvinfer1::PluginFieldType::kDIMS: return "kDIMS";
+    case nvinfer1::PluginFieldType::kUNKNOWN: return "kUNKNOWN";
+    case nvinfer1::PluginFieldType::kBF16: return "kBF16";
+    case nvinfer1::PluginFieldType::kINT64: return "kINT64";
+    default: break;
+    }
+    return "an unsupported PluginFieldType";
+}
+
 constexpr char const* kPLUGIN_NAME = "QKNormRoPE";
 constexpr char const* kPLUGIN_VERSION = "1";
 constexpr char const* kPLUGIN_NAMESPACE = "qkrope";

@@ -11,6 +11,7 @@
 // "MESSAGE <case> <text>" for each bad-field message; "SUMMARY passed=<n> failed=<m>" last.
 // Exit status 0 iff nothing failed.
 #include "fake_tensorrt_host.h"
+#include "qknorm_rope_fields.h"
 
 #include <NvInferRuntime.h>
 
@@ -27,6 +28,7 @@
 #include <vector>
 
 using namespace nvinfer1;
+using qkrope::plugin::fieldTypeName;
 using qkrope_test::FakeExprBuilder;
 using qkrope_test::FakeRegistry;
 using qkrope_test::Fields;
@@ -105,26 +107,6 @@ void checkRefusal(std::string const& name, int32_t rc, int32_t expected, Recordi
     check(rc == expected && errors == 1 && missing.empty(), name,
         "rc " + std::to_string(rc) + " (expected " + std::to_string(expected) + "), errors " + std::to_string(errors)
             + (missing.empty() ? "" : ", message lacks" + missing) + ": " + msg);
-}
-
-char const* fieldTypeName(PluginFieldType t)
-{
-    switch (t)
-    {
-    case PluginFieldType::kFLOAT16: return "kFLOAT16";
-    case PluginFieldType::kFLOAT32: return "kFLOAT32";
-    case PluginFieldType::kFLOAT64: return "kFLOAT64";
-    case PluginFieldType::kINT8: return "kINT8";
-    case PluginFieldType::kINT16: return "kINT16";
-    case PluginFieldType::kINT32: return "kINT32";
-    case PluginFieldType::kCHAR: return "kCHAR";
-    case PluginFieldType::kDIMS: return "kDIMS";
-    case PluginFieldType::kUNKNOWN: return "kUNKNOWN";
-    case PluginFieldType::kBF16: return "kBF16";
-    case PluginFieldType::kINT64: return "kINT64";
-    default: break;
-    }
-    return "other";
 }
 
 char const* typeName(DataType t)
