@@ -82,6 +82,17 @@ Global& G()
     return *g;
 }
 
+// Append a launch to the record log (numbered, the oldest dropped past kMaxRecords); G().mu held.
+void recordLocked(LaunchRecord rec)
+{
+    rec.seq = ++G().seq;
+    if (G().records.size() >= kMaxRecords)
+    {
+        G().records.pop_front();
+    }
+    G().records.push_back(std::move(rec));
+}
+
 thread_local cudaError_t tlLastError = cudaSuccess;
 
 // ---- kernel names from the symbol table -------------------------------------------------------------
@@ -1099,23 +1110,18 @@ cudaError_t launch(void const* kernel, char const* signature, dim3 grid, dim3 bl
         dryRun = G().dryRun;
         w.strictExit = G().strictExit;
     }
+    LaunchRecord rec{};
+    rec.kernel = w.kernel;
+    rec.grid = grid;
+    rec.block = block;
+    rec.smem = smem;
+    rec.device = device;
+    rec.config = cfg;
+    rec.seed = seed;
     if (dryRun)
     {
-        LaunchRecord rec{};
-        rec.kernel = w.kernel;
-        rec.grid = grid;
-        rec.block = block;
-        rec.smem = smem;
-        rec.device = device;
-        rec.config = cfg;
-        rec.seed = seed;
         std::lock_guard<std::mutex> lock(G().mu);
-        rec.seq = ++G().seq;
-        if (G().records.size() >= kMaxRecords)
-        {
-            G().records.pop_front();
-        }
-        G().records.push_back(rec);
+        recordLocked(std::move(rec));
         return cudaSuccess;
     }
     if (!ensureStacks(w, static_cast<int>(threads), stackBytes))
@@ -1165,14 +1171,6 @@ cudaError_t launch(void const* kernel, char const* signature, dim3 grid, dim3 bl
     w.current = nullptr;
     threadIdx = uint3{0, 0, 0};
 
-    LaunchRecord rec;
-    rec.kernel = w.kernel;
-    rec.grid = grid;
-    rec.block = block;
-    rec.smem = smem;
-    rec.device = device;
-    rec.config = cfg;
-    rec.seed = seed;
     rec.status = static_cast<int>(w.error);
     rec.error = w.message;
     rec.blocksRun = blocksRun;
@@ -1180,12 +1178,7 @@ cudaError_t launch(void const* kernel, char const* signature, dim3 grid, dim3 bl
     rec.barriers = w.barriers;
     {
         std::lock_guard<std::mutex> lock(G().mu);
-        rec.seq = ++G().seq;
-        if (G().records.size() >= kMaxRecords)
-        {
-            G().records.pop_front();
-        }
-        G().records.push_back(rec);
+        recordLocked(std::move(rec));
         if (w.failed)
         {
             G().lastMessage = w.message;
