@@ -460,21 +460,23 @@ WRITE_STEPS = (("os", "replace"), ("os", "rename"), ("os", "link"), ("os", "fsyn
 
 
 class FailAt:
-    """Patch every write/rename step (``WRITE_STEPS``) with ``monkeypatch`` so that the k-th
-    call raises ``OSError(ENOSPC)``; ``calls`` counts them, ``fired`` says whether it failed."""
+    """Patch every write/rename step (``WRITE_STEPS`` and ``extra``) with ``monkeypatch`` so
+    that the k-th call raises ``OSError(ENOSPC)``; ``calls`` counts them, ``fired`` says
+    whether it failed, ``names`` lists the steps called."""
 
-    def __init__(self, monkeypatch, k: int):
+    def __init__(self, monkeypatch, k: int, extra: tuple = ()):
         import errno
         import importlib
         import pathlib
 
-        self.k, self.calls, self.fired = k, 0, False
-        for owner, name in WRITE_STEPS:
+        self.k, self.calls, self.fired, self.names = k, 0, False, []
+        for owner, name in WRITE_STEPS + tuple(extra):
             target = pathlib.Path if owner == "pathlib.Path" else importlib.import_module(owner)
             real = getattr(target, name)
 
             def step(*a, _real=real, _name=f"{owner}.{name}", **kw):
                 self.calls += 1
+                self.names.append(_name)
                 if self.calls == self.k:
                     self.fired = True
                     raise OSError(errno.ENOSPC, f"No space left on device (injected at "
@@ -482,3 +484,30 @@ class FailAt:
                 return _real(*a, **kw)
 
             monkeypatch.setattr(target, name, step)
+
+
+def fail_each_write_step(monkeypatch, run, *, reset=lambda: None, after=lambda k: None,
+                         extra: tuple = ()) -> list[str]:
+    """For k = 1, 2, ...: ``reset()``, then ``run()`` with its k-th write/rename step failing
+    (:class:`FailAt`), then ``after(k)`` (the caller's check of what is on disk, with the real
+    steps back), until a run completes without reaching step k. A failure must reach the caller
+    as a one-line QkropeError naming the full disk, never a raw OSError. Returns the names of
+    the steps the complete run called (the failures injected, in order)."""
+    from qkrope.errors import QkropeError
+
+    k = 1
+    while True:
+        reset()
+        with monkeypatch.context() as m:
+            fail = FailAt(m, k, extra)
+            try:
+                run()
+            except QkropeError as exc:
+                assert "No space left" in str(exc) and "\n" not in str(exc), (k, str(exc))
+            except OSError as exc:
+                raise AssertionError(f"step {k}: a raw {type(exc).__name__}: {exc}") from exc
+        after(k)
+        if not fail.fired:
+            return fail.names
+        k += 1
+

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import fake_tensorrt as ft
-from fake_tensorrt import FailAt
+from fake_tensorrt import fail_each_write_step
 import pytest
 from _tiny_model import C, parse_tiny, write_tiny_onnx
 
@@ -274,8 +274,6 @@ def test_fake_build_function_body_engine(fake_build, tmp_path):
 
 def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build, tmp_path,
                                                                       monkeypatch):
-    from qkrope.errors import QkropeError
-
     trt, state, onnx_path, lib = fake_build()
     out = tmp_path / "out"
     engine = out / "m.engine"
@@ -289,26 +287,19 @@ def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build,
         engine.write_bytes(b"OLD-ENGINE")
         side.write_text(json.dumps(old_side))
 
-    k, outcomes = 1, set()
-    while True:
-        reset_old()
-        with monkeypatch.context() as m:
-            fail = FailAt(m, k)
-            try:
-                eng.build_engine(onnx_path, engine, opts, log=io.StringIO())
-            except QkropeError as exc:
-                assert "No space left" in str(exc) and "\n" not in str(exc)
-            except OSError as exc:  # pragma: no cover - reported below
-                pytest.fail(f"step {k}: a raw {type(exc).__name__}: {exc}")
+    outcomes = set()
+
+    def after(k):
         pair = (engine.read_bytes(), json.loads(side.read_text())["created"] == "OLD")
         assert pair in ((b"OLD-ENGINE", True), (b"SERIALIZED-ENGINE", False)), (k, pair)
         outcomes.add(pair[1])
         eng.build_engine(onnx_path, engine, opts, log=io.StringIO())  # the next run
         assert sorted(p.name for p in out.iterdir()) == ["m.engine", "m.engine.json"], k
-        if not fail.fired:
-            break
-        k += 1
-    assert k > 2 and outcomes == {True, False}  # failures were injected, and the last run wrote
+
+    steps = fail_each_write_step(
+        monkeypatch, lambda: eng.build_engine(onnx_path, engine, opts, log=io.StringIO()),
+        reset=reset_old, after=after)
+    assert len(steps) >= 2 and outcomes == {True, False}  # failures injected, the last run wrote
 
 
 def test_fake_build_resolution_presets_make_one_profile_each(fake_build, tmp_path, capsys):

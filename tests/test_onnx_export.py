@@ -508,50 +508,31 @@ def test_eps_that_underflows_in_float32_is_refused_at_export(tmp_path, capsys):
 def test_every_write_and_rename_step_failing_leaves_old_or_new_pair(tmp_path, fast_export,
                                                                     monkeypatch):
     """Fault injection: a full disk at each write/fsync/link/rename/save step of a re-export."""
-    import onnx_ir as ir
+    from fake_tensorrt import fail_each_write_step
 
     out = tmp_path / "m.onnx"
     fast_export(out, seed=1)
     old = _pair(tmp_path)
-    primitives = {"os.replace": (os, "replace"), "os.link": (os, "link"),
-                  "os.fsync": (os, "fsync"), "ir.save": (ir, "save")}
-    originals = {k: getattr(m, a) for k, (m, a) in primitives.items()}
-    steps = []
 
-    def install(fail_at):
-        for key, (mod, attr) in primitives.items():
-            def wrapped(*a, _key=key, **kw):
-                steps.append(_key)
-                if len(steps) == fail_at:
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                return originals[_key](*a, **kw)
-            monkeypatch.setattr(mod, attr, wrapped)
-
-    install(0)
-    fast_export(tmp_path / "probe" / "m.onnx", seed=2)  # count the steps
-    monkeypatch.undo()
-    n = len(steps)
-    assert n >= 6 and {"os.replace", "ir.save", "os.fsync"} <= set(steps)
-    for k in range(1, n + 1):
-        steps.clear()
-        install(k)
-        try:
-            fast_export(out, seed=2)
-        except QkropeError as exc:
-            assert "No space left" in str(exc) and "\n" not in str(exc), k
-        monkeypatch.undo()
-        got = _pair(tmp_path)
-        if got != old:  # then it must be the complete new pair, described by its sidecar
-            assert sorted(got) == sorted(old), f"step {k} ({steps[k - 1]}) left {sorted(got)}"
-            assert ModelInfo.load(out).config["seed"] == 2, f"step {k} ({steps[k - 1]})"
-            assert got["m.onnx"] != old["m.onnx"] and got["m.onnx.json"] != old["m.onnx.json"]
-        fast_export(out, seed=3)  # the next run leaves no temporary
-        assert not _staging(tmp_path) and ModelInfo.load(out).config["seed"] == 3
-        for p in tmp_path.iterdir():  # back to the old pair
+    def reset():  # back to the old pair
+        for p in tmp_path.iterdir():
             if p.is_file():
                 p.unlink()
         for name, data in old.items():
             (tmp_path / name).write_bytes(data)
+
+    def after(k):
+        got = _pair(tmp_path)
+        if got != old:  # then it must be the complete new pair, described by its sidecar
+            assert sorted(got) == sorted(old), f"step {k} left {sorted(got)}"
+            assert ModelInfo.load(out).config["seed"] == 2, f"step {k}"
+            assert got["m.onnx"] != old["m.onnx"] and got["m.onnx.json"] != old["m.onnx.json"]
+        fast_export(out, seed=3)  # the next run leaves no temporary
+        assert not _staging(tmp_path) and ModelInfo.load(out).config["seed"] == 3
+
+    steps = fail_each_write_step(monkeypatch, lambda: fast_export(out, seed=2), reset=reset,
+                                 after=after, extra=(("onnx_ir", "save"),))
+    assert len(steps) >= 6 and {"os.replace", "onnx_ir.save", "os.fsync"} <= set(steps), steps
 
 
 def test_sidecar_path_is_a_directory_keeps_the_old_model(tmp_path, fast_export):

@@ -387,7 +387,7 @@ def test_version_compatible_engine_gets_the_vc_library_and_flag(engine, tmp_path
 # Fault injection: the model directory is the old one or the new one, never a mix
 # --------------------------------------------------------------------------------------------
 
-from fake_tensorrt import FailAt  # noqa: E402
+from fake_tensorrt import fail_each_write_step  # noqa: E402
 
 
 def _model_state(model: Path):
@@ -407,8 +407,6 @@ def _temporaries(*folders):
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_repository_replaced_whole_at_every_failing_step(engine, tmp_path, monkeypatch,
                                                          exchange):
-    from qkrope.errors import QkropeError
-
     eng, plugin = engine
     if not exchange:
         monkeypatch.setattr(triton, "_exchange", lambda a, b: False)
@@ -424,26 +422,19 @@ def test_repository_replaced_whole_at_every_failing_step(engine, tmp_path, monke
         (model / "config.pbtxt").write_text('name: "attn"\n')
         (model / "marker").write_text("old")
 
-    k, outcomes = 1, set()
-    while True:
-        reset_old()
-        with monkeypatch.context() as m:
-            fail = FailAt(m, k)
-            try:
-                triton.write_repository(eng, repo, plugin=plugin, force=True)
-            except QkropeError as exc:
-                assert "No space left" in str(exc) and "\n" not in str(exc), k
-            except OSError as exc:
-                pytest.fail(f"step {k}: a raw {type(exc).__name__}: {exc}")
+    outcomes = set()
+
+    def after(k):
         outcomes.add(_model_state(model))
         assert sorted(p.name for p in repo.iterdir()) == ["attn"], k
         triton.write_repository(eng, repo, plugin=plugin, force=True)  # the next run
         assert _model_state(model) == "new"
         assert not _temporaries(tmp_path, repo), (k, _temporaries(tmp_path, repo))
-        if not fail.fired:
-            break
-        k += 1
-    assert k > 3 and outcomes == {"old", "new"}
+
+    steps = fail_each_write_step(
+        monkeypatch, lambda: triton.write_repository(eng, repo, plugin=plugin, force=True),
+        reset=reset_old, after=after)
+    assert len(steps) >= 3 and outcomes == {"old", "new"}
 
 
 def test_a_killed_run_leaves_nothing_after_the_next(engine, tmp_path):
