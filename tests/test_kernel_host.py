@@ -20,6 +20,7 @@ import torch
 
 from _kernel_cases import (CASES, assert_bit_exact, assert_within_order_policy, case_id,
                            check_against_fp32, make_inputs, reference)
+from _native import require_native_tools
 from qkrope.runtime import kernels
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,12 +28,7 @@ BUILD_DIR = REPO / "build" / "kernel-host"
 
 
 def _build_host_library() -> Path:
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler found (set CXX or install g++): cannot build the CPU kernel library")
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        pytest.skip("cmake not found: cannot build the CPU kernel library (pip install cmake)")
+    cxx, cmake = require_native_tools("the CPU kernel library")
     if not (BUILD_DIR / "CMakeCache.txt").is_file():
         subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(BUILD_DIR),
                         "-DQKROPE_WITH_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from _kernel_cases import assert_bit_exact, check_against_fp32, make_inputs
+from _native import require_native_tools
 from qkrope.runtime import kernels
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,13 +51,7 @@ GUARD = 64                             # elements before and after each output (
 
 # ---- build ------------------------------------------------------------------------------------------
 def _tools():
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler found (set CXX or install g++): cannot build the SIMT emulation")
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        pytest.skip("cmake not found: cannot build the SIMT emulation (pip install cmake)")
-    return cxx, cmake
+    return require_native_tools("the SIMT emulation")
 
 
 def _build() -> Path:

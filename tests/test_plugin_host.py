@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from _native import require_native_tools
+
 from qkrope.export import contract
 from qkrope.runtime import plugin_build
 
@@ -35,14 +37,10 @@ def _built() -> bool:
 
 @pytest.fixture(scope="module")
 def build_dir() -> Path:
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler (c++/g++/clang++) found: the plugin libraries cannot be built")
+    require_native_tools("the plugin libraries")
     if plugin_build.find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA toolkit): the plugin libraries cannot be built; "
                     "install the CUDA toolkit or set CUDACXX")
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake not found: the plugin libraries cannot be built (pip install cmake)")
     if (BUILD_DIR / "CMakeCache.txt").is_file() and _built():
         # Incremental: rebuilds only what changed since the last build.
         res = subprocess.run(["cmake", "--build", str(BUILD_DIR), "-j2"], capture_output=True, text=True)
