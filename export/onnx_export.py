@@ -290,10 +290,11 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     import onnx_ir as ir
 
     data_name = out.name + ".data"
-    external = _initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    nbytes = _initializer_bytes(model)
+    external = nbytes > EXTERNAL_DATA_THRESHOLD
     tmp_model = st.path(out.name)
     if external:
-        gib = _initializer_bytes(model) / 2**30
+        gib = nbytes / 2**30
         with steps.step(f"writing {out.name} with {gib:.1f} GiB of external data {data_name}"), \
                 steps.counter("tensors", unit="tensor") as bar:
             def written(_tensor, info) -> None:

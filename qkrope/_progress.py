@@ -30,7 +30,7 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def _screen() -> dict:
+def tqdm_size() -> dict:
     """tqdm's width and height: the terminal's, or 80 x 24 where it reports none (a pty of zero
     size, on which tqdm's own detection gives -1 rows and draws nothing)."""
     import shutil
@@ -100,7 +100,7 @@ class Steps:
 
             self._bar = tqdm(total=self.total, file=self.stream, desc=f"{prefix}: starting",
                              leave=True, bar_format="[{elapsed}] {desc}",
-                             **_screen())
+                             **tqdm_size())
             self._ticker = _Ticker(self._bar)
 
     def __enter__(self) -> "Steps":
@@ -149,7 +149,7 @@ class Steps:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, file=self.stream, desc=f"  {what}", unit=unit, leave=False,
-                   **_screen())
+                   **tqdm_size())
         try:
             yield _Counter(bar)
         finally:
@@ -167,4 +167,4 @@ class Steps:
             self._bar = None
 
 
-__all__ = ["Steps", "is_terminal"]
+__all__ = ["Steps", "is_terminal", "tqdm_size"]

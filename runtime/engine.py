@@ -289,11 +289,11 @@ class BuildProgress:
         if self.tty:
             from tqdm.auto import tqdm
 
-            from qkrope._progress import _screen
+            from qkrope._progress import tqdm_size
 
             info["bar"] = tqdm(total=info["steps"] or None, desc=f"[build] {phase_name}",
                                file=self.stream, leave=False, unit="step",
-                               **_screen())
+                               **tqdm_size())
         else:
             steps = f" ({info['steps']} steps)" if info["steps"] > 1 else ""
             self._line(f"{'  ' * depth}[build] {phase_name}{steps}")

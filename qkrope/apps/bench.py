@@ -1026,6 +1026,8 @@ def _bench_in(cfg: Config, workdir: Path, rows: list[BenchRow], machine: dict,
             paths = {f: ex.path for f, ex in exports.items() if ex.info is not None}
             built = _build_engines(cfg, paths, workdir, log, skip=given) if paths else {}
             for form in forms:
+                span = (attention_span_nodes(exports[form].path)
+                        if exports[form].info is not None else [])
                 for b in trt_names:
                     key = (b, form)
                     path, reason = ((given[key], "") if key in given else
@@ -1034,8 +1036,6 @@ def _bench_in(cfg: Config, workdir: Path, rows: list[BenchRow], machine: dict,
                         _skip_all(cfg, rows, b, reason, machine, attention=form)
                         continue
                     finfo = exports[form].info or info
-                    span = (attention_span_nodes(exports[form].path)
-                            if exports[form].info is not None else [])
                     backends.update(skip_or([key], lambda b=b, form=form, path=path, finfo=finfo,
                                             span=span:
                                             _engine_backend(cfg, b, form, path, plugins[b], finfo,
