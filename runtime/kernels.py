@@ -320,6 +320,9 @@ def _simt_lib() -> ctypes.CDLL:
             lib.qkrope_simt_set_dry_run.argtypes = [ctypes.c_int32]
             lib.qkrope_simt_set_stack_size.restype = ctypes.c_int32
             lib.qkrope_simt_set_stack_size.argtypes = [ctypes.c_int64]
+            lib.qkrope_simt_configure_model.restype = ctypes.c_int32
+            lib.qkrope_simt_configure_model.argtypes = [ctypes.c_int32] * 7 + [ctypes.c_char_p,
+                                                                              ctypes.c_int64]
             lib._qkrope_simt_ready = True
     return lib
 
@@ -342,6 +345,35 @@ def simt_configure(num_sms: int | None = None, blocks_per_sm: int | None = None,
     if dry_run is not None:
         lib.qkrope_simt_set_dry_run(int(bool(dry_run)))
     return json.loads(lib.qkrope_simt_config_json().decode())
+
+
+def simt_configure_model(*, num_sms: int, max_threads_per_sm: int, compute_capability: tuple[int, int],
+                         clock_khz: int, mem_clock_khz: int, bus_width_bits: int,
+                         occupancy: dict[str, int] | None = None, seed: int | None = None,
+                         dry_run: bool | None = None) -> dict:
+    """Make a modelled GPU the emulated device: what ``cudaDeviceGetAttribute`` answers (SMs,
+    threads per SM, compute capability, SM and memory clocks in kHz, bus width) and, in
+    ``occupancy``, the resident blocks per SM that the occupancy query returns for each kernel
+    instance (demangled name, as :func:`simt_last_launches` reports it; e.g. from ptxas's register
+    counts). With ``dry_run`` the real launcher chooses and records its launches without running
+    them, which is how its plan is read for a device this machine does not have."""
+    import json
+    lines = "".join(f"{name}\t{int(blocks)}\n" for name, blocks in (occupancy or {}).items())
+    if any("\t" in name or "\n" in name for name in (occupancy or {})):
+        raise InputError("simt_configure_model: a kernel name holds a tab or newline")
+    major, minor = compute_capability
+    dev = _simt_lib().qkrope_simt_configure_model(int(num_sms), int(max_threads_per_sm), int(major),
+                                                  int(minor), int(clock_khz), int(mem_clock_khz),
+                                                  int(bus_width_bits), lines.encode(),
+                                                  -1 if seed is None else int(seed))
+    if dev < 0:
+        raise InputError(f"simt_configure_model: invalid device model num_sms={num_sms}, "
+                         f"max_threads_per_sm={max_threads_per_sm}, cc={major}.{minor}, "
+                         f"clock_khz={clock_khz}, mem_clock_khz={mem_clock_khz}, "
+                         f"bus_width_bits={bus_width_bits} or an occupancy outside 0..64")
+    if dry_run is not None:
+        _simt_lib().qkrope_simt_set_dry_run(int(bool(dry_run)))
+    return json.loads(_simt_lib().qkrope_simt_config_json().decode())
 
 
 def simt_last_launches() -> list[dict]:
@@ -393,5 +425,6 @@ def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     return q_out, k_out
 
 
-__all__ += ["SimtLaunchError", "simt_qk_norm_rope", "simt_configure", "simt_last_launches",
+__all__ += ["SimtLaunchError", "simt_qk_norm_rope", "simt_configure", "simt_configure_model",
+            "simt_last_launches",
             "simt_reset", "simt_last_error", "simt_kernel_symbols", "simt_library_path"]

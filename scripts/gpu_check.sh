@@ -188,7 +188,7 @@ else
   REPORT_ARCH="$ARCH"; [[ "$REPORT_ARCH" =~ ^[0-9]+$ ]] || REPORT_ARCH=90
   say "kernel report in the background (arch $REPORT_ARCH, --check, json: $OUT/kernel_report.json)"
   REPORT_LOG="$(mktemp)"   # outside $OUT: the device tool returns only 8 files
-  timeout -k 5 90 "$PY" scripts/kernel_report.py --arch "$REPORT_ARCH" --check \
+  timeout -k 5 90 "$PY" scripts/kernel_report.py --arch "$REPORT_ARCH" --check --no-launches \
     --json "$OUT/kernel_report.json" > "$REPORT_LOG" 2>&1 &
   REPORT_PID=$!
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Static performance report of the qkrope CUDA kernel (issue 8, part 3).
+"""Static performance report of the qkrope CUDA kernel.
 
 Compiles plugins/kernel/qknorm_rope.cu for sm_90 (and sm_100) into build/kernel_report/ and
 prints, per kernel instance:
@@ -7,20 +7,26 @@ prints, per kernel instance:
     the occupancy those imply (computed here from the HARDWARE table below);
   - from the SASS (cuobjdump -sass, which needs nvdisasm): the hot loop (the innermost loop that
     contains the 128-bit q/k stores), the width and qualifiers of every global load/store in it,
-    the SASS instructions executed per element, the instruction mix, and the estimated 128-bit
-    loads in flight per thread;
-  - for the Qwen-Image instance(s): the bound those figures imply (issue rate vs memory floor,
-    bytes in flight per SM vs what the GPU needs), with every assumption printed.
+    the instruction counts along the common path (prologue, one loop iteration, epilogue; slow-path
+    call blocks and the NaN fix-up excluded), the instruction mix, and the 128-bit q/k loads still
+    outstanding at each token's first wait;
+and then runs the real launcher (the same source under the SIMT emulation, dry run) against the
+modelled devices MODELLED_DEVICES (H100, H200, B200, L40S, A100: SM counts, clocks, bus widths,
+occupancy from each instance's ptxas registers) for every Qwen-Image problem, and reports for each
+instance a launch picks: whole-kernel instructions per element (one iteration per token plus the
+prologue and epilogue amortised over that launch's tokens per row group) and the q/k bytes
+outstanding per SM at a token's first wait.
 
     python scripts/kernel_report.py                      # sm_90 and sm_100, text table
     python scripts/kernel_report.py --arch 90 --json build/kernel_report/report.json
     python scripts/kernel_report.py --cubin some.cubin   # analyse an existing cubin
     python scripts/kernel_report.py --check              # exit 1 when a structural fact fails
 
---check asserts only structural facts (tests/test_kernel_report.py and scripts/gpu_check.sh use
-it): 128-bit q/k loads and stores in the fast-path hot loop, no spills / local memory on the fast
-path, stores with the default cache policy, and the Qwen instance's instructions per element
-under THRESHOLDS. Speed itself is measured by scripts/bench_kernel.py, never asserted here.
+--check asserts static facts only (tests/test_kernel_report.py and scripts/gpu_check.sh use it):
+128-bit q/k loads and stores in the fast-path hot loop, no spills / local memory on the fast path,
+stores with the default cache policy, the Qwen instances' per-token instructions under THRESHOLDS,
+and, for the launched instances on the sm_90 devices, LAUNCH_TARGETS (bytes in flight per SM and
+whole-kernel instructions per element). Speed itself is measured by scripts/bench_kernel.py.
 
 Exit status: 0 ok, 1 a --check fact failed, 2 a tool is missing or the build/analysis failed.
 """
@@ -58,7 +64,8 @@ HARDWARE = {
         "schedulers_per_sm": 4,          # 1 warp-instruction issued per scheduler per cycle
         "clock_ghz": 1.98,               # assumed: boost clock; under load it may be lower
         "dram_tb_s": 4.8,                # nominal HBM3e bandwidth
-        "dram_latency_ns": 700,          # assumed: loaded DRAM latency (~650-800 ns on Hopper)
+        "dram_latency_ns": 1000,         # assumed: loaded DRAM latency, the launch plan's figure
+                                         # (qknorm_rope_plan.h dramLatencyNs; ~0.8-1 us on Hopper)
         "regs_per_sm": 65536,
         "reg_alloc_unit_per_warp": 256,  # registers are allocated per warp in units of 256
         "max_regs_per_thread": 255,
@@ -74,7 +81,7 @@ HARDWARE = {
         "schedulers_per_sm": 4,
         "clock_ghz": 1.9,                # assumed
         "dram_tb_s": 8.0,                # assumed: nominal HBM3e bandwidth
-        "dram_latency_ns": 800,          # assumed: no measured figure at hand
+        "dram_latency_ns": 1000,         # assumed: the launch plan's figure (dramLatencyNs)
         "regs_per_sm": 65536,
         "reg_alloc_unit_per_warp": 256,
         "max_regs_per_thread": 255,
@@ -98,10 +105,59 @@ PROBLEM = {
     "cache_value_bytes": 4,
 }
 
-# Structural threshold on the Qwen instance(s), from issue 8 / docs: "at most 20 SASS
-# instructions per element (26 with rounding=1)". Key: the rounding mode.
+# Per-token threshold on the Qwen instances (one loop iteration along the common path per
+# element; DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"). Key: rounding.
 THRESHOLDS = {0: 20, 1: 26}
-THRESHOLD_SOURCE = 'issue 8 / docs: "at most 20 SASS instructions per element (26 with rounding=1)"'
+THRESHOLD_SOURCE = 'DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"'
+
+# Modelled GPUs the real launcher is run against (through the SIMT emulation's modelled device,
+# in dry-run mode): what cudaDeviceGetAttribute answers there. Memory clock x bus width gives the
+# nominal DRAM bandwidth (2 x clock x width / 8): H100 SXM 3.35 TB/s, H200 4.8, B200 8.0, L40S
+# 0.864, A100 80GB 2.04. Public nominal figures, not read from a device.
+MODELLED_DEVICES = {
+    "H100 SXM": {"arch": 90, "sms": 132, "cc": (9, 0), "max_threads_per_sm": 2048, "max_blocks_per_sm": 32,
+                 "clock_khz": 1980000, "mem_clock_khz": 2619000, "bus_width_bits": 5120},
+    "H200 SXM": {"arch": 90, "sms": 132, "cc": (9, 0), "max_threads_per_sm": 2048, "max_blocks_per_sm": 32,
+                 "clock_khz": 1980000, "mem_clock_khz": 3125000, "bus_width_bits": 6144},
+    "B200": {"arch": 100, "sms": 148, "cc": (10, 0), "max_threads_per_sm": 2048, "max_blocks_per_sm": 32,
+             "clock_khz": 1965000, "mem_clock_khz": 3906000, "bus_width_bits": 8192},
+    "L40S": {"arch": 89, "sms": 142, "cc": (8, 9), "max_threads_per_sm": 1536, "max_blocks_per_sm": 24,
+             "clock_khz": 2520000, "mem_clock_khz": 9000000, "bus_width_bits": 384},
+    "A100 SXM 80GB": {"arch": 80, "sms": 108, "cc": (8, 0), "max_threads_per_sm": 2048,
+                      "max_blocks_per_sm": 32, "clock_khz": 1410000, "mem_clock_khz": 1593000,
+                      "bus_width_bits": 5120},
+}
+# The Qwen-Image launches: one per stream of a block (24 heads x 128, bf16, interleaved, full
+# rotary), image tokens (resolution / 16)^2, text 512 tokens, batch 1 and 2.
+QWEN_RESOLUTIONS = (512, 1024, 1328)
+QWEN_TEXT_TOKENS = 512
+QWEN_BATCHES = (1, 2)
+QWEN_HEADS, QWEN_HEAD_DIM = 24, 128
+# Static targets of a launched Qwen instance on an sm_90 device (H100/H200), by the launch's
+# tokens (batch x sequence): q/k read bytes outstanding per SM at a token's first wait, and
+# whole-kernel common-path SASS instructions per element by rounding mode (DESIGN.md, performance
+# targets: twice Little's law for 85 % of the H200's bandwidth at ~1 us of loaded latency).
+LAUNCH_TARGETS = (
+    {"min_tokens": 4096, "bytes_in_flight_per_sm": 24 * 1024, "instr_per_element": {0: 20, 1: 26}},
+    {"min_tokens": 0, "bytes_in_flight_per_sm": 16 * 1024, "instr_per_element": {0: 26, 1: 26}},
+)
+TARGET_ARCHS = (90,)
+
+
+def launch_target(tokens: int) -> dict:
+    return next(t for t in LAUNCH_TARGETS if tokens >= t["min_tokens"])
+
+
+def qwen_problems() -> list[dict]:
+    out = []
+    for batch in QWEN_BATCHES:
+        for res in QWEN_RESOLUTIONS:
+            out.append({"stream": f"image {res}x{res}", "batch": batch, "seq": (res // 16) ** 2})
+        out.append({"stream": f"text {QWEN_TEXT_TOKENS}", "batch": batch, "seq": QWEN_TEXT_TOKENS})
+    for p in out:
+        p["tokens"] = p["batch"] * p["seq"]
+    return out
+
 
 # Kernel names (the demangled function template names) and their template parameter names.
 # The names are read from a machine-readable line in the .cu when there is one, e.g.
@@ -126,11 +182,9 @@ PARAM_ROLES = {
 }
 # The Qwen-Image instance(s): every fast-path instance whose parameters with these roles have
 # these values (a tuple: any of them; a role the kernel has no parameter for is not compared).
-# rows: the launcher's cost model (launchFast in qknorm_rope.cu: rounds x rows, ties to more
-# rows) picks 3 or 4 rows per unit for 24 heads at 1024x1024 (4096 image / 512 text tokens,
-# batch 1-2) on an H200; 1-2 rows are for problems of a few hundred tokens.
-QWEN_MATCH = {"type": "Bf16", "head_dim": "128", "interleaved": "true", "full_rotary": "true",
-              "rows": ("3", "4")}
+# Every rows-per-unit instance of that family is one the launcher may pick (plan_launches says which
+# it does pick for each Qwen problem and modelled device).
+QWEN_MATCH = {"type": "Bf16", "head_dim": "128", "interleaved": "true", "full_rotary": "true"}
 ELEMENT_BYTES = {"Fp32": 4, "Fp16": 2, "Bf16": 2}
 
 # SASS facts the checks rely on (verified on nvcc 13.0 SASS for sm_90 and sm_100):
@@ -657,6 +711,129 @@ def loads_in_flight(body: list[Instr]) -> dict:
     return {"max_qk_loads_128": max_qk128, "max_bytes_per_thread": max_bytes}
 
 
+def _leaders(instrs: list[Instr]) -> set[int]:
+    """Indices that start a basic block: the entry, branch targets, and the instruction after a
+    branch, CALL, EXIT or RET."""
+    index = {ins.addr: k for k, ins in enumerate(instrs)}
+    lead = {0} if instrs else set()
+    for k, ins in enumerate(instrs):
+        t = ins.branch_target
+        if t is not None and t in index:
+            lead.add(index[t])
+        if (ins.is_branch or ins.base in ("CALL", "EXIT", "RET")) and k + 1 < len(instrs):
+            lead.add(k + 1)
+    return lead
+
+
+def cold_addresses(instrs: list[Instr], hot: tuple[int, int] | None) -> set[int]:
+    """Instructions off the kernel's common path: every basic block that calls a subroutine (the
+    IEEE division/square-root slow paths: their argument set-up, the CALL and the return block),
+    code reached only through calls (after EXIT), and every loop but the hot loop (the rare NaN
+    fix-up, entered only when a row produced a NaN)."""
+    live = reachable(instrs)
+    cold = {ins.addr for ins in instrs if ins.addr not in live}
+    lead = sorted(_leaders(instrs))
+    for k, ins in enumerate(instrs):
+        if ins.base != "CALL":
+            continue
+        start = max(x for x in lead if x <= k)
+        after = [x for x in lead if x > k + 1]
+        stop = after[0] if after else len(instrs)
+        cold.update(instrs[j].addr for j in range(start, stop))
+    for lp in find_loops(instrs):
+        if hot is None or lp != hot:
+            cold.update(i.addr for i in instrs if lp[0] <= i.addr <= lp[1])
+    return cold
+
+
+def _longest_forward(instrs: list[Instr], sources: set[int], lo: int, hi: int, cold: set[int],
+                     sinks) -> int | None:
+    """Most non-NOP instructions on a forward path (back edges cut) that starts at one of the
+    indices `sources`, stays inside the address range [lo, hi], avoids `cold`, and ends at an index
+    for which sinks(k, ins) is true (that instruction counted). None when no such path."""
+    index = {ins.addr: k for k, ins in enumerate(instrs)}
+    dist: dict[int, int] = {}
+    for k in sorted(sources):
+        if instrs[k].addr not in cold:
+            dist[k] = 0 if instrs[k].is_nop else 1
+    best = None
+    for k, ins in enumerate(instrs):
+        if k not in dist:
+            continue
+        if sinks(k, ins):
+            best = dist[k] if best is None else max(best, dist[k])
+            continue   # a path ends at its first sink (a guarded EXIT too: see common_path_counts)
+        succ = []
+        t = ins.flow_target
+        if t is not None and t > ins.addr and t in index:
+            succ.append(index[t])
+        if not ins.ends_flow and k + 1 < len(instrs):
+            succ.append(k + 1)
+        for s in succ:
+            nxt = instrs[s]
+            if not (lo <= nxt.addr <= hi) or nxt.addr in cold:
+                continue
+            d = dist[k] + (0 if nxt.is_nop else 1)
+            if d > dist.get(s, -1):
+                dist[s] = d
+    return best
+
+
+def common_path_counts(instrs: list[Instr], loop: tuple[int, int]) -> dict:
+    """Dynamic instruction counts of one thread along the common path (cold_addresses avoided,
+    every other guarded block taken, which is what the kernel executes when no slow path and no
+    NaN fix-up runs): the prologue (entry to the hot-loop head, exclusive), one hot-loop
+    iteration (head to back edge) and the epilogue (loop exit to the first EXIT on the path: the
+    kernel's guarded `@P EXIT` after the loop is its common case, no NaN to fix up; what follows
+    it sets up the fix-up loop)."""
+    cold = cold_addresses(instrs, loop)
+    index = {ins.addr: k for k, ins in enumerate(instrs)}
+    head, end = index[loop[0]], index[loop[1]]
+    last = instrs[-1].addr if instrs else 0
+    pro = _longest_forward(instrs, {0}, instrs[0].addr, loop[0], cold, lambda k, i: k == head)
+    body = [i for i in instrs if loop[0] <= i.addr <= loop[1]]
+    it = longest_path([i for i in body if i.addr not in cold or i.addr == loop[0]], loop)
+    exits = set()
+    for k in range(head, end + 1):
+        ins = instrs[k]
+        t = ins.flow_target
+        if t is not None and t > loop[1] and t in index:
+            exits.add(index[t])
+    if not instrs[end].ends_flow and end + 1 < len(instrs):
+        exits.add(end + 1)
+    epi = _longest_forward(instrs, exits, loop[1] + 1, last, cold,
+                           lambda k, i: i.base in ("EXIT", "RET"))
+    return {"prologue": None if pro is None else pro - 1, "iteration": it, "epilogue": epi,
+            "cold_in_loop": sum(1 for i in body if i.addr in cold and not i.is_nop)}
+
+
+def first_stall_loads(body: list[Instr]) -> list[int]:
+    """128-bit q/k loads outstanding at each token's first wait, in the steady state: the loop
+    body is walked twice in address order (loads issued in one iteration are consumed in the
+    next); a load is outstanding from its issue until the first instruction that reads or
+    overwrites its destination registers; a token's first wait is the first such consumption of a
+    q/k load after a global store (or the loop head). Returns the count at each of those waits in
+    the second walk (one per token of the unrolled loop)."""
+    outstanding: list[tuple[set[int], int, bool]] = []
+    counts: list[int] = []
+    fresh = False
+    for walk in range(2):
+        fresh = True
+        for ins in body:
+            regs = ins.registers()
+            hit = [o for o in outstanding if o[0] & regs]
+            if hit and any(o[1] == 128 and not o[2] for o in hit):
+                if fresh and walk == 1:
+                    counts.append(sum(1 for o in outstanding if o[1] == 128 and not o[2]))
+                fresh = False
+            outstanding = [o for o in outstanding if not (o[0] & regs)]
+            if ins.is_global_load:
+                outstanding.append((ins.dest_registers(), ins.width, ins.is_constant))
+            if ins.is_global_store:
+                fresh = True
+    return counts
+
+
 _MIX = {
     "SHFL": ("SHFL",),
     "MUFU": ("MUFU",),
@@ -715,6 +892,8 @@ def analyse_loop(instrs: list[Instr], elem_bytes: int) -> dict:
         # the assumption behind the count: the subroutines (cold slow paths) sit outside the loop
         "calls_outside_loop": all(not (loop[0] <= t <= loop[1]) for t in call_targets),
         "in_flight": loads_in_flight(body),
+        "first_stall_loads": first_stall_loads(body),
+        "common_path": common_path_counts(instrs, loop),
     }
 
 
@@ -1001,6 +1180,145 @@ def analyse_cubin(cubin: Path, tools: Tools, *, ptxas_log: str | None = None,
     return result
 
 
+def _label_of(demangled: str) -> str | None:
+    kind = FAST_KERNEL if FAST_KERNEL + "<" in demangled else GENERAL_KERNEL if GENERAL_KERNEL + "<" in demangled else None
+    if kind is None:
+        return None
+    args = template_args(demangled, kind)
+    short = "Fast" if kind == FAST_KERNEL else "General"
+    return f"{short}<{','.join(args)}>" if args is not None else None
+
+
+def device_hardware(name: str) -> dict:
+    """The occupancy figures of a modelled device (register file, warps, blocks, shared memory)."""
+    dev = MODELLED_DEVICES[name]
+    hw = dict(HARDWARE.get(dev["arch"], HARDWARE[90]))
+    hw.update(gpu=name, sms=dev["sms"], max_warps_per_sm=dev["max_threads_per_sm"] // 32,
+              max_blocks_per_sm=dev["max_blocks_per_sm"])
+    return hw
+
+
+def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
+    """What one launch of `inst` does per thread along the common path: tokens per row group,
+    whole-kernel instructions per element (one loop iteration per tokens-per-iteration, plus the
+    prologue and epilogue amortised over the group's tokens), and the q/k bytes outstanding per SM
+    at a token's first wait (fewest 128-bit loads at any token's first wait x 16 B x resident
+    threads)."""
+    loop = inst["hot_loop"]
+    common = loop.get("common_path") or {}
+    roles = inst["roles"]
+    rows = int(roles.get("rows", 1))
+    eb = inst["elem_bytes"]
+    vec = 16 // eb
+    head_dim = int(roles.get("head_dim", QWEN_HEAD_DIM))
+    lanes = min(head_dim // vec, 32)
+    elems = head_dim // lanes
+    units = 2 * math.ceil(problem["heads"] / rows)
+    token_step = launch["grid"][0] * (256 // lanes) // units
+    tokens_per_group = problem["tokens"] / token_step
+    per_iter = loop["elements_per_iteration"] / (rows * elems)   # tokens per loop iteration
+    it, pro, epi = common.get("iteration"), common.get("prologue"), common.get("epilogue")
+    ipe = None
+    if it and pro is not None and epi is not None:
+        ipe = (tokens_per_group * it / per_iter + pro + epi) / (tokens_per_group * rows * elems)
+    stalls = loop.get("first_stall_loads") or [0]
+    in_flight = min(stalls) * 16 * occ["threads_per_sm"]
+    return {"rows": rows, "grid": launch["grid"][0], "token_step": token_step,
+            "tokens_per_group": tokens_per_group, "instr_per_element": ipe,
+            "loop_instr_per_element": it / loop["elements_per_iteration"] if it else None,
+            "prologue": pro, "epilogue": epi, "loads_at_first_wait": min(stalls),
+            "bytes_in_flight_per_sm": in_flight, "blocks_per_sm": occ["blocks_per_sm"]}
+
+
+def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
+    """Run the real launcher (qknorm_rope.cu under the SIMT emulation, dry run: nothing computed)
+    against each modelled device for each Qwen problem and rounding mode, with each instance's
+    occupancy from the ptxas registers of the build for that device's architecture (sm_90's where
+    that architecture was not compiled), and analyse the instance it launches."""
+    import torch
+    from qkrope.runtime import kernels
+    default_build = ROOT / "build" / "kernel-simt" / kernels.SIMT_LIB_NAME
+    if not simt_lib and kernels.simt_library_path() is None and default_build.is_file():
+        simt_lib = str(default_build)
+    if simt_lib:
+        os.environ[kernels.SIMT_LIB_ENV] = simt_lib
+    if kernels.simt_library_path() is None:
+        raise ToolError("the SIMT emulation library is not built: " + kernels.SIMT_BUILD_COMMAND)
+    entries = {int(a): e for a, e in report["archs"].items()}
+    if not entries:
+        return []
+    symbols = kernels.simt_kernel_symbols("qkNormRope")
+    simt_names = {}
+    for name in symbols:
+        if name.startswith("void ") and "lambda" not in name:
+            label = _label_of(name)
+            if label:
+                simt_names[label] = name
+    launches = []
+    for dev_name, dev in MODELLED_DEVICES.items():
+        arch = dev["arch"] if dev["arch"] in entries else (90 if 90 in entries else min(entries))
+        by_label = {i["label"]: i for i in entries[arch]["instances"]}
+        hw = device_hardware(dev_name)
+        occ = {label: occupancy(i["regs"], i["smem"], i["threads_per_block"], hw) for label, i in by_label.items()}
+        table = {simt_names[label]: o["blocks_per_sm"] for label, o in occ.items() if label in simt_names}
+        kernels.simt_configure_model(num_sms=dev["sms"], max_threads_per_sm=dev["max_threads_per_sm"],
+                                     compute_capability=dev["cc"], clock_khz=dev["clock_khz"],
+                                     mem_clock_khz=dev["mem_clock_khz"], bus_width_bits=dev["bus_width_bits"],
+                                     occupancy=table, dry_run=True)
+        try:
+            for prob in qwen_problems():
+                q = torch.zeros(prob["batch"], prob["seq"], QWEN_HEADS, QWEN_HEAD_DIM, dtype=torch.bfloat16)
+                k = torch.zeros_like(q)
+                w = torch.ones(QWEN_HEAD_DIM, dtype=torch.bfloat16)
+                cache = torch.zeros(prob["seq"], QWEN_HEAD_DIM)
+                for rounding in (0, 1):
+                    kernels.simt_reset()
+                    kernels.simt_qk_norm_rope(q, k, w, w, cache, interleaved=True, rounding=rounding,
+                                              out=(q, k))
+                    recs = kernels.simt_last_launches()
+                    if len(recs) != 1:
+                        raise ToolError(f"{dev_name}, {prob['stream']}: expected one launch, got {len(recs)}")
+                    label = _label_of(recs[0]["kernel"])
+                    inst = by_label.get(label)
+                    problem = dict(prob, heads=QWEN_HEADS)
+                    row = {"device": dev_name, "arch": arch, "stream": prob["stream"], "batch": prob["batch"],
+                           "tokens": prob["tokens"], "rounding": rounding, "instance": label,
+                           "found": inst is not None}
+                    if inst is not None and inst["hot_loop"].get("found"):
+                        row.update(launch_figures(inst, recs[0], problem, occ[label]))
+                    launches.append(row)
+        finally:
+            kernels.simt_configure(dry_run=False)
+    return launches
+
+
+def launch_checks(launches: list[dict]) -> list[dict]:
+    """The static targets (LAUNCH_TARGETS) for every launch on a TARGET_ARCHS device."""
+    checks = []
+    for ln in launches:
+        if ln["arch"] not in TARGET_ARCHS or MODELLED_DEVICES[ln["device"]]["arch"] not in TARGET_ARCHS:
+            continue
+        t = launch_target(ln["tokens"])
+        where = f"{ln['device']}, {ln['stream']}, batch {ln['batch']}, rounding {ln['rounding']}"
+        if not ln["found"] or "instr_per_element" not in ln:
+            checks.append({"check": "launched-instance", "arch": ln["arch"], "instance": str(ln["instance"]),
+                           "ok": False, "detail": f"{where}: the launched instance is not in the SASS"})
+            continue
+        need_b, have_b = t["bytes_in_flight_per_sm"], ln["bytes_in_flight_per_sm"]
+        checks.append({"check": "launched-bytes-in-flight", "arch": ln["arch"], "instance": ln["instance"],
+                       "ok": have_b >= need_b,
+                       "detail": f"{where}: {have_b / 1024:.1f} KiB per SM at a token's first wait "
+                                 f"({ln['loads_at_first_wait']} x 16 B x {ln['blocks_per_sm'] * 256} threads) "
+                                 f"{'>=' if have_b >= need_b else '<'} {need_b // 1024} KiB"})
+        lim, ipe = t["instr_per_element"][ln["rounding"]], ln["instr_per_element"]
+        ok = ipe is not None and ipe <= lim
+        checks.append({"check": "launched-instr-per-element", "arch": ln["arch"], "instance": ln["instance"],
+                       "ok": ok, "detail": f"{where}: {_fmt(ipe, '.2f')} {'<=' if ok else '>'} {lim} "
+                                           f"instructions per element ({ln['tokens_per_group']:.1f} tokens "
+                                           "per group)"})
+    return checks
+
+
 def structural_checks(instances: list[dict]) -> list[dict]:
     """The facts that must not drift. One entry per (check, instance): name, label, arch, ok, detail."""
     checks = []
@@ -1033,7 +1351,13 @@ def structural_checks(instances: list[dict]) -> list[dict]:
         add("store-default-policy", inst, not inst["store_policies"],
             "STG qualifiers " + (",".join(inst["store_policies"]) if inst["store_policies"] else "default"))
         if inst["qwen"]:
-            ipe = loop.get("instr_per_element") if loop.get("found") else None
+            # one loop iteration along the common path (slow-path call blocks excluded) per element:
+            # what every token costs; the launched-* checks add the amortised prologue/epilogue
+            ipe = None
+            if loop.get("found"):
+                it = (loop.get("common_path") or {}).get("iteration")
+                ipe = it / loop["elements_per_iteration"] if it and loop["elements_per_iteration"] else \
+                    loop.get("instr_per_element")
             th = inst["threshold"]
             ok = ipe is not None and th is not None and ipe <= th
             note = (f"rounding={inst['rounding']}" if inst["rounding"] is not None
@@ -1046,8 +1370,10 @@ def structural_checks(instances: list[dict]) -> list[dict]:
 
 def build_report(archs: list[int] | None = None, *, cubins: list[str] | None = None,
                  nvcc: str | None = None, cuobjdump: str | None = None, nvdisasm: str | None = None,
-                 source: Path = SOURCE, out_dir: Path = BUILD_DIR) -> dict:
-    """Compile (or take the given cubins), analyse, check. The whole report as one dict."""
+                 source: Path = SOURCE, out_dir: Path = BUILD_DIR, launches: bool = True,
+                 simt_lib: str | None = None) -> dict:
+    """Compile (or take the given cubins), analyse, run the real launcher against the modelled
+    devices (``launches``; needs the SIMT emulation library), check. The whole report as one dict."""
     tools = Tools(nvcc=nvcc, cuobjdump=cuobjdump, nvdisasm=nvdisasm, need_nvcc=not cubins)
     source = Path(source)
     source_text = source.read_text() if source.is_file() else None
@@ -1074,6 +1400,9 @@ def build_report(archs: list[int] | None = None, *, cubins: list[str] | None = N
             report["archs"][str(arch)] = res[arch]
     all_instances = [i for e in report["archs"].values() for i in e["instances"]]
     report["checks"] = structural_checks(all_instances)
+    if launches:
+        report["launches"] = plan_launches(report, simt_lib)
+        report["checks"] += launch_checks(report["launches"])
     report["ok"] = all(c["ok"] for c in report["checks"])
     return report
 
@@ -1188,6 +1517,28 @@ def format_text(report: dict, details: str = "qwen") -> str:
         for a in entry["assumptions"]:
             w(f"     - {a}")
         w("")
+    if report.get("launches"):
+        w("== launches: the real launcher (qknorm_rope.cu under the SIMT emulation, dry run) on "
+          "modelled devices, occupancy from ptxas registers")
+        w(f"   {'device':<14} {'stream':<16} {'batch':>5} {'rnd':>3} {'instance':<30} {'blk/SM':>6} "
+          f"{'tok/grp':>7} {'ins/el':>6} {'ld@wait':>7} {'KiB/SM':>6}")
+        for ln in report["launches"]:
+            if "instr_per_element" not in ln:
+                w(f"   {ln['device']:<14} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
+                  f"{str(ln['instance']):<30} (not in the SASS)")
+                continue
+            w(f"   {ln['device']:<14} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
+              f"{ln['instance']:<30} {ln['blocks_per_sm']:>6} {ln['tokens_per_group']:>7.1f} "
+              f"{_fmt(ln['instr_per_element'], '.2f'):>6} {ln['loads_at_first_wait']:>7} "
+              f"{ln['bytes_in_flight_per_sm'] / 1024:>6.1f}")
+        w("   ins/el = common-path SASS instructions per element over the whole kernel (loop per "
+          "token + prologue/epilogue over tok/grp tokens);")
+        w("   ld@wait = 128-bit q/k loads outstanding at a token's first wait; KiB/SM = ld@wait x 16 B "
+          "x resident threads")
+        w(f"   targets on {', '.join(f'sm_{a}' for a in TARGET_ARCHS)} devices: " + "; ".join(
+            f">= {t['min_tokens']} tokens: >= {t['bytes_in_flight_per_sm'] // 1024} KiB, <= "
+            f"{t['instr_per_element'][0]} / {t['instr_per_element'][1]} (rounding 0 / 1)" for t in LAUNCH_TARGETS))
+        w("")
     w(f"== structural checks (--check); instruction thresholds {THRESHOLDS} by rounding mode, "
       f"from {THRESHOLD_SOURCE}")
     by = collections.OrderedDict()
@@ -1226,6 +1577,12 @@ def parse_args(argv=None):
     ap.add_argument("--details", choices=("none", "qwen", "all"), default="qwen",
                     help="per-instance detail blocks: Qwen and failing instances (default), all, none")
     ap.add_argument("--check", action="store_true", help="exit 1 when a structural fact fails")
+    ap.add_argument("--no-launches", action="store_true",
+                    help="skip running the real launcher against the modelled devices (it needs the SIMT "
+                         "emulation library: " + "cmake -S plugins/kernel -B build/kernel-simt && cmake --build "
+                         "build/kernel-simt --target qkrope_kernels_simt)")
+    ap.add_argument("--simt-lib", help="the SIMT emulation library (default: $QKROPE_KERNELS_SIMT_LIB, "
+                                       "build/kernel-simt, build/plugins)")
     args = ap.parse_args(argv)
     args.archs = None
     if args.arch is not None:
@@ -1240,7 +1597,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         report = build_report(args.archs, cubins=args.cubin, nvcc=args.nvcc, cuobjdump=args.cuobjdump,
-                              nvdisasm=args.nvdisasm, source=Path(args.source), out_dir=Path(args.out_dir))
+                              nvdisasm=args.nvdisasm, source=Path(args.source), out_dir=Path(args.out_dir),
+                              launches=not args.no_launches, simt_lib=args.simt_lib)
     except ToolError as e:
         print(f"kernel_report: error: {e}", file=sys.stderr)
         return 2

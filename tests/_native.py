@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SIMT_BUILD_DIR = REPO / "build" / "kernel-simt"
 
 
 def find_cxx() -> str | None:
@@ -23,3 +28,18 @@ def require_native_tools(what: str) -> tuple[str, str]:
     if cmake is None:
         pytest.skip(f"cmake not found: cannot build {what} (pip install cmake)")
     return cxx, cmake
+
+
+def build_simt(targets: tuple[str, ...] = ("qkrope_kernels_simt",)) -> Path:
+    """Build the SIMT emulation of the kernel (cmake on plugins/kernel, CUDA off) into
+    build/kernel-simt, which the emulator tests and the kernel report share; returns the folder."""
+    _, cmake = require_native_tools("the SIMT emulation")
+    if not (SIMT_BUILD_DIR / "CMakeCache.txt").is_file():
+        res = subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(SIMT_BUILD_DIR),
+                              "-DQKROPE_WITH_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, f"configuring the SIMT build failed:\n{res.stdout}\n{res.stderr}"
+    res = subprocess.run([cmake, "--build", str(SIMT_BUILD_DIR), "--target", *targets, "-j2"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, f"building the SIMT emulation failed:\n{res.stdout}\n{res.stderr}"
+    return SIMT_BUILD_DIR

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from _kernel_cases import assert_bit_exact, check_against_fp32, make_inputs
-from _native import require_native_tools
+from _native import build_simt, require_native_tools
 from qkrope.runtime import kernels
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +45,21 @@ SIMT_SRC = REPO / "plugins" / "simt"
 # inputs agree bit for bit too, not only the grid inputs (exact sums of squares).
 
 DEFAULT_DEVICE = dict(num_sms=2, blocks_per_sm=2, seed=0)
+# The emulator's default device model (simt.h DeviceConfig: an sm_90 part's clocks and bus) and a
+# bandwidth-starved one (an A100's bandwidth and clock per SM, on 2 SMs): on the second the launch
+# plan's memory term picks one row per unit for single-head problems, which the default's
+# per-SM bandwidth never does, so the probes reach every compiled instance.
+DEVICE_MODELS = {
+    "default": dict(num_sms=2, max_threads_per_sm=2048, compute_capability=(9, 0), clock_khz=1980000,
+                    mem_clock_khz=2619000, bus_width_bits=5120),
+    "bandwidth-starved": dict(num_sms=2, max_threads_per_sm=2048, compute_capability=(8, 0),
+                              clock_khz=1410000, mem_clock_khz=29500, bus_width_bits=5120),
+}
+
+
+def use_device(model: str = "default", dry_run: bool = False) -> None:
+    kernels.simt_configure_model(**DEVICE_MODELS[model], dry_run=dry_run)
+    kernels.simt_configure(**DEFAULT_DEVICE, dry_run=dry_run)
 SENTINEL = {2: 0xFFFF, 4: 0xFFFFFFFF}  # NaNs with payloads no conversion or fp32 op produces
 GUARD = 64                             # elements before and after each output (keeps 16-byte alignment)
 
@@ -55,17 +70,7 @@ def _tools():
 
 
 def _build() -> Path:
-    _, cmake = _tools()
-    if not (BUILD_DIR / "CMakeCache.txt").is_file():
-        res = subprocess.run([cmake, "-S", str(KERNEL_SRC), "-B", str(BUILD_DIR),
-                              "-DQKROPE_WITH_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, f"configuring the SIMT build failed:\n{res.stdout}\n{res.stderr}"
-    res = subprocess.run([cmake, "--build", str(BUILD_DIR), "--target", "qkrope_kernels_simt",
-                          "qkrope_simt_selftest", "qkrope_kernel_host", "-j2"],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, f"building the SIMT emulation failed:\n{res.stdout}\n{res.stderr}"
-    return BUILD_DIR
+    return build_simt(("qkrope_kernels_simt", "qkrope_simt_selftest", "qkrope_kernel_host"))
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +92,10 @@ def libs():
 @pytest.fixture()
 def device(libs):
     """Restores the default device shape and scheduling after a test that changes them."""
-    kernels.simt_configure(**DEFAULT_DEVICE, dry_run=False)
+    use_device()
     kernels.simt_reset()
     yield
-    kernels.simt_configure(**DEFAULT_DEVICE, dry_run=False)
+    use_device()
 
 
 # ---- one emulated run, checked against the CPU build ---------------------------------------------------
@@ -209,27 +214,28 @@ def plan(libs):
     lib = kernels._simt_lib()
     pool = torch.zeros(64 * 1024 * 1024 // 8, dtype=torch.float64)  # never read in dry-run mode
     found: dict[str, tuple] = {}
-    kernels.simt_configure(**DEFAULT_DEVICE, dry_run=True)
     try:
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for d, r in PROBE_HEAD_ROT:
-                for inter in (True, False):
-                    for rnd in (0, 1):
-                        for mis in PROBE_MISALIGN:
-                            for heads in PROBE_HEADS:
-                                for batch, seq in PROBE_TOKENS:
-                                    kernels.simt_reset()
-                                    _probe(lib, dtype, d, r, inter, rnd, heads, batch, seq, mis, pool)
-                                    (rec,) = kernels.simt_last_launches()
-                                    inst = _instance(rec["kernel"])
-                                    cost = batch * seq * heads * d
-                                    prob = dict(dtype=dtype, head_dim=d, rotary_dim=r,
-                                                interleaved=inter, rounding=rnd, heads=heads,
-                                                batch=batch, seq=seq, misalign=mis)
-                                    if inst not in found or cost < found[inst][0]:
-                                        found[inst] = (cost, prob, _template(rec["kernel"]))
+        for model in DEVICE_MODELS:
+            use_device(model, dry_run=True)
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for d, r in PROBE_HEAD_ROT:
+                    for inter in (True, False):
+                        for rnd in (0, 1):
+                            for mis in PROBE_MISALIGN:
+                                for heads in PROBE_HEADS:
+                                    for batch, seq in PROBE_TOKENS:
+                                        kernels.simt_reset()
+                                        _probe(lib, dtype, d, r, inter, rnd, heads, batch, seq, mis, pool)
+                                        (rec,) = kernels.simt_last_launches()
+                                        inst = _instance(rec["kernel"])
+                                        cost = batch * seq * heads * d
+                                        prob = dict(dtype=dtype, head_dim=d, rotary_dim=r,
+                                                    interleaved=inter, rounding=rnd, heads=heads,
+                                                    batch=batch, seq=seq, misalign=mis, model=model)
+                                        if inst not in found or cost < found[inst][0]:
+                                            found[inst] = (cost, prob, _template(rec["kernel"]))
     finally:
-        kernels.simt_configure(**DEFAULT_DEVICE, dry_run=False)
+        use_device()
         kernels.simt_reset()
     templates = {t for _, _, t in found.values()}
     compiled = set()
@@ -260,6 +266,7 @@ def _run_instances(found, dtype, grid):
         p.pop("dtype")
         heads = p.pop("heads")
         batch, seq = p.pop("batch"), p.pop("seq")
+        use_device(p.pop("model"))
         try:
             launches = run_checked(dtype, heads=heads, batch=batch, seq=seq, grid=grid, seed=3,
                                    **p)
@@ -268,6 +275,7 @@ def _run_instances(found, dtype, grid):
             ran.add(inst)
         except AssertionError as exc:
             failures.append(f"{inst} {prob}: {str(exc).splitlines()[0]}")
+    use_device()
     assert not failures, f"{len(failures)} instance(s) failed:\n" + "\n".join(failures[:10])
     return ran
 
@@ -328,7 +336,10 @@ def test_cases_random_bit_exact(device, dtype, interleaved):
 
 
 def test_small_problem_split(device):
-    """One token with many heads: its rows are spread over several blocks."""
+    """One token with many heads on a device with SMs to spare: the launch plan spreads its rows
+    over several blocks (on the default 2-SM device one block of 3-row units is its cheaper
+    choice: the busiest SM then issues half the prologue)."""
+    kernels.simt_configure(num_sms=8, blocks_per_sm=2)
     for d, interleaved in ((128, True), (96, True), (256, False)):
         launches = run_checked(torch.bfloat16, d, d, interleaved=interleaved, batch=1, seq=1,
                                heads=24)
@@ -674,6 +685,8 @@ MUTANTS = [
      r"float const other = __shfl_sync\(kFullMask, y\[i\], partner, kLanes\);",
      "float const other = (lane * kVec >= rot) ? y[i] : __shfl_sync(kFullMask, y[i], partner, kLanes);",
      "neox_partial"),
+    ("prefetch ring: the loads two tokens ahead overwrite a buffer not yet computed", "qknorm_rope.cu",
+     r"token\(rawB, rawA\);", "token(rawB, rawC);", "ring"),
     ("dropped row: the general path's token loop stops one token early", "qknorm_rope.cu",
      r"for \(; t < a\.numTokens; t \+= a\.tokenStep\)",
      "for (; t < a.numTokens - 1; t += a.tokenStep)", "general"),
@@ -690,6 +703,8 @@ MUTANT_CASES = {
     # token arrives at the next token's reduction while its group still waits in the shuffle
     "neox_partial": [dict(dtype=torch.float16, head_dim=128, rotary_dim=64, heads=2, seq=64,
                           interleaved=False)],
+    # every row group walks more than three tokens, so the ring turns over at least once
+    "ring": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=2, seq=160)],
     "general": [dict(dtype=torch.bfloat16, head_dim=96, rotary_dim=96, heads=3, seq=3,
                      interleaved=False),
                 dict(dtype=torch.float32, head_dim=48, rotary_dim=48, heads=2, seq=3)],

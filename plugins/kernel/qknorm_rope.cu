@@ -11,14 +11,18 @@
 //   - the grid holds a whole number of tokens (splitTokens): `tokenStep` tokens are in flight at
 //     once and every group does the same number of tokens, +-1. With at most one unit per group
 //     in flight this keeps every SM busy down to a few hundred tokens (Qwen-Image's 512-token
-//     text stream and the 1024-token 512x512 image included): the launcher picks the rows per
-//     unit that minimise rounds x rows for the problem (pickRows).
+//     text stream and the 1024-token 512x512 image included): the launch plan (planFast in
+//     qknorm_rope_plan.h) picks the rows per unit from a model of the device: issue time vs the
+//     bandwidth that its bytes in flight sustain (Little's law), with wave quantisation.
 //
 // Fast path (head_dim 64/128/256, q/k/outputs 16-byte aligned; qknorm_rope_plan.h): a row group is
 // head_dim / (elements per 128 bits) threads (<= 32), each owning whole 128-bit chunks of the row.
-//   - software pipeline: all rows of the next token's unit are loaded (128-bit, evict-first) and
-//     its cos/sin fetched (128-bit where the cache allows) before the current unit's maths, so
-//     2 x rows x 16 bytes per thread are in flight while it computes;
+//   - software pipeline, prefetch distance kPrefetch = 2 tokens over three rotating row buffers:
+//     each token first issues the 128-bit evict-first loads of the token two steps ahead, so when
+//     it waits for its own rows the next token's rows (issued a token earlier) are still in
+//     flight whatever ptxas schedules inside the token. The sm_90 SASS of the Qwen instances
+//     (scripts/kernel_report.py) has 2 x rows loads outstanding at every token's first wait:
+//     32 KiB per SM for rows 2, 48 KiB for rows 3 at 2 blocks per SM;
 //   - sum of squares by fused multiply-adds, reduced with xor shuffles inside the group, all rows
 //     of a unit interleaved; 1/D is an exact multiplication (power-of-two D);
 //   - rounding mode, pairing and full/partial rotary are template parameters, so the Qwen-Image
@@ -43,6 +47,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -60,8 +65,11 @@ using math::Fp32;
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kMaxRows = 4;       // rows per work unit of the fast path: 1..maxRows() <= kMaxRows
-constexpr int kFastMinBlocks = 2; // >= 512 resident threads per SM (<= 128 registers)
+constexpr int kMaxRows = kPlanMaxRows;   // rows per work unit of the fast path: 1..maxRows() <= kMaxRows
+constexpr int kFastMinBlocks = 2;        // >= 512 resident threads per SM (<= 128 registers)
+constexpr int kPrefetch = kPlanPrefetch; // fast path: tokens whose row loads are in flight ahead of use
+static_assert(kThreads == kPlanThreads, "the launch plan models this block size");
+static_assert(kPrefetch == 2, "the token loop rotates kPrefetch + 1 = 3 row buffers");
 constexpr int kMaxDevices = 64;
 constexpr unsigned kFullMask = 0xFFFFFFFFU;
 
@@ -371,17 +379,17 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
     int64_t const trigWrap = a.seqLen * rot;
     unsigned packedNaN = 0;
 
-    // One token: fetch its cos/sin, issue the next token's row loads into `next`, then normalise,
-    // rotate and store `cur`. Called alternately with the two buffers swapped (no copies).
-    auto token = [&](uint4 (&cur)[ROWS][kNV], uint4 (&next)[ROWS][kNV]) {
+    // One token: issue the row loads of the token kPrefetch steps ahead into `ahead` (the buffer
+    // the previous token was computed from), fetch this token's cos/sin, then normalise, rotate and
+    // store `cur`. Called in rotation over kPrefetch + 1 buffers (no copies).
+    auto token = [&](uint4 (&cur)[ROWS][kNV], uint4 (&ahead)[ROWS][kNV]) {
+        if (remaining > kPrefetch)
+        {
+            loadRows(in + kPrefetch * stepElems, ahead);
+        }
         float cosv[kTrig];
         float sinv[kTrig];
         loadTrig(trig, cosv, sinv);
-        Storage const* const inNext = in + stepElems;
-        if (remaining > 1)
-        {
-            loadRows(inNext, next);
-        }
 
         // Sum of squares of every row, the rows' reductions interleaved.
         float sumSq[ROWS];
@@ -493,27 +501,41 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
             }
         }
 
-        in = inNext;
+        in += stepElems;
         out += stepElems;
         trig += trigStep;
         trig = trig >= trigEnd ? trig - trigWrap : trig;
         --remaining;
     };
 
+    // Prologue: the first kPrefetch tokens' rows in flight before any is used. Each token of the
+    // loop then issues the loads of the token kPrefetch ahead, so when it first waits for its own
+    // rows, those of the next token (issued one token earlier) are still outstanding whatever the
+    // compiler's schedule inside the token: at least kPrefetch x ROWS row loads per thread.
     uint4 rawA[ROWS][kNV];
     uint4 rawB[ROWS][kNV];
+    uint4 rawC[ROWS][kNV];
     if (remaining > 0)
     {
         loadRows(in, rawA);
     }
+    if (remaining > 1)
+    {
+        loadRows(in + stepElems, rawB);
+    }
     while (remaining > 0)
     {
-        token(rawA, rawB);
+        token(rawA, rawC);
         if (remaining == 0)
         {
             break;
         }
         token(rawB, rawA);
+        if (remaining == 0)
+        {
+            break;
+        }
+        token(rawC, rawB);
     }
 
     // Rare: a row produced a NaN (NaN or inf inputs, weights or cache). Give the halves this
@@ -771,6 +793,29 @@ int smCount(int device)
     return count;
 }
 
+// The plan's model of a device (qknorm_rope_plan.h deviceModel), from its attributes; cached per
+// device. A query that fails leaves a neutral figure (the plan then compares instances on equal
+// terms).
+DeviceModel deviceModelOf(int device)
+{
+    auto query = [device]() {
+        auto attr = [device](cudaDeviceAttr which, int fallback) {
+            return queryOr([device, which](int* v) { return cudaDeviceGetAttribute(v, which, device); }, fallback);
+        };
+        return deviceModel(smCount(device), attr(cudaDevAttrComputeCapabilityMajor, 9),
+            attr(cudaDevAttrComputeCapabilityMinor, 0), attr(cudaDevAttrClockRate, 1000000),
+            attr(cudaDevAttrMemoryClockRate, 1000000), attr(cudaDevAttrGlobalMemoryBusWidth, 4096));
+    };
+    if (device < 0 || device >= kMaxDevices)
+    {
+        return query();
+    }
+    static std::once_flag once[kMaxDevices];
+    static DeviceModel models[kMaxDevices];
+    std::call_once(once[device], [&] { models[device] = query(); });
+    return models[device];
+}
+
 // Resident blocks of KERNEL on the whole device (blocks per SM from the occupancy query x SMs),
 // cached per kernel instance and device.
 template <auto KERNEL>
@@ -792,57 +837,19 @@ int64_t residentBlocks(int device)
     return static_cast<int64_t>(perSm) * smCount(device);
 }
 
-int64_t ceilDiv(int64_t a, int64_t b)
-{
-    return (a + b - 1) / b;
-}
-
-int64_t gcd(int64_t a, int64_t b)
-{
-    while (b != 0)
-    {
-        int64_t const r = a % b;
-        a = b;
-        b = r;
-    }
-    return a;
-}
-
-struct TokenSplit
-{
-    int64_t blocks;    // grid size
-    int64_t tokenStep; // tokens in flight at once = tokens between a group's consecutive tokens
-};
-
-// Grid for `unitsPerToken` row-group slots per token and `groupsPerBlock` groups per block: a
-// multiple of the smallest block count whose groups cover whole tokens, no larger than the
-// resident blocks (so every block is resident and walks tokens) nor than the problem needs.
-TokenSplit splitTokens(int64_t numTokens, int64_t unitsPerToken, int64_t groupsPerBlock, int64_t resident)
-{
-    int64_t const g = gcd(unitsPerToken, groupsPerBlock);
-    int64_t const quantumBlocks = unitsPerToken / g;
-    int64_t const quantumTokens = groupsPerBlock / g;
-    int64_t const needed = ceilDiv(numTokens, quantumTokens) * quantumBlocks;
-    int64_t const fit = resident / quantumBlocks * quantumBlocks;
-    int64_t blocks = needed < fit ? needed : fit;
-    blocks = blocks > quantumBlocks ? blocks : quantumBlocks;
-    return TokenSplit{blocks, blocks / quantumBlocks * quantumTokens};
-}
-
-// Rows per unit an instance may hold without spilling under its 128-register budget: 4 for
-// interleaved pairs in one chunk, 3 where NeoX shuffles or two chunks per thread need more registers.
 template <typename T, int HEAD_DIM, bool INTERLEAVED>
 constexpr int maxRows()
 {
-    return INTERLEAVED && fastChunksPerThread(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage))) == 1 ? 4 : 3;
+    return fastMaxRows(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage)), INTERLEAVED);
 }
 
 template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY, int ROWS>
-int64_t fastResident(int device)
+int64_t fastResidentPerSm(int device)
 {
     if constexpr (ROWS <= maxRows<T, HEAD_DIM, INTERLEAVED>())
     {
-        return residentBlocks<qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>>(device);
+        return residentBlocks<qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>>(device)
+            / smCount(device);
     }
     return 0;
 }
@@ -858,42 +865,28 @@ cudaError_t launchFastRows(KernelArgs const& a, dim3 const grid, cudaStream_t st
     return cudaErrorInvalidValue; // unreachable: launchFast never picks more than maxRows()
 }
 
-// Fast path: rows per unit minimising (rounds of tokens) x (rows per round), i.e. the time of the
-// busiest row group; ties go to more rows (fewer cos/sin loads and unit set-ups per row).
+// Fast path: the rows per unit the launch plan picks (planFast in qknorm_rope_plan.h: the least
+// estimated time on this device's model, ties to more rows).
 template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY>
 cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
 {
-    constexpr int kGroups = kThreads / fastLanes(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage)));
-    constexpr int kRowsMax = maxRows<T, HEAD_DIM, INTERLEAVED>();
-    int64_t const resident[kMaxRows] = {fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 1>(device),
-        fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 2>(device),
-        fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(device),
-        fastResident<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 4>(device)};
-    int best = 0;
-    int64_t bestCost = 0;
-    TokenSplit bestSplit{};
-    for (int rows = kRowsMax; rows >= 1; --rows)
-    {
-        int64_t const units = 2 * ceilDiv(a.numHeads, rows);
-        TokenSplit const split = splitTokens(a.numTokens, units, kGroups, resident[rows - 1]);
-        int64_t const cost = ceilDiv(a.numTokens, split.tokenStep) * rows;
-        if (best == 0 || cost < bestCost)
-        {
-            best = rows;
-            bestCost = cost;
-            bestSplit = split;
-        }
-    }
-    a.unitsPerToken = static_cast<int32_t>(2 * ceilDiv(a.numHeads, best));
-    a.tokenStep = bestSplit.tokenStep;
-    a.seqStep = bestSplit.tokenStep % a.seqLen;
-    dim3 const grid(static_cast<unsigned>(bestSplit.blocks));
-    switch (best)
+    constexpr int kBytes = static_cast<int>(sizeof(typename T::Storage));
+    static_assert(maxRows<T, HEAD_DIM, INTERLEAVED>() <= kMaxRows, "rows per unit");
+    int64_t const resident[kMaxRows] = {fastResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 1>(device),
+        fastResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 2>(device),
+        fastResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(device)};
+    FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING};
+    FastEstimate const plan
+        = planFast(problem, maxRows<T, HEAD_DIM, INTERLEAVED>(), resident, deviceModelOf(device));
+    a.unitsPerToken = static_cast<int32_t>(plan.unitsPerToken);
+    a.tokenStep = plan.split.tokenStep;
+    a.seqStep = plan.split.tokenStep % a.seqLen;
+    dim3 const grid(static_cast<unsigned>(plan.split.blocks));
+    switch (plan.rows)
     {
     case 1: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 1>(a, grid, stream);
     case 2: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 2>(a, grid, stream);
-    case 3: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(a, grid, stream);
-    default: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 4>(a, grid, stream);
+    default: return launchFastRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(a, grid, stream);
     }
 }
 

@@ -111,4 +111,199 @@ inline SumLayout sumLayout(QKNormRoPEParams const& p)
     return SumLayout{kGeneralLanes, kGeneralVec};
 }
 
+// ---------------------------------------------------------------------------------------------
+// The launch plan of the fast path: how many rows (heads of one token) a row group owns per unit.
+//
+// For every candidate instance (rows = 1..maxRows, each with the resident blocks per SM that the
+// occupancy query gives for its register count) the plan estimates the launch's time on a model
+// of the device and the launcher takes the minimum (ties to more rows). The estimate is
+//
+//   time = latency + prologue issue + rounds x max(issue per round, memory per round)
+//          + issue per round (the last token's arithmetic: nothing is left to overlap it with)
+//
+//   - rounds: tokens per row group of the busiest group, ceil(tokens / tokenStep), where
+//     splitTokens sizes the grid in whole tokens (the wave quantisation: a launch whose tokens do
+//     not fill the last round still pays a whole round on its busiest SM);
+//   - issue per round: the busiest SM's warps x instructions per token of one unit, over
+//     schedulers x clock (perfect issue, one warp-instruction per scheduler per cycle);
+//   - memory per round: the larger of the bytes the SM moves in a round at its share of the peak
+//     DRAM bandwidth, and the reads of a round at the bandwidth Little's law leaves with
+//     kPrefetch rounds of reads in flight, asking for kLatencyMargin times the floor because the
+//     latency is an assumption (kLatencyMargin x latency / min(kPrefetch, rounds) per round);
+//   - latency: the first loads of a launch wait one full DRAM latency before anything overlaps.
+// Instructions per unit-token and per group (prologue + epilogue) are the common-path SASS counts
+// of the instances (scripts/kernel_report.py measures them on sm_90; tests/test_kernel_report.py
+// checks these constants against that measurement for the instances the launcher picks).
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kPlanThreads = 256;  // threads per block of every kernel (qknorm_rope.cu kThreads)
+constexpr int kPlanPrefetch = 2;   // fast path: tokens of row loads in flight ahead of use
+constexpr int kPlanMaxRows = 3;    // rows per unit of any fast-path instance
+constexpr double kLatencyMargin = 2.0; // bytes in flight asked for: twice Little's law (DESIGN.md targets)
+
+// Rows per unit an instance may hold without spilling under its 128-register budget (ptxas, with
+// kPlanPrefetch + 1 row buffers): 3 for interleaved pairs in one chunk, 2 where NeoX shuffles or two
+// chunks per thread need more registers. tests/test_kernel_report.py asserts no instance spills.
+QKROPE_PLAN_HD constexpr int fastMaxRows(int headDim, int elemBytes, bool interleaved)
+{
+    return interleaved && fastChunksPerThread(headDim, elemBytes) == 1 ? 3 : 2;
+}
+
+struct DeviceModel
+{
+    int sms = 1;
+    int smVersion = 0;         // 10 x major + minor
+    double clockGHz = 1.0;     // SM clock (cudaDevAttrClockRate)
+    double dramBytesPerNs = 1; // peak DRAM bandwidth: 2 (DDR) x memory clock x bus width / 8
+    double latencyNs = 1000;   // loaded DRAM latency (dramLatencyNs: an assumption, not a query)
+    int schedulersPerSm = 4;   // warp-instructions issued per SM per cycle (sm_70 and later)
+};
+
+// Loaded DRAM latency assumed per architecture (ns): no device query reports it. Hopper/Blackwell
+// HBM under a streaming load sits at ~0.8-1 us; Ampere/Ada at ~0.6-0.8 us. The larger figure is
+// taken, so the plan errs towards more bytes in flight.
+inline double dramLatencyNs(int smVersion)
+{
+    return smVersion >= 90 ? 1000.0 : 800.0;
+}
+
+// The model from the attributes the launcher queries (clock and memory clock in kHz).
+inline DeviceModel deviceModel(int sms, int ccMajor, int ccMinor, int clockKHz, int memClockKHz, int busWidthBits)
+{
+    DeviceModel d;
+    d.sms = sms > 0 ? sms : 1;
+    d.smVersion = ccMajor * 10 + ccMinor;
+    d.clockGHz = clockKHz > 0 ? clockKHz * 1e-6 : 1.0;
+    double const bw = 2.0 * memClockKHz * 1e3 * (busWidthBits / 8.0) * 1e-9; // bytes per ns
+    d.dramBytesPerNs = bw > 0 ? bw : 1.0;
+    d.latencyNs = dramLatencyNs(d.smVersion);
+    return d;
+}
+
+inline int64_t ceilDiv(int64_t a, int64_t b)
+{
+    return (a + b - 1) / b;
+}
+
+inline int64_t gcd64(int64_t a, int64_t b)
+{
+    while (b != 0)
+    {
+        int64_t const r = a % b;
+        a = b;
+        b = r;
+    }
+    return a;
+}
+
+struct TokenSplit
+{
+    int64_t blocks;    // grid size
+    int64_t tokenStep; // tokens in flight at once = tokens between a group's consecutive tokens
+};
+
+// Grid for `unitsPerToken` row-group slots per token and `groupsPerBlock` groups per block: a
+// multiple of the smallest block count whose groups cover whole tokens, no larger than the
+// resident blocks (so every block is resident and walks tokens) nor than the problem needs.
+inline TokenSplit splitTokens(int64_t numTokens, int64_t unitsPerToken, int64_t groupsPerBlock, int64_t resident)
+{
+    int64_t const g = gcd64(unitsPerToken, groupsPerBlock);
+    int64_t const quantumBlocks = unitsPerToken / g;
+    int64_t const quantumTokens = groupsPerBlock / g;
+    int64_t const needed = ceilDiv(numTokens, quantumTokens) * quantumBlocks;
+    int64_t const fit = resident / quantumBlocks * quantumBlocks;
+    int64_t blocks = needed < fit ? needed : fit;
+    blocks = blocks > quantumBlocks ? blocks : quantumBlocks;
+    return TokenSplit{blocks, blocks / quantumBlocks * quantumTokens};
+}
+
+// Common-path instructions of one thread (sm_90 SASS of the bf16, head_dim 128, interleaved
+// instances; kernel_report.py measures them): per element of a row, per token of a unit (cos/sin
+// loads, pointer steps, loop control), and per group outside the loop (prologue + epilogue).
+struct FastIssueCost
+{
+    double perElement;
+    double perToken;
+    double perGroup;
+};
+
+inline FastIssueCost fastIssueCost(int rounding)
+{
+    return rounding == 1 ? FastIssueCost{18.8, 31.0, 230.0} : FastIssueCost{16.4, 26.0, 230.0};
+}
+
+struct FastProblem
+{
+    int64_t numTokens;
+    int64_t numHeads;
+    int headDim;
+    int rotaryDim;
+    int elemBytes;
+    int rounding;
+};
+
+struct FastEstimate
+{
+    int rows = 0;
+    TokenSplit split{0, 0};
+    int64_t unitsPerToken = 0;
+    int64_t rounds = 0;
+    int64_t blocksPerSm = 0;        // resident blocks per SM (occupancy)
+    double bytesInFlightPerSm = 0;  // q/k reads outstanding per SM at a token's first wait
+    double instrPerElement = 0;     // common-path instructions per element of the busiest group
+    double issueRoundNs = 0;
+    double memoryRoundNs = 0;
+    double timeNs = 0;
+};
+
+inline FastEstimate estimateFast(FastProblem const& p, int rows, int64_t residentBlocksPerSm, DeviceModel const& d)
+{
+    FastEstimate e;
+    int const lanes = fastLanes(p.headDim, p.elemBytes);
+    int const elems = fastChunksPerThread(p.headDim, p.elemBytes) * fastVec(p.elemBytes);
+    int64_t const groupsPerBlock = kPlanThreads / lanes;
+    e.rows = rows;
+    e.blocksPerSm = residentBlocksPerSm > 0 ? residentBlocksPerSm : 1;
+    e.unitsPerToken = 2 * ceilDiv(p.numHeads, rows);
+    e.split = splitTokens(p.numTokens, e.unitsPerToken, groupsPerBlock, e.blocksPerSm * d.sms);
+    e.rounds = ceilDiv(p.numTokens, e.split.tokenStep);
+    int64_t const busiestBlocks = ceilDiv(e.split.blocks, d.sms);
+    double const threads = static_cast<double>(busiestBlocks) * kPlanThreads;
+    double const warps = threads / 32.0;
+    FastIssueCost const c = fastIssueCost(p.rounding);
+    double const perToken = rows * elems * c.perElement + c.perToken;
+    double const issueRate = d.schedulersPerSm * d.clockGHz; // warp-instructions per ns per SM
+    e.issueRoundNs = warps * perToken / issueRate;
+    double const readBytes = threads * rows * elems * p.elemBytes;
+    double const cacheBytes = static_cast<double>(e.split.tokenStep) * p.rotaryDim * 4.0 / d.sms;
+    double const bytes = 2.0 * readBytes + cacheBytes;
+    int64_t const depth = e.rounds < kPlanPrefetch ? e.rounds : kPlanPrefetch;
+    double const atPeak = bytes / (d.dramBytesPerNs / d.sms);
+    double const latencyBound = kLatencyMargin * d.latencyNs / static_cast<double>(depth);
+    e.memoryRoundNs = atPeak > latencyBound ? atPeak : latencyBound;
+    double const roundNs = e.issueRoundNs > e.memoryRoundNs ? e.issueRoundNs : e.memoryRoundNs;
+    e.timeNs = d.latencyNs + warps * c.perGroup / issueRate + e.rounds * roundNs + e.issueRoundNs;
+    e.bytesInFlightPerSm = static_cast<double>(e.blocksPerSm) * kPlanThreads * depth * rows
+        * fastChunksPerThread(p.headDim, p.elemBytes) * 16.0;
+    double const tokensPerGroup = static_cast<double>(p.numTokens) / e.split.tokenStep;
+    e.instrPerElement = (tokensPerGroup * perToken + c.perGroup) / (tokensPerGroup * rows * elems);
+    return e;
+}
+
+// The plan's choice among the candidates rows = 1..maxRows (residentBlocksPerSm[rows - 1] from the
+// occupancy query of each instance): the least estimated time, ties to more rows.
+inline FastEstimate planFast(FastProblem const& p, int maxRows, int64_t const* residentBlocksPerSm, DeviceModel const& d)
+{
+    FastEstimate best;
+    for (int rows = maxRows; rows >= 1; --rows)
+    {
+        FastEstimate const e = estimateFast(p, rows, residentBlocksPerSm[rows - 1], d);
+        if (best.rows == 0 || e.timeNs < best.timeNs)
+        {
+            best = e;
+        }
+    }
+    return best;
+}
+
 } // namespace qkrope

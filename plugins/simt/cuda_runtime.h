@@ -611,7 +611,7 @@ namespace simt
 namespace detail
 {
 cudaError_t setLastError(cudaError_t e);
-cudaError_t occupancy(int* numBlocks, int blockSize, std::size_t smem);
+cudaError_t occupancy(void const* kernel, int* numBlocks, int blockSize, std::size_t smem);
 } // namespace detail
 } // namespace simt
 
@@ -620,7 +620,7 @@ inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* numBlocks,
     std::size_t dynamicSMemSize)
 {
     simt::detail::noteOccupancyQuery(reinterpret_cast<void const*>(kernel), typeid(kernel).name());
-    return simt::detail::occupancy(numBlocks, blockSize, dynamicSMemSize);
+    return simt::detail::occupancy(reinterpret_cast<void const*>(kernel), numBlocks, blockSize, dynamicSMemSize);
 }
 template <class... P>
 inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* numBlocks, void (*kernel)(P...),

@@ -1027,20 +1027,27 @@ cudaError_t setLastError(cudaError_t e)
     return e;
 }
 
-cudaError_t occupancy(int* numBlocks, int blockSize, std::size_t smem)
+cudaError_t occupancy(void const* kernel, int* numBlocks, int blockSize, std::size_t smem)
 {
     if (numBlocks == nullptr || blockSize <= 0 || blockSize > 1024)
     {
         return setLastError(cudaErrorInvalidValue);
     }
     DeviceConfig cfg;
+    int perKernel = -1;
     {
         std::lock_guard<std::mutex> lock(G().mu);
         cfg = configOf(G().current);
+        if (!cfg.occupancy.empty())
+        {
+            auto const it = cfg.occupancy.find(kernelName(kernel, ""));
+            perKernel = it != cfg.occupancy.end() ? it->second : -1;
+        }
     }
+    int const limit = perKernel >= 0 ? perKernel : cfg.blocksPerSm;
     int byThreads = cfg.maxThreadsPerSm / blockSize;
-    int bySmem = smem > 0 ? static_cast<int>(static_cast<std::size_t>(cfg.sharedMemPerSm) / smem) : cfg.blocksPerSm;
-    *numBlocks = std::max(0, std::min({cfg.blocksPerSm, byThreads, bySmem}));
+    int bySmem = smem > 0 ? static_cast<int>(static_cast<std::size_t>(cfg.sharedMemPerSm) / smem) : limit;
+    *numBlocks = std::max(0, std::min({limit, byThreads, bySmem}));
     return cudaSuccess;
 }
 
@@ -1201,9 +1208,7 @@ int configure(DeviceConfig const& cfg, uint64_t seed)
     int id = -1;
     for (std::size_t i = 0; i < g.devices.size(); ++i)
     {
-        DeviceConfig const& d = g.devices[i];
-        if (d.numSms == cfg.numSms && d.blocksPerSm == cfg.blocksPerSm && d.maxThreadsPerSm == cfg.maxThreadsPerSm
-            && d.sharedMemPerSm == cfg.sharedMemPerSm && d.l2CacheBytes == cfg.l2CacheBytes)
+        if (g.devices[i] == cfg)
         {
             id = static_cast<int>(i);
         }
@@ -1377,15 +1382,15 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device)
     case cudaDevAttrTotalConstantMemory: *value = 64 * 1024; break;
     case cudaDevAttrWarpSize: *value = 32; break;
     case cudaDevAttrMaxRegistersPerBlock: *value = 65536; break;
-    case cudaDevAttrClockRate: *value = 1980000; break;
+    case cudaDevAttrClockRate: *value = cfg.clockKHz; break;
     case cudaDevAttrMultiProcessorCount: *value = cfg.numSms; break;
     case cudaDevAttrConcurrentKernels: *value = 1; break;
-    case cudaDevAttrMemoryClockRate: *value = 2619000; break;
-    case cudaDevAttrGlobalMemoryBusWidth: *value = 5120; break;
+    case cudaDevAttrMemoryClockRate: *value = cfg.memClockKHz; break;
+    case cudaDevAttrGlobalMemoryBusWidth: *value = cfg.busWidthBits; break;
     case cudaDevAttrL2CacheSize: *value = cfg.l2CacheBytes; break;
     case cudaDevAttrMaxThreadsPerMultiProcessor: *value = cfg.maxThreadsPerSm; break;
-    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = cfg.ccMajor; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = cfg.ccMinor; break;
     case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = cfg.sharedMemPerSm; break;
     case cudaDevAttrMaxRegistersPerMultiprocessor: *value = 65536; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; break;
@@ -1528,6 +1533,54 @@ SIMT_EXPORT int32_t qkrope_simt_configure(int32_t num_sms, int32_t blocks_per_sm
     if (blocks_per_sm >= 0)
     {
         cfg.blocksPerSm = blocks_per_sm;
+    }
+    uint64_t const s = seed >= 0 ? static_cast<uint64_t>(seed) : simt::currentSeed();
+    return simt::configure(cfg, s);
+}
+
+// Selects a modelled device: its SM count, threads per SM, compute capability, SM and memory
+// clocks (kHz) and bus width (what cudaDeviceGetAttribute answers), and the resident blocks per
+// SM of named kernels (`occupancy`: lines "demangled kernel name<TAB>blocks", or NULL for none;
+// other kernels keep the current blocks_per_sm). seed < 0 keeps the current seed. Returns the
+// device id, or -1 for a value out of range or a malformed occupancy line.
+SIMT_EXPORT int32_t qkrope_simt_configure_model(int32_t num_sms, int32_t max_threads_per_sm, int32_t cc_major,
+    int32_t cc_minor, int32_t clock_khz, int32_t mem_clock_khz, int32_t bus_width_bits, char const* occupancy,
+    int64_t seed)
+{
+    simt::DeviceConfig cfg = simt::currentConfig();
+    if (cc_major < 1 || cc_minor < 0 || clock_khz <= 0 || mem_clock_khz <= 0 || bus_width_bits <= 0)
+    {
+        return -1;
+    }
+    cfg.numSms = num_sms;
+    cfg.maxThreadsPerSm = max_threads_per_sm;
+    cfg.ccMajor = cc_major;
+    cfg.ccMinor = cc_minor;
+    cfg.clockKHz = clock_khz;
+    cfg.memClockKHz = mem_clock_khz;
+    cfg.busWidthBits = bus_width_bits;
+    cfg.occupancy.clear();
+    for (char const* line = occupancy; line != nullptr && *line != '\0';)
+    {
+        char const* const end = std::strchr(line, '\n');
+        std::string const text(line, end != nullptr ? static_cast<std::size_t>(end - line) : std::strlen(line));
+        line = end != nullptr ? end + 1 : nullptr;
+        if (text.empty())
+        {
+            continue;
+        }
+        std::size_t const tab = text.rfind('\t');
+        if (tab == std::string::npos || tab == 0)
+        {
+            return -1;
+        }
+        char* stop = nullptr;
+        long const blocks = std::strtol(text.c_str() + tab + 1, &stop, 10);
+        if (stop == text.c_str() + tab + 1 || *stop != '\0' || blocks < 0 || blocks > 64)
+        {
+            return -1;
+        }
+        cfg.occupancy[text.substr(0, tab)] = static_cast<int>(blocks);
     }
     uint64_t const s = seed >= 0 ? static_cast<uint64_t>(seed) : simt::currentSeed();
     return simt::configure(cfg, s);

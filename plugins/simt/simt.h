@@ -46,6 +46,8 @@
 #pragma once
 
 #include <cstddef>
+#include <map>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -171,6 +173,23 @@ struct DeviceConfig
     int maxThreadsPerSm = 2048;          // cudaDevAttrMaxThreadsPerMultiProcessor
     int sharedMemPerSm = 228 * 1024;     // cudaDevAttrMaxSharedMemoryPerMultiprocessor
     int l2CacheBytes = 2 * 1024 * 1024;  // cudaDevAttrL2CacheSize
+    // A modelled device (what the launch plan reads; defaults: an H100-class sm_90)
+    int ccMajor = 9;                     // cudaDevAttrComputeCapabilityMajor / Minor
+    int ccMinor = 0;
+    int clockKHz = 1980000;              // cudaDevAttrClockRate
+    int memClockKHz = 2619000;           // cudaDevAttrMemoryClockRate
+    int busWidthBits = 5120;             // cudaDevAttrGlobalMemoryBusWidth
+    // Resident blocks per SM by kernel (demangled name), e.g. from ptxas's register counts;
+    // kernels not listed get blocksPerSm.
+    std::map<std::string, int> occupancy;
+
+    bool operator==(DeviceConfig const& o) const
+    {
+        return numSms == o.numSms && blocksPerSm == o.blocksPerSm && maxThreadsPerSm == o.maxThreadsPerSm
+            && sharedMemPerSm == o.sharedMemPerSm && l2CacheBytes == o.l2CacheBytes && ccMajor == o.ccMajor
+            && ccMinor == o.ccMinor && clockKHz == o.clockKHz && memClockKHz == o.memClockKHz
+            && busWidthBits == o.busWidthBits && occupancy == o.occupancy;
+    }
 };
 
 // Selects (creating if needed) the emulated device with this configuration and makes it current;
