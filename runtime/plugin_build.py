@@ -30,6 +30,8 @@ __all__ = [
     "LIBRARY_FILES",
     "DEFAULT_BUILD_DIR",
     "build_command",
+    "built_architectures",
+    "DEPLOY_ARCH",
     "build_plugins",
     "find_plugin_library",
     "PluginMismatchError",
@@ -76,6 +78,24 @@ def find_nvcc() -> str | None:
             continue
         if res.returncode == 0:
             return cand
+    return None
+
+
+DEPLOY_ARCH = "all"  # --arch value of the deployable fat binary (plugins/cmake/QkropeCuda.cmake)
+
+
+def built_architectures(build_dir: str | os.PathLike | None = None) -> str | None:
+    """The CUDA architectures a build folder was configured with (CMAKE_CUDA_ARCHITECTURES in its
+    CMakeCache.txt: ``native``, ``80-virtual`` where no GPU was visible, or the list asked for),
+    or None where there is no CUDA build."""
+    cache = Path(build_dir or DEFAULT_BUILD_DIR) / "CMakeCache.txt"
+    try:
+        text = cache.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("CMAKE_CUDA_ARCHITECTURES:"):
+            return line.split("=", 1)[1].strip() or None
     return None
 
 

@@ -3,7 +3,9 @@
 #
 #   bash scripts/build_plugins.sh                      # kernel + both plugin libraries + host test
 #   bash scripts/build_plugins.sh --host-only          # only the CPU build of the kernel (no CUDA)
+#   bash scripts/build_plugins.sh --arch all           # the deployable fat binary (SASS 80;86;89;90;100 + PTX)
 #   bash scripts/build_plugins.sh --arch "90;100"      # CUDA architectures (CMAKE_CUDA_ARCHITECTURES)
+#   default: SASS for this machine's GPU (native), or PTX for sm_80 only where no GPU is visible
 #   bash scripts/build_plugins.sh --tensorrt-root /opt/tensorrt
 #   options: --build-dir DIR (default build/plugins), --jobs N (default 2), --debug, --clean,
 #            --no-fetch (never download the fallback headers)
@@ -26,7 +28,7 @@ BUILD_TYPE=Release
 CLEAN=0
 FETCH=1
 
-usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -70,7 +72,13 @@ else
          "(or set CUDACXX), or build only the CPU kernel library with --host-only." >&2
     exit 1
   fi
-  [[ -n "$ARCH" ]] && CMAKE_ARGS+=("-DCMAKE_CUDA_ARCHITECTURES=$ARCH")
+  # --arch all: the deployable fat binary; a list (";" or "," separated) goes to CMake as is;
+  # none: SASS for this machine's GPU, or PTX only where there is no GPU (plugins/cmake/QkropeCuda.cmake)
+  case "$ARCH" in
+    "") CMAKE_ARGS+=(-DQKROPE_CUDA_ARCHS=) ;;
+    all) CMAKE_ARGS+=(-DQKROPE_CUDA_ARCHS=all) ;;
+    *) CMAKE_ARGS+=(-DQKROPE_CUDA_ARCHS= "-DCMAKE_CUDA_ARCHITECTURES=${ARCH//,/;}") ;;
+  esac
 
   # TensorRT headers: an install first, else the pinned fallback.
   FOUND=""

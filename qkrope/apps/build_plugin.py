@@ -40,7 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host-only", action="store_true",
                    help="build only the CPU kernel library (no CUDA, no TensorRT)")
     p.add_argument("--arch", metavar="LIST",
-                   help='CUDA architectures, e.g. "90" or "80;90;100" (default: 80;86;89;90;100 + PTX)')
+                   help='CUDA architectures: "all" (the deployable fat binary: SASS 80;86;89;90;100 + '
+                        'PTX), or a list such as "90" or "80,90,100"; default: this machine\'s GPU '
+                        '(native), or PTX for sm_80 only where no GPU is visible')
     p.add_argument("--tensorrt-root", metavar="DIR", help="TensorRT install prefix (DIR/include)")
     p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {DEFAULT_BUILD_DIR}")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default 2)")

@@ -173,9 +173,7 @@ def step_pipeline(args) -> str:
 
 
 def step_plugin(args) -> str:
-    from qkrope.runtime.plugin_build import find_plugin_library
-
-    from qkrope.runtime.plugin_build import find_nvcc
+    from qkrope.runtime.plugin_build import DEPLOY_ARCH, built_architectures, find_nvcc, find_plugin_library
 
     nvcc = find_nvcc()
     _cli(["build-plugin"] if nvcc else ["build-plugin", "--host-only"])
@@ -195,7 +193,11 @@ def step_plugin(args) -> str:
     if missing:
         raise Skip(f"requires TensorRT headers for {', '.join(missing)} (install TensorRT or let "
                    f"scripts/fetch_trt_headers.py reach PyPI); built {', '.join(built)}")
-    return ", ".join(built)
+    archs = built_architectures()
+    if archs and "virtual" in archs:
+        return (f"{', '.join(built)}; device code: PTX only ({archs}): no GPU here to run SASS on; "
+                f"the deployable fat binary: qkrope build-plugin --arch {DEPLOY_ARCH}")
+    return f"{', '.join(built)} (CUDA architectures {archs})"
 
 
 def _need_gpu():
