@@ -448,6 +448,46 @@ def test_nan_rows_bit_exact(device, dtype):
                 f"CPU build {sorted(set(_bits(e)[e.isnan()].tolist()))}")
 
 
+# Special values at (token, head, element) of q, and the row they poison: a negative NaN (what
+# x86 produces for inf x 0), NaNs with payloads, +-inf (the row's inv becomes 0, inf x 0 = NaN
+# for the inf element and 0 x finite = 0 for the others), and an inf weight (NaN where it
+# multiplies 0, inf elsewhere).
+SPECIALS = {
+    "negative NaN": 0xFFC00000, "NaN payload": 0x7F800001, "negative NaN payload": 0xFFFFFFFF,
+    "+inf": 0x7F800000, "-inf": 0xFF800000,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("special", sorted(SPECIALS))
+def test_special_values_same_bits_as_the_cpu_build(device, dtype, special):
+    """NaNs of either sign and any payload, infinities: the emulated kernel and the CPU build give
+    the same bits (one NaN per dtype: bf16 0x7FC0, fp16 0x7E00), and the NaN positions are the
+    PyTorch reference's (torch's casts may keep a NaN's sign or payload, so its bits may differ)."""
+    from qkrope.export.reference import qk_norm_rope_reference
+
+    value = torch.tensor([SPECIALS[special] - (1 << 32) if SPECIALS[special] >= 1 << 31
+                          else SPECIALS[special]], dtype=torch.int32).view(torch.float32)
+    for d, inter in ((128, True), (128, False), (96, True)):
+        q, k, qw, kw, cache = make_inputs(torch.float32, d, d, batch=1, seq=3, heads=2, grid=False,
+                                          seed=7)
+        q[0, 1, 0, 5] = value[0]
+        kw = kw.clone()
+        kw[3] = float("inf")
+        q, k, qw, kw = (t.to(dtype) for t in (q, k, qw, kw))
+        expected = kernels.host_qk_norm_rope(q, k, qw, kw, cache, interleaved=inter)
+        outs = kernels.simt_qk_norm_rope(q, k, qw, kw, cache, interleaved=inter)
+        ref = qk_norm_rope_reference(q, k, qw, kw, cache, interleaved=inter)
+        canonical = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}[dtype]
+        for o, e, r in zip(outs, expected, ref):
+            assert torch.equal(_bits(o), _bits(e)), (
+                f"{special}: bits differ: emulated {sorted(set(_bits(o)[o.isnan()].tolist()))}, "
+                f"CPU build {sorted(set(_bits(e)[e.isnan()].tolist()))}")
+            assert torch.equal(o.isnan(), r.isnan()), f"{special}: NaN positions differ from torch"
+            assert set((_bits(o)[o.isnan()] & 0xFFFF).tolist()) <= {canonical}
+            assert torch.equal(o.isinf(), r.isinf()) and torch.equal(o[o.isinf()], r[r.isinf()])
+
+
 def test_bad_params_status_and_exports(libs):
     lib = kernels._simt_lib()
     args = [None] * 7 + [1, 2, 2, 64, 64, 2, 1e-6, 1, 0]

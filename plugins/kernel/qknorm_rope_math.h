@@ -13,9 +13,12 @@
 //     (sumSquares below) reproduces it exactly, so host and device agree bit for bit;
 //   - inv = 1 / sqrt(sum(x^2) / D + eps), correctly rounded division and sqrt (what torch.rsqrt
 //     computes on the CPU); for a power-of-two D the division by D is an exact multiplication;
-//   - fp16/bf16 <-> fp32 conversions round to nearest even, bit-exact with torch's, and a NaN
-//     becomes torch's canonical quiet NaN (bf16 0x7FC0, fp16 0x7E00) on the host and the device
-//     alike (the hardware conversions give 0x7FFF, so the device code canonicalises);
+//   - fp16/bf16 <-> fp32 conversions round to nearest even, bit-exact with torch's for every
+//     non-NaN value; every NaN becomes one quiet NaN (bf16 0x7FC0, fp16 0x7E00: torch's scalar
+//     casts of +NaN), sign and payload dropped, on the host, under the emulation and on the
+//     device alike (the hardware conversions give 0x7FFF, so the device code canonicalises).
+//     torch's own casts may keep a NaN's sign or payload (its vectorised bf16 cast turns -NaN
+//     into 0xFFFF), so against torch only the NaN positions agree, not always their bits;
 //   - rounding = 0: y = (x * inv) * w in fp32, rotate in fp32, round once.
 //     rounding = 1: y = round(round(x * inv) * w) (diffusers' RMSNorm order), rotate in fp32,
 //     round once. With fp32 activations both modes are the same computation.
@@ -130,11 +133,11 @@ QKROPE_HD float bitsFloat(uint32_t u)
 #endif
 }
 
-// torch's canonical quiet NaNs (what every conversion below returns for a NaN input).
+// The one quiet NaN every conversion below returns for a NaN input (torch's scalar cast of +NaN).
 constexpr uint16_t kBf16CanonicalNaN = 0x7FC0U;
 constexpr uint16_t kFp16CanonicalNaN = 0x7E00U;
 
-// bfloat16: the upper 16 bits of an fp32, round to nearest even; NaN -> 0x7FC0 (as torch).
+// bfloat16: the upper 16 bits of an fp32, round to nearest even; any NaN -> 0x7FC0.
 QKROPE_HD float bf16ToFloat(uint16_t h)
 {
     return bitsFloat(static_cast<uint32_t>(h) << 16);
@@ -159,7 +162,7 @@ QKROPE_HD uint16_t floatToBf16(float f)
 #endif
 }
 
-// IEEE binary16, round to nearest even, subnormals kept, overflow -> inf, NaN -> quiet NaN.
+// IEEE binary16, round to nearest even, subnormals kept, overflow -> inf, any NaN -> 0x7E00.
 QKROPE_HD float fp16ToFloat(uint16_t h)
 {
 #if defined(__CUDA_ARCH__)
@@ -195,9 +198,13 @@ QKROPE_HD uint16_t floatToFp16(float f)
     uint32_t const sign = (u >> 16) & 0x8000U;
     u &= 0x7FFFFFFFU;
     uint16_t out;
-    if (u >= 0x47800000U) // |f| >= 2^16 (or inf / NaN): inf or NaN in fp16
+    if (u > 0x7F800000U)
     {
-        out = (u > 0x7F800000U) ? kFp16CanonicalNaN : 0x7C00U;
+        return kFp16CanonicalNaN; // sign and payload dropped, as on the device (and for bf16)
+    }
+    if (u >= 0x47800000U) // |f| >= 2^16 (or inf): inf in fp16
+    {
+        out = 0x7C00U;
     }
     else if (u < 0x38800000U) // |f| < 2^-14: fp16 subnormal or zero
     {
