@@ -69,6 +69,16 @@ def _modelopt():
     return mtq, mto
 
 
+@contextlib.contextmanager
+def _quiet():
+    """ModelOpt prints a line per conversion ("Inserted 130 quantizers") on stdout, which is the
+    CLI's output (written paths); it is sent to stderr instead."""
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 # --------------------------------------------------------------------------------------------
 # Calibration inputs
 # --------------------------------------------------------------------------------------------
@@ -193,7 +203,7 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
                 model(*_to_device(batch["args"], device), **_to_device(batch["kwargs"], device))
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
         mtq.quantize(transformer, config or fp8_config(), forward_loop)
     if not fp8_quantizers(transformer):
@@ -253,7 +263,7 @@ def restore_quantized(transformer: nn.Module, directory: str | os.PathLike) -> n
     _, mto = _modelopt()
     directory = Path(directory)
     state_file = directory / quantization.MODELOPT_STATE_FILE
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
         mto.restore_from_modelopt_state(transformer, modelopt_state_path=str(state_file))
     weights = _load_weights(directory)
