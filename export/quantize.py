@@ -218,7 +218,7 @@ def save_quantized(transformer: nn.Module, out: str | os.PathLike) -> Path:
     import shutil
     import tempfile
 
-    from qkrope._fileio import check_output_folder
+    from qkrope._fileio import check_output_folder, output_error
 
     _, mto = _modelopt()
     out = Path(out)
@@ -234,10 +234,12 @@ def save_quantized(transformer: nn.Module, out: str | os.PathLike) -> Path:
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
         stage.rename(out)
-    except BaseException:
+    except BaseException as exc:
         if old is not None and not out.exists():
             old.rename(out)
         shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise output_error(exc, out) from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

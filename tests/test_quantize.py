@@ -137,6 +137,23 @@ def test_fp8_graph(work):
     onnx.checker.check_model(str(path), full_check=True)
 
 
+def test_fp8_export_keeps_the_attention_pattern(work):
+    """Only the Linears are quantised: every attention span (BMM1 -> mask -> Softmax -> BMM2)
+    is the float export's, with no Q/DQ in it (FP8 attention is not implemented)."""
+    from test_attention_pattern import attention_spans
+
+    assert len(attention_spans(onnx.load(str(work / "fp8.onnx")))) == 2
+
+
+def test_check_refuses_a_bf16_fp8_export(work, tmp_path, capsys):
+    out = tmp_path / "bf16.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(work / "fp8"), "--quant",
+                 "fp8", "--dtype", "bf16", "--layers", "1", "--out", str(out)]) == 0
+    onnx.checker.check_model(str(out), full_check=True)
+    assert main(["check", str(out)]) == 2
+    assert "--dtype fp32" in capsys.readouterr().err
+
+
 def test_fp8_weights_are_modelopts_fake_quantised_weights_bit_for_bit(work):
     import ml_dtypes
     from onnx import numpy_helper
@@ -238,3 +255,39 @@ def test_tiny_pipeline_runs_on_the_fp8_export(work):
     print(f"FP8 pipeline latents: max |ORT - ModelOpt| {diff:.3g}, max |ORT - float| "
           f"{quant_err:.3g}, bound without crossings {tp.latent_bound(ref):.3g}")
     assert diff < quant_err
+
+
+def test_save_quantized_replaces_the_folder_whole_or_not_at_all(work, tmp_path, monkeypatch):
+    """Every write/rename step of save_quantized failing in turn (fake_tensorrt's fault
+    injection): the folder holds the old model or the new one, complete, and no staging folder
+    is left; the failure is one line naming the full disk."""
+    import shutil
+
+    from fake_tensorrt import fail_each_write_step
+    from safetensors.torch import load_file
+
+    model = load_transformer(str(work / "fp8"), quant="fp8")
+    name, q = quantize.fp8_quantizers(model)[0]
+    q.amax = q.amax * 2  # the new model differs from the old one in one amax
+    out = tmp_path / "q"
+    key = f"{name}._amax"
+
+    def amax_on_disk():
+        (f,) = out.glob("*.safetensors")
+        return float(load_file(str(f))[key])
+
+    def reset():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(work / "fp8", out)
+
+    want = {float(q.amax) / 2, float(q.amax)}
+
+    def after(k):
+        assert {p.name for p in out.iterdir()} >= {"config.json",
+                                                  quantization.MODELOPT_STATE_FILE}, k
+        assert amax_on_disk() in want, k
+        assert [p.name for p in tmp_path.iterdir()] == ["q"], k  # no staging folder left
+
+    steps = fail_each_write_step(monkeypatch, lambda: quantize.save_quantized(model, out),
+                                 reset=reset, after=after)
+    assert "os.rename" in steps and amax_on_disk() == float(q.amax)

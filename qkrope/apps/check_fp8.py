@@ -108,6 +108,11 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
     record = info.config.get(quantization.METADATA_KEY) or {}
     if record.get("mode") != "fp8":
         raise InputError(f"{onnx_path}: quantisation {record.get('mode')!r} is not checked here")
+    if info.dtype != "fp32":
+        raise InputError(f"{onnx_path} is a {info.dtype} FP8 export; the CPU check compares fp32 "
+                         f"exports only (ONNX Runtime's CPU provider has no bf16 Q/DQ, and the "
+                         f"bit-for-bit comparisons assume ModelOpt's float32 arithmetic). Fix: "
+                         f"export the same folder with --dtype fp32 to check it")
     folder = diffusers_dir or info.config.get("diffusers_dir")
     if not folder:
         raise InputError(f"{onnx_path}: the sidecar names no quantised diffusers folder; pass "

@@ -49,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from qkrope.export import quantize
     from qkrope.export.patch_diffusers import load_transformer
 
+    from pathlib import Path
+
+    if Path(args.out).resolve() == Path(args.diffusers).resolve():
+        raise InputError(f"--out {args.out!r} is the float model's folder; write the quantised "
+                         f"model to a new folder (the float one is the calibration's source)")
     if args.batches is not None and args.batches < 1:
         raise InputError(f"--batches must be >= 1; got {args.batches}")
     batches = quantize.load_calibration(args.calibration)[:args.batches]
