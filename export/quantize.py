@@ -330,9 +330,10 @@ def linear_fp8_table(model: nn.Module) -> dict[str, dict[str, Any]]:
         owner, role = name.rsplit(".", 1)
         where = f"quantizer {name}"
         if owner not in linears or role not in ("input_quantizer", "weight_quantizer"):
-            raise QuantizeError(f"{where} is enabled; the FP8 export quantises the inputs and "
-                                f"weights of nn.Linear layers only (quantise with "
-                                f"qkrope.export.quantize.fp8_config)")
+            raise QuantizeError(f"{where} is enabled; the FP8 export writes Q/DQ for the inputs "
+                                f"and weights of nn.Linear layers only. Fix: calibrate the float "
+                                f"model with `{quantization.QUANTIZE_COMMAND}` (TensorRT's "
+                                f"demo selection, qkrope.export.quantize.fp8_config)")
         if tuple(getattr(q, "num_bits", ())) != (4, 3):
             raise QuantizeError(f"{where} has num_bits {getattr(q, 'num_bits', None)}; the "
                                 f"export writes float8 e4m3 only")

@@ -291,3 +291,20 @@ def test_save_quantized_replaces_the_folder_whole_or_not_at_all(work, tmp_path, 
     steps = fail_each_write_step(monkeypatch, lambda: quantize.save_quantized(model, out),
                                  reset=reset, after=after)
     assert "os.rename" in steps and amax_on_disk() == float(q.amax)
+
+
+def test_quantizers_the_export_cannot_express_are_refused(work, tmp_path, capsys):
+    """ModelOpt's stock FP8_DEFAULT_CFG also quantises the LayerNorm inputs: no Q/DQ form is
+    written for those, so the export refuses (naming the quantizer and qkrope quantize) rather
+    than dropping them."""
+    import modelopt.torch.quantization as mtq
+
+    model = load_transformer(str(work / "float"))
+    batch = quantize.load_calibration(work / "calib.pt")[0]
+    quantize.calibrate(model, [batch], config=mtq.FP8_DEFAULT_CFG)
+    quantize.save_quantized(model, tmp_path / "stock")
+    assert main(["export", "--model", "transformer", "--diffusers", str(tmp_path / "stock"),
+                 "--quant", "fp8", "--out", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "_norm" in err and "input_quantizer is enabled" in err and "qkrope quantize" in err
+    assert not (tmp_path / "m.onnx").exists()
