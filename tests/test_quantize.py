@@ -308,3 +308,16 @@ def test_quantizers_the_export_cannot_express_are_refused(work, tmp_path, capsys
     err = capsys.readouterr().err
     assert "_norm" in err and "input_quantizer is enabled" in err and "qkrope quantize" in err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_fp8_step_is_the_spacing_of_float8_e4m3fn():
+    """check_fp8's one-step rule: _fp8_step(v * s, s) is the gap from v to the next float8
+    e4m3fn value up, for every finite positive value and two scales."""
+    import ml_dtypes
+
+    from qkrope.apps.check_fp8 import _fp8_step
+
+    values = np.arange(1, 0x7E, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    gaps = np.diff(np.append(values, 448.0))  # up to 0x7D = 416; the next value is 448
+    for s in (1.0, 0.0123):
+        assert np.allclose(_fp8_step(values * s, s), gaps * s, rtol=1e-12, atol=0)
