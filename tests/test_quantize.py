@@ -321,3 +321,19 @@ def test_fp8_step_is_the_spacing_of_float8_e4m3fn():
     gaps = np.diff(np.append(values, 448.0))  # up to 0x7D = 416; the next value is 448
     for s in (1.0, 0.0123):
         assert np.allclose(_fp8_step(values * s, s), gaps * s, rtol=1e-12, atol=0)
+
+
+def test_recorder_keeps_copies_of_the_first_calls_and_unhooks():
+    lin = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+    with quantize.CalibrationRecorder(lin, max_calls=2) as rec:
+        for k in range(3):
+            lin(x * k)
+        lin(input=x)  # keyword arguments are recorded too (this call is past max_calls)
+    x.fill_(7.0)
+    lin(x)  # after the context: not recorded
+    assert len(rec.batches) == 2
+    assert [float(b["args"][0].max()) for b in rec.batches] == [0.0, 1.0]
+    assert rec.batches[1]["args"][0] is not x and rec.batches[1]["kwargs"] == {}
+    with pytest.raises(quantization.InputError, match="max_calls"):
+        quantize.CalibrationRecorder(lin, max_calls=0)
