@@ -30,6 +30,7 @@ of at least 2 and at least 2 tokens per stream (the sidecar records the traced s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from torch import nn
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope.sidecars import ModelInfo, TensorInfo, sidecar_path
 from qkrope._fileio import check_output_folder, sha256_file, staged_outputs
-from qkrope import dtypes
+from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from qkrope import contract
@@ -384,6 +385,9 @@ def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:
     props = {"version": __version__, "contract_version": contract.CONTRACT_VERSION,
              "domain_version": str(contract.DOMAIN_VERSION), "model": kind, "dtype": dtype,
              "config": json.dumps(config, sort_keys=True)}
+    if config.get(quantization.METADATA_KEY):  # qkrope.quantization: what a reader checks first
+        props[quantization.METADATA_KEY] = json.dumps(config[quantization.METADATA_KEY],
+                                                      sort_keys=True)
     for key, value in props.items():
         model.metadata_props[METADATA_PREFIX + key] = value
     for value in model.graph.inputs:
@@ -456,10 +460,21 @@ def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: in
     return tuple(args)
 
 
-def default_opset(attention: str = DEFAULT_ATTENTION_FORM) -> int:
-    """DEFAULT_OPSET, or the lowest opset that has the attention form (23 for ``onnx23``)."""
+def default_opset(attention: str = DEFAULT_ATTENTION_FORM, quant: str | None = None) -> int:
+    """DEFAULT_OPSET, or the lowest opset that has the attention form (23 for ``onnx23``) and
+    the quantisation (19 for FP8 Q/DQ)."""
     return max(DEFAULT_OPSET,
-               contract.ATTENTION_MIN_OPSET.get(check_attention_form(attention), DEFAULT_OPSET))
+               contract.ATTENTION_MIN_OPSET.get(check_attention_form(attention), DEFAULT_OPSET),
+               FP8_MIN_OPSET if quant else DEFAULT_OPSET)
+
+
+FP8_MIN_OPSET = 19  # QuantizeLinear/DequantizeLinear take float8 types from opset 19
+
+
+def _check_quant_opset(quant: str | None, opset: int) -> None:
+    if quant is not None and opset < FP8_MIN_OPSET:
+        raise InputError(f"--quant {quant} needs --opset {FP8_MIN_OPSET} or later (float8 "
+                         f"QuantizeLinear/DequantizeLinear); got {opset}")
 
 
 def _check_opset(opset: int) -> int:
@@ -513,6 +528,11 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise InputError(f"--weights {path!r} holds a {type(state).__name__}, not a state dict of "
                          f"tensors; expected {expected}")
+    quantization.refuse_quantized_state_dict(
+        state, source=f"--weights {path!r}",
+        fix="the attention-block export has no quantised form: quantise the whole transformer "
+            f"(`{quantization.QUANTIZE_COMMAND}`) and export it with "
+            f"`{quantization.EXPORT_COMMAND.format(dir='QDIR')}`")
     return state
 
 
@@ -628,20 +648,29 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                        opset: int | None = None, rounding: int = contract.DEFAULT_ROUNDING,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
-                       attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True):
+                       attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True,
+                       quant: str | None = None):
     """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs
-    (``attention`` and ``opset``: as for :func:`export_attention`)."""
+    (``attention`` and ``opset``: as for :func:`export_attention`). ``quant="fp8"``: a folder
+    quantised with ModelOpt (``qkrope quantize``) exported with FP8 Q/DQ
+    (:mod:`qkrope.export.quantize`; opset 19 or later); a quantised folder without it is refused."""
     from .patch_diffusers import CacheInputTransformer, load_transformer
 
     out = _check_out(out)
     tdtype = _check_dtype(dtype)
-    opset = _check_opset(default_opset(attention) if opset is None else opset)
+    opset = _check_opset(default_opset(attention, quant) if opset is None else opset)
     check_attention_form(attention, opset)
+    _check_quant_opset(quant, opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
     t0 = time.perf_counter()
-    with Steps("qkrope export", 6, enabled=progress) as steps:
+    with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
         with steps.step(f"loading {diffusers_dir} ({dtype})"):
-            transformer = load_transformer(str(diffusers_dir), dtype=tdtype)
+            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, quant=quant)
+        fp8_table = None
+        if quant is not None:
+            from . import quantize
+
+            fp8_table = quantize.linear_fp8_table(transformer)
         cfg = dict(transformer.config)
         head_dim = int(cfg["attention_head_dim"])
         axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])
@@ -651,13 +680,20 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
         args = _sample_args(sample, tdtype, int(cfg["in_channels"]),
                             int(cfg["joint_attention_dim"]), axes_dim, True, 0)
-        model = _torch_export(
-            wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset,
-            parameters_of="transformer", steps=steps, attention=attention,
-            what=f"{n_layers} of {len(transformer.transformer_blocks)} blocks (sample "
-                 f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch}; "
-                 f"{attention} attention, opset {opset})")
-        not_in_graph = check_parameters(model, transformer.state_dict())
+        with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
+            model = _torch_export(   # the float graph; FP8 Q/DQ go in below
+                wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset,
+                parameters_of="transformer", steps=steps, attention=attention,
+                what=f"{n_layers} of {len(transformer.transformer_blocks)} blocks (sample "
+                     f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch}; "
+                     f"{attention} attention, opset {opset})")
+        state = {k: v for k, v in transformer.state_dict().items()
+                 if quantization.QUANTIZER_MARK not in k}
+        not_in_graph = check_parameters(model, state)
+        quant_record = None
+        if fp8_table is not None:
+            with steps.step(f"FP8 Q/DQ on {len(fp8_table)} quantised Linear layers"):
+                quant_record = quantize.apply_fp8(model, transformer, fp8_table)
         with steps.step(f"adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=2 * n_layers)
@@ -673,8 +709,11 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                       num_layers_exported=n_layers, attention=attention,
                       # the state-dict keys that are initializers of that name (qkrope build
                       # --refit marks them refittable) and those the graph does not use
-                      parameters=[k for k in transformer.state_dict() if k not in not_in_graph],
+                      parameters=[k for k in state if k not in not_in_graph
+                                  and (quant_record is None or k in model.graph.initializers)],
                       parameters_not_in_graph=not_in_graph)
+        if quant_record is not None:
+            config[quantization.METADATA_KEY] = quant_record
         info, written = _write_outputs(model, out, dict(
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=contract.node_attributes(

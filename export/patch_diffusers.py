@@ -117,9 +117,16 @@ class CacheInputTransformer(nn.Module):
         return t.proj_out(hidden_states)
 
 
-def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``QwenImageTransformer2DModel.from_pretrained(directory)``, local files only."""
+def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
+                     quant: str | None = None) -> nn.Module:
+    """``QwenImageTransformer2DModel.from_pretrained(directory)``, local files only.
+
+    A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
+    (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
+    with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
     import os
+
+    from qkrope.quantization import check_folder
 
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     if not directory or not os.path.isdir(directory):
@@ -134,6 +141,7 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> n
         else:
             raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
                                     f"transformer/config.json): not a saved diffusers model")
+    check_folder(directory, quant)  # before loading: diffusers would drop quantizer tensors
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
@@ -142,4 +150,8 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> n
             directory, torch_dtype=dtype, local_files_only=True)
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
+    if quant is not None:
+        from .quantize import restore_quantized
+
+        model = restore_quantized(model, directory)
     return model.eval()

@@ -17,6 +17,8 @@ _HINTS = {
     ),
     "tritonclient": "pip install 'qkrope[triton]'  (or: pip install 'tritonclient[grpc]')",
     "matplotlib": "pip install matplotlib",
+    "modelopt": ("pip install 'qkrope[fp8]'  (or: pip install nvidia-modelopt==0.47.0, without "
+                 "its [onnx]/[hf] extras, which pin onnx, onnxruntime-gpu and transformers)"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``qkrope`` command line: export | check | build | build-plugin | triton-repo | bench | demo.
+"""``qkrope`` command line: export | quantize | check | build | build-plugin | triton-repo | bench | demo.
 
 Each subcommand lives in its own module of :mod:`qkrope.apps` that defines
 ``add_parser(subparsers)``; the parser it
@@ -23,6 +23,8 @@ from qkrope.errors import QkropeError
 _SUBCOMMANDS = (
     ("export", "qkrope.apps.export",
      "export the Qwen-Image attention block or a diffusers transformer to ONNX"),
+    ("quantize", "qkrope.apps.quantize",
+     "calibrate a diffusers transformer to FP8 with NVIDIA ModelOpt (for export --quant fp8)"),
     ("check", "qkrope.apps.check",
      "parity of an exported model (ONNX Runtime, TensorRT) with PyTorch"),
     ("build-plugin", "qkrope.apps.build_plugin",

@@ -42,6 +42,7 @@ from qkrope._deps import require
 from qkrope._fileio import (check_output_folder, output_error, sha256_file, staged_outputs,
                             write_atomic)
 
+from . import fp8_engine
 from . import profiles as prof
 from . import trt_utils as tu
 from .plugin_build import resolve_plugin_library
@@ -559,6 +560,10 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     plan = plan_build(onnx_path, engine_path, opts)
     onnx_path, engine_path = plan.onnx_path, plan.engine_path
     model, profile, node_names = plan.model, plan.profile, plan.node_names
+    fp8 = fp8_engine.quantization_of(model)  # an FP8 export: see qkrope.runtime.fp8_engine
+    if fp8:
+        fp8_engine.check_options(opts)
+        fp8_engine.check_gpu(tu.gpu_info(), onnx_path)
     trt = import_tensorrt()
     plugin_path = plan.plugin_path
     if opts.use_plugin and plugin_path is None:
@@ -624,6 +629,8 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     if opts.profiling_verbosity is not None:
         config.profiling_verbosity = getattr(trt.ProfilingVerbosity,
                                              opts.profiling_verbosity.upper())
+    if fp8:
+        fp8_engine.configure(trt, config)
     if opts.version_compatible:
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
         config.plugins_to_serialize = [plugin_path]
@@ -654,6 +661,12 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
 
+    model_config = dict(model.config)
+    if fp8:
+        summary = fp8_engine.inspect_engine(trt, logger, serialized, node_names)
+        steps.write(f"[build] FP8 engine: {summary['fp8_layers']} of {summary['layers']} "
+                    f"layers in FP8, {summary['plugin_layers']} plugin layer(s)")
+        model_config["quantization"] = {**fp8, "engine": summary}
     if opts.timing_cache:  # a cache, not an output: written before the engine pair
         try:
             write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
@@ -670,7 +683,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),
         strongly_typed=is_strongly_typed(trt, flags),
         builder_optimization_level=opts.builder_optimization_level,
-        parser_flags=list(parser_flags), config=dict(model.config),
+        parser_flags=list(parser_flags), config=model_config,
         dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
         build_seconds=round(seconds, 3))
     with steps.step(f"writing {engine_path} ({serialized.nbytes / 2**20:.1f} MiB) and its "

@@ -48,7 +48,7 @@ from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope.sidecars import EngineInfo, ModelInfo, engine_sidecar_path
 from qkrope._deps import MissingDependencyError, require
 
-from qkrope import dtypes
+from qkrope import dtypes, quantization
 from . import trt_utils as tu
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)
@@ -549,6 +549,8 @@ class OrtRunner(Runner):
         model = tu.checked_onnx_model(self.path)
         onnx_model_io(self.path, model=model)
         self.providers = list(providers) if providers else default_providers()
+        # an FP8 (Q/DQ) export runs only with ONNX Runtime's Q/DQ fusions off
+        session_options = quantization.ort_session_options(model, session_options)
         try:
             self.session = ort.InferenceSession(self.path, sess_options=session_options,
                                                 providers=self.providers)

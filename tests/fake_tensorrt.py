@@ -511,3 +511,69 @@ def fail_each_write_step(monkeypatch, run, *, reset=lambda: None, after=lambda k
             return fail.names
         k += 1
 
+
+
+# --------------------------------------------------------------------------------------------
+# Engine inspector (FP8 builds): trt.Runtime(logger).deserialize_cuda_engine(blob)
+#   .create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON)
+# --------------------------------------------------------------------------------------------
+
+class IEngineInspector:
+    """``get_engine_information(format)``: a JSON string ``{"Layers": [...], "Bindings": [...]}``
+    whose layers are dicts (Name, LayerType, Inputs/Outputs with "Format/Datatype", TacticName)
+    when the engine was built with ``ProfilingVerbosity.DETAILED`` and bare names otherwise, as
+    TensorRT's inspector reports them."""
+
+    def __init__(self, layers: list, detailed: bool):
+        self._layers, self._detailed = layers, detailed
+
+    def get_engine_information(self, format):
+        import json
+
+        if format != "JSON":
+            raise TypeError(f"fake inspector: only LayerInformationFormat.JSON, got {format!r}")
+        layers = self._layers if self._detailed else [layer["Name"] for layer in self._layers]
+        return json.dumps({"Layers": layers, "Bindings": []})
+
+
+def inspector_layer(name: str, layer_type: str, datatype: str = "FP32", tactic: str = "") -> dict:
+    """One layer as the DETAILED inspector JSON lists it."""
+    fmt = f"Row major linear {datatype}"
+    return {"Name": name, "LayerType": layer_type,
+            "Inputs": [{"Name": f"{name}_in", "Format/Datatype": fmt}],
+            "Outputs": [{"Name": f"{name}_out", "Format/Datatype": fmt}],
+            "TacticName": tactic}
+
+
+def add_engine_inspector(trt, state, *, fp8_layers: int = 1, deserialize_ok: bool = True):
+    """Give a fake of :func:`make_fake_trt` ``Runtime``, ``LayerInformationFormat`` and
+    ``ProfilingVerbosity``. The deserialised engine's inspector lists the parsed network's
+    layers (plugin layers as ``PluginV3``) and ``fp8_layers`` GEMM layers in FP8; whether the
+    layers are detailed follows ``state.config.profiling_verbosity``."""
+    if not hasattr(trt, "ProfilingVerbosity"):
+        trt.ProfilingVerbosity = types.SimpleNamespace(DETAILED="DETAILED",
+                                                       LAYER_NAMES_ONLY="LAYER_NAMES_ONLY",
+                                                       NONE="NONE")
+    trt.LayerInformationFormat = types.SimpleNamespace(JSON="JSON", ONELINE="ONELINE")
+
+    class _Engine:
+        def create_engine_inspector(self):
+            net = getattr(state, "network", None)
+            layers = [inspector_layer(name, "PluginV3" if kind == LayerType.PLUGIN_V3
+                                      else str(kind).title())
+                      for kind, name, _plugin in (net.layers if net else [])]
+            layers += [inspector_layer(f"gemm_{i}", "gemm", "FP8", "sm90_xmma_gemm_e4m3")
+                       for i in range(fp8_layers)]
+            detailed = getattr(state.config, "profiling_verbosity", None) == "DETAILED"
+            return IEngineInspector(layers, detailed)
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def deserialize_cuda_engine(self, blob):
+            state.deserialized = bytes(blob)
+            return _Engine() if deserialize_ok else None
+
+    trt.Runtime = Runtime
+    return trt

@@ -80,6 +80,9 @@ def test_static_help_lines_and_defaults_match_their_sources():
         assert action.dest == name and action.help == help_line, name
     assert export.DESCRIPTION == onnx_export.__doc__.split("\n\n")[0].replace("``", "")
     assert tuple(sorted(onnx_export.TORCH_DTYPES)) == export.DTYPES
+    from qkrope import quantization
+
+    assert export.QUANT_MODES == quantization.QUANT_MODES
     assert (export.DEFAULT_OPSET, export.MIN_OPSET, export.MAX_OPSET) == (
         onnx_function.DEFAULT_OPSET, onnx_function.MIN_OPSET, onnx_function.MAX_OPSET)
     assert build_plugin.DEFAULT_BUILD_DIR == plugin_build.DEFAULT_BUILD_DIR

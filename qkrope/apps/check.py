@@ -366,6 +366,10 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     # plugin would refuse what ONNX Runtime's function body would run), then its sidecar.
     checked_onnx_model(onnx_path)
     info = ModelInfo.load(onnx_path)
+    if info.config.get("quantization"):  # FP8 Q/DQ: checked against ModelOpt's model
+        return _check_quantized(onnx_path, info, img_shapes=img_shapes, txt_len=txt_len,
+                                batch=batch, seed=seed, diffusers_dir=diffusers_dir,
+                                engine=engine, providers=providers, out=out)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
     runners = [make_ort_runner(onnx_path, info.dtype, providers)] if onnxrt else []
     if engine:
@@ -420,6 +424,22 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     print(f"qkrope check: {'PASSED' if passed else 'FAILED: outputs differ from the PyTorch reference beyond the ' + info.dtype + ' tolerance'}",
           file=out)
     return passed, rows
+
+
+def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffusers_dir,
+                     engine, providers, out):
+    from qkrope.apps.check_fp8 import check_fp8
+
+    if engine or list(providers) != ["cpu"]:
+        raise InputError(f"{onnx_path} is an FP8 export: qkrope check compares it on ONNX "
+                         f"Runtime's CPU provider with ModelOpt's fake-quant model only (no "
+                         f"--engine/--providers yet); check the engine with polygraphy run "
+                         f"--trt against this model")
+    report = check_fp8(onnx_path, img_shapes=img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"],
+                       txt_len=txt_len or DEFAULT_CHECK_SAMPLE["txt_len"],
+                       batch=batch or DEFAULT_CHECK_SAMPLE["batch"], seed=seed,
+                       diffusers_dir=diffusers_dir, out=out)
+    return report.passed, []
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

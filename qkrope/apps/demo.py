@@ -7,13 +7,18 @@
 5. pipeline  a tiny random diffusers QwenImagePipeline (true CFG, non-square) run on the PyTorch
              transformer and on its ONNX export through load_transformer: latents compared, the
              two images written as PNGs side by side (out/pipeline/image_{pytorch,onnx}.png)
-6. plugin    build the CUDA kernel + TensorRT plugin libraries (CPU kernel build at least)
-7. engine    [TensorRT + GPU] engines with the plugin: from the fp32 export, and from a bf16
+6. fp8       FP8 on the tiny transformer: calibration inputs recorded from a tiny pipeline run
+             (CalibrationRecorder), `qkrope quantize` (ModelOpt), `qkrope export --quant fp8`,
+             `qkrope check` against ModelOpt's fake-quant model, the tiny pipeline on the export
+7. plugin    build the CUDA kernel + TensorRT plugin libraries (CPU kernel build at least)
+8. engine    [TensorRT + GPU] engines with the plugin: from the fp32 export, and from a bf16
              export (the deployment precision; TensorRT 11 networks are strongly typed)
-8. trt-check [TensorRT + GPU] polygraphy: fp32 engine vs ONNX Runtime vs PyTorch; bf16 engine vs
+9. trt-check [TensorRT + GPU] polygraphy: fp32 engine vs ONNX Runtime vs PyTorch; bf16 engine vs
              PyTorch (and ONNX Runtime when its CUDA provider is installed: its CPU provider
              has no bf16 MatMul)
-9. bench     [GPU] fused plugin vs function body vs eager vs torch.compile
+10. fp8-engine [TensorRT + GPU of compute capability 8.9+] the FP8 export built (strongly typed,
+             FP8 and plugin layers verified by the engine inspector)
+11. bench    [GPU] fused plugin vs function body vs eager vs torch.compile
 
 Steps that need what this machine lacks are reported as SKIPPED with the reason; a failed step
 makes the exit status non-zero.
@@ -172,6 +177,63 @@ def step_pipeline(args) -> str:
             f"(bound {bound:.2g}); images {pngs[0]} and {pngs[1]}")
 
 
+def step_fp8(args) -> str:
+    try:
+        import diffusers  # noqa: F401
+        import transformers  # noqa: F401
+        import modelopt.torch.quantization  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"requires diffusers, transformers and nvidia-modelopt ({exc}; pip install "
+                   f"-e '.[test]' or '.[fp8]')") from None
+    import torch
+
+    from qkrope.apps import tiny_pipeline as tp
+    from qkrope.export.quantize import CalibrationRecorder
+    from qkrope.runtime import load_transformer
+
+    d = args.out / "fp8"
+    d.mkdir(parents=True, exist_ok=True)
+    model = tp.tiny_transformer()
+    tp.save_transformer(model, d / "transformer")
+    vae = tp.tiny_vae()
+    pipe = tp.pipeline(model, vae)
+    pipe.set_progress_bar_config(disable=True)
+    pe, pm = tp.prompt_embeds(2, 7, seed=11, pad=2)
+    with CalibrationRecorder(pipe.transformer) as rec:  # the documented calibration hook
+        pipe(prompt_embeds=pe, prompt_embeds_mask=pm, height=32, width=32,
+             num_inference_steps=4, output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    rec.save(d / "calib.pt")
+    _cli(["quantize", "--diffusers", str(d / "transformer"), "--calibration",
+          str(d / "calib.pt"), "--out", str(d / "transformer_fp8"), "--device", "cpu"])
+    args.onnx_fp8 = d / "transformer_fp8.onnx"
+    _cli(["export", "--model", "transformer", "--diffusers", str(d / "transformer_fp8"),
+          "--quant", "fp8", "--out", str(args.onnx_fp8)])
+    _cli(["check", str(args.onnx_fp8)])
+    ours = tp.pipeline(model, vae)
+    ours.set_progress_bar_config(disable=True)
+    ours.transformer = load_transformer(args.onnx_fp8)
+    kw = dict(prompt_embeds=pe[:1], prompt_embeds_mask=pm[:1], height=32, width=32,
+              num_inference_steps=2, output_type="latent")
+    got = ours(**kw, generator=torch.Generator().manual_seed(0)).images
+    flt = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+    if not torch.isfinite(got).all():
+        raise RuntimeError("the tiny pipeline on the FP8 export produced non-finite latents")
+    return (f"{len(rec.batches)} recorded calls -> {args.onnx_fp8.name}: check passed against "
+            f"ModelOpt's fake-quant model; tiny pipeline on it: latents differ from the float "
+            f"pipeline by {float((got - flt).abs().max()):.3g} (the quantisation, reported)")
+
+
+def step_fp8_engine(args) -> str:
+    _need_gpu()
+    onnx_fp8 = getattr(args, "onnx_fp8", None)
+    if onnx_fp8 is None or not Path(onnx_fp8).is_file():
+        raise Skip("the fp8 step wrote no FP8 export")
+    engine = Path(onnx_fp8).with_suffix(".engine")
+    _cli(["build", str(onnx_fp8), "-o", str(engine)])
+    return f"{engine} (FP8 and plugin layers verified by the engine inspector)"
+
+
 def step_plugin(args) -> str:
     from qkrope.runtime.plugin_build import DEPLOY_ARCH, built_architectures, find_nvcc, find_plugin_library
 
@@ -252,9 +314,11 @@ STEPS: list[tuple[str, Callable]] = [
     ("export", step_export),
     ("check", step_check),
     ("pipeline", step_pipeline),
+    ("fp8", step_fp8),
     ("plugin", step_plugin),
     ("engine", step_engine),
     ("trt-check", step_trt_check),
+    ("fp8-engine", step_fp8_engine),
     ("bench", step_bench),
 ]
 
@@ -276,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(StepResult(name, "SKIPPED", 0.0, "--skip on the command line"))
             print(f"SKIPPED: --skip {name}")
             continue
-        needs = {"check": "export", "trt-check": "engine"}.get(name)
+        needs = {"check": "export", "trt-check": "engine", "fp8-engine": "fp8"}.get(name)
         if needs in failed_before:
             results.append(StepResult(name, "SKIPPED", 0.0, f"step '{needs}' failed"))
             print(f"SKIPPED: step '{needs}' failed")

@@ -12,6 +12,7 @@ from qkrope.errors import InputError
 DESCRIPTION = "qkrope export: the Qwen-Image attention block or a whole diffusers transformer to ONNX."
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_OPSET, MIN_OPSET, MAX_OPSET = 18, 18, 23
+QUANT_MODES = ("fp8",)  # qkrope.quantization.QUANT_MODES (checked by tests/test_cli_help.py)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -54,6 +55,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--diffusers", metavar="DIR", default=None,
                    help="local folder of a saved QwenImageTransformer2DModel")
     t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
+    t.add_argument("--quant", choices=QUANT_MODES, default=None,
+                   help="fp8: export a folder quantised with ModelOpt (`qkrope quantize`) with "
+                        "FP8 Q/DQ (float8e4m3fn weights behind DequantizeLinear; opset >= 19, "
+                        "default 19). A quantised folder is refused without it")
     p.set_defaults(func=run)
     return p
 
@@ -78,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--model transformer needs --diffusers DIR (a local saved "
                              "QwenImageTransformer2DModel)")
         info, written = onnx_export.export_transformer(out, args.diffusers, layers=args.layers,
-                                           progress=True, **common)
+                                           progress=True, quant=args.quant, **common)
     else:
-        if args.diffusers or args.layers:
-            raise InputError("--diffusers/--layers apply to --model transformer")
+        if args.diffusers or args.layers or args.quant:
+            raise InputError("--diffusers/--layers/--quant apply to --model transformer")
         info, written = onnx_export.export_attention(
             out, heads=24 if args.heads is None else args.heads,
             head_dim=128 if args.head_dim is None else args.head_dim,

@@ -146,10 +146,25 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
     return report
 
 
+_REFIT_QUANT_FIX = ("refit replaces float weights and would drop the quantisation; export the "
+                    "quantised folder with `qkrope export --model transformer --diffusers QDIR "
+                    "--quant fp8` and build a new engine (`qkrope build`)")
+
+
 def load_state_dict(diffusers: str | None = None, state_dict: str | None = None) -> dict:
     """The weights by diffusers parameter name: a diffusers model folder (its ``transformer``
     subfolder when given a pipeline folder; ``*.safetensors`` shards) or one file
-    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``)."""
+    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``).
+    Weights carrying ModelOpt quantizer state are refused (QuantizedModelError)."""
+    weights = _load_state_dict(diffusers, state_dict)
+    from qkrope.quantization import refuse_quantized_state_dict
+
+    refuse_quantized_state_dict(weights, source=str(diffusers or state_dict),
+                                fix=_REFIT_QUANT_FIX)
+    return weights
+
+
+def _load_state_dict(diffusers: str | None, state_dict: str | None) -> dict:
     import torch
 
     if (diffusers is None) == (state_dict is None):

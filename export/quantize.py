@@ -1,0 +1,483 @@
+"""FP8 quantisation of a diffusers Qwen-Image transformer with NVIDIA ModelOpt, and its ONNX form.
+
+Workflow (README, section FP8):
+
+1. **Record calibration inputs where the real model runs**: wrap the pipeline's transformer in
+   :class:`CalibrationRecorder` and generate a few images with your own prompts; every call of the
+   transformer's ``forward`` is recorded (tensors copied to the CPU) and
+   :meth:`CalibrationRecorder.save` writes them to one file (``torch.save``; loaded back with
+   ``weights_only=True``)::
+
+       with CalibrationRecorder(pipe.transformer, max_calls=64) as rec:
+           for prompt in prompts:
+               pipe(prompt, num_inference_steps=30)
+       rec.save("calib.pt")
+
+2. **Calibrate**: ``qkrope quantize --diffusers DIR --calibration calib.pt --out QDIR`` (or
+   :func:`calibrate` + :func:`save_quantized`) runs ``mtq.quantize`` with per-tensor FP8 (e4m3)
+   weights and inputs, max calibration, on the layers :func:`fp8_config` selects (TensorRT's
+   diffusion demo selection: every ``nn.Linear`` except the embedders ``img_in``/``txt_in``/
+   ``time_text_embed`` (the demo's ``x_embedder``/``context_embedder``/``time_text_embed``),
+   ``norm_out`` and ``proj_out``). QDIR is a diffusers folder: ``save_pretrained`` (weights plus
+   the quantizers' ``_amax`` buffers) and ModelOpt's ``modelopt_state.pth``
+   (``mto.modelopt_state``), the layout ModelOpt's own Hugging Face checkpointing writes.
+
+3. **Export**: ``qkrope export --model transformer --diffusers QDIR --quant fp8`` traces the float
+   graph as usual (QKNormRoPE nodes intact), then :func:`apply_fp8` puts ONNX Q/DQ where ModelOpt
+   fake-quantises: each quantised Linear's input goes through ``QuantizeLinear`` ->
+   ``DequantizeLinear`` (float8e4m3fn, its calibrated scale as a constant) and its weight is stored
+   as float8e4m3fn values behind a ``DequantizeLinear``. This is the explicit-quantisation form
+   TensorRT builds FP8 GEMMs from (strongly typed network, no precision flags).
+
+ModelOpt (``nvidia-modelopt``, the ``qkrope[fp8]`` extra) is imported only here and only when
+used. Its FP8 fake quantisation of a tensor ``x`` with calibrated ``amax`` is
+``fp8(clamp(x * (448 / amax))) * (1 / (448 / amax))`` in float32; the export stores exactly those
+FP8 weight values and that dequantisation scale (:func:`fp8_scale`), so each weight's
+``DequantizeLinear`` output equals ModelOpt's fake-quantised weight bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from qkrope import quantization
+from qkrope._deps import require
+from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
+
+#: Top-level modules TensorRT's diffusion demo leaves in high precision (Qwen-Image names).
+DEFAULT_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
+CALIBRATION_FORMAT = "qkrope-calibration"
+
+
+class QuantizeError(QkropeError, RuntimeError):
+    """Calibration, restore or the FP8 graph rewrite failed."""
+
+
+def _modelopt():
+    """(mtq, mto): ModelOpt's quantisation and opt packages, imported lazily."""
+    with warnings.catch_warnings():  # its import warns about untested transformers versions
+        warnings.simplefilter("ignore")
+        mtq = require("modelopt.torch.quantization", "FP8 quantisation (ModelOpt)")
+        mto = require("modelopt.torch.opt", "FP8 quantisation (ModelOpt)")
+    return mtq, mto
+
+
+@contextlib.contextmanager
+def _quiet():
+    """ModelOpt prints a line per conversion ("Inserted 130 quantizers") on stdout, which is the
+    CLI's output (written paths); it is sent to stderr instead."""
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration inputs
+# --------------------------------------------------------------------------------------------
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class CalibrationRecorder:
+    """Records the inputs of every ``forward`` call of ``module`` (a pipeline's transformer)
+    while the context is open: positional and keyword arguments, tensors copied to the CPU.
+    At most ``max_calls`` calls are kept (the first ones). Nothing about the calls changes."""
+
+    def __init__(self, module: nn.Module, *, max_calls: int | None = None):
+        if max_calls is not None and max_calls < 1:
+            raise InputError(f"max_calls must be >= 1 or None; got {max_calls}")
+        self.module = module
+        self.max_calls = max_calls
+        self.batches: list[dict[str, Any]] = []
+        self._handle = None
+
+    def _hook(self, _module, args, kwargs):
+        if self.max_calls is None or len(self.batches) < self.max_calls:
+            self.batches.append({"args": _to_cpu(tuple(args)), "kwargs": _to_cpu(dict(kwargs))})
+
+    def __enter__(self) -> "CalibrationRecorder":
+        self._handle = self.module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return save_calibration(self.batches, path)
+
+
+def save_calibration(batches: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write recorded calls (``{"args": tuple, "kwargs": dict}`` each) to ``path`` atomically."""
+    import io
+
+    from qkrope._fileio import write_atomic
+
+    if not batches:
+        raise InputError("no calibration batches were recorded: run the pipeline inside the "
+                         "CalibrationRecorder context before saving")
+    buf = io.BytesIO()
+    torch.save({"format": CALIBRATION_FORMAT, "format_version": 1,
+                "batches": [{"args": list(b["args"]), "kwargs": dict(b["kwargs"])}
+                            for b in batches]}, buf)
+    path = Path(path)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
+def load_calibration(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The batches of a file written by :func:`save_calibration`."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputFileNotFoundError(f"--calibration {str(path)!r} does not exist: record one "
+                                     f"with qkrope.export.quantize.CalibrationRecorder")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any reader failure means "not a calibration file"
+        raise InputError(f"--calibration {str(path)!r} could not be read ({type(exc).__name__}: "
+                         f"{exc}); expected a file written by CalibrationRecorder.save") from exc
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT \
+            or not data.get("batches"):
+        raise InputError(f"--calibration {str(path)!r} is not a qkrope calibration file (no "
+                         f"{CALIBRATION_FORMAT!r} batches); record one with CalibrationRecorder")
+    return [{"args": tuple(b["args"]), "kwargs": dict(b["kwargs"])} for b in data["batches"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration with ModelOpt, save and restore
+# --------------------------------------------------------------------------------------------
+
+def fp8_config(exclude: Iterable[str] = DEFAULT_EXCLUDED) -> dict[str, Any]:
+    """ModelOpt quantisation config: per-tensor FP8 e4m3 weights and inputs of every
+    ``nn.Linear``, max calibration, the modules named in ``exclude`` (and their children) off."""
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    rules: list[dict[str, Any]] = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer", "parent_class": "nn.Linear", "cfg": dict(fp8)},
+        {"quantizer_name": "*input_quantizer", "parent_class": "nn.Linear", "cfg": dict(fp8)},
+    ]
+    for name in exclude:
+        rules.append({"quantizer_name": f"{name}.*", "enable": False})
+    return {"quant_cfg": rules, "algorithm": "max"}
+
+
+def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
+              config: dict[str, Any] | None = None, progress: bool = False) -> nn.Module:
+    """``mtq.quantize(transformer, config, forward_loop)`` over the recorded ``batches`` (each
+    call replayed on the transformer's device); quantises in place and returns it."""
+    mtq, _ = _modelopt()
+    if not batches:
+        raise InputError("calibration needs at least one recorded batch")
+    device = next(transformer.parameters()).device
+
+    def forward_loop(model):
+        from tqdm import tqdm
+
+        with torch.no_grad():
+            for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+                model(*_to_device(batch["args"], device), **_to_device(batch["kwargs"], device))
+
+    with warnings.catch_warnings(), _quiet():
+        warnings.simplefilter("ignore")
+        mtq.quantize(transformer, config or fp8_config(), forward_loop)
+    if not fp8_quantizers(transformer):
+        raise QuantizeError("the configuration enabled no FP8 quantizer with a calibrated amax "
+                            "(did the calibration batches reach the transformer?)")
+    return transformer
+
+
+def save_quantized(transformer: nn.Module, out: str | os.PathLike) -> Path:
+    """``save_pretrained`` + ``modelopt_state.pth`` into ``out`` (replaced as a whole: written
+    to a staging folder beside it, then renamed; the old folder survives a failure)."""
+    import shutil
+    import tempfile
+
+    from qkrope._fileio import check_output_folder, output_error
+
+    _, mto = _modelopt()
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {str(out)!r} exists and is not a folder")
+    check_output_folder(out.parent)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    old = None
+    try:
+        transformer.save_pretrained(str(stage))
+        torch.save(mto.modelopt_state(transformer), stage / quantization.MODELOPT_STATE_FILE)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+        stage.rename(out)
+    except BaseException as exc:
+        if old is not None and not out.exists():
+            old.rename(out)
+        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise output_error(exc, out) from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        from safetensors.torch import load_file
+
+        out.update(load_file(str(f)))
+    for f in sorted(directory.glob("*.bin")):
+        out.update(torch.load(f, map_location="cpu", weights_only=True))
+    return out
+
+
+def restore_quantized(transformer: nn.Module, directory: str | os.PathLike) -> nn.Module:
+    """ModelOpt's restore on a transformer loaded from ``directory``: the quantizers from its
+    ``modelopt_state.pth`` (``mto.restore_from_modelopt_state``), then their calibrated buffers
+    from the folder's weight files (every quantizer tensor must be taken). Loading a folder:
+    ``qkrope.export.patch_diffusers.load_transformer(directory, quant="fp8")``."""
+    _, mto = _modelopt()
+    directory = Path(directory)
+    state_file = directory / quantization.MODELOPT_STATE_FILE
+    with warnings.catch_warnings(), _quiet():
+        warnings.simplefilter("ignore")
+        mto.restore_from_modelopt_state(transformer, modelopt_state_path=str(state_file))
+    weights = _load_weights(directory)
+    quant = {k: v for k, v in weights.items() if quantization.QUANTIZER_MARK in k}
+    missing, unexpected = transformer.load_state_dict(quant, strict=False)
+    if unexpected:
+        raise QuantizeError(f"{directory}: ModelOpt's state does not have the quantizer tensors "
+                            f"{unexpected[:4]} of the weights (a folder mixed from two models?)")
+    absent = [k for k in missing if quantization.QUANTIZER_MARK in k and k.endswith("_amax")]
+    enabled = {name for name, _ in fp8_quantizers(transformer, calibrated=False)}
+    absent = [k for k in absent if k.rsplit(".", 1)[0] in enabled]
+    if absent:
+        raise QuantizeError(f"{directory}: enabled quantizers have no calibrated amax in the "
+                            f"weights ({absent[:4]}); re-run the calibration")
+    return transformer.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the quantizers
+# --------------------------------------------------------------------------------------------
+
+def _is_tensor_quantizer(module: nn.Module) -> bool:
+    return type(module).__name__ == "TensorQuantizer" and hasattr(module, "is_enabled")
+
+
+def fp8_quantizers(model: nn.Module, *, calibrated: bool = True) -> list[tuple[str, nn.Module]]:
+    """(name, TensorQuantizer) of every enabled quantizer (with an amax when ``calibrated``)."""
+    out = []
+    for name, module in model.named_modules():
+        if _is_tensor_quantizer(module) and module.is_enabled:
+            if calibrated and getattr(module, "amax", None) is None:
+                continue
+            out.append((name, module))
+    return out
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's dequantisation scale for ``amax`` (float32 scalar): ``1 / (448 / amax)``, an
+    amax at or below 2**-24 taken as 1, exactly as its FP8 fake quantisation computes it."""
+    amax = amax.detach().to("cpu", torch.float32).reshape(())
+    safe = torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
+    return 1 / (quantization.FP8_E4M3_MAX / safe)
+
+
+def fp8_values(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The float8_e4m3fn tensor ModelOpt's fake quantisation rounds ``x`` to (before the
+    dequantisation by :func:`fp8_scale`)."""
+    amax = amax.detach().to("cpu", torch.float32).reshape(())
+    safe = torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
+    scale = quantization.FP8_E4M3_MAX / safe
+    lim = quantization.FP8_E4M3_MAX
+    return (x.detach().to("cpu", torch.float32) * scale).clamp(-lim, lim).to(torch.float8_e4m3fn)
+
+
+def linear_fp8_table(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Per quantised Linear (module name): its input and weight quantizers' amax (float32
+    scalars). Refuses what the ONNX rewrite does not express: per-channel/block amax, anything
+    but e4m3, pre-quant scales, an output quantizer, a quantised non-Linear module."""
+    table: dict[str, dict[str, Any]] = {}
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for name, q in fp8_quantizers(model, calibrated=False):
+        owner, role = name.rsplit(".", 1)
+        where = f"quantizer {name}"
+        if owner not in linears or role not in ("input_quantizer", "weight_quantizer"):
+            raise QuantizeError(f"{where} is enabled; the FP8 export writes Q/DQ for the inputs "
+                                f"and weights of nn.Linear layers only. Fix: calibrate the float "
+                                f"model with `{quantization.QUANTIZE_COMMAND}` (TensorRT's "
+                                f"demo selection, qkrope.export.quantize.fp8_config)")
+        if tuple(getattr(q, "num_bits", ())) != (4, 3):
+            raise QuantizeError(f"{where} has num_bits {getattr(q, 'num_bits', None)}; the "
+                                f"export writes float8 e4m3 only")
+        if getattr(q, "block_sizes", None) or getattr(q, "pre_quant_scale", None) is not None:
+            raise QuantizeError(f"{where} uses block sizes or a pre-quant scale; the export "
+                                f"writes per-tensor FP8 only")
+        amax = getattr(q, "amax", None)
+        if amax is None:
+            raise QuantizeError(f"{where} is enabled but has no calibrated amax")
+        if amax.numel() != 1:
+            raise QuantizeError(f"{where} has a per-channel amax of shape {list(amax.shape)}; "
+                                f"the export writes per-tensor FP8 only")
+        table.setdefault(owner, {})[role.split("_")[0]] = amax.detach().to("cpu",
+                                                                            torch.float32)
+    return table
+
+
+@contextlib.contextmanager
+def quantizers_disabled(model: nn.Module):
+    """Every TensorQuantizer of ``model`` off (the float model) inside the context."""
+    on = [m for _, m in model.named_modules() if _is_tensor_quantizer(m) and m.is_enabled]
+    for m in on:
+        m.disable()
+    try:
+        yield model
+    finally:
+        for m in on:
+            m.enable()
+
+
+# --------------------------------------------------------------------------------------------
+# The ONNX rewrite
+# --------------------------------------------------------------------------------------------
+
+def _np_fp8(t: torch.Tensor):
+    import ml_dtypes
+
+    return t.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+
+
+def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Insert FP8 Q/DQ into an exported float graph (onnx_ir, in place) per ``table``
+    (:func:`linear_fp8_table`) and return the sidecar's ``quantization`` record.
+
+    A Linear appears in the graph as ``MatMul(x, Transpose(W))`` (+ bias ``Add``) or
+    ``Gemm(x, W, b, transB=1)``, ``W`` being the initializer named by its state-dict key. Its
+    input becomes ``DequantizeLinear(QuantizeLinear(x, s_x, 0 as float8e4m3fn), s_x)``; ``W``
+    becomes ``DequantizeLinear(W8, s_w)`` with ``W8`` float8e4m3fn constants (stored transposed,
+    ``[in, out]``, for a MatMul so no Transpose is left on the weight path), named
+    ``<key>_fp8``; every scale is a scalar constant in the model's float type. A Linear whose
+    weight the graph does not use (past ``--layers``) is skipped and listed."""
+    import numpy as np
+    import onnx_ir as ir
+
+    graph = model.graph
+    params = dict(transformer.named_parameters())
+    zero = None
+    done, skipped = [], []
+
+    def const(name: str, array) -> ir.Value:
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        value.shape = ir.Shape(list(array.shape))
+        value.type = ir.TensorType(value.const_value.dtype)
+        graph.register_initializer(value)
+        return value
+
+    for owner in sorted(table):
+        roles = table[owner]
+        key = f"{owner}.weight"
+        w_value = graph.initializers.get(key)
+        if w_value is None:
+            skipped.append(owner)
+            continue
+        if set(roles) != {"input", "weight"}:
+            raise QuantizeError(f"{owner} quantises only its {sorted(roles)}; the FP8 export "
+                                f"needs both the input and the weight quantised (FP8 GEMM)")
+        float_type = w_value.const_value.dtype
+        np_float = float_type.numpy()
+        if zero is None:
+            zero = const("qkrope_fp8_zero_point", _np_fp8(torch.zeros((), dtype=torch.float8_e4m3fn)))
+        s_x = const(f"{owner}.input_quantizer.scale",
+                    np.asarray(fp8_scale(roles["input"]).numpy(), dtype=np_float))
+        s_w = const(f"{owner}.weight_quantizer.scale",
+                    np.asarray(fp8_scale(roles["weight"]).numpy(), dtype=np_float))
+        weight = params[key].detach().to("cpu", torch.float32)
+        uses = list(w_value.uses())
+        if not uses:
+            skipped.append(owner)
+            continue
+        for use in uses:
+            node, index = use.node, use.idx
+            if node.op_type == "Transpose" and index == 0:
+                perm = list(node.attributes["perm"].value) if "perm" in node.attributes else [1, 0]
+                consumers = list(node.outputs[0].uses())
+                if perm != [1, 0] or not consumers or any(
+                        c.node.op_type != "MatMul" or c.idx != 1 for c in consumers):
+                    raise QuantizeError(f"{key} reaches {[c.node.op_type for c in consumers]} "
+                                        f"through a Transpose {perm}; the FP8 export expects "
+                                        f"MatMul(x, Transpose(W)) for a Linear")
+                w8 = const(f"{key}_fp8", _np_fp8(fp8_values(weight.t(), roles["weight"])))
+                for c in consumers:
+                    mm = c.node
+                    dq_w = ir.node("DequantizeLinear", [w8, s_w], name=f"{key}_dequantize")
+                    _quantize_input(graph, mm, s_x, zero, owner)
+                    graph.insert_before(mm, [dq_w])
+                    mm.replace_input_with(1, dq_w.outputs[0])
+                    dq_w.outputs[0].name = f"{key}_dequantized"
+                    done.append(owner)
+            elif node.op_type == "Gemm" and index == 1:
+                attrs = {k: v.value for k, v in node.attributes.items()}
+                if attrs.get("transA", 0) or not attrs.get("transB", 0):
+                    raise QuantizeError(f"{key} feeds a Gemm with {attrs}; expected transB=1")
+                w8 = const(f"{key}_fp8", _np_fp8(fp8_values(weight, roles["weight"])))
+                dq_w = ir.node("DequantizeLinear", [w8, s_w], name=f"{key}_dequantize")
+                _quantize_input(graph, node, s_x, zero, owner)
+                graph.insert_before(node, [dq_w])
+                node.replace_input_with(1, dq_w.outputs[0])
+                dq_w.outputs[0].name = f"{key}_dequantized"
+                done.append(owner)
+            else:
+                raise QuantizeError(f"{key} is used by {node.op_type} (input {index}); the FP8 "
+                                    f"export expects a Linear's MatMul/Transpose or Gemm")
+        graph.initializers.pop(key)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # the weights' Transposes
+    return {"mode": "fp8", "format": "float8e4m3fn", "granularity": "per-tensor",
+            "tool": "nvidia-modelopt", "scale": "1 / (448 / amax)",
+            "quantized_linears": sorted(set(done)), "not_in_graph": sorted(skipped),
+            "qdq_pairs": len(done),
+            "weights": sorted({f"{o}.weight_fp8" for o in done})}
+
+
+def _quantize_input(graph, node, scale, zero, owner: str) -> None:
+    import onnx_ir as ir
+
+    x = node.inputs[0]
+    q = ir.node("QuantizeLinear", [x, scale, zero], name=f"{owner}.input_quantize")
+    dq = ir.node("DequantizeLinear", [q.outputs[0], scale], name=f"{owner}.input_dequantize")
+    q.outputs[0].name = f"{owner}.input_fp8"
+    dq.outputs[0].name = f"{owner}.input_dequantized"
+    graph.insert_before(node, [q, dq])
+    node.replace_input_with(0, dq.outputs[0])
+
+
+__all__ = ["DEFAULT_EXCLUDED", "CalibrationRecorder", "save_calibration", "load_calibration",
+           "fp8_config", "calibrate", "save_quantized", "restore_quantized",
+           "fp8_quantizers", "fp8_scale", "fp8_values", "linear_fp8_table",
+           "quantizers_disabled", "apply_fp8", "QuantizeError"]
