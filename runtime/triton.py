@@ -541,6 +541,12 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool) -> None:
 def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict,
                  limits: RopeLimits, serving: Serving, models: dict) -> dict:
     """Add the rope model and the ensemble (named ``repo_name``) after the main model."""
+    if not repo_name.isascii():
+        # Seen with Triton 2.51: the Python backend's stub cannot import from a non-ASCII model
+        # directory (UnicodeEncodeError at load, whatever the locale).
+        raise TritonRepoError(f"model name {repo_name!r}: the ensemble's {repo_name}_rope model "
+                              f"runs in Triton's Python backend, which cannot load from a "
+                              f"non-ASCII directory name; pass an ASCII --name")
     rope_name = f"{repo_name}_rope"
     rope_text = render_rope_config(rope_name, main, config, limits, serving)
     ens_text = render_ensemble_config(repo_name, main_name, rope_name, main)

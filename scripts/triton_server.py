@@ -130,6 +130,23 @@ def _python_env(cache: Path) -> Path:
     return env
 
 
+def onnxruntime_for_stand_in(version: str, cache: Path | None = None) -> Path:
+    """A folder holding ``onnxruntime==version`` (``pip install --target``, no dependencies:
+    it imports with numpy alone) for the tests' Python-backend stand-in of the onnxruntime
+    backend, which this server lacks; the stand-in puts the folder on its ``sys.path``."""
+    cache = (cache or cache_dir()).resolve()
+    target = cache / f"standin-onnxruntime-{version}"
+    if (target / ".complete").is_file():
+        return target
+    env = _python_env(cache)
+    shutil.rmtree(target, ignore_errors=True)
+    _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+          "--disable-pip-version-check", "--only-binary=:all:", "--target", str(target),
+          f"onnxruntime=={version}"], f"pip install onnxruntime=={version} --target", 600)
+    (target / ".complete").write_text(version + "\n")
+    return target
+
+
 @dataclass
 class Install:
     tritonserver: Path
@@ -229,18 +246,24 @@ class Server:
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout:.0f} s; its log "
                            f"ends:\n{self.log()[-3000:]}")
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and its children (the Python backend stubs)."""
+    def rss_bytes(self, model: str | None = None) -> int:
+        """Resident memory of the server and its children (the Python backend stubs), or of
+        the stubs of ``model`` only (their command line names the model's directory)."""
+        pids = {self.proc.pid}
+        for stat in Path("/proc").glob("[0-9]*/stat"):  # the server's process group
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp (start_new_session: the server's pid)
+                pids.add(int(stat.parent.name))
         total = 0
-        pids = [self.proc.pid]
-        try:
-            out = subprocess.run(["pgrep", "-g", str(os.getpgid(self.proc.pid))],
-                                 capture_output=True, text=True).stdout.split()
-            pids = sorted({int(p) for p in out} | {self.proc.pid})
-        except (OSError, ProcessLookupError, ValueError):
-            pass
         for pid in pids:
             try:
+                if model is not None:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if not any(Path(os.fsdecode(a)).parts[-3:-2] == (model,) for a in argv):
+                        continue
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
                         total += int(line.split()[1]) * 1024

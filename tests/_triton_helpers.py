@@ -47,6 +47,29 @@ def tiny_transformer_onnx(tmp_path_factory):
     return out
 
 
+def tiny_engine(onnx_path, tmp_path, profiles=()):
+    """A stand-in engine for the exported model: dummy plan bytes, a realistic engine sidecar
+    (the network's I/O from the ONNX sidecar, a fake plugin recorded by hash)."""
+    import hashlib
+
+    from qkrope.sidecars import EngineInfo, EngineTensor, ModelInfo, PluginRecord, engine_tensors
+
+    info = ModelInfo.load(onnx_path)
+    plugin = tmp_path / "libqkrope_plugin.so"
+    plugin.write_bytes(b"\x7fELF fake plugin")
+    net = lambda items: [EngineTensor(t.name, t.dtype, dyn(t.shape)) for t in items]  # noqa
+    side = EngineInfo(
+        tensorrt_version="10.14", onnx=str(onnx_path),
+        inputs=engine_tensors(net(info.inputs), info),
+        outputs=engine_tensors(net(info.outputs), info), profiles=list(profiles),
+        plugin=PluginRecord(str(plugin), hashlib.sha256(plugin.read_bytes()).hexdigest()),
+        plugin_layers=2, version_compatible=False, strongly_typed=True, config=info.config)
+    eng = tmp_path / "tiny.engine"
+    eng.write_bytes(b"not really a TensorRT plan" * 10)
+    Path(str(eng) + ".json").write_text(json.dumps(side.to_dict()))
+    return eng, plugin, info
+
+
 class Tensor:
     """pb_utils.Tensor(name, numpy_array): .name(), .as_numpy()."""
 

@@ -4,19 +4,17 @@ model. The configs are checked for wiring; the rope model runs here with a stand
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _triton_helpers import (TYPE, dyn, io, load_rope_model, parse, rope_request,  # noqa: F401
-                             tiny_transformer_onnx)
+from _triton_helpers import (TYPE, io, load_rope_model, parse, rope_request,  # noqa: F401
+                             tiny_engine, tiny_transformer_onnx)
 from qkrope.cli import main as cli_main
 from qkrope.runtime import triton
 from qkrope.runtime.caches import build_qwen_rope_caches
-from qkrope.sidecars import EngineInfo, EngineTensor, ModelInfo, PluginRecord, engine_tensors
+from qkrope.sidecars import ModelInfo
 
 
 def _check_ensemble(repo: Path, name: str, main_name: str, main_io):
@@ -89,25 +87,8 @@ def test_onnxruntime_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_pat
     assert not (tmp_path / "r2").exists()
 
 
-def _tiny_engine(onnx_path, tmp_path, profiles=()):
-    info = ModelInfo.load(onnx_path)
-    plugin = tmp_path / "libqkrope_plugin.so"
-    plugin.write_bytes(b"\x7fELF fake plugin")
-    net = lambda items: [EngineTensor(t.name, t.dtype, dyn(t.shape)) for t in items]  # noqa
-    side = EngineInfo(
-        tensorrt_version="10.14", onnx=str(onnx_path),
-        inputs=engine_tensors(net(info.inputs), info),
-        outputs=engine_tensors(net(info.outputs), info), profiles=list(profiles),
-        plugin=PluginRecord(str(plugin), hashlib.sha256(plugin.read_bytes()).hexdigest()),
-        plugin_layers=2, version_compatible=False, strongly_typed=True, config=info.config)
-    eng = tmp_path / "tiny.engine"
-    eng.write_bytes(b"not really a TensorRT plan" * 10)
-    Path(str(eng) + ".json").write_text(json.dumps(side.to_dict()))
-    return eng, plugin, info
-
-
 def test_tensorrt_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_path):
-    eng, plugin, _ = _tiny_engine(tiny_transformer_onnx, tmp_path)
+    eng, plugin, _ = tiny_engine(tiny_transformer_onnx, tmp_path)
     repo = tmp_path / "repo"
     res = triton.write_repository(eng, repo, plugin=plugin)
     cfgs = _check_ensemble(repo, "tiny", "tiny_trt", _onnx_io(tiny_transformer_onnx))
@@ -130,7 +111,7 @@ def _profile(info, img_rows, txt_rows):
 
 def test_the_rope_limits_come_from_the_engine_profiles(tiny_transformer_onnx, tmp_path):
     info = ModelInfo.load(tiny_transformer_onnx)
-    eng, plugin, _ = _tiny_engine(tiny_transformer_onnx, tmp_path,
+    eng, plugin, _ = tiny_engine(tiny_transformer_onnx, tmp_path,
                                   [_profile(info, 256, 32), _profile(info, 1024, 64)])
     repo = tmp_path / "repo"
     triton.write_repository(eng, repo, plugin=plugin)
@@ -221,3 +202,13 @@ def test_the_rope_model_keeps_at_most_its_byte_budget(rope_model):
     before = dict(model.cache._items)
     resp, = model.execute([rope_request(pb, [[1, 17, 17]], 40)])
     assert resp.error is None and dict(model.cache._items) == before
+
+
+def test_a_non_ascii_ensemble_name_is_refused(tiny_transformer_onnx, tmp_path, capsys):
+    """Triton 2.51's Python backend fails to load a model from a non-ASCII directory (seen in
+    tests/test_triton_server.py's server): refused up front, nothing written."""
+    rc = cli_main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(tiny_transformer_onnx),
+                   "-o", str(tmp_path / "repo"), "--name", "tiny-\u00e9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "non-ASCII" in err and "--name" in err and err.count("\n") == 1
+    assert not (tmp_path / "repo").exists()
