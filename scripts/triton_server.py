@@ -147,6 +147,29 @@ def onnxruntime_for_stand_in(version: str, cache: Path | None = None) -> Path:
     return target
 
 
+STAND_IN = REPO_ROOT / "tests" / "triton_standin" / "model.py"
+
+
+def use_onnx_stand_in(repo: Path, main_name: str, ort_path: Path) -> None:
+    """Serve ``repo/main_name`` (an onnxruntime-backend model written by ``qkrope triton-repo``)
+    with the Python-backend STAND-IN tests/triton_standin/model.py: the same I/O, ``backend:
+    "python"``, labelled in the config. This server has no onnxruntime backend."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    path = repo / main_name / "config.pbtxt"
+    cfg = text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+    cfg.backend = "python"
+    cfg.ClearField("default_model_filename")  # the Python backend loads 1/model.py
+    for group in cfg.instance_group:
+        group.kind = group.KIND_CPU
+    cfg.parameters["ort_path"].string_value = str(ort_path)
+    cfg.parameters["stand_in"].string_value = ("tests/triton_standin: ONNX Runtime in the "
+                                               "Python backend, not Triton's onnxruntime backend")
+    path.write_text(text_format.MessageToString(cfg, as_utf8=True), encoding="utf-8")
+    shutil.copyfile(STAND_IN, repo / main_name / "1" / "model.py")
+
+
 @dataclass
 class Install:
     tritonserver: Path
@@ -184,6 +207,17 @@ def prepare(cache: Path | None = None) -> Install:
     if not target.is_file() or target.read_bytes() != stub.read_bytes():
         shutil.copy2(stub, target)
     return Install(tree / "bin" / "tritonserver", tree / "backends", _python_env(cache))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies (a killed test
+    run leaves no server behind; the backend stubs exit when the server does)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -225,7 +259,8 @@ class Server:
                *self.extra_args]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.install.environ(), start_new_session=True)
+                                     env=self.install.environ(), start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self._wait_ready()
         return self
 

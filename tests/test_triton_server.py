@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
 import time
 import urllib.error
@@ -29,7 +28,6 @@ from qkrope.runtime.caches import build_qwen_rope_caches
 from qkrope.sidecars import ModelInfo
 
 ROOT = Path(__file__).resolve().parent.parent
-STAND_IN = Path(__file__).with_name("triton_standin") / "model.py"
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a test "
                                                             "dependency (pip install -e '.[test]')")
@@ -62,21 +60,6 @@ def install():
         pytest.skip(f"no Triton server here: {exc}")
 
 
-def _standin(repo: Path, main_name: str, ort_path: Path) -> None:
-    """Serve ``main_name`` (an onnxruntime-backend model) with the Python-backend stand-in:
-    the same I/O, backend "python", labelled in the config and in model.py."""
-    cfg = parse(repo / main_name / "config.pbtxt")
-    cfg.backend = "python"
-    cfg.ClearField("default_model_filename")  # the Python backend loads 1/model.py
-    for group in cfg.instance_group:
-        group.kind = group.KIND_CPU
-    cfg.parameters["ort_path"].string_value = str(ort_path)
-    cfg.parameters["stand_in"].string_value = ("tests/triton_standin: ONNX Runtime in the "
-                                               "Python backend, not Triton's onnxruntime backend")
-    (repo / main_name / "config.pbtxt").write_text(triton.to_text(cfg), encoding="utf-8")
-    shutil.copyfile(STAND_IN, repo / main_name / "1" / "model.py")
-
-
 def _set_params(path: Path, **params) -> None:
     cfg = parse(path)
     for key, value in params.items():
@@ -92,7 +75,7 @@ def server(install, tiny_transformer_onnx, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton") / "repo"
     triton.write_onnx_repository(tiny_transformer_onnx, repo, max_img_tokens=MAX_IMG,
                                  max_txt_tokens=MAX_TXT)
-    _standin(repo, "tiny_onnx", ort_path)
+    harness.use_onnx_stand_in(repo, "tiny_onnx", ort_path)
     _set_params(repo / "tiny_rope" / "config.pbtxt", cache_bytes=CACHE_BUDGET)
     with harness.Server(install, repo, log=repo.parent / "server.log") as srv:
         yield srv
@@ -338,3 +321,22 @@ def test_every_written_config_loads(install, tiny_transformer_onnx, tmp_path):
             assert state in (None, "UNAVAILABLE") and "config" not in reason, (name, reason)
         else:
             assert state == "UNAVAILABLE" and expected in reason, (name, reason)
+
+
+def test_the_load_script_reports_no_errors(server, tiny_transformer_onnx):
+    """scripts/triton_load.py's driver against this server: a fixed number of requests over
+    concurrent clients, every one answered (the README's figures come from the script)."""
+    spec = importlib.util.spec_from_file_location("triton_load",
+                                                  ROOT / "scripts" / "triton_load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    config = ModelInfo.load(tiny_transformer_onnx).config["diffusers_config"]
+    res = load.run_load(server.grpc_url, "tiny", load._inputs("tiny", (1, 8, 8), 16, 2, config),
+                        ["sample"], clients=3, requests=30)
+    assert (res["requests"], res["errors"]) == (30, 0), res
+    assert 0 < res["p50_ms"] <= res["p99_ms"] <= res["max_ms"]
+    bad = load.run_load(server.grpc_url, "tiny",
+                        dict(load._inputs("tiny", (1, 8, 8), 16, 2, config),
+                             img_shapes=np.array([[1, 4, 4]], np.int64)),
+                        ["sample"], clients=2, requests=4)
+    assert bad["errors"] == 4 and "hidden_states" in bad["first_error"]
