@@ -27,8 +27,12 @@ before it deserialises any plan, so the library must register its plugin creator
 attention engine's RoPE cache inputs (``[rows, rotary_dim]``) have no batch axis at all, so
 Triton's implicit leading batch dimension (``max_batch_size > 0``) cannot describe them. With
 ``max_batch_size: 0`` the batch is an ordinary dynamic dim (-1) of the activation inputs, and
-clients send full shapes. ``--max-batch-size N > 0`` is accepted only for engines whose every
-input and output has a dynamic leading dimension.
+clients send full shapes. ``--max-batch-size N > 0`` (with dynamic batching: preferred sizes and
+queue delay) is accepted only for models whose every input and output has a dynamic leading
+batch dimension. ``--instances`` / ``--gpus`` fill ``instance_group``.
+
+Every config.pbtxt is a ``ModelConfig`` message (tritonclient's ``model_config_pb2``) printed by
+``google.protobuf.text_format``; no text is assembled by hand.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ A request the model cannot serve (malformed, inconsistent or beyond the limits) 
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 from collections import OrderedDict
@@ -56,6 +57,36 @@ def _show(rows) -> str:
     """img_shapes for a message: the first few rows (a hostile request may send thousands)."""
     rows = [list(r) for r in rows]
     return str(rows) if len(rows) <= 4 else f"{str(rows[:4])[:-1]}, ... ({len(rows)} images)]"
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):  # the head of DLManagedTensor (dlpack.h)
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64))]
+
+
+def _dlpack_shape(capsule) -> tuple[int, ...]:
+    """The shape of a DLPack capsule, read without consuming it."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    return tuple(int(t.shape[i]) for i in range(t.ndim))
+
+
+def tensor_shape(tensor) -> tuple[int, ...]:
+    """A request tensor's shape: through numpy, or for a dtype numpy lacks (BF16: the Python
+    backend's ``as_numpy`` refuses it) through its DLPack capsule, without reading the data."""
+    try:
+        return tuple(tensor.as_numpy().shape)
+    except Exception:  # noqa: BLE001 - "Tensor dtype is BF16 and cannot be converted to NumPy"
+        return _dlpack_shape(tensor.to_dlpack())
 
 
 class RequestError(ValueError):
@@ -111,11 +142,14 @@ class TritonPythonModel:
         self.max_txt = int(_param(config, "max_txt_tokens", "512"))
         self.cache = CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
 
-    def _input(self, request, name):
+    def _tensor(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is None:
             raise RequestError(f"the request has no {name!r} input")
-        return tensor.as_numpy()
+        return tensor
+
+    def _input(self, request, name):
+        return self._tensor(request, name).as_numpy()
 
     def _shapes(self, request) -> tuple:
         shapes = np.asarray(self._input(request, "img_shapes"))
@@ -140,21 +174,21 @@ class TritonPythonModel:
 
     def _one(self, request):
         rows = self._shapes(request)
-        text = self._input(request, self.txt_tensor)
-        latent = self._input(request, self.latent_tensor)
-        if text.ndim != 2 or text.shape[1] < 1:
+        text = tensor_shape(self._tensor(request, self.txt_tensor))  # only the shapes are read
+        latent = tensor_shape(self._tensor(request, self.latent_tensor))
+        if len(text) != 2 or text[1] < 1:
             raise RequestError(f"{self.txt_tensor} must be [batch, txt_tokens] with at least one "
-                               f"token; got shape {list(text.shape)}")
-        txt_len = int(text.shape[1])
+                               f"token; got shape {list(text)}")
+        txt_len = int(text[1])
         if txt_len > self.max_txt:
             raise RequestError(f"{self.txt_tensor} has {txt_len} text tokens, more than the "
                                f"{self.max_txt} the served model accepts (its profile's "
                                f"largest text cache)")
         tokens = self.tables.image_tokens(rows)
-        if latent.ndim != 3 or latent.shape[1] != tokens:
+        if len(latent) != 3 or latent[1] != tokens:
             raise RequestError(
                 f"img_shapes {_show(rows)} give {tokens} image tokens but "
-                f"{self.latent_tensor} has shape {list(latent.shape)}: img_shapes are the "
+                f"{self.latent_tensor} has shape {list(latent)}: img_shapes are the "
                 f"latent patch grids (frames, height / vae_scale / 2, width / vae_scale / 2) of "
                 f"the images, and their tokens are {self.latent_tensor}'s axis 1")
         key = (rows, txt_len)

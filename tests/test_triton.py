@@ -265,7 +265,7 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
 
 
 # --------------------------------------------------------------------------------------------
-# Only engines with their engine sidecar; the plugin checked by hash; VC engines (issue 10, 7)
+# Only engines with their engine sidecar; the plugin checked by hash; VC engines
 # --------------------------------------------------------------------------------------------
 
 from _bad_nodes import BAD_NODE_CASES, write_bad_copy  # noqa: E402

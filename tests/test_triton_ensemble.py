@@ -212,3 +212,35 @@ def test_a_non_ascii_ensemble_name_is_refused(tiny_transformer_onnx, tmp_path, c
     err = capsys.readouterr().err
     assert rc == 2 and "non-ASCII" in err and "--name" in err and err.count("\n") == 1
     assert not (tmp_path / "repo").exists()
+
+
+def test_a_bf16_latent_is_measured_through_dlpack(rope_model):
+    """A bf16 engine's hidden_states: the Python backend's as_numpy refuses BF16, so the rope
+    model reads the shape from the tensor's DLPack capsule (a real one here, from torch)."""
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    from _triton_helpers import Tensor
+
+    model, pb, axes = rope_model
+
+    class BF16Tensor(Tensor):
+        def __init__(self, name, t):
+            super().__init__(name, np.zeros(0))
+            self._t = t
+
+        def as_numpy(self):
+            raise RuntimeError("Tensor dtype is BF16 and cannot be converted to NumPy. Use "
+                               "to_dlpack() and from_dlpack() instead.")
+
+        def to_dlpack(self):
+            return to_dlpack(self._t)
+
+    for tokens, ok in ((24, True), (20, False)):
+        req = rope_request(pb, [[1, 4, 6]], 5)
+        req.inputs[1] = BF16Tensor("hidden_states", torch.zeros(2, tokens, 16, dtype=torch.bfloat16))
+        resp, = model.execute([req])
+        assert (resp.error is None) == ok, resp.error and resp.error.message()
+        if not ok:
+            assert "hidden_states has shape [2, 20, 16]" in resp.error.message()
+            assert resp.error.code() == pb.TritonError.INVALID_ARG
