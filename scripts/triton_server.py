@@ -273,13 +273,30 @@ class Server:
                                    f"was ready; its log ends:\n{self.log()[-3000:]}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._grpc_ready():
                         return
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout:.0f} s; its log "
                            f"ends:\n{self.log()[-3000:]}")
+
+    def _grpc_ready(self) -> bool:
+        """The gRPC endpoint answers as this server (not only HTTP: a port taken by another
+        process between choosing it and the server binding it must not pass for ours)."""
+        try:
+            import tritonclient.grpc as grpcclient
+        except ImportError:
+            return True
+        try:
+            client = grpcclient.InferenceServerClient(self.grpc_url)
+            try:
+                meta = client.get_server_metadata()
+                return client.is_server_ready() and meta.version == SERVER_VERSION
+            finally:
+                client.close()
+        except Exception:  # noqa: BLE001 - not (yet) answering
+            return False
 
     def rss_bytes(self, model: str | None = None) -> int:
         """Resident memory of the server and its children (the Python backend stubs), or of
