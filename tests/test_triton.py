@@ -524,3 +524,21 @@ def test_configs_round_trip_through_the_protobuf_text_format(engine, tmp_path):
     assert triton.to_text(back) == res.config_path.read_text(encoding="utf-8")
     assert triton.parse_config(triton.render_config("m", info)) == \
         text_format.Parse(triton.render_config("m", info), model_config_pb2.ModelConfig())
+
+
+def test_onnxruntime_models_batch_only_with_a_batch_axis_everywhere(tmp_path):
+    """--backend onnxruntime takes the same options; an attention block's caches have no batch
+    axis, so --max-batch-size is refused for it, and placement reaches instance_group."""
+    model = write_tiny_onnx(tmp_path / "m.onnx")
+    with pytest.raises(triton.TritonRepoError, match=r"img_cos_sin_cache.*have none"):
+        triton.write_onnx_repository(model, tmp_path / "r",
+                                     serving=triton.Serving(max_batch_size=2))
+    assert not (tmp_path / "r").exists()
+    res = triton.write_onnx_repository(model, tmp_path / "r",
+                                       serving=triton.Serving(instances=2, gpus=(1,)))
+    group, = _parse(res.config_path).instance_group
+    assert (group.count, list(group.gpus)) == (2, [1])
+    assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    res = triton.write_onnx_repository(model, tmp_path / "r", force=True)
+    assert _parse(res.config_path).instance_group[0].kind == \
+        model_config_pb2.ModelInstanceGroup.KIND_AUTO

@@ -244,3 +244,18 @@ def test_a_bf16_latent_is_measured_through_dlpack(rope_model):
         if not ok:
             assert "hidden_states has shape [2, 20, 16]" in resp.error.message()
             assert resp.error.code() == pb.TritonError.INVALID_ARG
+
+
+def test_the_ensemble_is_unbatched_and_places_its_models(tiny_transformer_onnx, tmp_path):
+    with pytest.raises(triton.TritonRepoError, match="needs --max-batch-size 0"):
+        triton.write_onnx_repository(tiny_transformer_onnx, tmp_path / "r",
+                                     serving=triton.Serving(max_batch_size=2))
+    repo = tmp_path / "repo"
+    assert cli_main(["triton-repo", "--backend", "onnxruntime", "--onnx",
+                     str(tiny_transformer_onnx), "-o", str(repo), "--instances", "3",
+                     "--gpus", "0,1"]) == 0
+    main, = parse(repo / "tiny_onnx" / "config.pbtxt").instance_group
+    rope, = parse(repo / "tiny_rope" / "config.pbtxt").instance_group
+    assert (main.count, list(main.gpus), main.kind) == (3, [0, 1], main.KIND_GPU)
+    assert (rope.count, list(rope.gpus), rope.kind) == (3, [], rope.KIND_CPU)
+    assert not parse(repo / "tiny" / "config.pbtxt").instance_group  # an ensemble has none
