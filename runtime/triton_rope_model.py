@@ -141,6 +141,7 @@ class TritonPythonModel:
         self.max_img = int(_param(config, "max_img_tokens", "4096"))
         self.max_txt = int(_param(config, "max_txt_tokens", "512"))
         self.cache = CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
+        self.tables.axis_tables(self.theta, self.axes_dim)  # at load, not in the first request
 
     def _tensor(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
