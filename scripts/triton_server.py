@@ -70,7 +70,8 @@ def _run(cmd: list[str], what: str, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         raise SetupError(f"{what} took more than {timeout:.0f} s: {' '.join(cmd)}") from None
     if res.returncode != 0:
-        tail = (res.stdout + res.stderr).strip().splitlines()[-3:]
+        lines = (res.stdout + res.stderr).strip().splitlines()
+        tail = ([ln for ln in lines if not ln.startswith("WARNING")] or lines)[-2:]
         raise SetupError(f"{what} failed (exit {res.returncode}): {' | '.join(tail)}")
 
 
