@@ -232,8 +232,9 @@ class Server:
     exit, whatever happens). ``ready_timeout`` bounds the wait for readiness."""
 
     def __init__(self, install: Install, repo: Path, *, log: Path, ready_timeout: float = 120,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.install, self.repo, self.log_path = install, Path(repo), Path(log)
+        self.env = dict(env or {})
         self.ready_timeout, self.extra_args = ready_timeout, tuple(extra_args)
         self.proc: subprocess.Popen | None = None
         self.http_port = self.grpc_port = 0
@@ -260,7 +261,8 @@ class Server:
                *self.extra_args]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.install.environ(), start_new_session=True,
+                                     env={**self.install.environ(), **self.env},
+                                     start_new_session=True,
                                      preexec_fn=_die_with_parent)
         self._wait_ready()
         return self

@@ -80,7 +80,11 @@ def server(install, tiny_transformer_onnx, tmp_path_factory):
                                  max_txt_tokens=MAX_TXT)
     harness.use_onnx_stand_in(repo, "tiny_onnx", ort_path)
     _set_params(repo / "tiny_rope" / "config.pbtxt", cache_bytes=CACHE_BUDGET)
-    with harness.Server(install, repo, log=repo.parent / "server.log") as srv:
+    # glibc's malloc returns a freed block of 128 KiB or more to the system at once (a fixed
+    # mmap threshold, not the adaptive one): the resident memory then follows what is alive,
+    # which is what the memory test measures, rather than the allocator's reuse history.
+    with harness.Server(install, repo, log=repo.parent / "server.log",
+                        env={"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}) as srv:
         yield srv
 
 
@@ -266,11 +270,13 @@ def test_the_server_memory_stays_bounded_over_many_shapes(server, clients):
     grown = server.rss_bytes("tiny_rope") - before
     grown_all = server.rss_bytes() - before_all
     # Bound: the budget plus 16 MiB for the allocator's granularity and fragmentation (the
-    # transient buffers of one request, ~1.2 MiB, were reached in the warm-up). Measured here:
-    # +11 MiB with the 4 MiB budget, +72 MiB with an unbounded one. The server core's own
-    # growth over these requests (~20 MiB in Triton 2.51, whatever the rope model keeps) is
-    # reported, not bounded here.
+    # transient buffers of one request, ~1.2 MiB, were reached in the warm-up). Measured here
+    # in several runs: +6..10 MiB with the 4 MiB budget, +68 MiB with an unbounded one.
     assert grown < CACHE_BUDGET + 16 * 2**20, (grown, grown_all, sent)
+    # The whole server (core + stubs): the core itself grows by ~14..18 MiB over these requests
+    # in Triton 2.51 whatever the rope model keeps, so 24 MiB more room; measured +20..28 MiB
+    # in all with the budget, +80 MiB without.
+    assert grown_all < CACHE_BUDGET + 40 * 2**20, (grown, grown_all, sent)
 
 
 def _index(srv) -> list[dict]:
