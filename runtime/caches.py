@@ -19,10 +19,12 @@ import torch
 
 from qkrope.errors import InputError, QkropeError
 
-QWEN_THETA = 10000
-QWEN_AXES_DIM = (16, 56, 56)
+from . import rope_tables
+
+QWEN_THETA = rope_tables.THETA
+QWEN_AXES_DIM = rope_tables.AXES_DIM
 # diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
-QWEN_MAX_POSITIONS = 4096
+QWEN_MAX_POSITIONS = rope_tables.MAX_POSITIONS
 # Refuse, before allocating, caches larger than this (a 1328x1328 image with 1024 text tokens
 # needs 3.9 MiB; shapes given in pixels instead of latent patches would need terabytes).
 MAX_CACHE_BYTES = 2 * 2**30
@@ -70,44 +72,6 @@ def default_axes_dims(rotary_dim: int) -> tuple[int, int, int]:
     rest = rotary_dim - f
     h = 2 * (rest // 4)
     return (f, h, rest - h)
-
-
-@functools.lru_cache(maxsize=8)
-def _qwen_tables(theta: float, axes_dim: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' ``QwenEmbedRope.pos_freqs`` / ``neg_freqs``: complex ``[4096, sum(axes)/2]``.
-
-    Built with the same torch calls so that every value is bit-identical to diffusers'.
-    """
-    pos_index = torch.arange(QWEN_MAX_POSITIONS)
-    neg_index = torch.arange(QWEN_MAX_POSITIONS).flip(0) * -1 - 1
-
-    def params(index: torch.Tensor, dim: int) -> torch.Tensor:
-        inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
-        angles = torch.outer(index, inv_freq)
-        return torch.polar(torch.ones_like(angles), angles)
-
-    pos = torch.cat([params(pos_index, d) for d in axes_dim], dim=1)
-    neg = torch.cat([params(neg_index, d) for d in axes_dim], dim=1)
-    return pos, neg
-
-
-def _image_freqs(pos: torch.Tensor, neg: torch.Tensor, axes_dim: tuple[int, ...], frame: int,
-                 height: int, width: int, index: int, scale_rope: bool) -> torch.Tensor:
-    splits = [d // 2 for d in axes_dim]
-    pos_f, pos_h, pos_w = pos.split(splits, dim=1)
-    neg_f, neg_h, neg_w = neg.split(splits, dim=1)
-    f_part = pos_f[index:index + frame].view(frame, 1, 1, -1).expand(frame, height, width, -1)
-    if scale_rope:
-        # centred positions: -(n - n//2) .. n//2 - 1
-        h_part = torch.cat([neg_h[QWEN_MAX_POSITIONS - (height - height // 2):],
-                            pos_h[:height // 2]], dim=0)
-        w_part = torch.cat([neg_w[QWEN_MAX_POSITIONS - (width - width // 2):],
-                            pos_w[:width // 2]], dim=0)
-    else:
-        h_part, w_part = pos_h[:height], pos_w[:width]
-    h_part = h_part.view(1, height, 1, -1).expand(frame, height, width, -1)
-    w_part = w_part.view(1, 1, width, -1).expand(frame, height, width, -1)
-    return torch.cat([f_part, h_part, w_part], dim=-1).reshape(frame * height * width, -1)
 
 
 def _complex_to_cache(freqs: torch.Tensor) -> torch.Tensor:
@@ -209,33 +173,15 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
 @functools.lru_cache(maxsize=64)
 def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
                   axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
-    for k, (f, h, w) in enumerate(shapes):
-        # frames use positions k .. k+f-1; centred height/width use -(n - n//2) .. n//2 - 1 (both
-        # tables hold 4096 entries), uncentred ones 0 .. n-1
-        extent = max(h - h // 2, w - w // 2) if scale_rope else max(h, w)
-        if k + f > QWEN_MAX_POSITIONS or extent > QWEN_MAX_POSITIONS:
-            raise RopeCacheOverflowError(
-                f"QwenImage RoPE image cache overflow: image {k} has shape {(f, h, w)} "
-                f"(frames, height, width in latent patches) but the position tables hold "
-                f"{QWEN_MAX_POSITIONS} positions per axis and direction. Fix: use fewer frames or "
-                f"a smaller image.", required=max(k + f, extent), available=QWEN_MAX_POSITIONS)
-    offset = max(max(h // 2, w // 2) if scale_rope else max(h, w) for _, h, w in shapes)
-    # Text token j sits at position offset + j; the table ends at 4096, so the text stream has
-    # 4096 - offset rows. The three numbers mean what sglang's guard reports.
-    txt_cache_len = QWEN_MAX_POSITIONS - offset
-    if txt_seq_len > txt_cache_len:
-        raise RopeCacheOverflowError(
-            f"QwenImage RoPE text cache overflow: required_txt_seq_len={txt_seq_len}, "
-            f"txt_cache_len={txt_cache_len}, overflow={txt_seq_len - txt_cache_len} (the text "
-            f"positions start at offset {offset}, set by the largest image, and the position "
-            f"table ends at {QWEN_MAX_POSITIONS}). Fix: shorten the prompt to at most "
-            f"{txt_cache_len} tokens, or use fewer or smaller images.",
-            required=txt_seq_len, available=txt_cache_len)
-    pos, neg = _qwen_tables(theta, axes)
-    img = torch.cat([_image_freqs(pos, neg, axes, f, h, w, k, scale_rope)
-                     for k, (f, h, w) in enumerate(shapes)], dim=0)
-    txt = pos[offset:offset + txt_seq_len]
-    return RopeCaches(_complex_to_cache(img).to(device), _complex_to_cache(txt).to(device))
+    # The arithmetic (tables, positions, overflow limits) lives in rope_tables, numpy only, so
+    # that the Triton rope model computes the same bits without torch.
+    try:
+        img, txt = rope_tables.qwen_caches(shapes, txt_seq_len, theta=theta, axes_dim=axes,
+                                           scale_rope=scale_rope)
+    except rope_tables.PositionOverflow as exc:
+        raise RopeCacheOverflowError(str(exc), required=exc.required,
+                                     available=exc.available) from None
+    return RopeCaches(torch.from_numpy(img).to(device), torch.from_numpy(txt).to(device))
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,16 +27,18 @@ before it deserialises any plan, so the library must register its plugin creator
 attention engine's RoPE cache inputs (``[rows, rotary_dim]``) have no batch axis at all, so
 Triton's implicit leading batch dimension (``max_batch_size > 0``) cannot describe them. With
 ``max_batch_size: 0`` the batch is an ordinary dynamic dim (-1) of the activation inputs, and
-clients send full shapes. ``--max-batch-size N > 0`` is accepted only for engines whose every
-input and output has a dynamic leading dimension.
+clients send full shapes. ``--max-batch-size N > 0`` (with dynamic batching: preferred sizes and
+queue delay) is accepted only for models whose every input and output has a dynamic leading
+batch dimension. ``--instances`` / ``--gpus`` fill ``instance_group``.
+
+Every config.pbtxt is a ``ModelConfig`` message (tritonclient's ``model_config_pb2``) printed by
+``google.protobuf.text_format``; no text is assembled by hand.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -114,88 +116,138 @@ def triton_dims(info: EngineInfo) -> dict[str, list[int]]:
     return out
 
 
-def _pb_str(text: str) -> str:
-    return json.dumps(text)  # a JSON string literal is a valid protobuf text-format string
+@dataclass(frozen=True)
+class Serving:
+    """How Triton runs a model: ``instances`` per device (``instance_group``), on ``gpus`` (all
+    visible ones when empty), and batching: ``max_batch_size > 0`` turns on Triton's implicit
+    batch axis and its dynamic batcher (``preferred_batch_sizes``, ``max_queue_delay_us``)."""
 
+    instances: int = 1
+    gpus: tuple[int, ...] = ()
+    max_batch_size: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
 
-def render_config(name: str, info: EngineInfo, *, max_batch_size: int = 0, instances: int = 1,
-                  gpus: Iterable[int] | None = None) -> str:
-    """config.pbtxt text for a ``tensorrt_plan`` model."""
-    if instances < 1:
-        raise TritonRepoError(f"--instances must be >= 1, got {instances}")
-    if max_batch_size < 0:
-        raise TritonRepoError(f"--max-batch-size must be >= 0, got {max_batch_size}")
-    dims = triton_dims(info)
-    tensors = {kind: [(t.name, triton_dtype(t.dtype), dims[t.name]) for t in items]
-               for kind, items in (("input", info.inputs), ("output", info.outputs))}
-    if max_batch_size > 0:
-        bad = [t.name for t in info.inputs + info.outputs if not dims[t.name]
-               or dims[t.name][0] != -1]
-        # Named axes (qkrope build records the exporter's names under "axes") settle it.
-        bad += [t.name for t in info.inputs + info.outputs
-                if t.axes and t.axes[0] not in (None, "batch") and t.name not in bad]
-        # Otherwise the leading axis is a batch axis only if every input's profile gives it the same range
-        # (a cache's row count, [1, max_tokens], is not the batch range).
-        lead = {}
-        for name, ranges in info.profile_ranges().items():
-            if ranges and ranges[0][0]:
-                lead[name] = (ranges[0][0][0], ranges[0][1][0])
-        if len(set(lead.values())) > 1:
-            common = max(set(lead.values()), key=list(lead.values()).count)
-            bad += [n for n, r in lead.items() if r != common and n not in bad]
-        batch_max = min((hi for _, hi in lead.values()), default=None)
-        if not bad and batch_max is not None and max_batch_size > batch_max:
-            raise TritonRepoError(f"--max-batch-size {max_batch_size} exceeds the engine "
-                                  f"profile's largest batch {batch_max}; rebuild the engine "
-                                  "with a larger --max-batch or lower --max-batch-size")
+    def __post_init__(self):
+        if isinstance(self.instances, bool) or not isinstance(self.instances, int) \
+                or self.instances < 1:
+            raise TritonRepoError(f"--instances must be an integer >= 1, got {self.instances!r}")
+        if self.max_batch_size < 0:
+            raise TritonRepoError(f"--max-batch-size must be >= 0, got {self.max_batch_size}")
+        gpus = tuple(self.gpus)
+        if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) \
+                or len(set(gpus)) != len(gpus):
+            raise TritonRepoError(f"--gpus must list distinct GPU indices >= 0 (e.g. 0,1); got "
+                                  f"{list(gpus)}")
+        object.__setattr__(self, "gpus", gpus)
+        sizes = tuple(self.preferred_batch_sizes)
+        if sizes and not self.max_batch_size:
+            raise TritonRepoError("--preferred-batch-sizes needs --max-batch-size N > 0 (dynamic "
+                                  "batching forms batches along Triton's batch axis)")
+        bad = [b for b in sizes if not 1 <= b <= self.max_batch_size]
         if bad:
-            raise TritonRepoError(
-                f"--max-batch-size {max_batch_size} needs a dynamic leading batch dim on every "
-                f"input and output, but {bad} have none (the RoPE caches [rows, rotary_dim] are "
-                "shared across the batch). Use --max-batch-size 0: the batch stays an explicit, "
-                "dynamic dim of hidden_states / encoder_hidden_states")
-        tensors = {k: [(n, dt, d[1:]) for n, dt, d in v] for k, v in tensors.items()}
-    return _render([f"name: {_pb_str(name)}", 'platform: "tensorrt_plan"',
-                    f"max_batch_size: {max_batch_size}",
-                    'default_model_filename: "model.plan"'], tensors, instances=instances,
-                   kind="KIND_GPU", gpus=gpus)
+            raise TritonRepoError(f"--preferred-batch-sizes {list(sizes)}: each must be in "
+                                  f"1..--max-batch-size {self.max_batch_size}; got {bad}")
+        object.__setattr__(self, "preferred_batch_sizes", tuple(sorted(set(sizes))))
+        if self.max_queue_delay_us < 0:
+            raise TritonRepoError(f"--max-queue-delay-us must be >= 0, got "
+                                  f"{self.max_queue_delay_us}")
+        if self.max_queue_delay_us and not self.max_batch_size:
+            raise TritonRepoError("--max-queue-delay-us needs --max-batch-size N > 0")
 
 
-Specs = dict[str, list[tuple[str, str, list[int]]]]  # "input"/"output" -> (name, TYPE_*, dims)
+def _pb():
+    from qkrope._deps import require
+
+    return require("tritonclient.grpc.model_config_pb2", "writing a Triton model config")
 
 
-def _render(header: list[str], tensors: Specs, *, instances: int | None = 1,
-            kind: str = "KIND_GPU", gpus: Iterable[int] | None = None,
-            parameters: dict[str, str] | None = None, tail: Iterable[str] = ()) -> str:
-    """config.pbtxt text: the header lines, the I/O, ``parameters``, the instance group
-    (none for ``instances=None``: an ensemble has none) and ``tail`` blocks."""
-    lines = list(header)
-    for io_kind, specs in tensors.items():
-        for t_name, t_dtype, t_dims in specs:
-            text = ", ".join(str(d) for d in t_dims)
-            lines.append(f"{io_kind} {{\n  name: {_pb_str(t_name)}\n  data_type: {t_dtype}\n"
-                         f"  dims: [ {text} ]\n}}")
-    for key, value in (parameters or {}).items():
-        lines.append(f"parameters {{\n  key: {_pb_str(key)}\n  value {{ string_value: "
-                     f"{_pb_str(value)} }}\n}}")
-    if instances is not None:
-        if instances < 1:
-            raise TritonRepoError(f"--instances must be >= 1, got {instances}")
-        group = f"instance_group {{\n  count: {instances}\n  kind: {kind}\n"
-        if gpus:
-            group += f"  gpus: [ {', '.join(str(int(g)) for g in gpus)} ]\n"
-        lines.append(group + "}")
-    lines.extend(tail)
-    return "\n".join(lines) + "\n"
+def to_text(cfg) -> str:
+    """config.pbtxt text of a ``ModelConfig`` message (protobuf text format; strings in UTF-8)."""
+    from google.protobuf import text_format
+
+    return text_format.MessageToString(cfg, as_utf8=True)
 
 
 def parse_config(text: str):
     """Parse config.pbtxt text into ``tritonclient``'s ``ModelConfig`` protobuf (schema check)."""
     from qkrope._deps import require
 
-    pb = require("tritonclient.grpc.model_config_pb2", "checking a Triton model config")
+    pb = _pb()
     text_format = require("google.protobuf.text_format", "checking a Triton model config")
     return text_format.Parse(text, pb.ModelConfig())
+
+
+Specs = dict[str, list[tuple[str, str, list[int]]]]  # "input"/"output" -> (name, TYPE_*, dims)
+
+
+def _config(name: str, tensors: Specs, serving: Serving | None, kind: str | None, **fields):
+    """A ``ModelConfig`` with ``fields``, the I/O and (unless ``kind`` is None: an ensemble has
+    no instances) the instance group and dynamic batching of ``serving``."""
+    pb = _pb()
+    cfg = pb.ModelConfig(name=name, **fields)
+    for io_kind, specs in tensors.items():
+        for t_name, t_dtype, t_dims in specs:
+            getattr(cfg, io_kind).add(name=t_name, data_type=pb.DataType.Value(t_dtype),
+                                      dims=[int(d) for d in t_dims])
+    if kind is not None:
+        serving = serving or Serving()
+        group = cfg.instance_group.add(count=serving.instances,
+                                       kind=pb.ModelInstanceGroup.Kind.Value(kind))
+        if kind == "KIND_GPU":
+            group.gpus.extend(serving.gpus)
+        if serving.max_batch_size:
+            cfg.max_batch_size = serving.max_batch_size
+            cfg.dynamic_batching.preferred_batch_size.extend(serving.preferred_batch_sizes)
+            cfg.dynamic_batching.max_queue_delay_microseconds = serving.max_queue_delay_us
+    return cfg
+
+
+def _batched(tensors: Specs, serving: Serving, not_batched: list[str],
+             batch_max: int | None) -> Specs:
+    """The I/O without the leading batch axis (Triton adds it) when ``serving`` batches."""
+    if not serving.max_batch_size:
+        return tensors
+    if not_batched:
+        raise TritonRepoError(
+            f"--max-batch-size {serving.max_batch_size} needs a dynamic leading batch dim on "
+            f"every input and output, but {not_batched} have none (the RoPE caches [rows, "
+            "rotary_dim] are shared across the batch). Use --max-batch-size 0: the batch stays "
+            "an explicit, dynamic dim of hidden_states / encoder_hidden_states")
+    if batch_max is not None and serving.max_batch_size > batch_max:
+        raise TritonRepoError(f"--max-batch-size {serving.max_batch_size} exceeds the engine "
+                              f"profile's largest batch {batch_max}; rebuild the engine "
+                              "with a larger --max-batch or lower --max-batch-size")
+    return {k: [(n, dt, d[1:]) for n, dt, d in v] for k, v in tensors.items()}
+
+
+def render_config(name: str, info: EngineInfo, serving: Serving | None = None) -> str:
+    """config.pbtxt text for a ``tensorrt_plan`` model."""
+    serving = serving or Serving()
+    dims = triton_dims(info)
+    tensors = {kind: [(t.name, triton_dtype(t.dtype), dims[t.name]) for t in items]
+               for kind, items in (("input", info.inputs), ("output", info.outputs))}
+    bad: list[str] = []
+    batch_max = None
+    if serving.max_batch_size > 0:
+        bad = [t.name for t in info.inputs + info.outputs if not dims[t.name]
+               or dims[t.name][0] != -1]
+        # Named axes (qkrope build records the exporter's names under "axes") settle it.
+        bad += [t.name for t in info.inputs + info.outputs
+                if t.axes and t.axes[0] not in (None, "batch") and t.name not in bad]
+        # Otherwise the leading axis is a batch axis only if every input's profile gives it the
+        # same range (a cache's row count, [1, max_tokens], is not the batch range).
+        lead = {}
+        for t_name, ranges in info.profile_ranges().items():
+            if ranges and ranges[0][0]:
+                lead[t_name] = (ranges[0][0][0], ranges[0][1][0])
+        if len(set(lead.values())) > 1:
+            common = max(set(lead.values()), key=list(lead.values()).count)
+            bad += [n for n, r in lead.items() if r != common and n not in bad]
+        batch_max = min((hi for _, hi in lead.values()), default=None)
+    tensors = _batched(tensors, serving, bad, batch_max)
+    return to_text(_config(name, tensors, serving, "KIND_GPU", platform="tensorrt_plan",
+                           default_model_filename="model.plan"))
 
 
 @dataclass
@@ -294,8 +346,10 @@ def swap_in(staged: Path, target: Path) -> None:
 
 
 ROPE_MODEL_TEMPLATE = Path(__file__).with_name("triton_rope_model.py")
+ROPE_TABLES_MODULE = Path(__file__).with_name("rope_tables.py")  # copied next to its model.py
 CACHE_INPUTS = ("img_cos_sin_cache", "txt_cos_sin_cache")
 TXT_TENSOR = "encoder_hidden_states_mask"  # the rope model reads the text length off its shape
+LATENT_TENSOR = "hidden_states"  # ... and the image token count off this one's
 
 
 def is_transformer(input_names: Iterable[str], config: dict | None, model: str | None = None) -> bool:
@@ -319,14 +373,71 @@ def _axes_dim(config: dict, rotary_dim: int) -> tuple[int, int, int]:
     return axes  # type: ignore[return-value]
 
 
-def render_rope_config(name: str, main: Specs, config: dict, *, instances: int = 1) -> str:
+ROPE_CACHE_BYTES = 64 * 2**20  # caches the rope model keeps for reuse, in all
+
+
+@dataclass(frozen=True)
+class RopeLimits:
+    """The largest request the served model takes: image tokens (cache rows) and text tokens."""
+
+    max_img_tokens: int
+    max_txt_tokens: int
+    source: str  # where the limits come from, for messages
+
+
+def engine_rope_limits(info: EngineInfo) -> RopeLimits:
+    """An engine's limits: its profiles' largest cache rows (and token counts)."""
+    from .profiles import DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS
+
+    ranges = info.profile_ranges()
+    if not ranges:
+        return RopeLimits(DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS,
+                          "qkrope build's default profile (the engine sidecar records none)")
+
+    def largest(name: str, axis: int) -> int | None:
+        his = [hi[axis] for _, hi in ranges.get(name, []) if len(hi) > axis]
+        return max(his) if his else None
+
+    img = [v for v in (largest(CACHE_INPUTS[0], 0), largest(LATENT_TENSOR, 1)) if v]
+    txt = [v for v in (largest(CACHE_INPUTS[1], 0), largest(TXT_TENSOR, 1)) if v]
+    if not img or not txt:
+        raise TritonRepoError(f"the engine's profiles give no range for {CACHE_INPUTS}; the "
+                              "sidecar is inconsistent, rebuild the engine")
+    return RopeLimits(min(img), min(txt), "the engine's optimisation profiles")
+
+
+def onnx_rope_limits(max_img_tokens: int | None, max_txt_tokens: int | None) -> RopeLimits:
+    """An ONNX model has no profile: ``qkrope build``'s default limits unless given."""
+    from .profiles import DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS
+
+    return RopeLimits(max_img_tokens or DEFAULT_MAX_IMG_TOKENS,
+                      max_txt_tokens or DEFAULT_MAX_TXT_TOKENS,
+                      "--max-img-tokens / --max-txt-tokens" if max_img_tokens or max_txt_tokens
+                      else "qkrope build's default profile")
+
+
+def _limit_overrides(limits: RopeLimits, max_img_tokens: int | None,
+                     max_txt_tokens: int | None) -> RopeLimits:
+    for flag, value, cap in (("--max-img-tokens", max_img_tokens, limits.max_img_tokens),
+                             ("--max-txt-tokens", max_txt_tokens, limits.max_txt_tokens)):
+        if value is not None and not 1 <= value <= cap:
+            raise TritonRepoError(f"{flag} {value}: must be in 1..{cap} ({limits.source} "
+                                  f"accept no more)")
+    return RopeLimits(max_img_tokens or limits.max_img_tokens,
+                      max_txt_tokens or limits.max_txt_tokens, limits.source)
+
+
+def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
+                       serving: Serving | None = None) -> str:
     """config.pbtxt of the Python-backend model that builds the caches
     (:mod:`qkrope.runtime.triton_rope_model`) for the main model whose I/O is ``main``."""
     from .caches import QWEN_THETA
 
     by_name = {n: (dt, d) for n, dt, d in main["input"]}
-    if TXT_TENSOR not in by_name:
-        raise TritonRepoError(f"the model has no {TXT_TENSOR} input to read the text length from")
+    for needed in (TXT_TENSOR, LATENT_TENSOR):
+        if needed not in by_name:
+            raise TritonRepoError(f"the model has no {needed} input (the rope model reads the "
+                                  f"token counts off its shape)")
     dims = [by_name[c][1] for c in CACHE_INPUTS]
     width = {d[-1] for d in dims}
     if len(width) != 1 or -1 in width or any(len(d) != 2 for d in dims):
@@ -334,36 +445,38 @@ def render_rope_config(name: str, main: Specs, config: dict, *, instances: int =
                               f"rotary_dim; got {dims}")
     rotary = width.pop()
     axes = _axes_dim(config, rotary)
-    dt, d = by_name[TXT_TENSOR]
-    tensors = {"input": [("img_shapes", "TYPE_INT64", [-1, 3]), (TXT_TENSOR, dt, d)],
+    tensors = {"input": [("img_shapes", "TYPE_INT64", [-1, 3])]
+               + [(n, *by_name[n]) for n in (LATENT_TENSOR, TXT_TENSOR)],
                "output": [(c, "TYPE_FP32", [-1, rotary]) for c in CACHE_INPUTS]}
-    return _render([f"name: {_pb_str(name)}", 'backend: "python"', "max_batch_size: 0"],
-                   tensors, instances=instances, kind="KIND_CPU", parameters={
-                       "axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_THETA),
-                       "scale_rope": "true", "txt_tensor": TXT_TENSOR,
-                       "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1]})
-
-
-def _step(model: str, inputs: Iterable[str], outputs: Iterable[str]) -> str:
-    maps = [f"    input_map {{ key: {_pb_str(n)} value: {_pb_str(n)} }}" for n in inputs]
-    maps += [f"    output_map {{ key: {_pb_str(n)} value: {_pb_str(n)} }}" for n in outputs]
-    return (f"  step {{\n    model_name: {_pb_str(model)}\n    model_version: -1\n"
-            + "\n".join(maps) + "\n  }")
+    serving = Serving(instances=(serving or Serving()).instances)  # CPU, unbatched
+    cfg = _config(name, tensors, serving, "KIND_CPU", backend="python")
+    params = {"axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_THETA),
+              "scale_rope": "true", "txt_tensor": TXT_TENSOR, "latent_tensor": LATENT_TENSOR,
+              "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1],
+              "max_img_tokens": str(limits.max_img_tokens),
+              "max_txt_tokens": str(limits.max_txt_tokens),
+              "cache_bytes": str(ROPE_CACHE_BYTES)}
+    for key, value in params.items():
+        cfg.parameters[key].string_value = value
+    return to_text(cfg)
 
 
 def render_ensemble_config(name: str, main_name: str, rope_name: str, main: Specs) -> str:
     """The ensemble: client inputs (the main model's minus the caches, plus ``img_shapes``) ->
     the rope model -> the main model -> its outputs (``sample``)."""
     inputs = [t for t in main["input"] if t[0] not in CACHE_INPUTS]
-    by_name = {t[0]: t for t in main["input"]}
-    steps = [_step(rope_name, ["img_shapes", TXT_TENSOR], CACHE_INPUTS),
-             _step(main_name, [t[0] for t in main["input"]], [t[0] for t in main["output"]])]
-    tensors = {"input": inputs[:] + [("img_shapes", "TYPE_INT64", [-1, 3])],
+    tensors = {"input": inputs + [("img_shapes", "TYPE_INT64", [-1, 3])],
                "output": list(main["output"])}
-    assert TXT_TENSOR in by_name
-    return _render([f"name: {_pb_str(name)}", 'platform: "ensemble"', "max_batch_size: 0"],
-                   tensors, instances=None,
-                   tail=["ensemble_scheduling {\n" + "\n".join(steps) + "\n}"])
+    cfg = _config(name, tensors, None, None, platform="ensemble")
+    for model, ins, outs in (
+            (rope_name, ["img_shapes", LATENT_TENSOR, TXT_TENSOR], CACHE_INPUTS),
+            (main_name, [t[0] for t in main["input"]], [t[0] for t in main["output"]])):
+        step = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+        for n in ins:
+            step.input_map[n] = n
+        for n in outs:
+            step.output_map[n] = n
+    return to_text(cfg)
 
 
 def _engine_specs(info: EngineInfo) -> Specs:
@@ -380,23 +493,15 @@ def onnx_specs(info) -> Specs:
             for kind, items in (("input", info.inputs), ("output", info.outputs))}
 
 
-def render_onnx_config(name: str, specs: Specs, *, instances: int = 1,
-                       gpus: Iterable[int] | None = None) -> str:
+def render_onnx_config(name: str, specs: Specs, serving: Serving | None = None,
+                       not_batched: list[str] | None = None) -> str:
     """config.pbtxt of an ``onnxruntime``-backend model (``1/model.onnx``; ONNX Runtime runs
-    the QKNormRoPE nodes' function bodies, so no plugin)."""
-    return _render([f"name: {_pb_str(name)}", 'backend: "onnxruntime"', "max_batch_size: 0",
-                    'default_model_filename: "model.onnx"'], specs, instances=instances,
-                   kind="KIND_AUTO", gpus=gpus)
-
-
-def _check_parses(*texts: str) -> None:
-    try:
-        for text in texts:
-            parse_config(text)  # fail here, not in tritonserver, if the text is not a ModelConfig
-    except ImportError as exc:  # MissingDependencyError is an ImportError
-        print(f"warning: config.pbtxt not checked against Triton's ModelConfig schema "
-              f"({str(exc).splitlines()[0] if str(exc) else 'tritonclient not installed'}); "
-              f"install tritonclient[grpc] to check it", file=sys.stderr)
+    the QKNormRoPE nodes' function bodies, so no plugin). ``KIND_GPU`` on ``serving.gpus``
+    when given, else ``KIND_AUTO`` (a GPU where there is one)."""
+    serving = serving or Serving()
+    specs = _batched(specs, serving, list(not_batched or []), None)
+    return to_text(_config(name, specs, serving, "KIND_GPU" if serving.gpus else "KIND_AUTO",
+                           backend="onnxruntime", default_model_filename="model.onnx"))
 
 
 def _check_name(name: str) -> None:
@@ -436,39 +541,49 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool) -> None:
             swap_in(staged[name], repo / name)
 
 
-def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict, instances: int,
-                 models: dict) -> dict:
+def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict,
+                 limits: RopeLimits, serving: Serving, models: dict) -> dict:
     """Add the rope model and the ensemble (named ``repo_name``) after the main model."""
+    if not repo_name.isascii():
+        # Seen with Triton 2.51: the Python backend's stub cannot import from a non-ASCII model
+        # directory (UnicodeEncodeError at load, whatever the locale).
+        raise TritonRepoError(f"model name {repo_name!r}: the ensemble's {repo_name}_rope model "
+                              f"runs in Triton's Python backend, which cannot load from a "
+                              f"non-ASCII directory name; pass an ASCII --name")
     rope_name = f"{repo_name}_rope"
-    rope_text = render_rope_config(rope_name, main, config, instances=instances)
+    rope_text = render_rope_config(rope_name, main, config, limits, serving)
     ens_text = render_ensemble_config(repo_name, main_name, rope_name, main)
-    _check_parses(rope_text, ens_text)
 
     def fill_rope(d: Path) -> None:
-        (d / "config.pbtxt").write_text(rope_text)
+        (d / "config.pbtxt").write_text(rope_text, encoding="utf-8")
         shutil.copyfile(ROPE_MODEL_TEMPLATE, d / "1" / "model.py")
+        shutil.copyfile(ROPE_TABLES_MODULE, d / "1" / ROPE_TABLES_MODULE.name)
 
     def fill_ensemble(d: Path) -> None:
-        (d / "config.pbtxt").write_text(ens_text)
+        (d / "config.pbtxt").write_text(ens_text, encoding="utf-8")
 
     models[rope_name] = fill_rope
     models[repo_name] = fill_ensemble
     return models
 
 
-PYTHON_ENV_NOTE = ("the Python backend's environment needs qkrope and torch installed "
-                   "(pip install qkrope) for the *_rope model")
+PYTHON_ENV_NOTE = ("the *_rope model (Python backend) needs numpy in the server's Python, and "
+                   "numpy < 2 for Triton servers up to 2.52, whose Python backend corrupts "
+                   "outputs under numpy 2")
 
 
 def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                      plugin: os.PathLike | str | None = None, name: str | None = None,
-                     max_batch_size: int = 0, instances: int = 1, force: bool = False,
+                     serving: Serving | None = None, force: bool = False,
                      copy_plugin: bool = True, check_plugin_hash: bool = True,
-                     ensemble: bool | None = None) -> RepoResult:
+                     ensemble: bool | None = None, max_img_tokens: int | None = None,
+                     max_txt_tokens: int | None = None) -> RepoResult:
     """Write ``repo/<name>`` for ``engine`` (:func:`_write_models`). For a whole transformer
     (:func:`is_transformer`; ``ensemble=None``: whenever it is one) three models:
     ``<name>_trt`` (the engine), ``<name>_rope`` (Python backend, the caches) and ``<name>``
-    (the ensemble clients call); else the one model ``<name>``."""
+    (the ensemble clients call); else the one model ``<name>``. The rope model accepts what the
+    engine's profiles do (``max_img_tokens`` / ``max_txt_tokens`` may lower that)."""
+    serving = serving or Serving()
     engine = Path(engine)
     repo = Path(repo)
     info = load_engine_sidecar(engine)
@@ -483,22 +598,23 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
         raise TritonRepoError(f"{engine} is not a whole transformer (no timestep input), so it "
                               "gets no ensemble")
     whole = whole if ensemble is None else bool(ensemble)
-    if whole and max_batch_size:
+    if whole and serving.max_batch_size:
         raise TritonRepoError("the transformer ensemble needs --max-batch-size 0 (the RoPE "
                               "caches have no batch axis)")
     main_name = f"{name}_trt" if whole else name
-    text = render_config(main_name, info, max_batch_size=max_batch_size, instances=instances)
-    _check_parses(text)
+    text = render_config(main_name, info, serving)
 
     def fill_main(d: Path) -> None:
         shutil.copyfile(engine, d / "1" / "model.plan")
-        (d / "config.pbtxt").write_text(text)
+        (d / "config.pbtxt").write_text(text, encoding="utf-8")
         if copy_plugin:
             shutil.copy2(plugin_src, d / plugin_name)
 
     models: dict[str, Any] = {main_name: fill_main}
     if whole:
-        _rope_models(name, main_name, _engine_specs(info), info.config, instances, models)
+        limits = _limit_overrides(engine_rope_limits(info), max_img_tokens, max_txt_tokens)
+        _rope_models(name, main_name, _engine_specs(info), info.config, limits, serving,
+                     models)
     _write_models(repo, models, force=force)
     target = repo / name
     main_dir = repo / main_name
@@ -530,13 +646,17 @@ def _onnx_files(onnx_path: Path) -> list[Path]:
 
 
 def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str, *,
-                          name: str | None = None, instances: int = 1,
-                          force: bool = False) -> RepoResult:
+                          name: str | None = None, serving: Serving | None = None,
+                          force: bool = False, max_img_tokens: int | None = None,
+                          max_txt_tokens: int | None = None) -> RepoResult:
     """``--backend onnxruntime``: serve ``qkrope export``'s .onnx (and its external data file)
     with Triton's onnxruntime backend, no TensorRT or plugin. A transformer gets the ensemble
-    (``<name>_onnx``, ``<name>_rope``, ``<name>``), an attention block one model ``<name>``."""
+    (``<name>_onnx``, ``<name>_rope``, ``<name>``), an attention block one model ``<name>``.
+    The rope model accepts ``max_img_tokens`` / ``max_txt_tokens`` (default: ``qkrope
+    build``'s default profile)."""
     from qkrope.sidecars import ModelInfo
 
+    serving = serving or Serving()
     onnx_path = Path(onnx_path)
     repo = Path(repo)
     if not onnx_path.is_file():
@@ -556,18 +676,27 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     whole = is_transformer([t.name for t in info.inputs], info.config, info.model)
     main_name = f"{name}_onnx" if whole else name
     specs = onnx_specs(info)
-    text = render_onnx_config(main_name, specs, instances=instances)
-    _check_parses(text)
+    if whole and serving.max_batch_size:
+        raise TritonRepoError("the transformer ensemble needs --max-batch-size 0 (the RoPE "
+                              "caches have no batch axis)")
+    not_batched = [t.name for t in info.inputs + info.outputs
+                   if not t.shape or t.shape[0] != "batch"]
+    text = render_onnx_config(main_name, specs, serving, not_batched)
 
     def fill_main(d: Path) -> None:
         shutil.copyfile(onnx_path, d / "1" / "model.onnx")
         for f in data:  # keeps the name the model's tensors refer to
             shutil.copyfile(f, d / "1" / f.name)
-        (d / "config.pbtxt").write_text(text)
+        (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
     models: dict[str, Any] = {main_name: fill_main}
     if whole:
-        _rope_models(name, main_name, specs, info.config, instances, models)
+        for value, flag in ((max_img_tokens, "--max-img-tokens"),
+                            (max_txt_tokens, "--max-txt-tokens")):
+            if value is not None and value < 1:
+                raise TritonRepoError(f"{flag} must be >= 1, got {value}")
+        _rope_models(name, main_name, specs, info.config,
+                     onnx_rope_limits(max_img_tokens, max_txt_tokens), serving, models)
     _write_models(repo, models, force=force)
     target = repo / name
     return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import sys
+
 from qkrope.cli import main as cli_main
 from qkrope.runtime import triton
 
@@ -145,9 +147,10 @@ def test_static_axes_stay_static_and_profiles_mark_dynamic(tmp_path):
 def test_max_batch_size_needs_batch_axis_everywhere(engine, tmp_path):
     eng, plugin = engine
     with pytest.raises(triton.TritonRepoError, match="RoPE caches"):
-        triton.write_repository(eng, tmp_path / "r", plugin=plugin, max_batch_size=2)
+        triton.write_repository(eng, tmp_path / "r", plugin=plugin,
+                                serving=triton.Serving(max_batch_size=2))
     info = _engine([("x", "float32", [-1, 4])], [("y", "float32", [-1, 4])])
-    cfg = text_format.Parse(triton.render_config("m", info, max_batch_size=8),
+    cfg = text_format.Parse(triton.render_config("m", info, triton.Serving(max_batch_size=8)),
                             model_config_pb2.ModelConfig())
     assert cfg.max_batch_size == 8 and list(cfg.input[0].dims) == [4]
 
@@ -229,20 +232,15 @@ def test_default_model_name_is_the_engine_stem(engine, tmp_path, capsys):
     assert "engine file stem" in " ".join(capsys.readouterr().out.split())
 
 
-def test_missing_tritonclient_warns(engine, tmp_path, monkeypatch, capsys):
+def test_missing_tritonclient_is_one_line_and_writes_nothing(engine, tmp_path, monkeypatch,
+                                                            capsys):
+    """config.pbtxt is rendered through tritonclient's ModelConfig protobuf: without it,
+    one line naming the install step, and nothing written."""
     eng, plugin = engine
-
-    def no_tritonclient(text):
-        from qkrope._deps import MissingDependencyError
-
-        raise MissingDependencyError("tritonclient is not installed")
-
-    monkeypatch.setattr(triton, "parse_config", no_tritonclient)
-    res = triton.write_repository(eng, tmp_path / "r", plugin=plugin)
-    assert res.config_path.is_file()  # still written
-    err = capsys.readouterr().err
-    assert "warning: config.pbtxt not checked against Triton's ModelConfig schema" in err
-    assert "tritonclient" in err
+    # None in sys.modules: importing it raises ImportError, as where it is not installed
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc.model_config_pb2", None)
+    err = _refused(capsys, tmp_path, "--engine", str(eng), "--plugin", str(plugin))
+    assert "tritonclient" in err and "pip install 'qkrope[triton]'" in err
 
 
 def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monkeypatch):
@@ -267,7 +265,7 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
 
 
 # --------------------------------------------------------------------------------------------
-# Only engines with their engine sidecar; the plugin checked by hash; VC engines (issue 10, 7)
+# Only engines with their engine sidecar; the plugin checked by hash; VC engines
 # --------------------------------------------------------------------------------------------
 
 from _bad_nodes import BAD_NODE_CASES, write_bad_copy  # noqa: E402
@@ -459,176 +457,88 @@ def test_a_killed_run_leaves_nothing_after_the_next(engine, tmp_path):
     assert _model_state(repo / "attn") == "new"
 
 
+
 # --------------------------------------------------------------------------------------------
-# The whole transformer: ensemble = Python-backend RoPE model -> TensorRT / ONNX Runtime model
-# (issue 11 part 4)
+# config.pbtxt through the ModelConfig protobuf: batching and placement
 # --------------------------------------------------------------------------------------------
 
-import importlib.util  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from qkrope.runtime.caches import build_qwen_rope_caches  # noqa: E402
+def _batchable():
+    return _engine([("x", "float32", [-1, 4]), ("y", "float16", [-1, -1, 2])],
+                   [("z", "float32", [-1, 4])],
+                   [{"x": {"min": [1, 4], "opt": [4, 4], "max": [8, 4]},
+                     "y": {"min": [1, 1, 2], "opt": [4, 3, 2], "max": [8, 9, 2]}}])
 
 
-@pytest.fixture(scope="module")
-def tiny_transformer_onnx(tmp_path_factory):
-    from qkrope.apps import tiny_pipeline as tp
-
-    d = tmp_path_factory.mktemp("tinytr")
-    tp.save_transformer(tp.tiny_transformer(), d / "t")
-    out = d / "tiny.onnx"
-    assert cli_main(["export", "--model", "transformer", "--diffusers", str(d / "t"),
-                     "--out", str(out)]) == 0
-    return out
-
-
-def _io(cfg, kind):
-    return [(t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims))
-            for t in getattr(cfg, kind)]
-
-
-def _check_ensemble(repo: Path, name: str, main_name: str, main_io):
-    cfgs = {p.name: _parse(p / "config.pbtxt") for p in repo.iterdir()}
-    assert set(cfgs) == {name, main_name, f"{name}_rope"}
-    main, rope, ens = cfgs[main_name], cfgs[f"{name}_rope"], cfgs[name]
-    assert (_io(main, "input"), _io(main, "output")) == main_io
-    assert ens.platform == "ensemble" and ens.max_batch_size == 0
-    assert rope.backend == "python" and rope.max_batch_size == 0
-    assert (repo / f"{name}_rope" / "1" / "model.py").read_text() == \
-        triton.ROPE_MODEL_TEMPLATE.read_text()
-    client = {n for n, _, _ in _io(ens, "input")}
-    assert client == {n for n, _, _ in main_io[0]} - set(triton.CACHE_INPUTS) | {"img_shapes"}
-    # wiring: every step's model exists and each input map names the model's real input and a
-    # tensor that exists upstream (a client input or an earlier step's output)
-    avail = {n: (dt, d) for n, dt, d in _io(ens, "input")}
-    for step in ens.ensemble_scheduling.step:
-        model = cfgs[step.model_name]
-        ins = {n: (dt, d) for n, dt, d in _io(model, "input")}
-        assert set(step.input_map) == set(ins)
-        for key, value in step.input_map.items():
-            assert value in avail and avail[value][0] == ins[key][0]
-        outs = {n: (dt, d) for n, dt, d in _io(model, "output")}
-        for key, value in step.output_map.items():
-            avail[value] = outs[key]
-    assert [o[0] for o in _io(ens, "output")] == ["sample"]
-    assert all(o in avail for o, _, _ in _io(ens, "output"))
-    return cfgs
-
-
-def _onnx_io(onnx_path):
-    info = ModelInfo.load(onnx_path)
-    return tuple([(t.name, TYPE.get(t.dtype, triton.triton_dtype(t.dtype)),
-                   [d if isinstance(d, int) else -1 for d in t.shape]) for t in items]
-                 for items in (info.inputs, info.outputs))
-
-
-def test_onnxruntime_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_path, capsys):
+def test_dynamic_batching_instances_and_gpus_from_the_cli(engine, tmp_path, monkeypatch):
+    eng, _ = engine
+    info = _batchable()
+    monkeypatch.setattr(triton, "load_engine_sidecar", lambda e: info)
+    monkeypatch.setattr(triton, "resolve_engine_plugin", lambda *a, **k: None)
     repo = tmp_path / "repo"
-    assert cli_main(["triton-repo", "--backend", "onnxruntime", "--onnx",
-                     str(tiny_transformer_onnx), "-o", str(repo)]) == 0
-    cfgs = _check_ensemble(repo, "tiny", "tiny_onnx", _onnx_io(tiny_transformer_onnx))
-    assert cfgs["tiny_onnx"].backend == "onnxruntime"
-    files = sorted(p.name for p in (repo / "tiny_onnx" / "1").iterdir())
-    data = Path(str(tiny_transformer_onnx) + ".data")
-    assert files == ["model.onnx"] + (["tiny.onnx.data"] if data.exists() else [])
-    assert "qkrope" in capsys.readouterr().out  # the Python env note
-    # an engine is refused for --backend onnxruntime
-    eng = tmp_path / "x.engine"
-    eng.write_bytes(b"plan")
-    assert cli_main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(eng), "-o",
-                     str(tmp_path / "r2")]) == 2
-    assert not (tmp_path / "r2").exists()
+    assert cli_main(["triton-repo", "--engine", str(eng), "-o", str(repo), "--name", "m",
+                     "--max-batch-size", "8", "--preferred-batch-sizes", "4,2",
+                     "--max-queue-delay-us", "250", "--instances", "3", "--gpus", "1,0"]) == 0
+    cfg = _parse(repo / "m" / "config.pbtxt")
+    assert cfg.max_batch_size == 8
+    assert list(cfg.dynamic_batching.preferred_batch_size) == [2, 4]
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 250
+    assert [list(t.dims) for t in cfg.input] == [[4], [-1, 2]]  # Triton adds the batch axis
+    group, = cfg.instance_group
+    assert (group.count, list(group.gpus)) == (3, [1, 0])
+    assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
 
 
-def test_tensorrt_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_path):
-    info = ModelInfo.load(tiny_transformer_onnx)
-    plugin = tmp_path / "libqkrope_plugin.so"
-    plugin.write_bytes(b"\x7fELF fake plugin")
-    net = lambda items: [EngineTensor(t.name, t.dtype, _dyn(t.shape)) for t in items]  # noqa
-    side = EngineInfo(
-        tensorrt_version="10.14", onnx=str(tiny_transformer_onnx),
-        inputs=engine_tensors(net(info.inputs), info),
-        outputs=engine_tensors(net(info.outputs), info), profiles=[],
-        plugin=PluginRecord(str(plugin), hashlib.sha256(plugin.read_bytes()).hexdigest()),
-        plugin_layers=2, version_compatible=False, strongly_typed=True, config=info.config)
-    eng = tmp_path / "tiny.engine"
-    eng.write_bytes(b"not really a TensorRT plan" * 10)
-    Path(str(eng) + ".json").write_text(json.dumps(side.to_dict()))
-    repo = tmp_path / "repo"
-    res = triton.write_repository(eng, repo, plugin=plugin)
-    cfgs = _check_ensemble(repo, "tiny", "tiny_trt", _onnx_io(tiny_transformer_onnx))
-    assert cfgs["tiny_trt"].platform == "tensorrt_plan"
-    assert (repo / "tiny_trt" / triton.PLUGIN_FILE_NAME).is_file()
-    assert res.model_dir == repo / "tiny" and "plugins=" in res.command
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_batch_size=16), "exceeds the engine profile's largest batch 8"),
+    (dict(max_batch_size=4, preferred_batch_sizes=(8,)), r"each must be in 1\.\.--max-batch"),
+    (dict(preferred_batch_sizes=(2,)), "needs --max-batch-size"),
+    (dict(max_queue_delay_us=100), "needs --max-batch-size"),
+    (dict(max_queue_delay_us=-1, max_batch_size=2), "must be >= 0"),
+    (dict(instances=0), "--instances must be an integer >= 1"),
+    (dict(gpus=(0, 0)), "distinct GPU indices"),
+    (dict(gpus=(-1,)), "distinct GPU indices"),
+    (dict(max_batch_size=-1), "--max-batch-size must be >= 0"),
+])
+def test_bad_serving_options_are_refused(kwargs, match):
+    with pytest.raises(triton.TritonRepoError, match=match):
+        triton.render_config("m", _batchable(), triton.Serving(**kwargs))
 
 
-class _Tensor:
-    def __init__(self, name, array):
-        self._name, self._array = name, np.asarray(array)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-def _stand_in_pb_utils():
-    m = types.ModuleType("triton_python_backend_utils")
-    m.Tensor = _Tensor
-
-    class InferenceRequest:
-        def __init__(self, inputs):
-            self.inputs = inputs
-
-    class InferenceResponse:
-        def __init__(self, output_tensors, error=None):
-            self.output_tensors, self.error = output_tensors, error
-
-    class TritonError(Exception):
-        pass
-
-    m.InferenceRequest, m.InferenceResponse, m.TritonError = (InferenceRequest,
-                                                              InferenceResponse, TritonError)
-    m.get_input_tensor_by_name = lambda r, n: next((t for t in r.inputs if t.name() == n), None)
-    m.get_output_tensor_by_name = lambda r, n: next(
-        (t for t in r.output_tensors if t.name() == n), None)
-    return m
+def test_configs_round_trip_through_the_protobuf_text_format(engine, tmp_path):
+    """Every config written parses back to the message it was rendered from, including names
+    outside the Basic Multilingual Plane (a JSON-escaped string would be surrogate pairs,
+    which protobuf's text format does not take)."""
+    name = "attn-\U0001F600-\u00e9"
+    info = _batchable()
+    cfg = triton._config(name, {"input": [("x\U0001D11E", "TYPE_FP32", [4])], "output": []},
+                         triton.Serving(instances=2, gpus=(0,), max_batch_size=8,
+                                        preferred_batch_sizes=(2, 4)), "KIND_GPU",
+                         platform="tensorrt_plan")
+    text = triton.to_text(cfg)
+    assert "\\ud83d" not in text and name in text
+    assert triton.parse_config(text) == cfg
+    eng, plugin = engine
+    res = triton.write_repository(eng, tmp_path / "r", plugin=plugin, name=name)
+    back = _parse(res.config_path)
+    assert back.name == name
+    assert triton.to_text(back) == res.config_path.read_text(encoding="utf-8")
+    assert triton.parse_config(triton.render_config("m", info)) == \
+        text_format.Parse(triton.render_config("m", info), model_config_pb2.ModelConfig())
 
 
-def test_the_rope_model_builds_the_library_caches(tiny_transformer_onnx, tmp_path, monkeypatch):
-    repo = tmp_path / "repo"
-    triton.write_onnx_repository(tiny_transformer_onnx, repo)
-    rope_dir = repo / "tiny_rope"
-    from google.protobuf import json_format
-
-    cfg = json_format.MessageToDict(_parse(rope_dir / "config.pbtxt"),
-                                    preserving_proto_field_name=True)
-    pb = _stand_in_pb_utils()
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
-    spec = importlib.util.spec_from_file_location("tiny_rope_model", rope_dir / "1" / "model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    model = mod.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(cfg)})
-    axes = tuple(ModelInfo.load(tiny_transformer_onnx).config["diffusers_config"]
-                 ["axes_dims_rope"])
-    for shapes, txt in (([[1, 4, 6]], 7), ([[1, 3, 3], [1, 2, 4]], 5)):
-        req = pb.InferenceRequest([_Tensor("img_shapes", np.array(shapes, np.int64)),
-                                   _Tensor("encoder_hidden_states_mask",
-                                           np.ones((2, txt), bool))])
-        resp, = model.execute([req])
-        assert resp.error is None
-        ref = build_qwen_rope_caches(shapes, txt, axes_dim=axes)
-        img = pb.get_output_tensor_by_name(resp, "img_cos_sin_cache").as_numpy()
-        txt_c = pb.get_output_tensor_by_name(resp, "txt_cos_sin_cache").as_numpy()
-        assert img.dtype == np.float32 and txt_c.dtype == np.float32
-        assert np.array_equal(img, ref.img.numpy()) and np.array_equal(txt_c, ref.txt.numpy())
-        assert img.shape[1] == sum(axes)
-    bad, = model.execute([pb.InferenceRequest([_Tensor("img_shapes", np.zeros((2,), np.int64)),
-                                               _Tensor("encoder_hidden_states_mask",
-                                                       np.ones((1, 3), bool))])])
-    assert bad.error is not None and "img_shapes" in str(bad.error)
+def test_onnxruntime_models_batch_only_with_a_batch_axis_everywhere(tmp_path):
+    """--backend onnxruntime takes the same options; an attention block's caches have no batch
+    axis, so --max-batch-size is refused for it, and placement reaches instance_group."""
+    model = write_tiny_onnx(tmp_path / "m.onnx")
+    with pytest.raises(triton.TritonRepoError, match=r"img_cos_sin_cache.*have none"):
+        triton.write_onnx_repository(model, tmp_path / "r",
+                                     serving=triton.Serving(max_batch_size=2))
+    assert not (tmp_path / "r").exists()
+    res = triton.write_onnx_repository(model, tmp_path / "r",
+                                       serving=triton.Serving(instances=2, gpus=(1,)))
+    group, = _parse(res.config_path).instance_group
+    assert (group.count, list(group.gpus)) == (2, [1])
+    assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    res = triton.write_onnx_repository(model, tmp_path / "r", force=True)
+    assert _parse(res.config_path).instance_group[0].kind == \
+        model_config_pb2.ModelInstanceGroup.KIND_AUTO

@@ -32,9 +32,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="model name (default: the engine file stem, e.g. attn.fp16 for "
                         "attn.fp16.engine)")
     p.add_argument("--max-batch-size", type=int, default=0,
-                   help="Triton max_batch_size (default 0: the batch is an explicit dynamic dim "
-                        "of the engine and the RoPE caches have no batch axis)")
-    p.add_argument("--instances", type=int, default=1, help="instance_group count (KIND_GPU)")
+                   help="Triton max_batch_size with dynamic batching (default 0: the batch is an "
+                        "explicit dynamic dim of the model; a model with RoPE cache inputs, "
+                        "which have no batch axis, needs 0)")
+    p.add_argument("--preferred-batch-sizes", type=_int_list, default=(), metavar="N,N",
+                   help="dynamic batching's preferred batch sizes (with --max-batch-size)")
+    p.add_argument("--max-queue-delay-us", type=int, default=0, metavar="US",
+                   help="how long dynamic batching may hold a request to form a batch "
+                        "(microseconds, with --max-batch-size; default 0)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="instance_group count: model instances per GPU (the rope model: on "
+                        "the CPU)")
+    p.add_argument("--gpus", type=_int_list, default=(), metavar="0,1",
+                   help="the GPUs the instances run on (instance_group gpus; default: all)")
+    p.add_argument("--max-img-tokens", type=int, default=None,
+                   help="the most image tokens the rope model accepts (default: the engine "
+                        "profile's largest image cache; 4096 for --backend onnxruntime)")
+    p.add_argument("--max-txt-tokens", type=int, default=None,
+                   help="the most text tokens the rope model accepts (default: the engine "
+                        "profile's largest text cache; 512 for --backend onnxruntime)")
     p.add_argument("--force", action="store_true", help="replace an existing model directory")
     p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
                    help="reference the plugin library where it is instead of copying it into "
@@ -45,24 +61,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,1; got "
+                                         f"{text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from qkrope.runtime import triton
 
+    serving = triton.Serving(instances=args.instances, gpus=tuple(args.gpus),
+                             max_batch_size=args.max_batch_size,
+                             preferred_batch_sizes=tuple(args.preferred_batch_sizes),
+                             max_queue_delay_us=args.max_queue_delay_us)
+    limits = dict(max_img_tokens=args.max_img_tokens, max_txt_tokens=args.max_txt_tokens)
     if args.backend == "onnxruntime":
         if args.engine is not None or args.onnx is None:
             raise triton.TritonRepoError("--backend onnxruntime serves an ONNX model: pass "
                                          "--onnx MODEL.onnx (not --engine)")
         res = triton.write_onnx_repository(args.onnx, args.repo, name=args.name,
-                                           instances=args.instances, force=args.force)
+                                           serving=serving, force=args.force, **limits)
     else:
         if args.engine is None or args.onnx is not None:
             raise triton.TritonRepoError("--backend tensorrt serves an engine: pass --engine "
                                          "MODEL.engine (or --backend onnxruntime --onnx M.onnx)")
         res = triton.write_repository(args.engine, args.repo, plugin=args.plugin,
-                                      name=args.name, max_batch_size=args.max_batch_size,
-                                      instances=args.instances, force=args.force,
+                                      name=args.name, serving=serving, force=args.force,
                                       copy_plugin=args.copy_plugin,
-                                      check_plugin_hash=args.check_plugin_hash)
+                                      check_plugin_hash=args.check_plugin_hash, **limits)
     if res.models and len(res.models) > 1:
         print(f"wrote {', '.join(str(m) + '/' for m in res.models)} (ensemble {res.model_dir.name}:"
               f" clients send img_shapes, not the caches)")

