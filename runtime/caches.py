@@ -21,8 +21,7 @@ from qkrope.errors import InputError, QkropeError
 
 QWEN_THETA = 10000
 QWEN_AXES_DIM = (16, 56, 56)
-# diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
-QWEN_MAX_POSITIONS = 4096
+from .rope_positions import QWEN_MAX_POSITIONS, image_extent, text_rows
 # Refuse, before allocating, caches larger than this (a 1328x1328 image with 1024 text tokens
 # needs 3.9 MiB; shapes given in pixels instead of latent patches would need terabytes).
 MAX_CACHE_BYTES = 2 * 2**30
@@ -210,19 +209,18 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
 def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
                   axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
     for k, (f, h, w) in enumerate(shapes):
-        # frames use positions k .. k+f-1; centred height/width use -(n - n//2) .. n//2 - 1 (both
-        # tables hold 4096 entries), uncentred ones 0 .. n-1
-        extent = max(h - h // 2, w - w // 2) if scale_rope else max(h, w)
-        if k + f > QWEN_MAX_POSITIONS or extent > QWEN_MAX_POSITIONS:
+        # positions per axis and direction (qkrope.runtime.rope_positions)
+        needed = image_extent(k, (f, h, w), scale_rope)
+        if needed > QWEN_MAX_POSITIONS:
             raise RopeCacheOverflowError(
                 f"QwenImage RoPE image cache overflow: image {k} has shape {(f, h, w)} "
                 f"(frames, height, width in latent patches) but the position tables hold "
                 f"{QWEN_MAX_POSITIONS} positions per axis and direction. Fix: use fewer frames or "
-                f"a smaller image.", required=max(k + f, extent), available=QWEN_MAX_POSITIONS)
-    offset = max(max(h // 2, w // 2) if scale_rope else max(h, w) for _, h, w in shapes)
+                f"a smaller image.", required=needed, available=QWEN_MAX_POSITIONS)
     # Text token j sits at position offset + j; the table ends at 4096, so the text stream has
     # 4096 - offset rows. The three numbers mean what sglang's guard reports.
-    txt_cache_len = QWEN_MAX_POSITIONS - offset
+    txt_cache_len = text_rows(shapes, scale_rope)
+    offset = QWEN_MAX_POSITIONS - txt_cache_len
     if txt_seq_len > txt_cache_len:
         raise RopeCacheOverflowError(
             f"QwenImage RoPE text cache overflow: required_txt_seq_len={txt_seq_len}, "

@@ -423,6 +423,9 @@ class BuildOptions:
     profiling_verbosity: str | None = None
 
 
+#: --workspace's upper bound in MiB: 1 TiB, above the memory of any GPU (the largest have 288 GiB)
+MAX_WORKSPACE_MIB = 1 << 20
+
 #: BuildOptions.profiling_verbosity values (trt.ProfilingVerbosity members, lower case)
 PROFILING_VERBOSITIES = ("detailed", "layer_names_only", "none")
 
@@ -453,6 +456,9 @@ def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.
         return prof.derive_preset_profiles(
             model, list(resolutions), txt_tokens=opts.txt_tokens, batch=opts.batch,
             min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes, max_shapes=opts.max_shapes)
+    txt_max = opts.txt_tokens[1] if opts.txt_tokens else opts.max_txt_tokens
+    if txt_max and _is_transformer(model):  # its caches come from Qwen-Image's tables
+        prof.check_rope_positions([], txt_max)
     if opts.txt_tokens or opts.batch:
         levels = {}
         if opts.txt_tokens:
@@ -483,6 +489,11 @@ def check_options(opts: BuildOptions) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise prof.ProfileError(f"{name} must be >= 1; got {value!r}")
+    if opts.workspace_mib is not None and opts.workspace_mib > MAX_WORKSPACE_MIB:
+        raise EngineBuildError(
+            f"--workspace {opts.workspace_mib} MiB is more than {MAX_WORKSPACE_MIB} MiB (1 TiB), "
+            f"more memory than any GPU has (TensorRT takes it as the workspace pool's limit). "
+            f"Fix: give at most the GPU's memory in MiB, or leave it to TensorRT")
     level = opts.builder_optimization_level
     if level is not None and (isinstance(level, bool) or not isinstance(level, int)
                               or not 0 <= level <= 5):

@@ -112,6 +112,12 @@ def test_build_model_without_qknorm_rope_nodes(tmp_path, capsys, no_tensorrt):
     (["--txt-tokens", "512:1"], "--txt-tokens"),
     (["--batch", "0:2"], "--batch"),
     (["--resolutions", "512x512", "--max-txt-tokens", "40"], "--txt-tokens MIN:MAX"),
+    # Qwen-Image's RoPE tables hold 4096 positions per axis and direction: 131088 px = 8193
+    # patches, centred 4097 one way; a 1024x1024 image (64 patches) starts the text at 32
+    (["--resolutions", "131088x16"], "needs 4097 RoPE positions"),
+    (["--resolutions", "512x512,1024x1024", "--txt-tokens", "1:4065"],
+     "more than the 4064 text positions"),
+    (["--workspace", str((1 << 20) + 1)], "1 TiB"),
 ])
 def test_build_arguments_are_checked_before_tensorrt(tmp_path, capsys, no_tensorrt, args, match):
     path = write_tiny_onnx(tmp_path / "m.onnx")
