@@ -39,8 +39,9 @@ from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
 from qkrope._deps import require
-from qkrope._fileio import (check_output_folder, output_error, sha256_file, staged_outputs,
-                            write_atomic)
+from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
+                            check_output_folder, check_outputs, file_kind, output_error,
+                            sha256_file, staged_outputs, write_atomic)
 
 from . import profiles as prof
 from . import trt_utils as tu
@@ -521,6 +522,31 @@ class BuildPlan:
     profiles: list = None  # [(label, profile)]; profile is the first
 
 
+def _check_build_outputs(onnx_path: Path, engine_path: Path, opts: BuildOptions,
+                         data_files: Sequence[Path]) -> None:
+    """Nothing the build reads is written over (the model, its sidecar and external data, the
+    plugin library), the engine does not land on the timing cache, and neither output replaces a
+    file of another kind (:func:`qkrope._fileio.check_outputs`). A timing cache must not be a
+    model, an engine, a sidecar or a text file: TensorRT ignores a cache it cannot read and the
+    build would then write a fresh one over that file."""
+    inputs = [onnx_path, sidecar_path(onnx_path), *data_files, opts.plugin]
+    check_outputs([(engine_path, "a TensorRT engine", (TEXT_FILE,)),
+                   (engine_sidecar_path(engine_path), "an engine sidecar",
+                    (ENGINE_SIDECAR, TEXT_FILE))],
+                  inputs + [opts.timing_cache], flag="-o")
+    if opts.timing_cache:
+        cache = Path(opts.timing_cache)
+        check_outputs([(cache, "a TensorRT timing cache", ())],
+                      inputs + [engine_path, engine_sidecar_path(engine_path)],
+                      flag="--timing-cache")
+        if file_kind(str(cache) + ".json") in (MODEL_SIDECAR, ENGINE_SIDECAR):
+            raise OutputIsInputError(
+                f"--timing-cache {cache} has the sidecar {cache}.json of a qkrope "
+                f"{'model' if file_kind(str(cache) + '.json') == MODEL_SIDECAR else 'engine'}: "
+                f"it is not a timing cache and is not replaced. Fix: choose another "
+                f"--timing-cache, e.g. {cache.with_suffix('.timing-cache')}")
+
+
 def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
                opts: BuildOptions) -> BuildPlan:
     """Check the arguments and the model without TensorRT, in this order: the options, the
@@ -531,15 +557,13 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     if not onnx_path.is_file():
         raise InputFileNotFoundError(f"{onnx_path} does not exist. Fix: export it with "
                                      f"`qkrope export`")
-    resolved = {onnx_path.resolve(), sidecar_path(onnx_path).resolve()}
-    if engine_path.resolve() in resolved or engine_sidecar_path(engine_path).resolve() in resolved:
-        raise EngineBuildError(f"the engine {engine_path} would overwrite the model {onnx_path} "
-                               f"or its sidecar. Fix: pass -o MODEL.engine")
     if engine_path.is_dir():
         raise EngineBuildError(f"the engine path {engine_path} is a directory. Fix: pass -o "
                                f"{engine_path / onnx_path.with_suffix('.engine').name}")
     check_output_folder(engine_path.parent, flag="-o")  # fail before the build, not after it
     onnx_model = tu.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
+    _check_build_outputs(onnx_path, engine_path, opts,
+                         tu.external_data_files(onnx_model, onnx_path))
     model = ModelInfo.describe(onnx_path)
     profiles = plan_profiles(model, opts)
     profile = profiles[0][1]
