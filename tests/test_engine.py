@@ -381,3 +381,33 @@ def test_transformer_default_opt_is_1024_preset_not_the_sample():
     assert label == "" and p["hidden_states"]["opt"] == (2, 16, C)
     with pytest.raises(eng.prof.ProfileError, match="--txt-tokens"):
         eng.plan_profiles(m, eng.BuildOptions(resolutions=[(512, 512)], max_txt_tokens=9))
+
+
+def test_every_engine_pair_on_disk_identifies_itself(tmp_path, monkeypatch):
+    """write_engine_pair under every injected write failure, and the readers after it: the pair
+    on disk is always one that EngineInfo.load accepts (its sidecar records that engine's
+    sha256), old or new, never engine A beside sidecar B."""
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    engine = tmp_path / "m.engine"
+
+    def info(tag):
+        return EngineInfo(tensorrt_version="10.14.1", onnx=tag,
+                          inputs=[EngineTensor("x", "float32", [-1])],
+                          outputs=[EngineTensor("y", "float32", [-1])], profiles=[],
+                          plugin=None, plugin_layers=1, version_compatible=False,
+                          strongly_typed=True)
+
+    eng.write_engine_pair(engine, b"OLD-ENGINE", info("old"))
+
+    def after(k):
+        loaded = EngineInfo.load(engine)  # raises on a mixed pair
+        assert (engine.read_bytes(), loaded.onnx) in ((b"OLD-ENGINE", "old"),
+                                                      (b"NEW-ENGINE", "new")), k
+
+    steps = fail_each_write_step(monkeypatch,
+                                 lambda: eng.write_engine_pair(engine, b"NEW-ENGINE", info("new")),
+                                 reset=lambda: eng.write_engine_pair(engine, b"OLD-ENGINE",
+                                                                     info("old")),
+                                 after=after)
+    assert len(steps) >= 3

@@ -185,3 +185,58 @@ def test_sidecar_model_hash_field_is_typed(tmp_path, value):
     path.write_text(json.dumps(data))
     with pytest.raises(ModelInfoError, match="model_sha256"):
         ModelInfo.load(onnx_path)
+
+
+def test_engine_sidecar_records_and_checks_its_engine(tmp_path):
+    """An engine pair identifies itself like a model pair: the sidecar records the engine's
+    sha256 and load() refuses it beside another engine (two writers, a copy by hand)."""
+    import hashlib
+
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"engine one")
+    _engine().save(engine)
+    side = json.loads((tmp_path / "m.engine.json").read_text())
+    assert side["engine_sha256"] == hashlib.sha256(b"engine one").hexdigest()
+    assert EngineInfo.load(engine).engine_sha256 == side["engine_sha256"]
+    engine.write_bytes(b"engine two")
+    with pytest.raises(EngineInfoError, match=r"does not describe this engine \(.*m\.engine has "
+                                              r"sha256 [0-9a-f]{12}.*rebuild it"):
+        EngineInfo.load(engine)
+    side["engine_sha256"] = "xyz"
+    (tmp_path / "m.engine.json").write_text(json.dumps(side))
+    with pytest.raises(EngineInfoError, match="engine_sha256"):
+        EngineInfo.load(engine)
+
+
+@pytest.mark.parametrize("reader", ["load", "refit", "triton-repo"])
+def test_readers_refuse_an_engine_beside_another_engines_sidecar(tmp_path, capsys, monkeypatch,
+                                                                 reader):
+    """load, refit and triton-repo read the engine sidecar through EngineInfo.load: an engine
+    that is not the one its sidecar records is refused before TensorRT is needed."""
+    import sys
+
+    from qkrope import cli
+    from qkrope.runtime import load
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"\x00engine A")
+    info = _engine()
+    info.refittable = True
+    info.save(engine)
+    engine.write_bytes(b"\x00engine B")  # another writer's engine
+    if reader == "load":
+        with pytest.raises(EngineInfoError, match="does not describe this engine"):
+            load(engine)
+        return
+    state = tmp_path / "sd.pt"
+    import torch
+
+    torch.save({"w": torch.ones(2)}, state)
+    argv = {"refit": ["refit", str(engine), "--state-dict", str(state)],
+            "triton-repo": ["triton-repo", "--engine", str(engine), "-o",
+                            str(tmp_path / "repo"), "--no-plugin-hash-check"]}[reader]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not describe this engine" in err and err.count("\n") == 1, err
+    assert engine.read_bytes() == b"\x00engine B" and not (tmp_path / "repo").exists()
