@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
-from qkrope.sidecars import ModelInfo, TensorInfo, sidecar_path
+from qkrope.sidecars import METADATA_PREFIX, ModelInfo, TensorInfo, sidecar_path
 from qkrope._fileio import (MODEL_SIDECAR, ONNX_MODEL, TEXT_FILE, check_output_folder,
                             check_outputs, sha256_file, staged_outputs)
 from qkrope import dtypes
@@ -372,7 +372,6 @@ INPUT_DOCS = {
     "img_cos_sin_cache": _CACHE_DOC + " for the image tokens, [img_cache_rows, rotary_dim]",
     "txt_cos_sin_cache": _CACHE_DOC + " for the text tokens, [txt_cache_rows, rotary_dim]",
 }
-METADATA_PREFIX = "qkrope."
 
 
 def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:

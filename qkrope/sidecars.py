@@ -152,6 +152,64 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
         raise error(f"cannot read the sidecar {path}: {exc}. Fix: {fix}") from None
 
 
+METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .dtype, .config
+
+
+def _brief(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _varint(f) -> int | None:
+    shift = value = 0
+    while True:
+        b = f.read(1)
+        if not b:
+            return None
+        value |= (b[0] & 0x7F) << shift
+        if b[0] < 0x80:
+            return value
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
+    """The ``metadata_props`` of an ONNX file, read without parsing its graph: the top-level
+    fields of the ModelProto are walked (the graph and everything else skipped by length) and
+    only the metadata entries (field 14) decoded. {} for a file that is not one."""
+    import onnx
+
+    out: dict[str, str] = {}
+    try:
+        with open(onnx_path, "rb") as f:
+            while True:
+                tag = _varint(f)
+                if tag is None:
+                    return out
+                field_no, wire = tag >> 3, tag & 7
+                if wire == 0:
+                    if _varint(f) is None:
+                        return {}
+                elif wire == 1:
+                    f.seek(8, os.SEEK_CUR)
+                elif wire == 5:
+                    f.seek(4, os.SEEK_CUR)
+                elif wire == 2:
+                    n = _varint(f)
+                    if n is None:
+                        return {}
+                    if field_no == 14:
+                        entry = onnx.StringStringEntryProto.FromString(f.read(n))
+                        out[entry.key] = entry.value
+                    else:
+                        f.seek(n, os.SEEK_CUR)
+                else:
+                    return {}
+    except (OSError, ValueError, Exception):  # noqa: BLE001 - not a protobuf: nothing recorded
+        return {}
+
+
 def _sha256_field(f: _Fields, key: str) -> str | None:
     value = f.get(key, str, optional=True)
     if value is not None and not re.fullmatch(r"[0-9a-f]{64}", value):
@@ -281,6 +339,7 @@ class ModelInfo:
                           f"export --out {onnx_path}`.", _ONNX_FIX)
         info = cls.from_dict(data, source=str(path))
         info.check_describes(onnx_path)
+        info.check_agrees_with_model(onnx_path)
         return info
 
     def check_describes(self, onnx_path: str | os.PathLike) -> None:
@@ -288,6 +347,45 @@ class ModelInfo:
         another file (a stale sidecar, an interrupted re-export, a model replaced by hand)."""
         _check_describes(onnx_path, sidecar_path(onnx_path), self.model_sha256, ModelInfoError,
                          "the model", f"re-export with `qkrope export --out {onnx_path}`")
+
+    def check_agrees_with_model(self, onnx_path: str | os.PathLike) -> None:
+        """A :class:`ModelInfoError` when this sidecar's ``model``, ``dtype`` or any ``config``
+        value (axes_dims_rope, heads, head_dim, the diffusers config, the parameters, ...: what
+        the runtime builds caches and inputs from) differs from what the model file itself
+        records in its ``metadata_props`` (``qkrope.model``, ``qkrope.dtype``,
+        ``qkrope.config``, written by the export). The hash alone does not catch a sidecar
+        edited beside an unchanged model. A model without those entries is not checked."""
+        if not os.path.isfile(onnx_path):
+            return
+        props = onnx_metadata_props(onnx_path)
+        recorded = {}
+        try:
+            for key in ("model", "dtype"):
+                if METADATA_PREFIX + key in props:
+                    recorded[key] = props[METADATA_PREFIX + key]
+            if METADATA_PREFIX + "config" in props:
+                recorded["config"] = json.loads(props[METADATA_PREFIX + "config"])
+        except ValueError:
+            return  # not qkrope's metadata
+        mine = {"model": self.model, "dtype": self.dtype,
+                "config": json.loads(json.dumps(self.config))}
+        diffs = []
+        for key, theirs in recorded.items():
+            if key != "config":
+                if mine[key] != theirs:
+                    diffs.append(f"{key}: sidecar {mine[key]!r}, model {theirs!r}")
+                continue
+            for name in sorted(set(theirs) | set(mine["config"])):
+                a, b = mine["config"].get(name, "<absent>"), theirs.get(name, "<absent>")
+                if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):  # NaN == NaN
+                    diffs.append(f"config.{name}: sidecar {_brief(a)}, model {_brief(b)}")
+        if diffs:
+            raise ModelInfoError(
+                f"the sidecar {sidecar_path(onnx_path)} disagrees with its model {onnx_path} "
+                f"(whose metadata_props record what it was exported with) on "
+                f"{'; '.join(diffs[:4])}{f' (+{len(diffs) - 4} more)' if len(diffs) > 4 else ''}"
+                f". Fix: re-export with `qkrope export --out {onnx_path}`, or restore its "
+                f"sidecar")
 
     def save(self, onnx_path: str | os.PathLike) -> Path:
         """Write ``<onnx_path>.json`` atomically (temp file + os.replace). When ``onnx_path``

@@ -4,6 +4,7 @@ load (a wrong version or shape of the file is a SidecarError naming the file, ne
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -240,3 +241,58 @@ def test_readers_refuse_an_engine_beside_another_engines_sidecar(tmp_path, capsy
     err = capsys.readouterr().err
     assert "does not describe this engine" in err and err.count("\n") == 1, err
     assert engine.read_bytes() == b"\x00engine B" and not (tmp_path / "repo").exists()
+
+
+@pytest.fixture(scope="module")
+def exported_attention(tmp_path_factory):
+    from qkrope.export.onnx_export import export_attention
+
+    d = tmp_path_factory.mktemp("exported")
+    export_attention(d / "m.onnx", heads=2, head_dim=32)
+    return d / "m.onnx"
+
+
+def _edited_copy(src, dst, edit):
+    import shutil
+
+    shutil.copyfile(src, dst)
+    side = json.loads(Path(str(src) + ".json").read_text())
+    edit(side)
+    Path(str(dst) + ".json").write_text(json.dumps(side))
+    return dst
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda s: s["config"].update(axes_dims_rope=s["config"]["axes_dims_rope"][::-1]),
+     "config.axes_dims_rope"),                      # same sum, the model's hash still valid
+    (lambda s: s["config"].update(heads=4), "config.heads"),
+    (lambda s: s["config"].pop("eps"), "config.eps"),
+    (lambda s: s.update(dtype="fp16"), "dtype"),
+])
+def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, tmp_path,
+                                                            edit, field):
+    """The model's own metadata_props hold what it was exported with; a sidecar edited beside
+    the unchanged model (model_sha256 still matches) is refused by every reader: load and the
+    runner through ModelInfo.load."""
+    from qkrope.runtime import load
+
+    side = json.loads(Path(str(exported_attention) + ".json").read_text())
+    axes = side["config"]["axes_dims_rope"]
+    assert axes != axes[::-1]  # the permutation changes something
+    path = _edited_copy(exported_attention, tmp_path / "m.onnx", edit)
+    with pytest.raises(ModelInfoError, match=rf"disagrees with its model .* on {field}: sidecar"):
+        ModelInfo.load(path)
+    with pytest.raises(ModelInfoError, match=field):
+        load(path)
+    ModelInfo.load(exported_attention)  # the original pair agrees
+
+
+def test_metadata_props_are_read_without_the_graph(exported_attention):
+    import onnx
+
+    model = onnx.load(str(exported_attention), load_external_data=False)
+    from qkrope.sidecars import onnx_metadata_props
+
+    assert onnx_metadata_props(exported_attention) == {p.key: p.value
+                                                        for p in model.metadata_props}
+    assert "qkrope.config" in onnx_metadata_props(exported_attention)
