@@ -621,8 +621,13 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     if not opts.progress:
         steps.write(f"[build] parsed {onnx_path} (TensorRT {trt.__version__})")
     if not parsed:
-        errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n  {errors}")
+        errors = [" ".join(str(parser.get_error(i)).split()) for i in range(parser.num_errors)]
+        raise EngineBuildError(
+            f"TensorRT {trt.__version__}'s ONNX parser rejected {onnx_path} ({len(errors)} "
+            f"error(s)): {'; '.join(errors[:4]) or 'no error reported'}"
+            f"{f' (+{len(errors) - 4} more)' if len(errors) > 4 else ''}. Fix: check the model "
+            f"with `qkrope check {onnx_path}`; an op TensorRT {trt.__version__} does not support "
+            f"needs another export (e.g. --attention primitive) or a newer TensorRT")
     if plugin_path is not None:
         layers = check_plugin_layers(network, trt, node_names, trt_version=trt.__version__,
                                      plugin_registered=True)

@@ -194,7 +194,8 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert out.read_bytes() == b"SERIALIZED-ENGINE"
-    assert tc.read_bytes() == b"TIMING"
+    assert tc.read_bytes() == bytes(trt.ITimingCache(b"").serialize())  # a new cache
+    assert state.timing_cache_data == b""
     assert state.flags == 1 << 1  # STRONGLY_TYPED (1 in TensorRT 10)
     assert state.parser_flags == []  # no ENABLE_PLUGIN_OVERRIDE before 10.15
     assert state.loaded == [("dlopen", str(lib.resolve()))]
@@ -211,6 +212,10 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
                                  "shape": [-1, -1], "axes": ["batch", "txt_tokens"]}
     assert side["config"]["head_dim"] == 16
     assert "wrote" in captured.out
+    cache = tc.read_bytes()  # the next build reads the cache back and updates it
+    assert cli.main(["build", str(onnx_path), "-o", str(out), "--plugin", str(lib),
+                     "--max-img-tokens", "64", "--timing-cache", str(tc)]) == 0
+    assert state.timing_cache_data == cache
 
 
 def test_fake_build_version_compatible_uses_registry(fake_build, tmp_path):
@@ -411,3 +416,24 @@ def test_every_engine_pair_on_disk_identifies_itself(tmp_path, monkeypatch):
                                                                      info("old")),
                                  after=after)
     assert len(steps) >= 3
+
+
+def test_fake_build_reports_the_parsers_errors_in_one_line(fake_build, tmp_path, capsys):
+    """parse_from_file failing: the parser's errors (num_errors / get_error, the real API) in
+    one line, nothing written."""
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build(parse_errors=[
+        ("No importer registered for op: Attention", "node_attn", "Attention"),
+        ft.ParserError("Assertion failed:\nshape mismatch", "node_mm", "MatMul",
+                       code=ft.ErrorCode.INVALID_NODE, node=7)])
+    out = tmp_path / "m.engine"
+    rc = cli.main(["build", str(onnx_path), "-o", str(out), "--plugin", str(lib),
+                   "--no-progress"])
+    lines = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
+    assert rc == 2 and len(lines) == 1, lines  # the [build] progress lines aside
+    err = lines[0]
+    assert "ONNX parser rejected" in err and "(2 error(s))" in err
+    assert "name: node_attn and operator: Attention" in err and "No importer registered" in err
+    assert "In node 7 with name: node_mm" in err and "INVALID_NODE: Assertion failed: shape" in err
+    assert not out.exists() and not Path(str(out) + ".json").exists()

@@ -93,16 +93,7 @@ def test_refit_cli_writes_engine_pair(tmp_path, monkeypatch, state_dict, capsys)
 
     trt, state = ft.make_fake_trt()
     engine = _engine_for(state_dict)
-
-    class Runtime:
-        def __init__(self, logger):
-            pass
-
-        def deserialize_cuda_engine(self, data):
-            assert data == b"OLD-ENGINE"
-            return engine
-
-    trt.Runtime = Runtime
+    state.engines[b"OLD-ENGINE"] = engine  # what the fake Runtime deserialises
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     import qkrope.runtime.engine as eng
 
@@ -246,3 +237,57 @@ def test_refit_output_that_is_an_input_or_another_kind_is_refused(tmp_path, caps
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "choose another -o" in err, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+
+# ---- the failure modes of TensorRT's refitter (the fake has them) ------------------------------
+
+def test_weights_tensorrt_still_needs_are_an_error(state_dict):
+    """get_missing_weights() non-empty after the weights are set: refused, names given."""
+    trt, _ = ft.make_fake_trt()
+    need = sorted(state_dict)[:2]
+    engine = ft.RefittableEngine({k: ("FLOAT", v.numel()) for k, v in state_dict.items()},
+                                 required=need)
+    partial = {k: v for k, v in state_dict.items() if k not in need}
+    with pytest.raises(rf.RefitError, match=rf"TensorRT still needs 2 weight\(s\) before it can "
+                                            rf"refit: {need[0]}, {need[1]}"):
+        rf.refit_engine(trt, engine, None, partial, allow_missing=True)
+    assert engine.refits == []
+    rf.refit_engine(trt, engine, None, state_dict)  # given them all: refitted
+    assert engine.refits == [sorted(state_dict)]
+
+
+def test_a_name_tensorrt_has_no_prototype_for_is_an_error(state_dict):
+    """get_weights_prototype of a name that is no refittable weight has size -1 (the real API):
+    refused as such, not compared as a count of -1."""
+    trt, _ = ft.make_fake_trt()
+    assert trt.Refitter(_engine_for(state_dict), None).get_weights_prototype("nope").size == -1
+
+    class Listing(trt.Refitter):  # a refitter listing a name it has no weight for
+        def get_all_weights(self):
+            return super().get_all_weights() + ["ghost.weight"]
+
+    trt.Refitter = Listing
+    sd = dict(state_dict, **{"ghost.weight": torch.ones(2)})
+    with pytest.raises(rf.RefitError, match="ghost.weight: TensorRT has no weight of that name"):
+        rf.refit_engine(trt, _engine_for(state_dict), None, sd)
+
+
+def test_an_engine_tensorrt_cannot_deserialise_is_an_error(tmp_path, monkeypatch, capsys):
+    from qkrope import cli
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    trt, state = ft.make_fake_trt()  # state.engines is empty: no bytes deserialise
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    engine = tmp_path / "t.engine"
+    engine.write_bytes(b"\x00not a plan")
+    EngineInfo(tensorrt_version="10.14.1", onnx="/t.onnx",
+               inputs=[EngineTensor("x", "float32", [-1])],
+               outputs=[EngineTensor("y", "float32", [-1])], profiles=[], plugin=None,
+               plugin_layers=1, version_compatible=True, strongly_typed=True,
+               refittable=True).save(engine)
+    torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
+    assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "could not deserialise" in err and err.count("\n") == 1, err
+    assert engine.read_bytes() == b"\x00not a plan"
