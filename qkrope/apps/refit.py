@@ -1,6 +1,11 @@
 """``qkrope refit M.engine --diffusers DIR`` (or ``--state-dict FILE``): replace the weights of a
 refittable engine (``qkrope build --refit``) by diffusers parameter name, e.g. after fusing a LoRA.
 
+Every tensor must have the shape the export recorded (``config.parameter_shapes``; an older
+sidecar without it: the element count only) and finite values, before and after the conversion
+to the engine's dtype. A file that is not a state dict is one line saying what it is
+(:mod:`qkrope.runtime.state_dict`).
+
 Name map: TensorRT's refitter weight names == the ONNX initializer names == the diffusers
 state-dict keys (``qkrope export`` keeps every state-dict entry the graph uses as its own
 initializer named by its key, untransposed and never merged with an equal one, and lists them in
@@ -217,7 +222,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--diffusers", metavar="DIR", help="diffusers transformer (or pipeline) "
                      "folder with *.safetensors weights")
     src.add_argument("--state-dict", metavar="FILE", help=".safetensors (or torch .pt) state "
-                     "dict keyed by diffusers parameter name")
+                     "dict keyed by diffusers parameter name; each tensor of the exported "
+                     "shape, finite in the engine's dtype")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
     p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
