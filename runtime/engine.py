@@ -29,7 +29,7 @@ import ctypes
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
@@ -599,6 +599,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     if opts.use_plugin and plugin_path is None:
         plugin_path = str(resolve_plugin_library(
             None, None, kind="vc" if opts.version_compatible else "plugin"))
+        _check_build_outputs(onnx_path, engine_path, replace(opts, plugin=plugin_path), [])
 
     logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
     if plugin_path is not None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes
-from qkrope._fileio import staged_outputs
+from qkrope._fileio import folder_lock, staged_outputs
 from qkrope.errors import QkropeError
 from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
 
@@ -440,8 +440,9 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
             (staged[name] / "1").mkdir(parents=True)
             fill(staged[name])
         repo.mkdir(parents=True, exist_ok=True)
-        for name in models:
-            swap_in(staged[name], repo / name)
+        with folder_lock(repo, flag="--output"):  # two writers of one repository: in turn
+            for name in models:
+                swap_in(staged[name], repo / name)
 
 
 def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict, instances: int,

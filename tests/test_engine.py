@@ -437,3 +437,18 @@ def test_fake_build_reports_the_parsers_errors_in_one_line(fake_build, tmp_path,
     assert "name: node_attn and operator: Attention" in err and "No importer registered" in err
     assert "In node 7 with name: node_mm" in err and "INVALID_NODE: Assertion failed: shape" in err
     assert not out.exists() and not Path(str(out) + ".json").exists()
+
+
+def test_fake_build_refuses_to_write_over_the_default_plugin(fake_build, tmp_path, monkeypatch,
+                                                             capsys):
+    """Without --plugin the library is found later (the one `qkrope build-plugin` built); an
+    engine path naming it is refused too, before TensorRT builds anything."""
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build()
+    monkeypatch.setattr(eng, "resolve_plugin_library", lambda *a, **k: lib)
+    before = lib.read_bytes()
+    assert cli.main(["build", str(onnx_path), "-o", str(lib), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "same file as" in err and "choose another -o" in err, err
+    assert lib.read_bytes() == before and state.config is None  # no build began

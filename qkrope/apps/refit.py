@@ -237,13 +237,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path) -> None:
-    """-o (and its sidecar) is none of the files refit reads (the weights, the plugin library;
-    the engine itself only when -o names it: in place) and replaces no file of another kind."""
+def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path,
+                         sidecar_plugin: str | None) -> None:
+    """-o (and its sidecar) is none of the files refit reads (the weights, the plugin library
+    given or recorded; the engine itself only when -o names it: in place) and replaces no file
+    of another kind."""
     from qkrope._fileio import ENGINE_SIDECAR, TEXT_FILE, check_outputs, same_file
     from qkrope.sidecars import engine_sidecar_path
 
-    inputs = [args.state_dict, args.plugin]
+    inputs = [args.state_dict, args.plugin, sidecar_plugin]
     if args.diffusers:
         d = Path(args.diffusers)
         inputs += [*d.glob("*.safetensors"), *d.glob("transformer/*.safetensors")]
@@ -269,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         raise RefitError(f"{engine_path} was not built refittable (its sidecar says "
                          f"refittable: false). Fix: rebuild it with `qkrope build --refit`")
     out = Path(args.output) if args.output else engine_path
-    _check_refit_outputs(args, engine_path, out)
+    _check_refit_outputs(args, engine_path, out, info.plugin.path if info.plugin else None)
     weights = load_state_dict(args.diffusers, args.state_dict)
     trt = import_tensorrt("qkrope refit (TensorRT engine refitting)")
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
