@@ -494,14 +494,6 @@ def _check_out(out: str | os.PathLike, inputs: Sequence[str | os.PathLike | None
     return out
 
 
-def _folder_files(folder: str | os.PathLike) -> list[Path]:
-    """The files of a diffusers model folder the export reads (weights and configs, also in its
-    transformer/)."""
-    d = Path(folder)
-    return [p for pattern in ("*.safetensors", "*.json", "*.bin")
-            for p in (*d.glob(pattern), *d.glob(f"transformer/{pattern}"))]
-
-
 # --------------------------------------------------------------------------------------------
 # Attention block
 # --------------------------------------------------------------------------------------------
@@ -638,7 +630,9 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     (``attention`` and ``opset``: as for :func:`export_attention`)."""
     from .patch_diffusers import CacheInputTransformer, load_transformer
 
-    out = _check_out(out, _folder_files(diffusers_dir))
+    from qkrope.runtime.state_dict import model_folder_files
+
+    out = _check_out(out, model_folder_files(diffusers_dir))
     tdtype = _check_dtype(dtype)
     opset = _check_opset(default_opset(attention) if opset is None else opset)
     check_attention_form(attention, opset)

@@ -206,7 +206,7 @@ def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
                         f.seek(n, os.SEEK_CUR)
                 else:
                     return {}
-    except (OSError, ValueError, Exception):  # noqa: BLE001 - not a protobuf: nothing recorded
+    except Exception:  # noqa: BLE001 - unreadable, or not a protobuf: nothing recorded
         return {}
 
 

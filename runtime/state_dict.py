@@ -20,6 +20,14 @@ SAVE_HINT = ("Fix: save the weights as a state dict: safetensors.torch.save_file
              "'weights.pt'))")
 
 
+def model_folder_files(folder: str | os.PathLike) -> list[Path]:
+    """The files a diffusers model folder is read from (weights, index and config files, also in
+    its ``transformer/`` subfolder): what a writer must not write over."""
+    d = Path(folder)
+    return [p for pattern in ("*.safetensors", "*.json", "*.bin", "*.pt")
+            for p in (*d.glob(pattern), *d.glob(f"transformer/{pattern}"))]
+
+
 def looks_like_safetensors(path: str | os.PathLike) -> bool:
     """A safetensors file starts with its JSON header's length (little-endian u64), then '{'."""
     with open(path, "rb") as f:

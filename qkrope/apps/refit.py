@@ -245,10 +245,12 @@ def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path,
     from qkrope._fileio import ENGINE_SIDECAR, TEXT_FILE, check_outputs, same_file
     from qkrope.sidecars import engine_sidecar_path
 
+    from qkrope.runtime.state_dict import model_folder_files
+
     inputs = [args.state_dict, args.plugin, sidecar_plugin]
-    if args.diffusers:
-        d = Path(args.diffusers)
-        inputs += [*d.glob("*.safetensors"), *d.glob("transformer/*.safetensors")]
+    if args.diffusers:  # its weights and configs (an engine pair kept there is not one)
+        inputs += [p for p in model_folder_files(args.diffusers)
+                   if not same_file(p, engine_sidecar_path(engine_path))]
     if not same_file(out, engine_path):
         inputs += [engine_path, engine_sidecar_path(engine_path)]
     check_outputs([(out, "a TensorRT engine", (TEXT_FILE,)),
