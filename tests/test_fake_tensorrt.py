@@ -1,7 +1,8 @@
 """tests/fake_tensorrt.py against the real TensorRT Python bindings, and the failure modes the fake
 makes reachable.
 
-The real bindings (the PyPI wheel ``tensorrt-cu12-bindings``) import on a machine without
+The real bindings (the PyPI wheel ``tensorrt-cu12-bindings``, the newest of TensorRT 10 and of
+11, each against the fake of its version) import on a machine without
 TensorRT's libraries once the nine C entry points they link against (``createInferBuilder_INTERNAL``
 ...) exist: a stub library defining them (returning null) is compiled here. The wheel is taken
 from ``build/trt-wheel/`` (ignored), downloaded there with pip when missing; without the wheel, a
@@ -103,21 +104,25 @@ def _stub_libraries(so: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def real_bindings():
-    """(the unpacked wheel, the stub library folder); skips without them."""
-    wheels = sorted(WHEEL_DIR.glob("tensorrt_cu12_bindings-*.whl"))
+@pytest.fixture(scope="module", params=["10", "11"])
+def real_bindings(request):
+    """(version, the unpacked wheel, the stub library folder) of the newest bindings of one
+    TensorRT major version; skips without them."""
+    major = request.param
+    pattern = f"tensorrt_cu12_bindings-{major}.*.whl"
+    wheels = sorted(WHEEL_DIR.glob(pattern))
     if not wheels:
         WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-        tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        spec = f"{WHEEL}>={major},<{int(major) + 1}"
         res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                              "--only-binary=:all:", "-d", str(WHEEL_DIR), WHEEL],
+                              "--only-binary=:all:", "-d", str(WHEEL_DIR), spec],
                              capture_output=True, text=True, timeout=600)
-        wheels = sorted(WHEEL_DIR.glob("tensorrt_cu12_bindings-*.whl"))
+        wheels = sorted(WHEEL_DIR.glob(pattern))
         if res.returncode != 0 or not wheels:
-            pytest.skip(f"the {WHEEL} wheel ({tag}) is not in {WHEEL_DIR} and pip could not "
-                        f"download it: {(res.stdout + res.stderr)[-300:]}")
+            pytest.skip(f"no {spec} wheel in {WHEEL_DIR} and pip could not download one: "
+                        f"{(res.stdout + res.stderr)[-300:]}")
     wheel = wheels[-1]
+    version = wheel.name.split("-")[1]
     root = WHEEL_DIR / wheel.stem
     if not (root / "tensorrt_bindings").is_dir():
         with zipfile.ZipFile(wheel) as z:
@@ -125,7 +130,7 @@ def real_bindings():
     so = next((root / "tensorrt_bindings").glob("tensorrt*.so"), None)
     if so is None:
         pytest.skip(f"{wheel.name} has no tensorrt extension for this platform")
-    return root, _stub_libraries(so, root / "stub-libs")
+    return version, root, _stub_libraries(so, root / "stub-libs")
 
 
 def _fake_classes(trt) -> list[tuple[str, type | types.SimpleNamespace]]:
@@ -160,8 +165,8 @@ def _fake_members(obj) -> dict[str, list[str] | None]:
 
 
 def test_the_fake_has_the_real_bindings_names_and_keywords(real_bindings):
-    root, stubs = real_bindings
-    trt, _ = ft.make_fake_trt("11.4.0")
+    version, root, stubs = real_bindings
+    trt, _ = ft.make_fake_trt(version)  # the fake of that version: its flags and enums
     fakes = _fake_classes(trt)
     env = {**os.environ, "PYTHONPATH": str(root),
            "LD_LIBRARY_PATH": f"{stubs}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
