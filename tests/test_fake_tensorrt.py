@@ -2,11 +2,11 @@
 makes reachable.
 
 The real bindings (the PyPI wheel ``tensorrt-cu12-bindings``, the newest of TensorRT 10 and of
-11, each against the fake of its version) import on a machine without
-TensorRT's libraries once the nine C entry points they link against (``createInferBuilder_INTERNAL``
-...) exist: a stub library defining them (returning null) is compiled here. The wheel is taken
-from ``build/trt-wheel/`` (ignored), downloaded there with pip when missing; without the wheel, a
-C compiler or the network the comparison is skipped with the reason. A subprocess imports the
+11, each against the fake of its version) import on a machine without TensorRT's libraries once
+the nine C entry points they link against (``createInferBuilder_INTERNAL`` ...) exist: a stub
+library defining them (returning null) is compiled here. The wheel is taken from
+``build/trt-wheel/`` (ignored), downloaded there with pip when missing; without the wheel, a C
+compiler or the network the comparison is skipped with the reason. A subprocess imports the
 bindings and reports every class's members and each method's parameter names (from pybind11's
 signatures); every name the fake defines must exist there, and every method the fake defines
 must take the real parameter names (one of its overloads), so code written against the fake
