@@ -129,6 +129,18 @@ def test_refit_cli_writes_engine_pair(tmp_path, monkeypatch, state_dict, capsys)
 
 # ---- weights that are wrong but the right size, files that are not state dicts ---------------
 
+def _refittable_pair(engine, data: bytes, **kw):
+    """A refittable engine file and its sidecar (one input, one output)."""
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    engine.write_bytes(data)
+    EngineInfo(tensorrt_version="10.14.1", onnx="/t.onnx",
+               inputs=[EngineTensor("x", "float32", [-1])],
+               outputs=[EngineTensor("y", "float32", [-1])], profiles=[], plugin=None,
+               plugin_layers=1, version_compatible=kw.pop("version_compatible", False),
+               strongly_typed=True, refittable=True, **kw).save(engine)
+
+
 def _two_d_key(sd):
     return next(k for k, v in sd.items() if v.dim() == 2 and v.shape[0] != v.shape[1])
 
@@ -212,15 +224,9 @@ def test_refit_output_that_is_an_input_or_another_kind_is_refused(tmp_path, caps
     import json
 
     from qkrope import cli
-    from qkrope.sidecars import EngineInfo, EngineTensor
 
     engine = tmp_path / "t.engine"
-    engine.write_bytes(b"\x00ENGINE")
-    EngineInfo(tensorrt_version="10.14.1", onnx="/t.onnx",
-               inputs=[EngineTensor("x", "float32", [-1])],
-               outputs=[EngineTensor("y", "float32", [-1])], profiles=[], plugin=None,
-               plugin_layers=1, version_compatible=False, strongly_typed=True,
-               refittable=True).save(engine)
+    _refittable_pair(engine, b"\x00ENGINE")
     torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
     import onnx
     from onnx import helper
@@ -275,17 +281,11 @@ def test_a_name_tensorrt_has_no_prototype_for_is_an_error(state_dict):
 
 def test_an_engine_tensorrt_cannot_deserialise_is_an_error(tmp_path, monkeypatch, capsys):
     from qkrope import cli
-    from qkrope.sidecars import EngineInfo, EngineTensor
 
     trt, state = ft.make_fake_trt()  # state.engines is empty: no bytes deserialise
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     engine = tmp_path / "t.engine"
-    engine.write_bytes(b"\x00not a plan")
-    EngineInfo(tensorrt_version="10.14.1", onnx="/t.onnx",
-               inputs=[EngineTensor("x", "float32", [-1])],
-               outputs=[EngineTensor("y", "float32", [-1])], profiles=[], plugin=None,
-               plugin_layers=1, version_compatible=True, strongly_typed=True,
-               refittable=True).save(engine)
+    _refittable_pair(engine, b"\x00not a plan", version_compatible=True)
     torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
     assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt")]) == 2
     err = capsys.readouterr().err
