@@ -291,3 +291,14 @@ def test_an_engine_tensorrt_cannot_deserialise_is_an_error(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert "could not deserialise" in err and err.count("\n") == 1, err
     assert engine.read_bytes() == b"\x00not a plan"
+
+
+def test_a_corrupt_diffusers_shard_is_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001.safetensors"))
+    (tmp_path / "model-00002.safetensors").write_bytes(b"\x10" + bytes(7) + b"{broken")
+    with pytest.raises(rf.RefitError, match=r"--diffusers shard .*model-00002.safetensors is not "
+                                            r"a readable safetensors file") as exc:
+        rf.load_state_dict(diffusers=str(tmp_path))
+    assert "\n" not in str(exc.value)

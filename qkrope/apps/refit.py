@@ -202,11 +202,11 @@ def load_state_dict(diffusers: str | None = None, state_dict: str | None = None)
     if not files:
         raise RefitError(f"{d} holds no *.safetensors file. Fix: save the model with "
                          f"save_pretrained(..., safe_serialization=True), or pass --state-dict")
-    from safetensors.torch import load_file
+    from qkrope.runtime.state_dict import read_state_dict_file
 
     out: dict = {}
-    for f in files:
-        out.update(load_file(str(f)))
+    for f in files:  # a corrupt shard: one line naming it
+        out.update(read_state_dict_file(f, what="--diffusers shard", error=RefitError))
     return out
 
 
