@@ -184,9 +184,8 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
 def load_state_dict(diffusers: str | None = None, state_dict: str | None = None) -> dict:
     """The weights by diffusers parameter name: a diffusers model folder (its ``transformer``
     subfolder when given a pipeline folder; ``*.safetensors`` shards) or one file
-    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``)."""
-    import torch
-
+    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``), read by
+    :func:`qkrope.runtime.state_dict.read_state_dict_file`."""
     if (diffusers is None) == (state_dict is None):
         raise RefitError("give exactly one of --diffusers DIR and --state-dict FILE")
     if state_dict is not None:
