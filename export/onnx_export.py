@@ -35,14 +35,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
-from qkrope.sidecars import ModelInfo, TensorInfo, sidecar_path
-from qkrope._fileio import check_output_folder, sha256_file, staged_outputs
+from qkrope.sidecars import METADATA_PREFIX, ModelInfo, TensorInfo, sidecar_path
+from qkrope._fileio import (MODEL_SIDECAR, ONNX_MODEL, TEXT_FILE, check_output_folder,
+                            check_outputs, sha256_file, staged_outputs)
 from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
@@ -372,7 +373,6 @@ INPUT_DOCS = {
     "img_cos_sin_cache": _CACHE_DOC + " for the image tokens, [img_cache_rows, rotary_dim]",
     "txt_cos_sin_cache": _CACHE_DOC + " for the text tokens, [txt_cache_rows, rotary_dim]",
 }
-METADATA_PREFIX = "qkrope."
 
 
 def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:
@@ -491,13 +491,21 @@ def _check_dtype(dtype: str) -> torch.dtype:
     return TORCH_DTYPES[dtype]
 
 
-def _check_out(out: str | os.PathLike) -> Path:
+def _check_out(out: str | os.PathLike, inputs: Sequence[str | os.PathLike | None] = ()) -> Path:
+    """``--out`` before the trace: a .onnx path in a writable folder whose three outputs are
+    none of the ``inputs`` (the weights, the diffusers folder's files) and replace no file of
+    another kind (:func:`qkrope._fileio.check_outputs`)."""
     out = Path(out)
     if out.suffix != ".onnx":
         raise InputError(f"--out must end in .onnx; got {str(out)!r}")
     if out.is_dir():
         raise InputError(f"--out {str(out)!r} is a directory")
     check_output_folder(out.parent)  # before the trace: a file in the path, a read-only folder
+    binary = (TEXT_FILE,)  # a .data or .onnx file of no recognised kind may be replaced
+    check_outputs([(out, "an ONNX model", (ONNX_MODEL,)),
+                   (out.parent / (out.name + ".data"), "the model's external data", binary),
+                   (sidecar_path(out), "a model sidecar", (MODEL_SIDECAR, TEXT_FILE))],
+                  list(inputs))
     return out
 
 
@@ -506,30 +514,14 @@ def _check_out(out: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------------------
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A safetensors file or a torch-saved state dict (diffusers parameter names)."""
-    path = str(path)
-    if not os.path.isfile(path):
-        raise InputFileNotFoundError(f"--weights {path!r} does not exist")
-    expected = ("a safetensors file (*.safetensors) or a torch.save'd state dict whose keys are "
-                "diffusers' attention names (to_q.weight, norm_q.weight, ...)")
-    try:
-        if path.endswith(".safetensors"):
-            from qkrope._deps import require
+    """A safetensors file or a torch-saved state dict (diffusers parameter names); anything else
+    is one InputError saying what the file is
+    (:func:`qkrope.runtime.state_dict.read_state_dict_file`)."""
+    from qkrope.runtime.state_dict import read_state_dict_file
 
-            st = require("safetensors.torch", "loading --weights *.safetensors")
-            state = st.load_file(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except ImportError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any reader failure means "not a weights file"
-        raise InputError(f"--weights {path!r} could not be read as a weights file "
-                         f"({type(exc).__name__}); expected {expected}") from exc
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise InputError(f"--weights {path!r} holds a {type(state).__name__}, not a state dict of "
-                         f"tensors; expected {expected}")
+    state = read_state_dict_file(path, what="--weights")
     quantization.refuse_quantized_state_dict(
-        state, source=f"--weights {path!r}",
+        state, source=f"--weights {str(path)!r}",
         fix="the attention-block export has no quantised form: quantise the whole transformer "
             f"(`{quantization.QUANTIZE_COMMAND}`) and export it with "
             f"`{quantization.EXPORT_COMMAND.format(dir='QDIR')}`")
@@ -579,7 +571,7 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
 
     ``attention``: how softmax attention is written (:data:`ATTENTION_FORMS`); ``opset``
     defaults to the lowest that has it (:func:`default_opset`)."""
-    out = _check_out(out)
+    out = _check_out(out, [weights])
     tdtype = _check_dtype(dtype)
     opset = _check_opset(default_opset(attention) if opset is None else opset)
     check_attention_form(attention, opset)
@@ -615,6 +607,7 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
         if not_in_graph:
             raise ExportError(f"the attention graph does not use the parameters {not_in_graph}")
         config["parameters"] = list(module.state_dict())  # initializer names (--refit)
+        config["parameter_shapes"] = _shapes(module.state_dict(), config["parameters"])
         with steps.step("adding the QKNormRoPE function body"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=2)
@@ -626,6 +619,11 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
             axis_values=_axis_values(sample)), steps)
         steps.note(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return info, written
+
+
+def _shapes(state_dict: Mapping[str, torch.Tensor], keys: Sequence[str]) -> dict[str, list[int]]:
+    """``config.parameter_shapes``: each exported parameter's shape, as the state dict has it."""
+    return {k: [int(d) for d in state_dict[k].shape] for k in keys}
 
 
 def _sample_dict(sample: Sample) -> dict:
@@ -656,7 +654,9 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     (:mod:`qkrope.export.quantize`; opset 19 or later); a quantised folder without it is refused."""
     from .patch_diffusers import CacheInputTransformer, load_transformer
 
-    out = _check_out(out)
+    from qkrope.runtime.state_dict import model_folder_files
+
+    out = _check_out(out, model_folder_files(diffusers_dir))
     tdtype = _check_dtype(dtype)
     opset = _check_opset(default_opset(attention, quant) if opset is None else opset)
     check_attention_form(attention, opset)
@@ -714,6 +714,8 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                       parameters_not_in_graph=not_in_graph)
         if quant_record is not None:
             config[quantization.METADATA_KEY] = quant_record
+        # their shapes: qkrope refit refuses a tensor of another shape (a transposed weight)
+        config["parameter_shapes"] = _shapes(transformer.state_dict(), config["parameters"])
         info, written = _write_outputs(model, out, dict(
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=contract.node_attributes(

@@ -16,12 +16,24 @@ handled, so every :func:`staged_outputs` first removes the staging folders of pr
 gone. Writers order the commit so that a kill between two renames leaves a state the readers
 detect (the ONNX sidecar records the sha256 of its model: the sidecar moves first, the model
 last). OS errors become :class:`OutputWriteError`, one line naming the path and the fix.
+
+Concurrent writers of one folder: every commit holds an advisory lock on the target folder
+(``flock`` on the folder itself, :func:`folder_lock`), so two writers of one group commit one after
+the other and the group is always one writer's complete result (each pair also records the hash of
+its large file: a mismatched pair is refused by the readers).
+
+Before any work, the writers check their outputs (:func:`check_outputs`): an output that is one of
+the command's inputs or their sidecars (same file after symlinks, or a hard link) is refused, and
+so is an existing file that recognisably is something else than what is written there
+(:func:`file_kind`: an ONNX model where an engine or a timing cache goes, a sidecar of the other
+kind, a JSON or text file where a binary goes): it is not replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -143,6 +155,95 @@ def check_output_folder(folder: str | os.PathLike, *, flag: str = "--out") -> Pa
 
 
 # --------------------------------------------------------------------------------------------
+# Outputs that are inputs, or that would replace a file of another kind
+# --------------------------------------------------------------------------------------------
+
+class OutputIsInputError(QkropeError, ValueError):
+    """An output path names one of the command's inputs (or their sidecars), or an existing file
+    that is not what would be written there; nothing was written."""
+
+
+ONNX_MODEL = "an ONNX model"
+MODEL_SIDECAR = "a qkrope model sidecar"
+ENGINE_SIDECAR = "a qkrope engine sidecar"
+JSON_FILE = "a JSON file"
+TEXT_FILE = "a text file"
+
+
+def looks_like_onnx(path: str | os.PathLike) -> bool:
+    """The first bytes of a ModelProto as onnx writes it: ir_version (field 1, a small varint),
+    then another ModelProto field in order (producer_name ... opset_import)."""
+    with open(path, "rb") as f:
+        head = f.read(3)
+    return (len(head) == 3 and head[0] == 0x08 and 1 <= head[1] <= 64
+            and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42))
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What an existing regular file recognisably is (:data:`ONNX_MODEL`, :data:`MODEL_SIDECAR`,
+    :data:`ENGINE_SIDECAR`, :data:`JSON_FILE`, :data:`TEXT_FILE`), or None: missing, empty, not
+    a regular file, unreadable, or binary data of no known kind (an engine, a timing cache)."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            return None
+        if looks_like_onnx(path):
+            return ONNX_MODEL
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return None
+    if b"\0" in head:
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not just a character cut at the end of the read
+            return None
+        text = head[:exc.start].decode("utf-8")
+    if text.lstrip().startswith(("{", "[")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            return TEXT_FILE
+        fmt = data.get("format") if isinstance(data, dict) else None
+        return {"qkrope-onnx": MODEL_SIDECAR, "qkrope-engine": ENGINE_SIDECAR}.get(fmt, JSON_FILE)
+    return TEXT_FILE
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """``a`` and ``b`` name one file: the same inode (symlinks followed, hard links) when both
+    exist, else the same resolved path."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def check_outputs(outputs: Sequence[tuple[str | os.PathLike, str, Sequence[str]]],
+                  inputs: Sequence[str | os.PathLike | None] = (), *,
+                  flag: str = "--out") -> None:
+    """Refuse, before any work, outputs that would destroy something. ``outputs``: ``(path, what
+    is written there, the kinds it may replace)`` (kinds of :func:`file_kind`; an unrecognised
+    binary file may always be replaced); ``inputs``: every file the command reads (None
+    skipped). Raises :class:`OutputIsInputError` naming the path and the fix."""
+    for out, what, replaceable in outputs:
+        for given in inputs:
+            if given is not None and same_file(out, given):
+                raise OutputIsInputError(
+                    f"the output {out} ({what}) is the same file as {given}, which this command "
+                    f"also reads or writes: writing it would destroy that. Fix: choose another "
+                    f"{flag}")
+        kind = file_kind(out)
+        if kind is not None and kind not in replaceable:
+            raise OutputIsInputError(
+                f"{out} exists and is {kind}, not {what}; it is not replaced. Fix: choose "
+                f"another {flag}, or move {out} away")
+
+
+# --------------------------------------------------------------------------------------------
 # Staged groups of outputs
 # --------------------------------------------------------------------------------------------
 
@@ -220,6 +321,27 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, *, flag: str = "--out") -> Iterator[None]:
+    """An exclusive advisory lock (``flock``) on ``folder`` itself, held for the block: the
+    commits of concurrent writers into one folder (other processes, or other threads: each call
+    opens its own descriptor) run one after the other. Nothing is created in the folder; a
+    filesystem without flock (some network mounts) commits unlocked."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise output_error(exc, folder, flag=flag) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class Staging:
     """The staging folder of one group of outputs (see :func:`staged_outputs`)."""
 
@@ -252,21 +374,8 @@ class Staging:
         done: list[tuple[str, bool]] = []  # (name, had an old file)
         _COMMITTING.depth = getattr(_COMMITTING, "depth", 0) + 1
         try:
-            try:
-                for name in order:
-                    target = self.folder / name
-                    had = self._backup(target, backups / name)
-                    os.replace(self.dir / name, target)
-                    done.append((name, had))
-                for name in remove:
-                    target = self.folder / name
-                    if target.exists() or target.is_symlink():
-                        os.replace(target, backups / name)
-                        done.append((name, True))
-                _fsync_dir(self.folder)
-            except BaseException:
-                self._rollback(done, backups)
-                raise
+            with folder_lock(self.folder, flag=self.flag):
+                self._commit(order, remove, backups, done)
             self.committed = True
         finally:
             _COMMITTING.depth -= 1
@@ -275,6 +384,23 @@ class Staging:
                 _PENDING_SIGNALS.clear()
                 raise SystemExit(128 + signum)
         return [self.folder / n for n in order]
+
+    def _commit(self, order, remove, backups: Path, done: list[tuple[str, bool]]) -> None:
+        try:
+            for name in order:
+                target = self.folder / name
+                had = self._backup(target, backups / name)
+                os.replace(self.dir / name, target)
+                done.append((name, had))
+            for name in remove:
+                target = self.folder / name
+                if target.exists() or target.is_symlink():
+                    os.replace(target, backups / name)
+                    done.append((name, True))
+            _fsync_dir(self.folder)
+        except BaseException:
+            self._rollback(done, backups)
+            raise
 
     @staticmethod
     def _backup(target: Path, backup: Path) -> bool:

@@ -18,8 +18,10 @@ each, a format version, and a check on load.
                           "plugin_version": "1", "plugin_namespace": "qkrope"},
       "config": {"dim", "heads", "head_dim", "eps", "interleaved", "rounding", "rotary_dim",
                  "axes_dims_rope", "seed", "weights" (path or null), "weights_sha256",
+                 "parameters" (the state-dict keys kept as initializers of that name),
+                 "parameter_shapes" ({key: shape}: `qkrope refit` checks them),
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
-                 dict) and "num_layers_exported"},
+                 dict), "num_layers_exported" and "parameters_not_in_graph"},
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
       "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?},
       "model_sha256": sha256 hex of the M.onnx it describes (checked by ModelInfo.load: a sidecar
@@ -43,7 +45,11 @@ by the TensorRT runner and ``qkrope triton-repo``::
       "config", "dynamic_axes", "sample": copied from the model's sidecar,
       "build_seconds": float | null, "created": "YYYY-mm-ddTHH:MM:SSZ",
       "refittable": bool, "refit_mode": "individual" | "all" | null,
-      "profile_labels": ["1024x1024" per profile, or ""]
+      "profile_labels": ["1024x1024" per profile, or ""],
+      "engine_sha256": sha256 hex of the engine it describes (checked by EngineInfo.load, so
+                       by the runner, `qkrope refit` and `qkrope triton-repo`: an engine beside
+                       another engine's sidecar is refused; written by save() whenever the
+                       engine file exists; null/absent: not checked)
     }
 
 Dtype names are numpy's (``"bfloat16"`` is ml_dtypes' name, :mod:`qkrope.dtypes`). A file of
@@ -146,6 +152,89 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
         raise error(f"cannot read the sidecar {path}: {exc}. Fix: {fix}") from None
 
 
+METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .dtype, .config
+
+
+def _brief(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _varint(f) -> int | None:
+    shift = value = 0
+    while True:
+        b = f.read(1)
+        if not b:
+            return None
+        value |= (b[0] & 0x7F) << shift
+        if b[0] < 0x80:
+            return value
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
+    """The ``metadata_props`` of an ONNX file, read without parsing its graph: the top-level
+    fields of the ModelProto are walked (the graph and everything else skipped by length) and
+    only the metadata entries (field 14) decoded. {} for a file that is not one."""
+    import onnx
+
+    out: dict[str, str] = {}
+    try:
+        with open(onnx_path, "rb") as f:
+            while True:
+                tag = _varint(f)
+                if tag is None:
+                    return out
+                field_no, wire = tag >> 3, tag & 7
+                if wire == 0:
+                    if _varint(f) is None:
+                        return {}
+                elif wire == 1:
+                    f.seek(8, os.SEEK_CUR)
+                elif wire == 5:
+                    f.seek(4, os.SEEK_CUR)
+                elif wire == 2:
+                    n = _varint(f)
+                    if n is None:
+                        return {}
+                    if field_no == 14:
+                        entry = onnx.StringStringEntryProto.FromString(f.read(n))
+                        out[entry.key] = entry.value
+                    else:
+                        f.seek(n, os.SEEK_CUR)
+                else:
+                    return {}
+    except Exception:  # noqa: BLE001 - unreadable, or not a protobuf: nothing recorded
+        return {}
+
+
+def _sha256_field(f: _Fields, key: str) -> str | None:
+    value = f.get(key, str, optional=True)
+    if value is not None and not re.fullmatch(r"[0-9a-f]{64}", value):
+        f.fail(f"field {key!r} must be a sha256 hex digest, got {value!r}")
+    return value
+
+
+def _check_describes(path: str | os.PathLike, side: Path, recorded: str | None,
+                     error: type[SidecarError], what: str, fix: str) -> None:
+    """``error`` when the sidecar ``side`` records the sha256 ``recorded`` of its file and
+    ``path`` is another file (a stale sidecar, a pair of two writers, an interrupted write, a
+    file replaced by hand)."""
+    if recorded is None or not os.path.isfile(path):
+        return
+    try:
+        actual = sha256_file(path)
+    except OSError as exc:
+        raise error(f"cannot read {path} to check it against its sidecar: {exc}") from None
+    if actual != recorded:
+        raise error(
+            f"the sidecar {side} does not describe this {what.split()[-1]} ({path} has sha256 "
+            f"{actual[:12]}…, the sidecar describes {recorded[:12]}…): {what} or its sidecar was "
+            f"replaced, or a write was interrupted. Fix: {fix}")
+
+
 def _check_format(f: _Fields, fmt: str) -> None:
     got = f.data.get("format")
     if got != fmt:
@@ -234,9 +323,7 @@ class ModelInfo:
                      for i, t in enumerate(f.get("outputs", list))],
             dynamic_axes=axes, node_attributes=f.obj("node_attributes"), config=f.obj("config"),
             sample=f.obj("sample"), versions=f.obj("versions", optional=True),
-            model_sha256=f.get("model_sha256", str, optional=True), source=source)
-        if info.model_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", info.model_sha256):
-            f.fail(f"field 'model_sha256' must be a sha256 hex digest, got {info.model_sha256!r}")
+            model_sha256=_sha256_field(f, "model_sha256"), source=source)
         if info.model not in MODELS or info.dtype not in DTYPES:
             f.fail(f"names an unknown model {info.model!r} or dtype {info.dtype!r} (expected one "
                    f"of {MODELS} and {tuple(DTYPES)})")
@@ -252,24 +339,53 @@ class ModelInfo:
                           f"export --out {onnx_path}`.", _ONNX_FIX)
         info = cls.from_dict(data, source=str(path))
         info.check_describes(onnx_path)
+        info.check_agrees_with_model(onnx_path)
         return info
 
     def check_describes(self, onnx_path: str | os.PathLike) -> None:
         """A :class:`ModelInfoError` when this sidecar records a model hash and ``onnx_path`` is
         another file (a stale sidecar, an interrupted re-export, a model replaced by hand)."""
-        if self.model_sha256 is None or not os.path.isfile(onnx_path):
+        _check_describes(onnx_path, sidecar_path(onnx_path), self.model_sha256, ModelInfoError,
+                         "the model", f"re-export with `qkrope export --out {onnx_path}`")
+
+    def check_agrees_with_model(self, onnx_path: str | os.PathLike) -> None:
+        """A :class:`ModelInfoError` when this sidecar's ``model``, ``dtype`` or any ``config``
+        value (axes_dims_rope, heads, head_dim, the diffusers config, the parameters, ...: what
+        the runtime builds caches and inputs from) differs from what the model file itself
+        records in its ``metadata_props`` (``qkrope.model``, ``qkrope.dtype``,
+        ``qkrope.config``, written by the export). The hash alone does not catch a sidecar
+        edited beside an unchanged model. A model without those entries is not checked."""
+        if not os.path.isfile(onnx_path):
             return
+        props = onnx_metadata_props(onnx_path)
+        recorded = {}
         try:
-            actual = sha256_file(onnx_path)
-        except OSError as exc:
-            raise ModelInfoError(f"cannot read {onnx_path} to check it against its sidecar: "
-                                 f"{exc}") from None
-        if actual != self.model_sha256:
+            for key in ("model", "dtype"):
+                if METADATA_PREFIX + key in props:
+                    recorded[key] = props[METADATA_PREFIX + key]
+            if METADATA_PREFIX + "config" in props:
+                recorded["config"] = json.loads(props[METADATA_PREFIX + "config"])
+        except ValueError:
+            return  # not qkrope's metadata
+        mine = {"model": self.model, "dtype": self.dtype,
+                "config": json.loads(json.dumps(self.config))}
+        diffs = []
+        for key, theirs in recorded.items():
+            if key != "config":
+                if mine[key] != theirs:
+                    diffs.append(f"{key}: sidecar {mine[key]!r}, model {theirs!r}")
+                continue
+            for name in sorted(set(theirs) | set(mine["config"])):
+                a, b = mine["config"].get(name, "<absent>"), theirs.get(name, "<absent>")
+                if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):  # NaN == NaN
+                    diffs.append(f"config.{name}: sidecar {_brief(a)}, model {_brief(b)}")
+        if diffs:
             raise ModelInfoError(
-                f"the sidecar {sidecar_path(onnx_path)} does not describe this model ({onnx_path} "
-                f"has sha256 {actual[:12]}…, the sidecar describes {self.model_sha256[:12]}…): the "
-                f"model or its sidecar was replaced, or an export was interrupted. Fix: re-export "
-                f"with `qkrope export --out {onnx_path}`")
+                f"the sidecar {sidecar_path(onnx_path)} disagrees with its model {onnx_path} "
+                f"(whose metadata_props record what it was exported with) on "
+                f"{'; '.join(diffs[:4])}{f' (+{len(diffs) - 4} more)' if len(diffs) > 4 else ''}"
+                f". Fix: re-export with `qkrope export --out {onnx_path}`, or restore its "
+                f"sidecar")
 
     def save(self, onnx_path: str | os.PathLike) -> Path:
         """Write ``<onnx_path>.json`` atomically (temp file + os.replace). When ``onnx_path``
@@ -439,6 +555,7 @@ class EngineInfo:
     profile_labels: list[str] = field(default_factory=list)  # "1024x1024" per preset, or ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime()))
+    engine_sha256: str | None = None
     source: str = field(default="", compare=False, repr=False)
 
     def tensor(self, name: str) -> EngineTensor:
@@ -472,7 +589,7 @@ class EngineInfo:
             "dynamic_axes": dict(self.dynamic_axes), "sample": dict(self.sample),
             "build_seconds": self.build_seconds, "created": self.created,
             "refittable": self.refittable, "refit_mode": self.refit_mode,
-            "profile_labels": list(self.profile_labels),
+            "profile_labels": list(self.profile_labels), "engine_sha256": self.engine_sha256,
         }
 
     @classmethod
@@ -516,7 +633,8 @@ class EngineInfo:
             refit_mode=f.get("refit_mode", str, optional=True),
             profile_labels=[str(x) for x in f.get("profile_labels", list, optional=True,
                                                    default=[])],
-            created=f.get("created", str, optional=True, default=""), source=source)
+            created=f.get("created", str, optional=True, default=""),
+            engine_sha256=_sha256_field(f, "engine_sha256"), source=source)
 
     @classmethod
     def load(cls, engine_path: str | os.PathLike) -> "EngineInfo":
@@ -528,11 +646,18 @@ class EngineInfo:
             f"dims, profile and plugin library of {engine_path}. Fix: rebuild the engine with "
             f"`qkrope build` (which writes it next to the engine), or copy it alongside if you "
             f"moved the engine", _ENGINE_FIX)
-        return cls.from_dict(data, source=str(path))
+        info = cls.from_dict(data, source=str(path))
+        _check_describes(engine_path, path, info.engine_sha256, EngineInfoError,
+                         "the engine", "rebuild it with `qkrope build`, or put the engine's own "
+                                       "sidecar beside it")
+        return info
 
     def save(self, engine_path: str | os.PathLike) -> Path:
-        """Write ``<engine>.json`` atomically."""
+        """Write ``<engine>.json`` atomically. When ``engine_path`` exists, the sidecar records
+        its sha256 (:attr:`engine_sha256`)."""
         path = engine_sidecar_path(engine_path)
+        if os.path.isfile(engine_path):
+            self.engine_sha256 = sha256_file(engine_path)
         write_json_atomic(path, self.to_dict())
         return path
 

@@ -29,7 +29,7 @@ import ctypes
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
@@ -39,8 +39,9 @@ from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
 from qkrope._deps import require
-from qkrope._fileio import (check_output_folder, output_error, sha256_file, staged_outputs,
-                            write_atomic)
+from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
+                            check_output_folder, check_outputs, file_kind, output_error,
+                            sha256_file, staged_outputs, write_atomic)
 
 from . import fp8_engine
 from . import profiles as prof
@@ -424,6 +425,9 @@ class BuildOptions:
     profiling_verbosity: str | None = None
 
 
+#: --workspace's upper bound in MiB: 1 TiB, above the memory of any GPU (the largest have 288 GiB)
+MAX_WORKSPACE_MIB = 1 << 20
+
 #: BuildOptions.profiling_verbosity values (trt.ProfilingVerbosity members, lower case)
 PROFILING_VERBOSITIES = ("detailed", "layer_names_only", "none")
 
@@ -454,6 +458,9 @@ def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.
         return prof.derive_preset_profiles(
             model, list(resolutions), txt_tokens=opts.txt_tokens, batch=opts.batch,
             min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes, max_shapes=opts.max_shapes)
+    txt_max = opts.txt_tokens[1] if opts.txt_tokens else opts.max_txt_tokens
+    if txt_max and _is_transformer(model):  # its caches come from Qwen-Image's tables
+        prof.check_rope_positions([], txt_max)
     if opts.txt_tokens or opts.batch:
         levels = {}
         if opts.txt_tokens:
@@ -484,6 +491,11 @@ def check_options(opts: BuildOptions) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise prof.ProfileError(f"{name} must be >= 1; got {value!r}")
+    if opts.workspace_mib is not None and opts.workspace_mib > MAX_WORKSPACE_MIB:
+        raise EngineBuildError(
+            f"--workspace {opts.workspace_mib} MiB is more than {MAX_WORKSPACE_MIB} MiB (1 TiB), "
+            f"more memory than any GPU has (TensorRT takes it as the workspace pool's limit). "
+            f"Fix: give at most the GPU's memory in MiB, or leave it to TensorRT")
     level = opts.builder_optimization_level
     if level is not None and (isinstance(level, bool) or not isinstance(level, int)
                               or not 0 <= level <= 5):
@@ -511,6 +523,31 @@ class BuildPlan:
     profiles: list = None  # [(label, profile)]; profile is the first
 
 
+def _check_build_outputs(onnx_path: Path, engine_path: Path, opts: BuildOptions,
+                         data_files: Sequence[Path]) -> None:
+    """Nothing the build reads is written over (the model, its sidecar and external data, the
+    plugin library), the engine does not land on the timing cache, and neither output replaces a
+    file of another kind (:func:`qkrope._fileio.check_outputs`). A timing cache must not be a
+    model, an engine, a sidecar or a text file: TensorRT ignores a cache it cannot read and the
+    build would then write a fresh one over that file."""
+    inputs = [onnx_path, sidecar_path(onnx_path), *data_files, opts.plugin]
+    check_outputs([(engine_path, "a TensorRT engine", (TEXT_FILE,)),
+                   (engine_sidecar_path(engine_path), "an engine sidecar",
+                    (ENGINE_SIDECAR, TEXT_FILE))],
+                  inputs + [opts.timing_cache], flag="-o")
+    if opts.timing_cache:
+        cache = Path(opts.timing_cache)
+        check_outputs([(cache, "a TensorRT timing cache", ())],
+                      inputs + [engine_path, engine_sidecar_path(engine_path)],
+                      flag="--timing-cache")
+        if file_kind(str(cache) + ".json") in (MODEL_SIDECAR, ENGINE_SIDECAR):
+            raise OutputIsInputError(
+                f"--timing-cache {cache} has the sidecar {cache}.json of a qkrope "
+                f"{'model' if file_kind(str(cache) + '.json') == MODEL_SIDECAR else 'engine'}: "
+                f"it is not a timing cache and is not replaced. Fix: choose another "
+                f"--timing-cache, e.g. {cache.with_suffix('.timing-cache')}")
+
+
 def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
                opts: BuildOptions) -> BuildPlan:
     """Check the arguments and the model without TensorRT, in this order: the options, the
@@ -521,15 +558,13 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     if not onnx_path.is_file():
         raise InputFileNotFoundError(f"{onnx_path} does not exist. Fix: export it with "
                                      f"`qkrope export`")
-    resolved = {onnx_path.resolve(), sidecar_path(onnx_path).resolve()}
-    if engine_path.resolve() in resolved or engine_sidecar_path(engine_path).resolve() in resolved:
-        raise EngineBuildError(f"the engine {engine_path} would overwrite the model {onnx_path} "
-                               f"or its sidecar. Fix: pass -o MODEL.engine")
     if engine_path.is_dir():
         raise EngineBuildError(f"the engine path {engine_path} is a directory. Fix: pass -o "
                                f"{engine_path / onnx_path.with_suffix('.engine').name}")
     check_output_folder(engine_path.parent, flag="-o")  # fail before the build, not after it
     onnx_model = tu.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
+    _check_build_outputs(onnx_path, engine_path, opts,
+                         tu.external_data_files(onnx_model, onnx_path))
     model = ModelInfo.describe(onnx_path)
     profiles = plan_profiles(model, opts)
     profile = profiles[0][1]
@@ -569,6 +604,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     if opts.use_plugin and plugin_path is None:
         plugin_path = str(resolve_plugin_library(
             None, None, kind="vc" if opts.version_compatible else "plugin"))
+        _check_build_outputs(onnx_path, engine_path, replace(opts, plugin=plugin_path), [])
 
     logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
     if plugin_path is not None:
@@ -591,8 +627,13 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
     if not opts.progress:
         steps.write(f"[build] parsed {onnx_path} (TensorRT {trt.__version__})")
     if not parsed:
-        errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n  {errors}")
+        errors = [" ".join(str(parser.get_error(i)).split()) for i in range(parser.num_errors)]
+        raise EngineBuildError(
+            f"TensorRT {trt.__version__}'s ONNX parser rejected {onnx_path} ({len(errors)} "
+            f"error(s)): {'; '.join(errors[:4]) or 'no error reported'}"
+            f"{f' (+{len(errors) - 4} more)' if len(errors) > 4 else ''}. Fix: check the model "
+            f"with `qkrope check {onnx_path}`; an op TensorRT {trt.__version__} does not support "
+            f"needs another export (e.g. --attention primitive) or a newer TensorRT")
     if plugin_path is not None:
         layers = check_plugin_layers(network, trt, node_names, trt_version=trt.__version__,
                                      plugin_registered=True)

@@ -336,6 +336,36 @@ def preset_axis_levels(resolutions: Sequence[tuple[int, int]], *,
     return out
 
 
+def check_rope_positions(resolutions: Sequence[tuple[int, int]], txt_max: int) -> None:
+    """Refuse profiles no call can use: Qwen-Image's RoPE position tables
+    (:mod:`qkrope.runtime.rope_tables`, 4096 positions per axis) must hold each preset's
+    image (centred: half of each side in latent patches, each way) and ``txt_max`` text tokens
+    after the largest image (text starts at the largest image's half side). No preset: the
+    text alone (1 image token) against the whole table."""
+    from .rope_tables import MAX_POSITIONS as QWEN_MAX_POSITIONS, image_extent, text_rows
+
+    shapes = [(1, h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN) for w, h in resolutions]
+    for (w, h), shape in zip(resolutions, shapes):
+        if image_extent(0, shape) > QWEN_MAX_POSITIONS:
+            side = 2 * QWEN_MAX_POSITIONS * PIXELS_PER_TOKEN
+            raise ProfileError(
+                f"the resolution {w}x{h} needs {image_extent(0, shape)} RoPE positions per axis "
+                f"and direction, more than the {QWEN_MAX_POSITIONS} of Qwen-Image's position "
+                f"tables (no call could use that profile). Fix: give sides of at most {side} "
+                f"pixels")
+    if not shapes:
+        rows, which = QWEN_MAX_POSITIONS, "for the text alone"
+    else:
+        rows, (w, h) = min((text_rows([s]), wh) for s, wh in zip(shapes, resolutions))
+        which = (f"after the {w}x{h} preset's image (its text positions start at "
+                 f"{QWEN_MAX_POSITIONS - rows})")
+    if txt_max > rows:
+        raise ProfileError(
+            f"--txt-tokens max {txt_max} is more than the {rows} text positions Qwen-Image's "
+            f"RoPE tables ({QWEN_MAX_POSITIONS} positions) leave {which}; no call could use "
+            f"that profile. Fix: --txt-tokens MIN:{rows} or smaller presets")
+
+
 def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, int]], *,
                            txt_tokens: tuple[int, int] | None = None,
                            batch: tuple[int, int] | None = None,
@@ -352,6 +382,7 @@ def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, in
         txt_tokens = (1, max(DEFAULT_MAX_TXT_TOKENS, int(export.get("txt_tokens", 1))))
     if batch is None:
         batch = (1, DEFAULT_MAX_BATCH)
+    check_rope_positions(resolutions, txt_tokens[1])
     out = []
     for label, levels in preset_axis_levels(resolutions, txt_tokens=txt_tokens, batch=batch):
         profile = derive_profile(model, min_shapes=min_shapes, opt_shapes=opt_shapes,

@@ -123,26 +123,40 @@ def image_tokens(shapes: Shapes) -> int:
 
 def text_offset(shapes: Shapes, scale_rope: bool = True) -> int:
     """Position of the first text token: just after the largest image's positions."""
-    return max(max(h // 2, w // 2) if scale_rope else max(h, w) for _, h, w in shapes)
+    return max(max(int(h) // 2, int(w) // 2) if scale_rope else max(int(h), int(w))
+               for _, h, w in shapes)
+
+
+def image_extent(frames_offset: int, shape: Sequence[int], scale_rope: bool = True) -> int:
+    """The table entries image ``frames_offset`` of shape ``(f, h, w)`` needs per axis and
+    direction: frames use positions k .. k+f-1; centred height/width use -(n - n//2) .. n//2 - 1
+    (both tables hold 4096 entries), uncentred ones 0 .. n-1. It fits when <= MAX_POSITIONS."""
+    f, h, w = (int(v) for v in shape)
+    extent = max(h - h // 2, w - w // 2) if scale_rope else max(h, w)
+    return max(int(frames_offset) + f, extent)
+
+
+def text_rows(shapes: Shapes, scale_rope: bool = True) -> int:
+    """The text tokens the tables leave after these images: text token j sits at position
+    offset + j (the offset set by the largest image) and the tables end at MAX_POSITIONS."""
+    return MAX_POSITIONS - text_offset(shapes, scale_rope)
 
 
 def check_positions(shapes: Shapes, txt_len: int, scale_rope: bool = True) -> None:
     """Raise :class:`PositionOverflow` where an image or the text runs past the tables."""
     for k, (f, h, w) in enumerate(shapes):
-        # frames use positions k .. k+f-1; centred height/width use -(n - n//2) .. n//2 - 1 (both
-        # tables hold 4096 entries), uncentred ones 0 .. n-1
-        extent = max(h - h // 2, w - w // 2) if scale_rope else max(h, w)
-        if k + f > MAX_POSITIONS or extent > MAX_POSITIONS:
+        needed = image_extent(k, (f, h, w), scale_rope)
+        if needed > MAX_POSITIONS:
             raise PositionOverflow(
                 f"QwenImage RoPE image cache overflow: image {k} has shape {(f, h, w)} "
                 f"(frames, height, width in latent patches) but the position tables hold "
                 f"{MAX_POSITIONS} positions per axis and direction. Fix: use fewer frames or "
-                f"a smaller image.", stream="image", required=max(k + f, extent),
+                f"a smaller image.", stream="image", required=needed,
                 available=MAX_POSITIONS)
     offset = text_offset(shapes, scale_rope)
     # Text token j sits at position offset + j; the table ends at 4096, so the text stream has
     # 4096 - offset rows. The three numbers mean what sglang's guard reports.
-    txt_cache_len = MAX_POSITIONS - offset
+    txt_cache_len = text_rows(shapes, scale_rope)
     if txt_len > txt_cache_len:
         raise PositionOverflow(
             f"QwenImage RoPE text cache overflow: required_txt_seq_len={txt_len}, "

@@ -724,6 +724,8 @@ class TensorRTRunner(Runner):
         from .engine import import_tensorrt, load_plugin_library
         from .plugin_build import resolve_plugin_library
 
+        # the sidecar first: a pair that does not identify itself is refused without TensorRT
+        sidecar = EngineInfo.load(path) if engine_sidecar_path(path).exists() else None
         trt = import_tensorrt("the TensorRT runner (qkrope.runtime.load of an engine)")
         if not torch.cuda.is_available():
             raise MissingDependencyError(
@@ -731,7 +733,6 @@ class TensorRTRunner(Runner):
                 "available here. Fix: run on a GPU machine (e.g. an NGC TensorRT container), or "
                 "load the .onnx file to use ONNX Runtime")
         self.path = str(path)
-        sidecar = EngineInfo.load(path) if engine_sidecar_path(path).exists() else None
         vc = bool(sidecar and sidecar.version_compatible)
         self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)

@@ -41,12 +41,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes
-from qkrope._fileio import staged_outputs
+from qkrope._fileio import folder_lock, staged_outputs
 from qkrope.errors import QkropeError
-from qkrope.sidecars import EngineInfo
+from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
 
 from . import trt_utils as tu
 from .plugin_build import LIBRARY_FILES, PluginNotBuiltError, resolve_plugin_library
@@ -510,7 +510,8 @@ def _check_name(name: str) -> None:
                               "names; pass --name")
 
 
-def _write_models(repo: Path, models: dict[str, Any], *, force: bool) -> None:
+def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
+                  inputs: Sequence[os.PathLike | str | None] = ()) -> None:
     """Write ``repo/<name>`` for each ``name -> fill(staged_dir)``. Every model directory is
     assembled in a staging folder next to ``repo`` (:func:`qkrope._fileio.staged_outputs`:
     removed on any failure or SIGTERM, and by the next run after a SIGKILL) and swapped in whole
@@ -528,6 +529,13 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool) -> None:
         if target.exists() and (target.is_symlink() or not target.is_dir()):
             raise TritonRepoError(f"{target} exists and is not a model directory; remove it or "
                                   f"pass --name")
+        for given in inputs:  # what the new model is made of must not go with the old one
+            if given is not None and target.exists() and \
+                    target.resolve() in Path(given).resolve().parents:
+                raise TritonRepoError(f"{given} is inside {target}, which --force would "
+                                      f"replace. Fix: copy it out of the repository first, or "
+                                      f"write the model elsewhere (another repository or "
+                                      f"--name)")
     # Assembled in a staging folder next to the repository (not inside it: Triton takes every
     # sub-directory of a repository for a model), then swapped in whole.
     with staged_outputs(repo.parent, [], flag="--output") as st:
@@ -537,8 +545,9 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool) -> None:
             (staged[name] / "1").mkdir(parents=True)
             fill(staged[name])
         repo.mkdir(parents=True, exist_ok=True)
-        for name in models:
-            swap_in(staged[name], repo / name)
+        with folder_lock(repo, flag="--output"):  # two writers of one repository: in turn
+            for name in models:
+                swap_in(staged[name], repo / name)
 
 
 def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict,
@@ -615,7 +624,8 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
         limits = _limit_overrides(engine_rope_limits(info), max_img_tokens, max_txt_tokens)
         _rope_models(name, main_name, _engine_specs(info), info.config, limits, serving,
                      models)
-    _write_models(repo, models, force=force)
+    _write_models(repo, models, force=force,
+                  inputs=[engine, engine_sidecar_path(engine), plugin_src])
     target = repo / name
     main_dir = repo / main_name
     plugin_final = (main_dir / plugin_name) if copy_plugin else plugin_src
@@ -628,7 +638,9 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
 
 
 def _onnx_files(onnx_path: Path) -> list[Path]:
-    """The ONNX file's external data files (next to it, as its tensors name them)."""
+    """The ONNX file's external data files, each checked to lie inside the model's folder
+    (:func:`qkrope.runtime.trt_utils.external_data_files`: no absolute or ``..`` location, no
+    symlink out of the folder), so nothing from elsewhere is copied into the repository."""
     import onnx
 
     try:
@@ -637,12 +649,7 @@ def _onnx_files(onnx_path: Path) -> list[Path]:
         raise TritonRepoError(f"{onnx_path} is not an ONNX model ({type(exc).__name__}); "
                               "--backend onnxruntime serves the .onnx from `qkrope export`, "
                               "not a TensorRT engine") from None
-    locs = []
-    for t in model.graph.initializer:
-        for e in t.external_data:
-            if e.key == "location" and e.value not in locs:
-                locs.append(e.value)
-    return [onnx_path.parent / loc for loc in locs]
+    return tu.external_data_files(model, onnx_path)  # each inside the model's folder
 
 
 def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str, *,
@@ -697,7 +704,8 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
                 raise TritonRepoError(f"{flag} must be >= 1, got {value}")
         _rope_models(name, main_name, specs, info.config,
                      onnx_rope_limits(max_img_tokens, max_txt_tokens), serving, models)
-    _write_models(repo, models, force=force)
+    _write_models(repo, models, force=force,
+                  inputs=[onnx_path, sidecar_path(onnx_path), *data])
     target = repo / name
     return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",
                       None, f"tritonserver --model-repository={repo.resolve()}",

@@ -1,6 +1,6 @@
 """Small queries shared by the engine builder and the runners (no TensorRT import at module load):
-reading an ONNX file with its node-contract check (what every consumer does first), the
-QKNormRoPE nodes of a model, head_dim from its weights, and the current GPU."""
+reading an ONNX file with its external-data and node-contract checks (what every consumer does
+first), the QKNormRoPE nodes of a model, head_dim from its weights, and the current GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from qkrope import contract
+from qkrope._fileio import looks_like_onnx
 from qkrope.errors import InputFileNotFoundError, QkropeError
 
 
@@ -41,13 +42,79 @@ def read_onnx_model(onnx_path: str | os.PathLike):
     return model
 
 
+def _tensors_with_data(model):
+    """Every TensorProto of a model that may carry external data: initializers (dense and
+    sparse), Constant-like attribute tensors, in the main graph, its subgraphs and functions."""
+    def graph_tensors(graph):
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        yield from node_tensors(graph.node)
+
+    def node_tensors(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    yield from graph_tensors(attr.g)
+                for g in attr.graphs:
+                    yield from graph_tensors(g)
+
+    yield from graph_tensors(model.graph)
+    for function in model.functions:
+        yield from node_tensors(function.node)
+
+
+def external_data_files(model, onnx_path: str | os.PathLike) -> list[Path]:
+    """The external-data files of an ``onnx.ModelProto`` read from ``onnx_path``, each checked:
+    its ``location`` is relative, has no ``..`` component and resolves (symlinks followed) to a
+    file inside the model's folder. Anything else (an absolute path, ``../x.bin``, a symlink out
+    of the folder, a missing file) is an :class:`OnnxModelError`: a model must not make a reader
+    open, hand to TensorRT, or copy into a repository a file from outside its folder."""
+    path = Path(onnx_path)
+    folder = path.parent.resolve()
+    fix = f"Fix: re-export the model with `qkrope export --out {path}` (it writes {path.name}.data)"
+    files: list[Path] = []
+    for tensor in _tensors_with_data(model):
+        if tensor.data_location != 1:  # TensorProto.EXTERNAL
+            continue
+        locations = [e.value for e in tensor.external_data if e.key == "location"]
+        if len(locations) != 1 or not locations[0]:
+            raise OnnxModelError(f"{path}: tensor {tensor.name!r} is stored externally but names "
+                                 f"{len(locations)} locations. {fix}")
+        loc = locations[0]
+        parts = Path(loc.replace("\\", "/")).parts
+        if os.path.isabs(loc) or loc.startswith(("/", "\\")) or ".." in parts or ":" in loc:
+            raise OnnxModelError(
+                f"{path}: tensor {tensor.name!r} keeps its data at {loc!r}, outside the model's "
+                f"folder (an absolute path or one with '..'); qkrope reads external data only "
+                f"from files beside the model. {fix}")
+        target = path.parent / loc
+        resolved = target.resolve()
+        if resolved != folder and folder not in resolved.parents:
+            raise OnnxModelError(
+                f"{path}: tensor {tensor.name!r} keeps its data in {target}, which resolves to "
+                f"{resolved}, outside the model's folder {folder} (a symlink out of it); qkrope "
+                f"reads external data only from files inside the model's folder. {fix}")
+        if not resolved.is_file():
+            raise OnnxModelError(f"{path}: the external data file {target} of tensor "
+                                 f"{tensor.name!r} is missing. {fix}")
+        if target not in files:
+            files.append(target)
+    return files
+
+
 def checked_onnx_model(onnx_path: str | os.PathLike, *, require_nodes: bool = False):
-    """What every consumer of an ONNX file does first: read it (:func:`read_onnx_model`) and
-    validate its QKNormRoPE nodes against the node contract
+    """What every consumer of an ONNX file does first: read it (:func:`read_onnx_model`), check
+    its external-data locations (:func:`external_data_files`) and validate its QKNormRoPE nodes against the node contract
     (:func:`qkrope.contract.validate_qknorm_rope_nodes`: domain, inputs, outputs, every
     attribute present, typed and in range; the error names the node and the attribute).
     ``require_nodes``: a model without any QKNormRoPE node is an error too."""
     model = read_onnx_model(onnx_path)
+    external_data_files(model, onnx_path)
     contract.validate_qknorm_rope_nodes(model, where=str(onnx_path))
     if require_nodes and not plugin_node_names(model):
         raise OnnxModelError(
@@ -62,15 +129,6 @@ class NotAnEngineError(QkropeError, ValueError):
     """A file given as a TensorRT engine is not one (an ONNX model, an empty file)."""
 
 
-def _looks_like_onnx(path: Path) -> bool:
-    """The first bytes of a ModelProto as onnx writes it: ir_version (field 1, a small varint),
-    then another ModelProto field in order (producer_name ... opset_import)."""
-    with open(path, "rb") as f:
-        head = f.read(3)
-    return (len(head) == 3 and head[0] == 0x08 and 1 <= head[1] <= 64
-            and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42))
-
-
 def check_engine_file(engine: str | os.PathLike) -> None:
     """Refuse, before TensorRT is needed, what is not a serialised engine: an empty file or an
     ONNX model (by its suffix or its content; its QKNormRoPE nodes are checked against the node
@@ -78,7 +136,7 @@ def check_engine_file(engine: str | os.PathLike) -> None:
     engine = Path(engine)
     fix = (f"Fix: build an engine with `qkrope build {engine} -o "
            f"{engine.with_suffix('.engine').name}` and pass that")
-    if engine.suffix.lower() == ".onnx" or _looks_like_onnx(engine):
+    if engine.suffix.lower() == ".onnx" or looks_like_onnx(engine):
         try:
             checked_onnx_model(engine)
         except OnnxModelError:

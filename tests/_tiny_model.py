@@ -97,3 +97,28 @@ def parse_tiny(network, path, state) -> None:
                                for i in range(5)]
         else:
             network.layers.append(ft.qknorm_rope_layer(name))
+
+
+def move_weights_out(onnx_path: Path, location: str, *, data: Path | None = None) -> Path:
+    """Rewrite the tiny model so that its weight ``w`` is external data at ``location`` (as
+    written in the file; relative to its folder), its 64 bytes written to ``data`` (default: the
+    file ``location`` names). Returns where the bytes went."""
+    import onnx
+    import numpy as np
+    from onnx import numpy_helper
+
+    model = onnx.load(str(onnx_path))
+    w = next(t for t in model.graph.initializer if t.name == "w")
+    values = numpy_helper.to_array(w)
+    target = data if data is not None else onnx_path.parent / location
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(np.ascontiguousarray(values).tobytes())
+    w.ClearField("float_data")
+    w.ClearField("raw_data")
+    w.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"),
+                       ("length", str(values.nbytes))):
+        entry = w.external_data.add()
+        entry.key, entry.value = key, value
+    onnx.save(model, str(onnx_path))
+    return target

@@ -12,10 +12,23 @@ It follows the real Python API where the product code relies on it:
 - ``Builder.build_serialized_network`` returns an :class:`IHostMemory` (a buffer) or None.
 - ``ICudaEngine``: the I/O queries the runner makes (names, dtypes, shapes, modes, profiles,
   ``num_optimization_profiles``) and ``create_execution_context`` (:class:`IExecutionContext`).
-- ``Refitter(engine, logger)``: ``get_all_weights``, ``get_weights_prototype``,
-  ``get_named_weights``,
-  ``set_named_weights``, ``get_missing_weights``, ``refit_cuda_engine``.
+- ``Refitter(engine, logger)``: ``get_all_weights``, ``get_weights_prototype`` (a prototype of
+  size -1 for a name that is no refittable weight, as the real one), ``get_named_weights``,
+  ``set_named_weights``, ``get_missing_weights`` (what the engine still needs:
+  ``RefittableEngine(required=...)``), ``refit_cuda_engine`` (False while weights are missing).
+- ``OnnxParser``: ``parse_from_file(model)`` fails (False) with ``make_fake_trt(parse_errors=...)``,
+  its errors read through ``num_errors`` / ``get_error(index)`` (:class:`ParserError`) and
+  ``clear_errors``.
+- ``Runtime(logger).deserialize_cuda_engine(serialized_engine)``: the engine registered for those
+  bytes in ``state.engines``, None for anything else (what TensorRT returns for bytes that are
+  not an engine it can load); ``engine_host_code_allowed``.
+- ``ICudaEngine.serialize()``, ``create_engine_inspector()`` (:class:`EngineInspector`:
+  ``get_engine_information(format)``, ``get_layer_information(layer_index, format)``), the
+  ``ProfilingVerbosity`` and ``LayerInformationFormat`` enums, ``IBuilderConfig.profiling_verbosity``
+  (TensorRT's default ``LAYER_NAMES_ONLY``).
 
+Names, parameter names and enum members are those of the real bindings:
+tests/test_fake_tensorrt.py compares them with the ``tensorrt-cu12-bindings`` wheel.
 ``make_fake_trt(version=...)`` returns ``(module, state)``; ``state`` records what the code under
 test did (flags, parser flags, profile shapes, loaded libraries, progress calls).
 """
@@ -45,8 +58,8 @@ class TensorIOMode:
 
 
 class DataType:
-    def __init__(self, name: str):
-        self.name = name  # FLOAT, HALF, BF16, BOOL, ...
+    def __init__(self, value: str):
+        self.name = value  # FLOAT, HALF, BF16, BOOL, ...
 
 
 for _n in ("FLOAT", "HALF", "BF16", "INT8", "INT32", "INT64", "BOOL", "UINT8", "FP8"):
@@ -54,20 +67,21 @@ for _n in ("FLOAT", "HALF", "BF16", "INT8", "INT32", "INT64", "BOOL", "UINT8", "
 
 
 class Weights:
-    """``trt.Weights(dtype, ptr, count)`` (the real constructor's host form); ``dtype``, ``size``
-    (element count)."""
+    """``trt.Weights(type, ptr, count)`` (the real constructor's host form); ``dtype``, ``size``
+    (element count; -1 in the prototype of an unknown name)."""
 
-    def __init__(self, dtype, ptr=0, count=0):
-        self.dtype, self.ptr, self.size = dtype, ptr, int(count)
+    def __init__(self, type=DataType.FLOAT, ptr=0, count=0):
+        self.dtype, self.ptr, self.size = type, ptr, int(count)
 
 
 class Refitter:
     """``trt.Refitter(engine, logger)`` over a :class:`RefittableEngine`: ``get_all_weights``
-    (names), ``get_weights_prototype`` (a Weights of the build's dtype and count),
-    ``get_named_weights`` (what was set),
-    ``set_named_weights`` (False when dtype or count differ, as TensorRT refuses them),
-    ``get_missing_weights`` (none: a partial refit keeps the other weights),
-    ``refit_cuda_engine`` (True; records what was set in ``engine.refits``)."""
+    (names), ``get_weights_prototype`` (a Weights of the build's dtype and count; size -1 for a
+    name that is no refittable weight), ``get_named_weights`` (what was set),
+    ``set_named_weights`` (False when the name is unknown or dtype or count differ, as TensorRT
+    refuses them), ``get_missing_weights`` (the engine's ``required`` names not set yet; a
+    partial refit keeps the other weights), ``refit_cuda_engine`` (False while weights are
+    missing; else True, recording what was set in ``engine.refits``)."""
 
     def __init__(self, engine, logger):
         if not engine.refittable:
@@ -77,14 +91,17 @@ class Refitter:
     def get_all_weights(self):
         return list(self.engine.weights)
 
-    def get_weights_prototype(self, name):
-        """The dtype and count of the weights the engine was built with (no data)."""
-        dtype, count = self.engine.weights[name]
+    def get_weights_prototype(self, weights_name):
+        """The dtype and count of the weights the engine was built with (no data); size -1 when
+        the name is no refittable weight."""
+        if weights_name not in self.engine.weights:
+            return Weights(DataType.FLOAT, 0, -1)
+        dtype, count = self.engine.weights[weights_name]
         return Weights(DataType(dtype), 0, count)
 
-    def get_named_weights(self, name):
-        """Weights set so far under ``name`` (empty FLOAT weights when none were set)."""
-        return self.set.get(name, Weights(DataType.FLOAT, 0, 0))
+    def get_named_weights(self, weights_name):
+        """Weights set so far under ``weights_name`` (empty FLOAT weights when none were set)."""
+        return self.set.get(weights_name, Weights(DataType.FLOAT, 0, 0))
 
     def set_named_weights(self, name, weights):
         if name not in self.engine.weights:
@@ -101,23 +118,106 @@ class Refitter:
         return True
 
     def get_missing_weights(self):
-        return []
+        return sorted(set(self.engine.required) - set(self.set))
 
     def refit_cuda_engine(self):
+        if self.get_missing_weights():
+            return False
         self.engine.refits.append(sorted(self.set))
         return True
 
 
 class RefittableEngine:
     """An ICudaEngine as far as refitting goes: ``weights`` {name: (dtype name, count)},
-    ``refittable``, ``serialize()``."""
+    ``refittable``, ``serialize()``; ``required``: names TensorRT needs before a refit (those a
+    refit of one weight makes necessary, e.g. weights folded together at build time)."""
 
-    def __init__(self, weights, refittable=True):
+    def __init__(self, weights, refittable=True, required=()):
         self.weights, self.refittable, self.refits = dict(weights), refittable, []
+        self.required = tuple(required)
         self.values: dict[str, bytes] = {}  # what set_named_weights passed, per name
 
     def serialize(self):
         return IHostMemory(b"REFITTED-ENGINE-%d" % len(self.refits))
+
+
+class ErrorCode:
+    """The ONNX parser's ``trt.ErrorCode`` (the members the fake uses)."""
+
+    SUCCESS, INTERNAL_ERROR, INVALID_NODE, UNSUPPORTED_NODE, INVALID_GRAPH = (
+        DataType(n) for n in ("SUCCESS", "INTERNAL_ERROR", "INVALID_NODE", "UNSUPPORTED_NODE",
+                              "INVALID_GRAPH"))
+
+
+class ParserError:
+    """What ``OnnxParser.get_error(index)`` returns: ``code()``, ``desc()``, ``node()`` (-1:
+    no node), ``node_name()``, ``node_operator()``, ``file()``, ``func()``, ``line()``, and a
+    one-line ``str()`` naming them."""
+
+    def __init__(self, desc, node_name="", node_operator="", code=ErrorCode.UNSUPPORTED_NODE,
+                 node=-1):
+        self._desc, self._name, self._op, self._code, self._node = (desc, node_name,
+                                                                    node_operator, code, node)
+
+    def code(self):
+        return self._code
+
+    def desc(self):
+        return self._desc
+
+    def node(self):
+        return self._node
+
+    def node_name(self):
+        return self._name
+
+    def node_operator(self):
+        return self._op
+
+    def file(self):
+        return "ModelImporter.cpp"
+
+    def func(self):
+        return "parseNode"
+
+    def line(self):
+        return 0
+
+    def __str__(self):
+        return (f"In node {self._node} with name: {self._name} and operator: {self._op} "
+                f"({self.func()}): {self._code.name}: {self._desc}")
+
+
+class ProfilingVerbosity:
+    LAYER_NAMES_ONLY, NONE, DETAILED = "LAYER_NAMES_ONLY", "NONE", "DETAILED"
+
+
+class LayerInformationFormat:
+    ONELINE, JSON = "ONELINE", "JSON"
+
+
+class EngineInspector:
+    """``engine.create_engine_inspector()``: the engine's ``layer_info`` (a JSON text, as
+    ``get_engine_information(LayerInformationFormat.JSON)`` gives it; with ONELINE: one layer
+    name a line); ``execution_context`` as the real attribute."""
+
+    def __init__(self, engine):
+        self.engine, self.execution_context = engine, None
+
+    def get_engine_information(self, format):
+        import json
+
+        info = self.engine.layer_info
+        if format == LayerInformationFormat.JSON:
+            return info
+        return "\n".join(layer if isinstance(layer, str) else layer.get("Name", "")
+                         for layer in json.loads(info).get("Layers", []))
+
+    def get_layer_information(self, layer_index, format):
+        import json
+
+        layer = json.loads(self.engine.layer_info)["Layers"][layer_index]
+        return json.dumps(layer) if format == LayerInformationFormat.JSON else str(layer)
 
 
 class PluginCore:
@@ -131,8 +231,8 @@ class Plugin:
     def __init__(self, core: PluginCore | None = None, broken: bool = False):
         self.core, self.broken = core, broken
 
-    def get_capability_interface(self, kind):
-        assert kind == PluginCapabilityType.CORE
+    def get_capability_interface(self, type):
+        assert type == PluginCapabilityType.CORE
         if self.broken:
             raise RuntimeError("cannot cast")
         return self.core
@@ -183,22 +283,22 @@ class INetworkDefinition:
     def num_layers(self):
         return len(self.layers)
 
-    def get_layer(self, i):
-        return ILayer(*self.layers[i])
+    def get_layer(self, index):
+        return ILayer(*self.layers[index])
 
     @property
     def num_inputs(self):
         return len(self.inputs)
 
-    def get_input(self, i):
-        return self.inputs[i]
+    def get_input(self, index):
+        return self.inputs[index]
 
     @property
     def num_outputs(self):
         return len(self.outputs)
 
-    def get_output(self, i):
-        return self.outputs[i]
+    def get_output(self, index):
+        return self.outputs[index]
 
 
 class IHostMemory(bytes):
@@ -224,11 +324,12 @@ class IExecutionContext:
     def active_optimization_profile(self):
         return self.profile
 
-    def set_optimization_profile_async(self, index, stream_handle):
-        if not 0 <= index < self.engine.num_optimization_profiles:
+    def set_optimization_profile_async(self, profile_index, stream_handle):
+        if not 0 <= profile_index < self.engine.num_optimization_profiles:
             return False
-        self.profile = index
-        self.engine.calls.append(("set_optimization_profile_async", index, stream_handle))
+        self.profile = profile_index
+        self.engine.calls.append(("set_optimization_profile_async", profile_index,
+                                  stream_handle))
         return True
 
     def set_input_shape(self, name, shape):
@@ -238,8 +339,8 @@ class IExecutionContext:
         self.shapes[name] = tuple(shape)
         return True
 
-    def set_tensor_address(self, name, ptr):
-        self.addresses[name] = ptr
+    def set_tensor_address(self, name, memory):
+        self.addresses[name] = memory
         return True
 
     def get_tensor_shape(self, name):
@@ -258,8 +359,10 @@ class ICudaEngine:
     the one in ``io`` unless ``profiles`` is given); ``output_like``: output -> the input whose
     shape it has (for the fake context)."""
 
-    def __init__(self, io: Sequence[tuple], profiles: Sequence[dict] | None = None,
-                 output_like: dict | None = None):
+    def __init__(self, io: Sequence[tuple] = (), profiles: Sequence[dict] | None = None,
+                 output_like: dict | None = None, layer_info: str = '{"Layers": []}',
+                 serialized: bytes = b"SERIALIZED-ENGINE"):
+        self.layer_info, self._serialized = layer_info, serialized
         self.io = list(io)
         self.num_io_tensors = len(self.io)
         if profiles is None:
@@ -275,8 +378,8 @@ class ICudaEngine:
     def _get(self, name):
         return next(e for e in self.io if e[0] == name)
 
-    def get_tensor_name(self, i):
-        return self.io[i][0]
+    def get_tensor_name(self, index):
+        return self.io[index][0]
 
     def get_tensor_dtype(self, name):
         return DataType(self._get(name)[1])
@@ -287,14 +390,25 @@ class ICudaEngine:
     def get_tensor_mode(self, name):
         return self._get(name)[4]
 
-    def get_tensor_profile_shape(self, name, profile):
-        assert 0 <= profile < len(self.profiles), profile
-        return [tuple(s) for s in self.profiles[profile][name]]
+    def get_tensor_profile_shape(self, name, profile_index):
+        assert 0 <= profile_index < len(self.profiles), profile_index
+        return [tuple(s) for s in self.profiles[profile_index][name]]
 
     def create_execution_context(self):
         ctx = IExecutionContext(self)
         self.contexts.append(ctx)
         return ctx
+
+    def create_engine_inspector(self):
+        return EngineInspector(self)
+
+    def serialize(self):
+        return IHostMemory(self._serialized)
+
+
+#: the fake's helper classes and the real class each stands for (tests/test_fake_tensorrt.py
+#: compares their members with the real bindings')
+PLAYS = {RefittableEngine: "ICudaEngine", Plugin: "IPluginV3", PluginCore: "IPluginV3OneCore"}
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -303,28 +417,31 @@ def _version_tuple(version: str) -> tuple[int, int]:
 
 
 def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registered: bool = True,
-                  build_ok: bool = True, parse=None):
+                  build_ok: bool = True, parse=None, parse_errors: Sequence = ()):
     """A fake ``tensorrt`` module of ``version`` and the state it records.
 
     ``parse(network, path)`` fills the network when the parser reads a file (see
     tests/_tiny_model.py); ``fallback`` makes it inline the function bodies instead of plugin
     layers; ``registered=False`` leaves the QKNormRoPE creator out of the registry;
-    ``build_ok=False`` makes ``build_serialized_network`` return None.
+    ``build_ok=False`` makes ``build_serialized_network`` return None; ``parse_errors``
+    (:class:`ParserError` or ``(desc, node_name, node_operator)``) makes ``parse_from_file``
+    fail with them. ``state.engines`` maps serialised bytes to the engine ``Runtime`` returns.
     """
     major, minor = _version_tuple(version)
     state = types.SimpleNamespace(flags=None, parser_flags=[], profile={}, profiles=[],
-                                  config=None,
+                                  config=None, engines={}, timing_cache_data=None,
                                   loaded=[], progress_calls=0, fallback=fallback)
+    errors = [e if isinstance(e, ParserError) else ParserError(*e) for e in parse_errors]
 
     class Registry:
-        def get_creator(self, name, version, namespace):
-            key = (name, version, namespace)
+        def get_creator(self, type, version, plugin_namespace=""):
+            key = (type, version, plugin_namespace)
             ok = registered and key == (contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
                                         contract.PLUGIN_NAMESPACE)
             return object() if ok else None
 
-        def load_library(self, path):
-            state.loaded.append(("registry", path))
+        def load_library(self, plugin_path):
+            state.loaded.append(("registry", plugin_path))
             return object()
 
     registry = Registry()
@@ -332,21 +449,35 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
     class Logger:
         WARNING, VERBOSE = "W", "V"
 
-        def __init__(self, level):
-            self.level = level
+        def __init__(self, min_severity="W"):
+            self.min_severity = min_severity
 
     class OnnxParser:
-        num_errors = 0
+        """``parse_from_file(model)``: True, or False with the errors of ``parse_errors``
+        (``num_errors``, ``get_error(index)``, ``clear_errors()``)."""
 
         def __init__(self, network, logger):
-            self.network = network
+            self.network, self._errors = network, []
+
+        @property
+        def num_errors(self):
+            return len(self._errors)
+
+        def get_error(self, index):
+            return self._errors[index]
+
+        def clear_errors(self):
+            self._errors = []
 
         def set_flag(self, flag):
             state.parser_flags.append(flag)
 
-        def parse_from_file(self, path):
+        def parse_from_file(self, model):
+            if errors:
+                self._errors = list(errors)
+                return False
             if parse is not None:
-                parse(self.network, path, state)
+                parse(self.network, model, state)
             return True
 
     class Profile:
@@ -355,15 +486,18 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         def __init__(self):
             self.shapes = {}
 
-        def set_shape(self, name, lo, opt, hi):
-            self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+        def set_shape(self, input, min, opt, max):
+            self.shapes[input] = (tuple(min), tuple(opt), tuple(max))
 
     class TimingCache:
+        """A timing cache: binary, as TensorRT's (its bytes: a header, then what it was created
+        from)."""
+
         def __init__(self, data):
             self.data = data
 
         def serialize(self):
-            return IHostMemory(b"TIMING" + bytes(self.data))
+            return IHostMemory(b"\x00\x01fake-timing-cache\x00" + bytes(self.data))
 
     class BuilderConfig:
         def __init__(self):
@@ -372,24 +506,26 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
             self.builder_optimization_level = None
             self.plugins_to_serialize = []
             self.progress_monitor = None
+            self.profiling_verbosity = ProfilingVerbosity.LAYER_NAMES_ONLY  # TensorRT's default
             self.cache = None
 
-        def add_optimization_profile(self, p):
+        def add_optimization_profile(self, profile):
             """Returns the profile's index (the real API: an int, -1 on failure)."""
-            self.profile = p
-            state.profiles.append(dict(p.shapes))
+            self.profile = profile
+            state.profiles.append(dict(profile.shapes))
             if len(state.profiles) == 1:
-                state.profile.update(p.shapes)
+                state.profile.update(profile.shapes)
             return len(state.profiles) - 1
 
-        def set_memory_pool_limit(self, pool, size):
-            self.pools[pool] = size
+        def set_memory_pool_limit(self, pool, pool_size):
+            self.pools[pool] = pool_size
 
-        def set_flag(self, f):
-            self.flags.append(f)
+        def set_flag(self, flag):
+            self.flags.append(flag)
 
-        def create_timing_cache(self, data):
-            return TimingCache(data)
+        def create_timing_cache(self, serialized_timing_cache):
+            state.timing_cache_data = bytes(serialized_timing_cache)
+            return TimingCache(serialized_timing_cache)
 
         def set_timing_cache(self, cache, ignore_mismatch):
             self.cache = cache
@@ -424,6 +560,17 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         def __init__(self):
             pass
 
+    class Runtime:
+        """``trt.Runtime(logger)``: ``deserialize_cuda_engine(serialized_engine)`` returns the
+        engine registered for those bytes in ``state.engines``, else None (TensorRT's answer to
+        bytes it cannot load); ``engine_host_code_allowed``."""
+
+        def __init__(self, logger):
+            self.logger, self.engine_host_code_allowed = logger, False
+
+        def deserialize_cuda_engine(self, serialized_engine):
+            return state.engines.get(bytes(serialized_engine))
+
     # TensorRT 10: EXPLICIT_BATCH 0 (deprecated), STRONGLY_TYPED 1; TensorRT 11: STRONGLY_TYPED
     # is 0 and deprecated (strongly typed is always on).
     creation_flags = (types.SimpleNamespace(EXPLICIT_BATCH=0, STRONGLY_TYPED=1) if major < 11
@@ -441,7 +588,11 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
         ILayer=ILayer, IPluginV3Layer=IPluginV3Layer, IProgressMonitor=IProgressMonitor,
         IHostMemory=IHostMemory, ICudaEngine=ICudaEngine, IExecutionContext=IExecutionContext,
         Weights=Weights, Refitter=Refitter, TensorIOMode=TensorIOMode,
-        DataType=DataType,
+        DataType=DataType, Runtime=Runtime, EngineInspector=EngineInspector,
+        ProfilingVerbosity=ProfilingVerbosity, LayerInformationFormat=LayerInformationFormat,
+        ParserError=ParserError, ErrorCode=ErrorCode, IBuilderConfig=BuilderConfig,
+        IOptimizationProfile=Profile, ITimingCache=TimingCache, IPluginRegistry=Registry,
+        INetworkDefinition=INetworkDefinition, ITensor=ITensor,
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="WS"),
         BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE="VC", REFIT="REFIT",
                                           REFIT_IDENTICAL="REFIT_IDENTICAL",

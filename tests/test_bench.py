@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import fake_tensorrt as ft
 import onnx
 import pytest
 import torch
@@ -546,30 +547,22 @@ def test_attention_span_nodes_of_both_forms(tmp_path):
 
 
 def test_engine_inspector_of_a_runner(tmp_path):
-    """_inspect_engine asks the engine's inspector for JSON layer information (the fake has
-    the two calls TensorRT's API has) and writes it out."""
-    asked = []
-
-    class Inspector:
-        def get_engine_information(self, fmt):
-            asked.append(fmt)
-            return _layers({"Name": "node_softmax", "LayerType": "SoftMax"})
-
-    class Engine:
-        def create_engine_inspector(self):
-            return Inspector()
-
-    class Trt:
-        class LayerInformationFormat:
-            JSON = "json-format"
-
-    runner = type("R", (), {"engine": Engine(), "trt": Trt})()
+    """_inspect_engine asks the engine's inspector (the fake TensorRT's, with the real calls)
+    for JSON layer information and writes it out; unreadable information is a reason."""
+    trt, _ = ft.make_fake_trt()
+    engine = trt.ICudaEngine(layer_info=_layers({"Name": "node_softmax",
+                                                 "LayerType": "SoftMax"}))
+    runner = type("R", (), {"engine": engine, "trt": trt})()
     fused, basis = bench._inspect_engine(runner, tmp_path / "layers.json")
-    assert (fused, asked) == ("no", ["json-format"]) and "node_softmax" in basis
+    assert fused == "no" and "node_softmax" in basis
     assert json.loads((tmp_path / "layers.json").read_text())["Layers"][0]["Name"] == \
         "node_softmax"
     assert bench._inspect_engine(object()) == ("unknown", "the runner exposes no TensorRT "
                                                           "engine to inspect")
+    broken = trt.ICudaEngine(layer_info="not json")
+    runner = type("R", (), {"engine": broken, "trt": trt})()
+    assert bench._inspect_engine(runner)[0] == "unknown"
+    assert "unreadable inspector JSON" in bench._inspect_engine(runner)[1]
 
 
 def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
@@ -604,20 +597,16 @@ def test_engines_are_built_per_form_no_plugin_first(tmp_path, monkeypatch):
 
 def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, monkeypatch):
     """BuildOptions.profiling_verbosity sets config.profiling_verbosity (the fake TensorRT of
-    tests/fake_tensorrt.py, given a ProfilingVerbosity enum here); unset, the config keeps
-    TensorRT's default; a bad value is refused before TensorRT is asked."""
+    tests/fake_tensorrt.py); unset, the config keeps TensorRT's default (LAYER_NAMES_ONLY); a
+    bad value is refused before TensorRT is asked."""
     import io
     import sys
-    import types
 
-    import fake_tensorrt as ft
     from _tiny_model import parse_tiny, write_tiny_onnx
 
     from qkrope.runtime import engine as E
 
     trt, state = ft.make_fake_trt(parse=parse_tiny)
-    monkeypatch.setattr(trt, "ProfilingVerbosity", types.SimpleNamespace(
-        DETAILED="PV.DETAILED", LAYER_NAMES_ONLY="PV.NAMES", NONE="PV.NONE"), raising=False)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(E.ctypes, "CDLL", lambda path, mode=0: None)
     lib = tmp_path / "libqkrope_plugin.so"
@@ -626,10 +615,10 @@ def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, 
     E.build_engine(onnx_path, tmp_path / "a.engine",
                    E.BuildOptions(plugin=str(lib), progress=False,
                                   profiling_verbosity="detailed"), log=io.StringIO())
-    assert state.config.profiling_verbosity == "PV.DETAILED"
+    assert state.config.profiling_verbosity == trt.ProfilingVerbosity.DETAILED
     E.build_engine(onnx_path, tmp_path / "b.engine",
                    E.BuildOptions(plugin=str(lib), progress=False), log=io.StringIO())
-    assert not hasattr(state.config, "profiling_verbosity")
+    assert state.config.profiling_verbosity == trt.ProfilingVerbosity.LAYER_NAMES_ONLY  # default
     with pytest.raises(E.EngineBuildError, match="profiling_verbosity"):
         E.check_options(E.BuildOptions(profiling_verbosity="loud"))
 
@@ -708,10 +697,8 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
         def __init__(self, path, plugin):
             self.path, self.plugin = path, plugin
             backend = "trt-plugin" if ".trt-plugin." in path else "trt-function-body"
-            info = _layers(layers[backend])
-            self.engine = type("E", (), {"create_engine_inspector": lambda s: type(
-                "I", (), {"get_engine_information": lambda s, fmt: info})()})()
-            self.trt = type("T", (), {"LayerInformationFormat": type("F", (), {"JSON": 1})})
+            self.trt, _ = ft.make_fake_trt()
+            self.engine = self.trt.ICudaEngine(layer_info=_layers(layers[backend]))
 
         def __call__(self, *args):
             return args[0]

@@ -112,6 +112,12 @@ def test_build_model_without_qknorm_rope_nodes(tmp_path, capsys, no_tensorrt):
     (["--txt-tokens", "512:1"], "--txt-tokens"),
     (["--batch", "0:2"], "--batch"),
     (["--resolutions", "512x512", "--max-txt-tokens", "40"], "--txt-tokens MIN:MAX"),
+    # Qwen-Image's RoPE tables hold 4096 positions per axis and direction: 131088 px = 8193
+    # patches, centred 4097 one way; a 1024x1024 image (64 patches) starts the text at 32
+    (["--resolutions", "131088x16"], "needs 4097 RoPE positions"),
+    (["--resolutions", "512x512,1024x1024", "--txt-tokens", "1:4065"],
+     "more than the 4064 text positions"),
+    (["--workspace", str((1 << 20) + 1)], "1 TiB"),
 ])
 def test_build_arguments_are_checked_before_tensorrt(tmp_path, capsys, no_tensorrt, args, match):
     path = write_tiny_onnx(tmp_path / "m.onnx")
@@ -144,3 +150,53 @@ def test_build_preset_flags_reach_the_builder(monkeypatch):
     opts = seen["opts"]
     assert opts.resolutions == [(512, 512), (1328, 1328)]
     assert opts.txt_tokens == (1, 256) and opts.batch == (1, 2) and opts.refit is True
+
+
+def _other_model(d):
+    write_tiny_onnx(d / "other.onnx")
+
+
+def _notes(d):
+    (d / "notes.txt").write_text("my notes\n")
+
+
+def _other_engine(d):
+    (d / "old.engine").write_bytes(b"\x00\x01 a serialised engine")
+    (d / "old.engine.json").write_text('{"format": "qkrope-engine", "format_version": 1}')
+
+
+def _link_to_model(d):
+    (d / "link.engine").symlink_to(d / "m.onnx")
+
+
+@pytest.mark.parametrize("setup, extra, says", [
+    (None, ["-o", "{d}/m.onnx.json"], "same file as"),               # the model's own sidecar
+    (_link_to_model, ["-o", "{d}/link.engine"], "same file as"),     # the model, by a symlink
+    (_other_model, ["-o", "{d}/other.onnx"], "is an ONNX model, not a TensorRT engine"),
+    (_other_model, ["-o", "{d}/other.engine.x"], None),               # control: a new name builds
+    (None, ["--timing-cache", "{d}/m.onnx"], "same file as"),
+    (None, ["--timing-cache", "{d}/m.onnx.json"], "same file as"),
+    (None, ["--timing-cache", "{d}/m.engine"], "same file as"),      # the engine it writes
+    (_other_model, ["--timing-cache", "{d}/other.onnx"], "is an ONNX model, not a TensorRT "
+                                                         "timing cache"),
+    (_notes, ["--timing-cache", "{d}/notes.txt"], "is a text file"),
+    (_other_engine, ["--timing-cache", "{d}/old.engine"], "has the sidecar"),
+    (_notes, ["-o", "{d}/notes.txt.engine"], None),                   # control
+])
+def test_build_outputs_that_are_inputs_or_other_files_are_refused(tmp_path, capsys, no_tensorrt,
+                                                                  setup, extra, says):
+    """Every output the build writes (engine, its sidecar, the timing cache) is checked before
+    any work: none may be a file the build reads or writes otherwise, or an existing file of
+    another kind (it is not replaced)."""
+    path = write_tiny_onnx(tmp_path / "m.onnx")
+    if setup is not None:
+        setup(tmp_path)
+    extra = [a.format(d=tmp_path) for a in extra]
+    if says is None:  # passes the checks, then needs TensorRT
+        from qkrope import cli
+
+        assert cli.main(["build", str(path), *extra]) == 2
+        assert "tensorrt" in capsys.readouterr().err.lower()
+        return
+    err = _build(tmp_path, capsys, path, *extra)
+    assert says in err and ("choose another" in err), err

@@ -111,7 +111,8 @@ def problems(draw):
     return images, txt, pairs, head_dim, fmt, dtype, damage, nested, seed
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])  # fixed examples: same verdict anywhere
 @given(problems())
 def test_converts_to_the_same_attention_or_raises(problem):
     images, txt, pairs, head_dim, fmt, dtype, damage, nested, seed = problem

@@ -194,7 +194,8 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert out.read_bytes() == b"SERIALIZED-ENGINE"
-    assert tc.read_bytes() == b"TIMING"
+    assert tc.read_bytes() == bytes(trt.ITimingCache(b"").serialize())  # a new cache
+    assert state.timing_cache_data == b""
     assert state.flags == 1 << 1  # STRONGLY_TYPED (1 in TensorRT 10)
     assert state.parser_flags == []  # no ENABLE_PLUGIN_OVERRIDE before 10.15
     assert state.loaded == [("dlopen", str(lib.resolve()))]
@@ -211,6 +212,10 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
                                  "shape": [-1, -1], "axes": ["batch", "txt_tokens"]}
     assert side["config"]["head_dim"] == 16
     assert "wrote" in captured.out
+    cache = tc.read_bytes()  # the next build reads the cache back and updates it
+    assert cli.main(["build", str(onnx_path), "-o", str(out), "--plugin", str(lib),
+                     "--max-img-tokens", "64", "--timing-cache", str(tc)]) == 0
+    assert state.timing_cache_data == cache
 
 
 def test_fake_build_version_compatible_uses_registry(fake_build, tmp_path):
@@ -381,3 +386,69 @@ def test_transformer_default_opt_is_1024_preset_not_the_sample():
     assert label == "" and p["hidden_states"]["opt"] == (2, 16, C)
     with pytest.raises(eng.prof.ProfileError, match="--txt-tokens"):
         eng.plan_profiles(m, eng.BuildOptions(resolutions=[(512, 512)], max_txt_tokens=9))
+
+
+def test_every_engine_pair_on_disk_identifies_itself(tmp_path, monkeypatch):
+    """write_engine_pair under every injected write failure, and the readers after it: the pair
+    on disk is always one that EngineInfo.load accepts (its sidecar records that engine's
+    sha256), old or new, never engine A beside sidecar B."""
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    engine = tmp_path / "m.engine"
+
+    def info(tag):
+        return EngineInfo(tensorrt_version="10.14.1", onnx=tag,
+                          inputs=[EngineTensor("x", "float32", [-1])],
+                          outputs=[EngineTensor("y", "float32", [-1])], profiles=[],
+                          plugin=None, plugin_layers=1, version_compatible=False,
+                          strongly_typed=True)
+
+    eng.write_engine_pair(engine, b"OLD-ENGINE", info("old"))
+
+    def after(k):
+        loaded = EngineInfo.load(engine)  # raises on a mixed pair
+        assert (engine.read_bytes(), loaded.onnx) in ((b"OLD-ENGINE", "old"),
+                                                      (b"NEW-ENGINE", "new")), k
+
+    steps = fail_each_write_step(monkeypatch,
+                                 lambda: eng.write_engine_pair(engine, b"NEW-ENGINE", info("new")),
+                                 reset=lambda: eng.write_engine_pair(engine, b"OLD-ENGINE",
+                                                                     info("old")),
+                                 after=after)
+    assert len(steps) >= 3
+
+
+def test_fake_build_reports_the_parsers_errors_in_one_line(fake_build, tmp_path, capsys):
+    """parse_from_file failing: the parser's errors (num_errors / get_error, the real API) in
+    one line, nothing written."""
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build(parse_errors=[
+        ("No importer registered for op: Attention", "node_attn", "Attention"),
+        ft.ParserError("Assertion failed:\nshape mismatch", "node_mm", "MatMul",
+                       code=ft.ErrorCode.INVALID_NODE, node=7)])
+    out = tmp_path / "m.engine"
+    rc = cli.main(["build", str(onnx_path), "-o", str(out), "--plugin", str(lib),
+                   "--no-progress"])
+    lines = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
+    assert rc == 2 and len(lines) == 1, lines  # the [build] progress lines aside
+    err = lines[0]
+    assert "ONNX parser rejected" in err and "(2 error(s))" in err
+    assert "name: node_attn and operator: Attention" in err and "No importer registered" in err
+    assert "In node 7 with name: node_mm" in err and "INVALID_NODE: Assertion failed: shape" in err
+    assert not out.exists() and not Path(str(out) + ".json").exists()
+
+
+def test_fake_build_refuses_to_write_over_the_default_plugin(fake_build, tmp_path, monkeypatch,
+                                                             capsys):
+    """Without --plugin the library is found later (the one `qkrope build-plugin` built); an
+    engine path naming it is refused too, before TensorRT builds anything."""
+    from qkrope import cli
+
+    trt, state, onnx_path, lib = fake_build()
+    monkeypatch.setattr(eng, "resolve_plugin_library", lambda *a, **k: lib)
+    before = lib.read_bytes()
+    assert cli.main(["build", str(onnx_path), "-o", str(lib), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "same file as" in err and "choose another -o" in err, err
+    assert lib.read_bytes() == before and state.config is None  # no build began

@@ -148,3 +148,68 @@ def test_sigterm_removes_the_staging_folder_and_exits_143(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 143
     assert not _staging_dirs(tmp_path) and not (tmp_path / "x.bin").exists()
+
+
+# ---- concurrent writers of one output group -------------------------------------------------
+
+def test_two_concurrent_commits_of_one_pair_do_not_interleave(tmp_path, monkeypatch):
+    """Writer A is held after its first rename until writer B has committed (or 2 s have
+    passed): without the folder lock B's two renames land between A's (sidecar B, data A);
+    with it B waits for A, and the pair on disk is always one writer's."""
+    import threading
+
+    real_replace = os.replace
+    first_done, b_done = threading.Event(), threading.Event()
+
+    def replace(src, dst, *a, **kw):
+        real_replace(src, dst, *a, **kw)
+        if threading.current_thread().name == "A" and str(dst).endswith("x.json"):
+            first_done.set()
+            b_done.wait(2.0)  # a bound on the wait only; B cannot commit while A holds the lock
+
+    monkeypatch.setattr(os, "replace", replace)
+
+    def writer(tag):
+        _stage_pair(tmp_path, b"data " + tag, b"side " + tag)
+        if tag == b"B":
+            b_done.set()
+
+    a = threading.Thread(target=writer, args=(b"A",), name="A")
+    a.start()
+    assert first_done.wait(30)
+    b = threading.Thread(target=writer, args=(b"B",), name="B")
+    b.start()
+    a.join(60)
+    b.join(60)
+    data, side = (tmp_path / "x.bin").read_bytes(), (tmp_path / "x.json").read_bytes()
+    assert (data[-1:], side[-1:]) == (b"B", b"B"), (data, side)  # B committed last, whole
+
+
+def test_a_commit_waits_for_another_process_holding_the_folder_lock(tmp_path):
+    """The lock excludes other processes: while a second process holds it, a commit does not
+    move anything; once it lets go, the commit completes."""
+    import threading
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from qkrope._fileio import folder_lock
+            with folder_lock({str(tmp_path)!r}):
+                print("locked", flush=True)
+                sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t = threading.Thread(target=_stage_pair, args=(tmp_path, b"new", b"new-side"))
+        t.start()
+        t.join(1.0)
+        assert t.is_alive() and not (tmp_path / "x.bin").exists()  # blocked on the lock
+        holder.stdin.close()
+        t.join(60)
+        assert not t.is_alive()
+    finally:
+        holder.kill() if holder.poll() is None else None
+        holder.wait()
+    assert (tmp_path / "x.bin").read_bytes() == b"new"
+    assert (tmp_path / "x.json").read_bytes() == b"new-side"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "x.json"]  # no lock file

@@ -397,8 +397,43 @@ def test_cli_unreadable_weights(tmp_path, capsys):
     assert main(["export", "--out", str(out), "--heads", "2", "--head-dim", "64", "--weights",
                  str(weights)]) == 2
     err = capsys.readouterr().err
-    assert "could not be read as a weights file" in err and "state dict" in err
+    assert "is not a state dict: it is a JSON file" in err and "save_file(" in err
     _no_outputs(out.parent)
+
+
+@pytest.mark.parametrize("target, says", [
+    ("link.onnx", "same file as"),                 # a symlink to the --weights file
+    ("notes.onnx", "is a text file, not an ONNX model"),
+    ("side.onnx", "is a JSON file, not a model sidecar"),   # side.onnx.json is someone's JSON
+    ("eng.onnx", "is a qkrope engine sidecar, not a model sidecar"),
+])
+def test_cli_outputs_that_are_inputs_or_other_files_are_refused(tmp_path, capsys, target, says):
+    """--out, its .data and its sidecar: none may be the weights read, nor replace an existing
+    file of another kind; refused before the trace, nothing changed."""
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "w.safetensors"
+    save_file({"to_q.weight": torch.ones(2, 2)}, str(weights))
+    (tmp_path / "link.onnx").symlink_to(weights)
+    (tmp_path / "notes.onnx").write_text("my notes\n")
+    (tmp_path / "side.onnx.json").write_text('{"mine": 1}')
+    (tmp_path / "eng.onnx.json").write_text('{"format": "qkrope-engine", "format_version": 1}')
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert main(["export", "--out", str(tmp_path / target), "--heads", "2", "--head-dim", "16",
+                 "--weights", str(weights)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "choose another --out" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_export_records_parameter_shapes(tmp_path):
+    """config.parameter_shapes: each exported parameter's shape (qkrope refit checks them)."""
+    from qkrope.export.onnx_export import build_attention, export_attention
+
+    info, _ = export_attention(tmp_path / "m.onnx", heads=2, head_dim=16)
+    sd = build_attention(info.config).state_dict()
+    assert info.config["parameter_shapes"] == {k: list(v.shape) for k, v in sd.items()}
+    assert any(len(v) == 2 for v in info.config["parameter_shapes"].values())
 
 
 def test_cli_keeps_tracebacks_of_internal_failures(tmp_path, monkeypatch):

@@ -5,12 +5,15 @@ The plugin's C++ sources are compiled into the fuzz binary with -fsanitize=addre
 nvcc, no GPU: the kernel launch is a stub that returns the real checkParams' status). With clang and
 libFuzzer the binary is a coverage-guided libFuzzer target run from a small seed corpus written
 here; with any other compiler that has the sanitizer runtimes (g++) it is a seeded random loop.
-Each run is bounded (iterations and seconds) and must exit 0 with no sanitizer report and no
-violated invariant. Mutants of the plugin sources (temporary copies, regex-edited; the real files
-are never touched) prove that the fuzzer fails when the plugin is wrong.
+Each run is bounded by an iteration count with a fixed seed, never by wall time, so a slow or busy
+machine runs the same inputs and gives the same verdict (the subprocess timeout only guards against
+a hang). Mutants of the plugin sources (temporary copies, regex-edited; the real files are never
+touched) prove that the fuzzer fails when the plugin is wrong; each has a seed input, written here
+and decoded byte by byte in its comment, that reaches its planted bug on the first execution, so
+the verdict does not depend on how far the search gets either.
 
-Budget (FUZZ_RUNS / FUZZ_SECONDS, env QKROPE_FUZZ_RUNS / QKROPE_FUZZ_SECONDS to change): about 10 s
-of fuzzing plus the build (about 10 s with two cores), and a few seconds per mutant.
+Budget (FUZZ_RUNS, env QKROPE_FUZZ_RUNS to change): 150000 iterations, about 10 s of fuzzing plus
+the build (about 10 s with two cores) on an idle machine, and a few seconds per mutant.
 """
 
 from __future__ import annotations
@@ -32,9 +35,8 @@ PLUGINS = REPO / "plugins"
 TRT_FALLBACK = REPO / "third_party" / "tensorrt-headers" / "include" / "NvInferRuntime.h"
 
 FUZZ_RUNS = int(os.environ.get("QKROPE_FUZZ_RUNS", "150000"))
-FUZZ_SECONDS = int(os.environ.get("QKROPE_FUZZ_SECONDS", "10"))
-MUTANT_RUNS = 50000
-MUTANT_SECONDS = 10
+MUTANT_RUNS = 20000
+HANG_GUARD_SECONDS = 1800  # a subprocess that runs this long is hung; not a budget
 
 SANITIZER_REPORT = re.compile(r"ERROR: (AddressSanitizer|LeakSanitizer|UndefinedBehaviorSanitizer|libFuzzer)"
                               r"|runtime error:|INVARIANT VIOLATED")
@@ -110,24 +112,31 @@ class FuzzBuild:
         assert res.returncode == 0, f"building {target} failed:\n{(res.stdout + res.stderr)[-4000:]}"
         return self.dir / target
 
-    def run(self, binary: Path, workdir: Path, runs: int, seconds: int) -> subprocess.CompletedProcess:
+    def run(self, binary: Path, workdir: Path, runs: int,
+            seeds: dict[str, bytes] | None = None) -> subprocess.CompletedProcess:
+        """``runs`` iterations from seed 1 (libFuzzer: ``-runs``/``-seed`` over a corpus written
+        here plus ``seeds``; the loop: ``--iterations``/``--seed`` after replaying ``seeds``)."""
         workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **SANITIZER_ENV}
+        corpus = workdir / "corpus"
+        corpus.mkdir(exist_ok=True)
+        for name, data in (seeds or {}).items():
+            (corpus / name).write_bytes(data)
         if self.engine == "libfuzzer":
-            corpus = workdir / "corpus"
-            corpus.mkdir(exist_ok=True)
             rng = random.Random(1)
             # seeds: empty and all-zero inputs decode to the common valid choices; random ones to the rest
             (corpus / "empty").write_bytes(b"")
             (corpus / "zeros").write_bytes(bytes(64))
             for i in range(24):
                 (corpus / f"random-{i}").write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(8, 300))))
-            cmd = [str(binary), f"-runs={runs}", f"-max_total_time={seconds}", "-seed=1", "-max_len=1024",
+            cmd = [str(binary), f"-runs={runs}", "-seed=1", "-max_len=1024",
                    "-rss_limit_mb=6144",
                    f"-artifact_prefix={workdir}/", "-print_final_stats=1", str(corpus)]
         else:
-            cmd = [str(binary), "--iterations", str(runs), "--seed", "1", "--max-len", "512"]
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env, timeout=seconds + 120)
+            cmd = [str(binary), "--iterations", str(runs), "--seed", "1", "--max-len", "512",
+                   *sorted(str(corpus / name) for name in (seeds or {}))]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env,
+                              timeout=HANG_GUARD_SECONDS)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +164,9 @@ def _report(res: subprocess.CompletedProcess) -> str:
 
 
 def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
-    res = fuzz_build.run(fuzz_build.dir / "qkrope_plugin_fuzz", tmp_path, FUZZ_RUNS, FUZZ_SECONDS)
+    # the mutants' seeds are valid inputs for the real plugin: replayed here, they pass
+    seeds = {f"mutant-{i}": m[-1] for i, m in enumerate(MUTANTS)}
+    res = fuzz_build.run(fuzz_build.dir / "qkrope_plugin_fuzz", tmp_path, FUZZ_RUNS, seeds=seeds)
     out = res.stdout + res.stderr
     assert res.returncode == 0, _report(res)
     assert not SANITIZER_REPORT.search(out), _report(res)
@@ -163,7 +174,7 @@ def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
         m = re.search(r"Done (\d+) runs in (\d+) second", out)
         assert m, _report(res)
         runs = int(m.group(1))
-        assert runs >= min(FUZZ_RUNS, 10000), f"only {runs} runs:\n{_report(res)}"
+        assert runs == FUZZ_RUNS, f"{runs} runs, not {FUZZ_RUNS}:\n{_report(res)}"
         cov = re.findall(r"cov: (\d+)", out)
         print(f"\nlibFuzzer ({fuzz_build.cxx}): {runs} runs in {m.group(2)} s, coverage {cov[-1] if cov else '?'}")
     else:
@@ -178,17 +189,53 @@ def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
 
 
 # ---- mutants: the fuzzer must fail when the plugin is wrong ----------------------------------------
-# (description, source under plugins/, pattern, replacement, what must be reported). Applied to a
-# temporary copy with re.subn(count=1); a pattern that no longer matches skips its test.
+# (description, source under plugins/, pattern, replacement, what must be reported, seed input).
+# Applied to a temporary copy with re.subn(count=1); a pattern that no longer matches skips its test.
+# Each seed is read by plugin_fuzz.cpp's Input (one byte per choice, u8() % n for below(n) when
+# n <= 256, chance(p) true when the byte is < p); the comments give each byte's choice.
+
+# plugin_version as a kCHAR of length -1 over a 3-byte block without a NUL
+NEGATIVE_LENGTH_SEED = bytes([
+    12, 1,          # makeCollection: mode 12 (fuzzed fields), below(9) -> 1 field
+    3, 200, 0,      # makeField: name choice 3 -> kFIELDS[3] plugin_version; not clean; its type kCHAR
+    25,             # length choice 25 -> kLengths[1] = -1
+    0, 200, 200,    # stringPayload: the identity "1"; no NUL counted; no NUL inserted
+    200,            # data not null
+    3, 65, 65, 65,  # the hostile block: 3 bytes "AAA"
+    200,            # not the payload instead
+    0, 200,         # layer name "fuzz_node_0"; kBUILD
+])
+# no fields (accepted), then onShapeChange with q of rank 9
+RANK_NINE_SEED = bytes([
+    12, 0, 0,                  # makeCollection: mode 12, 0 fields, fields pointer null
+    0, 200,                    # layer name "fuzz_node_0"; kBUILD
+    0, 200, 200,               # clone; keep the source; fuzz the source
+    0,                         # fuzzPlugin: 1 round
+    1, 1, 0, 3, 200, 3, 0,     # makeProblem: batch 1, seq 2, heads 1, head_dim 8, rot 8, rows 2
+    4,                         # which 4: configurePlugin/onShapeChange, no wildcards
+    200, 0, 0, 0, 1,           # makeDims: 1 perturbation, of d[0] (q): a rank, kRanks[1] = 9
+    0, 2, 200,                 # makeTypes: common, kFLOAT; no override
+    200, 200,                  # counts 5/2; onShapeChange
+])
+# the parser's form (epsilon, interleaved, rounding) with interleaved given as kFLOAT32 1.0
+INT_AS_FLOAT_SEED = bytes([
+    0,                         # makeCollection: mode 0, the three attributes in table order
+    0, 0, 0,                   # epsilon: forced name, clean, its default
+    0, 200, 169, 0, 200, 0, 0,  # interleaved: forced name; not clean; type 169 % 14 = 1 kFLOAT32;
+                                # length 1; data not null; a valid value, the default 1 (1.0f)
+    0, 0, 0,                   # rounding: forced name, clean, its default
+    0, 200,                    # layer name "fuzz_node_0"; kBUILD
+])
 MUTANTS = [
     ("string field: negative length not refused (read as a huge size_t)", "plugin/qknorm_rope_fields.cpp",
-     r"QKROPE_VALIDATE\(f\.length >= 0,[^;]*;", "", r"AddressSanitizer: heap-buffer-overflow"),
+     r"QKROPE_VALIDATE\(f\.length >= 0,[^;]*;", "", r"AddressSanitizer: heap-buffer-overflow",
+     NEGATIVE_LENGTH_SEED),
     ("rank check lets nbDims = 9 through", "plugin/qknorm_rope_plugin.cpp",
      r"return nbDims >= 0 && nbDims <= Dims::MAX_DIMS;", "return nbDims >= 0 && nbDims <= Dims::MAX_DIMS + 1;",
-     r"runtime error: index 8 out of bounds|AddressSanitizer|INVARIANT VIOLATED"),
+     r"runtime error: index 8 out of bounds|AddressSanitizer|INVARIANT VIOLATED", RANK_NINE_SEED),
     ("an INT field accepts kFLOAT32", "plugin/qknorm_rope_fields.cpp",
      r"(case PluginFieldType::kINT32:\s*return given == PluginFieldType::kINT32)",
-     r"\1 || given == PluginFieldType::kFLOAT32", r"INVARIANT VIOLATED|runtime error:"),
+     r"\1 || given == PluginFieldType::kFLOAT32", r"INVARIANT VIOLATED|runtime error:", INT_AS_FLOAT_SEED),
 ]
 
 
@@ -201,7 +248,7 @@ def mutant_root(fuzz_build: FuzzBuild, tmp_path_factory):
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: re.sub(r"\W+", "_", m[0])[:48])
 def test_fuzzer_catches_mutant(fuzz_build: FuzzBuild, mutant_root: Path, mutant):
-    desc, src, pattern, repl, expect = mutant
+    desc, src, pattern, repl, expect, seed = mutant
     text = (PLUGINS / src).read_text()
     mutated, n = re.subn(pattern, repl, text, count=1)
     if n == 0:
@@ -211,7 +258,14 @@ def test_fuzzer_catches_mutant(fuzz_build: FuzzBuild, mutant_root: Path, mutant)
     (mdir / Path(src).name).write_text(mutated)
     fuzz_build.configure(mdir)
     binary = fuzz_build.build("qkrope_plugin_fuzz_mutant")
-    res = fuzz_build.run(binary, mdir / "run", MUTANT_RUNS, MUTANT_SECONDS)
+    # the seed alone reaches the planted bug (one execution: no search involved) ...
+    (mdir / "planted").write_bytes(seed)
+    alone = subprocess.run([str(binary), str(mdir / "planted")], capture_output=True, text=True,
+                           cwd=mdir, env={**os.environ, **SANITIZER_ENV}, timeout=HANG_GUARD_SECONDS)
+    assert alone.returncode != 0 and re.search(expect, alone.stdout + alone.stderr), \
+        f"mutant '{desc}': its seed does not reach the planted bug:\n{_report(alone)}"
+    # ... and the iteration-capped fuzz run over the corpus holding it fails the same way
+    res = fuzz_build.run(binary, mdir / "run", MUTANT_RUNS, seeds={"planted": seed})
     out = res.stdout + res.stderr
     assert res.returncode != 0, f"mutant '{desc}' survived the fuzzer:\n{_report(res)}"
     found = re.search(expect, out)

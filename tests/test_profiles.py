@@ -178,3 +178,29 @@ def test_select_profile_first_covering_and_refusal():
                            r"\(512x512\).*\n  profile 1 \(1024x1024\).*\n  profile 2 "
                            r"\(1328x1328\)"):
             prof.select_profile(ranges, bad, labels)
+
+
+def test_profiles_are_bounded_by_the_rope_tables():
+    """Qwen-Image's RoPE tables hold 4096 positions per axis and direction: a preset whose image
+    or text does not fit is refused with the limit (no call could use that profile), the
+    largest that fits is accepted; a transformer's plain text range too."""
+    from qkrope.runtime import engine as E
+
+    m = model(with_timestep=True)
+    # 131056 px = 8191 patches: centred 4096 one way, text from 4095: one text token fits;
+    # 8192 patches fit the image but leave no text position; 8193 patches need 4097
+    prof.check_rope_positions([(131056, 16)], 1)
+    with pytest.raises(prof.ProfileError, match="more than the 0 text positions"):
+        prof.check_rope_positions([(131072, 16)], 1)
+    with pytest.raises(prof.ProfileError, match="needs 4097 RoPE positions.*4096"):
+        prof.check_rope_positions([(131088, 16)], 1)
+    # 1328x1328 = 83 patches: text starts at 41, 4055 rows left; the tightest preset governs
+    prof.check_rope_positions([(512, 512), (1328, 1328)], 4055)
+    with pytest.raises(prof.ProfileError, match="4055 text positions.*1328x1328"):
+        prof.check_rope_positions([(512, 512), (1328, 1328)], 4056)
+    with pytest.raises(prof.ProfileError, match="4064 text positions"):
+        E.plan_profiles(m, E.BuildOptions(resolutions=[(1024, 1024)], txt_tokens=(1, 4065)))
+    assert E.plan_profiles(m, E.BuildOptions(resolutions=[(1024, 1024)], txt_tokens=(1, 4064)))
+    with pytest.raises(prof.ProfileError, match="4096 text positions"):
+        E.plan_profiles(m, E.BuildOptions(max_img_tokens=64, max_txt_tokens=4097))
+    assert E.plan_profiles(m, E.BuildOptions(max_img_tokens=64, max_txt_tokens=4096))

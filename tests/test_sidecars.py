@@ -4,6 +4,7 @@ load (a wrong version or shape of the file is a SidecarError naming the file, ne
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,113 @@ def test_sidecar_model_hash_field_is_typed(tmp_path, value):
     path.write_text(json.dumps(data))
     with pytest.raises(ModelInfoError, match="model_sha256"):
         ModelInfo.load(onnx_path)
+
+
+def test_engine_sidecar_records_and_checks_its_engine(tmp_path):
+    """An engine pair identifies itself like a model pair: the sidecar records the engine's
+    sha256 and load() refuses it beside another engine (two writers, a copy by hand)."""
+    import hashlib
+
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"engine one")
+    _engine().save(engine)
+    side = json.loads((tmp_path / "m.engine.json").read_text())
+    assert side["engine_sha256"] == hashlib.sha256(b"engine one").hexdigest()
+    assert EngineInfo.load(engine).engine_sha256 == side["engine_sha256"]
+    engine.write_bytes(b"engine two")
+    with pytest.raises(EngineInfoError, match=r"does not describe this engine \(.*m\.engine has "
+                                              r"sha256 [0-9a-f]{12}.*rebuild it"):
+        EngineInfo.load(engine)
+    side["engine_sha256"] = "xyz"
+    (tmp_path / "m.engine.json").write_text(json.dumps(side))
+    with pytest.raises(EngineInfoError, match="engine_sha256"):
+        EngineInfo.load(engine)
+
+
+@pytest.mark.parametrize("reader", ["load", "refit", "triton-repo"])
+def test_readers_refuse_an_engine_beside_another_engines_sidecar(tmp_path, capsys, monkeypatch,
+                                                                 reader):
+    """load, refit and triton-repo read the engine sidecar through EngineInfo.load: an engine
+    that is not the one its sidecar records is refused before TensorRT is needed."""
+    import sys
+
+    from qkrope import cli
+    from qkrope.runtime import load
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"\x00engine A")
+    info = _engine()
+    info.refittable = True
+    info.save(engine)
+    engine.write_bytes(b"\x00engine B")  # another writer's engine
+    if reader == "load":
+        with pytest.raises(EngineInfoError, match="does not describe this engine"):
+            load(engine)
+        return
+    state = tmp_path / "sd.pt"
+    import torch
+
+    torch.save({"w": torch.ones(2)}, state)
+    argv = {"refit": ["refit", str(engine), "--state-dict", str(state)],
+            "triton-repo": ["triton-repo", "--engine", str(engine), "-o",
+                            str(tmp_path / "repo"), "--no-plugin-hash-check"]}[reader]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not describe this engine" in err and err.count("\n") == 1, err
+    assert engine.read_bytes() == b"\x00engine B" and not (tmp_path / "repo").exists()
+
+
+@pytest.fixture(scope="module")
+def exported_attention(tmp_path_factory):
+    from qkrope.export.onnx_export import export_attention
+
+    d = tmp_path_factory.mktemp("exported")
+    export_attention(d / "m.onnx", heads=2, head_dim=32)
+    return d / "m.onnx"
+
+
+def _edited_copy(src, dst, edit):
+    import shutil
+
+    shutil.copyfile(src, dst)
+    side = json.loads(Path(str(src) + ".json").read_text())
+    edit(side)
+    Path(str(dst) + ".json").write_text(json.dumps(side))
+    return dst
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda s: s["config"].update(axes_dims_rope=s["config"]["axes_dims_rope"][::-1]),
+     "config.axes_dims_rope"),                      # same sum, the model's hash still valid
+    (lambda s: s["config"].update(heads=4), "config.heads"),
+    (lambda s: s["config"].pop("eps"), "config.eps"),
+    (lambda s: s.update(dtype="fp16"), "dtype"),
+])
+def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, tmp_path,
+                                                            edit, field):
+    """The model's own metadata_props hold what it was exported with; a sidecar edited beside
+    the unchanged model (model_sha256 still matches) is refused by every reader: load and the
+    runner through ModelInfo.load."""
+    from qkrope.runtime import load
+
+    side = json.loads(Path(str(exported_attention) + ".json").read_text())
+    axes = side["config"]["axes_dims_rope"]
+    assert axes != axes[::-1]  # the permutation changes something
+    path = _edited_copy(exported_attention, tmp_path / "m.onnx", edit)
+    with pytest.raises(ModelInfoError, match=rf"disagrees with its model .* on {field}: sidecar"):
+        ModelInfo.load(path)
+    with pytest.raises(ModelInfoError, match=field):
+        load(path)
+    ModelInfo.load(exported_attention)  # the original pair agrees
+
+
+def test_metadata_props_are_read_without_the_graph(exported_attention):
+    import onnx
+
+    model = onnx.load(str(exported_attention), load_external_data=False)
+    from qkrope.sidecars import onnx_metadata_props
+
+    assert onnx_metadata_props(exported_attention) == {p.key: p.value
+                                                        for p in model.metadata_props}
+    assert "qkrope.config" in onnx_metadata_props(exported_attention)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,27 @@ def test_refuses_overwrite_without_force(engine, tmp_path):
     triton.write_repository(eng, repo, plugin=plugin, force=True, name="attn")
     assert not (repo / "attn" / "marker").exists()
     assert (repo / "attn" / "config.pbtxt").is_file()
+
+
+def test_force_refuses_to_replace_a_model_holding_an_input(engine, tmp_path):
+    """--force replaces a model directory whole: an engine (or plugin) read from inside it would
+    go with it, so that is refused and the old model kept."""
+    eng, plugin = engine
+    repo = tmp_path / "repo"
+    triton.write_repository(eng, repo, plugin=plugin)
+    inside = repo / "attn" / "1" / "model.engine"
+    shutil.copyfile(eng, inside)
+    shutil.copyfile(str(eng) + ".json", str(inside) + ".json")
+    before = sorted(p.name for p in (repo / "attn" / "1").iterdir())
+    with pytest.raises(triton.TritonRepoError, match=r"model.engine is inside .*attn, which "
+                                                     r"--force would replace"):
+        triton.write_repository(inside, repo, plugin=plugin, name="attn", force=True)
+    assert sorted(p.name for p in (repo / "attn" / "1").iterdir()) == before
+    lib = repo / "attn" / "libqkrope_plugin.so"
+    with pytest.raises(triton.TritonRepoError, match="which --force would replace"):
+        triton.write_repository(eng, repo, plugin=lib, name="attn", force=True,
+                                check_plugin_hash=False)
+    triton.write_repository(eng, repo, plugin=plugin, name="attn", force=True)  # elsewhere: ok
 
 
 def test_missing_engine_and_sidecar_errors(engine, tmp_path, capsys):

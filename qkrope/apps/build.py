@@ -35,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="resolution presets in pixels, e.g. 512x512,1024x1024,1328x1328: one "
                         "optimisation profile each (image tokens = W/16 * H/16: min 1, opt = max "
                         "= the preset); the runner picks the first profile holding a call's "
-                        "shapes. Default for a whole transformer: 1024x1024")
+                        "shapes. Default for a whole transformer: 1024x1024. Each must fit "
+                        "Qwen-Image's 4096-position RoPE tables with --txt-tokens' max")
     p.add_argument("--txt-tokens", metavar="MIN:MAX",
                    help="text-token range of every profile (default 1:512, or up to the "
                         "export's text length)")
@@ -52,13 +53,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-txt-tokens", type=int,
                    help="profile max text tokens (default: max(export, 512))")
     p.add_argument("--timing-cache", metavar="FILE",
-                   help="read and update a TensorRT timing cache (faster rebuilds)")
+                   help="read and update a TensorRT timing cache (faster rebuilds); a file "
+                        "that is not one (a model, an engine, a sidecar, text) is refused")
     p.add_argument("--version-compatible", action="store_true",
                    help="build a version-compatible engine with the VC plugin library serialised "
                         "into it")
     p.add_argument("--builder-optimization-level", type=int, choices=range(0, 6), metavar="0-5",
                    help="TensorRT builder optimisation level (default: TensorRT's, 3)")
-    p.add_argument("--workspace", type=int, metavar="MiB", help="workspace memory pool limit")
+    p.add_argument("--workspace", type=int, metavar="MiB",
+                   help="workspace memory pool limit (at most 1048576 MiB = 1 TiB)")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
     p.set_defaults(func=run)

@@ -1,6 +1,11 @@
 """``qkrope refit M.engine --diffusers DIR`` (or ``--state-dict FILE``): replace the weights of a
 refittable engine (``qkrope build --refit``) by diffusers parameter name, e.g. after fusing a LoRA.
 
+Every tensor must have the shape the export recorded (``config.parameter_shapes``; an older
+sidecar without it: the element count only) and finite values, before and after the conversion
+to the engine's dtype. A file that is not a state dict is one line saying what it is
+(:mod:`qkrope.runtime.state_dict`).
+
 Name map: TensorRT's refitter weight names == the ONNX initializer names == the diffusers
 state-dict keys (``qkrope export`` keeps every state-dict entry the graph uses as its own
 initializer named by its key, untransposed and never merged with an equal one, and lists them in
@@ -73,14 +78,25 @@ def name_map(refitter_names, state_dict_keys, *, parameters=None, not_in_graph=(
     return report
 
 
+def _nonfinite(t) -> int:
+    import torch
+
+    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+
+
 def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
                  parameters=None, not_in_graph=(), allow_missing: bool = False,
-                 allow_extra: bool = False) -> RefitReport:
+                 allow_extra: bool = False, shapes: Mapping[str, Any] | None = None
+                 ) -> RefitReport:
     """Set every mapped weight of ``engine`` from ``state_dict`` (torch tensors) and refit it
-    (``parameters`` / ``not_in_graph``: see :func:`name_map`).
+    (``parameters`` / ``not_in_graph``: see :func:`name_map`; ``shapes``: the export's
+    ``config.parameter_shapes``, each tensor must have its shape; None, an older sidecar: the
+    element count only).
 
     Raises RefitError for a non-refittable engine, uncovered names / unknown keys (unless
-    allowed), a count or dtype mismatch, or a refit TensorRT rejects."""
+    allowed), a shape, count or dtype mismatch, non-finite values (NaN/inf as given, or values
+    the conversion to the engine's dtype makes infinite: fp32 beyond fp16's range), or a refit
+    TensorRT rejects."""
     import torch
 
     from qkrope import dtypes
@@ -101,29 +117,48 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
     if not report.refitted:
         problems.append("no state-dict key names an engine weight (the map is by diffusers "
                         "parameter name: was the engine exported by `qkrope export`?)")
-    keep, mismatched = [], []
+    keep, mismatched, nonfinite = [], [], []
     for name in report.refitted:
         current = refitter.get_weights_prototype(name)  # the build's dtype and count
-        want_dtype = dtypes.canonical(current.dtype)
         want_count = int(current.size)
         t = state_dict[name]
+        if want_count < 0:  # TensorRT's prototype of a name it has no weight for: size -1
+            mismatched.append(f"{name}: TensorRT has no weight of that name")
+            continue
+        want_dtype = dtypes.canonical(current.dtype)
         if not isinstance(t, torch.Tensor):
             mismatched.append(f"{name}: not a tensor ({type(t).__name__})")
             continue
         got_dtype = dtypes.canonical(t.dtype)
         floats = t.is_floating_point() and want_dtype in _FLOAT_NAMES
-        if (got_dtype != want_dtype and not floats) or t.numel() != want_count:
-            mismatched.append(f"{name}: engine {want_dtype} x {want_count}, state dict "
+        want_shape = None if shapes is None or name not in shapes else list(shapes[name])
+        if (got_dtype != want_dtype and not floats) or t.numel() != want_count \
+                or (want_shape is not None and list(t.shape) != want_shape):
+            shape = f" {want_shape}" if want_shape is not None else ""
+            mismatched.append(f"{name}: engine {want_dtype} x {want_count}{shape}, state dict "
                               f"{got_dtype} {list(t.shape)} ({t.numel()})")
+            continue
+        bad = _nonfinite(t)
+        if bad:
+            nonfinite.append(f"{name}: {bad} of {t.numel()} values are NaN or infinite")
             continue
         if got_dtype != want_dtype:  # what the export does to them: one rounding to the dtype
             t = t.to(dtypes.torch_dtype(want_dtype))
+            bad = _nonfinite(t)
+            if bad:
+                nonfinite.append(f"{name}: {bad} of {t.numel()} values are beyond {want_dtype}'s "
+                                 f"range and would become infinite in the engine")
+                continue
             report.cast.append(name)
         keep.append((name, t, current.dtype))
     if mismatched:
-        problems.append(f"{len(mismatched)} weight(s) differ in size or are not floating-point "
-                        f"where the engine's are: " + "; ".join(mismatched[:8])
+        problems.append(f"{len(mismatched)} weight(s) differ in shape or size or are not "
+                        f"floating-point where the engine's are: " + "; ".join(mismatched[:8])
                         + (f" (+{len(mismatched) - 8} more)" if len(mismatched) > 8 else ""))
+    if nonfinite:
+        problems.append(f"{len(nonfinite)} weight(s) have values the engine cannot hold: "
+                        + "; ".join(nonfinite[:8])
+                        + (f" (+{len(nonfinite) - 8} more)" if len(nonfinite) > 8 else ""))
     if problems:
         raise RefitError("cannot refit: " + "; ".join(problems) + ". Fix: pass the state dict "
                          "of a model with the engine's config (its float weights may be of any "
@@ -154,8 +189,9 @@ _REFIT_QUANT_FIX = ("refit replaces float weights and would drop the quantisatio
 def load_state_dict(diffusers: str | None = None, state_dict: str | None = None) -> dict:
     """The weights by diffusers parameter name: a diffusers model folder (its ``transformer``
     subfolder when given a pipeline folder; ``*.safetensors`` shards) or one file
-    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``).
-    Weights carrying ModelOpt quantizer state are refused (QuantizedModelError)."""
+    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``), read by
+    :func:`qkrope.runtime.state_dict.read_state_dict_file`. Weights carrying ModelOpt quantizer
+    state are refused (QuantizedModelError)."""
     weights = _load_state_dict(diffusers, state_dict)
     from qkrope.quantization import refuse_quantized_state_dict
 
@@ -165,18 +201,12 @@ def load_state_dict(diffusers: str | None = None, state_dict: str | None = None)
 
 
 def _load_state_dict(diffusers: str | None, state_dict: str | None) -> dict:
-    import torch
-
     if (diffusers is None) == (state_dict is None):
         raise RefitError("give exactly one of --diffusers DIR and --state-dict FILE")
     if state_dict is not None:
-        p = Path(state_dict)
-        if not p.is_file():
-            raise InputFileNotFoundError(f"{p} does not exist")
-        if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return dict(load_file(str(p)))
-        return dict(torch.load(p, map_location="cpu", weights_only=True))
+        from qkrope.runtime.state_dict import read_state_dict_file
+
+        return read_state_dict_file(state_dict, what="--state-dict", error=RefitError)
     d = Path(diffusers)
     if not d.is_dir():
         raise InputFileNotFoundError(f"{d} is not a folder")
@@ -186,11 +216,11 @@ def _load_state_dict(diffusers: str | None, state_dict: str | None) -> dict:
     if not files:
         raise RefitError(f"{d} holds no *.safetensors file. Fix: save the model with "
                          f"save_pretrained(..., safe_serialization=True), or pass --state-dict")
-    from safetensors.torch import load_file
+    from qkrope.runtime.state_dict import read_state_dict_file
 
     out: dict = {}
-    for f in files:
-        out.update(load_file(str(f)))
+    for f in files:  # a corrupt shard: one line naming it
+        out.update(read_state_dict_file(f, what="--diffusers shard", error=RefitError))
     return out
 
 
@@ -206,7 +236,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--diffusers", metavar="DIR", help="diffusers transformer (or pipeline) "
                      "folder with *.safetensors weights")
     src.add_argument("--state-dict", metavar="FILE", help=".safetensors (or torch .pt) state "
-                     "dict keyed by diffusers parameter name")
+                     "dict keyed by diffusers parameter name; each tensor of the exported "
+                     "shape, finite in the engine's dtype")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
     p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
@@ -218,6 +249,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
     p.set_defaults(func=run)
     return p
+
+
+def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path,
+                         sidecar_plugin: str | None) -> None:
+    """-o (and its sidecar) is none of the files refit reads (the weights, the plugin library
+    given or recorded; the engine itself only when -o names it: in place) and replaces no file
+    of another kind."""
+    from qkrope._fileio import ENGINE_SIDECAR, TEXT_FILE, check_outputs, same_file
+    from qkrope.sidecars import engine_sidecar_path
+
+    from qkrope.runtime.state_dict import model_folder_files
+
+    inputs = [args.state_dict, args.plugin, sidecar_plugin]
+    if args.diffusers:  # its weights and configs (an engine pair kept there is not one)
+        inputs += [p for p in model_folder_files(args.diffusers)
+                   if not same_file(p, engine_sidecar_path(engine_path))]
+    if not same_file(out, engine_path):
+        inputs += [engine_path, engine_sidecar_path(engine_path)]
+    check_outputs([(out, "a TensorRT engine", (TEXT_FILE,)),
+                   (engine_sidecar_path(out), "an engine sidecar", (ENGINE_SIDECAR, TEXT_FILE))],
+                  inputs, flag="-o")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
     if not info.refittable:
         raise RefitError(f"{engine_path} was not built refittable (its sidecar says "
                          f"refittable: false). Fix: rebuild it with `qkrope build --refit`")
+    out = Path(args.output) if args.output else engine_path
+    _check_refit_outputs(args, engine_path, out, info.plugin.path if info.plugin else None)
     weights = load_state_dict(args.diffusers, args.state_dict)
     trt = import_tensorrt("qkrope refit (TensorRT engine refitting)")
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
@@ -249,8 +303,8 @@ def run(args: argparse.Namespace) -> int:
     report = refit_engine(trt, engine, logger, weights,
                           parameters=info.config.get("parameters"),
                           not_in_graph=info.config.get("parameters_not_in_graph", ()),
-                          allow_missing=args.allow_missing, allow_extra=args.allow_extra)
-    out = Path(args.output) if args.output else engine_path
+                          allow_missing=args.allow_missing, allow_extra=args.allow_extra,
+                          shapes=info.config.get("parameter_shapes"))
     write_engine_pair(out, engine.serialize(), dataclasses.replace(info))
     print(f"refitted {len(report.refitted)} weight(s) of {engine_path}; wrote {out}"
           + (f"; kept {len(report.not_covered)} engine weight(s) the state dict lacks"

@@ -1,0 +1,98 @@
+"""Reading one weights file keyed by diffusers parameter name (``qkrope refit --state-dict``,
+``qkrope export --weights``): a safetensors file (by its content, whatever the suffix's case) or
+a torch-saved state dict, loaded with ``weights_only=True`` (no pickled code runs). What is not a
+state dict of tensors (a pickle of other objects, a single tensor, a training checkpoint, a text
+file, a corrupt file) is one line saying what the file is and how to save a state dict; torch's
+own advice to load with ``weights_only=False`` is never passed on."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Callable
+
+from qkrope._fileio import file_kind
+from qkrope.errors import InputError, InputFileNotFoundError
+
+SAVE_HINT = ("Fix: save the weights as a state dict: safetensors.torch.save_file("
+             "model.state_dict(), 'weights.safetensors') (or torch.save(model.state_dict(), "
+             "'weights.pt'))")
+
+
+def model_folder_files(folder: str | os.PathLike) -> list[Path]:
+    """The files a diffusers model folder is read from (weights, index and config files, also in
+    its ``transformer/`` subfolder): what a writer must not write over."""
+    d = Path(folder)
+    return [p for pattern in ("*.safetensors", "*.json", "*.bin", "*.pt")
+            for p in (*d.glob(pattern), *d.glob(f"transformer/{pattern}"))]
+
+
+def looks_like_safetensors(path: str | os.PathLike) -> bool:
+    """A safetensors file starts with its JSON header's length (little-endian u64), then '{'."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 2 <= n <= os.path.getsize(path) - 8
+
+
+def read_state_dict_file(path: str | os.PathLike, *, what: str = "--state-dict",
+                         error: Callable[[str], Exception] = InputError) -> dict:
+    """``{key: tensor}`` of one weights file, or ``error(one line)``: what the file is and
+    :data:`SAVE_HINT`."""
+    import torch
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputFileNotFoundError(f"{what} {p} does not exist")
+    where = f"{what} {p}"
+    if p.suffix.lower() == ".safetensors" or looks_like_safetensors(p):
+        from qkrope._deps import require
+
+        st = require("safetensors.torch", "reading *.safetensors weights")
+        try:
+            return dict(st.load_file(str(p)))
+        except Exception as exc:  # noqa: BLE001 - SafetensorError and OSError: not readable
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+            raise error(f"{where} is not a readable safetensors file (truncated or corrupt: "
+                        f"{first}). {SAVE_HINT}") from None
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every torch.load failure: not a state dict
+        raise error(f"{where} is not a state dict: {_what_failed(p, exc)}. {SAVE_HINT}") from None
+    if isinstance(state, torch.Tensor):
+        raise error(f"{where} holds a single tensor {list(state.shape)}, not a state dict "
+                    f"(a mapping of parameter names to tensors). {SAVE_HINT}")
+    if not isinstance(state, dict):
+        raise error(f"{where} holds a {type(state).__name__}, not a state dict (a mapping of "
+                    f"parameter names to tensors). {SAVE_HINT}")
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        nested = [k for k in bad if isinstance(state[k], dict)]
+        hint = (f" (a checkpoint? its {nested[0]!r} entry is a dict: save that one)"
+                if nested else "")
+        raise error(f"{where} is a dict whose entries {bad[:4]} are not tensors "
+                    f"({type(state[bad[0]]).__name__}){hint}. {SAVE_HINT}")
+    return state
+
+
+def _what_failed(p: Path, exc: Exception) -> str:
+    """What a file torch.load refused is, without torch's advice."""
+    import pickle
+
+    kind = file_kind(p)
+    if kind is not None:
+        return f"it is {kind}"
+    with open(p, "rb") as f:
+        head = f.read(4)
+    zipped = head == b"PK\x03\x04"  # torch.save's zip archive
+    pickled = len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5  # a pickle's PROTO opcode
+    if (zipped or pickled) and isinstance(exc, pickle.UnpicklingError) \
+            and "Weights only load failed" in str(exc):
+        return ("it is a pickle of Python objects other than tensors, which loading with "
+                "weights_only=True refuses (their code would run)")
+    if zipped:
+        return "a torch zip archive that cannot be read (truncated or corrupt)"
+    return f"neither a torch-saved file nor a safetensors file ({type(exc).__name__})"
