@@ -52,6 +52,10 @@ by the TensorRT runner and ``qkrope triton-repo``::
                        engine file exists; null/absent: not checked)
     }
 
+The engine itself keeps a tag of the model config it was built from as its network name
+(:func:`config_tag`, ``ICudaEngine.name``); the runner and ``qkrope refit`` check the sidecar's
+``config`` against it after deserialising (:meth:`EngineInfo.check_engine_name`).
+
 Dtype names are numpy's (``"bfloat16"`` is ml_dtypes' name, :mod:`qkrope.dtypes`). A file of
 another format or version, a missing or mistyped field, is a :class:`SidecarError` naming the file
 and what is wrong (never a KeyError).
@@ -153,6 +157,17 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
 
 
 METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .dtype, .config
+CONFIG_TAG_PREFIX = "qkrope-config-"
+
+
+def config_tag(config: Mapping[str, Any]) -> str:
+    """What ``qkrope build`` names the network (so the engine keeps it): a hash of the model
+    config the engine is built from, checked against the engine sidecar's config on load
+    (:meth:`EngineInfo.check_engine_name`)."""
+    import hashlib
+
+    text = json.dumps(config, sort_keys=True)
+    return CONFIG_TAG_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 def _brief(value: Any) -> str:
@@ -652,6 +667,22 @@ class EngineInfo:
                                        "sidecar beside it")
         return info
 
+    def check_engine_name(self, name: Any, engine_path: str | os.PathLike) -> None:
+        """The engine keeps the tag of the config it was built from as its network name
+        (:func:`config_tag`, set by ``qkrope build``; ``ICudaEngine.name`` after deserialising):
+        an :class:`EngineInfoError` when this sidecar's ``config`` (axes_dims_rope, the diffusers
+        config, ...: what the runtime builds caches from) is not that one. An engine without the
+        tag (another builder's) is not checked."""
+        if not isinstance(name, str) or not name.startswith(CONFIG_TAG_PREFIX):
+            return
+        if name != config_tag(self.config):
+            raise EngineInfoError(
+                f"the sidecar {engine_sidecar_path(engine_path)} describes another config than "
+                f"the one {engine_path} was built from (the engine records {name}, the "
+                f"sidecar's config gives {config_tag(self.config)}): its config was edited or "
+                f"it belongs to another build. Fix: rebuild with `qkrope build`, or put the "
+                f"engine's own sidecar beside it")
+
     def save(self, engine_path: str | os.PathLike) -> Path:
         """Write ``<engine>.json`` atomically. When ``engine_path`` exists, the sidecar records
         its sha256 (:attr:`engine_sha256`)."""
@@ -675,4 +706,4 @@ def engine_tensors(items: Sequence[EngineTensor], model: ModelInfo) -> list[Engi
 
 __all__ = ["FORMAT_VERSION", "ONNX_FORMAT", "ENGINE_FORMAT", "SidecarError", "ModelInfoError",
            "EngineInfoError", "TensorInfo", "ModelInfo", "EngineTensor", "PluginRecord",
-           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path"]
+           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path", "config_tag"]

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._progress import Steps
-from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
 from qkrope._deps import require
@@ -646,6 +646,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         steps.write(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their "
                     f"function body")
 
+    network.name = config_tag(model.config)  # kept by the engine: its sidecar's config is checked
     inputs, outputs = network_io(network)
     net_names = [i.name for i in inputs]
     if sorted(net_names) != sorted(profile):

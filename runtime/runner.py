@@ -766,6 +766,8 @@ class TensorRTRunner(Runner):
         """Everything after deserialisation (also how the tests make a runner over a fake
         engine and a stand-in for :class:`TorchCuda`)."""
         self.trt, self.engine, self.sidecar = trt, engine, sidecar
+        if sidecar is not None:
+            sidecar.check_engine_name(getattr(engine, "name", None), sidecar.source or "engine")
         Runner.__init__(self, engine_model_io(engine, trt, sidecar), copy_outputs=copy_outputs)
         self.device = device
         self.cuda = cuda if cuda is not None else TorchCuda()

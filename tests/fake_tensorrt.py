@@ -132,8 +132,9 @@ class RefittableEngine:
     ``refittable``, ``serialize()``; ``required``: names TensorRT needs before a refit (those a
     refit of one weight makes necessary, e.g. weights folded together at build time)."""
 
-    def __init__(self, weights, refittable=True, required=()):
+    def __init__(self, weights, refittable=True, required=(), name=""):
         self.weights, self.refittable, self.refits = dict(weights), refittable, []
+        self.name = name  # the network name it was built with
         self.required = tuple(required)
         self.values: dict[str, bytes] = {}  # what set_named_weights passed, per name
 
@@ -266,6 +267,8 @@ class INetworkDefinition:
     """Layers are kept as (type, name, plugin) specs; every get_layer call wraps one in a new
     ILayer, like the real bindings."""
 
+    name = ""  # the network's name (the engine keeps it: ICudaEngine.name)
+
     def __init__(self, layers: Sequence[tuple] = (), inputs=(), outputs=(), flags: int = 0):
         self.layers, self.inputs, self.outputs = list(layers), list(inputs), list(outputs)
         self.flags = flags
@@ -361,8 +364,8 @@ class ICudaEngine:
 
     def __init__(self, io: Sequence[tuple] = (), profiles: Sequence[dict] | None = None,
                  output_like: dict | None = None, layer_info: str = '{"Layers": []}',
-                 serialized: bytes = b"SERIALIZED-ENGINE"):
-        self.layer_info, self._serialized = layer_info, serialized
+                 serialized: bytes = b"SERIALIZED-ENGINE", name: str = ""):
+        self.layer_info, self._serialized, self.name = layer_info, serialized, name
         self.io = list(io)
         self.num_io_tensors = len(self.io)
         if profiles is None:
@@ -548,6 +551,7 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
             return Profile()
 
         def build_serialized_network(self, network, config):
+            state.network_name = network.name  # what the engine's name would be
             mon = config.progress_monitor
             if mon is not None:
                 mon.phase_start("Building", None, 2)

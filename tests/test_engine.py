@@ -452,3 +452,17 @@ def test_fake_build_refuses_to_write_over_the_default_plugin(fake_build, tmp_pat
     err = capsys.readouterr().err
     assert "same file as" in err and "choose another -o" in err, err
     assert lib.read_bytes() == before and state.config is None  # no build began
+
+
+def test_fake_build_names_the_network_after_its_config(fake_build, tmp_path):
+    """The engine keeps the tag of the model config it was built from as its network name;
+    the sidecar's config gives the same tag."""
+    from qkrope.sidecars import EngineInfo, config_tag
+
+    trt, state, onnx_path, lib = fake_build()
+    out = tmp_path / "m.engine"
+    eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
+                     log=io.StringIO())
+    side = EngineInfo.load(out)
+    assert state.network_name == config_tag(side.config) and side.config
+    side.check_engine_name(state.network_name, out)  # agrees

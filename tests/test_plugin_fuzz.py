@@ -205,17 +205,19 @@ NEGATIVE_LENGTH_SEED = bytes([
     200,            # not the payload instead
     0, 200,         # layer name "fuzz_node_0"; kBUILD
 ])
-# no fields (accepted), then onShapeChange with q of rank 9
+# no fields (accepted), then getOutputShapes with the last input (cos_sin_cache) of rank 9: the
+# plugin then reads its 9th extent past the end of the exactly-sized descriptor array (an ASan
+# report with every compiler, not only clang's array-bounds check)
 RANK_NINE_SEED = bytes([
     12, 0, 0,                  # makeCollection: mode 12, 0 fields, fields pointer null
     0, 200,                    # layer name "fuzz_node_0"; kBUILD
     0, 200, 200,               # clone; keep the source; fuzz the source
     0,                         # fuzzPlugin: 1 round
     1, 1, 0, 3, 200, 3, 0,     # makeProblem: batch 1, seq 2, heads 1, head_dim 8, rot 8, rows 2
-    4,                         # which 4: configurePlugin/onShapeChange, no wildcards
-    200, 0, 0, 0, 1,           # makeDims: 1 perturbation, of d[0] (q): a rank, kRanks[1] = 9
+    2,                         # which 2: getOutputShapes (wildcards allowed)
+    200, 0, 4, 0, 1, 200,      # makeDims: 1 perturbation, of d[4]: a rank, kRanks[1] = 9; no -1s
     0, 2, 200,                 # makeTypes: common, kFLOAT; no override
-    200, 200,                  # counts 5/2; onShapeChange
+    200,                       # counts 5/2; the input ends: every extent a constant
 ])
 # the parser's form (epsilon, interleaved, rounding) with interleaved given as kFLOAT32 1.0
 INT_AS_FLOAT_SEED = bytes([

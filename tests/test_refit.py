@@ -302,3 +302,26 @@ def test_a_corrupt_diffusers_shard_is_one_line(tmp_path):
                                             r"a readable safetensors file") as exc:
         rf.load_state_dict(diffusers=str(tmp_path))
     assert "\n" not in str(exc.value)
+
+
+def test_refit_refuses_a_sidecar_config_the_engine_was_not_built_from(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The refit writes the sidecar it read beside the new engine: one whose config is not the
+    engine's build (its name's tag) is refused, nothing written."""
+    from qkrope import cli
+    from qkrope.sidecars import EngineInfo, config_tag
+
+    trt, state = ft.make_fake_trt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    engine = tmp_path / "t.engine"
+    _refittable_pair(engine, b"\x00PLAN", config={"axes_dims_rope": [16, 56, 56]},
+                     version_compatible=True)  # its plugin inside: no library to find
+    built = ft.RefittableEngine({"w": ("FLOAT", 2)},
+                                name=config_tag({"axes_dims_rope": [56, 16, 56]}))
+    state.engines[b"\x00PLAN"] = built
+    torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
+    before = (engine.read_bytes(), EngineInfo.load(engine).config)
+    assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "describes another config" in err and err.count("\n") == 1, err
+    assert (engine.read_bytes(), EngineInfo.load(engine).config) == before and not built.refits

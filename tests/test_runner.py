@@ -821,3 +821,20 @@ def test_trt_runner_cuda_graph_on_gpu(tmp_path):
         torch.cuda.synchronize()
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
+
+
+def test_trt_runner_refuses_a_sidecar_config_the_engine_was_not_built_from():
+    """A permuted axes_dims_rope in the engine sidecar (engine_sha256 still valid) would build
+    other RoPE caches: the engine's name records its build's config tag, which disagrees."""
+    from qkrope.sidecars import EngineInfoError, config_tag
+
+    trt, _ = ft.make_fake_trt()
+    side = _engine_sidecar()
+    engine = _multi_engine([_profile((1, 2), 16, 8)])
+    engine.name = config_tag(side.config)
+    r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
+    r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())  # agrees
+    side.config["axes_dims_rope"] = side.config["axes_dims_rope"][::-1]
+    r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
+    with pytest.raises(EngineInfoError, match="describes another config than the one"):
+        r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())

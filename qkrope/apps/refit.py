@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
         raise RefitError(f"TensorRT could not deserialise {engine_path} (see its log above)")
+    info.check_engine_name(getattr(engine, "name", None), engine_path)
     report = refit_engine(trt, engine, logger, weights,
                           parameters=info.config.get("parameters"),
                           not_in_graph=info.config.get("parameters_not_in_graph", ()),
