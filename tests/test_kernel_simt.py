@@ -600,7 +600,9 @@ def test_misuse_is_reported_not_hung(selftest, device, mode, nthreads, expect):
     assert rc == (716 if mode == 9 else 719), (rc, msg)
     assert re.search(expect, msg), msg
     assert "misuseKernel" in msg and "block (0,0,0)" in msg and "simt_selftest.cpp:" in msg, msg
-    assert time.monotonic() - t0 < 5
+    # The emulator detects the misuse from its fibers' states, not by a timeout, so it returns
+    # in milliseconds; this only tells "reported" from "hung" (a generous guard, not a timing).
+    assert time.monotonic() - t0 < 120
 
 
 @pytest.mark.parametrize("seed", [0, 3])
