@@ -1235,15 +1235,27 @@ def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
     against each modelled device for each Qwen problem and rounding mode, with each instance's
     occupancy from the ptxas registers of the build for that device's architecture (sm_90's where
     that architecture was not compiled), and analyse the instance it launches."""
-    import torch
     from qkrope.runtime import kernels
     default_build = ROOT / "build" / "kernel-simt" / kernels.SIMT_LIB_NAME
     if not simt_lib and kernels.simt_library_path() is None and default_build.is_file():
         simt_lib = str(default_build)
+    saved = os.environ.get(kernels.SIMT_LIB_ENV)
     if simt_lib:
-        os.environ[kernels.SIMT_LIB_ENV] = simt_lib
-    if kernels.simt_library_path() is None:
-        raise ToolError("the SIMT emulation library is not built: " + kernels.SIMT_BUILD_COMMAND)
+        os.environ[kernels.SIMT_LIB_ENV] = simt_lib  # for the loader only: restored below
+    try:
+        if kernels.simt_library_path() is None:
+            raise ToolError("the SIMT emulation library is not built: " + kernels.SIMT_BUILD_COMMAND)
+        return _plan_launches(report, kernels)
+    finally:
+        if saved is None:
+            os.environ.pop(kernels.SIMT_LIB_ENV, None)
+        else:
+            os.environ[kernels.SIMT_LIB_ENV] = saved
+
+
+def _plan_launches(report: dict, kernels) -> list[dict]:
+    import torch
+
     entries = {int(a): e for a, e in report["archs"].items()}
     if not entries:
         return []

@@ -15,7 +15,12 @@ from qkrope import cli
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 # Control-flow signals that never leave their module (not errors).
-_INTERNAL = {"qkrope.apps.demo.Skip"}
+# Not qkrope's user errors: demo's step-skip signal, and the two errors of the code that runs
+# inside Triton's Python backend without qkrope (rope_tables, copied beside the rope model, and
+# the rope model itself): qkrope.runtime.caches turns the overflow into RopeCacheOverflowError,
+# the rope model answers both as TritonError(INVALID_ARG).
+_INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.rope_tables.PositionOverflow",
+             "qkrope.runtime.triton_rope_model.RequestError"}
 
 
 def _modules():
