@@ -358,8 +358,8 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[T
 
 #: What each graph input is (the ONNX file's doc strings on its inputs).
 _CACHE_DOC = ("RoPE cache, float32, one row per token: the cos half then the sin half of the "
-              "rotary dimension ([rows, rotary_dim]; build it with "
-              "qkrope.runtime.build_qwen_rope_caches)")
+              "rotary dimension ([rows, rotary_dim]; build both for this model with "
+              "qkrope.runtime.caches_for(model_path, img_shapes, txt_seq_len))")
 INPUT_DOCS = {
     "hidden_states": "image tokens, [batch, img_tokens, features] (packed latent patches for the "
                      "transformer)",

@@ -8,6 +8,7 @@ from .caches import (
     RopeCacheOverflowError,
     RopeCaches,
     build_qwen_rope_caches,
+    caches_for,
     to_cos_sin_caches,
     validate_cos_sin_caches,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "RopeCacheOverflowError",
     "RopeCaches",
     "build_qwen_rope_caches",
+    "caches_for",
     "to_cos_sin_caches",
     "validate_cos_sin_caches",
 ]
