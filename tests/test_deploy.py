@@ -319,3 +319,27 @@ def test_memory_script_growth_is_bounded_and_was_not_with_memory_patterns(onnx_p
                              "--mem-pattern"], capture_output=True, text=True)
     assert before.returncode == 1, before.stdout + before.stderr  # ONNX Runtime's own default
     assert "(>= 25 %)" in before.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Plain ONNX Runtime errors point at the cache
+# --------------------------------------------------------------------------------------------
+
+def test_function_body_nodes_are_named_for_what_they_serve(onnx_path):
+    import onnx
+
+    from qkrope.export.onnx_function import BODY_NODE_PREFIX
+
+    (fn,) = onnx.load(str(onnx_path)).functions
+    names = [n.name for n in fn.node]
+    assert all(n.startswith(BODY_NODE_PREFIX) for n in names) and len(set(names)) == len(names)
+    assert any("q: Mul(q_ac) uses the cos_sin_cache rows of q's tokens" in n for n in names)
+    hs, ehs, mask, ts = _args()
+    caches = caches_for(onnx_path, [(1, 4, 4)], 7)
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception) as info:  # ONNX Runtime's own Fail: too few image cache rows
+        sess.run(None, {"hidden_states": hs.numpy(), "encoder_hidden_states": ehs.numpy(),
+                        "encoder_hidden_states_mask": mask.bool().numpy(), "timestep": ts.numpy(),
+                        "img_cos_sin_cache": caches.img.numpy()[:10],
+                        "txt_cos_sin_cache": caches.txt.numpy()})
+    assert "uses the cos_sin_cache rows of" in str(info.value)

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qkrope import contract
+from qkrope.apps.export import DTYPES
 from qkrope.errors import InputError
 
 from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
@@ -173,8 +174,9 @@ def classify_profiled_node(name: str, op: str, *, graph_nodes: Collection[str] =
     What an ONNX Runtime trace looks like (1.31, checked on the exported block): ORT inlines a
     model-local function (QKNormRoPE has no kernel there) before optimising. The inlined nodes
     keep the body's node names prefixed with ``_inlfunc_<Function>[_token_<n>]_``, and the
-    body's value names are prefixed the same way; our function's body nodes have *no* names,
-    so they come out nameless, and the profiler names a nameless node ``<OpType>_<index>``
+    body's value names are prefixed the same way; a body node without a name (models exported
+    before the body's nodes were named) comes out nameless, and the profiler names a nameless
+    node ``<OpType>_<index>``
     (``Mul_121``). Every node of the exported graph itself has a name (the torch exporter's
     ``node_...``), which ORT keeps, or extends with a ``/<Fusion>/`` suffix when it fuses nodes
     (``node_matmul/MatMulScaleFusion/``). So a node is in a function body when its name has
@@ -457,9 +459,8 @@ class Config:
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
 #: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
 DEFAULT_CPU_THREADS = 1
-# qkrope.dtypes' short and full names, spelled out so that `qkrope bench --help` imports no torch
-# (tests/test_cli_help.py checks them against qkrope.dtypes.NAME_BY_SHORT).
-DTYPE_CHOICES = sorted({"fp32", "fp16", "bf16", "float32", "float16", "bfloat16"})
+# the --dtype spellings of every command (qkrope.apps.export.DTYPES: qkrope.dtypes' short names)
+DTYPE_CHOICES = DTYPES
 
 # torch-importing names of this module's API, imported on first use (`qkrope bench --help` stays
 # light; the functions below import them where they need them).
@@ -1252,6 +1253,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
+
+    for flag, value in (("--engine", args.engine), ("--engine-no-plugin", args.engine_no_plugin)):
+        if value is not None:
+            pre.engine(value, command=f"bench {flag}", flag=flag, onnx_ok=True)
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       "libqkrope_plugin.so")
     cfg = config_from_args(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(cfg)

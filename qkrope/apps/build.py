@@ -8,6 +8,7 @@ from pathlib import Path
 # Spelled out so that `qkrope build --help` imports no torch (qkrope.sidecars.LEVELS; checked by
 # tests/test_cli_help.py); the runtime modules are imported by run().
 LEVELS = ("min", "opt", "max")
+PLUGIN_FIX = "build it with `qkrope build-plugin`, or pass the path of libqkrope_plugin.so"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -66,6 +67,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # before the heavy imports: a wrong path answers at once
+
+    pre.onnx_model(args.onnx, command="build")
+    pre.input_file(args.plugin, flag="--plugin", fix=PLUGIN_FIX)
+    pre.file_to_write(args.timing_cache, flag="--timing-cache", example="timing.cache")
+    pre.file_to_write(args.output, flag="-o", example=Path(args.onnx).with_suffix(".engine").name)
+
     from qkrope.runtime import engine, profiles
     from qkrope.sidecars import engine_sidecar_path
 

@@ -448,6 +448,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre
+
+    if args.engine and not args.plugin:
+        raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
+    pre.onnx_model(args.onnx, command="check")
+    pre.engine(args.engine, command="check --engine", flag="--engine", onnx_ok=True) if args.engine else None
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       "libqkrope_plugin.so")
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the folder of the saved diffusers transformer the model came from")
     if args.engine and not args.plugin:
         raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
     try:

@@ -59,6 +59,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
+
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the local folder of a saved QwenImageTransformer2DModel (config.json "
+                      "and its weights; nothing is downloaded)")
+    pre.input_file(args.weights, flag="--weights",
+                   fix="pass a safetensors file or a torch state dict with diffusers' attention "
+                       "names")
+    if args.out is not None:
+        pre.file_to_write(args.out, flag="--out", example="model.onnx")
+        if Path(args.out).suffix.lower() != ".onnx":
+            raise InputError(f"--out must end in .onnx; got {args.out!r}. Fix: --out "
+                             f"{Path(args.out).with_suffix('.onnx')}")
+
     from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
 
     out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"

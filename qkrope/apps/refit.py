@@ -206,15 +206,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # checked before TensorRT and torch are imported
+
+    engine_path = pre.engine(args.engine, command="refit", refit=True)
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the folder of a saved diffusers transformer (config.json + weights)")
+    pre.input_file(args.state_dict, flag="--state-dict",
+                   fix="pass a .safetensors (or torch .pt) file keyed by diffusers parameter name")
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       "libqkrope_plugin.so")
+    pre.file_to_write(args.output, flag="-o", example=engine_path.name)
+
     import dataclasses
 
     from qkrope.runtime.engine import import_tensorrt, load_plugin_library, write_engine_pair
     from qkrope.runtime.plugin_build import resolve_plugin_library
     from qkrope.sidecars import EngineInfo
-
-    engine_path = Path(args.engine)
-    if not engine_path.is_file():
-        raise InputFileNotFoundError(f"{engine_path} does not exist")
     info = EngineInfo.load(engine_path)
     if not info.refittable:
         raise RefitError(f"{engine_path} was not built refittable (its sidecar says "
