@@ -96,17 +96,15 @@ def input_dir(path: str | os.PathLike | None, *, flag: str, fix: str) -> Path | 
 
 def file_to_write(path: str | os.PathLike | None, *, flag: str,
                   example: str = "FILE") -> Path | None:
-    """A file a command writes (an output, a cache it reads and rewrites): not a folder, in a
-    folder that exists. ``example``: a file name to suggest inside a folder given instead."""
+    """A file a command writes (an output, a cache it reads and rewrites): not a folder (the
+    writers check the folder it goes to). ``example``: a file name to suggest inside a folder
+    given instead."""
     if path is None:
         return None
     p = Path(path)
     if p.is_dir():
         raise InputError(f"{flag} {p} is a folder; it takes a file. Fix: {flag} "
                          f"{p / example}")
-    if not p.parent.is_dir():
-        raise InputFileNotFoundError(f"{flag} {p}: the folder {p.parent} does not exist. Fix: "
-                                     f"create it or pass a path in an existing folder")
     return p
 
 

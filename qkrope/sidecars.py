@@ -43,7 +43,11 @@ by the TensorRT runner and ``qkrope triton-repo``::
       "config", "dynamic_axes", "sample": copied from the model's sidecar,
       "build_seconds": float | null, "created": "YYYY-mm-ddTHH:MM:SSZ",
       "refittable": bool, "refit_mode": "individual" | "all" | null,
-      "profile_labels": ["1024x1024" per profile, or ""]
+      "profile_labels": ["1024x1024" per profile, or ""],
+      "build_key": {"model_sha256", "options", "tensorrt_version", "gpu", "plugin_sha256",
+                    "engine_sha256"} | null
+                   (what the engine was built from; `qkrope build` reuses the engine when all
+                   of it is unchanged)
     }
 
 Dtype names are numpy's (``"bfloat16"`` is ml_dtypes' name, :mod:`qkrope.dtypes`). A file of
@@ -437,9 +441,12 @@ class EngineInfo:
     # weight (BuilderFlag.REFIT); None: not refittable
     refit_mode: str | None = None
     profile_labels: list[str] = field(default_factory=list)  # "1024x1024" per preset, or ""
+    build_key: dict[str, Any] | None = None  # engine.build_key: what decides reuse
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime()))
     source: str = field(default="", compare=False, repr=False)
+    # set by build_engine when it kept an up-to-date engine instead of building (not written)
+    reused: bool = field(default=False, compare=False, repr=False)
 
     def tensor(self, name: str) -> EngineTensor:
         for t in self.inputs + self.outputs:
@@ -472,7 +479,7 @@ class EngineInfo:
             "dynamic_axes": dict(self.dynamic_axes), "sample": dict(self.sample),
             "build_seconds": self.build_seconds, "created": self.created,
             "refittable": self.refittable, "refit_mode": self.refit_mode,
-            "profile_labels": list(self.profile_labels),
+            "profile_labels": list(self.profile_labels), "build_key": self.build_key,
         }
 
     @classmethod
@@ -516,6 +523,7 @@ class EngineInfo:
             refit_mode=f.get("refit_mode", str, optional=True),
             profile_labels=[str(x) for x in f.get("profile_labels", list, optional=True,
                                                    default=[])],
+            build_key=f.get("build_key", dict, optional=True),
             created=f.get("created", str, optional=True, default=""), source=source)
 
     @classmethod

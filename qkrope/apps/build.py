@@ -60,6 +60,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--builder-optimization-level", type=int, choices=range(0, 6), metavar="0-5",
                    help="TensorRT builder optimisation level (default: TensorRT's, 3)")
     p.add_argument("--workspace", type=int, metavar="MiB", help="workspace memory pool limit")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild even when MODEL.engine is up to date (by default an engine whose "
+                        "sidecar records the same model hash, build options, TensorRT version, "
+                        "GPU and plugin hash is kept)")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
     p.set_defaults(func=run)
@@ -92,8 +96,12 @@ def run(args: argparse.Namespace) -> int:
         resolutions=(profiles.parse_resolutions(args.resolutions)
                      if args.resolutions is not None else None),
         txt_tokens=profiles.parse_range(args.txt_tokens, "--txt-tokens"),
-        batch=profiles.parse_range(args.batch, "--batch"), refit=args.refit)
+        batch=profiles.parse_range(args.batch, "--batch"), refit=args.refit, force=args.force)
     info = engine.build_engine(onnx_path, engine_path, opts)
+    if getattr(info, "reused", False):
+        print(f"kept {engine_path}: up to date (same model, build options, TensorRT "
+              f"{info.tensorrt_version}, GPU and plugin); pass --force to rebuild it")
+        return 0
     gpu = info.gpu or {}
     print(f"wrote {engine_path} (TensorRT {info.tensorrt_version}, "
           f"{gpu.get('name', 'GPU ?')} sm_{gpu.get('compute_capability', '?')}, "
