@@ -628,9 +628,11 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                        opset: int | None = None, rounding: int = contract.DEFAULT_ROUNDING,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
-                       attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True):
+                       attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True,
+                       variant: str | None = None):
     """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs
-    (``attention`` and ``opset``: as for :func:`export_attention`)."""
+    (``attention`` and ``opset``: as for :func:`export_attention`; ``variant``: diffusers'
+    weights variant, e.g. ``"fp16"``)."""
     from .patch_diffusers import CacheInputTransformer, load_transformer
 
     out = _check_out(out)
@@ -641,7 +643,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     t0 = time.perf_counter()
     with Steps("qkrope export", 6, enabled=progress) as steps:
         with steps.step(f"loading {diffusers_dir} ({dtype})"):
-            transformer = load_transformer(str(diffusers_dir), dtype=tdtype)
+            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, variant=variant)
         cfg = dict(transformer.config)
         head_dim = int(cfg["attention_head_dim"])
         axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])

@@ -117,8 +117,11 @@ class CacheInputTransformer(nn.Module):
         return t.proj_out(hidden_states)
 
 
-def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``QwenImageTransformer2DModel.from_pretrained(directory)``, local files only."""
+def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
+                     variant: str | None = None) -> nn.Module:
+    """``QwenImageTransformer2DModel.from_pretrained(directory, variant=variant)``, local files
+    only; the weight files (one file, or every shard its index names and no other) are checked
+    first (:func:`qkrope.diffusers_weights.weight_files`)."""
     import os
 
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
@@ -134,12 +137,15 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32) -> n
         else:
             raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
                                     f"transformer/config.json): not a saved diffusers model")
+    from qkrope.diffusers_weights import weight_files
+
+    weight_files(directory, variant=variant)  # a missing or extra shard: said before loading
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
     try:
         model = diffusers.QwenImageTransformer2DModel.from_pretrained(
-            directory, torch_dtype=dtype, local_files_only=True)
+            directory, torch_dtype=dtype, local_files_only=True, variant=variant)
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
     return model.eval()

@@ -54,6 +54,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--diffusers", metavar="DIR", default=None,
                    help="local folder of a saved QwenImageTransformer2DModel")
     t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
+    t.add_argument("--variant", default=None, metavar="NAME",
+                   help="diffusers weights variant of --diffusers (e.g. fp16: "
+                        "diffusion_pytorch_model.fp16.safetensors or its indexed shards)")
     p.set_defaults(func=run)
     return p
 
@@ -94,10 +97,11 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--model transformer needs --diffusers DIR (a local saved "
                              "QwenImageTransformer2DModel)")
         info, written = onnx_export.export_transformer(out, args.diffusers, layers=args.layers,
-                                           progress=True, **common)
+                                                       progress=True, variant=args.variant,
+                                                       **common)
     else:
-        if args.diffusers or args.layers:
-            raise InputError("--diffusers/--layers apply to --model transformer")
+        if args.diffusers or args.layers or args.variant:
+            raise InputError("--diffusers/--layers/--variant apply to --model transformer")
         info, written = onnx_export.export_attention(
             out, heads=24 if args.heads is None else args.heads,
             head_dim=128 if args.head_dim is None else args.head_dim,

@@ -146,10 +146,12 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
     return report
 
 
-def load_state_dict(diffusers: str | None = None, state_dict: str | None = None) -> dict:
+def load_state_dict(diffusers: str | None = None, state_dict: str | None = None, *,
+                    variant: str | None = None) -> dict:
     """The weights by diffusers parameter name: a diffusers model folder (its ``transformer``
-    subfolder when given a pipeline folder; ``*.safetensors`` shards) or one file
-    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``)."""
+    subfolder when given a pipeline folder; one file or the shards its index names, of
+    ``variant``: :mod:`qkrope.diffusers_weights`) or one file (``.safetensors``, or a torch
+    ``.pt``/``.bin``, loaded with ``weights_only=True``)."""
     import torch
 
     if (diffusers is None) == (state_dict is None):
@@ -162,21 +164,9 @@ def load_state_dict(diffusers: str | None = None, state_dict: str | None = None)
             from safetensors.torch import load_file
             return dict(load_file(str(p)))
         return dict(torch.load(p, map_location="cpu", weights_only=True))
-    d = Path(diffusers)
-    if not d.is_dir():
-        raise InputFileNotFoundError(f"{d} is not a folder")
-    if (d / "transformer").is_dir() and not list(d.glob("*.safetensors")):
-        d = d / "transformer"
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise RefitError(f"{d} holds no *.safetensors file. Fix: save the model with "
-                         f"save_pretrained(..., safe_serialization=True), or pass --state-dict")
-    from safetensors.torch import load_file
+    from qkrope import diffusers_weights
 
-    out: dict = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+    return diffusers_weights.load_state_dict(diffusers, variant=variant)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -189,9 +179,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("engine", metavar="MODEL.engine")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--diffusers", metavar="DIR", help="diffusers transformer (or pipeline) "
-                     "folder with *.safetensors weights")
+                     "folder: its safetensors weights, shards read through their index")
     src.add_argument("--state-dict", metavar="FILE", help=".safetensors (or torch .pt) state "
                      "dict keyed by diffusers parameter name")
+    p.add_argument("--variant", metavar="NAME",
+                   help="with --diffusers: the weights variant it was saved with (diffusers' "
+                        "variant=, e.g. fp16: diffusion_pytorch_model.fp16.safetensors or its "
+                        "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
     p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
@@ -227,7 +221,10 @@ def run(args: argparse.Namespace) -> int:
     if not info.refittable:
         raise RefitError(f"{engine_path} was not built refittable (its sidecar says "
                          f"refittable: false). Fix: rebuild it with `qkrope build --refit`")
-    weights = load_state_dict(args.diffusers, args.state_dict)
+    if args.variant and not args.diffusers:
+        raise RefitError("--variant names a diffusers weights variant: it goes with --diffusers "
+                         "DIR")
+    weights = load_state_dict(args.diffusers, args.state_dict, variant=args.variant)
     trt = import_tensorrt("qkrope refit (TensorRT engine refitting)")
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
     runtime = trt.Runtime(logger)
