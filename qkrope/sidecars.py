@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,9 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"cannot read the sidecar {path}: {exc}. Fix: {fix}") from None
+    except RecursionError:  # nested deeper than Python's JSON reader goes: no sidecar is
+        raise error(f"cannot read the sidecar {path}: its JSON is nested deeper than "
+                    f"{sys.getrecursionlimit()} levels (no qkrope sidecar is). Fix: {fix}") from None
 
 
 def _check_format(f: _Fields, fmt: str) -> None:
