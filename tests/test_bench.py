@@ -761,3 +761,30 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
     assert not [r for r in rows if r.backend == "onnxruntime-cpu"]   # no ORT rows on a GPU
     md = measure.format_bench_table(rows)
     assert "| trt-plugin | primitive |" in md and "fused attention: likely" in md
+
+
+def test_cuda_graph_reaches_the_tensorrt_rows(monkeypatch):
+    """`qkrope bench --cuda-graph`: the engines are loaded with cuda_graph=True."""
+    import argparse
+
+    from qkrope import runtime
+
+    ap = argparse.ArgumentParser()
+    bench.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["bench", "--device", "cpu", "--cuda-graph"])
+    cfg = bench.config_from_args(args)
+    assert cfg.cuda_graph is True
+    assert bench.config_from_args(ap.parse_args(["bench", "--device", "cpu"])).cuda_graph is False
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(path, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(runtime, "load", fake_load)
+    with pytest.raises(Stop):
+        bench._engine_backend(cfg, "trt-plugin", "primitive", "m.engine", "p.so", None, {})
+    assert seen == {"plugin": "p.so", "cuda_graph": True}

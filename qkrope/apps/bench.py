@@ -454,6 +454,7 @@ class Config:
     # attention forms to export and measure (ATTENTION_FORMS); None: both where they run
     attention: Sequence[str] | None = None
     profile_runs: int = DEFAULT_PROFILE_RUNS  # ONNX Runtime profiled runs per row; 0: none
+    cuda_graph: bool = False  # TensorRT rows replay a CUDA graph per shapes (qkrope.runtime.load)
 
 
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
@@ -766,7 +767,7 @@ def _engine_backend(cfg: Config, backend: str, form: str, engine: str, plugin: s
     its inspector's verdict on fused attention goes to ``extras``."""
     from qkrope import runtime
 
-    runner = runtime.load(engine, plugin=plugin)
+    runner = runtime.load(engine, plugin=plugin, cuda_graph=cfg.cuda_graph)
     key = (backend, form)
     dump = workdir / f"layers.{backend}.{form}.json" if workdir is not None else None
     fused, basis = _inspect_engine(runner, dump, span_nodes)
@@ -1201,6 +1202,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ONNX Runtime profiled runs per row (a separate session after the "
                         f"timing, one warm-up run first); 0 turns the profile off (default "
                         f"{DEFAULT_PROFILE_RUNS})")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="the TensorRT rows replay a CUDA graph captured once per input shapes "
+                        "(qkrope.runtime.load(..., cuda_graph=True); TensorRT's diffusion demo "
+                        "does so by default)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.set_defaults(func=run)
     return p
@@ -1241,7 +1246,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         engine_no_plugin=args.engine_no_plugin, peak_gbps=args.peak_gbps,
         out=Path(args.out), threads=parse_threads(threads) if threads else None,
         attention=parse_attention_forms(attention) if attention else None,
-        profile_runs=int(getattr(args, "profile_runs", DEFAULT_PROFILE_RUNS)))
+        profile_runs=int(getattr(args, "profile_runs", DEFAULT_PROFILE_RUNS)),
+        cuda_graph=bool(getattr(args, "cuda_graph", False)))
     for s in cfg.sizes:
         image_tokens(s)
     default_axes_dims(cfg.head_dim)
