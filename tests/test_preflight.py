@@ -58,6 +58,8 @@ CASES = [
     (["triton-repo", "--backend", "onnxruntime", "--onnx", "t.onnx", "-o", "repo", "--name", LONG],
      "--name is 300 bytes long"),
     (["bench", "--engine", "nothere.engine"], "--engine nothere.engine does not exist"),
+    (["build-plugin", "--tensorrt-root", "nothere"], "--tensorrt-root nothere does not exist"),
+    (["build-plugin", "--jobs", "0"], "--jobs must be >= 1; got 0"),
     (["bench", "--engine", "t.engine", "--plugin", "nothere.so"], "--plugin nothere.so does not "
                                                                   "exist"),
 ]
