@@ -533,8 +533,9 @@ def _check_providers(ort, providers, provider_options) -> None:
                 f"], provider_options=[{{'arena_extend_strategy': 'kSameAsRequested'}}]")
 
 
-def _ort_load_error(path: str, providers, exc: Exception) -> RunnerError:
-    """ONNX Runtime's failure to create a session as one line with the fix."""
+def ort_load_error(path: str, providers, exc: Exception, *,
+                   action: str = "could not load") -> RunnerError:
+    """ONNX Runtime's failure (to create a session, by default) as one line with the fix."""
     text = " ".join(str(exc).split())
     for prefix in ("[ONNXRuntimeError] :",):
         if text.startswith(prefix):
@@ -552,7 +553,7 @@ def _ort_load_error(path: str, providers, exc: Exception) -> RunnerError:
                "records (relative, inside its folder), or re-export it with `qkrope export`")
     else:
         fix = f"re-export it with `qkrope export --out {path}`"
-    return RunnerError(f"ONNX Runtime could not load {path} ({type(exc).__name__}: {text}). "
+    return RunnerError(f"ONNX Runtime {action} {path} ({type(exc).__name__}: {text}). "
                        f"Fix: {fix}")
 
 
@@ -644,7 +645,7 @@ class OrtRunner(Runner):
                 provider_options=None if provider_options is None else [
                     dict(o) for o in provider_options])
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime's Fail/InvalidGraph/... classes
-            raise _ort_load_error(self.path, self.providers, exc) from exc
+            raise ort_load_error(self.path, self.providers, exc) from exc
         self.onnx_codes = dtypes.ONNX_BY_NAME
         super().__init__(onnx_model_io(self.path, self.session, model=model),
                          copy_outputs=copy_outputs)

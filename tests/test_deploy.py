@@ -343,3 +343,21 @@ def test_function_body_nodes_are_named_for_what_they_serve(onnx_path):
                         "img_cos_sin_cache": caches.img.numpy()[:10],
                         "txt_cos_sin_cache": caches.txt.numpy()})
     assert "uses the cos_sin_cache rows of" in str(info.value)
+
+
+def test_check_reports_onnx_runtime_failures_in_one_line(onnx_path, tmp_path, capsys):
+    """`qkrope check` of a model whose external data is gone: ONNX Runtime's Fail, one line."""
+    import onnx
+
+    from qkrope.cli import main
+    from qkrope.sidecars import ModelInfo
+
+    moved = tmp_path / "ext.onnx"
+    onnx.save(onnx.load(str(onnx_path)), str(moved), save_as_external_data=True,
+              location="ext.onnx.data", size_threshold=0)
+    ModelInfo.load(onnx_path).save(moved)  # the sidecar, describing the re-saved file
+    (tmp_path / "ext.onnx.data").unlink()
+    capsys.readouterr()
+    assert main(["check", str(moved)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ONNX Runtime failed on" in err and "external" in err and "\n" not in err, err

@@ -459,8 +459,6 @@ def run(args: argparse.Namespace) -> int:
                        "libqkrope_plugin.so")
     pre.input_dir(args.diffusers, flag="--diffusers",
                   fix="pass the folder of the saved diffusers transformer the model came from")
-    if args.engine and not args.plugin:
-        raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
     try:
         passed, _ = check_model(args.onnx, img_shapes=args.img_shape, txt_len=args.txt_len,
                                 batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,
@@ -473,5 +471,10 @@ def run(args: argparse.Namespace) -> int:
                 f"({str(exc).splitlines()[0][:200]}). bfloat16 MatMul has no CPU kernel in ONNX "
                 f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu), or with "
                 f"--engine/--plugin --no-onnxrt (TensorRT vs PyTorch)") from None
+        if type(exc).__module__.startswith("onnxruntime"):  # its Fail, InvalidGraph, ...
+            from qkrope.runtime.runner import ort_load_error
+
+            raise ParityError(str(ort_load_error(args.onnx, args.providers, exc,
+                                                 action="failed on"))) from None
         raise
     return 0 if passed else 1

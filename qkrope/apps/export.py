@@ -64,8 +64,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
+    from qkrope import _preflight as pre
 
+    # the arguments, then the paths, all before torch: a mistake answers at once
+    attention_only = {"--heads": args.heads, "--head-dim": args.head_dim,
+                      "--rotary-dim": args.rotary_dim, "--neox": args.neox or None,
+                      "--eps": args.eps, "--weights": args.weights, "--seed": args.seed}
+    if args.model == "transformer":
+        given = [flag for flag, value in attention_only.items() if value is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
+                             f"--model attention only; a transformer's sizes, epsilon and "
+                             f"weights come from its --diffusers folder")
+        if not args.diffusers:
+            raise InputError("--model transformer needs --diffusers DIR (a local saved "
+                             "QwenImageTransformer2DModel)")
+    elif args.diffusers or args.layers or args.variant:
+        raise InputError("--diffusers/--layers/--variant apply to --model transformer")
     pre.input_dir(args.diffusers, flag="--diffusers",
                   fix="pass the local folder of a saved QwenImageTransformer2DModel (config.json "
                       "and its weights; nothing is downloaded)")
@@ -84,24 +99,11 @@ def run(args: argparse.Namespace) -> int:
     common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
                   txt_len=args.txt_len, batch=args.batch, rounding=args.rounding,
                   attention=args.attention)
-    attention_only = {"--heads": args.heads, "--head-dim": args.head_dim,
-                      "--rotary-dim": args.rotary_dim, "--neox": args.neox or None,
-                      "--eps": args.eps, "--weights": args.weights, "--seed": args.seed}
     if args.model == "transformer":
-        given = [flag for flag, value in attention_only.items() if value is not None]
-        if given:
-            raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
-                             f"--model attention only; a transformer's sizes, epsilon and "
-                             f"weights come from its --diffusers folder")
-        if not args.diffusers:
-            raise InputError("--model transformer needs --diffusers DIR (a local saved "
-                             "QwenImageTransformer2DModel)")
         info, written = onnx_export.export_transformer(out, args.diffusers, layers=args.layers,
                                                        progress=True, variant=args.variant,
                                                        **common)
     else:
-        if args.diffusers or args.layers or args.variant:
-            raise InputError("--diffusers/--layers/--variant apply to --model transformer")
         info, written = onnx_export.export_attention(
             out, heads=24 if args.heads is None else args.heads,
             head_dim=128 if args.head_dim is None else args.head_dim,
