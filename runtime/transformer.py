@@ -16,7 +16,8 @@
 
 The RoPE caches are built (and memoised) from ``img_shapes`` and the text length by
 :func:`qkrope.runtime.build_qwen_rope_caches` and every input is validated before anything
-runs. Outputs are tensors the caller owns (a true-CFG pipeline keeps the conditional prediction
+runs. What diffusers' own model takes is taken here too: strided views (a slice of the prompt
+embeddings) are copied contiguous for the runner, a 0-dim ``timestep`` is one per batch item. Outputs are tensors the caller owns (a true-CFG pipeline keeps the conditional prediction
 while it computes the unconditional one). What the exported graph cannot honour is refused with
 a clear error, never ignored: ControlNet residuals, additional timestep conditioning, a LoRA
 scale or any other ``attention_kwargs``, a ``guidance`` value for a model exported without

@@ -110,12 +110,14 @@ def _engine_sidecar(tmp_path, onnx_path) -> Path:
     side = json.loads(Path(str(onnx_path) + ".json").read_text())
     names = {t["name"]: t["shape"] for t in side["inputs"]}
 
-    def prof(img, txt, batch):
+    def prof(img, txt, batch):  # min 1, opt = max = these sizes
         sizes = {"batch": batch, "img_tokens": img, "txt_tokens": txt, "img_cache_rows": img,
                  "txt_cache_rows": txt}
-        return {n: {lv: [sizes[d] if isinstance(d, str) else d for d in shape]
-                    for lv in ("min", "opt", "max")} | {
-                    "min": [1 if isinstance(d, str) else d for d in shape]}
+
+        def dims(shape, level):
+            return [d if isinstance(d, int) else 1 if level == "min" else sizes[d] for d in shape]
+
+        return {n: {lv: dims(shape, lv) for lv in ("min", "opt", "max")}
                 for n, shape in names.items()}
 
     engine = tmp_path / "t.engine"
