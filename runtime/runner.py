@@ -60,6 +60,10 @@ from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
 #: ever new shapes (a pipeline over many image sizes) hold a bounded amount of memory.
 BUFFERS_PER_NAME = 2
+#: CUDA graphs (with their static input and output buffers) a thread keeps with
+#: ``cuda_graph=True``: those of the last four sets of input shapes used (a true-CFG pair at two
+#: resolutions); an older set is captured again when it comes back.
+GRAPHS_PER_THREAD = 4
 
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep")
@@ -798,7 +802,8 @@ class TensorRTRunner(Runner):
     ``torch.cuda.CUDAGraph`` over static input and output buffers and replays it on later calls
     with the same shapes (inputs are copied into the static buffers first). The returned
     outputs are those static buffers: overwritten by the next call with the same shapes, as
-    without graphs."""
+    without graphs. A thread keeps the graphs of its last :data:`GRAPHS_PER_THREAD` sets of
+    shapes (memory stays bounded when shapes keep changing)."""
 
     backend = "tensorrt"
 
@@ -884,7 +889,8 @@ class TensorRTRunner(Runner):
         loc = self._local
         if not hasattr(loc, "contexts"):
             loc.contexts = {}   # profile index -> IExecutionContext
-            loc.graphs = {}     # (profile, input shapes) -> (graph, static inputs, outputs)
+            # (profile, input shapes) -> (graph, static inputs, outputs), least recent first
+            loc.graphs = OrderedDict()
             loc.stream = self.cuda.new_stream(self.device)
         return loc
 
@@ -946,7 +952,10 @@ class TensorRTRunner(Runner):
                 with self.cuda.capture(graph, st.stream):
                     self._enqueue(ctx, st)
                 st.graphs[key] = (graph, static, outs)
+                while len(st.graphs) > GRAPHS_PER_THREAD:
+                    st.graphs.popitem(last=False)  # its buffers go with its last reference
             else:
+                st.graphs.move_to_end(key)
                 graph, static, outs = entry
                 with self.cuda.stream_scope(st.stream):
                     for n, t in feeds.items():
@@ -1016,4 +1025,4 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
 
 __all__ = ["load", "Runner", "OrtRunner", "TensorRTRunner", "RunnerError", "RunnerInputError",
            "ModelIO", "TensorSpec", "RopeCacheError", "default_session_options",
-           "BUFFERS_PER_NAME"]
+           "BUFFERS_PER_NAME", "GRAPHS_PER_THREAD"]

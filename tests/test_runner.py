@@ -821,3 +821,19 @@ def test_trt_runner_cuda_graph_on_gpu(tmp_path):
         torch.cuda.synchronize()
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
+
+
+def test_trt_runner_keeps_the_cuda_graphs_of_the_last_shapes_only():
+    """Ever new shapes with cuda_graph=True: the graphs (and their static buffers) a thread
+    keeps stay bounded; a shape that comes back after being dropped is captured again."""
+    r, engine, cuda = _fake_trt_runner([_profile((1, 2), 64, 8)], cuda_graph=True)
+    grids = [2, 3, 4, 5, 6, 7]  # six sets of shapes
+    for grid in grids:
+        r(*_qwen_inputs(2, grid, 5))
+    assert len(cuda.graphs) == len(grids)
+    assert len(r._local.graphs) == rn.GRAPHS_PER_THREAD
+    r(*_qwen_inputs(2, grids[-1], 5))  # kept: replayed
+    assert len(cuda.graphs) == len(grids) and cuda.graphs[-1].replays == 1
+    r(*_qwen_inputs(2, grids[0], 5))  # dropped: captured again
+    assert len(cuda.graphs) == len(grids) + 1
+    assert len(r._local.graphs) == rn.GRAPHS_PER_THREAD
