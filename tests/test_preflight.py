@@ -31,6 +31,10 @@ CASES = [
     (["build", "t.engine"], "t.engine is a TensorRT engine; qkrope build takes the ONNX model"),
     (["build", "t.onnx", "--timing-cache", "folder"],
      "--timing-cache folder is a folder; it takes a file. Fix: --timing-cache folder/timing.cache"),
+    (["build", "t.onnx", "--max-batch", "0"], "--max-batch must be >= 1; got 0"),
+    (["build", "t.onnx", "--workspace", "-5"], "--workspace must be >= 1; got -5"),
+    (["build", "t.onnx", "--resolutions", "1024"], "1024"),
+    (["build", "t.onnx", "--txt-tokens", "a:b"], "--txt-tokens"),
     (["build", "t.onnx", "--plugin", "nothere.so"], "--plugin nothere.so does not exist. Fix: "
                                                     "build it with `qkrope build-plugin`"),
     (["refit", "nothere.engine", "--state-dict", "sd.pt"],
