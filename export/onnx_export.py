@@ -360,8 +360,8 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[T
 
 #: What each graph input is (the ONNX file's doc strings on its inputs).
 _CACHE_DOC = ("RoPE cache, float32, one row per token: the cos half then the sin half of the "
-              "rotary dimension ([rows, rotary_dim]; build it with "
-              "qkrope.runtime.build_qwen_rope_caches)")
+              "rotary dimension ([rows, rotary_dim]; build both for this model with "
+              "qkrope.runtime.caches_for(model_path, img_shapes, txt_seq_len))")
 INPUT_DOCS = {
     "hidden_states": "image tokens, [batch, img_tokens, features] (packed latent patches for the "
                      "transformer)",
@@ -647,11 +647,12 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
                        attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True,
-                       quant: str | None = None):
+                       quant: str | None = None, variant: str | None = None):
     """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs
-    (``attention`` and ``opset``: as for :func:`export_attention`). ``quant="fp8"``: a folder
-    quantised with ModelOpt (``qkrope quantize``) exported with FP8 Q/DQ
-    (:mod:`qkrope.export.quantize`; opset 19 or later); a quantised folder without it is refused."""
+    (``attention`` and ``opset``: as for :func:`export_attention`; ``variant``: diffusers'
+    weights variant, e.g. ``"fp16"``). ``quant="fp8"``: a folder quantised with ModelOpt
+    (``qkrope quantize``) exported with FP8 Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or
+    later); a quantised folder without it is refused."""
     from .patch_diffusers import CacheInputTransformer, load_transformer
 
     from qkrope.runtime.state_dict import model_folder_files
@@ -665,7 +666,8 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
         with steps.step(f"loading {diffusers_dir} ({dtype})"):
-            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, quant=quant)
+            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, quant=quant,
+                                           variant=variant)
         fp8_table = None
         if quant is not None:
             from . import quantize

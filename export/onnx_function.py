@@ -204,6 +204,27 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
     return nodes
 
 
+#: the prefix of every function-body node name; ONNX Runtime reports a failing node by this name
+BODY_NODE_PREFIX = f"{contract.OP_TYPE} body"
+
+
+def _name_nodes(nodes: list[onnx.NodeProto], stream: str) -> None:
+    """Name each body node after the QKNormRoPE input it serves and what it computes, e.g.
+    ``QKNormRoPE body, q: Mul(q_ac) uses the cos_sin_cache rows of q's tokens``: a runtime
+    reports a failing node by its name (an unnamed body node is ``''``), so an error on a cache
+    with too few rows points at the cache input."""
+    rows = {"cos_sin_cache"}  # values computed from the cache's rows (not only its shape)
+    for i, node in enumerate(nodes):
+        from_rows = node.op_type != "Shape" and any(v in rows for v in node.input)
+        if from_rows:
+            rows.update(node.output)
+        uses = [v for v in node.input if v in contract.INPUTS and v != "cos_sin_cache"]
+        what = (f" uses the cos_sin_cache rows of {stream}'s tokens" if from_rows
+                else f" of {', '.join(uses)}" if uses
+                else " of cos_sin_cache's shape" if "cos_sin_cache" in node.input else "")
+        node.name = f"{BODY_NODE_PREFIX}, {stream}: {node.op_type}({node.output[0]}){what} #{i}"
+
+
 def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
                         opset: int = DEFAULT_OPSET) -> onnx.FunctionProto:
     """The model-local function ``qkrope::QKNormRoPE`` (docs/spec.md section 3 in standard ops)."""
@@ -235,8 +256,12 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
     common[0].attribute.append(eps_attr)
 
     q_in, k_in, qw_in, kw_in, _ = contract.INPUTS
-    nodes = (common + _stream_nodes("q_", q_in, qw_in, contract.OUTPUTS[0], variant)
-             + _stream_nodes("k_", k_in, kw_in, contract.OUTPUTS[1], variant))
+    streams = ((q_in, _stream_nodes("q_", q_in, qw_in, contract.OUTPUTS[0], variant)),
+               (k_in, _stream_nodes("k_", k_in, kw_in, contract.OUTPUTS[1], variant)))
+    _name_nodes(common, "shared")
+    for stream, stream_nodes in streams:
+        _name_nodes(stream_nodes, stream)
+    nodes = common + [node for _, stream_nodes in streams for node in stream_nodes]
     defaults = []
     for a in contract.ATTRIBUTES:
         defaults.append(helper.make_attribute(a.name, a.default))

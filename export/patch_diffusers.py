@@ -118,8 +118,10 @@ class CacheInputTransformer(nn.Module):
 
 
 def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
-                     quant: str | None = None) -> nn.Module:
-    """``QwenImageTransformer2DModel.from_pretrained(directory)``, local files only.
+                     quant: str | None = None, variant: str | None = None) -> nn.Module:
+    """``QwenImageTransformer2DModel.from_pretrained(directory, variant=variant)``, local files
+    only; the weight files (one file, or every shard its index names and no other) are checked
+    first (:func:`qkrope.diffusers_weights.weight_files`).
 
     A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
     (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
@@ -141,13 +143,16 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
         else:
             raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
                                     f"transformer/config.json): not a saved diffusers model")
+    from qkrope.diffusers_weights import weight_files
+
+    weight_files(directory, variant=variant)  # a missing or extra shard: said before loading
     check_folder(directory, quant)  # before loading: diffusers would drop quantizer tensors
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
     try:
         model = diffusers.QwenImageTransformer2DModel.from_pretrained(
-            directory, torch_dtype=dtype, local_files_only=True)
+            directory, torch_dtype=dtype, local_files_only=True, variant=variant)
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
     if quant is not None:

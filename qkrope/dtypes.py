@@ -18,9 +18,8 @@ the exporter uses for them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
-
-import torch
 
 from qkrope.errors import InputError
 
@@ -28,14 +27,25 @@ from qkrope.errors import InputError
 NAME_BY_SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SHORT_BY_NAME = {v: k for k, v in NAME_BY_SHORT.items()}
 
-#: canonical name -> torch dtype
-TORCH_BY_NAME = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
-#: ``--dtype`` short name -> torch dtype (the exporter's table)
-TORCH_BY_SHORT = {k: TORCH_BY_NAME[v] for k, v in NAME_BY_SHORT.items()}
+#: the names :data:`TORCH_BY_NAME` maps (torch's attribute of the same name)
+TORCH_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
+               "uint8", "bool")
+
+
+def __getattr__(name: str):
+    """``TORCH_BY_NAME`` (canonical name -> torch dtype) and ``TORCH_BY_SHORT`` (``--dtype``
+    short name -> torch dtype, the exporter's table), made on first use so that this module,
+    and the sidecars and commands that read dtype names, import without torch."""
+    if name == "TORCH_BY_NAME":
+        import torch
+
+        table = {n: getattr(torch, n) for n in TORCH_NAMES}
+    elif name == "TORCH_BY_SHORT":
+        table = {k: __getattr__("TORCH_BY_NAME")[v] for k, v in NAME_BY_SHORT.items()}
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = table
+    return table
 
 #: canonical name -> ONNX ``TensorProto`` element type
 ONNX_BY_NAME = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6,
@@ -83,7 +93,8 @@ def canonical(dtype: Any) -> str:
         raise TypeError(f"not a dtype: {dtype!r}")
     if isinstance(dtype, int):
         return NAME_BY_ONNX.get(dtype, str(dtype))
-    if isinstance(dtype, torch.dtype):
+    torch = sys.modules.get("torch")  # a torch dtype exists only once torch is imported
+    if torch is not None and isinstance(dtype, torch.dtype):
         return str(dtype)[len("torch."):]
     if not isinstance(dtype, str):
         name = getattr(dtype, "name", None)  # tensorrt.DataType, numpy dtype
@@ -102,18 +113,18 @@ def canonical(dtype: Any) -> str:
             break
     if text in NAME_BY_TRT:  # TensorRT member names are upper case (FLOAT, HALF, BF16, ...)
         return NAME_BY_TRT[text]
-    if text.upper() in NAME_BY_TRT and low not in TORCH_BY_NAME and low not in _ALIASES:
+    if text.upper() in NAME_BY_TRT and low not in TORCH_NAMES and low not in _ALIASES:
         return NAME_BY_TRT[text.upper()]
     return _ALIASES.get(low, low)
 
 
-def torch_dtype(dtype: Any) -> torch.dtype:
+def torch_dtype(dtype: Any):
     """The torch dtype for any spelling; ValueError for one torch cannot hold."""
     name = canonical(dtype)
-    if name not in TORCH_BY_NAME:
+    if name not in TORCH_NAMES:
         raise InputError(f"dtype {dtype!r} has no torch equivalent qkrope supports "
-                         f"({', '.join(TORCH_BY_NAME)})")
-    return TORCH_BY_NAME[name]
+                         f"({', '.join(TORCH_NAMES)})")
+    return __getattr__("TORCH_BY_NAME")[name]
 
 
 def short_name(dtype: Any) -> str:
@@ -150,7 +161,7 @@ def numpy_dtype(dtype: Any):
     return np.dtype(name)
 
 
-__all__ = ["NAME_BY_SHORT", "SHORT_BY_NAME", "TORCH_BY_NAME", "TORCH_BY_SHORT", "ONNX_BY_NAME",
+__all__ = ["NAME_BY_SHORT", "SHORT_BY_NAME", "TORCH_NAMES", "TORCH_BY_NAME", "TORCH_BY_SHORT", "ONNX_BY_NAME",
            "NAME_BY_ONNX", "NAME_BY_ORT", "NAME_BY_TRT", "TRT_BY_NAME", "TRITON_BY_NAME",
            "NAME_BY_TRITON", "canonical", "torch_dtype", "short_name", "onnx_code",
            "triton_type", "numpy_dtype"]

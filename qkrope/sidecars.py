@@ -50,6 +50,10 @@ by the TensorRT runner and ``qkrope triton-repo``::
                        by the runner, `qkrope refit` and `qkrope triton-repo`: an engine beside
                        another engine's sidecar is refused; written by save() whenever the
                        engine file exists; null/absent: not checked)
+      "build_key": {"model_sha256", "options", "tensorrt_version", "gpu", "plugin_sha256",
+                    "engine_sha256"} | null
+                   (what the engine was built from; `qkrope build` reuses the engine when all
+                   of it is unchanged)
     }
 
 The engine itself keeps a tag of the model config it was built from as its network name
@@ -65,6 +69,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +159,9 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"cannot read the sidecar {path}: {exc}. Fix: {fix}") from None
+    except RecursionError:  # nested deeper than Python's JSON reader goes: no sidecar is
+        raise error(f"cannot read the sidecar {path}: its JSON is nested deeper than "
+                    f"{sys.getrecursionlimit()} levels (no qkrope sidecar is). Fix: {fix}") from None
 
 
 METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .dtype, .config
@@ -568,10 +576,13 @@ class EngineInfo:
     # weight (BuilderFlag.REFIT); None: not refittable
     refit_mode: str | None = None
     profile_labels: list[str] = field(default_factory=list)  # "1024x1024" per preset, or ""
+    build_key: dict[str, Any] | None = None  # engine.build_key: what decides reuse
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime()))
     engine_sha256: str | None = None
     source: str = field(default="", compare=False, repr=False)
+    # set by build_engine when it kept an up-to-date engine instead of building (not written)
+    reused: bool = field(default=False, compare=False, repr=False)
 
     def tensor(self, name: str) -> EngineTensor:
         for t in self.inputs + self.outputs:
@@ -605,6 +616,7 @@ class EngineInfo:
             "build_seconds": self.build_seconds, "created": self.created,
             "refittable": self.refittable, "refit_mode": self.refit_mode,
             "profile_labels": list(self.profile_labels), "engine_sha256": self.engine_sha256,
+            "build_key": self.build_key,
         }
 
     @classmethod
@@ -649,7 +661,8 @@ class EngineInfo:
             profile_labels=[str(x) for x in f.get("profile_labels", list, optional=True,
                                                    default=[])],
             created=f.get("created", str, optional=True, default=""),
-            engine_sha256=_sha256_field(f, "engine_sha256"), source=source)
+            engine_sha256=_sha256_field(f, "engine_sha256"),
+            build_key=f.get("build_key", dict, optional=True), source=source)
 
     @classmethod
     def load(cls, engine_path: str | os.PathLike) -> "EngineInfo":

@@ -1,32 +1,44 @@
 """Host side at inference: RoPE caches (build, convert, validate), engines and runners.
 
-``import qkrope.runtime`` needs torch only; TensorRT and ONNX Runtime are imported when used.
+``import qkrope.runtime`` imports nothing heavy: each public name below is imported from its
+module on first use (``from qkrope.runtime import load`` imports the runner, hence torch), and
+TensorRT and ONNX Runtime only when a backend is used. So a command can import the light
+modules it checks its arguments with (``qkrope.runtime.profiles``, ``.engine``) before torch.
 """
 
-from .caches import (
-    RopeCacheError,
-    RopeCacheOverflowError,
-    RopeCaches,
-    build_qwen_rope_caches,
-    to_cos_sin_caches,
-    validate_cos_sin_caches,
-)
+from __future__ import annotations
 
-__all__ = [
-    "RopeCacheError",
-    "RopeCacheOverflowError",
-    "RopeCaches",
-    "build_qwen_rope_caches",
-    "to_cos_sin_caches",
-    "validate_cos_sin_caches",
-]
+import importlib
 
-# Runtime wrapper (TensorRT engine or ONNX model behind one interface); backends import lazily.
-from .runner import Runner, RunnerError, RunnerInputError, load  # noqa: E402
+# public name -> the module that defines it
+_PUBLIC = {
+    # RoPE caches
+    "RopeCacheError": "caches", "RopeCacheOverflowError": "caches", "RopeCaches": "caches",
+    "build_qwen_rope_caches": "caches", "caches_for": "caches",
+    "to_cos_sin_caches": "caches", "validate_cos_sin_caches": "caches",
+    # runtime wrapper (TensorRT engine or ONNX model behind one interface)
+    "load": "runner", "Runner": "runner", "RunnerError": "runner",
+    "RunnerInputError": "runner",
+    # drop-in for diffusers' QwenImageTransformer2DModel in pipelines
+    "QwenImageTransformer": "transformer", "load_transformer": "transformer",
+}
 
-__all__ += ["load", "Runner", "RunnerError", "RunnerInputError"]
+__all__ = list(_PUBLIC)
 
-# Drop-in for diffusers' QwenImageTransformer2DModel in pipelines (diffusers imported lazily).
-from .transformer import QwenImageTransformer, load_transformer  # noqa: E402
 
-__all__ += ["QwenImageTransformer", "load_transformer"]
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        try:  # a submodule accessed as an attribute (qkrope.runtime.caches)
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the submodule exists; something it imports does not
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

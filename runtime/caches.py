@@ -530,3 +530,132 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         ib = b.index if b.index is not None else torch.cuda.current_device()
         return ia == ib
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# The caches of an exported model
+# --------------------------------------------------------------------------------------------
+
+_ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+
+
+def _model_rope_config(path) -> tuple[dict, list, str, object]:
+    """(config, [(input name, shape with axis names)], where it was read, the EngineInfo of an
+    engine or None) of an ``.onnx`` or ``.engine``: the sidecar, else (an ONNX file without one)
+    the ``qkrope.config`` entry that ``qkrope export`` writes into the model's
+    ``metadata_props``."""
+    import json
+    from pathlib import Path
+
+    from qkrope.errors import InputFileNotFoundError
+    from qkrope.sidecars import EngineInfo, ModelInfo, sidecar_path
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputFileNotFoundError(f"{p} does not exist. Fix: pass the .onnx file `qkrope "
+                                     f"export` wrote or the .engine `qkrope build` wrote")
+    suffix = p.suffix.lower()
+    if suffix in _ENGINE_SUFFIXES:
+        info = EngineInfo.load(p)
+        return (dict(info.config), [(t.name, t.axes or t.shape) for t in info.inputs],
+                info.source, info)
+    if suffix != ".onnx":
+        raise InputError(f"cannot tell what {p} is from its suffix {suffix!r}: pass an .onnx "
+                         f"model (qkrope export) or an .engine (qkrope build)")
+    if sidecar_path(p).exists():
+        info = ModelInfo.load(p)
+        return dict(info.config), [(t.name, t.shape) for t in info.inputs], info.source, None
+    desc = ModelInfo.from_onnx_graph(p)
+    import onnx
+
+    props = {m.key: m.value for m in onnx.load(str(p), load_external_data=False).metadata_props}
+    text = props.get("qkrope.config")
+    if text is None:
+        raise InputError(
+            f"{p} has no sidecar {sidecar_path(p).name} and no 'qkrope.config' metadata, so its "
+            f"RoPE axes are unknown. Fix: keep the sidecar next to the model, or build the caches "
+            f"with build_qwen_rope_caches(img_shapes, txt_seq_len, axes_dim=...)")
+    try:
+        config = json.loads(text)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise InputError(f"{p}: its 'qkrope.config' metadata is not a JSON object. Fix: "
+                         f"re-export the model with `qkrope export`")
+    return config, [(t.name, t.shape) for t in desc.inputs], f"{p} (metadata_props)", None
+
+
+def _profile_holds(profile: dict, need: dict) -> bool:
+    for (name, dim), value in need.items():
+        levels = profile.get(name)
+        if levels is None:
+            continue
+        if not levels["min"][dim] <= value <= levels["max"][dim]:
+            return False
+    return True
+
+
+def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int, *,
+               device: torch.device | str | None = None, batch: int | None = None) -> RopeCaches:
+    """The RoPE caches an exported model needs for these sizes: ``img_cache_rows`` /
+    ``txt_cache_rows`` inputs of any ``.onnx`` (``qkrope export``) or ``.engine``
+    (``qkrope build``), whatever its config.
+
+    The RoPE axes widths (``axes_dims_rope``) come from the model's sidecar, else from the
+    ``qkrope.config`` entry of an ONNX file's ``metadata_props``; the caches are
+    :func:`build_qwen_rope_caches` of them (memoised; read-only). Refused, before anything is
+    built or run: a cache width that is not the model's cache input width, and for an engine
+    sizes (image tokens, text tokens, and ``batch`` when given) that no optimisation profile
+    holds.
+
+    Args:
+        model_path: the ``.onnx`` or ``.engine`` file.
+        img_shapes: ``[(frames, height, width), ...]`` in latent patches (diffusers' per-batch
+            form accepted).
+        txt_seq_len: text tokens.
+        device: where the caches are put (the activations' device).
+        batch: the call's batch size, checked against an engine's profiles (the caches
+            themselves have no batch axis).
+    """
+    config, inputs, source, info = _model_rope_config(model_path)
+    axes = config.get("axes_dims_rope")
+    if not (isinstance(axes, (list, tuple)) and len(axes) == 3
+            and all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in axes)):
+        raise InputError(f"{source} records no usable RoPE axes (config.axes_dims_rope = "
+                         f"{axes!r}, expected three positive ints). Fix: re-export the model "
+                         f"with `qkrope export`")
+    if batch is not None:
+        batch = _whole(batch, "batch")
+        if batch < 1:
+            raise InputError(f"batch must be >= 1; got {batch}")
+    caches = build_qwen_rope_caches(img_shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
+    shapes = {name: list(shape) for name, shape in inputs}
+    for name, cache in (("img_cos_sin_cache", caches.img), ("txt_cos_sin_cache", caches.txt)):
+        shape = shapes.get(name)
+        width = shape[-1] if shape else None
+        if isinstance(width, int) and width >= 0 and width != cache.shape[1]:
+            raise InputError(
+                f"{source}: the model's {name} is {width} wide but its axes_dims_rope {list(axes)} "
+                f"sum to {cache.shape[1]}: the sidecar does not describe this model. Fix: "
+                f"re-export the model with `qkrope export`")
+    if info is not None:
+        need = {("img_cos_sin_cache", 0): int(caches.img.shape[0]),
+                ("txt_cos_sin_cache", 0): int(caches.txt.shape[0])}
+        if batch is not None:
+            need[("hidden_states", 0)] = batch
+        if info.profiles and not any(_profile_holds(p, need) for p in info.profiles):
+            labels = list(info.profile_labels) + [""] * len(info.profiles)
+            ranges = "; ".join(
+                f"profile {k}{' (' + labels[k] + ')' if labels[k] else ''}: "
+                + ", ".join(f"{n} {p[n]['min'][d]}..{p[n]['max'][d]}"
+                            for (n, d) in need if n in p)
+                for k, p in enumerate(info.profiles))
+            raise InputError(
+                f"{model_path} cannot serve {int(caches.img.shape[0])} image tokens, "
+                f"{int(caches.txt.shape[0])} text tokens"
+                + (f", batch {batch}" if batch is not None else "")
+                + f" (img_shapes {list(_check_img_shapes(img_shapes))}): no optimisation profile "
+                f"holds them ({ranges}). Fix: use sizes within a profile, or rebuild with `qkrope "
+                f"build --resolutions WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
+    return caches
+

@@ -26,6 +26,7 @@ in plain functions that run without TensorRT):
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import sys
 import time
@@ -420,6 +421,7 @@ class BuildOptions:
     txt_tokens: tuple[int, int] | None = None   # --txt-tokens MIN:MAX
     batch: tuple[int, int] | None = None        # --batch MIN:MAX
     refit: bool = False                         # set_refit: the parameters refittable
+    force: bool = False                         # rebuild even when the engine is up to date
     # config.profiling_verbosity (PROFILING_VERBOSITIES; None: TensorRT's default): "detailed"
     # lets the engine inspector report layer types and tactics (qkrope bench reads them)
     profiling_verbosity: str | None = None
@@ -576,6 +578,67 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
                      plugin_path, profiles)
 
 
+# BuildOptions fields that do not change what is built (how it is shown, where the plugin was
+# found: its hash counts instead, the timing cache: a speed-up of the build only)
+_NOT_IN_BUILD_KEY = ("plugin", "progress", "verbose", "timing_cache", "force")
+
+
+def model_sha256(onnx_path: str | os.PathLike) -> str:
+    """One sha256 over the ONNX file and every external-data file it names (a weight changed
+    in ``M.onnx.data`` changes it too)."""
+    onnx_path = Path(onnx_path)
+    digest = hashlib.sha256(sha256_file(onnx_path).encode())
+    model = tu.read_onnx_model(onnx_path)
+    locations = sorted({e.value for t in model.graph.initializer for e in t.external_data
+                        if e.key == "location"})
+    for location in locations:
+        target = onnx_path.parent / location
+        digest.update(f"{location}\0{sha256_file(target) if target.is_file() else '-'}".encode())
+    return digest.hexdigest()
+
+
+def build_key(onnx_path, opts: BuildOptions, trt_version: str, gpu: dict | None,
+              plugin_path: str | None) -> dict:
+    """What an engine is built from: the model (:func:`model_sha256`), the build options that
+    change the engine, the TensorRT version, the GPU (name and compute capability) and the
+    plugin library's sha256. Recorded as the engine sidecar's ``build_key``, with the built
+    engine's ``engine_sha256``."""
+    import dataclasses
+    import json
+
+    options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in _NOT_IN_BUILD_KEY}
+    key = {"model_sha256": model_sha256(onnx_path), "options": options,
+           "tensorrt_version": str(trt_version),
+           "gpu": ({"name": gpu.get("name"), "compute_capability": gpu.get("compute_capability")}
+                   if gpu else None),
+           "plugin_sha256": sha256_file(plugin_path) if plugin_path else None}
+    return json.loads(json.dumps(key, sort_keys=True, default=str))  # tuples -> lists
+
+
+def reusable_engine(engine_path: str | os.PathLike, key: dict) -> tuple[EngineInfo | None, str]:
+    """``(its sidecar, "")`` when ``engine_path`` is an engine built from ``key`` (same model,
+    options, TensorRT, GPU and plugin) and still the file its sidecar describes, else
+    ``(None, why it is rebuilt)``."""
+    engine_path = Path(engine_path)
+    if not engine_path.is_file() or not engine_sidecar_path(engine_path).is_file():
+        return None, "no engine there yet"
+    try:
+        info = EngineInfo.load(engine_path)
+    except QkropeError as exc:
+        return None, f"its sidecar is unreadable ({exc})"
+    old = info.build_key
+    if not old:
+        return None, "its sidecar records no build key (an older qkrope built it)"
+    changed = [name for name in ("model_sha256", "options", "tensorrt_version", "gpu",
+                                 "plugin_sha256") if old.get(name) != key.get(name)]
+    if changed:
+        return None, f"changed since it was built: {', '.join(changed)}"
+    recorded = old.get("engine_sha256") or getattr(info, "engine_sha256", None)
+    if not recorded or sha256_file(engine_path) != recorded:
+        return None, "the engine file is not the one its sidecar describes"
+    return info, ""
+
+
 def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
                  opts: BuildOptions | None = None, *, log: TextIO | None = None) -> EngineInfo:
     """Build ``engine_path`` from ``onnx_path``; returns its sidecar (also written next to it).
@@ -583,7 +646,9 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     The arguments and the model are checked first (:func:`plan_build`), TensorRT is required
     after that. With ``opts.use_plugin`` (default) the QKNormRoPE nodes must become plugin
     layers; without it they must not (the function-body engine the benchmark compares
-    against)."""
+    against). An existing engine built from the same :func:`build_key` (model, options,
+    TensorRT version, GPU, plugin) is kept and its sidecar returned with ``reused=True``,
+    unless ``opts.force``."""
     opts = opts or BuildOptions()
     log = log if log is not None else sys.stderr
     with Steps("qkrope build", 3, enabled=opts.progress, stream=log) as steps:
@@ -605,6 +670,16 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         plugin_path = str(resolve_plugin_library(
             None, None, kind="vc" if opts.version_compatible else "plugin"))
         _check_build_outputs(onnx_path, engine_path, replace(opts, plugin=plugin_path), [])
+
+    key = build_key(onnx_path, opts, trt.__version__, tu.gpu_info(), plugin_path)
+    kept, why = reusable_engine(engine_path, key)
+    if kept is not None and not opts.force:
+        steps.write(f"[build] {engine_path} is up to date (same model, build options, TensorRT "
+                    f"{trt.__version__}, GPU and plugin): kept; --force rebuilds it")
+        kept.reused = True
+        return kept
+    steps.write(f"[build] building {engine_path}: "
+                + ("--force" if kept is not None else why))
 
     logger = trt.Logger(trt.Logger.VERBOSE if opts.verbose else trt.Logger.WARNING)
     if plugin_path is not None:
@@ -727,7 +802,9 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         builder_optimization_level=opts.builder_optimization_level,
         parser_flags=list(parser_flags), config=model_config,
         dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
-        build_seconds=round(seconds, 3))
+        build_seconds=round(seconds, 3),
+        # + the engine's own hash: a kept engine must still be the file that was built
+        build_key={**key, "engine_sha256": hashlib.sha256(memoryview(serialized)).hexdigest()})
     with steps.step(f"writing {engine_path} ({serialized.nbytes / 2**20:.1f} MiB) and its "
                     f"sidecar"):
         write_engine_pair(engine_path, serialized, info)

@@ -24,10 +24,12 @@ Threads, streams, buffers:
   makes its stream wait for the caller's current stream, enqueues with ``execute_async_v3``, and
   makes the caller's current stream wait for it, so results are ordered on the caller's stream
   without a host synchronisation.
-- Outputs are allocated once per (thread, output, shape) and reused: the tensors a call returns
-  are overwritten by the next call with the same shapes on the same thread. Pass
-  ``copy_outputs=True`` to :func:`load` (or ``.clone()`` them) to keep them.
-- ONNX Runtime: one ``InferenceSession`` (thread-safe ``run``); inputs and outputs are bound
+- Outputs are allocated per (thread, output, shape) and reused while that shape is one of the
+  last :data:`BUFFERS_PER_NAME` (2) used: the tensors a call returns may be overwritten by a
+  later call with the same shapes on the same thread. Pass ``copy_outputs=True`` to :func:`load`
+  (or ``.clone()`` them) to keep them.
+- ONNX Runtime: one ``InferenceSession`` (thread-safe ``run``), by default with memory patterns
+  off (:func:`default_session_options`); inputs and outputs are bound
   zero-copy with ``IOBinding`` from torch tensors by pointer and ONNX element type. That is how
   bfloat16 works (numpy has no bfloat16): no conversion happens anywhere. ONNX Runtime's CPU
   execution provider has no bfloat16 kernels for most ops, so bf16 models need the CUDA provider
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -52,6 +55,15 @@ from qkrope import dtypes, quantization
 from . import trt_utils as tu
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)
+
+#: Output (and default-mask) buffers a thread keeps per tensor name: those of the last two
+#: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
+#: ever new shapes (a pipeline over many image sizes) hold a bounded amount of memory.
+BUFFERS_PER_NAME = 2
+#: CUDA graphs (with their static input and output buffers) a thread keeps with
+#: ``cuda_graph=True``: those of the last four sets of input shapes used (a true-CFG pair at two
+#: resolutions); an older set is captured again when it comes back.
+GRAPHS_PER_THREAD = 4
 
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep")
@@ -355,16 +367,27 @@ class Runner:
             self._local.buffers = {}
         return self._local.buffers
 
+    def _kept_buffer(self, name: str, key: tuple, make) -> torch.Tensor:
+        """The buffer of ``name`` for ``key`` (shape, dtype, device): reused while it is one of
+        the :data:`BUFFERS_PER_NAME` keys of ``name`` used last on this thread, else made anew
+        and the least recently used one dropped, so that calls with ever new shapes hold a
+        bounded amount of memory."""
+        kept = self._buffers().setdefault(name, OrderedDict())
+        buf = kept.get(key)
+        if buf is None:
+            buf = kept[key] = make()
+            while len(kept) > BUFFERS_PER_NAME:
+                kept.popitem(last=False)
+        else:
+            kept.move_to_end(key)
+        return buf
+
     def _output_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor:
-        """Allocated once per (thread, output, shape, dtype, device), then reused."""
-        key = (name, shape, dtype, device)
-        buffers = self._buffers()
-        buf = buffers.get(key)
-        if buf is None:
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            buffers[key] = buf
-        return buf
+        """Reused per (thread, output, shape, dtype, device) among the last shapes used
+        (:meth:`_kept_buffer`)."""
+        return self._kept_buffer(name, (shape, dtype, device),
+                                 lambda: torch.empty(shape, dtype=dtype, device=device))
 
     def prepare(self, hidden_states, encoder_hidden_states, image_rotary_emb,
                 encoder_hidden_states_mask=None, timestep=None, *,
@@ -418,11 +441,8 @@ class Runner:
         return feeds, axes
 
     def _ones_mask(self, shape, dtype, device) -> torch.Tensor:
-        key = ("__mask__", tuple(shape), dtype, device)
-        buffers = self._buffers()
-        if key not in buffers:
-            buffers[key] = torch.ones(shape, dtype=dtype, device=device)
-        return buffers[key]
+        return self._kept_buffer("__mask__", (tuple(shape), dtype, device),
+                                 lambda: torch.ones(shape, dtype=dtype, device=device))
 
     def __call__(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                  image_rotary_emb: Any, encoder_hidden_states_mask: torch.Tensor | None = None,
@@ -477,6 +497,69 @@ class Runner:
 # --------------------------------------------------------------------------------------------
 # ONNX Runtime
 # --------------------------------------------------------------------------------------------
+
+def default_session_options(ort=None):
+    """The ``onnxruntime.SessionOptions`` :func:`load` uses when none are given: ONNX Runtime's
+    defaults except ``enable_mem_pattern = False``.
+
+    A memory pattern is the allocation plan ONNX Runtime records for one set of input shapes and
+    replays as one block from its arena; with shapes that change from call to call (a pipeline:
+    two text lengths under true CFG, a new image size per request) every new set of shapes adds
+    its block, so resident memory grows with the number of shapes seen (measured with
+    ``scripts/memory_growth.py`` on a tiny transformer, 12 calls alternating two image sizes and
+    two text lengths: peak RSS +36 % after the first four calls with patterns, +0 % without).
+    The CPU arena stays on: its size is set by the largest call (flat across those 12 calls)
+    and it saves an allocation per tensor."""
+    ort = ort if ort is not None else require("onnxruntime", "the ONNX Runtime runner")
+    so = ort.SessionOptions()
+    so.enable_mem_pattern = False
+    return so
+
+
+def _check_providers(ort, providers, provider_options) -> None:
+    """Provider names ONNX Runtime has here (it would otherwise warn and quietly run on the CPU)
+    and one options dict per provider."""
+    names = [p if isinstance(p, str) else (p[0] if isinstance(p, (tuple, list)) and p else p)
+             for p in providers]
+    available = ort.get_available_providers()
+    unknown = [n for n in names if not isinstance(n, str) or n not in available]
+    if unknown:
+        raise RunnerError(
+            f"providers {unknown} are not available in this onnxruntime ({ort.__version__}); "
+            f"it has {available}. Fix: pick from those (onnxruntime-gpu for "
+            f"CUDAExecutionProvider: pip install 'qkrope[cuda]')")
+    if provider_options is not None:
+        if not isinstance(provider_options, (list, tuple)) or len(provider_options) != len(
+                names) or not all(isinstance(o, Mapping) for o in provider_options):
+            raise RunnerError(
+                f"provider_options must be a list of one dict per provider ({len(names)}: "
+                f"{names}); got {provider_options!r}. Fix: e.g. providers=['CUDAExecutionProvider'"
+                f"], provider_options=[{{'arena_extend_strategy': 'kSameAsRequested'}}]")
+
+
+def ort_load_error(path: str, providers, exc: Exception, *,
+                   action: str = "could not load") -> RunnerError:
+    """ONNX Runtime's failure (to create a session, by default) as one line with the fix."""
+    text = " ".join(str(exc).split())
+    for prefix in ("[ONNXRuntimeError] :",):
+        if text.startswith(prefix):
+            text = text[len(prefix):].lstrip(" 0123456789:").strip()
+    text = text[:400]
+    if "NOT_IMPLEMENTED" in str(exc) or "Could not find an implementation" in str(exc):
+        return RunnerError(
+            f"ONNX Runtime ({', '.join(map(str, providers))}) has no kernel for an "
+            f"op of {path} in its dtype: {text}. ONNX Runtime's CPU provider has no "
+            f"bfloat16 MatMul/Gemm. Fix: use onnxruntime-gpu with "
+            f"providers=['CUDAExecutionProvider'], export with --dtype fp32 for CPU use, "
+            f"or build a TensorRT engine")
+    if "xternal data" in text:
+        fix = ("keep the model's external-data files next to it, under the names the model "
+               "records (relative, inside its folder), or re-export it with `qkrope export`")
+    else:
+        fix = f"re-export it with `qkrope export --out {path}`"
+    return RunnerError(f"ONNX Runtime {action} {path} ({type(exc).__name__}: {text}). "
+                       f"Fix: {fix}")
+
 
 def default_providers() -> list[str]:
     import onnxruntime as ort
@@ -540,7 +623,8 @@ class OrtRunner(Runner):
     backend = "onnxruntime"
 
     def __init__(self, path: str | os.PathLike, *, providers: Sequence | None = None,
-                 session_options=None, copy_outputs: bool = False):
+                 session_options=None, provider_options: Sequence[Mapping] | None = None,
+                 copy_outputs: bool = False):
         ort = require("onnxruntime", "the ONNX Runtime runner")
         self.path = str(path)
         # First: a readable model whose QKNormRoPE nodes keep the node contract (the plugin
@@ -548,21 +632,26 @@ class OrtRunner(Runner):
         # sidecar in its schema, before ONNX Runtime sees the file.
         model = tu.checked_onnx_model(self.path)
         onnx_model_io(self.path, model=model)
+        if isinstance(providers, str):
+            providers = [providers]
         self.providers = list(providers) if providers else default_providers()
+        _check_providers(ort, self.providers, provider_options)
+        if session_options is not None and not isinstance(session_options, ort.SessionOptions):
+            raise RunnerError(f"sess_options must be an onnxruntime.SessionOptions; got "
+                              f"{type(session_options).__name__}. Fix: so = "
+                              f"onnxruntime.SessionOptions(); so.enable_mem_pattern = False; "
+                              f"load(..., sess_options=so)")
+        self.session_options = (session_options if session_options is not None
+                                else default_session_options(ort))
         # an FP8 (Q/DQ) export runs only with ONNX Runtime's Q/DQ fusions off
-        session_options = quantization.ort_session_options(model, session_options)
+        self.session_options = quantization.ort_session_options(model, self.session_options)
         try:
-            self.session = ort.InferenceSession(self.path, sess_options=session_options,
-                                                providers=self.providers)
-        except Exception as exc:
-            if "NOT_IMPLEMENTED" in str(exc) or "Could not find an implementation" in str(exc):
-                raise RunnerError(
-                    f"ONNX Runtime ({', '.join(map(str, self.providers))}) has no kernel for an "
-                    f"op of {self.path} in its dtype: {exc}. ONNX Runtime's CPU provider has no "
-                    f"bfloat16 MatMul/Gemm. Fix: use onnxruntime-gpu with "
-                    f"providers=['CUDAExecutionProvider'], export with --dtype fp32 for CPU use, "
-                    f"or build a TensorRT engine") from exc
-            raise
+            self.session = ort.InferenceSession(
+                self.path, sess_options=self.session_options, providers=self.providers,
+                provider_options=None if provider_options is None else [
+                    dict(o) for o in provider_options])
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime's Fail/InvalidGraph/... classes
+            raise ort_load_error(self.path, self.providers, exc) from exc
         self.onnx_codes = dtypes.ONNX_BY_NAME
         super().__init__(onnx_model_io(self.path, self.session, model=model),
                          copy_outputs=copy_outputs)
@@ -715,7 +804,8 @@ class TensorRTRunner(Runner):
     ``torch.cuda.CUDAGraph`` over static input and output buffers and replays it on later calls
     with the same shapes (inputs are copied into the static buffers first). The returned
     outputs are those static buffers: overwritten by the next call with the same shapes, as
-    without graphs."""
+    without graphs. A thread keeps the graphs of its last :data:`GRAPHS_PER_THREAD` sets of
+    shapes (memory stays bounded when shapes keep changing)."""
 
     backend = "tensorrt"
 
@@ -804,7 +894,8 @@ class TensorRTRunner(Runner):
         loc = self._local
         if not hasattr(loc, "contexts"):
             loc.contexts = {}   # profile index -> IExecutionContext
-            loc.graphs = {}     # (profile, input shapes) -> (graph, static inputs, outputs)
+            # (profile, input shapes) -> (graph, static inputs, outputs), least recent first
+            loc.graphs = OrderedDict()
             loc.stream = self.cuda.new_stream(self.device)
         return loc
 
@@ -866,7 +957,10 @@ class TensorRTRunner(Runner):
                 with self.cuda.capture(graph, st.stream):
                     self._enqueue(ctx, st)
                 st.graphs[key] = (graph, static, outs)
+                while len(st.graphs) > GRAPHS_PER_THREAD:
+                    st.graphs.popitem(last=False)  # its buffers go with its last reference
             else:
+                st.graphs.move_to_end(key)
                 graph, static, outs = entry
                 with self.cuda.stream_scope(st.stream):
                     for n, t in feeds.items():
@@ -883,34 +977,57 @@ class TensorRTRunner(Runner):
 # --------------------------------------------------------------------------------------------
 
 def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
-         providers: Sequence | None = None, copy_outputs: bool = False,
-         cuda_graph: bool = False) -> Runner:
+         providers: Sequence | None = None, provider_options: Sequence[Mapping] | None = None,
+         sess_options=None, copy_outputs: bool = False, cuda_graph: bool = False) -> Runner:
     """Open a model for inference, chosen by the file suffix.
 
     - ``.engine`` / ``.plan``: TensorRT (needs TensorRT, a CUDA GPU and the QKNormRoPE plugin
       library: ``plugin``, else the path recorded in ``<engine>.json``, else the library
-      ``qkrope build-plugin`` built).
-    - ``.onnx``: ONNX Runtime with ``providers`` (default: CUDA if onnxruntime-gpu is installed,
-      else CPU). Runs the model's QKNormRoPE function body; ``plugin`` is ignored.
+      ``qkrope build-plugin`` built). ``cuda_graph=True`` (off by default) replays a CUDA graph
+      captured once per input shapes (see :class:`TensorRTRunner`).
+    - ``.onnx``: ONNX Runtime, passed through to ``onnxruntime.InferenceSession``:
+      ``providers`` (default: CUDA if onnxruntime-gpu is installed, else CPU; names ONNX Runtime
+      does not have here are refused instead of its silent fall-back to the CPU),
+      ``provider_options`` (one dict per provider, e.g. ``[{"arena_extend_strategy":
+      "kSameAsRequested"}]`` for the CUDA provider) and ``sess_options`` (an
+      ``onnxruntime.SessionOptions``, used as given). Without ``sess_options`` the session gets
+      ONNX Runtime's defaults with memory patterns off (:func:`default_session_options`:
+      patterns are recorded per set of input shapes, so with a pipeline's changing shapes
+      resident memory grew with every new shape; off, it stays at the largest call's).
+      Runs the model's QKNormRoPE function body; ``plugin`` is ignored.
 
-    ``cuda_graph=True`` (TensorRT only, off by default) replays a captured CUDA graph per
-    input shapes (see :class:`TensorRTRunner`). Returns a :class:`Runner`; see the module docstring for the thread/stream/buffer model.
+    The options of the other backend are refused, never ignored. Returns a :class:`Runner`;
+    see the module docstring for the thread/stream/buffer model.
     """
     p = Path(path)
     if not p.exists():
-        raise InputFileNotFoundError(f"{p} does not exist")
+        raise InputFileNotFoundError(f"{p} does not exist. Fix: pass the .onnx file `qkrope "
+                                     f"export` wrote or the .engine `qkrope build` wrote")
     suffix = p.suffix.lower()
     if suffix in (".engine", ".plan", ".trt"):
+        given = [n for n, v in (("providers", providers), ("provider_options", provider_options),
+                                ("sess_options", sess_options)) if v is not None]
+        if given:
+            raise RunnerError(f"{', '.join(given)} are ONNX Runtime options; {p} is a TensorRT "
+                              f"engine. Fix: drop them (or load the .onnx file)")
         try:
             tu.check_engine_file(p)  # an ONNX model or an empty file: said before TensorRT
         except tu.NotAnEngineError as exc:
             raise RunnerError(str(exc)) from None
         return TensorRTRunner(p, plugin=plugin, copy_outputs=copy_outputs, cuda_graph=cuda_graph)
     if suffix == ".onnx":
-        return OrtRunner(p, providers=providers, copy_outputs=copy_outputs)
+        if cuda_graph:
+            raise RunnerError(
+                f"cuda_graph=True replays CUDA graphs of a TensorRT engine; {p} is an ONNX model "
+                f"(ONNX Runtime). Fix: build an engine with `qkrope build {p}` and load it, or "
+                f"for ONNX Runtime's own CUDA graphs pass providers=['CUDAExecutionProvider'], "
+                f"provider_options=[{{'enable_cuda_graph': '1'}}]")
+        return OrtRunner(p, providers=providers, session_options=sess_options,
+                         provider_options=provider_options, copy_outputs=copy_outputs)
     raise RunnerError(f"cannot tell the backend of {p} from its suffix {suffix!r}: use .engine or "
                       f".plan for TensorRT, .onnx for ONNX Runtime")
 
 
 __all__ = ["load", "Runner", "OrtRunner", "TensorRTRunner", "RunnerError", "RunnerInputError",
-           "ModelIO", "TensorSpec", "RopeCacheError"]
+           "ModelIO", "TensorSpec", "RopeCacheError", "default_session_options",
+           "BUFFERS_PER_NAME", "GRAPHS_PER_THREAD"]

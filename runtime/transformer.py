@@ -16,7 +16,8 @@
 
 The RoPE caches are built (and memoised) from ``img_shapes`` and the text length by
 :func:`qkrope.runtime.build_qwen_rope_caches` and every input is validated before anything
-runs. Outputs are tensors the caller owns (a true-CFG pipeline keeps the conditional prediction
+runs. What diffusers' own model takes is taken here too: strided views (a slice of the prompt
+embeddings) are copied contiguous for the runner, a 0-dim ``timestep`` is one per batch item. Outputs are tensors the caller owns (a true-CFG pipeline keeps the conditional prediction
 while it computes the unconditional one). What the exported graph cannot honour is refused with
 a clear error, never ignored: ControlNet residuals, additional timestep conditioning, a LoRA
 scale or any other ``attention_kwargs``, a ``guidance`` value for a model exported without
@@ -26,6 +27,8 @@ guidance embeddings.
 from __future__ import annotations
 
 import contextlib
+import numbers
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -101,18 +104,25 @@ class QwenImageTransformer:
                              f"{self.config.get('joint_attention_dim')}]; got "
                              f"{getattr(encoder_hidden_states, 'shape', type(encoder_hidden_states))}")
         txt = int(encoder_hidden_states.shape[1])
+        batch = int(encoder_hidden_states.shape[0])
         if txt_seq_lens is not None:
-            lens = [int(n) for n in txt_seq_lens]
-            if any(n < 0 or n > txt for n in lens):
-                raise InputError(f"txt_seq_lens {lens} exceed the {txt} text tokens of "
-                                 f"encoder_hidden_states")
+            _check_txt_seq_lens(txt_seq_lens, batch, txt)
+        if isinstance(timestep, numbers.Real) and not isinstance(timestep, bool):
+            timestep = torch.tensor(float(timestep))
         if isinstance(timestep, torch.Tensor) and timestep.dim() == 0:
-            timestep = timestep.expand(hidden_states.shape[0])
+            # one timestep for the whole batch (what diffusers' pipelines may pass)
+            timestep = timestep.reshape(1).expand(batch)
         if isinstance(timestep, torch.Tensor):
             timestep = timestep.to(self.dtype)
         mask = encoder_hidden_states_mask
         if mask is not None and isinstance(mask, torch.Tensor):
             mask = mask.to(torch.bool)  # diffusers passes 1/0 integers: True = attend
+        # diffusers' model takes strided views (a slice of the prompt embeddings, an expanded
+        # timestep); the runner binds memory as is and refuses them, so the drop-in copies
+        # the ones that are not contiguous
+        hidden_states, encoder_hidden_states, mask, timestep = (
+            t.contiguous() if isinstance(t, torch.Tensor) else t
+            for t in (hidden_states, encoder_hidden_states, mask, timestep))
         caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=self._axes_dim,
                                         device=hidden_states.device
                                         if isinstance(hidden_states, torch.Tensor) else None)
@@ -148,19 +158,55 @@ class QwenImageTransformer:
                    "guidance-distilled Qwen-Image models are not exported by qkrope yet (the "
                    "graph has no guidance input)")
             raise InputError(f"guidance was given, but {why}")
-        if attention_kwargs:
-            scale = attention_kwargs.get("scale", 1.0) if isinstance(attention_kwargs, Mapping) else None
-            others = sorted(set(attention_kwargs) - {"scale"}) if isinstance(attention_kwargs, Mapping) else [attention_kwargs]
-            if others or scale != 1.0:
-                raise InputError(
-                    f"attention_kwargs {dict(attention_kwargs) if isinstance(attention_kwargs, Mapping) else attention_kwargs!r} "
-                    f"cannot be honoured by an exported graph (a LoRA scale or processor arguments "
-                    f"change weights or code that were fixed at export). Fix: fuse the LoRA into "
-                    f"the weights and re-export, or drop attention_kwargs")
+        if attention_kwargs is None:
+            return
+        if not isinstance(attention_kwargs, Mapping):
+            raise InputError(f"attention_kwargs must be a dict (or None); got "
+                             f"{type(attention_kwargs).__name__} {_short_repr(attention_kwargs)}. "
+                             f"Fix: drop it, or pass a dict such as {{'scale': 1.0}}")
+        others = sorted((k for k in attention_kwargs if k != "scale"), key=repr)
+        scale = attention_kwargs.get("scale", 1.0)
+        if others or not _is_one(scale):
+            raise InputError(
+                f"attention_kwargs {_short_repr(dict(attention_kwargs))} cannot be honoured by an "
+                f"exported graph (a LoRA scale other than 1 or processor arguments change "
+                f"weights or code that were fixed at export). Fix: fuse the LoRA into the "
+                f"weights and re-export, or drop attention_kwargs")
 
     def __repr__(self) -> str:
         return (f"QwenImageTransformer({self._runner.io.source}, backend={self._runner.backend}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+def _short_repr(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_one(scale: Any) -> bool:
+    """A LoRA scale of exactly 1 (a number or a one-element tensor), which changes nothing."""
+    if isinstance(scale, torch.Tensor):
+        return scale.numel() == 1 and not scale.is_complex() and float(scale) == 1.0
+    return (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+            and float(scale) == 1.0)
+
+
+def _check_txt_seq_lens(value: Any, batch: int, txt: int) -> None:
+    """diffusers' ``txt_seq_lens``: one text length per batch item, each in 0..txt (the lengths
+    themselves come from the mask; they are checked, not used)."""
+    expected = (f"txt_seq_lens must be a list of {batch} integer text lengths (one per batch "
+                f"item, each between 0 and the {txt} text tokens of encoder_hidden_states)")
+    items = value.tolist() if isinstance(value, torch.Tensor) and value.dim() == 1 else value
+    try:
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise TypeError
+        lens = [operator.index(n) for n in items]
+    except TypeError:
+        raise InputError(f"{expected}; got {_short_repr(value)}. Fix: pass "
+                         f"prompt_embeds_mask.sum(dim=1).tolist(), or omit it") from None
+    if len(lens) != batch or any(n < 0 or n > txt for n in lens):
+        raise InputError(f"{expected}; got {lens}. Fix: pass prompt_embeds_mask.sum(dim=1)"
+                         f".tolist(), or omit it")
 
 
 def _frozen_config(cfg: Mapping[str, Any]):
@@ -182,11 +228,18 @@ def _runner_device(runner: Runner) -> torch.device:
 
 def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
                      providers: Sequence | None = None,
+                     provider_options: Sequence[Mapping] | None = None, sess_options=None,
+                     cuda_graph: bool = False,
                      device: torch.device | str | None = None) -> QwenImageTransformer:
-    """Open an exported diffusers transformer (``.onnx``: ONNX Runtime with ``providers``;
-    ``.engine``/``.plan``: TensorRT with the QKNormRoPE ``plugin``) as a drop-in for
-    ``pipe.transformer`` (module docstring)."""
-    return QwenImageTransformer(load(path, plugin=plugin, providers=providers), device=device)
+    """Open an exported diffusers transformer (``.onnx``: ONNX Runtime with ``providers``,
+    ``provider_options`` and ``sess_options``; ``.engine``/``.plan``: TensorRT with the
+    QKNormRoPE ``plugin`` and ``cuda_graph``) as a drop-in for ``pipe.transformer`` (module
+    docstring). The options go to :func:`qkrope.runtime.load` as given, its defaults included
+    (ONNX Runtime without memory patterns)."""
+    return QwenImageTransformer(load(path, plugin=plugin, providers=providers,
+                                     provider_options=provider_options,
+                                     sess_options=sess_options, cuda_graph=cuda_graph),
+                                device=device)
 
 
 __all__ = ["QwenImageTransformer", "TransformerLoadError", "load_transformer"]

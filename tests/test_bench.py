@@ -72,7 +72,7 @@ def test_no_private_dtype_tables_or_global_seed():
     assert "torch.manual_seed" not in src
     for name in ("_DTYPES", "_SHORT_DTYPE", "_torch_dtype", "_ort_feeds"):
         assert not hasattr(bench, name), name
-    assert set(bench.DTYPE_CHOICES) == {"fp32", "fp16", "bf16", "float32", "float16", "bfloat16"}
+    assert set(bench.DTYPE_CHOICES) == {"fp32", "fp16", "bf16"}  # export's spellings
 
 
 def test_cpu_threads_default_to_one_on_the_cpu():
@@ -368,7 +368,8 @@ def test_thread_sets_ratio_and_a_real_ort_profile(tmp_path, monkeypatch):
     ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     opt = onnx.load(str(tmp_path / "opt.onnx"))
     ran = {n.op_type for n in opt.graph.node}
-    nameless = sum(1 for n in opt.graph.node if not n.name)
+    # the inlined body's nodes: named after the body's (prefixed _inlfunc_), or nameless
+    nameless = sum(1 for n in opt.graph.node if not n.name or n.name.startswith("_inlfunc_"))
     for r in ort_rows:
         assert r.ort_vs_eager == pytest.approx(r.median_ms / eager[r.threads].median_ms)
         assert ("ONNX Runtime slower" in r.note) == (r.ort_vs_eager > 1.0), r.note
@@ -705,7 +706,7 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
 
     loaded = []
 
-    def fake_load(path, plugin=None):
+    def fake_load(path, plugin=None, cuda_graph=False):
         loaded.append((Path(path).name, plugin))
         return Runner(path, plugin)
 
@@ -747,3 +748,30 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
     assert not [r for r in rows if r.backend == "onnxruntime-cpu"]   # no ORT rows on a GPU
     md = measure.format_bench_table(rows)
     assert "| trt-plugin | primitive |" in md and "fused attention: likely" in md
+
+
+def test_cuda_graph_reaches_the_tensorrt_rows(monkeypatch):
+    """`qkrope bench --cuda-graph`: the engines are loaded with cuda_graph=True."""
+    import argparse
+
+    from qkrope import runtime
+
+    ap = argparse.ArgumentParser()
+    bench.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["bench", "--device", "cpu", "--cuda-graph"])
+    cfg = bench.config_from_args(args)
+    assert cfg.cuda_graph is True
+    assert bench.config_from_args(ap.parse_args(["bench", "--device", "cpu"])).cuda_graph is False
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(path, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(runtime, "load", fake_load)
+    with pytest.raises(Stop):
+        bench._engine_backend(cfg, "trt-plugin", "primitive", "m.engine", "p.so", None, {})
+    assert seen == {"plugin": "p.so", "cuda_graph": True}

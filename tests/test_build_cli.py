@@ -33,6 +33,8 @@ def test_fake_build_accepts_polygraphy_shapes(tmp_path, monkeypatch):
     from qkrope.apps import build as build_app
 
     build_app.add_parser(ap.add_subparsers())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.onnx").write_bytes(b"")  # the app checks the path before build_engine
     args = ap.parse_args(["build", "m.onnx", "--max", "encoder_hidden_states:[2,40,32]",
                           "--min", "encoder_hidden_states:1x1x32"])
     build_app.run(args)
@@ -132,7 +134,7 @@ def test_build_wrong_shape_sidecar_is_one_line(tmp_path, capsys, no_tensorrt, si
     assert "m.onnx.json" in _build(tmp_path, capsys, path)
 
 
-def test_build_preset_flags_reach_the_builder(monkeypatch):
+def test_build_preset_flags_reach_the_builder(monkeypatch, tmp_path):
     """--resolutions / --txt-tokens / --batch / --refit become BuildOptions."""
     import argparse
 
@@ -145,6 +147,8 @@ def test_build_preset_flags_reach_the_builder(monkeypatch):
     from qkrope.apps import build as build_app
 
     build_app.add_parser(ap.add_subparsers())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.onnx").write_bytes(b"")  # the app checks the path before build_engine
     build_app.run(ap.parse_args(["build", "m.onnx", "--resolutions", "512x512,1328x1328",
                                  "--txt-tokens", "1:256", "--batch", "1:2", "--refit"]))
     opts = seen["opts"]

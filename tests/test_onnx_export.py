@@ -367,7 +367,7 @@ def _no_outputs(directory: Path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--model", "transformer", "--diffusers", "/nonexistent/qwen"], "is not a directory"),
+    (["--model", "transformer", "--diffusers", "/nonexistent/qwen"], "does not exist"),
     (["--model", "transformer"], "needs --diffusers"),
     (["--model", "transformer", "--diffusers", "/x", "--weights", "w.pt", "--heads", "4"],
      "--heads, --weights apply to --model attention only"),

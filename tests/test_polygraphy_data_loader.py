@@ -66,3 +66,27 @@ def test_model_from_the_command_line(model, monkeypatch):
     assert dl.find_model(["polygraphy", "run", str(model), "--onnxrt"]) == model
     with pytest.raises(InputError, match="QKROPE_MODEL"):
         dl.find_model(["polygraphy", "run", "--onnxrt"])
+
+
+@pytest.mark.parametrize("name, value", [("QKROPE_BATCH", "0"), ("QKROPE_BATCH", "two"),
+                                         ("QKROPE_BATCH", "-1"), ("QKROPE_TXT_LEN", "0"),
+                                         ("QKROPE_TXT_LEN", "1.5"), ("QKROPE_SEED", "x")])
+def test_junk_or_zero_sizes_are_one_line_errors(model, monkeypatch, name, value):
+    """QKROPE_BATCH=0 used to be replaced by the export sample without a word."""
+    monkeypatch.setenv("QKROPE_MODEL", str(model))
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InputError, match=rf"{name} must be an integer.*; got '{value}'\. Fix: "):
+        next(iter(dl.load_data()))
+
+
+def test_a_deeply_nested_sidecar_is_a_sidecar_error(model, tmp_path, monkeypatch):
+    import shutil
+
+    from qkrope.sidecars import SidecarError
+
+    bad = tmp_path / "deep.onnx"
+    shutil.copy(model, bad)
+    Path(str(bad) + ".json").write_text("[" * 100000 + "]" * 100000)
+    monkeypatch.setenv("QKROPE_MODEL", str(bad))
+    with pytest.raises(SidecarError, match="nested deeper than"):
+        next(iter(dl.load_data()))

@@ -838,3 +838,17 @@ def test_trt_runner_refuses_a_sidecar_config_the_engine_was_not_built_from():
     r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
     with pytest.raises(EngineInfoError, match="describes another config than the one"):
         r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())
+def test_trt_runner_keeps_the_cuda_graphs_of_the_last_shapes_only():
+    """Ever new shapes with cuda_graph=True: the graphs (and their static buffers) a thread
+    keeps stay bounded; a shape that comes back after being dropped is captured again."""
+    r, engine, cuda = _fake_trt_runner([_profile((1, 2), 64, 8)], cuda_graph=True)
+    grids = [2, 3, 4, 5, 6, 7]  # six sets of shapes
+    for grid in grids:
+        r(*_qwen_inputs(2, grid, 5))
+    assert len(cuda.graphs) == len(grids)
+    assert len(r._local.graphs) == rn.GRAPHS_PER_THREAD
+    r(*_qwen_inputs(2, grids[-1], 5))  # kept: replayed
+    assert len(cuda.graphs) == len(grids) and cuda.graphs[-1].replays == 1
+    r(*_qwen_inputs(2, grids[0], 5))  # dropped: captured again
+    assert len(cuda.graphs) == len(grids) + 1
+    assert len(r._local.graphs) == rn.GRAPHS_PER_THREAD

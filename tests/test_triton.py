@@ -195,7 +195,7 @@ def test_missing_engine_and_sidecar_errors(engine, tmp_path, capsys):
     rc = cli_main(["triton-repo", "--engine", str(tmp_path / "nope.engine"), "--plugin",
                    str(plugin), "-o", str(tmp_path / "r")])
     assert rc == 2
-    assert "engine file not found" in capsys.readouterr().err
+    assert "nope.engine does not exist. Fix: build it" in capsys.readouterr().err
     Path(str(eng) + ".json").unlink()
     with pytest.raises(EngineInfoError, match="sidecar .* is missing"):
         triton.write_repository(eng, tmp_path / "r", plugin=plugin)

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qkrope import contract
+from qkrope.apps.export import DTYPES
 from qkrope.errors import InputError
 
 from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
@@ -173,8 +174,9 @@ def classify_profiled_node(name: str, op: str, *, graph_nodes: Collection[str] =
     What an ONNX Runtime trace looks like (1.31, checked on the exported block): ORT inlines a
     model-local function (QKNormRoPE has no kernel there) before optimising. The inlined nodes
     keep the body's node names prefixed with ``_inlfunc_<Function>[_token_<n>]_``, and the
-    body's value names are prefixed the same way; our function's body nodes have *no* names,
-    so they come out nameless, and the profiler names a nameless node ``<OpType>_<index>``
+    body's value names are prefixed the same way; a body node without a name (models exported
+    before the body's nodes were named) comes out nameless, and the profiler names a nameless
+    node ``<OpType>_<index>``
     (``Mul_121``). Every node of the exported graph itself has a name (the torch exporter's
     ``node_...``), which ORT keeps, or extends with a ``/<Fusion>/`` suffix when it fuses nodes
     (``node_matmul/MatMulScaleFusion/``). So a node is in a function body when its name has
@@ -452,14 +454,14 @@ class Config:
     # attention forms to export and measure (ATTENTION_FORMS); None: both where they run
     attention: Sequence[str] | None = None
     profile_runs: int = DEFAULT_PROFILE_RUNS  # ONNX Runtime profiled runs per row; 0: none
+    cuda_graph: bool = False  # TensorRT rows replay a CUDA graph per shapes (qkrope.runtime.load)
 
 
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
 #: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
 DEFAULT_CPU_THREADS = 1
-# qkrope.dtypes' short and full names, spelled out so that `qkrope bench --help` imports no torch
-# (tests/test_cli_help.py checks them against qkrope.dtypes.NAME_BY_SHORT).
-DTYPE_CHOICES = sorted({"fp32", "fp16", "bf16", "float32", "float16", "bfloat16"})
+# the --dtype spellings of every command (qkrope.apps.export.DTYPES: qkrope.dtypes' short names)
+DTYPE_CHOICES = DTYPES
 
 # torch-importing names of this module's API, imported on first use (`qkrope bench --help` stays
 # light; the functions below import them where they need them).
@@ -765,7 +767,7 @@ def _engine_backend(cfg: Config, backend: str, form: str, engine: str, plugin: s
     its inspector's verdict on fused attention goes to ``extras``."""
     from qkrope import runtime
 
-    runner = runtime.load(engine, plugin=plugin)
+    runner = runtime.load(engine, plugin=plugin, cuda_graph=cfg.cuda_graph)
     key = (backend, form)
     dump = workdir / f"layers.{backend}.{form}.json" if workdir is not None else None
     fused, basis = _inspect_engine(runner, dump, span_nodes)
@@ -1200,6 +1202,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ONNX Runtime profiled runs per row (a separate session after the "
                         f"timing, one warm-up run first); 0 turns the profile off (default "
                         f"{DEFAULT_PROFILE_RUNS})")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="the TensorRT rows replay a CUDA graph captured once per input shapes "
+                        "(qkrope.runtime.load(..., cuda_graph=True); TensorRT's diffusion demo "
+                        "does so by default)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.set_defaults(func=run)
     return p
@@ -1240,7 +1246,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         engine_no_plugin=args.engine_no_plugin, peak_gbps=args.peak_gbps,
         out=Path(args.out), threads=parse_threads(threads) if threads else None,
         attention=parse_attention_forms(attention) if attention else None,
-        profile_runs=int(getattr(args, "profile_runs", DEFAULT_PROFILE_RUNS)))
+        profile_runs=int(getattr(args, "profile_runs", DEFAULT_PROFILE_RUNS)),
+        cuda_graph=bool(getattr(args, "cuda_graph", False)))
     for s in cfg.sizes:
         image_tokens(s)
     default_axes_dims(cfg.head_dim)
@@ -1252,6 +1259,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
+
+    for flag, value in (("--engine", args.engine), ("--engine-no-plugin", args.engine_no_plugin)):
+        if value is not None:
+            pre.engine(value, command=f"bench {flag}", flag=flag, onnx_ok=True)
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       "libqkrope_plugin.so")
     cfg = config_from_args(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(cfg)

@@ -8,6 +8,7 @@ from pathlib import Path
 # Spelled out so that `qkrope build --help` imports no torch (qkrope.sidecars.LEVELS; checked by
 # tests/test_cli_help.py); the runtime modules are imported by run().
 LEVELS = ("min", "opt", "max")
+PLUGIN_FIX = "build it with `qkrope build-plugin`, or pass the path of libqkrope_plugin.so"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -62,6 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="TensorRT builder optimisation level (default: TensorRT's, 3)")
     p.add_argument("--workspace", type=int, metavar="MiB",
                    help="workspace memory pool limit (at most 1048576 MiB = 1 TiB)")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild even when MODEL.engine is up to date (by default an engine whose "
+                        "sidecar records the same model hash, build options, TensorRT version, "
+                        "GPU and plugin hash is kept)")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
     p.set_defaults(func=run)
@@ -69,6 +74,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # before the heavy imports: a wrong path answers at once
+
+    pre.onnx_model(args.onnx, command="build")
+    pre.input_file(args.plugin, flag="--plugin", fix=PLUGIN_FIX)
+    pre.file_to_write(args.timing_cache, flag="--timing-cache", example="timing.cache")
+    pre.file_to_write(args.output, flag="-o", example=Path(args.onnx).with_suffix(".engine").name)
+
     from qkrope.runtime import engine, profiles
     from qkrope.sidecars import engine_sidecar_path
 
@@ -87,8 +99,12 @@ def run(args: argparse.Namespace) -> int:
         resolutions=(profiles.parse_resolutions(args.resolutions)
                      if args.resolutions is not None else None),
         txt_tokens=profiles.parse_range(args.txt_tokens, "--txt-tokens"),
-        batch=profiles.parse_range(args.batch, "--batch"), refit=args.refit)
+        batch=profiles.parse_range(args.batch, "--batch"), refit=args.refit, force=args.force)
     info = engine.build_engine(onnx_path, engine_path, opts)
+    if getattr(info, "reused", False):
+        print(f"kept {engine_path}: up to date (same model, build options, TensorRT "
+              f"{info.tensorrt_version}, GPU and plugin); pass --force to rebuild it")
+        return 0
     gpu = info.gpu or {}
     print(f"wrote {engine_path} (TensorRT {info.tensorrt_version}, "
           f"{gpu.get('name', 'GPU ?')} sm_{gpu.get('compute_capability', '?')}, "

@@ -11,6 +11,15 @@ DEFAULT_BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "plugins"
 
 
 def _run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
+
+    pre.input_dir(args.tensorrt_root, flag="--tensorrt-root",
+                  fix="pass the TensorRT install prefix (the folder holding include/NvInfer.h), "
+                      "or leave it out for the pinned headers")
+    if args.jobs is not None and args.jobs < 1:
+        from qkrope.errors import InputError
+
+        raise InputError(f"--jobs must be >= 1; got {args.jobs}. Fix: --jobs 2")
     from qkrope.runtime import plugin_build  # imports torch: only when building
 
     out = plugin_build.build_plugins(host_only=args.host_only, arch=args.arch, tensorrt_root=args.tensorrt_root,

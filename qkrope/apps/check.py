@@ -468,8 +468,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre
+
     if args.engine and not args.plugin:
         raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
+    pre.onnx_model(args.onnx, command="check")
+    pre.engine(args.engine, command="check --engine", flag="--engine", onnx_ok=True) if args.engine else None
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       "libqkrope_plugin.so")
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the folder of the saved diffusers transformer the model came from")
     try:
         passed, _ = check_model(args.onnx, img_shapes=args.img_shape, txt_len=args.txt_len,
                                 batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,
@@ -482,5 +491,10 @@ def run(args: argparse.Namespace) -> int:
                 f"({str(exc).splitlines()[0][:200]}). bfloat16 MatMul has no CPU kernel in ONNX "
                 f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu), or with "
                 f"--engine/--plugin --no-onnxrt (TensorRT vs PyTorch)") from None
+        if type(exc).__module__.startswith("onnxruntime"):  # its Fail, InvalidGraph, ...
+            from qkrope.runtime.runner import ort_load_error
+
+            raise ParityError(str(ort_load_error(args.onnx, args.providers, exc,
+                                                 action="failed on"))) from None
         raise
     return 0 if passed else 1

@@ -59,17 +59,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="fp8: export a folder quantised with ModelOpt (`qkrope quantize`) with "
                         "FP8 Q/DQ (float8e4m3fn weights behind DequantizeLinear; opset >= 19, "
                         "default 19). A quantised folder is refused without it")
+    t.add_argument("--variant", default=None, metavar="NAME",
+                   help="diffusers weights variant of --diffusers (e.g. fp16: "
+                        "diffusion_pytorch_model.fp16.safetensors or its indexed shards)")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
+    from pathlib import Path
 
-    out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
-    common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
-                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding,
-                  attention=args.attention)
+    from qkrope import _preflight as pre
+
+    # the arguments, then the paths, all before torch: a mistake answers at once
     attention_only = {"--heads": args.heads, "--head-dim": args.head_dim,
                       "--rotary-dim": args.rotary_dim, "--neox": args.neox or None,
                       "--eps": args.eps, "--weights": args.weights, "--seed": args.seed}
@@ -82,11 +84,31 @@ def run(args: argparse.Namespace) -> int:
         if not args.diffusers:
             raise InputError("--model transformer needs --diffusers DIR (a local saved "
                              "QwenImageTransformer2DModel)")
+    elif args.diffusers or args.layers or args.variant or args.quant:
+        raise InputError("--diffusers/--layers/--variant/--quant apply to --model transformer")
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the local folder of a saved QwenImageTransformer2DModel (config.json "
+                      "and its weights; nothing is downloaded)")
+    pre.input_file(args.weights, flag="--weights",
+                   fix="pass a safetensors file or a torch state dict with diffusers' attention "
+                       "names")
+    if args.out is not None:
+        pre.file_to_write(args.out, flag="--out", example="model.onnx")
+        if Path(args.out).suffix.lower() != ".onnx":
+            raise InputError(f"--out must end in .onnx; got {args.out!r}. Fix: --out "
+                             f"{Path(args.out).with_suffix('.onnx')}")
+
+    from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
+
+    out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
+    common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
+                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding,
+                  attention=args.attention)
+    if args.model == "transformer":
         info, written = onnx_export.export_transformer(out, args.diffusers, layers=args.layers,
-                                           progress=True, quant=args.quant, **common)
+                                                       progress=True, quant=args.quant,
+                                                       variant=args.variant, **common)
     else:
-        if args.diffusers or args.layers or args.quant:
-            raise InputError("--diffusers/--layers/--quant apply to --model transformer")
         info, written = onnx_export.export_attention(
             out, heads=24 if args.heads is None else args.heads,
             head_dim=128 if args.head_dim is None else args.head_dim,

@@ -62,17 +62,35 @@ def _img_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes  # type: ignore[return-value]
 
 
+def env_int(name: str, *, minimum: int | None = 1) -> int | None:
+    """The integer in environment variable ``name`` (unset or empty: None), at least
+    ``minimum``; anything else is one line naming the variable, the value and the fix (``0``
+    is refused, not taken for "unset")."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        want = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise InputError(f"{name} must be {want}; got {os.environ[name]!r}. Fix: e.g. "
+                         f"{name}={max(minimum or 0, 2)}, or unset it for the export sample's")
+    return value
+
+
 def load_data() -> Iterator[dict]:
     """polygraphy's entry point: one feed dict of the model's inputs."""
     from qkrope.runtime.inputs import make_inputs
     from qkrope.sidecars import ModelInfo
 
-    info = ModelInfo.load(find_model())
+    txt_len, batch = env_int("QKROPE_TXT_LEN"), env_int("QKROPE_BATCH")
+    seed = env_int("QKROPE_SEED", minimum=0) or 0
     env = os.environ
     shapes = _img_shapes(env["QKROPE_IMG_SHAPES"]) if env.get("QKROPE_IMG_SHAPES") else None
-    yield make_inputs(info, shapes, int(env["QKROPE_TXT_LEN"]) if env.get("QKROPE_TXT_LEN") else None,
-                      int(env["QKROPE_BATCH"]) if env.get("QKROPE_BATCH") else None,
-                      seed=int(env.get("QKROPE_SEED", "0")))
+    info = ModelInfo.load(find_model())
+    yield make_inputs(info, shapes, txt_len, batch, seed=seed)
 
 
 if __name__ == "__main__":

@@ -186,13 +186,15 @@ _REFIT_QUANT_FIX = ("refit replaces float weights and would drop the quantisatio
                     "--quant fp8` and build a new engine (`qkrope build`)")
 
 
-def load_state_dict(diffusers: str | None = None, state_dict: str | None = None) -> dict:
+def load_state_dict(diffusers: str | None = None, state_dict: str | None = None, *,
+                    variant: str | None = None) -> dict:
     """The weights by diffusers parameter name: a diffusers model folder (its ``transformer``
-    subfolder when given a pipeline folder; ``*.safetensors`` shards) or one file
-    (``.safetensors``, or a torch ``.pt``/``.bin``, loaded with ``weights_only=True``), read by
+    subfolder when given a pipeline folder; one file or the shards its index names, of
+    ``variant``: :mod:`qkrope.diffusers_weights`) or one file (``.safetensors``, or a torch
+    ``.pt``/``.bin``, loaded with ``weights_only=True``), each file read by
     :func:`qkrope.runtime.state_dict.read_state_dict_file`. Weights carrying ModelOpt quantizer
     state are refused (QuantizedModelError)."""
-    weights = _load_state_dict(diffusers, state_dict)
+    weights = _load_state_dict(diffusers, state_dict, variant)
     from qkrope.quantization import refuse_quantized_state_dict
 
     refuse_quantized_state_dict(weights, source=str(diffusers or state_dict),
@@ -200,28 +202,19 @@ def load_state_dict(diffusers: str | None = None, state_dict: str | None = None)
     return weights
 
 
-def _load_state_dict(diffusers: str | None, state_dict: str | None) -> dict:
+def _load_state_dict(diffusers: str | None, state_dict: str | None, variant: str | None) -> dict:
     if (diffusers is None) == (state_dict is None):
         raise RefitError("give exactly one of --diffusers DIR and --state-dict FILE")
-    if state_dict is not None:
-        from qkrope.runtime.state_dict import read_state_dict_file
-
-        return read_state_dict_file(state_dict, what="--state-dict", error=RefitError)
-    d = Path(diffusers)
-    if not d.is_dir():
-        raise InputFileNotFoundError(f"{d} is not a folder")
-    if (d / "transformer").is_dir() and not list(d.glob("*.safetensors")):
-        d = d / "transformer"
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise RefitError(f"{d} holds no *.safetensors file. Fix: save the model with "
-                         f"save_pretrained(..., safe_serialization=True), or pass --state-dict")
     from qkrope.runtime.state_dict import read_state_dict_file
 
-    out: dict = {}
-    for f in files:  # a corrupt shard: one line naming it
-        out.update(read_state_dict_file(f, what="--diffusers shard", error=RefitError))
-    return out
+    if state_dict is not None:
+        return read_state_dict_file(state_dict, what="--state-dict", error=RefitError)
+    from qkrope import diffusers_weights
+
+    # each shard through the one reader: a corrupt shard is one line naming it
+    return diffusers_weights.load_state_dict(
+        diffusers, variant=variant,
+        reader=lambda f: read_state_dict_file(f, what="--diffusers shard", error=RefitError))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -234,10 +227,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("engine", metavar="MODEL.engine")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--diffusers", metavar="DIR", help="diffusers transformer (or pipeline) "
-                     "folder with *.safetensors weights")
+                     "folder: its safetensors weights, shards read through their index")
     src.add_argument("--state-dict", metavar="FILE", help=".safetensors (or torch .pt) state "
                      "dict keyed by diffusers parameter name; each tensor of the exported "
                      "shape, finite in the engine's dtype")
+    p.add_argument("--variant", metavar="NAME",
+                   help="with --diffusers: the weights variant it was saved with (diffusers' "
+                        "variant=, e.g. fp16: diffusion_pytorch_model.fp16.safetensors or its "
+                        "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
     p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
@@ -273,22 +270,33 @@ def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path,
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre  # checked before TensorRT and torch are imported
+
+    engine_path = pre.engine(args.engine, command="refit", refit=True)
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the folder of a saved diffusers transformer (config.json + weights)")
+    pre.input_file(args.state_dict, flag="--state-dict",
+                   fix="pass a .safetensors (or torch .pt) file keyed by diffusers parameter name")
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       "libqkrope_plugin.so")
+    pre.file_to_write(args.output, flag="-o", example=engine_path.name)
+
     import dataclasses
 
     from qkrope.runtime.engine import import_tensorrt, load_plugin_library, write_engine_pair
     from qkrope.runtime.plugin_build import resolve_plugin_library
     from qkrope.sidecars import EngineInfo
-
-    engine_path = Path(args.engine)
-    if not engine_path.is_file():
-        raise InputFileNotFoundError(f"{engine_path} does not exist")
     info = EngineInfo.load(engine_path)
     if not info.refittable:
         raise RefitError(f"{engine_path} was not built refittable (its sidecar says "
                          f"refittable: false). Fix: rebuild it with `qkrope build --refit`")
+    if args.variant and not args.diffusers:
+        raise RefitError("--variant names a diffusers weights variant: it goes with --diffusers "
+                         "DIR")
     out = Path(args.output) if args.output else engine_path
     _check_refit_outputs(args, engine_path, out, info.plugin.path if info.plugin else None)
-    weights = load_state_dict(args.diffusers, args.state_dict)
+    weights = load_state_dict(args.diffusers, args.state_dict, variant=args.variant)
     trt = import_tensorrt("qkrope refit (TensorRT engine refitting)")
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
     runtime = trt.Runtime(logger)

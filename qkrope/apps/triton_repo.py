@@ -67,9 +67,30 @@ def _int_list(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,1; got "
                                          f"{text!r}") from None
+#: the longest suffix added to --name (the ensemble's <name>_rope, <name>_onnx): a model folder
+#: name must fit the file system's 255 bytes with it
+NAME_SUFFIX_BYTES = len("_onnx")
+NAME_MAX_BYTES = 255 - NAME_SUFFIX_BYTES
 
 
 def run(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre
+    from qkrope.errors import InputError
+
+    if args.engine is not None:
+        pre.engine(args.engine, command="triton-repo --engine", flag="--engine", onnx_ok=True)
+    if args.onnx is not None:
+        pre.onnx_model(args.onnx, command="triton-repo --backend onnxruntime --onnx",
+                       flag="--onnx")
+    pre.input_file(args.plugin, flag="--plugin",
+                   fix="build it with `qkrope build-plugin`, or pass the path of "
+                       f"{PLUGIN_FILE_NAME}")
+    if args.name is not None and len(args.name.encode()) > NAME_MAX_BYTES:
+        raise InputError(f"--name is {len(args.name.encode())} bytes long ({args.name[:40]!r}...); "
+                         f"a Triton model name is a folder name, at most {NAME_MAX_BYTES} bytes "
+                         f"here (255 less the {NAME_SUFFIX_BYTES} of the ensemble's '_onnx' "
+                         f"suffix). Fix: pass a shorter --name")
+
     from qkrope.runtime import triton
 
     serving = triton.Serving(instances=args.instances, gpus=tuple(args.gpus),

@@ -1,0 +1,157 @@
+"""The weight files of a saved diffusers model folder, as diffusers itself finds them.
+
+``save_pretrained`` writes one ``diffusion_pytorch_model.safetensors``, or, above its shard
+size (the real 20B Qwen-Image transformer), shards ``diffusion_pytorch_model-0000N-of-0000M
+.safetensors`` plus an index ``diffusion_pytorch_model.safetensors.index.json`` whose
+``weight_map`` names the shard of every key; ``variant="fp16"`` puts the variant before the
+last suffix (``diffusion_pytorch_model.fp16.safetensors``, ``...fp16-00001-of-00004.safetensors``,
+``...safetensors.index.fp16.json``). The files are taken from the index, never by a glob: a shard
+the index names that is missing, a shard on disk the index does not name (left from another
+save), or a key in the wrong shard is an error naming it. Used by ``qkrope export`` (before
+diffusers loads the folder) and ``qkrope refit`` (which reads the tensors itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+from qkrope.errors import InputFileNotFoundError, QkropeError
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+
+
+class DiffusersWeightsError(QkropeError, ValueError):
+    """A diffusers folder's weight files are incomplete or do not match their index."""
+
+
+def with_variant(name: str, variant: str | None) -> str:
+    """diffusers' naming of a variant file: the variant before the last suffix."""
+    if not variant:
+        return name
+    head, _, last = name.rpartition(".")
+    return f"{head}.{variant}.{last}"
+
+
+def model_folder(folder: str | os.PathLike) -> Path:
+    """The folder of the model's weights: ``folder`` itself, or its ``transformer/`` subfolder
+    for a pipeline folder (no config.json and no weights of its own)."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise InputFileNotFoundError(f"{d} is not a folder. Fix: pass the folder of a saved "
+                                     f"diffusers transformer (or of its pipeline)")
+    if (not (d / "config.json").is_file() and (d / "transformer").is_dir()
+            and not any(d.glob("diffusion_pytorch_model*"))):
+        return d / "transformer"
+    return d
+
+
+def _variants_present(d: Path) -> list[str]:
+    found = set()
+    for p in d.glob("diffusion_pytorch_model.*"):
+        m = re.fullmatch(r"diffusion_pytorch_model\.safetensors\.index\.([^.]+)\.json", p.name) \
+            or re.fullmatch(r"diffusion_pytorch_model\.([^.-]+)(?:-\d{5}-of-\d{5})?\.safetensors",
+                            p.name)
+        if m:
+            found.add(m.group(1))
+    return sorted(found)
+
+
+def weight_files(folder: str | os.PathLike, *, variant: str | None = None
+                 ) -> tuple[list[Path], dict[str, str] | None]:
+    """``(the safetensors files, the index's key -> shard map or None)`` of a saved diffusers
+    model (``folder`` or its ``transformer/``), for ``variant`` (None: the default weights)."""
+    d = model_folder(folder)
+    index = d / with_variant(INDEX_NAME, variant)
+    single = d / with_variant(WEIGHTS_NAME, variant)
+    what = f"variant {variant!r} " if variant else ""
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise TypeError
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            raise DiffusersWeightsError(
+                f"{index} is not a diffusers weight index (a JSON object whose 'weight_map' maps "
+                f"every key to its shard file). Fix: save the model again with "
+                f"save_pretrained") from None
+        shards = sorted(set(weight_map.values()))
+        bad = [s for s in shards if Path(s).name != s]
+        if bad:
+            raise DiffusersWeightsError(f"{index} names shard files outside its folder: "
+                                        f"{bad[:4]}. Fix: save the model again with "
+                                        f"save_pretrained")
+        missing = [s for s in shards if not (d / s).is_file()]
+        if missing:
+            raise DiffusersWeightsError(
+                f"{d} lacks {len(missing)} of the {len(shards)} shard(s) its index "
+                f"{index.name} lists: {', '.join(missing[:6])}. Fix: copy the whole model folder "
+                f"(every shard) or download it again")
+        prefix = with_variant("diffusion_pytorch_model.x", variant)[:-2]
+        on_disk = {p.name for p in d.glob(f"{prefix}-*-of-*.safetensors") if _SHARD.search(p.name)}
+        extra = sorted(on_disk - set(shards))
+        if extra:
+            raise DiffusersWeightsError(
+                f"{d} holds shard(s) its index {index.name} does not list: "
+                f"{', '.join(extra[:6])} (left from another save?). Fix: remove them, or save "
+                f"the model again into an empty folder")
+        return [d / s for s in shards], dict(weight_map)
+    if single.is_file():
+        return [single], None
+    shards = sorted(p.name for p in d.glob(with_variant("diffusion_pytorch_model.x", variant)[:-2]
+                                          + "-*-of-*.safetensors"))
+    if shards:
+        raise DiffusersWeightsError(
+            f"{d} holds {what}shards ({', '.join(shards[:3])}...) but no index {index.name} "
+            f"naming the shard of every key. Fix: copy the index file too, or save the model "
+            f"again with save_pretrained")
+    others = [v for v in _variants_present(d) if v != variant]
+    if variant:
+        has_default = (d / WEIGHTS_NAME).is_file() or (d / INDEX_NAME).is_file()
+        held = (["the default weights"] if has_default else []) + [f"variant {v!r}" for v in others]
+        hint = f" It holds {', '.join(held) or 'no weights'}."
+    else:
+        hint = (f" It holds the variant(s) {', '.join(others)}: pass --variant {others[0]}."
+                if others else "")
+    raise DiffusersWeightsError(
+        f"{d} has no {what}weights ({single.name} or {index.name}).{hint} Fix: save the model "
+        f"with save_pretrained(..., safe_serialization=True), pass the --variant it was saved "
+        f"with, or pass --state-dict FILE")
+
+
+def load_state_dict(folder: str | os.PathLike, *, variant: str | None = None,
+                    reader: Callable[[Path], dict] | None = None) -> dict:
+    """Every tensor of the folder's weights by key (torch tensors), each key from the shard the
+    index names for it. ``reader`` reads one weights file (default: safetensors' ``load_file``;
+    ``qkrope refit`` passes the reader that says in one line what a corrupt shard is)."""
+    if reader is None:
+        from safetensors.torch import load_file
+
+        def reader(f: Path) -> dict:
+            return load_file(str(f))
+
+    files, weight_map = weight_files(folder, variant=variant)
+    out: dict = {}
+    for f in files:
+        tensors = reader(f)
+        if weight_map is not None:
+            listed = {k for k, v in weight_map.items() if v == f.name}
+            wrong = sorted(set(tensors) ^ listed)
+            if wrong:
+                raise DiffusersWeightsError(
+                    f"{f.name} does not hold the keys the index lists for it: "
+                    f"{', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Fix: save the "
+                    f"model again with save_pretrained (the shards and the index are from "
+                    f"different saves)")
+        out.update(tensors)
+    return out
+
+
+__all__ = ["DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
+           "weight_files", "load_state_dict"]

@@ -1,0 +1,365 @@
+"""What a deployer uses without reading the code, on a tiny exported diffusers transformer:
+``caches_for`` (the caches of any exported model, from its sidecar or its metadata), the session
+options of ``load`` / ``load_transformer``, the drop-in taking what diffusers takes (strided
+views, a 0-dim timestep) and refusing junk with one line, bounded output buffers, ONNX Runtime's
+load failures as user errors, and the memory script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from qkrope.errors import InputError, QkropeError
+from qkrope.runtime import build_qwen_rope_caches, caches_for, load
+from qkrope.runtime import runner as rn
+from qkrope.sidecars import EngineInfo, EngineTensor
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+from qkrope.runtime import load_transformer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+AXES = tuple(tp.TRANSFORMER_CONFIG["axes_dims_rope"])  # (8, 12, 12): not Qwen-Image's
+CH, TXT_DIM = tp.TRANSFORMER_CONFIG["in_channels"], tp.TRANSFORMER_CONFIG["joint_attention_dim"]
+
+
+@pytest.fixture(scope="module")
+def onnx_path(tmp_path_factory):
+    from qkrope.cli import main
+
+    d = tmp_path_factory.mktemp("deploy")
+    tp.save_transformer(tp.tiny_transformer(), d / "transformer")
+    assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
+                 "--out", str(d / "transformer.onnx")]) == 0
+    return d / "transformer.onnx"
+
+
+@pytest.fixture(scope="module")
+def transformer(onnx_path):
+    return load_transformer(onnx_path)
+
+
+def _args(batch=2, h=4, w=4, txt=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, h * w, CH, generator=g), torch.randn(batch, txt, TXT_DIM, generator=g),
+            torch.ones(batch, txt, dtype=torch.long), torch.full((batch,), 0.5))
+
+
+# --------------------------------------------------------------------------------------------
+# caches_for
+# --------------------------------------------------------------------------------------------
+
+def test_caches_for_reads_the_models_axes_where_the_default_fails(onnx_path):
+    hs, ehs, mask, ts = _args()
+    runner = load(onnx_path)
+    qwen = build_qwen_rope_caches([(1, 4, 4)], 7)  # Qwen-Image's (16, 56, 56): 128 wide
+    with pytest.raises(QkropeError, match="got 128"):
+        runner(hs, ehs, qwen, mask.bool(), ts)
+    caches = caches_for(onnx_path, [(1, 4, 4)], 7)
+    want = build_qwen_rope_caches([(1, 4, 4)], 7, axes_dim=AXES)
+    assert torch.equal(caches.img, want.img) and torch.equal(caches.txt, want.txt)
+    out = runner(hs, ehs, caches, mask.bool(), ts)
+    assert out.shape == hs.shape[:2] + (tp.TRANSFORMER_CONFIG["out_channels"] * 4,)
+    # the plain ONNX Runtime session takes them as numpy arrays
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    (plain,) = sess.run(None, {"hidden_states": hs.numpy(), "encoder_hidden_states": ehs.numpy(),
+                               "encoder_hidden_states_mask": mask.bool().numpy(),
+                               "timestep": ts.numpy(), "img_cos_sin_cache": caches.img.numpy(),
+                               "txt_cos_sin_cache": caches.txt.numpy()})
+    assert np.allclose(plain, out.numpy(), atol=1e-5)
+
+
+def test_caches_for_without_a_sidecar_reads_the_models_metadata(onnx_path, tmp_path):
+    alone = tmp_path / "alone.onnx"
+    shutil.copy(onnx_path, alone)
+    caches = caches_for(alone, [[(1, 2, 3)]] * 2, 5)  # diffusers' per-batch form
+    want = build_qwen_rope_caches([(1, 2, 3)], 5, axes_dim=AXES)
+    assert torch.equal(caches.img, want.img) and torch.equal(caches.txt, want.txt)
+
+
+def test_caches_for_refuses_a_sidecar_whose_axes_do_not_fit_the_model(onnx_path, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    shutil.copy(onnx_path, bad)
+    side = json.loads(Path(str(onnx_path) + ".json").read_text())
+    side["config"]["axes_dims_rope"] = [16, 56, 56]
+    Path(str(bad) + ".json").write_text(json.dumps(side))
+    with pytest.raises(InputError, match=r"img_cos_sin_cache is 32 wide but its axes_dims_rope "
+                                         r"\[16, 56, 56\] sum to 128"):
+        caches_for(bad, [(1, 4, 4)], 7)
+    with pytest.raises(InputError, match="suffix '.bin'"):
+        caches_for(_touch(tmp_path / "x.bin"), [(1, 4, 4)], 7)
+    with pytest.raises(QkropeError, match="does not exist"):
+        caches_for(tmp_path / "nothere.onnx", [(1, 4, 4)], 7)
+
+
+def _touch(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _engine_sidecar(tmp_path, onnx_path) -> Path:
+    side = json.loads(Path(str(onnx_path) + ".json").read_text())
+    names = {t["name"]: t["shape"] for t in side["inputs"]}
+
+    def prof(img, txt, batch):  # min 1, opt = max = these sizes
+        sizes = {"batch": batch, "img_tokens": img, "txt_tokens": txt, "img_cache_rows": img,
+                 "txt_cache_rows": txt}
+
+        def dims(shape, level):
+            return [d if isinstance(d, int) else 1 if level == "min" else sizes[d] for d in shape]
+
+        return {n: {lv: dims(shape, lv) for lv in ("min", "opt", "max")}
+                for n, shape in names.items()}
+
+    engine = tmp_path / "t.engine"
+    engine.write_bytes(b"not read by caches_for")
+    EngineInfo(tensorrt_version="10.14", onnx=str(onnx_path),
+               inputs=[EngineTensor(n, "float32", [-1 if isinstance(d, str) else d for d in s],
+                                    [d if isinstance(d, str) else None for d in s])
+                       for n, s in names.items()],
+               outputs=[EngineTensor("output", "float32", [-1, -1, 16])],
+               profiles=[prof(256, 64, 2), prof(1024, 16, 1)], plugin=None, plugin_layers=4,
+               version_compatible=False, strongly_typed=True, config=side["config"],
+               profile_labels=["256x256", "512x512"]).save(engine)
+    return engine
+
+
+def test_caches_for_an_engine_refuses_what_no_profile_holds(onnx_path, tmp_path):
+    engine = _engine_sidecar(tmp_path, onnx_path)
+    assert caches_for(engine, [(1, 16, 16)], 64, batch=2).img.shape == (256, 32)
+    assert caches_for(engine, [(1, 32, 32)], 16, batch=1).img.shape == (1024, 32)
+    with pytest.raises(InputError, match=r"cannot serve 1024 image tokens, 64 text tokens.*"
+                                         r"profile 0 \(256x256\): img_cos_sin_cache 1..256"):
+        caches_for(engine, [(1, 32, 32)], 64)
+    with pytest.raises(InputError, match="batch 2"):
+        caches_for(engine, [(1, 32, 32)], 16, batch=2)
+    with pytest.raises(InputError, match="batch must be >= 1"):
+        caches_for(engine, [(1, 16, 16)], 64, batch=0)
+
+
+def test_cache_inputs_doc_strings_name_caches_for(onnx_path):
+    import onnx
+
+    docs = {i.name: i.doc_string for i in onnx.load(str(onnx_path)).graph.input}
+    assert "qkrope.runtime.caches_for" in docs["img_cos_sin_cache"]
+    assert "qkrope.runtime.caches_for" in docs["txt_cos_sin_cache"]
+
+
+# --------------------------------------------------------------------------------------------
+# load / load_transformer options
+# --------------------------------------------------------------------------------------------
+
+def test_default_session_options_turn_memory_patterns_off(onnx_path):
+    r = load(onnx_path)
+    assert r.session.get_session_options().enable_mem_pattern is False
+    assert r.session.get_session_options().enable_cpu_mem_arena is True
+
+
+def test_sess_options_and_provider_options_pass_through(onnx_path):
+    so = ort.SessionOptions()
+    so.enable_mem_pattern = True
+    so.intra_op_num_threads = 1
+    r = load(onnx_path, sess_options=so, providers=["CPUExecutionProvider"],
+             provider_options=[{}])
+    got = r.session.get_session_options()
+    assert got.enable_mem_pattern is True and got.intra_op_num_threads == 1
+    t = load_transformer(onnx_path, sess_options=so)
+    assert t._runner.session.get_session_options().intra_op_num_threads == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(providers=["NopeExecutionProvider"]), r"providers \['NopeExecutionProvider'\] are "
+                                                r"not available"),
+    (dict(provider_options=[{}, {}]), "one dict per provider"),
+    (dict(sess_options={"enable_mem_pattern": False}), "must be an onnxruntime.SessionOptions"),
+    (dict(cuda_graph=True), "cuda_graph=True replays CUDA graphs of a TensorRT engine"),
+])
+def test_bad_options_are_one_line_errors(onnx_path, kwargs, match):
+    with pytest.raises(rn.RunnerError, match=match):
+        load(onnx_path, **kwargs)
+    with pytest.raises(rn.RunnerError, match=match):
+        load_transformer(onnx_path, **kwargs)
+
+
+def test_onnx_runtime_options_on_an_engine_are_refused(tmp_path):
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"\x00" * 16)
+    with pytest.raises(rn.RunnerError, match="sess_options are ONNX Runtime options"):
+        load(engine, sess_options=ort.SessionOptions())
+
+
+def test_cuda_graph_reaches_the_tensorrt_runner(monkeypatch, tmp_path):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(self, path, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(rn.TensorRTRunner, "__init__", fake)
+    monkeypatch.setattr(rn.tu, "check_engine_file", lambda p: None)
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"\x00" * 16)
+    with pytest.raises(Stop):
+        load_transformer(engine, cuda_graph=True)
+    assert seen["cuda_graph"] is True
+
+
+def test_onnx_runtime_load_failures_are_one_line_user_errors(tmp_path):
+    import onnx
+    from onnx import helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, [1, 4])],
+                              [helper.make_tensor_value_info("y", 1, [1, 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="m.bin", size_threshold=0)
+    (tmp_path / "m.bin").unlink()  # the external data is gone
+    with pytest.raises(rn.RunnerError) as info:
+        rn.OrtRunner(path)
+    msg = str(info.value)
+    assert "ONNX Runtime could not load" in msg and "m.bin" in msg and "\n" not in msg
+    assert "Fix: keep the model's external-data files next to it" in msg
+
+
+# --------------------------------------------------------------------------------------------
+# The drop-in takes what diffusers takes
+# --------------------------------------------------------------------------------------------
+
+def test_drop_in_makes_strided_inputs_contiguous_the_runner_refuses_them(onnx_path, transformer):
+    hs, ehs, mask, ts = _args(txt=9)
+    wide = torch.randn(2, 9, TXT_DIM * 2)
+    wide[..., ::2] = ehs
+    strided = wide[..., ::2]  # a view: not contiguous
+    assert not strided.is_contiguous()
+    img = [[(1, 4, 4)]] * 2
+    (want,) = transformer(hs, ehs, mask, ts, img_shapes=img, return_dict=False)
+    (got,) = transformer(hs, strided, mask, ts, img_shapes=img, return_dict=False)
+    assert torch.equal(got, want)
+    runner = load(onnx_path)
+    with pytest.raises(rn.RunnerInputError, match=r"must be contiguous.*\.contiguous\(\)"):
+        runner(hs, strided, caches_for(onnx_path, [(1, 4, 4)], 9), mask.bool(), ts)
+
+
+def test_drop_in_takes_a_0_dim_timestep(transformer):
+    hs, ehs, mask, ts = _args()
+    img = [[(1, 4, 4)]] * 2
+    (want,) = transformer(hs, ehs, mask, ts, img_shapes=img, return_dict=False)
+    (got,) = transformer(hs, ehs, mask, torch.tensor(0.5), img_shapes=img, return_dict=False)
+    assert torch.equal(got, want)
+    (got,) = transformer(hs, ehs, mask, 0.5, img_shapes=img, return_dict=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("seven", "'seven'"), (7, "7"), ([7.5, 7], r"\[7.5, 7\]"), ([None, 7], r"\[None, 7\]"),
+    ([[7], [7]], r"\[\[7\], \[7\]\]"), ([7], r"\[7\]"), ([7, 99], r"\[7, 99\]"),
+    ([-1, 7], r"\[-1, 7\]"),
+])
+def test_drop_in_refuses_junk_txt_seq_lens_in_one_line(transformer, value, shown):
+    hs, ehs, mask, ts = _args()
+    with pytest.raises(InputError, match=r"txt_seq_lens must be a list of 2 integer text "
+                                         rf"lengths .*; got {shown}\. Fix: pass "
+                                         r"prompt_embeds_mask\.sum\(dim=1\)\.tolist\(\)"):
+        transformer(hs, ehs, mask, ts, img_shapes=[[(1, 4, 4)]] * 2, txt_seq_lens=value)
+    transformer(hs, ehs, mask, ts, img_shapes=[[(1, 4, 4)]] * 2, txt_seq_lens=[7, 5])
+    transformer(hs, ehs, mask, ts, img_shapes=[[(1, 4, 4)]] * 2,
+                txt_seq_lens=torch.tensor([7, 7]))
+
+
+@pytest.mark.parametrize("value, match", [
+    ("scale", "attention_kwargs must be a dict"),
+    (np.array([1.0, 2.0]), "attention_kwargs must be a dict"),
+    ({"scale": torch.tensor([1.0, 2.0])}, "cannot be honoured"),
+    ({"scale": True}, "cannot be honoured"),
+    ({1: 2, "a": 3}, "cannot be honoured"),
+    ({"scale": 0.5}, "cannot be honoured"),
+])
+def test_drop_in_refuses_junk_attention_kwargs_in_one_line(transformer, value, match):
+    hs, ehs, mask, ts = _args()
+    with pytest.raises(InputError, match=match):
+        transformer(hs, ehs, mask, ts, img_shapes=[[(1, 4, 4)]] * 2, attention_kwargs=value)
+    for fine in (None, {}, {"scale": 1.0}, {"scale": torch.tensor(1.0)}):
+        transformer(hs, ehs, mask, ts, img_shapes=[[(1, 4, 4)]] * 2, attention_kwargs=fine)
+
+
+# --------------------------------------------------------------------------------------------
+# Bounded memory
+# --------------------------------------------------------------------------------------------
+
+def test_output_buffers_are_bounded_across_shapes(onnx_path):
+    r = load(onnx_path)
+    for txt in range(3, 9):  # six text lengths
+        hs, ehs, mask, ts = _args(txt=txt)
+        r(hs, ehs, caches_for(onnx_path, [(1, 4, 4)], txt), None, ts)
+    kept = r._buffers()
+    assert kept and all(len(per_shape) <= rn.BUFFERS_PER_NAME for per_shape in kept.values())
+    assert len(kept["__mask__"]) == rn.BUFFERS_PER_NAME  # the default masks too
+
+
+def test_memory_script_growth_is_bounded_and_was_not_with_memory_patterns(onnx_path):
+    script = ROOT / "scripts" / "memory_growth.py"
+    fixed = subprocess.run([sys.executable, str(script), "--model", str(onnx_path)],
+                           capture_output=True, text=True)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "growth +" in fixed.stdout and "(< 25 %)" in fixed.stdout
+    before = subprocess.run([sys.executable, str(script), "--model", str(onnx_path),
+                             "--mem-pattern"], capture_output=True, text=True)
+    assert before.returncode == 1, before.stdout + before.stderr  # ONNX Runtime's own default
+    assert "(>= 25 %)" in before.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Plain ONNX Runtime errors point at the cache
+# --------------------------------------------------------------------------------------------
+
+def test_function_body_nodes_are_named_for_what_they_serve(onnx_path):
+    import onnx
+
+    from qkrope.export.onnx_function import BODY_NODE_PREFIX
+
+    (fn,) = onnx.load(str(onnx_path)).functions
+    names = [n.name for n in fn.node]
+    assert all(n.startswith(BODY_NODE_PREFIX) for n in names) and len(set(names)) == len(names)
+    assert any("q: Mul(q_ac) uses the cos_sin_cache rows of q's tokens" in n for n in names)
+    hs, ehs, mask, ts = _args()
+    caches = caches_for(onnx_path, [(1, 4, 4)], 7)
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception) as info:  # ONNX Runtime's own Fail: too few image cache rows
+        sess.run(None, {"hidden_states": hs.numpy(), "encoder_hidden_states": ehs.numpy(),
+                        "encoder_hidden_states_mask": mask.bool().numpy(), "timestep": ts.numpy(),
+                        "img_cos_sin_cache": caches.img.numpy()[:10],
+                        "txt_cos_sin_cache": caches.txt.numpy()})
+    assert "uses the cos_sin_cache rows of" in str(info.value)
+
+
+def test_check_reports_onnx_runtime_failures_in_one_line(onnx_path, tmp_path, capsys):
+    """`qkrope check` of a model whose external data is gone: ONNX Runtime's Fail, one line."""
+    import onnx
+
+    from qkrope.cli import main
+    from qkrope.sidecars import ModelInfo
+
+    moved = tmp_path / "ext.onnx"
+    onnx.save(onnx.load(str(onnx_path)), str(moved), save_as_external_data=True,
+              location="ext.onnx.data", size_threshold=0)
+    ModelInfo.load(onnx_path).save(moved)  # the sidecar, describing the re-saved file
+    (tmp_path / "ext.onnx.data").unlink()
+    capsys.readouterr()
+    assert main(["check", str(moved)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ONNX Runtime failed on" in err and "external" in err and "\n" not in err, err

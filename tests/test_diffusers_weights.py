@@ -1,0 +1,115 @@
+"""A diffusers folder of sharded weights (what the real 20B transformer is saved as) is read
+through its index, and diffusers' ``variant=`` is honoured, by `qkrope export` and
+`qkrope refit`; a missing or extra shard, or a key in the wrong shard, is an error naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+from qkrope import diffusers_weights as dw  # noqa: E402
+from qkrope.apps import refit  # noqa: E402
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+from qkrope.cli import main  # noqa: E402
+
+SHARD = "400KB"  # the tiny transformer (1.3 MB) in 4 shards
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("weights")
+    model = tp.tiny_transformer()
+    model.save_pretrained(str(d / "sharded"), max_shard_size=SHARD)
+    model.save_pretrained(str(d / "variant"), max_shard_size=SHARD, variant="fp16")
+    return model.state_dict(), d
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_shards_are_read_through_the_index(saved):
+    want, d = saved
+    files, weight_map = dw.weight_files(d / "sharded")
+    assert len(files) == 4 and set(weight_map) == set(want)
+    assert _same(refit.load_state_dict(str(d / "sharded")), want)
+    assert _same(refit.load_state_dict(str(d / "variant"), variant="fp16"), want)
+
+
+def test_a_variant_must_be_asked_for(saved):
+    _, d = saved
+    with pytest.raises(dw.DiffusersWeightsError, match="It holds the variant.s. fp16: pass "
+                                                       "--variant fp16"):
+        dw.weight_files(d / "variant")
+    with pytest.raises(dw.DiffusersWeightsError, match="has no variant 'bf16' weights"):
+        dw.weight_files(d / "variant", variant="bf16")
+
+
+def _copy(saved, tmp_path, name="sharded"):
+    _, d = saved
+    target = tmp_path / name
+    shutil.copytree(d / name, target)
+    return target
+
+
+def test_a_missing_shard_is_named(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    (d / "diffusion_pytorch_model-00003-of-00004.safetensors").unlink()
+    with pytest.raises(dw.DiffusersWeightsError,
+                       match="lacks 1 of the 4 shard.s. its index .* lists: "
+                             "diffusion_pytorch_model-00003-of-00004.safetensors"):
+        refit.load_state_dict(str(d))
+
+
+def test_an_extra_shard_is_named(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    shutil.copy(d / "diffusion_pytorch_model-00001-of-00004.safetensors",
+                d / "diffusion_pytorch_model-00001-of-00005.safetensors")
+    with pytest.raises(dw.DiffusersWeightsError, match="holds shard.s. its index .* does not "
+                                                       "list: diffusion_pytorch_model-00001-of"
+                                                       "-00005.safetensors"):
+        refit.load_state_dict(str(d))
+
+
+def test_keys_in_the_wrong_shard_and_shards_without_index(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    index = d / dw.INDEX_NAME
+    data = json.loads(index.read_text())
+    key = next(iter(data["weight_map"]))
+    data["weight_map"][key] = ("diffusion_pytorch_model-00004-of-00004.safetensors"
+                               if data["weight_map"][key].startswith(
+                                   "diffusion_pytorch_model-00001") else
+                               "diffusion_pytorch_model-00001-of-00004.safetensors")
+    index.write_text(json.dumps(data))
+    with pytest.raises(dw.DiffusersWeightsError, match=f"does not hold the keys the index lists "
+                                                       f"for it: .*{key}"):
+        refit.load_state_dict(str(d))
+    index.unlink()
+    with pytest.raises(dw.DiffusersWeightsError, match="but no index"):
+        refit.load_state_dict(str(d))
+
+
+def test_export_reads_a_sharded_variant_and_refuses_a_missing_shard(saved, tmp_path, capsys):
+    import onnx
+    from onnx import numpy_helper
+
+    want, d = saved
+    out = tmp_path / "t.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(d / "variant"),
+                 "--variant", "fp16", "--out", str(out)]) == 0
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    used = [k for k in want if k in inits]
+    assert len(used) > len(want) // 2
+    assert all(torch.equal(torch.from_numpy(inits[k].copy()), want[k]) for k in used)
+    broken = _copy(saved, tmp_path, "variant")
+    (broken / "diffusion_pytorch_model.fp16-00002-of-00004.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["export", "--model", "transformer", "--diffusers", str(broken), "--variant",
+                 "fp16", "--out", str(tmp_path / "u.onnx")]) == 2
+    assert "diffusion_pytorch_model.fp16-00002-of-00004.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "u.onnx").exists()
