@@ -623,9 +623,10 @@ def reusable_engine(engine_path: str | os.PathLike, key: dict) -> tuple[EngineIn
     if not engine_path.is_file() or not engine_sidecar_path(engine_path).is_file():
         return None, "no engine there yet"
     try:
+        # checks the engine against the sidecar's engine_sha256 (hashed once, here)
         info = EngineInfo.load(engine_path)
     except QkropeError as exc:
-        return None, f"its sidecar is unreadable ({exc})"
+        return None, f"the engine or its sidecar is not what the build wrote ({exc})"
     old = info.build_key
     if not old:
         return None, "its sidecar records no build key (an older qkrope built it)"
@@ -633,9 +634,10 @@ def reusable_engine(engine_path: str | os.PathLike, key: dict) -> tuple[EngineIn
                                  "plugin_sha256") if old.get(name) != key.get(name)]
     if changed:
         return None, f"changed since it was built: {', '.join(changed)}"
-    recorded = old.get("engine_sha256") or getattr(info, "engine_sha256", None)
-    if not recorded or sha256_file(engine_path) != recorded:
-        return None, "the engine file is not the one its sidecar describes"
+    if info.engine_sha256 is None:  # a sidecar without engine_sha256: the build key's record
+        recorded = old.get("engine_sha256")
+        if not recorded or sha256_file(engine_path) != recorded:
+            return None, "the engine file is not the one its sidecar describes"
     return info, ""
 
 

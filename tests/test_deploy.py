@@ -92,8 +92,8 @@ def test_caches_for_refuses_a_sidecar_whose_axes_do_not_fit_the_model(onnx_path,
     side = json.loads(Path(str(onnx_path) + ".json").read_text())
     side["config"]["axes_dims_rope"] = [16, 56, 56]
     Path(str(bad) + ".json").write_text(json.dumps(side))
-    with pytest.raises(InputError, match=r"img_cos_sin_cache is 32 wide but its axes_dims_rope "
-                                         r"\[16, 56, 56\] sum to 128"):
+    # the sidecar disagrees with the model's own metadata_props: refused before any cache is made
+    with pytest.raises(QkropeError, match="disagrees with its model"):
         caches_for(bad, [(1, 4, 4)], 7)
     with pytest.raises(InputError, match="suffix '.bin'"):
         caches_for(_touch(tmp_path / "x.bin"), [(1, 4, 4)], 7)
@@ -228,12 +228,25 @@ def test_onnx_runtime_load_failures_are_one_line_user_errors(tmp_path):
     model.ir_version = 10
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path), save_as_external_data=True, location="m.bin", size_threshold=0)
-    (tmp_path / "m.bin").unlink()  # the external data is gone
-    with pytest.raises(rn.RunnerError) as info:
+    (tmp_path / "m.bin").unlink()  # the external data is gone: refused before ONNX Runtime
+    with pytest.raises(QkropeError) as info:
         rn.OrtRunner(path)
     msg = str(info.value)
-    assert "ONNX Runtime could not load" in msg and "m.bin" in msg and "\n" not in msg
-    assert "Fix: keep the model's external-data files next to it" in msg
+    assert "m.bin" in msg and "missing" in msg and "\n" not in msg and "Fix:" in msg
+    # a model ONNX Runtime itself refuses (a MatMul of incompatible shapes): its Fail, one line
+    w5 = numpy_helper.from_array(np.ones((5, 4), np.float32), "w")
+    bad = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", 1, [1, 4])],
+        [helper.make_tensor_value_info("y", 1, [1, 4])], [w5]),
+        opset_imports=[helper.make_opsetid("", 18)])
+    bad.ir_version = 10
+    onnx.save(bad, str(tmp_path / "mm.onnx"))
+    with pytest.raises(rn.RunnerError) as info:
+        rn.OrtRunner(tmp_path / "mm.onnx")
+    msg = str(info.value)
+    assert "ONNX Runtime could not load" in msg and "Incompatible dimensions" in msg
+    assert "\n" not in msg and "Fix:" in msg
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,4 +375,5 @@ def test_check_reports_onnx_runtime_failures_in_one_line(onnx_path, tmp_path, ca
     capsys.readouterr()
     assert main(["check", str(moved)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "ONNX Runtime failed on" in err and "external" in err and "\n" not in err, err
+    # refused before ONNX Runtime runs (the external-data check), in one line naming the file
+    assert "ext.onnx.data" in err and "missing" in err and "\n" not in err, err

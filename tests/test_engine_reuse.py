@@ -144,5 +144,6 @@ def test_external_data_files_are_part_of_the_model_hash(tmp_path):
 
 
 def test_an_engine_file_replaced_since_the_build_is_rebuilt(setup, capsys):
-    assert "not the one its sidecar describes" in _changed(
-        setup, capsys, lambda onnx_path, lib: onnx_path.with_suffix(".engine").write_bytes(b"x"))
+    why = _changed(setup, capsys,
+                   lambda onnx_path, lib: onnx_path.with_suffix(".engine").write_bytes(b"x"))
+    assert "not what the build wrote" in why and "does not describe this engine" in why, why

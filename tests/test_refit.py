@@ -296,10 +296,16 @@ def test_an_engine_tensorrt_cannot_deserialise_is_an_error(tmp_path, monkeypatch
 def test_a_corrupt_diffusers_shard_is_one_line(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001.safetensors"))
-    (tmp_path / "model-00002.safetensors").write_bytes(b"\x10" + bytes(7) + b"{broken")
-    with pytest.raises(rf.RefitError, match=r"--diffusers shard .*model-00002.safetensors is not "
-                                            r"a readable safetensors file") as exc:
+    import json
+
+    first, second = ("diffusion_pytorch_model-00001-of-00002.safetensors",
+                     "diffusion_pytorch_model-00002-of-00002.safetensors")
+    save_file({"a": torch.ones(2)}, str(tmp_path / first))
+    (tmp_path / second).write_bytes(b"\x10" + bytes(7) + b"{broken")
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": first, "b": second}}))
+    with pytest.raises(rf.RefitError, match=r"--diffusers shard .*00002-of-00002.safetensors is "
+                                            r"not a readable safetensors file") as exc:
         rf.load_state_dict(diffusers=str(tmp_path))
     assert "\n" not in str(exc.value)
 
