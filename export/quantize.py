@@ -435,23 +435,14 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
                                         f"MatMul(x, Transpose(W)) for a Linear")
                 w8 = const(f"{key}_fp8", _np_fp8(fp8_values(weight.t(), roles["weight"])))
                 for c in consumers:
-                    mm = c.node
-                    dq_w = ir.node("DequantizeLinear", [w8, s_w], name=f"{key}_dequantize")
-                    _quantize_input(graph, mm, s_x, zero, owner)
-                    graph.insert_before(mm, [dq_w])
-                    mm.replace_input_with(1, dq_w.outputs[0])
-                    dq_w.outputs[0].name = f"{key}_dequantized"
+                    _fp8_weight_input(graph, c.node, w8, s_w, s_x, zero, owner, key)
                     done.append(owner)
             elif node.op_type == "Gemm" and index == 1:
                 attrs = {k: v.value for k, v in node.attributes.items()}
                 if attrs.get("transA", 0) or not attrs.get("transB", 0):
                     raise QuantizeError(f"{key} feeds a Gemm with {attrs}; expected transB=1")
                 w8 = const(f"{key}_fp8", _np_fp8(fp8_values(weight, roles["weight"])))
-                dq_w = ir.node("DequantizeLinear", [w8, s_w], name=f"{key}_dequantize")
-                _quantize_input(graph, node, s_x, zero, owner)
-                graph.insert_before(node, [dq_w])
-                node.replace_input_with(1, dq_w.outputs[0])
-                dq_w.outputs[0].name = f"{key}_dequantized"
+                _fp8_weight_input(graph, node, w8, s_w, s_x, zero, owner, key)
                 done.append(owner)
             else:
                 raise QuantizeError(f"{key} is used by {node.op_type} (input {index}); the FP8 "
@@ -463,6 +454,18 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
             "quantized_linears": sorted(set(done)), "not_in_graph": sorted(skipped),
             "qdq_pairs": len(done),
             "weights": sorted({f"{o}.weight_fp8" for o in done})}
+
+
+def _fp8_weight_input(graph, node, w8, s_w, s_x, zero, owner: str, key: str) -> None:
+    """``node``'s activation input through Q/DQ, its weight input (input 1) the FP8 constant
+    ``w8`` behind a DequantizeLinear (one per consumer)."""
+    import onnx_ir as ir
+
+    dq_w = ir.node("DequantizeLinear", [w8, s_w], name=f"{key}_dequantize")
+    _quantize_input(graph, node, s_x, zero, owner)
+    graph.insert_before(node, [dq_w])
+    node.replace_input_with(1, dq_w.outputs[0])
+    dq_w.outputs[0].name = f"{key}_dequantized"
 
 
 def _quantize_input(graph, node, scale, zero, owner: str) -> None:

@@ -22,7 +22,6 @@ the cache folder; re-running finds it there.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import signal
@@ -36,6 +35,8 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from qkrope._fileio import sha256_file
 
 PACKAGE = "nvidia-pytriton"
 VERSION = "0.7.0"
@@ -54,14 +55,6 @@ class SetupError(RuntimeError):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("QKROPE_TRITON_CACHE") or DEFAULT_CACHE).resolve()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _run(cmd: list[str], what: str, timeout: float) -> None:
@@ -87,7 +80,7 @@ def _wheel(cache: Path) -> Path:
             if not got.is_file():
                 raise SetupError(f"pip download gave {sorted(os.listdir(tmp))}, not {WHEEL_NAME}")
             os.replace(got, wheel)
-    digest = _sha256(wheel)
+    digest = sha256_file(wheel)
     if digest != SHA256:
         raise SetupError(f"{wheel} has sha256 {digest}, not the pinned {SHA256}; delete it to "
                          "download it again")
