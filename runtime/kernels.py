@@ -358,9 +358,9 @@ def simt_configure_model(*, num_sms: int, max_threads_per_sm: int, compute_capab
     counts). With ``dry_run`` the real launcher chooses and records its launches without running
     them, which is how its plan is read for a device this machine does not have."""
     import json
-    lines = "".join(f"{name}\t{int(blocks)}\n" for name, blocks in (occupancy or {}).items())
     if any("\t" in name or "\n" in name for name in (occupancy or {})):
         raise InputError("simt_configure_model: a kernel name holds a tab or newline")
+    lines = "".join(f"{name}\t{int(blocks)}\n" for name, blocks in (occupancy or {}).items())
     major, minor = compute_capability
     dev = _simt_lib().qkrope_simt_configure_model(int(num_sms), int(max_threads_per_sm), int(major),
                                                   int(minor), int(clock_khz), int(mem_clock_khz),

@@ -1136,8 +1136,7 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
         "hot_loop": loop,
     }
     if qwen and loop.get("found"):
-        inst["bounds"] = qwen_bounds(loop.get("instr_per_element"),
-                                     loop["in_flight"]["max_qk_loads_128"],
+        inst["bounds"] = qwen_bounds(loop.get("instr_per_element"), loads_at_first_wait(loop),
                                      occ["threads_per_sm"], hw)
     return inst
 
@@ -1198,6 +1197,13 @@ def device_hardware(name: str) -> dict:
     return hw
 
 
+def loads_at_first_wait(loop: dict) -> int:
+    """The q/k loads that the design targets count: the fewest outstanding at any token's first
+    wait (first_stall_loads); the loop's maximum outstanding where no wait was found."""
+    stalls = loop.get("first_stall_loads")
+    return min(stalls) if stalls else loop["in_flight"]["max_qk_loads_128"]
+
+
 def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     """What one launch of `inst` does per thread along the common path: tokens per row group,
     whole-kernel instructions per element (one loop iteration per tokens-per-iteration, plus the
@@ -1221,12 +1227,12 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     ipe = None
     if it and pro is not None and epi is not None:
         ipe = (tokens_per_group * it / per_iter + pro + epi) / (tokens_per_group * rows * elems)
-    stalls = loop.get("first_stall_loads") or [0]
-    in_flight = min(stalls) * 16 * occ["threads_per_sm"]
+    at_wait = loads_at_first_wait(loop)
+    in_flight = at_wait * 16 * occ["threads_per_sm"]
     return {"rows": rows, "grid": launch["grid"][0], "token_step": token_step,
             "tokens_per_group": tokens_per_group, "instr_per_element": ipe,
             "loop_instr_per_element": it / loop["elements_per_iteration"] if it else None,
-            "prologue": pro, "epilogue": epi, "loads_at_first_wait": min(stalls),
+            "prologue": pro, "epilogue": epi, "loads_at_first_wait": at_wait,
             "bytes_in_flight_per_sm": in_flight, "blocks_per_sm": occ["blocks_per_sm"]}
 
 
@@ -1519,8 +1525,9 @@ def format_text(report: dict, details: str = "qwen") -> str:
                       f"{b['issue_floor_us']:.1f} us  -> {b['bound']}-bound, at best "
                       f"{b['fraction_of_peak_bw'] * 100:.0f} % of peak bandwidth "
                       f"(break-even {b['break_even_instr_per_element']:.1f} instructions/element)")
-                w(f"        in flight      {b['bytes_in_flight_per_sm'] / 1024:.1f} KB per SM "
-                  f"({fl['max_qk_loads_128']} x 16 B x {inst['occupancy']['threads_per_sm']} threads) vs "
+                w(f"        in flight      {b['bytes_in_flight_per_sm'] / 1024:.1f} KB per SM at a "
+                  f"token's first wait ({loads_at_first_wait(lp)} x 16 B x "
+                  f"{inst['occupancy']['threads_per_sm']} threads) vs "
                   f"{b['bytes_in_flight_needed_per_sm'] / 1024:.1f} KB needed ({hw['dram_tb_s']} TB/s x "
                   f"{hw['dram_latency_ns']} ns / {hw['sms']} SMs): ratio {b['in_flight_ratio']:.2f}, "
                   f"latency caps reads at ~{b['latency_bound_read_tb_s']:.1f} TB/s")
