@@ -70,7 +70,7 @@ def _tools():
 
 
 def _build() -> Path:
-    return build_simt(("qkrope_kernels_simt", "qkrope_simt_selftest", "qkrope_kernel_host"))
+    return build_simt(("qkrope_kernels_simt", "simt_selftest", "qkrope_kernel_host"))
 
 
 @pytest.fixture(scope="module")
@@ -392,18 +392,18 @@ def test_earlier_error_is_not_this_launchs(device, libs):
     """A CUDA error left pending by earlier work on the thread: the launch still reports success
     (cudaLaunchKernel's own status) and the earlier error stays for its owner to read."""
     lib = ctypes.CDLL(str(kernels.simt_library_path()))
-    lib.qkrope_simt_peek_error.restype = ctypes.c_int32
-    lib.qkrope_simt_set_pending_error.argtypes = [ctypes.c_int32]
+    lib.simt_peek_error.restype = ctypes.c_int32
+    lib.simt_set_pending_error.argtypes = [ctypes.c_int32]
     cuda_error_invalid_value = 1
-    lib.qkrope_simt_set_pending_error(cuda_error_invalid_value)
+    lib.simt_set_pending_error(cuda_error_invalid_value)
     try:
         inputs = make_inputs(torch.bfloat16, 128, 128, batch=1, seq=3, heads=2, seed=4)
         outs = kernels.simt_qk_norm_rope(*inputs)  # raises KernelStatusError on a non-zero status
         assert_bit_exact(outs, kernels.host_qk_norm_rope(*inputs))
-        assert lib.qkrope_simt_peek_error() == cuda_error_invalid_value
+        assert lib.simt_peek_error() == cuda_error_invalid_value
     finally:
         kernels.simt_reset()
-    assert lib.qkrope_simt_peek_error() == 0
+    assert lib.simt_peek_error() == 0
 
 
 def test_qwen_image_heads(device):
@@ -501,7 +501,9 @@ def test_bad_params_status_and_exports(libs):
                          capture_output=True, text=True, check=True).stdout
     names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
     assert {"qkrope_launch", "qkrope_status_string", "qkrope_capi_version"} <= set(names)
-    extra = [n for n in names if not n.startswith("qkrope_")]
+    # the kernel's C ABI (qkrope_*), the emulator's C API (simt_*, and its former names
+    # qkrope_simt_*: the sets test_capi_exported_under_its_names_and_the_former_aliases checks)
+    extra = [n for n in names if not n.startswith(("qkrope_", "simt_"))]
     assert not extra, f"unexpected exported symbols: {extra[:10]}"
 
 
@@ -512,10 +514,27 @@ def test_missing_library_message(monkeypatch, tmp_path):
         kernels.simt_qk_norm_rope(q, k, qw, kw, cache)
 
 
+def test_library_without_the_simt_names_is_rejected(monkeypatch, tmp_path):
+    """A library built before the emulator's functions were named simt_* (it has the kernel's C
+    ABI and only the former qkrope_simt_* names): one clear error with the rebuild command."""
+    cxx, _ = require_native_tools("a stand-in for a stale emulation library")
+    src = tmp_path / "stale.cpp"
+    src.write_text('extern "C" int qkrope_launch() { return 0; }\n'
+                   'extern "C" char const* qkrope_status_string(int) { return "ok"; }\n'
+                   'extern "C" int qkrope_simt_configure(int, int, long long) { return 0; }\n')
+    lib = tmp_path / "libstale_simt.so"
+    subprocess.run([cxx, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True,
+                   capture_output=True)
+    monkeypatch.setenv(kernels.SIMT_LIB_ENV, str(lib))
+    with pytest.raises(kernels.KernelLibraryError,
+                       match=r"predates the emulator's simt_\* control functions.*Rebuild it with"):
+        kernels.simt_reset()
+
+
 # ---- the emulator itself ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def selftest(libs):
-    lib = ctypes.CDLL(str(libs / "libqkrope_simt_selftest.so"))
+    lib = ctypes.CDLL(str(libs / "libsimt_selftest.so"))
     i32p = ctypes.POINTER(ctypes.c_int32)
     f32p = ctypes.POINTER(ctypes.c_float)
     lib.simt_selftest_shfl.argtypes = [ctypes.c_int32, ctypes.c_int32, i32p, ctypes.c_int32, i32p, f32p]
@@ -525,11 +544,11 @@ def selftest(libs):
     lib.simt_selftest_shared_isolation.argtypes = [ctypes.c_int32, ctypes.c_int32, i32p]
     lib.simt_selftest_vote.argtypes = [i32p]
     lib.simt_selftest_exit_early.argtypes = [i32p]
-    lib.qkrope_simt_set_strict_exit.argtypes = [ctypes.c_int32]
+    lib.simt_set_strict_exit.argtypes = [ctypes.c_int32]
     lib.simt_selftest_convert.argtypes = [f32p, ctypes.c_void_p, ctypes.c_void_p, f32p, f32p, ctypes.c_int32]
     lib.simt_selftest_frsqrt.argtypes = [f32p, f32p, ctypes.c_int32]
-    lib.qkrope_simt_last_error.restype = ctypes.c_char_p
-    lib.qkrope_simt_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
+    lib.simt_last_error.restype = ctypes.c_char_p
+    lib.simt_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
     return lib
 
 
@@ -571,14 +590,14 @@ def test_shuffle_semantics_every_width(selftest, device):
             for args in patterns:
                 rc = selftest.simt_selftest_shfl(op, width, _ptr(args), n, _ptr(out),
                                                  _ptr(fout, ctypes.c_float))
-                assert rc == 0, selftest.qkrope_simt_last_error().decode()
+                assert rc == 0, selftest.simt_last_error().decode()
                 model = _shfl_model(op, width, args.tolist(), n)
                 assert out.tolist() == model, (op, width, args.tolist())
                 assert fout.tolist() == [m + 0.5 for m in model]
     for width in (w for w in range(1, 33) if w & (w - 1)):  # not a power of two: reported
         rc = selftest.simt_selftest_shfl(3, width, _ptr(torch.ones(32, dtype=torch.int32)), 32,
                                          _ptr(out), _ptr(fout, ctypes.c_float))
-        assert rc != 0 and "power of two" in selftest.qkrope_simt_last_error().decode()
+        assert rc != 0 and "power of two" in selftest.simt_last_error().decode()
 
 
 @pytest.mark.parametrize("mode, nthreads, expect", [
@@ -596,7 +615,7 @@ def test_misuse_is_reported_not_hung(selftest, device, mode, nthreads, expect):
     out = torch.zeros(nthreads, dtype=torch.int32)
     t0 = time.monotonic()
     rc = selftest.simt_selftest_misuse(mode, 0, nthreads, _ptr(out))
-    msg = selftest.qkrope_simt_last_error().decode()
+    msg = selftest.simt_last_error().decode()
     assert rc == (716 if mode == 9 else 719), (rc, msg)
     assert re.search(expect, msg), msg
     assert "misuseKernel" in msg and "block (0,0,0)" in msg and "simt_selftest.cpp:" in msg, msg
@@ -607,18 +626,18 @@ def test_misuse_is_reported_not_hung(selftest, device, mode, nthreads, expect):
 
 @pytest.mark.parametrize("seed", [0, 3])
 def test_lane_skipping_a_shuffle_is_a_reported_deadlock(selftest, device, seed):
-    selftest.qkrope_simt_configure(-1, -1, seed)
+    selftest.simt_configure(-1, -1, seed)
     for lane in (0, 17, 31):
         rc = selftest.simt_selftest_skip(lane, _ptr(torch.zeros(32, dtype=torch.int32)))
-        msg = selftest.qkrope_simt_last_error().decode()
+        msg = selftest.simt_last_error().decode()
         assert rc == 719 and "__shfl_xor_sync" in msg, msg
         assert f"reads lane {lane}, which exited without taking part" in msg, msg
-    selftest.qkrope_simt_set_strict_exit(1)   # strict: the exit itself is the error
+    selftest.simt_set_strict_exit(1)   # strict: the exit itself is the error
     rc = selftest.simt_selftest_skip(5, _ptr(torch.zeros(32, dtype=torch.int32)))
-    msg = selftest.qkrope_simt_last_error().decode()
-    selftest.qkrope_simt_set_strict_exit(0)
+    msg = selftest.simt_last_error().decode()
+    selftest.simt_set_strict_exit(0)
     assert rc == 719 and "deadlock (strict)" in msg and "lane 5" in msg, msg
-    selftest.qkrope_simt_configure(-1, -1, 0)
+    selftest.simt_configure(-1, -1, 0)
     out = torch.zeros(32, dtype=torch.int32)
     assert selftest.simt_selftest_skip(-1, _ptr(out)) == 0   # nobody skips: fine
     assert out.tolist() == [lane ^ 1 for lane in range(32)]
@@ -627,19 +646,19 @@ def test_lane_skipping_a_shuffle_is_a_reported_deadlock(selftest, device, seed):
 def test_exited_lanes_need_not_take_part(selftest, device):
     """CUDA: only the non-exited lanes named in a mask must execute the collective."""
     out = torch.full((32,), -1, dtype=torch.int32)
-    assert selftest.simt_selftest_exit_early(_ptr(out)) == 0, selftest.qkrope_simt_last_error()
+    assert selftest.simt_selftest_exit_early(_ptr(out)) == 0, selftest.simt_last_error()
     assert out.tolist() == [(lane ^ 1) + 100 for lane in range(16)] + [-1] * 16
 
 
 @pytest.mark.parametrize("seed", [0, 9])
 def test_syncthreads_is_a_block_barrier(selftest, device, seed):
-    selftest.qkrope_simt_configure(-1, -1, seed)
+    selftest.simt_configure(-1, -1, seed)
     blocks, n = 3, 96
     out = torch.zeros(blocks * n, dtype=torch.int32)
     assert selftest.simt_selftest_syncthreads(blocks, n, _ptr(out)) == 0
     expected = [7 * ((t + 1) % n) + 1000 * b for b in range(blocks) for t in range(n)]
     assert out.tolist() == expected
-    selftest.qkrope_simt_configure(-1, -1, 0)
+    selftest.simt_configure(-1, -1, 0)
 
 
 def test_shared_memory_is_per_block_and_per_concurrent_launch(selftest, device):
@@ -711,6 +730,42 @@ def test_frsqrt_correctly_rounded(selftest):
     assert torch.equal(out, ref)
 
 
+# ---- the C control API, as the libraries export it ---------------------------------------------------
+def _capi_names() -> tuple[set[str], dict[str, str]]:
+    """(the functions simt_capi.h declares, {former name: function} of its deprecated aliases)."""
+    text = (SIMT_SRC / "simt_capi.h").read_text()
+    new = set(re.findall(r"^SIMT_API (?!SIMT_DEPRECATED)[^;(]*?\b(simt_\w+)\(", text, re.M))
+    aliases = {old: name for name, old in re.findall(
+        r"^SIMT_API SIMT_DEPRECATED\((simt_\w+)\) [^;(]*?\b(qkrope_simt_\w+)\(", text, re.M)}
+    return new, aliases
+
+
+@pytest.mark.parametrize("which", ["libqkrope_kernels_simt.so", "libsimt_selftest.so"])
+def test_capi_exported_under_its_names_and_the_former_aliases(libs, which):
+    """Every function of simt_capi.h is exported as simt_* and, for a while, under its former
+    name qkrope_simt_* -- the same function (one address) -- and no other name of either kind."""
+    new, aliases = _capi_names()
+    assert len(new) >= 10, f"simt_capi.h declarations not recognised: {sorted(new)}"
+    assert set(aliases.values()) == new, "every function keeps its former name as an alias"
+    assert all(old == "qkrope_" + name for old, name in aliases.items()), aliases
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) not available to list the library's symbols")
+    path = libs / which
+    out = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    names = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert {n for n in names if n.startswith("simt_") and not n.startswith("simt_selftest_")} == new
+    assert {n for n in names if n.startswith("qkrope_simt_")} == set(aliases)
+    lib = ctypes.CDLL(str(path))
+    for old, name in sorted(aliases.items()):
+        assert (ctypes.cast(getattr(lib, old), ctypes.c_void_p).value
+                == ctypes.cast(getattr(lib, name), ctypes.c_void_p).value), f"{old} is not {name}"
+    assert lib.qkrope_simt_version() == lib.simt_version() == 1
+    if which == kernels.SIMT_LIB_NAME:
+        assert path.resolve() == kernels.simt_library_path().resolve()
+
+
 # ---- mutants: kernel bugs the emulated checks catch and the CPU build cannot see ---------------------------
 # (description, file, regex, replacement, check): the regexes target qknorm_rope.cu (or the
 # headers it includes); a mutant whose regex no longer matches is skipped with a message.
@@ -762,15 +817,18 @@ def _compile_mutant(tmp: Path, src_name: str, text: str) -> Path:
     main = tmp / "qknorm_rope.cu"
     if src_name != "qknorm_rope.cu":
         shutil.copy(KERNEL_SRC / "qknorm_rope.cu", main)
+    # the build's other objects: the launcher and the check of the emulated library, the emulator
     objs = []
-    for pat in ("qknorm_rope_capi.cu.o", "qknorm_rope_check.cpp.o", "simt.cpp.o"):
-        hits = [p for p in BUILD_DIR.rglob(pat) if "qkrope_kernels_simt" in str(p)
-                or "qkrope_simt_runtime" in str(p)]
+    for pat in ("qknorm_rope_capi.cu.cpp.o", "qknorm_rope_check.cpp.o"):
+        hits = [p for p in BUILD_DIR.rglob(pat) if "qkrope_kernels_simt.dir" in str(p)]
         assert hits, f"{pat} not found under {BUILD_DIR}"
         objs.append(str(hits[0]))
+    runtime = sorted(str(p) for p in BUILD_DIR.rglob("*.o") if "simt_runtime.dir" in str(p))
+    assert runtime, f"the emulator's objects (simt_runtime) not found under {BUILD_DIR}"
+    objs += runtime
     obj = tmp / "mutant.o"
     flags = ["-std=c++17", "-O0", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
-             "-D__CUDACC__", "-D__CUDA_ARCH__=900", "-DQKROPE_SIMT=1", "-ffp-contract=off",
+             "-D__CUDACC__", "-D__CUDA_ARCH__=900", "-DSIMT_EMULATION=1", "-ffp-contract=off",
              "-fno-fast-math", "-fno-strict-aliasing", "-w",
              f"-I{tmp}", f"-I{SIMT_SRC}", f"-I{KERNEL_SRC}"]
     res = subprocess.run([cxx, *flags, "-x", "c++", "-c", str(main), "-o", str(obj)],
