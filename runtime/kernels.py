@@ -277,8 +277,9 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 # libqkrope_kernels_simt.so is the unchanged qknorm_rope.cu compiled with the host C++ compiler on
 # stand-in CUDA headers: every CUDA thread of a block runs as a fiber, warp shuffles and barriers
 # are real barriers (a lane that skips one is reported, not hung on). Same C ABI as
-# libqkrope_kernels.so on host pointers, plus qkrope_simt_* controls (device shape, scheduling
-# seed, per-launch records, the emulator's error message).
+# libqkrope_kernels.so on host pointers, plus the emulator's simt_* controls
+# (plugins/simt/simt_capi.h: device shape, scheduling seed, per-launch records, the emulator's
+# error message).
 
 SIMT_LIB_ENV = "QKROPE_KERNELS_SIMT_LIB"
 SIMT_LIB_NAME = "libqkrope_kernels_simt.so"
@@ -304,26 +305,30 @@ def simt_library_path() -> Path | None:
 def _simt_lib() -> ctypes.CDLL:
     lib = _load(SIMT_LIB_ENV, SIMT_LIB_NAME, SIMT_BUILD_COMMAND, "qkrope_launch",
                 "qkrope_status_string", cuda=True)
-    if not getattr(lib, "_qkrope_simt_ready", False):
+    if not getattr(lib, "_simt_ready", False):
+        if not hasattr(lib, "simt_configure"):
+            raise KernelLibraryError(
+                f"{simt_library_path()} predates the emulator's simt_* control functions "
+                f"(it exports only the former qkrope_simt_* names). Rebuild it with: "
+                f"{SIMT_BUILD_COMMAND}")
         with _lock:
-            lib.qkrope_simt_configure.restype = ctypes.c_int32
-            lib.qkrope_simt_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
-            for name in ("qkrope_simt_config_json", "qkrope_simt_last_error",
-                         "qkrope_simt_launches_json"):
+            lib.simt_configure.restype = ctypes.c_int32
+            lib.simt_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
+            for name in ("simt_config_json", "simt_last_error", "simt_launches_json"):
                 getattr(lib, name).restype = ctypes.c_char_p
                 getattr(lib, name).argtypes = []
-            lib.qkrope_simt_symbols_json.restype = ctypes.c_char_p
-            lib.qkrope_simt_symbols_json.argtypes = [ctypes.c_char_p]
-            lib.qkrope_simt_reset.restype = None
-            lib.qkrope_simt_reset.argtypes = []
-            lib.qkrope_simt_set_dry_run.restype = None
-            lib.qkrope_simt_set_dry_run.argtypes = [ctypes.c_int32]
-            lib.qkrope_simt_set_stack_size.restype = ctypes.c_int32
-            lib.qkrope_simt_set_stack_size.argtypes = [ctypes.c_int64]
-            lib.qkrope_simt_configure_model.restype = ctypes.c_int32
-            lib.qkrope_simt_configure_model.argtypes = [ctypes.c_int32] * 7 + [ctypes.c_char_p,
-                                                                              ctypes.c_int64]
-            lib._qkrope_simt_ready = True
+            lib.simt_symbols_json.restype = ctypes.c_char_p
+            lib.simt_symbols_json.argtypes = [ctypes.c_char_p]
+            lib.simt_reset.restype = None
+            lib.simt_reset.argtypes = []
+            lib.simt_set_dry_run.restype = None
+            lib.simt_set_dry_run.argtypes = [ctypes.c_int32]
+            lib.simt_set_stack_size.restype = ctypes.c_int32
+            lib.simt_set_stack_size.argtypes = [ctypes.c_int64]
+            lib.simt_configure_model.restype = ctypes.c_int32
+            lib.simt_configure_model.argtypes = [ctypes.c_int32] * 7 + [ctypes.c_char_p,
+                                                                       ctypes.c_int64]
+            lib._simt_ready = True
     return lib
 
 
@@ -336,15 +341,15 @@ def simt_configure(num_sms: int | None = None, blocks_per_sm: int | None = None,
     Returns the configuration now in effect."""
     import json
     lib = _simt_lib()
-    dev = lib.qkrope_simt_configure(-1 if num_sms is None else int(num_sms),
-                                    -1 if blocks_per_sm is None else int(blocks_per_sm),
-                                    -1 if seed is None else int(seed))
+    dev = lib.simt_configure(-1 if num_sms is None else int(num_sms),
+                             -1 if blocks_per_sm is None else int(blocks_per_sm),
+                             -1 if seed is None else int(seed))
     if dev < 0:
         raise InputError(f"simt_configure: invalid device shape num_sms={num_sms}, "
                          f"blocks_per_sm={blocks_per_sm} (1..1024 SMs, 1..64 blocks per SM, seed >= 0)")
     if dry_run is not None:
-        lib.qkrope_simt_set_dry_run(int(bool(dry_run)))
-    return json.loads(lib.qkrope_simt_config_json().decode())
+        lib.simt_set_dry_run(int(bool(dry_run)))
+    return json.loads(lib.simt_config_json().decode())
 
 
 def simt_configure_model(*, num_sms: int, max_threads_per_sm: int, compute_capability: tuple[int, int],
@@ -362,18 +367,18 @@ def simt_configure_model(*, num_sms: int, max_threads_per_sm: int, compute_capab
         raise InputError("simt_configure_model: a kernel name holds a tab or newline")
     lines = "".join(f"{name}\t{int(blocks)}\n" for name, blocks in (occupancy or {}).items())
     major, minor = compute_capability
-    dev = _simt_lib().qkrope_simt_configure_model(int(num_sms), int(max_threads_per_sm), int(major),
-                                                  int(minor), int(clock_khz), int(mem_clock_khz),
-                                                  int(bus_width_bits), lines.encode(),
-                                                  -1 if seed is None else int(seed))
+    dev = _simt_lib().simt_configure_model(int(num_sms), int(max_threads_per_sm), int(major),
+                                           int(minor), int(clock_khz), int(mem_clock_khz),
+                                           int(bus_width_bits), lines.encode(),
+                                           -1 if seed is None else int(seed))
     if dev < 0:
         raise InputError(f"simt_configure_model: invalid device model num_sms={num_sms}, "
                          f"max_threads_per_sm={max_threads_per_sm}, cc={major}.{minor}, "
                          f"clock_khz={clock_khz}, mem_clock_khz={mem_clock_khz}, "
                          f"bus_width_bits={bus_width_bits} or an occupancy outside 0..64")
     if dry_run is not None:
-        _simt_lib().qkrope_simt_set_dry_run(int(bool(dry_run)))
-    return json.loads(_simt_lib().qkrope_simt_config_json().decode())
+        _simt_lib().simt_set_dry_run(int(bool(dry_run)))
+    return json.loads(_simt_lib().simt_config_json().decode())
 
 
 def simt_last_launches() -> list[dict]:
@@ -381,24 +386,24 @@ def simt_last_launches() -> list[dict]:
     demangled instance), ``grid``, ``block``, ``num_sms``, ``blocks_per_sm``, ``seed``,
     ``status`` (cudaError_t), ``error``, ``blocks_run``, ``collectives``, ``barriers``."""
     import json
-    return json.loads(_simt_lib().qkrope_simt_launches_json().decode())
+    return json.loads(_simt_lib().simt_launches_json().decode())
 
 
 def simt_reset() -> None:
     """Forget the recorded launches and the last error message."""
-    _simt_lib().qkrope_simt_reset()
+    _simt_lib().simt_reset()
 
 
 def simt_last_error() -> str:
     """The emulator's message for the last failed launch ("" if none since the last reset)."""
-    return _simt_lib().qkrope_simt_last_error().decode()
+    return _simt_lib().simt_last_error().decode()
 
 
 def simt_kernel_symbols(substring: str) -> list[str]:
     """Demangled names of the library's function symbols containing ``substring``: the kernel
     template instances compiled into it."""
     import json
-    return json.loads(_simt_lib().qkrope_simt_symbols_json(substring.encode()).decode())
+    return json.loads(_simt_lib().simt_symbols_json(substring.encode()).decode())
 
 
 def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,

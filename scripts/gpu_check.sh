@@ -109,7 +109,7 @@ if command -v cmake > /dev/null; then
     cmake -S plugins/kernel -B "$1" -DQKROPE_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Release || return 1
     if grep -qw qkrope_kernels_simt <<< "$(cmake --build "$1" --target help 2>/dev/null)"; then
       echo "-- building the SIMT emulator (qkrope_kernels_simt) in $1"
-      cmake --build "$1" -j "$2" --target qkrope_kernels_simt qkrope_simt_selftest qkrope_kernel_host
+      cmake --build "$1" -j "$2" --target qkrope_kernels_simt simt_selftest qkrope_kernel_host
     else
       echo "-- no qkrope_kernels_simt target in plugins/kernel/CMakeLists.txt: SIMT emulator not built"
     fi

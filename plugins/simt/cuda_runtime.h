@@ -1,6 +1,7 @@
 // qkrope SIMT emulation: stand-in for <cuda_runtime.h> when CUDA sources are compiled as C++ with
-// g++ (plugins/simt/CMakeLists.txt puts this directory first on the include path and defines
-// __CUDACC__ and __CUDA_ARCH__=900, so device-only branches of the sources are the ones compiled).
+// g++ (simt_add_emulated_library in SimtEmulation.cmake puts this directory first on the include
+// path and defines __CUDACC__ and __CUDA_ARCH__=900, so device-only branches of the sources are the
+// ones compiled).
 //
 // Emulates: the function qualifiers (__global__, __device__, __host__, __forceinline__,
 // __noinline__, __launch_bounds__, __shared__ as static thread_local, __align__, __constant__),

@@ -17,7 +17,7 @@
 //     (safety net) a block in which no fiber can run any more. The launch then returns
 //     cudaErrorLaunchFailure (cudaErrorMisalignedAddress for alignment) and a message naming the
 //     kernel, block, warp, lanes, intrinsic and source line is kept (simt::lastErrorMessage,
-//     qkrope_simt_last_error from C).
+//     simt_last_error from C, simt_capi.h).
 //   - Fiber and block order: round-robin by default; a non-zero seed picks a seeded random order
 //     of blocks and of runnable fibers (deterministic for a given seed).
 //   - A configurable device (SM count, blocks per SM returned by the occupancy query). Each
@@ -42,7 +42,7 @@
 //     exited (or is outside the mask) is an error; __syncthreads after any thread of the block
 //     exited is an error. As CUDA specifies, only the non-exited lanes named in a mask must take
 //     part in a collective (lanes past the end of the block count as exited);
-//     qkrope_simt_set_strict_exit(1) reports any mask naming an exited lane as well.
+//     simt_set_strict_exit(1) reports any mask naming an exited lane as well.
 #pragma once
 
 #include <cstddef>
@@ -165,7 +165,7 @@ constexpr int warpSize = 32;
 namespace simt
 {
 
-// ---- configuration and introspection (also exported to C as qkrope_simt_*) ----------------------
+// ---- configuration and introspection (exported to C as simt_*: simt_capi.h) ---------------------
 struct DeviceConfig
 {
     int numSms = 2;                      // cudaDevAttrMultiProcessorCount

@@ -1,7 +1,7 @@
-// qkrope SIMT emulation: self-test kernels of the emulator (libqkrope_simt_selftest.so), driven
-// from tests/test_kernel_simt.py through ctypes. Each simt_selftest_* function launches one small
-// kernel through cudaLaunchKernel, as the real launcher does, and returns the cudaError_t; the
-// emulator's message is then read with qkrope_simt_last_error (exported here as well).
+// qkrope SIMT emulation: self-test kernels of the emulator (libsimt_selftest.so), driven from
+// tests/test_kernel_simt_emulator.py through ctypes. Each simt_selftest_* function launches one
+// small kernel through cudaLaunchKernel, as the real launcher does, and returns the cudaError_t; the
+// emulator's message is then read with simt_last_error (exported here as well).
 //
 // What they prove: shuffle results (idx/up/down/xor, every width, arbitrary per-lane arguments)
 // against an independent Python model of the CUDA semantics; that a lane skipping a collective,
