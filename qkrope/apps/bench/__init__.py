@@ -77,7 +77,7 @@ from qkrope import contract
 from qkrope.apps.export import DTYPES
 from qkrope.errors import InputError
 
-from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
+from ..measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
                       machine_info, summarize, time_interleaved)
 
 
@@ -859,7 +859,7 @@ def _bench_kernel(cfg: Config, rows: list[BenchRow], machine: dict) -> None:
     graph over buffer sets larger than 2 x L2, after a validated and checked call)."""
     import torch
 
-    from . import kernel_bench as kb
+    from .. import kernel_bench as kb
     from qkrope.runtime.kernels import cuda_library_path
 
     if cuda_library_path() is None:
