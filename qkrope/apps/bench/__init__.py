@@ -97,7 +97,7 @@ from .rows import REQUIRES_CUDA, REQUIRES_TRT, Key, _measure, _measured, _row, _
 # light; the functions below import them where they need them).
 _LAZY = {"dtypes": ("qkrope", "dtypes"),
          "default_axes_dims": ("qkrope.runtime.caches", "default_axes_dims"),
-         "checked_onnx_model": ("qkrope.runtime.trt_utils", "checked_onnx_model")}
+         "checked_onnx_model": ("qkrope.runtime.onnx_file", "checked_onnx_model")}
 
 
 def __getattr__(name: str):

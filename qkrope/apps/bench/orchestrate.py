@@ -73,7 +73,7 @@ def _export_forms(cfg: Config, forms: Sequence[str], workdir: Path,
                   log: Callable[[str], None]) -> dict[str, _Export]:
     """One export per attention form (``attention.<form>.onnx``), each checked against the node
     contract like every consumer of an ONNX file does before ONNX Runtime or TensorRT opens it."""
-    from qkrope.runtime.trt_utils import checked_onnx_model
+    from qkrope.runtime.onnx_file import checked_onnx_model
 
     out: dict[str, _Export] = {}
     for form in forms:
