@@ -46,6 +46,7 @@ from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsIn
 
 from . import fp8_engine
 from . import profiles as prof
+from . import onnx_file
 from . import trt_utils as tu
 from .plugin_build import resolve_plugin_library
 
@@ -564,9 +565,9 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
         raise EngineBuildError(f"the engine path {engine_path} is a directory. Fix: pass -o "
                                f"{engine_path / onnx_path.with_suffix('.engine').name}")
     check_output_folder(engine_path.parent, flag="-o")  # fail before the build, not after it
-    onnx_model = tu.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
+    onnx_model = onnx_file.checked_onnx_model(onnx_path, require_nodes=opts.use_plugin)
     _check_build_outputs(onnx_path, engine_path, opts,
-                         tu.external_data_files(onnx_model, onnx_path))
+                         onnx_file.external_data_files(onnx_model, onnx_path))
     model = ModelInfo.describe(onnx_path)
     profiles = plan_profiles(model, opts)
     profile = profiles[0][1]
@@ -574,7 +575,7 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
     if opts.use_plugin and opts.plugin:
         plugin_path = str(resolve_plugin_library(
             opts.plugin, None, kind="vc" if opts.version_compatible else "plugin"))
-    return BuildPlan(onnx_path, engine_path, model, profile, tu.plugin_node_names(onnx_model),
+    return BuildPlan(onnx_path, engine_path, model, profile, onnx_file.plugin_node_names(onnx_model),
                      plugin_path, profiles)
 
 
@@ -588,7 +589,7 @@ def model_sha256(onnx_path: str | os.PathLike) -> str:
     in ``M.onnx.data`` changes it too)."""
     onnx_path = Path(onnx_path)
     digest = hashlib.sha256(sha256_file(onnx_path).encode())
-    model = tu.read_onnx_model(onnx_path)
+    model = onnx_file.read_onnx_model(onnx_path)
     locations = sorted({e.value for t in model.graph.initializer for e in t.external_data
                         if e.key == "location"})
     for location in locations:

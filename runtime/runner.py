@@ -52,6 +52,7 @@ from qkrope.sidecars import EngineInfo, ModelInfo, engine_sidecar_path
 from qkrope._deps import MissingDependencyError, require
 
 from qkrope import dtypes, quantization
+from . import onnx_file
 from . import trt_utils as tu
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)
@@ -612,7 +613,7 @@ def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> Model
                                              for d in o.shape]) for o in session.get_outputs()]
     inputs = [spec_from_shape(*t) for t in inputs_src]
     outputs = [spec_from_shape(*t) for t in outputs_src]
-    head_dim = sidecar_head_dim or tu.head_dim_from_onnx(path, model)
+    head_dim = sidecar_head_dim or onnx_file.head_dim_from_onnx(path, model)
     return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
                    source=desc.source or str(path), config=dict(desc.config))
 
@@ -630,7 +631,7 @@ class OrtRunner(Runner):
         # First: a readable model whose QKNormRoPE nodes keep the node contract (the plugin
         # creator would refuse what ONNX Runtime's function body would silently run), and a
         # sidecar in its schema, before ONNX Runtime sees the file.
-        model = tu.checked_onnx_model(self.path)
+        model = onnx_file.checked_onnx_model(self.path)
         onnx_model_io(self.path, model=model)
         if isinstance(providers, str):
             providers = [providers]

@@ -48,6 +48,7 @@ from qkrope._fileio import folder_lock, staged_outputs
 from qkrope.errors import QkropeError
 from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
 
+from . import onnx_file
 from . import trt_utils as tu
 from .plugin_build import LIBRARY_FILES, PluginNotBuiltError, resolve_plugin_library
 
@@ -639,7 +640,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
 
 def _onnx_files(onnx_path: Path) -> list[Path]:
     """The ONNX file's external data files, each checked to lie inside the model's folder
-    (:func:`qkrope.runtime.trt_utils.external_data_files`: no absolute or ``..`` location, no
+    (:func:`qkrope.runtime.onnx_file.external_data_files`: no absolute or ``..`` location, no
     symlink out of the folder), so nothing from elsewhere is copied into the repository."""
     import onnx
 
@@ -649,7 +650,7 @@ def _onnx_files(onnx_path: Path) -> list[Path]:
         raise TritonRepoError(f"{onnx_path} is not an ONNX model ({type(exc).__name__}); "
                               "--backend onnxruntime serves the .onnx from `qkrope export`, "
                               "not a TensorRT engine") from None
-    return tu.external_data_files(model, onnx_path)  # each inside the model's folder
+    return onnx_file.external_data_files(model, onnx_path)  # each inside the model's folder
 
 
 def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str, *,

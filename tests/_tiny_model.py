@@ -10,7 +10,7 @@ from pathlib import Path
 import fake_tensorrt as ft
 
 from qkrope import contract
-from qkrope.runtime import trt_utils as tu
+from qkrope.runtime import onnx_file
 from qkrope.sidecars import ModelInfo
 
 C = 32  # model width of the tiny test model
@@ -91,7 +91,7 @@ def parse_tiny(network, path, state) -> None:
 
     network.weights = {t.name for t in onnx.load(str(path)).graph.initializer}
     state.network = network
-    for name in tu.count_plugin_nodes(path):
+    for name in onnx_file.count_plugin_nodes(path):
         if state.fallback:
             network.layers += [(ft.LayerType.ELEMENTWISE, f"{name}_body{i}", None)
                                for i in range(5)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qkrope import dtypes
-from qkrope.runtime import trt_utils as tu
+from qkrope.runtime import onnx_file, trt_utils as tu
 
 
 def test_dtypes_module_maps_every_layer():
@@ -40,7 +40,7 @@ def test_dtypes_module_maps_every_layer():
     from qkrope import sidecars
     from qkrope.runtime import triton
     assert sidecars.DTYPES is dtypes.NAME_BY_SHORT
-    for mod, names in ((tu, ("ONNX_DTYPES", "ONNX_DTYPE_CODES", "ORT_DTYPES", "TRT_DTYPES",
-                             "torch_dtype")), (triton, ("_TRITON_DTYPES",))):
+    tables = ("ONNX_DTYPES", "ONNX_DTYPE_CODES", "ORT_DTYPES", "TRT_DTYPES", "torch_dtype")
+    for mod, names in ((tu, tables), (onnx_file, tables), (triton, ("_TRITON_DTYPES",))):
         for n in names:
             assert not hasattr(mod, n), f"{mod.__name__}.{n}"

@@ -68,6 +68,26 @@ enum class FieldKind : int32_t
     kIDENTITY = 1,  // kCHAR, accepted when given, must equal `identity`; neither advertised nor serialised
 };
 
+// An attribute's valid range: [min, max], either end open.
+struct FieldRange
+{
+    double min;
+    double max;
+    bool minExclusive;
+    bool maxExclusive;
+
+    static constexpr FieldRange closed(double lo, double hi) noexcept { return {lo, hi, false, false}; } // lo <= v <= hi
+    static constexpr FieldRange open(double lo, double hi) noexcept { return {lo, hi, true, true}; }      // lo < v < hi
+};
+
+// An attribute's value when the node does not give it.
+struct FieldDefault
+{
+    double value;
+};
+
+// One row of kFIELDS, made by the named constructor of its kind (floatAttribute, intAttribute,
+// identityField), so that a row names what each of its values is.
 struct FieldSpec
 {
     char const* name;
@@ -81,24 +101,48 @@ struct FieldSpec
     char const* identity; // identity fields: the only accepted value
     char const* meaning;  // what the values mean, appended to an out-of-range message
     bool maxExclusive = false; // attributes: the range is [min, max) / (min, max)
+
+    // A float member at `offset`: an ONNX FLOAT attribute, a kFLOAT32 field.
+    static constexpr FieldSpec floatAttribute(char const* name, size_t offset, FieldDefault byDefault,
+        FieldRange range, char const* meaning) noexcept
+    {
+        return attribute(name, nvinfer1::PluginFieldType::kFLOAT32, offset, byDefault, range, meaning);
+    }
+
+    // An int32_t member at `offset`: an ONNX INT attribute, a kINT32 field.
+    static constexpr FieldSpec intAttribute(char const* name, size_t offset, FieldDefault byDefault,
+        FieldRange range, char const* meaning) noexcept
+    {
+        return attribute(name, nvinfer1::PluginFieldType::kINT32, offset, byDefault, range, meaning);
+    }
+
+    // A kCHAR field accepted only when it equals `value`; neither advertised nor serialised.
+    static constexpr FieldSpec identityField(char const* name, char const* value) noexcept
+    {
+        return {name, FieldKind::kIDENTITY, nvinfer1::PluginFieldType::kCHAR, 0, 0, false, 0, 0, value, nullptr};
+    }
+
+private:
+    static constexpr FieldSpec attribute(char const* name, nvinfer1::PluginFieldType type, size_t offset,
+        FieldDefault byDefault, FieldRange range, char const* meaning) noexcept
+    {
+        return {name, FieldKind::kATTRIBUTE, type, byDefault.value, range.min, range.minExclusive, range.max, offset,
+            nullptr, meaning, range.maxExclusive};
+    }
 };
 
 inline constexpr FieldSpec kFIELDS[] = {
     // The contract's one epsilon rule (qkrope/contract.py, epsilon_error): finite, 0 < eps < 1, checked
     // on the value and on its float32 narrowing (readAttribute); checkParams in
     // plugins/kernel/qknorm_rope_check.cpp says the same.
-    {"epsilon", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kFLOAT32, 1e-6, 0.0, true, 1.0,
-        offsetof(QKNormRoPEAttributes, epsilon), nullptr, "Qwen-Image uses 1e-6", true},
-    {"interleaved", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kINT32, 1, 0, false, 1,
-        offsetof(QKNormRoPEAttributes, interleaved), nullptr,
-        "1: interleaved pairs (2j, 2j+1) as in Qwen-Image/GPT-J; 0: NeoX halves"},
-    {"rounding", FieldKind::kATTRIBUTE, nvinfer1::PluginFieldType::kINT32, 0, 0, false, 1,
-        offsetof(QKNormRoPEAttributes, rounding), nullptr,
-        "0: one rounding at the end; 1: diffusers' eager rounding order"},
-    {"plugin_version", FieldKind::kIDENTITY, nvinfer1::PluginFieldType::kCHAR, 0, 0, false, 0, 0, kPLUGIN_VERSION,
-        nullptr},
-    {"plugin_namespace", FieldKind::kIDENTITY, nvinfer1::PluginFieldType::kCHAR, 0, 0, false, 0, 0,
-        kPLUGIN_NAMESPACE, nullptr},
+    FieldSpec::floatAttribute("epsilon", offsetof(QKNormRoPEAttributes, epsilon), FieldDefault{1e-6},
+        FieldRange::open(0.0, 1.0), "Qwen-Image uses 1e-6"),
+    FieldSpec::intAttribute("interleaved", offsetof(QKNormRoPEAttributes, interleaved), FieldDefault{1},
+        FieldRange::closed(0, 1), "1: interleaved pairs (2j, 2j+1) as in Qwen-Image/GPT-J; 0: NeoX halves"),
+    FieldSpec::intAttribute("rounding", offsetof(QKNormRoPEAttributes, rounding), FieldDefault{0},
+        FieldRange::closed(0, 1), "0: one rounding at the end; 1: diffusers' eager rounding order"),
+    FieldSpec::identityField("plugin_version", kPLUGIN_VERSION),
+    FieldSpec::identityField("plugin_namespace", kPLUGIN_NAMESPACE),
 };
 
 // The attributes of a node that gives no fields.

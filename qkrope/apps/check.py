@@ -3,7 +3,7 @@
 Steps:
 
 1. Read the model and check its QKNormRoPE nodes against the node contract
-   (:func:`qkrope.runtime.trt_utils.checked_onnx_model`), then read the sidecar
+   (:func:`qkrope.runtime.onnx_file.checked_onnx_model`), then read the sidecar
    (:class:`qkrope.sidecars.ModelInfo`) and generate deterministic inputs for the requested
    sizes (default: sizes *other* than the export sample, with edit images, batch 2 and a text
    mask), including the correct caches from ``build_qwen_rope_caches``.
@@ -57,7 +57,7 @@ from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 _LAZY = {"from_ort_value": "qkrope.runtime.inputs", "make_inputs": "qkrope.runtime.inputs",
          "to_ort_value": "qkrope.runtime.inputs", "to_torch": "qkrope.runtime.inputs",
          "check_engine_file": "qkrope.runtime.trt_utils",
-         "checked_onnx_model": "qkrope.runtime.trt_utils", "ModelInfo": "qkrope.sidecars"}
+         "checked_onnx_model": "qkrope.runtime.onnx_file", "ModelInfo": "qkrope.sidecars"}
 
 
 def __getattr__(name: str):
@@ -355,7 +355,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     from polygraphy.json import save_json
 
     from qkrope.runtime.inputs import make_inputs
-    from qkrope.runtime.trt_utils import checked_onnx_model
+    from qkrope.runtime.onnx_file import checked_onnx_model
     from qkrope.sidecars import ModelInfo
 
     onnx_path = str(onnx_path)

@@ -236,7 +236,7 @@ def check_fp8(onnx_path, *, img_shapes: Sequence[Sequence[int]], txt_len: int, b
     """:func:`check_fp8_model` with deterministic inputs of these sizes
     (:func:`qkrope.runtime.inputs.make_inputs`)."""
     from qkrope.runtime.inputs import make_inputs
-    from qkrope.runtime.trt_utils import checked_onnx_model
+    from qkrope.runtime.onnx_file import checked_onnx_model
     from qkrope.sidecars import ModelInfo
 
     checked_onnx_model(str(onnx_path))

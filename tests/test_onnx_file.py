@@ -1,16 +1,16 @@
-"""qkrope.runtime.trt_utils: queries of an ONNX file's QKNormRoPE nodes."""
+"""qkrope.runtime.onnx_file: reading an ONNX file, and queries of its QKNormRoPE nodes."""
 
 from __future__ import annotations
 
 from _tiny_model import write_tiny_onnx
 
-from qkrope.runtime import trt_utils as tu
+from qkrope.runtime import onnx_file
 
 
 def test_count_nodes_and_head_dim(tmp_path):
     p = write_tiny_onnx(tmp_path / "m.onnx", sidecar=False)
-    assert tu.count_plugin_nodes(p) == ["img_qknorm", "txt_qknorm"]
-    assert tu.head_dim_from_onnx(p) == 16
+    assert onnx_file.count_plugin_nodes(p) == ["img_qknorm", "txt_qknorm"]
+    assert onnx_file.head_dim_from_onnx(p) == 16
 
 
 import pytest  # noqa: E402
@@ -48,18 +48,18 @@ def test_external_data_outside_the_models_folder_is_refused(tmp_path, case):
     path = write_tiny_onnx(d / "m.onnx")
     location, data = _outside_cases(tmp_path)[case](d)
     move_weights_out(path, location, data=data if case != "symlink" else None)
-    with pytest.raises(tu.OnnxModelError, match=r"tensor 'w'.*outside the model's folder"):
-        tu.checked_onnx_model(path)
+    with pytest.raises(onnx_file.OnnxModelError, match=r"tensor 'w'.*outside the model's folder"):
+        onnx_file.checked_onnx_model(path)
 
 
 def test_external_data_inside_the_folder_is_listed(tmp_path):
     path = write_tiny_onnx(tmp_path / "m.onnx")
     move_weights_out(path, "m.onnx.data")
-    assert tu.external_data_files(tu.read_onnx_model(path), path) == [tmp_path / "m.onnx.data"]
-    tu.checked_onnx_model(path)
+    assert onnx_file.external_data_files(onnx_file.read_onnx_model(path), path) == [tmp_path / "m.onnx.data"]
+    onnx_file.checked_onnx_model(path)
     (tmp_path / "m.onnx.data").unlink()
-    with pytest.raises(tu.OnnxModelError, match="is missing"):
-        tu.checked_onnx_model(path)
+    with pytest.raises(onnx_file.OnnxModelError, match="is missing"):
+        onnx_file.checked_onnx_model(path)
 
 
 @pytest.mark.parametrize("surface", ["build", "check", "load", "triton-repo"])
@@ -81,7 +81,7 @@ def test_every_reader_refuses_external_data_from_outside(tmp_path, capsys, monke
     move_weights_out(path, location, data=data if case != "symlink" else None)
     before = sorted(p.name for p in d.iterdir())
     if surface == "load":
-        with pytest.raises(tu.OnnxModelError, match="outside the model's folder"):
+        with pytest.raises(onnx_file.OnnxModelError, match="outside the model's folder"):
             load(path)
         return
     argv = {"build": ["build", str(path), "-o", str(d / "m.engine")],
@@ -92,3 +92,13 @@ def test_every_reader_refuses_external_data_from_outside(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert "outside the model's folder" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in d.iterdir()) == before and not (tmp_path / "repo").exists()
+
+
+def test_trt_utils_keeps_the_moved_names_as_the_same_objects():
+    """The ONNX-reading names lived in trt_utils before this module; what trt_utils still offers
+    under them is this module's own objects (aliases, never copies)."""
+    from qkrope.runtime import trt_utils
+
+    for name in ("read_onnx_model", "external_data_files", "checked_onnx_model",
+                 "plugin_node_names", "count_plugin_nodes", "head_dim_from_onnx", "OnnxModelError"):
+        assert getattr(trt_utils, name) is getattr(onnx_file, name), name
