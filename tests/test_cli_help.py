@@ -62,40 +62,6 @@ def test_each_subcommand_help_alone(command):
     assert imported == [], f"`qkrope {command} --help` imported {imported}"
 
 
-def test_static_help_lines_and_defaults_match_their_sources():
-    """What cli.py and the apps spell out to avoid imports equals its source."""
-    import argparse
-
-    from qkrope import dtypes
-    from qkrope.apps import bench, build_plugin, export
-    from qkrope.export import onnx_export, onnx_function
-    from qkrope.runtime import plugin_build
-
-    for name, module, help_line in cli._SUBCOMMANDS:
-        import importlib
-
-        sub = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(module).add_parser(sub)
-        (action,) = sub._choices_actions
-        assert action.dest == name and action.help == help_line, name
-    assert export.DESCRIPTION == onnx_export.__doc__.split("\n\n")[0].replace("``", "")
-    assert tuple(sorted(onnx_export.TORCH_DTYPES)) == export.DTYPES
-    from qkrope import quantization
-
-    assert export.QUANT_MODES == quantization.QUANT_MODES
-    assert (export.DEFAULT_OPSET, export.MIN_OPSET, export.MAX_OPSET) == (
-        onnx_function.DEFAULT_OPSET, onnx_function.MIN_OPSET, onnx_function.MAX_OPSET)
-    assert build_plugin.DEFAULT_BUILD_DIR == plugin_build.DEFAULT_BUILD_DIR
-    from qkrope import sidecars
-    from qkrope.apps import build, triton_repo
-    from qkrope.runtime import triton
-
-    assert build.LEVELS == sidecars.LEVELS
-    assert triton_repo.PLUGIN_FILE_NAME == triton.PLUGIN_FILE_NAME
-    # one set of --dtype spellings for every command: qkrope.dtypes' short names
-    assert set(bench.DTYPE_CHOICES) == set(export.DTYPES) == set(dtypes.NAME_BY_SHORT)
-
-
 def test_lazy_parser_still_parses_and_dispatches():
     parser = cli.build_parser()
     args = parser.parse_args(["export", "--model", "transformer", "--diffusers", "D"])

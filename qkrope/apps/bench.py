@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qkrope import contract
-from qkrope.apps.export import DTYPES
+from qkrope.dtypes import NAME_BY_SHORT
 from qkrope.errors import InputError
 
 from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
@@ -460,8 +460,8 @@ class Config:
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
 #: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
 DEFAULT_CPU_THREADS = 1
-# the --dtype spellings of every command (qkrope.apps.export.DTYPES: qkrope.dtypes' short names)
-DTYPE_CHOICES = DTYPES
+# the --dtype spellings of every command: qkrope.dtypes' short names
+DTYPE_CHOICES = tuple(sorted(NAME_BY_SHORT))
 
 # torch-importing names of this module's API, imported on first use (`qkrope bench --help` stays
 # light; the functions below import them where they need them).
@@ -1147,8 +1147,7 @@ def write_outputs(rows: Sequence[BenchRow], out: Path, cfg: Config | None = None
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "bench", help="benchmark the attention block (TensorRT plugin vs no plugin vs torch) "
-                      "and the kernel's bandwidth",
+        "bench",
         description="Latency of the Qwen-Image attention block: TensorRT with the fused plugin, "
                     "TensorRT on the ONNX function body (no plugin), torch eager and "
                     "torch.compile, plus the fused kernel's achieved bandwidth, on a GPU. On a "

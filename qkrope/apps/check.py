@@ -444,7 +444,7 @@ def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffu
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "check", help="parity of an exported model (ONNX Runtime, TensorRT) with PyTorch",
+        "check",
         description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("onnx", metavar="MODEL.onnx")
     p.add_argument("--engine", default=None, help="also run this TensorRT engine (needs --plugin)")

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from qkrope import dtypes
 from qkrope.errors import InputError
-
-DTYPES = ("bf16", "fp16", "fp32")
-# Shown by --help without importing torch; tests/test_quantize.py checks it against
-# qkrope.export.quantize.DEFAULT_EXCLUDED.
-DEFAULT_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
+from qkrope.quantization import DEFAULT_EXCLUDED
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "quantize", help="calibrate a diffusers transformer to FP8 with NVIDIA ModelOpt (for "
-                         "export --quant fp8)",
+        "quantize",
         description="Calibrate a diffusers QwenImageTransformer2DModel to per-tensor FP8 (e4m3) "
                     "with NVIDIA ModelOpt (max calibration) from transformer inputs recorded in "
                     "your own pipeline runs (qkrope.export.quantize.CalibrationRecorder), and "
@@ -31,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="output folder (replaced as a whole)")
     p.add_argument("--batches", type=int, default=None,
                    help="use the first N recorded calls (default: all)")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32",
+    p.add_argument("--dtype", choices=sorted(dtypes.NAME_BY_SHORT), default="fp32",
                    help="dtype the transformer is loaded, calibrated and saved in")
     p.add_argument("--device", default=None,
                    help="torch device of the calibration (default: cuda when available)")
@@ -45,7 +41,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from qkrope import dtypes
     from qkrope.export import quantize
     from qkrope.export.patch_diffusers import load_transformer
 

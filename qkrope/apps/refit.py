@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from qkrope import dtypes
 from qkrope.errors import InputFileNotFoundError, QkropeError
 
 
@@ -50,7 +51,7 @@ class RefitReport:
     cast: list[str] = field(default_factory=list)           # converted to the engine's float dtype
 
 
-_FLOAT_NAMES = ("float32", "float16", "bfloat16")
+_FLOAT_NAMES = tuple(dtypes.SHORT_BY_NAME)  # the float precisions qkrope exports
 
 
 def _short(names, n=8) -> str:
@@ -98,8 +99,6 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
     the conversion to the engine's dtype makes infinite: fp32 beyond fp16's range), or a refit
     TensorRT rejects."""
     import torch
-
-    from qkrope import dtypes
 
     if getattr(engine, "refittable", True) is False:
         raise RefitError("the engine was not built refittable. Fix: rebuild it with "
@@ -219,7 +218,7 @@ def _load_state_dict(diffusers: str | None, state_dict: str | None, variant: str
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "refit", help="replace an engine's weights by diffusers parameter name",
+        "refit",
         description="Update the weights of an engine built with `qkrope build --refit` from a "
                     "diffusers model folder or a state-dict file (e.g. after fusing a LoRA); "
                     "weights are matched by state-dict key (= ONNX initializer name = TensorRT "

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-# Spelled out so that `qkrope triton-repo --help` imports no torch (runtime.triton.PLUGIN_FILE_NAME;
-# checked by tests/test_cli_help.py); qkrope.runtime.triton is imported by run().
-PLUGIN_FILE_NAME = "libqkrope_plugin.so"
+from qkrope.runtime.profiles import DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS
+from qkrope.runtime.triton import PLUGIN_FILE_NAME
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "triton-repo", help="write a Triton Inference Server model repository for an engine",
-        description="Write REPO/<name>/{config.pbtxt, 1/model.plan, libqkrope_plugin.so} from a "
+        "triton-repo",
+        description=f"Write REPO/<name>/{{config.pbtxt, 1/model.plan, {PLUGIN_FILE_NAME}}} from a "
                     "TensorRT engine and its sidecar (MODEL.engine.json, written by `qkrope "
                     "build`), and print the tritonserver command that loads the plugin.")
     p.add_argument("--engine", default=None, help="the TensorRT engine (MODEL.engine)")
@@ -47,10 +46,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the GPUs the instances run on (instance_group gpus; default: all)")
     p.add_argument("--max-img-tokens", type=int, default=None,
                    help="the most image tokens the rope model accepts (default: the engine "
-                        "profile's largest image cache; 4096 for --backend onnxruntime)")
+                        f"profile's largest image cache; {DEFAULT_MAX_IMG_TOKENS} for --backend "
+                        f"onnxruntime)")
     p.add_argument("--max-txt-tokens", type=int, default=None,
                    help="the most text tokens the rope model accepts (default: the engine "
-                        "profile's largest text cache; 512 for --backend onnxruntime)")
+                        f"profile's largest text cache; {DEFAULT_MAX_TXT_TOKENS} for --backend "
+                        f"onnxruntime)")
     p.add_argument("--force", action="store_true", help="replace an existing model directory")
     p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
                    help="reference the plugin library where it is instead of copying it into "
