@@ -74,9 +74,10 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qkrope import contract
-from qkrope.dtypes import NAME_BY_SHORT
+from qkrope.runtime.plugin_build import LIBRARY_FILES
 from qkrope.errors import InputError
 
+from . import _args
 from .measure import (BenchRow, PIXELS_PER_TOKEN, format_bench_table, image_tokens,
                       machine_info, summarize, time_interleaved)
 
@@ -460,8 +461,7 @@ class Config:
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
 #: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
 DEFAULT_CPU_THREADS = 1
-# the --dtype spellings of every command: qkrope.dtypes' short names
-DTYPE_CHOICES = tuple(sorted(NAME_BY_SHORT))
+DTYPE_CHOICES = _args.DTYPE_CHOICES  # the --dtype spellings of every command
 
 # torch-importing names of this module's API, imported on first use (`qkrope bench --help` stays
 # light; the functions below import them where they need them).
@@ -863,7 +863,7 @@ def _bench_kernel(cfg: Config, rows: list[BenchRow], machine: dict) -> None:
     from qkrope.runtime.kernels import cuda_library_path
 
     if cuda_library_path() is None:
-        _skip_all(cfg, rows, "kernel", "libqkrope_kernels.so not built (cmake -S plugins/kernel "
+        _skip_all(cfg, rows, "kernel", f"{LIBRARY_FILES['kernels'][0]} not built (cmake -S plugins/kernel "
                   "-B build/kernel -DQKROPE_WITH_CUDA=ON && cmake --build build/kernel)", machine)
         return
     device = torch.device(cfg.device)
@@ -1166,8 +1166,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "512,1024 on a GPU, 256 on the CPU")
     p.add_argument("--batches", default=None, help="batch sizes; default 1,2 on a GPU, 1 on "
                                                    "the CPU")
-    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
-                   help="activation dtype; default bf16 on a GPU, fp32 on the CPU")
+    _args.add_dtype(p, "activation dtype; default bf16 on a GPU, fp32 on the CPU", default=None)
     p.add_argument("--heads", type=int, default=None, help="default 24 (GPU), 2 (CPU)")
     p.add_argument("--head-dim", type=int, default=None, help="default 128 (GPU), 64 (CPU)")
     p.add_argument("--text-len", type=int, default=None, help="default 512 (GPU), 64 (CPU)")
@@ -1182,12 +1181,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "ONNX Runtime / TensorRT rows each. Default: both where the exporter and "
                         "ONNX Runtime's CPU provider support onnx23, else primitive (the onnx23 "
                         "rows then say why they were skipped)")
-    p.add_argument("--engine", default=None, help="TensorRT engine with the plugin, of the first "
-                                                  "--attention form (default: export and build "
-                                                  "one per form when TensorRT exists)")
-    p.add_argument("--engine-no-plugin", default=None,
-                   help="TensorRT engine of the same ONNX built without the plugin")
-    p.add_argument("--plugin", default=None, help="the plugin library (libqkrope_plugin.so)")
+    _args.add_engine(p, "the one with the plugin, of the first --attention form (default: "
+                        "export and build one per form when TensorRT exists)")
+    _args.add_engine(p, "the same ONNX built without the plugin", flag="--engine-no-plugin")
+    _args.add_plugin(p, "default: the one the engine's sidecar records, else the one `qkrope "
+                        "build-plugin` built")
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
@@ -1258,14 +1256,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
-
-    for flag, value in (("--engine", args.engine), ("--engine-no-plugin", args.engine_no_plugin)):
-        if value is not None:
-            pre.engine(value, command=f"bench {flag}", flag=flag, onnx_ok=True)
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       "libqkrope_plugin.so")
+    for flag in ("--engine", "--engine-no-plugin"):  # before torch: a wrong path answers at once
+        _args.check_engine(args, "bench", flag=flag)
+    _args.check_plugin(args)
     cfg = config_from_args(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(cfg)

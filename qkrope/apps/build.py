@@ -7,10 +7,9 @@ from pathlib import Path
 
 from qkrope.runtime import profiles
 from qkrope.runtime.engine import MAX_WORKSPACE_MIB
-from qkrope.runtime.plugin_build import LIBRARY_FILES
 from qkrope.sidecars import LEVELS
 
-PLUGIN_FIX = f"build it with `qkrope build-plugin`, or pass the path of {LIBRARY_FILES['plugin'][0]}"
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,8 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="MODEL.engine",
                    help="engine path (default: MODEL.engine next to the ONNX file); a sidecar "
                         "MODEL.engine.json is written next to it")
-    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the one "
-                   "`qkrope build-plugin` built; the VC library with --version-compatible)")
+    _args.add_plugin(p, f"default: the one `qkrope build-plugin` built ({_args.VC_PLUGIN_FILE_NAME} "
+                        f"with --version-compatible)")
     for level in LEVELS:
         p.add_argument(f"--{level}", dest=f"{level}_shapes", nargs="+", action="extend",
                        default=[], metavar="NAME:SHAPE",
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre  # before the heavy imports: a wrong path answers at once
 
     pre.onnx_model(args.onnx, command="build")
-    pre.input_file(args.plugin, flag="--plugin", fix=PLUGIN_FIX)
+    _args.check_plugin(args)
     pre.file_to_write(args.timing_cache, flag="--timing-cache", example="timing.cache")
     pre.file_to_write(args.output, flag="-o", example=Path(args.onnx).with_suffix(".engine").name)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from qkrope import contract, dtypes, quantization
+from qkrope import contract, quantization
 from qkrope.errors import InputError
+
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -16,8 +18,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("attention", "transformer"), default="attention")
     p.add_argument("--out", "-o", default=None,
                    help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
-    p.add_argument("--dtype", choices=sorted(dtypes.NAME_BY_SHORT), default="fp32",
-                   help="weights and activations (caches stay fp32); the engine's precision")
+    _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision",
+                    default="fp32")
     p.add_argument("--opset", type=int, default=None,
                    help=f"ONNX opset, {contract.MIN_OPSET}..{contract.MAX_OPSET} (default "
                         f"{contract.DEFAULT_OPSET}; {contract.ATTENTION_MIN_OPSET['onnx23']} with "
@@ -32,8 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sample image in latent patches; repeat for edit condition images")
     p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
     p.add_argument("--batch", type=int, default=None, help="sample batch (traced with >= 2)")
-    p.add_argument("--rounding", type=int, choices=(0, 1), default=0,
-                   help="0: one rounding at the end (default); 1: diffusers' eager order")
+    _args.add_rounding(p)
     a = p.add_argument_group("attention block (--model attention)")
     a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
     a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from qkrope import dtypes
 from qkrope.errors import InputError
 from qkrope.quantization import DEFAULT_EXCLUDED
+
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,8 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="output folder (replaced as a whole)")
     p.add_argument("--batches", type=int, default=None,
                    help="use the first N recorded calls (default: all)")
-    p.add_argument("--dtype", choices=sorted(dtypes.NAME_BY_SHORT), default="fp32",
-                   help="dtype the transformer is loaded, calibrated and saved in")
+    _args.add_dtype(p, "dtype the transformer is loaded, calibrated and saved in",
+                    default="fp32")
     p.add_argument("--device", default=None,
                    help="torch device of the calibration (default: cuda when available)")
     p.add_argument("--exclude", nargs="*", metavar="MODULE", default=None,
@@ -41,6 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from qkrope import dtypes
     from qkrope.export import quantize
     from qkrope.export.patch_diffusers import load_transformer
 

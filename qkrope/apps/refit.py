@@ -36,6 +36,8 @@ from typing import Any, Mapping
 from qkrope import dtypes
 from qkrope.errors import InputFileNotFoundError, QkropeError
 
+from . import _args
+
 
 class RefitError(QkropeError, RuntimeError):
     """The engine cannot be refitted with these weights; the message says why and the fix."""
@@ -236,8 +238,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
-    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
-                   "sidecar's)")
+    _args.add_plugin(p, "default: the one recorded in the engine sidecar")
     p.add_argument("--allow-missing", action="store_true",
                    help="engine weights the state dict lacks keep their values")
     p.add_argument("--allow-extra", action="store_true",
@@ -276,9 +277,7 @@ def run(args: argparse.Namespace) -> int:
                   fix="pass the folder of a saved diffusers transformer (config.json + weights)")
     pre.input_file(args.state_dict, flag="--state-dict",
                    fix="pass a .safetensors (or torch .pt) file keyed by diffusers parameter name")
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       "libqkrope_plugin.so")
+    _args.check_plugin(args)
     pre.file_to_write(args.output, flag="-o", example=engine_path.name)
 
     import dataclasses

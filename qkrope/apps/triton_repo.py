@@ -6,25 +6,24 @@ import argparse
 import sys
 
 from qkrope.runtime.profiles import DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS
-from qkrope.runtime.triton import PLUGIN_FILE_NAME
+
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "triton-repo",
-        description=f"Write REPO/<name>/{{config.pbtxt, 1/model.plan, {PLUGIN_FILE_NAME}}} from a "
+        description=f"Write REPO/<name>/{{config.pbtxt, 1/model.plan, {_args.PLUGIN_FILE_NAME}}} from a "
                     "TensorRT engine and its sidecar (MODEL.engine.json, written by `qkrope "
                     "build`), and print the tritonserver command that loads the plugin.")
-    p.add_argument("--engine", default=None, help="the TensorRT engine (MODEL.engine)")
+    _args.add_engine(p, "the model served with --backend tensorrt")
     p.add_argument("--backend", choices=("tensorrt", "onnxruntime"), default="tensorrt",
                    help="tensorrt (default: --engine) or onnxruntime (--onnx MODEL.onnx, no "
                         "TensorRT or plugin). A whole transformer gets an ensemble <name> over "
                         "<name>_rope (Python backend: the RoPE caches from img_shapes) and "
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
-    p.add_argument("--plugin", default=None,
-                   help=f"the plugin library ({PLUGIN_FILE_NAME}); default: the one recorded in "
-                        "the engine sidecar")
+    _args.add_plugin(p, "default: the one recorded in the engine sidecar")
     p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
                    help="model repository directory (created if missing)")
     p.add_argument("--name", default=None,
@@ -78,14 +77,11 @@ def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre
     from qkrope.errors import InputError
 
-    if args.engine is not None:
-        pre.engine(args.engine, command="triton-repo --engine", flag="--engine", onnx_ok=True)
+    _args.check_engine(args, "triton-repo")
     if args.onnx is not None:
         pre.onnx_model(args.onnx, command="triton-repo --backend onnxruntime --onnx",
                        flag="--onnx")
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       f"{PLUGIN_FILE_NAME}")
+    _args.check_plugin(args)
     if args.name is not None and len(args.name.encode()) > NAME_MAX_BYTES:
         raise InputError(f"--name is {len(args.name.encode())} bytes long ({args.name[:40]!r}...); "
                          f"a Triton model name is a folder name, at most {NAME_MAX_BYTES} bytes "
