@@ -1227,7 +1227,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         return value if value is not None else given.get(name, default)
 
     dtype_arg = pick("dtype", None)
-    dtype = dtypes.canonical(dtype_arg) if dtype_arg else ("bfloat16" if gpu else "float32")
+    dtype = dtypes.canonical(dtype_arg, source="name") if dtype_arg else ("bfloat16" if gpu else "float32")
     threads = pick("threads", None)
     attention = getattr(args, "attention", None)
     cfg = Config(

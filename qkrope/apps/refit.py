@@ -126,11 +126,11 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
         if want_count < 0:  # TensorRT's prototype of a name it has no weight for: size -1
             mismatched.append(f"{name}: TensorRT has no weight of that name")
             continue
-        want_dtype = dtypes.canonical(current.dtype)
+        want_dtype = dtypes.canonical(current.dtype, source="tensorrt")
         if not isinstance(t, torch.Tensor):
             mismatched.append(f"{name}: not a tensor ({type(t).__name__})")
             continue
-        got_dtype = dtypes.canonical(t.dtype)
+        got_dtype = dtypes.canonical(t.dtype, source="torch")
         floats = t.is_floating_point() and want_dtype in _FLOAT_NAMES
         want_shape = None if shapes is None or name not in shapes else list(shapes[name])
         if (got_dtype != want_dtype and not floats) or t.numel() != want_count \
