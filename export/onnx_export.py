@@ -216,7 +216,8 @@ def check_parameters(model, state_dict) -> list[str]:
             continue
         got = value.const_value
         if (got is None or list(got.shape) != list(tensor.shape)
-                or dtypes.canonical(int(got.dtype)) != dtypes.canonical(tensor.dtype)):
+                or dtypes.canonical(int(got.dtype), source="onnx")
+                != dtypes.canonical(tensor.dtype, source="torch")):
             raise ExportError(f"initializer {key} is {got!r}, the state dict has "
                               f"{list(tensor.shape)} {tensor.dtype}: the export changed a "
                               f"parameter (refit by name would be wrong)")

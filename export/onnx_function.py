@@ -49,10 +49,7 @@ from onnxscript.values import Op, Opset
 
 from qkrope.errors import InputError
 from qkrope import contract
-
-DEFAULT_OPSET = 18
-MIN_OPSET = 18
-MAX_OPSET = 23
+from qkrope.contract import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET  # noqa: F401 (this API)
 
 QKNORMROPE = Opset(contract.DOMAIN, contract.DOMAIN_VERSION)
 

@@ -51,8 +51,7 @@ from qkrope import quantization
 from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
-#: Top-level modules TensorRT's diffusion demo leaves in high precision (Qwen-Image names).
-DEFAULT_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
+DEFAULT_EXCLUDED = quantization.DEFAULT_EXCLUDED  # the default of --exclude (this API)
 CALIBRATION_FORMAT = "qkrope-calibration"
 
 

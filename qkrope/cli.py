@@ -17,9 +17,9 @@ import sys
 from qkrope import __version__
 from qkrope.errors import QkropeError
 
-# (command, module, one-line help shown by `qkrope --help`), in the order shown by --help. The
-# help lines are kept here so that `qkrope --help` imports no command module;
-# tests/test_cli_help.py checks that each equals the help its module registers.
+# (command, module, one-line help shown by `qkrope --help`), in the order shown by --help: the
+# one home of the help lines, so that `qkrope --help` imports no command module (each module's
+# add_parser gives its parser's description and arguments, not this line).
 _SUBCOMMANDS = (
     ("export", "qkrope.apps.export",
      "export the Qwen-Image attention block or a diffusers transformer to ONNX"),

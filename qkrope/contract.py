@@ -41,6 +41,12 @@ DEFAULT_ROUNDING = 0
 ATTENTION_FORMS = ("primitive", "onnx23")
 DEFAULT_ATTENTION_FORM = ATTENTION_FORMS[0]
 ATTENTION_MIN_OPSET = {"onnx23": 23}
+# The opsets qkrope exports (`qkrope export --opset`): the dynamo exporter targets 18 and later;
+# the function body (export/onnx_function.py) is written for 18..23; 18 has the widest TensorRT
+# and ONNX Runtime support.
+DEFAULT_OPSET = 18
+MIN_OPSET = 18
+MAX_OPSET = 23
 
 
 @dataclass(frozen=True)

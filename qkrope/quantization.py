@@ -32,6 +32,11 @@ QUANTIZER_MARK = "_quantizer."
 MODELOPT_STATE_FILE = "modelopt_state.pth"
 #: Quantisation modes of ``qkrope quantize`` / ``qkrope export --quant``.
 QUANT_MODES = ("fp8",)
+
+#: Top-level modules TensorRT's diffusion demo leaves in high precision (Qwen-Image names): the
+#: default of `qkrope quantize --exclude`.
+DEFAULT_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
+
 #: Largest finite float8 e4m3fn value: the amax of a tensor maps to it (scale = amax / 448).
 FP8_E4M3_MAX = 448.0
 #: metadata_props key (after the exporter's ``qkrope.`` prefix) and sidecar config key.
@@ -176,6 +181,6 @@ def ort_session_options(model, session_options=None):
 
 
 __all__ = ["METADATA_PROP", "ORT_QDQ_OPTION", "onnx_quantization", "ort_session_options",
-           "QUANTIZER_MARK", "MODELOPT_STATE_FILE", "QUANT_MODES", "FP8_E4M3_MAX",
+           "QUANTIZER_MARK", "MODELOPT_STATE_FILE", "QUANT_MODES", "DEFAULT_EXCLUDED", "FP8_E4M3_MAX",
            "QuantizedModelError", "quantizer_keys", "state_file_keys", "FolderQuantization",
            "folder_quantization", "check_folder", "refuse_quantized_state_dict"]

@@ -446,7 +446,7 @@ class ModelInfo:
                         shape.append(int(d.dim_value))
                     else:
                         shape.append(d.dim_param or f"{vi.name}.{i}")
-                out.append(TensorInfo(vi.name, dtypes.canonical(int(t.elem_type)), shape))
+                out.append(TensorInfo(vi.name, dtypes.canonical(int(t.elem_type), source="onnx"), shape))
             return out
 
         init_names = {i.name for i in model.graph.initializer}

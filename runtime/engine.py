@@ -389,7 +389,7 @@ def set_refit(trt, config, network, parameters, say: Callable[[str], None]) -> s
 def network_io(network) -> tuple[list[EngineTensor], list[EngineTensor]]:
     """The network's inputs and outputs (-1 = dynamic)."""
     def one(t):
-        return EngineTensor(t.name, dtypes.canonical(t.dtype), [int(d) for d in t.shape])
+        return EngineTensor(t.name, dtypes.canonical(t.dtype, source="tensorrt"), [int(d) for d in t.shape])
 
     return ([one(network.get_input(i)) for i in range(network.num_inputs)],
             [one(network.get_output(i)) for i in range(network.num_outputs)])

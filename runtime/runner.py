@@ -138,7 +138,7 @@ def spec_from_shape(name: str, dtype: str, shape: Sequence, *,
                 lo, hi = int(bounds[0][i]), int(bounds[1][i])
             dims.append((lo, hi))
             axes.append(d if isinstance(d, str) else None)
-    return TensorSpec(name, dtypes.canonical(dtype), tuple(dims), tuple(axes))
+    return TensorSpec(name, dtypes.canonical(dtype, source="name"), tuple(dims), tuple(axes))
 
 
 def _has(name: str, *words: str) -> bool:
@@ -173,7 +173,7 @@ def assign_roles(specs: Sequence[TensorSpec]) -> dict[str, str]:
 
 
 def _torch_dtype_name(t: torch.Tensor) -> str:
-    return dtypes.canonical(t.dtype)
+    return dtypes.canonical(t.dtype, source="torch")
 
 
 # --------------------------------------------------------------------------------------------
@@ -603,14 +603,16 @@ def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> Model
         sess_in = {i.name: i for i in session.get_inputs()}
         sess_out = {o.name: o for o in session.get_outputs()}
         if set(sess_in) != {name for name, _, _ in inputs_src}:
-            inputs_src = [(i.name, i.type, [d if isinstance(d, (int, str)) else None
-                                            for d in i.shape]) for i in session.get_inputs()]
+            inputs_src = [(i.name, dtypes.canonical(i.type, source="onnxruntime"),
+                           [d if isinstance(d, (int, str)) else None for d in i.shape])
+                          for i in session.get_inputs()]
         else:
-            inputs_src = [(name, dtypes.canonical(sess_in[name].type), shape)
+            inputs_src = [(name, dtypes.canonical(sess_in[name].type, source="onnxruntime"), shape)
                           for name, _, shape in inputs_src]
         if set(sess_out) != {name for name, _, _ in outputs_src}:
-            outputs_src = [(o.name, o.type, [d if isinstance(d, (int, str)) else None
-                                             for d in o.shape]) for o in session.get_outputs()]
+            outputs_src = [(o.name, dtypes.canonical(o.type, source="onnxruntime"),
+                            [d if isinstance(d, (int, str)) else None for d in o.shape])
+                           for o in session.get_outputs()]
     inputs = [spec_from_shape(*t) for t in inputs_src]
     outputs = [spec_from_shape(*t) for t in outputs_src]
     head_dim = sidecar_head_dim or onnx_file.head_dim_from_onnx(path, model)
@@ -736,7 +738,7 @@ def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
     inputs, outputs = [], []
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
-        dtype = dtypes.canonical(engine.get_tensor_dtype(name))
+        dtype = dtypes.canonical(engine.get_tensor_dtype(name), source="tensorrt")
         shape = [int(d) for d in engine.get_tensor_shape(name)]
         axes = sym.get(name)
         shape_sym = [(axes[j] if axes and j < len(axes) and axes[j] and d < 0 else d)

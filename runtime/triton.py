@@ -45,7 +45,7 @@ from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes
 from qkrope._fileio import folder_lock, staged_outputs
-from qkrope.errors import QkropeError
+from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
 
 from . import onnx_file
@@ -59,15 +59,18 @@ class TritonRepoError(QkropeError, RuntimeError):
     """Bad input for ``qkrope triton-repo`` (the message says what was found and the fix)."""
 
 
-def triton_dtype(dtype: Any) -> str:
-    """Map a dtype spelling (numpy/torch/TensorRT name, e.g. ``"bfloat16"``, ``"torch.float16"``,
-    ``"DataType.BF16"``, ``"HALF"``) to Triton's ``TYPE_*`` name (:mod:`qkrope.runtime.dtypes`)."""
-    name = dtypes.canonical(dtype)
+def triton_dtype(dtype: Any, source: str | None = None) -> str:
+    """Triton's ``TYPE_*`` name of a dtype from ``source`` (:func:`qkrope.dtypes.canonical`; by
+    default a sidecar's name such as ``"bfloat16"``, or a torch/numpy dtype)."""
+    try:
+        name = dtypes.canonical(dtype, source)
+    except InputError:
+        name = ""
     if name.startswith(("float8", "float4", "int4", "fp8", "fp4", "e4m3", "e5m2")):
         raise TritonRepoError(
             f"tensor dtype {dtype!r} has no Triton TYPE_* equivalent; Triton's TensorRT backend "
             "cannot serve engines with such I/O tensors (keep FP8/INT4 inside the network)")
-    triton = dtypes.triton_type(name)
+    triton = dtypes.triton_type(name) if name else None
     if triton is None:
         raise TritonRepoError(f"unknown tensor dtype {dtype!r} in the engine sidecar; expected one "
                               f"of {sorted(dtypes.TRITON_BY_NAME)}")

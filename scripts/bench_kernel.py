@@ -66,6 +66,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qkrope.apps import _args
+
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="Method and rows: see the top of scripts/bench_kernel.py and "
@@ -90,9 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="results file, rewritten after every row (default "
                          "$OUT/bench_kernel.json, else build/bench_kernel.json)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    ap.add_argument("--rounding", type=int, default=0, choices=(0, 1),
-                    help="the op's rounding attribute (1: diffusers' bf16 intermediate "
-                         "rounding)")
+    _args.add_rounding(ap, "0: one rounding at the end; 1: diffusers' bf16 intermediate "
+                           "rounding")
     ap.add_argument("--peak-gbs", type=float, default=None,
                     help="peak memory bandwidth in GB/s (default: data-sheet table by GPU name, "
                          "H200 4800)")

@@ -62,40 +62,6 @@ def test_each_subcommand_help_alone(command):
     assert imported == [], f"`qkrope {command} --help` imported {imported}"
 
 
-def test_static_help_lines_and_defaults_match_their_sources():
-    """What cli.py and the apps spell out to avoid imports equals its source."""
-    import argparse
-
-    from qkrope import dtypes
-    from qkrope.apps import bench, build_plugin, export
-    from qkrope.export import onnx_export, onnx_function
-    from qkrope.runtime import plugin_build
-
-    for name, module, help_line in cli._SUBCOMMANDS:
-        import importlib
-
-        sub = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(module).add_parser(sub)
-        (action,) = sub._choices_actions
-        assert action.dest == name and action.help == help_line, name
-    assert export.DESCRIPTION == onnx_export.__doc__.split("\n\n")[0].replace("``", "")
-    assert tuple(sorted(onnx_export.TORCH_DTYPES)) == export.DTYPES
-    from qkrope import quantization
-
-    assert export.QUANT_MODES == quantization.QUANT_MODES
-    assert (export.DEFAULT_OPSET, export.MIN_OPSET, export.MAX_OPSET) == (
-        onnx_function.DEFAULT_OPSET, onnx_function.MIN_OPSET, onnx_function.MAX_OPSET)
-    assert build_plugin.DEFAULT_BUILD_DIR == plugin_build.DEFAULT_BUILD_DIR
-    from qkrope import sidecars
-    from qkrope.apps import build, triton_repo
-    from qkrope.runtime import triton
-
-    assert build.LEVELS == sidecars.LEVELS
-    assert triton_repo.PLUGIN_FILE_NAME == triton.PLUGIN_FILE_NAME
-    # one set of --dtype spellings for every command: qkrope.dtypes' short names
-    assert set(bench.DTYPE_CHOICES) == set(export.DTYPES) == set(dtypes.NAME_BY_SHORT)
-
-
 def test_lazy_parser_still_parses_and_dispatches():
     parser = cli.build_parser()
     args = parser.parse_args(["export", "--model", "transformer", "--diffusers", "D"])
@@ -106,3 +72,57 @@ def test_lazy_parser_still_parses_and_dispatches():
     (subparsers,) = [a for a in full._actions if a.dest == "command"]
     assert "--diffusers" in subparsers.choices["export"].format_help()
     assert "--engine" in subparsers.choices["check"].format_help()
+
+
+# ---- one home per constant: the commands restate none of their sources' values ----------------
+
+SHARED_FLAGS = ("--plugin", "--engine", "--dtype", "--rounding")  # declared in qkrope/apps/_args.py
+
+
+def _source_values():
+    from qkrope import dtypes, quantization, sidecars
+    from qkrope.runtime.plugin_build import LIBRARY_FILES
+
+    names = [name for name, _ in LIBRARY_FILES.values() if name.endswith(".so")]
+    tuples = [sidecars.LEVELS, tuple(dtypes.NAME_BY_SHORT), tuple(dtypes.SHORT_BY_NAME),
+              quantization.DEFAULT_EXCLUDED, quantization.QUANT_MODES]
+    return names, [frozenset(t) for t in tuples], {line for _, _, line in cli._SUBCOMMANDS}
+
+
+def _copies(path, names, tuples, help_lines) -> list[str]:
+    """Literals in one command module that restate a source's value: a native library's file
+    name, a tuple of levels / dtype names / quant modes / --exclude's default, a command's help
+    line (cli._SUBCOMMANDS holds them), or a shared flag declared outside the helper."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings:
+            found += [f"{name!r} in {node.value!r}" for name in names if name in node.value]
+            if node.value in help_lines:
+                found.append(f"help line {node.value!r}")
+        elif isinstance(node, (ast.Tuple, ast.List)) and node.elts and all(
+                isinstance(e, ast.Constant) for e in node.elts):
+            if frozenset(e.value for e in node.elts) in tuples:
+                found.append(f"tuple {[e.value for e in node.elts]}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" \
+                and node.args and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value in SHARED_FLAGS and path.name != "_args.py":
+            found.append(f"add_argument({node.args[0].value!r}) (use qkrope.apps._args)")
+    return [f"{path.name}:{line}" for line in found]
+
+
+def test_commands_restate_no_constant_of_their_sources():
+    """The apps (and the scripts over them) import their constants from the module that defines
+    them and declare the shared flags through qkrope.apps._args."""
+    from pathlib import Path
+
+    root = Path(cli.__file__).resolve().parent
+    paths = [*sorted((root / "apps").rglob("*.py")), root.parent / "scripts" / "bench_kernel.py"]
+    found = [c for p in paths for c in _copies(p, *_source_values())]
+    assert found == []

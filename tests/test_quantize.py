@@ -72,9 +72,7 @@ def test_calibration_file_errors(tmp_path):
 
 
 def test_default_layer_selection_is_every_linear_but_the_demo_exclusions(work):
-    from qkrope.apps import quantize as app
-
-    assert app.DEFAULT_EXCLUDED == quantize.DEFAULT_EXCLUDED
+    assert quantize.DEFAULT_EXCLUDED is quantization.DEFAULT_EXCLUDED  # --exclude's default
     model = load_transformer(str(work / "fp8"), quant="fp8")
     want = set()
     for name, module in model.named_modules():

@@ -216,19 +216,25 @@ def test_plugin_hash_mismatch_and_default_from_sidecar(engine, tmp_path):
     assert (res.model_dir / triton.PLUGIN_FILE_NAME).read_bytes() == plugin.read_bytes()
 
 
-@pytest.mark.parametrize("spelling,expected", [
-    ("bfloat16", "TYPE_BF16"), ("DataType.BF16", "TYPE_BF16"), ("float", "TYPE_FP32"),
-    ("DataType.FLOAT", "TYPE_FP32"), ("half", "TYPE_FP16"), ("bool", "TYPE_BOOL"),
-    ("DataType.INT64", "TYPE_INT64"), ("int32", "TYPE_INT32"), ("uint8", "TYPE_UINT8"),
+@pytest.mark.parametrize("spelling,source,expected", [
+    ("bfloat16", None, "TYPE_BF16"), ("DataType.BF16", "tensorrt", "TYPE_BF16"),
+    ("tensor(float)", "onnxruntime", "TYPE_FP32"), ("DataType.FLOAT", "tensorrt", "TYPE_FP32"),
+    ("half", "numpy", "TYPE_FP16"), ("bool", None, "TYPE_BOOL"),
+    ("DataType.INT64", "tensorrt", "TYPE_INT64"), ("int32", None, "TYPE_INT32"),
+    ("uint8", None, "TYPE_UINT8"), ("float", "numpy", "TYPE_FP64"),
 ])
-def test_dtype_names(spelling, expected):
-    assert triton.triton_dtype(spelling) == expected
+def test_dtype_names(spelling, source, expected):
+    assert triton.triton_dtype(spelling, source) == expected
     assert expected in model_config_pb2.DataType.keys()
 
 
 def test_fp8_io_rejected():
     with pytest.raises(triton.TritonRepoError, match="no Triton TYPE_"):
-        triton.triton_dtype("DataType.FP8")
+        triton.triton_dtype("DataType.FP8", "tensorrt")
+    with pytest.raises(triton.TritonRepoError, match="no Triton TYPE_"):
+        triton.triton_dtype("float8_e4m3fn")  # an engine sidecar's name for it
+    with pytest.raises(triton.TritonRepoError, match="unknown tensor dtype 'DataType.BF16'"):
+        triton.triton_dtype("DataType.BF16")  # a TensorRT name read as a sidecar's
 
 
 def test_default_model_name_is_the_engine_stem(engine, tmp_path, capsys):

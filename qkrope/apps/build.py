@@ -5,26 +5,29 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# Spelled out so that `qkrope build --help` imports no torch (qkrope.sidecars.LEVELS; checked by
-# tests/test_cli_help.py); the runtime modules are imported by run().
-LEVELS = ("min", "opt", "max")
-PLUGIN_FIX = "build it with `qkrope build-plugin`, or pass the path of libqkrope_plugin.so"
+from qkrope.runtime import profiles
+from qkrope.runtime.engine import MAX_WORKSPACE_MIB
+from qkrope.sidecars import LEVELS
+
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "build", help="build a TensorRT engine with the QKNormRoPE plugin",
+        "build",
         description="Build a TensorRT engine from an ONNX model exported by `qkrope export`. "
                     "The QKNormRoPE nodes become the fused plugin (the build fails if TensorRT "
                     "falls back to their function bodies). Profiles come from the model's sidecar "
-                    "(min 1 token, opt = the export sample, max = the --max-* flags or 4096 image "
-                    "+ 512 text tokens, batch 2) unless --min/--opt/--max give them.")
+                    f"(min 1 token, opt = the export sample, max = the --max-* flags or "
+                    f"{profiles.DEFAULT_MAX_IMG_TOKENS} image + {profiles.DEFAULT_MAX_TXT_TOKENS} "
+                    f"text tokens, batch {profiles.DEFAULT_MAX_BATCH}) unless --min/--opt/--max "
+                    f"give them.")
     p.add_argument("onnx", metavar="MODEL.onnx", help="model written by `qkrope export`")
     p.add_argument("-o", "--output", metavar="MODEL.engine",
                    help="engine path (default: MODEL.engine next to the ONNX file); a sidecar "
                         "MODEL.engine.json is written next to it")
-    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the one "
-                   "`qkrope build-plugin` built; the VC library with --version-compatible)")
+    _args.add_plugin(p, f"default: the one `qkrope build-plugin` built ({_args.VC_PLUGIN_FILE_NAME} "
+                        f"with --version-compatible)")
     for level in LEVELS:
         p.add_argument(f"--{level}", dest=f"{level}_shapes", nargs="+", action="extend",
                        default=[], metavar="NAME:SHAPE",
@@ -39,20 +42,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "shapes. Default for a whole transformer: 1024x1024. Each must fit "
                         "Qwen-Image's 4096-position RoPE tables with --txt-tokens' max")
     p.add_argument("--txt-tokens", metavar="MIN:MAX",
-                   help="text-token range of every profile (default 1:512, or up to the "
-                        "export's text length)")
+                   help=f"text-token range of every profile (default "
+                        f"1:{profiles.DEFAULT_MAX_TXT_TOKENS}, or up to the export's text length)")
     p.add_argument("--batch", metavar="MIN:MAX",
-                   help="batch range of every profile (default 1:2, a CFG pair)")
+                   help=f"batch range of every profile (default 1:{profiles.DEFAULT_MAX_BATCH}, "
+                        f"a CFG pair)")
     p.add_argument("--refit", action="store_true",
                    help="build a refittable engine whose weights `qkrope refit` can replace "
                         "by diffusers parameter name (the exported parameters marked with "
                         "BuilderFlag.REFIT_INDIVIDUAL; every weight with BuilderFlag.REFIT where "
                         "that is not possible)")
-    p.add_argument("--max-batch", type=int, help="profile max batch (default: max(export, 2))")
+    p.add_argument("--max-batch", type=int, help=f"profile max batch (default: max(export, "
+                                                  f"{profiles.DEFAULT_MAX_BATCH}))")
     p.add_argument("--max-img-tokens", type=int,
-                   help="profile max image tokens (default: max(export, 4096) = 1024x1024)")
+                   help=f"profile max image tokens (default: max(export, "
+                        f"{profiles.DEFAULT_MAX_IMG_TOKENS}) = 1024x1024)")
     p.add_argument("--max-txt-tokens", type=int,
-                   help="profile max text tokens (default: max(export, 512))")
+                   help=f"profile max text tokens (default: max(export, "
+                        f"{profiles.DEFAULT_MAX_TXT_TOKENS}))")
     p.add_argument("--timing-cache", metavar="FILE",
                    help="read and update a TensorRT timing cache (faster rebuilds); a file "
                         "that is not one (a model, an engine, a sidecar, text) is refused")
@@ -62,7 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--builder-optimization-level", type=int, choices=range(0, 6), metavar="0-5",
                    help="TensorRT builder optimisation level (default: TensorRT's, 3)")
     p.add_argument("--workspace", type=int, metavar="MiB",
-                   help="workspace memory pool limit (at most 1048576 MiB = 1 TiB)")
+                   help=f"workspace memory pool limit (at most {MAX_WORKSPACE_MIB} MiB = 1 TiB)")
     p.add_argument("--force", action="store_true",
                    help="rebuild even when MODEL.engine is up to date (by default an engine whose "
                         "sidecar records the same model hash, build options, TensorRT version, "
@@ -77,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre  # before the heavy imports: a wrong path answers at once
 
     pre.onnx_model(args.onnx, command="build")
-    pre.input_file(args.plugin, flag="--plugin", fix=PLUGIN_FIX)
+    _args.check_plugin(args)
     pre.file_to_write(args.timing_cache, flag="--timing-cache", example="timing.cache")
     pre.file_to_write(args.output, flag="-o", example=Path(args.onnx).with_suffix(".engine").name)
 
-    from qkrope.runtime import engine, profiles
+    from qkrope.runtime import engine
     from qkrope.sidecars import engine_sidecar_path
 
     onnx_path = Path(args.onnx)

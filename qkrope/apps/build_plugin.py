@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-# `qkrope build-plugin --help` shows it without importing qkrope.runtime (torch);
-# tests/test_cli_help.py checks it equals plugin_build.DEFAULT_BUILD_DIR.
-DEFAULT_BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "plugins"
+from qkrope.runtime import plugin_build
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -20,8 +17,6 @@ def _run(args: argparse.Namespace) -> int:
         from qkrope.errors import InputError
 
         raise InputError(f"--jobs must be >= 1; got {args.jobs}. Fix: --jobs 2")
-    from qkrope.runtime import plugin_build  # imports torch: only when building
-
     out = plugin_build.build_plugins(host_only=args.host_only, arch=args.arch, tensorrt_root=args.tensorrt_root,
                         build_dir=args.build_dir, jobs=args.jobs, clean=args.clean)
     kinds = ("kernel_host",) if args.host_only else ("plugin", "vc", "kernels", "kernel_host")
@@ -37,12 +32,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``qkrope build-plugin`` on an argparse subparsers object."""
+    lib = {kind: name for kind, (name, _) in plugin_build.LIBRARY_FILES.items()}
     p = subparsers.add_parser(
         "build-plugin",
-        help="build the CUDA kernel and the TensorRT plugin libraries (CMake, nvcc)",
-        description="Build libqkrope_plugin.so (self-registering), libqkrope_vc_plugin.so "
-                    "(version-compatible: getCreators/setLoggerFinder), libqkrope_kernels.so and "
-                    "libqkrope_kernel_host.so into build/plugins. TensorRT headers come from "
+        description=f"Build {lib['plugin']} (self-registering), {lib['vc']} "
+                    f"(version-compatible: getCreators/setLoggerFinder), {lib['kernels']} and "
+                    f"{lib['kernel_host']} into build/plugins. TensorRT headers come from "
                     "--tensorrt-root / TensorRT_ROOT / the standard install paths, else the pinned "
                     "kernel-lens 2.0.1 wheel (no TensorRT library is needed to build).",
     )
@@ -53,7 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         'PTX), or a list such as "90" or "80,90,100"; default: this machine\'s GPU '
                         '(native), or PTX for sm_80 only where no GPU is visible')
     p.add_argument("--tensorrt-root", metavar="DIR", help="TensorRT install prefix (DIR/include)")
-    p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {DEFAULT_BUILD_DIR}")
+    p.add_argument("--build-dir", metavar="DIR", default=None, help=f"default: {plugin_build.DEFAULT_BUILD_DIR}")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default 2)")
     p.add_argument("--clean", action="store_true", help="remove the build directory first")
     p.set_defaults(func=_run)

@@ -66,6 +66,7 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+from . import _args
 from .measure import CheckRow, format_check_table
 
 # dtype -> (atol in ulps of the output scale or a fraction of the scale for fp32, rtol)
@@ -444,11 +445,11 @@ def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffu
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "check", help="parity of an exported model (ONNX Runtime, TensorRT) with PyTorch",
+        "check",
         description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("onnx", metavar="MODEL.onnx")
-    p.add_argument("--engine", default=None, help="also run this TensorRT engine (needs --plugin)")
-    p.add_argument("--plugin", default=None, help="the QKNormRoPE plugin library (.so)")
+    _args.add_engine(p, "also run it and compare it with PyTorch (needs --plugin)")
+    _args.add_plugin(p, "needed with --engine")
     p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"))
     p.add_argument("--txt-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -473,10 +474,8 @@ def run(args: argparse.Namespace) -> int:
     if args.engine and not args.plugin:
         raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
     pre.onnx_model(args.onnx, command="check")
-    pre.engine(args.engine, command="check --engine", flag="--engine", onnx_ok=True) if args.engine else None
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       "libqkrope_plugin.so")
+    _args.check_engine(args, "check")
+    _args.check_plugin(args)
     pre.input_dir(args.diffusers, flag="--diffusers",
                   fix="pass the folder of the saved diffusers transformer the model came from")
     try:

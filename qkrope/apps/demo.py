@@ -235,7 +235,8 @@ def step_fp8_engine(args) -> str:
 
 
 def step_plugin(args) -> str:
-    from qkrope.runtime.plugin_build import DEPLOY_ARCH, built_architectures, find_nvcc, find_plugin_library
+    from qkrope.runtime.plugin_build import (DEPLOY_ARCH, LIBRARY_FILES, built_architectures,
+                                             find_nvcc, find_plugin_library)
 
     nvcc = find_nvcc()
     _cli(["build-plugin"] if nvcc else ["build-plugin", "--host-only"])
@@ -247,7 +248,7 @@ def step_plugin(args) -> str:
             pass
     if not built:
         raise RuntimeError("the build finished but no library was found in build/plugins")
-    missing = sorted({"libqkrope_plugin.so", "libqkrope_vc_plugin.so", "libqkrope_kernels.so"}
+    missing = sorted({LIBRARY_FILES[kind][0] for kind in ("plugin", "vc", "kernels")}
                      - set(built))
     if not nvcc:
         raise Skip(f"requires nvcc (the CUDA toolkit) for {', '.join(missing)}; built only "
@@ -374,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "demo", help="the main job: export, check, build the plugin (and engine where possible)",
+        "demo",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out", help="output folder (default: out/)")
     p.add_argument("--heads", type=int, default=24, help="attention heads (default: 24, Qwen-Image)")

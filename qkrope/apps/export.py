@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import argparse
 
-from qkrope import contract
+from qkrope import contract, quantization
 from qkrope.errors import InputError
 
-# Shown by `qkrope export --help` without importing the exporter (torch, onnx, onnxscript);
-# tests/test_cli_help.py checks them against qkrope.export.onnx_export / onnx_function.
-DESCRIPTION = "qkrope export: the Qwen-Image attention block or a whole diffusers transformer to ONNX."
-DTYPES = ("bf16", "fp16", "fp32")
-DEFAULT_OPSET, MIN_OPSET, MAX_OPSET = 18, 18, 23
-QUANT_MODES = ("fp8",)  # qkrope.quantization.QUANT_MODES (checked by tests/test_cli_help.py)
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "export", help="export the Qwen-Image attention block or a diffusers transformer to ONNX",
-        description=DESCRIPTION + " Writes MODEL.onnx and MODEL.onnx.json.")
+        "export",
+        description="qkrope export: the Qwen-Image attention block or a whole diffusers "
+                    "transformer to ONNX. Writes MODEL.onnx and MODEL.onnx.json.")
     p.add_argument("--model", choices=("attention", "transformer"), default="attention")
     p.add_argument("--out", "-o", default=None,
                    help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32",
-                   help="weights and activations (caches stay fp32); the engine's precision")
+    _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision",
+                    default="fp32")
     p.add_argument("--opset", type=int, default=None,
-                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET}; 23 with "
+                   help=f"ONNX opset, {contract.MIN_OPSET}..{contract.MAX_OPSET} (default "
+                        f"{contract.DEFAULT_OPSET}; {contract.ATTENTION_MIN_OPSET['onnx23']} with "
                         f"--attention onnx23)")
     p.add_argument("--attention", choices=contract.ATTENTION_FORMS,
                    default=contract.DEFAULT_ATTENTION_FORM,
@@ -37,8 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sample image in latent patches; repeat for edit condition images")
     p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
     p.add_argument("--batch", type=int, default=None, help="sample batch (traced with >= 2)")
-    p.add_argument("--rounding", type=int, choices=(0, 1), default=0,
-                   help="0: one rounding at the end (default); 1: diffusers' eager order")
+    _args.add_rounding(p)
     a = p.add_argument_group("attention block (--model attention)")
     a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
     a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")
@@ -55,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--diffusers", metavar="DIR", default=None,
                    help="local folder of a saved QwenImageTransformer2DModel")
     t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
-    t.add_argument("--quant", choices=QUANT_MODES, default=None,
+    t.add_argument("--quant", choices=quantization.QUANT_MODES, default=None,
                    help="fp8: export a folder quantised with ModelOpt (`qkrope quantize`) with "
                         "FP8 Q/DQ (float8e4m3fn weights behind DequantizeLinear; opset >= 19, "
                         "default 19). A quantised folder is refused without it")

@@ -24,15 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from qkrope.errors import InputError
-
+from qkrope.runtime.profiles import PIXELS_PER_TOKEN  # one image token per 16x16 pixels
 
 
 # --------------------------------------------------------------------------------------------
 # Sizes and rates
 # --------------------------------------------------------------------------------------------
-
-PIXELS_PER_TOKEN = 16
-
 
 # Peak HBM / GDDR bandwidth in GB/s (1 GB = 1e9 B), from the vendors' data sheets. Matched by
 # substring of torch.cuda.get_device_name(), longest key first.

@@ -6,17 +6,14 @@ from __future__ import annotations
 import argparse
 
 from qkrope.errors import InputError
+from qkrope.quantization import DEFAULT_EXCLUDED
 
-DTYPES = ("bf16", "fp16", "fp32")
-# Shown by --help without importing torch; tests/test_quantize.py checks it against
-# qkrope.export.quantize.DEFAULT_EXCLUDED.
-DEFAULT_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "quantize", help="calibrate a diffusers transformer to FP8 with NVIDIA ModelOpt (for "
-                         "export --quant fp8)",
+        "quantize",
         description="Calibrate a diffusers QwenImageTransformer2DModel to per-tensor FP8 (e4m3) "
                     "with NVIDIA ModelOpt (max calibration) from transformer inputs recorded in "
                     "your own pipeline runs (qkrope.export.quantize.CalibrationRecorder), and "
@@ -31,8 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="output folder (replaced as a whole)")
     p.add_argument("--batches", type=int, default=None,
                    help="use the first N recorded calls (default: all)")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32",
-                   help="dtype the transformer is loaded, calibrated and saved in")
+    _args.add_dtype(p, "dtype the transformer is loaded, calibrated and saved in",
+                    default="fp32")
     p.add_argument("--device", default=None,
                    help="torch device of the calibration (default: cuda when available)")
     p.add_argument("--exclude", nargs="*", metavar="MODULE", default=None,

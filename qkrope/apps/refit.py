@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from qkrope import dtypes
 from qkrope.errors import InputFileNotFoundError, QkropeError
+
+from . import _args
 
 
 class RefitError(QkropeError, RuntimeError):
@@ -50,7 +53,7 @@ class RefitReport:
     cast: list[str] = field(default_factory=list)           # converted to the engine's float dtype
 
 
-_FLOAT_NAMES = ("float32", "float16", "bfloat16")
+_FLOAT_NAMES = tuple(dtypes.SHORT_BY_NAME)  # the float precisions qkrope exports
 
 
 def _short(names, n=8) -> str:
@@ -99,8 +102,6 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
     TensorRT rejects."""
     import torch
 
-    from qkrope import dtypes
-
     if getattr(engine, "refittable", True) is False:
         raise RefitError("the engine was not built refittable. Fix: rebuild it with "
                          "`qkrope build --refit`")
@@ -125,11 +126,11 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
         if want_count < 0:  # TensorRT's prototype of a name it has no weight for: size -1
             mismatched.append(f"{name}: TensorRT has no weight of that name")
             continue
-        want_dtype = dtypes.canonical(current.dtype)
+        want_dtype = dtypes.canonical(current.dtype, source="tensorrt")
         if not isinstance(t, torch.Tensor):
             mismatched.append(f"{name}: not a tensor ({type(t).__name__})")
             continue
-        got_dtype = dtypes.canonical(t.dtype)
+        got_dtype = dtypes.canonical(t.dtype, source="torch")
         floats = t.is_floating_point() and want_dtype in _FLOAT_NAMES
         want_shape = None if shapes is None or name not in shapes else list(shapes[name])
         if (got_dtype != want_dtype and not floats) or t.numel() != want_count \
@@ -219,7 +220,7 @@ def _load_state_dict(diffusers: str | None, state_dict: str | None, variant: str
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "refit", help="replace an engine's weights by diffusers parameter name",
+        "refit",
         description="Update the weights of an engine built with `qkrope build --refit` from a "
                     "diffusers model folder or a state-dict file (e.g. after fusing a LoRA); "
                     "weights are matched by state-dict key (= ONNX initializer name = TensorRT "
@@ -237,8 +238,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
-    p.add_argument("--plugin", metavar="LIB", help="QKNormRoPE plugin library (default: the "
-                   "sidecar's)")
+    _args.add_plugin(p, "default: the one recorded in the engine sidecar")
     p.add_argument("--allow-missing", action="store_true",
                    help="engine weights the state dict lacks keep their values")
     p.add_argument("--allow-extra", action="store_true",
@@ -277,9 +277,7 @@ def run(args: argparse.Namespace) -> int:
                   fix="pass the folder of a saved diffusers transformer (config.json + weights)")
     pre.input_file(args.state_dict, flag="--state-dict",
                    fix="pass a .safetensors (or torch .pt) file keyed by diffusers parameter name")
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       "libqkrope_plugin.so")
+    _args.check_plugin(args)
     pre.file_to_write(args.output, flag="-o", example=engine_path.name)
 
     import dataclasses

@@ -5,27 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-# Spelled out so that `qkrope triton-repo --help` imports no torch (runtime.triton.PLUGIN_FILE_NAME;
-# checked by tests/test_cli_help.py); qkrope.runtime.triton is imported by run().
-PLUGIN_FILE_NAME = "libqkrope_plugin.so"
+from qkrope.runtime.profiles import DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS
+
+from . import _args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "triton-repo", help="write a Triton Inference Server model repository for an engine",
-        description="Write REPO/<name>/{config.pbtxt, 1/model.plan, libqkrope_plugin.so} from a "
+        "triton-repo",
+        description=f"Write REPO/<name>/{{config.pbtxt, 1/model.plan, {_args.PLUGIN_FILE_NAME}}} from a "
                     "TensorRT engine and its sidecar (MODEL.engine.json, written by `qkrope "
                     "build`), and print the tritonserver command that loads the plugin.")
-    p.add_argument("--engine", default=None, help="the TensorRT engine (MODEL.engine)")
+    _args.add_engine(p, "the model served with --backend tensorrt")
     p.add_argument("--backend", choices=("tensorrt", "onnxruntime"), default="tensorrt",
                    help="tensorrt (default: --engine) or onnxruntime (--onnx MODEL.onnx, no "
                         "TensorRT or plugin). A whole transformer gets an ensemble <name> over "
                         "<name>_rope (Python backend: the RoPE caches from img_shapes) and "
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
-    p.add_argument("--plugin", default=None,
-                   help=f"the plugin library ({PLUGIN_FILE_NAME}); default: the one recorded in "
-                        "the engine sidecar")
+    _args.add_plugin(p, "default: the one recorded in the engine sidecar")
     p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
                    help="model repository directory (created if missing)")
     p.add_argument("--name", default=None,
@@ -47,10 +45,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the GPUs the instances run on (instance_group gpus; default: all)")
     p.add_argument("--max-img-tokens", type=int, default=None,
                    help="the most image tokens the rope model accepts (default: the engine "
-                        "profile's largest image cache; 4096 for --backend onnxruntime)")
+                        f"profile's largest image cache; {DEFAULT_MAX_IMG_TOKENS} for --backend "
+                        f"onnxruntime)")
     p.add_argument("--max-txt-tokens", type=int, default=None,
                    help="the most text tokens the rope model accepts (default: the engine "
-                        "profile's largest text cache; 512 for --backend onnxruntime)")
+                        f"profile's largest text cache; {DEFAULT_MAX_TXT_TOKENS} for --backend "
+                        f"onnxruntime)")
     p.add_argument("--force", action="store_true", help="replace an existing model directory")
     p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
                    help="reference the plugin library where it is instead of copying it into "
@@ -77,14 +77,11 @@ def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre
     from qkrope.errors import InputError
 
-    if args.engine is not None:
-        pre.engine(args.engine, command="triton-repo --engine", flag="--engine", onnx_ok=True)
+    _args.check_engine(args, "triton-repo")
     if args.onnx is not None:
         pre.onnx_model(args.onnx, command="triton-repo --backend onnxruntime --onnx",
                        flag="--onnx")
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       f"{PLUGIN_FILE_NAME}")
+    _args.check_plugin(args)
     if args.name is not None and len(args.name.encode()) > NAME_MAX_BYTES:
         raise InputError(f"--name is {len(args.name.encode())} bytes long ({args.name[:40]!r}...); "
                          f"a Triton model name is a folder name, at most {NAME_MAX_BYTES} bytes "

@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import _args
 from ..measure import format_bench_table
 # every part's names, importable from here as they were before the parts had modules (the
 # tests patch a name in the module that looks it up)
@@ -114,8 +115,7 @@ def __getattr__(name: str):
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "bench", help="benchmark the attention block (TensorRT plugin vs no plugin vs torch) "
-                      "and the kernel's bandwidth",
+        "bench",
         description="Latency of the Qwen-Image attention block: TensorRT with the fused plugin, "
                     "TensorRT on the ONNX function body (no plugin), torch eager and "
                     "torch.compile, plus the fused kernel's achieved bandwidth, on a GPU. On a "
@@ -134,8 +134,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "512,1024 on a GPU, 256 on the CPU")
     p.add_argument("--batches", default=None, help="batch sizes; default 1,2 on a GPU, 1 on "
                                                    "the CPU")
-    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
-                   help="activation dtype; default bf16 on a GPU, fp32 on the CPU")
+    _args.add_dtype(p, "activation dtype; default bf16 on a GPU, fp32 on the CPU", default=None)
     p.add_argument("--heads", type=int, default=None, help="default 24 (GPU), 2 (CPU)")
     p.add_argument("--head-dim", type=int, default=None, help="default 128 (GPU), 64 (CPU)")
     p.add_argument("--text-len", type=int, default=None, help="default 512 (GPU), 64 (CPU)")
@@ -150,12 +149,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "ONNX Runtime / TensorRT rows each. Default: both where the exporter and "
                         "ONNX Runtime's CPU provider support onnx23, else primitive (the onnx23 "
                         "rows then say why they were skipped)")
-    p.add_argument("--engine", default=None, help="TensorRT engine with the plugin, of the first "
-                                                  "--attention form (default: export and build "
-                                                  "one per form when TensorRT exists)")
-    p.add_argument("--engine-no-plugin", default=None,
-                   help="TensorRT engine of the same ONNX built without the plugin")
-    p.add_argument("--plugin", default=None, help="the plugin library (libqkrope_plugin.so)")
+    _args.add_engine(p, "the one with the plugin, of the first --attention form (default: "
+                        "export and build one per form when TensorRT exists)")
+    _args.add_engine(p, "the same ONNX built without the plugin", flag="--engine-no-plugin")
+    _args.add_plugin(p, "default: the one the engine's sidecar records, else the one `qkrope "
+                        "build-plugin` built")
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
@@ -179,14 +177,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qkrope import _preflight as pre  # before torch: a wrong path answers at once
-
-    for flag, value in (("--engine", args.engine), ("--engine-no-plugin", args.engine_no_plugin)):
-        if value is not None:
-            pre.engine(value, command=f"bench {flag}", flag=flag, onnx_ok=True)
-    pre.input_file(args.plugin, flag="--plugin",
-                   fix="build it with `qkrope build-plugin`, or pass the path of "
-                       "libqkrope_plugin.so")
+    for flag in ("--engine", "--engine-no-plugin"):  # before torch: a wrong path answers at once
+        _args.check_engine(args, "bench", flag=flag)
+    _args.check_plugin(args)
     cfg = config_from_args(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(cfg)

@@ -13,6 +13,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 from qkrope import contract
 from qkrope.errors import InputError
+from qkrope.runtime.plugin_build import LIBRARY_FILES
 
 from ..measure import BenchRow, PIXELS_PER_TOKEN, image_tokens
 from .config import Config
@@ -284,7 +285,7 @@ def _bench_kernel(cfg: Config, rows: list[BenchRow], machine: dict) -> None:
     from qkrope.runtime.kernels import cuda_library_path
 
     if cuda_library_path() is None:
-        _skip_all(cfg, rows, "kernel", "libqkrope_kernels.so not built (cmake -S plugins/kernel "
+        _skip_all(cfg, rows, "kernel", f"{LIBRARY_FILES['kernels'][0]} not built (cmake -S plugins/kernel "
                   "-B build/kernel -DQKROPE_WITH_CUDA=ON && cmake --build build/kernel)", machine)
         return
     device = torch.device(cfg.device)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qkrope import contract
-from qkrope.apps.export import DTYPES
+from .. import _args
 from qkrope.errors import InputError
 
 from ..measure import image_tokens
@@ -110,8 +110,7 @@ class Config:
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
 #: OpenMP/ORT thread-pool contention with whatever else runs on a small shared machine.
 DEFAULT_CPU_THREADS = 1
-# the --dtype spellings of every command (qkrope.apps.export.DTYPES: qkrope.dtypes' short names)
-DTYPE_CHOICES = DTYPES
+DTYPE_CHOICES = _args.DTYPE_CHOICES  # the --dtype spellings of every command
 
 
 #: ``--preset``: the model shape for every device, then what the CPU path adds. The flags given
@@ -155,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         return value if value is not None else given.get(name, default)
 
     dtype_arg = pick("dtype", None)
-    dtype = dtypes.canonical(dtype_arg) if dtype_arg else ("bfloat16" if gpu else "float32")
+    dtype = dtypes.canonical(dtype_arg, source="name") if dtype_arg else ("bfloat16" if gpu else "float32")
     threads = pick("threads", None)
     attention = getattr(args, "attention", None)
     cfg = Config(
