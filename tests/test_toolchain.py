@@ -151,3 +151,23 @@ def test_command_line_exit_1_without_nvcc(tmp_path):
     else:
         assert (res.returncode, res.stdout) == (1, "")
 
+
+# The rule lives once: no other Python module or shell script restates where nvcc, the CUDA
+# toolkit or the PyPI tool wheels are (the shell scripts ask runtime/toolchain.py).
+_RESTATED = re.compile(r"/usr/local/cuda|CUDA_HOME|CUDA_PATH|which\(\"nvcc\"\)|command -v nvcc"
+                       r"|\"\$\{CUDACXX:-nvcc\}\"|nvidia/cu13/bin")
+
+
+def test_no_other_file_restates_the_lookup_rule():
+    files = [*(REPO / "qkrope").rglob("*.py"), *(REPO / "runtime").rglob("*.py"),
+             *(REPO / "export").rglob("*.py"), *(REPO / "scripts").glob("*.py"),
+             *(REPO / "scripts").glob("*.sh"), *(REPO / "tests").glob("*.py")]
+    offenders = []
+    for f in files:
+        if f in (TOOLCHAIN_FILE, Path(__file__).resolve()):
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0] if f.suffix == ".sh" else line
+            if _RESTATED.search(code):
+                offenders.append(f"{f.relative_to(REPO)}:{n}: {line.strip()}")
+    assert offenders == []
