@@ -235,7 +235,8 @@ def step_fp8_engine(args) -> str:
 
 
 def step_plugin(args) -> str:
-    from qkrope.runtime.plugin_build import DEPLOY_ARCH, built_architectures, find_nvcc, find_plugin_library
+    from qkrope.runtime.plugin_build import (DEPLOY_ARCH, LIBRARY_FILES, built_architectures, find_nvcc,
+                                             find_plugin_library)
 
     nvcc = find_nvcc()
     _cli(["build-plugin"] if nvcc else ["build-plugin", "--host-only"])
@@ -247,8 +248,7 @@ def step_plugin(args) -> str:
             pass
     if not built:
         raise RuntimeError("the build finished but no library was found in build/plugins")
-    missing = sorted({"libqkrope_plugin.so", "libqkrope_vc_plugin.so", "libqkrope_kernels.so"}
-                     - set(built))
+    missing = sorted({LIBRARY_FILES[kind][0] for kind in ("plugin", "vc", "kernels")} - set(built))
     if not nvcc:
         raise Skip(f"requires nvcc (the CUDA toolkit) for {', '.join(missing)}; built only "
                    f"{', '.join(built)} (the CPU build of the kernel arithmetic)")
