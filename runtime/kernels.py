@@ -6,8 +6,9 @@
 - :func:`cuda_qk_norm_rope` launches the CUDA kernel from ``libqkrope_kernels.so`` on torch CUDA
   tensors, on the current stream (no TensorRT needed).
 
-Library lookup: the environment variables ``QKROPE_KERNEL_HOST_LIB`` / ``QKROPE_KERNELS_LIB``
-(a file path), else ``<repo>/build/plugins/`` then ``<repo>/build/kernel/``. Build them with::
+Library lookup (:mod:`qkrope.runtime.toolchain`): the environment variables
+``QKROPE_KERNEL_HOST_LIB`` / ``QKROPE_KERNELS_LIB`` (a file path), else ``<repo>/build/plugins/``
+then ``<repo>/build/kernel/``. Build them with::
 
     cmake -S plugins/kernel -B build/kernel && cmake --build build/kernel -j2          # CPU library
     cmake -S plugins/kernel -B build/kernel -DQKROPE_WITH_CUDA=ON && cmake --build build/kernel -j2
@@ -26,6 +27,7 @@ import torch
 
 from qkrope.errors import InputError, QkropeError
 from qkrope import contract
+from qkrope.runtime import toolchain
 from qkrope.layout import check_tensor_layout
 
 __all__ = [
@@ -38,12 +40,9 @@ __all__ = [
     "DTYPE_CODES",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HOST_LIB_ENV = "QKROPE_KERNEL_HOST_LIB"
-CUDA_LIB_ENV = "QKROPE_KERNELS_LIB"
-HOST_LIB_NAME = "libqkrope_kernel_host.so"
-CUDA_LIB_NAME = "libqkrope_kernels.so"
-_SEARCH_DIRS = ("build/plugins", "build/kernel")
+REPO_ROOT = toolchain.REPO_ROOT
+HOST_LIB_NAME, HOST_LIB_ENV = toolchain.LIBRARIES["kernel_host"][:2]
+CUDA_LIB_NAME, CUDA_LIB_ENV = toolchain.LIBRARIES["kernels"][:2]
 
 HOST_BUILD_COMMAND = ("cmake -S plugins/kernel -B build/kernel && cmake --build build/kernel -j2")
 # The architecture is spelled out: CMAKE_CUDA_ARCHITECTURES=native needs CMake >= 3.24 (see
@@ -96,15 +95,12 @@ _loaded: dict[str, ctypes.CDLL] = {}
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int32] * 3
 
 
+_KINDS = {lib.env: kind for kind, lib in toolchain.LIBRARIES.items()}  # env variable -> kind
+
+
 def _find(env: str, name: str) -> Path | None:
-    explicit = os.environ.get(env)
-    if explicit:
-        return Path(explicit)
-    for d in _SEARCH_DIRS:
-        p = REPO_ROOT / d / name
-        if p.is_file():
-            return p
-    return None
+    """The library ``name`` (overridden by ``env``), by the toolchain's one lookup rule."""
+    return toolchain.find_library(_KINDS[env])
 
 
 def host_library_path() -> Path | None:
@@ -121,7 +117,7 @@ def _load(env: str, name: str, build: str, run_fn: str, status_fn: str, cuda: bo
     path = _find(env, name)
     if path is None or not path.is_file():
         where = (f"{env}={os.environ[env]!r}" if os.environ.get(env) else
-                 " or ".join(str(REPO_ROOT / d / name) for d in _SEARCH_DIRS))
+                 " or ".join(str(p) for p in toolchain.library_candidates(_KINDS[env])))
         raise KernelLibraryError(
             f"{name} not found (looked at {where}). Build it from the repository root with: "
             f"{build}   or point {env} at the file.")
@@ -281,8 +277,7 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 # (plugins/simt/simt_capi.h: device shape, scheduling seed, per-launch records, the emulator's
 # error message).
 
-SIMT_LIB_ENV = "QKROPE_KERNELS_SIMT_LIB"
-SIMT_LIB_NAME = "libqkrope_kernels_simt.so"
+SIMT_LIB_NAME, SIMT_LIB_ENV = toolchain.LIBRARIES["kernels_simt"][:2]
 SIMT_BUILD_COMMAND = ("cmake -S plugins/kernel -B build/kernel && "
                       "cmake --build build/kernel --target qkrope_kernels_simt -j2")
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from qkrope.errors import InputError, QkropeError
+from qkrope.runtime import toolchain
 from qkrope.sidecars import PluginRecord
 
 __all__ = [
@@ -40,16 +41,12 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_plugins.sh"
-DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "plugins"
+DEFAULT_BUILD_DIR = toolchain.PLUGINS_BUILD_DIR
 
-# kind -> (file name, environment variable overriding the path)
-LIBRARY_FILES = {
-    "plugin": ("libqkrope_plugin.so", "QKROPE_PLUGIN_LIB"),
-    "vc": ("libqkrope_vc_plugin.so", "QKROPE_VC_PLUGIN_LIB"),
-    "kernels": ("libqkrope_kernels.so", "QKROPE_KERNELS_LIB"),
-    "kernel_host": ("libqkrope_kernel_host.so", "QKROPE_KERNEL_HOST_LIB"),
-    "host_test": ("qkrope_plugin_host_test", "QKROPE_PLUGIN_HOST_TEST"),
-}
+# kind -> (file name, environment variable overriding the path): the libraries that
+# `qkrope build-plugin` builds, from the project's one table (qkrope.runtime.toolchain)
+LIBRARY_FILES = {kind: (toolchain.LIBRARIES[kind].file, toolchain.LIBRARIES[kind].env)
+                 for kind in ("plugin", "vc", "kernels", "kernel_host", "host_test")}
 _ALIASES = {"trt": "plugin", "static": "plugin", "dynamic": "vc", "version_compatible": "vc"}
 
 
@@ -61,24 +58,10 @@ class PluginNotBuiltError(QkropeError, FileNotFoundError):
     """A native library was asked for but has not been built; the message says how to build it."""
 
 
-NVCC_DEFAULT_PATH = "/usr/local/cuda/bin/nvcc"
-
-
-def find_nvcc() -> str | None:
-    """The CUDA compiler the build would use ($CUDACXX, nvcc on PATH, /usr/local/cuda/bin/nvcc),
-    or None. A candidate counts only if ``nvcc --version`` runs: a wrapper left behind by a
-    removed toolkit is "no nvcc", not a build failure. The one rule the CLI, the main job and the
-    tests share (scripts/build_plugins.sh and scripts/test.sh apply the same rule in shell)."""
-    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), NVCC_DEFAULT_PATH):
-        if not cand:
-            continue
-        try:
-            res = subprocess.run([cand, "--version"], capture_output=True, timeout=60)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if res.returncode == 0:
-            return cand
-    return None
+NVCC_DEFAULT_PATH = toolchain.NVCC_DEFAULT_PATH
+# The CUDA compiler the build would use, or None: the one rule (qkrope.runtime.toolchain), which
+# the CLI, the main job, the tests and the shell scripts share.
+find_nvcc = toolchain.find_nvcc
 
 
 DEPLOY_ARCH = "all"  # --arch value of the deployable fat binary (plugins/cmake/QkropeCuda.cmake)

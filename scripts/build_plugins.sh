@@ -63,15 +63,15 @@ if [[ "$HOST_ONLY" == 1 ]]; then
   CMAKE_ARGS+=(-DQKROPE_WITH_CUDA=OFF -DQKROPE_BUILD_PLUGIN=OFF)
 else
   CMAKE_ARGS+=(-DQKROPE_WITH_CUDA=ON)
-  # nvcc counts only if it runs (same rule as qkrope.runtime.plugin_build.find_nvcc)
-  if [[ -z "${CUDACXX:-}" ]] && ! nvcc --version >/dev/null 2>&1 && /usr/local/cuda/bin/nvcc --version >/dev/null 2>&1; then
-    export CUDACXX=/usr/local/cuda/bin/nvcc
-  fi
-  if ! "${CUDACXX:-nvcc}" --version >/dev/null 2>&1; then
+  # the project's one rule for nvcc (runtime/toolchain.py: $CUDACXX, PATH, the default toolkit;
+  # only one that runs), handed to CMake as CUDACXX
+  [[ -n "$PY" ]] || { echo "build_plugins.sh: python3 is needed to find nvcc (runtime/toolchain.py)" >&2; exit 1; }
+  if ! NVCC="$("$PY" "$ROOT/runtime/toolchain.py" nvcc)"; then
     echo "build_plugins.sh: nvcc not found. Install the CUDA toolkit (12.x or 13.x) and put nvcc on PATH" \
          "(or set CUDACXX), or build only the CPU kernel library with --host-only." >&2
     exit 1
   fi
+  export CUDACXX="$NVCC"
   # --arch all: the deployable fat binary; a list (";" or "," separated) goes to CMake as is;
   # none: SASS for this machine's GPU, or PTX only where there is no GPU (plugins/cmake/QkropeCuda.cmake)
   case "$ARCH" in

@@ -79,10 +79,10 @@ say "repo $ROOT, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), a
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (see $OUT/nvidia-smi.txt)"
 head -15 "$OUT/nvidia-smi.txt" | tee -a "$OUT/gpu_check.log"
 
-NVCC="$(command -v nvcc || true)"
-[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
-if [[ -z "$NVCC" ]]; then
-  say "FAIL: nvcc not found (PATH or /usr/local/cuda/bin)"
+# the project's one rule for nvcc ($CUDACXX, PATH, the default toolkit; runtime/toolchain.py, a
+# standard-library-only file, so it runs before qkrope is importable)
+if ! NVCC="$("$PY" runtime/toolchain.py nvcc)"; then
+  say "FAIL: nvcc not found (\$CUDACXX, PATH or the default CUDA toolkit: runtime/toolchain.py nvcc)"
   exit 1
 fi
 export PATH="$(dirname "$NVCC"):$PATH"   # cuobjdump and friends sit next to nvcc

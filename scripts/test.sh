@@ -12,10 +12,8 @@ bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-have_nvcc() {
-    "${CUDACXX:-nvcc}" --version >/dev/null 2>&1 || /usr/local/cuda/bin/nvcc --version >/dev/null 2>&1
-}
-if have_nvcc; then
+# the project's one rule for nvcc (runtime/toolchain.py), which build_plugins.sh applies too
+if python runtime/toolchain.py nvcc >/dev/null; then
     echo "[test] building the kernel and plugin libraries (build/plugins)" >&2
     bash scripts/build_plugins.sh
 else

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from qkrope.runtime import toolchain
+
 REPO = Path(__file__).resolve().parent.parent
-SIMT_BUILD_DIR = REPO / "build" / "kernel-simt"
+SIMT_BUILD_DIR = toolchain.KERNEL_SIMT_BUILD_DIR
 
 
 def find_cxx() -> str | None:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from _kernel_cases import assert_bit_exact, check_against_fp32, make_inputs
-from _native import build_simt, require_native_tools
+from _native import SIMT_BUILD_DIR, build_simt, require_native_tools
 from qkrope.runtime import kernels
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD_DIR = REPO / "build" / "kernel-simt"
+BUILD_DIR = SIMT_BUILD_DIR
 KERNEL_SRC = REPO / "plugins" / "kernel"
 SIMT_SRC = REPO / "plugins" / "simt"
 

@@ -18,7 +18,7 @@ import torch
 
 from _kernel_cases import (CASES, assert_bit_exact, assert_within_order_policy, case_id,
                            check_against_fp32, make_inputs, reference)
-from qkrope.runtime import kernels
+from qkrope.runtime import kernels, toolchain
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")]
@@ -33,13 +33,11 @@ def cuda_lib():
         yield path
         return
     cmake = shutil.which("cmake")
-    from qkrope.runtime.plugin_build import find_nvcc
-
-    nvcc = find_nvcc()
+    nvcc = toolchain.find_nvcc()
     if cmake is None or nvcc is None:
         pytest.fail(f"{kernels.CUDA_LIB_NAME} is missing and cmake/nvcc are not available to build "
                     f"it; build it with: {kernels.CUDA_BUILD_COMMAND}")
-    build = REPO / "build" / "kernel"
+    build = toolchain.KERNEL_BUILD_DIR
     subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(build),
                     "-DQKROPE_WITH_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}",
                     # this GPU's arch, explicitly: "native" needs cmake >= 3.24

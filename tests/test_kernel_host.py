@@ -21,10 +21,10 @@ import torch
 from _kernel_cases import (CASES, assert_bit_exact, assert_within_order_policy, case_id,
                            check_against_fp32, make_inputs, reference)
 from _native import require_native_tools
-from qkrope.runtime import kernels
+from qkrope.runtime import kernels, toolchain
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD_DIR = REPO / "build" / "kernel-host"
+BUILD_DIR = toolchain.KERNEL_HOST_BUILD_DIR
 
 
 def _build_host_library() -> Path:

@@ -1,5 +1,5 @@
 """Static facts of the CUDA kernel from its SASS, and of the launches the real launcher picks on
-modelled devices: scripts/kernel_report.py.
+modelled devices: qkrope.apps.kernel_report (run by scripts/kernel_report.py).
 
 Where nvcc exists the kernel is compiled once for sm_90 (module fixture) and the report's facts
 are asserted: 128-bit q/k loads and stores in the fast-path hot loop, no spills on the fast path,
@@ -7,36 +7,28 @@ the Qwen instances' per-token instructions under THRESHOLDS, stores with the def
 policy; the real launcher (SIMT emulation, dry run) on every modelled device and Qwen problem
 picks instances that keep the bytes in flight and whole-kernel instruction targets
 (LAUNCH_TARGETS), and the launch plan's instruction constants match their SASS. Speed is
-measured by scripts/bench_kernel.py, never asserted here. The SASS parsing and loop analysis are
-also tested on synthetic SASS (no tools needed), so the analysis itself can fail.
+measured by scripts/bench_kernel.py, never asserted here. The report's analysis of an instance is
+also tested on synthetic SASS (tests/_sass_listings.py; no tools needed), so it can fail; the SASS
+reader itself is tested in tests/test_sass.py.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from _native import build_simt
-from qkrope.runtime import kernels
-from qkrope.runtime.plugin_build import find_nvcc
+from _sass_listings import loop_kernel, sass_listing
+from qkrope.apps import kernel_report as kr
+from qkrope.runtime import kernels, sass, toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "kernel_report.py"
-
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("qkrope_kernel_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-kr = _load_script()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,14 +36,14 @@ kr = _load_script()
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    nvcc = find_nvcc()
+    nvcc = toolchain.find_nvcc()
     if not nvcc:
         pytest.skip("requires nvcc")
-    if not kr.find_tool("cuobjdump", nvcc=nvcc):
+    if not toolchain.find_cuda_tool("cuobjdump", nvcc=nvcc):
         pytest.skip("requires cuobjdump (pip install nvidia-cuda-cuobjdump)")
-    if not kr.find_tool("nvdisasm", nvcc=nvcc):
+    if not toolchain.find_cuda_tool("nvdisasm", nvcc=nvcc):
         pytest.skip("requires nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    if not kr.find_cxxfilt():
+    if not toolchain.find_cxxfilt():
         pytest.skip("requires c++filt (binutils)")
     simt = os.environ.get(kernels.SIMT_LIB_ENV) or str(build_simt() / kernels.SIMT_LIB_NAME)
     return kr.build_report([90], nvcc=nvcc, out_dir=tmp_path_factory.mktemp("kernel_report"),
@@ -78,7 +70,7 @@ def test_report_finds_the_kernels(report):
         assert inst["threads_per_block"] == 256
     text = kr.format_text(report)
     assert "structural checks" in text and "memory floor" in text
-    json.dumps(kr._json_ready(report))
+    json.dumps(kr.json_ready(report))
 
 
 @pytest.mark.slow
@@ -160,11 +152,14 @@ def test_fast_path_stores_use_default_cache_policy(report):
     assert not _failures(report, "store-default-policy")
 
 
-def test_missing_tool_is_one_clear_error(capsys, tmp_path):
-    rc = kr.main(["--cubin", str(tmp_path / "none.cubin"), "--cuobjdump", str(tmp_path / "cuobjdump")])
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert "cuobjdump not found" in err and "pip install nvidia-cuda-cuobjdump" in err
+def test_missing_tool_is_one_clear_error(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--cubin", str(tmp_path / "none.cubin"),
+                          "--cuobjdump", str(tmp_path / "cuobjdump")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("kernel_report: error: cuobjdump not found")
+    assert "pip install nvidia-cuda-cuobjdump" in line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,41 +172,8 @@ FAST_OLD = ("void qkrope::(anonymous namespace)::qkNormRopeFastKernel<qkrope::ma
 REPORT_LINE = "// kernel-report: qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>\n"
 
 
-def _sass(lines, fn="_Z4fakev", arch=90):
-    """cuobjdump -sass text for one function; instruction k sits at address 16*k."""
-    body = "".join(f"        /*{16 * k:04x}*/                   {t} ;"
-                   f"                                      /* 0x000000000000 */\n"
-                   f"                                                                 /* 0x000fe2 */\n"
-                   for k, t in enumerate(lines))
-    return (f"\n\tcode for sm_{arch}\n\t\tFunction : {fn}\n"
-            f'\t.headerflags\t@"EF_CUDA_SM{arch} EF_CUDA_VIRTUAL_SM(EF_CUDA_SM{arch})"\n' + body)
-
-
-def _loop_kernel(qk_load="LDG.E.EF.128", store="STG.E.128", pad=0, extra=()):
-    """A fast-path-like kernel: a loop at 0x30 loading two 128-bit rows and a 32-bit cos value,
-    a guarded MUFU, two 128-bit stores, and a back edge; `pad` FADDs inside the loop."""
-    lines = [
-        "LDC R1, c[0x0][0x28]",
-        "LDG.E.128.CONSTANT R16, desc[UR8][R16.64]",
-        "S2R R3, SR_TID.X",
-        f"{qk_load} R20, desc[UR8][R2.64]",            # 0x30: loop head
-        "LDG.E.EF.128 R24, desc[UR8][R4.64]",
-        "LDG.E.CONSTANT R30, desc[UR8][R10.64]",
-        "FMUL R8, R20, R20",                           # consumes the first load
-        "@P1 BRA 0x90",
-        "MUFU.RSQ R9, R8",                             # skipped by the branch above
-        "NOP",
-        "FFMA R10, R24, R9, R30",
-    ]
-    lines += ["FADD R11, R11, R10"] * pad + list(extra)
-    lines += [f"{store} desc[UR8][R6.64], R20", f"{store} desc[UR8][R12.64], R24"]
-    head = 0x30
-    lines += [f"@!P0 BRA 0x{head:x}", "EXIT", f"BRA 0x{16 * (len(lines) + 2):x}"]
-    return lines
-
-
 def _analyse(lines, demangled=FAST_QWEN.format(r=0), source=REPORT_LINE, ptxas=None):
-    funcs = kr.parse_sass(_sass(lines))
+    funcs = sass.parse_sass(sass_listing(lines))
     ((arch, _), instrs), = funcs.items()
     names, _ = kr.read_param_names(source)
     return kr.analyse_function(instrs, demangled, arch, ptxas=ptxas or {"regs": 64, "spill_stores": 0,
@@ -224,21 +186,8 @@ def _check(inst, name):
     return c["ok"]
 
 
-def test_parse_sass_and_loop_finder():
-    lines = _loop_kernel()
-    funcs = kr.parse_sass(_sass(lines))
-    ((arch, fn), instrs), = funcs.items()
-    assert (arch, fn) == (90, "_Z4fakev") and len(instrs) == len(lines)
-    assert instrs[7].pred == "@P1" and instrs[7].branch_target == 0x90
-    assert instrs[3].width == 128 and not instrs[3].is_constant and instrs[3].qualifiers == ["E", "EF"]
-    assert instrs[5].width == 32 and instrs[5].is_constant
-    assert instrs[3].dest_registers() == {20, 21, 22, 23}
-    assert kr.find_loops(instrs) == [(0x30, 0xd0)]  # the trap `BRA self` after EXIT is no loop
-    assert kr.find_hot_loop(instrs) == ((0x30, 0xd0), 1)
-
-
 def test_loop_figures():
-    inst = _analyse(_loop_kernel())
+    inst = _analyse(loop_kernel())
     lp = inst["hot_loop"]
     assert (lp["head"], lp["end"]) == ("0x0030", "0x00d0")
     assert lp["instructions"] == 10                  # 11 in range, the NOP excluded
@@ -255,24 +204,24 @@ def test_loop_figures():
 
 
 def test_narrow_qk_load_in_hot_loop_is_flagged():
-    assert not _check(_analyse(_loop_kernel(qk_load="LDG.E.64")), "qk-128bit")
-    assert not _check(_analyse(_loop_kernel(store="STG.E.64")), "qk-128bit")
+    assert not _check(_analyse(loop_kernel(qk_load="LDG.E.64")), "qk-128bit")
+    assert not _check(_analyse(loop_kernel(store="STG.E.64")), "qk-128bit")
     # a narrow __ldg (CONSTANT: cos/sin, weights) is allowed
-    assert _check(_analyse(_loop_kernel(extra=["LDG.E.64.CONSTANT R40, desc[UR8][R14.64]"])), "qk-128bit")
+    assert _check(_analyse(loop_kernel(extra=["LDG.E.64.CONSTANT R40, desc[UR8][R14.64]"])), "qk-128bit")
 
 
 def test_evict_first_store_is_flagged():
-    assert not _check(_analyse(_loop_kernel(store="STG.E.EF.128")), "store-default-policy")
+    assert not _check(_analyse(loop_kernel(store="STG.E.EF.128")), "store-default-policy")
 
 
 def test_spills_are_flagged():
     spilled = {"regs": 80, "spill_stores": 4, "spill_loads": 4, "stack": 8, "smem": 0}
-    assert not _check(_analyse(_loop_kernel(), ptxas=spilled), "no-spills")
-    assert not _check(_analyse(_loop_kernel(extra=["STL [R1], R8", "LDL R8, [R1]"])), "no-spills")
+    assert not _check(_analyse(loop_kernel(), ptxas=spilled), "no-spills")
+    assert not _check(_analyse(loop_kernel(extra=["STL [R1], R8", "LDL R8, [R1]"])), "no-spills")
 
 
 def test_threshold_follows_the_rounding_template_argument():
-    lines = _loop_kernel(pad=400)                    # (10 + 400) / 16 = 25.6 per element
+    lines = loop_kernel(pad=400)                    # (10 + 400) / 16 = 25.6 per element
     r0 = _analyse(lines, FAST_QWEN.format(r=0))
     r1 = _analyse(lines, FAST_QWEN.format(r=1))
     assert r1["template_params"]["ROUNDING"] == "1" and r1["threshold"] == 26
@@ -286,62 +235,12 @@ def test_threshold_follows_the_rounding_template_argument():
 
 
 def test_qwen_instance_identification():
-    assert not _analyse(_loop_kernel(), FAST_QWEN.format(r=0).replace("Bf16", "Fp16"))["qwen"]
-    assert not _analyse(_loop_kernel(), FAST_QWEN.format(r=0).replace(", true>", ", false>"))["qwen"]
-    assert not _analyse(_loop_kernel(), FAST_QWEN.format(r=0).replace("128, true", "128, false"))["qwen"]
+    assert not _analyse(loop_kernel(), FAST_QWEN.format(r=0).replace("Bf16", "Fp16"))["qwen"]
+    assert not _analyse(loop_kernel(), FAST_QWEN.format(r=0).replace(", true>", ", false>"))["qwen"]
+    assert not _analyse(loop_kernel(), FAST_QWEN.format(r=0).replace("128, true", "128, false"))["qwen"]
 
 
-def test_innermost_loop_with_the_stores_is_the_hot_loop():
-    lines = [
-        "S2R R3, SR_TID.X",
-        "IADD3 R4, R4, 0x1, RZ",                        # 0x10: outer head
-        "LDG.E.128 R20, desc[UR8][R2.64]",              # 0x20: inner head (with stores)
-        "STG.E.128 desc[UR8][R6.64], R20",
-        "@P0 BRA 0x20",                                 # 0x40: inner back edge
-        "FADD R5, R5, R5",                              # 0x50: a store-free loop
-        "@P1 BRA 0x50",
-        "@P2 BRA 0x10",                                 # 0x70: outer back edge
-        "EXIT",
-    ]
-    ((_, instrs),) = kr.parse_sass(_sass(lines)).items()
-    assert kr.find_loops(instrs) == [(0x10, 0x70), (0x20, 0x40), (0x50, 0x60)]
-    assert kr.find_hot_loop(instrs)[0] == (0x20, 0x40)
-
-
-def test_diverged_warp_fallback_is_not_a_loop():
-    # ptxas places the diverged-warp path of a shuffle out of line (BRA.DIV) and jumps back
-    # into the loop from there: that backward jump must not define a loop
-    lines = [
-        "S2R R3, SR_TID.X",
-        "LDG.E.128 R20, desc[UR8][R2.64]",              # 0x10: loop head
-        "BRA.DIV UR4, 0x80",
-        "SHFL.BFLY PT, R9, R20, 0x1, 0x1f",
-        "FADD R20, R20, R9",                            # 0x40: rejoin point
-        "STG.E.128 desc[UR8][R6.64], R20",
-        "@!P0 BRA 0x10",                                # 0x60: back edge
-        "EXIT",
-        "WARPSYNC.ALL",                                 # 0x80: fallback
-        "BRA 0x40",                                     # 0x90: jumps back into the loop
-    ]
-    ((_, instrs),) = kr.parse_sass(_sass(lines)).items()
-    assert kr.find_loops(instrs) == [(0x10, 0x60)]
-    lp = kr.analyse_loop(instrs, 2)
-    assert lp["longest_path"] == 6                    # BRA.DIV counted, not taken
-
-
-def test_tool_output_parsers():
-    ptxas = kr.parse_ptxas(
-        "ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
-        "ptxas info    : Function properties for _Z1kv\n"
-        "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
-        "ptxas info    : Used 80 registers, used 0 barriers, 16384 bytes smem, 8 bytes cumulative stack size\n")
-    assert ptxas["_Z1kv"] == {"entry": True, "stack": 8, "spill_stores": 4, "spill_loads": 12, "regs": 80,
-                              "smem": 16384, "barriers": 0}
-    ru = kr.parse_res_usage(" Function _Z1kv:\n  REG:80 STACK:8 SHARED:17408 LOCAL:0 CONSTANT[0]:624\n")
-    assert ru["_Z1kv"] == {"regs": 80, "stack": 8, "shared": 17408, "local": 0}
-    elf = (".nv.info._Z1kv\n\t<0x10>\n\tAttribute:\tEIATTR_MAX_THREADS\n\tFormat:\tEIFMT_SVAL\n"
-           "\tValue:\t0x100 0x1 0x1 \n")
-    assert kr.parse_max_threads(elf) == {"_Z1kv": 256}
+def test_template_arguments_and_occupancy():
     assert kr.template_args(FAST_QWEN.format(r=1), kr.FAST_KERNEL) == ["Bf16", "128", "true", "3", "1", "true"]
     occ = kr.occupancy(75, 0, 256, kr.HARDWARE[90])   # 75 -> 80 regs/thread allocated: 3 blocks
     assert (occ["blocks_per_sm"], occ["threads_per_sm"], occ["limiter"]) == (3, 768, "registers")
@@ -356,37 +255,6 @@ def test_bounds_arithmetic():
     assert b["bound"] == "memory"                     # 20 instructions/element: under break-even
     assert b["bytes_in_flight_per_sm"] == 3 * 16 * 768
     assert b["bytes_in_flight_needed_per_sm"] == pytest.approx(4.8e12 * 1000e-9 / 132)
-
-
-def test_first_stall_counts_the_loads_still_outstanding_at_each_tokens_first_wait():
-    # the synthetic loop issues both rows, then consumes the first: 2 outstanding at the wait
-    funcs = kr.parse_sass(_sass(_loop_kernel()))
-    ((_, _), instrs), = funcs.items()
-    body = kr.loop_body(instrs, kr.find_hot_loop(instrs)[0])
-    assert kr.first_stall_loads(body) == [2]
-    # the next row's load issued after the first use (the old kernel's schedule): 1 at the wait
-    late = _loop_kernel()
-    late.insert(7, late.pop(4))          # LDG.E.EF.128 R24 moved after FMUL R8, R20, R20
-    funcs = kr.parse_sass(_sass(late))
-    ((_, _), instrs), = funcs.items()
-    body = kr.loop_body(instrs, kr.find_hot_loop(instrs)[0])
-    assert kr.first_stall_loads(body) == [1]
-
-
-def test_common_path_skips_slow_path_calls_and_takes_guarded_blocks():
-    # a CALL block inside the loop (the slow path's argument set-up + CALL + return branch) is
-    # off the common path; the guarded MUFU is on it; prologue 3, epilogue 1 (the EXIT)
-    call = ["@!P2 BRA 0xd0", "MOV R4, R8", "CALL.REL.NOINC 0x200", "BRA 0xd0"]
-    lines = _loop_kernel(extra=())
-    lines[9:9] = call                    # after the MUFU, before the NOP
-    funcs = kr.parse_sass(_sass(lines))
-    ((_, _), instrs), = funcs.items()
-    loop = kr.find_hot_loop(instrs)[0]
-    counts = kr.common_path_counts(instrs, loop)
-    body = [i for i in instrs if loop[0] <= i.addr <= loop[1] and not i.is_nop]
-    assert counts["prologue"] == 3 and counts["epilogue"] == 1
-    assert counts["cold_in_loop"] == 3                  # MOV, CALL, BRA back
-    assert counts["iteration"] == len(body) - 3
 
 
 def test_report_and_launch_plan_assume_the_same_latency():

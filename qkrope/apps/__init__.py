@@ -11,6 +11,7 @@ build              ``qkrope build`` over :mod:`qkrope.runtime.engine`
 triton_repo        ``qkrope triton-repo`` over :mod:`qkrope.runtime.triton`
 bench              ``qkrope bench`` (attention block latency); kernel_bench: the kernel
                    timing method it shares with ``scripts/bench_kernel.py``
+kernel_report      the kernel's static SASS/ptxas report (``scripts/kernel_report.py``)
 demo               ``qkrope demo``, the main job
 =================  ===================================================================
 

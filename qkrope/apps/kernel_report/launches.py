@@ -1,0 +1,146 @@
+"""The real launcher against modelled devices: ``qknorm_rope.cu`` under the SIMT emulation, in
+dry-run mode (nothing computed), planning every Qwen-Image launch on each device of
+MODELLED_DEVICES with each instance's occupancy from its ptxas registers; the figures of the
+instance each launch picks, and the static targets (LAUNCH_TARGETS) they are checked against."""
+from __future__ import annotations
+
+import math
+import os
+
+from qkrope.runtime.sass import ToolError, loads_at_first_wait
+
+from .assumptions import (MODELLED_DEVICES, QWEN_HEAD_DIM, QWEN_HEADS, TARGET_ARCHS, device_hardware,
+                          launch_target, occupancy, qwen_problems)
+from .instances import label_of
+from .text import fmt
+
+def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
+    """What one launch of `inst` does per thread along the common path: tokens per row group,
+    whole-kernel instructions per element (one loop iteration per tokens-per-iteration, plus the
+    prologue and epilogue amortised over the group's tokens), and the q/k bytes outstanding per SM
+    at a token's first wait (fewest 128-bit loads at any token's first wait x 16 B x resident
+    threads)."""
+    loop = inst["hot_loop"]
+    common = loop.get("common_path") or {}
+    roles = inst["roles"]
+    rows = int(roles.get("rows", 1))
+    eb = inst["elem_bytes"]
+    vec = 16 // eb
+    head_dim = int(roles.get("head_dim", QWEN_HEAD_DIM))
+    lanes = min(head_dim // vec, 32)
+    elems = head_dim // lanes
+    units = 2 * math.ceil(problem["heads"] / rows)
+    token_step = launch["grid"][0] * (256 // lanes) // units
+    tokens_per_group = problem["tokens"] / token_step
+    per_iter = loop["elements_per_iteration"] / (rows * elems)   # tokens per loop iteration
+    it, pro, epi = common.get("iteration"), common.get("prologue"), common.get("epilogue")
+    ipe = None
+    if it and pro is not None and epi is not None:
+        ipe = (tokens_per_group * it / per_iter + pro + epi) / (tokens_per_group * rows * elems)
+    at_wait = loads_at_first_wait(loop)
+    in_flight = at_wait * 16 * occ["threads_per_sm"]
+    return {"rows": rows, "grid": launch["grid"][0], "token_step": token_step,
+            "tokens_per_group": tokens_per_group, "instr_per_element": ipe,
+            "loop_instr_per_element": it / loop["elements_per_iteration"] if it else None,
+            "prologue": pro, "epilogue": epi, "loads_at_first_wait": at_wait,
+            "bytes_in_flight_per_sm": in_flight, "blocks_per_sm": occ["blocks_per_sm"]}
+
+
+def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
+    """Run the real launcher (qknorm_rope.cu under the SIMT emulation, dry run: nothing computed)
+    against each modelled device for each Qwen problem and rounding mode, with each instance's
+    occupancy from the ptxas registers of the build for that device's architecture (sm_90's where
+    that architecture was not compiled), and analyse the instance it launches. The library:
+    ``simt_lib``, else where the toolchain's rule finds it (``$QKROPE_KERNELS_SIMT_LIB``,
+    build/plugins, build/kernel, build/kernel-simt)."""
+    from qkrope.runtime import kernels
+    saved = os.environ.get(kernels.SIMT_LIB_ENV)
+    if simt_lib:
+        os.environ[kernels.SIMT_LIB_ENV] = simt_lib  # for the loader only: restored below
+    try:
+        if kernels.simt_library_path() is None:
+            raise ToolError("the SIMT emulation library is not built: " + kernels.SIMT_BUILD_COMMAND)
+        return _plan_launches(report, kernels)
+    finally:
+        if saved is None:
+            os.environ.pop(kernels.SIMT_LIB_ENV, None)
+        else:
+            os.environ[kernels.SIMT_LIB_ENV] = saved
+
+
+def _plan_launches(report: dict, kernels) -> list[dict]:
+    import torch
+
+    entries = {int(a): e for a, e in report["archs"].items()}
+    if not entries:
+        return []
+    symbols = kernels.simt_kernel_symbols("qkNormRope")
+    simt_names = {}
+    for name in symbols:
+        if name.startswith("void ") and "lambda" not in name:
+            label = label_of(name)
+            if label:
+                simt_names[label] = name
+    launches = []
+    for dev_name, dev in MODELLED_DEVICES.items():
+        arch = dev["arch"] if dev["arch"] in entries else (90 if 90 in entries else min(entries))
+        by_label = {i["label"]: i for i in entries[arch]["instances"]}
+        hw = device_hardware(dev_name)
+        occ = {label: occupancy(i["regs"], i["smem"], i["threads_per_block"], hw) for label, i in by_label.items()}
+        table = {simt_names[label]: o["blocks_per_sm"] for label, o in occ.items() if label in simt_names}
+        kernels.simt_configure_model(num_sms=dev["sms"], max_threads_per_sm=dev["max_threads_per_sm"],
+                                     compute_capability=dev["cc"], clock_khz=dev["clock_khz"],
+                                     mem_clock_khz=dev["mem_clock_khz"], bus_width_bits=dev["bus_width_bits"],
+                                     occupancy=table, dry_run=True)
+        try:
+            for prob in qwen_problems():
+                q = torch.zeros(prob["batch"], prob["seq"], QWEN_HEADS, QWEN_HEAD_DIM, dtype=torch.bfloat16)
+                k = torch.zeros_like(q)
+                w = torch.ones(QWEN_HEAD_DIM, dtype=torch.bfloat16)
+                cache = torch.zeros(prob["seq"], QWEN_HEAD_DIM)
+                for rounding in (0, 1):
+                    kernels.simt_reset()
+                    kernels.simt_qk_norm_rope(q, k, w, w, cache, interleaved=True, rounding=rounding,
+                                              out=(q, k))
+                    recs = kernels.simt_last_launches()
+                    if len(recs) != 1:
+                        raise ToolError(f"{dev_name}, {prob['stream']}: expected one launch, got {len(recs)}")
+                    label = label_of(recs[0]["kernel"])
+                    inst = by_label.get(label)
+                    problem = dict(prob, heads=QWEN_HEADS)
+                    row = {"device": dev_name, "arch": arch, "stream": prob["stream"], "batch": prob["batch"],
+                           "tokens": prob["tokens"], "rounding": rounding, "instance": label,
+                           "found": inst is not None}
+                    if inst is not None and inst["hot_loop"].get("found"):
+                        row.update(launch_figures(inst, recs[0], problem, occ[label]))
+                    launches.append(row)
+        finally:
+            kernels.simt_configure(dry_run=False)
+    return launches
+
+
+def launch_checks(launches: list[dict]) -> list[dict]:
+    """The static targets (LAUNCH_TARGETS) for every launch on a TARGET_ARCHS device."""
+    checks = []
+    for ln in launches:
+        if ln["arch"] not in TARGET_ARCHS or MODELLED_DEVICES[ln["device"]]["arch"] not in TARGET_ARCHS:
+            continue
+        t = launch_target(ln["tokens"])
+        where = f"{ln['device']}, {ln['stream']}, batch {ln['batch']}, rounding {ln['rounding']}"
+        if not ln["found"] or "instr_per_element" not in ln:
+            checks.append({"check": "launched-instance", "arch": ln["arch"], "instance": str(ln["instance"]),
+                           "ok": False, "detail": f"{where}: the launched instance is not in the SASS"})
+            continue
+        need_b, have_b = t["bytes_in_flight_per_sm"], ln["bytes_in_flight_per_sm"]
+        checks.append({"check": "launched-bytes-in-flight", "arch": ln["arch"], "instance": ln["instance"],
+                       "ok": have_b >= need_b,
+                       "detail": f"{where}: {have_b / 1024:.1f} KiB per SM at a token's first wait "
+                                 f"({ln['loads_at_first_wait']} x 16 B x {ln['blocks_per_sm'] * 256} threads) "
+                                 f"{'>=' if have_b >= need_b else '<'} {need_b // 1024} KiB"})
+        lim, ipe = t["instr_per_element"][ln["rounding"]], ln["instr_per_element"]
+        ok = ipe is not None and ipe <= lim
+        checks.append({"check": "launched-instr-per-element", "arch": ln["arch"], "instance": ln["instance"],
+                       "ok": ok, "detail": f"{where}: {fmt(ipe, '.2f')} {'<=' if ok else '>'} {lim} "
+                                           f"instructions per element ({ln['tokens_per_group']:.1f} tokens "
+                                           "per group)"})
+    return checks

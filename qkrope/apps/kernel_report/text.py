@@ -1,0 +1,156 @@
+"""The report as text: per architecture the instance table, the detail blocks, the
+assumptions; the launch table; the structural checks."""
+from __future__ import annotations
+
+import collections
+import json
+
+from qkrope.runtime.sass import loads_at_first_wait
+
+from .assumptions import LAUNCH_TARGETS, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS
+
+def fmt(v, spec="", none="-"):
+    return none if v is None else format(v, spec)
+
+
+MAX_FAILURES_LISTED = 8
+
+
+def format_text(report: dict, details: str = "qwen") -> str:
+    out: list[str] = []
+    w = out.append
+    for arch, entry in report["archs"].items():
+        hw = entry["hardware"]
+        w(f"== sm_{arch}  ({entry['cubin']}; hardware figures: {hw['gpu']})")
+        for k, names in entry["param_names"].items():
+            w(f"   {k}<{', '.join(names)}>  [{entry['param_origin'].get(k, '')}]")
+        if not entry["ptxas"]:
+            w("   no ptxas log (--cubin): registers/stack/shared from cuobjdump -res-usage, spills "
+              "from LDL/STL in the SASS only")
+        w("")
+        hdr = (f"   {'instance':<34} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>6} "
+               f"{'thr/blk':>7} {'blk/SM':>6} {'occ':>5} {'hot loop':>13} {'insns':>5} {'skip':>4} "
+               f"{'el/it':>5} {'ins/el':>6} {'longest':>7} {'ld128':>5} {'KB/SM':>6}")
+        w(hdr)
+        for inst in entry["instances"]:
+            lp = inst["hot_loop"]
+            occ = inst["occupancy"]
+            spill = f"{fmt(inst['spill_stores'])}/{fmt(inst['spill_loads'])}"
+            label = inst["label"] + (" *Qwen" if inst["qwen"] else "")
+            if lp.get("found"):
+                rng = f"{lp['head']}-{lp['end'][2:]}"
+                inflight = lp["in_flight"]["max_qk_loads_128"]
+                kb = inflight * 16 * occ["threads_per_sm"] / 1024
+                loopcols = (f"{rng:>13} {lp['instructions']:>5} {lp['skipped_instructions']:>4} "
+                            f"{fmt(lp['elements_per_iteration'], '.0f'):>5} "
+                            f"{fmt(lp['instr_per_element'], '.2f'):>6} "
+                            f"{fmt(lp['longest_path_per_element'], '.2f'):>7} {inflight:>5} {kb:>6.1f}")
+            else:
+                loopcols = f"{'(none)':>13}"
+            w(f"   {label:<34} {inst['regs']:>4} {spill:>11} {fmt(inst['stack']):>5} {inst['smem']:>6} "
+              f"{inst['threads_per_block']:>7} {occ['blocks_per_sm']:>6} {occ['occupancy'] * 100:>4.0f}% "
+              + loopcols)
+        w("   columns: spill in bytes (ptxas); occ = resident warps / 64; hot loop = SASS address range; "
+          "insns = non-NOP instructions in it;")
+        w("   skip = of those, ones a forward branch jumps over; el/it = elements stored per iteration; "
+          "ins/el = insns / el/it;")
+        w("   longest = instructions on the longest head-to-back-edge path per element; ld128 = max "
+          "128-bit q/k loads in flight per thread;")
+        w("   KB/SM = ld128 x 16 B x resident threads per SM")
+        w("")
+        for inst in entry["instances"]:
+            if inst["kind"] == "general" or not inst["hot_loop"].get("found"):
+                continue
+            if not (details == "all" or (details == "qwen" and inst["qwen"])):
+                continue
+            lp = inst["hot_loop"]
+            params = ", ".join(f"{k}={v}" for k, v in inst["template_params"].items())
+            w(f"   -- {inst['label']}  ({params}){'  [Qwen instance]' if inst['qwen'] else ''}")
+            w(f"      occupancy {inst['occupancy']['blocks_per_sm']} blocks x {inst['threads_per_block']} "
+              f"threads ({inst['threads_source']}), limited by {inst['occupancy']['limiter']}; "
+              f"{inst['regs']} registers")
+            w(f"      hot loop {lp['head']}..{lp['end']}: {lp['instructions']} instructions "
+              f"({lp['skipped_instructions']} in conditionally skipped blocks), {lp['stores_128']} x "
+              f"STG.128 -> {lp['elements_per_iteration']:.0f} elements/iteration -> "
+              f"{fmt(lp['instr_per_element'], '.2f')} instructions/element "
+              f"(longest path {fmt(lp['longest_path_per_element'], '.2f')})")
+            if inst["threshold"] is not None:
+                w(f"      threshold {inst['threshold']}: {inst['threshold_note']}")
+            mix = lp["mix"]["categories"]
+            w("      mix: " + ", ".join(f"{k} {v}" for k, v in mix.items()))
+            if lp["calls"]:
+                where = ("all targets outside the loop" if lp["calls_outside_loop"]
+                         else "SOME TARGETS INSIDE THE LOOP: the count includes them")
+                w(f"      calls in the loop (cold subroutines, only the CALL counted): {len(lp['calls'])}, {where}")
+            w("      global memory in the hot loop:")
+            for o in lp["memory_ops"]:
+                w(f"        {o['addr']}  {o['kind']:<5} {o['width']:>3}-bit  "
+                  f"{'.'.join(o['qualifiers']) or '-':<14} {o['sass']}")
+            fl = lp["in_flight"]
+            w(f"      loads in flight per thread: {fl['max_qk_loads_128']} x 128-bit q/k "
+              f"(max {fl['max_bytes_per_thread']} B of global loads outstanding)")
+            b = inst.get("bounds")
+            if b:
+                w(f"      bound ({report['problem']['name']}):")
+                w(f"        memory floor   {b['bytes'] / 1e6:.1f} MB at {hw['dram_tb_s']} TB/s = "
+                  f"{b['memory_floor_us']:.1f} us")
+                if "issue_floor_us" in b:
+                    w(f"        issue floor    {b['elements'] / 1e6:.1f} M elements / 32 x "
+                      f"{lp['instr_per_element']:.2f} = {b['warp_instructions'] / 1e6:.1f} M warp-instr / "
+                      f"({hw['sms']} SMs x {hw['schedulers_per_sm']} x {hw['clock_ghz']} GHz) = "
+                      f"{b['issue_floor_us']:.1f} us  -> {b['bound']}-bound, at best "
+                      f"{b['fraction_of_peak_bw'] * 100:.0f} % of peak bandwidth "
+                      f"(break-even {b['break_even_instr_per_element']:.1f} instructions/element)")
+                w(f"        in flight      {b['bytes_in_flight_per_sm'] / 1024:.1f} KB per SM at a "
+                  f"token's first wait ({loads_at_first_wait(lp)} x 16 B x "
+                  f"{inst['occupancy']['threads_per_sm']} threads) vs "
+                  f"{b['bytes_in_flight_needed_per_sm'] / 1024:.1f} KB needed ({hw['dram_tb_s']} TB/s x "
+                  f"{hw['dram_latency_ns']} ns / {hw['sms']} SMs): ratio {b['in_flight_ratio']:.2f}, "
+                  f"latency caps reads at ~{b['latency_bound_read_tb_s']:.1f} TB/s")
+            w("")
+        w("   assumptions:")
+        for a in entry["assumptions"]:
+            w(f"     - {a}")
+        w("")
+    if report.get("launches"):
+        w("== launches: the real launcher (qknorm_rope.cu under the SIMT emulation, dry run) on "
+          "modelled devices, occupancy from ptxas registers")
+        w(f"   {'device':<14} {'stream':<16} {'batch':>5} {'rnd':>3} {'instance':<30} {'blk/SM':>6} "
+          f"{'tok/grp':>7} {'ins/el':>6} {'ld@wait':>7} {'KiB/SM':>6}")
+        for ln in report["launches"]:
+            if "instr_per_element" not in ln:
+                w(f"   {ln['device']:<14} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
+                  f"{str(ln['instance']):<30} (not in the SASS)")
+                continue
+            w(f"   {ln['device']:<14} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
+              f"{ln['instance']:<30} {ln['blocks_per_sm']:>6} {ln['tokens_per_group']:>7.1f} "
+              f"{fmt(ln['instr_per_element'], '.2f'):>6} {ln['loads_at_first_wait']:>7} "
+              f"{ln['bytes_in_flight_per_sm'] / 1024:>6.1f}")
+        w("   ins/el = common-path SASS instructions per element over the whole kernel (loop per "
+          "token + prologue/epilogue over tok/grp tokens);")
+        w("   ld@wait = 128-bit q/k loads outstanding at a token's first wait; KiB/SM = ld@wait x 16 B "
+          "x resident threads")
+        w(f"   targets on {', '.join(f'sm_{a}' for a in TARGET_ARCHS)} devices: " + "; ".join(
+            f">= {t['min_tokens']} tokens: >= {t['bytes_in_flight_per_sm'] // 1024} KiB, <= "
+            f"{t['instr_per_element'][0]} / {t['instr_per_element'][1]} (rounding 0 / 1)" for t in LAUNCH_TARGETS))
+        w("")
+    w(f"== structural checks (--check); instruction thresholds {THRESHOLDS} by rounding mode, "
+      f"from {THRESHOLD_SOURCE}")
+    by = collections.OrderedDict()
+    for c in report["checks"]:
+        by.setdefault((c["arch"], c["check"]), []).append(c)
+    for (arch, name), cs in by.items():
+        bad = [c for c in cs if not c["ok"]]
+        w(f"   sm_{arch} {name:<22} {'ok' if not bad else 'FAIL'}  ({len(cs) - len(bad)}/{len(cs)} instances)")
+        for c in bad[:MAX_FAILURES_LISTED]:
+            w(f"      FAIL {c['instance']}: {c['detail']}")
+        if len(bad) > MAX_FAILURES_LISTED:
+            w(f"      ... and {len(bad) - MAX_FAILURES_LISTED} more (all in --json)")
+        if name == "instr-per-element" and not bad:
+            for c in cs:
+                w(f"      {c['instance']}: {c['detail']}")
+    return "\n".join(out)
+
+
+def json_ready(report: dict) -> dict:
+    return json.loads(json.dumps(report, default=str))
