@@ -25,21 +25,19 @@ in plain functions that run without TensorRT):
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._progress import Steps
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
-from qkrope._deps import require
 from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
                             check_output_folder, check_outputs, file_kind, output_error,
                             sha256_file, staged_outputs, write_atomic)
@@ -47,13 +45,8 @@ from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsIn
 from . import fp8_engine
 from . import profiles as prof
 from . import trt_utils as tu
+from .loader_tensorrt import EngineBuildError, import_tensorrt, load_plugin_library, trt_major
 from .plugin_build import resolve_plugin_library
-
-MIN_TRT_MAJOR = 10
-
-
-class EngineBuildError(QkropeError, RuntimeError):
-    """The engine could not be built; the message says why and what to do."""
 
 
 class PluginFallbackError(EngineBuildError):
@@ -61,78 +54,8 @@ class PluginFallbackError(EngineBuildError):
 
 
 # --------------------------------------------------------------------------------------------
-# TensorRT access (thin)
+# TensorRT network flags (thin; importing TensorRT and its plugin library: loader_tensorrt)
 # --------------------------------------------------------------------------------------------
-
-def import_tensorrt(feature: str = "qkrope build (TensorRT engine building)"):
-    """``import tensorrt`` or MissingDependencyError with the install hint; checks the version."""
-    trt = require("tensorrt", feature)
-    check_trt_version(getattr(trt, "__version__", "0"))
-    return trt
-
-
-def check_trt_version(version: str) -> tuple[int, int]:
-    try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError:
-        return (0, 0)
-    if major < MIN_TRT_MAJOR:
-        raise EngineBuildError(
-            f"TensorRT {version} is too old: qkrope needs TensorRT {MIN_TRT_MAJOR}.x or newer "
-            f"(IPluginV3 plugins, strongly typed networks, the parser preferring a registered "
-            f"plugin over an ONNX local function from 10.7). Fix: install TensorRT 10.7+ or use "
-            f"an NGC TensorRT container")
-    return major, minor
-
-
-def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: bool = False,
-                        registry=None) -> Any:
-    """Load the plugin library so its creators are registered, then check QKNormRoPE is there.
-
-    The regular library registers its creator when loaded (a static initialiser calling
-    ``getPluginRegistry()->registerCreator``), so ``dlopen`` with RTLD_GLOBAL is enough (this is
-    also what Triton's TensorRT backend and ``trtexec --staticPlugins`` do). The VC library
-    exports ``getCreators``/``setLoggerFinder`` instead and must go through
-    ``IPluginRegistry.load_library`` so that TensorRT can serialise it into a VC engine.
-    """
-    path = str(Path(path).resolve())
-    if not os.path.exists(path):
-        raise InputFileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
-                                f"`qkrope build-plugin` or pass --plugin PATH")
-    registry = registry if registry is not None else trt.get_plugin_registry()
-    if version_compatible:
-        handle = registry.load_library(path)
-        if handle is None:
-            raise EngineBuildError(
-                f"TensorRT could not load the version-compatible plugin library {path} with "
-                f"IPluginRegistry.load_library (see TensorRT's log above). Fix: pass the VC "
-                f"library (the one exporting getCreators), e.g. the output of "
-                f"`qkrope build-plugin` named *_vc.so")
-    else:
-        try:
-            handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as exc:
-            raise EngineBuildError(f"could not load the plugin library {path}: {exc}. Fix: check "
-                                   f"it was built for this TensorRT/CUDA and that "
-                                   f"LD_LIBRARY_PATH reaches libnvinfer") from exc
-    creator = registry.get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
-                                   contract.PLUGIN_NAMESPACE)
-    if creator is None:
-        raise EngineBuildError(
-            f"{path} loaded, but TensorRT's plugin registry has no creator "
-            f"{contract.PLUGIN_NAME!r} version {contract.PLUGIN_VERSION!r} in namespace "
-            f"{contract.PLUGIN_NAMESPACE!r}. Fix: pass qkrope's plugin library "
-            f"({'the VC build' if version_compatible else 'the self-registering build'}; "
-            f"`qkrope build-plugin` makes both)")
-    return handle
-
-
-def trt_major(trt) -> int:
-    try:
-        return int(str(getattr(trt, "__version__", "0")).split(".")[0])
-    except ValueError:
-        return 0
-
 
 def network_creation_flags(trt) -> int:
     """``1 << STRONGLY_TYPED`` on TensorRT 10 (where the flag exists, value 1). TensorRT 11

@@ -40,7 +40,8 @@ from qkrope._deps import require
 from qkrope.errors import InputError, QkropeError
 
 from .caches import QWEN_AXES_DIM, build_qwen_rope_caches
-from .runner import Runner, load
+from .backends import load
+from .runner import Runner
 
 
 class TransformerLoadError(QkropeError, ValueError):

@@ -133,7 +133,7 @@ def test_trt_runner_loads_the_plugin_through_engine_module(tmp_path, monkeypatch
     QKNormRoPE creator got registered."""
     import fake_tensorrt as ft
 
-    from qkrope.runtime import engine as eng
+    from qkrope.runtime import loader_tensorrt as eng
 
     assert not hasattr(parity, "load_plugin_library")
     fake_trt, _ = ft.make_fake_trt("10.14.1", registered=False)

@@ -18,6 +18,7 @@ from _tiny_model import C, parse_tiny, write_tiny_onnx
 
 from qkrope._fileio import sha256_file
 from qkrope.runtime import engine as eng
+from qkrope.runtime import loader_tensorrt as lt
 
 LT = ft.LayerType
 TRT, _ = ft.make_fake_trt()
@@ -116,10 +117,10 @@ def test_progress_tty_bars():
 # --------------------------------------------------------------------------------------------
 
 def test_trt_version_gate():
-    assert eng.check_trt_version("10.14.1.48") == (10, 14)
-    assert eng.check_trt_version("11.0.0") == (11, 0)
-    with pytest.raises(eng.EngineBuildError, match="too old"):
-        eng.check_trt_version("8.6.1")
+    assert lt.check_trt_version("10.14.1.48") == (10, 14)
+    assert lt.check_trt_version("11.0.0") == (11, 0)
+    with pytest.raises(lt.EngineBuildError, match="too old"):
+        lt.check_trt_version("8.6.1")
 
 
 def test_network_flags_follow_the_tensorrt_version():
@@ -172,7 +173,7 @@ def fake_build(tmp_path, monkeypatch):
     def setup(**kw):
         trt, state = ft.make_fake_trt(parse=parse_tiny, **kw)
         monkeypatch.setitem(sys.modules, "tensorrt", trt)
-        monkeypatch.setattr(eng.ctypes, "CDLL",
+        monkeypatch.setattr(lt.ctypes, "CDLL",
                             lambda path, mode=0: state.loaded.append(("dlopen", path)))
         lib = tmp_path / "libqkrope_plugin.so"
         lib.write_bytes(b"\x7fELF fake")

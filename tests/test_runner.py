@@ -17,6 +17,8 @@ import torch
 from qkrope._deps import MissingDependencyError
 from qkrope.runtime import RopeCacheError, RopeCacheOverflowError, build_qwen_rope_caches
 from qkrope.runtime import runner as rn
+from qkrope.runtime import loader_tensorrt, runner_tensorrt
+from qkrope.runtime.backends import load
 
 HEADS, HEAD_DIM = 2, 16
 C = HEADS * HEAD_DIM
@@ -56,7 +58,7 @@ class SpySession:
 
 @pytest.fixture(scope="module")
 def runner(exported):
-    r = rn.load(exported[0])
+    r = load(exported[0])
     r.session = SpySession(r.session)
     return r
 
@@ -110,7 +112,7 @@ def test_run_qwen_builds_caches_and_matches(runner, exported):
 
 
 def test_outputs_allocated_once_per_shape(exported):
-    r = rn.load(exported[0])
+    r = load(exported[0])
     hs, ehs, caches = inputs()
     a_img, _ = r(hs, ehs, caches)
     ptr = a_img.data_ptr()
@@ -120,7 +122,7 @@ def test_outputs_allocated_once_per_shape(exported):
     assert c_img.data_ptr() != ptr and c_img.shape[0] == 1
     d_img, _ = r(hs, ehs, caches)
     assert d_img.data_ptr() == ptr  # the batch-2 buffer is still cached
-    keep = rn.load(exported[0], copy_outputs=True)
+    keep = load(exported[0], copy_outputs=True)
     e_img, _ = keep(hs, ehs, caches)
     f_img, _ = keep(hs, ehs, caches)
     assert e_img.data_ptr() != f_img.data_ptr()
@@ -281,7 +283,7 @@ def test_check_roles_takes_no_timestep():
 def test_bf16_unresolvable_output_rejected_before_execution(tmp_path):
     """A bf16 output whose shape does not follow from the inputs' named axes cannot be read back:
     that is known before anything runs, so the session must not run."""
-    r = rn.load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
+    r = load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
     spec = r.io.outputs[0]
     r.io.outputs[0] = rn.TensorSpec(spec.name, spec.dtype, spec.dims,
                                     ("mystery_axis",) + spec.axes[1:])
@@ -334,7 +336,7 @@ def _write_bf16_identity_model(path: Path) -> Path:
 
 
 def test_bf16_zero_copy_binding(tmp_path):
-    r = rn.load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
+    r = load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
     hs, ehs, caches = inputs()
     hs, ehs = hs.bfloat16(), ehs.bfloat16()
     img, txt = r(hs, ehs, caches)
@@ -350,22 +352,22 @@ def test_bf16_zero_copy_binding(tmp_path):
 
 def test_load_dispatch_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
-        rn.load(tmp_path / "nope.onnx")
+        load(tmp_path / "nope.onnx")
     odd = tmp_path / "model.bin"
     odd.write_bytes(b"x")
     with pytest.raises(rn.RunnerError, match=r"\.engine or \.plan"):
-        rn.load(odd)
+        load(odd)
     eng_file = tmp_path / "model.engine"
     eng_file.write_bytes(b"not an engine")
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(MissingDependencyError, match="NGC TensorRT container"):
-        rn.load(eng_file)
+        load(eng_file)
 
 
 def test_load_is_exported_from_runtime():
     import qkrope.runtime as rt
 
-    assert rt.load is rn.load
+    assert rt.load is load
     assert rt.RunnerInputError is rn.RunnerInputError
 
 
@@ -380,7 +382,7 @@ def test_bf16_model_on_cpu_provider_gets_clear_error(tmp_path, monkeypatch):
     f = _write_bf16_identity_model(tmp_path / "m.onnx")
     monkeypatch.setattr(ort, "InferenceSession", NoKernel)
     with pytest.raises(rn.RunnerError, match="no bfloat16 MatMul.*CUDAExecutionProvider"):
-        rn.load(f)
+        load(f)
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,7 +493,7 @@ def test_plugin_resolution_is_one_function(tmp_path, monkeypatch):
     for gone in ((pb, "plugin_record"), (pb, "plugin_sha256_mismatch"), (pb, "add_cli"),
                  (triton, "resolve_plugin"), (rn, "resolve_runtime_plugin")):
         assert not hasattr(*gone), gone
-    for mod in (rn, triton):
+    for mod in (loader_tensorrt, triton):
         assert "resolve_plugin_library(" in inspect.getsource(mod)
 
 
@@ -537,7 +539,7 @@ def test_load_refuses_nodes_that_break_the_contract(exported, tmp_path, monkeypa
     bad, attribute, node = write_bad_copy(exported[0], tmp_path / "bad.onnx", case)
     _no_session(monkeypatch)
     with pytest.raises(QkropeError, match=attribute) as info:
-        rn.load(bad)
+        load(bad)
     assert node in str(info.value)
 
 
@@ -548,7 +550,7 @@ def test_load_refuses_unreadable_onnx_files_clearly(exported, tmp_path, monkeypa
     bad = write_broken_copy(exported[0], tmp_path / "broken.onnx", case)
     _no_session(monkeypatch)
     with pytest.raises(QkropeError, match=r"not a readable ONNX model.*qkrope export"):
-        rn.load(bad)
+        load(bad)
 
 
 @pytest.mark.parametrize("edit,field", [
@@ -568,7 +570,7 @@ def test_load_wrong_shape_sidecar_is_a_sidecar_error(exported, tmp_path, edit, f
     edit(data)
     Path(str(path) + ".json").write_text(json.dumps(data))
     with pytest.raises(SidecarError, match=field):
-        r = rn.load(path)
+        r = load(path)
         r.run_qwen(*inputs()[:2], img_shapes=IMG_SHAPES)
 
 
@@ -614,7 +616,7 @@ def test_load_of_an_engine_that_is_not_one_is_refused_before_tensorrt(exported, 
     fake = tmp_path / "m.engine"
     fake.write_bytes(Path(exported[0]).read_bytes() if content == "onnx" else b"")
     with pytest.raises(rn.RunnerError, match="not a TensorRT engine"):
-        rn.load(fake)
+        load(fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,7 +663,7 @@ def _engine_sidecar(labels=()):
 
 
 class FakeCuda:
-    """Stands in for rn.TorchCuda: streams are plain objects, graphs record what they
+    """Stands in for runner_tensorrt.TorchCuda: streams are plain objects, graphs record what they
     captured and count replays."""
 
     class Graph:
@@ -715,10 +717,9 @@ import types  # noqa: E402
 def _fake_trt_runner(profiles, labels=(), cuda_graph=False):
     trt, _ = ft.make_fake_trt()
     engine = _multi_engine(profiles)
-    r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
     cuda = FakeCuda()
-    r._setup(engine, trt, _engine_sidecar(labels), device=torch.device("cpu"), cuda=cuda,
-             cuda_graph=cuda_graph)
+    r = runner_tensorrt.TensorRTRunner(loader_tensorrt.LoadedEngine(engine, trt, _engine_sidecar(
+        labels)), device=torch.device("cpu"), cuda=cuda, cuda_graph=cuda_graph)
     r._check_device = lambda device: None
     return r, engine, cuda
 
@@ -806,8 +807,8 @@ def test_trt_runner_cuda_graph_on_gpu(tmp_path):
         pytest.skip("requires TensorRT and CUDA (and QKROPE_TEST_ENGINE=an attention-block "
                     "engine built by `qkrope build`)")
     del trt
-    eager = rn.load(os.environ["QKROPE_TEST_ENGINE"], copy_outputs=True)
-    graphed = rn.load(os.environ["QKROPE_TEST_ENGINE"], copy_outputs=True, cuda_graph=True)
+    eager = load(os.environ["QKROPE_TEST_ENGINE"], copy_outputs=True)
+    graphed = load(os.environ["QKROPE_TEST_ENGINE"], copy_outputs=True, cuda_graph=True)
     spec = eager.io.input(eager.io.roles["hidden_states"])
     width = spec.dims[2][0]
     for seed in (0, 1, 2):
@@ -832,12 +833,11 @@ def test_trt_runner_refuses_a_sidecar_config_the_engine_was_not_built_from():
     side = _engine_sidecar()
     engine = _multi_engine([_profile((1, 2), 16, 8)])
     engine.name = config_tag(side.config)
-    r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
-    r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())  # agrees
+    loaded = loader_tensorrt.LoadedEngine(engine, trt, side)
+    runner_tensorrt.TensorRTRunner(loaded, device=torch.device("cpu"), cuda=FakeCuda())  # agrees
     side.config["axes_dims_rope"] = side.config["axes_dims_rope"][::-1]
-    r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
     with pytest.raises(EngineInfoError, match="describes another config than the one"):
-        r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())
+        runner_tensorrt.TensorRTRunner(loaded, device=torch.device("cpu"), cuda=FakeCuda())
 def test_trt_runner_keeps_the_cuda_graphs_of_the_last_shapes_only():
     """Ever new shapes with cuda_graph=True: the graphs (and their static buffers) a thread
     keeps stay bounded; a shape that comes back after being dropped is captured again."""
@@ -846,9 +846,9 @@ def test_trt_runner_keeps_the_cuda_graphs_of_the_last_shapes_only():
     for grid in grids:
         r(*_qwen_inputs(2, grid, 5))
     assert len(cuda.graphs) == len(grids)
-    assert len(r._local.graphs) == rn.GRAPHS_PER_THREAD
+    assert len(r._local.graphs) == runner_tensorrt.GRAPHS_PER_THREAD
     r(*_qwen_inputs(2, grids[-1], 5))  # kept: replayed
     assert len(cuda.graphs) == len(grids) and cuda.graphs[-1].replays == 1
     r(*_qwen_inputs(2, grids[0], 5))  # dropped: captured again
     assert len(cuda.graphs) == len(grids) + 1
-    assert len(r._local.graphs) == rn.GRAPHS_PER_THREAD
+    assert len(r._local.graphs) == runner_tensorrt.GRAPHS_PER_THREAD

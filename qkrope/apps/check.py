@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
                 f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu), or with "
                 f"--engine/--plugin --no-onnxrt (TensorRT vs PyTorch)") from None
         if type(exc).__module__.startswith("onnxruntime"):  # its Fail, InvalidGraph, ...
-            from qkrope.runtime.runner import ort_load_error
+            from qkrope.runtime.loader_onnxrt import ort_load_error
 
             raise ParityError(str(ort_load_error(args.onnx, args.providers, exc,
                                                  action="failed on"))) from None
