@@ -17,6 +17,7 @@ import pytest
 from _tiny_model import C, parse_tiny, write_tiny_onnx
 
 from qkrope._fileio import sha256_file
+from qkrope._progress import BuildProgress
 from qkrope.runtime import engine as eng
 from qkrope.runtime import loader_tensorrt as lt
 
@@ -78,7 +79,7 @@ def test_get_layer_returns_an_ilayer_that_must_be_cast():
 def test_progress_plain_lines_and_cancel():
     out = io.StringIO()
     t = iter(range(100))
-    p = eng.BuildProgress(out, tty=False, clock=lambda: float(next(t)))
+    p = BuildProgress(out, tty=False, clock=lambda: float(next(t)))
     p.phase_start("Building engine", None, 3)
     p.phase_start("Tactic selection", "Building engine", 10)
     p.phase_start("deep", "Tactic selection", 2)  # depth 2: not printed
@@ -98,7 +99,7 @@ def test_progress_plain_lines_and_cancel():
 def test_progress_tty_bars():
     """On a terminal: a tqdm bar per phase (steps counted), the top phase's time when it ends."""
     out = io.StringIO()
-    p = eng.BuildProgress(out, tty=True)
+    p = BuildProgress(out, tty=True)
     p.phase_start("Build", None, 4)
     p.phase_start("Tactics", "Build", 3)
     p.step_complete("Tactics", 2)
