@@ -312,6 +312,8 @@ class Runner:
     """Base class: argument mapping and checks; subclasses implement :meth:`_execute`."""
 
     backend = "?"
+    #: where the inputs go (each backend sets it: its first provider's device, the engine's GPU)
+    device: torch.device | None = None
 
     def __init__(self, io: ModelIO, *, copy_outputs: bool = False):
         self.io = io

@@ -37,6 +37,9 @@ class OrtRunner(Runner):
         super().__init__(onnx_model_io(self.path, self.session, model=loaded.model),
                          copy_outputs=copy_outputs)
         self._cuda_ok = "CUDAExecutionProvider" in self.session.get_providers()
+        names = [p if isinstance(p, str) else p[0] for p in self.providers]
+        self.device = torch.device("cuda" if names and names[0] == "CUDAExecutionProvider"
+                                   else "cpu")
 
     def _check_device(self, device: torch.device) -> None:
         if device.type == "cuda" and not self._cuda_ok:
