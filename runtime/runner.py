@@ -157,6 +157,9 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
     """Check every fed tensor against ``io``; returns the value of every named axis.
 
     Raises RunnerInputError naming the input, what was received, what was expected, the fix.
+    The RoPE caches' own facts (a float32 pair, rows >= the tokens of their stream, ...) are not
+    repeated here: :meth:`Runner.prepare` checks them once with ``validate_cos_sin_caches``, the
+    only way a cache reaches ``feeds`` (``extra_inputs`` may not replace it).
     """
     role_of = {v: k for k, v in io.roles.items()}
     axis_values: dict[str, tuple[int, str]] = {}
@@ -245,33 +248,7 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
         raise RunnerInputError(f"unknown input(s) {', '.join(unknown)}; the model's inputs are "
                                f"{', '.join(s.name for s in io.inputs)}. Fix: drop them from "
                                f"extra_inputs")
-    _check_cache_rows(io, feeds)
     return {ax: v for ax, (v, _) in axis_values.items()}
-
-
-# cache role -> (the activation role of the same stream, its token dimension, stream name)
-_CACHE_STREAMS = {"img_cache": ("hidden_states", "image"),
-                  "txt_cache": ("encoder_hidden_states", "text")}
-
-
-def _check_cache_rows(io: ModelIO, feeds: Mapping[str, Any]) -> None:
-    """A RoPE cache needs one row per token of its stream: rows >= tokens (whatever the path
-    that put the cache in ``feeds``, and even when the model's axes are unnamed)."""
-    for cache_role, (act_role, stream) in _CACHE_STREAMS.items():
-        cache = feeds.get(io.roles.get(cache_role, ""))
-        act = feeds.get(io.roles.get(act_role, ""))
-        # only [batch, tokens, dim] activations have a token count (a 2-D tensor is a rank
-        # error, reported as such by the per-input check)
-        if not (isinstance(cache, torch.Tensor) and isinstance(act, torch.Tensor)
-                and cache.dim() >= 1 and act.dim() == 3):
-            continue
-        rows, tokens = int(cache.shape[0]), int(act.shape[1])
-        if rows < tokens:
-            raise RunnerInputError(
-                f"{cache_role} (model input {io.roles[cache_role]!r}) has {rows} rows but "
-                f"{act_role} has {tokens} {stream} tokens: a RoPE cache needs one row per token. "
-                f"Fix: build the cache for these sizes (qkrope.runtime.build_qwen_rope_caches or "
-                f"runner.run_qwen)")
 
 
 def _same_cuda(a: torch.device, b: torch.device) -> bool:

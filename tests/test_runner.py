@@ -114,26 +114,31 @@ def test_bad_input_rejected_before_execution(runner, case):
     assert "Fix" in str(info.value)
 
 
-def test_check_inputs_rejects_short_caches_whatever_the_path(runner):
-    """check_inputs itself (not only the cache validation in prepare) needs cache rows >= the
-    tokens of the cache's stream."""
+def test_short_caches_are_refused_whatever_the_path(runner):
+    """Cache rows >= the tokens of the cache's stream is checked once at the Python boundary:
+    by validate_cos_sin_caches in Runner.prepare, the one way a cache reaches the model
+    (extra_inputs may not replace a cache); check_inputs does not repeat it. Nothing runs."""
     hs, ehs, (img, txt) = inputs()
     roles = runner.io.roles
     good = {roles["hidden_states"]: hs, roles["encoder_hidden_states"]: ehs,
             roles["encoder_hidden_states_mask"]: torch.ones(2, S_TXT, dtype=torch.bool),
             roles["img_cache"]: img, roles["txt_cache"]: txt}
     rn.check_inputs(runner.io, good, device=torch.device("cpu"))
-    with pytest.raises(rn.RunnerInputError, match=r"img_cache .* has 10 rows but hidden_states "
-                                                  r"has 16 image tokens.*one row per token"):
-        rn.check_inputs(runner.io, {**good, roles["img_cache"]: img[:10].contiguous()},
-                        device=torch.device("cpu"))
-    with pytest.raises(rn.RunnerInputError, match=r"txt_cache .* has 3 rows but "
-                                                  r"encoder_hidden_states has 5 text tokens"):
-        rn.check_inputs(runner.io, {**good, roles["txt_cache"]: txt[:3].contiguous()},
-                        device=torch.device("cpu"))
+    before = runner.session.calls
+    with pytest.raises(RopeCacheOverflowError, match=r"img cos_sin_cache has too few rows: "
+                                                     r"required=16, available=10.*one row per "
+                                                     r"img token"):
+        runner(hs, ehs, (img[:10].contiguous(), txt))
+    with pytest.raises(RopeCacheOverflowError, match=r"txt cos_sin_cache has too few rows: "
+                                                     r"required=5, available=3"):
+        runner(hs, ehs, (img, txt[:3].contiguous()))
+    with pytest.raises(rn.RunnerInputError, match=r"extra_inputs names 'img_cos_sin_cache'"):
+        runner(hs, ehs, (img, txt), extra_inputs={roles["img_cache"]: img[:10].contiguous()})
+    assert runner.session.calls == before, "the model ran with a short cache"
     # more rows than tokens is fine (a cache built for the longest prompt)
     longer = build_qwen_rope_caches(IMG_SHAPES, S_TXT + 3, axes_dim=(2, 6, 8)).txt
     rn.check_inputs(runner.io, {**good, roles["txt_cache"]: longer}, device=torch.device("cpu"))
+    runner(hs, ehs, (img, longer))
 
 
 def test_check_roles_takes_no_timestep():
