@@ -296,7 +296,7 @@ def compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, atol: float, rto
 def _f32(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     out = {}
     for k, v in outputs.items():
-        if hasattr(v, "detach"):  # torch tensor (TrtRunner may return them)
+        if hasattr(v, "detach"):  # a torch tensor (an output of some other runner)
             v = v.detach().float().cpu().numpy()
         out[k] = np.asarray(v).astype(np.float32)
     return out
