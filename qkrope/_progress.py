@@ -10,8 +10,9 @@ description is cut at the terminal's width. Steps that can count their work
 file, CI) every step is one line when it starts, so logs carry no carriage returns.
 ``enabled=False`` prints nothing.
 
-The TensorRT build's own phases come from ``trt.IProgressMonitor``
-(:class:`qkrope.runtime.engine.BuildProgress`), drawn with the same tqdm bars.
+The TensorRT build's own phases come from ``trt.IProgressMonitor`` (:func:`make_progress_monitor`,
+a subclass of the ``tensorrt`` module it is given: nothing here imports TensorRT), drawn by
+:class:`BuildProgress` with the same tqdm bars.
 """
 
 from __future__ import annotations
@@ -167,4 +168,110 @@ class Steps:
             self._bar = None
 
 
-__all__ = ["Steps", "is_terminal", "tqdm_size"]
+class BuildProgress:
+    """Renders TensorRT's build phases (``trt.IProgressMonitor`` calls). On a terminal: a tqdm bar
+    per active phase down to ``max_depth`` (nested phases below their parent, removed when they
+    finish); otherwise: plain lines when phases down to ``max_depth`` start and finish.
+
+    ``step_complete`` returns False after :meth:`cancel` (TensorRT then stops the build).
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None,
+                 max_depth: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = is_terminal(self.stream) if tty is None else tty
+        self.max_depth = max_depth
+        self.clock = clock
+        self.phases: dict[str, dict] = {}
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for info in self.phases.values():
+            if info.get("bar") is not None:
+                info["bar"].close()
+                info["bar"] = None
+
+    def _depth(self, name: str) -> int:
+        depth, parent = 0, self.phases.get(name, {}).get("parent")
+        while parent is not None and parent in self.phases:
+            depth += 1
+            parent = self.phases[parent].get("parent")
+        return depth
+
+    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+        info = {"parent": parent_phase, "steps": max(int(num_steps), 0), "t0": self.clock(),
+                "bar": None}
+        self.phases[phase_name] = info
+        depth = self._depth(phase_name)
+        if depth > self.max_depth:
+            return
+        if self.tty:
+            from tqdm.auto import tqdm
+
+            info["bar"] = tqdm(total=info["steps"] or None, desc=f"[build] {phase_name}",
+                               file=self.stream, leave=False, unit="step",
+                               **tqdm_size())
+        else:
+            steps = f" ({info['steps']} steps)" if info["steps"] > 1 else ""
+            self._line(f"{'  ' * depth}[build] {phase_name}{steps}")
+
+    def step_complete(self, phase_name: str, step: int) -> bool:
+        info = self.phases.get(phase_name)
+        if info is not None and info["bar"] is not None:
+            bar = info["bar"]
+            bar.n = int(step) + 1
+            bar.refresh()
+        return not self.cancelled
+
+    def phase_finish(self, phase_name: str) -> None:
+        depth = self._depth(phase_name)
+        info = self.phases.pop(phase_name, None)
+        if info is None:
+            return
+        elapsed = self.clock() - info["t0"]
+        if info["bar"] is not None:
+            info["bar"].close()
+        if depth > self.max_depth or (self.tty and depth > 0):
+            return
+        self._line(f"{'  ' * depth}[build] {phase_name} done in {elapsed:.1f} s")
+
+    def _line(self, text: str) -> None:
+        if self.tty:
+            from tqdm.auto import tqdm
+
+            tqdm.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+
+def make_progress_monitor(trt, progress: BuildProgress):
+    """A ``trt.IProgressMonitor`` forwarding to ``progress`` (exceptions never reach TensorRT)."""
+
+    class _Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            try:
+                progress.phase_start(phase_name, parent_phase, num_steps)
+            except Exception:
+                pass
+
+        def step_complete(self, phase_name, step):
+            try:
+                return progress.step_complete(phase_name, step)
+            except Exception:
+                return True
+
+        def phase_finish(self, phase_name):
+            try:
+                progress.phase_finish(phase_name)
+            except Exception:
+                pass
+
+    return _Monitor()
+
+
+__all__ = ["BuildProgress", "Steps", "is_terminal", "make_progress_monitor", "tqdm_size"]

@@ -17,7 +17,7 @@ _PUBLIC = {
     "build_qwen_rope_caches": "caches", "caches_for": "caches",
     "to_cos_sin_caches": "caches", "validate_cos_sin_caches": "caches",
     # runtime wrapper (TensorRT engine or ONNX model behind one interface)
-    "load": "runner", "Runner": "runner", "RunnerError": "runner",
+    "load": "backends", "Runner": "runner", "RunnerError": "runner",
     "RunnerInputError": "runner",
     # drop-in for diffusers' QwenImageTransformer2DModel in pipelines
     "QwenImageTransformer": "transformer", "load_transformer": "transformer",

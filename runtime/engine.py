@@ -25,21 +25,19 @@ in plain functions that run without TensorRT):
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
-from qkrope._progress import Steps
+from qkrope._progress import BuildProgress, Steps, make_progress_monitor
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes
-from qkrope._deps import require
 from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
                             check_output_folder, check_outputs, file_kind, output_error,
                             sha256_file, staged_outputs, write_atomic)
@@ -48,13 +46,8 @@ from . import fp8_engine
 from . import profiles as prof
 from . import onnx_file
 from . import trt_utils as tu
+from .loader_tensorrt import EngineBuildError, import_tensorrt, load_plugin_library, trt_major
 from .plugin_build import resolve_plugin_library
-
-MIN_TRT_MAJOR = 10
-
-
-class EngineBuildError(QkropeError, RuntimeError):
-    """The engine could not be built; the message says why and what to do."""
 
 
 class PluginFallbackError(EngineBuildError):
@@ -62,78 +55,8 @@ class PluginFallbackError(EngineBuildError):
 
 
 # --------------------------------------------------------------------------------------------
-# TensorRT access (thin)
+# TensorRT network flags (thin; importing TensorRT and its plugin library: loader_tensorrt)
 # --------------------------------------------------------------------------------------------
-
-def import_tensorrt(feature: str = "qkrope build (TensorRT engine building)"):
-    """``import tensorrt`` or MissingDependencyError with the install hint; checks the version."""
-    trt = require("tensorrt", feature)
-    check_trt_version(getattr(trt, "__version__", "0"))
-    return trt
-
-
-def check_trt_version(version: str) -> tuple[int, int]:
-    try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError:
-        return (0, 0)
-    if major < MIN_TRT_MAJOR:
-        raise EngineBuildError(
-            f"TensorRT {version} is too old: qkrope needs TensorRT {MIN_TRT_MAJOR}.x or newer "
-            f"(IPluginV3 plugins, strongly typed networks, the parser preferring a registered "
-            f"plugin over an ONNX local function from 10.7). Fix: install TensorRT 10.7+ or use "
-            f"an NGC TensorRT container")
-    return major, minor
-
-
-def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: bool = False,
-                        registry=None) -> Any:
-    """Load the plugin library so its creators are registered, then check QKNormRoPE is there.
-
-    The regular library registers its creator when loaded (a static initialiser calling
-    ``getPluginRegistry()->registerCreator``), so ``dlopen`` with RTLD_GLOBAL is enough (this is
-    also what Triton's TensorRT backend and ``trtexec --staticPlugins`` do). The VC library
-    exports ``getCreators``/``setLoggerFinder`` instead and must go through
-    ``IPluginRegistry.load_library`` so that TensorRT can serialise it into a VC engine.
-    """
-    path = str(Path(path).resolve())
-    if not os.path.exists(path):
-        raise InputFileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
-                                f"`qkrope build-plugin` or pass --plugin PATH")
-    registry = registry if registry is not None else trt.get_plugin_registry()
-    if version_compatible:
-        handle = registry.load_library(path)
-        if handle is None:
-            raise EngineBuildError(
-                f"TensorRT could not load the version-compatible plugin library {path} with "
-                f"IPluginRegistry.load_library (see TensorRT's log above). Fix: pass the VC "
-                f"library (the one exporting getCreators), e.g. the output of "
-                f"`qkrope build-plugin` named *_vc.so")
-    else:
-        try:
-            handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as exc:
-            raise EngineBuildError(f"could not load the plugin library {path}: {exc}. Fix: check "
-                                   f"it was built for this TensorRT/CUDA and that "
-                                   f"LD_LIBRARY_PATH reaches libnvinfer") from exc
-    creator = registry.get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION,
-                                   contract.PLUGIN_NAMESPACE)
-    if creator is None:
-        raise EngineBuildError(
-            f"{path} loaded, but TensorRT's plugin registry has no creator "
-            f"{contract.PLUGIN_NAME!r} version {contract.PLUGIN_VERSION!r} in namespace "
-            f"{contract.PLUGIN_NAMESPACE!r}. Fix: pass qkrope's plugin library "
-            f"({'the VC build' if version_compatible else 'the self-registering build'}; "
-            f"`qkrope build-plugin` makes both)")
-    return handle
-
-
-def trt_major(trt) -> int:
-    try:
-        return int(str(getattr(trt, "__version__", "0")).split(".")[0])
-    except ValueError:
-        return 0
-
 
 def network_creation_flags(trt) -> int:
     """``1 << STRONGLY_TYPED`` on TensorRT 10 (where the flag exists, value 1). TensorRT 11
@@ -244,120 +167,6 @@ def check_plugin_layers(network, trt, expected: Sequence[str] | int, *,
     raise PluginFallbackError(
         f"{where}: {'; '.join(reasons)}. Fix: use TensorRT 10.7 or newer, load qkrope's plugin "
         f"library with --plugin, and export with `qkrope export` (it writes plugin_namespace)")
-
-
-# --------------------------------------------------------------------------------------------
-# Progress display
-# --------------------------------------------------------------------------------------------
-
-class BuildProgress:
-    """Renders TensorRT's build phases (``trt.IProgressMonitor`` calls). On a terminal: a tqdm bar
-    per active phase down to ``max_depth`` (nested phases below their parent, removed when they
-    finish); otherwise: plain lines when phases down to ``max_depth`` start and finish.
-
-    ``step_complete`` returns False after :meth:`cancel` (TensorRT then stops the build).
-    """
-
-    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None,
-                 max_depth: int = 1, clock: Callable[[], float] = time.monotonic):
-        from qkrope._progress import is_terminal
-
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = is_terminal(self.stream) if tty is None else tty
-        self.max_depth = max_depth
-        self.clock = clock
-        self.phases: dict[str, dict] = {}
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        for info in self.phases.values():
-            if info.get("bar") is not None:
-                info["bar"].close()
-                info["bar"] = None
-
-    def _depth(self, name: str) -> int:
-        depth, parent = 0, self.phases.get(name, {}).get("parent")
-        while parent is not None and parent in self.phases:
-            depth += 1
-            parent = self.phases[parent].get("parent")
-        return depth
-
-    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
-        info = {"parent": parent_phase, "steps": max(int(num_steps), 0), "t0": self.clock(),
-                "bar": None}
-        self.phases[phase_name] = info
-        depth = self._depth(phase_name)
-        if depth > self.max_depth:
-            return
-        if self.tty:
-            from tqdm.auto import tqdm
-
-            from qkrope._progress import tqdm_size
-
-            info["bar"] = tqdm(total=info["steps"] or None, desc=f"[build] {phase_name}",
-                               file=self.stream, leave=False, unit="step",
-                               **tqdm_size())
-        else:
-            steps = f" ({info['steps']} steps)" if info["steps"] > 1 else ""
-            self._line(f"{'  ' * depth}[build] {phase_name}{steps}")
-
-    def step_complete(self, phase_name: str, step: int) -> bool:
-        info = self.phases.get(phase_name)
-        if info is not None and info["bar"] is not None:
-            bar = info["bar"]
-            bar.n = int(step) + 1
-            bar.refresh()
-        return not self.cancelled
-
-    def phase_finish(self, phase_name: str) -> None:
-        depth = self._depth(phase_name)
-        info = self.phases.pop(phase_name, None)
-        if info is None:
-            return
-        elapsed = self.clock() - info["t0"]
-        if info["bar"] is not None:
-            info["bar"].close()
-        if depth > self.max_depth or (self.tty and depth > 0):
-            return
-        self._line(f"{'  ' * depth}[build] {phase_name} done in {elapsed:.1f} s")
-
-    def _line(self, text: str) -> None:
-        if self.tty:
-            from tqdm.auto import tqdm
-
-            tqdm.write(text, file=self.stream)
-        else:
-            self.stream.write(text + "\n")
-            self.stream.flush()
-
-
-def make_progress_monitor(trt, progress: BuildProgress):
-    """A ``trt.IProgressMonitor`` forwarding to ``progress`` (exceptions never reach TensorRT)."""
-
-    class _Monitor(trt.IProgressMonitor):
-        def __init__(self):
-            trt.IProgressMonitor.__init__(self)
-
-        def phase_start(self, phase_name, parent_phase, num_steps):
-            try:
-                progress.phase_start(phase_name, parent_phase, num_steps)
-            except Exception:
-                pass
-
-        def step_complete(self, phase_name, step):
-            try:
-                return progress.step_complete(phase_name, step)
-            except Exception:
-                return True
-
-        def phase_finish(self, phase_name):
-            try:
-                progress.phase_finish(phase_name)
-            except Exception:
-                pass
-
-    return _Monitor()
 
 
 def set_refit(trt, config, network, parameters, say: Callable[[str], None]) -> str:

@@ -40,7 +40,8 @@ from qkrope._deps import require
 from qkrope.errors import InputError, QkropeError
 
 from .caches import QWEN_AXES_DIM, build_qwen_rope_caches
-from .runner import Runner, load
+from .backends import load
+from .runner import Runner
 
 
 class TransformerLoadError(QkropeError, ValueError):
@@ -70,7 +71,7 @@ class QwenImageTransformer:
         self._runner = runner
         self.config = _frozen_config(cfg)
         self.dtype = dtypes.torch_dtype(io.input(io.roles["hidden_states"]).dtype)
-        self.device = torch.device(device) if device is not None else _runner_device(runner)
+        self.device = torch.device(device) if device is not None else runner.device
         self._axes_dim = tuple(cfg.get("axes_dims_rope") or QWEN_AXES_DIM)
 
     # what the pipelines use of a ModelMixin -------------------------------------------------
@@ -215,15 +216,6 @@ def _frozen_config(cfg: Mapping[str, Any]):
     except ImportError:  # diffusers is what uses the config; without it a plain mapping will do
         return dict(cfg)
     return FrozenDict({k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()})
-
-
-def _runner_device(runner: Runner) -> torch.device:
-    if runner.backend == "tensorrt":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cuda")
-    providers = getattr(runner, "providers", None) or []
-    names = [p if isinstance(p, str) else p[0] for p in providers]
-    return torch.device("cuda") if names and names[0] == "CUDAExecutionProvider" else torch.device("cpu")
 
 
 def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,

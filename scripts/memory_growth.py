@@ -116,7 +116,7 @@ def _run(model: str, sizes, txts, batch: int, mem_pattern: bool, limit: float) -
     import torch
 
     from qkrope.runtime import load_transformer
-    from qkrope.runtime.runner import default_session_options
+    from qkrope.runtime.loader_onnxrt import default_session_options
 
     so = default_session_options(ort)
     so.enable_mem_pattern = bool(mem_pattern)

@@ -108,10 +108,11 @@ def test_build_options_profiling_verbosity_reaches_the_builder_config(tmp_path, 
     from _tiny_model import parse_tiny, write_tiny_onnx
 
     from qkrope.runtime import engine as E
+    from qkrope.runtime import loader_tensorrt as lt
 
     trt, state = ft.make_fake_trt(parse=parse_tiny)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setattr(E.ctypes, "CDLL", lambda path, mode=0: None)
+    monkeypatch.setattr(lt.ctypes, "CDLL", lambda path, mode=0: None)
     lib = tmp_path / "libqkrope_plugin.so"
     lib.write_bytes(b"\x7fELF fake")
     onnx_path = write_tiny_onnx(tmp_path / "m.onnx")

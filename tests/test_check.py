@@ -1,6 +1,7 @@
 """`qkrope check`: passes on a good model, fails (non-zero, clear) on perturbed weights; the
 polygraphy files and command; the TensorRT side's missing-dependency message (CPU) and a
-TensorRT run where TensorRT and CUDA exist."""
+TensorRT run where TensorRT and CUDA exist; both sides compare through the runners
+qkrope.runtime.load returns (the engine side over the fake TensorRT)."""
 
 from __future__ import annotations
 
@@ -129,11 +130,12 @@ def test_arguments_checked_before_the_reference_runs(good, tmp_path, monkeypatch
 
 
 def test_trt_runner_loads_the_plugin_through_engine_module(tmp_path, monkeypatch):
-    """One plugin loader: parity uses engine.load_plugin_library, which also checks that the
-    QKNormRoPE creator got registered."""
+    """One plugin loader: parity goes through qkrope.runtime.load, whose TensorRT loader uses
+    loader_tensorrt.load_plugin_library, which also checks that the QKNormRoPE creator got
+    registered."""
     import fake_tensorrt as ft
 
-    from qkrope.runtime import engine as eng
+    from qkrope.runtime import loader_tensorrt as eng
 
     assert not hasattr(parity, "load_plugin_library")
     fake_trt, _ = ft.make_fake_trt("10.14.1", registered=False)
@@ -222,3 +224,78 @@ def test_engine_that_is_an_onnx_model_is_refused_first(good, tmp_path, capsys, n
     plugin.write_bytes(b"x")
     assert main(["check", str(good), "--engine", str(good), "--plugin", str(plugin)]) == 2
     assert "not a TensorRT engine" in _one_line_error(capsys)
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison goes through the runners users call (qkrope.runtime.load), behind polygraphy's
+# runner interface
+# --------------------------------------------------------------------------------------------
+
+def test_onnxrt_side_is_the_runtime_runner(good, tmp_path, monkeypatch):
+    """`qkrope check` runs the model through qkrope's own OrtRunner (its checks included),
+    not a runner of polygraphy's."""
+    from qkrope.runtime import runner_onnxrt
+
+    calls = []
+    real = runner_onnxrt.OrtRunner.__call__
+
+    def spy(self, *a, **k):
+        calls.append(self.backend)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(runner_onnxrt.OrtRunner, "__call__", spy)
+    passed, rows = parity.check_model(good, workdir=tmp_path / "work")
+    assert passed and calls == ["onnxruntime"]
+    assert {r.runner for r in rows} == {"onnxrt"}
+
+
+def test_engine_side_is_the_runtime_runner_over_a_fake_tensorrt(tmp_path, monkeypatch):
+    """--engine: make_trt_runner gives polygraphy a runner over what qkrope.runtime.load returns
+    for the engine (the loader deserialises it with the plugin loaded, TensorRTRunner runs it);
+    the feeds reach the runner's arguments by role and its outputs come back by name."""
+    import fake_tensorrt as ft
+    import numpy as np
+    from _runner_helpers import (FakeCuda, _engine_sidecar, _multi_engine, _profile,
+                                 _qwen_inputs)
+
+    from qkrope.runtime import loader_tensorrt, runner_tensorrt
+
+    trt, state = ft.make_fake_trt("10.14.1")
+    engine = _multi_engine([_profile((1, 2), 16, 8)])
+    state.engines[b"FAKE-ENGINE"] = engine
+    monkeypatch.setitem(__import__("sys").modules, "tensorrt", trt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    loaded = []
+    monkeypatch.setattr(loader_tensorrt.ctypes, "CDLL", lambda path, mode=0: loaded.append(path))
+    path, plugin = tmp_path / "m.engine", tmp_path / "libqkrope_plugin.so"
+    path.write_bytes(b"FAKE-ENGINE")
+    plugin.write_bytes(b"x")
+    sidecar = _engine_sidecar()
+    monkeypatch.setattr(loader_tensorrt.EngineInfo, "load", lambda p: sidecar)
+    monkeypatch.setattr(loader_tensorrt, "engine_sidecar_path", lambda p: path)  # "exists"
+
+    adapter = parity.make_trt_runner(str(path), str(plugin))
+    assert loaded == [str(plugin.resolve())]
+    assert isinstance(adapter.runner, runner_tensorrt.TensorRTRunner)
+    assert adapter.runner.engine is engine and adapter.name == "trt-runner"
+    # no GPU here: the runner's CUDA calls go to the stand-in, its tensors stay on the CPU
+    adapter.runner.device, adapter.runner.cuda = torch.device("cpu"), FakeCuda()
+    adapter.runner._check_device = lambda device: None
+    hs, ehs, (img, txt) = _qwen_inputs(2, 4, 5)
+    feeds = {"hidden_states": hs.numpy(), "encoder_hidden_states": ehs.numpy(),
+             "encoder_hidden_states_mask": np.ones((2, 5), bool),
+             "img_cos_sin_cache": img.numpy(), "txt_cos_sin_cache": txt.numpy()}
+    with adapter:
+        meta = adapter.get_input_metadata(use_numpy_dtypes=False)
+        assert list(meta) == list(feeds)
+        outs = adapter.infer(feeds)
+        assert set(outs) == {"img_out", "txt_out"} and outs["img_out"].shape == hs.shape
+        assert outs["txt_out"].dtype == np.float32
+        assert [c[0] for c in engine.calls].count("execute_async_v3") == 1
+        # the runner's own checks run: a short cache is refused before TensorRT executes
+        from qkrope.runtime import RopeCacheOverflowError
+
+        with pytest.raises(RopeCacheOverflowError):
+            adapter.infer({**feeds, "img_cos_sin_cache": img[:4].contiguous().numpy()})
+        assert [c[0] for c in engine.calls].count("execute_async_v3") == 1

@@ -19,6 +19,7 @@ import torch
 
 from qkrope.errors import InputError, QkropeError
 from qkrope.runtime import build_qwen_rope_caches, caches_for, load
+from qkrope.runtime import loader_onnxrt, loader_tensorrt, runner_tensorrt
 from qkrope.runtime import runner as rn
 from qkrope.sidecars import EngineInfo, EngineTensor
 
@@ -203,11 +204,12 @@ def test_cuda_graph_reaches_the_tensorrt_runner(monkeypatch, tmp_path):
     class Stop(Exception):
         pass
 
-    def fake(self, path, **kw):
+    def fake(self, loaded, **kw):
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr(rn.TensorRTRunner, "__init__", fake)
+    monkeypatch.setattr(loader_tensorrt, "engine_from_path", lambda path, plugin=None: None)
+    monkeypatch.setattr(runner_tensorrt.TensorRTRunner, "__init__", fake)
     monkeypatch.setattr(rn.tu, "check_engine_file", lambda p: None)
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"\x00" * 16)
@@ -230,7 +232,7 @@ def test_onnx_runtime_load_failures_are_one_line_user_errors(tmp_path):
     onnx.save(model, str(path), save_as_external_data=True, location="m.bin", size_threshold=0)
     (tmp_path / "m.bin").unlink()  # the external data is gone: refused before ONNX Runtime
     with pytest.raises(QkropeError) as info:
-        rn.OrtRunner(path)
+        loader_onnxrt.session_from_onnx(path)
     msg = str(info.value)
     assert "m.bin" in msg and "missing" in msg and "\n" not in msg and "Fix:" in msg
     # a model ONNX Runtime itself refuses (a MatMul of incompatible shapes): its Fail, one line
@@ -243,7 +245,7 @@ def test_onnx_runtime_load_failures_are_one_line_user_errors(tmp_path):
     bad.ir_version = 10
     onnx.save(bad, str(tmp_path / "mm.onnx"))
     with pytest.raises(rn.RunnerError) as info:
-        rn.OrtRunner(tmp_path / "mm.onnx")
+        loader_onnxrt.session_from_onnx(tmp_path / "mm.onnx")
     msg = str(info.value)
     assert "ONNX Runtime could not load" in msg and "Incompatible dimensions" in msg
     assert "\n" not in msg and "Fix:" in msg

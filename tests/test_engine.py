@@ -17,7 +17,9 @@ import pytest
 from _tiny_model import C, parse_tiny, write_tiny_onnx
 
 from qkrope._fileio import sha256_file
+from qkrope._progress import BuildProgress
 from qkrope.runtime import engine as eng
+from qkrope.runtime import loader_tensorrt as lt
 
 LT = ft.LayerType
 TRT, _ = ft.make_fake_trt()
@@ -77,7 +79,7 @@ def test_get_layer_returns_an_ilayer_that_must_be_cast():
 def test_progress_plain_lines_and_cancel():
     out = io.StringIO()
     t = iter(range(100))
-    p = eng.BuildProgress(out, tty=False, clock=lambda: float(next(t)))
+    p = BuildProgress(out, tty=False, clock=lambda: float(next(t)))
     p.phase_start("Building engine", None, 3)
     p.phase_start("Tactic selection", "Building engine", 10)
     p.phase_start("deep", "Tactic selection", 2)  # depth 2: not printed
@@ -97,7 +99,7 @@ def test_progress_plain_lines_and_cancel():
 def test_progress_tty_bars():
     """On a terminal: a tqdm bar per phase (steps counted), the top phase's time when it ends."""
     out = io.StringIO()
-    p = eng.BuildProgress(out, tty=True)
+    p = BuildProgress(out, tty=True)
     p.phase_start("Build", None, 4)
     p.phase_start("Tactics", "Build", 3)
     p.step_complete("Tactics", 2)
@@ -116,10 +118,10 @@ def test_progress_tty_bars():
 # --------------------------------------------------------------------------------------------
 
 def test_trt_version_gate():
-    assert eng.check_trt_version("10.14.1.48") == (10, 14)
-    assert eng.check_trt_version("11.0.0") == (11, 0)
-    with pytest.raises(eng.EngineBuildError, match="too old"):
-        eng.check_trt_version("8.6.1")
+    assert lt.check_trt_version("10.14.1.48") == (10, 14)
+    assert lt.check_trt_version("11.0.0") == (11, 0)
+    with pytest.raises(lt.EngineBuildError, match="too old"):
+        lt.check_trt_version("8.6.1")
 
 
 def test_network_flags_follow_the_tensorrt_version():
@@ -172,7 +174,7 @@ def fake_build(tmp_path, monkeypatch):
     def setup(**kw):
         trt, state = ft.make_fake_trt(parse=parse_tiny, **kw)
         monkeypatch.setitem(sys.modules, "tensorrt", trt)
-        monkeypatch.setattr(eng.ctypes, "CDLL",
+        monkeypatch.setattr(lt.ctypes, "CDLL",
                             lambda path, mode=0: state.loaded.append(("dlopen", path)))
         lib = tmp_path / "libqkrope_plugin.so"
         lib.write_bytes(b"\x7fELF fake")

@@ -14,13 +14,14 @@ from _tiny_model import parse_tiny, write_tiny_onnx
 
 from qkrope import cli
 from qkrope.runtime import engine as eng
+from qkrope.runtime import loader_tensorrt as lt
 from qkrope.runtime import trt_utils as tu
 
 
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
     """``setup(version)``: a fake TensorRT whose builds are counted in ``state.builds``."""
-    monkeypatch.setattr(eng.ctypes, "CDLL", lambda path, mode=0: None)
+    monkeypatch.setattr(lt.ctypes, "CDLL", lambda path, mode=0: None)
     monkeypatch.setattr(tu, "gpu_info", lambda: {"name": "NVIDIA H200", "compute_capability": "9.0",
                                                  "index": 0})
     lib = tmp_path / "libqkrope_plugin.so"

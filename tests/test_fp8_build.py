@@ -14,6 +14,7 @@ import pytest
 from _tiny_model import parse_tiny, write_tiny_onnx
 
 from qkrope.runtime import engine as eng
+from qkrope.runtime import loader_tensorrt as lt
 from qkrope.runtime import fp8_engine
 from qkrope.runtime import trt_utils as tu
 
@@ -27,7 +28,7 @@ def fp8_build(tmp_path, monkeypatch):
         trt, state = ft.make_fake_trt(parse=parse_tiny)
         ft.add_engine_inspector(trt, state, **kw)
         monkeypatch.setitem(sys.modules, "tensorrt", trt)
-        monkeypatch.setattr(eng.ctypes, "CDLL",
+        monkeypatch.setattr(lt.ctypes, "CDLL",
                             lambda path, mode=0: state.loaded.append(("dlopen", path)))
         monkeypatch.setattr(tu, "gpu_info", lambda: gpu)
         lib = tmp_path / "libqkrope_plugin.so"

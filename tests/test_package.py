@@ -48,9 +48,9 @@ def test_lazy_names_of_the_faces_still_resolve():
     """The names that need torch import it on first use, and are the defining modules' own."""
     got = _imported_by(
         "import qkrope.dtypes as d, qkrope.export as e, qkrope.runtime as r\n"
-        "from qkrope.runtime import runner, caches\n"
+        "from qkrope.runtime import backends, caches\n"
         "from qkrope.export import attention\n"
-        "assert r.load is runner.load and r.caches_for is caches.caches_for\n"
+        "assert r.load is backends.load and r.caches_for is caches.caches_for\n"
         "assert e.QwenImageAttention is attention.QwenImageAttention\n"
         "assert d.TORCH_BY_SHORT['bf16'] is sys.modules['torch'].bfloat16")
     assert "torch" in got

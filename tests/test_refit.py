@@ -95,9 +95,9 @@ def test_refit_cli_writes_engine_pair(tmp_path, monkeypatch, state_dict, capsys)
     engine = _engine_for(state_dict)
     state.engines[b"OLD-ENGINE"] = engine  # what the fake Runtime deserialises
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    import qkrope.runtime.engine as eng
+    import qkrope.runtime.loader_tensorrt as lt
 
-    monkeypatch.setattr(eng.ctypes, "CDLL", lambda path, mode=0: None)
+    monkeypatch.setattr(lt.ctypes, "CDLL", lambda path, mode=0: None)
     lib = tmp_path / "libqkrope_plugin.so"
     lib.write_bytes(b"\x7fELF fake")
     path = tmp_path / "t.engine"

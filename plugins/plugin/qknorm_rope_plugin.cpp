@@ -488,11 +488,9 @@ int32_t QKNormRoPEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
         {
             return 0; // empty tensors: nothing to do (TensorRT may pass null addresses for them)
         }
-        Status st = checkParams(p);
-        if (st == Status::kSUCCESS)
-        {
-            st = launchQKNormRoPE(p, stream);
-        }
+        // The kernel's C-ABI boundary checks the parameters (launchQKNormRoPE calls checkParams
+        // first); the plugin's own checks of the shapes were checkRuntimeTensors above.
+        Status const st = launchQKNormRoPE(p, stream);
         QKROPE_VALIDATE(st == Status::kSUCCESS,
             std::string(statusString(st)) + " (q " + dimsString(d[kQ]) + ", cos_sin_cache " + dimsString(d[kCACHE])
                 + ")",

@@ -12,9 +12,10 @@ Steps:
    ONNX file whose weights were changed fails); a transformer is diffusers' own
    ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) loaded from
    ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported blocks.
-3. polygraphy's ``Comparator.run`` with its ONNX Runtime runner (``OnnxrtRunner``; bf16 models go
-   through :class:`OrtValueRunner` because polygraphy 0.53's ORT runner rejects bf16 inputs) and,
-   with ``--engine``, its TensorRT runner (``TrtRunner``, the plugin library loaded first).
+3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
+   :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
+   plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
+   the check exercises the runner users call, its input checks included.
    ``compare_accuracy`` checks every runner against the reference (and TensorRT against ONNX
    Runtime) with the per-dtype tolerances below; a table prints max abs / max rel error per
    output, and the exit status is 1 on any mismatch.
@@ -160,69 +161,68 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
 # Runners
 # --------------------------------------------------------------------------------------------
 
-def _base_runner():
+def make_ort_runner(onnx_path: str, providers: Sequence[str] = ("cpu",)):
+    """The ONNX Runtime side: qkrope's own runner (:func:`qkrope.runtime.load` of the .onnx file,
+    bfloat16 bound zero-copy) behind polygraphy's runner interface (:func:`runtime_runner`)."""
+    from qkrope import runtime
+
+    return runtime_runner(runtime.load(onnx_path, providers=[_ort_provider(p) for p in providers]),
+                          name="onnxrt-runner")
+
+
+def runtime_runner(runner, *, name: str):
+    """A polygraphy ``BaseRunner`` over a qkrope runner (what :func:`qkrope.runtime.load`
+    returns), so that ``Comparator.run`` checks the runner users call, its input checks
+    included. Feeds arrive by model input name (numpy; bfloat16 as ml_dtypes) and are passed as
+    the runner's arguments by role (the caches as ``image_rotary_emb``) on the runner's device;
+    outputs come back as float32 numpy by output name."""
     from polygraphy.backend.base import BaseRunner
 
-    return BaseRunner
+    class RuntimeRunner(BaseRunner):
+        def __init__(self):
+            super().__init__(name=name, prefix="qkrope-runtime-runner")
+            self.runner = runner
 
+        def activate_impl(self):
+            pass
 
-def make_ort_runner(onnx_path: str, dtype: str, providers: Sequence[str] = ("cpu",)):
-    """polygraphy's OnnxrtRunner, or OrtValueRunner for bf16 models."""
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+        def deactivate_impl(self):
+            pass
 
-    if dtype != "bf16":
-        return OnnxrtRunner(SessionFromOnnx(onnx_path, providers=list(providers)),
-                            name="onnxrt-runner")
-    return OrtValueRunner(onnx_path, providers)
+        def get_input_metadata_impl(self):
+            from polygraphy.common import TensorMetadata
+            from polygraphy.datatype import DataType
 
+            from qkrope.dtypes import numpy_dtype
 
-class OrtValueRunner:  # subclassed from polygraphy's BaseRunner at first use (lazy import)
-    def __new__(cls, onnx_path: str, providers: Sequence[str] = ("cpu",)):
-        base = _base_runner()
+            meta = TensorMetadata()
+            for spec in self.runner.io.inputs:
+                meta.add(spec.name, dtype=DataType.from_dtype(numpy_dtype(spec.dtype)),
+                         shape=[lo if lo == hi else -1 for lo, hi in spec.dims])
+            return meta
 
-        class _OrtValueRunner(base):
-            """ONNX Runtime through OrtValues (bfloat16 inputs/outputs), outputs as float32."""
+        def infer_impl(self, feed_dict):
+            import torch
 
-            def __init__(self):
-                super().__init__(name="onnxrt-runner", prefix="onnxrt-bf16-runner")
-                self.path = onnx_path
-                self.providers = [_ort_provider(p) for p in providers]
+            from qkrope.runtime.inputs import from_torch, to_torch
 
-            def activate_impl(self):
-                import onnxruntime as ort
+            device = self.runner.device
+            feeds = {k: to_torch(np.asarray(v)).to(device) for k, v in feed_dict.items()}
+            roles = self.runner.io.roles
+            hs, ehs, img, txt, mask, timestep = (
+                feeds.pop(roles[r]) if r in roles else None
+                for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
+                          "encoder_hidden_states_mask", "timestep"))
+            start = time.perf_counter()
+            outs = self.runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.inference_time = time.perf_counter() - start
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            return {out: from_torch(t).astype(np.float32)
+                    for out, t in zip(self.runner.output_names, outs)}
 
-                self.sess = ort.InferenceSession(self.path, providers=self.providers)
-
-            def get_input_metadata_impl(self):
-                from polygraphy.common import TensorMetadata
-
-                meta = TensorMetadata()
-                for i in self.sess.get_inputs():
-                    meta.add(i.name, dtype=None, shape=i.shape)
-                return meta
-
-            def infer_impl(self, feed_dict):
-                start = time.perf_counter()
-                from qkrope.runtime.inputs import to_ort_value
-
-                outs = self.sess.run_with_ort_values(
-                    None, {k: to_ort_value(np.asarray(v)) for k, v in feed_dict.items()})
-                self.inference_time = time.perf_counter() - start
-                result = {}
-                for meta, value in zip(self.sess.get_outputs(), outs):
-                    result[meta.name] = _ortvalue_to_f32(value)
-                return result
-
-            def deactivate_impl(self):
-                del self.sess
-
-        return _OrtValueRunner()
-
-
-def _ortvalue_to_f32(value) -> np.ndarray:
-    from qkrope.runtime.inputs import from_ort_value
-
-    return from_ort_value(value).astype(np.float32)
+    return RuntimeRunner()
 
 
 def _ort_provider(name: str) -> str:
@@ -250,13 +250,14 @@ def validate_arguments(onnx_path: str, *, engine: str | None, plugin: str | None
 
 
 def make_trt_runner(engine_path: str, plugin: str | None):
-    """polygraphy's TrtRunner on a serialised engine, with the plugin library loaded first
-    (:func:`qkrope.runtime.engine.load_plugin_library`: dlopen, then the QKNormRoPE creator must
-    be in TensorRT's registry)."""
+    """The TensorRT side: qkrope's own runner (:func:`qkrope.runtime.load` of the engine, which
+    loads the plugin library with :func:`qkrope.runtime.loader_tensorrt.load_plugin_library`:
+    dlopen, then the QKNormRoPE creator must be in TensorRT's registry) behind polygraphy's
+    runner interface (:func:`runtime_runner`)."""
     if not os.path.isfile(engine_path):
         raise InputFileNotFoundError(f"--engine {engine_path!r} does not exist: build it with "
                                 f"`qkrope build`")
-    trt = require("tensorrt", TRT_MISSING)
+    require("tensorrt", TRT_MISSING)
     try:
         import torch
 
@@ -267,14 +268,9 @@ def make_trt_runner(engine_path: str, plugin: str | None):
         raise ParityError(f"{TRT_MISSING}, and no CUDA GPU is visible. Run it on a machine with "
                           f"a GPU and TensorRT (for example an NGC TensorRT container, "
                           f"nvcr.io/nvidia/tensorrt), or drop --engine for the ONNX Runtime check")
-    if plugin:
-        from qkrope.runtime.engine import load_plugin_library
+    from qkrope import runtime
 
-        load_plugin_library(trt, plugin, version_compatible=False)
-    from polygraphy.backend.common import BytesFromPath
-    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
-
-    return TrtRunner(EngineFromBytes(BytesFromPath(engine_path)), name="trt-runner")
+    return runtime_runner(runtime.load(engine_path, plugin=plugin), name="trt-runner")
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +297,7 @@ def compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, atol: float, rto
 def _f32(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     out = {}
     for k, v in outputs.items():
-        if hasattr(v, "detach"):  # torch tensor (TrtRunner may return them)
+        if hasattr(v, "detach"):  # a torch tensor (an output of some other runner)
             v = v.detach().float().cpu().numpy()
         out[k] = np.asarray(v).astype(np.float32)
     return out
@@ -372,7 +368,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
                                 batch=batch, seed=seed, diffusers_dir=diffusers_dir,
                                 engine=engine, providers=providers, out=out)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
-    runners = [make_ort_runner(onnx_path, info.dtype, providers)] if onnxrt else []
+    runners = [make_ort_runner(onnx_path, providers)] if onnxrt else []
     if engine:
         runners.append(make_trt_runner(engine, plugin))
     img_shapes = img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"]
@@ -491,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
                 f"Runtime: check bf16 models with --providers cuda (onnxruntime-gpu), or with "
                 f"--engine/--plugin --no-onnxrt (TensorRT vs PyTorch)") from None
         if type(exc).__module__.startswith("onnxruntime"):  # its Fail, InvalidGraph, ...
-            from qkrope.runtime.runner import ort_load_error
+            from qkrope.runtime.loader_onnxrt import ort_load_error
 
             raise ParityError(str(ort_load_error(args.onnx, args.providers, exc,
                                                  action="failed on"))) from None

@@ -282,7 +282,8 @@ def run(args: argparse.Namespace) -> int:
 
     import dataclasses
 
-    from qkrope.runtime.engine import import_tensorrt, load_plugin_library, write_engine_pair
+    from qkrope.runtime.engine import write_engine_pair
+    from qkrope.runtime.loader_tensorrt import import_tensorrt, load_plugin_library
     from qkrope.runtime.plugin_build import resolve_plugin_library
     from qkrope.sidecars import EngineInfo
     info = EngineInfo.load(engine_path)
