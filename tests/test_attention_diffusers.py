@@ -137,7 +137,7 @@ def test_state_dict_names_are_diffusers_names():
         QwenImageAttention(100, 2, 32)
 
 
-# ------------------------------------------------------------------ issue 10, class 6
+# ------------------------------------------------------------------ bad block inputs: one line each
 def _block_inputs(batch=2, s_img=16, txt=5, dim=64):
     caches = build_qwen_rope_caches([(1, 4, 4)], txt, axes_dim=(8, 12, 12))
     return (torch.randn(batch, s_img, dim), torch.randn(batch, txt, dim), caches)

@@ -1,6 +1,6 @@
 """Every exported attention is in the pattern TensorRT fuses from primitive layers: BMM1 on a
 pre-scaled Q and a (transposed) pre-scaled K -> one additive mask bias (optional) -> Softmax ->
-BMM2, and nothing else between Softmax and BMM2 (issue 12). The walk fails on any other node in
+BMM2, and nothing else between Softmax and BMM2. The walk fails on any other node in
 that span. With ``--attention onnx23`` every attention is one opset-23 ``Attention`` node on the
 [B, H, S, D] q/k/v with the bool text mask, and no Softmax is left. The values are covered by
 the parity tests (tests/test_onnx_export.py, tests/test_transformer_export.py)."""

@@ -43,7 +43,7 @@ def test_fake_build_accepts_polygraphy_shapes(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# Arguments and the model before TensorRT (issue 10, classes 3 and 6): without TensorRT, every
+# Arguments and the model before TensorRT: without TensorRT, every
 # one of these is reported as itself, in one line, and nothing is written
 # --------------------------------------------------------------------------------------------
 

@@ -295,7 +295,7 @@ def test_convert_degenerate_tables_decided_by_head_dim_or_refused():
 
 
 # ---------------------------------------------------------------------------------------------
-# Classification never guesses (issue 10, class 1) and builder arguments (class 5)
+# Classification never guesses, and the builder refuses bad arguments
 # ---------------------------------------------------------------------------------------------
 
 def _partial(cache, pairs):

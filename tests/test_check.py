@@ -171,7 +171,6 @@ def test_tensorrt_parity(good, tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------
 # The node contract, unreadable files and bad sidecars: one line, before anything runs
-# (issue 10, classes 3 and 6)
 # --------------------------------------------------------------------------------------------
 
 from _bad_nodes import BAD_NODE_CASES, BROKEN_FILES, write_bad_copy  # noqa: E402

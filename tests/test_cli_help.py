@@ -1,5 +1,5 @@
 """`qkrope --help` and every `qkrope CMD --help` import neither torch, onnx, onnxscript nor
-onnxruntime (issue 11): the CLI imports a subcommand's module only when that subcommand is parsed,
+onnxruntime: the CLI imports a subcommand's module only when that subcommand is parsed,
 and the modules keep those imports inside their command functions."""
 
 import json

@@ -23,7 +23,7 @@ def test_write_atomic_replaces_and_cleans_up(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["m.engine"]
 
 
-# ------------------------------------------------------------------ issue 10, class 2
+# ------------------------------------------------------------------ interrupted writes leave old outputs
 import errno
 import os
 import signal

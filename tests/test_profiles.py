@@ -117,7 +117,7 @@ def test_unknown_axis_needs_explicit_shapes():
 
 
 # --------------------------------------------------------------------------------------------
-# Resolution presets (issue 11, part 3): one profile per preset; the runner's choice
+# Resolution presets: one profile per preset; the runner's choice
 # --------------------------------------------------------------------------------------------
 
 def test_resolutions_and_ranges_parse():

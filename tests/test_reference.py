@@ -158,7 +158,7 @@ def test_bad_arguments_are_named(bad, match):
         qk_norm_rope(args["q"], args["k"], args["qw"], args["kw"], args["cache"], **kw)
 
 
-# ------------------------------------------------------------------ issue 10, class 3 and 5
+# ------------------------------------------------------------------ bad arguments: one line each
 def _args(head_dim=32, **over):
     args = dict(q=torch.zeros(1, 4, 2, head_dim), k=torch.zeros(1, 4, 2, head_dim),
                 qw=torch.ones(head_dim), kw=torch.ones(head_dim), cache=torch.ones(4, 32))

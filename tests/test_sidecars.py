@@ -154,7 +154,7 @@ def test_description_from_the_onnx_graph(tmp_path):
     assert desc.input_names == [s["name"] for s in sidecar_dict()["inputs"]]
 
 
-# ------------------------------------------------------------------ issue 10, class 2
+# ------------------------------------------------------------------ a sidecar belongs to one model file
 def test_sidecar_records_and_checks_the_model_hash(tmp_path):
     """The sidecar names the sha256 of the model file it describes; a sidecar left next to
     another model (a stale pair, an interrupted re-export) is refused on load, not trusted."""
