@@ -31,7 +31,6 @@ from qkrope.sidecars import EngineInfo, ModelInfo
 
 from qkrope import dtypes
 from . import onnx_file
-from . import trt_utils as tu
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)
 

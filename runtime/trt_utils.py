@@ -11,10 +11,6 @@ from qkrope._fileio import looks_like_onnx
 from qkrope.errors import QkropeError
 
 from .onnx_file import OnnxModelError, checked_onnx_model
-# The ONNX-reading names lived here before onnx_file.py; kept as the same objects for the modules
-# that still reach them through this one (remove once none does).
-from .onnx_file import (count_plugin_nodes, external_data_files, head_dim_from_onnx,  # noqa: F401
-                        plugin_node_names, read_onnx_model)
 
 
 class NotAnEngineError(QkropeError, ValueError):
