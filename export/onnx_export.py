@@ -47,7 +47,8 @@ from qkrope._fileio import (MODEL_SIDECAR, ONNX_MODEL, TEXT_FILE, check_output_f
 from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
-from qkrope import contract
+from qkrope import contract, model_io
+from qkrope.model_io import QWEN_IMAGE
 from qkrope._progress import Steps
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
@@ -69,12 +70,11 @@ def ir_version_for(opset: int) -> int:
 
 EXTERNAL_DATA_THRESHOLD = 1536 * 1024 * 1024  # bytes of initializers; protobuf's limit is 2 GiB
 TORCH_DTYPES = dtypes.TORCH_BY_SHORT  # "fp32" | "fp16" | "bf16" -> torch dtype
-ATTENTION_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
-                    "img_cos_sin_cache", "txt_cos_sin_cache")
-ATTENTION_OUTPUTS = ("img_out", "txt_out")
-TRANSFORMER_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
-                      "timestep", "img_cos_sin_cache", "txt_cos_sin_cache")
-TRANSFORMER_OUTPUTS = ("sample",)
+# the graphs' input and output names (qkrope/model_io.py)
+ATTENTION_INPUTS = model_io.ATTENTION.input_names
+ATTENTION_OUTPUTS = model_io.ATTENTION.output_names
+TRANSFORMER_INPUTS = model_io.TRANSFORMER.input_names
+TRANSFORMER_OUTPUTS = model_io.TRANSFORMER.output_names
 DEFAULT_ATTENTION_SAMPLE = dict(img_shapes=[(1, 16, 16)], txt_len=32, batch=2)
 DEFAULT_TRANSFORMER_SAMPLE = dict(img_shapes=[(1, 8, 8)], txt_len=16, batch=2)
 
@@ -101,18 +101,12 @@ class CacheInputAttention(nn.Module):
 
 
 def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
+    """torch.export's dynamic dimensions of each graph input: its named axes
+    (:data:`qkrope.model_io.TENSORS`)."""
     dim = torch.export.Dim
-    axes = {a: dim(a) for a in ("batch", "img_tokens", "txt_tokens", "img_cache_rows",
-                                 "txt_cache_rows")}
-    table = {
-        "hidden_states": {0: axes["batch"], 1: axes["img_tokens"]},
-        "encoder_hidden_states": {0: axes["batch"], 1: axes["txt_tokens"]},
-        "encoder_hidden_states_mask": {0: axes["batch"], 1: axes["txt_tokens"]},
-        "timestep": {0: axes["batch"]},
-        "img_cos_sin_cache": {0: axes["img_cache_rows"]},
-        "txt_cos_sin_cache": {0: axes["txt_cache_rows"]},
-    }
-    return {n: table[n] for n in names}
+    axes = {a: dim(a) for a in model_io.AXES}
+    return {n: {i: axes[a] for i, a in enumerate(model_io.TENSORS[n].axes) if a is not None}
+            for n in names}
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,8 +334,16 @@ def _versions(extra: Sequence[str] = ()) -> dict[str, str]:
     return out
 
 
-def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[TensorInfo]]:
+def _tensor_infos(model, axis_names: set[str],
+                  decl: model_io.ModelDecl) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    """The sidecar's inputs and outputs: the graph's names, dtypes and shapes, each with the role
+    the model's declaration gives it (:mod:`qkrope.model_io`)."""
+    roles = {t.name: t.role for t in decl.inputs + decl.outputs}
+
     def desc(v):
+        if v.name not in roles:
+            raise ExportError(f"the graph has a tensor {v.name!r} that the {decl.kind} model "
+                              f"does not declare ({list(roles)})")
         shape = []
         for d in v.shape:
             if isinstance(d, int):
@@ -353,26 +355,13 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[T
                                       f"export fixed the wrong dimensions")
                 shape.append(name)
         return TensorInfo(v.name, v.dtype.numpy().name if v.dtype.name != "BFLOAT16"
-                          else "bfloat16", shape)
+                          else "bfloat16", shape, roles[v.name])
 
     return [desc(v) for v in model.graph.inputs], [desc(v) for v in model.graph.outputs]
 
 
 #: What each graph input is (the ONNX file's doc strings on its inputs).
-_CACHE_DOC = ("RoPE cache, float32, one row per token: the cos half then the sin half of the "
-              "rotary dimension ([rows, rotary_dim]; build both for this model with "
-              "qkrope.runtime.caches_for(model_path, img_shapes, txt_seq_len))")
-INPUT_DOCS = {
-    "hidden_states": "image tokens, [batch, img_tokens, features] (packed latent patches for the "
-                     "transformer)",
-    "encoder_hidden_states": "text tokens (prompt embeddings), [batch, txt_tokens, features]",
-    "encoder_hidden_states_mask": "text mask, bool [batch, txt_tokens]: True = attend to that "
-                                  "text token, False = padding",
-    "timestep": "diffusion timestep per sample, [batch] (diffusers' timestep / 1000 scale as the "
-                "pipeline passes it)",
-    "img_cos_sin_cache": _CACHE_DOC + " for the image tokens, [img_cache_rows, rotary_dim]",
-    "txt_cos_sin_cache": _CACHE_DOC + " for the text tokens, [txt_cache_rows, rotary_dim]",
-}
+INPUT_DOCS = {t.name: t.doc for t in model_io.TENSORS.values() if t.doc}
 
 
 def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:
@@ -399,7 +388,8 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
     (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
     axis_values = info_fields.pop("axis_values")
-    inputs, outputs = _tensor_infos(model, set(axis_values))
+    inputs, outputs = _tensor_infos(model, set(axis_values),
+                                    model_io.MODELS[info_fields["model"]])
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config)
@@ -558,7 +548,8 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
     return module.to(TORCH_DTYPES[config["dtype"]]).eval()
 
 
-def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int = 128,
+def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
+                     head_dim: int = QWEN_IMAGE.head_dim,
                      rotary_dim: int | None = None, dtype: str = "fp32",
                      opset: int | None = None, eps: float = contract.DEFAULT_EPS,
                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
@@ -632,9 +623,9 @@ def _sample_dict(sample: Sample) -> dict:
 
 
 def _axis_values(sample: Sample) -> dict[str, int]:
-    return {"batch": sample.batch, "img_tokens": sample.img_tokens,
-            "txt_tokens": sample.txt_len, "img_cache_rows": sample.img_tokens,
-            "txt_cache_rows": sample.txt_len}
+    return {model_io.BATCH: sample.batch, model_io.IMG_TOKENS: sample.img_tokens,
+            model_io.TXT_TOKENS: sample.txt_len, model_io.IMG_CACHE_ROWS: sample.img_tokens,
+            model_io.TXT_CACHE_ROWS: sample.txt_len}
 
 
 # --------------------------------------------------------------------------------------------

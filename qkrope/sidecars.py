@@ -75,18 +75,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
 import re
 
 from qkrope._fileio import sha256_file, write_json_atomic
 from qkrope.errors import QkropeError
 
-FORMAT_VERSION = 1
+# The version written. 2: each tensor records its role; the node attributes (epsilon,
+# interleaved, rounding) are stored once, in node_attributes, no longer in config too.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # a version 1 sidecar is read: its roles are guessed from the names
 ONNX_FORMAT = "qkrope-onnx"
 ENGINE_FORMAT = "qkrope-engine"
-MODELS = ("attention", "transformer")
+MODELS = tuple(model_io.MODELS)
 DTYPES = dtypes.NAME_BY_SHORT  # --dtype -> numpy name (the one table, qkrope/dtypes.py)
-AXES = ("batch", "img_tokens", "txt_tokens", "img_cache_rows", "txt_cache_rows")
+AXES = model_io.AXES
 LEVELS = ("min", "opt", "max")
 
 
@@ -263,8 +266,9 @@ def _check_format(f: _Fields, fmt: str) -> None:
     if got != fmt:
         f.fail(f"is not a qkrope sidecar of format {fmt!r} (got format={got!r})")
     version = f.data.get("format_version")
-    if version != FORMAT_VERSION:
-        f.fail(f"has format_version {version!r}; this qkrope reads version {FORMAT_VERSION}")
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        f.fail(f"has format_version {version!r}; this qkrope reads versions "
+               f"{', '.join(map(str, READ_VERSIONS))}")
 
 
 def _dims(f: _Fields, value: Any, key: str, allowed: tuple[type, ...]) -> list:
@@ -279,21 +283,47 @@ def _dims(f: _Fields, value: Any, key: str, allowed: tuple[type, ...]) -> list:
 # The ONNX sidecar
 # --------------------------------------------------------------------------------------------
 
+def _role(f: _Fields) -> str | None:
+    role = f.get("role", str, optional=True)
+    known = model_io.ROLES + model_io.OUTPUT_ROLES
+    if role is not None and role not in known:
+        f.fail(f"field 'role' must be one of {list(known)}, got {role!r}")
+    return role
+
+
+def _roles(tensors: Sequence[Any]) -> dict[str, str]:
+    """role -> input name: the roles the sidecar records, else (a version 1 sidecar, which
+    records none) guessed from the names and axes (:func:`qkrope.model_io.assign_roles`)."""
+    if any(t.role is not None for t in tensors):
+        return {t.role: t.name for t in tensors if t.role is not None}
+    specs = []
+    for t in tensors:
+        axes = getattr(t, "axes", None) or [None] * len(t.shape)  # an engine's axis names
+        shape = [a if a is not None else d for a, d in zip(axes, t.shape)]
+        specs.append(model_io.spec_from_shape(t.name, t.dtype, shape))
+    return model_io.assign_roles(specs)
+
+
 @dataclass
 class TensorInfo:
-    """One model input or output: dims are ints or axis names (a dynamic axis)."""
+    """One model input or output: dims are ints or axis names (a dynamic axis); ``role``: what
+    it is to the runner (:data:`qkrope.model_io.ROLES`), None where the sidecar records none."""
 
     name: str
     dtype: str
     shape: list  # int or axis name
+    role: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.role is not None:
+            d["role"] = self.role
+        return d
 
     @classmethod
     def _read(cls, f: _Fields) -> "TensorInfo":
         return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int, str)))
+                   _dims(f, f.get("shape", list), "shape", (int, str)), _role(f))
 
 
 _ONNX_FIX = "re-export with `qkrope export`"
@@ -456,6 +486,13 @@ class ModelInfo:
                    config={}, sample={}, source=str(onnx_path))
 
     # ---------------------------------------------------------------- shapes
+    def roles(self) -> dict[str, str]:
+        """role -> input name, as the sidecar records them (guessed for one that does not)."""
+        return _roles(self.inputs)
+
+    def role_of(self, name: str) -> str | None:
+        return {v: k for k, v in self.roles().items()}.get(name)
+
     @property
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
@@ -519,11 +556,14 @@ class EngineTensor:
     dtype: str
     shape: list[int]
     axes: list[str | None] | None = None
+    role: str | None = None  # the model sidecar's role of this tensor (TensorInfo.role)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.axes is not None:
             d["axes"] = list(self.axes)
+        if self.role is not None:
+            d["role"] = self.role
         return d
 
     @classmethod
@@ -532,7 +572,7 @@ class EngineTensor:
         if axes is not None and any(a is not None and not isinstance(a, str) for a in axes):
             f.fail(f"field 'axes' must list axis names or null, got {axes!r}")
         return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int,)), axes)
+                   _dims(f, f.get("shape", list), "shape", (int,)), axes, _role(f))
 
 
 @dataclass
@@ -589,6 +629,10 @@ class EngineInfo:
             if t.name == name:
                 return t
         raise EngineInfoError(f"{name!r} is not an input or output of this engine")
+
+    def roles(self) -> dict[str, str]:
+        """role -> input name, as the sidecar records them (guessed for one that does not)."""
+        return _roles(self.inputs)
 
     def profile_ranges(self) -> dict[str, list[tuple[list[int], list[int]]]]:
         """input name -> [(min, max) per optimisation profile]."""
@@ -707,13 +751,16 @@ class EngineInfo:
 
 
 def engine_tensors(items: Sequence[EngineTensor], model: ModelInfo) -> list[EngineTensor]:
-    """``items`` with the model's axis names attached (dynamic dims named by the exporter)."""
-    named = {t.name: t.shape for t in model.inputs + model.outputs}
+    """``items`` with the model's axis names (dynamic dims named by the exporter) and roles
+    attached."""
+    named = {t.name: t for t in model.inputs + model.outputs}
     out = []
     for t in items:
-        shape = named.get(t.name)
-        axes = [d if isinstance(d, str) else None for d in shape] if shape is not None else None
-        out.append(EngineTensor(t.name, t.dtype, list(t.shape), axes))
+        desc = named.get(t.name)
+        axes = ([d if isinstance(d, str) else None for d in desc.shape] if desc is not None
+                else None)
+        out.append(EngineTensor(t.name, t.dtype, list(t.shape), axes,
+                                desc.role if desc is not None else None))
     return out
 
 

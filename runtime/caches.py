@@ -18,13 +18,15 @@ from typing import NamedTuple, Sequence
 import torch
 
 from qkrope.errors import InputError, QkropeError
+from qkrope.model_io import QWEN_IMAGE
 
 from . import rope_tables
 
-QWEN_THETA = rope_tables.THETA
-QWEN_AXES_DIM = rope_tables.AXES_DIM
+# Qwen-Image's RoPE numbers (qkrope.model_io.QWEN_IMAGE; rope_tables keeps an equal copy)
+QWEN_THETA = QWEN_IMAGE.theta
+QWEN_AXES_DIM = QWEN_IMAGE.axes_dims_rope
 # diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
-QWEN_MAX_POSITIONS = rope_tables.MAX_POSITIONS
+QWEN_MAX_POSITIONS = QWEN_IMAGE.max_positions
 # Refuse, before allocating, caches larger than this (a 1328x1328 image with 1024 text tokens
 # needs 3.9 MiB; shapes given in pixels instead of latent patches would need terabytes).
 MAX_CACHE_BYTES = 2 * 2**30

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
+from qkrope.model_io import QWEN_IMAGE
 from qkrope._fileio import folder_lock, staged_outputs
 from qkrope.errors import QkropeError
 from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
@@ -347,9 +348,10 @@ def swap_in(staged: Path, target: Path) -> None:
 
 ROPE_MODEL_TEMPLATE = Path(__file__).with_name("triton_rope_model.py")
 ROPE_TABLES_MODULE = Path(__file__).with_name("rope_tables.py")  # copied next to its model.py
-CACHE_INPUTS = ("img_cos_sin_cache", "txt_cos_sin_cache")
-TXT_TENSOR = "encoder_hidden_states_mask"  # the rope model reads the text length off its shape
-LATENT_TENSOR = "hidden_states"  # ... and the image token count off this one's
+CACHE_INPUTS = tuple(t.name for t in model_io.CACHE_INPUTS)
+# the rope model reads the text length off this input's shape ...
+TXT_TENSOR = model_io.ENCODER_HIDDEN_STATES_MASK.name
+LATENT_TENSOR = model_io.HIDDEN_STATES.name  # ... and the image token count off this one's
 
 
 def is_transformer(input_names: Iterable[str], config: dict | None, model: str | None = None) -> bool:
@@ -358,15 +360,13 @@ def is_transformer(input_names: Iterable[str], config: dict | None, model: str |
     names = set(input_names)
     if model is not None and model != "transformer":
         return False
-    return "timestep" in names and set(CACHE_INPUTS) <= names and (
+    return model_io.TIMESTEP.name in names and set(CACHE_INPUTS) <= names and (
         model == "transformer" or "diffusers_config" in (config or {}))
 
 
 def _axes_dim(config: dict, rotary_dim: int) -> tuple[int, int, int]:
-    from .caches import QWEN_AXES_DIM
-
     cfg = config.get("diffusers_config") if isinstance(config.get("diffusers_config"), dict) else {}
-    axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_AXES_DIM))
+    axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_IMAGE.axes_dims_rope))
     if sum(axes) != rotary_dim:
         raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
                               f"{list(axes)} sum to {sum(axes)}; the sidecar is inconsistent")
@@ -431,8 +431,6 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
                        serving: Serving | None = None) -> str:
     """config.pbtxt of the Python-backend model that builds the caches
     (:mod:`qkrope.runtime.triton_rope_model`) for the main model whose I/O is ``main``."""
-    from .caches import QWEN_THETA
-
     by_name = {n: (dt, d) for n, dt, d in main["input"]}
     for needed in (TXT_TENSOR, LATENT_TENSOR):
         if needed not in by_name:
@@ -450,7 +448,7 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
                "output": [(c, "TYPE_FP32", [-1, rotary]) for c in CACHE_INPUTS]}
     serving = Serving(instances=(serving or Serving()).instances)  # CPU, unbatched
     cfg = _config(name, tensors, serving, "KIND_CPU", backend="python")
-    params = {"axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_THETA),
+    params = {"axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_IMAGE.theta),
               "scale_rope": "true", "txt_tensor": TXT_TENSOR, "latent_tensor": LATENT_TENSOR,
               "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1],
               "max_img_tokens": str(limits.max_img_tokens),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qkrope.cli import main
-from qkrope import contract
+from qkrope import contract, model_io
 from qkrope.export import qk_norm_rope_reference
 from qkrope.export.onnx_export import (ATTENTION_FORMS, ExportError, build_attention,
                                        export_attention,
@@ -148,6 +148,12 @@ def test_sidecar(fp32_model):
     assert info.input_shape("img_cos_sin_cache", batch=3, img_tokens=7, txt_tokens=5) == (7, 64)
     assert info.input_shape("hidden_states", batch=3, img_tokens=7, txt_tokens=5) == (3, 7, 128)
     assert oct(os.stat(str(fp32_model) + ".json").st_mode & 0o777) != "0o600"
+    # each tensor as qkrope/model_io.py declares it: name, role, named axes
+    decl = model_io.ATTENTION
+    assert [(t.name, t.role) for t in info.inputs + info.outputs] == \
+        [(t.name, t.role) for t in decl.inputs + decl.outputs]
+    for got, want in zip(info.inputs + info.outputs, decl.inputs + decl.outputs):
+        assert [d if isinstance(d, str) else None for d in got.shape] == list(want.axes)
     assert function_variant(onnx.load(str(fp32_model), load_external_data=False)) == \
         FunctionVariant(interleaved=True, rounding=0, partial=False)
 

@@ -13,7 +13,7 @@ from _tiny_model import C, model, sidecar_dict, write_tiny_onnx
 from qkrope.errors import QkropeError
 from qkrope.runtime import profiles as prof
 from qkrope.runtime import trt_utils as tu
-from qkrope.sidecars import (ENGINE_FORMAT, EngineInfo, EngineInfoError, EngineTensor, ModelInfo,
+from qkrope.sidecars import (ENGINE_FORMAT, FORMAT_VERSION, EngineInfo, EngineInfoError, EngineTensor, ModelInfo,
                              ModelInfoError, PluginRecord, TensorInfo, engine_sidecar_path,
                              engine_tensors, sidecar_path)
 
@@ -40,7 +40,7 @@ def test_round_trips(tmp_path):
     assert m.save(tmp_path / "m.onnx") == sidecar_path(tmp_path / "m.onnx")
     back = ModelInfo.load(tmp_path / "m.onnx")
     assert back == m and back.source == str(sidecar_path(tmp_path / "m.onnx"))
-    assert back.to_dict()["format_version"] == 1 and "source" not in back.to_dict()
+    assert back.to_dict()["format_version"] == FORMAT_VERSION and "source" not in back.to_dict()
     assert back.export_values() == {"batch": 2, "img_tokens": 4}
     e = _engine()
     e.save(tmp_path / "m.engine")
@@ -51,7 +51,9 @@ def test_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda d: d.update(format_version=2), "format_version 2; this qkrope reads version 1"),
+    (lambda d: d.update(format_version=3), "format_version 3; this qkrope reads versions 1, 2"),
+    (lambda d: d.update(format_version=True), "format_version True"),
+    (lambda d: d["inputs"][0].update(role="latents"), r"inputs\[0\] field 'role' must be one of"),
     (lambda d: d.pop("format_version"), "format_version None"),
     (lambda d: d.update(format="qkrope-onnx/1"), "not a qkrope sidecar of format"),
     (lambda d: d.pop("opset"), "has no 'opset' field"),
@@ -116,7 +118,7 @@ def test_model_description_is_read_through_model_info(tmp_path):
     p = write_tiny_onnx(tmp_path / "m.onnx")
     desc = ModelInfo.describe(p)
     assert desc.source == str(sidecar_path(p)) and desc.to_dict()["format"] == "qkrope-onnx"
-    assert desc.to_dict()["format_version"] == 1
+    assert desc.to_dict()["format_version"] == FORMAT_VERSION
     side = json.loads(sidecar_path(p).read_text())
     side["format"] = "someone-elses/2"
     sidecar_path(p).write_text(json.dumps(side))
@@ -137,7 +139,7 @@ def test_engine_sidecar_contents():
         parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
         gpu={"name": "H200", "compute_capability": "9.0"})
     doc = info.to_dict()
-    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == 1
+    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == FORMAT_VERSION
     assert doc["inputs"][0]["axes"] == ["batch", "img_tokens", None]
     assert doc["profiles"][0]["hidden_states"]["max"] == [2, 4096, C]
     assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}

@@ -124,15 +124,15 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
     from qkrope.runtime.inputs import to_torch
 
     t = {k: to_torch(v) for k, v in feeds.items()}
+    r = {role: t[name] for role, name in info.roles().items() if name in t}
     with torch.no_grad():
         if info.model == "attention":
             from qkrope.export.onnx_export import build_attention
 
             module = build_attention({**info.config, "dtype": info.dtype})
-            img, txt = module(t["hidden_states"], t["encoder_hidden_states"],
-                              (t["img_cos_sin_cache"], t["txt_cos_sin_cache"]),
-                              t["encoder_hidden_states_mask"])
-            outs = {"img_out": img, "txt_out": txt}
+            img, txt = module(r["hidden_states"], r["encoder_hidden_states"],
+                              (r["img_cache"], r["txt_cache"]), r["encoder_hidden_states_mask"])
+            outs = dict(zip(info.output_names, (img, txt)))
         else:
             from qkrope.export.patch_diffusers import load_transformer
 
@@ -144,11 +144,11 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
             model = load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
             n = int(info.config.get("num_layers_exported", len(model.transformer_blocks)))
             model.transformer_blocks = model.transformer_blocks[:n]
-            batch = t["hidden_states"].shape[0]
-            sample = model(hidden_states=t["hidden_states"],
-                           encoder_hidden_states=t["encoder_hidden_states"],
-                           encoder_hidden_states_mask=t["encoder_hidden_states_mask"],
-                           timestep=t["timestep"],
+            batch = r["hidden_states"].shape[0]
+            sample = model(hidden_states=r["hidden_states"],
+                           encoder_hidden_states=r["encoder_hidden_states"],
+                           encoder_hidden_states_mask=r["encoder_hidden_states_mask"],
+                           timestep=r["timestep"],
                            img_shapes=[[tuple(s) for s in img_shapes]] * batch,
                            return_dict=False)[0]
             outs = {info.output_names[0]: sample}

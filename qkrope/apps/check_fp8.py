@@ -168,7 +168,7 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
         qz = modules[owner].input_quantizer
         hooks.append(qz.register_forward_hook(
             lambda _m, _i, o, owner=owner: captured.__setitem__(owner, o.detach().clone())))
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
+    t = {role: torch.from_numpy(np.asarray(feeds[name])) for role, name in info.roles().items()}
     batch = t["hidden_states"].shape[0]
     blocks = model.transformer_blocks
     kept = torch.nn.ModuleList(list(blocks)[:layers])
