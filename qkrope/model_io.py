@@ -13,7 +13,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 # --------------------------------------------------------------------------------------------
 # The Qwen-Image shape record
@@ -178,7 +178,9 @@ class ModelIO:
     head_dim: int | None
     roles: dict[str, str] = field(default_factory=dict)  # role -> input name
     source: str = ""
-    config: dict = field(default_factory=dict)  # the exporter's model config (sidecar)
+    # the exporter's model config (a qkrope.sidecars.ModelConfig, empty without a sidecar; the
+    # readers in qkrope.runtime.io_specs always set it)
+    config: Any = None
     # True when the dims' (lo, hi) bounds come from a TensorRT optimisation profile (a range the
     # engine was built for), False for an ONNX model (any size >= 1)
     profile_bounds: bool = False

@@ -6,41 +6,18 @@ runners of both backends build their checks from it.
 from __future__ import annotations
 
 import os
-from typing import Mapping
-
 from qkrope import dtypes
 from qkrope.model_io import ModelIO, assign_roles, spec_from_shape
-from qkrope.sidecars import EngineInfo, ModelInfo, sidecar_path
+from qkrope.sidecars import EngineInfo, ModelConfig, ModelInfo, sidecar_path
 
 from . import trt_utils as tu
-
-
-def _config_values(config: Mapping, source: str) -> tuple[int | None, list[int] | None]:
-    """(head_dim, axes_dims_rope) of a sidecar's model config, checked: a value of the wrong
-    type is a SidecarError naming the file and the field (not a ValueError deep in a call)."""
-    from qkrope.sidecars import ModelInfoError
-
-    def bad(key, value, expected):
-        raise ModelInfoError(f"{source}: config field {key!r} must be {expected}, got "
-                             f"{type(value).__name__} {value!r}. Fix: re-export with "
-                             f"`qkrope export`")
-
-    head_dim = config.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)
-                                 or head_dim < 1):
-        bad("head_dim", head_dim, "a positive int")
-    axes = config.get("axes_dims_rope")
-    if axes is not None and (not isinstance(axes, (list, tuple)) or len(axes) != 3 or any(
-            isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in axes)):
-        bad("axes_dims_rope", axes, "a list of 3 non-negative ints")
-    return head_dim, (list(axes) if axes is not None else None)
 
 
 def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> ModelIO:
     """ModelIO of an ONNX file: names/dtypes/shapes from the graph (or a session), axis names and
     head_dim from the sidecar when present (``model``: the file's ModelProto, already read)."""
     desc = ModelInfo.describe(path)
-    sidecar_head_dim, _ = _config_values(desc.config, desc.source or str(path))
+    sidecar_head_dim = desc.config.head_dim  # checked when the sidecar was read
     inputs_src = [(t.name, t.dtype, t.shape) for t in desc.inputs]
     # the roles the sidecar records (guessed below for a model without one, or one whose
     # sidecar names other inputs than the session)
@@ -66,7 +43,7 @@ def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> Model
     if roles is None:
         roles = assign_roles(inputs)
     return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, roles,
-                   source=desc.source or str(path), config=dict(desc.config))
+                   source=desc.source or str(path), config=desc.config)
 
 
 def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
@@ -101,8 +78,8 @@ def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
             inputs.append(spec_from_shape(name, dtype, shape_sym, bounds=(lo, hi)))
         else:
             outputs.append(spec_from_shape(name, dtype, shape_sym))
-    config = dict(sidecar.config) if sidecar is not None else {}
-    head_dim, _ = _config_values(config, sidecar.source if sidecar is not None else "the engine")
+    config = sidecar.config if sidecar is not None else ModelConfig()
+    head_dim = config.head_dim  # checked when the sidecar was read
     names = {s.name for s in inputs}
     roles = sidecar.roles() if sidecar is not None else None
     if roles is None or not set(roles.values()) <= names:  # no sidecar, or another engine's

@@ -57,7 +57,7 @@ from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
 # The model's I/O description and its readers (moved; imported here for this module's users)
 from qkrope.model_io import (ROLES, ModelIO, TensorSpec, _has, assign_roles,  # noqa: F401
                              spec_from_shape)
-from .io_specs import _config_values, engine_model_io, onnx_model_io  # noqa: F401
+from .io_specs import engine_model_io, onnx_model_io  # noqa: F401
 
 #: Output (and default-mask) buffers a thread keeps per tensor name: those of the last two
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
@@ -381,7 +381,7 @@ class Runner:
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             check_roles(hidden_states, encoder_hidden_states, None)
         txt = int(txt_len) if txt_len is not None else int(encoder_hidden_states.shape[1])
-        axes_dim = tuple(self.io.config.get("axes_dims_rope") or QWEN_AXES_DIM)
+        axes_dim = tuple(self.io.config.axes_dims_rope or QWEN_AXES_DIM)
         caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=axes_dim,
                                         device=hidden_states.device)
         if caches.img.shape[0] != hidden_states.shape[1]:

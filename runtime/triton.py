@@ -47,7 +47,7 @@ from qkrope import dtypes, model_io
 from qkrope.model_io import QWEN_IMAGE
 from qkrope._fileio import folder_lock, staged_outputs
 from qkrope.errors import QkropeError
-from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
+from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
 from . import trt_utils as tu
 from .plugin_build import LIBRARY_FILES, PluginNotBuiltError, resolve_plugin_library
@@ -354,18 +354,19 @@ TXT_TENSOR = model_io.ENCODER_HIDDEN_STATES_MASK.name
 LATENT_TENSOR = model_io.HIDDEN_STATES.name  # ... and the image token count off this one's
 
 
-def is_transformer(input_names: Iterable[str], config: dict | None, model: str | None = None) -> bool:
+def is_transformer(input_names: Iterable[str], config: ModelConfig | None,
+                   model: str | None = None) -> bool:
     """A whole diffusers transformer (``qkrope export --model transformer``): a timestep input
     and both cache inputs; the attention block has no timestep."""
     names = set(input_names)
     if model is not None and model != "transformer":
         return False
     return model_io.TIMESTEP.name in names and set(CACHE_INPUTS) <= names and (
-        model == "transformer" or "diffusers_config" in (config or {}))
+        model == "transformer" or (config is not None and config.diffusers_config is not None))
 
 
-def _axes_dim(config: dict, rotary_dim: int) -> tuple[int, int, int]:
-    cfg = config.get("diffusers_config") if isinstance(config.get("diffusers_config"), dict) else {}
+def _axes_dim(config: ModelConfig, rotary_dim: int) -> tuple[int, int, int]:
+    cfg = config.diffusers_config or {}
     axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_IMAGE.axes_dims_rope))
     if sum(axes) != rotary_dim:
         raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
@@ -548,7 +549,7 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
                 swap_in(staged[name], repo / name)
 
 
-def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict,
+def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfig,
                  limits: RopeLimits, serving: Serving, models: dict) -> dict:
     """Add the rope model and the ensemble (named ``repo_name``) after the main model."""
     if not repo_name.isascii():

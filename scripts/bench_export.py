@@ -70,7 +70,7 @@ def main() -> int:
                          f"{time.perf_counter() - t:.1f} s", f"{size_of(tr_path) / 1e6:.1f} MB"))
 
         info = ModelInfo.load(attn_path)
-        module = build_attention({**info.config, "dtype": info.dtype})
+        module = build_attention(info)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = args.threads
         opts.inter_op_num_threads = 1

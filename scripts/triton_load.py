@@ -137,7 +137,7 @@ def _build(work: Path, instances: int):
     triton_server.use_onnx_stand_in(repo, "tiny_onnx", ort)
     from qkrope.sidecars import ModelInfo
 
-    return repo, ModelInfo.load(onnx).config["diffusers_config"]
+    return repo, ModelInfo.load(onnx).config.diffusers_config
 
 
 def main(argv: list[str]) -> int:

@@ -41,7 +41,7 @@ def _run(path, feeds, providers=("CPUExecutionProvider",)):
 
 
 def _ref(info, feeds):
-    module = build_attention({**info.config, "dtype": info.dtype})
+    module = build_attention(info)
     t = {k: to_torch(v) for k, v in feeds.items()}
     with torch.no_grad():
         return module(t["hidden_states"], t["encoder_hidden_states"],
@@ -143,8 +143,9 @@ def test_sidecar(fp32_model):
     assert info.ir_version == 10 and info.output_names == ["img_out", "txt_out"]
     assert set(info.dynamic_axes) == {"batch", "img_tokens", "txt_tokens", "img_cache_rows",
                                       "txt_cache_rows"}
-    assert info.node_attributes == contract.node_attributes()
-    assert info.config["heads"] == HEADS and info.config["head_dim"] == HEAD_DIM
+    assert info.node_attributes == contract.NodeAttributes()
+    assert info.node_attributes.to_node() == contract.node_attributes()
+    assert info.config.heads == HEADS and info.config.head_dim == HEAD_DIM
     assert info.input_shape("img_cos_sin_cache", batch=3, img_tokens=7, txt_tokens=5) == (7, 64)
     assert info.input_shape("hidden_states", batch=3, img_tokens=7, txt_tokens=5) == (3, 7, 128)
     assert oct(os.stat(str(fp32_model) + ".json").st_mode & 0o777) != "0o600"
@@ -171,7 +172,7 @@ def test_metadata_props_and_input_docs(fp32_model):
     assert props["qkrope.contract_version"] == contract.CONTRACT_VERSION
     assert props["qkrope.model"] == "attention" and props["qkrope.dtype"] == "fp32"
     config = json.loads(props["qkrope.config"])
-    assert config == ModelInfo.load(fp32_model).config
+    assert config == ModelInfo.load(fp32_model).config.to_dict()
     assert config["heads"] == HEADS and config["head_dim"] == HEAD_DIM
     docs = {i.name: i.doc_string for i in model.graph.input}
     assert all(docs.values()), docs
@@ -200,7 +201,7 @@ CASES = [  # img_shapes, txt_len, batch: all differ from the export sample
 def test_ort_matches_module_fp32(form_models, form, img_shapes, txt_len, batch):
     path = form_models("fp32", form)
     info = ModelInfo.load(path)
-    assert info.config["attention"] == form
+    assert info.config.attention == form
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=1)
     if batch == 2:
         assert not feeds["encoder_hidden_states_mask"].all()  # a text mask is exercised
@@ -264,7 +265,7 @@ def test_ort_matches_diffusers(tmp_path, form):
                                attention=form)
     img_shapes, txt_len = [(1, 4, 5), (1, 2, 3)], 7
     feeds = make_inputs(info, img_shapes, txt_len, 2, seed=4)
-    axes = tuple(info.config["axes_dims_rope"])
+    axes = tuple(info.config.axes_dims_rope)
     freqs = diffusers_freqs(img_shapes, txt_len, axes)
     with torch.no_grad():
         ref = attn(hidden_states=torch.from_numpy(feeds["hidden_states"]),
@@ -361,8 +362,8 @@ def test_export_default_qwen_sizes(tmp_path):
     out = tmp_path / "qwen.onnx"
     assert main(["export", "--out", str(out)]) == 0
     info = ModelInfo.load(out)
-    assert (info.config["heads"], info.config["head_dim"], info.config["dim"]) == (24, 128, 3072)
-    assert info.config["axes_dims_rope"] == [16, 56, 56]
+    assert (info.config.heads, info.config.head_dim, info.config.dim) == (24, 128, 3072)
+    assert info.config.axes_dims_rope == [16, 56, 56]
     assert out.stat().st_size > 6 * 3072 * 3072 * 4  # eight C x C fp32 linears, >= six counted
 
 
@@ -437,9 +438,9 @@ def test_export_records_parameter_shapes(tmp_path):
     from qkrope.export.onnx_export import build_attention, export_attention
 
     info, _ = export_attention(tmp_path / "m.onnx", heads=2, head_dim=16)
-    sd = build_attention(info.config).state_dict()
-    assert info.config["parameter_shapes"] == {k: list(v.shape) for k, v in sd.items()}
-    assert any(len(v) == 2 for v in info.config["parameter_shapes"].values())
+    sd = build_attention(info).state_dict()
+    assert info.config.parameter_shapes == {k: list(v.shape) for k, v in sd.items()}
+    assert any(len(v) == 2 for v in info.config.parameter_shapes.values())
 
 
 def test_cli_keeps_tracebacks_of_internal_failures(tmp_path, monkeypatch):
@@ -566,10 +567,10 @@ def test_every_write_and_rename_step_failing_leaves_old_or_new_pair(tmp_path, fa
         got = _pair(tmp_path)
         if got != old:  # then it must be the complete new pair, described by its sidecar
             assert sorted(got) == sorted(old), f"step {k} left {sorted(got)}"
-            assert ModelInfo.load(out).config["seed"] == 2, f"step {k}"
+            assert ModelInfo.load(out).config.seed == 2, f"step {k}"
             assert got["m.onnx"] != old["m.onnx"] and got["m.onnx.json"] != old["m.onnx.json"]
         fast_export(out, seed=3)  # the next run leaves no temporary
-        assert not _staging(tmp_path) and ModelInfo.load(out).config["seed"] == 3
+        assert not _staging(tmp_path) and ModelInfo.load(out).config.seed == 3
 
     steps = fail_each_write_step(monkeypatch, lambda: fast_export(out, seed=2), reset=reset,
                                  after=after, extra=(("onnx_ir", "save"),))

@@ -17,6 +17,7 @@ import torch
 from qkrope._deps import MissingDependencyError
 from qkrope.runtime import RopeCacheError, RopeCacheOverflowError, build_qwen_rope_caches
 from qkrope.runtime import runner as rn
+from qkrope.sidecars import ModelInfo
 
 HEADS, HEAD_DIM = 2, 16
 C = HEADS * HEAD_DIM
@@ -31,8 +32,7 @@ def exported(tmp_path_factory):
     path = tmp_path_factory.mktemp("runner") / "attn.onnx"
     info, _ = export_attention(path, heads=HEADS, head_dim=HEAD_DIM, img_shapes=IMG_SHAPES,
                                txt_len=S_TXT, batch=2)
-    config = json.loads(Path(str(path) + ".json").read_text())["config"]
-    return path, build_attention(config)
+    return path, build_attention(ModelInfo.load(path))
 
 
 class SpySession:
@@ -834,7 +834,7 @@ def test_trt_runner_refuses_a_sidecar_config_the_engine_was_not_built_from():
     engine.name = config_tag(side.config)
     r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
     r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())  # agrees
-    side.config["axes_dims_rope"] = side.config["axes_dims_rope"][::-1]
+    side.config.axes_dims_rope = side.config.axes_dims_rope[::-1]
     r = rn.TensorRTRunner.__new__(rn.TensorRTRunner)
     with pytest.raises(EngineInfoError, match="describes another config than the one"):
         r._setup(engine, trt, side, device=torch.device("cpu"), cuda=FakeCuda())

@@ -501,17 +501,12 @@ def cpu_threads(cfg: Config) -> int | None:
     return thread_counts(cfg)[0]
 
 
-def _block_config(info) -> dict:
-    """The exporter's config for the block (``build_attention`` rebuilds the exported weights)."""
-    return {**info.config, "dtype": info.dtype}
-
-
 def _make_block(cfg: Config, info):
     """The exported QwenImageAttention, rebuilt by the exporter's ``build_attention`` from the
     sidecar: eager PyTorch runs the same weights as the ONNX model and the engines."""
     from qkrope.export.onnx_export import build_attention
 
-    return build_attention(_block_config(info)).to(cfg.device).eval()
+    return build_attention(info).to(cfg.device).eval()
 
 
 def _input_roles(info) -> dict[str, str]:
