@@ -17,6 +17,7 @@ from torch import nn
 
 from qkrope.errors import InputError
 from qkrope import contract
+from qkrope.model_io import QWEN_IMAGE
 from .ops import qk_norm_rope
 
 
@@ -47,7 +48,8 @@ class QwenImageAttention(nn.Module):
             (metadata only, no device synchronisation).
     """
 
-    def __init__(self, dim: int = 3072, heads: int = 24, head_dim: int = 128, *,
+    def __init__(self, dim: int = QWEN_IMAGE.dim, heads: int = QWEN_IMAGE.heads,
+                 head_dim: int = QWEN_IMAGE.head_dim, *,
                  eps: float = contract.DEFAULT_EPS,
                  interleaved: bool = contract.DEFAULT_INTERLEAVED,
                  rounding: int = contract.DEFAULT_ROUNDING,
@@ -56,11 +58,10 @@ class QwenImageAttention(nn.Module):
         if heads * head_dim != dim:
             raise InputError(f"heads * head_dim must equal dim; got {heads} x {head_dim} != {dim}")
         contract.check_head_dim(head_dim)
-        contract.check_epsilon(eps)
-        interleaved = contract.check_interleaved(interleaved)
-        rounding = contract.check_rounding(rounding)
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
-        self.eps, self.interleaved, self.rounding, self.validate = eps, interleaved, rounding, validate
+        #: the QKNormRoPE node's values, one record (checked here)
+        self.attributes = contract.NodeAttributes(eps, interleaved, rounding)
+        self.validate = validate
         inner = heads * head_dim
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
@@ -74,6 +75,18 @@ class QwenImageAttention(nn.Module):
         self.norm_added_k = RMSNormWeight(head_dim, eps)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
         self.to_add_out = nn.Linear(inner, dim)
+
+    @property
+    def eps(self) -> float:
+        return self.attributes.eps
+
+    @property
+    def interleaved(self) -> bool:
+        return self.attributes.interleaved
+
+    @property
+    def rounding(self) -> int:
+        return self.attributes.rounding
 
     @classmethod
     def from_diffusers(cls, attn: nn.Module, **kwargs) -> "QwenImageAttention":
@@ -111,8 +124,8 @@ class QwenImageAttention(nn.Module):
         img_cache, txt_cache = image_rotary_emb
 
         return joint_attention(self, hidden_states, encoder_hidden_states, img_cache, txt_cache,
-                               encoder_hidden_states_mask, head_dim=self.head_dim, eps=self.eps,
-                               interleaved=self.interleaved, rounding=self.rounding)
+                               encoder_hidden_states_mask, head_dim=self.head_dim,
+                               attributes=self.attributes)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -205,7 +218,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,
                     encoder_hidden_states: torch.Tensor, img_cache: torch.Tensor,
                     txt_cache: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None, *,
-                    head_dim: int, eps: float, interleaved: bool, rounding: int
+                    head_dim: int, attributes: contract.NodeAttributes
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen-Image joint attention on any module with diffusers' attribute names (``to_q`` ...
     ``to_add_out``, ``norm_q.weight`` ...): QwenImageAttention and diffusers' own ``Attention``
@@ -222,7 +235,7 @@ def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,
                            heads(attn.add_k_proj(encoder_hidden_states)),
                            heads(attn.add_v_proj(encoder_hidden_states)))
 
-    opts = dict(eps=eps, interleaved=interleaved, rounding=rounding)
+    opts = attributes.as_kwargs()
     img_q, img_k = qk_norm_rope(img_q, img_k, attn.norm_q.weight, attn.norm_k.weight, img_cache,
                                 **opts)
     txt_q, txt_k = qk_norm_rope(txt_q, txt_k, attn.norm_added_q.weight,

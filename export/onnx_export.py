@@ -41,13 +41,14 @@ import torch
 from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
-from qkrope.sidecars import METADATA_PREFIX, ModelInfo, TensorInfo, sidecar_path
+from qkrope.sidecars import METADATA_PREFIX, ModelConfig, ModelInfo, TensorInfo, sidecar_path
 from qkrope._fileio import (MODEL_SIDECAR, ONNX_MODEL, TEXT_FILE, check_output_folder,
                             check_outputs, sha256_file, staged_outputs)
 from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
-from qkrope import contract
+from qkrope import contract, model_io
+from qkrope.model_io import QWEN_IMAGE
 from qkrope._progress import Steps
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
@@ -69,12 +70,11 @@ def ir_version_for(opset: int) -> int:
 
 EXTERNAL_DATA_THRESHOLD = 1536 * 1024 * 1024  # bytes of initializers; protobuf's limit is 2 GiB
 TORCH_DTYPES = dtypes.TORCH_BY_SHORT  # "fp32" | "fp16" | "bf16" -> torch dtype
-ATTENTION_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
-                    "img_cos_sin_cache", "txt_cos_sin_cache")
-ATTENTION_OUTPUTS = ("img_out", "txt_out")
-TRANSFORMER_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
-                      "timestep", "img_cos_sin_cache", "txt_cos_sin_cache")
-TRANSFORMER_OUTPUTS = ("sample",)
+# the graphs' input and output names (qkrope/model_io.py)
+ATTENTION_INPUTS = model_io.ATTENTION.input_names
+ATTENTION_OUTPUTS = model_io.ATTENTION.output_names
+TRANSFORMER_INPUTS = model_io.TRANSFORMER.input_names
+TRANSFORMER_OUTPUTS = model_io.TRANSFORMER.output_names
 DEFAULT_ATTENTION_SAMPLE = dict(img_shapes=[(1, 16, 16)], txt_len=32, batch=2)
 DEFAULT_TRANSFORMER_SAMPLE = dict(img_shapes=[(1, 8, 8)], txt_len=16, batch=2)
 
@@ -101,18 +101,12 @@ class CacheInputAttention(nn.Module):
 
 
 def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
+    """torch.export's dynamic dimensions of each graph input: its named axes
+    (:data:`qkrope.model_io.TENSORS`)."""
     dim = torch.export.Dim
-    axes = {a: dim(a) for a in ("batch", "img_tokens", "txt_tokens", "img_cache_rows",
-                                 "txt_cache_rows")}
-    table = {
-        "hidden_states": {0: axes["batch"], 1: axes["img_tokens"]},
-        "encoder_hidden_states": {0: axes["batch"], 1: axes["txt_tokens"]},
-        "encoder_hidden_states_mask": {0: axes["batch"], 1: axes["txt_tokens"]},
-        "timestep": {0: axes["batch"]},
-        "img_cos_sin_cache": {0: axes["img_cache_rows"]},
-        "txt_cos_sin_cache": {0: axes["txt_cache_rows"]},
-    }
-    return {n: table[n] for n in names}
+    axes = {a: dim(a) for a in model_io.AXES}
+    return {n: {i: axes[a] for i, a in enumerate(model_io.TENSORS[n].axes) if a is not None}
+            for n in names}
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,8 +335,16 @@ def _versions(extra: Sequence[str] = ()) -> dict[str, str]:
     return out
 
 
-def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[TensorInfo]]:
+def _tensor_infos(model, axis_names: set[str],
+                  decl: model_io.ModelDecl) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    """The sidecar's inputs and outputs: the graph's names, dtypes and shapes, each with the role
+    the model's declaration gives it (:mod:`qkrope.model_io`)."""
+    roles = {t.name: t.role for t in decl.inputs + decl.outputs}
+
     def desc(v):
+        if v.name not in roles:
+            raise ExportError(f"the graph has a tensor {v.name!r} that the {decl.kind} model "
+                              f"does not declare ({list(roles)})")
         shape = []
         for d in v.shape:
             if isinstance(d, int):
@@ -354,41 +356,31 @@ def _tensor_infos(model, axis_names: set[str]) -> tuple[list[TensorInfo], list[T
                                       f"export fixed the wrong dimensions")
                 shape.append(name)
         return TensorInfo(v.name, v.dtype.numpy().name if v.dtype.name != "BFLOAT16"
-                          else "bfloat16", shape)
+                          else "bfloat16", shape, roles[v.name])
 
     return [desc(v) for v in model.graph.inputs], [desc(v) for v in model.graph.outputs]
 
 
 #: What each graph input is (the ONNX file's doc strings on its inputs).
-_CACHE_DOC = ("RoPE cache, float32, one row per token: the cos half then the sin half of the "
-              "rotary dimension ([rows, rotary_dim]; build both for this model with "
-              "qkrope.runtime.caches_for(model_path, img_shapes, txt_seq_len))")
-INPUT_DOCS = {
-    "hidden_states": "image tokens, [batch, img_tokens, features] (packed latent patches for the "
-                     "transformer)",
-    "encoder_hidden_states": "text tokens (prompt embeddings), [batch, txt_tokens, features]",
-    "encoder_hidden_states_mask": "text mask, bool [batch, txt_tokens]: True = attend to that "
-                                  "text token, False = padding",
-    "timestep": "diffusion timestep per sample, [batch] (diffusers' timestep / 1000 scale as the "
-                "pipeline passes it)",
-    "img_cos_sin_cache": _CACHE_DOC + " for the image tokens, [img_cache_rows, rotary_dim]",
-    "txt_cos_sin_cache": _CACHE_DOC + " for the text tokens, [txt_cache_rows, rotary_dim]",
-}
+INPUT_DOCS = {t.name: t.doc for t in model_io.TENSORS.values() if t.doc}
 
 
-def annotate_model(model, *, kind: str, dtype: str, config: dict) -> None:
-    """metadata_props (qkrope version, node contract version, model kind, dtype, config as JSON)
-    and a doc string on every graph input (in place)."""
+def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
+                   attributes: contract.NodeAttributes | None = None) -> None:
+    """metadata_props (qkrope version, node contract version, model kind, dtype, config and node
+    attributes as JSON: what the sidecar is checked against) and a doc string on every graph
+    input (in place)."""
     import json
 
     from qkrope import __version__
 
     props = {"version": __version__, "contract_version": contract.CONTRACT_VERSION,
              "domain_version": str(contract.DOMAIN_VERSION), "model": kind, "dtype": dtype,
-             "config": json.dumps(config, sort_keys=True)}
-    if config.get(quantization.METADATA_KEY):  # qkrope.quantization: what a reader checks first
-        props[quantization.METADATA_KEY] = json.dumps(config[quantization.METADATA_KEY],
-                                                      sort_keys=True)
+             "config": json.dumps(config.to_dict(), sort_keys=True)}
+    if attributes is not None:
+        props["node_attributes"] = json.dumps(attributes.to_node(), sort_keys=True)
+    if config.quantization:  # qkrope.quantization: what a reader checks first
+        props[quantization.METADATA_KEY] = json.dumps(config.quantization, sort_keys=True)
     for key, value in props.items():
         model.metadata_props[METADATA_PREFIX + key] = value
     for value in model.graph.inputs:
@@ -400,10 +392,12 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
     (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
     axis_values = info_fields.pop("axis_values")
-    inputs, outputs = _tensor_infos(model, set(axis_values))
+    inputs, outputs = _tensor_infos(model, set(axis_values),
+                                    model_io.MODELS[info_fields["model"]])
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
-    annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config)
+    annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
+                   attributes=info.node_attributes)
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     with staged_outputs(out.parent, names) as st:
         external = _save_staged(model, out, st, steps)
@@ -529,17 +523,17 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_attention(config: dict[str, Any]) -> nn.Module:
-    """The QwenImageAttention an attention export was made from, rebuilt from the sidecar config
-    (seeded random weights, or the weights file it names)."""
+def build_attention(info: ModelInfo) -> nn.Module:
+    """The QwenImageAttention an attention export was made from, rebuilt from its sidecar: the
+    config's sizes, the node attributes, the dtype, seeded random weights or the weights file
+    the config names."""
     from .attention import QwenImageAttention
 
+    config, attrs = info.config, info.attributes
     with torch.random.fork_rng(devices=[]):  # nn.Linear's own init must not move the caller's RNG
-        module = QwenImageAttention(int(config["dim"]), int(config["heads"]),
-                                    int(config["head_dim"]), eps=float(config["eps"]),
-                                    interleaved=bool(config["interleaved"]),
-                                    rounding=int(config["rounding"]), validate=False)
-    weights = config.get("weights")
+        module = QwenImageAttention(int(config.dim), int(config.heads), int(config.head_dim),
+                                    **attrs.as_kwargs(), validate=False)
+    weights = config.weights
     if weights:
         state = load_state_dict(weights)
         missing, unexpected = module.load_state_dict(state, strict=False)
@@ -548,7 +542,7 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
                              f"(diffusers names): missing {missing[:6]}, unexpected "
                              f"{unexpected[:6]}")
     else:
-        g = torch.Generator().manual_seed(int(config.get("seed", 0)))
+        g = torch.Generator().manual_seed(int(config.seed or 0))
         with torch.no_grad():
             for name, p in module.named_parameters():
                 noise = torch.randn(p.shape, generator=g)
@@ -556,10 +550,11 @@ def build_attention(config: dict[str, Any]) -> nn.Module:
                     p.copy_(1.0 + 0.3 * noise)  # RMSNorm weights near 1, not all 1
                 else:
                     p.copy_(noise / p.shape[-1] ** 0.5)
-    return module.to(TORCH_DTYPES[config["dtype"]]).eval()
+    return module.to(TORCH_DTYPES[info.dtype]).eval()
 
 
-def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int = 128,
+def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
+                     head_dim: int = QWEN_IMAGE.head_dim,
                      rotary_dim: int | None = None, dtype: str = "fp32",
                      opset: int | None = None, eps: float = contract.DEFAULT_EPS,
                      interleaved: bool = contract.DEFAULT_INTERLEAVED,
@@ -587,17 +582,20 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
     if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
         raise InputError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "
                          f"{rotary_dim}")
-    contract.node_attributes(eps=eps, interleaved=interleaved, rounding=rounding)  # validates
+    attributes = contract.NodeAttributes(eps, interleaved, rounding)  # checked
     axes_dim = default_axes_dims(rotary_dim)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_ATTENTION_SAMPLE)
-    config = dict(dim=heads * head_dim, heads=int(heads), head_dim=int(head_dim), eps=float(eps),
-                  interleaved=bool(interleaved), rounding=int(rounding), rotary_dim=rotary_dim,
-                  axes_dims_rope=list(axes_dim), seed=int(seed), dtype=dtype,
-                  weights=str(Path(weights).resolve()) if weights else None,
-                  weights_sha256=sha256_file(weights) if weights else None, attention=attention)
+    config = ModelConfig(dim=heads * head_dim, heads=int(heads), head_dim=int(head_dim),
+                         rotary_dim=rotary_dim, axes_dims_rope=list(axes_dim), seed=int(seed),
+                         dtype=dtype, weights=str(Path(weights).resolve()) if weights else None,
+                         weights_sha256=sha256_file(weights) if weights else None,
+                         attention=attention)
+    fields = dict(model="attention", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
+                  dynamic_axes={}, node_attributes=attributes, config=config,
+                  sample=_sample_dict(sample))
     t0 = time.perf_counter()
-    module = build_attention(config)
-    args = _sample_args(sample, tdtype, config["dim"], config["dim"], axes_dim, False, seed)
+    module = build_attention(ModelInfo(inputs=[], outputs=[], **fields))
+    args = _sample_args(sample, tdtype, config.dim, config.dim, axes_dim, False, seed)
     with Steps("qkrope export", 5, enabled=progress) as steps:
         model = _torch_export(CacheInputAttention(module), args, ATTENTION_INPUTS,
                               ATTENTION_OUTPUTS, opset, parameters_of="attn", steps=steps,
@@ -607,17 +605,13 @@ def export_attention(out: str | os.PathLike, *, heads: int = 24, head_dim: int =
         not_in_graph = check_parameters(model, module.state_dict())
         if not_in_graph:
             raise ExportError(f"the attention graph does not use the parameters {not_in_graph}")
-        config["parameters"] = list(module.state_dict())  # initializer names (--refit)
-        config["parameter_shapes"] = _shapes(module.state_dict(), config["parameters"])
+        config.parameters = list(module.state_dict())  # initializer names (--refit)
+        config.parameter_shapes = _shapes(module.state_dict(), config.parameters)
         with steps.step("adding the QKNormRoPE function body"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=2)
         info, written = _write_outputs(model, out, dict(
-            model="attention", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
-            dynamic_axes={}, node_attributes=contract.node_attributes(
-                eps=eps, interleaved=interleaved, rounding=rounding),
-            config=config, sample=_sample_dict(sample), versions=_versions(),
-            axis_values=_axis_values(sample)), steps)
+            fields, versions=_versions(), axis_values=_axis_values(sample)), steps)
         steps.note(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return info, written
 
@@ -633,9 +627,9 @@ def _sample_dict(sample: Sample) -> dict:
 
 
 def _axis_values(sample: Sample) -> dict[str, int]:
-    return {"batch": sample.batch, "img_tokens": sample.img_tokens,
-            "txt_tokens": sample.txt_len, "img_cache_rows": sample.img_tokens,
-            "txt_cache_rows": sample.txt_len}
+    return {model_io.BATCH: sample.batch, model_io.IMG_TOKENS: sample.img_tokens,
+            model_io.TXT_TOKENS: sample.txt_len, model_io.IMG_CACHE_ROWS: sample.img_tokens,
+            model_io.TXT_CACHE_ROWS: sample.txt_len}
 
 
 # --------------------------------------------------------------------------------------------
@@ -700,30 +694,29 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         with steps.step(f"adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=2 * n_layers)
-        config = dict(dim=int(cfg["num_attention_heads"]) * head_dim,
-                      heads=int(cfg["num_attention_heads"]), head_dim=head_dim, eps=eps,
-                      interleaved=contract.DEFAULT_INTERLEAVED, rounding=int(rounding),
-                      rotary_dim=rotary_dim,
-                      axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
-                      diffusers_dir=str(Path(diffusers_dir).resolve()),
-                      diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
-                                        for k, v in cfg.items() if not k.startswith("_")
-                                        or k in ("_class_name", "_diffusers_version")},
-                      num_layers_exported=n_layers, attention=attention,
-                      # the state-dict keys that are initializers of that name (qkrope build
-                      # --refit marks them refittable) and those the graph does not use
-                      parameters=[k for k in state if k not in not_in_graph
-                                  and (quant_record is None or k in model.graph.initializers)],
-                      parameters_not_in_graph=not_in_graph)
+        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, rounding)
+        config = ModelConfig(
+            dim=int(cfg["num_attention_heads"]) * head_dim,
+            heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
+            axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
+            diffusers_dir=str(Path(diffusers_dir).resolve()),
+            diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
+                              for k, v in cfg.items() if not k.startswith("_")
+                              or k in ("_class_name", "_diffusers_version")},
+            num_layers_exported=n_layers, attention=attention,
+            # the state-dict keys that are initializers of that name (qkrope build --refit marks
+            # them refittable) and those the graph does not use
+            parameters=[k for k in state if k not in not_in_graph
+                        and (quant_record is None or k in model.graph.initializers)],
+            parameters_not_in_graph=not_in_graph)
         if quant_record is not None:
-            config[quantization.METADATA_KEY] = quant_record
+            config.quantization = quant_record
         # their shapes: qkrope refit refuses a tensor of another shape (a transposed weight)
-        config["parameter_shapes"] = _shapes(transformer.state_dict(), config["parameters"])
+        config.parameter_shapes = _shapes(transformer.state_dict(), config.parameters)
         info, written = _write_outputs(model, out, dict(
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
-            dynamic_axes={}, node_attributes=contract.node_attributes(
-                eps=eps, interleaved=contract.DEFAULT_INTERLEAVED, rounding=rounding),
-            config=config, sample=_sample_dict(sample), versions=_versions(("diffusers",)),
+            dynamic_axes={}, node_attributes=attributes, config=config,
+            sample=_sample_dict(sample), versions=_versions(("diffusers",)),
             axis_values=_axis_values(sample)), steps)
         steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

@@ -43,7 +43,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     Returns: ``(q_out, k_out)``, same shapes and dtype as q and k.
     """
     if not torch.compiler.is_compiling():
-        check_qk_norm_rope_args(q, k, q_weight, k_weight, cos_sin_cache, eps, rounding,
-                                interleaved)
+        a = check_qk_norm_rope_args(q, k, q_weight, k_weight, cos_sin_cache, eps=eps,
+                                    interleaved=interleaved, rounding=rounding)
+        eps, interleaved, rounding = a.eps, a.interleaved, a.rounding
+    # the op's schema takes the three values as scalars (torch.library has no record type)
     return torch.ops.qkrope.qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, float(eps),
                                          bool(interleaved), int(rounding))

@@ -35,8 +35,15 @@ class QKNormRoPEAttnProcessor:
 
     def __init__(self, *, interleaved: bool = contract.DEFAULT_INTERLEAVED,
                  rounding: int = contract.DEFAULT_ROUNDING):
-        self.interleaved = interleaved
-        self.rounding = rounding
+        self.interleaved = contract.check_interleaved(interleaved)
+        self.rounding = contract.check_rounding(rounding)
+        self._attributes: dict[float, contract.NodeAttributes] = {}  # per module eps
+
+    def attributes(self, eps: float) -> contract.NodeAttributes:
+        """The node values for an attention module whose RMSNorm epsilon is ``eps``."""
+        if eps not in self._attributes:
+            self._attributes[eps] = contract.NodeAttributes(eps, self.interleaved, self.rounding)
+        return self._attributes[eps]
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None,
                  encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
@@ -51,8 +58,7 @@ class QKNormRoPEAttnProcessor:
         img_cache, txt_cache = image_rotary_emb
         return joint_attention(attn, hidden_states, encoder_hidden_states, img_cache, txt_cache,
                                encoder_hidden_states_mask, head_dim=attn.inner_dim // attn.heads,
-                               eps=float(attn.norm_q.eps), interleaved=self.interleaved,
-                               rounding=self.rounding)
+                               attributes=self.attributes(float(attn.norm_q.eps)))
 
 
 def check_supported(transformer: nn.Module) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from qkrope import contract
+from qkrope.contract import NodeAttributes
 from qkrope.errors import InputError
 from qkrope.layout import check_tensor_layout
 
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: float,
-               interleaved: bool, rounding: int) -> torch.Tensor:
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
+               attributes: NodeAttributes) -> torch.Tensor:
+    eps, interleaved, rounding = attributes.eps, attributes.interleaved, attributes.rounding
     seq_len = x.shape[1]
     rotary_dim = cache.shape[1]
     half = rotary_dim // 2
@@ -43,11 +45,13 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, eps: 
 
 
 def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
-                            rounding: int,
-                            interleaved: bool = contract.DEFAULT_INTERLEAVED) -> None:
+                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                            eps: float = contract.DEFAULT_EPS,
+                            interleaved: bool = contract.DEFAULT_INTERLEAVED,
+                            rounding: int = contract.DEFAULT_ROUNDING) -> NodeAttributes:
     """Raise InputError naming what was received when the arguments break the op's contract (the
-    value rules are qkrope.contract's: epsilon, head_dim, interleaved, rounding)."""
+    value rules are qkrope.contract's: epsilon, head_dim, interleaved, rounding); the tensors
+    are checked first, then the values, which are returned as one :class:`NodeAttributes`."""
     tensors = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
                ("cos_sin_cache", cos_sin_cache))
     for name, t in tensors:
@@ -72,7 +76,7 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
             f"the actual sequence length")
     contract.check_epsilon(eps)
     contract.check_rounding(rounding)
-    contract.check_interleaved(interleaved)
+    return NodeAttributes(eps, interleaved, rounding)
 
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
@@ -85,5 +89,6 @@ def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     q, k: ``[B, S, H, D]``; weights ``[D]``; cache row ``s`` is token ``s`` (cos half, sin half).
     Dims at or beyond ``rotary_dim`` are normalised but not rotated. See docs/spec.md section 3.
     """
-    return (_norm_rope(q, q_weight, cos_sin_cache, eps, interleaved, rounding),
-            _norm_rope(k, k_weight, cos_sin_cache, eps, interleaved, rounding))
+    attributes = NodeAttributes(eps, interleaved, rounding)
+    return (_norm_rope(q, q_weight, cos_sin_cache, attributes),
+            _norm_rope(k, k_weight, cos_sin_cache, attributes))

@@ -1,7 +1,8 @@
 """The QKNormRoPE node contract: the one place that names the node, its inputs, outputs and
 attributes, and states each default once (docs/spec.md section 4). The exporter writes from it,
 every signature with an ``eps``/``interleaved``/``rounding`` parameter takes its default from
-here, the tests check against it, and the TensorRT plugin's field list is compared with it by
+here, the three values one node carries travel together as :class:`NodeAttributes`, the tests
+check against it, and the TensorRT plugin's field list is compared with it by
 tests/test_plugin_host.py.
 """
 
@@ -164,19 +165,51 @@ def check_rounding(value: Any, *, what: str = "rounding") -> int:
     return int(value)
 
 
+@dataclass(frozen=True)
+class NodeAttributes:
+    """The values one QKNormRoPE node is written with (``eps``, ``interleaved``, ``rounding``),
+    carried as one value from the user's keywords to the node, the reference and the kernel
+    calls, and stored once per export (the sidecar's ``node_attributes``). Checked on creation
+    by the contract's rules (an :class:`~qkrope.errors.InputError` naming the value) and held
+    as float / bool / int."""
+
+    eps: float = DEFAULT_EPS
+    interleaved: bool = DEFAULT_INTERLEAVED
+    rounding: int = DEFAULT_ROUNDING
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eps", check_epsilon(self.eps))
+        object.__setattr__(self, "interleaved", check_interleaved(self.interleaved))
+        object.__setattr__(self, "rounding", check_rounding(self.rounding))
+
+    def to_node(self) -> dict[str, float | int | str]:
+        """The node's attribute values (:data:`ATTRIBUTES`' names and ONNX types)."""
+        return {
+            "epsilon": float(self.eps),
+            "interleaved": int(self.interleaved),
+            "rounding": int(self.rounding),
+            "plugin_version": PLUGIN_VERSION,
+            "plugin_namespace": PLUGIN_NAMESPACE,
+        }
+
+    @classmethod
+    def from_node(cls, attrs: Any) -> "NodeAttributes":
+        """From a node's attribute values (:meth:`to_node`'s form); absent ones take the
+        contract's defaults."""
+        return cls(eps=attrs.get("epsilon", DEFAULT_EPS),
+                   interleaved=attrs.get("interleaved", int(DEFAULT_INTERLEAVED)),
+                   rounding=attrs.get("rounding", DEFAULT_ROUNDING))
+
+    def as_kwargs(self) -> dict[str, float | bool | int]:
+        """``eps=, interleaved=, rounding=``: the keywords of the public functions."""
+        return {"eps": self.eps, "interleaved": self.interleaved, "rounding": self.rounding}
+
+
 def node_attributes(*, eps: float = DEFAULT_EPS, interleaved: bool = DEFAULT_INTERLEAVED,
                     rounding: int = DEFAULT_ROUNDING) -> dict[str, float | int | str]:
     """The attribute values written on one node, validated."""
-    eps = check_epsilon(eps, what="epsilon")
-    interleaved = check_interleaved(interleaved)
-    rounding = check_rounding(rounding)
-    return {
-        "epsilon": float(eps),
-        "interleaved": int(interleaved),
-        "rounding": int(rounding),
-        "plugin_version": PLUGIN_VERSION,
-        "plugin_namespace": PLUGIN_NAMESPACE,
-    }
+    check_epsilon(eps, what="epsilon")
+    return NodeAttributes(eps, interleaved, rounding).to_node()
 
 
 # --------------------------------------------------------------------------------------------

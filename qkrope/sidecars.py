@@ -5,23 +5,28 @@ each, a format version, and a check on load.
 ``qkrope build``, ``qkrope check``, the runner and the benchmark::
 
     {
-      "format": "qkrope-onnx", "format_version": 1,
+      "format": "qkrope-onnx", "format_version": 2 (1 is read too: no roles, eps/interleaved/
+                                                   rounding also in config),
       "model": "attention" | "transformer",
       "opset": 18, "ir_version": 10,
       "dtype": "fp32" | "fp16" | "bf16",                 # weights and activations
       "inputs":  [{"name": str, "dtype": "float32"|"float16"|"bfloat16"|"bool"|...,
-                   "shape": [int | axis-name str, ...]}, ...],   # graph order
+                   "shape": [int | axis-name str, ...],
+                   "role": "hidden_states" | "img_cache" | ... (qkrope.model_io.ROLES) }, ...],
+                                                                   # graph order
       "outputs": [same],
       "dynamic_axes": {"batch": {"export_value": 2}, "img_tokens": {...}, "txt_tokens": {...},
                        "img_cache_rows": {...}, "txt_cache_rows": {...}},
       "node_attributes": {"epsilon": 1e-06, "interleaved": 1, "rounding": 0,
                           "plugin_version": "1", "plugin_namespace": "qkrope"},
-      "config": {"dim", "heads", "head_dim", "eps", "interleaved", "rounding", "rotary_dim",
-                 "axes_dims_rope", "seed", "weights" (path or null), "weights_sha256",
+                         (the nodes' values, stored only here: contract.NodeAttributes)
+      "config": {"dim", "heads", "head_dim", "rotary_dim", "axes_dims_rope", "seed", "dtype",
+                 "attention", "weights" (path), "weights_sha256",
                  "parameters" (the state-dict keys kept as initializers of that name),
                  "parameter_shapes" ({key: shape}: `qkrope refit` checks them),
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
-                 dict), "num_layers_exported" and "parameters_not_in_graph"},
+                 dict), "num_layers_exported" and "parameters_not_in_graph"; an FP8 export
+                 "quantization"}  (read as a checked ModelConfig; every field optional)
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
       "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?},
       "model_sha256": sha256 hex of the M.onnx it describes (checked by ModelInfo.load: a sidecar
@@ -33,10 +38,11 @@ each, a format version, and a check on load.
 by the TensorRT runner and ``qkrope triton-repo``::
 
     {
-      "format": "qkrope-engine", "format_version": 1,
+      "format": "qkrope-engine", "format_version": 2 (1 is read too: no roles),
       "tensorrt_version": str, "gpu": {"name", "compute_capability", "index"} | null,
       "onnx": absolute path of the source model,
-      "inputs":  [{"name", "dtype", "shape": [int, -1 = dynamic], "axes"?: [axis name | null]}],
+      "inputs":  [{"name", "dtype", "shape": [int, -1 = dynamic], "axes"?: [axis name | null],
+                   "role"?: the model sidecar's role}],
       "outputs": [same],
       "profiles": [{input name: {"min": [...], "opt": [...], "max": [...]}}],
       "plugin": {"path", "sha256", "serialized_in_engine"} | null (no plugin: function body),
@@ -75,18 +81,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
 import re
 
 from qkrope._fileio import sha256_file, write_json_atomic
-from qkrope.errors import QkropeError
+from qkrope.contract import NodeAttributes
+from qkrope.errors import InputError, QkropeError
 
-FORMAT_VERSION = 1
+# The version written. 2: each tensor records its role; the node attributes (epsilon,
+# interleaved, rounding) are stored once, in node_attributes, no longer in config too.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # a version 1 sidecar is read: its roles are guessed from the names
 ONNX_FORMAT = "qkrope-onnx"
 ENGINE_FORMAT = "qkrope-engine"
-MODELS = ("attention", "transformer")
+MODELS = tuple(model_io.MODELS)
 DTYPES = dtypes.NAME_BY_SHORT  # --dtype -> numpy name (the one table, qkrope/dtypes.py)
-AXES = ("batch", "img_tokens", "txt_tokens", "img_cache_rows", "txt_cache_rows")
+AXES = model_io.AXES
 LEVELS = ("min", "opt", "max")
 
 
@@ -168,12 +178,14 @@ METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .
 CONFIG_TAG_PREFIX = "qkrope-config-"
 
 
-def config_tag(config: Mapping[str, Any]) -> str:
+def config_tag(config: "ModelConfig | Mapping[str, Any]") -> str:
     """What ``qkrope build`` names the network (so the engine keeps it): a hash of the model
     config the engine is built from, checked against the engine sidecar's config on load
     (:meth:`EngineInfo.check_engine_name`)."""
     import hashlib
 
+    if isinstance(config, ModelConfig):
+        config = config.to_dict()
     text = json.dumps(config, sort_keys=True)
     return CONFIG_TAG_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
@@ -263,8 +275,9 @@ def _check_format(f: _Fields, fmt: str) -> None:
     if got != fmt:
         f.fail(f"is not a qkrope sidecar of format {fmt!r} (got format={got!r})")
     version = f.data.get("format_version")
-    if version != FORMAT_VERSION:
-        f.fail(f"has format_version {version!r}; this qkrope reads version {FORMAT_VERSION}")
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        f.fail(f"has format_version {version!r}; this qkrope reads versions "
+               f"{', '.join(map(str, READ_VERSIONS))}")
 
 
 def _dims(f: _Fields, value: Any, key: str, allowed: tuple[type, ...]) -> list:
@@ -276,24 +289,178 @@ def _dims(f: _Fields, value: Any, key: str, allowed: tuple[type, ...]) -> list:
 
 
 # --------------------------------------------------------------------------------------------
+# The model config (the sidecars' "config", the model's qkrope.config metadata)
+# --------------------------------------------------------------------------------------------
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# field -> (check, what it must be); every field is optional (absent: None)
+_CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
+    "dim": (_positive_int, "a positive int"),
+    "heads": (_positive_int, "a positive int"),
+    "head_dim": (_positive_int, "a positive int"),
+    "rotary_dim": (_positive_int, "a positive int"),
+    "axes_dims_rope": (lambda v: isinstance(v, list) and len(v) == 3 and all(
+        isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in v),
+        "a list of 3 non-negative ints"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "attention": (lambda v: isinstance(v, str), "a str"),
+    "weights": (lambda v: isinstance(v, str), "a path (str) or null"),
+    "weights_sha256": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
+                       is not None, "a sha256 hex digest or null"),
+    "parameters": (_str_list, "a list of str"),
+    "parameter_shapes": (lambda v: isinstance(v, dict) and all(
+        isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in s)
+        for s in v.values()), "an object of int lists"),
+    "diffusers_dir": (lambda v: isinstance(v, str), "a str"),
+    "diffusers_config": (lambda v: isinstance(v, dict), "an object"),
+    "num_layers_exported": (_positive_int, "a positive int"),
+    "parameters_not_in_graph": (_str_list, "a list of str"),
+    "quantization": (lambda v: isinstance(v, dict), "an object"),
+}
+# format 1 kept the node attributes here too; read (into ``extra``), never written
+_LEGACY_NODE_FIELDS = ("eps", "interleaved", "rounding")
+
+
+@dataclass
+class ModelConfig:
+    """What the exporter records about the model (the sidecar's ``config``; the ONNX file's
+    ``qkrope.config`` metadata holds the same): sizes, RoPE axes, the weights it came from, the
+    parameters kept by name, and for a transformer the diffusers folder and config. Every field
+    is optional (None: not recorded, not written); fields this qkrope does not know (and the
+    node attributes of a format-1 sidecar) are kept in ``extra`` as they were read, so a
+    config read and written again is the same JSON (the engine's config tag hashes it)."""
+
+    dim: int | None = None
+    heads: int | None = None
+    head_dim: int | None = None
+    rotary_dim: int | None = None
+    axes_dims_rope: list[int] | None = None
+    seed: int | None = None
+    dtype: str | None = None  # the --dtype short name
+    attention: str | None = None  # the attention form (contract.ATTENTION_FORMS)
+    weights: str | None = None  # the attention block's --weights file
+    weights_sha256: str | None = None
+    parameters: list[str] | None = None  # state-dict keys kept as initializers of that name
+    parameter_shapes: dict[str, list[int]] | None = None
+    diffusers_dir: str | None = None
+    diffusers_config: dict[str, Any] | None = None  # the transformer's diffusers config
+    num_layers_exported: int | None = None
+    parameters_not_in_graph: list[str] | None = None
+    quantization: dict[str, Any] | None = None  # the FP8 record (qkrope.quantization)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # known fields that were read as an explicit null (written back as null)
+    nulls: frozenset = field(default=frozenset(), compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in _CONFIG_FIELDS:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = (list(value) if isinstance(value, tuple) else value)
+            elif key in self.nulls:
+                out[key] = None
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "<dict>",
+                  error: type[SidecarError] | None = None) -> "ModelConfig":
+        """The config of a sidecar (or of the model's metadata), checked: a field of the wrong
+        type is a :class:`ModelInfoError` (``error``) naming the file and the field."""
+        error = error or ModelInfoError
+        if isinstance(d, ModelConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise error(f"{source}: 'config' must be a JSON object, got {type(d).__name__}. "
+                        f"Fix: {_ONNX_FIX}")
+        values, extra, nulls = {}, {}, set()
+        for key, value in d.items():
+            if key not in _CONFIG_FIELDS:
+                extra[str(key)] = value
+                continue
+            if value is None:
+                nulls.add(key)
+                continue
+            check, expected = _CONFIG_FIELDS[key]
+            if isinstance(value, tuple):
+                value = list(value)
+            if not check(value):
+                raise error(f"{source}: config field {key!r} must be {expected}, got "
+                            f"{type(value).__name__} {value!r}. Fix: re-export with "
+                            f"`qkrope export`")
+            values[key] = value
+        return cls(**values, extra=extra, nulls=frozenset(nulls))
+
+    def legacy_node_attributes(self) -> dict[str, Any]:
+        """A format-1 config's eps/interleaved/rounding, in the node's attribute names."""
+        names = {"eps": "epsilon", "interleaved": "interleaved", "rounding": "rounding"}
+        return {names[k]: self.extra[k] for k in _LEGACY_NODE_FIELDS if k in self.extra}
+
+
+def _node_attributes(f: _Fields, config: ModelConfig) -> NodeAttributes | None:
+    """The sidecar's node_attributes (a format-1 sidecar without them: its config's)."""
+    raw = f.obj("node_attributes", optional=True) or config.legacy_node_attributes()
+    if not raw:
+        return None
+    try:
+        return NodeAttributes.from_node(raw)
+    except InputError as exc:
+        f.fail(f"field 'node_attributes' is invalid: {exc}")
+
+
+# --------------------------------------------------------------------------------------------
 # The ONNX sidecar
 # --------------------------------------------------------------------------------------------
 
+def _role(f: _Fields) -> str | None:
+    role = f.get("role", str, optional=True)
+    known = model_io.ROLES + model_io.OUTPUT_ROLES
+    if role is not None and role not in known:
+        f.fail(f"field 'role' must be one of {list(known)}, got {role!r}")
+    return role
+
+
+def _roles(tensors: Sequence[Any]) -> dict[str, str]:
+    """role -> input name: the roles the sidecar records, else (a version 1 sidecar, which
+    records none) guessed from the names and axes (:func:`qkrope.model_io.assign_roles`)."""
+    if any(t.role is not None for t in tensors):
+        return {t.role: t.name for t in tensors if t.role is not None}
+    specs = []
+    for t in tensors:
+        axes = getattr(t, "axes", None) or [None] * len(t.shape)  # an engine's axis names
+        shape = [a if a is not None else d for a, d in zip(axes, t.shape)]
+        specs.append(model_io.spec_from_shape(t.name, t.dtype, shape))
+    return model_io.assign_roles(specs)
+
+
 @dataclass
 class TensorInfo:
-    """One model input or output: dims are ints or axis names (a dynamic axis)."""
+    """One model input or output: dims are ints or axis names (a dynamic axis); ``role``: what
+    it is to the runner (:data:`qkrope.model_io.ROLES`), None where the sidecar records none."""
 
     name: str
     dtype: str
     shape: list  # int or axis name
+    role: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.role is not None:
+            d["role"] = self.role
+        return d
 
     @classmethod
     def _read(cls, f: _Fields) -> "TensorInfo":
         return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int, str)))
+                   _dims(f, f.get("shape", list), "shape", (int, str)), _role(f))
 
 
 _ONNX_FIX = "re-export with `qkrope export`"
@@ -311,12 +478,25 @@ class ModelInfo:
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
     dynamic_axes: dict[str, dict[str, int]]
-    node_attributes: dict[str, Any]
-    config: dict[str, Any]
+    # the values of the model's QKNormRoPE nodes, stored once (None: not recorded)
+    node_attributes: NodeAttributes | None
+    config: ModelConfig
     sample: dict[str, Any]
     versions: dict[str, str] = field(default_factory=dict)
     model_sha256: str | None = None
     source: str = field(default="", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the mapping forms (as in the JSON) are accepted and read into the records
+        self.config = ModelConfig.from_dict(self.config, source=self.source or "<config>")
+        if isinstance(self.node_attributes, Mapping):
+            self.node_attributes = (NodeAttributes.from_node(self.node_attributes)
+                                    if self.node_attributes else None)
+
+    @property
+    def attributes(self) -> NodeAttributes:
+        """The node values (the contract's defaults where the sidecar records none)."""
+        return self.node_attributes if self.node_attributes is not None else NodeAttributes()
 
     # ---------------------------------------------------------------- the one writer / reader
     def to_dict(self) -> dict[str, Any]:
@@ -325,7 +505,9 @@ class ModelInfo:
                 "inputs": [t.to_dict() for t in self.inputs],
                 "outputs": [t.to_dict() for t in self.outputs],
                 "dynamic_axes": {k: dict(v) for k, v in self.dynamic_axes.items()},
-                "node_attributes": dict(self.node_attributes), "config": dict(self.config),
+                "node_attributes": (self.node_attributes.to_node()
+                                    if self.node_attributes is not None else {}),
+                "config": self.config.to_dict(),
                 "sample": dict(self.sample), "versions": dict(self.versions),
                 "model_sha256": self.model_sha256}
 
@@ -337,6 +519,7 @@ class ModelInfo:
         for name, v in f.obj("dynamic_axes").items():
             axes[str(name)] = {"export_value": f.sub(v, f"dynamic_axes[{name!r}]").get(
                 "export_value", int)}
+        config = ModelConfig.from_dict(f.obj("config"), source=source)
         info = cls(
             model=f.get("model", str), opset=f.get("opset", int),
             ir_version=f.get("ir_version", int), dtype=f.get("dtype", str),
@@ -344,7 +527,7 @@ class ModelInfo:
                     for i, t in enumerate(f.get("inputs", list))],
             outputs=[TensorInfo._read(f.sub(t, f"outputs[{i}]"))
                      for i, t in enumerate(f.get("outputs", list))],
-            dynamic_axes=axes, node_attributes=f.obj("node_attributes"), config=f.obj("config"),
+            dynamic_axes=axes, node_attributes=_node_attributes(f, config), config=config,
             sample=f.obj("sample"), versions=f.obj("versions", optional=True),
             model_sha256=_sha256_field(f, "model_sha256"), source=source)
         if info.model not in MODELS or info.dtype not in DTYPES:
@@ -388,12 +571,21 @@ class ModelInfo:
                     recorded[key] = props[METADATA_PREFIX + key]
             if METADATA_PREFIX + "config" in props:
                 recorded["config"] = json.loads(props[METADATA_PREFIX + "config"])
+            if METADATA_PREFIX + "node_attributes" in props:
+                recorded["node_attributes"] = json.loads(props[METADATA_PREFIX + "node_attributes"])
         except ValueError:
             return  # not qkrope's metadata
         mine = {"model": self.model, "dtype": self.dtype,
-                "config": json.loads(json.dumps(self.config))}
+                "config": json.loads(json.dumps(self.config.to_dict())),
+                "node_attributes": (self.node_attributes.to_node()
+                                    if self.node_attributes is not None else {})}
         diffs = []
         for key, theirs in recorded.items():
+            if key == "node_attributes":
+                if mine[key] != theirs:
+                    diffs.append(f"node_attributes: sidecar {_brief(mine[key])}, model "
+                                 f"{_brief(theirs)}")
+                continue
             if key != "config":
                 if mine[key] != theirs:
                     diffs.append(f"{key}: sidecar {mine[key]!r}, model {theirs!r}")
@@ -452,10 +644,17 @@ class ModelInfo:
         init_names = {i.name for i in model.graph.initializer}
         return cls(model="", opset=0, ir_version=int(model.ir_version), dtype="",
                    inputs=io(v for v in model.graph.input if v.name not in init_names),
-                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes={},
-                   config={}, sample={}, source=str(onnx_path))
+                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes=None,
+                   config=ModelConfig(), sample={}, source=str(onnx_path))
 
     # ---------------------------------------------------------------- shapes
+    def roles(self) -> dict[str, str]:
+        """role -> input name, as the sidecar records them (guessed for one that does not)."""
+        return _roles(self.inputs)
+
+    def role_of(self, name: str) -> str | None:
+        return {v: k for k, v in self.roles().items()}.get(name)
+
     @property
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
@@ -503,7 +702,10 @@ class ModelInfo:
         return tuple(out)
 
     def axes_dims_rope(self) -> tuple[int, int, int]:
-        return tuple(int(v) for v in self.config["axes_dims_rope"])  # type: ignore[return-value]
+        if self.config.axes_dims_rope is None:
+            raise ModelInfoError(f"{self.source or 'the sidecar'} records no config.axes_dims_rope"
+                                 f". Fix: {_ONNX_FIX}")
+        return tuple(int(v) for v in self.config.axes_dims_rope)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,11 +721,14 @@ class EngineTensor:
     dtype: str
     shape: list[int]
     axes: list[str | None] | None = None
+    role: str | None = None  # the model sidecar's role of this tensor (TensorInfo.role)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.axes is not None:
             d["axes"] = list(self.axes)
+        if self.role is not None:
+            d["role"] = self.role
         return d
 
     @classmethod
@@ -532,7 +737,7 @@ class EngineTensor:
         if axes is not None and any(a is not None and not isinstance(a, str) for a in axes):
             f.fail(f"field 'axes' must list axis names or null, got {axes!r}")
         return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int,)), axes)
+                   _dims(f, f.get("shape", list), "shape", (int,)), axes, _role(f))
 
 
 @dataclass
@@ -566,7 +771,7 @@ class EngineInfo:
     strongly_typed: bool
     builder_optimization_level: int | None = None
     parser_flags: list[str] = field(default_factory=list)
-    config: dict[str, Any] = field(default_factory=dict)
+    config: ModelConfig = field(default_factory=lambda: ModelConfig())
     dynamic_axes: dict[str, Any] = field(default_factory=dict)
     sample: dict[str, Any] = field(default_factory=dict)
     gpu: dict[str, Any] | None = None
@@ -584,11 +789,19 @@ class EngineInfo:
     # set by build_engine when it kept an up-to-date engine instead of building (not written)
     reused: bool = field(default=False, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self.config = ModelConfig.from_dict(self.config, source=self.source or "<config>",
+                                            error=EngineInfoError)
+
     def tensor(self, name: str) -> EngineTensor:
         for t in self.inputs + self.outputs:
             if t.name == name:
                 return t
         raise EngineInfoError(f"{name!r} is not an input or output of this engine")
+
+    def roles(self) -> dict[str, str]:
+        """role -> input name, as the sidecar records them (guessed for one that does not)."""
+        return _roles(self.inputs)
 
     def profile_ranges(self) -> dict[str, list[tuple[list[int], list[int]]]]:
         """input name -> [(min, max) per optimisation profile]."""
@@ -611,7 +824,7 @@ class EngineInfo:
             "plugin_layers": self.plugin_layers, "version_compatible": self.version_compatible,
             "strongly_typed": self.strongly_typed,
             "builder_optimization_level": self.builder_optimization_level,
-            "parser_flags": list(self.parser_flags), "config": dict(self.config),
+            "parser_flags": list(self.parser_flags), "config": self.config.to_dict(),
             "dynamic_axes": dict(self.dynamic_axes), "sample": dict(self.sample),
             "build_seconds": self.build_seconds, "created": self.created,
             "refittable": self.refittable, "refit_mode": self.refit_mode,
@@ -653,7 +866,8 @@ class EngineInfo:
             strongly_typed=f.get("strongly_typed", bool),
             builder_optimization_level=f.get("builder_optimization_level", int, optional=True),
             parser_flags=[str(x) for x in f.get("parser_flags", list)],
-            config=f.obj("config"), dynamic_axes=f.obj("dynamic_axes"), sample=f.obj("sample"),
+            config=ModelConfig.from_dict(f.obj("config"), source=source, error=EngineInfoError),
+            dynamic_axes=f.obj("dynamic_axes"), sample=f.obj("sample"),
             gpu=dict(gpu) if gpu is not None else None,
             build_seconds=f.get("build_seconds", (int, float), optional=True),
             refittable=f.get("refittable", bool, optional=True, default=False),
@@ -707,16 +921,19 @@ class EngineInfo:
 
 
 def engine_tensors(items: Sequence[EngineTensor], model: ModelInfo) -> list[EngineTensor]:
-    """``items`` with the model's axis names attached (dynamic dims named by the exporter)."""
-    named = {t.name: t.shape for t in model.inputs + model.outputs}
+    """``items`` with the model's axis names (dynamic dims named by the exporter) and roles
+    attached."""
+    named = {t.name: t for t in model.inputs + model.outputs}
     out = []
     for t in items:
-        shape = named.get(t.name)
-        axes = [d if isinstance(d, str) else None for d in shape] if shape is not None else None
-        out.append(EngineTensor(t.name, t.dtype, list(t.shape), axes))
+        desc = named.get(t.name)
+        axes = ([d if isinstance(d, str) else None for d in desc.shape] if desc is not None
+                else None)
+        out.append(EngineTensor(t.name, t.dtype, list(t.shape), axes,
+                                desc.role if desc is not None else None))
     return out
 
 
 __all__ = ["FORMAT_VERSION", "ONNX_FORMAT", "ENGINE_FORMAT", "SidecarError", "ModelInfoError",
-           "EngineInfoError", "TensorInfo", "ModelInfo", "EngineTensor", "PluginRecord",
+           "EngineInfoError", "ModelConfig", "TensorInfo", "ModelInfo", "EngineTensor", "PluginRecord",
            "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path", "config_tag"]

@@ -13,18 +13,21 @@ import functools
 import math
 import numbers
 import operator
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from qkrope.errors import InputError, QkropeError
+from qkrope import model_io
+from qkrope.model_io import QWEN_IMAGE
 
 from . import rope_tables
 
-QWEN_THETA = rope_tables.THETA
-QWEN_AXES_DIM = rope_tables.AXES_DIM
+# Qwen-Image's RoPE numbers (qkrope.model_io.QWEN_IMAGE; rope_tables keeps an equal copy)
+QWEN_THETA = QWEN_IMAGE.theta
+QWEN_AXES_DIM = QWEN_IMAGE.axes_dims_rope
 # diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
-QWEN_MAX_POSITIONS = rope_tables.MAX_POSITIONS
+QWEN_MAX_POSITIONS = QWEN_IMAGE.max_positions
 # Refuse, before allocating, caches larger than this (a 1328x1328 image with 1024 text tokens
 # needs 3.9 MiB; shapes given in pixels instead of latent patches would need terabytes).
 MAX_CACHE_BYTES = 2 * 2**30
@@ -539,7 +542,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 _ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 
 
-def _model_rope_config(path) -> tuple[dict, list, str, object]:
+def _model_rope_config(path) -> tuple[Any, list, str, object]:
     """(config, [(input name, shape with axis names)], where it was read, the EngineInfo of an
     engine or None) of an ``.onnx`` or ``.engine``: the sidecar, else (an ONNX file without one)
     the ``qkrope.config`` entry that ``qkrope export`` writes into the model's
@@ -548,7 +551,7 @@ def _model_rope_config(path) -> tuple[dict, list, str, object]:
     from pathlib import Path
 
     from qkrope.errors import InputFileNotFoundError
-    from qkrope.sidecars import EngineInfo, ModelInfo, sidecar_path
+    from qkrope.sidecars import EngineInfo, ModelConfig, ModelInfo, sidecar_path
 
     p = Path(path)
     if not p.is_file():
@@ -557,14 +560,14 @@ def _model_rope_config(path) -> tuple[dict, list, str, object]:
     suffix = p.suffix.lower()
     if suffix in _ENGINE_SUFFIXES:
         info = EngineInfo.load(p)
-        return (dict(info.config), [(t.name, t.axes or t.shape) for t in info.inputs],
+        return (info.config, [(t.name, t.axes or t.shape) for t in info.inputs],
                 info.source, info)
     if suffix != ".onnx":
         raise InputError(f"cannot tell what {p} is from its suffix {suffix!r}: pass an .onnx "
                          f"model (qkrope export) or an .engine (qkrope build)")
     if sidecar_path(p).exists():
         info = ModelInfo.load(p)
-        return dict(info.config), [(t.name, t.shape) for t in info.inputs], info.source, None
+        return info.config, [(t.name, t.shape) for t in info.inputs], info.source, None
     desc = ModelInfo.from_onnx_graph(p)
     import onnx
 
@@ -582,7 +585,9 @@ def _model_rope_config(path) -> tuple[dict, list, str, object]:
     if not isinstance(config, dict):
         raise InputError(f"{p}: its 'qkrope.config' metadata is not a JSON object. Fix: "
                          f"re-export the model with `qkrope export`")
-    return config, [(t.name, t.shape) for t in desc.inputs], f"{p} (metadata_props)", None
+    where = f"{p} (metadata_props)"
+    return (ModelConfig.from_dict(config, source=where), [(t.name, t.shape) for t in desc.inputs],
+            where, None)
 
 
 def _profile_holds(profile: dict, need: dict) -> bool:
@@ -618,7 +623,7 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int
             themselves have no batch axis).
     """
     config, inputs, source, info = _model_rope_config(model_path)
-    axes = config.get("axes_dims_rope")
+    axes = config.axes_dims_rope
     if not (isinstance(axes, (list, tuple)) and len(axes) == 3
             and all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in axes)):
         raise InputError(f"{source} records no usable RoPE axes (config.axes_dims_rope = "
@@ -630,7 +635,8 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int
             raise InputError(f"batch must be >= 1; got {batch}")
     caches = build_qwen_rope_caches(img_shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
     shapes = {name: list(shape) for name, shape in inputs}
-    for name, cache in (("img_cos_sin_cache", caches.img), ("txt_cos_sin_cache", caches.txt)):
+    img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
+    for name, cache in ((img_name, caches.img), (txt_name, caches.txt)):
         shape = shapes.get(name)
         width = shape[-1] if shape else None
         if isinstance(width, int) and width >= 0 and width != cache.shape[1]:
@@ -639,10 +645,9 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int
                 f"sum to {cache.shape[1]}: the sidecar does not describe this model. Fix: "
                 f"re-export the model with `qkrope export`")
     if info is not None:
-        need = {("img_cos_sin_cache", 0): int(caches.img.shape[0]),
-                ("txt_cos_sin_cache", 0): int(caches.txt.shape[0])}
+        need = {(img_name, 0): int(caches.img.shape[0]), (txt_name, 0): int(caches.txt.shape[0])}
         if batch is not None:
-            need[("hidden_states", 0)] = batch
+            need[(model_io.HIDDEN_STATES.name, 0)] = batch
         if info.profiles and not any(_profile_holds(p, need) for p in info.profiles):
             labels = list(info.profile_labels) + [""] * len(info.profiles)
             ranges = "; ".join(

@@ -25,6 +25,7 @@ in plain functions that run without TensorRT):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -549,7 +550,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
             trt_profile.set_shape(name, levels["min"], levels["opt"], levels["max"])
         if config.add_optimization_profile(trt_profile) < 0:
             raise EngineBuildError(f"TensorRT refused the optimisation profile {_label or 0}")
-    refit_mode = (set_refit(trt, config, network, model.config.get("parameters"), steps.write)
+    refit_mode = (set_refit(trt, config, network, model.config.parameters, steps.write)
                   if opts.refit else None)
     if opts.workspace_mib is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_mib) << 20)
@@ -590,12 +591,12 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
 
-    model_config = dict(model.config)
+    model_config = dataclasses.replace(model.config)
     if fp8:
         summary = fp8_engine.inspect_engine(trt, logger, serialized, node_names)
         steps.write(f"[build] FP8 engine: {summary['fp8_layers']} of {summary['layers']} "
                     f"layers in FP8, {summary['plugin_layers']} plugin layer(s)")
-        model_config["quantization"] = {**fp8, "engine": summary}
+        model_config.quantization = {**fp8, "engine": summary}
     if opts.timing_cache:  # a cache, not an output: written before the engine pair
         try:
             write_atomic(opts.timing_cache, config.get_timing_cache().serialize())

@@ -33,7 +33,8 @@ class Fp8EngineError(QkropeError, RuntimeError):
 
 def quantization_of(model) -> dict | None:
     """The model's quantisation record (sidecar config ``quantization``), or None."""
-    record = (getattr(model, "config", None) or {}).get("quantization")
+    config = getattr(model, "config", None)
+    record = getattr(config, "quantization", None)
     return record or None
 
 

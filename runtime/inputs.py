@@ -89,16 +89,17 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     feeds: dict[str, np.ndarray] = {}
     for t in info.inputs:
         dtype = numpy_dtype(t.dtype)
-        if t.name == "img_cos_sin_cache":
+        role = info.role_of(t.name)
+        if role == "img_cache":
             feeds[t.name] = caches.img.numpy().copy()
-        elif t.name == "txt_cos_sin_cache":
+        elif role == "txt_cache":
             feeds[t.name] = caches.txt.numpy().copy()
-        elif t.name == "encoder_hidden_states_mask":
+        elif role == "encoder_hidden_states_mask":
             mask = np.ones(info.input_shape(t.name, **sizes), dtype=bool)
             if batch > 1 and txt_len > 1:
                 mask[1, txt_len - max(1, txt_len // 4):] = False
             feeds[t.name] = mask.astype(dtype)
-        elif t.name == "timestep":
+        elif role == "timestep":
             feeds[t.name] = rng.uniform(0.05, 0.95, info.input_shape(t.name, **sizes)).astype(
                 np.float32).astype(dtype)
         else:

@@ -342,7 +342,11 @@ def check_rope_positions(resolutions: Sequence[tuple[int, int]], txt_max: int) -
     image (centred: half of each side in latent patches, each way) and ``txt_max`` text tokens
     after the largest image (text starts at the largest image's half side). No preset: the
     text alone (1 image token) against the whole table."""
-    from .rope_tables import MAX_POSITIONS as QWEN_MAX_POSITIONS, image_extent, text_rows
+    from qkrope.model_io import QWEN_IMAGE
+
+    from .rope_tables import image_extent, text_rows
+
+    QWEN_MAX_POSITIONS = QWEN_IMAGE.max_positions
 
     shapes = [(1, h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN) for w, h in resolutions]
     for (w, h), shape in zip(resolutions, shapes):

@@ -21,26 +21,24 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from qkrope.errors import QkropeError
-from qkrope.sidecars import EngineInfo, ModelInfo
 
 from qkrope import dtypes
-from . import onnx_file
 from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
                      validate_cos_sin_caches)
+# The model's I/O description and its readers (moved; imported here for this module's users)
+from qkrope.model_io import (ROLES, ModelIO, TensorSpec, _has, assign_roles,  # noqa: F401
+                             spec_from_shape)
+from .io_specs import engine_model_io, onnx_model_io  # noqa: F401
 
 #: Output (and default-mask) buffers a thread keeps per tensor name: those of the last two
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
 #: ever new shapes (a pipeline over many image sizes) hold a bounded amount of memory.
 BUFFERS_PER_NAME = 2
-
-ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
-         "encoder_hidden_states_mask", "timestep")
 
 
 class RunnerError(QkropeError, RuntimeError):
@@ -54,96 +52,6 @@ class RunnerInputError(RunnerError, ValueError):
 # --------------------------------------------------------------------------------------------
 # What the model accepts
 # --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One model input or output. ``dims[i] = (lo, hi)``; ``hi`` None = unbounded; static dims
-    have lo == hi. ``axes[i]`` names a dynamic dimension shared between tensors (or None)."""
-
-    name: str
-    dtype: str
-    dims: tuple[tuple[int, int | None], ...]
-    axes: tuple[str | None, ...]
-
-    @property
-    def rank(self) -> int:
-        return len(self.dims)
-
-    def describe(self) -> str:
-        parts = []
-        for (lo, hi), ax in zip(self.dims, self.axes):
-            if lo == hi:
-                parts.append(str(lo))
-            else:
-                rng = f"{lo}..{hi if hi is not None else ''}"
-                parts.append(f"{ax}={rng}" if ax else rng)
-        return f"[{', '.join(parts)}] {self.dtype}"
-
-
-@dataclass
-class ModelIO:
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    head_dim: int | None
-    roles: dict[str, str] = field(default_factory=dict)  # role -> input name
-    source: str = ""
-    config: dict = field(default_factory=dict)  # the exporter's model config (sidecar)
-    # True when the dims' (lo, hi) bounds come from a TensorRT optimisation profile (a range the
-    # engine was built for), False for an ONNX model (any size >= 1)
-    profile_bounds: bool = False
-
-    def input(self, name: str) -> TensorSpec:
-        return next(s for s in self.inputs if s.name == name)
-
-
-def spec_from_shape(name: str, dtype: str, shape: Sequence, *,
-                    bounds: tuple[Sequence[int], Sequence[int]] | None = None) -> TensorSpec:
-    """A TensorSpec from a sidecar/ONNX shape (ints, axis names, -1/None) and optional profile
-    (min, max) shapes."""
-    dims, axes = [], []
-    for i, d in enumerate(shape):
-        if isinstance(d, int) and d >= 0:
-            dims.append((d, d))
-            axes.append(None)
-        else:
-            lo, hi = 1, None
-            if bounds is not None:
-                lo, hi = int(bounds[0][i]), int(bounds[1][i])
-            dims.append((lo, hi))
-            axes.append(d if isinstance(d, str) else None)
-    return TensorSpec(name, dtypes.canonical(dtype, source="name"), tuple(dims), tuple(axes))
-
-
-def _has(name: str, *words: str) -> bool:
-    return any(w in name for w in words)
-
-
-def assign_roles(specs: Sequence[TensorSpec]) -> dict[str, str]:
-    """Map the runner's arguments to model input names, by exact names first, then by axis names
-    (``img_cache_rows`` / ``txt_cache_rows``), then by name patterns."""
-    roles: dict[str, str] = {}
-    for s in specs:
-        low = s.name.lower()
-        if low in ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
-                   "timestep"):
-            roles[low] = s.name
-    for s in specs:
-        low = s.name.lower()
-        if s.name in roles.values():
-            continue
-        first_axis = s.axes[0] if s.axes else None
-        if first_axis == "img_cache_rows" or (
-                _has(low, "img", "image") and _has(low, "cache", "rope", "rotary", "cos_sin")):
-            roles.setdefault("img_cache", s.name)
-        elif first_axis == "txt_cache_rows" or (
-                _has(low, "txt", "text") and _has(low, "cache", "rope", "rotary", "cos_sin")):
-            roles.setdefault("txt_cache", s.name)
-        elif "mask" in low:
-            roles.setdefault("encoder_hidden_states_mask", s.name)
-        elif "timestep" in low:
-            roles.setdefault("timestep", s.name)
-    return roles
-
 
 def _torch_dtype_name(t: torch.Tensor) -> str:
     return dtypes.canonical(t.dtype, source="torch")
@@ -428,7 +336,7 @@ class Runner:
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             check_roles(hidden_states, encoder_hidden_states, None)
         txt = int(txt_len) if txt_len is not None else int(encoder_hidden_states.shape[1])
-        axes_dim = tuple(self.io.config.get("axes_dims_rope") or QWEN_AXES_DIM)
+        axes_dim = tuple(self.io.config.axes_dims_rope or QWEN_AXES_DIM)
         caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=axes_dim,
                                         device=hidden_states.device)
         if caches.img.shape[0] != hidden_states.shape[1]:
@@ -451,95 +359,3 @@ class Runner:
 # --------------------------------------------------------------------------------------------
 # The model's I/O as each backend reads it (an ONNX file and its session, a deserialised engine)
 # --------------------------------------------------------------------------------------------
-
-def _config_values(config: Mapping, source: str) -> tuple[int | None, list[int] | None]:
-    """(head_dim, axes_dims_rope) of a sidecar's model config, checked: a value of the wrong
-    type is a SidecarError naming the file and the field (not a ValueError deep in a call)."""
-    from qkrope.sidecars import ModelInfoError
-
-    def bad(key, value, expected):
-        raise ModelInfoError(f"{source}: config field {key!r} must be {expected}, got "
-                             f"{type(value).__name__} {value!r}. Fix: re-export with "
-                             f"`qkrope export`")
-
-    head_dim = config.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)
-                                 or head_dim < 1):
-        bad("head_dim", head_dim, "a positive int")
-    axes = config.get("axes_dims_rope")
-    if axes is not None and (not isinstance(axes, (list, tuple)) or len(axes) != 3 or any(
-            isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in axes)):
-        bad("axes_dims_rope", axes, "a list of 3 non-negative ints")
-    return head_dim, (list(axes) if axes is not None else None)
-
-
-def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> ModelIO:
-    """ModelIO of an ONNX file: names/dtypes/shapes from the graph (or a session), axis names and
-    head_dim from the sidecar when present (``model``: the file's ModelProto, already read)."""
-    desc = ModelInfo.describe(path)
-    sidecar_head_dim, _ = _config_values(desc.config, desc.source or str(path))
-    inputs_src = [(t.name, t.dtype, t.shape) for t in desc.inputs]
-    outputs_src = [(t.name, t.dtype, t.shape) for t in desc.outputs]
-    if session is not None:
-        # The session's view is authoritative for names and dtypes.
-        sess_in = {i.name: i for i in session.get_inputs()}
-        sess_out = {o.name: o for o in session.get_outputs()}
-        if set(sess_in) != {name for name, _, _ in inputs_src}:
-            inputs_src = [(i.name, dtypes.canonical(i.type, source="onnxruntime"),
-                           [d if isinstance(d, (int, str)) else None for d in i.shape])
-                          for i in session.get_inputs()]
-        else:
-            inputs_src = [(name, dtypes.canonical(sess_in[name].type, source="onnxruntime"), shape)
-                          for name, _, shape in inputs_src]
-        if set(sess_out) != {name for name, _, _ in outputs_src}:
-            outputs_src = [(o.name, dtypes.canonical(o.type, source="onnxruntime"),
-                            [d if isinstance(d, (int, str)) else None for d in o.shape])
-                           for o in session.get_outputs()]
-    inputs = [spec_from_shape(*t) for t in inputs_src]
-    outputs = [spec_from_shape(*t) for t in outputs_src]
-    head_dim = sidecar_head_dim or onnx_file.head_dim_from_onnx(path, model)
-    return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
-                   source=desc.source or str(path), config=dict(desc.config))
-
-
-def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
-                    profile: int | None = None) -> ModelIO:
-    """ModelIO of a deserialised engine: names, dtypes, per input the min/max of ``profile``
-    (default: the union of every optimisation profile, so that the checks before a call accept
-    what some profile accepts; the TensorRT runner then picks the profile); axis names and the
-    model config from its sidecar when there is one."""
-    sym = {}
-    if sidecar is not None:
-        for item in sidecar.inputs + sidecar.outputs:
-            if item.axes:
-                sym[item.name] = item.axes
-    n_profiles = max(int(getattr(engine, "num_optimization_profiles", 1)), 1)
-    chosen = range(n_profiles) if profile is None else [profile]
-    inputs, outputs = [], []
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
-        dtype = dtypes.canonical(engine.get_tensor_dtype(name), source="tensorrt")
-        shape = [int(d) for d in engine.get_tensor_shape(name)]
-        axes = sym.get(name)
-        shape_sym = [(axes[j] if axes and j < len(axes) and axes[j] and d < 0 else d)
-                     for j, d in enumerate(shape)]
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            los, his = [], []
-            for k in chosen:
-                lo, _opt, hi = engine.get_tensor_profile_shape(name, k)
-                los.append([int(d) for d in lo])
-                his.append([int(d) for d in hi])
-            lo = [min(c) for c in zip(*los)]
-            hi = [max(c) for c in zip(*his)]
-            inputs.append(spec_from_shape(name, dtype, shape_sym, bounds=(lo, hi)))
-        else:
-            outputs.append(spec_from_shape(name, dtype, shape_sym))
-    config = dict(sidecar.config) if sidecar is not None else {}
-    head_dim, _ = _config_values(config, sidecar.source if sidecar is not None else "the engine")
-    return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, assign_roles(inputs),
-                   source=sidecar.onnx if sidecar is not None else "the engine", config=config,
-                   profile_bounds=True)
-
-
-__all__ = ["Runner", "RunnerError", "RunnerInputError", "ModelIO", "TensorSpec", "RopeCacheError",
-           "BUFFERS_PER_NAME", "check_inputs", "check_roles"]

@@ -54,14 +54,14 @@ class QwenImageTransformer:
 
     def __init__(self, runner: Runner, *, device: torch.device | str | None = None):
         io = runner.io
-        cfg = io.config.get("diffusers_config")
+        cfg = io.config.diffusers_config if io.config is not None else None
         if not isinstance(cfg, Mapping) or "timestep" not in io.roles:
             raise TransformerLoadError(
                 f"{io.source} is not an exported diffusers transformer (its sidecar has "
                 f"{'no diffusers_config' if not isinstance(cfg, Mapping) else 'no timestep input'}"
                 f"; an attention block cannot stand in for a pipeline's transformer). Fix: export "
                 f"with `qkrope export --model transformer --diffusers DIR`.")
-        layers = io.config.get("num_layers_exported")
+        layers = io.config.num_layers_exported
         total = cfg.get("num_layers")
         if layers is not None and total is not None and int(layers) != int(total):
             raise TransformerLoadError(

@@ -43,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
+from qkrope.model_io import QWEN_IMAGE
 from qkrope._fileio import folder_lock, staged_outputs
 from qkrope.errors import InputError, QkropeError
-from qkrope.sidecars import EngineInfo, engine_sidecar_path, sidecar_path
+from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
 from . import onnx_file
 from . import trt_utils as tu
@@ -351,26 +352,26 @@ def swap_in(staged: Path, target: Path) -> None:
 
 ROPE_MODEL_TEMPLATE = Path(__file__).with_name("triton_rope_model.py")
 ROPE_TABLES_MODULE = Path(__file__).with_name("rope_tables.py")  # copied next to its model.py
-CACHE_INPUTS = ("img_cos_sin_cache", "txt_cos_sin_cache")
-TXT_TENSOR = "encoder_hidden_states_mask"  # the rope model reads the text length off its shape
-LATENT_TENSOR = "hidden_states"  # ... and the image token count off this one's
+CACHE_INPUTS = tuple(t.name for t in model_io.CACHE_INPUTS)
+# the rope model reads the text length off this input's shape ...
+TXT_TENSOR = model_io.ENCODER_HIDDEN_STATES_MASK.name
+LATENT_TENSOR = model_io.HIDDEN_STATES.name  # ... and the image token count off this one's
 
 
-def is_transformer(input_names: Iterable[str], config: dict | None, model: str | None = None) -> bool:
+def is_transformer(input_names: Iterable[str], config: ModelConfig | None,
+                   model: str | None = None) -> bool:
     """A whole diffusers transformer (``qkrope export --model transformer``): a timestep input
     and both cache inputs; the attention block has no timestep."""
     names = set(input_names)
     if model is not None and model != "transformer":
         return False
-    return "timestep" in names and set(CACHE_INPUTS) <= names and (
-        model == "transformer" or "diffusers_config" in (config or {}))
+    return model_io.TIMESTEP.name in names and set(CACHE_INPUTS) <= names and (
+        model == "transformer" or (config is not None and config.diffusers_config is not None))
 
 
-def _axes_dim(config: dict, rotary_dim: int) -> tuple[int, int, int]:
-    from .caches import QWEN_AXES_DIM
-
-    cfg = config.get("diffusers_config") if isinstance(config.get("diffusers_config"), dict) else {}
-    axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_AXES_DIM))
+def _axes_dim(config: ModelConfig, rotary_dim: int) -> tuple[int, int, int]:
+    cfg = config.diffusers_config or {}
+    axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_IMAGE.axes_dims_rope))
     if sum(axes) != rotary_dim:
         raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
                               f"{list(axes)} sum to {sum(axes)}; the sidecar is inconsistent")
@@ -435,8 +436,6 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
                        serving: Serving | None = None) -> str:
     """config.pbtxt of the Python-backend model that builds the caches
     (:mod:`qkrope.runtime.triton_rope_model`) for the main model whose I/O is ``main``."""
-    from .caches import QWEN_THETA
-
     by_name = {n: (dt, d) for n, dt, d in main["input"]}
     for needed in (TXT_TENSOR, LATENT_TENSOR):
         if needed not in by_name:
@@ -454,7 +453,7 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
                "output": [(c, "TYPE_FP32", [-1, rotary]) for c in CACHE_INPUTS]}
     serving = Serving(instances=(serving or Serving()).instances)  # CPU, unbatched
     cfg = _config(name, tensors, serving, "KIND_CPU", backend="python")
-    params = {"axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_THETA),
+    params = {"axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_IMAGE.theta),
               "scale_rope": "true", "txt_tensor": TXT_TENSOR, "latent_tensor": LATENT_TENSOR,
               "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1],
               "max_img_tokens": str(limits.max_img_tokens),
@@ -554,7 +553,7 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
                 swap_in(staged[name], repo / name)
 
 
-def _rope_models(repo_name: str, main_name: str, main: Specs, config: dict,
+def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfig,
                  limits: RopeLimits, serving: Serving, models: dict) -> dict:
     """Add the rope model and the ensemble (named ``repo_name``) after the main model."""
     if not repo_name.isascii():

@@ -17,7 +17,8 @@ Inputs (names from the model's ``config.pbtxt``):
 Outputs: ``img_cos_sin_cache`` / ``txt_cos_sin_cache`` FP32 [rows, sum(axes_dim)], exactly
 :func:`qkrope.runtime.caches.build_qwen_rope_caches` of the same shapes.
 
-Parameters: ``axes_dim`` ("16,56,56"), ``theta`` ("10000"), ``scale_rope`` ("true"),
+Parameters: ``axes_dim`` and ``theta`` (default: Qwen-Image's, from ``rope_tables``),
+``scale_rope`` ("true"),
 ``max_img_tokens`` / ``max_txt_tokens`` (what the served model accepts: its profile's largest
 cache rows), ``cache_bytes`` (the most bytes of computed caches kept for reuse).
 
@@ -36,6 +37,11 @@ from pathlib import Path
 import numpy as np
 
 pb_utils = None  # triton_python_backend_utils, imported when Triton initialises the model
+
+#: The tensor names used where the model config names none: the exporter's (qkrope/model_io.py).
+#: Spelled here because this file runs inside a server without qkrope; a test keeps them equal.
+DEFAULT_NAMES = {"txt_tensor": "encoder_hidden_states_mask", "latent_tensor": "hidden_states",
+                 "img_output": "img_cos_sin_cache", "txt_output": "txt_cos_sin_cache"}
 
 
 def _load_tables():
@@ -131,13 +137,14 @@ class TritonPythonModel:
         pb_utils = utils
         self.tables = _load_tables()
         config = json.loads(args["model_config"])
-        self.axes_dim = tuple(int(v) for v in _param(config, "axes_dim", "16,56,56").split(","))
-        self.theta = float(_param(config, "theta", "10000"))
+        default_axes = ",".join(str(v) for v in self.tables.AXES_DIM)
+        self.axes_dim = tuple(int(v) for v in _param(config, "axes_dim", default_axes).split(","))
+        self.theta = float(_param(config, "theta", str(self.tables.THETA)))
         self.scale_rope = _param(config, "scale_rope", "true").lower() in ("1", "true", "yes")
-        self.txt_tensor = _param(config, "txt_tensor", "encoder_hidden_states_mask")
-        self.latent_tensor = _param(config, "latent_tensor", "hidden_states")
-        self.img_name = _param(config, "img_output", "img_cos_sin_cache")
-        self.txt_name = _param(config, "txt_output", "txt_cos_sin_cache")
+        self.txt_tensor = _param(config, "txt_tensor", DEFAULT_NAMES["txt_tensor"])
+        self.latent_tensor = _param(config, "latent_tensor", DEFAULT_NAMES["latent_tensor"])
+        self.img_name = _param(config, "img_output", DEFAULT_NAMES["img_output"])
+        self.txt_name = _param(config, "txt_output", DEFAULT_NAMES["txt_output"])
         self.max_img = int(_param(config, "max_img_tokens", "4096"))
         self.max_txt = int(_param(config, "max_txt_tokens", "512"))
         self.cache = CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))

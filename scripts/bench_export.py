@@ -70,7 +70,7 @@ def main() -> int:
                          f"{time.perf_counter() - t:.1f} s", f"{size_of(tr_path) / 1e6:.1f} MB"))
 
         info = ModelInfo.load(attn_path)
-        module = build_attention({**info.config, "dtype": info.dtype})
+        module = build_attention(info)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = args.threads
         opts.inter_op_num_threads = 1
@@ -81,13 +81,13 @@ def main() -> int:
                                               [("1024x1024", (1, 64, 64))])
         for label, shape in sizes:
             feeds = make_inputs(info, [shape], args.txt_len, 1, seed=0)
-            tt = {k: to_torch(v) for k, v in feeds.items()}
+            tt = {role: to_torch(feeds[name]) for role, name in info.roles().items()}
             with torch.no_grad():
                 times = time_interleaved({
                     "ort": lambda: sess.run(None, feeds),
                     "eager": lambda: module(
                         tt["hidden_states"], tt["encoder_hidden_states"],
-                        (tt["img_cos_sin_cache"], tt["txt_cos_sin_cache"]),
+                        (tt["img_cache"], tt["txt_cache"]),
                         tt["encoder_hidden_states_mask"])}, iters=args.repeats, warmup=1)
             for name, res in times.items():
                 if isinstance(res, BaseException):

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qkrope import model_io
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -38,13 +40,14 @@ def _inputs(model: str, shape, txt_len: int, batch: int, config: dict, seed: int
     rng = np.random.default_rng(seed)
     tokens = shape[0] * shape[1] * shape[2]
     channels = config["in_channels"]
-    out = {"hidden_states": rng.standard_normal((batch, tokens, channels), np.float32),
-           "encoder_hidden_states_mask": np.ones((batch, txt_len), bool),
+    out = {model_io.HIDDEN_STATES.name: rng.standard_normal((batch, tokens, channels),
+                                                            np.float32),
+           model_io.ENCODER_HIDDEN_STATES_MASK.name: np.ones((batch, txt_len), bool),
            "img_shapes": np.asarray([shape], np.int64)}
     if not model.endswith("_rope"):
-        out["encoder_hidden_states"] = rng.standard_normal(
+        out[model_io.ENCODER_HIDDEN_STATES.name] = rng.standard_normal(
             (batch, txt_len, config["joint_attention_dim"]), np.float32)
-        out["timestep"] = np.full((batch,), 0.5, np.float32)
+        out[model_io.TIMESTEP.name] = np.full((batch,), 0.5, np.float32)
     return out
 
 
@@ -137,7 +140,7 @@ def _build(work: Path, instances: int):
     triton_server.use_onnx_stand_in(repo, "tiny_onnx", ort)
     from qkrope.sidecars import ModelInfo
 
-    return repo, ModelInfo.load(onnx).config["diffusers_config"]
+    return repo, ModelInfo.load(onnx).config.diffusers_config
 
 
 def main(argv: list[str]) -> int:
@@ -158,8 +161,9 @@ def main(argv: list[str]) -> int:
     if args.clients < 1 or args.requests < args.clients:
         ap.error("--clients must be >= 1 and --requests >= --clients")
     shape = tuple(int(v) for v in args.img_shape.split(","))
-    outputs = list(("img_cos_sin_cache", "txt_cos_sin_cache") if args.model.endswith("_rope")
-                   else ("sample",))
+    outputs = list(model_io.CACHE_INPUTS if args.model.endswith("_rope")
+                   else model_io.TRANSFORMER.outputs)
+    outputs = [t.name for t in outputs]
     with tempfile.TemporaryDirectory(prefix="qkrope-load-") as tmp:
         if args.url:
             config = {"in_channels": args.in_channels or 16, "joint_attention_dim": 24}

@@ -16,6 +16,7 @@ import torch
 from qkrope.runtime import build_qwen_rope_caches
 from qkrope.runtime import loader_tensorrt, runner_tensorrt
 from qkrope.runtime import runner as rn
+from qkrope.sidecars import ModelInfo
 from qkrope.runtime.backends import load
 
 HEADS, HEAD_DIM = 2, 16
@@ -34,8 +35,7 @@ def exported(tmp_path_factory):
     path = tmp_path_factory.mktemp("runner") / "attn.onnx"
     info, _ = export_attention(path, heads=HEADS, head_dim=HEAD_DIM, img_shapes=IMG_SHAPES,
                                txt_len=S_TXT, batch=2)
-    config = json.loads(Path(str(path) + ".json").read_text())["config"]
-    return path, build_attention(config)
+    return path, build_attention(ModelInfo.load(path))
 
 
 class SpySession:

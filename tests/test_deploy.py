@@ -19,7 +19,7 @@ import torch
 
 from qkrope.errors import InputError, QkropeError
 from qkrope.runtime import build_qwen_rope_caches, caches_for, load
-from qkrope.runtime import loader_onnxrt, loader_tensorrt, runner_tensorrt
+from qkrope.runtime import loader_onnxrt, loader_tensorrt, runner_tensorrt, trt_utils
 from qkrope.runtime import runner as rn
 from qkrope.sidecars import EngineInfo, EngineTensor
 
@@ -210,7 +210,7 @@ def test_cuda_graph_reaches_the_tensorrt_runner(monkeypatch, tmp_path):
 
     monkeypatch.setattr(loader_tensorrt, "engine_from_path", lambda path, plugin=None: None)
     monkeypatch.setattr(runner_tensorrt.TensorRTRunner, "__init__", fake)
-    monkeypatch.setattr(rn.tu, "check_engine_file", lambda p: None)
+    monkeypatch.setattr(trt_utils, "check_engine_file", lambda p: None)
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"\x00" * 16)
     with pytest.raises(Stop):

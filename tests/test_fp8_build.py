@@ -54,7 +54,7 @@ def test_fp8_build_is_strongly_typed_without_precision_flags(fp8_build, tmp_path
     assert state.config.flags == []  # no FP8/FP16/BF16 builder flag
     assert state.config.profiling_verbosity == "DETAILED"
     assert state.deserialized == b"SERIALIZED-ENGINE"  # the inspector read the built engine
-    engine_q = info.config["quantization"]["engine"]
+    engine_q = info.config.quantization["engine"]
     assert engine_q == {"layers": 3, "plugin_layers": 2, "fp8_layers": 1}
     assert "1 of 3 layers in FP8, 2 plugin layer(s)" in log.getvalue()
     side = json.loads(Path(str(tmp_path / "m.engine") + ".json").read_text())
@@ -112,6 +112,6 @@ def test_float_model_build_is_unchanged(fp8_build, tmp_path):
     del data["config"]["quantization"]
     side.write_text(json.dumps(data))
     info = eng.build_engine(onnx_path, tmp_path / "m.engine", _opts(lib), log=io.StringIO())
-    assert "quantization" not in info.config and not hasattr(state, "deserialized")
+    assert info.config.quantization is None and not hasattr(state, "deserialized")
     # the float build leaves TensorRT's default verbosity (the FP8 build asks for DETAILED)
     assert state.config.profiling_verbosity == trt.ProfilingVerbosity.LAYER_NAMES_ONLY

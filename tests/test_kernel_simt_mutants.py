@@ -70,12 +70,18 @@ def _compile_mutant(tmp: Path, src_name: str, text: str) -> Path:
         shutil.copy(KERNEL_SRC / "qknorm_rope.cu", main)
     # the build's other objects: the launcher and the check of the emulated library, the emulator
     objs = []
+    # (by target folder as a whole path component, and the emulator's objects one per source it
+    # has now, so objects an older layout left in the build folder are never linked in)
     for pat in ("qknorm_rope_capi.cu.cpp.o", "qknorm_rope_check.cpp.o"):
-        hits = [p for p in BUILD_DIR.rglob(pat) if "qkrope_kernels_simt.dir" in str(p)]
+        hits = [p for p in BUILD_DIR.rglob(pat) if "qkrope_kernels_simt.dir" in p.parts]
         assert hits, f"{pat} not found under {BUILD_DIR}"
         objs.append(str(hits[0]))
-    runtime = sorted(str(p) for p in BUILD_DIR.rglob("*.o") if "simt_runtime.dir" in str(p))
-    assert runtime, f"the emulator's objects (simt_runtime) not found under {BUILD_DIR}"
+    runtime = []
+    for src in sorted((SIMT_SRC / "src").glob("*.cpp")):
+        hits = [p for p in BUILD_DIR.rglob(f"{src.name}.o")
+                if "simt_runtime.dir" in p.parts and p.parent.name == "src"]
+        assert len(hits) == 1, f"the emulator's object for {src.name} (simt_runtime) under {BUILD_DIR}: {hits}"
+        runtime.append(str(hits[0]))
     objs += runtime
     obj = tmp / "mutant.o"
     flags = ["-std=c++17", "-O0", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden",

@@ -108,7 +108,7 @@ def test_fp8_graph(work):
     nodes = list(model.graph.node)
     assert sum(n.op_type == contract.OP_TYPE for n in nodes) == 4
     info = ModelInfo.load(path)
-    record = info.config["quantization"]
+    record = info.config.quantization
     meta = {p.key: p.value for p in model.metadata_props}
     assert json.loads(meta[quantization.METADATA_PROP]) == record
     assert info.opset >= 19 and record["mode"] == "fp8"
@@ -121,7 +121,7 @@ def test_fp8_graph(work):
     consumers = {i: n for n in nodes for i in n.input}
     for owner in linears:
         key = f"{owner}.weight"
-        assert key not in inits and key not in info.config["parameters"]  # only the FP8 copy
+        assert key not in inits and key not in info.config.parameters  # only the FP8 copy
         w8 = inits[f"{key}_fp8"]
         assert w8.data_type == fp8
         dq = consumers[w8.name]
@@ -157,7 +157,7 @@ def test_fp8_weights_are_modelopts_fake_quantised_weights_bit_for_bit(work):
     from onnx import numpy_helper
 
     model = load_transformer(str(work / "fp8"), quant="fp8")
-    record = ModelInfo.load(work / "fp8.onnx").config["quantization"]
+    record = ModelInfo.load(work / "fp8.onnx").config.quantization
     graph = onnx.load(str(work / "fp8.onnx")).graph
     inits = {t.name: t for t in graph.initializer}
     consumers = {i: n for n in graph.node for i in n.input}

@@ -129,7 +129,7 @@ def test_trt_runner_refuses_a_sidecar_config_the_engine_was_not_built_from():
     engine.name = config_tag(side.config)
     loaded = loader_tensorrt.LoadedEngine(engine, trt, side)
     runner_tensorrt.TensorRTRunner(loaded, device=torch.device("cpu"), cuda=FakeCuda())  # agrees
-    side.config["axes_dims_rope"] = side.config["axes_dims_rope"][::-1]
+    side.config.axes_dims_rope = side.config.axes_dims_rope[::-1]
     with pytest.raises(EngineInfoError, match="describes another config than the one"):
         runner_tensorrt.TensorRTRunner(loaded, device=torch.device("cpu"), cuda=FakeCuda())
 

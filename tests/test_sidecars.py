@@ -13,7 +13,8 @@ from _tiny_model import C, model, sidecar_dict, write_tiny_onnx
 from qkrope.errors import QkropeError
 from qkrope.runtime import profiles as prof
 from qkrope.runtime import onnx_file, trt_utils as tu
-from qkrope.sidecars import (ENGINE_FORMAT, EngineInfo, EngineInfoError, EngineTensor, ModelInfo,
+from qkrope.sidecars import (ENGINE_FORMAT, FORMAT_VERSION, EngineInfo, EngineInfoError,
+                             EngineTensor, ModelInfo,
                              ModelInfoError, PluginRecord, TensorInfo, engine_sidecar_path,
                              engine_tensors, sidecar_path)
 
@@ -40,7 +41,7 @@ def test_round_trips(tmp_path):
     assert m.save(tmp_path / "m.onnx") == sidecar_path(tmp_path / "m.onnx")
     back = ModelInfo.load(tmp_path / "m.onnx")
     assert back == m and back.source == str(sidecar_path(tmp_path / "m.onnx"))
-    assert back.to_dict()["format_version"] == 1 and "source" not in back.to_dict()
+    assert back.to_dict()["format_version"] == FORMAT_VERSION and "source" not in back.to_dict()
     assert back.export_values() == {"batch": 2, "img_tokens": 4}
     e = _engine()
     e.save(tmp_path / "m.engine")
@@ -51,7 +52,9 @@ def test_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda d: d.update(format_version=2), "format_version 2; this qkrope reads version 1"),
+    (lambda d: d.update(format_version=3), "format_version 3; this qkrope reads versions 1, 2"),
+    (lambda d: d.update(format_version=True), "format_version True"),
+    (lambda d: d["inputs"][0].update(role="latents"), r"inputs\[0\] field 'role' must be one of"),
     (lambda d: d.pop("format_version"), "format_version None"),
     (lambda d: d.update(format="qkrope-onnx/1"), "not a qkrope sidecar of format"),
     (lambda d: d.pop("opset"), "has no 'opset' field"),
@@ -116,7 +119,7 @@ def test_model_description_is_read_through_model_info(tmp_path):
     p = write_tiny_onnx(tmp_path / "m.onnx")
     desc = ModelInfo.describe(p)
     assert desc.source == str(sidecar_path(p)) and desc.to_dict()["format"] == "qkrope-onnx"
-    assert desc.to_dict()["format_version"] == 1
+    assert desc.to_dict()["format_version"] == FORMAT_VERSION
     side = json.loads(sidecar_path(p).read_text())
     side["format"] = "someone-elses/2"
     sidecar_path(p).write_text(json.dumps(side))
@@ -137,7 +140,7 @@ def test_engine_sidecar_contents():
         parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
         gpu={"name": "H200", "compute_capability": "9.0"})
     doc = info.to_dict()
-    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == 1
+    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == FORMAT_VERSION
     assert doc["inputs"][0]["axes"] == ["batch", "img_tokens", None]
     assert doc["profiles"][0]["hidden_states"]["max"] == [2, 4096, C]
     assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}
@@ -266,7 +269,8 @@ def _edited_copy(src, dst, edit):
     (lambda s: s["config"].update(axes_dims_rope=s["config"]["axes_dims_rope"][::-1]),
      "config.axes_dims_rope"),                      # same sum, the model's hash still valid
     (lambda s: s["config"].update(heads=4), "config.heads"),
-    (lambda s: s["config"].pop("eps"), "config.eps"),
+    (lambda s: s["config"].pop("rotary_dim"), "config.rotary_dim"),
+    (lambda s: s["node_attributes"].update(epsilon=1e-5), "node_attributes"),
     (lambda s: s.update(dtype="fp16"), "dtype"),
 ])
 def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, tmp_path,
@@ -296,3 +300,67 @@ def test_metadata_props_are_read_without_the_graph(exported_attention):
     assert onnx_metadata_props(exported_attention) == {p.key: p.value
                                                         for p in model.metadata_props}
     assert "qkrope.config" in onnx_metadata_props(exported_attention)
+
+
+# --------------------------------------------------------------------------------------------
+# The config as a typed record; the node attributes stored once
+# --------------------------------------------------------------------------------------------
+
+def test_config_is_a_checked_record():
+    from qkrope.sidecars import ModelConfig
+
+    side = sidecar_dict()
+    info = ModelInfo.from_dict(side)
+    assert isinstance(info.config, ModelConfig) and info.config.head_dim == 16
+    assert info.config.parameters == ["w"] and info.config.axes_dims_rope is None
+    for key, value, expected in (("head_dim", "sixteen", "a positive int"),
+                                 ("heads", True, "a positive int"),
+                                 ("axes_dims_rope", [16, 56], "a list of 3 non-negative ints"),
+                                 ("parameters", "w", "a list of str"),
+                                 ("dtype", "float32", "one of")):
+        bad = sidecar_dict()
+        bad["config"][key] = value
+        with pytest.raises(ModelInfoError, match=rf"<dict>: config field '{key}' must be "
+                                                 rf"{expected}"):
+            ModelInfo.from_dict(bad)
+
+
+def test_config_reads_and_writes_back_the_same_json():
+    """An old config (explicit nulls, keys this qkrope does not type, format 1's node values)
+    is written back unchanged, so the engine's config tag of an older build still matches."""
+    from qkrope.sidecars import ModelConfig, config_tag
+
+    raw = {"dim": 32, "heads": 2, "head_dim": 16, "eps": 1e-6, "interleaved": True,
+           "rounding": 0, "weights": None, "weights_sha256": None, "future_field": {"a": [1]},
+           "axes_dims_rope": [2, 6, 8]}
+    config = ModelConfig.from_dict(raw)
+    assert config.to_dict() == raw and config_tag(config) == config_tag(raw)
+    assert config.extra == {"eps": 1e-6, "interleaved": True, "rounding": 0,
+                            "future_field": {"a": [1]}}
+
+
+def test_node_attributes_are_stored_once_and_read_from_old_sidecars():
+    from qkrope.contract import NodeAttributes
+
+    side = sidecar_dict()
+    side["format_version"] = FORMAT_VERSION
+    side["node_attributes"] = NodeAttributes(1e-5, False, 1).to_node()
+    info = ModelInfo.from_dict(side)
+    assert info.node_attributes == NodeAttributes(1e-5, False, 1)
+    assert ModelInfo.from_dict(info.to_dict()).node_attributes == info.node_attributes
+    # format 1 wrote them into config too, and a sidecar may lack node_attributes: config's
+    old = sidecar_dict()
+    old["config"].update(eps=1e-5, interleaved=False, rounding=1)
+    assert ModelInfo.from_dict(old).attributes == NodeAttributes(1e-5, False, 1)
+    assert ModelInfo.from_dict(sidecar_dict()).attributes == NodeAttributes()  # the defaults
+    bad = sidecar_dict()
+    bad["node_attributes"] = {"epsilon": 0.0, "interleaved": 1, "rounding": 0}
+    with pytest.raises(ModelInfoError, match="node_attributes' is invalid: eps must be"):
+        ModelInfo.from_dict(bad)
+
+
+def test_an_export_stores_the_node_attributes_once(exported_attention):
+    side = json.loads(Path(str(exported_attention) + ".json").read_text())
+    assert side["format_version"] == FORMAT_VERSION
+    assert not {"eps", "epsilon", "interleaved", "rounding"} & set(side["config"])
+    assert side["node_attributes"]["epsilon"] == pytest.approx(1e-6)

@@ -12,6 +12,7 @@ with a timing cache, a refit round trip by parameter name, and the opset-23 Atte
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import threading
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from qkrope.sidecars import ModelInfo
 
 pytestmark = [
     pytest.mark.tensorrt,
@@ -46,8 +49,7 @@ def _export(path: Path, dtype: str):
 
     export_attention(path, heads=HEADS, head_dim=HEAD_DIM, img_shapes=IMG_SHAPES, txt_len=S_TXT,
                      batch=2, dtype=dtype)
-    config = json.loads(Path(str(path) + ".json").read_text())["config"]
-    return build_attention(config)
+    return build_attention(ModelInfo.load(path))
 
 
 def _build(onnx_path: Path, engine_path: Path, **kw):
@@ -236,13 +238,15 @@ def test_refit_round_trip(tmp_path):
     module_a = _export(tmp_path / "a.onnx", "fp32")
     side = _build(tmp_path / "a.onnx", tmp_path / "a.engine", refit=True)
     assert side.refittable and side.refit_mode == "individual"  # no fallback to REFIT
-    params = side.config["parameters"]
+    params = side.config.parameters
     engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(
         (tmp_path / "a.engine").read_bytes())
     names = set(trt.Refitter(engine, trt.Logger(trt.Logger.WARNING)).get_all_weights())
     assert set(params) <= names  # every parameter refittable
     del engine
-    module_b = build_attention({**side.config, "seed": 1})
+    model_a = ModelInfo.load(tmp_path / "a.onnx")
+    module_b = build_attention(dataclasses.replace(
+        model_a, config=dataclasses.replace(model_a.config, seed=1)))
     save_file({k: v.contiguous() for k, v in module_b.state_dict().items()},
               str(tmp_path / "b.safetensors"))
     assert cli.main(["refit", str(tmp_path / "a.engine"), "--state-dict",

@@ -63,8 +63,8 @@ def test_graph(exported):
     # pos_embed (the complex RoPE tables) is not in the graph
     assert not any("pos_embed" in t.name for t in model.graph.initializer)
     info = ModelInfo.load(exported)
-    assert info.model == "transformer" and info.config["num_layers_exported"] == 2
-    assert info.config["diffusers_config"]["in_channels"] == 16
+    assert info.model == "transformer" and info.config.num_layers_exported == 2
+    assert info.config.diffusers_config["in_channels"] == 16
     assert info.input_shape("hidden_states", batch=1, img_tokens=9, txt_tokens=4) == (1, 9, 16)
     onnx.checker.check_model(str(exported), full_check=True)
 
@@ -78,7 +78,7 @@ def test_graph(exported):
 def test_matches_diffusers_forward(request, tiny_dir, form, img_shapes, txt_len, batch):
     exported = request.getfixturevalue("exported" if form == "primitive" else "exported_onnx23")
     info = ModelInfo.load(exported)
-    assert info.config["attention"] == form
+    assert info.config.attention == form
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=7)
     sess = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)[0]
@@ -113,11 +113,11 @@ def test_every_parameter_is_its_own_initializer(exported, tiny_dir):
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     sd = diffusers.QwenImageTransformer2DModel.from_pretrained(str(tiny_dir)).state_dict()
     config = ModelInfo.load(exported).config
-    assert config["parameters_not_in_graph"] == _expected_not_in_graph(sd)
-    assert config["parameters"] == [k for k in sd if k not in config["parameters_not_in_graph"]]
-    for key in config["parameters"]:
+    assert config.parameters_not_in_graph == _expected_not_in_graph(sd)
+    assert config.parameters == [k for k in sd if k not in config.parameters_not_in_graph]
+    for key in config.parameters:
         np.testing.assert_array_equal(inits[key], sd[key].numpy(), err_msg=key)
-    ones = [k for k in config["parameters"] if ".norm_added_" in k]
+    ones = [k for k in config.parameters if ".norm_added_" in k]
     assert len(ones) == 4 and all((inits[k] == 1).all() for k in ones)
     users = {i for n in model.graph.node for i in n.input}
     assert all(k in users for k in ones)  # each used by its own node input
@@ -138,13 +138,13 @@ def test_refit_name_map_covers_the_export(exported, tiny_dir):
     trt, _ = ft.make_fake_trt()
     config = ModelInfo.load(exported).config
     sd = refit.load_state_dict(diffusers=str(tiny_dir))
-    report = refit.refit_engine(trt, engine, None, sd, parameters=config["parameters"],
-                                not_in_graph=config["parameters_not_in_graph"])
-    assert report.refitted == sorted(config["parameters"]) and not report.not_covered
+    report = refit.refit_engine(trt, engine, None, sd, parameters=config.parameters,
+                                not_in_graph=config.parameters_not_in_graph)
+    assert report.refitted == sorted(config.parameters) and not report.not_covered
     assert not report.not_in_engine
     assert report.not_in_graph == _expected_not_in_graph(sd)
     assert report.constants == sorted(set(weights) - set(sd)) and report.constants
-    assert engine.refits == [sorted(config["parameters"])]
+    assert engine.refits == [sorted(config.parameters)]
 
 
 def test_check_passes_on_transformer(exported, capsys):

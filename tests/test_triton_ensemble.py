@@ -129,7 +129,7 @@ def rope_model(tiny_transformer_onnx, tmp_path, monkeypatch):
     triton.write_onnx_repository(tiny_transformer_onnx, repo, max_img_tokens=300,
                                  max_txt_tokens=40)
     model, pb = load_rope_model(repo / "tiny_rope", monkeypatch)
-    axes = tuple(ModelInfo.load(tiny_transformer_onnx).config["diffusers_config"]
+    axes = tuple(ModelInfo.load(tiny_transformer_onnx).config.diffusers_config
                  ["axes_dims_rope"])
     return model, pb, axes
 

@@ -157,7 +157,7 @@ def clients(server):
 
 
 def _axes(onnx_path):
-    return tuple(ModelInfo.load(onnx_path).config["diffusers_config"]["axes_dims_rope"])
+    return tuple(ModelInfo.load(onnx_path).config.diffusers_config["axes_dims_rope"])
 
 
 def _rope_inputs(shapes, txt_len, tokens=None, batch=1):
@@ -339,7 +339,7 @@ def test_the_load_script_reports_no_errors(server, tiny_transformer_onnx):
                                                   ROOT / "scripts" / "triton_load.py")
     load = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(load)
-    config = ModelInfo.load(tiny_transformer_onnx).config["diffusers_config"]
+    config = ModelInfo.load(tiny_transformer_onnx).config.diffusers_config
     res = load.run_load(server.grpc_url, "tiny", load._inputs("tiny", (1, 8, 8), 16, 2, config),
                         ["sample"], clients=3, requests=30)
     assert (res["requests"], res["errors"]) == (30, 0), res

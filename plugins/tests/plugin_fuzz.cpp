@@ -1167,7 +1167,8 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
     bool const nullArrays = in.chance(6);
     // the model
     int32_t want = 0;
-    bool launches = false;
+    bool launches = false;       // the launcher is reached and its checkParams accepts
+    bool reachesLauncher = false; // enqueue hands the parameters to the kernel's C ABI
     bool ownRefusal = false; // refused by enqueue's own shape/dtype checks (not by checkParams)
     qkrope::QKNormRoPEParams p{};
     if (nullArrays)
@@ -1230,8 +1231,10 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
             bool const empty = p.batch == 0 || p.seqLen == 0 || p.numHeads == 0;
             if (!empty)
             {
+                // the C ABI checks the parameters (checkParams, first thing in the launcher)
                 want = static_cast<int32_t>(qkrope::checkParams(p));
                 launches = want == 0;
+                reachesLauncher = true;
             }
         }
     }
@@ -1242,21 +1245,24 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
     ++gStats.enqueue[rc == 0];
     gStats.launches += launches;
     FUZZ_CHECK(rc == want, "enqueue rc " + std::to_string(rc) + ", model " + std::to_string(want));
-    FUZZ_CHECK(gLaunch.calls == (launches ? 1 : 0),
-        "enqueue launched " + std::to_string(gLaunch.calls) + " times");
+    FUZZ_CHECK(gLaunch.calls == (reachesLauncher ? 1 : 0),
+        "enqueue called the launcher " + std::to_string(gLaunch.calls) + " times");
+    FUZZ_CHECK(!reachesLauncher || static_cast<int32_t>(gLaunch.status) == want,
+        "the launcher's own checkParams gave " + std::to_string(static_cast<int32_t>(gLaunch.status))
+            + ", model " + std::to_string(want));
+    if (reachesLauncher)
+    {
+        qkrope::QKNormRoPEParams const& g = gLaunch.params;
+        FUZZ_CHECK(g.q == p.q && g.k == p.k && g.qWeight == p.qWeight && g.kWeight == p.kWeight && g.cache == p.cache
+                && g.qOut == p.qOut && g.kOut == p.kOut && g.batch == p.batch && g.seqLen == p.seqLen
+                && g.numHeads == p.numHeads && g.headDim == p.headDim && g.rotaryDim == p.rotaryDim
+                && g.cacheRows == p.cacheRows && std::memcmp(&g.eps, &p.eps, sizeof(float)) == 0
+                && g.interleaved == p.interleaved && g.rounding == p.rounding && g.dtype == p.dtype,
+            "enqueue passed other parameters to the launcher than its descriptors and attributes give");
+    }
     if (rc == 0)
     {
         expectSilence(mark, "enqueue");
-        if (launches)
-        {
-            qkrope::QKNormRoPEParams const& g = gLaunch.params;
-            FUZZ_CHECK(g.q == p.q && g.k == p.k && g.qWeight == p.qWeight && g.kWeight == p.kWeight && g.cache == p.cache
-                    && g.qOut == p.qOut && g.kOut == p.kOut && g.batch == p.batch && g.seqLen == p.seqLen
-                    && g.numHeads == p.numHeads && g.headDim == p.headDim && g.rotaryDim == p.rotaryDim
-                    && g.cacheRows == p.cacheRows && std::memcmp(&g.eps, &p.eps, sizeof(float)) == 0
-                    && g.interleaved == p.interleaved && g.rounding == p.rounding && g.dtype == p.dtype,
-                "enqueue passed other parameters to the launcher than its descriptors and attributes give");
-        }
     }
     else
     {

@@ -126,31 +126,31 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
     from qkrope.runtime.inputs import to_torch
 
     t = {k: to_torch(v) for k, v in feeds.items()}
+    r = {role: t[name] for role, name in info.roles().items() if name in t}
     with torch.no_grad():
         if info.model == "attention":
             from qkrope.export.onnx_export import build_attention
 
-            module = build_attention({**info.config, "dtype": info.dtype})
-            img, txt = module(t["hidden_states"], t["encoder_hidden_states"],
-                              (t["img_cos_sin_cache"], t["txt_cos_sin_cache"]),
-                              t["encoder_hidden_states_mask"])
-            outs = {"img_out": img, "txt_out": txt}
+            module = build_attention(info)
+            img, txt = module(r["hidden_states"], r["encoder_hidden_states"],
+                              (r["img_cache"], r["txt_cache"]), r["encoder_hidden_states_mask"])
+            outs = dict(zip(info.output_names, (img, txt)))
         else:
             from qkrope.export.patch_diffusers import load_transformer
 
             from qkrope.dtypes import TORCH_BY_SHORT
 
-            directory = diffusers_dir or info.config.get("diffusers_dir")
+            directory = diffusers_dir or info.config.diffusers_dir
             if not directory:
                 raise ParityError("the transformer's reference needs --diffusers DIR")
             model = load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
-            n = int(info.config.get("num_layers_exported", len(model.transformer_blocks)))
+            n = int(info.config.num_layers_exported or len(model.transformer_blocks))
             model.transformer_blocks = model.transformer_blocks[:n]
-            batch = t["hidden_states"].shape[0]
-            sample = model(hidden_states=t["hidden_states"],
-                           encoder_hidden_states=t["encoder_hidden_states"],
-                           encoder_hidden_states_mask=t["encoder_hidden_states_mask"],
-                           timestep=t["timestep"],
+            batch = r["hidden_states"].shape[0]
+            sample = model(hidden_states=r["hidden_states"],
+                           encoder_hidden_states=r["encoder_hidden_states"],
+                           encoder_hidden_states_mask=r["encoder_hidden_states_mask"],
+                           timestep=r["timestep"],
                            img_shapes=[[tuple(s) for s in img_shapes]] * batch,
                            return_dict=False)[0]
             outs = {info.output_names[0]: sample}
@@ -363,7 +363,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     # plugin would refuse what ONNX Runtime's function body would run), then its sidecar.
     checked_onnx_model(onnx_path)
     info = ModelInfo.load(onnx_path)
-    if info.config.get("quantization"):  # FP8 Q/DQ: checked against ModelOpt's model
+    if info.config.quantization:  # FP8 Q/DQ: checked against ModelOpt's model
         return _check_quantized(onnx_path, info, img_shapes=img_shapes, txt_len=txt_len,
                                 batch=batch, seed=seed, diffusers_dir=diffusers_dir,
                                 engine=engine, providers=providers, out=out)

@@ -105,7 +105,7 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
     from qkrope.export.patch_diffusers import load_transformer
 
     out = out if out is not None else sys.stdout
-    record = info.config.get(quantization.METADATA_KEY) or {}
+    record = info.config.quantization or {}
     if record.get("mode") != "fp8":
         raise InputError(f"{onnx_path}: quantisation {record.get('mode')!r} is not checked here")
     if info.dtype != "fp32":
@@ -113,13 +113,13 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
                          f"exports only (ONNX Runtime's CPU provider has no bf16 Q/DQ, and the "
                          f"bit-for-bit comparisons assume ModelOpt's float32 arithmetic). Fix: "
                          f"export the same folder with --dtype fp32 to check it")
-    folder = diffusers_dir or info.config.get("diffusers_dir")
+    folder = diffusers_dir or info.config.diffusers_dir
     if not folder:
         raise InputError(f"{onnx_path}: the sidecar names no quantised diffusers folder; pass "
                          f"--diffusers QDIR (the folder `qkrope quantize` wrote)")
     model = load_transformer(str(folder), quant="fp8")
     modules = dict(model.named_modules())
-    layers = int(info.config.get("num_layers_exported") or len(model.transformer_blocks))
+    layers = int(info.config.num_layers_exported or len(model.transformer_blocks))
     report = Fp8Report()
 
     proto = onnx.load(str(onnx_path))
@@ -168,7 +168,7 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
         qz = modules[owner].input_quantizer
         hooks.append(qz.register_forward_hook(
             lambda _m, _i, o, owner=owner: captured.__setitem__(owner, o.detach().clone())))
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
+    t = {role: torch.from_numpy(np.asarray(feeds[name])) for role, name in info.roles().items()}
     batch = t["hidden_states"].shape[0]
     blocks = model.transformer_blocks
     kept = torch.nn.ModuleList(list(blocks)[:layers])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qkrope import contract, quantization
+from qkrope.model_io import QWEN_IMAGE
 from qkrope.errors import InputError
 
 from . import _args
@@ -106,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
                                                        variant=args.variant, **common)
     else:
         info, written = onnx_export.export_attention(
-            out, heads=24 if args.heads is None else args.heads,
-            head_dim=128 if args.head_dim is None else args.head_dim,
+            out, heads=QWEN_IMAGE.heads if args.heads is None else args.heads,
+            head_dim=QWEN_IMAGE.head_dim if args.head_dim is None else args.head_dim,
             rotary_dim=args.rotary_dim,
             eps=contract.DEFAULT_EPS if args.eps is None else args.eps,
             interleaved=not args.neox, weights=args.weights,

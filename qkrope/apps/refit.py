@@ -309,10 +309,10 @@ def run(args: argparse.Namespace) -> int:
         raise RefitError(f"TensorRT could not deserialise {engine_path} (see its log above)")
     info.check_engine_name(getattr(engine, "name", None), engine_path)
     report = refit_engine(trt, engine, logger, weights,
-                          parameters=info.config.get("parameters"),
-                          not_in_graph=info.config.get("parameters_not_in_graph", ()),
+                          parameters=info.config.parameters,
+                          not_in_graph=info.config.parameters_not_in_graph or (),
                           allow_missing=args.allow_missing, allow_extra=args.allow_extra,
-                          shapes=info.config.get("parameter_shapes"))
+                          shapes=info.config.parameter_shapes)
     write_engine_pair(out, engine.serialize(), dataclasses.replace(info))
     print(f"refitted {len(report.refitted)} weight(s) of {engine_path}; wrote {out}"
           + (f"; kept {len(report.not_covered)} engine weight(s) the state dict lacks"

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 
+from qkrope.errors import QkropeError
 from qkrope.runtime import toolchain
 
 __all__ = ["FIXES", "ToolError", "Tools", "parse_ptxas", "parse_res_usage", "parse_max_threads"]
@@ -23,7 +24,7 @@ FIXES = {
 }
 
 
-class ToolError(RuntimeError):
+class ToolError(QkropeError, RuntimeError):
     """A tool is missing or failed; the message names it and the fix."""
 
 

@@ -75,7 +75,7 @@ from .. import _args
 from ..measure import format_bench_table
 # every part's names, importable from here as they were before the parts had modules (the
 # tests patch a name in the module that looks it up)
-from .backends import (_bench_kernel, _block_config, _build_engines, _engine_backend,
+from .backends import (_bench_kernel, _build_engines, _engine_backend,
                        _export_onnx, _have_tensorrt, _input_roles, _make_block, _make_feeds,
                        _make_inputs, _ort_backend, _ort_session, _reference_inlined,
                        _torch_backends, ort_attention23_reason, profile_ort)

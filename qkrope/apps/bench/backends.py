@@ -22,24 +22,17 @@ from .ort_profile import aggregate_ort_profile, graph_names
 from .rows import Key, _row, _skip_all
 
 
-def _block_config(info) -> dict:
-    """The exporter's config for the block (``build_attention`` rebuilds the exported weights)."""
-    return {**info.config, "dtype": info.dtype}
-
-
 def _make_block(cfg: Config, info):
     """The exported QwenImageAttention, rebuilt by the exporter's ``build_attention`` from the
     sidecar: eager PyTorch runs the same weights as the ONNX model and the engines."""
     from qkrope.export.onnx_export import build_attention
 
-    return build_attention(_block_config(info)).to(cfg.device).eval()
+    return build_attention(info).to(cfg.device).eval()
 
 
 def _input_roles(info) -> dict[str, str]:
-    """role -> input name, by the runner's own mapping (:func:`runner.assign_roles`)."""
-    from qkrope.runtime.runner import assign_roles, spec_from_shape
-
-    return assign_roles([spec_from_shape(t.name, t.dtype, t.shape) for t in info.inputs])
+    """role -> input name, as the sidecar records them (:meth:`ModelInfo.roles`)."""
+    return info.roles()
 
 
 def _make_feeds(cfg: Config, info, size: int, batch: int):

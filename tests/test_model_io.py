@@ -1,0 +1,153 @@
+"""qkrope/model_io.py: the models' I/O told once (names, roles, axes, the Qwen-Image shape
+record), roles written into the sidecars and read back (guessed only without them), and the
+standalone copies (the Triton rope model's files) equal to the contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fake_tensorrt as ft
+import pytest
+from _tiny_model import sidecar_dict, write_tiny_onnx
+
+from qkrope import model_io
+from qkrope.model_io import QWEN_IMAGE
+from qkrope.runtime import io_specs
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, TensorInfo, engine_tensors,
+                             sidecar_path)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the tiny model's input names -> their roles (what an exporter of other names would record)
+TINY_ROLES = {"hidden_states": "hidden_states", "encoder_hidden_states": "encoder_hidden_states",
+              "encoder_hidden_states_mask": "encoder_hidden_states_mask",
+              "img_cos_sin_cache": "img_cache", "txt_cos_sin_cache": "txt_cache"}
+
+
+def test_declarations_are_consistent():
+    for decl in model_io.MODELS.values():
+        roles = [t.role for t in decl.inputs]
+        assert len(set(roles)) == len(roles) and set(roles) <= set(model_io.ROLES)
+        assert {t.role for t in decl.outputs} <= set(model_io.OUTPUT_ROLES)
+        for t in decl.inputs + decl.outputs:
+            assert set(a for a in t.axes if a is not None) <= set(model_io.AXES), t.name
+    # the transformer is the attention block's inputs plus a timestep
+    assert (set(model_io.TRANSFORMER.input_names) - set(model_io.ATTENTION.input_names)
+            == {"timestep"})
+    assert QWEN_IMAGE.dim == 3072 and QWEN_IMAGE.rotary_dim == QWEN_IMAGE.head_dim
+
+
+def test_assign_roles_guesses_the_declared_names():
+    """The guess (for a model without a sidecar) finds every declared input by its name."""
+    for decl in model_io.MODELS.values():
+        specs = [model_io.spec_from_shape(t.name, "float32", [a or 4 for a in t.axes])
+                 for t in decl.inputs]
+        assert model_io.assign_roles(specs) == {t.role: t.name for t in decl.inputs}
+
+
+def test_standalone_copies_equal_the_contract():
+    """runtime/rope_tables.py and runtime/triton_rope_model.py run inside a Triton server
+    without qkrope, so they spell their numbers and names themselves; they must be these."""
+    from qkrope.runtime import rope_tables, triton_rope_model
+
+    assert rope_tables.THETA == QWEN_IMAGE.theta
+    assert tuple(rope_tables.AXES_DIM) == QWEN_IMAGE.axes_dims_rope
+    assert rope_tables.MAX_POSITIONS == QWEN_IMAGE.max_positions
+    assert triton_rope_model.DEFAULT_NAMES == {
+        "txt_tensor": model_io.ENCODER_HIDDEN_STATES_MASK.name,
+        "latent_tensor": model_io.HIDDEN_STATES.name,
+        "img_output": model_io.IMG_COS_SIN_CACHE.name,
+        "txt_output": model_io.TXT_COS_SIN_CACHE.name}
+    # they stay standalone: no qkrope import at all
+    for path in (rope_tables.__file__, triton_rope_model.__file__):
+        assert "import qkrope" not in Path(path).read_text()
+        assert "from qkrope" not in Path(path).read_text()
+        assert "from ." not in Path(path).read_text()
+
+
+def _renamed(side: dict, *, roles: bool) -> dict:
+    """The tiny sidecar with inputs no name rule can place (in0, in1, ...)."""
+    side = json.loads(json.dumps(side))
+    side["format_version"] = 2
+    for i, t in enumerate(side["inputs"]):
+        if roles:
+            t["role"] = TINY_ROLES[t["name"]]
+        t["name"] = f"in{i}"
+        t["shape"] = [4 if isinstance(d, str) and d.endswith("cache_rows") else d
+                      for d in t["shape"]]  # no axis names to guess from either
+    return side
+
+
+def test_model_info_reads_roles_and_guesses_only_without_them():
+    side = _renamed(sidecar_dict(), roles=True)
+    info = ModelInfo.from_dict(side)
+    assert info.roles() == {role: f"in{i}" for i, role in enumerate(TINY_ROLES.values())}
+    assert info.role_of("in3") == "img_cache"
+    assert ModelInfo.from_dict(info.to_dict()).roles() == info.roles()  # written and read back
+    # a format-1 sidecar records no roles: guessed from the names
+    old = sidecar_dict()
+    old["format_version"] = 1
+    assert ModelInfo.from_dict(old).roles() == {v: k for k, v in TINY_ROLES.items()}
+    unguessable = _renamed(sidecar_dict(), roles=False)
+    unguessable["format_version"] = 1
+    assert ModelInfo.from_dict(unguessable).roles() == {}
+
+
+def _rename_onnx(path: Path, names: dict[str, str]) -> None:
+    import onnx
+
+    m = onnx.load(str(path))
+    for vi in m.graph.input:
+        vi.name = names.get(vi.name, vi.name)
+    for node in m.graph.node:
+        for i, n in enumerate(node.input):
+            node.input[i] = names.get(n, n)
+    onnx.save(m, str(path))
+
+
+def test_onnx_model_io_reads_the_sidecars_roles(tmp_path):
+    p = write_tiny_onnx(tmp_path / "m.onnx")
+    side = json.loads(sidecar_path(p).read_text())
+    _rename_onnx(p, {t["name"]: f"in{i}" for i, t in enumerate(side["inputs"])})
+    sidecar_path(p).write_text(json.dumps(_renamed(side, roles=True)))
+    io = io_specs.onnx_model_io(p)
+    assert io.roles == {role: f"in{i}" for i, role in enumerate(TINY_ROLES.values())}
+    # without the sidecar, only the graph's names and axis names are there to guess from: the
+    # caches are found by their rows axes, the activations not at all
+    sidecar_path(p).unlink()
+    assert io_specs.onnx_model_io(p).roles == {"img_cache": "in3", "txt_cache": "in4"}
+
+
+def _fake_engine(names):
+    c = 32
+    io = [(n, "FLOAT", [-1, c], [(1, c), (2, c), (4, c)], ft.TensorIOMode.INPUT) for n in names]
+    io.append(("out", "FLOAT", [-1, c], None, ft.TensorIOMode.OUTPUT))
+    return ft.ICudaEngine(io)
+
+
+def test_engine_model_io_reads_the_engine_sidecars_roles():
+    trt, _ = ft.make_fake_trt()
+    model = ModelInfo.from_dict(_renamed(sidecar_dict(), roles=True))
+    tensors = engine_tensors([EngineTensor(t.name, t.dtype, [-1, 32]) for t in model.inputs],
+                             model)
+    assert [t.role for t in tensors] == list(TINY_ROLES.values())  # carried on from the model
+    side = EngineInfo(tensorrt_version="10.14", onnx="/m.onnx", inputs=tensors,
+                      outputs=[EngineTensor("out", "float32", [-1, 32])], profiles=[],
+                      plugin=None, plugin_layers=2, version_compatible=False,
+                      strongly_typed=True, config={"head_dim": 16})
+    back = EngineInfo.from_dict(side.to_dict())
+    assert back.roles() == model.roles()
+    io = io_specs.engine_model_io(_fake_engine([t.name for t in tensors]), trt, back)
+    assert io.roles == model.roles()
+    # no sidecar: guessed from the names, which say nothing here
+    assert io_specs.engine_model_io(_fake_engine([t.name for t in tensors]), trt, None).roles == {}
+
+
+def test_sidecar_role_is_checked():
+    side = sidecar_dict()
+    side["inputs"][0]["role"] = 3
+    with pytest.raises(Exception, match=r"inputs\[0\] field 'role' must be str"):
+        ModelInfo.from_dict(side)
+    assert TensorInfo("x", "float32", [1]).to_dict() == {"name": "x", "dtype": "float32",
+                                                         "shape": [1]}
