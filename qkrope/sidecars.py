@@ -674,13 +674,13 @@ class ModelInfo:
         """Axis name -> the value it had at export (``dynamic_axes``, else the ``sample``)."""
         values = {axis: int(v["export_value"]) for axis, v in self.dynamic_axes.items()}
         sample = self.sample
-        if "batch" not in values and sample.get("batch") is not None:
-            values["batch"] = int(sample["batch"])
-        if "img_tokens" not in values and sample.get("img_shapes"):
-            values["img_tokens"] = sum(int(f) * int(h) * int(w)
-                                       for f, h, w in sample["img_shapes"])
-        if "txt_tokens" not in values and sample.get("txt_len") is not None:
-            values["txt_tokens"] = int(sample["txt_len"])
+        if model_io.BATCH not in values and sample.get("batch") is not None:
+            values[model_io.BATCH] = int(sample["batch"])
+        if model_io.IMG_TOKENS not in values and sample.get("img_shapes"):
+            values[model_io.IMG_TOKENS] = sum(int(f) * int(h) * int(w)
+                                              for f, h, w in sample["img_shapes"])
+        if model_io.TXT_TOKENS not in values and sample.get("txt_len") is not None:
+            values[model_io.TXT_TOKENS] = int(sample["txt_len"])
         return values
 
     def input_shape(self, name: str, *, batch: int, img_tokens: int, txt_tokens: int,
@@ -688,9 +688,10 @@ class ModelInfo:
                     txt_cache_rows: int | None = None) -> tuple[int, ...]:
         """The concrete shape of input (or output) ``name`` for these sizes; cache rows default
         to the token counts."""
-        values = {"batch": batch, "img_tokens": img_tokens, "txt_tokens": txt_tokens,
-                  "img_cache_rows": img_tokens if img_cache_rows is None else img_cache_rows,
-                  "txt_cache_rows": txt_tokens if txt_cache_rows is None else txt_cache_rows}
+        values = {model_io.BATCH: batch, model_io.IMG_TOKENS: img_tokens,
+                  model_io.TXT_TOKENS: txt_tokens,
+                  model_io.IMG_CACHE_ROWS: img_tokens if img_cache_rows is None else img_cache_rows,
+                  model_io.TXT_CACHE_ROWS: txt_tokens if txt_cache_rows is None else txt_cache_rows}
         out = []
         for d in self.tensor(name).shape:
             if isinstance(d, str):

@@ -38,7 +38,7 @@ from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._progress import BuildProgress, Steps, make_progress_monitor
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
                              engine_sidecar_path, engine_tensors, sidecar_path)
-from qkrope import contract, dtypes
+from qkrope import contract, dtypes, model_io
 from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
                             check_output_folder, check_outputs, file_kind, output_error,
                             sha256_file, staged_outputs, write_atomic)
@@ -250,7 +250,7 @@ DEFAULT_TRANSFORMER_RESOLUTIONS = [(1024, 1024)]
 
 
 def _is_transformer(model: ModelInfo) -> bool:
-    return any(spec.name == "timestep" for spec in model.inputs)
+    return any(spec.name == model_io.TIMESTEP.name for spec in model.inputs)
 
 
 def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.Profile]]:
@@ -277,9 +277,10 @@ def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.
     if opts.txt_tokens or opts.batch:
         levels = {}
         if opts.txt_tokens:
-            levels["txt_tokens"] = (opts.txt_tokens[0], opts.txt_tokens[1], opts.txt_tokens[1])
+            levels[model_io.TXT_TOKENS] = (opts.txt_tokens[0], opts.txt_tokens[1],
+                                           opts.txt_tokens[1])
         if opts.batch:
-            levels["batch"] = (opts.batch[0], opts.batch[1], opts.batch[1])
+            levels[model_io.BATCH] = (opts.batch[0], opts.batch[1], opts.batch[1])
     else:
         levels = None
     profile = prof.derive_profile(

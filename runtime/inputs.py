@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
 from qkrope.errors import InputError
 from qkrope.sidecars import ModelInfo
 
@@ -90,16 +90,16 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     for t in info.inputs:
         dtype = numpy_dtype(t.dtype)
         role = info.role_of(t.name)
-        if role == "img_cache":
+        if role == model_io.IMG_COS_SIN_CACHE.role:
             feeds[t.name] = caches.img.numpy().copy()
-        elif role == "txt_cache":
+        elif role == model_io.TXT_COS_SIN_CACHE.role:
             feeds[t.name] = caches.txt.numpy().copy()
-        elif role == "encoder_hidden_states_mask":
+        elif role == model_io.ENCODER_HIDDEN_STATES_MASK.role:
             mask = np.ones(info.input_shape(t.name, **sizes), dtype=bool)
             if batch > 1 and txt_len > 1:
                 mask[1, txt_len - max(1, txt_len // 4):] = False
             feeds[t.name] = mask.astype(dtype)
-        elif role == "timestep":
+        elif role == model_io.TIMESTEP.role:
             feeds[t.name] = rng.uniform(0.05, 0.95, info.input_shape(t.name, **sizes)).astype(
                 np.float32).astype(dtype)
         else:

@@ -41,15 +41,14 @@ import re
 from typing import Iterable, Mapping, Sequence
 
 from qkrope.errors import QkropeError
+from qkrope.model_io import (BATCH, CACHE_ROWS_FOR, IMG_TOKENS, TXT_CACHE_ROWS,  # noqa: F401
+                             TXT_TOKENS)
 from qkrope.sidecars import LEVELS, ModelInfo, TensorInfo
 
 
 DEFAULT_MAX_BATCH = 2
 DEFAULT_MAX_IMG_TOKENS = 4096   # 1024x1024 image: 64 x 64 latent patches
 DEFAULT_MAX_TXT_TOKENS = 512
-
-# cache-rows axis -> the token axis of the same stream
-CACHE_ROWS_FOR = {"img_cache_rows": "img_tokens", "txt_cache_rows": "txt_tokens"}
 
 Shape = tuple[int, ...]
 Profile = dict[str, dict[str, Shape]]
@@ -127,9 +126,9 @@ def axis_ranges(inputs: Sequence[TensorInfo], export: Mapping[str, int], *,
     axes' export values (:meth:`qkrope.sidecars.ModelInfo.export_values`)."""
     axes = {a for spec in inputs for a in spec.shape if isinstance(a, str)}
     ranges: dict[str, tuple[int, int, int]] = {}
-    flags = {"batch": (max_batch, DEFAULT_MAX_BATCH, "--max-batch"),
-             "img_tokens": (max_img_tokens, DEFAULT_MAX_IMG_TOKENS, "--max-img-tokens"),
-             "txt_tokens": (max_txt_tokens, DEFAULT_MAX_TXT_TOKENS, "--max-txt-tokens")}
+    flags = {BATCH: (max_batch, DEFAULT_MAX_BATCH, "--max-batch"),
+             IMG_TOKENS: (max_img_tokens, DEFAULT_MAX_IMG_TOKENS, "--max-img-tokens"),
+             TXT_TOKENS: (max_txt_tokens, DEFAULT_MAX_TXT_TOKENS, "--max-txt-tokens")}
     for axis, (given, default, flag) in flags.items():
         if given is not None and int(given) < 1:
             raise ProfileError(f"{flag} must be >= 1; got {given}")
@@ -155,7 +154,7 @@ def axis_ranges(inputs: Sequence[TensorInfo], export: Mapping[str, int], *,
             if tok is None:
                 v = exp if exp is not None else 1
                 ranges[rows_axis] = (1, v, max(v, DEFAULT_MAX_TXT_TOKENS
-                                               if rows_axis == "txt_cache_rows"
+                                               if rows_axis == TXT_CACHE_ROWS
                                                else DEFAULT_MAX_IMG_TOKENS))
             else:
                 ranges[rows_axis] = tok
@@ -330,9 +329,9 @@ def preset_axis_levels(resolutions: Sequence[tuple[int, int]], *,
     out = []
     for w, h in presets:
         n = image_tokens(w, h)
-        out.append((f"{w}x{h}", {"img_tokens": (1, n, n),
-                                 "txt_tokens": (txt_tokens[0], txt_tokens[1], txt_tokens[1]),
-                                 "batch": (batch[0], batch[1], batch[1])}))
+        out.append((f"{w}x{h}", {IMG_TOKENS: (1, n, n),
+                                 TXT_TOKENS: (txt_tokens[0], txt_tokens[1], txt_tokens[1]),
+                                 BATCH: (batch[0], batch[1], batch[1])}))
     return out
 
 
@@ -383,7 +382,7 @@ def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, in
     Explicit --min/--opt/--max shapes apply to every preset."""
     export = model.export_values()
     if txt_tokens is None:
-        txt_tokens = (1, max(DEFAULT_MAX_TXT_TOKENS, int(export.get("txt_tokens", 1))))
+        txt_tokens = (1, max(DEFAULT_MAX_TXT_TOKENS, int(export.get(TXT_TOKENS, 1))))
     if batch is None:
         batch = (1, DEFAULT_MAX_BATCH)
     check_rope_positions(resolutions, txt_tokens[1])
