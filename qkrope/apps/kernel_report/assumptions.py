@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from qkrope.model_io import QWEN_IMAGE
+
 # Hardware figures per SM architecture. Figures marked "assumed" are not read from any device:
 # they are public nominal numbers (or plain estimates) and only scale the printed bounds; no
 # --check depends on them.
@@ -49,11 +51,12 @@ HARDWARE = {
 # The problem the bounds are stated for: one Qwen-Image transformer block at 1024x1024, both
 # streams (4096 image + 512 text tokens), 24 heads of 128, bf16, one fp32 cache row per token.
 PROBLEM = {
-    "name": "Qwen-Image block, 1024x1024: 4096 image + 512 text tokens, 24 heads x 128, bf16",
+    "name": (f"Qwen-Image block, 1024x1024: 4096 image + 512 text tokens, {QWEN_IMAGE.heads} "
+             f"heads x {QWEN_IMAGE.head_dim}, bf16"),
     "tokens": 4096 + 512,
-    "heads": 24,
-    "head_dim": 128,
-    "rotary_dim": 128,
+    "heads": QWEN_IMAGE.heads,
+    "head_dim": QWEN_IMAGE.head_dim,
+    "rotary_dim": QWEN_IMAGE.rotary_dim,
     "elem_bytes": 2,
     "cache_value_bytes": 4,
 }
@@ -85,7 +88,7 @@ MODELLED_DEVICES = {
 QWEN_RESOLUTIONS = (512, 1024, 1328)
 QWEN_TEXT_TOKENS = 512
 QWEN_BATCHES = (1, 2)
-QWEN_HEADS, QWEN_HEAD_DIM = 24, 128
+QWEN_HEADS, QWEN_HEAD_DIM = QWEN_IMAGE.heads, QWEN_IMAGE.head_dim
 # Static targets of a launched Qwen instance on an sm_90 device (H100/H200), by the launch's
 # tokens (batch x sequence): q/k read bytes outstanding per SM at a token's first wait, and
 # whole-kernel common-path SASS instructions per element by rounding mode (DESIGN.md, performance
