@@ -49,10 +49,10 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
       ``provider_options`` (one dict per provider, e.g. ``[{"arena_extend_strategy":
       "kSameAsRequested"}]`` for the CUDA provider) and ``sess_options`` (an
       ``onnxruntime.SessionOptions``, used as given). Without ``sess_options`` the session gets
-      ONNX Runtime's defaults with memory patterns off (:func:`default_session_options`:
-      patterns are recorded per set of input shapes, so with a pipeline's changing shapes
-      resident memory grew with every new shape; off, it stays at the largest call's;
-      :func:`~qkrope.runtime.loader_onnxrt.default_session_options`).
+      ONNX Runtime's defaults with memory patterns off
+      (:func:`~qkrope.runtime.loader_onnxrt.default_session_options`: patterns are recorded per
+      set of input shapes, so with a pipeline's changing shapes resident memory grew with every
+      new shape; off, it stays at the largest call's).
       Runs the model's QKNormRoPE function body; ``plugin`` is ignored.
 
     The options of the other backend are refused, never ignored. Returns a :class:`Runner`;
@@ -93,7 +93,6 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
                          copy_outputs=copy_outputs)
     raise RunnerError(f"cannot tell the backend of {p} from its suffix {suffix!r}: use .engine or "
                       f".plan for TensorRT, .onnx for ONNX Runtime")
-
 
 
 __all__ = ["load"]

@@ -1,6 +1,7 @@
-"""The base of the runners :func:`qkrope.runtime.load` returns: the model's I/O, the checks of a
-call, and :class:`Runner`, which maps the call's arguments to model inputs and checks them all
-before a backend runs anything (the backends: :mod:`qkrope.runtime.runner_onnxrt`,
+"""The base of the runners :func:`qkrope.runtime.load` returns: the checks of a call against the
+model's I/O (:class:`~qkrope.model_io.ModelIO`, read by :mod:`qkrope.runtime.io_specs`), and
+:class:`Runner`, which maps the call's arguments to model inputs and checks them all before a
+backend runs anything (the backends: :mod:`qkrope.runtime.runner_onnxrt`,
 :mod:`qkrope.runtime.runner_tensorrt`; :func:`~qkrope.runtime.backends.load` picks one).
 
 Every call is checked **before** anything executes: the RoPE caches with
@@ -12,8 +13,8 @@ received, what was expected and the fix. Nothing is converted or copied silently
 
 Outputs are allocated per (thread, output, shape) and reused while that shape is one of the last
 :data:`BUFFERS_PER_NAME` (2) used: the tensors a call returns may be overwritten by a later call
-with the same shapes on the same thread. Pass ``copy_outputs=True`` to :func:`load` (or
-``.clone()`` them) to keep them.
+with the same shapes on the same thread. Pass ``copy_outputs=True`` to
+:func:`~qkrope.runtime.load` (or ``.clone()`` them) to keep them.
 """
 
 from __future__ import annotations

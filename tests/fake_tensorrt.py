@@ -356,7 +356,7 @@ class IExecutionContext:
 
 
 class ICudaEngine:
-    """The ICudaEngine queries ``runner.engine_model_io`` and the TensorRT runner make.
+    """The ICudaEngine queries ``io_specs.engine_model_io`` and the TensorRT runner make.
     ``io``: (name, TensorRT dtype name, shape with -1, [min, opt, max] or None, TensorIOMode);
     ``profiles``: more optimisation profiles, ``{input: (min, opt, max)}`` each (profile 0 is
     the one in ``io`` unless ``profiles`` is given); ``output_like``: output -> the input whose
