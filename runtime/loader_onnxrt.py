@@ -16,7 +16,8 @@ from qkrope import quantization
 from qkrope._deps import require
 
 from . import onnx_file
-from .runner import RunnerError, onnx_model_io
+from .io_specs import onnx_model_io
+from .runner import RunnerError
 
 
 @dataclass

@@ -15,10 +15,11 @@ from typing import Mapping
 import torch
 
 from qkrope import dtypes
+from qkrope.model_io import TensorSpec
 
+from .io_specs import onnx_model_io
 from .loader_onnxrt import OnnxSession
-from .runner import (Runner, RunnerError, RunnerInputError, TensorSpec, _torch_dtype_name,
-                     onnx_model_io)
+from .runner import Runner, RunnerError, RunnerInputError, _torch_dtype_name
 
 
 class OrtRunner(Runner):

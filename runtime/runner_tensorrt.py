@@ -20,8 +20,9 @@ import torch
 
 from qkrope import dtypes
 
+from .io_specs import engine_model_io
 from .loader_tensorrt import LoadedEngine
-from .runner import Runner, RunnerError, RunnerInputError, _same_cuda, engine_model_io
+from .runner import Runner, RunnerError, RunnerInputError, _same_cuda
 
 #: CUDA graphs (with their static input and output buffers) a thread keeps with
 #: ``cuda_graph=True``: those of the last four sets of input shapes used (a true-CFG pair at two
