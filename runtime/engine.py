@@ -6,9 +6,10 @@ in plain functions that run without TensorRT):
 0. without TensorRT (:func:`plan_build`): the options, the paths, the ONNX file (readable, its
    QKNormRoPE nodes within the node contract, at least one of them), its description, the
    profile and an explicit plugin library; only then is TensorRT required;
-1. load the plugin library: ``ctypes.CDLL(lib, RTLD_GLOBAL)`` for the self-registering library,
-   ``IPluginRegistry.load_library`` for the version-compatible (VC) one, then check the registry
-   has the ``QKNormRoPE`` / ``1`` / ``qkrope`` creator;
+1. load the plugin library (:func:`~qkrope.runtime.loader_tensorrt.load_plugin_library`, which
+   the TensorRT runner's loader and refit share): ``ctypes.CDLL(lib, RTLD_GLOBAL)`` for the
+   self-registering library, ``IPluginRegistry.load_library`` for the version-compatible (VC)
+   one, then check the registry has the ``QKNormRoPE`` / ``1`` / ``qkrope`` creator;
 2. parse the ONNX file into a strongly typed network (precision was fixed at export), with the
    parser flag ``ENABLE_PLUGIN_OVERRIDE`` where the TensorRT version has it;
 3. **check the network holds one QKNormRoPE plugin layer per QKNormRoPE node** of the ONNX file,
@@ -18,7 +19,7 @@ in plain functions that run without TensorRT):
    given ranges, each an ``IOptimizationProfile`` added in order; with ``--refit`` the
    exported parameters refittable (:func:`set_refit`); optional timing cache, builder optimisation level, workspace limit, version
    compatibility (the VC plugin library serialised into the engine);
-5. build with a progress display fed by ``trt.IProgressMonitor``;
+5. build with a progress display fed by ``trt.IProgressMonitor`` (:mod:`qkrope._progress`);
 6. write the engine and its sidecar ``<engine>.json`` (TensorRT version, GPU, profile, I/O,
    plugin library path + sha256, the model config) as a pair (:func:`write_engine_pair`).
 """
