@@ -19,7 +19,6 @@ with the same shapes on the same thread. Pass ``copy_outputs=True`` to
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
@@ -29,12 +28,8 @@ import torch
 from qkrope.errors import QkropeError
 
 from qkrope import dtypes
-from .caches import (QWEN_AXES_DIM, RopeCacheError, build_qwen_rope_caches,
-                     validate_cos_sin_caches)
-# The model's I/O description and its readers (moved; imported here for this module's users)
-from qkrope.model_io import (ROLES, ModelIO, TensorSpec, _has, assign_roles,  # noqa: F401
-                             spec_from_shape)
-from .io_specs import engine_model_io, onnx_model_io  # noqa: F401
+from qkrope.model_io import ModelIO
+from .caches import QWEN_AXES_DIM, build_qwen_rope_caches, validate_cos_sin_caches
 
 #: Output (and default-mask) buffers a thread keeps per tensor name: those of the last two
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with

@@ -12,6 +12,8 @@ from _runner_helpers import (C, HEAD_DIM, IMG_SHAPES, S_TXT, RecordingRunner, ex
 
 import fake_tensorrt as ft
 from qkrope.runtime import RopeCacheError, RopeCacheOverflowError, build_qwen_rope_caches
+from qkrope import model_io
+from qkrope.runtime import io_specs
 from qkrope.runtime import runner as rn
 
 
@@ -180,8 +182,8 @@ def test_messages_say_the_right_fix(runner):
 
 def test_engine_profile_range_still_says_rebuild():
     """The 'rebuild with qkrope build' advice stays where it is right: a TensorRT profile."""
-    spec = rn.spec_from_shape("x", "float32", ["batch", 4], bounds=([1, 4], [2, 4]))
-    io = rn.ModelIO([spec], [], 16, {}, profile_bounds=True)
+    spec = model_io.spec_from_shape("x", "float32", ["batch", 4], bounds=([1, 4], [2, 4]))
+    io = model_io.ModelIO([spec], [], 16, {}, profile_bounds=True)
     with pytest.raises(rn.RunnerInputError, match="qkrope build"):
         rn.check_inputs(io, {"x": torch.zeros(3, 4)}, device=torch.device("cpu"))
     with pytest.raises(rn.RunnerInputError, match="at least 1"):
@@ -220,7 +222,7 @@ def test_engine_io_and_profile_bounds():
         inputs=[EngineTensor(n, "float32", [-1] * len(a), a) for n, a in axes.items()],
         outputs=[], profiles=[], plugin=None, plugin_layers=2, version_compatible=False,
         strongly_typed=True, config={"head_dim": HEAD_DIM, "axes_dims_rope": [2, 6, 8]})
-    io = rn.engine_model_io(fake_engine(), trt, side)
+    io = io_specs.engine_model_io(fake_engine(), trt, side)
     assert io.head_dim == HEAD_DIM
     assert io.roles["img_cache"] == "img_cos_sin_cache"
     assert io.input("hidden_states").dims == ((1, 2), (1, 64), (C, C))

@@ -11,6 +11,7 @@ from _runner_helpers import (C, SpySession, _write_bf16_identity_model,  # noqa:
 
 import threading
 
+from qkrope import model_io
 from qkrope.runtime import runner as rn
 from qkrope.runtime.backends import load
 
@@ -101,7 +102,7 @@ def test_bf16_unresolvable_output_rejected_before_execution(tmp_path):
     that is known before anything runs, so the session must not run."""
     r = load(_write_bf16_identity_model(tmp_path / "bf16.onnx"))
     spec = r.io.outputs[0]
-    r.io.outputs[0] = rn.TensorSpec(spec.name, spec.dtype, spec.dims,
+    r.io.outputs[0] = model_io.TensorSpec(spec.name, spec.dtype, spec.dims,
                                     ("mystery_axis",) + spec.axes[1:])
     r.session = SpySession(r.session)
     hs, ehs, caches = inputs()

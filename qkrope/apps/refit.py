@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from qkrope import dtypes
-from qkrope.errors import InputFileNotFoundError, QkropeError
+from qkrope.errors import QkropeError
 
 from . import _args
 
