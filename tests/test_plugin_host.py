@@ -1,14 +1,15 @@
 """Host-side contract tests of the QKNormRoPE TensorRT plugin: no GPU, no libnvinfer.
 
-The C++ driver ``plugins/tests/plugin_host_test.cpp`` (built with the plugin) dlopens
-``libqkrope_vc_plugin.so`` and ``libqkrope_plugin.so`` and drives them the way TensorRT and its
-ONNX parser do: creator identity and field list, plugin creation from the parser's field forms
-(kFLOAT32 / kINT32 / kCHAR with the NUL counted), defaults for missing fields, every bad field,
-output shapes through a test IExprBuilder, the format matrix, output dtypes, configure /
-onShapeChange / enqueue refusing malformed shapes, serialise -> recreate, clone, attachToContext,
-logging through the logger finder, and self-registration through a fake getPluginRegistry. This
-module builds the libraries if needed, runs the driver once, and turns its output into one test per
-group of checks; the expected names, fields and defaults come from qkrope.export.contract.
+The C++ driver ``plugins/tests/plugin_host_test.cpp`` (its checks in ``plugin_host_test_*.cpp``),
+built with the plugin as ``qkrope_plugin_host_test``, dlopens ``libqkrope_vc_plugin.so`` and
+``libqkrope_plugin.so`` and drives them the way TensorRT and its ONNX parser do: creator identity
+and field list, plugin creation from the parser's field forms (kFLOAT32 / kINT32 / kCHAR with the
+NUL counted), defaults for missing fields, every bad field, output shapes through a test
+IExprBuilder, the format matrix, output dtypes, configure / onShapeChange / enqueue refusing
+malformed shapes, serialise -> recreate, clone, attachToContext, logging through the logger finder,
+and self-registration through a fake getPluginRegistry. This module builds the libraries if needed,
+runs the driver once, and turns its output into one test per group of checks; the expected names,
+fields and defaults come from qkrope.export.contract.
 """
 
 from __future__ import annotations
