@@ -1,5 +1,6 @@
 """Fuzzing the QKNormRoPE plugin's creator, field parsing, deserialisation and tensor-descriptor
-entry points under ASan/UBSan (plugins/tests/plugin_fuzz.cpp, built by plugins/tests/fuzz/).
+entry points under ASan/UBSan (plugins/tests/plugin_fuzz.cpp and its plugin_fuzz_*.cpp pieces, built
+by plugins/tests/fuzz/).
 
 The plugin's C++ sources are compiled into the fuzz binary with -fsanitize=address,undefined (no
 nvcc, no GPU: the kernel launch is a stub that returns the real checkParams' status). With clang and
@@ -191,7 +192,7 @@ def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
 # ---- mutants: the fuzzer must fail when the plugin is wrong ----------------------------------------
 # (description, source under plugins/, pattern, replacement, what must be reported, seed input).
 # Applied to a temporary copy with re.subn(count=1); a pattern that no longer matches skips its test.
-# Each seed is read by plugin_fuzz.cpp's Input (one byte per choice, u8() % n for below(n) when
+# Each seed is read by plugin_fuzz.h's Input (one byte per choice, u8() % n for below(n) when
 # n <= 256, chance(p) true when the byte is < p); the comments give each byte's choice.
 
 # plugin_version as a kCHAR of length -1 over a 3-byte block without a NUL
