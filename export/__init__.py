@@ -8,7 +8,7 @@ on first use (``from qkrope.export import QwenImageAttention`` imports torch), a
 
 from __future__ import annotations
 
-import importlib
+from qkrope._lazy import lazy_names
 
 from qkrope import contract
 
@@ -19,19 +19,5 @@ _PUBLIC = {"QwenImageAttention": "attention", "qk_norm_rope": "ops",
 __all__ = ["contract", *_PUBLIC]
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        try:  # a submodule accessed as an attribute (qkrope.export.onnx_export)
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise  # the submodule exists; something it imports does not
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_names(__name__, {n: f".{m}" for n, m in _PUBLIC.items()}, globals(),
+                                  submodules=True)

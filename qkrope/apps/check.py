@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from qkrope._deps import require
+from qkrope._lazy import lazy_names
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 # qkrope.runtime and qkrope.sidecars import torch: the functions below import what they use, so
@@ -61,11 +62,7 @@ _LAZY = {"from_ort_value": "qkrope.runtime.inputs", "make_inputs": "qkrope.runti
          "checked_onnx_model": "qkrope.runtime.onnx_file", "ModelInfo": "qkrope.sidecars"}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
 
 from . import _args
 from .measure import CheckRow, format_check_table

@@ -71,6 +71,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qkrope._lazy import lazy_names
+
 from .. import _args
 from ..measure import format_bench_table
 # every part's names, importable from here as they were before the parts had modules (the
@@ -96,17 +98,9 @@ from .rows import REQUIRES_CUDA, REQUIRES_TRT, Key, _measure, _measured, _row, _
 
 # torch-importing names of this module's API, imported on first use (`qkrope bench --help` stays
 # light; the functions below import them where they need them).
-_LAZY = {"dtypes": ("qkrope", "dtypes"),
-         "default_axes_dims": ("qkrope.runtime.caches", "default_axes_dims"),
-         "checked_onnx_model": ("qkrope.runtime.onnx_file", "checked_onnx_model")}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_LAZY = {"default_axes_dims": "qkrope.runtime.caches",
+         "checked_onnx_model": "qkrope.runtime.onnx_file"}
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
 
 
 # --------------------------------------------------------------------------------------------
