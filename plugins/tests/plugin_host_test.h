@@ -74,6 +74,9 @@ IPluginV3OneCore* coreOf(IPluginV3* p);
 
 PluginPtr create(IPluginCreatorV3One* c, Fields* f, TensorRTPhase phase = TensorRTPhase::kBUILD,
     char const* name = "test_node");
+// create(c, f) for a check group: on a refusal, reports "<group>.create" failed (with the creator's
+// log) and returns null, so the group stops there.
+PluginPtr createFor(char const* group, IPluginCreatorV3One* c, Fields* f, RecordingLogger const& logger);
 
 struct Attrs
 {

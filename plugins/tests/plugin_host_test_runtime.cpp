@@ -107,10 +107,9 @@ void testEnqueue(IPluginV3OneRuntime* rt, RecordingLogger& logger)
 void testSerialize(IPluginCreatorV3One* c, RecordingLogger& logger)
 {
     Fields f = parserFields(3e-5F, 0, 1);
-    PluginPtr q = create(c, &f);
+    PluginPtr q = createFor("serialize", c, &f, logger);
     if (q == nullptr)
     {
-        check(false, "serialize.create", logger.lastSince(0));
         return;
     }
     PluginFieldCollection const* fc = runtimeOf(q.get())->getFieldsToSerialize();
@@ -139,10 +138,9 @@ void testSerialize(IPluginCreatorV3One* c, RecordingLogger& logger)
 void testClone(IPluginCreatorV3One* c, RecordingLogger& logger)
 {
     Fields f = parserFields(3e-5F, 0, 1);
-    PluginPtr q = create(c, &f);
+    PluginPtr q = createFor("clone", c, &f, logger);
     if (q == nullptr)
     {
-        check(false, "clone.create", logger.lastSince(0));
         return;
     }
     PluginPtr cl(q->clone());
@@ -162,10 +160,9 @@ void testClone(IPluginCreatorV3One* c, RecordingLogger& logger)
 void testAttachToContext(IPluginCreatorV3One* c, RecordingLogger& logger)
 {
     Fields f = parserFields(3e-5F, 0, 1);
-    PluginPtr q = create(c, &f);
+    PluginPtr q = createFor("attach_to_context", c, &f, logger);
     if (q == nullptr)
     {
-        check(false, "attach_to_context.create", logger.lastSince(0));
         return;
     }
     PluginPtr att(runtimeOf(q.get())->attachToContext(nullptr));

@@ -42,6 +42,16 @@ PluginPtr create(IPluginCreatorV3One* c, Fields* f, TensorRTPhase phase, char co
     return PluginPtr(c->createPlugin(name, f ? f->get() : nullptr, phase));
 }
 
+PluginPtr createFor(char const* group, IPluginCreatorV3One* c, Fields* f, RecordingLogger const& logger)
+{
+    PluginPtr p = create(c, f);
+    if (p == nullptr)
+    {
+        check(false, std::string(group) + ".create", logger.lastSince(0));
+    }
+    return p;
+}
+
 std::string Attrs::str() const
 {
     char buf[160];
