@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -99,36 +98,6 @@ class RequestError(ValueError):
     """What the client sent cannot be served (answered as INVALID_ARG)."""
 
 
-class CacheBudget:
-    """Least-recently-used caches, at most ``limit`` bytes in all (a larger entry is not kept)."""
-
-    def __init__(self, limit: int):
-        self.limit = int(limit)
-        self.nbytes = 0
-        self._items: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        value = self._items.get(key)
-        if value is not None:
-            self._items.move_to_end(key)
-        return value
-
-    def put(self, key, value) -> None:
-        size = sum(a.nbytes for a in value)
-        if size > self.limit or key in self._items:
-            return
-        while self._items and self.nbytes + size > self.limit:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= sum(a.nbytes for a in old)
-        for a in value:
-            a.flags.writeable = False
-        self._items[key] = value
-        self.nbytes += size
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class TritonPythonModel:
     def initialize(self, args):
         global pb_utils
@@ -147,7 +116,7 @@ class TritonPythonModel:
         self.txt_name = _param(config, "txt_output", DEFAULT_NAMES["txt_output"])
         self.max_img = int(_param(config, "max_img_tokens", "4096"))
         self.max_txt = int(_param(config, "max_txt_tokens", "512"))
-        self.cache = CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
+        self.cache = self.tables.CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
         self.tables.axis_tables(self.theta, self.axes_dim)  # at load, not in the first request
 
     def _tensor(self, request, name):
