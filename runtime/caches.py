@@ -755,7 +755,7 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
     """
     config, inputs, source, info = _model_rope_config(model_path)
     family = config.family or "qwen-image"
-    if family in _FLUX_FAMILIES:
+    if family in rope_tables.FLUX_FAMILIES:
         return _flux_caches_for(model_path, config, inputs, source, info, family, img_shapes,
                                 txt_seq_len, txt_ids, img_ids, device, batch)
     if txt_ids is not None or img_ids is not None:
@@ -808,11 +808,6 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
 
 
 
-# The FLUX families: (what the sidecar's family means, the RoPE axes and theta when it records
-# none; FLUX.1's theta is not in its diffusers config, FLUX.2's is its rope_theta).
-_FLUX_FAMILIES = {"flux1": ("FLUX.1", FLUX1_AXES_DIM, FLUX1_THETA),
-                  "flux2": ("FLUX.2", FLUX2_AXES_DIM, FLUX2_THETA)}
-
 
 def _serving_refusal(info, need: dict) -> str | None:
     """None when one of the engine's profiles holds the sizes in ``need`` ({(input, axis):
@@ -830,7 +825,7 @@ def _flux_caches_for(model_path, config, inputs, source, info, family, img_shape
                      txt_ids, img_ids, device, batch) -> RopeCaches:
     """caches_for of a FLUX model: checked against the model (widths, an engine's profiles)
     before the caches are built."""
-    label, default_axes, default_theta = _FLUX_FAMILIES[family]
+    label = rope_tables.FLUX_FAMILIES[family][0]
     if img_shapes is not None or txt_seq_len is not None:
         raise InputError(f"{source} is a {label} model: its caches come from the position ids "
                          f"its pipeline passes, not img_shapes / txt_seq_len. Fix: "
@@ -839,10 +834,8 @@ def _flux_caches_for(model_path, config, inputs, source, info, family, img_shape
         raise InputError(f"caches_for({str(model_path)!r}) needs txt_ids and img_ids for this "
                          f"{label} model (the [tokens, axes] ids its pipeline passes to the "
                          f"transformer)")
-    axes = config.axes_dims_rope if config.axes_dims_rope is not None else default_axes
-    theta = config.rope_theta
-    if theta is None:
-        theta = (config.diffusers_config or {}).get("rope_theta", default_theta)
+    axes, theta = rope_tables.flux_setting(family, config.axes_dims_rope, config.rope_theta,
+                                           config.diffusers_config)
     try:
         axes, theta = _flux_args(axes, theta)
     except InputError as exc:

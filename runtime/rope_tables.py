@@ -270,6 +270,23 @@ FLUX1_AXES_DIM = (16, 56, 56)
 #: FLUX.2 (Flux2Transformer2DModel's config defaults rope_theta and axes_dims_rope).
 FLUX2_THETA = 2000
 FLUX2_AXES_DIM = (32, 32, 32, 32)
+#: A sidecar's ``config.family`` -> (its name in messages, the axes and theta it has by default).
+FLUX_FAMILIES = {"flux1": ("FLUX.1", FLUX1_AXES_DIM, FLUX1_THETA),
+                 "flux2": ("FLUX.2", FLUX2_AXES_DIM, FLUX2_THETA)}
+
+
+def flux_setting(family: str, axes_dims_rope=None, rope_theta=None, diffusers_config=None):
+    """(axes, theta) of a FLUX model from what its sidecar config records: ``axes_dims_rope``
+    and ``rope_theta``, else the diffusers config's ``rope_theta`` (FLUX.2), else the family's
+    (FLUX.1's theta 10000 is in no config). Unchecked: the caller checks the values."""
+    _, axes, theta = FLUX_FAMILIES[family]
+    if axes_dims_rope is not None:
+        axes = axes_dims_rope
+    if rope_theta is not None:
+        theta = rope_theta
+    elif isinstance(diffusers_config, dict) and diffusers_config.get("rope_theta") is not None:
+        theta = diffusers_config["rope_theta"]
+    return axes, theta
 
 
 class BadPositions(ValueError):

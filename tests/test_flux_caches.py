@@ -43,8 +43,8 @@ def _cache(freqs) -> np.ndarray:
     return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=1).numpy()
 
 
-def _bits_equal(got: torch.Tensor, want: np.ndarray) -> bool:
-    g = got.numpy()
+def _bits_equal(got, want: np.ndarray) -> bool:
+    g = got.numpy() if isinstance(got, torch.Tensor) else got
     return g.dtype == np.float32 and g.shape == want.shape and np.array_equal(
         g.view(np.int32), want.view(np.int32))
 
@@ -238,3 +238,106 @@ def test_caches_for_a_qwen_engine_refuses_ids(tmp_path):
         caches_for(engine, txt_ids=np.zeros((3, 3)), img_ids=np.zeros((16, 3)))
     with pytest.raises(InputError, match="needs img_shapes and txt_seq_len"):
         caches_for(engine, [(1, 4, 4)])
+
+
+# --------------------------------------------------------------------------------------------
+# Triton: the repository's rope model from ids (run with the stand-in Python-backend utils)
+# --------------------------------------------------------------------------------------------
+
+FLUX_SETUPS = {"flux1": ([4, 6, 6], None, 10000.0), "flux2": ([4, 4, 4, 4], 2000, 2000.0)}
+
+
+def _flux_engine_for_triton(tmp_path, family):
+    """A FLUX-like transformer engine sidecar (FLUX's inputs, no mask) as `qkrope build` writes
+    it, with a plugin recorded by hash; the plan bytes are not read."""
+    import hashlib
+
+    from qkrope.sidecars import EngineInfo, EngineTensor, PluginRecord
+
+    axes, theta, _ = FLUX_SETUPS[family]
+    shapes = {"hidden_states": ["batch", "img_tokens", 4],
+              "encoder_hidden_states": ["batch", "txt_tokens", 8],
+              "pooled_projections": ["batch", 8], "timestep": ["batch"],
+              "img_cos_sin_cache": ["img_cache_rows", sum(axes)],
+              "txt_cos_sin_cache": ["txt_cache_rows", sum(axes)]}
+    hi = {"batch": 1, "img_tokens": 128, "txt_tokens": 16, "img_cache_rows": 128,
+          "txt_cache_rows": 16}
+    plugin = tmp_path / "libqkrope_plugin.so"
+    plugin.write_bytes(b"\x7fELF fake plugin")
+    config = {"family": family, "axes_dims_rope": axes, "head_dim": sum(axes),
+              "diffusers_config": {"axes_dims_rope": axes}}
+    if theta is not None:
+        config["rope_theta"] = theta
+    engine = tmp_path / f"{family}.engine"
+    engine.write_bytes(b"not really a TensorRT plan")
+    EngineInfo(tensorrt_version="10.14", onnx=f"{family}.onnx",
+               inputs=[EngineTensor(n, "float32", [-1 if isinstance(d, str) else d for d in s],
+                                    [d if isinstance(d, str) else None for d in s])
+                       for n, s in shapes.items()],
+               outputs=[EngineTensor("sample", "float32", [-1, -1, 4],
+                                     ["batch", "img_tokens", None])],
+               profiles=[{n: {lv: [d if isinstance(d, int) else 1 if lv == "min" else hi[d]
+                                   for d in s] for lv in ("min", "opt", "max")}
+                          for n, s in shapes.items()}],
+               plugin=PluginRecord(str(plugin), hashlib.sha256(plugin.read_bytes()).hexdigest()),
+               plugin_layers=2, version_compatible=False, strongly_typed=True,
+               config=config).save(engine)
+    return engine
+
+
+@pytest.mark.parametrize("family", list(FLUX_SETUPS))
+def test_triton_rope_model_from_ids_is_the_runtime_function(family, tmp_path, monkeypatch):
+    pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
+    from _triton_helpers import Tensor, io, load_rope_model, parse
+
+    from qkrope.runtime import triton
+
+    engine = _flux_engine_for_triton(tmp_path, family)
+    triton.write_repository(engine, tmp_path / "repo", name="flux")
+    n_axes = len(FLUX_SETUPS[family][0])
+    rope_cfg, ens_cfg = (parse(tmp_path / "repo" / m / "config.pbtxt") for m in ("flux_rope", "flux"))
+    assert io(rope_cfg, "input") == [("txt_ids", "TYPE_FP32", [-1, n_axes]),
+                                     ("img_ids", "TYPE_FP32", [-1, n_axes]),
+                                     ("hidden_states", "TYPE_FP32", [-1, -1, 4]),
+                                     ("encoder_hidden_states", "TYPE_FP32", [-1, -1, 8])]
+    assert {n for n, _, _ in io(ens_cfg, "input")} == {
+        "hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "txt_ids",
+        "img_ids"}
+    rope_step = next(s for s in ens_cfg.ensemble_scheduling.step if s.model_name == "flux_rope")
+    assert set(rope_step.input_map) == {"txt_ids", "img_ids", "hidden_states",
+                                        "encoder_hidden_states"}
+    model, pb = load_rope_model(tmp_path / "repo" / "flux_rope", monkeypatch)
+
+    if family == "flux1":
+        img_ids = torch.cat([FluxKontextPipeline._prepare_latent_image_ids(1, 6, 8, "cpu", torch.float32),
+                             FluxKontextPipeline._prepare_latent_image_ids(1, 4, 4, "cpu", torch.float32)
+                             + torch.tensor([1.0, 0, 0])])
+        txt_ids = torch.zeros(16, 3)
+    else:
+        img_ids = torch.cat([Flux2Pipeline._prepare_latent_ids(torch.zeros(1, 4, 6, 8))[0],
+                             Flux2Pipeline._prepare_image_ids([torch.zeros(1, 4, 4, 4)])[0]])
+        txt_ids = Flux2Pipeline._prepare_text_ids(torch.zeros(1, 16, 8))[0]
+
+    def request(txt, img, img_tokens=None, txt_tokens=None):
+        return pb.InferenceRequest([
+            Tensor("txt_ids", np.asarray(txt, np.float32)), Tensor("img_ids", np.asarray(img, np.float32)),
+            Tensor("hidden_states", np.zeros((1, img_tokens or len(img), 4), np.float32)),
+            Tensor("encoder_hidden_states", np.zeros((1, txt_tokens or len(txt), 8), np.float32))])
+
+    want = build_flux_rope_caches(txt_ids, img_ids, axes_dims=FLUX_SETUPS[family][0],
+                                  theta=FLUX_SETUPS[family][2])
+    bad = {"axes": (request(np.zeros((16, n_axes + 1)), img_ids), f"txt_ids must be [tokens, {n_axes}]"),
+           "nan": (request(txt_ids, np.full((64, n_axes), np.nan)), "NaN or infinite"),
+           "rows": (request(txt_ids, img_ids, img_tokens=len(img_ids) + 1), "the ids must be those"),
+           "limit": (request(txt_ids, np.zeros((200, n_axes))), "more than the 128")}
+    responses = model.execute([request(txt_ids, img_ids)] + [r for r, _ in bad.values()]
+                              + [request(txt_ids.numpy(), img_ids.numpy())])
+    for resp in (responses[0], responses[-1]):  # the second is the kept caches
+        assert resp.error is None
+        img = pb.get_output_tensor_by_name(resp, "img_cos_sin_cache").as_numpy()
+        txt = pb.get_output_tensor_by_name(resp, "txt_cos_sin_cache").as_numpy()
+        assert _bits_equal(img, want.img.numpy())
+        assert _bits_equal(txt, want.txt.numpy())
+    assert len(model.cache) == 1
+    for resp, (_, reason) in zip(responses[1:-1], bad.values()):
+        assert resp.error.code() == pb.TritonError.INVALID_ARG and reason in resp.error.message()
