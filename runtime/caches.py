@@ -747,8 +747,10 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
     Args:
         model_path: the ``.onnx`` or ``.engine`` file.
         img_shapes: ``[(frames, height, width), ...]`` in latent patches (diffusers' per-batch
-            form accepted).
-        txt_seq_len: text tokens.
+            form accepted); Qwen-Image only.
+        txt_seq_len: text tokens; Qwen-Image only.
+        txt_ids, img_ids: FLUX only: the ``[tokens, axes]`` position ids its pipeline passes
+            the transformer (see :func:`build_flux_rope_caches`).
         device: where the caches are put (the activations' device).
         batch: the call's batch size, checked against an engine's profiles (the caches
             themselves have no batch axis).

@@ -254,15 +254,18 @@ def qwen_caches(shapes: Shapes, txt_len: int, *, theta: float = THETA,
 # products ``pos * freq`` in float64, their cos and sin in float64, and rounds those to float32.
 # This module does the same operations in the same order, with the C library's float64 ``pow``,
 # ``cos`` and ``sin`` (Python's math module calls them; numpy's own SIMD versions may differ in the
-# last float64 bit). torch evaluates its vectorised loops with SLEEF instead, whose float64 result
-# can differ from the C library's in the last bit; after the rounding to float32 that changes a
-# value only when it lies within ~1 float64 ulp of a float32 rounding boundary, so the caches are
-# bit-equal to diffusers' for the positions pipelines produce (tests/test_flux_caches.py checks
-# the pipelines' ids bit for bit, and every integer position 0..4096 of both families' axes) and
-# otherwise within one float32 ulp. On MPS, NPU and Neuron devices diffusers computes the
-# frequencies and angles in float32 (those devices have no float64): its caches there are its CPU
-# caches plus the float32 rounding of the angles, ~|pos * freq| * 2^-24; these caches are the CPU
-# (float64) ones on every device.
+# last float64 bit). torch evaluates its vectorised loops with SLEEF instead, whose float64
+# results (a frequency, a cosine) can differ from the C library's in the last bit; after the
+# rounding to float32 that changes a value only when it lies that close to a float32 rounding
+# boundary. So the caches are bit-equal to diffusers' for the positions pipelines produce
+# (tests/test_flux_caches.py checks the pipelines' ids, and every integer position 0..4096 of
+# both families' axes; on this project's AMD EPYC, torch 2.13 CPU, the first integer position
+# that differs is 61639 on a FLUX.2 axis) and otherwise within one float32 ulp. With ids on a
+# CUDA device diffusers computes the same float64 operations with CUDA's maths library (the same
+# last-bit caveat). On MPS, NPU and Neuron devices diffusers computes the frequencies and angles
+# in float32 (those devices have no float64): its caches there are its CPU caches plus the
+# float32 rounding of the angles, ~|pos * freq| * 2^-24; these caches are the CPU (float64) ones
+# on every device.
 
 #: FLUX.1 (diffusers' FluxTransformer2DModel: FluxPosEmbed(theta=10000), not in its config).
 FLUX1_THETA = 10000
@@ -300,9 +303,12 @@ def check_ids(ids, n_axes: int, name: str) -> np.ndarray:
     ``[batch, tokens, n_axes]`` when every batch item holds the same ids (the caches have no
     batch axis; diffusers itself reads item 0). Raises :class:`BadPositions` for another rank or
     axis count, no tokens, a bool, complex or non-numeric dtype, and NaN or infinite values."""
-    arr = np.asarray(ids)
     example = (f"{name} must be [tokens, {n_axes}] position ids (one row per token, one column "
                f"per RoPE axis)")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:  # ragged nested lists
+        raise BadPositions(f"{example}; got {type(ids).__name__} that is no array ({exc})") from None
     if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer)
                                      or np.issubdtype(arr.dtype, np.floating)):
         raise BadPositions(f"{example}, integers or floats; got dtype {arr.dtype}")
@@ -317,8 +323,12 @@ def check_ids(ids, n_axes: int, name: str) -> np.ndarray:
                 f"samples of one layout")
         arr = arr[0]
     if arr.ndim != 2 or arr.shape[1] != n_axes:
+        hint = ""
+        if arr.ndim == 2 and {arr.shape[1], n_axes} == {3, 4}:
+            hint = (" (FLUX.1's ids have 3 columns, FLUX.2's 4: these ids are of the other "
+                    "family than the model's RoPE axes)")
         raise BadPositions(f"{example} for a model with {n_axes} RoPE axes; got shape "
-                           f"{list(arr.shape)}")
+                           f"{list(arr.shape)}{hint}")
     if arr.shape[0] < 1:
         raise BadPositions(f"{example} with at least one token; got shape {list(arr.shape)}")
     pos = arr.astype(np.float32)
