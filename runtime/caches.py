@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 import numbers
 import operator
+import threading
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
