@@ -14,7 +14,8 @@ from qkrope._lazy import lazy_names
 _PUBLIC = {
     # RoPE caches
     "RopeCacheError": "caches", "RopeCacheOverflowError": "caches", "RopeCaches": "caches",
-    "build_qwen_rope_caches": "caches", "caches_for": "caches",
+    "build_qwen_rope_caches": "caches", "build_flux_rope_caches": "caches",
+    "caches_for": "caches",
     "to_cos_sin_caches": "caches", "validate_cos_sin_caches": "caches",
     # runtime wrapper (TensorRT engine or ONNX model behind one interface)
     "load": "backends", "Runner": "runner", "RunnerError": "runner",

@@ -2,6 +2,9 @@
 
 - :func:`build_qwen_rope_caches` computes Qwen-Image's caches from the image shapes and text
   length, exactly as diffusers' ``QwenEmbedRope`` does (same tables, same positions).
+- :func:`build_flux_rope_caches` computes FLUX.1's and FLUX.2's caches from the position ids
+  their pipelines pass (``txt_ids`` / ``img_ids``), as diffusers' ``FluxPosEmbed`` /
+  ``Flux2PosEmbed`` do.
 - :func:`to_cos_sin_caches` converts the other RoPE formats in use to the cache pair.
 - :func:`validate_cos_sin_caches` checks a cache pair before it reaches a model or an engine and
   never copies or converts anything.
@@ -13,8 +16,10 @@ import functools
 import math
 import numbers
 import operator
+import threading
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from qkrope.errors import InputError, QkropeError
@@ -185,6 +190,121 @@ def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, th
         raise RopeCacheOverflowError(str(exc), required=exc.required,
                                      available=exc.available) from None
     return RopeCaches(torch.from_numpy(img).to(device), torch.from_numpy(txt).to(device))
+
+
+# --------------------------------------------------------------------------------------------
+# Building FLUX.1 / FLUX.2 caches from position ids
+# --------------------------------------------------------------------------------------------
+
+# The families' RoPE numbers (diffusers' FluxPosEmbed(theta=10000) and Flux2's config defaults;
+# rope_tables keeps them, beside the arithmetic the Triton rope model shares).
+FLUX1_THETA, FLUX1_AXES_DIM = rope_tables.FLUX1_THETA, rope_tables.FLUX1_AXES_DIM
+FLUX2_THETA, FLUX2_AXES_DIM = rope_tables.FLUX2_THETA, rope_tables.FLUX2_AXES_DIM
+# Built FLUX caches kept for reuse (a pipeline passes the same ids at every step), in all.
+FLUX_MEMO_BYTES = 256 * 2**20
+_flux_memo = rope_tables.CacheBudget(FLUX_MEMO_BYTES)
+_flux_memo_lock = threading.Lock()
+
+
+def _ids_array(ids: object, name: str):
+    """Position ids as numpy: a tensor through ``.float()`` (exactly diffusers' ``ids.float()``;
+    bfloat16 has no numpy dtype), anything else as given (rope_tables.check_ids judges it)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type == "meta" or ids.layout != torch.strided:
+            raise InputError(f"{name} must be a dense tensor with values; got {_describe(ids)}")
+        t = ids.detach()
+        if t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool):
+            t = t.float()
+        return t.cpu().numpy()
+    if ids is None or isinstance(ids, (str, bytes)):
+        raise InputError(f"{name} must be [tokens, axes] position ids (a tensor or array); "
+                         f"got {ids!r}")
+    return ids
+
+
+def _flux_args(axes_dims: Sequence[int], theta: float) -> tuple[tuple[int, ...], float]:
+    if isinstance(axes_dims, (str, bytes)) or not isinstance(axes_dims, Sequence):
+        raise InputError(f"axes_dims must be the RoPE width of each axis, e.g. {FLUX1_AXES_DIM} "
+                         f"(FLUX.1) or {FLUX2_AXES_DIM} (FLUX.2); got {axes_dims!r}")
+    axes = tuple(_whole(d, "axes_dims values") for d in axes_dims)
+    if not axes or any(d <= 0 or d % 2 for d in axes):
+        raise InputError(f"axes_dims must be positive even widths, one per RoPE axis, e.g. "
+                         f"{FLUX1_AXES_DIM}; got {axes_dims!r}")
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
+        raise InputError(f"theta (the RoPE base) must be a finite number > 0: {FLUX1_THETA} for "
+                         f"FLUX.1, {FLUX2_THETA} for FLUX.2; got {theta!r}")
+    return axes, float(theta)
+
+
+def _flux_positions(txt_ids: object, img_ids: object, axes: tuple[int, ...]):
+    """(txt, img) float32 positions, checked; the caches they give bounded in bytes."""
+    pos = []
+    for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
+        try:
+            pos.append(rope_tables.check_ids(_ids_array(ids, name), len(axes), name))
+        except rope_tables.BadPositions as exc:
+            raise InputError(str(exc)) from None
+    tokens = pos[0].shape[0] + pos[1].shape[0]
+    nbytes = rope_tables.flux_cache_nbytes(tokens, axes)
+    if nbytes > MAX_CACHE_BYTES:
+        raise InputError(
+            f"txt_ids {list(pos[0].shape)} and img_ids {list(pos[1].shape)} need RoPE caches of "
+            f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
+            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
+            f"Fix: one row per token: pass the ids of the latent's tokens (a 1024x1024 image "
+            f"has 4096)")
+    return pos[0], pos[1]
+
+
+def _flux_build(txt: np.ndarray, img: np.ndarray, axes: tuple[int, ...], theta: float,
+                device: torch.device | str | None) -> RopeCaches:
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    key = (txt.shape, txt.tobytes(), img.shape, img.tobytes(), axes, theta, str(dev))
+    with _flux_memo_lock:
+        hit = _flux_memo.get(key)
+    if hit is not None:
+        return hit
+    caches = RopeCaches(
+        torch.from_numpy(rope_tables.flux_cache(img, axes_dim=axes, theta=theta)).to(dev),
+        torch.from_numpy(rope_tables.flux_cache(txt, axes_dim=axes, theta=theta)).to(dev))
+    with _flux_memo_lock:
+        _flux_memo.put(key, caches)
+    return caches
+
+
+def build_flux_rope_caches(txt_ids: object, img_ids: object, *, axes_dims: Sequence[int],
+                           theta: float,
+                           device: torch.device | str | None = None) -> RopeCaches:
+    """FLUX.1's or FLUX.2's RoPE caches from the position ids its pipeline passes, as diffusers'
+    ``FluxPosEmbed`` / ``Flux2PosEmbed`` compute them (on the CPU: float64, then float32; see
+    :mod:`qkrope.runtime.rope_tables` for the bits and for MPS/NPU).
+
+    Args:
+        txt_ids: ``[txt_tokens, len(axes_dims)]`` position ids of the text tokens (FLUX.1: all
+            zero; FLUX.2: ``(0, 0, 0, l)``), any real dtype, a tensor or array; diffusers'
+            batched ``[batch, tokens, axes]`` form is accepted when its items are equal.
+        img_ids: ``[img_tokens, len(axes_dims)]`` of the image tokens, condition (Kontext) and
+            reference (FLUX.2) images included, in the order of the model's image sequence.
+        axes_dims: the RoPE width of each axis: FLUX.1 ``(16, 56, 56)``
+            (:data:`FLUX1_AXES_DIM`), FLUX.2 ``(32, 32, 32, 32)`` (:data:`FLUX2_AXES_DIM`).
+        theta: the RoPE base: FLUX.1 10000 (:data:`FLUX1_THETA`), FLUX.2 2000
+            (:data:`FLUX2_THETA`, its config's ``rope_theta``).
+        device: where the caches are put.
+
+    Returns:
+        ``RopeCaches(img [img_tokens, sum(axes_dims)], txt [txt_tokens, sum(axes_dims)])``,
+        fp32; a single-stream block's joint cache is ``torch.cat([txt, img])``. No position
+        limit; refused above ``MAX_CACHE_BYTES``. Results are memoised per ids (up to
+        ``FLUX_MEMO_BYTES`` in all): treat them as read-only.
+
+    Raises:
+        InputError: ids of another shape or axis count, no tokens, a bool or complex dtype,
+        NaN/inf positions, different ids per batch item, bad ``axes_dims`` / ``theta``, caches
+        above the byte limit.
+    """
+    axes, theta = _flux_args(axes_dims, theta)
+    txt, img = _flux_positions(txt_ids, img_ids, axes)
+    return _flux_build(txt, img, axes, theta, device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,7 +680,10 @@ def _model_rope_config(path) -> tuple[Any, list, str, object]:
     suffix = p.suffix.lower()
     if suffix in _ENGINE_SUFFIXES:
         info = EngineInfo.load(p)
-        return (info.config, [(t.name, t.axes or t.shape) for t in info.inputs],
+        # the named axes where the exporter named one, the fixed sizes (a cache's width) else
+        return (info.config,
+                [(t.name, [s if a is None else a for a, s in zip(t.axes, t.shape)]
+                  if t.axes else t.shape) for t in info.inputs],
                 info.source, info)
     if suffix != ".onnx":
         raise InputError(f"cannot tell what {p} is from its suffix {suffix!r}: pass an .onnx "
@@ -600,11 +723,19 @@ def _profile_holds(profile: dict, need: dict) -> bool:
     return True
 
 
-def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int, *,
-               device: torch.device | str | None = None, batch: int | None = None) -> RopeCaches:
+def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
+               txt_seq_len: int | None = None, *, txt_ids: object = None,
+               img_ids: object = None, device: torch.device | str | None = None,
+               batch: int | None = None) -> RopeCaches:
     """The RoPE caches an exported model needs for these sizes: ``img_cache_rows`` /
     ``txt_cache_rows`` inputs of any ``.onnx`` (``qkrope export``) or ``.engine``
     (``qkrope build``), whatever its config.
+
+    A Qwen-Image model takes ``caches_for(path, img_shapes, txt_seq_len)``; a FLUX.1 / FLUX.2
+    model (sidecar ``config.family`` 'flux1' / 'flux2') the ids its pipeline passes,
+    ``caches_for(path, txt_ids=..., img_ids=...)``: :func:`build_flux_rope_caches` with the
+    axes and theta the sidecar records (``axes_dims_rope``, ``rope_theta``; absent: the
+    family's). Either way the sizes are checked against the model before a cache is built.
 
     The RoPE axes widths (``axes_dims_rope``) come from the model's sidecar, else from the
     ``qkrope.config`` entry of an ONNX file's ``metadata_props``; the caches are
@@ -616,13 +747,26 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int
     Args:
         model_path: the ``.onnx`` or ``.engine`` file.
         img_shapes: ``[(frames, height, width), ...]`` in latent patches (diffusers' per-batch
-            form accepted).
-        txt_seq_len: text tokens.
+            form accepted); Qwen-Image only.
+        txt_seq_len: text tokens; Qwen-Image only.
+        txt_ids, img_ids: FLUX only: the ``[tokens, axes]`` position ids its pipeline passes
+            the transformer (see :func:`build_flux_rope_caches`).
         device: where the caches are put (the activations' device).
         batch: the call's batch size, checked against an engine's profiles (the caches
             themselves have no batch axis).
     """
     config, inputs, source, info = _model_rope_config(model_path)
+    family = config.family or "qwen-image"
+    if family in rope_tables.FLUX_FAMILIES:
+        return _flux_caches_for(model_path, config, inputs, source, info, family, img_shapes,
+                                txt_seq_len, txt_ids, img_ids, device, batch)
+    if txt_ids is not None or img_ids is not None:
+        raise InputError(f"{source} is a {family} model: its caches come from img_shapes and "
+                         f"txt_seq_len, not position ids. Fix: caches_for(path, img_shapes, "
+                         f"txt_seq_len)")
+    if img_shapes is None or txt_seq_len is None:
+        raise InputError(f"caches_for({str(model_path)!r}) needs img_shapes and txt_seq_len for "
+                         f"this {family} model, e.g. caches_for(path, [(1, 64, 64)], 512)")
     axes = config.axes_dims_rope
     if not (isinstance(axes, (list, tuple)) and len(axes) == 3
             and all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in axes)):
@@ -664,3 +808,66 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]], txt_seq_len: int
                 f"build --resolutions WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
     return caches
 
+
+
+
+def _serving_refusal(info, need: dict) -> str | None:
+    """None when one of the engine's profiles holds the sizes in ``need`` ({(input, axis):
+    value}), else the profiles' ranges for the message."""
+    if not info.profiles or any(_profile_holds(p, need) for p in info.profiles):
+        return None
+    labels = list(info.profile_labels) + [""] * len(info.profiles)
+    return "; ".join(
+        f"profile {k}{' (' + labels[k] + ')' if labels[k] else ''}: "
+        + ", ".join(f"{n} {p[n]['min'][d]}..{p[n]['max'][d]}" for (n, d) in need if n in p)
+        for k, p in enumerate(info.profiles))
+
+
+def _flux_caches_for(model_path, config, inputs, source, info, family, img_shapes, txt_seq_len,
+                     txt_ids, img_ids, device, batch) -> RopeCaches:
+    """caches_for of a FLUX model: checked against the model (widths, an engine's profiles)
+    before the caches are built."""
+    label = rope_tables.FLUX_FAMILIES[family][0]
+    if img_shapes is not None or txt_seq_len is not None:
+        raise InputError(f"{source} is a {label} model: its caches come from the position ids "
+                         f"its pipeline passes, not img_shapes / txt_seq_len. Fix: "
+                         f"caches_for(path, txt_ids=txt_ids, img_ids=img_ids)")
+    if txt_ids is None or img_ids is None:
+        raise InputError(f"caches_for({str(model_path)!r}) needs txt_ids and img_ids for this "
+                         f"{label} model (the [tokens, axes] ids its pipeline passes to the "
+                         f"transformer)")
+    axes, theta = rope_tables.flux_setting(family, config.axes_dims_rope, config.rope_theta,
+                                           config.diffusers_config)
+    try:
+        axes, theta = _flux_args(axes, theta)
+    except InputError as exc:
+        raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
+                         f"model with `qkrope export`") from None
+    if batch is not None:
+        batch = _whole(batch, "batch")
+        if batch < 1:
+            raise InputError(f"batch must be >= 1; got {batch}")
+    txt, img = _flux_positions(txt_ids, img_ids, axes)
+    shapes = {name: list(shape) for name, shape in inputs}
+    img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
+    for name in (img_name, txt_name):
+        shape = shapes.get(name)
+        width = shape[-1] if shape else None
+        if isinstance(width, int) and width >= 0 and width != sum(axes):
+            raise InputError(
+                f"{source}: the model's {name} is {width} wide but its axes_dims_rope {list(axes)} "
+                f"sum to {sum(axes)}: the sidecar does not describe this model. Fix: re-export "
+                f"the model with `qkrope export`")
+    if info is not None:
+        need = {(img_name, 0): int(img.shape[0]), (txt_name, 0): int(txt.shape[0])}
+        if batch is not None:
+            need[(model_io.HIDDEN_STATES.name, 0)] = batch
+        ranges = _serving_refusal(info, need)
+        if ranges is not None:
+            raise InputError(
+                f"{model_path} cannot serve {int(img.shape[0])} image tokens, "
+                f"{int(txt.shape[0])} text tokens" + (f", batch {batch}" if batch is not None
+                                                      else "")
+                + f" (img_ids / txt_ids rows): no optimisation profile holds them ({ranges}). "
+                f"Fix: use sizes within a profile, or rebuild with `qkrope build` for them")
+    return _flux_build(txt, img, axes, theta, device)

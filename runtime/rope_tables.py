@@ -1,4 +1,5 @@
-"""Qwen-Image RoPE cache arithmetic with numpy only (no torch, no qkrope imports).
+"""RoPE cache arithmetic with numpy only (no torch, no qkrope imports): Qwen-Image's caches
+from image shapes, FLUX.1's and FLUX.2's from position ids (section "FLUX" below).
 
 One home for the numbers behind :func:`qkrope.runtime.caches.build_qwen_rope_caches` and the
 Triton rope model (``qkrope triton-repo`` copies this file next to that model's ``model.py``, so a
@@ -27,6 +28,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -47,6 +50,39 @@ class PositionOverflow(ValueError):
         self.stream = stream
         self.required = required
         self.available = available
+
+
+class CacheBudget:
+    """Least-recently-used caches, at most ``limit`` bytes in all (a larger entry is not kept).
+    Values are tuples of arrays or tensors (anything with ``nbytes``); numpy arrays are made
+    read-only. Not thread-safe: callers that share one hold a lock around get/put."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.nbytes = 0
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        size = sum(a.nbytes for a in value)
+        if size > self.limit or key in self._items:
+            return
+        while self._items and self.nbytes + size > self.limit:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= sum(a.nbytes for a in old)
+        for a in value:
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
+        self._items[key] = value
+        self.nbytes += size
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _libm():
@@ -202,3 +238,140 @@ def qwen_caches(shapes: Shapes, txt_len: int, *, theta: float = THETA,
     parts = [_rows(t, text) for t in tables]
     txt = np.concatenate([c for c, _ in parts] + [s for _, s in parts], axis=1)
     return np.ascontiguousarray(img, np.float32), np.ascontiguousarray(txt, np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# FLUX: caches from position ids (diffusers' FluxPosEmbed / Flux2PosEmbed)
+# --------------------------------------------------------------------------------------------
+#
+# A FLUX pipeline gives every token its position on each RoPE axis (``txt_ids`` / ``img_ids``,
+# [tokens, axes], float or int): FLUX.1 has 3 axes (text ids all zero; image (0, row, column); a
+# Kontext condition image (1, row, column)), FLUX.2 4 (T, H, W, L: text (0, 0, 0, l); image
+# (0, row, column, 0); reference image k (10 + 10k, row, column, 0)). No table bounds them.
+#
+# Bits. diffusers (get_1d_rotary_pos_embed with freqs_dtype=float64 on the CPU) takes
+# ``pos = ids.float()`` (float32), computes ``1.0 / theta ** (arange(0, d, 2) / d)`` and the
+# products ``pos * freq`` in float64, their cos and sin in float64, and rounds those to float32.
+# This module does the same operations in the same order, with the C library's float64 ``pow``,
+# ``cos`` and ``sin`` (Python's math module calls them; numpy's own SIMD versions may differ in the
+# last float64 bit). torch evaluates its vectorised loops with SLEEF instead, whose float64
+# results (a frequency, a cosine) can differ from the C library's in the last bit; after the
+# rounding to float32 that changes a value only when it lies that close to a float32 rounding
+# boundary. So the caches are bit-equal to diffusers' for the positions pipelines produce
+# (tests/test_flux_caches.py checks the pipelines' ids, and every integer position 0..4096 of
+# both families' axes; on this project's AMD EPYC, torch 2.13 CPU, the first integer position
+# that differs is 61639 on a FLUX.2 axis) and otherwise within one float32 ulp. With ids on a
+# CUDA device diffusers computes the same float64 operations with CUDA's maths library (the same
+# last-bit caveat). On MPS, NPU and Neuron devices diffusers computes the frequencies and angles
+# in float32 (those devices have no float64): its caches there are its CPU caches plus the
+# float32 rounding of the angles, ~|pos * freq| * 2^-24; these caches are the CPU (float64) ones
+# on every device.
+
+#: FLUX.1 (diffusers' FluxTransformer2DModel: FluxPosEmbed(theta=10000), not in its config).
+FLUX1_THETA = 10000
+FLUX1_AXES_DIM = (16, 56, 56)
+#: FLUX.2 (Flux2Transformer2DModel's config defaults rope_theta and axes_dims_rope).
+FLUX2_THETA = 2000
+FLUX2_AXES_DIM = (32, 32, 32, 32)
+#: A sidecar's ``config.family`` -> (its name in messages, the axes and theta it has by default).
+FLUX_FAMILIES = {"flux1": ("FLUX.1", FLUX1_AXES_DIM, FLUX1_THETA),
+                 "flux2": ("FLUX.2", FLUX2_AXES_DIM, FLUX2_THETA)}
+
+
+def flux_setting(family: str, axes_dims_rope=None, rope_theta=None, diffusers_config=None):
+    """(axes, theta) of a FLUX model from what its sidecar config records: ``axes_dims_rope``
+    and ``rope_theta``, else the diffusers config's ``rope_theta`` (FLUX.2), else the family's
+    (FLUX.1's theta 10000 is in no config). Unchecked: the caller checks the values."""
+    _, axes, theta = FLUX_FAMILIES[family]
+    if axes_dims_rope is not None:
+        axes = axes_dims_rope
+    if rope_theta is not None:
+        theta = rope_theta
+    elif isinstance(diffusers_config, dict) and diffusers_config.get("rope_theta") is not None:
+        theta = diffusers_config["rope_theta"]
+    return axes, theta
+
+
+class BadPositions(ValueError):
+    """Position ids that no FLUX cache can be built from (the message says what and the fix)."""
+
+
+def check_ids(ids, n_axes: int, name: str) -> np.ndarray:
+    """``ids`` as the float32 ``[tokens, n_axes]`` positions diffusers uses (``ids.float()``).
+
+    Accepted: ``[tokens, n_axes]`` of any real dtype, or diffusers' batched form
+    ``[batch, tokens, n_axes]`` when every batch item holds the same ids (the caches have no
+    batch axis; diffusers itself reads item 0). Raises :class:`BadPositions` for another rank or
+    axis count, no tokens, a bool, complex or non-numeric dtype, and NaN or infinite values."""
+    example = (f"{name} must be [tokens, {n_axes}] position ids (one row per token, one column "
+               f"per RoPE axis)")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:  # ragged nested lists
+        raise BadPositions(f"{example}; got {type(ids).__name__} that is no array ({exc})") from None
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer)
+                                     or np.issubdtype(arr.dtype, np.floating)):
+        raise BadPositions(f"{example}, integers or floats; got dtype {arr.dtype}")
+    if arr.ndim == 3:
+        if arr.shape[0] < 1:
+            raise BadPositions(f"{example}; got shape {list(arr.shape)} (no batch item)")
+        if arr.shape[0] > 1 and not (arr == arr[:1]).all():
+            raise BadPositions(
+                f"{name} {list(arr.shape)} holds different ids per batch item; the RoPE caches "
+                f"have no batch axis (one row per token, shared by the batch). Fix: pass the "
+                f"[tokens, {n_axes}] ids of one item (diffusers uses item 0), or batch only "
+                f"samples of one layout")
+        arr = arr[0]
+    if arr.ndim != 2 or arr.shape[1] != n_axes:
+        hint = ""
+        if arr.ndim == 2 and {arr.shape[1], n_axes} == {3, 4}:
+            hint = (" (FLUX.1's ids have 3 columns, FLUX.2's 4: these ids are of the other "
+                    "family than the model's RoPE axes)")
+        raise BadPositions(f"{example} for a model with {n_axes} RoPE axes; got shape "
+                           f"{list(arr.shape)}{hint}")
+    if arr.shape[0] < 1:
+        raise BadPositions(f"{example} with at least one token; got shape {list(arr.shape)}")
+    pos = arr.astype(np.float32)
+    if not np.isfinite(pos).all():
+        bad = int((~np.isfinite(pos)).any(axis=1).argmax())
+        raise BadPositions(f"{name} has a NaN or infinite position (token {bad}: "
+                           f"{arr[bad].tolist()}, as float32 {pos[bad].tolist()}). Fix: pass "
+                           f"finite positions")
+    return pos
+
+
+def flux_frequencies(theta: float, dim: int) -> np.ndarray:
+    """``1.0 / theta ** (arange(0, dim, 2) / dim)`` in float64 (the C library's ``pow``)."""
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    return 1.0 / np.array([math.pow(float(theta), e) for e in exponents.tolist()], np.float64)
+
+
+def _cos_sin64(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 roundings of the float64 cos and sin of float64 ``values`` (C library)."""
+    flat = values.ravel().tolist()
+    cos = np.fromiter(map(math.cos, flat), np.float64, len(flat)).reshape(values.shape)
+    sin = np.fromiter(map(math.sin, flat), np.float64, len(flat)).reshape(values.shape)
+    return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def flux_cache(pos: np.ndarray, *, axes_dim: Sequence[int], theta: float) -> np.ndarray:
+    """The ``[tokens, sum(axes_dim)]`` float32 cache (cos half then sin half, axes in order
+    within each half) of float32 positions ``pos`` [tokens, len(axes_dim)] from
+    :func:`check_ids`: row t holds the pair angles ``pos[t, i] * freq`` of every axis i."""
+    cos_parts, sin_parts = [], []
+    for i, dim in enumerate(axes_dim):
+        # Each distinct position is evaluated once (an image's rows share their column positions).
+        # Unique by bit pattern, so that -0.0 keeps its sign (sin(-0.0) is -0.0).
+        bits, inverse = np.unique(np.ascontiguousarray(pos[:, i]).view(np.int32),
+                                  return_inverse=True)
+        values = bits.view(np.float32).astype(np.float64)
+        angles = np.multiply.outer(values, flux_frequencies(theta, int(dim)))
+        cos, sin = _cos_sin64(angles)
+        cos_parts.append(cos[inverse.ravel()])
+        sin_parts.append(sin[inverse.ravel()])
+    return np.ascontiguousarray(np.concatenate(cos_parts + sin_parts, axis=1), np.float32)
+
+
+def flux_cache_nbytes(tokens: int, axes_dim: Sequence[int]) -> int:
+    """Bytes of one fp32 cache of ``tokens`` rows."""
+    return int(tokens) * sum(int(d) for d in axes_dim) * 4

@@ -50,6 +50,7 @@ from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
 from . import onnx_file
+from . import rope_tables
 from . import trt_utils as tu
 from .plugin_build import LIBRARY_FILES, PluginNotBuiltError, resolve_plugin_library
 
@@ -378,6 +379,40 @@ def _axes_dim(config: ModelConfig, rotary_dim: int) -> tuple[int, int, int]:
     return axes  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class RopeRequest:
+    """What the rope model of one model family takes from the client instead of the caches."""
+
+    inputs: list  # [(name, Triton type, dims)]: img_shapes, or FLUX's txt_ids / img_ids
+    txt_tensor: str  # the input whose axis 1 is the text length
+    params: dict  # the rope model's family parameters (positions, axes_dim, theta, ...)
+
+
+def rope_request_for(config: ModelConfig, rotary_dim: int) -> RopeRequest:
+    """Qwen-Image: ``img_shapes`` and the prompt mask's length. FLUX.1 / FLUX.2 (sidecar
+    ``config.family``): the pipeline's ``txt_ids`` / ``img_ids`` (FP32 [tokens, axes]) and the
+    text's own length (FLUX has no mask), with the axes and theta the sidecar records."""
+    family = config.family or "qwen-image"
+    if family not in rope_tables.FLUX_FAMILIES:
+        axes = _axes_dim(config, rotary_dim)
+        return RopeRequest([("img_shapes", "TYPE_INT64", [-1, 3])], TXT_TENSOR,
+                           {"positions": "shapes", "axes_dim": ",".join(str(a) for a in axes),
+                            "theta": str(QWEN_IMAGE.theta), "scale_rope": "true"})
+    axes, theta = rope_tables.flux_setting(family, config.axes_dims_rope, config.rope_theta,
+                                           config.diffusers_config)
+    axes = tuple(int(a) for a in axes)
+    if sum(axes) != rotary_dim:
+        raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
+                              f"{list(axes)} sum to {sum(axes)}; the sidecar is inconsistent")
+    ids = [(n, "TYPE_FP32", [-1, len(axes)]) for n in FLUX_ID_INPUTS]
+    return RopeRequest(ids, model_io.ENCODER_HIDDEN_STATES.name,
+                       {"positions": "ids", "axes_dim": ",".join(str(a) for a in axes),
+                        "theta": repr(float(theta))})
+
+
+#: FLUX's position-id inputs of the ensemble (what its pipelines pass the transformer).
+FLUX_ID_INPUTS = ("txt_ids", "img_ids")
+
 ROPE_CACHE_BYTES = 64 * 2**20  # caches the rope model keeps for reuse, in all
 
 
@@ -437,24 +472,23 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
     """config.pbtxt of the Python-backend model that builds the caches
     (:mod:`qkrope.runtime.triton_rope_model`) for the main model whose I/O is ``main``."""
     by_name = {n: (dt, d) for n, dt, d in main["input"]}
-    for needed in (TXT_TENSOR, LATENT_TENSOR):
-        if needed not in by_name:
-            raise TritonRepoError(f"the model has no {needed} input (the rope model reads the "
-                                  f"token counts off its shape)")
-    dims = [by_name[c][1] for c in CACHE_INPUTS]
+    dims = [by_name[c][1] for c in CACHE_INPUTS if c in by_name]
     width = {d[-1] for d in dims}
-    if len(width) != 1 or -1 in width or any(len(d) != 2 for d in dims):
+    if len(dims) != 2 or len(width) != 1 or -1 in width or any(len(d) != 2 for d in dims):
         raise TritonRepoError(f"the cache inputs must be [rows, rotary_dim] with a fixed "
                               f"rotary_dim; got {dims}")
     rotary = width.pop()
-    axes = _axes_dim(config, rotary)
-    tensors = {"input": [("img_shapes", "TYPE_INT64", [-1, 3])]
-               + [(n, *by_name[n]) for n in (LATENT_TENSOR, TXT_TENSOR)],
+    request = rope_request_for(config, rotary)
+    for needed in (request.txt_tensor, LATENT_TENSOR):
+        if needed not in by_name:
+            raise TritonRepoError(f"the model has no {needed} input (the rope model reads the "
+                                  f"token counts off its shape)")
+    tensors = {"input": request.inputs
+               + [(n, *by_name[n]) for n in (LATENT_TENSOR, request.txt_tensor)],
                "output": [(c, "TYPE_FP32", [-1, rotary]) for c in CACHE_INPUTS]}
     serving = Serving(instances=(serving or Serving()).instances)  # CPU, unbatched
     cfg = _config(name, tensors, serving, "KIND_CPU", backend="python")
-    params = {"axes_dim": ",".join(str(a) for a in axes), "theta": str(QWEN_IMAGE.theta),
-              "scale_rope": "true", "txt_tensor": TXT_TENSOR, "latent_tensor": LATENT_TENSOR,
+    params = {**request.params, "txt_tensor": request.txt_tensor, "latent_tensor": LATENT_TENSOR,
               "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1],
               "max_img_tokens": str(limits.max_img_tokens),
               "max_txt_tokens": str(limits.max_txt_tokens),
@@ -464,15 +498,18 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
     return to_text(cfg)
 
 
-def render_ensemble_config(name: str, main_name: str, rope_name: str, main: Specs) -> str:
-    """The ensemble: client inputs (the main model's minus the caches, plus ``img_shapes``) ->
-    the rope model -> the main model -> its outputs (``sample``)."""
+def render_ensemble_config(name: str, main_name: str, rope_name: str, main: Specs,
+                           request: RopeRequest | None = None) -> str:
+    """The ensemble: client inputs (the main model's minus the caches, plus what the rope model
+    takes: ``img_shapes``, or FLUX's ``txt_ids`` / ``img_ids``) -> the rope model -> the main
+    model -> its outputs (``sample``)."""
+    request = request or RopeRequest([("img_shapes", "TYPE_INT64", [-1, 3])], TXT_TENSOR, {})
     inputs = [t for t in main["input"] if t[0] not in CACHE_INPUTS]
-    tensors = {"input": inputs + [("img_shapes", "TYPE_INT64", [-1, 3])],
-               "output": list(main["output"])}
+    tensors = {"input": inputs + list(request.inputs), "output": list(main["output"])}
     cfg = _config(name, tensors, None, None, platform="ensemble")
     for model, ins, outs in (
-            (rope_name, ["img_shapes", LATENT_TENSOR, TXT_TENSOR], CACHE_INPUTS),
+            (rope_name, [t[0] for t in request.inputs] + [LATENT_TENSOR, request.txt_tensor],
+             CACHE_INPUTS),
             (main_name, [t[0] for t in main["input"]], [t[0] for t in main["output"]])):
         step = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
         for n in ins:
@@ -564,7 +601,9 @@ def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfi
                               f"non-ASCII directory name; pass an ASCII --name")
     rope_name = f"{repo_name}_rope"
     rope_text = render_rope_config(rope_name, main, config, limits, serving)
-    ens_text = render_ensemble_config(repo_name, main_name, rope_name, main)
+    rotary = next(d[-1] for n, _, d in main["input"] if n == CACHE_INPUTS[0])
+    ens_text = render_ensemble_config(repo_name, main_name, rope_name, main,
+                                      rope_request_for(config, rotary))
 
     def fill_rope(d: Path) -> None:
         (d / "config.pbtxt").write_text(rope_text, encoding="utf-8")

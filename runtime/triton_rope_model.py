@@ -1,4 +1,5 @@
-"""Triton Python-backend model: Qwen-Image RoPE caches from the image shapes and text length.
+"""Triton Python-backend model: the RoPE caches of a request, from Qwen-Image's image shapes and
+text length, or from FLUX.1's / FLUX.2's position ids.
 
 ``qkrope triton-repo`` copies this file to ``REPO/<name>_rope/1/model.py`` (and
 :mod:`qkrope.runtime.rope_tables` next to it as ``rope_tables.py``) for a transformer engine or
@@ -6,7 +7,7 @@ ONNX model: the ensemble ``REPO/<name>`` feeds its outputs to the main model, so
 only what a diffusers pipeline has. The server's Python needs numpy and nothing else (numpy < 2
 for Triton servers up to 2.52, whose Python backend corrupts outputs under numpy 2).
 
-Inputs (names from the model's ``config.pbtxt``):
+Inputs (names from the model's ``config.pbtxt``), Qwen-Image (``positions`` "shapes"):
     ``img_shapes``  INT64 [-1, 3]: one row per image, (frames, height, width) in latent patches
     the latent (``parameters { key: "latent_tensor" }``, ``hidden_states`` [batch, tokens, C]):
         only its shape is read; the image rows must add up to its token count
@@ -14,11 +15,17 @@ Inputs (names from the model's ``config.pbtxt``):
         ``encoder_hidden_states_mask`` [batch, txt_tokens]): only its shape is read, axis 1
         being the text length (the padded length, as diffusers' QwenImageTransformer2DModel
         uses it)
+FLUX.1 / FLUX.2 (``positions`` "ids"):
+    ``txt_ids`` / ``img_ids``  FP32 [-1, len(axes_dim)]: the position ids the pipeline passes to
+        the transformer (one row per token; a pipeline's [batch, tokens, axes] ids: item 0)
+    the latent and the text tensor (``encoder_hidden_states`` [batch, txt_tokens, C]): only
+        their shapes are read; each stream's ids have one row per token of it
 Outputs: ``img_cos_sin_cache`` / ``txt_cos_sin_cache`` FP32 [rows, sum(axes_dim)], exactly
-:func:`qkrope.runtime.caches.build_qwen_rope_caches` of the same shapes.
+:func:`qkrope.runtime.caches.build_qwen_rope_caches` of the same shapes, or
+:func:`qkrope.runtime.caches.build_flux_rope_caches` of the same ids.
 
-Parameters: ``axes_dim`` and ``theta`` (default: Qwen-Image's, from ``rope_tables``),
-``scale_rope`` ("true"),
+Parameters: ``positions`` ("shapes", the default, or "ids"), ``axes_dim`` and ``theta``
+(default: Qwen-Image's, from ``rope_tables``), ``scale_rope`` ("true"; shapes only),
 ``max_img_tokens`` / ``max_txt_tokens`` (what the served model accepts: its profile's largest
 cache rows), ``cache_bytes`` (the most bytes of computed caches kept for reuse).
 
@@ -31,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +46,9 @@ pb_utils = None  # triton_python_backend_utils, imported when Triton initialises
 
 #: The tensor names used where the model config names none: the exporter's (qkrope/model_io.py).
 #: Spelled here because this file runs inside a server without qkrope; a test keeps them equal.
-DEFAULT_NAMES = {"txt_tensor": "encoder_hidden_states_mask", "latent_tensor": "hidden_states",
+DEFAULT_NAMES = {"txt_tensor": "encoder_hidden_states_mask",
+                 "ids_txt_tensor": "encoder_hidden_states",  # FLUX: no mask; its text itself
+                 "latent_tensor": "hidden_states",
                  "img_output": "img_cos_sin_cache", "txt_output": "txt_cos_sin_cache"}
 
 
@@ -99,36 +107,6 @@ class RequestError(ValueError):
     """What the client sent cannot be served (answered as INVALID_ARG)."""
 
 
-class CacheBudget:
-    """Least-recently-used caches, at most ``limit`` bytes in all (a larger entry is not kept)."""
-
-    def __init__(self, limit: int):
-        self.limit = int(limit)
-        self.nbytes = 0
-        self._items: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        value = self._items.get(key)
-        if value is not None:
-            self._items.move_to_end(key)
-        return value
-
-    def put(self, key, value) -> None:
-        size = sum(a.nbytes for a in value)
-        if size > self.limit or key in self._items:
-            return
-        while self._items and self.nbytes + size > self.limit:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= sum(a.nbytes for a in old)
-        for a in value:
-            a.flags.writeable = False
-        self._items[key] = value
-        self.nbytes += size
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class TritonPythonModel:
     def initialize(self, args):
         global pb_utils
@@ -138,17 +116,23 @@ class TritonPythonModel:
         self.tables = _load_tables()
         config = json.loads(args["model_config"])
         default_axes = ",".join(str(v) for v in self.tables.AXES_DIM)
+        self.positions = _param(config, "positions", "shapes")
+        if self.positions not in ("shapes", "ids"):
+            raise ValueError(f"parameter positions must be 'shapes' or 'ids'; got "
+                             f"{self.positions!r}")
         self.axes_dim = tuple(int(v) for v in _param(config, "axes_dim", default_axes).split(","))
         self.theta = float(_param(config, "theta", str(self.tables.THETA)))
         self.scale_rope = _param(config, "scale_rope", "true").lower() in ("1", "true", "yes")
-        self.txt_tensor = _param(config, "txt_tensor", DEFAULT_NAMES["txt_tensor"])
+        self.txt_tensor = _param(config, "txt_tensor", DEFAULT_NAMES[
+            "ids_txt_tensor" if self.positions == "ids" else "txt_tensor"])
         self.latent_tensor = _param(config, "latent_tensor", DEFAULT_NAMES["latent_tensor"])
         self.img_name = _param(config, "img_output", DEFAULT_NAMES["img_output"])
         self.txt_name = _param(config, "txt_output", DEFAULT_NAMES["txt_output"])
         self.max_img = int(_param(config, "max_img_tokens", "4096"))
         self.max_txt = int(_param(config, "max_txt_tokens", "512"))
-        self.cache = CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
-        self.tables.axis_tables(self.theta, self.axes_dim)  # at load, not in the first request
+        self.cache = self.tables.CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
+        if self.positions == "shapes":
+            self.tables.axis_tables(self.theta, self.axes_dim)  # at load, not in the first request
 
     def _tensor(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -180,7 +164,40 @@ class TritonPythonModel:
                 f"the shapes are in latent patches (a 1024x1024 image is [1, 64, 64])")
         return rows
 
+    def _from_ids(self, request):
+        """FLUX: the caches of the request's txt_ids / img_ids, each stream's rows checked
+        against its tensor's tokens and the served model's limits."""
+        pos = {}
+        for stream, tensor, limit in (("img", self.latent_tensor, self.max_img),
+                                      ("txt", self.txt_tensor, self.max_txt)):
+            name = f"{stream}_ids"
+            try:
+                ids = self.tables.check_ids(self._input(request, name), len(self.axes_dim), name)
+            except self.tables.BadPositions as exc:
+                raise RequestError(str(exc)) from None
+            shape = tensor_shape(self._tensor(request, tensor))  # only the shape is read
+            rows = ids.shape[0]
+            if len(shape) != 3 or shape[1] != rows:
+                raise RequestError(f"{name} has {rows} rows (one per token) but {tensor} has "
+                                   f"shape {list(shape)}: the ids must be those of its tokens "
+                                   f"(axis 1)")
+            if rows > limit:
+                raise RequestError(f"{name} has {rows} tokens, more than the {limit} the served "
+                                   f"model accepts (its profile's largest {stream} cache)")
+            pos[stream] = ids
+        key = (pos["txt"].shape, pos["txt"].tobytes(), pos["img"].shape, pos["img"].tobytes())
+        caches = self.cache.get(key)
+        if caches is None:
+            caches = tuple(self.tables.flux_cache(pos[s], axes_dim=self.axes_dim, theta=self.theta)
+                           for s in ("img", "txt"))
+            self.cache.put(key, caches)
+        return caches
+
     def _one(self, request):
+        if self.positions == "ids":
+            img, txt = self._from_ids(request)
+            return pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(self.img_name, img), pb_utils.Tensor(self.txt_name, txt)])
         rows = self._shapes(request)
         text = tensor_shape(self._tensor(request, self.txt_tensor))  # only the shapes are read
         latent = tensor_shape(self._tensor(request, self.latent_tensor))

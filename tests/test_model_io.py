@@ -56,6 +56,7 @@ def test_standalone_copies_equal_the_contract():
     assert rope_tables.MAX_POSITIONS == QWEN_IMAGE.max_positions
     assert triton_rope_model.DEFAULT_NAMES == {
         "txt_tensor": model_io.ENCODER_HIDDEN_STATES_MASK.name,
+        "ids_txt_tensor": model_io.ENCODER_HIDDEN_STATES.name,
         "latent_tensor": model_io.HIDDEN_STATES.name,
         "img_output": model_io.IMG_COS_SIN_CACHE.name,
         "txt_output": model_io.TXT_COS_SIN_CACHE.name}

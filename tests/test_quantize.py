@@ -335,3 +335,63 @@ def test_recorder_keeps_copies_of_the_first_calls_and_unhooks():
     assert rec.batches[1]["args"][0] is not x and rec.batches[1]["kwargs"] == {}
     with pytest.raises(quantization.InputError, match="max_calls"):
         quantize.CalibrationRecorder(lin, max_calls=0)
+
+
+def _tiny_flux(family):
+    """A tiny FLUX.1 (guidance-distilled, like dev) or FLUX.2 transformer built in code, and one
+    forward's inputs (as the pipelines pass them)."""
+    from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
+
+    g = torch.Generator().manual_seed(0)
+    common = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                  in_channels=4, joint_attention_dim=8)
+    if family == "flux1":
+        model = FluxTransformer2DModel(**common, pooled_projection_dim=8, guidance_embeds=True,
+                                       axes_dims_rope=(4, 6, 6))
+        extra = {"pooled_projections": torch.randn(1, 8, generator=g)}
+        n_axes = 3
+    else:
+        model = Flux2Transformer2DModel(**common, timestep_guidance_channels=8,
+                                        axes_dims_rope=(4, 4, 4, 4))
+        extra, n_axes = {}, 4
+    kwargs = dict(hidden_states=torch.randn(1, 16, 4, generator=g),
+                  encoder_hidden_states=torch.randn(1, 5, 8, generator=g),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                  img_ids=torch.arange(16 * n_axes).reshape(16, n_axes) % 4,
+                  txt_ids=torch.zeros(5, n_axes), return_dict=False, **extra)
+    return model.eval(), kwargs
+
+
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+def test_flux_default_selection_is_every_linear_of_the_blocks(family):
+    """FLUX's default exclusions (x_embedder, context_embedder, the timestep/guidance embedder,
+    FLUX.2's shared modulations, norm_out, proj_out) are real top-level modules, and with them
+    calibration quantises exactly the Linear layers inside the transformer blocks, the single
+    blocks' own proj_out included."""
+    model, kwargs = _tiny_flux(family)
+    exclude = quantization.default_excluded(model)
+    assert exclude == (quantization.FLUX1_EXCLUDED if family == "flux1"
+                       else quantization.FLUX2_EXCLUDED)
+    assert set(exclude) <= {n for n, _ in model.named_children()}
+    quantize.calibrate(model, [{"args": (), "kwargs": kwargs}], config=quantize.fp8_config(exclude))
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    in_blocks = [n for n in linears if n.split(".")[0] in ("transformer_blocks",
+                                                           "single_transformer_blocks")]
+    got = {n for n, _ in quantize.fp8_quantizers(model)}
+    assert got == {f"{n}.{role}_quantizer" for n in in_blocks for role in ("input", "weight")}
+    # FLUX.1: a double block's 2 AdaLN, 4 + 4 attention and 2 + 2 MLP Linears, a single
+    # block's AdaLN, proj_mlp, proj_out and q/k/v; FLUX.2: no AdaLN in the blocks (the shared
+    # modulations), a single block's fused qkv+MLP projection and its output.
+    assert len(in_blocks) == (14 + 6 if family == "flux1" else 12 + 2)
+    assert len(linears) > len(in_blocks)
+    if family == "flux1":
+        assert "single_transformer_blocks.0.proj_out.weight_quantizer" in got
+        assert "proj_out.weight_quantizer" not in got
+
+
+def test_default_selection_by_class_refuses_another_model():
+    assert quantization.default_excluded("QwenImageTransformer2DModel") is quantize.DEFAULT_EXCLUDED
+    with pytest.raises(quantization.InputError, match=r"no default FP8 layer selection for "
+                                                      r"SD3Transformer2DModel: qkrope knows "
+                                                      r"QwenImageTransformer2DModel, Flux"):
+        quantization.default_excluded("SD3Transformer2DModel")

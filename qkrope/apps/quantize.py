@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from qkrope.errors import InputError
-from qkrope.quantization import DEFAULT_EXCLUDED
+from qkrope.quantization import DEFAULT_EXCLUDED_BY_CLASS, default_excluded
 
 from . import _args
 
@@ -33,8 +33,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="torch device of the calibration (default: cuda when available)")
     p.add_argument("--exclude", nargs="*", metavar="MODULE", default=None,
-                   help="top-level modules left unquantised (default: "
-                        f"{' '.join(DEFAULT_EXCLUDED)}: TensorRT's diffusion demo selection)")
+                   help="top-level modules left unquantised (default, TensorRT's diffusion demo "
+                        "selection in the model's names: "
+                        + "; ".join(f"{cls}: {' '.join(names)}"
+                                    for cls, names in DEFAULT_EXCLUDED_BY_CLASS.items()) + ")")
     p.set_defaults(func=run)
     return p
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     transformer = load_transformer(args.diffusers, dtype=dtypes.TORCH_BY_SHORT[args.dtype])
     transformer.to(device)
-    exclude = DEFAULT_EXCLUDED if args.exclude is None else tuple(args.exclude)
+    exclude = default_excluded(transformer) if args.exclude is None else tuple(args.exclude)
     quantize.calibrate(transformer, batches, config=quantize.fp8_config(exclude), progress=True)
     out = quantize.save_quantized(transformer.to("cpu"), args.out)
     n = len(quantize.fp8_quantizers(transformer))
