@@ -466,15 +466,27 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _fsync_tree(root: Path) -> None:
-    """fsync every file and folder below ``root`` (a staged output folder, before its commit)."""
+def _settle_tree(root: Path) -> None:
+    """Before a staged output folder's commit: every file and folder below ``root`` gets the
+    mode a plain ``open``/``mkdir`` gives under the umask (libraries writing into it may create
+    0600 files or 0700 folders; the executable bits are kept), and is fsynced."""
+    mask = _umask()
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
             try:
+                mode = os.fstat(fd).st_mode
+                want = (0o777 if mode & 0o111 else 0o666) & ~mask
+                if mode & 0o7777 != want:
+                    os.fchmod(fd, want)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if os.stat(dirpath).st_mode & 0o7777 != 0o777 & ~mask:
+            os.chmod(dirpath, 0o777 & ~mask)
         _fsync_dir(Path(dirpath))
 
 
@@ -591,7 +603,7 @@ class Staging:
             if not (self.dir / name).is_file() and not (self.dir / name).is_dir():
                 raise ValueError(f"staged output {name!r} was not written")
             if (self.dir / name).is_dir():
-                _fsync_tree(self.dir / name)
+                _settle_tree(self.dir / name)
         backups = self.dir / ".old"
         backups.mkdir()
         done: list[tuple[str, object]] = []  # (name, had an old file / how a folder moved)
