@@ -17,16 +17,28 @@ gone. Writers order the commit so that a kill between two renames leaves a state
 detect (the ONNX sidecar records the sha256 of its model: the sidecar moves first, the model
 last). OS errors become :class:`OutputWriteError`, one line naming the path and the fix.
 
+An output may be a folder (``qkrope quantize``'s model folder): it is staged whole inside the
+staging folder and moved in by :func:`swap_dir`: one atomic exchange with the old folder
+(``renameat2(RENAME_EXCHANGE)``; the target is never missing), or where the file system has none,
+two renames with the old folder parked in the staging folder's ``.replaced/`` beside a note of its
+place: a kill between the two leaves the target missing until the next writer in that folder
+(:func:`remove_stale_staging`) or a reader (:func:`recover`, called by the preflight of input
+folders) puts it back. Staged folders get the umask's modes before the commit.
+
 Concurrent writers of one folder: every commit holds an advisory lock on the target folder
 (``flock`` on the folder itself, :func:`folder_lock`), so two writers of one group commit one after
 the other and the group is always one writer's complete result (each pair also records the hash of
-its large file: a mismatched pair is refused by the readers).
+its large file: a mismatched pair is refused by the readers). Every "may this target be replaced?"
+decision is taken again under that lock (``staged_outputs(kinds=...)``), so a file another writer
+put there meanwhile is judged, not overwritten.
 
 Before any work, the writers check their outputs (:func:`check_outputs`): an output that is one of
-the command's inputs or their sidecars (same file after symlinks, or a hard link) is refused, and
-so is an existing file that recognisably is something else than what is written there
-(:func:`file_kind`: an ONNX model where an engine or a timing cache goes, a sidecar of the other
-kind, a JSON or text file where a binary goes): it is not replaced.
+the command's inputs or their sidecars (same file after symlinks, or a hard link), or a folder
+output containing one, is refused, and so is an existing file or folder that recognisably is
+something else than what is written there. One rule for every writer, :data:`REPLACES`
+(:func:`file_kind` says what is there): an output replaces its own kind, an empty file or folder
+and, for a file, binary data of no recognised kind (an old engine or timing cache); never a text
+or JSON file, a model or sidecar of another kind, or a folder that is not a previous output.
 """
 
 from __future__ import annotations
@@ -308,6 +320,10 @@ def check_outputs(outputs: Sequence[tuple[str | os.PathLike, str]],
                     f"replacing the folder would delete it. Fix: choose another {flag} (a new "
                     f"folder outside the inputs)")
         exists = os.path.lexists(out)
+        if exists and folder_out and os.path.islink(out):
+            raise OutputIsInputError(
+                f"{out} is a symbolic link; a folder output replaces the folder itself, not "
+                f"what a link points to. Fix: pass {os.path.realpath(out)} or another {flag}")
         if exists and os.path.isdir(out) and not folder_out:
             raise OutputWriteError(errno.EISDIR, f"cannot write {out}: {out} is a directory; "
                                                  f"remove it or choose another {flag}")

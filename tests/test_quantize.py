@@ -561,13 +561,22 @@ def test_quantize_checks_its_paths_before_importing_torch(tmp_path):
 
 
 _KILL_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, sys, time, types
     from pathlib import Path
     from qkrope import _fileio
     from qkrope.export import quantize
-    from qkrope.export.patch_diffusers import load_transformer
-    src, out, where = sys.argv[1:4]
-    model = load_transformer(src, quant="fp8")
+    out, where = sys.argv[1:3]
+    # save_quantized as it runs, with a model whose save_pretrained writes two files (diffusers
+    # and ModelOpt themselves are not what this checks, and their imports are slow)
+    quantize._modelopt = lambda: (None, types.SimpleNamespace(
+        modelopt_state=lambda m: {"modelopt_state_dict": [], "modelopt_version": "0"}))
+    class Model:
+        def save_pretrained(self, d):
+            Path(d, "config.json").write_text('{"new": true}')
+            Path(d, "diffusion_pytorch_model.safetensors").write_bytes(b"new" * 1000)
+            if where == "in-save":
+                print("paused", flush=True)
+                time.sleep(60)
     if where == "between-renames":  # the two-rename fallback, paused after the first
         _fileio._exchange = lambda a, b: False
         real = os.rename
@@ -577,14 +586,7 @@ _KILL_SCRIPT = textwrap.dedent("""
                 print("paused", flush=True)
                 time.sleep(60)
         os.rename = rename
-    else:  # in the staged write
-        real_save = model.save_pretrained
-        def save(d, **kw):
-            real_save(d, **kw)
-            print("paused", flush=True)
-            time.sleep(60)
-        model.save_pretrained = save
-    quantize.save_quantized(model, out)
+    quantize.save_quantized(Model(), out)
     print("done", flush=True)
 """)
 
@@ -593,8 +595,9 @@ _KILL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("sig, where", [(signal.SIGTERM, "in-save"),
                                         (signal.SIGKILL, "between-renames")])
 def test_a_signal_mid_quantize_save_leaves_the_old_model(work, tmp_path, sig, where):
-    """A real SIGTERM while the new model is written: exit 143, the staging folder (a full
-    copy of the model) removed, the old model in place. A real SIGKILL between the fallback
+    """save_quantized in a subprocess, signalled for real. A SIGTERM while the new model is
+    written: exit 143, the staging folder (a full copy of the model) removed, the old model in
+    place. A real SIGKILL between the fallback
     commit's two renames (the old folder moved away, the new one not yet in): the next reader
     (qkrope's preflight of --diffusers) or writer puts the old folder back."""
     from qkrope import _preflight
@@ -603,8 +606,8 @@ def test_a_signal_mid_quantize_save_leaves_the_old_model(work, tmp_path, sig, wh
     shutil.copytree(work / "fp8", out)
     (out / "old-marker").write_text("old")
     before = _tree(out)
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(work / "fp8"), str(out),
-                             where], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(out), where],
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "paused"
         proc.send_signal(sig)
