@@ -87,6 +87,13 @@ def _umask() -> int:
     return mask
 
 
+def plain_mode(*, folder: bool) -> int:
+    """The mode a plain ``mkdir`` (``folder``) or ``open(path, "w")`` gives under the current
+    umask: for folders made by ``tempfile.mkdtemp`` (0700) and files by ``mkstemp`` (0600) that
+    become outputs."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
 def write_atomic(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> None:
     """Write ``data`` to ``path`` atomically (temp file, fsync, rename), with the permissions a
     plain ``open(path, "wb")`` would give (``mkstemp`` alone creates 0600)."""
@@ -98,7 +105,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | bytearray | memoryview) 
             f.write(memoryview(data))
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, plain_mode(folder=False))
         os.replace(tmp, path)
     except BaseException:
         try:
