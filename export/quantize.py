@@ -133,10 +133,12 @@ class CalibrationRecorder:
 
 
 def save_calibration(batches: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Write recorded calls (``{"args": tuple, "kwargs": dict}`` each) to ``path`` atomically."""
+    """Write recorded calls (``{"args": tuple, "kwargs": dict}`` each) to ``path`` atomically;
+    an existing file of another kind (a text or JSON file, a model) is not replaced
+    (:func:`qkrope._fileio.check_outputs`)."""
     import io
 
-    from qkrope._fileio import write_atomic
+    from qkrope._fileio import CALIBRATION, check_outputs, write_atomic
 
     if not batches:
         raise InputError("no calibration batches were recorded: run the pipeline inside the "
@@ -146,6 +148,7 @@ def save_calibration(batches: Sequence[dict[str, Any]], path: str | os.PathLike)
                 "batches": [{"args": list(b["args"]), "kwargs": dict(b["kwargs"])}
                             for b in batches]}, buf)
     path = Path(path)
+    check_outputs([(path, CALIBRATION)], flag="path")
     write_atomic(path, buf.getvalue())
     return path
 

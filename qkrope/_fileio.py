@@ -194,6 +194,7 @@ FOLDER = "a folder"
 TENSORRT_ENGINE = "a TensorRT engine"
 TIMING_CACHE = "a TensorRT timing cache"
 EXTERNAL_DATA = "an ONNX model's external data"
+CALIBRATION = "a qkrope calibration file"
 
 #: The one rule for replacing an existing output: what each kind of output may replace besides
 #: a missing or empty file or folder and (for a file) binary data of no recognised kind. A text
@@ -206,6 +207,7 @@ REPLACES: dict[str, frozenset[str]] = {
     TENSORRT_ENGINE: frozenset(),
     TIMING_CACHE: frozenset(),
     EXTERNAL_DATA: frozenset(),
+    CALIBRATION: frozenset(),  # a torch zip archive: binary, so an old one may be replaced
     QUANTIZED_MODEL: frozenset({QUANTIZED_MODEL}),
 }
 #: How messages name what is written (the kinds name what is found).

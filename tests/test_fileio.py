@@ -257,6 +257,7 @@ _MAY_REPLACE = {
     _fileio.TENSORRT_ENGINE: {"binary", "empty"},
     _fileio.TIMING_CACHE: {"binary", "empty"},
     _fileio.EXTERNAL_DATA: {"binary", "empty"},
+    _fileio.CALIBRATION: {"binary", "empty"},
     _fileio.ONNX_MODEL: {"binary", "empty", "onnx"},
     _fileio.MODEL_SIDECAR: {"binary", "empty", "model sidecar"},
     _fileio.ENGINE_SIDECAR: {"binary", "empty", "engine sidecar"},
@@ -276,7 +277,7 @@ def test_one_replacement_rule_for_every_output(tmp_path, written):
             _fileio.check_outputs([(path, written)])
         except (_fileio.OutputIsInputError, _fileio.OutputWriteError) as exc:
             assert name not in _MAY_REPLACE[written], (written, name, str(exc))
-            assert "\n" not in str(exc) and "--out" in str(exc)
+            assert "\n" not in str(exc) and "--out" in str(exc), str(exc)
         else:
             assert name in _MAY_REPLACE[written], (written, name)
 

@@ -64,6 +64,12 @@ def test_recorder_keeps_every_call_and_replays_it(work):
 def test_calibration_file_errors(tmp_path):
     with pytest.raises(quantization.InputError, match="no calibration batches"):
         quantize.save_calibration([], tmp_path / "c.pt")
+    (tmp_path / "notes.md").write_text("# mine\n")
+    from qkrope._fileio import OutputIsInputError
+
+    with pytest.raises(OutputIsInputError, match="is a text file, not a qkrope calibration"):
+        quantize.save_calibration([{"args": (), "kwargs": {}}], tmp_path / "notes.md")
+    assert (tmp_path / "notes.md").read_text() == "# mine\n"
     torch.save({"x": 1}, tmp_path / "other.pt")
     with pytest.raises(quantization.InputError, match="not a qkrope calibration file"):
         quantize.load_calibration(tmp_path / "other.pt")
