@@ -268,6 +268,22 @@ def check_exclude(model: nn.Module, exclude: Iterable[str]) -> None:
                          f"{', '.join(top)} (a submodule by its dotted name, e.g. {dotted})")
 
 
+def check_exclude_in_folder(directory: str | os.PathLike, exclude: Iterable[str]) -> None:
+    """:func:`check_exclude` before the weights are loaded (a real transformer takes minutes):
+    against the module tree of the folder's ``config.json`` built on the meta device (no
+    memory, no weights). A config diffusers cannot build is left to the load that follows,
+    whose model :func:`fp8_config` checks again."""
+    diffusers = require("diffusers", "FP8 quantisation of a diffusers transformer")
+    try:
+        config = diffusers.QwenImageTransformer2DModel.load_config(str(directory))
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            skeleton = diffusers.QwenImageTransformer2DModel.from_config(config)
+    except Exception:  # noqa: BLE001 - the real load reports what is wrong with the folder
+        return
+    check_exclude(skeleton, exclude)
+
+
 def fp8_config(exclude: Iterable[str] = DEFAULT_EXCLUDED, *,
                model: nn.Module | None = None) -> dict[str, Any]:
     """ModelOpt quantisation config: per-tensor FP8 e4m3 weights and inputs of every
@@ -631,6 +647,6 @@ def _quantize_input(graph, node, scale, zero, owner: str) -> None:
 
 
 __all__ = ["DEFAULT_EXCLUDED", "CalibrationRecorder", "save_calibration", "load_calibration",
-           "resolve_device", "check_exclude", "fp8_config", "calibrate", "save_quantized", "restore_quantized",
+           "resolve_device", "check_exclude", "check_exclude_in_folder", "fp8_config", "calibrate", "save_quantized", "restore_quantized",
            "fp8_quantizers", "fp8_scale", "fp8_values", "linear_fp8_table",
            "quantizers_disabled", "apply_fp8", "QuantizeError"]

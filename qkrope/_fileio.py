@@ -378,7 +378,7 @@ _TARGET_SUFFIX = ".target"  # beside each: the path it was moved away from
 
 def _restore_replaced(staging: Path) -> list[Path]:
     """Put back the folders a killed commit had moved out of the way (``<staging>/.replaced``)
-    whose place is still empty; the caller holds the lock of their folder."""
+    whose place is still empty, each under the lock of the folder it goes back into."""
     restored = []
     replaced = staging / REPLACED
     try:

@@ -443,12 +443,22 @@ def test_quantize_replaces_a_previous_quantised_model_with_the_umask_mode(work, 
     assert [p.name for p in tmp_path.iterdir()] == ["q"]
 
 
-def test_quantize_exclude_names_that_match_no_module_are_refused(work, tmp_path, capsys):
+def test_quantize_exclude_names_that_match_no_module_are_refused(work, tmp_path, capsys,
+                                                                monkeypatch):
+    """Refused before the weights are loaded (the module tree of config.json on the meta
+    device), naming the unknown names and the top-level modules."""
+    from qkrope.export import patch_diffusers
+
+    def no_load(*a, **kw):
+        raise AssertionError("the weights were loaded before --exclude was checked")
+
+    monkeypatch.setattr(patch_diffusers, "load_transformer", no_load)
     rc, err = _quantize(capsys, work / "float", work / "calib.pt", tmp_path / "q",
                         "--exclude", "img_in", "proj_output", "transformer_blocks.7")
     _one_line_error(rc, err)
     assert "proj_output transformer_blocks.7" in err and "img_in," in err  # the available ones
     assert "proj_out" in err and not (tmp_path / "q").exists()
+    monkeypatch.undo()
     model = load_transformer(str(work / "float"))
     quantize.check_exclude(model, ["transformer_blocks.0.attn", "transformer_blocks.*.img_mlp"])
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-
 from pathlib import Path
 
 from qkrope.errors import InputError
@@ -59,8 +58,6 @@ def check_paths(args: argparse.Namespace) -> Path:
     """The inputs exist and ``--out`` may be written (:func:`qkrope._fileio.check_outputs`: not
     an input, containing none, a previous quantised model or new), before torch is imported.
     Returns ``--out``."""
-    from pathlib import Path
-
     from qkrope import _preflight as pre
     from qkrope._fileio import QUANTIZED_MODEL, check_output_folder, check_outputs
 
@@ -82,8 +79,6 @@ def _inputs(args: argparse.Namespace, diffusers: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     out = check_paths(args)  # before the heavy imports: a wrong path answers at once
 
     from qkrope import dtypes
@@ -91,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
     from qkrope.export.patch_diffusers import load_transformer
 
     device = quantize.resolve_device(args.device)
+    exclude = DEFAULT_EXCLUDED if args.exclude is None else tuple(args.exclude)
+    quantize.check_exclude_in_folder(model_folder(Path(args.diffusers)), exclude)
     batches = quantize.load_calibration(args.calibration)[:args.batches]
     transformer = load_transformer(args.diffusers, dtype=dtypes.TORCH_BY_SHORT[args.dtype])
-    exclude = DEFAULT_EXCLUDED if args.exclude is None else tuple(args.exclude)
-    config = quantize.fp8_config(exclude, model=transformer)  # before the calibration's work
+    config = quantize.fp8_config(exclude, model=transformer)  # and the model loaded
     transformer.to(device)
     quantize.calibrate(transformer, batches, config=config, progress=True)
     out = quantize.save_quantized(transformer.to("cpu"), out,
