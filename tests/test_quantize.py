@@ -389,7 +389,8 @@ def _one_line_error(rc, err):
 
 
 @pytest.mark.parametrize("layout", ["contains-diffusers", "contains-calibration", "is-diffusers",
-                                    "is-pipeline-transformer", "other-folder", "a-file"])
+                                    "is-pipeline-transformer", "weights-linked-into-out",
+                                    "other-folder", "a-file"])
 def test_quantize_out_that_would_destroy_something_is_refused(work, tmp_path, capsys, layout):
     """--out containing the float model or the calibration file, being the model folder (also
     a pipeline's transformer/), a folder that is not a previous quantised model, or a file: refused
@@ -410,6 +411,11 @@ def test_quantize_out_that_would_destroy_something_is_refused(work, tmp_path, ca
         shutil.move(float_dir, pipe / "transformer")
         (pipe / "model_index.json").write_text("{}")
         diffusers, out = pipe, pipe / "transformer"
+    elif layout == "weights-linked-into-out":  # a previous output holds the float weights
+        shutil.copytree(work / "fp8", out)
+        weights = float_dir / "diffusion_pytorch_model.safetensors"
+        shutil.move(weights, out / "float-weights.safetensors")
+        weights.symlink_to(out / "float-weights.safetensors")
     elif layout == "other-folder":
         (out / "photos").mkdir(parents=True)
         (out / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 not a model")
@@ -526,18 +532,33 @@ def test_quantize_bad_calibration_files_are_one_line(work, tmp_path, capsys, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no staging folder
 
 
-def test_a_pickled_modelopt_state_runs_no_code_and_is_one_line(work, tmp_path, capsys,
-                                                               monkeypatch):
+@pytest.mark.parametrize("case, says", [("pickled-code", "weights_only=True refuses"),
+                                        ("truncated", "cannot be read"),
+                                        ("not-modelopt", "is not ModelOpt's state"),
+                                        ("no-version", "ModelOpt cannot restore it")])
+def test_a_bad_modelopt_state_runs_no_code_and_is_one_line(work, tmp_path, capsys, monkeypatch,
+                                                           case, says):
+    """modelopt_state.pth is loaded with weights_only=True by qkrope (ModelOpt's own load
+    follows torch's default, which TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns off): pickled code
+    does not run, and every unusable state is one line naming the file."""
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     q = tmp_path / "q"
     shutil.copytree(work / "fp8", q)
-    torch.save({"modelopt_state_dict": _RunsCode(tmp_path / "ran")},
-               q / quantization.MODELOPT_STATE_FILE)
+    state = q / quantization.MODELOPT_STATE_FILE
+    if case == "pickled-code":
+        torch.save({"modelopt_state_dict": _RunsCode(tmp_path / "ran")}, state)
+    elif case == "truncated":
+        state.write_bytes(state.read_bytes()[:200])
+    elif case == "not-modelopt":
+        torch.save({"x": torch.ones(1)}, state)
+    else:
+        good = torch.load(state, weights_only=True)
+        torch.save({"modelopt_state_dict": good["modelopt_state_dict"]}, state)
     rc = main(["export", "--model", "transformer", "--diffusers", str(q), "--quant", "fp8",
                "--out", str(tmp_path / "m.onnx")])
     err = capsys.readouterr().err
     _one_line_error(rc, err)
-    assert quantization.MODELOPT_STATE_FILE in err and "weights_only=True refuses" in err, err
+    assert quantization.MODELOPT_STATE_FILE in err and says in err, err
     assert "weights_only=False" not in err and not (tmp_path / "ran").exists()
 
 

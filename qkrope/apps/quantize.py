@@ -75,7 +75,12 @@ def check_paths(args: argparse.Namespace) -> Path:
 
 
 def _inputs(args: argparse.Namespace, diffusers: Path) -> list[Path]:
-    return [diffusers, model_folder(diffusers), Path(args.calibration)]
+    """What quantize reads: the folders and their weight/config files (a symlink into --out
+    counts where it points) and the calibration file."""
+    from qkrope.runtime.state_dict import model_folder_files
+
+    return [diffusers, model_folder(diffusers), *model_folder_files(diffusers),
+            Path(args.calibration)]
 
 
 def run(args: argparse.Namespace) -> int:
