@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -303,6 +304,9 @@ def fp8_config(exclude: Iterable[str] = DEFAULT_EXCLUDED, *,
     return {"quant_cfg": rules, "algorithm": "max"}
 
 
+_NON_FINITE = re.compile(r"\b(nan|inf)\b", re.IGNORECASE)  # ModelOpt's amax assertions
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
@@ -315,6 +319,9 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
     mtq, _ = _modelopt()
     if not batches:
         raise InputError("calibration needs at least one recorded batch")
+    for i, batch in enumerate(batches):  # a NaN input would end as ModelOpt's AssertionError
+        _check_values(batch.get("args", ()), f"calibration batch {i} args")
+        _check_values(batch.get("kwargs", {}), f"calibration batch {i} kwargs")
     device = next(transformer.parameters()).device
 
     def forward_loop(model):
@@ -330,6 +337,10 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
                         AttributeError, AssertionError) as exc:
                     if isinstance(exc, torch.OutOfMemoryError):
                         raise
+                    if _NON_FINITE.search(str(exc)):  # ModelOpt's amax check in the model
+                        raise QuantizeError(f"calibration batch {i} gave non-finite activations "
+                                            f"inside the model ({_one_line(exc)}): its weights "
+                                            f"carry NaN/inf or overflow in this dtype") from None
                     raise InputError(f"calibration batch {i} does not fit the "
                                      f"{type(model).__name__}: {_one_line(exc)}; record the "
                                      f"calibration from this model's own pipeline "
@@ -340,7 +351,10 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
         try:
             mtq.quantize(transformer, config or fp8_config(), forward_loop)
         except AssertionError as exc:
-            raise QuantizeError(f"ModelOpt's calibration failed: {_one_line(exc)}") from None
+            hint = ("; the model's weights carry NaN/inf or overflow in this dtype"
+                    if _NON_FINITE.search(str(exc)) else "")
+            raise QuantizeError(f"ModelOpt's calibration failed: {_one_line(exc)}{hint}") \
+                from None
     bad = [n for n, q in fp8_quantizers(transformer)
            if not bool(torch.isfinite(q.amax.detach()).all())]
     if bad:
@@ -356,7 +370,6 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
 def _safetensors_os_error(exc: Exception) -> OSError | None:
     """The OS error inside a safetensors write failure ("... (os error 28)"), if any."""
     import errno
-    import re
 
     m = re.search(r"os error (\d+)", str(exc))
     if m is None:

@@ -660,3 +660,20 @@ def test_a_signal_mid_quantize_save_leaves_the_old_model(work, tmp_path, sig, wh
     assert _tree(out) == before
     _fileio.remove_stale_staging(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+def test_non_finite_weights_or_inputs_in_calibrate_are_one_line(work):
+    """The API path (no load_calibration): a NaN input is named before ModelOpt runs; a weight
+    that is inf makes ModelOpt assert, which becomes one QuantizeError naming the weights."""
+    batches = quantize.load_calibration(work / "calib.pt")[:1]
+    hs = batches[0]["kwargs"]["hidden_states"].clone()
+    hs[0, 0, 0] = float("inf")
+    bad = [{"args": (), "kwargs": {**batches[0]["kwargs"], "hidden_states": hs}}]
+    model = load_transformer(str(work / "float"))
+    with pytest.raises(quantization.InputError, match=r"batch 0 kwargs\['hidden_states'\] has 1"):
+        quantize.calibrate(model, bad)
+    with torch.no_grad():
+        model.transformer_blocks[0].attn.to_q.weight[0, 0] = float("inf")
+    with pytest.raises(quantize.QuantizeError, match="weights carry NaN/inf") as exc:
+        quantize.calibrate(model, batches)
+    assert "\n" not in str(exc.value)
