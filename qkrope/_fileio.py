@@ -633,7 +633,7 @@ class Staging:
         backups.mkdir()
         done: list[tuple[str, object]] = []  # (name, had an old file / how a folder moved)
         with committing(), folder_lock(self.folder, flag=self.flag):
-            check_outputs([(self.folder / n, self.kinds[n]) for n in order
+            check_outputs([(self.folder / n, self.kinds[n]) for n in [*order, *remove]
                            if n in self.kinds], self.inputs, flag=self.flag)
             self._commit(order, remove, backups, done)
             self.committed = True
