@@ -42,7 +42,7 @@ from torch import nn
 
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 from qkrope.sidecars import METADATA_PREFIX, ModelConfig, ModelInfo, TensorInfo, sidecar_path
-from qkrope._fileio import (MODEL_SIDECAR, ONNX_MODEL, TEXT_FILE, check_output_folder,
+from qkrope._fileio import (EXTERNAL_DATA, MODEL_SIDECAR, ONNX_MODEL, check_output_folder,
                             check_outputs, sha256_file, staged_outputs)
 from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
@@ -399,7 +399,8 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
                    attributes=info.node_attributes)
     names = [out.name, out.name + ".data", sidecar_path(out).name]
-    with staged_outputs(out.parent, names) as st:
+    kinds = dict(zip(names, (ONNX_MODEL, EXTERNAL_DATA, MODEL_SIDECAR)))
+    with staged_outputs(out.parent, names, kinds=kinds) as st:
         external = _save_staged(model, out, st, steps)
         info.save(st.path(out.name))  # records the staged model's sha256
         order, remove = _commit_order(out, external)
@@ -496,10 +497,9 @@ def _check_out(out: str | os.PathLike, inputs: Sequence[str | os.PathLike | None
     if out.is_dir():
         raise InputError(f"--out {str(out)!r} is a directory")
     check_output_folder(out.parent)  # before the trace: a file in the path, a read-only folder
-    binary = (TEXT_FILE,)  # a .data or .onnx file of no recognised kind may be replaced
-    check_outputs([(out, "an ONNX model", (ONNX_MODEL,)),
-                   (out.parent / (out.name + ".data"), "the model's external data", binary),
-                   (sidecar_path(out), "a model sidecar", (MODEL_SIDECAR, TEXT_FILE))],
+    check_outputs([(out, ONNX_MODEL),
+                   (out.parent / (out.name + ".data"), EXTERNAL_DATA),
+                   (sidecar_path(out), MODEL_SIDECAR)],
                   list(inputs))
     return out
 

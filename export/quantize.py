@@ -40,7 +40,9 @@ FP8 weight values and that dequantisation scale (:func:`fp8_scale`), so each wei
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -134,10 +136,12 @@ class CalibrationRecorder:
 
 
 def save_calibration(batches: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Write recorded calls (``{"args": tuple, "kwargs": dict}`` each) to ``path`` atomically."""
+    """Write recorded calls (``{"args": tuple, "kwargs": dict}`` each) to ``path`` atomically;
+    an existing file of another kind (a text or JSON file, a model) is not replaced
+    (:func:`qkrope._fileio.check_outputs`)."""
     import io
 
-    from qkrope._fileio import write_atomic
+    from qkrope._fileio import CALIBRATION, check_outputs, write_atomic
 
     if not batches:
         raise InputError("no calibration batches were recorded: run the pipeline inside the "
@@ -147,35 +151,166 @@ def save_calibration(batches: Sequence[dict[str, Any]], path: str | os.PathLike)
                 "batches": [{"args": list(b["args"]), "kwargs": dict(b["kwargs"])}
                             for b in batches]}, buf)
     path = Path(path)
+    check_outputs([(path, CALIBRATION)], flag="path")
     write_atomic(path, buf.getvalue())
     return path
 
 
+def _unreadable(path: Path, exc: Exception) -> str:
+    """What a file torch.load (weights_only=True) refused is, in one clause and without
+    torch's advice (the state-dict reader's words)."""
+    from qkrope.runtime.state_dict import _what_failed
+
+    return _what_failed(path, exc)
+
+
+def _check_values(value, where: str) -> None:
+    """Every floating tensor in a recorded call is finite (max calibration takes the largest
+    magnitude: one NaN or inf makes every scale downstream of it NaN)."""
+    if isinstance(value, torch.Tensor):
+        if (value.is_floating_point() or value.is_complex()) and value.numel() and \
+                not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise InputError(f"{where} has {bad} NaN or infinite value(s) of {value.numel()}; "
+                             f"record the calibration from runs that produce finite inputs")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_values(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_values(v, f"{where}[{k!r}]")
+
+
 def load_calibration(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The batches of a file written by :func:`save_calibration`."""
+    """The batches of a file written by :func:`save_calibration`, loaded with
+    ``weights_only=True`` (no code in the file runs) and checked: each a recorded call
+    (``args`` a list, ``kwargs`` a dict of names), every floating tensor finite."""
     path = Path(path)
     if not path.is_file():
         raise InputFileNotFoundError(f"--calibration {str(path)!r} does not exist: record one "
                                      f"with qkrope.export.quantize.CalibrationRecorder")
+    expected = "expected a file written by CalibrationRecorder.save"
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any reader failure means "not a calibration file"
-        raise InputError(f"--calibration {str(path)!r} could not be read ({type(exc).__name__}: "
-                         f"{exc}); expected a file written by CalibrationRecorder.save") from exc
+        raise InputError(f"--calibration {str(path)!r} could not be read: "
+                         f"{_unreadable(path, exc)}; {expected}") from None
+    batches = data.get("batches") if isinstance(data, dict) else None
     if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT \
-            or not data.get("batches"):
+            or not isinstance(batches, (list, tuple)) or not batches:
         raise InputError(f"--calibration {str(path)!r} is not a qkrope calibration file (no "
                          f"{CALIBRATION_FORMAT!r} batches); record one with CalibrationRecorder")
-    return [{"args": tuple(b["args"]), "kwargs": dict(b["kwargs"])} for b in data["batches"]]
+    out = []
+    for i, b in enumerate(batches):
+        where = f"--calibration {str(path)!r} batch {i}"
+        if not isinstance(b, dict) or not isinstance(b.get("args", ()), (list, tuple)) \
+                or not isinstance(b.get("kwargs", {}), dict) \
+                or not all(isinstance(k, str) for k in b.get("kwargs", {})) \
+                or not ({"args", "kwargs"} & set(b)):
+            got = type(b).__name__ if not isinstance(b, dict) else \
+                f"a dict with {sorted(map(str, b))[:6]}"
+            raise InputError(f"{where} is not a recorded call ({{'args': list, 'kwargs': dict "
+                             f"of names}}); got {got}; {expected}")
+        call = {"args": tuple(b.get("args", ())), "kwargs": dict(b.get("kwargs", {}))}
+        _check_values(call["args"], f"{where} args")
+        _check_values(call["kwargs"], f"{where} kwargs")
+        out.append(call)
+    return out
+
+
+def resolve_device(device: str | None) -> "torch.device":
+    """``--device``: a torch device that exists here (default: cuda when available, else
+    cpu); anything else is an :class:`InputError` naming what is available."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fix = "use --device cpu, cuda or cuda:N"
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"--device {device!r} is not a torch device ({reason}); {fix}") \
+            from None
+    if d.type == "cpu":
+        return d
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+            raise InputError(f"--device {device!r}: CUDA is not available here (torch "
+                             f"{torch.__version__}, {build}); use --device cpu")
+        n = torch.cuda.device_count()
+        if d.index is not None and d.index >= n:
+            raise InputError(f"--device {device!r}: this machine has {n} CUDA device(s), "
+                             f"cuda:0 to cuda:{n - 1}; {fix}")
+        return d
+    backend = getattr(torch, d.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise InputError(f"--device {device!r}: no {d.type} device is available here; {fix}")
+    return d
 
 
 # --------------------------------------------------------------------------------------------
 # Calibration with ModelOpt, save and restore
 # --------------------------------------------------------------------------------------------
 
-def fp8_config(exclude: Iterable[str] = DEFAULT_EXCLUDED) -> dict[str, Any]:
+def check_exclude(model: nn.Module, exclude: Iterable[str]) -> None:
+    """Every name in ``exclude`` names a module of ``model`` (its dotted name, or an fnmatch
+    pattern matching at least one): a misspelt name would leave the layer meant to stay in
+    high precision quantised. Raises :class:`InputError` naming them and the top-level
+    modules."""
+    import fnmatch
+
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [e for e in exclude
+               if not any(n == e or fnmatch.fnmatchcase(n, e) for n in names)]
+    if missing:
+        top = [n for n, _ in model.named_children()]
+        dotted = next((n for n in names if n.count(".") == 2), "MODULE.CHILD")
+        raise InputError(f"--exclude {' '.join(missing)}: no module of the "
+                         f"{type(model).__name__} has that name; its top-level modules are "
+                         f"{', '.join(top)} (a submodule by its dotted name, e.g. {dotted})")
+
+
+def folder_class_name(directory: str | os.PathLike) -> str | None:
+    """The diffusers class a model folder's ``config.json`` names (``_class_name``), or None
+    where it names none or cannot be read (the load that follows reports what is wrong)."""
+    try:
+        with open(Path(directory) / "config.json", encoding="utf-8") as f:
+            name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def check_exclude_in_folder(directory: str | os.PathLike, exclude: Iterable[str]) -> None:
+    """:func:`check_exclude` before the weights are loaded (a real transformer takes minutes):
+    against the module tree of the folder's ``config.json`` built on the meta device (no
+    memory, no weights), for the classes qkrope quantises
+    (:data:`qkrope.quantization.DEFAULT_EXCLUDED_BY_CLASS`). A config diffusers cannot build is
+    left to the load that follows, whose model :func:`fp8_config` checks again."""
+    diffusers = require("diffusers", "FP8 quantisation of a diffusers transformer")
+    name = folder_class_name(directory)
+    cls = getattr(diffusers, name, None) if name in quantization.DEFAULT_EXCLUDED_BY_CLASS else None
+    if cls is None:
+        return
+    try:
+        config = cls.load_config(str(directory))
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            skeleton = cls.from_config(config)
+    except Exception:  # noqa: BLE001 - the real load reports what is wrong with the folder
+        return
+    check_exclude(skeleton, exclude)
+
+
+def fp8_config(exclude: Iterable[str] = DEFAULT_EXCLUDED, *,
+               model: nn.Module | None = None) -> dict[str, Any]:
     """ModelOpt quantisation config: per-tensor FP8 e4m3 weights and inputs of every
-    ``nn.Linear``, max calibration, the modules named in ``exclude`` (and their children) off."""
+    ``nn.Linear``, max calibration, the modules named in ``exclude`` (and their children) off.
+    With ``model``, every excluded name must name one of its modules (:func:`check_exclude`)."""
+    exclude = tuple(exclude)
+    if model is not None:
+        check_exclude(model, exclude)
     fp8 = {"num_bits": (4, 3), "axis": None}
     rules: list[dict[str, Any]] = [
         {"quantizer_name": "*", "enable": False},
@@ -187,6 +322,14 @@ def fp8_config(exclude: Iterable[str] = DEFAULT_EXCLUDED) -> dict[str, Any]:
     return {"quant_cfg": rules, "algorithm": "max"}
 
 
+_NON_FINITE = re.compile(r"\b(nan|inf)\b", re.IGNORECASE)  # ModelOpt's amax assertions
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
 def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
               config: dict[str, Any] | None = None, progress: bool = False) -> nn.Module:
     """``mtq.quantize(transformer, config, forward_loop)`` over the recorded ``batches`` (each
@@ -194,55 +337,96 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
     mtq, _ = _modelopt()
     if not batches:
         raise InputError("calibration needs at least one recorded batch")
+    for i, batch in enumerate(batches):  # a NaN input would end as ModelOpt's AssertionError
+        _check_values(batch.get("args", ()), f"calibration batch {i} args")
+        _check_values(batch.get("kwargs", {}), f"calibration batch {i} kwargs")
     device = next(transformer.parameters()).device
 
     def forward_loop(model):
         from tqdm import tqdm
 
         with torch.no_grad():
-            for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
-                model(*_to_device(batch["args"], device), **_to_device(batch["kwargs"], device))
+            for i, batch in enumerate(tqdm(batches, desc="calibrating", unit="batch",
+                                           disable=not progress)):
+                try:
+                    model(*_to_device(batch["args"], device),
+                          **_to_device(batch["kwargs"], device))
+                except (TypeError, ValueError, RuntimeError, IndexError, KeyError,
+                        AttributeError, AssertionError) as exc:
+                    if isinstance(exc, torch.OutOfMemoryError):
+                        raise
+                    if _NON_FINITE.search(str(exc)):  # ModelOpt's amax check in the model
+                        raise QuantizeError(f"calibration batch {i} gave non-finite activations "
+                                            f"inside the model ({_one_line(exc)}): its weights "
+                                            f"carry NaN/inf or overflow in this dtype") from None
+                    raise InputError(f"calibration batch {i} does not fit the "
+                                     f"{type(model).__name__}: {_one_line(exc)}; record the "
+                                     f"calibration from this model's own pipeline "
+                                     f"(CalibrationRecorder)") from None
 
     with warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
-        mtq.quantize(transformer, config or fp8_config(), forward_loop)
+        try:
+            mtq.quantize(transformer, config or fp8_config(), forward_loop)
+        except AssertionError as exc:
+            hint = ("; the model's weights carry NaN/inf or overflow in this dtype"
+                    if _NON_FINITE.search(str(exc)) else "")
+            raise QuantizeError(f"ModelOpt's calibration failed: {_one_line(exc)}{hint}") \
+                from None
+    bad = [n for n, q in fp8_quantizers(transformer)
+           if not bool(torch.isfinite(q.amax.detach()).all())]
+    if bad:
+        raise QuantizeError(f"the calibration gave {len(bad)} quantizer(s) a NaN or infinite "
+                            f"amax (first {bad[0]}): the model's weights or the calibration "
+                            f"inputs carry non-finite values")
     if not fp8_quantizers(transformer):
         raise QuantizeError("the configuration enabled no FP8 quantizer with a calibrated amax "
                             "(did the calibration batches reach the transformer?)")
     return transformer
 
 
-def save_quantized(transformer: nn.Module, out: str | os.PathLike) -> Path:
-    """``save_pretrained`` + ``modelopt_state.pth`` into ``out`` (replaced as a whole: written
-    to a staging folder beside it, then renamed; the old folder survives a failure)."""
-    import shutil
-    import tempfile
+def _safetensors_os_error(exc: Exception) -> OSError | None:
+    """The OS error inside a safetensors write failure ("... (os error 28)"), if any."""
+    import errno
 
-    from qkrope._fileio import check_output_folder, output_error
+    m = re.search(r"os error (\d+)", str(exc))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code) if code in errno.errorcode else str(exc))
+
+
+def save_quantized(transformer: nn.Module, out: str | os.PathLike, *,
+                   inputs: Sequence[str | os.PathLike | None] = ()) -> Path:
+    """``save_pretrained`` + ``modelopt_state.pth`` into the folder ``out``, replaced as a whole
+    by :func:`qkrope._fileio.staged_outputs` (written in a staging folder beside it, then swapped
+    in under the folder lock; the old folder survives any failure, a SIGTERM or a kill). ``out``
+    may replace only a previous quantised model or an empty folder, and may be or contain none
+    of ``inputs`` (the float model's folder, the calibration file)."""
+    import io
+
+    from qkrope._fileio import QUANTIZED_MODEL, check_outputs, output_error, staged_outputs
 
     _, mto = _modelopt()
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {str(out)!r} exists and is not a folder")
-    check_output_folder(out.parent)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    old = None
-    try:
-        transformer.save_pretrained(str(stage))
-        torch.save(mto.modelopt_state(transformer), stage / quantization.MODELOPT_STATE_FILE)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-        stage.rename(out)
-    except BaseException as exc:
-        if old is not None and not out.exists():
-            old.rename(out)
-        shutil.rmtree(stage, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise output_error(exc, out) from None
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    out = Path(os.path.abspath(out))
+    if not out.name:
+        raise InputError(f"--out {str(out)!r} names no folder; pass a new folder such as QDIR")
+    check_outputs([(out, QUANTIZED_MODEL)], inputs)
+    with staged_outputs(out.parent, [out.name], kinds={out.name: QUANTIZED_MODEL},
+                        inputs=inputs) as st:
+        staged = st.path(out.name)
+        staged.mkdir()  # mode as a plain mkdir gives (the umask's)
+        try:
+            transformer.save_pretrained(str(staged))
+        except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError is no OSError
+            os_error = exc if isinstance(exc, OSError) else _safetensors_os_error(exc)
+            if os_error is None:
+                raise
+            raise output_error(os_error, out) from None
+        buf = io.BytesIO()  # torch.save to a full disk fails with a RuntimeError, not OSError
+        torch.save(mto.modelopt_state(transformer), buf)
+        (staged / quantization.MODELOPT_STATE_FILE).write_bytes(buf.getbuffer())
+        st.commit([out.name])
     return out
 
 
@@ -265,9 +449,22 @@ def restore_quantized(transformer: nn.Module, directory: str | os.PathLike) -> n
     _, mto = _modelopt()
     directory = Path(directory)
     state_file = directory / quantization.MODELOPT_STATE_FILE
+    redo = f"re-run `{quantization.QUANTIZE_COMMAND}`"
+    try:  # loaded here with weights_only=True whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any reader failure: not ModelOpt's state
+        raise QuantizeError(f"{state_file} cannot be read: {_unreadable(state_file, exc)}; "
+                            f"{redo}") from None
+    if not isinstance(state, dict) or "modelopt_state_dict" not in state:
+        raise QuantizeError(f"{state_file} is not ModelOpt's state (no modelopt_state_dict); "
+                            f"{redo}")
     with warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
-        mto.restore_from_modelopt_state(transformer, modelopt_state_path=str(state_file))
+        try:
+            mto.restore_from_modelopt_state(transformer, modelopt_state=state)
+        except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise QuantizeError(f"{state_file}: ModelOpt cannot restore it on this model "
+                                f"({_one_line(exc)}); {redo}") from None
     weights = _load_weights(directory)
     quant = {k: v for k, v in weights.items() if quantization.QUANTIZER_MARK in k}
     missing, unexpected = transformer.load_state_dict(quant, strict=False)
@@ -481,6 +678,6 @@ def _quantize_input(graph, node, scale, zero, owner: str) -> None:
 
 
 __all__ = ["DEFAULT_EXCLUDED", "CalibrationRecorder", "save_calibration", "load_calibration",
-           "fp8_config", "calibrate", "save_quantized", "restore_quantized",
+           "resolve_device", "check_exclude", "check_exclude_in_folder", "fp8_config", "calibrate", "save_quantized", "restore_quantized",
            "fp8_quantizers", "fp8_scale", "fp8_values", "linear_fp8_table",
            "quantizers_disabled", "apply_fp8", "QuantizeError"]

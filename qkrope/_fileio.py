@@ -17,16 +17,28 @@ gone. Writers order the commit so that a kill between two renames leaves a state
 detect (the ONNX sidecar records the sha256 of its model: the sidecar moves first, the model
 last). OS errors become :class:`OutputWriteError`, one line naming the path and the fix.
 
+An output may be a folder (``qkrope quantize``'s model folder): it is staged whole inside the
+staging folder and moved in by :func:`swap_dir`: one atomic exchange with the old folder
+(``renameat2(RENAME_EXCHANGE)``; the target is never missing), or where the file system has none,
+two renames with the old folder parked in the staging folder's ``.replaced/`` beside a note of its
+place: a kill between the two leaves the target missing until the next writer in that folder
+(:func:`remove_stale_staging`) or a reader (:func:`recover`, called by the preflight of input
+folders) puts it back. Staged folders get the umask's modes before the commit.
+
 Concurrent writers of one folder: every commit holds an advisory lock on the target folder
 (``flock`` on the folder itself, :func:`folder_lock`), so two writers of one group commit one after
 the other and the group is always one writer's complete result (each pair also records the hash of
-its large file: a mismatched pair is refused by the readers).
+its large file: a mismatched pair is refused by the readers). Every "may this target be replaced?"
+decision is taken again under that lock (``staged_outputs(kinds=...)``), so a file another writer
+put there meanwhile is judged, not overwritten.
 
 Before any work, the writers check their outputs (:func:`check_outputs`): an output that is one of
-the command's inputs or their sidecars (same file after symlinks, or a hard link) is refused, and
-so is an existing file that recognisably is something else than what is written there
-(:func:`file_kind`: an ONNX model where an engine or a timing cache goes, a sidecar of the other
-kind, a JSON or text file where a binary goes): it is not replaced.
+the command's inputs or their sidecars (same file after symlinks, or a hard link), or a folder
+output containing one, is refused, and so is an existing file or folder that recognisably is
+something else than what is written there. One rule for every writer, :data:`REPLACES`
+(:func:`file_kind` says what is there): an output replaces its own kind, an empty file or folder
+and, for a file, binary data of no recognised kind (an old engine or timing cache); never a text
+or JSON file, a model or sidecar of another kind, or a folder that is not a previous output.
 """
 
 from __future__ import annotations
@@ -75,6 +87,13 @@ def _umask() -> int:
     return mask
 
 
+def plain_mode(*, folder: bool) -> int:
+    """The mode a plain ``mkdir`` (``folder``) or ``open(path, "w")`` gives under the current
+    umask: for folders made by ``tempfile.mkdtemp`` (0700) and files by ``mkstemp`` (0600) that
+    become outputs."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
 def write_atomic(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> None:
     """Write ``data`` to ``path`` atomically (temp file, fsync, rename), with the permissions a
     plain ``open(path, "wb")`` would give (``mkstemp`` alone creates 0600)."""
@@ -86,7 +105,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | bytearray | memoryview) 
             f.write(memoryview(data))
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, plain_mode(folder=False))
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -163,11 +182,40 @@ class OutputIsInputError(QkropeError, ValueError):
     that is not what would be written there; nothing was written."""
 
 
+# What file_kind recognises in an existing file or folder, and what the writers write.
 ONNX_MODEL = "an ONNX model"
 MODEL_SIDECAR = "a qkrope model sidecar"
 ENGINE_SIDECAR = "a qkrope engine sidecar"
 JSON_FILE = "a JSON file"
 TEXT_FILE = "a text file"
+QUANTIZED_MODEL = "a quantised model folder (qkrope quantize)"
+FOLDER = "a folder"
+# Outputs that file_kind cannot tell from other binary data (written, never recognised).
+TENSORRT_ENGINE = "a TensorRT engine"
+TIMING_CACHE = "a TensorRT timing cache"
+EXTERNAL_DATA = "an ONNX model's external data"
+CALIBRATION = "a qkrope calibration file"
+
+#: The one rule for replacing an existing output: what each kind of output may replace besides
+#: a missing or empty file or folder and (for a file) binary data of no recognised kind. A text
+#: or JSON file, a model or sidecar of another kind, a folder that is not a previous output of
+#: the same command are never replaced.
+REPLACES: dict[str, frozenset[str]] = {
+    ONNX_MODEL: frozenset({ONNX_MODEL}),
+    MODEL_SIDECAR: frozenset({MODEL_SIDECAR}),
+    ENGINE_SIDECAR: frozenset({ENGINE_SIDECAR}),
+    TENSORRT_ENGINE: frozenset(),
+    TIMING_CACHE: frozenset(),
+    EXTERNAL_DATA: frozenset(),
+    CALIBRATION: frozenset(),  # a torch zip archive: binary, so an old one may be replaced
+    QUANTIZED_MODEL: frozenset({QUANTIZED_MODEL}),
+}
+#: How messages name what is written (the kinds name what is found).
+_WRITTEN_AS = {MODEL_SIDECAR: "a model sidecar", ENGINE_SIDECAR: "an engine sidecar"}
+#: Outputs that are folders (replaced whole).
+FOLDER_OUTPUTS = frozenset({QUANTIZED_MODEL})
+_SIDECAR_FORMATS = {"qkrope-onnx": MODEL_SIDECAR, "qkrope-engine": ENGINE_SIDECAR}
+_DAMAGED_SIDECAR_RE = re.compile(r'"format"\s*:\s*"(qkrope-onnx|qkrope-engine)"')
 
 
 def looks_like_onnx(path: str | os.PathLike) -> bool:
@@ -179,11 +227,31 @@ def looks_like_onnx(path: str | os.PathLike) -> bool:
             and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42))
 
 
-def file_kind(path: str | os.PathLike) -> str | None:
-    """What an existing regular file recognisably is (:data:`ONNX_MODEL`, :data:`MODEL_SIDECAR`,
-    :data:`ENGINE_SIDECAR`, :data:`JSON_FILE`, :data:`TEXT_FILE`), or None: missing, empty, not
-    a regular file, unreadable, or binary data of no known kind (an engine, a timing cache)."""
+def _folder_kind(path: str | os.PathLike) -> str | None:
+    """None for an empty folder, :data:`QUANTIZED_MODEL` for what ``qkrope quantize`` writes (a
+    diffusers ``config.json`` beside ModelOpt's state), else :data:`FOLDER`."""
+    from qkrope.quantization import MODELOPT_STATE_FILE
+
     try:
+        names = {e.name for e in os.scandir(path)}
+    except OSError:
+        return FOLDER
+    if not names:
+        return None
+    if {"config.json", MODELOPT_STATE_FILE} <= names:
+        return QUANTIZED_MODEL
+    return FOLDER
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What an existing file or folder recognisably is (:data:`ONNX_MODEL`,
+    :data:`MODEL_SIDECAR`, :data:`ENGINE_SIDECAR` (a damaged one too), :data:`JSON_FILE`,
+    :data:`TEXT_FILE`, :data:`QUANTIZED_MODEL`, :data:`FOLDER`), or None: missing, empty, not a
+    regular file or folder, unreadable, or binary data of no known kind (an engine, a timing
+    cache). A symlink is judged by what it points to."""
+    try:
+        if os.path.isdir(path):
+            return _folder_kind(path)
         if not os.path.isfile(path) or os.path.getsize(path) == 0:
             return None
         if looks_like_onnx(path):
@@ -205,9 +273,10 @@ def file_kind(path: str | os.PathLike) -> str | None:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except (OSError, ValueError, RecursionError):
-            return TEXT_FILE
+            m = _DAMAGED_SIDECAR_RE.search(text)  # a truncated sidecar is still a sidecar
+            return _SIDECAR_FORMATS[m.group(1)] if m else TEXT_FILE
         fmt = data.get("format") if isinstance(data, dict) else None
-        return {"qkrope-onnx": MODEL_SIDECAR, "qkrope-engine": ENGINE_SIDECAR}.get(fmt, JSON_FILE)
+        return _SIDECAR_FORMATS.get(fmt, JSON_FILE) if isinstance(fmt, str) else JSON_FILE
     return TEXT_FILE
 
 
@@ -222,22 +291,57 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
-def check_outputs(outputs: Sequence[tuple[str | os.PathLike, str, Sequence[str]]],
+def _inside(inner: str | os.PathLike, outer: str | os.PathLike) -> bool:
+    """``inner`` is ``outer`` or lies somewhere below it (symlinks followed)."""
+    try:
+        a, b = Path(inner).resolve(), Path(outer).resolve()
+    except (OSError, RuntimeError):
+        return False
+    return a == b or b in a.parents
+
+
+def check_outputs(outputs: Sequence[tuple[str | os.PathLike, str]],
                   inputs: Sequence[str | os.PathLike | None] = (), *,
                   flag: str = "--out") -> None:
-    """Refuse, before any work, outputs that would destroy something. ``outputs``: ``(path, what
-    is written there, the kinds it may replace)`` (kinds of :func:`file_kind`; an unrecognised
-    binary file may always be replaced); ``inputs``: every file the command reads (None
-    skipped). Raises :class:`OutputIsInputError` naming the path and the fix."""
-    for out, what, replaceable in outputs:
+    """Refuse outputs that would destroy something (before any work, and again under the
+    folder lock when :func:`staged_outputs` is given the kinds). ``outputs``: ``(path, what is
+    written there)``, a kind of :data:`REPLACES`; ``inputs``: every file or folder the command
+    reads (None skipped). An output that is an input (same file after symlinks, a hard link), a
+    folder output that contains an input, or an existing file or folder that :data:`REPLACES`
+    does not let the output replace: :class:`OutputIsInputError` naming the path and the fix; a
+    file output where a folder is: :class:`OutputWriteError` (EISDIR)."""
+    for out, written in outputs:
+        if written not in REPLACES:
+            raise ValueError(f"unknown kind of output {written!r}; one of {sorted(REPLACES)}")
+        what = _WRITTEN_AS.get(written, written)
+        folder_out = written in FOLDER_OUTPUTS
         for given in inputs:
-            if given is not None and same_file(out, given):
+            if given is None:
+                continue
+            if same_file(out, given):
                 raise OutputIsInputError(
                     f"the output {out} ({what}) is the same file as {given}, which this command "
                     f"also reads or writes: writing it would destroy that. Fix: choose another "
                     f"{flag}")
+            if folder_out and _inside(given, out):
+                raise OutputIsInputError(
+                    f"the output folder {out} contains {given}, which this command reads: "
+                    f"replacing the folder would delete it. Fix: choose another {flag} (a new "
+                    f"folder outside the inputs)")
+        exists = os.path.lexists(out)
+        if exists and folder_out and os.path.islink(out):
+            raise OutputIsInputError(
+                f"{out} is a symbolic link; a folder output replaces the folder itself, not "
+                f"what a link points to. Fix: pass {os.path.realpath(out)} or another {flag}")
+        if exists and os.path.isdir(out) and not folder_out:
+            raise OutputWriteError(errno.EISDIR, f"cannot write {out}: {out} is a directory; "
+                                                 f"remove it or choose another {flag}")
+        if exists and folder_out and not os.path.isdir(out):
+            raise OutputIsInputError(
+                f"{out} exists and is {file_kind(out) or 'a file'}, not a folder; it is not "
+                f"replaced. Fix: choose another {flag}, or move {out} away")
         kind = file_kind(out)
-        if kind is not None and kind not in replaceable:
+        if kind is not None and kind not in REPLACES[written]:
             raise OutputIsInputError(
                 f"{out} exists and is {kind}, not {what}; it is not replaced. Fix: choose "
                 f"another {flag}, or move {out} away")
@@ -268,9 +372,41 @@ def _alive(pid: int, start: int) -> bool:
     return not (start and now and now != start)
 
 
+REPLACED = ".replaced"  # in a staging folder: folders moved away mid-commit (see swap_dir)
+_TARGET_SUFFIX = ".target"  # beside each: the path it was moved away from
+
+
+def _restore_replaced(staging: Path) -> list[Path]:
+    """Put back the folders a killed commit had moved out of the way (``<staging>/.replaced``)
+    whose place is still empty, each under the lock of the folder it goes back into."""
+    restored = []
+    replaced = staging / REPLACED
+    try:
+        notes = [e for e in os.scandir(replaced) if e.name.endswith(_TARGET_SUFFIX)]
+    except OSError:
+        return restored
+    for note in notes:
+        moved = replaced / note.name[:-len(_TARGET_SUFFIX)]
+        try:
+            target = Path(Path(note.path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not os.path.lexists(moved):
+            continue
+        # under the lock of the target's folder: a live writer's commit there is not mid-way
+        with contextlib.suppress(OSError), folder_lock(target.parent):
+            if not os.path.lexists(target):
+                os.rename(moved, target)
+                _fsync_dir(target.parent)
+                restored.append(target)
+    return restored
+
+
 def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
-    """Remove the staging folders in ``folder`` whose process is gone (killed mid-write); the
-    ones of live processes (a concurrent writer) are kept. Returns what was removed."""
+    """Remove the staging folders in ``folder`` whose process is gone (killed mid-write), after
+    putting back any output folder such a process had moved away and not replaced (a kill
+    between the two renames of :func:`swap_dir`); the ones of live processes (a concurrent
+    writer) are kept. Returns what was removed."""
     removed = []
     try:
         entries = list(os.scandir(folder))
@@ -284,9 +420,24 @@ def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
         # This process's own folders not in use are leftovers; another live process's are its.
         if pid != os.getpid() and _alive(pid, start):
             continue
+        _restore_replaced(Path(entry.path))
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))
     return removed
+
+
+def recover(path: str | os.PathLike) -> bool:
+    """For a reader that finds ``path`` missing: put back the output folder a killed writer
+    had moved away from there (see :func:`remove_stale_staging`). True when ``path`` exists
+    afterwards."""
+    path = Path(path)
+    if os.path.lexists(path):
+        return True
+    parent = path.parent
+    while not parent.is_dir() and parent.parent != parent:
+        parent = parent.parent
+    remove_stale_staging(parent)
+    return os.path.lexists(path)
 
 
 def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -321,6 +472,91 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the file system cannot, so the caller falls back to two renames."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _settle_tree(root: Path) -> None:
+    """Before a staged output folder's commit: every file and folder below ``root`` gets the
+    mode a plain ``open``/``mkdir`` gives under the umask (libraries writing into it may create
+    0600 files or 0700 folders; the executable bits are kept), and is fsynced."""
+    mask = _umask()
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mode = os.fstat(fd).st_mode
+                want = (0o777 if mode & 0o111 else 0o666) & ~mask
+                if mode & 0o7777 != want:
+                    os.fchmod(fd, want)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if os.stat(dirpath).st_mode & 0o7777 != 0o777 & ~mask:
+            os.chmod(dirpath, 0o777 & ~mask)
+        _fsync_dir(Path(dirpath))
+
+
+def swap_dir(staged: Path, target: Path, replaced: Path) -> str:
+    """Put the folder ``staged`` at ``target`` with ``target`` never missing where the file
+    system can help: a rename when there is no ``target``, else one atomic exchange (the old
+    folder ends up at ``staged``, inside the staging folder that is removed afterwards).
+    Without an atomic exchange, two renames: the old folder first moves to
+    ``replaced/<name>.old`` with a note of ``target`` beside it, so that if the process dies
+    before the second rename the next writer or reader in that folder
+    (:func:`remove_stale_staging`, :func:`recover`) puts it back; on a failure it is put back
+    at once. Returns how it was done ("new", "exchanged", "moved") for :func:`unswap_dir`."""
+    if not os.path.lexists(target):
+        os.rename(staged, target)
+        return "new"
+    if not target.is_dir() or target.is_symlink():
+        raise OutputWriteError(errno.ENOTDIR, f"cannot replace {target}: it is not a folder")
+    if _exchange(staged, target):
+        return "exchanged"
+    replaced.mkdir(exist_ok=True)
+    moved = replaced / (staged.name + ".old")
+    note = replaced / (moved.name + _TARGET_SUFFIX)
+    note.write_text(str(target.absolute()), encoding="utf-8")
+    _fsync_dir(replaced)
+    os.rename(target, moved)
+    try:
+        os.rename(staged, target)
+    except BaseException:
+        if not os.path.lexists(target):
+            os.rename(moved, target)  # the old folder back before the staging is removed
+        raise
+    return "moved"
+
+
+def unswap_dir(staged: Path, target: Path, replaced: Path, how: str) -> None:
+    """Undo :func:`swap_dir` (a later output of the same commit failed)."""
+    if how == "exchanged":
+        if not _exchange(staged, target):
+            raise OSError(errno.ENOTSUP, "cannot exchange back", str(target))
+    else:
+        os.rename(target, staged)
+        if how == "moved":
+            os.rename(replaced / (staged.name + ".old"), target)
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str | os.PathLike, *, flag: str = "--out") -> Iterator[None]:
     """An exclusive advisory lock (``flock``) on ``folder`` itself, held for the block: the
@@ -342,53 +578,74 @@ def folder_lock(folder: str | os.PathLike, *, flag: str = "--out") -> Iterator[N
         os.close(fd)  # releases the lock
 
 
+@contextlib.contextmanager
+def committing() -> Iterator[None]:
+    """A commit's renames: SIGTERM/SIGHUP (under :func:`staged_outputs`' handlers) wait until
+    the block is done, then exit 128 + signum."""
+    _COMMITTING.depth = getattr(_COMMITTING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _COMMITTING.depth -= 1
+        if not _COMMITTING.depth and _PENDING_SIGNALS:
+            signum = _PENDING_SIGNALS.pop()
+            _PENDING_SIGNALS.clear()
+            raise SystemExit(128 + signum)
+
+
 class Staging:
     """The staging folder of one group of outputs (see :func:`staged_outputs`)."""
 
-    def __init__(self, folder: Path, dir: Path, names: Sequence[str], flag: str):
+    def __init__(self, folder: Path, dir: Path, names: Sequence[str], flag: str,
+                 kinds: dict[str, str] | None = None,
+                 inputs: Sequence[str | os.PathLike | None] = ()):
         self.folder, self.dir, self.names, self.flag = folder, dir, list(names), flag
+        self.kinds, self.inputs = dict(kinds or {}), list(inputs)
         self.committed = False
 
     def path(self, name: str) -> Path:
-        """Where to write the output ``name`` (a plain file name in the target folder)."""
+        """Where to write the output ``name`` (a plain file name in the target folder; for a
+        folder output, create the folder there)."""
         if name not in self.names:
             raise ValueError(f"{name!r} is not one of the staged outputs {self.names}")
         return self.dir / name
 
     def commit(self, order: Sequence[str], *, remove: Sequence[str] = ()) -> list[Path]:
-        """Move the staged files ``order`` into the target folder in that order, then take the
-        targets ``remove`` away (stale companions). On any failure every target is put back as it
-        was and the error raised; signals wait for the end. Returns the paths written."""
+        """Move the staged files and folders ``order`` into the target folder in that order
+        (a folder by :func:`swap_dir`), then take the targets ``remove`` away (stale
+        companions). Under the folder lock, first the targets are checked again
+        (:func:`check_outputs` with the kinds given to :func:`staged_outputs`: a file another
+        writer put there meanwhile is not replaced). On any failure every target is put back as
+        it was and the error raised; signals wait for the end. Returns the paths written."""
         for name in list(order) + list(remove):
             self.path(name)
             target = self.folder / name
-            if target.is_dir() and not target.is_symlink():
+            if target.is_dir() and not target.is_symlink() and not (self.dir / name).is_dir():
                 raise OutputWriteError(errno.EISDIR, f"cannot write {target}: {target} is a "
                                                      f"directory; remove it or choose another "
                                                      f"{self.flag}")
         for name in order:
-            if not (self.dir / name).is_file():
+            if not (self.dir / name).is_file() and not (self.dir / name).is_dir():
                 raise ValueError(f"staged output {name!r} was not written")
+            if (self.dir / name).is_dir():
+                _settle_tree(self.dir / name)
         backups = self.dir / ".old"
         backups.mkdir()
-        done: list[tuple[str, bool]] = []  # (name, had an old file)
-        _COMMITTING.depth = getattr(_COMMITTING, "depth", 0) + 1
-        try:
-            with folder_lock(self.folder, flag=self.flag):
-                self._commit(order, remove, backups, done)
+        done: list[tuple[str, object]] = []  # (name, had an old file / how a folder moved)
+        with committing(), folder_lock(self.folder, flag=self.flag):
+            check_outputs([(self.folder / n, self.kinds[n]) for n in [*order, *remove]
+                           if n in self.kinds], self.inputs, flag=self.flag)
+            self._commit(order, remove, backups, done)
             self.committed = True
-        finally:
-            _COMMITTING.depth -= 1
-            if not _COMMITTING.depth and _PENDING_SIGNALS:
-                signum = _PENDING_SIGNALS.pop()
-                _PENDING_SIGNALS.clear()
-                raise SystemExit(128 + signum)
         return [self.folder / n for n in order]
 
-    def _commit(self, order, remove, backups: Path, done: list[tuple[str, bool]]) -> None:
+    def _commit(self, order, remove, backups: Path, done: list[tuple[str, object]]) -> None:
         try:
             for name in order:
                 target = self.folder / name
+                if (self.dir / name).is_dir():
+                    done.append((name, swap_dir(self.dir / name, target, self.dir / REPLACED)))
+                    continue
                 had = self._backup(target, backups / name)
                 os.replace(self.dir / name, target)
                 done.append((name, had))
@@ -415,11 +672,13 @@ class Staging:
             shutil.copy2(target, backup, follow_symlinks=False)  # no hard links here
         return True
 
-    def _rollback(self, done: list[tuple[str, bool]], backups: Path) -> None:
+    def _rollback(self, done: list[tuple[str, object]], backups: Path) -> None:
         for name, had in reversed(done):
             target = self.folder / name
             with contextlib.suppress(OSError):
-                if had:
+                if isinstance(had, str):  # a folder
+                    unswap_dir(self.dir / name, target, self.dir / REPLACED, had)
+                elif had:
                     os.replace(backups / name, target)
                 else:
                     os.unlink(target)
@@ -427,11 +686,15 @@ class Staging:
 
 @contextlib.contextmanager
 def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
-                   flag: str = "--out") -> Iterator[Staging]:
-    """A hidden staging folder in ``folder`` for the outputs ``names``; write them with
-    :meth:`Staging.path`, then call :meth:`Staging.commit`. Leaving the block (commit or not,
-    exception, SIGTERM) removes the staging folder; stale ones of dead processes are removed on
-    entry. OS errors inside the block become :class:`OutputWriteError` naming ``folder``."""
+                   flag: str = "--out", kinds: dict[str, str] | None = None,
+                   inputs: Sequence[str | os.PathLike | None] = ()) -> Iterator[Staging]:
+    """A hidden staging folder in ``folder`` for the outputs ``names`` (files, or folders
+    replaced whole); write them with :meth:`Staging.path`, then call :meth:`Staging.commit`.
+    ``kinds`` (name -> a kind of :data:`REPLACES`) and ``inputs``: the commit checks the
+    targets again under the folder lock (:func:`check_outputs`). Leaving the block (commit or
+    not, exception, SIGTERM) removes the staging folder; stale ones of dead processes are
+    removed on entry. OS errors inside the block become :class:`OutputWriteError` naming
+    ``folder``."""
     folder = check_output_folder(folder, flag=flag)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -447,7 +710,7 @@ def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
             raise output_error(exc, folder, flag=flag) from None
         _ACTIVE.add(str(dir))
         try:
-            yield Staging(folder, dir, names, flag)
+            yield Staging(folder, dir, names, flag, kinds, inputs)
         except OSError as exc:
             raise output_error(exc, folder / (names[0] if names else ""), flag=flag) from None
         finally:

@@ -88,7 +88,10 @@ def input_dir(path: str | os.PathLike | None, *, flag: str, fix: str) -> Path | 
         return None
     p = Path(path)
     if not p.exists():
-        raise InputFileNotFoundError(f"{flag} {p} does not exist. Fix: {fix}")
+        from qkrope._fileio import recover
+
+        if not recover(p):  # a writer killed mid-commit had moved the folder away: put back
+            raise InputFileNotFoundError(f"{flag} {p} does not exist. Fix: {fix}")
     if not p.is_dir():
         raise InputError(f"{flag} {p} is a file, not a folder. Fix: {fix}")
     return p

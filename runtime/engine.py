@@ -40,7 +40,8 @@ from qkrope._progress import BuildProgress, Steps, make_progress_monitor
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
                              engine_sidecar_path, engine_tensors, sidecar_path)
 from qkrope import contract, dtypes, model_io
-from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
+from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TENSORRT_ENGINE, TIMING_CACHE,
+                            OutputIsInputError,
                             check_output_folder, check_outputs, file_kind, output_error,
                             sha256_file, staged_outputs, write_atomic)
 
@@ -346,13 +347,12 @@ def _check_build_outputs(onnx_path: Path, engine_path: Path, opts: BuildOptions,
     model, an engine, a sidecar or a text file: TensorRT ignores a cache it cannot read and the
     build would then write a fresh one over that file."""
     inputs = [onnx_path, sidecar_path(onnx_path), *data_files, opts.plugin]
-    check_outputs([(engine_path, "a TensorRT engine", (TEXT_FILE,)),
-                   (engine_sidecar_path(engine_path), "an engine sidecar",
-                    (ENGINE_SIDECAR, TEXT_FILE))],
+    check_outputs([(engine_path, TENSORRT_ENGINE),
+                   (engine_sidecar_path(engine_path), ENGINE_SIDECAR)],
                   inputs + [opts.timing_cache], flag="-o")
     if opts.timing_cache:
         cache = Path(opts.timing_cache)
-        check_outputs([(cache, "a TensorRT timing cache", ())],
+        check_outputs([(cache, TIMING_CACHE)],
                       inputs + [engine_path, engine_sidecar_path(engine_path)],
                       flag="--timing-cache")
         if file_kind(str(cache) + ".json") in (MODEL_SIDECAR, ENGINE_SIDECAR):
@@ -632,7 +632,9 @@ def write_engine_pair(engine_path: Path, serialized, info: EngineInfo) -> None:
     them, then moved in, sidecar first and engine last; any failure puts the old pair back, and
     a staging folder left by a killed build is removed by the next one."""
     side_name = engine_sidecar_path(engine_path).name
-    with staged_outputs(engine_path.parent, [engine_path.name, side_name], flag="-o") as st:
+    with staged_outputs(engine_path.parent, [engine_path.name, side_name], flag="-o",
+                        kinds={engine_path.name: TENSORRT_ENGINE,
+                               side_name: ENGINE_SIDECAR}) as st:
         write_atomic(st.path(engine_path.name), serialized)
         info.save(st.path(engine_path.name))
         st.commit([side_name, engine_path.name])

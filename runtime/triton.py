@@ -45,7 +45,7 @@ from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes, model_io
 from qkrope.model_io import QWEN_IMAGE
-from qkrope._fileio import folder_lock, staged_outputs
+from qkrope._fileio import REPLACED, committing, folder_lock, staged_outputs, swap_dir
 from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
@@ -311,46 +311,6 @@ def resolve_engine_plugin(info: EngineInfo, plugin: os.PathLike | str | None, *,
         raise TritonRepoError(f"plugin library not found: {exc}") from None
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
-    system or the file system cannot, so the caller falls back to two renames."""
-    import ctypes
-    import errno
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def swap_in(staged: Path, target: Path) -> None:
-    """Put the directory ``staged`` at ``target``: a rename when there is none; else one
-    atomic exchange (the old directory ends up at ``staged``, inside the staging folder that is
-    removed afterwards), so a reader or a kill never sees ``target`` missing or half-written.
-    Without an atomic exchange: two renames, the old directory put back on any failure."""
-    if not target.exists():
-        os.rename(staged, target)
-        return
-    if _exchange(staged, target):
-        return
-    old = staged.with_name(staged.name + ".old")
-    os.rename(target, old)
-    try:
-        os.rename(staged, target)
-    except BaseException:
-        if not target.exists():
-            os.rename(old, target)  # put the previous model back before staging is removed
-        raise
-
-
 ROPE_MODEL_TEMPLATE = Path(__file__).with_name("triton_rope_model.py")
 ROPE_TABLES_MODULE = Path(__file__).with_name("rope_tables.py")  # copied next to its model.py
 CACHE_INPUTS = tuple(t.name for t in model_io.CACHE_INPUTS)
@@ -550,14 +510,10 @@ def _check_name(name: str) -> None:
                               "names; pass --name")
 
 
-def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
-                  inputs: Sequence[os.PathLike | str | None] = ()) -> None:
-    """Write ``repo/<name>`` for each ``name -> fill(staged_dir)``. Every model directory is
-    assembled in a staging folder next to ``repo`` (:func:`qkrope._fileio.staged_outputs`:
-    removed on any failure or SIGTERM, and by the next run after a SIGKILL) and swapped in whole
-    (:func:`swap_in`), in order (an ensemble last, after the models it calls), so a reader sees
-    each model old or new, never a mix; existing model directories are replaced only with
-    ``force``. Write failures are one-line OutputWriteErrors."""
+def _check_targets(repo: Path, models: dict[str, Any], force: bool,
+                   inputs: Sequence[os.PathLike | str | None]) -> None:
+    """What may be written at ``repo/<name>``: nothing there, or (``force``) a model directory
+    that holds none of the ``inputs``."""
     if repo.exists() and not repo.is_dir():
         raise TritonRepoError(f"{repo} exists and is not a directory")
     for name in models:
@@ -576,6 +532,20 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
                                       f"replace. Fix: copy it out of the repository first, or "
                                       f"write the model elsewhere (another repository or "
                                       f"--name)")
+
+
+def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
+                  inputs: Sequence[os.PathLike | str | None] = ()) -> None:
+    """Write ``repo/<name>`` for each ``name -> fill(staged_dir)``. Every model directory is
+    assembled in a staging folder next to ``repo`` (:func:`qkrope._fileio.staged_outputs`:
+    removed on any failure or SIGTERM, and by the next run after a SIGKILL) and swapped in whole
+    (:func:`qkrope._fileio.swap_dir`), in order (an ensemble last, after the models it calls),
+    so a reader sees each model old or new, never a mix; existing model directories are
+    replaced only with ``force``. The targets are checked before the work (to fail fast) and
+    again under the repository's lock, right before the swap: a model another writer committed
+    meanwhile is not replaced without ``force``. Write failures are one-line
+    OutputWriteErrors."""
+    _check_targets(repo, models, force, inputs)
     # Assembled in a staging folder next to the repository (not inside it: Triton takes every
     # sub-directory of a repository for a model), then swapped in whole.
     with staged_outputs(repo.parent, [], flag="--output") as st:
@@ -585,9 +555,11 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
             (staged[name] / "1").mkdir(parents=True)
             fill(staged[name])
         repo.mkdir(parents=True, exist_ok=True)
-        with folder_lock(repo, flag="--output"):  # two writers of one repository: in turn
+        # two writers of one repository: in turn, each deciding under the lock
+        with committing(), folder_lock(repo, flag="--output"):
+            _check_targets(repo, models, force, inputs)
             for name in models:
-                swap_in(staged[name], repo / name)
+                swap_dir(staged[name], repo / name, st.dir / REPLACED)
 
 
 def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfig,

@@ -36,7 +36,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkrope._fileio import sha256_file
+from qkrope._fileio import plain_mode, sha256_file
 
 PACKAGE = "nvidia-pytriton"
 VERSION = "0.7.0"
@@ -100,6 +100,7 @@ def _unpack(cache: Path, wheel: Path) -> Path:
         (Path(tmp) / ".complete").write_text(WHEEL_NAME + "\n")
         if root.exists():
             shutil.rmtree(root)
+        os.chmod(tmp, plain_mode(folder=True))  # TemporaryDirectory makes it 0700
         os.rename(tmp, root)
         os.mkdir(tmp)  # for TemporaryDirectory's cleanup
     return root

@@ -139,7 +139,7 @@ class RefittableEngine:
         self.values: dict[str, bytes] = {}  # what set_named_weights passed, per name
 
     def serialize(self):
-        return IHostMemory(b"REFITTED-ENGINE-%d" % len(self.refits))
+        return IHostMemory(b"\x00REFITTED-ENGINE-%d" % len(self.refits))
 
 
 class ErrorCode:
@@ -364,7 +364,7 @@ class ICudaEngine:
 
     def __init__(self, io: Sequence[tuple] = (), profiles: Sequence[dict] | None = None,
                  output_like: dict | None = None, layer_info: str = '{"Layers": []}',
-                 serialized: bytes = b"SERIALIZED-ENGINE", name: str = ""):
+                 serialized: bytes = b"\x00SERIALIZED-ENGINE", name: str = ""):
         self.layer_info, self._serialized, self.name = layer_info, serialized, name
         self.io = list(io)
         self.num_io_tensors = len(self.io)
@@ -558,7 +558,7 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
                 mon.step_complete("Building", 0)
                 mon.phase_finish("Building")
                 state.progress_calls += 1
-            return IHostMemory(b"SERIALIZED-ENGINE") if build_ok else None
+            return IHostMemory(b"\x00SERIALIZED-ENGINE") if build_ok else None
 
     class IProgressMonitor:
         def __init__(self):

@@ -77,3 +77,26 @@ def test_preset_qwen_and_flags_over_it(monkeypatch):
     with pytest.raises(ValueError, match="--threads"):
         config.config_from_args(parser.parse_args(["bench", "--device", "cpu", "--threads",
                                                   "0"]))
+
+
+def test_a_kept_bench_work_folder_has_the_umask_mode(tmp_path, monkeypatch):
+    """The work folder (mkdtemp: 0700) is kept when it holds engines: it is an output then and
+    gets the mode a plain mkdir gives (issue 26)."""
+    import os
+
+    from qkrope.apps.bench import orchestrate
+
+    def fake_bench(cfg, workdir, rows, *a):
+        (workdir / "attention.engine").write_bytes(b"\x00")
+        return rows
+
+    monkeypatch.setattr(orchestrate, "_bench_in", fake_bench)
+    cfg = config.Config(sizes=[64], batches=[1], dtype="float32", heads=2, head_dim=32,
+                        text_len=8, iters=1, warmup=0, device="cpu", seed=3, out=tmp_path)
+    old = os.umask(0o022)
+    try:
+        orchestrate.run_bench(cfg, log=lambda m: None)
+    finally:
+        os.umask(old)
+    (work,) = [p for p in tmp_path.iterdir() if p.name.startswith("qkrope-bench-")]
+    assert oct(work.stat().st_mode & 0o777) == oct(0o755)

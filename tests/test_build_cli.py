@@ -164,6 +164,14 @@ def _notes(d):
     (d / "notes.txt").write_text("my notes\n")
 
 
+def _readme(d):
+    (d / "notes.md").write_text("# notes\n\nkept\n")
+
+
+def _json(d):
+    (d / "settings.json").write_text('{"theme": "dark"}\n')
+
+
 def _other_engine(d):
     (d / "old.engine").write_bytes(b"\x00\x01 a serialised engine")
     (d / "old.engine.json").write_text('{"format": "qkrope-engine", "format_version": 1}')
@@ -186,6 +194,9 @@ def _link_to_model(d):
     (_notes, ["--timing-cache", "{d}/notes.txt"], "is a text file"),
     (_other_engine, ["--timing-cache", "{d}/old.engine"], "has the sidecar"),
     (_notes, ["-o", "{d}/notes.txt.engine"], None),                   # control
+    (_notes, ["-o", "{d}/notes.txt"], "is a text file, not a TensorRT engine"),  # issue 26
+    (_readme, ["-o", "{d}/notes.md"], "is a text file, not a TensorRT engine"),
+    (_json, ["-o", "{d}/settings.json"], "is a JSON file, not a TensorRT engine"),
 ])
 def test_build_outputs_that_are_inputs_or_other_files_are_refused(tmp_path, capsys, no_tensorrt,
                                                                   setup, extra, says):

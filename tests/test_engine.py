@@ -177,7 +177,7 @@ def fake_build(tmp_path, monkeypatch):
         monkeypatch.setattr(lt.ctypes, "CDLL",
                             lambda path, mode=0: state.loaded.append(("dlopen", path)))
         lib = tmp_path / "libqkrope_plugin.so"
-        lib.write_bytes(b"\x7fELF fake")
+        lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
         onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
         return trt, state, onnx_path, lib
     return setup
@@ -195,7 +195,7 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
                    "--max", "encoder_hidden_states:2x40x32"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert out.read_bytes() == b"SERIALIZED-ENGINE"
+    assert out.read_bytes() == b"\x00SERIALIZED-ENGINE"
     assert tc.read_bytes() == bytes(trt.ITimingCache(b"").serialize())  # a new cache
     assert state.timing_cache_data == b""
     assert state.flags == 1 << 1  # STRONGLY_TYPED (1 in TensorRT 10)
@@ -291,14 +291,14 @@ def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build,
     old_side["created"] = "OLD"
 
     def reset_old():
-        engine.write_bytes(b"OLD-ENGINE")
+        engine.write_bytes(b"\x00OLD-ENGINE")
         side.write_text(json.dumps(old_side))
 
     outcomes = set()
 
     def after(k):
         pair = (engine.read_bytes(), json.loads(side.read_text())["created"] == "OLD")
-        assert pair in ((b"OLD-ENGINE", True), (b"SERIALIZED-ENGINE", False)), (k, pair)
+        assert pair in ((b"\x00OLD-ENGINE", True), (b"\x00SERIALIZED-ENGINE", False)), (k, pair)
         outcomes.add(pair[1])
         eng.build_engine(onnx_path, engine, opts, log=io.StringIO())  # the next run
         assert sorted(p.name for p in out.iterdir()) == ["m.engine", "m.engine.json"], k
@@ -405,16 +405,16 @@ def test_every_engine_pair_on_disk_identifies_itself(tmp_path, monkeypatch):
                           plugin=None, plugin_layers=1, version_compatible=False,
                           strongly_typed=True)
 
-    eng.write_engine_pair(engine, b"OLD-ENGINE", info("old"))
+    eng.write_engine_pair(engine, b"\x00OLD-ENGINE", info("old"))
 
     def after(k):
         loaded = EngineInfo.load(engine)  # raises on a mixed pair
-        assert (engine.read_bytes(), loaded.onnx) in ((b"OLD-ENGINE", "old"),
-                                                      (b"NEW-ENGINE", "new")), k
+        assert (engine.read_bytes(), loaded.onnx) in ((b"\x00OLD-ENGINE", "old"),
+                                                      (b"\x00NEW-ENGINE", "new")), k
 
     steps = fail_each_write_step(monkeypatch,
-                                 lambda: eng.write_engine_pair(engine, b"NEW-ENGINE", info("new")),
-                                 reset=lambda: eng.write_engine_pair(engine, b"OLD-ENGINE",
+                                 lambda: eng.write_engine_pair(engine, b"\x00NEW-ENGINE", info("new")),
+                                 reset=lambda: eng.write_engine_pair(engine, b"\x00OLD-ENGINE",
                                                                      info("old")),
                                  after=after)
     assert len(steps) >= 3

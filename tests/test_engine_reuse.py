@@ -146,5 +146,5 @@ def test_external_data_files_are_part_of_the_model_hash(tmp_path):
 
 def test_an_engine_file_replaced_since_the_build_is_rebuilt(setup, capsys):
     why = _changed(setup, capsys,
-                   lambda onnx_path, lib: onnx_path.with_suffix(".engine").write_bytes(b"x"))
+                   lambda onnx_path, lib: onnx_path.with_suffix(".engine").write_bytes(b"\x00x"))
     assert "not what the build wrote" in why and "does not describe this engine" in why, why

@@ -64,6 +64,12 @@ def test_recorder_keeps_every_call_and_replays_it(work):
 def test_calibration_file_errors(tmp_path):
     with pytest.raises(quantization.InputError, match="no calibration batches"):
         quantize.save_calibration([], tmp_path / "c.pt")
+    (tmp_path / "notes.md").write_text("# mine\n")
+    from qkrope._fileio import OutputIsInputError
+
+    with pytest.raises(OutputIsInputError, match="is a text file, not a qkrope calibration"):
+        quantize.save_calibration([{"args": (), "kwargs": {}}], tmp_path / "notes.md")
+    assert (tmp_path / "notes.md").read_text() == "# mine\n"
     torch.save({"x": 1}, tmp_path / "other.pt")
     with pytest.raises(quantization.InputError, match="not a qkrope calibration file"):
         quantize.load_calibration(tmp_path / "other.pt")
@@ -255,14 +261,22 @@ def test_tiny_pipeline_runs_on_the_fp8_export(work):
     assert diff < quant_err
 
 
-def test_save_quantized_replaces_the_folder_whole_or_not_at_all(work, tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_save_quantized_replaces_the_folder_whole_or_not_at_all(work, tmp_path, monkeypatch,
+                                                                exchange):
     """Every write/rename step of save_quantized failing in turn (fake_tensorrt's fault
-    injection): the folder holds the old model or the new one, complete, and no staging folder
-    is left; the failure is one line naming the full disk."""
+    injection, the safetensors write included), with the atomic exchange and with the
+    two-rename fallback: the folder holds the old model or the new one, complete, and no
+    staging folder is left; the failure is one line naming the full disk."""
     import shutil
 
     from fake_tensorrt import fail_each_write_step
     from safetensors.torch import load_file
+
+    from qkrope import _fileio
+
+    if not exchange:
+        monkeypatch.setattr(_fileio, "_exchange", lambda a, b: False)
 
     model = load_transformer(str(work / "fp8"), quant="fp8")
     name, q = quantize.fp8_quantizers(model)[0]
@@ -287,8 +301,11 @@ def test_save_quantized_replaces_the_folder_whole_or_not_at_all(work, tmp_path, 
         assert [p.name for p in tmp_path.iterdir()] == ["q"], k  # no staging folder left
 
     steps = fail_each_write_step(monkeypatch, lambda: quantize.save_quantized(model, out),
-                                 reset=reset, after=after)
-    assert "os.rename" in steps and amax_on_disk() == float(q.amax)
+                                 reset=reset, after=after,
+                                 extra=(("safetensors.torch", "save_file"),))
+    assert {"safetensors.torch.save_file", "os.fsync"} <= set(steps), steps
+    assert ("os.rename" in steps) == (not exchange), steps
+    assert amax_on_disk() == float(q.amax)
 
 
 def test_quantizers_the_export_cannot_express_are_refused(work, tmp_path, capsys):
@@ -395,3 +412,328 @@ def test_default_selection_by_class_refuses_another_model():
                                                       r"SD3Transformer2DModel: qkrope knows "
                                                       r"QwenImageTransformer2DModel, Flux"):
         quantization.default_excluded("SD3Transformer2DModel")
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing lost, one-line errors (issue 26): qkrope quantize's paths, inputs and its commit
+# --------------------------------------------------------------------------------------------
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from qkrope import _fileio  # noqa: E402
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def _quantize(capsys, diffusers, calibration, out, *extra):
+    rc = main(["quantize", "--diffusers", str(diffusers), "--calibration", str(calibration),
+               "--out", str(out), "--device", "cpu", *extra])
+    return rc, capsys.readouterr().err
+
+
+def _one_line_error(rc, err):
+    """Exit 2 and one error line (the last; progress lines may come before it), no traceback."""
+    assert rc == 2 and "Traceback" not in err, (rc, err)
+    tail = err[err.find("qkrope quantize: error:"):] if "quantize: error" in err else \
+        err[err.find("qkrope export: error:"):]
+    assert tail.count("\n") == 1 and ": error: " in tail, err
+
+
+@pytest.mark.parametrize("layout", ["contains-diffusers", "contains-calibration", "is-diffusers",
+                                    "is-pipeline-transformer", "weights-linked-into-out",
+                                    "other-folder", "a-file"])
+def test_quantize_out_that_would_destroy_something_is_refused(work, tmp_path, capsys, layout):
+    """--out containing the float model or the calibration file, being the model folder (also
+    a pipeline's transformer/), a folder that is not a previous quantised model, or a file: refused
+    in one line before any work, nothing changed."""
+    root = tmp_path / "root"
+    float_dir, calib = root / "models" / "float", root / "calib.pt"
+    shutil.copytree(work / "float", float_dir)
+    shutil.copyfile(work / "calib.pt", calib)
+    diffusers, out = float_dir, root / "q"
+    if layout == "contains-diffusers":
+        out = root / "models"
+    elif layout == "contains-calibration":
+        out = root
+    elif layout == "is-diffusers":
+        out = float_dir
+    elif layout == "is-pipeline-transformer":
+        pipe = root / "pipe"
+        shutil.move(float_dir, pipe / "transformer")
+        (pipe / "model_index.json").write_text("{}")
+        diffusers, out = pipe, pipe / "transformer"
+    elif layout == "weights-linked-into-out":  # a previous output holds the float weights
+        shutil.copytree(work / "fp8", out)
+        weights = float_dir / "diffusion_pytorch_model.safetensors"
+        shutil.move(weights, out / "float-weights.safetensors")
+        weights.symlink_to(out / "float-weights.safetensors")
+    elif layout == "other-folder":
+        (out / "photos").mkdir(parents=True)
+        (out / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 not a model")
+    else:
+        out.write_text("my notes\n")
+    before = _tree(root)
+    rc, err = _quantize(capsys, diffusers, calib, out)
+    _one_line_error(rc, err)
+    assert "--out" in err and ("contains" in err or "same file" in err or "not replaced" in err), \
+        err
+    assert _tree(root) == before  # nothing deleted, nothing written
+
+
+def test_quantize_replaces_a_previous_quantised_model_with_the_umask_mode(work, tmp_path,
+                                                                          capsys):
+    """A previous output is replaced whole (the old marker file goes), the new folder gets the
+    mode a plain mkdir gives under the umask (not mkdtemp's 0700), and no staging folder is
+    left beside it."""
+    out = tmp_path / "q"
+    shutil.copytree(work / "fp8", out)
+    (out / "old-marker").write_text("old")
+    old_umask = os.umask(0o022)
+    try:
+        rc, err = _quantize(capsys, work / "float", work / "calib.pt", out, "--batches", "1")
+    finally:
+        os.umask(old_umask)
+    assert rc == 0, err
+    assert not (out / "old-marker").exists() and (out / quantization.MODELOPT_STATE_FILE).is_file()
+    assert (out.stat().st_mode & 0o777) == 0o755
+    assert all((p.stat().st_mode & 0o777) == 0o644 for p in out.iterdir() if p.is_file())
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+def test_quantize_exclude_names_that_match_no_module_are_refused(work, tmp_path, capsys,
+                                                                monkeypatch):
+    """Refused before the weights are loaded (the module tree of config.json on the meta
+    device), naming the unknown names and the top-level modules."""
+    from qkrope.export import patch_diffusers
+
+    def no_load(*a, **kw):
+        raise AssertionError("the weights were loaded before --exclude was checked")
+
+    monkeypatch.setattr(patch_diffusers, "load_transformer", no_load)
+    rc, err = _quantize(capsys, work / "float", work / "calib.pt", tmp_path / "q",
+                        "--exclude", "img_in", "proj_output", "transformer_blocks.7")
+    _one_line_error(rc, err)
+    assert "proj_output transformer_blocks.7" in err and "img_in," in err  # the available ones
+    assert "proj_out" in err and not (tmp_path / "q").exists()
+    monkeypatch.undo()
+    model = load_transformer(str(work / "float"))
+    quantize.check_exclude(model, ["transformer_blocks.0.attn", "transformer_blocks.*.img_mlp"])
+
+
+@pytest.mark.parametrize("device, says", [("gpu", "not a torch device"),
+                                          ("cuda:banana", "not a torch device"),
+                                          ("meta", "no meta device"),
+                                          ("cuda" if not torch.cuda.is_available() else "cuda:99",
+                                           "cuda")])
+def test_quantize_bad_device_is_one_line(work, tmp_path, capsys, device, says):
+    rc = main(["quantize", "--diffusers", str(work / "float"), "--calibration",
+               str(work / "calib.pt"), "--out", str(tmp_path / "q"), "--device", device])
+    err = capsys.readouterr().err
+    _one_line_error(rc, err)
+    assert f"--device {device!r}" in err and says in err.lower() and "--device cpu" in err, err
+    assert not (tmp_path / "q").exists()
+
+
+class _RunsCode:
+    """Unpickling this runs code (writes a marker file): a weights_only load must refuse it."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "code ran"))
+
+
+def _calibration_cases(tmp_path, work):
+    good = torch.load(work / "calib.pt", weights_only=True)
+    nan = {**good, "batches": [dict(b) for b in good["batches"]]}
+    hs = nan["batches"][1]["kwargs"]["hidden_states"].clone()
+    hs[0, 3, 1] = float("nan")
+    nan["batches"][1] = {"args": good["batches"][1]["args"],
+                         "kwargs": {**good["batches"][1]["kwargs"], "hidden_states": hs}}
+    wrong = {**good, "batches": [{"args": [], "kwargs": {
+        **good["batches"][0]["kwargs"], "hidden_states": torch.randn(2, 16, 3)}}]}
+    return {
+        "batches-not-calls": ({"format": "qkrope-calibration", "batches": [1, 2]},
+                              "batch 0 is not a recorded call"),
+        "args-not-a-list": ({"format": "qkrope-calibration", "batches": [{"args": "x"}]},
+                            "batch 0 is not a recorded call"),
+        "batches-a-dict": ({"format": "qkrope-calibration", "batches": {"a": 1}},
+                           "not a qkrope calibration file"),
+        "nan": (nan, "batch 1 kwargs['hidden_states'] has 1 NaN"),
+        "wrong-shapes": (wrong, "calibration batch 0 does not fit"),
+        "pickled-code": (_RunsCode(tmp_path / "ran"), "weights_only=True refuses"),
+    }
+
+
+@pytest.mark.parametrize("case", ["batches-not-calls", "args-not-a-list", "batches-a-dict",
+                                  "nan", "wrong-shapes", "pickled-code"])
+def test_quantize_bad_calibration_files_are_one_line(work, tmp_path, capsys, monkeypatch, case):
+    """A malformed, NaN-carrying, mismatched or code-carrying calibration file: one line naming
+    the file or batch, no ModelOpt AssertionError, no code run (also with torch's
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD set), nothing written."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    data, says = _calibration_cases(tmp_path, work)[case]
+    calib = tmp_path / "c.pt"
+    torch.save(data, calib)
+    rc, err = _quantize(capsys, work / "float", calib, tmp_path / "q")
+    _one_line_error(rc, err)
+    assert says in err and "weights_only=False" not in err, err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "q").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no staging folder
+
+
+@pytest.mark.parametrize("case, says", [("pickled-code", "weights_only=True refuses"),
+                                        ("truncated", "cannot be read"),
+                                        ("not-modelopt", "is not ModelOpt's state"),
+                                        ("no-version", "ModelOpt cannot restore it")])
+def test_a_bad_modelopt_state_runs_no_code_and_is_one_line(work, tmp_path, capsys, monkeypatch,
+                                                           case, says):
+    """modelopt_state.pth is loaded with weights_only=True by qkrope (ModelOpt's own load
+    follows torch's default, which TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns off): pickled code
+    does not run, and every unusable state is one line naming the file."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    q = tmp_path / "q"
+    shutil.copytree(work / "fp8", q)
+    state = q / quantization.MODELOPT_STATE_FILE
+    if case == "pickled-code":
+        torch.save({"modelopt_state_dict": _RunsCode(tmp_path / "ran")}, state)
+    elif case == "truncated":
+        state.write_bytes(state.read_bytes()[:200])
+    elif case == "not-modelopt":
+        torch.save({"x": torch.ones(1)}, state)
+    else:
+        good = torch.load(state, weights_only=True)
+        torch.save({"modelopt_state_dict": good["modelopt_state_dict"]}, state)
+    rc = main(["export", "--model", "transformer", "--diffusers", str(q), "--quant", "fp8",
+               "--out", str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err
+    _one_line_error(rc, err)
+    assert quantization.MODELOPT_STATE_FILE in err and says in err, err
+    assert "weights_only=False" not in err and not (tmp_path / "ran").exists()
+
+
+def test_a_full_disk_in_the_safetensors_write_keeps_the_old_folder(work, tmp_path, capsys,
+                                                                   monkeypatch):
+    """safetensors reports a full disk as SafetensorError (no OSError): one line naming the
+    disk and --out, the old model intact, no staging folder."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*a, **kw):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    out = tmp_path / "q"
+    shutil.copytree(work / "fp8", out)
+    before = _tree(out)
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    rc, err = _quantize(capsys, work / "float", work / "calib.pt", out, "--batches", "1")
+    _one_line_error(rc, err)
+    assert "disk is full" in err and "--out" in err and str(out) in err, err
+    assert _tree(out) == before and [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+def test_quantize_checks_its_paths_before_importing_torch(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        from qkrope.cli import main
+        rc = main(["quantize", "--diffusers", {str(tmp_path / "missing")!r}, "--calibration",
+                   {str(tmp_path / "c.pt")!r}, "--out", {str(tmp_path / "q")!r}])
+        print(rc, "torch" in sys.modules)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.stdout.split() == ["2", "False"], (res.stdout, res.stderr)
+    assert "--diffusers" in res.stderr and "does not exist" in res.stderr
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import os, sys, time, types
+    from pathlib import Path
+    from qkrope import _fileio
+    from qkrope.export import quantize
+    out, where = sys.argv[1:3]
+    # save_quantized as it runs, with a model whose save_pretrained writes two files (diffusers
+    # and ModelOpt themselves are not what this checks, and their imports are slow)
+    quantize._modelopt = lambda: (None, types.SimpleNamespace(
+        modelopt_state=lambda m: {"modelopt_state_dict": [], "modelopt_version": "0"}))
+    class Model:
+        def save_pretrained(self, d):
+            Path(d, "config.json").write_text('{"new": true}')
+            Path(d, "diffusion_pytorch_model.safetensors").write_bytes(b"new" * 1000)
+            if where == "in-save":
+                print("paused", flush=True)
+                time.sleep(60)
+    if where == "between-renames":  # the two-rename fallback, paused after the first
+        _fileio._exchange = lambda a, b: False
+        real = os.rename
+        def rename(a, b):
+            real(a, b)
+            if Path(b).name.endswith(".old"):
+                print("paused", flush=True)
+                time.sleep(60)
+        os.rename = rename
+    quantize.save_quantized(Model(), out)
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+@pytest.mark.parametrize("sig, where", [(signal.SIGTERM, "in-save"),
+                                        (signal.SIGKILL, "between-renames")])
+def test_a_signal_mid_quantize_save_leaves_the_old_model(work, tmp_path, sig, where):
+    """save_quantized in a subprocess, signalled for real. A SIGTERM while the new model is
+    written: exit 143, the staging folder (a full copy of the model) removed, the old model in
+    place. A real SIGKILL between the fallback
+    commit's two renames (the old folder moved away, the new one not yet in): the next reader
+    (qkrope's preflight of --diffusers) or writer puts the old folder back."""
+    from qkrope import _preflight
+
+    out = tmp_path / "q"
+    shutil.copytree(work / "fp8", out)
+    (out / "old-marker").write_text("old")
+    before = _tree(out)
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(out), where],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "paused"
+        proc.send_signal(sig)
+        rc = proc.wait(60)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    if sig == signal.SIGTERM:
+        assert rc == 143 and _tree(out) == before
+        assert [p.name for p in tmp_path.iterdir()] == ["q"]
+        return
+    assert rc == -signal.SIGKILL and not out.exists()  # the instant the fallback cannot avoid
+    _preflight.input_dir(out, flag="--diffusers", fix="-")  # a reader finds it back
+    assert _tree(out) == before
+    _fileio.remove_stale_staging(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+def test_non_finite_weights_or_inputs_in_calibrate_are_one_line(work):
+    """The API path (no load_calibration): a NaN input is named before ModelOpt runs; a weight
+    that is inf makes ModelOpt assert, which becomes one QuantizeError naming the weights."""
+    batches = quantize.load_calibration(work / "calib.pt")[:1]
+    hs = batches[0]["kwargs"]["hidden_states"].clone()
+    hs[0, 0, 0] = float("inf")
+    bad = [{"args": (), "kwargs": {**batches[0]["kwargs"], "hidden_states": hs}}]
+    model = load_transformer(str(work / "float"))
+    with pytest.raises(quantization.InputError, match=r"batch 0 kwargs\['hidden_states'\] has 1"):
+        quantize.calibrate(model, bad)
+    with torch.no_grad():
+        model.transformer_blocks[0].attn.to_q.weight[0, 0] = float("inf")
+    with pytest.raises(quantize.QuantizeError, match="weights carry NaN/inf") as exc:
+        quantize.calibrate(model, batches)
+    assert "\n" not in str(exc.value)

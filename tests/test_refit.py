@@ -93,7 +93,7 @@ def test_refit_cli_writes_engine_pair(tmp_path, monkeypatch, state_dict, capsys)
 
     trt, state = ft.make_fake_trt()
     engine = _engine_for(state_dict)
-    state.engines[b"OLD-ENGINE"] = engine  # what the fake Runtime deserialises
+    state.engines[b"\x00OLD-ENGINE"] = engine  # what the fake Runtime deserialises
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     import qkrope.runtime.loader_tensorrt as lt
 
@@ -101,7 +101,7 @@ def test_refit_cli_writes_engine_pair(tmp_path, monkeypatch, state_dict, capsys)
     lib = tmp_path / "libqkrope_plugin.so"
     lib.write_bytes(b"\x7fELF fake")
     path = tmp_path / "t.engine"
-    path.write_bytes(b"OLD-ENGINE")
+    path.write_bytes(b"\x00OLD-ENGINE")
 
     def info(refittable):
         return EngineInfo(tensorrt_version="10.14.1", onnx="/t.onnx",
@@ -121,7 +121,7 @@ def test_refit_cli_writes_engine_pair(tmp_path, monkeypatch, state_dict, capsys)
     rc = cli.main(["refit", str(path), "--diffusers", str(tmp_path), "--plugin", str(lib)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert path.read_bytes() == b"REFITTED-ENGINE-1"
+    assert path.read_bytes() == b"\x00REFITTED-ENGINE-1"
     assert EngineInfo.load(path).refittable is True
     assert f"refitted {len(state_dict)} weight(s)" in captured.out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
@@ -217,7 +217,8 @@ def test_upper_case_safetensors_suffix_loads(tmp_path):
     assert torch.equal(rf.load_state_dict(state_dict=str(path))["w"], torch.arange(4.0))
 
 
-@pytest.mark.parametrize("target", ["model.onnx", "sd.pt", "t.engine.json", "notes.txt"])
+@pytest.mark.parametrize("target", ["model.onnx", "sd.pt", "t.engine.json", "notes.txt",
+                                    "notes.md"])
 def test_refit_output_that_is_an_input_or_another_kind_is_refused(tmp_path, capsys, target):
     """-o naming an ONNX model, the state dict, the engine's sidecar, or a path whose sidecar
     would replace a JSON file of someone else's: refused before any work, nothing changed."""
@@ -237,6 +238,7 @@ def test_refit_output_that_is_an_input_or_another_kind_is_refused(tmp_path, caps
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])),
         str(tmp_path / "model.onnx"))
     (tmp_path / "notes.txt.json").write_text(json.dumps({"mine": True}))
+    (tmp_path / "notes.md").write_text("# my notes\n")  # a text file where the engine goes
     out = tmp_path / target
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     rc = cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt"), "-o", str(out)])

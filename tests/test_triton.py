@@ -15,6 +15,7 @@ import pytest
 
 import sys
 
+from qkrope import _fileio
 from qkrope.cli import main as cli_main
 from qkrope.runtime import triton
 
@@ -169,6 +170,31 @@ def test_refuses_overwrite_without_force(engine, tmp_path):
     assert (repo / "attn" / "config.pbtxt").is_file()
 
 
+def test_a_model_committed_by_another_writer_meanwhile_is_not_replaced(engine, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Without --force the "exists?" decision is made under the repository's lock: another
+    writer that commits repo/attn while this run assembles its model (here: just before this run
+    takes the lock) keeps its model, and this run fails as if the model had been there."""
+    eng, plugin = engine
+    repo = tmp_path / "repo"
+    real_lock = triton.folder_lock
+
+    def other_writer_first(folder, **kw):
+        if folder == repo and not (repo / "attn").exists():
+            (repo / "attn" / "1").mkdir(parents=True)
+            (repo / "attn" / "marker").write_text("the other writer's")
+        return real_lock(folder, **kw)
+
+    monkeypatch.setattr(triton, "folder_lock", other_writer_first)
+    rc = cli_main(["triton-repo", "--engine", str(eng), "--plugin", str(plugin), "-o",
+                   str(repo)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "already exists; pass --force" in err and err.count("\n") == 1, err
+    assert (repo / "attn" / "marker").read_text() == "the other writer's"
+    assert sorted(p.name for p in repo.iterdir()) == ["attn"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
+
+
 def test_force_refuses_to_replace_a_model_holding_an_input(engine, tmp_path):
     """--force replaces a model directory whole: an engine (or plugin) read from inside it would
     go with it, so that is refused and the old model kept."""
@@ -284,7 +310,7 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
         return real_rename(src, dst)
 
     monkeypatch.setattr(triton.os, "rename", rename)
-    monkeypatch.setattr(triton, "_exchange", lambda a, b: False)  # the two-rename fallback
+    monkeypatch.setattr(_fileio, "_exchange", lambda a, b: False)  # the two-rename fallback
     with pytest.raises(OSError, match="disk full"):
         triton.write_repository(eng, repo, plugin=plugin, force=True)
     assert (repo / "attn" / "marker").read_text() == "old"  # the old model is back
@@ -435,7 +461,7 @@ def test_repository_replaced_whole_at_every_failing_step(engine, tmp_path, monke
                                                          exchange):
     eng, plugin = engine
     if not exchange:
-        monkeypatch.setattr(triton, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(_fileio, "_exchange", lambda a, b: False)
     repo = tmp_path / "repo"
     model = repo / "attn"
 

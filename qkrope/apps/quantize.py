@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from qkrope.errors import InputError
 from qkrope.quantization import DEFAULT_EXCLUDED_BY_CLASS, default_excluded
@@ -25,15 +26,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calibration", metavar="CALIB.pt", required=True,
                    help="recorded transformer calls (CalibrationRecorder.save)")
     p.add_argument("--out", "-o", metavar="QDIR", required=True,
-                   help="output folder (replaced as a whole)")
+                   help="output folder, replaced as a whole (in one step, the old one kept on "
+                        "any failure); an existing folder is replaced only when it is a "
+                        "previous quantised model (config.json + modelopt_state.pth) or empty, "
+                        "and never when it holds --diffusers or --calibration")
     p.add_argument("--batches", type=int, default=None,
                    help="use the first N recorded calls (default: all)")
     _args.add_dtype(p, "dtype the transformer is loaded, calibrated and saved in",
                     default="fp32")
     p.add_argument("--device", default=None,
-                   help="torch device of the calibration (default: cuda when available)")
+                   help="torch device of the calibration: cpu, cuda or cuda:N (default: cuda "
+                        "when available)")
     p.add_argument("--exclude", nargs="*", metavar="MODULE", default=None,
-                   help="top-level modules left unquantised (default, TensorRT's diffusion demo "
+                   help="modules left unquantised, by name (top-level or dotted, e.g. "
+                        "transformer_blocks.0.attn; fnmatch patterns allowed), each must name "
+                        "a module of the transformer (default, TensorRT's diffusion demo "
                         "selection in the model's names: "
                         + "; ".join(f"{cls}: {' '.join(names)}"
                                     for cls, names in DEFAULT_EXCLUDED_BY_CLASS.items()) + ")")
@@ -41,27 +48,67 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def model_folder(diffusers: Path) -> Path:
+    """The folder the transformer is read from: ``--diffusers`` itself, or a pipeline folder's
+    ``transformer/`` (as :func:`qkrope.export.patch_diffusers.load_transformer` takes it)."""
+    if not (diffusers / "config.json").is_file() and (diffusers / "transformer").is_dir():
+        return diffusers / "transformer"
+    return diffusers
+
+
+def check_paths(args: argparse.Namespace) -> Path:
+    """The inputs exist and ``--out`` may be written (:func:`qkrope._fileio.check_outputs`: not
+    an input, containing none, a previous quantised model or new), before torch is imported.
+    Returns ``--out``."""
+    from qkrope import _preflight as pre
+    from qkrope._fileio import QUANTIZED_MODEL, check_output_folder, check_outputs
+
+    diffusers = pre.input_dir(args.diffusers, flag="--diffusers",
+                              fix="pass the local folder of a saved QwenImageTransformer2DModel "
+                                  "(config.json + weights) or of its pipeline")
+    pre.input_file(args.calibration, flag="--calibration",
+                   fix="record one with qkrope.export.quantize.CalibrationRecorder")
+    if args.batches is not None and args.batches < 1:
+        raise InputError(f"--batches must be >= 1; got {args.batches}")
+    out = Path(args.out)
+    check_output_folder(out.parent)
+    check_outputs([(out, QUANTIZED_MODEL)], _inputs(args, diffusers))
+    return out
+
+
+def _inputs(args: argparse.Namespace, diffusers: Path) -> list[Path]:
+    """What quantize reads: the folders and their weight/config files (a symlink into --out
+    counts where it points) and the calibration file."""
+    from qkrope.runtime.state_dict import model_folder_files
+
+    return [diffusers, model_folder(diffusers), *model_folder_files(diffusers),
+            Path(args.calibration)]
+
+
 def run(args: argparse.Namespace) -> int:
-    import torch
+    out = check_paths(args)  # before the heavy imports: a wrong path answers at once
 
     from qkrope import dtypes
     from qkrope.export import quantize
     from qkrope.export.patch_diffusers import load_transformer
 
-    from pathlib import Path
-
-    if Path(args.out).resolve() == Path(args.diffusers).resolve():
-        raise InputError(f"--out {args.out!r} is the float model's folder; write the quantised "
-                         f"model to a new folder (the float one is the calibration's source)")
-    if args.batches is not None and args.batches < 1:
-        raise InputError(f"--batches must be >= 1; got {args.batches}")
+    device = quantize.resolve_device(args.device)
+    folder = model_folder(Path(args.diffusers))
+    exclude = None if args.exclude is None else tuple(args.exclude)
+    cls = quantize.folder_class_name(folder)
+    if exclude is None and cls is not None:
+        exclude = default_excluded(cls)  # refuses a class qkrope has no selection for
+    if exclude is not None:
+        quantize.check_exclude_in_folder(folder, exclude)
     batches = quantize.load_calibration(args.calibration)[:args.batches]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     transformer = load_transformer(args.diffusers, dtype=dtypes.TORCH_BY_SHORT[args.dtype])
+    if exclude is None:
+        exclude = default_excluded(transformer)
+    config = quantize.fp8_config(exclude, model=transformer)  # and the model loaded
     transformer.to(device)
-    exclude = default_excluded(transformer) if args.exclude is None else tuple(args.exclude)
-    quantize.calibrate(transformer, batches, config=quantize.fp8_config(exclude), progress=True)
-    out = quantize.save_quantized(transformer.to("cpu"), args.out)
+    quantize.calibrate(transformer, batches, config=config, progress=True)
+    out = quantize.save_quantized(transformer.to("cpu"), out,
+                                  inputs=_inputs(args, Path(args.diffusers)))
     n = len(quantize.fp8_quantizers(transformer))
     print(f"calibrated {n} FP8 quantizers over {len(batches)} recorded call(s); wrote {out}")
     print(f"next: qkrope export --model transformer --diffusers {out} --quant fp8")

@@ -253,7 +253,7 @@ def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path,
     """-o (and its sidecar) is none of the files refit reads (the weights, the plugin library
     given or recorded; the engine itself only when -o names it: in place) and replaces no file
     of another kind."""
-    from qkrope._fileio import ENGINE_SIDECAR, TEXT_FILE, check_outputs, same_file
+    from qkrope._fileio import ENGINE_SIDECAR, TENSORRT_ENGINE, check_outputs, same_file
     from qkrope.sidecars import engine_sidecar_path
 
     from qkrope.runtime.state_dict import model_folder_files
@@ -264,8 +264,7 @@ def _check_refit_outputs(args: argparse.Namespace, engine_path: Path, out: Path,
                    if not same_file(p, engine_sidecar_path(engine_path))]
     if not same_file(out, engine_path):
         inputs += [engine_path, engine_sidecar_path(engine_path)]
-    check_outputs([(out, "a TensorRT engine", (TEXT_FILE,)),
-                   (engine_sidecar_path(out), "an engine sidecar", (ENGINE_SIDECAR, TEXT_FILE))],
+    check_outputs([(out, TENSORRT_ENGINE), (engine_sidecar_path(out), ENGINE_SIDECAR)],
                   inputs, flag="-o")
 
 

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from qkrope._fileio import plain_mode
+
 from ..measure import BenchRow, format_bench_table, image_tokens, machine_info
 from .backends import (_bench_kernel, _build_engines, _engine_backend, _export_onnx,
                        _have_tensorrt, _make_block, _ort_backend, _torch_backends,
@@ -111,6 +113,7 @@ def _run_bench(cfg: Config, log: Callable[[str], None]) -> list[BenchRow]:
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="qkrope-bench-", dir=cfg.out))
+    os.chmod(workdir, plain_mode(folder=True))  # it may be kept: the umask's mode, not 0700
     try:
         rows = _bench_in(cfg, workdir, rows, machine, sets, on_gpu, log)
     except BaseException:  # a failed or interrupted run leaves no work folder behind
