@@ -48,7 +48,7 @@ from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from qkrope import contract, model_io
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import QWEN_IMAGE, QWEN_IMAGE_FAMILY
 from qkrope._progress import Steps
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
@@ -388,12 +388,14 @@ def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
             value.doc_string = INPUT_DOCS[value.name]
 
 
-def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
+def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
+                   decl: model_io.ModelDecl | None = None):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
-    (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
+    (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`).
+    ``decl``: the graph's declaration (default: that of the model kind; FLUX's differ)."""
     axis_values = info_fields.pop("axis_values")
     inputs, outputs = _tensor_infos(model, set(axis_values),
-                                    model_io.MODELS[info_fields["model"]])
+                                    decl or model_io.MODELS[info_fields["model"]])
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
@@ -636,19 +638,28 @@ def _axis_values(sample: Sample) -> dict[str, int]:
 # Whole transformer
 # --------------------------------------------------------------------------------------------
 
+def diffusers_config_record(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The sidecar's ``diffusers_config``: the model's config without diffusers' private keys
+    (but its class and version), tuples as lists."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()
+            if not k.startswith("_") or k in ("_class_name", "_diffusers_version")}
+
+
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
                        layers: int | None = None, dtype: str = "fp32",
-                       opset: int | None = None, rounding: int = contract.DEFAULT_ROUNDING,
+                       opset: int | None = None, rounding: int | None = None,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
                        attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True,
                        quant: str | None = None, variant: str | None = None):
-    """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs
-    (``attention`` and ``opset``: as for :func:`export_attention`; ``variant``: diffusers'
-    weights variant, e.g. ``"fp16"``). ``quant="fp8"``: a folder quantised with ModelOpt
+    """Export a local diffusers transformer with cache inputs: ``QwenImageTransformer2DModel``
+    here, FLUX.1/FLUX.2 through :func:`qkrope.export.flux_export.export_flux_transformer` (the
+    family from config.json: :data:`qkrope.model_io.FAMILIES`; ``rounding`` None: the
+    family's). ``attention`` and ``opset``: as for :func:`export_attention`; ``variant``:
+    diffusers' weights variant, e.g. ``"fp16"``. ``quant="fp8"``: a folder quantised with ModelOpt
     (``qkrope quantize``) exported with FP8 Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or
     later); a quantised folder without it is refused."""
-    from .patch_diffusers import CacheInputTransformer, load_transformer
+    from .patch_diffusers import CacheInputTransformer, folder_family, load_transformer
 
     from qkrope.runtime.state_dict import model_folder_files
 
@@ -658,6 +669,17 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     check_attention_form(attention, opset)
     _check_quant_opset(quant, opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
+    family = folder_family(str(diffusers_dir))  # any other class: refused with the list
+    if rounding is not None:
+        rounding = contract.check_rounding(rounding, what="--rounding")
+    if family is not QWEN_IMAGE_FAMILY:
+        from .flux_export import export_flux_transformer
+
+        return export_flux_transformer(out, diffusers_dir, family=family, layers=layers,
+                                       dtype=dtype, opset=opset, rounding=rounding,
+                                       sample=sample, attention=attention, progress=progress,
+                                       quant=quant, variant=variant)
+    rounding = family.rounding if rounding is None else rounding
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
         with steps.step(f"loading {diffusers_dir} ({dtype})"):
@@ -698,11 +720,10 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         config = ModelConfig(
             dim=int(cfg["num_attention_heads"]) * head_dim,
             heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
-            axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
+            axes_dims_rope=list(axes_dim), family=QWEN_IMAGE_FAMILY.name,
+            rope_theta=QWEN_IMAGE_FAMILY.theta, seed=0, dtype=dtype,
             diffusers_dir=str(Path(diffusers_dir).resolve()),
-            diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
-                              for k, v in cfg.items() if not k.startswith("_")
-                              or k in ("_class_name", "_diffusers_version")},
+            diffusers_config=diffusers_config_record(cfg),
             num_layers_exported=n_layers, attention=attention,
             # the state-dict keys that are initializers of that name (qkrope build --refit marks
             # them refittable) and those the graph does not use

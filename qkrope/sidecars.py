@@ -25,7 +25,9 @@ each, a format version, and a check on load.
                  "parameters" (the state-dict keys kept as initializers of that name),
                  "parameter_shapes" ({key: shape}: `qkrope refit` checks them),
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
-                 dict), "num_layers_exported" and "parameters_not_in_graph"; an FP8 export
+                 dict), "num_layers_exported", "parameters_not_in_graph", "family"
+                 ("qwen-image" | "flux1" | "flux2": qkrope.model_io.FAMILIES) and
+                 "rope_theta" (axes_dims_rope has 4 entries for FLUX.2); an FP8 export
                  "quantization"}  (read as a checked ModelConfig; every field optional)
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
       "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?},
@@ -306,9 +308,12 @@ _CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "heads": (_positive_int, "a positive int"),
     "head_dim": (_positive_int, "a positive int"),
     "rotary_dim": (_positive_int, "a positive int"),
-    "axes_dims_rope": (lambda v: isinstance(v, list) and len(v) == 3 and all(
+    "axes_dims_rope": (lambda v: isinstance(v, list) and len(v) in (3, 4) and all(
         isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in v),
-        "a list of 3 non-negative ints"),
+        "a list of 3 (Qwen-Image, FLUX.1) or 4 (FLUX.2) non-negative ints"),
+    "family": (lambda v: v in model_io.FAMILY_NAMES, f"one of {sorted(model_io.FAMILY_NAMES)}"),
+    "rope_theta": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                   "a positive number"),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
     "attention": (lambda v: isinstance(v, str), "a str"),
@@ -343,6 +348,8 @@ class ModelConfig:
     head_dim: int | None = None
     rotary_dim: int | None = None
     axes_dims_rope: list[int] | None = None
+    family: str | None = None  # a transformer's model family (qkrope.model_io.FAMILY_NAMES)
+    rope_theta: float | None = None  # a transformer's RoPE base
     seed: int | None = None
     dtype: str | None = None  # the --dtype short name
     attention: str | None = None  # the attention form (contract.ATTENTION_FORMS)

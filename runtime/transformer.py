@@ -222,16 +222,35 @@ def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
                      providers: Sequence | None = None,
                      provider_options: Sequence[Mapping] | None = None, sess_options=None,
                      cuda_graph: bool = False,
-                     device: torch.device | str | None = None) -> QwenImageTransformer:
-    """Open an exported diffusers transformer (``.onnx``: ONNX Runtime with ``providers``,
+                     device: torch.device | str | None = None):
+    """Open an exported diffusers transformer (Qwen-Image: :class:`QwenImageTransformer`;
+    FLUX.1/FLUX.2: :class:`qkrope.runtime.flux_transformer.FluxTransformer`, by the sidecar's
+    ``config.family``) (``.onnx``: ONNX Runtime with ``providers``,
     ``provider_options`` and ``sess_options``; ``.engine``/``.plan``: TensorRT with the
     QKNormRoPE ``plugin`` and ``cuda_graph``) as a drop-in for ``pipe.transformer`` (module
     docstring). The options go to :func:`qkrope.runtime.load` as given, its defaults included
     (ONNX Runtime without memory patterns)."""
-    return QwenImageTransformer(load(path, plugin=plugin, providers=providers,
-                                     provider_options=provider_options,
-                                     sess_options=sess_options, cuda_graph=cuda_graph),
-                                device=device)
+    runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
+                  sess_options=sess_options, cuda_graph=cuda_graph)
+    family = getattr(runner.io.config, "family", None)
+    if family in ("flux1", "flux2"):  # FLUX.1 / FLUX.2 (qkrope.model_io.FAMILIES)
+        return _flux_transformer(runner, device)
+    return QwenImageTransformer(runner, device=device)
+
+
+def _flux_transformer(runner: Runner, device):
+    """The FLUX drop-in (:class:`qkrope.runtime.flux_transformer.FluxTransformer`) for a FLUX
+    export, with the same checks as Qwen-Image's: a whole exported transformer."""
+    from .flux_transformer import FluxTransformer
+
+    io = runner.io
+    cfg = io.config.diffusers_config
+    if not isinstance(cfg, Mapping) or "timestep" not in io.roles:
+        raise TransformerLoadError(
+            f"{io.source} is not an exported diffusers transformer (its sidecar has no "
+            f"diffusers_config or no timestep input). Fix: export with `qkrope export --model "
+            f"transformer --diffusers DIR`.")
+    return FluxTransformer(runner, cfg, device=device)
 
 
 __all__ = ["QwenImageTransformer", "TransformerLoadError", "load_transformer"]
