@@ -145,6 +145,14 @@ class FluxTransformer:
                 raise InputError(f"{name} must be [batch, tokens, features]; got "
                                  f"{getattr(t, 'shape', type(t).__name__)}")
         batch = int(hidden_states.shape[0])
+        # one prompt for several images: FluxPipeline given prompt_embeds does not repeat them
+        # for num_images_per_prompt, and diffusers' model broadcasts the text's batch of 1
+        # (through the timestep modulation); the graph has one batch axis, so it is expanded
+        if encoder_hidden_states.shape[0] == 1 < batch:
+            encoder_hidden_states = encoder_hidden_states.expand(batch, -1, -1)
+        if flux1 and isinstance(pooled_projections, torch.Tensor) \
+                and pooled_projections.dim() == 2 and pooled_projections.shape[0] == 1 < batch:
+            pooled_projections = pooled_projections.expand(batch, -1)
         conditioning: dict[str, torch.Tensor] = {}
         if flux1:
             conditioning["pooled_projections"] = pooled_projections.to(self.dtype)

@@ -19,13 +19,6 @@ from qkrope import contract, model_io  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
-#: The bound the FLUX drop-in's per-call error is held to, relative to max|output| (the
-#: pipeline tests' latent bound starts from it): at least twice the stock export's own error,
-#: which test_ort_at_untraced_shapes measures and asserts to be below it (on the 2-core EPYC:
-#: 6.8e-5 of max|output| for FLUX.1, 1.4e-4 for FLUX.2, ours equal to the stock's within 1e-6;
-#: mostly the fp32 timestep embedding, sin/cos of timestep x 1000, which ONNX Runtime and
-#: PyTorch round differently), rounded up to 5e-4.
-FLUX_TRANSFORMER_PARITY = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -325,8 +318,8 @@ def test_ort_at_untraced_shapes(root, tmp_path, variant):
     ours_err = float(np.abs(ours - ref64).max())
     assert ours.shape == ref64.shape == (3, 21, cfg["in_channels"])
     assert 0 < stock_err and ours_err <= 2 * stock_err, (ours_err, stock_err)
-    # the pipeline tests' per-call premise (FLUX_TRANSFORMER_PARITY), against the fp32
+    # the pipeline tests' per-call premise (_flux_models.FLUX_TRANSFORMER_PARITY), against the fp32
     # forward the pipelines run
     scale = float(np.abs(ref64).max())
-    assert 2 * stock_err <= FLUX_TRANSFORMER_PARITY * scale
-    assert float(np.abs(ours - ref32).max()) <= FLUX_TRANSFORMER_PARITY * scale
+    assert 2 * stock_err <= fm.FLUX_TRANSFORMER_PARITY * scale
+    assert float(np.abs(ours - ref32).max()) <= fm.FLUX_TRANSFORMER_PARITY * scale
