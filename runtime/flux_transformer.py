@@ -28,6 +28,7 @@ from qkrope import dtypes, model_io
 from qkrope._deps import require
 from qkrope.errors import InputError
 
+from ._dropin import frozen_config, is_one, short_repr
 from .caches import RopeCaches, to_cos_sin_caches
 from .runner import Runner
 
@@ -87,12 +88,10 @@ class FluxTransformer:
 
     def __init__(self, runner: Runner, config: Mapping[str, Any], *,
                  device: torch.device | str | None = None):
-        from .transformer import _frozen_config
-
         io = runner.io
         self._runner = runner
         self.family = model_io.FAMILY_NAMES[io.config.family]
-        self.config = _frozen_config(config)
+        self.config = frozen_config(config)
         self.dtype = dtypes.torch_dtype(io.input(io.roles["hidden_states"]).dtype)
         self.device = torch.device(device) if device is not None else runner.device
         self._axes = tuple(int(a) for a in io.config.axes_dims_rope)
@@ -201,8 +200,6 @@ class FluxTransformer:
     def _refuse_unsupported(self, joint_attention_kwargs, controlnet_block_samples,
                             controlnet_single_block_samples, kv_cache, kv_cache_mode,
                             num_ref_tokens) -> None:
-        from .transformer import _is_one, _short_repr
-
         if controlnet_block_samples is not None or controlnet_single_block_samples is not None:
             raise InputError("controlnet_block_samples / controlnet_single_block_samples: the "
                              "exported FLUX transformer has no ControlNet residual inputs. Fix: "
@@ -218,15 +215,15 @@ class FluxTransformer:
             return
         if not isinstance(kwargs, Mapping):
             raise InputError(f"joint_attention_kwargs must be a dict (or None); got "
-                             f"{type(kwargs).__name__} {_short_repr(kwargs)}")
+                             f"{type(kwargs).__name__} {short_repr(kwargs)}")
         if any(k in kwargs for k in ("ip_adapter_image_embeds", "ip_hidden_states")):
             raise IPAdapterUnsupportedError(
                 "joint_attention_kwargs carries IP-Adapter image embeddings, which the exported "
                 "FLUX transformer cannot take. Fix: run IP-Adapter pipelines on the PyTorch model")
         others = sorted((k for k in kwargs if k != "scale"), key=repr)
-        if others or not _is_one(kwargs.get("scale", 1.0)):
+        if others or not is_one(kwargs.get("scale", 1.0)):
             raise InputError(
-                f"joint_attention_kwargs {_short_repr(dict(kwargs))} cannot be honoured by an "
+                f"joint_attention_kwargs {short_repr(dict(kwargs))} cannot be honoured by an "
                 f"exported graph (a LoRA scale other than 1 or processor arguments change "
                 f"weights or code that were fixed at export). Fix: fuse the LoRA into the "
                 f"weights and re-export, or drop joint_attention_kwargs")

@@ -39,6 +39,8 @@ from qkrope import dtypes
 from qkrope._deps import require
 from qkrope.errors import InputError, QkropeError
 
+from ._dropin import frozen_config as _frozen_config
+from ._dropin import is_one as _is_one, short_repr as _short_repr
 from .caches import QWEN_AXES_DIM, build_qwen_rope_caches
 from .backends import load
 from .runner import Runner
@@ -179,19 +181,6 @@ class QwenImageTransformer:
                 f"dtype={self.dtype}, device={self.device})")
 
 
-def _short_repr(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _is_one(scale: Any) -> bool:
-    """A LoRA scale of exactly 1 (a number or a one-element tensor), which changes nothing."""
-    if isinstance(scale, torch.Tensor):
-        return scale.numel() == 1 and not scale.is_complex() and float(scale) == 1.0
-    return (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
-            and float(scale) == 1.0)
-
-
 def _check_txt_seq_lens(value: Any, batch: int, txt: int) -> None:
     """diffusers' ``txt_seq_lens``: one text length per batch item, each in 0..txt (the lengths
     themselves come from the mask; they are checked, not used)."""
@@ -208,14 +197,6 @@ def _check_txt_seq_lens(value: Any, batch: int, txt: int) -> None:
     if len(lens) != batch or any(n < 0 or n > txt for n in lens):
         raise InputError(f"{expected}; got {lens}. Fix: pass prompt_embeds_mask.sum(dim=1)"
                          f".tolist(), or omit it")
-
-
-def _frozen_config(cfg: Mapping[str, Any]):
-    try:
-        from diffusers.configuration_utils import FrozenDict
-    except ImportError:  # diffusers is what uses the config; without it a plain mapping will do
-        return dict(cfg)
-    return FrozenDict({k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()})
 
 
 def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,

@@ -20,10 +20,9 @@ _FLUX2 = dict(patch_size=1, in_channels=4, attention_head_dim=16, num_attention_
               joint_attention_dim=32, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4])
 #: The bound the FLUX drop-in's per-call error is held to, relative to max|output| (the
 #: pipeline tests' latent bound starts from it): at least twice the stock export's own error,
-#: which test_flux_export.py's test_ort_at_untraced_shapes measures and asserts to be below it (on the 2-core EPYC:
-#: 6.8e-5 of max|output| for FLUX.1, 1.4e-4 for FLUX.2, ours equal to the stock's within 1e-6;
-#: mostly the fp32 timestep embedding, sin/cos of timestep x 1000, which ONNX Runtime and
-#: PyTorch round differently), rounded up to 5e-4.
+#: which test_flux_export.py's test_ort_at_untraced_shapes measures and asserts to be below it
+#: (on the 2-core EPYC: 6.8e-5 of max|output| for FLUX.1, 1.4e-4 for FLUX.2, ours within 1e-6
+#: of the stock's), rounded up to 5e-4.
 FLUX_TRANSFORMER_PARITY = 5e-4
 
 #: variant -> (family, diffusers class, config)
@@ -97,6 +96,6 @@ def vae(family: model_io.ModelFamily):
 
 def ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
     """Position ids as the FLUX pipelines make them (the exporter's sample ids)."""
-    from qkrope.export.flux_export import sample_ids
+    from qkrope.export.patch_flux import sample_ids
 
     return sample_ids(family, img_shapes, txt_len)
