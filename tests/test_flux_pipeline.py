@@ -206,3 +206,29 @@ def test_ip_adapter_pipeline_is_refused(root):
     with pytest.raises(IPAdapterUnsupportedError, match="IP-Adapter"):
         pipes[1](**_embeds(1, 6, seed=3), ip_adapter_image=_image(16, 16), height=16, width=16,
                  num_inference_steps=1, output_type="latent")
+
+
+def test_runner_takes_flux_conditioning_by_role(root):
+    """The runner under the drop-in: pooled_projections and guidance by role, each one the model
+    has required, one it lacks refused."""
+    from qkrope.runtime import RunnerInputError, load
+    from qkrope.runtime.flux_transformer import caches_from_ids
+
+    family = model_io.FLUX1
+    runner = load(fm.exported("flux1-dev", root))
+    txt_ids, img_ids = fm.ids(family, [(1, 4, 4)], 5)
+    caches = caches_from_ids(family.name, txt_ids, img_ids, axes_dims=(4, 4, 8), theta=10000,
+                             head_dim=16)
+    args = (torch.randn(1, 16, 4), torch.randn(1, 5, 32), caches, None, torch.tensor([0.5]))
+    full = {"pooled_projections": torch.randn(1, 32), "guidance": torch.tensor([3.5])}
+    assert runner(*args, conditioning=full).shape == (1, 16, 4)
+    with pytest.raises(RunnerInputError, match="needs guidance"):
+        runner(*args, conditioning={"pooled_projections": full["pooled_projections"]})
+    with pytest.raises(RunnerInputError, match="takes the roles"):
+        runner(*args, conditioning={**full, "mask": torch.ones(1, 5)})
+    with pytest.raises(RunnerInputError, match="extra_inputs may not replace it"):
+        runner(*args, conditioning={"pooled_projections": full["pooled_projections"]},
+               extra_inputs={"guidance": full["guidance"]})
+    klein = load(fm.exported("flux2-klein", root))
+    with pytest.raises(RunnerInputError, match="has no guidance input"):
+        klein(*args, conditioning={"guidance": full["guidance"]})

@@ -76,7 +76,8 @@ def test_readme_flux_block_runs_as_written(tmp_path, monkeypatch):
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(block_out_channels=(4, 4, 4, 4), layers_per_block=1,
                                   latent_channels=1, norm_num_groups=1, use_quant_conv=False,
-                                  use_post_quant_conv=False,
+                                  use_post_quant_conv=False, shift_factor=0.0609,
+                                  scaling_factor=1.5035,  # FLUX.1's VAE values
                                   down_block_types=("DownEncoderBlock2D",) * 4,
                                   up_block_types=("UpDecoderBlock2D",) * 4).eval()
     pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
