@@ -227,8 +227,7 @@ def test_runner_takes_flux_conditioning_by_role(root):
     with pytest.raises(RunnerInputError, match="takes the roles"):
         runner(*args, conditioning={**full, "mask": torch.ones(1, 5)})
     with pytest.raises(RunnerInputError, match="extra_inputs may not replace it"):
-        runner(*args, conditioning={"pooled_projections": full["pooled_projections"]},
-               extra_inputs={"guidance": full["guidance"]})
+        runner(*args, conditioning=full, extra_inputs={"guidance": full["guidance"]})
     klein = load(fm.exported("flux2-klein", root))
     with pytest.raises(RunnerInputError, match="has no guidance input"):
         klein(*args, conditioning={"guidance": full["guidance"]})
