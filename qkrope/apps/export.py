@@ -18,7 +18,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "transformer to ONNX. Writes MODEL.onnx and MODEL.onnx.json.")
     p.add_argument("--model", choices=("attention", "transformer"), default="attention")
     p.add_argument("--out", "-o", default=None,
-                   help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
+                   help="output .onnx (default: <family>_<model>_<dtype>.onnx, the family "
+                        "qwen_image, flux1 or flux2)")
     _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision",
                     default="fp32")
     p.add_argument("--opset", type=int, default=None,
@@ -101,7 +102,12 @@ def run(args: argparse.Namespace) -> int:
 
     from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
 
-    out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
+    prefix = "qwen_image"
+    if args.model == "transformer" and args.out is None:
+        from qkrope.export.patch_diffusers import folder_family
+
+        prefix = folder_family(args.diffusers).name.replace("-", "_")  # qwen_image, flux1, flux2
+    out = args.out or f"{prefix}_{args.model}_{args.dtype}.onnx"
     common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
                   txt_len=args.txt_len, batch=args.batch, attention=args.attention)
     if args.model == "transformer":
