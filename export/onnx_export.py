@@ -1,4 +1,5 @@
-"""``qkrope export``: the Qwen-Image attention block or a whole diffusers transformer to ONNX.
+"""``qkrope export``: the Qwen-Image attention block or a whole diffusers transformer (Qwen-Image,
+FLUX.1, FLUX.2: :data:`qkrope.model_io.FAMILIES`) to ONNX.
 
 Exporter path: ``torch.onnx.export(..., dynamo=True)`` (torch.export + onnxscript/torchlib) with
 ``custom_translation_table={torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation}``:
@@ -48,7 +49,7 @@ from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from qkrope import contract, model_io
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import QWEN_IMAGE, QWEN_IMAGE_FAMILY
 from qkrope._progress import Steps
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
@@ -388,12 +389,14 @@ def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
             value.doc_string = INPUT_DOCS[value.name]
 
 
-def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
+def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
+                   decl: model_io.ModelDecl | None = None):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
-    (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`)."""
+    (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`).
+    ``decl``: the graph's declaration (default: that of the model kind; FLUX's differ)."""
     axis_values = info_fields.pop("axis_values")
     inputs, outputs = _tensor_infos(model, set(axis_values),
-                                    model_io.MODELS[info_fields["model"]])
+                                    decl or model_io.MODELS[info_fields["model"]])
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
@@ -636,19 +639,28 @@ def _axis_values(sample: Sample) -> dict[str, int]:
 # Whole transformer
 # --------------------------------------------------------------------------------------------
 
+def diffusers_config_record(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The sidecar's ``diffusers_config``: the model's config without diffusers' private keys
+    (but its class and version), tuples as lists."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()
+            if not k.startswith("_") or k in ("_class_name", "_diffusers_version")}
+
+
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
                        layers: int | None = None, dtype: str = "fp32",
-                       opset: int | None = None, rounding: int = contract.DEFAULT_ROUNDING,
+                       opset: int | None = None, rounding: int | None = None,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
                        attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True,
                        quant: str | None = None, variant: str | None = None):
-    """Export a local diffusers ``QwenImageTransformer2DModel`` with cache inputs
-    (``attention`` and ``opset``: as for :func:`export_attention`; ``variant``: diffusers'
-    weights variant, e.g. ``"fp16"``). ``quant="fp8"``: a folder quantised with ModelOpt
+    """Export a local diffusers transformer with cache inputs: ``QwenImageTransformer2DModel``
+    here, FLUX.1/FLUX.2 through :func:`export_flux_transformer` (the
+    family from config.json: :data:`qkrope.model_io.FAMILIES`; ``rounding`` None: the
+    family's). ``attention`` and ``opset``: as for :func:`export_attention`; ``variant``:
+    diffusers' weights variant, e.g. ``"fp16"``. ``quant="fp8"``: a folder quantised with ModelOpt
     (``qkrope quantize``) exported with FP8 Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or
     later); a quantised folder without it is refused."""
-    from .patch_diffusers import CacheInputTransformer, load_transformer
+    from .patch_diffusers import CacheInputTransformer, folder_family, load_transformer
 
     from qkrope.runtime.state_dict import model_folder_files
 
@@ -658,6 +670,15 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     check_attention_form(attention, opset)
     _check_quant_opset(quant, opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
+    family = folder_family(str(diffusers_dir))  # any other class: refused with the list
+    if rounding is not None:
+        rounding = contract.check_rounding(rounding, what="--rounding")
+    if family is not QWEN_IMAGE_FAMILY:
+        return export_flux_transformer(out, diffusers_dir, family=family, layers=layers,
+                                       dtype=dtype, opset=opset, rounding=rounding,
+                                       sample=sample, attention=attention, progress=progress,
+                                       quant=quant, variant=variant)
+    rounding = family.rounding if rounding is None else rounding
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
         with steps.step(f"loading {diffusers_dir} ({dtype})"):
@@ -698,11 +719,10 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         config = ModelConfig(
             dim=int(cfg["num_attention_heads"]) * head_dim,
             heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
-            axes_dims_rope=list(axes_dim), seed=0, dtype=dtype,
+            axes_dims_rope=list(axes_dim), family=QWEN_IMAGE_FAMILY.name,
+            rope_theta=QWEN_IMAGE_FAMILY.theta, seed=0, dtype=dtype,
             diffusers_dir=str(Path(diffusers_dir).resolve()),
-            diffusers_config={k: (list(v) if isinstance(v, tuple) else v)
-                              for k, v in cfg.items() if not k.startswith("_")
-                              or k in ("_class_name", "_diffusers_version")},
+            diffusers_config=diffusers_config_record(cfg),
             num_layers_exported=n_layers, attention=attention,
             # the state-dict keys that are initializers of that name (qkrope build --refit marks
             # them refittable) and those the graph does not use
@@ -718,5 +738,137 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
             dynamic_axes={}, node_attributes=attributes, config=config,
             sample=_sample_dict(sample), versions=_versions(("diffusers",)),
             axis_values=_axis_values(sample)), steps)
+        steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
+    return info, written
+
+
+# --------------------------------------------------------------------------------------------
+# FLUX.1 / FLUX.2 transformers (export_transformer's family dispatch)
+# --------------------------------------------------------------------------------------------
+# The graph (qkrope.model_io.FLUX1_TRANSFORMER / FLUX2_TRANSFORMER) takes FLUX's inputs with the
+# two RoPE caches in place of txt_ids/img_ids and no mask; every attention's norm + RoPE is a
+# QKNormRoPE node (qkrope.export.patch_flux), and nothing in it is float64 (check_no_double).
+# The sidecar records the family, the RoPE axes (3 for FLUX.1, 4 for FLUX.2) and theta (FLUX.1's
+# 10000 is fixed in diffusers' code, FLUX.2's is the config's rope_theta, 2000 by default), as
+# read from the loaded model.
+
+def check_no_double(model) -> None:
+    """No float64 anywhere in the graph: no DOUBLE input, output, initializer, value or Cast
+    (TensorRT's parser demotes DOUBLE to FLOAT, so ONNX Runtime and TensorRT would disagree)."""
+    import onnx_ir as ir
+
+    double = ir.DataType.DOUBLE
+    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
+        model.graph.initializers.values())
+    for node in model.graph.all_nodes():
+        values += list(node.outputs)
+        if node.op_type == "Cast" and "to" in node.attributes and \
+                int(node.attributes["to"].value) == int(double):
+            raise ExportError(f"node {node.name} casts to DOUBLE: the FLUX graph must have "
+                              f"no float64")
+    for value in values:
+        if value is not None and value.dtype == double:
+            raise ExportError(f"graph value {value.name} is DOUBLE: the FLUX graph must "
+                              f"have no float64")
+
+
+def _flux_sample_args(family, transformer, sample, dtype, theta, axes, head_dim, guided):
+    from qkrope.runtime.flux_transformer import caches_from_ids
+
+    from .patch_flux import sample_ids
+
+    cfg = transformer.config
+    g = torch.Generator().manual_seed(1)
+    txt_ids, img_ids = sample_ids(family, sample.img_shapes, sample.txt_len)
+    caches = caches_from_ids(family.name, txt_ids, img_ids, axes_dims=axes, theta=theta,
+                             head_dim=head_dim)
+    b = sample.batch
+    args = [torch.randn(b, sample.img_tokens, int(cfg["in_channels"]), generator=g).to(dtype),
+            torch.randn(b, sample.txt_len, int(cfg["joint_attention_dim"]),
+                        generator=g).to(dtype)]
+    if family is model_io.FLUX1:
+        args.append(torch.randn(b, int(cfg["pooled_projection_dim"]), generator=g).to(dtype))
+    args.append(torch.full((b,), 0.5, dtype=dtype))
+    if guided:
+        args.append(torch.full((b,), 3.5, dtype=dtype))
+    return tuple(args) + (caches.img.clone(), caches.txt.clone())
+
+
+def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
+                            family: model_io.ModelFamily, layers: int | None, dtype: str,
+                            opset: int, rounding: int | None, sample: Sample,
+                            attention: str, progress: bool, quant: str | None,
+                            variant: str | None):
+    """Export a FLUX.1/FLUX.2 transformer folder (arguments checked by export_transformer)."""
+    from .patch_diffusers import load_transformer
+    from .patch_flux import cache_input_flux, flux_node_count, has_guidance
+
+    if layers is not None:
+        raise InputError(f"--layers applies to Qwen-Image; a {family.label} export keeps every "
+                         f"double- and single-stream block. Fix: drop --layers")
+    tdtype = TORCH_DTYPES[dtype]
+    t0 = time.perf_counter()
+    with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
+        with steps.step(f"loading {diffusers_dir} ({family.label}, {dtype})"):
+            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, quant=quant,
+                                           variant=variant)
+        fp8_table = None
+        if quant is not None:
+            from . import quantize
+
+            fp8_table = quantize.linear_fp8_table(transformer)
+        cfg = dict(transformer.config)
+        head_dim = int(cfg["attention_head_dim"])
+        axes = tuple(int(v) for v in cfg["axes_dims_rope"])
+        theta = float(transformer.pos_embed.theta)  # the value diffusers built the model with
+        theta = int(theta) if theta.is_integer() else theta
+        rotary_dim = sum(axes)
+        if rotary_dim != head_dim:
+            raise InputError(f"axes_dims_rope {list(axes)} sums to {rotary_dim}, not "
+                             f"attention_head_dim={head_dim}: FLUX rotates the whole head")
+        guided = has_guidance(transformer)
+        decl = family.decl(guided)
+        wrapper = cache_input_flux(transformer, family, rounding=rounding)
+        n_nodes = flux_node_count(transformer)
+        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
+        args = _flux_sample_args(family, transformer, sample, tdtype, theta, axes, head_dim,
+                                 guided)
+        blocks = (f"{len(transformer.transformer_blocks)} double + "
+                  f"{len(transformer.single_transformer_blocks)} single blocks")
+        with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
+            model = _torch_export(
+                wrapper, args, decl.input_names, decl.output_names, opset,
+                parameters_of="transformer", steps=steps, attention=attention,
+                what=f"{family.label}: {blocks} (sample {sample.img_shapes}, {sample.txt_len} "
+                     f"text tokens, batch {sample.batch}; {attention} attention, opset {opset})")
+        state = {k: v for k, v in transformer.state_dict().items()
+                 if quantization.QUANTIZER_MARK not in k}
+        not_in_graph = check_parameters(model, state)
+        check_no_double(model)
+        quant_record = None
+        if fp8_table is not None:
+            with steps.step(f"FP8 Q/DQ on {len(fp8_table)} quantised Linear layers"):
+                quant_record = quantize.apply_fp8(model, transformer, fp8_table)
+        with steps.step(f"adding the QKNormRoPE function body ({n_nodes} nodes)"):
+            finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
+                              expected_nodes=n_nodes)
+        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, wrapper.rounding)
+        config = ModelConfig(
+            dim=int(cfg["num_attention_heads"]) * head_dim,
+            heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
+            axes_dims_rope=list(axes), family=family.name, rope_theta=theta, seed=0,
+            dtype=dtype, diffusers_dir=str(Path(diffusers_dir).resolve()),
+            diffusers_config=diffusers_config_record(cfg), attention=attention,
+            parameters=[k for k in state if k not in not_in_graph
+                        and (quant_record is None or k in model.graph.initializers)],
+            parameters_not_in_graph=not_in_graph)
+        if quant_record is not None:
+            config.quantization = quant_record
+        config.parameter_shapes = _shapes(transformer.state_dict(), config.parameters)
+        info, written = _write_outputs(model, out, dict(
+            model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
+            dynamic_axes={}, node_attributes=attributes, config=config,
+            sample=_sample_dict(sample), versions=_versions(("diffusers",)),
+            axis_values=_axis_values(sample)), steps, decl=decl)
         steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

@@ -123,32 +123,60 @@ class CacheInputTransformer(nn.Module):
         return t.proj_out(hidden_states)
 
 
-def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
-                     quant: str | None = None, variant: str | None = None) -> nn.Module:
-    """``QwenImageTransformer2DModel.from_pretrained(directory, variant=variant)``, local files
-    only; the weight files (one file, or every shard its index names and no other) are checked
-    first (:func:`qkrope.diffusers_weights.weight_files`).
-
-    A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
-    (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
-    with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
+def model_folder(directory: str) -> str:
+    """The folder of a saved diffusers transformer: ``directory``, or its ``transformer/``
+    subfolder (a pipeline folder); an InputFileNotFoundError otherwise."""
     import os
 
-    from qkrope.quantization import check_folder
-
-    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     if not directory or not os.path.isdir(directory):
         raise InputFileNotFoundError(
             f"--diffusers {directory!r} is not a directory: give the local folder of a saved "
-            f"QwenImageTransformer2DModel (the one with config.json and the weights; for a "
+            f"diffusers transformer (the one with config.json and the weights; for a "
             f"pipeline folder, its transformer/ subfolder). Nothing is downloaded.")
     if not os.path.isfile(os.path.join(directory, "config.json")):
         sub = os.path.join(directory, "transformer")
         if os.path.isfile(os.path.join(sub, "config.json")):
-            directory = sub
-        else:
-            raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
-                                    f"transformer/config.json): not a saved diffusers model")
+            return sub
+        raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
+                                     f"transformer/config.json): not a saved diffusers model")
+    return directory
+
+
+def folder_family(directory: str):
+    """The model family (:data:`qkrope.model_io.FAMILIES`) of a saved diffusers transformer,
+    from its config.json's ``_class_name``; any other class is refused with the list."""
+    import json
+    import os
+
+    from qkrope import model_io
+
+    path = os.path.join(model_folder(directory), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--diffusers {directory!r}: cannot read {path} ({exc}). Fix: give "
+                         f"the folder of a saved diffusers transformer") from None
+    if not isinstance(config, dict):
+        raise InputError(f"--diffusers {directory!r}: {path} is not a JSON object")
+    return model_io.family_of(config, source=f"--diffusers {path}")
+
+
+def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
+                     quant: str | None = None, variant: str | None = None) -> nn.Module:
+    """``<class>.from_pretrained(directory, variant=variant)`` for the diffusers class its
+    config.json names (a family of :data:`qkrope.model_io.FAMILIES`: Qwen-Image, FLUX.1,
+    FLUX.2), local files only; the weight files (one file, or every shard its index names and
+    no other) are checked first (:func:`qkrope.diffusers_weights.weight_files`).
+
+    A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
+    (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
+    with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
+    from qkrope.quantization import check_folder
+
+    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
+    family = folder_family(directory)
+    directory = model_folder(directory)
     from qkrope.diffusers_weights import weight_files
 
     weight_files(directory, variant=variant)  # a missing or extra shard: said before loading
@@ -157,7 +185,7 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
     try:
-        model = diffusers.QwenImageTransformer2DModel.from_pretrained(
+        model = getattr(diffusers, family.class_name).from_pretrained(
             directory, torch_dtype=dtype, local_files_only=True, variant=variant)
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)

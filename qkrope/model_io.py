@@ -1,6 +1,7 @@
-"""The I/O of the two models ``qkrope export`` writes, told once: the tensor names, what each one
-is to the runner (its role), the named axes of each dimension, and the Qwen-Image shape record
-(heads x head_dim, RoPE axes, theta). The exporter names its graph from here, writes each
+"""The I/O of the models ``qkrope export`` writes, told once: the tensor names, what each one
+is to the runner (its role), the named axes of each dimension, the Qwen-Image shape record
+(heads x head_dim, RoPE axes, theta) and the model families a transformer export takes
+(Qwen-Image, FLUX.1, FLUX.2: :data:`FAMILIES`). The exporter names its graph from here, writes each
 tensor's role into the sidecar (:class:`qkrope.sidecars.TensorInfo`), and the runtime reads the
 roles back; :func:`assign_roles` guesses them only for a model that has no sidecar.
 
@@ -59,7 +60,7 @@ CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 
 #: What each input is to the runner: the names of its call arguments.
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
-         "encoder_hidden_states_mask", "timestep")
+         "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -98,6 +99,13 @@ IMG_COS_SIN_CACHE = TensorDecl(
 TXT_COS_SIN_CACHE = TensorDecl(
     "txt_cos_sin_cache", "txt_cache", (TXT_CACHE_ROWS, None),
     _CACHE_DOC + " for the text tokens, [txt_cache_rows, rotary_dim]")
+POOLED_PROJECTIONS = TensorDecl(
+    "pooled_projections", "pooled_projections", (BATCH, None),
+    "pooled prompt embedding (FLUX.1's CLIP projection), [batch, pooled_projection_dim]")
+GUIDANCE = TensorDecl(
+    "guidance", "guidance", (BATCH,),
+    "distilled guidance scale per sample, [batch] (as the FLUX pipelines pass it; the model "
+    "multiplies it by 1000); only in models whose config has guidance_embeds")
 IMG_OUT = TensorDecl("img_out", "img_out", (BATCH, IMG_TOKENS, None))
 TXT_OUT = TensorDecl("txt_out", "txt_out", (BATCH, TXT_TOKENS, None))
 SAMPLE = TensorDecl("sample", "sample", (BATCH, IMG_TOKENS, None))
@@ -132,8 +140,84 @@ TRANSFORMER = ModelDecl("transformer",
                          TIMESTEP, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
                         (SAMPLE,))
 MODELS = {m.kind: m for m in (ATTENTION, TRANSFORMER)}
-#: Every tensor of either model by name.
-TENSORS = {t.name: t for m in MODELS.values() for t in m.inputs + m.outputs}
+#: The FLUX transformers' graphs (kind "transformer" too): FLUX's inputs with the two caches in
+#: place of txt_ids/img_ids and no mask; ``guidance`` only where the config has guidance_embeds
+#: (:meth:`ModelFamily.decl`).
+FLUX1_TRANSFORMER = ModelDecl("transformer",
+                              (HIDDEN_STATES, ENCODER_HIDDEN_STATES, POOLED_PROJECTIONS, TIMESTEP,
+                               GUIDANCE, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+                              (SAMPLE,))
+FLUX2_TRANSFORMER = ModelDecl("transformer",
+                              (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP, GUIDANCE,
+                               IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+                              (SAMPLE,))
+#: Every tensor of any model by name.
+TENSORS = {t.name: t for m in (ATTENTION, TRANSFORMER, FLUX1_TRANSFORMER, FLUX2_TRANSFORMER)
+           for t in m.inputs + m.outputs}
+
+
+# --------------------------------------------------------------------------------------------
+# The model families `qkrope export --model transformer` takes
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One diffusers transformer class qkrope exports: what ``config.json``'s ``_class_name``
+    names, its RoPE (theta where the config does not hold it; the axes are always in the
+    config's ``axes_dims_rope``), the node rounding it is exported with, and its graph."""
+
+    name: str  # the sidecar's config.family
+    class_name: str  # diffusers' class (config.json "_class_name")
+    label: str  # what a user calls it, with the checkpoints it covers
+    theta: int  # the RoPE base diffusers builds the model with by default
+    theta_key: str | None  # the config key that overrides theta (None: fixed in diffusers' code)
+    rounding: int  # the QKNormRoPE rounding attribute its export uses
+    graph: ModelDecl  # its transformer graph, guidance included where it has one
+
+    def decl(self, guidance: bool) -> ModelDecl:
+        """The transformer graph of a model with (or without) guidance embeddings."""
+        if guidance or GUIDANCE not in self.graph.inputs:
+            return self.graph
+        return ModelDecl(self.graph.kind, tuple(t for t in self.graph.inputs if t != GUIDANCE),
+                         self.graph.outputs)
+
+    def rope_theta(self, config: Any) -> int:
+        """The RoPE base of a model with this diffusers ``config``."""
+        value = config.get(self.theta_key) if self.theta_key else None
+        return int(self.theta if value is None else value)
+
+
+QWEN_IMAGE_FAMILY = ModelFamily(
+    "qwen-image", "QwenImageTransformer2DModel", "Qwen-Image (and Qwen-Image-Edit)",
+    QWEN_IMAGE.theta, None, 0, TRANSFORMER)
+# FLUX's eager order rounds the normalised value once (torch's RMSNorm) and the rotation once
+# more; `rounding` 0 is within one step of it in bf16/fp16 and bit-exact in fp32.
+# TODO(i27-kernel): use contract.ROUNDING_FLUX, FLUX's eager order, once that mode is merged.
+_FLUX_ROUNDING = 0
+FLUX1 = ModelFamily(
+    "flux1", "FluxTransformer2DModel", "FLUX.1 (dev, schnell, Kontext)",
+    10000, None, _FLUX_ROUNDING, FLUX1_TRANSFORMER)  # diffusers fixes FluxPosEmbed(theta=10000)
+FLUX2 = ModelFamily(
+    "flux2", "Flux2Transformer2DModel", "FLUX.2 (dev, klein)",
+    2000, "rope_theta", _FLUX_ROUNDING, FLUX2_TRANSFORMER)
+#: Every family by its diffusers class name.
+FAMILIES = {f.class_name: f for f in (QWEN_IMAGE_FAMILY, FLUX1, FLUX2)}
+#: ... and by the name the sidecar records.
+FAMILY_NAMES = {f.name: f for f in FAMILIES.values()}
+
+
+def family_of(config: Any, *, source: str = "the diffusers config") -> ModelFamily:
+    """The family a diffusers ``config`` (config.json as a mapping) belongs to, from its
+    ``_class_name``; an InputError listing the families otherwise."""
+    from qkrope.errors import InputError
+
+    name = config.get("_class_name") if hasattr(config, "get") else None
+    family = FAMILIES.get(name) if isinstance(name, str) else None
+    if family is None:
+        known = "; ".join(f"{f.class_name} ({f.label})" for f in FAMILIES.values())
+        raise InputError(f"{source} has _class_name {name!r}, which qkrope does not export. "
+                         f"Fix: give the folder of one of {known}")
+    return family
 
 
 def role_of(name: str) -> str | None:

@@ -25,8 +25,9 @@ each, a format version, and a check on load.
                  "parameters" (the state-dict keys kept as initializers of that name),
                  "parameter_shapes" ({key: shape}: `qkrope refit` checks them),
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
-                 dict), "num_layers_exported" and "parameters_not_in_graph"; FLUX exports
-                 "family" ('flux1' | 'flux2') and "rope_theta"; an FP8 export
+                 dict), "num_layers_exported", "parameters_not_in_graph", "family"
+                 ("qwen-image" | "flux1" | "flux2": qkrope.model_io.FAMILIES) and
+                 "rope_theta" (axes_dims_rope has 4 entries for FLUX.2); an FP8 export
                  "quantization"}  (read as a checked ModelConfig; every field optional)
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
       "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?},
@@ -310,6 +311,9 @@ _CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "axes_dims_rope": (lambda v: isinstance(v, list) and len(v) in (3, 4) and all(
         isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in v),
         "a list of 3 (Qwen-Image, FLUX.1) or 4 (FLUX.2) non-negative ints"),
+    "family": (lambda v: v in model_io.FAMILY_NAMES, f"one of {sorted(model_io.FAMILY_NAMES)}"),
+    "rope_theta": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                   "a positive number"),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
     "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
     "attention": (lambda v: isinstance(v, str), "a str"),
@@ -325,9 +329,6 @@ _CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "num_layers_exported": (_positive_int, "a positive int"),
     "parameters_not_in_graph": (_str_list, "a list of str"),
     "quantization": (lambda v: isinstance(v, dict), "an object"),
-    "family": (lambda v: v in ("qwen-image", "flux1", "flux2"), "'qwen-image', 'flux1' or 'flux2'"),
-    "rope_theta": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-                   "a positive number"),
 }
 # format 1 kept the node attributes here too; read (into ``extra``), never written
 _LEGACY_NODE_FIELDS = ("eps", "interleaved", "rounding")
@@ -347,6 +348,8 @@ class ModelConfig:
     head_dim: int | None = None
     rotary_dim: int | None = None
     axes_dims_rope: list[int] | None = None
+    family: str | None = None  # a transformer's model family (qkrope.model_io.FAMILY_NAMES)
+    rope_theta: float | None = None  # a transformer's RoPE base
     seed: int | None = None
     dtype: str | None = None  # the --dtype short name
     attention: str | None = None  # the attention form (contract.ATTENTION_FORMS)
@@ -359,8 +362,6 @@ class ModelConfig:
     num_layers_exported: int | None = None
     parameters_not_in_graph: list[str] | None = None
     quantization: dict[str, Any] | None = None  # the FP8 record (qkrope.quantization)
-    family: str | None = None  # 'qwen-image' | 'flux1' | 'flux2' (None: Qwen-Image)
-    rope_theta: float | None = None  # the RoPE base (None: the family's)
     extra: dict[str, Any] = field(default_factory=dict)
     # known fields that were read as an explicit null (written back as null)
     nulls: frozenset = field(default=frozenset(), compare=False, repr=False)

@@ -22,6 +22,8 @@ _PUBLIC = {
     "RunnerInputError": "runner",
     # drop-in for diffusers' QwenImageTransformer2DModel in pipelines
     "QwenImageTransformer": "transformer", "load_transformer": "transformer",
+    # ... and for diffusers' FluxTransformer2DModel / Flux2Transformer2DModel
+    "FluxTransformer": "flux_transformer",
 }
 
 __all__ = list(_PUBLIC)

@@ -35,6 +35,8 @@ from .caches import QWEN_AXES_DIM, build_qwen_rope_caches, validate_cos_sin_cach
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
 #: ever new shapes (a pipeline over many image sizes) hold a bounded amount of memory.
 BUFFERS_PER_NAME = 2
+#: The optional inputs a call passes by role in ``conditioning`` (FLUX's; qkrope.model_io).
+CONDITIONING_ROLES = ("pooled_projections", "guidance")
 
 
 class RunnerError(QkropeError, RuntimeError):
@@ -249,8 +251,13 @@ class Runner:
     def prepare(self, hidden_states, encoder_hidden_states, image_rotary_emb,
                 encoder_hidden_states_mask=None, timestep=None, *,
                 extra_inputs: Mapping[str, torch.Tensor] | None = None,
+                conditioning: Mapping[str, torch.Tensor] | None = None,
                 full_check: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """Validate everything and return ``(feeds by model input name, axis values)``."""
+        """Validate everything and return ``(feeds by model input name, axis values)``.
+
+        ``conditioning``: the inputs of :data:`CONDITIONING_ROLES` by role (FLUX's
+        ``pooled_projections`` and ``guidance``); each one the model has must be given, and
+        none it lacks."""
         check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask)
         device = hidden_states.device
         caches = validate_cos_sin_caches(
@@ -281,6 +288,22 @@ class Runner:
             raise RunnerInputError(f"this model needs timestep (input {roles['timestep']!r}, "
                                    f"{self.io.input(roles['timestep']).describe()}). Fix: pass "
                                    f"timestep=...")
+        given = dict(conditioning or {})
+        unknown = sorted(set(given) - set(CONDITIONING_ROLES))
+        if unknown:
+            raise RunnerInputError(f"conditioning takes the roles {list(CONDITIONING_ROLES)}; "
+                                   f"got {unknown}. Fix: pass other inputs in extra_inputs")
+        for role in CONDITIONING_ROLES:
+            value = given.get(role)
+            if value is not None and role not in roles:
+                raise RunnerInputError(f"{role} was given but this model has no {role} input. "
+                                       f"Fix: drop it")
+            if value is None and role in roles:
+                raise RunnerInputError(f"this model needs {role} (input {roles[role]!r}, "
+                                       f"{self.io.input(roles[role]).describe()}). Fix: pass "
+                                       f"conditioning={{{role!r}: ...}}")
+            if value is not None:
+                feeds[roles[role]] = value
         role_of = {v: k for k, v in roles.items()}
         for name, t in (extra_inputs or {}).items():
             if name in role_of or name in feeds:
@@ -305,6 +328,7 @@ class Runner:
                  image_rotary_emb: Any, encoder_hidden_states_mask: torch.Tensor | None = None,
                  timestep: torch.Tensor | None = None, *,
                  extra_inputs: Mapping[str, torch.Tensor] | None = None,
+                 conditioning: Mapping[str, torch.Tensor] | None = None,
                  full_check: bool = False):
         """Run the model. Returns the outputs in model order: a tuple ``(img_out, txt_out)`` for an
         attention block, a single tensor for a one-output model.
@@ -315,7 +339,8 @@ class Runner:
         """
         feeds, axes = self.prepare(hidden_states, encoder_hidden_states, image_rotary_emb,
                                    encoder_hidden_states_mask, timestep,
-                                   extra_inputs=extra_inputs, full_check=full_check)
+                                   extra_inputs=extra_inputs, conditioning=conditioning,
+                                   full_check=full_check)
         outs = self._execute(feeds, axes, hidden_states.device)
         if self.copy_outputs:
             outs = [o.clone() for o in outs]

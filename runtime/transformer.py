@@ -39,6 +39,8 @@ from qkrope import dtypes
 from qkrope._deps import require
 from qkrope.errors import InputError, QkropeError
 
+from ._dropin import frozen_config as _frozen_config
+from ._dropin import is_one as _is_one, short_repr as _short_repr
 from .caches import QWEN_AXES_DIM, build_qwen_rope_caches
 from .backends import load
 from .runner import Runner
@@ -179,19 +181,6 @@ class QwenImageTransformer:
                 f"dtype={self.dtype}, device={self.device})")
 
 
-def _short_repr(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _is_one(scale: Any) -> bool:
-    """A LoRA scale of exactly 1 (a number or a one-element tensor), which changes nothing."""
-    if isinstance(scale, torch.Tensor):
-        return scale.numel() == 1 and not scale.is_complex() and float(scale) == 1.0
-    return (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
-            and float(scale) == 1.0)
-
-
 def _check_txt_seq_lens(value: Any, batch: int, txt: int) -> None:
     """diffusers' ``txt_seq_lens``: one text length per batch item, each in 0..txt (the lengths
     themselves come from the mask; they are checked, not used)."""
@@ -210,28 +199,39 @@ def _check_txt_seq_lens(value: Any, batch: int, txt: int) -> None:
                          f".tolist(), or omit it")
 
 
-def _frozen_config(cfg: Mapping[str, Any]):
-    try:
-        from diffusers.configuration_utils import FrozenDict
-    except ImportError:  # diffusers is what uses the config; without it a plain mapping will do
-        return dict(cfg)
-    return FrozenDict({k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()})
-
-
 def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
                      providers: Sequence | None = None,
                      provider_options: Sequence[Mapping] | None = None, sess_options=None,
                      cuda_graph: bool = False,
-                     device: torch.device | str | None = None) -> QwenImageTransformer:
-    """Open an exported diffusers transformer (``.onnx``: ONNX Runtime with ``providers``,
+                     device: torch.device | str | None = None):
+    """Open an exported diffusers transformer (Qwen-Image: :class:`QwenImageTransformer`;
+    FLUX.1/FLUX.2: :class:`qkrope.runtime.flux_transformer.FluxTransformer`, by the sidecar's
+    ``config.family``) (``.onnx``: ONNX Runtime with ``providers``,
     ``provider_options`` and ``sess_options``; ``.engine``/``.plan``: TensorRT with the
     QKNormRoPE ``plugin`` and ``cuda_graph``) as a drop-in for ``pipe.transformer`` (module
     docstring). The options go to :func:`qkrope.runtime.load` as given, its defaults included
     (ONNX Runtime without memory patterns)."""
-    return QwenImageTransformer(load(path, plugin=plugin, providers=providers,
-                                     provider_options=provider_options,
-                                     sess_options=sess_options, cuda_graph=cuda_graph),
-                                device=device)
+    runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
+                  sess_options=sess_options, cuda_graph=cuda_graph)
+    family = getattr(runner.io.config, "family", None)
+    if family in ("flux1", "flux2"):  # FLUX.1 / FLUX.2 (qkrope.model_io.FAMILIES)
+        return _flux_transformer(runner, device)
+    return QwenImageTransformer(runner, device=device)
+
+
+def _flux_transformer(runner: Runner, device):
+    """The FLUX drop-in (:class:`qkrope.runtime.flux_transformer.FluxTransformer`) for a FLUX
+    export, with the same checks as Qwen-Image's: a whole exported transformer."""
+    from .flux_transformer import FluxTransformer
+
+    io = runner.io
+    cfg = io.config.diffusers_config
+    if not isinstance(cfg, Mapping) or "timestep" not in io.roles:
+        raise TransformerLoadError(
+            f"{io.source} is not an exported diffusers transformer (its sidecar has no "
+            f"diffusers_config or no timestep input). Fix: export with `qkrope export --model "
+            f"transformer --diffusers DIR`.")
+    return FluxTransformer(runner, cfg, device=device)
 
 
 __all__ = ["QwenImageTransformer", "TransformerLoadError", "load_transformer"]

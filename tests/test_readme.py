@@ -23,9 +23,25 @@ from qkrope.runtime import QwenImageTransformer, caches_for  # noqa: E402
 README = Path(__file__).resolve().parents[1] / "README.md"
 TEXT = README.read_text(encoding="utf-8")
 BLOCKS = re.findall(r"^```python\n(.*?)^```$", TEXT, flags=re.S | re.M)
-EXPORT_LINE = next(line.strip() for line in TEXT.splitlines()
-                   if line.strip().startswith("qkrope export --model transformer --diffusers"))
 USER_FOLDER = "/path/to/Qwen-Image/transformer"
+FLUX_FOLDER = "/path/to/FLUX.1-dev/transformer"
+EXPORT_LINE, FLUX_EXPORT_LINE = (
+    next(line.strip() for line in TEXT.splitlines()
+         if line.strip().startswith(f"qkrope export --model transformer --diffusers {folder}"))
+    for folder in (USER_FOLDER, FLUX_FOLDER))
+#: the FLUX section's block (its own tiny pipeline); the others run on Qwen-Image's
+FLUX_BLOCKS = [k for k, b in enumerate(BLOCKS) if "FluxPipeline" in b]
+
+
+def _export_as_written(line: str, placeholder: str, folder: Path, cwd: Path) -> None:
+    argv = shlex.split(line.replace(placeholder, str(folder)))
+    assert argv[0] == "qkrope" and placeholder in line
+    old = os.getcwd()
+    os.chdir(cwd)  # the README writes its model into the current folder
+    try:
+        assert main(argv[1:]) == 0
+    finally:
+        os.chdir(old)
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +49,50 @@ def folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("readme")
     model = tp.tiny_transformer()
     tp.save_transformer(model, d / "tiny_transformer")
-    argv = shlex.split(EXPORT_LINE.replace(USER_FOLDER, str(d / "tiny_transformer")))
-    assert argv[0] == "qkrope" and USER_FOLDER in EXPORT_LINE
-    cwd = os.getcwd()
-    os.chdir(d)  # the README writes transformer.onnx into the current folder
-    try:
-        assert main(argv[1:]) == 0
-    finally:
-        os.chdir(cwd)
+    _export_as_written(EXPORT_LINE, USER_FOLDER, d / "tiny_transformer", d)
     assert (d / "transformer.onnx").is_file()
     return d, model
 
 
 def test_the_readme_has_the_examples_this_test_runs():
-    assert len(BLOCKS) == 4, f"{len(BLOCKS)} python blocks; update this test's checks"
+    assert len(BLOCKS) == 5, f"{len(BLOCKS)} python blocks; update this test's checks"
+    assert len(FLUX_BLOCKS) == 1
     code = [line.split("#")[0] for b in BLOCKS for line in b.splitlines()]
     assert not [line for line in code if "..." in line], "placeholders do not run"
 
 
-@pytest.mark.parametrize("k", range(4))
+def test_readme_flux_block_runs_as_written(tmp_path, monkeypatch):
+    """The FLUX section: its export line on a tiny FLUX.1 dev folder, then its block with a
+    tiny FluxPipeline (a VAE of 4 levels, so 256 x 256 pixels are 16 x 16 tokens)."""
+    import diffusers
+
+    import _flux_models as fm
+    from qkrope.runtime.flux_transformer import FluxTransformer
+
+    model = fm.transformer("flux1-dev")
+    model.save_pretrained(str(tmp_path / "flux"))
+    _export_as_written(FLUX_EXPORT_LINE, FLUX_FOLDER, tmp_path / "flux", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(block_out_channels=(4, 4, 4, 4), layers_per_block=1,
+                                  latent_channels=1, norm_num_groups=1, use_quant_conv=False,
+                                  use_post_quant_conv=False, shift_factor=0.0609,
+                                  scaling_factor=1.5035,  # FLUX.1's VAE values
+                                  down_block_types=("DownEncoderBlock2D",) * 4,
+                                  up_block_types=("UpDecoderBlock2D",) * 4).eval()
+    pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                                  text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                  tokenizer_2=None, transformer=model)
+    g = torch.Generator().manual_seed(1)
+    names = {"pipe": pipe, "prompt_embeds": torch.randn(1, 7, 32, generator=g),
+             "pooled_prompt_embeds": torch.randn(1, 32, generator=g)}
+    k = FLUX_BLOCKS[0]
+    exec(compile(BLOCKS[k], f"README.md python block {k + 1}", "exec"), names)  # noqa: S102
+    assert isinstance(names["pipe"].transformer, FluxTransformer)
+    assert names["image"].size == (256, 256)
+
+
+@pytest.mark.parametrize("k", [k for k in range(len(BLOCKS)) if k not in FLUX_BLOCKS])
 def test_readme_python_block_runs_as_written(folder, monkeypatch, k):
     d, model = folder
     monkeypatch.chdir(d)

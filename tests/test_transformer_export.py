@@ -65,6 +65,7 @@ def test_graph(exported):
     info = ModelInfo.load(exported)
     assert info.model == "transformer" and info.config.num_layers_exported == 2
     assert info.config.diffusers_config["in_channels"] == 16
+    assert info.config.family == "qwen-image" and info.config.rope_theta == 10000
     assert info.input_shape("hidden_states", batch=1, img_tokens=9, txt_tokens=4) == (1, 9, 16)
     onnx.checker.check_model(str(exported), full_check=True)
 

@@ -18,7 +18,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "transformer to ONNX. Writes MODEL.onnx and MODEL.onnx.json.")
     p.add_argument("--model", choices=("attention", "transformer"), default="attention")
     p.add_argument("--out", "-o", default=None,
-                   help="output .onnx (default: qwen_image_<model>_<dtype>.onnx)")
+                   help="output .onnx (default: <family>_<model>_<dtype>.onnx, the family "
+                        "qwen_image, flux1 or flux2)")
     _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision",
                     default="fp32")
     p.add_argument("--opset", type=int, default=None,
@@ -35,7 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sample image in latent patches; repeat for edit condition images")
     p.add_argument("--txt-len", type=int, default=None, help="sample text tokens")
     p.add_argument("--batch", type=int, default=None, help="sample batch (traced with >= 2)")
-    _args.add_rounding(p)
+    _args.add_rounding(p, usage="0: one rounding at the end; 1: diffusers' eager order; a "
+                                "transformer without it: its model family's")
+    p.set_defaults(rounding=None)  # the family's (qkrope.model_io.FAMILIES) unless given
     a = p.add_argument_group("attention block (--model attention)")
     a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
     a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")
@@ -50,7 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seed of the random weights (default: 0)")
     t = p.add_argument_group("transformer (--model transformer)")
     t.add_argument("--diffusers", metavar="DIR", default=None,
-                   help="local folder of a saved QwenImageTransformer2DModel")
+                   help="local folder of a saved diffusers transformer: "
+                        "QwenImageTransformer2DModel, FluxTransformer2DModel (FLUX.1 dev, "
+                        "schnell, Kontext) or Flux2Transformer2DModel (FLUX.2 dev, klein)")
     t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
     t.add_argument("--quant", choices=quantization.QUANT_MODES, default=None,
                    help="fp8: export a folder quantised with ModelOpt (`qkrope quantize`) with "
@@ -80,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
                              f"weights come from its --diffusers folder")
         if not args.diffusers:
             raise InputError("--model transformer needs --diffusers DIR (a local saved "
-                             "QwenImageTransformer2DModel)")
+                             "Qwen-Image, FLUX.1 or FLUX.2 transformer)")
     elif args.diffusers or args.layers or args.variant or args.quant:
         raise InputError("--diffusers/--layers/--variant/--quant apply to --model transformer")
     pre.input_dir(args.diffusers, flag="--diffusers",
-                  fix="pass the local folder of a saved QwenImageTransformer2DModel (config.json "
+                  fix="pass the local folder of a saved diffusers transformer (config.json "
                       "and its weights; nothing is downloaded)")
     pre.input_file(args.weights, flag="--weights",
                    fix="pass a safetensors file or a torch state dict with diffusers' attention "
@@ -97,12 +102,17 @@ def run(args: argparse.Namespace) -> int:
 
     from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
 
-    out = args.out or f"qwen_image_{args.model}_{args.dtype}.onnx"
+    prefix = "qwen_image"
+    if args.model == "transformer" and args.out is None:
+        from qkrope.export.patch_diffusers import folder_family
+
+        prefix = folder_family(args.diffusers).name.replace("-", "_")  # qwen_image, flux1, flux2
+    out = args.out or f"{prefix}_{args.model}_{args.dtype}.onnx"
     common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
-                  txt_len=args.txt_len, batch=args.batch, rounding=args.rounding,
-                  attention=args.attention)
+                  txt_len=args.txt_len, batch=args.batch, attention=args.attention)
     if args.model == "transformer":
         info, written = onnx_export.export_transformer(out, args.diffusers, layers=args.layers,
+                                                       rounding=args.rounding,
                                                        progress=True, quant=args.quant,
                                                        variant=args.variant, **common)
     else:
@@ -112,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             rotary_dim=args.rotary_dim,
             eps=contract.DEFAULT_EPS if args.eps is None else args.eps,
             interleaved=not args.neox, weights=args.weights,
-            seed=0 if args.seed is None else args.seed, progress=True, **common)
+            seed=0 if args.seed is None else args.seed, progress=True,
+            rounding=contract.DEFAULT_ROUNDING if args.rounding is None else args.rounding,
+            **common)
     for path in written:
         print(path)
     return 0

@@ -1,0 +1,264 @@
+"""Make a diffusers FLUX.1 (``FluxTransformer2DModel``) or FLUX.2 (``Flux2Transformer2DModel``)
+transformer exportable with the fused QK-RMSNorm + RoPE node and the RoPE caches as inputs.
+
+diffusers computes FLUX's RoPE tables inside the model from ``txt_ids``/``img_ids`` in float64
+(``FluxPosEmbed``/``Flux2PosEmbed``), which the stock ONNX export keeps as DOUBLE ops. Here the
+tables come in as the two ``[rows, rotary_dim]`` fp32 caches (built outside the graph from the
+ids) and every attention's per-head RMSNorm + RoPE is one ``qkrope::QKNormRoPE`` node:
+
+- double-stream blocks: two nodes, the image stream (``norm_q``/``norm_k``, the image cache) and
+  the text stream (``norm_added_q``/``norm_added_k``, the text cache);
+- single-stream blocks: one node over the ``[text; image]`` sequence with the joined cache, made
+  in the graph from the two cache inputs (each sliced to its stream's token count, then Concat).
+
+:class:`FluxCacheInputTransformer` replays diffusers' ``forward`` for the standard inference
+path (no ControlNet residuals, no IP-Adapter, no FLUX.2 KV cache); the processors here replace
+diffusers' ``FluxAttnProcessor``, ``Flux2AttnProcessor`` and ``Flux2ParallelSelfAttnProcessor``
+and do what they do with the fused op in place of ``norm_q``/``norm_k`` + ``apply_rotary_emb``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from qkrope import contract, model_io
+from qkrope.errors import InputError
+
+from .attention import _attention
+from .ops import qk_norm_rope
+
+
+class FluxRope(NamedTuple):
+    """What the blocks pass on as ``image_rotary_emb``: the two caches and their join."""
+
+    img: torch.Tensor
+    txt: torch.Tensor
+    joint: torch.Tensor  # [txt rows (text tokens); img rows (image tokens)]
+
+
+def _eps(norm: nn.Module, where: str) -> float:
+    eps = getattr(norm, "eps", None)
+    if eps is None or getattr(norm, "weight", None) is None:
+        raise InputError(f"{where}: the RMSNorm has no epsilon or no weight (elementwise_affine="
+                         f"False), which the QKNormRoPE node needs; not a standard FLUX model")
+    return float(eps)
+
+
+def sample_ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
+    """Position ids as the FLUX pipelines make them, for the traced sample: image k at
+    (k, row, column) (FLUX.1: condition images at first axis 1, like Kontext; FLUX.2: a 4th
+    axis at 0 and reference images at first axis 10 * k), text at 0 (FLUX.2: its 4th axis the
+    token index)."""
+    rows = []
+    for k, (f, h, w) in enumerate(img_shapes):
+        for frame in range(f):
+            for y in range(h):
+                for x in range(w):
+                    first = (k if family is model_io.FLUX1 else 10 * k) + frame
+                    rows.append([first, y, x] + ([0] if family is model_io.FLUX2 else []))
+    img = torch.tensor(rows, dtype=torch.float32)
+    axes = 4 if family is model_io.FLUX2 else 3
+    txt = torch.zeros(txt_len, axes)
+    if family is model_io.FLUX2:
+        txt[:, 3] = torch.arange(txt_len, dtype=torch.float32)
+    return txt, img
+
+
+class _FusedNormRoPE:
+    """Per-module node attributes (epsilon from the module's norm) for one rounding."""
+
+    def __init__(self, rounding: int):
+        self.rounding = contract.check_rounding(rounding)
+        self._attributes: dict[float, contract.NodeAttributes] = {}
+
+    def __call__(self, q, k, norm_q, norm_k, cache):
+        eps = _eps(norm_q, "norm_q")
+        if eps not in self._attributes:
+            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
+        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
+                            **self._attributes[eps].as_kwargs())
+
+
+def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
+    """softmax attention over [B, S, H, D] inputs; returns [B, S, H * D] in q's dtype."""
+    out = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, head_dim)
+    return out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+
+
+class FluxAttnProcessor:
+    """Replaces ``FluxAttnProcessor`` (FLUX.1's double- and single-stream attention) and
+    ``Flux2AttnProcessor`` (FLUX.2's double-stream attention); ``image_rotary_emb`` is a
+    :class:`FluxRope`."""
+
+    def __init__(self, rounding: int):
+        self.fused = _FusedNormRoPE(rounding)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if attention_mask is not None:
+            raise InputError("the FLUX export takes no attention_mask (FLUX attends to every "
+                             "token)")
+        if not isinstance(image_rotary_emb, FluxRope):
+            raise InputError("the patched FLUX attention needs image_rotary_emb=FluxRope(img, "
+                             "txt, joint); run it through FluxCacheInputTransformer")
+        if getattr(attn, "fused_projections", False):
+            raise InputError("the FLUX attention has fused QKV projections (fuse_qkv_"
+                             "projections()); export the model before fusing them")
+        head_dim = attn.head_dim
+        q, k, v = (proj(hidden_states).unflatten(-1, (-1, head_dim))
+                   for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if encoder_hidden_states is None:  # FLUX.1 single-stream: the [text; image] sequence
+            q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.joint)
+            return _sdpa(q, k, v, head_dim)
+        tq, tk, tv = (proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+                      for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.img)
+        tq, tk = self.fused(tq, tk, attn.norm_added_q, attn.norm_added_k, image_rotary_emb.txt)
+        out = _sdpa(torch.cat([tq, q], 1), torch.cat([tk, k], 1), torch.cat([tv, v], 1), head_dim)
+        s_txt = encoder_hidden_states.shape[1]
+        txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
+        img_out = attn.to_out[1](attn.to_out[0](out[:, s_txt:].contiguous()))
+        return img_out, txt_out
+
+
+class Flux2ParallelSelfAttnProcessor:
+    """Replaces FLUX.2's ``Flux2ParallelSelfAttnProcessor`` (single-stream blocks: QKV and the
+    MLP input in one projection, attention and MLP outputs through one projection)."""
+
+    def __init__(self, rounding: int):
+        self.fused = _FusedNormRoPE(rounding)
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None:
+            raise InputError("the FLUX export takes no attention_mask")
+        if not isinstance(image_rotary_emb, FluxRope):
+            raise InputError("the patched FLUX.2 attention needs image_rotary_emb=FluxRope(...)")
+        projected = attn.to_qkv_mlp_proj(hidden_states)
+        qkv, mlp = projected.split([3 * attn.inner_dim, projected.shape[-1] - 3 * attn.inner_dim],
+                                   dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.joint)
+        out = _sdpa(q, k, v, attn.head_dim)
+        return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
+def patch_flux(transformer: nn.Module, family: model_io.ModelFamily, *,
+               rounding: int) -> nn.Module:
+    """Give every attention of a FLUX transformer its fused processor (in place)."""
+    double = FluxAttnProcessor(rounding)
+    single = Flux2ParallelSelfAttnProcessor(rounding)
+    count = 0
+    for block in list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks):
+        attn = block.attn
+        attn.set_processor(single if hasattr(attn, "to_qkv_mlp_proj") else double)
+        count += 1
+    if count == 0:
+        raise InputError(f"the {family.label} model has no transformer blocks")
+    return transformer
+
+
+def flux_node_count(transformer: nn.Module) -> int:
+    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream."""
+    return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+
+
+class FluxCacheInputTransformer(nn.Module):
+    """A FLUX.1/FLUX.2 transformer whose forward takes the graph inputs
+    (:data:`qkrope.model_io.FLUX1_TRANSFORMER` / ``FLUX2_TRANSFORMER``): :meth:`run` with the
+    RoPE caches in place of the ids. :func:`cache_input_flux` gives the subclass whose
+    ``forward`` has exactly the graph's inputs (``guidance`` only where the model has it)."""
+
+    def __init__(self, transformer: nn.Module, family: model_io.ModelFamily, *,
+                 rounding: int | None = None):
+        super().__init__()
+        self.family = family
+        self.rounding = family.rounding if rounding is None else rounding
+        patch_flux(transformer, family, rounding=self.rounding)
+        self.transformer = transformer
+
+    def run(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+            txt_cos_sin_cache, pooled_projections=None, guidance=None):
+        t = self.transformer
+        s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        joint = torch.cat([txt_cos_sin_cache[:s_txt], img_cos_sin_cache[:s_img]], dim=0)
+        rope = FluxRope(img_cos_sin_cache, txt_cos_sin_cache, joint)
+        hidden_states = t.x_embedder(hidden_states)
+        timestep = timestep.to(hidden_states.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        encoder_hidden_states = t.context_embedder(encoder_hidden_states)
+        if self.family is model_io.FLUX1:
+            temb = (t.time_text_embed(timestep, pooled_projections) if guidance is None
+                    else t.time_text_embed(timestep, guidance, pooled_projections))
+            for block in t.transformer_blocks:
+                encoder_hidden_states, hidden_states = block(
+                    hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                    temb=temb, image_rotary_emb=rope)
+            for block in t.single_transformer_blocks:
+                encoder_hidden_states, hidden_states = block(
+                    hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                    temb=temb, image_rotary_emb=rope)
+        else:
+            temb = t.time_guidance_embed(timestep, guidance)
+            mod_img = t.double_stream_modulation_img(temb)
+            mod_txt = t.double_stream_modulation_txt(temb)
+            mod_single = t.single_stream_modulation(temb)
+            for block in t.transformer_blocks:
+                encoder_hidden_states, hidden_states = block(
+                    hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                    temb_mod_img=mod_img, temb_mod_txt=mod_txt, image_rotary_emb=rope)
+            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+            for block in t.single_transformer_blocks:
+                hidden_states = block(hidden_states=hidden_states, encoder_hidden_states=None,
+                                      temb_mod=mod_single, image_rotary_emb=rope)
+            hidden_states = hidden_states[:, s_txt:]
+        return t.proj_out(t.norm_out(hidden_states, temb))
+
+
+# One subclass per graph signature: torch.export names the graph inputs after forward's
+# parameters, and the FLUX graphs differ by pooled_projections (FLUX.1) and guidance.
+class _Flux1Guided(FluxCacheInputTransformer):
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
+                guidance, img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                        txt_cos_sin_cache, pooled_projections, guidance)
+
+
+class _Flux1(FluxCacheInputTransformer):
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                        txt_cos_sin_cache, pooled_projections)
+
+
+class _Flux2Guided(FluxCacheInputTransformer):
+    def forward(self, hidden_states, encoder_hidden_states, timestep, guidance,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                        txt_cos_sin_cache, guidance=guidance)
+
+
+class _Flux2(FluxCacheInputTransformer):
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                        txt_cos_sin_cache)
+
+
+_WRAPPERS = {(model_io.FLUX1.name, True): _Flux1Guided, (model_io.FLUX1.name, False): _Flux1,
+             (model_io.FLUX2.name, True): _Flux2Guided, (model_io.FLUX2.name, False): _Flux2}
+
+
+def has_guidance(transformer: nn.Module) -> bool:
+    """Whether the model embeds a guidance value (the config's guidance_embeds)."""
+    return bool(transformer.config.get("guidance_embeds", False))
+
+
+def cache_input_flux(transformer: nn.Module, family: model_io.ModelFamily, *,
+                     rounding: int | None = None) -> FluxCacheInputTransformer:
+    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order."""
+    cls = _WRAPPERS[(family.name, has_guidance(transformer))]
+    return cls(transformer, family, rounding=rounding).eval()
