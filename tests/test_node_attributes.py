@@ -19,7 +19,7 @@ def test_checked_on_creation_and_normalised():
     assert type(a.interleaved) is bool and type(a.rounding) is int
     for kw, match in ((dict(eps=0.0), "eps must be"), (dict(eps=1e-50), "float32 stores"),
                       (dict(interleaved="no"), "interleaved must be"),
-                      (dict(rounding=2), "rounding must be"),
+                      (dict(rounding=3), "rounding must be"),
                       (dict(rounding=True), "rounding must be")):
         with pytest.raises(InputError, match=match):
             NodeAttributes(**kw)
