@@ -69,6 +69,8 @@ constexpr int kMaxRows = kPlanMaxRows;   // rows per work unit of the fast path:
 constexpr int kFastMinBlocks = 2;        // >= 512 resident threads per SM (<= 128 registers)
 constexpr int kPrefetch = kPlanPrefetch; // fast path: tokens whose row loads are in flight ahead of use
 static_assert(kThreads == kPlanThreads, "the launch plan models this block size");
+static_assert(sizeof(kFastIssueCost) / sizeof(kFastIssueCost[0]) == math::kRoundingModes,
+    "the launch plan has an instruction cost per rounding mode");
 static_assert(kPrefetch == 2, "the token loop rotates kPrefetch + 1 = 3 row buffers");
 constexpr int kMaxDevices = 64;
 constexpr unsigned kFullMask = 0xFFFFFFFFU;
