@@ -47,10 +47,9 @@ REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ABS_TOL_FP32 = 1e-5
 
 CASES = list(itertools.product(DTYPES, (True, False), contract.ROUNDING_MODES, HEAD_ROT))
-# FLUX.1/FLUX.2's head counts (24 heads x 128 in FLUX.1 and FLUX.2 klein 4B, 32 in klein 9B, 48 in
-# FLUX.2 dev), interleaved pairs at full rotary width.
-FLUX_HEADS = (24, 32, 48)
-FLUX_HEAD_DIM = 128
+# FLUX.1/FLUX.2's head counts (24, 32, 48) x 128, interleaved pairs at full rotary width: the
+# kernel report's (one home).
+from qkrope.apps.kernel_report.assumptions import FLUX_HEAD_DIM, FLUX_HEADS  # noqa: E402
 
 
 def case_id(case) -> str:
