@@ -277,8 +277,8 @@ def validate_qknorm_rope_nodes(model: Any, *, where: str) -> int:
     its subgraphs and the model-local functions: domain ``qkrope`` (and the model imports it at
     version 1), 5 inputs and 2 outputs, no unknown attribute, and each contract attribute present
     with its ONNX type and a valid value (``epsilon`` FLOAT by :func:`epsilon_error`'s rule,
-    ``interleaved`` INT 0 or 1, ``rounding`` INT one of :data:`ROUNDING_MODES`, ``plugin_version`` STRING "1", ``plugin_namespace``
-    STRING "qkrope"). Raises :class:`NodeContractError` naming the node and the attribute."""
+    ``interleaved`` INT 0 or 1, ``rounding`` INT one of :data:`ROUNDING_MODES`,
+    ``plugin_version`` STRING "1", ``plugin_namespace`` STRING "qkrope"). Raises :class:`NodeContractError` naming the node and the attribute."""
     import onnx
 
     fix = "Fix: re-export the model with `qkrope export`"

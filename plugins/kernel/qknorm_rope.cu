@@ -923,7 +923,7 @@ cudaError_t launchFastHeadDim(KernelArgs const& a, bool interleaved, int roundin
                                : launchFastRotary<T, HEAD_DIM, false, math::kRoundingFlux>(a, device, stream);
         }
     }
-    // fp32: the three modes are one computation (no narrower dtype to round to)
+    // rounding 0; and fp32 in every mode, where the three are one computation (nothing narrower)
     return interleaved ? launchFastRotary<T, HEAD_DIM, true, 0>(a, device, stream)
                        : launchFastRotary<T, HEAD_DIM, false, 0>(a, device, stream);
 }
