@@ -108,10 +108,11 @@ class FunctionVariant:
     def from_tag(cls, tag: str) -> "FunctionVariant":
         parts = tag.split("-")
         if (len(parts) not in (2, 3) or parts[0] not in ("interleaved", "neox")
-                or parts[1] not in ("rounding0", "rounding1")
+                or parts[1] not in [f"rounding{m}" for m in contract.ROUNDING_MODES]
                 or parts[2:] not in ([], ["partial"])):
             raise InputError(f"{tag!r} is not a QKNormRoPE function-body tag (e.g. "
-                             f"'interleaved-rounding0', 'neox-rounding1-partial')")
+                             f"'interleaved-rounding0', 'neox-rounding1-partial', "
+                             f"'interleaved-rounding2')")
         return cls(parts[0] == "interleaved", int(parts[1][-1]), len(parts) == 3)
 
 
@@ -132,7 +133,7 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
         n("Reciprocal", [f"{p}rms"], [f"{p}inv"]),
         n("Mul", [f"{p}xf", f"{p}inv"], [f"{p}xn"]),
     ]
-    if v.rounding == 1:
+    if v.rounding == contract.ROUNDING_DIFFUSERS:
         # diffusers' eager order: round x*inv to the activation dtype, multiply by the weight in
         # that dtype (rounded again), then rotate in fp32. Identity casts for fp32 activations.
         # The multiply runs in fp32 on values already rounded to the activation dtype, then is
@@ -144,6 +145,16 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
             n("Cast", [f"{p}xn_r"], [f"{p}xn_rf"], to=TensorProto.FLOAT),
             n("Cast", [w], [f"{p}wf"], to=TensorProto.FLOAT),
             n("Mul", [f"{p}xn_rf", f"{p}wf"], [f"{p}yw"]),
+            n("CastLike", [f"{p}yw", x], [f"{p}yw_r"]),
+            n("Cast", [f"{p}yw_r"], [f"{p}y"], to=TensorProto.FLOAT),
+        ]
+    elif v.rounding == contract.ROUNDING_FLUX:
+        # FLUX's eager order (torch's RMSNorm): (x*inv)*w in fp32, rounded once to the
+        # activation dtype, then rotated in fp32 (diffusers' apply_rotary_emb). Identity casts
+        # for fp32 activations.
+        nodes += [
+            n("Cast", [w], [f"{p}wf"], to=TensorProto.FLOAT),
+            n("Mul", [f"{p}xn", f"{p}wf"], [f"{p}yw"]),
             n("CastLike", [f"{p}yw", x], [f"{p}yw_r"]),
             n("Cast", [f"{p}yw_r"], [f"{p}y"], to=TensorProto.FLOAT),
         ]

@@ -38,7 +38,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
             token s. ``rotary_dim`` is even and ``<= D``.
         eps: RMSNorm epsilon (inside the square root).
         interleaved: True pairs ``(2j, 2j+1)`` (GPT-J, Qwen-Image); False pairs ``(j, j+half)``.
-        rounding: 0 rounds once at the end; 1 reproduces diffusers' eager rounding order.
+        rounding: 0 rounds once at the end; 1 reproduces diffusers' eager order for Qwen-Image
+            (RMSNorm rounds ``x*inv``, then ``*w``); 2 FLUX's (torch's RMSNorm rounds ``x*inv*w``
+            once, the fp32 rotation rounds again). ``qkrope.contract.ROUNDING_*`` name them.
 
     Returns: ``(q_out, k_out)``, same shapes and dtype as q and k.
     """

@@ -21,12 +21,18 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
     half = rotary_dim // 2
 
     xf = x.float()
-    # Same operations, in the same order, as diffusers' RMSNorm: mean of squares in fp32, rsqrt.
+    # Same operations, in the same order, as diffusers' RMSNorm and torch's rms_norm: mean of
+    # squares in fp32, rsqrt.
     inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if rounding == 1 and x.dtype != torch.float32:
-        # diffusers' eager order: normalised value rounded to the activation dtype, multiplied by
-        # the weight in that dtype (rounded again), then rotated in fp32.
+    narrow = x.dtype != torch.float32
+    if rounding == contract.ROUNDING_DIFFUSERS and narrow:
+        # diffusers' RMSNorm (Qwen-Image): normalised value rounded to the activation dtype,
+        # multiplied by the weight in that dtype (rounded again), then rotated in fp32.
         y = ((xf * inv).to(x.dtype) * weight.to(x.dtype)).float()
+    elif rounding == contract.ROUNDING_FLUX and narrow:
+        # torch's RMSNorm (FLUX's norm_q/norm_k): (x * inv) * w in fp32, rounded once to the
+        # activation dtype; diffusers' apply_rotary_emb then rotates that value in fp32.
+        y = (xf * inv * weight.float()).to(x.dtype).float()
     else:
         y = xf * inv * weight.float()
 

@@ -34,7 +34,23 @@ PLUGIN_NAMESPACE = DOMAIN
 # The op's defaults (docs/spec.md section 4), each stated once.
 DEFAULT_EPS = 1e-6
 DEFAULT_INTERLEAVED = True
-DEFAULT_ROUNDING = 0
+# The rounding attribute's values (docs/spec.md sections 3 and 4): where a bf16/fp16 result is
+# rounded to the activation dtype.
+#   ROUNDING_ONE       (0) once, at the end (normalise, scale and rotate in fp32).
+#   ROUNDING_DIFFUSERS (1) Qwen-Image's eager order in diffusers: the normalised value rounded,
+#                          times the weight rounded, then rotated (complex) and rounded.
+#   ROUNDING_FLUX      (2) FLUX's eager order: the normalised value times the weight rounded
+#                          once (torch's RMSNorm), then rotated in fp32 and rounded again.
+ROUNDING_ONE = 0
+ROUNDING_DIFFUSERS = 1
+ROUNDING_FLUX = 2
+ROUNDING_MODES = (ROUNDING_ONE, ROUNDING_DIFFUSERS, ROUNDING_FLUX)
+ROUNDING_MEANINGS = {
+    ROUNDING_ONE: "one rounding",
+    ROUNDING_DIFFUSERS: "diffusers' Qwen-Image eager order",
+    ROUNDING_FLUX: "FLUX's eager order",
+}
+DEFAULT_ROUNDING = ROUNDING_ONE
 
 # The attention around the node (docs/spec.md section 4; `qkrope export --attention`; built in
 # export/attention.py): "primitive" = MatMul, mask bias, Softmax, MatMul, any opset the exporter
@@ -156,12 +172,18 @@ def check_interleaved(value: Any, *, what: str = "interleaved") -> bool:
     return bool(value)
 
 
+ROUNDING_RULE = ", ".join(f"{m} ({ROUNDING_MEANINGS[m]})" for m in ROUNDING_MODES[:-1]) + \
+    f" or {ROUNDING_MODES[-1]} ({ROUNDING_MEANINGS[ROUNDING_MODES[-1]]})"
+
+
 def check_rounding(value: Any, *, what: str = "rounding") -> int:
+    """One of :data:`ROUNDING_MODES` as an int (numpy integers accepted); a bool, a float or any
+    other value is an InputError."""
     import numpy as np
 
-    if isinstance(value, (bool, np.bool_)) or not _is_01(value):
-        raise InputError(f"{what} must be 0 (one rounding) or 1 (diffusers' order); got "
-                         f"{value!r}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or int(value) not in ROUNDING_MODES:
+        raise InputError(f"{what} must be {ROUNDING_RULE}; got {value!r}")
     return int(value)
 
 
@@ -223,7 +245,7 @@ class NodeContractError(QkropeError, ValueError):
 
 _VALID_VALUES = {
     "interleaved": ((0, 1), "0 or 1 (1: interleaved pairs (2j, 2j+1), 0: NeoX halves)"),
-    "rounding": ((0, 1), "0 or 1 (0: one rounding, 1: diffusers' eager order)"),
+    "rounding": (ROUNDING_MODES, ROUNDING_RULE),
     "plugin_version": ((PLUGIN_VERSION,), f"{PLUGIN_VERSION!r}"),
     "plugin_namespace": ((PLUGIN_NAMESPACE,), f"{PLUGIN_NAMESPACE!r}"),
 }
@@ -255,8 +277,8 @@ def validate_qknorm_rope_nodes(model: Any, *, where: str) -> int:
     its subgraphs and the model-local functions: domain ``qkrope`` (and the model imports it at
     version 1), 5 inputs and 2 outputs, no unknown attribute, and each contract attribute present
     with its ONNX type and a valid value (``epsilon`` FLOAT by :func:`epsilon_error`'s rule,
-    ``interleaved``/``rounding`` INT 0 or 1, ``plugin_version`` STRING "1", ``plugin_namespace``
-    STRING "qkrope"). Raises :class:`NodeContractError` naming the node and the attribute."""
+    ``interleaved`` INT 0 or 1, ``rounding`` INT one of :data:`ROUNDING_MODES`,
+    ``plugin_version`` STRING "1", ``plugin_namespace`` STRING "qkrope"). Raises :class:`NodeContractError` naming the node and the attribute."""
     import onnx
 
     fix = "Fix: re-export the model with `qkrope export`"

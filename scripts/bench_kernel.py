@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "$OUT/bench_kernel.json, else build/bench_kernel.json)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     _args.add_rounding(ap, "0: one rounding at the end; 1: diffusers' bf16 intermediate "
-                           "rounding")
+                           "rounding (Qwen-Image); 2: FLUX's (torch's RMSNorm, then the fp32 "
+                           "rotation)")
     ap.add_argument("--peak-gbs", type=float, default=None,
                     help="peak memory bandwidth in GB/s (default: data-sheet table by GPU name, "
                          "H200 4800)")

@@ -12,8 +12,9 @@ prints, per kernel instance:
     outstanding at each token's first wait;
 and then runs the real launcher (the same source under the SIMT emulation, dry run) against the
 modelled devices MODELLED_DEVICES (H100, H200, B200, L40S, A100: SM counts, clocks, bus widths,
-occupancy from each instance's ptxas registers) for every Qwen-Image problem, and reports for each
-instance a launch picks: whole-kernel instructions per element (one iteration per token plus the
+occupancy from each instance's ptxas registers) for every Qwen-Image problem and FLUX's (24, 32,
+48 heads x 128: a double block's 4096 image and 512 text tokens, a single block's 4608; rounding 2
+and 0), and reports for each instance a launch picks: whole-kernel instructions per element (one iteration per token plus the
 prologue and epilogue amortised over that launch's tokens per row group) and the q/k bytes
 outstanding per SM at a token's first wait.
 
@@ -24,7 +25,7 @@ outstanding per SM at a token's first wait.
 
 --check asserts static facts only (tests/test_kernel_report.py and scripts/gpu_check.sh use it):
 128-bit q/k loads and stores in the fast-path hot loop, no spills / local memory on the fast path,
-stores with the default cache policy, the Qwen instances' per-token instructions under THRESHOLDS,
+stores with the default cache policy, the Qwen/FLUX instances' per-token instructions under THRESHOLDS,
 and, for the launched instances on the sm_90 devices, LAUNCH_TARGETS (bytes in flight per SM and
 whole-kernel instructions per element). Speed itself is measured by scripts/bench_kernel.py.
 

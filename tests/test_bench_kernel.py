@@ -244,7 +244,7 @@ def test_arguments(cli, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("argv", [["--shapes", "500"], ["--shapes", "512x256"],
                                   ["--shapes", "512:0"], ["--shapes", ","],
-                                  ["--streams", "both"], ["--rounding", "2"],
+                                  ["--streams", "both"], ["--rounding", "3"],
                                   ["--iters", "0"], ["--launches-per-graph", "0"]])
 def test_bad_arguments_exit_2(cli, argv, capsys):
     with pytest.raises(SystemExit) as exc:

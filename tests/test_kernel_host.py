@@ -1,6 +1,6 @@
 """The kernel's arithmetic (plugins/kernel/qknorm_rope_math.h) compiled for the CPU
 (libqkrope_kernel_host.so), checked against the PyTorch reference: every dtype, GPT-J and NeoX
-pairing, both rounding modes, fast-path and general head sizes, partial rotary, caches with more
+pairing, the three rounding modes, fast-path and general head sizes, partial rotary, caches with more
 rows than tokens, and the parameter checks. Numerical policy: tests/_kernel_cases.py.
 
 The library is built here (cmake on plugins/kernel into build/kernel-host) unless
@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from _kernel_cases import (CASES, assert_bit_exact, assert_within_order_policy, case_id,
-                           check_against_fp32, make_inputs, reference)
+from _kernel_cases import (CASES, FLUX_HEAD_DIM, FLUX_HEADS, assert_bit_exact,
+                           assert_within_order_policy, case_id, check_against_fp32, make_inputs,
+                           reference)
 from _native import require_native_tools
+from qkrope import contract
 from qkrope.runtime import kernels, toolchain
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,8 +97,25 @@ def test_in_place(host_lib):
 def test_fp32_rounding_modes_identical(host_lib):
     inputs = make_inputs(torch.float32, 96, 64, seed=9)
     a = _run(inputs, rounding=0)
-    b = _run(inputs, rounding=1)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for rounding in contract.ROUNDING_MODES[1:]:
+        b = _run(inputs, rounding=rounding)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("heads", FLUX_HEADS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flux_head_counts_rounding2(host_lib, dtype, heads):
+    """FLUX's head layouts (24, 32, 48 x 128, interleaved, full rotary), FLUX's rounding order:
+    bit-exact with the reference on grid inputs, within the order policy on random rows."""
+    kw = dict(interleaved=True, rounding=contract.ROUNDING_FLUX)
+    grid = make_inputs(dtype, FLUX_HEAD_DIM, FLUX_HEAD_DIM, batch=1, seq=4, heads=heads,
+                       grid=True, seed=heads)
+    assert_bit_exact(_run(grid, **kw), reference(*grid, **kw))
+    inputs = make_inputs(dtype, FLUX_HEAD_DIM, FLUX_HEAD_DIM, batch=1, seq=16, heads=heads,
+                         seed=heads + 1)
+    outs = _run(inputs, **kw)
+    check_against_fp32(outs, inputs, dtype, True)
+    assert_within_order_policy(outs, reference(*inputs, **kw), dtype, rounding=kw["rounding"])
 
 
 def test_empty_problem(host_lib):
@@ -115,7 +134,8 @@ def _status(exc_info) -> int:
     ("rotary > head_dim", 64, (8, 66), {}, 3),
     ("head_dim > 512", 514, (8, 64), {}, 2),
     ("odd head_dim", 63, (8, 32), {}, 2),
-    ("rounding 2", 64, (8, 64), {"rounding": 2}, 6),
+    ("rounding 3", 64, (8, 64), {"rounding": 3}, 6),     # contract.ROUNDING_MODES: 0, 1, 2
+    ("rounding -1", 64, (8, 64), {"rounding": -1}, 6),
     ("eps 0", 64, (8, 64), {"eps": 0.0}, 6),
     ("eps nan", 64, (8, 64), {"eps": float("nan")}, 6),
     # the contract's one epsilon rule (qkrope/contract.py epsilon_error): 0 < eps < 1

@@ -92,14 +92,35 @@ def test_qwen_instructions_per_element_under_threshold(report):
 
 @pytest.mark.slow
 def test_launched_instances_meet_the_static_targets(report):
-    """The instances the real launcher picks for every Qwen problem on the modelled sm_90 devices
-    keep >= 24 KiB (4096+ tokens) / >= 16 KiB of q/k reads outstanding per SM at a token's first
-    wait and stay under the whole-kernel instruction targets (LAUNCH_TARGETS)."""
+    """The instances the real launcher picks for every Qwen-Image and FLUX problem on the modelled
+    sm_90 devices keep >= 24 KiB (4096+ tokens) / >= 16 KiB of q/k reads outstanding per SM at a
+    token's first wait and stay under the whole-kernel instruction targets (LAUNCH_TARGETS)."""
     launches = [ln for ln in report["launches"] if ln["device"] in ("H100 SXM", "H200 SXM")]
-    assert len(launches) == 2 * 2 * len(kr.qwen_problems())
+    per_device = sum(len(p["roundings"]) for p in kr.launch_problems())
+    assert len(launches) == 2 * per_device
     checks = [c for c in report["checks"] if c["check"].startswith("launched-")]
     assert len(checks) == 2 * len(launches)
     assert not [c["detail"] for c in checks if not c["ok"]]
+
+
+@pytest.mark.slow
+def test_flux_launches_are_planned_and_checked(report):
+    """FLUX's head counts (24, 32, 48 x 128), its double block's image and text nodes and the
+    single block's 4608-token stream, in FLUX's rounding order and the one-rounding mode, on
+    every modelled device; on the sm_90 devices each is checked against LAUNCH_TARGETS."""
+    flux = [ln for ln in report["launches"] if ln["model"].startswith("FLUX")]
+    want = {(d, f"FLUX {h}h", s, b, r) for d in kr.MODELLED_DEVICES for h in kr.FLUX_HEADS
+            for s in ("image 4096", "text 512", "single 4096+512") for b in kr.FLUX_BATCHES
+            for r in (0, 2)}
+    assert {(ln["device"], ln["model"], ln["stream"], ln["batch"], ln["rounding"]) for ln in flux} == want
+    single = [ln for ln in flux if ln["stream"] == "single 4096+512" and ln["batch"] == 1]
+    assert single and all(ln["tokens"] == 4608 for ln in single)
+    for ln in flux:
+        assert ln["found"] and ln["instance"].endswith(f",{ln['rounding']},true>"), ln
+    h200 = [c for c in report["checks"] if c["check"] == "launched-instr-per-element"
+            and c["detail"].startswith("H200 SXM, FLUX")]
+    assert len(h200) == len(kr.FLUX_HEADS) * 3 * len(kr.FLUX_BATCHES) * 2
+    assert all(c["ok"] for c in h200), [c["detail"] for c in h200 if not c["ok"]]
 
 
 @pytest.mark.slow
@@ -111,17 +132,19 @@ def test_every_modelled_device_launches_a_fast_instance_in_whole_tokens(report):
         assert ln["found"] and ln["instance"].startswith("Fast<Bf16,128,true,"), ln
         dev = kr.MODELLED_DEVICES[ln["device"]]
         assert ln["grid"] <= ln["blocks_per_sm"] * dev["sms"], ln
-        units = 2 * -(-kr.QWEN_HEADS // ln["rows"])
+        units = 2 * -(-ln["heads"] // ln["rows"])
         assert ln["token_step"] * units == ln["grid"] * 16, ln   # 16 groups of 16 lanes per block
         assert ln["loads_at_first_wait"] >= 2 * ln["rows"], ln   # kPrefetch tokens of rows
 
 
 def _plan_issue_cost() -> dict[int, tuple[float, float, float]]:
+    """kFastIssueCost of qknorm_rope_plan.h, one {perElement, perToken, perGroup} per rounding."""
     text = (ROOT / "plugins" / "kernel" / "qknorm_rope_plan.h").read_text()
-    m = re.search(r"rounding == 1 \? FastIssueCost\{([^}]*)\} : FastIssueCost\{([^}]*)\}", text)
-    assert m, "fastIssueCost's table not found in qknorm_rope_plan.h"
-    return {1: tuple(float(x) for x in m.group(1).split(",")),
-            0: tuple(float(x) for x in m.group(2).split(","))}
+    m = re.search(r"kFastIssueCost\[\] = \{(.*?)\};", text, re.S)
+    assert m, "the kFastIssueCost table not found in qknorm_rope_plan.h"
+    rows = re.findall(r"\{([^{}]*)\}", m.group(1))
+    assert len(rows) == 3, rows
+    return {mode: tuple(float(x) for x in row.split(",")) for mode, row in enumerate(rows)}
 
 
 @pytest.mark.slow

@@ -25,10 +25,11 @@ import subprocess
 import pytest
 import torch
 
-from _kernel_cases import assert_bit_exact, check_against_fp32, make_inputs
+from _kernel_cases import FLUX_HEAD_DIM, FLUX_HEADS, assert_bit_exact, check_against_fp32, make_inputs
 from _native import require_native_tools
 from _simt import DEVICE_MODELS, _bits, _instance, _template, run_checked, use_device
 from _simt import device, libs  # noqa: F401 (pytest fixtures)
+from qkrope import contract
 from qkrope.runtime import kernels
 
 
@@ -67,7 +68,7 @@ def plan(libs):
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 for d, r in PROBE_HEAD_ROT:
                     for inter in (True, False):
-                        for rnd in (0, 1):
+                        for rnd in contract.ROUNDING_MODES:
                             for mis in PROBE_MISALIGN:
                                 for heads in PROBE_HEADS:
                                     for batch, seq in PROBE_TOKENS:
@@ -164,7 +165,7 @@ def test_instance_variety(plan):
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
 def test_cases_grid_and_accuracy(device, dtype, head_rot, interleaved):
     d, r = head_rot
-    for rounding in (0, 1):
+    for rounding in contract.ROUNDING_MODES:
         run_checked(dtype, d, r, interleaved=interleaved, rounding=rounding, batch=2, seq=3,
                     heads=3, grid=True, seed=7)
     # random inputs: accuracy against the fp32 reference always; bit-exactness: see below
@@ -178,7 +179,7 @@ def test_cases_grid_and_accuracy(device, dtype, head_rot, interleaved):
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
 def test_cases_random_bit_exact(device, dtype, interleaved):
     for d, r in ((64, 64), (128, 128), (256, 256), (128, 64), (48, 48), (96, 32)):
-        for rounding in (0, 1):
+        for rounding in contract.ROUNDING_MODES:
             run_checked(dtype, d, r, interleaved=interleaved, rounding=rounding, batch=2, seq=3,
                         heads=3, grid=False, seed=d + r + rounding)
 
@@ -262,6 +263,16 @@ def test_qwen_image_heads(device):
         inputs = make_inputs(torch.bfloat16, 128, 128, batch=1, seq=5, heads=24, seed=12)
         outs = kernels.simt_qk_norm_rope(*inputs, rounding=rounding)
         check_against_fp32(outs, inputs, torch.bfloat16, True)
+
+
+@pytest.mark.parametrize("heads", FLUX_HEADS)
+def test_flux_heads(device, heads):
+    """FLUX's head layouts (24, 32, 48 x 128, interleaved, full rotary), bf16 and fp16, FLUX's
+    rounding order and the one-rounding mode, a few tokens: bit for bit with the CPU build."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for rounding in (contract.ROUNDING_FLUX, contract.ROUNDING_ONE):
+            run_checked(dtype, FLUX_HEAD_DIM, FLUX_HEAD_DIM, rounding=rounding, batch=1, seq=3,
+                        heads=heads, grid=False, seed=heads + rounding)
 
 
 def test_seeded_schedules_agree(device):

@@ -38,6 +38,9 @@ MUTANTS = [
     ("dropped row: the general path's token loop stops one token early", "qknorm_rope.cu",
      r"for \(; t < a\.numTokens; t \+= a\.tokenStep\)",
      "for (; t < a.numTokens - 1; t += a.tokenStep)", "general"),
+    ("fast path, FLUX's order: x * inv * w not rounded before the rotation (rounding=2 runs as 0)",
+     "qknorm_rope.cu", r"if constexpr \(ROUNDING != math::kRoundingOne\)",
+     "if constexpr (ROUNDING == math::kRoundingDiffusers)", "flux"),
 ]
 
 MUTANT_CASES = {
@@ -53,6 +56,9 @@ MUTANT_CASES = {
                           interleaved=False)],
     # every row group walks more than three tokens, so the ring turns over at least once
     "ring": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=2, seq=160)],
+    # FLUX's layout and order, both 16-bit dtypes (the mutant only changes rounding=2 instances)
+    "flux": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=3, seq=3, rounding=2),
+             dict(dtype=torch.float16, head_dim=128, rotary_dim=128, heads=3, seq=3, rounding=2)],
     "general": [dict(dtype=torch.bfloat16, head_dim=96, rotary_dim=96, heads=3, seq=3,
                      interleaved=False),
                 dict(dtype=torch.float32, head_dim=48, rotary_dim=48, heads=2, seq=3)],
@@ -117,7 +123,7 @@ def _host_checks(case_key):
         c = dict(case)
         inputs = make_inputs(c["dtype"], c["head_dim"], c["rotary_dim"], batch=1, seq=c["seq"],
                              heads=c["heads"], grid=True, seed=4)
-        kw = dict(interleaved=c.get("interleaved", True), rounding=0)
+        kw = dict(interleaved=c.get("interleaved", True), rounding=c.get("rounding", 0))
         assert_bit_exact(kernels.host_qk_norm_rope(*inputs, **kw), reference(*inputs, **kw))
 
 

@@ -1,6 +1,6 @@
 """The QKNormRoPE op alone through torch.onnx and the portable function body
-(export/onnx_function.py): every variant (NeoX, partial rotary, rounding=1, every activation
-dtype) run by ONNX Runtime against the PyTorch reference, and one model refusing two variants."""
+(export/onnx_function.py): every variant (NeoX, partial rotary, rounding=1 and 2, every
+activation dtype) run by ONNX Runtime against the PyTorch reference, and one model refusing two variants."""
 
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ class _OpOnly(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("interleaved,rounding,rotary_dim", [
-    (True, 0, 64), (True, 1, 64), (False, 0, 64), (True, 0, 48), (False, 1, 32)])
+    (True, 0, 64), (True, 1, 64), (False, 0, 64), (True, 0, 48), (False, 1, 32),
+    (True, 2, 64), (False, 2, 48)])
 def test_function_body_variants(tmp_path, dtype, interleaved, rounding, rotary_dim):
     """The op alone: the function body (ONNX Runtime) vs the PyTorch reference, for NeoX,
-    partial rotary, rounding=1, and every activation dtype (bf16 included: the body only needs
+    partial rotary, rounding=1 and 2, and every activation dtype (bf16 included: the body only needs
     Cast/elementwise kernels, which ONNX Runtime's CPU provider has for bf16)."""
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(2, 7, 3, 64, generator=g) * 3).to(dtype)
@@ -80,6 +81,37 @@ def test_function_body_variants(tmp_path, dtype, interleaved, rounding, rotary_d
         assert (g_t - r).abs().max().item() <= tol
         if dtype != torch.float32:  # at most one rounding step apart, and rarely
             assert (g_t != r).float().mean().item() < 0.05
+
+
+@pytest.mark.parametrize("dtype,rounding", [(torch.bfloat16, 0), (torch.bfloat16, 1),
+                                            (torch.bfloat16, 2), (torch.float16, 2)])
+def test_function_body_bit_exact_where_the_sum_of_squares_is_exact(tmp_path, dtype, rounding):
+    """Grid inputs (tests/_kernel_cases.py: x = k/16, an exact fp32 sum of squares): the body's
+    ReduceMean/Sqrt/Reciprocal and the reference's mean/rsqrt are then the same correctly rounded
+    values, so each mode's body gives the reference's bits exactly; the three modes differ from
+    one another on these inputs (the check can tell them apart)."""
+    from _kernel_cases import make_inputs
+
+    q, k, qw, kw, cache = make_inputs(dtype, 64, 64, batch=2, seq=6, heads=3, grid=True, seed=3)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            _OpOnly(True, rounding), (q, k, qw, kw, cache), dynamo=True,
+            input_names=list(contract.INPUTS), output_names=list(contract.OUTPUTS),
+            custom_translation_table={
+                torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
+            verbose=False)
+    model = finalize_model(program.model, opset=18, head_dim=64, rotary_dim=64, expected_nodes=1)
+    import onnx_ir as ir
+
+    path = tmp_path / "op.onnx"
+    ir.save(model, path)
+    got = _run(path, {n: from_torch(t) for n, t in zip(contract.INPUTS, (q, k, qw, kw, cache))})
+    modes = {m: qk_norm_rope_reference(q, k, qw, kw, cache, eps=1e-5, rounding=m)
+             for m in contract.ROUNDING_MODES}
+    for g_out, r in zip(got, modes[rounding]):
+        assert torch.equal(to_torch(g_out), r)
+    for other in set(contract.ROUNDING_MODES) - {rounding}:
+        assert not torch.equal(modes[other][0], modes[rounding][0]), other
 
 
 def test_mixed_variants_refused():

@@ -170,7 +170,7 @@ def test_identity_is_the_node_contract(driver: DriverRun):
 
 @pytest.mark.parametrize("case,field", [
     ("epsilon_zero", "epsilon"), ("epsilon_nan", "epsilon"), ("interleaved_2", "interleaved"),
-    ("rounding_2", "rounding"), ("epsilon_wrong_type_int32", "epsilon"),
+    ("rounding_3", "rounding"), ("epsilon_wrong_type_int32", "epsilon"),
     ("interleaved_wrong_type_float", "interleaved"), ("unknown_field", "theta"),
 ])
 def test_bad_field_message_says_what_and_how(driver: DriverRun, case: str, field: str):

@@ -147,7 +147,7 @@ def test_custom_op_is_registered_and_traceable():
     (dict(cache=torch.ones(4, 34)), "even and in"),
     (dict(cache=torch.ones(3, 32)), r"required=4, available=3, overflow=1"),
     (dict(eps=0.0), "eps must be"),
-    (dict(rounding=2), "rounding must be"),
+    (dict(rounding=3), "rounding must be"),
 ])
 def test_bad_arguments_are_named(bad, match):
     args = dict(q=torch.zeros(1, 4, 2, 32), k=torch.zeros(1, 4, 2, 32), qw=torch.ones(32),

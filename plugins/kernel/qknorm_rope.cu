@@ -69,6 +69,8 @@ constexpr int kMaxRows = kPlanMaxRows;   // rows per work unit of the fast path:
 constexpr int kFastMinBlocks = 2;        // >= 512 resident threads per SM (<= 128 registers)
 constexpr int kPrefetch = kPlanPrefetch; // fast path: tokens whose row loads are in flight ahead of use
 static_assert(kThreads == kPlanThreads, "the launch plan models this block size");
+static_assert(sizeof(kFastIssueCost) / sizeof(kFastIssueCost[0]) == math::kRoundingModes,
+    "the launch plan has an instruction cost per rounding mode");
 static_assert(kPrefetch == 2, "the token loop rotates kPrefetch + 1 = 3 row buffers");
 constexpr int kMaxDevices = 64;
 constexpr unsigned kFullMask = 0xFFFFFFFFU;
@@ -168,7 +170,8 @@ struct Chunk16
         }
         return make_uint4(words[0], words[1], words[2], words[3]);
     }
-    // Round a pair to the element type and back (rounding = 1); NaN payloads do not matter here.
+    // Round a pair to the element type and back (rounding = 1 and 2); NaN payloads do not matter
+    // here.
     __device__ __forceinline__ static void round2(float& a, float& b)
     {
         T::unpack2(T::pack2(a, b), a, b);
@@ -237,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
     static_assert(ROWS >= 1 && ROWS <= kMaxRows, "rows per unit");
     static_assert(kNV == 1 || kNV == 2, "one or two chunks per thread");
     static_assert(INTERLEAVED || kNV == 1 || FULL_ROTARY, "NeoX with two chunks pairs up only at full rotary");
-    static_assert(ROUNDING == 0 || !T::kIsFloat32, "fp32 has one rounding mode");
+    static_assert(ROUNDING >= 0 && ROUNDING < math::kRoundingModes, "rounding mode");
+    static_assert(ROUNDING == math::kRoundingOne || !T::kIsFloat32, "fp32 has one rounding mode");
 
     int const lane = static_cast<int>(threadIdx.x) % kLanes;
     int64_t const group = static_cast<int64_t>(blockIdx.x) * kGroups + static_cast<int>(threadIdx.x) / kLanes;
@@ -435,17 +439,15 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
             {
                 float n0 = math::mul(x[i], inv);
                 float n1 = math::mul(x[i + 1], inv);
-                if constexpr (ROUNDING == 1)
+                if constexpr (ROUNDING == math::kRoundingDiffusers)
                 {
-                    Ch::round2(n0, n1);
-                    n0 = math::mul(n0, w[i]);
-                    n1 = math::mul(n1, w[i + 1]);
                     Ch::round2(n0, n1);
                 }
-                else
+                n0 = math::mul(n0, w[i]);
+                n1 = math::mul(n1, w[i + 1]);
+                if constexpr (ROUNDING != math::kRoundingOne)
                 {
-                    n0 = math::mul(n0, w[i]);
-                    n1 = math::mul(n1, w[i + 1]);
+                    Ch::round2(n0, n1); // diffusers' and FLUX's orders round x * inv * w
                 }
                 y[i] = n0;
                 y[i + 1] = n1;
@@ -910,12 +912,18 @@ cudaError_t launchFastHeadDim(KernelArgs const& a, bool interleaved, int roundin
 {
     if constexpr (!T::kIsFloat32)
     {
-        if (rounding == 1)
+        if (rounding == math::kRoundingDiffusers)
         {
-            return interleaved ? launchFastRotary<T, HEAD_DIM, true, 1>(a, device, stream)
-                               : launchFastRotary<T, HEAD_DIM, false, 1>(a, device, stream);
+            return interleaved ? launchFastRotary<T, HEAD_DIM, true, math::kRoundingDiffusers>(a, device, stream)
+                               : launchFastRotary<T, HEAD_DIM, false, math::kRoundingDiffusers>(a, device, stream);
+        }
+        if (rounding == math::kRoundingFlux)
+        {
+            return interleaved ? launchFastRotary<T, HEAD_DIM, true, math::kRoundingFlux>(a, device, stream)
+                               : launchFastRotary<T, HEAD_DIM, false, math::kRoundingFlux>(a, device, stream);
         }
     }
+    // rounding 0; and fp32 in every mode, where the three are one computation (nothing narrower)
     return interleaved ? launchFastRotary<T, HEAD_DIM, true, 0>(a, device, stream)
                        : launchFastRotary<T, HEAD_DIM, false, 0>(a, device, stream);
 }

@@ -45,7 +45,7 @@ struct QKNormRoPEParams
 
     float eps{1e-6F};
     bool interleaved{true}; // true: pairs (2j, 2j+1) (GPT-J, Qwen-Image); false: (j, j+half) (NeoX)
-    int32_t rounding{0};    // 0: one rounding at the end; 1: diffusers' eager rounding order
+    int32_t rounding{0};    // 0: one rounding at the end; 1: diffusers' eager order (Qwen-Image); 2: FLUX's
     DataType dtype{DataType::kFLOAT32};
 };
 
@@ -58,7 +58,7 @@ enum class Status : int32_t
     kBAD_ROTARY_DIM = 3,     // rotary_dim odd, zero, or > head_dim
     kCACHE_OVERFLOW = 4,     // cache_rows < seq_len
     kBAD_DTYPE = 5,
-    kBAD_ATTRIBUTE = 6,      // eps not finite or outside (0, 1) (qkrope/contract.py), rounding not 0 or 1
+    kBAD_ATTRIBUTE = 6,      // eps not finite or outside (0, 1) (qkrope/contract.py), rounding not 0, 1 or 2
     kCUDA_ERROR = 7,
 };
 

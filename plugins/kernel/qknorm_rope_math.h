@@ -20,8 +20,11 @@
 //     torch's own casts may keep a NaN's sign or payload (its vectorised bf16 cast turns -NaN
 //     into 0xFFFF), so against torch only the NaN positions agree, not always their bits;
 //   - rounding = 0: y = (x * inv) * w in fp32, rotate in fp32, round once.
-//     rounding = 1: y = round(round(x * inv) * w) (diffusers' RMSNorm order), rotate in fp32,
-//     round once. With fp32 activations both modes are the same computation.
+//     rounding = 1: y = round(round(x * inv) * w) (diffusers' RMSNorm order, Qwen-Image), rotate
+//     in fp32, round once.
+//     rounding = 2: y = round((x * inv) * w) (torch's RMSNorm, FLUX's norm_q/norm_k), rotate in
+//     fp32 (diffusers' apply_rotary_emb), round once.
+//     With fp32 activations the three modes are the same computation.
 #pragma once
 
 #include <cmath>
@@ -279,13 +282,26 @@ QKROPE_HD float roundTo(float v)
 // The per-element pieces. Both the host row function and the CUDA kernels are built from these,
 // so the only freedom an implementation has is the order of the sum of squares.
 
+// The rounding modes (qkrope/contract.py ROUNDING_*; docs/spec.md section 3).
+constexpr int32_t kRoundingOne = 0;       // one rounding, at the end
+constexpr int32_t kRoundingDiffusers = 1; // diffusers' RMSNorm order (Qwen-Image)
+constexpr int32_t kRoundingFlux = 2;      // torch's RMSNorm, then diffusers' fp32 rotation (FLUX)
+constexpr int32_t kRoundingModes = 3;
+
 // Normalised, weighted value (before rotation), as fp32.
 template <typename T>
 QKROPE_HD float normalize(float x, float inv, float w, int32_t rounding)
 {
-    if (rounding == 1 && !T::kIsFloat32)
+    if (!T::kIsFloat32)
     {
-        return roundTo<T>(mul(roundTo<T>(mul(x, inv)), w));
+        if (rounding == kRoundingDiffusers)
+        {
+            return roundTo<T>(mul(roundTo<T>(mul(x, inv)), w));
+        }
+        if (rounding == kRoundingFlux)
+        {
+            return roundTo<T>(mul(mul(x, inv), w));
+        }
     }
     return mul(mul(x, inv), w);
 }

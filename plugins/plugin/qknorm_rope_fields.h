@@ -140,7 +140,8 @@ inline constexpr FieldSpec kFIELDS[] = {
     FieldSpec::intAttribute("interleaved", offsetof(QKNormRoPEAttributes, interleaved), FieldDefault{1},
         FieldRange::closed(0, 1), "1: interleaved pairs (2j, 2j+1) as in Qwen-Image/GPT-J; 0: NeoX halves"),
     FieldSpec::intAttribute("rounding", offsetof(QKNormRoPEAttributes, rounding), FieldDefault{0},
-        FieldRange::closed(0, 1), "0: one rounding at the end; 1: diffusers' eager rounding order"),
+        FieldRange::closed(0, 2),
+        "0: one rounding at the end; 1: diffusers' eager order (Qwen-Image); 2: FLUX's eager order"),
     FieldSpec::identityField("plugin_version", kPLUGIN_VERSION),
     FieldSpec::identityField("plugin_namespace", kPLUGIN_NAMESPACE),
 };

@@ -56,7 +56,7 @@ void numericData(Input& in, FieldStore& f, size_t count, qp::FieldSpec const* sp
     static double const kDoubles[] = {1e-6, 1e-5, 0.0, -0.0, 1.0, -1e-6, 1e-300, 1e-45, 1.5e-45, FLT_MIN,
         FLT_MAX, static_cast<double>(FLT_MAX) * 2, 3.4028235677973366e38, std::numeric_limits<double>::infinity(),
         -std::numeric_limits<double>::infinity(), std::nan(""), 1e30, 0.5, 2.0, 1e-38};
-    static int64_t const kInts[] = {0, 1, -1, 2, 7, INT8_MIN, INT8_MAX, INT16_MIN, INT16_MAX, INT32_MIN, INT32_MAX,
+    static int64_t const kInts[] = {0, 1, -1, 2, 3, 7, INT8_MIN, INT8_MAX, INT16_MIN, INT16_MAX, INT32_MIN, INT32_MAX,
         int64_t{1} << 32, (int64_t{1} << 32) | 1, INT64_MIN, INT64_MAX, 255, 256};
     size_t const es = elementSize(f.type);
     std::vector<unsigned char> buf(es * count);

@@ -79,6 +79,8 @@ void testCreate(IPluginCreatorV3One* c, Args const& args, RecordingLogger& logge
     onlyEps.add("epsilon", 1e-3F, PluginFieldType::kFLOAT32);
     Fields onlyRounding;
     onlyRounding.add("rounding", int32_t{1}, PluginFieldType::kINT32);
+    // FLUX's eager order (rounding = 2), the largest mode, as the parser forwards it.
+    Fields flux = parserFields(1e-6F, 1, 2);
     // Defensive widths: kINT64 ints, kFLOAT64 epsilon (Python/numpy callers).
     Fields wide;
     wide.add("epsilon", 1e-5, PluginFieldType::kFLOAT64);
@@ -89,6 +91,7 @@ void testCreate(IPluginCreatorV3One* c, Args const& args, RecordingLogger& logge
         {"create.defaults.empty_collection", Fields{}, false, dEps, dIl, dR},
         {"create.defaults.only_epsilon", onlyEps, false, 1e-3F, dIl, dR},
         {"create.defaults.only_rounding", onlyRounding, false, dEps, dIl, 1},
+        {"create.rounding_flux", flux, false, 1e-6F, 1, 2},
         {"create.wide_types", wide, false, 1e-5F, 0, 1},
     };
     for (Case& cs : cases)
@@ -140,7 +143,7 @@ std::vector<BadField> badFieldCases()
         {"epsilon_f64_underflow", "epsilon", one("epsilon", 1e-300, T::kFLOAT64)}, // 0 in float32
         {"interleaved_2", "interleaved", one("interleaved", int32_t{2}, T::kINT32)},
         {"interleaved_negative", "interleaved", one("interleaved", int32_t{-1}, T::kINT32)},
-        {"rounding_2", "rounding", one("rounding", int32_t{2}, T::kINT32)},
+        {"rounding_3", "rounding", one("rounding", int32_t{3}, T::kINT32)},
         {"rounding_negative", "rounding", one("rounding", int32_t{-1}, T::kINT32)},
         {"rounding_int64_out_of_range", "rounding", one("rounding", int64_t{1} << 32 | 1, T::kINT64)},
         {"epsilon_wrong_type_int32", "epsilon", one("epsilon", int32_t{1}, T::kINT32)},

@@ -24,7 +24,7 @@ PLUGIN_FIX = f"build it with `qkrope build-plugin`, or pass the path of {PLUGIN_
 #: --dtype values: the model precisions qkrope exports (qkrope.dtypes' short names)
 DTYPE_CHOICES = tuple(sorted(dtypes.NAME_BY_SHORT))
 #: --rounding values: the node's rounding attribute (docs/spec.md section 4)
-ROUNDING_CHOICES = (0, 1)
+ROUNDING_CHOICES = contract.ROUNDING_MODES
 
 
 def add_plugin(parser, usage: str) -> argparse.Action:
@@ -62,8 +62,10 @@ def add_dtype(parser, usage: str, *, default: str | None) -> argparse.Action:
 
 
 def add_rounding(parser, usage: str | None = None) -> argparse.Action:
-    """``--rounding {0,1}``, default :data:`qkrope.contract.DEFAULT_ROUNDING`."""
+    """``--rounding {0,1,2}`` (:data:`qkrope.contract.ROUNDING_MODES`), default
+    :data:`qkrope.contract.DEFAULT_ROUNDING`."""
     default = contract.DEFAULT_ROUNDING
-    meaning = usage or "0: one rounding at the end; 1: diffusers' eager order"
+    meaning = usage or ("0: one rounding at the end; 1: diffusers' eager order (Qwen-Image); "
+                        "2: FLUX's eager order")
     return parser.add_argument("--rounding", type=int, choices=ROUNDING_CHOICES, default=default,
                                help=f"the node's rounding attribute, {meaning} (default {default})")

@@ -1,7 +1,7 @@
 """Everything the kernel report assumes, in one place: the hardware figures per SM architecture,
 the Qwen-Image problem the bounds are stated for, the per-token instruction thresholds, the
-modelled devices the real launcher is run against, the Qwen-Image launches and their static
-targets; and the arithmetic on them (occupancy, the issue and memory floors, the assumptions as
+modelled devices the real launcher is run against, the Qwen-Image and FLUX launches and their
+static targets; and the arithmetic on them (occupancy, the issue and memory floors, the assumptions as
 the report prints them)."""
 from __future__ import annotations
 
@@ -61,10 +61,16 @@ PROBLEM = {
     "cache_value_bytes": 4,
 }
 
-# Per-token threshold on the Qwen instances (one loop iteration along the common path per
+# Per-token threshold on the Qwen/FLUX instances (one loop iteration along the common path per
 # element; DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"). Key: rounding.
-THRESHOLDS = {0: 20, 1: 26}
-THRESHOLD_SOURCE = 'DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"'
+# rounding=2 (FLUX's order) does rounding=0's work plus one round trip of x*inv*w to bf16 before
+# the rotation: one pack (F2F.BF16X2) and two unpacks per pair, 1.5 instructions per element (the
+# sm_90 SASS measures +1.5 in the rows-1 instance, +1.4 and +1.1 in rows 2 and 3, where ptxas
+# folds some unpacks into their uses), so its limit is 20 + 1.5.
+FLUX_ROUNDING_COST = 1.5
+THRESHOLDS = {0: 20, 1: 26, 2: 20 + FLUX_ROUNDING_COST}
+THRESHOLD_SOURCE = ('DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"; '
+                    f'rounding=2: 20 + {FLUX_ROUNDING_COST} for its one rounding round trip')
 
 # Modelled GPUs the real launcher is run against (through the SIMT emulation's modelled device,
 # in dry-run mode): what cudaDeviceGetAttribute answers there. Memory clock x bus width gives the
@@ -89,13 +95,29 @@ QWEN_RESOLUTIONS = (512, 1024, 1328)
 QWEN_TEXT_TOKENS = 512
 QWEN_BATCHES = (1, 2)
 QWEN_HEADS, QWEN_HEAD_DIM = QWEN_IMAGE.heads, QWEN_IMAGE.head_dim
-# Static targets of a launched Qwen instance on an sm_90 device (H100/H200), by the launch's
+# The rounding modes the Qwen-Image launches are planned with: its export's default (0) and
+# diffusers' order (1).
+QWEN_ROUNDINGS = (0, 1)
+# FLUX.1 (dev, schnell, Kontext: 24 heads) and FLUX.2 (klein 4B: 24, klein 9B: 32, dev: 48), all
+# x 128, bf16, interleaved pairs at full rotary width. At 1024x1024 a double-stream block launches
+# the 4096 image tokens and the 512 text tokens as two nodes, a single-stream block one node over
+# the joined 4096 + 512 = 4608 tokens. Planned with rounding 2 (FLUX's eager order, what FLUX is
+# exported with) and 0 (one rounding).
+FLUX_HEADS = (24, 32, 48)
+FLUX_HEAD_DIM = 128
+FLUX_IMAGE_TOKENS, FLUX_TEXT_TOKENS = 4096, 512
+FLUX_BATCHES = (1, 2)
+FLUX_ROUNDINGS = (2, 0)
+# Static targets of a launched Qwen/FLUX instance on an sm_90 device (H100/H200), by the launch's
 # tokens (batch x sequence): q/k read bytes outstanding per SM at a token's first wait, and
 # whole-kernel common-path SASS instructions per element by rounding mode (DESIGN.md, performance
 # targets: twice Little's law for 85 % of the H200's bandwidth at ~1 us of loaded latency).
+# rounding 2 keeps rounding 0's whole-kernel limits: the instances launched at 4096+ tokens
+# (rows 2 and 3) absorb its 1.5 extra per element (19.7 at most, H100, FLUX.1's 4096 image
+# tokens); only the rows-1 instance's per-token figure needs THRESHOLDS' 21.5.
 LAUNCH_TARGETS = (
-    {"min_tokens": 4096, "bytes_in_flight_per_sm": 24 * 1024, "instr_per_element": {0: 20, 1: 26}},
-    {"min_tokens": 0, "bytes_in_flight_per_sm": 16 * 1024, "instr_per_element": {0: 26, 1: 26}},
+    {"min_tokens": 4096, "bytes_in_flight_per_sm": 24 * 1024, "instr_per_element": {0: 20, 1: 26, 2: 20}},
+    {"min_tokens": 0, "bytes_in_flight_per_sm": 16 * 1024, "instr_per_element": {0: 26, 1: 26, 2: 26}},
 )
 TARGET_ARCHS = (90,)
 
@@ -105,14 +127,37 @@ def launch_target(tokens: int) -> dict:
 
 
 def qwen_problems() -> list[dict]:
+    """The Qwen-Image launches: model, stream, batch, seq, tokens, heads, head_dim, roundings."""
     out = []
     for batch in QWEN_BATCHES:
         for res in QWEN_RESOLUTIONS:
             out.append({"stream": f"image {res}x{res}", "batch": batch, "seq": (res // 16) ** 2})
         out.append({"stream": f"text {QWEN_TEXT_TOKENS}", "batch": batch, "seq": QWEN_TEXT_TOKENS})
     for p in out:
-        p["tokens"] = p["batch"] * p["seq"]
+        p.update(model="Qwen-Image", tokens=p["batch"] * p["seq"], heads=QWEN_HEADS,
+                 head_dim=QWEN_HEAD_DIM, roundings=QWEN_ROUNDINGS)
     return out
+
+
+def flux_problems() -> list[dict]:
+    """The FLUX launches at 1024x1024 for each head count: a double-stream block's image and text
+    nodes and a single-stream block's joined node."""
+    out = []
+    for heads in FLUX_HEADS:
+        for batch in FLUX_BATCHES:
+            for stream, seq in ((f"image {FLUX_IMAGE_TOKENS}", FLUX_IMAGE_TOKENS),
+                                (f"text {FLUX_TEXT_TOKENS}", FLUX_TEXT_TOKENS),
+                                (f"single {FLUX_IMAGE_TOKENS}+{FLUX_TEXT_TOKENS}",
+                                 FLUX_IMAGE_TOKENS + FLUX_TEXT_TOKENS)):
+                out.append({"model": f"FLUX {heads}h", "stream": stream, "batch": batch, "seq": seq,
+                            "tokens": batch * seq, "heads": heads, "head_dim": FLUX_HEAD_DIM,
+                            "roundings": FLUX_ROUNDINGS})
+    return out
+
+
+def launch_problems() -> list[dict]:
+    """Every launch the report plans on each modelled device: Qwen-Image's, then FLUX's."""
+    return qwen_problems() + flux_problems()
 
 
 def occupancy(regs: int, smem_static: int, threads: int, hw: dict) -> dict:

@@ -1,5 +1,5 @@
 """The real launcher against modelled devices: ``qknorm_rope.cu`` under the SIMT emulation, in
-dry-run mode (nothing computed), planning every Qwen-Image launch on each device of
+dry-run mode (nothing computed), planning every Qwen-Image and FLUX launch on each device of
 MODELLED_DEVICES with each instance's occupancy from its ptxas registers; the figures of the
 instance each launch picks, and the static targets (LAUNCH_TARGETS) they are checked against."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 
 from qkrope.runtime.sass import ToolError, loads_at_first_wait
 
-from .assumptions import (MODELLED_DEVICES, QWEN_HEAD_DIM, QWEN_HEADS, TARGET_ARCHS, device_hardware,
-                          launch_target, occupancy, qwen_problems)
+from .assumptions import (MODELLED_DEVICES, QWEN_HEAD_DIM, TARGET_ARCHS, device_hardware,
+                          launch_problems, launch_target, occupancy)
 from .instances import label_of
 from .text import fmt
 
@@ -48,7 +48,8 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
 
 def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
     """Run the real launcher (qknorm_rope.cu under the SIMT emulation, dry run: nothing computed)
-    against each modelled device for each Qwen problem and rounding mode, with each instance's
+    against each modelled device for each Qwen-Image and FLUX problem and its rounding modes
+    (assumptions.launch_problems), with each instance's
     occupancy from the ptxas registers of the build for that device's architecture (sm_90's where
     that architecture was not compiled), and analyse the instance it launches. The library:
     ``simt_lib``, else where the toolchain's rule finds it (``$QKROPE_KERNELS_SIMT_LIB``,
@@ -93,26 +94,28 @@ def _plan_launches(report: dict, kernels) -> list[dict]:
                                      mem_clock_khz=dev["mem_clock_khz"], bus_width_bits=dev["bus_width_bits"],
                                      occupancy=table, dry_run=True)
         try:
-            for prob in qwen_problems():
-                q = torch.zeros(prob["batch"], prob["seq"], QWEN_HEADS, QWEN_HEAD_DIM, dtype=torch.bfloat16)
-                k = torch.zeros_like(q)
-                w = torch.ones(QWEN_HEAD_DIM, dtype=torch.bfloat16)
-                cache = torch.zeros(prob["seq"], QWEN_HEAD_DIM)
-                for rounding in (0, 1):
+            for prob in launch_problems():
+                # dry run: the tensors are never read, only their shapes and pointers planned
+                q = torch.empty(prob["batch"], prob["seq"], prob["heads"], prob["head_dim"],
+                                dtype=torch.bfloat16)
+                k = torch.empty_like(q)
+                w = torch.ones(prob["head_dim"], dtype=torch.bfloat16)
+                cache = torch.zeros(prob["seq"], prob["head_dim"])
+                for rounding in prob["roundings"]:
                     kernels.simt_reset()
                     kernels.simt_qk_norm_rope(q, k, w, w, cache, interleaved=True, rounding=rounding,
                                               out=(q, k))
                     recs = kernels.simt_last_launches()
                     if len(recs) != 1:
-                        raise ToolError(f"{dev_name}, {prob['stream']}: expected one launch, got {len(recs)}")
+                        raise ToolError(f"{dev_name}, {prob['model']} {prob['stream']}: expected one "
+                                        f"launch, got {len(recs)}")
                     label = label_of(recs[0]["kernel"])
                     inst = by_label.get(label)
-                    problem = dict(prob, heads=QWEN_HEADS)
-                    row = {"device": dev_name, "arch": arch, "stream": prob["stream"], "batch": prob["batch"],
-                           "tokens": prob["tokens"], "rounding": rounding, "instance": label,
-                           "found": inst is not None}
+                    row = {"device": dev_name, "arch": arch, "model": prob["model"], "heads": prob["heads"],
+                           "stream": prob["stream"], "batch": prob["batch"], "tokens": prob["tokens"],
+                           "rounding": rounding, "instance": label, "found": inst is not None}
                     if inst is not None and inst["hot_loop"].get("found"):
-                        row.update(launch_figures(inst, recs[0], problem, occ[label]))
+                        row.update(launch_figures(inst, recs[0], prob, occ[label]))
                     launches.append(row)
         finally:
             kernels.simt_configure(dry_run=False)
@@ -126,7 +129,8 @@ def launch_checks(launches: list[dict]) -> list[dict]:
         if ln["arch"] not in TARGET_ARCHS or MODELLED_DEVICES[ln["device"]]["arch"] not in TARGET_ARCHS:
             continue
         t = launch_target(ln["tokens"])
-        where = f"{ln['device']}, {ln['stream']}, batch {ln['batch']}, rounding {ln['rounding']}"
+        where = (f"{ln['device']}, {ln['model']} {ln['stream']}, batch {ln['batch']}, "
+                 f"rounding {ln['rounding']}")
         if not ln["found"] or "instr_per_element" not in ln:
             checks.append({"check": "launched-instance", "arch": ln["arch"], "instance": str(ln["instance"]),
                            "ok": False, "detail": f"{where}: the launched instance is not in the SASS"})

@@ -115,14 +115,15 @@ def format_text(report: dict, details: str = "qwen") -> str:
     if report.get("launches"):
         w("== launches: the real launcher (qknorm_rope.cu under the SIMT emulation, dry run) on "
           "modelled devices, occupancy from ptxas registers")
-        w(f"   {'device':<14} {'stream':<16} {'batch':>5} {'rnd':>3} {'instance':<30} {'blk/SM':>6} "
-          f"{'tok/grp':>7} {'ins/el':>6} {'ld@wait':>7} {'KiB/SM':>6}")
+        w(f"   {'device':<14} {'model':<10} {'stream':<16} {'batch':>5} {'rnd':>3} {'instance':<30} "
+          f"{'blk/SM':>6} {'tok/grp':>7} {'ins/el':>6} {'ld@wait':>7} {'KiB/SM':>6}")
         for ln in report["launches"]:
+            model = ln.get("model", "Qwen-Image")
             if "instr_per_element" not in ln:
-                w(f"   {ln['device']:<14} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
-                  f"{str(ln['instance']):<30} (not in the SASS)")
+                w(f"   {ln['device']:<14} {model:<10} {ln['stream']:<16} {ln['batch']:>5} "
+                  f"{ln['rounding']:>3} {str(ln['instance']):<30} (not in the SASS)")
                 continue
-            w(f"   {ln['device']:<14} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
+            w(f"   {ln['device']:<14} {model:<10} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
               f"{ln['instance']:<30} {ln['blocks_per_sm']:>6} {ln['tokens_per_group']:>7.1f} "
               f"{fmt(ln['instr_per_element'], '.2f'):>6} {ln['loads_at_first_wait']:>7} "
               f"{ln['bytes_in_flight_per_sm'] / 1024:>6.1f}")
@@ -130,9 +131,11 @@ def format_text(report: dict, details: str = "qwen") -> str:
           "token + prologue/epilogue over tok/grp tokens);")
         w("   ld@wait = 128-bit q/k loads outstanding at a token's first wait; KiB/SM = ld@wait x 16 B "
           "x resident threads")
+        modes = sorted(LAUNCH_TARGETS[0]["instr_per_element"])
         w(f"   targets on {', '.join(f'sm_{a}' for a in TARGET_ARCHS)} devices: " + "; ".join(
             f">= {t['min_tokens']} tokens: >= {t['bytes_in_flight_per_sm'] // 1024} KiB, <= "
-            f"{t['instr_per_element'][0]} / {t['instr_per_element'][1]} (rounding 0 / 1)" for t in LAUNCH_TARGETS))
+            + " / ".join(f"{t['instr_per_element'][m]:g}" for m in modes)
+            + f" (rounding {' / '.join(str(m) for m in modes)})" for t in LAUNCH_TARGETS))
         w("")
     w(f"== structural checks (--check); instruction thresholds {THRESHOLDS} by rounding mode, "
       f"from {THRESHOLD_SOURCE}")
