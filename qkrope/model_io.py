@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from qkrope import contract
+
 # --------------------------------------------------------------------------------------------
 # The Qwen-Image shape record
 # --------------------------------------------------------------------------------------------
@@ -190,10 +192,9 @@ class ModelFamily:
 QWEN_IMAGE_FAMILY = ModelFamily(
     "qwen-image", "QwenImageTransformer2DModel", "Qwen-Image (and Qwen-Image-Edit)",
     QWEN_IMAGE.theta, None, 0, TRANSFORMER)
-# FLUX's eager order rounds the normalised value once (torch's RMSNorm) and the rotation once
-# more; `rounding` 0 is within one step of it in bf16/fp16 and bit-exact in fp32.
-# TODO(i27-kernel): use contract.ROUNDING_FLUX, FLUX's eager order, once that mode is merged.
-_FLUX_ROUNDING = 0
+# FLUX's eager order (torch's RMSNorm rounds x*inv*w once, diffusers rotates in fp32 and rounds
+# again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_FLUX)
+_FLUX_ROUNDING = contract.ROUNDING_FLUX
 FLUX1 = ModelFamily(
     "flux1", "FluxTransformer2DModel", "FLUX.1 (dev, schnell, Kontext)",
     10000, None, _FLUX_ROUNDING, FLUX1_TRANSFORMER)  # diffusers fixes FluxPosEmbed(theta=10000)

@@ -29,7 +29,7 @@ from qkrope._deps import require
 from qkrope.errors import InputError
 
 from ._dropin import frozen_config, is_one, short_repr
-from .caches import RopeCaches, to_cos_sin_caches
+from .caches import RopeCaches, build_flux_rope_caches
 from .runner import Runner
 
 
@@ -42,24 +42,16 @@ def caches_from_ids(family: str, txt_ids: torch.Tensor, img_ids: torch.Tensor, *
                     axes_dims: Sequence[int], theta: float, head_dim: int,
                     device: torch.device | str | None = None) -> RopeCaches:
     """FLUX's RoPE caches from its position ids (``[tokens, axes]``; FLUX.1 3 axes, FLUX.2 4):
-    diffusers' own ``FluxPosEmbed``/``Flux2PosEmbed`` tables (float64, then float32), converted
-    to the cache pair by :func:`qkrope.runtime.to_cos_sin_caches` (FLUX's duplicated
-    interleaved (cos, sin) tables).
-
-    TODO(i27-flux-caches): qkrope.runtime.build_flux_rope_caches (numpy, no diffusers) replaces
-    this at merge; this is the drop-in's one ids -> caches step."""
-    module = require("diffusers.models.transformers.transformer_flux2" if family == "flux2"
-                     else "diffusers.models.transformers.transformer_flux",
-                     "building FLUX's RoPE caches from txt_ids/img_ids")
-    embed = (module.Flux2PosEmbed if family == "flux2" else module.FluxPosEmbed)(
-        theta=theta, axes_dim=list(axes_dims))
-    with torch.no_grad():
-        img = embed(img_ids.detach().cpu())
-        txt = embed(txt_ids.detach().cpu())
-    caches = to_cos_sin_caches((img, txt), head_dim=head_dim)
-    if device is None:
-        return caches
-    return RopeCaches(caches.img.to(device), caches.txt.to(device))
+    :func:`qkrope.runtime.build_flux_rope_caches` (diffusers' ``FluxPosEmbed``/``Flux2PosEmbed``
+    tables, float64 then float32, computed in numpy), whose width must be the model's
+    ``head_dim`` (FLUX rotates the whole head). The drop-in's one ids -> caches step."""
+    caches = build_flux_rope_caches(txt_ids, img_ids, axes_dims=axes_dims, theta=theta,
+                                    device=device)
+    if caches.img.shape[-1] != head_dim:
+        raise InputError(f"{family}: the RoPE axes {list(axes_dims)} give caches of width "
+                         f"{caches.img.shape[-1]}, the model's heads are {head_dim} wide. Fix: "
+                         f"re-export the model (its sidecar's axes_dims_rope is inconsistent)")
+    return caches
 
 
 def _ids(value: Any, name: str, tokens: int, axes: int) -> torch.Tensor:

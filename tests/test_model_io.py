@@ -60,6 +60,19 @@ def test_standalone_copies_equal_the_contract():
         "latent_tensor": model_io.HIDDEN_STATES.name,
         "img_output": model_io.IMG_COS_SIN_CACHE.name,
         "txt_output": model_io.TXT_COS_SIN_CACHE.name}
+    # FLUX's defaults: the family records' theta, diffusers' default axes_dims_rope
+    import inspect
+
+    import diffusers
+
+    for family, cls in ((model_io.FLUX1, diffusers.FluxTransformer2DModel),
+                        (model_io.FLUX2, diffusers.Flux2Transformer2DModel)):
+        _, axes, theta = rope_tables.FLUX_FAMILIES[family.name]
+        assert theta == family.theta
+        default = inspect.signature(cls.__init__).parameters["axes_dims_rope"].default
+        assert tuple(axes) == tuple(default)
+        if family.theta_key:
+            assert inspect.signature(cls.__init__).parameters[family.theta_key].default == theta
     # they stay standalone: no qkrope import at all
     for path in (rope_tables.__file__, triton_rope_model.__file__):
         assert "import qkrope" not in Path(path).read_text()
