@@ -359,7 +359,13 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     # First: a readable ONNX file whose QKNormRoPE nodes keep the node contract (the TensorRT
     # plugin would refuse what ONNX Runtime's function body would run), then its sidecar.
     checked_onnx_model(onnx_path)
-    info = ModelInfo.load(onnx_path)
+    # the full hash of every file (a load checks their stat records only: qkrope.file_record)
+    info = ModelInfo.load(onnx_path, full=True)
+    if engine:
+        from qkrope.sidecars import EngineInfo, engine_sidecar_path
+
+        if engine_sidecar_path(engine).is_file():
+            EngineInfo.load(engine, full=True)
     if info.config.quantization:  # FP8 Q/DQ: checked against ModelOpt's model
         return _check_quantized(onnx_path, info, img_shapes=img_shapes, txt_len=txt_len,
                                 batch=batch, seed=seed, diffusers_dir=diffusers_dir,
