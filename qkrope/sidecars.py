@@ -32,6 +32,12 @@ each, a format version, and a check on load.
       "model_sha256": sha256 hex of the M.onnx it describes (checked by ModelInfo.load: a sidecar
                       next to another model is "sidecar does not describe this model"; written
                       by save() whenever the model file exists; null/absent: not checked)
+      "model_file": {"sha256", "size", "mtime_ns", "ino"} | null  (the model file as written:
+                    a load compares size/mtime_ns/inode and hashes only on a difference,
+                    qkrope.file_record),
+      "external_data": {location: {"sha256", "size", "mtime_ns", "ino"}}  (each data file),
+      "write_id": 16 hex digits | null (also the model's metadata_props qkrope.write_id: a pair
+                  from two writers is refused)
     }
 
 ``M.engine.json`` (:class:`EngineInfo`), written by ``qkrope build`` next to the engine and read
@@ -56,6 +62,8 @@ by the TensorRT runner and ``qkrope triton-repo``::
                        by the runner, `qkrope refit` and `qkrope triton-repo`: an engine beside
                        another engine's sidecar is refused; written by save() whenever the
                        engine file exists; null/absent: not checked)
+      "engine_file": {"sha256", "size", "mtime_ns", "ino"} | null (as the model's model_file),
+      "write_id": 16 hex digits | null (also in the engine's network name: <config tag>.write-<id>)
       "build_key": {"model_sha256", "options", "tensorrt_version", "gpu", "plugin_sha256",
                     "engine_sha256"} | null
                    (what the engine was built from; `qkrope build` reuses the engine when all
