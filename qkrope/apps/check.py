@@ -10,8 +10,13 @@ Steps:
 2. Reference outputs from PyTorch: the attention block is rebuilt from the sidecar (the same
    seeded weights or the ``--weights`` file it names; the reference is the source model, so an
    ONNX file whose weights were changed fails); a transformer is diffusers' own
-   ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) loaded from
-   ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported blocks.
+   ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) from
+   ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported
+   blocks, with one block's weights resident at a time (read from the shards before the block
+   runs, freed after: :mod:`qkrope.apps.check_blocks`), so the check holds the model once.
+   ``--blocks`` compares each block's outputs too (marked as graph outputs of the ONNX Runtime
+   session) and names the first block that differs; ``--layers K`` the first K blocks only
+   (the graph cut after block K-1).
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
