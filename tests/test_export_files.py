@@ -225,3 +225,33 @@ def test_signal_mid_export_leaves_old_or_new_pair(tmp_path, traced, fast_export,
     assert not _staging(tmp_path) and _normalized(_pair(tmp_path)) == _normalized(old)
 
 
+
+
+def test_an_export_with_external_data_loads_by_its_file_records(tmp_path, fast_export,
+                                                                monkeypatch):
+    """The exporter's sidecar records the model and its external-data file (sha256, size,
+    mtime_ns, inode, taken in staging and kept by the commit's renames) and the write id it put
+    into the model's metadata: the load afterwards hashes nothing; new bytes in the data file
+    are refused."""
+    from qkrope import file_record
+    from qkrope.sidecars import onnx_metadata_props
+
+    monkeypatch.setattr(ox, "EXTERNAL_DATA_THRESHOLD", 0)  # every export writes m.onnx.data
+    out = tmp_path / "m.onnx"
+    fast_export(out, seed=1)
+    data = tmp_path / "m.onnx.data"
+    side = json.loads((tmp_path / "m.onnx.json").read_text())
+    assert set(side["external_data"]) == {"m.onnx.data"}
+    assert side["external_data"]["m.onnx.data"]["ino"] == data.stat().st_ino
+    assert onnx_metadata_props(out)["qkrope.write_id"] == side["write_id"]
+
+    def refuse(path):
+        raise AssertionError(f"{path} was hashed")
+
+    with monkeypatch.context() as m:
+        m.setattr(file_record, "sha256_file", refuse)
+        assert ModelInfo.load(out).verified == "stat"
+    st = data.stat()
+    data.write_bytes(bytes(st.st_size))  # rewritten in place: same size, new mtime
+    with pytest.raises(QkropeError, match="does not describe this model's external data file"):
+        ModelInfo.load(out)

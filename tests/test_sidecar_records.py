@@ -303,3 +303,40 @@ def test_triton_repo_other_link_errors_are_not_hidden(tmp_path, monkeypatch):
     with pytest.raises(OutputWriteError, match="No space left"):
         triton.write_repository(eng, tmp_path / "repo", plugin=lib)
     assert not (tmp_path / "repo" / "attn").exists()
+
+
+def test_cp_p_of_another_export_over_the_data_file_is_refused(tmp_path):
+    """``cp -p other.data m.onnx.data``: written in place (same inode, same size) with the other
+    file's mtime, which is not the recorded one: hashed, refused."""
+    a, b = tmp_path / "a" / "m.onnx", tmp_path / "b" / "m.onnx"
+    a.parent.mkdir(), b.parent.mkdir()
+    data_a = _write_model(a, WID_A, fill=1.0)
+    data_b = _write_model(b, WID_A, fill=2.0)
+    ino = data_a.stat().st_ino
+    shutil.copy2(data_b, data_a)
+    assert data_a.stat().st_ino == ino and data_a.stat().st_size == data_b.stat().st_size
+    with pytest.raises(ModelInfoError, match="does not describe this model's external data"):
+        ModelInfo.load(a)
+
+
+@pytest.mark.parametrize("cross_device", [False, True], ids=["same-fs", "exdev"])
+def test_triton_onnx_repo_links_or_copies_the_model_and_data(tmp_path, monkeypatch, capsys,
+                                                             cross_device):
+    from qkrope.cli import main
+
+    onnx_path = tmp_path / "m.onnx"
+    data = _write_model(onnx_path)
+    if cross_device:
+        def no_link(src, dst, *a, **k):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+
+        monkeypatch.setattr(os, "link", no_link)
+    repo = tmp_path / "repo"
+    assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(onnx_path), "-o",
+                 str(repo)]) == 0
+    out = capsys.readouterr().out
+    copied = repo / "m" / "1" / data.name
+    assert copied.read_bytes() == data.read_bytes()
+    assert os.path.samefile(copied, data) is not cross_device
+    assert ("the model and its data: copied" if cross_device
+            else "the model and its data: hard-linked") in out, out
