@@ -152,3 +152,27 @@ def test_block_flags_are_checked_first(monkeypatch):
                                      onnxrt=True)
     np.testing.assert_equal(check._check_block_arguments(
         "a.onnx", info, blocks=True, layers=3, engine=None, onnxrt=True), None)
+
+
+def test_shard_reader_reads_by_offsets_and_says_what_is_wrong(tiny_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from qkrope.apps.check_blocks import BlockCheckError, ShardReader
+
+    reader = ShardReader(tiny_dir)
+    key = "transformer_blocks.2.attn.to_q.weight"
+    want = load_file(str(tiny_dir / reader.weight_map[key]))[key]
+    assert torch.equal(reader.get_many([key], torch.float32)[key], want)
+    assert reader.get_many([key], torch.float16)[key].dtype == torch.float16
+    with pytest.raises(BlockCheckError, match="has no tensor 'nope'"):
+        reader.get_many(["nope"], torch.float32)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    shard = broken / reader.weight_map[key]
+    shard.write_bytes(shard.read_bytes()[:-8])  # cut inside its last tensor
+    last = max((k for k, s in reader.weight_map.items() if s == shard.name),
+               key=lambda k: ShardReader(broken)._header(shard.name)[1][k]["data_offsets"][1])
+    with pytest.raises(BlockCheckError, match="truncated"):
+        ShardReader(broken).get_many([last], torch.float32)
