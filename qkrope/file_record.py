@@ -14,7 +14,8 @@ keeps all three (same filesystem), so a record made in staging is the one the re
   load; and whenever the fast check fails): the file is hashed and its sha256 decides. A file
   copied, ``rsync -a``-ed, restored from a backup or checked out again has a new inode or mtime
   but the recorded content: it is accepted, and the reader refreshes the record
-  (:func:`refresh_sidecar`, atomic, only when the sidecar is unchanged and writable), so the
+  (:func:`refresh_sidecar`: atomic, only when the sidecar is unchanged, writable and not being
+  committed by a writer), so the
   next load is fast again.
 - what the fast check does not see: content rewritten in place, at the same size, whose
   mtime was then put back to the recorded nanosecond by hand (``os.utime``/``touch -d`` with the
@@ -26,6 +27,7 @@ keeps all three (same filesystem), so a record made in staging is the one the re
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from qkrope._fileio import folder_lock, sha256_file, write_json_atomic
+from qkrope._fileio import sha256_file, write_json_atomic
 
 VERIFY_ENV = "QKROPE_VERIFY"  # "full": every load hashes (as `qkrope check` does)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -132,21 +134,29 @@ def verify(path: str | os.PathLike, sha256: str, record: FileRecord | None, *,
 
 def refresh_sidecar(side: Path, read: Any, update: Callable[[dict], None]) -> bool:
     """Rewrite the sidecar ``side`` with ``update`` applied to its JSON, atomically and under the
-    folder's commit lock, but only while it still holds ``read`` (what the caller read and
-    checked: a writer that replaced it meanwhile wins). A read-only folder or any OS error
-    leaves it as it is (the next load hashes again). True when it was rewritten."""
+    folder's commit lock (the ``flock`` the writers take, :func:`qkrope._fileio.folder_lock`),
+    but only while it still holds ``read`` (what the caller read and checked: a writer that
+    replaced it meanwhile wins). The lock is tried, never waited for: a folder being written (by
+    another process, or by this one around the load) is left alone. A read-only folder or any
+    OS error leaves it as it is too (the next load hashes again). True when it was rewritten."""
     try:
-        with folder_lock(side.parent):
-            with open(side, encoding="utf-8") as f:
-                now = json.load(f)
-            if now != read:
-                return False
-            data = json.loads(json.dumps(now))
-            update(data)
-            write_json_atomic(side, data)
-        return True
-    except (OSError, ValueError):
+        fd = os.open(side.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
         return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with open(side, encoding="utf-8") as f:
+            now = json.load(f)
+        if now != read:
+            return False
+        data = json.loads(json.dumps(now))
+        update(data)
+        write_json_atomic(side, data)
+        return True
+    except (OSError, ValueError):  # BlockingIOError (the lock is held) is an OSError
+        return False
+    finally:
+        os.close(fd)
 
 
 __all__ = ["FileRecord", "Verdict", "verify", "refresh_sidecar", "new_write_id",

@@ -340,3 +340,26 @@ def test_triton_onnx_repo_links_or_copies_the_model_and_data(tmp_path, monkeypat
     assert os.path.samefile(copied, data) is not cross_device
     assert ("the model and its data: copied" if cross_device
             else "the model and its data: hard-linked") in out, out
+
+
+def test_the_refresh_never_waits_for_a_writer(tmp_path):
+    """A copied pair is accepted by its hash; while the folder's commit lock is held (a writer
+    committing, or this process itself around the load) its records are not rewritten, and the
+    load does not wait."""
+    import fcntl
+
+    src = tmp_path / "src" / "m.onnx"
+    src.parent.mkdir()
+    _write_model(src)
+    dst = tmp_path / "dst"
+    shutil.copytree(src.parent, dst)
+    before = sidecar_path(dst / "m.onnx").read_text()
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert ModelInfo.load(dst / "m.onnx").verified == "sha256"
+        assert sidecar_path(dst / "m.onnx").read_text() == before
+    finally:
+        os.close(fd)
+    ModelInfo.load(dst / "m.onnx")  # unlocked: refreshed
+    assert sidecar_path(dst / "m.onnx").read_text() != before
