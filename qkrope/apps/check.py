@@ -401,11 +401,12 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     checked_onnx_model(onnx_path)
     # the full hash of every file (a load checks their stat records only: qkrope.file_record)
     info = ModelInfo.load(onnx_path, full=True)
+    engine_hashed = False
     if engine:
         from qkrope.sidecars import EngineInfo, engine_sidecar_path
 
         if engine_sidecar_path(engine).is_file():
-            EngineInfo.load(engine, full=True)
+            engine_hashed = EngineInfo.load(engine, full=True).verified == "sha256"
     if info.config.quantization:  # FP8 Q/DQ: checked against ModelOpt's model
         return _check_quantized(onnx_path, info, img_shapes=img_shapes, txt_len=txt_len,
                                 batch=batch, seed=seed, diffusers_dir=diffusers_dir,
@@ -482,6 +483,12 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     print(f"qkrope check: {onnx_path} ({info.model}, {info.dtype}); inputs: img_shapes "
           f"{[list(s) for s in img_shapes]}, {txt_len} text tokens, batch {batch}, seed {seed}",
           file=out)
+    if info.verified == "sha256":
+        data = len(info.external_data)
+        print(f"files: {Path(onnx_path).name}"
+              f"{f' and its {data} external data file(s)' if data else ''} hashed in full: they are what its sidecar records "
+              f"(sha256)" + (", and so is the engine" if engine_hashed else ""),
+              file=out)
     print(f"compared: {_what_compared(info, block_names, layers, stats)}", file=out)
     print(format_check_table(rows), file=out)
     if block_names:
@@ -509,7 +516,8 @@ def _what_compared(info, block_names: Sequence[str], layers: int | None,
         parts.append(f"the model output{'s' if len(info.output_names) > 1 else ''} "
                      f"{', '.join(info.output_names)}")
     if block_names:
-        parts.append(f"the image/text outputs of blocks 0-{n_blocks - 1}"
+        parts.append(f"the image/text outputs of "
+                     f"{'block 0' if n_blocks == 1 else f'blocks 0-{n_blocks - 1}'}"
                      + (f" (--layers {layers}: the graph cut after block {layers - 1})"
                         if layers else ""))
     what = " and ".join(parts)
