@@ -486,8 +486,9 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     if info.verified == "sha256":
         data = len(info.external_data)
         print(f"files: {Path(onnx_path).name}"
-              f"{f' and its {data} external data file(s)' if data else ''} hashed in full: they are what its sidecar records "
-              f"(sha256)" + (", and so is the engine" if engine_hashed else ""),
+              f"{f' and its {data} external data file(s)' if data else ''} hashed in full: "
+              f"they are what its sidecar records (sha256)"
+              + (", and so is the engine" if engine_hashed else ""),
               file=out)
     print(f"compared: {_what_compared(info, block_names, layers, stats)}", file=out)
     print(format_check_table(rows), file=out)
