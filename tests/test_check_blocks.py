@@ -176,3 +176,15 @@ def test_shard_reader_reads_by_offsets_and_says_what_is_wrong(tiny_dir, tmp_path
                key=lambda k: ShardReader(broken)._header(shard.name)[1][k]["data_offsets"][1])
     with pytest.raises(BlockCheckError, match="truncated"):
         ShardReader(broken).get_many([last], torch.float32)
+
+
+def test_a_graph_without_block_scopes_is_one_clear_error(exported, tmp_path):
+    from qkrope.apps.check_blocks import BlockCheckError, marked_model
+
+    model = onnx.load(str(exported))
+    for node in model.graph.node:
+        del node.metadata_props[:]
+    plain = tmp_path / "plain.onnx"
+    onnx.save(model, str(plain))
+    with pytest.raises(BlockCheckError, match=r"block\(s\) \[0, 1, 2\] cannot be found"):
+        marked_model(str(plain), num_blocks=3, layers=None)
