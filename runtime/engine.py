@@ -38,9 +38,9 @@ from typing import Callable, Sequence, TextIO
 from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._progress import BuildProgress, Steps, make_progress_monitor
 from qkrope.file_record import new_write_id
-from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
-                             engine_network_name,
-                             engine_sidecar_path, engine_tensors, sidecar_path)
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
+                             engine_network_name, engine_sidecar_path, engine_tensors,
+                             sidecar_path)
 from qkrope import contract, dtypes, model_io
 from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
                             check_output_folder, check_outputs, file_kind, output_error,
