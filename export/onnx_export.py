@@ -51,6 +51,7 @@ from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this 
 from qkrope import contract, model_io
 from qkrope.model_io import QWEN_IMAGE, QWEN_IMAGE_FAMILY
 from qkrope._progress import Steps
+from qkrope.file_record import new_write_id
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
                         attention_form, check_attention_form)
@@ -367,7 +368,8 @@ INPUT_DOCS = {t.name: t.doc for t in model_io.TENSORS.values() if t.doc}
 
 
 def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
-                   attributes: contract.NodeAttributes | None = None) -> None:
+                   attributes: contract.NodeAttributes | None = None,
+                   write_id: str | None = None) -> None:
     """metadata_props (qkrope version, node contract version, model kind, dtype, config and node
     attributes as JSON: what the sidecar is checked against) and a doc string on every graph
     input (in place)."""
@@ -380,6 +382,8 @@ def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
              "config": json.dumps(config.to_dict(), sort_keys=True)}
     if attributes is not None:
         props["node_attributes"] = json.dumps(attributes.to_node(), sort_keys=True)
+    if write_id:  # the sidecar records the same id: a pair from two writers is refused
+        props["write_id"] = write_id
     if config.quantization:  # qkrope.quantization: what a reader checks first
         props[quantization.METADATA_KEY] = json.dumps(config.quantization, sort_keys=True)
     for key, value in props.items():
@@ -398,14 +402,15 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
     inputs, outputs = _tensor_infos(model, set(axis_values),
                                     decl or model_io.MODELS[info_fields["model"]])
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
-    info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
+    info = ModelInfo(inputs=inputs, outputs=outputs, write_id=new_write_id(), **info_fields)
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
-                   attributes=info.node_attributes)
+                   attributes=info.node_attributes, write_id=info.write_id)
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     kinds = dict(zip(names, (ONNX_MODEL, EXTERNAL_DATA, MODEL_SIDECAR)))
     with staged_outputs(out.parent, names, kinds=kinds) as st:
         external = _save_staged(model, out, st, steps)
-        info.save(st.path(out.name))  # records the staged model's sha256
+        # records the staged files' sha256 and stat records (the commit's renames keep them)
+        info.save(st.path(out.name), external_data=[out.name + ".data"] if external else [])
         order, remove = _commit_order(out, external)
         st.commit(order, remove=remove)
     written = [out] + ([out.parent / (out.name + ".data")] if external else [])

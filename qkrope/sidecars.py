@@ -34,6 +34,12 @@ each, a format version, and a check on load.
       "model_sha256": sha256 hex of the M.onnx it describes (checked by ModelInfo.load: a sidecar
                       next to another model is "sidecar does not describe this model"; written
                       by save() whenever the model file exists; null/absent: not checked)
+      "model_file": {"sha256", "size", "mtime_ns", "ino"} | null  (the model file as written:
+                    a load compares size/mtime_ns/inode and hashes only on a difference,
+                    qkrope.file_record),
+      "external_data": {location: {"sha256", "size", "mtime_ns", "ino"}}  (each data file),
+      "write_id": 16 hex digits | null (also the model's metadata_props qkrope.write_id: a pair
+                  from two writers is refused)
     }
 
 ``M.engine.json`` (:class:`EngineInfo`), written by ``qkrope build`` next to the engine and read
@@ -58,6 +64,8 @@ by the TensorRT runner and ``qkrope triton-repo``::
                        by the runner, `qkrope refit` and `qkrope triton-repo`: an engine beside
                        another engine's sidecar is refused; written by save() whenever the
                        engine file exists; null/absent: not checked)
+      "engine_file": {"sha256", "size", "mtime_ns", "ino"} | null (as the model's model_file),
+      "write_id": 16 hex digits | null (also in the engine's network name: <config tag>.write-<id>)
       "build_key": {"model_sha256", "options", "tensorrt_version", "gpu", "plugin_sha256",
                     "engine_sha256"} | null
                    (what the engine was built from; `qkrope build` reuses the engine when all
@@ -86,7 +94,9 @@ from typing import Any, Mapping, Sequence
 from qkrope import dtypes, model_io
 import re
 
-from qkrope._fileio import sha256_file, write_json_atomic
+from qkrope._fileio import write_json_atomic
+from qkrope.file_record import (WRITE_ID_RE, FileRecord, Verdict, full_by_default,
+                                 refresh_sidecar, verify)
 from qkrope.contract import NodeAttributes
 from qkrope.errors import InputError, QkropeError
 
@@ -178,6 +188,14 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
 
 METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .dtype, .config
 CONFIG_TAG_PREFIX = "qkrope-config-"
+WRITE_ID_SEPARATOR = ".write-"  # network name: <config tag>.write-<the sidecar's write_id>
+
+
+def engine_network_name(config: "ModelConfig | Mapping[str, Any]", write_id: str | None) -> str:
+    """The network name ``qkrope build`` gives an engine: its :func:`config_tag`, and the write
+    id its sidecar records (checked by :meth:`EngineInfo.check_engine_name`)."""
+    tag = config_tag(config)
+    return tag + WRITE_ID_SEPARATOR + write_id if write_id else tag
 
 
 def config_tag(config: "ModelConfig | Mapping[str, Any]") -> str:
@@ -254,22 +272,68 @@ def _sha256_field(f: _Fields, key: str) -> str | None:
     return value
 
 
-def _check_describes(path: str | os.PathLike, side: Path, recorded: str | None,
-                     error: type[SidecarError], what: str, fix: str) -> None:
+def _check_file(path: str | os.PathLike, side: Path, recorded: str | None,
+                record: "FileRecord | None", error: type[SidecarError], what: str, fix: str, *,
+                full: bool) -> "Verdict | None":
     """``error`` when the sidecar ``side`` records the sha256 ``recorded`` of its file and
     ``path`` is another file (a stale sidecar, a pair of two writers, an interrupted write, a
-    file replaced by hand)."""
+    file replaced by hand). The stat record ``record`` answers without reading the file when it
+    still matches (:func:`qkrope.file_record.verify`; ``full``: always hash). None: nothing
+    recorded or no such file (not checked)."""
     if recorded is None or not os.path.isfile(path):
-        return
+        return None
     try:
-        actual = sha256_file(path)
+        verdict = verify(path, recorded, record, full=full)
     except OSError as exc:
         raise error(f"cannot read {path} to check it against its sidecar: {exc}") from None
-    if actual != recorded:
+    if not verdict.ok:
+        actual, noun = verdict.actual or "?", what.removeprefix("the ")
         raise error(
-            f"the sidecar {side} does not describe this {what.split()[-1]} ({path} has sha256 "
+            f"the sidecar {side} does not describe this {noun} ({path} has sha256 "
             f"{actual[:12]}…, the sidecar describes {recorded[:12]}…): {what} or its sidecar was "
             f"replaced, or a write was interrupted. Fix: {fix}")
+    return verdict
+
+
+def _records(f: _Fields, key: str) -> "dict[str, FileRecord]":
+    raw = f.get(key, dict, optional=True, default={})
+    out = {}
+    for name, rec in raw.items():
+        if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
+            f.fail(f"field {key!r} names {name!r}, not a file beside the model")
+        out[name] = FileRecord.from_dict(rec, f.fail, f"{key}[{name!r}]")
+    return out
+
+
+def _record(f: _Fields, key: str) -> "FileRecord | None":
+    raw = f.get(key, dict, optional=True)
+    return None if raw is None else FileRecord.from_dict(raw, f.fail, key)
+
+
+def _write_id(f: _Fields) -> str | None:
+    value = f.get("write_id", str, optional=True)
+    if value is not None and not WRITE_ID_RE.fullmatch(value):
+        f.fail(f"field 'write_id' must be 16 hex digits, got {value!r}")
+    return value
+
+
+def _two_writers(side: Path, path: str | os.PathLike, mine: str, theirs: str, what: str,
+                 error: type[SidecarError], fix: str) -> SidecarError:
+    return error(f"the sidecar {side} and {path} are from two different writes (write id "
+                 f"{mine} in the sidecar, {theirs} in the {what}): one of the pair was replaced "
+                 f"by another export/build's file. Fix: {fix}")
+
+
+def _external_locations(onnx_path: str | os.PathLike) -> list[str]:
+    """The external-data locations the graph of ``onnx_path`` names (weights not loaded)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not an ONNX file (a test's stand-in): none
+        return []
+    return sorted({e.value for t in model.graph.initializer for e in t.external_data
+                   if e.key == "location"})
 
 
 def _check_format(f: _Fields, fmt: str) -> None:
@@ -491,7 +555,16 @@ class ModelInfo:
     sample: dict[str, Any]
     versions: dict[str, str] = field(default_factory=dict)
     model_sha256: str | None = None
+    # the stat record of the model file and of each external-data file (by its location), and
+    # the id this write also put into the model's metadata_props (qkrope.write_id)
+    model_file: FileRecord | None = None
+    external_data: dict[str, FileRecord] = field(default_factory=dict)
+    write_id: str | None = None
     source: str = field(default="", compare=False, repr=False)
+    # set by load(): how the files were found to be the described ones ("stat": the stat
+    # records matched, nothing read; "sha256": hashed; None: nothing recorded), and their sha256
+    verified: str | None = field(default=None, compare=False, repr=False)
+    digests: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # the mapping forms (as in the JSON) are accepted and read into the records
@@ -516,7 +589,10 @@ class ModelInfo:
                                     if self.node_attributes is not None else {}),
                 "config": self.config.to_dict(),
                 "sample": dict(self.sample), "versions": dict(self.versions),
-                "model_sha256": self.model_sha256}
+                "model_sha256": self.model_sha256,
+                "model_file": self.model_file.to_dict() if self.model_file else None,
+                "external_data": {k: v.to_dict() for k, v in self.external_data.items()},
+                "write_id": self.write_id}
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "<dict>") -> "ModelInfo":
@@ -536,30 +612,68 @@ class ModelInfo:
                      for i, t in enumerate(f.get("outputs", list))],
             dynamic_axes=axes, node_attributes=_node_attributes(f, config), config=config,
             sample=f.obj("sample"), versions=f.obj("versions", optional=True),
-            model_sha256=_sha256_field(f, "model_sha256"), source=source)
+            model_sha256=_sha256_field(f, "model_sha256"), model_file=_record(f, "model_file"),
+            external_data=_records(f, "external_data"), write_id=_write_id(f), source=source)
         if info.model not in MODELS or info.dtype not in DTYPES:
             f.fail(f"names an unknown model {info.model!r} or dtype {info.dtype!r} (expected one "
                    f"of {MODELS} and {tuple(DTYPES)})")
         return info
 
     @classmethod
-    def load(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
-        """Read ``<onnx_path>.json``; a clear error when it is missing or invalid."""
+    def load(cls, onnx_path: str | os.PathLike, *, full: bool | None = None) -> "ModelInfo":
+        """Read ``<onnx_path>.json``; a clear error when it is missing or invalid, or when it does
+        not describe the files beside it (:meth:`check_describes`: by their stat records, the
+        full hash with ``full``; None: ``QKROPE_VERIFY``) or disagrees with the model's
+        metadata (:meth:`check_agrees_with_model`)."""
         path = sidecar_path(onnx_path)
         data = _read_json(path, ModelInfoError,
                           f"no sidecar {path} next to {onnx_path}: qkrope reads model sizes, axes "
                           f"and the source weights from it. Fix: export the model with `qkrope "
                           f"export --out {onnx_path}`.", _ONNX_FIX)
         info = cls.from_dict(data, source=str(path))
-        info.check_describes(onnx_path)
+        info.check_describes(onnx_path, full=full, read=data)
         info.check_agrees_with_model(onnx_path)
         return info
 
-    def check_describes(self, onnx_path: str | os.PathLike) -> None:
-        """A :class:`ModelInfoError` when this sidecar records a model hash and ``onnx_path`` is
-        another file (a stale sidecar, an interrupted re-export, a model replaced by hand)."""
-        _check_describes(onnx_path, sidecar_path(onnx_path), self.model_sha256, ModelInfoError,
-                         "the model", f"re-export with `qkrope export --out {onnx_path}`")
+    def check_describes(self, onnx_path: str | os.PathLike, *, full: bool | None = None,
+                        read: Any = None) -> None:
+        """A :class:`ModelInfoError` when this sidecar records a model hash and ``onnx_path`` (or
+        an external-data file it records) is another file (a stale sidecar, an interrupted
+        re-export, a model or data file replaced by hand). Each file is checked by its stat
+        record when it has one, else (or with ``full``) hashed (:mod:`qkrope.file_record`);
+        when the hash matched a file whose stat record did not (a copied folder), the records
+        are refreshed in the sidecar (``read``: the JSON it was parsed from)."""
+        full = full_by_default() if full is None else full
+        side = sidecar_path(onnx_path)
+        fix = f"re-export with `qkrope export --out {onnx_path}`"
+        model = _check_file(onnx_path, side, self.model_sha256, self.model_file, ModelInfoError,
+                            "the model", fix, full=full)
+        if model is None:
+            return
+        verdicts = {None: model}
+        for location, rec in self.external_data.items():
+            data = Path(onnx_path).parent / location
+            if not data.is_file():
+                raise ModelInfoError(f"{onnx_path}'s external data file {data} is missing (its "
+                                     f"sidecar {side} records it). Fix: copy it beside the "
+                                     f"model, or {fix}")
+            verdicts[location] = _check_file(data, side, rec.sha256, rec, ModelInfoError,
+                                             "the model's external data file", fix,
+                                             full=full)
+        self.verified = "stat" if all(v.how == "stat" for v in verdicts.values()) else "sha256"
+        self.digests = {"": self.model_sha256,
+                        **{k: r.sha256 for k, r in self.external_data.items()}}
+        fresh = {k: v.fresh for k, v in verdicts.items() if v.fresh is not None}
+        if fresh and read is not None:
+            def update(d: dict) -> None:
+                for k, rec in fresh.items():
+                    if k is None:
+                        d["model_file"] = rec.to_dict()
+                    else:
+                        d.setdefault("external_data", {})[k] = rec.to_dict()
+            if refresh_sidecar(side, read, update):
+                self.model_file = fresh.get(None, self.model_file)
+                self.external_data.update({k: r for k, r in fresh.items() if k is not None})
 
     def check_agrees_with_model(self, onnx_path: str | os.PathLike) -> None:
         """A :class:`ModelInfoError` when this sidecar's ``model``, ``dtype`` or any ``config``
@@ -582,6 +696,12 @@ class ModelInfo:
                 recorded["node_attributes"] = json.loads(props[METADATA_PREFIX + "node_attributes"])
         except ValueError:
             return  # not qkrope's metadata
+        theirs_id = props.get(METADATA_PREFIX + "write_id")
+        if self.write_id and theirs_id and theirs_id != self.write_id:
+            raise _two_writers(sidecar_path(onnx_path), onnx_path, self.write_id, theirs_id,
+                               "model's metadata_props", ModelInfoError,
+                               f"re-export with `qkrope export --out {onnx_path}`, or restore "
+                               f"its own sidecar")
         mine = {"model": self.model, "dtype": self.dtype,
                 "config": json.loads(json.dumps(self.config.to_dict())),
                 "node_attributes": (self.node_attributes.to_node()
@@ -609,12 +729,24 @@ class ModelInfo:
                 f". Fix: re-export with `qkrope export --out {onnx_path}`, or restore its "
                 f"sidecar")
 
-    def save(self, onnx_path: str | os.PathLike) -> Path:
+    def save(self, onnx_path: str | os.PathLike, *, external_data: Sequence[str] | None = None,
+             digests: Mapping[str, str] | None = None) -> Path:
         """Write ``<onnx_path>.json`` atomically (temp file + os.replace). When ``onnx_path``
-        exists, the sidecar records its sha256 (:attr:`model_sha256`)."""
+        exists, the sidecar records its sha256 (:attr:`model_sha256`) and stat record
+        (:attr:`model_file`), and those of each external-data file (``external_data``: their
+        locations; None: the ones the graph names). ``digests``: sha256 by location ("" the
+        model file) that the writer computed while writing (not hashed again)."""
         path = sidecar_path(onnx_path)
+        digests = dict(digests or {})
         if os.path.isfile(onnx_path):
-            self.model_sha256 = sha256_file(onnx_path)
+            self.model_file = FileRecord.of(onnx_path, digests.get(""))
+            self.model_sha256 = self.model_file.sha256
+            if external_data is None:
+                external_data = _external_locations(onnx_path)
+            self.external_data = {
+                loc: FileRecord.of(Path(onnx_path).parent / loc, digests.get(loc))
+                for loc in sorted(set(external_data))
+                if (Path(onnx_path).parent / loc).is_file()}
         write_json_atomic(path, self.to_dict())
         return path
 
@@ -793,7 +925,10 @@ class EngineInfo:
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime()))
     engine_sha256: str | None = None
+    engine_file: FileRecord | None = None  # its stat record (qkrope.file_record)
+    write_id: str | None = None  # also in the engine's network name (config_tag)
     source: str = field(default="", compare=False, repr=False)
+    verified: str | None = field(default=None, compare=False, repr=False)  # as ModelInfo's
     # set by build_engine when it kept an up-to-date engine instead of building (not written)
     reused: bool = field(default=False, compare=False, repr=False)
 
@@ -837,7 +972,8 @@ class EngineInfo:
             "build_seconds": self.build_seconds, "created": self.created,
             "refittable": self.refittable, "refit_mode": self.refit_mode,
             "profile_labels": list(self.profile_labels), "engine_sha256": self.engine_sha256,
-            "build_key": self.build_key,
+            "engine_file": self.engine_file.to_dict() if self.engine_file else None,
+            "write_id": self.write_id, "build_key": self.build_key,
         }
 
     @classmethod
@@ -884,11 +1020,14 @@ class EngineInfo:
                                                    default=[])],
             created=f.get("created", str, optional=True, default=""),
             engine_sha256=_sha256_field(f, "engine_sha256"),
+            engine_file=_record(f, "engine_file"), write_id=_write_id(f),
             build_key=f.get("build_key", dict, optional=True), source=source)
 
     @classmethod
-    def load(cls, engine_path: str | os.PathLike) -> "EngineInfo":
-        """Read ``<engine>.json``; a clear error when it is missing or invalid."""
+    def load(cls, engine_path: str | os.PathLike, *, full: bool | None = None) -> "EngineInfo":
+        """Read ``<engine>.json``; a clear error when it is missing or invalid, or does not
+        describe the engine beside it (its stat record, else or with ``full`` its sha256;
+        None: ``QKROPE_VERIFY``; a copied engine that hashes right gets a fresh record)."""
         path = engine_sidecar_path(engine_path)
         data = _read_json(
             path, EngineInfoError,
@@ -897,9 +1036,16 @@ class EngineInfo:
             f"`qkrope build` (which writes it next to the engine), or copy it alongside if you "
             f"moved the engine", _ENGINE_FIX)
         info = cls.from_dict(data, source=str(path))
-        _check_describes(engine_path, path, info.engine_sha256, EngineInfoError,
-                         "the engine", "rebuild it with `qkrope build`, or put the engine's own "
-                                       "sidecar beside it")
+        verdict = _check_file(engine_path, path, info.engine_sha256, info.engine_file,
+                              EngineInfoError, "the engine",
+                              "rebuild it with `qkrope build`, or put the engine's own sidecar "
+                              "beside it", full=full_by_default() if full is None else full)
+        if verdict is not None:
+            info.verified = verdict.how
+            fresh = verdict.fresh
+            if fresh is not None and refresh_sidecar(
+                    path, data, lambda d: d.__setitem__("engine_file", fresh.to_dict())):
+                info.engine_file = fresh
         return info
 
     def check_engine_name(self, name: Any, engine_path: str | os.PathLike) -> None:
@@ -910,6 +1056,12 @@ class EngineInfo:
         tag (another builder's) is not checked."""
         if not isinstance(name, str) or not name.startswith(CONFIG_TAG_PREFIX):
             return
+        name, _, theirs_id = name.partition(WRITE_ID_SEPARATOR)
+        if self.write_id and theirs_id and theirs_id != self.write_id:
+            raise _two_writers(engine_sidecar_path(engine_path), engine_path, self.write_id,
+                               theirs_id, "engine's name", EngineInfoError,
+                               "rebuild with `qkrope build`, or put the engine's own sidecar "
+                               "beside it")
         if name != config_tag(self.config):
             raise EngineInfoError(
                 f"the sidecar {engine_sidecar_path(engine_path)} describes another config than "
@@ -918,12 +1070,14 @@ class EngineInfo:
                 f"it belongs to another build. Fix: rebuild with `qkrope build`, or put the "
                 f"engine's own sidecar beside it")
 
-    def save(self, engine_path: str | os.PathLike) -> Path:
+    def save(self, engine_path: str | os.PathLike, *, sha256: str | None = None) -> Path:
         """Write ``<engine>.json`` atomically. When ``engine_path`` exists, the sidecar records
-        its sha256 (:attr:`engine_sha256`)."""
+        its sha256 (:attr:`engine_sha256`; ``sha256``: the digest the writer already has) and its
+        stat record (:attr:`engine_file`)."""
         path = engine_sidecar_path(engine_path)
         if os.path.isfile(engine_path):
-            self.engine_sha256 = sha256_file(engine_path)
+            self.engine_file = FileRecord.of(engine_path, sha256)
+            self.engine_sha256 = self.engine_file.sha256
         write_json_atomic(path, self.to_dict())
         return path
 

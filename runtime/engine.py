@@ -37,8 +37,10 @@ from typing import Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._progress import BuildProgress, Steps, make_progress_monitor
-from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
-                             engine_sidecar_path, engine_tensors, sidecar_path)
+from qkrope.file_record import new_write_id
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord,
+                             engine_network_name, engine_sidecar_path, engine_tensors,
+                             sidecar_path)
 from qkrope import contract, dtypes, model_io
 from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TENSORRT_ENGINE, TIMING_CACHE,
                             OutputIsInputError,
@@ -396,22 +398,29 @@ def plan_build(onnx_path: str | os.PathLike, engine_path: str | os.PathLike,
 _NOT_IN_BUILD_KEY = ("plugin", "progress", "verbose", "timing_cache", "force")
 
 
-def model_sha256(onnx_path: str | os.PathLike) -> str:
+def model_sha256(onnx_path: str | os.PathLike, info: ModelInfo | None = None) -> str:
     """One sha256 over the ONNX file and every external-data file it names (a weight changed
-    in ``M.onnx.data`` changes it too)."""
+    in ``M.onnx.data`` changes it too). With ``info``, a sidecar that :meth:`ModelInfo.load`
+    verified with the file records (the model and each data file: their stat records, or their
+    hash), the recorded sha256s are combined instead of reading the weights again."""
     onnx_path = Path(onnx_path)
-    digest = hashlib.sha256(sha256_file(onnx_path).encode())
     model = onnx_file.read_onnx_model(onnx_path)
     locations = sorted({e.value for t in model.graph.initializer for e in t.external_data
                         if e.key == "location"})
+    known = dict(info.digests or {}) if info is not None else {}
+    if not known.get("") or any(loc not in known for loc in locations
+                                if (onnx_path.parent / loc).is_file()):
+        known = {}  # an older sidecar (no records): hash the files
+    digest = hashlib.sha256((known.get("") or sha256_file(onnx_path)).encode())
     for location in locations:
         target = onnx_path.parent / location
-        digest.update(f"{location}\0{sha256_file(target) if target.is_file() else '-'}".encode())
+        sha = (known.get(location) or sha256_file(target)) if target.is_file() else "-"
+        digest.update(f"{location}\0{sha}".encode())
     return digest.hexdigest()
 
 
 def build_key(onnx_path, opts: BuildOptions, trt_version: str, gpu: dict | None,
-              plugin_path: str | None) -> dict:
+              plugin_path: str | None, model: ModelInfo | None = None) -> dict:
     """What an engine is built from: the model (:func:`model_sha256`), the build options that
     change the engine, the TensorRT version, the GPU (name and compute capability) and the
     plugin library's sha256. Recorded as the engine sidecar's ``build_key``, with the built
@@ -420,7 +429,7 @@ def build_key(onnx_path, opts: BuildOptions, trt_version: str, gpu: dict | None,
     import json
 
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in _NOT_IN_BUILD_KEY}
-    key = {"model_sha256": model_sha256(onnx_path), "options": options,
+    key = {"model_sha256": model_sha256(onnx_path, model), "options": options,
            "tensorrt_version": str(trt_version),
            "gpu": ({"name": gpu.get("name"), "compute_capability": gpu.get("compute_capability")}
                    if gpu else None),
@@ -486,7 +495,7 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
             None, None, kind="vc" if opts.version_compatible else "plugin"))
         _check_build_outputs(onnx_path, engine_path, replace(opts, plugin=plugin_path), [])
 
-    key = build_key(onnx_path, opts, trt.__version__, tu.gpu_info(), plugin_path)
+    key = build_key(onnx_path, opts, trt.__version__, tu.gpu_info(), plugin_path, model)
     kept, why = reusable_engine(engine_path, key)
     if kept is not None and not opts.force:
         steps.write(f"[build] {engine_path} is up to date (same model, build options, TensorRT "
@@ -536,7 +545,9 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         steps.write(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their "
                     f"function body")
 
-    network.name = config_tag(model.config)  # kept by the engine: its sidecar's config is checked
+    # kept by the engine: its sidecar's config and write id are checked against it on load
+    write_id = new_write_id()
+    network.name = engine_network_name(model.config, write_id)
     inputs, outputs = network_io(network)
     net_names = [i.name for i in inputs]
     if sorted(net_names) != sorted(profile):
@@ -617,16 +628,17 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         builder_optimization_level=opts.builder_optimization_level,
         parser_flags=list(parser_flags), config=model_config,
         dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
-        build_seconds=round(seconds, 3),
+        build_seconds=round(seconds, 3), write_id=write_id,
         # + the engine's own hash: a kept engine must still be the file that was built
         build_key={**key, "engine_sha256": hashlib.sha256(memoryview(serialized)).hexdigest()})
     with steps.step(f"writing {engine_path} ({serialized.nbytes / 2**20:.1f} MiB) and its "
                     f"sidecar"):
-        write_engine_pair(engine_path, serialized, info)
+        write_engine_pair(engine_path, serialized, info, sha256=info.build_key["engine_sha256"])
     return info
 
 
-def write_engine_pair(engine_path: Path, serialized, info: EngineInfo) -> None:
+def write_engine_pair(engine_path: Path, serialized, info: EngineInfo, *,
+                      sha256: str | None = None) -> None:
     """Replace the engine and its sidecar as a pair or not at all
     (:func:`qkrope._fileio.staged_outputs`): both are written into a staging folder next to
     them, then moved in, sidecar first and engine last; any failure puts the old pair back, and
@@ -636,5 +648,7 @@ def write_engine_pair(engine_path: Path, serialized, info: EngineInfo) -> None:
                         kinds={engine_path.name: TENSORRT_ENGINE,
                                side_name: ENGINE_SIDECAR}) as st:
         write_atomic(st.path(engine_path.name), serialized)
-        info.save(st.path(engine_path.name))
+        if sha256 is None:  # hashed from memory: the file is not read back
+            sha256 = hashlib.sha256(memoryview(serialized)).hexdigest()
+        info.save(st.path(engine_path.name), sha256=sha256)
         st.commit([side_name, engine_path.name])

@@ -3,7 +3,10 @@
 Layout written (one model directory, created atomically)::
 
     REPO/<name>/config.pbtxt             platform "tensorrt_plan", I/O from the engine's sidecar
-    REPO/<name>/1/model.plan             copy of the engine
+    REPO/<name>/1/model.plan             the engine: a hard link to it on the same filesystem
+                                         (no bytes copied; qkrope's writers replace an engine by
+                                         rename, so the link keeps the engine it was made from),
+                                         a copy elsewhere (the result's ``transfer`` says which)
     REPO/<name>/libqkrope_plugin.so      copy of the plugin library (unless --no-copy-plugin);
                                          libqkrope_vc_plugin.so for a version-compatible engine,
                                          nothing for an engine built without the plugin
@@ -45,7 +48,8 @@ from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes, model_io
 from qkrope.model_io import QWEN_IMAGE
-from qkrope._fileio import REPLACED, committing, folder_lock, staged_outputs, swap_dir
+from qkrope._fileio import (REPLACED, committing, folder_lock, link_or_copy, staged_outputs,
+                            swap_dir)
 from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
@@ -265,6 +269,8 @@ class RepoResult:
     command: str
     version_compatible: bool = False
     models: list[Path] | None = None  # every model directory written (main, rope, ensemble)
+    # how the engine (or the ONNX model and its data) went in: "hard-linked" or "copied"
+    transfer: str = "copied"
 
 
 def server_command(repo: Path, plugin_path: Path | None, *,
@@ -627,8 +633,10 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     main_name = f"{name}_trt" if whole else name
     text = render_config(main_name, info, serving)
 
+    transfer: list[str] = []
+
     def fill_main(d: Path) -> None:
-        shutil.copyfile(engine, d / "1" / "model.plan")
+        transfer.append(link_or_copy(engine, d / "1" / "model.plan"))
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
         if copy_plugin:
             shutil.copy2(plugin_src, d / plugin_name)
@@ -648,7 +656,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                       plugin_final.resolve() if plugin_final is not None else None,
                       server_command(repo, plugin_final, version_compatible=vc,
                                      plugin_in_engine=in_engine), version_compatible=vc,
-                      models=[repo / m for m in models])
+                      models=[repo / m for m in models], transfer=transfer[0])
 
 
 def _onnx_files(onnx_path: Path) -> list[Path]:
@@ -704,10 +712,12 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
                    if not t.shape or t.shape[0] != "batch"]
     text = render_onnx_config(main_name, specs, serving, not_batched)
 
+    transfer: list[str] = []
+
     def fill_main(d: Path) -> None:
-        shutil.copyfile(onnx_path, d / "1" / "model.onnx")
+        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx"))
         for f in data:  # keeps the name the model's tensors refer to
-            shutil.copyfile(f, d / "1" / f.name)
+            transfer.append(link_or_copy(f, d / "1" / f.name))
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
     models: dict[str, Any] = {main_name: fill_main}
@@ -723,4 +733,5 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     target = repo / name
     return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",
                       None, f"tritonserver --model-repository={repo.resolve()}",
-                      models=[repo / m for m in models])
+                      models=[repo / m for m in models],
+                      transfer="copied" if "copied" in transfer else "hard-linked")

@@ -457,14 +457,15 @@ def test_fake_build_refuses_to_write_over_the_default_plugin(fake_build, tmp_pat
 
 
 def test_fake_build_names_the_network_after_its_config(fake_build, tmp_path):
-    """The engine keeps the tag of the model config it was built from as its network name;
-    the sidecar's config gives the same tag."""
-    from qkrope.sidecars import EngineInfo, config_tag
+    """The engine keeps the tag of the model config it was built from as its network name,
+    with the write id its sidecar records; the sidecar's config gives the same tag."""
+    from qkrope.sidecars import WRITE_ID_SEPARATOR, EngineInfo, config_tag
 
     trt, state, onnx_path, lib = fake_build()
     out = tmp_path / "m.engine"
     eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
                      log=io.StringIO())
     side = EngineInfo.load(out)
-    assert state.network_name == config_tag(side.config) and side.config
+    assert side.config and side.write_id
+    assert state.network_name == config_tag(side.config) + WRITE_ID_SEPARATOR + side.write_id
     side.check_engine_name(state.network_name, out)  # agrees

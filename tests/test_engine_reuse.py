@@ -148,3 +148,36 @@ def test_an_engine_file_replaced_since_the_build_is_rebuilt(setup, capsys):
     why = _changed(setup, capsys,
                    lambda onnx_path, lib: onnx_path.with_suffix(".engine").write_bytes(b"\x00x"))
     assert "not what the build wrote" in why and "does not describe this engine" in why, why
+
+
+def test_the_up_to_date_check_reads_no_weights(setup, capsys, monkeypatch):
+    """A model whose sidecar has the file records (ModelInfo.save: the exporter's writer) and
+    an engine built from it: the second `qkrope build` decides "up to date" from the stat
+    records, hashing neither the model, its external data nor the engine."""
+    from _tiny_model import move_weights_out, sidecar_dict
+
+    from qkrope import file_record
+    from qkrope.sidecars import ModelInfo
+
+    make, onnx_path, lib = setup
+    move_weights_out(onnx_path, "m.onnx.data")
+    ModelInfo.from_dict(sidecar_dict()).save(onnx_path)
+    state = make()
+    assert _build(onnx_path, lib) == 0 and state.builds == 1
+    hashed = []
+    real = file_record.sha256_file
+
+    def spy(path):
+        hashed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(file_record, "sha256_file", spy)
+    monkeypatch.setattr(eng, "sha256_file", spy)
+    capsys.readouterr()
+    assert _build(onnx_path, lib) == 0 and state.builds == 1
+    assert "up to date" in capsys.readouterr().out
+    assert hashed == [lib.name], hashed  # the plugin library only (its hash is in the key)
+    (onnx_path.parent / "m.onnx.data").write_bytes(b"\0" * 64)  # new weights, same size
+    assert _build(onnx_path, lib) == 2  # the sidecar no longer describes the data: refused
+    err = capsys.readouterr().err
+    assert "does not describe this model's external data file" in err and "m.onnx.data" in err, err

@@ -10,8 +10,13 @@ Steps:
 2. Reference outputs from PyTorch: the attention block is rebuilt from the sidecar (the same
    seeded weights or the ``--weights`` file it names; the reference is the source model, so an
    ONNX file whose weights were changed fails); a transformer is diffusers' own
-   ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) loaded from
-   ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported blocks.
+   ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) from
+   ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported
+   blocks, with one block's weights resident at a time (read from the shards before the block
+   runs, freed after: :mod:`qkrope.apps.check_blocks`), so the check holds the model once.
+   ``--blocks`` compares each block's outputs too (marked as graph outputs of the ONNX Runtime
+   session) and names the first block that differs; ``--layers K`` the first K blocks only
+   (the graph cut after block K-1).
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
@@ -116,8 +121,15 @@ def tolerances(dtype: str, reference: Mapping[str, np.ndarray], *,
 
 def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                       img_shapes: Sequence[Sequence[int]], *,
-                      diffusers_dir: str | None = None) -> dict[str, np.ndarray]:
-    """PyTorch outputs (float32 numpy) for the model a sidecar describes."""
+                      diffusers_dir: str | None = None, block_names: Sequence[str] = (),
+                      layers: int | None = None,
+                      stats: dict | None = None) -> dict[str, np.ndarray]:
+    """PyTorch outputs (float32 numpy) for the model a sidecar describes. A transformer's is
+    diffusers' forward with one block's weights resident at a time
+    (:class:`qkrope.apps.check_blocks.StreamedTransformer`), truncated to the exported blocks
+    (``layers``: to the first ``layers``, whose outputs alone are returned); ``block_names``
+    (``block<i>.img``/``.txt``) adds those block outputs; ``stats`` receives what was
+    resident (``peak_block_elements``, ``block_elements``, ``blocks``, ``folder``)."""
     import torch
 
     from qkrope.runtime.inputs import to_torch
@@ -133,16 +145,15 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                               (r["img_cache"], r["txt_cache"]), r["encoder_hidden_states_mask"])
             outs = dict(zip(info.output_names, (img, txt)))
         else:
-            from qkrope.export.patch_diffusers import load_transformer
-
+            from qkrope.apps.check_blocks import StreamedTransformer, reference_block_outputs
             from qkrope.dtypes import TORCH_BY_SHORT
 
             directory = diffusers_dir or info.config.diffusers_dir
             if not directory:
                 raise ParityError("the transformer's reference needs --diffusers DIR")
-            model = load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
-            n = int(info.config.num_layers_exported or len(model.transformer_blocks))
-            model.transformer_blocks = model.transformer_blocks[:n]
+            n = layers or (int(info.config.num_layers_exported)
+                           if info.config.num_layers_exported else None)
+            model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n)
             batch = r["hidden_states"].shape[0]
             sample = model(hidden_states=r["hidden_states"],
                            encoder_hidden_states=r["encoder_hidden_states"],
@@ -150,7 +161,13 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                            timestep=r["timestep"],
                            img_shapes=[[tuple(s) for s in img_shapes]] * batch,
                            return_dict=False)[0]
-            outs = {info.output_names[0]: sample}
+            outs = {} if layers else {info.output_names[0]: sample}
+            blocks = reference_block_outputs(model, block_names)
+            if stats is not None:
+                stats.update(peak_block_elements=model.peak_block_elements,
+                             block_elements=max(model.block_elements), blocks=model.num_layers,
+                             folder=str(directory))
+            return {**{k: v.float().numpy() for k, v in outs.items()}, **blocks}
     return {k: v.float().numpy() for k, v in outs.items()}
 
 
@@ -324,19 +341,42 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
                 seed: int = 0, diffusers_dir: str | None = None, engine: str | None = None,
                 plugin: str | None = None, providers: Sequence[str] = ("cpu",),
                 workdir: str | os.PathLike | None = None, out=None,
-                verbose: bool = False, onnxrt: bool = True) -> tuple[bool, list[CheckRow]]:
-    """Run the parity check; returns (passed, rows). See the module docstring."""
+                verbose: bool = False, onnxrt: bool = True, blocks: bool = False,
+                layers: int | None = None) -> tuple[bool, list[CheckRow]]:
+    """Run the parity check; returns (passed, rows). See the module docstring. ``blocks``:
+    compare every block's outputs too; ``layers``: the first ``layers`` blocks only."""
     from polygraphy.logger import G_LOGGER
 
     out = out if out is not None else sys.stdout
     with G_LOGGER.verbosity(G_LOGGER.INFO if verbose else G_LOGGER.ERROR):
         return _check_model(onnx_path, img_shapes=img_shapes, txt_len=txt_len, batch=batch,
                             seed=seed, diffusers_dir=diffusers_dir, engine=engine, plugin=plugin,
-                            providers=providers, workdir=workdir, out=out, onnxrt=onnxrt)
+                            providers=providers, workdir=workdir, out=out, onnxrt=onnxrt,
+                            blocks=blocks, layers=layers)
+
+
+def _check_block_arguments(onnx_path: str, info, *, blocks: bool, layers: int | None,
+                           engine: str | None, onnxrt: bool) -> None:
+    if not blocks and layers is None:
+        return
+    flag = "--layers" if layers is not None else "--blocks"
+    if info.model != "transformer":
+        raise InputError(f"{flag} compares the blocks of a whole transformer; {onnx_path} is "
+                         f"an {info.model} model. Fix: drop {flag}")
+    if not onnxrt:
+        raise InputError(f"{flag} compares ONNX Runtime's block outputs: drop --no-onnxrt")
+    if layers is not None:
+        exported = int(info.config.num_layers_exported or 0)
+        if layers < 1 or (exported and layers > exported):
+            raise InputError(f"--layers {layers}: {onnx_path} has {exported} blocks; pass 1 to "
+                             f"{exported}")
+        if engine:
+            raise InputError("--layers compares a prefix of the blocks on ONNX Runtime; the "
+                             "engine runs the whole model. Fix: drop --engine (or use --blocks)")
 
 
 def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, engine, plugin,
-                 providers, workdir, out, onnxrt):
+                 providers, workdir, out, onnxrt, blocks=False, layers=None):
     from polygraphy.comparator import Comparator
 
     try:  # present in polygraphy 0.53; CompareFunc.simple is deprecated (removed in 0.60)
@@ -359,21 +399,46 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     # First: a readable ONNX file whose QKNormRoPE nodes keep the node contract (the TensorRT
     # plugin would refuse what ONNX Runtime's function body would run), then its sidecar.
     checked_onnx_model(onnx_path)
-    info = ModelInfo.load(onnx_path)
+    # the full hash of every file (a load checks their stat records only: qkrope.file_record)
+    info = ModelInfo.load(onnx_path, full=True)
+    engine_hashed = False
+    if engine:
+        from qkrope.sidecars import EngineInfo, engine_sidecar_path
+
+        if engine_sidecar_path(engine).is_file():
+            engine_hashed = EngineInfo.load(engine, full=True).verified == "sha256"
     if info.config.quantization:  # FP8 Q/DQ: checked against ModelOpt's model
         return _check_quantized(onnx_path, info, img_shapes=img_shapes, txt_len=txt_len,
                                 batch=batch, seed=seed, diffusers_dir=diffusers_dir,
                                 engine=engine, providers=providers, out=out)
+    _check_block_arguments(onnx_path, info, blocks=blocks, layers=layers, engine=engine,
+                           onnxrt=onnxrt)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
-    runners = [make_ort_runner(onnx_path, providers)] if onnxrt else []
+    block_names: list[str] = []
+    if blocks or layers is not None:
+        # ONNX Runtime over the graph with each block's outputs marked (cut after --layers K):
+        # one session, the model's weights once (qkrope.apps.check_blocks)
+        from qkrope.apps import check_blocks as cb
+
+        marked, block_names = cb.marked_model(
+            onnx_path, num_blocks=int(info.config.num_layers_exported or 0), layers=layers)
+        session = cb.ort_block_session(onnx_path, marked,
+                                       [_ort_provider(p) for p in providers])
+        del marked
+        runners = [cb.ort_block_runner(session, info, name="onnxrt-runner")]
+    else:
+        runners = [make_ort_runner(onnx_path, providers)] if onnxrt else []
     if engine:
         runners.append(make_trt_runner(engine, plugin))
     img_shapes = img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"]
     txt_len = txt_len or DEFAULT_CHECK_SAMPLE["txt_len"]
     batch = batch or DEFAULT_CHECK_SAMPLE["batch"]
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=seed)
-    reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir)
+    stats: dict = {}
+    reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir,
+                                  block_names=block_names, layers=layers, stats=stats)
     tol = tolerances(info.dtype, reference, model=info.model)
+    compared = ([] if layers else list(info.output_names)) + block_names
     results = Comparator.run(runners, data_loader=[feeds])
     converted = RunResults()
     for name, iterations in results:
@@ -388,8 +453,12 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     ref_results.append(("pytorch", [IterationResult(reference, runner_name="pytorch")]))
     ref_results.save(str(workdir / "reference_outputs.json"))
     converted.save(str(workdir / "run_results.json"))
-    cmd = polygraphy_command(onnx_path, workdir, tol, engine=engine, plugin=plugin)
-    (workdir / "polygraphy_cmd.sh").write_text("#!/bin/sh\n" + cmd + "\n")
+    finals = {k: v for k, v in tol.items() if k in info.output_names}
+    cmd = polygraphy_command(onnx_path, workdir, finals, engine=engine, plugin=plugin)
+    if finals:  # (the block outputs are not outputs of the model polygraphy run loads)
+        (workdir / "polygraphy_cmd.sh").write_text("#!/bin/sh\n" + cmd + "\n")
+    else:  # --layers: nothing polygraphy run could redo; no stale script of an earlier check
+        (workdir / "polygraphy_cmd.sh").unlink(missing_ok=True)
 
     compare = SimpleCompareFunc(atol={k: v[0] for k, v in tol.items()},
                                  rtol={k: v[1] for k, v in tol.items()},
@@ -403,21 +472,63 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     short = {"onnxrt-runner": "onnxrt", "trt-runner": "tensorrt", "pytorch": "pytorch"}
     for a, b in pairs:
         name_a, name_b = converted[a][0], converted[b][0]
-        ref_out = converted[b][1][0]
-        for output in info.output_names:
+        ref_out, got_out = converted[b][1][0], converted[a][1][0]
+        for output in compared:
+            if output not in ref_out or output not in got_out:
+                continue  # a block output: ONNX Runtime's and the reference's only
             atol, rtol = tol[output]
-            rows.append(compare_arrays(output, converted[a][1][0][output], ref_out[output], atol,
+            rows.append(compare_arrays(output, got_out[output], ref_out[output], atol,
                                        rtol, short.get(name_a, name_a), short.get(name_b, name_b)))
     passed = bool(accuracy) and all(r.passed for r in rows)
     print(f"qkrope check: {onnx_path} ({info.model}, {info.dtype}); inputs: img_shapes "
           f"{[list(s) for s in img_shapes]}, {txt_len} text tokens, batch {batch}, seed {seed}",
           file=out)
+    if info.verified == "sha256":
+        data = len(info.external_data)
+        print(f"files: {Path(onnx_path).name}"
+              f"{f' and its {data} external data file(s)' if data else ''} hashed in full: "
+              f"they are what its sidecar records (sha256)"
+              + (", and so is the engine" if engine_hashed else ""),
+              file=out)
+    print(f"compared: {_what_compared(info, block_names, layers, stats)}", file=out)
     print(format_check_table(rows), file=out)
-    print(f"polygraphy inputs/outputs: {workdir}/; rerun by hand: sh "
-          f"{workdir / 'polygraphy_cmd.sh'}", file=out)
+    if block_names:
+        from qkrope.apps.check_blocks import first_failing_block
+
+        bad = first_failing_block(rows)
+        if bad is not None:
+            print(f"first block that differs: block {bad} (transformer_blocks.{bad}; "
+                  f"{'blocks 0-' + str(bad - 1) + ' agree' if bad else 'the first block'})",
+                  file=out)
+    rerun = (f"rerun the model outputs by hand: sh {workdir / 'polygraphy_cmd.sh'}" if finals
+             else "(--layers: no model output to rerun with polygraphy run)")
+    print(f"polygraphy inputs/outputs: {workdir}/; {rerun}", file=out)
     print(f"qkrope check: {'PASSED' if passed else 'FAILED: outputs differ from the PyTorch reference beyond the ' + info.dtype + ' tolerance'}",
           file=out)
     return passed, rows
+
+
+def _what_compared(info, block_names: Sequence[str], layers: int | None,
+                   stats: Mapping[str, Any]) -> str:
+    """One line for the output: which tensors, and how the reference held its weights."""
+    n_blocks = len({name.split(".")[0] for name in block_names})
+    parts = []
+    if not layers:
+        parts.append(f"the model output{'s' if len(info.output_names) > 1 else ''} "
+                     f"{', '.join(info.output_names)}")
+    if block_names:
+        parts.append(f"the image/text outputs of "
+                     f"{'block 0' if n_blocks == 1 else f'blocks 0-{n_blocks - 1}'}"
+                     + (f" (--layers {layers}: the graph cut after block {layers - 1})"
+                        if layers else ""))
+    what = " and ".join(parts)
+    if info.model != "transformer" or not stats:
+        return what + " against the PyTorch attention block rebuilt from the sidecar"
+    return (f"{what} against diffusers' QwenImageTransformer2DModel.forward over "
+            f"{stats['blocks']} block(s), each block's weights read from {stats['folder']} "
+            f"just before it ran and freed after (at most "
+            f"{stats['peak_block_elements'] / 1e6:.2f} M block parameters resident, one block "
+            f"of {stats['block_elements'] / 1e6:.2f} M)")
 
 
 def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffusers_dir,
@@ -454,6 +565,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-onnxrt", dest="onnxrt", action="store_false",
                    help="with --engine: compare TensorRT with PyTorch only (e.g. a bf16 model "
                         "where ONNX Runtime has only its CPU provider, which lacks bf16 MatMul)")
+    p.add_argument("--blocks", action="store_true",
+                   help="transformer: compare every block's image and text outputs too (ONNX "
+                        "Runtime's, with those tensors marked as graph outputs, against the "
+                        "reference's), and name the first block that differs")
+    p.add_argument("--layers", type=int, default=None, metavar="K",
+                   help="transformer: compare the outputs of the first K blocks only: ONNX "
+                        "Runtime runs the graph cut after block K-1 (only those blocks' weights "
+                        "read) and the reference K blocks; the way to check a big export on a "
+                        "small machine. Either way the reference holds one block's weights at "
+                        "a time")
     p.add_argument("--workdir", default=None, help="where the polygraphy JSON files go "
                                                    "(default: MODEL.onnx.check/)")
     p.add_argument("--verbose", "-v", action="store_true", help="polygraphy's own log too")
@@ -475,7 +596,8 @@ def run(args: argparse.Namespace) -> int:
         passed, _ = check_model(args.onnx, img_shapes=args.img_shape, txt_len=args.txt_len,
                                 batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,
                                 engine=args.engine, plugin=args.plugin, providers=args.providers,
-                                workdir=args.workdir, verbose=args.verbose, onnxrt=args.onnxrt)
+                                workdir=args.workdir, verbose=args.verbose, onnxrt=args.onnxrt,
+                                blocks=args.blocks, layers=args.layers)
     except Exception as exc:  # ORT without bf16 kernels and the like: say what to do
         if "NOT_IMPLEMENTED" in str(exc):
             raise ParityError(

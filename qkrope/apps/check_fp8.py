@@ -240,7 +240,7 @@ def check_fp8(onnx_path, *, img_shapes: Sequence[Sequence[int]], txt_len: int, b
     from qkrope.sidecars import ModelInfo
 
     checked_onnx_model(str(onnx_path))
-    info = ModelInfo.load(onnx_path)
+    info = ModelInfo.load(onnx_path, full=True)  # qkrope check: the full hash
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=seed)
     return check_fp8_model(onnx_path, info, feeds=feeds, img_shapes=img_shapes,
                            diffusers_dir=diffusers_dir, out=out)

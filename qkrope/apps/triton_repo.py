@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
                                       name=args.name, serving=serving, force=args.force,
                                       copy_plugin=args.copy_plugin,
                                       check_plugin_hash=args.check_plugin_hash, **limits)
+    what = "the engine" if args.backend == "tensorrt" else "the model and its data"
+    how = ("hard-linked (same filesystem: no bytes copied)" if res.transfer == "hard-linked"
+           else "copied (another filesystem, or no hard links there)")
+    print(f"{what}: {how}")
     if res.models and len(res.models) > 1:
         print(f"wrote {', '.join(str(m) + '/' for m in res.models)} (ensemble {res.model_dir.name}:"
               f" clients send img_shapes, not the caches)")

@@ -1,0 +1,429 @@
+"""``qkrope check`` at scale: the transformer's PyTorch reference with one block's weights
+resident at a time, and ONNX Runtime's outputs of each block (``--blocks``) or of a ``--layers K``
+prefix.
+
+The reference (:class:`StreamedTransformer`) is diffusers' own
+``QwenImageTransformer2DModel.forward``: the modules outside the blocks (embeddings, norms,
+projections: a few MiB at the real width) are loaded from the shards, every block is a
+``meta``-device skeleton whose weights are read from the safetensors shards (tensor by tensor,
+through the index) by a forward pre-hook just before it runs and dropped by its forward hook
+right after. So the check holds the model once (in ONNX Runtime) plus one block, never two
+copies. The forward hooks also keep each block's outputs, the reference side of the per-block
+comparison.
+
+The ONNX Runtime side of a per-block comparison is the polygraphy idiom of marking
+intermediate tensors as graph outputs (``polygraphy run --onnx-outputs``): each block's image
+and text hidden states are found in the exported graph by the torch exporter's name scopes
+(node metadata ``pkg.torch.onnx.name_scopes``: ``transformer_blocks.<i>``), added as outputs,
+and with ``--layers K`` the graph is cut after block ``K-1`` (the nodes and initializers later
+blocks need are dropped, so ONNX Runtime reads only the first K blocks' weights). The graph is
+edited without loading its weights; ONNX Runtime opens it from memory and reads the external
+data from the model's folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from qkrope.errors import QkropeError
+
+BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+STREAMS = ("img", "txt")  # a block's outputs: hidden_states (image), encoder_hidden_states
+
+
+class BlockCheckError(QkropeError, ValueError):
+    """The per-block comparison cannot be set up for this model (said with the fix)."""
+
+
+def block_output_name(block: int, stream: str) -> str:
+    """The name a block output gets in the comparison table and polygraphy's JSON."""
+    return f"block{block}.{stream}"
+
+
+# --------------------------------------------------------------------------------------------
+# The reference, one block resident at a time
+# --------------------------------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                      "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+                      "F8_E5M2": "float8_e5m2"}
+
+
+class ShardReader:
+    """The tensors of a saved diffusers folder, each read from the shard the index names
+    (:func:`qkrope.diffusers_weights.weight_files`) by its offsets in the safetensors header,
+    with plain reads into a tensor of its own: nothing is memory-mapped, so a tensor read costs
+    its own bytes and no mapped shard pages stay in the process."""
+
+    def __init__(self, folder: str | os.PathLike, *, variant: str | None = None):
+        from qkrope.diffusers_weights import weight_files
+
+        self.folder = str(folder)
+        files, weight_map = weight_files(folder, variant=variant)
+        self._headers: dict[str, tuple[int, dict]] = {}
+        self._dir = files[0].parent
+        if weight_map is None:
+            weight_map = {k: files[0].name for k in self._header(files[0].name)[1]
+                          if k != "__metadata__"}
+        self.weight_map = weight_map
+
+    def _header(self, shard: str) -> tuple[int, dict]:
+        if shard not in self._headers:
+            path = self._dir / shard
+            try:
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(n))
+            except (OSError, ValueError) as exc:
+                raise BlockCheckError(f"{path} is not a readable safetensors file ({exc}). Fix: "
+                                      f"save the model again with save_pretrained") from None
+            self._headers[shard] = (8 + n, header)
+        return self._headers[shard]
+
+    def keys(self) -> list[str]:
+        return sorted(self.weight_map)
+
+    def get_many(self, keys: Sequence[str], dtype) -> dict[str, Any]:
+        """``{key: tensor in dtype}`` for ``keys`` (a key the folder lacks is an error)."""
+        import torch
+
+        missing = [k for k in keys if k not in self.weight_map]
+        if missing:
+            raise BlockCheckError(f"{self.folder} has no tensor {missing[0]!r}"
+                                  f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}"
+                                  f" (a parameter of the diffusers model). Fix: pass --diffusers "
+                                  f"the folder the model was exported from")
+        by_shard: dict[str, list[str]] = {}
+        for k in keys:
+            by_shard.setdefault(self.weight_map[k], []).append(k)
+        out = {}
+        for shard, names in by_shard.items():
+            base, header = self._header(shard)
+            with open(self._dir / shard, "rb") as f:
+                for k in names:
+                    entry = header.get(k)
+                    if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
+                        raise BlockCheckError(f"{self._dir / shard} does not hold {k!r} as its "
+                                              f"index says. Fix: save the model again with "
+                                              f"save_pretrained")
+                    begin, stop = entry["data_offsets"]
+                    t = torch.empty(entry["shape"],
+                                    dtype=getattr(torch, _SAFETENSORS_DTYPES[entry["dtype"]]))
+                    raw = t.reshape(-1).view(torch.uint8).numpy()
+                    if raw.nbytes != stop - begin:
+                        raise BlockCheckError(f"{self._dir / shard}: {k!r} has {stop - begin} "
+                                              f"bytes for shape {entry['shape']}; the file is "
+                                              f"damaged. Fix: save the model again")
+                    f.seek(base + begin)
+                    if f.readinto(raw) != raw.nbytes:
+                        raise BlockCheckError(f"{self._dir / shard} ends inside {k!r}: the file "
+                                              f"is truncated. Fix: copy or save it again")
+                    out[k] = t.to(dtype)
+        return out
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed block's heap back to the system (glibc ``malloc_trim``). Without it glibc's
+    adaptive mmap threshold serves a block's tensors under 32 MiB from the heap after the first
+    large free, and the heap, fragmented, grows block after block (measured at the real width:
+    +125-290 MiB from 1 to 3 blocks; flat with the trim). Elsewhere than glibc: nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class StreamedTransformer:
+    """diffusers' ``QwenImageTransformer2DModel`` of ``folder`` truncated to ``num_layers``
+    blocks, whose blocks hold their weights only while they run (the module docstring).
+    ``peak_block_elements``: the most block parameter elements resident at once (one block's,
+    by construction; the test checks it); ``block_outputs[i]``: block ``i``'s
+    ``{"img": hidden_states, "txt": encoder_hidden_states}`` of the last call."""
+
+    def __init__(self, folder: str | os.PathLike, *, dtype, num_layers: int | None = None,
+                 variant: str | None = None):
+        import diffusers
+        import torch
+
+        from qkrope.diffusers_weights import model_folder
+        from qkrope.quantization import check_folder
+
+        d = model_folder(folder)
+        check_folder(str(d), None)  # quantizer state: not this reference's (check_fp8's)
+        config = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+        total = int(config.get("num_layers", 0))
+        n = total if num_layers is None else int(num_layers)
+        if not 1 <= n <= total:
+            raise BlockCheckError(f"{d} has {total} blocks; cannot compare {n}")
+        self.reader = ShardReader(d, variant=variant)
+        cls = diffusers.QwenImageTransformer2DModel
+        model = cls.from_config({**config, "num_layers": 0}).eval()
+        torch.nn.Module.to(model, dtype)  # (ModelMixin.to warns about fp32 modules it has none of)
+        model.load_state_dict(self.reader.get_many(list(model.state_dict()), dtype), strict=True)
+        with torch.device("meta"):
+            skeleton = cls.from_config({**config, "num_layers": n})
+        model.transformer_blocks = skeleton.transformer_blocks.to(dtype)
+        del skeleton
+        self.model, self.dtype, self.num_layers = model, dtype, n
+        self.block_elements = [sum(p.numel() for p in b.parameters())
+                               for b in model.transformer_blocks]
+        self.peak_block_elements = 0
+        self.block_outputs: dict[int, dict[str, Any]] = {}
+        for i, block in enumerate(model.transformer_blocks):
+            block.register_forward_pre_hook(self._materialise(i))
+            block.register_forward_hook(self._release(i))
+
+    def _resident(self) -> int:
+        return sum(p.numel() for b in self.model.transformer_blocks for p in b.parameters()
+                   if p.device.type != "meta")
+
+    def _materialise(self, i: int):
+        def hook(block, args):
+            prefix = f"transformer_blocks.{i}."
+            names = [name for name, _ in block.named_parameters()]
+            loaded = self.reader.get_many([prefix + n for n in names], self.dtype)
+            state = {n: loaded[prefix + n] for n in names}
+            try:
+                block.load_state_dict(state, strict=True, assign=True)
+            except RuntimeError as exc:  # a shape that is not the config's
+                raise BlockCheckError(f"{self.reader.folder}: block {i}'s weights do not fit "
+                                      f"its config: {str(exc).splitlines()[-1].strip()}") from None
+            self.peak_block_elements = max(self.peak_block_elements, self._resident())
+        return hook
+
+    def _release(self, i: int):
+        def hook(block, args, output):
+            txt, img = output  # QwenImageTransformerBlock returns (encoder_hidden_states, hs)
+            self.block_outputs[i] = {"img": img.detach().clone(), "txt": txt.detach().clone()}
+            block.to("meta")  # the weights go; the next block's come in
+            _return_freed_memory()
+        return hook
+
+    def __call__(self, **kwargs):
+        self.block_outputs = {}
+        return self.model(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# The ONNX side: block outputs marked, the graph cut after --layers K
+# --------------------------------------------------------------------------------------------
+
+def _block_of(node) -> int | None:
+    for prop in node.metadata_props:
+        if prop.key == NAME_SCOPES_KEY:
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return None
+            for scope in scopes:
+                m = BLOCK_SCOPE.fullmatch(str(scope))
+                if m:
+                    return int(m.group(1))
+    return None
+
+
+def find_block_outputs(model) -> dict[int, dict[str, str]]:
+    """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph:
+    the values a block's nodes produce and nodes outside it (or the graph's outputs) use, of
+    shape ``[batch, img_tokens | txt_tokens, dim]`` (the last block's text output is unused by
+    the model and absent)."""
+    producer: dict[str, int | None] = {}
+    for node in model.graph.node:
+        b = _block_of(node)
+        for out in node.output:
+            producer[out] = b
+    crossing: dict[int, set[str]] = {}
+    for node in model.graph.node:
+        b = _block_of(node)
+        for name in node.input:
+            p = producer.get(name)
+            if p is not None and p != b:
+                crossing.setdefault(p, set()).add(name)
+    for out in model.graph.output:
+        p = producer.get(out.name)
+        if p is not None:
+            crossing.setdefault(p, set()).add(out.name)
+    shapes = {v.name: v.type.tensor_type.shape for v in model.graph.value_info}
+    tokens = {"img_tokens": "img", "txt_tokens": "txt"}
+    found: dict[int, dict[str, str]] = {}
+    for block, names in sorted(crossing.items()):
+        for name in sorted(names):
+            shape = shapes.get(name)
+            if shape is None or len(shape.dim) != 3:
+                continue
+            d = shape.dim
+            if d[0].dim_param == "batch" and d[1].dim_param in tokens and d[2].dim_value > 0:
+                stream = tokens[d[1].dim_param]
+                if stream in found.get(block, {}):
+                    raise BlockCheckError(f"block {block} of the graph has two {stream} outputs "
+                                          f"({found[block][stream]}, {name}); the per-block "
+                                          f"comparison needs one")
+                found.setdefault(block, {})[stream] = name
+    return found
+
+
+def _used_names(graph) -> set[str]:
+    """Every value name the nodes of ``graph`` (and their subgraphs) read."""
+    out: set[str] = set()
+    for node in graph.node:
+        out.update(node.input)
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                out |= _used_names(g)
+    return out
+
+
+def prune_to_outputs(model, outputs: Sequence[str]) -> None:
+    """Make ``outputs`` the graph's outputs and drop every node and initializer they do not
+    need (in place; nothing else changed). Graph inputs stay (an unused input is allowed)."""
+    import onnx
+
+    wanted, keep = set(outputs), []
+    shapes = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
+    for node in reversed(model.graph.node):
+        if wanted & set(node.output):
+            keep.append(node)
+            wanted |= set(node.input)
+            for attr in node.attribute:
+                for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    wanted |= _used_names(g)
+    keep.reverse()
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    inits = [t for t in model.graph.initializer if t.name in wanted]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(inits)
+    new_outputs = []
+    for name in outputs:
+        vi = shapes.get(name)
+        new_outputs.append(copy.deepcopy(vi) if vi is not None
+                           else onnx.helper.make_empty_tensor_value_info(name))
+    del model.graph.output[:]
+    model.graph.output.extend(new_outputs)
+
+
+def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None):
+    """The model's graph (weights not loaded) with each compared block's outputs as graph
+    outputs named ``block<i>.img`` / ``block<i>.txt`` (an Identity each; the last block's text
+    output is unused by the model and absent), cut after block ``layers - 1`` when ``layers``
+    is given (the model's own outputs then dropped). Returns ``(model, [block output names])``."""
+    import onnx
+
+    model = onnx.load(onnx_path, load_external_data=False)
+    blocks = find_block_outputs(model)
+    n = num_blocks if layers is None else layers
+    missing = [i for i in range(n) if "img" not in blocks.get(i, {})]
+    if missing:
+        raise BlockCheckError(
+            f"{onnx_path}: the outputs of block(s) {missing[:6]} cannot be found in the graph "
+            f"(the exporter's name scopes pkg.torch.onnx.name_scopes are missing or changed). "
+            f"Fix: re-export with `qkrope export --model transformer`, or check without "
+            f"--blocks/--layers")
+    names: list[str] = []
+    vi = {v.name: v for v in model.graph.value_info}
+    for i in range(n):
+        for stream in STREAMS:
+            value = blocks[i].get(stream)
+            if value is None:
+                continue  # the last block's text output: unused by the model
+            out = block_output_name(i, stream)
+            model.graph.node.append(onnx.helper.make_node("Identity", [value], [out],
+                                                          name=f"qkrope_check_{out}"))
+            info = copy.deepcopy(vi[value])
+            info.name = out
+            model.graph.value_info.append(info)
+            names.append(out)
+    finals = [o.name for o in model.graph.output]
+    prune_to_outputs(model, (finals if layers is None else []) + names)
+    return model, names
+
+
+def ort_block_session(onnx_path: str, model, providers: Sequence[str]):
+    """An ONNX Runtime session over the edited graph, opened from memory, its external data read
+    from the model's folder (``session.model_external_initializers_file_folder_path``)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                str(Path(onnx_path).resolve().parent))
+    return ort.InferenceSession(model.SerializeToString(), sess_options=so,
+                                providers=list(providers))
+
+
+def ort_block_runner(session, info, *, name: str = "onnxrt-blocks"):
+    """A polygraphy ``BaseRunner`` over that session (inputs and outputs as OrtValues, so
+    bfloat16 passes; outputs as float32 numpy); ``info``: the model's sidecar (the inputs'
+    dtypes and shapes for polygraphy's metadata)."""
+    from polygraphy.backend.base import BaseRunner
+
+    class OrtBlockRunner(BaseRunner):
+        def __init__(self):
+            super().__init__(name=name, prefix="qkrope-onnxrt-blocks")
+
+        def activate_impl(self):
+            pass
+
+        def deactivate_impl(self):
+            pass
+
+        def get_input_metadata_impl(self):
+            from polygraphy.common import TensorMetadata
+            from polygraphy.datatype import DataType
+
+            from qkrope.dtypes import numpy_dtype
+
+            meta = TensorMetadata()
+            for t in info.inputs:
+                meta.add(t.name, dtype=DataType.from_dtype(numpy_dtype(t.dtype)),
+                         shape=[d if isinstance(d, int) else -1 for d in t.shape])
+            return meta
+
+        def infer_impl(self, feed_dict):
+            from qkrope.runtime.inputs import from_ort_value, to_ort_value
+
+            names = [o.name for o in session.get_outputs()]
+            wanted = {i.name for i in session.get_inputs()}
+            feeds = {k: to_ort_value(np.asarray(v)) for k, v in feed_dict.items() if k in wanted}
+            start = time.perf_counter()
+            outs = session.run_with_ort_values(names, feeds)
+            self.inference_time = time.perf_counter() - start
+            return {n: from_ort_value(v).astype(np.float32) for n, v in zip(names, outs)}
+
+    return OrtBlockRunner()
+
+
+def reference_block_outputs(streamed: StreamedTransformer,
+                            names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The streamed reference's block outputs of the last call, by compared name
+    (``block<i>.<stream>``)."""
+    out = {}
+    for name in names:
+        block, stream = name[len("block"):].split(".")
+        out[name] = streamed.block_outputs[int(block)][stream].float().numpy()
+    return out
+
+
+def first_failing_block(rows: Sequence[Any]) -> int | None:
+    """The lowest block index among the failing ``block<i>.*`` rows of the table."""
+    bad = [int(r.output[5:].split(".")[0]) for r in rows
+           if not r.passed and r.output.startswith("block")]
+    return min(bad) if bad else None
+
+
+__all__ = ["StreamedTransformer", "ShardReader", "BlockCheckError", "find_block_outputs",
+           "prune_to_outputs", "marked_model", "ort_block_session", "ort_block_runner",
+           "reference_block_outputs", "first_failing_block", "block_output_name"]
