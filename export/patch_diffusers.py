@@ -123,20 +123,14 @@ class CacheInputTransformer(nn.Module):
         return t.proj_out(hidden_states)
 
 
-def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
-                     quant: str | None = None, variant: str | None = None) -> nn.Module:
-    """``QwenImageTransformer2DModel.from_pretrained(directory, variant=variant)``, local files
-    only; the weight files (one file, or every shard its index names and no other) are checked
-    first (:func:`qkrope.diffusers_weights.weight_files`).
-
-    A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
-    (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
-    with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
+def _checked_folder(directory: str, quant: str | None, variant: str | None) -> str:
+    """The folder with config.json (``directory`` or its ``transformer/``), its weight files
+    (one file, or every shard its index names and no other) and quantizer state checked."""
     import os
 
+    from qkrope.diffusers_weights import weight_files
     from qkrope.quantization import check_folder
 
-    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     if not directory or not os.path.isdir(directory):
         raise InputFileNotFoundError(
             f"--diffusers {directory!r} is not a directory: give the local folder of a saved "
@@ -149,10 +143,22 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
         else:
             raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
                                     f"transformer/config.json): not a saved diffusers model")
-    from qkrope.diffusers_weights import weight_files
-
     weight_files(directory, variant=variant)  # a missing or extra shard: said before loading
     check_folder(directory, quant)  # before loading: diffusers would drop quantizer tensors
+    return directory
+
+
+def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
+                     quant: str | None = None, variant: str | None = None) -> nn.Module:
+    """``QwenImageTransformer2DModel.from_pretrained(directory, variant=variant)``, local files
+    only; the weight files (one file, or every shard its index names and no other) are checked
+    first (:func:`qkrope.diffusers_weights.weight_files`).
+
+    A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
+    (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
+    with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
+    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
+    directory = _checked_folder(directory, quant, variant)
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
@@ -166,3 +172,37 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
 
         model = restore_quantized(model, directory)
     return model.eval()
+
+
+def skeleton_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
+                         quant: str | None = None, variant: str | None = None):
+    """What the streamed export traces and writes: ``(transformer, weights)``, the
+    ``QwenImageTransformer2DModel`` of ``directory``'s config.json with placeholder parameters
+    (:func:`qkrope.export.streaming.placeholder_module`; nothing of the weights in memory) and
+    the :class:`~qkrope.export.streaming.DiskWeights` of its state dict, every key checked
+    against the shards' headers. The folder checks are :func:`load_transformer`'s; with
+    ``quant="fp8"`` the quantizers are restored (their calibrated amax read, nothing else)."""
+    from qkrope.diffusers_weights import tensor_headers
+    from qkrope.quantization import QUANTIZER_MARK
+
+    from .streaming import DiskWeights, placeholder_module
+
+    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
+    directory = _checked_folder(directory, quant, variant)
+    cls = diffusers.QwenImageTransformer2DModel
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()
+    try:
+        config = cls.load_config(directory, local_files_only=True)
+        model = placeholder_module(lambda: cls.from_config(config), dtype=dtype,
+                                   keep_in_fp32=cls._keep_in_fp32_modules or ())
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+    headers = tensor_headers(directory, variant=variant)
+    if quant is not None:
+        from .quantize import restore_quantized
+
+        model = restore_quantized(model, directory, headers=headers)
+    weights = DiskWeights.for_module(model, headers, source=f"--diffusers {directory}",
+                                     skip=lambda key: QUANTIZER_MARK in key)
+    return model.eval(), weights
