@@ -38,6 +38,10 @@ from qkrope.diffusers_weights import DiffusersWeightsError, TensorHeader, read_t
 from qkrope.errors import InputError
 
 COPY_CHUNK = 16 << 20  # bytes per read/write while inlining external data
+#: Initializers up to this size are read once and kept: the graph optimiser's rewrite rules
+#: read the values of biases and norm weights (a zero bias is dropped, as from a loaded model);
+#: at Qwen-Image's width they are about 0.2 MiB a block.
+KEEP_BYTES = 1 << 20
 
 
 class WeightsMismatchError(InputError):
@@ -180,9 +184,10 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def lazy_tensor(read: Callable[[], torch.Tensor], *, dtype, shape, name: str):
-    """An ``onnx_ir.LazyTensor`` of ``read()`` (a torch tensor of ``dtype``/``shape``), not
-    cached: it is read each time it is serialised and dropped after."""
+def lazy_tensor(read: Callable[[], torch.Tensor], *, dtype, shape, name: str,
+                keep: bool = False):
+    """An ``onnx_ir.LazyTensor`` of ``read()`` (a torch tensor of ``dtype``/``shape``): read
+    each time its value is asked for and dropped after, or read once and kept (``keep``)."""
     import onnx_ir as ir
     from onnx_ir.tensor_adapters import TorchTensor
 
@@ -194,19 +199,20 @@ def lazy_tensor(read: Callable[[], torch.Tensor], *, dtype, shape, name: str):
                                        f"has {list(shape)} {ir.DataType(dtype).name}")
         return TorchTensor(value.contiguous(), name=name)
 
-    return ir.LazyTensor(make, dtype=dtype, shape=ir.Shape(list(shape)), name=name)
+    return ir.LazyTensor(make, dtype=dtype, shape=ir.Shape(list(shape)), name=name, cache=keep)
 
 
 def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> None:
     """Each initializer of ``model`` (onnx_ir) named by one of ``keys`` reads its value from
-    ``weights`` when it is written (in place)."""
+    ``weights`` when it is written, those up to :data:`KEEP_BYTES` once (in place)."""
     for key in keys:
         value = model.graph.initializers.get(key)
         if value is None or key not in weights:
             continue
         old = value.const_value
         value.const_value = lazy_tensor(lambda key=key: weights.tensor(key), dtype=old.dtype,
-                                        shape=list(old.shape), name=key)
+                                        shape=list(old.shape), name=key,
+                                        keep=old.nbytes <= KEEP_BYTES)
 
 
 def check_no_placeholders(model, module: nn.Module) -> None:
