@@ -393,12 +393,23 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]], *
     becomes ``DequantizeLinear(W8, s_w)`` with ``W8`` float8e4m3fn constants (stored transposed,
     ``[in, out]``, for a MatMul so no Transpose is left on the weight path), named
     ``<key>_fp8``; every scale is a scalar constant in the model's float type. A Linear whose
-    weight the graph does not use (past ``--layers``) is skipped and listed."""
+    weight the graph does not use (past ``--layers``) is skipped and listed.
+
+    ``weights(key)``: a weight in the export dtype (default: ``transformer``'s parameter); each
+    FP8 weight is quantised when it is written (an ``onnx_ir.LazyTensor``), so the streamed
+    export holds one weight at a time."""
     import numpy as np
     import onnx_ir as ir
 
+    from .streaming import lazy_tensor
+
     graph = model.graph
-    params = dict(transformer.named_parameters())
+    if weights is None:
+        params = dict(transformer.named_parameters())
+
+        def weights(key: str) -> torch.Tensor:
+            return params[key].detach()
+
     zero = None
     done, skipped = [], []
 

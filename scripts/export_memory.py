@@ -15,6 +15,7 @@ slope per block and the prediction at 60 blocks (the real model)::
     python scripts/export_memory.py                     # 1, 2, 4 blocks
     python scripts/export_memory.py --blocks 1 --keep   # one folder, left in --work
     python scripts/export_memory.py --blocks 1,2,4 --limit-slope 16 --limit-60 1536
+    python scripts/export_memory.py --build-only DIR --blocks 1   # the folder alone (a test)
 
 Exit status 0 when the slope and the prediction are within ``--limit-slope`` MiB/block and
 ``--limit-60`` MiB (the targets of issue 25), 1 otherwise. Disk: about 0.7 GiB per block for the
@@ -93,8 +94,16 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="extra arguments for qkrope export")
     ap.add_argument("--limit-slope", type=float, default=16.0, help="MiB per block")
     ap.add_argument("--limit-60", type=float, default=1536.0, help="MiB at 60 blocks")
+    ap.add_argument("--build-only", metavar="DIR", default=None,
+                    help="only save the folder of the (first) --blocks count into DIR")
     args = ap.parse_args()
     counts = [int(b) for b in args.blocks.split(",")]
+    if args.build_only:
+        rc, _, _, tail = _measured([sys.executable, "-c", _BUILD, str(counts[0]),
+                                    args.build_only, args.shard_size])
+        if rc:
+            print(tail, file=sys.stderr)
+        return 2 if rc else 0
 
     from qkrope.apps.measure import machine_info
 

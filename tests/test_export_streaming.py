@@ -248,21 +248,7 @@ def test_attention_block_streamed_is_build_attention_bit_for_bit(tmp_path, weigh
 # Real width
 # --------------------------------------------------------------------------------------------
 
-_REAL_BLOCK = r"""
-import sys
-import torch
-from torch import nn
-from diffusers import QwenImageTransformer2DModel
-
-with torch.device("meta"):
-    model = QwenImageTransformer2DModel(num_layers=1)  # Qwen-Image's widths are the defaults
-g = torch.Generator().manual_seed(0)
-for module in model.modules():
-    for name, p in list(module._parameters.items()):
-        value = torch.randn(p.shape, generator=g, dtype=torch.bfloat16) / p.shape[-1] ** 0.5
-        module._parameters[name] = nn.Parameter(value, requires_grad=False)
-model.save_pretrained(sys.argv[1], max_shard_size="300MB")
-"""
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_memory.py"
 
 
 def _peak_mib(argv: list[str]) -> float:
@@ -293,7 +279,8 @@ def test_real_width_block_bf16_sharded_streams_within_a_bounded_peak(sharded, tm
     from qkrope.diffusers_weights import read_tensor, tensor_headers
 
     folder = tmp_path / "real"
-    subprocess.run([sys.executable, "-c", _REAL_BLOCK, str(folder)], check=True)
+    subprocess.run([sys.executable, str(SCRIPT), "--build-only", str(folder), "--blocks", "1"],
+                   check=True)  # the folder scripts/export_memory.py measures, at 1 block
     headers = tensor_headers(folder)
     assert len({h.file for h in headers.values()}) > 1  # sharded, read through the index
     largest = max(h.end - h.start for h in headers.values()) / 2**20
