@@ -8,6 +8,11 @@ export the model-local function body is added (one body per model, see
 (:func:`ir_version_for`; ONNX Runtime 1.31 rejects the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict
 shape inference with every graph output shaped, QKNormRoPE node count, no complex types).
 
+The weights are never in memory as a whole: the module traced has placeholder parameters and
+each initializer is read from the weight files by its state-dict key when it is written
+(:mod:`qkrope.export.streaming`), external data first, that form checked, then inlined in chunks
+into one file for a model under :data:`EXTERNAL_DATA_THRESHOLD`.
+
 Files are written to a hidden staging folder next to the destination and moved into place as a
 group by :func:`qkrope._fileio.staged_outputs` (the sidecar ``.onnx.json`` first, then the
 ``.onnx.data`` external-data companion of models over 1.5 GiB, then the ``.onnx``; any failure

@@ -31,7 +31,9 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
+import onnx_ir as ir
 import torch
+from onnx_ir.tensor_adapters import TorchTensor
 from torch import nn
 
 from qkrope.diffusers_weights import DiffusersWeightsError, TensorHeader, read_tensor
@@ -188,18 +190,24 @@ def lazy_tensor(read: Callable[[], torch.Tensor], *, dtype, shape, name: str,
                 keep: bool = False):
     """An ``onnx_ir.LazyTensor`` of ``read()`` (a torch tensor of ``dtype``/``shape``): read
     each time its value is asked for and dropped after, or read once and kept (``keep``)."""
-    import onnx_ir as ir
-    from onnx_ir.tensor_adapters import TorchTensor
-
     def make():
-        value = read()
-        got = (ir.DataType(TorchTensor(value).dtype), list(value.shape))
-        if got != (ir.DataType(dtype), list(shape)):
-            raise WeightsMismatchError(f"{name} was read as {got[1]} {got[0].name}, the graph "
-                                       f"has {list(shape)} {ir.DataType(dtype).name}")
-        return TorchTensor(value.contiguous(), name=name)
+        value = TorchTensor(read().contiguous(), name=name)
+        if (value.dtype, list(value.shape)) != (ir.DataType(dtype), list(shape)):
+            raise WeightsMismatchError(f"{name} was read as {list(value.shape)} "
+                                       f"{value.dtype.name}, the graph has {list(shape)} "
+                                       f"{ir.DataType(dtype).name}")
+        return value
 
-    return ir.LazyTensor(make, dtype=dtype, shape=ir.Shape(list(shape)), name=name, cache=keep)
+    return _WrittenFromItself(make, dtype=dtype, shape=ir.Shape(list(shape)), name=name,
+                              cache=keep)
+
+
+class _WrittenFromItself(ir.LazyTensor):
+    """A LazyTensor whose ``tofile`` writes the evaluated tensor's own memory (onnx_ir's
+    TorchTensor.tofile), not a ``tobytes()`` copy of it: one copy of a tensor in flight."""
+
+    def tofile(self, file) -> None:
+        self._evaluate().tofile(file)
 
 
 def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> None:
@@ -218,8 +226,6 @@ def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> No
 def check_no_placeholders(model, module: nn.Module) -> None:
     """Refuse a graph with an initializer that still holds one of ``module``'s placeholder
     parameters (its bytes would be whatever memory the placeholder got)."""
-    import onnx_ir as ir
-
     placeholders = {p.data_ptr() for p in module.parameters() if p.numel()}
     for graph in model.graphs():
         for name, value in graph.initializers.items():

@@ -219,31 +219,40 @@ def tensor_headers(folder: str | os.PathLike, *, variant: str | None = None
 
 def read_tensor(header: TensorHeader):
     """The one tensor ``header`` describes, read from its shard into a torch tensor of its own
-    (plain reads, no mapping of the file: only this tensor's bytes are resident)."""
+    (plain reads, no mapping of the file). Its memory is an anonymous mapping of its own, given
+    back to the system when the tensor is dropped (a heap block of that size could stay
+    resident)."""
+    import math
+    import mmap
+
     import torch
 
     dtype = getattr(torch, header.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise DiffusersWeightsError(f"{header.key} in {header.file.name} has the dtype "
                                     f"{header.dtype!r}, which torch cannot read")
-    out = torch.empty(header.shape, dtype=dtype)
-    buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+    count = math.prod(header.shape)
     want = header.end - header.start
-    if (0 if buf is None else buf.nbytes) != want:
+    if count * dtype.itemsize != want:
         raise DiffusersWeightsError(f"{header.key} in {header.file.name}: {want} bytes for a "
                                     f"{header.dtype} tensor of shape {list(header.shape)} "
                                     f"(a corrupt header). Fix: save the model again")
-    if buf is not None:
-        with open(header.file, "rb") as fh:
-            fh.seek(header.start)
-            view, got = memoryview(buf), 0
+    if not count:
+        return torch.empty(header.shape, dtype=dtype)
+    memory = mmap.mmap(-1, want)
+    with open(header.file, "rb") as fh:
+        fh.seek(header.start)
+        view, got = memoryview(memory), 0
+        try:
             while got < want:
                 n = fh.readinto(view[got:])
                 if not n:
                     raise DiffusersWeightsError(f"{header.file} ends inside {header.key} "
                                                 f"(truncated). Fix: copy the shard again")
                 got += n
-    return out
+        finally:
+            view.release()
+    return torch.frombuffer(memory, dtype=dtype, count=count).reshape(header.shape)
 
 
 def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
