@@ -16,6 +16,12 @@ slope per block and the prediction at 60 blocks (the real model)::
     python scripts/export_memory.py --blocks 1 --keep   # one folder, left in --work
     python scripts/export_memory.py --blocks 1,2,4 --limit-slope 16 --limit-60 1536
     python scripts/export_memory.py --build-only DIR --blocks 1   # the folder alone (a test)
+    python scripts/export_memory.py --of-60 1,2   # --layers N of a 60-block folder (below)
+
+``--of-60 N,M``: the real model's config (60 blocks) and shard layout (5 GiB shards, index),
+every header real but the data a sparse file of zeros (no disk used), exported with
+``--layers N``: what trying the real model's folder on a small machine costs (the 60-block
+skeleton, the headers of all 20.4 B parameters, the first N blocks' weights read and written).
 
 Exit status 0 when the slope and the prediction are within ``--limit-slope`` MiB/block and
 ``--limit-60`` MiB (the targets of issue 25), 1 otherwise. Disk: about 0.7 GiB per block for the
@@ -59,6 +65,69 @@ model.save_pretrained(out, max_shard_size=shard)
 """
 
 
+_SPARSE_60 = r"""
+import json, struct, sys
+from pathlib import Path
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+out = Path(sys.argv[1])
+with torch.device("meta"):
+    model = QwenImageTransformer2DModel(num_layers=60)
+model.save_config(str(out))
+shards, part, size = [], {}, 0
+for key, value in model.state_dict().items():
+    n = value.numel() * 2  # bf16
+    if part and size + n > 5 << 30:
+        shards.append(part)
+        part, size = {}, 0
+    part[key], size = value, size + n
+shards.append(part)
+weight_map = {}
+for i, part in enumerate(shards, 1):
+    name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+    header, offset = {}, 0
+    for key, value in part.items():
+        n = value.numel() * 2
+        header[key] = {"dtype": "BF16", "shape": list(value.shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+        weight_map[key] = name
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(out / name, "wb") as f:  # the header, then a hole of the data's size
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        f.truncate(8 + len(text) + offset)
+(out / "diffusion_pytorch_model.safetensors.index.json").write_text(
+    json.dumps({"metadata": {}, "weight_map": weight_map}))
+"""
+
+
+def _of_60(layers: list[int], work: Path, dtype: str) -> int:
+    folder = work / "qwen_60_sparse"
+    folder.mkdir()
+    rc, _, _, tail = _measured([sys.executable, "-c", _SPARSE_60, str(folder)])
+    if rc:
+        print(tail, file=sys.stderr)
+        return 2
+    print("| --layers of a 60-block folder | peak RSS | wall time | written |")
+    print("|---|---|---|---|")
+    for n in layers:
+        out = work / f"l{n}.onnx"
+        rc, peak, wall, tail = _measured(
+            [sys.executable, "-m", "qkrope", "export", "--model", "transformer", "--diffusers",
+             str(folder), "--dtype", dtype, "--layers", str(n), "--out", str(out)])
+        if rc:
+            print(tail, file=sys.stderr)
+            return 2
+        written = sum(p.stat().st_size for p in work.glob(f"l{n}.onnx*"))
+        print(f"| {n} | {peak:.0f} MiB | {wall:.0f} s | {written / 2**20:.0f} MiB |", flush=True)
+        for p in work.glob(f"l{n}.onnx*"):
+            p.unlink()
+    return 0
+
+
 def _measured(argv: list[str]) -> tuple[int, float, float, str]:
     """Run ``argv`` and return (exit status, its own peak RSS in MiB, wall s, output tail):
     ``os.wait4`` gives this child's rusage alone (not the maximum over earlier children)."""
@@ -96,8 +165,18 @@ def main() -> int:
     ap.add_argument("--limit-60", type=float, default=1536.0, help="MiB at 60 blocks")
     ap.add_argument("--build-only", metavar="DIR", default=None,
                     help="only save the folder of the (first) --blocks count into DIR")
+    ap.add_argument("--of-60", metavar="N,M", default=None,
+                    help="export --layers N of a 60-block folder with sparse shards instead")
     args = ap.parse_args()
     counts = [int(b) for b in args.blocks.split(",")]
+    if args.of_60:
+        from qkrope.apps.measure import machine_info
+
+        m = machine_info("cpu")
+        print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python "
+              f"{m['python']}")
+        with tempfile.TemporaryDirectory(prefix="qkrope-mem-", dir=args.work) as tmp:
+            return _of_60([int(n) for n in args.of_60.split(",")], Path(tmp), args.dtype)
     if args.build_only:
         rc, _, _, tail = _measured([sys.executable, "-c", _BUILD, str(counts[0]),
                                     args.build_only, args.shard_size])
