@@ -127,8 +127,9 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
 
     ``parameters_of`` is the attribute of the wrapper ``module`` that holds the diffusers module
     (``"attn"``, ``"transformer"``): its state-dict keys name the initializers. ``weights``
-    (:class:`qkrope.export.streaming.DiskWeights`): the module's parameters are placeholders and
-    each initializer reads its value from there when it is written."""
+    (a :class:`qkrope.export.streaming.TensorSource`, e.g. the shards' DiskWeights): the
+    module's parameters are placeholders and each initializer reads its value from there when
+    it is written."""
     import logging
     import warnings
 
@@ -301,7 +302,7 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     files, :mod:`qkrope.export.streaming`) into external data first, and that form is checked;
     a model under :data:`EXTERNAL_DATA_THRESHOLD` is then made one file by copying the data into
     it in chunks (:func:`qkrope.export.streaming.inline_external_data`). Neither step holds
-    more than one tensor in memory."""
+    more than one large tensor in memory."""
     import onnx
     import onnx_ir as ir
 

@@ -8,7 +8,8 @@ Any diffusers model class (any ``nn.Module`` whose state-dict keys are the check
    ``torch.empty``; nothing ever writes it, so its pages are never resident). Tracing
    (``torch.onnx.export(dynamo=True)``) reads shapes, dtypes and devices only, so the graph is the
    one a loaded model gives; buffers are built as usual (they are small and may be constants of
-   the graph).
+   the graph). The placeholders take address space, not memory (38 GiB of it for the real
+   model in bf16): Linux's default overcommit allows it; ``vm.overcommit_memory=2`` may not.
 2. :class:`DiskWeights` checks every key the module has against the shards' headers first (a key
    missing from the shards, another shape, or a floating-point tensor where the module has an
    integer one, or the reverse, is one :class:`WeightsMismatchError` naming it), then reads one
@@ -279,7 +280,7 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
     beside it) as ``raw_data`` in the file, without holding the data in memory (chunks of
     :data:`COPY_CHUNK`). Only the main graph's initializers may be external."""
     import onnx
-    from onnx import ModelProto, TensorProto
+    from onnx import TensorProto
 
     model_path = Path(model_path)
     proto = onnx.load(str(model_path), load_external_data=False)
@@ -308,7 +309,6 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
                     raise ValueError(f"{model_path}: function {fn.name} has external data")
     graph_low, graph_high = _split(graph, 5)  # GraphProto.initializer is field 5
     model_low, model_high = _split(proto, 7)  # ModelProto.graph is field 7
-    assert isinstance(proto, ModelProto)
 
     def tensor_size(head, source, tail) -> int:
         raw = 0 if source is None else len(_len_field(9, source[2])) + source[2]
@@ -342,5 +342,5 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
         f.write(model_high)
 
 
-__all__ = ["WeightsMismatchError", "placeholder_module", "TensorSource", "DiskWeights", "lazy_tensor",
-           "stream_initializers", "check_no_placeholders", "inline_external_data"]
+__all__ = ["WeightsMismatchError", "placeholder_module", "TensorSource", "DiskWeights",
+           "lazy_tensor", "stream_initializers", "check_no_placeholders", "inline_external_data"]
