@@ -9,6 +9,11 @@ export the model-local function body is added (one body per model, see
 (:func:`ir_version_for`; ONNX Runtime 1.31 rejects the IR 14 that onnx 1.23 writes), and the file is checked (``onnx.checker`` full check, strict
 shape inference with every graph output shaped, QKNormRoPE node count, no complex types).
 
+The weights are never in memory as a whole: the module traced has placeholder parameters and
+each initializer is read from the weight files by its state-dict key when it is written
+(:mod:`qkrope.export.streaming`), external data first, that form checked, then inlined in chunks
+into one file for a model under :data:`EXTERNAL_DATA_THRESHOLD`.
+
 Files are written to a hidden staging folder next to the destination and moved into place as a
 group by :func:`qkrope._fileio.staged_outputs` (the sidecar ``.onnx.json`` first, then the
 ``.onnx.data`` external-data companion of models over 1.5 GiB, then the ``.onnx``; any failure
@@ -118,12 +123,15 @@ def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
 def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
                   output_names: Sequence[str], opset: int, *, parameters_of: str,
                   steps: Steps | None = None, what: str = "the model",
-                  attention: str = DEFAULT_ATTENTION_FORM):
+                  attention: str = DEFAULT_ATTENTION_FORM, weights=None):
     """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet) whose
     parameters are named by their state-dict keys (:func:`_keep_parameters`).
 
     ``parameters_of`` is the attribute of the wrapper ``module`` that holds the diffusers module
-    (``"attn"``, ``"transformer"``): its state-dict keys name the initializers."""
+    (``"attn"``, ``"transformer"``): its state-dict keys name the initializers. ``weights``
+    (a :class:`qkrope.export.streaming.TensorSource`, e.g. the shards' DiskWeights): the
+    module's parameters are placeholders and each initializer reads its value from there when
+    it is written."""
     import logging
     import warnings
 
@@ -149,6 +157,11 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
     model = program.model
     inner = getattr(module, parameters_of)
     keys = _rename_parameters(model, inner.state_dict(), prefix=parameters_of + ".")
+    if weights is not None:
+        from .streaming import check_no_placeholders, stream_initializers
+
+        stream_initializers(model, weights, keys)
+        check_no_placeholders(model, inner)
     with steps.step(f"optimising the graph (onnxscript; {len(keys)} parameters kept by name)"):
         _optimize(model, keys)
     return model
@@ -285,32 +298,50 @@ def verify_onnx_file(path: str | os.PathLike) -> None:
 
 
 def _save_staged(model, out: Path, st, steps: Steps) -> bool:
-    """Save and verify the model into the staging folder ``st``; True when it has external data."""
+    """Save and verify the model into the staging folder ``st``; True when it has external data.
+
+    The initializers are written one at a time (each may be a lazy tensor read from the weight
+    files, :mod:`qkrope.export.streaming`) into external data first, and that form is checked;
+    a model under :data:`EXTERNAL_DATA_THRESHOLD` is then made one file by copying the data into
+    it in chunks (:func:`qkrope.export.streaming.inline_external_data`). Neither step holds
+    more than one large tensor in memory."""
+    import onnx
     import onnx_ir as ir
+
+    from .streaming import inline_external_data
 
     data_name = out.name + ".data"
     nbytes = _initializer_bytes(model)
     external = nbytes > EXTERNAL_DATA_THRESHOLD
-    tmp_model = st.path(out.name)
-    if external:
-        gib = nbytes / 2**30
-        with steps.step(f"writing {out.name} with {gib:.1f} GiB of external data {data_name}"), \
-                steps.counter("tensors", unit="tensor") as bar:
-            def written(_tensor, info) -> None:
-                bar.set_total(info.total)
-                bar.update()
+    form = st.dir / ".external"  # the external-data form, checked before it is moved or inlined
+    form.mkdir()
+    ext_model, ext_data = form / out.name, form / data_name
+    gib = nbytes / 2**30
+    with steps.step(f"writing {out.name} with {gib:.2f} GiB of external data {data_name}"
+                    if external else f"writing {out.name} ({gib:.2f} GiB of initializers, "
+                                     f"inside the file)"), \
+            steps.counter("tensors", unit="tensor") as bar:
+        def written(_tensor, info) -> None:
+            bar.set_total(info.total)
+            bar.update()
 
-            ir.save(model, tmp_model, external_data=data_name, callback=written)
-    else:
-        with steps.step(f"writing {out.name}"):
-            ir.save(model, tmp_model)
+        ir.save(model, ext_model, external_data=data_name, callback=written)
+        if not external:
+            inline_external_data(ext_model, st.path(out.name))
     with steps.step("checking it (onnx.checker full check, strict shape inference, node "
                     "contract)"):
-        verify_onnx_file(tmp_model)
-        import onnx
-
-        contract.validate_qknorm_rope_nodes(onnx.load(str(tmp_model), load_external_data=False),
+        verify_onnx_file(ext_model)  # the same model as the single file, without its data
+        contract.validate_qknorm_rope_nodes(onnx.load(str(ext_model), load_external_data=False),
                                             where=str(out))
+    if external:
+        ext_model.replace(st.path(out.name))
+        if ext_data.exists():
+            ext_data.replace(st.path(data_name))
+        else:  # every initializer under onnx_ir's size threshold: an empty companion
+            st.path(data_name).touch()
+    ext_model.unlink(missing_ok=True)
+    ext_data.unlink(missing_ok=True)
+    form.rmdir()
     return external
 
 
@@ -523,42 +554,127 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     from qkrope.runtime.state_dict import read_state_dict_file
 
     state = read_state_dict_file(path, what="--weights")
+    _refuse_quantized(state, path)
+    return state
+
+
+def _refuse_quantized(keys, path) -> None:
     quantization.refuse_quantized_state_dict(
-        state, source=f"--weights {str(path)!r}",
+        keys, source=f"--weights {str(path)!r}",
         fix="the attention-block export has no quantised form: quantise the whole transformer "
             f"(`{quantization.QUANTIZE_COMMAND}`) and export it with "
             f"`{quantization.EXPORT_COMMAND.format(dir='QDIR')}`")
-    return state
+
+
+def _attention_module(info: ModelInfo, *, placeholders: bool = False) -> nn.Module:
+    """The QwenImageAttention of ``info``'s config and node attributes (float32 parameters as
+    nn.Linear initialises them, or placeholders in the export dtype: see
+    :func:`qkrope.export.streaming.placeholder_module`)."""
+    from .attention import QwenImageAttention
+    from .streaming import placeholder_module
+
+    config, attrs = info.config, info.attributes
+
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):  # nn.Linear's own init must not move the RNG
+            return QwenImageAttention(int(config.dim), int(config.heads), int(config.head_dim),
+                                      **attrs.as_kwargs(), validate=False)
+
+    if placeholders:
+        return placeholder_module(build, dtype=TORCH_DTYPES[info.dtype])
+    return build()
+
+
+def _random_parameter(name: str, shape, g: torch.Generator) -> torch.Tensor:
+    """The seeded random value (float32) of the attention parameter ``name``: the next draw
+    of ``g``, RMSNorm weights near 1 (not all 1), the others scaled by 1/sqrt(fan-in)."""
+    noise = torch.randn(shape, generator=g)
+    if name.startswith("norm"):
+        return 1.0 + 0.3 * noise
+    return noise / shape[-1] ** 0.5
+
+
+def _check_attention_weights(keys, state_keys, weights: str) -> None:
+    missing = sorted(set(state_keys) - set(keys))
+    unexpected = sorted(set(keys) - set(state_keys))
+    if missing or unexpected:
+        raise InputError(f"--weights {weights!r} does not match the attention block "
+                         f"(diffusers names): missing {missing[:6]}, unexpected "
+                         f"{unexpected[:6]}")
 
 
 def build_attention(info: ModelInfo) -> nn.Module:
     """The QwenImageAttention an attention export was made from, rebuilt from its sidecar: the
     config's sizes, the node attributes, the dtype, seeded random weights or the weights file
     the config names."""
-    from .attention import QwenImageAttention
-
-    config, attrs = info.config, info.attributes
-    with torch.random.fork_rng(devices=[]):  # nn.Linear's own init must not move the caller's RNG
-        module = QwenImageAttention(int(config.dim), int(config.heads), int(config.head_dim),
-                                    **attrs.as_kwargs(), validate=False)
+    config = info.config
+    module = _attention_module(info)
     weights = config.weights
     if weights:
         state = load_state_dict(weights)
-        missing, unexpected = module.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise InputError(f"--weights {weights!r} does not match the attention block "
-                             f"(diffusers names): missing {missing[:6]}, unexpected "
-                             f"{unexpected[:6]}")
+        _check_attention_weights(state, module.state_dict(), weights)
+        module.load_state_dict(state, strict=False)
     else:
         g = torch.Generator().manual_seed(int(config.seed or 0))
         with torch.no_grad():
             for name, p in module.named_parameters():
-                noise = torch.randn(p.shape, generator=g)
-                if name.startswith("norm"):
-                    p.copy_(1.0 + 0.3 * noise)  # RMSNorm weights near 1, not all 1
-                else:
-                    p.copy_(noise / p.shape[-1] ** 0.5)
+                p.copy_(_random_parameter(name, p.shape, g))
     return module.to(TORCH_DTYPES[info.dtype]).eval()
+
+
+def _attention_weights(module: nn.Module, info: ModelInfo):
+    """The values :func:`build_attention` gives ``module``'s (placeholder) parameters, one
+    tensor at a time (:class:`qkrope.export.streaming.TensorSource`): from a safetensors
+    ``--weights`` file by its header, from a torch-saved one as ``torch.load`` maps it, or
+    drawn again from the seed (the generator's state before each parameter is recorded in one
+    pass that draws and drops each)."""
+    from qkrope.runtime.state_dict import looks_like_safetensors
+
+    from .streaming import TensorSource
+
+    config, dtype = info.config, TORCH_DTYPES[info.dtype]
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    weights = config.weights
+    if weights and looks_like_safetensors(weights):
+        from qkrope.diffusers_weights import DiffusersWeightsError, _read_header, read_tensor
+
+        try:
+            headers = _read_header(Path(weights))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"--weights {weights!r} is not a readable safetensors file "
+                             f"({exc})") from None
+        _refuse_quantized(headers, weights)
+        _check_attention_weights(headers, shapes, weights)
+        for key, header in headers.items():
+            if tuple(header.shape) != shapes[key]:
+                raise InputError(f"--weights {weights!r}: {key} is {list(header.shape)}, the "
+                                 f"attention block has {list(shapes[key])}")
+
+        def value(key: str) -> torch.Tensor:
+            try:
+                return read_tensor(headers[key])
+            except DiffusersWeightsError as exc:
+                raise InputError(f"--weights {weights!r}: {exc}") from None
+    elif weights:
+        state = load_state_dict(weights)
+        _check_attention_weights(state, shapes, weights)
+
+        def value(key: str) -> torch.Tensor:
+            return state[key]
+    else:
+        g = torch.Generator().manual_seed(int(config.seed or 0))
+        states = {}
+        for key, shape in shapes.items():  # named_parameters order (no buffers)
+            states[key] = g.get_state()
+            torch.randn(shape, generator=g)
+
+        def value(key: str) -> torch.Tensor:
+            draw = torch.Generator()
+            draw.set_state(states[key])
+            return _random_parameter(key, shapes[key], draw)
+
+    # as build_attention: the float32 module's value, then the export dtype
+    return TensorSource(lambda key: value(key).to(torch.float32).to(dtype), shapes)
 
 
 def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
@@ -602,14 +718,16 @@ def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
                   dynamic_axes={}, node_attributes=attributes, config=config,
                   sample=_sample_dict(sample))
     t0 = time.perf_counter()
-    module = build_attention(ModelInfo(inputs=[], outputs=[], **fields))
+    info = ModelInfo(inputs=[], outputs=[], **fields)
+    module = _attention_module(info, placeholders=True)  # traced without its weights
+    weights = _attention_weights(module, info)
     args = _sample_args(sample, tdtype, config.dim, config.dim, axes_dim, False, seed)
     with Steps("qkrope export", 5, enabled=progress) as steps:
         model = _torch_export(CacheInputAttention(module), args, ATTENTION_INPUTS,
                               ATTENTION_OUTPUTS, opset, parameters_of="attn", steps=steps,
                               what=f"the attention block ({heads} heads x {head_dim}, {dtype}, "
                                    f"opset {opset}, {attention} attention)",
-                              attention=attention)
+                              attention=attention, weights=weights)
         not_in_graph = check_parameters(model, module.state_dict())
         if not_in_graph:
             raise ExportError(f"the attention graph does not use the parameters {not_in_graph}")
@@ -664,8 +782,13 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     family's). ``attention`` and ``opset``: as for :func:`export_attention`; ``variant``:
     diffusers' weights variant, e.g. ``"fp16"``. ``quant="fp8"``: a folder quantised with ModelOpt
     (``qkrope quantize``) exported with FP8 Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or
-    later); a quantised folder without it is refused."""
-    from .patch_diffusers import CacheInputTransformer, folder_family, load_transformer
+    later); a quantised folder without it is refused.
+
+    Streamed: the graph is traced on a skeleton with placeholder parameters and each
+    initializer is read from the shards (by its key), converted to ``dtype`` (and quantised,
+    FP8) as it is written (:mod:`qkrope.export.streaming`), so the peak memory is the trace's
+    plus about one tensor, whatever the model's size."""
+    from .patch_diffusers import CacheInputTransformer, folder_family, skeleton_transformer
 
     from qkrope.runtime.state_dict import model_folder_files
 
@@ -686,9 +809,10 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     rounding = family.rounding if rounding is None else rounding
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
-        with steps.step(f"loading {diffusers_dir} ({dtype})"):
-            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, quant=quant,
-                                           variant=variant)
+        with steps.step(f"reading {diffusers_dir}'s config and weight headers ({dtype}; the "
+                        f"weights stay on disk)"):
+            transformer, weights = skeleton_transformer(str(diffusers_dir), dtype=tdtype,
+                                                        quant=quant, variant=variant)
         fp8_table = None
         if quant is not None:
             from . import quantize
@@ -709,14 +833,15 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                 parameters_of="transformer", steps=steps, attention=attention,
                 what=f"{n_layers} of {len(transformer.transformer_blocks)} blocks (sample "
                      f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch}; "
-                     f"{attention} attention, opset {opset})")
+                     f"{attention} attention, opset {opset})", weights=weights)
         state = {k: v for k, v in transformer.state_dict().items()
                  if quantization.QUANTIZER_MARK not in k}
         not_in_graph = check_parameters(model, state)
         quant_record = None
         if fp8_table is not None:
             with steps.step(f"FP8 Q/DQ on {len(fp8_table)} quantised Linear layers"):
-                quant_record = quantize.apply_fp8(model, transformer, fp8_table)
+                quant_record = quantize.apply_fp8(model, transformer, fp8_table,
+                                                  weights=weights.tensor)
         with steps.step(f"adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=2 * n_layers)
@@ -736,8 +861,8 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
             parameters_not_in_graph=not_in_graph)
         if quant_record is not None:
             config.quantization = quant_record
-        # their shapes: qkrope refit refuses a tensor of another shape (a transposed weight)
-        config.parameter_shapes = _shapes(transformer.state_dict(), config.parameters)
+        # their shapes (the shards' headers): qkrope refit refuses a tensor of another shape
+        config.parameter_shapes = {k: weights.shape(k) for k in config.parameters}
         info, written = _write_outputs(model, out, dict(
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=attributes, config=config,
@@ -804,8 +929,10 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
                             opset: int, rounding: int | None, sample: Sample,
                             attention: str, progress: bool, quant: str | None,
                             variant: str | None):
-    """Export a FLUX.1/FLUX.2 transformer folder (arguments checked by export_transformer)."""
-    from .patch_diffusers import load_transformer
+    """Export a FLUX.1/FLUX.2 transformer folder (arguments checked by export_transformer),
+    streamed as the Qwen-Image export is (:func:`skeleton_transformer`: placeholder parameters,
+    each initializer read from the shards as it is written)."""
+    from .patch_diffusers import skeleton_transformer
     from .patch_flux import cache_input_flux, flux_node_count, has_guidance
 
     if layers is not None:
@@ -814,9 +941,10 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
     tdtype = TORCH_DTYPES[dtype]
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
-        with steps.step(f"loading {diffusers_dir} ({family.label}, {dtype})"):
-            transformer = load_transformer(str(diffusers_dir), dtype=tdtype, quant=quant,
-                                           variant=variant)
+        with steps.step(f"reading {diffusers_dir}'s config and weight headers ({family.label}, "
+                        f"{dtype}; the weights stay on disk)"):
+            transformer, weights = skeleton_transformer(str(diffusers_dir), dtype=tdtype,
+                                                        quant=quant, variant=variant)
         fp8_table = None
         if quant is not None:
             from . import quantize
@@ -845,7 +973,8 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
                 wrapper, args, decl.input_names, decl.output_names, opset,
                 parameters_of="transformer", steps=steps, attention=attention,
                 what=f"{family.label}: {blocks} (sample {sample.img_shapes}, {sample.txt_len} "
-                     f"text tokens, batch {sample.batch}; {attention} attention, opset {opset})")
+                     f"text tokens, batch {sample.batch}; {attention} attention, opset {opset})",
+                weights=weights)
         state = {k: v for k, v in transformer.state_dict().items()
                  if quantization.QUANTIZER_MARK not in k}
         not_in_graph = check_parameters(model, state)
@@ -853,7 +982,8 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
         quant_record = None
         if fp8_table is not None:
             with steps.step(f"FP8 Q/DQ on {len(fp8_table)} quantised Linear layers"):
-                quant_record = quantize.apply_fp8(model, transformer, fp8_table)
+                quant_record = quantize.apply_fp8(model, transformer, fp8_table,
+                                                  weights=weights.tensor)
         with steps.step(f"adding the QKNormRoPE function body ({n_nodes} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                               expected_nodes=n_nodes)
@@ -869,7 +999,8 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
             parameters_not_in_graph=not_in_graph)
         if quant_record is not None:
             config.quantization = quant_record
-        config.parameter_shapes = _shapes(transformer.state_dict(), config.parameters)
+        # their shapes (the shards' headers): qkrope refit refuses a tensor of another shape
+        config.parameter_shapes = {k: weights.shape(k) for k in config.parameters}
         info, written = _write_outputs(model, out, dict(
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=attributes, config=config,

@@ -162,6 +162,20 @@ def folder_family(directory: str):
     return model_io.family_of(config, source=f"--diffusers {path}")
 
 
+def _checked_folder(directory: str, quant: str | None, variant: str | None):
+    """``(folder, family)``: the folder with config.json (``directory`` or its
+    ``transformer/``), its family, its weight files (one file, or every shard its index names
+    and no other) and quantizer state checked."""
+    from qkrope.diffusers_weights import weight_files
+    from qkrope.quantization import check_folder
+
+    family = folder_family(directory)
+    directory = model_folder(directory)
+    weight_files(directory, variant=variant)  # a missing or extra shard: said before loading
+    check_folder(directory, quant)  # before loading: diffusers would drop quantizer tensors
+    return directory, family
+
+
 def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
                      quant: str | None = None, variant: str | None = None) -> nn.Module:
     """``<class>.from_pretrained(directory, variant=variant)`` for the diffusers class its
@@ -172,15 +186,8 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     A folder carrying ModelOpt quantizer state is refused unless ``quant`` says how to export it
     (:func:`qkrope.quantization.check_folder`); with ``quant="fp8"`` the quantizers are restored
     with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
-    from qkrope.quantization import check_folder
-
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
-    family = folder_family(directory)
-    directory = model_folder(directory)
-    from qkrope.diffusers_weights import weight_files
-
-    weight_files(directory, variant=variant)  # a missing or extra shard: said before loading
-    check_folder(directory, quant)  # before loading: diffusers would drop quantizer tensors
+    directory, family = _checked_folder(directory, quant, variant)
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
@@ -194,3 +201,38 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
 
         model = restore_quantized(model, directory)
     return model.eval()
+
+
+def skeleton_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
+                         quant: str | None = None, variant: str | None = None):
+    """What the streamed export traces and writes: ``(transformer, weights)``, the
+    diffusers transformer of ``directory``'s config.json (its family's class) with placeholder
+    parameters
+    (:func:`qkrope.export.streaming.placeholder_module`; nothing of the weights in memory) and
+    the :class:`~qkrope.export.streaming.DiskWeights` of its state dict, every key checked
+    against the shards' headers. The folder checks are :func:`load_transformer`'s; with
+    ``quant="fp8"`` the quantizers are restored (their calibrated amax read, nothing else)."""
+    from qkrope.diffusers_weights import tensor_headers
+    from qkrope.quantization import QUANTIZER_MARK
+
+    from .streaming import DiskWeights, placeholder_module
+
+    diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
+    directory, family = _checked_folder(directory, quant, variant)
+    cls = getattr(diffusers, family.class_name)
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()
+    try:
+        config = cls.load_config(directory, local_files_only=True)
+        model = placeholder_module(lambda: cls.from_config(config), dtype=dtype,
+                                   keep_in_fp32=cls._keep_in_fp32_modules or ())
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+    headers = tensor_headers(directory, variant=variant)
+    if quant is not None:
+        from .quantize import restore_quantized
+
+        model = restore_quantized(model, directory, headers=headers)
+    weights = DiskWeights.for_module(model, headers, source=f"--diffusers {directory}",
+                                     skip=lambda key: QUANTIZER_MARK in key)
+    return model.eval(), weights

@@ -45,7 +45,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -441,11 +441,14 @@ def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def restore_quantized(transformer: nn.Module, directory: str | os.PathLike) -> nn.Module:
+def restore_quantized(transformer: nn.Module, directory: str | os.PathLike, *,
+                      headers=None) -> nn.Module:
     """ModelOpt's restore on a transformer loaded from ``directory``: the quantizers from its
     ``modelopt_state.pth`` (``mto.restore_from_modelopt_state``), then their calibrated buffers
     from the folder's weight files (every quantizer tensor must be taken). Loading a folder:
-    ``qkrope.export.patch_diffusers.load_transformer(directory, quant="fp8")``."""
+    ``qkrope.export.patch_diffusers.load_transformer(directory, quant="fp8")``. ``headers``
+    (:func:`qkrope.diffusers_weights.tensor_headers` of the folder): only the quantizer tensors
+    are read, one by one (the streamed export's placeholder skeleton)."""
     _, mto = _modelopt()
     directory = Path(directory)
     state_file = directory / quantization.MODELOPT_STATE_FILE
@@ -465,8 +468,14 @@ def restore_quantized(transformer: nn.Module, directory: str | os.PathLike) -> n
         except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise QuantizeError(f"{state_file}: ModelOpt cannot restore it on this model "
                                 f"({_one_line(exc)}); {redo}") from None
-    weights = _load_weights(directory)
-    quant = {k: v for k, v in weights.items() if quantization.QUANTIZER_MARK in k}
+    if headers is None:
+        weights = _load_weights(directory)
+        quant = {k: v for k, v in weights.items() if quantization.QUANTIZER_MARK in k}
+    else:
+        from qkrope.diffusers_weights import read_tensor
+
+        quant = {k: read_tensor(h) for k, h in headers.items()
+                 if quantization.QUANTIZER_MARK in k}
     missing, unexpected = transformer.load_state_dict(quant, strict=False)
     if unexpected:
         raise QuantizeError(f"{directory}: ModelOpt's state does not have the quantizer tensors "
@@ -571,7 +580,8 @@ def _np_fp8(t: torch.Tensor):
     return t.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
 
 
-def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]], *,
+              weights: Callable[[str], torch.Tensor] | None = None) -> dict[str, Any]:
     """Insert FP8 Q/DQ into an exported float graph (onnx_ir, in place) per ``table``
     (:func:`linear_fp8_table`) and return the sidecar's ``quantization`` record.
 
@@ -581,12 +591,23 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
     becomes ``DequantizeLinear(W8, s_w)`` with ``W8`` float8e4m3fn constants (stored transposed,
     ``[in, out]``, for a MatMul so no Transpose is left on the weight path), named
     ``<key>_fp8``; every scale is a scalar constant in the model's float type. A Linear whose
-    weight the graph does not use (past ``--layers``) is skipped and listed."""
+    weight the graph does not use (past ``--layers``) is skipped and listed.
+
+    ``weights(key)``: a weight in the export dtype (default: ``transformer``'s parameter); each
+    FP8 weight is quantised when it is written (an ``onnx_ir.LazyTensor``), so the streamed
+    export holds one weight at a time."""
     import numpy as np
     import onnx_ir as ir
 
+    from .streaming import lazy_tensor
+
     graph = model.graph
-    params = dict(transformer.named_parameters())
+    if weights is None:
+        params = dict(transformer.named_parameters())
+
+        def weights(key: str) -> torch.Tensor:
+            return params[key].detach()
+
     zero = None
     done, skipped = [], []
 
@@ -594,6 +615,23 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
         value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
         value.shape = ir.Shape(list(array.shape))
         value.type = ir.TensorType(value.const_value.dtype)
+        graph.register_initializer(value)
+        return value
+
+    def fp8_const(name: str, key: str, amax: torch.Tensor, *, transposed: bool) -> ir.Value:
+        """The FP8 values of weight ``key`` (``[in, out]`` when ``transposed``), computed from
+        ``weights(key)`` each time the initializer is written."""
+        shape = list(graph.initializers[key].const_value.shape)
+
+        def read() -> torch.Tensor:
+            w = weights(key).to("cpu", torch.float32)
+            return fp8_values(w.t() if transposed else w, amax)
+
+        value = ir.Value(name=name, const_value=lazy_tensor(
+            read, dtype=ir.DataType.FLOAT8E4M3FN, shape=shape[::-1] if transposed else shape,
+            name=name))
+        value.shape = ir.Shape(list(value.const_value.shape))
+        value.type = ir.TensorType(ir.DataType.FLOAT8E4M3FN)
         graph.register_initializer(value)
         return value
 
@@ -615,7 +653,6 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
                     np.asarray(fp8_scale(roles["input"]).numpy(), dtype=np_float))
         s_w = const(f"{owner}.weight_quantizer.scale",
                     np.asarray(fp8_scale(roles["weight"]).numpy(), dtype=np_float))
-        weight = params[key].detach().to("cpu", torch.float32)
         uses = list(w_value.uses())
         if not uses:
             skipped.append(owner)
@@ -630,7 +667,7 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
                     raise QuantizeError(f"{key} reaches {[c.node.op_type for c in consumers]} "
                                         f"through a Transpose {perm}; the FP8 export expects "
                                         f"MatMul(x, Transpose(W)) for a Linear")
-                w8 = const(f"{key}_fp8", _np_fp8(fp8_values(weight.t(), roles["weight"])))
+                w8 = fp8_const(f"{key}_fp8", key, roles["weight"], transposed=True)
                 for c in consumers:
                     _fp8_weight_input(graph, c.node, w8, s_w, s_x, zero, owner, key)
                     done.append(owner)
@@ -638,7 +675,7 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]]) -
                 attrs = {k: v.value for k, v in node.attributes.items()}
                 if attrs.get("transA", 0) or not attrs.get("transB", 0):
                     raise QuantizeError(f"{key} feeds a Gemm with {attrs}; expected transB=1")
-                w8 = const(f"{key}_fp8", _np_fp8(fp8_values(weight, roles["weight"])))
+                w8 = fp8_const(f"{key}_fp8", key, roles["weight"], transposed=False)
                 _fp8_weight_input(graph, node, w8, s_w, s_x, zero, owner, key)
                 done.append(owner)
             else:

@@ -7,8 +7,9 @@ size (the real 20B Qwen-Image transformer), shards ``diffusion_pytorch_model-000
 last suffix (``diffusion_pytorch_model.fp16.safetensors``, ``...fp16-00001-of-00004.safetensors``,
 ``...safetensors.index.fp16.json``). The files are taken from the index, never by a glob: a shard
 the index names that is missing, a shard on disk the index does not name (left from another
-save), or a key in the wrong shard is an error naming it. Used by ``qkrope export`` (before
-diffusers loads the folder) and ``qkrope refit`` (which reads the tensors itself).
+save), or a key in the wrong shard is an error naming it. Used by ``qkrope export`` (which
+reads the shards' headers with :func:`tensor_headers`, then one tensor at a time with
+:func:`read_tensor`) and ``qkrope refit`` (which reads the tensors itself).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
@@ -141,17 +143,128 @@ def load_state_dict(folder: str | os.PathLike, *, variant: str | None = None,
     for f in files:
         tensors = reader(f)
         if weight_map is not None:
-            listed = {k for k, v in weight_map.items() if v == f.name}
-            wrong = sorted(set(tensors) ^ listed)
-            if wrong:
-                raise DiffusersWeightsError(
-                    f"{f.name} does not hold the keys the index lists for it: "
-                    f"{', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Fix: save the "
-                    f"model again with save_pretrained (the shards and the index are from "
-                    f"different saves)")
+            _check_listed(f, set(tensors), weight_map)
         out.update(tensors)
     return out
 
 
+#: safetensors' dtype names -> torch's (the types a diffusers checkpoint holds)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """Where one tensor of a folder's weights is and what its header says (nothing read)."""
+
+    key: str
+    file: Path
+    dtype: str  # torch's name: "bfloat16", "float32", ...
+    shape: tuple[int, ...]
+    start: int  # the tensor's bytes in ``file``: [start, end)
+    end: int
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+
+def _read_header(f: Path) -> dict[str, TensorHeader]:
+    """A safetensors file's header (a little-endian u64 length, then that many bytes of JSON:
+    each key's dtype, shape and data offsets after the header)."""
+    import struct
+
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        if n is None or not 2 <= n <= size - 8:
+            raise ValueError(f"a header length of {n} in a file of {size} bytes")
+        meta = json.loads(fh.read(n))
+    base = 8 + n
+    out = {}
+    for key, entry in meta.items():
+        if key == "__metadata__":
+            continue
+        start, end = (int(v) for v in entry["data_offsets"])
+        if not 0 <= start <= end <= size - base:
+            raise ValueError(f"{key}'s data [{start}, {end}) lies outside the file")
+        dtype = str(entry["dtype"])
+        out[key] = TensorHeader(key, f, SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
+                                tuple(int(d) for d in entry["shape"]), base + start, base + end)
+    return out
+
+
+def tensor_headers(folder: str | os.PathLike, *, variant: str | None = None
+                   ) -> dict[str, TensorHeader]:
+    """Every tensor of the folder's weights by key, from the safetensors headers alone (no tensor
+    data is read): its shard, dtype, shape and place. The shards are those the index names
+    (:func:`weight_files`) and each must hold exactly the keys the index lists for it."""
+    files, weight_map = weight_files(folder, variant=variant)
+    out: dict[str, TensorHeader] = {}
+    for f in files:
+        try:
+            heads = _read_header(f)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+            raise DiffusersWeightsError(f"{f} is not a readable safetensors file (truncated or "
+                                        f"corrupt: {first}). Fix: copy or save the model "
+                                        f"again") from None
+        if weight_map is not None:
+            _check_listed(f, set(heads), weight_map)
+        out.update(heads)
+    return out
+
+
+def read_tensor(header: TensorHeader):
+    """The one tensor ``header`` describes, read from its shard into a torch tensor of its own
+    (plain reads, no mapping of the file). Its memory is an anonymous mapping of its own, given
+    back to the system when the tensor is dropped (a heap block of that size could stay
+    resident)."""
+    import math
+    import mmap
+
+    import torch
+
+    dtype = getattr(torch, header.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DiffusersWeightsError(f"{header.key} in {header.file.name} has the dtype "
+                                    f"{header.dtype!r}, which torch cannot read")
+    count = math.prod(header.shape)
+    want = header.end - header.start
+    if count * dtype.itemsize != want:
+        raise DiffusersWeightsError(f"{header.key} in {header.file.name}: {want} bytes for a "
+                                    f"{header.dtype} tensor of shape {list(header.shape)} "
+                                    f"(a corrupt header). Fix: save the model again")
+    if not count:
+        return torch.empty(header.shape, dtype=dtype)
+    memory = mmap.mmap(-1, want)
+    with open(header.file, "rb") as fh:
+        fh.seek(header.start)
+        view, got = memoryview(memory), 0
+        try:
+            while got < want:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise DiffusersWeightsError(f"{header.file} ends inside {header.key} "
+                                                f"(truncated). Fix: copy the shard again")
+                got += n
+        finally:
+            view.release()
+    return torch.frombuffer(memory, dtype=dtype, count=count).reshape(header.shape)
+
+
+def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
+    listed = {k for k, v in weight_map.items() if v == f.name}
+    wrong = sorted(keys ^ listed)
+    if wrong:
+        raise DiffusersWeightsError(
+            f"{f.name} does not hold the keys the index lists for it: "
+            f"{', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Fix: save the "
+            f"model again with save_pretrained (the shards and the index are from "
+            f"different saves)")
+
+
 __all__ = ["DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
-           "weight_files", "load_state_dict"]
+           "weight_files", "load_state_dict", "TensorHeader", "tensor_headers", "read_tensor"]

@@ -180,6 +180,33 @@ def test_fp8_weights_are_modelopts_fake_quantised_weights_bit_for_bit(work):
         assert np.array_equal(dq, want), owner
 
 
+def test_fp8_export_streams_each_weight_once(work, tmp_path, monkeypatch):
+    """The FP8 export reads every weight from the folder's shards once, as it writes it (the
+    quantised Linears' float weights quantised then), and each quantizer's tensors once; the
+    float initializers of the quantised Linears are not in the file."""
+    from qkrope import diffusers_weights
+    from qkrope.export import onnx_export, streaming
+
+    reads: dict[str, int] = {}
+    real = diffusers_weights.read_tensor
+
+    def counting(header):
+        reads[header.key] = reads.get(header.key, 0) + 1
+        return real(header)
+
+    monkeypatch.setattr(diffusers_weights, "read_tensor", counting)
+    monkeypatch.setattr(streaming, "read_tensor", counting)
+    info, _ = onnx_export.export_transformer(tmp_path / "s.onnx", work / "fp8", quant="fp8",
+                                             progress=False)
+    record = info.config.quantization
+    assert reads and set(reads.values()) == {1}
+    weights = {k for k in reads if "_quantizer." not in k}
+    assert weights == set(info.config.parameters) | {f"{o}.weight"
+                                                     for o in record["quantized_linears"]}
+    names = {t.name for t in onnx.load(str(tmp_path / "s.onnx")).graph.initializer}
+    assert not names & {f"{o}.weight" for o in record["quantized_linears"]}
+
+
 def test_onnxruntime_needs_the_qdq_option_and_the_runner_sets_it(work):
     import onnxruntime as ort
 

@@ -56,7 +56,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="local folder of a saved diffusers transformer: "
                         "QwenImageTransformer2DModel, FluxTransformer2DModel (FLUX.1 dev, "
                         "schnell, Kontext) or Flux2Transformer2DModel (FLUX.2 dev, klein)")
-    t.add_argument("--layers", type=int, default=None, help="keep the first N blocks")
+    t.add_argument("--layers", type=int, default=None,
+                   help="keep the first N blocks (default all; Qwen-Image only). The export is "
+                        "streamed: the graph is traced without the weights and each initializer "
+                        "read from the shards as it is written, so its memory does not grow "
+                        "with the model; --layers N of the real model's folder writes (and "
+                        "reads) only those blocks' weights: the way to try the real model on a "
+                        "small machine or disk")
     t.add_argument("--quant", choices=quantization.QUANT_MODES, default=None,
                    help="fp8: export a folder quantised with ModelOpt (`qkrope quantize`) with "
                         "FP8 Q/DQ (float8e4m3fn weights behind DequantizeLinear; opset >= 19, "

@@ -1,0 +1,346 @@
+"""The export without the model's weights in memory: a placeholder skeleton to trace, the
+initializers read from the safetensors shards one tensor at a time as they are written.
+
+Any diffusers model class (any ``nn.Module`` whose state-dict keys are the checkpoint's keys):
+
+1. :func:`placeholder_module` builds the module from its config with every parameter an
+   *uninitialised* CPU tensor of its export dtype (created on the meta device, then
+   ``torch.empty``; nothing ever writes it, so its pages are never resident). Tracing
+   (``torch.onnx.export(dynamo=True)``) reads shapes, dtypes and devices only, so the graph is the
+   one a loaded model gives; buffers are built as usual (they are small and may be constants of
+   the graph). The placeholders take address space, not memory (38 GiB of it for the real
+   model in bf16): Linux's default overcommit allows it; ``vm.overcommit_memory=2`` may not.
+2. :class:`DiskWeights` checks every key the module has against the shards' headers first (a key
+   missing from the shards, another shape, or a floating-point tensor where the module has an
+   integer one, or the reverse, is one :class:`WeightsMismatchError` naming it), then reads one
+   tensor by its key and converts it to the module's dtype for it (``Tensor.to``, the cast
+   diffusers' ``from_pretrained`` makes).
+3. :func:`stream_initializers` makes each initializer named by a key an ``onnx_ir.LazyTensor``
+   over :meth:`DiskWeights.tensor`: ``onnx_ir.save(..., external_data=...)`` evaluates one at a
+   time while it writes the external data and drops it after. :func:`check_no_placeholders`
+   refuses a graph that would write a placeholder's bytes.
+4. :func:`inline_external_data` turns that external-data form into the single-file form (models
+   under 1.5 GiB of weights) by streaming: the protobuf is written field by field in field-number
+   order with each initializer's ``raw_data`` copied from the data file in chunks, which is the
+   encoding ``SerializeToString`` of the whole model gives, without the model in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import onnx_ir as ir
+import torch
+from onnx_ir.tensor_adapters import TorchTensor
+from torch import nn
+
+from qkrope.diffusers_weights import DiffusersWeightsError, TensorHeader, read_tensor
+from qkrope.errors import InputError
+
+COPY_CHUNK = 16 << 20  # bytes per read/write while inlining external data
+#: Initializers up to this size are read once and kept: the graph optimiser's rewrite rules
+#: read the values of biases and norm weights (a zero bias is dropped, as from a loaded model);
+#: at Qwen-Image's width they are about 0.2 MiB a block.
+KEEP_BYTES = 1 << 20
+
+
+class WeightsMismatchError(InputError):
+    """The weight files do not hold a tensor the model needs, or hold it with another shape or
+    kind of dtype."""
+
+
+# --------------------------------------------------------------------------------------------
+# The skeleton
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the context is moved to the meta device (no storage,
+    no initialisation cost); buffers are left as they are."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def placeholder_module(build: Callable[[], nn.Module], *, dtype: torch.dtype,
+                       keep_in_fp32: Iterable[str] = ()) -> nn.Module:
+    """``build()`` (e.g. ``cls.from_config(config)``) under the default dtype ``dtype``, as
+    diffusers builds a model it loads with ``torch_dtype``, each parameter then an uninitialised
+    CPU tensor of that dtype (float32 for the parameters of the ``keep_in_fp32`` modules, the
+    model class's ``_keep_in_fp32_modules``, as diffusers keeps them)."""
+    keep = tuple(keep_in_fp32 or ())
+    with _default_dtype(dtype), _parameters_on_meta(), torch.no_grad():
+        module = build()
+    for name, owner in module.named_modules():
+        for pname, param in list(owner._parameters.items()):
+            if param is None:
+                continue
+            key = f"{name}.{pname}" if name else pname
+            target = param.dtype
+            if target.is_floating_point and keep and any(m in key.split(".") for m in keep):
+                target = torch.float32
+            owner._parameters[pname] = nn.Parameter(torch.empty(param.shape, dtype=target),
+                                                    requires_grad=False)
+    return module.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# The weights on disk
+# --------------------------------------------------------------------------------------------
+
+class TensorSource:
+    """Tensors by state-dict key, each made when it is asked for: ``value(key)`` (already in
+    its export dtype) for the keys of ``shapes`` (key -> shape)."""
+
+    def __init__(self, value: Callable[[str], torch.Tensor], shapes: Mapping[str, tuple]):
+        self._value, self._shapes = value, dict(shapes)
+        self.reads = 0  # tensors made so far (tests: each written tensor is made once)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._shapes
+
+    def keys(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, key: str) -> list[int]:
+        return [int(d) for d in self._shapes[key]]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        self.reads += 1
+        return self._value(key)
+
+
+class DiskWeights(TensorSource):
+    """The tensors of a module's state dict as the shards hold them, read one at a time.
+
+    ``headers``: key -> :class:`qkrope.diffusers_weights.TensorHeader` (the shards' headers);
+    ``targets``: key -> the torch dtype the export writes it in; ``source``: what the shards are
+    (for errors)."""
+
+    def __init__(self, headers: Mapping[str, TensorHeader], targets: Mapping[str, torch.dtype],
+                 *, source: str):
+        super().__init__(self._read, {k: h.shape for k, h in headers.items()})
+        self.headers, self.targets, self.source = dict(headers), dict(targets), source
+
+    @classmethod
+    def for_module(cls, module: nn.Module, headers: Mapping[str, TensorHeader], *, source: str,
+                   skip: Callable[[str], bool] = lambda key: False) -> "DiskWeights":
+        """The weights of ``module``'s state dict (keys ``skip`` says yes to left out), every
+        key checked against ``headers`` before anything is read."""
+        targets = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if skip(key):
+                continue
+            header = headers.get(key)
+            if header is None:
+                raise WeightsMismatchError(
+                    f"{source} has no tensor {key} ({list(value.shape)} {_dtype_name(value)}), "
+                    f"which {type(module).__name__} with this config.json has. Fix: pass the "
+                    f"folder the config belongs to (every shard), or a config that matches "
+                    f"the weights")
+            if tuple(header.shape) != tuple(value.shape):
+                raise WeightsMismatchError(
+                    f"{source}: {key} is {list(header.shape)} in {header.file.name}, the model "
+                    f"built from config.json has {list(value.shape)}. Fix: pass the config.json "
+                    f"saved with these weights")
+            if header.is_floating_point != value.dtype.is_floating_point:
+                raise WeightsMismatchError(
+                    f"{source}: {key} is {header.dtype} in {header.file.name}, the model has a "
+                    f"{_dtype_name(value)} tensor there. Fix: pass the config.json saved with "
+                    f"these weights")
+            targets[key] = value.dtype
+        return cls({k: headers[k] for k in targets}, targets, source=source)
+
+    def _read(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` read from its shard and converted to its export dtype."""
+        try:
+            value = read_tensor(self.headers[key])
+        except DiffusersWeightsError as exc:
+            raise WeightsMismatchError(f"{self.source}: {exc}") from None
+        target = self.targets[key]
+        return value if value.dtype == target else value.to(target)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def lazy_tensor(read: Callable[[], torch.Tensor], *, dtype, shape, name: str,
+                keep: bool = False):
+    """An ``onnx_ir.LazyTensor`` of ``read()`` (a torch tensor of ``dtype``/``shape``): read
+    each time its value is asked for and dropped after, or read once and kept (``keep``)."""
+    def make():
+        value = TorchTensor(read().contiguous(), name=name)
+        if (value.dtype, list(value.shape)) != (ir.DataType(dtype), list(shape)):
+            raise WeightsMismatchError(f"{name} was read as {list(value.shape)} "
+                                       f"{value.dtype.name}, the graph has {list(shape)} "
+                                       f"{ir.DataType(dtype).name}")
+        return value
+
+    return _WrittenFromItself(make, dtype=dtype, shape=ir.Shape(list(shape)), name=name,
+                              cache=keep)
+
+
+class _WrittenFromItself(ir.LazyTensor):
+    """A LazyTensor whose ``tofile`` writes the evaluated tensor's own memory (onnx_ir's
+    TorchTensor.tofile), not a ``tobytes()`` copy of it: one copy of a tensor in flight."""
+
+    def tofile(self, file) -> None:
+        self._evaluate().tofile(file)
+
+
+def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> None:
+    """Each initializer of ``model`` (onnx_ir) named by one of ``keys`` reads its value from
+    ``weights`` when it is written, those up to :data:`KEEP_BYTES` once (in place)."""
+    for key in keys:
+        value = model.graph.initializers.get(key)
+        if value is None or key not in weights:
+            continue
+        old = value.const_value
+        value.const_value = lazy_tensor(lambda key=key: weights.tensor(key), dtype=old.dtype,
+                                        shape=list(old.shape), name=key,
+                                        keep=old.nbytes <= KEEP_BYTES)
+
+
+def check_no_placeholders(model, module: nn.Module) -> None:
+    """Refuse a graph with an initializer that still holds one of ``module``'s placeholder
+    parameters (its bytes would be whatever memory the placeholder got)."""
+    placeholders = {p.data_ptr() for p in module.parameters() if p.numel()}
+    for graph in model.graphs():
+        for name, value in graph.initializers.items():
+            tensor = value.const_value
+            raw = getattr(tensor, "raw", None)
+            if isinstance(tensor, ir.LazyTensor) or not isinstance(raw, torch.Tensor):
+                continue
+            if raw.numel() and raw.data_ptr() in placeholders:
+                raise InputError(f"the graph's initializer {name} is a placeholder parameter "
+                                 f"that has no key in the weights (an export bug: it would "
+                                 f"write uninitialised memory)")
+
+
+# --------------------------------------------------------------------------------------------
+# The single-file form, streamed
+# --------------------------------------------------------------------------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    """The key and length of a length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _split(message, number: int) -> tuple[bytes, bytes]:
+    """``message``'s encoding in two parts: its fields numbered below ``number`` and above it
+    (the field ``number`` itself in neither), each in field-number order as protobuf writes."""
+    low, high = type(message)(), type(message)()
+    low.CopyFrom(message)
+    high.CopyFrom(message)
+    for field in message.DESCRIPTOR.fields:
+        if field.number >= number:
+            low.ClearField(field.name)
+        if field.number <= number:
+            high.ClearField(field.name)
+    return low.SerializeToString(), high.SerializeToString()
+
+
+def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write ``out``: the model ``model_path`` with every initializer's external data (files
+    beside it) as ``raw_data`` in the file, without holding the data in memory (chunks of
+    :data:`COPY_CHUNK`). Only the main graph's initializers may be external."""
+    import onnx
+    from onnx import TensorProto
+
+    model_path = Path(model_path)
+    proto = onnx.load(str(model_path), load_external_data=False)
+    graph = proto.graph
+    inits = list(graph.initializer)
+    pieces = []  # per initializer: (head bytes, (file, offset, length) or None, tail bytes)
+    for tensor in inits:
+        source = None
+        if tensor.data_location == TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            path = model_path.parent / info["location"]
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else path.stat().st_size - offset
+            source = (path, offset, length)
+            tensor.ClearField("external_data")
+            tensor.ClearField("data_location")
+            head, tail = _split(tensor, 9)  # TensorProto.raw_data is field 9
+        else:
+            head, tail = tensor.SerializeToString(), b""
+        pieces.append((head, source, tail))
+    graph.ClearField("initializer")
+    for fn in proto.functions:
+        for node in fn.node:
+            for attr in node.attribute:
+                if attr.t.data_location == TensorProto.EXTERNAL:
+                    raise ValueError(f"{model_path}: function {fn.name} has external data")
+    graph_low, graph_high = _split(graph, 5)  # GraphProto.initializer is field 5
+    model_low, model_high = _split(proto, 7)  # ModelProto.graph is field 7
+
+    def tensor_size(head, source, tail) -> int:
+        raw = 0 if source is None else len(_len_field(9, source[2])) + source[2]
+        return len(head) + raw + len(tail)
+
+    sizes = [tensor_size(*p) for p in pieces]
+    graph_size = len(graph_low) + len(graph_high) + sum(
+        len(_len_field(5, n)) + n for n in sizes)
+    with open(out, "wb") as f:
+        f.write(model_low)
+        f.write(_len_field(7, graph_size))
+        f.write(graph_low)
+        for (head, source, tail), size in zip(pieces, sizes):
+            f.write(_len_field(5, size))
+            f.write(head)
+            if source is not None:
+                path, offset, length = source
+                f.write(_len_field(9, length))
+                with open(path, "rb") as data:
+                    data.seek(offset)
+                    left = length
+                    while left:
+                        chunk = data.read(min(COPY_CHUNK, left))
+                        if not chunk:
+                            raise ValueError(f"{path} ends before the {length} bytes at offset "
+                                             f"{offset} the model names")
+                        f.write(chunk)
+                        left -= len(chunk)
+            f.write(tail)
+        f.write(graph_high)
+        f.write(model_high)
+
+
+__all__ = ["WeightsMismatchError", "placeholder_module", "TensorSource", "DiskWeights",
+           "lazy_tensor", "stream_initializers", "check_no_placeholders", "inline_external_data"]
