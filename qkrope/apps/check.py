@@ -50,6 +50,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from qkrope import model_io
 from qkrope._deps import require
 from qkrope._lazy import lazy_names
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
@@ -120,10 +121,12 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
     """PyTorch outputs (float32 numpy) for the model a sidecar describes."""
     import torch
 
-    from qkrope.runtime.inputs import to_torch
+    from qkrope.runtime.inputs import flux_family, to_torch
 
     t = {k: to_torch(v) for k, v in feeds.items()}
     r = {role: t[name] for role, name in info.roles().items() if name in t}
+    if info.model == "transformer" and flux_family(info):  # the family dispatch
+        return flux_reference_outputs(info, r, img_shapes, diffusers_dir=diffusers_dir)
     with torch.no_grad():
         if info.model == "attention":
             from qkrope.export.onnx_export import build_attention
@@ -152,6 +155,41 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                            return_dict=False)[0]
             outs = {info.output_names[0]: sample}
     return {k: v.float().numpy() for k, v in outs.items()}
+
+
+def _reference_transformer(info: ModelInfo, diffusers_dir: str | None):
+    """The source model of a transformer export: diffusers' own class for the folder (the one
+    given, else the one recorded at export), in the export's dtype."""
+    from qkrope.dtypes import TORCH_BY_SHORT
+    from qkrope.export.patch_diffusers import load_transformer
+
+    directory = diffusers_dir or info.config.diffusers_dir
+    if not directory:
+        raise ParityError("the transformer's reference needs --diffusers DIR")
+    return load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
+
+
+def flux_reference_outputs(info: ModelInfo, r: Mapping[str, Any],
+                           img_shapes: Sequence[Sequence[int]], *,
+                           diffusers_dir: str | None = None) -> dict[str, np.ndarray]:
+    """A FLUX.1 / FLUX.2 export's reference: diffusers' own ``FluxTransformer2DModel`` /
+    ``Flux2Transformer2DModel.forward`` (RoPE from the position ids in float64, as diffusers
+    computes it) on the ids the caches were built from, with the same activations,
+    ``pooled_projections`` and ``guidance`` (by role, ``r``;
+    :func:`qkrope.runtime.inputs.flux_forward_kwargs`)."""
+    import torch
+
+    from qkrope.runtime.inputs import flux_forward_kwargs
+
+    model = _reference_transformer(info, diffusers_dir)
+    family = model_io.FAMILY_NAMES[info.config.family]
+    if model_io.family_of(model.config) is not family:
+        raise ParityError(f"--diffusers holds a {model_io.family_of(model.config).label} model; "
+                          f"{info.source} is a {family.label} export. Fix: give the folder it "
+                          f"was exported from")
+    with torch.no_grad():
+        sample = model(**flux_forward_kwargs(info, r, img_shapes))[0]
+    return {info.output_names[0]: sample.float().numpy()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,6 +240,7 @@ def runtime_runner(runner, *, name: str):
             import torch
 
             from qkrope.runtime.inputs import from_torch, to_torch
+            from qkrope.runtime.runner import CONDITIONING_ROLES
 
             device = self.runner.device
             feeds = {k: to_torch(np.asarray(v)).to(device) for k, v in feed_dict.items()}
@@ -211,7 +250,9 @@ def runtime_runner(runner, *, name: str):
                 for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
                           "encoder_hidden_states_mask", "timestep"))
             start = time.perf_counter()
-            outs = self.runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None)
+            conditioning = {r: feeds.pop(roles[r]) for r in CONDITIONING_ROLES if r in roles}
+            outs = self.runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None,
+                               conditioning=conditioning or None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.inference_time = time.perf_counter() - start
