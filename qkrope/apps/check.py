@@ -12,6 +12,11 @@ Steps:
    ONNX file whose weights were changed fails); a transformer is diffusers' own
    ``QwenImageTransformer2DModel.forward`` (complex RoPE from ``img_shapes``) loaded from
    ``--diffusers DIR`` (default: the folder recorded at export), truncated to the exported blocks.
+   A FLUX.1 / FLUX.2 export (the sidecar's family) gets FLUX's inputs instead (caches built from
+   the position ids its pipelines pass for the same image shapes, the later shapes condition /
+   reference images; pooled projections, guidance where the graph has them; no mask) and
+   diffusers' own ``FluxTransformer2DModel`` / ``Flux2Transformer2DModel.forward`` on those ids
+   as the reference (:func:`flux_reference_outputs`).
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
