@@ -489,7 +489,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("onnx", metavar="MODEL.onnx")
     _args.add_engine(p, "also run it and compare it with PyTorch (needs --plugin)")
     _args.add_plugin(p, "needed with --engine")
-    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"))
+    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
+                   help="an image of F x H x W latent patches (repeat it: the first is the "
+                        "output image, the others edit (Qwen-Image-Edit), condition (FLUX.1 "
+                        "Kontext) or reference (FLUX.2) images; FLUX's ids are laid out as its "
+                        "pipelines do). Default: 1 6 5 and 1 4 4")
     p.add_argument("--txt-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
