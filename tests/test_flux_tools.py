@@ -109,13 +109,19 @@ def test_check_a_flux_export_against_diffusers_forward(root, variant, tmp_path):
 
 def test_check_of_a_flux_export_fails_on_other_weights(root, tmp_path, capsys):
     """The reference is the source model: the same export checked against a folder of other
-    random weights (same config) fails with exit status 1."""
+    random weights (same config) fails with exit status 1; a folder of another family is
+    refused in one line (exit status 2)."""
+    path = fm.exported("flux1-dev", root)
     other = tmp_path / "other"
     fm.transformer("flux1-dev", seed=1).save_pretrained(str(other))
-    rc = main(["check", str(fm.exported("flux1-dev", root)), "--diffusers", str(other),
-               "--workdir", str(tmp_path / "w")])
+    rc = main(["check", str(path), "--diffusers", str(other), "--workdir", str(tmp_path / "w")])
     assert rc == 1
     assert "FAILED" in capsys.readouterr().out
+    rc = main(["check", str(path), "--diffusers", str(fm.saved("flux2-klein", root)),
+               "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert "holds a FLUX.2 (dev, klein) model" in err and "FLUX.1 (dev, schnell, Kontext) export" in err
 
 
 # --------------------------------------------------------------------------------------------

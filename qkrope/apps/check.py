@@ -164,14 +164,23 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
 
 def _reference_transformer(info: ModelInfo, diffusers_dir: str | None):
     """The source model of a transformer export: diffusers' own class for the folder (the one
-    given, else the one recorded at export), in the export's dtype."""
+    given, else the one recorded at export), in the export's dtype; a folder of another family
+    than the sidecar's is refused in one line."""
     from qkrope.dtypes import TORCH_BY_SHORT
     from qkrope.export.patch_diffusers import load_transformer
 
     directory = diffusers_dir or info.config.diffusers_dir
     if not directory:
         raise ParityError("the transformer's reference needs --diffusers DIR")
-    return load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
+    model = load_transformer(directory, dtype=TORCH_BY_SHORT[info.dtype])
+    family = model_io.FAMILY_NAMES[info.config.family or model_io.QWEN_IMAGE_FAMILY.name]
+    found = model_io.family_of(model.config)
+    if found is not family:
+        raise ParityError(f"the reference folder {directory} holds a {found.label} model, but "
+                          f"the model checked is a {family.label} export (sidecar "
+                          f"{info.source}). Fix: pass --diffusers with the folder it was "
+                          f"exported from")
+    return model
 
 
 def flux_reference_outputs(info: ModelInfo, r: Mapping[str, Any],
@@ -187,11 +196,6 @@ def flux_reference_outputs(info: ModelInfo, r: Mapping[str, Any],
     from qkrope.runtime.inputs import flux_forward_kwargs
 
     model = _reference_transformer(info, diffusers_dir)
-    family = model_io.FAMILY_NAMES[info.config.family]
-    if model_io.family_of(model.config) is not family:
-        raise ParityError(f"--diffusers holds a {model_io.family_of(model.config).label} model; "
-                          f"{info.source} is a {family.label} export. Fix: give the folder it "
-                          f"was exported from")
     with torch.no_grad():
         sample = model(**flux_forward_kwargs(info, r, img_shapes))[0]
     return {info.output_names[0]: sample.float().numpy()}
