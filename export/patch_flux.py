@@ -48,23 +48,12 @@ def _eps(norm: nn.Module, where: str) -> float:
 
 
 def sample_ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
-    """Position ids as the FLUX pipelines make them, for the traced sample: image k at
-    (k, row, column) (FLUX.1: condition images at first axis 1, like Kontext; FLUX.2: a 4th
-    axis at 0 and reference images at first axis 10 * k), text at 0 (FLUX.2: its 4th axis the
-    token index)."""
-    rows = []
-    for k, (f, h, w) in enumerate(img_shapes):
-        for frame in range(f):
-            for y in range(h):
-                for x in range(w):
-                    first = (k if family is model_io.FLUX1 else 10 * k) + frame
-                    rows.append([first, y, x] + ([0] if family is model_io.FLUX2 else []))
-    img = torch.tensor(rows, dtype=torch.float32)
-    axes = 4 if family is model_io.FLUX2 else 3
-    txt = torch.zeros(txt_len, axes)
-    if family is model_io.FLUX2:
-        txt[:, 3] = torch.arange(txt_len, dtype=torch.float32)
-    return txt, img
+    """Position ids as the FLUX pipelines make them, for the traced sample, as torch tensors
+    (:func:`qkrope.runtime.rope_tables.flux_sample_ids`: the one home of that layout)."""
+    from qkrope.runtime.rope_tables import flux_sample_ids
+
+    txt, img = flux_sample_ids(family.name, img_shapes, txt_len)
+    return torch.from_numpy(txt), torch.from_numpy(img)
 
 
 class _FusedNormRoPE:

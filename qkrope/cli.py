@@ -91,8 +91,8 @@ def build_parser(*, load_all: bool = False) -> argparse.ArgumentParser:
     (or at once for every subcommand with ``load_all=True``)."""
     parser = argparse.ArgumentParser(
         prog="qkrope",
-        description="Export diffusion transformers with fused QK-RMSNorm + RoPE (Qwen-Image) to "
-                    "ONNX and TensorRT, check parity, and deploy.",
+        description="Export diffusion transformers with fused QK-RMSNorm + RoPE (Qwen-Image, "
+                    "FLUX.1, FLUX.2) to ONNX and TensorRT, check parity, and deploy.",
     )
     parser.add_argument("--version", action="version", version=f"qkrope {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",

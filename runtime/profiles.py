@@ -29,10 +29,13 @@ the same level (min, opt, max), so an engine always accepts one cache row per to
 
 Resolution presets (``qkrope build --resolutions 512x512,1024x1024,1328x1328``,
 :func:`derive_preset_profiles`) make one profile per preset, smallest first: image tokens
-(16 px per token for Qwen-Image: 8x VAE, 2x2 patches; 1024x1024 -> 4096) min 1, opt = max = the
+(16 px per token for Qwen-Image, FLUX.1 and FLUX.2 alike: 8x VAE, 2x2 patches; 1024x1024 ->
+4096) min 1, opt = max = the
 preset; text tokens ``--txt-tokens MIN:MAX`` (default 1..512) and batch ``--batch MIN:MAX``
 (default 1..2, a CFG pair) min = the range's min, opt = max = its max. :func:`select_profile`
-is the runner's choice: the first profile whose [min, max] holds a call's shapes.
+is the runner's choice: the first profile whose [min, max] holds a call's shapes. Qwen-Image's
+presets and text range must fit its 4096-position RoPE tables (:func:`check_rope_positions`);
+FLUX's caches come from position ids, so a FLUX export has no such limit.
 """
 
 from __future__ import annotations
@@ -270,7 +273,8 @@ def reconcile_cache_rows(profile: Profile, inputs: Sequence[TensorInfo]) -> Prof
 # Resolution presets: one profile per preset
 # --------------------------------------------------------------------------------------------
 
-# Qwen-Image: 8x VAE downsampling, then 2x2 latent patches -> one image token per 16x16 pixels.
+# Qwen-Image, FLUX.1 and FLUX.2: 8x VAE downsampling, then 2x2 latent patches -> one image token
+# per 16x16 pixels.
 PIXELS_PER_TOKEN = 16
 
 
@@ -299,7 +303,8 @@ def parse_resolutions(text: str | Sequence[str] | None) -> list[tuple[int, int]]
 
 
 def image_tokens(width: int, height: int) -> int:
-    """Image tokens of a Qwen-Image picture: ``(h / 16) * (w / 16)`` (1024x1024 -> 4096)."""
+    """Image tokens of a Qwen-Image or FLUX picture: ``(h / 16) * (w / 16)`` (1024x1024 ->
+    4096)."""
     return (int(height) // PIXELS_PER_TOKEN) * (int(width) // PIXELS_PER_TOKEN)
 
 
@@ -335,16 +340,21 @@ def preset_axis_levels(resolutions: Sequence[tuple[int, int]], *,
     return out
 
 
-def check_rope_positions(resolutions: Sequence[tuple[int, int]], txt_max: int) -> None:
-    """Refuse profiles no call can use: Qwen-Image's RoPE position tables
+def check_rope_positions(resolutions: Sequence[tuple[int, int]], txt_max: int, *,
+                         family: str | None = None) -> None:
+    """Refuse profiles no call can use. Only Qwen-Image has position tables: a FLUX.1 /
+    FLUX.2 model (``family`` 'flux1' / 'flux2', the sidecar's) builds its caches from any
+    position ids, so nothing is refused for it. Qwen-Image's RoPE position tables
     (:mod:`qkrope.runtime.rope_tables`, 4096 positions per axis) must hold each preset's
     image (centred: half of each side in latent patches, each way) and ``txt_max`` text tokens
     after the largest image (text starts at the largest image's half side). No preset: the
     text alone (1 image token) against the whole table."""
     from qkrope.model_io import QWEN_IMAGE
 
-    from .rope_tables import image_extent, text_rows
+    from .rope_tables import FLUX_FAMILIES, image_extent, text_rows
 
+    if family in FLUX_FAMILIES:
+        return
     QWEN_MAX_POSITIONS = QWEN_IMAGE.max_positions
 
     shapes = [(1, h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN) for w, h in resolutions]
@@ -385,7 +395,7 @@ def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, in
         txt_tokens = (1, max(DEFAULT_MAX_TXT_TOKENS, int(export.get(TXT_TOKENS, 1))))
     if batch is None:
         batch = (1, DEFAULT_MAX_BATCH)
-    check_rope_positions(resolutions, txt_tokens[1])
+    check_rope_positions(resolutions, txt_tokens[1], family=model.config.family)
     out = []
     for label, levels in preset_axis_levels(resolutions, txt_tokens=txt_tokens, batch=batch):
         profile = derive_profile(model, min_shapes=min_shapes, opt_shapes=opt_shapes,

@@ -292,6 +292,33 @@ def flux_setting(family: str, axes_dims_rope=None, rope_theta=None, diffusers_co
     return axes, theta
 
 
+def flux_sample_ids(family: str, img_shapes, txt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(txt_ids, img_ids), float32 ``[tokens, axes]``, as the FLUX pipelines make them for
+    images of ``img_shapes`` (``(frames, h, w)`` in latent patches, the first the output image,
+    the others condition / reference images) and ``txt_len`` text tokens: image k at
+    (k, row, column) (FLUX.1: a condition image at first axis 1, like Kontext; FLUX.2: a 4th axis
+    at 0 and reference images at first axis 10 * k), text at 0 (FLUX.2: its 4th axis the token
+    index). What the exporter traces and what ``qkrope check`` feeds."""
+    if family not in FLUX_FAMILIES:
+        raise ValueError(f"flux_sample_ids: {family!r} is not one of {sorted(FLUX_FAMILIES)}")
+    flux2 = family == "flux2"
+    rows = []
+    for k, (f, h, w) in enumerate(img_shapes):
+        frame, y, x = np.meshgrid(np.arange(int(f)), np.arange(int(h)), np.arange(int(w)),
+                                  indexing="ij")
+        first = frame.reshape(-1) + (10 * k if flux2 else k)
+        cols = [first, y.reshape(-1), x.reshape(-1)]
+        if flux2:
+            cols.append(np.zeros_like(first))
+        rows.append(np.stack(cols, axis=1))
+    img = np.concatenate(rows).astype(np.float32) if rows else np.zeros((0, 4 if flux2 else 3),
+                                                                         np.float32)
+    txt = np.zeros((int(txt_len), 4 if flux2 else 3), np.float32)
+    if flux2:
+        txt[:, 3] = np.arange(int(txt_len), dtype=np.float32)
+    return txt, img
+
+
 class BadPositions(ValueError):
     """Position ids that no FLUX cache can be built from (the message says what and the fix)."""
 

@@ -271,6 +271,8 @@ class RepoResult:
     models: list[Path] | None = None  # every model directory written (main, rope, ensemble)
     # how the engine (or the ONNX model and its data) went in: "hard-linked" or "copied"
     transfer: str = "copied"
+    # what the ensemble's clients send in place of the caches (img_shapes, or FLUX's ids)
+    rope_inputs: list[str] | None = None
 
 
 def server_command(repo: Path, plugin_path: Path | None, *,
@@ -569,8 +571,9 @@ def _write_models(repo: Path, models: dict[str, Any], *, force: bool,
 
 
 def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfig,
-                 limits: RopeLimits, serving: Serving, models: dict) -> dict:
-    """Add the rope model and the ensemble (named ``repo_name``) after the main model."""
+                 limits: RopeLimits, serving: Serving, models: dict) -> list[str]:
+    """Add the rope model and the ensemble (named ``repo_name``) after the main model; returns
+    what the ensemble's clients send in place of the caches (the rope request's inputs)."""
     if not repo_name.isascii():
         # Seen with Triton 2.51: the Python backend's stub cannot import from a non-ASCII model
         # directory (UnicodeEncodeError at load, whatever the locale).
@@ -580,8 +583,8 @@ def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfi
     rope_name = f"{repo_name}_rope"
     rope_text = render_rope_config(rope_name, main, config, limits, serving)
     rotary = next(d[-1] for n, _, d in main["input"] if n == CACHE_INPUTS[0])
-    ens_text = render_ensemble_config(repo_name, main_name, rope_name, main,
-                                      rope_request_for(config, rotary))
+    request = rope_request_for(config, rotary)
+    ens_text = render_ensemble_config(repo_name, main_name, rope_name, main, request)
 
     def fill_rope(d: Path) -> None:
         (d / "config.pbtxt").write_text(rope_text, encoding="utf-8")
@@ -593,7 +596,7 @@ def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfi
 
     models[rope_name] = fill_rope
     models[repo_name] = fill_ensemble
-    return models
+    return [n for n, _, _ in request.inputs]
 
 
 PYTHON_ENV_NOTE = ("the *_rope model (Python backend) needs numpy in the server's Python, and "
@@ -642,10 +645,11 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
             shutil.copy2(plugin_src, d / plugin_name)
 
     models: dict[str, Any] = {main_name: fill_main}
+    rope_inputs = None
     if whole:
         limits = _limit_overrides(engine_rope_limits(info), max_img_tokens, max_txt_tokens)
-        _rope_models(name, main_name, _engine_specs(info), info.config, limits, serving,
-                     models)
+        rope_inputs = _rope_models(name, main_name, _engine_specs(info), info.config, limits,
+                                   serving, models)
     _write_models(repo, models, force=force,
                   inputs=[engine, engine_sidecar_path(engine), plugin_src])
     target = repo / name
@@ -656,7 +660,8 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                       plugin_final.resolve() if plugin_final is not None else None,
                       server_command(repo, plugin_final, version_compatible=vc,
                                      plugin_in_engine=in_engine), version_compatible=vc,
-                      models=[repo / m for m in models], transfer=transfer[0])
+                      models=[repo / m for m in models], transfer=transfer[0],
+                      rope_inputs=rope_inputs)
 
 
 def _onnx_files(onnx_path: Path) -> list[Path]:
@@ -721,17 +726,19 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
     models: dict[str, Any] = {main_name: fill_main}
+    rope_inputs = None
     if whole:
         for value, flag in ((max_img_tokens, "--max-img-tokens"),
                             (max_txt_tokens, "--max-txt-tokens")):
             if value is not None and value < 1:
                 raise TritonRepoError(f"{flag} must be >= 1, got {value}")
-        _rope_models(name, main_name, specs, info.config,
-                     onnx_rope_limits(max_img_tokens, max_txt_tokens), serving, models)
+        rope_inputs = _rope_models(name, main_name, specs, info.config,
+                                   onnx_rope_limits(max_img_tokens, max_txt_tokens), serving,
+                                   models)
     _write_models(repo, models, force=force,
                   inputs=[onnx_path, sidecar_path(onnx_path), *data])
     target = repo / name
     return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",
                       None, f"tritonserver --model-repository={repo.resolve()}",
-                      models=[repo / m for m in models],
+                      models=[repo / m for m in models], rope_inputs=rope_inputs,
                       transfer="copied" if "copied" in transfer else "hard-linked")

@@ -39,8 +39,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="resolution presets in pixels, e.g. 512x512,1024x1024,1328x1328: one "
                         "optimisation profile each (image tokens = W/16 * H/16: min 1, opt = max "
                         "= the preset); the runner picks the first profile holding a call's "
-                        "shapes. Default for a whole transformer: 1024x1024. Each must fit "
-                        "Qwen-Image's 4096-position RoPE tables with --txt-tokens' max")
+                        "shapes (16 px per token for Qwen-Image and FLUX). Default for a whole "
+                        "transformer: 1024x1024. A Qwen-Image model's must fit its "
+                        "4096-position RoPE tables with --txt-tokens' max; FLUX has no such "
+                        "limit")
     p.add_argument("--txt-tokens", metavar="MIN:MAX",
                    help=f"text-token range of every profile (default "
                         f"1:{profiles.DEFAULT_MAX_TXT_TOKENS}, or up to the export's text length)")

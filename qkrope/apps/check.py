@@ -17,6 +17,12 @@ Steps:
    ``--blocks`` compares each block's outputs too (marked as graph outputs of the ONNX Runtime
    session) and names the first block that differs; ``--layers K`` the first K blocks only
    (the graph cut after block K-1).
+   A FLUX.1 / FLUX.2 export (the sidecar's family) gets FLUX's inputs instead (caches built from
+   the position ids its pipelines pass for the same image shapes, the later shapes condition /
+   reference images; pooled projections, guidance where the graph has them; no mask) and
+   diffusers' own ``FluxTransformer2DModel`` / ``Flux2Transformer2DModel.forward`` on those ids
+   as the reference (:func:`flux_reference_outputs`), the model loaded whole (the streamed,
+   one-block-resident reference and ``--blocks`` / ``--layers`` are Qwen-Image's).
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
@@ -55,6 +61,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from qkrope import model_io
 from qkrope._deps import require
 from qkrope._lazy import lazy_names
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
@@ -132,10 +139,12 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
     resident (``peak_block_elements``, ``block_elements``, ``blocks``, ``folder``)."""
     import torch
 
-    from qkrope.runtime.inputs import to_torch
+    from qkrope.runtime.inputs import flux_family, to_torch
 
     t = {k: to_torch(v) for k, v in feeds.items()}
     r = {role: t[name] for role, name in info.roles().items() if name in t}
+    if info.model == "transformer" and flux_family(info):  # the family dispatch
+        return flux_reference_outputs(info, r, img_shapes, diffusers_dir=diffusers_dir)
     with torch.no_grad():
         if info.model == "attention":
             from qkrope.export.onnx_export import build_attention
@@ -148,9 +157,7 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
             from qkrope.apps.check_blocks import StreamedTransformer, reference_block_outputs
             from qkrope.dtypes import TORCH_BY_SHORT
 
-            directory = diffusers_dir or info.config.diffusers_dir
-            if not directory:
-                raise ParityError("the transformer's reference needs --diffusers DIR")
+            directory = _reference_folder(info, diffusers_dir)
             n = layers or (int(info.config.num_layers_exported)
                            if info.config.num_layers_exported else None)
             model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n)
@@ -169,6 +176,53 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                              folder=str(directory))
             return {**{k: v.float().numpy() for k, v in outs.items()}, **blocks}
     return {k: v.float().numpy() for k, v in outs.items()}
+
+
+def _reference_folder(info: ModelInfo, diffusers_dir: str | None) -> str:
+    """The folder of a transformer export's source model (the one given, else the one recorded
+    at export); a folder of another family than the sidecar's is refused in one line, from its
+    config.json before any weight is read."""
+    from qkrope.export.patch_diffusers import folder_family
+
+    directory = diffusers_dir or info.config.diffusers_dir
+    if not directory:
+        raise ParityError("the transformer's reference needs --diffusers DIR")
+    family = model_io.FAMILY_NAMES[info.config.family or model_io.QWEN_IMAGE_FAMILY.name]
+    found = folder_family(str(directory))
+    if found is not family:
+        raise ParityError(f"the reference folder {directory} holds a {found.label} model, but "
+                          f"the model checked is a {family.label} export (sidecar "
+                          f"{info.source}). Fix: pass --diffusers with the folder it was "
+                          f"exported from")
+    return str(directory)
+
+
+def _reference_transformer(info: ModelInfo, diffusers_dir: str | None):
+    """The source model of a transformer export (:func:`_reference_folder`): diffusers' own
+    class for the folder, in the export's dtype."""
+    from qkrope.dtypes import TORCH_BY_SHORT
+    from qkrope.export.patch_diffusers import load_transformer
+
+    return load_transformer(_reference_folder(info, diffusers_dir),
+                            dtype=TORCH_BY_SHORT[info.dtype])
+
+
+def flux_reference_outputs(info: ModelInfo, r: Mapping[str, Any],
+                           img_shapes: Sequence[Sequence[int]], *,
+                           diffusers_dir: str | None = None) -> dict[str, np.ndarray]:
+    """A FLUX.1 / FLUX.2 export's reference: diffusers' own ``FluxTransformer2DModel`` /
+    ``Flux2Transformer2DModel.forward`` (RoPE from the position ids in float64, as diffusers
+    computes it) on the ids the caches were built from, with the same activations,
+    ``pooled_projections`` and ``guidance`` (by role, ``r``;
+    :func:`qkrope.runtime.inputs.flux_forward_kwargs`)."""
+    import torch
+
+    from qkrope.runtime.inputs import flux_forward_kwargs
+
+    model = _reference_transformer(info, diffusers_dir)
+    with torch.no_grad():
+        sample = model(**flux_forward_kwargs(info, r, img_shapes))[0]
+    return {info.output_names[0]: sample.float().numpy()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,6 +273,7 @@ def runtime_runner(runner, *, name: str):
             import torch
 
             from qkrope.runtime.inputs import from_torch, to_torch
+            from qkrope.runtime.runner import CONDITIONING_ROLES
 
             device = self.runner.device
             feeds = {k: to_torch(np.asarray(v)).to(device) for k, v in feed_dict.items()}
@@ -228,7 +283,9 @@ def runtime_runner(runner, *, name: str):
                 for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
                           "encoder_hidden_states_mask", "timestep"))
             start = time.perf_counter()
-            outs = self.runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None)
+            conditioning = {r: feeds.pop(roles[r]) for r in CONDITIONING_ROLES if r in roles}
+            outs = self.runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None,
+                               conditioning=conditioning or None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.inference_time = time.perf_counter() - start
@@ -363,6 +420,10 @@ def _check_block_arguments(onnx_path: str, info, *, blocks: bool, layers: int | 
     if info.model != "transformer":
         raise InputError(f"{flag} compares the blocks of a whole transformer; {onnx_path} is "
                          f"an {info.model} model. Fix: drop {flag}")
+    if info.config.family not in (None, model_io.QWEN_IMAGE_FAMILY.name):
+        raise InputError(f"{flag} compares Qwen-Image's blocks; {onnx_path} is a "
+                         f"{model_io.FAMILY_NAMES[info.config.family].label} export, checked as "
+                         f"a whole. Fix: drop {flag}")
     if not onnxrt:
         raise InputError(f"{flag} compares ONNX Runtime's block outputs: drop --no-onnxrt")
     if layers is not None:
@@ -554,7 +615,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("onnx", metavar="MODEL.onnx")
     _args.add_engine(p, "also run it and compare it with PyTorch (needs --plugin)")
     _args.add_plugin(p, "needed with --engine")
-    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"))
+    p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
+                   help="an image of F x H x W latent patches (repeat it: the first is the "
+                        "output image, the others edit (Qwen-Image-Edit), condition (FLUX.1 "
+                        "Kontext) or reference (FLUX.2) images; FLUX's ids are laid out as its "
+                        "pipelines do). Default: 1 6 5 and 1 4 4")
     p.add_argument("--txt-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -15,14 +15,16 @@ from . import _args
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quantize",
-        description="Calibrate a diffusers QwenImageTransformer2DModel to per-tensor FP8 (e4m3) "
+        description="Calibrate a diffusers QwenImageTransformer2DModel, FluxTransformer2DModel "
+                    "(FLUX.1) or Flux2Transformer2DModel (FLUX.2) to per-tensor FP8 (e4m3) "
                     "with NVIDIA ModelOpt (max calibration) from transformer inputs recorded in "
                     "your own pipeline runs (qkrope.export.quantize.CalibrationRecorder), and "
                     "save it as a diffusers folder with ModelOpt's modelopt_state.pth. Export "
                     "it with `qkrope export --model transformer --diffusers QDIR --quant fp8`. "
                     "Needs the fp8 extra: pip install 'qkrope[fp8]'.")
     p.add_argument("--diffusers", metavar="DIR", required=True,
-                   help="local folder of the float QwenImageTransformer2DModel (or its pipeline)")
+                   help="local folder of the float transformer (Qwen-Image, FLUX.1 or FLUX.2; "
+                        "or its pipeline)")
     p.add_argument("--calibration", metavar="CALIB.pt", required=True,
                    help="recorded transformer calls (CalibrationRecorder.save)")
     p.add_argument("--out", "-o", metavar="QDIR", required=True,
@@ -64,7 +66,7 @@ def check_paths(args: argparse.Namespace) -> Path:
     from qkrope._fileio import QUANTIZED_MODEL, check_output_folder, check_outputs
 
     diffusers = pre.input_dir(args.diffusers, flag="--diffusers",
-                              fix="pass the local folder of a saved QwenImageTransformer2DModel "
+                              fix="pass the local folder of a saved diffusers transformer "
                                   "(config.json + weights) or of its pipeline")
     pre.input_file(args.calibration, flag="--calibration",
                    fix="record one with qkrope.export.quantize.CalibrationRecorder")

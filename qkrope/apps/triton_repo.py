@@ -20,7 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("tensorrt", "onnxruntime"), default="tensorrt",
                    help="tensorrt (default: --engine) or onnxruntime (--onnx MODEL.onnx, no "
                         "TensorRT or plugin). A whole transformer gets an ensemble <name> over "
-                        "<name>_rope (Python backend: the RoPE caches from img_shapes) and "
+                        "<name>_rope (Python backend: the RoPE caches from img_shapes, or "
+                        "from txt_ids/img_ids for FLUX) and "
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
     _args.add_plugin(p, "default: the one recorded in the engine sidecar")
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{what}: {how}")
     if res.models and len(res.models) > 1:
         print(f"wrote {', '.join(str(m) + '/' for m in res.models)} (ensemble {res.model_dir.name}:"
-              f" clients send img_shapes, not the caches)")
+              f" clients send {' and '.join(res.rope_inputs or ['img_shapes'])}, not the "
+              f"caches)")
         print(f"note: {triton.PYTHON_ENV_NOTE}")
     else:
         plugin = (f", {res.plugin_path.name}" if res.plugin_path is not None
