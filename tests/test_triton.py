@@ -521,11 +521,18 @@ def test_dynamic_batching_instances_and_gpus_from_the_cli(engine, tmp_path, monk
     (dict(max_batch_size=4, preferred_batch_sizes=(8,)), r"each must be in 1\.\.--max-batch"),
     (dict(preferred_batch_sizes=(2,)), "needs --max-batch-size"),
     (dict(max_queue_delay_us=100), "needs --max-batch-size"),
-    (dict(max_queue_delay_us=-1, max_batch_size=2), "must be >= 0"),
-    (dict(instances=0), "--instances must be an integer >= 1"),
+    (dict(max_queue_delay_us=-1, max_batch_size=2), r"--max-queue-delay-us must be an integer in 0\.\."),
+    (dict(instances=0), r"--instances must be an integer in 1\.\.2147483647"),
     (dict(gpus=(0, 0)), "distinct GPU indices"),
     (dict(gpus=(-1,)), "distinct GPU indices"),
-    (dict(max_batch_size=-1), "--max-batch-size must be >= 0"),
+    (dict(max_batch_size=-1), r"--max-batch-size must be an integer in 0\.\."),
+    # above the int32 / uint64 config.pbtxt fields: the flag's error, not protobuf's ValueError
+    (dict(instances=2**31), r"--instances must be an integer in 1\.\.2147483647 .*got 2147483648$"),
+    (dict(gpus=(0, 2**31)), r"--gpus must list distinct GPU indices 0\.\.2147483647"),
+    (dict(max_batch_size=2**31), r"--max-batch-size must be an integer in 0\.\.2147483647"),
+    (dict(max_batch_size=8, preferred_batch_sizes=(2**40,)), "--preferred-batch-sizes must be"),
+    (dict(max_batch_size=2, max_queue_delay_us=2**64), r"--max-queue-delay-us .*18446744073"),
+    (dict(instances=10**40), r"\(41 digits\)"),
 ])
 def test_bad_serving_options_are_refused(kwargs, match):
     with pytest.raises(triton.TritonRepoError, match=match):
