@@ -207,6 +207,7 @@ def file_kind(path: str | os.PathLike) -> str | None:
         except (OSError, ValueError, RecursionError):
             return TEXT_FILE
         fmt = data.get("format") if isinstance(data, dict) else None
+        fmt = fmt if isinstance(fmt, str) else None  # a list or object is no kind (unhashable)
         return {"qkrope-onnx": MODEL_SIDECAR, "qkrope-engine": ENGINE_SIDECAR}.get(fmt, JSON_FILE)
     return TEXT_FILE
 

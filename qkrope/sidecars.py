@@ -310,7 +310,7 @@ _CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
         isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in v),
         "a list of 3 non-negative ints"),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
-    "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
     "attention": (lambda v: isinstance(v, str), "a str"),
     "weights": (lambda v: isinstance(v, str), "a path (str) or null"),
     "weights_sha256": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)

@@ -379,3 +379,59 @@ def test_check_reports_onnx_runtime_failures_in_one_line(onnx_path, tmp_path, ca
     err = capsys.readouterr().err.strip()
     # refused before ONNX Runtime runs (the external-data check), in one line naming the file
     assert "ext.onnx.data" in err and "missing" in err and "\n" not in err, err
+
+
+def test_caches_for_an_engine_builds_nothing_for_a_refused_request(onnx_path, tmp_path,
+                                                                   monkeypatch):
+    """Every check comes before a cache is built or memoised: a request no profile holds, a
+    width the model does not have, an unknown device, leave the memo as it was (they used to
+    build and keep the tables first)."""
+    import qkrope.runtime.caches as caches_mod
+
+    engine = _engine_sidecar(tmp_path, onnx_path)
+    caches_mod._build_cached.cache_clear()
+    built = []
+    real = caches_mod._build_cached._build
+    monkeypatch.setattr(caches_mod._build_cached, "_build", lambda *k: built.append(k) or real(*k))
+    for request, match in (((engine, [(1, 64, 64)], 64), "cannot serve 4096 image tokens"),
+                           ((engine, [(1, 16, 16)], 4096), "cannot serve 256 image tokens, "
+                                                           "4096 text tokens")):
+        with pytest.raises(InputError, match=match):
+            caches_for(*request)
+    for device in ("gpu", "cuda:99", "nonsense:0", 3.5):
+        with pytest.raises(InputError, match="device") as exc:
+            caches_for(engine, [(1, 16, 16)], 64, device=device)
+        assert "\n" not in str(exc.value)
+    assert built == [] and len(caches_mod._build_cached) == 0
+    caches_for(engine, [(1, 16, 16)], 64)
+    assert len(built) == 1 and len(caches_mod._build_cached) == 1
+
+
+def test_the_cache_memo_is_bounded_in_bytes(monkeypatch):
+    """The memo keeps at most MEMO_BYTES of tensors (least recently used out first), and a
+    pair larger than the whole bound is returned without being kept."""
+    import qkrope.runtime.caches as caches_mod
+
+    memo = caches_mod._build_cached
+    memo.cache_clear()
+    monkeypatch.setattr(memo, "limit", 3 * (64 + 8) * 128 * 4)  # three (8x8 image, 8 text) pairs
+    pair = lambda n: build_qwen_rope_caches([(1, 8, 8)], n)  # noqa: E731 - 72 rows x 128 fp32
+    a = pair(8)
+    assert pair(8) is a and memo.nbytes == (64 + 8) * 128 * 4
+    pair(9), pair(10)
+    assert memo.nbytes <= memo.limit and len(memo) == 2  # 73 + 74 rows: a third does not fit
+    assert pair(8) is not a                              # a went first (least recently used)
+    big = build_qwen_rope_caches([(1, 64, 64)], 64)      # larger than the whole bound
+    assert build_qwen_rope_caches([(1, 64, 64)], 64) is not big and memo.nbytes <= memo.limit
+    memo.cache_clear()
+
+
+def test_load_transformer_and_build_refuse_an_unknown_device_in_one_line(onnx_path):
+    from qkrope.runtime.caches import checked_device
+
+    assert checked_device(None) == torch.device("cpu") and checked_device("cpu").type == "cpu"
+    for device in ("gpu", "cuda:99", "", True, [0]):
+        with pytest.raises(InputError, match="device"):
+            build_qwen_rope_caches([(1, 2, 2)], 3, device=device)
+        with pytest.raises(QkropeError, match="device"):
+            load_transformer(onnx_path, device=device)
