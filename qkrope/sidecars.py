@@ -405,6 +405,49 @@ class ModelConfig:
         return {names[k]: self.extra[k] for k in _LEGACY_NODE_FIELDS if k in self.extra}
 
 
+def _own_metadata(props: Mapping[str, str], where: str
+                  ) -> tuple[str, str, "ModelConfig", NodeAttributes | None]:
+    """(model kind, dtype, config, node attributes) that an ONNX file's ``metadata_props``
+    record (``qkrope export``'s ``qkrope.*`` entries); "" / empty for what they do not. An
+    entry that is there but not what the export writes is a :class:`ModelInfoError`."""
+    from qkrope import quantization
+
+    def entry(key: str):
+        text = props.get(METADATA_PREFIX + key)
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ModelInfoError(f"{where}: its {METADATA_PREFIX}{key} metadata is not JSON. "
+                                 f"Fix: {_ONNX_FIX}") from None
+
+    kind = props.get(METADATA_PREFIX + "model", "")
+    dtype = props.get(METADATA_PREFIX + "dtype", "")
+    if kind and kind not in MODELS or dtype and dtype not in DTYPES:
+        raise ModelInfoError(f"{where}: its metadata names an unknown model {kind!r} or dtype "
+                             f"{dtype!r} (expected one of {MODELS} and {tuple(DTYPES)}). Fix: "
+                             f"{_ONNX_FIX}")
+    raw = entry("config")
+    config = ModelConfig.from_dict(raw if raw is not None else {},
+                                   source=f"{where} (metadata_props)")
+    record = entry(quantization.METADATA_KEY)
+    if record is not None and config.quantization is None:
+        if not isinstance(record, dict):
+            raise ModelInfoError(f"{where}: its {quantization.METADATA_PROP} metadata is not a "
+                                 f"JSON object. Fix: {_ONNX_FIX}")
+        config.quantization = record
+    raw = entry("node_attributes")
+    attributes = None
+    if raw:
+        try:
+            attributes = NodeAttributes.from_node(raw)
+        except (InputError, AttributeError, TypeError) as exc:
+            raise ModelInfoError(f"{where}: its {METADATA_PREFIX}node_attributes metadata is "
+                                 f"invalid ({exc}). Fix: {_ONNX_FIX}") from None
+    return kind, dtype, config, attributes
+
+
 def _node_attributes(f: _Fields, config: ModelConfig) -> NodeAttributes | None:
     """The sidecar's node_attributes (a format-1 sidecar without them: its config's)."""
     raw = f.obj("node_attributes", optional=True) or config.legacy_node_attributes()
@@ -622,8 +665,12 @@ class ModelInfo:
     @classmethod
     def from_onnx_graph(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
         """Inputs/outputs of an ONNX file without a sidecar (dims: int, the ``dim_param`` name,
-        or ``<input>.<i>`` for an unnamed dynamic dimension); ``model`` and ``dtype`` are empty,
-        config/axes/sample unknown. Weights are not loaded."""
+        or ``<input>.<i>`` for an unnamed dynamic dimension), and what the file's own
+        ``metadata_props`` record (``qkrope export`` writes the model kind, dtype, config, its
+        FP8 ``quantization`` and the node attributes there): a model without its sidecar is
+        still built and run as what it is (an FP8 model is still refused ``--refit``). Without
+        that metadata ``model`` and ``dtype`` are empty and the config unknown; the sample is
+        always unknown. Weights are not loaded."""
         import onnx
 
         model = onnx.load(str(onnx_path), load_external_data=False)
@@ -642,10 +689,12 @@ class ModelInfo:
             return out
 
         init_names = {i.name for i in model.graph.initializer}
-        return cls(model="", opset=0, ir_version=int(model.ir_version), dtype="",
+        kind, dtype, config, attributes = _own_metadata(
+            {p.key: p.value for p in model.metadata_props}, str(onnx_path))
+        return cls(model=kind, opset=0, ir_version=int(model.ir_version), dtype=dtype,
                    inputs=io(v for v in model.graph.input if v.name not in init_names),
-                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes=None,
-                   config=ModelConfig(), sample={}, source=str(onnx_path))
+                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes=attributes,
+                   config=config, sample={}, source=str(onnx_path))
 
     # ---------------------------------------------------------------- shapes
     def roles(self) -> dict[str, str]:
