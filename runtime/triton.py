@@ -440,6 +440,25 @@ def onnx_rope_limits(max_img_tokens: int | None, max_txt_tokens: int | None) -> 
                       else "qkrope build's default profile")
 
 
+def _check_limits_apply(whole: bool, max_img_tokens: int | None, max_txt_tokens: int | None,
+                        model: Path) -> None:
+    """--max-img-tokens / --max-txt-tokens bound what the ensemble's rope model accepts: for a
+    model that gets none (an attention block, or ``ensemble=False``) they would be ignored, so
+    they are refused; a value must be an integer >= 1."""
+    given = [(flag, v) for flag, v in (("--max-img-tokens", max_img_tokens),
+                                       ("--max-txt-tokens", max_txt_tokens)) if v is not None]
+    for flag, value in given:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TritonRepoError(f"{flag} must be an integer >= 1, got {value!r}")
+    if given and not whole:
+        flags = " / ".join(flag for flag, _ in given)
+        raise TritonRepoError(
+            f"{flags} bound(s) what the transformer ensemble's rope model accepts, but {model} "
+            f"gets no rope model (not a whole transformer: its clients pass the caches), so it "
+            f"would be ignored. Fix: bound the sizes where they are decided (`qkrope build "
+            f"{flags.replace(' / ', ' N ')} N` for an engine's profile), or leave it out")
+
+
 def _limit_overrides(limits: RopeLimits, max_img_tokens: int | None,
                      max_txt_tokens: int | None) -> RopeLimits:
     for flag, value, cap in (("--max-img-tokens", max_img_tokens, limits.max_img_tokens),
@@ -632,6 +651,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     if whole and serving.max_batch_size:
         raise TritonRepoError("the transformer ensemble needs --max-batch-size 0 (the RoPE "
                               "caches have no batch axis)")
+    _check_limits_apply(whole, max_img_tokens, max_txt_tokens, engine)
     main_name = f"{name}_trt" if whole else name
     text = render_config(main_name, info, serving)
 
@@ -703,6 +723,7 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     name = name or default_model_name(onnx_path)
     _check_name(name)
     whole = is_transformer([t.name for t in info.inputs], info.config, info.model)
+    _check_limits_apply(whole, max_img_tokens, max_txt_tokens, onnx_path)
     main_name = f"{name}_onnx" if whole else name
     specs = onnx_specs(info)
     if whole and serving.max_batch_size:
@@ -720,10 +741,6 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
 
     models: dict[str, Any] = {main_name: fill_main}
     if whole:
-        for value, flag in ((max_img_tokens, "--max-img-tokens"),
-                            (max_txt_tokens, "--max-txt-tokens")):
-            if value is not None and value < 1:
-                raise TritonRepoError(f"{flag} must be >= 1, got {value}")
         _rope_models(name, main_name, specs, info.config,
                      onnx_rope_limits(max_img_tokens, max_txt_tokens), serving, models)
     _write_models(repo, models, force=force,

@@ -577,3 +577,18 @@ def test_onnxruntime_models_batch_only_with_a_batch_axis_everywhere(tmp_path):
     res = triton.write_onnx_repository(model, tmp_path / "r", force=True)
     assert _parse(res.config_path).instance_group[0].kind == \
         model_config_pb2.ModelInstanceGroup.KIND_AUTO
+
+
+@pytest.mark.parametrize("flags", [["--max-img-tokens", "100"], ["--max-txt-tokens", "50"],
+                                   ["--max-img-tokens", "100", "--max-txt-tokens", "50"]])
+def test_token_limits_are_refused_for_an_attention_block(engine, tmp_path, capsys, flags):
+    """An attention block gets no rope model, so --max-img-tokens / --max-txt-tokens, which
+    bound the rope model, would be silently ignored: refused, in one line, nothing written
+    (the engine backend and the ONNX backend alike)."""
+    eng, plugin = engine
+    err = _refused(capsys, tmp_path, "--engine", str(eng), "--plugin", str(plugin), *flags)
+    assert flags[0] in err and "no rope model" in err and "qkrope build" in err
+    onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
+    err = _refused(capsys, tmp_path, "--backend", "onnxruntime", "--onnx", str(onnx_path),
+                   *flags)
+    assert flags[0] in err and "no rope model" in err
