@@ -471,6 +471,52 @@ def _role(f: _Fields) -> str | None:
     return role
 
 
+_DECL_BY_ROLE = {t.role: t for t in model_io.TENSORS.values()}
+
+
+def _dtype(f: _Fields) -> str:
+    """A tensor's dtype: one of qkrope's names (:data:`qkrope.dtypes.NAMES`)."""
+    value = f.get("dtype", str)
+    if value not in dtypes.NAMES:
+        f.fail(f"field 'dtype' must be a dtype name such as 'float32' or 'bfloat16', got "
+               f"{value!r}")
+    return value
+
+
+def _check_role(f: _Fields, name: str, role: str | None, axes: Sequence[Any]) -> None:
+    """A recorded role is checked against the two facts that state it too: the tensor's name
+    (``qkrope export`` names every tensor by what it is, :data:`qkrope.model_io.TENSORS`: the
+    name ``hidden_states`` is the image stream, whatever the role says) and its axis names (the
+    image stream is ``[batch, img_tokens, C]``, the text stream ``[batch, txt_tokens, C]``, a
+    cache ``[<stream>_cache_rows, rotary_dim]``). Roles swapped by an edit (the runner would
+    feed each stream's data to the other) are refused; a renamed model's roles still load."""
+    if role is None:
+        return
+    declared = model_io.role_of(name)
+    if declared is not None and role != declared:
+        f.fail(f"gives the tensor {name!r} the role {role!r}, but {name!r} is the {declared!r} "
+               f"of every model qkrope exports: the roles were edited or swapped")
+    want = _DECL_BY_ROLE[role].axes
+    if len(axes) != len(want):
+        f.fail(f"gives the tensor {name!r} the role {role!r}, which has {len(want)} dimensions "
+               f"({list(want)}), but its shape has {len(axes)}: the roles were edited or "
+               f"swapped")
+    for got, expected in zip(axes, want):
+        if isinstance(got, str) and expected is not None and got != expected:
+            f.fail(f"gives the tensor {name!r} the role {role!r}, whose dimensions are "
+                   f"{list(want)}, but its shape names {list(axes)}: the roles were edited or "
+                   f"swapped")
+
+
+def _check_unique(f: _Fields, key: str, tensors: Sequence[Any]) -> None:
+    """No tensor name and no role twice among the ``key`` tensors."""
+    for what, values in (("name", [t.name for t in tensors]),
+                         ("role", [t.role for t in tensors if t.role is not None])):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            f.fail(f"lists the {what} {twice[0]!r} twice among its {key}")
+
+
 def _roles(tensors: Sequence[Any]) -> dict[str, str]:
     """role -> input name: the roles the sidecar records, else (a version 1 sidecar, which
     records none) guessed from the names and axes (:func:`qkrope.model_io.assign_roles`)."""
@@ -502,8 +548,10 @@ class TensorInfo:
 
     @classmethod
     def _read(cls, f: _Fields) -> "TensorInfo":
-        return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int, str)), _role(f))
+        t = cls(f.get("name", str), _dtype(f), _dims(f, f.get("shape", list), "shape", (int, str)),
+                _role(f))
+        _check_role(f, t.name, t.role, t.shape)
+        return t
 
 
 _ONNX_FIX = "re-export with `qkrope export`"
@@ -573,6 +621,8 @@ class ModelInfo:
             dynamic_axes=axes, node_attributes=_node_attributes(f, config), config=config,
             sample=f.obj("sample"), versions=f.obj("versions", optional=True),
             model_sha256=_sha256_field(f, "model_sha256"), source=source)
+        _check_unique(f, "inputs", info.inputs)
+        _check_unique(f, "outputs", info.outputs)
         if info.model not in MODELS or info.dtype not in DTYPES:
             f.fail(f"names an unknown model {info.model!r} or dtype {info.dtype!r} (expected one "
                    f"of {MODELS} and {tuple(DTYPES)})")
@@ -786,8 +836,12 @@ class EngineTensor:
         axes = f.get("axes", list, optional=True)
         if axes is not None and any(a is not None and not isinstance(a, str) for a in axes):
             f.fail(f"field 'axes' must list axis names or null, got {axes!r}")
-        return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int,)), axes, _role(f))
+        t = cls(f.get("name", str), _dtype(f), _dims(f, f.get("shape", list), "shape", (int,)),
+                axes, _role(f))
+        if axes is not None and len(axes) != len(t.shape):
+            f.fail(f"field 'axes' names {len(axes)} dimensions, its shape has {len(t.shape)}")
+        _check_role(f, t.name, t.role, axes if axes is not None else t.shape)
+        return t
 
 
 @dataclass
@@ -892,6 +946,7 @@ class EngineInfo:
                             for i, t in enumerate(f.get(key, list))]
             if not tensors[key]:
                 f.fail(f"lists no {key}")
+            _check_unique(f, key, tensors[key])
         profiles = []
         for i, p in enumerate(f.get("profiles", list)):
             pf = f.sub(p, f"profiles[{i}]")
