@@ -190,6 +190,65 @@ def config_tag(config: "ModelConfig | Mapping[str, Any]") -> str:
     return CONFIG_TAG_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
+FACTS_TAG_PREFIX = "qkrope-facts-"
+#: The tags an engine file may carry (its network name; a plan keeps it as text): a facts tag
+#: (this qkrope's builds) or a config tag (older ones).
+_TAG_RE = re.compile(rb"qkrope-(?:facts|config)-[0-9a-f]{32}")
+#: Engine sidecar fields not in the facts tag: known only after the build (its time, when it
+#: was written, the engine's own hash: checked against the file itself), or, inside build_key
+#: and config.quantization, the built engine's hash and FP8 layer summary.
+_POST_BUILD_FIELDS = ("build_seconds", "created", "engine_sha256")
+
+
+def engine_facts(info: "EngineInfo") -> dict[str, Any]:
+    """The engine sidecar's facts that are known before TensorRT builds the engine (every field
+    but :data:`_POST_BUILD_FIELDS`, the build key's ``engine_sha256`` and an FP8 config's
+    ``quantization.engine``): what :func:`facts_tag` hashes."""
+    d = info.to_dict()
+    for key in _POST_BUILD_FIELDS:
+        d.pop(key, None)
+    if isinstance(d.get("build_key"), dict):
+        d["build_key"] = {k: v for k, v in d["build_key"].items() if k != "engine_sha256"}
+    quant = d["config"].get("quantization")
+    if isinstance(quant, dict):
+        d["config"] = {**d["config"], "quantization": {k: v for k, v in quant.items()
+                                                       if k != "engine"}}
+    return d
+
+
+def facts_tag(info: "EngineInfo") -> str:
+    """What ``qkrope build`` names the network (so the engine keeps it): a hash of every fact
+    its sidecar states before the build (:func:`engine_facts`: the I/O with roles and axes, the
+    profiles, the model config with its RoPE axes, the plugin, the build options and key).
+    An engine sidecar edited beside its engine no longer gives its engine's tag: refused on
+    load (:meth:`EngineInfo.load` reads the tag off the engine file, the runner off
+    ``ICudaEngine.name``)."""
+    import hashlib
+
+    text = json.dumps(engine_facts(info), sort_keys=True, default=str)
+    return FACTS_TAG_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def engine_file_tags(engine_path: str | os.PathLike) -> tuple[str, set[str]]:
+    """``(sha256 hex, the qkrope tags in it)`` of an engine file, in one read: the tags are the
+    network names qkrope builds give (:func:`facts_tag`, :func:`config_tag`) where the plan
+    keeps them as text."""
+    import hashlib
+
+    digest, tags, tail = hashlib.sha256(), set(), b""
+    keep = len(FACTS_TAG_PREFIX) + 32
+    with open(engine_path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 22)
+            if not chunk:
+                break
+            digest.update(chunk)
+            window = tail + chunk
+            tags.update(m.decode("ascii") for m in _TAG_RE.findall(window))
+            tail = window[-keep:]
+    return digest.hexdigest(), tags
+
+
 def _brief(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -253,14 +312,15 @@ def _sha256_field(f: _Fields, key: str) -> str | None:
 
 
 def _check_describes(path: str | os.PathLike, side: Path, recorded: str | None,
-                     error: type[SidecarError], what: str, fix: str) -> None:
+                     error: type[SidecarError], what: str, fix: str,
+                     actual: str | None = None) -> None:
     """``error`` when the sidecar ``side`` records the sha256 ``recorded`` of its file and
     ``path`` is another file (a stale sidecar, a pair of two writers, an interrupted write, a
-    file replaced by hand)."""
+    file replaced by hand); ``actual``: the file's sha256 when the caller has it."""
     if recorded is None or not os.path.isfile(path):
         return
     try:
-        actual = sha256_file(path)
+        actual = actual or sha256_file(path)
     except OSError as exc:
         raise error(f"cannot read {path} to check it against its sidecar: {exc}") from None
     if actual != recorded:
@@ -994,26 +1054,59 @@ class EngineInfo:
             f"`qkrope build` (which writes it next to the engine), or copy it alongside if you "
             f"moved the engine", _ENGINE_FIX)
         info = cls.from_dict(data, source=str(path))
+        if not os.path.isfile(engine_path):
+            return info
+        try:
+            digest, tags = engine_file_tags(engine_path)
+        except OSError as exc:
+            raise EngineInfoError(f"cannot read {engine_path} to check it against its sidecar: "
+                                  f"{exc}") from None
         _check_describes(engine_path, path, info.engine_sha256, EngineInfoError,
                          "the engine", "rebuild it with `qkrope build`, or put the engine's own "
-                                       "sidecar beside it")
+                                       "sidecar beside it", actual=digest)
+        info.check_engine_tags(tags, engine_path)
         return info
 
+    def check_engine_tags(self, tags: set[str], engine_path: str | os.PathLike) -> None:
+        """The tags read off the engine file (:func:`engine_file_tags`) against this sidecar:
+        an engine that carries a facts tag must carry this sidecar's (every fact it states,
+        :func:`engine_facts`), one with only a config tag (an older qkrope's build) this
+        config's. An engine without either (another builder's, or a plan that does not keep
+        its name as text) is checked after deserialising (:meth:`check_engine_name`)."""
+        facts = {t for t in tags if t.startswith(FACTS_TAG_PREFIX)}
+        if facts:
+            if facts_tag(self) not in facts:
+                self._refuse(engine_path, "its facts (I/O and roles, profiles, config and RoPE "
+                                          "axes, plugin, build options)", sorted(facts)[0],
+                             facts_tag(self))
+        elif tags and config_tag(self.config) not in tags:
+            self._refuse(engine_path, "another config than the one", sorted(tags)[0],
+                         config_tag(self.config))
+
+    def _refuse(self, engine_path, what: str, recorded: str, mine: str) -> None:
+        raise EngineInfoError(
+            f"the sidecar {engine_sidecar_path(engine_path)} describes {what} {engine_path} "
+            f"was built from (the engine records {recorded}, the sidecar gives {mine}): it was "
+            f"edited or belongs to another build. Fix: rebuild with `qkrope build`, or put the "
+            f"engine's own sidecar beside it")
+
     def check_engine_name(self, name: Any, engine_path: str | os.PathLike) -> None:
-        """The engine keeps the tag of the config it was built from as its network name
-        (:func:`config_tag`, set by ``qkrope build``; ``ICudaEngine.name`` after deserialising):
-        an :class:`EngineInfoError` when this sidecar's ``config`` (axes_dims_rope, the diffusers
-        config, ...: what the runtime builds caches from) is not that one. An engine without the
-        tag (another builder's) is not checked."""
-        if not isinstance(name, str) or not name.startswith(CONFIG_TAG_PREFIX):
+        """The engine keeps the tag of the sidecar it was built with as its network name
+        (:func:`facts_tag`, set by ``qkrope build``; an older build's :func:`config_tag`;
+        ``ICudaEngine.name`` after deserialising): an :class:`EngineInfoError` when this sidecar
+        is not that one (its config, axes_dims_rope, I/O, roles, profiles, ...: what the
+        runtime builds caches and checks calls from). An engine without a tag (another
+        builder's) is not checked."""
+        if not isinstance(name, str):
             return
-        if name != config_tag(self.config):
-            raise EngineInfoError(
-                f"the sidecar {engine_sidecar_path(engine_path)} describes another config than "
-                f"the one {engine_path} was built from (the engine records {name}, the "
-                f"sidecar's config gives {config_tag(self.config)}): its config was edited or "
-                f"it belongs to another build. Fix: rebuild with `qkrope build`, or put the "
-                f"engine's own sidecar beside it")
+        if name.startswith(FACTS_TAG_PREFIX):
+            if name != facts_tag(self):
+                self._refuse(engine_path, "other facts (I/O and roles, profiles, config and "
+                                          "RoPE axes, plugin, build options) than the ones",
+                             name, facts_tag(self))
+        elif name.startswith(CONFIG_TAG_PREFIX) and name != config_tag(self.config):
+            self._refuse(engine_path, "another config than the one", name,
+                         config_tag(self.config))
 
     def save(self, engine_path: str | os.PathLike) -> Path:
         """Write ``<engine>.json`` atomically. When ``engine_path`` exists, the sidecar records
@@ -1041,4 +1134,5 @@ def engine_tensors(items: Sequence[EngineTensor], model: ModelInfo) -> list[Engi
 
 __all__ = ["FORMAT_VERSION", "ONNX_FORMAT", "ENGINE_FORMAT", "SidecarError", "ModelInfoError",
            "EngineInfoError", "ModelConfig", "TensorInfo", "ModelInfo", "EngineTensor", "PluginRecord",
-           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path", "config_tag"]
+           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path", "config_tag",
+           "facts_tag", "engine_facts", "engine_file_tags"]

@@ -37,8 +37,8 @@ from typing import Callable, Sequence, TextIO
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
 from qkrope._progress import BuildProgress, Steps, make_progress_monitor
-from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, config_tag,
-                             engine_sidecar_path, engine_tensors, sidecar_path)
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, PluginRecord, engine_sidecar_path,
+                             engine_tensors, facts_tag, sidecar_path)
 from qkrope import contract, dtypes, model_io
 from qkrope._fileio import (ENGINE_SIDECAR, MODEL_SIDECAR, TEXT_FILE, OutputIsInputError,
                             check_output_folder, check_outputs, file_kind, output_error,
@@ -536,7 +536,6 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         steps.write(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their "
                     f"function body")
 
-    network.name = config_tag(model.config)  # kept by the engine: its sidecar's config is checked
     inputs, outputs = network_io(network)
     net_names = [i.name for i in inputs]
     if sorted(net_names) != sorted(profile):
@@ -577,6 +576,25 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         monitor = make_progress_monitor(trt, progress)
         config.progress_monitor = monitor
 
+    # The sidecar, but for what only the build tells (its time, the engine's hash, an FP8
+    # engine's layer summary): the network is named after its facts, so the engine keeps the
+    # tag that every later load checks the sidecar against (sidecars.facts_tag).
+    info = EngineInfo(
+        tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
+        inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
+        profiles=[prof.profile_to_json(one) for _label, one in plan.profiles],
+        profile_labels=[label for label, _one in plan.profiles], refittable=bool(opts.refit),
+        refit_mode=refit_mode,
+        plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
+                             bool(opts.version_compatible)) if plugin_path else None),
+        plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),
+        strongly_typed=is_strongly_typed(trt, flags),
+        builder_optimization_level=opts.builder_optimization_level,
+        parser_flags=list(parser_flags), config=dataclasses.replace(model.config),
+        dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
+        build_key=dict(key))
+    network.name = facts_tag(info)
+
     for k, (label, one) in enumerate(plan.profiles):
         steps.write(f"[build] profile {k}{' (' + label + ')' if label else ''}:\n"
                     + prof.format_profile(one))
@@ -593,33 +611,19 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
 
-    model_config = dataclasses.replace(model.config)
     if fp8:
         summary = fp8_engine.inspect_engine(trt, logger, serialized, node_names)
         steps.write(f"[build] FP8 engine: {summary['fp8_layers']} of {summary['layers']} "
                     f"layers in FP8, {summary['plugin_layers']} plugin layer(s)")
-        model_config.quantization = {**fp8, "engine": summary}
+        info.config.quantization = {**fp8, "engine": summary}  # not in the facts tag
     if opts.timing_cache:  # a cache, not an output: written before the engine pair
         try:
             write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
         except OSError as exc:
             raise output_error(exc, opts.timing_cache, flag="--timing-cache") from None
-    info = EngineInfo(
-        tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
-        inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
-        profiles=[prof.profile_to_json(one) for _label, one in plan.profiles],
-        profile_labels=[label for label, _one in plan.profiles], refittable=bool(opts.refit),
-        refit_mode=refit_mode,
-        plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
-                             bool(opts.version_compatible)) if plugin_path else None),
-        plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),
-        strongly_typed=is_strongly_typed(trt, flags),
-        builder_optimization_level=opts.builder_optimization_level,
-        parser_flags=list(parser_flags), config=model_config,
-        dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
-        build_seconds=round(seconds, 3),
-        # + the engine's own hash: a kept engine must still be the file that was built
-        build_key={**key, "engine_sha256": hashlib.sha256(memoryview(serialized)).hexdigest()})
+    info.build_seconds = round(seconds, 3)
+    # + the engine's own hash: a kept engine must still be the file that was built
+    info.build_key = {**key, "engine_sha256": hashlib.sha256(memoryview(serialized)).hexdigest()}
     with steps.step(f"writing {engine_path} ({serialized.nbytes / 2**20:.1f} MiB) and its "
                     f"sidecar"):
         write_engine_pair(engine_path, serialized, info)

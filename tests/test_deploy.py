@@ -435,3 +435,32 @@ def test_load_transformer_and_build_refuse_an_unknown_device_in_one_line(onnx_pa
             build_qwen_rope_caches([(1, 2, 2)], 3, device=device)
         with pytest.raises(QkropeError, match="device"):
             load_transformer(onnx_path, device=device)
+
+
+def test_an_edited_engine_sidecar_is_refused_by_caches_for_and_triton_repo(onnx_path, tmp_path,
+                                                                          capsys):
+    """An engine sidecar whose axes_dims_rope was permuted (same sum: the widths still fit)
+    would make caches_for and triton-repo compute other caches: the engine file carries the
+    tag of its sidecar's facts (its network name, kept by the plan as text; this stand-in plan
+    holds it as qkrope build names the network), so the edit is refused before anything runs.
+    The unedited pair is served."""
+    from qkrope.cli import main
+    from qkrope.sidecars import EngineInfoError, facts_tag
+
+    engine = _engine_sidecar(tmp_path, onnx_path)
+    info = EngineInfo.load(engine)
+    engine.write_bytes(b"PLAN\0" + facts_tag(info).encode() + b"\0weights")
+    info.save(engine)
+    assert caches_for(engine, [(1, 16, 16)], 64).img.shape == (256, 32)
+    side = Path(str(engine) + ".json")
+    data = json.loads(side.read_text())
+    data["config"]["axes_dims_rope"] = data["config"]["axes_dims_rope"][::-1]  # (12, 12, 8)
+    assert data["config"]["axes_dims_rope"] != list(AXES)
+    side.write_text(json.dumps(data))
+    with pytest.raises(EngineInfoError, match="edited or belongs to another build"):
+        caches_for(engine, [(1, 16, 16)], 64)
+    capsys.readouterr()
+    assert main(["triton-repo", "--engine", str(engine), "-o", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert "edited or belongs to another build" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "repo").exists()

@@ -456,15 +456,27 @@ def test_fake_build_refuses_to_write_over_the_default_plugin(fake_build, tmp_pat
     assert lib.read_bytes() == before and state.config is None  # no build began
 
 
-def test_fake_build_names_the_network_after_its_config(fake_build, tmp_path):
-    """The engine keeps the tag of the model config it was built from as its network name;
-    the sidecar's config gives the same tag."""
-    from qkrope.sidecars import EngineInfo, config_tag
+def test_fake_build_names_the_network_after_its_facts(fake_build, tmp_path):
+    """The engine keeps the tag of the sidecar's facts as its network name; the sidecar as
+    written and read back gives the same tag (its build time, creation time and the engine's
+    hash are not in it), and an edit of any fact does not."""
+    from qkrope.sidecars import EngineInfo, EngineInfoError, facts_tag
 
     trt, state, onnx_path, lib = fake_build()
     out = tmp_path / "m.engine"
     eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
                      log=io.StringIO())
     side = EngineInfo.load(out)
-    assert state.network_name == config_tag(side.config) and side.config
+    assert state.network_name == facts_tag(side) and side.config and side.build_seconds is not None
     side.check_engine_name(state.network_name, out)  # agrees
+    for edit in (lambda d: d["inputs"][0].update(role="encoder_hidden_states"),
+                 lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(0, 3),
+                 lambda d: d["config"].update(axes_dims_rope=[4, 8, 4]),
+                 lambda d: d.update(refit_mode="all")):
+        data = side.to_dict()
+        edit(data)
+        with pytest.raises(EngineInfoError):
+            EngineInfo.from_dict(data).check_engine_name(state.network_name, out)
+    data = side.to_dict()
+    data.update(build_seconds=1e9, created="2000-01-01T00:00:00Z")  # not facts: still agrees
+    EngineInfo.from_dict(data).check_engine_name(state.network_name, out)
