@@ -366,10 +366,11 @@ INPUT_DOCS = {t.name: t.doc for t in model_io.TENSORS.values() if t.doc}
 
 
 def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
-                   attributes: contract.NodeAttributes | None = None) -> None:
-    """metadata_props (qkrope version, node contract version, model kind, dtype, config and node
-    attributes as JSON: what the sidecar is checked against) and a doc string on every graph
-    input (in place)."""
+                   attributes: contract.NodeAttributes | None = None,
+                   io: dict | None = None) -> None:
+    """metadata_props (qkrope version, node contract version, model kind, dtype, config, node
+    attributes and the sidecar's I/O facts (``io``: :meth:`ModelInfo.io_facts`) as JSON: what
+    the sidecar is checked against) and a doc string on every graph input (in place)."""
     import json
 
     from qkrope import __version__
@@ -379,6 +380,8 @@ def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
              "config": json.dumps(config.to_dict(), sort_keys=True)}
     if attributes is not None:
         props["node_attributes"] = json.dumps(attributes.to_node(), sort_keys=True)
+    if io is not None:
+        props["io"] = json.dumps(io, sort_keys=True)
     if config.quantization:  # qkrope.quantization: what a reader checks first
         props[quantization.METADATA_KEY] = json.dumps(config.quantization, sort_keys=True)
     for key, value in props.items():
@@ -397,7 +400,7 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps):
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, **info_fields)
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
-                   attributes=info.node_attributes)
+                   attributes=info.node_attributes, io=info.io_facts())
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     with staged_outputs(out.parent, names) as st:
         external = _save_staged(model, out, st, steps)

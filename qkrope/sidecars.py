@@ -269,22 +269,36 @@ def _varint(f) -> int | None:
 
 
 def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
-    """The ``metadata_props`` of an ONNX file, read without parsing its graph: the top-level
-    fields of the ModelProto are walked (the graph and everything else skipped by length) and
-    only the metadata entries (field 14) decoded. {} for a file that is not one."""
+    """The ``metadata_props`` of an ONNX file, read without parsing its graph
+    (:func:`onnx_header`). {} for a file that is not one."""
+    return onnx_header(onnx_path)[0]
+
+
+def onnx_header(onnx_path: str | os.PathLike) -> tuple[dict[str, str], int | None,
+                                                      dict[str, int]]:
+    """``(metadata_props, ir_version, {opset domain: version})`` of an ONNX file, read without
+    parsing its graph: the top-level fields of the ModelProto are walked (the graph and
+    everything else skipped by length) and only the metadata entries (field 14), the IR version
+    (field 1) and the opset imports (field 8) decoded. ``({}, None, {})`` for a file that is not
+    one."""
     import onnx
 
     out: dict[str, str] = {}
+    ir_version, opsets = None, {}
+    nothing: tuple[dict[str, str], int | None, dict[str, int]] = ({}, None, {})
     try:
         with open(onnx_path, "rb") as f:
             while True:
                 tag = _varint(f)
                 if tag is None:
-                    return out
+                    return out, ir_version, opsets
                 field_no, wire = tag >> 3, tag & 7
                 if wire == 0:
-                    if _varint(f) is None:
-                        return {}
+                    value = _varint(f)
+                    if value is None:
+                        return nothing
+                    if field_no == 1:
+                        ir_version = value
                 elif wire == 1:
                     f.seek(8, os.SEEK_CUR)
                 elif wire == 5:
@@ -292,16 +306,19 @@ def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
                 elif wire == 2:
                     n = _varint(f)
                     if n is None:
-                        return {}
+                        return nothing
                     if field_no == 14:
                         entry = onnx.StringStringEntryProto.FromString(f.read(n))
                         out[entry.key] = entry.value
+                    elif field_no == 8:
+                        op = onnx.OperatorSetIdProto.FromString(f.read(n))
+                        opsets[op.domain] = int(op.version)
                     else:
                         f.seek(n, os.SEEK_CUR)
                 else:
-                    return {}
+                    return nothing
     except Exception:  # noqa: BLE001 - unreadable, or not a protobuf: nothing recorded
-        return {}
+        return nothing
 
 
 def _sha256_field(f: _Fields, key: str) -> str | None:
@@ -513,6 +530,16 @@ def _node_attributes(f: _Fields, config: ModelConfig) -> NodeAttributes | None:
     raw = f.obj("node_attributes", optional=True) or config.legacy_node_attributes()
     if not raw:
         return None
+    fixed = {k: v for k, v in NodeAttributes().to_node().items()
+             if k not in ("epsilon", "interleaved", "rounding")}  # the plugin's identity
+    known = set(NodeAttributes().to_node())
+    for key, value in raw.items():
+        if key not in known:
+            f.fail(f"field 'node_attributes' has {key!r}, which the QKNormRoPE node does not "
+                   f"(it has {sorted(known)})")
+        if key in fixed and value != fixed[key]:
+            f.fail(f"field 'node_attributes' gives {key} {value!r}; every QKNormRoPE node of "
+                   f"this qkrope has {fixed[key]!r}")
     try:
         return NodeAttributes.from_node(raw)
     except InputError as exc:
@@ -707,16 +734,49 @@ class ModelInfo:
         _check_describes(onnx_path, sidecar_path(onnx_path), self.model_sha256, ModelInfoError,
                          "the model", f"re-export with `qkrope export --out {onnx_path}`")
 
+    def io_facts(self) -> dict[str, Any]:
+        """The sidecar's facts about the graph's I/O and the export's sizes (inputs, outputs
+        with roles, dynamic_axes, sample), as ``qkrope export`` also records them in the model's
+        ``qkrope.io`` metadata (:meth:`check_agrees_with_model` compares the two)."""
+        return json.loads(json.dumps({
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "dynamic_axes": self.dynamic_axes, "sample": self.sample}))
+
     def check_agrees_with_model(self, onnx_path: str | os.PathLike) -> None:
-        """A :class:`ModelInfoError` when this sidecar's ``model``, ``dtype`` or any ``config``
-        value (axes_dims_rope, heads, head_dim, the diffusers config, the parameters, ...: what
-        the runtime builds caches and inputs from) differs from what the model file itself
-        records in its ``metadata_props`` (``qkrope.model``, ``qkrope.dtype``,
-        ``qkrope.config``, written by the export). The hash alone does not catch a sidecar
-        edited beside an unchanged model. A model without those entries is not checked."""
+        """A :class:`ModelInfoError` when this sidecar states a fact its model does not: its
+        ``model``, ``dtype``, any ``config`` value (axes_dims_rope, heads, head_dim, the
+        diffusers config, the parameters, ...: what the runtime builds caches and inputs from),
+        ``node_attributes``, ``inputs`` / ``outputs`` (names, dtypes, shapes with axis names,
+        roles), ``dynamic_axes`` or ``sample`` differ from what the model file itself records in
+        its ``metadata_props`` (``qkrope.model``, ``.dtype``, ``.config``, ``.node_attributes``,
+        ``.io``, written by the export), or its ``opset`` / ``ir_version`` from the file's own
+        header fields. The hash alone does not catch a sidecar edited beside an unchanged
+        model. ``versions`` (what wrote it) is not checked: nothing is computed from it. A model
+        without those entries (not written by qkrope export, or by an older one) is checked on
+        what it records."""
         if not os.path.isfile(onnx_path):
             return
-        props = onnx_metadata_props(onnx_path)
+        props, ir_version, opsets = onnx_header(onnx_path)
+        diffs = []
+        exported = METADATA_PREFIX + "model" in props  # written by qkrope export
+        # the header's own fields: the IR version and the default domain's opset
+        if exported and ir_version is not None and ir_version != self.ir_version:
+            diffs.append(f"ir_version: sidecar {self.ir_version}, model {ir_version}")
+        if exported and "" in opsets and opsets[""] != self.opset:
+            diffs.append(f"opset: sidecar {self.opset}, model {opsets['']}")
+        io_text = props.get(METADATA_PREFIX + "io")
+        if io_text is not None:
+            try:
+                theirs_io = json.loads(io_text)
+            except ValueError:
+                theirs_io = None
+            mine_io = self.io_facts()
+            if isinstance(theirs_io, dict):
+                for key in mine_io:
+                    a, b = mine_io[key], theirs_io.get(key, "<absent>")
+                    if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+                        diffs.append(f"{key}: sidecar {_brief(a)}, model {_brief(b)}")
         recorded = {}
         try:
             for key in ("model", "dtype"):
@@ -727,12 +787,11 @@ class ModelInfo:
             if METADATA_PREFIX + "node_attributes" in props:
                 recorded["node_attributes"] = json.loads(props[METADATA_PREFIX + "node_attributes"])
         except ValueError:
-            return  # not qkrope's metadata
+            recorded = {}  # not qkrope's metadata
         mine = {"model": self.model, "dtype": self.dtype,
                 "config": json.loads(json.dumps(self.config.to_dict())),
                 "node_attributes": (self.node_attributes.to_node()
                                     if self.node_attributes is not None else {})}
-        diffs = []
         for key, theirs in recorded.items():
             if key == "node_attributes":
                 if mine[key] != theirs:

@@ -272,6 +272,14 @@ def _edited_copy(src, dst, edit):
     (lambda s: s["config"].pop("rotary_dim"), "config.rotary_dim"),
     (lambda s: s["node_attributes"].update(epsilon=1e-5), "node_attributes"),
     (lambda s: s.update(dtype="fp16"), "dtype"),
+    # the graph's I/O and the export's sizes (the model's qkrope.io metadata) and the header
+    (lambda s: s["inputs"][0]["shape"].__setitem__(2, 65), "inputs"),
+    (lambda s: s["inputs"][1].update(dtype="float16"), "inputs"),
+    (lambda s: s["outputs"].reverse(), "outputs"),
+    (lambda s: s["dynamic_axes"]["img_tokens"].update(export_value=999), "dynamic_axes"),
+    (lambda s: s["sample"].update(txt_len=99), "sample"),
+    (lambda s: s.update(opset=19), "opset"),
+    (lambda s: s.update(ir_version=9), "ir_version"),
 ])
 def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, tmp_path,
                                                             edit, field):
@@ -286,9 +294,32 @@ def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, 
     path = _edited_copy(exported_attention, tmp_path / "m.onnx", edit)
     with pytest.raises(ModelInfoError, match=rf"disagrees with its model .* on {field}: sidecar"):
         ModelInfo.load(path)
+    # each fact of the sidecar (versions aside: nothing is computed from them) is one of these
+    assert set(side) - {"format", "format_version", "versions", "model_sha256"} == {
+        "model", "opset", "ir_version", "dtype", "inputs", "outputs", "dynamic_axes",
+        "node_attributes", "config", "sample"}
     with pytest.raises(ModelInfoError, match=field):
         load(path)
     ModelInfo.load(exported_attention)  # the original pair agrees
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s["node_attributes"].update(plugin_version="9"), "plugin_version '9'"),
+    (lambda s: s["node_attributes"].update(plugin_namespace="x"), "plugin_namespace 'x'"),
+    (lambda s: s["node_attributes"].update(epsilonn=1e-6), "'epsilonn'"),
+    (lambda s: s["inputs"][0].update(dtype="junk"), "must be a dtype name"),
+    (lambda s: s["inputs"].append(dict(s["inputs"][0])), "'hidden_states' twice"),
+    (lambda s: (s["inputs"][0].update(role="encoder_hidden_states"),
+                s["inputs"][1].update(role="hidden_states")), "edited or swapped"),
+])
+def test_sidecar_facts_the_reader_would_drop_or_misread_are_refused(exported_attention,
+                                                                    tmp_path, edit, match):
+    """Facts the reader would otherwise drop silently (a node attribute no node has, a plugin
+    identity that is not this qkrope's) or misread (a junk dtype, a tensor twice, swapped
+    roles): refused on reading."""
+    path = _edited_copy(exported_attention, tmp_path / "m.onnx", edit)
+    with pytest.raises(ModelInfoError, match=match):
+        ModelInfo.load(path)
 
 
 def test_metadata_props_are_read_without_the_graph(exported_attention):
