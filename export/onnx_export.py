@@ -441,9 +441,40 @@ def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
     return sample
 
 
+#: torch.Generator.manual_seed takes seeds below 2**64; the sample generator is seeded seed + 1
+MAX_SEED = 2**63 - 1
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits_in_memory(what: str, nbytes: int, flags: str) -> None:
+    """An InputError naming the flags when ``what`` needs more bytes than this machine has
+    (torch would fail with an overflow, a MemoryError or the OOM killer instead)."""
+    memory = _physical_memory()
+    if memory is not None and nbytes > memory:
+        raise InputError(f"{what} needs {nbytes / 2**30:.3g} GiB, more than this machine's "
+                         f"{memory / 2**30:.3g} GiB of memory. Fix: give smaller {flags}")
+
+
 def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: int,
                  axes_dim: Sequence[int], with_timestep: bool, seed: int):
     from qkrope.runtime.caches import build_qwen_rope_caches
+
+    _check_fits_in_memory(
+        f"the export sample (batch {sample.batch}, {sample.img_tokens} image and "
+        f"{sample.txt_len} text tokens)",
+        sample.batch * (sample.img_tokens * feat_img + sample.txt_len * feat_txt)
+        * _itemsize(dtype) * 4,  # the inputs, and the activations the trace keeps of them
+        "--batch / --img-shape / --txt-len")
 
     g = torch.Generator().manual_seed(seed + 1)
     caches = build_qwen_rope_caches(sample.img_shapes, sample.txt_len, axes_dim=tuple(axes_dim))
@@ -586,6 +617,14 @@ def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
         raise InputError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "
                          f"{rotary_dim}")
     attributes = contract.NodeAttributes(eps, interleaved, rounding)  # checked
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -MAX_SEED <= seed < MAX_SEED:
+        raise InputError(f"--seed must be an integer in {-MAX_SEED}..{MAX_SEED - 1} (torch's "
+                         f"generator seeds); got {seed!r}")
+    # the block's weights: Q, K, V and out projections of both streams, dim x dim each
+    _check_fits_in_memory(f"the attention block of {heads} heads x {head_dim} (width "
+                          f"{int(heads) * int(head_dim)})",
+                          8 * (int(heads) * int(head_dim)) ** 2 * _itemsize(tdtype),
+                          "--heads / --head-dim")
     axes_dim = default_axes_dims(rotary_dim)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_ATTENTION_SAMPLE)
     config = ModelConfig(dim=heads * head_dim, heads=int(heads), head_dim=int(head_dim),
