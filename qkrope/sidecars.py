@@ -832,17 +832,24 @@ class ModelInfo:
         return cls.from_onnx_graph(onnx_path)
 
     @classmethod
-    def from_onnx_graph(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
+    def from_onnx_graph(cls, onnx_path: str | os.PathLike, *, model=None) -> "ModelInfo":
         """Inputs/outputs of an ONNX file without a sidecar (dims: int, the ``dim_param`` name,
         or ``<input>.<i>`` for an unnamed dynamic dimension), and what the file's own
         ``metadata_props`` record (``qkrope export`` writes the model kind, dtype, config, its
         FP8 ``quantization`` and the node attributes there): a model without its sidecar is
         still built and run as what it is (an FP8 model is still refused ``--refit``). Without
         that metadata ``model`` and ``dtype`` are empty and the config unknown; the sample is
-        always unknown. Weights are not loaded."""
+        always unknown. Weights are not loaded (``model``: the file's ModelProto, already
+        read)."""
         import onnx
 
-        model = onnx.load(str(onnx_path), load_external_data=False)
+        if model is None:
+            try:
+                model = onnx.load(str(onnx_path), load_external_data=False)
+            except Exception as exc:  # noqa: BLE001 - protobuf DecodeError, OSError, ...
+                raise ModelInfoError(f"{onnx_path} is not a readable ONNX model (truncated, or "
+                                     f"not ONNX: {type(exc).__name__}). Fix: re-export it with "
+                                     f"`qkrope export --out {onnx_path}`") from None
 
         def io(values) -> list[TensorInfo]:
             out = []
@@ -979,6 +986,24 @@ class PluginRecord:
 _ENGINE_FIX = "rebuild the engine with `qkrope build` (it writes the sidecar next to the engine)"
 
 
+def _check_profile_entry(f: _Fields, name: str, levels: dict[str, list[int]],
+                         shapes: Mapping[str, list[int]]) -> None:
+    """One input of one optimisation profile: an input of the engine, min/opt/max of its rank,
+    each dimension 0 <= min <= opt <= max and a static one equal to the engine's size."""
+    if name not in shapes:
+        f.fail(f"is not an input of the engine (its inputs: {', '.join(shapes)})")
+    shape = shapes[name]
+    for lv in LEVELS:
+        if len(levels[lv]) != len(shape):
+            f.fail(f"{lv} {levels[lv]} has {len(levels[lv])} dimensions, the input has "
+                   f"{len(shape)} ({shape})")
+    for d, (lo, opt, hi, size) in enumerate(zip(levels["min"], levels["opt"], levels["max"],
+                                               shape)):
+        if not 0 <= lo <= opt <= hi or (size >= 0 and not lo == hi == size):
+            f.fail(f"dimension {d} is min {lo}, opt {opt}, max {hi}: it must be 0 <= min <= opt "
+                   f"<= max" + (f", all {size} (a static dimension)" if size >= 0 else ""))
+
+
 @dataclass
 class EngineInfo:
     """One built engine's description (the module docstring has the JSON schema)."""
@@ -1067,12 +1092,14 @@ class EngineInfo:
                 f.fail(f"lists no {key}")
             _check_unique(f, key, tensors[key])
         profiles = []
+        shapes = {t.name: t.shape for t in tensors["inputs"]}
         for i, p in enumerate(f.get("profiles", list)):
             pf = f.sub(p, f"profiles[{i}]")
             prof = {}
             for name, levels in pf.data.items():
                 lf = pf.sub(levels, f"input {name!r}")
                 prof[str(name)] = {lv: _dims(lf, lf.get(lv, list), lv, (int,)) for lv in LEVELS}
+                _check_profile_entry(lf, str(name), prof[str(name)], shapes)
             profiles.append(prof)
         plugin = None
         raw = f.get("plugin", dict, optional=True)

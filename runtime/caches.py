@@ -642,11 +642,15 @@ def _model_rope_config(path) -> tuple[Any, list, str, object]:
     the ``qkrope.config`` entry that ``qkrope export`` writes into the model's
     ``metadata_props``."""
     import json
+    import os
     from pathlib import Path
 
     from qkrope.errors import InputFileNotFoundError
     from qkrope.sidecars import EngineInfo, ModelConfig, ModelInfo, sidecar_path
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"model_path must be the path of an .onnx or .engine file; got "
+                         f"{path!r} ({type(path).__name__})")
     p = Path(path)
     if not p.is_file():
         raise InputFileNotFoundError(f"{p} does not exist. Fix: pass the .onnx file `qkrope "
@@ -662,10 +666,11 @@ def _model_rope_config(path) -> tuple[Any, list, str, object]:
     if sidecar_path(p).exists():
         info = ModelInfo.load(p)
         return info.config, [(t.name, t.shape) for t in info.inputs], info.source, None
-    desc = ModelInfo.from_onnx_graph(p)
-    import onnx
+    from . import onnx_file
 
-    props = {m.key: m.value for m in onnx.load(str(p), load_external_data=False).metadata_props}
+    model = onnx_file.read_onnx_model(p)  # a file that is no ONNX model: one line naming it
+    desc = ModelInfo.from_onnx_graph(p, model=model)
+    props = {m.key: m.value for m in model.metadata_props}
     text = props.get("qkrope.config")
     if text is None:
         raise InputError(

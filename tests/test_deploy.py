@@ -464,3 +464,18 @@ def test_an_edited_engine_sidecar_is_refused_by_caches_for_and_triton_repo(onnx_
     err = capsys.readouterr().err
     assert "edited or belongs to another build" in err and err.count("\n") == 1, err
     assert not (tmp_path / "repo").exists()
+
+
+def test_caches_for_junk_model_paths_are_one_line(tmp_path):
+    """A model path that is no path, or a file without a sidecar that is no ONNX model: one
+    InputError-like line (protobuf's DecodeError and TypeError used to escape)."""
+    rand = tmp_path / "rand.onnx"
+    rand.write_bytes(bytes(range(256)) * 8)
+    text = tmp_path / "text.onnx"
+    text.write_text("hello\n")
+    for path, match in ((rand, "is not a readable ONNX model"),
+                        (text, "is not a readable ONNX model"),
+                        (5, "model_path must be the path"), (None, "model_path must be the path")):
+        with pytest.raises(QkropeError, match=match) as exc:
+            caches_for(path, [(1, 2, 2)], 3)
+        assert "\n" not in str(exc.value)

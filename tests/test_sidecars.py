@@ -134,7 +134,9 @@ def test_engine_sidecar_contents():
         tensorrt_version="10.14.1", onnx="/m.onnx",
         inputs=engine_tensors([EngineTensor("hidden_states", "float32", [-1, -1, C])], side),
         outputs=engine_tensors([EngineTensor("img_out", "float32", [-1, -1, C])], side),
-        profiles=[prof.profile_to_json(profile)],
+        # the profile of the engine's one input (a profile of an input the engine does not
+        # have is refused on reading)
+        profiles=[{"hidden_states": prof.profile_to_json(profile)["hidden_states"]}],
         plugin=PluginRecord("/lib.so", "ab", True), plugin_layers=2, version_compatible=True,
         strongly_typed=True, builder_optimization_level=3,
         parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
@@ -146,6 +148,19 @@ def test_engine_sidecar_contents():
     assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}
     assert doc["config"]["head_dim"] == 16 and doc["version_compatible"] is True
     assert EngineInfo.from_dict(json.loads(json.dumps(doc))) == info
+    for edit, match in ((lambda d: d["profiles"][0].update(mask={"min": [1], "opt": [1],
+                                                                 "max": [1]}),
+                         "'mask' is not an input of the engine"),
+                        (lambda d: d["profiles"][0]["hidden_states"].update(min=[]),
+                         r"min \[\] has 0 dimensions, the input has 3"),
+                        (lambda d: d["profiles"][0]["hidden_states"]["min"].__setitem__(1, 9999),
+                         "dimension 1 is min 9999"),
+                        (lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(2, 7),
+                         r"dimension 2 .* all 32 \(a static dimension\)")):
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        with pytest.raises(EngineInfoError, match=match):
+            EngineInfo.from_dict(bad)
 
 
 def test_description_from_the_onnx_graph(tmp_path):
