@@ -53,6 +53,7 @@ from qkrope._progress import Steps
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
                         attention_form, check_attention_form)
+from .patch_diffusers import check_fits_in_memory as _check_fits_in_memory, itemsize as _itemsize
 from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
                             FunctionVariant, make_function_proto, qk_norm_rope_translation)
 
@@ -443,26 +444,6 @@ def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
 
 #: torch.Generator.manual_seed takes seeds below 2**64; the sample generator is seeded seed + 1
 MAX_SEED = 2**63 - 1
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _check_fits_in_memory(what: str, nbytes: int, flags: str) -> None:
-    """An InputError naming the flags when ``what`` needs more bytes than this machine has
-    (torch would fail with an overflow, a MemoryError or the OOM killer instead)."""
-    memory = _physical_memory()
-    if memory is not None and nbytes > memory:
-        raise InputError(f"{what} needs {nbytes / 2**30:.3g} GiB, more than this machine's "
-                         f"{memory / 2**30:.3g} GiB of memory. Fix: give smaller {flags}")
 
 
 def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: int,

@@ -695,8 +695,10 @@ class ModelInfo:
         _check_format(f, ONNX_FORMAT)
         axes = {}
         for name, v in f.obj("dynamic_axes").items():
-            axes[str(name)] = {"export_value": f.sub(v, f"dynamic_axes[{name!r}]").get(
-                "export_value", int)}
+            value = f.sub(v, f"dynamic_axes[{name!r}]").get("export_value", int)
+            if value < 1:
+                f.fail(f"field 'dynamic_axes': {name!r} has export_value {value}; a size is >= 1")
+            axes[str(name)] = {"export_value": value}
         config = ModelConfig.from_dict(f.obj("config"), source=source)
         info = cls(
             model=f.get("model", str), opset=f.get("opset", int),
@@ -706,7 +708,7 @@ class ModelInfo:
             outputs=[TensorInfo._read(f.sub(t, f"outputs[{i}]"))
                      for i, t in enumerate(f.get("outputs", list))],
             dynamic_axes=axes, node_attributes=_node_attributes(f, config), config=config,
-            sample=f.obj("sample"), versions=f.obj("versions", optional=True),
+            sample=_sample(f), versions=f.obj("versions", optional=True),
             model_sha256=_sha256_field(f, "model_sha256"), source=source)
         _check_unique(f, "inputs", info.inputs)
         _check_unique(f, "outputs", info.outputs)
@@ -986,6 +988,22 @@ class PluginRecord:
 _ENGINE_FIX = "rebuild the engine with `qkrope build` (it writes the sidecar next to the engine)"
 
 
+def _sample(f: _Fields) -> dict[str, Any]:
+    """The export sample: ``img_shapes`` a list of positive (frames, height, width) triples,
+    ``txt_len`` and ``batch`` positive ints (each optional; other keys kept as read)."""
+    sample = f.obj("sample")
+    shapes = sample.get("img_shapes")
+    if shapes is not None and not (isinstance(shapes, list) and all(
+            isinstance(s, list) and len(s) == 3 and all(_positive_int(v) for v in s)
+            for s in shapes)):
+        f.fail(f"field 'sample': 'img_shapes' must be a list of [frames, height, width] "
+               f"positive ints, got {_brief(shapes)}")
+    for key in ("txt_len", "batch"):
+        if sample.get(key) is not None and not _positive_int(sample[key]):
+            f.fail(f"field 'sample': {key!r} must be a positive int, got {_brief(sample[key])}")
+    return sample
+
+
 def _check_profile_entry(f: _Fields, name: str, levels: dict[str, list[int]],
                          shapes: Mapping[str, list[int]]) -> None:
     """One input of one optimisation profile: an input of the engine, min/opt/max of its rank,
@@ -1118,7 +1136,7 @@ class EngineInfo:
             builder_optimization_level=f.get("builder_optimization_level", int, optional=True),
             parser_flags=[str(x) for x in f.get("parser_flags", list)],
             config=ModelConfig.from_dict(f.obj("config"), source=source, error=EngineInfoError),
-            dynamic_axes=f.obj("dynamic_axes"), sample=f.obj("sample"),
+            dynamic_axes=f.obj("dynamic_axes"), sample=_sample(f),
             gpu=dict(gpu) if gpu is not None else None,
             build_seconds=f.get("build_seconds", (int, float), optional=True),
             refittable=f.get("refittable", bool, optional=True, default=False),

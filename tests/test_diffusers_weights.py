@@ -5,6 +5,7 @@ through its index, and diffusers' ``variant=`` is honoured, by `qkrope export` a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -152,3 +153,33 @@ def test_export_names_a_truncated_single_file_and_only_its_own_flags(saved, tmp_
     assert "has no variant 'fp16' weights" in err and "--state-dict" not in err
     with pytest.raises(dw.DiffusersWeightsError, match="or pass --state-dict FILE"):
         refit.load_state_dict(str(d), variant="fp16")  # refit has --state-dict: it is offered
+
+
+@pytest.mark.parametrize("key, value, match", [
+    (None, [1], "holds a JSON list, not the object"),
+    ("num_layers", "x", "'num_layers' must be a positive int"),
+    ("attention_head_dim", None, "'attention_head_dim' must be a positive int"),
+    ("num_attention_heads", -1, "'num_attention_heads' must be a positive int"),
+    ("axes_dims_rope", [1], "'axes_dims_rope' must be three positive even ints"),
+    ("axes_dims_rope", [8, 8, 8], "summing to attention_head_dim 32"),
+    ("guidance_embeds", "yes", "'guidance_embeds' must be true or false"),
+    ("in_channels", 10**20, r"needs .* GiB, more than this machine's"),
+    ("in_channels", 3, "cannot be loaded as its config.json describes it .*size mismatch"),
+])
+def test_a_wrong_config_json_is_one_line(tmp_path, capsys, key, value, match):
+    """A config.json of the wrong JSON type or with sizes of the wrong type, sign or scale, or
+    that the weights do not match: one line before (or instead of) diffusers' TypeError,
+    AssertionError, RuntimeError or an allocation that cannot succeed."""
+    d = tmp_path / "t"
+    tp.save_transformer(tp.tiny_transformer(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    if key is None:
+        cfg = value
+    else:
+        cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["export", "--model", "transformer", "--diffusers", str(d),
+                 "--out", str(tmp_path / "t.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(match, err[-1]) and err[-1].startswith("qkrope export: error: "), err
+    assert "Traceback" not in "\n".join(err) and not (tmp_path / "t.onnx").exists()
