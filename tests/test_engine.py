@@ -195,7 +195,7 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
                    "--max", "encoder_hidden_states:2x40x32"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert out.read_bytes() == b"SERIALIZED-ENGINE"
+    assert out.read_bytes() == ft.plan_bytes(state.network_name)
     assert tc.read_bytes() == bytes(trt.ITimingCache(b"").serialize())  # a new cache
     assert state.timing_cache_data == b""
     assert state.flags == 1 << 1  # STRONGLY_TYPED (1 in TensorRT 10)
@@ -298,7 +298,7 @@ def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build,
 
     def after(k):
         pair = (engine.read_bytes(), json.loads(side.read_text())["created"] == "OLD")
-        assert pair in ((b"OLD-ENGINE", True), (b"SERIALIZED-ENGINE", False)), (k, pair)
+        assert pair in ((b"OLD-ENGINE", True), (ft.plan_bytes(state.network_name), False)), (k, pair)
         outcomes.add(pair[1])
         eng.build_engine(onnx_path, engine, opts, log=io.StringIO())  # the next run
         assert sorted(p.name for p in out.iterdir()) == ["m.engine", "m.engine.json"], k
@@ -480,3 +480,34 @@ def test_fake_build_names_the_network_after_its_facts(fake_build, tmp_path):
     data = side.to_dict()
     data.update(build_seconds=1e9, created="2000-01-01T00:00:00Z")  # not facts: still agrees
     EngineInfo.from_dict(data).check_engine_name(state.network_name, out)
+
+
+def test_a_built_engines_edited_sidecar_is_refused_without_tensorrt(fake_build, tmp_path,
+                                                                    monkeypatch):
+    """The engine file keeps its facts tag (the network name, in the plan as text), so readers
+    that never deserialise it (caches_for, triton-repo, the build's reuse check) refuse a
+    sidecar edited beside it: RoPE axes set or permuted, a profile widened, roles swapped."""
+    from qkrope.runtime import caches_for
+    from qkrope.sidecars import EngineInfo, EngineInfoError, engine_file_tags, facts_tag
+
+    trt, state, onnx_path, lib = fake_build()
+    out = tmp_path / "m.engine"
+    eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
+                     log=io.StringIO())
+    info = EngineInfo.load(out)
+    assert facts_tag(info) in engine_file_tags(out)[1]
+    side = Path(str(out) + ".json")
+    original = side.read_text()
+    monkeypatch.delitem(sys.modules, "tensorrt")  # nothing below deserialises the engine
+    for edit in (lambda d: d["config"].update(axes_dims_rope=[4, 6, 6]),
+                 lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(1, 99999),
+                 lambda d: d["sample"].update(txt_len=7)):
+        data = json.loads(original)
+        edit(data)
+        side.write_text(json.dumps(data))
+        with pytest.raises(EngineInfoError, match="edited or belongs to another build"):
+            EngineInfo.load(out)
+        with pytest.raises(EngineInfoError, match="edited or belongs to another build"):
+            caches_for(out, [(1, 2, 2)], 3)
+    side.write_text(original)
+    EngineInfo.load(out)  # the pair as built
