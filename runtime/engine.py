@@ -290,7 +290,34 @@ def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.
         max_img_tokens=opts.max_img_tokens, max_txt_tokens=opts.max_txt_tokens,
         axis_levels=levels)
     prof.validate_profile(profile, model.inputs)
+    _check_max_flags_hold(model, opts, profile)
     return [("", profile)]
+
+
+def _check_max_flags_hold(model: ModelInfo, opts: BuildOptions, profile: prof.Profile) -> None:
+    """--max-batch / --max-img-tokens / --max-txt-tokens are the profile's max of their axis on
+    every input that has it; a range flag of the same axis (--batch, --txt-tokens) or an
+    explicit --max shape that says otherwise would win silently, so the pair is refused."""
+    for flag, value, axis, other in (
+            ("--max-batch", opts.max_batch, model_io.BATCH, ("--batch", opts.batch)),
+            ("--max-img-tokens", opts.max_img_tokens, model_io.IMG_TOKENS, (None, None)),
+            ("--max-txt-tokens", opts.max_txt_tokens, model_io.TXT_TOKENS,
+             ("--txt-tokens", opts.txt_tokens))):
+        if value is None:
+            continue
+        if other[1]:
+            raise prof.ProfileError(f"{flag} {value} and {other[0]} "
+                                    f"{other[1][0]}:{other[1][1]} both set the {axis} range; "
+                                    f"give one of them")
+        for spec in model.inputs:
+            for i, d in enumerate(spec.shape):
+                got = profile[spec.name]["max"][i] if spec.name in profile else value
+                if d == axis and got != value:
+                    raise prof.ProfileError(
+                        f"{flag} {value} conflicts with the --max shape(s) given "
+                        f"({', '.join(opts.max_shapes or ())}), which make the max of "
+                        f"{spec.name} {'x'.join(map(str, profile[spec.name]['max']))} (its "
+                        f"{axis} {got}); give the {axis} once, with either flag")
 
 
 def plan_profile(model: ModelInfo, opts: BuildOptions) -> prof.Profile:

@@ -511,3 +511,25 @@ def test_a_built_engines_edited_sidecar_is_refused_without_tensorrt(fake_build, 
             caches_for(out, [(1, 2, 2)], 3)
     side.write_text(original)
     EngineInfo.load(out)  # the pair as built
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_img_tokens=100, max_shapes={"hidden_states": (2, 999, 32)}),
+     r"--max-img-tokens 100 conflicts with the --max shape\(s\) given \(hidden_states\)"),
+    (dict(max_txt_tokens=32, max_shapes={"encoder_hidden_states_mask": (2, 77)}),
+     r"--max-txt-tokens 32 conflicts .*its txt_tokens 77"),
+    (dict(max_txt_tokens=32, txt_tokens=(1, 64)),
+     "--max-txt-tokens 32 and --txt-tokens 1:64 both set the txt_tokens range"),
+    (dict(max_batch=1, batch=(1, 4)), "--max-batch 1 and --batch 1:4 both set the batch range"),
+])
+def test_max_token_flags_are_never_silently_overridden(kw, match):
+    """--max-img-tokens / --max-txt-tokens / --max-batch of an attention block's build are its
+    profile's max; a range or an explicit --max shape that would override them is refused (the
+    flag used to be ignored)."""
+    import _tiny_model
+
+    model = _tiny_model.model()
+    assert eng.plan_profile(model, eng.BuildOptions(max_img_tokens=100))["hidden_states"][
+        "max"][1] == 100
+    with pytest.raises(eng.prof.ProfileError, match=match):
+        eng.plan_profiles(model, eng.BuildOptions(**kw))
