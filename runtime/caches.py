@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from qkrope.errors import InputError, QkropeError
-from qkrope import model_io
+from qkrope import contract, model_io
 from qkrope.model_io import QWEN_IMAGE
 
 from . import rope_tables
@@ -272,13 +272,14 @@ def _check_cache_size(shapes, txt_seq_len: int, axes: tuple[int, ...]) -> None:
             f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
             f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
             f"Fix: the shapes are in latent patches (a 1024x1024 image is (1, 64, 64)), not pixels.")
-    # the cos and sin tables: one fp32 row of sum(axes) / 2 values each per position 0..4096
-    table_bytes = (rope_tables.MAX_POSITIONS + 1) * sum(axes) * 4
-    if table_bytes > MAX_CACHE_BYTES:
+    # the cos and sin position tables (rope_tables.axis_tables, memoised) hold one fp32 row of
+    # sum(axes) values per position 0..4096: bounded by the widest head the kernel takes
+    # (8 MiB at 512), so the 8 tables it keeps hold at most 64 MiB
+    if sum(axes) > contract.MAX_HEAD_DIM:
         raise InputError(
-            f"axes_dim {list(axes)} (rotary_dim {sum(axes)}) needs RoPE position tables of "
-            f"{table_bytes / 2**30:.1f} GiB, more than the {MAX_CACHE_BYTES / 2**30:.0f} GiB "
-            f"limit; no attention head is that wide. Fix: check the model's axes_dims_rope")
+            f"axes_dim {list(axes)} gives a rotary_dim of {sum(axes)}, wider than any attention "
+            f"head the QKNormRoPE kernel takes (head_dim <= {contract.MAX_HEAD_DIM}). Fix: check "
+            f"the model's axes_dims_rope")
 
 
 # --------------------------------------------------------------------------------------------
