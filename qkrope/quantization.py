@@ -75,8 +75,11 @@ def _safetensors_keys(path: Path) -> list[str]:
             raise InputError(f"{path} is not a safetensors file (header of {n} bytes)")
         try:
             header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise InputError(f"{path} is not a safetensors file (unreadable header)") from exc
+        except (ValueError, RecursionError):
+            raise InputError(f"{path} is not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict):  # a header is a JSON object: tensor name -> its record
+        raise InputError(f"{path} is not a safetensors file (its header is a JSON "
+                         f"{type(header).__name__}, not an object)")
     return [k for k in header if k != "__metadata__"]
 
 
