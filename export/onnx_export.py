@@ -455,7 +455,7 @@ def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: in
         f"{sample.txt_len} text tokens)",
         sample.batch * (sample.img_tokens * feat_img + sample.txt_len * feat_txt)
         * _itemsize(dtype) * 4,  # the inputs, and the activations the trace keeps of them
-        "--batch / --img-shape / --txt-len")
+        "give smaller --batch / --img-shape / --txt-len")
 
     g = torch.Generator().manual_seed(seed + 1)
     caches = build_qwen_rope_caches(sample.img_shapes, sample.txt_len, axes_dim=tuple(axes_dim))
@@ -605,7 +605,7 @@ def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
     _check_fits_in_memory(f"the attention block of {heads} heads x {head_dim} (width "
                           f"{int(heads) * int(head_dim)})",
                           8 * (int(heads) * int(head_dim)) ** 2 * _itemsize(tdtype),
-                          "--heads / --head-dim")
+                          "give smaller --heads / --head-dim")
     axes_dim = default_axes_dims(rotary_dim)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_ATTENTION_SAMPLE)
     config = ModelConfig(dim=heads * head_dim, heads=int(heads), head_dim=int(head_dim),
