@@ -60,6 +60,7 @@ from qkrope.file_record import new_write_id
 
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
                         attention_form, check_attention_form)
+from .patch_diffusers import check_fits_in_memory as _check_fits_in_memory, itemsize as _itemsize
 from .onnx_function import (DEFAULT_OPSET, FUNCTION_BODY_KEY, MAX_OPSET, MIN_OPSET,
                             FunctionVariant, make_function_proto, qk_norm_rope_translation)
 
@@ -400,9 +401,10 @@ INPUT_DOCS = {t.name: t.doc for t in model_io.TENSORS.values() if t.doc}
 
 def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
                    attributes: contract.NodeAttributes | None = None,
-                   write_id: str | None = None) -> None:
-    """metadata_props (qkrope version, node contract version, model kind, dtype, config and node
-    attributes as JSON: what the sidecar is checked against) and a doc string on every graph
+                   write_id: str | None = None, io: dict | None = None) -> None:
+    """metadata_props (qkrope version, node contract version, model kind, dtype, config, node
+    attributes and the sidecar's I/O facts (``io``: :meth:`ModelInfo.io_facts`) as JSON: what
+    the sidecar is checked against; the sidecar's ``write_id``) and a doc string on every graph
     input (in place)."""
     import json
 
@@ -415,6 +417,8 @@ def annotate_model(model, *, kind: str, dtype: str, config: ModelConfig,
         props["node_attributes"] = json.dumps(attributes.to_node(), sort_keys=True)
     if write_id:  # the sidecar records the same id: a pair from two writers is refused
         props["write_id"] = write_id
+    if io is not None:
+        props["io"] = json.dumps(io, sort_keys=True)
     if config.quantization:  # qkrope.quantization: what a reader checks first
         props[quantization.METADATA_KEY] = json.dumps(config.quantization, sort_keys=True)
     for key, value in props.items():
@@ -435,7 +439,8 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
     info_fields["dynamic_axes"] = {a: {"export_value": int(v)} for a, v in axis_values.items()}
     info = ModelInfo(inputs=inputs, outputs=outputs, write_id=new_write_id(), **info_fields)
     annotate_model(model, kind=info.model, dtype=info.dtype, config=info.config,
-                   attributes=info.node_attributes, write_id=info.write_id)
+                   attributes=info.node_attributes, write_id=info.write_id,
+                   io=info.io_facts())
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     kinds = dict(zip(names, (ONNX_MODEL, EXTERNAL_DATA, MODEL_SIDECAR)))
     with staged_outputs(out.parent, names, kinds=kinds) as st:
@@ -478,9 +483,20 @@ def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
     return sample
 
 
+#: torch.Generator.manual_seed takes seeds below 2**64; the sample generator is seeded seed + 1
+MAX_SEED = 2**63 - 1
+
+
 def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: int,
                  axes_dim: Sequence[int], with_timestep: bool, seed: int):
     from qkrope.runtime.caches import build_qwen_rope_caches
+
+    _check_fits_in_memory(
+        f"the export sample (batch {sample.batch}, {sample.img_tokens} image and "
+        f"{sample.txt_len} text tokens)",
+        sample.batch * (sample.img_tokens * feat_img + sample.txt_len * feat_txt)
+        * _itemsize(dtype) * 4,  # the inputs, and the activations the trace keeps of them
+        "give smaller --batch / --img-shape / --txt-len")
 
     g = torch.Generator().manual_seed(seed + 1)
     caches = build_qwen_rope_caches(sample.img_shapes, sample.txt_len, axes_dim=tuple(axes_dim))
@@ -707,6 +723,14 @@ def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
         raise InputError(f"--rotary-dim must be even and in (0, head_dim={head_dim}]; got "
                          f"{rotary_dim}")
     attributes = contract.NodeAttributes(eps, interleaved, rounding)  # checked
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -MAX_SEED <= seed < MAX_SEED:
+        raise InputError(f"--seed must be an integer in {-MAX_SEED}..{MAX_SEED - 1} (torch's "
+                         f"generator seeds); got {seed!r}")
+    # the block's weights: Q, K, V and out projections of both streams, dim x dim each
+    _check_fits_in_memory(f"the attention block of {heads} heads x {head_dim} (width "
+                          f"{int(heads) * int(head_dim)})",
+                          8 * (int(heads) * int(head_dim)) ** 2 * _itemsize(tdtype),
+                          "give smaller --heads / --head-dim")
     axes_dim = default_axes_dims(rotary_dim)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_ATTENTION_SAMPLE)
     config = ModelConfig(dim=heads * head_dim, heads=int(heads), head_dim=int(head_dim),

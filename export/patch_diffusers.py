@@ -123,6 +123,102 @@ class CacheInputTransformer(nn.Module):
         return t.proj_out(hidden_states)
 
 
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of a torch dtype."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _physical_memory() -> int | None:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_in_memory(what: str, nbytes: int, fix: str) -> None:
+    """An InputError when ``what`` needs more bytes than this machine has (torch would fail
+    with an overflow, a MemoryError or the OOM killer instead); ``fix``: what to give instead."""
+    memory = _physical_memory()
+    if memory is not None and nbytes > memory:
+        raise InputError(f"{what} needs {nbytes / 2**30:.3g} GiB, more than this machine's "
+                         f"{memory / 2**30:.3g} GiB of memory. Fix: {fix}")
+
+
+#: QwenImageTransformer2DModel's config fields qkrope reads sizes from: positive ints, the
+#: output channels may be null (= in_channels)
+_POSITIVE_INT_FIELDS = ("attention_head_dim", "in_channels", "joint_attention_dim",
+                        "num_attention_heads", "num_layers", "patch_size")
+_BOOL_FIELDS = ("guidance_embeds", "use_additional_t_cond", "use_layer3d_rope", "zero_cond_t")
+
+
+def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True) -> dict:
+    """The folder's ``config.json`` as ``model_class`` would take it (its defaults for what it
+    omits), refused in one line before diffusers builds anything when it is not a JSON object,
+    a size is not a positive int, a flag not a bool, ``axes_dims_rope`` not three positive even
+    ints summing to ``attention_head_dim`` (diffusers asserts it), or the weights would not fit
+    in this machine's memory (``memory``; the streamed export, which never holds them, passes
+    False). Qwen-Image's fields; FLUX's config is left to diffusers' own checks."""
+    import inspect
+    import json
+    import os
+
+    path = os.path.join(directory, "config.json")
+    fix = (f"Fix: save the model again with save_pretrained, or correct {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{path} is not readable JSON ({type(exc).__name__}). {fix}") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{path} holds a JSON {type(raw).__name__}, not the object of a "
+                         f"model's config. {fix}")
+    defaults = {name: p.default for name, p in
+                inspect.signature(model_class.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    cfg = {**defaults, **raw}
+
+    def bad(key: str, want: str):
+        value = json.dumps(cfg[key]) if not isinstance(cfg[key], tuple) else str(cfg[key])
+        raise InputError(f"{path}: {key!r} must be {want}, got {value[:60]}. {fix}")
+
+    for key in _POSITIVE_INT_FIELDS:
+        v = cfg.get(key)
+        if key in cfg and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            bad(key, "a positive int")
+    v = cfg.get("out_channels")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        bad("out_channels", "a positive int or null")
+    for key in _BOOL_FIELDS:
+        if key in cfg and not isinstance(cfg[key], bool):
+            bad(key, "true or false")
+    axes = cfg.get("axes_dims_rope")
+    if "axes_dims_rope" in cfg:
+        if not (isinstance(axes, (list, tuple)) and len(axes) == 3 and all(
+                isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % 2 == 0
+                for a in axes)):
+            bad("axes_dims_rope", "three positive even ints")
+        head_dim = cfg.get("attention_head_dim")
+        if isinstance(head_dim, int) and sum(axes) != head_dim:
+            bad("axes_dims_rope", f"three widths summing to attention_head_dim {head_dim}")
+    heads, head_dim = cfg.get("num_attention_heads"), cfg.get("attention_head_dim")
+    layers = cfg.get("num_layers")
+    sizes = [cfg.get(k) for k in ("num_attention_heads", "attention_head_dim", "num_layers",
+                                  "in_channels", "joint_attention_dim", "patch_size")]
+    if memory and all(isinstance(v, int) for v in sizes):
+        heads, head_dim, layers, in_ch, txt_dim, patch = sizes
+        dim = heads * head_dim
+        out_ch = cfg.get("out_channels") or in_ch
+        # each block: attention (Q, K, V, out of both streams) and two 4x MLPs: ~24 dim^2; the
+        # input projections and the output projection (patch x patch x out_channels wide)
+        params = layers * 24 * dim * dim + dim * (in_ch + txt_dim + patch * patch * out_ch)
+        check_fits_in_memory(f"{path} ({layers} blocks of width {dim})",
+                             params * itemsize(dtype), "check its sizes (num_layers, "
+                             "num_attention_heads, attention_head_dim, the channels)")
+    return cfg
+
+
 def model_folder(directory: str) -> str:
     """The folder of a saved diffusers transformer: ``directory``, or its ``transformer/``
     subfolder (a pipeline folder); an InputFileNotFoundError otherwise."""
@@ -188,12 +284,22 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     with ModelOpt (:func:`qkrope.export.quantize.restore_quantized`)."""
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     directory, family = _checked_folder(directory, quant, variant)
+    if family.class_name == "QwenImageTransformer2DModel":
+        check_config(directory, diffusers.QwenImageTransformer2DModel, dtype)
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
     try:
         model = getattr(diffusers, family.class_name).from_pretrained(
             directory, torch_dtype=dtype, local_files_only=True, variant=variant)
+    except (RuntimeError, ValueError, TypeError, AssertionError, OSError) as exc:
+        # weights of other shapes than the config says (size mismatch), a config diffusers
+        # refuses: the folder's own inconsistency, said in one line
+        text = " ".join(str(exc).split())
+        raise InputError(f"--diffusers {directory} cannot be loaded as its config.json "
+                         f"describes it ({type(exc).__name__}: "
+                         f"{text[:200] + '...' if len(text) > 200 else text}). Fix: save the "
+                         f"model again with save_pretrained") from None
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
     if quant is not None:
@@ -220,6 +326,8 @@ def skeleton_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     directory, family = _checked_folder(directory, quant, variant)
     cls = getattr(diffusers, family.class_name)
+    if family.class_name == "QwenImageTransformer2DModel":
+        check_config(directory, cls, dtype, memory=False)  # the weights stay on disk
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
     try:

@@ -6,7 +6,9 @@ reachable as attributes while their ``--help`` imports nothing heavy.
 
 ``names`` maps each public name to the module that defines it, absolute (``qkrope.sidecars``)
 or relative to the package of ``module`` (``.backends``). With ``submodules=True`` (a package)
-any other attribute is tried as a submodule (``qkrope.runtime.caches``). A name, once imported,
+any other attribute that is a plain identifier is tried as a submodule
+(``qkrope.runtime.caches``); every other name is an AttributeError, so ``getattr(face, "a.b",
+None)`` and ``hasattr`` answer the default / False. A name, once imported,
 is stored in the module's namespace, so ``__getattr__`` runs once per name.
 """
 
@@ -24,7 +26,9 @@ def lazy_names(module: str, names: Mapping[str, str], namespace: dict[str, Any],
     def __getattr__(name: str) -> Any:
         source = names.get(name)
         if source is None:
-            if submodules:
+            # only a plain name can be a submodule: "a.b", "" or "../x" is no attribute (an
+            # import of it would raise ModuleNotFoundError for its first part, or ValueError)
+            if submodules and name.isidentifier():
                 try:
                     return importlib.import_module(f"{module}.{name}")
                 except ModuleNotFoundError as exc:

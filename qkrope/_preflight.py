@@ -19,6 +19,14 @@ ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 SIDECAR_SUFFIX = ".json"
 
 
+def _with_suffix(p: Path, suffix: str) -> Path:
+    """``p`` with ``suffix`` for a fix to suggest; a path without a file name (``.``, ``/``,
+    ``..``: a folder) gets ``model<suffix>`` inside it."""
+    if p.name in ("", ".", ".."):
+        return p / f"model{suffix}"
+    return p.with_suffix(suffix)
+
+
 def _kind(path: Path) -> str | None:
     """'sidecar' (M.onnx.json / M.engine.json), 'onnx', 'engine' or None, by name."""
     name = path.name.lower()
@@ -45,7 +53,7 @@ def onnx_model(path: str | os.PathLike, *, command: str, flag: str = "MODEL.onnx
         raise InputError(f"{p} is a TensorRT engine; qkrope {command} takes the ONNX model "
                          f"`qkrope export` wrote (the engine's sidecar names it). Fix: qkrope "
                          f"{command} MODEL.onnx")
-    _exists(p, flag, f"export it with `qkrope export --out {p.with_suffix('.onnx')}`")
+    _exists(p, flag, f"export it with `qkrope export --out {_with_suffix(p, '.onnx')}`")
     return p
 
 
@@ -56,8 +64,8 @@ def engine(path: str | os.PathLike, *, command: str, flag: str = "MODEL.engine",
     contract, then "not a TensorRT engine")."""
     p = Path(path)
     kind = _kind(p)
-    build = (f"qkrope build {p.with_suffix('.onnx') if kind != 'onnx' else p}"
-             f"{' --refit' if refit else ''} -o {p.with_suffix('.engine')}")
+    build = (f"qkrope build {_with_suffix(p, '.onnx') if kind != 'onnx' else p}"
+             f"{' --refit' if refit else ''} -o {_with_suffix(p, '.engine')}")
     if kind == "sidecar":
         model = p.with_name(p.name[:-len(SIDECAR_SUFFIX)])
         raise InputError(f"{p} is the JSON sidecar of {model.name}, not an engine. Fix: qkrope "
@@ -68,7 +76,7 @@ def engine(path: str | os.PathLike, *, command: str, flag: str = "MODEL.engine",
         raise InputError(f"{p} is an ONNX model, not a TensorRT engine; qkrope {command} takes "
                          f"an engine"
                          f"{' built with `qkrope build --refit`' if refit else ''}. Fix: {build}, "
-                         f"then qkrope {command} {p.with_suffix('.engine')}")
+                         f"then qkrope {command} {_with_suffix(p, '.engine')}")
     _exists(p, flag, f"build it with `{build}`")
     return p
 

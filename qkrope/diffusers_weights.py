@@ -64,10 +64,13 @@ def _variants_present(d: Path) -> list[str]:
     return sorted(found)
 
 
-def weight_files(folder: str | os.PathLike, *, variant: str | None = None
-                 ) -> tuple[list[Path], dict[str, str] | None]:
+def weight_files(folder: str | os.PathLike, *, variant: str | None = None,
+                 other_source: str | None = None) -> tuple[list[Path], dict[str, str] | None]:
     """``(the safetensors files, the index's key -> shard map or None)`` of a saved diffusers
-    model (``folder`` or its ``transformer/``), for ``variant`` (None: the default weights)."""
+    model (``folder`` or its ``transformer/``), for ``variant`` (None: the default weights).
+    ``other_source``: the calling command's own way to give the weights otherwise (``qkrope
+    refit``: "pass --state-dict FILE"), offered when the folder has none; each command's
+    errors name only its own flags."""
     d = model_folder(folder)
     index = d / with_variant(INDEX_NAME, variant)
     single = d / with_variant(WEIGHTS_NAME, variant)
@@ -103,8 +106,11 @@ def weight_files(folder: str | os.PathLike, *, variant: str | None = None
                 f"{d} holds shard(s) its index {index.name} does not list: "
                 f"{', '.join(extra[:6])} (left from another save?). Fix: remove them, or save "
                 f"the model again into an empty folder")
+        for s in shards:
+            check_complete(d / s)
         return [d / s for s in shards], dict(weight_map)
     if single.is_file():
+        check_complete(single)
         return [single], None
     shards = sorted(p.name for p in d.glob(with_variant("diffusion_pytorch_model.x", variant)[:-2]
                                           + "-*-of-*.safetensors"))
@@ -123,22 +129,51 @@ def weight_files(folder: str | os.PathLike, *, variant: str | None = None
                 if others else "")
     raise DiffusersWeightsError(
         f"{d} has no {what}weights ({single.name} or {index.name}).{hint} Fix: save the model "
-        f"with save_pretrained(..., safe_serialization=True), pass the --variant it was saved "
-        f"with, or pass --state-dict FILE")
+        f"with save_pretrained(..., safe_serialization=True)"
+        + (f", pass the --variant it was saved with, or {other_source}" if other_source
+           else " or pass the --variant it was saved with"))
+
+
+def check_complete(path: Path) -> None:
+    """A :class:`DiffusersWeightsError` unless ``path`` is a whole safetensors file: its header
+    (8-byte little-endian length, then JSON) readable and the file as long as the header's
+    largest ``data_offsets`` end says (a truncated copy or download is named before anything
+    loads it). Only the header is read."""
+    fix = ("Fix: copy or download that file again, or save the model again with "
+           "save_pretrained")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= n <= size - 8:
+                raise ValueError
+            header = json.loads(f.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            RecursionError):
+        raise DiffusersWeightsError(f"{path} is not a safetensors file (no readable header: "
+                                    f"truncated or corrupt). {fix}") from None
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        raise DiffusersWeightsError(f"{path} is truncated: it holds {size} bytes, its header "
+                                    f"describes {need}. {fix}")
 
 
 def load_state_dict(folder: str | os.PathLike, *, variant: str | None = None,
-                    reader: Callable[[Path], dict] | None = None) -> dict:
+                    reader: Callable[[Path], dict] | None = None,
+                    other_source: str | None = None) -> dict:
     """Every tensor of the folder's weights by key (torch tensors), each key from the shard the
     index names for it. ``reader`` reads one weights file (default: safetensors' ``load_file``;
-    ``qkrope refit`` passes the reader that says in one line what a corrupt shard is)."""
+    ``qkrope refit`` passes the reader that says in one line what a corrupt shard is;
+    ``other_source``: as for :func:`weight_files`)."""
     if reader is None:
         from safetensors.torch import load_file
 
         def reader(f: Path) -> dict:
             return load_file(str(f))
 
-    files, weight_map = weight_files(folder, variant=variant)
+    files, weight_map = weight_files(folder, variant=variant, other_source=other_source)
     out: dict = {}
     for f in files:
         tensors = reader(f)
@@ -267,4 +302,5 @@ def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
 
 
 __all__ = ["DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
-           "weight_files", "load_state_dict", "TensorHeader", "tensor_headers", "read_tensor"]
+           "weight_files", "check_complete", "load_state_dict", "TensorHeader", "tensor_headers",
+           "read_tensor"]

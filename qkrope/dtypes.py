@@ -153,13 +153,19 @@ def canonical(dtype: Any, source: str | None = None) -> str:
     if source == "numpy":
         import numpy as np
 
+        accepted = ["what numpy.dtype() takes for one of qkrope's dtypes (np.float16, 'half', "
+                    "'<f4', ml_dtypes.bfloat16, ...), in native byte order"]
         try:
             if dtype is None:  # numpy reads None as float64
                 raise TypeError
-            return np.dtype(dtype).name
-        except TypeError:
-            raise _refuse(dtype, source, ["what numpy.dtype() takes (np.float16, 'half', "
-                                          "ml_dtypes.bfloat16, ...)"]) from None
+            parsed = np.dtype(dtype)
+        except Exception:  # noqa: BLE001 - TypeError, ValueError, ...: numpy takes no such dtype
+            raise _refuse(dtype, source, accepted) from None
+        # a structured, object, string or datetime dtype, or another byte order, is no dtype a
+        # model tensor has: refused, as every other source's values outside qkrope's table
+        if parsed.name not in NAMES or not parsed.isnative:
+            raise _refuse(dtype, source, accepted)
+        return parsed.name
     if source == "onnx":
         code = ONNX_CODE_BY_ONNX_NAME.get(dtype) if isinstance(dtype, str) else dtype
         if isinstance(code, int) and not isinstance(code, bool) and int(code) in NAME_BY_ONNX:

@@ -105,19 +105,33 @@ def _safetensors_keys(path: Path) -> list[str]:
             raise InputError(f"{path} is not a safetensors file (header of {n} bytes)")
         try:
             header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise InputError(f"{path} is not a safetensors file (unreadable header)") from exc
+        except (ValueError, RecursionError):
+            raise InputError(f"{path} is not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict):  # a header is a JSON object: tensor name -> its record
+        raise InputError(f"{path} is not a safetensors file (its header is a JSON "
+                         f"{type(header).__name__}, not an object)")
     return [k for k in header if k != "__metadata__"]
 
 
 def state_file_keys(path: str | os.PathLike) -> list[str]:
-    """The keys of a weights file: safetensors (header only) or a torch-saved state dict."""
+    """The keys of a weights file: safetensors (header only) or a torch-saved state dict
+    (``weights_only``: no pickled code runs). A file that is neither is an InputError naming it
+    (never torch's own exception and advice)."""
     path = Path(path)
     if path.suffix == ".safetensors":
         return _safetensors_keys(path)
     import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"  # torch.save's zip archive: readable with mmap
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except Exception as exc:  # noqa: BLE001 - every torch.load failure: not a state dict
+        what = ("a torch zip archive that cannot be read: truncated or corrupt" if zipped else
+                "no torch.save file, or one holding objects other than tensors")
+        raise InputError(f"{path} is not a readable torch-saved state dict ({what}; "
+                         f"{type(exc).__name__}). Fix: remove it from the folder, or save the "
+                         f"model again with save_pretrained") from None
     return list(state) if isinstance(state, dict) else []
 
 
@@ -143,12 +157,18 @@ class FolderQuantization:
         return " and ".join(parts)
 
 
+#: The weight files ``save_pretrained`` writes (and diffusers reads) in a model folder, any variant
+#: or shard: other ``*.bin`` / ``*.safetensors`` files there are not the model's weights.
+WEIGHT_FILE_GLOBS = ("diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.bin")
+
+
 def folder_quantization(directory: str | os.PathLike) -> FolderQuantization:
-    """Scan a diffusers model folder's weight files (``*.safetensors``, ``*.bin``) for quantizer
-    keys and look for ``modelopt_state.pth``."""
+    """Scan a diffusers model folder's weight files (:data:`WEIGHT_FILE_GLOBS`) for quantizer
+    keys and look for ``modelopt_state.pth``. Files of other names are not read: diffusers does
+    not load them either."""
     d = Path(directory)
     keys: list[str] = []
-    for f in sorted(d.glob("*.safetensors")) + sorted(d.glob("*.bin")):
+    for f in [p for pattern in WEIGHT_FILE_GLOBS for p in sorted(d.glob(pattern))]:
         keys += quantizer_keys(state_file_keys(f))
     state = d / MODELOPT_STATE_FILE
     return FolderQuantization(d, tuple(keys), state if state.is_file() else None)

@@ -188,14 +188,15 @@ def _read_json(path: Path, error: type[SidecarError], missing: str, fix: str) ->
 
 METADATA_PREFIX = "qkrope."  # the export's metadata_props keys: qkrope.model, .dtype, .config
 CONFIG_TAG_PREFIX = "qkrope-config-"
-WRITE_ID_SEPARATOR = ".write-"  # network name: <config tag>.write-<the sidecar's write_id>
+WRITE_ID_SEPARATOR = ".write-"  # network name: <facts tag>.write-<the sidecar's write_id>
 
 
-def engine_network_name(config: "ModelConfig | Mapping[str, Any]", write_id: str | None) -> str:
-    """The network name ``qkrope build`` gives an engine: its :func:`config_tag`, and the write
-    id its sidecar records (checked by :meth:`EngineInfo.check_engine_name`)."""
-    tag = config_tag(config)
-    return tag + WRITE_ID_SEPARATOR + write_id if write_id else tag
+def engine_network_name(info: "EngineInfo") -> str:
+    """The network name ``qkrope build`` gives an engine (the engine keeps it): the
+    :func:`facts_tag` of its sidecar and the write id the sidecar records (checked by
+    :meth:`EngineInfo.check_engine_name`; the sidecar records it too, as ``network_name``)."""
+    tag = facts_tag(info)
+    return tag + WRITE_ID_SEPARATOR + info.write_id if info.write_id else tag
 
 
 def config_tag(config: "ModelConfig | Mapping[str, Any]") -> str:
@@ -208,6 +209,65 @@ def config_tag(config: "ModelConfig | Mapping[str, Any]") -> str:
         config = config.to_dict()
     text = json.dumps(config, sort_keys=True)
     return CONFIG_TAG_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+FACTS_TAG_PREFIX = "qkrope-facts-"
+#: The tags an engine file may carry (its network name; a plan keeps it as text): a facts tag
+#: (this qkrope's builds) or a config tag (older ones).
+_TAG_RE = re.compile(rb"qkrope-(?:facts|config)-[0-9a-f]{32}")
+#: Engine sidecar fields not in the facts tag: known only after the build (its time, when it
+#: was written, the engine's own hash: checked against the file itself), or, inside build_key
+#: and config.quantization, the built engine's hash and FP8 layer summary.
+_POST_BUILD_FIELDS = ("build_seconds", "created", "engine_sha256", "engine_file", "network_name")
+
+
+def engine_facts(info: "EngineInfo") -> dict[str, Any]:
+    """The engine sidecar's facts that are known before TensorRT builds the engine (every field
+    but :data:`_POST_BUILD_FIELDS`, the build key's ``engine_sha256`` and an FP8 config's
+    ``quantization.engine``): what :func:`facts_tag` hashes."""
+    d = info.to_dict()
+    for key in _POST_BUILD_FIELDS:
+        d.pop(key, None)
+    if isinstance(d.get("build_key"), dict):
+        d["build_key"] = {k: v for k, v in d["build_key"].items() if k != "engine_sha256"}
+    quant = d["config"].get("quantization")
+    if isinstance(quant, dict):
+        d["config"] = {**d["config"], "quantization": {k: v for k, v in quant.items()
+                                                       if k != "engine"}}
+    return d
+
+
+def facts_tag(info: "EngineInfo") -> str:
+    """What ``qkrope build`` names the network (so the engine keeps it): a hash of every fact
+    its sidecar states before the build (:func:`engine_facts`: the I/O with roles and axes, the
+    profiles, the model config with its RoPE axes, the plugin, the build options and key).
+    An engine sidecar edited beside its engine no longer gives its engine's tag: refused on
+    load (:meth:`EngineInfo.load` reads the tag off the engine file, the runner off
+    ``ICudaEngine.name``)."""
+    import hashlib
+
+    text = json.dumps(engine_facts(info), sort_keys=True, default=str)
+    return FACTS_TAG_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def engine_file_tags(engine_path: str | os.PathLike) -> tuple[str, set[str]]:
+    """``(sha256 hex, the qkrope tags in it)`` of an engine file, in one read: the tags are the
+    network names qkrope builds give (:func:`facts_tag`, :func:`config_tag`) where the plan
+    keeps them as text."""
+    import hashlib
+
+    digest, tags, tail = hashlib.sha256(), set(), b""
+    keep = len(FACTS_TAG_PREFIX) + 32
+    with open(engine_path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 22)
+            if not chunk:
+                break
+            digest.update(chunk)
+            window = tail + chunk
+            tags.update(m.decode("ascii") for m in _TAG_RE.findall(window))
+            tail = window[-keep:]
+    return digest.hexdigest(), tags
 
 
 def _brief(value: Any) -> str:
@@ -230,22 +290,36 @@ def _varint(f) -> int | None:
 
 
 def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
-    """The ``metadata_props`` of an ONNX file, read without parsing its graph: the top-level
-    fields of the ModelProto are walked (the graph and everything else skipped by length) and
-    only the metadata entries (field 14) decoded. {} for a file that is not one."""
+    """The ``metadata_props`` of an ONNX file, read without parsing its graph
+    (:func:`onnx_header`). {} for a file that is not one."""
+    return onnx_header(onnx_path)[0]
+
+
+def onnx_header(onnx_path: str | os.PathLike) -> tuple[dict[str, str], int | None,
+                                                      dict[str, int]]:
+    """``(metadata_props, ir_version, {opset domain: version})`` of an ONNX file, read without
+    parsing its graph: the top-level fields of the ModelProto are walked (the graph and
+    everything else skipped by length) and only the metadata entries (field 14), the IR version
+    (field 1) and the opset imports (field 8) decoded. ``({}, None, {})`` for a file that is not
+    one."""
     import onnx
 
     out: dict[str, str] = {}
+    ir_version, opsets = None, {}
+    nothing: tuple[dict[str, str], int | None, dict[str, int]] = ({}, None, {})
     try:
         with open(onnx_path, "rb") as f:
             while True:
                 tag = _varint(f)
                 if tag is None:
-                    return out
+                    return out, ir_version, opsets
                 field_no, wire = tag >> 3, tag & 7
                 if wire == 0:
-                    if _varint(f) is None:
-                        return {}
+                    value = _varint(f)
+                    if value is None:
+                        return nothing
+                    if field_no == 1:
+                        ir_version = value
                 elif wire == 1:
                     f.seek(8, os.SEEK_CUR)
                 elif wire == 5:
@@ -253,16 +327,19 @@ def onnx_metadata_props(onnx_path: str | os.PathLike) -> dict[str, str]:
                 elif wire == 2:
                     n = _varint(f)
                     if n is None:
-                        return {}
+                        return nothing
                     if field_no == 14:
                         entry = onnx.StringStringEntryProto.FromString(f.read(n))
                         out[entry.key] = entry.value
+                    elif field_no == 8:
+                        op = onnx.OperatorSetIdProto.FromString(f.read(n))
+                        opsets[op.domain] = int(op.version)
                     else:
                         f.seek(n, os.SEEK_CUR)
                 else:
-                    return {}
+                    return nothing
     except Exception:  # noqa: BLE001 - unreadable, or not a protobuf: nothing recorded
-        return {}
+        return nothing
 
 
 def _sha256_field(f: _Fields, key: str) -> str | None:
@@ -379,7 +456,7 @@ _CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "rope_theta": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
                    "a positive number"),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
-    "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
     "attention": (lambda v: isinstance(v, str), "a str"),
     "weights": (lambda v: isinstance(v, str), "a path (str) or null"),
     "weights_sha256": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
@@ -476,11 +553,64 @@ class ModelConfig:
         return {names[k]: self.extra[k] for k in _LEGACY_NODE_FIELDS if k in self.extra}
 
 
+def _own_metadata(props: Mapping[str, str], where: str
+                  ) -> tuple[str, str, "ModelConfig", NodeAttributes | None]:
+    """(model kind, dtype, config, node attributes) that an ONNX file's ``metadata_props``
+    record (``qkrope export``'s ``qkrope.*`` entries); "" / empty for what they do not. An
+    entry that is there but not what the export writes is a :class:`ModelInfoError`."""
+    from qkrope import quantization
+
+    def entry(key: str):
+        text = props.get(METADATA_PREFIX + key)
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ModelInfoError(f"{where}: its {METADATA_PREFIX}{key} metadata is not JSON. "
+                                 f"Fix: {_ONNX_FIX}") from None
+
+    kind = props.get(METADATA_PREFIX + "model", "")
+    dtype = props.get(METADATA_PREFIX + "dtype", "")
+    if kind and kind not in MODELS or dtype and dtype not in DTYPES:
+        raise ModelInfoError(f"{where}: its metadata names an unknown model {kind!r} or dtype "
+                             f"{dtype!r} (expected one of {MODELS} and {tuple(DTYPES)}). Fix: "
+                             f"{_ONNX_FIX}")
+    raw = entry("config")
+    config = ModelConfig.from_dict(raw if raw is not None else {},
+                                   source=f"{where} (metadata_props)")
+    record = entry(quantization.METADATA_KEY)
+    if record is not None and config.quantization is None:
+        if not isinstance(record, dict):
+            raise ModelInfoError(f"{where}: its {quantization.METADATA_PROP} metadata is not a "
+                                 f"JSON object. Fix: {_ONNX_FIX}")
+        config.quantization = record
+    raw = entry("node_attributes")
+    attributes = None
+    if raw:
+        try:
+            attributes = NodeAttributes.from_node(raw)
+        except (InputError, AttributeError, TypeError) as exc:
+            raise ModelInfoError(f"{where}: its {METADATA_PREFIX}node_attributes metadata is "
+                                 f"invalid ({exc}). Fix: {_ONNX_FIX}") from None
+    return kind, dtype, config, attributes
+
+
 def _node_attributes(f: _Fields, config: ModelConfig) -> NodeAttributes | None:
     """The sidecar's node_attributes (a format-1 sidecar without them: its config's)."""
     raw = f.obj("node_attributes", optional=True) or config.legacy_node_attributes()
     if not raw:
         return None
+    fixed = {k: v for k, v in NodeAttributes().to_node().items()
+             if k not in ("epsilon", "interleaved", "rounding")}  # the plugin's identity
+    known = set(NodeAttributes().to_node())
+    for key, value in raw.items():
+        if key not in known:
+            f.fail(f"field 'node_attributes' has {key!r}, which the QKNormRoPE node does not "
+                   f"(it has {sorted(known)})")
+        if key in fixed and value != fixed[key]:
+            f.fail(f"field 'node_attributes' gives {key} {value!r}; every QKNormRoPE node of "
+                   f"this qkrope has {fixed[key]!r}")
     try:
         return NodeAttributes.from_node(raw)
     except InputError as exc:
@@ -497,6 +627,52 @@ def _role(f: _Fields) -> str | None:
     if role is not None and role not in known:
         f.fail(f"field 'role' must be one of {list(known)}, got {role!r}")
     return role
+
+
+_DECL_BY_ROLE = {t.role: t for t in model_io.TENSORS.values()}
+
+
+def _dtype(f: _Fields) -> str:
+    """A tensor's dtype: one of qkrope's names (:data:`qkrope.dtypes.NAMES`)."""
+    value = f.get("dtype", str)
+    if value not in dtypes.NAMES:
+        f.fail(f"field 'dtype' must be a dtype name such as 'float32' or 'bfloat16', got "
+               f"{value!r}")
+    return value
+
+
+def _check_role(f: _Fields, name: str, role: str | None, axes: Sequence[Any]) -> None:
+    """A recorded role is checked against the two facts that state it too: the tensor's name
+    (``qkrope export`` names every tensor by what it is, :data:`qkrope.model_io.TENSORS`: the
+    name ``hidden_states`` is the image stream, whatever the role says) and its axis names (the
+    image stream is ``[batch, img_tokens, C]``, the text stream ``[batch, txt_tokens, C]``, a
+    cache ``[<stream>_cache_rows, rotary_dim]``). Roles swapped by an edit (the runner would
+    feed each stream's data to the other) are refused; a renamed model's roles still load."""
+    if role is None:
+        return
+    declared = model_io.role_of(name)
+    if declared is not None and role != declared:
+        f.fail(f"gives the tensor {name!r} the role {role!r}, but {name!r} is the {declared!r} "
+               f"of every model qkrope exports: the roles were edited or swapped")
+    want = _DECL_BY_ROLE[role].axes
+    if len(axes) != len(want):
+        f.fail(f"gives the tensor {name!r} the role {role!r}, which has {len(want)} dimensions "
+               f"({list(want)}), but its shape has {len(axes)}: the roles were edited or "
+               f"swapped")
+    for got, expected in zip(axes, want):
+        if isinstance(got, str) and expected is not None and got != expected:
+            f.fail(f"gives the tensor {name!r} the role {role!r}, whose dimensions are "
+                   f"{list(want)}, but its shape names {list(axes)}: the roles were edited or "
+                   f"swapped")
+
+
+def _check_unique(f: _Fields, key: str, tensors: Sequence[Any]) -> None:
+    """No tensor name and no role twice among the ``key`` tensors."""
+    for what, values in (("name", [t.name for t in tensors]),
+                         ("role", [t.role for t in tensors if t.role is not None])):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            f.fail(f"lists the {what} {twice[0]!r} twice among its {key}")
 
 
 def _roles(tensors: Sequence[Any]) -> dict[str, str]:
@@ -530,8 +706,10 @@ class TensorInfo:
 
     @classmethod
     def _read(cls, f: _Fields) -> "TensorInfo":
-        return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int, str)), _role(f))
+        t = cls(f.get("name", str), _dtype(f), _dims(f, f.get("shape", list), "shape", (int, str)),
+                _role(f))
+        _check_role(f, t.name, t.role, t.shape)
+        return t
 
 
 _ONNX_FIX = "re-export with `qkrope export`"
@@ -600,8 +778,10 @@ class ModelInfo:
         _check_format(f, ONNX_FORMAT)
         axes = {}
         for name, v in f.obj("dynamic_axes").items():
-            axes[str(name)] = {"export_value": f.sub(v, f"dynamic_axes[{name!r}]").get(
-                "export_value", int)}
+            value = f.sub(v, f"dynamic_axes[{name!r}]").get("export_value", int)
+            if value < 1:
+                f.fail(f"field 'dynamic_axes': {name!r} has export_value {value}; a size is >= 1")
+            axes[str(name)] = {"export_value": value}
         config = ModelConfig.from_dict(f.obj("config"), source=source)
         info = cls(
             model=f.get("model", str), opset=f.get("opset", int),
@@ -611,9 +791,11 @@ class ModelInfo:
             outputs=[TensorInfo._read(f.sub(t, f"outputs[{i}]"))
                      for i, t in enumerate(f.get("outputs", list))],
             dynamic_axes=axes, node_attributes=_node_attributes(f, config), config=config,
-            sample=f.obj("sample"), versions=f.obj("versions", optional=True),
+            sample=_sample(f), versions=f.obj("versions", optional=True),
             model_sha256=_sha256_field(f, "model_sha256"), model_file=_record(f, "model_file"),
             external_data=_records(f, "external_data"), write_id=_write_id(f), source=source)
+        _check_unique(f, "inputs", info.inputs)
+        _check_unique(f, "outputs", info.outputs)
         if info.model not in MODELS or info.dtype not in DTYPES:
             f.fail(f"names an unknown model {info.model!r} or dtype {info.dtype!r} (expected one "
                    f"of {MODELS} and {tuple(DTYPES)})")
@@ -675,16 +857,49 @@ class ModelInfo:
                 self.model_file = fresh.get(None, self.model_file)
                 self.external_data.update({k: r for k, r in fresh.items() if k is not None})
 
+    def io_facts(self) -> dict[str, Any]:
+        """The sidecar's facts about the graph's I/O and the export's sizes (inputs, outputs
+        with roles, dynamic_axes, sample), as ``qkrope export`` also records them in the model's
+        ``qkrope.io`` metadata (:meth:`check_agrees_with_model` compares the two)."""
+        return json.loads(json.dumps({
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "dynamic_axes": self.dynamic_axes, "sample": self.sample}))
+
     def check_agrees_with_model(self, onnx_path: str | os.PathLike) -> None:
-        """A :class:`ModelInfoError` when this sidecar's ``model``, ``dtype`` or any ``config``
-        value (axes_dims_rope, heads, head_dim, the diffusers config, the parameters, ...: what
-        the runtime builds caches and inputs from) differs from what the model file itself
-        records in its ``metadata_props`` (``qkrope.model``, ``qkrope.dtype``,
-        ``qkrope.config``, written by the export). The hash alone does not catch a sidecar
-        edited beside an unchanged model. A model without those entries is not checked."""
+        """A :class:`ModelInfoError` when this sidecar states a fact its model does not: its
+        ``model``, ``dtype``, any ``config`` value (axes_dims_rope, heads, head_dim, the
+        diffusers config, the parameters, ...: what the runtime builds caches and inputs from),
+        ``node_attributes``, ``inputs`` / ``outputs`` (names, dtypes, shapes with axis names,
+        roles), ``dynamic_axes`` or ``sample`` differ from what the model file itself records in
+        its ``metadata_props`` (``qkrope.model``, ``.dtype``, ``.config``, ``.node_attributes``,
+        ``.io``, written by the export), or its ``opset`` / ``ir_version`` from the file's own
+        header fields. The hash alone does not catch a sidecar edited beside an unchanged
+        model. ``versions`` (what wrote it) is not checked: nothing is computed from it. A model
+        without those entries (not written by qkrope export, or by an older one) is checked on
+        what it records."""
         if not os.path.isfile(onnx_path):
             return
-        props = onnx_metadata_props(onnx_path)
+        props, ir_version, opsets = onnx_header(onnx_path)
+        diffs = []
+        exported = METADATA_PREFIX + "model" in props  # written by qkrope export
+        # the header's own fields: the IR version and the default domain's opset
+        if exported and ir_version is not None and ir_version != self.ir_version:
+            diffs.append(f"ir_version: sidecar {self.ir_version}, model {ir_version}")
+        if exported and "" in opsets and opsets[""] != self.opset:
+            diffs.append(f"opset: sidecar {self.opset}, model {opsets['']}")
+        io_text = props.get(METADATA_PREFIX + "io")
+        if io_text is not None:
+            try:
+                theirs_io = json.loads(io_text)
+            except ValueError:
+                theirs_io = None
+            mine_io = self.io_facts()
+            if isinstance(theirs_io, dict):
+                for key in mine_io:
+                    a, b = mine_io[key], theirs_io.get(key, "<absent>")
+                    if json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+                        diffs.append(f"{key}: sidecar {_brief(a)}, model {_brief(b)}")
         recorded = {}
         try:
             for key in ("model", "dtype"):
@@ -695,7 +910,7 @@ class ModelInfo:
             if METADATA_PREFIX + "node_attributes" in props:
                 recorded["node_attributes"] = json.loads(props[METADATA_PREFIX + "node_attributes"])
         except ValueError:
-            return  # not qkrope's metadata
+            recorded = {}  # not qkrope's metadata
         theirs_id = props.get(METADATA_PREFIX + "write_id")
         if self.write_id and theirs_id and theirs_id != self.write_id:
             raise _two_writers(sidecar_path(onnx_path), onnx_path, self.write_id, theirs_id,
@@ -706,7 +921,6 @@ class ModelInfo:
                 "config": json.loads(json.dumps(self.config.to_dict())),
                 "node_attributes": (self.node_attributes.to_node()
                                     if self.node_attributes is not None else {})}
-        diffs = []
         for key, theirs in recorded.items():
             if key == "node_attributes":
                 if mine[key] != theirs:
@@ -759,13 +973,24 @@ class ModelInfo:
         return cls.from_onnx_graph(onnx_path)
 
     @classmethod
-    def from_onnx_graph(cls, onnx_path: str | os.PathLike) -> "ModelInfo":
+    def from_onnx_graph(cls, onnx_path: str | os.PathLike, *, model=None) -> "ModelInfo":
         """Inputs/outputs of an ONNX file without a sidecar (dims: int, the ``dim_param`` name,
-        or ``<input>.<i>`` for an unnamed dynamic dimension); ``model`` and ``dtype`` are empty,
-        config/axes/sample unknown. Weights are not loaded."""
+        or ``<input>.<i>`` for an unnamed dynamic dimension), and what the file's own
+        ``metadata_props`` record (``qkrope export`` writes the model kind, dtype, config, its
+        FP8 ``quantization`` and the node attributes there): a model without its sidecar is
+        still built and run as what it is (an FP8 model is still refused ``--refit``). Without
+        that metadata ``model`` and ``dtype`` are empty and the config unknown; the sample is
+        always unknown. Weights are not loaded (``model``: the file's ModelProto, already
+        read)."""
         import onnx
 
-        model = onnx.load(str(onnx_path), load_external_data=False)
+        if model is None:
+            try:
+                model = onnx.load(str(onnx_path), load_external_data=False)
+            except Exception as exc:  # noqa: BLE001 - protobuf DecodeError, OSError, ...
+                raise ModelInfoError(f"{onnx_path} is not a readable ONNX model (truncated, or "
+                                     f"not ONNX: {type(exc).__name__}). Fix: re-export it with "
+                                     f"`qkrope export --out {onnx_path}`") from None
 
         def io(values) -> list[TensorInfo]:
             out = []
@@ -781,10 +1006,12 @@ class ModelInfo:
             return out
 
         init_names = {i.name for i in model.graph.initializer}
-        return cls(model="", opset=0, ir_version=int(model.ir_version), dtype="",
+        kind, dtype, config, attributes = _own_metadata(
+            {p.key: p.value for p in model.metadata_props}, str(onnx_path))
+        return cls(model=kind, opset=0, ir_version=int(model.ir_version), dtype=dtype,
                    inputs=io(v for v in model.graph.input if v.name not in init_names),
-                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes=None,
-                   config=ModelConfig(), sample={}, source=str(onnx_path))
+                   outputs=io(model.graph.output), dynamic_axes={}, node_attributes=attributes,
+                   config=config, sample={}, source=str(onnx_path))
 
     # ---------------------------------------------------------------- shapes
     def roles(self) -> dict[str, str]:
@@ -876,8 +1103,12 @@ class EngineTensor:
         axes = f.get("axes", list, optional=True)
         if axes is not None and any(a is not None and not isinstance(a, str) for a in axes):
             f.fail(f"field 'axes' must list axis names or null, got {axes!r}")
-        return cls(f.get("name", str), f.get("dtype", str),
-                   _dims(f, f.get("shape", list), "shape", (int,)), axes, _role(f))
+        t = cls(f.get("name", str), _dtype(f), _dims(f, f.get("shape", list), "shape", (int,)),
+                axes, _role(f))
+        if axes is not None and len(axes) != len(t.shape):
+            f.fail(f"field 'axes' names {len(axes)} dimensions, its shape has {len(t.shape)}")
+        _check_role(f, t.name, t.role, axes if axes is not None else t.shape)
+        return t
 
 
 @dataclass
@@ -894,6 +1125,40 @@ class PluginRecord:
 
 
 _ENGINE_FIX = "rebuild the engine with `qkrope build` (it writes the sidecar next to the engine)"
+
+
+def _sample(f: _Fields) -> dict[str, Any]:
+    """The export sample: ``img_shapes`` a list of positive (frames, height, width) triples,
+    ``txt_len`` and ``batch`` positive ints (each optional; other keys kept as read)."""
+    sample = f.obj("sample")
+    shapes = sample.get("img_shapes")
+    if shapes is not None and not (isinstance(shapes, list) and all(
+            isinstance(s, list) and len(s) == 3 and all(_positive_int(v) for v in s)
+            for s in shapes)):
+        f.fail(f"field 'sample': 'img_shapes' must be a list of [frames, height, width] "
+               f"positive ints, got {_brief(shapes)}")
+    for key in ("txt_len", "batch"):
+        if sample.get(key) is not None and not _positive_int(sample[key]):
+            f.fail(f"field 'sample': {key!r} must be a positive int, got {_brief(sample[key])}")
+    return sample
+
+
+def _check_profile_entry(f: _Fields, name: str, levels: dict[str, list[int]],
+                         shapes: Mapping[str, list[int]]) -> None:
+    """One input of one optimisation profile: an input of the engine, min/opt/max of its rank,
+    each dimension 0 <= min <= opt <= max and a static one equal to the engine's size."""
+    if name not in shapes:
+        f.fail(f"is not an input of the engine (its inputs: {', '.join(shapes)})")
+    shape = shapes[name]
+    for lv in LEVELS:
+        if len(levels[lv]) != len(shape):
+            f.fail(f"{lv} {levels[lv]} has {len(levels[lv])} dimensions, the input has "
+                   f"{len(shape)} ({shape})")
+    for d, (lo, opt, hi, size) in enumerate(zip(levels["min"], levels["opt"], levels["max"],
+                                               shape)):
+        if not 0 <= lo <= opt <= hi or (size >= 0 and not lo == hi == size):
+            f.fail(f"dimension {d} is min {lo}, opt {opt}, max {hi}: it must be 0 <= min <= opt "
+                   f"<= max" + (f", all {size} (a static dimension)" if size >= 0 else ""))
 
 
 @dataclass
@@ -926,7 +1191,8 @@ class EngineInfo:
                                                                time.gmtime()))
     engine_sha256: str | None = None
     engine_file: FileRecord | None = None  # its stat record (qkrope.file_record)
-    write_id: str | None = None  # also in the engine's network name (config_tag)
+    write_id: str | None = None  # also in the engine's network name (engine_network_name)
+    network_name: str | None = None  # the name the engine was built with (engine_network_name)
     source: str = field(default="", compare=False, repr=False)
     verified: str | None = field(default=None, compare=False, repr=False)  # as ModelInfo's
     # set by build_engine when it kept an up-to-date engine instead of building (not written)
@@ -973,7 +1239,8 @@ class EngineInfo:
             "refittable": self.refittable, "refit_mode": self.refit_mode,
             "profile_labels": list(self.profile_labels), "engine_sha256": self.engine_sha256,
             "engine_file": self.engine_file.to_dict() if self.engine_file else None,
-            "write_id": self.write_id, "build_key": self.build_key,
+            "write_id": self.write_id, "network_name": self.network_name,
+            "build_key": self.build_key,
         }
 
     @classmethod
@@ -986,13 +1253,16 @@ class EngineInfo:
                             for i, t in enumerate(f.get(key, list))]
             if not tensors[key]:
                 f.fail(f"lists no {key}")
+            _check_unique(f, key, tensors[key])
         profiles = []
+        shapes = {t.name: t.shape for t in tensors["inputs"]}
         for i, p in enumerate(f.get("profiles", list)):
             pf = f.sub(p, f"profiles[{i}]")
             prof = {}
             for name, levels in pf.data.items():
                 lf = pf.sub(levels, f"input {name!r}")
                 prof[str(name)] = {lv: _dims(lf, lf.get(lv, list), lv, (int,)) for lv in LEVELS}
+                _check_profile_entry(lf, str(name), prof[str(name)], shapes)
             profiles.append(prof)
         plugin = None
         raw = f.get("plugin", dict, optional=True)
@@ -1011,7 +1281,7 @@ class EngineInfo:
             builder_optimization_level=f.get("builder_optimization_level", int, optional=True),
             parser_flags=[str(x) for x in f.get("parser_flags", list)],
             config=ModelConfig.from_dict(f.obj("config"), source=source, error=EngineInfoError),
-            dynamic_axes=f.obj("dynamic_axes"), sample=f.obj("sample"),
+            dynamic_axes=f.obj("dynamic_axes"), sample=_sample(f),
             gpu=dict(gpu) if gpu is not None else None,
             build_seconds=f.get("build_seconds", (int, float), optional=True),
             refittable=f.get("refittable", bool, optional=True, default=False),
@@ -1021,6 +1291,7 @@ class EngineInfo:
             created=f.get("created", str, optional=True, default=""),
             engine_sha256=_sha256_field(f, "engine_sha256"),
             engine_file=_record(f, "engine_file"), write_id=_write_id(f),
+            network_name=f.get("network_name", str, optional=True),
             build_key=f.get("build_key", dict, optional=True), source=source)
 
     @classmethod
@@ -1036,6 +1307,30 @@ class EngineInfo:
             f"`qkrope build` (which writes it next to the engine), or copy it alongside if you "
             f"moved the engine", _ENGINE_FIX)
         info = cls.from_dict(data, source=str(path))
+        if info.network_name is not None:
+            # the name the engine was built with, as this sidecar recorded it then: an edited
+            # fact (axes_dims_rope, a role, a profile) no longer gives it, without reading the
+            # engine
+            info.check_engine_name(info.network_name, engine_path)
+        if not os.path.isfile(engine_path):
+            return info
+        if info.engine_file is None or info.network_name is None:
+            # no stat record or no recorded network name (an older build, a sidecar written by
+            # hand): the engine is read once, for its sha256 and the tags its plan keeps
+            try:
+                digest, tags = engine_file_tags(engine_path)
+            except OSError as exc:
+                raise EngineInfoError(f"cannot read {engine_path} to check it against its "
+                                      f"sidecar: {exc}") from None
+            if info.engine_sha256 is not None and digest != info.engine_sha256:
+                raise EngineInfoError(
+                    f"the sidecar {path} does not describe this engine ({engine_path} has "
+                    f"sha256 {digest[:12]}…, the sidecar describes {info.engine_sha256[:12]}…): "
+                    f"the engine or its sidecar was replaced, or a write was interrupted. Fix: "
+                    f"rebuild it with `qkrope build`, or put the engine's own sidecar beside it")
+            info.check_engine_tags(tags, engine_path)
+            info.verified = "sha256" if info.engine_sha256 is not None else None
+            return info
         verdict = _check_file(engine_path, path, info.engine_sha256, info.engine_file,
                               EngineInfoError, "the engine",
                               "rebuild it with `qkrope build`, or put the engine's own sidecar "
@@ -1048,13 +1343,37 @@ class EngineInfo:
                 info.engine_file = fresh
         return info
 
+    def check_engine_tags(self, tags: set[str], engine_path: str | os.PathLike) -> None:
+        """The tags read off the engine file (:func:`engine_file_tags`) against this sidecar:
+        an engine that carries a facts tag must carry this sidecar's (every fact it states,
+        :func:`engine_facts`), one with only a config tag (an older qkrope's build) this
+        config's. An engine without either (another builder's, or a plan that does not keep
+        its name as text) is checked after deserialising (:meth:`check_engine_name`)."""
+        facts = {t for t in tags if t.startswith(FACTS_TAG_PREFIX)}
+        if facts:
+            if facts_tag(self) not in facts:
+                self._refuse(engine_path, "its facts (I/O and roles, profiles, config and RoPE "
+                                          "axes, plugin, build options)", sorted(facts)[0],
+                             facts_tag(self))
+        elif tags and config_tag(self.config) not in tags:
+            self._refuse(engine_path, "another config than the one", sorted(tags)[0],
+                         config_tag(self.config))
+
+    def _refuse(self, engine_path, what: str, recorded: str, mine: str) -> None:
+        raise EngineInfoError(
+            f"the sidecar {engine_sidecar_path(engine_path)} describes {what} {engine_path} "
+            f"was built from (the engine records {recorded}, the sidecar gives {mine}): it was "
+            f"edited or belongs to another build. Fix: rebuild with `qkrope build`, or put the "
+            f"engine's own sidecar beside it")
+
     def check_engine_name(self, name: Any, engine_path: str | os.PathLike) -> None:
-        """The engine keeps the tag of the config it was built from as its network name
-        (:func:`config_tag`, set by ``qkrope build``; ``ICudaEngine.name`` after deserialising):
-        an :class:`EngineInfoError` when this sidecar's ``config`` (axes_dims_rope, the diffusers
-        config, ...: what the runtime builds caches from) is not that one. An engine without the
-        tag (another builder's) is not checked."""
-        if not isinstance(name, str) or not name.startswith(CONFIG_TAG_PREFIX):
+        """The engine keeps the tag of the sidecar it was built with as its network name
+        (:func:`facts_tag`, set by ``qkrope build``; an older build's :func:`config_tag`;
+        ``ICudaEngine.name`` after deserialising): an :class:`EngineInfoError` when this sidecar
+        is not that one (its config, axes_dims_rope, I/O, roles, profiles, ...: what the
+        runtime builds caches and checks calls from). An engine without a tag (another
+        builder's) is not checked."""
+        if not isinstance(name, str):
             return
         name, _, theirs_id = name.partition(WRITE_ID_SEPARATOR)
         if self.write_id and theirs_id and theirs_id != self.write_id:
@@ -1062,13 +1381,14 @@ class EngineInfo:
                                theirs_id, "engine's name", EngineInfoError,
                                "rebuild with `qkrope build`, or put the engine's own sidecar "
                                "beside it")
-        if name != config_tag(self.config):
-            raise EngineInfoError(
-                f"the sidecar {engine_sidecar_path(engine_path)} describes another config than "
-                f"the one {engine_path} was built from (the engine records {name}, the "
-                f"sidecar's config gives {config_tag(self.config)}): its config was edited or "
-                f"it belongs to another build. Fix: rebuild with `qkrope build`, or put the "
-                f"engine's own sidecar beside it")
+        if name.startswith(FACTS_TAG_PREFIX):
+            if name != facts_tag(self):
+                self._refuse(engine_path, "other facts (I/O and roles, profiles, config and "
+                                          "RoPE axes, plugin, build options) than the ones",
+                             name, facts_tag(self))
+        elif name.startswith(CONFIG_TAG_PREFIX) and name != config_tag(self.config):
+            self._refuse(engine_path, "another config than the one", name,
+                         config_tag(self.config))
 
     def save(self, engine_path: str | os.PathLike, *, sha256: str | None = None) -> Path:
         """Write ``<engine>.json`` atomically. When ``engine_path`` exists, the sidecar records
@@ -1098,4 +1418,5 @@ def engine_tensors(items: Sequence[EngineTensor], model: ModelInfo) -> list[Engi
 
 __all__ = ["FORMAT_VERSION", "ONNX_FORMAT", "ENGINE_FORMAT", "SidecarError", "ModelInfoError",
            "EngineInfoError", "ModelConfig", "TensorInfo", "ModelInfo", "EngineTensor", "PluginRecord",
-           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path", "config_tag"]
+           "EngineInfo", "engine_tensors", "sidecar_path", "engine_sidecar_path", "config_tag",
+           "facts_tag", "engine_facts", "engine_file_tags"]

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import functools
+import collections
 import math
 import numbers
 import operator
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from qkrope.errors import InputError, QkropeError
-from qkrope import model_io
+from qkrope import contract, model_io
 from qkrope.model_io import QWEN_IMAGE
 
 from . import rope_tables
@@ -149,7 +149,8 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
 
     Returns:
         ``RopeCaches(img [sum f*h*w, sum(axes_dim)], txt [txt_seq_len, sum(axes_dim)])``, fp32.
-        Results are memoised per (shapes, length, device): treat them as read-only.
+        Results are memoised per (shapes, length, device), up to :data:`MEMO_BYTES` in all
+        (least recently used first out): treat them as read-only.
 
     Raises:
         RopeCacheOverflowError: the text positions run past diffusers' 4096-entry table.
@@ -166,21 +167,59 @@ def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int
     if not isinstance(scale_rope, bool):
         raise InputError(f"scale_rope must be True or False; got {scale_rope!r}")
     # Fail before allocating: the caches are one fp32 row of sum(axes_dim) values per token.
-    tokens = sum(f * h * w for f, h, w in shapes) + txt_seq_len
-    nbytes = tokens * sum(axes) * 4
-    if nbytes > MAX_CACHE_BYTES:
-        raise InputError(
-            f"img_shapes {list(shapes)} with {txt_seq_len} text tokens need RoPE caches of "
-            f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
-            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
-            f"Fix: the shapes are in latent patches (a 1024x1024 image is (1, 64, 64)), not pixels.")
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return _build_cached(shapes, txt_seq_len, float(theta), axes, scale_rope, dev)
+    _check_cache_size(shapes, txt_seq_len, axes)
+    return _build_cached(shapes, txt_seq_len, float(theta), axes, scale_rope,
+                         checked_device(device))
 
 
-@functools.lru_cache(maxsize=64)
-def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
-                  axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
+#: What the memoised caches may hold in all, in bytes (per process, every device together): a
+#: 1024x1024 image with 512 text tokens is 2.3 MiB, so about 27 such entries; the least recently
+#: used go first, and a pair larger than the whole bound is returned without being kept.
+MEMO_BYTES = 64 * 2**20
+
+
+class _ByteBoundedMemo:
+    """An LRU memo of :class:`RopeCaches` bounded by the bytes of the tensors it keeps (an
+    entry count would let 64 large pairs pin gigabytes)."""
+
+    def __init__(self, build, limit: int):
+        self._build, self.limit = build, limit
+        self._entries: "collections.OrderedDict[tuple, RopeCaches]" = collections.OrderedDict()
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(caches: RopeCaches) -> int:
+        return sum(t.numel() * t.element_size() for t in caches)
+
+    def __call__(self, *key) -> RopeCaches:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit
+        caches = self._build(*key)
+        size = self._size(caches)
+        with self._lock:
+            if size <= self.limit and key not in self._entries:
+                self._entries[key] = caches
+                self.nbytes += size
+                while self.nbytes > self.limit:
+                    _, old = self._entries.popitem(last=False)
+                    self.nbytes -= self._size(old)
+        return caches
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+
+def _build_uncached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
+                    axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
     # The arithmetic (tables, positions, overflow limits) lives in rope_tables, numpy only, so
     # that the Triton rope model computes the same bits without torch.
     try:
@@ -190,6 +229,61 @@ def _build_cached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, th
         raise RopeCacheOverflowError(str(exc), required=exc.required,
                                      available=exc.available) from None
     return RopeCaches(torch.from_numpy(img).to(device), torch.from_numpy(txt).to(device))
+
+
+_build_cached = _ByteBoundedMemo(_build_uncached, MEMO_BYTES)
+
+
+def checked_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a ``torch.device`` that tensors can be put on (None: the CPU), else an
+    InputError naming it: a name torch does not know (``"gpu"``), or a device this process
+    does not have (``"cuda"`` without CUDA, ``"cuda:7"`` on a machine with one GPU)."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise InputError(f"device must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'); "
+                         f"got {device!r} ({type(device).__name__})")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InputError(f"device {device!r} is not a device torch knows ({_first_line(exc)}). "
+                         f"Fix: pass 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "meta":
+        return dev
+    try:
+        torch.empty(0, device=dev)  # the device exists in this process: nothing is allocated
+    except Exception as exc:  # noqa: BLE001 - AssertionError (no CUDA build), RuntimeError, ...
+        raise InputError(f"device {str(dev)!r} is not available in this process "
+                         f"({_first_line(exc)}). Fix: pass a device it has, e.g. 'cpu'"
+                         + (f" or 'cuda:0'..'cuda:{torch.cuda.device_count() - 1}'"
+                            if dev.type == "cuda" and torch.cuda.device_count() else "")) from None
+    return dev
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _check_cache_size(shapes, txt_seq_len: int, axes: tuple[int, ...]) -> None:
+    """Refuse, before anything is allocated, caches (and the position tables they are read
+    from) larger than :data:`MAX_CACHE_BYTES`."""
+    tokens = rope_tables.image_tokens(shapes) + txt_seq_len
+    nbytes = tokens * sum(axes) * 4
+    if nbytes > MAX_CACHE_BYTES:
+        raise InputError(
+            f"img_shapes {list(shapes)} with {txt_seq_len} text tokens need RoPE caches of "
+            f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
+            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
+            f"Fix: the shapes are in latent patches (a 1024x1024 image is (1, 64, 64)), not pixels.")
+    # the cos and sin position tables (rope_tables.axis_tables, memoised) hold one fp32 row of
+    # sum(axes) values per position 0..4096: bounded by the widest head the kernel takes
+    # (8 MiB at 512), so the 8 tables it keeps hold at most 64 MiB
+    if sum(axes) > contract.MAX_HEAD_DIM:
+        raise InputError(
+            f"axes_dim {list(axes)} gives a rotary_dim of {sum(axes)}, wider than any attention "
+            f"head the QKNormRoPE kernel takes (head_dim <= {contract.MAX_HEAD_DIM}). Fix: check "
+            f"the model's axes_dims_rope")
 
 
 # --------------------------------------------------------------------------------------------
@@ -668,11 +762,15 @@ def _model_rope_config(path) -> tuple[Any, list, str, object]:
     the ``qkrope.config`` entry that ``qkrope export`` writes into the model's
     ``metadata_props``."""
     import json
+    import os
     from pathlib import Path
 
     from qkrope.errors import InputFileNotFoundError
     from qkrope.sidecars import EngineInfo, ModelConfig, ModelInfo, sidecar_path
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"model_path must be the path of an .onnx or .engine file; got "
+                         f"{path!r} ({type(path).__name__})")
     p = Path(path)
     if not p.is_file():
         raise InputFileNotFoundError(f"{p} does not exist. Fix: pass the .onnx file `qkrope "
@@ -691,10 +789,11 @@ def _model_rope_config(path) -> tuple[Any, list, str, object]:
     if sidecar_path(p).exists():
         info = ModelInfo.load(p)
         return info.config, [(t.name, t.shape) for t in info.inputs], info.source, None
-    desc = ModelInfo.from_onnx_graph(p)
-    import onnx
+    from . import onnx_file
 
-    props = {m.key: m.value for m in onnx.load(str(p), load_external_data=False).metadata_props}
+    model = onnx_file.read_onnx_model(p)  # a file that is no ONNX model: one line naming it
+    desc = ModelInfo.from_onnx_graph(p, model=model)
+    props = {m.key: m.value for m in model.metadata_props}
     text = props.get("qkrope.config")
     if text is None:
         raise InputError(
@@ -773,42 +872,43 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
         raise InputError(f"{source} records no usable RoPE axes (config.axes_dims_rope = "
                          f"{axes!r}, expected three positive ints). Fix: re-export the model "
                          f"with `qkrope export`")
+    # Everything is checked before a cache is built (or memoised): the sizes, the device, the
+    # cache widths against the model, an engine's profiles.
+    shapes = _check_img_shapes(img_shapes)
+    txt_seq_len = _whole(txt_seq_len, "txt_seq_len")
+    if txt_seq_len < 1:
+        raise InputError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
     if batch is not None:
         batch = _whole(batch, "batch")
         if batch < 1:
             raise InputError(f"batch must be >= 1; got {batch}")
-    caches = build_qwen_rope_caches(img_shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
-    shapes = {name: list(shape) for name, shape in inputs}
-    img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
-    for name, cache in ((img_name, caches.img), (txt_name, caches.txt)):
-        shape = shapes.get(name)
+    device = checked_device(device)
+    rows = {model_io.IMG_COS_SIN_CACHE.name: rope_tables.image_tokens(shapes),
+            model_io.TXT_COS_SIN_CACHE.name: txt_seq_len}
+    shape_of = {name: list(shape) for name, shape in inputs}
+    for name in rows:
+        shape = shape_of.get(name)
         width = shape[-1] if shape else None
-        if isinstance(width, int) and width >= 0 and width != cache.shape[1]:
+        if isinstance(width, int) and width >= 0 and width != sum(axes):
             raise InputError(
                 f"{source}: the model's {name} is {width} wide but its axes_dims_rope {list(axes)} "
-                f"sum to {cache.shape[1]}: the sidecar does not describe this model. Fix: "
+                f"sum to {sum(axes)}: the sidecar does not describe this model. Fix: "
                 f"re-export the model with `qkrope export`")
     if info is not None:
-        need = {(img_name, 0): int(caches.img.shape[0]), (txt_name, 0): int(caches.txt.shape[0])}
+        img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
+        need = {(img_name, 0): rows[img_name], (txt_name, 0): rows[txt_name]}
         if batch is not None:
             need[(model_io.HIDDEN_STATES.name, 0)] = batch
-        if info.profiles and not any(_profile_holds(p, need) for p in info.profiles):
-            labels = list(info.profile_labels) + [""] * len(info.profiles)
-            ranges = "; ".join(
-                f"profile {k}{' (' + labels[k] + ')' if labels[k] else ''}: "
-                + ", ".join(f"{n} {p[n]['min'][d]}..{p[n]['max'][d]}"
-                            for (n, d) in need if n in p)
-                for k, p in enumerate(info.profiles))
+        ranges = _serving_refusal(info, need)
+        if ranges is not None:
             raise InputError(
-                f"{model_path} cannot serve {int(caches.img.shape[0])} image tokens, "
-                f"{int(caches.txt.shape[0])} text tokens"
+                f"{model_path} cannot serve {rows[img_name]} image tokens, "
+                f"{rows[txt_name]} text tokens"
                 + (f", batch {batch}" if batch is not None else "")
-                + f" (img_shapes {list(_check_img_shapes(img_shapes))}): no optimisation profile "
+                + f" (img_shapes {list(shapes)}): no optimisation profile "
                 f"holds them ({ranges}). Fix: use sizes within a profile, or rebuild with `qkrope "
                 f"build --resolutions WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
-    return caches
-
-
+    return build_qwen_rope_caches(shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
 
 
 def _serving_refusal(info, need: dict) -> str | None:
@@ -847,6 +947,7 @@ def _flux_caches_for(model_path, config, inputs, source, info, family, img_shape
         batch = _whole(batch, "batch")
         if batch < 1:
             raise InputError(f"batch must be >= 1; got {batch}")
+    device = checked_device(device)
     txt, img = _flux_positions(txt_ids, img_ids, axes)
     shapes = {name: list(shape) for name, shape in inputs}
     img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)

@@ -293,7 +293,34 @@ def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.
         max_img_tokens=opts.max_img_tokens, max_txt_tokens=opts.max_txt_tokens,
         axis_levels=levels)
     prof.validate_profile(profile, model.inputs)
+    _check_max_flags_hold(model, opts, profile)
     return [("", profile)]
+
+
+def _check_max_flags_hold(model: ModelInfo, opts: BuildOptions, profile: prof.Profile) -> None:
+    """--max-batch / --max-img-tokens / --max-txt-tokens are the profile's max of their axis on
+    every input that has it; a range flag of the same axis (--batch, --txt-tokens) or an
+    explicit --max shape that says otherwise would win silently, so the pair is refused."""
+    for flag, value, axis, other in (
+            ("--max-batch", opts.max_batch, model_io.BATCH, ("--batch", opts.batch)),
+            ("--max-img-tokens", opts.max_img_tokens, model_io.IMG_TOKENS, (None, None)),
+            ("--max-txt-tokens", opts.max_txt_tokens, model_io.TXT_TOKENS,
+             ("--txt-tokens", opts.txt_tokens))):
+        if value is None:
+            continue
+        if other[1]:
+            raise prof.ProfileError(f"{flag} {value} and {other[0]} "
+                                    f"{other[1][0]}:{other[1][1]} both set the {axis} range; "
+                                    f"give one of them")
+        for spec in model.inputs:
+            for i, d in enumerate(spec.shape):
+                got = profile[spec.name]["max"][i] if spec.name in profile else value
+                if d == axis and got != value:
+                    raise prof.ProfileError(
+                        f"{flag} {value} conflicts with the --max shape(s) given "
+                        f"({', '.join(opts.max_shapes or ())}), which make the max of "
+                        f"{spec.name} {'x'.join(map(str, profile[spec.name]['max']))} (its "
+                        f"{axis} {got}); give the {axis} once, with either flag")
 
 
 def plan_profile(model: ModelInfo, opts: BuildOptions) -> prof.Profile:
@@ -545,9 +572,6 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         steps.write(f"[build] no plugin: {len(node_names)} QKNormRoPE node(s) through their "
                     f"function body")
 
-    # kept by the engine: its sidecar's config and write id are checked against it on load
-    write_id = new_write_id()
-    network.name = engine_network_name(model.config, write_id)
     inputs, outputs = network_io(network)
     net_names = [i.name for i in inputs]
     if sorted(net_names) != sorted(profile):
@@ -588,6 +612,26 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         monitor = make_progress_monitor(trt, progress)
         config.progress_monitor = monitor
 
+    # The sidecar, but for what only the build tells (its time, the engine's hash, an FP8
+    # engine's layer summary): the network is named after its facts, so the engine keeps the
+    # tag that every later load checks the sidecar against (sidecars.facts_tag), and the write
+    # id that pairs it with its sidecar; the sidecar records the name too (network_name).
+    info = EngineInfo(
+        tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
+        inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
+        profiles=[prof.profile_to_json(one) for _label, one in plan.profiles],
+        profile_labels=[label for label, _one in plan.profiles], refittable=bool(opts.refit),
+        refit_mode=refit_mode,
+        plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
+                             bool(opts.version_compatible)) if plugin_path else None),
+        plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),
+        strongly_typed=is_strongly_typed(trt, flags),
+        builder_optimization_level=opts.builder_optimization_level,
+        parser_flags=list(parser_flags), config=dataclasses.replace(model.config),
+        dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
+        build_key=dict(key), write_id=new_write_id())
+    network.name = info.network_name = engine_network_name(info)
+
     for k, (label, one) in enumerate(plan.profiles):
         steps.write(f"[build] profile {k}{' (' + label + ')' if label else ''}:\n"
                     + prof.format_profile(one))
@@ -604,33 +648,19 @@ def _build_engine(onnx_path, engine_path, opts: BuildOptions, log: TextIO,
         raise EngineBuildError("TensorRT failed to build the engine (see its log above); no "
                                f"file was written to {engine_path}")
 
-    model_config = dataclasses.replace(model.config)
     if fp8:
         summary = fp8_engine.inspect_engine(trt, logger, serialized, node_names)
         steps.write(f"[build] FP8 engine: {summary['fp8_layers']} of {summary['layers']} "
                     f"layers in FP8, {summary['plugin_layers']} plugin layer(s)")
-        model_config.quantization = {**fp8, "engine": summary}
+        info.config.quantization = {**fp8, "engine": summary}  # not in the facts tag
     if opts.timing_cache:  # a cache, not an output: written before the engine pair
         try:
             write_atomic(opts.timing_cache, config.get_timing_cache().serialize())
         except OSError as exc:
             raise output_error(exc, opts.timing_cache, flag="--timing-cache") from None
-    info = EngineInfo(
-        tensorrt_version=trt.__version__, onnx=str(onnx_path.resolve()),
-        inputs=engine_tensors(inputs, model), outputs=engine_tensors(outputs, model),
-        profiles=[prof.profile_to_json(one) for _label, one in plan.profiles],
-        profile_labels=[label for label, _one in plan.profiles], refittable=bool(opts.refit),
-        refit_mode=refit_mode,
-        plugin=(PluginRecord(plugin_path, sha256_file(plugin_path),
-                             bool(opts.version_compatible)) if plugin_path else None),
-        plugin_layers=len(layers), version_compatible=bool(opts.version_compatible),
-        strongly_typed=is_strongly_typed(trt, flags),
-        builder_optimization_level=opts.builder_optimization_level,
-        parser_flags=list(parser_flags), config=model_config,
-        dynamic_axes=dict(model.dynamic_axes), sample=dict(model.sample), gpu=tu.gpu_info(),
-        build_seconds=round(seconds, 3), write_id=write_id,
-        # + the engine's own hash: a kept engine must still be the file that was built
-        build_key={**key, "engine_sha256": hashlib.sha256(memoryview(serialized)).hexdigest()})
+    info.build_seconds = round(seconds, 3)
+    # + the engine's own hash: a kept engine must still be the file that was built
+    info.build_key = {**key, "engine_sha256": hashlib.sha256(memoryview(serialized)).hexdigest()}
     with steps.step(f"writing {engine_path} ({serialized.nbytes / 2**20:.1f} MiB) and its "
                     f"sidecar"):
         write_engine_pair(engine_path, serialized, info, sha256=info.build_key["engine_sha256"])

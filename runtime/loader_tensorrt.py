@@ -62,7 +62,8 @@ def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: boo
     path = str(Path(path).resolve())
     if not os.path.exists(path):
         raise InputFileNotFoundError(f"plugin library {path} does not exist. Fix: build it with "
-                                f"`qkrope build-plugin` or pass --plugin PATH")
+                                f"`qkrope build-plugin` and pass its path (--plugin PATH, or "
+                                f"plugin= in Python)")
     registry = registry if registry is not None else trt.get_plugin_registry()
     if version_compatible:
         handle = registry.load_library(path)
@@ -154,8 +155,8 @@ def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
             f"TensorRT could not deserialise {path} (see its log above): it was built by "
             f"TensorRT {side.tensorrt_version if side else '?'} for "
             f"{((side.gpu if side else None) or {}).get('name', '?')}; engines only load on the "
-            f"same TensorRT version and GPU (or with --version-compatible). Fix: rebuild with "
-            f"`qkrope build`")
+            f"same TensorRT version and GPU (or, built with `qkrope build --version-compatible`, "
+            f"on later TensorRT versions). Fix: rebuild it with `qkrope build`")
     return LoadedEngine(engine, trt, sidecar, str(path), plugin_path, runtime, logger)
 
 

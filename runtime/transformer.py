@@ -41,7 +41,7 @@ from qkrope.errors import InputError, QkropeError
 
 from ._dropin import frozen_config as _frozen_config
 from ._dropin import is_one as _is_one, short_repr as _short_repr
-from .caches import QWEN_AXES_DIM, build_qwen_rope_caches
+from .caches import QWEN_AXES_DIM, build_qwen_rope_caches, checked_device
 from .backends import load
 from .runner import Runner
 
@@ -73,7 +73,7 @@ class QwenImageTransformer:
         self._runner = runner
         self.config = _frozen_config(cfg)
         self.dtype = dtypes.torch_dtype(io.input(io.roles["hidden_states"]).dtype)
-        self.device = torch.device(device) if device is not None else runner.device
+        self.device = checked_device(device) if device is not None else runner.device
         self._axes_dim = tuple(cfg.get("axes_dims_rope") or QWEN_AXES_DIM)
 
     # what the pipelines use of a ModelMixin -------------------------------------------------
@@ -210,7 +210,10 @@ def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
     ``provider_options`` and ``sess_options``; ``.engine``/``.plan``: TensorRT with the
     QKNormRoPE ``plugin`` and ``cuda_graph``) as a drop-in for ``pipe.transformer`` (module
     docstring). The options go to :func:`qkrope.runtime.load` as given, its defaults included
-    (ONNX Runtime without memory patterns)."""
+    (ONNX Runtime without memory patterns). An unknown ``device`` is refused before the model
+    is opened."""
+    if device is not None:
+        device = checked_device(device)
     runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
                   sess_options=sess_options, cuda_graph=cuda_graph)
     family = getattr(runner.io.config, "family", None)

@@ -139,31 +139,50 @@ class Serving:
     max_queue_delay_us: int = 0
 
     def __post_init__(self):
-        if isinstance(self.instances, bool) or not isinstance(self.instances, int) \
-                or self.instances < 1:
-            raise TritonRepoError(f"--instances must be an integer >= 1, got {self.instances!r}")
-        if self.max_batch_size < 0:
-            raise TritonRepoError(f"--max-batch-size must be >= 0, got {self.max_batch_size}")
+        # the config.pbtxt fields these fill are protobuf int32 (instance_group count and gpus,
+        # max_batch_size, preferred_batch_size) and uint64 (max_queue_delay_microseconds): a
+        # value outside them is this flag's error, not protobuf's ValueError
+        _check_int("--instances", self.instances, 1, INT32_MAX)
+        _check_int("--max-batch-size", self.max_batch_size, 0, INT32_MAX)
         gpus = tuple(self.gpus)
-        if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) \
-                or len(set(gpus)) != len(gpus):
-            raise TritonRepoError(f"--gpus must list distinct GPU indices >= 0 (e.g. 0,1); got "
-                                  f"{list(gpus)}")
+        if any(isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= INT32_MAX
+               for g in gpus) or len(set(gpus)) != len(gpus):
+            raise TritonRepoError(f"--gpus must list distinct GPU indices 0..{INT32_MAX} (e.g. "
+                                  f"0,1); got {_brief_list(gpus)}")
         object.__setattr__(self, "gpus", gpus)
         sizes = tuple(self.preferred_batch_sizes)
+        for b in sizes:
+            _check_int("--preferred-batch-sizes", b, 1, INT32_MAX)
         if sizes and not self.max_batch_size:
             raise TritonRepoError("--preferred-batch-sizes needs --max-batch-size N > 0 (dynamic "
                                   "batching forms batches along Triton's batch axis)")
         bad = [b for b in sizes if not 1 <= b <= self.max_batch_size]
         if bad:
-            raise TritonRepoError(f"--preferred-batch-sizes {list(sizes)}: each must be in "
-                                  f"1..--max-batch-size {self.max_batch_size}; got {bad}")
+            raise TritonRepoError(f"--preferred-batch-sizes {_brief_list(sizes)}: each must be in "
+                                  f"1..--max-batch-size {self.max_batch_size}; got "
+                                  f"{_brief_list(bad)}")
         object.__setattr__(self, "preferred_batch_sizes", tuple(sorted(set(sizes))))
-        if self.max_queue_delay_us < 0:
-            raise TritonRepoError(f"--max-queue-delay-us must be >= 0, got "
-                                  f"{self.max_queue_delay_us}")
+        _check_int("--max-queue-delay-us", self.max_queue_delay_us, 0, UINT64_MAX)
         if self.max_queue_delay_us and not self.max_batch_size:
             raise TritonRepoError("--max-queue-delay-us needs --max-batch-size N > 0")
+
+
+#: the ranges of the protobuf fields of Triton's ModelConfig that Serving fills
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def _brief_list(values) -> str:
+    text = str(list(values))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_int(flag: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        shown = repr(value) if not isinstance(value, int) or len(str(value)) <= 24 else \
+            f"{str(value)[:20]}... ({len(str(value))} digits)"
+        raise TritonRepoError(f"{flag} must be an integer in {lo}..{hi} (the range of its "
+                              f"config.pbtxt field), got {shown}")
 
 
 def _pb():
@@ -424,6 +443,25 @@ def onnx_rope_limits(max_img_tokens: int | None, max_txt_tokens: int | None) -> 
                       else "qkrope build's default profile")
 
 
+def _check_limits_apply(whole: bool, max_img_tokens: int | None, max_txt_tokens: int | None,
+                        model: Path) -> None:
+    """--max-img-tokens / --max-txt-tokens bound what the ensemble's rope model accepts: for a
+    model that gets none (an attention block, or ``ensemble=False``) they would be ignored, so
+    they are refused; a value must be an integer >= 1."""
+    given = [(flag, v) for flag, v in (("--max-img-tokens", max_img_tokens),
+                                       ("--max-txt-tokens", max_txt_tokens)) if v is not None]
+    for flag, value in given:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TritonRepoError(f"{flag} must be an integer >= 1, got {value!r}")
+    if given and not whole:
+        flags = " / ".join(flag for flag, _ in given)
+        raise TritonRepoError(
+            f"{flags} bound(s) what the transformer ensemble's rope model accepts, but {model} "
+            f"gets no rope model (not a whole transformer: its clients pass the caches), so it "
+            f"would be ignored. Fix: bound the sizes where they are decided (`qkrope build "
+            f"{flags.replace(' / ', ' N ')} N` for an engine's profile), or leave it out")
+
+
 def _limit_overrides(limits: RopeLimits, max_img_tokens: int | None,
                      max_txt_tokens: int | None) -> RopeLimits:
     for flag, value, cap in (("--max-img-tokens", max_img_tokens, limits.max_img_tokens),
@@ -633,6 +671,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     if whole and serving.max_batch_size:
         raise TritonRepoError("the transformer ensemble needs --max-batch-size 0 (the RoPE "
                               "caches have no batch axis)")
+    _check_limits_apply(whole, max_img_tokens, max_txt_tokens, engine)
     main_name = f"{name}_trt" if whole else name
     text = render_config(main_name, info, serving)
 
@@ -708,6 +747,7 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     name = name or default_model_name(onnx_path)
     _check_name(name)
     whole = is_transformer([t.name for t in info.inputs], info.config, info.model)
+    _check_limits_apply(whole, max_img_tokens, max_txt_tokens, onnx_path)
     main_name = f"{name}_onnx" if whole else name
     specs = onnx_specs(info)
     if whole and serving.max_batch_size:

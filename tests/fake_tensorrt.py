@@ -304,6 +304,13 @@ class INetworkDefinition:
         return self.outputs[index]
 
 
+def plan_bytes(network_name: str = "") -> bytes:
+    """The fake's serialised engine: fixed bytes, then the network name as text (a plan keeps
+    the network's name, which ``ICudaEngine.name`` gives back after deserialising; qkrope's
+    sidecar check reads it off the file)."""
+    return b"\x00SERIALIZED-ENGINE" + (b"\0" + network_name.encode() if network_name else b"")
+
+
 class IHostMemory(bytes):
     """The serialised engine: a buffer (``memoryview`` works) with ``nbytes``."""
 
@@ -558,7 +565,7 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
                 mon.step_complete("Building", 0)
                 mon.phase_finish("Building")
                 state.progress_calls += 1
-            return IHostMemory(b"\x00SERIALIZED-ENGINE") if build_ok else None
+            return IHostMemory(plan_bytes(network.name)) if build_ok else None
 
     class IProgressMonitor:
         def __init__(self):

@@ -416,3 +416,6 @@ def test_builder_refuses_huge_shapes_before_allocating(monkeypatch):
         build_qwen_rope_caches([(1, 4096, 4096)], 512)  # 8 GiB
     with pytest.raises(ValueError, match="GiB limit"):
         build_qwen_rope_caches([(4000, 64, 64)], 512)
+    # one token, but position tables of 4097 rows x rotary_dim: bounded by the kernel's head
+    with pytest.raises(ValueError, match=r"rotary_dim of 1000004, wider than any attention head"):
+        build_qwen_rope_caches([(1, 1, 1)], 2, axes_dim=(2, 2, 10**6))

@@ -379,3 +379,103 @@ def test_check_reports_onnx_runtime_failures_in_one_line(onnx_path, tmp_path, ca
     err = capsys.readouterr().err.strip()
     # refused before ONNX Runtime runs (the external-data check), in one line naming the file
     assert "ext.onnx.data" in err and "missing" in err and "\n" not in err, err
+
+
+def test_caches_for_an_engine_builds_nothing_for_a_refused_request(onnx_path, tmp_path,
+                                                                   monkeypatch):
+    """Every check comes before a cache is built or memoised: a request no profile holds, a
+    width the model does not have, an unknown device, leave the memo as it was (they used to
+    build and keep the tables first)."""
+    import qkrope.runtime.caches as caches_mod
+
+    engine = _engine_sidecar(tmp_path, onnx_path)
+    caches_mod._build_cached.cache_clear()
+    built = []
+    real = caches_mod._build_cached._build
+    monkeypatch.setattr(caches_mod._build_cached, "_build", lambda *k: built.append(k) or real(*k))
+    for request, match in (((engine, [(1, 64, 64)], 64), "cannot serve 4096 image tokens"),
+                           ((engine, [(1, 16, 16)], 4096), "cannot serve 256 image tokens, "
+                                                           "4096 text tokens")):
+        with pytest.raises(InputError, match=match):
+            caches_for(*request)
+    for device in ("gpu", "cuda:99", "nonsense:0", 3.5):
+        with pytest.raises(InputError, match="device") as exc:
+            caches_for(engine, [(1, 16, 16)], 64, device=device)
+        assert "\n" not in str(exc.value)
+    assert built == [] and len(caches_mod._build_cached) == 0
+    caches_for(engine, [(1, 16, 16)], 64)
+    assert len(built) == 1 and len(caches_mod._build_cached) == 1
+
+
+def test_the_cache_memo_is_bounded_in_bytes(monkeypatch):
+    """The memo keeps at most MEMO_BYTES of tensors (least recently used out first), and a
+    pair larger than the whole bound is returned without being kept."""
+    import qkrope.runtime.caches as caches_mod
+
+    memo = caches_mod._build_cached
+    memo.cache_clear()
+    monkeypatch.setattr(memo, "limit", 3 * (64 + 8) * 128 * 4)  # three (8x8 image, 8 text) pairs
+    pair = lambda n: build_qwen_rope_caches([(1, 8, 8)], n)  # noqa: E731 - 72 rows x 128 fp32
+    a = pair(8)
+    assert pair(8) is a and memo.nbytes == (64 + 8) * 128 * 4
+    pair(9), pair(10)
+    assert memo.nbytes <= memo.limit and len(memo) == 2  # 73 + 74 rows: a third does not fit
+    assert pair(8) is not a                              # a went first (least recently used)
+    big = build_qwen_rope_caches([(1, 64, 64)], 64)      # larger than the whole bound
+    assert build_qwen_rope_caches([(1, 64, 64)], 64) is not big and memo.nbytes <= memo.limit
+    memo.cache_clear()
+
+
+def test_load_transformer_and_build_refuse_an_unknown_device_in_one_line(onnx_path):
+    from qkrope.runtime.caches import checked_device
+
+    assert checked_device(None) == torch.device("cpu") and checked_device("cpu").type == "cpu"
+    for device in ("gpu", "cuda:99", "", True, [0]):
+        with pytest.raises(InputError, match="device"):
+            build_qwen_rope_caches([(1, 2, 2)], 3, device=device)
+        with pytest.raises(QkropeError, match="device"):
+            load_transformer(onnx_path, device=device)
+
+
+def test_an_edited_engine_sidecar_is_refused_by_caches_for_and_triton_repo(onnx_path, tmp_path,
+                                                                          capsys):
+    """An engine sidecar whose axes_dims_rope was permuted (same sum: the widths still fit)
+    would make caches_for and triton-repo compute other caches: the engine file carries the
+    tag of its sidecar's facts (its network name, kept by the plan as text; this stand-in plan
+    holds it as qkrope build names the network), so the edit is refused before anything runs.
+    The unedited pair is served."""
+    from qkrope.cli import main
+    from qkrope.sidecars import EngineInfoError, facts_tag
+
+    engine = _engine_sidecar(tmp_path, onnx_path)
+    info = EngineInfo.load(engine)
+    engine.write_bytes(b"PLAN\0" + facts_tag(info).encode() + b"\0weights")
+    info.save(engine)
+    assert caches_for(engine, [(1, 16, 16)], 64).img.shape == (256, 32)
+    side = Path(str(engine) + ".json")
+    data = json.loads(side.read_text())
+    data["config"]["axes_dims_rope"] = data["config"]["axes_dims_rope"][::-1]  # (12, 12, 8)
+    assert data["config"]["axes_dims_rope"] != list(AXES)
+    side.write_text(json.dumps(data))
+    with pytest.raises(EngineInfoError, match="edited or belongs to another build"):
+        caches_for(engine, [(1, 16, 16)], 64)
+    capsys.readouterr()
+    assert main(["triton-repo", "--engine", str(engine), "-o", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert "edited or belongs to another build" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_caches_for_junk_model_paths_are_one_line(tmp_path):
+    """A model path that is no path, or a file without a sidecar that is no ONNX model: one
+    InputError-like line (protobuf's DecodeError and TypeError used to escape)."""
+    rand = tmp_path / "rand.onnx"
+    rand.write_bytes(bytes(range(256)) * 8)
+    text = tmp_path / "text.onnx"
+    text.write_text("hello\n")
+    for path, match in ((rand, "is not a readable ONNX model"),
+                        (text, "is not a readable ONNX model"),
+                        (5, "model_path must be the path"), (None, "model_path must be the path")):
+        with pytest.raises(QkropeError, match=match) as exc:
+            caches_for(path, [(1, 2, 2)], 3)
+        assert "\n" not in str(exc.value)

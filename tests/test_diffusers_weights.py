@@ -5,6 +5,7 @@ through its index, and diffusers' ``variant=`` is honoured, by `qkrope export` a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -113,3 +114,72 @@ def test_export_reads_a_sharded_variant_and_refuses_a_missing_shard(saved, tmp_p
                  "fp16", "--out", str(tmp_path / "u.onnx")]) == 2
     assert "diffusion_pytorch_model.fp16-00002-of-00004.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "u.onnx").exists()
+
+
+def test_a_truncated_or_headless_shard_is_named_before_loading(saved, tmp_path):
+    """A shard cut short (an interrupted copy) or without a readable header is a
+    DiffusersWeightsError naming it, before diffusers' OSError or safetensors' error."""
+    broken = _copy(saved, tmp_path)
+    shard = broken / "diffusion_pytorch_model-00003-of-00004.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1)
+    with pytest.raises(dw.DiffusersWeightsError,
+                       match=rf"00003-of-00004\.safetensors is truncated: it holds {size - 1} "
+                             rf"bytes, its header describes {size}\."):
+        dw.weight_files(broken)
+    for junk in (b"", b"\x01\x02", (10**6).to_bytes(8, "little") + b"{}"):
+        shard.write_bytes(junk)
+        with pytest.raises(dw.DiffusersWeightsError, match="00003-of-00004.safetensors is not a "
+                                                           "safetensors file"):
+            dw.weight_files(broken)
+
+
+def test_export_names_a_truncated_single_file_and_only_its_own_flags(saved, tmp_path, capsys):
+    """`qkrope export` on a folder whose one weights file is truncated: one line naming it;
+    the missing-variant error names no flag export does not have (--state-dict is refit's)."""
+    d = tmp_path / "single"
+    tp.save_transformer(tp.tiny_transformer(), d)
+    weights = d / dw.WEIGHTS_NAME
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["export", "--model", "transformer", "--diffusers", str(d),
+                 "--out", str(tmp_path / "t.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is truncated" in err[-1] and err[-1].startswith("qkrope export: error: ")
+    assert "Traceback" not in "\n".join(err)
+    assert main(["export", "--model", "transformer", "--diffusers", str(d), "--variant", "fp16",
+                 "--out", str(tmp_path / "t.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "has no variant 'fp16' weights" in err and "--state-dict" not in err
+    with pytest.raises(dw.DiffusersWeightsError, match="or pass --state-dict FILE"):
+        refit.load_state_dict(str(d), variant="fp16")  # refit has --state-dict: it is offered
+
+
+@pytest.mark.parametrize("key, value, match", [
+    (None, [1], "holds a JSON list, not the object"),
+    ("num_layers", "x", "'num_layers' must be a positive int"),
+    ("attention_head_dim", None, "'attention_head_dim' must be a positive int"),
+    ("num_attention_heads", -1, "'num_attention_heads' must be a positive int"),
+    ("axes_dims_rope", [1], "'axes_dims_rope' must be three positive even ints"),
+    ("axes_dims_rope", [8, 8, 8], "summing to attention_head_dim 32"),
+    ("guidance_embeds", "yes", "'guidance_embeds' must be true or false"),
+    ("in_channels", 10**20, r"needs .* GiB, more than this machine's"),
+    ("in_channels", 3, "cannot be loaded as its config.json describes it .*size mismatch"),
+])
+def test_a_wrong_config_json_is_one_line(tmp_path, capsys, key, value, match):
+    """A config.json of the wrong JSON type or with sizes of the wrong type, sign or scale, or
+    that the weights do not match: one line before (or instead of) diffusers' TypeError,
+    AssertionError, RuntimeError or an allocation that cannot succeed."""
+    d = tmp_path / "t"
+    tp.save_transformer(tp.tiny_transformer(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    if key is None:
+        cfg = value
+    else:
+        cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["export", "--model", "transformer", "--diffusers", str(d),
+                 "--out", str(tmp_path / "t.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(match, err[-1]) and err[-1].startswith("qkrope export: error: "), err
+    assert "Traceback" not in "\n".join(err) and not (tmp_path / "t.onnx").exists()

@@ -100,3 +100,18 @@ def test_a_value_without_a_type_of_its_own_must_name_its_source():
         dtypes.canonical(1, source="ONNX")
     with pytest.raises(ValueError, match="not a dtype"):
         dtypes.canonical(True, source="onnx")
+
+
+@pytest.mark.parametrize("junk", [
+    ("f4", -1), ("f4", 2**70), "f4,", ">>f4", "junk", {"names": ["a"], "formats": ["x"]},
+    {}, [], [("a", "f4")], "V", "O", "U10", "S", "M8", object, 2**70, ">f4",
+])
+def test_numpy_source_junk_is_one_input_error(junk):
+    """What numpy.dtype() refuses (TypeError or ValueError), and what it takes but no model
+    tensor has (structured, object, string, datetime, another byte order), is qkrope's
+    InputError naming the value, never numpy's exception nor a 'void'/'object' name."""
+    from qkrope.errors import InputError
+
+    with pytest.raises(InputError, match=r"source='numpy'\) is not one qkrope maps") as info:
+        dtypes.canonical(junk, source="numpy")
+    assert type(info.value) is InputError and "\n" not in str(info.value)

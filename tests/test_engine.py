@@ -195,7 +195,7 @@ def test_fake_build_writes_engine_and_sidecar(fake_build, tmp_path, capsys):
                    "--max", "encoder_hidden_states:2x40x32"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert out.read_bytes() == b"\x00SERIALIZED-ENGINE"
+    assert out.read_bytes() == ft.plan_bytes(state.network_name)
     assert tc.read_bytes() == bytes(trt.ITimingCache(b"").serialize())  # a new cache
     assert state.timing_cache_data == b""
     assert state.flags == 1 << 1  # STRONGLY_TYPED (1 in TensorRT 10)
@@ -298,7 +298,8 @@ def test_engine_and_sidecar_replaced_as_a_pair_at_every_failing_step(fake_build,
 
     def after(k):
         pair = (engine.read_bytes(), json.loads(side.read_text())["created"] == "OLD")
-        assert pair in ((b"\x00OLD-ENGINE", True), (b"\x00SERIALIZED-ENGINE", False)), (k, pair)
+        assert pair in ((b"\x00OLD-ENGINE", True), (ft.plan_bytes(state.network_name), False)), \
+            (k, pair)
         outcomes.add(pair[1])
         eng.build_engine(onnx_path, engine, opts, log=io.StringIO())  # the next run
         assert sorted(p.name for p in out.iterdir()) == ["m.engine", "m.engine.json"], k
@@ -456,16 +457,83 @@ def test_fake_build_refuses_to_write_over_the_default_plugin(fake_build, tmp_pat
     assert lib.read_bytes() == before and state.config is None  # no build began
 
 
-def test_fake_build_names_the_network_after_its_config(fake_build, tmp_path):
-    """The engine keeps the tag of the model config it was built from as its network name,
-    with the write id its sidecar records; the sidecar's config gives the same tag."""
-    from qkrope.sidecars import WRITE_ID_SEPARATOR, EngineInfo, config_tag
+def test_fake_build_names_the_network_after_its_facts(fake_build, tmp_path):
+    """The engine keeps the tag of the sidecar's facts as its network name, with the write id
+    its sidecar records; the sidecar as written and read back gives the same tag (its build
+    time, creation time, stat record and the engine's hash are not in it), and an edit of any
+    fact does not."""
+    from qkrope.sidecars import WRITE_ID_SEPARATOR, EngineInfo, EngineInfoError, facts_tag
 
     trt, state, onnx_path, lib = fake_build()
     out = tmp_path / "m.engine"
     eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
                      log=io.StringIO())
     side = EngineInfo.load(out)
-    assert side.config and side.write_id
-    assert state.network_name == config_tag(side.config) + WRITE_ID_SEPARATOR + side.write_id
+    assert side.config and side.write_id and side.build_seconds is not None
+    assert state.network_name == facts_tag(side) + WRITE_ID_SEPARATOR + side.write_id
+    assert side.network_name == state.network_name
     side.check_engine_name(state.network_name, out)  # agrees
+    for edit in (lambda d: d["inputs"][0].update(role="encoder_hidden_states"),
+                 lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(0, 3),
+                 lambda d: d["config"].update(axes_dims_rope=[4, 8, 4]),
+                 lambda d: d.update(refit_mode="all")):
+        data = side.to_dict()
+        edit(data)
+        with pytest.raises(EngineInfoError):
+            EngineInfo.from_dict(data).check_engine_name(state.network_name, out)
+    data = side.to_dict()
+    data.update(build_seconds=1e9, created="2000-01-01T00:00:00Z")  # not facts: still agrees
+    EngineInfo.from_dict(data).check_engine_name(state.network_name, out)
+
+
+def test_a_built_engines_edited_sidecar_is_refused_without_tensorrt(fake_build, tmp_path,
+                                                                    monkeypatch):
+    """The engine file keeps its facts tag (the network name, in the plan as text), so readers
+    that never deserialise it (caches_for, triton-repo, the build's reuse check) refuse a
+    sidecar edited beside it: RoPE axes set or permuted, a profile widened, roles swapped."""
+    from qkrope.runtime import caches_for
+    from qkrope.sidecars import EngineInfo, EngineInfoError, engine_file_tags, facts_tag
+
+    trt, state, onnx_path, lib = fake_build()
+    out = tmp_path / "m.engine"
+    eng.build_engine(onnx_path, out, eng.BuildOptions(plugin=str(lib), progress=False),
+                     log=io.StringIO())
+    info = EngineInfo.load(out)
+    assert facts_tag(info) in engine_file_tags(out)[1]
+    side = Path(str(out) + ".json")
+    original = side.read_text()
+    monkeypatch.delitem(sys.modules, "tensorrt")  # nothing below deserialises the engine
+    for edit in (lambda d: d["config"].update(axes_dims_rope=[4, 6, 6]),
+                 lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(1, 99999),
+                 lambda d: d["sample"].update(txt_len=7)):
+        data = json.loads(original)
+        edit(data)
+        side.write_text(json.dumps(data))
+        with pytest.raises(EngineInfoError, match="edited or belongs to another build"):
+            EngineInfo.load(out)
+        with pytest.raises(EngineInfoError, match="edited or belongs to another build"):
+            caches_for(out, [(1, 2, 2)], 3)
+    side.write_text(original)
+    EngineInfo.load(out)  # the pair as built
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_img_tokens=100, max_shapes={"hidden_states": (2, 999, 32)}),
+     r"--max-img-tokens 100 conflicts with the --max shape\(s\) given \(hidden_states\)"),
+    (dict(max_txt_tokens=32, max_shapes={"encoder_hidden_states_mask": (2, 77)}),
+     r"--max-txt-tokens 32 conflicts .*its txt_tokens 77"),
+    (dict(max_txt_tokens=32, txt_tokens=(1, 64)),
+     "--max-txt-tokens 32 and --txt-tokens 1:64 both set the txt_tokens range"),
+    (dict(max_batch=1, batch=(1, 4)), "--max-batch 1 and --batch 1:4 both set the batch range"),
+])
+def test_max_token_flags_are_never_silently_overridden(kw, match):
+    """--max-img-tokens / --max-txt-tokens / --max-batch of an attention block's build are its
+    profile's max; a range or an explicit --max shape that would override them is refused (the
+    flag used to be ignored)."""
+    import _tiny_model
+
+    model = _tiny_model.model()
+    assert eng.plan_profile(model, eng.BuildOptions(max_img_tokens=100))["hidden_states"][
+        "max"][1] == 100
+    with pytest.raises(eng.prof.ProfileError, match=match):
+        eng.plan_profiles(model, eng.BuildOptions(**kw))

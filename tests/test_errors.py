@@ -7,6 +7,7 @@ import argparse
 import importlib
 import inspect
 import pkgutil
+import re
 
 import pytest
 
@@ -15,11 +16,12 @@ from qkrope import cli
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 # Control-flow signals that never leave their module (not errors).
-# Not qkrope's user errors: demo's step-skip signal, and the two errors of the code that runs
-# inside Triton's Python backend without qkrope (rope_tables, copied beside the rope model, and
-# the rope model itself): qkrope.runtime.caches turns the overflow into RopeCacheOverflowError,
-# the rope model answers both as TritonError(INVALID_ARG).
+# Not qkrope's user errors: demo's step-skip signal, and the errors of the code that runs inside
+# Triton's Python backend without qkrope (rope_tables, copied beside the rope model, and the rope
+# model itself): qkrope.runtime.caches turns the overflow into RopeCacheOverflowError and bad
+# FLUX ids into an InputError, the rope model answers them as TritonError(INVALID_ARG).
 _INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.rope_tables.PositionOverflow",
+             "qkrope.runtime.rope_tables.BadPositions",
              "qkrope.runtime.triton_rope_model.RequestError"}
 
 
@@ -76,3 +78,29 @@ def test_cli_other_exceptions_keep_their_traceback(monkeypatch):
         _cli_with(monkeypatch, ValueError("internal"))
     with pytest.raises(KeyError):
         _cli_with(monkeypatch, KeyError("x"))
+
+
+@pytest.mark.parametrize("args, match", [
+    (["check", "."], r"\. is a folder, not a file"),
+    (["build", ".", "-o", "x.engine"], r"is a folder, not a file"),
+    (["refit", ".", "--state-dict", "w.pt"], r"is a folder, not a file"),
+    (["triton-repo", "--engine", ".", "-o", "repo"], r"is a folder, not a file"),
+    (["export", "--heads", "99999999999999999999", "--out", "x.onnx"],
+     r"needs .* GiB, more than this machine's .* Fix: give smaller --heads / --head-dim"),
+    (["export", "--batch", "99999999999999", "--out", "x.onnx"],
+     r"the export sample .* Fix: give smaller --batch"),
+    (["export", "--img-shape", "1", "99999999999", "4", "--out", "x.onnx"], r"export sample"),
+    (["export", "--heads", "2", "--head-dim", "16", "--seed", "99999999999999999999999",
+      "--out", "x.onnx"], r"--seed must be an integer in"),
+])
+def test_junk_arguments_are_one_line(tmp_path, monkeypatch, capsys, args, match):
+    """A folder where a file goes (its name has no suffix to suggest a fix with), and sizes or
+    a seed that torch would overflow on (RuntimeError, ValueError, a crash): one line, exit 2,
+    nothing written."""
+    from qkrope.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -53,7 +53,7 @@ def test_fp8_build_is_strongly_typed_without_precision_flags(fp8_build, tmp_path
     assert state.flags == 1 << 1 and info.strongly_typed  # STRONGLY_TYPED (TensorRT 10)
     assert state.config.flags == []  # no FP8/FP16/BF16 builder flag
     assert state.config.profiling_verbosity == "DETAILED"
-    assert state.deserialized == b"\x00SERIALIZED-ENGINE"  # the inspector read the built engine
+    assert state.deserialized == ft.plan_bytes(state.network_name)  # the inspector read it
     engine_q = info.config.quantization["engine"]
     assert engine_q == {"layers": 3, "plugin_layers": 2, "fp8_layers": 1}
     assert "1 of 3 layers in FP8, 2 plugin layer(s)" in log.getvalue()
@@ -115,3 +115,31 @@ def test_float_model_build_is_unchanged(fp8_build, tmp_path):
     assert info.config.quantization is None and not hasattr(state, "deserialized")
     # the float build leaves TensorRT's default verbosity (the FP8 build asks for DETAILED)
     assert state.config.profiling_verbosity == trt.ProfilingVerbosity.LAYER_NAMES_ONLY
+
+
+@pytest.mark.parametrize("where", ["quantization entry", "config entry"])
+def test_an_fp8_model_without_its_sidecar_is_still_an_fp8_build(tmp_path, monkeypatch, where):
+    """Without the sidecar, the model's own metadata (qkrope.quantization, or the config's
+    quantization) says it is FP8: --refit is refused as for a model with its sidecar (it used
+    to build a float-model engine with the FP8 checks skipped)."""
+    import onnx
+
+    trt, state = ft.make_fake_trt(parse=parse_tiny)
+    ft.add_engine_inspector(trt, state)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(lt.ctypes, "CDLL", lambda path, mode=0: None)
+    monkeypatch.setattr(tu, "gpu_info", lambda: HOPPER)
+    lib = tmp_path / "libqkrope_plugin.so"
+    lib.write_bytes(b"\x7fELF fake")
+    onnx_path = write_tiny_onnx(tmp_path / "m.onnx", sidecar=False)
+    model = onnx.load(str(onnx_path))
+    record = {"mode": "fp8", "quantized_linears": ["to_q"]}
+    key, value = (("qkrope.quantization", record) if where == "quantization entry"
+                  else ("qkrope.config", {"heads": 2, "quantization": record}))
+    model.metadata_props.add(key=key, value=json.dumps(value))
+    onnx.save(model, str(onnx_path))
+    assert fp8_engine.quantization_of(eng.ModelInfo.describe(onnx_path)) == record
+    with pytest.raises(fp8_engine.Fp8EngineError, match="--refit is not available"):
+        eng.build_engine(onnx_path, tmp_path / "m.engine", _opts(lib, refit=True),
+                         log=io.StringIO())
+    assert not (tmp_path / "m.engine").exists()

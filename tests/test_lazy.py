@@ -55,3 +55,30 @@ def test_without_submodules_only_the_names_are_offered():
     assert getattr_("dumps").__module__ == "json" and "dumps" in namespace
     with pytest.raises(AttributeError):
         getattr_("dtypes")                     # qkrope.dtypes exists but is not offered
+
+
+BAD_NAMES = ("a.b", "caches.x", "", "..caches", "a b", "1x", "no_such_submodule")
+
+
+@pytest.mark.parametrize("face", ["qkrope.runtime", "qkrope.export", "qkrope.apps.check",
+                                  "qkrope.apps.bench", "qkrope.dtypes"])
+def test_every_face_answers_the_default_for_names_it_does_not_offer(face):
+    """getattr with a default and hasattr never raise for a name a face does not offer (a
+    dotted name used to import its first part and raise ModuleNotFoundError)."""
+    import importlib
+
+    module = importlib.import_module(face)
+    marker = object()
+    for name in BAD_NAMES:
+        assert getattr(module, name, marker) is marker, (face, name)
+        assert not hasattr(module, name), (face, name)
+        with pytest.raises(AttributeError):
+            getattr(module, name)
+
+
+def test_dotted_names_on_a_package_face(package):
+    import lazypkg
+
+    assert getattr(lazypkg, "light.VALUE", None) is None
+    assert not hasattr(lazypkg, "broken.x")       # not imported: the dotted name is no attribute
+    assert "lazypkg.broken" not in sys.modules

@@ -14,7 +14,8 @@ from _tiny_model import sidecar_dict, write_tiny_onnx
 from qkrope import model_io
 from qkrope.model_io import QWEN_IMAGE
 from qkrope.runtime import io_specs
-from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, TensorInfo, engine_tensors,
+from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, SidecarError, TensorInfo,
+                             engine_tensors,
                              sidecar_path)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,8 +144,9 @@ def _fake_engine(names):
 def test_engine_model_io_reads_the_engine_sidecars_roles():
     trt, _ = ft.make_fake_trt()
     model = ModelInfo.from_dict(_renamed(sidecar_dict(), roles=True))
-    tensors = engine_tensors([EngineTensor(t.name, t.dtype, [-1, 32]) for t in model.inputs],
-                             model)
+    tensors = engine_tensors([EngineTensor(t.name, t.dtype,
+                                           [-1 if isinstance(d, str) else d for d in t.shape])
+                              for t in model.inputs], model)
     assert [t.role for t in tensors] == list(TINY_ROLES.values())  # carried on from the model
     side = EngineInfo(tensorrt_version="10.14", onnx="/m.onnx", inputs=tensors,
                       outputs=[EngineTensor("out", "float32", [-1, 32])], profiles=[],
@@ -165,3 +167,40 @@ def test_sidecar_role_is_checked():
         ModelInfo.from_dict(side)
     assert TensorInfo("x", "float32", [1]).to_dict() == {"name": "x", "dtype": "float32",
                                                          "shape": [1]}
+
+
+@pytest.mark.parametrize("swap", [("hidden_states", "encoder_hidden_states"),
+                                  ("img_cache", "txt_cache")])
+@pytest.mark.parametrize("renamed", [False, True])
+def test_swapped_roles_are_refused_in_either_sidecar(swap, renamed):
+    """Roles swapped by an edit (the runner would feed each stream's data to the other) are
+    refused: by the name where qkrope's names are kept, by the axis names where the model was
+    renamed; the engine sidecar (which carries the roles on) likewise. A duplicate is refused."""
+    side = _renamed(sidecar_dict(), roles=True) if renamed else sidecar_dict()
+    if not renamed:
+        side["format_version"] = 2
+        for t in side["inputs"]:
+            t["role"] = TINY_ROLES[t["name"]]
+    side["inputs"][3]["shape"] = ["img_cache_rows", 16]  # axis names to check against
+    side["inputs"][4]["shape"] = ["txt_cache_rows", 16]
+    model = ModelInfo.from_dict(side)
+    a, b = (next(t for t in side["inputs"] if t["role"] == r) for r in swap)
+    a["role"], b["role"] = b["role"], a["role"]
+    with pytest.raises(SidecarError, match="the roles were edited or swapped"):
+        ModelInfo.from_dict(side)
+    net = [EngineTensor(t.name, t.dtype, [-1 if isinstance(d, str) else d for d in t.shape])
+           for t in model.inputs]
+    engine = EngineInfo(tensorrt_version="10.14", onnx="/m.onnx",
+                        inputs=engine_tensors(net, model),
+                        outputs=[EngineTensor("img_out", "float32", [-1, -1, 32])], profiles=[],
+                        plugin=None, plugin_layers=2, version_compatible=False,
+                        strongly_typed=True, config={"head_dim": 16}).to_dict()
+    EngineInfo.from_dict(engine)
+    x, y = (next(t for t in engine["inputs"] if t["role"] == r) for r in swap)
+    x["role"], y["role"] = y["role"], x["role"]
+    with pytest.raises(SidecarError, match="the roles were edited or swapped"):
+        EngineInfo.from_dict(engine)
+    x["role"], y["role"] = y["role"], x["role"]
+    engine["inputs"].append(dict(x))
+    with pytest.raises(SidecarError, match="twice among its inputs"):
+        EngineInfo.from_dict(engine)

@@ -101,6 +101,28 @@ def test_folder_scan_reads_headers_only(tmp_path):
     assert q.quantized and q.quantizer_keys == tuple(sorted(AMAX_KEYS)) and q.state_file is None
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "x.safetensors").write_bytes(b"\x01")
+    (bad / "diffusion_pytorch_model.safetensors").write_bytes(b"\x01")
     with pytest.raises(quantization.InputError, match="not a safetensors file"):
         quantization.folder_quantization(bad)
+
+
+def test_folder_scan_reads_only_the_model_weights_and_says_what_a_bad_one_is(tmp_path):
+    """Files diffusers does not load (notes.bin, random bytes, another safetensors) are not
+    scanned; a weights .bin that is no torch file is one InputError, not torch's RuntimeError
+    (mmap on a non-zip file) or UnpicklingError."""
+    d = _folder(tmp_path / "plain", amax=False)
+    (d / "notes.bin").write_text("hello\n")
+    (d / "random.bin").write_bytes(bytes(range(256)) * 4)
+    (d / "lora.safetensors").write_bytes(b"\x01")
+    assert not quantization.folder_quantization(d).quantized
+    for junk in (b"hello\n", bytes(range(256)) * 4, b"PK\x03\x04 truncated zip"):
+        (d / "diffusion_pytorch_model.bin").write_bytes(junk)
+        with pytest.raises(quantization.InputError,
+                           match=r"diffusion_pytorch_model\.bin is not a readable torch-saved "
+                                 r"state dict \(.*; \w+\)\. Fix: remove it") as exc:
+            quantization.folder_quantization(d)
+        assert "\n" not in str(exc.value) and "weights_only" not in str(exc.value)
+    # an old-format (non-zip) torch.save is read without mmap
+    torch.save({"a.input_quantizer._amax": torch.tensor(1.0)}, d / "diffusion_pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    assert quantization.folder_quantization(d).quantizer_keys == ("a.input_quantizer._amax",)

@@ -306,8 +306,12 @@ def test_a_corrupt_diffusers_shard_is_one_line(tmp_path):
     (tmp_path / second).write_bytes(b"\x10" + bytes(7) + b"{broken")
     (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"a": first, "b": second}}))
-    with pytest.raises(rf.RefitError, match=r"--diffusers shard .*00002-of-00002.safetensors is "
-                                            r"not a readable safetensors file") as exc:
+    # named when the folder's files are listed (diffusers_weights.check_complete), before any
+    # shard is read
+    from qkrope.diffusers_weights import DiffusersWeightsError
+
+    with pytest.raises(DiffusersWeightsError, match=r"00002-of-00002.safetensors is not a "
+                                                    r"safetensors file") as exc:
         rf.load_state_dict(diffusers=str(tmp_path))
     assert "\n" not in str(exc.value)
 

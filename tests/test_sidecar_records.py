@@ -19,7 +19,9 @@ from _tiny_model import move_weights_out, sidecar_dict, write_tiny_onnx
 
 from qkrope import file_record
 from qkrope.sidecars import (METADATA_PREFIX, WRITE_ID_SEPARATOR, EngineInfo, EngineInfoError,
-                             ModelInfo, ModelInfoError, config_tag, engine_sidecar_path,
+                             ModelInfo, ModelInfoError, PluginRecord, config_tag,
+                             engine_network_name,
+                             engine_sidecar_path,
                              sidecar_path)
 
 WID_A, WID_B = "a" * 16, "b" * 16
@@ -212,8 +214,11 @@ def _engine_info(write_id=WID_A) -> EngineInfo:
 
 
 def _write_engine(path: Path, content: bytes = b"PLAN" * 64, write_id=WID_A) -> EngineInfo:
+    """An engine pair as ``qkrope build`` writes it: the sidecar records the network name the
+    engine was built with (its facts tag and write id) and the engine's stat record."""
     path.write_bytes(content)
     info = _engine_info(write_id)
+    info.network_name = engine_network_name(info)
     info.save(path)
     return info
 
@@ -257,11 +262,11 @@ def _plugin_engine(tmp_path: Path) -> tuple[Path, Path]:
     lib = tmp_path / "libqkrope_plugin.so"
     lib.write_bytes(b"\x7fELF fake plugin")
     eng = tmp_path / "attn.engine"
-    info = _write_engine(eng)
-    side = json.loads(engine_sidecar_path(eng).read_text())
-    side["plugin"] = {"path": str(lib), "sha256": hashlib.sha256(lib.read_bytes()).hexdigest(),
-                      "serialized_in_engine": False}
-    engine_sidecar_path(eng).write_text(json.dumps(side))
+    eng.write_bytes(b"PLAN" * 64)
+    info = _engine_info()
+    info.plugin = PluginRecord(str(lib), hashlib.sha256(lib.read_bytes()).hexdigest(), False)
+    info.network_name = engine_network_name(info)  # as qkrope build names it, plugin included
+    info.save(eng)
     assert info.engine_file is not None
     return eng, lib
 

@@ -134,7 +134,9 @@ def test_engine_sidecar_contents():
         tensorrt_version="10.14.1", onnx="/m.onnx",
         inputs=engine_tensors([EngineTensor("hidden_states", "float32", [-1, -1, C])], side),
         outputs=engine_tensors([EngineTensor("img_out", "float32", [-1, -1, C])], side),
-        profiles=[prof.profile_to_json(profile)],
+        # the profile of the engine's one input (a profile of an input the engine does not
+        # have is refused on reading)
+        profiles=[{"hidden_states": prof.profile_to_json(profile)["hidden_states"]}],
         plugin=PluginRecord("/lib.so", "ab", True), plugin_layers=2, version_compatible=True,
         strongly_typed=True, builder_optimization_level=3,
         parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
@@ -146,6 +148,19 @@ def test_engine_sidecar_contents():
     assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}
     assert doc["config"]["head_dim"] == 16 and doc["version_compatible"] is True
     assert EngineInfo.from_dict(json.loads(json.dumps(doc))) == info
+    for edit, match in ((lambda d: d["profiles"][0].update(mask={"min": [1], "opt": [1],
+                                                                 "max": [1]}),
+                         "'mask' is not an input of the engine"),
+                        (lambda d: d["profiles"][0]["hidden_states"].update(min=[]),
+                         r"min \[\] has 0 dimensions, the input has 3"),
+                        (lambda d: d["profiles"][0]["hidden_states"]["min"].__setitem__(1, 9999),
+                         "dimension 1 is min 9999"),
+                        (lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(2, 7),
+                         r"dimension 2 .* all 32 \(a static dimension\)")):
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        with pytest.raises(EngineInfoError, match=match):
+            EngineInfo.from_dict(bad)
 
 
 def test_description_from_the_onnx_graph(tmp_path):
@@ -272,6 +287,14 @@ def _edited_copy(src, dst, edit):
     (lambda s: s["config"].pop("rotary_dim"), "config.rotary_dim"),
     (lambda s: s["node_attributes"].update(epsilon=1e-5), "node_attributes"),
     (lambda s: s.update(dtype="fp16"), "dtype"),
+    # the graph's I/O and the export's sizes (the model's qkrope.io metadata) and the header
+    (lambda s: s["inputs"][0]["shape"].__setitem__(2, 65), "inputs"),
+    (lambda s: s["inputs"][1].update(dtype="float16"), "inputs"),
+    (lambda s: s["outputs"].reverse(), "outputs"),
+    (lambda s: s["dynamic_axes"]["img_tokens"].update(export_value=999), "dynamic_axes"),
+    (lambda s: s["sample"].update(txt_len=99), "sample"),
+    (lambda s: s.update(opset=19), "opset"),
+    (lambda s: s.update(ir_version=9), "ir_version"),
 ])
 def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, tmp_path,
                                                             edit, field):
@@ -286,9 +309,34 @@ def test_a_sidecar_that_disagrees_with_its_model_is_refused(exported_attention, 
     path = _edited_copy(exported_attention, tmp_path / "m.onnx", edit)
     with pytest.raises(ModelInfoError, match=rf"disagrees with its model .* on {field}: sidecar"):
         ModelInfo.load(path)
+    # each fact of the sidecar is one of these (versions aside: nothing is computed from them;
+    # the file records and the write id are checked against the files themselves)
+    assert set(side) - {"format", "format_version", "versions", "model_sha256", "model_file",
+                        "external_data", "write_id"} == {
+        "model", "opset", "ir_version", "dtype", "inputs", "outputs", "dynamic_axes",
+        "node_attributes", "config", "sample"}
     with pytest.raises(ModelInfoError, match=field):
         load(path)
     ModelInfo.load(exported_attention)  # the original pair agrees
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s["node_attributes"].update(plugin_version="9"), "plugin_version '9'"),
+    (lambda s: s["node_attributes"].update(plugin_namespace="x"), "plugin_namespace 'x'"),
+    (lambda s: s["node_attributes"].update(epsilonn=1e-6), "'epsilonn'"),
+    (lambda s: s["inputs"][0].update(dtype="junk"), "must be a dtype name"),
+    (lambda s: s["inputs"].append(dict(s["inputs"][0])), "'hidden_states' twice"),
+    (lambda s: (s["inputs"][0].update(role="encoder_hidden_states"),
+                s["inputs"][1].update(role="hidden_states")), "edited or swapped"),
+])
+def test_sidecar_facts_the_reader_would_drop_or_misread_are_refused(exported_attention,
+                                                                    tmp_path, edit, match):
+    """Facts the reader would otherwise drop silently (a node attribute no node has, a plugin
+    identity that is not this qkrope's) or misread (a junk dtype, a tensor twice, swapped
+    roles): refused on reading."""
+    path = _edited_copy(exported_attention, tmp_path / "m.onnx", edit)
+    with pytest.raises(ModelInfoError, match=match):
+        ModelInfo.load(path)
 
 
 def test_metadata_props_are_read_without_the_graph(exported_attention):

@@ -547,11 +547,18 @@ def test_dynamic_batching_instances_and_gpus_from_the_cli(engine, tmp_path, monk
     (dict(max_batch_size=4, preferred_batch_sizes=(8,)), r"each must be in 1\.\.--max-batch"),
     (dict(preferred_batch_sizes=(2,)), "needs --max-batch-size"),
     (dict(max_queue_delay_us=100), "needs --max-batch-size"),
-    (dict(max_queue_delay_us=-1, max_batch_size=2), "must be >= 0"),
-    (dict(instances=0), "--instances must be an integer >= 1"),
+    (dict(max_queue_delay_us=-1, max_batch_size=2), r"--max-queue-delay-us must be an integer in 0\.\."),
+    (dict(instances=0), r"--instances must be an integer in 1\.\.2147483647"),
     (dict(gpus=(0, 0)), "distinct GPU indices"),
     (dict(gpus=(-1,)), "distinct GPU indices"),
-    (dict(max_batch_size=-1), "--max-batch-size must be >= 0"),
+    (dict(max_batch_size=-1), r"--max-batch-size must be an integer in 0\.\."),
+    # above the int32 / uint64 config.pbtxt fields: the flag's error, not protobuf's ValueError
+    (dict(instances=2**31), r"--instances must be an integer in 1\.\.2147483647 .*got 2147483648$"),
+    (dict(gpus=(0, 2**31)), r"--gpus must list distinct GPU indices 0\.\.2147483647"),
+    (dict(max_batch_size=2**31), r"--max-batch-size must be an integer in 0\.\.2147483647"),
+    (dict(max_batch_size=8, preferred_batch_sizes=(2**40,)), "--preferred-batch-sizes must be"),
+    (dict(max_batch_size=2, max_queue_delay_us=2**64), r"--max-queue-delay-us .*18446744073"),
+    (dict(instances=10**40), r"\(41 digits\)"),
 ])
 def test_bad_serving_options_are_refused(kwargs, match):
     with pytest.raises(triton.TritonRepoError, match=match):
@@ -596,3 +603,18 @@ def test_onnxruntime_models_batch_only_with_a_batch_axis_everywhere(tmp_path):
     res = triton.write_onnx_repository(model, tmp_path / "r", force=True)
     assert _parse(res.config_path).instance_group[0].kind == \
         model_config_pb2.ModelInstanceGroup.KIND_AUTO
+
+
+@pytest.mark.parametrize("flags", [["--max-img-tokens", "100"], ["--max-txt-tokens", "50"],
+                                   ["--max-img-tokens", "100", "--max-txt-tokens", "50"]])
+def test_token_limits_are_refused_for_an_attention_block(engine, tmp_path, capsys, flags):
+    """An attention block gets no rope model, so --max-img-tokens / --max-txt-tokens, which
+    bound the rope model, would be silently ignored: refused, in one line, nothing written
+    (the engine backend and the ONNX backend alike)."""
+    eng, plugin = engine
+    err = _refused(capsys, tmp_path, "--engine", str(eng), "--plugin", str(plugin), *flags)
+    assert flags[0] in err and "no rope model" in err and "qkrope build" in err
+    onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
+    err = _refused(capsys, tmp_path, "--backend", "onnxruntime", "--onnx", str(onnx_path),
+                   *flags)
+    assert flags[0] in err and "no rope model" in err

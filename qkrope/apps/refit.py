@@ -214,7 +214,7 @@ def _load_state_dict(diffusers: str | None, state_dict: str | None, variant: str
 
     # each shard through the one reader: a corrupt shard is one line naming it
     return diffusers_weights.load_state_dict(
-        diffusers, variant=variant,
+        diffusers, variant=variant, other_source="pass --state-dict FILE",
         reader=lambda f: read_state_dict_file(f, what="--diffusers shard", error=RefitError))
 
 

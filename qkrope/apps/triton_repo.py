@@ -45,11 +45,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_int_list, default=(), metavar="0,1",
                    help="the GPUs the instances run on (instance_group gpus; default: all)")
     p.add_argument("--max-img-tokens", type=int, default=None,
-                   help="the most image tokens the rope model accepts (default: the engine "
+                   help="the most image tokens the rope model of a whole transformer's ensemble "
+                        "accepts (refused for an attention block, which has none; default: the engine "
                         f"profile's largest image cache; {DEFAULT_MAX_IMG_TOKENS} for --backend "
                         f"onnxruntime)")
     p.add_argument("--max-txt-tokens", type=int, default=None,
-                   help="the most text tokens the rope model accepts (default: the engine "
+                   help="the most text tokens the rope model of a whole transformer's ensemble "
+                        "accepts (refused for an attention block; default: the engine "
                         f"profile's largest text cache; {DEFAULT_MAX_TXT_TOKENS} for --backend "
                         f"onnxruntime)")
     p.add_argument("--force", action="store_true", help="replace an existing model directory")
