@@ -254,7 +254,9 @@ def folder_family(directory: str):
         raise InputError(f"--diffusers {directory!r}: cannot read {path} ({exc}). Fix: give "
                          f"the folder of a saved diffusers transformer") from None
     if not isinstance(config, dict):
-        raise InputError(f"--diffusers {directory!r}: {path} is not a JSON object")
+        raise InputError(f"--diffusers {directory!r}: {path} holds a JSON "
+                         f"{type(config).__name__}, not the object of a model's config. Fix: "
+                         f"save the model again with save_pretrained, or correct {path}")
     return model_io.family_of(config, source=f"--diffusers {path}")
 
 
@@ -334,6 +336,14 @@ def skeleton_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
         config = cls.load_config(directory, local_files_only=True)
         model = placeholder_module(lambda: cls.from_config(config), dtype=dtype,
                                    keep_in_fp32=cls._keep_in_fp32_modules or ())
+    except (RuntimeError, ValueError, TypeError, OverflowError, AssertionError) as exc:
+        # sizes torch cannot allocate even as placeholders, a config diffusers refuses
+        text = " ".join(str(exc).split()).split(" Exception raised from")[0]
+        raise InputError(f"--diffusers {directory}: the model its config.json describes cannot "
+                         f"be built ({type(exc).__name__}: "
+                         f"{text[:160] + '...' if len(text) > 160 else text}). Fix: check its "
+                         f"sizes (num_layers, num_attention_heads, attention_head_dim, the "
+                         f"channels), or save the model again with save_pretrained") from None
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
     headers = tensor_headers(directory, variant=variant)

@@ -54,83 +54,34 @@ def block_output_name(block: int, stream: str) -> str:
 # The reference, one block resident at a time
 # --------------------------------------------------------------------------------------------
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-                      "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-                      "F8_E5M2": "float8_e5m2"}
-
-
 class ShardReader:
-    """The tensors of a saved diffusers folder, each read from the shard the index names
-    (:func:`qkrope.diffusers_weights.weight_files`) by its offsets in the safetensors header,
-    with plain reads into a tensor of its own: nothing is memory-mapped, so a tensor read costs
-    its own bytes and no mapped shard pages stay in the process."""
+    """The tensors of a saved diffusers folder by key: the streamed export's reader
+    (:func:`qkrope.diffusers_weights.tensor_headers`: every shard the index names, headers
+    checked; :func:`~qkrope.diffusers_weights.read_tensor`: one tensor by its offsets, with
+    plain reads into memory of its own), so nothing is memory-mapped from a shard and a tensor
+    read costs its own bytes."""
 
     def __init__(self, folder: str | os.PathLike, *, variant: str | None = None):
-        from qkrope.diffusers_weights import weight_files
+        from qkrope.diffusers_weights import tensor_headers
 
         self.folder = str(folder)
-        files, weight_map = weight_files(folder, variant=variant)
-        self._headers: dict[str, tuple[int, dict]] = {}
-        self._dir = files[0].parent
-        if weight_map is None:
-            weight_map = {k: files[0].name for k in self._header(files[0].name)[1]
-                          if k != "__metadata__"}
-        self.weight_map = weight_map
-
-    def _header(self, shard: str) -> tuple[int, dict]:
-        if shard not in self._headers:
-            path = self._dir / shard
-            try:
-                with open(path, "rb") as f:
-                    n = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(n))
-            except (OSError, ValueError) as exc:
-                raise BlockCheckError(f"{path} is not a readable safetensors file ({exc}). Fix: "
-                                      f"save the model again with save_pretrained") from None
-            self._headers[shard] = (8 + n, header)
-        return self._headers[shard]
+        self.headers = tensor_headers(folder, variant=variant)
+        self.weight_map = {k: h.file.name for k, h in self.headers.items()}
 
     def keys(self) -> list[str]:
         return sorted(self.weight_map)
 
     def get_many(self, keys: Sequence[str], dtype) -> dict[str, Any]:
         """``{key: tensor in dtype}`` for ``keys`` (a key the folder lacks is an error)."""
-        import torch
+        from qkrope.diffusers_weights import read_tensor
 
-        missing = [k for k in keys if k not in self.weight_map]
+        missing = [k for k in keys if k not in self.headers]
         if missing:
             raise BlockCheckError(f"{self.folder} has no tensor {missing[0]!r}"
                                   f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}"
                                   f" (a parameter of the diffusers model). Fix: pass --diffusers "
                                   f"the folder the model was exported from")
-        by_shard: dict[str, list[str]] = {}
-        for k in keys:
-            by_shard.setdefault(self.weight_map[k], []).append(k)
-        out = {}
-        for shard, names in by_shard.items():
-            base, header = self._header(shard)
-            with open(self._dir / shard, "rb") as f:
-                for k in names:
-                    entry = header.get(k)
-                    if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
-                        raise BlockCheckError(f"{self._dir / shard} does not hold {k!r} as its "
-                                              f"index says. Fix: save the model again with "
-                                              f"save_pretrained")
-                    begin, stop = entry["data_offsets"]
-                    t = torch.empty(entry["shape"],
-                                    dtype=getattr(torch, _SAFETENSORS_DTYPES[entry["dtype"]]))
-                    raw = t.reshape(-1).view(torch.uint8).numpy()
-                    if raw.nbytes != stop - begin:
-                        raise BlockCheckError(f"{self._dir / shard}: {k!r} has {stop - begin} "
-                                              f"bytes for shape {entry['shape']}; the file is "
-                                              f"damaged. Fix: save the model again")
-                    f.seek(base + begin)
-                    if f.readinto(raw) != raw.nbytes:
-                        raise BlockCheckError(f"{self._dir / shard} ends inside {k!r}: the file "
-                                              f"is truncated. Fix: copy or save it again")
-                    out[k] = t.to(dtype)
-        return out
+        return {k: read_tensor(self.headers[k]).to(dtype) for k in keys}
 
 
 def _return_freed_memory() -> None:
