@@ -88,6 +88,13 @@ struct KernelArgs
     int64_t seqLen;
     int64_t tokenStep; // tokens between two consecutive tokens of one row group (splitTokens)
     int64_t seqStep;   // tokenStep % seqLen
+    // Fast path, loop-invariant strides precomputed by the launcher: kernel parameters live in the
+    // constant bank, which instructions read as operands, so they hold no registers across the
+    // token loop (with 128 registers per thread at kFastMinBlocks, two 64-bit values held there
+    // were what made the partial-rotary rows-2 instances spill on sm_100).
+    int64_t stepElems;  // tokenStep x numHeads x headDim: elements between a group's tokens
+    int64_t trigStep;   // seqStep x rotaryDim: cache floats between a group's tokens
+    int64_t trigWrap;   // seqLen x rotaryDim: the cache's floats (a wrap past its last row)
     int32_t numHeads;
     int32_t headDim;
     int32_t rotaryDim;
@@ -301,17 +308,11 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
     int const e0 = elem(0, 0);
     bool const neoxFirst = !INTERLEAVED && kNV == 1 && e0 < half;
     int const partner = neoxFirst ? lane + half / kVec : (e0 < rot ? lane - half / kVec : lane);
-    // Partial rotary: which of this thread's elements are rotated (bit per element).
-    unsigned rotatedMask = 0;
-#pragma unroll
-    for (int v = 0; v < kNV; ++v)
-    {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i)
-        {
-            rotatedMask |= (elem(v, i) < rot ? 1U : 0U) << (v * kVec + i);
-        }
-    }
+    // Partial rotary: a 128-bit chunk is rotated entirely or passed through entirely (selectPath:
+    // rotary_dim a multiple of 8 >= kVec, chunks start at multiples of kVec), and chunk v is run v
+    // (interleaved: one run per chunk; NeoX at partial rotary: one chunk), so runRotated[v] selects
+    // per chunk: one predicate per chunk, not a mask bit tested per element.
+    static_assert(FULL_ROTARY || kRuns == kNV, "partial rotary: one cos/sin run per chunk");
 
     auto loadRows = [&](Storage const* const token, uint4 (&raw)[ROWS][kNV]) {
 #pragma unroll
@@ -373,14 +374,14 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
 
     // Walk this group's tokens with pointers (no per-token multiplications): token t, t + step, ...
     int64_t const tokenElems = static_cast<int64_t>(numHeads) * HEAD_DIM;
-    int64_t const stepElems = a.tokenStep * tokenElems;
+    int64_t const stepElems = a.stepElems;
     int64_t remaining = t < a.numTokens ? (a.numTokens - t + a.tokenStep - 1) / a.tokenStep : 0;
     Storage const* in = src + t * tokenElems;
     Storage* out = dst + t * tokenElems;
     float const* trig = a.cache + (t < a.numTokens ? t % a.seqLen : 0) * rot;
-    float const* const trigEnd = a.cache + a.seqLen * rot;
-    int64_t const trigStep = a.seqStep * rot;
-    int64_t const trigWrap = a.seqLen * rot;
+    float const* const trigEnd = a.cache + a.trigWrap;
+    int64_t const trigStep = a.trigStep;
+    int64_t const trigWrap = a.trigWrap;
     unsigned packedNaN = 0;
 
     // One token: issue the row loads of the token kPrefetch steps ahead into `ahead` (the buffer
@@ -486,9 +487,13 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
             if constexpr (!FULL_ROTARY)
             {
 #pragma unroll
-                for (int i = 0; i < kElems; ++i)
+                for (int v = 0; v < kNV; ++v)
                 {
-                    o[i] = (rotatedMask >> i) & 1U ? o[i] : y[i];
+#pragma unroll
+                    for (int i = v * kVec; i < (v + 1) * kVec; ++i)
+                    {
+                        o[i] = runRotated[v] ? o[i] : y[i];
+                    }
                 }
             }
 
@@ -883,6 +888,9 @@ cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
     a.unitsPerToken = static_cast<int32_t>(plan.unitsPerToken);
     a.tokenStep = plan.split.tokenStep;
     a.seqStep = plan.split.tokenStep % a.seqLen;
+    a.stepElems = a.tokenStep * a.numHeads * HEAD_DIM;
+    a.trigStep = a.seqStep * a.rotaryDim;
+    a.trigWrap = a.seqLen * a.rotaryDim;
     dim3 const grid(static_cast<unsigned>(plan.split.blocks));
     switch (plan.rows)
     {

@@ -229,8 +229,9 @@ struct FastIssueCost
 
 // By rounding mode (math::kRounding*): 0 one rounding; 1 diffusers' order, two pair round trips
 // to the element type before the rotation; 2 FLUX's order, one (a pack and two unpacks per pair:
-// +1.5 per element in the rows-1 SASS, +1.4 / +1.1 in rows 2 / 3). Fitted over rows 1..3.
-constexpr FastIssueCost kFastIssueCost[] = {{16.4, 26.0, 230.0}, {18.8, 31.0, 230.0}, {17.3, 30.4, 230.0}};
+// +1.5 per element in the rows-1 SASS, +1.4 / +1.1 in rows 2 / 3). Fitted over rows 1..3 (nvcc 13.0:
+// 149 / 263 / 396 instructions per token of a unit at rounding 0, prologue + epilogue 203-238).
+constexpr FastIssueCost kFastIssueCost[] = {{15.4, 22.3, 220.0}, {17.8, 28.3, 220.0}, {16.3, 28.3, 220.0}};
 
 inline FastIssueCost fastIssueCost(int rounding)
 {

@@ -20,6 +20,13 @@ def structural_checks(instances: list[dict]) -> list[dict]:
                        "detail": detail})
 
     for inst in instances:
+        # every instance, both paths: a spill is local memory traffic in a memory-bound kernel
+        spills = (inst["spill_stores"] or 0) + (inst["spill_loads"] or 0)
+        local = inst["local"] or 0
+        ok = spills == 0 and local == 0 and not inst["local_memory_sass"]
+        add("no-spills", inst, ok,
+            f"spill stores/loads {inst['spill_stores']}/{inst['spill_loads']} B, local {inst['local']} B, "
+            f"LDL/STL in SASS: {len(inst['local_memory_sass'])}")
         if inst["kind"] != "fast":
             continue
         loop = inst["hot_loop"]
@@ -34,12 +41,6 @@ def structural_checks(instances: list[dict]) -> list[dict]:
             detail = (f"{len(loads)} q/k loads, {len(stores)} stores in the hot loop"
                       + (f"; narrower: {bad}" if bad else "") + (f"; no {missing}" if missing else ""))
             add("qk-128bit", inst, not bad and not missing, detail)
-        spills = (inst["spill_stores"] or 0) + (inst["spill_loads"] or 0)
-        local = inst["local"] or 0
-        ok = spills == 0 and local == 0 and not inst["local_memory_sass"]
-        add("no-spills", inst, ok,
-            f"spill stores/loads {inst['spill_stores']}/{inst['spill_loads']} B, local {inst['local']} B, "
-            f"LDL/STL in SASS: {len(inst['local_memory_sass'])}")
         add("store-default-policy", inst, not inst["store_policies"],
             "STG qualifiers " + (",".join(inst["store_policies"]) if inst["store_policies"] else "default"))
         if inst["qwen"]:
