@@ -885,15 +885,7 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
     device = checked_device(device)
     rows = {model_io.IMG_COS_SIN_CACHE.name: rope_tables.image_tokens(shapes),
             model_io.TXT_COS_SIN_CACHE.name: txt_seq_len}
-    shape_of = {name: list(shape) for name, shape in inputs}
-    for name in rows:
-        shape = shape_of.get(name)
-        width = shape[-1] if shape else None
-        if isinstance(width, int) and width >= 0 and width != sum(axes):
-            raise InputError(
-                f"{source}: the model's {name} is {width} wide but its axes_dims_rope {list(axes)} "
-                f"sum to {sum(axes)}: the sidecar does not describe this model. Fix: "
-                f"re-export the model with `qkrope export`")
+    _check_cache_widths(source, inputs, axes)
     if info is not None:
         img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
         need = {(img_name, 0): rows[img_name], (txt_name, 0): rows[txt_name]}
@@ -909,6 +901,20 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
                 f"holds them ({ranges}). Fix: use sizes within a profile, or rebuild with `qkrope "
                 f"build --resolutions WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
     return build_qwen_rope_caches(shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
+
+
+def _check_cache_widths(source, inputs, axes) -> None:
+    """The model's cache inputs (``inputs``: (name, shape) pairs) are as wide as the RoPE axes
+    its sidecar records sum to (a static width; a dynamic one is not checked)."""
+    shapes = {name: list(shape) for name, shape in inputs}
+    for name in (t.name for t in model_io.CACHE_INPUTS):
+        shape = shapes.get(name)
+        width = shape[-1] if shape else None
+        if isinstance(width, int) and width >= 0 and width != sum(axes):
+            raise InputError(
+                f"{source}: the model's {name} is {width} wide but its axes_dims_rope {list(axes)} "
+                f"sum to {sum(axes)}: the sidecar does not describe this model. Fix: re-export "
+                f"the model with `qkrope export`")
 
 
 def _serving_refusal(info, need: dict) -> str | None:
@@ -949,16 +955,8 @@ def _flux_caches_for(model_path, config, inputs, source, info, family, img_shape
             raise InputError(f"batch must be >= 1; got {batch}")
     device = checked_device(device)
     txt, img = _flux_positions(txt_ids, img_ids, axes)
-    shapes = {name: list(shape) for name, shape in inputs}
     img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
-    for name in (img_name, txt_name):
-        shape = shapes.get(name)
-        width = shape[-1] if shape else None
-        if isinstance(width, int) and width >= 0 and width != sum(axes):
-            raise InputError(
-                f"{source}: the model's {name} is {width} wide but its axes_dims_rope {list(axes)} "
-                f"sum to {sum(axes)}: the sidecar does not describe this model. Fix: re-export "
-                f"the model with `qkrope export`")
+    _check_cache_widths(source, inputs, axes)
     if info is not None:
         need = {(img_name, 0): int(img.shape[0]), (txt_name, 0): int(txt.shape[0])}
         if batch is not None:

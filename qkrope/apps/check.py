@@ -55,7 +55,6 @@ import argparse
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -244,56 +243,35 @@ def runtime_runner(runner, *, name: str):
     included. Feeds arrive by model input name (numpy; bfloat16 as ml_dtypes) and are passed as
     the runner's arguments by role (the caches as ``image_rotary_emb``) on the runner's device;
     outputs come back as float32 numpy by output name."""
-    from polygraphy.backend.base import BaseRunner
+    from ._polygraphy import comparator_runner
 
-    class RuntimeRunner(BaseRunner):
-        def __init__(self):
-            super().__init__(name=name, prefix="qkrope-runtime-runner")
-            self.runner = runner
+    def infer(feed_dict):
+        import torch
 
-        def activate_impl(self):
-            pass
+        from qkrope.runtime.inputs import from_torch, to_torch
+        from qkrope.runtime.runner import CONDITIONING_ROLES
 
-        def deactivate_impl(self):
-            pass
+        device = runner.device
+        feeds = {k: to_torch(np.asarray(v)).to(device) for k, v in feed_dict.items()}
+        roles = runner.io.roles
+        hs, ehs, img, txt, mask, timestep = (
+            feeds.pop(roles[r]) if r in roles else None
+            for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
+                      "encoder_hidden_states_mask", "timestep"))
+        conditioning = {r: feeds.pop(roles[r]) for r in CONDITIONING_ROLES if r in roles}
+        outs = runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None,
+                      conditioning=conditioning or None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return {out: from_torch(t).astype(np.float32)
+                for out, t in zip(runner.output_names, outs)}
 
-        def get_input_metadata_impl(self):
-            from polygraphy.common import TensorMetadata
-            from polygraphy.datatype import DataType
-
-            from qkrope.dtypes import numpy_dtype
-
-            meta = TensorMetadata()
-            for spec in self.runner.io.inputs:
-                meta.add(spec.name, dtype=DataType.from_dtype(numpy_dtype(spec.dtype)),
-                         shape=[lo if lo == hi else -1 for lo, hi in spec.dims])
-            return meta
-
-        def infer_impl(self, feed_dict):
-            import torch
-
-            from qkrope.runtime.inputs import from_torch, to_torch
-            from qkrope.runtime.runner import CONDITIONING_ROLES
-
-            device = self.runner.device
-            feeds = {k: to_torch(np.asarray(v)).to(device) for k, v in feed_dict.items()}
-            roles = self.runner.io.roles
-            hs, ehs, img, txt, mask, timestep = (
-                feeds.pop(roles[r]) if r in roles else None
-                for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
-                          "encoder_hidden_states_mask", "timestep"))
-            start = time.perf_counter()
-            conditioning = {r: feeds.pop(roles[r]) for r in CONDITIONING_ROLES if r in roles}
-            outs = self.runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None,
-                               conditioning=conditioning or None)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.inference_time = time.perf_counter() - start
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            return {out: from_torch(t).astype(np.float32)
-                    for out, t in zip(self.runner.output_names, outs)}
-
-    return RuntimeRunner()
+    inputs = [(spec.name, spec.dtype, [lo if lo == hi else -1 for lo, hi in spec.dims])
+              for spec in runner.io.inputs]
+    adapter = comparator_runner(name, "qkrope-runtime-runner", inputs, infer)
+    adapter.runner = runner  # the runner it calls, for whoever holds the adapter
+    return adapter
 
 
 def _ort_provider(name: str) -> str:

@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -319,42 +318,21 @@ def ort_block_runner(session, info, *, name: str = "onnxrt-blocks"):
     """A polygraphy ``BaseRunner`` over that session (inputs and outputs as OrtValues, so
     bfloat16 passes; outputs as float32 numpy); ``info``: the model's sidecar (the inputs'
     dtypes and shapes for polygraphy's metadata)."""
-    from polygraphy.backend.base import BaseRunner
+    from ._polygraphy import comparator_runner
 
-    class OrtBlockRunner(BaseRunner):
-        def __init__(self):
-            super().__init__(name=name, prefix="qkrope-onnxrt-blocks")
+    names = [o.name for o in session.get_outputs()]
+    wanted = {i.name for i in session.get_inputs()}
 
-        def activate_impl(self):
-            pass
+    def infer(feed_dict):
+        from qkrope.runtime.inputs import from_ort_value, to_ort_value
 
-        def deactivate_impl(self):
-            pass
+        feeds = {k: to_ort_value(np.asarray(v)) for k, v in feed_dict.items() if k in wanted}
+        outs = session.run_with_ort_values(names, feeds)
+        return {n: from_ort_value(v).astype(np.float32) for n, v in zip(names, outs)}
 
-        def get_input_metadata_impl(self):
-            from polygraphy.common import TensorMetadata
-            from polygraphy.datatype import DataType
-
-            from qkrope.dtypes import numpy_dtype
-
-            meta = TensorMetadata()
-            for t in info.inputs:
-                meta.add(t.name, dtype=DataType.from_dtype(numpy_dtype(t.dtype)),
-                         shape=[d if isinstance(d, int) else -1 for d in t.shape])
-            return meta
-
-        def infer_impl(self, feed_dict):
-            from qkrope.runtime.inputs import from_ort_value, to_ort_value
-
-            names = [o.name for o in session.get_outputs()]
-            wanted = {i.name for i in session.get_inputs()}
-            feeds = {k: to_ort_value(np.asarray(v)) for k, v in feed_dict.items() if k in wanted}
-            start = time.perf_counter()
-            outs = session.run_with_ort_values(names, feeds)
-            self.inference_time = time.perf_counter() - start
-            return {n: from_ort_value(v).astype(np.float32) for n, v in zip(names, outs)}
-
-    return OrtBlockRunner()
+    inputs = [(t.name, t.dtype, [d if isinstance(d, int) else -1 for d in t.shape])
+              for t in info.inputs]
+    return comparator_runner(name, "qkrope-onnxrt-blocks", inputs, infer)
 
 
 def reference_block_outputs(streamed: StreamedTransformer,
