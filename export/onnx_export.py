@@ -793,6 +793,26 @@ def diffusers_config_record(cfg: Mapping[str, Any]) -> dict[str, Any]:
             if not k.startswith("_") or k in ("_class_name", "_diffusers_version")}
 
 
+def _skeleton(steps: Steps, diffusers_dir, what: str, tdtype: torch.dtype,
+              quant: str | None, variant: str | None):
+    """The streamed export's first step, for every family: ``(transformer, weights,
+    fp8_table)``, the placeholder skeleton and its shard-backed weights
+    (:func:`qkrope.export.patch_diffusers.skeleton_transformer`) and, with ``quant``, the
+    quantised Linear layers' FP8 table."""
+    from .patch_diffusers import skeleton_transformer
+
+    with steps.step(f"reading {diffusers_dir}'s config and weight headers ({what}; the "
+                    f"weights stay on disk)"):
+        transformer, weights = skeleton_transformer(str(diffusers_dir), dtype=tdtype,
+                                                    quant=quant, variant=variant)
+    fp8_table = None
+    if quant is not None:
+        from . import quantize
+
+        fp8_table = quantize.linear_fp8_table(transformer)
+    return transformer, weights, fp8_table
+
+
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
                        layers: int | None = None, dtype: str = "fp32",
                        opset: int | None = None, rounding: int | None = None,
@@ -812,7 +832,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     initializer is read from the shards (by its key), converted to ``dtype`` (and quantised,
     FP8) as it is written (:mod:`qkrope.export.streaming`), so the peak memory is the trace's
     plus about one tensor, whatever the model's size."""
-    from .patch_diffusers import CacheInputTransformer, folder_family, skeleton_transformer
+    from .patch_diffusers import CacheInputTransformer, folder_family
 
     from qkrope.runtime.state_dict import model_folder_files
 
@@ -833,15 +853,10 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     rounding = family.rounding if rounding is None else rounding
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
-        with steps.step(f"reading {diffusers_dir}'s config and weight headers ({dtype}; the "
-                        f"weights stay on disk)"):
-            transformer, weights = skeleton_transformer(str(diffusers_dir), dtype=tdtype,
-                                                        quant=quant, variant=variant)
-        fp8_table = None
+        transformer, weights, fp8_table = _skeleton(steps, diffusers_dir, dtype, tdtype,
+                                                    quant, variant)
         if quant is not None:
             from . import quantize
-
-            fp8_table = quantize.linear_fp8_table(transformer)
         cfg = dict(transformer.config)
         head_dim = int(cfg["attention_head_dim"])
         axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])
@@ -954,9 +969,8 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
                             attention: str, progress: bool, quant: str | None,
                             variant: str | None):
     """Export a FLUX.1/FLUX.2 transformer folder (arguments checked by export_transformer),
-    streamed as the Qwen-Image export is (:func:`skeleton_transformer`: placeholder parameters,
+    streamed as the Qwen-Image export is (:func:`_skeleton`: placeholder parameters,
     each initializer read from the shards as it is written)."""
-    from .patch_diffusers import skeleton_transformer
     from .patch_flux import cache_input_flux, flux_node_count, has_guidance
 
     if layers is not None:
@@ -965,15 +979,11 @@ def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
     tdtype = TORCH_DTYPES[dtype]
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
-        with steps.step(f"reading {diffusers_dir}'s config and weight headers ({family.label}, "
-                        f"{dtype}; the weights stay on disk)"):
-            transformer, weights = skeleton_transformer(str(diffusers_dir), dtype=tdtype,
-                                                        quant=quant, variant=variant)
-        fp8_table = None
+        transformer, weights, fp8_table = _skeleton(steps, diffusers_dir,
+                                                    f"{family.label}, {dtype}", tdtype, quant,
+                                                    variant)
         if quant is not None:
             from . import quantize
-
-            fp8_table = quantize.linear_fp8_table(transformer)
         cfg = dict(transformer.config)
         head_dim = int(cfg["attention_head_dim"])
         axes = tuple(int(v) for v in cfg["axes_dims_rope"])

@@ -878,10 +878,7 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
     txt_seq_len = _whole(txt_seq_len, "txt_seq_len")
     if txt_seq_len < 1:
         raise InputError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
-    if batch is not None:
-        batch = _whole(batch, "batch")
-        if batch < 1:
-            raise InputError(f"batch must be >= 1; got {batch}")
+    batch = _checked_batch(batch)
     device = checked_device(device)
     rows = {model_io.IMG_COS_SIN_CACHE.name: rope_tables.image_tokens(shapes),
             model_io.TXT_COS_SIN_CACHE.name: txt_seq_len}
@@ -901,6 +898,16 @@ def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
                 f"holds them ({ranges}). Fix: use sizes within a profile, or rebuild with `qkrope "
                 f"build --resolutions WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
     return build_qwen_rope_caches(shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
+
+
+def _checked_batch(batch: object) -> int | None:
+    """caches_for's ``batch``: None, or a whole number >= 1."""
+    if batch is None:
+        return None
+    batch = _whole(batch, "batch")
+    if batch < 1:
+        raise InputError(f"batch must be >= 1; got {batch}")
+    return batch
 
 
 def _check_cache_widths(source, inputs, axes) -> None:
@@ -949,10 +956,7 @@ def _flux_caches_for(model_path, config, inputs, source, info, family, img_shape
     except InputError as exc:
         raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
                          f"model with `qkrope export`") from None
-    if batch is not None:
-        batch = _whole(batch, "batch")
-        if batch < 1:
-            raise InputError(f"batch must be >= 1; got {batch}")
+    batch = _checked_batch(batch)
     device = checked_device(device)
     txt, img = _flux_positions(txt_ids, img_ids, axes)
     img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
