@@ -1,7 +1,7 @@
 """The I/O of the models ``qkrope export`` writes, told once: the tensor names, what each one
 is to the runner (its role), the named axes of each dimension, the Qwen-Image shape record
-(heads x head_dim, RoPE axes, theta) and the model families a transformer export takes
-(Qwen-Image, FLUX.1, FLUX.2: :data:`FAMILIES`). The exporter names its graph from here, writes each
+(heads x head_dim, RoPE axes, theta); the model families a transformer export takes are in
+:mod:`qkrope.families`. The exporter names its graph from here, writes each
 tensor's role into the sidecar (:class:`qkrope.sidecars.TensorInfo`), and the runtime reads the
 roles back; :func:`assign_roles` guesses them only for a model that has no sidecar.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from qkrope import contract
 
 # --------------------------------------------------------------------------------------------
 # The Qwen-Image shape record
@@ -142,83 +141,38 @@ TRANSFORMER = ModelDecl("transformer",
                          TIMESTEP, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
                         (SAMPLE,))
 MODELS = {m.kind: m for m in (ATTENTION, TRANSFORMER)}
-#: The FLUX transformers' graphs (kind "transformer" too): FLUX's inputs with the two caches in
-#: place of txt_ids/img_ids and no mask; ``guidance`` only where the config has guidance_embeds
-#: (:meth:`ModelFamily.decl`).
-FLUX1_TRANSFORMER = ModelDecl("transformer",
-                              (HIDDEN_STATES, ENCODER_HIDDEN_STATES, POOLED_PROJECTIONS, TIMESTEP,
-                               GUIDANCE, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
-                              (SAMPLE,))
-FLUX2_TRANSFORMER = ModelDecl("transformer",
-                              (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP, GUIDANCE,
-                               IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
-                              (SAMPLE,))
-#: Every tensor of any model by name.
-TENSORS = {t.name: t for m in (ATTENTION, TRANSFORMER, FLUX1_TRANSFORMER, FLUX2_TRANSFORMER)
-           for t in m.inputs + m.outputs}
+#: Every tensor any exported model may have, by name (the families' graphs, in
+#: qkrope/families/<family>/__init__.py, are made of these).
+TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK,
+                               TIMESTEP, POOLED_PROJECTIONS, GUIDANCE, IMG_COS_SIN_CACHE,
+                               TXT_COS_SIN_CACHE, IMG_OUT, TXT_OUT, SAMPLE)}
+
+# The model families moved to qkrope.families (one folder each, a record per diffusers class).
+# These names stay for modules not yet switched to the registry; the registry is imported by
+# name (importlib) because its records import this module.
+_FAMILY_ALIASES = {"ModelFamily": ("qkrope.families._record", "FamilyRecord"),
+                   "QWEN_IMAGE_FAMILY": ("qkrope.families.qwen_image", "QWEN_IMAGE_RECORD"),
+                   "FLUX1": ("qkrope.families.flux", "FLUX1"),
+                   "FLUX2": ("qkrope.families.flux", "FLUX2"),
+                   "FLUX1_TRANSFORMER": ("qkrope.families.flux", "FLUX1_TRANSFORMER"),
+                   "FLUX2_TRANSFORMER": ("qkrope.families.flux", "FLUX2_TRANSFORMER")}
 
 
-# --------------------------------------------------------------------------------------------
-# The model families `qkrope export --model transformer` takes
-# --------------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    import importlib
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """One diffusers transformer class qkrope exports: what ``config.json``'s ``_class_name``
-    names, its RoPE (theta where the config does not hold it; the axes are always in the
-    config's ``axes_dims_rope``), the node rounding it is exported with, and its graph."""
-
-    name: str  # the sidecar's config.family
-    class_name: str  # diffusers' class (config.json "_class_name")
-    label: str  # what a user calls it, with the checkpoints it covers
-    theta: int  # the RoPE base diffusers builds the model with by default
-    theta_key: str | None  # the config key that overrides theta (None: fixed in diffusers' code)
-    rounding: int  # the QKNormRoPE rounding attribute its export uses
-    graph: ModelDecl  # its transformer graph, guidance included where it has one
-
-    def decl(self, guidance: bool) -> ModelDecl:
-        """The transformer graph of a model with (or without) guidance embeddings."""
-        if guidance or GUIDANCE not in self.graph.inputs:
-            return self.graph
-        return ModelDecl(self.graph.kind, tuple(t for t in self.graph.inputs if t != GUIDANCE),
-                         self.graph.outputs)
-
-    def rope_theta(self, config: Any) -> int:
-        """The RoPE base of a model with this diffusers ``config``."""
-        value = config.get(self.theta_key) if self.theta_key else None
-        return int(self.theta if value is None else value)
-
-
-QWEN_IMAGE_FAMILY = ModelFamily(
-    "qwen-image", "QwenImageTransformer2DModel", "Qwen-Image (and Qwen-Image-Edit)",
-    QWEN_IMAGE.theta, None, 0, TRANSFORMER)
-# FLUX's eager order (torch's RMSNorm rounds x*inv*w once, diffusers rotates in fp32 and rounds
-# again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_FLUX)
-_FLUX_ROUNDING = contract.ROUNDING_FLUX
-FLUX1 = ModelFamily(
-    "flux1", "FluxTransformer2DModel", "FLUX.1 (dev, schnell, Kontext)",
-    10000, None, _FLUX_ROUNDING, FLUX1_TRANSFORMER)  # diffusers fixes FluxPosEmbed(theta=10000)
-FLUX2 = ModelFamily(
-    "flux2", "Flux2Transformer2DModel", "FLUX.2 (dev, klein)",
-    2000, "rope_theta", _FLUX_ROUNDING, FLUX2_TRANSFORMER)
-#: Every family by its diffusers class name.
-FAMILIES = {f.class_name: f for f in (QWEN_IMAGE_FAMILY, FLUX1, FLUX2)}
-#: ... and by the name the sidecar records.
-FAMILY_NAMES = {f.name: f for f in FAMILIES.values()}
-
-
-def family_of(config: Any, *, source: str = "the diffusers config") -> ModelFamily:
-    """The family a diffusers ``config`` (config.json as a mapping) belongs to, from its
-    ``_class_name``; an InputError listing the families otherwise."""
-    from qkrope.errors import InputError
-
-    name = config.get("_class_name") if hasattr(config, "get") else None
-    family = FAMILIES.get(name) if isinstance(name, str) else None
-    if family is None:
-        known = "; ".join(f"{f.class_name} ({f.label})" for f in FAMILIES.values())
-        raise InputError(f"{source} has _class_name {name!r}, which qkrope does not export. "
-                         f"Fix: give the folder of one of {known}")
-    return family
+    if name in _FAMILY_ALIASES:
+        module, attr = _FAMILY_ALIASES[name]
+        return getattr(importlib.import_module(module), attr)
+    registry = importlib.import_module("qkrope.families") if name in (
+        "FAMILIES", "FAMILY_NAMES", "family_of") else None
+    if name == "FAMILIES":  # every family by its diffusers class name
+        return {r.class_name: r for r in registry.records()}
+    if name == "FAMILY_NAMES":  # ... and by the name the sidecar records
+        return {r.name: r for r in registry.records()}
+    if name == "family_of":
+        return registry.family_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def role_of(name: str) -> str | None:

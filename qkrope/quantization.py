@@ -33,39 +33,34 @@ MODELOPT_STATE_FILE = "modelopt_state.pth"
 #: Quantisation modes of ``qkrope quantize`` / ``qkrope export --quant``.
 QUANT_MODES = ("fp8",)
 
-#: Top-level modules TensorRT's diffusion demo leaves in high precision (Qwen-Image names): the
-#: default of `qkrope quantize --exclude` for a Qwen-Image transformer.
-DEFAULT_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
-#: The same selection in FLUX.1's names (FluxTransformer2DModel): the image and text embedders,
-#: the timestep/guidance/pooled-text embedder, the final AdaLN and the output projection. The
-#: demo's FLUX filter is a substring regex that cannot name the top-level proj_out without every
-#: single block's proj_out, so it quantises it; excluding by top-level name keeps it in high
-#: precision, as for Qwen-Image, and the blocks' proj_out in FP8.
-FLUX1_EXCLUDED = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
-#: FLUX.2 (Flux2Transformer2DModel): as FLUX.1, with its timestep/guidance embedder and the three
-#: shared modulation projections, which turn the timestep embedding into every block's shift,
-#: scale and gate once per step (batch-many rows: FP8 would save nothing and its error would
-#: reach every block, like the embedders' it stands for in FLUX.1's per-block AdaLN input).
-FLUX2_EXCLUDED = ("x_embedder", "context_embedder", "time_guidance_embed",
-                  "double_stream_modulation_img", "double_stream_modulation_txt",
-                  "single_stream_modulation", "norm_out", "proj_out")
-#: The default exclusions by diffusers transformer class (its config.json ``_class_name``).
-DEFAULT_EXCLUDED_BY_CLASS = {"QwenImageTransformer2DModel": DEFAULT_EXCLUDED,
-                             "FluxTransformer2DModel": FLUX1_EXCLUDED,
-                             "Flux2Transformer2DModel": FLUX2_EXCLUDED}
-
-
 def default_excluded(model: object) -> tuple[str, ...]:
     """The default ``--exclude`` of a diffusers transformer (an instance, its class or its class
-    name): :data:`DEFAULT_EXCLUDED_BY_CLASS`; any other class is refused with the list."""
+    name): its family record's ``fp8_excluded`` (:mod:`qkrope.families`); any other class is
+    refused with the list."""
+    from qkrope import families
+
     name = model if isinstance(model, str) else (model if isinstance(model, type)
                                                  else type(model)).__name__
-    try:
-        return DEFAULT_EXCLUDED_BY_CLASS[name]
-    except KeyError:
+    record = families.by_class(name)
+    if record is None:
         raise InputError(f"no default FP8 layer selection for {name}: qkrope knows "
-                         f"{', '.join(DEFAULT_EXCLUDED_BY_CLASS)}. Fix: pass the top-level "
-                         f"modules to keep in high precision with --exclude") from None
+                         f"{', '.join(r.class_name for r in families.records())}. Fix: pass "
+                         f"the top-level modules to keep in high precision with --exclude")
+    return record.fp8_excluded
+
+
+def __getattr__(name: str):
+    # Old names of the family facts, now in the family records (qkrope.families).
+    from qkrope import families
+
+    if name == "DEFAULT_EXCLUDED_BY_CLASS":
+        return {r.class_name: r.fp8_excluded for r in families.records()}
+    if name == "DEFAULT_EXCLUDED":  # the default of the export API's exclude: the first family's
+        return families.default().fp8_excluded
+    old = {"FLUX1_EXCLUDED": "flux1", "FLUX2_EXCLUDED": "flux2"}
+    if name in old:
+        return families.by_name(old[name]).fp8_excluded
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Largest finite float8 e4m3fn value: the amax of a tensor maps to it (scale = amax / 448).
 FP8_E4M3_MAX = 448.0
@@ -231,8 +226,7 @@ def ort_session_options(model, session_options=None):
 
 
 __all__ = ["METADATA_PROP", "ORT_QDQ_OPTION", "onnx_quantization", "ort_session_options",
-           "QUANTIZER_MARK", "MODELOPT_STATE_FILE", "QUANT_MODES", "DEFAULT_EXCLUDED",
-           "FLUX1_EXCLUDED", "FLUX2_EXCLUDED", "DEFAULT_EXCLUDED_BY_CLASS", "default_excluded",
+           "QUANTIZER_MARK", "MODELOPT_STATE_FILE", "QUANT_MODES", "default_excluded",
            "FP8_E4M3_MAX",
            "QuantizedModelError", "quantizer_keys", "state_file_keys", "FolderQuantization",
            "folder_quantization", "check_folder", "refuse_quantized_state_dict"]

@@ -26,7 +26,7 @@ each, a format version, and a check on load.
                  "parameter_shapes" ({key: shape}: `qkrope refit` checks them),
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
                  dict), "num_layers_exported", "parameters_not_in_graph", "family"
-                 ("qwen-image" | "flux1" | "flux2": qkrope.model_io.FAMILIES) and
+                 ("qwen-image" | "flux1" | "flux2": qkrope.families) and
                  "rope_theta" (axes_dims_rope has 4 entries for FLUX.2); an FP8 export
                  "quantization"}  (read as a checked ModelConfig; every field optional)
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from qkrope import dtypes, model_io
+from qkrope import dtypes, families, model_io
 import re
 
 from qkrope._fileio import write_json_atomic
@@ -443,16 +443,20 @@ def _str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
+# the RoPE axis counts of the known families (qkrope.families): "3 (A, B) or 4 (C)"
+_AXES_COUNTS = {n: [r.short for r in families.records() if len(r.axes) == n]
+                for n in sorted({len(r.axes) for r in families.records()})}
+_AXES_COUNTS_TEXT = " or ".join(f"{n} ({', '.join(shorts)})" for n, shorts in _AXES_COUNTS.items())
 # field -> (check, what it must be); every field is optional (absent: None)
 _CONFIG_FIELDS: dict[str, tuple[Any, str]] = {
     "dim": (_positive_int, "a positive int"),
     "heads": (_positive_int, "a positive int"),
     "head_dim": (_positive_int, "a positive int"),
     "rotary_dim": (_positive_int, "a positive int"),
-    "axes_dims_rope": (lambda v: isinstance(v, list) and len(v) in (3, 4) and all(
+    "axes_dims_rope": (lambda v: isinstance(v, list) and len(v) in _AXES_COUNTS and all(
         isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in v),
-        "a list of 3 (Qwen-Image, FLUX.1) or 4 (FLUX.2) non-negative ints"),
-    "family": (lambda v: v in model_io.FAMILY_NAMES, f"one of {sorted(model_io.FAMILY_NAMES)}"),
+        f"a list of {_AXES_COUNTS_TEXT} non-negative ints"),
+    "family": (lambda v: v in families.names(), f"one of {sorted(families.names())}"),
     "rope_theta": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
                    "a positive number"),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
@@ -489,7 +493,7 @@ class ModelConfig:
     head_dim: int | None = None
     rotary_dim: int | None = None
     axes_dims_rope: list[int] | None = None
-    family: str | None = None  # a transformer's model family (qkrope.model_io.FAMILY_NAMES)
+    family: str | None = None  # a transformer's model family (qkrope.families.by_name)
     rope_theta: float | None = None  # a transformer's RoPE base
     seed: int | None = None
     dtype: str | None = None  # the --dtype short name

@@ -69,7 +69,7 @@ def test_standalone_copies_equal_the_contract():
     for family, cls in ((model_io.FLUX1, diffusers.FluxTransformer2DModel),
                         (model_io.FLUX2, diffusers.Flux2Transformer2DModel)):
         _, axes, theta = rope_tables.FLUX_FAMILIES[family.name]
-        assert theta == family.theta
+        assert theta == family.theta and tuple(axes) == family.axes
         default = inspect.signature(cls.__init__).parameters["axes_dims_rope"].default
         assert tuple(axes) == tuple(default)
         if family.theta_key:

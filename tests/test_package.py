@@ -27,7 +27,7 @@ def test_import_is_light():
 # the build folder, library names, opsets, defaults): importing them imports none of these.
 HEAVY = ("torch", "onnx", "onnxscript", "onnxruntime", "tensorrt")
 LIGHT_MODULES = ("qkrope", "qkrope.dtypes", "qkrope.contract", "qkrope.sidecars",
-                 "qkrope.quantization", "qkrope.runtime", "qkrope.runtime.plugin_build",
+                 "qkrope.families", "qkrope.quantization", "qkrope.runtime", "qkrope.runtime.plugin_build",
                  "qkrope.runtime.profiles", "qkrope.runtime.triton", "qkrope.export",
                  *(module for _, module, _ in cli._SUBCOMMANDS))
 

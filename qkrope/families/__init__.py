@@ -1,0 +1,107 @@
+"""The model families qkrope exports, one folder each, and the registry over them.
+
+A family folder ``qkrope/families/<package>/`` holds:
+
+- ``__init__.py``: ``RECORDS``, its :class:`FamilyRecord` (facts only, no torch);
+- ``export.py`` (export layer): the export hooks (config check, attention processors, the
+  cache-input wrapper, sample inputs, post-export checks);
+- ``reference.py`` (runtime layer): the keyword arguments of its reference (diffusers) forward;
+- ``dropin.py`` (runtime layer): the pipeline drop-in.
+
+:data:`FAMILY_PACKAGES` is the one list a new family is added to. The registry is keyed by the
+diffusers class (:func:`by_class`, :func:`family_of`) and by the sidecar's family name
+(:func:`by_name`). :func:`hooks` imports a family's hook module on first use (by a string, so
+``import qkrope`` and ``--help`` import no torch). A family folder imports no other family and
+not this registry; generic code imports no family module by name (tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from qkrope.families._record import FamilyRecord
+
+#: The family folders, in registry order (the first is the default of an old sidecar that
+#: names no family).
+FAMILY_PACKAGES = ("qwen_image", "flux")
+#: The hook modules a family folder has.
+HOOK_KINDS = ("export", "reference", "dropin")
+
+
+@functools.lru_cache(maxsize=1)
+def records() -> tuple[FamilyRecord, ...]:
+    """Every family record, in registry order."""
+    out: list[FamilyRecord] = []
+    for package in FAMILY_PACKAGES:
+        module = importlib.import_module(f"{__name__}.{package}")
+        for record in module.RECORDS:
+            if record.package != package:
+                raise RuntimeError(f"{record.name}'s record names package {record.package!r} "
+                                   f"but lives in {package!r}")
+            out.append(record)
+    names = [r.name for r in out]
+    classes = [r.class_name for r in out]
+    if len(set(names)) != len(names) or len(set(classes)) != len(classes):
+        raise RuntimeError(f"family names {names} / classes {classes} must be unique")
+    return tuple(out)
+
+
+def names() -> tuple[str, ...]:
+    """The sidecar family names, in registry order."""
+    return tuple(r.name for r in records())
+
+
+def default() -> FamilyRecord:
+    """The family of a transformer sidecar written before sidecars named one."""
+    return records()[0]
+
+
+def by_class(class_name: str | None) -> FamilyRecord | None:
+    """The family of a diffusers class name (config.json ``_class_name``), or None."""
+    return next((r for r in records() if r.class_name == class_name), None)
+
+
+def by_name(name: str | None, *, source: str = "the sidecar") -> FamilyRecord:
+    """The family a sidecar names (None: :func:`default`); an InputError listing the known
+    ones otherwise."""
+    if name is None:
+        return default()
+    record = next((r for r in records() if r.name == name), None)
+    if record is None:
+        from qkrope.errors import InputError
+
+        raise InputError(f"{source} names model family {name!r}, which this qkrope does not "
+                         f"know (it knows {', '.join(names())}). Fix: re-export the model with "
+                         f"this qkrope (qkrope export --model transformer)")
+    return record
+
+
+def describe() -> str:
+    """The families as a user reads them: ``Class (label); ...``."""
+    return "; ".join(f"{r.class_name} ({r.label})" for r in records())
+
+
+def family_of(config: Any, *, source: str = "the diffusers config") -> FamilyRecord:
+    """The family a diffusers ``config`` (config.json as a mapping) belongs to, from its
+    ``_class_name``; an InputError listing the families otherwise."""
+    from qkrope.errors import InputError
+
+    name = config.get("_class_name") if hasattr(config, "get") else None
+    family = by_class(name) if isinstance(name, str) else None
+    if family is None:
+        raise InputError(f"{source} has _class_name {name!r}, which qkrope does not export. "
+                         f"Fix: give the folder of one of {describe()}")
+    return family
+
+
+def hooks(record: FamilyRecord, kind: str):
+    """The family's hook module of ``kind`` (:data:`HOOK_KINDS`), imported on first use."""
+    if kind not in HOOK_KINDS:
+        raise ValueError(f"hook kind {kind!r} is not one of {HOOK_KINDS}")
+    return importlib.import_module(f"{__name__}.{record.package}.{kind}")
+
+
+__all__ = ["FAMILY_PACKAGES", "HOOK_KINDS", "FamilyRecord", "records", "names", "default",
+           "by_class", "by_name", "describe", "family_of", "hooks"]

@@ -1,0 +1,62 @@
+"""The record of one model family: the facts qkrope knows about a diffusers transformer class
+(no torch, nothing heavy). Each family folder (``qkrope/families/<package>/__init__.py``) holds
+its records in ``RECORDS``; the registry (:mod:`qkrope.families`) collects them. Generic code asks
+a record, never a family by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qkrope.model_io import GUIDANCE, ModelDecl
+
+#: The position schemes (qkrope.runtime.schemes): "grid" builds the RoPE caches from image grid
+#: shapes and a text length, "ids" from per-token position ids.
+SCHEMES = ("grid", "ids")
+#: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
+#: (the pipeline packs the latent patches).
+LATENT_KINDS = ("packed-tokens",)
+
+
+@dataclass(frozen=True)
+class FamilyRecord:
+    """One diffusers transformer class qkrope exports: what ``config.json``'s ``_class_name``
+    names, what a user calls it, its RoPE (scheme, axes and theta by default; the axes are
+    always in the config's ``axes_dims_rope`` where it holds them), the node rounding it is
+    exported with, its graph, its FP8 default exclusions and whether ``--layers`` /
+    ``--blocks`` apply to it."""
+
+    name: str  # the sidecar's config.family (never changes: old sidecars name it)
+    class_name: str  # diffusers' class (config.json "_class_name")
+    label: str  # what a user calls it, with the checkpoints it covers
+    short: str  # its name in messages ("FLUX.1")
+    package: str  # the folder its hooks live in (qkrope.families.<package>)
+    scheme: str  # the position scheme (SCHEMES)
+    axes: tuple[int, ...]  # the RoPE width of each axis diffusers builds it with by default
+    theta: int  # the RoPE base diffusers builds the model with by default
+    theta_key: str | None  # the config key that overrides theta (None: fixed in diffusers' code)
+    max_positions: int | None  # positions per axis the RoPE tables hold (None: no table)
+    rounding: int  # the QKNormRoPE rounding attribute its export uses
+    graph: ModelDecl  # its transformer graph, guidance included where it has one
+    fp8_excluded: tuple[str, ...]  # top-level modules FP8 keeps in high precision by default
+    blocks: bool  # whether --layers (export, check) and --blocks (check) apply
+    latent: str = "packed-tokens"  # LATENT_KINDS
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"{self.name}: scheme {self.scheme!r} is not one of {SCHEMES}")
+        if self.latent not in LATENT_KINDS:
+            raise ValueError(f"{self.name}: latent {self.latent!r} is not one of {LATENT_KINDS}")
+
+    def decl(self, guidance: bool) -> ModelDecl:
+        """The transformer graph of a model with (or without) guidance embeddings."""
+        if guidance or GUIDANCE not in self.graph.inputs:
+            return self.graph
+        return ModelDecl(self.graph.kind, tuple(t for t in self.graph.inputs if t != GUIDANCE),
+                         self.graph.outputs)
+
+    def rope_theta(self, config: Any) -> int:
+        """The RoPE base of a model with this diffusers ``config``."""
+        value = config.get(self.theta_key) if self.theta_key else None
+        return int(self.theta if value is None else value)

@@ -1,0 +1,54 @@
+"""FLUX.1 (diffusers' FluxTransformer2DModel) and FLUX.2 (Flux2Transformer2DModel): the records.
+Facts only; the hooks are export.py, reference.py and dropin.py beside this file."""
+
+from __future__ import annotations
+
+from qkrope import contract
+from qkrope.families._record import FamilyRecord
+from qkrope.model_io import (ENCODER_HIDDEN_STATES, GUIDANCE, HIDDEN_STATES, IMG_COS_SIN_CACHE,
+                             POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
+
+#: The FLUX transformers' graphs (kind "transformer"): FLUX's inputs with the two caches in place
+#: of txt_ids/img_ids and no mask; ``guidance`` only where the config has guidance_embeds
+#: (:meth:`FamilyRecord.decl`).
+FLUX1_TRANSFORMER = ModelDecl("transformer",
+                              (HIDDEN_STATES, ENCODER_HIDDEN_STATES, POOLED_PROJECTIONS, TIMESTEP,
+                               GUIDANCE, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+                              (SAMPLE,))
+FLUX2_TRANSFORMER = ModelDecl("transformer",
+                              (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP, GUIDANCE,
+                               IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+                              (SAMPLE,))
+
+#: FP8's default exclusions in FLUX.1's names: the image and text embedders, the
+#: timestep/guidance/pooled-text embedder, the final AdaLN and the output projection. The
+#: TensorRT demo's FLUX filter is a substring regex that cannot name the top-level proj_out
+#: without every single block's proj_out, so it quantises it; excluding by top-level name keeps
+#: it in high precision, as for Qwen-Image, and the blocks' proj_out in FP8.
+FLUX1_EXCLUDED = ("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out")
+#: FLUX.2: as FLUX.1, with its timestep/guidance embedder and the three shared modulation
+#: projections, which turn the timestep embedding into every block's shift, scale and gate once
+#: per step (batch-many rows: FP8 would save nothing and its error would reach every block, like
+#: the embedders' it stands for in FLUX.1's per-block AdaLN input).
+FLUX2_EXCLUDED = ("x_embedder", "context_embedder", "time_guidance_embed",
+                  "double_stream_modulation_img", "double_stream_modulation_txt",
+                  "single_stream_modulation", "norm_out", "proj_out")
+
+# FLUX's eager order (torch's RMSNorm rounds x*inv*w once, diffusers rotates in fp32 and rounds
+# again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). The
+# caches are computed from position ids (no table, so no position limit). --layers/--blocks
+# do not apply: an export keeps every double- and single-stream block.
+FLUX1 = FamilyRecord(
+    name="flux1", class_name="FluxTransformer2DModel", label="FLUX.1 (dev, schnell, Kontext)",
+    short="FLUX.1", package="flux", scheme="ids", axes=(16, 56, 56),
+    theta=10000, theta_key=None,  # diffusers fixes FluxPosEmbed(theta=10000)
+    max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX1_TRANSFORMER,
+    fp8_excluded=FLUX1_EXCLUDED, blocks=False)
+FLUX2 = FamilyRecord(
+    name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
+    short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
+    theta=2000, theta_key="rope_theta",  # the config's defaults
+    max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX2_TRANSFORMER,
+    fp8_excluded=FLUX2_EXCLUDED, blocks=False)
+
+RECORDS = (FLUX1, FLUX2)
