@@ -222,7 +222,7 @@ def joint_attention(attn: nn.Module, hidden_states: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen-Image joint attention on any module with diffusers' attribute names (``to_q`` ...
     ``to_add_out``, ``norm_q.weight`` ...): QwenImageAttention and diffusers' own ``Attention``
-    (through :class:`qkrope.export.patch_diffusers.QKNormRoPEAttnProcessor`) share it."""
+    (through :class:`qkrope.families.qwen_image.export.QKNormRoPEAttnProcessor`) share it."""
     batch, s_img, _ = hidden_states.shape
     s_txt = encoder_hidden_states.shape[1]
 

@@ -1,5 +1,5 @@
-"""``qkrope export``: the Qwen-Image attention block or a whole diffusers transformer (Qwen-Image,
-FLUX.1, FLUX.2: :data:`qkrope.model_io.FAMILIES`) to ONNX.
+"""``qkrope export``: the Qwen-Image attention block or a whole diffusers transformer (any family
+of :mod:`qkrope.families`, through its export hooks) to ONNX.
 
 Exporter path: ``torch.onnx.export(..., dynamo=True)`` (torch.export + onnxscript/torchlib) with
 ``custom_translation_table={torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation}``:
@@ -54,7 +54,7 @@ from qkrope import dtypes, quantization
 from qkrope.runtime.caches import default_axes_dims  # noqa: F401 (part of this module's API)
 
 from qkrope import contract, model_io
-from qkrope.model_io import QWEN_IMAGE, QWEN_IMAGE_FAMILY
+from qkrope.model_io import QWEN_IMAGE
 from qkrope._progress import Steps
 from qkrope.file_record import new_write_id
 
@@ -813,6 +813,31 @@ def _skeleton(steps: Steps, diffusers_dir, what: str, tdtype: torch.dtype,
     return transformer, weights, fp8_table
 
 
+@dataclass
+class TransformerPlan:
+    """What a family's export hook (``qkrope/families/<family>/export.py``, ``prepare``) gives
+    :func:`export_transformer`: the cache-input wrapper whose ``forward`` arguments are the
+    graph inputs in graph order (the diffusers model as its ``transformer`` attribute), the
+    traced sample arguments, the graph's declaration, the RoPE setting recorded in the sidecar,
+    the node rounding, the QKNormRoPE node count the graph must have, the blocks exported
+    (``num_layers_exported``: None when every block is, and the record has no ``blocks``) and a
+    phrase naming the blocks for the progress line.
+
+    The hook module also has ``check_config(directory, model_class, dtype, *, memory)`` (before
+    diffusers builds the model; :mod:`qkrope.export.patch_diffusers`) and ``post_export(model)``
+    (checks of the traced graph, before the FP8 Q/DQ and the function body)."""
+
+    wrapper: nn.Module
+    args: tuple
+    decl: model_io.ModelDecl
+    axes: tuple[int, ...]
+    theta: float
+    rounding: int
+    nodes: int
+    num_layers_exported: int | None
+    blocks: str
+
+
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
                        layers: int | None = None, dtype: str = "fp32",
                        opset: int | None = None, rounding: int | None = None,
@@ -820,21 +845,25 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                        txt_len: int | None = None, batch: int | None = None,
                        attention: str = DEFAULT_ATTENTION_FORM, progress: bool = True,
                        quant: str | None = None, variant: str | None = None):
-    """Export a local diffusers transformer with cache inputs: ``QwenImageTransformer2DModel``
-    here, FLUX.1/FLUX.2 through :func:`export_flux_transformer` (the
-    family from config.json: :data:`qkrope.model_io.FAMILIES`; ``rounding`` None: the
-    family's). ``attention`` and ``opset``: as for :func:`export_attention`; ``variant``:
-    diffusers' weights variant, e.g. ``"fp16"``. ``quant="fp8"``: a folder quantised with ModelOpt
-    (``qkrope quantize``) exported with FP8 Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or
-    later); a quantised folder without it is refused.
+    """Export a local diffusers transformer with cache inputs, of any family the registry
+    knows (:mod:`qkrope.families`; the family from config.json, refused with the list
+    otherwise): the family's export hooks (``qkrope/families/<family>/export.py``) patch its
+    attentions and give the wrapper, the sample and the graph (:class:`TransformerPlan`);
+    ``rounding`` None: the family's. ``layers``: the first N blocks (families whose record has
+    ``blocks``; refused otherwise). ``attention`` and ``opset``: as for
+    :func:`export_attention`; ``variant``: diffusers' weights variant, e.g. ``"fp16"``.
+    ``quant="fp8"``: a folder quantised with ModelOpt (``qkrope quantize``) exported with FP8
+    Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or later); a quantised folder without it is
+    refused.
 
     Streamed: the graph is traced on a skeleton with placeholder parameters and each
     initializer is read from the shards (by its key), converted to ``dtype`` (and quantised,
     FP8) as it is written (:mod:`qkrope.export.streaming`), so the peak memory is the trace's
     plus about one tensor, whatever the model's size."""
-    from .patch_diffusers import CacheInputTransformer, folder_family
-
+    from qkrope import families
     from qkrope.runtime.state_dict import model_folder_files
+
+    from .patch_diffusers import folder_family
 
     out = _check_out(out, model_folder_files(diffusers_dir))
     tdtype = _check_dtype(dtype)
@@ -843,56 +872,52 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     _check_quant_opset(quant, opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
     family = folder_family(str(diffusers_dir))  # any other class: refused with the list
+    if layers is not None:
+        families.check_blocks_option(family, "--layers", layers)
     if rounding is not None:
         rounding = contract.check_rounding(rounding, what="--rounding")
-    if family is not QWEN_IMAGE_FAMILY:
-        return export_flux_transformer(out, diffusers_dir, family=family, layers=layers,
-                                       dtype=dtype, opset=opset, rounding=rounding,
-                                       sample=sample, attention=attention, progress=progress,
-                                       quant=quant, variant=variant)
     rounding = family.rounding if rounding is None else rounding
+    hooks = families.hooks(family, "export")
     t0 = time.perf_counter()
     with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
-        transformer, weights, fp8_table = _skeleton(steps, diffusers_dir, dtype, tdtype,
-                                                    quant, variant)
+        transformer, weights, fp8_table = _skeleton(steps, diffusers_dir,
+                                                    f"{family.label}, {dtype}", tdtype, quant,
+                                                    variant)
         if quant is not None:
             from . import quantize
         cfg = dict(transformer.config)
         head_dim = int(cfg["attention_head_dim"])
-        axes_dim = tuple(int(v) for v in cfg["axes_dims_rope"])
-        rotary_dim = sum(axes_dim)
-        wrapper = CacheInputTransformer(transformer, layers, rounding=rounding).eval()
-        n_layers = wrapper.num_layers
+        plan = hooks.prepare(family, transformer, sample=sample, dtype=tdtype, layers=layers,
+                             rounding=rounding)
+        rotary_dim = sum(plan.axes)
         eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
-        args = _sample_args(sample, tdtype, int(cfg["in_channels"]),
-                            int(cfg["joint_attention_dim"]), axes_dim, True, 0)
         with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
             model = _torch_export(   # the float graph; FP8 Q/DQ go in below
-                wrapper, args, TRANSFORMER_INPUTS, TRANSFORMER_OUTPUTS, opset,
+                plan.wrapper, plan.args, plan.decl.input_names, plan.decl.output_names, opset,
                 parameters_of="transformer", steps=steps, attention=attention,
-                what=f"{n_layers} of {len(transformer.transformer_blocks)} blocks (sample "
-                     f"{sample.img_shapes}, {sample.txt_len} text tokens, batch {sample.batch}; "
-                     f"{attention} attention, opset {opset})", weights=weights)
+                what=f"{plan.blocks} (sample {sample.img_shapes}, {sample.txt_len} text "
+                     f"tokens, batch {sample.batch}; {attention} attention, opset {opset})",
+                weights=weights)
         state = {k: v for k, v in transformer.state_dict().items()
                  if quantization.QUANTIZER_MARK not in k}
         not_in_graph = check_parameters(model, state)
+        hooks.post_export(model)
         quant_record = None
         if fp8_table is not None:
             with steps.step(f"FP8 Q/DQ on {len(fp8_table)} quantised Linear layers"):
                 quant_record = quantize.apply_fp8(model, transformer, fp8_table,
                                                   weights=weights.tensor)
-        with steps.step(f"adding the QKNormRoPE function body ({len(_qk_nodes(model))} nodes)"):
+        with steps.step(f"adding the QKNormRoPE function body ({plan.nodes} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
-                           expected_nodes=2 * n_layers)
-        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, rounding)
+                           expected_nodes=plan.nodes)
+        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, plan.rounding)
         config = ModelConfig(
             dim=int(cfg["num_attention_heads"]) * head_dim,
             heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
-            axes_dims_rope=list(axes_dim), family=QWEN_IMAGE_FAMILY.name,
-            rope_theta=QWEN_IMAGE_FAMILY.theta, seed=0, dtype=dtype,
-            diffusers_dir=str(Path(diffusers_dir).resolve()),
+            axes_dims_rope=list(plan.axes), family=family.name, rope_theta=plan.theta, seed=0,
+            dtype=dtype, diffusers_dir=str(Path(diffusers_dir).resolve()),
             diffusers_config=diffusers_config_record(cfg),
-            num_layers_exported=n_layers, attention=attention,
+            num_layers_exported=plan.num_layers_exported, attention=attention,
             # the state-dict keys that are initializers of that name (qkrope build --refit marks
             # them refittable) and those the graph does not use
             parameters=[k for k in state if k not in not_in_graph
@@ -906,139 +931,6 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=attributes, config=config,
             sample=_sample_dict(sample), versions=_versions(("diffusers",)),
-            axis_values=_axis_values(sample)), steps)
-        steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
-    return info, written
-
-
-# --------------------------------------------------------------------------------------------
-# FLUX.1 / FLUX.2 transformers (export_transformer's family dispatch)
-# --------------------------------------------------------------------------------------------
-# The graph (qkrope.model_io.FLUX1_TRANSFORMER / FLUX2_TRANSFORMER) takes FLUX's inputs with the
-# two RoPE caches in place of txt_ids/img_ids and no mask; every attention's norm + RoPE is a
-# QKNormRoPE node (qkrope.export.patch_flux), and nothing in it is float64 (check_no_double).
-# The sidecar records the family, the RoPE axes (3 for FLUX.1, 4 for FLUX.2) and theta (FLUX.1's
-# 10000 is fixed in diffusers' code, FLUX.2's is the config's rope_theta, 2000 by default), as
-# read from the loaded model.
-
-def check_no_double(model) -> None:
-    """No float64 anywhere in the graph: no DOUBLE input, output, initializer, value or Cast
-    (TensorRT's parser demotes DOUBLE to FLOAT, so ONNX Runtime and TensorRT would disagree)."""
-    import onnx_ir as ir
-
-    double = ir.DataType.DOUBLE
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
-        model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and "to" in node.attributes and \
-                int(node.attributes["to"].value) == int(double):
-            raise ExportError(f"node {node.name} casts to DOUBLE: the FLUX graph must have "
-                              f"no float64")
-    for value in values:
-        if value is not None and value.dtype == double:
-            raise ExportError(f"graph value {value.name} is DOUBLE: the FLUX graph must "
-                              f"have no float64")
-
-
-def _flux_sample_args(family, transformer, sample, dtype, theta, axes, head_dim, guided):
-    from qkrope.runtime.flux_transformer import caches_from_ids
-
-    from .patch_flux import sample_ids
-
-    cfg = transformer.config
-    g = torch.Generator().manual_seed(1)
-    txt_ids, img_ids = sample_ids(family, sample.img_shapes, sample.txt_len)
-    caches = caches_from_ids(family.name, txt_ids, img_ids, axes_dims=axes, theta=theta,
-                             head_dim=head_dim)
-    b = sample.batch
-    args = [torch.randn(b, sample.img_tokens, int(cfg["in_channels"]), generator=g).to(dtype),
-            torch.randn(b, sample.txt_len, int(cfg["joint_attention_dim"]),
-                        generator=g).to(dtype)]
-    if family is model_io.FLUX1:
-        args.append(torch.randn(b, int(cfg["pooled_projection_dim"]), generator=g).to(dtype))
-    args.append(torch.full((b,), 0.5, dtype=dtype))
-    if guided:
-        args.append(torch.full((b,), 3.5, dtype=dtype))
-    return tuple(args) + (caches.img.clone(), caches.txt.clone())
-
-
-def export_flux_transformer(out: Path, diffusers_dir: str | os.PathLike, *,
-                            family: model_io.ModelFamily, layers: int | None, dtype: str,
-                            opset: int, rounding: int | None, sample: Sample,
-                            attention: str, progress: bool, quant: str | None,
-                            variant: str | None):
-    """Export a FLUX.1/FLUX.2 transformer folder (arguments checked by export_transformer),
-    streamed as the Qwen-Image export is (:func:`_skeleton`: placeholder parameters,
-    each initializer read from the shards as it is written)."""
-    from .patch_flux import cache_input_flux, flux_node_count, has_guidance
-
-    if layers is not None:
-        raise InputError(f"--layers applies to Qwen-Image; a {family.label} export keeps every "
-                         f"double- and single-stream block. Fix: drop --layers")
-    tdtype = TORCH_DTYPES[dtype]
-    t0 = time.perf_counter()
-    with Steps("qkrope export", 7 if quant else 6, enabled=progress) as steps:
-        transformer, weights, fp8_table = _skeleton(steps, diffusers_dir,
-                                                    f"{family.label}, {dtype}", tdtype, quant,
-                                                    variant)
-        if quant is not None:
-            from . import quantize
-        cfg = dict(transformer.config)
-        head_dim = int(cfg["attention_head_dim"])
-        axes = tuple(int(v) for v in cfg["axes_dims_rope"])
-        theta = float(transformer.pos_embed.theta)  # the value diffusers built the model with
-        theta = int(theta) if theta.is_integer() else theta
-        rotary_dim = sum(axes)
-        if rotary_dim != head_dim:
-            raise InputError(f"axes_dims_rope {list(axes)} sums to {rotary_dim}, not "
-                             f"attention_head_dim={head_dim}: FLUX rotates the whole head")
-        guided = has_guidance(transformer)
-        decl = family.decl(guided)
-        wrapper = cache_input_flux(transformer, family, rounding=rounding)
-        n_nodes = flux_node_count(transformer)
-        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
-        args = _flux_sample_args(family, transformer, sample, tdtype, theta, axes, head_dim,
-                                 guided)
-        blocks = (f"{len(transformer.transformer_blocks)} double + "
-                  f"{len(transformer.single_transformer_blocks)} single blocks")
-        with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
-            model = _torch_export(
-                wrapper, args, decl.input_names, decl.output_names, opset,
-                parameters_of="transformer", steps=steps, attention=attention,
-                what=f"{family.label}: {blocks} (sample {sample.img_shapes}, {sample.txt_len} "
-                     f"text tokens, batch {sample.batch}; {attention} attention, opset {opset})",
-                weights=weights)
-        state = {k: v for k, v in transformer.state_dict().items()
-                 if quantization.QUANTIZER_MARK not in k}
-        not_in_graph = check_parameters(model, state)
-        check_no_double(model)
-        quant_record = None
-        if fp8_table is not None:
-            with steps.step(f"FP8 Q/DQ on {len(fp8_table)} quantised Linear layers"):
-                quant_record = quantize.apply_fp8(model, transformer, fp8_table,
-                                                  weights=weights.tensor)
-        with steps.step(f"adding the QKNormRoPE function body ({n_nodes} nodes)"):
-            finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
-                              expected_nodes=n_nodes)
-        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, wrapper.rounding)
-        config = ModelConfig(
-            dim=int(cfg["num_attention_heads"]) * head_dim,
-            heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
-            axes_dims_rope=list(axes), family=family.name, rope_theta=theta, seed=0,
-            dtype=dtype, diffusers_dir=str(Path(diffusers_dir).resolve()),
-            diffusers_config=diffusers_config_record(cfg), attention=attention,
-            parameters=[k for k in state if k not in not_in_graph
-                        and (quant_record is None or k in model.graph.initializers)],
-            parameters_not_in_graph=not_in_graph)
-        if quant_record is not None:
-            config.quantization = quant_record
-        # their shapes (the shards' headers): qkrope refit refuses a tensor of another shape
-        config.parameter_shapes = {k: weights.shape(k) for k in config.parameters}
-        info, written = _write_outputs(model, out, dict(
-            model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
-            dynamic_axes={}, node_attributes=attributes, config=config,
-            sample=_sample_dict(sample), versions=_versions(("diffusers",)),
-            axis_values=_axis_values(sample)), steps, decl=decl)
+            axis_values=_axis_values(sample)), steps, decl=plan.decl)
         steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

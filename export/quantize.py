@@ -50,11 +50,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from qkrope import quantization
+from qkrope import families, quantization
 from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
-DEFAULT_EXCLUDED = quantization.DEFAULT_EXCLUDED  # the default of --exclude (this API)
+DEFAULT_EXCLUDED = families.default().fp8_excluded  # the default of --exclude (this API)
 CALIBRATION_FORMAT = "qkrope-calibration"
 
 
@@ -290,7 +290,7 @@ def check_exclude_in_folder(directory: str | os.PathLike, exclude: Iterable[str]
     left to the load that follows, whose model :func:`fp8_config` checks again."""
     diffusers = require("diffusers", "FP8 quantisation of a diffusers transformer")
     name = folder_class_name(directory)
-    cls = getattr(diffusers, name, None) if name in quantization.DEFAULT_EXCLUDED_BY_CLASS else None
+    cls = getattr(diffusers, name, None) if families.by_class(name) is not None else None
     if cls is None:
         return
     try:

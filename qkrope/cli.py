@@ -89,10 +89,13 @@ class _LazyCommandParser(argparse.ArgumentParser):
 def build_parser(*, load_all: bool = False) -> argparse.ArgumentParser:
     """The ``qkrope`` parser. A subcommand's module is imported when that subcommand is parsed
     (or at once for every subcommand with ``load_all=True``)."""
+    from qkrope import families  # the records only (no torch)
+
     parser = argparse.ArgumentParser(
         prog="qkrope",
-        description="Export diffusion transformers with fused QK-RMSNorm + RoPE (Qwen-Image, "
-                    "FLUX.1, FLUX.2) to ONNX and TensorRT, check parity, and deploy.",
+        description=f"Export diffusion transformers with fused QK-RMSNorm + RoPE "
+                    f"({', '.join(r.short for r in families.records())}) to ONNX and "
+                    f"TensorRT, check parity, and deploy.",
     )
     parser.add_argument("--version", action="version", version=f"qkrope {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",

@@ -302,5 +302,48 @@ def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
 
 
 __all__ = ["DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
+           "transformer_folder", "folder_family",
            "weight_files", "check_complete", "load_state_dict", "TensorHeader", "tensor_headers",
            "read_tensor"]
+
+
+# --------------------------------------------------------------------------------------------
+# The folder `--diffusers DIR` names, and the model family its config.json says
+# --------------------------------------------------------------------------------------------
+
+def transformer_folder(directory: str) -> str:
+    """The folder of a saved diffusers transformer: ``directory``, or its ``transformer/``
+    subfolder (a pipeline folder); an InputFileNotFoundError otherwise."""
+    if not directory or not os.path.isdir(directory):
+        raise InputFileNotFoundError(
+            f"--diffusers {directory!r} is not a directory: give the local folder of a saved "
+            f"diffusers transformer (the one with config.json and the weights; for a "
+            f"pipeline folder, its transformer/ subfolder). Nothing is downloaded.")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        sub = os.path.join(directory, "transformer")
+        if os.path.isfile(os.path.join(sub, "config.json")):
+            return sub
+        raise InputFileNotFoundError(f"--diffusers {directory!r} has no config.json (nor a "
+                                     f"transformer/config.json): not a saved diffusers model")
+    return directory
+
+
+def folder_family(directory: str):
+    """The model family (:func:`qkrope.families.family_of`) of a saved diffusers transformer,
+    from its config.json's ``_class_name``, read without torch; any other class is refused
+    with the list."""
+    from qkrope import families
+    from qkrope.errors import InputError
+
+    path = os.path.join(transformer_folder(directory), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--diffusers {directory!r}: cannot read {path} ({exc}). Fix: give "
+                         f"the folder of a saved diffusers transformer") from None
+    if not isinstance(config, dict):
+        raise InputError(f"--diffusers {directory!r}: {path} holds a JSON "
+                         f"{type(config).__name__}, not the object of a model's config. Fix: "
+                         f"save the model again with save_pretrained, or correct {path}")
+    return families.family_of(config, source=f"--diffusers {path}")

@@ -96,6 +96,6 @@ def vae(family: model_io.ModelFamily):
 
 def ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
     """Position ids as the FLUX pipelines make them (the exporter's sample ids)."""
-    from qkrope.export.patch_flux import sample_ids
+    from qkrope.families.flux.export import sample_ids
 
     return sample_ids(family, img_shapes, txt_len)

@@ -58,7 +58,8 @@ def in_memory(sharded, tmp_path_factory):
     model finalised and saved whole with onnx_ir (one file)."""
     import onnx_ir as ir
 
-    from qkrope.export.patch_diffusers import CacheInputTransformer, load_transformer
+    from qkrope.export.patch_diffusers import load_transformer
+    from qkrope.families.qwen_image.export import CacheInputTransformer
 
     transformer = load_transformer(str(sharded))
     wrapper = CacheInputTransformer(transformer, 1).eval()

@@ -94,7 +94,7 @@ def test_patched_model_is_bit_exact_with_diffusers_in_fp32(variant):
     """The cache-input wrapper (every norm + RoPE through the fused op) on caches built from the
     ids vs diffusers' own forward on the ids: a condition image (FLUX.1 Kontext's first axis 1,
     FLUX.2's reference at 10) and shapes the export never traced."""
-    from qkrope.export.patch_flux import cache_input_flux
+    from qkrope.families.flux.export import cache_input_flux
 
     family, cls, cfg = fm.VARIANTS[variant]
     model = fm.transformer(variant)

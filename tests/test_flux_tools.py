@@ -8,6 +8,7 @@ to those of the ids diffusers' pipelines make), `qkrope build` through the fake 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 
@@ -265,3 +266,11 @@ def test_quantize_export_fp8_and_check_a_flux2_transformer(root, tmp_path):
     assert report.passed, out.getvalue()
     assert report.weights_checked == len(linears) and report.weight_mismatches == 0
     assert report.quantizers_checked == len(linears)
+    # issue 34 class 6: the block options are refused in one line before any work (they used
+    # to run the whole-model FP8 check, which passed whatever they asked)
+    for flags in (["--blocks"], ["--layers", "-3"], ["--layers", "999"]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(["check", str(onnx_path), *flags])
+        assert rc == 2 and err.getvalue().count("\n") == 1, (flags, err.getvalue())
+        assert "applies to Qwen-Image" in err.getvalue() and "Fix: drop" in err.getvalue()

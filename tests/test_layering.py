@@ -9,6 +9,13 @@ function bodies included):
     the root         (contract, dtypes, layout, sidecars, errors, files)  ->  nothing above it
 
 and no two modules import each other through any chain (no cycles).
+
+The model families (qkrope/families/) sit in those layers by module: the registry
+(``qkrope.families``, ``qkrope.families._record``) and each family's record
+(``qkrope.families.<f>``) are root; ``qkrope.families.<f>.export`` is export layer;
+``.reference`` and ``.dropin`` are runtime layer. Two more rules keep a family one folder:
+a family folder imports no other family and not the registry (the registry finds the
+folders by name, with importlib), and a generic module imports no family module by name.
 """
 
 from __future__ import annotations
@@ -77,23 +84,72 @@ def test_the_graph_covers_every_module():
     assert "qkrope.runtime.runner_tensorrt" in g["qkrope.runtime.backends"]  # lazy ones count
 
 
+FAMILIES = "qkrope.families"
+# a family's hook modules by kind -> their layer (the registry and the records are root)
+FAMILY_HOOK_LAYER = {"export": 2, "reference": 1, "dropin": 1}
+
+
+def _family_of(mod: str) -> str | None:
+    """The family folder a module is in (``qkrope.families.flux`` for
+    ``qkrope.families.flux.export``), None for the registry and any generic module."""
+    parts = mod.split(".")
+    if mod.startswith(FAMILIES + ".") and not parts[2].startswith("_"):
+        return ".".join(parts[:3])
+    return None
+
+
+def level(mod: str) -> int:
+    layer = {"qkrope.apps": 3, "qkrope.export": 2, "qkrope.runtime": 1}
+    if mod == "qkrope.apps.demo":
+        return 5  # the main job runs the other commands through the dispatcher
+    if mod == "qkrope.cli" or mod == "qkrope.__main__":
+        return 4  # the dispatcher sits above the apps (it finds them by name)
+    if _family_of(mod) is not None:
+        parts = mod.split(".")
+        return FAMILY_HOOK_LAYER[parts[3]] if len(parts) > 3 else 0
+    return next((v for k, v in layer.items() if mod == k or mod.startswith(k + ".")), 0)
+
+
+def test_family_modules_are_classified():
+    """Every module of a family folder is its record or a hook of a known kind; the registry
+    finds every folder (FAMILY_PACKAGES)."""
+    from qkrope import families
+
+    mods = [m for m in _graph() if _family_of(m) is not None]
+    assert {_family_of(m).rpartition(".")[2] for m in mods} == set(families.FAMILY_PACKAGES)
+    assert families.HOOK_KINDS == tuple(FAMILY_HOOK_LAYER)
+    for m in mods:
+        parts = m.split(".")
+        assert len(parts) == 3 or (len(parts) == 4 and parts[3] in FAMILY_HOOK_LAYER), m
+    assert level("qkrope.families.flux.export") == 2
+    assert level("qkrope.families.flux.reference") == 1 == level("qkrope.runtime.caches")
+    assert level("qkrope.families.flux") == 0 == level(FAMILIES)
+
+
 def test_runtime_never_imports_export_or_the_apps():
-    bad = [(m, t) for m, targets in _graph().items() if m.startswith("qkrope.runtime")
-           for t in targets if t.startswith(("qkrope.export", "qkrope.apps"))]
+    bad = [(m, t) for m, targets in _graph().items() if level(m) == 1
+           for t in targets if t.startswith(("qkrope.export", "qkrope.apps"))
+           or level(t) > 1]
     assert bad == []
 
 
 def test_the_root_and_export_do_not_import_upwards():
-    layer = {"qkrope.apps": 3, "qkrope.export": 2, "qkrope.runtime": 1}
-
-    def level(mod: str) -> int:
-        if mod == "qkrope.apps.demo":
-            return 5  # the main job runs the other commands through the dispatcher
-        if mod == "qkrope.cli" or mod == "qkrope.__main__":
-            return 4  # the dispatcher sits above the apps (it finds them by name)
-        return next((v for k, v in layer.items() if mod == k or mod.startswith(k + ".")), 0)
-
     bad = [(m, t) for m, targets in _graph().items() for t in targets if level(t) > level(m)]
+    assert bad == []
+
+
+def test_a_family_folder_imports_no_other_family_nor_the_registry():
+    bad = [(m, t) for m, targets in _graph().items() if _family_of(m) is not None
+           for t in targets
+           if t == FAMILIES or (_family_of(t) is not None and _family_of(t) != _family_of(m))]
+    assert bad == []
+
+
+def test_generic_modules_import_no_family_module_by_name():
+    """Generic code reaches a family through the registry (records, hooks), never by a module
+    name; the records' type (qkrope.families._record) is generic."""
+    bad = [(m, t) for m, targets in _graph().items() if _family_of(m) is None
+           for t in targets if _family_of(t) is not None]
     assert bad == []
 
 

@@ -158,6 +158,19 @@ def test_check_refuses_a_bf16_fp8_export(work, tmp_path, capsys):
     assert "--dtype fp32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [["--blocks"], ["--layers", "-3"], ["--layers", "999"],
+                                   ["--layers", "1"]], ids=["blocks", "layers-3", "layers999",
+                                                            "layers1"])
+def test_check_refuses_block_flags_on_an_fp8_export(work, capsys, flags):
+    """Issue 34 class 6: ``qkrope check --blocks`` / ``--layers K`` on an FP8 export are
+    refused in one line before any work (they used to run the whole-model FP8 check, which
+    passed whatever they asked)."""
+    rc = main(["check", str(work / "fp8.onnx"), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "FP8 export" in err or "pass 1 to" in err, err
+
+
 def test_fp8_weights_are_modelopts_fake_quantised_weights_bit_for_bit(work):
     import ml_dtypes
     from onnx import numpy_helper

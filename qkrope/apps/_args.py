@@ -27,6 +27,12 @@ DTYPE_CHOICES = tuple(sorted(dtypes.NAME_BY_SHORT))
 ROUNDING_CHOICES = contract.ROUNDING_MODES
 
 
+def or_list(items) -> str:
+    """``a, b or c``: how the help texts list the model families (from qkrope.families)."""
+    items = list(items)
+    return ", ".join(items[:-1]) + (" or " if len(items) > 1 else "") + items[-1]
+
+
 def add_plugin(parser, usage: str) -> argparse.Action:
     """``--plugin LIB``; ``usage`` says what the command does without it (its default) or
     what it goes with."""

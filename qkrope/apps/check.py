@@ -17,12 +17,13 @@ Steps:
    ``--blocks`` compares each block's outputs too (marked as graph outputs of the ONNX Runtime
    session) and names the first block that differs; ``--layers K`` the first K blocks only
    (the graph cut after block K-1).
-   A FLUX.1 / FLUX.2 export (the sidecar's family) gets FLUX's inputs instead (caches built from
-   the position ids its pipelines pass for the same image shapes, the later shapes condition /
-   reference images; pooled projections, guidance where the graph has them; no mask) and
-   diffusers' own ``FluxTransformer2DModel`` / ``Flux2Transformer2DModel.forward`` on those ids
-   as the reference (:func:`flux_reference_outputs`), the model loaded whole (the streamed,
-   one-block-resident reference and ``--blocks`` / ``--layers`` are Qwen-Image's).
+   The inputs and the reference are the sidecar's family's: ``make_inputs`` builds its caches
+   (a FLUX export's from the position ids its pipelines pass for the same image shapes, with
+   pooled projections and guidance where the graph has them, no mask), and the family's
+   reference hook (``qkrope/families/<family>/reference.py``, ``forward_kwargs``) gives the
+   keyword arguments of diffusers' own forward (FLUX: those ids in place of the caches). The
+   streamed, one-block-resident reference and ``--blocks`` / ``--layers`` are for families whose
+   record has ``blocks``; the others' model is loaded whole.
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
@@ -60,7 +61,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from qkrope import model_io
+from qkrope import families
 from qkrope._deps import require
 from qkrope._lazy import lazy_names
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
@@ -138,12 +139,10 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
     resident (``peak_block_elements``, ``block_elements``, ``blocks``, ``folder``)."""
     import torch
 
-    from qkrope.runtime.inputs import flux_family, to_torch
+    from qkrope.runtime.inputs import to_torch
 
     t = {k: to_torch(v) for k, v in feeds.items()}
     r = {role: t[name] for role, name in info.roles().items() if name in t}
-    if info.model == "transformer" and flux_family(info):  # the family dispatch
-        return flux_reference_outputs(info, r, img_shapes, diffusers_dir=diffusers_dir)
     with torch.no_grad():
         if info.model == "attention":
             from qkrope.export.onnx_export import build_attention
@@ -151,42 +150,50 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
             module = build_attention(info)
             img, txt = module(r["hidden_states"], r["encoder_hidden_states"],
                               (r["img_cache"], r["txt_cache"]), r["encoder_hidden_states_mask"])
-            outs = dict(zip(info.output_names, (img, txt)))
-        else:
-            from qkrope.apps.check_blocks import StreamedTransformer, reference_block_outputs
-            from qkrope.dtypes import TORCH_BY_SHORT
-
-            directory = _reference_folder(info, diffusers_dir)
-            n = layers or (int(info.config.num_layers_exported)
-                           if info.config.num_layers_exported else None)
-            model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n)
-            batch = r["hidden_states"].shape[0]
-            sample = model(hidden_states=r["hidden_states"],
-                           encoder_hidden_states=r["encoder_hidden_states"],
-                           encoder_hidden_states_mask=r["encoder_hidden_states_mask"],
-                           timestep=r["timestep"],
-                           img_shapes=[[tuple(s) for s in img_shapes]] * batch,
-                           return_dict=False)[0]
-            outs = {} if layers else {info.output_names[0]: sample}
-            blocks = reference_block_outputs(model, block_names)
+            return {k: v.float().numpy()
+                    for k, v in zip(info.output_names, (img, txt))}
+        record = _family(info)
+        kwargs = families.hooks(record, "reference").forward_kwargs(info, r, img_shapes)
+        if not record.blocks:  # loaded whole: diffusers' own class for the folder
+            sample = _reference_transformer(info, diffusers_dir)(**kwargs)[0]
             if stats is not None:
-                stats.update(peak_block_elements=model.peak_block_elements,
-                             block_elements=max(model.block_elements), blocks=model.num_layers,
-                             folder=str(directory))
-            return {**{k: v.float().numpy() for k, v in outs.items()}, **blocks}
-    return {k: v.float().numpy() for k, v in outs.items()}
+                stats.update(class_name=record.class_name,
+                             folder=str(_reference_folder(info, diffusers_dir)))
+            return {info.output_names[0]: sample.float().numpy()}
+        from qkrope.apps.check_blocks import StreamedTransformer, reference_block_outputs
+        from qkrope.dtypes import TORCH_BY_SHORT
+
+        directory = _reference_folder(info, diffusers_dir)
+        n = layers or (int(info.config.num_layers_exported)
+                       if info.config.num_layers_exported else None)
+        model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n,
+                                    class_name=record.class_name)
+        sample = model(**kwargs)[0]
+        outs = {} if layers else {info.output_names[0]: sample}
+        blocks = reference_block_outputs(model, block_names)
+        if stats is not None:
+            stats.update(peak_block_elements=model.peak_block_elements,
+                         block_elements=max(model.block_elements), blocks=model.num_layers,
+                         folder=str(directory), class_name=record.class_name)
+        return {**{k: v.float().numpy() for k, v in outs.items()}, **blocks}
+
+
+def _family(info: ModelInfo):
+    """The family record of a transformer export's sidecar (an old sidecar without one: the
+    registry's first family, the only one qkrope exported then)."""
+    return families.by_name(info.config.family, source=f"the sidecar {info.source}")
 
 
 def _reference_folder(info: ModelInfo, diffusers_dir: str | None) -> str:
     """The folder of a transformer export's source model (the one given, else the one recorded
     at export); a folder of another family than the sidecar's is refused in one line, from its
     config.json before any weight is read."""
-    from qkrope.export.patch_diffusers import folder_family
+    from qkrope.diffusers_weights import folder_family
 
     directory = diffusers_dir or info.config.diffusers_dir
     if not directory:
         raise ParityError("the transformer's reference needs --diffusers DIR")
-    family = model_io.FAMILY_NAMES[info.config.family or model_io.QWEN_IMAGE_FAMILY.name]
+    family = _family(info)
     found = folder_family(str(directory))
     if found is not family:
         raise ParityError(f"the reference folder {directory} holds a {found.label} model, but "
@@ -204,24 +211,6 @@ def _reference_transformer(info: ModelInfo, diffusers_dir: str | None):
 
     return load_transformer(_reference_folder(info, diffusers_dir),
                             dtype=TORCH_BY_SHORT[info.dtype])
-
-
-def flux_reference_outputs(info: ModelInfo, r: Mapping[str, Any],
-                           img_shapes: Sequence[Sequence[int]], *,
-                           diffusers_dir: str | None = None) -> dict[str, np.ndarray]:
-    """A FLUX.1 / FLUX.2 export's reference: diffusers' own ``FluxTransformer2DModel`` /
-    ``Flux2Transformer2DModel.forward`` (RoPE from the position ids in float64, as diffusers
-    computes it) on the ids the caches were built from, with the same activations,
-    ``pooled_projections`` and ``guidance`` (by role, ``r``;
-    :func:`qkrope.runtime.inputs.flux_forward_kwargs`)."""
-    import torch
-
-    from qkrope.runtime.inputs import flux_forward_kwargs
-
-    model = _reference_transformer(info, diffusers_dir)
-    with torch.no_grad():
-        sample = model(**flux_forward_kwargs(info, r, img_shapes))[0]
-    return {info.output_names[0]: sample.float().numpy()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,16 +381,20 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
 
 def _check_block_arguments(onnx_path: str, info, *, blocks: bool, layers: int | None,
                            engine: str | None, onnxrt: bool) -> None:
+    """``--blocks`` / ``--layers`` against the model, before any work: a transformer of a
+    family whose record has ``blocks``, a float export, ONNX Runtime, 1 <= K <= its blocks."""
     if not blocks and layers is None:
         return
     flag = "--layers" if layers is not None else "--blocks"
     if info.model != "transformer":
         raise InputError(f"{flag} compares the blocks of a whole transformer; {onnx_path} is "
                          f"an {info.model} model. Fix: drop {flag}")
-    if info.config.family not in (None, model_io.QWEN_IMAGE_FAMILY.name):
-        raise InputError(f"{flag} compares Qwen-Image's blocks; {onnx_path} is a "
-                         f"{model_io.FAMILY_NAMES[info.config.family].label} export, checked as "
-                         f"a whole. Fix: drop {flag}")
+    families.check_blocks_option(_family(info), flag,
+                                 why=f"export ({onnx_path}) is checked as a whole")
+    if info.config.quantization:
+        raise InputError(f"{flag} compares a float export's blocks; {onnx_path} is an FP8 "
+                         f"export, checked as a whole against ModelOpt's model. Fix: drop "
+                         f"{flag}")
     if not onnxrt:
         raise InputError(f"{flag} compares ONNX Runtime's block outputs: drop --no-onnxrt")
     if layers is not None:
@@ -446,12 +439,13 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
 
         if engine_sidecar_path(engine).is_file():
             engine_hashed = EngineInfo.load(engine, full=True).verified == "sha256"
+    # every option against the model before any work (an FP8 export too: issue 34)
+    _check_block_arguments(onnx_path, info, blocks=blocks, layers=layers, engine=engine,
+                           onnxrt=onnxrt)
     if info.config.quantization:  # FP8 Q/DQ: checked against ModelOpt's model
         return _check_quantized(onnx_path, info, img_shapes=img_shapes, txt_len=txt_len,
                                 batch=batch, seed=seed, diffusers_dir=diffusers_dir,
                                 engine=engine, providers=providers, out=out)
-    _check_block_arguments(onnx_path, info, blocks=blocks, layers=layers, engine=engine,
-                           onnxrt=onnxrt)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
     block_names: list[str] = []
     if blocks or layers is not None:
@@ -563,7 +557,10 @@ def _what_compared(info, block_names: Sequence[str], layers: int | None,
     what = " and ".join(parts)
     if info.model != "transformer" or not stats:
         return what + " against the PyTorch attention block rebuilt from the sidecar"
-    return (f"{what} against diffusers' QwenImageTransformer2DModel.forward over "
+    if "blocks" not in stats:
+        return (f"{what} against diffusers' {stats['class_name']}.forward, the model of "
+                f"{stats['folder']} loaded whole")
+    return (f"{what} against diffusers' {stats['class_name']}.forward over "
             f"{stats['blocks']} block(s), each block's weights read from {stats['folder']} "
             f"just before it ran and freed after (at most "
             f"{stats['peak_block_elements'] / 1e6:.2f} M block parameters resident, one block "
@@ -595,9 +592,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _args.add_plugin(p, "needed with --engine")
     p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
                    help="an image of F x H x W latent patches (repeat it: the first is the "
-                        "output image, the others edit (Qwen-Image-Edit), condition (FLUX.1 "
-                        "Kontext) or reference (FLUX.2) images; FLUX's ids are laid out as its "
-                        "pipelines do). Default: 1 6 5 and 1 4 4")
+                        "output image, the others the edit, condition or reference images of "
+                        "the model's family, laid out as its pipelines do). Default: 1 6 5 and "
+                        "1 4 4")
     p.add_argument("--txt-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

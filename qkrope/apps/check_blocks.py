@@ -2,12 +2,12 @@
 resident at a time, and ONNX Runtime's outputs of each block (``--blocks``) or of a ``--layers K``
 prefix.
 
-The reference (:class:`StreamedTransformer`) is diffusers' own
-``QwenImageTransformer2DModel.forward``: the modules outside the blocks (embeddings, norms,
-projections: a few MiB at the real width) are loaded from the shards, every block is a
-``meta``-device skeleton whose weights are read from the safetensors shards (tensor by tensor,
-through the index) by a forward pre-hook just before it runs and dropped by its forward hook
-right after. So the check holds the model once (in ONNX Runtime) plus one block, never two
+The reference (:class:`StreamedTransformer`) is diffusers' own forward of the family's class
+(e.g. ``QwenImageTransformer2DModel.forward``; families whose record has ``blocks``): the
+modules outside the blocks (embeddings, norms, projections: a few MiB at the real width) are
+loaded from the shards, every block is a ``meta``-device skeleton whose weights are read from
+the safetensors shards (tensor by tensor, through the index) by a forward pre-hook just before
+it runs and dropped by its forward hook right after. So the check holds the model once (in ONNX Runtime) plus one block, never two
 copies. The forward hooks also keep each block's outputs, the reference side of the per-block
 comparison.
 
@@ -97,14 +97,16 @@ def _return_freed_memory() -> None:
 
 
 class StreamedTransformer:
-    """diffusers' ``QwenImageTransformer2DModel`` of ``folder`` truncated to ``num_layers``
-    blocks, whose blocks hold their weights only while they run (the module docstring).
+    """diffusers' transformer of ``folder`` (``class_name``: its family record's class, e.g.
+    ``QwenImageTransformer2DModel``) truncated to ``num_layers`` blocks
+    (``transformer_blocks``, each returning ``(encoder_hidden_states, hidden_states)``), whose
+    blocks hold their weights only while they run (the module docstring).
     ``peak_block_elements``: the most block parameter elements resident at once (one block's,
     by construction; the test checks it); ``block_outputs[i]``: block ``i``'s
     ``{"img": hidden_states, "txt": encoder_hidden_states}`` of the last call."""
 
     def __init__(self, folder: str | os.PathLike, *, dtype, num_layers: int | None = None,
-                 variant: str | None = None):
+                 variant: str | None = None, class_name: str | None = None):
         import diffusers
         import torch
 
@@ -120,7 +122,11 @@ class StreamedTransformer:
         if not 1 <= n <= total:
             raise BlockCheckError(f"{d} has {total} blocks; cannot compare {n}")
         self.reader = ShardReader(d, variant=variant)
-        cls = diffusers.QwenImageTransformer2DModel
+        # the family's class (its record; default: the registry's first family, whose
+        # folders older callers pass)
+        from qkrope import families
+
+        cls = getattr(diffusers, class_name or families.default().class_name)
         model = cls.from_config({**config, "num_layers": 0}).eval()
         torch.nn.Module.to(model, dtype)  # (ModelMixin.to warns about fp32 modules it has none of)
         model.load_state_dict(self.reader.get_many(list(model.state_dict()), dtype), strict=True)
@@ -157,7 +163,7 @@ class StreamedTransformer:
 
     def _release(self, i: int):
         def hook(block, args, output):
-            txt, img = output  # QwenImageTransformerBlock returns (encoder_hidden_states, hs)
+            txt, img = output  # a block returns (encoder_hidden_states, hidden_states)
             self.block_outputs[i] = {"img": img.detach().clone(), "txt": txt.detach().clone()}
             block.to("meta")  # the weights go; the next block's come in
             _return_freed_memory()

@@ -103,7 +103,7 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
     from qkrope import quantization
     from qkrope.export import quantize
     from qkrope.export.patch_diffusers import load_transformer
-    from qkrope.runtime.inputs import flux_family, flux_forward_kwargs
+    from qkrope import families
 
     out = out if out is not None else sys.stdout
     record = info.config.quantization or {}
@@ -170,19 +170,13 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
         hooks.append(qz.register_forward_hook(
             lambda _m, _i, o, owner=owner: captured.__setitem__(owner, o.detach().clone())))
     t = {role: torch.from_numpy(np.asarray(feeds[name])) for role, name in info.roles().items()}
-    batch = t["hidden_states"].shape[0]
     blocks = model.transformer_blocks
     kept = torch.nn.ModuleList(list(blocks)[:layers])
     model.transformer_blocks = kept
     try:
-        if flux_family(info):  # FLUX.1 / FLUX.2: the ids the caches came from, no mask
-            kw = flux_forward_kwargs(info, t, img_shapes)
-        else:
-            kw = dict(hidden_states=t["hidden_states"],
-                      encoder_hidden_states=t["encoder_hidden_states"],
-                      encoder_hidden_states_mask=t["encoder_hidden_states_mask"].float(),
-                      timestep=t["timestep"], img_shapes=[[tuple(s) for s in img_shapes]] * batch,
-                      return_dict=False)
+        # the family's reference forward (qkrope/families/<family>/reference.py)
+        family = families.by_name(info.config.family, source=f"the sidecar {info.source}")
+        kw = families.hooks(family, "reference").forward_kwargs(info, t, img_shapes)
         with torch.no_grad():
             free = model(**kw)[0].float().numpy()
             for h in hooks:

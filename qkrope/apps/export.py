@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from qkrope import contract, quantization
+from qkrope import contract, families, quantization
 from qkrope.model_io import QWEN_IMAGE
 from qkrope.errors import InputError
 
 from . import _args
+
+
+def _file_prefix(record) -> str:
+    """The default output name's family part: the sidecar's family name, "-" as "_"."""
+    return record.name.replace("-", "_")
+
+
+def _check_family_options(record, args: argparse.Namespace) -> None:
+    """The options that depend on the family, checked from its record before the export
+    starts (the export function checks them again for its API callers)."""
+    if args.layers is not None:
+        families.check_blocks_option(record, "--layers", args.layers)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -19,7 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("attention", "transformer"), default="attention")
     p.add_argument("--out", "-o", default=None,
                    help="output .onnx (default: <family>_<model>_<dtype>.onnx, the family "
-                        "qwen_image, flux1 or flux2)")
+                        f"{_args.or_list(_file_prefix(r) for r in families.records())})")
     _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision",
                     default="fp32")
     p.add_argument("--opset", type=int, default=None,
@@ -38,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="sample batch (traced with >= 2)")
     _args.add_rounding(p, usage="0: one rounding at the end; 1: diffusers' eager order; a "
                                 "transformer without it: its model family's")
-    p.set_defaults(rounding=None)  # the family's (qkrope.model_io.FAMILIES) unless given
+    p.set_defaults(rounding=None)  # the family's (its record, qkrope.families) unless given
     a = p.add_argument_group("attention block (--model attention)")
     a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
     a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")
@@ -54,10 +66,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t = p.add_argument_group("transformer (--model transformer)")
     t.add_argument("--diffusers", metavar="DIR", default=None,
                    help="local folder of a saved diffusers transformer: "
-                        "QwenImageTransformer2DModel, FluxTransformer2DModel (FLUX.1 dev, "
-                        "schnell, Kontext) or Flux2Transformer2DModel (FLUX.2 dev, klein)")
+                        + _args.or_list(f"{r.class_name} ({r.short})" for r in families.records()))
     t.add_argument("--layers", type=int, default=None,
-                   help="keep the first N blocks (default all; Qwen-Image only). The export is "
+                   help=f"keep the first N blocks (default all; "
+                        f"{_args.or_list(r.short for r in families.records() if r.blocks)} only). The "
+                        "export is "
                         "streamed: the graph is traced without the weights and each initializer "
                         "read from the shards as it is written, so its memory does not grow "
                         "with the model; --layers N of the real model's folder writes (and "
@@ -90,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
                              f"--model attention only; a transformer's sizes, epsilon and "
                              f"weights come from its --diffusers folder")
         if not args.diffusers:
-            raise InputError("--model transformer needs --diffusers DIR (a local saved "
-                             "Qwen-Image, FLUX.1 or FLUX.2 transformer)")
+            raise InputError(f"--model transformer needs --diffusers DIR (a local saved "
+                             f"{_args.or_list(r.short for r in families.records())} transformer)")
     elif args.diffusers or args.layers or args.variant or args.quant:
         raise InputError("--diffusers/--layers/--variant/--quant apply to --model transformer")
     pre.input_dir(args.diffusers, flag="--diffusers",
@@ -106,13 +119,17 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--out must end in .onnx; got {args.out!r}. Fix: --out "
                              f"{Path(args.out).with_suffix('.onnx')}")
 
+    prefix = _file_prefix(families.default())  # the attention block's
+    if args.model == "transformer":
+        from qkrope.diffusers_weights import folder_family
+
+        # the family from config.json (no torch): its options checked before any work
+        family = folder_family(args.diffusers)
+        _check_family_options(family, args)
+        prefix = _file_prefix(family)
+
     from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
 
-    prefix = "qwen_image"
-    if args.model == "transformer" and args.out is None:
-        from qkrope.export.patch_diffusers import folder_family
-
-        prefix = folder_family(args.diffusers).name.replace("-", "_")  # qwen_image, flux1, flux2
     out = args.out or f"{prefix}_{args.model}_{args.dtype}.onnx"
     common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
                   txt_len=args.txt_len, batch=args.batch, attention=args.attention)

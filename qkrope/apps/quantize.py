@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qkrope import families
 from qkrope.errors import InputError
-from qkrope.quantization import DEFAULT_EXCLUDED_BY_CLASS, default_excluded
+from qkrope.quantization import default_excluded
 
 from . import _args
 
@@ -15,16 +16,16 @@ from . import _args
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quantize",
-        description="Calibrate a diffusers QwenImageTransformer2DModel, FluxTransformer2DModel "
-                    "(FLUX.1) or Flux2Transformer2DModel (FLUX.2) to per-tensor FP8 (e4m3) "
-                    "with NVIDIA ModelOpt (max calibration) from transformer inputs recorded in "
+        description="Calibrate a diffusers "
+                    + _args.or_list(f"{r.class_name} ({r.short})" for r in families.records())
+                    + " to per-tensor FP8 (e4m3) with NVIDIA ModelOpt (max calibration) from transformer inputs recorded in "
                     "your own pipeline runs (qkrope.export.quantize.CalibrationRecorder), and "
                     "save it as a diffusers folder with ModelOpt's modelopt_state.pth. Export "
                     "it with `qkrope export --model transformer --diffusers QDIR --quant fp8`. "
                     "Needs the fp8 extra: pip install 'qkrope[fp8]'.")
     p.add_argument("--diffusers", metavar="DIR", required=True,
-                   help="local folder of the float transformer (Qwen-Image, FLUX.1 or FLUX.2; "
-                        "or its pipeline)")
+                   help=f"local folder of the float transformer "
+                        f"({_args.or_list(r.short for r in families.records())}; or its pipeline)")
     p.add_argument("--calibration", metavar="CALIB.pt", required=True,
                    help="recorded transformer calls (CalibrationRecorder.save)")
     p.add_argument("--out", "-o", metavar="QDIR", required=True,
@@ -44,8 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "transformer_blocks.0.attn; fnmatch patterns allowed), each must name "
                         "a module of the transformer (default, TensorRT's diffusion demo "
                         "selection in the model's names: "
-                        + "; ".join(f"{cls}: {' '.join(names)}"
-                                    for cls, names in DEFAULT_EXCLUDED_BY_CLASS.items()) + ")")
+                        + "; ".join(f"{r.class_name}: {' '.join(r.fp8_excluded)}"
+                                    for r in families.records()) + ")")
     p.set_defaults(func=run)
     return p
 

@@ -96,6 +96,23 @@ def family_of(config: Any, *, source: str = "the diffusers config") -> FamilyRec
     return family
 
 
+def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = None, *,
+                        why: str = "export keeps every block") -> None:
+    """An option over the blocks (``--layers N``, ``--blocks``) for a model of family
+    ``record``: refused in one line where the record has no ``blocks`` (its export keeps every
+    block, and nothing marks them), and ``layers`` below 1. Asked before any work starts."""
+    from qkrope.errors import InputError
+
+    if not record.blocks:
+        which = " and ".join(r.short for r in records() if r.blocks) or "no family"
+        raise InputError(f"{flag} applies to {which}; a {record.label} {why}. Fix: drop "
+                         f"{flag}")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                               or layers < 1):
+        raise InputError(f"{flag} takes a number of blocks >= 1; got {layers!r}. Fix: pass "
+                         f"{flag} 1 or more")
+
+
 def hooks(record: FamilyRecord, kind: str):
     """The family's hook module of ``kind`` (:data:`HOOK_KINDS`), imported on first use."""
     if kind not in HOOK_KINDS:
@@ -104,4 +121,4 @@ def hooks(record: FamilyRecord, kind: str):
 
 
 __all__ = ["FAMILY_PACKAGES", "HOOK_KINDS", "FamilyRecord", "records", "names", "default",
-           "by_class", "by_name", "describe", "family_of", "hooks"]
+           "by_class", "by_name", "describe", "family_of", "check_blocks_option", "hooks"]

@@ -1,5 +1,9 @@
-"""Make a diffusers FLUX.1 (``FluxTransformer2DModel``) or FLUX.2 (``Flux2Transformer2DModel``)
-transformer exportable with the fused QK-RMSNorm + RoPE node and the RoPE caches as inputs.
+"""FLUX.1's and FLUX.2's export hooks (export layer): the attention processors, the cache-input
+wrappers, the sample inputs and the post-export check (no float64) that
+:func:`qkrope.export.onnx_export.export_transformer` asks for (the hook protocol:
+:class:`qkrope.export.onnx_export.TransformerPlan`). They make a diffusers FLUX.1
+(``FluxTransformer2DModel``) or FLUX.2 (``Flux2Transformer2DModel``) transformer exportable with
+the fused QK-RMSNorm + RoPE node and the RoPE caches as inputs.
 
 diffusers computes FLUX's RoPE tables inside the model from ``txt_ids``/``img_ids`` in float64
 (``FluxPosEmbed``/``Flux2PosEmbed``), which the stock ONNX export keeps as DOUBLE ops. Here the
@@ -24,11 +28,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qkrope import contract, model_io
+from qkrope import contract
 from qkrope.errors import InputError
+from qkrope.export.attention import _attention
+from qkrope.export.ops import qk_norm_rope
+from qkrope.families._record import FamilyRecord
 
-from .attention import _attention
-from .ops import qk_norm_rope
+from . import FLUX1, FLUX2
 
 
 class FluxRope(NamedTuple):
@@ -47,7 +53,7 @@ def _eps(norm: nn.Module, where: str) -> float:
     return float(eps)
 
 
-def sample_ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
+def sample_ids(family: FamilyRecord, img_shapes, txt_len: int):
     """Position ids as the FLUX pipelines make them, for the traced sample, as torch tensors
     (:func:`qkrope.runtime.rope_tables.flux_sample_ids`: the one home of that layout)."""
     from qkrope.runtime.rope_tables import flux_sample_ids
@@ -134,7 +140,7 @@ class Flux2ParallelSelfAttnProcessor:
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 
 
-def patch_flux(transformer: nn.Module, family: model_io.ModelFamily, *,
+def patch_flux(transformer: nn.Module, family: FamilyRecord, *,
                rounding: int) -> nn.Module:
     """Give every attention of a FLUX transformer its fused processor (in place)."""
     double = FluxAttnProcessor(rounding)
@@ -156,11 +162,11 @@ def flux_node_count(transformer: nn.Module) -> int:
 
 class FluxCacheInputTransformer(nn.Module):
     """A FLUX.1/FLUX.2 transformer whose forward takes the graph inputs
-    (:data:`qkrope.model_io.FLUX1_TRANSFORMER` / ``FLUX2_TRANSFORMER``): :meth:`run` with the
+    (:data:`qkrope.families.flux.FLUX1_TRANSFORMER` / ``FLUX2_TRANSFORMER``): :meth:`run` with the
     RoPE caches in place of the ids. :func:`cache_input_flux` gives the subclass whose
     ``forward`` has exactly the graph's inputs (``guidance`` only where the model has it)."""
 
-    def __init__(self, transformer: nn.Module, family: model_io.ModelFamily, *,
+    def __init__(self, transformer: nn.Module, family: FamilyRecord, *,
                  rounding: int | None = None):
         super().__init__()
         self.family = family
@@ -179,7 +185,7 @@ class FluxCacheInputTransformer(nn.Module):
         if guidance is not None:
             guidance = guidance.to(hidden_states.dtype) * 1000
         encoder_hidden_states = t.context_embedder(encoder_hidden_states)
-        if self.family is model_io.FLUX1:
+        if self.family is FLUX1:
             temb = (t.time_text_embed(timestep, pooled_projections) if guidance is None
                     else t.time_text_embed(timestep, guidance, pooled_projections))
             for block in t.transformer_blocks:
@@ -237,8 +243,8 @@ class _Flux2(FluxCacheInputTransformer):
                         txt_cos_sin_cache)
 
 
-_WRAPPERS = {(model_io.FLUX1.name, True): _Flux1Guided, (model_io.FLUX1.name, False): _Flux1,
-             (model_io.FLUX2.name, True): _Flux2Guided, (model_io.FLUX2.name, False): _Flux2}
+_WRAPPERS = {(FLUX1.name, True): _Flux1Guided, (FLUX1.name, False): _Flux1,
+             (FLUX2.name, True): _Flux2Guided, (FLUX2.name, False): _Flux2}
 
 
 def has_guidance(transformer: nn.Module) -> bool:
@@ -246,8 +252,91 @@ def has_guidance(transformer: nn.Module) -> bool:
     return bool(transformer.config.get("guidance_embeds", False))
 
 
-def cache_input_flux(transformer: nn.Module, family: model_io.ModelFamily, *,
+def cache_input_flux(transformer: nn.Module, family: FamilyRecord, *,
                      rounding: int | None = None) -> FluxCacheInputTransformer:
     """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order."""
     cls = _WRAPPERS[(family.name, has_guidance(transformer))]
     return cls(transformer, family, rounding=rounding).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks export_transformer calls
+# --------------------------------------------------------------------------------------------
+
+def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True):
+    """FLUX's config is left to diffusers' own checks."""
+    return None
+
+
+def check_no_double(model) -> None:
+    """No float64 anywhere in the graph: no DOUBLE input, output, initializer, value or Cast
+    (TensorRT's parser demotes DOUBLE to FLOAT, so ONNX Runtime and TensorRT would disagree)."""
+    import onnx_ir as ir
+
+    from qkrope.export.onnx_export import ExportError
+
+    double = ir.DataType.DOUBLE
+    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
+        model.graph.initializers.values())
+    for node in model.graph.all_nodes():
+        values += list(node.outputs)
+        if node.op_type == "Cast" and "to" in node.attributes and \
+                int(node.attributes["to"].value) == int(double):
+            raise ExportError(f"node {node.name} casts to DOUBLE: the FLUX graph must have "
+                              f"no float64")
+    for value in values:
+        if value is not None and value.dtype == double:
+            raise ExportError(f"graph value {value.name} is DOUBLE: the FLUX graph must "
+                              f"have no float64")
+
+
+post_export = check_no_double
+
+
+def sample_args(family: FamilyRecord, transformer: nn.Module, sample, dtype: torch.dtype,
+                theta, axes, head_dim: int, guided: bool) -> tuple:
+    """The traced sample: random activations (and pooled projections for FLUX.1), timestep,
+    guidance where the graph has it, and the caches of the pipelines' position ids."""
+    from qkrope.runtime.flux_transformer import caches_from_ids
+
+    cfg = transformer.config
+    g = torch.Generator().manual_seed(1)
+    txt_ids, img_ids = sample_ids(family, sample.img_shapes, sample.txt_len)
+    caches = caches_from_ids(family.name, txt_ids, img_ids, axes_dims=axes, theta=theta,
+                             head_dim=head_dim)
+    b = sample.batch
+    args = [torch.randn(b, sample.img_tokens, int(cfg["in_channels"]), generator=g).to(dtype),
+            torch.randn(b, sample.txt_len, int(cfg["joint_attention_dim"]),
+                        generator=g).to(dtype)]
+    if family is FLUX1:
+        args.append(torch.randn(b, int(cfg["pooled_projection_dim"]), generator=g).to(dtype))
+    args.append(torch.full((b,), 0.5, dtype=dtype))
+    if guided:
+        args.append(torch.full((b,), 3.5, dtype=dtype))
+    return tuple(args) + (caches.img.clone(), caches.txt.clone())
+
+
+def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
+            layers: int | None, rounding: int):
+    """The export of ``transformer`` (a placeholder skeleton; every block is kept: the record
+    has no ``blocks``, so export_transformer refused ``layers`` already). The sidecar records
+    the RoPE axes (3 for FLUX.1, 4 for FLUX.2) and theta (FLUX.1's 10000 is fixed in diffusers'
+    code, FLUX.2's is the config's rope_theta, 2000 by default), as read from the loaded model."""
+    from qkrope.export.onnx_export import TransformerPlan
+
+    cfg = dict(transformer.config)
+    head_dim = int(cfg["attention_head_dim"])
+    axes = tuple(int(v) for v in cfg["axes_dims_rope"])
+    theta = float(transformer.pos_embed.theta)  # the value diffusers built the model with
+    theta = int(theta) if theta.is_integer() else theta
+    if sum(axes) != head_dim:
+        raise InputError(f"axes_dims_rope {list(axes)} sums to {sum(axes)}, not "
+                         f"attention_head_dim={head_dim}: FLUX rotates the whole head")
+    guided = has_guidance(transformer)
+    wrapper = cache_input_flux(transformer, record, rounding=rounding)
+    args = sample_args(record, transformer, sample, dtype, theta, axes, head_dim, guided)
+    return TransformerPlan(
+        wrapper=wrapper, args=args, decl=record.decl(guided), axes=axes, theta=theta,
+        rounding=wrapper.rounding, nodes=flux_node_count(transformer), num_layers_exported=None,
+        blocks=f"{record.label}: {len(transformer.transformer_blocks)} double + "
+               f"{len(transformer.single_transformer_blocks)} single blocks")

@@ -1,0 +1,70 @@
+"""Tiny test builders, one per model family, keyed by the family record's name
+(:func:`qkrope.families.names`): the registry the family-parametrised tests run over. A new
+family gets its export, check and FP8 tests by adding its builder here (and its record in
+qkrope/families/).
+
+Sizes: FLUX.1 / FLUX.2 are diffusers' own test configs (tests/_flux_models.py); Qwen-Image is
+the project's tiny pipeline transformer (qkrope.apps.tiny_pipeline: 2 blocks x 2 heads x 32,
+RoPE axes (8, 12, 12), the sizes its export and pipeline tests were tuned on). Each builder's
+model is random with weights of a non-trivial scale (diffusers' init zeroes some layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+import _flux_models as fm  # noqa: E402
+
+from qkrope import families  # noqa: E402
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TinyBuilder:
+    """One family's tiny transformer: ``build(seed)`` makes it; ``blocks`` its number of
+    ``transformer_blocks``."""
+
+    family: str  # the record's name
+    variant: str  # what it is, in test ids
+    build: Callable[[int], object]
+    blocks: int
+
+    @property
+    def record(self):
+        return families.by_name(self.family)
+
+    def saved(self, root: Path) -> Path:
+        """The model's folder (save_pretrained), once per session and root."""
+        key = (self.variant, str(root))
+        if key not in _SAVED:
+            folder = root / f"{self.variant}-diffusers"
+            self.build(0).save_pretrained(str(folder))
+            _SAVED[key] = folder
+        return _SAVED[key]
+
+
+_SAVED: dict[tuple[str, str], Path] = {}
+
+
+def _flux(variant: str) -> TinyBuilder:
+    family, _, config = fm.VARIANTS[variant]
+    return TinyBuilder(family.name, variant, lambda seed: fm.transformer(variant, seed),
+                       int(config["num_layers"]))
+
+
+#: family name -> its tiny builder
+BUILDERS: dict[str, TinyBuilder] = {
+    "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
+                              int(tp.TRANSFORMER_CONFIG["num_layers"])),
+    "flux1": _flux("flux1-schnell"),
+    "flux2": _flux("flux2-klein"),
+}
+
+#: pytest parameters: one per family, in registry order
+PARAMS = [pytest.param(BUILDERS[name], id=name) for name in families.names() if name in BUILDERS]

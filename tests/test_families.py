@@ -1,0 +1,100 @@
+"""The family registry (qkrope/families): records, lookups, hooks, and the checks every
+family's options get before any work (issue 34 class 6), over the tiny builders
+(tests/_families.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qkrope import families
+from qkrope.errors import InputError
+
+from _families import BUILDERS, PARAMS  # noqa: E402
+
+
+def test_every_family_has_a_tiny_builder_and_its_records_are_consistent():
+    assert set(BUILDERS) == set(families.names())
+    for record in families.records():
+        assert families.by_name(record.name) is record
+        assert families.by_class(record.class_name) is record
+        assert families.family_of({"_class_name": record.class_name}) is record
+        assert record.scheme in ("grid", "ids") and sum(record.axes) > 0
+    assert families.by_name(None) is families.default()
+    assert families.by_class("NoSuchModel") is None
+    with pytest.raises(InputError, match="model family 'flux3'.*re-export"):
+        families.by_name("flux3")
+    with pytest.raises(InputError, match="NoSuchModel.*Fix: give the folder of one of"):
+        families.family_of({"_class_name": "NoSuchModel"})
+    with pytest.raises(ValueError, match="hook kind"):
+        families.hooks(families.default(), "nothing")
+
+
+@pytest.mark.parametrize("builder", PARAMS)
+def test_the_record_is_the_model_diffusers_builds(builder):
+    """The record's facts against the tiny model: its class, its RoPE axis count, the FP8
+    default exclusions are top-level modules of it, and the hooks import."""
+    record = builder.record
+    model = builder.build(0)
+    assert type(model).__name__ == record.class_name
+    assert len(model.config["axes_dims_rope"]) == len(record.axes)
+    assert set(record.fp8_excluded) <= {n for n, _ in model.named_children()}
+    assert len(model.transformer_blocks) == builder.blocks
+    for kind in families.HOOK_KINDS[:2]:  # export, reference (dropin: the runtime side's)
+        assert families.hooks(record, kind).__name__ == f"qkrope.families.{record.package}.{kind}"
+
+
+@pytest.mark.parametrize("builder", PARAMS)
+@pytest.mark.parametrize("layers", [-3, 0, 1, 999])
+def test_export_layers_is_decided_from_the_record_before_any_work(builder, layers, tmp_path,
+                                                                  capsys, monkeypatch):
+    """``qkrope export --layers``: refused in one line for a family without ``blocks`` and for
+    a count below 1, before the export starts (the exporter is never called); other counts
+    reach the export (which refuses one above the model's blocks)."""
+    from qkrope.cli import main
+    from qkrope.export import onnx_export
+
+    called = []
+    monkeypatch.setattr(onnx_export, "export_transformer",
+                        lambda *a, **k: called.append(k) or (None, []))
+    rc = main(["export", "--model", "transformer", "--diffusers",
+               str(builder.saved(tmp_path)), "--layers", str(layers),
+               "--out", str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err.strip()
+    if builder.record.blocks and layers >= 1:
+        assert rc == 0 and called and called[0]["layers"] == layers
+    else:
+        assert rc != 0 and not called and len(err.splitlines()) == 1, err
+        assert "--layers" in err and "Fix:" in err
+
+
+def _transformer_info(record, *, quantized=False):
+    from _tiny_model import model as attention_info
+
+    info = attention_info()
+    info.model = "transformer"
+    info.config.family = record.name
+    info.config.num_layers_exported = 3
+    if quantized:
+        info.config.quantization = {"mode": "fp8"}
+    return info
+
+
+@pytest.mark.parametrize("record", families.records(), ids=families.names())
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("flags", [dict(blocks=True, layers=None), dict(blocks=False, layers=-3),
+                                   dict(blocks=False, layers=999), dict(blocks=False, layers=2)],
+                         ids=["blocks", "layers-3", "layers999", "layers2"])
+def test_check_block_flags_are_decided_for_every_family(record, quantized, flags):
+    """``qkrope check --blocks`` / ``--layers K`` before any work, for every family and FP8:
+    only a float export of a family with ``blocks`` takes them, and K within its blocks."""
+    from qkrope.apps import check
+
+    info = _transformer_info(record, quantized=quantized)
+    ok = record.blocks and not quantized and flags["layers"] in (None, 2)
+    if ok:
+        assert check._check_block_arguments("a.onnx", info, engine=None, onnxrt=True,
+                                            **flags) is None
+    else:
+        with pytest.raises(InputError, match="Fix|pass 1 to 3") as e:
+            check._check_block_arguments("a.onnx", info, engine=None, onnxrt=True, **flags)
+        assert "\n" not in str(e.value)
