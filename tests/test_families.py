@@ -47,9 +47,9 @@ def test_the_record_is_the_model_diffusers_builds(builder):
 @pytest.mark.parametrize("layers", [-3, 0, 1, 999])
 def test_export_layers_is_decided_from_the_record_before_any_work(builder, layers, tmp_path,
                                                                   capsys, monkeypatch):
-    """``qkrope export --layers``: refused in one line for a family without ``blocks`` and for
-    a count below 1, before the export starts (the exporter is never called); other counts
-    reach the export (which refuses one above the model's blocks)."""
+    """``qkrope export --layers``: refused in one line for a family without ``blocks``, for
+    a count below 1 and for one above the model's blocks, before the export starts (the
+    exporter is never called)."""
     from qkrope.cli import main
     from qkrope.export import onnx_export
 
@@ -60,7 +60,7 @@ def test_export_layers_is_decided_from_the_record_before_any_work(builder, layer
                str(builder.saved(tmp_path)), "--layers", str(layers),
                "--out", str(tmp_path / "m.onnx")])
     err = capsys.readouterr().err.strip()
-    if builder.record.blocks and layers >= 1:
+    if builder.record.blocks and 1 <= layers <= builder.blocks:
         assert rc == 0 and called and called[0]["layers"] == layers
     else:
         assert rc != 0 and not called and len(err.splitlines()) == 1, err

@@ -20,7 +20,15 @@ def _check_family_options(record, args: argparse.Namespace) -> None:
     """The options that depend on the family, checked from its record before the export
     starts (the export function checks them again for its API callers)."""
     if args.layers is not None:
-        families.check_blocks_option(record, "--layers", args.layers)
+        import json
+        import os
+
+        from qkrope.diffusers_weights import transformer_folder
+
+        with open(os.path.join(transformer_folder(args.diffusers), "config.json"),
+                  encoding="utf-8") as fh:  # read (and checked) by folder_family already
+            config = json.load(fh)
+        families.check_blocks_option(record, "--layers", args.layers, config=config)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -97,10 +97,12 @@ def family_of(config: Any, *, source: str = "the diffusers config") -> FamilyRec
 
 
 def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = None, *,
-                        why: str = "export keeps every block") -> None:
+                        why: str = "export keeps every block",
+                        config: Any = None) -> None:
     """An option over the blocks (``--layers N``, ``--blocks``) for a model of family
     ``record``: refused in one line where the record has no ``blocks`` (its export keeps every
-    block, and nothing marks them), and ``layers`` below 1. Asked before any work starts."""
+    block, and nothing marks them), ``layers`` below 1, and above the model's blocks where its
+    diffusers ``config`` (config.json as a mapping) is given. Asked before any work starts."""
     from qkrope.errors import InputError
 
     if not record.blocks:
@@ -111,6 +113,11 @@ def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = No
                                or layers < 1):
         raise InputError(f"{flag} takes a number of blocks >= 1; got {layers!r}. Fix: pass "
                          f"{flag} 1 or more")
+    total = config.get(record.blocks_key) if hasattr(config, "get") else None
+    if layers is not None and isinstance(total, int) and not isinstance(total, bool) \
+            and layers > total:
+        raise InputError(f"{flag} {layers}: the model has {total} blocks ({record.blocks_key} "
+                         f"in its config.json). Fix: pass {flag} 1 to {total}")
 
 
 def hooks(record: FamilyRecord, kind: str):

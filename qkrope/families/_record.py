@@ -42,6 +42,7 @@ class FamilyRecord:
     fp8_excluded: tuple[str, ...]  # top-level modules FP8 keeps in high precision by default
     blocks: bool  # whether --layers (export, check) and --blocks (check) apply
     latent: str = "packed-tokens"  # LATENT_KINDS
+    blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
