@@ -583,6 +583,11 @@ def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffu
     return report.passed, []
 
 
+def _blocks_families() -> str:
+    """The families whose record has ``blocks`` (for the help of --blocks / --layers)."""
+    return _args.or_list(r.short for r in families.records() if r.blocks)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "check",
@@ -606,11 +611,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --engine: compare TensorRT with PyTorch only (e.g. a bf16 model "
                         "where ONNX Runtime has only its CPU provider, which lacks bf16 MatMul)")
     p.add_argument("--blocks", action="store_true",
-                   help="transformer: compare every block's image and text outputs too (ONNX "
+                   help=f"transformer ({_blocks_families()} float exports): compare every "
+                        "block's image and text outputs too (ONNX "
                         "Runtime's, with those tensors marked as graph outputs, against the "
                         "reference's), and name the first block that differs")
     p.add_argument("--layers", type=int, default=None, metavar="K",
-                   help="transformer: compare the outputs of the first K blocks only: ONNX "
+                   help=f"transformer ({_blocks_families()} float exports): compare the "
+                        "outputs of the first K blocks only: ONNX "
                         "Runtime runs the graph cut after block K-1 (only those blocks' weights "
                         "read) and the reference K blocks; the way to check a big export on a "
                         "small machine. Either way the reference holds one block's weights at "
