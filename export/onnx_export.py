@@ -942,7 +942,7 @@ def check_no_double(model) -> None:
 
 
 def _flux_sample_args(family, transformer, sample, dtype, theta, axes, head_dim, guided):
-    from qkrope.runtime.flux_transformer import caches_from_ids
+    from qkrope.families.flux.dropin import caches_from_ids
 
     from .patch_flux import sample_ids
 

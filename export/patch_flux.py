@@ -49,8 +49,8 @@ def _eps(norm: nn.Module, where: str) -> float:
 
 def sample_ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
     """Position ids as the FLUX pipelines make them, for the traced sample, as torch tensors
-    (:func:`qkrope.runtime.rope_tables.flux_sample_ids`: the one home of that layout)."""
-    from qkrope.runtime.rope_tables import flux_sample_ids
+    (:func:`qkrope.families.flux.dropin.flux_sample_ids`: the one home of that layout)."""
+    from qkrope.families.flux.dropin import flux_sample_ids
 
     txt, img = flux_sample_ids(family.name, img_shapes, txt_len)
     return torch.from_numpy(txt), torch.from_numpy(img)
