@@ -103,10 +103,12 @@ def _whole(value: object, what: str) -> int:
 
 def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
                     max_positions: int | None = None, scale_rope: bool = True,
-                    what: str = "axes_dim") -> Setting:
+                    what: str = "axes_dim",
+                    rotated: Sequence[str] = schemes.STREAMS) -> Setting:
     """A :class:`~qkrope.runtime.schemes.Setting` from the caller's numbers, each checked: the
     axes positive even widths (three for the grid scheme: frame, height, width) whose sum fits
-    the widest head the kernel takes, theta a finite number > 0."""
+    the widest head the kernel takes, theta a finite number > 0; ``rotated`` the streams the
+    model rotates (a stream normalised but not rotated gets identity rows)."""
     grid = scheme_name == "grid"
     if isinstance(axes_dim, (str, bytes)) or not isinstance(axes_dim, Sequence):
         raise InputError(f"{what} must be the RoPE width of each axis, e.g. (16, 56, 56); got "
@@ -128,7 +130,11 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
             f"{what} {list(axes)} gives a rotary_dim of {sum(axes)}, wider than any attention "
             f"head the QKNormRoPE kernel takes (head_dim <= {contract.MAX_HEAD_DIM}). Fix: check "
             f"the model's axes_dims_rope")
-    return Setting(axes, float(theta), max_positions, scale_rope)
+    if isinstance(rotated, str) or not set(rotated) <= set(schemes.STREAMS):
+        raise InputError(f"rotated must name streams among {list(schemes.STREAMS)}; got "
+                         f"{rotated!r}")
+    rotated = tuple(s for s in schemes.STREAMS if s in rotated)
+    return Setting(axes, float(theta), max_positions, scale_rope, rotated)
 
 
 def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
@@ -143,7 +149,8 @@ def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
     if theta is None:
         theta = record.rope_theta(cfg)
     try:
-        return checked_setting(record.scheme, axes, theta, max_positions=record.max_positions)
+        return checked_setting(record.scheme, axes, theta, max_positions=record.max_positions,
+                               rotated=record.rotated)
     except InputError as exc:
         raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
                          f"model with `qkrope export`") from None

@@ -401,6 +401,8 @@ def rope_request_for(config: ModelConfig, rotary_dim: int,
               "scale_rope": "true" if setting.scale_rope else "false"}
     if setting.max_positions is not None:
         params["max_positions"] = str(setting.max_positions)
+    if tuple(setting.rotated) != schemes.STREAMS:  # a stream normalised but not rotated
+        params["rotated"] = ",".join(setting.rotated)
     return RopeRequest(scheme.triton_inputs(setting), txt_tensor, params)
 
 

@@ -128,7 +128,8 @@ class TritonPythonModel:
             tuple(int(v) for v in _param(config, "axes_dim", "").split(",")),
             float(_param(config, "theta", "")),
             int(max_positions) if max_positions else None,
-            _param(config, "scale_rope", "true").lower() in ("1", "true", "yes"))
+            _param(config, "scale_rope", "true").lower() in ("1", "true", "yes"),
+            tuple(s for s in _param(config, "rotated", "img,txt").split(",") if s))
         self.txt_tensor = _param(config, "txt_tensor", DEFAULT_NAMES[
             "ids_txt_tensor" if name == "ids" else "txt_tensor"])
         self.latent_tensor = _param(config, "latent_tensor", DEFAULT_NAMES["latent_tensor"])

@@ -46,6 +46,9 @@ class FamilyRecord:
     # pixels per image token side: the VAE's spatial downscale times the patch size (8 x 2 for
     # every family so far); --resolutions presets are multiples of it
     pixels_per_token: int = 16
+    # the token streams the model rotates ("img", "txt"); one normalised but not rotated gets
+    # identity cache rows (qkrope.runtime.schemes.Setting.rotated)
+    rotated: tuple[str, ...] = ("img", "txt")
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -19,8 +19,8 @@ module here, added to :data:`SCHEMES`.
 from __future__ import annotations
 
 from . import grid, ids
-from ._common import (BIT_EXACT, BadPositions, BadRequest, CacheBudget,  # noqa: F401
-                      PositionOverflow, Setting, TooLarge)
+from ._common import (BIT_EXACT, STREAMS, BadPositions, BadRequest,  # noqa: F401
+                      CacheBudget, PositionOverflow, Setting, TooLarge, identity_rows)
 
 #: Every scheme by name.
 SCHEMES = {m.NAME: m for m in (grid, ids)}

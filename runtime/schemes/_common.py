@@ -26,6 +26,10 @@ import numpy as np
 FP32 = 4
 
 
+#: The two token streams of a cache pair, image first.
+STREAMS = ("img", "txt")
+
+
 @dataclass(frozen=True)
 class Setting:
     """The RoPE numbers of one exported model: ``axes_dim`` (the rotated width of each position
@@ -37,11 +41,31 @@ class Setting:
     theta: float
     max_positions: Optional[int] = None
     scale_rope: bool = True
+    #: The streams the model rotates; a stream that is normalised but not rotated gets identity
+    #: rows (cos 1, sin 0: the fused node's rotation leaves its values exactly as they are).
+    rotated: tuple = STREAMS
 
     @property
     def width(self) -> int:
         """The cache width (rotary_dim): the axes widths summed."""
         return sum(int(d) for d in self.axes_dim)
+
+
+def identity_rows(rows: int, width: int) -> np.ndarray:
+    """``rows`` cache rows that rotate by nothing: cos 1 in the first half, sin 0 in the second
+    (x * 1 - y * 0 = x exactly for finite values)."""
+    out = np.zeros((int(rows), int(width)), np.float32)
+    out[:, : int(width) // 2] = 1.0
+    return out
+
+
+def finish(pair: tuple, setting: "Setting") -> tuple:
+    """A scheme's ``(img, txt)`` pair with the streams ``setting`` does not rotate replaced by
+    identity rows (normalised, not rotated)."""
+    if tuple(setting.rotated) == STREAMS:
+        return pair
+    return tuple(c if s in setting.rotated else identity_rows(c.shape[0], c.shape[1])
+                 for s, c in zip(STREAMS, pair))
 
 
 class BadRequest(ValueError):

@@ -31,7 +31,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._common import BIT_EXACT, LIBM, BadRequest, PositionOverflow, Setting, check_bytes  # noqa: F401
+from ._common import (BIT_EXACT, LIBM, BadRequest, PositionOverflow, Setting,  # noqa: F401
+                      check_bytes, finish)
 
 NAME = "grid"
 #: What a request gives in place of the caches.
@@ -292,7 +293,8 @@ def build(pos: Positions, setting: Setting) -> tuple:
     text = np.arange(offset, offset + txt_len, dtype=np.int64)
     parts = [_rows(t, text) for t in tables]
     txt = np.concatenate([c for c, _ in parts] + [s for _, s in parts], axis=1)
-    return np.ascontiguousarray(img, np.float32), np.ascontiguousarray(txt, np.float32)
+    return finish((np.ascontiguousarray(img, np.float32), np.ascontiguousarray(txt, np.float32)),
+                  setting)
 
 
 def caches(shapes: Shapes, txt_len: int, setting: Setting) -> tuple:

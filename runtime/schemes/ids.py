@@ -36,7 +36,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._common import BadPositions, BadRequest, Setting, TooLarge, check_bytes  # noqa: F401
+from ._common import (BadPositions, BadRequest, Setting, TooLarge,  # noqa: F401
+                      check_bytes, finish)
 
 NAME = "ids"
 FIELDS = ("txt_ids", "img_ids")
@@ -238,7 +239,8 @@ def cache(pos: np.ndarray, *, axes_dim: Sequence[int], theta: float) -> np.ndarr
 def build(pos: Positions, setting: Setting) -> tuple:
     """``(img, txt)`` float32 caches of a checked request."""
     axes, theta = tuple(int(d) for d in setting.axes_dim), float(setting.theta)
-    return cache(pos.img, axes_dim=axes, theta=theta), cache(pos.txt, axes_dim=axes, theta=theta)
+    return finish((cache(pos.img, axes_dim=axes, theta=theta),
+                   cache(pos.txt, axes_dim=axes, theta=theta)), setting)
 
 
 # --------------------------------------------------------------------------------------------
