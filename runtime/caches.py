@@ -339,7 +339,7 @@ def _describe(obj: object) -> str:
             if n == 4:
                 text += ", which looks like a (cos, sin) pair per stream"
             elif n == 2 and all(t.is_complex() for t in obj):
-                text += ", which looks like diffusers' complex QwenEmbedRope output"
+                text += ", which looks like diffusers' complex (img, txt) RoPE output"
             return f"{text} [{shapes}]"
         if n == 2 and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in obj):
             return f"a {kind} of 2 pairs, which looks like ((img_cos, img_sin), (txt_cos, txt_sin))"
@@ -495,8 +495,9 @@ def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
         return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=-1).float().contiguous()
     raise RopeCacheError(
         f"the {stream} (cos, sin) tables are full width and half-duplicated (cos[:, :h] == "
-        f"cos[:, h:]), i.e. NeoX pairing (j, j + h). Qwen-Image rotates interleaved pairs "
-        f"(2j, 2j + 1), so these tables do not belong to Qwen-Image weights. Fix: build the "
+        f"cos[:, h:]), i.e. NeoX pairing (j, j + h). The exported attention rotates "
+        f"interleaved pairs (2j, 2j + 1), so these tables do not belong to its weights. Fix: "
+        f"build the "
         f"caches with qkrope.runtime.caches_for(model_path, ...), or export with interleaved=False "
         f"if the model really is NeoX-style and pass cat([cos[:, :h], sin[:, :h]], -1).")
 

@@ -373,7 +373,7 @@ class Runner:
                                    device=hidden_states.device)
         if caches.img.shape[0] != hidden_states.shape[1]:
             raise RunnerInputError(
-                f"the position request gives {caches.img.shape[0]} image tokens but "
+                f"{' / '.join(k for k in request)} give {caches.img.shape[0]} image tokens but "
                 f"hidden_states has {hidden_states.shape[1]}. Fix: pass the positions of this "
                 f"batch's latent (img_shapes: the latent patch grid (frames, height/2/8..., "
                 f"width...) so that sum(f*h*w) = tokens; ids: one row per token)")

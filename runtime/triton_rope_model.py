@@ -18,8 +18,9 @@ Outputs: ``img_cos_sin_cache`` / ``txt_cos_sin_cache`` FP32 [rows, sum(axes_dim)
 
 Parameters: ``scheme`` ("grid" or "ids"; repositories written before schemes had names say
 ``positions`` "shapes" / "ids"), ``axes_dim``, ``theta``, ``max_positions`` and ``scale_rope``
-(grid), ``max_img_tokens`` / ``max_txt_tokens`` (what the served model accepts: its profile's
-largest cache rows), ``cache_bytes`` (the most bytes of computed caches kept for reuse).
+(grid), ``rotated`` (the streams rotated, default "img,txt"), ``max_img_tokens`` /
+``max_txt_tokens`` (what the served model accepts: its profile's largest cache rows),
+``cache_bytes`` (the most bytes of computed caches kept for reuse).
 
 A request the model cannot serve (malformed, inconsistent or beyond the limits) is answered with
 ``TritonError(..., TritonError.INVALID_ARG)``: HTTP 400 / gRPC INVALID_ARGUMENT, with the reason.
@@ -130,6 +131,12 @@ class TritonPythonModel:
             int(max_positions) if max_positions else None,
             _param(config, "scale_rope", "true").lower() in ("1", "true", "yes"),
             tuple(s for s in _param(config, "rotated", "img,txt").split(",") if s))
+        missing = [n for n in self.scheme.NEEDS if getattr(self.setting, n) is None]
+        if missing:  # a config written for another model.py (the numbers were constants there)
+            raise ValueError(f"the rope model's config.pbtxt has no {', '.join(missing)} "
+                             f"parameter, which the {name!r} scheme needs (the repository was "
+                             f"written by an older qkrope). Fix: write the repository again "
+                             f"with this qkrope: qkrope triton-repo ... --force")
         self.txt_tensor = _param(config, "txt_tensor", DEFAULT_NAMES[
             "ids_txt_tensor" if name == "ids" else "txt_tensor"])
         self.latent_tensor = _param(config, "latent_tensor", DEFAULT_NAMES["latent_tensor"])

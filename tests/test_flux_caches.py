@@ -138,7 +138,7 @@ def test_forms_and_memo():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(txt_ids=np.zeros((5, 4))), r"txt_ids must be \[tokens, 3\].*got shape \[5, 4\] "
-                                     r"\(FLUX.1's ids have 3 columns, FLUX.2's 4"),
+                                     r"\(ids of 4 columns are another model's"),
     (dict(img_ids=[[0, 0, 0], [0, 0]]), "img_ids must be .*got list that is no array"),
     (dict(img_ids=np.zeros((7,))), r"img_ids must be \[tokens, 3\].*got shape \[7\]"),
     (dict(txt_ids=np.zeros((0, 3))), r"at least one token; got shape \[0, 3\]"),

@@ -284,3 +284,85 @@ def test_schemes_by_name_and_their_fields():
         build_rope_caches("polar", {}, checked_setting("ids", (4, 6, 6), 10000))
     for record in (QWEN, FLUX1):
         assert record.scheme in schemes.SCHEMES
+
+
+# --------------------------------------------------------------------------------------------
+# Triton repositories written before the family layout
+# --------------------------------------------------------------------------------------------
+
+_OLD = __import__("pathlib").Path(__file__).with_name("fixtures") / "triton_rope_v0"
+
+
+def _old_rope_requests(pb, name):
+    from _triton_helpers import Tensor
+
+    if name == "qwen":
+        shapes = np.array([[1, 4, 6], [1, 2, 2]], np.int64)
+        return ({"img_shapes": [(1, 4, 6), (1, 2, 2)], "txt_seq_len": 5}, pb.InferenceRequest([
+            Tensor("img_shapes", shapes), Tensor("hidden_states", np.zeros((1, 28, 4), np.float32)),
+            Tensor("encoder_hidden_states_mask", np.ones((1, 5), bool))]))
+    txt = np.stack([np.zeros(5), np.zeros(5), np.zeros(5), np.arange(5)], 1).astype(np.float32)
+    img = np.stack([np.zeros(12), np.arange(12) // 4, np.arange(12) % 4, np.zeros(12)],
+                   1).astype(np.float32)
+    return ({"txt_ids": txt, "img_ids": img}, pb.InferenceRequest([
+        Tensor("txt_ids", txt), Tensor("img_ids", img),
+        Tensor("hidden_states", np.zeros((1, 12, 4), np.float32)),
+        Tensor("encoder_hidden_states", np.zeros((1, 5, 8), np.float32))]))
+
+
+@pytest.mark.parametrize("name", ["qwen", "flux2"])
+def test_an_old_repository_still_serves_the_same_caches(name, monkeypatch):
+    """A rope model written by the qkrope before this layout (its own model.py and rope_tables.py,
+    tests/fixtures/make_old_triton_rope.py) is self-contained: it keeps serving, and its caches
+    are bit-equal to this qkrope's for the same request."""
+    pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
+    from _triton_helpers import load_rope_model
+
+    from qkrope.runtime.caches import model_setting
+
+    model, pb = load_rope_model(_OLD / f"{name}_rope", monkeypatch)
+    request, triton_request = _old_rope_requests(pb, name)
+    resp, = model.execute([triton_request])
+    assert resp.error is None, resp.error and resp.error.message()
+    record = by_name("flux2" if name == "flux2" else None)
+    config = SimpleNamespace(axes_dims_rope=[4, 4, 4, 4] if name == "flux2" else [4, 6, 6],
+                             rope_theta=2000 if name == "flux2" else None, diffusers_config={})
+    want = build_rope_caches(record.scheme, request, model_setting(config, record))
+    for out, cache in (("img_cos_sin_cache", want.img), ("txt_cos_sin_cache", want.txt)):
+        assert np.array_equal(pb.get_output_tensor_by_name(resp, out).as_numpy(), cache.numpy())
+
+
+@pytest.mark.parametrize("name", ["qwen", "flux2"])
+def test_an_old_config_with_this_rope_model_serves_or_says_how_to_rewrite(name, tmp_path,
+                                                                         monkeypatch):
+    """This model.py beside an old config.pbtxt: the ids scheme has every number it needs and
+    serves; the grid scheme lacks the table size (a constant of the old model.py) and is
+    refused at load in one line that says how to write the repository again."""
+    pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
+    import shutil
+
+    from _triton_helpers import load_rope_model
+
+    from qkrope.runtime import triton
+
+    rope = tmp_path / f"{name}_rope"
+    (rope / "1" / "schemes").mkdir(parents=True)
+    shutil.copyfile(_OLD / f"{name}_rope" / "config.pbtxt", rope / "config.pbtxt")
+    shutil.copyfile(triton.ROPE_MODEL_TEMPLATE, rope / "1" / "model.py")
+    for f in triton.rope_scheme_files():
+        shutil.copyfile(f, rope / "1" / "schemes" / f.name)
+    if name == "qwen":
+        with pytest.raises(ValueError) as info:
+            load_rope_model(rope, monkeypatch)
+        text = str(info.value)
+        assert "\n" not in text and "no max_positions" in text
+        assert "qkrope triton-repo ... --force" in text
+        return
+    model, pb = load_rope_model(rope, monkeypatch)
+    _, triton_request = _old_rope_requests(pb, name)
+    old, _ = load_rope_model(_OLD / f"{name}_rope", monkeypatch)
+    new_resp, = model.execute([triton_request])
+    old_resp, = old.execute([triton_request])
+    for out in ("img_cos_sin_cache", "txt_cos_sin_cache"):
+        assert np.array_equal(pb.get_output_tensor_by_name(new_resp, out).as_numpy(),
+                              pb.get_output_tensor_by_name(old_resp, out).as_numpy())

@@ -87,9 +87,9 @@ def check_ids(ids, n_axes: int, name: str, max_rows=None) -> np.ndarray:
     item = arr[0] if arr.ndim == 3 else arr
     if item.ndim != 2 or item.shape[1] != n_axes:
         hint = ""
-        if item.ndim == 2 and {item.shape[1], n_axes} == {3, 4}:
-            hint = (" (FLUX.1's ids have 3 columns, FLUX.2's 4: these ids are of the other "
-                    "family than the model's RoPE axes)")
+        if item.ndim == 2 and item.shape[1] != n_axes:
+            hint = (f" (ids of {item.shape[1]} columns are another model's: of a family whose "
+                    f"RoPE has {item.shape[1]} axes, this model's has {n_axes})")
         raise BadPositions(f"{example} for a model with {n_axes} RoPE axes; got shape "
                            f"{list(arr.shape)}{hint}")
     if item.shape[0] < 1:
