@@ -20,7 +20,7 @@ from qkrope.errors import InputError
 from qkrope.sidecars import ModelInfo
 
 from . import latents
-from .caches import build_rope_caches, model_setting
+from .caches import _check_cache_widths, build_rope_caches, model_setting
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -111,8 +111,11 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     batch = int(batch or info.sample["batch"])
     img_tokens = sum(f * h * w for f, h, w in img_shapes)
     record, request = sample_request(info, img_shapes, txt_len)
-    caches = build_rope_caches(record.scheme, request,
-                               model_setting(info.config, record, info.source or "the sidecar"))
+    source = info.source or "the sidecar"
+    setting = model_setting(info.config, record, source)
+    # a sidecar without axes gets the family's: they must be as wide as the model's caches
+    _check_cache_widths(source, [(t.name, t.shape) for t in info.inputs], setting.axes_dim)
+    caches = build_rope_caches(record.scheme, request, setting)
     latent = latents.latent_of(record, info.config.diffusers_config)
     lengths = None
     if txt_lens is not None:

@@ -366,3 +366,26 @@ def test_an_old_config_with_this_rope_model_serves_or_says_how_to_rewrite(name, 
     for out in ("img_cos_sin_cache", "txt_cos_sin_cache"):
         assert np.array_equal(pb.get_output_tensor_by_name(new_resp, out).as_numpy(),
                               pb.get_output_tensor_by_name(old_resp, out).as_numpy())
+
+
+def test_make_inputs_carries_per_sample_text_lengths_and_an_old_sidecar():
+    """make_inputs on a sidecar that names no family (as sidecars written before families were
+    recorded): the registry's default family's caches; ``txt_lens`` masks each item's tokens."""
+    from _tiny_model import sidecar_dict
+
+    from qkrope.runtime.inputs import make_inputs
+    from qkrope.sidecars import ModelInfo
+
+    side = sidecar_dict(batch=3, img=16, txt=5)
+    with pytest.raises(InputError, match="is 16 wide but its axes_dims_rope"):
+        make_inputs(ModelInfo.from_dict(side))  # no axes: the family's (128 wide) do not fit
+    side["config"]["axes_dims_rope"] = [4, 6, 6]
+    info = ModelInfo.from_dict(side)
+    assert info.config.family is None
+    feeds = make_inputs(info, img_shapes=[(1, 4, 4)], txt_len=5, batch=3, txt_lens=[5, 2, 3])
+    assert feeds["encoder_hidden_states_mask"].tolist() == [
+        [True] * 5, [True, True, False, False, False], [True, True, True, False, False]]
+    want = caches_mod.build_qwen_rope_caches([(1, 4, 4)], 5, axes_dim=info.axes_dims_rope())
+    assert np.array_equal(feeds["img_cos_sin_cache"], want.img.numpy())
+    with pytest.raises(InputError, match="must be 3 whole numbers"):
+        make_inputs(info, img_shapes=[(1, 4, 4)], txt_len=5, batch=3, txt_lens=[5, 2])

@@ -64,7 +64,8 @@ def _batched_equal(arr: np.ndarray) -> bool:
     return all(np.array_equal(arr[b], first) for b in range(1, arr.shape[0]))
 
 
-def check_ids(ids, n_axes: int, name: str, max_rows=None) -> np.ndarray:
+def check_ids(ids, n_axes: int, name: str, max_rows=None,
+              limit: str = "the cache byte limit allows") -> np.ndarray:
     """``ids`` as the float32 ``[tokens, n_axes]`` positions diffusers uses (``ids.float()``).
 
     Accepted: ``[tokens, n_axes]`` of any real dtype, or diffusers' batched form
@@ -96,8 +97,8 @@ def check_ids(ids, n_axes: int, name: str, max_rows=None) -> np.ndarray:
         raise BadPositions(f"{example} with at least one token; got shape {list(arr.shape)}")
     if max_rows is not None and item.shape[0] > max_rows:
         raise TooLarge(f"{name} {list(arr.shape)} has {item.shape[0]} rows, more than the "
-                       f"{max_rows} the cache byte limit allows. Fix: one row per token: pass "
-                       f"the ids of the latent's tokens (a 1024x1024 image has 4096)",
+                       f"{max_rows} {limit}. Fix: one row per token: pass the ids of the "
+                       f"latent's tokens (a 1024x1024 image has 4096)",
                        rows=int(item.shape[0]), nbytes=-1)
     if arr.ndim == 3 and not _batched_equal(arr):
         raise BadPositions(
@@ -257,7 +258,9 @@ def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, 
     pos = {}
     for stream, limit in (("img", max_img), ("txt", max_txt)):
         name = f"{stream}_ids"
-        ids = check_ids(inputs[name], n_axes, name)
+        # the served model's limit bounds the rows before any value is read or converted
+        ids = check_ids(inputs[name], n_axes, name, limit,
+                        f"the served model accepts (its profile's largest {stream} cache)")
         shape = shapes["latent" if stream == "img" else "txt"]
         tensor = names["latent" if stream == "img" else "txt"]
         rows_ = ids.shape[0]
