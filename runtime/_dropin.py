@@ -121,8 +121,9 @@ class Transformer:
     PIPELINES: str = ""
 
     def __init__(self, runner, record, *, device: torch.device | str | None = None):
-        from .caches import checked_device, model_setting
         from . import schemes
+        from .caches import checked_device, model_setting
+        from .latents import latent_of
 
         io = runner.io
         cfg = io.config.diffusers_config if io.config is not None else None
@@ -146,6 +147,7 @@ class Transformer:
         self.device = checked_device(device) if device is not None else runner.device
         self._setting = model_setting(io.config, record, io.source)
         self._scheme = schemes.scheme(record.scheme)
+        self._latent = latent_of(record, cfg)
 
     # what the pipelines use of a ModelMixin -------------------------------------------------
     @contextlib.contextmanager
@@ -191,6 +193,15 @@ class Transformer:
         ``(sample,)`` with ``return_dict=False``."""
         call = self.prepare(**self._bind(args, kwargs))
         caches = self.rope_caches(call)
+        if self._latent.rank != 3 and isinstance(call.hidden_states, torch.Tensor):
+            # a latent the model patchifies itself: its token grid must be the request's
+            tokens = self._latent.tokens(tuple(call.hidden_states.shape))
+            if tokens != caches.img.shape[0]:
+                raise InputError(
+                    f"the position request ({', '.join(call.request)}) gives "
+                    f"{caches.img.shape[0]} image tokens but hidden_states "
+                    f"{list(call.hidden_states.shape)} patchifies into {tokens} (patch "
+                    f"{list(self._latent.patch)}). Fix: pass the positions of this latent")
         # diffusers' model takes strided views (a slice of the prompt embeddings, an expanded
         # timestep); the runner binds memory as is and refuses them, so the drop-in copies
         # the ones that are not contiguous

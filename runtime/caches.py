@@ -23,7 +23,6 @@ import operator
 import threading
 from typing import Any, Mapping, NamedTuple, Sequence
 
-import numpy as np
 import torch
 
 from qkrope import contract, model_io

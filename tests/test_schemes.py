@@ -389,3 +389,25 @@ def test_make_inputs_carries_per_sample_text_lengths_and_an_old_sidecar():
     assert np.array_equal(feeds["img_cos_sin_cache"], want.img.numpy())
     with pytest.raises(InputError, match="must be 3 whole numbers"):
         make_inputs(info, img_shapes=[(1, 4, 4)], txt_len=5, batch=3, txt_lens=[5, 2])
+
+
+def test_the_generic_drop_in_checks_a_video_latent_against_its_positions():
+    """A family whose latent is 5-D (none is registered yet: a stand-in record of the grid
+    scheme): the drop-in patchifies the latent's shape and compares its tokens with the
+    position request's."""
+    import dataclasses
+
+    from qkrope.families.qwen_image.dropin import QwenImageTransformer
+
+    video = dataclasses.replace(QWEN, latent="video-5d")
+    cfg = dict(_qwen_cfg(), patch_size=2, patch_size_t=1)
+    runner = _FakeRunner(QWEN, cfg)
+    model = QwenImageTransformer(runner, video)
+    # [1, C, 2 frames, 8, 8] with 1x2x2 patches: 2 x 4 x 4 = 32 tokens = img_shapes (2, 4, 4)
+    model(torch.zeros(1, 4, 2, 8, 8), torch.zeros(1, 3, 8), None, 0.5, [(2, 4, 4)])
+    assert runner.calls[-1]["caches"].img.shape[0] == 32
+    with pytest.raises(InputError, match=r"gives 16 image tokens but hidden_states \[1, 4, 2, 8, "
+                                         r"8\] patchifies into 32"):
+        model(torch.zeros(1, 4, 2, 8, 8), torch.zeros(1, 3, 8), None, 0.5, [(1, 4, 4)])
+    with pytest.raises(InputError, match="not a whole number of the model's 2-wide patches"):
+        model(torch.zeros(1, 4, 2, 8, 7), torch.zeros(1, 3, 8), None, 0.5, [(2, 4, 4)])

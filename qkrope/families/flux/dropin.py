@@ -27,8 +27,7 @@ import torch
 from qkrope.errors import InputError
 from qkrope.families.flux import FLUX1, FLUX2
 from qkrope.model_io import POOLED_PROJECTIONS
-from qkrope.runtime._dropin import (Call, Transformer, per_item, refuse_kwargs, short_repr,
-                                    tensor_arg)
+from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, tensor_arg
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import ids as ids_scheme
 
