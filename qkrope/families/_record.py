@@ -42,13 +42,13 @@ class FamilyRecord:
     graph: ModelDecl  # its transformer graph, guidance included where it has one
     fp8_excluded: tuple[str, ...]  # top-level modules FP8 keeps in high precision by default
     blocks: bool  # whether --layers (export, check) and --blocks (check) apply
-    latent: str = "packed-tokens"  # LATENT_KINDS
     # pixels per image token side: the VAE's spatial downscale times the patch size (8 x 2 for
     # every family so far); --resolutions presets are multiples of it
     pixels_per_token: int = 16
     # the token streams the model rotates ("img", "txt"); one normalised but not rotated gets
     # identity cache rows (qkrope.runtime.schemes.Setting.rotated)
     rotated: tuple[str, ...] = ("img", "txt")
+    latent: str = "packed-tokens"  # LATENT_KINDS
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
