@@ -14,20 +14,32 @@ from qkrope._lazy import lazy_names
 _PUBLIC = {
     # RoPE caches
     "RopeCacheError": "caches", "RopeCacheOverflowError": "caches", "RopeCaches": "caches",
-    "build_qwen_rope_caches": "caches", "build_flux_rope_caches": "caches",
-    "caches_for": "caches",
+    "build_rope_caches": "caches", "caches_for": "caches",
     "to_cos_sin_caches": "caches", "validate_cos_sin_caches": "caches",
     # runtime wrapper (TensorRT engine or ONNX model behind one interface)
     "load": "backends", "Runner": "runner", "RunnerError": "runner",
     "RunnerInputError": "runner",
-    # drop-in for diffusers' QwenImageTransformer2DModel in pipelines
-    "QwenImageTransformer": "transformer", "load_transformer": "transformer",
-    # ... and for diffusers' FluxTransformer2DModel / Flux2Transformer2DModel
-    "FluxTransformer": "flux_transformer",
+    # the pipeline drop-in of every family (the family's part: qkrope/families/<f>/dropin.py)
+    "Transformer": "transformer", "load_transformer": "transformer",
 }
 
 __all__ = list(_PUBLIC)
 
 
-__getattr__, __dir__ = lazy_names(__name__, {n: f".{m}" for n, m in _PUBLIC.items()}, globals(),
-                                  submodules=True)
+_lazy_getattr, __dir__ = lazy_names(__name__, {n: f".{m}" for n, m in _PUBLIC.items()},
+                                    globals(), submodules=True)
+
+
+def __getattr__(name: str):
+    """A public name of this package, else one a family's drop-in module offers (``PUBLIC``:
+    ``build_qwen_rope_caches``, ``FluxTransformer``, ...), found through the family registry."""
+    try:
+        return _lazy_getattr(name)
+    except AttributeError:
+        if name.startswith("_") or not name.isidentifier():
+            raise
+        from . import caches
+
+        value = getattr(caches, name)  # caches.__getattr__ asks the families
+        globals()[name] = value
+        return value

@@ -1,14 +1,38 @@
-"""What the diffusers drop-ins (:mod:`qkrope.runtime.transformer` for Qwen-Image,
-:mod:`qkrope.runtime.flux_transformer` for FLUX) share: the config they expose, the LoRA-scale
-test, the short form of a value in an error message."""
+"""The diffusers drop-in, once for every family: ``pipe.transformer = load_transformer(path)``
+gives a pipeline what it uses of its transformer, run by a qkrope runner.
+
+The generic part (:class:`Transformer`): the exported diffusers ``config`` (a ``FrozenDict``),
+``dtype``, ``device``, ``cache_context`` (a no-op), ``eval``, and ``forward`` with the family's
+signature and diffusers' return type. ``forward`` binds the call to the family's argument names
+(``FORWARD_ARGS``) and refuses, in one line, arguments the family's forward does not take (another
+family's pipeline arguments: it says what was received and what this export takes); the family's
+``prepare`` maps the rest to the runner's inputs and the RoPE request of its position scheme;
+the caches are built here (:func:`qkrope.runtime.caches.build_rope_caches`, memoised) and
+checked against the model's heads; outputs are tensors the caller owns.
+
+The family part lives in ``qkrope/families/<family>/dropin.py``: a :class:`Transformer` subclass
+with ``FORWARD_ARGS`` and ``prepare`` (its refusals, defaults and conversions), found through the
+family registry by :func:`load_transformer`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from qkrope import dtypes
+from qkrope._deps import require
+from qkrope.errors import InputError, QkropeError
+
+
+class TransformerLoadError(QkropeError, ValueError):
+    """The file is not an exported diffusers transformer (an attention block, or no config)."""
 
 
 def short_repr(value: Any, limit: int = 120) -> str:
@@ -31,3 +55,230 @@ def frozen_config(cfg: Mapping[str, Any]):
     except ImportError:  # diffusers is what uses the config; without it a plain mapping will do
         return dict(cfg)
     return FrozenDict({k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()})
+
+
+def refuse_kwargs(kwargs: Any, name: str) -> None:
+    """``attention_kwargs`` / ``joint_attention_kwargs``: None, or a dict whose only key is a
+    LoRA ``scale`` of exactly 1; anything else changes what was fixed at export."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping):
+        raise InputError(f"{name} must be a dict (or None); got {type(kwargs).__name__} "
+                         f"{short_repr(kwargs)}. Fix: drop it, or pass a dict such as "
+                         f"{{'scale': 1.0}}")
+    others = sorted((k for k in kwargs if k != "scale"), key=repr)
+    if others or not is_one(kwargs.get("scale", 1.0)):
+        raise InputError(
+            f"{name} {short_repr(dict(kwargs))} cannot be honoured by an exported graph (a LoRA "
+            f"scale other than 1 or processor arguments change weights or code that were fixed "
+            f"at export). Fix: fuse the LoRA into the weights and re-export, or drop {name}")
+
+
+def per_item(value: Any, name: str, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """A number, a 0-dim tensor or ``[batch]`` values as ``[batch]`` in ``dtype``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = torch.tensor(float(value))
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"{name} must be a tensor of {batch} values (one per batch item); got "
+                         f"{type(value).__name__} {short_repr(value, 60)}")
+    if value.dim() == 0 or (value.dim() == 1 and value.shape[0] == 1 and batch > 1):
+        value = value.reshape(1).expand(batch)
+    return value.to(dtype).contiguous()
+
+
+def tensor_arg(value: Any, name: str, rank: int, layout: str, fix: str = "") -> torch.Tensor:
+    """A tensor argument of ``rank`` dimensions (``layout`` names them for the message)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != rank:
+        got = (f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else f"a {type(value).__name__} {short_repr(value, 60)}")
+        raise InputError(f"{name} must be a {rank}-D tensor {layout}; got {got}"
+                         + (f". Fix: {fix}" if fix else ""))
+    return value
+
+
+@dataclass
+class Call:
+    """What a family's ``prepare`` makes of one forward call: the runner's inputs and the
+    position request (the fields of the family's scheme) the caches are built from."""
+
+    hidden_states: torch.Tensor
+    encoder_hidden_states: torch.Tensor
+    request: dict
+    timestep: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    conditioning: dict = field(default_factory=dict)
+    return_dict: bool = True
+
+
+class Transformer:
+    """A pipeline's ``transformer`` backed by an exported model (module docstring); a family's
+    drop-in subclasses it with ``FORWARD_ARGS`` and ``prepare``. Built by
+    :func:`load_transformer`."""
+
+    #: The family's forward arguments, in diffusers' order (positional calls bind to them).
+    FORWARD_ARGS: tuple = ()
+    #: The pipelines this drop-in serves, for messages.
+    PIPELINES: str = ""
+
+    def __init__(self, runner, record, *, device: torch.device | str | None = None):
+        from . import schemes
+        from .caches import checked_device, model_setting
+        from .latents import latent_of
+
+        io = runner.io
+        cfg = io.config.diffusers_config if io.config is not None else None
+        if not isinstance(cfg, Mapping) or "timestep" not in io.roles:
+            raise TransformerLoadError(
+                f"{io.source} is not an exported diffusers transformer (its sidecar has "
+                f"{'no diffusers_config' if not isinstance(cfg, Mapping) else 'no timestep input'}"
+                f"; an attention block cannot stand in for a pipeline's transformer). Fix: export "
+                f"with `qkrope export --model transformer --diffusers DIR`.")
+        layers = io.config.num_layers_exported
+        total = cfg.get("num_layers")
+        if layers is not None and total is not None and int(layers) != int(total):
+            raise TransformerLoadError(
+                f"{io.source} holds {layers} of the model's {total} transformer blocks (exported "
+                f"with --layers), so it is not the whole transformer a pipeline needs. Fix: "
+                f"export without --layers.")
+        self._runner = runner
+        self.record = record
+        self.config = frozen_config(cfg)
+        self.dtype = dtypes.torch_dtype(io.input(io.roles["hidden_states"]).dtype)
+        self.device = checked_device(device) if device is not None else runner.device
+        self._setting = model_setting(io.config, record, io.source)
+        self._scheme = schemes.scheme(record.scheme)
+        self._latent = latent_of(record, cfg)
+
+    # what the pipelines use of a ModelMixin -------------------------------------------------
+    @contextlib.contextmanager
+    def cache_context(self, name: str):
+        """diffusers' cache hook (first-block caching, ...): nothing is cached here."""
+        yield
+
+    def eval(self):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name; arguments this family's forward does not take are
+        refused in one line, naming the family whose pipeline passes them where one does."""
+        names = self.FORWARD_ARGS
+        if len(args) > len(names):
+            raise InputError(f"the {self.record.short} transformer takes at most {len(names)} "
+                             f"positional arguments ({', '.join(names)}); got {len(args)}")
+        bound = dict(zip(names, args))
+        twice = sorted(set(bound) & set(kwargs))
+        if twice:
+            raise InputError(f"the {self.record.short} transformer got {', '.join(twice)} both "
+                             f"by position and by name")
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            owner = _owner_of(unknown, self.record)
+            raise InputError(
+                f"the {self.record.short} transformer received {', '.join(unknown)}"
+                + (f", which {owner}'s pipelines pass" if owner else "")
+                + f"; this export takes {', '.join(names)} ({self.PIPELINES or 'its pipelines'})"
+                f". Fix: run this export with its own family's pipeline"
+                + (f", or export the {owner} model to run {owner}'s" if owner else ""))
+        bound.update(kwargs)
+        return bound
+
+    def prepare(self, **call) -> Call:  # the family's part
+        raise NotImplementedError
+
+    def forward(self, *args, **kwargs):
+        """diffusers' forward of the family: returns ``Transformer2DModelOutput(sample=...)`` or
+        ``(sample,)`` with ``return_dict=False``."""
+        call = self.prepare(**self._bind(args, kwargs))
+        caches = self.rope_caches(call)
+        if self._latent.rank != 3 and isinstance(call.hidden_states, torch.Tensor):
+            # a latent the model patchifies itself: its token grid must be the request's
+            tokens = self._latent.tokens(tuple(call.hidden_states.shape))
+            if tokens != caches.img.shape[0]:
+                raise InputError(
+                    f"the position request ({', '.join(call.request)}) gives "
+                    f"{caches.img.shape[0]} image tokens but hidden_states "
+                    f"{list(call.hidden_states.shape)} patchifies into {tokens} (patch "
+                    f"{list(self._latent.patch)}). Fix: pass the positions of this latent")
+        # diffusers' model takes strided views (a slice of the prompt embeddings, an expanded
+        # timestep); the runner binds memory as is and refuses them, so the drop-in copies
+        # the ones that are not contiguous
+        hidden_states, encoder_hidden_states, mask, timestep = (
+            t.contiguous() if isinstance(t, torch.Tensor) else t
+            for t in (call.hidden_states, call.encoder_hidden_states, call.mask, call.timestep))
+        conditioning = {k: v.contiguous() for k, v in call.conditioning.items()}
+        sample = self._runner(hidden_states, encoder_hidden_states, caches, mask, timestep,
+                              conditioning=conditioning)
+        # copy_outputs: the caller owns the result (a reused buffer would make true CFG's
+        # conditional and unconditional predictions the same tensor)
+        sample = sample.clone() if not self._runner.copy_outputs else sample
+        if not call.return_dict:
+            return (sample,)
+        outputs = require("diffusers.models.modeling_outputs",
+                          "returning diffusers' Transformer2DModelOutput")
+        return outputs.Transformer2DModelOutput(sample=sample)
+
+    def rope_caches(self, call: Call):
+        """The caches of the call's position request (memoised), on the activations' device,
+        as wide as the model's heads where it rotates the whole head."""
+        from .caches import build_rope_caches
+
+        device = call.hidden_states.device if isinstance(call.hidden_states, torch.Tensor) \
+            else None
+        caches = build_rope_caches(self.record.scheme, call.request, self._setting,
+                                   device=device)
+        head_dim = self._runner.io.head_dim
+        if head_dim is not None and caches.img.shape[-1] > int(head_dim):
+            raise InputError(f"{self.record.short}: the RoPE axes {list(self._setting.axes_dim)} "
+                             f"give caches of width {caches.img.shape[-1]}, wider than the "
+                             f"model's {head_dim}-wide heads. Fix: re-export the model (its "
+                             f"sidecar's axes_dims_rope is inconsistent)")
+        return caches
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.record.short}: {self._runner.io.source}, "
+                f"backend={self._runner.backend}, dtype={self.dtype}, device={self.device})")
+
+
+def _owner_of(names: Sequence[str], record) -> str | None:
+    """The families (other than ``record``'s folder) whose drop-in's forward takes all of
+    ``names``, as a user calls them ("FLUX.1 / FLUX.2"), or None."""
+    from qkrope import families
+
+    owners = []
+    for other in families.records():
+        if other.package == record.package:
+            continue
+        args = getattr(families.hooks(other, "dropin").dropin_class(other), "FORWARD_ARGS", ())
+        if names and all(n in args for n in names):
+            owners.append(other.short)
+    return " / ".join(owners) or None
+
+
+def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
+                     providers: Sequence | None = None,
+                     provider_options: Sequence[Mapping] | None = None, sess_options=None,
+                     cuda_graph: bool = False,
+                     device: torch.device | str | None = None) -> Transformer:
+    """Open an exported diffusers transformer as a drop-in for ``pipe.transformer``: the drop-in
+    of the family its sidecar names (``config.family``; none: the registry's default), found
+    through the family registry (``.onnx``: ONNX Runtime with ``providers``,
+    ``provider_options`` and ``sess_options``; ``.engine``/``.plan``: TensorRT with the
+    QKNormRoPE ``plugin`` and ``cuda_graph``). The options go to :func:`qkrope.runtime.load` as
+    given, its defaults included (ONNX Runtime without memory patterns). An unknown ``device``
+    is refused before the model is opened."""
+    from qkrope import families
+
+    from .backends import load
+    from .caches import checked_device
+
+    if device is not None:
+        device = checked_device(device)
+    runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
+                  sess_options=sess_options, cuda_graph=cuda_graph)
+    record = families.by_name(getattr(runner.io.config, "family", None),
+                              source=str(runner.io.source))
+    cls = families.hooks(record, "dropin").dropin_class(record)
+    return cls(runner, record, device=device)

@@ -1,13 +1,17 @@
 """RoPE caches in the 2-D ``cos_sin_cache`` format (docs/spec.md sections 2, 5, 6, 7).
 
-- :func:`build_qwen_rope_caches` computes Qwen-Image's caches from the image shapes and text
-  length, exactly as diffusers' ``QwenEmbedRope`` does (same tables, same positions).
-- :func:`build_flux_rope_caches` computes FLUX.1's and FLUX.2's caches from the position ids
-  their pipelines pass (``txt_ids`` / ``img_ids``), as diffusers' ``FluxPosEmbed`` /
-  ``Flux2PosEmbed`` do.
-- :func:`to_cos_sin_caches` converts the other RoPE formats in use to the cache pair.
+- :func:`build_rope_caches` computes a model's caches from what its pipeline passes, through the
+  model's position scheme (:mod:`qkrope.runtime.schemes`: "grid", image shapes and a text length;
+  "ids", per-token position ids), checked and memoised in one place;
+- :func:`caches_for` does it for an exported model, with the scheme and RoPE numbers its sidecar
+  and family record give, checked against the model (cache widths, an engine's profiles) first;
+- :func:`to_cos_sin_caches` converts the other RoPE formats in use to the cache pair;
 - :func:`validate_cos_sin_caches` checks a cache pair before it reaches a model or an engine and
   never copies or converts anything.
+
+The families' own builders (``build_qwen_rope_caches``, ``build_flux_rope_caches``) live in
+their folders (``qkrope/families/<family>/dropin.py``, ``PUBLIC``) and are found here by name
+(module ``__getattr__``), so ``from qkrope.runtime.caches import ...`` keeps working.
 """
 
 from __future__ import annotations
@@ -17,34 +21,27 @@ import math
 import numbers
 import operator
 import threading
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
-import numpy as np
 import torch
 
-from qkrope.errors import InputError, QkropeError
 from qkrope import contract, model_io
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.errors import InputError, QkropeError
 
-from . import rope_tables
+from . import schemes
+from .schemes import Setting
 
-# Qwen-Image's RoPE numbers (qkrope.model_io.QWEN_IMAGE; rope_tables keeps an equal copy)
-QWEN_THETA = QWEN_IMAGE.theta
-QWEN_AXES_DIM = QWEN_IMAGE.axes_dims_rope
-# diffusers tabulates positions 0..4095 (and -4096..-1) per axis.
-QWEN_MAX_POSITIONS = QWEN_IMAGE.max_positions
 # Refuse, before allocating, caches larger than this (a 1328x1328 image with 1024 text tokens
 # needs 3.9 MiB; shapes given in pixels instead of latent patches would need terabytes).
 MAX_CACHE_BYTES = 2 * 2**30
 
 _CONVERT_HINT = ("Fix: convert it with qkrope.runtime.to_cos_sin_caches(image_rotary_emb, "
-                 "head_dim=...) or build it with qkrope.runtime.build_qwen_rope_caches(img_shapes, "
-                 "txt_seq_len).")
+                 "head_dim=...) or build it with qkrope.runtime.caches_for(model_path, ...).")
 
 
 class RopeCaches(NamedTuple):
-    """The pair a Qwen-Image attention block consumes: one ``[rows, rotary_dim]`` fp32 cache per
-    stream, cos half then sin half, row t for token t."""
+    """The pair an attention block consumes: one ``[rows, rotary_dim]`` fp32 cache per stream,
+    cos half then sin half, row t for token t."""
 
     img: torch.Tensor
     txt: torch.Tensor
@@ -64,26 +61,33 @@ class RopeCacheOverflowError(RopeCacheError, ValueError):
         self.overflow = required - available
 
 
+def __getattr__(name: str):
+    """A family's public builder (its dropin module's ``PUBLIC``), found through the registry."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    from qkrope import families
+
+    for record in families.records():
+        public = getattr(families.hooks(record, "dropin"), "PUBLIC", {})
+        if name in public:
+            return public[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # --------------------------------------------------------------------------------------------
-# Building Qwen-Image caches
+# The RoPE setting of a model
 # --------------------------------------------------------------------------------------------
 
 def default_axes_dims(rotary_dim: int) -> tuple[int, int, int]:
-    """RoPE widths of the (frame, height, width) axes for a head of ``rotary_dim`` rotated dims:
-    Qwen-Image's (16, 56, 56) for 128, otherwise the same proportions (frame ~ 1/8), each even.
-    Used for the tiny test/benchmark configurations whose heads are not 128 wide."""
-    if rotary_dim == 128:
-        return QWEN_AXES_DIM
+    """RoPE widths of three (frame, height, width) axes for a head of ``rotary_dim`` rotated
+    dims, in the proportions (1, 3.5, 3.5) / 8 of the widest grid models (16, 56, 56 for 128),
+    each even. Used for the tiny test/benchmark configurations whose heads are not 128 wide."""
     if rotary_dim < 6 or rotary_dim % 2:
         raise InputError(f"rotary_dim must be even and >= 6 (three RoPE axes); got {rotary_dim}")
     f = 2 * max(1, rotary_dim // 16)
     rest = rotary_dim - f
     h = 2 * (rest // 4)
     return (f, h, rest - h)
-
-
-def _complex_to_cache(freqs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([freqs.real, freqs.imag], dim=-1).float().contiguous()
 
 
 def _whole(value: object, what: str) -> int:
@@ -96,91 +100,141 @@ def _whole(value: object, what: str) -> int:
         raise InputError(f"{what} must be an integer; got {value!r} ({type(value).__name__})") from None
 
 
-def _is_triple(entry: object) -> bool:
-    return isinstance(entry, Sequence) and not isinstance(entry, (str, bytes)) and len(entry) == 3 and all(
-        not isinstance(v, Sequence) for v in entry)
-
-
-def _check_img_shapes(img_shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
-    example = ("img_shapes must be a list of (frames, height, width) triples in latent patches, "
-               "e.g. [(1, 64, 64)] for a 1024x1024 image, or diffusers' per-batch form "
-               "[[(1, 64, 64)]] * batch_size")
-    if isinstance(img_shapes, tuple) and _is_triple(img_shapes):
-        img_shapes = [img_shapes]  # one (f, h, w) triple
-    if not isinstance(img_shapes, Sequence) or isinstance(img_shapes, (str, bytes)):
-        raise InputError(f"{example}; got {img_shapes!r}")
-    entries = list(img_shapes)
-    if entries and all(isinstance(e, Sequence) and not isinstance(e, (str, bytes)) and not _is_triple(e)
-                       and len(e) > 0 and all(_is_triple(x) for x in e) for e in entries):
-        # diffusers' pipelines pass one list of image shapes per batch item. The caches have no
-        # batch axis, so this is unambiguous only when every batch item has the same images.
-        per_item = [tuple(tuple(x) for x in e) for e in entries]
-        if any(item != per_item[0] for item in per_item[1:]):
-            raise InputError(
-                f"img_shapes gives different images per batch item ({per_item}); the RoPE caches "
-                f"have no batch axis (one row per token, shared by the batch), so every item of a "
-                f"batch must have the same image shapes. Fix: batch only samples of one size.")
-        entries = list(per_item[0])
-    if not entries:
-        raise InputError("img_shapes is empty: give at least one (frames, height, width) triple")
-    shapes = []
-    for entry in entries:
-        if not _is_triple(entry):
-            raise InputError(f"{example}; got the entry {entry!r} in {img_shapes!r}")
-        f, h, w = (_whole(v, "img_shapes values (frames, height, width)") for v in entry)
-        if f < 1 or h < 1 or w < 1:
-            raise InputError(f"img_shapes entries must be positive; got {(f, h, w)}")
-        shapes.append((f, h, w))
-    return tuple(shapes)
-
-
-def build_qwen_rope_caches(img_shapes: Sequence[Sequence[int]], txt_seq_len: int, *,
-                           theta: float = QWEN_THETA,
-                           axes_dim: Sequence[int] = QWEN_AXES_DIM,
-                           scale_rope: bool = True,
-                           device: torch.device | str | None = None) -> RopeCaches:
-    """Qwen-Image's RoPE caches for one sample, as diffusers' ``QwenEmbedRope`` computes them.
-
-    Args:
-        img_shapes: ``[(frames, height, width), ...]`` in latent patches (a 1024x1024 image is
-            ``(1, 64, 64)``). Entry k > 0 is edit/condition image k (frame offset k).
-        txt_seq_len: text tokens.
-        device: where the caches are put.
-
-    Returns:
-        ``RopeCaches(img [sum f*h*w, sum(axes_dim)], txt [txt_seq_len, sum(axes_dim)])``, fp32.
-        Results are memoised per (shapes, length, device), up to :data:`MEMO_BYTES` in all
-        (least recently used first out): treat them as read-only.
-
-    Raises:
-        RopeCacheOverflowError: the text positions run past diffusers' 4096-entry table.
-    """
-    shapes = _check_img_shapes(img_shapes)
-    txt_seq_len = _whole(txt_seq_len, "txt_seq_len")
-    if txt_seq_len < 1:
-        raise InputError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
-    axes = tuple(_whole(d, "axes_dim values") for d in axes_dim)
-    if len(axes) != 3 or any(d <= 0 or d % 2 for d in axes):
-        raise InputError(f"axes_dim must be three positive even widths; got {axes_dim!r}")
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
-        raise InputError(f"theta (the RoPE base) must be a finite number > 0, e.g. {QWEN_THETA}; got {theta!r}")
+def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
+                    max_positions: int | None = None, scale_rope: bool = True,
+                    what: str = "axes_dim",
+                    rotated: Sequence[str] = schemes.STREAMS) -> Setting:
+    """A :class:`~qkrope.runtime.schemes.Setting` from the caller's numbers, each checked: the
+    axes positive even widths (three for the grid scheme: frame, height, width) whose sum fits
+    the widest head the kernel takes, theta a finite number > 0; ``rotated`` the streams the
+    model rotates (a stream normalised but not rotated gets identity rows)."""
+    grid = scheme_name == "grid"
+    if isinstance(axes_dim, (str, bytes)) or not isinstance(axes_dim, Sequence):
+        raise InputError(f"{what} must be the RoPE width of each axis, e.g. (16, 56, 56); got "
+                         f"{axes_dim!r}")
+    axes = tuple(_whole(d, f"{what} values") for d in axes_dim)
+    if not axes or any(d <= 0 or d % 2 for d in axes) or (grid and len(axes) != 3):
+        raise InputError(f"{what} must be {'three ' if grid else ''}positive even widths, one per "
+                         f"RoPE axis, e.g. (16, 56, 56); got {axes_dim!r}")
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or \
+            not math.isfinite(theta) or theta <= 0:
+        raise InputError(f"theta (the RoPE base) must be a finite number > 0, e.g. 10000; got "
+                         f"{theta!r}")
     if not isinstance(scale_rope, bool):
         raise InputError(f"scale_rope must be True or False; got {scale_rope!r}")
-    # Fail before allocating: the caches are one fp32 row of sum(axes_dim) values per token.
-    _check_cache_size(shapes, txt_seq_len, axes)
-    return _build_cached(shapes, txt_seq_len, float(theta), axes, scale_rope,
-                         checked_device(device))
+    # the grid scheme's position tables (memoised) hold one fp32 row of sum(axes) values per
+    # position: bounded by the widest head the kernel takes, as every cache is
+    if sum(axes) > contract.MAX_HEAD_DIM:
+        raise InputError(
+            f"{what} {list(axes)} gives a rotary_dim of {sum(axes)}, wider than any attention "
+            f"head the QKNormRoPE kernel takes (head_dim <= {contract.MAX_HEAD_DIM}). Fix: check "
+            f"the model's axes_dims_rope")
+    if isinstance(rotated, str) or not set(rotated) <= set(schemes.STREAMS):
+        raise InputError(f"rotated must name streams among {list(schemes.STREAMS)}; got "
+                         f"{rotated!r}")
+    rotated = tuple(s for s in schemes.STREAMS if s in rotated)
+    return Setting(axes, float(theta), max_positions, scale_rope, rotated)
 
 
-#: What the memoised caches may hold in all, in bytes (per process, every device together): a
-#: 1024x1024 image with 512 text tokens is 2.3 MiB, so about 27 such entries; the least recently
-#: used go first, and a pair larger than the whole bound is returned without being kept.
+def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
+    """The RoPE setting of an exported model: its sidecar's ``axes_dims_rope`` and
+    ``rope_theta`` where recorded, else the diffusers config's (``axes_dims_rope``, the family's
+    theta key), else the family record's defaults; the record's table size. A setting that
+    cannot be used is refused with the fix (re-export)."""
+    cfg = getattr(config, "diffusers_config", None)
+    cfg = cfg if isinstance(cfg, Mapping) else {}
+    axes = getattr(config, "axes_dims_rope", None) or cfg.get("axes_dims_rope") or record.axes
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = record.rope_theta(cfg)
+    try:
+        return checked_setting(record.scheme, axes, theta, max_positions=record.max_positions,
+                               rotated=record.rotated)
+    except InputError as exc:
+        raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
+                         f"model with `qkrope export`") from None
+
+
+def record_of(config: Any, source: str = "the sidecar"):
+    """The family record a model's sidecar config names (none: the registry's default, what
+    sidecars written before families were recorded hold)."""
+    from qkrope import families
+
+    return families.by_name(getattr(config, "family", None), source=source)
+
+
+# --------------------------------------------------------------------------------------------
+# Building caches (one path for every scheme)
+# --------------------------------------------------------------------------------------------
+
+def _complex_to_cache(freqs: torch.Tensor) -> torch.Tensor:
+    return torch.cat([freqs.real, freqs.imag], dim=-1).float().contiguous()
+
+
+
+def _position_array(value: object, name: str):
+    """A request's position tensor as numpy, as diffusers reads it (``ids.float()``; bfloat16
+    has no numpy dtype). A stride-0 batch (an ``expand``) is one item: only that item is
+    converted, so a view of a few bytes that claims millions of items copies nothing."""
+    if not isinstance(value, torch.Tensor):
+        if value is None or isinstance(value, (str, bytes)):
+            raise InputError(f"{name} must be [tokens, axes] position ids (a tensor or array); "
+                             f"got {value!r}")
+        return value
+    if value.device.type == "meta" or value.layout != torch.strided:
+        raise InputError(f"{name} must be a dense tensor with values; got {_describe(value)}")
+    t = value.detach()
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) == 0:
+        t = t[:1]
+    if t.is_complex() or t.dtype == torch.bool:
+        return t.cpu().numpy()
+    if t.dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16,
+                   torch.int8, torch.uint8, torch.float16):
+        return t.cpu().numpy()  # a view: check_ids converts item 0 only, after the bounds
+    return t.float().cpu().numpy()
+
+
+def checked_positions(scheme, request: Mapping, setting: Setting):
+    """The scheme's checked request (its positions), every size bounded before anything is
+    converted or built; the scheme's refusals as one-line InputErrors."""
+    request = dict(request)
+    try:
+        if hasattr(scheme, "bound"):
+            scheme.bound(request, setting, MAX_CACHE_BYTES)
+        for name in scheme.POSITION_FIELDS:
+            if name in request:
+                request[name] = _position_array(request[name], name)
+        return scheme.positions(request, setting, MAX_CACHE_BYTES)
+    except schemes.BadRequest as exc:
+        raise InputError(str(exc)) from None
+
+
+def build_rope_caches(scheme_name: str, request: Mapping, setting: Setting, *,
+                      device: torch.device | str | None = None) -> RopeCaches:
+    """The caches of ``request`` (the fields scheme ``scheme_name`` takes: ``img_shapes`` /
+    ``txt_seq_len``, or ``txt_ids`` / ``img_ids``) for ``setting`` (:func:`checked_setting`,
+    :func:`model_setting`), on ``device``: checked, bounded by :data:`MAX_CACHE_BYTES` before
+    anything is allocated, memoised (:data:`MEMO_BYTES` in all; treat them as read-only).
+    A position past the scheme's tables is a :class:`RopeCacheOverflowError`."""
+    try:
+        scheme = schemes.scheme(scheme_name)
+    except schemes.BadRequest as exc:
+        raise InputError(str(exc)) from None
+    pos = checked_positions(scheme, request, setting)
+    return _build_cached(scheme, pos, setting, checked_device(device))
+
+
+#: What the memoised caches may hold in all, in bytes (per process, every device and scheme
+#: together): a 1024x1024 image with 512 text tokens is 2.3 MiB, so about 27 such entries; the
+#: least recently used go first, and a pair larger than the whole bound is returned without
+#: being kept. (A pipeline passes the same sizes or ids at every step: one entry per image.)
 MEMO_BYTES = 64 * 2**20
 
 
 class _ByteBoundedMemo:
     """An LRU memo of :class:`RopeCaches` bounded by the bytes of the tensors it keeps (an
-    entry count would let 64 large pairs pin gigabytes)."""
+    entry count would let 64 large pairs pin gigabytes), keyed by the scheme's key of the
+    positions, the setting and the device."""
 
     def __init__(self, build, limit: int):
         self._build, self.limit = build, limit
@@ -192,13 +246,14 @@ class _ByteBoundedMemo:
     def _size(caches: RopeCaches) -> int:
         return sum(t.numel() * t.element_size() for t in caches)
 
-    def __call__(self, *key) -> RopeCaches:
+    def __call__(self, scheme, pos, setting: Setting, device: torch.device) -> RopeCaches:
+        key = (scheme.key(pos), setting, str(device))
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:
                 self._entries.move_to_end(key)
                 return hit
-        caches = self._build(*key)
+        caches = self._build(scheme, pos, setting, device)
         size = self._size(caches)
         with self._lock:
             if size <= self.limit and key not in self._entries:
@@ -218,14 +273,12 @@ class _ByteBoundedMemo:
             self.nbytes = 0
 
 
-def _build_uncached(shapes: tuple[tuple[int, int, int], ...], txt_seq_len: int, theta: float,
-                    axes: tuple[int, int, int], scale_rope: bool, device: torch.device) -> RopeCaches:
-    # The arithmetic (tables, positions, overflow limits) lives in rope_tables, numpy only, so
-    # that the Triton rope model computes the same bits without torch.
+def _build_uncached(scheme, pos, setting: Setting, device: torch.device) -> RopeCaches:
+    # The arithmetic lives in the scheme modules, numpy only, so that the Triton rope model
+    # computes the same bits without torch.
     try:
-        img, txt = rope_tables.qwen_caches(shapes, txt_seq_len, theta=theta, axes_dim=axes,
-                                           scale_rope=scale_rope)
-    except rope_tables.PositionOverflow as exc:
+        img, txt = scheme.build(pos, setting)
+    except schemes.PositionOverflow as exc:
         raise RopeCacheOverflowError(str(exc), required=exc.required,
                                      available=exc.available) from None
     return RopeCaches(torch.from_numpy(img).to(device), torch.from_numpy(txt).to(device))
@@ -265,141 +318,6 @@ def _first_line(exc: BaseException) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _check_cache_size(shapes, txt_seq_len: int, axes: tuple[int, ...]) -> None:
-    """Refuse, before anything is allocated, caches (and the position tables they are read
-    from) larger than :data:`MAX_CACHE_BYTES`."""
-    tokens = rope_tables.image_tokens(shapes) + txt_seq_len
-    nbytes = tokens * sum(axes) * 4
-    if nbytes > MAX_CACHE_BYTES:
-        raise InputError(
-            f"img_shapes {list(shapes)} with {txt_seq_len} text tokens need RoPE caches of "
-            f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
-            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
-            f"Fix: the shapes are in latent patches (a 1024x1024 image is (1, 64, 64)), not pixels.")
-    # the cos and sin position tables (rope_tables.axis_tables, memoised) hold one fp32 row of
-    # sum(axes) values per position 0..4096: bounded by the widest head the kernel takes
-    # (8 MiB at 512), so the 8 tables it keeps hold at most 64 MiB
-    if sum(axes) > contract.MAX_HEAD_DIM:
-        raise InputError(
-            f"axes_dim {list(axes)} gives a rotary_dim of {sum(axes)}, wider than any attention "
-            f"head the QKNormRoPE kernel takes (head_dim <= {contract.MAX_HEAD_DIM}). Fix: check "
-            f"the model's axes_dims_rope")
-
-
-# --------------------------------------------------------------------------------------------
-# Building FLUX.1 / FLUX.2 caches from position ids
-# --------------------------------------------------------------------------------------------
-
-# The families' RoPE numbers (diffusers' FluxPosEmbed(theta=10000) and Flux2's config defaults;
-# rope_tables keeps them, beside the arithmetic the Triton rope model shares).
-FLUX1_THETA, FLUX1_AXES_DIM = rope_tables.FLUX1_THETA, rope_tables.FLUX1_AXES_DIM
-FLUX2_THETA, FLUX2_AXES_DIM = rope_tables.FLUX2_THETA, rope_tables.FLUX2_AXES_DIM
-# Built FLUX caches kept for reuse (a pipeline passes the same ids at every step), in all.
-FLUX_MEMO_BYTES = 256 * 2**20
-_flux_memo = rope_tables.CacheBudget(FLUX_MEMO_BYTES)
-_flux_memo_lock = threading.Lock()
-
-
-def _ids_array(ids: object, name: str):
-    """Position ids as numpy: a tensor through ``.float()`` (exactly diffusers' ``ids.float()``;
-    bfloat16 has no numpy dtype), anything else as given (rope_tables.check_ids judges it)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.device.type == "meta" or ids.layout != torch.strided:
-            raise InputError(f"{name} must be a dense tensor with values; got {_describe(ids)}")
-        t = ids.detach()
-        if t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool):
-            t = t.float()
-        return t.cpu().numpy()
-    if ids is None or isinstance(ids, (str, bytes)):
-        raise InputError(f"{name} must be [tokens, axes] position ids (a tensor or array); "
-                         f"got {ids!r}")
-    return ids
-
-
-def _flux_args(axes_dims: Sequence[int], theta: float) -> tuple[tuple[int, ...], float]:
-    if isinstance(axes_dims, (str, bytes)) or not isinstance(axes_dims, Sequence):
-        raise InputError(f"axes_dims must be the RoPE width of each axis, e.g. {FLUX1_AXES_DIM} "
-                         f"(FLUX.1) or {FLUX2_AXES_DIM} (FLUX.2); got {axes_dims!r}")
-    axes = tuple(_whole(d, "axes_dims values") for d in axes_dims)
-    if not axes or any(d <= 0 or d % 2 for d in axes):
-        raise InputError(f"axes_dims must be positive even widths, one per RoPE axis, e.g. "
-                         f"{FLUX1_AXES_DIM}; got {axes_dims!r}")
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
-        raise InputError(f"theta (the RoPE base) must be a finite number > 0: {FLUX1_THETA} for "
-                         f"FLUX.1, {FLUX2_THETA} for FLUX.2; got {theta!r}")
-    return axes, float(theta)
-
-
-def _flux_positions(txt_ids: object, img_ids: object, axes: tuple[int, ...]):
-    """(txt, img) float32 positions, checked; the caches they give bounded in bytes."""
-    pos = []
-    for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
-        try:
-            pos.append(rope_tables.check_ids(_ids_array(ids, name), len(axes), name))
-        except rope_tables.BadPositions as exc:
-            raise InputError(str(exc)) from None
-    tokens = pos[0].shape[0] + pos[1].shape[0]
-    nbytes = rope_tables.flux_cache_nbytes(tokens, axes)
-    if nbytes > MAX_CACHE_BYTES:
-        raise InputError(
-            f"txt_ids {list(pos[0].shape)} and img_ids {list(pos[1].shape)} need RoPE caches of "
-            f"{nbytes / 2**30:.1f} GiB ({tokens} rows x {sum(axes)} fp32), more than the "
-            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB limit (qkrope.runtime.caches.MAX_CACHE_BYTES). "
-            f"Fix: one row per token: pass the ids of the latent's tokens (a 1024x1024 image "
-            f"has 4096)")
-    return pos[0], pos[1]
-
-
-def _flux_build(txt: np.ndarray, img: np.ndarray, axes: tuple[int, ...], theta: float,
-                device: torch.device | str | None) -> RopeCaches:
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    key = (txt.shape, txt.tobytes(), img.shape, img.tobytes(), axes, theta, str(dev))
-    with _flux_memo_lock:
-        hit = _flux_memo.get(key)
-    if hit is not None:
-        return hit
-    caches = RopeCaches(
-        torch.from_numpy(rope_tables.flux_cache(img, axes_dim=axes, theta=theta)).to(dev),
-        torch.from_numpy(rope_tables.flux_cache(txt, axes_dim=axes, theta=theta)).to(dev))
-    with _flux_memo_lock:
-        _flux_memo.put(key, caches)
-    return caches
-
-
-def build_flux_rope_caches(txt_ids: object, img_ids: object, *, axes_dims: Sequence[int],
-                           theta: float,
-                           device: torch.device | str | None = None) -> RopeCaches:
-    """FLUX.1's or FLUX.2's RoPE caches from the position ids its pipeline passes, as diffusers'
-    ``FluxPosEmbed`` / ``Flux2PosEmbed`` compute them (on the CPU: float64, then float32; see
-    :mod:`qkrope.runtime.rope_tables` for the bits and for MPS/NPU).
-
-    Args:
-        txt_ids: ``[txt_tokens, len(axes_dims)]`` position ids of the text tokens (FLUX.1: all
-            zero; FLUX.2: ``(0, 0, 0, l)``), any real dtype, a tensor or array; diffusers'
-            batched ``[batch, tokens, axes]`` form is accepted when its items are equal.
-        img_ids: ``[img_tokens, len(axes_dims)]`` of the image tokens, condition (Kontext) and
-            reference (FLUX.2) images included, in the order of the model's image sequence.
-        axes_dims: the RoPE width of each axis: FLUX.1 ``(16, 56, 56)``
-            (:data:`FLUX1_AXES_DIM`), FLUX.2 ``(32, 32, 32, 32)`` (:data:`FLUX2_AXES_DIM`).
-        theta: the RoPE base: FLUX.1 10000 (:data:`FLUX1_THETA`), FLUX.2 2000
-            (:data:`FLUX2_THETA`, its config's ``rope_theta``).
-        device: where the caches are put.
-
-    Returns:
-        ``RopeCaches(img [img_tokens, sum(axes_dims)], txt [txt_tokens, sum(axes_dims)])``,
-        fp32; a single-stream block's joint cache is ``torch.cat([txt, img])``. No position
-        limit; refused above ``MAX_CACHE_BYTES``. Results are memoised per ids (up to
-        ``FLUX_MEMO_BYTES`` in all): treat them as read-only.
-
-    Raises:
-        InputError: ids of another shape or axis count, no tokens, a bool or complex dtype,
-        NaN/inf positions, different ids per batch item, bad ``axes_dims`` / ``theta``, caches
-        above the byte limit.
-    """
-    axes, theta = _flux_args(axes_dims, theta)
-    txt, img = _flux_positions(txt_ids, img_ids, axes)
-    return _flux_build(txt, img, axes, theta, device)
-
 
 # --------------------------------------------------------------------------------------------
 # Describing what arrived (for error messages)
@@ -420,7 +338,7 @@ def _describe(obj: object) -> str:
             if n == 4:
                 text += ", which looks like a (cos, sin) pair per stream"
             elif n == 2 and all(t.is_complex() for t in obj):
-                text += ", which looks like diffusers' complex QwenEmbedRope output"
+                text += ", which looks like diffusers' complex (img, txt) RoPE output"
             return f"{text} [{shapes}]"
         if n == 2 and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in obj):
             return f"a {kind} of 2 pairs, which looks like ((img_cos, img_sin), (txt_cos, txt_sin))"
@@ -500,7 +418,7 @@ def _classify_table(t: torch.Tensor, stream: str) -> str:
         f"({near}, more than the {CACHE_IDENTITY_TOL:.2g} rounding to bfloat16 can cause) nor an "
         f"angle table (some rows are close to cos^2 + sin^2 == 1). It may be a damaged or "
         f"differently laid out cache. Fix: build the caches with "
-        f"qkrope.runtime.build_qwen_rope_caches(img_shapes, txt_seq_len) or pass the angles.")
+        f"qkrope.runtime.caches_for(model_path, ...) or pass the angles.")
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, stream: str) -> None:
@@ -576,9 +494,10 @@ def _pair_to_cache(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None,
         return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=-1).float().contiguous()
     raise RopeCacheError(
         f"the {stream} (cos, sin) tables are full width and half-duplicated (cos[:, :h] == "
-        f"cos[:, h:]), i.e. NeoX pairing (j, j + h). Qwen-Image rotates interleaved pairs "
-        f"(2j, 2j + 1), so these tables do not belong to Qwen-Image weights. Fix: build the "
-        f"caches with qkrope.runtime.build_qwen_rope_caches, or export with interleaved=False "
+        f"cos[:, h:]), i.e. NeoX pairing (j, j + h). The exported attention rotates "
+        f"interleaved pairs (2j, 2j + 1), so these tables do not belong to its weights. Fix: "
+        f"build the "
+        f"caches with qkrope.runtime.caches_for(model_path, ...), or export with interleaved=False "
         f"if the model really is NeoX-style and pass cat([cos[:, :h], sin[:, :h]], -1).")
 
 
@@ -708,8 +627,8 @@ def validate_cos_sin_caches(image_rotary_emb: object, *, head_dim: int, img_seq_
             raise RopeCacheOverflowError(
                 f"{name} has too few rows: required={seq_len}, available={rows}, "
                 f"overflow={seq_len - rows} (one row per {stream} token). Fix: build the caches for "
-                f"the actual shapes, e.g. qkrope.runtime.build_qwen_rope_caches(img_shapes, "
-                f"txt_seq_len).", required=seq_len, available=rows)
+                f"the actual shapes, e.g. qkrope.runtime.caches_for(model_path, ...).",
+                required=seq_len, available=rows)
         if cache.layout != torch.strided:
             raise RopeCacheError(
                 f"{name} must be a dense tensor; got a {cache.layout} tensor {tuple(cache.shape)}. "
@@ -717,7 +636,7 @@ def validate_cos_sin_caches(image_rotary_emb: object, *, head_dim: int, img_seq_
         if want_device is not None and not _same_device(cache.device, want_device):
             raise RopeCacheError(
                 f"{name} is on {cache.device} but the activations are on {want_device}. Fix: "
-                f"move the caches once, e.g. build_qwen_rope_caches(..., device={str(want_device)!r}).")
+                f"move the caches once, e.g. caches_for(..., device={str(want_device)!r}).")
         if not cache.is_contiguous():
             raise RopeCacheError(
                 f"{name} must be contiguous; got strides {cache.stride()} for shape "
@@ -799,7 +718,7 @@ def _model_rope_config(path) -> tuple[Any, list, str, object]:
         raise InputError(
             f"{p} has no sidecar {sidecar_path(p).name} and no 'qkrope.config' metadata, so its "
             f"RoPE axes are unknown. Fix: keep the sidecar next to the model, or build the caches "
-            f"with build_qwen_rope_caches(img_shapes, txt_seq_len, axes_dim=...)")
+            f"with qkrope.runtime.caches.build_rope_caches(scheme, request, setting)")
     try:
         config = json.loads(text)
     except ValueError:
@@ -822,82 +741,81 @@ def _profile_holds(profile: dict, need: dict) -> bool:
     return True
 
 
+
+
 def caches_for(model_path, img_shapes: Sequence[Sequence[int]] | None = None,
-               txt_seq_len: int | None = None, *, txt_ids: object = None,
-               img_ids: object = None, device: torch.device | str | None = None,
-               batch: int | None = None) -> RopeCaches:
-    """The RoPE caches an exported model needs for these sizes: ``img_cache_rows`` /
+               txt_seq_len: int | None = None, *, device: torch.device | str | None = None,
+               batch: int | None = None, **positions) -> RopeCaches:
+    """The RoPE caches an exported model needs for a call: the ``img_cache_rows`` /
     ``txt_cache_rows`` inputs of any ``.onnx`` (``qkrope export``) or ``.engine``
-    (``qkrope build``), whatever its config.
+    (``qkrope build``), whatever its family.
 
-    A Qwen-Image model takes ``caches_for(path, img_shapes, txt_seq_len)``; a FLUX.1 / FLUX.2
-    model (sidecar ``config.family`` 'flux1' / 'flux2') the ids its pipeline passes,
-    ``caches_for(path, txt_ids=..., img_ids=...)``: :func:`build_flux_rope_caches` with the
-    axes and theta the sidecar records (``axes_dims_rope``, ``rope_theta``; absent: the
-    family's). Either way the sizes are checked against the model before a cache is built.
-
-    The RoPE axes widths (``axes_dims_rope``) come from the model's sidecar, else from the
-    ``qkrope.config`` entry of an ONNX file's ``metadata_props``; the caches are
-    :func:`build_qwen_rope_caches` of them (memoised; read-only). Refused, before anything is
-    built or run: a cache width that is not the model's cache input width, and for an engine
-    sizes (image tokens, text tokens, and ``batch`` when given) that no optimisation profile
-    holds.
+    The request is what the model's pipeline passes its transformer, in the fields of the
+    family's position scheme (:mod:`qkrope.runtime.schemes`): a "grid" model (Qwen-Image) takes
+    ``caches_for(path, img_shapes, txt_seq_len)``, an "ids" model (FLUX.1 / FLUX.2)
+    ``caches_for(path, txt_ids=..., img_ids=...)``. The scheme and RoPE numbers come from the
+    model's sidecar (``config.family``, ``axes_dims_rope``, ``rope_theta``; absent: the family
+    record's), else from the ``qkrope.config`` entry of an ONNX file's ``metadata_props``.
+    Refused, before anything is built or memoised: fields the scheme does not take, malformed
+    or oversized requests, a cache width that is not the model's cache input width, and for an
+    engine sizes (image tokens, text tokens, and ``batch`` when given) that no optimisation
+    profile holds.
 
     Args:
         model_path: the ``.onnx`` or ``.engine`` file.
-        img_shapes: ``[(frames, height, width), ...]`` in latent patches (diffusers' per-batch
-            form accepted); Qwen-Image only.
-        txt_seq_len: text tokens; Qwen-Image only.
-        txt_ids, img_ids: FLUX only: the ``[tokens, axes]`` position ids its pipeline passes
-            the transformer (see :func:`build_flux_rope_caches`).
+        img_shapes: grid scheme: ``[(frames, height, width), ...]`` in latent patches
+            (diffusers' per-batch form accepted).
+        txt_seq_len: grid scheme: text tokens.
+        positions: the other schemes' fields by name (ids scheme: ``txt_ids``, ``img_ids``,
+            the ``[tokens, axes]`` position ids its pipeline passes).
         device: where the caches are put (the activations' device).
         batch: the call's batch size, checked against an engine's profiles (the caches
             themselves have no batch axis).
     """
     config, inputs, source, info = _model_rope_config(model_path)
-    family = config.family or "qwen-image"
-    if family in rope_tables.FLUX_FAMILIES:
-        return _flux_caches_for(model_path, config, inputs, source, info, family, img_shapes,
-                                txt_seq_len, txt_ids, img_ids, device, batch)
-    if txt_ids is not None or img_ids is not None:
-        raise InputError(f"{source} is a {family} model: its caches come from img_shapes and "
-                         f"txt_seq_len, not position ids. Fix: caches_for(path, img_shapes, "
-                         f"txt_seq_len)")
-    if img_shapes is None or txt_seq_len is None:
-        raise InputError(f"caches_for({str(model_path)!r}) needs img_shapes and txt_seq_len for "
-                         f"this {family} model, e.g. caches_for(path, [(1, 64, 64)], 512)")
-    axes = config.axes_dims_rope
-    if not (isinstance(axes, (list, tuple)) and len(axes) == 3
-            and all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in axes)):
-        raise InputError(f"{source} records no usable RoPE axes (config.axes_dims_rope = "
-                         f"{axes!r}, expected three positive ints). Fix: re-export the model "
-                         f"with `qkrope export`")
-    # Everything is checked before a cache is built (or memoised): the sizes, the device, the
-    # cache widths against the model, an engine's profiles.
-    shapes = _check_img_shapes(img_shapes)
-    txt_seq_len = _whole(txt_seq_len, "txt_seq_len")
-    if txt_seq_len < 1:
-        raise InputError(f"txt_seq_len must be >= 1; got {txt_seq_len!r}")
+    record = record_of(config, source)
+    scheme = schemes.scheme(record.scheme)
+    request = {k: v for k, v in dict(img_shapes=img_shapes, txt_seq_len=txt_seq_len,
+                                      **positions).items() if v is not None}
+    check_fields(scheme, request, f"{source} is a {record.short} model",
+                 f"caches_for({str(model_path)!r})")
+    setting = model_setting(config, record, source)
     batch = _checked_batch(batch)
     device = checked_device(device)
-    rows = {model_io.IMG_COS_SIN_CACHE.name: rope_tables.image_tokens(shapes),
-            model_io.TXT_COS_SIN_CACHE.name: txt_seq_len}
-    _check_cache_widths(source, inputs, axes)
+    pos = checked_positions(scheme, request, setting)
+    img_rows, txt_rows = scheme.rows(pos)
+    _check_cache_widths(source, inputs, setting.axes_dim)
     if info is not None:
         img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
-        need = {(img_name, 0): rows[img_name], (txt_name, 0): rows[txt_name]}
+        need = {(img_name, 0): img_rows, (txt_name, 0): txt_rows}
         if batch is not None:
             need[(model_io.HIDDEN_STATES.name, 0)] = batch
         ranges = _serving_refusal(info, need)
         if ranges is not None:
             raise InputError(
-                f"{model_path} cannot serve {rows[img_name]} image tokens, "
-                f"{rows[txt_name]} text tokens"
+                f"{model_path} cannot serve {img_rows} image tokens, {txt_rows} text tokens"
                 + (f", batch {batch}" if batch is not None else "")
-                + f" (img_shapes {list(shapes)}): no optimisation profile "
-                f"holds them ({ranges}). Fix: use sizes within a profile, or rebuild with `qkrope "
-                f"build --resolutions WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
-    return build_qwen_rope_caches(shapes, txt_seq_len, axes_dim=tuple(axes), device=device)
+                + f" ({scheme.describe(pos)}): no optimisation profile holds them ({ranges}). "
+                f"Fix: use sizes within a profile, or rebuild with `qkrope build --resolutions "
+                f"WxH --txt-tokens MIN:MAX --batch MIN:MAX`")
+    return _build_cached(scheme, pos, setting, device)
+
+
+def check_fields(scheme, request: Mapping, what: str, call: str) -> None:
+    """The request gives exactly the fields ``scheme`` takes: another scheme's fields (a
+    pipeline of another family) and missing ones are refused in one line saying what was
+    received and what this model takes."""
+    wanted = tuple(scheme.FIELDS)
+    others = [k for k in request if k not in wanted]
+    missing = [k for k in wanted if k not in request]
+    takes = ", ".join(wanted)
+    if others:
+        raise InputError(f"{what}: its caches come from {takes}, not {', '.join(others)} "
+                         f"(the {scheme.NAME!r} position scheme). Fix: {call.rstrip(')')}, "
+                         + ", ".join(f"{k}=..." for k in wanted) + ")")
+    if missing:
+        raise InputError(f"{call} needs {' and '.join(wanted)} for this model ({what}: the "
+                         f"{scheme.NAME!r} position scheme); got no {', '.join(missing)}")
 
 
 def _checked_batch(batch: object) -> int | None:
@@ -936,41 +854,3 @@ def _serving_refusal(info, need: dict) -> str | None:
         for k, p in enumerate(info.profiles))
 
 
-def _flux_caches_for(model_path, config, inputs, source, info, family, img_shapes, txt_seq_len,
-                     txt_ids, img_ids, device, batch) -> RopeCaches:
-    """caches_for of a FLUX model: checked against the model (widths, an engine's profiles)
-    before the caches are built."""
-    label = rope_tables.FLUX_FAMILIES[family][0]
-    if img_shapes is not None or txt_seq_len is not None:
-        raise InputError(f"{source} is a {label} model: its caches come from the position ids "
-                         f"its pipeline passes, not img_shapes / txt_seq_len. Fix: "
-                         f"caches_for(path, txt_ids=txt_ids, img_ids=img_ids)")
-    if txt_ids is None or img_ids is None:
-        raise InputError(f"caches_for({str(model_path)!r}) needs txt_ids and img_ids for this "
-                         f"{label} model (the [tokens, axes] ids its pipeline passes to the "
-                         f"transformer)")
-    axes, theta = rope_tables.flux_setting(family, config.axes_dims_rope, config.rope_theta,
-                                           config.diffusers_config)
-    try:
-        axes, theta = _flux_args(axes, theta)
-    except InputError as exc:
-        raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
-                         f"model with `qkrope export`") from None
-    batch = _checked_batch(batch)
-    device = checked_device(device)
-    txt, img = _flux_positions(txt_ids, img_ids, axes)
-    img_name, txt_name = (t.name for t in model_io.CACHE_INPUTS)
-    _check_cache_widths(source, inputs, axes)
-    if info is not None:
-        need = {(img_name, 0): int(img.shape[0]), (txt_name, 0): int(txt.shape[0])}
-        if batch is not None:
-            need[(model_io.HIDDEN_STATES.name, 0)] = batch
-        ranges = _serving_refusal(info, need)
-        if ranges is not None:
-            raise InputError(
-                f"{model_path} cannot serve {int(img.shape[0])} image tokens, "
-                f"{int(txt.shape[0])} text tokens" + (f", batch {batch}" if batch is not None
-                                                      else "")
-                + f" (img_ids / txt_ids rows): no optimisation profile holds them ({ranges}). "
-                f"Fix: use sizes within a profile, or rebuild with `qkrope build` for them")
-    return _flux_build(txt, img, axes, theta, device)

@@ -276,7 +276,7 @@ def plan_profiles(model: ModelInfo, opts: BuildOptions) -> list[tuple[str, prof.
             model, list(resolutions), txt_tokens=opts.txt_tokens, batch=opts.batch,
             min_shapes=opts.min_shapes, opt_shapes=opts.opt_shapes, max_shapes=opts.max_shapes)
     txt_max = opts.txt_tokens[1] if opts.txt_tokens else opts.max_txt_tokens
-    if txt_max and _is_transformer(model):  # Qwen-Image's caches come from its tables
+    if txt_max and _is_transformer(model):  # a scheme with position tables bounds the text
         prof.check_rope_positions([], txt_max, family=model.config.family)
     if opts.txt_tokens or opts.batch:
         levels = {}

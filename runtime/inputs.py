@@ -11,7 +11,7 @@ every kind, which is why ``qkrope check`` runs bf16 models through its own thin 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,8 +19,8 @@ from qkrope import dtypes, model_io
 from qkrope.errors import InputError
 from qkrope.sidecars import ModelInfo
 
-from . import rope_tables
-from .caches import build_flux_rope_caches, build_qwen_rope_caches
+from . import latents
+from .caches import _check_cache_widths, build_rope_caches, model_setting
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -73,90 +73,76 @@ def from_ort_value(value) -> np.ndarray:
     return np.ctypeslib.as_array(buf).copy().reshape(shape).view(numpy_dtype("bfloat16"))
 
 
-def flux_family(info: ModelInfo) -> str | None:
-    """The sidecar's FLUX family (``"flux1"`` / ``"flux2"``), None for any other model."""
-    family = info.config.family
-    return family if family in rope_tables.FLUX_FAMILIES else None
+def sample_request(info: ModelInfo, img_shapes: Sequence[Sequence[int]],
+                   txt_len: int) -> tuple[Any, dict]:
+    """(the family record, the position request) of a sample of these sizes for the model
+    ``info`` describes: the request its family's pipelines would pass (the family's drop-in
+    ``sample_request``: grids and a text length, or the ids laid out as the pipelines lay them
+    out, the first image the output and the others condition / reference images)."""
+    from qkrope import families
+
+    record = families.by_name(info.config.family, source=info.source or "the sidecar")
+    hooks = families.hooks(record, "dropin")
+    return record, hooks.sample_request(record, img_shapes, txt_len)
 
 
-def flux_ids(info: ModelInfo, img_shapes: Sequence[Sequence[int]],
-             txt_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(txt_ids, img_ids) of a FLUX model for these sizes, as its pipelines lay them out
-    (:func:`qkrope.runtime.rope_tables.flux_sample_ids`: the first image the output, the others
-    condition / reference images)."""
-    return rope_tables.flux_sample_ids(flux_family(info), img_shapes, txt_len)
-
-
-def flux_rope_setting(info: ModelInfo) -> tuple[tuple[int, ...], float]:
-    """(axes_dims_rope, theta) a FLUX sidecar records (absent: the family's defaults)."""
-    c = info.config
-    axes, theta = rope_tables.flux_setting(flux_family(info), c.axes_dims_rope, c.rope_theta,
-                                           c.diffusers_config)
-    return tuple(int(a) for a in axes), float(theta)
-
-
-def flux_forward_kwargs(info: ModelInfo, by_role, img_shapes: Sequence[Sequence[int]]) -> dict:
-    """diffusers' ``FluxTransformer2DModel`` / ``Flux2Transformer2DModel.forward`` keyword
-    arguments for the graph inputs ``by_role`` (torch tensors by role, as :func:`make_inputs`
-    made them): the same activations, ``pooled_projections`` and ``guidance``, and in place of
-    the caches the position ids they were built from (:func:`flux_ids`), so that the stock
-    model computes its RoPE from them (float64) as a pipeline's call would."""
-    import torch
-
-    txt_len = int(by_role["encoder_hidden_states"].shape[1])
-    txt_ids, img_ids = (torch.from_numpy(a) for a in flux_ids(info, img_shapes, txt_len))
-    kw = dict(hidden_states=by_role["hidden_states"],
-              encoder_hidden_states=by_role["encoder_hidden_states"],
-              timestep=by_role["timestep"], txt_ids=txt_ids, img_ids=img_ids, return_dict=False)
-    for role in (model_io.POOLED_PROJECTIONS.role, model_io.GUIDANCE.role):
-        if role in by_role:
-            kw[role] = by_role[role]
-    return kw
+def sample_caches(info: ModelInfo, img_shapes: Sequence[Sequence[int]], txt_len: int):
+    """The RoPE caches of a sample of these sizes for ``info``'s model (its family's scheme
+    and the RoPE setting its sidecar records)."""
+    record, request = sample_request(info, img_shapes, txt_len)
+    return build_rope_caches(record.scheme, request,
+                             model_setting(info.config, record, info.source or "the sidecar"))
 
 
 def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = None,
                 txt_len: int | None = None, batch: int | None = None,
-                seed: int = 0) -> dict[str, np.ndarray]:
+                seed: int = 0, txt_lens: Sequence[int] | None = None) -> dict[str, np.ndarray]:
     """Deterministic inputs for every graph input of ``info`` (in graph order) for these sizes
     (default: the export sample): activations ~ N(0, 1) in the model dtype, a text mask with the
     last quarter of the second batch item's tokens masked (all ones for batch 1), timesteps in
-    (0, 1), and the correct caches for the sidecar's family: Qwen-Image's from
-    build_qwen_rope_caches; FLUX.1's / FLUX.2's from the position ids its pipelines pass
-    (:func:`flux_ids`: the first image the output, the others condition / reference images) by
-    build_flux_rope_caches, a FLUX ``pooled_projections`` ~ N(0, 1) and a ``guidance`` scale in
-    [1, 5] where the graph has them (a FLUX graph has no mask)."""
+    (0, 1), a ``guidance`` scale in [1, 5], other conditioning (a pooled projection) ~ N(0, 1),
+    and the correct caches of the sidecar's family, from the request its pipelines would pass
+    for these sizes (:func:`sample_request`). A latent whose axes are a latent grid (a video
+    latent ``[batch, channels, frames, height, width]``, :mod:`qkrope.runtime.latents`) gets
+    the grid of the first image. ``txt_lens`` (one per batch item, each <= ``txt_len``) gives
+    per-sample text lengths: the mask marks each item's real tokens (:class:`TextLengths`)."""
     img_shapes = [tuple(int(v) for v in s) for s in (img_shapes or info.sample["img_shapes"])]
     txt_len = int(txt_len or info.sample["txt_len"])
     batch = int(batch or info.sample["batch"])
     img_tokens = sum(f * h * w for f, h, w in img_shapes)
-    if flux_family(info):
-        axes, theta = flux_rope_setting(info)
-        caches = build_flux_rope_caches(*flux_ids(info, img_shapes, txt_len), axes_dims=axes,
-                                        theta=theta)
-    else:
-        caches = build_qwen_rope_caches(img_shapes, txt_len, axes_dim=info.axes_dims_rope())
+    record, request = sample_request(info, img_shapes, txt_len)
+    source = info.source or "the sidecar"
+    setting = model_setting(info.config, record, source)
+    # a sidecar without axes gets the family's: they must be as wide as the model's caches
+    _check_cache_widths(source, [(t.name, t.shape) for t in info.inputs], setting.axes_dim)
+    caches = build_rope_caches(record.scheme, request, setting)
+    latent = latents.latent_of(record, info.config.diffusers_config)
+    lengths = None
+    if txt_lens is not None:
+        lengths = latents.TextLengths.checked(txt_lens, batch, txt_len)
     rng = np.random.default_rng(seed)
     sizes = dict(batch=batch, img_tokens=img_tokens, txt_tokens=txt_len)
+    sizes.update(latent.grid_axes(img_shapes[0]))
     feeds: dict[str, np.ndarray] = {}
     for t in info.inputs:
         dtype = numpy_dtype(t.dtype)
         role = info.role_of(t.name)
+        shape = latents.concrete_shape(t.name, info.tensor(t.name).shape, sizes)
         if role == model_io.IMG_COS_SIN_CACHE.role:
             feeds[t.name] = caches.img.numpy().copy()
         elif role == model_io.TXT_COS_SIN_CACHE.role:
             feeds[t.name] = caches.txt.numpy().copy()
         elif role == model_io.ENCODER_HIDDEN_STATES_MASK.role:
-            mask = np.ones(info.input_shape(t.name, **sizes), dtype=bool)
-            if batch > 1 and txt_len > 1:
+            mask = np.ones(shape, dtype=bool)
+            if lengths is not None:  # per-sample sequences: each item's real tokens
+                mask = lengths.mask(txt_len)
+            elif batch > 1 and txt_len > 1:
                 mask[1, txt_len - max(1, txt_len // 4):] = False
             feeds[t.name] = mask.astype(dtype)
         elif role == model_io.GUIDANCE.role:  # the pipelines' guidance_scale (3.5 for dev)
-            feeds[t.name] = rng.uniform(1.0, 5.0, info.input_shape(t.name, **sizes)).astype(
-                np.float32).astype(dtype)
+            feeds[t.name] = rng.uniform(1.0, 5.0, shape).astype(np.float32).astype(dtype)
         elif role == model_io.TIMESTEP.role:
-            feeds[t.name] = rng.uniform(0.05, 0.95, info.input_shape(t.name, **sizes)).astype(
-                np.float32).astype(dtype)
+            feeds[t.name] = rng.uniform(0.05, 0.95, shape).astype(np.float32).astype(dtype)
         else:
-            feeds[t.name] = rng.standard_normal(info.input_shape(t.name, **sizes)).astype(
-                np.float32).astype(dtype)
+            feeds[t.name] = rng.standard_normal(shape).astype(np.float32).astype(dtype)
     return feeds

@@ -29,13 +29,15 @@ the same level (min, opt, max), so an engine always accepts one cache row per to
 
 Resolution presets (``qkrope build --resolutions 512x512,1024x1024,1328x1328``,
 :func:`derive_preset_profiles`) make one profile per preset, smallest first: image tokens
-(16 px per token for Qwen-Image, FLUX.1 and FLUX.2 alike: 8x VAE, 2x2 patches; 1024x1024 ->
-4096) min 1, opt = max = the
-preset; text tokens ``--txt-tokens MIN:MAX`` (default 1..512) and batch ``--batch MIN:MAX``
-(default 1..2, a CFG pair) min = the range's min, opt = max = its max. :func:`select_profile`
-is the runner's choice: the first profile whose [min, max] holds a call's shapes. Qwen-Image's
-presets and text range must fit its 4096-position RoPE tables (:func:`check_rope_positions`);
-FLUX's caches come from position ids, so a FLUX export has no such limit.
+(the family record's ``pixels_per_token`` per token side, 16 for every family so far: 8x VAE,
+2x2 patches; 1024x1024 -> 4096; a third number ``WxHxF`` is a video preset's token frames) min 1,
+opt = max = the preset; text tokens ``--txt-tokens MIN:MAX`` (default 1..512) and batch
+``--batch MIN:MAX`` (default 1..2, a CFG pair) min = the range's min, opt = max = its max; a 5-D
+latent's grid axes (``latent_frames`` / ``latent_height`` / ``latent_width``) min one patch,
+opt = max = the preset's. :func:`select_profile` is the runner's choice: the first profile whose
+[min, max] holds a call's shapes. The family's position scheme says what presets and text range
+its positions can reach (:func:`check_rope_positions`: a scheme with position tables, "grid",
+bounds them; "ids" has no such limit).
 """
 
 from __future__ import annotations
@@ -275,37 +277,70 @@ def reconcile_cache_rows(profile: Profile, inputs: Sequence[TensorInfo]) -> Prof
 
 # Qwen-Image, FLUX.1 and FLUX.2: 8x VAE downsampling, then 2x2 latent patches -> one image token
 # per 16x16 pixels.
-PIXELS_PER_TOKEN = 16
+def _default_record():
+    from qkrope import families
+
+    return families.default()
 
 
-def parse_resolutions(text: str | Sequence[str] | None) -> list[tuple[int, int]]:
+#: Pixels per image token side of the registry's default family (every family so far: 8x VAE
+#: and 2x2 patches, 16); a family's own is its record's ``pixels_per_token``.
+PIXELS_PER_TOKEN = _default_record().pixels_per_token
+
+
+def parse_resolutions(text: str | Sequence[str] | None, *,
+                      pixels_per_token: int = PIXELS_PER_TOKEN) -> list[tuple[int, ...]]:
     """``"512x512,1024x1024"`` (or a list of such items) -> ``[(512, 512), (1024, 1024)]``
-    as (width, height); each side a positive multiple of 16 pixels."""
+    as (width, height); each side a positive multiple of ``pixels_per_token`` pixels. A third
+    number is a video preset's token frames (``"832x480x21"`` -> ``(832, 480, 21)``; the
+    frames after the model's temporal compression and patching)."""
     items: list[str] = []
     for part in ([text] if isinstance(text, str) else list(text or ())):
         items += [p for p in re.split(r"[,\s]+", str(part)) if p]
     out = []
     for item in items:
-        m = re.fullmatch(r"(\d+)[xX*](\d+)", item)
+        m = re.fullmatch(r"(\d+)[xX*](\d+)(?:[xX*](\d+))?", item)
         if not m:
             raise ProfileError(f"cannot read the resolution {item!r}: expected WIDTHxHEIGHT in "
-                               f"pixels, e.g. --resolutions 512x512,1024x1024,1328x1328")
+                               f"pixels (WIDTHxHEIGHTxFRAMES for a video model), e.g. "
+                               f"--resolutions 512x512,1024x1024,1328x1328")
         w, h = int(m.group(1)), int(m.group(2))
-        if w < 1 or h < 1 or w % PIXELS_PER_TOKEN or h % PIXELS_PER_TOKEN:
-            raise ProfileError(f"the resolution {item} must have both sides positive multiples of "
-                               f"{PIXELS_PER_TOKEN} pixels (8x VAE and 2x2 patches: one image "
-                               f"token per {PIXELS_PER_TOKEN}x{PIXELS_PER_TOKEN} pixels)")
-        if (w, h) not in out:
-            out.append((w, h))
+        check_resolution(w, h, pixels_per_token, item)
+        preset = (w, h) if m.group(3) is None else (w, h, int(m.group(3)))
+        if len(preset) == 3 and preset[2] < 1:
+            raise ProfileError(f"the resolution {item}: its frames must be >= 1")
+        if preset not in out:
+            out.append(preset)
     if not out:
         raise ProfileError("--resolutions lists no resolution; expected e.g. 512x512,1024x1024")
     return out
 
 
-def image_tokens(width: int, height: int) -> int:
-    """Image tokens of a Qwen-Image or FLUX picture: ``(h / 16) * (w / 16)`` (1024x1024 ->
-    4096)."""
-    return (int(height) // PIXELS_PER_TOKEN) * (int(width) // PIXELS_PER_TOKEN)
+def check_resolution(w: int, h: int, pixels_per_token: int, item: str | None = None) -> None:
+    """Both sides positive multiples of the family's ``pixels_per_token``."""
+    if w < 1 or h < 1 or w % pixels_per_token or h % pixels_per_token:
+        raise ProfileError(f"the resolution {item or f'{w}x{h}'} must have both sides positive "
+                           f"multiples of {pixels_per_token} pixels (one image token per "
+                           f"{pixels_per_token}x{pixels_per_token} pixels: the VAE's downscale "
+                           f"times the patch size)")
+
+
+def image_tokens(width: int, height: int, frames: int = 1, *,
+                 pixels_per_token: int = PIXELS_PER_TOKEN) -> int:
+    """Image tokens of a picture (or of ``frames`` token frames of a video):
+    ``frames * (h / p) * (w / p)`` with p the family's pixels per token (1024x1024 -> 4096)."""
+    return int(frames) * (int(height) // pixels_per_token) * (int(width) // pixels_per_token)
+
+
+def preset_grid(preset: Sequence[int], pixels_per_token: int = PIXELS_PER_TOKEN) -> tuple:
+    """The token grid ``(frames, height, width)`` of a preset ``(w, h)`` or ``(w, h, frames)``."""
+    w, h = int(preset[0]), int(preset[1])
+    frames = int(preset[2]) if len(preset) > 2 else 1
+    return (frames, h // pixels_per_token, w // pixels_per_token)
+
+
+def _label(preset: Sequence[int]) -> str:
+    return "x".join(str(int(v)) for v in preset)
 
 
 def parse_range(text: str | None, flag: str) -> tuple[int, int] | None:
@@ -322,61 +357,68 @@ def parse_range(text: str | None, flag: str) -> tuple[int, int] | None:
     return lo, hi
 
 
-def preset_axis_levels(resolutions: Sequence[tuple[int, int]], *,
+def preset_axis_levels(resolutions: Sequence[Sequence[int]], *,
                        txt_tokens: tuple[int, int] = (1, DEFAULT_MAX_TXT_TOKENS),
-                       batch: tuple[int, int] = (1, DEFAULT_MAX_BATCH)
+                       batch: tuple[int, int] = (1, DEFAULT_MAX_BATCH),
+                       pixels_per_token: int = PIXELS_PER_TOKEN, latent=None
                        ) -> list[tuple[str, dict[str, tuple[int, int, int]]]]:
     """One ``(label, {axis: (min, opt, max)})`` per preset, smallest image first.
 
     Image tokens: min 1, opt = max = the preset's tokens; text tokens and batch: min = the
-    range's min, opt = max = the range's max (CFG runs batch 2)."""
-    presets = sorted(resolutions, key=lambda wh: (image_tokens(*wh), wh))
+    range's min, opt = max = the range's max (CFG runs batch 2). A 5-D latent
+    (:class:`qkrope.runtime.latents.Latent` ``latent``) also gets its grid axes: min one patch,
+    opt = max = the preset's."""
+    grids = [(preset_grid(p, pixels_per_token), p) for p in resolutions]
+    grids.sort(key=lambda gp: (gp[0][0] * gp[0][1] * gp[0][2], tuple(gp[1])))
     out = []
-    for w, h in presets:
-        n = image_tokens(w, h)
-        out.append((f"{w}x{h}", {IMG_TOKENS: (1, n, n),
-                                 TXT_TOKENS: (txt_tokens[0], txt_tokens[1], txt_tokens[1]),
-                                 BATCH: (batch[0], batch[1], batch[1])}))
+    for grid, preset in grids:
+        n = grid[0] * grid[1] * grid[2]
+        levels = {IMG_TOKENS: (1, n, n),
+                  TXT_TOKENS: (txt_tokens[0], txt_tokens[1], txt_tokens[1]),
+                  BATCH: (batch[0], batch[1], batch[1])}
+        if latent is not None and latent.rank == 5:
+            for (axis, value), patch in zip(latent.grid_axes(grid).items(), latent.patch):
+                levels[axis] = (patch, value, value)
+        out.append((_label(preset), levels))
     return out
 
 
-def check_rope_positions(resolutions: Sequence[tuple[int, int]], txt_max: int, *,
+def check_rope_positions(resolutions: Sequence[Sequence[int]], txt_max: int, *,
                          family: str | None = None) -> None:
-    """Refuse profiles no call can use. Only Qwen-Image has position tables: a FLUX.1 /
-    FLUX.2 model (``family`` 'flux1' / 'flux2', the sidecar's) builds its caches from any
-    position ids, so nothing is refused for it. Qwen-Image's RoPE position tables
-    (:mod:`qkrope.runtime.rope_tables`, 4096 positions per axis) must hold each preset's
-    image (centred: half of each side in latent patches, each way) and ``txt_max`` text tokens
-    after the largest image (text starts at the largest image's half side). No preset: the
-    text alone (1 image token) against the whole table."""
-    from qkrope.model_io import QWEN_IMAGE
+    """Refuse profiles no call can use: the family's position scheme says what its positions
+    can reach (:func:`qkrope.runtime.schemes.grid.profile_limits`: the tables' positions per
+    axis must hold each preset's image, and ``txt_max`` text tokens the positions left after
+    the largest image; a scheme without tables, "ids", refuses nothing). No preset: the text
+    alone against the whole table."""
+    from qkrope import families
 
-    from .rope_tables import FLUX_FAMILIES, image_extent, text_rows
+    from . import schemes
+    from .caches import checked_setting
 
-    if family in FLUX_FAMILIES:
+    record = families.by_name(family)
+    scheme = schemes.scheme(record.scheme)
+    ppt = record.pixels_per_token
+    grids = [preset_grid(p, ppt) for p in resolutions]
+    setting = checked_setting(record.scheme, record.axes, record.theta,
+                              max_positions=record.max_positions)
+    refusal = scheme.profile_limits(setting, grids, txt_max)
+    if refusal is None:
         return
-    QWEN_MAX_POSITIONS = QWEN_IMAGE.max_positions
-
-    shapes = [(1, h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN) for w, h in resolutions]
-    for (w, h), shape in zip(resolutions, shapes):
-        if image_extent(0, shape) > QWEN_MAX_POSITIONS:
-            side = 2 * QWEN_MAX_POSITIONS * PIXELS_PER_TOKEN
-            raise ProfileError(
-                f"the resolution {w}x{h} needs {image_extent(0, shape)} RoPE positions per axis "
-                f"and direction, more than the {QWEN_MAX_POSITIONS} of Qwen-Image's position "
-                f"tables (no call could use that profile). Fix: give sides of at most {side} "
-                f"pixels")
-    if not shapes:
-        rows, which = QWEN_MAX_POSITIONS, "for the text alone"
-    else:
-        rows, (w, h) = min((text_rows([s]), wh) for s, wh in zip(shapes, resolutions))
-        which = (f"after the {w}x{h} preset's image (its text positions start at "
-                 f"{QWEN_MAX_POSITIONS - rows})")
-    if txt_max > rows:
+    kind, index, needed, available = refusal
+    tables = f"{record.short}'s RoPE position tables"
+    if kind == "image":
+        side = 2 * available * ppt
         raise ProfileError(
-            f"--txt-tokens max {txt_max} is more than the {rows} text positions Qwen-Image's "
-            f"RoPE tables ({QWEN_MAX_POSITIONS} positions) leave {which}; no call could use "
-            f"that profile. Fix: --txt-tokens MIN:{rows} or smaller presets")
+            f"the resolution {_label(resolutions[index])} needs {needed} RoPE positions per axis "
+            f"and direction, more than the {available} of {tables} (no call could use that "
+            f"profile). Fix: give sides of at most {side} pixels")
+    which = ("for the text alone" if index < 0 else
+             f"after the {_label(resolutions[index])} preset's image (its text positions start "
+             f"at {record.max_positions - available})")
+    raise ProfileError(
+        f"--txt-tokens max {needed} is more than the {available} text positions {tables} "
+        f"({record.max_positions} positions) leave {which}; no call could use that profile. "
+        f"Fix: --txt-tokens MIN:{available} or smaller presets")
 
 
 def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, int]], *,
@@ -395,9 +437,19 @@ def derive_preset_profiles(model: ModelInfo, resolutions: Sequence[tuple[int, in
         txt_tokens = (1, max(DEFAULT_MAX_TXT_TOKENS, int(export.get(TXT_TOKENS, 1))))
     if batch is None:
         batch = (1, DEFAULT_MAX_BATCH)
-    check_rope_positions(resolutions, txt_tokens[1], family=model.config.family)
+    from qkrope import families
+
+    from .latents import latent_of
+
+    record = families.by_name(model.config.family, source=model.source or "the sidecar")
+    for preset in resolutions:
+        check_resolution(int(preset[0]), int(preset[1]), record.pixels_per_token)
+    check_rope_positions(resolutions, txt_tokens[1], family=record.name)
+    latent = latent_of(record, model.config.diffusers_config)
     out = []
-    for label, levels in preset_axis_levels(resolutions, txt_tokens=txt_tokens, batch=batch):
+    for label, levels in preset_axis_levels(resolutions, txt_tokens=txt_tokens, batch=batch,
+                                            pixels_per_token=record.pixels_per_token,
+                                            latent=latent):
         profile = derive_profile(model, min_shapes=min_shapes, opt_shapes=opt_shapes,
                                  max_shapes=max_shapes, axis_levels=levels)
         try:

@@ -29,7 +29,7 @@ from qkrope.errors import QkropeError
 
 from qkrope import dtypes
 from qkrope.model_io import ModelIO
-from .caches import QWEN_AXES_DIM, build_qwen_rope_caches, validate_cos_sin_caches
+from .caches import validate_cos_sin_caches
 
 #: Output (and default-mask) buffers a thread keeps per tensor name: those of the last two
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
@@ -346,26 +346,47 @@ class Runner:
             outs = [o.clone() for o in outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def run_positions(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      *, mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None,
+                      **request):
+        """Build the caches from the position request of the model's family (its scheme's
+        fields: ``img_shapes`` and ``txt_seq_len``, default ``encoder_hidden_states.shape[1]``;
+        or ``txt_ids`` / ``img_ids``), memoised per request and device
+        (:func:`qkrope.runtime.caches.build_rope_caches`, with the RoPE setting the model's
+        sidecar records), then call the runner. Other keywords (``conditioning``,
+        ``extra_inputs``, ``full_check``) go to the call. A text length shorter than the text
+        tokens is reported by the cache check (overflow)."""
+        from . import schemes
+        from .caches import build_rope_caches, model_setting, record_of
+
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            check_roles(hidden_states, encoder_hidden_states, None)
+        call = {k: request.pop(k) for k in ("conditioning", "extra_inputs", "full_check")
+                if k in request}
+        record = record_of(self.io.config, self.io.source)
+        scheme = schemes.scheme(record.scheme)
+        length = getattr(scheme, "TEXT_LENGTH_FIELD", None)
+        if length is not None and request.get(length) is None:
+            request[length] = int(encoder_hidden_states.shape[1])
+        caches = build_rope_caches(record.scheme, request,
+                                   model_setting(self.io.config, record, self.io.source),
+                                   device=hidden_states.device)
+        if caches.img.shape[0] != hidden_states.shape[1]:
+            raise RunnerInputError(
+                f"{' / '.join(k for k in request)} give {caches.img.shape[0]} image tokens but "
+                f"hidden_states has {hidden_states.shape[1]}. Fix: pass the positions of this "
+                f"batch's latent (img_shapes: the latent patch grid (frames, height/2/8..., "
+                f"width...) so that sum(f*h*w) = tokens; ids: one row per token)")
+        return self(hidden_states, encoder_hidden_states, caches, mask, timestep, **call)
+
     def run_qwen(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
                  img_shapes: Sequence[Sequence[int]], txt_len: int | None = None,
                  mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None, **kw):
-        """Build Qwen-Image's caches from ``img_shapes`` (latent patches, e.g. ``[(1, 64, 64)]``)
-        and the text length (default: ``encoder_hidden_states.shape[1]``), memoised per shape and
-        device by :func:`build_qwen_rope_caches`, then call the runner. The RoPE axes widths are
-        the model's ``axes_dims_rope`` (sidecar config), Qwen-Image's (16, 56, 56) by default.
-        A ``txt_len`` shorter than the text tokens is reported by the cache check (overflow)."""
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            check_roles(hidden_states, encoder_hidden_states, None)
-        txt = int(txt_len) if txt_len is not None else int(encoder_hidden_states.shape[1])
-        axes_dim = tuple(self.io.config.axes_dims_rope or QWEN_AXES_DIM)
-        caches = build_qwen_rope_caches(img_shapes, txt, axes_dim=axes_dim,
-                                        device=hidden_states.device)
-        if caches.img.shape[0] != hidden_states.shape[1]:
-            raise RunnerInputError(
-                f"img_shapes {list(img_shapes)} give {caches.img.shape[0]} image tokens but "
-                f"hidden_states has {hidden_states.shape[1]}. Fix: pass the latent patch grid of "
-                f"this batch (frames, height/2/8..., width...) so that sum(f*h*w) = tokens")
-        return self(hidden_states, encoder_hidden_states, caches, mask, timestep, **kw)
+        """:meth:`run_positions` of a grid-scheme model, under its first name (kept for
+        callers): ``img_shapes`` (latent patches, e.g. ``[(1, 64, 64)]``) and ``txt_len``."""
+        return self.run_positions(hidden_states, encoder_hidden_states, mask=mask,
+                                  timestep=timestep, img_shapes=img_shapes,
+                                  txt_seq_len=txt_len, **kw)
 
     # backend hooks
     def _check_device(self, device: torch.device) -> None:

@@ -47,14 +47,12 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes, model_io
-from qkrope.model_io import QWEN_IMAGE
 from qkrope._fileio import (REPLACED, committing, folder_lock, link_or_copy, staged_outputs,
                             swap_dir)
 from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
 from . import onnx_file
-from . import rope_tables
 from . import trt_utils as tu
 from .plugin_build import LIBRARY_FILES, PluginNotBuiltError, resolve_plugin_library
 
@@ -339,11 +337,18 @@ def resolve_engine_plugin(info: EngineInfo, plugin: os.PathLike | str | None, *,
 
 
 ROPE_MODEL_TEMPLATE = Path(__file__).with_name("triton_rope_model.py")
-ROPE_TABLES_MODULE = Path(__file__).with_name("rope_tables.py")  # copied next to its model.py
+#: The position schemes (numpy only), copied next to the rope model's model.py as ``schemes/``.
+ROPE_SCHEMES_PACKAGE = Path(__file__).with_name("schemes")
 CACHE_INPUTS = tuple(t.name for t in model_io.CACHE_INPUTS)
-# the rope model reads the text length off this input's shape ...
+# the rope model reads the text length off this input's shape where the model has it (the
+# prompt mask), else off the text itself ...
 TXT_TENSOR = model_io.ENCODER_HIDDEN_STATES_MASK.name
 LATENT_TENSOR = model_io.HIDDEN_STATES.name  # ... and the image token count off this one's
+
+
+def rope_scheme_files() -> list[Path]:
+    """The files of :data:`ROPE_SCHEMES_PACKAGE` the rope model imports (its ``.py`` files)."""
+    return sorted(p for p in ROPE_SCHEMES_PACKAGE.glob("*.py") if p.is_file())
 
 
 def is_transformer(input_names: Iterable[str], config: ModelConfig | None,
@@ -357,48 +362,49 @@ def is_transformer(input_names: Iterable[str], config: ModelConfig | None,
         model == "transformer" or (config is not None and config.diffusers_config is not None))
 
 
-def _axes_dim(config: ModelConfig, rotary_dim: int) -> tuple[int, int, int]:
-    cfg = config.diffusers_config or {}
-    axes = tuple(int(d) for d in (cfg.get("axes_dims_rope") or QWEN_IMAGE.axes_dims_rope))
-    if sum(axes) != rotary_dim:
-        raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
-                              f"{list(axes)} sum to {sum(axes)}; the sidecar is inconsistent")
-    return axes  # type: ignore[return-value]
-
-
 @dataclass(frozen=True)
 class RopeRequest:
-    """What the rope model of one model family takes from the client instead of the caches."""
+    """What the rope model of a transformer takes from the client instead of the caches."""
 
-    inputs: list  # [(name, Triton type, dims)]: img_shapes, or FLUX's txt_ids / img_ids
+    inputs: list  # [(name, Triton type, dims)]: the scheme's (img_shapes, or txt_ids / img_ids)
     txt_tensor: str  # the input whose axis 1 is the text length
-    params: dict  # the rope model's family parameters (positions, axes_dim, theta, ...)
+    params: dict  # the rope model's scheme parameters (scheme, axes_dim, theta, ...)
 
 
-def rope_request_for(config: ModelConfig, rotary_dim: int) -> RopeRequest:
-    """Qwen-Image: ``img_shapes`` and the prompt mask's length. FLUX.1 / FLUX.2 (sidecar
-    ``config.family``): the pipeline's ``txt_ids`` / ``img_ids`` (FP32 [tokens, axes]) and the
-    text's own length (FLUX has no mask), with the axes and theta the sidecar records."""
-    family = config.family or "qwen-image"
-    if family not in rope_tables.FLUX_FAMILIES:
-        axes = _axes_dim(config, rotary_dim)
-        return RopeRequest([("img_shapes", "TYPE_INT64", [-1, 3])], TXT_TENSOR,
-                           {"positions": "shapes", "axes_dim": ",".join(str(a) for a in axes),
-                            "theta": str(QWEN_IMAGE.theta), "scale_rope": "true"})
-    axes, theta = rope_tables.flux_setting(family, config.axes_dims_rope, config.rope_theta,
-                                           config.diffusers_config)
-    axes = tuple(int(a) for a in axes)
-    if sum(axes) != rotary_dim:
+def rope_request_for(config: ModelConfig, rotary_dim: int,
+                     input_names: Iterable[str] | None = None) -> RopeRequest:
+    """The rope model's request for a model with this sidecar ``config`` (its family record's
+    scheme and the RoPE setting the sidecar records, :func:`qkrope.runtime.caches.model_setting`)
+    whose caches are ``rotary_dim`` wide: the scheme's Triton inputs, and the text length read
+    off the prompt mask where the model has one (``input_names``; None: it has), else off the
+    text itself."""
+    from qkrope.errors import InputError
+
+    from .caches import model_setting, record_of
+    from . import schemes
+
+    try:
+        record = record_of(config, "the model's sidecar")
+        setting = model_setting(config, record, "the model's sidecar")
+    except InputError as exc:
+        raise TritonRepoError(str(exc)) from None
+    if setting.width != rotary_dim:
         raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
-                              f"{list(axes)} sum to {sum(axes)}; the sidecar is inconsistent")
-    ids = [(n, "TYPE_FP32", [-1, len(axes)]) for n in FLUX_ID_INPUTS]
-    return RopeRequest(ids, model_io.ENCODER_HIDDEN_STATES.name,
-                       {"positions": "ids", "axes_dim": ",".join(str(a) for a in axes),
-                        "theta": repr(float(theta))})
+                              f"{list(setting.axes_dim)} sum to {setting.width}; the sidecar is "
+                              f"inconsistent")
+    scheme = schemes.scheme(record.scheme)
+    names = None if input_names is None else set(input_names)
+    txt_tensor = TXT_TENSOR if names is None or TXT_TENSOR in names \
+        else model_io.ENCODER_HIDDEN_STATES.name
+    params = {"scheme": scheme.NAME, "axes_dim": ",".join(str(a) for a in setting.axes_dim),
+              "theta": repr(float(setting.theta)),
+              "scale_rope": "true" if setting.scale_rope else "false"}
+    if setting.max_positions is not None:
+        params["max_positions"] = str(setting.max_positions)
+    if tuple(setting.rotated) != schemes.STREAMS:  # a stream normalised but not rotated
+        params["rotated"] = ",".join(setting.rotated)
+    return RopeRequest(scheme.triton_inputs(setting), txt_tensor, params)
 
-
-#: FLUX's position-id inputs of the ensemble (what its pipelines pass the transformer).
-FLUX_ID_INPUTS = ("txt_ids", "img_ids")
 
 ROPE_CACHE_BYTES = 64 * 2**20  # caches the rope model keeps for reuse, in all
 
@@ -484,7 +490,7 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
         raise TritonRepoError(f"the cache inputs must be [rows, rotary_dim] with a fixed "
                               f"rotary_dim; got {dims}")
     rotary = width.pop()
-    request = rope_request_for(config, rotary)
+    request = rope_request_for(config, rotary, list(by_name))
     for needed in (request.txt_tensor, LATENT_TENSOR):
         if needed not in by_name:
             raise TritonRepoError(f"the model has no {needed} input (the rope model reads the "
@@ -621,13 +627,15 @@ def _rope_models(repo_name: str, main_name: str, main: Specs, config: ModelConfi
     rope_name = f"{repo_name}_rope"
     rope_text = render_rope_config(rope_name, main, config, limits, serving)
     rotary = next(d[-1] for n, _, d in main["input"] if n == CACHE_INPUTS[0])
-    request = rope_request_for(config, rotary)
+    request = rope_request_for(config, rotary, [n for n, _, _ in main["input"]])
     ens_text = render_ensemble_config(repo_name, main_name, rope_name, main, request)
 
     def fill_rope(d: Path) -> None:
         (d / "config.pbtxt").write_text(rope_text, encoding="utf-8")
         shutil.copyfile(ROPE_MODEL_TEMPLATE, d / "1" / "model.py")
-        shutil.copyfile(ROPE_TABLES_MODULE, d / "1" / ROPE_TABLES_MODULE.name)
+        (d / "1" / "schemes").mkdir()
+        for f in rope_scheme_files():
+            shutil.copyfile(f, d / "1" / "schemes" / f.name)
 
     def fill_ensemble(d: Path) -> None:
         (d / "config.pbtxt").write_text(ens_text, encoding="utf-8")

@@ -17,11 +17,13 @@ from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
 
 # Control-flow signals that never leave their module (not errors).
 # Not qkrope's user errors: demo's step-skip signal, and the errors of the code that runs inside
-# Triton's Python backend without qkrope (rope_tables, copied beside the rope model, and the rope
-# model itself): qkrope.runtime.caches turns the overflow into RopeCacheOverflowError and bad
-# FLUX ids into an InputError, the rope model answers them as TritonError(INVALID_ARG).
-_INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.rope_tables.PositionOverflow",
-             "qkrope.runtime.rope_tables.BadPositions",
+# Triton's Python backend without qkrope (the position schemes, copied beside the rope model, and
+# the rope model itself): qkrope.runtime.caches turns the overflow into RopeCacheOverflowError and
+# the other refusals into an InputError, the rope model answers them as TritonError(INVALID_ARG).
+_INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.schemes._common.BadRequest",
+             "qkrope.runtime.schemes._common.PositionOverflow",
+             "qkrope.runtime.schemes._common.BadPositions",
+             "qkrope.runtime.schemes._common.TooLarge",
              "qkrope.runtime.triton_rope_model.RequestError"}
 
 

@@ -11,7 +11,8 @@ import torch
 from qkrope.errors import InputError
 from qkrope.runtime import build_flux_rope_caches, caches_for
 from qkrope.runtime import caches as caches_mod
-from qkrope.runtime import rope_tables as rt
+from qkrope.runtime.schemes import ids as rt
+from qkrope.families import by_name
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
@@ -62,8 +63,8 @@ def test_flux1_ids_bit_equal_to_diffusers(latent_hw, txt, dtype):
     img_ids = FluxPipeline._prepare_latent_image_ids(1, *latent_hw, "cpu", dtype)
     txt_ids = torch.zeros(txt, 3).to(dtype=dtype)  # FluxPipeline.encode_prompt's text ids
     want_img, want_txt = _flux1_reference(txt_ids, img_ids)
-    got = build_flux_rope_caches(txt_ids, img_ids, axes_dims=caches_mod.FLUX1_AXES_DIM,
-                                 theta=caches_mod.FLUX1_THETA)
+    got = build_flux_rope_caches(txt_ids, img_ids, axes_dims=by_name('flux1').axes,
+                                 theta=by_name('flux1').theta)
     assert _bits_equal(got.img, want_img) and _bits_equal(got.txt, want_txt)
     assert got.img.shape == (latent_hw[0] * latent_hw[1], 128) and got.txt.shape == (txt, 128)
 
@@ -98,8 +99,8 @@ def test_flux2_ids_with_a_reference_image_bit_equal_to_diffusers(pipeline):
     pos_embed = _flux2_pos_embed()
     # Flux2Transformer2DModel.forward: item 0 of 3-D ids, one pos_embed per stream
     want_img, want_txt = _cache(pos_embed(img_ids[0])), _cache(pos_embed(txt_ids[0]))
-    got = build_flux_rope_caches(txt_ids, img_ids, axes_dims=caches_mod.FLUX2_AXES_DIM,
-                                 theta=caches_mod.FLUX2_THETA)
+    got = build_flux_rope_caches(txt_ids, img_ids, axes_dims=by_name('flux2').axes,
+                                 theta=by_name('flux2').theta)
     assert _bits_equal(got.img, want_img) and _bits_equal(got.txt, want_txt)
     assert not np.array_equal(want_txt[0], want_txt[1])  # FLUX.2 rotates the text
 
@@ -114,8 +115,8 @@ def test_every_integer_position_to_4096_bit_equal(family):
     ids = torch.from_numpy(np.repeat(np.concatenate([pos, extra])[:, None], n_axes, axis=1))
     pos_embed = _flux1_pos_embed() if family == "flux1" else _flux2_pos_embed()
     want = _cache(pos_embed(ids))
-    axes, theta = ((caches_mod.FLUX1_AXES_DIM, caches_mod.FLUX1_THETA) if family == "flux1"
-                   else (caches_mod.FLUX2_AXES_DIM, caches_mod.FLUX2_THETA))
+    axes, theta = ((by_name('flux1').axes, by_name('flux1').theta) if family == "flux1"
+                   else (by_name('flux2').axes, by_name('flux2').theta))
     got = build_flux_rope_caches(ids[:1], ids, axes_dims=axes, theta=theta)
     assert _bits_equal(got.img, want)
     assert np.signbit(got.img.numpy()[4097, 64]) and not np.signbit(got.img.numpy()[0, 64])
@@ -137,7 +138,7 @@ def test_forms_and_memo():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(txt_ids=np.zeros((5, 4))), r"txt_ids must be \[tokens, 3\].*got shape \[5, 4\] "
-                                     r"\(FLUX.1's ids have 3 columns, FLUX.2's 4"),
+                                     r"\(ids of 4 columns are another model's"),
     (dict(img_ids=[[0, 0, 0], [0, 0]]), "img_ids must be .*got list that is no array"),
     (dict(img_ids=np.zeros((7,))), r"img_ids must be \[tokens, 3\].*got shape \[7\]"),
     (dict(txt_ids=np.zeros((0, 3))), r"at least one token; got shape \[0, 3\]"),
@@ -165,7 +166,7 @@ def test_refusals_are_one_line(kwargs, match):
 def test_the_byte_bound_refuses_before_building(monkeypatch):
     """No position limit, but caches above MAX_CACHE_BYTES are refused before any is built."""
     monkeypatch.setattr(caches_mod, "MAX_CACHE_BYTES", 100 * 128 * 4)
-    monkeypatch.setattr(rt, "flux_cache", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(rt, "cache", lambda *a, **k: pytest.fail("built"))
     with pytest.raises(InputError, match=r"101 rows x 128 fp32.*MAX_CACHE_BYTES"):
         build_flux_rope_caches(np.zeros((1, 3)), np.full((100, 3), 9000.0), axes_dims=(16, 56, 56),
                                theta=10000)
@@ -216,13 +217,13 @@ def test_caches_for_a_flux_engine_refuses_before_building(tmp_path, monkeypatch)
     engine = _engine(tmp_path, {"family": "flux1", "axes_dims_rope": [4, 6, 6]})
     txt, img = np.zeros((4, 3)), FluxPipeline._prepare_latent_image_ids(1, 8, 8, "cpu", torch.float32)
     assert caches_for(engine, txt_ids=txt, img_ids=img).img.shape == (64, 16)  # theta 10000
-    monkeypatch.setattr(rt, "flux_cache", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(rt, "cache", lambda *a, **k: pytest.fail("built"))
     with pytest.raises(InputError, match=r"cannot serve 72 image tokens, 4 text tokens.*profile 0 "
                                          r"\(tiny\): img_cos_sin_cache 1..64"):
         caches_for(engine, txt_ids=txt, img_ids=np.zeros((72, 3)))
     with pytest.raises(InputError, match="batch 3"):
         caches_for(engine, txt_ids=txt, img_ids=np.zeros((8, 3)), batch=3)
-    with pytest.raises(InputError, match=r"FLUX.1 model: its caches come from the position ids"):
+    with pytest.raises(InputError, match=r"FLUX.1 model: its caches come from txt_ids, img_ids, not img_shapes, txt_seq_len"):
         caches_for(engine, [(1, 8, 8)], 4)
     with pytest.raises(InputError, match="needs txt_ids and img_ids"):
         caches_for(engine, img_ids=img)
@@ -236,7 +237,7 @@ def test_caches_for_a_flux_engine_refuses_before_building(tmp_path, monkeypatch)
 def test_caches_for_a_qwen_engine_refuses_ids(tmp_path):
     engine = _engine(tmp_path, {"axes_dims_rope": [4, 6, 6]})
     assert caches_for(engine, [(1, 4, 4)], 3).img.shape == (16, 16)
-    with pytest.raises(InputError, match="not position ids"):
+    with pytest.raises(InputError, match="come from img_shapes, txt_seq_len, not txt_ids, img_ids"):
         caches_for(engine, txt_ids=np.zeros((3, 3)), img_ids=np.zeros((16, 3)))
     with pytest.raises(InputError, match="needs img_shapes and txt_seq_len"):
         caches_for(engine, [(1, 4, 4)])

@@ -43,7 +43,7 @@ def _inputs(family, img_shapes, txt_len, batch, seed, cfg):
 
 
 def _caches(family, model, kw):
-    from qkrope.runtime.flux_transformer import caches_from_ids
+    from qkrope.families.flux.dropin import caches_from_ids
 
     cfg = model.config
     return caches_from_ids(family.name, kw["txt_ids"], kw["img_ids"],
@@ -119,7 +119,7 @@ def test_fused_op_is_flux_eager_order_bit_for_bit(dtype):
     from diffusers.models.embeddings import apply_rotary_emb
 
     from qkrope.export.ops import qk_norm_rope
-    from qkrope.runtime.flux_transformer import caches_from_ids
+    from qkrope.families.flux.dropin import caches_from_ids
 
     family = model_io.FLUX1
     txt_ids, img_ids = fm.ids(family, [(1, 6, 7)], 3)
@@ -144,7 +144,7 @@ def test_caches_from_ids_are_diffusers_pos_embed():
     """FLUX's (cos, sin) tables ([S, 128], each angle's value repeated for its pair) convert to
     the cache pair exactly: cos half = cos[:, 0::2], sin half = sin[:, 0::2], split at the text
     tokens of diffusers' joint table (FLUX.1 computes it over cat(txt_ids, img_ids))."""
-    from qkrope.runtime.flux_transformer import caches_from_ids
+    from qkrope.families.flux.dropin import caches_from_ids
 
     flux = diffusers.models.transformers.transformer_flux
     for family, axes, theta, module in (

@@ -20,7 +20,7 @@ import _flux_models as fm  # noqa: E402
 from qkrope import model_io  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.runtime import load_transformer  # noqa: E402
-from qkrope.runtime.flux_transformer import FluxTransformer, IPAdapterUnsupportedError  # noqa: E402
+from qkrope.families.flux.dropin import FluxTransformer, IPAdapterUnsupportedError  # noqa: E402
 
 
 def latent_bound(reference: torch.Tensor, cfg_scale: float = 1.0) -> float:
@@ -212,7 +212,7 @@ def test_runner_takes_flux_conditioning_by_role(root):
     """The runner under the drop-in: pooled_projections and guidance by role, each one the model
     has required, one it lacks refused."""
     from qkrope.runtime import RunnerInputError, load
-    from qkrope.runtime.flux_transformer import caches_from_ids
+    from qkrope.families.flux.dropin import caches_from_ids
 
     family = model_io.FLUX1
     runner = load(fm.exported("flux1-dev", root))

@@ -48,37 +48,35 @@ def test_assign_roles_guesses_the_declared_names():
 
 
 def test_standalone_copies_equal_the_contract():
-    """runtime/rope_tables.py and runtime/triton_rope_model.py run inside a Triton server
-    without qkrope, so they spell their numbers and names themselves; they must be these."""
-    from qkrope.runtime import rope_tables, triton_rope_model
+    """runtime/schemes/ and runtime/triton_rope_model.py run inside a Triton server without
+    qkrope, so they spell their names themselves (their numbers come as parameters from the
+    family records); the names must be these."""
+    from qkrope.runtime import schemes, triton_rope_model
 
-    assert rope_tables.THETA == QWEN_IMAGE.theta
-    assert tuple(rope_tables.AXES_DIM) == QWEN_IMAGE.axes_dims_rope
-    assert rope_tables.MAX_POSITIONS == QWEN_IMAGE.max_positions
     assert triton_rope_model.DEFAULT_NAMES == {
         "txt_tensor": model_io.ENCODER_HIDDEN_STATES_MASK.name,
         "ids_txt_tensor": model_io.ENCODER_HIDDEN_STATES.name,
         "latent_tensor": model_io.HIDDEN_STATES.name,
         "img_output": model_io.IMG_COS_SIN_CACHE.name,
         "txt_output": model_io.TXT_COS_SIN_CACHE.name}
-    # FLUX's defaults: the family records' theta, diffusers' default axes_dims_rope
+    # the records' RoPE defaults are diffusers' (axes_dims_rope, the theta key's default)
     import inspect
 
     import diffusers
 
     for family, cls in ((model_io.FLUX1, diffusers.FluxTransformer2DModel),
                         (model_io.FLUX2, diffusers.Flux2Transformer2DModel)):
-        _, axes, theta = rope_tables.FLUX_FAMILIES[family.name]
-        assert theta == family.theta and tuple(axes) == family.axes
         default = inspect.signature(cls.__init__).parameters["axes_dims_rope"].default
-        assert tuple(axes) == tuple(default)
+        assert tuple(family.axes) == tuple(default)
         if family.theta_key:
-            assert inspect.signature(cls.__init__).parameters[family.theta_key].default == theta
-    # they stay standalone: no qkrope import at all
-    for path in (rope_tables.__file__, triton_rope_model.__file__):
-        assert "import qkrope" not in Path(path).read_text()
-        assert "from qkrope" not in Path(path).read_text()
-        assert "from ." not in Path(path).read_text()
+            assert inspect.signature(cls.__init__).parameters[family.theta_key].default == \
+                family.theta
+    # they stay standalone: no qkrope import at all (the schemes import each other relatively)
+    files = [Path(triton_rope_model.__file__)] + sorted(Path(schemes.__file__).parent.glob("*.py"))
+    for path in files:
+        assert "import qkrope" not in path.read_text()
+        assert "from qkrope" not in path.read_text()
+    assert "from ." not in Path(triton_rope_model.__file__).read_text()
 
 
 def _renamed(side: dict, *, roles: bool) -> dict:

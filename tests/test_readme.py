@@ -67,7 +67,7 @@ def test_readme_flux_block_runs_as_written(tmp_path, monkeypatch):
     import diffusers
 
     import _flux_models as fm
-    from qkrope.runtime.flux_transformer import FluxTransformer
+    from qkrope.families.flux.dropin import FluxTransformer
 
     model = fm.transformer("flux1-dev")
     model.save_pretrained(str(tmp_path / "flux"))

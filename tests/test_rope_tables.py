@@ -1,4 +1,4 @@
-"""runtime/rope_tables.py (numpy only) gives the bits the torch builder gave, and diffusers gives.
+"""runtime/schemes/grid.py (numpy only) gives the bits the torch builder gave, and diffusers gives.
 
 The reference below is the torch code that built the caches before the arithmetic moved to numpy
 (diffusers' ``QwenEmbedRope`` calls, kept here verbatim as the yardstick).
@@ -13,10 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from qkrope.runtime import rope_tables as rt
+from qkrope.families import by_name
 from qkrope.runtime.caches import RopeCacheOverflowError, build_qwen_rope_caches
+from qkrope.runtime.schemes import _common, grid as rt
 
-P = rt.MAX_POSITIONS
+# Qwen-Image's tables: diffusers tabulates positions 0..4095 (and -4096..-1) per axis
+P = by_name("qwen-image").max_positions
+assert P == 4096
+
+
+def _qwen_caches(shapes, txt, axes_dim=(16, 56, 56), scale_rope=True):
+    return rt.caches(shapes, txt, rt.Setting(tuple(axes_dim), 10000.0, P, scale_rope))
 
 
 def _torch_tables(theta, axes_dim):
@@ -61,12 +68,12 @@ SHAPES = [([(1, 64, 64)], 512), ([(1, 4, 6)], 7), ([(1, 3, 3), (1, 2, 4)], 5),
           ([(2, 5, 7), (1, 1, 8190)], 3), ([(3, 8191, 1)], 1), ([(1, 83, 83)], 1024)]
 
 
-@pytest.mark.skipif(not rt.BIT_EXACT, reason="no C maths library loadable through ctypes: the "
+@pytest.mark.skipif(not _common.BIT_EXACT, reason="no C maths library loadable through ctypes: the "
                                               "numpy fallback is within 1 ulp, not bit-exact")
 @pytest.mark.parametrize("axes", AXES)
 def test_tables_bit_identical_to_torch(axes):
     pos, neg = _torch_tables(10000, axes)
-    tables = rt.axis_tables(10000.0, axes)
+    tables = rt.axis_tables(10000.0, axes, P)
     cos = np.concatenate([c for c, _ in tables], axis=1)
     sin = np.concatenate([s for _, s in tables], axis=1)
     assert np.array_equal(cos[:P], pos.real.numpy()) and np.array_equal(sin[:P], pos.imag.numpy())
@@ -76,7 +83,7 @@ def test_tables_bit_identical_to_torch(axes):
     for scale_rope in (True, False):
         for shapes, txt in SHAPES:
             try:
-                img, t = rt.qwen_caches(shapes, txt, axes_dim=axes, scale_rope=scale_rope)
+                img, t = _qwen_caches(shapes, txt, axes_dim=axes, scale_rope=scale_rope)
             except rt.PositionOverflow:  # past the tables: tested below
                 continue
             want = _torch_caches(shapes, txt, 10000, axes, scale_rope)
@@ -94,23 +101,27 @@ def test_inverse_frequencies_match_torch_pow_up_to_width_64():
 def test_the_library_builder_uses_these_tables():
     shapes, txt = [(1, 5, 9), (1, 4, 4)], 11
     lib = build_qwen_rope_caches(shapes, txt, axes_dim=(4, 6, 6))
-    img, t = rt.qwen_caches(shapes, txt, axes_dim=(4, 6, 6))
+    img, t = _qwen_caches(shapes, txt, axes_dim=(4, 6, 6))
     assert np.array_equal(lib.img.numpy(), img) and np.array_equal(lib.txt.numpy(), t)
     with pytest.raises(RopeCacheOverflowError, match="text cache overflow") as info:
         build_qwen_rope_caches([(1, 8000, 8)], 100)
     assert (info.value.required, info.value.available) == (100, P - 4000)
     with pytest.raises(rt.PositionOverflow, match="image cache overflow") as info:
-        rt.check_positions([(1, 1, 1), (P, 1, 1)], 1)
+        rt.check(rt.Positions(((1, 1, 1), (P, 1, 1)), 1), rt.Setting((16, 56, 56), 1e4, P))
     assert info.value.stream == "image" and info.value.required == P + 1
 
 
-def test_module_imports_nothing_but_numpy_and_the_standard_library():
-    """The Triton rope model loads this file by path in a server with numpy only."""
-    tree = ast.parse(Path(rt.__file__).read_text())
+@pytest.mark.parametrize("path", sorted(Path(rt.__file__).parent.glob("*.py")),
+                         ids=lambda p: p.name)
+def test_module_imports_nothing_but_numpy_and_the_standard_library(path):
+    """The Triton rope model loads this package by path in a server with numpy only; its
+    modules import each other relatively (nothing else)."""
+    tree = ast.parse(path.read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
              for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree)
               if isinstance(n, ast.ImportFrom) and n.level == 0}
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
-    assert names <= {"__future__", "collections", "ctypes", "functools", "math", "typing",
-                     "numpy"}, names
+    assert all(n.module in ("_common", "grid", "ids", None) for n in ast.walk(tree)
+               if isinstance(n, ast.ImportFrom) and n.level)
+    assert names <= {"__future__", "collections", "ctypes", "dataclasses", "functools", "math",
+                     "operator", "typing", "numpy"}, names

@@ -26,8 +26,8 @@ def _check_ensemble(repo: Path, name: str, main_name: str, main_io):
     assert rope.backend == "python" and rope.max_batch_size == 0
     assert (repo / f"{name}_rope" / "1" / "model.py").read_text() == \
         triton.ROPE_MODEL_TEMPLATE.read_text()
-    assert (repo / f"{name}_rope" / "1" / "rope_tables.py").read_bytes() == \
-        triton.ROPE_TABLES_MODULE.read_bytes()
+    for f in triton.rope_scheme_files():  # the position schemes, numpy only, beside it
+        assert (repo / f"{name}_rope" / "1" / "schemes" / f.name).read_bytes() == f.read_bytes()
     client = {n for n, _, _ in io(ens, "input")}
     assert client == {n for n, _, _ in main_io[0]} - set(triton.CACHE_INPUTS) | {"img_shapes"}
     # wiring: every step's model exists and each input map names the model's real input and a
@@ -179,7 +179,7 @@ def test_a_bad_request_is_invalid_arg_with_the_reason(rope_model, case):
 
 def test_an_internal_failure_stays_internal(rope_model, monkeypatch):
     model, pb, _ = rope_model
-    monkeypatch.setattr(model.tables, "qwen_caches", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(model.scheme, "build", lambda *a, **k: 1 / 0)
     resp, = model.execute([rope_request(pb, [[1, 2, 3]], 3)])
     assert resp.error.code() == pb.TritonError.INTERNAL
     assert "ZeroDivisionError" in resp.error.message()

@@ -15,8 +15,9 @@ from qkrope.model_io import GUIDANCE, ModelDecl
 #: shapes and a text length, "ids" from per-token position ids.
 SCHEMES = ("grid", "ids")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
-#: (the pipeline packs the latent patches).
-LATENT_KINDS = ("packed-tokens",)
+#: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
+#: width], patchified by the model (qkrope.runtime.latents).
+LATENT_KINDS = ("packed-tokens", "video-5d")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class FamilyRecord:
     graph: ModelDecl  # its transformer graph, guidance included where it has one
     fp8_excluded: tuple[str, ...]  # top-level modules FP8 keeps in high precision by default
     blocks: bool  # whether --layers (export, check) and --blocks (check) apply
+    # pixels per image token side: the VAE's spatial downscale times the patch size (8 x 2 for
+    # every family so far); --resolutions presets are multiples of it
+    pixels_per_token: int = 16
+    # the token streams the model rotates ("img", "txt"); one normalised but not rotated gets
+    # identity cache rows (qkrope.runtime.schemes.Setting.rotated)
+    rotated: tuple[str, ...] = ("img", "txt")
     latent: str = "packed-tokens"  # LATENT_KINDS
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
 

@@ -55,8 +55,8 @@ def _eps(norm: nn.Module, where: str) -> float:
 
 def sample_ids(family: FamilyRecord, img_shapes, txt_len: int):
     """Position ids as the FLUX pipelines make them, for the traced sample, as torch tensors
-    (:func:`qkrope.runtime.rope_tables.flux_sample_ids`: the one home of that layout)."""
-    from qkrope.runtime.rope_tables import flux_sample_ids
+    (:func:`qkrope.families.flux.dropin.flux_sample_ids`: the one home of that layout)."""
+    from qkrope.families.flux.dropin import flux_sample_ids
 
     txt, img = flux_sample_ids(family.name, img_shapes, txt_len)
     return torch.from_numpy(txt), torch.from_numpy(img)
@@ -297,7 +297,7 @@ def sample_args(family: FamilyRecord, transformer: nn.Module, sample, dtype: tor
                 theta, axes, head_dim: int, guided: bool) -> tuple:
     """The traced sample: random activations (and pooled projections for FLUX.1), timestep,
     guidance where the graph has it, and the caches of the pipelines' position ids."""
-    from qkrope.runtime.flux_transformer import caches_from_ids
+    from qkrope.families.flux.dropin import caches_from_ids
 
     cfg = transformer.config
     g = torch.Generator().manual_seed(1)

@@ -14,11 +14,11 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
     :func:`qkrope.runtime.inputs.make_inputs` made them): the same activations,
     ``pooled_projections`` and ``guidance``, and in place of the caches the position ids they
     were built from (the pipelines' layout for these image shapes:
-    :func:`qkrope.runtime.rope_tables.flux_sample_ids`), so that the stock model computes its
+    :func:`qkrope.families.flux.dropin.flux_sample_ids`), so that the stock model computes its
     RoPE from them (float64) as a pipeline's call would."""
     import torch
 
-    from qkrope.runtime.rope_tables import flux_sample_ids
+    from qkrope.families.flux.dropin import flux_sample_ids
 
     txt_len = int(by_role["encoder_hidden_states"].shape[1])
     txt_ids, img_ids = (torch.from_numpy(a) for a in

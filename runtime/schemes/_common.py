@@ -1,0 +1,170 @@
+"""What every position scheme shares (numpy and the standard library only, no qkrope imports:
+``qkrope triton-repo`` copies this package beside the Triton rope model).
+
+- :class:`Setting`: the RoPE numbers a model was exported with (axes widths, theta, and for a
+  scheme with position tables their size); the caller fills it from the family's record and the
+  model's sidecar, so no family fact lives here.
+- the errors a scheme raises (:class:`BadRequest`, :class:`BadPositions`,
+  :class:`PositionOverflow`): plain ``ValueError`` subclasses whose message is one line saying
+  what arrived and the fix; qkrope turns them into its own errors, the Triton model into
+  INVALID_ARG answers.
+- :class:`CacheBudget`, the byte-bounded LRU both the library's memo and the Triton model use.
+- the C library's float32 ``cosf`` / ``sinf`` / ``powf`` (see :mod:`.grid` for the bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+#: Bytes of one fp32 cache value (the caches are float32 on every device).
+FP32 = 4
+
+
+#: The two token streams of a cache pair, image first.
+STREAMS = ("img", "txt")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The RoPE numbers of one exported model: ``axes_dim`` (the rotated width of each position
+    axis, even, summing to the cache width), ``theta`` (the base) and, for a scheme that reads
+    tabulated positions (grid), ``max_positions`` (entries per axis and sign) and
+    ``scale_rope`` (centred height / width)."""
+
+    axes_dim: tuple
+    theta: float
+    max_positions: Optional[int] = None
+    scale_rope: bool = True
+    #: The streams the model rotates; a stream that is normalised but not rotated gets identity
+    #: rows (cos 1, sin 0: the fused node's rotation leaves its values exactly as they are).
+    rotated: tuple = STREAMS
+
+    @property
+    def width(self) -> int:
+        """The cache width (rotary_dim): the axes widths summed."""
+        return sum(int(d) for d in self.axes_dim)
+
+
+def identity_rows(rows: int, width: int) -> np.ndarray:
+    """``rows`` cache rows that rotate by nothing: cos 1 in the first half, sin 0 in the second
+    (x * 1 - y * 0 = x exactly for finite values)."""
+    out = np.zeros((int(rows), int(width)), np.float32)
+    out[:, : int(width) // 2] = 1.0
+    return out
+
+
+def finish(pair: tuple, setting: "Setting") -> tuple:
+    """A scheme's ``(img, txt)`` pair with the streams ``setting`` does not rotate replaced by
+    identity rows (normalised, not rotated)."""
+    if tuple(setting.rotated) == STREAMS:
+        return pair
+    return tuple(c if s in setting.rotated else identity_rows(c.shape[0], c.shape[1])
+                 for s, c in zip(STREAMS, pair))
+
+
+class BadRequest(ValueError):
+    """The request's fields are not what the scheme takes (the message says what and the fix)."""
+
+
+class BadPositions(BadRequest):
+    """Position ids that no cache can be built from (the message says what and the fix)."""
+
+
+class PositionOverflow(BadRequest):
+    """The positions of a request run past the tables (``stream`` is "image" or "text")."""
+
+    def __init__(self, message: str, *, stream: str, required: int, available: int):
+        super().__init__(message)
+        self.stream = stream
+        self.required = required
+        self.available = available
+
+
+class TooLarge(BadRequest):
+    """The caches would be larger than the caller's byte bound (refused before building)."""
+
+    def __init__(self, message: str, *, rows: int, nbytes: int):
+        super().__init__(message)
+        self.rows = rows
+        self.nbytes = nbytes
+
+
+def check_bytes(rows: int, setting: Setting, max_bytes: Optional[int], what: str, fix: str) -> None:
+    """Raise :class:`TooLarge` when ``rows`` cache rows of ``setting``'s width exceed
+    ``max_bytes`` (None: no bound), naming ``what`` was asked and ``fix``."""
+    nbytes = int(rows) * setting.width * FP32
+    if max_bytes is not None and nbytes > max_bytes:
+        raise TooLarge(f"{what} need RoPE caches of {nbytes / 2**30:.1f} GiB ({rows} rows x "
+                       f"{setting.width} fp32), more than the {max_bytes / 2**30:.0f} GiB limit "
+                       f"(qkrope.runtime.caches.MAX_CACHE_BYTES). Fix: {fix}",
+                       rows=int(rows), nbytes=nbytes)
+
+
+class CacheBudget:
+    """Least-recently-used caches, at most ``limit`` bytes in all (a larger entry is not kept).
+    Values are tuples of arrays or tensors (anything with ``nbytes``); numpy arrays are made
+    read-only. Not thread-safe: callers that share one hold a lock around get/put."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.nbytes = 0
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        size = sum(a.nbytes for a in value)
+        if size > self.limit or key in self._items:
+            return
+        while self._items and self.nbytes + size > self.limit:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= sum(a.nbytes for a in old)
+        for a in value:
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
+        self._items[key] = value
+        self.nbytes += size
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _libm():
+    for name in (ctypes.util.find_library("m"), "libm.so.6"):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+            cosf, sinf, powf = lib.cosf, lib.sinf, lib.powf
+        except (OSError, AttributeError):
+            continue
+        for fn in (cosf, sinf, powf):
+            fn.restype = ctypes.c_float
+            fn.argtypes = [ctypes.c_float] * (2 if fn is powf else 1)
+        return cosf, sinf, powf
+    return None
+
+
+LIBM = _libm()
+#: Whether the C maths library could be loaded (grid's tables are then bit-exact).
+BIT_EXACT = LIBM is not None
+
+
+def show_rows(rows, limit: int = 4) -> str:
+    """Rows of a request for a message: the first few (a hostile request may send thousands)."""
+    rows = [list(r) for r in rows]
+    return str(rows) if len(rows) <= limit else f"{str(rows[:limit])[:-1]}, ... ({len(rows)} rows)]"
