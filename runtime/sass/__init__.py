@@ -27,7 +27,7 @@ from .flow import (cold_addresses, common_path_counts, find_hot_loop, find_loops
 from .instructions import (CONSTANT_QUALIFIER, GLOBAL_LOADS, GLOBAL_STORES, LOCAL_OPS,
                            STORE_POLICY_QUALIFIERS, Control, Instr, decode_control, parse_sass)
 from .loads import (analyse_loop, first_stall_loads, instruction_mix, loads_at_first_wait,
-                    loads_in_flight, memory_ops)
+                    loads_in_flight, memory_ops, outstanding_at_waits)
 from .scoreboards import scoreboard_waits, wait_summary
 from .tools import FIXES, ToolError, Tools, parse_max_threads, parse_ptxas, parse_res_usage
 
@@ -37,6 +37,6 @@ __all__ = [
     "reachable", "find_loops", "loop_body", "find_hot_loop", "skipped_addresses", "longest_path",
     "cold_addresses", "common_path_counts",
     "loads_in_flight", "first_stall_loads", "loads_at_first_wait", "instruction_mix", "memory_ops",
-    "analyse_loop",
+    "analyse_loop", "outstanding_at_waits",
     "FIXES", "ToolError", "Tools", "parse_ptxas", "parse_res_usage", "parse_max_threads",
 ]
