@@ -127,9 +127,10 @@ inline SumLayout sumLayout(QKNormRoPEParams const& p)
 //   - issue per round: the busiest SM's warps x instructions per token of one unit, over
 //     schedulers x clock (perfect issue, one warp-instruction per scheduler per cycle);
 //   - memory per round: the larger of the bytes the SM moves in a round at its share of the peak
-//     DRAM bandwidth, and the reads of a round at the bandwidth Little's law leaves with
-//     kPrefetch rounds of reads in flight, asking for kLatencyMargin times the floor because the
-//     latency is an assumption (kLatencyMargin x latency / min(kPrefetch, rounds) per round).
+//     DRAM bandwidth, and all the bytes of a round (reads and writes, issue 31's accounting) at
+//     the bandwidth Little's law leaves with kPrefetch rounds of q/k reads in flight, asking for
+//     kLatencyMargin times the floor because the latency is an assumption
+//     (kLatencyMargin x latency x round bytes / (min(kPrefetch, rounds) x round reads)).
 //     kPrefetch rounds is what the compiled schedule keeps: the rows travel through a shared-memory
 //     ring of cp.async groups and each token's wait (cp.async.wait_group kPrefetch) retires only its
 //     own group, so the next kPrefetch tokens' rows stay outstanding past every wait (the SASS
@@ -293,7 +294,7 @@ inline FastEstimate estimateFast(FastProblem const& p, int rows, int64_t residen
     double const bytes = 2.0 * readBytes + cacheBytes;
     int64_t const depth = e.rounds < kPlanPrefetch ? e.rounds : kPlanPrefetch;
     double const atPeak = bytes / (d.dramBytesPerNs / d.sms);
-    double const latencyBound = kLatencyMargin * d.latencyNs / static_cast<double>(depth);
+    double const latencyBound = kLatencyMargin * d.latencyNs * bytes / (static_cast<double>(depth) * readBytes);
     e.memoryRoundNs = atPeak > latencyBound ? atPeak : latencyBound;
     double const roundNs = e.issueRoundNs > e.memoryRoundNs ? e.issueRoundNs : e.memoryRoundNs;
     e.timeNs = d.latencyNs + warps * c.perGroup / issueRate + e.rounds * roundNs + e.issueRoundNs;
