@@ -238,8 +238,9 @@ struct FastIssueCost
 // to the element type before the rotation; 2 FLUX's order, one (a pack and two unpacks per pair).
 // Fitted over rows 1..3 of the cp.async ring (nvcc 13.0, sm_90: 156 / 273 / 402 instructions per
 // token of a unit at rounding 0, 180 / 321 / 466 at rounding 1, 168 / 297 / 430 at rounding 2;
-// per token the ring adds a copy and a shared load per 16 B and the commit and wait).
-constexpr FastIssueCost kFastIssueCost[] = {{15.3, 33.6, 220.0}, {17.8, 37.6, 220.0}, {16.3, 37.6, 220.0}};
+// per token the ring adds a copy and a shared load per 16 B and the commit and wait; prologue +
+// epilogue 216 / 236 / 258 for rows 1 / 2 / 3, the ring's first two groups included).
+constexpr FastIssueCost kFastIssueCost[] = {{15.3, 33.6, 236.0}, {17.8, 37.6, 236.0}, {16.3, 37.6, 236.0}};
 
 inline FastIssueCost fastIssueCost(int rounding)
 {
