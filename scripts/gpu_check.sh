@@ -21,14 +21,23 @@
 #      loses what was measured. Expected on an H200 box: build ~1 min, tests (+ report beside
 #      them) ~1-2 min, benchmark ~2-3 min. Worst case, build and tests at their timeouts
 #      (180 + 200 s): the benchmark gets its minimum 60 s, total ~460 s, inside the device
-#      tool's 540 s.
+#      tool's 540 s. The bandwidth check's time (step 5) is held back from this budget.
+#   5. scripts/bandwidth_check.py: achieved bandwidth against a 128-bit copy kernel
+#      (scripts/copy128.cu, built here into libqkrope_copy128.so) on the same GPU, for every
+#      launch of the kernel report's tables, the current kernel ("new") and, side by side, the
+#      kernel of OLD_KERNEL_REF ("old", default the last commit with the register-prefetch
+#      schedule), built with plain nvcc into $BUILD-old from `git archive` of that commit, or from
+#      OLD_KERNEL_SRC (a folder holding that commit's plugins/kernel) where the copy has no git
+#      history; without either the old column is skipped with a message. Outputs bit for bit
+#      equal between the two kernels.                   timeout GPU_CHECK_BW_S (default 150 s)
 # Outputs, all in $OUT (default build/gpu_check), at most 8 files because the device tool brings
-# back only 8: gpu_check.log (summary of everything), nvidia-smi.txt, build.log, pytest.log,
-# pytest.xml, kernel_report.json, bench.log (with the markdown table), bench_kernel.json.
+# back only 8: gpu_check.log (summary of everything, nvidia-smi included), build.log, pytest.log,
+# pytest.xml, kernel_report.json, bench.log (with the markdown tables: the benchmark's, then the
+# bandwidth check's), bench_kernel.json, bandwidth.json.
 #
 # Through the device tool (from the repository root of this checkout; the working tree is copied,
 # ignored build outputs are not, so build/gpu_pydeps must be carried):
-#   run(command="bash scripts/gpu_check.sh", carry=["build/gpu_pydeps"], timeout_s=540)
+#   run(command="bash scripts/gpu_check.sh", carry=["build/gpu_pydeps", "build/kernel-old-src"], timeout_s=600)
 #   run(command="bash scripts/gpu_check.sh --quick", carry=["build/gpu_pydeps"], timeout_s=300)
 # --quick: the same build, the tests without those marked slow (kernel-source mutants, SASS
 # report), the benchmark on one shape (1024x1024, batch 1) with few iterations: a rerun after a
@@ -39,12 +48,16 @@
 #   .venv/bin/python -m pip install --target build/gpu_pydeps --only-binary=:all: \
 #       --python-version 3.10 pytest exceptiongroup tomli
 # The script appends build/gpu_pydeps to PYTHONPATH only when the box's python cannot import
-# pytest, and imports qkrope through a symlink shim when it is not installed.
+# pytest, and imports qkrope through a symlink shim when it is not installed. The old kernel's
+# source for step 5, prepared here once (the device copy carries no git history):
+#   mkdir -p build/kernel-old-src && git archive 0974064da4b73ff9d954b2827a4862965808fe17 plugins/kernel \
+#       | tar -x -C build/kernel-old-src          # then OLD_KERNEL_SRC=build/kernel-old-src/plugins/kernel
 #
 #   bash scripts/gpu_check.sh [--quick]      # CUDA_ARCH=90 by default; CUDA_ARCH=native works
 #                                            # (cmake < 3.24: the GPU's compute capability)
 #   CUDA_ARCH=100 BENCH_ARGS="--no-compile" bash scripts/gpu_check.sh
 #   PYTHON=/path/to/python OUT=/tmp/x GPU_CHECK_BUDGET_S=400 GPU_CHECK_BUILD=/tmp/b bash scripts/gpu_check.sh
+#   OLD_KERNEL_SRC=build/kernel-old-src/plugins/kernel bash scripts/gpu_check.sh
 # Exit status: 0 when the build, the tests, the kernel report (where it runs) and the benchmark
 # pass, else non-zero (1; each failure is named in gpu_check.log).
 set -uo pipefail
@@ -57,6 +70,10 @@ SIMT_BUILD="${GPU_CHECK_SIMT_BUILD:-$ROOT/build/kernel-simt}"  # where tests/tes
                                       # against that build's objects)
 PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+BW_T="${GPU_CHECK_BW_S:-150}"
+OLD_REF="${OLD_KERNEL_REF:-0974064da4b73ff9d954b2827a4862965808fe17}"
+OLD_SRC="${OLD_KERNEL_SRC:-}"
+[[ -z "$OLD_SRC" && -d "$ROOT/build/kernel-old-src/plugins/kernel" ]] && OLD_SRC="$ROOT/build/kernel-old-src/plugins/kernel"
 QUICK=0
 for arg in "$@"; do
   case "$arg" in
@@ -76,8 +93,8 @@ fail() { say "FAIL: $1${2:+ ($2)}"; status=1; failed+=("$1"); }
 
 say "repo $ROOT, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), arch $ARCH," \
     "budget ${BUDGET}s$([[ $QUICK == 1 ]] && echo ', --quick')"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (see $OUT/nvidia-smi.txt)"
-head -15 "$OUT/nvidia-smi.txt" | tee -a "$OUT/gpu_check.log"
+SMI="$(nvidia-smi 2>&1)" || say "nvidia-smi failed:"
+echo "$SMI" | head -15 | tee -a "$OUT/gpu_check.log"
 
 # the project's one rule for nvcc ($CUDACXX, PATH, the default toolkit; runtime/toolchain.py, a
 # standard-library-only file, so it runs before qkrope is importable)
@@ -228,7 +245,7 @@ if [[ -n "$REPORT_PID" ]]; then
 fi
 
 # ---- 4. benchmark -----------------------------------------------------------------------------
-BENCH_T=$((BUDGET - (SECONDS - START) - 10))
+BENCH_T=$((BUDGET - (SECONDS - START) - 10 - BW_T))
 (( BENCH_T > 330 )) && BENCH_T=330
 (( BENCH_T < 60 )) && BENCH_T=60
 SOFT=$((BENCH_T - 50))
@@ -243,6 +260,47 @@ rc=$?
 grep -v "^\s*$" "$OUT/bench.log" | tail -45 | tee -a "$OUT/gpu_check.log"
 if [[ $rc -ne 0 ]]; then
   fail benchmark "rc=$rc$([[ $rc == 124 ]] && echo ", timed out after ${BENCH_T}s; rows so far in bench_kernel.json")"
+fi
+
+# ---- 5. bandwidth against a 128-bit copy, old and new kernel side by side ---------------------
+BW_OK=1
+if [[ "$ARCH" == native ]]; then GENCODE=(-arch=native); else GENCODE=(-gencode "arch=compute_${ARCH},code=sm_${ARCH}"); fi
+say "bandwidth check: building the 128-bit copy kernel (scripts/copy128.cu) into $BUILD"
+if ! "$NVCC" -O3 -std=c++17 "${GENCODE[@]}" -shared -Xcompiler -fPIC,-fvisibility=hidden \
+     -o "$BUILD/libqkrope_copy128.so" scripts/copy128.cu >> "$OUT/build.log" 2>&1; then
+  fail bandwidth "the copy kernel did not build (build.log)"
+  BW_OK=0
+fi
+KERNEL_ARGS=(--kernel "new=$BUILD/libqkrope_kernels.so")
+OLD_BUILD="$BUILD-old"
+if [[ -z "$OLD_SRC" ]] && git -C "$ROOT" rev-parse --verify -q "$OLD_REF^{commit}" > /dev/null 2>&1; then
+  OLD_SRC="$(mktemp -d)"
+  git -C "$ROOT" archive "$OLD_REF" plugins/kernel | tar -x -C "$OLD_SRC" && OLD_SRC="$OLD_SRC/plugins/kernel"
+fi
+if [[ $BW_OK == 1 && -n "$OLD_SRC" && -f "$OLD_SRC/qknorm_rope.cu" ]]; then
+  mkdir -p "$OLD_BUILD"
+  say "bandwidth check: building the old kernel ($OLD_SRC, $OLD_REF) into $OLD_BUILD"
+  if "$NVCC" -O3 -std=c++17 "${GENCODE[@]}" -shared --cudart static -Xcompiler -fPIC,-fvisibility=hidden \
+       -I"$OLD_SRC" -o "$OLD_BUILD/libqkrope_kernels.so" \
+       "$OLD_SRC/qknorm_rope.cu" "$OLD_SRC/qknorm_rope_capi.cu" "$OLD_SRC/qknorm_rope_check.cpp" >> "$OUT/build.log" 2>&1; then
+    KERNEL_ARGS+=(--kernel "old=$OLD_BUILD/libqkrope_kernels.so")
+  else
+    say "the old kernel did not build (build.log): the bandwidth check runs the new kernel alone"
+  fi
+elif [[ $BW_OK == 1 ]]; then
+  say "no old kernel source (no git history for $OLD_REF, OLD_KERNEL_SRC unset): the new kernel alone"
+fi
+if [[ $BW_OK == 1 ]]; then
+  BW_EXTRA=()
+  [[ $QUICK == 1 ]] && BW_EXTRA+=(--quick)
+  say "bandwidth check, timeout ${BW_T}s (table in $OUT/bench.log, json: $OUT/bandwidth.json)"
+  { echo; echo "==== bandwidth against a 128-bit copy (scripts/bandwidth_check.py) ===="; } >> "$OUT/bench.log"
+  timeout -k 10 "$BW_T" "$PY" scripts/bandwidth_check.py --copy-lib "$BUILD/libqkrope_copy128.so" \
+    "${KERNEL_ARGS[@]}" --json "$OUT/bandwidth.json" --budget-s $((BW_T - 30)) \
+    ${BW_EXTRA[@]+"${BW_EXTRA[@]}"} >> "$OUT/bench.log" 2>&1
+  rc=$?
+  sed -n '/==== bandwidth/,$p' "$OUT/bench.log" | grep -v "^\s*$" | tail -40 | tee -a "$OUT/gpu_check.log"
+  [[ $rc -ne 0 ]] && fail bandwidth "rc=$rc$([[ $rc == 124 ]] && echo ", timed out after ${BW_T}s; rows so far in bandwidth.json")"
 fi
 
 # leftovers of an interrupted atomic write would be a 9th file the device tool does not return

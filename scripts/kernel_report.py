@@ -8,15 +8,16 @@ prints, per kernel instance:
   - from the SASS (cuobjdump -sass, which needs nvdisasm): the hot loop (the innermost loop that
     contains the 128-bit q/k stores), the width and qualifiers of every global load/store in it,
     the instruction counts along the common path (prologue, one loop iteration, epilogue; slow-path
-    call blocks and the NaN fix-up excluded), the instruction mix, and the 128-bit q/k loads still
-    outstanding at each token's first wait;
+    call blocks and the NaN fix-up excluded), the instruction mix, and, from the control bits of
+    every instruction (the scoreboard a load sets, the wait mask, DEPBAR.LE), the global bytes
+    still outstanding past each wait of the token loop;
 and then runs the real launcher (the same source under the SIMT emulation, dry run) against the
 modelled devices MODELLED_DEVICES (H100, H200, B200, L40S, A100: SM counts, clocks, bus widths,
 occupancy from each instance's ptxas registers) for every Qwen-Image problem and FLUX's (24, 32,
 48 heads x 128: a double block's 4096 image and 512 text tokens, a single block's 4608; rounding 2
 and 0), and reports for each instance a launch picks: whole-kernel instructions per element (one iteration per token plus the
-prologue and epilogue amortised over that launch's tokens per row group) and the q/k bytes
-outstanding per SM at a token's first wait.
+prologue and epilogue amortised over that launch's tokens per row group) and the global read bytes
+outstanding per SM past every wait of the token loop (the fewest at any wait, and the average).
 
     python scripts/kernel_report.py                      # sm_90 and sm_100, text table
     python scripts/kernel_report.py --arch 90 --json build/kernel_report/report.json

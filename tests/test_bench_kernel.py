@@ -338,9 +338,10 @@ def test_gpu_check_script_parses_and_stays_within_8_outputs():
     assert res.returncode == 0, res.stderr
     text = GPU_CHECK.read_text()
     outputs = set(re.findall(r'\$OUT/([A-Za-z0-9_.-]+)', text))
-    assert outputs <= {"gpu_check.log", "nvidia-smi.txt", "build.log", "pytest.log", "pytest.xml",
-                       "kernel_report.json", "bench.log", "bench_kernel.json"}, outputs
-    assert 'run(command="bash scripts/gpu_check.sh", carry=["build/gpu_pydeps"]' in text
+    assert outputs <= {"gpu_check.log", "build.log", "pytest.log", "pytest.xml", "kernel_report.json",
+                       "bench.log", "bench_kernel.json", "bandwidth.json"}, outputs
+    assert 'run(command="bash scripts/gpu_check.sh", carry=["build/gpu_pydeps"' in text
+    assert "scripts/bandwidth_check.py" in text and "scripts/copy128.cu" in text
     assert "scripts/bench_kernel.py" in text and "--budget-s" in text
 
 

@@ -6,8 +6,9 @@ are asserted: 128-bit q/k loads and stores in the fast-path hot loop, no spills 
 (sm_90 from the report, sm_100 from ptxas -v of the same nvcc command),
 the Qwen instances' per-token instructions under THRESHOLDS, stores with the default cache
 policy; the real launcher (SIMT emulation, dry run) on every modelled device and Qwen problem
-picks instances that keep the bytes in flight and whole-kernel instruction targets
-(LAUNCH_TARGETS), and the launch plan's instruction constants match their SASS. Speed is
+picks instances that keep the bytes in flight (read from the SASS scoreboards: what stays
+outstanding past every wait of the token loop) and whole-kernel instruction targets
+(LAUNCH_TARGETS), and the launch plan's instruction constants and bytes in flight match their SASS. Speed is
 measured by scripts/bench_kernel.py, never asserted here. The report's analysis of an instance is
 also tested on synthetic SASS (tests/_sass_listings.py; no tools needed), so it can fail; the SASS
 reader itself is tested in tests/test_sass.py.
@@ -146,8 +147,9 @@ def test_qwen_instructions_per_element_under_threshold(report):
 @pytest.mark.slow
 def test_launched_instances_meet_the_static_targets(report):
     """The instances the real launcher picks for every Qwen-Image and FLUX problem on the modelled
-    sm_90 devices keep >= 24 KiB (4096+ tokens) / >= 16 KiB of q/k reads outstanding per SM at a
-    token's first wait and stay under the whole-kernel instruction targets (LAUNCH_TARGETS)."""
+    sm_90 devices keep >= 32 KiB (4096+ tokens) / >= 16 KiB of global reads outstanding per SM past
+    every wait of the token loop (the SASS scoreboards) and stay under the whole-kernel
+    instruction targets (LAUNCH_TARGETS)."""
     launches = [ln for ln in report["launches"] if ln["device"] in ("H100 SXM", "H200 SXM")]
     per_device = sum(len(p["roundings"]) for p in kr.launch_problems())
     assert len(launches) == 2 * per_device
@@ -187,7 +189,34 @@ def test_every_modelled_device_launches_a_fast_instance_in_whole_tokens(report):
         assert ln["grid"] <= ln["blocks_per_sm"] * dev["sms"], ln
         units = 2 * -(-ln["heads"] // ln["rows"])
         assert ln["token_step"] * units == ln["grid"] * 16, ln   # 16 groups of 16 lanes per block
-        assert ln["loads_at_first_wait"] >= 2 * ln["rows"], ln   # kPrefetch tokens of rows
+        # what the plan models (qknorm_rope_plan.h bytesInFlightPerSm): past every wait of the
+        # token loop, kPlanPrefetch tokens of rows (one 16-byte chunk per row and thread at
+        # head_dim 128, bf16) are still outstanding, read from the scoreboards of the SASS
+        assert ln["bytes_outstanding_per_thread"] == _plan_prefetch() * ln["rows"] * 16, ln
+
+
+def _plan_prefetch() -> int:
+    text = (ROOT / "plugins" / "kernel" / "qknorm_rope_plan.h").read_text()
+    m = re.search(r"constexpr int kPlanPrefetch = (\d+);", text)
+    assert m, "kPlanPrefetch not found in qknorm_rope_plan.h"
+    return int(m.group(1))
+
+
+@pytest.mark.slow
+def test_qwen_instances_keep_their_rows_in_flight_past_every_wait(report):
+    """The scoreboard reader on every Qwen instance: the token loop's waits (DEPBAR.LE of the
+    cp.async ring, the shared loads, the cos/sin loads) never retire the next kPlanPrefetch tokens'
+    rows, and one wait per token retires an asynchronous-copy group."""
+    qwen = [i for i in _instances(report) if i["qwen"]]
+    assert qwen
+    for inst in qwen:
+        sb = inst["hot_loop"]["scoreboards"]
+        rows = int(inst["roles"]["rows"])
+        assert sb and sb["waits"], inst["label"]
+        assert sb["min_outstanding"] == _plan_prefetch() * rows * 16, (inst["label"], sb["min_outstanding"])
+        depbars = [w for w in sb["waits_list"] if w["retired"].get("async")]
+        tokens = inst["hot_loop"]["elements_per_iteration"] / (rows * 8)
+        assert len(depbars) == tokens and all(w["retired"]["async"] == 1 for w in depbars), inst["label"]
 
 
 def _plan_issue_cost() -> dict[int, tuple[float, float, float]]:
@@ -272,6 +301,7 @@ def test_loop_figures():
     assert lp["stores_128"] == 2 and lp["elements_per_iteration"] == 16  # 2 x 16 B / bf16
     assert lp["instr_per_element"] == pytest.approx(10 / 16)
     assert lp["in_flight"] == {"max_qk_loads_128": 2, "max_bytes_per_thread": 36}
+    assert lp["scoreboards"] is None                 # a synthetic listing carries no control bits
     assert lp["mix"]["categories"]["MUFU"] == 1 and lp["mix"]["categories"]["BRA"] == 2
     assert inst["qwen"] and inst["rounding"] == 0 and inst["threshold"] == kr.THRESHOLDS[0]
     assert inst["occupancy"]["blocks_per_sm"] == 4   # 64 regs x 256 threads = 16384 per block
@@ -324,12 +354,12 @@ def test_template_arguments_and_occupancy():
 
 
 def test_bounds_arithmetic():
-    b = kr.qwen_bounds(20.0, 3, 768, kr.HARDWARE[90])
+    b = kr.qwen_bounds(20.0, 48, 768, kr.HARDWARE[90])
     assert b["bytes"] == pytest.approx(115.6e6, rel=1e-3)
     assert b["memory_floor_us"] == pytest.approx(24.1, abs=0.05)
     assert b["elements"] == 4608 * 48 * 128
     assert b["bound"] == "memory"                     # 20 instructions/element: under break-even
-    assert b["bytes_in_flight_per_sm"] == 3 * 16 * 768
+    assert b["bytes_in_flight_per_sm"] == 48 * 768
     assert b["bytes_in_flight_needed_per_sm"] == pytest.approx(4.8e12 * 1000e-9 / 132)
 
 
@@ -341,3 +371,23 @@ def test_report_and_launch_plan_assume_the_same_latency():
     assert m, "dramLatencyNs not found in qknorm_rope_plan.h"
     for arch, hw in kr.HARDWARE.items():
         assert hw["dram_latency_ns"] == float(m.group(1) if arch >= 90 else m.group(2)), arch
+
+
+def test_launch_check_uses_the_bytes_outstanding_past_every_wait():
+    """A launch whose loop drains everything at a wait (0 B past it, the register-prefetch schedule
+    of issue 31) fails the bytes target however much was pending at the stall; the target follows
+    the launch's tokens (LAUNCH_TARGETS)."""
+    def launch(tokens, per_thread):
+        return {"device": "H200 SXM", "arch": 90, "model": "Qwen-Image", "stream": "image", "batch": 1,
+                "tokens": tokens, "rounding": 0, "instance": "Fast<Bf16,128,true,3,0,true>", "found": True,
+                "instr_per_element": 17.0, "tokens_per_group": 15.5, "bytes_outstanding_per_thread": per_thread,
+                "bytes_in_flight_per_sm": per_thread * 512, "avg_bytes_in_flight_per_sm": per_thread * 512,
+                "threads_per_sm": 512, "blocks_per_sm": 2}
+
+    def ok(ln):
+        (c,) = [c for c in kr.launch_checks([ln]) if c["check"] == "launched-bytes-in-flight"]
+        return c["ok"]
+
+    assert not ok(launch(4096, 0))
+    assert ok(launch(4096, 64)) and not ok(launch(4096, 63))      # 64 B x 512 threads = 32 KiB
+    assert ok(launch(512, 32)) and not ok(launch(512, 31))        # 16 KiB below 4096 tokens

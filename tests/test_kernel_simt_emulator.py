@@ -33,6 +33,7 @@ def selftest(libs):
     lib.simt_selftest_syncthreads.argtypes = [ctypes.c_int32, ctypes.c_int32, i32p]
     lib.simt_selftest_shared_isolation.argtypes = [ctypes.c_int32, ctypes.c_int32, i32p]
     lib.simt_selftest_vote.argtypes = [i32p]
+    lib.simt_selftest_async_copy.argtypes = [ctypes.c_int32, i32p, i32p]
     lib.simt_selftest_exit_early.argtypes = [i32p]
     lib.simt_set_strict_exit.argtypes = [ctypes.c_int32]
     lib.simt_selftest_convert.argtypes = [f32p, ctypes.c_void_p, ctypes.c_void_p, f32p, f32p, ctypes.c_int32]
@@ -149,6 +150,25 @@ def test_syncthreads_is_a_block_barrier(selftest, device, seed):
     expected = [7 * ((t + 1) % n) + 1000 * b for b in range(blocks) for t in range(n)]
     assert out.tolist() == expected
     selftest.simt_configure(-1, -1, 0)
+
+
+def test_async_copies_land_only_when_their_group_is_waited_for(selftest, device):
+    """cp.async (__pipeline_memcpy_async / commit / wait_prior): a read before the wait sees the
+    slot's old contents (-1), wait_prior(N) lands all but the N newest groups, and after the last
+    wait and a barrier every thread sees every thread's copies."""
+    n = 64
+    src = torch.arange(3 * n * 4, dtype=torch.int32)          # group g, thread t: int4 at (g*n + t)
+    out = torch.zeros(6 * n, dtype=torch.int32)
+    assert selftest.simt_selftest_async_copy(n, _ptr(src), _ptr(out)) == 0
+    first = [4 * (g * n + t) for g in range(3) for t in range(n)]   # .x of each copy
+    got = out.view(n, 6).tolist()
+    for t in range(n):
+        assert got[t] == [-1, first[t], -1, first[n + t], first[2 * n + t],
+                          first[2 * n + (t + 1) % n]], t
+    # a misaligned source is reported, not copied
+    assert selftest.simt_selftest_async_copy(n, ctypes.cast(src.data_ptr() + 4, ctypes.POINTER(ctypes.c_int32)),
+                                             _ptr(out)) != 0
+    assert "__pipeline_memcpy_async" in selftest.simt_last_error().decode()
 
 
 def test_shared_memory_is_per_block_and_per_concurrent_launch(selftest, device):

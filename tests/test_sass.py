@@ -1,11 +1,18 @@
 """The SASS reader (qkrope.runtime.sass) on synthetic listings (tests/_sass_listings.py): the
 parser, the control flow (loops, the hot loop, the diverged-warp fallback, the common path) and
 the loads outstanding at a token's first wait, and the parsers of ptxas and cuobjdump output.
-No CUDA tool is needed; tests/test_kernel_report.py runs the same reader on the compiled kernel."""
+No CUDA tool is needed for those; the scoreboard reader also proves itself on small kernels with
+known answers compiled for sm_90 (nvcc and cuobjdump/nvdisasm, skipped without them);
+tests/test_kernel_report.py runs the same reader on the compiled kernel."""
 from __future__ import annotations
 
-from _sass_listings import loop_kernel, sass_listing
+import subprocess
+
+import pytest
+
+from _sass_listings import KNOWN_ANSWER_CU, controlled_listing, loop_kernel, sass_listing
 from qkrope.runtime import sass
+from qkrope.runtime.sass import scoreboards
 
 
 def _instrs(lines):
@@ -112,3 +119,106 @@ def test_tool_output_parsers():
     elf = (".nv.info._Z1kv\n\t<0x10>\n\tAttribute:\tEIATTR_MAX_THREADS\n\tFormat:\tEIFMT_SVAL\n"
            "\tValue:\t0x100 0x1 0x1 \n")
     assert sass.parse_max_threads(elf) == {"_Z1kv": 256}
+
+
+# ---- the scoreboard reader ---------------------------------------------------------------------------
+def test_control_bits_are_decoded_from_the_high_word():
+    rows = [("LDG.E.128 R4, desc[UR4][R2.64]", dict(wr=2)),
+            ("STG.E.128 desc[UR4][R6.64], R4", dict(rd=0, wait=(2,), stall=4)),
+            ("DEPBAR.LE SB0, 0x1", dict(stall=3))]
+    ((_, instrs),) = sass.parse_sass(controlled_listing(rows)).items()
+    c = [i.control for i in instrs]
+    assert (c[0].write_sb, c[0].read_sb, c[0].waits_on()) == (2, None, [])
+    assert (c[1].write_sb, c[1].read_sb, c[1].waits_on(), c[1].stall) == (None, 0, [2], 4)
+    assert (c[2].write_sb, c[2].waits_on(), c[2].stall) == (None, [], 3)
+    # synthetic listings without an encoding carry no control bits, and the reader says so
+    plain = _instrs(loop_kernel())
+    assert all(i.control is None for i in plain)
+    with pytest.raises(ValueError, match="control bits"):
+        scoreboards.scoreboard_waits(plain)
+
+
+def test_a_wait_retires_everything_on_its_scoreboard():
+    # the old kernel's schedule in small: the next token's row and this token's cos on one
+    # scoreboard; the first use of cos waits for both, so nothing stays outstanding past it
+    rows = [("LDG.E.EF.128 R20, desc[UR8][R2.64]", dict(wr=1)),        # row two tokens ahead
+            ("LDG.E.128.CONSTANT R8, desc[UR8][R4.64]", dict(wr=1)),   # cos of this token
+            ("FMUL R9, R8, R8", dict(wait=(1,))),
+            ("STG.E.128 desc[UR8][R6.64], R20", dict()),
+            ("@!P0 BRA 0x0", dict())]
+    ((_, instrs),) = sass.parse_sass(controlled_listing(rows)).items()
+    waits = scoreboards.scoreboard_waits(instrs)
+    assert [(w["addr"], w["pending"], w["outstanding"]) for w in waits] == [(0x20, 32, 0)]
+    assert waits[0]["retired"] == {"qk": 1, "cache": 1}
+    # the same loads on two scoreboards, the store waiting for the row's: the row stays in flight
+    # past the wait for cos
+    rows[0] = ("LDG.E.EF.128 R20, desc[UR8][R2.64]", dict(wr=2))
+    rows[3] = ("STG.E.128 desc[UR8][R6.64], R20", dict(wait=(2,)))
+    ((_, instrs),) = sass.parse_sass(controlled_listing(rows)).items()
+    waits = scoreboards.scoreboard_waits(instrs)
+    assert [(w["addr"], w["pending"], w["outstanding"], w["retired"]) for w in waits] == [
+        (0x20, 32, 16, {"cache": 1}), (0x30, 16, 0, {"qk": 1})]
+
+
+def test_depbar_retires_the_oldest_groups_only():
+    rows = [("LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64]", dict(rd=2)),
+            ("LDGSTS.E.BYPASS.128 [R3+0x10], desc[UR6][R6.64]", dict(rd=2)),
+            ("LDGDEPBAR", dict(wr=0)),
+            ("DEPBAR.LE SB0, 0x2", dict()),
+            ("LDS.128 R8, [R3]", dict(wr=1)),
+            ("STG.E.128 desc[UR8][R6.64], R8", dict(wait=(1,))),
+            ("@!P0 BRA 0x0", dict())]
+    ((_, instrs),) = sass.parse_sass(controlled_listing(rows)).items()
+    waits = scoreboards.scoreboard_waits(instrs)
+    # three groups of 32 B pending at DEPBAR.LE SB0, 2: the oldest retires, two stay in flight
+    assert [(w["sass"], w["pending"], w["outstanding"]) for w in waits] == [
+        ("DEPBAR.LE SB0, 0x2", 96, 64), ("STG.E.128 desc[UR8][R6.64], R8", 64, 64)]
+    assert scoreboards.wait_summary(waits) == {"waits": 2, "min_outstanding": 64, "avg_outstanding": 64.0,
+                                               "min_pending": 64, "avg_pending": 80.0}
+
+
+@pytest.fixture(scope="module")
+def known_answers(tmp_path_factory):
+    """The known-answer kernels (tests/_sass_listings.py KNOWN_ANSWER_CU) compiled for sm_90:
+    {function name: (instructions, hot loop)}."""
+    try:
+        tools = sass.Tools()
+    except sass.ToolError as exc:
+        pytest.skip(f"the known-answer kernels need the CUDA tools: {exc}")
+    d = tmp_path_factory.mktemp("known_answers")
+    (d / "ka.cu").write_text(KNOWN_ANSWER_CU)
+    res = subprocess.run([tools.nvcc, "-std=c++17", "-O3", "-cubin", "-arch=sm_90", str(d / "ka.cu"),
+                          "-o", str(d / "ka.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    funcs = sass.parse_sass(tools.cuobjdump_run("-sass", str(d / "ka.cubin")))
+    out = {}
+    for (arch, name), instrs in funcs.items():
+        assert arch == 90
+        loop, _ = sass.find_hot_loop(instrs)
+        assert loop is not None, name
+        out[name] = (instrs, loop)
+    return out
+
+
+def _waits(known, name):
+    instrs, loop = known[name]
+    return scoreboards.scoreboard_waits(sass.loop_body(instrs, loop), sass.cold_addresses(instrs, loop))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_known_answer_copy_kernel_with_n_loads_in_flight(known_answers, n):
+    waits = _waits(known_answers, f"_Z5copyNILi{n}EEvPK5uint4PS0_i")
+    # the k-th store waits for the k-th load: N - k + 1 loads pending, N - k past the wait
+    assert [w["pending"] for w in waits] == [16 * (n - k) for k in range(n)]
+    assert [w["outstanding"] for w in waits] == [16 * (n - k - 1) for k in range(n)]
+    assert all(w["retired"] == {"qk": 1} for w in waits)
+
+
+def test_known_answer_cp_async_double_buffer(known_answers):
+    waits = _waits(known_answers, "_Z13cpAsyncDoublePK5uint4PS_i")
+    depbars = [w for w in waits if w["sass"].startswith("DEPBAR")]
+    # wait_group 1 after committing the next tile: two 16-byte groups pending, one stays in flight,
+    # at every tile of the (unrolled) loop; the shared-memory loads that follow leave it in flight
+    assert depbars and len(depbars) == len(waits) // 2
+    assert all((w["pending"], w["outstanding"], w["retired"]) == (32, 16, {"async": 1}) for w in depbars)
+    assert scoreboards.wait_summary(waits)["min_outstanding"] == 16

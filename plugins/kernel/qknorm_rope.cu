@@ -17,12 +17,20 @@
 //
 // Fast path (head_dim 64/128/256, q/k/outputs 16-byte aligned; qknorm_rope_plan.h): a row group is
 // head_dim / (elements per 128 bits) threads (<= 32), each owning whole 128-bit chunks of the row.
-//   - software pipeline, prefetch distance kPrefetch = 2 tokens over three rotating row buffers:
-//     each token first issues the 128-bit evict-first loads of the token two steps ahead, so when
-//     it waits for its own rows the next token's rows (issued a token earlier) are still in
-//     flight whatever ptxas schedules inside the token. The sm_90 SASS of the Qwen instances
-//     (scripts/kernel_report.py) has 2 x rows loads outstanding at every token's first wait:
-//     32 KiB per SM for rows 2, 48 KiB for rows 3 at 2 blocks per SM;
+//   - software pipeline in shared memory, prefetch distance kPrefetch = 2 tokens over a ring of
+//     kStages = 3 stages: each token first issues the asynchronous 16-byte copies (cp.async,
+//     through __pipeline_memcpy_async: LDGSTS in the SASS) of the rows two tokens ahead into the
+//     stage the previous token was read from, commits them as one group, and waits with
+//     cp.async.wait_group kPrefetch (__pipeline_wait_prior): only the oldest group, its own rows,
+//     is retired, the next two tokens' rows stay in flight. Register loads could not do this:
+//     ptxas puts every global load of the loop on one scoreboard and the first use of cos/sin
+//     waits for all of it, the rows two tokens ahead included (issue 31; docs/spec.md 3.6). The
+//     waits are read from the SASS control bits (qkrope.runtime.sass.scoreboards,
+//     scripts/kernel_report.py): past every wait kPrefetch x rows x 16 B per thread are still
+//     outstanding. Each thread copies and reads only its own slots of the ring, so no barrier
+//     is needed: wait_group makes a thread's own copies visible to it, and the stage a token's
+//     copies overwrite was read (into registers, consumed) by the previous token, earlier in
+//     program order;
 //   - sum of squares by fused multiply-adds, reduced with xor shuffles inside the group, all rows
 //     of a unit interleaved; 1/D is an exact multiplication (power-of-two D);
 //   - rounding mode, pairing and full/partial rotary are template parameters, so the Qwen-Image
@@ -44,6 +52,7 @@
 #include "qknorm_rope_math.h"
 #include "qknorm_rope_plan.h"
 
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -71,7 +80,8 @@ constexpr int kPrefetch = kPlanPrefetch; // fast path: tokens whose row loads ar
 static_assert(kThreads == kPlanThreads, "the launch plan models this block size");
 static_assert(sizeof(kFastIssueCost) / sizeof(kFastIssueCost[0]) == math::kRoundingModes,
     "the launch plan has an instruction cost per rounding mode");
-static_assert(kPrefetch == 2, "the token loop rotates kPrefetch + 1 = 3 row buffers");
+constexpr int kStages = kPrefetch + 1;   // fast path: the shared-memory ring's stages
+static_assert(kPrefetch == 2, "the token loop rotates kPrefetch + 1 = 3 ring stages");
 constexpr int kMaxDevices = 64;
 constexpr unsigned kFullMask = 0xFFFFFFFFU;
 
@@ -314,14 +324,32 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
     // per chunk: one predicate per chunk, not a mask bit tested per element.
     static_assert(FULL_ROTARY || kRuns == kNV, "partial rotary: one cos/sin run per chunk");
 
-    auto loadRows = [&](Storage const* const token, uint4 (&raw)[ROWS][kNV]) {
+    // The ring: stage s, chunk c of this thread at ring[s][c][threadIdx.x] (consecutive threads
+    // on consecutive 16 bytes: conflict-free 128-bit shared accesses). Static shared memory:
+    // kStages x ROWS x kNV x 16 B x kThreads <= 48 KiB (fastMaxRows).
+    __shared__ __align__(16) uint4 ring[kStages][ROWS * kNV][kThreads];
+    static_assert(sizeof(ring) <= 48 * 1024, "static shared memory: at most 48 KiB per block");
+    int const tid = static_cast<int>(threadIdx.x);
+    auto issueRows = [&](Storage const* const token, int const stage) {
 #pragma unroll
         for (int u = 0; u < ROWS; ++u)
         {
 #pragma unroll
             for (int v = 0; v < kNV; ++v)
             {
-                raw[u][v] = __ldcs(reinterpret_cast<uint4 const*>(token + rowOffset[u] + v * kLanes * kVec));
+                __pipeline_memcpy_async(&ring[stage][u * kNV + v][tid], token + rowOffset[u] + v * kLanes * kVec,
+                    sizeof(uint4));
+            }
+        }
+    };
+    auto readRows = [&](int const stage, uint4 (&raw)[ROWS][kNV]) {
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+                raw[u][v] = ring[stage][u * kNV + v][tid];
             }
         }
     };
@@ -384,17 +412,27 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
     int64_t const trigWrap = a.trigWrap;
     unsigned packedNaN = 0;
 
-    // One token: issue the row loads of the token kPrefetch steps ahead into `ahead` (the buffer
-    // the previous token was computed from), fetch this token's cos/sin, then normalise, rotate and
-    // store `cur`. Called in rotation over kPrefetch + 1 buffers (no copies).
-    auto token = [&](uint4 (&cur)[ROWS][kNV], uint4 (&ahead)[ROWS][kNV]) {
+    // One token, its rows in ring stage STAGE: issue the copies of the token kPrefetch steps ahead
+    // into stage STAGE + kPrefetch (mod kStages: the stage the previous token was read from) and
+    // commit them as one group (an empty group past the last tokens, so the count below holds:
+    // one commit per token, unconditional),
+    // fetch this token's cos/sin, wait until all but the kPrefetch newest groups have landed (this
+    // token's own), read the rows, then normalise, rotate and store. The stage is a compile-time
+    // constant (the loop is unrolled over the ring), so the ring's addresses are immediates.
+    auto token = [&](auto stageTag) {
+        constexpr int kStage = decltype(stageTag)::value;
+        constexpr int kAhead = (kStage + kPrefetch) % kStages;
         if (remaining > kPrefetch)
         {
-            loadRows(in + kPrefetch * stepElems, ahead);
+            issueRows(in + kPrefetch * stepElems, kAhead);
         }
+        __pipeline_commit();
         float cosv[kTrig];
         float sinv[kTrig];
         loadTrig(trig, cosv, sinv);
+        __pipeline_wait_prior(kPrefetch);
+        uint4 cur[ROWS][kNV];
+        readRows(kStage, cur);
 
         // Sum of squares of every row, the rows' reductions interleaved.
         float sumSq[ROWS];
@@ -515,34 +553,33 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
         --remaining;
     };
 
-    // Prologue: the first kPrefetch tokens' rows in flight before any is used. Each token of the
-    // loop then issues the loads of the token kPrefetch ahead, so when it first waits for its own
-    // rows, those of the next token (issued one token earlier) are still outstanding whatever the
-    // compiler's schedule inside the token: at least kPrefetch x ROWS row loads per thread.
-    uint4 rawA[ROWS][kNV];
-    uint4 rawB[ROWS][kNV];
-    uint4 rawC[ROWS][kNV];
+    // Prologue: the first kPrefetch tokens' rows in flight (one group each, empty past the last
+    // token) before any is used. Each token of the loop then issues the copies of the token
+    // kPrefetch ahead and retires only its own group, so past every wait the next kPrefetch
+    // tokens' rows are still outstanding: kPrefetch x ROWS x kNV x 16 B per thread.
     if (remaining > 0)
     {
-        loadRows(in, rawA);
+        issueRows(in, 0);
     }
+    __pipeline_commit();
     if (remaining > 1)
     {
-        loadRows(in + stepElems, rawB);
+        issueRows(in + stepElems, 1);
     }
+    __pipeline_commit();
     while (remaining > 0)
     {
-        token(rawA, rawC);
+        token(std::integral_constant<int, 0>{});
         if (remaining == 0)
         {
             break;
         }
-        token(rawB, rawA);
+        token(std::integral_constant<int, 1>{});
         if (remaining == 0)
         {
             break;
         }
-        token(rawC, rawB);
+        token(std::integral_constant<int, 2>{});
     }
 
     // Rare: a row produced a NaN (NaN or inf inputs, weights or cache). Give the halves this

@@ -127,9 +127,14 @@ inline SumLayout sumLayout(QKNormRoPEParams const& p)
 //   - issue per round: the busiest SM's warps x instructions per token of one unit, over
 //     schedulers x clock (perfect issue, one warp-instruction per scheduler per cycle);
 //   - memory per round: the larger of the bytes the SM moves in a round at its share of the peak
-//     DRAM bandwidth, and the reads of a round at the bandwidth Little's law leaves with
-//     kPrefetch rounds of reads in flight, asking for kLatencyMargin times the floor because the
-//     latency is an assumption (kLatencyMargin x latency / min(kPrefetch, rounds) per round);
+//     DRAM bandwidth, and all the bytes of a round (reads and writes, issue 31's accounting) at
+//     the bandwidth Little's law leaves with kPrefetch rounds of q/k reads in flight, asking for
+//     kLatencyMargin times the floor because the latency is an assumption
+//     (kLatencyMargin x latency x round bytes / (min(kPrefetch, rounds) x round reads)).
+//     kPrefetch rounds is what the compiled schedule keeps: the rows travel through a shared-memory
+//     ring of cp.async groups and each token's wait (cp.async.wait_group kPrefetch) retires only its
+//     own group, so the next kPrefetch tokens' rows stay outstanding past every wait (the SASS
+//     scoreboards, read by scripts/kernel_report.py, show it: bytesInFlightPerSm below);
 //   - latency: the first loads of a launch wait one full DRAM latency before anything overlaps.
 // Instructions per unit-token and per group (prologue + epilogue) are the common-path SASS counts
 // of the instances (scripts/kernel_report.py measures them on sm_90; tests/test_kernel_report.py
@@ -137,13 +142,15 @@ inline SumLayout sumLayout(QKNormRoPEParams const& p)
 // ---------------------------------------------------------------------------------------------
 
 constexpr int kPlanThreads = 256;  // threads per block of every kernel (qknorm_rope.cu kThreads)
-constexpr int kPlanPrefetch = 2;   // fast path: tokens of row loads in flight ahead of use
+constexpr int kPlanPrefetch = 2;   // fast path: tokens of rows in flight (cp.async groups) past each wait
 constexpr int kPlanMaxRows = 3;    // rows per unit of any fast-path instance
 constexpr double kLatencyMargin = 2.0; // bytes in flight asked for: twice Little's law (DESIGN.md targets)
 
-// Rows per unit an instance may hold without spilling under its 128-register budget (ptxas, with
-// kPlanPrefetch + 1 row buffers): 3 for interleaved pairs in one chunk, 2 where NeoX shuffles or two
-// chunks per thread need more registers. tests/test_kernel_report.py asserts no instance spills.
+// Rows per unit of an instance: 3 for interleaved pairs in one chunk, 2 where NeoX shuffles or two
+// chunks per thread need more registers (128 per thread at two blocks per SM). The ring of
+// kPlanPrefetch + 1 stages in static shared memory stays within 48 KiB per block: at most
+// 3 stages x 3 rows x 16 B x 256 threads = 36 KiB, or 3 x 2 rows x 2 chunks x 16 B x 256 = 48 KiB
+// (fp32, head_dim 256). tests/test_kernel_report.py asserts no instance spills.
 QKROPE_PLAN_HD constexpr int fastMaxRows(int headDim, int elemBytes, bool interleaved)
 {
     return interleaved && fastChunksPerThread(headDim, elemBytes) == 1 ? 3 : 2;
@@ -228,10 +235,12 @@ struct FastIssueCost
 };
 
 // By rounding mode (math::kRounding*): 0 one rounding; 1 diffusers' order, two pair round trips
-// to the element type before the rotation; 2 FLUX's order, one (a pack and two unpacks per pair:
-// +1.5 per element in the rows-1 SASS, +1.4 / +1.1 in rows 2 / 3). Fitted over rows 1..3 (nvcc 13.0:
-// 149 / 263 / 396 instructions per token of a unit at rounding 0, prologue + epilogue 203-238).
-constexpr FastIssueCost kFastIssueCost[] = {{15.4, 22.3, 220.0}, {17.8, 28.3, 220.0}, {16.3, 28.3, 220.0}};
+// to the element type before the rotation; 2 FLUX's order, one (a pack and two unpacks per pair).
+// Fitted over rows 1..3 of the cp.async ring (nvcc 13.0, sm_90: 156 / 273 / 402 instructions per
+// token of a unit at rounding 0, 180 / 321 / 466 at rounding 1, 168 / 297 / 430 at rounding 2;
+// per token the ring adds a copy and a shared load per 16 B and the commit and wait; prologue +
+// epilogue 216 / 236 / 258 for rows 1 / 2 / 3, the ring's first two groups included).
+constexpr FastIssueCost kFastIssueCost[] = {{15.3, 33.6, 236.0}, {17.8, 37.6, 236.0}, {16.3, 37.6, 236.0}};
 
 inline FastIssueCost fastIssueCost(int rounding)
 {
@@ -256,7 +265,7 @@ struct FastEstimate
     int64_t unitsPerToken = 0;
     int64_t rounds = 0;
     int64_t blocksPerSm = 0;        // resident blocks per SM (occupancy)
-    double bytesInFlightPerSm = 0;  // q/k reads outstanding per SM at a token's first wait
+    double bytesInFlightPerSm = 0;  // q/k reads outstanding per SM past every wait (kPrefetch groups)
     double instrPerElement = 0;     // common-path instructions per element of the busiest group
     double issueRoundNs = 0;
     double memoryRoundNs = 0;
@@ -286,7 +295,7 @@ inline FastEstimate estimateFast(FastProblem const& p, int rows, int64_t residen
     double const bytes = 2.0 * readBytes + cacheBytes;
     int64_t const depth = e.rounds < kPlanPrefetch ? e.rounds : kPlanPrefetch;
     double const atPeak = bytes / (d.dramBytesPerNs / d.sms);
-    double const latencyBound = kLatencyMargin * d.latencyNs / static_cast<double>(depth);
+    double const latencyBound = kLatencyMargin * d.latencyNs * bytes / (static_cast<double>(depth) * readBytes);
     e.memoryRoundNs = atPeak > latencyBound ? atPeak : latencyBound;
     double const roundNs = e.issueRoundNs > e.memoryRoundNs ? e.issueRoundNs : e.memoryRoundNs;
     e.timeNs = d.latencyNs + warps * c.perGroup / issueRate + e.rounds * roundNs + e.issueRoundNs;

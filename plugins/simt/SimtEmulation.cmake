@@ -48,6 +48,7 @@ if(NOT TARGET simt_runtime)
     ${_simt_src}/simt_symbols.cpp
     ${_simt_src}/simt_scheduler.cpp
     ${_simt_src}/simt_collectives.cpp
+    ${_simt_src}/simt_async.cpp
     ${_simt_src}/simt_runtime_api.cpp
     ${_simt_src}/simt_capi.cpp)
   _simt_emulation_settings(simt_runtime)

@@ -9,6 +9,12 @@
 //     the mask has arrived at a matching collective, then every result is computed from the
 //     values the lanes contributed (PTX shfl semantics, width included). __syncthreads is a block
 //     barrier.
+//   - Asynchronous copies into shared memory (cp.async through cuda_pipeline_primitives.h's
+//     __pipeline_memcpy_async / __pipeline_commit / __pipeline_wait_prior) with their real
+//     ordering: per thread, copies join the open group, a commit closes it, and a wait for "all
+//     but the N newest groups" is the only thing that makes a copy's bytes appear in shared
+//     memory (the source is read at issue). A thread that reads a stage before waiting for it reads
+//     the stage's previous contents; copies never waited for never land.
 //   - Errors are reported, not hung on: a lane named in a mask that waits at another
 //     collective or at __syncthreads, a shuffle reading a lane that exited instead of taking part
 //     (a lane that skipped the shuffle), mismatched masks / widths / intrinsics between the lanes
@@ -243,6 +249,13 @@ enum class Op : int
 uint64_t collective(Op op, unsigned mask, uint64_t value, int arg, int width, int size, Loc loc, int* pred = nullptr);
 void syncThreads(Loc loc);
 unsigned activeMask();
+// Asynchronous copies global -> shared (cp.async: __pipeline_memcpy_async, __pipeline_commit,
+// __pipeline_wait_prior; cuda_pipeline_primitives.h). The source is read when the copy is issued;
+// the destination is written only when a wait retires the copy's group, so a read of the
+// destination before its wait sees what was there before (stale data), as the hardware may.
+void asyncCopy(void* dst, void const* src, std::size_t bytes, std::size_t zfill, Loc loc);
+void asyncCommit(Loc loc);
+void asyncWaitPrior(std::size_t groups, Loc loc);
 bool inKernel();
 // Reports a device-side fault in the running kernel (never returns inside a launch).
 [[noreturn]] void fault(cudaError_t code, char const* what, void const* address, Loc loc);

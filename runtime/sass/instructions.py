@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["CONSTANT_QUALIFIER", "STORE_POLICY_QUALIFIERS", "GLOBAL_LOADS", "GLOBAL_STORES",
-           "LOCAL_OPS", "Instr", "parse_sass"]
+           "LOCAL_OPS", "Control", "decode_control", "Instr", "parse_sass"]
 
 # SASS facts the checks rely on (verified on nvcc 13.0 SASS for sm_90 and sm_100):
 #   __ldcs (ld.global.cs)  -> LDG.E.EF.128       __ldg (ld.global.nc) -> LDG.E.CONSTANT (32-bit)
@@ -21,6 +21,40 @@ GLOBAL_STORES = ("STG", "ST")
 LOCAL_OPS = ("LDL", "STL")
 
 _INSTR_RE = re.compile(r"^\s*/\*([0-9a-fA-F]{4,})\*/\s*(.*?)\s*;")
+_WORD_RE = re.compile(r"/\*\s*0x([0-9a-fA-F]{16})\s*\*/\s*$")
+
+
+class Control:
+    """The scheduling control bits of one instruction (sm_70 and later: bits 105-125 of the
+    128-bit instruction, i.e. bits 41-61 of its high 64-bit word, which ``cuobjdump -sass`` prints
+    on the line after the instruction): stall cycles (4 bits), yield (1), the scoreboard that the
+    instruction's variable-latency result sets (write barrier, 3 bits, 7 = none), the scoreboard
+    its operand read sets (read barrier: released once the source registers have been read), the
+    wait mask (6 bits: the scoreboards that must be clear before it issues) and the operand reuse
+    flags (4)."""
+
+    __slots__ = ("stall", "yield_", "write_sb", "read_sb", "wait_mask", "reuse")
+
+    def __init__(self, stall: int, yield_: int, write_sb: int | None, read_sb: int | None,
+                 wait_mask: int, reuse: int):
+        self.stall, self.yield_ = stall, yield_
+        self.write_sb, self.read_sb = write_sb, read_sb
+        self.wait_mask, self.reuse = wait_mask, reuse
+
+    def __repr__(self) -> str:
+        return (f"Control(stall={self.stall}, wr={self.write_sb}, rd={self.read_sb}, "
+                f"wait={self.wait_mask:06b})")
+
+    def waits_on(self) -> list[int]:
+        return [k for k in range(6) if self.wait_mask >> k & 1]
+
+
+def decode_control(high_word: int) -> Control:
+    """The control bits of an instruction from its high 64-bit word (see :class:`Control`)."""
+    c = high_word >> 41
+    wr, rd = (c >> 5) & 7, (c >> 8) & 7
+    return Control(stall=c & 15, yield_=(c >> 4) & 1, write_sb=None if wr == 7 else wr,
+                   read_sb=None if rd == 7 else rd, wait_mask=(c >> 11) & 63, reuse=(c >> 17) & 15)
 _REG_RE = re.compile(r"(?<![\w.])R(\d+)(\.64|\.128)?")
 _PRED_RE = re.compile(r"^(@!?U?P(?:T|\d+))\s+(.*)$")
 
@@ -28,11 +62,12 @@ _PRED_RE = re.compile(r"^(@!?U?P(?:T|\d+))\s+(.*)$")
 class Instr:
     """One SASS instruction: address, guard predicate, opcode with modifiers, operands."""
 
-    __slots__ = ("addr", "pred", "opcode", "operands", "text", "base", "mods", "_regs")
+    __slots__ = ("addr", "pred", "opcode", "operands", "text", "base", "mods", "_regs", "control")
 
-    def __init__(self, addr: int, text: str):
+    def __init__(self, addr: int, text: str, control: Control | None = None):
         self.addr = addr
         self.text = text
+        self.control = control  # None where the listing carries no encoding (synthetic listings)
         m = _PRED_RE.match(text)
         self.pred, body = (m.group(1), m.group(2)) if m else (None, text)
         parts = body.split(None, 1)
@@ -153,7 +188,8 @@ def parse_sass(text: str) -> dict[tuple[int, str], list[Instr]]:
     funcs: dict[tuple[int, str], list[Instr]] = {}
     arch = 0
     cur: list[Instr] | None = None
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
         m = re.match(r"\s*code for sm_(\d+)", line)
         if m:
             arch = int(m.group(1))
@@ -167,5 +203,12 @@ def parse_sass(text: str) -> dict[tuple[int, str], list[Instr]]:
             continue
         m = _INSTR_RE.match(line)
         if m:
-            cur.append(Instr(int(m.group(1), 16), m.group(2)))
+            # the encoding: the low word at the end of this line, the high word (with the control
+            # bits) alone on the next one; both 16 hex digits, else no control bits are read
+            ctrl = None
+            if _WORD_RE.search(line) and n + 1 < len(lines):
+                hi = _WORD_RE.search(lines[n + 1])
+                if hi and not _INSTR_RE.match(lines[n + 1]):
+                    ctrl = decode_control(int(hi.group(1), 16))
+            cur.append(Instr(int(m.group(1), 16), m.group(2), ctrl))
     return funcs

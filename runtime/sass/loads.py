@@ -7,11 +7,13 @@ from __future__ import annotations
 import collections
 import re
 
-from .flow import common_path_counts, find_hot_loop, longest_path, loop_body, skipped_addresses
+from .flow import (cold_addresses, common_path_counts, find_hot_loop, longest_path, loop_body,
+                   skipped_addresses)
 from .instructions import Instr
+from .scoreboards import scoreboard_waits, wait_summary
 
 __all__ = ["loads_in_flight", "first_stall_loads", "loads_at_first_wait", "instruction_mix",
-           "memory_ops", "analyse_loop"]
+           "memory_ops", "analyse_loop", "outstanding_at_waits"]
 
 
 def loads_in_flight(body: list[Instr]) -> dict:
@@ -80,10 +82,14 @@ def instruction_mix(body: list[Instr]) -> dict:
 
 
 def memory_ops(instrs: list[Instr]) -> list[dict]:
-    return [{"addr": f"0x{i.addr:04x}", "sass": i.text, "kind": "load" if i.is_global_load else "store",
+    """The global memory accesses: loads, stores, and asynchronous copies global -> shared
+    (LDGSTS, kind "async": a read of global memory like a load)."""
+    def kind(i):
+        return "load" if i.is_global_load else "async" if i.base == "LDGSTS" else "store"
+    return [{"addr": f"0x{i.addr:04x}", "sass": i.text, "kind": kind(i),
              "width": i.width, "qualifiers": i.qualifiers, "constant": i.is_constant,
              "predicated": i.pred is not None}
-            for i in instrs if i.is_global_load or i.is_global_store]
+            for i in instrs if i.is_global_load or i.is_global_store or i.base == "LDGSTS"]
 
 
 def analyse_loop(instrs: list[Instr], elem_bytes: int) -> dict:
@@ -121,7 +127,28 @@ def analyse_loop(instrs: list[Instr], elem_bytes: int) -> dict:
         "in_flight": loads_in_flight(body),
         "first_stall_loads": first_stall_loads(body),
         "common_path": common_path_counts(instrs, loop),
+        "scoreboards": _scoreboards(instrs, body, loop),
     }
+
+
+def _scoreboards(instrs: list[Instr], body: list[Instr], loop: tuple[int, int]) -> dict | None:
+    """The waits of the hot loop read from the control bits (scoreboards.scoreboard_waits, the
+    common path: cold blocks left out) and their summary; None when the SASS has no encoding."""
+    try:
+        waits = scoreboard_waits(body, cold_addresses(instrs, loop))
+    except ValueError:
+        return None
+    return {**wait_summary(waits), "waits_list": waits}
+
+
+def outstanding_at_waits(loop: dict) -> tuple[int | None, float | None]:
+    """Global bytes per thread (q/k rows and cos/sin) still outstanding past the hot loop's waits,
+    read from the scoreboards: (the fewest at any wait, the average over the loop's waits);
+    (None, None) when the SASS carried no control bits."""
+    sb = loop.get("scoreboards")
+    if not sb:
+        return None, None
+    return sb["min_outstanding"], sb["avg_outstanding"]
 
 
 def loads_at_first_wait(loop: dict) -> int:

@@ -96,6 +96,14 @@ enum class FState : uint8_t
     Exited
 };
 
+// One asynchronous copy in flight (cp.async): its destination and the source bytes read at issue.
+struct AsyncCopy
+{
+    void* dst;
+    std::size_t bytes;
+    unsigned char data[16];
+};
+
 struct Fiber
 {
     ucontext_t ctx;
@@ -109,6 +117,8 @@ struct Fiber
     detail::Op waitOp;
     unsigned waitMask;
     detail::Loc waitLoc;
+    std::vector<AsyncCopy> asyncOpen;                // copies issued since the last commit
+    std::deque<std::vector<AsyncCopy>> asyncGroups;  // committed groups, oldest first
 };
 
 struct Pending

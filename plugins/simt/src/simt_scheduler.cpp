@@ -215,6 +215,8 @@ bool runBlock(Worker& w)
             static_cast<unsigned>(t) / (w.block.x * w.block.y)};
         f.result = 0;
         f.pred = 0;
+        f.asyncOpen.clear();   // a block's copies never land in the next block's shared memory
+        f.asyncGroups.clear();
         makeReady(w, f);
     }
     while (!w.failed)

@@ -9,6 +9,7 @@
 // __syncthreads is a real block barrier; __shared__ is shared within a block and distinct between
 // launches running concurrently on two OS threads; the vote / match / reduce intrinsics; the
 // alignment check of the vector load intrinsics; the bf16/fp16 conversions and __frsqrt_rn.
+#include <cuda_pipeline_primitives.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -172,6 +173,38 @@ __global__ void sharedIsolationKernel(int value, int sleepMs, int* out)
     out[tid] = s[(tid + 1) % n] - value;
 }
 
+// cp.async: three groups of one 16-byte copy each into a thread's slots that hold -1. out per
+// thread (6 ints): slot 0 read before any wait (stale: -1), slot 0 after wait_prior(2) (landed),
+// slot 1 after wait_prior(2) (its group still pending: -1), slot 1 after wait_prior(1), slot 2
+// after wait_prior(0), and the neighbour's slot 2 after __syncthreads (the copies of every
+// thread landed before the barrier).
+__global__ void asyncCopyKernel(int4 const* src, int* out)
+{
+    __shared__ __align__(16) int4 slots[3][64];
+    int const tid = static_cast<int>(threadIdx.x);
+    int const n = static_cast<int>(blockDim.x);
+    for (int g = 0; g < 3; ++g)
+    {
+        slots[g][tid] = make_int4(-1, -1, -1, -1);
+    }
+    for (int g = 0; g < 3; ++g)
+    {
+        __pipeline_memcpy_async(&slots[g][tid], src + g * n + tid, sizeof(int4));
+        __pipeline_commit();
+    }
+    int* o = out + 6 * tid;
+    o[0] = slots[0][tid].x;
+    __pipeline_wait_prior(2);
+    o[1] = slots[0][tid].x;
+    o[2] = slots[1][tid].x;
+    __pipeline_wait_prior(1);
+    o[3] = slots[1][tid].x;
+    __pipeline_wait_prior(0);
+    o[4] = slots[2][tid].x;
+    __syncthreads();
+    o[5] = slots[2][(tid + 1) % n].x;
+}
+
 // out per thread (8 ints): ballot, any, all, match_any, match_all (+pred), reduce_add, reduce_max
 __global__ void voteKernel(int* out)
 {
@@ -222,6 +255,12 @@ SELFTEST_EXPORT int32_t simt_selftest_syncthreads(int32_t blocks, int32_t nthrea
 SELFTEST_EXPORT int32_t simt_selftest_shared_isolation(int32_t value, int32_t sleepMs, int32_t* out)
 {
     return launch(sharedIsolationKernel, dim3(1), dim3(256), static_cast<int>(value), static_cast<int>(sleepMs), out);
+}
+
+SELFTEST_EXPORT int32_t simt_selftest_async_copy(int32_t nthreads, int32_t const* src, int32_t* out)
+{
+    return launch(asyncCopyKernel, dim3(1), dim3(static_cast<unsigned>(nthreads)),
+        reinterpret_cast<int4 const*>(src), out);
 }
 
 SELFTEST_EXPORT int32_t simt_selftest_vote(int32_t* out)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qkrope.runtime import toolchain
 from qkrope.runtime.sass import (LOCAL_OPS, STORE_POLICY_QUALIFIERS, Instr, ToolError, Tools,
-                                 analyse_loop, loads_at_first_wait, parse_max_threads, parse_ptxas,
+                                 analyse_loop, outstanding_at_waits, parse_max_threads, parse_ptxas,
                                  parse_res_usage, parse_sass)
 
 from .assumptions import HARDWARE, THRESHOLDS, assumptions, occupancy, qwen_bounds
@@ -224,7 +224,7 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
         "hot_loop": loop,
     }
     if qwen and loop.get("found"):
-        inst["bounds"] = qwen_bounds(loop.get("instr_per_element"), loads_at_first_wait(loop),
+        inst["bounds"] = qwen_bounds(loop.get("instr_per_element"), outstanding_at_waits(loop)[0] or 0,
                                      occ["threads_per_sm"], hw)
     return inst
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 
-from qkrope.runtime.sass import ToolError, loads_at_first_wait
+from qkrope.runtime.sass import ToolError, outstanding_at_waits
 
 from .assumptions import (MODELLED_DEVICES, QWEN_HEAD_DIM, TARGET_ARCHS, device_hardware,
                           launch_problems, launch_target, occupancy)
@@ -17,9 +17,10 @@ from .text import fmt
 def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     """What one launch of `inst` does per thread along the common path: tokens per row group,
     whole-kernel instructions per element (one loop iteration per tokens-per-iteration, plus the
-    prologue and epilogue amortised over the group's tokens), and the q/k bytes outstanding per SM
-    at a token's first wait (fewest 128-bit loads at any token's first wait x 16 B x resident
-    threads)."""
+    prologue and epilogue amortised over the group's tokens), and the global read bytes (q/k rows,
+    cos/sin) still outstanding per SM past the waits of the steady-state token loop, read from the
+    SASS scoreboards: the fewest at any wait x resident threads (the target's figure) and the
+    average over the loop's waits."""
     loop = inst["hot_loop"]
     common = loop.get("common_path") or {}
     roles = inst["roles"]
@@ -37,13 +38,15 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     ipe = None
     if it and pro is not None and epi is not None:
         ipe = (tokens_per_group * it / per_iter + pro + epi) / (tokens_per_group * rows * elems)
-    at_wait = loads_at_first_wait(loop)
-    in_flight = at_wait * 16 * occ["threads_per_sm"]
+    least, average = outstanding_at_waits(loop)
+    threads = occ["threads_per_sm"]
     return {"rows": rows, "grid": launch["grid"][0], "token_step": token_step,
             "tokens_per_group": tokens_per_group, "instr_per_element": ipe,
             "loop_instr_per_element": it / loop["elements_per_iteration"] if it else None,
-            "prologue": pro, "epilogue": epi, "loads_at_first_wait": at_wait,
-            "bytes_in_flight_per_sm": in_flight, "blocks_per_sm": occ["blocks_per_sm"]}
+            "prologue": pro, "epilogue": epi, "bytes_outstanding_per_thread": least,
+            "bytes_in_flight_per_sm": (least or 0) * threads,
+            "avg_bytes_in_flight_per_sm": (average or 0) * threads, "threads_per_sm": threads,
+            "blocks_per_sm": occ["blocks_per_sm"]}
 
 
 def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
@@ -138,8 +141,10 @@ def launch_checks(launches: list[dict]) -> list[dict]:
         need_b, have_b = t["bytes_in_flight_per_sm"], ln["bytes_in_flight_per_sm"]
         checks.append({"check": "launched-bytes-in-flight", "arch": ln["arch"], "instance": ln["instance"],
                        "ok": have_b >= need_b,
-                       "detail": f"{where}: {have_b / 1024:.1f} KiB per SM at a token's first wait "
-                                 f"({ln['loads_at_first_wait']} x 16 B x {ln['blocks_per_sm'] * 256} threads) "
+                       "detail": f"{where}: {have_b / 1024:.1f} KiB per SM outstanding past every wait "
+                                 f"(scoreboards: {fmt(ln['bytes_outstanding_per_thread'])} B x "
+                                 f"{ln['threads_per_sm']} threads; average "
+                                 f"{ln['avg_bytes_in_flight_per_sm'] / 1024:.1f} KiB) "
                                  f"{'>=' if have_b >= need_b else '<'} {need_b // 1024} KiB"})
         lim, ipe = t["instr_per_element"][ln["rounding"]], ln["instr_per_element"]
         ok = ipe is not None and ipe <= lim

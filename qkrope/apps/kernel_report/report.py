@@ -34,7 +34,8 @@ def structural_checks(instances: list[dict]) -> list[dict]:
             add("qk-128bit", inst, False, "no hot loop with global stores found")
         else:
             ops = loop["memory_ops"]
-            loads = [o for o in ops if o["kind"] == "load" and not o["constant"]]
+            # q/k reads: 128-bit loads into registers or asynchronous copies into shared memory
+            loads = [o for o in ops if o["kind"] in ("load", "async") and not o["constant"]]
             stores = [o for o in ops if o["kind"] == "store"]
             bad = [o["sass"] for o in loads + stores if o["width"] != 128]
             missing = [w for w, lst in (("q/k load", loads), ("store", stores)) if not lst]

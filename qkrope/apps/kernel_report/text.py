@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import json
 
-from qkrope.runtime.sass import loads_at_first_wait
+from qkrope.runtime.sass import outstanding_at_waits
 
 from .assumptions import LAUNCH_TARGETS, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS
 
@@ -30,7 +30,7 @@ def format_text(report: dict, details: str = "qwen") -> str:
         w("")
         hdr = (f"   {'instance':<34} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>6} "
                f"{'thr/blk':>7} {'blk/SM':>6} {'occ':>5} {'hot loop':>13} {'insns':>5} {'skip':>4} "
-               f"{'el/it':>5} {'ins/el':>6} {'longest':>7} {'ld128':>5} {'KB/SM':>6}")
+               f"{'el/it':>5} {'ins/el':>6} {'longest':>7} {'B@wait':>6} {'KiB/SM':>6}")
         w(hdr)
         for inst in entry["instances"]:
             lp = inst["hot_loop"]
@@ -39,12 +39,12 @@ def format_text(report: dict, details: str = "qwen") -> str:
             label = inst["label"] + (" *Qwen" if inst["qwen"] else "")
             if lp.get("found"):
                 rng = f"{lp['head']}-{lp['end'][2:]}"
-                inflight = lp["in_flight"]["max_qk_loads_128"]
-                kb = inflight * 16 * occ["threads_per_sm"] / 1024
+                least, _ = outstanding_at_waits(lp)
+                kb = (least or 0) * occ["threads_per_sm"] / 1024
                 loopcols = (f"{rng:>13} {lp['instructions']:>5} {lp['skipped_instructions']:>4} "
                             f"{fmt(lp['elements_per_iteration'], '.0f'):>5} "
                             f"{fmt(lp['instr_per_element'], '.2f'):>6} "
-                            f"{fmt(lp['longest_path_per_element'], '.2f'):>7} {inflight:>5} {kb:>6.1f}")
+                            f"{fmt(lp['longest_path_per_element'], '.2f'):>7} {fmt(least):>6} {kb:>6.1f}")
             else:
                 loopcols = f"{'(none)':>13}"
             w(f"   {label:<34} {inst['regs']:>4} {spill:>11} {fmt(inst['stack']):>5} {inst['smem']:>6} "
@@ -54,9 +54,10 @@ def format_text(report: dict, details: str = "qwen") -> str:
           "insns = non-NOP instructions in it;")
         w("   skip = of those, ones a forward branch jumps over; el/it = elements stored per iteration; "
           "ins/el = insns / el/it;")
-        w("   longest = instructions on the longest head-to-back-edge path per element; ld128 = max "
-          "128-bit q/k loads in flight per thread;")
-        w("   KB/SM = ld128 x 16 B x resident threads per SM")
+        w("   longest = instructions on the longest head-to-back-edge path per element; B@wait = global "
+          "read bytes per thread still outstanding past")
+        w("   every wait of the hot loop (the fewest; from the SASS scoreboards); KiB/SM = B@wait x "
+          "resident threads per SM")
         w("")
         for inst in entry["instances"]:
             if inst["kind"] == "general" or not inst["hot_loop"].get("found"):
@@ -86,9 +87,18 @@ def format_text(report: dict, details: str = "qwen") -> str:
             for o in lp["memory_ops"]:
                 w(f"        {o['addr']}  {o['kind']:<5} {o['width']:>3}-bit  "
                   f"{'.'.join(o['qualifiers']) or '-':<14} {o['sass']}")
-            fl = lp["in_flight"]
-            w(f"      loads in flight per thread: {fl['max_qk_loads_128']} x 128-bit q/k "
-              f"(max {fl['max_bytes_per_thread']} B of global loads outstanding)")
+            sb = lp.get("scoreboards")
+            if sb and sb["waits"]:
+                w(f"      scoreboards: {sb['waits']} waits retire loads in the loop; global bytes per thread "
+                  f"outstanding past them: fewest {sb['min_outstanding']}, average "
+                  f"{sb['avg_outstanding']:.1f} (pending at them: fewest {sb['min_pending']}, average "
+                  f"{sb['avg_pending']:.1f})")
+                for wt in sb["waits_list"]:
+                    w(f"        0x{wt['addr']:04x}  SB{','.join(map(str, wt['scoreboards'])):<5} "
+                      f"{wt['pending']:>4} B -> {wt['outstanding']:>4} B  retires "
+                      f"{', '.join(f'{n} {k}' for k, n in wt['retired'].items()):<18} {wt['sass']}")
+            else:
+                w("      scoreboards: no control bits or no wait in the loop")
             b = inst.get("bounds")
             if b:
                 w(f"      bound ({report['problem']['name']}):")
@@ -101,8 +111,8 @@ def format_text(report: dict, details: str = "qwen") -> str:
                       f"{b['issue_floor_us']:.1f} us  -> {b['bound']}-bound, at best "
                       f"{b['fraction_of_peak_bw'] * 100:.0f} % of peak bandwidth "
                       f"(break-even {b['break_even_instr_per_element']:.1f} instructions/element)")
-                w(f"        in flight      {b['bytes_in_flight_per_sm'] / 1024:.1f} KB per SM at a "
-                  f"token's first wait ({loads_at_first_wait(lp)} x 16 B x "
+                w(f"        in flight      {b['bytes_in_flight_per_sm'] / 1024:.1f} KB per SM past "
+                  f"every wait ({fmt(outstanding_at_waits(lp)[0])} B x "
                   f"{inst['occupancy']['threads_per_sm']} threads) vs "
                   f"{b['bytes_in_flight_needed_per_sm'] / 1024:.1f} KB needed ({hw['dram_tb_s']} TB/s x "
                   f"{hw['dram_latency_ns']} ns / {hw['sms']} SMs): ratio {b['in_flight_ratio']:.2f}, "
@@ -116,7 +126,7 @@ def format_text(report: dict, details: str = "qwen") -> str:
         w("== launches: the real launcher (qknorm_rope.cu under the SIMT emulation, dry run) on "
           "modelled devices, occupancy from ptxas registers")
         w(f"   {'device':<14} {'model':<10} {'stream':<16} {'batch':>5} {'rnd':>3} {'instance':<30} "
-          f"{'blk/SM':>6} {'tok/grp':>7} {'ins/el':>6} {'ld@wait':>7} {'KiB/SM':>6}")
+          f"{'blk/SM':>6} {'tok/grp':>7} {'ins/el':>6} {'B@wait':>6} {'KiB/SM':>6} {'avg':>6}")
         for ln in report["launches"]:
             model = ln.get("model", "Qwen-Image")
             if "instr_per_element" not in ln:
@@ -125,12 +135,14 @@ def format_text(report: dict, details: str = "qwen") -> str:
                 continue
             w(f"   {ln['device']:<14} {model:<10} {ln['stream']:<16} {ln['batch']:>5} {ln['rounding']:>3} "
               f"{ln['instance']:<30} {ln['blocks_per_sm']:>6} {ln['tokens_per_group']:>7.1f} "
-              f"{fmt(ln['instr_per_element'], '.2f'):>6} {ln['loads_at_first_wait']:>7} "
-              f"{ln['bytes_in_flight_per_sm'] / 1024:>6.1f}")
+              f"{fmt(ln['instr_per_element'], '.2f'):>6} {fmt(ln['bytes_outstanding_per_thread']):>6} "
+              f"{ln['bytes_in_flight_per_sm'] / 1024:>6.1f} {ln['avg_bytes_in_flight_per_sm'] / 1024:>6.1f}")
         w("   ins/el = common-path SASS instructions per element over the whole kernel (loop per "
           "token + prologue/epilogue over tok/grp tokens);")
-        w("   ld@wait = 128-bit q/k loads outstanding at a token's first wait; KiB/SM = ld@wait x 16 B "
-          "x resident threads")
+        w("   B@wait = global read bytes (q/k rows, cos/sin) per thread still outstanding past every wait "
+          "of the steady-state token loop,")
+        w("   read from the SASS scoreboards (the fewest at any wait); KiB/SM = B@wait x resident threads; "
+          "avg = the average over the loop's waits")
         modes = sorted(LAUNCH_TARGETS[0]["instr_per_element"])
         w(f"   targets on {', '.join(f'sm_{a}' for a in TARGET_ARCHS)} devices: " + "; ".join(
             f">= {t['min_tokens']} tokens: >= {t['bytes_in_flight_per_sm'] // 1024} KiB, <= "
