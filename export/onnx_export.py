@@ -204,9 +204,12 @@ def _optimize(model, parameters: Sequence[str]) -> None:
     dedup_log = logging.getLogger("onnx_ir.passes.common.initializer_deduplication")
     level = dedup_log.level
     dedup_log.setLevel(logging.ERROR)
+    from .streaming import user_errors_unwrapped
+
     try:
-        onnxscript.optimizer.optimize_ir(model)
-        onnx_fusions.fuse(model)
+        with user_errors_unwrapped():  # a weight refused while read: its own line
+            onnxscript.optimizer.optimize_ir(model)
+            onnx_fusions.fuse(model)
     finally:
         dedup_log.setLevel(level)
         for value in protected:

@@ -224,6 +224,27 @@ def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> No
                                         keep=old.nbytes <= KEEP_BYTES)
 
 
+@contextlib.contextmanager
+def user_errors_unwrapped() -> Iterator[None]:
+    """A pass manager (onnx_ir's PassError) wraps what a weight's read raised: a QkropeError
+    (a shard changed, a value the dtype cannot hold) anywhere in the chain of causes is raised
+    as itself, one line, not as the pass's traceback."""
+    from qkrope.errors import QkropeError
+
+    try:
+        yield
+    except QkropeError:
+        raise
+    except Exception as exc:
+        seen, cause = set(), exc
+        while cause is not None and id(cause) not in seen:
+            if isinstance(cause, QkropeError):
+                raise cause from None
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        raise
+
+
 def check_no_placeholders(model, module: nn.Module) -> None:
     """Refuse a graph with an initializer that still holds one of ``module``'s placeholder
     parameters (its bytes would be whatever memory the placeholder got)."""
@@ -343,4 +364,5 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
 
 
 __all__ = ["WeightsMismatchError", "placeholder_module", "TensorSource", "DiskWeights",
-           "lazy_tensor", "stream_initializers", "check_no_placeholders", "inline_external_data"]
+           "lazy_tensor", "stream_initializers", "user_errors_unwrapped", "check_no_placeholders",
+           "inline_external_data"]
