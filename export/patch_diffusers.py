@@ -291,9 +291,14 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
+    from qkrope.diffusers_weights import ShardChangedError, unchanged_while_read, weight_files
+
     try:
-        model = getattr(diffusers, family.class_name).from_pretrained(
-            directory, torch_dtype=dtype, local_files_only=True, variant=variant)
+        with unchanged_while_read(weight_files(directory, variant=variant)[0]):  # not re-saved
+            model = getattr(diffusers, family.class_name).from_pretrained(
+                directory, torch_dtype=dtype, local_files_only=True, variant=variant)
+    except ShardChangedError:
+        raise
     except (RuntimeError, ValueError, TypeError, AssertionError, OSError) as exc:
         # weights of other shapes than the config says (size mismatch), a config diffusers
         # refuses: the folder's own inconsistency, said in one line

@@ -269,3 +269,23 @@ def test_a_header_whose_range_disagrees_with_its_shape_is_refused_with_the_heade
             call(folder)
         msg = str(info.value)
         assert "\n" not in msg and key in msg and name in msg and "needs" in msg
+
+
+def test_a_whole_model_load_refuses_a_shard_resaved_while_it_is_read(folder, monkeypatch):
+    """load_transformer (qkrope quantize, the FLUX reference of qkrope check): from_pretrained
+    reads whole shards; their identities are confirmed around it."""
+    import diffusers
+
+    from qkrope.export.patch_diffusers import load_transformer
+
+    cls = diffusers.QwenImageTransformer2DModel
+    real = cls.from_pretrained.__func__
+
+    def load_then_resave(klass, *a, **kw):
+        model = real(klass, *a, **kw)
+        _resave(folder / _shards(folder)[-1])
+        return model
+
+    monkeypatch.setattr(cls, "from_pretrained", classmethod(load_then_resave))
+    with pytest.raises(dw.ShardChangedError, match=_shards(folder)[-1]):
+        load_transformer(str(folder))
