@@ -39,6 +39,7 @@ from torch import nn
 
 from qkrope.diffusers_weights import DiffusersWeightsError, TensorHeader, read_tensor
 from qkrope.errors import InputError
+from qkrope.weight_values import checked_cast
 
 COPY_CHUNK = 16 << 20  # bytes per read/write while inlining external data
 #: Initializers up to this size are read once and kept: the graph optimiser's rewrite rules
@@ -179,8 +180,8 @@ class DiskWeights(TensorSource):
             value = read_tensor(self.headers[key])
         except DiffusersWeightsError as exc:
             raise WeightsMismatchError(f"{self.source}: {exc}") from None
-        target = self.targets[key]
-        return value if value.dtype == target else value.to(target)
+        # values the export dtype cannot hold (NaN/inf, fp32 beyond fp16): refused here
+        return checked_cast(value, self.targets[key], name=key, source=self.source)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
