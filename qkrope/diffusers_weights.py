@@ -154,6 +154,55 @@ def listed_files(folder: str | os.PathLike) -> list[Path]:
     return out
 
 
+#: config.json fields that are sizes (diffusers' naming: num_layers, attention_head_dim,
+#: in_channels, patch_size, axes_dims_rope, ...)
+_SIZE_FIELD = re.compile(r"num_\w+|\w+_(dim|dims|channels|size)|\w+_dims_\w+")
+
+
+def check_reference_config(folder: str | os.PathLike, recorded: dict | None, *,
+                           source: str, flag: str = "--diffusers") -> dict:
+    """A reference folder's ``config.json`` (``folder`` or its ``transformer/``) before anything
+    is built from it: readable JSON, an object, and, where the export recorded the config it
+    was made from (``recorded``, the sidecar's ``diffusers_config``), the same value for every
+    field both have (another width, a field such as ``num_layers: "two"``): one line naming the
+    field, both values and the fix. Returns the folder's config."""
+    d = model_folder(folder)
+    path = d / "config.json"
+    fix = f"Fix: pass {flag} with the folder the model was exported from"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DiffusersWeightsError(f"{flag} {folder}: {path} is not readable JSON "
+                                    f"({type(exc).__name__}). {fix}") from None
+    if not isinstance(config, dict):
+        raise DiffusersWeightsError(f"{flag} {folder}: {path} holds a JSON "
+                                    f"{type(config).__name__}, not a model's config. {fix}")
+    for k, v in config.items():  # sizes are integers (or lists of them, or null)
+        if not _SIZE_FIELD.fullmatch(k) or v is None:
+            continue
+        items = v if isinstance(v, list) else [v]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+            raise DiffusersWeightsError(f"{flag} {folder}: {path} has {k} = "
+                                        f"{json.dumps(v)[:60]}, not a size (a non-negative "
+                                        f"integer{' list' if isinstance(v, list) else ''}). "
+                                        f"Fix: correct {path}, or pass {flag} with the folder "
+                                        f"the model was exported from")
+    if recorded:
+        def norm(v):
+            return json.loads(json.dumps(v))  # tuples as lists, as config.json holds them
+
+        differ = [k for k in sorted(set(config) & set(recorded))
+                  if not k.startswith("_") and norm(config[k]) != norm(recorded[k])]
+        if differ:
+            k = differ[0]
+            more = f" (and {len(differ) - 1} more field(s))" if len(differ) > 1 else ""
+            raise DiffusersWeightsError(
+                f"{flag} {folder}: its config.json has {k} = {json.dumps(config[k])[:60]}, the "
+                f"export ({source}) was made from {k} = {json.dumps(recorded[k])[:60]}{more}: "
+                f"another model. {fix}")
+    return config
+
+
 def check_regular_file(path: Path, *, what: str) -> None:
     """A :class:`DiffusersWeightsError` (one line) when ``path`` exists as a name but is no
     readable regular file: a symbolic link loop, a link to nothing, a folder or a device. A
@@ -449,7 +498,7 @@ def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
             f"different saves)")
 
 
-__all__ = ["listed_files", "check_regular_file", "identity", "confirm_identity",
+__all__ = ["check_reference_config", "listed_files", "check_regular_file", "identity", "confirm_identity",
            "unchanged_while_read", "ShardChangedError", "DTYPE_SIZES", "DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
            "weight_files", "check_complete", "load_state_dict", "TensorHeader", "tensor_headers",
            "read_tensor"]

@@ -193,6 +193,9 @@ def _reference_folder(info: ModelInfo, diffusers_dir: str | None) -> str:
                           f"the model checked is a {family.label} export (sidecar "
                           f"{info.source}). Fix: pass --diffusers with the folder it was "
                           f"exported from")
+    from qkrope.diffusers_weights import check_reference_config
+
+    check_reference_config(directory, info.config.diffusers_config, source=str(info.source))
     return str(directory)
 
 
