@@ -139,17 +139,18 @@ def sha256_file(path: str | os.PathLike) -> str:
 NO_HARD_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
-def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike, *, copy: bool = False) -> str:
     """``dst`` becomes ``src``'s content: a hard link where the filesystem allows one (no bytes
     copied; both names share one inode, so ``src`` must never be rewritten in place: qkrope's
-    writers replace files by rename), else a copy. Returns "hard-linked" or "copied"; other
-    OS errors (a full disk) are raised."""
-    try:
-        os.link(src, dst)
-        return "hard-linked"
-    except OSError as exc:
-        if exc.errno not in NO_HARD_LINK:
-            raise
+    writers replace files by rename), else (or with ``copy``) a copy. Returns "hard-linked" or
+    "copied"; other OS errors (a full disk) are raised."""
+    if not copy:
+        try:
+            os.link(src, dst)
+            return "hard-linked"
+        except OSError as exc:
+            if exc.errno not in NO_HARD_LINK:
+                raise
     shutil.copyfile(src, dst)
     return "copied"
 
