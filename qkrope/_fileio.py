@@ -372,6 +372,19 @@ def check_outputs(outputs: Sequence[tuple[str | os.PathLike, str]],
                 f"another {flag}, or move {out} away")
 
 
+def check_not_inputs(outputs: Sequence[str | os.PathLike],
+                     inputs: Sequence[str | os.PathLike | None], *, flag: str) -> None:
+    """Before any work, for outputs of no kind of :data:`REPLACES` (a command's work files,
+    e.g. ``qkrope check --workdir``'s): none is one of ``inputs`` (same file after symlinks, a
+    hard link; None skipped), whatever names it; else one :class:`OutputIsInputError`."""
+    for out in outputs:
+        for given in inputs:
+            if given is not None and same_file(out, given):
+                raise OutputIsInputError(
+                    f"{flag} would write {out}, which is {given}, one of this command's inputs: "
+                    f"writing it would destroy that. Fix: choose another {flag}")
+
+
 # --------------------------------------------------------------------------------------------
 # Staged groups of outputs
 # --------------------------------------------------------------------------------------------

@@ -289,3 +289,18 @@ def test_a_whole_model_load_refuses_a_shard_resaved_while_it_is_read(folder, mon
     monkeypatch.setattr(cls, "from_pretrained", classmethod(load_then_resave))
     with pytest.raises(dw.ShardChangedError, match=_shards(folder)[-1]):
         load_transformer(str(folder))
+
+
+def test_check_workdir_that_would_overwrite_a_reference_file_is_refused(folder, tmp_path):
+    """qkrope check --workdir: its work files are never one of the files it reads, here a
+    shard of the reference folder the index names inputs.json."""
+    from qkrope.apps import check
+
+    first = _shards(folder)[0]
+    _rename_shard(folder, first, "inputs.json")
+    before = (folder / "inputs.json").read_bytes()
+    with pytest.raises(OutputIsInputError, match="--workdir") as info:
+        check._check_workdir(folder, str(tmp_path / "m.onnx"), None, None, str(folder))
+    assert "\n" not in str(info.value) and "inputs.json" in str(info.value)
+    assert (folder / "inputs.json").read_bytes() == before
+    check._check_workdir(tmp_path / "w", str(tmp_path / "m.onnx"), None, None, str(folder))
