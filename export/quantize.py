@@ -432,11 +432,14 @@ def save_quantized(transformer: nn.Module, out: str | os.PathLike, *,
 
 
 def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from qkrope.diffusers_weights import unchanged_while_read
+
     out: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
         from safetensors.torch import load_file
 
-        out.update(load_file(str(f)))
+        with unchanged_while_read([f]):  # a shard re-saved while it is read: refused
+            out.update(load_file(str(f)))
     for f in sorted(directory.glob("*.bin")):
         out.update(torch.load(f, map_location="cpu", weights_only=True))
     return out
