@@ -18,11 +18,25 @@ class WeightValueError(InputError):
     """A weight or calibrated amax holds values the target cannot hold."""
 
 
+#: elements checked at a time: the masks of a check stay a few MiB whatever the tensor's size
+#: (the streamed export's peak memory is about one tensor)
+CHUNK = 1 << 22
+
+
 def nonfinite(t) -> int:
-    """How many of ``t``'s values are NaN or infinite (0 for an integer tensor)."""
+    """How many of ``t``'s values are NaN or infinite (0 for an integer tensor), in chunks of
+    :data:`CHUNK` elements."""
     import torch
 
-    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+    if not t.is_floating_point():
+        return 0
+    flat = t.detach().reshape(-1)
+    bad = 0
+    for i in range(0, flat.numel(), CHUNK):
+        chunk = flat[i:i + CHUNK]
+        if not bool(torch.isfinite(chunk).all()):
+            bad += int((~torch.isfinite(chunk)).sum())
+    return bad
 
 
 def dtype_name(dtype) -> str:
