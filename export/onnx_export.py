@@ -204,9 +204,12 @@ def _optimize(model, parameters: Sequence[str]) -> None:
     dedup_log = logging.getLogger("onnx_ir.passes.common.initializer_deduplication")
     level = dedup_log.level
     dedup_log.setLevel(logging.ERROR)
+    from .streaming import user_errors_unwrapped
+
     try:
-        onnxscript.optimizer.optimize_ir(model)
-        onnx_fusions.fuse(model)
+        with user_errors_unwrapped():  # a weight refused while read: its own line
+            onnxscript.optimizer.optimize_ir(model)
+            onnx_fusions.fuse(model)
     finally:
         dedup_log.setLevel(level)
         for value in protected:
@@ -689,8 +692,12 @@ def _attention_weights(module: nn.Module, info: ModelInfo):
             draw.set_state(states[key])
             return _random_parameter(key, shapes[key], draw)
 
-    # as build_attention: the float32 module's value, then the export dtype
-    return TensorSource(lambda key: value(key).to(torch.float32).to(dtype), shapes)
+    from qkrope.weight_values import checked_cast
+
+    # as build_attention: the float32 module's value, then the export dtype (values it
+    # cannot hold refused: qkrope.weight_values)
+    return TensorSource(lambda key: checked_cast(value(key).to(torch.float32), dtype, name=key,
+                                                 source=f"--weights {weights}"), shapes)
 
 
 def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,

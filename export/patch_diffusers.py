@@ -72,9 +72,14 @@ def load_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     # diffusers advises installing `accelerate` on every load; that is not an error here.
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
+    from qkrope.diffusers_weights import ShardChangedError, unchanged_while_read, weight_files
+
     try:
-        model = getattr(diffusers, family.class_name).from_pretrained(
-            directory, torch_dtype=dtype, local_files_only=True, variant=variant)
+        with unchanged_while_read(weight_files(directory, variant=variant)[0]):  # not re-saved
+            model = getattr(diffusers, family.class_name).from_pretrained(
+                directory, torch_dtype=dtype, local_files_only=True, variant=variant)
+    except ShardChangedError:
+        raise
     except (RuntimeError, ValueError, TypeError, AssertionError, OSError) as exc:
         # weights of other shapes than the config says (size mismatch), a config diffusers
         # refuses: the folder's own inconsistency, said in one line
@@ -104,19 +109,25 @@ def skeleton_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
     from qkrope.diffusers_weights import tensor_headers
     from qkrope.quantization import QUANTIZER_MARK
 
-    from .streaming import DiskWeights, placeholder_module
+    from .streaming import DiskWeights, SizeError, check_config_sizes, placeholder_module
 
     diffusers = require("diffusers", "exporting a diffusers transformer (--model transformer)")
     directory, family = _checked_folder(directory, quant, variant)
     cls = getattr(diffusers, family.class_name)
     families.hooks(family, "export").check_config(directory, cls, dtype,
                                                   memory=False)  # the weights stay on disk
+    headers = tensor_headers(directory, variant=variant)  # sizes from the files, first
+    source = f"--diffusers {directory}"
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()
     try:
         config = cls.load_config(directory, local_files_only=True)
+        check_config_sizes(config, headers, source=source)
         model = placeholder_module(lambda: cls.from_config(config), dtype=dtype,
-                                   keep_in_fp32=cls._keep_in_fp32_modules or ())
+                                   keep_in_fp32=cls._keep_in_fp32_modules or (),
+                                   within=headers, source=source)
+    except SizeError:
+        raise
     except (RuntimeError, ValueError, TypeError, OverflowError, AssertionError) as exc:
         # sizes torch cannot allocate even as placeholders, a config diffusers refuses
         text = " ".join(str(exc).split()).split(" Exception raised from")[0]
@@ -127,7 +138,6 @@ def skeleton_transformer(directory: str, *, dtype: torch.dtype = torch.float32,
                          f"channels), or save the model again with save_pretrained") from None
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
-    headers = tensor_headers(directory, variant=variant)
     if quant is not None:
         from .quantize import restore_quantized
 

@@ -45,7 +45,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ from torch import nn
 from qkrope import families, quantization
 from qkrope._deps import require
 from qkrope.errors import InputError, InputFileNotFoundError, QkropeError
+from qkrope.weight_values import WeightValueError, amax_problem, nonfinite
 
 DEFAULT_EXCLUDED = families.default().fp8_excluded  # the default of --exclude (this API)
 CALIBRATION_FORMAT = "qkrope-calibration"
@@ -373,12 +374,12 @@ def calibrate(transformer: nn.Module, batches: Sequence[dict[str, Any]], *,
                     if _NON_FINITE.search(str(exc)) else "")
             raise QuantizeError(f"ModelOpt's calibration failed: {_one_line(exc)}{hint}") \
                 from None
-    bad = [n for n, q in fp8_quantizers(transformer)
-           if not bool(torch.isfinite(q.amax.detach()).all())]
+    bad = [(n, amax_problem(q.amax)) for n, q in fp8_quantizers(transformer)
+           if amax_problem(q.amax) is not None]
     if bad:
-        raise QuantizeError(f"the calibration gave {len(bad)} quantizer(s) a NaN or infinite "
-                            f"amax (first {bad[0]}): the model's weights or the calibration "
-                            f"inputs carry non-finite values")
+        raise QuantizeError(f"the calibration gave {len(bad)} quantizer(s) an amax FP8 cannot "
+                            f"scale by (first {bad[0][0]}: {bad[0][1]}): the model's weights "
+                            f"or the calibration inputs carry non-finite values")
     if not fp8_quantizers(transformer):
         raise QuantizeError("the configuration enabled no FP8 quantizer with a calibrated amax "
                             "(did the calibration batches reach the transformer?)")
@@ -431,14 +432,44 @@ def save_quantized(transformer: nn.Module, out: str | os.PathLike, *,
 
 
 def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from qkrope.diffusers_weights import unchanged_while_read
+
     out: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
         from safetensors.torch import load_file
 
-        out.update(load_file(str(f)))
+        with unchanged_while_read([f]):  # a shard re-saved while it is read: refused
+            out.update(load_file(str(f)))
     for f in sorted(directory.glob("*.bin")):
         out.update(torch.load(f, map_location="cpu", weights_only=True))
     return out
+
+
+def check_loaded_weights(model: nn.Module, *, source: str, dtype: str) -> None:
+    """Before the calibration (``qkrope quantize``): every floating parameter of the model as
+    loaded in ``dtype`` is finite; one that is not (NaN/inf in the weights, or values beyond
+    ``dtype``'s range that the load made infinite) is a WeightValueError naming it. The
+    calibration's max would otherwise carry it into every amax downstream."""
+    for name, p in model.named_parameters():
+        bad = nonfinite(p.detach())
+        if bad:
+            wider = " (or --dtype bf16: float32's range)" if dtype == "fp16" else ""
+            raise WeightValueError(
+                f"{source}: {name}: {bad} of {p.numel()} values are NaN or infinite as loaded "
+                f"in {dtype} (NaN/inf in the weights, or values beyond {dtype}'s range). Fix: "
+                f"pass finite weights{wider}")
+
+
+def check_calibrated(tensors: Mapping[str, torch.Tensor], *, source: str) -> None:
+    """Every calibrated amax among ``tensors`` (quantizer tensors by key) is finite and > 0
+    (:func:`qkrope.weight_values.amax_problem`); else one QuantizeError naming the first and
+    the fix. A NaN amax would export "done" and make every output after that layer NaN."""
+    bad = [(k, amax_problem(v)) for k, v in tensors.items()
+           if k.endswith("_amax") and isinstance(v, torch.Tensor) and amax_problem(v)]
+    if bad:
+        raise QuantizeError(f"{source}: {len(bad)} calibrated amax value(s) FP8 cannot scale by "
+                            f"(first {bad[0][0]}: {bad[0][1]}). Fix: calibrate again with "
+                            f"`{quantization.QUANTIZE_COMMAND}` from finite weights and inputs")
 
 
 def restore_quantized(transformer: nn.Module, directory: str | os.PathLike, *,
@@ -476,6 +507,7 @@ def restore_quantized(transformer: nn.Module, directory: str | os.PathLike, *,
 
         quant = {k: read_tensor(h) for k, h in headers.items()
                  if quantization.QUANTIZER_MARK in k}
+    check_calibrated(quant, source=str(directory))  # before anything is built on them
     missing, unexpected = transformer.load_state_dict(quant, strict=False)
     if unexpected:
         raise QuantizeError(f"{directory}: ModelOpt's state does not have the quantizer tensors "
@@ -552,6 +584,7 @@ def linear_fp8_table(model: nn.Module) -> dict[str, dict[str, Any]]:
         if amax.numel() != 1:
             raise QuantizeError(f"{where} has a per-channel amax of shape {list(amax.shape)}; "
                                 f"the export writes per-tensor FP8 only")
+        check_calibrated({f"{name}._amax": amax}, source="the quantised model")
         table.setdefault(owner, {})[role.split("_")[0]] = amax.detach().to("cpu",
                                                                             torch.float32)
     return table

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from qkrope.diffusers_weights import DiffusersWeightsError, TensorHeader, read_tensor
 from qkrope.errors import InputError
+from qkrope.weight_values import checked_cast
 
 COPY_CHUNK = 16 << 20  # bytes per read/write while inlining external data
 #: Initializers up to this size are read once and kept: the graph optimiser's rewrite rules
@@ -56,15 +58,82 @@ class WeightsMismatchError(InputError):
 # The skeleton
 # --------------------------------------------------------------------------------------------
 
+class SizeError(InputError):
+    """A config describes more than its weight files hold (checked before anything is built)."""
+
+
+_LAYER_FIELD = re.compile(r"num_(\w+_)?(layers|blocks)")
+
+
+def numbered_lists(keys: Iterable[str]) -> dict[str, int]:
+    """The module lists of a state dict's keys and how many entries each has: ``{"blocks": 2}``
+    for ``blocks.0.w``, ``blocks.1.w`` (the path before the first numeric component)."""
+    found: dict[str, set[str]] = {}
+    for key in keys:
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                found.setdefault(".".join(parts[:i]), set()).add(part)
+                break
+    return {prefix: len(indices) for prefix, indices in found.items()}
+
+
+def check_config_sizes(config: Mapping, headers: Mapping[str, TensorHeader], *,
+                       source: str) -> None:
+    """Before a model is built from ``config``: its layer counts (``num_layers``,
+    ``num_single_layers``, any ``num_*_layers`` / ``num_*_blocks``) fit in what the weight files
+    hold (the longest numbered module list of their headers). A config that claims a million
+    blocks over two blocks' shards is refused here, from the headers alone, in one line."""
+    lists = numbered_lists(headers)
+    most = max(lists.values(), default=0)
+    where = max(lists, key=lists.get) if lists else None
+    for field, value in config.items():
+        if not isinstance(field, str) or not _LAYER_FIELD.fullmatch(field):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > most:
+            held = (f"at most {most} numbered blocks ({where}.0-{most - 1})" if lists
+                    else "no numbered blocks")
+            raise SizeError(f"{source}: config.json's {field} is {value}, but the weight files "
+                            f"hold {held}. Fix: pass the config.json saved with these weights "
+                            f"(or every shard of the model)")
+
+
+class _Budget:
+    """While a skeleton is built: the parameters registered so far against what the weight
+    files hold (every parameter must have a tensor there, so a build that passes twice their
+    count or elements is refused at once, its time and memory bounded by the files')."""
+
+    def __init__(self, headers: Mapping[str, TensorHeader], source: str):
+        import math
+
+        self.source = source
+        self.max_count = 2 * len(headers) + 64
+        self.max_elements = 2 * sum(math.prod(h.shape) for h in headers.values()) + (1 << 20)
+        self.count = self.elements = 0
+
+    def add(self, param) -> None:
+        self.count += 1
+        self.elements += param.numel()
+        if self.count > self.max_count or self.elements > self.max_elements:
+            raise SizeError(f"{self.source}: the model config.json describes has more "
+                            f"parameters than the weight files hold (over {self.count} tensors "
+                            f"/ {self.elements} values built, the files hold "
+                            f"{(self.max_count - 64) // 2} / "
+                            f"{(self.max_elements - (1 << 20)) // 2}). Fix: pass the "
+                            f"config.json saved with these weights")
+
+
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def _parameters_on_meta(budget: _Budget | None = None) -> Iterator[None]:
     """Every parameter registered inside the context is moved to the meta device (no storage,
-    no initialisation cost); buffers are left as they are."""
+    no initialisation cost); buffers are left as they are. ``budget``: counted against it."""
     register = nn.Module.register_parameter
 
     def on_meta(self, name, param):
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None and budget is not None:
+            budget.add(param)
         register(self, name, param)
 
     nn.Module.register_parameter = on_meta
@@ -85,13 +154,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def placeholder_module(build: Callable[[], nn.Module], *, dtype: torch.dtype,
-                       keep_in_fp32: Iterable[str] = ()) -> nn.Module:
+                       keep_in_fp32: Iterable[str] = (),
+                       within: Mapping[str, TensorHeader] | None = None,
+                       source: str = "the weights") -> nn.Module:
     """``build()`` (e.g. ``cls.from_config(config)``) under the default dtype ``dtype``, as
     diffusers builds a model it loads with ``torch_dtype``, each parameter then an uninitialised
     CPU tensor of that dtype (float32 for the parameters of the ``keep_in_fp32`` modules, the
-    model class's ``_keep_in_fp32_modules``, as diffusers keeps them)."""
+    model class's ``_keep_in_fp32_modules``, as diffusers keeps them). ``within``: the weight
+    files' headers; a build that registers far more parameters than they hold stops at once
+    (:class:`SizeError`, ``source`` naming the files)."""
     keep = tuple(keep_in_fp32 or ())
-    with _default_dtype(dtype), _parameters_on_meta(), torch.no_grad():
+    budget = _Budget(within, source) if within is not None else None
+    with _default_dtype(dtype), _parameters_on_meta(budget), torch.no_grad():
         module = build()
     for name, owner in module.named_modules():
         for pname, param in list(owner._parameters.items()):
@@ -179,8 +253,8 @@ class DiskWeights(TensorSource):
             value = read_tensor(self.headers[key])
         except DiffusersWeightsError as exc:
             raise WeightsMismatchError(f"{self.source}: {exc}") from None
-        target = self.targets[key]
-        return value if value.dtype == target else value.to(target)
+        # values the export dtype cannot hold (NaN/inf, fp32 beyond fp16): refused here
+        return checked_cast(value, self.targets[key], name=key, source=self.source)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -222,6 +296,27 @@ def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> No
         value.const_value = lazy_tensor(lambda key=key: weights.tensor(key), dtype=old.dtype,
                                         shape=list(old.shape), name=key,
                                         keep=old.nbytes <= KEEP_BYTES)
+
+
+@contextlib.contextmanager
+def user_errors_unwrapped() -> Iterator[None]:
+    """A pass manager (onnx_ir's PassError) wraps what a weight's read raised: a QkropeError
+    (a shard changed, a value the dtype cannot hold) anywhere in the chain of causes is raised
+    as itself, one line, not as the pass's traceback."""
+    from qkrope.errors import QkropeError
+
+    try:
+        yield
+    except QkropeError:
+        raise
+    except Exception as exc:
+        seen, cause = set(), exc
+        while cause is not None and id(cause) not in seen:
+            if isinstance(cause, QkropeError):
+                raise cause from None
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        raise
 
 
 def check_no_placeholders(model, module: nn.Module) -> None:
@@ -342,5 +437,7 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
         f.write(model_high)
 
 
-__all__ = ["WeightsMismatchError", "placeholder_module", "TensorSource", "DiskWeights",
-           "lazy_tensor", "stream_initializers", "check_no_placeholders", "inline_external_data"]
+__all__ = ["WeightsMismatchError", "SizeError", "numbered_lists", "check_config_sizes",
+           "placeholder_module", "TensorSource", "DiskWeights",
+           "lazy_tensor", "stream_initializers", "user_errors_unwrapped", "check_no_placeholders",
+           "inline_external_data"]

@@ -15,7 +15,10 @@ the old group intact. SIGTERM/SIGHUP during the staged block remove the staging 
 handled, so every :func:`staged_outputs` first removes the staging folders of processes that are
 gone. Writers order the commit so that a kill between two renames leaves a state the readers
 detect (the ONNX sidecar records the sha256 of its model: the sidecar moves first, the model
-last). OS errors become :class:`OutputWriteError`, one line naming the path and the fix.
+last), and the commit's journal (:data:`COMMIT_JOURNAL`, written before the first rename) lets
+the next writer or reader in that folder finish the renames (:func:`_finish_commit`): the old
+group or the new one, never half of each. OS errors become :class:`OutputWriteError`, one line
+naming the path and the fix.
 
 An output may be a folder (``qkrope quantize``'s model folder): it is staged whole inside the
 staging folder and moved in by :func:`swap_dir`: one atomic exchange with the old folder
@@ -136,17 +139,18 @@ def sha256_file(path: str | os.PathLike) -> str:
 NO_HARD_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
-def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike, *, copy: bool = False) -> str:
     """``dst`` becomes ``src``'s content: a hard link where the filesystem allows one (no bytes
     copied; both names share one inode, so ``src`` must never be rewritten in place: qkrope's
-    writers replace files by rename), else a copy. Returns "hard-linked" or "copied"; other
-    OS errors (a full disk) are raised."""
-    try:
-        os.link(src, dst)
-        return "hard-linked"
-    except OSError as exc:
-        if exc.errno not in NO_HARD_LINK:
-            raise
+    writers replace files by rename), else (or with ``copy``) a copy. Returns "hard-linked" or
+    "copied"; other OS errors (a full disk) are raised."""
+    if not copy:
+        try:
+            os.link(src, dst)
+            return "hard-linked"
+        except OSError as exc:
+            if exc.errno not in NO_HARD_LINK:
+                raise
     shutil.copyfile(src, dst)
     return "copied"
 
@@ -308,7 +312,8 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
             return os.path.samefile(a, b)
     except OSError:
         pass
-    return Path(a).resolve() == Path(b).resolve()
+    # realpath, not Path.resolve: a symbolic link loop is compared as its name, never raised
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _inside(inner: str | os.PathLike, outer: str | os.PathLike) -> bool:
@@ -367,6 +372,19 @@ def check_outputs(outputs: Sequence[tuple[str | os.PathLike, str]],
                 f"another {flag}, or move {out} away")
 
 
+def check_not_inputs(outputs: Sequence[str | os.PathLike],
+                     inputs: Sequence[str | os.PathLike | None], *, flag: str) -> None:
+    """Before any work, for outputs of no kind of :data:`REPLACES` (a command's work files,
+    e.g. ``qkrope check --workdir``'s): none is one of ``inputs`` (same file after symlinks, a
+    hard link; None skipped), whatever names it; else one :class:`OutputIsInputError`."""
+    for out in outputs:
+        for given in inputs:
+            if given is not None and same_file(out, given):
+                raise OutputIsInputError(
+                    f"{flag} would write {out}, which is {given}, one of this command's inputs: "
+                    f"writing it would destroy that. Fix: choose another {flag}")
+
+
 # --------------------------------------------------------------------------------------------
 # Staged groups of outputs
 # --------------------------------------------------------------------------------------------
@@ -422,11 +440,44 @@ def _restore_replaced(staging: Path) -> list[Path]:
     return restored
 
 
+COMMIT_JOURNAL = ".commit.json"  # in a staging folder while its commit renames files
+
+
+def _finish_commit(staging: Path, folder: Path) -> bool:
+    """A writer killed between two renames of its commit (its journal still in ``staging``):
+    the renames it had not done are done now, in its order, then its removals, under the
+    folder's lock, so the folder holds the new group whole (the readers' pairs match again),
+    never the half of each. Only where every target may still be replaced by what is written
+    there (:func:`check_outputs` with the kinds it committed); else nothing is moved and the
+    half state stays for the readers to refuse. True when the commit was finished."""
+    try:
+        plan = json.loads((staging / COMMIT_JOURNAL).read_text(encoding="utf-8"))
+        order, remove, kinds = plan["order"], plan["remove"], plan["kinds"]
+        names = [*order, *remove]
+        if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+            return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    with contextlib.suppress(OSError), folder_lock(folder):
+        left = [n for n in order if (staging / n).is_file()]
+        check_outputs([(folder / n, kinds[n]) for n in left if kinds.get(n) in REPLACES], ())
+        for name in left:
+            os.replace(staging / name, folder / name)
+        for name in remove:
+            if os.path.lexists(folder / name) and not (folder / name).is_dir():
+                os.unlink(folder / name)
+        _fsync_dir(folder)
+        (staging / COMMIT_JOURNAL).unlink(missing_ok=True)
+        return True
+    return False
+
+
 def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
     """Remove the staging folders in ``folder`` whose process is gone (killed mid-write), after
     putting back any output folder such a process had moved away and not replaced (a kill
-    between the two renames of :func:`swap_dir`); the ones of live processes (a concurrent
-    writer) are kept. Returns what was removed."""
+    between the two renames of :func:`swap_dir`) and finishing the file renames of a commit it
+    was killed in the middle of (:func:`_finish_commit`); the ones of live processes (a
+    concurrent writer) are kept. Returns what was removed."""
     removed = []
     try:
         entries = list(os.scandir(folder))
@@ -441,6 +492,11 @@ def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
         if pid != os.getpid() and _alive(pid, start):
             continue
         _restore_replaced(Path(entry.path))
+        if os.path.exists(os.path.join(entry.path, COMMIT_JOURNAL)):
+            try:
+                _finish_commit(Path(entry.path), Path(folder))
+            except OutputIsInputError:
+                continue  # a target is now something else: left as it is, not removed
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))
     return removed
@@ -655,9 +711,28 @@ class Staging:
         with committing(), folder_lock(self.folder, flag=self.flag):
             check_outputs([(self.folder / n, self.kinds[n]) for n in [*order, *remove]
                            if n in self.kinds], self.inputs, flag=self.flag)
-            self._commit(order, remove, backups, done)
+            journal = self._journal(order, remove)
+            try:
+                self._commit(order, remove, backups, done)
+            finally:
+                journal.unlink(missing_ok=True)  # done, or rolled back
             self.committed = True
         return [self.folder / n for n in order]
+
+    def _journal(self, order, remove) -> Path:
+        """Before the first rename: the commit's file renames and removals, for the next writer
+        in the folder to finish should this process be killed between two renames
+        (:func:`_finish_commit`; folders have their own note, see :func:`swap_dir`)."""
+        journal = self.dir / COMMIT_JOURNAL
+        files = [n for n in order if (self.dir / n).is_file()]
+        text = json.dumps({"order": files, "remove": list(remove),
+                           "kinds": {n: k for n, k in self.kinds.items() if n in files}})
+        with open(journal, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(self.dir)
+        return journal
 
     def _commit(self, order, remove, backups: Path, done: list[tuple[str, object]]) -> None:
         try:

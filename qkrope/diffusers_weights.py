@@ -14,12 +14,13 @@ reads the shards' headers with :func:`tensor_headers`, then one tensor at a time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from qkrope.errors import InputFileNotFoundError, QkropeError
 
@@ -92,6 +93,8 @@ def weight_files(folder: str | os.PathLike, *, variant: str | None = None,
             raise DiffusersWeightsError(f"{index} names shard files outside its folder: "
                                         f"{bad[:4]}. Fix: save the model again with "
                                         f"save_pretrained")
+        for s in shards:
+            check_regular_file(d / s, what=f"the shard {s} its index {index.name} lists")
         missing = [s for s in shards if not (d / s).is_file()]
         if missing:
             raise DiffusersWeightsError(
@@ -109,6 +112,7 @@ def weight_files(folder: str | os.PathLike, *, variant: str | None = None,
         for s in shards:
             check_complete(d / s)
         return [d / s for s in shards], dict(weight_map)
+    check_regular_file(single, what="the weights file")
     if single.is_file():
         check_complete(single)
         return [single], None
@@ -132,6 +136,125 @@ def weight_files(folder: str | os.PathLike, *, variant: str | None = None,
         f"with save_pretrained(..., safe_serialization=True)"
         + (f", pass the --variant it was saved with, or {other_source}" if other_source
            else " or pass the --variant it was saved with"))
+
+
+def listed_files(folder: str | os.PathLike) -> list[Path]:
+    """Every file a weight index in ``folder`` (or its ``transformer/``) names, whatever its
+    name (``m.onnx`` too): inputs of any command that reads the folder, which no output may
+    replace. A malformed index names nothing here (its reader says what is wrong)."""
+    out = []
+    for d in (Path(folder), Path(folder) / "transformer"):
+        for index in d.glob("diffusion_pytorch_model.safetensors.index*.json"):
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                names = {v for v in weight_map.values() if isinstance(v, str)}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                continue
+            out += [d / n for n in sorted(names) if n and Path(n).name == n]
+    return out
+
+
+#: config.json fields that are sizes (diffusers' naming: num_layers, attention_head_dim,
+#: in_channels, patch_size, axes_dims_rope, ...)
+_SIZE_FIELD = re.compile(r"num_\w+|\w+_(dim|dims|channels|size)|\w+_dims_\w+")
+
+
+def check_reference_config(folder: str | os.PathLike, recorded: dict | None, *,
+                           source: str, flag: str = "--diffusers") -> dict:
+    """A reference folder's ``config.json`` (``folder`` or its ``transformer/``) before anything
+    is built from it: readable JSON, an object, and, where the export recorded the config it
+    was made from (``recorded``, the sidecar's ``diffusers_config``), the same value for every
+    field both have (another width, a field such as ``num_layers: "two"``): one line naming the
+    field, both values and the fix. Returns the folder's config."""
+    d = model_folder(folder)
+    path = d / "config.json"
+    fix = f"Fix: pass {flag} with the folder the model was exported from"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DiffusersWeightsError(f"{flag} {folder}: {path} is not readable JSON "
+                                    f"({type(exc).__name__}). {fix}") from None
+    if not isinstance(config, dict):
+        raise DiffusersWeightsError(f"{flag} {folder}: {path} holds a JSON "
+                                    f"{type(config).__name__}, not a model's config. {fix}")
+    for k, v in config.items():  # sizes are integers (or lists of them, or null)
+        if not _SIZE_FIELD.fullmatch(k) or v is None:
+            continue
+        items = v if isinstance(v, list) else [v]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+            raise DiffusersWeightsError(f"{flag} {folder}: {path} has {k} = "
+                                        f"{json.dumps(v)[:60]}, not a size (a non-negative "
+                                        f"integer{' list' if isinstance(v, list) else ''}). "
+                                        f"Fix: correct {path}, or pass {flag} with the folder "
+                                        f"the model was exported from")
+    if recorded:
+        def norm(v):
+            return json.loads(json.dumps(v))  # tuples as lists, as config.json holds them
+
+        differ = [k for k in sorted(set(config) & set(recorded))
+                  if not k.startswith("_") and norm(config[k]) != norm(recorded[k])]
+        if differ:
+            k = differ[0]
+            more = f" (and {len(differ) - 1} more field(s))" if len(differ) > 1 else ""
+            raise DiffusersWeightsError(
+                f"{flag} {folder}: its config.json has {k} = {json.dumps(config[k])[:60]}, the "
+                f"export ({source}) was made from {k} = {json.dumps(recorded[k])[:60]}{more}: "
+                f"another model. {fix}")
+    return config
+
+
+def check_regular_file(path: Path, *, what: str) -> None:
+    """A :class:`DiffusersWeightsError` (one line) when ``path`` exists as a name but is no
+    readable regular file: a symbolic link loop, a link to nothing, a folder or a device. A
+    missing name is left to the caller (its own message)."""
+    if not os.path.lexists(path):
+        return
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        import errno
+
+        if exc.errno == errno.ELOOP:
+            found = "a symbolic link loop"
+        elif exc.errno == errno.ENOENT:
+            found = f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+        else:
+            found = f"unreadable ({exc.strerror})"
+        raise DiffusersWeightsError(f"{path} ({what}) is {found}, not a file. Fix: replace it "
+                                    f"with the real file (copy the model folder again)") from None
+    import stat as stat_module
+
+    if not stat_module.S_ISREG(st.st_mode):
+        raise DiffusersWeightsError(f"{path} ({what}) is not a regular file (a folder, a device "
+                                    f"or a pipe). Fix: replace it with the real file")
+
+
+def _entry(key: str, entry, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+    """One safetensors header entry checked: ``(dtype, shape, start, end)`` with the byte
+    range inside the data (``data_size`` bytes) and, for a dtype of known size, exactly the
+    bytes its shape and dtype need. ValueError (the reason, one line) otherwise."""
+    import math
+
+    if not isinstance(entry, dict):
+        raise ValueError(f"{key}'s entry is not an object")
+    offsets, shape, dtype = entry.get("data_offsets"), entry.get("shape"), entry.get("dtype")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in offsets)):
+        raise ValueError(f"{key}'s data_offsets {offsets!r} are not two integers")
+    if (not isinstance(shape, list)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape)):
+        raise ValueError(f"{key}'s shape {shape!r} is not a list of sizes")
+    if not isinstance(dtype, str):
+        raise ValueError(f"{key}'s dtype {dtype!r} is not a name")
+    start, end = offsets
+    if not 0 <= start <= end <= data_size:
+        raise ValueError(f"{key}'s data [{start}, {end}) lies outside the file's "
+                         f"{data_size} data bytes")
+    itemsize = DTYPE_SIZES.get(dtype)
+    if itemsize is not None and math.prod(shape) * itemsize != end - start:
+        raise ValueError(f"{key}'s byte range [{start}, {end}) holds {end - start} bytes, its "
+                         f"shape {shape} of {dtype} needs {math.prod(shape) * itemsize}")
+    return dtype, tuple(shape), start, end
 
 
 def check_complete(path: Path) -> None:
@@ -158,6 +281,13 @@ def check_complete(path: Path) -> None:
     if size < need:
         raise DiffusersWeightsError(f"{path} is truncated: it holds {size} bytes, its header "
                                     f"describes {need}. {fix}")
+    for key, entry in header.items():  # every reader refuses a range its shape disagrees with
+        if key != "__metadata__":
+            try:
+                _entry(key, entry, size - 8 - n)
+            except ValueError as exc:
+                raise DiffusersWeightsError(f"{path} has a corrupt header: {exc}. "
+                                            f"{fix}") from None
 
 
 def load_state_dict(folder: str | os.PathLike, *, variant: str | None = None,
@@ -176,13 +306,17 @@ def load_state_dict(folder: str | os.PathLike, *, variant: str | None = None,
     files, weight_map = weight_files(folder, variant=variant, other_source=other_source)
     out: dict = {}
     for f in files:
-        tensors = reader(f)
+        with unchanged_while_read([f]):
+            tensors = reader(f)
         if weight_map is not None:
             _check_listed(f, set(tensors), weight_map)
         out.update(tensors)
     return out
 
 
+#: bytes per element of safetensors' dtypes
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+               "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 #: safetensors' dtype names -> torch's (the types a diffusers checkpoint holds)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
@@ -199,35 +333,87 @@ class TensorHeader:
     shape: tuple[int, ...]
     start: int  # the tensor's bytes in ``file``: [start, end)
     end: int
+    #: ``file``'s (size, mtime_ns, inode) when the header was read (:func:`identity`)
+    ident: tuple[int, int, int] | None = None
 
     @property
     def is_floating_point(self) -> bool:
         return self.dtype.startswith(("float", "bfloat"))
 
 
+def identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What says a file is the one that was read: (size, mtime_ns, inode). A re-save (a rename
+    over it: new inode; a rewrite in place: new mtime or size) changes it."""
+    return int(st.st_size), int(st.st_mtime_ns), int(st.st_ino)
+
+
+class ShardChangedError(DiffusersWeightsError):
+    """A weights file changed between the reading of its header and of its data."""
+
+
+def shard_changed(path: Path, when: str) -> ShardChangedError:
+    return ShardChangedError(f"{path} changed {when} (its size, mtime or inode is not the one "
+                             f"recorded when its header was read): it was re-saved or replaced "
+                             f"meanwhile, and nothing was written. Fix: run the command again "
+                             f"once nothing writes the model folder")
+
+
+def confirm_identity(path: Path, ident: tuple[int, int, int] | None, when: str,
+                     fd: int | None = None) -> None:
+    """:class:`ShardChangedError` unless ``path`` (and the open ``fd`` of it) still has the
+    identity ``ident`` (None: not recorded, nothing checked)."""
+    if ident is None:
+        return
+    try:
+        now = [identity(os.stat(path))] + ([identity(os.fstat(fd))] if fd is not None else [])
+    except OSError:
+        raise shard_changed(path, when) from None
+    if any(i != ident for i in now):
+        raise shard_changed(path, when)
+
+
+@contextlib.contextmanager
+def unchanged_while_read(files: Iterable[Path], *, what: str = "while it was read"):
+    """Record the identity of ``files`` on entry and confirm it on exit: a file re-saved while
+    the block read it is a :class:`ShardChangedError` naming it (for readers that load whole
+    files through another library, e.g. ``from_pretrained``)."""
+    before = {}
+    for f in files:
+        try:
+            before[Path(f)] = identity(os.stat(f))
+        except OSError:
+            continue  # a missing file is its reader's error
+    yield
+    for f, ident in before.items():
+        confirm_identity(f, ident, what)
+
+
 def _read_header(f: Path) -> dict[str, TensorHeader]:
     """A safetensors file's header (a little-endian u64 length, then that many bytes of JSON:
-    each key's dtype, shape and data offsets after the header)."""
+    each key's dtype, shape and data offsets after the header), each entry checked
+    (:func:`_entry`), with the file's identity at that moment."""
     import struct
 
-    size = f.stat().st_size
     with open(f, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        size = st.st_size
         head = fh.read(8)
         (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
         if n is None or not 2 <= n <= size - 8:
             raise ValueError(f"a header length of {n} in a file of {size} bytes")
         meta = json.loads(fh.read(n))
+        if identity(os.fstat(fh.fileno())) != identity(st):
+            raise ValueError("the file changed while its header was read")
+    if not isinstance(meta, dict):
+        raise ValueError("the header is not a JSON object")
     base = 8 + n
     out = {}
     for key, entry in meta.items():
         if key == "__metadata__":
             continue
-        start, end = (int(v) for v in entry["data_offsets"])
-        if not 0 <= start <= end <= size - base:
-            raise ValueError(f"{key}'s data [{start}, {end}) lies outside the file")
-        dtype = str(entry["dtype"])
-        out[key] = TensorHeader(key, f, SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
-                                tuple(int(d) for d in entry["shape"]), base + start, base + end)
+        dtype, shape, start, end = _entry(key, entry, size - base)
+        out[key] = TensorHeader(key, f, SAFETENSORS_DTYPES.get(dtype, dtype.lower()), shape,
+                                base + start, base + end, identity(st))
     return out
 
 
@@ -276,18 +462,29 @@ def read_tensor(header: TensorHeader):
         return torch.empty(header.shape, dtype=dtype)
     memory = mmap.mmap(-1, want)
     with open(header.file, "rb") as fh:
+        # the shard is the one whose header was read, before and after its data are read
+        confirm_identity(header.file, header.ident, f"before {header.key} was read",
+                         fh.fileno())
         fh.seek(header.start)
-        view, got = memoryview(memory), 0
+        view = memoryview(memory)
         try:
-            while got < want:
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise DiffusersWeightsError(f"{header.file} ends inside {header.key} "
-                                                f"(truncated). Fix: copy the shard again")
-                got += n
+            _read_into(fh, view, header)
         finally:
             view.release()
+        confirm_identity(header.file, header.ident, f"while {header.key} was read",
+                         fh.fileno())
     return torch.frombuffer(memory, dtype=dtype, count=count).reshape(header.shape)
+
+
+def _read_into(fh, view: memoryview, header: TensorHeader) -> None:
+    """Fill ``view`` from ``fh``'s position (plain reads)."""
+    got, want = 0, len(view)
+    while got < want:
+        n = fh.readinto(view[got:])
+        if not n:
+            raise DiffusersWeightsError(f"{header.file} ends inside {header.key} "
+                                        f"(truncated). Fix: copy the shard again")
+        got += n
 
 
 def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
@@ -301,7 +498,9 @@ def _check_listed(f: Path, keys: set[str], weight_map: dict[str, str]) -> None:
             f"different saves)")
 
 
-__all__ = ["DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
+__all__ = ["check_reference_config", "listed_files", "check_regular_file", "identity",
+           "confirm_identity", "unchanged_while_read", "ShardChangedError", "DTYPE_SIZES",
+           "DiffusersWeightsError", "WEIGHTS_NAME", "INDEX_NAME", "with_variant", "model_folder",
            "transformer_folder", "folder_family",
            "weight_files", "check_complete", "load_state_dict", "TensorHeader", "tensor_headers",
            "read_tensor"]

@@ -39,6 +39,9 @@ from typing import Any, Callable, Mapping
 from qkrope._fileio import sha256_file, write_json_atomic
 
 VERIFY_ENV = "QKROPE_VERIFY"  # "full": every load hashes (as `qkrope check` does)
+#: The documented values of QKROPE_VERIFY (unset or empty: "stat"); anything else is refused.
+VERIFY_VALUES = {"stat": "the stat record, then the hash where it differs (the default)",
+                 "full": "every load hashes every file"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 WRITE_ID_RE = re.compile(r"[0-9a-f]{16}")
 
@@ -49,8 +52,19 @@ def new_write_id() -> str:
 
 
 def full_by_default() -> bool:
-    """True when ``QKROPE_VERIFY=full`` asks every load for the full hash."""
-    return os.environ.get(VERIFY_ENV, "").strip().lower() == "full"
+    """True when ``QKROPE_VERIFY=full`` asks every load for the full hash; False when it is
+    unset, empty or ``stat``. Any other value (``1``, ``yes``, a typo) is an InputError: a
+    security setting never falls back to the fast check silently."""
+    value = os.environ.get(VERIFY_ENV)
+    if value is None or value == "":
+        return False
+    if value not in VERIFY_VALUES:
+        from qkrope.errors import InputError
+
+        raise InputError(f"{VERIFY_ENV}={value!r} is not one of its values: "
+                         + "; ".join(f"{k!r} ({v})" for k, v in VERIFY_VALUES.items())
+                         + f". Fix: set {VERIFY_ENV}=full (or stat), or unset it")
+    return value == "full"
 
 
 @dataclass(frozen=True)
@@ -160,4 +174,4 @@ def refresh_sidecar(side: Path, read: Any, update: Callable[[dict], None]) -> bo
 
 
 __all__ = ["FileRecord", "Verdict", "verify", "refresh_sidecar", "new_write_id",
-           "full_by_default", "VERIFY_ENV"]
+           "full_by_default", "VERIFY_ENV", "VERIFY_VALUES"]

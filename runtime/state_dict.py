@@ -22,10 +22,13 @@ SAVE_HINT = ("Fix: save the weights as a state dict: safetensors.torch.save_file
 
 def model_folder_files(folder: str | os.PathLike) -> list[Path]:
     """The files a diffusers model folder is read from (weights, index and config files, also in
-    its ``transformer/`` subfolder): what a writer must not write over."""
+    its ``transformer/`` subfolder, and every file a weight index names, whatever its name):
+    what a writer must not write over."""
+    from qkrope.diffusers_weights import listed_files
+
     d = Path(folder)
-    return [p for pattern in ("*.safetensors", "*.json", "*.bin", "*.pt")
-            for p in (*d.glob(pattern), *d.glob(f"transformer/{pattern}"))]
+    return [p for pattern in ("*.safetensors", "*.json", "*.bin", "*.pt", "*.pth")
+            for p in (*d.glob(pattern), *d.glob(f"transformer/{pattern}"))] + listed_files(d)
 
 
 def looks_like_safetensors(path: str | os.PathLike) -> bool:

@@ -5,8 +5,12 @@ Layout written (one model directory, created atomically)::
     REPO/<name>/config.pbtxt             platform "tensorrt_plan", I/O from the engine's sidecar
     REPO/<name>/1/model.plan             the engine: a hard link to it on the same filesystem
                                          (no bytes copied; qkrope's writers replace an engine by
-                                         rename, so the link keeps the engine it was made from),
-                                         a copy elsewhere (the result's ``transfer`` says which)
+                                         rename, so the link keeps the engine it was made from;
+                                         an in-place rewrite of the source changes it too),
+                                         a copy elsewhere or with ``copy=True`` (``--copy``; the
+                                         result's ``transfer`` says which)
+    REPO/<name>/1/model.plan.json        a copy of the engine's sidecar: the record qkrope's
+                                         loaders check the served file against
     REPO/<name>/libqkrope_plugin.so      copy of the plugin library (unless --no-copy-plugin);
                                          libqkrope_vc_plugin.so for a version-compatible engine,
                                          nothing for an engine built without the plugin
@@ -650,12 +654,28 @@ PYTHON_ENV_NOTE = ("the *_rope model (Python backend) needs numpy in the server'
                    "outputs under numpy 2")
 
 
+#: What the command says of a hard-linked model (its output and the README say the same).
+HARD_LINK_NOTE = ("a hard link shares the file with its source: rewriting the source in place "
+                  "(onnx.save or a copy over it, not a rename) changes the served model too, and "
+                  "qkrope then refuses the served file (its record beside it no longer matches); "
+                  "pass --copy to copy instead")
+
+
+def served_record(sidecar: Path, served: Path) -> None:
+    """Beside a served file, a copy of its sidecar (``1/model.plan.json`` /
+    ``1/model.onnx.json``): the record (sha256, size, mtime_ns, inode, write id) qkrope's own
+    loaders check the served file against (:meth:`EngineInfo.load` / :meth:`ModelInfo.load`;
+    ``qkrope check`` on the repository), so a served file that no longer matches it (its hard
+    linked source rewritten in place) is refused. Triton reads only the model file."""
+    shutil.copyfile(sidecar, Path(str(served) + ".json"))
+
+
 def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                      plugin: os.PathLike | str | None = None, name: str | None = None,
                      serving: Serving | None = None, force: bool = False,
                      copy_plugin: bool = True, check_plugin_hash: bool = True,
                      ensemble: bool | None = None, max_img_tokens: int | None = None,
-                     max_txt_tokens: int | None = None) -> RepoResult:
+                     max_txt_tokens: int | None = None, copy: bool = False) -> RepoResult:
     """Write ``repo/<name>`` for ``engine`` (:func:`_write_models`). For a whole transformer
     (:func:`is_transformer`; ``ensemble=None``: whenever it is one) three models:
     ``<name>_trt`` (the engine), ``<name>_rope`` (Python backend, the caches) and ``<name>``
@@ -686,7 +706,8 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     transfer: list[str] = []
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(engine, d / "1" / "model.plan"))
+        transfer.append(link_or_copy(engine, d / "1" / "model.plan", copy=copy))
+        served_record(engine_sidecar_path(engine), d / "1" / "model.plan")
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
         if copy_plugin:
             shutil.copy2(plugin_src, d / plugin_name)
@@ -729,7 +750,7 @@ def _onnx_files(onnx_path: Path) -> list[Path]:
 def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str, *,
                           name: str | None = None, serving: Serving | None = None,
                           force: bool = False, max_img_tokens: int | None = None,
-                          max_txt_tokens: int | None = None) -> RepoResult:
+                          max_txt_tokens: int | None = None, copy: bool = False) -> RepoResult:
     """``--backend onnxruntime``: serve ``qkrope export``'s .onnx (and its external data file)
     with Triton's onnxruntime backend, no TensorRT or plugin. A transformer gets the ensemble
     (``<name>_onnx``, ``<name>_rope``, ``<name>``), an attention block one model ``<name>``.
@@ -768,9 +789,10 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     transfer: list[str] = []
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx"))
+        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx", copy=copy))
         for f in data:  # keeps the name the model's tensors refer to
-            transfer.append(link_or_copy(f, d / "1" / f.name))
+            transfer.append(link_or_copy(f, d / "1" / f.name, copy=copy))
+        served_record(sidecar_path(onnx_path), d / "1" / "model.onnx")
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
     models: dict[str, Any] = {main_name: fill_main}

@@ -155,7 +155,7 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("change, says", [
-    (dict(num_layers=3), "has no tensor transformer_blocks.2."),
+    (dict(num_layers=3), "num_layers is 3, but the weight files hold at most 2"),
     (dict(joint_attention_dim=32), "txt_norm.weight is [24] in"),
 ])
 def test_a_key_missing_from_the_shards_or_of_another_shape_is_named(sharded, tmp_path, capsys,

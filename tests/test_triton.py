@@ -447,7 +447,8 @@ def _model_state(model: Path):
     if (model / "marker").exists():
         assert (model / "1" / "model.plan").read_bytes() == b"OLD-PLAN", files
         return "old"
-    assert files == ["1", "1/model.plan", "config.pbtxt", triton.PLUGIN_FILE_NAME], files
+    assert files == ["1", "1/model.plan", "1/model.plan.json", "config.pbtxt",
+                     triton.PLUGIN_FILE_NAME], files
     assert (model / "config.pbtxt").read_text().startswith('name: "attn"')
     return "new"
 

@@ -70,7 +70,8 @@ def test_onnxruntime_ensemble_for_the_transformer(tiny_transformer_onnx, tmp_pat
     assert cfgs["tiny_onnx"].backend == "onnxruntime"
     files = sorted(p.name for p in (repo / "tiny_onnx" / "1").iterdir())
     data = Path(str(tiny_transformer_onnx) + ".data")
-    assert files == ["model.onnx"] + (["tiny.onnx.data"] if data.exists() else [])
+    assert files == ["model.onnx", "model.onnx.json"] + (["tiny.onnx.data"] if data.exists()
+                                                     else [])
     assert "numpy < 2" in capsys.readouterr().out  # the Python env note
     # limits of an ONNX model: qkrope build's default profile
     from qkrope.runtime.profiles import DEFAULT_MAX_IMG_TOKENS, DEFAULT_MAX_TXT_TOKENS

@@ -200,6 +200,9 @@ def _reference_folder(info: ModelInfo, diffusers_dir: str | None) -> str:
                           f"the model checked is a {family.label} export (sidecar "
                           f"{info.source}). Fix: pass --diffusers with the folder it was "
                           f"exported from")
+    from qkrope.diffusers_weights import check_reference_config
+
+    check_reference_config(directory, info.config.diffusers_config, source=str(info.source))
     return str(directory)
 
 
@@ -348,6 +351,23 @@ def _json_feed(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             for k, v in feeds.items()}
 
 
+#: what qkrope check writes into --workdir
+WORKDIR_FILES = ("inputs.json", "reference_outputs.json", "run_results.json",
+                 "polygraphy_cmd.sh")
+
+
+def _check_workdir(workdir, onnx_path: str, engine, plugin, reference) -> None:
+    """--workdir's files are none of what check reads (the model, its sidecar and data, the
+    engine, the plugin, every file of the reference folder, whatever its name)."""
+    from qkrope._fileio import check_not_inputs
+    from qkrope.runtime.state_dict import model_folder_files
+
+    inputs = [onnx_path, onnx_path + ".json", onnx_path + ".data", engine,
+              engine and engine + ".json", plugin,
+              *(model_folder_files(reference) if reference else [])]
+    check_not_inputs([Path(workdir) / n for n in WORKDIR_FILES], inputs, flag="--workdir")
+
+
 def polygraphy_command(onnx_path: str, workdir: Path, tol: Mapping[str, tuple[float, float]], *,
                        engine: str | None = None, plugin: str | None = None) -> str:
     atol = " ".join(f"{k}:{v[0]:.6g}" for k, v in tol.items())
@@ -433,6 +453,8 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     checked_onnx_model(onnx_path)
     # the full hash of every file (a load checks their stat records only: qkrope.file_record)
     info = ModelInfo.load(onnx_path, full=True)
+    _check_workdir(workdir or onnx_path + ".check", onnx_path, engine, plugin,
+                   diffusers_dir or info.config.diffusers_dir)  # before the work
     engine_hashed = False
     if engine:
         from qkrope.sidecars import EngineInfo, engine_sidecar_path

@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         quantize.check_exclude_in_folder(folder, exclude)
     batches = quantize.load_calibration(args.calibration)[:args.batches]
     transformer = load_transformer(args.diffusers, dtype=dtypes.TORCH_BY_SHORT[args.dtype])
+    quantize.check_loaded_weights(transformer, source=f"--diffusers {folder}", dtype=args.dtype)
     if exclude is None:
         exclude = default_excluded(transformer)
     config = quantize.fp8_config(exclude, model=transformer)  # and the model loaded

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 from qkrope import dtypes
 from qkrope.errors import QkropeError
+from qkrope.weight_values import cast_problem
 
 from . import _args
 
@@ -79,12 +80,6 @@ def name_map(refitter_names, state_dict_keys, *, parameters=None, not_in_graph=(
                          not_in_graph=sorted((given & skip) - engine),
                          constants=sorted(engine - wanted))
     return report
-
-
-def _nonfinite(t) -> int:
-    import torch
-
-    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
 
 
 def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
@@ -139,17 +134,15 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
             mismatched.append(f"{name}: engine {want_dtype} x {want_count}{shape}, state dict "
                               f"{got_dtype} {list(t.shape)} ({t.numel()})")
             continue
-        bad = _nonfinite(t)
-        if bad:
-            nonfinite.append(f"{name}: {bad} of {t.numel()} values are NaN or infinite")
+        # what the export does to them: one rounding to the dtype (qkrope.weight_values: the
+        # export's and quantize's check too)
+        converted, problem = cast_problem(t, dtypes.torch_dtype(want_dtype))
+        if problem is not None:
+            nonfinite.append(f"{name}: {problem}" + (" in the engine" if "range" in problem
+                                                     else ""))
             continue
-        if got_dtype != want_dtype:  # what the export does to them: one rounding to the dtype
-            t = t.to(dtypes.torch_dtype(want_dtype))
-            bad = _nonfinite(t)
-            if bad:
-                nonfinite.append(f"{name}: {bad} of {t.numel()} values are beyond {want_dtype}'s "
-                                 f"range and would become infinite in the engine")
-                continue
+        if got_dtype != want_dtype:
+            t = converted
             report.cast.append(name)
         keep.append((name, t, current.dtype))
     if mismatched:

@@ -55,6 +55,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"profile's largest text cache; {DEFAULT_MAX_TXT_TOKENS} for --backend "
                         f"onnxruntime)")
     p.add_argument("--force", action="store_true", help="replace an existing model directory")
+    p.add_argument("--copy", action="store_true",
+                   help="copy the engine (or the model and its data) into the repository "
+                        "instead of hard-linking it (default: a hard link on the same "
+                        "filesystem, which shares the file: rewriting the source in place "
+                        "changes the served model too)")
     p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
                    help="reference the plugin library where it is instead of copying it into "
                         "the model directory")
@@ -103,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
             raise triton.TritonRepoError("--backend onnxruntime serves an ONNX model: pass "
                                          "--onnx MODEL.onnx (not --engine)")
         res = triton.write_onnx_repository(args.onnx, args.repo, name=args.name,
-                                           serving=serving, force=args.force, **limits)
+                                           serving=serving, force=args.force, copy=args.copy,
+                                           **limits)
     else:
         if args.engine is None or args.onnx is not None:
             raise triton.TritonRepoError("--backend tensorrt serves an engine: pass --engine "
@@ -111,11 +117,14 @@ def run(args: argparse.Namespace) -> int:
         res = triton.write_repository(args.engine, args.repo, plugin=args.plugin,
                                       name=args.name, serving=serving, force=args.force,
                                       copy_plugin=args.copy_plugin,
-                                      check_plugin_hash=args.check_plugin_hash, **limits)
+                                      check_plugin_hash=args.check_plugin_hash,
+                                      copy=args.copy, **limits)
     what = "the engine" if args.backend == "tensorrt" else "the model and its data"
     how = ("hard-linked (same filesystem: no bytes copied)" if res.transfer == "hard-linked"
            else "copied (another filesystem, or no hard links there)")
     print(f"{what}: {how}")
+    if res.transfer == "hard-linked":
+        print(f"note: {triton.HARD_LINK_NOTE}")
     if res.models and len(res.models) > 1:
         print(f"wrote {', '.join(str(m) + '/' for m in res.models)} (ensemble {res.model_dir.name}:"
               f" clients send {' and '.join(res.rope_inputs or ['img_shapes'])}, not the "
