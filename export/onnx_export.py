@@ -814,7 +814,7 @@ def _skeleton(steps: Steps, diffusers_dir, what: str, tdtype: torch.dtype,
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
-                       layers: int | None = None, dtype: str = "fp32",
+                       layers: int | None = None, dtype: str | None = None,
                        opset: int | None = None, rounding: int | None = None,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
@@ -823,7 +823,9 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     """Export a local diffusers transformer with cache inputs: ``QwenImageTransformer2DModel``
     here, FLUX.1/FLUX.2 through :func:`export_flux_transformer` (the
     family from config.json: :data:`qkrope.model_io.FAMILIES`; ``rounding`` None: the
-    family's). ``attention`` and ``opset``: as for :func:`export_attention`; ``variant``:
+    family's). ``dtype`` None: the checkpoint's
+    (:func:`qkrope.export.checkpoint_dtype.checkpoint_dtype`). ``attention`` and ``opset``: as for
+    :func:`export_attention`; ``variant``:
     diffusers' weights variant, e.g. ``"fp16"``. ``quant="fp8"``: a folder quantised with ModelOpt
     (``qkrope quantize``) exported with FP8 Q/DQ (:mod:`qkrope.export.quantize`; opset 19 or
     later); a quantised folder without it is refused.
@@ -837,6 +839,10 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     from qkrope.runtime.state_dict import model_folder_files
 
     out = _check_out(out, model_folder_files(diffusers_dir))
+    if dtype is None:  # the checkpoint's (qkrope.export.checkpoint_dtype)
+        from .checkpoint_dtype import checkpoint_dtype
+
+        dtype = checkpoint_dtype(diffusers_dir, variant=variant).dtype
     tdtype = _check_dtype(dtype)
     opset = _check_opset(default_opset(attention, quant) if opset is None else opset)
     check_attention_form(attention, opset)
