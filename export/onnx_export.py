@@ -298,8 +298,10 @@ def verify_onnx_file(path: str | os.PathLike) -> None:
             raise ExportError(f"shape inference gave output {out.name} no shape")
 
 
-def _save_staged(model, out: Path, st, steps: Steps) -> bool:
-    """Save and verify the model into the staging folder ``st``; True when it has external data.
+def _save_staged(model, out: Path, st, steps: Steps) -> tuple[bool, dict[str, str]]:
+    """Save and verify the model into the staging folder ``st``; ``(True when it has external
+    data, the sha256 by location ("": the model file) of the files hashed as they were written:
+    the sidecar records them without reading the files again)``.
 
     The initializers are written one at a time (each may be a lazy tensor read from the weight
     files, :mod:`qkrope.export.streaming`) into external data first, and that form is checked;
@@ -309,7 +311,7 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     import onnx
     import onnx_ir as ir
 
-    from .streaming import inline_external_data
+    from .streaming import WrittenDigest, inline_external_data
 
     data_name = out.name + ".data"
     nbytes = _initializer_bytes(model)
@@ -321,14 +323,24 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     with steps.step(f"writing {out.name} with {gib:.2f} GiB of external data {data_name}"
                     if external else f"writing {out.name} ({gib:.2f} GiB of initializers, "
                                      f"inside the file)"), \
-            steps.counter("tensors", unit="tensor") as bar:
-        def written(_tensor, info) -> None:
-            bar.set_total(info.total)
-            bar.update()
+            steps.counter("written", total=nbytes, unit="B", every=2**30) as bar, \
+            WrittenDigest() as digest:
+        last = [0]  # the bytes of the tensor being written (the callback comes before each)
+
+        def written(tensor, info) -> None:
+            digest.before(tensor, info)
+            bar.update(last[0])
+            last[0] = tensor.nbytes
 
         ir.save(model, ext_model, external_data=data_name, callback=written)
-        if not external:
-            inline_external_data(ext_model, st.path(out.name))
+        bar.update(last[0])
+        digests = {}
+        if external:
+            data_digest = digest.hexdigest(ext_data)
+            if data_digest is not None:
+                digests[data_name] = data_digest
+        else:
+            digests[""] = inline_external_data(ext_model, st.path(out.name))
     with steps.step("checking it (onnx.checker full check, strict shape inference, node "
                     "contract)"):
         verify_onnx_file(ext_model)  # the same model as the single file, without its data
@@ -343,7 +355,7 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     ext_model.unlink(missing_ok=True)
     ext_data.unlink(missing_ok=True)
     form.rmdir()
-    return external
+    return external, digests
 
 
 def _commit_order(out: Path, external: bool) -> tuple[list[str], list[str]]:
@@ -444,9 +456,11 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     kinds = dict(zip(names, (ONNX_MODEL, EXTERNAL_DATA, MODEL_SIDECAR)))
     with staged_outputs(out.parent, names, kinds=kinds) as st:
-        external = _save_staged(model, out, st, steps)
-        # records the staged files' sha256 and stat records (the commit's renames keep them)
-        info.save(st.path(out.name), external_data=[out.name + ".data"] if external else [])
+        external, digests = _save_staged(model, out, st, steps)
+        # records the staged files' sha256 (hashed as they were written) and stat records (the
+        # commit's renames keep them)
+        info.save(st.path(out.name), external_data=[out.name + ".data"] if external else [],
+                  digests=digests)
         order, remove = _commit_order(out, external)
         st.commit(order, remove=remove)
     written = [out] + ([out.parent / (out.name + ".data")] if external else [])

@@ -342,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
     skip = set(args.skip or [])
     results: list[StepResult] = []
     failed_before: set[str] = set()
+    print(f"qkrope demo: {len(STEPS)} steps into {args.out}: "
+          f"{', '.join(name for name, _ in STEPS)}", flush=True)
     for name, fn in STEPS:
         print(f"\n=== {name} ===", flush=True)
         t0 = time.perf_counter()
