@@ -101,7 +101,8 @@ def test_heartbeat_lines_while_a_long_step_runs():
             time.sleep(0.3)
     lines = out.getvalue().splitlines()
     assert lines[0] == "qkrope x: [1/1] optimising"
-    beats = [ln for ln in lines[1:] if re.fullmatch(r"qkrope x:   \[1/1\] still running, \d+ s", ln)]
+    beat = r"qkrope x:   \[1/1\] still running, \d+ s"
+    beats = [ln for ln in lines[1:] if re.fullmatch(beat, ln)]
     assert beats and len(beats) == len(lines) - 1, lines
     assert_numbered_once(out.getvalue(), "qkrope x")  # the heartbeats are no numbered steps
     time.sleep(0.15)  # stopped with its step: nothing more is printed
@@ -117,8 +118,8 @@ def test_byte_counter_prints_a_line_per_gib_off_a_terminal():
             for _ in range(6):
                 bar.update(gib // 2)
     lines = out.getvalue().splitlines()
-    assert lines[1:4] == [f"qkrope x:   written: {k}.00 GiB of 3.00 GiB ({round(100 * k / 3)}%), 0 s"
-                          for k in (1, 2, 3)]
+    assert lines[1:4] == [f"qkrope x:   written: {k}.00 GiB of 3.00 GiB "
+                          f"({round(100 * k / 3)}%), 0 s" for k in (1, 2, 3)]
     assert lines[4] == "qkrope x:   written: 3.00 GiB in 0 s" and len(lines) == 5
 
 
