@@ -21,7 +21,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     echo "[setup] creating virtual environment $venv" >&2
     "$python" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --progress-bar off)
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 show() {  # pip's lines that name what it fetches and installs, prefixed; the rest dropped
     { grep --line-buffered -E '^(Collecting|  Downloading|Installing collected|Successfully installed)' || true; } \
         | sed -u 's/^ */[setup]   /' >&2
@@ -31,11 +31,11 @@ t0=$SECONDS
 # torch first and alone: with the pinned version pip takes the CPU wheel where one is provided
 # locally; on a CUDA machine the same pin takes the CUDA build from PyPI.
 echo "[setup] 1/2 installing $(grep -E '^torch==' "$root/constraints.txt") (constraints.txt; the largest download)" >&2
-"${pip[@]}" install -c "$root/constraints.txt" torch 2> >(grep -v "^WARNING: Location" >&2) | show
+"${pip[@]}" install --progress-bar off -c "$root/constraints.txt" torch 2> >(grep -v "^WARNING: Location" >&2) | show
 echo "[setup] 1/2 torch done in $((SECONDS - t0)) s" >&2
 t1=$SECONDS
 echo "[setup] 2/2 installing qkrope (editable) with its test extras, pinned by constraints.txt: $pins" >&2
-"${pip[@]}" install -c "$root/constraints.txt" -e "$root[test]" 2> >(grep -v "^WARNING: Location" >&2) | show
+"${pip[@]}" install --progress-bar off -c "$root/constraints.txt" -e "$root[test]" 2> >(grep -v "^WARNING: Location" >&2) | show
 echo "[setup] 2/2 done in $((SECONDS - t1)) s" >&2
 echo "$want" > "$stamp"
 echo "[setup] ready: $venv ($((SECONDS - t0)) s)" >&2
