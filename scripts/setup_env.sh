@@ -2,8 +2,8 @@
 # Creates (or refreshes) the project's virtual environment in .venv and installs qkrope in
 # editable mode with its test extras, at the versions pinned in constraints.txt.
 # Re-running is cheap: nothing is reinstalled unless pyproject.toml or constraints.txt changed.
-# It prints what it installs: each phase with its pins, pip's "Collecting" / "Downloading" /
-# "Successfully installed" lines (the rest of pip's output dropped), and each phase's time.
+# It prints what it installs: each phase with its pins, pip's lines naming each package it
+# collects, downloads and installs (the rest of pip's output dropped), and each phase's time.
 # Usage: scripts/setup_env.sh            (then: . .venv/bin/activate)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +23,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 show() {  # pip's lines that name what it fetches and installs, prefixed; the rest dropped
-    { grep --line-buffered -E '^(Collecting|  Downloading|Installing collected|Successfully installed)' || true; } \
+    { grep --line-buffered -E '^(Collecting|Processing|  Downloading|  Using cached|Installing collected|Successfully installed)' || true; } \
         | sed -u 's/^ */[setup]   /' >&2
 }
 pins="$(grep -E '^[A-Za-z0-9_.-]+==' "$root/constraints.txt" | cut -d';' -f1 | tr '\n' ' ')"
