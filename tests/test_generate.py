@@ -102,3 +102,18 @@ def test_an_option_the_pipeline_does_not_take_is_refused():
                                      ("--height", "height"): None}) == {"num_inference_steps": 3}
     with pytest.raises(InputError, match="Pipe takes no true_cfg_scale, so --true-cfg-scale"):
         gen._call_kwargs(Pipe(), {("--true-cfg-scale", "true_cfg_scale"): 4.0})
+
+
+def test_write_output_images_and_frames(tmp_path):
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    imgs = [Image.new("RGB", (8, 6), (40 * k, 0, 0)) for k in range(3)]
+    one = gen.write_output(SimpleNamespace(images=imgs[:1]), tmp_path / "a.png")
+    assert one == [tmp_path / "a.png"] and Image.open(one[0]).size == (8, 6)
+    many = gen.write_output(SimpleNamespace(images=imgs), tmp_path / "b.jpg")
+    assert [p.name for p in many] == ["b_1.jpg", "b_2.jpg", "b_3.jpg"]
+    gif = gen.write_output(SimpleNamespace(frames=[imgs], images=None), tmp_path / "v.gif")
+    assert Image.open(gif[0]).n_frames == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left

@@ -287,26 +287,48 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     return output, times, pipe
 
 
+def _save_image(image, path: Path, **params) -> None:
+    """``image`` (PIL) to ``path`` atomically (encoded in memory, then a temp file renamed), in
+    the format its suffix names."""
+    import io
+
+    from PIL import Image
+
+    from qkrope._fileio import write_atomic
+
+    buf = io.BytesIO()
+    image.save(buf, format=Image.registered_extensions()[path.suffix.lower()], **params)
+    write_atomic(path, buf.getbuffer())
+
+
 def write_output(output, out: Path) -> list[Path]:
-    """The images (``output.images``) or frames (``output.frames``) to ``out``."""
+    """The images (``output.images``) or frames (``output.frames``) to ``out``, each file
+    written whole or not at all (a temp name renamed)."""
+    import os
+
     frames = getattr(output, "frames", None)
     images = getattr(output, "images", None)
     suffix = out.suffix.lower()
-    written = []
     if suffix in VIDEO_SUFFIXES:
-        seq = frames[0] if frames is not None else images
+        seq = list(frames[0] if frames is not None else images)
         if suffix == ".gif":
-            seq[0].save(out, save_all=True, append_images=list(seq[1:]), duration=100, loop=0)
+            _save_image(seq[0], out, save_all=True, append_images=seq[1:], duration=100, loop=0)
         else:
             from diffusers.utils import export_to_video
 
-            export_to_video(list(seq), str(out))
+            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp{out.suffix}")
+            try:
+                export_to_video(seq, str(tmp))
+                os.replace(tmp, out)
+            finally:
+                tmp.unlink(missing_ok=True)
         return [out]
     if images is None:
         images = [f for video in frames for f in video]
+    written = []
     for i, image in enumerate(images):
         path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i + 1}{out.suffix}")
-        image.save(path)
+        _save_image(image, path)
         written.append(path)
     return written
 
