@@ -92,6 +92,9 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
     pre.input_dir(str(diffusers_dir), flag="--diffusers",
                   fix="pass the local folder of a saved diffusers transformer (config.json "
                       "and its weights; nothing is downloaded)")
+    from qkrope.export.patch_diffusers import folder_family
+
+    folder_family(str(diffusers_dir))  # another model class: refused (with the list) first
     choice = resolve_dtype(dtype, diffusers_dir, variant=variant)
     if progress:
         print(f"qkrope export: dtype {choice.dtype}: {choice.reason}", file=sys.stderr,

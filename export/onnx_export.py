@@ -853,16 +853,18 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     from qkrope.runtime.state_dict import model_folder_files
 
     out = _check_out(out, model_folder_files(diffusers_dir))
-    if dtype is None:  # the checkpoint's (qkrope.export.checkpoint_dtype)
-        from .checkpoint_dtype import checkpoint_dtype
-
-        dtype = checkpoint_dtype(diffusers_dir, variant=variant).dtype
-    tdtype = _check_dtype(dtype)
+    if dtype is not None:
+        _check_dtype(dtype)
     opset = _check_opset(default_opset(attention, quant) if opset is None else opset)
     check_attention_form(attention, opset)
     _check_quant_opset(quant, opset)
     sample = _sample(img_shapes, txt_len, batch, DEFAULT_TRANSFORMER_SAMPLE)
     family = folder_family(str(diffusers_dir))  # any other class: refused with the list
+    if dtype is None:  # the checkpoint's (qkrope.export.checkpoint_dtype)
+        from .checkpoint_dtype import checkpoint_dtype
+
+        dtype = checkpoint_dtype(diffusers_dir, variant=variant).dtype
+    tdtype = _check_dtype(dtype)
     if rounding is not None:
         rounding = contract.check_rounding(rounding, what="--rounding")
     if family is not QWEN_IMAGE_FAMILY:

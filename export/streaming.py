@@ -28,6 +28,7 @@ Any diffusers model class (any ``nn.Module`` whose state-dict keys are the check
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 from pathlib import Path
@@ -212,11 +213,15 @@ class _WrittenFromItself(ir.LazyTensor):
     def tofile(self, file) -> None:
         value = self._evaluate()
         value.tofile(file)
-        if _DIGEST is not None:
-            _DIGEST.wrote(self, value)
+        digest = _DIGEST.get()
+        if digest is not None:
+            digest.wrote(self, value)
 
 
-_DIGEST: "WrittenDigest | None" = None  # the digest the lazy tensors' tofile reports to
+#: the digest the lazy tensors' tofile reports to (per thread of control: another export in
+#: another thread has its own; a tensor written from a worker thread reports to none, and the
+#: digest then says it cannot vouch for the file)
+_DIGEST: contextvars.ContextVar = contextvars.ContextVar("qkrope_written_digest", default=None)
 
 
 def _memory(value) -> memoryview | bytes:
@@ -246,13 +251,11 @@ class WrittenDigest:
         self._pending = None
 
     def __enter__(self) -> "WrittenDigest":
-        global _DIGEST
-        _DIGEST = self
+        self._token = _DIGEST.set(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _DIGEST
-        _DIGEST = None
+        _DIGEST.reset(self._token)
 
     def before(self, tensor, info) -> None:
         if self._pending is not None:  # announced but not written through tofile
