@@ -301,8 +301,10 @@ def verify_onnx_file(path: str | os.PathLike) -> None:
             raise ExportError(f"shape inference gave output {out.name} no shape")
 
 
-def _save_staged(model, out: Path, st, steps: Steps) -> bool:
-    """Save and verify the model into the staging folder ``st``; True when it has external data.
+def _save_staged(model, out: Path, st, steps: Steps) -> tuple[bool, dict[str, str]]:
+    """Save and verify the model into the staging folder ``st``; ``(True when it has external
+    data, the sha256 by location ("": the model file) of the files hashed as they were written:
+    the sidecar records them without reading the files again)``.
 
     The initializers are written one at a time (each may be a lazy tensor read from the weight
     files, :mod:`qkrope.export.streaming`) into external data first, and that form is checked;
@@ -312,7 +314,7 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     import onnx
     import onnx_ir as ir
 
-    from .streaming import inline_external_data
+    from .streaming import WrittenDigest, inline_external_data
 
     data_name = out.name + ".data"
     nbytes = _initializer_bytes(model)
@@ -324,14 +326,24 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     with steps.step(f"writing {out.name} with {gib:.2f} GiB of external data {data_name}"
                     if external else f"writing {out.name} ({gib:.2f} GiB of initializers, "
                                      f"inside the file)"), \
-            steps.counter("tensors", unit="tensor") as bar:
-        def written(_tensor, info) -> None:
-            bar.set_total(info.total)
-            bar.update()
+            steps.counter("written", total=nbytes, unit="B", every=2**30) as bar, \
+            WrittenDigest() as digest:
+        last = [0]  # the bytes of the tensor being written (the callback comes before each)
+
+        def written(tensor, info) -> None:
+            digest.before(tensor, info)
+            bar.update(last[0])
+            last[0] = tensor.nbytes
 
         ir.save(model, ext_model, external_data=data_name, callback=written)
-        if not external:
-            inline_external_data(ext_model, st.path(out.name))
+        bar.update(last[0])
+        digests = {}
+        if external:
+            data_digest = digest.hexdigest(ext_data)
+            if data_digest is not None:
+                digests[data_name] = data_digest
+        else:
+            digests[""] = inline_external_data(ext_model, st.path(out.name))
     with steps.step("checking it (onnx.checker full check, strict shape inference, node "
                     "contract)"):
         verify_onnx_file(ext_model)  # the same model as the single file, without its data
@@ -346,7 +358,7 @@ def _save_staged(model, out: Path, st, steps: Steps) -> bool:
     ext_model.unlink(missing_ok=True)
     ext_data.unlink(missing_ok=True)
     form.rmdir()
-    return external
+    return external, digests
 
 
 def _commit_order(out: Path, external: bool) -> tuple[list[str], list[str]]:
@@ -447,9 +459,11 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
     names = [out.name, out.name + ".data", sidecar_path(out).name]
     kinds = dict(zip(names, (ONNX_MODEL, EXTERNAL_DATA, MODEL_SIDECAR)))
     with staged_outputs(out.parent, names, kinds=kinds) as st:
-        external = _save_staged(model, out, st, steps)
-        # records the staged files' sha256 and stat records (the commit's renames keep them)
-        info.save(st.path(out.name), external_data=[out.name + ".data"] if external else [])
+        external, digests = _save_staged(model, out, st, steps)
+        # records the staged files' sha256 (hashed as they were written) and stat records (the
+        # commit's renames keep them)
+        info.save(st.path(out.name), external_data=[out.name + ".data"] if external else [],
+                  digests=digests)
         order, remove = _commit_order(out, external)
         st.commit(order, remove=remove)
     written = [out] + ([out.parent / (out.name + ".data")] if external else [])
@@ -846,7 +860,7 @@ class TransformerPlan:
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
-                       layers: int | None = None, dtype: str = "fp32",
+                       layers: int | None = None, dtype: str | None = None,
                        opset: int | None = None, rounding: int | None = None,
                        img_shapes: Sequence[Sequence[int]] | None = None,
                        txt_len: int | None = None, batch: int | None = None,
@@ -856,7 +870,8 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     knows (:mod:`qkrope.families`; the family from config.json, refused with the list
     otherwise): the family's export hooks (``qkrope/families/<family>/export.py``) patch its
     attentions and give the wrapper, the sample and the graph (:class:`TransformerPlan`);
-    ``rounding`` None: the family's. ``layers``: the first N blocks (families whose record has
+    ``rounding`` None: the family's. ``dtype`` None: the checkpoint's
+    (:func:`qkrope.export.checkpoint_dtype.checkpoint_dtype`). ``layers``: the first N blocks (families whose record has
     ``blocks``; refused otherwise). ``attention`` and ``opset``: as for
     :func:`export_attention`; ``variant``: diffusers' weights variant, e.g. ``"fp16"``.
     ``quant="fp8"``: a folder quantised with ModelOpt (``qkrope quantize``) exported with FP8
@@ -873,7 +888,8 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     from .patch_diffusers import folder_family
 
     out = _check_out(out, model_folder_files(diffusers_dir))
-    tdtype = _check_dtype(dtype)
+    if dtype is not None:
+        _check_dtype(dtype)
     opset = _check_opset(default_opset(attention, quant) if opset is None else opset)
     check_attention_form(attention, opset)
     _check_quant_opset(quant, opset)
@@ -881,6 +897,11 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     family = folder_family(str(diffusers_dir))  # any other class: refused with the list
     if layers is not None:
         families.check_blocks_option(family, "--layers", layers)
+    if dtype is None:  # the checkpoint's (qkrope.export.checkpoint_dtype)
+        from .checkpoint_dtype import checkpoint_dtype
+
+        dtype = checkpoint_dtype(diffusers_dir, variant=variant).dtype
+    tdtype = _check_dtype(dtype)
     if rounding is not None:
         rounding = contract.check_rounding(rounding, what="--rounding")
     rounding = family.rounding if rounding is None else rounding

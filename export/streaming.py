@@ -28,6 +28,8 @@ Any diffusers model class (any ``nn.Module`` whose state-dict keys are the check
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -279,10 +281,94 @@ def lazy_tensor(read: Callable[[], torch.Tensor], *, dtype, shape, name: str,
 
 class _WrittenFromItself(ir.LazyTensor):
     """A LazyTensor whose ``tofile`` writes the evaluated tensor's own memory (onnx_ir's
-    TorchTensor.tofile), not a ``tobytes()`` copy of it: one copy of a tensor in flight."""
+    TorchTensor.tofile), not a ``tobytes()`` copy of it: one copy of a tensor in flight. The
+    bytes written are hashed by the :class:`WrittenDigest` in effect, if any."""
 
     def tofile(self, file) -> None:
-        self._evaluate().tofile(file)
+        value = self._evaluate()
+        value.tofile(file)
+        digest = _DIGEST.get()
+        if digest is not None:
+            digest.wrote(self, value)
+
+
+#: the digest the lazy tensors' tofile reports to (per thread of control: another export in
+#: another thread has its own; a tensor written from a worker thread reports to none, and the
+#: digest then says it cannot vouch for the file)
+_DIGEST: contextvars.ContextVar = contextvars.ContextVar("qkrope_written_digest", default=None)
+
+
+def _memory(value) -> memoryview | bytes:
+    """The bytes ``tofile`` wrote for ``value``: a torch tensor's own memory (no copy), else
+    ``tobytes()``."""
+    raw = getattr(value, "raw", None)
+    if isinstance(raw, torch.Tensor) and raw.is_contiguous() and raw.device.type == "cpu":
+        return memoryview(raw.reshape(-1).view(torch.uint8).numpy())
+    return value.tobytes()
+
+
+class WrittenDigest:
+    """The sha256 of the external-data file ``onnx_ir.save`` writes, from the bytes as they are
+    written, not read back: ``ir.save(..., callback=digest.before)`` inside ``with digest:``.
+
+    onnx_ir writes the tensors in order (serially), each at its offset after a hole of zeros (the
+    alignment): ``before`` (its callback, called before each tensor is written) hashes the hole,
+    then the tensor's bytes when it is in memory; a lazy tensor of this module hashes its own
+    bytes as it writes them (``_WrittenFromItself.tofile``), so it is read from the shards once.
+    :meth:`hexdigest` is None when the bytes hashed cannot be the file's (a write out of order,
+    another length): the caller then hashes the file."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self.pos = 0
+        self.ok = True
+        self._pending = None
+
+    def __enter__(self) -> "WrittenDigest":
+        self._token = _DIGEST.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _DIGEST.reset(self._token)
+
+    def before(self, tensor, info) -> None:
+        if self._pending is not None:  # announced but not written through tofile
+            self.ok = False
+        offset = int(info.offset)
+        if offset < self.pos:
+            self.ok = False
+            return
+        zeros = offset - self.pos
+        while zeros > 0:
+            n = min(zeros, COPY_CHUNK)
+            self._h.update(bytes(n))
+            zeros -= n
+        self.pos = offset
+        if isinstance(tensor, _WrittenFromItself):
+            self._pending = tensor
+        else:
+            data = tensor.tobytes()
+            self._h.update(data)
+            self.pos += len(data)
+
+    def wrote(self, tensor, value) -> None:
+        if tensor is not self._pending:
+            self.ok = False
+            return
+        self._pending = None
+        data = _memory(value)
+        self._h.update(data)
+        self.pos += data.nbytes if isinstance(data, memoryview) else len(data)
+
+    def hexdigest(self, path: str | os.PathLike) -> str | None:
+        """The digest of ``path`` as written, or None when it cannot be known so."""
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return None
+        if not self.ok or self._pending is not None or size != self.pos:
+            return None
+        return self._h.hexdigest()
 
 
 def stream_initializers(model, weights: TensorSource, keys: Iterable[str]) -> None:
@@ -370,10 +456,22 @@ def _split(message, number: int) -> tuple[bytes, bytes]:
     return low.SerializeToString(), high.SerializeToString()
 
 
-def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) -> None:
+class _Hashed:
+    """A binary file whose bytes are hashed (sha256) as they are written."""
+
+    def __init__(self, file):
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data) -> None:
+        self.file.write(data)
+        self.digest.update(data)
+
+
+def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) -> str:
     """Write ``out``: the model ``model_path`` with every initializer's external data (files
     beside it) as ``raw_data`` in the file, without holding the data in memory (chunks of
-    :data:`COPY_CHUNK`). Only the main graph's initializers may be external."""
+    :data:`COPY_CHUNK`). Only the main graph's initializers may be external. Returns the
+    sha256 of ``out``, taken as it is written."""
     import onnx
     from onnx import TensorProto
 
@@ -412,7 +510,8 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
     sizes = [tensor_size(*p) for p in pieces]
     graph_size = len(graph_low) + len(graph_high) + sum(
         len(_len_field(5, n)) + n for n in sizes)
-    with open(out, "wb") as f:
+    with open(out, "wb") as raw:
+        f = _Hashed(raw)
         f.write(model_low)
         f.write(_len_field(7, graph_size))
         f.write(graph_low)
@@ -435,9 +534,10 @@ def inline_external_data(model_path: str | os.PathLike, out: str | os.PathLike) 
             f.write(tail)
         f.write(graph_high)
         f.write(model_high)
+    return f.digest.hexdigest()
 
 
 __all__ = ["WeightsMismatchError", "SizeError", "numbered_lists", "check_config_sizes",
            "placeholder_module", "TensorSource", "DiskWeights",
            "lazy_tensor", "stream_initializers", "user_errors_unwrapped", "check_no_placeholders",
-           "inline_external_data"]
+           "inline_external_data", "WrittenDigest"]

@@ -6,9 +6,12 @@ plain lines in a log.
 redraws when it is updated, so a ticker thread refreshes it once a second; tracing a 60-block
 transformer is one step of a minute with nothing to count) and stays visible when a long step
 description is cut at the terminal's width. Steps that can count their work
-(tensors written to external data) open a nested bar with :meth:`Steps.counter`. Elsewhere (a
-file, CI) every step is one line when it starts, so logs carry no carriage returns.
-``enabled=False`` prints nothing.
+(bytes written to external data) open a nested bar with :meth:`Steps.counter`. Elsewhere (a
+file, CI) every step is one line when it starts, so logs carry no carriage returns, a step still
+running after ``heartbeat`` seconds (30) prints a line saying so every ``heartbeat`` seconds
+(optimising a 60-block graph is one step of minutes that nothing inside it can count), and a
+counter given ``every`` prints a line each time its count passes a multiple of it (each GiB
+written) and one when it closes. ``enabled=False`` prints nothing.
 
 The TensorRT build's own phases come from ``trt.IProgressMonitor`` (:func:`make_progress_monitor`,
 a subclass of the ``tensorrt`` module it is given: nothing here imports TensorRT), drawn by
@@ -74,6 +77,71 @@ class _Counter:
             self.bar.refresh()
 
 
+def duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``1 h 02 min``: a duration for a log line."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def _amount(n: float, unit: str) -> str:
+    return f"{n / 2**30:.2f} GiB" if unit == "B" else f"{int(n)} {unit}"
+
+
+class _LineCounter:
+    """A counter off a terminal: a line each time the count passes a multiple of ``every``,
+    and one when it closes (what was counted, in how long)."""
+
+    def __init__(self, say: Callable[[str], None], what: str, total: int | None, unit: str,
+                 every: float, clock: Callable[[], float]):
+        self.say, self.what, self.total, self.unit = say, what, total, unit
+        self.every, self.clock, self.t0 = float(every), clock, clock()
+        self.n, self.next = 0, float(every)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n >= self.next:
+            self.next = (self.n // self.every + 1) * self.every
+            of = ""
+            if self.total:
+                of = (f" of {_amount(self.total, self.unit)} "
+                      f"({100 * min(self.n / self.total, 1):.0f}%)")
+            self.say(f"{self.what}: {_amount(self.n, self.unit)}{of}, "
+                     f"{duration(self.clock() - self.t0)}")
+
+    def set_total(self, n: int) -> None:
+        self.total = n
+
+    def close(self) -> None:
+        self.say(f"{self.what}: {_amount(self.n, self.unit)} in "
+                 f"{duration(self.clock() - self.t0)}")
+
+
+class _Heartbeat:
+    """Calls ``say(elapsed)`` every ``interval`` seconds from a daemon thread until stopped."""
+
+    def __init__(self, say: Callable[[float], None], interval: float,
+                 clock: Callable[[], float]):
+        self.say, self.interval, self.clock, self.t0 = say, interval, clock, clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qkrope-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.say(self.clock() - self.t0)
+            except Exception:  # noqa: BLE001 - a display problem must never end the command
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval)
+
+
 class _NullCounter:
     def update(self, n: int = 1) -> None:
         pass
@@ -87,8 +155,9 @@ class Steps:
 
     def __init__(self, prefix: str, total: int, *, enabled: bool = True,
                  stream: TextIO | None = None, tty: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, heartbeat: float = 30.0):
         self.prefix, self.total, self.enabled = prefix, int(total), enabled
+        self.heartbeat = heartbeat
         self.stream = stream if stream is not None else sys.stderr
         self.tty = is_terminal(self.stream) if tty is None else tty
         self.clock = clock
@@ -131,26 +200,49 @@ class Steps:
     def step(self, text: str) -> Iterator[None]:
         """One numbered step: shown while it runs, counted when it returns."""
         label = f"[{self.done + 1}/{self.total}] {text}"
+        beat = None
         if self._bar is not None:
             self._bar.set_description_str(f"{self.prefix}: {label}", refresh=True)
         elif self.enabled:
             print(f"{self.prefix}: {label}", file=self.stream, flush=True)
-        yield
+            if self.heartbeat and self.heartbeat > 0:
+                number = label.split("]")[0] + "]"
+                beat = _Heartbeat(lambda t: self._line(f"  {number} still running, "
+                                                       f"{duration(t)}"),
+                                  self.heartbeat, self.clock)
+        try:
+            yield
+        finally:
+            if beat is not None:
+                beat.stop()
         self.done += 1
         if self._bar is not None:
             self._bar.update(1)
 
+    def _line(self, text: str) -> None:
+        print(f"{self.prefix}: {text}", file=self.stream, flush=True)
+
     @contextlib.contextmanager
-    def counter(self, what: str, total: int | None = None, unit: str = "it"):
+    def counter(self, what: str, total: int | None = None, unit: str = "it",
+                every: float | None = None):
         """A nested bar for work that can be counted; yields an object with ``update(n=1)`` and
-        ``set_total(n)``. Nothing is drawn off a terminal."""
+        ``set_total(n)``. ``unit="B"``: bytes (GiB in the lines, scaled on the bar). Off a
+        terminal: with ``every``, a line each time the count passes a multiple of it and one
+        at the end; else nothing."""
         if self._bar is None:
-            yield _NullCounter()
+            if not self.enabled or not every:
+                yield _NullCounter()
+                return
+            lines = _LineCounter(lambda text: self._line(f"  {text}"), what, total, unit, every,
+                                 self.clock)
+            yield lines
+            lines.close()
             return
         from tqdm.auto import tqdm
 
+        scale = dict(unit_scale=True, unit_divisor=1024) if unit == "B" else {}
         bar = tqdm(total=total, file=self.stream, desc=f"  {what}", unit=unit, leave=False,
-                   **tqdm_size())
+                   **scale, **tqdm_size())
         try:
             yield _Counter(bar)
         finally:
@@ -274,4 +366,5 @@ def make_progress_monitor(trt, progress: BuildProgress):
     return _Monitor()
 
 
-__all__ = ["BuildProgress", "Steps", "is_terminal", "make_progress_monitor", "tqdm_size"]
+__all__ = ["BuildProgress", "Steps", "duration", "is_terminal", "make_progress_monitor",
+           "tqdm_size"]

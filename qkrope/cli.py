@@ -1,4 +1,5 @@
-"""``qkrope`` command line: export | quantize | check | build | build-plugin | triton-repo | bench | demo.
+"""``qkrope`` command line: export | quantize | check | build | build-plugin | triton-repo | generate |
+bench | demo.
 
 Each subcommand lives in its own module of :mod:`qkrope.apps` that defines
 ``add_parser(subparsers)``; the parser it
@@ -33,6 +34,9 @@ _SUBCOMMANDS = (
     ("refit", "qkrope.apps.refit", "replace an engine's weights by diffusers parameter name"),
     ("triton-repo", "qkrope.apps.triton_repo",
      "write a Triton Inference Server model repository for an engine"),
+    ("generate", "qkrope.apps.generate",
+     "run a saved diffusers pipeline from a prompt to an image or video, the transformer on an "
+     "export or engine, with per-stage timings"),
     ("bench", "qkrope.apps.bench",
      "benchmark the attention block (TensorRT plugin vs no plugin vs torch) and the kernel's "
      "bandwidth"),

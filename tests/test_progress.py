@@ -90,3 +90,93 @@ def test_transformer_export_announces_each_step_once(tmp_path, capsys):
     err = capsys.readouterr().err
     assert_numbered_once(err, "qkrope export")
     assert re.search(r"^qkrope export: done in [\d.]+ s: ", err, flags=re.M)
+
+
+def test_heartbeat_lines_while_a_long_step_runs():
+    import time
+
+    out = io.StringIO()
+    with Steps("qkrope x", 1, stream=out, tty=False, heartbeat=0.05) as steps:
+        with steps.step("optimising"):
+            time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "qkrope x: [1/1] optimising"
+    beat = r"qkrope x:   \[1/1\] still running, \d+ s"
+    beats = [ln for ln in lines[1:] if re.fullmatch(beat, ln)]
+    assert beats and len(beats) == len(lines) - 1, lines
+    assert_numbered_once(out.getvalue(), "qkrope x")  # the heartbeats are no numbered steps
+    time.sleep(0.15)  # stopped with its step: nothing more is printed
+    assert out.getvalue().splitlines() == lines
+
+
+def test_byte_counter_prints_a_line_per_gib_off_a_terminal():
+    out = io.StringIO()
+    gib = 2**30
+    with Steps("qkrope x", 1, stream=out, tty=False, heartbeat=0, clock=lambda: 0.0) as steps:
+        with steps.step("writing"), steps.counter("written", total=3 * gib, unit="B",
+                                                  every=gib) as bar:
+            for _ in range(6):
+                bar.update(gib // 2)
+    lines = out.getvalue().splitlines()
+    assert lines[1:4] == [f"qkrope x:   written: {k}.00 GiB of 3.00 GiB "
+                          f"({round(100 * k / 3)}%), 0 s" for k in (1, 2, 3)]
+    assert lines[4] == "qkrope x:   written: 3.00 GiB in 0 s" and len(lines) == 5
+
+
+def test_duration():
+    from qkrope._progress import duration
+
+    assert [duration(s) for s in (0.4, 59, 65, 3725)] == ["0 s", "59 s", "1 min 05 s",
+                                                          "1 h 02 min"]
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_export_hashes_while_writing(tmp_path, monkeypatch, external):
+    """The sidecar's sha256 of every file it records is the file's, and the files the export
+    wrote (the single file, or the external data) are not read back to hash them. Every
+    initializer is a lazy tensor here (KEEP_BYTES 0), each read from the weights once while it
+    is written (hashing reads no tensor twice)."""
+    import hashlib
+    import json
+
+    from qkrope import file_record
+    from qkrope.export import onnx_export, streaming
+
+    hashed: list[str] = []
+    real = file_record.sha256_file
+    monkeypatch.setattr(file_record, "sha256_file", lambda p: hashed.append(str(p)) or real(p))
+    monkeypatch.setattr(streaming, "KEEP_BYTES", 0)
+    if external:
+        monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    import onnx_ir
+
+    reads, saving = {}, []  # reads while onnx_ir.save writes (the optimiser reads some before)
+
+    class Counting(streaming.TensorSource):
+        def tensor(self, key):
+            if saving:
+                reads[key] = reads.get(key, 0) + 1
+            return super().tensor(key)
+
+    real_save = onnx_ir.save
+
+    def save(*args, **kwargs):
+        saving.append(1)
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            saving.clear()
+
+    monkeypatch.setattr(streaming, "TensorSource", Counting)
+    monkeypatch.setattr(onnx_ir, "save", save)
+    out = tmp_path / "a.onnx"
+    onnx_export.export_attention(out, heads=2, head_dim=16, progress=False)
+    side = json.loads((tmp_path / "a.onnx.json").read_text())
+    files = {"a.onnx": side["model_sha256"],
+             **{loc: rec["sha256"] for loc, rec in side["external_data"].items()}}
+    assert ("a.onnx.data" in files) == external
+    for name, sha in files.items():
+        assert sha == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(), name
+    big = "a.onnx.data" if external else "a.onnx"
+    assert not [p for p in hashed if p.endswith(big)], hashed
+    assert reads and set(reads.values()) == {1}, reads

@@ -2,10 +2,12 @@
 
 1. caches    build Qwen-Image's RoPE caches for a 1024x1024 image + 512 text tokens, spec checks
 2. diffusers QwenImageAttention (fused op) vs diffusers' attention, same random weights
-3. export    the Qwen-Image attention block (24 heads x 128, fp32) to ONNX
+3. export    the Qwen-Image attention block (24 heads x 128, --dtype fp32: random weights have
+             no stored dtype) to ONNX
 4. check     polygraphy: ONNX Runtime vs the PyTorch reference
 5. pipeline  a tiny random diffusers QwenImagePipeline (true CFG, non-square) run on the PyTorch
-             transformer and on its ONNX export through load_transformer: latents compared, the
+             transformer and on its ONNX export (no --dtype: the checkpoint's, fp32 as the
+             tiny model is saved) through load_transformer: latents compared, the
              two images written as PNGs side by side (out/pipeline/image_{pytorch,onnx}.png)
 6. fp8       FP8 on the tiny transformer: calibration inputs recorded from a tiny pipeline run
              (CalibrationRecorder), `qkrope quantize` (ModelOpt), `qkrope export --quant fp8`,
@@ -174,7 +176,11 @@ def step_pipeline(args) -> str:
     if diff > bound:
         raise RuntimeError(f"pipeline latents on the exported transformer differ from PyTorch by "
                            f"{diff:.3g} (bound {bound:.3g})")
-    return (f"QwenImagePipeline (tiny random, true CFG {cfg:g}, 64x96, 4 steps): pipe.transformer = "
+    import json
+
+    dtype = json.loads((d / "transformer.onnx.json").read_text())["dtype"]
+    return (f"QwenImagePipeline (tiny random, true CFG {cfg:g}, 64x96, 4 steps): the {dtype} "
+            f"export (the checkpoint's dtype); pipe.transformer = "
             f"load_transformer({onnx_path.name}) gives latents within {diff:.2g} of PyTorch "
             f"(bound {bound:.2g}); images {pngs[0]} and {pngs[1]}")
 
@@ -336,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
     skip = set(args.skip or [])
     results: list[StepResult] = []
     failed_before: set[str] = set()
+    print(f"qkrope demo: {len(STEPS)} steps into {args.out}: "
+          f"{', '.join(name for name, _ in STEPS)}", flush=True)
     for name, fn in STEPS:
         print(f"\n=== {name} ===", flush=True)
         t0 = time.perf_counter()

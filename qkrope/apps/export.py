@@ -40,8 +40,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", "-o", default=None,
                    help="output .onnx (default: <family>_<model>_<dtype>.onnx, the family "
                         f"{_args.or_list(_file_prefix(r) for r in families.records())})")
-    _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision",
-                    default="fp32")
+    _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision. "
+                       "Default: a transformer's checkpoint dtype (the dtype its safetensors "
+                       "headers store the weights in; mixed: the majority's), printed with the "
+                       "reason; fp32 for the attention block",
+                    default=None)
     p.add_argument("--opset", type=int, default=None,
                    help=f"ONNX opset, {contract.MIN_OPSET}..{contract.MAX_OPSET} (default "
                         f"{contract.DEFAULT_OPSET}; {contract.ATTENTION_MIN_OPSET['onnx23']} with "
@@ -127,35 +130,36 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--out must end in .onnx; got {args.out!r}. Fix: --out "
                              f"{Path(args.out).with_suffix('.onnx')}")
 
-    prefix = _file_prefix(families.default())  # the attention block's
     if args.model == "transformer":
         from qkrope.diffusers_weights import folder_family
 
         # the family from config.json (no torch): its options checked before any work
-        family = folder_family(args.diffusers)
-        _check_family_options(family, args)
-        prefix = _file_prefix(family)
+        _check_family_options(folder_family(args.diffusers), args)
 
-    from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
-
-    out = args.out or f"{prefix}_{args.model}_{args.dtype}.onnx"
-    common = dict(dtype=args.dtype, opset=args.opset, img_shapes=args.img_shape,
-                  txt_len=args.txt_len, batch=args.batch, attention=args.attention)
     if args.model == "transformer":
-        info, written = onnx_export.export_transformer(out, args.diffusers, layers=args.layers,
-                                                       rounding=args.rounding,
-                                                       progress=True, quant=args.quant,
-                                                       variant=args.variant, **common)
+        from qkrope.export import api  # the defaults' home, shared with the Python API
+
+        result = api.export_transformer(
+            args.diffusers, args.out, dtype=args.dtype, layers=args.layers, opset=args.opset,
+            rounding=args.rounding, attention=args.attention, img_shapes=args.img_shape,
+            txt_len=args.txt_len, batch=args.batch, quant=args.quant, variant=args.variant,
+            progress=True)
+        written = result.paths
     else:
+        from qkrope.export import onnx_export  # torch, onnx, onnxscript: only when exporting
+
+        dtype = args.dtype or "fp32"
+        out = args.out or f"qwen_image_attention_{dtype}.onnx"
         info, written = onnx_export.export_attention(
-            out, heads=QWEN_IMAGE.heads if args.heads is None else args.heads,
+            out, dtype=dtype, opset=args.opset, img_shapes=args.img_shape, txt_len=args.txt_len,
+            batch=args.batch, attention=args.attention,
+            heads=QWEN_IMAGE.heads if args.heads is None else args.heads,
             head_dim=QWEN_IMAGE.head_dim if args.head_dim is None else args.head_dim,
             rotary_dim=args.rotary_dim,
             eps=contract.DEFAULT_EPS if args.eps is None else args.eps,
             interleaved=not args.neox, weights=args.weights,
             seed=0 if args.seed is None else args.seed, progress=True,
-            rounding=contract.DEFAULT_ROUNDING if args.rounding is None else args.rounding,
-            **common)
+            rounding=contract.DEFAULT_ROUNDING if args.rounding is None else args.rounding)
     for path in written:
         print(path)
     return 0

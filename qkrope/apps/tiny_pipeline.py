@@ -76,3 +76,48 @@ TRANSFORMER_PARITY = 1e-4
 def latent_bound(reference: torch.Tensor, cfg_scale: float = 1.0) -> float:
     """Largest |latents - reference| an exported transformer may cause (derivation above)."""
     return float(TRANSFORMER_PARITY * (1 + 2 * max(cfg_scale, 1.0)) * reference.abs().max())
+
+
+#: the tiny text encoder of :func:`save_text_pipeline`: a 1-layer Qwen2 whose width is the tiny
+#: transformer's text width (the pipeline reads its last hidden state)
+TEXT_ENCODER_CONFIG = dict(hidden_size=TRANSFORMER_CONFIG["joint_attention_dim"],
+                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte, plus the chat markers the
+    Qwen-Image prompt template uses), built in code: any prompt tokenizes, nothing downloaded."""
+    require("transformers", "the tiny Qwen-Image pipeline's tokenizer")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>")
+
+
+def save_text_pipeline(directory: str | Path, seed: int = 0) -> Path:
+    """A whole tiny QwenImagePipeline saved with ``save_pretrained`` (model_index.json, the tiny
+    transformer and VAE, a random 1-layer Qwen2 text encoder and :func:`byte_tokenizer`): a
+    pipeline folder that runs from a prompt (``qkrope generate``)."""
+    diffusers = require("diffusers", "the tiny Qwen-Image pipeline")
+    require("transformers", "the tiny Qwen-Image pipeline's text encoder")
+    from transformers import Qwen2Config, Qwen2Model
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(seed)
+    encoder = Qwen2Model(Qwen2Config(vocab_size=len(tokenizer), **TEXT_ENCODER_CONFIG)).eval()
+    pipe = diffusers.QwenImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=tiny_vae(seed),
+        text_encoder=encoder, tokenizer=tokenizer, transformer=tiny_transformer(seed))
+    directory = Path(directory)
+    pipe.save_pretrained(str(directory))
+    return directory
