@@ -29,6 +29,7 @@ from qkrope._deps import require
 from qkrope.errors import InputError
 
 from ._dropin import frozen_config, is_one, short_repr
+from .component import DropinComponent
 from .caches import RopeCaches, build_flux_rope_caches
 from .runner import Runner
 
@@ -74,7 +75,7 @@ def _ids(value: Any, name: str, tokens: int, axes: int) -> torch.Tensor:
     return ids
 
 
-class FluxTransformer:
+class FluxTransformer(DropinComponent):
     """What diffusers' FLUX pipelines call on ``pipe.transformer``, run by a qkrope runner
     (module docstring). Built by :func:`qkrope.runtime.load_transformer` for a FLUX export."""
 

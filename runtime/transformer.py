@@ -41,6 +41,7 @@ from qkrope.errors import InputError, QkropeError
 
 from ._dropin import frozen_config as _frozen_config
 from ._dropin import is_one as _is_one, short_repr as _short_repr
+from .component import DropinComponent
 from .caches import QWEN_AXES_DIM, build_qwen_rope_caches, checked_device
 from .backends import load
 from .runner import Runner
@@ -50,7 +51,7 @@ class TransformerLoadError(QkropeError, ValueError):
     """The file is not an exported diffusers transformer (an attention block, or no config)."""
 
 
-class QwenImageTransformer:
+class QwenImageTransformer(DropinComponent):
     """What diffusers' Qwen-Image pipelines call on ``pipe.transformer``, run by a qkrope runner
     (see the module docstring). Build it with :func:`load_transformer`."""
 
