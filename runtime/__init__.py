@@ -27,13 +27,11 @@ _PUBLIC = {
 }
 
 __all__ = list(_PUBLIC)
+# diffusers' pipeline loader resolves a saved drop-in from model_index.json's ["qkrope.runtime",
+# <class>] and looks its base class up here by diffusers' name (runtime/component.py): offered,
+# not in __all__
+_PUBLIC.update({"ModelMixin": "component", "DropinComponent": "component"})
 
-# diffusers' pipeline loader resolves a saved drop-in from model_index.json's
-# ["qkrope.runtime", <class>] and looks its base class up here by diffusers' name
-# (runtime/component.py); offered, not exported by *
-_DIFFUSERS_LOADER = {"ModelMixin": "component", "DropinComponent": "component"}
 
-
-__getattr__, __dir__ = lazy_names(
-    __name__, {n: f".{m}" for n, m in {**_PUBLIC, **_DIFFUSERS_LOADER}.items()}, globals(),
-    submodules=True)
+__getattr__, __dir__ = lazy_names(__name__, {n: f".{m}" for n, m in _PUBLIC.items()}, globals(),
+                                  submodules=True)
