@@ -315,7 +315,7 @@ class DropinComponent(ModelMixin):
             model = onnx.load(str(path), load_external_data=False)
             files += list(external_data_files(model, path))
             files.append(sidecar_path(path))
-        elif engine_sidecar_path(path).is_file():
+        else:  # the engine's sidecar holds the config a drop-in is built from
             files.append(engine_sidecar_path(path))
         missing = [f for f in files if not f.is_file()]
         if missing:

@@ -367,3 +367,43 @@ def test_refusing_properties_keep_their_message(root):
     assert not hasattr(t, "encoder_hid_proj")
     with pytest.raises(AttributeError):
         t.no_such_attribute
+
+
+def test_an_engine_drop_in_saves_its_engine_and_sidecar(tmp_path, monkeypatch):
+    """The TensorRT branch without TensorRT: an engine-backed drop-in (a stand-in runner with
+    what the TensorRT runner has: path, backend, cuda_graph) saves the engine and its sidecar,
+    and loading passes the engine and the recorded cuda_graph to load_transformer, with no ONNX
+    Runtime option."""
+    class Runner:
+        backend, cuda_graph, device = "tensorrt", True, torch.device("cpu")
+        path = tmp_path / "model" / "m.engine"
+
+    class EngineDropin(DropinComponent):
+        def __init__(self):
+            self._runner, self.dtype, self.device = Runner(), torch.bfloat16, Runner.device
+
+    Runner.path.parent.mkdir()
+    Runner.path.write_bytes(b"engine")
+    (tmp_path / "model" / "m.engine.json").write_text("{}")
+    EngineDropin().save_pretrained(tmp_path / "saved" / "transformer")
+    folder = tmp_path / "saved" / "transformer"
+    record = json.loads((folder / COMPONENT_FILE).read_text())
+    assert record["files"] == ["m.engine", "m.engine.json"] and record["cuda_graph"] is True
+    assert record["dtype"] == "bfloat16" and record["backend"] == "tensorrt"
+    assert (folder / "m.engine").read_bytes() == b"engine"
+
+    seen = {}
+
+    def load(path, **options):
+        seen.update(options, path=path)
+        return EngineDropin()
+
+    monkeypatch.setattr(qkrope.runtime, "load_transformer", load)
+    assert isinstance(DropinComponent.from_pretrained(folder), EngineDropin)
+    assert seen == {"path": folder / "m.engine", "cuda_graph": True, "plugin": None}
+    with pytest.raises(ComponentLoadError, match="exported in torch.bfloat16") as exc:
+        DropinComponent.from_pretrained(folder, torch_dtype=torch.float16)
+    assert "--dtype fp16" in _one_line(exc)
+    (tmp_path / "model" / "m.engine.json").unlink()
+    with pytest.raises(ComponentSaveError, match="m.engine.json"):
+        EngineDropin().save_pretrained(tmp_path / "again")
