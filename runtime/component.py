@@ -124,7 +124,7 @@ class DropinComponent(ModelMixin):
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_diffusers_hook":  # diffusers' HookRegistry, set by every apply_* hook
+        if name == "_diffusers_hook":  # the HookRegistry an apply_* function puts on a module
             raise ComponentError(
                 f"diffusers' model hooks (caches, layerwise casting, group offloading, layer "
                 f"skipping) wrap the PyTorch model's blocks and layers; {self._what()} runs "
