@@ -24,6 +24,10 @@ _PUBLIC = {
 }
 
 __all__ = list(_PUBLIC)
+# diffusers' pipeline loader resolves a saved drop-in from model_index.json's ["qkrope.runtime",
+# <class>] and looks its base class up here by diffusers' name (runtime/component.py): offered,
+# not in __all__
+_PUBLIC.update({"ModelMixin": "component", "DropinComponent": "component"})
 
 
 _lazy_getattr, __dir__ = lazy_names(__name__, {n: f".{m}" for n, m in _PUBLIC.items()},

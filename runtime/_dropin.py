@@ -30,6 +30,8 @@ from qkrope import dtypes
 from qkrope._deps import require
 from qkrope.errors import InputError, QkropeError
 
+from .component import DropinComponent
+
 
 class TransformerLoadError(QkropeError, ValueError):
     """The file is not an exported diffusers transformer (an attention block, or no config)."""
@@ -110,7 +112,7 @@ class Call:
     return_dict: bool = True
 
 
-class Transformer:
+class Transformer(DropinComponent):
     """A pipeline's ``transformer`` backed by an exported model (module docstring); a family's
     drop-in subclasses it with ``FORWARD_ARGS`` and ``prepare``. Built by
     :func:`load_transformer`."""
