@@ -24,6 +24,8 @@ _PUBLIC = {
     "QwenImageTransformer": "transformer", "load_transformer": "transformer",
     # ... and for diffusers' FluxTransformer2DModel / Flux2Transformer2DModel
     "FluxTransformer": "flux_transformer",
+    # ... whose model runs on a Triton Inference Server
+    "TritonRunner": "runner_triton", "triton_transformer": "runner_triton",
 }
 
 __all__ = list(_PUBLIC)

@@ -216,6 +216,12 @@ def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
         device = checked_device(device)
     runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
                   sess_options=sess_options, cuda_graph=cuda_graph)
+    return transformer_for_runner(runner, device=device)
+
+
+def transformer_for_runner(runner: Runner, *, device: torch.device | str | None = None):
+    """The drop-in (Qwen-Image or FLUX, by the model's family) over any runner: a local model
+    (:func:`load_transformer`), a Triton server (:mod:`qkrope.runtime.runner_triton`)."""
     family = getattr(runner.io.config, "family", None)
     if family in ("flux1", "flux2"):  # FLUX.1 / FLUX.2 (qkrope.model_io.FAMILIES)
         return _flux_transformer(runner, device)
@@ -237,4 +243,5 @@ def _flux_transformer(runner: Runner, device):
     return FluxTransformer(runner, cfg, device=device)
 
 
-__all__ = ["QwenImageTransformer", "TransformerLoadError", "load_transformer"]
+__all__ = ["QwenImageTransformer", "TransformerLoadError", "load_transformer",
+           "transformer_for_runner"]
