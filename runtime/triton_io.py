@@ -51,7 +51,7 @@ def record_of(sidecar) -> str:
     return json.dumps({"format": FORMAT, "inputs": _tensors(sidecar.inputs, axes_of),
                        "outputs": _tensors(sidecar.outputs, axes_of),
                        "roles": sidecar.roles(), "config": config},
-                      sort_keys=True, separators=(",", ":"))
+                      separators=(",", ":"))  # the config in its own key order
 
 
 def model_io_of(record: str, *, source: str) -> ModelIO:

@@ -8,8 +8,8 @@ model.onnx, one thread), as in tests/test_triton_server.py. The reference is a l
 session with the same settings, so the served results must be equal bit for bit. Beside it the
 test repository holds models of its own: ``echo_bf16`` (returns its BF16 input through DLPack,
 never as numbers), ``broken`` (the model step's I/O and record, answering every request with a
-two-line error) and ``norecord`` (the model step without the client's I/O record). Every test
-sends a bounded number of requests.
+two-line error) and ``norecord`` (the model step without the client's I/O record), and a tiny
+FLUX.1 dev export's repository (``flux``). Every test sends a bounded number of requests.
 """
 
 from __future__ import annotations
@@ -93,16 +93,27 @@ def served(tiny_transformer_onnx, tmp_path_factory):
         ort_path = harness.onnxruntime_for_stand_in(onnxruntime.__version__)
     except harness.SetupError as exc:
         pytest.skip(f"no Triton server here: {exc}")
-    repo = tmp_path_factory.mktemp("triton_client") / "repo"
+    root = tmp_path_factory.mktemp("triton_client")
+    repo = root / "repo"
     triton.write_onnx_repository(tiny_transformer_onnx, repo, name="tiny")
     harness.use_onnx_stand_in(repo, "tiny_onnx", ort_path)
+    flux_onnx = _flux_export(root)
+    triton.write_onnx_repository(flux_onnx, repo, name="flux")
+    harness.use_onnx_stand_in(repo, "flux_onnx", ort_path)
     _copy_model(repo, "tiny_onnx", "broken", model_py=BROKEN_MODEL)
     _copy_model(repo, "tiny_onnx", "norecord", drop_record=True)
     (repo / "echo_bf16" / "1").mkdir(parents=True)
     (repo / "echo_bf16" / "config.pbtxt").write_text(ECHO_CONFIG, encoding="utf-8")
     (repo / "echo_bf16" / "1" / "model.py").write_text(ECHO_MODEL, encoding="utf-8")
     with harness.Server(install, repo, log=repo.parent / "server.log") as srv:
+        srv.flux_onnx = flux_onnx
         yield srv
+
+
+def _flux_export(root: Path) -> Path:
+    import _flux_models as fm
+
+    return fm.exported("flux1-dev", root)
 
 
 def _url(srv, protocol):
@@ -191,6 +202,38 @@ def test_the_drop_in_runs_a_pipeline_as_the_local_one_does(served, protocol,
                             generator=torch.Generator().manual_seed(0)).images)
     remote._runner.close()
     assert latents[0].shape == latents[1].shape and torch.equal(latents[0], latents[1])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_flux_drop_in_matches_the_local_one(served, protocol):
+    """A FLUX.1 dev export served the same way: the drop-in (FluxTransformer, by the record's
+    family) sends pooled_projections and guidance too; bit for bit the local drop-in's (one
+    request; the export is the session's, made once by tests/_flux_models.py)."""
+    import onnxruntime as ort
+
+    import _flux_models as fm
+    from qkrope.runtime import load_transformer, triton_transformer
+    from qkrope.runtime.flux_transformer import FluxTransformer
+
+    family = fm.VARIANTS["flux1-dev"][0]
+    txt_ids, img_ids = fm.ids(family, [(1, 4, 4)], 5)
+    g = torch.Generator().manual_seed(3)
+    kw = dict(hidden_states=torch.randn(2, 16, 4, generator=g),
+              encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+              pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor(0.5),
+              guidance=torch.tensor([3.5, 2.0]), img_ids=img_ids, txt_ids=txt_ids,
+              return_dict=False)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    local = load_transformer(served.flux_onnx, sess_options=options)
+    remote = triton_transformer(_url(served, protocol), "flux", protocol=protocol)
+    try:
+        assert isinstance(remote, FluxTransformer) and remote.config == local.config
+        got, = remote(**kw)
+        want, = local(**kw)
+    finally:
+        remote._runner.close()
+    assert got.shape == (2, 16, 4) and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
