@@ -353,6 +353,7 @@ class TritonRunner(Runner):
         if cfg.get("platform") != "ensemble":
             return model, cfg
         steps = [s.get("model_name") for s in cfg.get("ensemble_scheduling", {}).get("step", [])]
+        self.model_version = ""  # the ensemble calls its steps' latest version (-1): so do we
         for step in steps:
             step_cfg = self._config(step)
             if IO_PARAMETER in step_cfg.get("parameters", {}):

@@ -298,6 +298,28 @@ def test_a_server_that_is_not_there_is_one_line(protocol):
     assert "\n" not in msg and url in msg and "start the server" in msg, msg
 
 
+def test_the_wire_form_round_trips_every_dtype_the_models_use():
+    """to_wire / from_wire without a server: the bytes are the tensor's memory (bf16 as its
+    two bytes), and come back equal, bit for bit, in the same dtype and shape; a byte count
+    that does not fit the shape is one line."""
+    cpu = torch.device("cpu")
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for sent in (torch.randn(2, 3), torch.randn(3, 2).t(),  # a strided view goes contiguous
+                 torch.tensor([[True, False]]), torch.arange(6).reshape(3, 2),
+                 torch.randn(4, 5).to(torch.bfloat16), torch.randn(3).half(), torch.empty(0, 4)):
+        datatype, shape, data = rt.to_wire(sent)
+        assert len(data) == sent.numel() * sent.element_size()
+        back = rt.from_wire(data, datatype, shape, name="x", device=cpu)
+        assert back.dtype == sent.dtype and back.shape == sent.shape
+        if sent.is_floating_point():  # the bits, NaN payloads and -0.0 included
+            kind = bits[sent.element_size()]
+            assert torch.equal(back.view(kind), sent.contiguous().view(kind))
+        else:
+            assert torch.equal(back, sent)
+    with pytest.raises(RunnerError, match=r"returned 7 bytes for y FP32 \[2\] \(8 expected\)"):
+        rt.from_wire(b"\0" * 7, "FP32", [2], name="y", device=cpu)
+
+
 def test_bad_arguments_are_refused_before_any_connection():
     for kwargs, says in ((dict(protocol="rest"), "protocol must be one of"),
                          (dict(timeout_s=0), "timeout_s must be"),
