@@ -21,6 +21,8 @@ _PUBLIC = {
     "RunnerInputError": "runner",
     # the pipeline drop-in of every family (the family's part: qkrope/families/<f>/dropin.py)
     "Transformer": "transformer", "load_transformer": "transformer",
+    # ... whose model runs on a Triton Inference Server
+    "TritonRunner": "runner_triton", "triton_transformer": "runner_triton",
 }
 
 __all__ = list(_PUBLIC)

@@ -280,6 +280,17 @@ def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
         device = checked_device(device)
     runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
                   sess_options=sess_options, cuda_graph=cuda_graph)
+    return transformer_for_runner(runner, device=device)
+
+
+def transformer_for_runner(runner, *, device=None) -> "Transformer":
+    """The drop-in of the runner's model family (through the registry) over any runner: a local
+    model (:func:`load_transformer`) or a Triton server (:mod:`qkrope.runtime.runner_triton`)."""
+    from qkrope import families
+    from .caches import checked_device
+
+    if device is not None:
+        device = checked_device(device)
     record = families.by_name(getattr(runner.io.config, "family", None),
                               source=str(runner.io.source))
     cls = families.hooks(record, "dropin").dropin_class(record)

@@ -4,6 +4,6 @@
 
 from __future__ import annotations
 
-from ._dropin import Transformer, TransformerLoadError, load_transformer
+from ._dropin import Transformer, TransformerLoadError, load_transformer, transformer_for_runner
 
-__all__ = ["Transformer", "TransformerLoadError", "load_transformer"]
+__all__ = ["Transformer", "TransformerLoadError", "load_transformer", "transformer_for_runner"]

@@ -40,6 +40,9 @@ batch dimension. ``--instances`` / ``--gpus`` fill ``instance_group``.
 
 Every config.pbtxt is a ``ModelConfig`` message (tritonclient's ``model_config_pb2``) printed by
 ``google.protobuf.text_format``; no text is assembled by hand.
+The model step's config also carries the export's I/O record (the string parameter
+``qkrope_model_io``, :mod:`qkrope.runtime.triton_io`) that qkrope's client
+(:mod:`qkrope.runtime.runner_triton`) checks its calls with.
 """
 
 from __future__ import annotations
@@ -550,14 +553,26 @@ def onnx_specs(info) -> Specs:
 
 
 def render_onnx_config(name: str, specs: Specs, serving: Serving | None = None,
-                       not_batched: list[str] | None = None) -> str:
+                       not_batched: list[str] | None = None, *, gpu: bool = False) -> str:
     """config.pbtxt of an ``onnxruntime``-backend model (``1/model.onnx``; ONNX Runtime runs
     the QKNormRoPE nodes' function bodies, so no plugin). ``KIND_GPU`` on ``serving.gpus``
-    when given, else ``KIND_AUTO`` (a GPU where there is one)."""
+    when given or with ``gpu`` (a bfloat16 model, which the CPU provider cannot run), else
+    ``KIND_AUTO`` (a GPU where there is one)."""
     serving = serving or Serving()
     specs = _batched(specs, serving, list(not_batched or []), None)
-    return to_text(_config(name, specs, serving, "KIND_GPU" if serving.gpus else "KIND_AUTO",
+    kind = "KIND_GPU" if serving.gpus or gpu else "KIND_AUTO"
+    return to_text(_config(name, specs, serving, kind,
                            backend="onnxruntime", default_model_filename="model.onnx"))
+
+
+def with_io_record(text: str, sidecar) -> str:
+    """``text`` (a config.pbtxt) with the model's I/O record for qkrope's Triton client
+    (:mod:`qkrope.runtime.triton_io`) as the string parameter ``qkrope_model_io``."""
+    from .triton_io import IO_PARAMETER, record_of
+
+    cfg = parse_config(text)
+    cfg.parameters[IO_PARAMETER].string_value = record_of(sidecar)
+    return to_text(cfg)
 
 
 def _check_name(name: str) -> None:
@@ -701,7 +716,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                               "caches have no batch axis)")
     _check_limits_apply(whole, max_img_tokens, max_txt_tokens, engine)
     main_name = f"{name}_trt" if whole else name
-    text = render_config(main_name, info, serving)
+    text = with_io_record(render_config(main_name, info, serving), info)
 
     transfer: list[str] = []
 
@@ -784,7 +799,11 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
                               "caches have no batch axis)")
     not_batched = [t.name for t in info.inputs + info.outputs
                    if not t.shape or t.shape[0] != "batch"]
-    text = render_onnx_config(main_name, specs, serving, not_batched)
+    # ONNX Runtime's CPU provider has no bfloat16 kernels for most ops: a bf16 model is put on
+    # a GPU (KIND_GPU), never on KIND_AUTO's CPU fall-back where Triton has no GPU
+    bf16 = any(t.dtype == "bfloat16" for t in info.inputs + info.outputs)
+    text = with_io_record(render_onnx_config(main_name, specs, serving, not_batched, gpu=bf16),
+                          info)
 
     transfer: list[str] = []
 

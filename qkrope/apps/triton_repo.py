@@ -136,5 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {res.model_dir}/ (config.pbtxt, 1/{res.plan_path.name}{plugin})")
     print("serve it with:")
     print(f"  {res.command}")
+    if res.models and len(res.models) > 1:  # a transformer: qkrope's client drop-in
+        print(f"call it from a diffusers pipeline: pipe.transformer = qkrope.runtime."
+              f"triton_transformer(url='HOST:8001', model={res.model_dir.name!r})")
     sys.stdout.flush()
     return 0
