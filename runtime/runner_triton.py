@@ -39,6 +39,7 @@ import torch
 
 from qkrope import dtypes
 from qkrope._deps import require
+from qkrope.errors import QkropeError
 
 from .caches import checked_device
 from .runner import Runner, RunnerError, RunnerInputError
@@ -54,7 +55,7 @@ NAME_BY_WIRE = {v: k for k, v in WIRE_DTYPE.items()}
 CACHE_ROLES = ("img_cache", "txt_cache")
 
 
-class _ServerError(Exception):
+class _ServerError(QkropeError):
     """What a transport got back instead of an answer: ``kind`` (``unreachable``,
     ``not_found``, ``refused``, ``failed``) and the server's message."""
 
