@@ -137,6 +137,14 @@ def _timed(fn: Callable, into: list, clock: _Clock, starts: list | None = None) 
     return wrapper
 
 
+def _module_call(owner) -> bool:
+    """Whether calling ``owner`` goes through torch's Module.__call__ (and so runs its forward
+    hooks)."""
+    import torch
+
+    return getattr(type(owner), "__call__", None) is torch.nn.Module.__call__
+
+
 @contextlib.contextmanager
 def timing_hooks(pipe, times: StageTimes, clock: _Clock):
     """Time the pipeline's stages while the context is open: the text encoders' forward (torch
@@ -161,7 +169,8 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock):
             (pipe.vae, "decode", times.vae, None)):
         if owner is None or not hasattr(owner, attr):
             continue
-        if hasattr(owner, "register_forward_pre_hook") and attr == "forward":
+        if hasattr(owner, "register_forward_pre_hook") and attr == "forward" \
+                and _module_call(owner):  # a drop-in's own __call__ skips torch's hooks
             start = {}
 
             def pre(module, args, start=start, starts=starts):
