@@ -51,12 +51,13 @@ def _rename_shard(d: Path, old: str, new: str) -> None:
 
 
 def _one_line_error(capsys) -> str:
-    """stderr without the progress lines ("qkrope export: [1/6] ...") is one line, no
-    traceback."""
+    """stderr without the progress lines ("qkrope export: [1/6] ...") and the dtype line
+    ("qkrope export: dtype fp32: ... the checkpoint's dtype") is one line, no traceback."""
     import re
 
     err = capsys.readouterr().err
-    lines = [ln for ln in err.strip().splitlines() if not re.match(r"qkrope \w+: \[\d+/\d+\]", ln)]
+    lines = [ln for ln in err.strip().splitlines()
+             if not re.match(r"qkrope \w+: (\[\d+/\d+\]|dtype \w+: )", ln)]
     assert "Traceback" not in err and len(lines) == 1, err
     return lines[0]
 
