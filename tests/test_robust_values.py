@@ -46,7 +46,7 @@ def _with(saved: Path, tmp_path: Path, key: str, value: float) -> Path:
 def _error_line(capsys) -> str:
     err = capsys.readouterr().err
     lines = [ln for ln in err.strip().splitlines()
-             if not re.match(r"qkrope \w+: \[\d+/\d+\]", ln)]
+             if not re.match(r"qkrope \w+: (\[\d+/\d+\]|dtype \w+: )", ln)]
     assert "Traceback" not in err and len(lines) == 1, err
     return lines[0]
 
