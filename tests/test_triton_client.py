@@ -213,7 +213,7 @@ def test_the_flux_drop_in_matches_the_local_one(served, protocol):
 
     import _flux_models as fm
     from qkrope.runtime import load_transformer, triton_transformer
-    from qkrope.runtime.flux_transformer import FluxTransformer
+    from qkrope.families.flux.dropin import FluxTransformer
 
     family = fm.VARIANTS["flux1-dev"][0]
     txt_ids, img_ids = fm.ids(family, [(1, 4, 4)], 5)
