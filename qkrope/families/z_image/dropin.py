@@ -112,6 +112,11 @@ class ZImageTransformer(Transformer):
         self._lens = tuple(int(v) for v in cfg.get("axes_lens", (1024, 512, 512)))
         self._channels = int(cfg.get("in_channels", 16))
 
+    @property
+    def in_channels(self) -> int:
+        """The latent channels (the pipelines read ``transformer.in_channels``)."""
+        return self._channels
+
     def prepare(self, **call) -> Call:  # one Call per group: see forward
         raise NotImplementedError("ZImageTransformer.forward runs one call per group")
 
