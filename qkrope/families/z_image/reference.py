@@ -1,5 +1,6 @@
 """Z-Image's reference hook (runtime layer): the keyword arguments of diffusers'
-``ZImageTransformer2DModel.forward`` for ``qkrope check``."""
+``ZImageTransformer2DModel.forward`` for ``qkrope check``, and its output (a list of latents)
+in the graph's layout (:func:`graph_output`)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
     latents = latents.reshape(b, c, f * pf, h * p, w * p)
     return dict(x=list(latents.unbind(0)), t=by_role["timestep"],
                 cap_feats=[ehs[i, :n] for i, n in enumerate(lengths)], return_dict=False)
+
+
+def graph_output(info, sample, img_shapes: Sequence[Sequence[int]]):
+    """diffusers' output (one ``[C, F, H, W]`` latent per sample) as the graph's ``sample``
+    ``[B, N, pf*p*p*C]``: patchified as diffusers' ``_patchify_image`` does."""
+    import torch
+
+    cfg = info.config.diffusers_config or {}
+    p = int(cfg.get("all_patch_size", (2,))[0])
+    pf = int(cfg.get("all_f_patch_size", (1,))[0])
+    x = torch.stack(list(sample))
+    b, c, f, h, w = x.shape
+    x = x.view(b, c, f // pf, pf, h // p, p, w // p, p).permute(0, 2, 4, 6, 3, 5, 7, 1)
+    return x.reshape(b, (f // pf) * (h // p) * (w // p), pf * p * p * c)
