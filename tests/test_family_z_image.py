@@ -129,6 +129,31 @@ def test_table_ids_are_refused_in_one_line():
         assert "\n" not in str(e.value)
 
 
+def test_the_triton_rope_request_gives_the_same_caches():
+    """The rope model's part of the scheme (numpy only: what the Triton Python backend runs):
+    the ids of a request checked against its tensors' token counts, the same caches."""
+    from qkrope.runtime.caches import checked_setting
+    from qkrope.runtime.schemes import BadRequest, table
+
+    from qkrope.families.z_image.dropin import sample_ids
+
+    setting = checked_setting("table", AXES, THETA)
+    assert [n for n, _, _ in table.triton_inputs(setting)] == ["txt_ids", "img_ids"]
+    txt, img = sample_ids([(1, 3, 5)], 64)
+    names = {"latent": "hidden_states", "txt": "encoder_hidden_states_mask"}
+    pos = table.triton_positions({"txt_ids": txt, "img_ids": img},
+                                 {"latent": (2, 15, 64), "txt": (2, 64)}, names, setting,
+                                 max_img=4096, max_txt=512)
+    want = caches_for_sizes([(1, 3, 5)], 64, axes=AXES, theta=THETA)
+    img_cache, txt_cache = table.build(pos, setting)
+    assert np.array_equal(img_cache, want.img.numpy())
+    assert np.array_equal(txt_cache, want.txt.numpy())
+    with pytest.raises(BadRequest, match="one per token"):
+        table.triton_positions({"txt_ids": txt, "img_ids": img},
+                               {"latent": (2, 16, 64), "txt": (2, 64)}, names, setting,
+                               max_img=4096, max_txt=512)
+
+
 # --------------------------------------------------------------------------------------------
 # The wrapper against the stock forward
 # --------------------------------------------------------------------------------------------
@@ -232,6 +257,20 @@ def test_the_drop_in_runs_untraced_shapes_within_the_bound(exported, h, w, lengt
         assert a.shape == b.shape
         bound = Z_IMAGE_PARITY * float(b.abs().max())
         assert float((a - b).abs().max()) <= bound
+
+
+def test_caches_for_an_export_are_the_pipelines(exported):
+    """caches_for(model, txt_ids=..., img_ids=...): the scheme and axes from the sidecar."""
+    from qkrope.runtime import caches_for
+
+    from qkrope.families.z_image.dropin import sample_ids
+
+    txt, img = sample_ids([(1, 4, 6)], 32)
+    got = caches_for(exported, txt_ids=txt, img_ids=img)
+    want = caches_for_sizes([(1, 4, 6)], 32, axes=AXES, theta=THETA)
+    assert torch.equal(got.img, want.img) and torch.equal(got.txt, want.txt)
+    with pytest.raises(InputError, match="txt_ids, img_ids"):
+        caches_for(exported, [(1, 4, 6)], 32)
 
 
 def test_drop_in_forms(exported):
