@@ -16,7 +16,7 @@ from qkrope import contract, model_io, quantization
 from qkrope._fileio import sha256_file
 from qkrope._progress import Steps
 from qkrope.errors import InputError, InputFileNotFoundError
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from qkrope.runtime.caches import default_axes_dims
 from qkrope.sidecars import ModelConfig, ModelInfo
 
@@ -180,8 +180,8 @@ def _attention_weights(module: nn.Module, info: ModelInfo):
                                                  source=f"--weights {weights}"), shapes)
 
 
-def export_attention(out: str | os.PathLike, *, heads: int = QWEN_IMAGE.heads,
-                     head_dim: int = QWEN_IMAGE.head_dim,
+def export_attention(out: str | os.PathLike, *, heads: int = ATTENTION_BLOCK.heads,
+                     head_dim: int = ATTENTION_BLOCK.head_dim,
                      rotary_dim: int | None = None, dtype: str = "fp32",
                      opset: int | None = None, eps: float = contract.DEFAULT_EPS,
                      interleaved: bool = contract.DEFAULT_INTERLEAVED,

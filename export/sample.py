@@ -52,8 +52,13 @@ MAX_SEED = 2**63 - 1
 
 
 def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: int,
-                 axes_dim: Sequence[int], with_timestep: bool, seed: int):
-    from qkrope.runtime.caches import build_qwen_rope_caches
+                 axes_dim: Sequence[int], with_timestep: bool, seed: int, *, record=None):
+    """The traced sample's inputs in graph order (hidden states, text, mask, the timestep with
+    ``with_timestep``, the two caches), seeded by ``seed``. The caches are the "grid" scheme's
+    (image shapes and a text length) for ``axes_dim`` and the RoPE base and position limit of
+    ``record`` (a family record; None: the attention block's,
+    :data:`qkrope.model_io.ATTENTION_BLOCK`)."""
+    from qkrope.runtime.caches import build_rope_caches, checked_setting
 
     _check_fits_in_memory(
         f"the export sample (batch {sample.batch}, {sample.img_tokens} image and "
@@ -63,7 +68,11 @@ def _sample_args(sample: Sample, dtype: torch.dtype, feat_img: int, feat_txt: in
         "give smaller --batch / --img-shape / --txt-len")
 
     g = torch.Generator().manual_seed(seed + 1)
-    caches = build_qwen_rope_caches(sample.img_shapes, sample.txt_len, axes_dim=tuple(axes_dim))
+    rope = record if record is not None else model_io.ATTENTION_BLOCK
+    setting = checked_setting("grid", tuple(axes_dim), rope.theta,
+                              max_positions=rope.max_positions)
+    caches = build_rope_caches("grid", {"img_shapes": sample.img_shapes,
+                                        "txt_seq_len": sample.txt_len}, setting)
     hs = torch.randn(sample.batch, sample.img_tokens, feat_img, generator=g).to(dtype)
     ehs = torch.randn(sample.batch, sample.txt_len, feat_txt, generator=g).to(dtype)
     mask = torch.ones(sample.batch, sample.txt_len, dtype=torch.bool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qkrope import contract, families, quantization
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from qkrope.errors import InputError
 
 from . import _args
@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
         info, written = onnx_export.export_attention(
             out, dtype=dtype, opset=args.opset, img_shapes=args.img_shape, txt_len=args.txt_len,
             batch=args.batch, attention=args.attention,
-            heads=QWEN_IMAGE.heads if args.heads is None else args.heads,
-            head_dim=QWEN_IMAGE.head_dim if args.head_dim is None else args.head_dim,
+            heads=ATTENTION_BLOCK.heads if args.heads is None else args.heads,
+            head_dim=ATTENTION_BLOCK.head_dim if args.head_dim is None else args.head_dim,
             rotary_dim=args.rotary_dim,
             eps=contract.DEFAULT_EPS if args.eps is None else args.eps,
             interleaved=not args.neox, weights=args.weights,
