@@ -1,4 +1,4 @@
-"""FP8 quantisation of a diffusers Qwen-Image transformer with NVIDIA ModelOpt, and its ONNX form.
+"""FP8 quantisation of a diffusers transformer with NVIDIA ModelOpt, and its ONNX form.
 
 Workflow (README, section FP8):
 

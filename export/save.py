@@ -99,7 +99,7 @@ def _write_outputs(model, out: Path, info_fields: dict, steps: Steps,
                    decl: model_io.ModelDecl | None = None):
     """The model (+ external data) and its sidecar, replaced as a group or not at all
     (:func:`qkrope._fileio.staged_outputs`; the commit order is :func:`_commit_order`).
-    ``decl``: the graph's declaration (default: that of the model kind; FLUX's differ)."""
+    ``decl``: the graph's declaration (default: that of the model kind; a family's may differ)."""
     axis_values = info_fields.pop("axis_values")
     inputs, outputs = _tensor_infos(model, set(axis_values),
                                     decl or model_io.MODELS[info_fields["model"]])

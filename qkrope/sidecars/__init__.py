@@ -26,8 +26,8 @@ each, a format version, and a check on load.
                  "parameter_shapes" ({key: shape}: `qkrope refit` checks them),
                  ... transformers add "diffusers_dir", "diffusers_config" (the model's config
                  dict), "num_layers_exported", "parameters_not_in_graph", "family"
-                 ("qwen-image" | "flux1" | "flux2": qkrope.families) and
-                 "rope_theta" (axes_dims_rope has 4 entries for FLUX.2); an FP8 export
+                 (a family's name: qkrope.families.names()) and "rope_theta"
+                 (axes_dims_rope has one entry per RoPE axis); an FP8 export
                  "quantization"}  (read as a checked ModelConfig; every field optional)
       "sample": {"img_shapes": [[f, h, w], ...], "txt_len": int, "batch": int},
       "versions": {"qkrope", "torch", "onnx", "onnxscript", "onnxruntime"?, "diffusers"?},
