@@ -256,9 +256,9 @@ class Runner:
                 full_check: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Validate everything and return ``(feeds by model input name, axis values)``.
 
-        ``conditioning``: the inputs of :data:`CONDITIONING_ROLES` by role (FLUX's
-        ``pooled_projections`` and ``guidance``); each one the model has must be given, and
-        none it lacks."""
+        ``conditioning``: the inputs of :data:`CONDITIONING_ROLES` by role
+        (``pooled_projections`` and ``guidance``, where the family's graph has them); each one
+        the model has must be given, and none it lacks."""
         check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask)
         device = hidden_states.device
         caches = validate_cos_sin_caches(

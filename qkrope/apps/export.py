@@ -63,8 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                 "transformer without it: its model family's")
     p.set_defaults(rounding=None)  # the family's (its record, qkrope.families) unless given
     a = p.add_argument_group("attention block (--model attention)")
-    a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
-    a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")
+    a.add_argument("--heads", type=int, default=None,
+                   help=f"default: {ATTENTION_BLOCK.heads} (model_io.ATTENTION_BLOCK)")
+    a.add_argument("--head-dim", type=int, default=None,
+                   help=f"default: {ATTENTION_BLOCK.head_dim} (model_io.ATTENTION_BLOCK)")
     a.add_argument("--rotary-dim", type=int, default=None, help="default: head_dim")
     a.add_argument("--neox", action="store_true", help="NeoX pairing (j, j + rd/2)")
     a.add_argument("--eps", type=float, default=None,
