@@ -14,7 +14,7 @@ blocks) but not rotated (``rotated=("img",)``: identity text rows). The joint se
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord
+from qkrope.families._record import FamilyRecord, Launch
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, GUIDANCE, IMG_COS_SIN_CACHE,
                              POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS,
                              ModelDecl, TensorDecl)
@@ -67,6 +67,32 @@ HUNYUAN_VIDEO15_EXCLUDED = ("x_embedder", "image_embedder", "context_embedder",
 HUNYUAN_VIDEO_EXCLUDED = ("x_embedder", "context_embedder", "time_text_embed", "norm_out",
                           "proj_out")
 
+def _launches(model: str, heads: int, videos, text: int, single: bool) -> tuple[Launch, ...]:
+    """A model's node launches at its pipelines' usual sizes (x 128, interleaved pairs at full
+    rotary width; ``videos``: (name, latent tokens) of one video): the latent and the text
+    stream of a double-stream block, and (HunyuanVideo) the joint [latent; text] launch of a
+    single-stream block, which is the longest: tens of thousands of tokens per launch."""
+    roundings = (contract.ROUNDING_DIFFUSERS, contract.ROUNDING_ONE)
+    out = [Launch(model, f"latent {name}", tokens, heads, roundings=roundings)
+           for name, tokens in videos]
+    out.append(Launch(model, f"text {text}", text, heads, roundings=roundings))
+    if single:
+        out += [Launch(model, f"joint {name} + text {text}", tokens + text, heads,
+                       roundings=roundings) for name, tokens in videos]
+    return tuple(out)
+
+
+#: HunyuanVideo-1.5 (16 heads): 121 frames (31 latent frames) at 480p (30 x 53 latent, 16x
+#: VAE, patch 1) and 720p (45 x 80); the text stream joins 1000 MLLM, 256 ByT5 and 729 image
+#: tokens. HunyuanVideo (24 heads): 129 frames (33 latent frames) at 544p (34 x 60 tokens: 8x
+#: VAE, patch 2) and 720p (45 x 80), 256 text tokens.
+HUNYUAN_VIDEO15_LAUNCHES = _launches("HunyuanVideo-1.5", 16, (("480p 121f", 31 * 30 * 53),
+                                                              ("720p 121f", 31 * 45 * 80)),
+                                     1000 + 256 + 729, single=False)
+HUNYUAN_VIDEO_LAUNCHES = _launches("HunyuanVideo", 24, (("544p 129f", 33 * 34 * 60),
+                                                        ("720p 129f", 33 * 45 * 80)),
+                                   256, single=True)
+
 # The node rounding: diffusers' RMSNorm (the normalised value rounded, times the weight rounded)
 # then apply_rotary_emb in fp32 and rounded: contract.ROUNDING_DIFFUSERS's order (tests/
 # test_family_hunyuan_video.py: bit-exact in bf16 and fp16). The position tables hold 1024
@@ -78,13 +104,13 @@ HUNYUAN_VIDEO15 = FamilyRecord(
     package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
     theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
     graph=HUNYUAN_VIDEO15_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO15_EXCLUDED, blocks=False,
-    rotated=("img",), latent="video-5d", scale_rope=False)
+    rotated=("img",), latent="video-5d", scale_rope=False, launches=HUNYUAN_VIDEO15_LAUNCHES)
 HUNYUAN_VIDEO = FamilyRecord(
     name="hunyuan-video", class_name="HunyuanVideoTransformer3DModel",
     label="HunyuanVideo (text- and image-to-video)", short="HunyuanVideo",
     package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
     theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
     graph=HUNYUAN_VIDEO_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO_EXCLUDED, blocks=False,
-    rotated=("img",), latent="video-5d", scale_rope=False)
+    rotated=("img",), latent="video-5d", scale_rope=False, launches=HUNYUAN_VIDEO_LAUNCHES)
 
 RECORDS = (HUNYUAN_VIDEO15, HUNYUAN_VIDEO)

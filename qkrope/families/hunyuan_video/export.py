@@ -78,11 +78,21 @@ class HunyuanVideoAttnProcessor:
     ``HunyuanVideo15AttnProcessor2_0``; ``image_rotary_emb`` is a :class:`HunyuanRope`,
     ``attention_mask`` a :class:`HunyuanMask`."""
 
-    def __init__(self, rounding: int):
+    def __init__(self, rounding: int, *, fused: bool = True):
         self.rounding = contract.check_rounding(rounding)
+        self.fused = fused
         self._attributes: dict[float, contract.NodeAttributes] = {}
 
     def _fused(self, q, k, norm_q, norm_k, cache):
+        if not self.fused:  # diffusers' own norm and rotation (the tests' reference graph)
+            from diffusers.models.embeddings import apply_rotary_emb
+
+            half = cache.shape[1] // 2
+            rows = cache[:q.shape[1]]
+            pair = (rows[:, :half].repeat_interleave(2, dim=1),
+                    rows[:, half:].repeat_interleave(2, dim=1))
+            return (apply_rotary_emb(norm_q(q), pair, sequence_dim=1),
+                    apply_rotary_emb(norm_k(k), pair, sequence_dim=1))
         eps = _eps(norm_q, "norm_q")
         if eps not in self._attributes:
             self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
@@ -166,11 +176,12 @@ def reorder_text(parts, masks):
 
 
 class _CacheInput(nn.Module):
-    def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int):
+    def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int,
+                 fused: bool = True):
         super().__init__()
         self.family = family
         self.rounding = contract.check_rounding(rounding)
-        processor = HunyuanVideoAttnProcessor(self.rounding)
+        processor = HunyuanVideoAttnProcessor(self.rounding, fused=fused)
         single = getattr(transformer, "single_transformer_blocks", None) or ()
         for block in list(transformer.transformer_blocks) + list(single):
             block.attn.set_processor(processor)
@@ -279,15 +290,18 @@ def check_supported(transformer: nn.Module, family: FamilyRecord) -> None:
 
 
 def cache_input_hunyuan(transformer: nn.Module, family: FamilyRecord, *,
-                        rounding: int | None = None) -> nn.Module:
-    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order."""
+                        rounding: int | None = None, fused: bool = True) -> nn.Module:
+    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order.
+    ``fused=False`` puts diffusers' own norm and rotation (from the same caches) in place of
+    the node: the same graph without QKNormRoPE, which the tests run through ONNX Runtime as
+    the reference of its kernels' rounding."""
     check_supported(transformer, family)
     rounding = family.rounding if rounding is None else rounding
     if family is HUNYUAN_VIDEO15:
         cls = HunyuanVideo15CacheInputTransformer
     else:
         cls = _HunyuanVideoGuided if has_guidance(transformer) else _HunyuanVideo
-    return cls(transformer, family, rounding).eval()
+    return cls(transformer, family, rounding, fused).eval()
 
 
 # --------------------------------------------------------------------------------------------
