@@ -188,13 +188,16 @@ def _export(variant, path, fused=True):
     from qkrope.export.onnx_export import finalize_model
     from qkrope.export.onnx_function import qk_norm_rope_translation
 
+    from types import SimpleNamespace
+
     record = RECORDS[variant]
     model = hvm.transformer(variant)
-    wrapper = hx.cache_input_hunyuan(copy.deepcopy(model), record, fused=fused)
-    axes, theta = hx.rope_setting(model)
-    args = hx.sample_args(record, model, batch=2, grid=(3, 4, 6), txt_len=7,
-                          dtype=torch.float32, axes=axes, theta=theta)
-    decl = record.decl(True)
+    sample = SimpleNamespace(batch=2, img_shapes=[(3, 4, 6)], txt_len=7)
+    export_plan = hx.plan(record, copy.deepcopy(model), sample=sample, dtype=torch.float32,
+                          fused=fused)
+    wrapper, args, decl = export_plan.wrapper, export_plan.args, export_plan.decl
+    axes = export_plan.axes
+    assert export_plan.nodes == hx.node_count(model) and export_plan.theta == 256
     dims: dict = {}
     dynamic = {t.name: {i: dims.setdefault(a, torch.export.Dim(a))
                         for i, a in enumerate(t.axes) if a is not None} for t in decl.inputs}
@@ -213,6 +216,21 @@ def _export(variant, path, fused=True):
                        rotary_dim=sum(axes), expected_nodes=hx.node_count(model))
     ir.save(onnx_model, str(path))
     return model, decl
+
+
+def test_qkrope_export_refuses_in_one_line_until_the_exporter_takes_5d_latents(tmp_path,
+                                                                                 capsys):
+    """``qkrope export --model transformer`` of a HunyuanVideo folder: one line saying why and
+    the fix (the family's plan is what the ONNX test below exports)."""
+    from qkrope.cli import main
+
+    folder = tmp_path / "hv15"
+    hvm.transformer("hunyuan-video-1.5").save_pretrained(str(folder))
+    rc = main(["export", "--model", "transformer", "--diffusers", str(folder),
+               "--out", str(tmp_path / "m.onnx")])
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if "does not write" in line]
+    assert rc != 0 and len(err) == 1 and "Fix:" in err[0]
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +287,59 @@ def test_onnx_runtime_at_untraced_shapes(exported, variant):
         reference_err = float(np.abs(reference - ref64).max())
         ours_err = float(np.abs(ours - ref64).max())
         assert 0 < reference_err and ours_err <= 2 * reference_err, (ours_err, reference_err)
+
+
+# --------------------------------------------------------------------------------------------
+# The drop-in's checks (its runner is a stand-in: running the call is refused for now)
+# --------------------------------------------------------------------------------------------
+
+def _dropin(variant):
+    from types import SimpleNamespace
+
+    from qkrope import families
+
+    record = RECORDS[variant]
+    _, cfg = hvm.VARIANTS[variant]
+    config = SimpleNamespace(diffusers_config={**cfg, "_class_name": record.class_name},
+                             num_layers_exported=None, axes_dims_rope=list(cfg["rope_axes_dim"]),
+                             rope_theta=256, family=record.name)
+    spec = SimpleNamespace(dtype="fp32")
+    io = SimpleNamespace(config=config, roles={"timestep": "timestep",
+                                               "hidden_states": "hidden_states"},
+                         input=lambda name: spec, head_dim=cfg["attention_head_dim"],
+                         source="stand-in.onnx")
+    runner = SimpleNamespace(io=io, device=torch.device("cpu"), backend="stand-in")
+    return families.hooks(record, "dropin").dropin_class(record)(runner, record)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dropin_maps_a_pipeline_call_then_refuses_to_run_it_in_one_line(variant):
+    """A pipeline's call is bound to diffusers' argument names, checked, and its caches built
+    (the latent's grid, the joined text length); running it is refused in one line."""
+    transformer = _dropin(variant)
+    kw = hvm.inputs(variant)
+    call = transformer.prepare(**kw)
+    assert call.request == {"img_shapes": [(3, 4, 6)], "txt_seq_len": _text_tokens(kw)}
+    caches = transformer.rope_caches(call)
+    img, txt = hx.sample_caches(RECORDS[variant], (3, 4, 6), _text_tokens(kw),
+                                *hx.rope_setting(hvm.transformer(variant)))
+    assert torch.equal(caches.img, img) and torch.equal(caches.txt, txt)
+    with pytest.raises(InputError, match="cannot run the call yet") as e:
+        transformer(**kw)
+    assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+
+
+@pytest.mark.parametrize("variant,change,match", [
+    ("hunyuan-video-1.5", dict(timestep_r=torch.ones(2)), "timestep_r"),
+    ("hunyuan-video-1.5", dict(image_embeds=None), "image_embeds"),
+    ("hunyuan-video-1.5", dict(attention_kwargs={"scale": 0.5}), "attention_kwargs"),
+    ("hunyuan-video", dict(guidance=None), "guidance"),
+    ("hunyuan-video", dict(img_ids=torch.zeros(4, 3)), "img_ids"),
+    ("hunyuan-video", dict(hidden_states=torch.zeros(2, 72, 4)), "5-D"),
+])
+def test_dropin_refuses_what_the_graph_cannot_take_in_one_line(variant, change, match):
+    transformer = _dropin(variant)
+    kw = {**hvm.inputs(variant), **change}
+    with pytest.raises(InputError, match=match) as e:
+        transformer(**kw)
+    assert "\n" not in str(e.value)

@@ -6,8 +6,10 @@
   per-batch form ``[[...]] * batch`` when every item is the same) and ``txt_seq_len``.
 - Cache rows: image rows = sum of f x h x w, text rows = ``txt_seq_len``; checks: positive whole
   numbers, and the positions within the tables (``Setting.max_positions`` per axis and sign).
-- The numpy pair: image k's tokens at (k + frame, centred row, centred column), the text after the
-  largest image (:func:`caches`).
+- The numpy pair: image k's tokens at (k + frame, centred row, centred column), or rows and
+  columns counted from 0 (``Setting.scale_rope`` False: a video latent's own grid, HunyuanVideo),
+  the text after the largest image (:func:`caches`); a text the model does not rotate gets
+  identity rows and no table limit.
 - Triton inputs: ``img_shapes`` INT64 [-1, 3]; the text length is read off the text tensor.
 - Profile limits: each preset's image extent and the text rows left after it
   (:func:`profile_limits`).

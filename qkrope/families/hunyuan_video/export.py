@@ -382,12 +382,25 @@ def rope_setting(transformer: nn.Module) -> tuple[tuple[int, ...], float]:
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
+    """export_transformer's hook: refused in one line for now. The plan is :func:`plan`, but
+    the exporter takes each input's dynamic axes from ``qkrope.model_io.TENSORS`` (3-D
+    ``hidden_states``, no ByT5 or image-embedding inputs), not from the plan's graph, so it
+    cannot trace the 5-D latent yet."""
+    raise InputError(f"qkrope export does not write {record.short} graphs yet: the exporter's "
+                     f"dynamic axes are those of 3-D packed-token models, and this model takes "
+                     f"the 5-D latent [batch, channels, frames, height, width]. Fix: export "
+                     f"with torch.onnx.export over qkrope.families.hunyuan_video.export.plan "
+                     f"(tests/test_family_hunyuan_video.py does), or run the PyTorch model")
+
+
+def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
+         layers: int | None = None, rounding: int | None = None, fused: bool = True):
     """The export plan of ``transformer`` (every block is kept: the record has no ``blocks``).
     The sample's first image shape is the latent's token grid ``(f, h, w)``."""
     from qkrope.export.onnx_export import TransformerPlan
 
     axes, theta = rope_setting(transformer)
-    wrapper = cache_input_hunyuan(transformer, record, rounding=rounding)
+    wrapper = cache_input_hunyuan(transformer, record, rounding=rounding, fused=fused)
     grid = tuple(sample.img_shapes[0])
     args = sample_args(record, transformer, batch=sample.batch, grid=grid,
                        txt_len=sample.txt_len, dtype=dtype, axes=axes, theta=theta)
