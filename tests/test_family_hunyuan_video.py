@@ -343,3 +343,17 @@ def test_dropin_refuses_what_the_graph_cannot_take_in_one_line(variant, change, 
     with pytest.raises(InputError, match=match) as e:
         transformer(**kw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_listed_input_forms_mean_the_same_to_diffusers(variant):
+    """tests/_input_forms.py's forms of these families (the drop-in is run on them once the
+    export takes 5-D graphs): diffusers reads each as the base call, bit for bit."""
+    from _input_forms import FORMS
+
+    model = hvm.transformer(variant)
+    forms = FORMS[variant](model, 2, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(**forms["base"])[0]
+        for name, kwargs in forms["same"]:
+            assert torch.equal(model(**kwargs)[0], base), name
