@@ -149,7 +149,8 @@ def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
         theta = record.rope_theta(cfg)
     try:
         return checked_setting(record.scheme, axes, theta, max_positions=record.max_positions,
-                               rotated=record.rotated)
+                               rotated=record.rotated,
+                               scale_rope=getattr(record, "scale_rope", True))
     except InputError as exc:
         raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
                          f"model with `qkrope export`") from None

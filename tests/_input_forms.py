@@ -132,5 +132,24 @@ def z_image(model, batch: int, g: torch.Generator) -> Forms:
 
 
 #: family name -> its forms
+def _hunyuan(variant: str):
+    def forms(model, batch: int, g: torch.Generator) -> Forms:
+        import _hunyuan_video_models as hvm
+
+        base = dict(hvm.inputs(variant, batch=batch, seed=int(torch.randint(0, 1000, (1,),
+                                                                             generator=g))),
+                    return_dict=False)
+        masks = [k for k in base if "mask" in k]
+        same = [("masks bool", dict(base, **{k: base[k].bool() for k in masks})),
+                ("masks int64", dict(base, **{k: base[k].to(torch.int64) for k in masks})),
+                ("non-contiguous text",
+                 dict(base, encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+        return {"base": base, "same": same, "refused": []}
+    return forms
+
+
 FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flux1,
-                                          "flux2": flux2, "z-image": z_image}
+                                          "flux2": flux2,
+                                          "hunyuan-video-1.5": _hunyuan("hunyuan-video-1.5"),
+                                          "hunyuan-video": _hunyuan("hunyuan-video"),
+                                          "z-image": z_image}
