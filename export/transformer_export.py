@@ -80,6 +80,12 @@ class TransformerPlan:
     nodes: int
     num_layers_exported: int | None
     blocks: str
+    # the attention shape and the nodes' RMSNorm epsilon, for a family whose config does not
+    # name them as diffusers' usual keys (None: attention_head_dim, num_attention_heads and
+    # transformer_blocks[0].attn.norm_q.eps)
+    heads: int | None = None
+    head_dim: int | None = None
+    eps: float | None = None
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
@@ -137,11 +143,13 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         if quant is not None:
             from . import quantize
         cfg = dict(transformer.config)
-        head_dim = int(cfg["attention_head_dim"])
         plan = hooks.prepare(family, transformer, sample=sample, dtype=tdtype, layers=layers,
                              rounding=rounding)
+        head_dim = int(cfg["attention_head_dim"] if plan.head_dim is None else plan.head_dim)
+        heads = int(cfg["num_attention_heads"] if plan.heads is None else plan.heads)
         rotary_dim = sum(plan.axes)
-        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
+        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps if plan.eps is None
+                    else plan.eps)
         with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
             model = _torch_export(   # the float graph; FP8 Q/DQ go in below
                 plan.wrapper, plan.args, plan.decl.input_names, plan.decl.output_names, opset,
@@ -163,8 +171,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
                            expected_nodes=plan.nodes)
         attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, plan.rounding)
         config = ModelConfig(
-            dim=int(cfg["num_attention_heads"]) * head_dim,
-            heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
+            dim=heads * head_dim, heads=heads, head_dim=head_dim, rotary_dim=rotary_dim,
             axes_dims_rope=list(plan.axes), family=family.name, rope_theta=plan.theta, seed=0,
             dtype=dtype, diffusers_dir=str(Path(diffusers_dir).resolve()),
             diffusers_config=diffusers_config_record(cfg),

@@ -6,8 +6,10 @@ qkrope/families/).
 Sizes: FLUX.1 / FLUX.2 and HunyuanVideo-1.5 / HunyuanVideo are diffusers' own test configs
 (tests/_flux_models.py, tests/_hunyuan_video_models.py); Qwen-Image is
 the project's tiny pipeline transformer (qkrope.apps.tiny_pipeline: 2 blocks x 2 heads x 32,
-RoPE axes (8, 12, 12), the sizes its export and pipeline tests were tuned on). Each builder's
-model is random with weights of a non-trivial scale (diffusers' init zeroes some layers).
+RoPE axes (8, 12, 12), the sizes its export and pipeline tests were tuned on); Z-Image is
+diffusers' own test config (tests/pipelines/z_image: 2 + 1 + 1 blocks x 2 heads x 16, RoPE axes
+(8, 4, 4), tables (256, 32, 32)). Each builder's model is random with weights of a non-trivial
+scale (diffusers' init zeroes some layers).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class TinyBuilder:
     variant: str  # what it is, in test ids
     build: Callable[[int], object]
     blocks: int
+    axes_key: str = "axes_dims_rope"  # the config key of its RoPE axes
+    blocks_attr: str = "transformer_blocks"  # the model's list of (main) blocks
 
     @property
     def record(self):
@@ -60,6 +64,28 @@ def _flux(variant: str) -> TinyBuilder:
                        int(config["num_layers"]))
 
 
+#: diffusers' Z-Image test config (tests/pipelines/z_image/test_z_image.py)
+Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
+                      n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5,
+                      qk_norm=True, cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0,
+                      axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+
+
+def z_image_transformer(seed: int = 0):
+    """The tiny Z-Image transformer with random weights of a non-trivial scale (RMSNorm
+    weights near 1, the pad tokens random too: diffusers leaves them uninitialised)."""
+    from diffusers import ZImageTransformer2DModel
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    model = ZImageTransformer2DModel(**Z_IMAGE_CONFIG)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
+                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+    return model.eval()
+
+
 #: family name -> its tiny builder
 BUILDERS: dict[str, TinyBuilder] = {
     "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
@@ -68,6 +94,9 @@ BUILDERS: dict[str, TinyBuilder] = {
     "flux2": _flux("flux2-klein"),
     **{v: TinyBuilder(v, v, (lambda seed, v=v: hvm.transformer(v, seed)),
                       int(hvm.VARIANTS[v][1]["num_layers"])) for v in hvm.VARIANTS},
+    "z-image": TinyBuilder("z-image", "z-image", z_image_transformer,
+                           int(Z_IMAGE_CONFIG["n_layers"]), axes_key="axes_dims",
+                           blocks_attr="layers"),
 }
 
 #: pytest parameters: one per family, in registry order

@@ -114,6 +114,23 @@ def flux2(model, batch: int, g: torch.Generator) -> Forms:
                  sample_ids=lambda shapes, txt: flux_sample_ids("flux2", shapes, txt))
 
 
+def z_image(model, batch: int, g: torch.Generator) -> Forms:
+    """Lists of per-sample latents and captions (the pipelines' form; captions of different
+    lengths, so the drop-in makes one call per padded length). diffusers reads every sample's
+    own positions, so no form is read wrongly for some items: nothing to refuse."""
+    cfg = model.config
+    x = [torch.randn(cfg.in_channels, 1, 8, 12, generator=g) for _ in range(batch)]
+    caps = [torch.randn(n, cfg.cap_feat_dim, generator=g) for n in (40, 7, 21)[:batch]]
+    base = {"x": x, "t": torch.full((batch,), 0.5), "cap_feats": caps, "return_dict": False}
+    same = [
+        ("x one 5-D tensor", dict(base, x=torch.stack(x))),
+        ("tuples", dict(base, x=tuple(x), cap_feats=tuple(caps))),
+        ("non-contiguous tensors", dict(base, x=[_noncontiguous(a) for a in x],
+                                        cap_feats=[_noncontiguous(c) for c in caps])),
+    ]
+    return {"base": base, "same": same, "refused": []}
+
+
 #: family name -> its forms
 def _hunyuan(variant: str):
     def forms(model, batch: int, g: torch.Generator) -> Forms:
@@ -134,4 +151,5 @@ def _hunyuan(variant: str):
 FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flux1,
                                           "flux2": flux2,
                                           "hunyuan-video-1.5": _hunyuan("hunyuan-video-1.5"),
-                                          "hunyuan-video": _hunyuan("hunyuan-video")}
+                                          "hunyuan-video": _hunyuan("hunyuan-video"),
+                                          "z-image": z_image}

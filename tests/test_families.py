@@ -18,7 +18,7 @@ def test_every_family_has_a_tiny_builder_and_its_records_are_consistent():
         assert families.by_name(record.name) is record
         assert families.by_class(record.class_name) is record
         assert families.family_of({"_class_name": record.class_name}) is record
-        assert record.scheme in ("grid", "ids") and sum(record.axes) > 0
+        assert record.scheme in ("grid", "ids", "table") and sum(record.axes) > 0
     assert families.by_name(None) is families.default()
     assert families.by_class("NoSuchModel") is None
     with pytest.raises(InputError, match="model family 'flux3'.*re-export"):
@@ -36,10 +36,12 @@ def test_the_record_is_the_model_diffusers_builds(builder):
     record = builder.record
     model = builder.build(0)
     assert type(model).__name__ == record.class_name
-    axes = model.config.get("axes_dims_rope", model.config.get("rope_axes_dim"))
+    axes = model.config.get("axes_dims_rope", model.config.get("rope_axes_dim")) \
+        if builder.axes_key == "axes_dims_rope" else model.config[builder.axes_key]
     assert len(axes) == len(record.axes)
     assert set(record.fp8_excluded) <= {n for n, _ in model.named_children()}
-    assert len(model.transformer_blocks) == builder.blocks
+    assert len(getattr(model, builder.blocks_attr)) == builder.blocks == \
+        model.config[record.blocks_key]
     for kind in families.HOOK_KINDS[:2]:  # export, reference (dropin: the runtime side's)
         assert families.hooks(record, kind).__name__ == f"qkrope.families.{record.package}.{kind}"
 

@@ -12,8 +12,9 @@ from typing import Any
 from qkrope.model_io import GUIDANCE, ModelDecl
 
 #: The position schemes (qkrope.runtime.schemes): "grid" builds the RoPE caches from image grid
-#: shapes and a text length, "ids" from per-token position ids.
-SCHEMES = ("grid", "ids")
+#: shapes and a text length, "ids" from per-token position ids, "table" from per-token integer
+#: ids into per-axis RoPE tables (diffusers' RopeEmbedder).
+SCHEMES = ("grid", "ids", "table")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
 #: width], patchified by the model (qkrope.runtime.latents).

@@ -1,0 +1,172 @@
+"""The "table" position scheme: caches from integer position ids looked up in per-axis RoPE
+tables (numpy only; copied beside the Triton rope model). diffusers' ``RopeEmbedder``
+(Z-Image; Lumina-2 tabulates the same way); which family uses it, and how its pipelines lay the
+ids out, is the family's (its drop-in's ``sample_request``).
+
+- Request fields: ``txt_ids`` / ``img_ids``, ``[tokens, axes]`` whole non-negative numbers
+  (diffusers' batched ``[batch, tokens, axes]`` form when every item is the same).
+- Cache rows: one per id row; checks: those of the "ids" scheme (rank, axis count, at least one
+  token, a real dtype, finite values, equal batch items, the bytes, bounded from the shapes
+  first) plus whole, non-negative positions (a table has no row -1 or 2.5).
+- The numpy pair: row t holds the table entries of ``ids[t, i]`` on every axis i (:func:`build`).
+- Triton inputs: ``txt_ids`` / ``img_ids`` INT64 [-1, axes].
+- Profile limits: none here (the family checks its positions against its tables' lengths, which
+  its diffusers config holds).
+
+Bits. diffusers builds each axis' table once: ``freqs = 1 / theta ** (arange(0, d, 2) / d)`` in
+float64, ``outer(arange(length), freqs)`` in float64 rounded to float32 (the angles), then
+``torch.polar(1, angles)``, complex64, whose CPU kernel evaluates the C library's
+single-precision ``cosf`` / ``sinf`` one element at a time (see :mod:`.grid`). A table row
+depends only on its position, never on the table's length, so this module computes the rows a
+request needs directly: the float64 frequencies with the C library's ``pow`` (Python's
+``math.pow``), the product of the float64 position and frequency (one IEEE multiplication,
+exact as torch's), rounded to float32, then ``cosf`` / ``sinf`` through ``ctypes``. torch's
+float64 ``pow`` is vectorised (SLEEF) and may differ from the C library's in the last float64
+bit; tests/test_family_z_image.py compares every row of the real model's tables bit for bit.
+Where no C maths library can be loaded, numpy's float64 cos/sin rounded to float32 stand in
+(within one float32 ulp; ``BIT_EXACT`` says which).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from . import ids as _ids
+from ._common import (BadPositions, BadRequest, Setting, check_bytes, finish,  # noqa: F401
+                      show_rows)
+from .grid import _cos_sin
+
+NAME = "table"
+FIELDS = ("txt_ids", "img_ids")
+#: Request fields whose tensors hold positions.
+POSITION_FIELDS = ("txt_ids", "img_ids")
+TEXT_LENGTH_FIELD = None
+NEEDS: tuple = ()
+
+
+class Positions(NamedTuple):
+    """A checked request: int64 ``[tokens, axes]`` positions of each stream."""
+
+    txt: np.ndarray
+    img: np.ndarray
+
+
+def check_table_ids(ids, n_axes: int, name: str, max_rows=None,
+                    limit: str = "the cache byte limit allows") -> np.ndarray:
+    """``ids`` as int64 ``[tokens, n_axes]`` table positions: the "ids" scheme's checks
+    (:func:`qkrope.runtime.schemes.ids.check_ids`), then whole numbers >= 0."""
+    pos = _ids.check_ids(ids, n_axes, name, max_rows, limit)
+    whole = np.floor(pos) == pos
+    if not whole.all() or (pos < 0).any():
+        bad = int((~whole | (pos < 0)).any(axis=1).argmax())
+        raise BadPositions(f"{name} must hold whole positions >= 0 (rows of the RoPE tables); "
+                           f"token {bad} has {pos[bad].tolist()}. Fix: pass the integer "
+                           f"position ids the pipeline lays out")
+    return pos.astype(np.int64)
+
+
+def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
+    """The checked request (``txt_ids``, ``img_ids``), bounded from the shapes first."""
+    n_axes = len(setting.axes_dim)
+    max_rows = None if max_bytes is None else max(0, int(max_bytes) // (setting.width * 4))
+    _ids.bound(request, setting, max_bytes)
+    pos = [check_table_ids(request.get(n), n_axes, n, max_rows) for n in FIELDS]
+    check_bytes(pos[0].shape[0] + pos[1].shape[0], setting, max_bytes,
+                f"txt_ids {list(pos[0].shape)} and img_ids {list(pos[1].shape)}",
+                "one row per token: pass the ids of the latent's tokens (a 1024x1024 image has "
+                "4096)")
+    return Positions(pos[0], pos[1])
+
+
+bound = _ids.bound
+
+
+def rows(pos: Positions) -> tuple:
+    """(image rows, text rows) of the caches."""
+    return int(pos.img.shape[0]), int(pos.txt.shape[0])
+
+
+def key(pos: Positions) -> tuple:
+    return (NAME, pos.txt.shape, pos.txt.tobytes(), pos.img.shape, pos.img.tobytes())
+
+
+def describe(pos: Positions) -> str:
+    return "img_ids / txt_ids rows"
+
+
+def check(pos: Positions, setting: Setting) -> None:
+    """The tables' lengths are the family's to check (its config holds them)."""
+
+
+def triton_inputs(setting: Setting) -> list:
+    """The rope model's inputs in place of the caches: (name, Triton type, dims)."""
+    return [(n, "TYPE_INT64", [-1, len(setting.axes_dim)]) for n in FIELDS]
+
+
+def profile_limits(setting: Setting, grids: Sequence, txt_max: int):
+    """No table length is known here: every profile is usable (None)."""
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The arithmetic
+# --------------------------------------------------------------------------------------------
+
+def frequencies(theta: float, dim: int) -> np.ndarray:
+    """``1 / theta ** (arange(0, dim, 2) / dim)`` in float64 (the C library's ``pow``)."""
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    return 1.0 / np.array([math.pow(float(theta), e) for e in exponents.tolist()], np.float64)
+
+
+def angles(positions_: np.ndarray, theta: float, dim: int) -> np.ndarray:
+    """The float32 table angles of whole ``positions_`` on an axis of width ``dim``: the float64
+    products ``position * freq`` rounded to float32."""
+    return np.multiply.outer(positions_.astype(np.float64),
+                             frequencies(theta, dim)).astype(np.float32)
+
+
+def cache(pos: np.ndarray, *, axes_dim: Sequence[int], theta: float) -> np.ndarray:
+    """The ``[tokens, sum(axes_dim)]`` float32 cache (cos half then sin half, axes in order
+    within each half) of int64 positions ``pos`` [tokens, len(axes_dim)]: each distinct
+    position of an axis is evaluated once."""
+    cos_parts, sin_parts = [], []
+    for i, dim in enumerate(axes_dim):
+        values, inverse = np.unique(pos[:, i], return_inverse=True)
+        cos, sin = _cos_sin(angles(values, theta, int(dim)))
+        cos_parts.append(cos[inverse.ravel()])
+        sin_parts.append(sin[inverse.ravel()])
+    return np.ascontiguousarray(np.concatenate(cos_parts + sin_parts, axis=1), np.float32)
+
+
+def build(pos: Positions, setting: Setting) -> tuple:
+    """``(img, txt)`` float32 caches of a checked request."""
+    axes, theta = tuple(int(d) for d in setting.axes_dim), float(setting.theta)
+    return finish((cache(pos.img, axes_dim=axes, theta=theta),
+                   cache(pos.txt, axes_dim=axes, theta=theta)), setting)
+
+
+# --------------------------------------------------------------------------------------------
+# A Triton request (the rope model beside a served transformer)
+# --------------------------------------------------------------------------------------------
+
+def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, *,
+                     max_img: int, max_txt: int) -> Positions:
+    """The checked request of a Triton client: the ids by name, one row per token of their
+    stream's tensor (axis 1), within the served model's limits (bounded before any value is
+    read)."""
+    n_axes = len(setting.axes_dim)
+    pos = {}
+    for stream, limit in (("img", max_img), ("txt", max_txt)):
+        name = f"{stream}_ids"
+        ids = check_table_ids(inputs[name], n_axes, name, limit,
+                              f"the served model accepts (its profile's largest {stream} cache)")
+        shape = shapes["latent" if stream == "img" else "txt"]
+        tensor = names["latent" if stream == "img" else "txt"]
+        if len(shape) < 2 or shape[1] != ids.shape[0]:
+            raise BadRequest(f"{name} has {ids.shape[0]} rows (one per token) but {tensor} has "
+                             f"shape {list(shape)}: the ids must be those of its tokens (axis 1)")
+        pos[stream] = ids
+    return Positions(pos["txt"], pos["img"])
