@@ -3,7 +3,9 @@
 family gets its export, check and FP8 tests by adding its builder here (and its record in
 qkrope/families/).
 
-Sizes: FLUX.1 / FLUX.2 are diffusers' own test configs (tests/_flux_models.py); Qwen-Image is
+Sizes: FLUX.1 / FLUX.2 are diffusers' own test configs (tests/_flux_models.py); Chroma is
+diffusers' pipeline-test transformer (tests/pipelines/chroma: 1 double + 1 single block, 2 heads
+x 16, RoPE axes (4, 4, 8), an approximator of 1 layer x 32); Qwen-Image is
 the project's tiny pipeline transformer (qkrope.apps.tiny_pipeline: 2 blocks x 2 heads x 32,
 RoPE axes (8, 12, 12), the sizes its export and pipeline tests were tuned on). Each builder's
 model is random with weights of a non-trivial scale (diffusers' init zeroes some layers).
@@ -58,12 +60,36 @@ def _flux(variant: str) -> TinyBuilder:
                        int(config["num_layers"]))
 
 
+#: Chroma: diffusers' pipeline-test sizes (tests/pipelines/chroma/test_pipeline_chroma.py)
+CHROMA_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                     axes_dims_rope=[4, 4, 8], approximator_hidden_dim=32,
+                     approximator_layers=1, approximator_num_channels=16)
+
+
+def chroma_transformer(seed: int = 0, **overrides):
+    """A tiny random ChromaTransformer2DModel: weights of a non-trivial scale, RMSNorm weights
+    near 1 but not all 1 (as tests/_flux_models.transformer)."""
+    import diffusers
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    model = diffusers.ChromaTransformer2DModel(**{**CHROMA_CONFIG, **overrides})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
+                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+    return model.eval()
+
+
 #: family name -> its tiny builder
 BUILDERS: dict[str, TinyBuilder] = {
     "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
                               int(tp.TRANSFORMER_CONFIG["num_layers"])),
     "flux1": _flux("flux1-schnell"),
     "flux2": _flux("flux2-klein"),
+    "chroma": TinyBuilder("chroma", "chroma", chroma_transformer,
+                          int(CHROMA_CONFIG["num_layers"])),
 }
 
 #: pytest parameters: one per family, in registry order
