@@ -12,7 +12,9 @@ the drop-in reproduces the stock pipelines. Refused in one line: a bool mask (di
 keys for it; the graph adds a float one), a mask whose image part is not all ones, ControlNet
 residuals, IP-Adapter image embeddings, a LoRA scale other than 1 (or other
 ``joint_attention_kwargs``). ``attention_mask=None`` (no pipeline passes it) runs with the text
-mask all ones: a uniform +1 on every score, which softmax cancels up to rounding.
+mask all ones: a uniform +1 on every score, which softmax cancels up to rounding. The drop-in's
+config has ``guidance_embeds=False``, which ``ChromaInpaintPipeline`` reads and diffusers' own
+Chroma config lacks (with the stock transformer that pipeline stops with an AttributeError).
 
 Also the family's cache builder :func:`caches_from_ids`, the ids its pipelines lay out for given
 sizes (:func:`sample_ids`, :func:`sample_request`: what ``make_inputs`` and the exporter's
@@ -89,6 +91,17 @@ class ChromaTransformer(Transformer):
                     "attention_mask", "joint_attention_kwargs", "controlnet_block_samples",
                     "controlnet_single_block_samples", "return_dict", "controlnet_blocks_repeat")
     PIPELINES = "ChromaPipeline, ChromaImg2ImgPipeline, ChromaInpaintPipeline"
+
+    def __init__(self, runner, record, *, device=None):
+        from qkrope.runtime._dropin import frozen_config
+
+        super().__init__(runner, record, device=device)
+        # ChromaInpaintPipeline (diffusers 0.42.1) reads transformer.config.guidance_embeds,
+        # which ChromaTransformer2DModel's config lacks (the stock model fails there with an
+        # AttributeError); Chroma embeds no guidance, so the drop-in's config says False (the
+        # pipeline then passes none, as to every Chroma transformer)
+        if "guidance_embeds" not in self.config:
+            self.config = frozen_config({**self.config, "guidance_embeds": False})
 
     @property
     def encoder_hid_proj(self):
