@@ -338,3 +338,47 @@ def test_make_inputs_feeds_the_float_mask_and_the_pipelines_caches(exported):
                            theta=CHROMA.theta, head_dim=16)
     assert np.array_equal(feeds["img_cos_sin_cache"], want.img.numpy())
     assert np.array_equal(feeds["txt_cos_sin_cache"], want.txt.numpy())
+
+
+def test_triton_repo_composes_to_the_checked_model(exported, tmp_path, monkeypatch, capsys):
+    """The ensemble over the ONNX export: clients send txt_ids / img_ids (3 axes) in place of
+    the caches and the float text mask as is; the rope model's caches for the pipelines' ids,
+    fed with the other inputs to the repository's ONNX model, give ONNX Runtime's output on
+    make_inputs' feeds bit for bit (the model `qkrope check` compared with diffusers)."""
+    pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
+    import onnxruntime as ort
+    from _triton_helpers import Tensor, load_rope_model, parse
+    from _triton_helpers import io as tensors
+
+    from qkrope import model_io
+    from qkrope.cli import main
+    from qkrope.runtime.inputs import make_inputs
+    from qkrope.sidecars import ModelInfo
+
+    repo = tmp_path / "repo"
+    assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(exported), "-o",
+                 str(repo), "--name", "chroma"]) == 0
+    assert "clients send txt_ids and img_ids, not the caches" in capsys.readouterr().out
+    info = ModelInfo.load(exported)
+    caches = {t.name for t in model_io.CACHE_INPUTS}
+    ensemble = parse(repo / "chroma" / "config.pbtxt")
+    assert [n for n, _, _ in tensors(ensemble, "input")] == [
+        n for n in info.input_names if n not in caches] + ["txt_ids", "img_ids"]
+    assert ("encoder_hidden_states_mask", "TYPE_FP32", [-1, -1]) in tensors(ensemble, "input")
+    shapes, txt, batch = [(1, 3, 5)], 6, 2
+    feeds = make_inputs(info, shapes, txt, batch)
+    model, pb = load_rope_model(repo / "chroma_rope", monkeypatch)
+    txt_ids, img_ids = sample_ids(shapes, txt)
+    resp = model.execute([pb.InferenceRequest([
+        Tensor("txt_ids", txt_ids), Tensor("img_ids", img_ids),
+        Tensor("hidden_states", feeds["hidden_states"]),
+        Tensor("encoder_hidden_states", feeds["encoder_hidden_states"]),
+        Tensor("encoder_hidden_states_mask", feeds["encoder_hidden_states_mask"])])])[0]
+    assert resp.error is None
+    served = {k: v for k, v in feeds.items() if k not in caches}
+    for name in caches:
+        served[name] = pb.get_output_tensor_by_name(resp, name).as_numpy()
+        assert np.array_equal(served[name], feeds[name])
+    run = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, f)[0]
+           for p, f in ((repo / "chroma_onnx" / "1" / "model.onnx", served), (exported, feeds))]
+    assert np.array_equal(run[0], run[1])
