@@ -6,7 +6,7 @@ file."""
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord
+from qkrope.families._record import FamilyRecord, Launch
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -36,6 +36,17 @@ CHROMA_TRANSFORMER = ModelDecl("transformer",
 #: output projection. time_text_embed and norm_out have no weights.
 FP8_EXCLUDED = ("x_embedder", "context_embedder", "distilled_guidance_layer", "proj_out")
 
+#: The node launches of Chroma1-HD at 1024 x 1024 (24 heads x 128, interleaved pairs at full
+#: rotary width, as FLUX.1): a double-stream block's 4096 image tokens and the pipelines' 512
+#: text tokens (the prompt is always padded to max_sequence_length=512, the mask drops the
+#: padding in the scores, not in the launch) as two nodes, a single-stream block's joined 4608;
+#: batch 1 and 2 (CFG runs its two predictions as separate calls); planned in FLUX's eager
+#: order (2) and the one-rounding mode.
+LAUNCHES = tuple(Launch("Chroma1-HD", stream, seq, 24,
+                        roundings=(contract.ROUNDING_FLUX, 0))
+                 for stream, seq in (("image 4096", 4096), ("text 512", 512),
+                                     ("single 4096+512", 4096 + 512)))
+
 # FLUX.1's attention and norms (torch's RMSNorm, rotation in fp32): FLUX's eager order, bit-exact
 # in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). FluxPosEmbed(theta=10000) is fixed in diffusers'
 # code; positions are ids (no table, no limit). Every block is exported.
@@ -43,6 +54,6 @@ CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,
     theta_key=None, max_positions=None, rounding=contract.ROUNDING_FLUX,
-    graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=False)
+    graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=False, launches=LAUNCHES)
 
 RECORDS = (CHROMA,)
