@@ -187,7 +187,8 @@ def attention_form(form: str) -> Iterator[None]:
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                head_dim: int) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v over [B, H, S, D].
+    """softmax(q k^T / sqrt(D) + mask) v over [B, H, S, D]; ``mask`` as SDPA takes it: bool
+    (True = keep the key) or float (added to the scores).
 
     Eager: PyTorch's SDPA (what diffusers calls, so parity stays exact). Exported, by
     :func:`attention_form`: ``onnx23`` keeps SDPA, which torch.onnx translates at opset 23 into
@@ -207,7 +208,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
     scale = head_dim ** -0.25  # on Q and on K: 1/sqrt(D) together, as SDPA's math backend scales
     scores = torch.matmul(q * scale, (k * scale).transpose(-2, -1))
-    if mask is not None:
+    if mask is not None and mask.dtype != torch.bool:  # SDPA's float mask: added as is
+        scores = scores + mask.to(scores.dtype)
+    elif mask is not None:
         # the bias in the scores' dtype (a Where, no Cast between it and the Add)
         keep = torch.tensor(0.0, dtype=scores.dtype, device=scores.device)
         drop = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)

@@ -4,7 +4,9 @@ family gets its export, check and FP8 tests by adding its builder here (and its 
 qkrope/families/).
 
 Sizes: FLUX.1 / FLUX.2 and HunyuanVideo-1.5 / HunyuanVideo are diffusers' own test configs
-(tests/_flux_models.py, tests/_hunyuan_video_models.py); Qwen-Image is
+(tests/_flux_models.py, tests/_hunyuan_video_models.py); Z-Image is diffusers' test config;
+Chroma is diffusers' pipeline-test transformer (tests/pipelines/chroma: 1 double + 1 single
+block, 2 heads x 16, RoPE axes (4, 4, 8), an approximator of 1 layer x 32); Qwen-Image is
 the project's tiny pipeline transformer (qkrope.apps.tiny_pipeline: 2 blocks x 2 heads x 32,
 RoPE axes (8, 12, 12), the sizes its export and pipeline tests were tuned on); Z-Image is
 diffusers' own test config (tests/pipelines/z_image: 2 + 1 + 1 blocks x 2 heads x 16, RoPE axes
@@ -64,6 +66,18 @@ def _flux(variant: str) -> TinyBuilder:
                        int(config["num_layers"]))
 
 
+def _randomised(model, g):
+    """``model`` with random weights of a non-trivial scale (diffusers' init zeroes some
+    layers and leaves pad tokens uninitialised), RMSNorm weights near 1 but not all 1."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
+                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+    return model.eval()
+
+
 #: diffusers' Z-Image test config (tests/pipelines/z_image/test_z_image.py)
 Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
                       n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5,
@@ -72,18 +86,28 @@ Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16
 
 
 def z_image_transformer(seed: int = 0):
-    """The tiny Z-Image transformer with random weights of a non-trivial scale (RMSNorm
-    weights near 1, the pad tokens random too: diffusers leaves them uninitialised)."""
+    """The tiny Z-Image transformer (the pad tokens random too)."""
     from diffusers import ZImageTransformer2DModel
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    model = ZImageTransformer2DModel(**Z_IMAGE_CONFIG)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
-    return model.eval()
+    return _randomised(ZImageTransformer2DModel(**Z_IMAGE_CONFIG),
+                       torch.Generator().manual_seed(seed))
+
+
+#: Chroma: diffusers' pipeline-test sizes (tests/pipelines/chroma/test_pipeline_chroma.py)
+CHROMA_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                     axes_dims_rope=[4, 4, 8], approximator_hidden_dim=32,
+                     approximator_layers=1, approximator_num_channels=16)
+
+
+def chroma_transformer(seed: int = 0, **overrides):
+    """A tiny random ChromaTransformer2DModel (as tests/_flux_models.transformer)."""
+    import diffusers
+    import torch
+
+    return _randomised(diffusers.ChromaTransformer2DModel(**{**CHROMA_CONFIG, **overrides}),
+                       torch.Generator().manual_seed(seed))
 
 
 #: family name -> its tiny builder
@@ -97,6 +121,8 @@ BUILDERS: dict[str, TinyBuilder] = {
     "z-image": TinyBuilder("z-image", "z-image", z_image_transformer,
                            int(Z_IMAGE_CONFIG["n_layers"]), axes_key="axes_dims",
                            blocks_attr="layers"),
+    "chroma": TinyBuilder("chroma", "chroma", chroma_transformer,
+                          int(CHROMA_CONFIG["num_layers"])),
 }
 
 #: pytest parameters: one per family, in registry order

@@ -264,7 +264,8 @@ def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, 
         shape = shapes["latent" if stream == "img" else "txt"]
         tensor = names["latent" if stream == "img" else "txt"]
         rows_ = ids.shape[0]
-        if len(shape) != 3 or shape[1] != rows_:
+        # axis 1 is the tokens of the latent, the text, or the text mask (a model with one)
+        if len(shape) < 2 or shape[1] != rows_:
             raise BadRequest(f"{name} has {rows_} rows (one per token) but {tensor} has shape "
                              f"{list(shape)}: the ids must be those of its tokens (axis 1)")
         if rows_ > limit:

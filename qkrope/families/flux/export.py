@@ -16,41 +16,28 @@ ids) and every attention's per-head RMSNorm + RoPE is one ``qkrope::QKNormRoPE``
   in the graph from the two cache inputs (each sliced to its stream's token count, then Concat).
 
 :class:`FluxCacheInputTransformer` replays diffusers' ``forward`` for the standard inference
-path (no ControlNet residuals, no IP-Adapter, no FLUX.2 KV cache); the processors here replace
-diffusers' ``FluxAttnProcessor``, ``Flux2AttnProcessor`` and ``Flux2ParallelSelfAttnProcessor``
-and do what they do with the fused op in place of ``norm_q``/``norm_k`` + ``apply_rotary_emb``.
+path (no ControlNet residuals, no IP-Adapter, no FLUX.2 KV cache). diffusers'
+``FluxAttnProcessor`` and ``Flux2AttnProcessor`` are replaced by the generic
+:class:`qkrope.export.flux_attention.FluxAttnProcessor` (shared with every model built on
+``FluxAttention``), ``Flux2ParallelSelfAttnProcessor`` by the one here; they do what diffusers'
+do with the fused op in place of ``norm_q``/``norm_k`` + ``apply_rotary_emb``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
-from qkrope.export.attention import _attention
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.flux_attention import (FluxAttnProcessor, FusedNormRoPE, JointRope,
+                                          check_no_double as _check_no_double, joint_rope, sdpa)
 from qkrope.families._record import FamilyRecord
 
 from . import FLUX1, FLUX2
 
 
-class FluxRope(NamedTuple):
-    """What the blocks pass on as ``image_rotary_emb``: the two caches and their join."""
-
-    img: torch.Tensor
-    txt: torch.Tensor
-    joint: torch.Tensor  # [txt rows (text tokens); img rows (image tokens)]
-
-
-def _eps(norm: nn.Module, where: str) -> float:
-    eps = getattr(norm, "eps", None)
-    if eps is None or getattr(norm, "weight", None) is None:
-        raise InputError(f"{where}: the RMSNorm has no epsilon or no weight (elementwise_affine="
-                         f"False), which the QKNormRoPE node needs; not a standard FLUX model")
-    return float(eps)
+#: What the blocks pass on as ``image_rotary_emb`` (the shared FluxAttention code's name).
+FluxRope = JointRope
 
 
 def sample_ids(family: FamilyRecord, img_shapes, txt_len: int):
@@ -62,69 +49,12 @@ def sample_ids(family: FamilyRecord, img_shapes, txt_len: int):
     return torch.from_numpy(txt), torch.from_numpy(img)
 
 
-class _FusedNormRoPE:
-    """Per-module node attributes (epsilon from the module's norm) for one rounding."""
-
-    def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
-        self._attributes: dict[float, contract.NodeAttributes] = {}
-
-    def __call__(self, q, k, norm_q, norm_k, cache):
-        eps = _eps(norm_q, "norm_q")
-        if eps not in self._attributes:
-            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
-        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
-                            **self._attributes[eps].as_kwargs())
-
-
-def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
-    """softmax attention over [B, S, H, D] inputs; returns [B, S, H * D] in q's dtype."""
-    out = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, head_dim)
-    return out.transpose(1, 2).flatten(2, 3).to(q.dtype)
-
-
-class FluxAttnProcessor:
-    """Replaces ``FluxAttnProcessor`` (FLUX.1's double- and single-stream attention) and
-    ``Flux2AttnProcessor`` (FLUX.2's double-stream attention); ``image_rotary_emb`` is a
-    :class:`FluxRope`."""
-
-    def __init__(self, rounding: int):
-        self.fused = _FusedNormRoPE(rounding)
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
-        if attention_mask is not None:
-            raise InputError("the FLUX export takes no attention_mask (FLUX attends to every "
-                             "token)")
-        if not isinstance(image_rotary_emb, FluxRope):
-            raise InputError("the patched FLUX attention needs image_rotary_emb=FluxRope(img, "
-                             "txt, joint); run it through FluxCacheInputTransformer")
-        if getattr(attn, "fused_projections", False):
-            raise InputError("the FLUX attention has fused QKV projections (fuse_qkv_"
-                             "projections()); export the model before fusing them")
-        head_dim = attn.head_dim
-        q, k, v = (proj(hidden_states).unflatten(-1, (-1, head_dim))
-                   for proj in (attn.to_q, attn.to_k, attn.to_v))
-        if encoder_hidden_states is None:  # FLUX.1 single-stream: the [text; image] sequence
-            q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.joint)
-            return _sdpa(q, k, v, head_dim)
-        tq, tk, tv = (proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-                      for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.img)
-        tq, tk = self.fused(tq, tk, attn.norm_added_q, attn.norm_added_k, image_rotary_emb.txt)
-        out = _sdpa(torch.cat([tq, q], 1), torch.cat([tk, k], 1), torch.cat([tv, v], 1), head_dim)
-        s_txt = encoder_hidden_states.shape[1]
-        txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
-        img_out = attn.to_out[1](attn.to_out[0](out[:, s_txt:].contiguous()))
-        return img_out, txt_out
-
-
 class Flux2ParallelSelfAttnProcessor:
     """Replaces FLUX.2's ``Flux2ParallelSelfAttnProcessor`` (single-stream blocks: QKV and the
     MLP input in one projection, attention and MLP outputs through one projection)."""
 
     def __init__(self, rounding: int):
-        self.fused = _FusedNormRoPE(rounding)
+        self.fused = FusedNormRoPE(rounding)
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
@@ -136,7 +66,7 @@ class Flux2ParallelSelfAttnProcessor:
                                    dim=-1)
         q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
         q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.joint)
-        out = _sdpa(q, k, v, attn.head_dim)
+        out = sdpa(q, k, v, attn.head_dim)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 
 
@@ -178,8 +108,7 @@ class FluxCacheInputTransformer(nn.Module):
             txt_cos_sin_cache, pooled_projections=None, guidance=None):
         t = self.transformer
         s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
-        joint = torch.cat([txt_cos_sin_cache[:s_txt], img_cos_sin_cache[:s_img]], dim=0)
-        rope = FluxRope(img_cos_sin_cache, txt_cos_sin_cache, joint)
+        rope = joint_rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
         hidden_states = t.x_embedder(hidden_states)
         timestep = timestep.to(hidden_states.dtype) * 1000
         if guidance is not None:
@@ -269,25 +198,8 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
 
 
 def check_no_double(model) -> None:
-    """No float64 anywhere in the graph: no DOUBLE input, output, initializer, value or Cast
-    (TensorRT's parser demotes DOUBLE to FLOAT, so ONNX Runtime and TensorRT would disagree)."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    double = ir.DataType.DOUBLE
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
-        model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and "to" in node.attributes and \
-                int(node.attributes["to"].value) == int(double):
-            raise ExportError(f"node {node.name} casts to DOUBLE: the FLUX graph must have "
-                              f"no float64")
-    for value in values:
-        if value is not None and value.dtype == double:
-            raise ExportError(f"graph value {value.name} is DOUBLE: the FLUX graph must "
-                              f"have no float64")
+    """No float64 anywhere in the FLUX graph (:func:`qkrope.export.flux_attention.check_no_double`)."""
+    _check_no_double(model, "the FLUX graph")
 
 
 post_export = check_no_double
