@@ -88,6 +88,27 @@ def per_item(value: Any, name: str, batch: int, dtype: torch.dtype) -> torch.Ten
     return value.to(dtype).contiguous()
 
 
+def position_ids(value: Any, name: str, tokens: int, axes: int, *, fix: str) -> torch.Tensor:
+    """diffusers' per-token position ids (``txt_ids`` / ``img_ids``): ``[tokens, axes]``, or the
+    deprecated ``[batch, tokens, axes]`` whose item 0 diffusers uses. The caches have no batch
+    axis, so batch items that differ are refused in one line (diffusers would give every item
+    item 0's positions); a stride-0 batch (an ``expand``) holds one item and is not compared.
+    The shape is checked first. ``fix``: what to pass instead (the pipeline that makes them)."""
+    example = f"{name} must be [{tokens}, {axes}] position ids (or [batch, {tokens}, {axes}])"
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"{example}; got {type(value).__name__}. Fix: {fix}")
+    item = value[0] if value.dim() == 3 and value.shape[0] >= 1 else value
+    if item.dim() != 2 or item.shape[0] != tokens or item.shape[1] != axes:
+        raise InputError(f"{example}; got {tuple(value.shape)}. Fix: one row per token of its "
+                         f"stream (condition/reference images included in img_ids)")
+    if value.dim() == 3 and value.shape[0] > 1 and value.stride(0) != 0 \
+            and not bool((value == value[:1]).all()):
+        raise InputError(f"{name} differs between batch items; the RoPE caches have no batch "
+                         f"axis, so every item of a batch must have the same positions. Fix: "
+                         f"batch only samples of one size and condition images")
+    return item
+
+
 def tensor_arg(value: Any, name: str, rank: int, layout: str, fix: str = "") -> torch.Tensor:
     """A tensor argument of ``rank`` dimensions (``layout`` names them for the message)."""
     if not isinstance(value, torch.Tensor) or value.dim() != rank:

@@ -131,6 +131,15 @@ def z_image(model, batch: int, g: torch.Generator) -> Forms:
     return {"base": base, "same": same, "refused": []}
 
 
+def chroma(model, batch: int, g: torch.Generator) -> Forms:
+    """Chroma: FLUX.1's ids (its pipelines lay them out as FLUX.1's), no pooled projections or
+    guidance; the prompt mask is left out here (its forms are tests/test_family_chroma.py's)."""
+    from qkrope.families.flux.dropin import flux_sample_ids
+
+    return _flux(model, batch, g, pooled=False, guidance=False,
+                 sample_ids=lambda shapes, txt: flux_sample_ids("flux1", shapes, txt))
+
+
 #: family name -> its forms
 def _hunyuan(variant: str):
     def forms(model, batch: int, g: torch.Generator) -> Forms:
@@ -149,7 +158,7 @@ def _hunyuan(variant: str):
 
 
 FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flux1,
-                                          "flux2": flux2,
+                                          "flux2": flux2, "chroma": chroma,
                                           "hunyuan-video-1.5": _hunyuan("hunyuan-video-1.5"),
                                           "hunyuan-video": _hunyuan("hunyuan-video"),
                                           "z-image": z_image}

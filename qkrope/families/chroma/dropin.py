@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, per_item, position_ids, refuse_kwargs,
+                                    tensor_arg)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import ids as ids_scheme
 
@@ -70,17 +71,7 @@ def caches_from_ids(txt_ids: Any, img_ids: Any, *, axes_dims: Sequence[int], the
 
 
 def _ids(value: Any, name: str, tokens: int) -> Any:
-    """diffusers' ``txt_ids``/``img_ids``: ``[tokens, 3]``, or the deprecated ``[batch, tokens,
-    3]`` of which diffusers' Chroma uses the first item (so does this)."""
-    if not isinstance(value, torch.Tensor):
-        raise InputError(f"{name} must be [{tokens}, 3] position ids; got "
-                         f"{type(value).__name__}. Fix: pass the ids the Chroma pipeline "
-                         f"prepares")
-    item = value[0] if value.dim() == 3 and value.shape[0] >= 1 else value
-    if item.dim() != 2 or item.shape[0] != tokens or item.shape[1] != 3:
-        raise InputError(f"{name} must be [{tokens}, 3] position ids (one row per token of its "
-                         f"stream); got {tuple(value.shape)}")
-    return item
+    return position_ids(value, name, tokens, 3, fix="pass the ids the Chroma pipeline prepares")
 
 
 class ChromaTransformer(Transformer):

@@ -27,7 +27,8 @@ import torch
 from qkrope.errors import InputError
 from qkrope.families.flux import FLUX1, FLUX2
 from qkrope.model_io import POOLED_PROJECTIONS
-from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, per_item, position_ids, refuse_kwargs,
+                                    tensor_arg)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import ids as ids_scheme
 
@@ -119,24 +120,7 @@ def caches_from_ids(family: str, txt_ids: torch.Tensor, img_ids: torch.Tensor, *
 
 
 def _ids(value: Any, name: str, tokens: int, axes: int) -> torch.Tensor:
-    """diffusers' ``txt_ids``/``img_ids``: ``[tokens, axes]``, or ``[batch, tokens, axes]`` with
-    every batch item the same (the caches have no batch axis). The shape is checked first; a
-    stride-0 batch (an ``expand``) holds one item and is not compared."""
-    example = f"{name} must be [{tokens}, {axes}] position ids (or [batch, {tokens}, {axes}])"
-    if not isinstance(value, torch.Tensor):
-        raise InputError(f"{example}; got {type(value).__name__}. Fix: pass the ids the FLUX "
-                         f"pipeline prepares")
-    ids = value
-    item = ids[0] if ids.dim() == 3 and ids.shape[0] >= 1 else ids
-    if item.dim() != 2 or item.shape[0] != tokens or item.shape[1] != axes:
-        raise InputError(f"{example}; got {tuple(value.shape)}. Fix: one row per token of its "
-                         f"stream (condition/reference images included in img_ids)")
-    if ids.dim() == 3 and ids.shape[0] > 1 and ids.stride(0) != 0 \
-            and not bool((ids == ids[:1]).all()):
-        raise InputError(f"{name} differs between batch items; the RoPE caches have no batch "
-                         f"axis, so every item of a batch must have the same positions. Fix: "
-                         f"batch only samples of one size and condition images")
-    return item
+    return position_ids(value, name, tokens, axes, fix="pass the ids the FLUX pipeline prepares")
 
 
 class FluxTransformer(Transformer):
