@@ -355,7 +355,7 @@ def test_bad_params_status_and_exports(libs):
     args = [None] * 7 + [1, 2, 2, 64, 64, 2, 1e-6, 1, 0]
     assert lib.qkrope_launch(*args, 0, None) == 1   # kNULL_POINTER, nothing launched
     assert lib.qkrope_launch(*args, 7, None) == 5   # kBAD_DTYPE
-    assert lib.qkrope_capi_version() == 1
+    assert lib.qkrope_capi_version() == 2
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("nm (binutils) not available to list the library's symbols")

@@ -69,6 +69,37 @@ inline bool aligned(void const* p, uintptr_t bytes)
     return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 
+// norm_scope 1, fast path (qkNormRopeRowKernel): a block owns a token's q or k row; groups of
+// fastLanes threads own ROWS consecutive heads each. The block size is rowThreads (a whole number of
+// warps), at most rowMaxThreads: the ring (kPlanPrefetch + 1 stages x ROWS x chunks x 16 B per
+// thread) and the head sums stay within 48 KiB of static shared memory per block.
+constexpr int kPlanRowMaxThreads = 256; // __launch_bounds__ of the row kernel (<= 128 registers at 2 blocks)
+
+QKROPE_PLAN_HD constexpr int rowMaxThreads(int rowsTimesChunks)
+{
+    return rowsTimesChunks >= 4 ? 224 : kPlanRowMaxThreads;
+}
+
+// Rows (heads) per group of the row kernel's largest instance: 4 with one chunk per thread, 2 with two
+// (the weights of every row stay in registers: rows x elements per thread floats). The launcher's
+// candidates are this and half of it.
+QKROPE_PLAN_HD constexpr int rowMaxRows(int headDim, int elemBytes)
+{
+    return fastChunksPerThread(headDim, elemBytes) == 1 ? 4 : 2;
+}
+
+QKROPE_PLAN_HD constexpr int64_t rowThreads(int64_t numHeads, int rows, int lanes)
+{
+    return ((numHeads + rows - 1) / rows * lanes + 31) / 32 * 32;
+}
+
+// Whether rows per group fit one block for this head count.
+QKROPE_PLAN_HD constexpr bool rowFits(int64_t numHeads, int rows, int headDim, int elemBytes)
+{
+    return rowThreads(numHeads, rows, fastLanes(headDim, elemBytes))
+        <= rowMaxThreads(rows * fastChunksPerThread(headDim, elemBytes));
+}
+
 // The path the launcher takes (parameters already accepted by checkParams). The weights need no
 // alignment: each thread reads its weight elements once, with scalar loads.
 inline KernelPath selectPath(QKNormRoPEParams const& p)
@@ -96,6 +127,15 @@ inline KernelPath selectPath(QKNormRoPEParams const& p)
         if (fastChunksPerThread(static_cast<int>(p.headDim), bytes) == 2 && p.rotaryDim != p.headDim)
         {
             return KernelPath::kGeneral; // two chunks per thread pair up only at full rotary
+        }
+    }
+    if (p.normScope == kNORM_SCOPE_ROW)
+    {
+        int const bytes = elementBytes(p.dtype);
+        int const head = static_cast<int>(p.headDim);
+        if (!rowFits(p.numHeads, rowMaxRows(head, bytes), head, bytes))
+        {
+            return KernelPath::kGeneral; // the token's heads do not fit one block of the row kernel
         }
     }
     return KernelPath::kFast;
@@ -314,6 +354,95 @@ inline FastEstimate planFast(FastProblem const& p, int maxRows, int64_t const* r
     for (int rows = maxRows; rows >= 1; --rows)
     {
         FastEstimate const e = estimateFast(p, rows, residentBlocksPerSm[rows - 1], d);
+        if (best.rows == 0 || e.timeNs < best.timeNs)
+        {
+            best = e;
+        }
+    }
+    return best;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The launch plan of the norm_scope 1 fast path (qkNormRopeRowKernel): which rows per group (the
+// largest instance or half of it, each where rowFits), so which block size. The model is planFast's,
+// with a block as the unit: a block owns one (token, q/k) row, so the grid is splitTokens(tokens, 2,
+// 1, resident blocks); per token a thread issues rows x its elements at the per-element cost, the
+// per-token cost and the cross-head reduction (kRowIssue below), and every thread of the block
+// issues, including the groups past num_heads (rows x groups - heads idle rows). The bytes are the
+// row's: the idle rows are neither read nor written.
+struct RowIssueCost
+{
+    double perToken; // the head sums: the store, the barrier, the loads, adds and butterfly, 1/x
+    double perGroup; // the weights of rows x elements (loaded and converted once)
+};
+
+// Added to kFastIssueCost per thread (sm_90 SASS of the bf16, head_dim 128, interleaved instances;
+// scripts/kernel_report.py measures them; tests/test_kernel_report.py checks them).
+constexpr RowIssueCost kRowIssue = {40.0, 40.0};
+
+struct RowEstimate
+{
+    int rows = 0;
+    int64_t threads = 0;            // block size
+    TokenSplit split{0, 0};
+    int64_t rounds = 0;
+    int64_t blocksPerSm = 0;
+    double bytesInFlightPerSm = 0;  // q/k reads outstanding per SM past every wait (kPrefetch tokens)
+    double instrPerElement = 0;     // common-path instructions per element of the row (idle threads included)
+    double issueRoundNs = 0;
+    double memoryRoundNs = 0;
+    double timeNs = 0;
+};
+
+inline RowEstimate estimateRow(FastProblem const& p, int rows, int64_t residentBlocksPerSm, DeviceModel const& d)
+{
+    RowEstimate e;
+    int const lanes = fastLanes(p.headDim, p.elemBytes);
+    int const elems = fastChunksPerThread(p.headDim, p.elemBytes) * fastVec(p.elemBytes);
+    e.rows = rows;
+    e.threads = rowThreads(p.numHeads, rows, lanes);
+    e.blocksPerSm = residentBlocksPerSm > 0 ? residentBlocksPerSm : 1;
+    e.split = splitTokens(p.numTokens, 2, 1, e.blocksPerSm * d.sms);
+    e.rounds = ceilDiv(p.numTokens, e.split.tokenStep);
+    int64_t const busiestBlocks = ceilDiv(e.split.blocks, d.sms);
+    double const warps = static_cast<double>(busiestBlocks) * e.threads / 32.0;
+    FastIssueCost const c = fastIssueCost(p.rounding);
+    double const perToken = rows * elems * c.perElement + c.perToken + kRowIssue.perToken;
+    double const perGroup = c.perGroup + kRowIssue.perGroup;
+    double const issueRate = d.schedulersPerSm * d.clockGHz;
+    e.issueRoundNs = warps * perToken / issueRate;
+    double const rowBytes = static_cast<double>(p.numHeads) * p.headDim * p.elemBytes;
+    double const readBytes = busiestBlocks * rowBytes;
+    double const cacheBytes = static_cast<double>(e.split.tokenStep) * p.rotaryDim * 4.0 / d.sms;
+    double const bytes = 2.0 * readBytes + cacheBytes;
+    int64_t const depth = e.rounds < kPlanPrefetch ? e.rounds : kPlanPrefetch;
+    double const atPeak = bytes / (d.dramBytesPerNs / d.sms);
+    double const latencyBound = kLatencyMargin * d.latencyNs * bytes / (static_cast<double>(depth) * readBytes);
+    e.memoryRoundNs = atPeak > latencyBound ? atPeak : latencyBound;
+    double const roundNs = e.issueRoundNs > e.memoryRoundNs ? e.issueRoundNs : e.memoryRoundNs;
+    e.timeNs = d.latencyNs + warps * perGroup / issueRate + e.rounds * roundNs + e.issueRoundNs;
+    e.bytesInFlightPerSm = static_cast<double>(e.blocksPerSm) * depth * rowBytes;
+    double const tokensPerBlock = static_cast<double>(p.numTokens) / e.split.tokenStep;
+    e.instrPerElement = (tokensPerBlock * perToken + perGroup) * e.threads
+        / (tokensPerBlock * static_cast<double>(p.numHeads) * p.headDim);
+    return e;
+}
+
+// The plan's choice among rows = maxRows and maxRows / 2 (where they fit one block; the resident
+// blocks per SM of each at its block size from the occupancy query): the least estimated time,
+// ties to more rows.
+inline RowEstimate planRow(FastProblem const& p, int maxRows, int64_t const* residentBlocksPerSm, DeviceModel const& d)
+{
+    RowEstimate best;
+    int const candidates[2] = {maxRows, maxRows / 2};
+    for (int k = 0; k < 2; ++k)
+    {
+        int const rows = candidates[k];
+        if (rows < 1 || !rowFits(p.numHeads, rows, p.headDim, p.elemBytes))
+        {
+            continue;
+        }
+        RowEstimate const e = estimateRow(p, rows, residentBlocksPerSm[k], d);
         if (best.rows == 0 || e.timeNs < best.timeNs)
         {
             best = e;
