@@ -102,7 +102,7 @@ def test_no_instance_spills_on_sm90(report):
     """Every instance of both paths (the report checks each one), none left unchecked."""
     checked = {c["instance"] for c in report["checks"] if c["check"] == "no-spills"}
     assert checked == {i["label"] for e in report["archs"].values() for i in e["instances"]}
-    assert len(checked) == len(_instances(report)) + len(_instances(report, "general"))
+    assert len(checked) == sum(len(_instances(report, k)) for k in ("fast", "general", "row", "general-row"))
     assert not _failures(report, "no-spills")
 
 
@@ -119,7 +119,8 @@ def test_no_instance_spills_on_sm100(report, sm100_ptxas_log):
     nvcc command as the report's (kr.compile_cubins), without the report's SASS analysis."""
     ptxas = sass.parse_ptxas(sm100_ptxas_log)
     entries = {n for n, f in ptxas.items() if f.get("entry")}
-    assert entries == {i["mangled"] for k in ("fast", "general") for i in _instances(report, k)}, \
+    assert entries == {i["mangled"] for k in ("fast", "general", "row", "general-row")
+                       for i in _instances(report, k)}, \
         "sm_100 has other instances than sm_90"
     assert all("spill_stores" in ptxas[n] and "stack" in ptxas[n] for n in entries), "ptxas -v line missing"
     assert not _spilling_entries(ptxas)
@@ -182,6 +183,31 @@ def test_family_launches_are_planned_and_checked(report):
             and c["detail"].startswith("H200 SXM, ")]
     assert len(h200) == sum(1 for w in want if w[0] == "H200 SXM")
     assert all(c["ok"] for c in h200), [c["detail"] for c in h200 if not c["ok"]]
+
+
+# Wan 2.1/2.2 14B at 720p, 81 frames (21 x 45 x 80 latent tokens), 40 heads x 128, bf16, norm_scope 1
+# (one RMSNorm over the token's 5120 values), FLUX's order (rounding 2) and rounding 0: the explicit
+# cross-head problem the row kernel is built for (issue 33's targets on an H200).
+WAN_ROW_PROBLEM = {"model": "Wan 14B (explicit)", "stream": "video 75600", "batch": 1, "seq": 75600,
+                   "tokens": 75600, "heads": 40, "head_dim": 128, "rotary_dim": 128,
+                   "interleaved": True, "roundings": (2, 0), "norm_scope": 1}
+
+
+@pytest.mark.slow
+def test_wan_row_launch_meets_the_targets_on_the_h200(report):
+    """norm_scope 1 at Wan 14B's launch: the launcher picks a row-kernel instance on every
+    modelled device, whole tokens, and on the H200 (and H100) it keeps >= 32 KiB of reads
+    outstanding per SM past every wait (scoreboards) at <= 20 instructions per element."""
+    simt = os.environ.get(kernels.SIMT_LIB_ENV) or str(build_simt() / kernels.SIMT_LIB_NAME)
+    launches = kr.plan_launches(report, simt, problems=[WAN_ROW_PROBLEM])
+    assert len(launches) == 2 * len(kr.MODELLED_DEVICES)
+    for ln in launches:
+        assert ln["found"] and ln["instance"].startswith("Row<Bf16,128,true,"), ln
+        assert ln["grid"] % 2 == 0 and ln["grid"] <= ln["blocks_per_sm"] * kr.MODELLED_DEVICES[ln["device"]]["sms"]
+    checks = kr.launch_checks(launches)
+    h200 = [c for c in checks if c["detail"].startswith("H200 SXM, ")]
+    assert len(h200) == 4 and all(c["ok"] for c in h200), [c["detail"] for c in h200]
+    assert all(c["ok"] for c in checks), [c["detail"] for c in checks if not c["ok"]]
 
 
 @pytest.mark.slow
