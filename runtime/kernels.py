@@ -140,6 +140,10 @@ def _load(env: str, name: str, build: str, run_fn: str, status_fn: str, cuda: bo
         fn.restype = ctypes.c_int32
         fn.argtypes = (_ARGTYPES + ([ctypes.c_int32] if run_fn.endswith("_scoped") else [])
                        + ([ctypes.c_void_p] if cuda else []))
+        unscoped = getattr(lib, run_fn[:-len("_scoped")], None) if run_fn.endswith("_scoped") else None
+        if unscoped is not None:  # the version-1 entry point (norm_scope 0), for raw callers
+            unscoped.restype = ctypes.c_int32
+            unscoped.argtypes = _ARGTYPES + ([ctypes.c_void_p] if cuda else [])
         st = getattr(lib, status_fn)
         st.restype = ctypes.c_char_p
         st.argtypes = [ctypes.c_int32]

@@ -382,6 +382,7 @@ def test_library_without_the_simt_names_is_rejected(monkeypatch, tmp_path):
     cxx, _ = require_native_tools("a stand-in for a stale emulation library")
     src = tmp_path / "stale.cpp"
     src.write_text('extern "C" int qkrope_launch() { return 0; }\n'
+                   'extern "C" int qkrope_launch_scoped() { return 0; }\n'
                    'extern "C" char const* qkrope_status_string(int) { return "ok"; }\n'
                    'extern "C" int qkrope_simt_configure(int, int, long long) { return 0; }\n')
     lib = tmp_path / "libstale_simt.so"

@@ -396,7 +396,8 @@ namespace
 
 // enqueue's checks: ranks, resolved input extents (copied into d), checkDims, outputs shaped like
 // their inputs, and the dtypes. Returns an empty string when the call may run.
-std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, Dims* d)
+std::string checkRuntimeTensors(
+    PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, Dims* d, int32_t normScope)
 {
     std::string err = checkRanks(inputDesc, outputDesc);
     if (!err.empty())
@@ -417,7 +418,7 @@ std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorD
             }
         }
     }
-    err = checkDims(d, mAttrs.normScope);
+    err = checkDims(d, normScope);
     if (!err.empty())
     {
         return err;
@@ -463,7 +464,7 @@ int32_t QKNormRoPEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
         QKROPE_VALIDATE(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
             "null tensor descriptors or pointers", static_cast<int32_t>(Status::kNULL_POINTER));
         Dims d[kNB_INPUTS];
-        std::string const err = checkRuntimeTensors(inputDesc, outputDesc, d);
+        std::string const err = checkRuntimeTensors(inputDesc, outputDesc, d, mAttrs.normScope);
         QKROPE_VALIDATE(err.empty(), err + "; nothing was executed", static_cast<int32_t>(Status::kBAD_SHAPE));
 
         QKNormRoPEParams p;
