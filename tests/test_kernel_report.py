@@ -210,6 +210,48 @@ def test_wan_row_launch_meets_the_targets_on_the_h200(report):
     assert all(c["ok"] for c in checks), [c["detail"] for c in checks if not c["ok"]]
 
 
+def _row_issue_cost() -> dict[int, tuple[float, ...]]:
+    """kRowIssueCost of qknorm_rope_plan.h: {perElement, perToken, perGroup, perGroupRow} per rounding."""
+    text = (ROOT / "plugins" / "kernel" / "qknorm_rope_plan.h").read_text()
+    m = re.search(r"kRowIssueCost\[\] = \{(.*?)\};", text, re.S)
+    assert m, "the kRowIssueCost table not found in qknorm_rope_plan.h"
+    rows = re.findall(r"\{([^{}]*)\}", m.group(1))
+    assert len(rows) == 3, rows
+    return {mode: tuple(float(x) for x in row.split(",")) for mode, row in enumerate(rows)}
+
+
+def check_row_plan_constants(launches) -> int:
+    """The row plan's instruction constants against the SASS of the row instances launched on the
+    H200: per token of a thread within 5 %, prologue + epilogue within 10 %. Returns how many
+    (instance, rounding) pairs were compared."""
+    cost = _row_issue_cost()
+    seen = set()
+    for ln in launches:
+        if ln["device"] != "H200 SXM" or not ln["instance"].startswith("Row<") \
+                or (ln["instance"], ln["rounding"]) in seen:
+            continue
+        seen.add((ln["instance"], ln["rounding"]))
+        per_element, per_token, per_group, per_group_row = cost[ln["rounding"]]
+        rows = ln["rows"]
+        measured_token = ln["loop_instr_per_element"] * ln["heads"] * 128 / ln["threads_per_block"]
+        model_token = rows * 8 * per_element + per_token
+        assert abs(model_token - measured_token) <= 0.05 * measured_token, (ln["instance"], model_token, measured_token)
+        measured_group = ln["prologue"] + ln["epilogue"]
+        model_group = per_group + per_group_row * rows
+        assert abs(model_group - measured_group) <= 0.1 * measured_group, (ln["instance"], model_group, measured_group)
+    return len(seen)
+
+
+@pytest.mark.slow
+def test_row_plan_constants_match_the_sass(report):
+    """kRowIssueCost against the row instances the launcher picks for Wan 14B (40 heads) and a
+    12-head row (Wan 1.3B) on the H200."""
+    simt = os.environ.get(kernels.SIMT_LIB_ENV) or str(build_simt() / kernels.SIMT_LIB_NAME)
+    small = dict(WAN_ROW_PROBLEM, model="Wan 1.3B (explicit)", stream="video 32760", seq=32760,
+                 tokens=32760, heads=12)
+    assert check_row_plan_constants(kr.plan_launches(report, simt, problems=[WAN_ROW_PROBLEM, small])) >= 2
+
+
 @pytest.mark.slow
 def test_every_modelled_device_launches_a_fast_instance_in_whole_tokens(report):
     """Per device model the plan picks a fast-path Qwen instance that exists in the SASS, fills no

@@ -112,7 +112,7 @@ from _simt import device, libs  # noqa: E402,F401 (pytest fixtures)
 
 ROW_TEMPLATES = ("qkNormRopeRowKernel", "qkNormRopeGeneralRowKernel")
 PROBE_HEAD_ROT = ((64, 64), (64, 32), (128, 128), (128, 64), (256, 256), (256, 128), (96, 32))
-PROBE_HEADS = (1, 3, 5, 8, 20)
+PROBE_HEADS = (1, 3, 5, 8, 20, 32)
 PROBE_TOKENS = ((1, 1), (1, 3), (2, 8))
 
 

@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(kPlanRowMaxThreads, kFastMinBlocks) qkNormRope
     constexpr int kMaxThreads = rowMaxThreads(ROWS * kNV);
     constexpr int kMaxHeads = kMaxThreads / kLanes * ROWS;
     constexpr int kSumsPerLane = (kMaxHeads + 31) / 32;
-    static_assert(ROWS >= 1 && ROWS <= rowMaxRows(HEAD_DIM, kBytes), "rows per group");
+    static_assert(ROWS >= 1 && ROWS <= rowMaxRows(HEAD_DIM, kBytes, INTERLEAVED, FULL_ROTARY, ROUNDING), "rows per group");
     static_assert(kNV == 1 || kNV == 2, "one or two chunks per thread");
     static_assert(INTERLEAVED || kNV == 1 || FULL_ROTARY, "NeoX with two chunks pairs up only at full rotary");
     static_assert(ROUNDING >= 0 && ROUNDING < math::kRoundingModes, "rounding mode");
@@ -1229,6 +1229,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralRowKernel(KernelArg
     {
         Storage const* const row = src + t * tokenElems;
         float partial = 0.0F;
+#pragma unroll 1 // a rolled loop: unrolled, ptxas spilled two instances (sm_90)
         for (int h = 0; h < numHeads; ++h)
         {
             float x[kE];
@@ -1242,6 +1243,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralRowKernel(KernelArg
             partial = math::add(partial, __shfl_xor_sync(kFullMask, partial, offset, kGeneralLanes));
         }
         float const inv = math::rmsInv(partial, a.rowElems, a.eps);
+#pragma unroll 1
         for (int h = 0; h < numHeads; ++h)
         {
             int64_t const at = static_cast<int64_t>(h) * headDim;
@@ -1469,7 +1471,7 @@ template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_RO
 cudaError_t launchRow(KernelArgs a, int device, cudaStream_t stream)
 {
     constexpr int kBytes = static_cast<int>(sizeof(typename T::Storage));
-    constexpr int kMax = rowMaxRows(HEAD_DIM, kBytes);
+    constexpr int kMax = rowMaxRows(HEAD_DIM, kBytes, INTERLEAVED, FULL_ROTARY, ROUNDING);
     int64_t const resident[2] = {rowResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax>(a.numHeads, device),
         rowResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax / 2>(a.numHeads, device)};
     FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING};

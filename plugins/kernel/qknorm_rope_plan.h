@@ -80,12 +80,20 @@ QKROPE_PLAN_HD constexpr int rowMaxThreads(int rowsTimesChunks)
     return rowsTimesChunks >= 4 ? 224 : kPlanRowMaxThreads;
 }
 
-// Rows (heads) per group of the row kernel's largest instance: 4 with one chunk per thread, 2 with two
-// (the weights of every row stay in registers: rows x elements per thread floats). The launcher's
-// candidates are this and half of it.
-QKROPE_PLAN_HD constexpr int rowMaxRows(int headDim, int elemBytes)
+// Rows (heads) per group of the row kernel's largest instance. Each row's weights stay in registers
+// (rows x elements per thread floats), so 4 rows fit 128 registers only where the rest of the token
+// is light: one chunk per thread, interleaved pairs at full rotary width, and not diffusers' order
+// (its two round trips per pair), and with bf16 not at head_dim 64 (ptxas -v, nvcc 13.0, sm_90:
+// these instances use 106-127 registers without spilling; NeoX, partial rotary or rounding 1 at 4
+// rows spill; so does bf16 at head_dim 64 in FLUX's order, which excludes 16-bit types there).
+// Everything else has 2. The launcher's candidates are this and half of it. rounding: the instance's
+// (0 for fp32, whatever the node says).
+QKROPE_PLAN_HD constexpr int rowMaxRows(int headDim, int elemBytes, bool interleaved, bool fullRotary, int rounding)
 {
-    return fastChunksPerThread(headDim, elemBytes) == 1 ? 4 : 2;
+    return fastChunksPerThread(headDim, elemBytes) == 1 && interleaved && fullRotary && rounding != 1
+            && !(elemBytes == 2 && headDim == 64 && rounding == 2)
+        ? 4
+        : 2;
 }
 
 QKROPE_PLAN_HD constexpr int64_t rowThreads(int64_t numHeads, int rows, int lanes)
@@ -133,7 +141,9 @@ inline KernelPath selectPath(QKNormRoPEParams const& p)
     {
         int const bytes = elementBytes(p.dtype);
         int const head = static_cast<int>(p.headDim);
-        if (!rowFits(p.numHeads, rowMaxRows(head, bytes), head, bytes))
+        int const rounding = p.dtype == DataType::kFLOAT32 ? 0 : p.rounding; // the instance's
+        if (!rowFits(p.numHeads, rowMaxRows(head, bytes, p.interleaved, p.rotaryDim == p.headDim, rounding), head,
+                bytes))
         {
             return KernelPath::kGeneral; // the token's heads do not fit one block of the row kernel
         }
@@ -366,19 +376,34 @@ inline FastEstimate planFast(FastProblem const& p, int maxRows, int64_t const* r
 // The launch plan of the norm_scope 1 fast path (qkNormRopeRowKernel): which rows per group (the
 // largest instance or half of it, each where rowFits), so which block size. The model is planFast's,
 // with a block as the unit: a block owns one (token, q/k) row, so the grid is splitTokens(tokens, 2,
-// 1, resident blocks); per token a thread issues rows x its elements at the per-element cost, the
-// per-token cost and the cross-head reduction (kRowIssue below), and every thread of the block
+// 1, resident blocks); per token a thread issues rows x its elements at the per-element cost and the
+// per-token cost (kRowIssueCost below: the cross-head reduction included), and every thread of the block
 // issues, including the groups past num_heads (rows x groups - heads idle rows). The bytes are the
 // row's: the idle rows are neither read nor written.
+// Common-path instructions of one thread of the row kernel, by rounding mode: per element of its rows,
+// per token (cos/sin, the ring, the head sums: the store, the barrier, the loads and adds, the
+// butterfly, the division), and per thread outside the loop (prologue + epilogue: perGroup +
+// perGroupRow x rows, the weights of each row loaded and converted once). Measured on the sm_90 SASS
+// of the bf16, head_dim 128, interleaved, full-rotary instances (nvcc 13.0; scripts/kernel_report.py):
+// per token 306 / 516 instructions at rows 2 / 4 with rounding 0, 312 / 556 with rounding 2;
+// prologue + epilogue 311 / 452 and 317 / 452. Rounding 1 is not measured: rounding 2's figures
+// plus the per-element difference of the per-head kernel (kFastIssueCost: +1.5).
 struct RowIssueCost
 {
-    double perToken; // the head sums: the store, the barrier, the loads, adds and butterfly, 1/x
-    double perGroup; // the weights of rows x elements (loaded and converted once)
+    double perElement;
+    double perToken;
+    double perGroup;
+    double perGroupRow;
 };
 
-// Added to kFastIssueCost per thread (sm_90 SASS of the bf16, head_dim 128, interleaved instances;
-// scripts/kernel_report.py measures them; tests/test_kernel_report.py checks them).
-constexpr RowIssueCost kRowIssue = {40.0, 40.0};
+constexpr RowIssueCost kRowIssueCost[] = {{13.14, 95.7, 176.0, 69.0}, {16.75, 68.3, 176.0, 69.0},
+    {15.25, 68.3, 176.0, 69.0}};
+
+inline RowIssueCost rowIssueCost(int rounding)
+{
+    constexpr int kModes = static_cast<int>(sizeof(kRowIssueCost) / sizeof(kRowIssueCost[0]));
+    return kRowIssueCost[rounding >= 0 && rounding < kModes ? rounding : 0];
+}
 
 struct RowEstimate
 {
@@ -406,9 +431,9 @@ inline RowEstimate estimateRow(FastProblem const& p, int rows, int64_t residentB
     e.rounds = ceilDiv(p.numTokens, e.split.tokenStep);
     int64_t const busiestBlocks = ceilDiv(e.split.blocks, d.sms);
     double const warps = static_cast<double>(busiestBlocks) * e.threads / 32.0;
-    FastIssueCost const c = fastIssueCost(p.rounding);
-    double const perToken = rows * elems * c.perElement + c.perToken + kRowIssue.perToken;
-    double const perGroup = c.perGroup + kRowIssue.perGroup;
+    RowIssueCost const c = rowIssueCost(p.rounding);
+    double const perToken = rows * elems * c.perElement + c.perToken;
+    double const perGroup = c.perGroup + c.perGroupRow * rows;
     double const issueRate = d.schedulersPerSm * d.clockGHz;
     e.issueRoundNs = warps * perToken / issueRate;
     double const rowBytes = static_cast<double>(p.numHeads) * p.headDim * p.elemBytes;
