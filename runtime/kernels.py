@@ -92,7 +92,10 @@ class KernelStatusError(QkropeError, RuntimeError):
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 
+# ..., interleaved, rounding, dtype; the *_scoped entry points (C ABI version 2) add norm_scope
+# before dtype
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int32] * 3
+NORM_SCOPES = (0, 1)  # 0: RMSNorm per head, weights [head_dim]; 1: per token row, [heads * head_dim]
 
 
 _KINDS = {lib.env: kind for kind, lib in toolchain.LIBRARIES.items()}  # env variable -> kind
@@ -129,17 +132,28 @@ def _load(env: str, name: str, build: str, run_fn: str, status_fn: str, cuda: bo
                 lib = ctypes.CDLL(key)
             except OSError as exc:
                 raise KernelLibraryError(f"cannot load {key}: {exc}. Rebuild it with: {build}") from exc
-            fn = getattr(lib, run_fn)
-            fn.restype = ctypes.c_int32
-            fn.argtypes = _ARGTYPES + ([ctypes.c_void_p] if cuda else [])
-            st = getattr(lib, status_fn)
-            st.restype = ctypes.c_char_p
-            st.argtypes = [ctypes.c_int32]
             _loaded[key] = lib
+        fn = getattr(lib, run_fn, None)
+        if fn is None:
+            raise KernelLibraryError(f"{key} predates the C ABI's {run_fn} (norm_scope): "
+                                     f"rebuild it with: {build}")
+        fn.restype = ctypes.c_int32
+        fn.argtypes = (_ARGTYPES + ([ctypes.c_int32] if run_fn.endswith("_scoped") else [])
+                       + ([ctypes.c_void_p] if cuda else []))
+        unscoped = getattr(lib, run_fn[:-len("_scoped")], None) if run_fn.endswith("_scoped") else None
+        if unscoped is not None:  # the version-1 entry point (norm_scope 0), for raw callers
+            unscoped.restype = ctypes.c_int32
+            unscoped.argtypes = _ARGTYPES + ([ctypes.c_void_p] if cuda else [])
+        st = getattr(lib, status_fn)
+        st.restype = ctypes.c_char_p
+        st.argtypes = [ctypes.c_int32]
     return lib
 
 
-def _check_args(q, k, q_weight, k_weight, cache, device_type: str) -> None:
+def _check_args(q, k, q_weight, k_weight, cache, device_type: str, norm_scope: int = 0) -> None:
+    if isinstance(norm_scope, bool) or not isinstance(norm_scope, int) or norm_scope not in NORM_SCOPES:
+        raise InputError(f"norm_scope must be one of {NORM_SCOPES} (0: per head, 1: over the token's "
+                         f"heads); got {norm_scope!r}")
     tensors = {"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight, "cos_sin_cache": cache}
     for n, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -151,7 +165,7 @@ def _check_args(q, k, q_weight, k_weight, cache, device_type: str) -> None:
     if device_type == "cuda" and len({t.device for t in tensors.values()}) != 1:
         raise InputError("q, k, weights and cache must all be on the same CUDA device; got "
                          + ", ".join(f"{n}={t.device}" for n, t in tensors.items()))
-    check_tensor_layout(q, k, q_weight, k_weight, cache)
+    check_tensor_layout(q, k, q_weight, k_weight, cache, norm_scope=norm_scope)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -212,18 +226,19 @@ def _check_out(out, q, k, q_weight, k_weight, cache) -> tuple[torch.Tensor, torc
 
 
 def _call(fn, status_fn, what, q, k, q_weight, k_weight, cache, q_out, k_out, eps, interleaved,
-          rounding, extra=()):
+          rounding, norm_scope=0, extra=()):
     b, s, h, d = q.shape
     rows, rot = cache.shape
     status = fn(q.data_ptr(), k.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(),
                 cache.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), b, s, h, d, rot, rows,
-                float(eps), int(bool(interleaved)), int(rounding), DTYPE_CODES[q.dtype], *extra)
+                float(eps), int(bool(interleaved)), int(rounding), int(norm_scope),
+                DTYPE_CODES[q.dtype], *extra)
     if status != 0:
         text = status_fn(status).decode()
         raise KernelStatusError(
             status, text,
             f"{what}(q {tuple(q.shape)} {q.dtype}, cache {tuple(cache.shape)}, eps={eps}, "
-            f"interleaved={interleaved}, rounding={rounding})")
+            f"interleaved={interleaved}, rounding={rounding}, norm_scope={norm_scope})")
 
 
 def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
@@ -231,18 +246,19 @@ def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                       eps: float = contract.DEFAULT_EPS,
                       interleaved: bool = contract.DEFAULT_INTERLEAVED,
                       rounding: int = contract.DEFAULT_ROUNDING,
+                      norm_scope: int = 0,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the CPU build of the kernel arithmetic (torch CPU tensors).
 
     ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
     of q's shape, dtype and device (checked, ``ValueError`` before anything runs)."""
-    lib = _load(HOST_LIB_ENV, HOST_LIB_NAME, HOST_BUILD_COMMAND, "qkrope_host_run",
+    lib = _load(HOST_LIB_ENV, HOST_LIB_NAME, HOST_BUILD_COMMAND, "qkrope_host_run_scoped",
                 "qkrope_host_status_string", cuda=False)
-    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu")
+    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu", norm_scope)
     q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
-    _call(lib.qkrope_host_run, lib.qkrope_host_status_string, "qkrope_host_run", q, k, q_weight,
-          k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding)
+    _call(lib.qkrope_host_run_scoped, lib.qkrope_host_status_string, "qkrope_host_run", q, k,
+          q_weight, k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding, norm_scope)
     return q_out, k_out
 
 
@@ -251,21 +267,22 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                       eps: float = contract.DEFAULT_EPS,
                       interleaved: bool = contract.DEFAULT_INTERLEAVED,
                       rounding: int = contract.DEFAULT_ROUNDING,
+                      norm_scope: int = 0,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the fused CUDA kernel on the current CUDA stream (torch CUDA tensors).
 
     ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
     of q's shape, dtype and device (checked, ``ValueError`` before anything is launched)."""
-    lib = _load(CUDA_LIB_ENV, CUDA_LIB_NAME, CUDA_BUILD_COMMAND, "qkrope_launch",
+    lib = _load(CUDA_LIB_ENV, CUDA_LIB_NAME, CUDA_BUILD_COMMAND, "qkrope_launch_scoped",
                 "qkrope_status_string", cuda=True)
-    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cuda")
+    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cuda", norm_scope)
     q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        _call(lib.qkrope_launch, lib.qkrope_status_string, "qkrope_launch", q, k, q_weight,
-              k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
-              extra=(ctypes.c_void_p(stream),))
+        _call(lib.qkrope_launch_scoped, lib.qkrope_status_string, "qkrope_launch", q, k,
+              q_weight, k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
+              norm_scope, extra=(ctypes.c_void_p(stream),))
     return q_out, k_out
 
 
@@ -298,7 +315,7 @@ def simt_library_path() -> Path | None:
 
 
 def _simt_lib() -> ctypes.CDLL:
-    lib = _load(SIMT_LIB_ENV, SIMT_LIB_NAME, SIMT_BUILD_COMMAND, "qkrope_launch",
+    lib = _load(SIMT_LIB_ENV, SIMT_LIB_NAME, SIMT_BUILD_COMMAND, "qkrope_launch_scoped",
                 "qkrope_status_string", cuda=True)
     if not getattr(lib, "_simt_ready", False):
         if not hasattr(lib, "simt_configure"):
@@ -406,6 +423,7 @@ def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                       eps: float = contract.DEFAULT_EPS,
                       interleaved: bool = contract.DEFAULT_INTERLEAVED,
                       rounding: int = contract.DEFAULT_ROUNDING,
+                      norm_scope: int = 0,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """QKNormRoPE through the emulated CUDA kernel and launcher (torch CPU tensors).
@@ -413,12 +431,12 @@ def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
     of q's shape, dtype and device. A failed emulated launch raises :class:`SimtLaunchError`."""
     lib = _simt_lib()
-    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu")
+    _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu", norm_scope)
     q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     try:
-        _call(lib.qkrope_launch, lib.qkrope_status_string, "qkrope_launch (simt)", q, k, q_weight,
-              k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
-              extra=(ctypes.c_void_p(None),))
+        _call(lib.qkrope_launch_scoped, lib.qkrope_status_string, "qkrope_launch (simt)", q, k,
+              q_weight, k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
+              norm_scope, extra=(ctypes.c_void_p(None),))
     except KernelStatusError as exc:
         raise SimtLaunchError(exc.status, lib.qkrope_status_string(exc.status).decode(),
                               "qkrope_launch (simt)", simt_last_error()) from None

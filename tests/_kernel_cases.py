@@ -86,18 +86,75 @@ def make_inputs(dtype, head_dim, rotary_dim, *, batch=2, seq=6, heads=3, extra_r
 
 
 def reference(q, k, qw, kw, cache, **kw_):
-    """The project's Python reference, on the CPU."""
+    """The project's Python reference, on the CPU (norm_scope 1: :func:`row_scope_reference`)."""
+    if kw_.get("norm_scope", 0) == 1:
+        return row_scope_reference(q.cpu(), k.cpu(), qw.cpu(), kw.cpu(), cache.cpu(), **kw_)
+    kw_.pop("norm_scope", None)
     return qk_norm_rope_reference(q.cpu(), k.cpu(), qw.cpu(), kw.cpu(), cache.cpu(), **kw_)
 
 
-def fp32_reference(q, k, qw, kw, cache, *, interleaved):
+def _takes_norm_scope() -> bool:
+    import inspect
+    return "norm_scope" in inspect.signature(qk_norm_rope_reference).parameters
+
+
+def row_scope_reference(q, k, qw, kw, cache, *, eps=contract.DEFAULT_EPS,
+                        interleaved=contract.DEFAULT_INTERLEAVED,
+                        rounding=contract.DEFAULT_ROUNDING, norm_scope=1):
+    """norm_scope 1 (docs/spec.md): one RMS over each token's heads x head_dim values, weight
+    [heads * head_dim], then the per-head rotation. The project's reference where it takes
+    ``norm_scope``; until then this model of the contract, written with the reference's own
+    operations: mean of squares in fp32 over the flat row, torch.rsqrt, the rounding mode's
+    order, the rotation in fp32."""
+    if _takes_norm_scope():
+        return qk_norm_rope_reference(q, k, qw, kw, cache, eps=eps, interleaved=interleaved,
+                                      rounding=rounding, norm_scope=norm_scope)
+    rot = cache.shape[1]
+    half = rot // 2
+
+    def one(x, w):
+        b, s, h, d = x.shape
+        xf = x.float()
+        inv = torch.rsqrt(xf.reshape(b, s, h * d).pow(2).mean(-1) + eps)[..., None, None]
+        wv = w.reshape(h, d)
+        narrow = x.dtype != torch.float32
+        if rounding == contract.ROUNDING_DIFFUSERS and narrow:
+            y = ((xf * inv).to(x.dtype) * wv).float()
+        elif rounding == contract.ROUNDING_FLUX and narrow:
+            y = (xf * inv * wv.float()).to(x.dtype).float()
+        else:
+            y = xf * inv * wv.float()
+        rows = cache[:s].float()
+        cos = rows[:, :half][None, :, None, :]
+        sin = rows[:, half:rot][None, :, None, :]
+        a, bb = (y[..., 0:rot:2], y[..., 1:rot:2]) if interleaved else (y[..., :half], y[..., half:rot])
+        ra, rb = a * cos - bb * sin, a * sin + bb * cos
+        out = torch.stack((ra, rb), -1).flatten(-2) if interleaved else torch.cat((ra, rb), -1)
+        if rot < d:
+            out = torch.cat((out, y[..., rot:]), -1)
+        return out.to(x.dtype)
+
+    return one(q, qw), one(k, kw)
+
+
+def row_weights(inputs, seed=11):
+    """The inputs of :func:`make_inputs` with [heads * head_dim] weights (norm_scope 1)."""
+    q, k, _, _, cache = inputs
+    g = torch.Generator().manual_seed(seed)
+    width = q.shape[-2] * q.shape[-1]
+    qw = (torch.rand(width, generator=g) + 0.5).to(q.dtype).to(q.device)
+    kw = (torch.rand(width, generator=g) * 2.0 - 1.0).to(q.dtype).to(q.device)
+    return q, k, qw, kw, cache
+
+
+def fp32_reference(q, k, qw, kw, cache, *, interleaved, norm_scope=0):
     return reference(q.float(), k.float(), qw.float(), kw.float(), cache, interleaved=interleaved,
-                     rounding=0)
+                     rounding=0, norm_scope=norm_scope)
 
 
-def check_against_fp32(outs, inputs, dtype, interleaved) -> float:
+def check_against_fp32(outs, inputs, dtype, interleaved, norm_scope=0) -> float:
     """Return the error measure and assert it is within the tolerance."""
-    ref32 = fp32_reference(*inputs, interleaved=interleaved)
+    ref32 = fp32_reference(*inputs, interleaved=interleaved, norm_scope=norm_scope)
     worst = 0.0
     for out, r in zip(outs, ref32):
         d = (out.cpu().float() - r).abs().max().item()

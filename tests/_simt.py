@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _kernel_cases import assert_bit_exact, check_against_fp32, make_inputs
+from _kernel_cases import assert_bit_exact, check_against_fp32, make_inputs, row_weights
 from _native import SIMT_BUILD_DIR, build_simt, require_native_tools
 from qkrope.runtime import kernels
 
@@ -110,16 +110,19 @@ def _check_guarded(name, buf, view, start):
 
 
 def run_checked(dtype, head_dim, rotary_dim, *, interleaved=True, rounding=0, batch=1, seq=3,
-                heads=2, grid=True, seed=0, misalign=(), in_place=False, check_fp32=False):
+                heads=2, grid=True, seed=0, misalign=(), in_place=False, check_fp32=False,
+                norm_scope=0):
     """Runs the emulated kernel and the CPU build on the same inputs; asserts bit-exact outputs,
-    no unwritten element and untouched guard bands. Returns the emulated launches."""
-    inputs = list(make_inputs(dtype, head_dim, rotary_dim, batch=batch, seq=seq, heads=heads,
-                              grid=grid, seed=seed))
+    no unwritten element and untouched guard bands. Returns the emulated launches. norm_scope 1
+    runs the row-scope op ([heads * head_dim] weights)."""
+    inputs = make_inputs(dtype, head_dim, rotary_dim, batch=batch, seq=seq, heads=heads,
+                         grid=grid, seed=seed)
+    inputs = list(row_weights(inputs) if norm_scope == 1 else inputs)
     names = ("q", "k", "q_weight", "k_weight", "cache")
     for i, n in enumerate(names):
         if n in misalign:
             inputs[i] = _offset_copy(inputs[i])
-    kw = dict(interleaved=interleaved, rounding=rounding)
+    kw = dict(interleaved=interleaved, rounding=rounding, norm_scope=norm_scope)
     # the CPU build sees the same pointers' alignment (it picks the kernel path's sum order)
     _, hq, _ = _guarded(inputs[0], misalign="q_out" in misalign)
     _, hk, _ = _guarded(inputs[1], misalign="k_out" in misalign)
@@ -142,7 +145,7 @@ def run_checked(dtype, head_dim, rotary_dim, *, interleaved=True, rounding=0, ba
         finite = ~o.isnan()
         assert torch.equal(_bits(o)[finite], _bits(e)[finite]), "raw bits differ (signed zeros?)"
     if check_fp32:
-        check_against_fp32(outs, inputs, dtype, interleaved)
+        check_against_fp32(outs, inputs, dtype, interleaved, norm_scope=norm_scope)
     return launches
 
 

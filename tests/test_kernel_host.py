@@ -171,7 +171,7 @@ def test_null_pointer_and_bad_dtype_codes(host_lib):
     assert fn(*empty) == 0             # nothing to do: pointers may be null
     lib.qkrope_host_status_string.restype = ctypes.c_char_p
     assert b"overflow" in lib.qkrope_host_status_string(4)
-    assert lib.qkrope_host_capi_version() == 1
+    assert lib.qkrope_host_capi_version() == 2
 
 
 def test_python_side_checks(host_lib):
@@ -274,4 +274,5 @@ def test_exports_only_c_abi(host_lib):
     out = subprocess.run([nm, "-D", "--defined-only", str(host_lib)], capture_output=True,
                          text=True, check=True).stdout
     names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
-    assert names == ["qkrope_host_capi_version", "qkrope_host_run", "qkrope_host_status_string"]
+    assert names == ["qkrope_host_capi_version", "qkrope_host_run", "qkrope_host_run_scoped",
+                     "qkrope_host_status_string"]

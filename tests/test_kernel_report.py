@@ -102,7 +102,7 @@ def test_no_instance_spills_on_sm90(report):
     """Every instance of both paths (the report checks each one), none left unchecked."""
     checked = {c["instance"] for c in report["checks"] if c["check"] == "no-spills"}
     assert checked == {i["label"] for e in report["archs"].values() for i in e["instances"]}
-    assert len(checked) == len(_instances(report)) + len(_instances(report, "general"))
+    assert len(checked) == sum(len(_instances(report, k)) for k in ("fast", "general", "row", "general-row"))
     assert not _failures(report, "no-spills")
 
 
@@ -119,7 +119,8 @@ def test_no_instance_spills_on_sm100(report, sm100_ptxas_log):
     nvcc command as the report's (kr.compile_cubins), without the report's SASS analysis."""
     ptxas = sass.parse_ptxas(sm100_ptxas_log)
     entries = {n for n, f in ptxas.items() if f.get("entry")}
-    assert entries == {i["mangled"] for k in ("fast", "general") for i in _instances(report, k)}, \
+    assert entries == {i["mangled"] for k in ("fast", "general", "row", "general-row")
+                       for i in _instances(report, k)}, \
         "sm_100 has other instances than sm_90"
     assert all("spill_stores" in ptxas[n] and "stack" in ptxas[n] for n in entries), "ptxas -v line missing"
     assert not _spilling_entries(ptxas)
@@ -182,6 +183,73 @@ def test_family_launches_are_planned_and_checked(report):
             and c["detail"].startswith("H200 SXM, ")]
     assert len(h200) == sum(1 for w in want if w[0] == "H200 SXM")
     assert all(c["ok"] for c in h200), [c["detail"] for c in h200 if not c["ok"]]
+
+
+# Wan 2.1/2.2 14B at 720p, 81 frames (21 x 45 x 80 latent tokens), 40 heads x 128, bf16, norm_scope 1
+# (one RMSNorm over the token's 5120 values), FLUX's order (rounding 2) and rounding 0: the explicit
+# cross-head problem the row kernel is built for (issue 33's targets on an H200).
+WAN_ROW_PROBLEM = {"model": "Wan 14B (explicit)", "stream": "video 75600", "batch": 1, "seq": 75600,
+                   "tokens": 75600, "heads": 40, "head_dim": 128, "rotary_dim": 128,
+                   "interleaved": True, "roundings": (2, 0), "norm_scope": 1}
+
+
+@pytest.mark.slow
+def test_wan_row_launch_meets_the_targets_on_the_h200(report):
+    """norm_scope 1 at Wan 14B's launch: the launcher picks a row-kernel instance on every
+    modelled device, whole tokens, and on the H200 (and H100) it keeps >= 32 KiB of reads
+    outstanding per SM past every wait (scoreboards) at <= 20 instructions per element."""
+    simt = os.environ.get(kernels.SIMT_LIB_ENV) or str(build_simt() / kernels.SIMT_LIB_NAME)
+    launches = kr.plan_launches(report, simt, problems=[WAN_ROW_PROBLEM])
+    assert len(launches) == 2 * len(kr.MODELLED_DEVICES)
+    for ln in launches:
+        assert ln["found"] and ln["instance"].startswith("Row<Bf16,128,true,"), ln
+        assert ln["grid"] % 2 == 0 and ln["grid"] <= ln["blocks_per_sm"] * kr.MODELLED_DEVICES[ln["device"]]["sms"]
+    checks = kr.launch_checks(launches)
+    h200 = [c for c in checks if c["detail"].startswith("H200 SXM, ")]
+    assert len(h200) == 4 and all(c["ok"] for c in h200), [c["detail"] for c in h200]
+    assert all(c["ok"] for c in checks), [c["detail"] for c in checks if not c["ok"]]
+
+
+def _row_issue_cost() -> dict[int, tuple[float, ...]]:
+    """kRowIssueCost of qknorm_rope_plan.h: {perElement, perToken, perGroup, perGroupRow} per rounding."""
+    text = (ROOT / "plugins" / "kernel" / "qknorm_rope_plan.h").read_text()
+    m = re.search(r"kRowIssueCost\[\] = \{(.*?)\};", text, re.S)
+    assert m, "the kRowIssueCost table not found in qknorm_rope_plan.h"
+    rows = re.findall(r"\{([^{}]*)\}", m.group(1))
+    assert len(rows) == 3, rows
+    return {mode: tuple(float(x) for x in row.split(",")) for mode, row in enumerate(rows)}
+
+
+def check_row_plan_constants(launches) -> int:
+    """The row plan's instruction constants against the SASS of the row instances launched on the
+    H200: per token of a thread within 5 %, prologue + epilogue within 10 %. Returns how many
+    (instance, rounding) pairs were compared."""
+    cost = _row_issue_cost()
+    seen = set()
+    for ln in launches:
+        if ln["device"] != "H200 SXM" or not ln["instance"].startswith("Row<") \
+                or (ln["instance"], ln["rounding"]) in seen:
+            continue
+        seen.add((ln["instance"], ln["rounding"]))
+        per_element, per_token, per_group, per_group_row = cost[ln["rounding"]]
+        rows = ln["rows"]
+        measured_token = ln["loop_instr_per_element"] * ln["heads"] * 128 / ln["threads_per_block"]
+        model_token = rows * 8 * per_element + per_token
+        assert abs(model_token - measured_token) <= 0.05 * measured_token, (ln["instance"], model_token, measured_token)
+        measured_group = ln["prologue"] + ln["epilogue"]
+        model_group = per_group + per_group_row * rows
+        assert abs(model_group - measured_group) <= 0.1 * measured_group, (ln["instance"], model_group, measured_group)
+    return len(seen)
+
+
+@pytest.mark.slow
+def test_row_plan_constants_match_the_sass(report):
+    """kRowIssueCost against the row instances the launcher picks for Wan 14B (40 heads) and a
+    12-head row (Wan 1.3B) on the H200."""
+    simt = os.environ.get(kernels.SIMT_LIB_ENV) or str(build_simt() / kernels.SIMT_LIB_NAME)
+    small = dict(WAN_ROW_PROBLEM, model="Wan 1.3B (explicit)", stream="video 32760", seq=32760,
+                 tokens=32760, heads=12)
+    assert check_row_plan_constants(kr.plan_launches(report, simt, problems=[WAN_ROW_PROBLEM, small])) >= 2
 
 
 @pytest.mark.slow

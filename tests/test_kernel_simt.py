@@ -355,7 +355,7 @@ def test_bad_params_status_and_exports(libs):
     args = [None] * 7 + [1, 2, 2, 64, 64, 2, 1e-6, 1, 0]
     assert lib.qkrope_launch(*args, 0, None) == 1   # kNULL_POINTER, nothing launched
     assert lib.qkrope_launch(*args, 7, None) == 5   # kBAD_DTYPE
-    assert lib.qkrope_capi_version() == 1
+    assert lib.qkrope_capi_version() == 2
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("nm (binutils) not available to list the library's symbols")
@@ -382,6 +382,7 @@ def test_library_without_the_simt_names_is_rejected(monkeypatch, tmp_path):
     cxx, _ = require_native_tools("a stand-in for a stale emulation library")
     src = tmp_path / "stale.cpp"
     src.write_text('extern "C" int qkrope_launch() { return 0; }\n'
+                   'extern "C" int qkrope_launch_scoped() { return 0; }\n'
                    'extern "C" char const* qkrope_status_string(int) { return "ok"; }\n'
                    'extern "C" int qkrope_simt_configure(int, int, long long) { return 0; }\n')
     lib = tmp_path / "libstale_simt.so"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _kernel_cases import assert_bit_exact, make_inputs
+from _kernel_cases import assert_bit_exact, make_inputs, row_weights
 from _simt import BUILD_DIR, DEFAULT_DEVICE, KERNEL_SRC, SIMT_SRC, _tools, run_checked
 from _simt import device, libs  # noqa: F401 (pytest fixtures)
 from qkrope.runtime import kernels
@@ -49,9 +49,19 @@ MUTANTS = [
     ("fast path, FLUX's order: x * inv * w not rounded before the rotation (rounding=2 runs as 0)",
      "qknorm_rope.cu", r"if constexpr \(ROUNDING != math::kRoundingOne\)",
      "if constexpr (ROUNDING == math::kRoundingDiffusers)", "flux"),
+    # norm_scope 1 (qkNormRopeRowKernel): the row's sum spans the warps of the block
+    ("row scope: each warp adds only the head sums of its own heads (a partial cross-warp "
+     "reduction)", "qknorm_rope.cu",
+     r"if \(h < numHeads\)\n(\s*)\{\n(\s*)rowSum = ",
+     r"if (h < numHeads && h / (32 / kLanes * ROWS) == tid / 32)\n\1{\n\2rowSum = ", "row"),
+    ("row scope: the cross-head butterfly stops at offset 8 (lanes 16-31's head sums are lost)",
+     "qknorm_rope.cu", r"for \(int offset = 16; offset > 0; offset /= 2\)\n(\s*)\{\n(\s*)rowSum",
+     r"for (int offset = 8; offset > 0; offset /= 2)\n\1{\n\2rowSum", "row"),
 ]
 
 MUTANT_CASES = {
+    # 20 heads x 64 (bf16: 8 lanes per head): 2 or more warps per block, head sums in 20 lanes
+    "row": [dict(dtype=torch.bfloat16, head_dim=64, rotary_dim=64, heads=20, seq=4, norm_scope=1)],
     "fast": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=3, seq=3),
              dict(dtype=torch.float32, head_dim=64, rotary_dim=64, heads=3, seq=3)],
     "neox": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=3, seq=3,
@@ -131,7 +141,10 @@ def _host_checks(case_key):
         c = dict(case)
         inputs = make_inputs(c["dtype"], c["head_dim"], c["rotary_dim"], batch=1, seq=c["seq"],
                              heads=c["heads"], grid=True, seed=4)
-        kw = dict(interleaved=c.get("interleaved", True), rounding=c.get("rounding", 0))
+        if c.get("norm_scope", 0) == 1:
+            inputs = row_weights(inputs)
+        kw = dict(interleaved=c.get("interleaved", True), rounding=c.get("rounding", 0),
+                  norm_scope=c.get("norm_scope", 0))
         assert_bit_exact(kernels.host_qk_norm_rope(*inputs, **kw), reference(*inputs, **kw))
 
 

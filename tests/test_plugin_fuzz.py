@@ -198,7 +198,7 @@ def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
 # plugin_version as a kCHAR of length -1 over a 3-byte block without a NUL
 NEGATIVE_LENGTH_SEED = bytes([
     12, 1,          # makeCollection: mode 12 (fuzzed fields), below(9) -> 1 field
-    3, 200, 0,      # makeField: name choice 3 -> kFIELDS[3] plugin_version; not clean; its type kCHAR
+    4, 200, 0,      # makeField: name choice 4 -> kFIELDS[4] plugin_version; not clean; its type kCHAR
     25,             # length choice 25 -> kLengths[1] = -1
     0, 200, 200,    # stringPayload: the identity "1"; no NUL counted; no NUL inserted
     200,            # data not null
@@ -220,13 +220,14 @@ RANK_NINE_SEED = bytes([
     0, 2, 200,                 # makeTypes: common, kFLOAT; no override
     200,                       # counts 5/2; the input ends: every extent a constant
 ])
-# the parser's form (epsilon, interleaved, rounding) with interleaved given as kFLOAT32 1.0
+# the parser's form (epsilon, interleaved, rounding, norm_scope) with interleaved given as kFLOAT32 1.0
 INT_AS_FLOAT_SEED = bytes([
-    0,                         # makeCollection: mode 0, the three attributes in table order
+    0,                         # makeCollection: mode 0, the four attributes in table order
     0, 0, 0,                   # epsilon: forced name, clean, its default
     0, 200, 169, 0, 200, 0, 0,  # interleaved: forced name; not clean; type 169 % 14 = 1 kFLOAT32;
                                 # length 1; data not null; a valid value, the default 1 (1.0f)
     0, 0, 0,                   # rounding: forced name, clean, its default
+    0, 0, 0,                   # norm_scope: forced name, clean, its default
     0, 200,                    # layer name "fuzz_node_0"; kBUILD
 ])
 MUTANTS = [

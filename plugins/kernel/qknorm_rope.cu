@@ -109,6 +109,7 @@ struct KernelArgs
     int32_t headDim;
     int32_t rotaryDim;
     int32_t unitsPerToken; // row-group slots per token: 2 (q, k) x units per tensor
+    int32_t rowElems;      // norm_scope 1: numHeads x headDim, the values one RMS spans
     float eps;
     int32_t rounding;  // general path only (a template parameter of the fast path)
     bool interleaved;  // general path only
@@ -610,57 +611,417 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
 }
 
 // ---------------------------------------------------------------------------------------------
-// General path: one warp per (token, q/k, head) row, lane owning element pairs lane + 32 i.
-// kernel-report: qkNormRopeGeneralKernel<T, PAIRS, ALIGNED>
-template <typename T, int PAIRS, bool ALIGNED>
-__global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs const a)
+// Fast path, norm_scope 1: one block owns a token's whole q or k row (num_heads x HEAD_DIM values)
+// and walks tokens with a fixed stride. The block is blockDim.x = rowThreads(...) threads: groups of
+// kLanes threads as in the per-head kernel, group g owning heads g*ROWS .. g*ROWS+ROWS-1 (heads past
+// num_heads are neither read nor stored), each thread its 128-bit chunks of them. The token loop is
+// the per-head kernel's: the same cp.async ring (prefetch distance kPrefetch), cos/sin vectors,
+// arithmetic and stores. The RMS spans the row: each head's sum of squares is reduced inside its
+// group (the per-head order), written to shared memory, and after one __syncthreads every warp adds
+// the head sums in math::rowSumSquares' order (head h into lane h % 32, then a butterfly), so the
+// row's sum does not depend on ROWS or the block size and the CPU build reproduces it. The head sums
+// have one shared-memory slot per ring stage: a slot is rewritten three tokens later, past two
+// barriers every thread has reached after reading it. The weights ([num_heads x HEAD_DIM]) are
+// loaded once per thread, ROWS x its chunks, into registers.
+// kernel-report: qkNormRopeRowKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROWS, int ROUNDING, bool FULL_ROTARY>
+__global__ void __launch_bounds__(kPlanRowMaxThreads, kFastMinBlocks) qkNormRopeRowKernel(KernelArgs const a)
 {
     using Storage = typename T::Storage;
-    constexpr int kE = 2 * PAIRS;
-    static_assert(PAIRS * 2 * kGeneralLanes >= 2 && PAIRS <= kMAX_HEAD_DIM / (2 * kGeneralLanes), "pairs");
-    __shared__ float staged[kWarpsPerBlock][kMAX_HEAD_DIM]; // NeoX partner exchange
+    using Ch = Chunk<T>;
+    constexpr int kBytes = static_cast<int>(sizeof(Storage));
+    constexpr int kVec = fastVec(kBytes);
+    constexpr int kLanes = fastLanes(HEAD_DIM, kBytes);
+    constexpr int kNV = fastChunksPerThread(HEAD_DIM, kBytes);
+    constexpr int kElems = kNV * kVec;
+    constexpr int kTrig = INTERLEAVED ? kElems / 2 : kVec;
+    constexpr int kRuns = INTERLEAVED ? kNV : 1;
+    constexpr int kRun = kTrig / kRuns;
+    constexpr int kMaxThreads = rowMaxThreads(ROWS * kNV);
+    constexpr int kMaxHeads = kMaxThreads / kLanes * ROWS;
+    constexpr int kSumsPerLane = (kMaxHeads + 31) / 32;
+    static_assert(ROWS >= 1 && ROWS <= rowMaxRows(HEAD_DIM, kBytes, INTERLEAVED, FULL_ROTARY, ROUNDING), "rows per group");
+    static_assert(kNV == 1 || kNV == 2, "one or two chunks per thread");
+    static_assert(INTERLEAVED || kNV == 1 || FULL_ROTARY, "NeoX with two chunks pairs up only at full rotary");
+    static_assert(ROUNDING >= 0 && ROUNDING < math::kRoundingModes, "rounding mode");
+    static_assert(ROUNDING == math::kRoundingOne || !T::kIsFloat32, "fp32 has one rounding mode");
+    static_assert(FULL_ROTARY || kRuns == kNV, "partial rotary: one cos/sin run per chunk");
 
-    int const warp = static_cast<int>(threadIdx.x) / 32;
-    int const lane = static_cast<int>(threadIdx.x) % 32;
-    int64_t const group = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-    int const units = a.unitsPerToken; // 2 * numHeads
-    int const slot = static_cast<int>(group % units);
-    int64_t t = group / units;
+    int const tid = static_cast<int>(threadIdx.x);
+    int const lane = tid % kLanes;
+    int const warpLane = tid % 32;
+    bool const isQ = blockIdx.x % 2 == 0;
+    int64_t t = blockIdx.x / 2;
     int const numHeads = a.numHeads;
-    bool const isQ = slot < numHeads;
-    int const head = isQ ? slot : slot - numHeads;
-    int const headDim = a.headDim;
     int const rot = a.rotaryDim;
     int const half = rot / 2;
-    bool const interleaved = a.interleaved;
-    int64_t const tokenElems = static_cast<int64_t>(numHeads) * headDim;
-    Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k) + static_cast<int64_t>(head) * headDim;
-    Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut) + static_cast<int64_t>(head) * headDim;
-    float* const ys = staged[warp];
+    int const headBase = tid / kLanes * ROWS;
 
-    auto elemOf = [lane](int i, int c) { return 2 * (lane + kGeneralLanes * i) + c; };
-    float w[kE];
+    auto elem = [lane](int v, int i) { return (v * kLanes + lane) * kVec + i; };
+
+    Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k);
+    Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut);
+
+    // This thread's rows (heads) and their weights, once for the whole kernel.
+    int rowOffset[ROWS];
+    unsigned stored = 0;
+    float w[ROWS][kElems];
     {
         Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
 #pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+            int const h = headBase + u;
+            int const hh = h < numHeads ? h : numHeads - 1;
+            rowOffset[u] = hh * HEAD_DIM + elem(0, 0);
+            stored |= (h < numHeads ? 1U : 0U) << u;
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+#pragma unroll
+                for (int i = 0; i < kVec; ++i)
+                {
+                    w[u][v * kVec + i] = T::toFloat(__ldg(weight + hh * HEAD_DIM + elem(v, i)));
+                }
+            }
+        }
+    }
+
+    int trigBase[kRuns];
+    bool runRotated[kRuns];
+#pragma unroll
+    for (int r = 0; r < kRuns; ++r)
+    {
+        int const e = elem(r, 0);
+        trigBase[r] = INTERLEAVED ? e / 2 : (e < half ? e : e - half);
+        runRotated[r] = e < rot;
+    }
+    int const e0 = elem(0, 0);
+    bool const neoxFirst = !INTERLEAVED && kNV == 1 && e0 < half;
+    int const partner = neoxFirst ? lane + half / kVec : (e0 < rot ? lane - half / kVec : lane);
+
+    __shared__ __align__(16) uint4 ring[kStages][ROWS * kNV][kMaxThreads];
+    __shared__ float headSums[kStages][kMaxHeads];
+    static_assert(sizeof(ring) + sizeof(headSums) <= 48 * 1024, "static shared memory: at most 48 KiB per block");
+    auto issueRows = [&](Storage const* const token, int const stage) {
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+            if ((stored >> u) & 1U)
+            {
+#pragma unroll
+                for (int v = 0; v < kNV; ++v)
+                {
+                    __pipeline_memcpy_async(&ring[stage][u * kNV + v][tid], token + rowOffset[u] + v * kLanes * kVec,
+                        sizeof(uint4));
+                }
+            }
+        }
+    };
+    auto loadTrig = [&](float const* const row, float (&cosv)[kTrig], float (&sinv)[kTrig]) {
+#pragma unroll
+        for (int r = 0; r < kRuns; ++r)
+        {
+            float* const c = cosv + r * kRun;
+            float* const n = sinv + r * kRun;
+#pragma unroll
+            for (int m = 0; m < kRun; m += (kRun >= 4 ? 4 : 2))
+            {
+                if constexpr (kRun >= 4)
+                {
+                    float4 cv = make_float4(1.0F, 1.0F, 1.0F, 1.0F);
+                    float4 nv = make_float4(0.0F, 0.0F, 0.0F, 0.0F);
+                    if (FULL_ROTARY || runRotated[r])
+                    {
+                        cv = __ldg(reinterpret_cast<float4 const*>(row + trigBase[r] + m));
+                        nv = __ldg(reinterpret_cast<float4 const*>(row + half + trigBase[r] + m));
+                    }
+                    c[m] = cv.x, c[m + 1] = cv.y, c[m + 2] = cv.z, c[m + 3] = cv.w;
+                    n[m] = nv.x, n[m + 1] = nv.y, n[m + 2] = nv.z, n[m + 3] = nv.w;
+                }
+                else
+                {
+                    float2 cv = make_float2(1.0F, 1.0F);
+                    float2 nv = make_float2(0.0F, 0.0F);
+                    if (FULL_ROTARY || runRotated[r])
+                    {
+                        cv = __ldg(reinterpret_cast<float2 const*>(row + trigBase[r] + m));
+                        nv = __ldg(reinterpret_cast<float2 const*>(row + half + trigBase[r] + m));
+                    }
+                    c[m] = cv.x, c[m + 1] = cv.y;
+                    n[m] = nv.x, n[m + 1] = nv.y;
+                }
+            }
+            if (neoxFirst)
+            {
+#pragma unroll
+                for (int m = 0; m < kRun; ++m)
+                {
+                    n[m] = -n[m];
+                }
+            }
+        }
+    };
+
+    int64_t const tokenElems = static_cast<int64_t>(numHeads) * HEAD_DIM;
+    int64_t const stepElems = a.stepElems;
+    int64_t remaining = t < a.numTokens ? (a.numTokens - t + a.tokenStep - 1) / a.tokenStep : 0;
+    Storage const* in = src + t * tokenElems;
+    Storage* out = dst + t * tokenElems;
+    float const* trig = a.cache + (t < a.numTokens ? t % a.seqLen : 0) * rot;
+    float const* const trigEnd = a.cache + a.trigWrap;
+    int64_t const trigStep = a.trigStep;
+    int64_t const trigWrap = a.trigWrap;
+    unsigned packedNaN = 0;
+
+    auto token = [&](auto stageTag) {
+        constexpr int kStage = decltype(stageTag)::value;
+        constexpr int kAhead = (kStage + kPrefetch) % kStages;
+        if (remaining > kPrefetch)
+        {
+            issueRows(in + kPrefetch * stepElems, kAhead);
+        }
+        __pipeline_commit();
+        float cosv[kTrig];
+        float sinv[kTrig];
+        loadTrig(trig, cosv, sinv);
+        __pipeline_wait_prior(kPrefetch);
+        uint4 cur[ROWS][kNV];
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+                cur[u][v] = ring[kStage][u * kNV + v][tid];
+            }
+        }
+
+        // Each head's sum of squares (the per-head order), then the row's over the heads.
+        float sumSq[ROWS];
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+            float x[kElems];
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+                Ch::unpack(cur[u][v], x + v * kVec);
+            }
+            sumSq[u] = 0.0F;
+#pragma unroll
+            for (int i = 0; i < kElems; ++i)
+            {
+                sumSq[u] = math::fmaSquare(x[i], sumSq[u]);
+            }
+        }
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset /= 2)
+        {
+#pragma unroll
+            for (int u = 0; u < ROWS; ++u)
+            {
+                sumSq[u] = math::add(sumSq[u], __shfl_xor_sync(kFullMask, sumSq[u], offset, kLanes));
+            }
+        }
+        if (lane == 0)
+        {
+#pragma unroll
+            for (int u = 0; u < ROWS; ++u)
+            {
+                if ((stored >> u) & 1U)
+                {
+                    headSums[kStage][headBase + u] = sumSq[u];
+                }
+            }
+        }
+        __syncthreads();
+        float rowSum = 0.0F;
+#pragma unroll
+        for (int m = 0; m < kSumsPerLane; ++m)
+        {
+            int const h = warpLane + 32 * m;
+            if (h < numHeads)
+            {
+                rowSum = math::add(rowSum, headSums[kStage][h]);
+            }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+        {
+            rowSum = math::add(rowSum, __shfl_xor_sync(kFullMask, rowSum, offset));
+        }
+        float const inv = math::rmsInv(rowSum, a.rowElems, a.eps);
+
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u)
+        {
+            float x[kElems];
+#pragma unroll
+            for (int v = 0; v < kNV; ++v)
+            {
+                Ch::unpack(cur[u][v], x + v * kVec);
+            }
+            float y[kElems];
+#pragma unroll
+            for (int i = 0; i < kElems; i += 2)
+            {
+                float n0 = math::mul(x[i], inv);
+                float n1 = math::mul(x[i + 1], inv);
+                if constexpr (ROUNDING == math::kRoundingDiffusers)
+                {
+                    Ch::round2(n0, n1);
+                }
+                n0 = math::mul(n0, w[u][i]);
+                n1 = math::mul(n1, w[u][i + 1]);
+                if constexpr (ROUNDING != math::kRoundingOne)
+                {
+                    Ch::round2(n0, n1);
+                }
+                y[i] = n0;
+                y[i + 1] = n1;
+            }
+
+            float o[kElems];
+            if constexpr (INTERLEAVED)
+            {
+#pragma unroll
+                for (int p = 0; p < kElems / 2; ++p)
+                {
+                    o[2 * p] = math::rotateFirst(y[2 * p], y[2 * p + 1], cosv[p], sinv[p]);
+                    o[2 * p + 1] = math::rotateSecond(y[2 * p], y[2 * p + 1], cosv[p], sinv[p]);
+                }
+            }
+            else if constexpr (kNV == 1)
+            {
+#pragma unroll
+                for (int i = 0; i < kElems; ++i)
+                {
+                    float const other = __shfl_sync(kFullMask, y[i], partner, kLanes);
+                    o[i] = math::add(math::mul(y[i], cosv[i]), math::mul(other, sinv[i]));
+                }
+            }
+            else
+            {
+#pragma unroll
+                for (int i = 0; i < kVec; ++i)
+                {
+                    o[i] = math::rotateFirst(y[i], y[kVec + i], cosv[i], sinv[i]);
+                    o[kVec + i] = math::rotateSecond(y[i], y[kVec + i], cosv[i], sinv[i]);
+                }
+            }
+            if constexpr (!FULL_ROTARY)
+            {
+#pragma unroll
+                for (int v = 0; v < kNV; ++v)
+                {
+#pragma unroll
+                    for (int i = v * kVec; i < (v + 1) * kVec; ++i)
+                    {
+                        o[i] = runRotated[v] ? o[i] : y[i];
+                    }
+                }
+            }
+
+            if ((stored >> u) & 1U)
+            {
+#pragma unroll
+                for (int v = 0; v < kNV; ++v)
+                {
+                    *reinterpret_cast<uint4*>(out + rowOffset[u] + v * kLanes * kVec)
+                        = Ch::pack(o + v * kVec, packedNaN);
+                }
+            }
+        }
+
+        in += stepElems;
+        out += stepElems;
+        trig += trigStep;
+        trig = trig >= trigEnd ? trig - trigWrap : trig;
+        --remaining;
+    };
+
+    if (remaining > 0)
+    {
+        issueRows(in, 0);
+    }
+    __pipeline_commit();
+    if (remaining > 1)
+    {
+        issueRows(in + stepElems, 1);
+    }
+    __pipeline_commit();
+    while (remaining > 0) // the same count on every thread of the block (one token row per block)
+    {
+        token(std::integral_constant<int, 0>{});
+        if (remaining == 0)
+        {
+            break;
+        }
+        token(std::integral_constant<int, 1>{});
+        if (remaining == 0)
+        {
+            break;
+        }
+        token(std::integral_constant<int, 2>{});
+    }
+
+    if constexpr (!T::kIsFloat32)
+    {
+        if (__builtin_expect(packedNaN != 0, 0))
+        {
+            for (int64_t tt = blockIdx.x / 2; tt < a.numTokens; tt += a.tokenStep)
+            {
+                Storage* const row = dst + tt * tokenElems;
+#pragma unroll
+                for (int u = 0; u < ROWS; ++u)
+                {
+#pragma unroll
+                    for (int v = 0; v < kNV; ++v)
+                    {
+                        if ((stored >> u) & 1U)
+                        {
+                            uint4* const chunk = reinterpret_cast<uint4*>(row + rowOffset[u] + v * kLanes * kVec);
+                            *chunk = Ch::canonicalNaNs(*chunk);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// General path: one warp per (token, q/k, head) row, lane owning element pairs lane + 32 i. The
+// pieces of a row (load, sum of squares, normalise-rotate-store) are shared with the norm_scope 1
+// kernel below, which runs them per head of a token row.
+template <typename T, int PAIRS, bool ALIGNED>
+struct GeneralRow
+{
+    using Storage = typename T::Storage;
+    static constexpr int kE = 2 * PAIRS;
+
+    __device__ __forceinline__ static int elemOf(int lane, int i, int c)
+    {
+        return 2 * (lane + kGeneralLanes * i) + c;
+    }
+
+    __device__ __forceinline__ static void loadWeights(Storage const* weight, int lane, int headDim, float (&w)[kE])
+    {
+#pragma unroll
         for (int i = 0; i < kE; ++i)
         {
-            int const e = elemOf(i / 2, i % 2);
+            int const e = elemOf(lane, i / 2, i % 2);
             w[i] = e < headDim ? T::toFloat(__ldg(weight + e)) : 0.0F;
         }
     }
 
-    int64_t s = t < a.numTokens ? t % a.seqLen : 0;
-    for (; t < a.numTokens; t += a.tokenStep)
+    __device__ __forceinline__ static void load(Storage const* row, int lane, int headDim, float (&x)[kE])
     {
-        Storage const* const row = src + t * tokenElems;
-        float const* const cacheRow = a.cache + s * rot;
-
-        float x[kE];
 #pragma unroll
         for (int i = 0; i < PAIRS; ++i)
         {
-            int const e = elemOf(i, 0);
+            int const e = elemOf(lane, i, 0);
             if (e < headDim)
             {
                 if constexpr (ALIGNED)
@@ -684,6 +1045,11 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
                 x[2 * i + 1] = 0.0F;
             }
         }
+    }
+
+    // The row's sum of squares on every lane (math::sumSquares with 32 lanes of pairs).
+    __device__ __forceinline__ static float sumSquares(float const (&x)[kE])
+    {
         float sumSq = 0.0F;
 #pragma unroll
         for (int i = 0; i < kE; ++i)
@@ -695,12 +1061,21 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
         {
             sumSq = math::add(sumSq, __shfl_xor_sync(kFullMask, sumSq, offset, kGeneralLanes));
         }
-        float const inv = math::rmsInv(sumSq, headDim, a.eps);
+        return sumSq;
+    }
+
+    // Normalise with inv and w, rotate with cacheRow, store to outRow. ys: the warp's staging row
+    // for the NeoX partner exchange.
+    __device__ __forceinline__ static void finish(float const (&x)[kE], float inv, float const (&w)[kE],
+        float const* cacheRow, Storage* outRow, int lane, int headDim, int rot, bool interleaved, int32_t rounding,
+        float* ys)
+    {
+        int const half = rot / 2;
         float y[kE];
 #pragma unroll
         for (int i = 0; i < kE; ++i)
         {
-            y[i] = math::normalize<T>(x[i], inv, w[i], a.rounding);
+            y[i] = math::normalize<T>(x[i], inv, w[i], rounding);
         }
 
         float o[kE];
@@ -709,7 +1084,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
 #pragma unroll
             for (int i = 0; i < PAIRS; ++i)
             {
-                int const j = elemOf(i, 0) / 2;
+                int const j = elemOf(lane, i, 0) / 2;
                 if (2 * j < rot)
                 {
                     float const c = __ldg(cacheRow + j);
@@ -729,7 +1104,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
 #pragma unroll
             for (int i = 0; i < kE; ++i)
             {
-                int const e = elemOf(i / 2, i % 2);
+                int const e = elemOf(lane, i / 2, i % 2);
                 if (e < headDim)
                 {
                     ys[e] = y[i];
@@ -739,7 +1114,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
 #pragma unroll
             for (int i = 0; i < kE; ++i)
             {
-                int const e = elemOf(i / 2, i % 2);
+                int const e = elemOf(lane, i / 2, i % 2);
                 o[i] = y[i];
                 if (e < half)
                 {
@@ -751,14 +1126,13 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
                     o[i] = math::rotateSecond(ys[j], y[i], __ldg(cacheRow + j), __ldg(cacheRow + half + j));
                 }
             }
-            __syncwarp(); // ys is rewritten for the next token
+            __syncwarp(); // ys is rewritten for the next row
         }
 
-        Storage* const outRow = dst + t * tokenElems;
 #pragma unroll
         for (int i = 0; i < PAIRS; ++i)
         {
-            int const e = elemOf(i, 0);
+            int const e = elemOf(lane, i, 0);
             if (e < headDim)
             {
                 Storage const pair[2] = {T::fromFloat(o[2 * i]), T::fromFloat(o[2 * i + 1])};
@@ -775,6 +1149,110 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
                     outRow[e + 1] = pair[1];
                 }
             }
+        }
+    }
+};
+
+// kernel-report: qkNormRopeGeneralKernel<T, PAIRS, ALIGNED>
+template <typename T, int PAIRS, bool ALIGNED>
+__global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs const a)
+{
+    using Row = GeneralRow<T, PAIRS, ALIGNED>;
+    using Storage = typename T::Storage;
+    constexpr int kE = Row::kE;
+    static_assert(PAIRS * 2 * kGeneralLanes >= 2 && PAIRS <= kMAX_HEAD_DIM / (2 * kGeneralLanes), "pairs");
+    __shared__ float staged[kWarpsPerBlock][kMAX_HEAD_DIM]; // NeoX partner exchange
+
+    int const warp = static_cast<int>(threadIdx.x) / 32;
+    int const lane = static_cast<int>(threadIdx.x) % 32;
+    int64_t const group = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+    int const units = a.unitsPerToken; // 2 * numHeads
+    int const slot = static_cast<int>(group % units);
+    int64_t t = group / units;
+    int const numHeads = a.numHeads;
+    bool const isQ = slot < numHeads;
+    int const head = isQ ? slot : slot - numHeads;
+    int const headDim = a.headDim;
+    int const rot = a.rotaryDim;
+    int64_t const tokenElems = static_cast<int64_t>(numHeads) * headDim;
+    Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k) + static_cast<int64_t>(head) * headDim;
+    Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut) + static_cast<int64_t>(head) * headDim;
+    float* const ys = staged[warp];
+
+    float w[kE];
+    Row::loadWeights(static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight), lane, headDim, w);
+
+    int64_t s = t < a.numTokens ? t % a.seqLen : 0;
+    for (; t < a.numTokens; t += a.tokenStep)
+    {
+        float x[kE];
+        Row::load(src + t * tokenElems, lane, headDim, x);
+        float const inv = math::rmsInv(Row::sumSquares(x), headDim, a.eps);
+        Row::finish(x, inv, w, a.cache + s * rot, dst + t * tokenElems, lane, headDim, rot, a.interleaved, a.rounding,
+            ys);
+        s += a.seqStep;
+        s = s >= a.seqLen ? s - a.seqLen : s;
+    }
+}
+
+// General path, norm_scope 1: one warp per (token, q/k) row of num_heads x head_dim values. A first
+// pass over the heads adds each head's sum of squares (the per-head order above) into lane h % 32,
+// a butterfly gives the row's sum (math::rowSumSquares); a second pass reads each head again (an
+// L1/L2 hit), normalises with its slice of the [heads x head_dim] weight and rotates it.
+// kernel-report: qkNormRopeGeneralRowKernel<T, PAIRS, ALIGNED>
+template <typename T, int PAIRS, bool ALIGNED>
+__global__ void __launch_bounds__(kThreads) qkNormRopeGeneralRowKernel(KernelArgs const a)
+{
+    using Row = GeneralRow<T, PAIRS, ALIGNED>;
+    using Storage = typename T::Storage;
+    constexpr int kE = Row::kE;
+    static_assert(PAIRS * 2 * kGeneralLanes >= 2 && PAIRS <= kMAX_HEAD_DIM / (2 * kGeneralLanes), "pairs");
+    __shared__ float staged[kWarpsPerBlock][kMAX_HEAD_DIM]; // NeoX partner exchange
+
+    int const warp = static_cast<int>(threadIdx.x) / 32;
+    int const lane = static_cast<int>(threadIdx.x) % 32;
+    int64_t const group = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+    int const units = a.unitsPerToken; // 2: q, k
+    bool const isQ = group % units == 0;
+    int64_t t = group / units;
+    int const numHeads = a.numHeads;
+    int const headDim = a.headDim;
+    int const rot = a.rotaryDim;
+    int64_t const tokenElems = static_cast<int64_t>(numHeads) * headDim;
+    Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k);
+    Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut);
+    Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
+    float* const ys = staged[warp];
+
+    int64_t s = t < a.numTokens ? t % a.seqLen : 0;
+    for (; t < a.numTokens; t += a.tokenStep)
+    {
+        Storage const* const row = src + t * tokenElems;
+        float partial = 0.0F;
+#pragma unroll 1 // a rolled loop: unrolled, ptxas spilled two instances (sm_90)
+        for (int h = 0; h < numHeads; ++h)
+        {
+            float x[kE];
+            Row::load(row + static_cast<int64_t>(h) * headDim, lane, headDim, x);
+            float const headSum = Row::sumSquares(x);
+            partial = lane == h % kGeneralLanes ? math::add(partial, headSum) : partial;
+        }
+#pragma unroll
+        for (int offset = kGeneralLanes / 2; offset > 0; offset /= 2)
+        {
+            partial = math::add(partial, __shfl_xor_sync(kFullMask, partial, offset, kGeneralLanes));
+        }
+        float const inv = math::rmsInv(partial, a.rowElems, a.eps);
+#pragma unroll 1
+        for (int h = 0; h < numHeads; ++h)
+        {
+            int64_t const at = static_cast<int64_t>(h) * headDim;
+            float x[kE];
+            Row::load(row + at, lane, headDim, x);
+            float w[kE];
+            Row::loadWeights(weight + at, lane, headDim, w);
+            Row::finish(x, inv, w, a.cache + s * rot, dst + t * tokenElems + at, lane, headDim, rot, a.interleaved,
+                a.rounding, ys);
         }
         s += a.seqStep;
         s = s >= a.seqLen ? s - a.seqLen : s;
@@ -937,47 +1415,142 @@ cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
     }
 }
 
-template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING>
+// Resident blocks per SM of KERNEL at a block size (the row kernel's varies with the head count),
+// cached per kernel instance, device and warps per block.
+template <auto KERNEL>
+int64_t residentPerSmAt(int device, int threads)
+{
+    auto const kernel = KERNEL;
+    constexpr int kMaxWarps = kPlanRowMaxThreads / 32;
+    static std::atomic<int> cached[kMaxDevices][kMaxWarps + 1];
+    int const warps = threads / 32;
+    bool const cacheable = device >= 0 && device < kMaxDevices && warps >= 1 && warps <= kMaxWarps;
+    int perSm = cacheable ? cached[device][warps].load(std::memory_order_relaxed) : 0;
+    if (perSm <= 0)
+    {
+        perSm = queryOr(
+            [kernel, threads](int* v) { return cudaOccupancyMaxActiveBlocksPerMultiprocessor(v, kernel, threads, 0); },
+            1);
+        if (cacheable)
+        {
+            cached[device][warps].store(perSm, std::memory_order_relaxed);
+        }
+    }
+    return perSm;
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY, int ROWS>
+int64_t rowResidentPerSm(int64_t numHeads, int device)
+{
+    constexpr int kBytes = static_cast<int>(sizeof(typename T::Storage));
+    if constexpr (ROWS >= 1)
+    {
+        if (rowFits(numHeads, ROWS, HEAD_DIM, kBytes))
+        {
+            int const threads = static_cast<int>(rowThreads(numHeads, ROWS, fastLanes(HEAD_DIM, kBytes)));
+            return residentPerSmAt<qkNormRopeRowKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>>(
+                device, threads);
+        }
+    }
+    return 0;
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY, int ROWS>
+cudaError_t launchRowRows(KernelArgs const& a, dim3 const grid, dim3 const block, cudaStream_t stream)
+{
+    if constexpr (ROWS >= 1)
+    {
+        return launchKernel(
+            qkNormRopeRowKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>, grid, block, stream, a);
+    }
+    return cudaErrorInvalidValue; // unreachable: planRow never picks zero rows
+}
+
+// norm_scope 1, fast path: the rows per group (so the block size) the launch plan picks (planRow).
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY>
+cudaError_t launchRow(KernelArgs a, int device, cudaStream_t stream)
+{
+    constexpr int kBytes = static_cast<int>(sizeof(typename T::Storage));
+    constexpr int kMax = rowMaxRows(HEAD_DIM, kBytes, INTERLEAVED, FULL_ROTARY, ROUNDING);
+    int64_t const resident[2] = {rowResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax>(a.numHeads, device),
+        rowResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax / 2>(a.numHeads, device)};
+    FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING};
+    RowEstimate const plan = planRow(problem, kMax, resident, deviceModelOf(device));
+    if (plan.rows == 0)
+    {
+        return cudaErrorInvalidValue; // unreachable: selectPath sends a row that fits no block to the general path
+    }
+    a.unitsPerToken = 2;
+    a.tokenStep = plan.split.tokenStep;
+    a.seqStep = plan.split.tokenStep % a.seqLen;
+    a.stepElems = a.tokenStep * a.numHeads * HEAD_DIM;
+    a.trigStep = a.seqStep * a.rotaryDim;
+    a.trigWrap = a.seqLen * a.rotaryDim;
+    dim3 const grid(static_cast<unsigned>(plan.split.blocks));
+    dim3 const block(static_cast<unsigned>(plan.threads));
+    return plan.rows == kMax ? launchRowRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax>(a, grid, block, stream)
+                             : launchRowRows<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax / 2>(a, grid, block, stream);
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool FULL_ROTARY, bool ROW>
+cudaError_t launchScope(KernelArgs const& a, int device, cudaStream_t stream)
+{
+    if constexpr (ROW)
+    {
+        return launchRow<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY>(a, device, stream);
+    }
+    return launchFast<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY>(a, device, stream);
+}
+
+template <typename T, int HEAD_DIM, bool INTERLEAVED, int ROUNDING, bool ROW>
 cudaError_t launchFastRotary(KernelArgs const& a, int device, cudaStream_t stream)
 {
     constexpr int kNV = fastChunksPerThread(HEAD_DIM, static_cast<int>(sizeof(typename T::Storage)));
     if (a.rotaryDim == HEAD_DIM)
     {
-        return launchFast<T, HEAD_DIM, INTERLEAVED, ROUNDING, true>(a, device, stream);
+        return launchScope<T, HEAD_DIM, INTERLEAVED, ROUNDING, true, ROW>(a, device, stream);
     }
     if constexpr (INTERLEAVED || kNV == 1)
     {
-        return launchFast<T, HEAD_DIM, INTERLEAVED, ROUNDING, false>(a, device, stream);
+        return launchScope<T, HEAD_DIM, INTERLEAVED, ROUNDING, false, ROW>(a, device, stream);
     }
     return cudaErrorInvalidValue; // unreachable: selectPath sends this case to the general path
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, bool ROW>
 cudaError_t launchFastHeadDim(KernelArgs const& a, bool interleaved, int rounding, int device, cudaStream_t stream)
 {
     if constexpr (!T::kIsFloat32)
     {
         if (rounding == math::kRoundingDiffusers)
         {
-            return interleaved ? launchFastRotary<T, HEAD_DIM, true, math::kRoundingDiffusers>(a, device, stream)
-                               : launchFastRotary<T, HEAD_DIM, false, math::kRoundingDiffusers>(a, device, stream);
+            return interleaved ? launchFastRotary<T, HEAD_DIM, true, math::kRoundingDiffusers, ROW>(a, device, stream)
+                               : launchFastRotary<T, HEAD_DIM, false, math::kRoundingDiffusers, ROW>(a, device, stream);
         }
         if (rounding == math::kRoundingFlux)
         {
-            return interleaved ? launchFastRotary<T, HEAD_DIM, true, math::kRoundingFlux>(a, device, stream)
-                               : launchFastRotary<T, HEAD_DIM, false, math::kRoundingFlux>(a, device, stream);
+            return interleaved ? launchFastRotary<T, HEAD_DIM, true, math::kRoundingFlux, ROW>(a, device, stream)
+                               : launchFastRotary<T, HEAD_DIM, false, math::kRoundingFlux, ROW>(a, device, stream);
         }
     }
     // rounding 0; and fp32 in every mode, where the three are one computation (nothing narrower)
-    return interleaved ? launchFastRotary<T, HEAD_DIM, true, 0>(a, device, stream)
-                       : launchFastRotary<T, HEAD_DIM, false, 0>(a, device, stream);
+    return interleaved ? launchFastRotary<T, HEAD_DIM, true, 0, ROW>(a, device, stream)
+                       : launchFastRotary<T, HEAD_DIM, false, 0, ROW>(a, device, stream);
 }
 
-template <typename T, int PAIRS, bool ALIGNED>
+template <typename T, int HEAD_DIM>
+cudaError_t launchFastScoped(KernelArgs const& a, QKNormRoPEParams const& p, int device, cudaStream_t stream)
+{
+    return p.normScope == kNORM_SCOPE_ROW
+        ? launchFastHeadDim<T, HEAD_DIM, true>(a, p.interleaved, p.rounding, device, stream)
+        : launchFastHeadDim<T, HEAD_DIM, false>(a, p.interleaved, p.rounding, device, stream);
+}
+
+template <typename T, int PAIRS, bool ALIGNED, bool ROW>
 cudaError_t launchGeneralKernel(KernelArgs a, int device, cudaStream_t stream)
 {
-    constexpr auto kernel = qkNormRopeGeneralKernel<T, PAIRS, ALIGNED>;
-    int64_t const units = 2 * static_cast<int64_t>(a.numHeads);
+    constexpr auto kernel = ROW ? qkNormRopeGeneralRowKernel<T, PAIRS, ALIGNED> : qkNormRopeGeneralKernel<T, PAIRS, ALIGNED>;
+    int64_t const units = ROW ? 2 : 2 * static_cast<int64_t>(a.numHeads); // warps per token
     TokenSplit const split = splitTokens(a.numTokens, units, kWarpsPerBlock, residentBlocks<kernel>(device));
     a.unitsPerToken = static_cast<int32_t>(units);
     a.tokenStep = split.tokenStep;
@@ -985,14 +1558,14 @@ cudaError_t launchGeneralKernel(KernelArgs a, int device, cudaStream_t stream)
     return launchKernel(kernel, dim3(static_cast<unsigned>(split.blocks)), dim3(kThreads), stream, a);
 }
 
-template <typename T, int PAIRS>
+template <typename T, int PAIRS, bool ROW>
 cudaError_t launchGeneralPairs(KernelArgs const& a, bool isAligned, int device, cudaStream_t stream)
 {
-    return isAligned ? launchGeneralKernel<T, PAIRS, true>(a, device, stream)
-                     : launchGeneralKernel<T, PAIRS, false>(a, device, stream);
+    return isAligned ? launchGeneralKernel<T, PAIRS, true, ROW>(a, device, stream)
+                     : launchGeneralKernel<T, PAIRS, false, ROW>(a, device, stream);
 }
 
-template <typename T>
+template <typename T, bool ROW>
 cudaError_t launchGeneral(KernelArgs const& a, int device, cudaStream_t stream)
 {
     constexpr uintptr_t kPairBytes = 2 * sizeof(typename T::Storage);
@@ -1000,12 +1573,12 @@ cudaError_t launchGeneral(KernelArgs const& a, int device, cudaStream_t stream)
         && aligned(a.kOut, kPairBytes);
     int const pairsPerLane = static_cast<int>(ceilDiv(a.headDim, 2 * kGeneralLanes));
     if (pairsPerLane <= 1)
-        return launchGeneralPairs<T, 1>(a, isAligned, device, stream);
+        return launchGeneralPairs<T, 1, ROW>(a, isAligned, device, stream);
     if (pairsPerLane <= 2)
-        return launchGeneralPairs<T, 2>(a, isAligned, device, stream);
+        return launchGeneralPairs<T, 2, ROW>(a, isAligned, device, stream);
     if (pairsPerLane <= 4)
-        return launchGeneralPairs<T, 4>(a, isAligned, device, stream);
-    return launchGeneralPairs<T, 8>(a, isAligned, device, stream);
+        return launchGeneralPairs<T, 4, ROW>(a, isAligned, device, stream);
+    return launchGeneralPairs<T, 8, ROW>(a, isAligned, device, stream);
 }
 
 template <typename T>
@@ -1015,12 +1588,13 @@ cudaError_t dispatch(KernelArgs const& a, QKNormRoPEParams const& p, int device,
     {
         switch (a.headDim)
         {
-        case 64: return launchFastHeadDim<T, 64>(a, p.interleaved, p.rounding, device, stream);
-        case 128: return launchFastHeadDim<T, 128>(a, p.interleaved, p.rounding, device, stream);
-        default: return launchFastHeadDim<T, 256>(a, p.interleaved, p.rounding, device, stream);
+        case 64: return launchFastScoped<T, 64>(a, p, device, stream);
+        case 128: return launchFastScoped<T, 128>(a, p, device, stream);
+        default: return launchFastScoped<T, 256>(a, p, device, stream);
         }
     }
-    return launchGeneral<T>(a, device, stream);
+    return p.normScope == kNORM_SCOPE_ROW ? launchGeneral<T, true>(a, device, stream)
+                                          : launchGeneral<T, false>(a, device, stream);
 }
 
 } // namespace
@@ -1052,6 +1626,7 @@ Status launchQKNormRoPE(QKNormRoPEParams const& p, cudaStream_t stream) noexcept
     a.eps = p.eps;
     a.rounding = p.rounding;
     a.interleaved = p.interleaved;
+    a.rowElems = static_cast<int32_t>(p.numHeads * p.headDim); // < 2^31 (checkParams)
 
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess)

@@ -4,7 +4,7 @@
 //
 // Contract (docs/spec.md, section 3):
 //   q, k, q_out, k_out : [batch, seq_len, num_heads, head_dim], contiguous, one dtype
-//   q_weight, k_weight : [head_dim], same dtype as q
+//   q_weight, k_weight : [head_dim] (norm_scope 0) or [num_heads * head_dim] (norm_scope 1), q's dtype
 //   cache              : [cache_rows, rotary_dim] fp32; row s = token s of the stream;
 //                        columns [0, rotary_dim/2) cos, [rotary_dim/2, rotary_dim) sin
 #pragma once
@@ -46,6 +46,8 @@ struct QKNormRoPEParams
     float eps{1e-6F};
     bool interleaved{true}; // true: pairs (2j, 2j+1) (GPT-J, Qwen-Image); false: (j, j+half) (NeoX)
     int32_t rounding{0};    // 0: one rounding at the end; 1: diffusers' eager order (Qwen-Image); 2: FLUX's
+    int32_t normScope{0};   // 0: RMSNorm over each head's head_dim values; 1: over the token's num_heads x
+                            // head_dim values (one weight per value, index h * head_dim + d), then RoPE per head
     DataType dtype{DataType::kFLOAT32};
 };
 
@@ -58,11 +60,16 @@ enum class Status : int32_t
     kBAD_ROTARY_DIM = 3,     // rotary_dim odd, zero, or > head_dim
     kCACHE_OVERFLOW = 4,     // cache_rows < seq_len
     kBAD_DTYPE = 5,
-    kBAD_ATTRIBUTE = 6,      // eps not finite or outside (0, 1) (qkrope/contract.py), rounding not 0, 1 or 2
+    kBAD_ATTRIBUTE = 6,      // eps not finite or outside (0, 1) (qkrope/contract.py), rounding not 0, 1 or 2,
+                             // norm_scope not 0 or 1
     kCUDA_ERROR = 7,
 };
 
 constexpr int64_t kMAX_HEAD_DIM = 512;
+
+// norm_scope values (qkrope/contract.py NORM_SCOPE_*; docs/spec.md).
+constexpr int32_t kNORM_SCOPE_HEAD = 0;
+constexpr int32_t kNORM_SCOPE_ROW = 1;
 
 // Validates everything the kernel relies on for in-bounds access. Host-only, no CUDA calls.
 Status checkParams(QKNormRoPEParams const& p) noexcept;

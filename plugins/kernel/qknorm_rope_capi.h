@@ -2,7 +2,9 @@
 //   libqkrope_kernels.so      : qkrope_launch (CUDA, device pointers, a cudaStream_t as void*)
 //   libqkrope_kernel_host.so  : qkrope_host_run (the same arithmetic on the CPU, host pointers)
 // Tensors are contiguous: q, k, q_out, k_out [batch, seq_len, num_heads, head_dim]; weights
-// [head_dim] in the activation dtype; cache [cache_rows, rotary_dim] float32.
+// [head_dim] in the activation dtype ([num_heads * head_dim] with norm_scope 1); cache
+// [cache_rows, rotary_dim] float32. The *_scoped entry points take norm_scope (0: RMSNorm per head,
+// 1: over the token's heads x head_dim values); the others are norm_scope 0 (C ABI version 1's calls).
 // dtype: 0 float32, 1 float16, 2 bfloat16 (qkrope::DataType). interleaved: 1 GPT-J pairs, 0 NeoX.
 // Return value: 0 on success, otherwise a qkrope::Status code; *_status_string gives its text.
 #pragma once
@@ -19,18 +21,26 @@
 extern "C" {
 #endif
 
-#define QKROPE_CAPI_VERSION 1
+#define QKROPE_CAPI_VERSION 2
 
 QKROPE_CAPI_EXPORT int32_t qkrope_launch(void const* q, void const* k, void const* q_weight, void const* k_weight,
     float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
     int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype,
     void* stream);
+QKROPE_CAPI_EXPORT int32_t qkrope_launch_scoped(void const* q, void const* k, void const* q_weight,
+    void const* k_weight, float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len,
+    int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved,
+    int32_t rounding, int32_t norm_scope, int32_t dtype, void* stream);
 QKROPE_CAPI_EXPORT char const* qkrope_status_string(int32_t status);
 QKROPE_CAPI_EXPORT int32_t qkrope_capi_version(void);
 
 QKROPE_CAPI_EXPORT int32_t qkrope_host_run(void const* q, void const* k, void const* q_weight, void const* k_weight,
     float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
     int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype);
+QKROPE_CAPI_EXPORT int32_t qkrope_host_run_scoped(void const* q, void const* k, void const* q_weight,
+    void const* k_weight, float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len,
+    int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved,
+    int32_t rounding, int32_t norm_scope, int32_t dtype);
 QKROPE_CAPI_EXPORT char const* qkrope_host_status_string(int32_t status);
 QKROPE_CAPI_EXPORT int32_t qkrope_host_capi_version(void);
 

@@ -44,7 +44,8 @@ Status checkParams(QKNormRoPEParams const& p) noexcept
     // The contract's one epsilon rule (qkrope/contract.py, epsilon_error): finite, 0 < eps < 1 as a
     // float32; rounding one of its ROUNDING_MODES (0, 1, 2). The plugin's field table (kFIELDS in
     // plugins/plugin/qknorm_rope_fields.h) says the same.
-    if (!std::isfinite(p.eps) || !(p.eps > 0.0F) || !(p.eps < 1.0F) || p.rounding < 0 || p.rounding >= math::kRoundingModes)
+    if (!std::isfinite(p.eps) || !(p.eps > 0.0F) || !(p.eps < 1.0F) || p.rounding < 0 || p.rounding >= math::kRoundingModes
+        || (p.normScope != kNORM_SCOPE_HEAD && p.normScope != kNORM_SCOPE_ROW))
     {
         return Status::kBAD_ATTRIBUTE;
     }
@@ -72,7 +73,7 @@ char const* statusString(Status s) noexcept
     case Status::kCACHE_OVERFLOW:
         return "cos_sin_cache overflow: the cache has fewer rows than the sequence has tokens";
     case Status::kBAD_DTYPE: return "bad dtype: q/k/weights must be float32, float16 or bfloat16";
-    case Status::kBAD_ATTRIBUTE: return "bad attribute: epsilon must be finite with 0 < epsilon < 1, rounding 0, 1 or 2";
+    case Status::kBAD_ATTRIBUTE: return "bad attribute: epsilon must be finite with 0 < epsilon < 1, rounding 0, 1 or 2, norm_scope 0 or 1";
     case Status::kCUDA_ERROR: return "CUDA error while launching the QKNormRoPE kernel";
     }
     return "unknown qkrope status";

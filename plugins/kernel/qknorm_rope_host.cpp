@@ -30,6 +30,21 @@ void runRows(qkrope::QKNormRoPEParams const& p)
             Storage const* src = static_cast<Storage const*>(which == 0 ? p.q : p.k);
             Storage* dst = static_cast<Storage*>(which == 0 ? p.qOut : p.kOut);
             Storage const* w = static_cast<Storage const*>(which == 0 ? p.qWeight : p.kWeight);
+            if (p.normScope == qkrope::kNORM_SCOPE_ROW)
+            {
+                // one RMS over the token's heads x head_dim values, one weight per value
+                int64_t const offset = t * p.numHeads * p.headDim;
+                float const inv = qkrope::math::rmsInv(
+                    qkrope::math::rowSumSquares<T>(src + offset, p.numHeads, headDim, layout.lanes, layout.vec),
+                    static_cast<int>(p.numHeads * p.headDim), p.eps);
+                for (int64_t h = 0; h < p.numHeads; ++h)
+                {
+                    int64_t const at = offset + h * p.headDim;
+                    qkrope::math::normRopeRowInv<T>(src + at, w + h * p.headDim, cacheRow, dst + at, headDim,
+                        rotaryDim, inv, p.interleaved, p.rounding, scratch);
+                }
+                continue;
+            }
             for (int64_t h = 0; h < p.numHeads; ++h)
             {
                 int64_t const offset = (t * p.numHeads + h) * p.headDim;
@@ -42,9 +57,10 @@ void runRows(qkrope::QKNormRoPEParams const& p)
 
 } // namespace
 
-extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_weight, void const* k_weight,
+extern "C" int32_t qkrope_host_run_scoped(void const* q, void const* k, void const* q_weight, void const* k_weight,
     float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype)
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t norm_scope,
+    int32_t dtype)
 {
     qkrope::QKNormRoPEParams p;
     qkrope::Status const bad = qkrope::paramsFromCAbi(q, k, q_weight, k_weight, cache, q_out, k_out, batch,
@@ -53,6 +69,7 @@ extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_w
     {
         return static_cast<int32_t>(bad);
     }
+    p.normScope = norm_scope;
     qkrope::Status const s = qkrope::checkParams(p);
     if (s != qkrope::Status::kSUCCESS)
     {
@@ -69,6 +86,14 @@ extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_w
     case qkrope::DataType::kBFLOAT16: runRows<qkrope::math::Bf16>(p); break;
     }
     return 0;
+}
+
+extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_weight, void const* k_weight,
+    float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t dtype)
+{
+    return qkrope_host_run_scoped(q, k, q_weight, k_weight, cache, q_out, k_out, batch, seq_len, num_heads, head_dim,
+        rotary_dim, cache_rows, eps, interleaved, rounding, qkrope::kNORM_SCOPE_HEAD, dtype);
 }
 
 extern "C" char const* qkrope_host_status_string(int32_t status)

@@ -355,16 +355,53 @@ inline float sumSquares(typename T::Storage const* x, int headDim, int lanes, in
     return partial[0];
 }
 
-// One whole row on one thread (host build), with the sum of squares in the order of the kernel
-// path that the launcher takes for the same problem (lanes, vec: see sumSquares).
+// The sum of squares of a token's whole q or k row (norm_scope 1: num_heads x head_dim values), in
+// the order every kernel path computes it, independent of how many heads a thread owns (so the launch
+// plan may pick any instance): each head's sum as sumSquares gives it for the path (lanes, vec); the
+// head sums dealt round-robin to 32 lanes (head h to lane h % 32), each lane adding its own in
+// increasing head order starting from +0 (an exact first step); then a butterfly over the 32 lanes,
+// as __shfl_xor_sync computes it. Host-side model of the kernels' cross-head reduction.
+inline void butterfly32(float (&partial)[32])
+{
+    float next[32];
+    for (int offset = 16; offset > 0; offset /= 2)
+    {
+        for (int l = 0; l < 32; ++l)
+        {
+            next[l] = add(partial[l], partial[l ^ offset]);
+        }
+        for (int l = 0; l < 32; ++l)
+        {
+            partial[l] = next[l];
+        }
+    }
+}
+
+template <typename T>
+inline float rowSumSquares(typename T::Storage const* x, int64_t numHeads, int headDim, int lanes, int vec)
+{
+    float partial[32];
+    for (int l = 0; l < 32; ++l)
+    {
+        partial[l] = 0.0F;
+    }
+    for (int64_t h = 0; h < numHeads; ++h)
+    {
+        int const l = static_cast<int>(h % 32);
+        partial[l] = add(partial[l], sumSquares<T>(x + h * headDim, headDim, lanes, vec));
+    }
+    butterfly32(partial);
+    return partial[0];
+}
+
+// One head's row on one thread given its inverse RMS (host build): normalise with w, rotate, round.
 //   x, w, out : headDim elements; cacheRow : rotaryDim floats (cos half, then sin half).
 // out may alias x.
 template <typename T>
-inline void normRopeRow(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
-    typename T::Storage* out, int headDim, int rotaryDim, float eps, bool interleaved, int32_t rounding, int lanes,
-    int vec, float* scratch)
+inline void normRopeRowInv(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
+    typename T::Storage* out, int headDim, int rotaryDim, float inv, bool interleaved, int32_t rounding,
+    float* scratch)
 {
-    float const inv = rmsInv(sumSquares<T>(x, headDim, lanes, vec), headDim, eps);
     for (int e = 0; e < headDim; ++e)
     {
         scratch[e] = normalize<T>(T::toFloat(x[e]), inv, T::toFloat(w[e]), rounding);
@@ -385,6 +422,17 @@ inline void normRopeRow(typename T::Storage const* x, typename T::Storage const*
     {
         out[e] = T::fromFloat(scratch[e]);
     }
+}
+
+// One whole row on one thread (host build), with the sum of squares in the order of the kernel
+// path that the launcher takes for the same problem (lanes, vec: see sumSquares).
+template <typename T>
+inline void normRopeRow(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
+    typename T::Storage* out, int headDim, int rotaryDim, float eps, bool interleaved, int32_t rounding, int lanes,
+    int vec, float* scratch)
+{
+    float const inv = rmsInv(sumSquares<T>(x, headDim, lanes, vec), headDim, eps);
+    normRopeRowInv<T>(x, w, cacheRow, out, headDim, rotaryDim, inv, interleaved, rounding, scratch);
 }
 
 } // namespace math

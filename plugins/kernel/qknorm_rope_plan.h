@@ -69,6 +69,45 @@ inline bool aligned(void const* p, uintptr_t bytes)
     return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 
+// norm_scope 1, fast path (qkNormRopeRowKernel): a block owns a token's q or k row; groups of
+// fastLanes threads own ROWS consecutive heads each. The block size is rowThreads (a whole number of
+// warps), at most rowMaxThreads: the ring (kPlanPrefetch + 1 stages x ROWS x chunks x 16 B per
+// thread) and the head sums stay within 48 KiB of static shared memory per block.
+constexpr int kPlanRowMaxThreads = 256; // __launch_bounds__ of the row kernel (<= 128 registers at 2 blocks)
+
+QKROPE_PLAN_HD constexpr int rowMaxThreads(int rowsTimesChunks)
+{
+    return rowsTimesChunks >= 4 ? 224 : kPlanRowMaxThreads;
+}
+
+// Rows (heads) per group of the row kernel's largest instance. Each row's weights stay in registers
+// (rows x elements per thread floats), so 4 rows fit 128 registers only where the rest of the token
+// is light: one chunk per thread, interleaved pairs at full rotary width, and not diffusers' order
+// (its two round trips per pair), and with bf16 not at head_dim 64 (ptxas -v, nvcc 13.0, sm_90:
+// these instances use 106-127 registers without spilling; NeoX, partial rotary or rounding 1 at 4
+// rows spill; so does bf16 at head_dim 64 in FLUX's order, which excludes 16-bit types there).
+// Everything else has 2. The launcher's candidates are this and half of it. rounding: the instance's
+// (0 for fp32, whatever the node says).
+QKROPE_PLAN_HD constexpr int rowMaxRows(int headDim, int elemBytes, bool interleaved, bool fullRotary, int rounding)
+{
+    return fastChunksPerThread(headDim, elemBytes) == 1 && interleaved && fullRotary && rounding != 1
+            && !(elemBytes == 2 && headDim == 64 && rounding == 2)
+        ? 4
+        : 2;
+}
+
+QKROPE_PLAN_HD constexpr int64_t rowThreads(int64_t numHeads, int rows, int lanes)
+{
+    return ((numHeads + rows - 1) / rows * lanes + 31) / 32 * 32;
+}
+
+// Whether rows per group fit one block for this head count.
+QKROPE_PLAN_HD constexpr bool rowFits(int64_t numHeads, int rows, int headDim, int elemBytes)
+{
+    return rowThreads(numHeads, rows, fastLanes(headDim, elemBytes))
+        <= rowMaxThreads(rows * fastChunksPerThread(headDim, elemBytes));
+}
+
 // The path the launcher takes (parameters already accepted by checkParams). The weights need no
 // alignment: each thread reads its weight elements once, with scalar loads.
 inline KernelPath selectPath(QKNormRoPEParams const& p)
@@ -96,6 +135,17 @@ inline KernelPath selectPath(QKNormRoPEParams const& p)
         if (fastChunksPerThread(static_cast<int>(p.headDim), bytes) == 2 && p.rotaryDim != p.headDim)
         {
             return KernelPath::kGeneral; // two chunks per thread pair up only at full rotary
+        }
+    }
+    if (p.normScope == kNORM_SCOPE_ROW)
+    {
+        int const bytes = elementBytes(p.dtype);
+        int const head = static_cast<int>(p.headDim);
+        int const rounding = p.dtype == DataType::kFLOAT32 ? 0 : p.rounding; // the instance's
+        if (!rowFits(p.numHeads, rowMaxRows(head, bytes, p.interleaved, p.rotaryDim == p.headDim, rounding), head,
+                bytes))
+        {
+            return KernelPath::kGeneral; // the token's heads do not fit one block of the row kernel
         }
     }
     return KernelPath::kFast;
@@ -314,6 +364,110 @@ inline FastEstimate planFast(FastProblem const& p, int maxRows, int64_t const* r
     for (int rows = maxRows; rows >= 1; --rows)
     {
         FastEstimate const e = estimateFast(p, rows, residentBlocksPerSm[rows - 1], d);
+        if (best.rows == 0 || e.timeNs < best.timeNs)
+        {
+            best = e;
+        }
+    }
+    return best;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The launch plan of the norm_scope 1 fast path (qkNormRopeRowKernel): which rows per group (the
+// largest instance or half of it, each where rowFits), so which block size. The model is planFast's,
+// with a block as the unit: a block owns one (token, q/k) row, so the grid is splitTokens(tokens, 2,
+// 1, resident blocks); per token a thread issues rows x its elements at the per-element cost and the
+// per-token cost (kRowIssueCost below: the cross-head reduction included), and every thread of the block
+// issues, including the groups past num_heads (rows x groups - heads idle rows). The bytes are the
+// row's: the idle rows are neither read nor written.
+// Common-path instructions of one thread of the row kernel, by rounding mode: per element of its rows,
+// per token (cos/sin, the ring, the head sums: the store, the barrier, the loads and adds, the
+// butterfly, the division), and per thread outside the loop (prologue + epilogue: perGroup +
+// perGroupRow x rows, the weights of each row loaded and converted once). Measured on the sm_90 SASS
+// of the bf16, head_dim 128, interleaved, full-rotary instances (nvcc 13.0; scripts/kernel_report.py):
+// per token 306 / 516 instructions at rows 2 / 4 with rounding 0, 312 / 556 with rounding 2;
+// prologue + epilogue 311 / 452 and 317 / 452. Rounding 1 is not measured: rounding 2's figures
+// plus the per-element difference of the per-head kernel (kFastIssueCost: +1.5).
+struct RowIssueCost
+{
+    double perElement;
+    double perToken;
+    double perGroup;
+    double perGroupRow;
+};
+
+constexpr RowIssueCost kRowIssueCost[] = {{13.14, 95.7, 176.0, 69.0}, {16.75, 68.3, 176.0, 69.0},
+    {15.25, 68.3, 176.0, 69.0}};
+
+inline RowIssueCost rowIssueCost(int rounding)
+{
+    constexpr int kModes = static_cast<int>(sizeof(kRowIssueCost) / sizeof(kRowIssueCost[0]));
+    return kRowIssueCost[rounding >= 0 && rounding < kModes ? rounding : 0];
+}
+
+struct RowEstimate
+{
+    int rows = 0;
+    int64_t threads = 0;            // block size
+    TokenSplit split{0, 0};
+    int64_t rounds = 0;
+    int64_t blocksPerSm = 0;
+    double bytesInFlightPerSm = 0;  // q/k reads outstanding per SM past every wait (kPrefetch tokens)
+    double instrPerElement = 0;     // common-path instructions per element of the row (idle threads included)
+    double issueRoundNs = 0;
+    double memoryRoundNs = 0;
+    double timeNs = 0;
+};
+
+inline RowEstimate estimateRow(FastProblem const& p, int rows, int64_t residentBlocksPerSm, DeviceModel const& d)
+{
+    RowEstimate e;
+    int const lanes = fastLanes(p.headDim, p.elemBytes);
+    int const elems = fastChunksPerThread(p.headDim, p.elemBytes) * fastVec(p.elemBytes);
+    e.rows = rows;
+    e.threads = rowThreads(p.numHeads, rows, lanes);
+    e.blocksPerSm = residentBlocksPerSm > 0 ? residentBlocksPerSm : 1;
+    e.split = splitTokens(p.numTokens, 2, 1, e.blocksPerSm * d.sms);
+    e.rounds = ceilDiv(p.numTokens, e.split.tokenStep);
+    int64_t const busiestBlocks = ceilDiv(e.split.blocks, d.sms);
+    double const warps = static_cast<double>(busiestBlocks) * e.threads / 32.0;
+    RowIssueCost const c = rowIssueCost(p.rounding);
+    double const perToken = rows * elems * c.perElement + c.perToken;
+    double const perGroup = c.perGroup + c.perGroupRow * rows;
+    double const issueRate = d.schedulersPerSm * d.clockGHz;
+    e.issueRoundNs = warps * perToken / issueRate;
+    double const rowBytes = static_cast<double>(p.numHeads) * p.headDim * p.elemBytes;
+    double const readBytes = busiestBlocks * rowBytes;
+    double const cacheBytes = static_cast<double>(e.split.tokenStep) * p.rotaryDim * 4.0 / d.sms;
+    double const bytes = 2.0 * readBytes + cacheBytes;
+    int64_t const depth = e.rounds < kPlanPrefetch ? e.rounds : kPlanPrefetch;
+    double const atPeak = bytes / (d.dramBytesPerNs / d.sms);
+    double const latencyBound = kLatencyMargin * d.latencyNs * bytes / (static_cast<double>(depth) * readBytes);
+    e.memoryRoundNs = atPeak > latencyBound ? atPeak : latencyBound;
+    double const roundNs = e.issueRoundNs > e.memoryRoundNs ? e.issueRoundNs : e.memoryRoundNs;
+    e.timeNs = d.latencyNs + warps * perGroup / issueRate + e.rounds * roundNs + e.issueRoundNs;
+    e.bytesInFlightPerSm = static_cast<double>(e.blocksPerSm) * depth * rowBytes;
+    double const tokensPerBlock = static_cast<double>(p.numTokens) / e.split.tokenStep;
+    e.instrPerElement = (tokensPerBlock * perToken + perGroup) * e.threads
+        / (tokensPerBlock * static_cast<double>(p.numHeads) * p.headDim);
+    return e;
+}
+
+// The plan's choice among rows = maxRows and maxRows / 2 (where they fit one block; the resident
+// blocks per SM of each at its block size from the occupancy query): the least estimated time,
+// ties to more rows.
+inline RowEstimate planRow(FastProblem const& p, int maxRows, int64_t const* residentBlocksPerSm, DeviceModel const& d)
+{
+    RowEstimate best;
+    int const candidates[2] = {maxRows, maxRows / 2};
+    for (int k = 0; k < 2; ++k)
+    {
+        int const rows = candidates[k];
+        if (rows < 1 || !rowFits(p.numHeads, rows, p.headDim, p.elemBytes))
+        {
+            continue;
+        }
+        RowEstimate const e = estimateRow(p, rows, residentBlocksPerSm[k], d);
         if (best.rows == 0 || e.timeNs < best.timeNs)
         {
             best = e;

@@ -60,6 +60,7 @@ struct QKNormRoPEAttributes
     float epsilon;
     int32_t interleaved;
     int32_t rounding;
+    int32_t normScope;
 };
 
 enum class FieldKind : int32_t
@@ -142,6 +143,11 @@ inline constexpr FieldSpec kFIELDS[] = {
     FieldSpec::intAttribute("rounding", offsetof(QKNormRoPEAttributes, rounding), FieldDefault{0},
         FieldRange::closed(0, 2),
         "0: one rounding at the end; 1: diffusers' eager order (Qwen-Image); 2: FLUX's eager order"),
+    // Added after version 1's first engines: an engine serialised without it parses it as missing,
+    // which is its default, 0 (the per-head norm those engines were built with).
+    FieldSpec::intAttribute("norm_scope", offsetof(QKNormRoPEAttributes, normScope), FieldDefault{0},
+        FieldRange::closed(0, 1),
+        "0: RMSNorm over each head's head_dim values; 1: over the token's num_heads * head_dim values (Wan)"),
     FieldSpec::identityField("plugin_version", kPLUGIN_VERSION),
     FieldSpec::identityField("plugin_namespace", kPLUGIN_NAMESPACE),
 };

@@ -124,8 +124,9 @@ std::string checkRanks(Desc const* in, Desc const* out)
 }
 
 // Dimension checks shared by build-time (possibly unknown, -1) and run-time (known) shapes.
-// dims: q, k, q_weight, k_weight, cache. Returns an empty string when consistent.
-std::string checkDims(Dims const* d)
+// dims: q, k, q_weight, k_weight, cache; the weights are [head_dim] with norm_scope 0 and
+// [num_heads * head_dim] with 1. Returns an empty string when consistent.
+std::string checkDims(Dims const* d, int32_t normScope)
 {
     static int32_t const kRanks[kNB_INPUTS] = {4, 4, 1, 1, 2};
     std::ostringstream os;
@@ -155,11 +156,15 @@ std::string checkDims(Dims const* d)
         os << "head_dim " << headDim << " is not supported: expected an even value in [2, " << kMAX_HEAD_DIM << "]";
         return os.str();
     }
+    int64_t const numHeads = known(d[kQ].d[2]) ? d[kQ].d[2] : d[kK].d[2];
+    bool const row = normScope == kNORM_SCOPE_ROW;
+    int64_t const width = row ? (known(numHeads) && known(headDim) ? numHeads * headDim : -1) : headDim;
     for (int32_t w : {static_cast<int32_t>(kQ_WEIGHT), static_cast<int32_t>(kK_WEIGHT)})
     {
-        if (known(headDim) && known(d[w].d[0]) && d[w].d[0] != headDim)
+        if (known(width) && known(d[w].d[0]) && d[w].d[0] != width)
         {
-            os << kTENSOR_NAMES[w] << " has length " << d[w].d[0] << ", expected head_dim = " << headDim;
+            os << kTENSOR_NAMES[w] << " has length " << d[w].d[0]
+               << (row ? ", expected num_heads * head_dim (norm_scope 1) = " : ", expected head_dim = ") << width;
             return os.str();
         }
     }
@@ -281,7 +286,7 @@ int32_t QKNormRoPEPlugin::configurePlugin(
         {
             d[i] = in[i].desc.dims; // -1 where the dimension is dynamic
         }
-        err = checkDims(d);
+        err = checkDims(d, mAttrs.normScope);
         QKROPE_VALIDATE(err.empty(), err);
         return 0;
     });
@@ -322,7 +327,7 @@ int32_t QKNormRoPEPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInp
                 d[i].d[j] = (e != nullptr && e->isConstant()) ? e->getConstantValue() : -1;
             }
         }
-        std::string const err = checkDims(d);
+        std::string const err = checkDims(d, mAttrs.normScope);
         QKROPE_VALIDATE(err.empty(), err);
         outputs[0] = inputs[kQ];
         outputs[1] = inputs[kK];
@@ -380,7 +385,7 @@ int32_t QKNormRoPEPlugin::onShapeChange(
         {
             d[i] = in[i].dims;
         }
-        err = checkDims(d);
+        err = checkDims(d, mAttrs.normScope);
         QKROPE_VALIDATE(err.empty(), err);
         return 0;
     });
@@ -391,7 +396,8 @@ namespace
 
 // enqueue's checks: ranks, resolved input extents (copied into d), checkDims, outputs shaped like
 // their inputs, and the dtypes. Returns an empty string when the call may run.
-std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, Dims* d)
+std::string checkRuntimeTensors(
+    PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, Dims* d, int32_t normScope)
 {
     std::string err = checkRanks(inputDesc, outputDesc);
     if (!err.empty())
@@ -412,7 +418,7 @@ std::string checkRuntimeTensors(PluginTensorDesc const* inputDesc, PluginTensorD
             }
         }
     }
-    err = checkDims(d);
+    err = checkDims(d, normScope);
     if (!err.empty())
     {
         return err;
@@ -458,7 +464,7 @@ int32_t QKNormRoPEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
         QKROPE_VALIDATE(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
             "null tensor descriptors or pointers", static_cast<int32_t>(Status::kNULL_POINTER));
         Dims d[kNB_INPUTS];
-        std::string const err = checkRuntimeTensors(inputDesc, outputDesc, d);
+        std::string const err = checkRuntimeTensors(inputDesc, outputDesc, d, mAttrs.normScope);
         QKROPE_VALIDATE(err.empty(), err + "; nothing was executed", static_cast<int32_t>(Status::kBAD_SHAPE));
 
         QKNormRoPEParams p;
@@ -478,6 +484,7 @@ int32_t QKNormRoPEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
         p.eps = mAttrs.epsilon;
         p.interleaved = mAttrs.interleaved != 0;
         p.rounding = mAttrs.rounding;
+        p.normScope = mAttrs.normScope;
         switch (inputDesc[kQ].type)
         {
         case DataType::kHALF: p.dtype = qkrope::DataType::kFLOAT16; break;

@@ -180,13 +180,15 @@ struct Problem
 };
 
 Problem makeProblem(Input& in);
-// q, k, q_weight, k_weight, cos_sin_cache, q_out, k_out: a valid problem, then perturbed.
-void makeDims(Input& in, Problem const& p, Dims (&d)[7], bool allowWildcards);
+// q, k, q_weight, k_weight, cos_sin_cache, q_out, k_out: a valid problem, then perturbed. The weights
+// are [head_dim] with norm_scope 0, [heads * head_dim] with 1.
+void makeDims(Input& in, Problem const& p, Dims (&d)[7], bool allowWildcards, int32_t normScope);
 void makeTypes(Input& in, DataType (&t)[7]);
 TensorFormat pickFormat(Input& in);
 bool validRank(int32_t r);
-// Build-time and run-time shape consistency of the five inputs (extents < 0: unknown).
-bool shapesConsistent(Dims const* d);
+// Build-time and run-time shape consistency of the five inputs (extents < 0: unknown) for the plugin's
+// norm_scope.
+bool shapesConsistent(Dims const* d, int32_t normScope);
 bool isActivation(DataType t);
 
 // ---- the per-plugin checks (plugin_fuzz_methods.cpp) ----------------------------------------------

@@ -155,7 +155,7 @@ Expected model(Collection const& c)
 bool sameAttrs(qp::QKNormRoPEAttributes const& a, qp::QKNormRoPEAttributes const& b)
 {
     return std::memcmp(&a.epsilon, &b.epsilon, sizeof(float)) == 0 && a.interleaved == b.interleaved
-        && a.rounding == b.rounding;
+        && a.rounding == b.rounding && a.normScope == b.normScope;
 }
 
 std::string attrsText(qp::QKNormRoPEAttributes const& a)

@@ -322,7 +322,6 @@ void makeCollection(Input& in, Collection& c)
     }
     // mode < 12: the parser's form (every attribute once, in table order), perturbed by the field
     // decoder's choices; else 0..8 fuzzed fields
-    c.fields.resize(mode < 12 ? 3 : static_cast<size_t>(in.below(9)));
     std::vector<qp::FieldSpec const*> attributes;
     for (qp::FieldSpec const& s : qp::kFIELDS)
     {
@@ -331,6 +330,7 @@ void makeCollection(Input& in, Collection& c)
             attributes.push_back(&s);
         }
     }
+    c.fields.resize(mode < 12 ? attributes.size() : static_cast<size_t>(in.below(9)));
     for (size_t i = 0; i < c.fields.size(); ++i)
     {
         makeField(in, c.fields[i], mode < 12 && i < attributes.size() ? attributes[i] : nullptr);

@@ -11,6 +11,9 @@ namespace qkrope_fuzz
 namespace
 {
 
+// The norm_scope of the plugin under test (fuzzPlugin sets it): the weights' expected width.
+int32_t gNormScope = 0;
+
 template <typename T>
 std::unique_ptr<T[]> exactArray(int32_t n)
 {
@@ -118,7 +121,7 @@ void fuzzOutputShapes(Input& in, IPluginV3OneBuild* build, Dims const (&d)[7], s
     {
         ok = validRank(seen[i].nbDims);
     }
-    ok = ok && shapesConsistent(seen);
+    ok = ok && shapesConsistent(seen, gNormScope);
     ++gStats.shapes[ok];
     FUZZ_CHECK(rc == (ok ? 0 : 1), "getOutputShapes rc " + std::to_string(rc) + ", model " + std::to_string(ok));
     if (ok)
@@ -151,7 +154,7 @@ void fuzzConfigure(Input& in, IPluginV3OneBuild* build, IPluginV3OneRuntime* rt,
     {
         ok = validRank(d[i].nbDims);
     }
-    ok = ok && shapesConsistent(d);
+    ok = ok && shapesConsistent(d, gNormScope);
     ++gStats.configure[ok];
     if (in.chance(128))
     {
@@ -242,7 +245,7 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
                 ok = d[i].d[j] >= 0;
             }
         }
-        ok = ok && shapesConsistent(d);
+        ok = ok && shapesConsistent(d, gNormScope);
         for (int o = 0; ok && o < 2; ++o)
         {
             Dims const& od = d[5 + o];
@@ -278,6 +281,7 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
             p.eps = attrs.epsilon;
             p.interleaved = attrs.interleaved != 0;
             p.rounding = attrs.rounding;
+            p.normScope = attrs.normScope;
             p.dtype = t[0] == DataType::kHALF ? qkrope::DataType::kFLOAT16
                 : t[0] == DataType::kBF16     ? qkrope::DataType::kBFLOAT16
                                               : qkrope::DataType::kFLOAT32;
@@ -310,7 +314,8 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
                 && g.qOut == p.qOut && g.kOut == p.kOut && g.batch == p.batch && g.seqLen == p.seqLen
                 && g.numHeads == p.numHeads && g.headDim == p.headDim && g.rotaryDim == p.rotaryDim
                 && g.cacheRows == p.cacheRows && std::memcmp(&g.eps, &p.eps, sizeof(float)) == 0
-                && g.interleaved == p.interleaved && g.rounding == p.rounding && g.dtype == p.dtype,
+                && g.interleaved == p.interleaved && g.rounding == p.rounding && g.normScope == p.normScope
+                && g.dtype == p.dtype,
             "enqueue passed other parameters to the launcher than its descriptors and attributes give");
     }
     if (rc == 0)
@@ -335,6 +340,7 @@ void fuzzPlugin(Input& in, IPluginV3* plugin, qp::QKNormRoPEAttributes const& at
     IPluginV3OneCore* core = coreOf(plugin);
     IPluginV3OneBuild* build = buildOf(plugin);
     IPluginV3OneRuntime* rt = runtimeOf(plugin);
+    gNormScope = attrs.normScope;
     FUZZ_CHECK(core != nullptr && build != nullptr && rt != nullptr, "a capability interface is null");
     FUZZ_CHECK(std::strcmp(core->getPluginName(), qp::kPLUGIN_NAME) == 0
             && std::strcmp(core->getPluginVersion(), qp::kPLUGIN_VERSION) == 0
@@ -352,7 +358,7 @@ void fuzzPlugin(Input& in, IPluginV3* plugin, qp::QKNormRoPEAttributes const& at
         Dims d[7];
         DataType t[7];
         uint8_t const which = in.u8() % 6;
-        makeDims(in, prob, d, which == 2 || which == 3);
+        makeDims(in, prob, d, which == 2 || which == 3, gNormScope);
         makeTypes(in, t);
         switch (which)
         {

@@ -45,10 +45,11 @@ int64_t hostileExtent(Input& in, int64_t near)
 } // namespace
 
 // q, k, q_weight, k_weight, cos_sin_cache, q_out, k_out: a valid problem, then perturbed.
-void makeDims(Input& in, Problem const& p, Dims (&d)[7], bool allowWildcards)
+void makeDims(Input& in, Problem const& p, Dims (&d)[7], bool allowWildcards, int32_t normScope)
 {
+    int64_t const width = normScope == qkrope::kNORM_SCOPE_ROW ? p.heads * p.headDim : p.headDim;
     std::vector<int64_t> const shapes[7] = {{p.batch, p.seq, p.heads, p.headDim}, {p.batch, p.seq, p.heads, p.headDim},
-        {p.headDim}, {p.headDim}, {p.rows, p.rot}, {p.batch, p.seq, p.heads, p.headDim},
+        {width}, {width}, {p.rows, p.rot}, {p.batch, p.seq, p.heads, p.headDim},
         {p.batch, p.seq, p.heads, p.headDim}};
     for (int t = 0; t < 7; ++t)
     {
@@ -142,7 +143,7 @@ bool validRank(int32_t r)
 }
 
 // Build-time and run-time shape consistency of the five inputs (extents < 0: unknown).
-bool shapesConsistent(Dims const* d)
+bool shapesConsistent(Dims const* d, int32_t normScope)
 {
     static int32_t const kRanks[5] = {4, 4, 1, 1, 2};
     for (int i = 0; i < 5; ++i)
@@ -166,9 +167,11 @@ bool shapesConsistent(Dims const* d)
     {
         return false;
     }
+    int64_t const heads = known(d[0].d[2]) ? d[0].d[2] : d[1].d[2];
+    int64_t const width = normScope == qkrope::kNORM_SCOPE_ROW ? (known(heads) && known(head) ? heads * head : -1) : head;
     for (int w : {2, 3})
     {
-        if (known(head) && known(d[w].d[0]) && d[w].d[0] != head)
+        if (known(width) && known(d[w].d[0]) && d[w].d[0] != width)
         {
             return false;
         }

@@ -83,11 +83,12 @@ struct Attrs
     float eps{std::nanf("")};
     int32_t interleaved{-99};
     int32_t rounding{-99};
+    int32_t normScope{-99};
     std::string error;
 
-    bool equals(float e, int32_t il, int32_t r) const
+    bool equals(float e, int32_t il, int32_t r, int32_t ns = 0) const
     {
-        return error.empty() && eps == e && interleaved == il && rounding == r;
+        return error.empty() && eps == e && interleaved == il && rounding == r && normScope == ns;
     }
     std::string str() const;
 };

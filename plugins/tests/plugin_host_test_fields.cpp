@@ -144,6 +144,7 @@ std::vector<BadField> badFieldCases()
         {"interleaved_2", "interleaved", one("interleaved", int32_t{2}, T::kINT32)},
         {"interleaved_negative", "interleaved", one("interleaved", int32_t{-1}, T::kINT32)},
         {"rounding_3", "rounding", one("rounding", int32_t{3}, T::kINT32)},
+        {"norm_scope_2", "norm_scope", one("norm_scope", int32_t{2}, T::kINT32)},
         {"rounding_negative", "rounding", one("rounding", int32_t{-1}, T::kINT32)},
         {"rounding_int64_out_of_range", "rounding", one("rounding", int64_t{1} << 32 | 1, T::kINT64)},
         {"epsilon_wrong_type_int32", "epsilon", one("epsilon", int32_t{1}, T::kINT32)},

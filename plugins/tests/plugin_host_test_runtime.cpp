@@ -113,24 +113,45 @@ void testSerialize(IPluginCreatorV3One* c, RecordingLogger& logger)
         return;
     }
     PluginFieldCollection const* fc = runtimeOf(q.get())->getFieldsToSerialize();
-    bool const typesOk = fc != nullptr && fc->nbFields == 3;
-    for (int32_t i = 0; typesOk && i < 3; ++i)
+    bool const typesOk = fc != nullptr && fc->nbFields == 4;
+    for (int32_t i = 0; typesOk && i < 4; ++i)
     {
         std::printf("SERIALIZED %s %s %d\n", fc->fields[i].name, fieldTypeName(fc->fields[i].type),
             fc->fields[i].length);
     }
     check(typesOk, "serialize.fields", fc ? std::to_string(fc->nbFields) : "null");
     // Copy as TensorRT would into the plan (every serialised field is 4 bytes an element), then
-    // recreate from the copy.
-    Fields copy;
-    for (int32_t i = 0; fc && i < fc->nbFields; ++i)
-    {
-        auto const* data = static_cast<char const*>(fc->fields[i].data);
-        std::vector<char> bytes(data, data + 4 * static_cast<size_t>(fc->fields[i].length));
-        copy.raw(fc->fields[i].name, bytes, fc->fields[i].type, fc->fields[i].length);
-    }
+    // recreate from the copy; `count` fields only: an engine serialised before norm_scope existed
+    // holds epsilon, interleaved and rounding, and must load with norm_scope 0.
+    auto copyOf = [](PluginFieldCollection const* from, int32_t count) {
+        Fields copy;
+        for (int32_t i = 0; from && i < count && i < from->nbFields; ++i)
+        {
+            auto const* data = static_cast<char const*>(from->fields[i].data);
+            std::vector<char> bytes(data, data + 4 * static_cast<size_t>(from->fields[i].length));
+            copy.raw(from->fields[i].name, bytes, from->fields[i].type, from->fields[i].length);
+        }
+        return copy;
+    };
+    Fields copy = copyOf(fc, 4);
     PluginPtr r = create(c, &copy, TensorRTPhase::kRUNTIME, "deserialized");
     check(r != nullptr && serializedAttrs(r.get()).equals(3e-5F, 0, 1), "serialize.roundtrip", describe(r.get(), logger));
+    Fields before = copyOf(fc, 3);
+    PluginPtr old = create(c, &before, TensorRTPhase::kRUNTIME, "deserialized_v1");
+    check(old != nullptr && serializedAttrs(old.get()).equals(3e-5F, 0, 1, 0), "serialize.engine_without_norm_scope",
+        describe(old.get(), logger));
+
+    // norm_scope 1 (a Wan node) survives the round trip.
+    Fields rowFields = parserFields(1e-6F, 1, 2);
+    rowFields.add("norm_scope", int32_t{1}, PluginFieldType::kINT32);
+    PluginPtr row = createFor("serialize", c, &rowFields, logger);
+    if (row != nullptr)
+    {
+        Fields rowCopy = copyOf(runtimeOf(row.get())->getFieldsToSerialize(), 4);
+        PluginPtr back = create(c, &rowCopy, TensorRTPhase::kRUNTIME, "deserialized_row");
+        check(back != nullptr && serializedAttrs(back.get()).equals(1e-6F, 1, 2, 1), "serialize.roundtrip_norm_scope",
+            describe(back.get(), logger));
+    }
 }
 
 // ---- clone: complete and independent ----------------------------------------------------------

@@ -55,8 +55,8 @@ PluginPtr createFor(char const* group, IPluginCreatorV3One* c, Fields* f, Record
 std::string Attrs::str() const
 {
     char buf[160];
-    std::snprintf(buf, sizeof(buf), "epsilon=%.9g interleaved=%d rounding=%d %s", static_cast<double>(eps),
-        interleaved, rounding, error.c_str());
+    std::snprintf(buf, sizeof(buf), "epsilon=%.9g interleaved=%d rounding=%d norm_scope=%d %s",
+        static_cast<double>(eps), interleaved, rounding, normScope, error.c_str());
     return buf;
 }
 
@@ -84,6 +84,10 @@ Attrs serializedAttrs(IPluginV3* p)
         else if (n == "rounding" && f.type == PluginFieldType::kINT32 && f.length == 1)
         {
             a.rounding = *static_cast<int32_t const*>(f.data);
+        }
+        else if (n == "norm_scope" && f.type == PluginFieldType::kINT32 && f.length == 1)
+        {
+            a.normScope = *static_cast<int32_t const*>(f.data);
         }
         else
         {

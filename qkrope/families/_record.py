@@ -39,12 +39,15 @@ class Launch:
     interleaved: bool = True  # RoPE pairing: interleaved pairs (True) or NeoX halves (False)
     batches: tuple[int, ...] = (1, 2)
     roundings: tuple[int, ...] = (0,)
+    # What one RMSNorm spans (qkrope.contract NORM_SCOPE_*): 0 each head, weight [head_dim];
+    # 1 the token's heads * head_dim values (Wan), weight [heads * head_dim].
+    norm_scope: int = 0
 
     def __post_init__(self) -> None:
         if self.seq < 1 or self.heads < 1 or self.head_dim < 2 or not self.batches \
-                or not self.roundings:
+                or not self.roundings or self.norm_scope not in (0, 1):
             raise ValueError(f"{self.model} {self.stream}: a launch needs seq, heads, head_dim, "
-                             f"batches and roundings; got {self}")
+                             f"batches, roundings and a norm_scope of 0 or 1; got {self}")
 
     @property
     def rotary(self) -> int:

@@ -113,7 +113,8 @@ def launch_target(tokens: int) -> dict:
 def launch_problems() -> list[dict]:
     """Every launch the report plans on each modelled device, from each family record's
     ``launches`` in registry order (one shape shared by two records is planned once): model,
-    stream, batch, seq, tokens, heads, head_dim, rotary_dim, interleaved, roundings."""
+    stream, batch, seq, tokens, heads, head_dim, rotary_dim, interleaved, roundings, norm_scope
+    (with norm_scope 1 the weights are [heads * head_dim])."""
     out, seen = [], set()
     for record in families.records():
         for ln in record.launches:
@@ -125,7 +126,8 @@ def launch_problems() -> list[dict]:
                 out.append({"model": ln.model, "stream": ln.stream, "batch": batch,
                             "seq": ln.seq, "tokens": batch * ln.seq, "heads": ln.heads,
                             "head_dim": ln.head_dim, "rotary_dim": ln.rotary,
-                            "interleaved": ln.interleaved, "roundings": ln.roundings})
+                            "interleaved": ln.interleaved, "roundings": ln.roundings,
+                            "norm_scope": ln.norm_scope})
     return out
 
 

@@ -26,10 +26,19 @@ DEFAULT_ARCHS = (90, 100)
 # argument). PARAM_ROLES says which parameter name means what.
 FAST_KERNEL = "qkNormRopeFastKernel"
 GENERAL_KERNEL = "qkNormRopeGeneralKernel"
+# norm_scope 1: the fast path's row kernel (a block per token row; analysed like the fast path)
+# and the general path's
+ROW_KERNEL = "qkNormRopeRowKernel"
+GENERAL_ROW_KERNEL = "qkNormRopeGeneralRowKernel"
+# kernel -> (kind, label prefix)
+KERNEL_KINDS = {FAST_KERNEL: ("fast", "Fast"), GENERAL_KERNEL: ("general", "General"),
+                ROW_KERNEL: ("row", "Row"), GENERAL_ROW_KERNEL: ("general-row", "GeneralRow")}
 KERNEL_NAMESPACE = "qkrope::(anonymous namespace)::"
 FALLBACK_PARAMS = {
     FAST_KERNEL: ("T", "HEAD_DIM", "INTERLEAVED", "UNROLL"),
     GENERAL_KERNEL: ("T",),
+    ROW_KERNEL: ("T", "HEAD_DIM", "INTERLEAVED", "ROWS", "ROUNDING", "FULL_ROTARY"),
+    GENERAL_ROW_KERNEL: ("T", "PAIRS", "ALIGNED"),
 }
 KERNEL_REPORT_RE = re.compile(r"//\s*kernel-report:\s*(\w+)\s*<([^>]*)>")
 PARAM_ROLES = {
@@ -160,8 +169,8 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
     not fit the instance's argument count."""
     names = param_names if param_names is not None else dict(FALLBACK_PARAMS)
     dn = demangled
-    kind = "fast" if FAST_KERNEL + "<" in dn else "general" if GENERAL_KERNEL + "<" in dn else "other"
-    kernel = FAST_KERNEL if kind == "fast" else GENERAL_KERNEL if kind == "general" else None
+    kernel = _kernel_of(dn)
+    kind = KERNEL_KINDS[kernel][0] if kernel else "other"
     args = template_args(dn, kernel) if kernel else None
     pnames = names.get(kernel, ()) if kernel else ()
     mismatch = False
@@ -197,7 +206,7 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
                              if q in STORE_POLICY_QUALIFIERS})
     loop = analyse_loop(instrs, elem_bytes)
 
-    short = {"fast": "Fast", "general": "General"}.get(kind, dn.split("(")[0])
+    short = KERNEL_KINDS[kernel][1] if kernel else dn.split("(")[0]
     label = f"{short}<{','.join(args)}>" if args is not None else short
     qwen = is_qwen(kind, roles)
     rounding = threshold = threshold_note = None
@@ -257,22 +266,30 @@ def analyse_cubin(cubin: Path, tools: Tools, *, ptxas_log: str | None = None,
             "hardware": HARDWARE.get(arch, HARDWARE[90])})
         entry["instances"].append(inst)
         if inst["param_names_mismatch"]:
-            kernel = FAST_KERNEL if inst["kind"] == "fast" else GENERAL_KERNEL
+            kernel = _kernel_of(inst["demangled"])
             note = " - does not fit this binary's template arguments: fallback names or ARGn used"
             if not entry["param_origin"].get(kernel, "").endswith(note):
                 entry["param_origin"][kernel] = entry["param_origin"].get(kernel, "") + note
-    kind_order = {"fast": 0, "general": 1, "other": 2}
+    kind_order = {"fast": 0, "general": 1, "row": 2, "general-row": 3, "other": 4}
     for entry in result.values():
         entry["instances"].sort(key=lambda x: (kind_order[x["kind"]], not x["qwen"], _natural(x["label"])))
     return result
 
 
+def _kernel_of(demangled: str) -> str | None:
+    """Which of KERNEL_KINDS a demangled name instantiates (None: another function)."""
+    for kernel in KERNEL_KINDS:
+        if kernel + "<" in demangled:
+            return kernel
+    return None
+
+
 def label_of(demangled: str) -> str | None:
-    kind = FAST_KERNEL if FAST_KERNEL + "<" in demangled else GENERAL_KERNEL if GENERAL_KERNEL + "<" in demangled else None
+    kind = _kernel_of(demangled)
     if kind is None:
         return None
     args = template_args(demangled, kind)
-    short = "Fast" if kind == FAST_KERNEL else "General"
+    short = KERNEL_KINDS[kind][1]
     return f"{short}<{','.join(args)}>" if args is not None else None
 
 

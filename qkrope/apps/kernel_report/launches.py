@@ -30,6 +30,8 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     head_dim = int(roles.get("head_dim", problem["head_dim"]))
     lanes = min(head_dim // vec, 32)
     elems = head_dim // lanes
+    if inst["kind"] == "row":
+        return _row_figures(loop, common, rows, elems, lanes, launch, problem, occ)
     units = 2 * math.ceil(problem["heads"] / rows)
     token_step = launch["grid"][0] * (256 // lanes) // units
     tokens_per_group = problem["tokens"] / token_step
@@ -49,14 +51,51 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
             "blocks_per_sm": occ["blocks_per_sm"]}
 
 
-def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
+def row_threads(heads: int, rows: int, lanes: int) -> int:
+    """The row kernel's block size (qknorm_rope_plan.h rowThreads): groups of `lanes` threads
+    owning `rows` heads each, rounded up to whole warps."""
+    return math.ceil(math.ceil(heads / rows) * lanes / 32) * 32
+
+
+def _row_figures(loop, common, rows, elems, lanes, launch, problem, occ) -> dict:
+    """launch_figures for the norm_scope 1 row kernel: a block of launch["block"] threads owns a
+    token's q or k row; every thread issues the loop (idle rows past num_heads included), so the
+    instructions per element are the block's over the row's heads x head_dim elements; the bytes
+    outstanding per thread are scaled by the share of rows that are real (idle rows are not
+    copied, though their predicated copies are in the SASS)."""
+    threads_per_block = launch["block"][0]
+    token_step = launch["grid"][0] // 2
+    tokens_per_block = problem["tokens"] / token_step
+    per_iter = loop["elements_per_iteration"] / (rows * elems)
+    it, pro, epi = common.get("iteration"), common.get("prologue"), common.get("epilogue")
+    row_elems = problem["heads"] * problem["head_dim"]
+    ipe = None
+    if it and pro is not None and epi is not None:
+        ipe = ((tokens_per_block * it / per_iter + pro + epi) * threads_per_block
+               / (tokens_per_block * row_elems))
+    least, average = outstanding_at_waits(loop)
+    real = problem["heads"] / (threads_per_block // lanes * rows)
+    threads = occ["threads_per_sm"]
+    return {"rows": rows, "grid": launch["grid"][0], "token_step": token_step,
+            "threads_per_block": threads_per_block,
+            "tokens_per_group": tokens_per_block, "instr_per_element": ipe,
+            "loop_instr_per_element": (it * threads_per_block / (per_iter * row_elems)) if it else None,
+            "prologue": pro, "epilogue": epi, "bytes_outstanding_per_thread": least,
+            "bytes_in_flight_per_sm": (least or 0) * threads * real,
+            "avg_bytes_in_flight_per_sm": (average or 0) * threads * real, "threads_per_sm": threads,
+            "blocks_per_sm": occ["blocks_per_sm"]}
+
+
+def plan_launches(report: dict, simt_lib: str | None = None,
+                  problems: list[dict] | None = None) -> list[dict]:
     """Run the real launcher (qknorm_rope.cu under the SIMT emulation, dry run: nothing computed)
     against each modelled device for each family's launch and its rounding modes
     (assumptions.launch_problems), with each instance's
     occupancy from the ptxas registers of the build for that device's architecture (sm_90's where
     that architecture was not compiled), and analyse the instance it launches. The library:
     ``simt_lib``, else where the toolchain's rule finds it (``$QKROPE_KERNELS_SIMT_LIB``,
-    build/plugins, build/kernel, build/kernel-simt)."""
+    build/plugins, build/kernel, build/kernel-simt). ``problems``: launch_problems()'s dicts to
+    plan instead of the family records' launches."""
     from qkrope.runtime import kernels
     saved = os.environ.get(kernels.SIMT_LIB_ENV)
     if simt_lib:
@@ -64,7 +103,7 @@ def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
     try:
         if kernels.simt_library_path() is None:
             raise ToolError("the SIMT emulation library is not built: " + kernels.SIMT_BUILD_COMMAND)
-        return _plan_launches(report, kernels)
+        return _plan_launches(report, kernels, problems)
     finally:
         if saved is None:
             os.environ.pop(kernels.SIMT_LIB_ENV, None)
@@ -72,7 +111,7 @@ def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
             os.environ[kernels.SIMT_LIB_ENV] = saved
 
 
-def _plan_launches(report: dict, kernels) -> list[dict]:
+def _plan_launches(report: dict, kernels, problems: list[dict] | None = None) -> list[dict]:
     import torch
 
     entries = {int(a): e for a, e in report["archs"].items()}
@@ -92,22 +131,37 @@ def _plan_launches(report: dict, kernels) -> list[dict]:
         hw = device_hardware(dev_name)
         occ = {label: occupancy(i["regs"], i["smem"], i["threads_per_block"], hw) for label, i in by_label.items()}
         table = {simt_names[label]: o["blocks_per_sm"] for label, o in occ.items() if label in simt_names}
-        kernels.simt_configure_model(num_sms=dev["sms"], max_threads_per_sm=dev["max_threads_per_sm"],
-                                     compute_capability=dev["cc"], clock_khz=dev["clock_khz"],
-                                     mem_clock_khz=dev["mem_clock_khz"], bus_width_bits=dev["bus_width_bits"],
-                                     occupancy=table, dry_run=True)
+
+        def configure(table):
+            kernels.simt_configure_model(num_sms=dev["sms"], max_threads_per_sm=dev["max_threads_per_sm"],
+                                         compute_capability=dev["cc"], clock_khz=dev["clock_khz"],
+                                         mem_clock_khz=dev["mem_clock_khz"], bus_width_bits=dev["bus_width_bits"],
+                                         occupancy=table, dry_run=True)
+        configure(table)
         try:
-            for prob in launch_problems():
+            for prob in (launch_problems() if problems is None else problems):
+                scope = prob.get("norm_scope", 0)
+                if scope == 1:
+                    # the row kernel's occupancy at the block size this head count gives it
+                    occ = dict(occ)
+                    for label, i in by_label.items():
+                        if i["kind"] == "row":
+                            lanes = min(int(i["roles"]["head_dim"]) * i["elem_bytes"] // 16, 32)
+                            t = row_threads(prob["heads"], int(i["roles"]["rows"]), lanes)
+                            occ[label] = occupancy(i["regs"], i["smem"], t, hw)
+                    configure({simt_names[label]: o["blocks_per_sm"] for label, o in occ.items()
+                               if label in simt_names})
                 # dry run: the tensors are never read, only their shapes and pointers planned
                 q = torch.empty(prob["batch"], prob["seq"], prob["heads"], prob["head_dim"],
                                 dtype=torch.bfloat16)
                 k = torch.empty_like(q)
-                w = torch.ones(prob["head_dim"], dtype=torch.bfloat16)
+                w = torch.ones(prob["head_dim"] * (prob["heads"] if scope == 1 else 1),
+                               dtype=torch.bfloat16)
                 cache = torch.zeros(prob["seq"], prob["rotary_dim"])
                 for rounding in prob["roundings"]:
                     kernels.simt_reset()
                     kernels.simt_qk_norm_rope(q, k, w, w, cache, interleaved=prob["interleaved"],
-                                              rounding=rounding,
+                                              rounding=rounding, norm_scope=scope,
                                               out=(q, k))
                     recs = kernels.simt_last_launches()
                     if len(recs) != 1:
@@ -117,7 +171,8 @@ def _plan_launches(report: dict, kernels) -> list[dict]:
                     inst = by_label.get(label)
                     row = {"device": dev_name, "arch": arch, "model": prob["model"], "heads": prob["heads"],
                            "stream": prob["stream"], "batch": prob["batch"], "tokens": prob["tokens"],
-                           "rounding": rounding, "instance": label, "found": inst is not None}
+                           "rounding": rounding, "norm_scope": scope, "instance": label,
+                           "found": inst is not None}
                     if inst is not None and inst["hot_loop"].get("found"):
                         row.update(launch_figures(inst, recs[0], prob, occ[label]))
                     launches.append(row)

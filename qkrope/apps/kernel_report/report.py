@@ -27,7 +27,7 @@ def structural_checks(instances: list[dict]) -> list[dict]:
         add("no-spills", inst, ok,
             f"spill stores/loads {inst['spill_stores']}/{inst['spill_loads']} B, local {inst['local']} B, "
             f"LDL/STL in SASS: {len(inst['local_memory_sass'])}")
-        if inst["kind"] != "fast":
+        if inst["kind"] not in ("fast", "row"):
             continue
         loop = inst["hot_loop"]
         if not loop.get("found"):
