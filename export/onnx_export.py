@@ -254,15 +254,14 @@ def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
     variants = set()
     for node in nodes:
         attrs = {k: v.value for k, v in node.attributes.items()}
-        if sorted(attrs) != sorted(a.name for a in contract.ATTRIBUTES):
-            raise ExportError(f"QKNormRoPE node {node.name} has attributes {sorted(attrs)}, the "
-                              f"contract lists {[a.name for a in contract.ATTRIBUTES]}")
-        variants.add(FunctionVariant(bool(attrs["interleaved"]), int(attrs["rounding"]),
-                                     rotary_dim < head_dim))
+        why = contract.attribute_names_error(attrs)  # norm_scope may be absent (0)
+        if why is not None:
+            raise ExportError(f"QKNormRoPE node {node.name} {why}")
+        variants.add(FunctionVariant.of_node(attrs, partial=rotary_dim < head_dim))
     if len(variants) > 1:
-        raise ExportError(f"the model's QKNormRoPE nodes use different interleaved/rounding "
-                          f"settings {sorted(v.tag for v in variants)}; one model carries one "
-                          f"function body, so export them as separate models")
+        raise ExportError(f"the model's QKNormRoPE nodes use different interleaved/rounding"
+                          f"/norm_scope settings {sorted(v.tag for v in variants)}; one model "
+                          f"carries one function body, so export them as separate models")
     variant = variants.pop() if variants else FunctionVariant(partial=rotary_dim < head_dim)
     opset = int(model.opset_imports.get("", opset))  # the body imports the model's own opset
     function = ir.serde.deserialize_function(make_function_proto(variant, opset=opset))
@@ -857,6 +856,9 @@ class TransformerPlan:
     nodes: int
     num_layers_exported: int | None
     blocks: str
+    # the nodes' values (None: the first transformer_blocks' attn.norm_q epsilon, pairs, the
+    # plan's rounding, head scope)
+    attributes: contract.NodeAttributes | None = None
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
@@ -918,7 +920,11 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         plan = hooks.prepare(family, transformer, sample=sample, dtype=tdtype, layers=layers,
                              rounding=rounding)
         rotary_dim = sum(plan.axes)
-        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
+        # the nodes' values: the plan's (a family whose blocks are named otherwise, or whose
+        # norm spans the row), else the first block's norm_q epsilon
+        attributes = plan.attributes or contract.NodeAttributes(
+            float(transformer.transformer_blocks[0].attn.norm_q.eps),
+            contract.DEFAULT_INTERLEAVED, plan.rounding)
         with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
             model = _torch_export(   # the float graph; FP8 Q/DQ go in below
                 plan.wrapper, plan.args, plan.decl.input_names, plan.decl.output_names, opset,
@@ -938,7 +944,6 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         with steps.step(f"adding the QKNormRoPE function body ({plan.nodes} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=plan.nodes)
-        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, plan.rounding)
         config = ModelConfig(
             dim=int(cfg["num_attention_heads"]) * head_dim,
             heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,

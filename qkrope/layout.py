@@ -12,8 +12,10 @@ ACTIVATION_TORCH_DTYPES = tuple(getattr(torch, name) for name in contract.ACTIVA
 
 
 def check_tensor_layout(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                        k_weight: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-    """Ranks, shapes and dtypes of the op's tensors (ValueError naming what was received).
+                        k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                        norm_scope: int = 0) -> None:
+    """Ranks, shapes and dtypes of the op's tensors (ValueError naming what was received); the
+    weights are [head_dim] with ``norm_scope`` 0 and [heads * head_dim] with 1.
     The values that the kernel itself must refuse (cache rows, rotary_dim, eps, rounding) are
     checked by :func:`qkrope.export.reference.check_qk_norm_rope_args`."""
     if q.dim() != 4 or q.shape != k.shape:
@@ -24,9 +26,11 @@ def check_tensor_layout(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
         raise InputError(f"q and k must share one dtype among float32/float16/bfloat16; got "
                          f"{q.dtype} and {k.dtype}")
     head_dim = q.shape[-1]
+    width, what = ((q.shape[-2] * head_dim, "heads * head_dim, norm_scope 1") if norm_scope == 1
+                   else (head_dim, "head_dim"))
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if tuple(w.shape) != (head_dim,) or w.dtype != q.dtype:
-            raise InputError(f"{name} must be [{head_dim}] {q.dtype} (head_dim, q's dtype); got "
+        if tuple(w.shape) != (width,) or w.dtype != q.dtype:
+            raise InputError(f"{name} must be [{width}] {q.dtype} ({what}, q's dtype); got "
                              f"{tuple(w.shape)} {w.dtype}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32:
         raise InputError(
