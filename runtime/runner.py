@@ -267,7 +267,9 @@ class Runner:
         roles = self.io.roles
         feeds: dict[str, Any] = {roles["hidden_states"]: hidden_states,
                                  roles["encoder_hidden_states"]: encoder_hidden_states,
-                                 roles["img_cache"]: caches.img, roles["txt_cache"]: caches.txt}
+                                 roles["img_cache"]: caches.img}
+        if "txt_cache" in roles:  # a model that rotates no text token has no text cache input
+            feeds[roles["txt_cache"]] = caches.txt
         if encoder_hidden_states_mask is not None:
             if "encoder_hidden_states_mask" not in roles:
                 raise RunnerInputError(

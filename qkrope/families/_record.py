@@ -50,6 +50,12 @@ class FamilyRecord:
     rotated: tuple[str, ...] = ("img", "txt")
     latent: str = "packed-tokens"  # LATENT_KINDS
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
+    # the grid scheme's numbers: centred height / width (scale_rope) and the tables' precision
+    # (qkrope.runtime.schemes.Setting.precision: "float32" or "float64")
+    scale_rope: bool = True
+    rope_precision: str = "float32"
+    # the config key that overrides max_positions (None: fixed in diffusers' code)
+    max_positions_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
