@@ -423,3 +423,16 @@ def test_export_refusals(tmp_path):
 
 def test_the_builder_is_registered():
     assert BUILDERS["wan"].record is WAN and WAN.blocks is False
+
+
+def test_qkrope_check(exported, tmp_path, capsys):
+    """``qkrope check`` on a Wan export: diffusers' forward on the 5-D latent of the grid, its
+    output in the graph's packed layout (reference.graph_output), ONNX Runtime's run within
+    check's tolerance."""
+    from qkrope.cli import main
+
+    _, path = exported[0]
+    rc = main(["check", str(path), "--img-shape", "3", "4", "5", "--txt-len", "9",
+               "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "WanTransformer3DModel.forward" in out and "PASSED" in out, out

@@ -154,8 +154,11 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                     for k, v in zip(info.output_names, (img, txt))}
         record = _family(info)
         kwargs = families.hooks(record, "reference").forward_kwargs(info, r, img_shapes)
+        reference = families.hooks(record, "reference")
         if not record.blocks:  # loaded whole: diffusers' own class for the folder
             sample = _reference_transformer(info, diffusers_dir)(**kwargs)[0]
+            if hasattr(reference, "graph_output"):  # diffusers' output in the graph's layout
+                sample = reference.graph_output(info, sample)
             if stats is not None:
                 stats.update(class_name=record.class_name,
                              folder=str(_reference_folder(info, diffusers_dir)))
@@ -251,6 +254,10 @@ def runtime_runner(runner, *, name: str):
             for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
                       "encoder_hidden_states_mask", "timestep"))
         conditioning = {r: feeds.pop(roles[r]) for r in CONDITIONING_ROLES if r in roles}
+        if txt is None and img is not None:  # a model that rotates no text: identity rows
+            from qkrope.runtime.schemes import identity_rows
+
+            txt = torch.from_numpy(identity_rows(ehs.shape[1], img.shape[1])).to(device)
         outs = runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None,
                       conditioning=conditioning or None)
         if device.type == "cuda":

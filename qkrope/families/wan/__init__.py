@@ -55,4 +55,24 @@ def wan_axes(head_dim: int) -> tuple:
     return (int(head_dim) - h - w, h, w)
 
 
+# The kernel launches of Wan's fused node (issue 33 item 2): one row-scope node per block, q
+# and k of [batch, tokens, heads, 128], rounding 2, norm_scope 1. Wan's pipelines run the
+# conditional and unconditional predictions as two calls of batch 1. Tokens per launch: 720p
+# (1280 x 720) at 81 frames is 21 latent frames x 45 x 80 patches = 75,600; 480p (832 x 480)
+# at 81 frames 21 x 30 x 52 = 32,760; TI2V-5B's 704 x 1280 at 121 frames (16x VAE) 31 x 22 x
+# 40 = 27,280. They go in the record as ``launches=WAN_LAUNCHES`` once the record has the
+# field (qkrope.families._record.Launch, i33-kernel's branch, not in main when this was
+# written): uncomment with it.
+# from qkrope.families._record import Launch
+# WAN_LAUNCHES = (
+#     Launch("Wan 2.1/2.2 14B 720p 81f", "video 75600", 75600, 40, batches=(1,), roundings=(2,),
+#            norm_scope=1),
+#     Launch("Wan 2.1/2.2 14B 480p 81f", "video 32760", 32760, 40, batches=(1,), roundings=(2,),
+#            norm_scope=1),
+#     Launch("Wan 2.1 1.3B 480p 81f", "video 32760", 32760, 12, batches=(1,), roundings=(2,),
+#            norm_scope=1),
+#     Launch("Wan 2.2 TI2V-5B 720p 121f", "video 27280", 27280, 24, batches=(1,),
+#            roundings=(2,), norm_scope=1),
+# )
+
 RECORDS = (WAN,)
