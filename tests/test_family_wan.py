@@ -367,6 +367,57 @@ def test_video_to_video_pipeline(exported):
     assert float((got - want).abs().max()) <= _pipeline_bound(_per_call(folder, path))
 
 
+def test_wan22_image_to_video_pipeline(root):
+    """WanImageToVideoPipeline with a Wan 2.2 I2V-A14B-shaped model (the image's VAE latent and
+    the first-frame mask enter as latent channels: in_channels 16 + 4 + 16 = 36), diffusers'
+    tiny AutoencoderKLWan built in code, true CFG, a 5-frame 32x48 video (grid (2, 2, 3),
+    untraced), on the export against the same pipeline on diffusers' model."""
+    import PIL.Image
+
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.runtime import load_transformer
+
+    folder, path = root / "wan-i2v", root / "wan-i2v.onnx"
+    wan_transformer(0, in_channels=36, out_channels=16).save_pretrained(str(folder))
+    export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                       progress=False)
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
+                                     num_res_blocks=1,
+                                     temperal_downsample=[False, True, True]).eval()
+    image = PIL.Image.fromarray(
+        (np.random.RandomState(0).rand(32, 48, 3) * 255).astype("uint8"))
+
+    def run(transformer):
+        pipe = diffusers.WanImageToVideoPipeline(
+            tokenizer=None, text_encoder=None, vae=vae, image_processor=None, image_encoder=None,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        g = torch.Generator().manual_seed(0)
+        embeds, negative = torch.randn(1, 11, 16, generator=g), torch.randn(1, 11, 16, generator=g)
+        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
+                    height=32, width=48, num_frames=5, num_inference_steps=STEPS,
+                    guidance_scale=GUIDANCE, output_type="latent",
+                    generator=torch.Generator().manual_seed(1)).frames
+
+    want = run(_stock(folder))
+    got = run(load_transformer(path))
+    assert got.shape == want.shape == (1, 16, 2, 4, 6)
+    stock = _stock(folder)
+    g = torch.Generator().manual_seed(9)
+    latent, text, t = (torch.randn(1, 36, 2, 4, 6, generator=g),
+                       torch.randn(1, 11, 16, generator=g), torch.tensor([500.0]))
+    with torch.no_grad():
+        ref32 = stock(latent, t, text, return_dict=False)[0]
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               return_dict=False)[0]
+    stock.float()
+    per_call = float((ref32.double() - ref64).abs().max()) + 2 * _stock_ort_error(
+        stock, latent, t, text, ref64)
+    assert float((got - want).abs().max()) <= _pipeline_bound(per_call)
+
+
 # --------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------
