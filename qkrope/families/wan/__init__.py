@@ -60,9 +60,9 @@ def wan_axes(head_dim: int) -> tuple:
 # conditional and unconditional predictions as two calls of batch 1. Tokens per launch: 720p
 # (1280 x 720) at 81 frames is 21 latent frames x 45 x 80 patches = 75,600; 480p (832 x 480)
 # at 81 frames 21 x 30 x 52 = 32,760; TI2V-5B's 704 x 1280 at 121 frames (16x VAE) 31 x 22 x
-# 40 = 27,280. They go in the record as ``launches=WAN_LAUNCHES`` once the record has the
-# field (qkrope.families._record.Launch, i33-kernel's branch, not in main when this was
-# written): uncomment with it.
+# 40 = 27,280. They go in the record as ``launches=WAN_LAUNCHES`` once Launch has the
+# ``norm_scope`` field (i33-kernel's branch; main's Launch has none yet, and a head-scope plan
+# of these launches would be the wrong kernel): uncomment with it.
 # from qkrope.families._record import Launch
 # WAN_LAUNCHES = (
 #     Launch("Wan 2.1/2.2 14B 720p 81f", "video 75600", 75600, 40, batches=(1,), roundings=(2,),
