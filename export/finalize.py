@@ -101,13 +101,13 @@ def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
     variants = set()
     for node in nodes:
         attrs = {k: v.value for k, v in node.attributes.items()}
-        if sorted(attrs) != sorted(a.name for a in contract.ATTRIBUTES):
-            raise ExportError(f"QKNormRoPE node {node.name} has attributes {sorted(attrs)}, the "
-                              f"contract lists {[a.name for a in contract.ATTRIBUTES]}")
-        variants.add(FunctionVariant(bool(attrs["interleaved"]), int(attrs["rounding"]),
-                                     rotary_dim < head_dim))
+        why = contract.attribute_names_error(attrs)  # norm_scope may be absent (0)
+        if why is not None:
+            raise ExportError(f"QKNormRoPE node {node.name} {why}")
+        variants.add(FunctionVariant.of_node(attrs, partial=rotary_dim < head_dim))
     if len(variants) > 1:
-        raise ExportError(f"the model's QKNormRoPE nodes use different interleaved/rounding "
+        raise ExportError(f"the model's QKNormRoPE nodes use different interleaved/rounding"
+                          f"/norm_scope "
                           f"settings {sorted(v.tag for v in variants)}; one model carries one "
                           f"function body, so export them as separate models")
     variant = variants.pop() if variants else FunctionVariant(partial=rotary_dim < head_dim)

@@ -28,7 +28,8 @@ attribute without a runtime ``If`` or computing both variants and selecting (bot
 make the TensorRT no-plugin fallback and ONNX Runtime slower, and ``If`` with subgraphs inside a
 function is poorly supported by TensorRT's parser). ONNX allows one function per (domain, name)
 without overloads, and TensorRT's parser looks functions up by name only, so the exporter emits
-one body per model, specialised for the (interleaved, rounding, partial-rotary) combination all of
+one body per model, specialised for the (interleaved, rounding, partial-rotary, norm_scope)
+combination all of
 the model's QKNormRoPE nodes share; :func:`qkrope.export.onnx_export` refuses a model whose nodes
 disagree, records the variant in the model's metadata (``qkrope.function_body``), and
 :func:`function_variant` reads that record back.
@@ -76,17 +77,19 @@ def _op_schema() -> onnx.defs.OpSchema:
 _QKNORMROPE_OP = Op(QKNORMROPE, contract.OP_TYPE, _op_schema())
 
 
-def qk_norm_rope_translation(q, k, q_weight, k_weight, cos_sin_cache, 
+def qk_norm_rope_translation(q, k, q_weight, k_weight, cos_sin_cache,
                              eps: float = contract.DEFAULT_EPS,
                              interleaved: bool = contract.DEFAULT_INTERLEAVED,
-                             rounding: int = contract.DEFAULT_ROUNDING):
+                             rounding: int = contract.DEFAULT_ROUNDING,
+                             norm_scope: int = contract.DEFAULT_NORM_SCOPE):
     """``torch.ops.qkrope.qk_norm_rope`` -> one ``qkrope::QKNormRoPE`` node (traced by torch.onnx).
 
-    The attributes are written from :func:`contract.node_attributes`; the function body is added
-    to the model afterwards (see the module docstring for why).
+    The attributes are written from :func:`contract.node_attributes` (``norm_scope`` left off
+    at 0); the function body is added to the model afterwards (see the module docstring for
+    why).
     """
     attrs = contract.node_attributes(eps=float(eps), interleaved=bool(interleaved),
-                                     rounding=int(rounding))
+                                     rounding=int(rounding), norm_scope=int(norm_scope))
     q_out, k_out = _QKNORMROPE_OP(q, k, q_weight, k_weight, cos_sin_cache, **attrs)
     return q_out, k_out
 
@@ -98,22 +101,33 @@ class FunctionVariant:
     interleaved: bool = contract.DEFAULT_INTERLEAVED
     rounding: int = contract.DEFAULT_ROUNDING
     partial: bool = False  # rotary_dim < head_dim: a tail of dims is normalised, not rotated
+    # NORM_SCOPE_ROW: one RMSNorm over the token's H * D values (the tag's "-row")
+    norm_scope: int = contract.DEFAULT_NORM_SCOPE
 
     @property
     def tag(self) -> str:
         return (f"{'interleaved' if self.interleaved else 'neox'}-rounding{self.rounding}"
-                f"{'-partial' if self.partial else ''}")
+                f"{'-partial' if self.partial else ''}"
+                f"{'-row' if self.norm_scope == contract.NORM_SCOPE_ROW else ''}")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FunctionVariant":
         parts = tag.split("-")
-        if (len(parts) not in (2, 3) or parts[0] not in ("interleaved", "neox")
+        if (len(parts) not in (2, 3, 4) or parts[0] not in ("interleaved", "neox")
                 or parts[1] not in [f"rounding{m}" for m in contract.ROUNDING_MODES]
-                or parts[2:] not in ([], ["partial"])):
+                or parts[2:] not in ([], ["partial"], ["row"], ["partial", "row"])):
             raise InputError(f"{tag!r} is not a QKNormRoPE function-body tag (e.g. "
                              f"'interleaved-rounding0', 'neox-rounding1-partial', "
-                             f"'interleaved-rounding2')")
-        return cls(parts[0] == "interleaved", int(parts[1][-1]), len(parts) == 3)
+                             f"'interleaved-rounding2', 'interleaved-rounding2-row')")
+        return cls(parts[0] == "interleaved", int(parts[1][-1]), "partial" in parts[2:],
+                   contract.NORM_SCOPE_ROW if "row" in parts[2:] else contract.NORM_SCOPE_HEAD)
+
+    @classmethod
+    def of_node(cls, attrs, *, partial: bool) -> "FunctionVariant":
+        """The variant a node with these attribute values (name -> value; ``norm_scope``
+        absent: 0) needs, for a model whose ``rotary_dim < head_dim`` is ``partial``."""
+        return cls(bool(attrs["interleaved"]), int(attrs["rounding"]), bool(partial),
+                   int(attrs.get("norm_scope", contract.DEFAULT_NORM_SCOPE)))
 
 
 def _const_ints(name: str, values: list[int]) -> onnx.NodeProto:
@@ -124,15 +138,23 @@ def _const_ints(name: str, values: list[int]) -> onnx.NodeProto:
 def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[onnx.NodeProto]:
     """Nodes computing docs/spec.md section 3 for one of q/k. ``p`` prefixes every intermediate name."""
     n = helper.make_node
+    row = v.norm_scope == contract.NORM_SCOPE_ROW
     nodes = [
         n("Cast", [x], [f"{p}xf"], to=TensorProto.FLOAT),
         n("Mul", [f"{p}xf", f"{p}xf"], [f"{p}sq"]),
-        n("ReduceMean", [f"{p}sq", "axes_last"], [f"{p}ms"], keepdims=1),
+        # the mean of squares over the head's D values, or (row scope) over the token's H * D
+        # values: ReduceMean over the last two axes of [B, S, H, D], keeping [B, S, 1, 1]
+        n("ReduceMean", [f"{p}sq", "axes_row" if row else "axes_last"], [f"{p}ms"], keepdims=1),
         n("Add", [f"{p}ms", "eps"], [f"{p}mse"]),
         n("Sqrt", [f"{p}mse"], [f"{p}rms"]),
         n("Reciprocal", [f"{p}rms"], [f"{p}inv"]),
         n("Mul", [f"{p}xf", f"{p}inv"], [f"{p}xn"]),
     ]
+    if row:
+        # the weight [H * D] (index h * D + d) as [H, D], broadcast over batch and tokens
+        nodes += [n("Shape", [x], [f"{p}hd"], start=2),
+                  n("Reshape", [w, f"{p}hd"], [f"{p}w_hd"])]
+        w = f"{p}w_hd"
     if v.rounding == contract.ROUNDING_DIFFUSERS:
         # diffusers' eager order: round x*inv to the activation dtype, multiply by the weight in
         # that dtype (rounded again), then rotate in fp32. Identity casts for fp32 activations.
@@ -255,6 +277,8 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
         n("Shape", ["cos_sin_cache"], ["rot"], start=1, end=2),
         n("Div", ["rot", "two1"], ["half"]),
     ]
+    if variant.norm_scope == contract.NORM_SCOPE_ROW:  # only in a row-scope body
+        common.append(_const_ints("axes_row", [-2, -1]))
     # epsilon follows the node: Constant(value_float=@epsilon)
     eps_attr = onnx.AttributeProto()
     eps_attr.name = "value_float"
@@ -272,6 +296,9 @@ def make_function_proto(variant: FunctionVariant = FunctionVariant(), *,
     nodes = common + [node for _, stream_nodes in streams for node in stream_nodes]
     defaults = []
     for a in contract.ATTRIBUTES:
+        if a.omitted_at_default and a.name == "norm_scope" \
+                and variant.norm_scope == contract.DEFAULT_NORM_SCOPE:
+            continue  # a head-scope body stays as it was before the attribute existed
         defaults.append(helper.make_attribute(a.name, a.default))
     fn = helper.make_function(
         contract.DOMAIN, contract.OP_TYPE, list(contract.INPUTS), list(contract.OUTPUTS), nodes,

@@ -23,7 +23,14 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
     xf = x.float()
     # Same operations, in the same order, as diffusers' RMSNorm and torch's rms_norm: mean of
     # squares in fp32, rsqrt.
-    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if attributes.norm_scope == contract.NORM_SCOPE_ROW:
+        # One RMSNorm over the token's flat [H * D] row (Wan's torch.nn.RMSNorm(heads *
+        # head_dim) before the unflatten): the mean runs over the contiguous row, as torch's
+        # does on [B, S, H * D]; the weight [H * D] is index h * D + d.
+        inv = torch.rsqrt(xf.flatten(-2).pow(2).mean(-1, keepdim=True) + eps).unsqueeze(-1)
+        weight = weight.reshape(x.shape[-2], x.shape[-1])
+    else:
+        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     narrow = x.dtype != torch.float32
     if rounding == contract.ROUNDING_DIFFUSERS and narrow:
         # diffusers' RMSNorm (Qwen-Image): normalised value rounded to the activation dtype,
@@ -54,10 +61,12 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
                             k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
                             eps: float = contract.DEFAULT_EPS,
                             interleaved: bool = contract.DEFAULT_INTERLEAVED,
-                            rounding: int = contract.DEFAULT_ROUNDING) -> NodeAttributes:
+                            rounding: int = contract.DEFAULT_ROUNDING,
+                            norm_scope: int = contract.DEFAULT_NORM_SCOPE) -> NodeAttributes:
     """Raise InputError naming what was received when the arguments break the op's contract (the
-    value rules are qkrope.contract's: epsilon, head_dim, interleaved, rounding); the tensors
-    are checked first, then the values, which are returned as one :class:`NodeAttributes`."""
+    value rules are qkrope.contract's: epsilon, head_dim, interleaved, rounding, norm_scope);
+    the tensors are checked first, then the values, which are returned as one
+    :class:`NodeAttributes`."""
     tensors = (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
                ("cos_sin_cache", cos_sin_cache))
     for name, t in tensors:
@@ -68,7 +77,8 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
             raise InputError(f"{name} is on device {t.device} but q is on {q.device}: every "
                              f"tensor of the op must be on q's device (move it with "
                              f".to({str(q.device)!r}))")
-    check_tensor_layout(q, k, q_weight, k_weight, cos_sin_cache)
+    norm_scope = contract.check_norm_scope(norm_scope)  # the weights' shape depends on it
+    check_tensor_layout(q, k, q_weight, k_weight, cos_sin_cache, norm_scope=norm_scope)
     head_dim = q.shape[-1]
     contract.check_head_dim(head_dim)
     rows, rotary_dim = cos_sin_cache.shape
@@ -82,19 +92,23 @@ def check_qk_norm_rope_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Te
             f"the actual sequence length")
     contract.check_epsilon(eps)
     contract.check_rounding(rounding)
-    return NodeAttributes(eps, interleaved, rounding)
+    return NodeAttributes(eps, interleaved, rounding, norm_scope)
 
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                            k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, *,
                            eps: float = contract.DEFAULT_EPS,
                            interleaved: bool = contract.DEFAULT_INTERLEAVED,
-                           rounding: int = contract.DEFAULT_ROUNDING) -> tuple[torch.Tensor, torch.Tensor]:
+                           rounding: int = contract.DEFAULT_ROUNDING,
+                           norm_scope: int = contract.DEFAULT_NORM_SCOPE,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, then RoPE from a 2-D ``[rows, rotary_dim]`` fp32 cache.
 
     q, k: ``[B, S, H, D]``; weights ``[D]``; cache row ``s`` is token ``s`` (cos half, sin half).
-    Dims at or beyond ``rotary_dim`` are normalised but not rotated. See docs/spec.md section 3.
+    Dims at or beyond ``rotary_dim`` are normalised but not rotated. ``norm_scope`` 1
+    (:data:`qkrope.contract.NORM_SCOPE_ROW`): one RMSNorm over each token's ``H * D`` values,
+    weights ``[H * D]``, then the same per-head rotation. See docs/spec.md section 3.
     """
-    attributes = NodeAttributes(eps, interleaved, rounding)
+    attributes = NodeAttributes(eps, interleaved, rounding, norm_scope)
     return (_norm_rope(q, q_weight, cos_sin_cache, attributes),
             _norm_rope(k, k_weight, cos_sin_cache, attributes))

@@ -86,6 +86,9 @@ class TransformerPlan:
     heads: int | None = None
     head_dim: int | None = None
     eps: float | None = None
+    # the nodes' values (None: the first transformer_blocks' attn.norm_q epsilon, pairs, the
+    # plan's rounding, head scope)
+    attributes: contract.NodeAttributes | None = None
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
@@ -148,8 +151,13 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         head_dim = int(cfg["attention_head_dim"] if plan.head_dim is None else plan.head_dim)
         heads = int(cfg["num_attention_heads"] if plan.heads is None else plan.heads)
         rotary_dim = sum(plan.axes)
-        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps if plan.eps is None
-                    else plan.eps)
+        # the nodes' values: the plan's (a family whose blocks are named otherwise, or whose
+        # norm spans the row), else its eps or the first block's norm_q epsilon, pairs, the
+        # plan's rounding
+        attributes = plan.attributes or contract.NodeAttributes(
+            float(transformer.transformer_blocks[0].attn.norm_q.eps if plan.eps is None
+                  else plan.eps),
+            contract.DEFAULT_INTERLEAVED, plan.rounding)
         with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
             model = _torch_export(   # the float graph; FP8 Q/DQ go in below
                 plan.wrapper, plan.args, plan.decl.input_names, plan.decl.output_names, opset,
@@ -169,7 +177,6 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         with steps.step(f"adding the QKNormRoPE function body ({plan.nodes} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=plan.nodes)
-        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, plan.rounding)
         config = ModelConfig(
             dim=heads * head_dim, heads=heads, head_dim=head_dim, rotary_dim=rotary_dim,
             axes_dims_rope=list(plan.axes), family=family.name, rope_theta=plan.theta, seed=0,

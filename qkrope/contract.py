@@ -1,7 +1,7 @@
 """The QKNormRoPE node contract: the one place that names the node, its inputs, outputs and
 attributes, and states each default once (docs/spec.md section 4). The exporter writes from it,
 every signature with an ``eps``/``interleaved``/``rounding`` parameter takes its default from
-here, the three values one node carries travel together as :class:`NodeAttributes`, the tests
+here, the values one node carries travel together as :class:`NodeAttributes`, the tests
 check against it, and the TensorRT plugin's field list is compared with it by
 tests/test_plugin_host.py.
 """
@@ -51,6 +51,21 @@ ROUNDING_MEANINGS = {
     ROUNDING_FLUX: "FLUX's eager order",
 }
 DEFAULT_ROUNDING = ROUNDING_ONE
+# The norm_scope attribute's values (docs/spec.md section 3.2): what one RMSNorm spans.
+#   NORM_SCOPE_HEAD (0) each head's D values, weight [D] (Qwen-Image, FLUX, ...).
+#   NORM_SCOPE_ROW  (1) all H*D values of a token (the flat row before the head split), weight
+#                       [H*D] indexed h*D + d (Wan's torch.nn.RMSNorm(heads * head_dim)); then
+#                       the unflatten to heads and the per-head RoPE exactly as for 0.
+# Omitted from a node (and its records) at 0, so graphs written before it stay identical.
+NORM_SCOPE_HEAD = 0
+NORM_SCOPE_ROW = 1
+NORM_SCOPES = (NORM_SCOPE_HEAD, NORM_SCOPE_ROW)
+NORM_SCOPE_MEANINGS = {
+    NORM_SCOPE_HEAD: "per head, weight [head_dim]",
+    NORM_SCOPE_ROW: "over the token's flat row of heads * head_dim values, weight "
+                    "[heads * head_dim]",
+}
+DEFAULT_NORM_SCOPE = NORM_SCOPE_HEAD
 
 # The attention around the node (docs/spec.md section 4; `qkrope export --attention`; built in
 # export/attention.py): "primitive" = MatMul, mask bias, Softmax, MatMul, any opset the exporter
@@ -72,12 +87,16 @@ class Attribute:
     onnx_type: str  # "FLOAT" | "INT" | "STRING" (onnx.AttributeProto type names)
     default: float | int | str
     plugin_field: str | None  # TensorRT PluginFieldType the parser forwards, None if not a field
+    # Left off a node (and NodeAttributes.to_node) at its default: graphs and records written
+    # before the attribute existed stay identical, and a node without it reads as the default.
+    omitted_at_default: bool = False
 
 
 ATTRIBUTES = (
     Attribute("epsilon", "FLOAT", DEFAULT_EPS, "kFLOAT32"),
     Attribute("interleaved", "INT", int(DEFAULT_INTERLEAVED), "kINT32"),
     Attribute("rounding", "INT", DEFAULT_ROUNDING, "kINT32"),
+    Attribute("norm_scope", "INT", DEFAULT_NORM_SCOPE, "kINT32", omitted_at_default=True),
     # Read by the ONNX parser to find the plugin in the registry; not plugin fields.
     Attribute("plugin_version", "STRING", PLUGIN_VERSION, None),
     Attribute("plugin_namespace", "STRING", PLUGIN_NAMESPACE, None),
@@ -187,10 +206,25 @@ def check_rounding(value: Any, *, what: str = "rounding") -> int:
     return int(value)
 
 
+NORM_SCOPE_RULE = " or ".join(f"{m} ({NORM_SCOPE_MEANINGS[m]})" for m in NORM_SCOPES)
+
+
+def check_norm_scope(value: Any, *, what: str = "norm_scope") -> int:
+    """One of :data:`NORM_SCOPES` as an int (numpy integers accepted); a bool, a float or any
+    other value is an InputError."""
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or int(value) not in NORM_SCOPES:
+        raise InputError(f"{what} must be {NORM_SCOPE_RULE}; got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class NodeAttributes:
-    """The values one QKNormRoPE node is written with (``eps``, ``interleaved``, ``rounding``),
-    carried as one value from the user's keywords to the node, the reference and the kernel
+    """The values one QKNormRoPE node is written with (``eps``, ``interleaved``, ``rounding``,
+    ``norm_scope``), carried as one value from the user's keywords to the node, the reference
+    and the kernel
     calls, and stored once per export (the sidecar's ``node_attributes``). Checked on creation
     by the contract's rules (an :class:`~qkrope.errors.InputError` naming the value) and held
     as float / bool / int."""
@@ -198,21 +232,28 @@ class NodeAttributes:
     eps: float = DEFAULT_EPS
     interleaved: bool = DEFAULT_INTERLEAVED
     rounding: int = DEFAULT_ROUNDING
+    norm_scope: int = DEFAULT_NORM_SCOPE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eps", check_epsilon(self.eps))
         object.__setattr__(self, "interleaved", check_interleaved(self.interleaved))
         object.__setattr__(self, "rounding", check_rounding(self.rounding))
+        object.__setattr__(self, "norm_scope", check_norm_scope(self.norm_scope))
 
     def to_node(self) -> dict[str, float | int | str]:
-        """The node's attribute values (:data:`ATTRIBUTES`' names and ONNX types)."""
-        return {
+        """The node's attribute values (:data:`ATTRIBUTES`' names and ONNX types), without
+        ``norm_scope`` when it is the default (:attr:`Attribute.omitted_at_default`)."""
+        out = {
             "epsilon": float(self.eps),
             "interleaved": int(self.interleaved),
             "rounding": int(self.rounding),
+            "norm_scope": int(self.norm_scope),
             "plugin_version": PLUGIN_VERSION,
             "plugin_namespace": PLUGIN_NAMESPACE,
         }
+        return {k: v for k, v in out.items()
+                if not (ATTRIBUTE_BY_NAME[k].omitted_at_default
+                        and v == ATTRIBUTE_BY_NAME[k].default)}
 
     @classmethod
     def from_node(cls, attrs: Any) -> "NodeAttributes":
@@ -220,18 +261,40 @@ class NodeAttributes:
         contract's defaults."""
         return cls(eps=attrs.get("epsilon", DEFAULT_EPS),
                    interleaved=attrs.get("interleaved", int(DEFAULT_INTERLEAVED)),
-                   rounding=attrs.get("rounding", DEFAULT_ROUNDING))
+                   rounding=attrs.get("rounding", DEFAULT_ROUNDING),
+                   norm_scope=attrs.get("norm_scope", DEFAULT_NORM_SCOPE))
 
     def as_kwargs(self) -> dict[str, float | bool | int]:
-        """``eps=, interleaved=, rounding=``: the keywords of the public functions."""
-        return {"eps": self.eps, "interleaved": self.interleaved, "rounding": self.rounding}
+        """``eps=, interleaved=, rounding=`` (and ``norm_scope=`` when it is not the default,
+        as on the node): the keywords of the public functions."""
+        out: dict[str, float | bool | int] = {"eps": self.eps, "interleaved": self.interleaved,
+                                              "rounding": self.rounding}
+        if self.norm_scope != DEFAULT_NORM_SCOPE:
+            out["norm_scope"] = self.norm_scope
+        return out
 
 
 def node_attributes(*, eps: float = DEFAULT_EPS, interleaved: bool = DEFAULT_INTERLEAVED,
-                    rounding: int = DEFAULT_ROUNDING) -> dict[str, float | int | str]:
-    """The attribute values written on one node, validated."""
+                    rounding: int = DEFAULT_ROUNDING,
+                    norm_scope: int = DEFAULT_NORM_SCOPE) -> dict[str, float | int | str]:
+    """The attribute values written on one node, validated (``norm_scope`` left off at 0)."""
     check_epsilon(eps, what="epsilon")
-    return NodeAttributes(eps, interleaved, rounding).to_node()
+    return NodeAttributes(eps, interleaved, rounding, norm_scope).to_node()
+
+
+def attribute_names_error(names: Any) -> str | None:
+    """None when a node's attribute ``names`` are the contract's (those omitted at their
+    default may be absent), else what is wrong."""
+    names = set(names)
+    unknown = sorted(names - set(ATTRIBUTE_BY_NAME))
+    if unknown:
+        return f"has unknown attribute {unknown[0]!r}; the contract lists " \
+               f"{[a.name for a in ATTRIBUTES]}"
+    missing = [a.name for a in ATTRIBUTES if a.name not in names and not a.omitted_at_default]
+    if missing:
+        return f"has no attribute {missing[0]!r}; the contract lists " \
+               f"{[a.name for a in ATTRIBUTES]}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,6 +309,7 @@ class NodeContractError(QkropeError, ValueError):
 _VALID_VALUES = {
     "interleaved": ((0, 1), "0 or 1 (1: interleaved pairs (2j, 2j+1), 0: NeoX halves)"),
     "rounding": (ROUNDING_MODES, ROUNDING_RULE),
+    "norm_scope": (NORM_SCOPES, NORM_SCOPE_RULE),
     "plugin_version": ((PLUGIN_VERSION,), f"{PLUGIN_VERSION!r}"),
     "plugin_namespace": ((PLUGIN_NAMESPACE,), f"{PLUGIN_NAMESPACE!r}"),
 }
@@ -277,7 +341,8 @@ def validate_qknorm_rope_nodes(model: Any, *, where: str) -> int:
     its subgraphs and the model-local functions: domain ``qkrope`` (and the model imports it at
     version 1), 5 inputs and 2 outputs, no unknown attribute, and each contract attribute present
     with its ONNX type and a valid value (``epsilon`` FLOAT by :func:`epsilon_error`'s rule,
-    ``interleaved`` INT 0 or 1, ``rounding`` INT one of :data:`ROUNDING_MODES`,
+    ``interleaved`` INT 0 or 1, ``rounding`` INT one of :data:`ROUNDING_MODES`, ``norm_scope`` INT
+    one of :data:`NORM_SCOPES` where present (absent: 0),
     ``plugin_version`` STRING "1", ``plugin_namespace`` STRING "qkrope"). Raises :class:`NodeContractError` naming the node and the attribute."""
     import onnx
 
@@ -320,6 +385,8 @@ def validate_qknorm_rope_nodes(model: Any, *, where: str) -> int:
                  f"{[a.name for a in ATTRIBUTES]}")
         for spec in ATTRIBUTES:
             a = attrs.get(spec.name)
+            if a is None and spec.omitted_at_default:
+                continue  # absent: the default (graphs written before the attribute)
             if a is None:
                 fail(f"has no attribute {spec.name!r} ({spec.onnx_type}, "
                      f"{spec.default!r} by default)")

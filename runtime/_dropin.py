@@ -174,8 +174,9 @@ class Transformer(DropinComponent):
 
     # what the pipelines use of a ModelMixin -------------------------------------------------
     @contextlib.contextmanager
-    def cache_context(self, name: str):
-        """diffusers' cache hook (first-block caching, ...): nothing is cached here."""
+    def cache_context(self, name: str, **kwargs):
+        """diffusers' cache hook (first-block caching, ...; Wan's pipelines add the step's
+        ``step_index`` / ``sigma``): nothing is cached here."""
         yield
 
     def eval(self):

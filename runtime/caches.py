@@ -103,7 +103,8 @@ def _whole(value: object, what: str) -> int:
 def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
                     max_positions: int | None = None, scale_rope: bool = True,
                     what: str = "axes_dim",
-                    rotated: Sequence[str] = schemes.STREAMS) -> Setting:
+                    rotated: Sequence[str] = schemes.STREAMS,
+                    precision: str = "float32") -> Setting:
     """A :class:`~qkrope.runtime.schemes.Setting` from the caller's numbers, each checked: the
     axes positive even widths (three for the grid scheme: frame, height, width) whose sum fits
     the widest head the kernel takes, theta a finite number > 0; ``rotated`` the streams the
@@ -133,7 +134,10 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
         raise InputError(f"rotated must name streams among {list(schemes.STREAMS)}; got "
                          f"{rotated!r}")
     rotated = tuple(s for s in schemes.STREAMS if s in rotated)
-    return Setting(axes, float(theta), max_positions, scale_rope, rotated)
+    if precision not in schemes.PRECISIONS:
+        raise InputError(f"precision must be one of {list(schemes.PRECISIONS)}; got "
+                         f"{precision!r}")
+    return Setting(axes, float(theta), max_positions, scale_rope, rotated, precision)
 
 
 def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
@@ -147,10 +151,15 @@ def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         theta = record.rope_theta(cfg)
+    key = getattr(record, "max_positions_key", None)
+    max_positions = record.max_positions
+    if key and isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
+        max_positions = int(cfg[key])  # the model's own table size (e.g. rope_max_seq_len)
     try:
-        return checked_setting(record.scheme, axes, theta, max_positions=record.max_positions,
+        return checked_setting(record.scheme, axes, theta, max_positions=max_positions,
                                rotated=record.rotated,
-                               scale_rope=getattr(record, "scale_rope", True))
+                               scale_rope=getattr(record, "scale_rope", True),
+                               precision=getattr(record, "rope_precision", "float32"))
     except InputError as exc:
         raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
                          f"model with `qkrope export`") from None

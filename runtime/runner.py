@@ -192,6 +192,18 @@ def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
 # The common runner
 # --------------------------------------------------------------------------------------------
 
+def _rotates_text(io: ModelIO) -> bool:
+    """Whether the model's family rotates its text tokens (then it has a text cache input); a
+    family that only normalises them (its record's ``rotated``) has none."""
+    name = getattr(io.config, "family", None) if io.config is not None else None
+    if name is None:
+        return True
+    from qkrope import families
+
+    record = next((r for r in families.records() if r.name == name), None)
+    return record is None or "txt" in record.rotated
+
+
 class Runner:
     """Base class: argument mapping and checks; subclasses implement :meth:`_execute`."""
 
@@ -203,8 +215,9 @@ class Runner:
         self.io = io
         self.copy_outputs = copy_outputs
         self._local = threading.local()
-        missing = [r for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache")
-                   if r not in io.roles]
+        needed = ("hidden_states", "encoder_hidden_states", "img_cache") + (
+            ("txt_cache",) if _rotates_text(io) else ())
+        missing = [r for r in needed if r not in io.roles]
         if missing:
             raise RunnerError(
                 f"cannot tell which model inputs are {', '.join(missing)} (inputs: "
@@ -268,7 +281,9 @@ class Runner:
         roles = self.io.roles
         feeds: dict[str, Any] = {roles["hidden_states"]: hidden_states,
                                  roles["encoder_hidden_states"]: encoder_hidden_states,
-                                 roles["img_cache"]: caches.img, roles["txt_cache"]: caches.txt}
+                                 roles["img_cache"]: caches.img}
+        if "txt_cache" in roles:  # a model that rotates no text token has no text cache input
+            feeds[roles["txt_cache"]] = caches.txt
         if encoder_hidden_states_mask is not None:
             if "encoder_hidden_states_mask" not in roles:
                 raise RunnerInputError(

@@ -410,6 +410,8 @@ def rope_request_for(config: ModelConfig, rotary_dim: int,
         params["max_positions"] = str(setting.max_positions)
     if tuple(setting.rotated) != schemes.STREAMS:  # a stream normalised but not rotated
         params["rotated"] = ",".join(setting.rotated)
+    if setting.precision != "float32":  # the tables' precision (float64: diffusers' float64 RoPE)
+        params["precision"] = setting.precision
     return RopeRequest(scheme.triton_inputs(setting), txt_tensor, params)
 
 

@@ -130,7 +130,8 @@ class TritonPythonModel:
             float(_param(config, "theta", "")),
             int(max_positions) if max_positions else None,
             _param(config, "scale_rope", "true").lower() in ("1", "true", "yes"),
-            tuple(s for s in _param(config, "rotated", "img,txt").split(",") if s))
+            tuple(s for s in _param(config, "rotated", "img,txt").split(",") if s),
+            _param(config, "precision", "float32"))
         missing = [n for n in self.scheme.NEEDS if getattr(self.setting, n) is None]
         if missing:  # a config written for another model.py (the numbers were constants there)
             raise ValueError(f"the rope model's config.pbtxt has no {', '.join(missing)} "
@@ -148,7 +149,7 @@ class TritonPythonModel:
         self.inputs = [n for n, _, _ in self.scheme.triton_inputs(self.setting)]
         if name == "grid":  # the position tables at load, not in the first request
             self.scheme.axis_tables(self.setting.theta, self.setting.axes_dim,
-                                    self.setting.max_positions)
+                                    self.setting.max_positions, self.setting.precision)
 
     def _tensor(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)

@@ -110,6 +110,30 @@ def chroma_transformer(seed: int = 0, **overrides):
                        torch.Generator().manual_seed(seed))
 
 
+#: Wan: diffusers' own test config (tests/models/transformers/test_models_transformer_wan.py):
+#: 2 blocks x 2 heads x 12, patch (1, 2, 2), 4 channels, text 16, RoPE tables of 32 positions
+WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                  in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32,
+                  num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                  rope_max_seq_len=32)
+
+
+def wan_transformer(seed: int = 0, **overrides):
+    """The tiny Wan transformer, its RMSNorm weights random (diffusers initialises them to 1,
+    which would hide the row weight's h * D + d indexing)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**{**WAN_CONFIG, **overrides}).eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".norm_" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
 #: family name -> its tiny builder
 BUILDERS: dict[str, TinyBuilder] = {
     "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
@@ -123,6 +147,7 @@ BUILDERS: dict[str, TinyBuilder] = {
                            blocks_attr="layers"),
     "chroma": TinyBuilder("chroma", "chroma", chroma_transformer,
                           int(CHROMA_CONFIG["num_layers"])),
+    "wan": TinyBuilder("wan", "wan", wan_transformer, WAN_CONFIG["num_layers"]),
 }
 
 #: pytest parameters: one per family, in registry order

@@ -254,6 +254,10 @@ def runtime_runner(runner, *, name: str):
             for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
                       "encoder_hidden_states_mask", "timestep"))
         conditioning = {r: feeds.pop(roles[r]) for r in CONDITIONING_ROLES if r in roles}
+        if txt is None and img is not None:  # a model that rotates no text: identity rows
+            from qkrope.runtime.schemes import identity_rows
+
+            txt = torch.from_numpy(identity_rows(ehs.shape[1], img.shape[1])).to(device)
         outs = runner(hs, ehs, (img, txt), mask, timestep, extra_inputs=feeds or None,
                       conditioning=conditioning or None)
         if device.type == "cuda":

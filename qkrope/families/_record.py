@@ -88,6 +88,12 @@ class FamilyRecord:
     # (a video latent's own grid: HunyuanVideo)
     scale_rope: bool = True
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
+    # the grid scheme's numbers: centred height / width (scale_rope) and the tables' precision
+    # (qkrope.runtime.schemes.Setting.precision: "float32" or "float64")
+    scale_rope: bool = True
+    rope_precision: str = "float32"
+    # the config key that overrides max_positions (None: fixed in diffusers' code)
+    max_positions_key: str | None = None
     # the node launches of its export at its usual sizes (the kernel report and kernel tests)
     launches: tuple[Launch, ...] = ()
 

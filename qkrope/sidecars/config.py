@@ -185,7 +185,7 @@ def _node_attributes(f: _Fields, config: ModelConfig) -> NodeAttributes | None:
         return None
     fixed = {k: v for k, v in NodeAttributes().to_node().items()
              if k not in ("epsilon", "interleaved", "rounding")}  # the plugin's identity
-    known = set(NodeAttributes().to_node())
+    known = set(NodeAttributes().to_node()) | {"norm_scope"}  # left off the default's at 0
     for key, value in raw.items():
         if key not in known:
             f.fail(f"field 'node_attributes' has {key!r}, which the QKNormRoPE node does not "

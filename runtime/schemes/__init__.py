@@ -19,7 +19,7 @@ module here, added to :data:`SCHEMES`.
 from __future__ import annotations
 
 from . import grid, ids, table
-from ._common import (BIT_EXACT, STREAMS, BadPositions, BadRequest,  # noqa: F401
+from ._common import (BIT_EXACT, PRECISIONS, STREAMS, BadPositions, BadRequest,  # noqa: F401
                       CacheBudget, PositionOverflow, Setting, TooLarge, identity_rows)
 
 #: Every scheme by name.

@@ -28,6 +28,8 @@ FP32 = 4
 
 #: The two token streams of a cache pair, image first.
 STREAMS = ("img", "txt")
+#: The table precisions a Setting may name.
+PRECISIONS = ("float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class Setting:
     #: The streams the model rotates; a stream that is normalised but not rotated gets identity
     #: rows (cos 1, sin 0: the fused node's rotation leaves its values exactly as they are).
     rotated: tuple = STREAMS
+    #: How the grid scheme's tables are computed: "float32" (float32 angles, the C library's
+    #: cosf / sinf: torch.polar over float32 frequencies) or "float64" (float64 frequencies,
+    #: angles, cos and sin, then rounded to float32: diffusers' get_1d_rotary_pos_embed with
+    #: freqs_dtype=float64).
+    precision: str = "float32"
 
     @property
     def width(self) -> int:

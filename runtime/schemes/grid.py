@@ -185,16 +185,32 @@ def inverse_frequencies(theta: float, dim: int) -> np.ndarray:
     return np.float32(1.0) / power
 
 
+def _cos_sin64(magnitudes: np.ndarray, theta: float, dim: int) -> tuple:
+    """float32 cos and sin of the float64 angles ``m / theta ** (2i / dim)``, as diffusers'
+    ``get_1d_rotary_pos_embed(..., freqs_dtype=torch.float64)`` computes them (float64
+    frequencies, outer product, cos / sin, then ``.float()``)."""
+    exponents = np.arange(0, dim, 2, dtype=np.float64)[: dim // 2] / np.float64(dim)
+    freqs = 1.0 / (np.float64(theta) ** exponents)
+    angles = np.outer(magnitudes.astype(np.float64), freqs)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=8)
-def axis_tables(theta: float, axes_dim: tuple, max_positions: int) -> tuple:
+def axis_tables(theta: float, axes_dim: tuple, max_positions: int,
+                precision: str = "float32") -> tuple:
     """Per axis, ``(cos, sin)`` float32 ``[max_positions + 1, dim / 2]`` of the angles
     ``m * inv_freq`` for m = 0..max_positions (read-only). Position p >= 0 is row p; position -m
-    is ``(cos[m], -sin[m])`` (float32 negation of an angle is exact and cosf/sinf are even/odd)."""
+    is ``(cos[m], -sin[m])`` (float32 negation of an angle is exact and cosf/sinf are even/odd).
+    ``precision`` "float64": the angles, cos and sin in float64, rounded once
+    (:class:`~._common.Setting`)."""
     out = []
     magnitudes = np.arange(int(max_positions) + 1, dtype=np.int64).astype(np.float32)
     for dim in axes_dim:
-        angles = np.outer(magnitudes, inverse_frequencies(theta, dim))  # float32 products
-        cos, sin = _cos_sin(angles)
+        if precision == "float64":
+            cos, sin = _cos_sin64(magnitudes, theta, dim)
+        else:
+            angles = np.outer(magnitudes, inverse_frequencies(theta, dim))  # float32 products
+            cos, sin = _cos_sin(angles)
         cos.flags.writeable = False
         sin.flags.writeable = False
         out.append((cos, sin))
@@ -254,8 +270,8 @@ def check(pos: Positions, setting: Setting) -> None:
                 f"(frames, height, width in latent patches) but the position tables hold "
                 f"{limit} positions per axis and direction. Fix: use fewer frames or "
                 f"a smaller image.", stream="image", required=needed, available=limit)
-    if "txt" not in setting.rotated:  # text normalised, not rotated: identity rows, no table
-        return
+    if "txt" not in setting.rotated:
+        return  # the text gets identity rows: no position of it is read from the tables
     offset = text_offset(pos.shapes, scale_rope)
     # Text token j sits at position offset + j; the table ends at max_positions, so the text
     # stream has max_positions - offset rows. The three numbers mean what sglang's guard reports.
@@ -281,7 +297,7 @@ def build(pos: Positions, setting: Setting) -> tuple:
     check(pos, setting)
     shapes, txt_len, scale_rope = pos.shapes, pos.txt_len, setting.scale_rope
     tables = axis_tables(float(setting.theta), tuple(int(d) for d in setting.axes_dim),
-                         int(setting.max_positions))
+                         int(setting.max_positions), setting.precision)
     img_cos, img_sin = [], []
     for k, (f, h, w) in enumerate(shapes):
         axes_pos = [np.arange(k, k + f, dtype=np.int64),

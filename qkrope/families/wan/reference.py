@@ -1,0 +1,34 @@
+"""Wan's reference hook (runtime layer): the keyword arguments of diffusers'
+``WanTransformer3DModel.forward`` for the graph inputs (the packed patches unpacked to the 5-D
+latent of the sample's grid; the model computes its RoPE from that latent, in float64)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+
+def forward_kwargs(info, by_role: Mapping[str, Any],
+                   img_shapes: Sequence[Sequence[int]]) -> dict:
+    """diffusers' forward arguments for the graph inputs ``by_role``: the latent whose patches
+    ``hidden_states`` packs (one grid, ``img_shapes[0]``), the text and the timestep. Its
+    output is the 5-D latent; :func:`qkrope.families.wan.dropin.pack`'s inverse order
+    (:func:`graph_output`) gives the graph's packed form."""
+    cfg = info.config.diffusers_config
+    patch = tuple(int(p) for p in cfg["patch_size"])
+    (f, h, w), = [tuple(int(v) for v in s) for s in img_shapes[:1]]
+    packed = by_role["hidden_states"]
+    b, c = packed.shape[0], int(cfg["in_channels"])
+    pt, ph, pw = patch
+    latent = packed.reshape(b, f, h, w, c, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    latent = latent.reshape(b, c, f * pt, h * ph, w * pw)
+    return dict(hidden_states=latent, timestep=by_role["timestep"],
+                encoder_hidden_states=by_role["encoder_hidden_states"], return_dict=False)
+
+
+def graph_output(info, sample, img_shapes=None):
+    """diffusers' 5-D prediction in the graph's packed form ([B, N, pt * ph * pw * C])."""
+    cfg = info.config.diffusers_config
+    pt, ph, pw = (int(p) for p in cfg["patch_size"])
+    b, c, frames, height, width = sample.shape
+    x = sample.reshape(b, c, frames // pt, pt, height // ph, ph, width // pw, pw)
+    return x.permute(0, 2, 4, 6, 3, 5, 7, 1).reshape(b, -1, pt * ph * pw * c)

@@ -1,0 +1,489 @@
+"""Wan 2.1 / 2.2 (qkrope/families/wan) on diffusers' tiny test config (tests/_families.py):
+the caches are WanRotaryPosEmbed's float64 tables bit for bit; the patched model is bit-exact
+with diffusers' own forward in fp32, bf16 and fp16 (the row-scope node with rounding 2 is Wan's
+eager order); the export has one row-scope node per block and Wan's inputs; ONNX Runtime runs it
+at untraced shapes through the drop-in; WanPipeline runs end to end on it, with Wan 2.2's two
+experts and its boundary switch; the refusals are one line each."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+from _families import BUILDERS, WAN_CONFIG, wan_transformer  # noqa: E402
+from qkrope import contract  # noqa: E402
+from qkrope.errors import InputError  # noqa: E402
+from qkrope.families.wan import WAN, wan_axes  # noqa: E402
+from qkrope.families.wan.dropin import pack, unpack  # noqa: E402
+
+PATCH = tuple(WAN_CONFIG["patch_size"])
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("wan")
+
+
+@pytest.fixture(scope="module")
+def exported(root):
+    """The tiny model (seed 0) exported in fp32 at a traced grid of (2, 4, 6) patches, 7 text
+    tokens, batch 2; and a second expert (seed 1) for Wan 2.2's transformer_2."""
+    from qkrope.export.onnx_export import export_transformer
+
+    out = {}
+    for seed in (0, 1):
+        folder = root / f"wan-{seed}"
+        wan_transformer(seed).save_pretrained(str(folder))
+        path = root / f"wan-{seed}.onnx"
+        export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                           progress=False)
+        out[seed] = (folder, path)
+    return out
+
+
+def _stock(folder, dtype=torch.float32):
+    return diffusers.WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=dtype).eval()
+
+
+def _setting(max_positions=WAN_CONFIG["rope_max_seq_len"], head_dim=12):
+    from qkrope.runtime.caches import checked_setting
+
+    return checked_setting(WAN.scheme, wan_axes(head_dim), WAN.theta,
+                           max_positions=max_positions, scale_rope=False, rotated=WAN.rotated,
+                           precision=WAN.rope_precision)
+
+
+# --------------------------------------------------------------------------------------------
+# The caches
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim,max_positions,grid", [
+    (12, 32, (32, 5, 7)),       # the tiny model: every frame position its tables hold
+    (128, 1024, (21, 45, 80)),  # Wan 14B at 720p, 81 frames: 75,600 tokens
+    (128, 1024, (2, 3, 1024)),  # the last table row
+])
+def test_caches_are_wans_float64_rope_bit_for_bit(head_dim, max_positions, grid):
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    from qkrope.runtime.caches import build_rope_caches
+
+    rope = WanRotaryPosEmbed(head_dim, PATCH, max_positions)
+    assert (rope.t_dim, rope.h_dim, rope.w_dim) == wan_axes(head_dim)
+    f, h, w = grid
+    cos, sin = rope(torch.zeros(1, 1, f, h * PATCH[1], w * PATCH[2]))
+    want = torch.cat([cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]], -1)
+    caches = build_rope_caches(WAN.scheme, {"img_shapes": [grid], "txt_seq_len": 5},
+                               _setting(max_positions, head_dim))
+    assert torch.equal(caches.img, want)
+    # the text is not rotated: identity rows (cos 1, sin 0)
+    assert torch.equal(caches.txt[:, :head_dim // 2], torch.ones(5, head_dim // 2))
+    assert not caches.txt[:, head_dim // 2:].any()
+
+
+def test_a_grid_past_the_tables_is_refused_in_one_line():
+    from qkrope.runtime.caches import RopeCacheOverflowError, build_rope_caches
+
+    with pytest.raises(RopeCacheOverflowError,
+                       match=r"image 0 has shape \(33, 2, 2\).*32 positions") as e:
+        build_rope_caches(WAN.scheme, {"img_shapes": [(33, 2, 2)], "txt_seq_len": 4},
+                          _setting())
+    assert "\n" not in str(e.value)
+
+
+def test_caches_for_reads_the_setting_from_the_sidecar(exported):
+    from qkrope.runtime.caches import build_rope_caches, caches_for
+
+    _, path = exported[0]
+    got = caches_for(path, [(3, 4, 5)], 9)
+    want = build_rope_caches(WAN.scheme, {"img_shapes": [(3, 4, 5)], "txt_seq_len": 9},
+                             _setting())
+    assert torch.equal(got.img, want.img)
+
+
+# --------------------------------------------------------------------------------------------
+# The patched model against diffusers' own forward
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_patched_model_is_bit_exact_with_diffusers(root, dtype):
+    """The cache-input wrapper (fused row-scope node, rounding 2; attn2 as diffusers) on the
+    packed patches gives diffusers' bits, loaded as a pipeline loads it (the fp32 modules kept
+    in fp32), in every dtype: rounding 2 on the row is Wan's eager order (spec 3.2)."""
+    from qkrope.families.wan.export import WanCacheInputTransformer
+    from qkrope.runtime.caches import build_rope_caches
+
+    folder = root / "bitexact"
+    if not folder.exists():
+        wan_transformer(0).save_pretrained(str(folder))
+    stock = _stock(folder, dtype)
+    ours = WanCacheInputTransformer(_stock(folder, dtype)).eval()
+    g = torch.Generator().manual_seed(3)
+    grid = (3, 4, 5)
+    latent = torch.randn(2, 4, 3, 8, 10, generator=g).to(dtype)
+    text = torch.randn(2, 9, 16, generator=g).to(dtype)
+    t = torch.tensor([700.0, 31.5])
+    caches = build_rope_caches(WAN.scheme, {"img_shapes": [grid], "txt_seq_len": 9}, _setting())
+    with torch.no_grad():
+        want = stock(latent, t, text, return_dict=False)[0]
+        got = unpack(ours(pack(latent, PATCH), text, t, caches.img), grid, PATCH)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# The export
+# --------------------------------------------------------------------------------------------
+
+def test_graph(exported):
+    import onnx
+    from onnx import numpy_helper
+
+    from qkrope.export.onnx_function import FunctionVariant, function_variant
+    from qkrope.sidecars import ModelInfo
+
+    folder, path = exported[0]
+    model = onnx.load(str(path))
+    nodes = [n for n in model.graph.node if n.op_type == contract.OP_TYPE]
+    assert len(nodes) == WAN_CONFIG["num_layers"]  # attn1 of each block; attn2 unfused
+    for n in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert (attrs["norm_scope"], attrs["rounding"], attrs["interleaved"]) == (
+            contract.NORM_SCOPE_ROW, contract.ROUNDING_FLUX, 1)
+        assert attrs["epsilon"] == pytest.approx(1e-6)
+    assert function_variant(model) == FunctionVariant(True, 2, False, contract.NORM_SCOPE_ROW)
+    assert contract.validate_qknorm_rope_nodes(model, where=str(path)) == len(nodes)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in model.graph.input}
+    width = WAN_CONFIG["in_channels"] * int(np.prod(PATCH))
+    assert dims == {"hidden_states": ["batch", "img_tokens", width],
+                    "encoder_hidden_states": ["batch", "txt_tokens", 16],
+                    "timestep": ["batch"], "img_cos_sin_cache": ["img_cache_rows", 12]}
+    assert [i.type.tensor_type.elem_type for i in model.graph.input if i.name == "timestep"] \
+        == [onnx.TensorProto.FLOAT]
+    for value in list(model.graph.value_info) + list(model.graph.input):
+        assert value.type.tensor_type.elem_type != onnx.TensorProto.DOUBLE, value.name
+    info = ModelInfo.load(path)
+    assert info.config.family == "wan" and info.config.axes_dims_rope == list(wan_axes(12))
+    assert info.node_attributes == contract.NodeAttributes(1e-6, True, 2,
+                                                           contract.NORM_SCOPE_ROW)
+    side = json.loads(path.with_name(path.name + ".json").read_text())
+    assert side["node_attributes"]["norm_scope"] == 1
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    state = _stock(folder).state_dict()
+    assert info.config.parameters_not_in_graph == []
+    for key, tensor in state.items():
+        np.testing.assert_array_equal(inits[key], tensor.numpy(), err_msg=key)
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def _call(seed, grid, batch, txt):
+    g = torch.Generator().manual_seed(seed)
+    f, h, w = grid
+    latent = torch.randn(batch, 4, f * PATCH[0], h * PATCH[1], w * PATCH[2], generator=g)
+    return latent, torch.randn(batch, txt, 16, generator=g), torch.rand(batch, generator=g) * 999
+
+
+def _stock_ort_error(stock, latent, t, text, ref64) -> float:
+    """The error against float64 of diffusers' own model exported by torch.onnx (its RoPE in
+    the graph, float64) and run by ONNX Runtime at this call's shape: the rounding ONNX
+    Runtime's kernels add to this function."""
+    import warnings
+
+    import onnxruntime as ort
+
+    class Stock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = stock
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states):
+            return self.model(hidden_states, timestep, encoder_hidden_states,
+                              return_dict=False)[0]
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        path = f"{d}/stock.onnx"
+        torch.onnx.export(Stock(), (latent, t, text), dynamo=True, verbose=False,
+                          input_names=["hidden_states", "timestep", "encoder_hidden_states"]
+                          ).save(path)
+        out = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(
+            None, {"hidden_states": latent.numpy(), "timestep": t.numpy(),
+                   "encoder_hidden_states": text.numpy()})[0]
+    return float(np.abs(out - ref64.numpy()).max())
+
+
+def test_ort_dropin_at_untraced_shapes(exported):
+    """The drop-in (ONNX Runtime) at a grid, batch and text length the export never traced,
+    against diffusers' forward in float64: <= 2 x the error of diffusers' own model exported by
+    torch.onnx and run by ONNX Runtime at this shape. Both graphs are the same fp32 arithmetic
+    but for the norm + RoPE step (the node's body vs torch's decomposition, the same function
+    bit for bit in fp32 eager: test above), so their errors are ONNX Runtime's kernels'
+    rounding of one function; the factor 2 leaves the body at most as much rounding again as
+    the whole graph has."""
+    from qkrope.runtime import load_transformer
+
+    folder, path = exported[0]
+    dropin = load_transformer(path)
+    stock = _stock(folder)
+    latent, text, t = _call(5, (3, 5, 3), 3, 11)
+    with torch.no_grad():
+        ref32 = stock(latent, t, text, return_dict=False)[0]
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               return_dict=False)[0]
+    stock.float()
+    out = dropin(hidden_states=latent, timestep=t, encoder_hidden_states=text,
+                 return_dict=False)[0]
+    assert out.shape == ref32.shape == (3, 4, 3, 10, 6) and out.dtype == torch.float32
+    stock_err = _stock_ort_error(stock, latent, t, text, ref64)
+    ours = float((out.double() - ref64).abs().max())
+    assert 0 < stock_err and ours <= 2 * stock_err, (ours, stock_err)
+    # return_dict: diffusers' output type
+    assert torch.equal(dropin(latent, t, text).sample, out)
+
+
+# --------------------------------------------------------------------------------------------
+# The pipelines
+# --------------------------------------------------------------------------------------------
+
+def _pipeline(transformer, transformer_2=None, cls=None):
+    cls = cls or diffusers.WanPipeline
+    pipe = cls(tokenizer=None, text_encoder=None, vae=None,
+               scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+               transformer=transformer, transformer_2=transformer_2,
+               boundary_ratio=0.5 if transformer_2 is not None else None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _counted(module, calls, name):
+    forward = module.forward
+
+    def wrapped(*a, **k):
+        calls.append(name)
+        return forward(*a, **k)
+
+    module.forward = wrapped
+    return module
+
+
+STEPS, GUIDANCE = 4, 3.0
+
+
+def _run(pipe, frames=9, height=48, width=32):
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(2, 11, 16, generator=g)
+    negative = torch.randn(2, 11, 16, generator=g)
+    return pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, height=height,
+                width=width, num_frames=frames, num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE, output_type="latent",
+                generator=torch.Generator().manual_seed(1)).frames
+
+
+def _pipeline_bound(per_call: float) -> float:
+    """Euler steps x += dsigma * v with CFG v = u + g (c - u): a per-call difference d moves v
+    by <= (1 + 2g) d and x by |dsigma| (1 + 2g) d; over the steps sum |dsigma| <= 1; the
+    model's own response to the moved x (its Lipschitz factor) gets a factor 2."""
+    return 2 * (1 + 2 * GUIDANCE) * per_call
+
+
+def _per_call(folder, path) -> float:
+    """What one call may differ by on a call of the pipeline's size: torch's fp32 error vs
+    float64 plus the drop-in's (<= 2 x ONNX Runtime's own on diffusers' export:
+    test_ort_dropin_at_untraced_shapes), bounded here by the stock ORT export measured."""
+    stock = _stock(folder)
+    latent, text, t = _call(7, (3, 3, 2), 2, 11)
+    with torch.no_grad():
+        ref32 = stock(latent, t, text, return_dict=False)[0]
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               return_dict=False)[0]
+    stock.float()
+    e32 = float((ref32.double() - ref64).abs().max())
+    return e32 + 2 * _stock_ort_error(stock, latent, t, text, ref64)
+
+
+def test_wan_pipeline_end_to_end(exported):
+    """WanPipeline (true CFG, a 9-frame 48x32 video: a grid of (3, 3, 2) patches, untraced)
+    on the export against the same pipeline on diffusers' model."""
+    from qkrope.runtime import load_transformer
+
+    folder, path = exported[0]
+    want = _run(_pipeline(_stock(folder)))
+    calls = []
+    got = _run(_pipeline(_counted(load_transformer(path), calls, "t1")))
+    assert len(calls) == 2 * STEPS  # conditional and unconditional, every step
+    assert got.shape == want.shape == (2, 4, 3, 6, 4)
+    assert float((got - want).abs().max()) <= _pipeline_bound(_per_call(folder, path))
+
+
+def test_wan22_two_experts_and_the_boundary_switch(exported):
+    """Wan 2.2 A14B: transformer (high noise) and transformer_2 (low noise) are two exports;
+    the pipeline's boundary_ratio switch calls each on its steps, as with diffusers' models."""
+    from qkrope.runtime import load_transformer
+
+    (f0, p0), (f1, p1) = exported[0], exported[1]
+    stock_calls, calls = [], []
+    want = _run(_pipeline(_counted(_stock(f0), stock_calls, "high"),
+                          _counted(_stock(f1), stock_calls, "low")))
+    got = _run(_pipeline(_counted(load_transformer(p0), calls, "high"),
+                         _counted(load_transformer(p1), calls, "low")))
+    assert calls == stock_calls and {"high", "low"} == set(calls)
+    bound = _pipeline_bound(max(_per_call(f0, p0), _per_call(f1, p1)))
+    assert float((got - want).abs().max()) <= bound
+
+
+def test_video_to_video_pipeline(exported):
+    """WanVideoToVideoPipeline: the input video's latents (VAE-free here: passed as latents)
+    denoised on the export at an untraced grid."""
+    from qkrope.runtime import load_transformer
+
+    folder, path = exported[0]
+    g = torch.Generator().manual_seed(2)
+    latents = torch.randn(1, 4, 2, 8, 6, generator=g)
+    embeds = torch.randn(1, 11, 16, generator=g)
+
+    def run(transformer):
+        pipe = diffusers.WanVideoToVideoPipeline(
+            tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+        pipe.set_progress_bar_config(disable=True)
+        pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial = 4, 8
+        return pipe(latents=latents.clone(), prompt_embeds=embeds, guidance_scale=1.0,
+                    num_inference_steps=STEPS, strength=0.6, height=64, width=48,
+                    output_type="latent").frames
+
+    try:
+        want = run(_stock(folder))
+    except Exception as exc:  # noqa: BLE001 - the VAE-free call is not one diffusers supports
+        pytest.skip(f"WanVideoToVideoPipeline needs its VAE in this diffusers "
+                    f"({type(exc).__name__}: {str(exc)[:80]})")
+    got = run(load_transformer(path))
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= _pipeline_bound(_per_call(folder, path))
+
+
+def test_wan22_image_to_video_pipeline(root):
+    """WanImageToVideoPipeline with a Wan 2.2 I2V-A14B-shaped model (the image's VAE latent and
+    the first-frame mask enter as latent channels: in_channels 16 + 4 + 16 = 36), diffusers'
+    tiny AutoencoderKLWan built in code, true CFG, a 5-frame 32x48 video (grid (2, 2, 3),
+    untraced), on the export against the same pipeline on diffusers' model."""
+    import PIL.Image
+
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.runtime import load_transformer
+
+    folder, path = root / "wan-i2v", root / "wan-i2v.onnx"
+    wan_transformer(0, in_channels=36, out_channels=16).save_pretrained(str(folder))
+    export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                       progress=False)
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
+                                     num_res_blocks=1,
+                                     temperal_downsample=[False, True, True]).eval()
+    image = PIL.Image.fromarray(
+        (np.random.RandomState(0).rand(32, 48, 3) * 255).astype("uint8"))
+
+    def run(transformer):
+        pipe = diffusers.WanImageToVideoPipeline(
+            tokenizer=None, text_encoder=None, vae=vae, image_processor=None, image_encoder=None,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        g = torch.Generator().manual_seed(0)
+        embeds, negative = torch.randn(1, 11, 16, generator=g), torch.randn(1, 11, 16, generator=g)
+        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
+                    height=32, width=48, num_frames=5, num_inference_steps=STEPS,
+                    guidance_scale=GUIDANCE, output_type="latent",
+                    generator=torch.Generator().manual_seed(1)).frames
+
+    want = run(_stock(folder))
+    got = run(load_transformer(path))
+    assert got.shape == want.shape == (1, 16, 2, 4, 6)
+    stock = _stock(folder)
+    g = torch.Generator().manual_seed(9)
+    latent, text, t = (torch.randn(1, 36, 2, 4, 6, generator=g),
+                       torch.randn(1, 11, 16, generator=g), torch.tensor([500.0]))
+    with torch.no_grad():
+        ref32 = stock(latent, t, text, return_dict=False)[0]
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               return_dict=False)[0]
+    stock.float()
+    per_call = float((ref32.double() - ref64).abs().max()) + 2 * _stock_ort_error(
+        stock, latent, t, text, ref64)
+    assert float((got - want).abs().max()) <= _pipeline_bound(per_call)
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(encoder_hidden_states_image=torch.zeros(1, 257, 8)), "CLIP image branch"),
+    (dict(attention_kwargs={"scale": 0.5}), "attention_kwargs"),
+    (dict(timestep=torch.tensor([[500.0] * 12 + [0.0] * 12])), "expand_timesteps"),
+    (dict(hidden_states=torch.zeros(1, 4, 2, 5, 4)), "height axis .5. is not a whole number"),
+    (dict(hidden_states=torch.zeros(1, 24, 16)), "must be a 5-D tensor"),
+    (dict(img_ids=torch.zeros(3, 3)), "received img_ids"),
+])
+def test_dropin_refusals_are_one_line(exported, kwargs, match):
+    from qkrope.runtime import load_transformer
+
+    dropin = load_transformer(exported[0][1])
+    call = dict(hidden_states=torch.zeros(1, 4, 2, 4, 6), timestep=torch.tensor([500.0]),
+                encoder_hidden_states=torch.zeros(1, 5, 16), return_dict=False)
+    call.update(kwargs)
+    with pytest.raises(InputError, match=match) as e:
+        dropin(**call)
+    assert "\n" not in str(e.value)
+
+
+def test_uniform_per_token_timesteps_are_one_per_sample(exported):
+    """TI2V-5B's text-to-video passes [batch, tokens] equal timesteps: the same as [batch]."""
+    from qkrope.runtime import load_transformer
+
+    dropin = load_transformer(exported[0][1])
+    latent, text, _ = _call(3, (2, 2, 3), 1, 5)
+    one = dropin(latent, torch.tensor([321.0]), text, return_dict=False)[0]
+    per_token = dropin(latent, torch.full((1, 12), 321.0), text, return_dict=False)[0]
+    assert torch.equal(one, per_token)
+
+
+def test_export_refusals(tmp_path):
+    """Wan 2.1 I2V's CLIP branch (image_dim) and a derivative class (VACE): one line each,
+    before any work."""
+    from qkrope.export.onnx_export import export_transformer
+
+    folder = tmp_path / "i2v"
+    wan_transformer(0, image_dim=8, added_kv_proj_dim=24).save_pretrained(str(folder))
+    with pytest.raises(InputError, match="Wan 2.1 I2V / FLF2V model .image_dim 8") as e:
+        export_transformer(tmp_path / "x.onnx", folder, progress=False)
+    assert "\n" not in str(e.value)
+    vace = tmp_path / "vace"
+    vace.mkdir()
+    (vace / "config.json").write_text(json.dumps({"_class_name": "WanVACETransformer3DModel"}))
+    with pytest.raises(InputError, match="WanVACETransformer3DModel.*WanTransformer3DModel "
+                                         r"\(Wan 2.1 / 2.2") as e:
+        export_transformer(tmp_path / "y.onnx", vace, progress=False)
+    assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "y.onnx").exists()
+
+
+def test_the_builder_is_registered():
+    assert BUILDERS["wan"].record is WAN and WAN.blocks is False
+
+
+def test_qkrope_check(exported, tmp_path, capsys):
+    """``qkrope check`` on a Wan export: diffusers' forward on the 5-D latent of the grid, its
+    output in the graph's packed layout (reference.graph_output), ONNX Runtime's run within
+    check's tolerance."""
+    from qkrope.cli import main
+
+    _, path = exported[0]
+    rc = main(["check", str(path), "--img-shape", "3", "4", "5", "--txt-len", "9",
+               "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "WanTransformer3DModel.forward" in out and "PASSED" in out, out
