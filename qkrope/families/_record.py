@@ -12,8 +12,9 @@ from typing import Any
 from qkrope.model_io import GUIDANCE, ModelDecl
 
 #: The position schemes (qkrope.runtime.schemes): "grid" builds the RoPE caches from image grid
-#: shapes and a text length, "ids" from per-token position ids.
-SCHEMES = ("grid", "ids")
+#: shapes and a text length, "ids" from per-token position ids, "patch-grid" from the token grid
+#: of one latent the model patchifies (float32 angles, the text not rotated).
+SCHEMES = ("grid", "ids", "patch-grid")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
 #: width], patchified by the model (qkrope.runtime.latents).
@@ -50,6 +51,7 @@ class FamilyRecord:
     rotated: tuple[str, ...] = ("img", "txt")
     latent: str = "packed-tokens"  # LATENT_KINDS
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
+    axes_key: str = "axes_dims_rope"  # the config key of its RoPE axes widths
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -2,7 +2,7 @@
 (numpy and the standard library only; ``qkrope triton-repo`` copies this package beside the
 Triton rope model, which imports it by path).
 
-Each scheme module (:mod:`.grid`, :mod:`.ids`) says:
+Each scheme module (:mod:`.grid`, :mod:`.ids`, :mod:`.patch_grid`) says:
 
 - ``FIELDS``: the request fields it takes in place of the caches (``POSITION_FIELDS``: those
   whose tensors hold position values);
@@ -18,12 +18,12 @@ module here, added to :data:`SCHEMES`.
 
 from __future__ import annotations
 
-from . import grid, ids
+from . import grid, ids, patch_grid
 from ._common import (BIT_EXACT, STREAMS, BadPositions, BadRequest,  # noqa: F401
                       CacheBudget, PositionOverflow, Setting, TooLarge, identity_rows)
 
 #: Every scheme by name.
-SCHEMES = {m.NAME: m for m in (grid, ids)}
+SCHEMES = {m.NAME: m for m in (grid, ids, patch_grid)}
 
 
 def scheme(name: str):
