@@ -153,9 +153,12 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
             return {k: v.float().numpy()
                     for k, v in zip(info.output_names, (img, txt))}
         record = _family(info)
-        kwargs = families.hooks(record, "reference").forward_kwargs(info, r, img_shapes)
+        reference = families.hooks(record, "reference")
+        kwargs = reference.forward_kwargs(info, r, img_shapes)
         if not record.blocks:  # loaded whole: diffusers' own class for the folder
             sample = _reference_transformer(info, diffusers_dir)(**kwargs)[0]
+            if hasattr(reference, "graph_output"):  # a latent the graph takes as tokens
+                sample = reference.graph_output(info, sample, img_shapes)
             if stats is not None:
                 stats.update(class_name=record.class_name,
                              folder=str(_reference_folder(info, diffusers_dir)))
