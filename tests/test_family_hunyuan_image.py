@@ -1,0 +1,211 @@
+"""HunyuanImage-2.1 (qkrope/families/hunyuan_image) on diffusers' own test config
+(tests/_families.py): the fused wrapper against the stock forward (fp32, bf16, fp16), the
+patch-grid caches against diffusers' RoPE, the export on ONNX Runtime at untraced shapes, the
+pipeline end to end on the export through the drop-in, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+pytest.importorskip("onnxruntime", reason="requires onnxruntime")
+
+import torch  # noqa: E402
+
+from _families import BUILDERS  # noqa: E402
+from qkrope.errors import InputError  # noqa: E402
+from qkrope.runtime.caches import build_rope_caches, checked_setting  # noqa: E402
+from qkrope.runtime.latents import pack_patches, unpack_patches  # noqa: E402
+
+BUILDER = BUILDERS["hunyuan-image"]
+RECORD = BUILDER.record
+
+
+def _inputs(dtype, b=2, h=5, w=7, s=9):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(b, 4, h, w, generator=g).to(dtype)
+    ehs = torch.randn(b, s, 32, generator=g).to(dtype)
+    mask = torch.ones(b, s, dtype=torch.int64)
+    mask[-1, s - 3:] = 0  # the last item's last tokens are padding
+    ts = torch.tensor([300.0, 700.0][:b]).to(dtype)
+    return x, ehs, mask, ts
+
+
+def _setting():
+    return checked_setting("patch-grid", RECORD.axes[:0] + (4, 4), 256.0, rotated=("img",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_fused_wrapper_is_bit_exact_with_the_stock_forward(dtype):
+    """The cache-input wrapper (every attention through qk_norm_rope with the family's rounding,
+    ROUNDING_DIFFUSERS) fed diffusers' own RoPE values equals the stock forward bit for bit in
+    each dtype: the node's mode 1 is diffusers' RMSNorm order and its fp32 rotation, and the
+    text's identity rows leave the normalised text exactly as it is."""
+    from qkrope.families.hunyuan_image.export import cache_input_hunyuan_image
+
+    model = BUILDER.build(0).to(dtype)
+    x, ehs, mask, ts = _inputs(dtype)
+    with torch.no_grad():
+        ref = model(x, ts, ehs, mask, return_dict=False)[0]
+        cos, sin = model.rope(x)  # diffusers' own float32 values, repeated per pair
+        stock = torch.cat([cos[:, ::2], sin[:, ::2]], 1)
+        wrapper = cache_input_hunyuan_image(copy.deepcopy(model), RECORD)
+        tokens, grid = pack_patches(x, (1, 1))
+        txt = build_rope_caches("patch-grid", {"img_shapes": [(1, 5, 7)], "txt_seq_len": 9},
+                                _setting()).txt
+        out = unpack_patches(wrapper(tokens, ehs, mask.bool(), ts, stock, txt), grid, (1, 1))
+    assert out.dtype == dtype and torch.equal(out, ref)
+
+
+def test_patch_grid_caches_against_diffusers_rope():
+    """The numpy caches: frequencies and float32 angles bit-equal to diffusers'; cos/sin by the
+    C library's cosf/sinf, which differ from torch's vectorised float32 cos/sin by at most one
+    float32 ulp (the bound: both are within one ulp of the exact value, libm's within half).
+    The text rows are identity rows (cos 1, sin 0)."""
+    from diffusers.models.transformers.transformer_hunyuanimage import HunyuanImageRotaryPosEmbed
+
+    for axes, (h, w) in (((4, 4), (5, 7)), ((64, 64), (64, 48))):
+        setting = checked_setting("patch-grid", axes, 256.0, rotated=("img",))
+        caches = build_rope_caches("patch-grid", {"img_shapes": [(1, h, w)], "txt_seq_len": 3},
+                                   setting)
+        cos, sin = HunyuanImageRotaryPosEmbed((1, 1), list(axes), 256.0)(
+            torch.zeros(1, 1, h, w))
+        stock = torch.cat([cos[:, ::2], sin[:, ::2]], 1).numpy()
+        ours = caches.img.numpy()
+        assert ours.shape == stock.shape
+        ulp = np.spacing(np.abs(stock).astype(np.float32))
+        assert (np.abs(ours - stock) <= ulp).all()
+        assert np.array_equal(caches.txt.numpy()[:, :sum(axes) // 2], np.ones((3, sum(axes) // 2)))
+        assert not caches.txt.numpy()[:, sum(axes) // 2:].any()
+
+
+def test_pack_patches_is_the_convolution_layout():
+    conv = torch.nn.Conv2d(3, 5, 2, 2)
+    x = torch.randn(2, 3, 4, 6)
+    tokens, grid = pack_patches(x, (2, 2))
+    assert grid == (2, 3) and tuple(tokens.shape) == (2, 6, 12)
+    assert torch.equal(unpack_patches(tokens, grid, (2, 2)), x)
+    ref = conv(x).flatten(2).transpose(1, 2)
+    # one float32 GEMM against the convolution: sums of 12 products, a few ulps of their scale
+    assert torch.allclose(tokens @ conv.weight.reshape(5, -1).T + conv.bias, ref, atol=1e-5)
+    with pytest.raises(InputError, match="whole number"):
+        pack_patches(torch.randn(1, 3, 5, 6), (2, 2))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from qkrope.cli import main
+
+    root = tmp_path_factory.mktemp("hyimage")
+    out = root / "hunyuan-image.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(BUILDER.saved(root)),
+                 "--out", str(out)]) == 0
+    return root, out
+
+
+def test_export_has_the_fused_nodes_and_no_double(exported):
+    import onnx
+
+    _, out = exported
+    model = onnx.load(str(out))
+    nodes = [n for n in model.graph.node if n.op_type == "QKNormRoPE"]
+    assert len(nodes) == 3  # 2 for the double-stream block, 1 for the single-stream one
+    names = [i.name for i in model.graph.input]
+    assert names == ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                     "timestep", "img_cos_sin_cache", "txt_cos_sin_cache"]
+
+
+@pytest.mark.parametrize("b,h,w,s", [(1, 3, 4, 5), (3, 6, 5, 11)])
+def test_dropin_on_onnxruntime_at_untraced_shapes(exported, b, h, w, s):
+    """The drop-in (ONNX Runtime) against the stock fp32 forward at shapes other than the traced
+    (batch 2, 8x8, 16 text tokens). Bound: 1e-4 (the caches' last-bit cos/sin and ORT's op
+    order through 2 blocks, measured ~5e-5 at t=100) plus what the timestep embedding adds: its
+    sin/cos arguments t * freq carry float32 spacing up to t * 2^-23, where ORT's and torch's
+    Sin/Cos may differ, amplified by the embedding MLP and AdaLN (measured 4.5e-7 * t, i.e.
+    gain ~4; the bound allows 16)."""
+    from qkrope.runtime import load_transformer
+
+    root, out = exported
+    model = BUILDER.build(0)
+    t = load_transformer(out)
+    x, ehs, mask, ts = _inputs(torch.float32, b, h, w, s)
+    if b == 3:
+        ts = torch.tensor([100.0, 500.0, 900.0])
+    with torch.no_grad():
+        ref = model(x, ts, ehs, mask, return_dict=False)[0]
+    got = t(hidden_states=x, timestep=ts, encoder_hidden_states=ehs,
+            encoder_attention_mask=mask, return_dict=False)[0]
+    assert got.shape == ref.shape
+    bound = 1e-4 + 16 * float(ts.max()) * 2.0 ** -23
+    assert (got - ref).abs().max().item() < bound
+
+
+def test_pipeline_end_to_end_on_the_export(exported):
+    """HunyuanImagePipeline with the tiny transformer, prompt embeddings given (no text encoders
+    downloaded), byT5 zeros as the pipeline makes them for a prompt without quoted text, latent
+    output: the export through the drop-in against the stock transformer."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline
+
+    from qkrope.runtime import load_transformer
+
+    _, out = exported
+    g = torch.Generator().manual_seed(5)
+    embeds = torch.randn(1, 6, 32, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    call = dict(prompt_embeds=embeds, prompt_embeds_mask=mask,
+                prompt_embeds_2=torch.zeros(1, 4, 32),
+                prompt_embeds_mask_2=torch.zeros(1, 4, dtype=torch.int64), height=160, width=96,
+                num_inference_steps=2, output_type="latent")
+    results = []
+    for transformer in (BUILDER.build(0), load_transformer(out)):
+        pipe = HunyuanImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                                    text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                    tokenizer_2=None, transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        results.append(pipe(generator=torch.Generator().manual_seed(0), **call).images)
+    assert results[0].shape == results[1].shape == (1, 4, 5, 3)
+    # the two steps' timesteps are 1000 and 500: the bound of the test above at t = 1000
+    assert (results[0] - results[1]).abs().max().item() < 1e-4 + 16 * 1000 * 2.0 ** -23
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(timestep_r=torch.tensor([0.5, 0.5])), "timestep_r"),
+    (dict(encoder_hidden_states_2=torch.zeros(2, 4, 32),
+          encoder_attention_mask_2=torch.ones(2, 4, dtype=torch.int64)), "byT5 glyph"),
+    (dict(attention_kwargs={"scale": 0.5}), "attention_kwargs"),
+    (dict(encoder_attention_mask=None), "needs encoder_attention_mask"),
+    (dict(hidden_states=torch.zeros(2, 20, 4)), "4-D tensor"),
+    (dict(txt_ids=torch.zeros(3, 3)), "received txt_ids"),
+])
+def test_refusals(exported, bad, match):
+    from qkrope.runtime import load_transformer
+
+    t = load_transformer(exported[1])
+    x, ehs, mask, ts = _inputs(torch.float32)
+    call = dict(hidden_states=x, timestep=ts, encoder_hidden_states=ehs,
+                encoder_attention_mask=mask)
+    call.update(bad)
+    with pytest.raises(InputError, match=match) as e:
+        t(**call)
+    assert "\n" not in str(e.value)
+
+
+def test_meanflow_model_is_refused_at_export(tmp_path):
+    import json
+
+    from qkrope.cli import main
+
+    folder = BUILDER.saved(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["use_meanflow"] = True
+    bad = tmp_path / "meanflow"
+    bad.mkdir()
+    for f in folder.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["export", "--model", "transformer", "--diffusers", str(bad),
+                 "--out", str(tmp_path / "m.onnx")]) != 0
