@@ -209,3 +209,109 @@ def test_meanflow_model_is_refused_at_export(tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     assert main(["export", "--model", "transformer", "--diffusers", str(bad),
                  "--out", str(tmp_path / "m.onnx")]) != 0
+
+
+# --------------------------------------------------------------------------------------------
+# The tools: qkrope check, the data loader, qkrope build (fake TensorRT), qkrope triton-repo
+# --------------------------------------------------------------------------------------------
+
+def test_check_against_diffusers_forward_and_its_one_image(exported, tmp_path, capsys):
+    """`qkrope check`: ONNX Runtime vs diffusers' own forward (the latent unpacked from the
+    tokens, diffusers' sample packed back: reference.graph_output), by default on one image;
+    other weights fail (exit 1); two images are refused in one line (exit 2)."""
+    import io
+
+    from qkrope.apps.check import check_model
+    from qkrope.cli import main
+
+    root, out = exported
+    buf = io.StringIO()
+    passed, rows = check_model(out, workdir=tmp_path / "a", out=buf)
+    assert passed, buf.getvalue()
+    assert [(r.runner, r.output) for r in rows] == [("onnxrt", "sample")] and rows[0].max_abs > 0
+    other = tmp_path / "other"
+    BUILDER.build(1).save_pretrained(str(other))
+    assert main(["check", str(out), "--diffusers", str(other), "--workdir",
+                 str(tmp_path / "b")]) == 1
+    capsys.readouterr()
+    assert main(["check", str(out), "--img-shape", "1", "6", "5", "--img-shape", "1", "4", "4",
+                 "--workdir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "one token grid" in err
+
+
+def test_data_loader_feeds_the_patch_grid_caches(exported, monkeypatch):
+    from qkrope.apps import polygraphy_data_loader as dl
+
+    _, out = exported
+    monkeypatch.setenv("QKROPE_MODEL", str(out))
+    monkeypatch.setenv("QKROPE_IMG_SHAPES", "1x6x5")
+    monkeypatch.setenv("QKROPE_TXT_LEN", "7")
+    monkeypatch.setenv("QKROPE_BATCH", "3")
+    feeds = next(dl.load_data())
+    assert feeds["hidden_states"].shape == (3, 30, 4)
+    assert feeds["encoder_hidden_states_mask"].shape == (3, 7)
+    want = build_rope_caches("patch-grid", {"img_shapes": [(1, 6, 5)], "txt_seq_len": 7},
+                             _setting())
+    assert np.array_equal(feeds["img_cos_sin_cache"], want.img.numpy())
+    assert np.array_equal(feeds["txt_cos_sin_cache"], want.txt.numpy())
+
+
+def test_fake_build_has_one_plugin_layer_per_node(exported, tmp_path, monkeypatch, capsys):
+    """Profiles per preset at 32 pixels per token (a 32x VAE, 1x1 patches), no position limit
+    on the text, one QKNormRoPE plugin layer per node (2 + 1)."""
+    import sys
+
+    import fake_tensorrt as ft
+    from _tiny_model import parse_tiny
+
+    from qkrope.cli import main
+    from qkrope.runtime import loader_tensorrt as lt
+    from qkrope.runtime.onnx_file import count_plugin_nodes
+    from qkrope.sidecars import EngineInfo
+
+    _, out = exported
+    nodes = list(count_plugin_nodes(out))
+    assert len(nodes) == 3
+    trt, state = ft.make_fake_trt(parse=parse_tiny)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(lt.ctypes, "CDLL", lambda p, mode=0: state.loaded.append(("dlopen", p)))
+    lib = tmp_path / "libqkrope_plugin.so"
+    lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
+    engine = tmp_path / "hy.engine"
+    rc = main(["build", str(out), "-o", str(engine), "--plugin", str(lib), "--resolutions",
+               "1024x1024,2048x2048", "--txt-tokens", "1:1000", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert [layer[1] for layer in state.network.layers] == nodes
+    for p, n in zip(state.profiles, (1024, 4096)):  # (1024 / 32)^2, (2048 / 32)^2 tokens
+        assert p["hidden_states"] == ((1, 1, 4), (2, n, 4), (2, n, 4))
+        assert p["txt_cos_sin_cache"] == ((1, 8), (1000, 8), (1000, 8))
+    assert EngineInfo.load(engine).config.family == "hunyuan-image"
+
+
+def test_triton_repo_rope_model_gives_the_checked_caches(exported, tmp_path, monkeypatch,
+                                                         capsys):
+    """The ensemble over the ONNX export: clients send img_shapes (the latent's token grid) in
+    place of the caches; the rope model's caches equal make_inputs' bit for bit."""
+    pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
+    from _triton_helpers import Tensor, load_rope_model
+
+    from qkrope.cli import main
+    from qkrope.runtime.inputs import make_inputs
+    from qkrope.sidecars import ModelInfo
+
+    _, out = exported
+    repo = tmp_path / "repo"
+    assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(out), "-o",
+                 str(repo), "--name", "hy"]) == 0
+    capsys.readouterr()
+    feeds = make_inputs(ModelInfo.load(out), [(1, 6, 5)], 7, 2)
+    model, pb = load_rope_model(repo / "hy_rope", monkeypatch)
+    resp = model.execute([pb.InferenceRequest([
+        Tensor("img_shapes", np.array([[1, 6, 5]], np.int64)),
+        Tensor("hidden_states", feeds["hidden_states"]),
+        Tensor("encoder_hidden_states_mask", feeds["encoder_hidden_states_mask"])])])[0]
+    assert resp.error is None
+    for name in ("img_cos_sin_cache", "txt_cos_sin_cache"):
+        assert np.array_equal(pb.get_output_tensor_by_name(resp, name).as_numpy(), feeds[name])

@@ -40,6 +40,8 @@ FIELDS = ("img_shapes", "txt_seq_len")
 POSITION_FIELDS: tuple = ()
 TEXT_LENGTH_FIELD = "txt_seq_len"
 NEEDS: tuple = ()
+#: The images a request holds: the latent's one grid (no condition images).
+IMAGES = 1
 
 
 class Positions(NamedTuple):
@@ -92,8 +94,10 @@ def describe(pos: Positions) -> str:
 
 
 def sample_request(img_shapes, txt_len: int) -> dict:
-    """The request of a sample of these sizes (the first grid: the latent)."""
-    return {"img_shapes": [tuple(int(v) for v in img_shapes[0])], "txt_seq_len": int(txt_len)}
+    """The request of a sample of these sizes (one grid: the latent's; more are refused by
+    :func:`positions`)."""
+    return {"img_shapes": [tuple(int(v) for v in s) for s in img_shapes],
+            "txt_seq_len": int(txt_len)}
 
 
 def check(pos: Positions, setting: Setting) -> None:
