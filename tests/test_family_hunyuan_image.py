@@ -315,3 +315,61 @@ def test_triton_repo_rope_model_gives_the_checked_caches(exported, tmp_path, mon
     assert resp.error is None
     for name in ("img_cos_sin_cache", "txt_cos_sin_cache"):
         assert np.array_equal(pb.get_output_tensor_by_name(resp, name).as_numpy(), feeds[name])
+
+
+# --------------------------------------------------------------------------------------------
+# The refiner: the same class with a 3-D patch, three RoPE axes and a 5-D latent
+# --------------------------------------------------------------------------------------------
+
+def _refiner(seed: int = 0):
+    """diffusers' test sizes with the refiner's layout: a (1, 1, 1) patch, RoPE axes over
+    (frame, row, column) summing to the head, twice the latent channels in (the noisy and the
+    condition latents), guidance embeddings (the refiner is guidance-distilled), no byT5."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanImageTransformer2DModel(
+        in_channels=8, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1, 1),
+        guidance_embeds=True, text_embed_dim=32, rope_axes_dim=(2, 2, 4))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def test_refiner_pipeline_end_to_end_on_the_export(tmp_path):
+    """HunyuanImageRefinerPipeline (latent image in, prompt embeddings given, latent out) on the
+    export of a refiner-shaped model: the drop-in packs its [B, C, 1, H, W] latent; within the
+    bound of the ORT test above at t = 1000. A guidance-distilled export without guidance is
+    refused in one line."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanImageRefinerPipeline
+
+    from qkrope.cli import main
+    from qkrope.runtime import load_transformer
+
+    folder, out = tmp_path / "refiner", tmp_path / "refiner.onnx"
+    _refiner().save_pretrained(str(folder))
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--out",
+                 str(out)]) == 0
+    g = torch.Generator().manual_seed(5)
+    call = dict(prompt_embeds=torch.randn(1, 6, 32, generator=g),
+                prompt_embeds_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]),
+                image=torch.randn(1, 4, 1, 4, 3, generator=g), height=64, width=48,
+                num_inference_steps=2, distilled_guidance_scale=3.25, output_type="latent")
+    results = []
+    for transformer in (_refiner(), load_transformer(out)):
+        pipe = HunyuanImageRefinerPipeline(scheduler=FlowMatchEulerDiscreteScheduler(),
+                                           vae=None, text_encoder=None, tokenizer=None,
+                                           transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        results.append(pipe(generator=torch.Generator().manual_seed(0), **call).images)
+    assert results[0].shape == results[1].shape == (1, 4, 1, 4, 3)
+    assert (results[0] - results[1]).abs().max().item() < 1e-4 + 16 * 1000 * 2.0 ** -23
+    t = load_transformer(out)
+    with pytest.raises(InputError, match="needs guidance") as e:
+        t(hidden_states=torch.zeros(1, 8, 1, 4, 3), timestep=torch.tensor([500.0]),
+          encoder_hidden_states=torch.zeros(1, 6, 32),
+          encoder_attention_mask=torch.ones(1, 6, dtype=torch.int64))
+    assert "\n" not in str(e.value)
