@@ -373,3 +373,29 @@ def test_refiner_pipeline_end_to_end_on_the_export(tmp_path):
           encoder_hidden_states=torch.zeros(1, 6, 32),
           encoder_attention_mask=torch.ones(1, 6, dtype=torch.int64))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_exports(dtype, tmp_path):
+    """fp16 and bf16 exports pass onnx's checks (bf16: ONNX's Conv has no bfloat16 before
+    opset 22, so the patch embedding convolves in float32 in the graph) with their 3 fused
+    nodes; the fp16 export passes `qkrope check` against diffusers' fp16 forward (ONNX
+    Runtime's CPU provider has no bf16 MatMul: a bf16 check needs a GPU)."""
+    import io
+
+    import onnx
+
+    from qkrope.apps.check import check_model
+    from qkrope.cli import main
+
+    out = tmp_path / f"m_{dtype}.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(BUILDER.saved(tmp_path)),
+                 "--dtype", dtype, "--out", str(out)]) == 0
+    graph = onnx.load(str(out)).graph
+    assert sum(n.op_type == "QKNormRoPE" for n in graph.node) == 3
+    conv = [n for n in graph.node if n.op_type == "Conv"]
+    assert len(conv) == 1
+    if dtype == "fp16":
+        buf = io.StringIO()
+        passed, _ = check_model(out, workdir=tmp_path / "w", out=buf)
+        assert passed, buf.getvalue()

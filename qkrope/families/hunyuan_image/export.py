@@ -166,6 +166,14 @@ class HunyuanImageCacheInputTransformer(nn.Module):
         else:
             x = x.permute(0, 2, 3, 4, 1, 5)  # [B, C, pt, ph, N, pw]
         x = x.reshape(*x.shape[:-2], n * self.patch[-1])
+        proj = self.transformer.x_embedder.proj
+        if x.dtype == torch.bfloat16 and torch.onnx.is_in_onnx_export():
+            # ONNX's Conv takes no bfloat16 before opset 22: the exported graph convolves in
+            # float32 (bf16 values are exact there; one rounding to bf16 at the end, as torch's
+            # bf16 convolution accumulates in float32), the weights staying bf16 initializers
+            conv = F.conv2d if len(self.patch) == 2 else F.conv3d
+            out = conv(x.float(), proj.weight.float(), proj.bias.float(), stride=proj.stride)
+            return out.flatten(2).transpose(1, 2).to(x.dtype)
         return self.transformer.x_embedder(x)
 
     def run(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
