@@ -34,8 +34,8 @@ DEFAULTS = {"dtype": None, "layers": None, "opset": None, "rounding": None,
 
 
 def default_out(diffusers_dir: str | os.PathLike, dtype: str) -> Path:
-    """``<family>_transformer_<dtype>.onnx`` in the working folder (the family qwen_image,
-    flux1 or flux2, from config.json)."""
+    """``<family>_transformer_<dtype>.onnx`` in the working folder (the family's folder name,
+    from config.json: :mod:`qkrope.families`)."""
     from qkrope.export.patch_diffusers import folder_family
 
     prefix = folder_family(str(diffusers_dir)).name.replace("-", "_")
@@ -67,10 +67,10 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
                        quant: str | None = DEFAULTS["quant"],
                        variant: str | None = DEFAULTS["variant"],
                        progress: bool = True) -> ExportResult:
-    """Export the saved diffusers transformer in ``diffusers_dir`` (Qwen-Image, FLUX.1 or
-    FLUX.2; nothing is downloaded) to ONNX with QKNormRoPE nodes, as ``qkrope export --model
-    transformer --diffusers DIR`` does, streamed (the weights are read from the shards one
-    tensor at a time).
+    """Export the saved diffusers transformer in ``diffusers_dir`` (any family of
+    :mod:`qkrope.families`; nothing is downloaded) to ONNX with QKNormRoPE nodes, as ``qkrope
+    export --model transformer --diffusers DIR`` does, streamed (the weights are read from the
+    shards one tensor at a time).
 
     - ``out``: the .onnx to write (default ``<family>_transformer_<dtype>.onnx`` in the working
       folder); its external data (``.onnx.data``, over 1.5 GiB of weights) and sidecar
@@ -78,8 +78,8 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
     - ``dtype``: ``"fp32"``, ``"fp16"`` or ``"bf16"``; None: the checkpoint's
       (:func:`checkpoint_dtype`). The choice and its reason are printed (with ``progress``) and
       returned.
-    - ``layers``: keep the first N blocks (Qwen-Image); ``opset``, ``attention``
-      (``"primitive"`` or ``"onnx23"``), ``rounding`` (0, 1, 2; None: the family's),
+    - ``layers``: keep the first N blocks (families whose record has ``blocks``); ``opset``,
+      ``attention`` (``"primitive"`` or ``"onnx23"``), ``rounding`` (0, 1, 2; None: the family's),
       ``img_shapes`` (``[(F, H, W), ...]`` in latent patches), ``txt_len`` and ``batch``: the
       trace's sample; ``quant="fp8"``: a folder quantised by ``qkrope quantize``; ``variant``:
       diffusers' weights variant (``"fp16"``).

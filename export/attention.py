@@ -17,7 +17,7 @@ from torch import nn
 
 from qkrope.errors import InputError
 from qkrope import contract
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from .ops import qk_norm_rope
 
 
@@ -48,8 +48,8 @@ class QwenImageAttention(nn.Module):
             (metadata only, no device synchronisation).
     """
 
-    def __init__(self, dim: int = QWEN_IMAGE.dim, heads: int = QWEN_IMAGE.heads,
-                 head_dim: int = QWEN_IMAGE.head_dim, *,
+    def __init__(self, dim: int = ATTENTION_BLOCK.dim, heads: int = ATTENTION_BLOCK.heads,
+                 head_dim: int = ATTENTION_BLOCK.head_dim, *,
                  eps: float = contract.DEFAULT_EPS,
                  interleaved: bool = contract.DEFAULT_INTERLEAVED,
                  rounding: int = contract.DEFAULT_ROUNDING,

@@ -1,4 +1,4 @@
-"""FP8 quantisation of a diffusers Qwen-Image transformer with NVIDIA ModelOpt, and its ONNX form.
+"""FP8 quantisation of a diffusers transformer with NVIDIA ModelOpt, and its ONNX form.
 
 Workflow (README, section FP8):
 
@@ -18,8 +18,8 @@ Workflow (README, section FP8):
    weights and inputs, max calibration, on the layers :func:`fp8_config` selects (TensorRT's
    diffusion demo selection: every ``nn.Linear`` except the embedders ``img_in``/``txt_in``/
    ``time_text_embed`` (the demo's ``x_embedder``/``context_embedder``/``time_text_embed``),
-   ``norm_out`` and ``proj_out``; FLUX.1's and FLUX.2's equivalents by their names:
-   :func:`qkrope.quantization.default_excluded`). QDIR is a diffusers folder: ``save_pretrained`` (weights plus
+   ``norm_out`` and ``proj_out``; each family's equivalents by their names, its record's
+   ``fp8_excluded``: :func:`qkrope.quantization.default_excluded`). QDIR is a diffusers folder: ``save_pretrained`` (weights plus
    the quantizers' ``_amax`` buffers) and ModelOpt's ``modelopt_state.pth``
    (``mto.modelopt_state``), the layout ModelOpt's own Hugging Face checkpointing writes.
 

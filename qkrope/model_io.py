@@ -1,6 +1,6 @@
 """The I/O of the models ``qkrope export`` writes, told once: the tensor names, what each one
-is to the runner (its role), the named axes of each dimension, the Qwen-Image shape record
-(heads x head_dim, RoPE axes, theta); the model families a transformer export takes are in
+is to the runner (its role), the named axes of each dimension, the attention block's shape
+record (heads x head_dim, RoPE axes, theta); the model families a transformer export takes are in
 :mod:`qkrope.families`. The exporter names its graph from here, writes each
 tensor's role into the sidecar (:class:`qkrope.sidecars.TensorInfo`), and the runtime reads the
 roles back; :func:`assign_roles` guesses them only for a model that has no sidecar.
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 
 # --------------------------------------------------------------------------------------------
-# The Qwen-Image shape record
+# The attention block's shape record
 # --------------------------------------------------------------------------------------------
 
 
@@ -42,11 +42,13 @@ class ModelShape:
         return sum(self.axes_dims_rope)
 
 
-#: Qwen-Image (diffusers' QwenImageTransformer2DModel and its QwenEmbedRope). The Triton rope
-#: model's numpy module (runtime/rope_tables.py) keeps its own copy of the RoPE numbers, since it
-#: runs inside a server without qkrope; a test keeps that copy equal to this one.
-QWEN_IMAGE = ModelShape(heads=24, head_dim=128, axes_dims_rope=(16, 56, 56), theta=10000,
-                        max_positions=4096)
+#: The joint attention block ``qkrope export --model attention`` exports by default, and its
+#: RoPE setting (the "grid" scheme): Qwen-Image's (diffusers' QwenImageTransformer2DModel and its
+#: QwenEmbedRope; the qwen_image family record takes its RoPE numbers from here).
+ATTENTION_BLOCK = ModelShape(heads=24, head_dim=128, axes_dims_rope=(16, 56, 56), theta=10000,
+                             max_positions=4096)
+#: Its first name (kept for callers).
+QWEN_IMAGE = ATTENTION_BLOCK
 
 # --------------------------------------------------------------------------------------------
 # Axes and roles
@@ -146,34 +148,6 @@ MODELS = {m.kind: m for m in (ATTENTION, TRANSFORMER)}
 TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK,
                                TIMESTEP, POOLED_PROJECTIONS, GUIDANCE, IMG_COS_SIN_CACHE,
                                TXT_COS_SIN_CACHE, IMG_OUT, TXT_OUT, SAMPLE)}
-
-# The model families moved to qkrope.families (one folder each, a record per diffusers class).
-# These names stay for modules not yet switched to the registry; the registry is imported by
-# name (importlib) because its records import this module.
-_FAMILY_ALIASES = {"ModelFamily": ("qkrope.families._record", "FamilyRecord"),
-                   "QWEN_IMAGE_FAMILY": ("qkrope.families.qwen_image", "QWEN_IMAGE_RECORD"),
-                   "FLUX1": ("qkrope.families.flux", "FLUX1"),
-                   "FLUX2": ("qkrope.families.flux", "FLUX2"),
-                   "FLUX1_TRANSFORMER": ("qkrope.families.flux", "FLUX1_TRANSFORMER"),
-                   "FLUX2_TRANSFORMER": ("qkrope.families.flux", "FLUX2_TRANSFORMER")}
-
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _FAMILY_ALIASES:
-        module, attr = _FAMILY_ALIASES[name]
-        return getattr(importlib.import_module(module), attr)
-    registry = importlib.import_module("qkrope.families") if name in (
-        "FAMILIES", "FAMILY_NAMES", "family_of") else None
-    if name == "FAMILIES":  # every family by its diffusers class name
-        return {r.class_name: r for r in registry.records()}
-    if name == "FAMILY_NAMES":  # ... and by the name the sidecar records
-        return {r.name: r for r in registry.records()}
-    if name == "family_of":
-        return registry.family_of
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

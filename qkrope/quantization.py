@@ -57,9 +57,6 @@ def __getattr__(name: str):
         return {r.class_name: r.fp8_excluded for r in families.records()}
     if name == "DEFAULT_EXCLUDED":  # the default of the export API's exclude: the first family's
         return families.default().fp8_excluded
-    old = {"FLUX1_EXCLUDED": "flux1", "FLUX2_EXCLUDED": "flux2"}
-    if name in old:
-        return families.by_name(old[name]).fp8_excluded
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Largest finite float8 e4m3fn value: the amax of a tensor maps to it (scale = amax / 448).

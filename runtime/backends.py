@@ -3,8 +3,8 @@
     runner = qkrope.runtime.load("attn.engine")            # or "attn.onnx" (ONNX Runtime)
     img_out, txt_out = runner(hidden_states, encoder_hidden_states,
                               image_rotary_emb=(img_cache, txt_cache))
-    img_out, txt_out = runner.run_qwen(hidden_states, encoder_hidden_states,
-                                       img_shapes=[(1, 64, 64)])
+    img_out, txt_out = runner.run_positions(hidden_states, encoder_hidden_states,
+                                            img_shapes=[(1, 64, 64)])
 
 Every call is checked **before** anything executes (:class:`qkrope.runtime.runner.Runner`: the
 RoPE caches, then every input's dtype, rank, dimensions, device and contiguity); failures raise

@@ -143,14 +143,14 @@ def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
     cannot be used is refused with the fix (re-export)."""
     cfg = getattr(config, "diffusers_config", None)
     cfg = cfg if isinstance(cfg, Mapping) else {}
-    axes = (getattr(config, "axes_dims_rope", None) or cfg.get(getattr(record, "axes_key", "")
-            or "axes_dims_rope") or record.axes)
+    axes = getattr(config, "axes_dims_rope", None) or cfg.get("axes_dims_rope") or record.axes
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         theta = record.rope_theta(cfg)
     try:
         return checked_setting(record.scheme, axes, theta, max_positions=record.max_positions,
-                               rotated=record.rotated)
+                               rotated=record.rotated,
+                               scale_rope=getattr(record, "scale_rope", True))
     except InputError as exc:
         raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
                          f"model with `qkrope export`") from None

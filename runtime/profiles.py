@@ -275,8 +275,6 @@ def reconcile_cache_rows(profile: Profile, inputs: Sequence[TensorInfo]) -> Prof
 # Resolution presets: one profile per preset
 # --------------------------------------------------------------------------------------------
 
-# Qwen-Image, FLUX.1 and FLUX.2: 8x VAE downsampling, then 2x2 latent patches -> one image token
-# per 16x16 pixels.
 def _default_record():
     from qkrope import families
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -35,7 +35,8 @@ from .caches import validate_cos_sin_caches
 #: shapes, so that a true-CFG pipeline alternating two text lengths reuses both, while calls with
 #: ever new shapes (a pipeline over many image sizes) hold a bounded amount of memory.
 BUFFERS_PER_NAME = 2
-#: The optional inputs a call passes by role in ``conditioning`` (FLUX's; qkrope.model_io).
+#: The optional inputs a call passes by role in ``conditioning`` (the family graph's that has
+#: them; qkrope.model_io).
 CONDITIONING_ROLES = ("pooled_projections", "guidance")
 
 
@@ -255,9 +256,9 @@ class Runner:
                 full_check: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Validate everything and return ``(feeds by model input name, axis values)``.
 
-        ``conditioning``: the inputs of :data:`CONDITIONING_ROLES` by role (FLUX's
-        ``pooled_projections`` and ``guidance``); each one the model has must be given, and
-        none it lacks."""
+        ``conditioning``: the inputs of :data:`CONDITIONING_ROLES` by role
+        (``pooled_projections`` and ``guidance``, where the family's graph has them); each one
+        the model has must be given, and none it lacks."""
         check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask)
         device = hidden_states.device
         caches = validate_cos_sin_caches(
@@ -378,15 +379,6 @@ class Runner:
                 f"batch's latent (img_shapes: the latent patch grid (frames, height/2/8..., "
                 f"width...) so that sum(f*h*w) = tokens; ids: one row per token)")
         return self(hidden_states, encoder_hidden_states, caches, mask, timestep, **call)
-
-    def run_qwen(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
-                 img_shapes: Sequence[Sequence[int]], txt_len: int | None = None,
-                 mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None, **kw):
-        """:meth:`run_positions` of a grid-scheme model, under its first name (kept for
-        callers): ``img_shapes`` (latent patches, e.g. ``[(1, 64, 64)]``) and ``txt_len``."""
-        return self.run_positions(hidden_states, encoder_hidden_states, mask=mask,
-                                  timestep=timestep, img_shapes=img_shapes,
-                                  txt_seq_len=txt_len, **kw)
 
     # backend hooks
     def _check_device(self, device: torch.device) -> None:

@@ -430,8 +430,8 @@ def triton_transformer(url: str, model: str, *, protocol: str = "grpc", model_ve
                        headers: Mapping[str, str] | None = None,
                        timeout_s: float = DEFAULT_TIMEOUT_S):
     """A drop-in for ``pipe.transformer`` whose every call runs on a Triton server (the
-    Qwen-Image or FLUX drop-in of :func:`qkrope.runtime.load_transformer`, by the served
-    model's family, over a :class:`TritonRunner`; the arguments are its)."""
+    family's drop-in of :func:`qkrope.runtime.load_transformer`, by the served model's
+    family, over a :class:`TritonRunner`; the arguments are its)."""
     from .transformer import transformer_for_runner
 
     if device is not None:

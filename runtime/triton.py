@@ -295,7 +295,7 @@ class RepoResult:
     models: list[Path] | None = None  # every model directory written (main, rope, ensemble)
     # how the engine (or the ONNX model and its data) went in: "hard-linked" or "copied"
     transfer: str = "copied"
-    # what the ensemble's clients send in place of the caches (img_shapes, or FLUX's ids)
+    # what the ensemble's clients send in place of the caches (the scheme's: img_shapes, or ids)
     rope_inputs: list[str] | None = None
 
 
@@ -520,7 +520,7 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
 def render_ensemble_config(name: str, main_name: str, rope_name: str, main: Specs,
                            request: RopeRequest | None = None) -> str:
     """The ensemble: client inputs (the main model's minus the caches, plus what the rope model
-    takes: ``img_shapes``, or FLUX's ``txt_ids`` / ``img_ids``) -> the rope model -> the main
+    takes: the scheme's ``img_shapes``, or ``txt_ids`` / ``img_ids``) -> the rope model -> the main
     model -> its outputs (``sample``)."""
     request = request or RopeRequest([("img_shapes", "TYPE_INT64", [-1, 3])], TXT_TENSOR, {})
     inputs = [t for t in main["input"] if t[0] not in CACHE_INPUTS]

@@ -3,7 +3,8 @@
 family gets its export, check and FP8 tests by adding its builder here (and its record in
 qkrope/families/).
 
-Sizes: FLUX.1 / FLUX.2 are diffusers' own test configs (tests/_flux_models.py); Qwen-Image is
+Sizes: FLUX.1 / FLUX.2 and HunyuanVideo-1.5 / HunyuanVideo are diffusers' own test configs
+(tests/_flux_models.py, tests/_hunyuan_video_models.py); Qwen-Image is
 the project's tiny pipeline transformer (qkrope.apps.tiny_pipeline: 2 blocks x 2 heads x 32,
 RoPE axes (8, 12, 12), the sizes its export and pipeline tests were tuned on). Each builder's
 model is random with weights of a non-trivial scale (diffusers' init zeroes some layers).
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
 import _flux_models as fm  # noqa: E402
+import _hunyuan_video_models as hvm  # noqa: E402
 
 from qkrope import families  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
@@ -83,6 +85,8 @@ BUILDERS: dict[str, TinyBuilder] = {
                               int(tp.TRANSFORMER_CONFIG["num_layers"])),
     "flux1": _flux("flux1-schnell"),
     "flux2": _flux("flux2-klein"),
+    **{v: TinyBuilder(v, v, (lambda seed, v=v: hvm.transformer(v, seed)),
+                      int(hvm.VARIANTS[v][1]["num_layers"])) for v in hvm.VARIANTS},
     "hunyuan-image": TinyBuilder("hunyuan-image", "hunyuan-image", _hunyuan_image, 1),
 }
 

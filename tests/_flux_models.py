@@ -12,7 +12,8 @@ import torch
 
 import diffusers
 
-from qkrope import model_io
+from qkrope import families
+from qkrope.families._record import FamilyRecord
 
 _FLUX1 = dict(patch_size=1, in_channels=4, attention_head_dim=16, num_attention_heads=2,
               joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
@@ -23,17 +24,19 @@ _FLUX2 = dict(patch_size=1, in_channels=4, attention_head_dim=16, num_attention_
 #: which test_flux_export.py's test_ort_at_untraced_shapes measures and asserts to be below it
 #: (on the 2-core EPYC: 6.8e-5 of max|output| for FLUX.1, 1.4e-4 for FLUX.2, ours within 1e-6
 #: of the stock's), rounded up to 5e-4.
+#: The FLUX.1 and FLUX.2 records (the registry's).
+FLUX1, FLUX2 = families.by_name("flux1"), families.by_name("flux2")
 FLUX_TRANSFORMER_PARITY = 5e-4
 
 #: variant -> (family, diffusers class, config)
 VARIANTS = {
-    "flux1-dev": (model_io.FLUX1, diffusers.FluxTransformer2DModel,
+    "flux1-dev": (FLUX1, diffusers.FluxTransformer2DModel,
                   dict(_FLUX1, num_layers=2, num_single_layers=2, guidance_embeds=True)),
-    "flux1-schnell": (model_io.FLUX1, diffusers.FluxTransformer2DModel,
+    "flux1-schnell": (FLUX1, diffusers.FluxTransformer2DModel,
                       dict(_FLUX1, num_layers=1, num_single_layers=1, guidance_embeds=False)),
-    "flux2-dev": (model_io.FLUX2, diffusers.Flux2Transformer2DModel,
+    "flux2-dev": (FLUX2, diffusers.Flux2Transformer2DModel,
                   dict(_FLUX2, num_layers=1, num_single_layers=1, guidance_embeds=True)),
-    "flux2-klein": (model_io.FLUX2, diffusers.Flux2Transformer2DModel,
+    "flux2-klein": (FLUX2, diffusers.Flux2Transformer2DModel,
                     dict(_FLUX2, num_layers=1, num_single_layers=1, guidance_embeds=False)),
 }
 
@@ -80,13 +83,13 @@ def exported(variant: str, root: Path) -> Path:
     return _EXPORTED[key]
 
 
-def vae(family: model_io.ModelFamily):
+def vae(family: FamilyRecord):
     """diffusers' pipeline-test VAE sizes: one level (vae_scale_factor 1), 1 latent channel,
     so that 2x2 packing gives the transformer's 4 input channels."""
     torch.manual_seed(0)  # diffusers initialises from the global generator
     common = dict(block_out_channels=(4,), layers_per_block=1, latent_channels=1,
                   norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
-    if family is model_io.FLUX1:
+    if family is FLUX1:
         return diffusers.AutoencoderKL(sample_size=32, in_channels=3, out_channels=3,
                                        shift_factor=0.0609, scaling_factor=1.5035,
                                        **common).eval()
@@ -94,7 +97,7 @@ def vae(family: model_io.ModelFamily):
                                         up_block_types=("UpDecoderBlock2D",), **common).eval()
 
 
-def ids(family: model_io.ModelFamily, img_shapes, txt_len: int):
+def ids(family: FamilyRecord, img_shapes, txt_len: int):
     """Position ids as the FLUX pipelines make them (the exporter's sample ids)."""
     from qkrope.families.flux.export import sample_ids
 

@@ -25,7 +25,6 @@ pytest.importorskip("transformers", reason="diffusers' Qwen-Image and FLUX pipel
 import _flux_models as fm  # noqa: E402
 
 import qkrope.runtime  # noqa: E402
-from qkrope import model_io  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.cli import main  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
@@ -71,7 +70,7 @@ class Case:
         self.onnx = fm.exported(kind, root)
         g = torch.Generator().manual_seed(1)
         self.call = dict(prompt_embeds=torch.randn(1, 6, 32, generator=g), height=16, width=16)
-        if family is model_io.FLUX1:
+        if family is fm.FLUX1:
             self.cls = diffusers.FluxPipeline
             self.absent = dict(text_encoder=None, tokenizer=None, text_encoder_2=None,
                                tokenizer_2=None)

@@ -1,5 +1,6 @@
 """``qkrope export`` on the command line: bad arguments, unreadable weights, outputs that are
-inputs or files of another kind, internal failures: one line, exit 2, nothing written."""
+inputs or files of another kind, internal failures: one line, exit 2, nothing written
+(export/arguments.py)."""
 
 from __future__ import annotations
 
@@ -91,12 +92,12 @@ def test_export_records_parameter_shapes(tmp_path):
 
 def test_cli_keeps_tracebacks_of_internal_failures(tmp_path, monkeypatch):
     """Only input errors become one-line messages; a failure inside a dependency propagates."""
-    from qkrope.export import onnx_export
+    from qkrope.export import attention_export
 
     def broken(*a, **k):
         raise RuntimeError("internal failure in a dependency")
 
-    monkeypatch.setattr(onnx_export, "_torch_export", broken)
+    monkeypatch.setattr(attention_export, "_torch_export", broken)
     with pytest.raises(RuntimeError, match="internal failure"):
         main(["export", "--out", str(tmp_path / "m.onnx"), "--heads", "2", "--head-dim", "64"])
     assert not (tmp_path / "m.onnx").exists()
@@ -112,12 +113,12 @@ def test_cli_unknown_dtype(tmp_path, capsys):
 
 
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
-    from qkrope.export import onnx_export
+    from qkrope.export import save
 
     def boom(path):
         raise ExportError("simulated checker failure")
 
-    monkeypatch.setattr(onnx_export, "verify_onnx_file", boom)
+    monkeypatch.setattr(save, "verify_onnx_file", boom)
     with pytest.raises(ExportError):
         export_attention(tmp_path / "m.onnx", heads=HEADS, head_dim=HEAD_DIM)
     _no_outputs(tmp_path)

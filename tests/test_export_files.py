@@ -1,6 +1,6 @@
 """What an export leaves on disk when it fails or is killed: the old pair or the new one, never
 a mix (fault injection at every write and rename step, real SIGTERM/SIGKILL mid-commit), no
-staging folder left, path errors in one line."""
+staging folder left, path errors in one line (export/save.py, arguments.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import pytest
 from qkrope import _fileio
 from qkrope.cli import main
 from qkrope.errors import QkropeError
-from qkrope.export import onnx_export as ox
+from qkrope.export import attention_export as ox  # where export_attention looks up the trace
+from qkrope.export import save
 from qkrope.export.onnx_export import export_attention
 from qkrope.sidecars import ModelInfo
 
@@ -172,7 +173,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     import onnx, onnx_ir as ir
-    from qkrope.export import onnx_export as ox
+    from qkrope.export import attention_export as ox
     proto = onnx.ModelProto()
     proto.ParseFromString(Path(sys.argv[1]).read_bytes())
     ox._torch_export = lambda *a, **kw: ir.serde.deserialize_model(proto)
@@ -236,7 +237,7 @@ def test_an_export_with_external_data_loads_by_its_file_records(tmp_path, fast_e
     from qkrope import file_record
     from qkrope.sidecars import onnx_metadata_props
 
-    monkeypatch.setattr(ox, "EXTERNAL_DATA_THRESHOLD", 0)  # every export writes m.onnx.data
+    monkeypatch.setattr(save, "EXTERNAL_DATA_THRESHOLD", 0)  # every export writes m.onnx.data
     out = tmp_path / "m.onnx"
     fast_export(out, seed=1)
     data = tmp_path / "m.onnx.data"

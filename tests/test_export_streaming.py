@@ -30,6 +30,7 @@ diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip ins
 
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.export import onnx_export as oe  # noqa: E402
+from qkrope.export import save  # noqa: E402
 from qkrope.export import streaming  # noqa: E402
 
 
@@ -110,7 +111,7 @@ def test_streamed_export_is_the_in_memory_export_bit_for_bit(sharded, in_memory,
 
     monkeypatch.setattr(diffusers_weights, "read_tensor", counting)
     monkeypatch.setattr(streaming, "read_tensor", counting)
-    monkeypatch.setattr(oe, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(save, "EXTERNAL_DATA_THRESHOLD", 0)
     external = tmp_path / "external.onnx"
     info, written = oe.export_transformer(external, sharded, layers=1, progress=False)
     assert (tmp_path / "external.onnx.data").stat().st_size > 0

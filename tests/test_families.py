@@ -36,7 +36,8 @@ def test_the_record_is_the_model_diffusers_builds(builder):
     record = builder.record
     model = builder.build(0)
     assert type(model).__name__ == record.class_name
-    assert len(model.config[record.axes_key]) == len(record.axes)
+    axes = model.config.get("axes_dims_rope", model.config.get("rope_axes_dim"))
+    assert len(axes) == len(record.axes)
     assert set(record.fp8_excluded) <= {n for n, _ in model.named_children()}
     assert len(model.transformer_blocks) == builder.blocks
     for kind in families.HOOK_KINDS[:2]:  # export, reference (dropin: the runtime side's)

@@ -15,7 +15,7 @@ import torch
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
 import _flux_models as fm  # noqa: E402
-from qkrope import contract, model_io  # noqa: E402
+from qkrope import contract, families  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
@@ -35,7 +35,7 @@ def _inputs(family, img_shapes, txt_len, batch, seed, cfg):
               encoder_hidden_states=torch.randn(batch, txt_len, cfg["joint_attention_dim"],
                                                 generator=g),
               timestep=torch.rand(batch, generator=g), img_ids=img_ids, txt_ids=txt_ids)
-    if family is model_io.FLUX1:
+    if family is fm.FLUX1:
         kw["pooled_projections"] = torch.randn(batch, cfg["pooled_projection_dim"], generator=g)
     if cfg.get("guidance_embeds"):
         kw["guidance"] = torch.full((batch,), 3.5)
@@ -56,18 +56,18 @@ def _caches(family, model, kw):
 # --------------------------------------------------------------------------------------------
 
 def test_families_are_told_by_class_name():
-    assert model_io.family_of({"_class_name": "FluxTransformer2DModel"}) is model_io.FLUX1
-    assert model_io.family_of({"_class_name": "Flux2Transformer2DModel"}) is model_io.FLUX2
-    assert (model_io.family_of({"_class_name": "QwenImageTransformer2DModel"})
-            is model_io.QWEN_IMAGE_FAMILY)
+    assert families.family_of({"_class_name": "FluxTransformer2DModel"}) is fm.FLUX1
+    assert families.family_of({"_class_name": "Flux2Transformer2DModel"}) is fm.FLUX2
+    assert (families.family_of({"_class_name": "QwenImageTransformer2DModel"})
+            is families.by_name("qwen-image"))
     # the RoPE base: FLUX.1's is fixed in diffusers' code, FLUX.2's is the config's rope_theta
-    assert model_io.FLUX1.rope_theta({"rope_theta": 5}) == 10000
-    assert model_io.FLUX2.rope_theta({}) == 2000 and model_io.FLUX2.rope_theta(
+    assert fm.FLUX1.rope_theta({"rope_theta": 5}) == 10000
+    assert fm.FLUX2.rope_theta({}) == 2000 and fm.FLUX2.rope_theta(
         {"rope_theta": 500}) == 500
     assert diffusers.FluxTransformer2DModel(**fm.VARIANTS["flux1-schnell"][2]).pos_embed.theta \
-        == model_io.FLUX1.theta
+        == fm.FLUX1.theta
     assert diffusers.Flux2Transformer2DModel(**fm.VARIANTS["flux2-klein"][2]).pos_embed.theta \
-        == model_io.FLUX2.theta
+        == fm.FLUX2.theta
 
 
 def test_another_class_is_refused_with_the_list(tmp_path):
@@ -80,7 +80,7 @@ def test_another_class_is_refused_with_the_list(tmp_path):
         export_transformer(tmp_path / "out.onnx", tmp_path / "sd3", progress=False)
     message = str(exc.value)
     assert "SD3Transformer2DModel" in message and "\n" not in message
-    for family in model_io.FAMILIES.values():
+    for family in families.records():
         assert family.class_name in message
     assert not (tmp_path / "out.onnx").exists()
 
@@ -112,7 +112,7 @@ def test_patched_model_is_bit_exact_with_diffusers_in_fp32(variant):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_op_is_flux_eager_order_bit_for_bit(dtype):
-    """The node's rounding (the family record's, qkrope.model_io.FLUX1.rounding) against FLUX's
+    """The node's rounding (the family record's, FLUX.1's record .rounding) against FLUX's
     eager order in half precision (torch's RMSNorm rounds the normalised value, diffusers rotates
     in fp32 and rounds again): bit for bit in every dtype, since the family exports with
     contract.ROUNDING_FLUX, that order."""
@@ -121,7 +121,7 @@ def test_fused_op_is_flux_eager_order_bit_for_bit(dtype):
     from qkrope.export.ops import qk_norm_rope
     from qkrope.families.flux.dropin import caches_from_ids
 
-    family = model_io.FLUX1
+    family = fm.FLUX1
     txt_ids, img_ids = fm.ids(family, [(1, 6, 7)], 3)
     caches = caches_from_ids(family.name, txt_ids, img_ids, axes_dims=(16, 56, 56),
                              theta=family.theta, head_dim=128)
@@ -148,8 +148,8 @@ def test_caches_from_ids_are_diffusers_pos_embed():
 
     flux = diffusers.models.transformers.transformer_flux
     for family, axes, theta, module in (
-            (model_io.FLUX1, (16, 56, 56), 10000, flux.FluxPosEmbed),
-            (model_io.FLUX2, (32, 32, 32, 32), 2000,
+            (fm.FLUX1, (16, 56, 56), 10000, flux.FluxPosEmbed),
+            (fm.FLUX2, (32, 32, 32, 32), 2000,
              diffusers.models.transformers.transformer_flux2.Flux2PosEmbed)):
         txt_ids, img_ids = fm.ids(family, [(1, 5, 6), (1, 3, 2)], 9)
         cos, sin = module(theta, list(axes))(torch.cat([txt_ids, img_ids]))
@@ -200,7 +200,7 @@ def test_graph(root, variant):
     names = [i.name for i in model.graph.input]
     assert names == list(family.decl(guided).input_names)
     assert ("guidance" in names) == guided and ("pooled_projections" in names) == (
-        family is model_io.FLUX1)
+        family is fm.FLUX1)
     assert not any("mask" in n or "ids" in n for n in names)
     assert [o.name for o in model.graph.output] == ["sample"]
     assert _no_double(model) == []

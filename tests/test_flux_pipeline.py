@@ -17,7 +17,6 @@ pytest.importorskip("transformers", reason="diffusers' FLUX pipelines import tra
 
 import _flux_models as fm  # noqa: E402
 
-from qkrope import model_io  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.runtime import load_transformer  # noqa: E402
 from qkrope.families.flux.dropin import FluxTransformer, IPAdapterUnsupportedError  # noqa: E402
@@ -44,7 +43,7 @@ def _pipelines(root, variant, cls, **extra):
     transformer = fm.transformer(variant)
     vae = fm.vae(family)
     encoders = dict(text_encoder=None, tokenizer=None)
-    if family is model_io.FLUX1:
+    if family is fm.FLUX1:
         encoders.update(text_encoder_2=None, tokenizer_2=None)
     pipes = [cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
                  transformer=transformer, **encoders, **extra) for _ in range(2)]
@@ -141,7 +140,7 @@ def _call_args(variant):
     kw = dict(hidden_states=torch.randn(1, 16, 4), encoder_hidden_states=torch.randn(1, 5, 32),
               timestep=torch.tensor([0.5]), img_ids=img_ids, txt_ids=txt_ids,
               return_dict=False)
-    if family is model_io.FLUX1:
+    if family is fm.FLUX1:
         kw["pooled_projections"] = torch.randn(1, 32)
     if cfg["guidance_embeds"]:
         kw["guidance"] = torch.tensor([3.5])
@@ -214,7 +213,7 @@ def test_runner_takes_flux_conditioning_by_role(root):
     from qkrope.runtime import RunnerInputError, load
     from qkrope.families.flux.dropin import caches_from_ids
 
-    family = model_io.FLUX1
+    family = fm.FLUX1
     runner = load(fm.exported("flux1-dev", root))
     txt_ids, img_ids = fm.ids(family, [(1, 4, 4)], 5)
     caches = caches_from_ids(family.name, txt_ids, img_ids, axes_dims=(4, 4, 8), theta=10000,

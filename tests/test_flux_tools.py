@@ -39,7 +39,7 @@ def root(tmp_path_factory):
 
 def _pipeline_ids(family):
     """(txt_ids, img_ids) for SHAPES / TXT as diffusers' own pipelines make them."""
-    if family is model_io.FLUX1:  # FluxKontextPipeline: the condition image at first axis 1
+    if family is fm.FLUX1:  # FluxKontextPipeline: the condition image at first axis 1
         cond = FluxKontextPipeline._prepare_latent_image_ids(1, 2, 2, "cpu", torch.float32)
         cond[..., 0] = 1
         img = torch.cat([FluxKontextPipeline._prepare_latent_image_ids(1, 3, 4, "cpu",
@@ -53,8 +53,8 @@ def _pipeline_ids(family):
 def _setting(variant):
     family, _, cfg = fm.VARIANTS[variant]
     axes = tuple(cfg["axes_dims_rope"])
-    return family, axes, (model_io.FLUX1.theta if family is model_io.FLUX1
-                          else model_io.FLUX2.rope_theta(cfg))
+    return family, axes, (fm.FLUX1.theta if family is fm.FLUX1
+                          else fm.FLUX2.rope_theta(cfg))
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_data_loader_feeds_flux_inputs_with_the_pipelines_caches(root, variant, 
     info = ModelInfo.load(path)
     assert list(feeds) == info.input_names
     assert model_io.ENCODER_HIDDEN_STATES_MASK.name not in feeds
-    assert (model_io.POOLED_PROJECTIONS.name in feeds) == (family is model_io.FLUX1)
+    assert (model_io.POOLED_PROJECTIONS.name in feeds) == (family is fm.FLUX1)
     assert feeds["guidance"].shape == (BATCH,) and np.all((feeds["guidance"] >= 1)
                                                            & (feeds["guidance"] <= 5))
     tokens = sum(f * h * w for f, h, w in SHAPES)
@@ -205,7 +205,7 @@ def test_triton_repo_of_a_flux_onnx_export_composes_to_the_checked_model(root, t
 
     feeds = make_inputs(info, SHAPES, TXT, BATCH)
     model, pb = load_rope_model(repo / "flux_rope", monkeypatch)
-    txt_ids, img_ids = _pipeline_ids(model_io.FLUX2)
+    txt_ids, img_ids = _pipeline_ids(fm.FLUX2)
     resp = model.execute([pb.InferenceRequest([
         Tensor("txt_ids", txt_ids.numpy()), Tensor("img_ids", img_ids.numpy()),
         Tensor("hidden_states", feeds["hidden_states"]),
@@ -240,7 +240,7 @@ def test_quantize_export_fp8_and_check_a_flux2_transformer(root, tmp_path):
 
     folder = fm.saved("flux2-klein", root)
     model = load_transformer(str(folder))
-    txt_ids, img_ids = _pipeline_ids(model_io.FLUX2)
+    txt_ids, img_ids = _pipeline_ids(fm.FLUX2)
     with quantize.CalibrationRecorder(model) as rec, torch.no_grad():
         for seed in range(2):
             g = torch.Generator().manual_seed(seed)

@@ -80,7 +80,8 @@ def test_the_graph_covers_every_module():
                      "qkrope.export.onnx_export", "qkrope.runtime.runner",
                      "qkrope.runtime.engine"):
         assert expected in g
-    assert "qkrope.contract" in g["qkrope.export.onnx_export"]
+    assert "qkrope.contract" in g["qkrope.export.finalize"]
+    assert "qkrope.export.transformer_export" in g["qkrope.export.onnx_export"]  # its face
     assert "qkrope.runtime.runner_tensorrt" in g["qkrope.runtime.backends"]  # lazy ones count
 
 

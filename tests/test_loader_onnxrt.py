@@ -71,7 +71,7 @@ def test_load_wrong_shape_sidecar_is_a_sidecar_error(exported, tmp_path, edit, f
     Path(str(path) + ".json").write_text(json.dumps(data))
     with pytest.raises(SidecarError, match=field):
         r = load(path)
-        r.run_qwen(*inputs()[:2], img_shapes=IMG_SHAPES)
+        r.run_positions(*inputs()[:2], img_shapes=IMG_SHAPES)
 
 
 def test_bf16_model_on_cpu_provider_gets_clear_error(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import fake_tensorrt as ft
 import pytest
 from _tiny_model import sidecar_dict, write_tiny_onnx
 
-from qkrope import model_io
+from qkrope import families, model_io
 from qkrope.model_io import QWEN_IMAGE
 from qkrope.runtime import io_specs
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, SidecarError, TensorInfo,
@@ -64,8 +64,8 @@ def test_standalone_copies_equal_the_contract():
 
     import diffusers
 
-    for family, cls in ((model_io.FLUX1, diffusers.FluxTransformer2DModel),
-                        (model_io.FLUX2, diffusers.Flux2Transformer2DModel)):
+    for family, cls in ((families.by_name("flux1"), diffusers.FluxTransformer2DModel),
+                        (families.by_name("flux2"), diffusers.Flux2Transformer2DModel)):
         default = inspect.signature(cls.__init__).parameters["axes_dims_rope"].default
         assert tuple(family.axes) == tuple(default)
         if family.theta_key:

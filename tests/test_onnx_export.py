@@ -1,5 +1,6 @@
-"""ONNX export of the attention block (export/onnx_export.py): node contract, sidecar and
-metadata, checker/shape inference, ONNX Runtime parity with the PyTorch module and with diffusers.
+"""ONNX export of the attention block (export/attention_export.py, annotate.py, finalize.py):
+node contract, sidecar and metadata, checker/shape inference, ONNX Runtime parity with the
+PyTorch module and with diffusers.
 Tiny sizes (2 heads x 64) except one export at Qwen-Image's default sizes. The op's function
 body: test_onnx_function.py; the command line: test_export_cli.py; failures on disk:
 test_export_files.py."""

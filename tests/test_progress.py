@@ -140,14 +140,14 @@ def test_export_hashes_while_writing(tmp_path, monkeypatch, external):
     import json
 
     from qkrope import file_record
-    from qkrope.export import onnx_export, streaming
+    from qkrope.export import onnx_export, save, streaming
 
     hashed: list[str] = []
     real = file_record.sha256_file
     monkeypatch.setattr(file_record, "sha256_file", lambda p: hashed.append(str(p)) or real(p))
     monkeypatch.setattr(streaming, "KEEP_BYTES", 0)
     if external:
-        monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+        monkeypatch.setattr(save, "EXTERNAL_DATA_THRESHOLD", 0)
     import onnx_ir
 
     reads, saving = {}, []  # reads while onnx_ir.save writes (the optimiser reads some before)

@@ -19,7 +19,7 @@ pytest.importorskip("modelopt.torch.quantization",
 
 import onnx  # noqa: E402
 
-from qkrope import contract, quantization  # noqa: E402
+from qkrope import contract, families, quantization  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.cli import main  # noqa: E402
 from qkrope.export import quantize  # noqa: E402
@@ -231,7 +231,7 @@ def test_onnxruntime_needs_the_qdq_option_and_the_runner_sets_it(work):
     runner = load(path)  # qkrope's runner sets session.disable_quant_qdq for a quantised model
     hs = torch.randn(1, 16, tp.TRANSFORMER_CONFIG["in_channels"])
     ehs = torch.randn(1, 5, tp.TRANSFORMER_CONFIG["joint_attention_dim"])
-    out = runner.run_qwen(hs, ehs, img_shapes=[(1, 4, 4)], timestep=torch.tensor([0.5]))
+    out = runner.run_positions(hs, ehs, img_shapes=[(1, 4, 4)], timestep=torch.tensor([0.5]))
     assert out.shape == (1, 16, 16) and torch.isfinite(out).all()
 
 
@@ -427,8 +427,7 @@ def test_flux_default_selection_is_every_linear_of_the_blocks(family):
     blocks' own proj_out included."""
     model, kwargs = _tiny_flux(family)
     exclude = quantization.default_excluded(model)
-    assert exclude == (quantization.FLUX1_EXCLUDED if family == "flux1"
-                       else quantization.FLUX2_EXCLUDED)
+    assert exclude == families.by_name(family).fp8_excluded
     assert set(exclude) <= {n for n, _ in model.named_children()}
     quantize.calibrate(model, [{"args": (), "kwargs": kwargs}], config=quantize.fp8_config(exclude))
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

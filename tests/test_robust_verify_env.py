@@ -31,7 +31,7 @@ def test_anything_else_is_refused_in_one_line(monkeypatch, value):
 
 
 def test_a_load_with_a_bad_value_is_refused_not_fast(tmp_path, monkeypatch):
-    """verify() through a sidecar load path: the value is read by the loaders (sidecars.py)
+    """verify() through a sidecar load path: the value is read by the loaders (qkrope/sidecars/)
     through full_by_default, so a typo stops the load instead of taking the stat check."""
     from qkrope import sidecars
 

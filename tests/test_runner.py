@@ -1,6 +1,6 @@
 """The base runner (qkrope.runtime.runner): every bad input rejected before anything executes
 (through the ONNX Runtime runner, whose session counts executions), the messages' fixes, the
-checks against an engine's profile bounds (fake engine I/O), run_qwen."""
+checks against an engine's profile bounds (fake engine I/O), run_positions."""
 
 from __future__ import annotations
 
@@ -190,18 +190,18 @@ def test_engine_profile_range_still_says_rebuild():
         rn.check_inputs(io, {"x": torch.zeros(0, 4)}, device=torch.device("cpu"))
 
 
-def test_run_qwen_builds_caches_and_matches(runner, exported):
+def test_run_positions_builds_caches_and_matches(runner, exported):
     hs, ehs, caches = inputs()
     with torch.no_grad():
         ref_img, ref_txt = exported[1](hs, ehs, caches)
-    img, txt = runner.run_qwen(hs, ehs, img_shapes=IMG_SHAPES)
+    img, txt = runner.run_positions(hs, ehs, img_shapes=IMG_SHAPES)
     torch.testing.assert_close(img, ref_img, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(txt, ref_txt, atol=2e-5, rtol=1e-4)
     # caches with more rows than tokens are allowed (rows past the tokens are unused)
     img2, _ = runner(hs, ehs, inputs(extra_rows=3)[2])
     torch.testing.assert_close(img2, ref_img, atol=2e-5, rtol=1e-4)
     with pytest.raises(rn.RunnerInputError, match="give 12 image tokens but hidden_states has 16"):
-        runner.run_qwen(hs, ehs, img_shapes=[(1, 3, 4)])
+        runner.run_positions(hs, ehs, img_shapes=[(1, 3, 4)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_engine_io_and_profile_bounds():
     hs, ehs, caches = inputs()
     r(hs, ehs, caches)
     assert r.executed == 1
-    r.run_qwen(hs, ehs, img_shapes=IMG_SHAPES)
+    r.run_positions(hs, ehs, img_shapes=IMG_SHAPES)
     assert r.executed == 2
     # beyond the profile: text tokens 9 > max 8, batch 3 > 2, cache rows 80 > 64
     with pytest.raises(rn.RunnerInputError, match=r"txt_tokens\) = 9 is outside the range 1..8.*"

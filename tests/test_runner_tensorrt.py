@@ -111,8 +111,8 @@ def test_trt_runner_cuda_graph_on_gpu(tmp_path):
                                                                            torch.float32)
         hs = torch.randn(1, 16, width, generator=g).to("cuda", dtype)
         ehs = torch.randn(1, 5, width, generator=g).to("cuda", dtype)
-        a = eager.run_qwen(hs, ehs, img_shapes=[(1, 4, 4)])
-        b = graphed.run_qwen(hs, ehs, img_shapes=[(1, 4, 4)])
+        a = eager.run_positions(hs, ehs, img_shapes=[(1, 4, 4)])
+        b = graphed.run_positions(hs, ehs, img_shapes=[(1, 4, 4)])
         torch.cuda.synchronize()
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)

@@ -1,5 +1,8 @@
-"""qkrope/sidecars.py: the two typed sidecars, one writer and one reader each, and the check on
-load (a wrong version or shape of the file is a SidecarError naming the file, never a KeyError)."""
+"""qkrope/sidecars/ (the ONNX sidecar: model.py, files.py): one writer and one reader each, and
+the check on load (a wrong version or shape of the file is a SidecarError naming the file, never
+a KeyError; a sidecar beside another model, or one that disagrees with its model's own
+metadata, is refused). The engine sidecar: tests/test_sidecar_engine.py; the config:
+tests/test_sidecar_config.py; the file records: tests/test_sidecar_records.py."""
 
 from __future__ import annotations
 
@@ -8,32 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from _tiny_model import C, model, sidecar_dict, write_tiny_onnx
+from _sidecar_samples import engine_info as _engine, model_info as _model
+from _tiny_model import C, sidecar_dict, write_tiny_onnx
 
 from qkrope.errors import QkropeError
-from qkrope.runtime import profiles as prof
 from qkrope.runtime import onnx_file, trt_utils as tu
-from qkrope.sidecars import (ENGINE_FORMAT, FORMAT_VERSION, EngineInfo, EngineInfoError,
-                             EngineTensor, ModelInfo,
+from qkrope.sidecars import (FORMAT_VERSION, EngineInfo, EngineInfoError, ModelInfo,
                              ModelInfoError, PluginRecord, TensorInfo, engine_sidecar_path,
-                             engine_tensors, sidecar_path)
-
-
-def _model() -> ModelInfo:
-    return ModelInfo(model="attention", opset=18, ir_version=10, dtype="fp32",
-                     inputs=[TensorInfo("hidden_states", "float32", ["batch", "img_tokens", 8])],
-                     outputs=[TensorInfo("img_out", "float32", ["batch", "img_tokens", 8])],
-                     dynamic_axes={"batch": {"export_value": 2}, "img_tokens": {"export_value": 4}},
-                     node_attributes={}, config={"head_dim": 4}, sample={"batch": 2})
-
-
-def _engine() -> EngineInfo:
-    return EngineInfo(tensorrt_version="10.14.1", onnx="/m.onnx",
-                      inputs=[EngineTensor("x", "float32", [-1, 8], ["batch", None])],
-                      outputs=[EngineTensor("y", "float32", [-1, 8])],
-                      profiles=[{"x": {"min": [1, 8], "opt": [2, 8], "max": [4, 8]}}],
-                      plugin=PluginRecord("/lib.so", "ab"), plugin_layers=2,
-                      version_compatible=False, strongly_typed=True)
+                             sidecar_path)
 
 
 def test_round_trips(tmp_path):
@@ -75,26 +60,6 @@ def test_model_sidecar_errors_name_the_file(tmp_path, change, match):
     assert isinstance(exc.value, QkropeError)
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda d: d.update(format_version=0), "format_version 0"),
-    (lambda d: d.pop("inputs"), "has no 'inputs' field"),
-    (lambda d: d.update(inputs=[]), "lists no inputs"),
-    (lambda d: d["plugin"].pop("path"), "plugin has no 'path' field"),
-    (lambda d: d["profiles"][0]["x"].pop("max"), "has no 'max' field"),
-    (lambda d: d["outputs"][0].update(shape=[-1, "8"]), "must be a list of int"),
-    (lambda d: d.update(version_compatible="no"), "'version_compatible' must be bool"),
-])
-def test_engine_sidecar_errors_name_the_file(tmp_path, change, match):
-    _engine().save(tmp_path / "m.engine")
-    path = engine_sidecar_path(tmp_path / "m.engine")
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
-    with pytest.raises(EngineInfoError, match=match) as exc:
-        EngineInfo.load(tmp_path / "m.engine")
-    assert str(path) in str(exc.value) and "qkrope build" in str(exc.value)
-
-
 def test_unreadable_and_missing_files(tmp_path):
     with pytest.raises(EngineInfoError, match="sidecar .* is missing"):
         EngineInfo.load(tmp_path / "nothing.engine")
@@ -125,42 +90,6 @@ def test_model_description_is_read_through_model_info(tmp_path):
     sidecar_path(p).write_text(json.dumps(side))
     with pytest.raises(ModelInfoError, match="not a qkrope sidecar"):
         ModelInfo.describe(p)
-
-
-def test_engine_sidecar_contents():
-    side = model()
-    profile = prof.derive_profile(side)
-    info = EngineInfo(
-        tensorrt_version="10.14.1", onnx="/m.onnx",
-        inputs=engine_tensors([EngineTensor("hidden_states", "float32", [-1, -1, C])], side),
-        outputs=engine_tensors([EngineTensor("img_out", "float32", [-1, -1, C])], side),
-        # the profile of the engine's one input (a profile of an input the engine does not
-        # have is refused on reading)
-        profiles=[{"hidden_states": prof.profile_to_json(profile)["hidden_states"]}],
-        plugin=PluginRecord("/lib.so", "ab", True), plugin_layers=2, version_compatible=True,
-        strongly_typed=True, builder_optimization_level=3,
-        parser_flags=["ENABLE_PLUGIN_OVERRIDE"], config=side.config,
-        gpu={"name": "H200", "compute_capability": "9.0"})
-    doc = info.to_dict()
-    assert doc["format"] == ENGINE_FORMAT and doc["format_version"] == FORMAT_VERSION
-    assert doc["inputs"][0]["axes"] == ["batch", "img_tokens", None]
-    assert doc["profiles"][0]["hidden_states"]["max"] == [2, 4096, C]
-    assert doc["plugin"] == {"path": "/lib.so", "sha256": "ab", "serialized_in_engine": True}
-    assert doc["config"]["head_dim"] == 16 and doc["version_compatible"] is True
-    assert EngineInfo.from_dict(json.loads(json.dumps(doc))) == info
-    for edit, match in ((lambda d: d["profiles"][0].update(mask={"min": [1], "opt": [1],
-                                                                 "max": [1]}),
-                         "'mask' is not an input of the engine"),
-                        (lambda d: d["profiles"][0]["hidden_states"].update(min=[]),
-                         r"min \[\] has 0 dimensions, the input has 3"),
-                        (lambda d: d["profiles"][0]["hidden_states"]["min"].__setitem__(1, 9999),
-                         "dimension 1 is min 9999"),
-                        (lambda d: d["profiles"][0]["hidden_states"]["max"].__setitem__(2, 7),
-                         r"dimension 2 .* all 32 \(a static dimension\)")):
-        bad = json.loads(json.dumps(doc))
-        edit(bad)
-        with pytest.raises(EngineInfoError, match=match):
-            EngineInfo.from_dict(bad)
 
 
 def test_description_from_the_onnx_graph(tmp_path):
@@ -204,61 +133,6 @@ def test_sidecar_model_hash_field_is_typed(tmp_path, value):
     path.write_text(json.dumps(data))
     with pytest.raises(ModelInfoError, match="model_sha256"):
         ModelInfo.load(onnx_path)
-
-
-def test_engine_sidecar_records_and_checks_its_engine(tmp_path):
-    """An engine pair identifies itself like a model pair: the sidecar records the engine's
-    sha256 and load() refuses it beside another engine (two writers, a copy by hand)."""
-    import hashlib
-
-    engine = tmp_path / "m.engine"
-    engine.write_bytes(b"engine one")
-    _engine().save(engine)
-    side = json.loads((tmp_path / "m.engine.json").read_text())
-    assert side["engine_sha256"] == hashlib.sha256(b"engine one").hexdigest()
-    assert EngineInfo.load(engine).engine_sha256 == side["engine_sha256"]
-    engine.write_bytes(b"engine two")
-    with pytest.raises(EngineInfoError, match=r"does not describe this engine \(.*m\.engine has "
-                                              r"sha256 [0-9a-f]{12}.*rebuild it"):
-        EngineInfo.load(engine)
-    side["engine_sha256"] = "xyz"
-    (tmp_path / "m.engine.json").write_text(json.dumps(side))
-    with pytest.raises(EngineInfoError, match="engine_sha256"):
-        EngineInfo.load(engine)
-
-
-@pytest.mark.parametrize("reader", ["load", "refit", "triton-repo"])
-def test_readers_refuse_an_engine_beside_another_engines_sidecar(tmp_path, capsys, monkeypatch,
-                                                                 reader):
-    """load, refit and triton-repo read the engine sidecar through EngineInfo.load: an engine
-    that is not the one its sidecar records is refused before TensorRT is needed."""
-    import sys
-
-    from qkrope import cli
-    from qkrope.runtime import load
-
-    monkeypatch.setitem(sys.modules, "tensorrt", None)
-    engine = tmp_path / "m.engine"
-    engine.write_bytes(b"\x00engine A")
-    info = _engine()
-    info.refittable = True
-    info.save(engine)
-    engine.write_bytes(b"\x00engine B")  # another writer's engine
-    if reader == "load":
-        with pytest.raises(EngineInfoError, match="does not describe this engine"):
-            load(engine)
-        return
-    state = tmp_path / "sd.pt"
-    import torch
-
-    torch.save({"w": torch.ones(2)}, state)
-    argv = {"refit": ["refit", str(engine), "--state-dict", str(state)],
-            "triton-repo": ["triton-repo", "--engine", str(engine), "-o",
-                            str(tmp_path / "repo"), "--no-plugin-hash-check"]}[reader]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "does not describe this engine" in err and err.count("\n") == 1, err
-    assert engine.read_bytes() == b"\x00engine B" and not (tmp_path / "repo").exists()
 
 
 @pytest.fixture(scope="module")
@@ -348,66 +222,6 @@ def test_metadata_props_are_read_without_the_graph(exported_attention):
     assert onnx_metadata_props(exported_attention) == {p.key: p.value
                                                         for p in model.metadata_props}
     assert "qkrope.config" in onnx_metadata_props(exported_attention)
-
-
-# --------------------------------------------------------------------------------------------
-# The config as a typed record; the node attributes stored once
-# --------------------------------------------------------------------------------------------
-
-def test_config_is_a_checked_record():
-    from qkrope.sidecars import ModelConfig
-
-    side = sidecar_dict()
-    info = ModelInfo.from_dict(side)
-    assert isinstance(info.config, ModelConfig) and info.config.head_dim == 16
-    assert info.config.parameters == ["w"] and info.config.axes_dims_rope is None
-    for key, value, expected in (("head_dim", "sixteen", "a positive int"),
-                                 ("heads", True, "a positive int"),
-                                 ("axes_dims_rope", [16, 56], r"a list of 3 \(Qwen-Image, "
-                                  r"FLUX.1\) or 4 \(FLUX.2\) non-negative ints"),
-                                 ("family", "sd3", r"one of \['flux1', 'flux2', 'qwen-image'\]"),
-                                 ("rope_theta", 0, "a positive number"),
-                                 ("parameters", "w", "a list of str"),
-                                 ("dtype", "float32", "one of")):
-        bad = sidecar_dict()
-        bad["config"][key] = value
-        with pytest.raises(ModelInfoError, match=rf"<dict>: config field '{key}' must be "
-                                                 rf"{expected}"):
-            ModelInfo.from_dict(bad)
-
-
-def test_config_reads_and_writes_back_the_same_json():
-    """An old config (explicit nulls, keys this qkrope does not type, format 1's node values)
-    is written back unchanged, so the engine's config tag of an older build still matches."""
-    from qkrope.sidecars import ModelConfig, config_tag
-
-    raw = {"dim": 32, "heads": 2, "head_dim": 16, "eps": 1e-6, "interleaved": True,
-           "rounding": 0, "weights": None, "weights_sha256": None, "future_field": {"a": [1]},
-           "axes_dims_rope": [2, 6, 8]}
-    config = ModelConfig.from_dict(raw)
-    assert config.to_dict() == raw and config_tag(config) == config_tag(raw)
-    assert config.extra == {"eps": 1e-6, "interleaved": True, "rounding": 0,
-                            "future_field": {"a": [1]}}
-
-
-def test_node_attributes_are_stored_once_and_read_from_old_sidecars():
-    from qkrope.contract import NodeAttributes
-
-    side = sidecar_dict()
-    side["format_version"] = FORMAT_VERSION
-    side["node_attributes"] = NodeAttributes(1e-5, False, 1).to_node()
-    info = ModelInfo.from_dict(side)
-    assert info.node_attributes == NodeAttributes(1e-5, False, 1)
-    assert ModelInfo.from_dict(info.to_dict()).node_attributes == info.node_attributes
-    # format 1 wrote them into config too, and a sidecar may lack node_attributes: config's
-    old = sidecar_dict()
-    old["config"].update(eps=1e-5, interleaved=False, rounding=1)
-    assert ModelInfo.from_dict(old).attributes == NodeAttributes(1e-5, False, 1)
-    assert ModelInfo.from_dict(sidecar_dict()).attributes == NodeAttributes()  # the defaults
-    bad = sidecar_dict()
-    bad["node_attributes"] = {"epsilon": 0.0, "interleaved": 1, "rounding": 0}
-    with pytest.raises(ModelInfoError, match="node_attributes' is invalid: eps must be"):
-        ModelInfo.from_dict(bad)
 
 
 def test_an_export_stores_the_node_attributes_once(exported_attention):

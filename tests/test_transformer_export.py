@@ -1,6 +1,6 @@
 """Whole diffusers transformer: a tiny random QwenImageTransformer2DModel (built in code, saved
 to a temp dir) exported with --model transformer matches diffusers' own forward in ONNX Runtime;
-the unmodified model does not export (complex RoPE)."""
+the unmodified model does not export (complex RoPE) (export/transformer_export.py)."""
 
 from __future__ import annotations
 

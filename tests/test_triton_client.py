@@ -170,8 +170,8 @@ def test_the_runner_matches_local_onnx_runtime_bit_for_bit(served, runners, prot
         assert runner.model == "tiny_onnx" and runner.backend == "triton"
         for shape, txt in (((1, 8, 8), 16), ((1, 4, 6), 5)):
             hidden, text, mask, t = _call_inputs(shape, txt)
-            got = runner.run_qwen(hidden, text, img_shapes=[shape], mask=mask, timestep=t)
-            want = local.run_qwen(hidden, text, img_shapes=[shape], mask=mask, timestep=t)
+            got = runner.run_positions(hidden, text, img_shapes=[shape], mask=mask, timestep=t)
+            want = local.run_positions(hidden, text, img_shapes=[shape], mask=mask, timestep=t)
             assert got.dtype == want.dtype and torch.equal(got, want), (model, shape)
 
 
@@ -259,7 +259,7 @@ def test_the_servers_refusal_is_one_line(served, runners, protocol):
     runner = runners(_url(served, protocol), "broken", protocol=protocol)
     hidden, text, mask, t = _call_inputs((1, 2, 2), 3)
     with pytest.raises(RunnerError) as err:
-        runner.run_qwen(hidden, text, img_shapes=[(1, 2, 2)], mask=mask, timestep=t)
+        runner.run_positions(hidden, text, img_shapes=[(1, 2, 2)], mask=mask, timestep=t)
     msg = str(err.value)
     assert "\n" not in msg
     assert "'broken'" in msg and "the model step failed on its second line" in msg, msg
@@ -280,8 +280,8 @@ def test_set_up_errors_are_one_line_with_the_fix(served, runners, protocol,
     # ... which works: the export's sidecar describes the served model
     runner = runners(url, "norecord", protocol=protocol, sidecar=str(tiny_transformer_onnx))
     hidden, text, mask, t = _call_inputs((1, 2, 2), 3)
-    got = runner.run_qwen(hidden, text, img_shapes=[(1, 2, 2)], mask=mask, timestep=t)
-    want = _local(tiny_transformer_onnx).run_qwen(hidden, text, img_shapes=[(1, 2, 2)],
+    got = runner.run_positions(hidden, text, img_shapes=[(1, 2, 2)], mask=mask, timestep=t)
+    want = _local(tiny_transformer_onnx).run_positions(hidden, text, img_shapes=[(1, 2, 2)],
                                                   mask=mask, timestep=t)
     assert torch.equal(got, want)
     with pytest.raises(RunnerError) as err:  # a sidecar of another model is refused

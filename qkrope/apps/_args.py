@@ -71,7 +71,7 @@ def add_rounding(parser, usage: str | None = None) -> argparse.Action:
     """``--rounding {0,1,2}`` (:data:`qkrope.contract.ROUNDING_MODES`), default
     :data:`qkrope.contract.DEFAULT_ROUNDING`."""
     default = contract.DEFAULT_ROUNDING
-    meaning = usage or ("0: one rounding at the end; 1: diffusers' eager order (Qwen-Image); "
-                        "2: FLUX's eager order")
+    meaning = usage or "; ".join(f"{m}: {contract.ROUNDING_MEANINGS[m]}"
+                                 for m in contract.ROUNDING_MODES)
     return parser.add_argument("--rounding", type=int, choices=ROUNDING_CHOICES, default=default,
                                help=f"the node's rounding attribute, {meaning} (default {default})")

@@ -12,6 +12,21 @@ from qkrope.sidecars import LEVELS
 from . import _args
 
 
+def _tokens_help() -> str:
+    """The families' pixels per token and RoPE position limits, from their records."""
+    from qkrope import families
+
+    records = families.records()
+    per = sorted({r.pixels_per_token for r in records})
+    text = (f"{per[0]} px per token for every family" if len(per) == 1 else
+            "px per token: " + ", ".join(f"{r.short} {r.pixels_per_token}" for r in records))
+    limited = [r for r in records if r.max_positions]
+    for r in limited:
+        text += (f"; a {r.short} model's must fit its {r.max_positions}-position RoPE tables "
+                 f"with --txt-tokens' max")
+    return text
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "build",
@@ -39,10 +54,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="resolution presets in pixels, e.g. 512x512,1024x1024,1328x1328: one "
                         "optimisation profile each (image tokens = W/16 * H/16: min 1, opt = max "
                         "= the preset); the runner picks the first profile holding a call's "
-                        "shapes (16 px per token for Qwen-Image and FLUX). Default for a whole "
-                        "transformer: 1024x1024. A Qwen-Image model's must fit its "
-                        "4096-position RoPE tables with --txt-tokens' max; FLUX has no such "
-                        "limit")
+                        "shapes (" + _tokens_help() + "). Default for a whole transformer: "
+                        "1024x1024")
     p.add_argument("--txt-tokens", metavar="MIN:MAX",
                    help=f"text-token range of every profile (default "
                         f"1:{profiles.DEFAULT_MAX_TXT_TOKENS}, or up to the export's text length)")

@@ -109,9 +109,9 @@ def step_diffusers(args) -> str:
 
     axes = default_axes_dims(head_dim)
     shapes, txt = [(1, 8, 8)], 16
-    from qkrope.model_io import QWEN_IMAGE
+    from qkrope.model_io import ATTENTION_BLOCK
 
-    rope = qwen.QwenEmbedRope(theta=QWEN_IMAGE.theta, axes_dim=list(axes), scale_rope=True)
+    rope = qwen.QwenEmbedRope(theta=ATTENTION_BLOCK.theta, axes_dim=list(axes), scale_rope=True)
     freqs = rope([shapes], max_txt_seq_len=txt, device=torch.device("cpu"))
     hs, ehs = torch.randn(1, 64, dim), torch.randn(1, txt, dim)
     with torch.no_grad():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qkrope import contract, families, quantization
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from qkrope.errors import InputError
 
 from . import _args
@@ -63,8 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                 "transformer without it: its model family's")
     p.set_defaults(rounding=None)  # the family's (its record, qkrope.families) unless given
     a = p.add_argument_group("attention block (--model attention)")
-    a.add_argument("--heads", type=int, default=None, help="default: 24 (Qwen-Image)")
-    a.add_argument("--head-dim", type=int, default=None, help="default: 128 (Qwen-Image)")
+    a.add_argument("--heads", type=int, default=None,
+                   help=f"default: {ATTENTION_BLOCK.heads} (model_io.ATTENTION_BLOCK)")
+    a.add_argument("--head-dim", type=int, default=None,
+                   help=f"default: {ATTENTION_BLOCK.head_dim} (model_io.ATTENTION_BLOCK)")
     a.add_argument("--rotary-dim", type=int, default=None, help="default: head_dim")
     a.add_argument("--neox", action="store_true", help="NeoX pairing (j, j + rd/2)")
     a.add_argument("--eps", type=float, default=None,
@@ -153,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         info, written = onnx_export.export_attention(
             out, dtype=dtype, opset=args.opset, img_shapes=args.img_shape, txt_len=args.txt_len,
             batch=args.batch, attention=args.attention,
-            heads=QWEN_IMAGE.heads if args.heads is None else args.heads,
-            head_dim=QWEN_IMAGE.head_dim if args.head_dim is None else args.head_dim,
+            heads=ATTENTION_BLOCK.heads if args.heads is None else args.heads,
+            head_dim=ATTENTION_BLOCK.head_dim if args.head_dim is None else args.head_dim,
             rotary_dim=args.rotary_dim,
             eps=contract.DEFAULT_EPS if args.eps is None else args.eps,
             interleaved=not args.neox, weights=args.weights,

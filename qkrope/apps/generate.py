@@ -63,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=None,
                    help="guidance_scale, where the pipeline takes it")
     p.add_argument("--true-cfg-scale", type=float, default=None,
-                   help="true_cfg_scale (Qwen-Image, FLUX), where the pipeline takes it")
+                   help="true_cfg_scale, where the pipeline takes it")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     p.add_argument("--device", default=None,
                    help="device of the PyTorch parts and of the drop-in's outputs (default: "

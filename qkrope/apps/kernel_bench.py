@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 from qkrope import contract
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from qkrope.errors import InputError, QkropeError
 from .measure import image_tokens, peak_gbps, qknorm_rope_stream_bytes, summarize
 
 # Qwen-Image attention: 24 heads x 128, 512 text tokens, bf16 activations and weights.
-HEADS, HEAD_DIM, TXT_TOKENS = QWEN_IMAGE.heads, QWEN_IMAGE.head_dim, 512
+HEADS, HEAD_DIM, TXT_TOKENS = ATTENTION_BLOCK.heads, ATTENTION_BLOCK.head_dim, 512
 RESOLUTIONS = (512, 1024)        # image side in px (16 px per token: 1024 and 4096 tokens)
 BATCHES = (1, 2)
 STREAMS = ("img", "txt", "block")  # block = the img and the txt launch of one transformer block

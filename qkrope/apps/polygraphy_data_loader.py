@@ -3,10 +3,10 @@
 polygraphy's default data loader fills every input with random values, so a model whose RoPE
 caches are inputs "passes" a comparison on meaningless caches. This script gives polygraphy the
 inputs qkrope itself checks with (:func:`qkrope.runtime.inputs.make_inputs`, by the sidecar's
-family): the correct caches (Qwen-Image: build_qwen_rope_caches; FLUX.1 / FLUX.2:
-build_flux_rope_caches from the position ids its pipelines pass) and deterministic
-activations, mask (Qwen-Image), timestep, pooled projections and guidance (FLUX, where the graph
-has them) for the sizes of the export sample (from the model's sidecar)::
+family): the correct caches (from the positions the family's pipelines pass, by its position
+scheme) and deterministic activations and the other inputs its graph has (mask, timestep,
+pooled projections, guidance) for the sizes of the export sample (from the model's
+sidecar)::
 
     polygraphy run M.onnx --onnxrt \\
         --data-loader-script "$(python -m qkrope.apps.polygraphy_data_loader)"

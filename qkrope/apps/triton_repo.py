@@ -20,8 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("tensorrt", "onnxruntime"), default="tensorrt",
                    help="tensorrt (default: --engine) or onnxruntime (--onnx MODEL.onnx, no "
                         "TensorRT or plugin). A whole transformer gets an ensemble <name> over "
-                        "<name>_rope (Python backend: the RoPE caches from img_shapes, or "
-                        "from txt_ids/img_ids for FLUX) and "
+                        "<name>_rope (Python backend: the RoPE caches from the positions the "
+                        "family's pipeline passes: img_shapes, or txt_ids/img_ids) and "
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
     _args.add_plugin(p, "default: the one recorded in the engine sidecar")

@@ -81,8 +81,10 @@ class FamilyRecord:
     # identity cache rows (qkrope.runtime.schemes.Setting.rotated)
     rotated: tuple[str, ...] = ("img", "txt")
     latent: str = "packed-tokens"  # LATENT_KINDS
+    # grid scheme: height / width positions centred on the image (Qwen-Image) or counted from 0
+    # (a video latent's own grid: HunyuanVideo)
+    scale_rope: bool = True
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
-    axes_key: str = "axes_dims_rope"  # the config key of its RoPE axes widths
     # the node launches of its export at its usual sizes (the kernel report and kernel tests)
     launches: tuple[Launch, ...] = ()
 

@@ -6,8 +6,10 @@
   per-batch form ``[[...]] * batch`` when every item is the same) and ``txt_seq_len``.
 - Cache rows: image rows = sum of f x h x w, text rows = ``txt_seq_len``; checks: positive whole
   numbers, and the positions within the tables (``Setting.max_positions`` per axis and sign).
-- The numpy pair: image k's tokens at (k + frame, centred row, centred column), the text after the
-  largest image (:func:`caches`).
+- The numpy pair: image k's tokens at (k + frame, centred row, centred column), or rows and
+  columns counted from 0 (``Setting.scale_rope`` False: a video latent's own grid, HunyuanVideo),
+  the text after the largest image (:func:`caches`); a text the model does not rotate gets
+  identity rows and no table limit.
 - Triton inputs: ``img_shapes`` INT64 [-1, 3]; the text length is read off the text tensor.
 - Profile limits: each preset's image extent and the text rows left after it
   (:func:`profile_limits`).
@@ -252,6 +254,8 @@ def check(pos: Positions, setting: Setting) -> None:
                 f"(frames, height, width in latent patches) but the position tables hold "
                 f"{limit} positions per axis and direction. Fix: use fewer frames or "
                 f"a smaller image.", stream="image", required=needed, available=limit)
+    if "txt" not in setting.rotated:  # text normalised, not rotated: identity rows, no table
+        return
     offset = text_offset(pos.shapes, scale_rope)
     # Text token j sits at position offset + j; the table ends at max_positions, so the text
     # stream has max_positions - offset rows. The three numbers mean what sglang's guard reports.
@@ -289,10 +293,13 @@ def build(pos: Positions, setting: Setting) -> tuple:
         img_sin.append(np.concatenate([s for _, s in parts], axis=1))
     img = np.concatenate([np.concatenate(img_cos, axis=0), np.concatenate(img_sin, axis=0)],
                          axis=1)
-    offset = text_offset(shapes, scale_rope)
-    text = np.arange(offset, offset + txt_len, dtype=np.int64)
-    parts = [_rows(t, text) for t in tables]
-    txt = np.concatenate([c for c, _ in parts] + [s for _, s in parts], axis=1)
+    if "txt" in setting.rotated:
+        offset = text_offset(shapes, scale_rope)
+        text = np.arange(offset, offset + txt_len, dtype=np.int64)
+        parts = [_rows(t, text) for t in tables]
+        txt = np.concatenate([c for c, _ in parts] + [s for _, s in parts], axis=1)
+    else:  # normalised, not rotated (finish() writes its identity rows)
+        txt = np.zeros((txt_len, img.shape[1]), np.float32)
     return finish((np.ascontiguousarray(img, np.float32), np.ascontiguousarray(txt, np.float32)),
                   setting)
 
@@ -318,6 +325,8 @@ def profile_limits(setting: Setting, grids: Sequence, txt_max: int):
         needed = image_extent(0, shape, setting.scale_rope)
         if needed > limit:
             return ("image", k, needed, limit)
+    if "txt" not in setting.rotated:  # identity text rows: no table bounds the text
+        return None
     if not grids:
         rows_left, index = limit, -1
     else:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qkrope import contract
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from .. import _args
 from qkrope.errors import InputError
 
@@ -117,8 +117,8 @@ DTYPE_CHOICES = _args.DTYPE_CHOICES  # the --dtype spellings of every command
 #: ``--preset``: the model shape for every device, then what the CPU path adds. The flags given
 #: override it.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "qwen": {"all": {"heads": QWEN_IMAGE.heads, "head_dim": QWEN_IMAGE.head_dim, "sizes": "256,512",
-                     "text_len": 128,
+    "qwen": {"all": {"heads": ATTENTION_BLOCK.heads, "head_dim": ATTENTION_BLOCK.head_dim,
+                     "sizes": "256,512", "text_len": 128,
                      "batches": "1"},
              "cpu": {"dtype": "fp32", "threads": "1,all", "iters": 5, "warmup": 2}},
 }
@@ -163,8 +163,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sizes=parse_int_list(pick("sizes", None) or ("512,1024" if gpu else "256")),
         batches=parse_int_list(pick("batches", None) or ("1,2" if gpu else "1")),
         dtype=dtype,
-        heads=pick("heads", None) or (QWEN_IMAGE.heads if gpu else 2),
-        head_dim=pick("head_dim", None) or (QWEN_IMAGE.head_dim if gpu else 64),
+        heads=pick("heads", None) or (ATTENTION_BLOCK.heads if gpu else 2),
+        head_dim=pick("head_dim", None) or (ATTENTION_BLOCK.head_dim if gpu else 64),
         text_len=pick("text_len", None) or (512 if gpu else 64),
         iters=pick("iters", None) or (50 if gpu else 10),
         warmup=pick("warmup", 10 if gpu else 2),

@@ -48,6 +48,6 @@ HUNYUAN_IMAGE = FamilyRecord(
     theta=256, theta_key="rope_theta", max_positions=None,
     rounding=contract.ROUNDING_DIFFUSERS, graph=HUNYUAN_IMAGE_TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=False, pixels_per_token=32, rotated=("img",),
-    axes_key="rope_axes_dim", launches=LAUNCHES)
+    launches=LAUNCHES)
 
 RECORDS = (HUNYUAN_IMAGE,)

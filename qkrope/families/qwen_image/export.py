@@ -216,7 +216,7 @@ def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layer
     wrapper = CacheInputTransformer(transformer, layers, rounding=rounding).eval()
     n_layers = wrapper.num_layers
     args = _sample_args(sample, dtype, int(cfg["in_channels"]), int(cfg["joint_attention_dim"]),
-                        axes, True, 0)
+                        axes, True, 0, record=record)
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=record.theta,
         rounding=rounding, nodes=2 * n_layers, num_layers_exported=n_layers,

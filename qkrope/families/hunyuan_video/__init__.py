@@ -1,0 +1,116 @@
+"""HunyuanVideo-1.5 (diffusers' HunyuanVideo15Transformer3DModel, 8.3 B) and HunyuanVideo
+(HunyuanVideoTransformer3DModel, 13 B): the records. Facts only; the hooks are export.py,
+reference.py and dropin.py beside this file.
+
+Both take the 5-D latent ``[batch, channels, frames, height, width]`` and patchify it themselves
+(record ``latent="video-5d"``); their RoPE is the latent's own token grid (frame, row, column,
+each counted from 0: the "grid" scheme uncentred, ``scale_rope=False``) over the config's
+``rope_axes_dim`` with ``rope_theta``. The text tokens are normalised (``norm_added_q/k`` in the
+double-stream blocks, ``norm_q/k`` over the joint sequence in HunyuanVideo's single-stream
+blocks) but not rotated (``rotated=("img",)``: identity text rows). The joint sequence is
+``[latent; text]``.
+"""
+
+from __future__ import annotations
+
+from qkrope import contract
+from qkrope.families._record import FamilyRecord, Launch
+from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, GUIDANCE, IMG_COS_SIN_CACHE,
+                             POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS,
+                             ModelDecl, TensorDecl)
+
+# The named axes of a 5-D latent (qkrope.runtime.latents.GRID_AXES; spelled here so that the
+# record imports no runtime module).
+_GRID = ("latent_frames", "latent_height", "latent_width")
+
+#: The 5-D latent the model patchifies, and the 5-D prediction.
+VIDEO_LATENT = TensorDecl(
+    "hidden_states", "hidden_states", (BATCH, None) + _GRID,
+    "video latent, [batch, channels, latent_frames, latent_height, latent_width] (the model "
+    "patchifies it)")
+VIDEO_SAMPLE = TensorDecl("sample", "sample", (BATCH, None) + _GRID,
+                          "predicted latent, the latent's shape with out_channels")
+#: The text mask as diffusers' HunyuanVideo models name it.
+ENCODER_ATTENTION_MASK = TensorDecl(
+    "encoder_attention_mask", "encoder_hidden_states_mask", (BATCH, TXT_TOKENS),
+    "text mask [batch, txt_tokens]: 1 = a real token, 0 = padding")
+#: HunyuanVideo-1.5's second text stream (ByT5 glyph tokens), its mask, and the image
+#: embeddings (SigLIP; all zero for text-to-video).
+ENCODER_HIDDEN_STATES_2 = TensorDecl(
+    "encoder_hidden_states_2", "encoder_hidden_states_2", (BATCH, "txt2_tokens", None),
+    "ByT5 glyph-text embeddings, [batch, txt2_tokens, text_embed_2_dim]")
+ENCODER_ATTENTION_MASK_2 = TensorDecl(
+    "encoder_attention_mask_2", "encoder_attention_mask_2", (BATCH, "txt2_tokens"),
+    "ByT5 mask [batch, txt2_tokens]: 1 = a real token, 0 = padding")
+IMAGE_EMBEDS = TensorDecl(
+    "image_embeds", "image_embeds", (BATCH, "image_embed_tokens", None),
+    "image embeddings [batch, tokens, image_embed_dim] (SigLIP; zeros for text-to-video)")
+
+#: The graph inputs, in graph order (the caches in place of diffusers' RoPE module).
+HUNYUAN_VIDEO15_TRANSFORMER = ModelDecl(
+    "transformer",
+    (VIDEO_LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK,
+     ENCODER_HIDDEN_STATES_2, ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS, IMG_COS_SIN_CACHE,
+     TXT_COS_SIN_CACHE),
+    (VIDEO_SAMPLE,))
+HUNYUAN_VIDEO_TRANSFORMER = ModelDecl(
+    "transformer",
+    (VIDEO_LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK, POOLED_PROJECTIONS,
+     GUIDANCE, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+    (VIDEO_SAMPLE,))
+
+#: FP8 default exclusions: the patch and condition embedders (latent, text refiner, ByT5,
+#: image, timestep, condition type), the final AdaLN and the output projection.
+HUNYUAN_VIDEO15_EXCLUDED = ("x_embedder", "image_embedder", "context_embedder",
+                            "context_embedder_2", "time_embed", "cond_type_embed", "norm_out",
+                            "proj_out")
+HUNYUAN_VIDEO_EXCLUDED = ("x_embedder", "context_embedder", "time_text_embed", "norm_out",
+                          "proj_out")
+
+def _launches(model: str, heads: int, videos, text: int, single: bool) -> tuple[Launch, ...]:
+    """A model's node launches at its pipelines' usual sizes (x 128, interleaved pairs at full
+    rotary width; ``videos``: (name, latent tokens) of one video): the latent and the text
+    stream of a double-stream block, and (HunyuanVideo) the joint [latent; text] launch of a
+    single-stream block, which is the longest: tens of thousands of tokens per launch."""
+    roundings = (contract.ROUNDING_DIFFUSERS, contract.ROUNDING_ONE)
+    out = [Launch(model, f"latent {name}", tokens, heads, roundings=roundings)
+           for name, tokens in videos]
+    out.append(Launch(model, f"text {text}", text, heads, roundings=roundings))
+    if single:
+        out += [Launch(model, f"joint {name} + text {text}", tokens + text, heads,
+                       roundings=roundings) for name, tokens in videos]
+    return tuple(out)
+
+
+#: HunyuanVideo-1.5 (16 heads): 121 frames (31 latent frames) at 480p (30 x 53 latent, 16x
+#: VAE, patch 1) and 720p (45 x 80); the text stream joins 1000 MLLM, 256 ByT5 and 729 image
+#: tokens. HunyuanVideo (24 heads): 129 frames (33 latent frames) at 544p (34 x 60 tokens: 8x
+#: VAE, patch 2) and 720p (45 x 80), 256 text tokens.
+HUNYUAN_VIDEO15_LAUNCHES = _launches("HunyuanVideo-1.5", 16, (("480p 121f", 31 * 30 * 53),
+                                                              ("720p 121f", 31 * 45 * 80)),
+                                     1000 + 256 + 729, single=False)
+HUNYUAN_VIDEO_LAUNCHES = _launches("HunyuanVideo", 24, (("544p 129f", 33 * 34 * 60),
+                                                        ("720p 129f", 33 * 45 * 80)),
+                                   256, single=True)
+
+# The node rounding: diffusers' RMSNorm (the normalised value rounded, times the weight rounded)
+# then apply_rotary_emb in fp32 and rounded: contract.ROUNDING_DIFFUSERS's order (tests/
+# test_family_hunyuan_video.py: bit-exact in bf16 and fp16). The position tables hold 1024
+# positions per axis (a 16384-pixel-wide latent at the 16x VAE of 1.5). No --layers/--blocks:
+# an export keeps every block.
+HUNYUAN_VIDEO15 = FamilyRecord(
+    name="hunyuan-video-1.5", class_name="HunyuanVideo15Transformer3DModel",
+    label="HunyuanVideo-1.5 (480p/720p, text- and image-to-video)", short="HunyuanVideo-1.5",
+    package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
+    theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
+    graph=HUNYUAN_VIDEO15_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO15_EXCLUDED, blocks=False,
+    rotated=("img",), latent="video-5d", scale_rope=False, launches=HUNYUAN_VIDEO15_LAUNCHES)
+HUNYUAN_VIDEO = FamilyRecord(
+    name="hunyuan-video", class_name="HunyuanVideoTransformer3DModel",
+    label="HunyuanVideo (text- and image-to-video)", short="HunyuanVideo",
+    package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
+    theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
+    graph=HUNYUAN_VIDEO_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO_EXCLUDED, blocks=False,
+    rotated=("img",), latent="video-5d", scale_rope=False, launches=HUNYUAN_VIDEO_LAUNCHES)
+
+RECORDS = (HUNYUAN_VIDEO15, HUNYUAN_VIDEO)

@@ -1,0 +1,414 @@
+"""HunyuanVideo-1.5's and HunyuanVideo's export hooks (export layer): the attention processor,
+the cache-input wrappers, the sample inputs and the checks that
+:func:`qkrope.export.onnx_export.export_transformer` asks for (the hook protocol:
+:class:`qkrope.export.onnx_export.TransformerPlan`).
+
+diffusers builds these models' RoPE inside the forward (``HunyuanVideo15RotaryPosEmbed`` /
+``HunyuanVideoRotaryPosEmbed``: float32 frequencies and their cos/sin over the latent's grid).
+Here the tables come in as the two ``[rows, rotary_dim]`` fp32 caches and every attention's
+per-head RMSNorm + RoPE is one ``qkrope::QKNormRoPE`` node per stream:
+
+- double-stream blocks (both models): two nodes, the latent (``norm_q``/``norm_k``, the image
+  cache) and the text (``norm_added_q``/``norm_added_k``, the text cache, whose rows are the
+  identity: the text is normalised but not rotated);
+- HunyuanVideo's single-stream blocks: one node over the ``[latent; text]`` sequence with the
+  joined cache ``[image rows; identity rows]``, made in the graph from the two cache inputs.
+
+The text mask. HunyuanVideo masks padded text keys (``[B, 1, 1, N]``). HunyuanVideo-1.5 masks
+padded text keys and queries (``mask_q & mask_k``, ``[B, 1, N, N]``), so the rows of padded
+text queries have no key; PyTorch's SDPA gives them zeros. Eager, the wrappers pass diffusers'
+own mask (bit-exact); exported, the key mask alone (``[B, 1, 1, N]``): a padded query row then
+attends the real keys instead, which changes only that padded token's own values (finite), never
+a real token's (its keys are masked in every block) nor the prediction (the text is dropped),
+and keeps the graph free of an N x N mask (N is tens of thousands of tokens at 720p).
+
+HunyuanVideo-1.5's text sequence is [image embeddings; ByT5 tokens; MLLM tokens] reordered per
+sample as diffusers does (real tokens first, padded ByT5/MLLM tokens zeroed): a stable partition
+by the masks, written as a cumsum and a scatter (no data-dependent shapes), bit-exact with
+diffusers' boolean indexing.
+
+Refused in one line: HunyuanVideo-1.5's MeanFlow models (``use_meanflow``: ``timestep_r``),
+HunyuanVideo's ``token_replace`` image conditioning, fused QKV projections.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkrope import contract
+from qkrope.errors import InputError
+from qkrope.export.attention import _attention
+from qkrope.export.ops import qk_norm_rope
+from qkrope.families._record import FamilyRecord
+
+from . import HUNYUAN_VIDEO, HUNYUAN_VIDEO15
+
+
+class HunyuanRope(NamedTuple):
+    """What the blocks pass on as ``image_rotary_emb`` / ``freqs_cis``."""
+
+    img: torch.Tensor  # [latent tokens, rotary_dim]
+    txt: torch.Tensor  # [text tokens, rotary_dim] (identity rows)
+    joint: torch.Tensor  # [latent rows; text rows]: HunyuanVideo's single-stream blocks
+
+
+class HunyuanMask(NamedTuple):
+    """The attention mask in its two forms (module docstring): ``eager`` as diffusers builds it,
+    ``export`` the key mask ``[B, 1, 1, N]``."""
+
+    eager: torch.Tensor
+    export: torch.Tensor
+
+
+def _eps(norm: nn.Module, where: str) -> float:
+    eps = getattr(norm, "eps", None)
+    if eps is None or getattr(norm, "weight", None) is None:
+        raise InputError(f"{where}: the RMSNorm has no epsilon or no weight, which the "
+                         f"QKNormRoPE node needs (qk_norm='rms_norm' with a weight); not a "
+                         f"standard HunyuanVideo model")
+    return float(eps)
+
+
+class HunyuanVideoAttnProcessor:
+    """Replaces ``HunyuanVideoAttnProcessor2_0`` (double- and single-stream) and
+    ``HunyuanVideo15AttnProcessor2_0``; ``image_rotary_emb`` is a :class:`HunyuanRope`,
+    ``attention_mask`` a :class:`HunyuanMask`."""
+
+    def __init__(self, rounding: int, *, fused: bool = True):
+        self.rounding = contract.check_rounding(rounding)
+        self.fused = fused
+        self._attributes: dict[float, contract.NodeAttributes] = {}
+
+    def _fused(self, q, k, norm_q, norm_k, cache):
+        if not self.fused:  # diffusers' own norm and rotation (the tests' reference graph)
+            from diffusers.models.embeddings import apply_rotary_emb
+
+            half = cache.shape[1] // 2
+            rows = cache[:q.shape[1]]
+            pair = (rows[:, :half].repeat_interleave(2, dim=1),
+                    rows[:, half:].repeat_interleave(2, dim=1))
+            return (apply_rotary_emb(norm_q(q), pair, sequence_dim=1),
+                    apply_rotary_emb(norm_k(k), pair, sequence_dim=1))
+        eps = _eps(norm_q, "norm_q")
+        if eps not in self._attributes:
+            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
+        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
+                            **self._attributes[eps].as_kwargs())
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if not isinstance(image_rotary_emb, HunyuanRope) or not isinstance(attention_mask,
+                                                                           HunyuanMask):
+            raise InputError("the patched HunyuanVideo attention needs image_rotary_emb="
+                             "HunyuanRope(...) and attention_mask=HunyuanMask(...); run it "
+                             "through the cache-input wrapper (cache_input_hunyuan)")
+        if getattr(attn, "fused_projections", False):
+            raise InputError("the HunyuanVideo attention has fused QKV projections; export the "
+                             "model before fusing them")
+        joint = attn.add_q_proj is None and encoder_hidden_states is not None
+        if joint:  # HunyuanVideo's single-stream block: one [latent; text] sequence
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        q, k, v = (proj(hidden_states).unflatten(2, (attn.heads, -1))
+                   for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if joint:
+            q, k = self._fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.joint)
+        else:
+            q, k = self._fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb.img)
+        if attn.add_q_proj is not None and encoder_hidden_states is not None:
+            eq, ek, ev = (proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                          for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq, ek = self._fused(eq, ek, attn.norm_added_q, attn.norm_added_k,
+                                 image_rotary_emb.txt)
+            q, k, v = (torch.cat(p, dim=1) for p in ((q, eq), (k, ek), (v, ev)))
+        mask = attention_mask.export if torch.onnx.is_in_onnx_export() else attention_mask.eager
+        out = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                         q.shape[-1])
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+        if encoder_hidden_states is None:
+            return out
+        s_txt = encoder_hidden_states.shape[1]
+        out, txt = out[:, :-s_txt], out[:, -s_txt:]
+        if getattr(attn, "to_out", None) is not None:
+            out = attn.to_out[1](attn.to_out[0](out))
+        if getattr(attn, "to_add_out", None) is not None:
+            txt = attn.to_add_out(txt)
+        return out, txt
+
+
+def node_count(transformer: nn.Module) -> int:
+    """QKNormRoPE nodes: two per double-stream block, one per single-stream block."""
+    single = getattr(transformer, "single_transformer_blocks", None) or ()
+    return 2 * len(transformer.transformer_blocks) + len(single)
+
+
+def _unpatchify(t: nn.Module, x: torch.Tensor, shape) -> torch.Tensor:
+    """diffusers' output reshape: tokens back to the 5-D latent (its operations, in its order)."""
+    batch, _, frames, height, width = shape
+    cfg = t.config
+    p_t, p = int(cfg["patch_size_t"]), int(cfg["patch_size"])
+    x = x.reshape(batch, frames // p_t, height // p, width // p, -1, p_t, p, p)
+    x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def _rope(img_cache: torch.Tensor, txt_cache: torch.Tensor, s_img: int, s_txt: int):
+    return HunyuanRope(img_cache, txt_cache,
+                       torch.cat([img_cache[:s_img], txt_cache[:s_txt]], dim=0))
+
+
+def reorder_text(parts, masks):
+    """HunyuanVideo-1.5's text sequence: ``parts`` (``[B, n_i, D]`` each, in order) with bool
+    ``masks`` (``[B, n_i]``), every item's real tokens first, then its padded ones, each group in
+    its original order (a stable partition; diffusers' boolean indexing per item). Returns the
+    tokens and the new mask (True for the first real-count tokens)."""
+    x = torch.cat(parts, dim=1)
+    m = torch.cat(masks, dim=1)
+    real = m.to(torch.int64)
+    n_real = real.sum(dim=1, keepdim=True)
+    dest = torch.where(m, real.cumsum(dim=1) - 1, n_real + (1 - real).cumsum(dim=1) - 1)
+    out = torch.zeros_like(x).scatter(1, dest.unsqueeze(-1).expand_as(x), x)
+    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    return out, positions < n_real
+
+
+class _CacheInput(nn.Module):
+    def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int,
+                 fused: bool = True):
+        super().__init__()
+        self.family = family
+        self.rounding = contract.check_rounding(rounding)
+        processor = HunyuanVideoAttnProcessor(self.rounding, fused=fused)
+        single = getattr(transformer, "single_transformer_blocks", None) or ()
+        for block in list(transformer.transformer_blocks) + list(single):
+            block.attn.set_processor(processor)
+        self.transformer = transformer
+
+
+class HunyuanVideo15CacheInputTransformer(_CacheInput):
+    """``HunyuanVideo15Transformer3DModel.forward`` (no MeanFlow) with the RoPE caches in place of
+    its RoPE module; ``forward``'s arguments are the graph inputs in graph order."""
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                encoder_hidden_states_2, encoder_attention_mask_2, image_embeds,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        t = self.transformer
+        shape = hidden_states.shape
+        temb = t.time_embed(timestep)
+        x = t.x_embedder(hidden_states)
+        text = t.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
+        text = text + t.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
+        text_2 = t.context_embedder_2(encoder_hidden_states_2)
+        text_2 = text_2 + t.cond_type_embed(torch.ones_like(text_2[:, :, 0], dtype=torch.long))
+        image = t.image_embedder(image_embeds)
+        is_t2v = torch.all(image_embeds == 0)  # diffusers: the image tokens zeroed and masked
+        image = torch.where(is_t2v, image * 0.0, image)
+        image = image + t.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
+        mask_1 = encoder_attention_mask.bool()
+        mask_2 = encoder_attention_mask_2.bool()
+        mask_3 = (~is_t2v).expand(image.shape[0], image.shape[1])
+        text, text_mask = reorder_text(
+            [image, torch.where(mask_2.unsqueeze(-1), text_2, torch.zeros_like(text_2)),
+             torch.where(mask_1.unsqueeze(-1), text, torch.zeros_like(text))],
+            [mask_3, mask_2, mask_1])
+        s_img, s_txt = x.shape[1], text.shape[1]
+        full = F.pad(text_mask, (s_img, 0), value=True)
+        n = full.shape[1]
+        mask = HunyuanMask(full.view(-1, 1, 1, n) & full.view(-1, 1, n, 1),
+                           full.view(-1, 1, 1, n))
+        rope = _rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
+        for block in t.transformer_blocks:
+            x, text = block(x, text, temb, mask, rope)
+        x = t.proj_out(t.norm_out(x, temb))
+        return _unpatchify(t, x, shape)
+
+
+class _HunyuanVideoBase(_CacheInput):
+    def run(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+            pooled_projections, guidance, img_cos_sin_cache, txt_cos_sin_cache):
+        t = self.transformer
+        shape = hidden_states.shape
+        temb, _ = t.time_text_embed(timestep, pooled_projections, guidance)
+        x = t.x_embedder(hidden_states)
+        text = t.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
+        s_img, s_txt = x.shape[1], text.shape[1]
+        # diffusers: the first (latent + real text) tokens are attended, as keys
+        real = s_img + encoder_attention_mask.sum(dim=1, dtype=torch.int)
+        keys = torch.arange(s_img + s_txt, device=x.device).unsqueeze(0) < real.unsqueeze(1)
+        keys = keys.unsqueeze(1).unsqueeze(1)
+        mask = HunyuanMask(keys, keys)
+        rope = _rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
+        for block in t.transformer_blocks:
+            x, text = block(x, text, temb, mask, rope)
+        for block in t.single_transformer_blocks:
+            x, text = block(x, text, temb, mask, rope)
+        x = t.proj_out(t.norm_out(x, temb))
+        return _unpatchify(t, x, shape)
+
+
+class _HunyuanVideoGuided(_HunyuanVideoBase):
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                pooled_projections, guidance, img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                        pooled_projections, guidance, img_cos_sin_cache, txt_cos_sin_cache)
+
+
+class _HunyuanVideo(_HunyuanVideoBase):
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                pooled_projections, img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+                        pooled_projections, None, img_cos_sin_cache, txt_cos_sin_cache)
+
+
+def has_guidance(transformer: nn.Module) -> bool:
+    return bool(transformer.config.get("guidance_embeds", False))
+
+
+def check_supported(transformer: nn.Module, family: FamilyRecord) -> None:
+    """One line for a configuration the wrappers do not reproduce."""
+    cfg = transformer.config
+    if family is HUNYUAN_VIDEO15 and cfg.get("use_meanflow", False):
+        raise InputError("the HunyuanVideo-1.5 config sets use_meanflow=True (the MeanFlow "
+                         "super-resolution models take timestep_r), which qkrope's export does "
+                         "not carry. Fix: export a standard HunyuanVideo-1.5 transformer")
+    if family is HUNYUAN_VIDEO and cfg.get("image_condition_type") == "token_replace":
+        raise InputError("the HunyuanVideo config sets image_condition_type='token_replace' "
+                         "(first-frame token replacement blocks), which qkrope's export does not "
+                         "carry. Fix: export a text-to-video or latent_concat image-to-video "
+                         "HunyuanVideo transformer")
+    if cfg.get("qk_norm", "rms_norm") != "rms_norm":
+        raise InputError(f"qk_norm={cfg.get('qk_norm')!r}: the QKNormRoPE node is an RMSNorm. "
+                         f"Fix: export a model with qk_norm='rms_norm'")
+    axes = tuple(int(v) for v in cfg["rope_axes_dim"])
+    head_dim = int(cfg["attention_head_dim"])
+    if len(axes) != 3 or sum(axes) > head_dim:
+        raise InputError(f"rope_axes_dim {list(axes)} must be three widths summing to at most "
+                         f"attention_head_dim={head_dim}")
+
+
+def cache_input_hunyuan(transformer: nn.Module, family: FamilyRecord, *,
+                        rounding: int | None = None, fused: bool = True) -> nn.Module:
+    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order.
+    ``fused=False`` puts diffusers' own norm and rotation (from the same caches) in place of
+    the node: the same graph without QKNormRoPE, which the tests run through ONNX Runtime as
+    the reference of its kernels' rounding."""
+    check_supported(transformer, family)
+    rounding = family.rounding if rounding is None else rounding
+    if family is HUNYUAN_VIDEO15:
+        cls = HunyuanVideo15CacheInputTransformer
+    else:
+        cls = _HunyuanVideoGuided if has_guidance(transformer) else _HunyuanVideo
+    return cls(transformer, family, rounding, fused).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks export_transformer calls
+# --------------------------------------------------------------------------------------------
+
+def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True):
+    """The config is left to diffusers' own checks (the wrapper refuses what it does not carry,
+    before tracing)."""
+    return None
+
+
+def post_export(model) -> None:
+    """No float64 anywhere in the graph (diffusers' RoPE is not in it)."""
+    import onnx_ir as ir
+
+    from qkrope.export.onnx_export import ExportError
+
+    double = ir.DataType.DOUBLE
+    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
+        model.graph.initializers.values())
+    for node in model.graph.all_nodes():
+        values += list(node.outputs)
+    for value in values:
+        if value is not None and value.dtype == double:
+            raise ExportError(f"graph value {value.name} is DOUBLE: the HunyuanVideo graph must "
+                              f"have no float64")
+
+
+def sample_caches(family: FamilyRecord, grid, txt_len: int, axes, theta):
+    """The caches of one latent grid ``(f, h, w)`` in tokens (the grid scheme, uncentred, text
+    not rotated), as torch tensors."""
+    from qkrope.runtime.caches import build_rope_caches, checked_setting
+
+    setting = checked_setting("grid", axes, theta, max_positions=family.max_positions,
+                              scale_rope=family.scale_rope, rotated=family.rotated)
+    caches = build_rope_caches("grid", {"img_shapes": [tuple(grid)], "txt_seq_len": txt_len},
+                               setting)
+    return caches.img.clone(), caches.txt.clone()
+
+
+def sample_args(family: FamilyRecord, transformer: nn.Module, *, batch: int, grid,
+                txt_len: int, dtype: torch.dtype, axes, theta, txt2_len: int = 4,
+                image_len: int = 3) -> tuple:
+    """The traced sample (random activations, a padded text mask, the caches of ``grid``)."""
+    cfg = transformer.config
+    g = torch.Generator().manual_seed(1)
+    p_t, p = int(cfg["patch_size_t"]), int(cfg["patch_size"])
+    f, h, w = (int(v) for v in grid)
+    latent = torch.randn(batch, int(cfg["in_channels"]), f * p_t, h * p, w * p,
+                         generator=g).to(dtype)
+    timestep = torch.full((batch,), 500.0, dtype=dtype)
+    text = torch.randn(batch, txt_len, int(cfg["text_embed_dim"]), generator=g).to(dtype)
+    mask = torch.ones(batch, txt_len, dtype=torch.int64)
+    mask[-1, txt_len // 2:] = 0  # a padded item
+    # HunyuanVideo-1.5's text stream is its three condition sequences joined (text_tokens)
+    joined = txt_len + txt2_len + image_len if family is HUNYUAN_VIDEO15 else txt_len
+    img, txt = sample_caches(family, (f, h, w), joined, axes, theta)
+    if family is HUNYUAN_VIDEO15:
+        text_2 = torch.randn(batch, txt2_len, int(cfg["text_embed_2_dim"]), generator=g).to(dtype)
+        mask_2 = torch.ones(batch, txt2_len, dtype=torch.int64)
+        mask_2[0, txt2_len // 2:] = 0
+        image = torch.randn(batch, image_len, int(cfg["image_embed_dim"]), generator=g).to(dtype)
+        return (latent, timestep, text, mask, text_2, mask_2, image, img, txt)
+    pooled = torch.randn(batch, int(cfg["pooled_projection_dim"]), generator=g).to(dtype)
+    args = (latent, timestep, text, mask, pooled)
+    if has_guidance(transformer):
+        args += (torch.full((batch,), 6.0, dtype=dtype),)
+    return args + (img, txt)
+
+
+def rope_setting(transformer: nn.Module) -> tuple[tuple[int, ...], float]:
+    """The RoPE axes and theta diffusers built the model with (its rope module's)."""
+    axes = tuple(int(v) for v in transformer.rope.rope_dim)
+    theta = float(transformer.rope.theta)
+    return axes, (int(theta) if theta.is_integer() else theta)
+
+
+def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
+            layers: int | None, rounding: int):
+    """export_transformer's hook: refused in one line for now. The plan is :func:`plan`, but
+    the exporter takes each input's dynamic axes from ``qkrope.model_io.TENSORS`` (3-D
+    ``hidden_states``, no ByT5 or image-embedding inputs), not from the plan's graph, so it
+    cannot trace the 5-D latent yet."""
+    raise InputError(f"qkrope export does not write {record.short} graphs yet: the exporter's "
+                     f"dynamic axes are those of 3-D packed-token models, and this model takes "
+                     f"the 5-D latent [batch, channels, frames, height, width]. Fix: export "
+                     f"with torch.onnx.export over qkrope.families.hunyuan_video.export.plan "
+                     f"(tests/test_family_hunyuan_video.py does), or run the PyTorch model")
+
+
+def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
+         layers: int | None = None, rounding: int | None = None, fused: bool = True):
+    """The export plan of ``transformer`` (every block is kept: the record has no ``blocks``).
+    The sample's first image shape is the latent's token grid ``(f, h, w)``."""
+    from qkrope.export.onnx_export import TransformerPlan
+
+    axes, theta = rope_setting(transformer)
+    wrapper = cache_input_hunyuan(transformer, record, rounding=rounding, fused=fused)
+    grid = tuple(sample.img_shapes[0])
+    args = sample_args(record, transformer, batch=sample.batch, grid=grid,
+                       txt_len=sample.txt_len, dtype=dtype, axes=axes, theta=theta)
+    decl = record.graph if record is HUNYUAN_VIDEO15 else (
+        record.decl(has_guidance(transformer)))
+    single = len(getattr(transformer, "single_transformer_blocks", None) or ())
+    return TransformerPlan(
+        wrapper=wrapper, args=args, decl=decl, axes=axes, theta=theta,
+        rounding=wrapper.rounding, nodes=node_count(transformer), num_layers_exported=None,
+        blocks=f"{record.label}: {len(transformer.transformer_blocks)} double"
+               + (f" + {single} single" if single else "") + " blocks")

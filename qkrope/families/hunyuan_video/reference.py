@@ -1,0 +1,26 @@
+"""HunyuanVideo-1.5's and HunyuanVideo's reference hook (runtime layer): the keyword arguments
+of diffusers' ``HunyuanVideo15Transformer3DModel`` / ``HunyuanVideoTransformer3DModel.forward``
+for ``qkrope check``: the graph inputs by role, and no caches (diffusers builds its RoPE from
+the latent's own shape)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+#: diffusers' keyword of each graph input role (the text mask's role is the generic one).
+_KEYWORDS = {"hidden_states": "hidden_states", "timestep": "timestep",
+             "encoder_hidden_states": "encoder_hidden_states",
+             "encoder_hidden_states_mask": "encoder_attention_mask",
+             "encoder_hidden_states_2": "encoder_hidden_states_2",
+             "encoder_attention_mask_2": "encoder_attention_mask_2",
+             "image_embeds": "image_embeds", "pooled_projections": "pooled_projections",
+             "guidance": "guidance"}
+
+
+def forward_kwargs(info, by_role: Mapping[str, Any],
+                   img_shapes: Sequence[Sequence[int]]) -> dict:
+    """diffusers' forward arguments for the graph inputs ``by_role`` (``img_shapes`` is not
+    needed: the latent's shape is its grid)."""
+    kw = {_KEYWORDS[role]: value for role, value in by_role.items() if role in _KEYWORDS}
+    kw["return_dict"] = False
+    return kw

@@ -1,0 +1,359 @@
+"""HunyuanVideo-1.5 and HunyuanVideo (qkrope/families/hunyuan_video): the caches against
+diffusers' RoPE, the patched forward bit for bit against diffusers' own in fp32, bf16 and fp16,
+HunyuanVideo-1.5's text reorder, the ONNX export run by ONNX Runtime at shapes it never traced,
+and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+import _hunyuan_video_models as hvm  # noqa: E402
+from qkrope.errors import InputError  # noqa: E402
+from qkrope.families.hunyuan_video import HUNYUAN_VIDEO, HUNYUAN_VIDEO15  # noqa: E402
+from qkrope.families.hunyuan_video import export as hx  # noqa: E402
+
+RECORDS = {"hunyuan-video-1.5": HUNYUAN_VIDEO15, "hunyuan-video": HUNYUAN_VIDEO}
+VARIANTS = list(RECORDS)
+
+
+def _text_tokens(kw: dict) -> int:
+    """The text stream's tokens: HunyuanVideo-1.5 joins MLLM, ByT5 and image tokens."""
+    return sum(int(kw[n].shape[1]) for n in ("encoder_hidden_states", "encoder_hidden_states_2",
+                                             "image_embeds") if n in kw)
+
+
+def _diffusers_cache(model, latent) -> torch.Tensor:
+    """diffusers' own RoPE tables of this latent as the node's cache: its (cos, sin) pairs are
+    repeated per pair (interleaved), so every second column is the cos / sin half."""
+    cos, sin = model.rope(latent)
+    return torch.cat([cos[:, ::2], sin[:, ::2]], dim=1).float().contiguous()
+
+
+def _graph_args(record, kw, img, txt) -> list:
+    names = [t.name for t in record.decl(True).inputs][:-2]
+    return [kw[n] for n in names] + [img, txt]
+
+
+# --------------------------------------------------------------------------------------------
+# The caches
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_caches_are_diffusers_tables_within_one_float32_ulp(variant):
+    """The angles (float32 frequencies 1 / theta ** (2i / d) and their float32 products with the
+    positions) are diffusers'; their cos and sin are the C library's cosf / sinf, diffusers'
+    are torch's vectorised CPU cos / sin (MKL or SLEEF by CPU dispatch: they differ between
+    AVX2 and AVX-512 on one machine), so entries may differ by one float32 ulp and by no more.
+    The text rows are the identity (cos 1, sin 0): the text is normalised, not rotated."""
+    record = RECORDS[variant]
+    model = hvm.transformer(variant)
+    axes, theta = hx.rope_setting(model)
+    assert tuple(model.config["rope_axes_dim"]) == axes and theta == 256
+    for f, h, w in [(1, 8, 8), (3, 4, 6), (31, 45, 80)]:
+        latent = torch.zeros(1, 1, f, h, w)
+        ref = _diffusers_cache(model, latent).numpy()
+        img, txt = hx.sample_caches(record, (f, h, w), 5, axes, theta)
+        img = img.numpy()
+        assert img.shape == ref.shape == (f * h * w, sum(axes))
+        ulp = np.spacing(np.abs(ref).astype(np.float32))
+        assert (np.abs(img - ref) <= ulp).all()
+        half = sum(axes) // 2
+        assert (txt[:, :half] == 1).all() and (txt[:, half:] == 0).all()
+
+
+def test_a_long_text_needs_no_position_table():
+    """The text is not rotated, so no table bounds its length (the grid scheme's text check is
+    for a rotated text); the latent grid is bounded by the record's table (1024 per axis)."""
+    from qkrope.runtime.caches import RopeCacheOverflowError
+
+    img, txt = hx.sample_caches(HUNYUAN_VIDEO15, (2, 3, 4), 5000, (2, 2, 4), 256)
+    assert txt.shape == (5000, 8)
+    with pytest.raises(RopeCacheOverflowError, match="image cache overflow"):
+        hx.sample_caches(HUNYUAN_VIDEO15, (1, 2000, 4), 5, (2, 2, 4), 256)
+
+
+# --------------------------------------------------------------------------------------------
+# The patched forward against diffusers'
+# --------------------------------------------------------------------------------------------
+
+# HunyuanVideo has no image embeddings (its image-to-video concatenates latents: in_channels)
+@pytest.mark.parametrize("variant,i2v", [("hunyuan-video-1.5", False), ("hunyuan-video-1.5", True),
+                                         ("hunyuan-video", False)],
+                         ids=["hunyuan-video-1.5-t2v", "hunyuan-video-1.5-i2v", "hunyuan-video"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_patched_forward_is_bit_exact(variant, dtype, i2v):
+    """The cache-input wrapper (fused nodes, identity text rows, the reordered text, the
+    exported masks' eager form) against diffusers' forward, both given diffusers' own RoPE
+    tables: equal bit for bit in fp32, and in bf16 and fp16 with the node's rounding 1
+    (ROUNDING_DIFFUSERS: diffusers' RMSNorm rounds the normalised value and its product with
+    the weight, apply_rotary_emb rotates in fp32 and rounds; the same operations in the same
+    order). HunyuanVideo-1.5 with zero (text-to-video) and non-zero image embeddings; padded
+    text in one batch item, padded ByT5 tokens in the other."""
+    record = RECORDS[variant]
+    model = hvm.transformer(variant).to(dtype)
+    kw = hvm.inputs(variant, dtype=dtype, i2v=i2v)
+    wrapper = hx.cache_input_hunyuan(copy.deepcopy(model), record)
+    assert wrapper.rounding == 1
+    _, txt = hx.sample_caches(record, (3, 4, 6), _text_tokens(kw), *hx.rope_setting(model))
+    with torch.no_grad():
+        want = model(**kw, return_dict=False)[0]
+        got = wrapper(*_graph_args(record, kw, _diffusers_cache(model, kw["hidden_states"]),
+                                   txt))
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_with_qkrope_caches_the_prediction_stays_within_the_cache_ulp(variant):
+    """With qkrope's caches in place of diffusers' tables (one float32 ulp apart on some
+    entries, test above) the fp32 prediction moves by what that perturbation makes of it: at
+    most the effect of a 2^-23 relative change of every rotation, measured here against the
+    same model run with the tables perturbed by one ulp everywhere (an upper bound of it)."""
+    record = RECORDS[variant]
+    model = hvm.transformer(variant)
+    kw = hvm.inputs(variant)
+    wrapper = hx.cache_input_hunyuan(copy.deepcopy(model), record)
+    axes, theta = hx.rope_setting(model)
+    img, txt = hx.sample_caches(record, (3, 4, 6), _text_tokens(kw), axes, theta)
+    ref = _diffusers_cache(model, kw["hidden_states"])
+    bumped = torch.from_numpy(np.nextafter(ref.numpy(), np.float32(2)))
+    with torch.no_grad():
+        base = wrapper(*_graph_args(record, kw, ref, txt))
+        ours = wrapper(*_graph_args(record, kw, img, txt))
+        worst = wrapper(*_graph_args(record, kw, bumped, txt))
+    bound = float((worst - base).abs().max())
+    assert 0 < bound and float((ours - base).abs().max()) <= 2 * bound
+
+
+def test_text_reorder_is_diffusers_stable_partition():
+    """reorder_text against diffusers' per-item boolean indexing, with random masks."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        parts = [torch.randn(3, n, 4, generator=g) for n in (3, 5, 7)]
+        masks = [torch.rand(3, p.shape[1], generator=g) > 0.4 for p in parts]
+        got, mask = hx.reorder_text(parts, masks)
+        for b in range(3):
+            valid = torch.cat([p[b][m[b]] for p, m in zip(parts, masks)])
+            padded = torch.cat([p[b][~m[b]] for p, m in zip(parts, masks)])
+            assert torch.equal(got[b], torch.cat([valid, padded]))
+            assert mask[b].tolist() == [True] * len(valid) + [False] * len(padded)
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant,overrides,match", [
+    ("hunyuan-video-1.5", dict(use_meanflow=True), "use_meanflow"),
+    ("hunyuan-video", dict(image_condition_type="token_replace", in_channels=2),
+     "token_replace"),
+])
+def test_unsupported_configs_are_refused_in_one_line(variant, overrides, match):
+    model = hvm.transformer(variant, **overrides)
+    with pytest.raises(InputError, match=match) as e:
+        hx.cache_input_hunyuan(model, RECORDS[variant])
+    assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_the_patched_attention_refuses_diffusers_rope():
+    model = hvm.transformer("hunyuan-video-1.5")
+    wrapper = hx.cache_input_hunyuan(model, HUNYUAN_VIDEO15)
+    attn = wrapper.transformer.transformer_blocks[0].attn
+    x = torch.randn(1, 4, 16)
+    with pytest.raises(InputError, match="HunyuanRope"):
+        attn(x, x, attention_mask=torch.ones(1, 4, dtype=torch.bool), image_rotary_emb=None)
+
+
+# --------------------------------------------------------------------------------------------
+# The ONNX graph, run by ONNX Runtime at untraced shapes
+# --------------------------------------------------------------------------------------------
+
+def _export(variant, path, fused=True):
+    """torch.onnx's export of the cache-input wrapper with the record's graph: every input's
+    named axes dynamic (batch, the latent's frames / height / width, the text lengths, the
+    cache rows), the QKNormRoPE function body added (qkrope's finalize_model). ``fused=False``:
+    the same graph with diffusers' norm and rotation in place of the nodes (the reference)."""
+    import warnings
+
+    import onnx_ir as ir
+
+    from qkrope.export.attention import attention_form
+    from qkrope.export.onnx_export import finalize_model
+    from qkrope.export.onnx_function import qk_norm_rope_translation
+
+    from types import SimpleNamespace
+
+    record = RECORDS[variant]
+    model = hvm.transformer(variant)
+    sample = SimpleNamespace(batch=2, img_shapes=[(3, 4, 6)], txt_len=7)
+    export_plan = hx.plan(record, copy.deepcopy(model), sample=sample, dtype=torch.float32,
+                          fused=fused)
+    wrapper, args, decl = export_plan.wrapper, export_plan.args, export_plan.decl
+    axes = export_plan.axes
+    assert export_plan.nodes == hx.node_count(model) and export_plan.theta == 256
+    dims: dict = {}
+    dynamic = {t.name: {i: dims.setdefault(a, torch.export.Dim(a))
+                        for i, a in enumerate(t.axes) if a is not None} for t in decl.inputs}
+    with warnings.catch_warnings(), torch.no_grad(), attention_form("primitive"):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper, args, dynamo=True, opset_version=18, optimize=False, verbose=False,
+            input_names=list(decl.input_names), output_names=list(decl.output_names),
+            dynamic_shapes=dynamic,
+            custom_translation_table={
+                torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation})
+    onnx_model = program.model
+    hx.post_export(onnx_model)
+    if fused:
+        finalize_model(onnx_model, opset=18, head_dim=int(model.config["attention_head_dim"]),
+                       rotary_dim=sum(axes), expected_nodes=hx.node_count(model))
+    ir.save(onnx_model, str(path))
+    return model, decl
+
+
+def test_qkrope_export_refuses_in_one_line_until_the_exporter_takes_5d_latents(tmp_path,
+                                                                                 capsys):
+    """``qkrope export --model transformer`` of a HunyuanVideo folder: one line saying why and
+    the fix (the family's plan is what the ONNX test below exports)."""
+    from qkrope.cli import main
+
+    folder = tmp_path / "hv15"
+    hvm.transformer("hunyuan-video-1.5").save_pretrained(str(folder))
+    rc = main(["export", "--model", "transformer", "--diffusers", str(folder),
+               "--out", str(tmp_path / "m.onnx")])
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if "does not write" in line]
+    assert rc != 0 and len(err) == 1 and "Fix:" in err[0]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hunyuan-onnx")
+    done: dict = {}
+
+    def get(variant, fused=True):
+        key = (variant, fused)
+        if key not in done:
+            path = root / f"{variant}-{'fused' if fused else 'reference'}.onnx"
+            done[key] = (*_export(variant, path, fused), path)
+        return done[key]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_onnx_runtime_at_untraced_shapes(exported, variant):
+    """The export (traced at batch 2, a 3 x 4 x 6 latent, 7 text tokens) run by ONNX Runtime at
+    other batches, frame counts, sizes and text lengths, against diffusers' forward in float64
+    (its RoPE tables float32, as diffusers computes them): the error is at most twice that of
+    the reference graph, the same export with diffusers' norm and rotation in place of the
+    nodes, run by ONNX Runtime on the same caches. Both graphs are the same fp32 arithmetic but
+    for the norm + RoPE step (the node vs diffusers' operations, equal in fp32 eager: the
+    bit-exact test above), so their errors are ONNX Runtime's kernels' rounding of one function
+    (about ten times the eager forward's here: its kernels, not the node); the factor 2 leaves
+    the node's function body at most as much rounding again. The graph has one node per stream
+    per attention and no float64."""
+    import onnx
+    import onnxruntime as ort
+
+    record = RECORDS[variant]
+    model, decl, path = exported(variant)
+    _, _, ref_path = exported(variant, fused=False)
+    graph = onnx.load(str(path))
+    nodes = [n for n in graph.graph.node if n.op_type == "QKNormRoPE"]
+    assert len(nodes) == hx.node_count(model)
+    assert not [n for n in onnx.load(str(ref_path)).graph.node if n.op_type == "QKNormRoPE"]
+    sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+                for p in (path, ref_path)]
+    axes, theta = hx.rope_setting(model)
+    for batch, f, h, w, txt in [(1, 2, 6, 4, 9), (3, 5, 3, 5, 4)]:
+        kw = hvm.inputs(variant, batch=batch, frames=f, height=h, width=w, txt=txt, txt2=6,
+                        image=2, i2v=batch == 3)
+        img, txt_cache = hx.sample_caches(record, (f, h, w), _text_tokens(kw), axes, theta)
+        feeds = dict(zip(decl.input_names, _graph_args(record, kw, img, txt_cache)))
+        feeds = {n: (v.to(torch.int64) if "mask" in n else v).numpy() for n, v in feeds.items()}
+        ours, reference = (s.run(None, feeds)[0] for s in sessions)
+        with torch.no_grad():
+            ref64 = copy.deepcopy(model).double()(
+                **{k: v.double() for k, v in kw.items()}, return_dict=False)[0].numpy()
+        assert ours.shape == ref64.shape == (batch, 4, f, h, w)
+        reference_err = float(np.abs(reference - ref64).max())
+        ours_err = float(np.abs(ours - ref64).max())
+        assert 0 < reference_err and ours_err <= 2 * reference_err, (ours_err, reference_err)
+
+
+# --------------------------------------------------------------------------------------------
+# The drop-in's checks (its runner is a stand-in: running the call is refused for now)
+# --------------------------------------------------------------------------------------------
+
+def _dropin(variant):
+    from types import SimpleNamespace
+
+    from qkrope import families
+
+    record = RECORDS[variant]
+    _, cfg = hvm.VARIANTS[variant]
+    config = SimpleNamespace(diffusers_config={**cfg, "_class_name": record.class_name},
+                             num_layers_exported=None, axes_dims_rope=list(cfg["rope_axes_dim"]),
+                             rope_theta=256, family=record.name)
+    spec = SimpleNamespace(dtype="fp32")
+    io = SimpleNamespace(config=config, roles={"timestep": "timestep",
+                                               "hidden_states": "hidden_states"},
+                         input=lambda name: spec, head_dim=cfg["attention_head_dim"],
+                         source="stand-in.onnx")
+    runner = SimpleNamespace(io=io, device=torch.device("cpu"), backend="stand-in")
+    return families.hooks(record, "dropin").dropin_class(record)(runner, record)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dropin_maps_a_pipeline_call_then_refuses_to_run_it_in_one_line(variant):
+    """A pipeline's call is bound to diffusers' argument names, checked, and its caches built
+    (the latent's grid, the joined text length); running it is refused in one line."""
+    transformer = _dropin(variant)
+    kw = hvm.inputs(variant)
+    call = transformer.prepare(**kw)
+    assert call.request == {"img_shapes": [(3, 4, 6)], "txt_seq_len": _text_tokens(kw)}
+    caches = transformer.rope_caches(call)
+    img, txt = hx.sample_caches(RECORDS[variant], (3, 4, 6), _text_tokens(kw),
+                                *hx.rope_setting(hvm.transformer(variant)))
+    assert torch.equal(caches.img, img) and torch.equal(caches.txt, txt)
+    with pytest.raises(InputError, match="cannot run the call yet") as e:
+        transformer(**kw)
+    assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+
+
+@pytest.mark.parametrize("variant,change,match", [
+    ("hunyuan-video-1.5", dict(timestep_r=torch.ones(2)), "timestep_r"),
+    ("hunyuan-video-1.5", dict(image_embeds=None), "image_embeds"),
+    ("hunyuan-video-1.5", dict(attention_kwargs={"scale": 0.5}), "attention_kwargs"),
+    ("hunyuan-video", dict(guidance=None), "guidance"),
+    ("hunyuan-video", dict(img_ids=torch.zeros(4, 3)), "img_ids"),
+    ("hunyuan-video", dict(hidden_states=torch.zeros(2, 72, 4)), "5-D"),
+])
+def test_dropin_refuses_what_the_graph_cannot_take_in_one_line(variant, change, match):
+    transformer = _dropin(variant)
+    kw = {**hvm.inputs(variant), **change}
+    with pytest.raises(InputError, match=match) as e:
+        transformer(**kw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_listed_input_forms_mean_the_same_to_diffusers(variant):
+    """tests/_input_forms.py's forms of these families (the drop-in is run on them once the
+    export takes 5-D graphs): diffusers reads each as the base call, bit for bit."""
+    from _input_forms import FORMS
+
+    model = hvm.transformer(variant)
+    forms = FORMS[variant](model, 2, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(**forms["base"])[0]
+        for name, kwargs in forms["same"]:
+            assert torch.equal(model(**kwargs)[0], base), name
