@@ -21,6 +21,7 @@ latent are :data:`GRID_AXES`; :func:`concrete_shape` resolves any input's named 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -180,3 +181,45 @@ class TextLengths:
         """The bool ``[batch, txt_tokens]`` mask: True for each item's real tokens."""
         width = self.padded if txt_tokens is None else int(txt_tokens)
         return np.arange(width)[None, :] < np.asarray(self.lengths)[:, None]
+
+
+def pack_patches(latent, patch: Sequence[int]):
+    """A latent ``[batch, channels, *axes]`` (2 or 3 axes) that a model patchifies itself, as
+    the tokens its patch embedding sees: ``[batch, tokens, channels x prod(patch)]``, tokens in
+    row-major order of the patch grid, each token's features in (channel, *patch) order (the
+    flattening of a convolution whose kernel and stride are the patch). A reshape and a
+    permutation: exact. Returns ``(tokens, grid)``; one line naming what does not divide."""
+    patch = tuple(int(p) for p in patch)
+    shape = tuple(int(d) for d in latent.shape)
+    if len(shape) != 2 + len(patch):
+        axes = ", ".join(("frames", "height", "width")[-len(patch):])
+        raise InputError(f"hidden_states must be [batch, channels, {axes}] (the model's patch "
+                         f"is {list(patch)}); got shape {list(shape)}")
+    bad = [(a, p) for a, p in zip(shape[2:], patch) if a < 1 or a % p]
+    if bad:
+        a, p = bad[0]
+        raise InputError(f"hidden_states {list(shape)}: an axis of {a} is not a whole number of "
+                         f"the model's {p}-wide patches. Fix: give the latent axes that are "
+                         f"multiples of the patch size {list(patch)}")
+    b, c = shape[:2]
+    grid = tuple(a // p for a, p in zip(shape[2:], patch))
+    split = [b, c]
+    for g, p in zip(grid, patch):
+        split += [g, p]
+    n = len(patch)
+    order = [0] + [2 + 2 * i for i in range(n)] + [1] + [3 + 2 * i for i in range(n)]
+    tokens = latent.reshape(split).permute(order).reshape(b, math.prod(grid), -1)
+    return tokens, grid
+
+
+def unpack_patches(tokens, grid: Sequence[int], patch: Sequence[int]):
+    """The inverse of :func:`pack_patches` for a model's output tokens ``[batch, tokens,
+    channels x prod(patch)]`` (features in (channel, *patch) order, diffusers' unpatchify):
+    ``[batch, channels, *(grid x patch)]``."""
+    grid, patch = tuple(int(g) for g in grid), tuple(int(p) for p in patch)
+    b, n = int(tokens.shape[0]), len(patch)
+    x = tokens.reshape([b, *grid, -1, *patch])
+    order = [0, n + 1]
+    for i in range(n):
+        order += [1 + i, n + 2 + i]
+    return x.permute(order).reshape([b, -1, *(g * p for g, p in zip(grid, patch))])

@@ -134,6 +134,25 @@ def wan_transformer(seed: int = 0, **overrides):
     return model
 
 
+def _hunyuan_image(seed: int):
+    """diffusers' own test config of HunyuanImage-2.1 (tests/pipelines/hunyuan_image_21):
+    4 heads x 8, one double- and one single-stream block, RoPE axes (4, 4), byT5 projection;
+    weights redrawn at scale 0.3 (diffusers zeroes some)."""
+    import torch
+    from diffusers import HunyuanImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanImageTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1),
+        guidance_embeds=False, text_embed_dim=32, text_embed_2_dim=32, rope_axes_dim=(4, 4))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
 #: family name -> its tiny builder
 BUILDERS: dict[str, TinyBuilder] = {
     "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
@@ -148,6 +167,7 @@ BUILDERS: dict[str, TinyBuilder] = {
     "chroma": TinyBuilder("chroma", "chroma", chroma_transformer,
                           int(CHROMA_CONFIG["num_layers"])),
     "wan": TinyBuilder("wan", "wan", wan_transformer, WAN_CONFIG["num_layers"]),
+    "hunyuan-image": TinyBuilder("hunyuan-image", "hunyuan-image", _hunyuan_image, 1),
 }
 
 #: pytest parameters: one per family, in registry order

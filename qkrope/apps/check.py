@@ -181,6 +181,18 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         return {**{k: v.float().numpy() for k, v in outs.items()}, **blocks}
 
 
+def _default_shapes(info: ModelInfo) -> list:
+    """The default images of a check: :data:`DEFAULT_CHECK_SAMPLE`'s, as many as the position
+    scheme of the model's family takes (``IMAGES``: a scheme of one latent grid takes one)."""
+    shapes = list(DEFAULT_CHECK_SAMPLE["img_shapes"])
+    if info.model != "transformer":
+        return shapes
+    from qkrope.runtime import schemes
+
+    most = getattr(schemes.scheme(_family(info).scheme), "IMAGES", None)
+    return shapes[:most] if most else shapes
+
+
 def _family(info: ModelInfo):
     """The family record of a transformer export's sidecar (an old sidecar without one: the
     registry's first family, the only one qkrope exported then)."""
@@ -511,7 +523,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
         runners = [make_ort_runner(onnx_path, providers)] if onnxrt else []
     if engine:
         runners.append(make_trt_runner(engine, plugin))
-    img_shapes = img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"]
+    img_shapes = img_shapes or _default_shapes(info)
     txt_len = txt_len or DEFAULT_CHECK_SAMPLE["txt_len"]
     batch = batch or DEFAULT_CHECK_SAMPLE["batch"]
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=seed)
@@ -624,7 +636,7 @@ def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffu
                          f"Runtime's CPU provider with ModelOpt's fake-quant model only (no "
                          f"--engine/--providers yet); check the engine with polygraphy run "
                          f"--trt against this model")
-    report = check_fp8(onnx_path, img_shapes=img_shapes or DEFAULT_CHECK_SAMPLE["img_shapes"],
+    report = check_fp8(onnx_path, img_shapes=img_shapes or _default_shapes(info),
                        txt_len=txt_len or DEFAULT_CHECK_SAMPLE["txt_len"],
                        batch=batch or DEFAULT_CHECK_SAMPLE["batch"], seed=seed,
                        diffusers_dir=diffusers_dir, out=out)

@@ -13,8 +13,9 @@ from qkrope.model_io import GUIDANCE, ModelDecl
 
 #: The position schemes (qkrope.runtime.schemes): "grid" builds the RoPE caches from image grid
 #: shapes and a text length, "ids" from per-token position ids, "table" from per-token integer
-#: ids into per-axis RoPE tables (diffusers' RopeEmbedder).
-SCHEMES = ("grid", "ids", "table")
+#: ids into per-axis RoPE tables (diffusers' RopeEmbedder), "patch-grid" from the token grid of
+#: one latent the model patchifies (float32 angles, the text not rotated).
+SCHEMES = ("grid", "ids", "table", "patch-grid")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
 #: width], patchified by the model (qkrope.runtime.latents).

@@ -1,0 +1,127 @@
+"""HunyuanImage-2.1's part of the pipeline drop-in (runtime layer): ``HunyuanImagePipeline``
+calls ``pipe.transformer(hidden_states=[B, C, H, W], timestep, guidance, encoder_hidden_states,
+encoder_attention_mask, encoder_hidden_states_2, encoder_attention_mask_2, timestep_r,
+attention_kwargs, return_dict)``, and ``HunyuanImageRefinerPipeline`` the same with a 5-D
+``[B, C, 1, H, W]`` latent and no byT5 text (the same transformer class with a 3-D patch and
+three RoPE axes). :class:`HunyuanImageTransformer` packs the latent into the tokens the graph
+takes (:func:`qkrope.runtime.latents.pack_patches`), asks the "patch-grid" scheme for the
+caches of its token grid, and unpacks the sample as diffusers' unpatchify does.
+
+Refused in one line, never ignored: byT5 glyph text with any real token
+(``encoder_hidden_states_2`` whose ``encoder_attention_mask_2`` marks a token: a prompt with
+quoted text), MeanFlow's ``timestep_r``, a LoRA scale other than 1 (or other
+``attention_kwargs``), no ``encoder_attention_mask``, a ``guidance`` missing for a
+guidance-distilled export. Ignored as diffusers' own model ignores them: byT5 tensors whose mask
+is all False (the pipeline's zeros for a prompt without quoted text: masked keys change no
+image token), ``guidance`` for a model without guidance embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qkrope.errors import InputError
+from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, tensor_arg
+from qkrope.runtime.latents import pack_patches, unpack_patches
+from qkrope.runtime.schemes import patch_grid
+
+PUBLIC: dict = {}
+
+
+def sample_request(record, img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
+    """The position request of a sample of these sizes (``make_inputs``, the exporter's
+    sample): the first grid (the latent's) and the text length."""
+    return patch_grid.sample_request(img_shapes, txt_len)
+
+
+class HunyuanImageTransformer(Transformer):
+    """What diffusers' HunyuanImage pipelines call on ``pipe.transformer`` (module docstring).
+    Built by :func:`qkrope.runtime.load_transformer` for a HunyuanImage export."""
+
+    FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states",
+                    "encoder_attention_mask", "timestep_r", "encoder_hidden_states_2",
+                    "encoder_attention_mask_2", "guidance", "attention_kwargs", "return_dict")
+    PIPELINES = "HunyuanImagePipeline, HunyuanImageRefinerPipeline"
+
+    def __init__(self, runner, record, *, device=None):
+        super().__init__(runner, record, device=device)
+        self._guided = "guidance" in runner.io.roles
+        self._patch = tuple(int(p) for p in self.config.get("patch_size", (1, 1)))
+
+    def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, timestep_r=None, encoder_hidden_states_2=None,
+                encoder_attention_mask_2=None, guidance=None, attention_kwargs=None,
+                return_dict: bool = True) -> Call:
+        refuse_kwargs(attention_kwargs, "attention_kwargs")
+        if timestep_r is not None:
+            raise InputError("timestep_r (MeanFlow) was given, but the exported HunyuanImage "
+                             "graph takes one timestep. Fix: run the MeanFlow-distilled model "
+                             "on PyTorch")
+        if encoder_hidden_states_2 is not None and (
+                encoder_attention_mask_2 is None or bool(torch.as_tensor(
+                    encoder_attention_mask_2).bool().any())):
+            raise InputError("encoder_hidden_states_2 holds byT5 glyph text (a prompt with quoted "
+                             "text), which the exported HunyuanImage graph does not take. Fix: "
+                             "a prompt without quoted text, or the PyTorch model")
+        missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
+                                  ("encoder_hidden_states", encoder_hidden_states),
+                                  ("encoder_attention_mask", encoder_attention_mask))
+                   if v is None]
+        if missing:
+            raise InputError(f"the {self.record.short} transformer needs {', '.join(missing)} "
+                             f"(diffusers' pipelines pass them); got None")
+        rank = 2 + len(self._patch)
+        tensor_arg(hidden_states, "hidden_states", rank,
+                   "[batch, channels, " + ("frames, " if rank == 5 else "") + "height, width]")
+        tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,
+                   f"[batch, text_tokens, {self.config.get('text_embed_dim')}]")
+        tokens, grid = pack_patches(hidden_states, self._patch)
+        batch, txt = int(tokens.shape[0]), int(encoder_hidden_states.shape[1])
+        mask = tensor_arg(encoder_attention_mask, "encoder_attention_mask", 2,
+                          f"[batch, {txt}] (1 = a real text token)")
+        if tuple(mask.shape) != (batch, txt) or tuple(encoder_hidden_states.shape[:1]) != (batch,):
+            raise InputError(f"encoder_hidden_states {list(encoder_hidden_states.shape)} and "
+                             f"encoder_attention_mask {list(mask.shape)} must be [batch={batch}, "
+                             f"text tokens] like the latent's batch. Fix: pass the pipeline's "
+                             f"prompt_embeds and prompt_embeds_mask")
+        conditioning = {}
+        if self._guided:
+            if guidance is None:
+                raise InputError("this transformer embeds a distilled guidance scale "
+                                 "(guidance_embeds=True) and needs guidance=[batch] values; got "
+                                 "None. Fix: pass distilled_guidance_scale to the pipeline")
+            conditioning["guidance"] = per_item(guidance, "guidance", batch, self.dtype)
+        # a model without guidance embeddings: diffusers ignores guidance, so does this
+        grid3 = grid if len(grid) == 3 else (1,) + tuple(grid)
+        return Call(tokens.to(self.dtype), encoder_hidden_states.to(self.dtype),
+                    {"img_shapes": [grid3], "txt_seq_len": txt},
+                    timestep=per_item(timestep, "timestep", batch, self.dtype),
+                    mask=mask.to(torch.bool), conditioning=conditioning,
+                    return_dict=return_dict)
+
+    def forward(self, *args, **kwargs):
+        """diffusers' forward: the sample ``[batch, out_channels, *latent axes]`` as
+        ``Transformer2DModelOutput(sample=...)``, or ``(sample,)`` with ``return_dict=False``."""
+        bound = self._bind(args, kwargs)
+        return_dict = bound.pop("return_dict", True)
+        tokens = super().forward(**bound, return_dict=False)[0]
+        shape = bound["hidden_states"].shape[2:]
+        grid = tuple(int(a) // p for a, p in zip(shape, self._patch))
+        sample = unpack_patches(tokens, grid, self._patch).contiguous()
+        if not return_dict:
+            return (sample,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=sample)
+
+
+def dropin_class(record):
+    """The drop-in class of ``record`` (the registry's entry point)."""
+    return HunyuanImageTransformer
+
+
+PUBLIC["HunyuanImageTransformer"] = HunyuanImageTransformer
+
+__all__ = ["HunyuanImageTransformer", "dropin_class", "sample_request"]
