@@ -8,6 +8,7 @@ import pytest
 
 from qkrope import families
 from qkrope.errors import InputError
+from qkrope.families import _record
 
 from _families import BUILDERS, PARAMS  # noqa: E402
 
@@ -18,7 +19,7 @@ def test_every_family_has_a_tiny_builder_and_its_records_are_consistent():
         assert families.by_name(record.name) is record
         assert families.by_class(record.class_name) is record
         assert families.family_of({"_class_name": record.class_name}) is record
-        assert record.scheme in ("grid", "ids") and sum(record.axes) > 0
+        assert record.scheme in _record.SCHEMES and sum(record.axes) > 0
     assert families.by_name(None) is families.default()
     assert families.by_class("NoSuchModel") is None
     with pytest.raises(InputError, match="model family 'flux3'.*re-export"):
@@ -36,7 +37,8 @@ def test_the_record_is_the_model_diffusers_builds(builder):
     record = builder.record
     model = builder.build(0)
     assert type(model).__name__ == record.class_name
-    assert len(model.config["axes_dims_rope"]) == len(record.axes)
+    # the RoPE axes: the config's axes_dims_rope where it has one (else the family's rule)
+    assert len(model.config.get("axes_dims_rope", record.axes)) == len(record.axes)
     assert set(record.fp8_excluded) <= {n for n, _ in model.named_children()}
     assert len(model.transformer_blocks) == builder.blocks
     for kind in families.HOOK_KINDS[:2]:  # export, reference (dropin: the runtime side's)

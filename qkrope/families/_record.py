@@ -12,8 +12,9 @@ from typing import Any
 from qkrope.model_io import GUIDANCE, ModelDecl
 
 #: The position schemes (qkrope.runtime.schemes): "grid" builds the RoPE caches from image grid
-#: shapes and a text length, "ids" from per-token position ids.
-SCHEMES = ("grid", "ids")
+#: shapes and a text length, "ids" from per-token position ids, "scaled_grid" from a video's
+#: token grid with a base per axis and frame positions scaled to a frame rate.
+SCHEMES = ("grid", "ids", "scaled_grid")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
 #: width], patchified by the model (qkrope.runtime.latents).
@@ -50,6 +51,9 @@ class FamilyRecord:
     rotated: tuple[str, ...] = ("img", "txt")
     latent: str = "packed-tokens"  # LATENT_KINDS
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
+    # a function of the family's record module (no torch) whose call on the diffusers config
+    # gives the RoPE Setting's family-specific fields (per-axis bases, table size, ...)
+    rope_rule: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

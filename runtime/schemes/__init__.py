@@ -18,12 +18,12 @@ module here, added to :data:`SCHEMES`.
 
 from __future__ import annotations
 
-from . import grid, ids
+from . import grid, ids, scaled_grid
 from ._common import (BIT_EXACT, STREAMS, BadPositions, BadRequest,  # noqa: F401
                       CacheBudget, PositionOverflow, Setting, TooLarge, identity_rows)
 
 #: Every scheme by name.
-SCHEMES = {m.NAME: m for m in (grid, ids)}
+SCHEMES = {m.NAME: m for m in (grid, ids, scaled_grid)}
 
 
 def scheme(name: str):

@@ -44,6 +44,12 @@ class Setting:
     #: The streams the model rotates; a stream that is normalised but not rotated gets identity
     #: rows (cos 1, sin 0: the fused node's rotation leaves its values exactly as they are).
     rotated: tuple = STREAMS
+    #: A base per axis where a family's axes have their own (the scaled_grid scheme; None:
+    #: ``theta`` for every axis), as the family computes them (float64).
+    axis_thetas: Optional[tuple] = None
+    #: The frame rate frame positions are scaled to (scaled_grid: position * base_fps / fps
+    #: when a call gives its fps; None: no scaling).
+    base_fps: Optional[float] = None
 
     @property
     def width(self) -> int:

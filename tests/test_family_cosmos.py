@@ -1,0 +1,151 @@
+"""Cosmos-Predict2 (qkrope/families/cosmos): the "scaled_grid" caches against diffusers'
+CosmosRotaryPosEmbed, the cache-input wrapper against the stock forward (fp32, bf16, fp16), and
+the refusals, on diffusers' own tiny Video2World config (tests/_families.py)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+import diffusers.models.transformers.transformer_cosmos as tc  # noqa: E402
+from _families import COSMOS_CONFIG, cosmos_transformer  # noqa: E402
+
+from qkrope.errors import InputError  # noqa: E402
+from qkrope.families import cosmos  # noqa: E402
+from qkrope.families.cosmos import export as cexport  # noqa: E402
+from qkrope.runtime.caches import build_rope_caches, checked_setting  # noqa: E402
+from qkrope.runtime.schemes import scaled_grid  # noqa: E402
+
+if not hasattr(tc, "transforms"):
+    # diffusers resizes the padding mask with torchvision (absent here): its tensor path is
+    # F.interpolate(mode="nearest"), which is what stands in for it
+    import torch.nn.functional as _nnf
+
+    tc.transforms = types.SimpleNamespace(
+        functional=types.SimpleNamespace(
+            resize=lambda t, size, interpolation=None: _nnf.interpolate(t, size=size,
+                                                                         mode="nearest")),
+        InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
+
+
+def _setting(head, scale, max_size):
+    cfg = dict(attention_head_dim=head, rope_scale=scale, max_size=max_size, patch_size=(1, 2, 2))
+    return checked_setting("scaled_grid", cosmos.rope_axes(head), cosmos.THETA, rotated=("img",),
+                           **cosmos.setting_fields(cfg))
+
+
+def _stock_cache(rope, latent_shape, fps):
+    cos, sin = rope(torch.zeros(latent_shape), fps=fps)
+    half = cos.shape[1] // 2
+    assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+    return torch.cat([cos[:, :half], sin[:, :half]], 1).contiguous()
+
+
+# the tiny config, and Predict2's real widths (head 128) with its rope_scale values
+CASES = [(16, (2.0, 1.0, 1.0), (4, 32, 32), (3, 8, 8), None),
+         (16, (2.0, 1.0, 1.0), (4, 32, 32), (3, 8, 8), 16),
+         (128, (1.0, 4.0, 4.0), (128, 240, 240), (1, 44, 80), None),
+         (128, (1.0, 3.0, 3.0), (128, 240, 240), (6, 30, 40), 16),
+         (128, (2.0, 1.0, 1.0), (128, 240, 240), (6, 30, 40), 10)]
+
+
+@pytest.mark.parametrize("head,scale,max_size,grid,fps", CASES)
+def test_caches_are_diffusers_within_one_ulp(head, scale, max_size, grid, fps):
+    """The numpy cache against diffusers' (CPU): the angles are the same float32 products (the
+    pow, division and products reproduced), and torch's SLEEF cos/sin differ from the
+    correctly rounded values by at most one float32 ulp (scaled_grid's docstring): measured
+    here, never more than 1 ulp, on a minority of entries."""
+    rope = tc.CosmosRotaryPosEmbed(head, max_size=max_size, patch_size=(1, 2, 2),
+                                   rope_scale=scale)
+    ref = _stock_cache(rope, (1, 1, grid[0], 2 * grid[1], 2 * grid[2]), fps).numpy()
+    img = build_rope_caches("scaled_grid", {"grid": grid, "fps": fps},
+                            _setting(head, scale, max_size)).img.numpy()
+    assert img.shape == ref.shape == (grid[0] * grid[1] * grid[2], head)
+    ulps = np.abs(img.view(np.int32).astype(np.int64) - ref.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
+    assert (ulps > 0).mean() < 0.1
+
+
+def test_the_frequencies_are_bit_exact():
+    """Each axis's inverse frequencies (float32 pow of the float32 base, then 1 / x) are
+    diffusers' bits, for the tiny and the real widths and the bases of the configs above."""
+    for head, scale, max_size, _, _ in CASES:
+        rope = tc.CosmosRotaryPosEmbed(head, max_size=max_size, patch_size=(1, 2, 2),
+                                       rope_scale=scale)
+        setting = _setting(head, scale, max_size)
+        for dim, theta, factor in zip((rope.dim_t, rope.dim_h, rope.dim_w),
+                                      setting.axis_thetas,
+                                      (rope.t_ntk_factor, rope.h_ntk_factor, rope.w_ntk_factor)):
+            assert theta == 10000.0 * factor
+            r = torch.arange(0, dim, 2, dtype=torch.float32)[: dim // 2] / dim
+            want = (1.0 / (theta ** r)).numpy()
+            assert np.array_equal(scaled_grid.frequencies(theta, dim), want)
+
+
+def _inputs(dtype, batch=2, frames=3, height=8, width=12, txt=7, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.randn(batch, 16, frames, height, width, generator=g).to(dtype)
+    cond = (torch.rand(batch, 1, frames, height, width, generator=g) > 0.5).to(dtype)
+    text = torch.randn(batch, txt, COSMOS_CONFIG["text_embed_dim"], generator=g).to(dtype)
+    ts = torch.rand(batch, 1, frames, 1, 1, generator=g).to(dtype)
+    return latent, cond, text, ts, torch.zeros(1, 1, height, width, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("fps", [None, 16], ids=["image", "video"])
+def test_wrapper_is_the_stock_forward_bit_for_bit(dtype, fps):
+    """The cache-input wrapper (fused self-attention with rounding 1, interleaved=False) given
+    diffusers' own cache equals the stock forward exactly in fp32, bf16 and fp16, with
+    Video2World's per-frame timesteps and condition mask, at a grid other than the sample's."""
+    stock = cosmos_transformer(0).to(dtype)
+    wrapper = cexport.CosmosCacheInputTransformer(cosmos_transformer(0).to(dtype),
+                                                  rounding=cosmos.COSMOS_PREDICT2.rounding)
+    latent, cond, text, ts, mask = _inputs(dtype)
+    with torch.no_grad():
+        ref = stock(latent, ts, text, fps=fps, condition_mask=cond, padding_mask=mask,
+                    return_dict=False)[0]
+        cache = _stock_cache(stock.rope, (1, 1) + tuple(latent.shape[2:]), fps)
+        out = wrapper(torch.cat([latent, cond], 1), text, ts.reshape(2, -1).contiguous(), mask,
+                      cache)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+def test_wrapper_with_qkrope_caches_is_close_in_fp32():
+    """With the numpy caches (within one ulp of diffusers', above) the fp32 output moves by a
+    few float32 ulps of the output's scale: each rotated value x*cos - y*sin changes by at most
+    |x| ulp(cos) + |y| ulp(sin), about 2^-23 of the normalised |q| ~ 1, which the attention and
+    the two blocks carry at the same relative order; the bound is 2^-16 of the output's
+    largest value, 128 times that."""
+    stock = cosmos_transformer(0)
+    wrapper = cexport.CosmosCacheInputTransformer(cosmos_transformer(0), rounding=1)
+    latent, cond, text, ts, mask = _inputs(torch.float32)
+    setting = cexport.model_setting_of(stock)
+    cache = build_rope_caches("scaled_grid", {"grid": (3, 4, 6), "fps": 16}, setting).img
+    with torch.no_grad():
+        ref = stock(latent, ts, text, fps=16, condition_mask=cond, padding_mask=mask,
+                    return_dict=False)[0]
+        out = wrapper(torch.cat([latent, cond], 1), text, ts.reshape(2, -1).contiguous(), mask,
+                      cache)
+    assert (out - ref).abs().max() <= ref.abs().max() * 2.0 ** -16
+
+
+def test_refusals_are_one_line():
+    for overrides, match in ((dict(img_context_dim_in=8), "img_context_dim_in"),
+                             (dict(concat_padding_mask=False), "concat_padding_mask")):
+        with pytest.raises(InputError, match=match) as e:
+            cexport.check_supported(cosmos_transformer(0, **overrides))
+        assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+    setting = _setting(16, (2.0, 1.0, 1.0), (4, 32, 32))
+    for request, match in (({"grid": (17, 4, 4), "fps": None}, "frames positions"),
+                           ({"grid": (1, 0, 4), "fps": None}, "at least one token"),
+                           ({"grid": (1, 4, 4), "fps": -1}, "fps must be"),
+                           ({"grid": (1, 4), "fps": None}, "token grid")):
+        with pytest.raises(InputError, match=match) as e:
+            build_rope_caches("scaled_grid", request, setting)
+        assert "\n" not in str(e.value)
