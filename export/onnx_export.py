@@ -58,6 +58,7 @@ from qkrope.model_io import QWEN_IMAGE
 from qkrope._progress import Steps
 from qkrope.file_record import new_write_id
 
+from . import latent_axes
 from .attention import (ATTENTION_FORMS, DEFAULT_ATTENTION_FORM,  # noqa: F401 (API)
                         attention_form, check_attention_form)
 from .patch_diffusers import check_fits_in_memory as _check_fits_in_memory, itemsize as _itemsize
@@ -110,11 +111,8 @@ class CacheInputAttention(nn.Module):
 
 def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
     """torch.export's dynamic dimensions of each graph input: its named axes
-    (:data:`qkrope.model_io.TENSORS`)."""
-    dim = torch.export.Dim
-    axes = {a: dim(a) for a in model_io.AXES}
-    return {n: {i: axes[a] for i, a in enumerate(model_io.TENSORS[n].axes) if a is not None}
-            for n in names}
+    (:data:`qkrope.model_io.TENSORS`; a 5-D latent's: :mod:`.latent_axes`)."""
+    return latent_axes.dynamic_shapes(names, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,7 +122,7 @@ def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
 def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
                   output_names: Sequence[str], opset: int, *, parameters_of: str,
                   steps: Steps | None = None, what: str = "the model",
-                  attention: str = DEFAULT_ATTENTION_FORM, weights=None):
+                  attention: str = DEFAULT_ATTENTION_FORM, weights=None, patch=None):
     """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet) whose
     parameters are named by their state-dict keys (:func:`_keep_parameters`).
 
@@ -149,13 +147,14 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
             program = torch.onnx.export(
                 module, args, dynamo=True, opset_version=opset, optimize=False, verbose=False,
                 input_names=list(input_names), output_names=list(output_names),
-                dynamic_shapes=_dynamic_shapes(input_names),
+                dynamic_shapes=latent_axes.dynamic_shapes(input_names, patch),
                 custom_translation_table={
                     torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
             )
         finally:
             registration_log.setLevel(level)
     model = program.model
+    latent_axes.rename(model, patch)  # a 5-D latent's axes by name (export/latent_axes.py)
     inner = getattr(module, parameters_of)
     keys = _rename_parameters(model, inner.state_dict(), prefix=parameters_of + ".")
     if weights is not None:
@@ -857,6 +856,8 @@ class TransformerPlan:
     nodes: int
     num_layers_exported: int | None
     blocks: str
+    interleaved: bool = contract.DEFAULT_INTERLEAVED  # the nodes' rotation pairs
+    eps: float | None = None  # the nodes' epsilon (None: the first block's attn.norm_q's)
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
@@ -883,6 +884,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     FP8) as it is written (:mod:`qkrope.export.streaming`), so the peak memory is the trace's
     plus about one tensor, whatever the model's size."""
     from qkrope import families
+    from qkrope.runtime.latents import latent_of
     from qkrope.runtime.state_dict import model_folder_files
 
     from .patch_diffusers import folder_family
@@ -918,14 +920,17 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         plan = hooks.prepare(family, transformer, sample=sample, dtype=tdtype, layers=layers,
                              rounding=rounding)
         rotary_dim = sum(plan.axes)
-        eps = float(transformer.transformer_blocks[0].attn.norm_q.eps)
+        latent = latent_of(family, cfg)  # a 5-D latent's patch: its axes (export/latent_axes)
+        patch = latent.patch if latent.rank == 5 else None
+        eps = plan.eps if plan.eps is not None else \
+            float(transformer.transformer_blocks[0].attn.norm_q.eps)
         with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
             model = _torch_export(   # the float graph; FP8 Q/DQ go in below
                 plan.wrapper, plan.args, plan.decl.input_names, plan.decl.output_names, opset,
                 parameters_of="transformer", steps=steps, attention=attention,
                 what=f"{plan.blocks} (sample {sample.img_shapes}, {sample.txt_len} text "
                      f"tokens, batch {sample.batch}; {attention} attention, opset {opset})",
-                weights=weights)
+                weights=weights, patch=patch)
         state = {k: v for k, v in transformer.state_dict().items()
                  if quantization.QUANTIZER_MARK not in k}
         not_in_graph = check_parameters(model, state)
@@ -938,7 +943,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         with steps.step(f"adding the QKNormRoPE function body ({plan.nodes} nodes)"):
             finalize_model(model, opset=opset, head_dim=head_dim, rotary_dim=rotary_dim,
                            expected_nodes=plan.nodes)
-        attributes = contract.NodeAttributes(eps, contract.DEFAULT_INTERLEAVED, plan.rounding)
+        attributes = contract.NodeAttributes(eps, plan.interleaved, plan.rounding)
         config = ModelConfig(
             dim=int(cfg["num_attention_heads"]) * head_dim,
             heads=int(cfg["num_attention_heads"]), head_dim=head_dim, rotary_dim=rotary_dim,
@@ -959,6 +964,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=attributes, config=config,
             sample=_sample_dict(sample), versions=_versions(("diffusers",)),
-            axis_values=_axis_values(sample)), steps, decl=plan.decl)
+            axis_values={**_axis_values(sample), **latent_axes.axis_values(
+                sample.img_shapes[0], patch)}), steps, decl=plan.decl)
         steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

@@ -149,3 +149,62 @@ def test_refusals_are_one_line():
         with pytest.raises(InputError, match=match) as e:
             build_rope_caches("scaled_grid", request, setting)
         assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The tiny model saved and exported (fp32, the default sample: traced with 2 frames)."""
+    from qkrope.export.onnx_export import export_transformer
+
+    root = tmp_path_factory.mktemp("cosmos")
+    cosmos_transformer(0).save_pretrained(str(root / "tiny"))
+    info, _ = export_transformer(root / "m.onnx", root / "tiny", dtype="fp32", progress=False)
+    return root / "m.onnx", info
+
+
+def test_export_graph_and_sidecar(exported):
+    """One fused node per block (split halves, rounding 1), the 5-D latent axes by name, no
+    text cache, the sidecar's RoPE setting and family."""
+    import onnx
+
+    path, info = exported
+    model = onnx.load(str(path))
+    nodes = [n for n in model.graph.node if n.op_type == "QKNormRoPE"]
+    assert len(nodes) == COSMOS_CONFIG["num_layers"]
+    for n in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["interleaved"] == 0 and attrs["rounding"] == 1
+    shapes = {t.name: t.shape for t in info.inputs + info.outputs}
+    assert shapes["latent"] == ["batch", 17, "latent_frames", "latent_height", "latent_width"]
+    assert shapes["latent_sample"] == ["batch", 16, "latent_frames", "latent_height",
+                                       "latent_width"]
+    assert "txt_cos_sin_cache" not in shapes
+    assert info.config.family == "cosmos-predict2" and info.config.axes_dims_rope == [8, 4, 4]
+    assert info.node_attributes.interleaved is False
+
+
+@pytest.mark.parametrize("batch,frames,height,width,txt,fps",
+                         [(1, 1, 6, 10, 5, None), (3, 4, 10, 6, 9, 16)],
+                         ids=["image-b1", "video-b3"])
+def test_onnxruntime_at_untraced_shapes(exported, batch, frames, height, width, txt, fps):
+    """ONNX Runtime on the export, at batches, frame counts, resolutions and text lengths other
+    than the traced ones, with qkrope's caches, against the stock forward: fp32 sums in another
+    order (ORT's kernels) and caches within one ulp move the output by a few float32 ulps of
+    its scale per block (measured 2^-22 relative); the bound is 2^-16 of the largest value."""
+    ort = pytest.importorskip("onnxruntime")
+    path, _ = exported
+    stock = cosmos_transformer(0)
+    latent, cond, text, _, mask = _inputs(torch.float32, batch, frames, height, width, txt)
+    ts = torch.rand(batch, 1, frames, 1, 1, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = stock(latent, ts, text, fps=fps, condition_mask=cond, padding_mask=mask,
+                    return_dict=False)[0].numpy()
+    cache = build_rope_caches("scaled_grid", {"grid": (frames, height // 2, width // 2),
+                                              "fps": fps}, cexport.model_setting_of(stock)).img
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = sess.run(None, {"latent": torch.cat([latent, cond], 1).numpy(),
+                          "encoder_hidden_states": text.numpy(),
+                          "frame_timestep": ts.reshape(batch, frames).numpy(),
+                          "padding_mask": mask.numpy(), "img_cos_sin_cache": cache.numpy()})[0]
+    assert out.shape == ref.shape
+    assert np.abs(out - ref).max() <= np.abs(ref).max() * 2.0 ** -16

@@ -226,6 +226,13 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     if len(sample.img_shapes) != 1:
         raise InputError(f"a Cosmos sample is one latent grid (frames, height, width in "
                          f"tokens); got {len(sample.img_shapes)}: {sample.img_shapes}")
+    f, h, w = (int(v) for v in sample.img_shapes[0])
+    if min(h, w) < 2:
+        raise InputError(f"--img-shape {f} {h} {w}: a Cosmos export traces a latent of at "
+                         f"least 2 tokens per axis (torch.export fixes an axis of size 1). Fix: "
+                         f"pass --img-shape 2 8 8 or larger")
+    if f < 2:  # an image's one frame: traced with two, so the frames axis stays dynamic
+        sample.img_shapes = [(2, h, w)]
     head_dim = int(cfg["attention_head_dim"])
     wrapper = CosmosCacheInputTransformer(transformer, rounding=rounding).eval()
     args = sample_args(transformer, sample, dtype, model_setting_of(transformer))
@@ -233,7 +240,8 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=rope_axes(head_dim),
         theta=int(THETA), rounding=rounding, nodes=n, num_layers_exported=None,
-        blocks=f"{record.label}: {n} blocks")
+        blocks=f"{record.label}: {n} blocks", interleaved=False,
+        eps=float(transformer.transformer_blocks[0].attn1.norm_q.eps))
 
 
 def post_export(model) -> None:
