@@ -208,3 +208,118 @@ def test_onnxruntime_at_untraced_shapes(exported, batch, frames, height, width, 
                           "padding_mask": mask.numpy(), "img_cos_sin_cache": cache.numpy()})[0]
     assert out.shape == ref.shape
     assert np.abs(out - ref).max() <= np.abs(ref).max() * 2.0 ** -16
+
+
+def test_dropin_at_untraced_shapes_and_its_refusals(exported):
+    """load_transformer's drop-in takes what the pipelines pass (the 16-channel latent and the
+    condition mask, a pixel-size padding mask, [batch] or per-frame timesteps, fps) at a shape
+    other than the traced one, within the ONNX Runtime bound above; what the graph cannot take
+    is refused in one line."""
+    from qkrope.runtime import load_transformer
+
+    path, _ = exported
+    stock, dropin = cosmos_transformer(0), load_transformer(path)
+    latent, cond, text, ts5, _ = _inputs(torch.float32, 2, 3, 8, 10, 6)
+    pixel_mask = torch.zeros(1, 1, 64, 80)
+    for ts, fps in ((ts5, 16), (torch.tensor([0.3, 0.6]), None)):
+        kw = dict(hidden_states=latent, timestep=ts, encoder_hidden_states=text, fps=fps,
+                  condition_mask=cond, padding_mask=pixel_mask, return_dict=False)
+        with torch.no_grad():
+            ref = stock(**kw)[0]
+        out = dropin(**kw)[0]
+        assert out.shape == ref.shape
+        assert (out - ref).abs().max() <= ref.abs().max() * 2.0 ** -16
+    base = dict(hidden_states=latent, timestep=ts5, encoder_hidden_states=text,
+                condition_mask=cond, padding_mask=pixel_mask)
+    for kw, match in ((dict(attention_mask=torch.ones(2, 6)), "attention_mask"),
+                      (dict(block_controlnet_hidden_states=[latent]), "ControlNet"),
+                      (dict(condition_mask=None), "16 channels; this model takes 17"),
+                      (dict(padding_mask=None), "needs padding_mask"),
+                      (dict(padding_mask=torch.zeros(2, 1, 8, 10)), "one mask for the batch"),
+                      (dict(encoder_hidden_states=(text, text)), "Predict2.5"),
+                      (dict(timestep=torch.rand(2, 1, 2, 1, 1)), "timestep must be"),
+                      (dict(img_ids=torch.zeros(4, 3)), "received img_ids")):
+        with pytest.raises(InputError, match=match) as e:
+            dropin(**{**base, **kw})
+        assert "\n" not in str(e.value)
+
+
+class _NoSafetyChecker:
+    """The pipelines' safety checker stood in for (the real one downloads a guardrail)."""
+
+    def __init__(self):
+        from diffusers import ConfigMixin, ModelMixin
+
+        class Dummy(ModelMixin, ConfigMixin):
+            def __init__(self):
+                super().__init__()
+                self.p = torch.nn.Parameter(torch.zeros(1))
+
+            def check_text_safety(self, prompt):
+                return True
+
+            def check_video_safety(self, frames):
+                return frames
+
+        self.module = Dummy()
+
+
+def _pipeline(cls, transformer):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)  # diffusers' tiny Wan VAE (the Cosmos2 pipeline tests')
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    return cls(text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+               scheduler=FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True),
+               safety_checker=_NoSafetyChecker().module)
+
+
+def test_video_to_world_pipeline_end_to_end(exported):
+    """Cosmos2VideoToWorldPipeline (an image, 9 frames at 32x32: latent grid 3 x 2 x 2, not the
+    traced 2 x 8 x 8; CFG with a negative prompt; fps 16) on the export, against the same
+    pipeline on the PyTorch model: the latents agree within 2^-12 of their scale (the ORT bound
+    per call, carried through 2 Euler steps and the guidance sum, each a few operations of the
+    same relative order)."""
+    import PIL.Image
+    from diffusers import Cosmos2VideoToWorldPipeline
+
+    from qkrope.runtime import load_transformer
+
+    path, _ = exported
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 32, generator=g)
+    outs = []
+    for transformer in (cosmos_transformer(0), load_transformer(path)):
+        pipe = _pipeline(Cosmos2VideoToWorldPipeline, transformer)
+        outs.append(pipe(image=PIL.Image.new("RGB", (32, 32)), prompt_embeds=embeds[0],
+                         negative_prompt_embeds=embeds[1], height=32, width=32, num_frames=9,
+                         num_inference_steps=2, guidance_scale=3.0, output_type="latent",
+                         generator=torch.Generator().manual_seed(1)).frames)
+    assert outs[0].shape == outs[1].shape == (1, 16, 3, 4, 4)
+    assert (outs[0] - outs[1]).abs().max() <= outs[0].abs().max() * 2.0 ** -12
+
+
+def test_text_to_image_pipeline_end_to_end(tmp_path):
+    """Cosmos2TextToImagePipeline (in_channels 16, no condition mask, [batch] timesteps, no
+    fps; 2 images of 48x32, CFG) on an export of the Text2Image form of the tiny model, against
+    the PyTorch pipeline, within the bound above."""
+    from diffusers import Cosmos2TextToImagePipeline
+
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.runtime import load_transformer
+
+    cosmos_transformer(0, in_channels=16).save_pretrained(str(tmp_path / "t2i"))
+    export_transformer(tmp_path / "t2i.onnx", tmp_path / "t2i", dtype="fp32", progress=False)
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 32, generator=g)
+    outs = []
+    for transformer in (cosmos_transformer(0, in_channels=16),
+                        load_transformer(tmp_path / "t2i.onnx")):
+        pipe = _pipeline(Cosmos2TextToImagePipeline, transformer)
+        outs.append(pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=48,
+                         width=32, num_images_per_prompt=2, num_inference_steps=2,
+                         guidance_scale=3.0, output_type="latent",
+                         generator=torch.Generator().manual_seed(1)).images)
+    assert outs[0].shape == outs[1].shape
+    assert (outs[0] - outs[1]).abs().max() <= outs[0].abs().max() * 2.0 ** -12
