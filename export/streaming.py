@@ -255,8 +255,26 @@ class DiskWeights(TensorSource):
             value = read_tensor(self.headers[key])
         except DiffusersWeightsError as exc:
             raise WeightsMismatchError(f"{self.source}: {exc}") from None
-        # values the export dtype cannot hold (NaN/inf, fp32 beyond fp16): refused here
-        return checked_cast(value, self.targets[key], name=key, source=self.source)
+        # values the export dtype cannot hold (NaN/inf, fp32 beyond fp16): refused here; an
+        # overflow lists every tensor that overflows (the rest are read for it, on failure only)
+        return checked_cast(value, self.targets[key], name=key, source=self.source,
+                            others=lambda: self._overflowing(skip=key))
+
+    def _overflowing(self, *, skip: str) -> list[str]:
+        """The keys other than ``skip`` whose values overflow their export dtype (each read
+        once, one at a time; unreadable ones are left to the export's own error)."""
+        from qkrope.weight_values import overflows
+
+        out = []
+        for key, header in self.headers.items():
+            if key == skip or not self.targets[key].is_floating_point:
+                continue
+            try:
+                if overflows(read_tensor(header), self.targets[key]):
+                    out.append(key)
+            except DiffusersWeightsError:
+                continue
+        return out
 
 
 def _dtype_name(t: torch.Tensor) -> str:

@@ -9,7 +9,7 @@ quantised input is ``amax / 448``, a NaN or infinite one makes every output afte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from qkrope.errors import InputError
 
@@ -64,19 +64,40 @@ def cast_problem(t, dtype) -> tuple[Any, str | None]:
     return out, None
 
 
-def checked_cast(t, dtype, *, name: str, source: str, dtype_flag: str | None = "--dtype"):
+#: overflowing tensors a message names before it counts the rest
+NAMED = 5
+
+
+def overflows(t, dtype) -> bool:
+    """Whether finite values of ``t`` become infinite in ``dtype`` (NaN/inf as given: False)."""
+    if t.dtype == dtype or not t.is_floating_point() or nonfinite(t):
+        return False
+    return bool(nonfinite(t.to(dtype)))
+
+
+def checked_cast(t, dtype, *, name: str, source: str, dtype_flag: str | None = "--dtype",
+                 others: Callable[[], Sequence[str]] | None = None):
     """``t`` in ``dtype``, or a :class:`WeightValueError` naming ``name`` (of ``source``) and the
-    fix: for an overflow, ``dtype_flag`` bf16 (float32's range) or fp32."""
+    fix: for an overflow, ``dtype_flag`` bf16 (float32's range) or fp32. On an overflow,
+    ``others()`` (when given) names the other tensors that overflow too, so one message lists
+    every tensor the dtype cannot hold (the first :data:`NAMED`, then a count)."""
     out, problem = cast_problem(t, dtype)
     if problem is None:
         return out
     if "NaN or infinite" in problem:
         fix = ("the weights are damaged: pass weights whose values are finite (re-save or "
                "download them again)")
-    else:
-        fix = (f"export with {dtype_flag} bf16 (float32's range) or {dtype_flag} fp32"
-               if dtype_flag else "use a wider dtype (bf16 or fp32)")
-    raise WeightValueError(f"{source}: {name}: {problem}. Fix: {fix}")
+        raise WeightValueError(f"{source}: {name}: {problem}. Fix: {fix}")
+    fix = (f"export with {dtype_flag} bf16 (float32's range) or {dtype_flag} fp32"
+           if dtype_flag else "use a wider dtype (bf16 or fp32)")
+    rest = [n for n in (others() if others is not None else ()) if n != name]
+    if not rest:
+        raise WeightValueError(f"{source}: {name}: {problem}. Fix: {fix}")
+    listed = ", ".join(rest[:NAMED - 1]) + (f" (+{len(rest) - NAMED + 1} more)"
+                                            if len(rest) > NAMED - 1 else "")
+    raise WeightValueError(f"{source}: {1 + len(rest)} tensors have values beyond "
+                           f"{dtype_name(dtype)}'s range: {name}: {problem}; also {listed}. "
+                           f"Fix: {fix}")
 
 
 def amax_problem(amax) -> str | None:
@@ -91,5 +112,6 @@ def amax_problem(amax) -> str | None:
     return None
 
 
-__all__ = ["WeightValueError", "nonfinite", "cast_problem", "checked_cast", "amax_problem",
+__all__ = ["WeightValueError", "nonfinite", "overflows", "cast_problem", "checked_cast",
+           "amax_problem",
            "dtype_name"]

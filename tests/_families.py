@@ -67,12 +67,30 @@ COSMOS_CONFIG = dict(in_channels=16 + 1, out_channels=16, num_attention_heads=2,
                      extra_pos_embed_type="learnable")
 
 
+def cosmos_torchvision_standin() -> None:
+    """diffusers' Cosmos forward resizes the padding mask with torchvision, which the test
+    environment may lack: its tensor path (``F.interpolate(mode="nearest")``) stands in for
+    it then (what the drop-in does too)."""
+    import types
+
+    import diffusers.models.transformers.transformer_cosmos as tc
+    import torch.nn.functional as nnf
+
+    if not hasattr(tc, "transforms"):
+        tc.transforms = types.SimpleNamespace(
+            functional=types.SimpleNamespace(
+                resize=lambda t, size, interpolation=None: nnf.interpolate(t, size=size,
+                                                                           mode="nearest")),
+            InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
+
+
 def cosmos_transformer(seed: int = 0, **overrides):
     """The tiny Cosmos-Predict2 transformer, weights ~ N(0, 0.2^2) (diffusers zeroes the
     learnable positional embedding)."""
     import torch
     from diffusers import CosmosTransformer3DModel
 
+    cosmos_torchvision_standin()
     torch.manual_seed(seed)
     model = CosmosTransformer3DModel(**{**COSMOS_CONFIG, **overrides})
     g = torch.Generator().manual_seed(seed)

@@ -47,9 +47,18 @@ REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ABS_TOL_FP32 = 1e-5
 
 CASES = list(itertools.product(DTYPES, (True, False), contract.ROUNDING_MODES, HEAD_ROT))
-# FLUX.1/FLUX.2's head counts (24, 32, 48) x 128, interleaved pairs at full rotary width: the
-# kernel report's (one home).
-from qkrope.apps.kernel_report.assumptions import FLUX_HEAD_DIM, FLUX_HEADS  # noqa: E402
+# Every head layout a family launches (its record's ``launches``, one home): heads, head_dim,
+# rotated width, pairing, and the rounding modes it is planned with.
+from qkrope import families  # noqa: E402
+
+LAUNCH_LAYOUTS = sorted({(ln.heads, ln.head_dim, ln.rotary, ln.interleaved, ln.roundings)
+                         for r in families.records() for ln in r.launches})
+
+
+def layout_id(layout) -> str:
+    heads, d, rot, inter, roundings = layout
+    return (f"h{heads}-d{d}-rot{rot}-{'gptj' if inter else 'neox'}-"
+            f"r{''.join(str(r) for r in roundings)}")
 
 
 def case_id(case) -> str:

@@ -298,3 +298,31 @@ def test_engine_side_is_the_runtime_runner_over_a_fake_tensorrt(tmp_path, monkey
         with pytest.raises(RopeCacheOverflowError):
             adapter.infer({**feeds, "img_cos_sin_cache": img[:4].contiguous().numpy()})
         assert [c[0] for c in engine.calls].count("execute_async_v3") == 1
+
+
+def test_a_bf16_export_on_the_cpu_provider_is_refused_from_its_sidecar(tmp_path, capsys,
+                                                                       nothing_runs,
+                                                                       monkeypatch):
+    """Issue 35 item 1: ONNX Runtime's CPU provider has no bfloat16 MatMul kernel. A bf16
+    export checked on it alone is refused in one line from its sidecar, before the model is
+    hashed or a session made (at the real width a minute and gigabytes); with --providers cuda
+    or --no-onnxrt the refusal does not apply."""
+    from qkrope.sidecars import ModelInfo
+
+    model = tmp_path / "attn_bf16.onnx"
+    export_attention(model, heads=2, head_dim=64, dtype="bf16")
+    hashed = []
+    load = ModelInfo.load.__func__
+
+    def spy(cls, path, *, full=None):
+        hashed.append(full)
+        return load(cls, path, full=full)
+
+    monkeypatch.setattr(ModelInfo, "load", classmethod(spy))
+    assert main(["check", str(model), "--workdir", str(tmp_path / "w")]) == 2
+    err = _one_line_error(capsys)
+    assert "bf16 export" in err and "--providers cuda" in err and "--no-onnxrt" in err
+    assert True not in hashed and not (tmp_path / "w").exists()
+    # the refusal is the CPU provider's only
+    assert parity._refuse_bf16_on_cpu(str(model), ["cuda"], True) is None
+    assert parity._refuse_bf16_on_cpu(str(model), ["cpu"], False) is None

@@ -4,8 +4,6 @@ the refusals, on diffusers' own tiny Video2World config (tests/_families.py)."""
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
@@ -13,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
 import diffusers.models.transformers.transformer_cosmos as tc  # noqa: E402
-from _families import COSMOS_CONFIG, cosmos_transformer  # noqa: E402
+from _families import COSMOS_CONFIG, cosmos_torchvision_standin, cosmos_transformer  # noqa: E402,E501
 
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.families import cosmos  # noqa: E402
@@ -21,16 +19,7 @@ from qkrope.families.cosmos import export as cexport  # noqa: E402
 from qkrope.runtime.caches import build_rope_caches, checked_setting  # noqa: E402
 from qkrope.runtime.schemes import scaled_grid  # noqa: E402
 
-if not hasattr(tc, "transforms"):
-    # diffusers resizes the padding mask with torchvision (absent here): its tensor path is
-    # F.interpolate(mode="nearest"), which is what stands in for it
-    import torch.nn.functional as _nnf
-
-    tc.transforms = types.SimpleNamespace(
-        functional=types.SimpleNamespace(
-            resize=lambda t, size, interpolation=None: _nnf.interpolate(t, size=size,
-                                                                         mode="nearest")),
-        InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
+cosmos_torchvision_standin()  # diffusers resizes the padding mask with torchvision
 
 
 def _setting(head, scale, max_size):

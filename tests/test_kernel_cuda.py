@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _kernel_cases import (CASES, FLUX_HEAD_DIM, assert_bit_exact, assert_within_order_policy,
+from _kernel_cases import (CASES, LAUNCH_LAYOUTS, assert_bit_exact, layout_id, assert_within_order_policy,
                            case_id, check_against_fp32, make_inputs, reference)
+from qkrope import families
 from qkrope.runtime import kernels, toolchain
 
 pytestmark = [pytest.mark.cuda,
@@ -100,19 +101,20 @@ def test_grid_shapes(cuda_lib, batch, seq, heads, head_dim):
         assert_bit_exact(_run(inputs, **kw), reference(*inputs, **kw))
 
 
-@pytest.mark.parametrize("heads, seq", [(24, 512), (32, 512), (48, 4608)])
-def test_flux_layouts_match_the_cpu_build(cuda_lib, heads, seq):
-    """FLUX's head layouts (x 128, interleaved, full rotary; 4608 tokens = a single block at
-    1024x1024), FLUX's rounding order and the one-rounding mode, random inputs: the same bits as
-    the CPU build of the arithmetic, which sums the squares in the launched path's order."""
-    inputs = make_inputs(torch.bfloat16, FLUX_HEAD_DIM, FLUX_HEAD_DIM, batch=1, seq=seq,
-                         heads=heads, seed=heads, device="cuda")
-    for rounding in (2, 0):
-        kw = dict(interleaved=True, rounding=rounding)
+@pytest.mark.parametrize("layout", LAUNCH_LAYOUTS, ids=layout_id)
+def test_family_launch_layouts_match_the_cpu_build(cuda_lib, layout):
+    """Every head layout a family launches (its record's launches), at the longest sequence
+    among its launches, in each rounding mode it is planned with, random inputs: the same bits
+    as the CPU build of the arithmetic, which sums the squares in the launched path's order."""
+    heads, d, rot, inter, roundings = layout
+    seq = max(ln.seq for r in families.records() for ln in r.launches
+              if (ln.heads, ln.head_dim, ln.rotary, ln.interleaved) == (heads, d, rot, inter))
+    inputs = make_inputs(torch.bfloat16, d, rot, batch=1, seq=seq, heads=heads, seed=heads,
+                         device="cuda")
+    for rounding in roundings:
+        kw = dict(interleaved=inter, rounding=rounding)
         got = _run(inputs, **kw)
         assert_bit_exact(got, kernels.host_qk_norm_rope(*(t.cpu() for t in inputs), **kw))
-
-
 def test_in_place(cuda_lib):
     q, k, qw, kw, cache = make_inputs(torch.bfloat16, 128, 128, batch=1, seq=64, heads=24,
                                       device="cuda")

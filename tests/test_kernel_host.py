@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _kernel_cases import (CASES, FLUX_HEAD_DIM, FLUX_HEADS, assert_bit_exact,
+from _kernel_cases import (CASES, LAUNCH_LAYOUTS, assert_bit_exact, layout_id,
                            assert_within_order_policy, case_id, check_against_fp32, make_inputs,
                            reference)
 from _native import require_native_tools
@@ -102,20 +102,21 @@ def test_fp32_rounding_modes_identical(host_lib):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("heads", FLUX_HEADS)
+@pytest.mark.parametrize("layout", LAUNCH_LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flux_head_counts_rounding2(host_lib, dtype, heads):
-    """FLUX's head layouts (24, 32, 48 x 128, interleaved, full rotary), FLUX's rounding order:
-    bit-exact with the reference on grid inputs, within the order policy on random rows."""
-    kw = dict(interleaved=True, rounding=contract.ROUNDING_FLUX)
-    grid = make_inputs(dtype, FLUX_HEAD_DIM, FLUX_HEAD_DIM, batch=1, seq=4, heads=heads,
-                       grid=True, seed=heads)
-    assert_bit_exact(_run(grid, **kw), reference(*grid, **kw))
-    inputs = make_inputs(dtype, FLUX_HEAD_DIM, FLUX_HEAD_DIM, batch=1, seq=16, heads=heads,
-                         seed=heads + 1)
-    outs = _run(inputs, **kw)
-    check_against_fp32(outs, inputs, dtype, True)
-    assert_within_order_policy(outs, reference(*inputs, **kw), dtype, rounding=kw["rounding"])
+def test_family_launch_layouts(host_lib, dtype, layout):
+    """Every head layout a family launches (its record's launches), in each rounding mode it is
+    planned with: bit-exact with the reference on grid inputs, within the order policy on random
+    rows."""
+    heads, d, rot, inter, roundings = layout
+    for rounding in roundings:
+        kw = dict(interleaved=inter, rounding=rounding)
+        grid = make_inputs(dtype, d, rot, batch=1, seq=4, heads=heads, grid=True, seed=heads)
+        assert_bit_exact(_run(grid, **kw), reference(*grid, **kw))
+        inputs = make_inputs(dtype, d, rot, batch=1, seq=16, heads=heads, seed=heads + 1)
+        outs = _run(inputs, **kw)
+        check_against_fp32(outs, inputs, dtype, inter)
+        assert_within_order_policy(outs, reference(*inputs, **kw), dtype, rounding=rounding)
 
 
 def test_empty_problem(host_lib):

@@ -159,22 +159,28 @@ def test_launched_instances_meet_the_static_targets(report):
 
 
 @pytest.mark.slow
-def test_flux_launches_are_planned_and_checked(report):
-    """FLUX's head counts (24, 32, 48 x 128), its double block's image and text nodes and the
-    single block's 4608-token stream, in FLUX's rounding order and the one-rounding mode, on
-    every modelled device; on the sm_90 devices each is checked against LAUNCH_TARGETS."""
-    flux = [ln for ln in report["launches"] if ln["model"].startswith("FLUX")]
-    want = {(d, f"FLUX {h}h", s, b, r) for d in kr.MODELLED_DEVICES for h in kr.FLUX_HEADS
-            for s in ("image 4096", "text 512", "single 4096+512") for b in kr.FLUX_BATCHES
-            for r in (0, 2)}
-    assert {(ln["device"], ln["model"], ln["stream"], ln["batch"], ln["rounding"]) for ln in flux} == want
-    single = [ln for ln in flux if ln["stream"] == "single 4096+512" and ln["batch"] == 1]
-    assert single and all(ln["tokens"] == 4608 for ln in single)
-    for ln in flux:
-        assert ln["found"] and ln["instance"].endswith(f",{ln['rounding']},true>"), ln
+def test_family_launches_are_planned_and_checked(report):
+    """Every launch of every family record (its streams, head counts and batches, in each of its
+    rounding modes) is planned on every modelled device and launches an instance of its rounding
+    and pairing that exists in the SASS; on the sm_90 devices each is checked against
+    LAUNCH_TARGETS."""
+    from qkrope import families
+
+    want = {(d, ln.model, ln.stream, b, r) for d in kr.MODELLED_DEVICES
+            for rec in families.records() for ln in rec.launches for b in ln.batches
+            for r in ln.roundings}
+    got = [(ln["device"], ln["model"], ln["stream"], ln["batch"], ln["rounding"])
+           for ln in report["launches"]]
+    assert set(got) == want and len(got) == len(want)
+    layouts = {(ln.model, ln.stream): ln for rec in families.records() for ln in rec.launches}
+    for ln in report["launches"]:
+        lay = layouts[(ln["model"], ln["stream"])]
+        assert ln["tokens"] == ln["batch"] * lay.seq and ln["heads"] == lay.heads
+        assert ln["found"] and f",{ln['rounding']},{str(lay.rotary == lay.head_dim).lower()}>" \
+            in ln["instance"], ln
     h200 = [c for c in report["checks"] if c["check"] == "launched-instr-per-element"
-            and c["detail"].startswith("H200 SXM, FLUX")]
-    assert len(h200) == len(kr.FLUX_HEADS) * 3 * len(kr.FLUX_BATCHES) * 2
+            and c["detail"].startswith("H200 SXM, ")]
+    assert len(h200) == sum(1 for w in want if w[0] == "H200 SXM")
     assert all(c["ok"] for c in h200), [c["detail"] for c in h200 if not c["ok"]]
 
 

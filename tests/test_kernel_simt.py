@@ -25,7 +25,8 @@ import subprocess
 import pytest
 import torch
 
-from _kernel_cases import FLUX_HEAD_DIM, FLUX_HEADS, assert_bit_exact, check_against_fp32, make_inputs
+from _kernel_cases import (LAUNCH_LAYOUTS, assert_bit_exact, check_against_fp32, layout_id,
+                           make_inputs)
 from _native import require_native_tools
 from _simt import DEVICE_MODELS, _bits, _instance, _template, run_checked, use_device
 from _simt import device, libs  # noqa: F401 (pytest fixtures)
@@ -265,14 +266,16 @@ def test_qwen_image_heads(device):
         check_against_fp32(outs, inputs, torch.bfloat16, True)
 
 
-@pytest.mark.parametrize("heads", FLUX_HEADS)
-def test_flux_heads(device, heads):
-    """FLUX's head layouts (24, 32, 48 x 128, interleaved, full rotary), bf16 and fp16, FLUX's
-    rounding order and the one-rounding mode, a few tokens: bit for bit with the CPU build."""
+@pytest.mark.parametrize("layout", LAUNCH_LAYOUTS, ids=layout_id)
+def test_family_launch_layouts(device, layout):
+    """Every head layout a family launches (its record's launches: heads x head_dim, pairing,
+    rotated width), bf16 and fp16, in each rounding mode it is planned with, a few tokens: bit
+    for bit with the CPU build."""
+    heads, d, rot, inter, roundings = layout
     for dtype in (torch.bfloat16, torch.float16):
-        for rounding in (contract.ROUNDING_FLUX, contract.ROUNDING_ONE):
-            run_checked(dtype, FLUX_HEAD_DIM, FLUX_HEAD_DIM, rounding=rounding, batch=1, seq=3,
-                        heads=heads, grid=False, seed=heads + rounding)
+        for rounding in roundings:
+            run_checked(dtype, d, rot, rounding=rounding, batch=1, seq=3, heads=heads,
+                        interleaved=inter, grid=False, seed=heads + rounding)
 
 
 def test_seeded_schedules_agree(device):

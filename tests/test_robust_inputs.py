@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
+from _oneline import error_line  # noqa: E402
+
 from qkrope import diffusers_weights as dw  # noqa: E402
 from qkrope._fileio import OutputIsInputError  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
@@ -53,13 +55,7 @@ def _rename_shard(d: Path, old: str, new: str) -> None:
 def _one_line_error(capsys) -> str:
     """stderr without the progress lines ("qkrope export: [1/6] ...") and the dtype line
     ("qkrope export: dtype fp32: ... the checkpoint's dtype") is one line, no traceback."""
-    import re
-
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.strip().splitlines()
-             if not re.match(r"qkrope \w+: (\[\d+/\d+\]|dtype \w+: )", ln)]
-    assert "Traceback" not in err and len(lines) == 1, err
-    return lines[0]
+    return error_line(capsys)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ anything is built or compared (it used to raise a raw traceback or compare the w
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+from _oneline import error_lines  # noqa: E402
 
 from qkrope import diffusers_weights as dw  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
@@ -30,8 +31,7 @@ def exported(tmp_path_factory):
 def _check(out, folder, tmp_path, capsys) -> str:
     rc = main(["check", str(out), "--diffusers", str(folder), "--workdir", str(tmp_path / "w")])
     err = capsys.readouterr().err
-    lines = [ln for ln in err.strip().splitlines()
-             if not re.match(r"qkrope \w+: \[\d+/\d+\]", ln)]
+    lines = error_lines(err)
     assert rc == 2 and "Traceback" not in err and len(lines) == 1, err
     return lines[0]
 

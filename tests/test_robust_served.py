@@ -6,11 +6,12 @@ keeps a copy of the sidecar beside the served file."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import onnx
 import pytest
+
+from _oneline import error_lines  # noqa: E402
 
 from qkrope.cli import main
 from qkrope.sidecars import ModelInfo, ModelInfoError
@@ -54,8 +55,7 @@ def test_the_hard_link_is_said_and_a_rewritten_source_is_refused_where_served(
         ModelInfo.load(served)
     rc = main(["check", str(served), "--workdir", str(tmp_path / "w")])
     err = capsys.readouterr().err
-    lines = [ln for ln in err.strip().splitlines()
-             if not re.match(r"qkrope \w+: \[\d+/\d+\]", ln)]
+    lines = error_lines(err)
     assert rc == 2 and "Traceback" not in err and len(lines) == 1 and str(served) in lines[0]
 
 
@@ -74,3 +74,61 @@ def test_the_note_is_in_the_help_and_the_readme():
     from qkrope.runtime import triton
 
     assert "--copy" in triton.HARD_LINK_NOTE
+
+
+def _engine(tmp_path: Path) -> Path:
+    """An engine file (its bytes stand for a plan built without the plugin: the loaders check
+    the file against its sidecar's records before any TensorRT call) with a sidecar written by
+    EngineInfo.save (stat record and sha256)."""
+    from qkrope.sidecars import EngineInfo, EngineTensor
+
+    eng = tmp_path / "src" / "attn.engine"
+    eng.parent.mkdir(parents=True)
+    eng.write_bytes(b"a serialised plan, as far as the sidecar is concerned " * 8)
+    info = EngineInfo(tensorrt_version="10.14", onnx="/m.onnx",
+                      inputs=[EngineTensor("x", "float32", [-1, 8], ["tokens", None])],
+                      outputs=[EngineTensor("y", "float32", [-1, 8], ["tokens", None])],
+                      profiles=[], plugin=None, plugin_layers=0, version_compatible=False,
+                      strongly_typed=True)
+    info.save(eng)
+    return eng
+
+
+def _rewrite_engine_in_place(path: Path) -> None:
+    """A rebuild written over the source (same inode, other bytes, later mtime)."""
+    ino = os.stat(path).st_ino
+    data = path.read_bytes()
+    with open(path, "r+b") as f:
+        f.write(b"another plan" + data[len(b"another plan"):])
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert os.stat(path).st_ino == ino
+
+
+def test_a_served_engine_rewritten_through_its_hard_link_is_refused(tmp_path, capsys):
+    """The served-engine case of class 8: triton-repo hard-links the engine into the repository
+    (and keeps a copy of its sidecar beside it); a rebuild written in place over the source
+    changes the served plan too, and the sidecar the repository kept refuses it where qkrope
+    loads it (EngineInfo.load: the loaders and the runtime), in one line naming the file."""
+    from qkrope.sidecars import EngineInfo, EngineInfoError
+
+    eng = _engine(tmp_path)
+    repo = tmp_path / "repo"
+    assert main(["triton-repo", "--engine", str(eng), "-o", str(repo), "--name", "attn"]) == 0
+    out = capsys.readouterr().out
+    served = repo / "attn" / "1" / "model.plan"
+    assert "hard-linked" in out and "--copy" in out
+    assert os.stat(served).st_ino == os.stat(eng).st_ino
+    assert EngineInfo.load(served).engine_sha256 is not None  # served as built: accepted
+    _rewrite_engine_in_place(eng)
+    with pytest.raises(EngineInfoError, match="does not describe this engine") as err:
+        EngineInfo.load(served)
+    assert "\n" not in str(err.value) and "qkrope build" in str(err.value)
+    # --copy: the served plan is its own file, and a rewritten source leaves it as it was
+    eng2 = _engine(tmp_path / "b")
+    repo2 = tmp_path / "repo2"
+    assert main(["triton-repo", "--engine", str(eng2), "-o", str(repo2), "--name", "attn",
+                 "--copy"]) == 0
+    served2 = repo2 / "attn" / "1" / "model.plan"
+    _rewrite_engine_in_place(eng2)
+    assert EngineInfo.load(served2).engine_sha256 is not None

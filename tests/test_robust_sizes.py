@@ -6,7 +6,6 @@ registers far more parameters than the files hold stops at once (counted, not ti
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
@@ -14,6 +13,8 @@ import torch
 from torch import nn
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+from _oneline import error_lines  # noqa: E402
 
 from qkrope import diffusers_weights as dw  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
@@ -42,8 +43,7 @@ def test_a_config_claiming_more_blocks_than_the_shards_is_refused_before_the_ske
     rc = main(["export", "--model", "transformer", "--diffusers", str(d), "--out",
                str(tmp_path / "o" / "m.onnx")])
     err = capsys.readouterr().err
-    lines = [ln for ln in err.strip().splitlines()
-             if not re.match(r"qkrope \w+: (\[\d+/\d+\]|dtype \w+: )", ln)]
+    lines = error_lines(err)
     assert rc == 2 and not built and "Traceback" not in err and len(lines) == 1, err
     assert f"{field} is {value}" in lines[0] and "at most 2 numbered blocks" in lines[0]
 

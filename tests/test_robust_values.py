@@ -6,7 +6,6 @@ is NaN, infinite or <= 0 in a quantised folder exported with --quant fp8."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+
+from _oneline import error_line  # noqa: E402
 
 from qkrope import weight_values as wv  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
@@ -43,14 +44,6 @@ def _with(saved: Path, tmp_path: Path, key: str, value: float) -> Path:
     return d
 
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.strip().splitlines()
-             if not re.match(r"qkrope \w+: (\[\d+/\d+\]|dtype \w+: )", ln)]
-    assert "Traceback" not in err and len(lines) == 1, err
-    return lines[0]
-
-
 # a key the one-block export writes (block 0's attention output projection)
 KEY = "transformer_blocks.0.attn.to_out.0.weight"
 
@@ -61,7 +54,7 @@ def test_export_refuses_a_nonfinite_weight(saved, tmp_path, capsys, value):
     out = tmp_path / "o" / "m.onnx"
     rc = main(["export", "--model", "transformer", "--diffusers", str(d), "--layers", "1",
                "--out", str(out)])
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert rc == 2 and KEY in line and "NaN or infinite" in line
     assert not out.exists()
 
@@ -71,9 +64,35 @@ def test_export_fp16_refuses_an_fp32_weight_beyond_fp16_and_offers_bf16(saved, t
     out = tmp_path / "o" / "m.onnx"
     rc = main(["export", "--model", "transformer", "--diffusers", str(d), "--layers", "1",
                "--dtype", "fp16", "--out", str(out)])
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert rc == 2 and KEY in line and "float16" in line and "--dtype bf16" in line
     assert not out.exists()
+
+
+def test_export_fp16_names_every_tensor_beyond_fp16(saved, tmp_path, capsys):
+    """Issue 34 class 3: which tensors overflow, not only the first: every key the export
+    writes that fp16 cannot hold is named in the one line (the first few, then a count)."""
+    from safetensors.torch import load_file, save_file
+
+    keys = [KEY, "transformer_blocks.0.attn.to_q.weight", "transformer_blocks.0.attn.to_k.weight"]
+    d = tmp_path / "model"
+    shutil.copytree(saved, d)
+    f = d / "diffusion_pytorch_model.safetensors"
+    state = {k: v.clone() for k, v in load_file(str(f)).items()}
+    for key in keys:
+        state[key].view(-1)[1] = 1.0e5
+    save_file(state, str(f), metadata={"format": "pt"})
+    out = tmp_path / "o" / "m.onnx"
+    rc = main(["export", "--model", "transformer", "--diffusers", str(d), "--layers", "1",
+               "--dtype", "fp16", "--out", str(out)])
+    line = error_line(capsys)
+    assert rc == 2 and "3 tensors have values beyond float16" in line and "--dtype bf16" in line
+    assert all(key in line for key in keys), line
+    assert not out.exists()
+    # more than NAMED: the first few by name, the rest counted
+    with pytest.raises(wv.WeightValueError, match=r"7 tensors .* \(\+2 more\)"):
+        wv.checked_cast(torch.tensor([1.0e5]), torch.float16, name="a", source="s",
+                        others=lambda: [f"b{i}" for i in range(6)])
 
 
 def test_the_check_is_the_conversion_itself():

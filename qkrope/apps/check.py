@@ -427,6 +427,24 @@ def _check_block_arguments(onnx_path: str, info, *, blocks: bool, layers: int | 
                              "engine runs the whole model. Fix: drop --engine (or use --blocks)")
 
 
+def _refuse_bf16_on_cpu(onnx_path: str, providers: Sequence[str], onnxrt: bool) -> None:
+    """A bf16 export compared on ONNX Runtime's CPU provider alone is refused from its sidecar
+    (a stat check, no hashing, no session), before any work: the CPU provider has no bfloat16
+    MatMul kernel (onnxruntime 1.2x/1.3x), so the session would fail only after the model was
+    hashed and loaded (at the real width: a minute and gigabytes)."""
+    from qkrope.sidecars import ModelInfo
+
+    if not onnxrt or [str(p).lower() for p in providers] != ["cpu"]:
+        return
+    info = ModelInfo.load(onnx_path, full=False)
+    if info.dtype == "bf16" and not info.config.quantization:
+        raise InputError(
+            f"{onnx_path} is a bf16 export, and ONNX Runtime's CPU provider (the only one "
+            f"asked for) has no bfloat16 MatMul kernel, so nothing was run. Fix: --providers "
+            f"cuda (onnxruntime-gpu), or --engine E.engine --plugin LIB --no-onnxrt (TensorRT "
+            f"against PyTorch), or check an fp32 export of the same folder (--dtype fp32)")
+
+
 def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, engine, plugin,
                  providers, workdir, out, onnxrt, blocks=False, layers=None):
     from polygraphy.comparator import Comparator
@@ -451,6 +469,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     # First: a readable ONNX file whose QKNormRoPE nodes keep the node contract (the TensorRT
     # plugin would refuse what ONNX Runtime's function body would run), then its sidecar.
     checked_onnx_model(onnx_path)
+    _refuse_bf16_on_cpu(onnx_path, providers, onnxrt)
     # the full hash of every file (a load checks their stat records only: qkrope.file_record)
     info = ModelInfo.load(onnx_path, full=True)
     _check_workdir(workdir or onnx_path + ".check", onnx_path, engine, plugin,

@@ -22,6 +22,37 @@ LATENT_KINDS = ("packed-tokens", "video-5d")
 
 
 @dataclass(frozen=True)
+class Launch:
+    """One shape of the fused node a family's export launches at its usual sizes: what the
+    kernel report (qkrope.apps.kernel_report) plans with the real launcher on each modelled
+    device, checks against its static targets, and what the kernel tests run the head layout of.
+    ``model`` and ``stream`` name it in the report ("FLUX.2 dev", "image 4096"); ``seq`` is the
+    tokens per batch item of one launch; ``roundings`` the node rounding modes it is planned
+    with (the family's export default first)."""
+
+    model: str
+    stream: str
+    seq: int
+    heads: int
+    head_dim: int = 128
+    rotary_dim: int | None = None  # None: the full head
+    interleaved: bool = True  # RoPE pairing: interleaved pairs (True) or NeoX halves (False)
+    batches: tuple[int, ...] = (1, 2)
+    roundings: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if self.seq < 1 or self.heads < 1 or self.head_dim < 2 or not self.batches \
+                or not self.roundings:
+            raise ValueError(f"{self.model} {self.stream}: a launch needs seq, heads, head_dim, "
+                             f"batches and roundings; got {self}")
+
+    @property
+    def rotary(self) -> int:
+        """The rotated width (the cache width)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+
+@dataclass(frozen=True)
 class FamilyRecord:
     """One diffusers transformer class qkrope exports: what ``config.json``'s ``_class_name``
     names, what a user calls it, its RoPE (scheme, axes and theta by default; the axes are
@@ -54,6 +85,8 @@ class FamilyRecord:
     # a function of the family's record module (no torch) whose call on the diffusers config
     # gives the RoPE Setting's family-specific fields (per-axis bases, table size, ...)
     rope_rule: str | None = None
+    # the node launches of its export at its usual sizes (the kernel report and kernel tests)
+    launches: tuple[Launch, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

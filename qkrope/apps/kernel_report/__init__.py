@@ -3,8 +3,8 @@
 It compiles ``plugins/kernel/qknorm_rope.cu`` for sm_90 (and sm_100), reads ptxas and the SASS
 through :mod:`qkrope.runtime.sass` (registers, spills, occupancy, the hot loop's memory accesses,
 the instruction counts along the common path, the q/k loads outstanding at each token's first
-wait), runs the real launcher under the SIMT emulation against modelled devices for every
-Qwen-Image and FLUX problem, and checks the facts that must not drift.
+wait), runs the real launcher under the SIMT emulation against modelled devices for every family
+record's launches, and checks the facts that must not drift.
 
 ===========  ===================================================================================
 module       subject
@@ -21,13 +21,9 @@ from __future__ import annotations
 
 from qkrope.runtime.sass import ToolError, Tools
 
-from .assumptions import (FLUX_BATCHES, FLUX_HEAD_DIM, FLUX_HEADS, FLUX_IMAGE_TOKENS,
-                          FLUX_ROUNDING_COST, FLUX_ROUNDINGS, FLUX_TEXT_TOKENS, HARDWARE,
-                          LAUNCH_TARGETS, MODELLED_DEVICES, PROBLEM, QWEN_BATCHES, QWEN_HEAD_DIM,
-                          QWEN_HEADS, QWEN_RESOLUTIONS, QWEN_ROUNDINGS, QWEN_TEXT_TOKENS,
+from .assumptions import (HARDWARE, LAUNCH_TARGETS, MODELLED_DEVICES, PROBLEM, ROUNDING2_COST,
                           TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS, assumptions, device_hardware,
-                          flux_problems, launch_problems, launch_target, occupancy, qwen_bounds,
-                          qwen_problems)
+                          launch_problems, launch_target, occupancy, qwen_bounds)
 from .instances import (BUILD_DIR, DEFAULT_ARCHS, ELEMENT_BYTES, FALLBACK_PARAMS, FAST_KERNEL,
                         GENERAL_KERNEL, PARAM_ROLES, QWEN_MATCH, SOURCE, analyse_cubin,
                         analyse_function, compile_cubins, is_qwen, label_of, read_param_names,
@@ -38,11 +34,9 @@ from .text import MAX_FAILURES_LISTED, fmt, format_text, json_ready
 
 __all__ = [
     "ToolError", "Tools",
-    "HARDWARE", "PROBLEM", "THRESHOLDS", "THRESHOLD_SOURCE", "MODELLED_DEVICES", "QWEN_RESOLUTIONS",
-    "QWEN_TEXT_TOKENS", "QWEN_BATCHES", "QWEN_HEADS", "QWEN_HEAD_DIM", "QWEN_ROUNDINGS",
-    "FLUX_HEADS", "FLUX_HEAD_DIM", "FLUX_IMAGE_TOKENS", "FLUX_TEXT_TOKENS", "FLUX_BATCHES",
-    "FLUX_ROUNDINGS", "FLUX_ROUNDING_COST", "LAUNCH_TARGETS",
-    "TARGET_ARCHS", "launch_target", "qwen_problems", "flux_problems", "launch_problems",
+    "HARDWARE", "PROBLEM", "THRESHOLDS", "THRESHOLD_SOURCE", "MODELLED_DEVICES",
+    "ROUNDING2_COST", "LAUNCH_TARGETS",
+    "TARGET_ARCHS", "launch_target", "launch_problems",
     "occupancy", "device_hardware", "qwen_bounds",
     "assumptions",
     "SOURCE", "BUILD_DIR", "DEFAULT_ARCHS", "FAST_KERNEL", "GENERAL_KERNEL", "FALLBACK_PARAMS",

@@ -1,13 +1,13 @@
 """Everything the kernel report assumes, in one place: the hardware figures per SM architecture,
-the Qwen-Image problem the bounds are stated for, the per-token instruction thresholds, the
-modelled devices the real launcher is run against, the Qwen-Image and FLUX launches and their
-static targets; and the arithmetic on them (occupancy, the issue and memory floors, the assumptions as
+the problem the bounds are stated for, the per-token instruction thresholds, the modelled
+devices the real launcher is run against, the launches (each family record's ``launches``) and
+their static targets; and the arithmetic on them (occupancy, the issue and memory floors, the assumptions as
 the report prints them)."""
 from __future__ import annotations
 
 import math
 
-from qkrope.model_io import QWEN_IMAGE
+from qkrope import families
 
 # Hardware figures per SM architecture. Figures marked "assumed" are not read from any device:
 # they are public nominal numbers (or plain estimates) and only scale the printed bounds; no
@@ -48,29 +48,29 @@ HARDWARE = {
     },
 }
 
-# The problem the bounds are stated for: one Qwen-Image transformer block at 1024x1024, both
-# streams (4096 image + 512 text tokens), 24 heads of 128, bf16, one fp32 cache row per token.
+# The problem the bounds are stated for: one joint-attention block at 1024x1024, both streams
+# (4096 image + 512 text tokens), 24 heads of 128 at full rotary width, bf16, one fp32 cache row
+# per token (the default family's block; FLUX.1's double-stream block has the same shape).
 PROBLEM = {
-    "name": (f"Qwen-Image block, 1024x1024: 4096 image + 512 text tokens, {QWEN_IMAGE.heads} "
-             f"heads x {QWEN_IMAGE.head_dim}, bf16"),
+    "name": "one block at 1024x1024: 4096 image + 512 text tokens, 24 heads x 128, bf16",
     "tokens": 4096 + 512,
-    "heads": QWEN_IMAGE.heads,
-    "head_dim": QWEN_IMAGE.head_dim,
-    "rotary_dim": QWEN_IMAGE.rotary_dim,
+    "heads": 24,
+    "head_dim": 128,
+    "rotary_dim": 128,
     "elem_bytes": 2,
     "cache_value_bytes": 4,
 }
 
-# Per-token threshold on the Qwen/FLUX instances (one loop iteration along the common path per
+# Per-token threshold on the bf16 x 128 interleaved instances (one loop iteration along the common path per
 # element; DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"). Key: rounding.
-# rounding=2 (FLUX's order) does rounding=0's work plus one round trip of x*inv*w to bf16 before
+# rounding=2 (torch's RMSNorm order) does rounding=0's work plus one round trip of x*inv*w to bf16 before
 # the rotation: one pack (F2F.BF16X2) and two unpacks per pair, 1.5 instructions per element (the
 # sm_90 SASS measures +1.5 in the rows-1 instance, +1.4 and +1.1 in rows 2 and 3, where ptxas
 # folds some unpacks into their uses), so its limit is 20 + 1.5.
-FLUX_ROUNDING_COST = 1.5
-THRESHOLDS = {0: 20, 1: 26, 2: 20 + FLUX_ROUNDING_COST}
+ROUNDING2_COST = 1.5
+THRESHOLDS = {0: 20, 1: 26, 2: 20 + ROUNDING2_COST}
 THRESHOLD_SOURCE = ('DESIGN.md: "<= 20 SASS instructions per element (26 with rounding=1)"; '
-                    f'rounding=2: 20 + {FLUX_ROUNDING_COST} for its one rounding round trip')
+                    f'rounding=2: 20 + {ROUNDING2_COST} for its one rounding round trip')
 
 # Modelled GPUs the real launcher is run against (through the SIMT emulation's modelled device,
 # in dry-run mode): what cudaDeviceGetAttribute answers there. Memory clock x bus width gives the
@@ -89,26 +89,7 @@ MODELLED_DEVICES = {
                       "max_blocks_per_sm": 32, "clock_khz": 1410000, "mem_clock_khz": 1593000,
                       "bus_width_bits": 5120},
 }
-# The Qwen-Image launches: one per stream of a block (24 heads x 128, bf16, interleaved, full
-# rotary), image tokens (resolution / 16)^2, text 512 tokens, batch 1 and 2.
-QWEN_RESOLUTIONS = (512, 1024, 1328)
-QWEN_TEXT_TOKENS = 512
-QWEN_BATCHES = (1, 2)
-QWEN_HEADS, QWEN_HEAD_DIM = QWEN_IMAGE.heads, QWEN_IMAGE.head_dim
-# The rounding modes the Qwen-Image launches are planned with: its export's default (0) and
-# diffusers' order (1).
-QWEN_ROUNDINGS = (0, 1)
-# FLUX.1 (dev, schnell, Kontext: 24 heads) and FLUX.2 (klein 4B: 24, klein 9B: 32, dev: 48), all
-# x 128, bf16, interleaved pairs at full rotary width. At 1024x1024 a double-stream block launches
-# the 4096 image tokens and the 512 text tokens as two nodes, a single-stream block one node over
-# the joined 4096 + 512 = 4608 tokens. Planned with rounding 2 (FLUX's eager order, what FLUX is
-# exported with) and 0 (one rounding).
-FLUX_HEADS = (24, 32, 48)
-FLUX_HEAD_DIM = 128
-FLUX_IMAGE_TOKENS, FLUX_TEXT_TOKENS = 4096, 512
-FLUX_BATCHES = (1, 2)
-FLUX_ROUNDINGS = (2, 0)
-# Static targets of a launched Qwen/FLUX instance on an sm_90 device (H100/H200), by the launch's
+# Static targets of a launched instance on an sm_90 device (H100/H200), by the launch's
 # tokens (batch x sequence): global read bytes (q/k rows and cos/sin) still outstanding per SM past
 # every wait of the steady-state token loop, read from the SASS scoreboards (the fewest at any
 # wait x resident threads; qkrope.runtime.sass.scoreboards), and
@@ -116,7 +97,7 @@ FLUX_ROUNDINGS = (2, 0)
 # targets, >= 32 KiB at 4096+ tokens (Little's law at 4.8 TB/s over 132 SMs: 90 % of peak needs
 # 26-32 KiB per SM in flight at 0.8-1 us of loaded latency), >= 16 KiB below.
 # rounding 2 keeps rounding 0's whole-kernel limits: the instances launched at 4096+ tokens
-# (rows 2 and 3) absorb its 1.5 extra per element (19.7 at most, H100, FLUX.1's 4096 image
+# (rows 2 and 3) absorb its 1.5 extra per element (19.7 at most, H100, 24 heads x 4096 image
 # tokens); only the rows-1 instance's per-token figure needs THRESHOLDS' 21.5.
 LAUNCH_TARGETS = (
     {"min_tokens": 4096, "bytes_in_flight_per_sm": 32 * 1024, "instr_per_element": {0: 20, 1: 26, 2: 20}},
@@ -129,38 +110,23 @@ def launch_target(tokens: int) -> dict:
     return next(t for t in LAUNCH_TARGETS if tokens >= t["min_tokens"])
 
 
-def qwen_problems() -> list[dict]:
-    """The Qwen-Image launches: model, stream, batch, seq, tokens, heads, head_dim, roundings."""
-    out = []
-    for batch in QWEN_BATCHES:
-        for res in QWEN_RESOLUTIONS:
-            out.append({"stream": f"image {res}x{res}", "batch": batch, "seq": (res // 16) ** 2})
-        out.append({"stream": f"text {QWEN_TEXT_TOKENS}", "batch": batch, "seq": QWEN_TEXT_TOKENS})
-    for p in out:
-        p.update(model="Qwen-Image", tokens=p["batch"] * p["seq"], heads=QWEN_HEADS,
-                 head_dim=QWEN_HEAD_DIM, roundings=QWEN_ROUNDINGS)
-    return out
-
-
-def flux_problems() -> list[dict]:
-    """The FLUX launches at 1024x1024 for each head count: a double-stream block's image and text
-    nodes and a single-stream block's joined node."""
-    out = []
-    for heads in FLUX_HEADS:
-        for batch in FLUX_BATCHES:
-            for stream, seq in ((f"image {FLUX_IMAGE_TOKENS}", FLUX_IMAGE_TOKENS),
-                                (f"text {FLUX_TEXT_TOKENS}", FLUX_TEXT_TOKENS),
-                                (f"single {FLUX_IMAGE_TOKENS}+{FLUX_TEXT_TOKENS}",
-                                 FLUX_IMAGE_TOKENS + FLUX_TEXT_TOKENS)):
-                out.append({"model": f"FLUX {heads}h", "stream": stream, "batch": batch, "seq": seq,
-                            "tokens": batch * seq, "heads": heads, "head_dim": FLUX_HEAD_DIM,
-                            "roundings": FLUX_ROUNDINGS})
-    return out
-
-
 def launch_problems() -> list[dict]:
-    """Every launch the report plans on each modelled device: Qwen-Image's, then FLUX's."""
-    return qwen_problems() + flux_problems()
+    """Every launch the report plans on each modelled device, from each family record's
+    ``launches`` in registry order (one shape shared by two records is planned once): model,
+    stream, batch, seq, tokens, heads, head_dim, rotary_dim, interleaved, roundings."""
+    out, seen = [], set()
+    for record in families.records():
+        for ln in record.launches:
+            for batch in ln.batches:
+                key = (ln.model, ln.stream, batch)
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append({"model": ln.model, "stream": ln.stream, "batch": batch,
+                            "seq": ln.seq, "tokens": batch * ln.seq, "heads": ln.heads,
+                            "head_dim": ln.head_dim, "rotary_dim": ln.rotary,
+                            "interleaved": ln.interleaved, "roundings": ln.roundings})
+    return out
 
 
 def occupancy(regs: int, smem_static: int, threads: int, hw: dict) -> dict:

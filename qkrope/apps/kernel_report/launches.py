@@ -1,5 +1,5 @@
 """The real launcher against modelled devices: ``qknorm_rope.cu`` under the SIMT emulation, in
-dry-run mode (nothing computed), planning every Qwen-Image and FLUX launch on each device of
+dry-run mode (nothing computed), planning every family record's launches on each device of
 MODELLED_DEVICES with each instance's occupancy from its ptxas registers; the figures of the
 instance each launch picks, and the static targets (LAUNCH_TARGETS) they are checked against."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 from qkrope.runtime.sass import ToolError, outstanding_at_waits
 
-from .assumptions import (MODELLED_DEVICES, QWEN_HEAD_DIM, TARGET_ARCHS, device_hardware,
+from .assumptions import (MODELLED_DEVICES, TARGET_ARCHS, device_hardware,
                           launch_problems, launch_target, occupancy)
 from .instances import label_of
 from .text import fmt
@@ -27,7 +27,7 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     rows = int(roles.get("rows", 1))
     eb = inst["elem_bytes"]
     vec = 16 // eb
-    head_dim = int(roles.get("head_dim", QWEN_HEAD_DIM))
+    head_dim = int(roles.get("head_dim", problem["head_dim"]))
     lanes = min(head_dim // vec, 32)
     elems = head_dim // lanes
     units = 2 * math.ceil(problem["heads"] / rows)
@@ -51,7 +51,7 @@ def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
 
 def plan_launches(report: dict, simt_lib: str | None = None) -> list[dict]:
     """Run the real launcher (qknorm_rope.cu under the SIMT emulation, dry run: nothing computed)
-    against each modelled device for each Qwen-Image and FLUX problem and its rounding modes
+    against each modelled device for each family's launch and its rounding modes
     (assumptions.launch_problems), with each instance's
     occupancy from the ptxas registers of the build for that device's architecture (sm_90's where
     that architecture was not compiled), and analyse the instance it launches. The library:
@@ -103,10 +103,11 @@ def _plan_launches(report: dict, kernels) -> list[dict]:
                                 dtype=torch.bfloat16)
                 k = torch.empty_like(q)
                 w = torch.ones(prob["head_dim"], dtype=torch.bfloat16)
-                cache = torch.zeros(prob["seq"], prob["head_dim"])
+                cache = torch.zeros(prob["seq"], prob["rotary_dim"])
                 for rounding in prob["roundings"]:
                     kernels.simt_reset()
-                    kernels.simt_qk_norm_rope(q, k, w, w, cache, interleaved=True, rounding=rounding,
+                    kernels.simt_qk_norm_rope(q, k, w, w, cache, interleaved=prob["interleaved"],
+                                              rounding=rounding,
                                               out=(q, k))
                     recs = kernels.simt_last_launches()
                     if len(recs) != 1:

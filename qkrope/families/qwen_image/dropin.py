@@ -4,8 +4,9 @@ encoder_hidden_states_mask, timestep, img_shapes, ...)``; :class:`QwenImageTrans
 that call onto the generic drop-in (:mod:`qkrope.runtime._dropin`) and the "grid" position
 scheme (``img_shapes`` and the text length).
 
-What diffusers' own model takes is taken here too: ``img_shapes`` in diffusers' per-batch form
-(every item the same, since the caches have no batch axis), ``txt_seq_lens`` where an installed
+What diffusers' own model takes is taken here too, with its meaning: ``img_shapes`` in
+diffusers' per-batch forms, read as diffusers reads them (:func:`diffusers_img_shapes`; every
+item the same, since the caches have no batch axis), ``txt_seq_lens`` where an installed
 diffusers still passes it (checked, not used), a 0-dim ``timestep`` (one per batch item), a 1/0
 integer mask. Refused in one line, never ignored: ControlNet residuals, additional timestep
 conditioning, a LoRA scale other than 1 or any other ``attention_kwargs``, a ``guidance`` value.
@@ -69,6 +70,35 @@ def sample_request(record, img_shapes: Sequence[Sequence[int]], txt_len: int) ->
     return grid.sample_request(img_shapes, txt_len)
 
 
+def _is_triple(entry: Any) -> bool:
+    return isinstance(entry, (list, tuple)) and len(entry) == 3 \
+        and not any(isinstance(v, (list, tuple)) for v in entry)
+
+
+def diffusers_img_shapes(img_shapes: Any) -> Any:
+    """``img_shapes`` as diffusers' ``QwenEmbedRope`` reads it, returned as the images of one
+    sample (the "grid" scheme's form). A list holds one entry per batch item and item 0's is
+    used: an entry that is a list of triples is that item's images (the pipelines'
+    ``[[(1, h, w), (1, h2, w2)]] * batch``), any other entry is the item's one image (diffusers'
+    model test: ``[(1, h, w)] * batch``). Anything else (one ``(f, h, w)`` triple) is one image,
+    left to the scheme's checks. Items that differ are refused in one line: diffusers would use
+    item 0's positions for every item (with a warning), which is wrong for the others."""
+    if not isinstance(img_shapes, list) or not img_shapes:
+        return img_shapes
+    items = []
+    for entry in img_shapes:
+        if isinstance(entry, list) and not _is_triple(entry):
+            items.append(tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in entry))
+        else:  # one image per batch item (a list triple too, which diffusers itself rejects)
+            items.append((tuple(entry) if isinstance(entry, (list, tuple)) else entry,))
+    if any(item != items[0] for item in items[1:]):
+        raise InputError(
+            f"img_shapes gives different images per batch item ({short_repr(img_shapes)}); the "
+            f"RoPE caches have no batch axis (one row per token, shared by the batch) and "
+            f"diffusers reads item 0 for every item. Fix: batch only samples of one size")
+    return list(items[0])
+
+
 def _check_txt_seq_lens(value: Any, batch: int, txt: int) -> None:
     """diffusers' ``txt_seq_lens``: one text length per batch item, each in 0..txt (the lengths
     themselves come from the mask; they are checked, not used)."""
@@ -125,7 +155,7 @@ class QwenImageTransformer(Transformer):
         if mask is not None and isinstance(mask, torch.Tensor):
             mask = mask.to(torch.bool)  # diffusers passes 1/0 integers: True = attend
         return Call(hidden_states, encoder_hidden_states,
-                    {"img_shapes": img_shapes, "txt_seq_len": txt}, timestep=timestep,
+                    {"img_shapes": diffusers_img_shapes(img_shapes), "txt_seq_len": txt}, timestep=timestep,
                     mask=mask, return_dict=return_dict)
 
     def rope_caches(self, call: Call):
@@ -165,4 +195,5 @@ def dropin_class(record):
 
 PUBLIC["QwenImageTransformer"] = QwenImageTransformer
 
-__all__ = ["QwenImageTransformer", "build_qwen_rope_caches", "dropin_class", "sample_request"]
+__all__ = ["QwenImageTransformer", "build_qwen_rope_caches", "diffusers_img_shapes", "dropin_class",
+           "sample_request"]

@@ -1,0 +1,144 @@
+"""The input forms each family's diffusers forward accepts (issue 36 item 4), keyed by the family
+record's name, beside the tiny builders of tests/_families.py: tests/test_input_forms.py feeds
+every form to the stock model and to the drop-in.
+
+A family's entry gives, for a tiny model and a batch size:
+
+- ``base``: the forward's keyword arguments in the pipelines' own form;
+- ``same``: other forms of the same call (``(id, kwargs)``): diffusers must read each exactly as
+  ``base`` (the test checks the stock model's bits first, so a form listed here that diffusers
+  reads differently fails the test data, not the drop-in), and the drop-in must too;
+- ``refused``: forms diffusers takes but reads wrongly for some batch items (it applies item 0's
+  positions to every item, with a warning): the drop-in refuses them in one line.
+
+A new family adds its entry here (tests/test_input_forms.py requires one per record).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Forms = dict  # {"base": kwargs, "same": [(id, kwargs)], "refused": [(id, kwargs)]}
+
+
+def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view whose last axis has stride 2 (not contiguous)."""
+    wide = torch.stack([t, torch.zeros_like(t)], dim=-1).flatten(-2)
+    out = wide[..., ::2]
+    assert not out.is_contiguous() and torch.equal(out, t)
+    return out
+
+
+def qwen_image(model, batch: int, g: torch.Generator) -> Forms:
+    cfg = model.config
+    h, w, txt = 4, 6, 7
+    base = {
+        "hidden_states": torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(batch, txt, cfg.joint_attention_dim, generator=g),
+        "encoder_hidden_states_mask": torch.ones(batch, txt, dtype=torch.int64),
+        "timestep": torch.full((batch,), 0.5),
+        "img_shapes": [[(1, h, w)]] * batch,  # the pipelines' form: one list per batch item
+        "return_dict": False,
+    }
+    same = [
+        # diffusers' own model test: a flat list, one (f, h, w) per batch item
+        ("img_shapes flat per item", dict(base, img_shapes=[(1, h, w)] * batch)),
+        ("img_shapes one triple in a list", dict(base, img_shapes=[(1, h, w)])),
+        ("img_shapes a bare triple", dict(base, img_shapes=(1, h, w))),
+        ("mask bool", dict(base, encoder_hidden_states_mask=torch.ones(batch, txt,
+                                                                       dtype=torch.bool))),
+        ("mask none", dict(base, encoder_hidden_states_mask=None)),
+        ("non-contiguous tensors",
+         dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+              encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"]))),
+    ]
+    refused = []
+    if batch > 1:
+        other = [(1, h, w)] * (batch - 1) + [(1, w, h)]
+        refused = [("img_shapes differ per item (flat)", dict(base, img_shapes=other)),
+                   ("img_shapes differ per item (lists)",
+                    dict(base, img_shapes=[[s] for s in other]))]
+    return {"base": base, "same": same, "refused": refused}
+
+
+def _flux(model, batch: int, g: torch.Generator, *, pooled: bool, guidance: bool,
+          sample_ids: Callable) -> Forms:
+    cfg = model.config
+    h, w, txt = 4, 6, 5
+    txt_ids, img_ids = (torch.from_numpy(a) for a in sample_ids([(1, h, w)], txt))
+    base = {
+        "hidden_states": torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(batch, txt, cfg.joint_attention_dim, generator=g),
+        "timestep": torch.full((batch,), 0.5),
+        "img_ids": img_ids, "txt_ids": txt_ids,
+        "return_dict": False,
+    }
+    if pooled:
+        base["pooled_projections"] = torch.randn(batch, cfg.pooled_projection_dim, generator=g)
+    if guidance:
+        base["guidance"] = torch.full((batch,), 3.5)
+    same = [
+        # diffusers' deprecated 3-D ids: [batch, tokens, axes], item 0 used
+        ("ids 3-D per item", dict(base, img_ids=img_ids.expand(batch, -1, -1).clone(),
+                                  txt_ids=txt_ids.expand(batch, -1, -1).clone())),
+        ("ids 3-D expanded (stride 0)", dict(base, img_ids=img_ids.expand(batch, -1, -1),
+                                             txt_ids=txt_ids.expand(batch, -1, -1))),
+        ("ids int64", dict(base, img_ids=img_ids.long(), txt_ids=txt_ids.long())),
+        ("ids non-contiguous", dict(base, img_ids=_noncontiguous(img_ids),
+                                    txt_ids=_noncontiguous(txt_ids))),
+        ("non-contiguous tensors",
+         dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+              encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"]))),
+    ]
+    refused = []
+    if batch > 1:
+        shifted = img_ids.expand(batch, -1, -1).clone()
+        shifted[-1, :, -1] += 1  # the last item's image one column to the right
+        refused = [("img_ids differ per item", dict(base, img_ids=shifted))]
+    return {"base": base, "same": same, "refused": refused}
+
+
+def flux1(model, batch: int, g: torch.Generator) -> Forms:
+    from qkrope.families.flux.dropin import flux_sample_ids
+
+    return _flux(model, batch, g, pooled=True, guidance=bool(model.config.guidance_embeds),
+                 sample_ids=lambda shapes, txt: flux_sample_ids("flux1", shapes, txt))
+
+
+def flux2(model, batch: int, g: torch.Generator) -> Forms:
+    from qkrope.families.flux.dropin import flux_sample_ids
+
+    return _flux(model, batch, g, pooled=False, guidance=bool(model.config.guidance_embeds),
+                 sample_ids=lambda shapes, txt: flux_sample_ids("flux2", shapes, txt))
+
+
+def cosmos(model, batch: int, g: torch.Generator) -> Forms:
+    """Video2World's call (16-channel latent and a condition mask, per-frame timesteps as the
+    pipeline expands them, the padding mask at pixel size, fps); no form carries per-item
+    positions (the grid is the latent's own), so none is refused."""
+    cfg = model.config
+    frames, h, w, txt = 2, 4, 6, 5
+    latent = torch.randn(batch, cfg.in_channels - 1, frames, h, w, generator=g)
+    cond = (torch.rand(batch, 1, frames, h, w, generator=g) > 0.5).float()
+    t = torch.rand(1, generator=g)
+    base = {"hidden_states": latent, "condition_mask": cond,
+            "timestep": t.view(1, 1, 1, 1, 1).expand(batch, -1, frames, -1, -1).contiguous(),
+            "encoder_hidden_states": torch.randn(batch, txt, cfg.text_embed_dim, generator=g),
+            "padding_mask": torch.zeros(1, 1, 8 * h, 8 * w), "fps": 16, "return_dict": False}
+    same = [
+        ("timestep expanded (stride 0)",
+         dict(base, timestep=t.view(1, 1, 1, 1, 1).expand(batch, -1, frames, -1, -1))),
+        ("padding_mask at the latent's size", dict(base, padding_mask=torch.zeros(1, 1, h, w))),
+        ("fps a float", dict(base, fps=16.0)),
+        ("non-contiguous tensors",
+         dict(base, hidden_states=_noncontiguous(latent),
+              encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"]))),
+    ]
+    return {"base": base, "same": same, "refused": []}
+
+
+#: family name -> its forms
+FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flux1,
+                                          "flux2": flux2, "cosmos-predict2": cosmos}
