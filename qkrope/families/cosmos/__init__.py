@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord
+from qkrope.families._record import FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, FRAME_TIMESTEP, IMG_COS_SIN_CACHE, LATENT,
                              LATENT_SAMPLE, PADDING_MASK, ModelDecl)
 
@@ -79,6 +79,21 @@ COSMOS_TRANSFORMER = ModelDecl(
 #: latent in and out).
 FP8_EXCLUDED = ("patch_embed", "time_embed", "norm_out", "proj_out")
 
+#: The node launches of one self-attention at the pipelines' default sizes (128-wide heads,
+#: split halves over the whole head; Text2Image 768x1360 -> 48 x 85 tokens; Video2World 93
+#: frames -> 24 latent frames, 704x1280 -> 44 x 80 and 480x832 -> 30 x 52 tokens per frame):
+#: 2B has 16 heads, 14B 40. Rounding 1 (the export's) first; the CFG branches are separate calls.
+LAUNCHES = (
+    Launch("Cosmos-Predict2 2B", "image 768x1360", 48 * 85, 16, interleaved=False,
+           roundings=(1, 0)),
+    Launch("Cosmos-Predict2 2B", "video 93x704x1280", 24 * 44 * 80, 16, interleaved=False,
+           roundings=(1, 0)),
+    Launch("Cosmos-Predict2 14B", "video 93x480x832", 24 * 30 * 52, 40, interleaved=False,
+           roundings=(1, 0)),
+    Launch("Cosmos-Predict2 14B", "video 93x704x1280", 24 * 44 * 80, 40, interleaved=False,
+           roundings=(1, 0)),
+)
+
 # diffusers' RMSNorm (Qwen-Image's: x * inv rounded, times the weight rounded) and the fp32
 # split-halves rotation rounded once: contract.ROUNDING_DIFFUSERS. The blocks return the
 # latent stream alone, so --layers/--blocks do not apply.
@@ -89,6 +104,6 @@ COSMOS_PREDICT2 = FamilyRecord(
     theta_key=None, max_positions=max_positions((128, 240, 240), (1, 2, 2)),
     rounding=contract.ROUNDING_DIFFUSERS, graph=COSMOS_TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=False, rotated=("img",), latent="video-5d",
-    rope_rule="setting_fields")
+    rope_rule="setting_fields", launches=LAUNCHES)
 
 RECORDS = (COSMOS_PREDICT2,)
