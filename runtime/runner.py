@@ -279,7 +279,11 @@ class Runner:
         device = hidden_states.device
         roles = self.io.roles
         # a model without a text cache (its text is never rotated) takes a cache pair whose
-        # text cache has no rows
+        # text cache has no rows, or None in its place
+        if "txt_cache" not in roles and isinstance(image_rotary_emb, (tuple, list)) \
+                and len(image_rotary_emb) == 2 and image_rotary_emb[1] is None \
+                and isinstance(image_rotary_emb[0], torch.Tensor):
+            image_rotary_emb = (image_rotary_emb[0], image_rotary_emb[0][:0])
         caches = validate_cos_sin_caches(
             image_rotary_emb, head_dim=self.io.head_dim,
             img_seq_len=self._img_tokens(hidden_states),

@@ -312,3 +312,15 @@ def test_text_to_image_pipeline_end_to_end(tmp_path):
                          generator=torch.Generator().manual_seed(1)).images)
     assert outs[0].shape == outs[1].shape
     assert (outs[0] - outs[1]).abs().max() <= outs[0].abs().max() * 2.0 ** -12
+
+
+def test_qkrope_check_passes_against_diffusers_forward(exported, capsys):
+    """``qkrope check`` on the export: make_inputs' latent, per-frame timesteps and padding mask
+    with the scheme's caches, through ONNX Runtime, against diffusers' own forward (its RoPE
+    from the latent's shape): PASSED, one output compared."""
+    from qkrope.cli import main
+
+    path, _ = exported
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "latent_sample" in out and "PASSED" in out
