@@ -324,3 +324,23 @@ def test_qkrope_check_passes_against_diffusers_forward(exported, capsys):
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "latent_sample" in out and "PASSED" in out
+
+
+def test_build_profiles_have_the_frames_axis(exported):
+    """``qkrope build --resolutions WxHxFRAMES``: one profile per video preset over the latent's
+    frames, height and width (min one patch), the per-frame timesteps, the padding mask and the
+    cache rows of the preset's token grid; a preset past the model's RoPE table is refused."""
+    from qkrope.runtime import profiles
+    from qkrope.sidecars import ModelInfo
+
+    path, _ = exported
+    info = ModelInfo.load(str(path))
+    presets = profiles.parse_resolutions("64x64x2,128x96x3", pixels_per_token=16)
+    (small, p1), (large, p2) = profiles.derive_preset_profiles(info, presets)
+    assert (small, large) == ("64x64x2", "128x96x3")
+    assert p2["latent"]["max"] == (2, 17, 3, 12, 16) and p2["latent"]["min"] == (1, 17, 1, 2, 2)
+    assert p2["frame_timestep"]["max"] == (2, 3)
+    assert p2["padding_mask"]["max"] == (1, 1, 12, 16)
+    assert p2["img_cos_sin_cache"]["max"] == (3 * 6 * 8, 16)
+    with pytest.raises(profiles.ProfileError, match="RoPE positions"):
+        profiles.derive_preset_profiles(info, profiles.parse_resolutions("4096x4096x2"))

@@ -14,7 +14,7 @@ family's (:class:`~._common.Setting` ``axes_dim``, ``axis_thetas``, ``max_positi
 - The numpy pair: row (t, h, w) holds ``cos`` of the frame, row and column angles, then their
   ``sin`` (the cos half, then the sin half, of a split-halves rotation).
 - Triton inputs: ``grid`` INT64 [3] and ``fps`` FP32 [1] (0: none).
-- Profile limits: ``max_positions`` tokens per axis.
+- Profile limits: each preset's grid within ``max_positions`` tokens per axis.
 
 Bits. diffusers computes in float32: the exponents ``arange(0, d, 2) / d``, the inverse
 frequencies ``1.0 / theta_i ** exponents`` (the base a float32 scalar), the positions (``seq /
@@ -142,8 +142,14 @@ def triton_inputs(setting: Setting) -> list:
 
 
 def profile_limits(setting: Setting, grids: Sequence, txt_max: int):
-    """Each axis within ``max_positions`` tokens (None: no table)."""
-    return None if setting.max_positions is None else {"per_axis": int(setting.max_positions)}
+    """The first preset grid with an axis past ``max_positions`` tokens, as ``("image", index,
+    needed, available)``; None when every grid fits (the text has no positions)."""
+    if setting.max_positions is None:
+        return None
+    for i, grid in enumerate(grids):
+        if max(grid) > setting.max_positions:
+            return ("image", i, int(max(grid)), int(setting.max_positions))
+    return None
 
 
 # --------------------------------------------------------------------------------------------
