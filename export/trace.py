@@ -11,25 +11,22 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from qkrope import model_io
 from qkrope._progress import Steps
 
+from . import latent_axes
 from .attention import DEFAULT_ATTENTION_FORM, attention_form
 from .finalize import _optimize
 from .onnx_function import qk_norm_rope_translation
 
 def _dynamic_shapes(names: Sequence[str]) -> dict[str, dict[int, Any]]:
     """torch.export's dynamic dimensions of each graph input: its named axes
-    (:data:`qkrope.model_io.TENSORS`)."""
-    dim = torch.export.Dim
-    axes = {a: dim(a) for a in model_io.AXES}
-    return {n: {i: axes[a] for i, a in enumerate(model_io.TENSORS[n].axes) if a is not None}
-            for n in names}
+    (:data:`qkrope.model_io.TENSORS`; a 5-D latent's: :mod:`.latent_axes`)."""
+    return latent_axes.dynamic_shapes(names, None)
 
 def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
                   output_names: Sequence[str], opset: int, *, parameters_of: str,
                   steps: Steps | None = None, what: str = "the model",
-                  attention: str = DEFAULT_ATTENTION_FORM, weights=None):
+                  attention: str = DEFAULT_ATTENTION_FORM, weights=None, patch=None):
     """torch.onnx.export (dynamo) -> onnx_ir Model with QKNormRoPE nodes (no body yet) whose
     parameters are named by their state-dict keys (:func:`_keep_parameters`).
 
@@ -54,13 +51,14 @@ def _torch_export(module: nn.Module, args: tuple, input_names: Sequence[str],
             program = torch.onnx.export(
                 module, args, dynamo=True, opset_version=opset, optimize=False, verbose=False,
                 input_names=list(input_names), output_names=list(output_names),
-                dynamic_shapes=_dynamic_shapes(input_names),
+                dynamic_shapes=latent_axes.dynamic_shapes(input_names, patch),
                 custom_translation_table={
                     torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation},
             )
         finally:
             registration_log.setLevel(level)
     model = program.model
+    latent_axes.rename(model, patch)  # a 5-D latent's axes by name (export/latent_axes.py)
     inner = getattr(module, parameters_of)
     keys = _rename_parameters(model, inner.state_dict(), prefix=parameters_of + ".")
     if weights is not None:

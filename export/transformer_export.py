@@ -18,6 +18,7 @@ from qkrope import contract, model_io, quantization
 from qkrope._progress import Steps
 from qkrope.sidecars import ModelConfig
 
+from . import latent_axes
 from .annotate import _versions
 from .arguments import _check_dtype, _check_opset, _check_out, _check_quant_opset, default_opset
 from .attention import DEFAULT_ATTENTION_FORM, check_attention_form
@@ -89,6 +90,7 @@ class TransformerPlan:
     # the nodes' values (None: the first transformer_blocks' attn.norm_q epsilon, pairs, the
     # plan's rounding, head scope)
     attributes: contract.NodeAttributes | None = None
+    interleaved: bool = contract.DEFAULT_INTERLEAVED  # the nodes' rotation pairs
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
@@ -115,6 +117,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
     FP8) as it is written (:mod:`qkrope.export.streaming`), so the peak memory is the trace's
     plus about one tensor, whatever the model's size."""
     from qkrope import families
+    from qkrope.runtime.latents import latent_of
     from qkrope.runtime.state_dict import model_folder_files
 
     from .patch_diffusers import folder_family
@@ -154,17 +157,19 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
         # the nodes' values: the plan's (a family whose blocks are named otherwise, or whose
         # norm spans the row), else its eps or the first block's norm_q epsilon, pairs, the
         # plan's rounding
+        latent = latent_of(family, cfg)  # a 5-D latent's patch: its axes (export/latent_axes)
+        patch = latent.patch if latent.rank == 5 else None
         attributes = plan.attributes or contract.NodeAttributes(
             float(transformer.transformer_blocks[0].attn.norm_q.eps if plan.eps is None
                   else plan.eps),
-            contract.DEFAULT_INTERLEAVED, plan.rounding)
+            plan.interleaved, plan.rounding)
         with (quantize.quantizers_disabled(transformer) if quant else contextlib.nullcontext()):
             model = _torch_export(   # the float graph; FP8 Q/DQ go in below
                 plan.wrapper, plan.args, plan.decl.input_names, plan.decl.output_names, opset,
                 parameters_of="transformer", steps=steps, attention=attention,
                 what=f"{plan.blocks} (sample {sample.img_shapes}, {sample.txt_len} text "
                      f"tokens, batch {sample.batch}; {attention} attention, opset {opset})",
-                weights=weights)
+                weights=weights, patch=patch)
         state = {k: v for k, v in transformer.state_dict().items()
                  if quantization.QUANTIZER_MARK not in k}
         not_in_graph = check_parameters(model, state)
@@ -196,6 +201,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
             model="transformer", opset=opset, ir_version=ir_version_for(opset), dtype=dtype,
             dynamic_axes={}, node_attributes=attributes, config=config,
             sample=_sample_dict(sample), versions=_versions(("diffusers",)),
-            axis_values=_axis_values(sample)), steps, decl=plan.decl)
+            axis_values={**_axis_values(sample), **latent_axes.axis_values(
+                sample.img_shapes[0], patch)}), steps, decl=plan.decl)
         steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

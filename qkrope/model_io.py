@@ -56,14 +56,19 @@ QWEN_IMAGE = ATTENTION_BLOCK
 
 BATCH, IMG_TOKENS, TXT_TOKENS = "batch", "img_tokens", "txt_tokens"
 IMG_CACHE_ROWS, TXT_CACHE_ROWS = "img_cache_rows", "txt_cache_rows"
-#: The dynamic axes of both models, as the exporter names them.
-AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS)
+#: The axes of a 5-D latent the model patchifies itself ([batch, channels, frames, height,
+#: width], qkrope.runtime.latents): latent frames, rows and columns, before patchifying.
+LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH = "latent_frames", "latent_height", "latent_width"
+#: The dynamic axes of the exported models, as the exporter names them.
+AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS, LATENT_FRAMES,
+        LATENT_HEIGHT, LATENT_WIDTH)
 #: A cache's rows axis -> the token axis of its stream.
 CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 
 #: What each input is to the runner: the names of its call arguments.
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
-         "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance")
+         "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
+         "padding_mask")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -112,6 +117,23 @@ GUIDANCE = TensorDecl(
 IMG_OUT = TensorDecl("img_out", "img_out", (BATCH, IMG_TOKENS, None))
 TXT_OUT = TensorDecl("txt_out", "txt_out", (BATCH, TXT_TOKENS, None))
 SAMPLE = TensorDecl("sample", "sample", (BATCH, IMG_TOKENS, None))
+# A 5-D latent the model patchifies itself (qkrope.runtime.latents "video-5d"): the image
+# stream's input and output under their own names (a name has one shape), with per-frame
+# timesteps and the padding mask a video model concatenates as a channel.
+_VIDEO_AXES = (BATCH, None, LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH)
+LATENT = TensorDecl(
+    "latent", "hidden_states", _VIDEO_AXES,
+    "the latent, [batch, channels, latent_frames, latent_height, latent_width] (patchified "
+    "by the model; a condition-mask channel concatenated where the model takes one)")
+FRAME_TIMESTEP = TensorDecl(
+    "frame_timestep", "timestep", (BATCH, LATENT_FRAMES),
+    "diffusion timestep per sample and latent frame, [batch, latent_frames] (a pipeline's "
+    "[batch] timestep repeated over the frames)")
+PADDING_MASK = TensorDecl(
+    "padding_mask", "padding_mask", (None, None, LATENT_HEIGHT, LATENT_WIDTH),
+    "padding mask at the latent's size, [1, 1, latent_height, latent_width] (the pipeline's "
+    "mask resized with nearest neighbours), concatenated to every frame as a channel")
+LATENT_SAMPLE = TensorDecl("latent_sample", "sample", _VIDEO_AXES)
 
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)
@@ -147,7 +169,8 @@ MODELS = {m.kind: m for m in (ATTENTION, TRANSFORMER)}
 #: qkrope/families/<family>/__init__.py, are made of these).
 TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK,
                                TIMESTEP, POOLED_PROJECTIONS, GUIDANCE, IMG_COS_SIN_CACHE,
-                               TXT_COS_SIN_CACHE, IMG_OUT, TXT_OUT, SAMPLE)}
+                               TXT_COS_SIN_CACHE, IMG_OUT, TXT_OUT, SAMPLE, LATENT,
+                               FRAME_TIMESTEP, PADDING_MASK, LATENT_SAMPLE)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

@@ -104,7 +104,9 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
                     max_positions: int | None = None, scale_rope: bool = True,
                     what: str = "axes_dim",
                     rotated: Sequence[str] = schemes.STREAMS,
-                    precision: str = "float32") -> Setting:
+                    precision: str = "float32",
+                    axis_thetas: Sequence[float] | None = None,
+                    base_fps: float | None = None) -> Setting:
     """A :class:`~qkrope.runtime.schemes.Setting` from the caller's numbers, each checked: the
     axes positive even widths (three for the grid scheme: frame, height, width) whose sum fits
     the widest head the kernel takes, theta a finite number > 0; ``rotated`` the streams the
@@ -137,7 +139,15 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
     if precision not in schemes.PRECISIONS:
         raise InputError(f"precision must be one of {list(schemes.PRECISIONS)}; got "
                          f"{precision!r}")
-    return Setting(axes, float(theta), max_positions, scale_rope, rotated, precision)
+    if axis_thetas is not None:
+        axis_thetas = tuple(float(t) for t in axis_thetas)
+        if len(axis_thetas) != len(axes) or not all(math.isfinite(t) and t > 0
+                                                    for t in axis_thetas):
+            raise InputError(f"axis_thetas must be one finite base > 0 per RoPE axis "
+                             f"({len(axes)}); got {axis_thetas!r}")
+    return Setting(axes, float(theta), max_positions, scale_rope, rotated, precision,
+                   axis_thetas=axis_thetas,
+                   base_fps=None if base_fps is None else float(base_fps))
 
 
 def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
@@ -155,11 +165,17 @@ def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:
     max_positions = record.max_positions
     if key and isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
         max_positions = int(cfg[key])  # the model's own table size (e.g. rope_max_seq_len)
+    extra = {"max_positions": max_positions, "scale_rope": getattr(record, "scale_rope", True),
+             "precision": getattr(record, "rope_precision", "float32")}
+    # a family whose frequencies follow its own rule names a function of its record module
+    # (record.rope_rule, no torch) that gives the Setting's other fields from the model's config
+    if getattr(record, "rope_rule", None):
+        import importlib
+
+        module = importlib.import_module(f"qkrope.families.{record.package}")
+        extra.update(getattr(module, record.rope_rule)(cfg))
     try:
-        return checked_setting(record.scheme, axes, theta, max_positions=max_positions,
-                               rotated=record.rotated,
-                               scale_rope=getattr(record, "scale_rope", True),
-                               precision=getattr(record, "rope_precision", "float32"))
+        return checked_setting(record.scheme, axes, theta, rotated=record.rotated, **extra)
     except InputError as exc:
         raise InputError(f"{source} records no usable RoPE setting ({exc}). Fix: re-export the "
                          f"model with `qkrope export`") from None

@@ -35,7 +35,8 @@ PACKED_TOKENS, VIDEO_5D = "packed-tokens", "video-5d"
 KINDS = {PACKED_TOKENS: (3, "[batch, tokens, features]"),
          VIDEO_5D: (5, "[batch, channels, frames, height, width]")}
 #: The named axes of a latent grid (latent frames / rows / columns, before patchifying).
-LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH = "latent_frames", "latent_height", "latent_width"
+LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH = (model_io.LATENT_FRAMES, model_io.LATENT_HEIGHT,
+                                              model_io.LATENT_WIDTH)
 GRID_AXES = (LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH)
 
 

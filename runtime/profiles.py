@@ -195,11 +195,14 @@ def derive_profile(model: ModelInfo, *, min_shapes: Mapping[str, Shape] | None =
     ranges = axis_ranges(needs_axes, model.export_values(), max_batch=max_batch,
                          max_img_tokens=max_img_tokens, max_txt_tokens=max_txt_tokens)
     for axis, levels in (axis_levels or {}).items():  # a preset's (min, opt, max) per axis
+        levels = tuple(int(v) for v in levels)
         if axis in ranges:
-            ranges[axis] = tuple(int(v) for v in levels)
-            for rows_axis, token_axis in CACHE_ROWS_FOR.items():
-                if token_axis == axis and rows_axis in ranges:
-                    ranges[rows_axis] = ranges[axis]
+            ranges[axis] = levels
+        # a cache's rows follow its stream's tokens, also where no input has a token axis
+        # (a 5-D latent: its tokens are the grid's)
+        for rows_axis, token_axis in CACHE_ROWS_FOR.items():
+            if token_axis == axis and rows_axis in ranges:
+                ranges[rows_axis] = levels
 
     # An explicit shape also sets its named axes for the other inputs at that level
     # (--max encoder_hidden_states:2x40x3072 makes the mask's and the text cache's max 40 too).

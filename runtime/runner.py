@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
-from qkrope.errors import QkropeError
+from qkrope.errors import InputError, QkropeError
 
 from qkrope import dtypes
 from qkrope.model_io import ModelIO
@@ -37,7 +37,7 @@ from .caches import validate_cos_sin_caches
 BUFFERS_PER_NAME = 2
 #: The optional inputs a call passes by role in ``conditioning`` (the family graph's that has
 #: them; qkrope.model_io).
-CONDITIONING_ROLES = ("pooled_projections", "guidance")
+CONDITIONING_ROLES = ("pooled_projections", "guidance", "padding_mask")
 
 
 class RunnerError(QkropeError, RuntimeError):
@@ -170,6 +170,8 @@ def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
         if not isinstance(t, torch.Tensor):
             raise RunnerInputError(f"{name} must be a torch.Tensor [batch, tokens, dim]; got "
                                    f"{type(t).__name__}. Fix: torch.as_tensor({name})")
+        if t.dim() == 5 and name == "hidden_states":
+            continue  # a 5-D latent the model patchifies (its tokens: Runner._img_tokens)
         if t.dim() != 3:
             raise RunnerInputError(f"{name} must be 3-D [batch, tokens, dim]; got shape "
                                    f"{tuple(t.shape)}. Fix: add the batch dimension "
@@ -192,16 +194,19 @@ def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
 # The common runner
 # --------------------------------------------------------------------------------------------
 
-def _rotates_text(io: ModelIO) -> bool:
-    """Whether the model's family rotates its text tokens (then it has a text cache input); a
-    family that only normalises them (its record's ``rotated``) has none."""
-    name = getattr(io.config, "family", None) if io.config is not None else None
+def _has_text_cache(io: ModelIO) -> bool:
+    """Whether the model's graph has a text cache: its family's (a family whose text is never
+    rotated, nor normalised by the node, has none); True for a model without a family."""
+    from qkrope import families
+    from qkrope.model_io import TXT_COS_SIN_CACHE
+
+    name = getattr(io.config, "family", None)
     if name is None:
         return True
-    from qkrope import families
-
-    record = next((r for r in families.records() if r.name == name), None)
-    return record is None or "txt" in record.rotated
+    try:
+        return TXT_COS_SIN_CACHE in families.by_name(name).graph.inputs
+    except InputError:
+        return True
 
 
 class Runner:
@@ -215,9 +220,8 @@ class Runner:
         self.io = io
         self.copy_outputs = copy_outputs
         self._local = threading.local()
-        needed = ("hidden_states", "encoder_hidden_states", "img_cache") + (
-            ("txt_cache",) if _rotates_text(io) else ())
-        missing = [r for r in needed if r not in io.roles]
+        missing = [r for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache")
+                   if r not in io.roles and not (r == "txt_cache" and not _has_text_cache(io))]
         if missing:
             raise RunnerError(
                 f"cannot tell which model inputs are {', '.join(missing)} (inputs: "
@@ -274,11 +278,19 @@ class Runner:
         the model has must be given, and none it lacks."""
         check_roles(hidden_states, encoder_hidden_states, encoder_hidden_states_mask)
         device = hidden_states.device
-        caches = validate_cos_sin_caches(
-            image_rotary_emb, head_dim=self.io.head_dim, img_seq_len=hidden_states.shape[1],
-            txt_seq_len=encoder_hidden_states.shape[1], device=device, full=full_check)
-        self._check_device(device)
         roles = self.io.roles
+        # a model without a text cache (its text is never rotated) takes a cache pair whose
+        # text cache has no rows, or None in its place
+        if "txt_cache" not in roles and isinstance(image_rotary_emb, (tuple, list)) \
+                and len(image_rotary_emb) == 2 and image_rotary_emb[1] is None \
+                and isinstance(image_rotary_emb[0], torch.Tensor):
+            image_rotary_emb = (image_rotary_emb[0], image_rotary_emb[0][:0])
+        caches = validate_cos_sin_caches(
+            image_rotary_emb, head_dim=self.io.head_dim,
+            img_seq_len=self._img_tokens(hidden_states),
+            txt_seq_len=encoder_hidden_states.shape[1] if "txt_cache" in roles else 0,
+            device=device, full=full_check)
+        self._check_device(device)
         feeds: dict[str, Any] = {roles["hidden_states"]: hidden_states,
                                  roles["encoder_hidden_states"]: encoder_hidden_states,
                                  roles["img_cache"]: caches.img}
@@ -335,6 +347,22 @@ class Runner:
             feeds[name] = t
         axes = check_inputs(self.io, feeds, device=device)
         return feeds, axes
+
+    def _img_tokens(self, hidden_states: torch.Tensor) -> int:
+        """The image tokens of ``hidden_states``: axis 1 of a token stream; the patch grid of a
+        5-D latent (the model's family record and config, qkrope.runtime.latents)."""
+        if hidden_states.dim() != 5:
+            return int(hidden_states.shape[1])
+        from .caches import record_of
+        from .latents import latent_of
+
+        config = self.io.config
+        latent = latent_of(record_of(config, self.io.source),
+                           getattr(config, "diffusers_config", None))
+        try:
+            return latent.tokens(tuple(hidden_states.shape))
+        except InputError as exc:
+            raise RunnerInputError(str(exc)) from None
 
     def _ones_mask(self, shape, dtype, device) -> torch.Tensor:
         return self._kept_buffer("__mask__", (tuple(shape), dtype, device),

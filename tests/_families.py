@@ -153,6 +153,48 @@ def _hunyuan_image(seed: int):
     return model.eval()
 
 
+#: diffusers' Cosmos-Predict2 Video2World test config (tests/pipelines/cosmos/
+#: test_cosmos2_video2world.py: 2 blocks x 2 heads x 16, a condition-mask channel)
+COSMOS_CONFIG = dict(in_channels=16 + 1, out_channels=16, num_attention_heads=2,
+                     attention_head_dim=16, num_layers=2, mlp_ratio=2, text_embed_dim=32,
+                     adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+                     rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=True,
+                     extra_pos_embed_type="learnable")
+
+
+def cosmos_torchvision_standin() -> None:
+    """diffusers' Cosmos forward resizes the padding mask with torchvision, which the test
+    environment may lack: its tensor path (``F.interpolate(mode="nearest")``) stands in for
+    it then (what the drop-in does too)."""
+    import types
+
+    import diffusers.models.transformers.transformer_cosmos as tc
+    import torch.nn.functional as nnf
+
+    if not hasattr(tc, "transforms"):
+        tc.transforms = types.SimpleNamespace(
+            functional=types.SimpleNamespace(
+                resize=lambda t, size, interpolation=None: nnf.interpolate(t, size=size,
+                                                                           mode="nearest")),
+            InterpolationMode=types.SimpleNamespace(NEAREST="nearest"))
+
+
+def cosmos_transformer(seed: int = 0, **overrides):
+    """The tiny Cosmos-Predict2 transformer, weights ~ N(0, 0.2^2) (diffusers zeroes the
+    learnable positional embedding)."""
+    import torch
+    from diffusers import CosmosTransformer3DModel
+
+    cosmos_torchvision_standin()
+    torch.manual_seed(seed)
+    model = CosmosTransformer3DModel(**{**COSMOS_CONFIG, **overrides})
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.eval()
+
+
 #: family name -> its tiny builder
 BUILDERS: dict[str, TinyBuilder] = {
     "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
@@ -168,6 +210,8 @@ BUILDERS: dict[str, TinyBuilder] = {
                           int(CHROMA_CONFIG["num_layers"])),
     "wan": TinyBuilder("wan", "wan", wan_transformer, WAN_CONFIG["num_layers"]),
     "hunyuan-image": TinyBuilder("hunyuan-image", "hunyuan-image", _hunyuan_image, 1),
+    "cosmos-predict2": TinyBuilder("cosmos-predict2", "cosmos-predict2", cosmos_transformer,
+                                   int(COSMOS_CONFIG["num_layers"])),
 }
 
 #: pytest parameters: one per family, in registry order

@@ -131,6 +131,31 @@ def z_image(model, batch: int, g: torch.Generator) -> Forms:
     return {"base": base, "same": same, "refused": []}
 
 
+def cosmos(model, batch: int, g: torch.Generator) -> Forms:
+    """Video2World's call (16-channel latent and a condition mask, per-frame timesteps as the
+    pipeline expands them, the padding mask at pixel size, fps); no form carries per-item
+    positions (the grid is the latent's own), so none is refused."""
+    cfg = model.config
+    frames, h, w, txt = 2, 4, 6, 5
+    latent = torch.randn(batch, cfg.in_channels - 1, frames, h, w, generator=g)
+    cond = (torch.rand(batch, 1, frames, h, w, generator=g) > 0.5).float()
+    t = torch.rand(1, generator=g)
+    base = {"hidden_states": latent, "condition_mask": cond,
+            "timestep": t.view(1, 1, 1, 1, 1).expand(batch, -1, frames, -1, -1).contiguous(),
+            "encoder_hidden_states": torch.randn(batch, txt, cfg.text_embed_dim, generator=g),
+            "padding_mask": torch.zeros(1, 1, 8 * h, 8 * w), "fps": 16, "return_dict": False}
+    same = [
+        ("timestep expanded (stride 0)",
+         dict(base, timestep=t.view(1, 1, 1, 1, 1).expand(batch, -1, frames, -1, -1))),
+        ("padding_mask at the latent's size", dict(base, padding_mask=torch.zeros(1, 1, h, w))),
+        ("fps a float", dict(base, fps=16.0)),
+        ("non-contiguous tensors",
+         dict(base, hidden_states=_noncontiguous(latent),
+              encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"]))),
+    ]
+    return {"base": base, "same": same, "refused": []}
+
+
 def chroma(model, batch: int, g: torch.Generator) -> Forms:
     """Chroma: FLUX.1's ids (its pipelines lay them out as FLUX.1's), no pooled projections or
     guidance; the prompt mask is left out here (its forms are tests/test_family_chroma.py's)."""
@@ -161,4 +186,4 @@ FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flu
                                           "flux2": flux2, "chroma": chroma,
                                           "hunyuan-video-1.5": _hunyuan("hunyuan-video-1.5"),
                                           "hunyuan-video": _hunyuan("hunyuan-video"),
-                                          "z-image": z_image}
+                                          "z-image": z_image, "cosmos-predict2": cosmos}

@@ -8,6 +8,7 @@ import pytest
 
 from qkrope import families
 from qkrope.errors import InputError
+from qkrope.families import _record
 
 from _families import BUILDERS, PARAMS  # noqa: E402
 
@@ -18,7 +19,7 @@ def test_every_family_has_a_tiny_builder_and_its_records_are_consistent():
         assert families.by_name(record.name) is record
         assert families.by_class(record.class_name) is record
         assert families.family_of({"_class_name": record.class_name}) is record
-        assert record.scheme in ("grid", "ids", "table", "patch-grid") and sum(record.axes) > 0
+        assert record.scheme in _record.SCHEMES and sum(record.axes) > 0
     assert families.by_name(None) is families.default()
     assert families.by_class("NoSuchModel") is None
     with pytest.raises(InputError, match="model family 'flux3'.*re-export"):

@@ -26,7 +26,7 @@ from qkrope.families._record import FamilyRecord
 #: The family folders, in registry order (the first is the default of an old sidecar that
 #: names no family).
 FAMILY_PACKAGES = ("qwen_image", "flux", "chroma", "hunyuan_video", "hunyuan_image", "z_image",
-                   "wan")
+                   "cosmos", "wan")
 #: The hook modules a family folder has.
 HOOK_KINDS = ("export", "reference", "dropin")
 

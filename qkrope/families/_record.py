@@ -14,8 +14,9 @@ from qkrope.model_io import GUIDANCE, ModelDecl
 #: The position schemes (qkrope.runtime.schemes): "grid" builds the RoPE caches from image grid
 #: shapes and a text length, "ids" from per-token position ids, "table" from per-token integer
 #: ids into per-axis RoPE tables (diffusers' RopeEmbedder), "patch-grid" from the token grid of
-#: one latent the model patchifies (float32 angles, the text not rotated).
-SCHEMES = ("grid", "ids", "table", "patch-grid")
+#: one latent the model patchifies (float32 angles, the text not rotated), "scaled_grid" from a
+#: video's token grid with a base per axis and frame positions scaled to a frame rate.
+SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
 #: width], patchified by the model (qkrope.runtime.latents).
@@ -95,6 +96,9 @@ class FamilyRecord:
     rope_precision: str = "float32"
     # the config key that overrides max_positions (None: fixed in diffusers' code)
     max_positions_key: str | None = None
+    # a function of the family's record module (no torch) whose call on the diffusers config
+    # gives the RoPE Setting's family-specific fields (per-axis bases, table size, ...)
+    rope_rule: str | None = None
     # the node launches of its export at its usual sizes (the kernel report and kernel tests)
     launches: tuple[Launch, ...] = ()
 

@@ -30,7 +30,10 @@ def _role(f: _Fields) -> str | None:
     return role
 
 
-_DECL_BY_ROLE = {t.role: t for t in model_io.TENSORS.values()}
+#: role -> the declarations of that role (a role may have a token form and a 5-D latent form)
+_DECL_BY_ROLE: dict = {}
+for _t in model_io.TENSORS.values():
+    _DECL_BY_ROLE.setdefault(_t.role, []).append(_t)
 
 
 def _dtype(f: _Fields) -> str:
@@ -55,7 +58,8 @@ def _check_role(f: _Fields, name: str, role: str | None, axes: Sequence[Any]) ->
     if declared is not None and role != declared:
         f.fail(f"gives the tensor {name!r} the role {role!r}, but {name!r} is the {declared!r} "
                f"of every model qkrope exports: the roles were edited or swapped")
-    want = _DECL_BY_ROLE[role].axes
+    forms = [d.axes for d in _DECL_BY_ROLE[role]]
+    want = next((w for w in forms if len(w) == len(axes)), forms[0])
     if len(axes) != len(want):
         f.fail(f"gives the tensor {name!r} the role {role!r}, which has {len(want)} dimensions "
                f"({list(want)}), but its shape has {len(axes)}: the roles were edited or "

@@ -2,7 +2,8 @@
 (numpy and the standard library only; ``qkrope triton-repo`` copies this package beside the
 Triton rope model, which imports it by path).
 
-Each scheme module (:mod:`.grid`, :mod:`.ids`, :mod:`.table`, :mod:`.patch_grid`) says:
+Each scheme module (:mod:`.grid`, :mod:`.ids`, :mod:`.table`, :mod:`.patch_grid`,
+:mod:`.scaled_grid`) says:
 
 - ``FIELDS``: the request fields it takes in place of the caches (``POSITION_FIELDS``: those
   whose tensors hold position values);
@@ -18,12 +19,12 @@ module here, added to :data:`SCHEMES`.
 
 from __future__ import annotations
 
-from . import grid, ids, patch_grid, table
+from . import grid, ids, patch_grid, scaled_grid, table
 from ._common import (BIT_EXACT, PRECISIONS, STREAMS, BadPositions, BadRequest,  # noqa: F401
                       CacheBudget, PositionOverflow, Setting, TooLarge, identity_rows)
 
 #: Every scheme by name.
-SCHEMES = {m.NAME: m for m in (grid, ids, table, patch_grid)}
+SCHEMES = {m.NAME: m for m in (grid, ids, table, patch_grid, scaled_grid)}
 
 
 def scheme(name: str):

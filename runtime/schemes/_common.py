@@ -51,6 +51,12 @@ class Setting:
     #: angles, cos and sin, then rounded to float32: diffusers' get_1d_rotary_pos_embed with
     #: freqs_dtype=float64).
     precision: str = "float32"
+    #: A base per axis where a family's axes have their own (the scaled_grid scheme; None:
+    #: ``theta`` for every axis), as the family computes them (float64).
+    axis_thetas: Optional[tuple] = None
+    #: The frame rate frame positions are scaled to (scaled_grid: position * base_fps / fps
+    #: when a call gives its fps; None: no scaling).
+    base_fps: Optional[float] = None
 
     @property
     def width(self) -> int:
