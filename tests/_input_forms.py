@@ -165,6 +165,41 @@ def chroma(model, batch: int, g: torch.Generator) -> Forms:
                  sample_ids=lambda shapes, txt: flux_sample_ids("flux1", shapes, txt))
 
 
+def hunyuan_image(model, batch: int, g: torch.Generator) -> Forms:
+    """HunyuanImage-2.1: the pipeline's 4-D latent (the model patchifies it), the text mask as
+    1/0 integers (the last item padded); the positions are the latent's own grid, so no form
+    is read wrongly for some items."""
+    cfg = model.config
+    h, w, txt = 5, 7, 9
+    mask = torch.ones(batch, txt, dtype=torch.int64)
+    mask[-1, txt - 3:] = 0
+    base = {"hidden_states": torch.randn(batch, cfg.in_channels, h, w, generator=g),
+            "timestep": torch.linspace(300.0, 700.0, batch),
+            "encoder_hidden_states": torch.randn(batch, txt, cfg.text_embed_dim, generator=g),
+            "encoder_attention_mask": mask, "return_dict": False}
+    same = [("mask bool", dict(base, encoder_attention_mask=mask.bool())),
+            ("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
+def wan(model, batch: int, g: torch.Generator) -> Forms:
+    """Wan: the 5-D latent [B, C, F, H, W] (the model patchifies it), a [batch] timestep; the
+    positions are the latent's own grid, so no form is read wrongly for some items."""
+    cfg = model.config
+    pf, ph, pw = cfg.patch_size
+    base = {"hidden_states": torch.randn(batch, cfg.in_channels, 2 * pf, 3 * ph, 2 * pw,
+                                         generator=g),
+            "timestep": torch.rand(batch, generator=g) * 999,
+            "encoder_hidden_states": torch.randn(batch, 5, cfg.text_dim, generator=g),
+            "return_dict": False}
+    same = [("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
 #: family name -> its forms
 def _hunyuan(variant: str):
     def forms(model, batch: int, g: torch.Generator) -> Forms:
@@ -186,4 +221,5 @@ FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flu
                                           "flux2": flux2, "chroma": chroma,
                                           "hunyuan-video-1.5": _hunyuan("hunyuan-video-1.5"),
                                           "hunyuan-video": _hunyuan("hunyuan-video"),
-                                          "z-image": z_image, "cosmos-predict2": cosmos}
+                                          "z-image": z_image, "cosmos-predict2": cosmos,
+                                          "hunyuan-image": hunyuan_image, "wan": wan}
