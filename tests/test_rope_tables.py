@@ -124,4 +124,4 @@ def test_module_imports_nothing_but_numpy_and_the_standard_library(path):
     assert all(n.module in ("_common", "grid", "ids", None) for n in ast.walk(tree)
                if isinstance(n, ast.ImportFrom) and n.level)
     assert names <= {"__future__", "collections", "ctypes", "dataclasses", "functools", "math",
-                     "operator", "typing", "numpy"}, names
+                     "numbers", "operator", "typing", "numpy"}, names
