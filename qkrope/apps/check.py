@@ -22,8 +22,9 @@ Steps:
    pooled projections and guidance where the graph has them, no mask), and the family's
    reference hook (``qkrope/families/<family>/reference.py``, ``forward_kwargs``) gives the
    keyword arguments of diffusers' own forward (FLUX: those ids in place of the caches). The
-   streamed, one-block-resident reference and ``--blocks`` / ``--layers`` are for families whose
-   record has ``blocks``; the others' model is loaded whole.
+   streamed, one-block-resident reference is for families whose record lists its blocks
+   (``block_lists``), ``--blocks`` / ``--layers`` for those whose record has ``blocks``; the
+   others' model is loaded whole.
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
@@ -155,7 +156,7 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         record = _family(info)
         reference = families.hooks(record, "reference")
         kwargs = reference.forward_kwargs(info, r, img_shapes)
-        if not record.blocks:  # loaded whole: diffusers' own class for the folder
+        if not record.block_lists:  # loaded whole: diffusers' own class for the folder
             sample = _reference_transformer(info, diffusers_dir)(**kwargs)[0]
             if hasattr(reference, "graph_output"):  # diffusers' output in the graph's layout
                 sample = reference.graph_output(info, sample, img_shapes)
@@ -172,6 +173,8 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n,
                                     class_name=record.class_name)
         sample = model(**kwargs)[0]
+        if not layers and hasattr(reference, "graph_output"):  # as above
+            sample = reference.graph_output(info, sample, img_shapes)
         outs = {} if layers else {info.output_names[0]: sample}
         blocks = reference_block_outputs(model, block_names)
         if stats is not None:

@@ -34,6 +34,10 @@ FLUX2_EXCLUDED = ("x_embedder", "context_embedder", "time_guidance_embed",
                   "double_stream_modulation_img", "double_stream_modulation_txt",
                   "single_stream_modulation", "norm_out", "proj_out")
 
+#: The FLUX-like block lists in execution order (FLUX.1, FLUX.2 and Chroma): the double-stream
+#: blocks, then the single-stream ones.
+FLUX_BLOCK_LISTS = (("transformer_blocks", "num_layers"),
+                    ("single_transformer_blocks", "num_single_layers"))
 
 
 def _launches(model: str, heads: int) -> tuple[Launch, ...]:
@@ -54,13 +58,13 @@ FLUX1 = FamilyRecord(
     short="FLUX.1", package="flux", scheme="ids", axes=(16, 56, 56),
     theta=10000, theta_key=None,  # diffusers fixes FluxPosEmbed(theta=10000)
     max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX1_TRANSFORMER,
-    fp8_excluded=FLUX1_EXCLUDED, blocks=False, launches=_launches("FLUX.1", 24))
+    fp8_excluded=FLUX1_EXCLUDED, blocks=False, block_lists=FLUX_BLOCK_LISTS, launches=_launches("FLUX.1", 24))
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
     theta=2000, theta_key="rope_theta",  # the config's defaults
     max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX2_TRANSFORMER,
-    fp8_excluded=FLUX2_EXCLUDED, blocks=False,
+    fp8_excluded=FLUX2_EXCLUDED, blocks=False, block_lists=FLUX_BLOCK_LISTS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
     launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))
 
