@@ -151,6 +151,40 @@ def test_flux_reference_holds_one_block_at_a_time(root, variant):
         assert torch.equal(value, streamed.block_outputs[n - 1][stream])
 
 
+def test_flux1_layers_export_and_block_checks(root, tmp_path, capsys):
+    """Issue 35: `export --layers K` of FLUX.1 keeps the first K blocks in execution order
+    (double-stream, then single-stream; K=3 reaches the first single block), the sidecar says
+    K; `check --layers K` compares those blocks' image/text outputs (the graph cut after block
+    K-1) and `check --blocks` every block's; FLUX.2 (single blocks return the joined stream)
+    refuses both in one line."""
+    from qkrope.sidecars import ModelInfo
+
+    folder, out = fm.saved("flux1-dev", root), tmp_path / "l3.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--layers", "3",
+                 "--out", str(out)]) == 0
+    info = ModelInfo.load(out)
+    assert info.config.num_layers_exported == 3
+    assert "2 of 2 double + 1 of 2 single blocks" in capsys.readouterr().err
+    assert main(["check", str(out), "--layers", "3", "--workdir", str(tmp_path / "w")]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+    # the export's last block's text output is unused by its model and absent from the graph
+    assert rows == [f"block{i}.{s}" for i in range(3) for s in ("img", "txt")
+                    if (i, s) != (2, "txt")], text
+    assert main(["check", str(fm.exported("flux1-dev", root)), "--blocks",
+                 "--workdir", str(tmp_path / "w2")]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+    assert rows == ["sample"] + [f"block{i}.{s}" for i in range(4) for s in ("img", "txt")
+                                 if (i, s) != (3, "txt")], text
+    flux2 = fm.exported("flux2-dev", root)
+    capsys.readouterr()
+    for flags in (["--blocks"], ["--layers", "1"]):
+        rc = main(["check", str(flux2), *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and "Fix: drop" in err, (flags, err)
+
+
 def test_check_of_a_flux_export_fails_on_other_weights(root, tmp_path, capsys):
     """The reference is the source model: the same export checked against a folder of other
     random weights (same config) fails with exit status 1; a folder of another family is

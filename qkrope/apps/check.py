@@ -511,13 +511,18 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
                                 engine=engine, providers=providers, out=out)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
     block_names: list[str] = []
+    offsets = None
     if blocks or layers is not None:
         # ONNX Runtime over the graph with each block's outputs marked (cut after --layers K):
         # one session, the model's weights once (qkrope.apps.check_blocks)
         from qkrope.apps import check_blocks as cb
 
+        record, config = _family(info), info.config.diffusers_config
+        offsets = (cb.block_offsets(record.block_lists, config)
+                   if record.block_lists and isinstance(config, dict) else None)
         marked, block_names = cb.marked_model(
-            onnx_path, num_blocks=int(info.config.num_layers_exported or 0), layers=layers)
+            onnx_path, num_blocks=int(info.config.num_layers_exported or 0), layers=layers,
+            offsets=offsets)
         session = cb.ort_block_session(onnx_path, marked,
                                        [_ort_provider(p) for p in providers])
         del marked
@@ -589,11 +594,12 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     print(f"compared: {_what_compared(info, block_names, layers, stats)}", file=out)
     print(format_check_table(rows), file=out)
     if block_names:
+        from qkrope.apps.check_blocks import block_module as cb_module
         from qkrope.apps.check_blocks import first_failing_block
 
         bad = first_failing_block(rows)
         if bad is not None:
-            print(f"first block that differs: block {bad} (transformer_blocks.{bad}; "
+            print(f"first block that differs: block {bad} ({cb_module(bad, offsets)}; "
                   f"{'blocks 0-' + str(bad - 1) + ' agree' if bad else 'the first block'})",
                   file=out)
     rerun = (f"rerun the model outputs by hand: sh {workdir / 'polygraphy_cmd.sh'}" if finals

@@ -36,7 +36,7 @@ import numpy as np
 
 from qkrope.errors import QkropeError
 
-BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")
+BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")  # one list, from block 0
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 STREAMS = ("img", "txt")  # a block's outputs: hidden_states (image), encoder_hidden_states
 
@@ -234,7 +234,27 @@ class StreamedTransformer:
 # The ONNX side: block outputs marked, the graph cut after --layers K
 # --------------------------------------------------------------------------------------------
 
-def _block_of(node) -> int | None:
+def block_offsets(block_lists: Sequence[tuple[str, str]],
+                  config: Any) -> dict[str, int]:
+    """``{module attribute: index of its first block in execution order}`` for a family's
+    ``block_lists`` and its diffusers ``config`` (each list's count under its key)."""
+    offsets, at = {}, 0
+    for attr, key in block_lists:
+        offsets[attr] = at
+        at += int(config.get(key, 0))
+    return offsets
+
+
+def block_module(block: int, offsets: dict[str, int] | None) -> str:
+    """The module path of block ``block`` (in execution order), e.g. ``transformer_blocks.3``
+    or FLUX's ``single_transformer_blocks.0``."""
+    if not offsets:
+        return f"transformer_blocks.{block}"
+    attr = max((o, a) for a, o in offsets.items() if o <= block)[1]
+    return f"{attr}.{block - offsets[attr]}"
+
+
+def _block_of(node, pattern=BLOCK_SCOPE, offsets=None) -> int | None:
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES_KEY:
             try:
@@ -242,25 +262,33 @@ def _block_of(node) -> int | None:
             except (ValueError, SyntaxError):
                 return None
             for scope in scopes:
-                m = BLOCK_SCOPE.fullmatch(str(scope))
+                m = pattern.fullmatch(str(scope))
                 if m:
-                    return int(m.group(1))
+                    if offsets is None:
+                        return int(m.group(1))
+                    return offsets[m.group(1)] + int(m.group(2))
     return None
 
 
-def find_block_outputs(model) -> dict[int, dict[str, str]]:
+def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int, dict[str, str]]:
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph:
     the values a block's nodes produce and nodes outside it (or the graph's outputs) use, of
     shape ``[batch, img_tokens | txt_tokens, dim]`` (the last block's text output is unused by
-    the model and absent)."""
+    the model and absent). ``offsets`` (:func:`block_offsets`): the family's block lists, each
+    numbered from its first block's index in execution order (default: ``transformer_blocks``
+    alone)."""
+    pattern = BLOCK_SCOPE
+    if offsets is not None:
+        names = "|".join(re.escape(a) for a in sorted(offsets, key=len, reverse=True))
+        pattern = re.compile(rf"(?:.*\.)?({names})\.(\d+)")
     producer: dict[str, int | None] = {}
     for node in model.graph.node:
-        b = _block_of(node)
+        b = _block_of(node, pattern, offsets)
         for out in node.output:
             producer[out] = b
     crossing: dict[int, set[str]] = {}
     for node in model.graph.node:
-        b = _block_of(node)
+        b = _block_of(node, pattern, offsets)
         for name in node.input:
             p = producer.get(name)
             if p is not None and p != b:
@@ -328,15 +356,17 @@ def prune_to_outputs(model, outputs: Sequence[str]) -> None:
     model.graph.output.extend(new_outputs)
 
 
-def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None):
+def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
+                 offsets: dict[str, int] | None = None):
     """The model's graph (weights not loaded) with each compared block's outputs as graph
     outputs named ``block<i>.img`` / ``block<i>.txt`` (an Identity each; the last block's text
     output is unused by the model and absent), cut after block ``layers - 1`` when ``layers``
-    is given (the model's own outputs then dropped). Returns ``(model, [block output names])``."""
+    is given (the model's own outputs then dropped); ``offsets``: :func:`find_block_outputs`'s.
+    Returns ``(model, [block output names])``."""
     import onnx
 
     model = onnx.load(onnx_path, load_external_data=False)
-    blocks = find_block_outputs(model)
+    blocks = find_block_outputs(model, offsets)
     n = num_blocks if layers is None else layers
     missing = [i for i in range(n) if "img" not in blocks.get(i, {})]
     if missing:

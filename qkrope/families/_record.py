@@ -23,6 +23,12 @@ SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid")
 LATENT_KINDS = ("packed-tokens", "video-5d")
 
 
+#: The block lists of a transformer with double-stream blocks, then single-stream ones (module
+#: attribute, config count key; in execution order): a FamilyRecord's ``block_lists``.
+DOUBLE_THEN_SINGLE_BLOCKS = (("transformer_blocks", "num_layers"),
+                             ("single_transformer_blocks", "num_single_layers"))
+
+
 @dataclass(frozen=True)
 class Launch:
     """One shape of the fused node a family's export launches at its usual sizes: what the
