@@ -188,3 +188,20 @@ def test_a_graph_without_block_scopes_is_one_clear_error(exported, tmp_path):
     onnx.save(model, str(plain))
     with pytest.raises(BlockCheckError, match=r"block\(s\) \[0, 1, 2\] cannot be found"):
         marked_model(str(plain), num_blocks=3, layers=None)
+
+
+def test_block_numbering_over_a_familys_block_lists():
+    """Issue 35: blocks are numbered in execution order through the record's block lists (FLUX:
+    the double-stream ones, then the single-stream ones), and a failing block's index names its
+    module back; one list (Qwen-Image) numbers transformer_blocks from 0."""
+    from qkrope import families
+    from qkrope.apps.check_blocks import block_module, block_offsets
+
+    flux1 = families.by_name("flux1")
+    offsets = block_offsets(flux1.block_lists, {"num_layers": 19, "num_single_layers": 38})
+    assert offsets == {"transformer_blocks": 0, "single_transformer_blocks": 19}
+    assert [block_module(i, offsets) for i in (0, 18, 19, 56)] == [
+        "transformer_blocks.0", "transformer_blocks.18", "single_transformer_blocks.0",
+        "single_transformer_blocks.37"]
+    qwen = block_offsets(families.by_name("qwen-image").block_lists, {"num_layers": 60})
+    assert block_module(7, qwen) == block_module(7, None) == "transformer_blocks.7"

@@ -104,8 +104,85 @@ def test_check_a_flux_export_against_diffusers_forward(root, variant, tmp_path):
     assert passed, out.getvalue()
     assert [(r.runner, r.against, r.output) for r in rows] == [("onnxrt", "pytorch", "sample")]
     assert 0 < rows[0].max_abs  # a comparison of two computations, not of one with itself
+    # the reference streamed its blocks, one resident at a time (issue 35)
+    assert "each block's weights read from" in out.getvalue()
     saved = load_json(str(tmp_path / "inputs.json"))[0]
     assert list(saved) == ModelInfo.load(fm.exported(variant, root)).input_names
+
+
+@pytest.mark.parametrize("variant", ["flux1-dev", "flux2-dev"])
+def test_flux_reference_holds_one_block_at_a_time(root, variant):
+    """Issue 35: the check's reference of a FLUX export streams its blocks (the double-stream
+    ones, then the single-stream ones, the record's block_lists): diffusers' own forward bit for
+    bit, with never more than one block's parameters resident (a double block is larger than
+    a single one, so two resident at once would exceed the largest block's count)."""
+    from qkrope.apps.check_blocks import StreamedTransformer
+
+    family, _, cfg = fm.VARIANTS[variant]
+    full = fm.transformer(variant)
+    streamed = StreamedTransformer(fm.saved(variant, root), dtype=torch.float32,
+                                   class_name=family.class_name)
+    txt_ids, img_ids = _pipeline_ids(family)
+    g = torch.Generator().manual_seed(3)
+    kw = dict(hidden_states=torch.randn(1, len(img_ids), 4, generator=g),
+              encoder_hidden_states=torch.randn(1, TXT, 32, generator=g),
+              timestep=torch.tensor([0.5]), img_ids=img_ids, txt_ids=txt_ids,
+              guidance=torch.tensor([3.5]), return_dict=False)
+    if family is fm.FLUX1:
+        kw["pooled_projections"] = torch.randn(1, 32, generator=g)
+    with torch.no_grad():
+        want, got = full(**kw)[0], streamed(**kw)[0]
+    assert torch.equal(got, want)  # the same weights through the same forward: bit for bit
+    blocks = list(full.transformer_blocks) + list(full.single_transformer_blocks)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    assert len(sizes) == cfg["num_layers"] + cfg["num_single_layers"]
+    assert streamed.block_elements == sizes and min(sizes) < max(sizes)
+    assert streamed.peak_block_elements == max(sizes)  # one block, never two, never the model
+    assert all(p.device.type == "meta" for _, b in streamed.blocks for p in b.parameters())
+    assert sorted(streamed.block_outputs) == list(range(len(sizes)))
+    # a prefix reaching into the single-stream blocks: the first outputs the same
+    n = cfg["num_layers"] + 1
+    prefix = StreamedTransformer(fm.saved(variant, root), dtype=torch.float32, num_layers=n,
+                                 class_name=family.class_name)
+    with torch.no_grad():
+        prefix(**kw)
+    assert sorted(prefix.block_outputs) == list(range(n))
+    for stream, value in prefix.block_outputs[n - 1].items():
+        assert torch.equal(value, streamed.block_outputs[n - 1][stream])
+
+
+def test_flux1_layers_export_and_block_checks(root, tmp_path, capsys):
+    """Issue 35: `export --layers K` of FLUX.1 keeps the first K blocks in execution order
+    (double-stream, then single-stream; K=3 reaches the first single block), the sidecar says
+    K; `check --layers K` compares those blocks' image/text outputs (the graph cut after block
+    K-1) and `check --blocks` every block's; FLUX.2 (single blocks return the joined stream)
+    refuses both in one line."""
+    from qkrope.sidecars import ModelInfo
+
+    folder, out = fm.saved("flux1-dev", root), tmp_path / "l3.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--layers", "3",
+                 "--out", str(out)]) == 0
+    info = ModelInfo.load(out)
+    assert info.config.num_layers_exported == 3
+    assert "2 of 2 double + 1 of 2 single blocks" in capsys.readouterr().err
+    assert main(["check", str(out), "--layers", "3", "--workdir", str(tmp_path / "w")]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+    # the export's last block's text output is unused by its model and absent from the graph
+    assert rows == [f"block{i}.{s}" for i in range(3) for s in ("img", "txt")
+                    if (i, s) != (2, "txt")], text
+    assert main(["check", str(fm.exported("flux1-dev", root)), "--blocks",
+                 "--workdir", str(tmp_path / "w2")]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+    assert rows == ["sample"] + [f"block{i}.{s}" for i in range(4) for s in ("img", "txt")
+                                 if (i, s) != (3, "txt")], text
+    flux2 = fm.exported("flux2-dev", root)
+    capsys.readouterr()
+    for flags in (["--blocks"], ["--layers", "1"]):
+        rc = main(["check", str(flux2), *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and "Fix: drop" in err, (flags, err)
 
 
 def test_check_of_a_flux_export_fails_on_other_weights(root, tmp_path, capsys):

@@ -22,8 +22,9 @@ Steps:
    pooled projections and guidance where the graph has them, no mask), and the family's
    reference hook (``qkrope/families/<family>/reference.py``, ``forward_kwargs``) gives the
    keyword arguments of diffusers' own forward (FLUX: those ids in place of the caches). The
-   streamed, one-block-resident reference and ``--blocks`` / ``--layers`` are for families whose
-   record has ``blocks``; the others' model is loaded whole.
+   streamed, one-block-resident reference is for families whose record lists its blocks
+   (``block_lists``), ``--blocks`` / ``--layers`` for those whose record has ``blocks``; the
+   others' model is loaded whole.
 3. polygraphy's ``Comparator.run`` over qkrope's own runners, the ones
    :func:`qkrope.runtime.load` returns (ONNX Runtime and, with ``--engine``, TensorRT with the
    plugin library), each behind a small polygraphy ``BaseRunner`` (:func:`runtime_runner`), so
@@ -155,7 +156,7 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         record = _family(info)
         reference = families.hooks(record, "reference")
         kwargs = reference.forward_kwargs(info, r, img_shapes)
-        if not record.blocks:  # loaded whole: diffusers' own class for the folder
+        if not record.block_lists:  # loaded whole: diffusers' own class for the folder
             sample = _reference_transformer(info, diffusers_dir)(**kwargs)[0]
             if hasattr(reference, "graph_output"):  # diffusers' output in the graph's layout
                 sample = reference.graph_output(info, sample, img_shapes)
@@ -172,6 +173,8 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n,
                                     class_name=record.class_name)
         sample = model(**kwargs)[0]
+        if not layers and hasattr(reference, "graph_output"):  # as above
+            sample = reference.graph_output(info, sample, img_shapes)
         outs = {} if layers else {info.output_names[0]: sample}
         blocks = reference_block_outputs(model, block_names)
         if stats is not None:
@@ -508,13 +511,18 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
                                 engine=engine, providers=providers, out=out)
     # Runners first: a missing TensorRT/GPU or a wrong plugin fails before the reference runs.
     block_names: list[str] = []
+    offsets = None
     if blocks or layers is not None:
         # ONNX Runtime over the graph with each block's outputs marked (cut after --layers K):
         # one session, the model's weights once (qkrope.apps.check_blocks)
         from qkrope.apps import check_blocks as cb
 
+        record, config = _family(info), info.config.diffusers_config
+        offsets = (cb.block_offsets(record.block_lists, config)
+                   if record.block_lists and isinstance(config, dict) else None)
         marked, block_names = cb.marked_model(
-            onnx_path, num_blocks=int(info.config.num_layers_exported or 0), layers=layers)
+            onnx_path, num_blocks=int(info.config.num_layers_exported or 0), layers=layers,
+            offsets=offsets)
         session = cb.ort_block_session(onnx_path, marked,
                                        [_ort_provider(p) for p in providers])
         del marked
@@ -586,11 +594,12 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     print(f"compared: {_what_compared(info, block_names, layers, stats)}", file=out)
     print(format_check_table(rows), file=out)
     if block_names:
+        from qkrope.apps.check_blocks import block_module as cb_module
         from qkrope.apps.check_blocks import first_failing_block
 
         bad = first_failing_block(rows)
         if bad is not None:
-            print(f"first block that differs: block {bad} (transformer_blocks.{bad}; "
+            print(f"first block that differs: block {bad} ({cb_module(bad, offsets)}; "
                   f"{'blocks 0-' + str(bad - 1) + ' agree' if bad else 'the first block'})",
                   file=out)
     rerun = (f"rerun the model outputs by hand: sh {workdir / 'polygraphy_cmd.sh'}" if finals

@@ -3,7 +3,8 @@ resident at a time, and ONNX Runtime's outputs of each block (``--blocks``) or o
 prefix.
 
 The reference (:class:`StreamedTransformer`) is diffusers' own forward of the family's class
-(e.g. ``QwenImageTransformer2DModel.forward``; families whose record has ``blocks``): the
+(e.g. ``QwenImageTransformer2DModel.forward``; families whose record lists its blocks,
+``block_lists``, e.g. FLUX's double-stream then single-stream blocks): the
 modules outside the blocks (embeddings, norms, projections: a few MiB at the real width) are
 loaded from the shards, every block is a ``meta``-device skeleton whose weights are read from
 the safetensors shards (tensor by tensor, through the index) by a forward pre-hook just before
@@ -35,7 +36,7 @@ import numpy as np
 
 from qkrope.errors import QkropeError
 
-BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")
+BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")  # one list, from block 0
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 STREAMS = ("img", "txt")  # a block's outputs: hidden_states (image), encoder_hidden_states
 
@@ -96,17 +97,46 @@ def _return_freed_memory() -> None:
         pass
 
 
+class _parameters_on_meta:
+    """Within: every parameter a module registers goes to the ``meta`` device at once (no
+    storage; buffers stay where they are made), so a model of any size is built in the memory
+    of its largest single tensor."""
+
+    def __enter__(self):
+        import torch
+
+        self._orig = orig = torch.nn.Module.register_parameter
+
+        def register(module, name, param):
+            if param is not None and param.device.type != "meta":
+                param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            orig(module, name, param)
+
+        torch.nn.Module.register_parameter = register
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.nn.Module.register_parameter = self._orig
+        return False
+
+
 class StreamedTransformer:
     """diffusers' transformer of ``folder`` (``class_name``: its family record's class, e.g.
-    ``QwenImageTransformer2DModel``) truncated to ``num_layers`` blocks
-    (``transformer_blocks``, each returning ``(encoder_hidden_states, hidden_states)``), whose
-    blocks hold their weights only while they run (the module docstring).
+    ``QwenImageTransformer2DModel``) truncated to ``num_layers`` blocks counted in execution
+    order through the record's ``block_lists`` (e.g. FLUX's double-stream
+    ``transformer_blocks`` then its ``single_transformer_blocks``), whose blocks hold their
+    weights only while they run (the module docstring).
     ``peak_block_elements``: the most block parameter elements resident at once (one block's,
-    by construction; the test checks it); ``block_outputs[i]``: block ``i``'s
-    ``{"img": hidden_states, "txt": encoder_hidden_states}`` of the last call."""
+    by construction; the test checks it); ``block_outputs[i]``: block ``i``'s outputs of the
+    last call (``i`` in execution order): ``{"img": hidden_states, "txt":
+    encoder_hidden_states}`` for a block returning the pair, ``{"joined": hidden_states}`` for
+    one returning the joined text-and-image stream (FLUX.2's single-stream blocks)."""
 
     def __init__(self, folder: str | os.PathLike, *, dtype, num_layers: int | None = None,
-                 variant: str | None = None, class_name: str | None = None):
+                 variant: str | None = None, class_name: str | None = None,
+                 block_lists: Sequence[tuple[str, str]] | None = None):
         import diffusers
         import torch
 
@@ -117,54 +147,80 @@ class StreamedTransformer:
         check_folder(str(d), None)  # quantizer state: not this reference's (check_fp8's)
         config = json.loads((d / "config.json").read_text(encoding="utf-8"))
         config = {k: v for k, v in config.items() if not k.startswith("_")}
-        total = int(config.get("num_layers", 0))
+        # the family's class and block lists (its record; default: the registry's first
+        # family, whose folders older callers pass)
+        from qkrope import families
+
+        record = families.by_class(class_name) if class_name else families.default()
+        if block_lists is None:
+            block_lists = record.block_lists if record is not None else ()
+        if not block_lists:
+            raise BlockCheckError(f"{class_name}: no block lists on its family record; its "
+                                  f"reference is loaded whole")
+        cls = getattr(diffusers, class_name or families.default().class_name)
+        counts = [int(config.get(key, 0)) for _, key in block_lists]
+        total = sum(counts)
         n = total if num_layers is None else int(num_layers)
         if not 1 <= n <= total:
             raise BlockCheckError(f"{d} has {total} blocks; cannot compare {n}")
+        kept, left = [], n  # the first n blocks in execution order, list by list
+        for count in counts:
+            kept.append(min(count, left))
+            left -= kept[-1]
         self.reader = ShardReader(d, variant=variant)
-        # the family's class (its record; default: the registry's first family, whose
-        # folders older callers pass)
-        from qkrope import families
-
-        cls = getattr(diffusers, class_name or families.default().class_name)
-        model = cls.from_config({**config, "num_layers": 0}).eval()
+        # the model at the kept counts with every parameter on the meta device and its buffers
+        # computed as diffusers computes them (some depend on the block counts: Chroma's
+        # modulation index); then the parameters outside the blocks read from the shards
+        with _parameters_on_meta():
+            model = cls.from_config({**config, **{key: k for (_, key), k
+                                                  in zip(block_lists, kept)}}).eval()
         torch.nn.Module.to(model, dtype)  # (ModelMixin.to warns about fp32 modules it has none of)
-        model.load_state_dict(self.reader.get_many(list(model.state_dict()), dtype), strict=True)
-        with torch.device("meta"):
-            skeleton = cls.from_config({**config, "num_layers": n})
-        model.transformer_blocks = skeleton.transformer_blocks.to(dtype)
-        del skeleton
+        self.blocks: list[tuple[str, Any]] = []  # (key prefix, module) in execution order
+        for attr, _ in block_lists:
+            self.blocks += [(f"{attr}.{j}.", b) for j, b in enumerate(getattr(model, attr))]
+        inside = tuple(f"{attr}." for attr, _ in block_lists)
+        outside = [k for k in model.state_dict() if not k.startswith(inside)]
+        missing, unexpected = model.load_state_dict(self.reader.get_many(outside, dtype),
+                                                    strict=False, assign=True)
+        stray = list(unexpected) + [k for k in missing if not k.startswith(inside)]
+        if stray:
+            raise BlockCheckError(f"{d}: the model outside its blocks does not take "
+                                  f"{stray[0]!r} as its config builds it. Fix: pass --diffusers "
+                                  f"the folder the model was exported from")
         self.model, self.dtype, self.num_layers = model, dtype, n
-        self.block_elements = [sum(p.numel() for p in b.parameters())
-                               for b in model.transformer_blocks]
+        self.block_elements = [sum(p.numel() for p in b.parameters()) for _, b in self.blocks]
         self.peak_block_elements = 0
         self.block_outputs: dict[int, dict[str, Any]] = {}
-        for i, block in enumerate(model.transformer_blocks):
-            block.register_forward_pre_hook(self._materialise(i))
+        for i, (prefix, block) in enumerate(self.blocks):
+            block.register_forward_pre_hook(self._materialise(i, prefix))
             block.register_forward_hook(self._release(i))
 
     def _resident(self) -> int:
-        return sum(p.numel() for b in self.model.transformer_blocks for p in b.parameters()
+        return sum(p.numel() for _, b in self.blocks for p in b.parameters()
                    if p.device.type != "meta")
 
-    def _materialise(self, i: int):
+    def _materialise(self, i: int, prefix: str):
         def hook(block, args):
-            prefix = f"transformer_blocks.{i}."
             names = [name for name, _ in block.named_parameters()]
             loaded = self.reader.get_many([prefix + n for n in names], self.dtype)
             state = {n: loaded[prefix + n] for n in names}
             try:
                 block.load_state_dict(state, strict=True, assign=True)
             except RuntimeError as exc:  # a shape that is not the config's
-                raise BlockCheckError(f"{self.reader.folder}: block {i}'s weights do not fit "
-                                      f"its config: {str(exc).splitlines()[-1].strip()}") from None
+                raise BlockCheckError(f"{self.reader.folder}: block {i} ({prefix[:-1]})'s "
+                                      f"weights do not fit its config: "
+                                      f"{str(exc).splitlines()[-1].strip()}") from None
             self.peak_block_elements = max(self.peak_block_elements, self._resident())
         return hook
 
     def _release(self, i: int):
         def hook(block, args, output):
-            txt, img = output  # a block returns (encoder_hidden_states, hidden_states)
-            self.block_outputs[i] = {"img": img.detach().clone(), "txt": txt.detach().clone()}
+            if isinstance(output, (tuple, list)):  # (encoder_hidden_states, hidden_states)
+                txt, img = output
+                self.block_outputs[i] = {"img": img.detach().clone(),
+                                         "txt": txt.detach().clone()}
+            else:  # the joined text-and-image stream
+                self.block_outputs[i] = {"joined": output.detach().clone()}
             block.to("meta")  # the weights go; the next block's come in
             _return_freed_memory()
         return hook
@@ -178,7 +234,27 @@ class StreamedTransformer:
 # The ONNX side: block outputs marked, the graph cut after --layers K
 # --------------------------------------------------------------------------------------------
 
-def _block_of(node) -> int | None:
+def block_offsets(block_lists: Sequence[tuple[str, str]],
+                  config: Any) -> dict[str, int]:
+    """``{module attribute: index of its first block in execution order}`` for a family's
+    ``block_lists`` and its diffusers ``config`` (each list's count under its key)."""
+    offsets, at = {}, 0
+    for attr, key in block_lists:
+        offsets[attr] = at
+        at += int(config.get(key, 0))
+    return offsets
+
+
+def block_module(block: int, offsets: dict[str, int] | None) -> str:
+    """The module path of block ``block`` (in execution order), e.g. ``transformer_blocks.3``
+    or FLUX's ``single_transformer_blocks.0``."""
+    if not offsets:
+        return f"transformer_blocks.{block}"
+    attr = max((o, a) for a, o in offsets.items() if o <= block)[1]
+    return f"{attr}.{block - offsets[attr]}"
+
+
+def _block_of(node, pattern=BLOCK_SCOPE, offsets=None) -> int | None:
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES_KEY:
             try:
@@ -186,25 +262,33 @@ def _block_of(node) -> int | None:
             except (ValueError, SyntaxError):
                 return None
             for scope in scopes:
-                m = BLOCK_SCOPE.fullmatch(str(scope))
+                m = pattern.fullmatch(str(scope))
                 if m:
-                    return int(m.group(1))
+                    if offsets is None:
+                        return int(m.group(1))
+                    return offsets[m.group(1)] + int(m.group(2))
     return None
 
 
-def find_block_outputs(model) -> dict[int, dict[str, str]]:
+def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int, dict[str, str]]:
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph:
     the values a block's nodes produce and nodes outside it (or the graph's outputs) use, of
     shape ``[batch, img_tokens | txt_tokens, dim]`` (the last block's text output is unused by
-    the model and absent)."""
+    the model and absent). ``offsets`` (:func:`block_offsets`): the family's block lists, each
+    numbered from its first block's index in execution order (default: ``transformer_blocks``
+    alone)."""
+    pattern = BLOCK_SCOPE
+    if offsets is not None:
+        names = "|".join(re.escape(a) for a in sorted(offsets, key=len, reverse=True))
+        pattern = re.compile(rf"(?:.*\.)?({names})\.(\d+)")
     producer: dict[str, int | None] = {}
     for node in model.graph.node:
-        b = _block_of(node)
+        b = _block_of(node, pattern, offsets)
         for out in node.output:
             producer[out] = b
     crossing: dict[int, set[str]] = {}
     for node in model.graph.node:
-        b = _block_of(node)
+        b = _block_of(node, pattern, offsets)
         for name in node.input:
             p = producer.get(name)
             if p is not None and p != b:
@@ -272,15 +356,17 @@ def prune_to_outputs(model, outputs: Sequence[str]) -> None:
     model.graph.output.extend(new_outputs)
 
 
-def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None):
+def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
+                 offsets: dict[str, int] | None = None):
     """The model's graph (weights not loaded) with each compared block's outputs as graph
     outputs named ``block<i>.img`` / ``block<i>.txt`` (an Identity each; the last block's text
     output is unused by the model and absent), cut after block ``layers - 1`` when ``layers``
-    is given (the model's own outputs then dropped). Returns ``(model, [block output names])``."""
+    is given (the model's own outputs then dropped); ``offsets``: :func:`find_block_outputs`'s.
+    Returns ``(model, [block output names])``."""
     import onnx
 
     model = onnx.load(onnx_path, load_external_data=False)
-    blocks = find_block_outputs(model)
+    blocks = find_block_outputs(model, offsets)
     n = num_blocks if layers is None else layers
     missing = [i for i in range(n) if "img" not in blocks.get(i, {})]
     if missing:

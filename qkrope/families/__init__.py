@@ -114,11 +114,14 @@ def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = No
                                or layers < 1):
         raise InputError(f"{flag} takes a number of blocks >= 1; got {layers!r}. Fix: pass "
                          f"{flag} 1 or more")
-    total = config.get(record.blocks_key) if hasattr(config, "get") else None
-    if layers is not None and isinstance(total, int) and not isinstance(total, bool) \
-            and layers > total:
-        raise InputError(f"{flag} {layers}: the model has {total} blocks ({record.blocks_key} "
-                         f"in its config.json). Fix: pass {flag} 1 to {total}")
+    keys = [key for _, key in record.block_lists] or [record.blocks_key]
+    counts = [config.get(key) for key in keys] if hasattr(config, "get") else []
+    if counts and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        total = sum(counts)
+        if layers is not None and layers > total:
+            raise InputError(f"{flag} {layers}: the model has {total} blocks "
+                             f"({' + '.join(keys)} in its config.json). Fix: pass {flag} 1 to "
+                             f"{total}")
 
 
 def hooks(record: FamilyRecord, kind: str):

@@ -23,6 +23,12 @@ SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid")
 LATENT_KINDS = ("packed-tokens", "video-5d")
 
 
+#: The block lists of a transformer with double-stream blocks, then single-stream ones (module
+#: attribute, config count key; in execution order): a FamilyRecord's ``block_lists``.
+DOUBLE_THEN_SINGLE_BLOCKS = (("transformer_blocks", "num_layers"),
+                             ("single_transformer_blocks", "num_single_layers"))
+
+
 @dataclass(frozen=True)
 class Launch:
     """One shape of the fused node a family's export launches at its usual sizes: what the
@@ -90,6 +96,11 @@ class FamilyRecord:
     # (a video latent's own grid: HunyuanVideo)
     scale_rope: bool = True
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
+    # its block lists in execution order, each (module attribute, config count key): what the
+    # check's reference streams one block at a time (qkrope.apps.check_blocks) and --layers K
+    # counts through. None: ((transformer_blocks, blocks_key),) where ``blocks``, else none
+    # listed (the reference loaded whole).
+    block_lists: tuple[tuple[str, str], ...] | None = None
     # the grid scheme's numbers: centred height / width (scale_rope) and the tables' precision
     # (qkrope.runtime.schemes.Setting.precision: "float32" or "float64")
     scale_rope: bool = True
@@ -107,6 +118,9 @@ class FamilyRecord:
             raise ValueError(f"{self.name}: scheme {self.scheme!r} is not one of {SCHEMES}")
         if self.latent not in LATENT_KINDS:
             raise ValueError(f"{self.name}: latent {self.latent!r} is not one of {LATENT_KINDS}")
+        if self.block_lists is None:
+            object.__setattr__(self, "block_lists",
+                               (("transformer_blocks", self.blocks_key),) if self.blocks else ())
 
     def decl(self, guidance: bool) -> ModelDecl:
         """The transformer graph of a model with (or without) guidance embeddings."""

@@ -6,7 +6,7 @@ file."""
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -54,6 +54,7 @@ CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,
     theta_key=None, max_positions=None, rounding=contract.ROUNDING_FLUX,
-    graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=False, launches=LAUNCHES)
+    graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=False,
+    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
 
 RECORDS = (CHROMA,)

@@ -4,7 +4,7 @@ Facts only; the hooks are export.py, reference.py and dropin.py beside this file
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, GUIDANCE, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -34,8 +34,6 @@ FLUX2_EXCLUDED = ("x_embedder", "context_embedder", "time_guidance_embed",
                   "double_stream_modulation_img", "double_stream_modulation_txt",
                   "single_stream_modulation", "norm_out", "proj_out")
 
-
-
 def _launches(model: str, heads: int) -> tuple[Launch, ...]:
     """A FLUX model's node launches at 1024x1024 (x 128, interleaved pairs at full rotary width):
     a double-stream block's 4096 image and 512 text tokens as two nodes, a single-stream block's
@@ -47,20 +45,24 @@ def _launches(model: str, heads: int) -> tuple[Launch, ...]:
 
 # FLUX's eager order (torch's RMSNorm rounds x*inv*w once, diffusers rotates in fp32 and rounds
 # again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). The
-# caches are computed from position ids (no table, so no position limit). --layers/--blocks
-# do not apply: an export keeps every double- and single-stream block.
+# caches are computed from position ids (no table, so no position limit). --layers K keeps the
+# first K blocks in execution order (double-stream, then single-stream); --blocks compares each
+# block's image and text outputs (FLUX.1's single-stream blocks return the pair too). FLUX.2's
+# single-stream blocks return the joined stream, which the per-block check does not compare:
+# no --layers/--blocks there yet (its check's reference still streams one block at a time).
 FLUX1 = FamilyRecord(
     name="flux1", class_name="FluxTransformer2DModel", label="FLUX.1 (dev, schnell, Kontext)",
     short="FLUX.1", package="flux", scheme="ids", axes=(16, 56, 56),
     theta=10000, theta_key=None,  # diffusers fixes FluxPosEmbed(theta=10000)
     max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX1_TRANSFORMER,
-    fp8_excluded=FLUX1_EXCLUDED, blocks=False, launches=_launches("FLUX.1", 24))
+    fp8_excluded=FLUX1_EXCLUDED, blocks=True,
+    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=_launches("FLUX.1", 24))
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
     theta=2000, theta_key="rope_theta",  # the config's defaults
     max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX2_TRANSFORMER,
-    fp8_excluded=FLUX2_EXCLUDED, blocks=False,
+    fp8_excluded=FLUX2_EXCLUDED, blocks=False, block_lists=DOUBLE_THEN_SINGLE_BLOCKS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
     launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))
 

@@ -85,9 +85,23 @@ def patch_flux(transformer: nn.Module, family: FamilyRecord, *,
     return transformer
 
 
-def flux_node_count(transformer: nn.Module) -> int:
-    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream."""
-    return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+def flux_node_count(transformer: nn.Module, layers: int | None = None) -> int:
+    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream
+    (of the first ``layers`` blocks in execution order: :func:`kept_blocks`)."""
+    double, single = kept_blocks(transformer, layers)
+    return 2 * double + single
+
+
+def kept_blocks(transformer: nn.Module, layers: int | None = None) -> tuple[int, int]:
+    """(double-stream, single-stream) blocks of the first ``layers`` blocks in execution order
+    (the double-stream ones first; all by default)."""
+    double, single = len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)
+    if layers is None:
+        return double, single
+    if not 1 <= layers <= double + single:
+        raise InputError(f"--layers must be between 1 and {double + single} (the model's "
+                         f"num_layers + num_single_layers); got {layers}")
+    return min(double, layers), max(0, layers - double)
 
 
 class FluxCacheInputTransformer(nn.Module):
@@ -97,9 +111,10 @@ class FluxCacheInputTransformer(nn.Module):
     ``forward`` has exactly the graph's inputs (``guidance`` only where the model has it)."""
 
     def __init__(self, transformer: nn.Module, family: FamilyRecord, *,
-                 rounding: int | None = None):
+                 rounding: int | None = None, layers: int | None = None):
         super().__init__()
         self.family = family
+        self.double, self.single = kept_blocks(transformer, layers)
         self.rounding = family.rounding if rounding is None else rounding
         patch_flux(transformer, family, rounding=self.rounding)
         self.transformer = transformer
@@ -117,11 +132,11 @@ class FluxCacheInputTransformer(nn.Module):
         if self.family is FLUX1:
             temb = (t.time_text_embed(timestep, pooled_projections) if guidance is None
                     else t.time_text_embed(timestep, guidance, pooled_projections))
-            for block in t.transformer_blocks:
+            for block in t.transformer_blocks[:self.double]:
                 encoder_hidden_states, hidden_states = block(
                     hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                     temb=temb, image_rotary_emb=rope)
-            for block in t.single_transformer_blocks:
+            for block in t.single_transformer_blocks[:self.single]:
                 encoder_hidden_states, hidden_states = block(
                     hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                     temb=temb, image_rotary_emb=rope)
@@ -130,12 +145,12 @@ class FluxCacheInputTransformer(nn.Module):
             mod_img = t.double_stream_modulation_img(temb)
             mod_txt = t.double_stream_modulation_txt(temb)
             mod_single = t.single_stream_modulation(temb)
-            for block in t.transformer_blocks:
+            for block in t.transformer_blocks[:self.double]:
                 encoder_hidden_states, hidden_states = block(
                     hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                     temb_mod_img=mod_img, temb_mod_txt=mod_txt, image_rotary_emb=rope)
             hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-            for block in t.single_transformer_blocks:
+            for block in t.single_transformer_blocks[:self.single]:
                 hidden_states = block(hidden_states=hidden_states, encoder_hidden_states=None,
                                       temb_mod=mod_single, image_rotary_emb=rope)
             hidden_states = hidden_states[:, s_txt:]
@@ -182,10 +197,12 @@ def has_guidance(transformer: nn.Module) -> bool:
 
 
 def cache_input_flux(transformer: nn.Module, family: FamilyRecord, *,
-                     rounding: int | None = None) -> FluxCacheInputTransformer:
-    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order."""
+                     rounding: int | None = None,
+                     layers: int | None = None) -> FluxCacheInputTransformer:
+    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order
+    (``layers``: the first ``layers`` blocks in execution order only)."""
     cls = _WRAPPERS[(family.name, has_guidance(transformer))]
-    return cls(transformer, family, rounding=rounding).eval()
+    return cls(transformer, family, rounding=rounding, layers=layers).eval()
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,8 +247,9 @@ def sample_args(family: FamilyRecord, transformer: nn.Module, sample, dtype: tor
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """The export of ``transformer`` (a placeholder skeleton; every block is kept: the record
-    has no ``blocks``, so export_transformer refused ``layers`` already). The sidecar records
+    """The export of ``transformer`` (a placeholder skeleton) with its first ``layers`` blocks
+    in execution order (double-stream first, then single-stream; all by default; the sidecar's
+    num_layers_exported). The sidecar records
     the RoPE axes (3 for FLUX.1, 4 for FLUX.2) and theta (FLUX.1's 10000 is fixed in diffusers'
     code, FLUX.2's is the config's rope_theta, 2000 by default), as read from the loaded model."""
     from qkrope.export.onnx_export import TransformerPlan
@@ -245,10 +263,12 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
         raise InputError(f"axes_dims_rope {list(axes)} sums to {sum(axes)}, not "
                          f"attention_head_dim={head_dim}: FLUX rotates the whole head")
     guided = has_guidance(transformer)
-    wrapper = cache_input_flux(transformer, record, rounding=rounding)
+    wrapper = cache_input_flux(transformer, record, rounding=rounding, layers=layers)
     args = sample_args(record, transformer, sample, dtype, theta, axes, head_dim, guided)
+    double, single = wrapper.double, wrapper.single
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.decl(guided), axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=flux_node_count(transformer), num_layers_exported=None,
-        blocks=f"{record.label}: {len(transformer.transformer_blocks)} double + "
-               f"{len(transformer.single_transformer_blocks)} single blocks")
+        rounding=wrapper.rounding, nodes=flux_node_count(transformer, layers),
+        num_layers_exported=double + single,
+        blocks=f"{record.label}: {double} of {len(transformer.transformer_blocks)} double + "
+               f"{single} of {len(transformer.single_transformer_blocks)} single blocks")
