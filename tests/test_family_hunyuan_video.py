@@ -359,3 +359,60 @@ def test_the_listed_input_forms_mean_the_same_to_diffusers(variant):
         base = model(**forms["base"])[0]
         for name, kwargs in forms["same"]:
             assert torch.equal(model(**kwargs)[0], base), name
+
+
+@pytest.mark.slow
+def test_text_to_video_pipeline_end_to_end(tmp_path):
+    """``pipe.transformer = load_transformer(export)`` in HunyuanVideo15Pipeline (text-to-video,
+    classifier-free guidance, prompt embeddings given: the text encoders are not run; a tiny
+    VAE only for its sizes, output_type="latent") at 9 frames, 48 x 80 pixels (a 3 x 3 x 5
+    latent; the export is traced at 2 x 8 x 8) against the stock pipeline. The bound: each
+    transformer call of the stock run, replayed on the drop-in, differs by at most E (ONNX
+    Runtime's kernels); CFG's prediction u + s (c - u) at most (1 + 2 s) E; the Euler steps
+    add it times |d sigma|, which sums to 1 over the schedule (sigma 1 -> 0); a factor 2 for
+    the difference fed back through the later calls (two steps: one feedback)."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
+                           FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline)
+
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.runtime import load_transformer
+
+    stock = hvm.transformer("hunyuan-video-1.5", in_channels=9, out_channels=4)  # T2V: 2C + 1
+    stock.save_pretrained(str(tmp_path / "t"))
+    export_transformer(tmp_path / "t.onnx", tmp_path / "t", dtype="fp32", progress=False)
+    dropin = load_transformer(tmp_path / "t.onnx")
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5,
+                                      layers_per_block=1)
+    scale = 6.0
+    g = torch.Generator().manual_seed(0)
+    embeds = dict(
+        prompt_embeds=torch.randn(1, 7, 16, generator=g),
+        prompt_embeds_mask=torch.tensor([[1] * 5 + [0] * 2]),
+        prompt_embeds_2=torch.randn(1, 5, 8, generator=g),
+        prompt_embeds_mask_2=torch.tensor([[1] * 3 + [0] * 2]),
+        negative_prompt_embeds=torch.randn(1, 4, 16, generator=g),
+        negative_prompt_embeds_mask=torch.ones(1, 4, dtype=torch.long),
+        negative_prompt_embeds_2=torch.randn(1, 3, 8, generator=g),
+        negative_prompt_embeds_mask_2=torch.ones(1, 3, dtype=torch.long))
+
+    def run(transformer):
+        pipe = HunyuanVideo15Pipeline(
+            text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+            tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=scale))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(**embeds, height=48, width=80, num_frames=9, num_inference_steps=2,
+                    output_type="latent", generator=torch.Generator().manual_seed(1)).frames
+
+    calls = []
+    hook = stock.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(dict(kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        ref = run(stock)
+    hook.remove()
+    ours = run(dropin)
+    assert ours.shape == ref.shape == (1, 4, 3, 3, 5) and len(calls) == 4
+    with torch.no_grad():
+        per_call = max(float((dropin(**kw)[0] - stock(**kw)[0]).abs().max()) for kw in calls)
+    bound = 2 * (1 + 2 * scale) * per_call
+    assert 0 < float((ours - ref).abs().max()) <= bound, (float((ours - ref).abs().max()), bound)
