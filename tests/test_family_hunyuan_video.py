@@ -1,7 +1,7 @@
 """HunyuanVideo-1.5 and HunyuanVideo (qkrope/families/hunyuan_video): the caches against
 diffusers' RoPE, the patched forward bit for bit against diffusers' own in fp32, bf16 and fp16,
-HunyuanVideo-1.5's text reorder, the ONNX export run by ONNX Runtime at shapes it never traced,
-and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py)."""
+HunyuanVideo-1.5's text reorder, qkrope's export run by ONNX Runtime at shapes it never traced,
+the drop-in (and HunyuanVideo15Pipeline on it) and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py)."""
 
 from __future__ import annotations
 
