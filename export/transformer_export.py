@@ -91,6 +91,9 @@ class TransformerPlan:
     # plan's rounding, head scope)
     attributes: contract.NodeAttributes | None = None
     interleaved: bool = contract.DEFAULT_INTERLEAVED  # the nodes' rotation pairs
+    # the sample's value of axes the sample alone does not give (a family's own inputs' axes,
+    # qkrope.model_io.AXES), or that the family's graph sizes otherwise (its text cache's rows)
+    axis_values: dict | None = None
 
 
 def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike, *,
@@ -202,6 +205,7 @@ def export_transformer(out: str | os.PathLike, diffusers_dir: str | os.PathLike,
             dynamic_axes={}, node_attributes=attributes, config=config,
             sample=_sample_dict(sample), versions=_versions(("diffusers",)),
             axis_values={**_axis_values(sample), **latent_axes.axis_values(
-                sample.img_shapes[0], patch)}), steps, decl=plan.decl)
+                sample.img_shapes[0], patch), **(plan.axis_values or {})}), steps,
+            decl=plan.decl)
         steps.note(f"done in {time.perf_counter() - t0:.1f} s: {', '.join(map(str, written))}")
     return info, written

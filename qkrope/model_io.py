@@ -59,16 +59,19 @@ IMG_CACHE_ROWS, TXT_CACHE_ROWS = "img_cache_rows", "txt_cache_rows"
 #: The axes of a 5-D latent the model patchifies itself ([batch, channels, frames, height,
 #: width], qkrope.runtime.latents): latent frames, rows and columns, before patchifying.
 LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH = "latent_frames", "latent_height", "latent_width"
+#: The lengths of a second text stream (HunyuanVideo-1.5's ByT5 tokens) and of image
+#: embeddings (its SigLIP tokens) a model joins to its text.
+TXT2_TOKENS, IMAGE_EMBED_TOKENS = "txt2_tokens", "image_embed_tokens"
 #: The dynamic axes of the exported models, as the exporter names them.
 AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS, LATENT_FRAMES,
-        LATENT_HEIGHT, LATENT_WIDTH)
+        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS)
 #: A cache's rows axis -> the token axis of its stream.
 CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 
 #: What each input is to the runner: the names of its call arguments.
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
-         "padding_mask")
+         "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -134,6 +137,20 @@ PADDING_MASK = TensorDecl(
     "padding mask at the latent's size, [1, 1, latent_height, latent_width] (the pipeline's "
     "mask resized with nearest neighbours), concatenated to every frame as a channel")
 LATENT_SAMPLE = TensorDecl("latent_sample", "sample", _VIDEO_AXES)
+# The text mask under diffusers' HunyuanVideo name, and HunyuanVideo-1.5's second text stream
+# (ByT5 glyph tokens), its mask and the image embeddings, which the model joins to its text.
+ENCODER_ATTENTION_MASK = TensorDecl(
+    "encoder_attention_mask", "encoder_hidden_states_mask", (BATCH, TXT_TOKENS),
+    "text mask, int64 [batch, txt_tokens]: 1 = a real token, 0 = padding")
+ENCODER_HIDDEN_STATES_2 = TensorDecl(
+    "encoder_hidden_states_2", "encoder_hidden_states_2", (BATCH, TXT2_TOKENS, None),
+    "second text stream (ByT5 glyph-text embeddings), [batch, txt2_tokens, features]")
+ENCODER_ATTENTION_MASK_2 = TensorDecl(
+    "encoder_attention_mask_2", "encoder_attention_mask_2", (BATCH, TXT2_TOKENS),
+    "second text stream's mask, int64 [batch, txt2_tokens]: 1 = a real token, 0 = padding")
+IMAGE_EMBEDS = TensorDecl(
+    "image_embeds", "image_embeds", (BATCH, IMAGE_EMBED_TOKENS, None),
+    "image embeddings, [batch, image_embed_tokens, features] (all zeros: text-to-video)")
 
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)
@@ -170,7 +187,9 @@ MODELS = {m.kind: m for m in (ATTENTION, TRANSFORMER)}
 TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK,
                                TIMESTEP, POOLED_PROJECTIONS, GUIDANCE, IMG_COS_SIN_CACHE,
                                TXT_COS_SIN_CACHE, IMG_OUT, TXT_OUT, SAMPLE, LATENT,
-                               FRAME_TIMESTEP, PADDING_MASK, LATENT_SAMPLE)}
+                               FRAME_TIMESTEP, PADDING_MASK, LATENT_SAMPLE,
+                               ENCODER_ATTENTION_MASK, ENCODER_HIDDEN_STATES_2,
+                               ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

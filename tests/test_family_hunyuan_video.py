@@ -1,11 +1,12 @@
 """HunyuanVideo-1.5 and HunyuanVideo (qkrope/families/hunyuan_video): the caches against
 diffusers' RoPE, the patched forward bit for bit against diffusers' own in fp32, bf16 and fp16,
-HunyuanVideo-1.5's text reorder, the ONNX export run by ONNX Runtime at shapes it never traced,
-and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py)."""
+HunyuanVideo-1.5's text reorder, qkrope's export run by ONNX Runtime at shapes it never traced,
+the drop-in (and HunyuanVideo15Pipeline on it) and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py)."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -36,8 +37,10 @@ def _diffusers_cache(model, latent) -> torch.Tensor:
 
 
 def _graph_args(record, kw, img, txt) -> list:
+    """The graph's inputs from diffusers' forward keywords (its ``latent`` is diffusers'
+    ``hidden_states``), then the two caches."""
     names = [t.name for t in record.decl(True).inputs][:-2]
-    return [kw[n] for n in names] + [img, txt]
+    return [kw["hidden_states" if n == "latent" else n] for n in names] + [img, txt]
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,82 +178,56 @@ def test_the_patched_attention_refuses_diffusers_rope():
 # The ONNX graph, run by ONNX Runtime at untraced shapes
 # --------------------------------------------------------------------------------------------
 
-def _export(variant, path, fused=True):
-    """torch.onnx's export of the cache-input wrapper with the record's graph: every input's
-    named axes dynamic (batch, the latent's frames / height / width, the text lengths, the
-    cache rows), the QKNormRoPE function body added (qkrope's finalize_model). ``fused=False``:
-    the same graph with diffusers' norm and rotation in place of the nodes (the reference)."""
-    import warnings
-
-    import onnx_ir as ir
-
-    from qkrope.export.attention import attention_form
-    from qkrope.export.onnx_export import finalize_model
-    from qkrope.export.onnx_function import qk_norm_rope_translation
-
-    from types import SimpleNamespace
-
-    record = RECORDS[variant]
-    model = hvm.transformer(variant)
-    sample = SimpleNamespace(batch=2, img_shapes=[(3, 4, 6)], txt_len=7)
-    export_plan = hx.plan(record, copy.deepcopy(model), sample=sample, dtype=torch.float32,
-                          fused=fused)
-    wrapper, args, decl = export_plan.wrapper, export_plan.args, export_plan.decl
-    axes = export_plan.axes
-    assert export_plan.nodes == hx.node_count(model) and export_plan.theta == 256
-    dims: dict = {}
-    dynamic = {t.name: {i: dims.setdefault(a, torch.export.Dim(a))
-                        for i, a in enumerate(t.axes) if a is not None} for t in decl.inputs}
-    with warnings.catch_warnings(), torch.no_grad(), attention_form("primitive"):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            wrapper, args, dynamo=True, opset_version=18, optimize=False, verbose=False,
-            input_names=list(decl.input_names), output_names=list(decl.output_names),
-            dynamic_shapes=dynamic,
-            custom_translation_table={
-                torch.ops.qkrope.qk_norm_rope.default: qk_norm_rope_translation})
-    onnx_model = program.model
-    hx.post_export(onnx_model)
-    if fused:
-        finalize_model(onnx_model, opset=18, head_dim=int(model.config["attention_head_dim"]),
-                       rotary_dim=sum(axes), expected_nodes=hx.node_count(model))
-    ir.save(onnx_model, str(path))
-    return model, decl
-
-
-def test_qkrope_export_refuses_in_one_line_until_the_exporter_takes_5d_latents(tmp_path,
-                                                                                 capsys):
-    """``qkrope export --model transformer`` of a HunyuanVideo folder: one line saying why and
-    the fix (the family's plan is what the ONNX test below exports)."""
-    from qkrope.cli import main
-
-    folder = tmp_path / "hv15"
-    hvm.transformer("hunyuan-video-1.5").save_pretrained(str(folder))
-    rc = main(["export", "--model", "transformer", "--diffusers", str(folder),
-               "--out", str(tmp_path / "m.onnx")])
-    err = [line for line in capsys.readouterr().err.strip().splitlines()
-           if "does not write" in line]
-    assert rc != 0 and len(err) == 1 and "Fix:" in err[0]
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hunyuan-onnx")
     done: dict = {}
 
     def get(variant, fused=True):
+        """qkrope's export (``export_transformer`` of the saved tiny model, its default
+        sample); ``fused=False``: the same export with diffusers' norm and rotation in place of
+        the nodes (the family's ``plan(fused=False)``), the reference graph."""
+        from unittest import mock
+
+        from qkrope.export.onnx_export import export_transformer
+
         key = (variant, fused)
         if key not in done:
             path = root / f"{variant}-{'fused' if fused else 'reference'}.onnx"
-            done[key] = (*_export(variant, path, fused), path)
+            folder = root / variant
+            if not folder.exists():
+                hvm.transformer(variant).save_pretrained(str(folder))
+            plan = hx.plan if fused else functools.partial(hx.plan, fused=False)
+            with mock.patch.object(hx, "plan", plan):
+                info, _ = export_transformer(path, folder, dtype="fp32", progress=False)
+            done[key] = (hvm.transformer(variant), RECORDS[variant].decl(True), path, info)
         return done[key]
     return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_qkrope_export_writes_the_5d_graph(exported, variant):
+    """``export_transformer`` of a HunyuanVideo folder: the record's graph with the 5-D latent
+    in and out under its named axes (traced at the default sample, 1 frame traced as 2), the
+    ByT5 and image lengths by name, one node per stream per attention, the family's sidecar."""
+    model, decl, path, info = exported(variant)
+    shapes = {t.name: t.shape for t in info.inputs + info.outputs}
+    video = ["batch", 4, "latent_frames", "latent_height", "latent_width"]
+    assert [t.name for t in info.inputs] == list(decl.input_names)
+    assert shapes["latent"] == shapes["latent_sample"] == video
+    assert shapes["encoder_attention_mask"] == ["batch", "txt_tokens"]
+    if variant == "hunyuan-video-1.5":
+        assert shapes["encoder_hidden_states_2"] == ["batch", "txt2_tokens", 8]
+        assert shapes["image_embeds"] == ["batch", "image_embed_tokens", 12]
+    assert info.config.family == RECORDS[variant].name
+    assert info.config.axes_dims_rope == list(hvm.VARIANTS[variant][1]["rope_axes_dim"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_onnx_runtime_at_untraced_shapes(exported, variant):
-    """The export (traced at batch 2, a 3 x 4 x 6 latent, 7 text tokens) run by ONNX Runtime at
+    """qkrope's export (traced at batch 2, a 2 x 8 x 8 latent, 16 text tokens) run by ONNX
+    Runtime at
     other batches, frame counts, sizes and text lengths, against diffusers' forward in float64
     (its RoPE tables float32, as diffusers computes them): the error is at most twice that of
     the reference graph, the same export with diffusers' norm and rotation in place of the
@@ -264,8 +241,8 @@ def test_onnx_runtime_at_untraced_shapes(exported, variant):
     import onnxruntime as ort
 
     record = RECORDS[variant]
-    model, decl, path = exported(variant)
-    _, _, ref_path = exported(variant, fused=False)
+    model, decl, path, _ = exported(variant)
+    _, _, ref_path, _ = exported(variant, fused=False)
     graph = onnx.load(str(path))
     nodes = [n for n in graph.graph.node if n.op_type == "QKNormRoPE"]
     assert len(nodes) == hx.node_count(model)
@@ -290,7 +267,7 @@ def test_onnx_runtime_at_untraced_shapes(exported, variant):
 
 
 # --------------------------------------------------------------------------------------------
-# The drop-in's checks (its runner is a stand-in: running the call is refused for now)
+# The drop-in: its checks (on a stand-in runner), then running the export
 # --------------------------------------------------------------------------------------------
 
 def _dropin(variant):
@@ -313,9 +290,9 @@ def _dropin(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_dropin_maps_a_pipeline_call_then_refuses_to_run_it_in_one_line(variant):
+def test_dropin_maps_a_pipeline_call_onto_the_graph(variant):
     """A pipeline's call is bound to diffusers' argument names, checked, and its caches built
-    (the latent's grid, the joined text length); running it is refused in one line."""
+    (the latent's grid, the joined text length)."""
     transformer = _dropin(variant)
     kw = hvm.inputs(variant)
     call = transformer.prepare(**kw)
@@ -324,9 +301,34 @@ def test_dropin_maps_a_pipeline_call_then_refuses_to_run_it_in_one_line(variant)
     img, txt = hx.sample_caches(RECORDS[variant], (3, 4, 6), _text_tokens(kw),
                                 *hx.rope_setting(hvm.transformer(variant)))
     assert torch.equal(caches.img, img) and torch.equal(caches.txt, txt)
-    with pytest.raises(InputError, match="cannot run the call yet") as e:
-        transformer(**kw)
-    assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dropin_runs_the_export_at_untraced_shapes(exported, variant):
+    """``load_transformer(export)`` called as the pipelines call ``pipe.transformer`` (diffusers'
+    keywords, float masks) at a batch, frame count, size and text lengths the export was not
+    traced at: its prediction is ONNX Runtime's run of the same graph on the same inputs and
+    the caches of the call's grid, bit for bit (the drop-in adds no arithmetic), and diffusers'
+    prediction's shape; ``return_dict`` is honoured."""
+    import onnxruntime as ort
+
+    from qkrope.runtime import load_transformer
+
+    record = RECORDS[variant]
+    model, decl, path, _ = exported(variant)
+    dropin = load_transformer(path)
+    kw = hvm.inputs(variant, batch=3, frames=5, height=3, width=5, txt=9, txt2=6, image=2)
+    ours = dropin(**kw, return_dict=False)[0]
+    assert torch.equal(dropin(**kw).sample, ours)
+    img, txt = hx.sample_caches(record, (5, 3, 5), _text_tokens(kw), *hx.rope_setting(model))
+    feeds = dict(zip(decl.input_names, _graph_args(record, kw, img, txt)))
+    feeds = {n: (v.to(torch.int64) if "mask" in n else v).numpy() for n, v in feeds.items()}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    expected = torch.from_numpy(session.run(None, feeds)[0])
+    assert torch.equal(ours, expected)
+    with torch.no_grad():
+        assert ours.shape == model(**kw, return_dict=False)[0].shape == (3, 4, 5, 3, 5)
 
 
 @pytest.mark.parametrize("variant,change,match", [
@@ -357,3 +359,60 @@ def test_the_listed_input_forms_mean_the_same_to_diffusers(variant):
         base = model(**forms["base"])[0]
         for name, kwargs in forms["same"]:
             assert torch.equal(model(**kwargs)[0], base), name
+
+
+@pytest.mark.slow
+def test_text_to_video_pipeline_end_to_end(tmp_path):
+    """``pipe.transformer = load_transformer(export)`` in HunyuanVideo15Pipeline (text-to-video,
+    classifier-free guidance, prompt embeddings given: the text encoders are not run; a tiny
+    VAE only for its sizes, output_type="latent") at 9 frames, 48 x 80 pixels (a 3 x 3 x 5
+    latent; the export is traced at 2 x 8 x 8) against the stock pipeline. The bound: each
+    transformer call of the stock run, replayed on the drop-in, differs by at most E (ONNX
+    Runtime's kernels); CFG's prediction u + s (c - u) at most (1 + 2 s) E; the Euler steps
+    add it times |d sigma|, which sums to 1 over the schedule (sigma 1 -> 0); a factor 2 for
+    the difference fed back through the later calls (two steps: one feedback)."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
+                           FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline)
+
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.runtime import load_transformer
+
+    stock = hvm.transformer("hunyuan-video-1.5", in_channels=9, out_channels=4)  # T2V: 2C + 1
+    stock.save_pretrained(str(tmp_path / "t"))
+    export_transformer(tmp_path / "t.onnx", tmp_path / "t", dtype="fp32", progress=False)
+    dropin = load_transformer(tmp_path / "t.onnx")
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5,
+                                      layers_per_block=1)
+    scale = 6.0
+    g = torch.Generator().manual_seed(0)
+    embeds = dict(
+        prompt_embeds=torch.randn(1, 7, 16, generator=g),
+        prompt_embeds_mask=torch.tensor([[1] * 5 + [0] * 2]),
+        prompt_embeds_2=torch.randn(1, 5, 8, generator=g),
+        prompt_embeds_mask_2=torch.tensor([[1] * 3 + [0] * 2]),
+        negative_prompt_embeds=torch.randn(1, 4, 16, generator=g),
+        negative_prompt_embeds_mask=torch.ones(1, 4, dtype=torch.long),
+        negative_prompt_embeds_2=torch.randn(1, 3, 8, generator=g),
+        negative_prompt_embeds_mask_2=torch.ones(1, 3, dtype=torch.long))
+
+    def run(transformer):
+        pipe = HunyuanVideo15Pipeline(
+            text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+            tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=scale))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(**embeds, height=48, width=80, num_frames=9, num_inference_steps=2,
+                    output_type="latent", generator=torch.Generator().manual_seed(1)).frames
+
+    calls = []
+    hook = stock.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(dict(kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        ref = run(stock)
+    hook.remove()
+    ours = run(dropin)
+    assert ours.shape == ref.shape == (1, 4, 3, 3, 5) and len(calls) == 4
+    with torch.no_grad():
+        per_call = max(float((dropin(**kw)[0] - stock(**kw)[0]).abs().max()) for kw in calls)
+    bound = 2 * (1 + 2 * scale) * per_call
+    assert 0 < float((ours - ref).abs().max()) <= bound, (float((ours - ref).abs().max()), bound)

@@ -15,49 +15,25 @@ from __future__ import annotations
 
 from qkrope import contract
 from qkrope.families._record import FamilyRecord, Launch
-from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, GUIDANCE, IMG_COS_SIN_CACHE,
-                             POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS,
-                             ModelDecl, TensorDecl)
+from qkrope.model_io import (ENCODER_ATTENTION_MASK, ENCODER_ATTENTION_MASK_2,
+                             ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_2, GUIDANCE,
+                             IMAGE_EMBEDS, IMG_COS_SIN_CACHE, LATENT, LATENT_SAMPLE,
+                             POOLED_PROJECTIONS, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
-# The named axes of a 5-D latent (qkrope.runtime.latents.GRID_AXES; spelled here so that the
-# record imports no runtime module).
-_GRID = ("latent_frames", "latent_height", "latent_width")
-
-#: The 5-D latent the model patchifies, and the 5-D prediction.
-VIDEO_LATENT = TensorDecl(
-    "hidden_states", "hidden_states", (BATCH, None) + _GRID,
-    "video latent, [batch, channels, latent_frames, latent_height, latent_width] (the model "
-    "patchifies it)")
-VIDEO_SAMPLE = TensorDecl("sample", "sample", (BATCH, None) + _GRID,
-                          "predicted latent, the latent's shape with out_channels")
-#: The text mask as diffusers' HunyuanVideo models name it.
-ENCODER_ATTENTION_MASK = TensorDecl(
-    "encoder_attention_mask", "encoder_hidden_states_mask", (BATCH, TXT_TOKENS),
-    "text mask [batch, txt_tokens]: 1 = a real token, 0 = padding")
-#: HunyuanVideo-1.5's second text stream (ByT5 glyph tokens), its mask, and the image
-#: embeddings (SigLIP; all zero for text-to-video).
-ENCODER_HIDDEN_STATES_2 = TensorDecl(
-    "encoder_hidden_states_2", "encoder_hidden_states_2", (BATCH, "txt2_tokens", None),
-    "ByT5 glyph-text embeddings, [batch, txt2_tokens, text_embed_2_dim]")
-ENCODER_ATTENTION_MASK_2 = TensorDecl(
-    "encoder_attention_mask_2", "encoder_attention_mask_2", (BATCH, "txt2_tokens"),
-    "ByT5 mask [batch, txt2_tokens]: 1 = a real token, 0 = padding")
-IMAGE_EMBEDS = TensorDecl(
-    "image_embeds", "image_embeds", (BATCH, "image_embed_tokens", None),
-    "image embeddings [batch, tokens, image_embed_dim] (SigLIP; zeros for text-to-video)")
-
-#: The graph inputs, in graph order (the caches in place of diffusers' RoPE module).
+#: The graph inputs, in graph order (the caches in place of diffusers' RoPE module): the 5-D
+#: latent the model patchifies, in and out (qkrope.model_io.LATENT / LATENT_SAMPLE). The text
+#: cache's rows are the joined text stream's (HunyuanVideo-1.5: MLLM + ByT5 + image tokens).
 HUNYUAN_VIDEO15_TRANSFORMER = ModelDecl(
     "transformer",
-    (VIDEO_LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK,
+    (LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK,
      ENCODER_HIDDEN_STATES_2, ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS, IMG_COS_SIN_CACHE,
      TXT_COS_SIN_CACHE),
-    (VIDEO_SAMPLE,))
+    (LATENT_SAMPLE,))
 HUNYUAN_VIDEO_TRANSFORMER = ModelDecl(
     "transformer",
-    (VIDEO_LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK, POOLED_PROJECTIONS,
+    (LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK, POOLED_PROJECTIONS,
      GUIDANCE, IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
-    (VIDEO_SAMPLE,))
+    (LATENT_SAMPLE,))
 
 #: FP8 default exclusions: the patch and condition embedders (latent, text refiner, ByT5,
 #: image, timestep, condition type), the final AdaLN and the output projection.

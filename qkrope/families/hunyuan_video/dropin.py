@@ -12,9 +12,8 @@ stream (HunyuanVideo-1.5: MLLM + ByT5 + image tokens; identity rows, the text is
 Refused in one line: ``timestep_r`` (MeanFlow models), a LoRA scale other than 1 or other
 ``attention_kwargs``, a ``guidance`` value for a model exported without guidance embeddings.
 
-Not yet carried: running the call. The generic runner (qkrope.runtime.runner) takes 3-D
-``hidden_states`` and the conditioning roles of FLUX only, so :meth:`forward` refuses in one line
-after the call's checks; what is missing is named in docs/ARCHITECTURE.md ("HunyuanVideo").
+The masks go to the graph as int64 (1 = a real token; the export traces them so); the call
+runs through the generic runner (the 5-D latent, the caches of the call's grid).
 """
 
 from __future__ import annotations
@@ -42,6 +41,10 @@ def request_for(record, config: Mapping, hidden_states: torch.Tensor, txt_tokens
     return {"img_shapes": [grid], "txt_seq_len": int(txt_tokens)}
 
 
+#: The masks' dtype in the graph (export.sample_args traces them as int64).
+MASK_DTYPE = torch.int64
+
+
 class _HunyuanBase(Transformer):
     PIPELINES = ("HunyuanVideo15Pipeline, HunyuanVideo15ImageToVideoPipeline, "
                  "HunyuanVideoPipeline, HunyuanVideoImageToVideoPipeline")
@@ -59,16 +62,7 @@ class _HunyuanBase(Transformer):
         if tuple(mask.shape) != tuple(encoder_hidden_states.shape[:2]):
             raise InputError(f"encoder_attention_mask {list(mask.shape)} must be [batch, tokens]"
                              f" of encoder_hidden_states {list(encoder_hidden_states.shape)}")
-        return batch, per_item(timestep, "timestep", batch, self.dtype)
-
-    def forward(self, *args, **kwargs):
-        call = self.prepare(**self._bind(args, kwargs))
-        self.rope_caches(call)  # the positions are checked before the refusal
-        raise InputError(f"the {self.record.short} drop-in cannot run the call yet: qkrope's "
-                         f"runner takes 3-D hidden_states, and this export's input is the 5-D "
-                         f"latent. Fix: run {self.record.short} pipelines on the PyTorch model "
-                         f"for now")
-
+        return batch, per_item(timestep, "timestep", batch, self.dtype), mask.to(MASK_DTYPE)
 
 class HunyuanVideo15Transformer(_HunyuanBase):
     """What HunyuanVideo-1.5's pipelines call on ``pipe.transformer``."""
@@ -93,19 +87,25 @@ class HunyuanVideo15Transformer(_HunyuanBase):
             raise InputError(f"the HunyuanVideo-1.5 transformer needs {', '.join(missing)} "
                              f"(its pipelines pass them; image_embeds are zeros for "
                              f"text-to-video); got None")
-        batch, timestep = self._common(hidden_states, timestep, encoder_hidden_states,
+        batch, timestep, mask = self._common(hidden_states, timestep, encoder_hidden_states,
                                        encoder_attention_mask, attention_kwargs)
         tensor_arg(encoder_hidden_states_2, "encoder_hidden_states_2", 3,
                    "[batch, tokens, features] (the ByT5 embeddings)")
         tensor_arg(image_embeds, "image_embeds", 3, "[batch, tokens, features]")
+        mask_2 = tensor_arg(encoder_attention_mask_2, "encoder_attention_mask_2", 2,
+                            "[batch, tokens] (1 = a real ByT5 token)")
+        if tuple(mask_2.shape) != tuple(encoder_hidden_states_2.shape[:2]):
+            raise InputError(f"encoder_attention_mask_2 {list(mask_2.shape)} must be [batch, "
+                             f"tokens] of encoder_hidden_states_2 "
+                             f"{list(encoder_hidden_states_2.shape)}")
         joined = sum(int(t.shape[1]) for t in (encoder_hidden_states, encoder_hidden_states_2,
                                                 image_embeds))
         request = request_for(self.record, self.config, hidden_states, joined)
         extra = {"encoder_hidden_states_2": encoder_hidden_states_2.to(self.dtype),
-                 "encoder_attention_mask_2": encoder_attention_mask_2,
+                 "encoder_attention_mask_2": encoder_attention_mask_2.to(MASK_DTYPE),
                  "image_embeds": image_embeds.to(self.dtype)}
-        return Call(hidden_states, encoder_hidden_states, request, timestep=timestep,
-                    mask=encoder_attention_mask, conditioning=extra, return_dict=return_dict)
+        return Call(hidden_states.to(self.dtype), encoder_hidden_states.to(self.dtype), request, timestep=timestep,
+                    mask=mask, conditioning=extra, return_dict=return_dict)
 
 
 class HunyuanVideoTransformer(_HunyuanBase):
@@ -118,7 +118,7 @@ class HunyuanVideoTransformer(_HunyuanBase):
     def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, pooled_projections=None, guidance=None,
                 attention_kwargs=None, return_dict: bool = True) -> Call:
-        batch, timestep = self._common(hidden_states, timestep, encoder_hidden_states,
+        batch, timestep, mask = self._common(hidden_states, timestep, encoder_hidden_states,
                                        encoder_attention_mask, attention_kwargs)
         tensor_arg(pooled_projections, "pooled_projections", 2,
                    "[batch, pooled_projection_dim] (the pooled CLIP embedding)")
@@ -136,8 +136,8 @@ class HunyuanVideoTransformer(_HunyuanBase):
                              "guidance")
         request = request_for(self.record, self.config, hidden_states,
                               int(encoder_hidden_states.shape[1]))
-        return Call(hidden_states, encoder_hidden_states, request, timestep=timestep,
-                    mask=encoder_attention_mask, conditioning=conditioning,
+        return Call(hidden_states.to(self.dtype), encoder_hidden_states.to(self.dtype), request, timestep=timestep,
+                    mask=mask, conditioning=conditioning,
                     return_dict=return_dict)
 
 

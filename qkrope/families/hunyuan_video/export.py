@@ -192,10 +192,11 @@ class HunyuanVideo15CacheInputTransformer(_CacheInput):
     """``HunyuanVideo15Transformer3DModel.forward`` (no MeanFlow) with the RoPE caches in place of
     its RoPE module; ``forward``'s arguments are the graph inputs in graph order."""
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+    def forward(self, latent, timestep, encoder_hidden_states, encoder_attention_mask,
                 encoder_hidden_states_2, encoder_attention_mask_2, image_embeds,
                 img_cos_sin_cache, txt_cos_sin_cache):
         t = self.transformer
+        hidden_states = latent
         shape = hidden_states.shape
         temb = t.time_embed(timestep)
         x = t.x_embedder(hidden_states)
@@ -250,16 +251,16 @@ class _HunyuanVideoBase(_CacheInput):
 
 
 class _HunyuanVideoGuided(_HunyuanVideoBase):
-    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+    def forward(self, latent, timestep, encoder_hidden_states, encoder_attention_mask,
                 pooled_projections, guidance, img_cos_sin_cache, txt_cos_sin_cache):
-        return self.run(hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+        return self.run(latent, timestep, encoder_hidden_states, encoder_attention_mask,
                         pooled_projections, guidance, img_cos_sin_cache, txt_cos_sin_cache)
 
 
 class _HunyuanVideo(_HunyuanVideoBase):
-    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+    def forward(self, latent, timestep, encoder_hidden_states, encoder_attention_mask,
                 pooled_projections, img_cos_sin_cache, txt_cos_sin_cache):
-        return self.run(hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
+        return self.run(latent, timestep, encoder_hidden_states, encoder_attention_mask,
                         pooled_projections, None, img_cos_sin_cache, txt_cos_sin_cache)
 
 
@@ -382,15 +383,21 @@ def rope_setting(transformer: nn.Module) -> tuple[tuple[int, ...], float]:
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """export_transformer's hook: refused in one line for now. The plan is :func:`plan`, but
-    the exporter takes each input's dynamic axes from ``qkrope.model_io.TENSORS`` (3-D
-    ``hidden_states``, no ByT5 or image-embedding inputs), not from the plan's graph, so it
-    cannot trace the 5-D latent yet."""
-    raise InputError(f"qkrope export does not write {record.short} graphs yet: the exporter's "
-                     f"dynamic axes are those of 3-D packed-token models, and this model takes "
-                     f"the 5-D latent [batch, channels, frames, height, width]. Fix: export "
-                     f"with torch.onnx.export over qkrope.families.hunyuan_video.export.plan "
-                     f"(tests/test_family_hunyuan_video.py does), or run the PyTorch model")
+    """export_transformer's hook: :func:`plan` of the sample's latent grid. torch.export fixes an
+    axis traced at size 1, so a grid with one frame is traced with two (the frames axis stays
+    dynamic); a grid narrower than 2 tokens is refused in one line."""
+    if len(sample.img_shapes) != 1:
+        raise InputError(f"a {record.short} sample is one latent grid (frames, height, width in "
+                         f"tokens); got {len(sample.img_shapes)}: {sample.img_shapes}")
+    f, h, w = (int(v) for v in sample.img_shapes[0])
+    if min(h, w) < 2:
+        raise InputError(f"--img-shape {f} {h} {w}: a {record.short} export traces a latent of "
+                         f"at least 2 tokens per axis (torch.export fixes an axis of size 1). "
+                         f"Fix: pass --img-shape 2 8 8 or larger")
+    if f < 2:
+        sample.img_shapes = [(2, h, w)]
+    return plan(record, transformer, sample=sample, dtype=dtype, layers=layers,
+                rounding=rounding)
 
 
 def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
@@ -407,8 +414,15 @@ def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.d
     decl = record.graph if record is HUNYUAN_VIDEO15 else (
         record.decl(has_guidance(transformer)))
     single = len(getattr(transformer, "single_transformer_blocks", None) or ())
-    return TransformerPlan(
+    axis_values = None
+    if record is HUNYUAN_VIDEO15:  # the ByT5 and image tokens (sample_args), the joined text
+        from qkrope import model_io
+
+        txt2, image = int(args[4].shape[1]), int(args[6].shape[1])
+        axis_values = {model_io.TXT2_TOKENS: txt2, model_io.IMAGE_EMBED_TOKENS: image,
+                       model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
+    return TransformerPlan(axis_values=axis_values,
         wrapper=wrapper, args=args, decl=decl, axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=node_count(transformer), num_layers_exported=None,
+        rounding=wrapper.rounding, nodes=node_count(transformer) if fused else 0, num_layers_exported=None,
         blocks=f"{record.label}: {len(transformer.transformer_blocks)} double"
                + (f" + {single} single" if single else "") + " blocks")
