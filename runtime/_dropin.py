@@ -157,7 +157,11 @@ class Transformer(DropinComponent):
                 f"; an attention block cannot stand in for a pipeline's transformer). Fix: export "
                 f"with `qkrope export --model transformer --diffusers DIR`.")
         layers = io.config.num_layers_exported
-        total = cfg.get("num_layers")
+        # the model's blocks: every list its record runs (FLUX: double + single), in the config
+        keys = [key for _, key in record.block_lists] or [record.blocks_key]
+        counts = [cfg.get(key) for key in keys]
+        total = sum(int(c) for c in counts) if all(
+            isinstance(c, int) and not isinstance(c, bool) for c in counts) else None
         if layers is not None and total is not None and int(layers) != int(total):
             raise TransformerLoadError(
                 f"{io.source} holds {layers} of the model's {total} transformer blocks (exported "
