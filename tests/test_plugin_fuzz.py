@@ -19,6 +19,7 @@ the build (about 10 s with two cores) on an idle machine, and a few seconds per 
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import re
@@ -164,9 +165,22 @@ def _report(res: subprocess.CompletedProcess) -> str:
     return f"exit {res.returncode}\nstdout tail:\n{res.stdout[-3000:]}\nstderr tail:\n{res.stderr[-6000:]}"
 
 
+# Inputs on which an earlier build of the plugin failed, kept as seeds so each is replayed on every
+# run whatever the search reaches (libFuzzer's crash-* units, base64 as libFuzzer prints them).
+REGRESSIONS = {
+    # getOutputShapes with norm_scope 1 and num_heads near 2^63: num_heads * head_dim overflowed
+    # int64 in checkDims (UBSan, qknorm_rope_plugin.cpp); now refused with a message.
+    "ubsan-row-width-overflow": base64.b64decode(
+        "Bykp/wVKHcIFAAAABRwcHBwcHBwcHBwcHBwcHBwcHBkcHBwcHBwcHB4cHBwcHBzCHB4cHBwcHBzCQJtCaP8FSh3CBQAAAAUcHBwc"
+        "HBwcHBwcHBwcHBwcHBwZHBwcHBwcHBweHBwcHBwcwkCbQijsgioHEh9Am0Io7IIqBxJCDx+MEhgAFYw8QJtCKP8FSh3CBQAAAAUc"
+        "HBwcHBwcHBwcHBwcHBwcHhwcHBwcHMJAm0Io7IIqBxIfQJtCKOyCKgcSFUIPH4wSGAAVjDxC"),
+}
+
+
 def test_fuzz_finds_nothing(fuzz_build: FuzzBuild, tmp_path):
-    # the mutants' seeds are valid inputs for the real plugin: replayed here, they pass
-    seeds = {f"mutant-{i}": m[-1] for i, m in enumerate(MUTANTS)}
+    # the mutants' seeds are valid inputs for the real plugin: replayed here, they pass; so must
+    # every input that once failed
+    seeds = {f"mutant-{i}": m[-1] for i, m in enumerate(MUTANTS)} | REGRESSIONS
     res = fuzz_build.run(fuzz_build.dir / "qkrope_plugin_fuzz", tmp_path, FUZZ_RUNS, seeds=seeds)
     out = res.stdout + res.stderr
     assert res.returncode == 0, _report(res)

@@ -5,6 +5,7 @@
 #include "qknorm_rope_check.h"
 #include "qknorm_rope_trt_runtime.h"
 
+#include <limits>
 #include <sstream>
 
 namespace qkrope
@@ -158,6 +159,13 @@ std::string checkDims(Dims const* d, int32_t normScope)
     }
     int64_t const numHeads = known(d[kQ].d[2]) ? d[kQ].d[2] : d[kK].d[2];
     bool const row = normScope == kNORM_SCOPE_ROW;
+    // headDim is in [2, kMAX_HEAD_DIM] here when known; the product is formed only where it fits.
+    if (row && known(numHeads) && known(headDim) && numHeads > std::numeric_limits<int64_t>::max() / headDim)
+    {
+        os << "q " << dimsString(d[kQ]) << ": num_heads * head_dim overflows int64 (norm_scope 1 weights are that "
+           << "long); expected num_heads * head_dim <= " << std::numeric_limits<int64_t>::max();
+        return os.str();
+    }
     int64_t const width = row ? (known(numHeads) && known(headDim) ? numHeads * headDim : -1) : headDim;
     for (int32_t w : {static_cast<int32_t>(kQ_WEIGHT), static_cast<int32_t>(kK_WEIGHT)})
     {

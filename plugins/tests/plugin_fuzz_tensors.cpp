@@ -2,6 +2,8 @@
 // the reference model of the plugin's shape and dtype rules. Overview: plugin_fuzz.cpp.
 #include "plugin_fuzz.h"
 
+#include <limits>
+
 namespace qkrope_fuzz
 {
 
@@ -168,6 +170,11 @@ bool shapesConsistent(Dims const* d, int32_t normScope)
         return false;
     }
     int64_t const heads = known(d[0].d[2]) ? d[0].d[2] : d[1].d[2];
+    if (normScope == qkrope::kNORM_SCOPE_ROW && known(heads) && known(head)
+        && heads > std::numeric_limits<int64_t>::max() / head)
+    {
+        return false; // the row weights' length num_heads * head_dim is not an int64
+    }
     int64_t const width = normScope == qkrope::kNORM_SCOPE_ROW ? (known(heads) && known(head) ? heads * head : -1) : head;
     for (int w : {2, 3})
     {
