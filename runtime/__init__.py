@@ -37,8 +37,9 @@ _lazy_getattr, __dir__ = lazy_names(__name__, {n: f".{m}" for n, m in _PUBLIC.it
 
 
 def __getattr__(name: str):
-    """A public name of this package, else one a family's drop-in module offers (``PUBLIC``:
-    ``build_qwen_rope_caches``, ``FluxTransformer``, ...), found through the family registry."""
+    """A public name of this package, else a family's, found through the family registry:
+    every family's drop-in class (``FluxTransformer``, ``WanTransformer``, ...) and what its
+    dropin module's ``PUBLIC`` offers (``build_qwen_rope_caches``, ...)."""
     try:
         return _lazy_getattr(name)
     except AttributeError:

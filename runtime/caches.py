@@ -62,13 +62,19 @@ class RopeCacheOverflowError(RopeCacheError, ValueError):
 
 
 def __getattr__(name: str):
-    """A family's public builder (its dropin module's ``PUBLIC``), found through the registry."""
+    """A family's public name, found through the registry: the drop-in class of any record
+    (``dropin_class``: what a saved pipeline's model_index.json names, so every family's
+    reloads with nothing listed) or a name its dropin module's ``PUBLIC`` offers (builders)."""
     if name.startswith("_"):
         raise AttributeError(name)
     from qkrope import families
 
     for record in families.records():
-        public = getattr(families.hooks(record, "dropin"), "PUBLIC", {})
+        module = families.hooks(record, "dropin")
+        cls = module.dropin_class(record)
+        if cls.__name__ == name:
+            return cls
+        public = getattr(module, "PUBLIC", {})
         if name in public:
             return public[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

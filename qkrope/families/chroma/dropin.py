@@ -168,8 +168,5 @@ def dropin_class(record):
     return ChromaTransformer
 
 
-#: Public names this family adds to qkrope.runtime.
-PUBLIC: dict = {"ChromaTransformer": ChromaTransformer}
-
 __all__ = ["ChromaTransformer", "IPAdapterUnsupportedError", "caches_from_ids", "dropin_class",
            "sample_ids", "sample_request"]

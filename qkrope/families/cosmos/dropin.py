@@ -115,7 +115,4 @@ def dropin_class(record):
     return CosmosTransformer
 
 
-#: Public names this family adds to qkrope.runtime.
-PUBLIC: dict = {"CosmosTransformer": CosmosTransformer}
-
 __all__ = ["CosmosTransformer", "dropin_class", "frame_timesteps", "sample_request"]

@@ -242,7 +242,6 @@ def dropin_class(record):
     return FluxTransformer
 
 
-PUBLIC["FluxTransformer"] = FluxTransformer
 PUBLIC["IPAdapterUnsupportedError"] = IPAdapterUnsupportedError
 
 __all__ = ["FluxTransformer", "IPAdapterUnsupportedError", "build_flux_rope_caches",

@@ -27,8 +27,6 @@ from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, t
 from qkrope.runtime.latents import pack_patches, unpack_patches
 from qkrope.runtime.schemes import patch_grid
 
-PUBLIC: dict = {}
-
 
 def sample_request(record, img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
     """The position request of a sample of these sizes (``make_inputs``, the exporter's
@@ -122,6 +120,5 @@ def dropin_class(record):
     return HunyuanImageTransformer
 
 
-PUBLIC["HunyuanImageTransformer"] = HunyuanImageTransformer
 
 __all__ = ["HunyuanImageTransformer", "dropin_class", "sample_request"]

@@ -193,7 +193,6 @@ def dropin_class(record):
     return QwenImageTransformer
 
 
-PUBLIC["QwenImageTransformer"] = QwenImageTransformer
 
 __all__ = ["QwenImageTransformer", "build_qwen_rope_caches", "diffusers_img_shapes", "dropin_class",
            "sample_request"]

@@ -137,7 +137,4 @@ def dropin_class(record):
     return WanTransformer
 
 
-#: Public names this family adds to qkrope.runtime.
-PUBLIC: dict = {"WanTransformer": WanTransformer}
-
 __all__ = ["WanTransformer", "dropin_class", "sample_request"]

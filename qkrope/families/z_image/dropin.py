@@ -224,7 +224,6 @@ def dropin_class(record):
     return ZImageTransformer
 
 
-PUBLIC["ZImageTransformer"] = ZImageTransformer
 
 __all__ = ["ZImageTransformer", "caches_for_sizes", "dropin_class", "padded", "sample_ids",
            "sample_request"]
