@@ -155,8 +155,8 @@ def test_flux1_layers_export_and_block_checks(root, tmp_path, capsys):
     """Issue 35: `export --layers K` of FLUX.1 keeps the first K blocks in execution order
     (double-stream, then single-stream; K=3 reaches the first single block), the sidecar says
     K; `check --layers K` compares those blocks' image/text outputs (the graph cut after block
-    K-1) and `check --blocks` every block's; FLUX.2 (single blocks return the joined stream)
-    refuses both in one line."""
+    K-1) and `check --blocks` every block's; FLUX.2's single blocks return the joined stream,
+    compared as such (the one of the model's width among the values leaving the block)."""
     from qkrope.sidecars import ModelInfo
 
     folder, out = fm.saved("flux1-dev", root), tmp_path / "l3.onnx"
@@ -177,12 +177,29 @@ def test_flux1_layers_export_and_block_checks(root, tmp_path, capsys):
     rows = [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
     assert rows == ["sample"] + [f"block{i}.{s}" for i in range(4) for s in ("img", "txt")
                                  if (i, s) != (3, "txt")], text
-    flux2 = fm.exported("flux2-dev", root)
+    # klein (no guidance input): with dev's guidance (x 1000 into a sinusoid, fp32 arguments
+    # near 4480, ulp 4.9e-4) the graph's and torch's rounding of the embedding differ by more than
+    # the per-block fp32 tolerance models (block 0: 4.2e-3 against 3.0e-3 at guidance 4.48; 7e-5
+    # at guidance 0): an open item of the tolerance, not of the blocks' comparison
+    flux2 = fm.exported("flux2-klein", root)  # 1 double + 1 single block
     capsys.readouterr()
-    for flags in (["--blocks"], ["--layers", "1"]):
-        rc = main(["check", str(flux2), *flags])
-        err = capsys.readouterr().err
-        assert rc == 2 and err.count("\n") == 1 and "Fix: drop" in err, (flags, err)
+    for flags, expected in ((["--blocks"], ["sample", "block0.img", "block0.txt", "block1.joined"]),
+                            (["--layers", "1"], ["block0.img", "block0.txt"])):
+        assert main(["check", str(flux2), *flags, "--workdir", str(tmp_path / flags[-1])]) == 0
+        text = capsys.readouterr().out
+        assert [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")] \
+            == expected, (flags, text)
+    out2 = tmp_path / "flux2-l1.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(fm.saved("flux2-klein", root)),
+                 "--layers", "1", "--out", str(out2)]) == 0
+    assert ModelInfo.load(out2).config.num_layers_exported == 1
+    assert "1 of 1 double + 0 of 1 single blocks" in capsys.readouterr().err
+    assert main(["check", str(out2), "--layers", "1", "--workdir", str(tmp_path / "w3")]) == 0
+    text = capsys.readouterr().out
+    # (FLUX.2 joins the streams after the double blocks even with no single block left: the
+    # last block's text output is read, so compared)
+    assert [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")] \
+        == ["block0.img", "block0.txt"], text
 
 
 def test_check_of_a_flux_export_fails_on_other_weights(root, tmp_path, capsys):
@@ -344,10 +361,12 @@ def test_quantize_export_fp8_and_check_a_flux2_transformer(root, tmp_path):
     assert report.weights_checked == len(linears) and report.weight_mismatches == 0
     assert report.quantizers_checked == len(linears)
     # issue 34 class 6: the block options are refused in one line before any work (they used
-    # to run the whole-model FP8 check, which passed whatever they asked)
+    # to run the whole-model FP8 check, which passed whatever they asked); FLUX.2 has blocks,
+    # so the refusal is the FP8 one, and it comes before the range of --layers is looked at
     for flags in (["--blocks"], ["--layers", "-3"], ["--layers", "999"]):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             rc = main(["check", str(onnx_path), *flags])
         assert rc == 2 and err.getvalue().count("\n") == 1, (flags, err.getvalue())
-        assert "applies to Qwen-Image" in err.getvalue() and "Fix: drop" in err.getvalue()
+        assert "compares a float export's blocks" in err.getvalue(), err.getvalue()
+        assert f"Fix: drop {flags[0]}" in err.getvalue()

@@ -38,7 +38,10 @@ from qkrope.errors import QkropeError
 
 BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")  # one list, from block 0
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
-STREAMS = ("img", "txt")  # a block's outputs: hidden_states (image), encoder_hidden_states
+STREAMS = ("img", "txt", "joined")  # a block's outputs: hidden_states (image),
+# encoder_hidden_states, or the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
+#: the token axis of each stream in an exported graph (export/trace names the axes)
+STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
 
 
 class BlockCheckError(QkropeError, ValueError):
@@ -271,10 +274,13 @@ def _block_of(node, pattern=BLOCK_SCOPE, offsets=None) -> int | None:
 
 
 def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int, dict[str, str]]:
-    """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph:
-    the values a block's nodes produce and nodes outside it (or the graph's outputs) use, of
-    shape ``[batch, img_tokens | txt_tokens, dim]`` (the last block's text output is unused by
-    the model and absent). ``offsets`` (:func:`block_offsets`): the family's block lists, each
+    """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph, or
+    ``{block: {"joined": value name}}`` for a block returning the joined stream: the values a
+    block's nodes produce and nodes outside it (or the graph's outputs) use, of shape
+    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (the last block's text
+    output is unused by the model and absent). Where a block has two such values of one stream
+    (a joined block's fused projection read by a node the exporter left without a scope), the
+    one of the model's width (that of the other blocks' outputs) is the block's. ``offsets`` (:func:`block_offsets`): the family's block lists, each
     numbered from its first block's index in execution order (default: ``transformer_blocks``
     alone)."""
     pattern = BLOCK_SCOPE
@@ -298,21 +304,26 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
         if p is not None:
             crossing.setdefault(p, set()).add(out.name)
     shapes = {v.name: v.type.tensor_type.shape for v in model.graph.value_info}
-    tokens = {"img_tokens": "img", "txt_tokens": "txt"}
-    found: dict[int, dict[str, str]] = {}
+    candidates: dict[tuple[int, str], list[tuple[str, int]]] = {}  # (block, stream) -> (name, width)
     for block, names in sorted(crossing.items()):
         for name in sorted(names):
             shape = shapes.get(name)
             if shape is None or len(shape.dim) != 3:
                 continue
             d = shape.dim
-            if d[0].dim_param == "batch" and d[1].dim_param in tokens and d[2].dim_value > 0:
-                stream = tokens[d[1].dim_param]
-                if stream in found.get(block, {}):
-                    raise BlockCheckError(f"block {block} of the graph has two {stream} outputs "
-                                          f"({found[block][stream]}, {name}); the per-block "
-                                          f"comparison needs one")
-                found.setdefault(block, {})[stream] = name
+            if d[0].dim_param == "batch" and d[1].dim_param in STREAM_AXES and d[2].dim_value > 0:
+                candidates.setdefault((block, STREAM_AXES[d[1].dim_param]), []).append(
+                    (name, d[2].dim_value))
+    widths = {w for found in candidates.values() if len(found) == 1 for _, w in found}
+    found: dict[int, dict[str, str]] = {}
+    for (block, stream), values in sorted(candidates.items()):
+        if len(values) > 1 and len(widths) == 1:
+            values = [v for v in values if v[1] in widths]
+        if len(values) != 1:
+            raise BlockCheckError(f"block {block} of the graph has {len(values)} {stream} outputs "
+                                  f"({', '.join(n for n, _ in values)}); the per-block comparison "
+                                  f"needs one")
+        found.setdefault(block, {})[stream] = values[0][0]
     return found
 
 
@@ -359,8 +370,8 @@ def prune_to_outputs(model, outputs: Sequence[str]) -> None:
 def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
                  offsets: dict[str, int] | None = None):
     """The model's graph (weights not loaded) with each compared block's outputs as graph
-    outputs named ``block<i>.img`` / ``block<i>.txt`` (an Identity each; the last block's text
-    output is unused by the model and absent), cut after block ``layers - 1`` when ``layers``
+    outputs named ``block<i>.img`` / ``block<i>.txt`` or ``block<i>.joined`` (an Identity each;
+    the last block's text output is unused by the model and absent), cut after block ``layers - 1`` when ``layers``
     is given (the model's own outputs then dropped); ``offsets``: :func:`find_block_outputs`'s.
     Returns ``(model, [block output names])``."""
     import onnx
@@ -368,7 +379,7 @@ def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
     model = onnx.load(onnx_path, load_external_data=False)
     blocks = find_block_outputs(model, offsets)
     n = num_blocks if layers is None else layers
-    missing = [i for i in range(n) if "img" not in blocks.get(i, {})]
+    missing = [i for i in range(n) if not {"img", "joined"} & set(blocks.get(i, {}))]
     if missing:
         raise BlockCheckError(
             f"{onnx_path}: the outputs of block(s) {missing[:6]} cannot be found in the graph "

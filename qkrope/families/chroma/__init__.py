@@ -49,7 +49,10 @@ LAUNCHES = tuple(Launch("Chroma1-HD", stream, seq, 24,
 
 # FLUX.1's attention and norms (torch's RMSNorm, rotation in fp32): FLUX's eager order, bit-exact
 # in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). FluxPosEmbed(theta=10000) is fixed in diffusers'
-# code; positions are ids (no table, no limit). Every block is exported.
+# code; positions are ids (no table, no limit). Every block is exported: no --layers/--blocks,
+# since diffusers' forward finds each block's modulation rows at offsets computed from the
+# number of blocks in the model (3 * single + 6 * double + 6 * i), so a model cut to its first K
+# blocks reads other rows than those K blocks read in the whole one.
 CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,

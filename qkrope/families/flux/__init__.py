@@ -47,9 +47,8 @@ def _launches(model: str, heads: int) -> tuple[Launch, ...]:
 # again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). The
 # caches are computed from position ids (no table, so no position limit). --layers K keeps the
 # first K blocks in execution order (double-stream, then single-stream); --blocks compares each
-# block's image and text outputs (FLUX.1's single-stream blocks return the pair too). FLUX.2's
-# single-stream blocks return the joined stream, which the per-block check does not compare:
-# no --layers/--blocks there yet (its check's reference still streams one block at a time).
+# block's outputs: image and text (FLUX.1's single-stream blocks return the pair too), or the
+# joined stream FLUX.2's single-stream blocks return.
 FLUX1 = FamilyRecord(
     name="flux1", class_name="FluxTransformer2DModel", label="FLUX.1 (dev, schnell, Kontext)",
     short="FLUX.1", package="flux", scheme="ids", axes=(16, 56, 56),
@@ -62,7 +61,7 @@ FLUX2 = FamilyRecord(
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
     theta=2000, theta_key="rope_theta",  # the config's defaults
     max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX2_TRANSFORMER,
-    fp8_excluded=FLUX2_EXCLUDED, blocks=False, block_lists=DOUBLE_THEN_SINGLE_BLOCKS,
+    fp8_excluded=FLUX2_EXCLUDED, blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
     launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))
 
