@@ -158,7 +158,7 @@ class Transformer(DropinComponent):
                 f"with `qkrope export --model transformer --diffusers DIR`.")
         layers = io.config.num_layers_exported
         # the model's blocks: every list its record runs (FLUX: double + single), in the config
-        keys = [key for _, key in record.block_lists] or [record.blocks_key]
+        keys = [blocks.key for blocks in record.block_lists] or [record.blocks_key]
         counts = [cfg.get(key) for key in keys]
         total = sum(int(c) for c in counts) if all(
             isinstance(c, int) and not isinstance(c, bool) for c in counts) else None

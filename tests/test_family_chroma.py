@@ -325,6 +325,38 @@ def test_check_against_diffusers_forward(exported, tmp_path):
     assert 0 < rows[0].max_abs
 
 
+def _compared(text: str) -> list[str]:
+    return [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+
+
+def test_layers_and_blocks(exported, tmp_path, capsys):
+    """Issue 35: `check --blocks` compares block 0's image/text outputs and block 1's joined
+    stream; `check --layers 1` the first block of the whole export (the graph cut after it);
+    `export --layers 1` keeps it with the whole model's modulation rows, which its whole-model
+    check (the reference's single block passing its stream through) and a check --layers 1
+    compare. diffusers' forward finds a block's modulation rows at offsets counted from every
+    block, so a reference built with fewer blocks reads other rows: these checks fail on it."""
+    from qkrope.cli import main
+    from qkrope.sidecars import ModelInfo
+
+    for flags, expected in ((["--blocks"], ["sample", "block0.img", "block0.txt",
+                                            "block1.joined"]),
+                            (["--layers", "1"], ["block0.img", "block0.txt"])):
+        assert main(["check", str(exported), *flags, "--workdir", str(tmp_path / flags[-1])]) == 0
+        text = capsys.readouterr().out
+        assert _compared(text) == expected, (flags, text)
+    out = tmp_path / "chroma-l1.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers",
+                 str(exported.parent / "chroma-diffusers"), "--layers", "1", "--out",
+                 str(out)]) == 0
+    assert ModelInfo.load(out).config.num_layers_exported == 1
+    assert "1 of 1 double + 0 of 1 single blocks" in capsys.readouterr().err
+    for flags, expected in (([], ["sample"]), (["--layers", "1"], ["block0.img", "block0.txt"])):
+        assert main(["check", str(out), *flags, "--workdir", str(tmp_path / f"l1{flags}")]) == 0
+        text = capsys.readouterr().out
+        assert _compared(text) == expected, (flags, text)
+
+
 def test_make_inputs_feeds_the_float_mask_and_the_pipelines_caches(exported):
     from qkrope.runtime.inputs import make_inputs
     from qkrope.sidecars import ModelInfo

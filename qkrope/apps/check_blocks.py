@@ -35,11 +35,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from qkrope.errors import QkropeError
+from qkrope.families._record import BLOCK_STREAMS
 
 BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")  # one list, from block 0
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
-STREAMS = ("img", "txt", "joined")  # a block's outputs: hidden_states (image),
-# encoder_hidden_states, or the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
+STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hidden_states, or
+# the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
 STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
 
@@ -127,19 +128,21 @@ class _parameters_on_meta:
 
 class StreamedTransformer:
     """diffusers' transformer of ``folder`` (``class_name``: its family record's class, e.g.
-    ``QwenImageTransformer2DModel``) truncated to ``num_layers`` blocks counted in execution
-    order through the record's ``block_lists`` (e.g. FLUX's double-stream
-    ``transformer_blocks`` then its ``single_transformer_blocks``), whose blocks hold their
-    weights only while they run (the module docstring).
-    ``peak_block_elements``: the most block parameter elements resident at once (one block's,
-    by construction; the test checks it); ``block_outputs[i]``: block ``i``'s outputs of the
-    last call (``i`` in execution order): ``{"img": hidden_states, "txt":
-    encoder_hidden_states}`` for a block returning the pair, ``{"joined": hidden_states}`` for
-    one returning the joined text-and-image stream (FLUX.2's single-stream blocks)."""
+    ``QwenImageTransformer2DModel``) running its first ``num_layers`` blocks counted in
+    execution order through the record's ``block_lists`` (e.g. FLUX's double-stream
+    ``transformer_blocks`` then its ``single_transformer_blocks``; the later ones pass their
+    streams through), whose blocks hold their weights only while they run (the module
+    docstring). ``peak_block_elements``: the most block parameter elements resident at once
+    (one block's, by construction; the test checks it); ``block_outputs[i]``: block ``i``'s
+    outputs of the last call (``i`` in execution order), by the stream names of its list's
+    ``BlockList.returns``: ``{"img": hidden_states, "txt": encoder_hidden_states}`` for a block
+    returning the pair, ``{"joined": hidden_states}`` for one returning the joined
+    text-and-image stream (FLUX.2's single-stream blocks), ``{"img": ...}`` for one returning
+    the image stream alone."""
 
     def __init__(self, folder: str | os.PathLike, *, dtype, num_layers: int | None = None,
                  variant: str | None = None, class_name: str | None = None,
-                 block_lists: Sequence[tuple[str, str]] | None = None):
+                 block_lists: Sequence[Any] | None = None):
         import diffusers
         import torch
 
@@ -161,27 +164,32 @@ class StreamedTransformer:
             raise BlockCheckError(f"{class_name}: no block lists on its family record; its "
                                   f"reference is loaded whole")
         cls = getattr(diffusers, class_name or families.default().class_name)
-        counts = [int(config.get(key, 0)) for _, key in block_lists]
+        counts = [int(config.get(blocks.key, 0)) for blocks in block_lists]
         total = sum(counts)
         n = total if num_layers is None else int(num_layers)
         if not 1 <= n <= total:
             raise BlockCheckError(f"{d} has {total} blocks; cannot compare {n}")
-        kept, left = [], n  # the first n blocks in execution order, list by list
-        for count in counts:
-            kept.append(min(count, left))
-            left -= kept[-1]
         self.reader = ShardReader(d, variant=variant)
-        # the model at the kept counts with every parameter on the meta device and its buffers
-        # computed as diffusers computes them (some depend on the block counts: Chroma's
-        # modulation index); then the parameters outside the blocks read from the shards
+        # the whole model, every parameter on the meta device and its buffers computed as
+        # diffusers computes them from the config (some depend on the block counts: Chroma's
+        # modulation rows), then the parameters outside the blocks read from the shards. The
+        # first n blocks in execution order run; each later one passes its streams through
+        # unchanged (_pass_through), so the model's own output is that of the first n blocks
+        # with everything else as in the whole model: what an export --layers n computes.
         with _parameters_on_meta():
-            model = cls.from_config({**config, **{key: k for (_, key), k
-                                                  in zip(block_lists, kept)}}).eval()
+            model = cls.from_config(config).eval()
         torch.nn.Module.to(model, dtype)  # (ModelMixin.to warns about fp32 modules it has none of)
-        self.blocks: list[tuple[str, Any]] = []  # (key prefix, module) in execution order
-        for attr, _ in block_lists:
-            self.blocks += [(f"{attr}.{j}.", b) for j, b in enumerate(getattr(model, attr))]
-        inside = tuple(f"{attr}." for attr, _ in block_lists)
+        self.blocks: list[tuple[str, Any]] = []  # (key prefix, module) of the first n blocks
+        self.returns: list[tuple[str, ...]] = []  # what each of them returns (BlockList.returns)
+        for blocks in block_lists:
+            modules = getattr(model, blocks.attr)
+            for j, block in enumerate(modules):
+                if len(self.blocks) < n:
+                    self.blocks.append((f"{blocks.attr}.{j}.", block))
+                    self.returns.append(tuple(blocks.returns))
+                else:
+                    modules[j] = _pass_through(block, blocks.returns)
+        inside = tuple(f"{blocks.attr}." for blocks in block_lists)
         outside = [k for k in model.state_dict() if not k.startswith(inside)]
         missing, unexpected = model.load_state_dict(self.reader.get_many(outside, dtype),
                                                     strict=False, assign=True)
@@ -217,13 +225,14 @@ class StreamedTransformer:
         return hook
 
     def _release(self, i: int):
+        returns = self.returns[i]
+
         def hook(block, args, output):
-            if isinstance(output, (tuple, list)):  # (encoder_hidden_states, hidden_states)
-                txt, img = output
-                self.block_outputs[i] = {"img": img.detach().clone(),
-                                         "txt": txt.detach().clone()}
-            else:  # the joined text-and-image stream
-                self.block_outputs[i] = {"joined": output.detach().clone()}
+            values = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+            if len(values) != len(returns):
+                raise BlockCheckError(f"block {i} returned {len(values)} tensors; its family "
+                                      f"record's block list says {returns}")
+            self.block_outputs[i] = {s: v.detach().clone() for s, v in zip(returns, values)}
             block.to("meta")  # the weights go; the next block's come in
             _return_freed_memory()
         return hook
@@ -233,18 +242,45 @@ class StreamedTransformer:
         return self.model(**kwargs)
 
 
+def _pass_through(block, returns: Sequence[str]):
+    """A module standing for ``block`` past ``--layers`` in the reference: it holds no weights
+    and returns the streams it was given (by the names of the block's own forward arguments,
+    ``STREAM_ARGUMENT``; for a block returning one tensor, its first argument where the name is
+    not one of them), in the block's return order."""
+    import inspect
+
+    import torch
+
+    from qkrope.families._record import STREAM_ARGUMENT
+
+    signature = inspect.signature(block.forward)
+    returns = tuple(returns)
+
+    class PassThrough(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            given = signature.bind_partial(*args, **kwargs).arguments
+            if len(returns) == 1:
+                name = STREAM_ARGUMENT[returns[0]]
+                return given[name] if name in given else next(iter(given.values()))
+            return tuple(given[STREAM_ARGUMENT[s]] for s in returns)
+
+        def extra_repr(self) -> str:
+            return f"passes through {returns}"
+
+    return PassThrough()
+
+
 # --------------------------------------------------------------------------------------------
 # The ONNX side: block outputs marked, the graph cut after --layers K
 # --------------------------------------------------------------------------------------------
 
-def block_offsets(block_lists: Sequence[tuple[str, str]],
-                  config: Any) -> dict[str, int]:
+def block_offsets(block_lists: Sequence[Any], config: Any) -> dict[str, int]:
     """``{module attribute: index of its first block in execution order}`` for a family's
     ``block_lists`` and its diffusers ``config`` (each list's count under its key)."""
     offsets, at = {}, 0
-    for attr, key in block_lists:
-        offsets[attr] = at
-        at += int(config.get(key, 0))
+    for blocks in block_lists:
+        offsets[blocks.attr] = at
+        at += int(config.get(blocks.key, 0))
     return offsets
 
 

@@ -114,7 +114,7 @@ def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = No
                                or layers < 1):
         raise InputError(f"{flag} takes a number of blocks >= 1; got {layers!r}. Fix: pass "
                          f"{flag} 1 or more")
-    keys = [key for _, key in record.block_lists] or [record.blocks_key]
+    keys = [blocks.key for blocks in record.block_lists] or [record.blocks_key]
     counts = [config.get(key) for key in keys] if hasattr(config, "get") else []
     if counts and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
         total = sum(counts)

@@ -7,7 +7,7 @@ a record, never a family by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, NamedTuple
 
 from qkrope.model_io import GUIDANCE, ModelDecl
 
@@ -23,10 +23,35 @@ SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid")
 LATENT_KINDS = ("packed-tokens", "video-5d")
 
 
-#: The block lists of a transformer with double-stream blocks, then single-stream ones (module
-#: attribute, config count key; in execution order): a FamilyRecord's ``block_lists``.
-DOUBLE_THEN_SINGLE_BLOCKS = (("transformer_blocks", "num_layers"),
-                             ("single_transformer_blocks", "num_single_layers"))
+#: What a block returns, stream by stream: "img" (the image tokens, diffusers' hidden_states),
+#: "txt" (the text tokens, encoder_hidden_states) or "joined" (one stream of text then image
+#: tokens). The per-block check names its rows after them (qkrope.apps.check_blocks).
+BLOCK_STREAMS = ("img", "txt", "joined")
+#: The argument of a block's forward each returned stream is the running value of (a block
+#: skipped by --layers passes it through unchanged).
+STREAM_ARGUMENT = {"img": "hidden_states", "txt": "encoder_hidden_states",
+                   "joined": "hidden_states"}
+
+
+class BlockList(NamedTuple):
+    """One list of a transformer's blocks: the module attribute that holds it, the config key of
+    its length, and what each of its blocks returns (stream names, in return order: a pair such
+    as FLUX's ``(encoder_hidden_states, hidden_states)`` is ``("txt", "img")``; one tensor is
+    a one-name tuple)."""
+
+    attr: str
+    key: str
+    returns: tuple[str, ...] = ("txt", "img")
+
+
+#: The block lists of a transformer with double-stream blocks, then single-stream ones that
+#: return the pair too (FLUX.1; in execution order): a FamilyRecord's ``block_lists``.
+DOUBLE_THEN_SINGLE_BLOCKS = (BlockList("transformer_blocks", "num_layers"),
+                             BlockList("single_transformer_blocks", "num_single_layers"))
+#: The same with single-stream blocks that return the joined stream (FLUX.2, Chroma).
+DOUBLE_THEN_JOINED_BLOCKS = (BlockList("transformer_blocks", "num_layers"),
+                             BlockList("single_transformer_blocks", "num_single_layers",
+                                       ("joined",)))
 
 
 @dataclass(frozen=True)
@@ -94,13 +119,13 @@ class FamilyRecord:
     latent: str = "packed-tokens"  # LATENT_KINDS
     # grid scheme: height / width positions centred on the image (Qwen-Image) or counted from 0
     # (a video latent's own grid: HunyuanVideo)
-    scale_rope: bool = True
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
-    # its block lists in execution order, each (module attribute, config count key): what the
-    # check's reference streams one block at a time (qkrope.apps.check_blocks) and --layers K
-    # counts through. None: ((transformer_blocks, blocks_key),) where ``blocks``, else none
-    # listed (the reference loaded whole).
-    block_lists: tuple[tuple[str, str], ...] | None = None
+    # its block lists in execution order (BlockList: module attribute, config count key, what a
+    # block returns): what the check's reference streams one block at a time
+    # (qkrope.apps.check_blocks) and --layers K counts through. None: one list,
+    # transformer_blocks of blocks_key, where ``blocks``, else none listed (the reference loaded
+    # whole).
+    block_lists: tuple[BlockList, ...] | None = None
     # the grid scheme's numbers: centred height / width (scale_rope) and the tables' precision
     # (qkrope.runtime.schemes.Setting.precision: "float32" or "float64")
     scale_rope: bool = True
@@ -120,7 +145,31 @@ class FamilyRecord:
             raise ValueError(f"{self.name}: latent {self.latent!r} is not one of {LATENT_KINDS}")
         if self.block_lists is None:
             object.__setattr__(self, "block_lists",
-                               (("transformer_blocks", self.blocks_key),) if self.blocks else ())
+                               (BlockList("transformer_blocks", self.blocks_key),)
+                               if self.blocks else ())
+        for blocks in self.block_lists:
+            if not isinstance(blocks, BlockList) or not blocks.returns or any(
+                    s not in BLOCK_STREAMS for s in blocks.returns):
+                raise ValueError(f"{self.name}: block list {blocks!r} is not a BlockList "
+                                 f"returning streams of {BLOCK_STREAMS}")
+        if self.blocks and not self.block_lists:
+            raise ValueError(f"{self.name}: --layers/--blocks need the record's block_lists")
+
+    def block_counts(self, config: Mapping[str, Any]) -> tuple[int, ...]:
+        """The length of each of its block lists in a diffusers ``config`` (config.json)."""
+        return tuple(int(config.get(blocks.key, 0)) for blocks in self.block_lists)
+
+    def kept_blocks(self, config: Mapping[str, Any], layers: int | None) -> tuple[int, ...]:
+        """How many blocks of each list the first ``layers`` blocks in execution order take
+        (every block where ``layers`` is None): FLUX.1-dev's (19, 38) at 21 is (19, 2)."""
+        counts = self.block_counts(config)
+        if layers is None:
+            return counts
+        kept, left = [], int(layers)
+        for count in counts:
+            kept.append(min(count, max(left, 0)))
+            left -= kept[-1]
+        return tuple(kept)
 
     def decl(self, guidance: bool) -> ModelDecl:
         """The transformer graph of a model with (or without) guidance embeddings."""

@@ -6,7 +6,7 @@ file."""
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
+from qkrope.families._record import DOUBLE_THEN_JOINED_BLOCKS, FamilyRecord, Launch
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -49,15 +49,16 @@ LAUNCHES = tuple(Launch("Chroma1-HD", stream, seq, 24,
 
 # FLUX.1's attention and norms (torch's RMSNorm, rotation in fp32): FLUX's eager order, bit-exact
 # in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). FluxPosEmbed(theta=10000) is fixed in diffusers'
-# code; positions are ids (no table, no limit). Every block is exported: no --layers/--blocks,
-# since diffusers' forward finds each block's modulation rows at offsets computed from the
-# number of blocks in the model (3 * single + 6 * double + 6 * i), so a model cut to its first K
-# blocks reads other rows than those K blocks read in the whole one.
+# code; positions are ids (no table, no limit). --layers K keeps the first K blocks in execution
+# order (double-stream, then single-stream) with the whole model's modulation rows (diffusers'
+# forward finds a block's rows at offsets counted from every block: 3 * single + 6 * double +
+# 6 * i); --blocks compares each block's image and text outputs, or the joined stream its
+# single-stream blocks return.
 CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,
     theta_key=None, max_positions=None, rounding=contract.ROUNDING_FLUX,
-    graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=False,
-    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
+    graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=True,
+    block_lists=DOUBLE_THEN_JOINED_BLOCKS, launches=LAUNCHES)
 
 RECORDS = (CHROMA,)

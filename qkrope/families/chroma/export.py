@@ -40,9 +40,12 @@ def patch_chroma(transformer: nn.Module, *, rounding: int) -> nn.Module:
     return transformer
 
 
-def node_count(transformer: nn.Module) -> int:
-    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream."""
-    return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+def node_count(transformer: nn.Module, kept: tuple[int, int] | None = None) -> int:
+    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream (of
+    the ``kept`` (double, single) blocks; every block by default)."""
+    double, single = kept or (len(transformer.transformer_blocks),
+                              len(transformer.single_transformer_blocks))
+    return 2 * double + single
 
 
 def input_vec(embed: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
@@ -61,13 +64,19 @@ def input_vec(embed: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
 
 class ChromaCacheInputTransformer(nn.Module):
     """A Chroma transformer whose ``forward`` takes the graph inputs
-    (:data:`qkrope.families.chroma.CHROMA_TRANSFORMER`, in graph order)."""
+    (:data:`qkrope.families.chroma.CHROMA_TRANSFORMER`, in graph order), running the first
+    ``kept`` (double, single) blocks (every block by default). The modulation rows of each block
+    are those of the whole model (their offsets count every block), so a prefix computes what
+    the whole model's first blocks compute."""
 
-    def __init__(self, transformer: nn.Module, *, rounding: int):
+    def __init__(self, transformer: nn.Module, *, rounding: int,
+                 kept: tuple[int, int] | None = None):
         super().__init__()
         self.rounding = rounding
         patch_chroma(transformer, rounding=rounding)
         self.transformer = transformer
+        self.double, self.single = kept or (len(transformer.transformer_blocks),
+                                            len(transformer.single_transformer_blocks))
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
                 img_cos_sin_cache, txt_cos_sin_cache):
@@ -85,7 +94,7 @@ class ChromaCacheInputTransformer(nn.Module):
         n_double, n_single = len(t.transformer_blocks), len(t.single_transformer_blocks)
         img_offset = 3 * n_single
         txt_offset = img_offset + 6 * n_double
-        for index, block in enumerate(t.transformer_blocks):
+        for index, block in enumerate(t.transformer_blocks[:self.double]):
             img_mod, txt_mod = img_offset + 6 * index, txt_offset + 6 * index
             temb = torch.cat((pooled_temb[:, img_mod:img_mod + 6],
                               pooled_temb[:, txt_mod:txt_mod + 6]), dim=1)
@@ -93,7 +102,7 @@ class ChromaCacheInputTransformer(nn.Module):
                 hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                 temb=temb, image_rotary_emb=rope, attention_mask=mask)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        for index, block in enumerate(t.single_transformer_blocks):
+        for index, block in enumerate(t.single_transformer_blocks[:self.single]):
             hidden_states = block(hidden_states=hidden_states,
                                   temb=pooled_temb[:, 3 * index:3 * index + 3],
                                   image_rotary_emb=rope, attention_mask=mask)
@@ -127,8 +136,9 @@ def sample_mask(batch: int, txt_len: int, dtype: torch.dtype) -> torch.Tensor:
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """The export of ``transformer`` (a placeholder skeleton; every block is kept: the record
-    has no ``blocks``). The sidecar records the RoPE axes (the config's axes_dims_rope, which
+    """The export of ``transformer`` (a placeholder skeleton) with its first ``layers`` blocks
+    in execution order (double-stream, then single-stream; every block by default). The sidecar
+    records the RoPE axes (the config's axes_dims_rope, which
     must fill the head: FluxPosEmbed rotates the whole head) and theta (10000, fixed in
     diffusers' code; read from the built model)."""
     from qkrope.export.onnx_export import TransformerPlan
@@ -143,7 +153,8 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
         raise InputError(f"axes_dims_rope {list(axes)} sums to {sum(axes)}, not "
                          f"attention_head_dim={head_dim}: Chroma rotates the whole head. Fix: "
                          f"correct the model's config.json")
-    wrapper = ChromaCacheInputTransformer(transformer, rounding=rounding).eval()
+    double, single = kept = record.kept_blocks(cfg, layers)
+    wrapper = ChromaCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
     txt_ids, img_ids = sample_ids(sample.img_shapes, sample.txt_len)
     caches = caches_from_ids(txt_ids, img_ids, axes_dims=axes, theta=theta, head_dim=head_dim)
     g = torch.Generator().manual_seed(1)
@@ -155,6 +166,7 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
             torch.full((b,), 0.5, dtype=dtype), caches.img.clone(), caches.txt.clone())
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=node_count(transformer), num_layers_exported=None,
-        blocks=f"{record.label}: {len(transformer.transformer_blocks)} double + "
-               f"{len(transformer.single_transformer_blocks)} single blocks")
+        rounding=wrapper.rounding, nodes=node_count(transformer, kept),
+        num_layers_exported=double + single,
+        blocks=f"{record.label}: {double} of {len(transformer.transformer_blocks)} double + "
+               f"{single} of {len(transformer.single_transformer_blocks)} single blocks")

@@ -4,7 +4,8 @@ Facts only; the hooks are export.py, reference.py and dropin.py beside this file
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
+from qkrope.families._record import (DOUBLE_THEN_JOINED_BLOCKS, DOUBLE_THEN_SINGLE_BLOCKS,
+                                     FamilyRecord, Launch)
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, GUIDANCE, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -61,7 +62,7 @@ FLUX2 = FamilyRecord(
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
     theta=2000, theta_key="rope_theta",  # the config's defaults
     max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX2_TRANSFORMER,
-    fp8_excluded=FLUX2_EXCLUDED, blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS,
+    fp8_excluded=FLUX2_EXCLUDED, blocks=True, block_lists=DOUBLE_THEN_JOINED_BLOCKS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
     launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))
 

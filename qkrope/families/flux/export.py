@@ -101,7 +101,7 @@ def kept_blocks(transformer: nn.Module, layers: int | None = None) -> tuple[int,
     if not 1 <= layers <= double + single:
         raise InputError(f"--layers must be between 1 and {double + single} (the model's "
                          f"num_layers + num_single_layers); got {layers}")
-    return min(double, layers), max(0, layers - double)
+    return FLUX1.kept_blocks(transformer.config, layers)  # (the two records' lists agree)
 
 
 class FluxCacheInputTransformer(nn.Module):
