@@ -1,0 +1,126 @@
+"""``--layers`` / ``--blocks`` and the one-block-resident reference on every family whose record
+lists its blocks (issue 35 item 1), over the tiny builders of ``tests/_families.py``:
+
+- the streamed reference (:class:`qkrope.apps.check_blocks.StreamedTransformer`) is diffusers'
+  own forward bit for bit, one block resident, and each block's outputs are what the stock
+  model's block returns (forward hooks on the stock model), named by the record's
+  ``BlockList.returns``;
+- ``check --blocks`` of the whole export compares every block's outputs (the rows the record's
+  block lists predict) and passes;
+- ``export --layers 1`` keeps one block: its whole-model check and ``check --layers 1`` pass,
+  and so does ``check --layers 1`` of the whole export.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="requires torch (pip install -e '.[test]')")
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
+
+from _families import PARAMS  # noqa: E402
+from _input_forms import FORMS  # noqa: E402
+
+from qkrope.cli import main  # noqa: E402
+
+BLOCKED = [p for p in PARAMS if p.values[0].record.blocks]
+
+
+def _rows(text: str) -> list[str]:
+    return [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+
+
+def _expected(record, config, layers=None) -> list[str]:
+    """The block rows a check compares: each kept block's streams (BlockList.returns, image
+    first), but the last block's text output where the model drops it (it is absent from the
+    graph: the caller removes it when the graph has none)."""
+    rows, kept = [], record.kept_blocks(config, layers)
+    index = 0
+    for blocks, count in zip(record.block_lists, kept):
+        for _ in range(count):
+            rows += [f"block{index}.{s}" for s in ("img", "txt", "joined") if s in blocks.returns]
+            index += 1
+    return rows
+
+
+@pytest.fixture(scope="module", params=BLOCKED)
+def family(request, tmp_path_factory):
+    """(builder, saved folder, whole fp32 export) of one family with blocks."""
+    from qkrope.export.api import export_transformer
+
+    builder = request.param
+    root = tmp_path_factory.mktemp(f"blocks-{builder.variant}")
+    folder = builder.saved(root)
+    out = root / f"{builder.variant}.onnx"
+    export_transformer(folder, out, dtype="fp32", progress=False)
+    return builder, folder, out
+
+
+def test_streamed_reference_is_the_stock_forward_one_block_resident(family):
+    from qkrope.apps.check_blocks import StreamedTransformer
+
+    builder, folder, _ = family
+    record = builder.record
+    stock = builder.build(0).eval()
+    kwargs = {**FORMS[builder.family](stock, 1, torch.Generator().manual_seed(1))["base"],
+              "return_dict": False}
+    captured, hooks = {}, []
+    index = 0
+    for blocks in record.block_lists:
+        for block in getattr(stock, blocks.attr):
+            def keep(module, args, output, i=index, returns=blocks.returns):
+                values = output if isinstance(output, (tuple, list)) else (output,)
+                captured[i] = dict(zip(returns, (v.detach().clone() for v in values)))
+            hooks.append(block.register_forward_hook(keep))
+            index += 1
+    streamed = StreamedTransformer(folder, dtype=torch.float32, class_name=record.class_name)
+    with torch.no_grad():
+        want = stock(**kwargs)[0]
+        got = streamed(**kwargs)[0]
+    for h in hooks:
+        h.remove()
+    if isinstance(want, list):  # per-sample outputs (Z-Image)
+        want, got = torch.stack(want), torch.stack(got)
+    assert torch.equal(got, want)  # the same weights through the same forward: bit for bit
+    assert sorted(streamed.block_outputs) == sorted(captured) == list(range(index))
+    for i, streams in captured.items():
+        assert streamed.block_outputs[i].keys() == streams.keys(), i
+        for s, v in streams.items():
+            assert torch.equal(streamed.block_outputs[i][s], v), (i, s)
+    assert streamed.peak_block_elements == max(streamed.block_elements)  # one block at a time
+    assert all(p.device.type == "meta" for _, b in streamed.blocks for p in b.parameters())
+
+
+def test_check_blocks_compares_every_block(family, tmp_path, capsys):
+    builder, folder, out = family
+    config = builder.build(0).config
+    assert main(["check", str(out), "--blocks", "--workdir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    rows = _rows(text)
+    expected = ["sample"] + _expected(builder.record, config)
+    last = expected[-1].split(".")[0] + ".txt"
+    assert rows == [r for r in expected if r != last or r in rows], text
+    assert "PASSED" in text
+
+
+def test_layers_one(family, tmp_path, capsys):
+    """``check --layers 1`` of the whole export, ``export --layers 1`` and both checks of it."""
+    from qkrope.sidecars import ModelInfo
+
+    builder, folder, out = family
+    config = builder.build(0).config
+    first = _expected(builder.record, config, 1)
+    assert main(["check", str(out), "--layers", "1", "--workdir", str(tmp_path / "a")]) == 0
+    text = capsys.readouterr().out
+    assert _rows(text) in (first, [r for r in first if not r.endswith(".txt")]), text
+    one = tmp_path / "l1.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--dtype",
+                 "fp32", "--layers", "1", "--out", str(one)]) == 0
+    capsys.readouterr()
+    assert ModelInfo.load(one).config.num_layers_exported == 1
+    assert main(["check", str(one), "--workdir", str(tmp_path / "b")]) == 0
+    assert _rows(capsys.readouterr().out) == ["sample"]
+    assert main(["check", str(one), "--layers", "1", "--workdir", str(tmp_path / "c")]) == 0
+    text = capsys.readouterr().out
+    assert _rows(text) in (first, [r for r in first if not r.endswith(".txt")]), text
