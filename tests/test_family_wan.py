@@ -473,7 +473,42 @@ def test_export_refusals(tmp_path):
 
 
 def test_the_builder_is_registered():
-    assert BUILDERS["wan"].record is WAN and WAN.blocks is False
+    assert BUILDERS["wan"].record is WAN and WAN.blocks is True
+    assert [tuple(b) for b in WAN.block_lists] == [("blocks", "num_layers", ("img",))]
+
+
+def test_layers_and_blocks(exported, tmp_path, capsys):
+    """``--blocks`` and ``--layers`` on Wan (the record's one list, ``blocks``, each returning
+    the video tokens): check --blocks at an untraced grid compares each block's output with
+    the one-block-resident reference; export --layers 1 keeps one block (one fused node) and
+    the model's head, and its check passes with the default one-grid sample; --layers past
+    the model's blocks is refused in one line before any work."""
+    import onnx
+
+    from qkrope.cli import main
+    from qkrope.sidecars import ModelInfo
+
+    folder, path = exported[0]
+    rc = main(["check", str(path), "--blocks", "--img-shape", "3", "4", "5", "--txt-len", "9",
+               "--workdir", str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    rows = [line.split()[2] for line in out.splitlines() if line.startswith("onnxrt")]
+    assert rc == 0 and rows == ["sample", "block0.img", "block1.img"] and "PASSED" in out, out
+    one = tmp_path / "l1.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--dtype",
+                 "fp32", "--layers", "1", "--out", str(one)]) == 0
+    capsys.readouterr()
+    assert ModelInfo.load(one).config.num_layers_exported == 1
+    nodes = [n for n in onnx.load(str(one), load_external_data=False).graph.node
+             if n.op_type == contract.OP_TYPE]
+    assert len(nodes) == 1
+    assert main(["check", str(one), "--workdir", str(tmp_path / "b")]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--layers",
+                 "3", "--out", str(tmp_path / "l3.onnx")]) != 0
+    err = capsys.readouterr().err
+    assert "--layers 3: the model has 2 blocks" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "l3.onnx").exists()
 
 
 def test_qkrope_check(exported, tmp_path, capsys):

@@ -185,14 +185,17 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
 
 
 def _default_shapes(info: ModelInfo) -> list:
-    """The default images of a check: :data:`DEFAULT_CHECK_SAMPLE`'s, as many as the position
-    scheme of the model's family takes (``IMAGES``: a scheme of one latent grid takes one)."""
+    """The default images of a check: :data:`DEFAULT_CHECK_SAMPLE`'s, as many as the model's
+    family takes (``IMAGES`` of its reference hook, else of its position scheme: a model or a
+    scheme of one latent grid takes one)."""
     shapes = list(DEFAULT_CHECK_SAMPLE["img_shapes"])
     if info.model != "transformer":
         return shapes
     from qkrope.runtime import schemes
 
-    most = getattr(schemes.scheme(_family(info).scheme), "IMAGES", None)
+    record = _family(info)
+    most = getattr(families.hooks(record, "reference"), "IMAGES", None) or getattr(
+        schemes.scheme(record.scheme), "IMAGES", None)
     return shapes[:most] if most else shapes
 
 

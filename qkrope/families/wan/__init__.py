@@ -20,7 +20,7 @@ check, TI2V-5B's image-to-video (per-token timesteps) by the drop-in.
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
                              TIMESTEP, ModelDecl)
 
@@ -56,14 +56,19 @@ WAN_LAUNCHES = (
 
 #: diffusers' WanRotaryPosEmbed: theta fixed at 10000, tables of rope_max_seq_len positions
 #: (1024 in every released config); axes for head_dim 128: frames 44, rows 42, columns 42
-#: (h = w = 2 * (head_dim // 6), t the rest: :func:`wan_axes`).
+#: (h = w = 2 * (head_dim // 6), t the rest: :func:`wan_axes`). One block list, ``blocks`` (its
+#: length the config's num_layers), each ``WanTransformerBlock`` returning the video tokens
+#: alone (hidden_states; the text is read by the cross-attention, never changed): --layers
+#: keeps the first blocks, --blocks compares each one's output, the check's reference streams
+#: one block at a time. Wan 2.2's second expert is its own folder and export.
 WAN = FamilyRecord(
     name="wan", class_name="WanTransformer3DModel",
     label="Wan 2.1 / 2.2 (T2V 1.3B / 14B, T2V-A14B, I2V-A14B, TI2V-5B)", short="Wan",
     package="wan", scheme="grid", axes=(44, 42, 42), theta=10000, theta_key=None,
     max_positions=1024, rounding=contract.ROUNDING_FLUX, graph=WAN_TRANSFORMER,
-    fp8_excluded=FP8_EXCLUDED, blocks=False, rotated=("img",), scale_rope=False,
-    launches=WAN_LAUNCHES,
+    fp8_excluded=FP8_EXCLUDED, blocks=True,
+    block_lists=(BlockList("blocks", "num_layers", ("img",)),), rotated=("img",),
+    scale_rope=False, launches=WAN_LAUNCHES,
     rope_precision="float64", max_positions_key="rope_max_seq_len")
 
 

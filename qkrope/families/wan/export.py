@@ -16,7 +16,8 @@ latent with a Conv3d. Here:
 - :class:`WanCacheInputTransformer` replays ``WanTransformer3DModel.forward`` with the graph
   inputs (:data:`qkrope.families.wan.WAN_TRANSFORMER`): the patches packed as tokens (the
   Conv3d run on each patch: the same products as on the volume), the image cache in place of
-  the RoPE module, the packed prediction out (the drop-in unpatchifies).
+  the RoPE module, the packed prediction out (the drop-in unpatchifies). ``--layers K`` runs
+  the first K blocks and then the model's own head (final norm and projection).
 
 diffusers is imported lazily (it is optional).
 """
@@ -95,13 +96,15 @@ class WanCacheInputTransformer(nn.Module):
     """``WanTransformer3DModel`` with the graph's inputs and output (module docstring):
     ``forward(hidden_states [B, N, C * pt * ph * pw], encoder_hidden_states [B, T, text_dim],
     timestep [B] float32, img_cos_sin_cache [R, head_dim] fp32) -> [B, N, pt * ph * pw *
-    out_channels]``."""
+    out_channels]``, running the first ``kept`` blocks (every block by default)."""
 
-    def __init__(self, transformer: nn.Module, *, rounding: int = WAN.rounding):
+    def __init__(self, transformer: nn.Module, *, rounding: int = WAN.rounding,
+                 kept: int | None = None):
         super().__init__()
         self.rounding = rounding
         patch_wan(transformer, rounding=rounding)
         self.transformer = transformer
+        self.kept = len(transformer.blocks) if kept is None else int(kept)
 
     def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache):
         t = self.transformer
@@ -113,7 +116,7 @@ class WanCacheInputTransformer(nn.Module):
         temb, timestep_proj, context, _ = t.condition_embedder(timestep, encoder_hidden_states,
                                                                None)
         timestep_proj = timestep_proj.unflatten(1, (6, -1))
-        for block in t.blocks:
+        for block in t.blocks[:self.kept]:
             x = block(x, context, timestep_proj, img_cos_sin_cache)
         shift, scale = (t.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (t.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
@@ -235,8 +238,9 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
 
 def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layers: int | None,
             rounding: int):
-    """The export of ``transformer`` (a placeholder skeleton; every block: the record has no
-    ``blocks``): one fused node per block (attn1), the sidecar's axes from the head width."""
+    """The export of ``transformer`` (a placeholder skeleton) with its first ``layers`` blocks
+    (every block by default): one fused node per kept block (attn1), the sidecar's axes from
+    the head width."""
     from qkrope.export.onnx_export import TransformerPlan
 
     if len(sample.img_shapes) != 1:
@@ -244,11 +248,12 @@ def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layer
                          f"got {sample.img_shapes}")
     cfg = dict(transformer.config)
     axes = wan_axes(int(cfg["attention_head_dim"]))
-    wrapper = WanCacheInputTransformer(transformer, rounding=rounding).eval()
+    kept, = record.kept_blocks(cfg, layers)
+    wrapper = WanCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
     n = len(transformer.blocks)
     eps = float(transformer.blocks[0].attn1.norm_q.eps)
     return TransformerPlan(
         wrapper=wrapper, args=sample_args(transformer, sample, dtype), decl=record.graph,
-        axes=axes, theta=record.theta, rounding=rounding, nodes=n, num_layers_exported=None,
-        blocks=f"{record.label}: {n} blocks",
+        axes=axes, theta=record.theta, rounding=rounding, nodes=kept, num_layers_exported=kept,
+        blocks=f"{record.label}: {kept} of {n} blocks",
         attributes=wrapper.transformer.blocks[0].attn1.processor.attributes(eps))

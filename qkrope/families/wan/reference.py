@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+#: The images a sample takes: the one video grid the latent is (its "grid" scheme takes more:
+#: Qwen-Image's condition images), so a check's default sample has one.
+IMAGES = 1
+
 
 def forward_kwargs(info, by_role: Mapping[str, Any],
                    img_shapes: Sequence[Sequence[int]]) -> dict:
