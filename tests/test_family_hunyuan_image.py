@@ -375,6 +375,33 @@ def test_refiner_pipeline_end_to_end_on_the_export(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def _compared(text: str) -> list[str]:
+    return [line.split()[2] for line in text.splitlines() if line.startswith("onnxrt")]
+
+
+def test_layers_and_blocks_on_the_refiner(tmp_path, capsys):
+    """Issue 35 on the refiner's layout (5-D latent, guidance; the image layout, and export
+    --layers, are tests/test_check_blocks_families.py's): `check --blocks` compares both
+    streams of the double-stream block and the image stream of the single-stream one (it splits
+    its [image; text] sequence back; the last text output is unused and absent from the graph),
+    and `check --layers 1` the double-stream block's two streams (the graph cut after it, the
+    reference's single-stream block passing its streams through)."""
+    from qkrope.cli import main
+    from qkrope.sidecars import ModelInfo
+
+    folder, out = tmp_path / "refiner", tmp_path / "refiner.onnx"
+    _refiner().save_pretrained(str(folder))
+    assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--out",
+                 str(out)]) == 0
+    assert "1 of 1 double + 1 of 1 single blocks" in capsys.readouterr().err
+    assert ModelInfo.load(out).config.num_layers_exported == 2
+    for flags, expected in ((["--blocks"], ["sample", "block0.img", "block0.txt", "block1.img"]),
+                            (["--layers", "1"], ["block0.img", "block0.txt"])):
+        assert main(["check", str(out), *flags, "--workdir", str(tmp_path / flags[-1])]) == 0
+        text = capsys.readouterr().out
+        assert _compared(text) == expected, (flags, text)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_half_precision_exports(dtype, tmp_path):
     """fp16 and bf16 exports pass onnx's checks (bf16: ONNX's Conv has no bfloat16 before

@@ -5,7 +5,7 @@ dropin.py beside this file."""
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK, GUIDANCE,
                              HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE, TIMESTEP,
                              TXT_COS_SIN_CACHE, ModelDecl)
@@ -39,15 +39,21 @@ LAUNCHES = tuple(
 # apply_rotary_emb in fp32: the Qwen-Image order of the node (contract.ROUNDING_DIFFUSERS),
 # bit-exact in bf16/fp16. The text is normalised (norm_added_q/k, and the single-stream
 # blocks' norm over [image; text]) but not rotated: identity cache rows. A 32x VAE and 1x1
-# patches: 32 pixels per token side. --layers/--blocks do not apply (every double- and
-# single-stream block is kept).
+# patches: 32 pixels per token side. --layers K keeps the first K blocks in execution order
+# (double-stream transformer_blocks, then single-stream single_transformer_blocks; the token
+# refiner, the embeddings, norm_out and proj_out are outside the block lists and always kept);
+# --blocks compares each block's image and text outputs: both kinds of block return
+# (hidden_states, encoder_hidden_states), the single-stream ones splitting their
+# [image; text] sequence back into the two streams.
 HUNYUAN_IMAGE = FamilyRecord(
     name="hunyuan-image", class_name="HunyuanImageTransformer2DModel",
     label="HunyuanImage-2.1 (and its refiner)", short="HunyuanImage-2.1",
     package="hunyuan_image", scheme="patch-grid", axes=(64, 64),
     theta=256, theta_key="rope_theta", max_positions=None,
     rounding=contract.ROUNDING_DIFFUSERS, graph=HUNYUAN_IMAGE_TRANSFORMER,
-    fp8_excluded=FP8_EXCLUDED, blocks=False, pixels_per_token=32, rotated=("img",),
-    launches=LAUNCHES)
+    fp8_excluded=FP8_EXCLUDED, blocks=True,
+    block_lists=(BlockList("transformer_blocks", "num_layers", ("img", "txt")),
+                 BlockList("single_transformer_blocks", "num_single_layers", ("img", "txt"))),
+    pixels_per_token=32, rotated=("img",), launches=LAUNCHES)
 
 RECORDS = (HUNYUAN_IMAGE,)

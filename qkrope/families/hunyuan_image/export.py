@@ -129,9 +129,12 @@ def patch_hunyuan_image(transformer: nn.Module, *, rounding: int) -> nn.Module:
     return transformer
 
 
-def node_count(transformer: nn.Module) -> int:
-    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream."""
-    return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+def node_count(transformer: nn.Module, kept: tuple[int, int] | None = None) -> int:
+    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream (of
+    the ``kept`` (double, single) blocks; every block by default)."""
+    double, single = kept or (len(transformer.transformer_blocks),
+                              len(transformer.single_transformer_blocks))
+    return 2 * double + single
 
 
 def patch_size(transformer: nn.Module) -> tuple:
@@ -143,17 +146,22 @@ class HunyuanImageCacheInputTransformer(nn.Module):
     """A HunyuanImage transformer whose forward takes the graph inputs
     (:data:`qkrope.families.hunyuan_image.HUNYUAN_IMAGE_TRANSFORMER`): :meth:`run` replays
     diffusers' ``forward`` (no byT5 text, no MeanFlow ``timestep_r``) on the packed latent with
-    the caches in place of the rotary module. :func:`cache_input_hunyuan_image` gives the
-    subclass whose ``forward`` has exactly the graph's inputs."""
+    the caches in place of the rotary module, through the first ``kept`` (double, single)
+    blocks (every block by default; nothing in a block depends on the block count, so a prefix
+    computes what the whole model's first blocks compute, and norm_out / proj_out follow it as
+    in the whole model). :func:`cache_input_hunyuan_image` gives the subclass whose ``forward``
+    has exactly the graph's inputs."""
 
     def __init__(self, transformer: nn.Module, record: FamilyRecord, *,
-                 rounding: int | None = None):
+                 rounding: int | None = None, kept: tuple[int, int] | None = None):
         super().__init__()
         self.family = record
         self.rounding = record.rounding if rounding is None else rounding
         patch_hunyuan_image(transformer, rounding=self.rounding)
         self.transformer = transformer
         self.patch = patch_size(transformer)
+        self.double, self.single = kept or (len(transformer.transformer_blocks),
+                                            len(transformer.single_transformer_blocks))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """diffusers' patch embedding of packed tokens ``[B, N, C x patch]``: the patches laid
@@ -187,7 +195,8 @@ class HunyuanImageCacheInputTransformer(nn.Module):
         hidden_states = self.embed(hidden_states)
         encoder_hidden_states = t.context_embedder(encoder_hidden_states, timestep, mask)
         attention_mask = F.pad(mask, (s_img, 0), value=True).unsqueeze(1).unsqueeze(2)
-        for block in list(t.transformer_blocks) + list(t.single_transformer_blocks):
+        for block in (list(t.transformer_blocks[:self.double])
+                      + list(t.single_transformer_blocks[:self.single])):
             hidden_states, encoder_hidden_states = block(
                 hidden_states, encoder_hidden_states, temb, attention_mask=attention_mask,
                 image_rotary_emb=rope)
@@ -216,10 +225,13 @@ def has_guidance(transformer: nn.Module) -> bool:
 
 
 def cache_input_hunyuan_image(transformer: nn.Module, record: FamilyRecord, *,
-                              rounding: int | None = None) -> HunyuanImageCacheInputTransformer:
-    """The wrapper whose ``forward`` arguments are the graph inputs, in graph order."""
+                              rounding: int | None = None,
+                              kept: tuple[int, int] | None = None
+                              ) -> HunyuanImageCacheInputTransformer:
+    """The wrapper whose ``forward`` arguments are the graph inputs, in graph order, running
+    the first ``kept`` (double, single) blocks (every block by default)."""
     cls = _Guided if has_guidance(transformer) else _Plain
-    return cls(transformer, record, rounding=rounding).eval()
+    return cls(transformer, record, rounding=rounding, kept=kept).eval()
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,8 +318,8 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, setting,
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """The export of ``transformer`` (every block is kept: the record has no ``blocks``). The
-    sidecar records the RoPE axes (the config's ``rope_axes_dim``) and theta (``rope_theta``,
+    """The export of ``transformer`` with its first ``layers`` blocks in execution order
+    (double-stream, then single-stream; every block by default). The sidecar records the RoPE axes (the config's ``rope_axes_dim``) and theta (``rope_theta``,
     256 by default), as read from the loaded model."""
     from qkrope.export.onnx_export import TransformerPlan
     from qkrope.runtime.caches import checked_setting
@@ -326,10 +338,12 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
                          f"one frame. Fix: --img-shape 1 H W")
     guided = has_guidance(transformer)
     setting = checked_setting(record.scheme, axes, theta, rotated=record.rotated)
-    wrapper = cache_input_hunyuan_image(transformer, record, rounding=rounding)
+    double, single = kept = record.kept_blocks(cfg, layers)
+    wrapper = cache_input_hunyuan_image(transformer, record, rounding=rounding, kept=kept)
     args = sample_args(transformer, sample, dtype, setting, guided)
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.decl(guided), axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=node_count(transformer), num_layers_exported=None,
-        blocks=f"{record.label}: {len(transformer.transformer_blocks)} double + "
-               f"{len(transformer.single_transformer_blocks)} single blocks")
+        rounding=wrapper.rounding, nodes=node_count(transformer, kept),
+        num_layers_exported=double + single,
+        blocks=f"{record.label}: {double} of {len(transformer.transformer_blocks)} double + "
+               f"{single} of {len(transformer.single_transformer_blocks)} single blocks")
