@@ -360,6 +360,16 @@ def test_quantize_export_fp8_and_check_a_flux2_transformer(root, tmp_path):
     assert report.passed, out.getvalue()
     assert report.weights_checked == len(linears) and report.weight_mismatches == 0
     assert report.quantizers_checked == len(linears)
+    # an FP8 export of the first block (the double one): its reference passes the single
+    # block through (a reference that ran it would differ from the graph by a whole block)
+    one = tmp_path / "fp8-l1.onnx"
+    assert main(["export", "--model", "transformer", "--diffusers", str(qdir), "--quant", "fp8",
+                 "--layers", "1", "--out", str(one)]) == 0
+    assert ModelInfo.load(one).config.num_layers_exported == 1
+    assert len(list(count_plugin_nodes(one))) == 2
+    out = io.StringIO()
+    report = check_fp8(one, img_shapes=SHAPES, txt_len=TXT, batch=BATCH, out=out)
+    assert report.passed, out.getvalue()
     # issue 34 class 6: the block options are refused in one line before any work (they used
     # to run the whole-model FP8 check, which passed whatever they asked); FLUX.2 has blocks,
     # so the refusal is the FP8 one, and it comes before the range of --layers is looked at

@@ -174,7 +174,7 @@ class StreamedTransformer:
         # diffusers computes them from the config (some depend on the block counts: Chroma's
         # modulation rows), then the parameters outside the blocks read from the shards. The
         # first n blocks in execution order run; each later one passes its streams through
-        # unchanged (_pass_through), so the model's own output is that of the first n blocks
+        # unchanged (pass_through), so the model's own output is that of the first n blocks
         # with everything else as in the whole model: what an export --layers n computes.
         with _parameters_on_meta():
             model = cls.from_config(config).eval()
@@ -188,7 +188,7 @@ class StreamedTransformer:
                     self.blocks.append((f"{blocks.attr}.{j}.", block))
                     self.returns.append(tuple(blocks.returns))
                 else:
-                    modules[j] = _pass_through(block, blocks.returns)
+                    modules[j] = pass_through(block, blocks.returns)
         inside = tuple(f"{blocks.attr}." for blocks in block_lists)
         outside = [k for k in model.state_dict() if not k.startswith(inside)]
         missing, unexpected = model.load_state_dict(self.reader.get_many(outside, dtype),
@@ -242,7 +242,7 @@ class StreamedTransformer:
         return self.model(**kwargs)
 
 
-def _pass_through(block, returns: Sequence[str]):
+def pass_through(block, returns: Sequence[str]):
     """A module standing for ``block`` past ``--layers`` in the reference: it holds no weights
     and returns the streams it was given (by the names of the block's own forward arguments,
     ``STREAM_ARGUMENT``; for a block returning one tensor, its first argument where the name is
@@ -494,4 +494,5 @@ def first_failing_block(rows: Sequence[Any]) -> int | None:
 
 __all__ = ["StreamedTransformer", "ShardReader", "BlockCheckError", "find_block_outputs",
            "prune_to_outputs", "marked_model", "ort_block_session", "ort_block_runner",
-           "reference_block_outputs", "first_failing_block", "block_output_name"]
+           "reference_block_outputs", "first_failing_block", "block_output_name",
+           "pass_through"]

@@ -120,7 +120,10 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
                          f"--diffusers QDIR (the folder `qkrope quantize` wrote)")
     model = load_transformer(str(folder), quant="fp8")
     modules = dict(model.named_modules())
-    layers = int(info.config.num_layers_exported or len(model.transformer_blocks))
+    family = families.by_name(info.config.family, source=f"the sidecar {info.source}")
+    exported = info.config.num_layers_exported
+    # the blocks the export kept, list by list in execution order (FLUX: double, then single)
+    kept = family.kept_blocks(model.config, int(exported) if exported else None)
     report = Fp8Report()
 
     proto = onnx.load(str(onnx_path))
@@ -170,12 +173,18 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
         hooks.append(qz.register_forward_hook(
             lambda _m, _i, o, owner=owner: captured.__setitem__(owner, o.detach().clone())))
     t = {role: torch.from_numpy(np.asarray(feeds[name])) for role, name in info.roles().items()}
-    blocks = model.transformer_blocks
-    kept = torch.nn.ModuleList(list(blocks)[:layers])
-    model.transformer_blocks = kept
+    # blocks past an export's --layers pass their streams through (the check's reference does
+    # the same: every other module, and count-dependent buffers, stay the whole model's)
+    from qkrope.apps.check_blocks import pass_through
+
+    skipped = []
+    for blocks, keep in zip(family.block_lists, kept):
+        listed = getattr(model, blocks.attr)
+        for j in range(keep, len(listed)):
+            skipped.append((listed, j, listed[j]))
+            listed[j] = pass_through(listed[j], blocks.returns)
     try:
         # the family's reference forward (qkrope/families/<family>/reference.py)
-        family = families.by_name(info.config.family, source=f"the sidecar {info.source}")
         kw = families.hooks(family, "reference").forward_kwargs(info, t, img_shapes)
         with torch.no_grad():
             free = model(**kw)[0].float().numpy()
@@ -193,7 +202,8 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
     finally:
         for h in hooks:
             h.remove()
-        model.transformer_blocks = blocks
+        for listed, j, block in skipped:
+            listed[j] = block
 
     # 2. each activation quantizer on ORT's own input; 3. FP8 crossings between the runs
     for owner in linears:
