@@ -205,3 +205,37 @@ def test_block_numbering_over_a_familys_block_lists():
         "single_transformer_blocks.37"]
     qwen = block_offsets(families.by_name("qwen-image").block_lists, {"num_layers": 60})
     assert block_module(7, qwen) == block_module(7, None) == "transformer_blocks.7"
+
+
+def test_a_patchified_latents_block_output_is_found_among_its_modulations():
+    """Issue 35 (Cosmos-Predict2): a 5-D latent's image token axis is named by the product of
+    its token axes (``latent_frames*s38*s71``); of two values of one block read outside it at
+    the model's width (a per-token modulation the next block reuses, and the block's stream),
+    the block's output is the one computed from the other."""
+    from onnx import TensorProto, helper
+
+    from qkrope.apps.check_blocks import NAME_SCOPES_KEY, find_block_outputs, stream_of_axis
+
+    assert stream_of_axis("latent_frames*s38*s71") == "img"
+    assert stream_of_axis("latent_frames*latent_height_tokens*latent_width") == "img"
+    assert stream_of_axis("img_tokens") == "img" and stream_of_axis("txt_tokens") == "txt"
+    for other in ("latent_frames*batch", "s38*s71", "s38*s71*Min(4, latent_frames)", "batch"):
+        assert stream_of_axis(other) is None, other
+
+    tokens = "latent_frames*s38*s71"
+
+    def node(op, inputs, output, block):
+        n = helper.make_node(op, inputs, [output], name=output)
+        helper.set_metadata_props(n, {NAME_SCOPES_KEY: repr([f"transformer_blocks.{block}"])})
+        return n
+
+    def value(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", tokens, 4])
+
+    graph = helper.make_graph(
+        [node("Sigmoid", ["x"], "mod", 0), node("Mul", ["x", "mod"], "out0", 0),
+         node("Add", ["out0", "mod"], "out1", 1), helper.make_node("Neg", ["out1"], ["y"])],
+        "g", [value("x")], [value("y")],
+        value_info=[value("mod"), value("out0"), value("out1")])
+    found = find_block_outputs(helper.make_model(graph))
+    assert found == {0: {"img": "out0"}, 1: {"img": "out1"}}

@@ -98,7 +98,7 @@ def test_check_blocks_compares_every_block(family, tmp_path, capsys):
     assert main(["check", str(out), "--blocks", "--workdir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     rows = _rows(text)
-    expected = ["sample"] + _expected(builder.record, config)
+    expected = list(builder.record.graph.output_names) + _expected(builder.record, config)
     last = expected[-1].split(".")[0] + ".txt"
     assert rows == [r for r in expected if r != last or r in rows], text
     assert "PASSED" in text
@@ -120,7 +120,7 @@ def test_layers_one(family, tmp_path, capsys):
     capsys.readouterr()
     assert ModelInfo.load(one).config.num_layers_exported == 1
     assert main(["check", str(one), "--workdir", str(tmp_path / "b")]) == 0
-    assert _rows(capsys.readouterr().out) == ["sample"]
+    assert _rows(capsys.readouterr().out) == list(builder.record.graph.output_names)
     assert main(["check", str(one), "--layers", "1", "--workdir", str(tmp_path / "c")]) == 0
     text = capsys.readouterr().out
     assert _rows(text) in (first, [r for r in first if not r.endswith(".txt")]), text

@@ -43,6 +43,22 @@ STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hid
 # the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
 STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
+#: one factor of the image token axis of a 5-D latent the model patchifies (a "video-5d"
+#: record): the exporter names that axis by the product of the latent's three token axes, each
+#: a latent axis of patch 1 by name (``latent_frames``), one declared as ``patch *
+#: Dim(<axis>_tokens)`` by that name or by torch.export's unnamed size symbol (``s38``), as in
+#: ``latent_frames*s38*s71`` (export/latent_axes.py)
+LATENT_TOKEN_FACTOR = re.compile(r"latent_(?:frames|height|width)(?:_tokens)?|s\d+")
+
+
+def stream_of_axis(axis: str) -> str | None:
+    """The stream whose tokens an exported graph's axis named ``axis`` counts (None: none)."""
+    if axis in STREAM_AXES:
+        return STREAM_AXES[axis]
+    factors = [f.strip() for f in axis.split("*")]
+    if len(factors) == 3 and all(LATENT_TOKEN_FACTOR.fullmatch(f) for f in factors):
+        return "img"
+    return None
 
 
 class BlockCheckError(QkropeError, ValueError):
@@ -313,21 +329,26 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph, or
     ``{block: {"joined": value name}}`` for a block returning the joined stream: the values a
     block's nodes produce and nodes outside it (or the graph's outputs) use, of shape
-    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (the last block's text
-    output is unused by the model and absent). Where a block has two such values of one stream
-    (a joined block's fused projection read by a node the exporter left without a scope), the
-    one of the model's width (that of the other blocks' outputs) is the block's. ``offsets`` (:func:`block_offsets`): the family's block lists, each
-    numbered from its first block's index in execution order (default: ``transformer_blocks``
-    alone)."""
+    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (a 5-D latent's image
+    tokens: :func:`stream_of_axis`; the last block's text output is unused by the model and
+    absent). Where a block has two such values of one stream (a joined block's fused projection
+    read by a node the exporter left without a scope), the one of the model's width (that of the
+    other blocks' outputs) is the block's; where that leaves more than one (modulations computed
+    per token in the block and read by an unscoped node or by the next block), the block's is
+    the one computed from all the others (its running stream, the block's last value).
+    ``offsets`` (:func:`block_offsets`): the family's block lists, each numbered from its first
+    block's index in execution order (default: ``transformer_blocks`` alone)."""
     pattern = BLOCK_SCOPE
     if offsets is not None:
         names = "|".join(re.escape(a) for a in sorted(offsets, key=len, reverse=True))
         pattern = re.compile(rf"(?:.*\.)?({names})\.(\d+)")
     producer: dict[str, int | None] = {}
-    for node in model.graph.node:
+    made_by: dict[str, int] = {}  # value name -> index of the node that makes it
+    for index, node in enumerate(model.graph.node):
         b = _block_of(node, pattern, offsets)
         for out in node.output:
             producer[out] = b
+            made_by[out] = index
     crossing: dict[int, set[str]] = {}
     for node in model.graph.node:
         b = _block_of(node, pattern, offsets)
@@ -347,20 +368,40 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
             if shape is None or len(shape.dim) != 3:
                 continue
             d = shape.dim
-            if d[0].dim_param == "batch" and d[1].dim_param in STREAM_AXES and d[2].dim_value > 0:
-                candidates.setdefault((block, STREAM_AXES[d[1].dim_param]), []).append(
-                    (name, d[2].dim_value))
+            stream = stream_of_axis(d[1].dim_param)
+            if d[0].dim_param == "batch" and stream is not None and d[2].dim_value > 0:
+                candidates.setdefault((block, stream), []).append((name, d[2].dim_value))
     widths = {w for found in candidates.values() if len(found) == 1 for _, w in found}
     found: dict[int, dict[str, str]] = {}
     for (block, stream), values in sorted(candidates.items()):
         if len(values) > 1 and len(widths) == 1:
             values = [v for v in values if v[1] in widths]
+        if len(values) > 1:
+            values = [v for v in values
+                      if _computed_from(model, made_by, v[0], {n for n, _ in values} - {v[0]})]
         if len(values) != 1:
             raise BlockCheckError(f"block {block} of the graph has {len(values)} {stream} outputs "
                                   f"({', '.join(n for n, _ in values)}); the per-block comparison "
                                   f"needs one")
         found.setdefault(block, {})[stream] = values[0][0]
     return found
+
+
+def _computed_from(model, made_by: dict[str, int], value: str, others: set[str]) -> bool:
+    """Whether the graph computes ``value`` from every one of ``others`` (its ancestors; the
+    nodes are in topological order, so the walk stops at the earliest of them)."""
+    first = min(made_by[n] for n in others | {value})
+    seen, todo, found = set(), [value], set()
+    while todo:
+        name = todo.pop()
+        index = made_by.get(name)
+        if name in seen or index is None or index < first:
+            continue
+        seen.add(name)
+        if name in others:
+            found.add(name)
+        todo.extend(model.graph.node[index].input)
+    return found == others
 
 
 def _used_names(graph) -> set[str]:

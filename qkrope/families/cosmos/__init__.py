@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, FRAME_TIMESTEP, IMG_COS_SIN_CACHE, LATENT,
                              LATENT_SAMPLE, PADDING_MASK, ModelDecl)
 
@@ -101,15 +101,19 @@ PENDING_LAUNCHES = (
 LAUNCHES: tuple = ()
 
 # diffusers' RMSNorm (Qwen-Image's: x * inv rounded, times the weight rounded) and the fp32
-# split-halves rotation rounded once: contract.ROUNDING_DIFFUSERS. The blocks return the
-# latent stream alone, so --layers/--blocks do not apply.
+# split-halves rotation rounded once: contract.ROUNDING_DIFFUSERS. One block list,
+# transformer_blocks (num_layers); each CosmosTransformerBlock returns the video tokens alone
+# (hidden_states: the pair with after_proj's projection is a ControlNet block's, never the
+# export's), so --blocks compares one "img" output per block and --layers K keeps the first K
+# blocks with the whole model's embedders, norm_out and proj_out.
 COSMOS_PREDICT2 = FamilyRecord(
     name="cosmos-predict2", class_name="CosmosTransformer3DModel",
     label="Cosmos-Predict2 (2B, 14B: Text2Image, Video2World)", short="Cosmos-Predict2",
     package="cosmos", scheme="scaled_grid", axes=rope_axes(128), theta=int(THETA),
     theta_key=None, max_positions=max_positions((128, 240, 240), (1, 2, 2)),
     rounding=contract.ROUNDING_DIFFUSERS, graph=COSMOS_TRANSFORMER,
-    fp8_excluded=FP8_EXCLUDED, blocks=False, rotated=("img",), latent="video-5d",
-    rope_rule="setting_fields", launches=LAUNCHES)
+    fp8_excluded=FP8_EXCLUDED, blocks=True,
+    block_lists=(BlockList("transformer_blocks", "num_layers", ("img",)),), rotated=("img",),
+    latent="video-5d", rope_rule="setting_fields", launches=LAUNCHES)
 
 RECORDS = (COSMOS_PREDICT2,)

@@ -141,13 +141,16 @@ class CosmosCacheInputTransformer(nn.Module):
     (:data:`qkrope.families.cosmos.COSMOS_TRANSFORMER`): ``latent [B, C, F, H, W]``,
     ``encoder_hidden_states [B, S_txt, text_embed_dim]``, ``frame_timestep [B, F]``,
     ``padding_mask [1, 1, H, W]`` (already at the latent's size) and ``img_cos_sin_cache
-    [F/pt * H/ph * W/pw, head_dim]`` -> ``latent_sample [B, out_channels, F, H, W]``."""
+    [F/pt * H/ph * W/pw, head_dim]`` -> ``latent_sample [B, out_channels, F, H, W]``, running
+    the first ``kept`` blocks (every block by default) and then the whole model's ``norm_out``
+    and ``proj_out`` (what the model computes with its later blocks passed through)."""
 
-    def __init__(self, transformer: nn.Module, *, rounding: int):
+    def __init__(self, transformer: nn.Module, *, rounding: int, kept: int | None = None):
         super().__init__()
         patch_transformer(transformer, rounding=rounding)
         self.transformer = transformer
         self.rounding = rounding
+        self.kept = len(transformer.transformer_blocks) if kept is None else int(kept)
 
     def forward(self, latent, encoder_hidden_states, frame_timestep, padding_mask,
                 img_cos_sin_cache):
@@ -169,7 +172,7 @@ class CosmosCacheInputTransformer(nn.Module):
         text = encoder_hidden_states
         if t.config.use_crossattn_projection:
             text = t.crossattn_proj(text)
-        for block in t.transformer_blocks:
+        for block in t.transformer_blocks[:self.kept]:
             hidden_states = block(hidden_states, text, embedded_timestep, temb,
                                   img_cos_sin_cache, extra_pos_emb, None, None)
         hidden_states = t.norm_out(hidden_states, embedded_timestep, temb)
@@ -219,7 +222,8 @@ def model_setting_of(transformer: nn.Module):
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """The export of ``transformer`` (every block: the record has no ``blocks``)."""
+    """The export of ``transformer`` with its first ``layers`` blocks (every block by
+    default; one list, ``transformer_blocks``)."""
     from qkrope.export.onnx_export import TransformerPlan
 
     cfg = dict(transformer.config)
@@ -234,13 +238,14 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     if f < 2:  # an image's one frame: traced with two, so the frames axis stays dynamic
         sample.img_shapes = [(2, h, w)]
     head_dim = int(cfg["attention_head_dim"])
-    wrapper = CosmosCacheInputTransformer(transformer, rounding=rounding).eval()
+    (kept,) = record.kept_blocks(cfg, layers)
+    wrapper = CosmosCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
     args = sample_args(transformer, sample, dtype, model_setting_of(transformer))
     n = len(transformer.transformer_blocks)
-    return TransformerPlan(
+    return TransformerPlan(  # one QKNormRoPE node per kept block (its self-attention)
         wrapper=wrapper, args=args, decl=record.graph, axes=rope_axes(head_dim),
-        theta=int(THETA), rounding=rounding, nodes=n, num_layers_exported=None,
-        blocks=f"{record.label}: {n} blocks", interleaved=False,
+        theta=int(THETA), rounding=rounding, nodes=kept, num_layers_exported=kept,
+        blocks=f"{record.label}: {kept} of {n} blocks", interleaved=False,
         eps=float(transformer.transformer_blocks[0].attn1.norm_q.eps))
 
 
