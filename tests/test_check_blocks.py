@@ -205,3 +205,18 @@ def test_block_numbering_over_a_familys_block_lists():
         "single_transformer_blocks.37"]
     qwen = block_offsets(families.by_name("qwen-image").block_lists, {"num_layers": 60})
     assert block_module(7, qwen) == block_module(7, None) == "transformer_blocks.7"
+
+
+def test_a_padded_token_axis_is_its_streams():
+    """Issue 35: a block output whose token axis the graph padded (the exporter's symbolic dim,
+    e.g. image tokens padded to a multiple of 32) is still its stream's; a padding alone, a
+    difference or a multiple is no stream's; a joined axis is one in either order."""
+    from qkrope.apps.check_blocks import axis_stream
+
+    pad = "(Mod(32 - (Mod(img_tokens, 32)), 32))"
+    assert [axis_stream(a) for a in ("img_tokens", "txt_tokens", "txt_tokens + img_tokens",
+                                     "img_tokens + txt_tokens", f"img_tokens + {pad}",
+                                     f"txt_tokens + img_tokens + {pad}")] == [
+        "img", "txt", "joined", "joined", "img", "joined"]
+    assert [axis_stream(a) for a in (pad[1:-1], "img_tokens - 1", "2*img_tokens", "rows")] == [
+        None] * 4

@@ -40,9 +40,36 @@ from qkrope.families._record import BLOCK_STREAMS
 BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")  # one list, from block 0
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hidden_states, or
-# the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
+# the one joined text-and-image stream (FLUX.2's and Chroma's single blocks; in the model's own
+# order)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
 STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
+
+
+def _sum_terms(axis: str) -> list[str]:
+    """The terms of ``axis`` (a dim_param) added at its top level: ``a + (Mod(b, 32))`` ->
+    ``["a", "(Mod(b, 32))"]``; a term with a top-level subtraction stays one term."""
+    terms, depth, start = [], 0, 0
+    for i, c in enumerate(axis):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and axis.startswith(" + ", i):
+            terms.append(axis[start:i].strip())
+            start = i + 3
+    return terms + [axis[start:].strip()]
+
+
+def axis_stream(axis: str) -> str | None:
+    """The stream whose tokens a value's token axis counts: one of :data:`STREAM_AXES`, or such
+    an axis plus a padding the graph adds (the exporter's symbolic dim, e.g. tokens padded to a
+    multiple of 32: ``img_tokens + (Mod(32 - (Mod(img_tokens, 32)), 32))``). The token axes
+    among its top-level terms name it, in any order; a dim with none (a padding alone) is no
+    stream's."""
+    if axis in STREAM_AXES:
+        return STREAM_AXES[axis]
+    names = {a for a in STREAM_AXES if len(_sum_terms(a)) == 1}
+    found = frozenset(t for t in _sum_terms(axis) if t in names)
+    by_terms = {frozenset(_sum_terms(a)): s for a, s in STREAM_AXES.items()}
+    return by_terms.get(found) if found else None
 
 
 class BlockCheckError(QkropeError, ValueError):
@@ -313,7 +340,8 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph, or
     ``{block: {"joined": value name}}`` for a block returning the joined stream: the values a
     block's nodes produce and nodes outside it (or the graph's outputs) use, of shape
-    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (the last block's text
+    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]``, a token axis
+    possibly plus a padding the graph adds (:func:`axis_stream`) (the last block's text
     output is unused by the model and absent). Where a block has two such values of one stream
     (a joined block's fused projection read by a node the exporter left without a scope), the
     one of the model's width (that of the other blocks' outputs) is the block's. ``offsets`` (:func:`block_offsets`): the family's block lists, each
@@ -347,9 +375,9 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
             if shape is None or len(shape.dim) != 3:
                 continue
             d = shape.dim
-            if d[0].dim_param == "batch" and d[1].dim_param in STREAM_AXES and d[2].dim_value > 0:
-                candidates.setdefault((block, STREAM_AXES[d[1].dim_param]), []).append(
-                    (name, d[2].dim_value))
+            stream = axis_stream(d[1].dim_param) if d[1].dim_param else None
+            if d[0].dim_param == "batch" and stream is not None and d[2].dim_value > 0:
+                candidates.setdefault((block, stream), []).append((name, d[2].dim_value))
     widths = {w for found in candidates.values() if len(found) == 1 for _, w in found}
     found: dict[int, dict[str, str]] = {}
     for (block, stream), values in sorted(candidates.items()):
@@ -415,7 +443,7 @@ def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
     model = onnx.load(onnx_path, load_external_data=False)
     blocks = find_block_outputs(model, offsets)
     n = num_blocks if layers is None else layers
-    missing = [i for i in range(n) if not {"img", "joined"} & set(blocks.get(i, {}))]
+    missing = [i for i in range(n) if not blocks.get(i)]  # (a text refiner returns txt alone)
     if missing:
         raise BlockCheckError(
             f"{onnx_path}: the outputs of block(s) {missing[:6]} cannot be found in the graph "
