@@ -239,3 +239,18 @@ def test_a_patchified_latents_block_output_is_found_among_its_modulations():
         value_info=[value("mod"), value("out0"), value("out1")])
     found = find_block_outputs(helper.make_model(graph))
     assert found == {0: {"img": "out0"}, 1: {"img": "out1"}}
+
+
+def test_a_padded_token_axis_is_its_streams():
+    """Issue 35: a block output whose token axis the graph padded (the exporter's symbolic dim,
+    e.g. image tokens padded to a multiple of 32) is still its stream's; a padding alone, a
+    difference or a multiple is no stream's; a joined axis is one in either order."""
+    from qkrope.apps.check_blocks import stream_of_axis
+
+    pad = "(Mod(32 - (Mod(img_tokens, 32)), 32))"
+    assert [stream_of_axis(a) for a in ("img_tokens", "txt_tokens", "txt_tokens + img_tokens",
+                                     "img_tokens + txt_tokens", f"img_tokens + {pad}",
+                                     f"txt_tokens + img_tokens + {pad}")] == [
+        "img", "txt", "joined", "joined", "img", "joined"]
+    assert [stream_of_axis(a) for a in (pad[1:-1], "img_tokens - 1", "2*img_tokens", "rows")] == [
+        None] * 4

@@ -199,6 +199,16 @@ def _default_shapes(info: ModelInfo) -> list:
     return shapes[:most] if most else shapes
 
 
+def _default_sample(info: ModelInfo) -> dict:
+    """The default sizes of a check: :data:`DEFAULT_CHECK_SAMPLE`'s with
+    :func:`_default_shapes`'s images, updated by the family's reference hook's ``CHECK_SAMPLE``
+    where it has one (sizes at which diffusers' forward computes what one graph call does)."""
+    sample = dict(DEFAULT_CHECK_SAMPLE, img_shapes=_default_shapes(info))
+    if info.model == "transformer":
+        sample.update(getattr(families.hooks(_family(info), "reference"), "CHECK_SAMPLE", {}))
+    return sample
+
+
 def _family(info: ModelInfo):
     """The family record of a transformer export's sidecar (an old sidecar without one: the
     registry's first family, the only one qkrope exported then)."""
@@ -534,9 +544,10 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
         runners = [make_ort_runner(onnx_path, providers)] if onnxrt else []
     if engine:
         runners.append(make_trt_runner(engine, plugin))
-    img_shapes = img_shapes or _default_shapes(info)
-    txt_len = txt_len or DEFAULT_CHECK_SAMPLE["txt_len"]
-    batch = batch or DEFAULT_CHECK_SAMPLE["batch"]
+    defaults = _default_sample(info)
+    img_shapes = img_shapes or defaults["img_shapes"]
+    txt_len = txt_len or defaults["txt_len"]
+    batch = batch or defaults["batch"]
     feeds = make_inputs(info, img_shapes, txt_len, batch, seed=seed)
     stats: dict = {}
     reference = reference_outputs(info, feeds, img_shapes, diffusers_dir=diffusers_dir,
@@ -648,9 +659,10 @@ def _check_quantized(onnx_path, info, *, img_shapes, txt_len, batch, seed, diffu
                          f"Runtime's CPU provider with ModelOpt's fake-quant model only (no "
                          f"--engine/--providers yet); check the engine with polygraphy run "
                          f"--trt against this model")
-    report = check_fp8(onnx_path, img_shapes=img_shapes or _default_shapes(info),
-                       txt_len=txt_len or DEFAULT_CHECK_SAMPLE["txt_len"],
-                       batch=batch or DEFAULT_CHECK_SAMPLE["batch"], seed=seed,
+    defaults = _default_sample(info)
+    report = check_fp8(onnx_path, img_shapes=img_shapes or defaults["img_shapes"],
+                       txt_len=txt_len or defaults["txt_len"],
+                       batch=batch or defaults["batch"], seed=seed,
                        diffusers_dir=diffusers_dir, out=out)
     return report.passed, []
 
@@ -671,7 +683,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="an image of F x H x W latent patches (repeat it: the first is the "
                         "output image, the others the edit, condition or reference images of "
                         "the model's family, laid out as its pipelines do). Default: 1 6 5 and "
-                        "1 4 4")
+                        "1 4 4 (as many as the family takes, or its own)")
     p.add_argument("--txt-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -40,7 +40,8 @@ from qkrope.families._record import BLOCK_STREAMS
 BLOCK_SCOPE = re.compile(r"(?:.*\.)?transformer_blocks\.(\d+)")  # one list, from block 0
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hidden_states, or
-# the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
+# the one joined text-and-image stream (FLUX.2's and Chroma's single blocks; in the model's own
+# order)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
 STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
 #: one factor of the image token axis of a 5-D latent the model patchifies (a "video-5d"
@@ -51,14 +52,34 @@ STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_token
 LATENT_TOKEN_FACTOR = re.compile(r"latent_(?:frames|height|width)(?:_tokens)?|s\d+")
 
 
+def _sum_terms(axis: str) -> list[str]:
+    """The terms of ``axis`` (a dim_param) added at its top level: ``a + (Mod(b, 32))`` ->
+    ``["a", "(Mod(b, 32))"]``; a term with a top-level subtraction stays one term."""
+    terms, depth, start = [], 0, 0
+    for i, c in enumerate(axis):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and axis.startswith(" + ", i):
+            terms.append(axis[start:i].strip())
+            start = i + 3
+    return terms + [axis[start:].strip()]
+
+
 def stream_of_axis(axis: str) -> str | None:
-    """The stream whose tokens an exported graph's axis named ``axis`` counts (None: none)."""
+    """The stream whose tokens an exported graph's token axis named ``axis`` counts (None:
+    none): one of :data:`STREAM_AXES`; the image tokens of a patchified 5-D latent
+    (:data:`LATENT_TOKEN_FACTOR`); or such an axis plus a padding the graph adds (the exporter's
+    symbolic dim, e.g. tokens padded to a multiple of 32: ``img_tokens + (Mod(32 -
+    (Mod(img_tokens, 32)), 32))``), named by the token axes among its top-level terms, in any
+    order (a padding alone is no stream's)."""
     if axis in STREAM_AXES:
         return STREAM_AXES[axis]
     factors = [f.strip() for f in axis.split("*")]
     if len(factors) == 3 and all(LATENT_TOKEN_FACTOR.fullmatch(f) for f in factors):
         return "img"
-    return None
+    names = {a for a in STREAM_AXES if len(_sum_terms(a)) == 1}
+    found = frozenset(t for t in _sum_terms(axis) if t in names)
+    by_terms = {frozenset(_sum_terms(a)): s for a, s in STREAM_AXES.items()}
+    return by_terms.get(found) if found else None
 
 
 class BlockCheckError(QkropeError, ValueError):
@@ -329,15 +350,16 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph, or
     ``{block: {"joined": value name}}`` for a block returning the joined stream: the values a
     block's nodes produce and nodes outside it (or the graph's outputs) use, of shape
-    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (a 5-D latent's image
-    tokens: :func:`stream_of_axis`; the last block's text output is unused by the model and
-    absent). Where a block has two such values of one stream (a joined block's fused projection
-    read by a node the exporter left without a scope), the one of the model's width (that of the
-    other blocks' outputs) is the block's; where that leaves more than one (modulations computed
-    per token in the block and read by an unscoped node or by the next block), the block's is
-    the one computed from all the others (its running stream, the block's last value).
-    ``offsets`` (:func:`block_offsets`): the family's block lists, each numbered from its first
-    block's index in execution order (default: ``transformer_blocks`` alone)."""
+    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (a token axis plus a
+    padding the graph adds, a 5-D latent's image tokens: :func:`stream_of_axis`; the last
+    block's text output is unused by the model and absent). Where a block has two such values of
+    one stream (a joined block's fused projection read by a node the exporter left without a
+    scope), the one of the model's width (that of the other blocks' outputs) is the block's;
+    where that leaves more than one (modulations computed per token in the block and read by an
+    unscoped node or by the next block), the block's is the one computed from all the others
+    (its running stream, the block's last value). ``offsets`` (:func:`block_offsets`): the
+    family's block lists, each numbered from its first block's index in execution order
+    (default: ``transformer_blocks`` alone)."""
     pattern = BLOCK_SCOPE
     if offsets is not None:
         names = "|".join(re.escape(a) for a in sorted(offsets, key=len, reverse=True))
@@ -368,7 +390,7 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
             if shape is None or len(shape.dim) != 3:
                 continue
             d = shape.dim
-            stream = stream_of_axis(d[1].dim_param)
+            stream = stream_of_axis(d[1].dim_param) if d[1].dim_param else None
             if d[0].dim_param == "batch" and stream is not None and d[2].dim_value > 0:
                 candidates.setdefault((block, stream), []).append((name, d[2].dim_value))
     widths = {w for found in candidates.values() if len(found) == 1 for _, w in found}
@@ -456,7 +478,7 @@ def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
     model = onnx.load(onnx_path, load_external_data=False)
     blocks = find_block_outputs(model, offsets)
     n = num_blocks if layers is None else layers
-    missing = [i for i in range(n) if not {"img", "joined"} & set(blocks.get(i, {}))]
+    missing = [i for i in range(n) if not blocks.get(i)]  # (a text refiner returns txt alone)
     if missing:
         raise BlockCheckError(
             f"{onnx_path}: the outputs of block(s) {missing[:6]} cannot be found in the graph "

@@ -24,8 +24,10 @@ LATENT_KINDS = ("packed-tokens", "video-5d")
 
 
 #: What a block returns, stream by stream: "img" (the image tokens, diffusers' hidden_states),
-#: "txt" (the text tokens, encoder_hidden_states) or "joined" (one stream of text then image
-#: tokens). The per-block check names its rows after them (qkrope.apps.check_blocks).
+#: "txt" (the text tokens, encoder_hidden_states) or "joined" (one stream of the text and image
+#: tokens, in the order the model joins them: text then image, or image then text; the check
+#: compares it in that layout on both sides). The per-block check names its rows after them
+#: (qkrope.apps.check_blocks).
 BLOCK_STREAMS = ("img", "txt", "joined")
 #: The argument of a block's forward each returned stream is the running value of (a block
 #: skipped by --layers passes it through unchanged).

@@ -11,7 +11,7 @@ drop-in runs them as separate calls, one per caption length.
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -52,12 +52,22 @@ LAUNCHES = tuple(Launch("Z-Image", stream, seq, 30, roundings=(contract.ROUNDING
 # multiplied by the weight in the activation dtype) and a complex64 rotation in fp32: the order
 # of Qwen-Image's, so rounding 1 is bit-exact with the stock model in bf16/fp16. The RoPE
 # tables (RopeEmbedder) are looked up by integer position ids: the "table" scheme. Every
-# attention (noise refiner, context refiner, main layers) rotates.
+# attention (noise refiner, context refiner, main layers) rotates. Its block lists in execution
+# order: the noise refiner (image tokens, padded to a multiple of 32), the context refiner
+# (caption tokens) and the main layers over one [image; caption] stream ("joined": the image
+# first here, the order diffusers' _build_unified_sequence concatenates in); each block returns
+# that one tensor. --layers K keeps the first K of them in that order (K <= 2 * n_refiner_layers
+# runs no main layer: the final layer then reads the refined image tokens, as diffusers'
+# forward does with the later blocks passing their stream through); --blocks compares each
+# block's output.
 Z_IMAGE = FamilyRecord(
     name="z-image", class_name="ZImageTransformer2DModel", label="Z-Image (and Z-Image-Turbo)",
     short="Z-Image", package="z_image", scheme="table", axes=(32, 48, 48), theta=256,
     theta_key="rope_theta", max_positions=None, rounding=contract.ROUNDING_DIFFUSERS,
-    graph=Z_IMAGE_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=False, blocks_key="n_layers",
+    graph=Z_IMAGE_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=True, blocks_key="n_layers",
+    block_lists=(BlockList("noise_refiner", "n_refiner_layers", ("img",)),
+                 BlockList("context_refiner", "n_refiner_layers", ("txt",)),
+                 BlockList("layers", "n_layers", ("joined",))),
     launches=LAUNCHES)
 
 RECORDS = (Z_IMAGE,)

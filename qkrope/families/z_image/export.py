@@ -20,6 +20,8 @@ translates. Here:
   noise refiner's (image cache), the context refiner's (caption cache) and the main layers'
   (``[image; caption]``, the joined cache: Slice + Concat in the graph), one
   ``qkrope::QKNormRoPE`` node each. Every Z-Image attention normalises and rotates q and k.
+- ``--layers K`` keeps the first K blocks in that order (the record's block lists); the rest of
+  the model (embedders, pad tokens, final layer) is the whole model's.
 """
 
 from __future__ import annotations
@@ -69,17 +71,23 @@ class ZImageAttnProcessor:
         return attn.to_out[1](out) if len(attn.to_out) > 1 else out
 
 
-def attentions(transformer: nn.Module) -> list:
-    """Every attention of the model, in the order the forward runs them: noise refiner,
-    context refiner, main layers (the siglip refiner of an Omni model is not exported)."""
-    blocks = (list(transformer.noise_refiner) + list(transformer.context_refiner)
-              + list(transformer.layers))
-    return [b.attention for b in blocks]
+def kept_blocks(transformer: nn.Module, kept: tuple[int, ...] | None = None) -> list:
+    """The blocks the export runs, in the order the forward runs them: noise refiner, context
+    refiner, main layers (the siglip refiner of an Omni model is not exported); ``kept``: how
+    many of each list (the record's ``kept_blocks``; every block by default)."""
+    lists = (transformer.noise_refiner, transformer.context_refiner, transformer.layers)
+    kept = tuple(len(b) for b in lists) if kept is None else kept
+    return [block for blocks, k in zip(lists, kept) for block in list(blocks)[:k]]
 
 
-def node_count(transformer: nn.Module) -> int:
-    """QKNormRoPE nodes of the export: one per attention."""
-    return len(attentions(transformer))
+def attentions(transformer: nn.Module, kept: tuple[int, ...] | None = None) -> list:
+    """The attention of each block the export runs (:func:`kept_blocks`), in order."""
+    return [b.attention for b in kept_blocks(transformer, kept)]
+
+
+def node_count(transformer: nn.Module, kept: tuple[int, ...] | None = None) -> int:
+    """QKNormRoPE nodes of the export: one per attention of the kept blocks."""
+    return len(attentions(transformer, kept))
 
 
 def patch_size(transformer: nn.Module) -> tuple[int, int]:
@@ -95,13 +103,19 @@ class ZImageCacheInputTransformer(nn.Module):
     ``forward(hidden_states [B, N, pf*p*p*C], encoder_hidden_states [B, S, cap_feat_dim],
     encoder_hidden_states_mask [B, S] bool, timestep [B] fp32, img_cos_sin_cache [>= N, rd],
     txt_cos_sin_cache [>= S, rd]) -> sample [B, N, pf*p*p*C_out]`` (the image tokens, before
-    diffusers' unpatchify)."""
+    diffusers' unpatchify). ``kept``: how many blocks of each list run (noise refiner, context
+    refiner, main layers: the record's ``kept_blocks`` for ``--layers``; every block by
+    default); the rest of the model (embedders, pad tokens, final layer) is the whole
+    model's, as diffusers' forward with the later blocks passing their stream through."""
 
-    def __init__(self, transformer: nn.Module, *, rounding: int = Z_IMAGE.rounding):
+    def __init__(self, transformer: nn.Module, *, rounding: int = Z_IMAGE.rounding,
+                 kept: tuple[int, ...] | None = None):
         super().__init__()
         self.rounding = contract.check_rounding(rounding)
+        lists = (transformer.noise_refiner, transformer.context_refiner, transformer.layers)
+        self.kept = tuple(len(b) for b in lists) if kept is None else tuple(kept)
         processor = ZImageAttnProcessor(self.rounding)
-        for attn in attentions(transformer):
+        for attn in attentions(transformer, self.kept):
             attn.set_processor(processor)
         self.key = "-".join(str(v) for v in patch_size(transformer))
         self.transformer = transformer
@@ -120,19 +134,20 @@ class ZImageCacheInputTransformer(nn.Module):
         identity = torch.cat([img_cos_sin_cache.new_ones(pad, half),
                               img_cos_sin_cache.new_zeros(pad, half)], dim=1)
         img_rope = torch.cat([img_cos_sin_cache[:n_img], identity], dim=0)
-        for layer in t.noise_refiner:
+        noise, context, main = self.kept
+        for layer in t.noise_refiner[:noise]:
             x = layer(x, None, img_rope, adaln)
         # the caption: pad tokens (mask False) replaced by cap_pad_token
         cap = t.cap_embedder(encoder_hidden_states)
         mask = encoder_hidden_states_mask.to(torch.bool).unsqueeze(-1)
         cap = torch.where(mask, cap, t.cap_pad_token.to(cap.dtype))
         txt_rope = txt_cos_sin_cache[:s_txt]
-        for layer in t.context_refiner:
+        for layer in t.context_refiner[:context]:
             cap = layer(cap, None, txt_rope)
         # the main layers over [image; caption]
         unified = torch.cat([x, cap], dim=1)
         joint = torch.cat([img_rope, txt_rope], dim=0)
-        for layer in t.layers:
+        for layer in t.layers[:main]:
             unified = layer(unified, None, joint, adaln)
         out = t.all_final_layer[self.key](unified, c=adaln)
         return out[:, :n_img]
@@ -216,8 +231,9 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, axes, theta)
 
 def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layers: int | None,
             rounding: int):
-    """The export of ``transformer`` (a placeholder skeleton; every block is kept: the record
-    has no ``blocks``). The sidecar records the RoPE axes (the config's ``axes_dims``) and theta
+    """The export of ``transformer`` (a placeholder skeleton) with its first ``layers`` blocks
+    in execution order (noise refiner, context refiner, then main layers; every block by
+    default). The sidecar records the RoPE axes (the config's ``axes_dims``) and theta
     (``rope_theta``), as diffusers built the model."""
     from qkrope.export.onnx_export import TransformerPlan
 
@@ -233,16 +249,18 @@ def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layer
     if len(sample.img_shapes) != 1 or sample.img_shapes[0][0] != 1:
         raise InputError(f"a Z-Image sample is one image of one frame; got --img-shape "
                          f"{sample.img_shapes}. Fix: pass one --img-shape 1 H W")
-    wrapper = ZImageCacheInputTransformer(transformer, rounding=rounding).eval()
-    eps = {float(a.norm_q.eps) for a in attentions(transformer)}
+    kept = record.kept_blocks(cfg, layers)
+    wrapper = ZImageCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
+    eps = {float(a.norm_q.eps) for a in attentions(transformer, kept)}
     if len(eps) != 1:
         raise InputError(f"the Z-Image attentions use different RMSNorm epsilons {sorted(eps)}; "
                          f"the export records one")
     args = sample_args(transformer, sample, dtype, axes, theta)
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=node_count(transformer), num_layers_exported=None,
-        blocks=f"{record.label}: {len(transformer.noise_refiner)} noise-refiner + "
-               f"{len(transformer.context_refiner)} context-refiner + "
-               f"{len(transformer.layers)} main blocks",
+        rounding=wrapper.rounding, nodes=node_count(transformer, kept),
+        num_layers_exported=sum(kept),
+        blocks=f"{record.label}: {kept[0]} of {len(transformer.noise_refiner)} noise-refiner + "
+               f"{kept[1]} of {len(transformer.context_refiner)} context-refiner + "
+               f"{kept[2]} of {len(transformer.layers)} main blocks",
         heads=heads, head_dim=head_dim, eps=eps.pop())

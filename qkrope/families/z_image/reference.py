@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+#: ``qkrope check``'s default sizes for a Z-Image export: one image (the family's calls hold
+#: one; 6 x 5 patches, padded to 32 tokens in the graph as by diffusers) and a caption length
+#: diffusers does not pad further (a multiple of 32; the second sample's mask then leaves 24
+#: real tokens, which diffusers pads back to 32).
+CHECK_SAMPLE = dict(img_shapes=[(1, 6, 5)], txt_len=32)
+
 
 def forward_kwargs(info, by_role: Mapping[str, Any],
                    img_shapes: Sequence[Sequence[int]]) -> dict:
