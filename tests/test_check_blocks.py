@@ -205,3 +205,22 @@ def test_block_numbering_over_a_familys_block_lists():
         "single_transformer_blocks.37"]
     qwen = block_offsets(families.by_name("qwen-image").block_lists, {"num_layers": 60})
     assert block_module(7, qwen) == block_module(7, None) == "transformer_blocks.7"
+
+
+def test_a_stream_is_named_by_its_token_axis():
+    """Issue 35: a block output's token axis names its stream: the packed-token names, the
+    product of a 5-D latent's token grid as torch.onnx writes it (named latent axes where the
+    patch is 1, unnamed ``s<n>`` symbols where it is wider, with one named axis at least) and a
+    sum of the text axes a model joins to its text; nothing else."""
+    from qkrope.apps.check_blocks import axis_stream
+
+    for name, stream in [("img_tokens", "img"), ("txt_tokens", "txt"),
+                         ("txt_tokens + img_tokens", "joined"),
+                         ("latent_height*latent_frames*latent_width", "img"),
+                         ("s38*s71*latent_frames", "img"),
+                         ("latent_frames_tokens*latent_height_tokens*latent_width_tokens", "img"),
+                         ("image_embed_tokens + txt2_tokens + txt_tokens", "txt"),
+                         ("s1*s2", None), ("latent_frames", None), ("batch*s3", None),
+                         ("latent_height*latent_frames*latent_width + txt_tokens", None),
+                         ("txt_tokens + 1", None), ("", None)]:
+        assert axis_stream(name) == stream, name

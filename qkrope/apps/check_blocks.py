@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from qkrope import model_io
 from qkrope.errors import QkropeError
 from qkrope.families._record import BLOCK_STREAMS
 
@@ -43,6 +44,32 @@ STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hid
 # the one joined text-and-image stream (FLUX.2's and Chroma's single blocks)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
 STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
+#: a factor of the image token axis of a graph whose model patchifies a 5-D latent
+#: (export/latent_axes.py): the product of the latent's token grid, each factor a latent axis
+#: (patch 1), its token count (``<axis>_tokens``) or, where torch.onnx left that count unnamed
+#: inside the graph (a patch wider than 1), a bare ``s<n>`` symbol
+_LATENT_FACTOR = re.compile(rf"(?:{model_io.LATENT_FRAMES}|{model_io.LATENT_HEIGHT}|"
+                            rf"{model_io.LATENT_WIDTH})(?:_tokens)?|s\d+")
+#: the condition token axes one text stream may join (a sum of them counts its tokens)
+_TEXT_TERMS = frozenset((model_io.TXT_TOKENS, model_io.TXT2_TOKENS,
+                         model_io.IMAGE_EMBED_TOKENS))
+
+
+def axis_stream(name: str) -> str | None:
+    """The stream whose tokens a graph axis named ``name`` counts: :data:`STREAM_AXES`'s, or
+    "img" for a product of a 5-D latent's token grid with a named latent axis among its factors
+    (``latent_frames*latent_height*latent_width``, ``s38*s71*latent_frames``), or "txt" for a
+    sum of text axes (``image_embed_tokens + txt2_tokens + txt_tokens``); None for any other."""
+    if name in STREAM_AXES:
+        return STREAM_AXES[name]
+    terms = [t.strip() for t in name.split("+")]
+    if len(terms) > 1 and all(t in _TEXT_TERMS for t in terms):
+        return "txt"
+    factors = [f.strip() for f in name.split("*")]
+    if len(factors) > 1 and all(_LATENT_FACTOR.fullmatch(f) for f in factors) and any(
+            not re.fullmatch(r"s\d+", f) for f in factors):
+        return "img"
+    return None
 
 
 class BlockCheckError(QkropeError, ValueError):
@@ -313,7 +340,9 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph, or
     ``{block: {"joined": value name}}`` for a block returning the joined stream: the values a
     block's nodes produce and nodes outside it (or the graph's outputs) use, of shape
-    ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (the last block's text
+    ``[batch, tokens, width]`` whose token axis names a stream (:func:`axis_stream`:
+    ``img_tokens``, ``txt_tokens``, ``txt_tokens + img_tokens``, a 5-D latent's token grid, a
+    sum of text axes) (the last block's text
     output is unused by the model and absent). Where a block has two such values of one stream
     (a joined block's fused projection read by a node the exporter left without a scope), the
     one of the model's width (that of the other blocks' outputs) is the block's. ``offsets`` (:func:`block_offsets`): the family's block lists, each
@@ -347,9 +376,9 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
             if shape is None or len(shape.dim) != 3:
                 continue
             d = shape.dim
-            if d[0].dim_param == "batch" and d[1].dim_param in STREAM_AXES and d[2].dim_value > 0:
-                candidates.setdefault((block, STREAM_AXES[d[1].dim_param]), []).append(
-                    (name, d[2].dim_value))
+            stream = axis_stream(d[1].dim_param)
+            if d[0].dim_param == "batch" and stream is not None and d[2].dim_value > 0:
+                candidates.setdefault((block, stream), []).append((name, d[2].dim_value))
     widths = {w for found in candidates.values() if len(found) == 1 for _, w in found}
     found: dict[int, dict[str, str]] = {}
     for (block, stream), values in sorted(candidates.items()):
