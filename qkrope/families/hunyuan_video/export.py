@@ -17,10 +17,11 @@ per-head RMSNorm + RoPE is one ``qkrope::QKNormRoPE`` node per stream:
 The text mask. HunyuanVideo masks padded text keys (``[B, 1, 1, N]``). HunyuanVideo-1.5 masks
 padded text keys and queries (``mask_q & mask_k``, ``[B, 1, N, N]``), so the rows of padded
 text queries have no key; PyTorch's SDPA gives them zeros. Eager, the wrappers pass diffusers'
-own mask (bit-exact); exported, the key mask alone (``[B, 1, 1, N]``): a padded query row then
-attends the real keys instead, which changes only that padded token's own values (finite), never
-a real token's (its keys are masked in every block) nor the prediction (the text is dropped),
-and keeps the graph free of an N x N mask (N is tens of thousands of tokens at 720p).
+own mask (bit-exact); exported, the key mask alone (``[B, 1, 1, N]``), which keeps the graph
+free of an N x N mask (N is tens of thousands of tokens at 720p): a padded query row then
+attends the real keys, and HunyuanVideo-1.5's attention output rows of padded text tokens are
+zeroed after it (a Where over the text rows alone), as SDPA gives them, so every token's values,
+a padded one's included, are diffusers' (what ``check --blocks`` compares block by block).
 
 HunyuanVideo-1.5's text sequence is [image embeddings; ByT5 tokens; MLLM tokens] reordered per
 sample as diffusers does (real tokens first, padded ByT5/MLLM tokens zeroed): a stable partition
@@ -58,10 +59,12 @@ class HunyuanRope(NamedTuple):
 
 class HunyuanMask(NamedTuple):
     """The attention mask in its two forms (module docstring): ``eager`` as diffusers builds it,
-    ``export`` the key mask ``[B, 1, 1, N]``."""
+    ``export`` the key mask ``[B, 1, 1, N]``; ``queries`` the text tokens whose queries diffusers
+    masks (``[B, text tokens, 1]``, True = a real token; None: it masks keys alone)."""
 
     eager: torch.Tensor
     export: torch.Tensor
+    queries: torch.Tensor | None = None
 
 
 def _eps(norm: nn.Module, where: str) -> float:
@@ -132,6 +135,9 @@ class HunyuanVideoAttnProcessor:
             return out
         s_txt = encoder_hidden_states.shape[1]
         out, txt = out[:, :-s_txt], out[:, -s_txt:]
+        if torch.onnx.is_in_onnx_export() and attention_mask.queries is not None:
+            # a padded text query has no key in diffusers' mask: SDPA gives its row zeros
+            txt = torch.where(attention_mask.queries, txt, torch.zeros_like(txt))
         if getattr(attn, "to_out", None) is not None:
             out = attn.to_out[1](attn.to_out[0](out))
         if getattr(attn, "to_add_out", None) is not None:
@@ -219,7 +225,7 @@ class HunyuanVideo15CacheInputTransformer(_CacheInput):
         full = F.pad(text_mask, (s_img, 0), value=True)
         n = full.shape[1]
         mask = HunyuanMask(full.view(-1, 1, 1, n) & full.view(-1, 1, n, 1),
-                           full.view(-1, 1, 1, n))
+                           full.view(-1, 1, 1, n), text_mask.unsqueeze(-1))
         rope = _rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
         for block in t.transformer_blocks:
             x, text = block(x, text, temb, mask, rope)
