@@ -62,6 +62,9 @@ LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH = "latent_frames", "latent_height", "
 #: The lengths of a second text stream (HunyuanVideo-1.5's ByT5 tokens) and of image
 #: embeddings (its SigLIP tokens) a model joins to its text.
 TXT2_TOKENS, IMAGE_EMBED_TOKENS = "txt2_tokens", "image_embed_tokens"
+#: The token axes of the condition inputs a model joins to its text stream (the text cache's
+#: rows cover them too).
+JOINED_TEXT_AXES = (TXT2_TOKENS, IMAGE_EMBED_TOKENS)
 #: The dynamic axes of the exported models, as the exporter names them.
 AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS, LATENT_FRAMES,
         LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS)

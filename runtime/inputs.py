@@ -105,12 +105,19 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     for these sizes (:func:`sample_request`). A latent whose axes are a latent grid (a video
     latent ``[batch, channels, frames, height, width]``, :mod:`qkrope.runtime.latents`) gets
     the grid of the first image. ``txt_lens`` (one per batch item, each <= ``txt_len``) gives
-    per-sample text lengths: the mask marks each item's real tokens (:class:`TextLengths`)."""
+    per-sample text lengths: the mask marks each item's real tokens (:class:`TextLengths`).
+    The condition inputs a model joins to its text (:data:`qkrope.model_io.JOINED_TEXT_AXES`:
+    HunyuanVideo-1.5's ByT5 tokens and image embeddings) keep the export sample's lengths, their
+    masks padded as the text's, and the text cache covers the joined stream."""
     img_shapes = [tuple(int(v) for v in s) for s in (img_shapes or info.sample["img_shapes"])]
     txt_len = int(txt_len or info.sample["txt_len"])
     batch = int(batch or info.sample["batch"])
     img_tokens = sum(f * h * w for f, h, w in img_shapes)
-    record, request = sample_request(info, img_shapes, txt_len)
+    named = {d for t in info.inputs for d in t.shape if isinstance(d, str)}
+    exported = info.export_values()
+    joined = {a: int(exported[a]) for a in model_io.JOINED_TEXT_AXES
+              if a in named and a in exported}
+    record, request = sample_request(info, img_shapes, txt_len + sum(joined.values()))
     source = info.source or "the sidecar"
     setting = model_setting(info.config, record, source)
     # a sidecar without axes gets the family's: they must be as wide as the model's caches
@@ -121,7 +128,7 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     if txt_lens is not None:
         lengths = latents.TextLengths.checked(txt_lens, batch, txt_len)
     rng = np.random.default_rng(seed)
-    sizes = dict(batch=batch, img_tokens=img_tokens, txt_tokens=txt_len)
+    sizes = dict(batch=batch, img_tokens=img_tokens, txt_tokens=txt_len, **joined)
     sizes.update(latent.grid_axes(img_shapes[0]))
     feeds: dict[str, np.ndarray] = {}
     for t in info.inputs:
@@ -138,6 +145,11 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
                 mask = lengths.mask(txt_len)
             elif batch > 1 and txt_len > 1:
                 mask[1, txt_len - max(1, txt_len // 4):] = False
+            feeds[t.name] = mask.astype(dtype)
+        elif role == model_io.ENCODER_ATTENTION_MASK_2.role:  # padded as the text mask is
+            mask = np.ones(shape, dtype=bool)
+            if batch > 1 and shape[1] > 1:
+                mask[1, shape[1] - max(1, shape[1] // 4):] = False
             feeds[t.name] = mask.astype(dtype)
         elif role == model_io.GUIDANCE.role:  # the pipelines' guidance_scale (3.5 for dev)
             feeds[t.name] = rng.uniform(1.0, 5.0, shape).astype(np.float32).astype(dtype)

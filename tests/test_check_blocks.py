@@ -254,3 +254,22 @@ def test_a_padded_token_axis_is_its_streams():
         "img", "txt", "joined", "joined", "img", "joined"]
     assert [stream_of_axis(a) for a in (pad[1:-1], "img_tokens - 1", "2*img_tokens", "rows")] == [
         None] * 4
+
+
+def test_a_stream_is_named_by_its_token_axis():
+    """Issue 35: a block output's token axis names its stream: the packed-token names, the
+    product of a 5-D latent's token grid as torch.onnx writes it (named latent axes where the
+    patch is 1, unnamed ``s<n>`` symbols where it is wider, with one named axis at least) and a
+    sum of the text axes a model joins to its text; nothing else."""
+    from qkrope.apps.check_blocks import stream_of_axis
+
+    for name, stream in [("img_tokens", "img"), ("txt_tokens", "txt"),
+                         ("txt_tokens + img_tokens", "joined"),
+                         ("latent_height*latent_frames*latent_width", "img"),
+                         ("s38*s71*latent_frames", "img"),
+                         ("latent_frames_tokens*latent_height_tokens*latent_width_tokens", "img"),
+                         ("image_embed_tokens + txt2_tokens + txt_tokens", "txt"),
+                         ("s1*s2", None), ("latent_frames", None), ("batch*s3", None),
+                         ("latent_height*latent_frames*latent_width + txt_tokens", None),
+                         ("txt_tokens + 1", None), ("", None)]:
+        assert stream_of_axis(name) == stream, name

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from qkrope import model_io
 from qkrope.errors import QkropeError
 from qkrope.families._record import BLOCK_STREAMS
 
@@ -44,12 +45,16 @@ STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hid
 # order)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
 STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
-#: one factor of the image token axis of a 5-D latent the model patchifies (a "video-5d"
-#: record): the exporter names that axis by the product of the latent's three token axes, each
-#: a latent axis of patch 1 by name (``latent_frames``), one declared as ``patch *
-#: Dim(<axis>_tokens)`` by that name or by torch.export's unnamed size symbol (``s38``), as in
-#: ``latent_frames*s38*s71`` (export/latent_axes.py)
-LATENT_TOKEN_FACTOR = re.compile(r"latent_(?:frames|height|width)(?:_tokens)?|s\d+")
+#: a factor of the image token axis of a graph whose model patchifies a 5-D latent
+#: (export/latent_axes.py): the product of the latent's token grid, each factor a latent axis
+#: (patch 1), its token count (``<axis>_tokens``) or, where torch.onnx left that count unnamed
+#: inside the graph (a patch wider than 1), a bare ``s<n>`` symbol, as in
+#: ``latent_frames*s38*s71``
+LATENT_TOKEN_FACTOR = re.compile(rf"(?:{model_io.LATENT_FRAMES}|{model_io.LATENT_HEIGHT}|"
+                                 rf"{model_io.LATENT_WIDTH})(?:_tokens)?|s\d+")
+#: the condition token axes one text stream may join (a sum of them counts its tokens)
+_TEXT_TERMS = frozenset((model_io.TXT_TOKENS, model_io.TXT2_TOKENS,
+                         model_io.IMAGE_EMBED_TOKENS))
 
 
 def _sum_terms(axis: str) -> list[str]:
@@ -65,21 +70,33 @@ def _sum_terms(axis: str) -> list[str]:
 
 
 def stream_of_axis(axis: str) -> str | None:
-    """The stream whose tokens an exported graph's token axis named ``axis`` counts (None:
-    none): one of :data:`STREAM_AXES`; the image tokens of a patchified 5-D latent
-    (:data:`LATENT_TOKEN_FACTOR`); or such an axis plus a padding the graph adds (the exporter's
-    symbolic dim, e.g. tokens padded to a multiple of 32: ``img_tokens + (Mod(32 -
-    (Mod(img_tokens, 32)), 32))``), named by the token axes among its top-level terms, in any
-    order (a padding alone is no stream's)."""
+    """The stream whose tokens an exported graph's token axis named ``axis`` counts (None for
+    any other axis):
+
+    - one of :data:`STREAM_AXES`;
+    - "txt" for a sum of text axes (``image_embed_tokens + txt2_tokens + txt_tokens``: a text
+      stream that joins other conditions);
+    - "img" for a product of a 5-D latent's token grid with a named latent axis among its
+      factors (``latent_frames*latent_height*latent_width``, ``latent_frames*s38*s71``);
+    - one of those plus a padding the graph adds (the exporter's symbolic dim, e.g. tokens
+      padded to a multiple of 32: ``img_tokens + (Mod(32 - (Mod(img_tokens, 32)), 32))``),
+      named by the token axes among its top-level terms, in any order (a padding is a term of
+      ``Mod``; a padding alone, or a term that is neither, is no stream's)."""
     if axis in STREAM_AXES:
         return STREAM_AXES[axis]
+    terms = _sum_terms(axis)
+    if len(terms) > 1 and all(t in _TEXT_TERMS for t in terms):
+        return "txt"
     factors = [f.strip() for f in axis.split("*")]
-    if len(factors) == 3 and all(LATENT_TOKEN_FACTOR.fullmatch(f) for f in factors):
+    if len(factors) > 1 and all(LATENT_TOKEN_FACTOR.fullmatch(f) for f in factors) and any(
+            not re.fullmatch(r"s\d+", f) for f in factors):
         return "img"
     names = {a for a in STREAM_AXES if len(_sum_terms(a)) == 1}
-    found = frozenset(t for t in _sum_terms(axis) if t in names)
+    found = frozenset(t for t in terms if t in names)
+    if not found or any(t not in names and "Mod(" not in t for t in terms):
+        return None  # a padding alone, or a term that is neither a token axis nor a padding
     by_terms = {frozenset(_sum_terms(a)): s for a, s in STREAM_AXES.items()}
-    return by_terms.get(found) if found else None
+    return by_terms.get(found)
 
 
 class BlockCheckError(QkropeError, ValueError):

@@ -14,7 +14,7 @@ blocks) but not rotated (``rotated=("img",)``: identity text rows). The joint se
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._record import FamilyRecord, Launch
+from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_ATTENTION_MASK, ENCODER_ATTENTION_MASK_2,
                              ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_2, GUIDANCE,
                              IMAGE_EMBEDS, IMG_COS_SIN_CACHE, LATENT, LATENT_SAMPLE,
@@ -76,24 +76,35 @@ HUNYUAN_VIDEO_LAUNCHES = _launches("HunyuanVideo", 24, (("544p 129f", 33 * 34 * 
 # (a launch this short cannot amortise the prologue). Open: a plan for short many-head
 # launches; until then its figure is this comment's, not a checked one.
 
+#: The block lists, in execution order: (hidden_states, encoder_hidden_states) from each.
+HUNYUAN_VIDEO15_BLOCKS = (BlockList("transformer_blocks", "num_layers", ("img", "txt")),)
+HUNYUAN_VIDEO_BLOCKS = (BlockList("transformer_blocks", "num_layers", ("img", "txt")),
+                        BlockList("single_transformer_blocks", "num_single_layers",
+                                  ("img", "txt")))
+
 # The node rounding: diffusers' RMSNorm (the normalised value rounded, times the weight rounded)
 # then apply_rotary_emb in fp32 and rounded: contract.ROUNDING_DIFFUSERS's order (tests/
 # test_family_hunyuan_video.py: bit-exact in bf16 and fp16). The position tables hold 1024
-# positions per axis (a 16384-pixel-wide latent at the 16x VAE of 1.5). No --layers/--blocks:
-# an export keeps every block.
+# positions per axis (a 16384-pixel-wide latent at the 16x VAE of 1.5). --layers K keeps the
+# first K blocks in execution order (HunyuanVideo: double-stream, then single-stream); --blocks
+# compares each block's latent and text outputs: every block of both models, the single-stream
+# ones included, returns the pair (hidden_states, encoder_hidden_states) (HunyuanVideo's
+# single-stream block splits its joint [latent; text] sequence back before returning).
 HUNYUAN_VIDEO15 = FamilyRecord(
     name="hunyuan-video-1.5", class_name="HunyuanVideo15Transformer3DModel",
     label="HunyuanVideo-1.5 (480p/720p, text- and image-to-video)", short="HunyuanVideo-1.5",
     package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
     theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
-    graph=HUNYUAN_VIDEO15_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO15_EXCLUDED, blocks=False,
-    rotated=("img",), latent="video-5d", scale_rope=False, launches=HUNYUAN_VIDEO15_LAUNCHES)
+    graph=HUNYUAN_VIDEO15_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO15_EXCLUDED, blocks=True,
+    block_lists=HUNYUAN_VIDEO15_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
+    launches=HUNYUAN_VIDEO15_LAUNCHES)
 HUNYUAN_VIDEO = FamilyRecord(
     name="hunyuan-video", class_name="HunyuanVideoTransformer3DModel",
     label="HunyuanVideo (text- and image-to-video)", short="HunyuanVideo",
     package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
     theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
-    graph=HUNYUAN_VIDEO_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO_EXCLUDED, blocks=False,
-    rotated=("img",), latent="video-5d", scale_rope=False, launches=HUNYUAN_VIDEO_LAUNCHES)
+    graph=HUNYUAN_VIDEO_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO_EXCLUDED, blocks=True,
+    block_lists=HUNYUAN_VIDEO_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
+    launches=HUNYUAN_VIDEO_LAUNCHES)
 
 RECORDS = (HUNYUAN_VIDEO15, HUNYUAN_VIDEO)

@@ -17,10 +17,11 @@ per-head RMSNorm + RoPE is one ``qkrope::QKNormRoPE`` node per stream:
 The text mask. HunyuanVideo masks padded text keys (``[B, 1, 1, N]``). HunyuanVideo-1.5 masks
 padded text keys and queries (``mask_q & mask_k``, ``[B, 1, N, N]``), so the rows of padded
 text queries have no key; PyTorch's SDPA gives them zeros. Eager, the wrappers pass diffusers'
-own mask (bit-exact); exported, the key mask alone (``[B, 1, 1, N]``): a padded query row then
-attends the real keys instead, which changes only that padded token's own values (finite), never
-a real token's (its keys are masked in every block) nor the prediction (the text is dropped),
-and keeps the graph free of an N x N mask (N is tens of thousands of tokens at 720p).
+own mask (bit-exact); exported, the key mask alone (``[B, 1, 1, N]``), which keeps the graph
+free of an N x N mask (N is tens of thousands of tokens at 720p): a padded query row then
+attends the real keys, and HunyuanVideo-1.5's attention output rows of padded text tokens are
+zeroed after it (a Where over the text rows alone), as SDPA gives them, so every token's values,
+a padded one's included, are diffusers' (what ``check --blocks`` compares block by block).
 
 HunyuanVideo-1.5's text sequence is [image embeddings; ByT5 tokens; MLLM tokens] reordered per
 sample as diffusers does (real tokens first, padded ByT5/MLLM tokens zeroed): a stable partition
@@ -58,10 +59,12 @@ class HunyuanRope(NamedTuple):
 
 class HunyuanMask(NamedTuple):
     """The attention mask in its two forms (module docstring): ``eager`` as diffusers builds it,
-    ``export`` the key mask ``[B, 1, 1, N]``."""
+    ``export`` the key mask ``[B, 1, 1, N]``; ``queries`` the text tokens whose queries diffusers
+    masks (``[B, text tokens, 1]``, True = a real token; None: it masks keys alone)."""
 
     eager: torch.Tensor
     export: torch.Tensor
+    queries: torch.Tensor | None = None
 
 
 def _eps(norm: nn.Module, where: str) -> float:
@@ -132,6 +135,9 @@ class HunyuanVideoAttnProcessor:
             return out
         s_txt = encoder_hidden_states.shape[1]
         out, txt = out[:, :-s_txt], out[:, -s_txt:]
+        if torch.onnx.is_in_onnx_export() and attention_mask.queries is not None:
+            # a padded text query has no key in diffusers' mask: SDPA gives its row zeros
+            txt = torch.where(attention_mask.queries, txt, torch.zeros_like(txt))
         if getattr(attn, "to_out", None) is not None:
             out = attn.to_out[1](attn.to_out[0](out))
         if getattr(attn, "to_add_out", None) is not None:
@@ -139,10 +145,17 @@ class HunyuanVideoAttnProcessor:
         return out, txt
 
 
-def node_count(transformer: nn.Module) -> int:
-    """QKNormRoPE nodes: two per double-stream block, one per single-stream block."""
+def _block_counts(transformer: nn.Module) -> tuple[int, int]:
+    """(double-stream, single-stream) blocks of the model (HunyuanVideo-1.5: no single)."""
     single = getattr(transformer, "single_transformer_blocks", None) or ()
-    return 2 * len(transformer.transformer_blocks) + len(single)
+    return len(transformer.transformer_blocks), len(single)
+
+
+def node_count(transformer: nn.Module, kept: tuple[int, ...] | None = None) -> int:
+    """QKNormRoPE nodes: two per double-stream block, one per single-stream block (of the
+    ``kept`` (double[, single]) blocks; every block by default)."""
+    double, single = (tuple(kept) + (0,))[:2] if kept is not None else _block_counts(transformer)
+    return 2 * double + single
 
 
 def _unpatchify(t: nn.Module, x: torch.Tensor, shape) -> torch.Tensor:
@@ -176,8 +189,13 @@ def reorder_text(parts, masks):
 
 
 class _CacheInput(nn.Module):
+    """What both wrappers share: every attention gets the fused processor, and :meth:`blocks`
+    are the blocks ``forward`` runs, the first ``kept`` (double[, single]) in execution order
+    (every block by default; the final norm and projection follow the last kept block as the
+    whole model's follow its last)."""
+
     def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int,
-                 fused: bool = True):
+                 fused: bool = True, kept: tuple[int, ...] | None = None):
         super().__init__()
         self.family = family
         self.rounding = contract.check_rounding(rounding)
@@ -186,6 +204,14 @@ class _CacheInput(nn.Module):
         for block in list(transformer.transformer_blocks) + list(single):
             block.attn.set_processor(processor)
         self.transformer = transformer
+        self.double, self.single = (tuple(kept) + (0,))[:2] if kept is not None \
+            else _block_counts(transformer)
+
+    def blocks(self):
+        """The kept blocks, in execution order."""
+        t = self.transformer
+        single = getattr(t, "single_transformer_blocks", None) or ()
+        return list(t.transformer_blocks[:self.double]) + list(single[:self.single])
 
 
 class HunyuanVideo15CacheInputTransformer(_CacheInput):
@@ -219,9 +245,9 @@ class HunyuanVideo15CacheInputTransformer(_CacheInput):
         full = F.pad(text_mask, (s_img, 0), value=True)
         n = full.shape[1]
         mask = HunyuanMask(full.view(-1, 1, 1, n) & full.view(-1, 1, n, 1),
-                           full.view(-1, 1, 1, n))
+                           full.view(-1, 1, 1, n), text_mask.unsqueeze(-1))
         rope = _rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
-        for block in t.transformer_blocks:
+        for block in self.blocks():
             x, text = block(x, text, temb, mask, rope)
         x = t.proj_out(t.norm_out(x, temb))
         return _unpatchify(t, x, shape)
@@ -242,9 +268,7 @@ class _HunyuanVideoBase(_CacheInput):
         keys = keys.unsqueeze(1).unsqueeze(1)
         mask = HunyuanMask(keys, keys)
         rope = _rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
-        for block in t.transformer_blocks:
-            x, text = block(x, text, temb, mask, rope)
-        for block in t.single_transformer_blocks:
+        for block in self.blocks():
             x, text = block(x, text, temb, mask, rope)
         x = t.proj_out(t.norm_out(x, temb))
         return _unpatchify(t, x, shape)
@@ -291,18 +315,20 @@ def check_supported(transformer: nn.Module, family: FamilyRecord) -> None:
 
 
 def cache_input_hunyuan(transformer: nn.Module, family: FamilyRecord, *,
-                        rounding: int | None = None, fused: bool = True) -> nn.Module:
-    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order.
-    ``fused=False`` puts diffusers' own norm and rotation (from the same caches) in place of
-    the node: the same graph without QKNormRoPE, which the tests run through ONNX Runtime as
-    the reference of its kernels' rounding."""
+                        rounding: int | None = None, fused: bool = True,
+                        kept: tuple[int, ...] | None = None) -> nn.Module:
+    """The wrapper whose ``forward`` arguments are the family's graph inputs, in graph order,
+    running the first ``kept`` blocks of each list (:meth:`FamilyRecord.kept_blocks`; every
+    block by default). ``fused=False`` puts diffusers' own norm and rotation (from the same
+    caches) in place of the node: the same graph without QKNormRoPE, which the tests run
+    through ONNX Runtime as the reference of its kernels' rounding."""
     check_supported(transformer, family)
     rounding = family.rounding if rounding is None else rounding
     if family is HUNYUAN_VIDEO15:
         cls = HunyuanVideo15CacheInputTransformer
     else:
         cls = _HunyuanVideoGuided if has_guidance(transformer) else _HunyuanVideo
-    return cls(transformer, family, rounding, fused).eval()
+    return cls(transformer, family, rounding, fused, kept).eval()
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,18 +428,21 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
 
 def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
          layers: int | None = None, rounding: int | None = None, fused: bool = True):
-    """The export plan of ``transformer`` (every block is kept: the record has no ``blocks``).
-    The sample's first image shape is the latent's token grid ``(f, h, w)``."""
+    """The export plan of ``transformer`` with its first ``layers`` blocks in execution order
+    (HunyuanVideo: double-stream, then single-stream; every block by default). The sample's
+    first image shape is the latent's token grid ``(f, h, w)``."""
     from qkrope.export.onnx_export import TransformerPlan
 
     axes, theta = rope_setting(transformer)
-    wrapper = cache_input_hunyuan(transformer, record, rounding=rounding, fused=fused)
+    counts = _block_counts(transformer)[:len(record.block_lists)]
+    kept = record.kept_blocks(dict(transformer.config), layers)
+    wrapper = cache_input_hunyuan(transformer, record, rounding=rounding, fused=fused,
+                                  kept=kept)
     grid = tuple(sample.img_shapes[0])
     args = sample_args(record, transformer, batch=sample.batch, grid=grid,
                        txt_len=sample.txt_len, dtype=dtype, axes=axes, theta=theta)
     decl = record.graph if record is HUNYUAN_VIDEO15 else (
         record.decl(has_guidance(transformer)))
-    single = len(getattr(transformer, "single_transformer_blocks", None) or ())
     axis_values = None
     if record is HUNYUAN_VIDEO15:  # the ByT5 and image tokens (sample_args), the joined text
         from qkrope import model_io
@@ -421,8 +450,9 @@ def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.d
         txt2, image = int(args[4].shape[1]), int(args[6].shape[1])
         axis_values = {model_io.TXT2_TOKENS: txt2, model_io.IMAGE_EMBED_TOKENS: image,
                        model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
-    return TransformerPlan(axis_values=axis_values,
-        wrapper=wrapper, args=args, decl=decl, axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=node_count(transformer) if fused else 0, num_layers_exported=None,
-        blocks=f"{record.label}: {len(transformer.transformer_blocks)} double"
-               + (f" + {single} single" if single else "") + " blocks")
+    blocks = " + ".join(f"{k} of {n} {kind}" for k, n, kind in zip(kept, counts,
+                                                                    ("double", "single")))
+    return TransformerPlan(
+        axis_values=axis_values, wrapper=wrapper, args=args, decl=decl, axes=axes, theta=theta,
+        rounding=wrapper.rounding, nodes=node_count(transformer, kept) if fused else 0,
+        num_layers_exported=sum(kept), blocks=f"{record.label}: {blocks} blocks")
