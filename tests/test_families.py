@@ -103,3 +103,17 @@ def test_check_block_flags_are_decided_for_every_family(record, quantized, flags
         with pytest.raises(InputError, match="Fix|pass 1 to 3") as e:
             check._check_block_arguments("a.onnx", info, engine=None, onnxrt=True, **flags)
         assert "\n" not in str(e.value)
+
+
+def test_a_record_without_blocks_refuses_the_block_options_in_one_line():
+    """Every family has blocks today; a record without them (a future family whose export
+    keeps every block) is refused before any work, naming those that take the options."""
+    import dataclasses
+
+    record = dataclasses.replace(families.default(), name="no-blocks", blocks=False)
+    with pytest.raises(InputError, match=r"--layers applies to .*Qwen-Image.*Fix: drop --layers") \
+            as e:
+        families.check_blocks_option(record, "--layers", 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="need the record's block_lists"):
+        dataclasses.replace(families.default(), name="none", blocks=True, block_lists=())
