@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import pytest
 
+# Every family's export and block checks:
+# a heavy matrix, run in the slow step (`bash scripts/test.sh -m slow`)
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch", reason="requires torch (pip install -e '.[test]')")
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")

@@ -16,6 +16,10 @@ import filecmp
 import json
 
 import pytest
+
+# Every family's drop-in saved, reloaded and moved:
+# a heavy matrix, run in the slow step (`bash scripts/test.sh -m slow`)
+pytestmark = pytest.mark.slow
 import torch
 
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")

@@ -14,6 +14,10 @@ are refused by the drop-in in one line with the fix.
 from __future__ import annotations
 
 import pytest
+
+# Every family's input forms through the stock model and the drop-in:
+# a heavy matrix, run in the slow step (`bash scripts/test.sh -m slow`)
+pytestmark = pytest.mark.slow
 import torch
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")

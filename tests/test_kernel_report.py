@@ -25,6 +25,10 @@ from pathlib import Path
 
 import pytest
 
+# The kernel report over every family's launches on every modelled device:
+# a heavy matrix, run in the slow step (`bash scripts/test.sh -m slow`)
+pytestmark = pytest.mark.slow
+
 from _native import build_simt
 from _sass_listings import loop_kernel, sass_listing
 from qkrope.apps import kernel_report as kr

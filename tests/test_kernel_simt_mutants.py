@@ -9,6 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+# Each kernel mutant through the SIMT emulation:
+# a heavy matrix, run in the slow step (`bash scripts/test.sh -m slow`)
+pytestmark = pytest.mark.slow
 import torch
 
 from _kernel_cases import assert_bit_exact, make_inputs, row_weights
