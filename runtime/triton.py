@@ -351,6 +351,8 @@ CACHE_INPUTS = tuple(t.name for t in model_io.CACHE_INPUTS)
 # prompt mask), else off the text itself ...
 TXT_TENSOR = model_io.ENCODER_HIDDEN_STATES_MASK.name
 LATENT_TENSOR = model_io.HIDDEN_STATES.name  # ... and the image token count off this one's
+#: The stream of each cache input (the rope model's ``outputs`` parameter names streams).
+STREAM_OF_CACHE = dict(zip(CACHE_INPUTS, ("img", "txt")))
 
 
 def rope_scheme_files() -> list[Path]:
@@ -360,12 +362,15 @@ def rope_scheme_files() -> list[Path]:
 
 def is_transformer(input_names: Iterable[str], config: ModelConfig | None,
                    model: str | None = None) -> bool:
-    """A whole diffusers transformer (``qkrope export --model transformer``): a timestep input
-    and both cache inputs; the attention block has no timestep."""
+    """A whole diffusers transformer (``qkrope export --model transformer``): an input of the
+    timestep role (``timestep``; ``frame_timestep`` of a video model) and the image cache (the
+    text cache too where the model has one: a model whose text is not rotated in a joint
+    attention takes none); the attention block has no timestep."""
     names = set(input_names)
     if model is not None and model != "transformer":
         return False
-    return model_io.TIMESTEP.name in names and set(CACHE_INPUTS) <= names and (
+    timestep = any(model_io.role_of(n) == model_io.TIMESTEP.role for n in names)
+    return timestep and CACHE_INPUTS[0] in names and (
         model == "transformer" or (config is not None and config.diffusers_config is not None))
 
 
@@ -374,17 +379,28 @@ class RopeRequest:
     """What the rope model of a transformer takes from the client instead of the caches."""
 
     inputs: list  # [(name, Triton type, dims)]: the scheme's (img_shapes, or txt_ids / img_ids)
-    txt_tensor: str  # the input whose axis 1 is the text length
+    #: the inputs whose axis-1 lengths sum to the text length (the prompt mask or the text, then
+    #: the condition inputs the model joins to its text, model_io.JOINED_TEXT_AXES)
+    txt_tensors: tuple
     params: dict  # the rope model's scheme parameters (scheme, axes_dim, theta, ...)
+    latent_tensor: str = LATENT_TENSOR  # the input of the image tokens (a 5-D latent's grid)
+    outputs: tuple = CACHE_INPUTS  # the caches the model takes (image first)
+
+    @property
+    def shape_inputs(self) -> list[str]:
+        """The inputs of which the rope model reads only the shapes."""
+        return [self.latent_tensor, *self.txt_tensors]
 
 
 def rope_request_for(config: ModelConfig, rotary_dim: int,
                      input_names: Iterable[str] | None = None) -> RopeRequest:
     """The rope model's request for a model with this sidecar ``config`` (its family record's
     scheme and the RoPE setting the sidecar records, :func:`qkrope.runtime.caches.model_setting`)
-    whose caches are ``rotary_dim`` wide: the scheme's Triton inputs, and the text length read
-    off the prompt mask where the model has one (``input_names``; None: it has), else off the
-    text itself."""
+    whose caches are ``rotary_dim`` wide: the scheme's Triton inputs; the text length read off
+    the prompt mask where the model has one (``input_names``; None: it has), else off the text
+    itself, plus the condition inputs the model joins to its text; the image tokens read off the
+    latent (the input of the ``hidden_states`` role: packed tokens, or a 5-D latent whose token
+    grid the patch size of the family's latent layout gives); the caches the model takes."""
     from qkrope.errors import InputError
 
     from .caches import model_setting, record_of
@@ -399,10 +415,18 @@ def rope_request_for(config: ModelConfig, rotary_dim: int,
         raise TritonRepoError(f"the model's caches are {rotary_dim} wide but its axes_dims_rope "
                               f"{list(setting.axes_dim)} sum to {setting.width}; the sidecar is "
                               f"inconsistent")
+    from .latents import VIDEO_5D, latent_of
+
     scheme = schemes.scheme(record.scheme)
-    names = None if input_names is None else set(input_names)
-    txt_tensor = TXT_TENSOR if names is None or TXT_TENSOR in names \
-        else model_io.ENCODER_HIDDEN_STATES.name
+    names = None if input_names is None else list(input_names)
+    roles = {} if names is None else {model_io.role_of(n): n for n in names}
+    mask = roles.get(model_io.ENCODER_HIDDEN_STATES_MASK.role)
+    txt_tensor = TXT_TENSOR if names is None else mask or model_io.ENCODER_HIDDEN_STATES.name
+    joined = [] if names is None else [  # the joined streams themselves, not their masks
+        n for n in names if n in model_io.TENSORS and len(model_io.TENSORS[n].axes) == 3
+        and model_io.TENSORS[n].axes[1] in model_io.JOINED_TEXT_AXES]
+    latent_tensor = roles.get(model_io.HIDDEN_STATES.role, LATENT_TENSOR)
+    outputs = CACHE_INPUTS if names is None else tuple(c for c in CACHE_INPUTS if c in names)
     params = {"scheme": scheme.NAME, "axes_dim": ",".join(str(a) for a in setting.axes_dim),
               "theta": repr(float(setting.theta)),
               "scale_rope": "true" if setting.scale_rope else "false"}
@@ -412,7 +436,17 @@ def rope_request_for(config: ModelConfig, rotary_dim: int,
         params["rotated"] = ",".join(setting.rotated)
     if setting.precision != "float32":  # the tables' precision (float64: diffusers' float64 RoPE)
         params["precision"] = setting.precision
-    return RopeRequest(scheme.triton_inputs(setting), txt_tensor, params)
+    if setting.axis_thetas is not None:  # a base per axis (repr: the float64 values exactly)
+        params["axis_thetas"] = ",".join(repr(float(t)) for t in setting.axis_thetas)
+    if setting.base_fps is not None:  # frame positions scaled to this rate
+        params["base_fps"] = repr(float(setting.base_fps))
+    latent = latent_of(record, config.diffusers_config)
+    if latent.kind == VIDEO_5D:  # the rope model counts a 5-D latent's tokens by its patches
+        params["latent_patch"] = ",".join(str(p) for p in latent.patch)
+    if outputs != CACHE_INPUTS:
+        params["outputs"] = ",".join(STREAM_OF_CACHE[c] for c in outputs)
+    return RopeRequest(scheme.triton_inputs(setting), (txt_tensor, *joined), params,
+                       latent_tensor, outputs)
 
 
 ROPE_CACHE_BYTES = 64 * 2**20  # caches the rope model keeps for reuse, in all
@@ -442,6 +476,9 @@ def engine_rope_limits(info: EngineInfo) -> RopeLimits:
 
     img = [v for v in (largest(CACHE_INPUTS[0], 0), largest(LATENT_TENSOR, 1)) if v]
     txt = [v for v in (largest(CACHE_INPUTS[1], 0), largest(TXT_TENSOR, 1)) if v]
+    if img and not txt and CACHE_INPUTS[1] not in ranges:  # no text cache: the text's own range
+        txt = [v for v in (largest(model_io.ENCODER_HIDDEN_STATES.name, 1),) if v] or [
+            DEFAULT_MAX_TXT_TOKENS]
     if not img or not txt:
         raise TritonRepoError(f"the engine's profiles give no range for {CACHE_INPUTS}; the "
                               "sidecar is inconsistent, rebuild the engine")
@@ -495,21 +532,22 @@ def render_rope_config(name: str, main: Specs, config: dict, limits: RopeLimits,
     by_name = {n: (dt, d) for n, dt, d in main["input"]}
     dims = [by_name[c][1] for c in CACHE_INPUTS if c in by_name]
     width = {d[-1] for d in dims}
-    if len(dims) != 2 or len(width) != 1 or -1 in width or any(len(d) != 2 for d in dims):
+    if CACHE_INPUTS[0] not in by_name or len(width) != 1 or -1 in width \
+            or any(len(d) != 2 for d in dims):
         raise TritonRepoError(f"the cache inputs must be [rows, rotary_dim] with a fixed "
-                              f"rotary_dim; got {dims}")
+                              f"rotary_dim (the image cache at least); got {dims}")
     rotary = width.pop()
     request = rope_request_for(config, rotary, list(by_name))
-    for needed in (request.txt_tensor, LATENT_TENSOR):
+    for needed in request.shape_inputs:
         if needed not in by_name:
             raise TritonRepoError(f"the model has no {needed} input (the rope model reads the "
                                   f"token counts off its shape)")
-    tensors = {"input": request.inputs
-               + [(n, *by_name[n]) for n in (LATENT_TENSOR, request.txt_tensor)],
-               "output": [(c, "TYPE_FP32", [-1, rotary]) for c in CACHE_INPUTS]}
+    tensors = {"input": request.inputs + [(n, *by_name[n]) for n in request.shape_inputs],
+               "output": [(c, "TYPE_FP32", [-1, rotary]) for c in request.outputs]}
     serving = Serving(instances=(serving or Serving()).instances)  # CPU, unbatched
     cfg = _config(name, tensors, serving, "KIND_CPU", backend="python")
-    params = {**request.params, "txt_tensor": request.txt_tensor, "latent_tensor": LATENT_TENSOR,
+    params = {**request.params, "txt_tensor": ",".join(request.txt_tensors),
+              "latent_tensor": request.latent_tensor,
               "img_output": CACHE_INPUTS[0], "txt_output": CACHE_INPUTS[1],
               "max_img_tokens": str(limits.max_img_tokens),
               "max_txt_tokens": str(limits.max_txt_tokens),
@@ -524,13 +562,13 @@ def render_ensemble_config(name: str, main_name: str, rope_name: str, main: Spec
     """The ensemble: client inputs (the main model's minus the caches, plus what the rope model
     takes: the scheme's ``img_shapes``, or ``txt_ids`` / ``img_ids``) -> the rope model -> the main
     model -> its outputs (``sample``)."""
-    request = request or RopeRequest([("img_shapes", "TYPE_INT64", [-1, 3])], TXT_TENSOR, {})
+    request = request or RopeRequest([("img_shapes", "TYPE_INT64", [-1, 3])], (TXT_TENSOR,), {})
     inputs = [t for t in main["input"] if t[0] not in CACHE_INPUTS]
     tensors = {"input": inputs + list(request.inputs), "output": list(main["output"])}
     cfg = _config(name, tensors, None, None, platform="ensemble")
     for model, ins, outs in (
-            (rope_name, [t[0] for t in request.inputs] + [LATENT_TENSOR, request.txt_tensor],
-             CACHE_INPUTS),
+            (rope_name, [t[0] for t in request.inputs] + request.shape_inputs,
+             request.outputs),
             (main_name, [t[0] for t in main["input"]], [t[0] for t in main["output"]])):
         step = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
         for n in ins:

@@ -9,18 +9,24 @@ else (numpy < 2 for Triton servers up to 2.52, whose Python backend corrupts out
 numpy 2). Nothing here names a model family: the scheme and its numbers are parameters.
 
 Inputs (names from the model's ``config.pbtxt``): the scheme's own (its ``triton_inputs``:
-"grid" ``img_shapes`` INT64 [-1, 3]; "ids" ``txt_ids`` / ``img_ids`` FP32 [-1, axes]), the
-latent (``parameters { key: "latent_tensor" }``, ``hidden_states`` [batch, tokens, C]) and the
-text tensor (``parameters { key: "txt_tensor" }``: the prompt mask where the model has one, else
-``encoder_hidden_states``), of which only the shapes are read (the tokens of each stream).
-Outputs: ``img_cos_sin_cache`` / ``txt_cos_sin_cache`` FP32 [rows, sum(axes_dim)], exactly
+"grid" / "patch-grid" ``img_shapes`` INT64 [-1, 3]; "ids" ``txt_ids`` / ``img_ids`` FP32
+[-1, axes]; "table" the same in INT64; "scaled_grid" ``grid`` INT64 [3] and ``fps`` FP32 [1]),
+the latent (``parameters { key: "latent_tensor" }``: ``hidden_states`` [batch, tokens, C], or a
+video model's 5-D ``latent``) and the text (``parameters { key: "txt_tensor" }``: the prompt mask
+where the model has one, else ``encoder_hidden_states``; a comma list where the model joins
+other inputs to its text, whose axis-1 lengths add up), of which only the shapes are read (the
+tokens of each stream). Outputs: ``img_cos_sin_cache`` / ``txt_cos_sin_cache`` FP32
+[rows, sum(axes_dim)], those the model takes, exactly
 :func:`qkrope.runtime.caches.build_rope_caches` of the same request.
 
-Parameters: ``scheme`` ("grid" or "ids"; repositories written before schemes had names say
-``positions`` "shapes" / "ids"), ``axes_dim``, ``theta``, ``max_positions`` and ``scale_rope``
-(grid), ``rotated`` (the streams rotated, default "img,txt"), ``max_img_tokens`` /
-``max_txt_tokens`` (what the served model accepts: its profile's largest cache rows),
-``cache_bytes`` (the most bytes of computed caches kept for reuse).
+Parameters: ``scheme`` (a name of ``schemes.SCHEMES``; repositories written before schemes had
+names say ``positions`` "shapes" / "ids"), the RoPE setting (``axes_dim``, ``theta``,
+``max_positions``, ``scale_rope``, ``rotated``: the streams rotated, default "img,txt";
+``precision``; ``axis_thetas`` and ``base_fps`` where the scheme needs them), ``latent_patch``
+(a 5-D latent's patch size "t,h,w": its tokens are the patches), ``outputs`` (the streams whose
+caches the model takes, default "img,txt"), ``max_img_tokens`` / ``max_txt_tokens`` (what the
+served model accepts: its profile's largest cache rows), ``cache_bytes`` (the most bytes of
+computed caches kept for reuse).
 
 A request the model cannot serve (malformed, inconsistent or beyond the limits) is answered with
 ``TritonError(..., TritonError.INVALID_ARG)``: HTTP 400 / gRPC INVALID_ARGUMENT, with the reason.
@@ -125,24 +131,37 @@ class TritonPythonModel:
                              f"got {name!r}")
         self.scheme = self.schemes.scheme(name)
         max_positions = _param(config, "max_positions", "")
+        axis_thetas = _param(config, "axis_thetas", "")
+        base_fps = _param(config, "base_fps", "")
         self.setting = self.schemes.Setting(
             tuple(int(v) for v in _param(config, "axes_dim", "").split(",")),
             float(_param(config, "theta", "")),
             int(max_positions) if max_positions else None,
             _param(config, "scale_rope", "true").lower() in ("1", "true", "yes"),
             tuple(s for s in _param(config, "rotated", "img,txt").split(",") if s),
-            _param(config, "precision", "float32"))
+            _param(config, "precision", "float32"),
+            tuple(float(v) for v in axis_thetas.split(",")) if axis_thetas else None,
+            float(base_fps) if base_fps else None)
         missing = [n for n in self.scheme.NEEDS if getattr(self.setting, n) is None]
         if missing:  # a config written for another model.py (the numbers were constants there)
             raise ValueError(f"the rope model's config.pbtxt has no {', '.join(missing)} "
                              f"parameter, which the {name!r} scheme needs (the repository was "
                              f"written by an older qkrope). Fix: write the repository again "
                              f"with this qkrope: qkrope triton-repo ... --force")
-        self.txt_tensor = _param(config, "txt_tensor", DEFAULT_NAMES[
-            "ids_txt_tensor" if name == "ids" else "txt_tensor"])
+        # the text length: the sum of these inputs' axis 1 (the prompt mask or the text, then
+        # what the model joins to its text); the image tokens: the latent's axis 1, or for a
+        # 5-D latent ("latent_patch": the model's patch size) its token grid's product
+        self.txt_tensors = tuple(_param(config, "txt_tensor", DEFAULT_NAMES[
+            "ids_txt_tensor" if name == "ids" else "txt_tensor"]).split(","))
+        self.txt_tensor = self.txt_tensors[0]
         self.latent_tensor = _param(config, "latent_tensor", DEFAULT_NAMES["latent_tensor"])
+        patch = _param(config, "latent_patch", "")
+        self.latent_patch = tuple(int(v) for v in patch.split(",")) if patch else None
         self.img_name = _param(config, "img_output", DEFAULT_NAMES["img_output"])
         self.txt_name = _param(config, "txt_output", DEFAULT_NAMES["txt_output"])
+        # the caches the main model takes (a model whose text is not rotated may take no text
+        # cache)
+        self.outputs = tuple(_param(config, "outputs", "img,txt").split(","))
         self.max_img = int(_param(config, "max_img_tokens", "4096"))
         self.max_txt = int(_param(config, "max_txt_tokens", "512"))
         self.cache = self.schemes.CacheBudget(int(_param(config, "cache_bytes", str(64 * 2**20))))
@@ -157,11 +176,36 @@ class TritonPythonModel:
             raise RequestError(f"the request has no {name!r} input")
         return tensor
 
+    def _text_shape(self, request) -> tuple:
+        """``[batch, text tokens]``: the first text input's, its length the sum over all."""
+        shapes = [tensor_shape(self._tensor(request, n)) for n in self.txt_tensors]
+        for name, shape in zip(self.txt_tensors, shapes):
+            if len(shape) < 2:
+                raise RequestError(f"{name} must be [batch, tokens, ...]; got shape "
+                                   f"{list(shape)}")
+        return tuple(shapes[0][:1]) + (sum(int(s[1]) for s in shapes),)
+
+    def _latent_shape(self, request) -> tuple:
+        """The latent's shape as tokens, ``[batch, tokens, ...]``: a 5-D latent
+        ``[batch, channels, frames, height, width]`` counts its patches."""
+        shape = tensor_shape(self._tensor(request, self.latent_tensor))
+        if self.latent_patch is None:
+            return shape
+        if len(shape) != 5 or any(a < 1 or a % p for a, p in zip(shape[2:], self.latent_patch)):
+            raise RequestError(
+                f"{self.latent_tensor} must be [batch, channels, frames, height, width] with "
+                f"each of the last three a whole number of the model's "
+                f"{list(self.latent_patch)} patches; got shape {list(shape)}")
+        tokens = 1
+        for a, p in zip(shape[2:], self.latent_patch):
+            tokens *= a // p
+        return (shape[0], tokens, shape[1])
+
     def _one(self, request):
         inputs = {n: self._tensor(request, n).as_numpy() for n in self.inputs}
-        shapes = {"txt": tensor_shape(self._tensor(request, self.txt_tensor)),  # shapes only
-                  "latent": tensor_shape(self._tensor(request, self.latent_tensor))}
-        names = {"txt": self.txt_tensor, "latent": self.latent_tensor}
+        shapes = {"txt": self._text_shape(request),  # shapes only
+                  "latent": self._latent_shape(request)}
+        names = {"txt": " + ".join(self.txt_tensors), "latent": self.latent_tensor}
         try:
             pos = self.scheme.triton_positions(inputs, shapes, names, self.setting,
                                                max_img=self.max_img, max_txt=self.max_txt)
@@ -172,9 +216,9 @@ class TritonPythonModel:
                 self.cache.put(key, caches)
         except self.schemes.BadRequest as exc:  # PositionOverflow and BadPositions included
             raise RequestError(str(exc)) from None
-        img, txt = caches
+        out = {"img": (self.img_name, caches[0]), "txt": (self.txt_name, caches[1])}
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(self.img_name, img), pb_utils.Tensor(self.txt_name, txt)])
+            pb_utils.Tensor(*out[s]) for s in self.outputs])
 
     def execute(self, requests):
         responses = []

@@ -10,7 +10,8 @@ Each scheme module (:mod:`.grid`, :mod:`.ids`, :mod:`.table`, :mod:`.patch_grid`
 - ``positions(request, setting, max_bytes)``: its checks, returning the checked request, and
   ``rows(pos)``: the cache rows it needs (image, text); ``key(pos)`` for a memo;
 - ``build(pos, setting)``: the numpy pair (``check(pos, setting)``: the table limits);
-- ``triton_inputs(setting)``: the rope model's inputs;
+- ``triton_inputs(setting)``: the rope model's inputs, ``triton_request(request, setting)``
+  the arrays a client sends for them, ``triton_positions(...)`` the rope model's checks;
 - ``profile_limits(setting, grids, txt_max)``: what engine profiles can use.
 
 A family's record names its scheme; :func:`scheme` returns the module. A new scheme is a new

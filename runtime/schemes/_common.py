@@ -64,6 +64,24 @@ class Setting:
         return sum(int(d) for d in self.axes_dim)
 
 
+#: The numpy dtype of each Triton type the schemes' rope model inputs use.
+TRITON_NUMPY = {"TYPE_INT64": np.int64, "TYPE_FP32": np.float32}
+
+
+def request_arrays(spec: list, request: dict) -> dict:
+    """The arrays a Triton client sends for the fields of ``request``, for the rope model
+    inputs ``spec`` (a scheme's ``triton_inputs``: name, Triton type, dims): each field as that
+    type, a ``[-1, n]`` input as rows of n (a list of triples, a tensor)."""
+    out = {}
+    for name, kind, dims in spec:
+        value = request[name]
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().cpu().numpy()
+        arr = np.asarray(value, TRITON_NUMPY[kind])
+        out[name] = arr.reshape(-1, dims[-1]) if len(dims) == 2 else arr.reshape(dims)
+    return out
+
+
 def identity_rows(rows: int, width: int) -> np.ndarray:
     """``rows`` cache rows that rotate by nothing: cos 1 in the first half, sin 0 in the second
     (x * 1 - y * 0 = x exactly for finite values)."""

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ._common import (BIT_EXACT, LIBM, BadRequest, PositionOverflow, Setting,  # noqa: F401
-                      check_bytes, finish)
+                      check_bytes, finish, request_arrays)
 
 NAME = "grid"
 #: What a request gives in place of the caches.
@@ -155,6 +155,11 @@ def sample_request(img_shapes: Shapes, txt_len: int) -> dict:
 def triton_inputs(setting: Setting) -> list:
     """The rope model's inputs in place of the caches: (name, Triton type, dims)."""
     return [("img_shapes", "TYPE_INT64", [-1, 3])]
+
+
+def triton_request(request: dict, setting: Setting) -> dict:
+    """The arrays a Triton client sends for ``request`` (:func:`triton_inputs`)."""
+    return request_arrays(triton_inputs(setting), request)
 
 
 # --------------------------------------------------------------------------------------------

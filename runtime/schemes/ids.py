@@ -37,7 +37,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ._common import (BadPositions, BadRequest, Setting, TooLarge,  # noqa: F401
-                      check_bytes, finish)
+                      check_bytes, finish, request_arrays)
 
 NAME = "ids"
 FIELDS = ("txt_ids", "img_ids")
@@ -172,6 +172,11 @@ def check(pos: Positions, setting: Setting) -> None:
 def triton_inputs(setting: Setting) -> list:
     """The rope model's inputs in place of the caches: (name, Triton type, dims)."""
     return [(n, "TYPE_FP32", [-1, len(setting.axes_dim)]) for n in FIELDS]
+
+
+def triton_request(request: dict, setting: Setting) -> dict:
+    """The arrays a Triton client sends for ``request`` (:func:`triton_inputs`)."""
+    return request_arrays(triton_inputs(setting), request)
 
 
 def profile_limits(setting: Setting, grids: Sequence, txt_max: int):

@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._common import BadRequest, Setting, check_bytes, identity_rows
+from ._common import BadRequest, Setting, check_bytes, identity_rows, request_arrays
 from .grid import _cos_sin, _whole, check_img_shapes, inverse_frequencies
 
 NAME = "patch-grid"
@@ -107,6 +107,11 @@ def check(pos: Positions, setting: Setting) -> None:
 def triton_inputs(setting: Setting) -> list:
     """The rope model's inputs in place of the caches: (name, Triton type, dims)."""
     return [("img_shapes", "TYPE_INT64", [-1, 3])]
+
+
+def triton_request(request: dict, setting: Setting) -> dict:
+    """The arrays a Triton client sends for ``request`` (:func:`triton_inputs`)."""
+    return request_arrays(triton_inputs(setting), request)
 
 
 def profile_limits(setting: Setting, grids: Sequence, txt_max: int):

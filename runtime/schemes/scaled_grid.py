@@ -45,6 +45,8 @@ FIELDS = ("grid", "fps")
 POSITION_FIELDS: tuple = ()
 TEXT_LENGTH_FIELD = None
 NEEDS = ("axis_thetas", "max_positions")
+#: The images a request holds: the one latent grid.
+IMAGES = 1
 
 
 class Positions(NamedTuple):
@@ -139,6 +141,40 @@ def check(pos: Positions, setting: Setting) -> None:
 
 def triton_inputs(setting: Setting) -> list:
     return [("grid", "TYPE_INT64", [3]), ("fps", "TYPE_FP32", [1])]
+
+
+def triton_request(request: dict, setting: Setting) -> dict:
+    """The arrays a Triton client sends for ``request`` (:func:`triton_inputs`; fps 0: none)."""
+    fps = request.get("fps")
+    return {"grid": np.asarray(request["grid"], np.int64).reshape(3),
+            "fps": np.asarray([0.0 if fps is None else fps], np.float32)}
+
+
+def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, *,
+                     max_img: int, max_txt: int) -> Positions:
+    """The checked request of a Triton client: ``grid`` [3] (tokens), ``fps`` [1] (0: an image
+    call), ``shapes["latent"]`` the latent's shape in tokens ``[batch, tokens, ...]`` (the text
+    is not read: it has no rows). The grid must be the latent's, within ``max_img`` tokens."""
+    grid = np.asarray(inputs["grid"])
+    if grid.shape != (3,) or not np.issubdtype(grid.dtype, np.integer):
+        raise BadRequest(f"grid must be INT64 [3] (frames, height, width of the latent's token "
+                         f"grid); got {grid.dtype} {list(grid.shape)}")
+    fps = np.asarray(inputs["fps"])
+    if fps.shape != (1,) or not np.issubdtype(fps.dtype, np.floating):
+        raise BadRequest(f"fps must be FP32 [1] (the frame rate; 0 for an image); got "
+                         f"{fps.dtype} {list(fps.shape)}")
+    f, h, w = check_grid(grid.tolist())
+    tokens = f * h * w  # Python ints: no overflow
+    if tokens > max_img:
+        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens, more than the "
+                         f"{max_img} the served model accepts")
+    latent = shapes["latent"]
+    if len(latent) < 2 or latent[1] != tokens:
+        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens but {names['latent']} "
+                         f"has {latent[1] if len(latent) > 1 else '?'}: the grid must be that "
+                         f"of its tokens")
+    rate = float(fps[0])
+    return positions({"grid": (f, h, w), "fps": None if rate == 0 else rate}, setting)
 
 
 def profile_limits(setting: Setting, grids: Sequence, txt_max: int):

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import ids as _ids
 from ._common import (BadPositions, BadRequest, Setting, check_bytes, finish,  # noqa: F401
-                      show_rows)
+                      request_arrays, show_rows)
 from .grid import _cos_sin
 
 NAME = "table"
@@ -104,6 +104,11 @@ def check(pos: Positions, setting: Setting) -> None:
 def triton_inputs(setting: Setting) -> list:
     """The rope model's inputs in place of the caches: (name, Triton type, dims)."""
     return [(n, "TYPE_INT64", [-1, len(setting.axes_dim)]) for n in FIELDS]
+
+
+def triton_request(request: dict, setting: Setting) -> dict:
+    """The arrays a Triton client sends for ``request`` (:func:`triton_inputs`)."""
+    return request_arrays(triton_inputs(setting), request)
 
 
 def profile_limits(setting: Setting, grids: Sequence, txt_max: int):

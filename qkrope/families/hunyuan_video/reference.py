@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+#: The images a sample takes: the one video grid the latent is (its "grid" scheme takes more:
+#: Qwen-Image's condition images), so a check's default sample has one.
+IMAGES = 1
+
 #: diffusers' keyword of each graph input role (the text mask's role is the generic one).
 _KEYWORDS = {"hidden_states": "hidden_states", "timestep": "timestep",
              "encoder_hidden_states": "encoder_hidden_states",
