@@ -184,21 +184,31 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
             skipped.append((listed, j, listed[j]))
             listed[j] = pass_through(listed[j], blocks.returns)
     try:
-        # the family's reference forward (qkrope/families/<family>/reference.py)
-        kw = families.hooks(family, "reference").forward_kwargs(info, t, img_shapes)
+        # the family's reference forward (qkrope/families/<family>/reference.py), its output in
+        # the graph's layout where diffusers' differs (the hook's graph_output, as the float
+        # check applies it: a 5-D latent or per-sample latents as the graph's packed tokens)
+        reference = families.hooks(family, "reference")
+        kw = reference.forward_kwargs(info, t, img_shapes)
+
+        def sample_of(result) -> np.ndarray:
+            sample = result[0]
+            if hasattr(reference, "graph_output"):
+                sample = reference.graph_output(info, sample, img_shapes)
+            return sample.float().numpy()
+
         with torch.no_grad():
-            free = model(**kw)[0].float().numpy()
+            free = sample_of(model(**kw))
             for h in hooks:
                 h.remove()
             hooks = [modules[o].input_quantizer.register_forward_hook(
                 lambda _m, _i, o_, owner=o: torch.from_numpy(
                     outputs[f"{owner}.input_dequantized"]).to(o_.dtype).reshape(o_.shape))
                 for o in linears]
-            ref = model(**kw)[0].float().numpy()
+            ref = sample_of(model(**kw))
             for h in hooks:
                 h.remove()
             with quantize.quantizers_disabled(model):
-                flt = model(**kw)[0].float().numpy()
+                flt = sample_of(model(**kw))
     finally:
         for h in hooks:
             h.remove()
