@@ -1,7 +1,9 @@
 """Tiny test builders, one per model family, keyed by the family record's name
 (:func:`qkrope.families.names`): the registry the family-parametrised tests run over. A new
-family gets its export, check and FP8 tests by adding its builder here (and its record in
-qkrope/families/).
+family gets its record, export-option, check, input-form, drop-in component, data loader,
+Triton and FP8 tests (tests/test_famil*.py, test_check_blocks_families.py, test_input_forms.py,
+test_dropin_component_families.py) by adding its builder here, its input forms in
+tests/_input_forms.py, and its record in qkrope/families/.
 
 Sizes: FLUX.1 / FLUX.2 and HunyuanVideo-1.5 / HunyuanVideo are diffusers' own test configs
 (tests/_flux_models.py, tests/_hunyuan_video_models.py); Z-Image is diffusers' test config;
