@@ -1,7 +1,10 @@
 """HunyuanVideo-1.5 and HunyuanVideo (qkrope/families/hunyuan_video): the caches against
 diffusers' RoPE, the patched forward bit for bit against diffusers' own in fp32, bf16 and fp16,
 HunyuanVideo-1.5's text reorder, qkrope's export run by ONNX Runtime at shapes it never traced,
-the drop-in (and HunyuanVideo15Pipeline on it) and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py)."""
+the drop-in (and the four pipelines on it end to end: HunyuanVideo15Pipeline,
+HunyuanVideo15ImageToVideoPipeline, HunyuanVideoPipeline, HunyuanVideoImageToVideoPipeline)
+and the refusals. Tiny models at diffusers' own test sizes (tests/_hunyuan_video_models.py);
+the pipelines' other models (VAEs, a SigLIP image encoder) built from configs in code."""
 
 from __future__ import annotations
 
@@ -361,26 +364,44 @@ def test_the_listed_input_forms_mean_the_same_to_diffusers(variant):
             assert torch.equal(model(**kwargs)[0], base), name
 
 
+def _stock_and_dropin(tmp_path, stock, run, factor):
+    """``run(transformer)`` (a pipeline run, output_type="latent", two steps) with the stock
+    transformer and with ``load_transformer`` of its qkrope export (fp32, ONNX Runtime), and
+    the bound of their difference. The bound: each transformer call of the stock run, replayed
+    on the drop-in, differs by at most E (ONNX Runtime's kernels); the guided prediction by at
+    most ``factor`` E (CFG's u + s (c - u): 1 + 2 s; no CFG: 1); the Euler steps add it times
+    |d sigma|, which sums to 1 over the schedule (sigma 1 -> 0); a factor 2 for the difference
+    fed back through the later calls (two steps: one feedback). Returns (ours, ref, the stock
+    run's calls, the largest difference, the bound)."""
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.runtime import load_transformer
+
+    stock.save_pretrained(str(tmp_path / "t"))
+    export_transformer(tmp_path / "t.onnx", tmp_path / "t", dtype="fp32", progress=False)
+    dropin = load_transformer(tmp_path / "t.onnx")
+    calls = []
+    hook = stock.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(dict(kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        ref = run(stock)
+    hook.remove()
+    ours = run(dropin)
+    with torch.no_grad():
+        per_call = max(float((dropin(**kw)[0] - stock(**kw)[0]).abs().max()) for kw in calls)
+    return ours, ref, calls, float((ours - ref).abs().max()), 2 * factor * per_call
+
+
 @pytest.mark.slow
 def test_text_to_video_pipeline_end_to_end(tmp_path):
     """``pipe.transformer = load_transformer(export)`` in HunyuanVideo15Pipeline (text-to-video,
     classifier-free guidance, prompt embeddings given: the text encoders are not run; a tiny
     VAE only for its sizes, output_type="latent") at 9 frames, 48 x 80 pixels (a 3 x 3 x 5
-    latent; the export is traced at 2 x 8 x 8) against the stock pipeline. The bound: each
-    transformer call of the stock run, replayed on the drop-in, differs by at most E (ONNX
-    Runtime's kernels); CFG's prediction u + s (c - u) at most (1 + 2 s) E; the Euler steps
-    add it times |d sigma|, which sums to 1 over the schedule (sigma 1 -> 0); a factor 2 for
-    the difference fed back through the later calls (two steps: one feedback)."""
+    latent; the export is traced at 2 x 8 x 8) against the stock pipeline, within the bound
+    derived in :func:`_stock_and_dropin` (CFG scale 6: 2 (1 + 2 s) E)."""
     from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
                            FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline)
 
-    from qkrope.export.onnx_export import export_transformer
-    from qkrope.runtime import load_transformer
-
     stock = hvm.transformer("hunyuan-video-1.5", in_channels=9, out_channels=4)  # T2V: 2C + 1
-    stock.save_pretrained(str(tmp_path / "t"))
-    export_transformer(tmp_path / "t.onnx", tmp_path / "t", dtype="fp32", progress=False)
-    dropin = load_transformer(tmp_path / "t.onnx")
     vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5,
                                       layers_per_block=1)
     scale = 6.0
@@ -404,15 +425,190 @@ def test_text_to_video_pipeline_end_to_end(tmp_path):
         return pipe(**embeds, height=48, width=80, num_frames=9, num_inference_steps=2,
                     output_type="latent", generator=torch.Generator().manual_seed(1)).frames
 
-    calls = []
-    hook = stock.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append(dict(kwargs)), with_kwargs=True)
-    with torch.no_grad():
-        ref = run(stock)
-    hook.remove()
-    ours = run(dropin)
+    ours, ref, calls, diff, bound = _stock_and_dropin(tmp_path, stock, run, 1 + 2 * scale)
     assert ours.shape == ref.shape == (1, 4, 3, 3, 5) and len(calls) == 4
-    with torch.no_grad():
-        per_call = max(float((dropin(**kw)[0] - stock(**kw)[0]).abs().max()) for kw in calls)
-    bound = 2 * (1 + 2 * scale) * per_call
-    assert 0 < float((ours - ref).abs().max()) <= bound, (float((ours - ref).abs().max()), bound)
+    assert 0 < diff <= bound, (diff, bound)
+
+
+# --------------------------------------------------------------------------------------------
+# The other pipelines end to end: HunyuanVideoPipeline, HunyuanVideoImageToVideoPipeline,
+# HunyuanVideo15ImageToVideoPipeline (embeddings given, every model built from a config in code)
+# --------------------------------------------------------------------------------------------
+
+def _hunyuan_video_vae():
+    """A tiny AutoencoderKLHunyuanVideo (diffusers' pipeline test's sizes): 8x spatial, 4x
+    temporal; only its sizes (text-to-video) and its image encoding (image-to-video) are
+    used, output_type="latent"."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(0)
+    return AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(8,) * 4,
+                                     layers_per_block=1, norm_num_groups=4).eval()
+
+
+def _hunyuan_video_embeds(batch: int, cfg: bool) -> dict:
+    """HunyuanVideoPipeline's prompt embeddings (Llama [batch, tokens, 16], its mask with a
+    padded last item, pooled CLIP [batch, 8]) and, with ``cfg``, the negative ones."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(batch, 7, dtype=torch.long)
+    mask[-1, 4:] = 0
+    out = dict(prompt_embeds=torch.randn(batch, 7, 16, generator=g),
+               pooled_prompt_embeds=torch.randn(batch, 8, generator=g),
+               prompt_attention_mask=mask)
+    if cfg:
+        out.update(negative_prompt_embeds=torch.randn(batch, 4, 16, generator=g),
+                   negative_pooled_prompt_embeds=torch.randn(batch, 8, generator=g),
+                   negative_prompt_attention_mask=torch.ones(batch, 4, dtype=torch.long))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch,cfg,frames,height,width", [
+    (1, True, 9, 48, 32), (3, False, 5, 32, 48)], ids=["batch1-true-cfg", "batch3-no-cfg"])
+def test_hunyuan_video_pipeline_end_to_end(tmp_path, batch, cfg, frames, height, width):
+    """``pipe.transformer = load_transformer(export)`` in HunyuanVideoPipeline (text-to-video,
+    the tiny model's guidance embeddings: guidance 6 embedded; prompt embeddings given, the
+    text encoders and tokenizers None) at a batch, frame count and size the export was not
+    traced at (traced: batch 2, a 2 x 8 x 8 latent, 16 text tokens), with and without true CFG
+    (true_cfg_scale 4 and negative embeddings), against the stock pipeline within the bound
+    derived in :func:`_stock_and_dropin`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+
+    stock = hvm.transformer("hunyuan-video")
+    assert stock.config.guidance_embeds
+    vae = _hunyuan_video_vae()
+    scale = 4.0 if cfg else 1.0
+
+    def run(transformer):
+        pipe = HunyuanVideoPipeline(
+            text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+            tokenizer_2=None)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(**_hunyuan_video_embeds(batch, cfg), true_cfg_scale=scale,
+                    guidance_scale=6.0, height=height, width=width, num_frames=frames,
+                    num_inference_steps=2, output_type="latent",
+                    generator=torch.Generator().manual_seed(1)).frames
+
+    ours, ref, calls, diff, bound = _stock_and_dropin(tmp_path, stock, run,
+                                                      1 + 2 * scale if cfg else 1)
+    grid = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    assert ours.shape == ref.shape == (batch, 4, *grid)
+    assert len(calls) == (4 if cfg else 2)
+    assert all(kw["guidance"] is not None for kw in calls)
+    assert 0 < diff <= bound, (diff, bound)
+
+
+@pytest.mark.slow
+def test_hunyuan_video_image_to_video_pipeline_end_to_end(tmp_path):
+    """``pipe.transformer = load_transformer(export)`` in HunyuanVideoImageToVideoPipeline with
+    the latent_concat transformer (HunyuanVideo-I2V's: 2 C + 1 input channels, the image
+    latent and its first-frame mask concatenated to the noise latent; no guidance
+    embeddings), three images encoded by the tiny VAE, prompt embeddings given (the
+    Llava/CLIP encoders and the image processor None), true CFG (scale 4), 9 frames at 48 x 32
+    pixels (a 3 x 6 x 4 latent) and batch 3, against the stock pipeline within the bound
+    derived in :func:`_stock_and_dropin`. (The token_replace transformer is refused at export:
+    test_pipeline_models_the_export_does_not_carry_are_refused_in_one_line.)"""
+    import PIL.Image
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoImageToVideoPipeline
+
+    stock = hvm.transformer("hunyuan-video", in_channels=9, guidance_embeds=False,
+                            image_condition_type="latent_concat")
+    vae = _hunyuan_video_vae()
+    rng = np.random.RandomState(0)
+    images = [PIL.Image.fromarray((rng.rand(48, 32, 3) * 255).astype(np.uint8))
+              for _ in range(3)]
+    scale = 4.0
+
+    def run(transformer):
+        pipe = HunyuanVideoImageToVideoPipeline(
+            text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+            tokenizer_2=None, image_processor=None)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(image=images, **_hunyuan_video_embeds(3, True), true_cfg_scale=scale,
+                    height=48, width=32, num_frames=9, num_inference_steps=2,
+                    output_type="latent", generator=torch.Generator().manual_seed(1)).frames
+
+    ours, ref, calls, diff, bound = _stock_and_dropin(tmp_path, stock, run, 1 + 2 * scale)
+    # the output drops the image's latent frame
+    assert ours.shape == ref.shape == (3, 4, 2, 6, 4) and len(calls) == 4
+    assert all(tuple(kw["hidden_states"].shape) == (3, 9, 3, 6, 4) and kw["guidance"] is None
+               for kw in calls)
+    assert 0 < diff <= bound, (diff, bound)
+
+
+@pytest.mark.slow
+def test_hunyuan_video15_image_to_video_pipeline_end_to_end(tmp_path):
+    """``pipe.transformer = load_transformer(export)`` in HunyuanVideo15ImageToVideoPipeline: a
+    tiny SigLIP vision model and image processor built from configs in code (12-wide image
+    embeddings, 4 tokens: the export was traced with 3), the tiny VAE encoding the image
+    (48 x 80 pixels: the pipeline's crop bucket of target_size 64, a 3 x 3 x 5 latent for 9
+    frames), prompt embeddings given (the text encoders None), batch 3, classifier-free
+    guidance (the guider, scale 6), against the stock pipeline within the bound derived in
+    :func:`_stock_and_dropin`. The transformer calls carry non-zero image_embeds and
+    timestep_r=None."""
+    import PIL.Image
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
+                           FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline)
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    stock = hvm.transformer("hunyuan-video-1.5", in_channels=9, out_channels=4, target_size=64,
+                            task_type="i2v")
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5,
+                                      layers_per_block=1).eval()
+    encoder = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=12, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        image_size=16, patch_size=8)).eval()
+    features = SiglipImageProcessor(size={"height": 16, "width": 16})
+    image = PIL.Image.fromarray((np.random.RandomState(0).rand(48, 80, 3) * 255)
+                                .astype(np.uint8))
+    scale = 6.0
+    g = torch.Generator().manual_seed(0)
+    embeds = dict(
+        prompt_embeds=torch.randn(3, 7, 16, generator=g),
+        prompt_embeds_mask=torch.tensor([[1] * 7, [1] * 7, [1] * 5 + [0] * 2]),
+        prompt_embeds_2=torch.randn(3, 5, 8, generator=g),
+        prompt_embeds_mask_2=torch.tensor([[1] * 3 + [0] * 2] + [[1] * 5] * 2),
+        negative_prompt_embeds=torch.randn(3, 4, 16, generator=g),
+        negative_prompt_embeds_mask=torch.ones(3, 4, dtype=torch.long),
+        negative_prompt_embeds_2=torch.randn(3, 3, 8, generator=g),
+        negative_prompt_embeds_mask_2=torch.ones(3, 3, dtype=torch.long))
+
+    def run(transformer):
+        pipe = HunyuanVideo15ImageToVideoPipeline(
+            text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+            tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=scale),
+            image_encoder=encoder, feature_extractor=features)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(image=image, **embeds, num_frames=9, num_inference_steps=2,
+                    output_type="latent", generator=torch.Generator().manual_seed(1)).frames
+
+    ours, ref, calls, diff, bound = _stock_and_dropin(tmp_path, stock, run, 1 + 2 * scale)
+    assert ours.shape == ref.shape == (3, 4, 3, 3, 5) and len(calls) == 4
+    assert all(tuple(kw["image_embeds"].shape) == (3, 4, 12) and kw["timestep_r"] is None
+               and bool(kw["image_embeds"].any()) for kw in calls)
+    assert 0 < diff <= bound, (diff, bound)
+
+
+@pytest.mark.parametrize("variant,overrides,match", [
+    ("hunyuan-video", dict(image_condition_type="token_replace"), "token_replace"),
+    ("hunyuan-video-1.5", dict(use_meanflow=True), "use_meanflow"),
+])
+def test_pipeline_models_the_export_does_not_carry_are_refused_in_one_line(
+        tmp_path, variant, overrides, match):
+    """What the image-to-video pipelines can run that the export does not carry is refused by
+    ``export_transformer`` in one line naming the fix, before tracing: HunyuanVideo's
+    token_replace image-to-video transformer (HunyuanVideoImageToVideoPipeline replaces the
+    first frame's tokens and runs the blocks' token_replace modulation) and HunyuanVideo-1.5's
+    MeanFlow models (the pipelines pass timestep_r; the drop-in refuses it too:
+    test_dropin_refuses_what_the_graph_cannot_take_in_one_line)."""
+    from qkrope.export.onnx_export import export_transformer
+
+    hvm.transformer(variant, **overrides).save_pretrained(str(tmp_path / "t"))
+    with pytest.raises(InputError, match=match) as e:
+        export_transformer(tmp_path / "t.onnx", tmp_path / "t", dtype="fp32", progress=False)
+    assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+    assert not (tmp_path / "t.onnx").exists()
