@@ -76,13 +76,22 @@ def refuse_kwargs(kwargs: Any, name: str) -> None:
             f"at export). Fix: fuse the LoRA into the weights and re-export, or drop {name}")
 
 
+def missing_arguments(who: str, missing: list[str]) -> InputError:
+    """The one-line error of a call that gives required arguments as None."""
+    who = f"the {who} transformer" if who else "the transformer"
+    return InputError(f"{who} needs {', '.join(missing)}; got None. Fix: pass what the "
+                      f"family's diffusers pipeline passes its transformer (the drop-in takes "
+                      f"the same call)")
+
+
 def per_item(value: Any, name: str, batch: int, dtype: torch.dtype) -> torch.Tensor:
     """A number, a 0-dim tensor or ``[batch]`` values as ``[batch]`` in ``dtype``."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = torch.tensor(float(value))
     if not isinstance(value, torch.Tensor):
         raise InputError(f"{name} must be a tensor of {batch} values (one per batch item); got "
-                         f"{type(value).__name__} {short_repr(value, 60)}")
+                         f"{type(value).__name__} {short_repr(value, 60)}. Fix: pass a number "
+                         f"or a [batch] tensor, as the pipelines do")
     if value.dim() == 0 or (value.dim() == 1 and value.shape[0] == 1 and batch > 1):
         value = value.reshape(1).expand(batch)
     return value.to(dtype).contiguous()
@@ -114,8 +123,9 @@ def tensor_arg(value: Any, name: str, rank: int, layout: str, fix: str = "") -> 
     if not isinstance(value, torch.Tensor) or value.dim() != rank:
         got = (f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                else f"a {type(value).__name__} {short_repr(value, 60)}")
-        raise InputError(f"{name} must be a {rank}-D tensor {layout}; got {got}"
-                         + (f". Fix: {fix}" if fix else ""))
+        raise InputError(f"{name} must be a {rank}-D tensor {layout}; got {got}. Fix: "
+                         + (fix or f"pass the {rank}-D torch.Tensor the pipeline computes for "
+                                   f"{name}"))
     return value
 
 

@@ -169,8 +169,10 @@ def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
     for name, t in (("hidden_states", hidden_states),
                     ("encoder_hidden_states", encoder_hidden_states)):
         if not isinstance(t, torch.Tensor):
+            fix = (f"pass the {name} the pipeline computes" if t is None
+                   else f"torch.as_tensor({name})")
             raise RunnerInputError(f"{name} must be a torch.Tensor [batch, tokens, dim]; got "
-                                   f"{type(t).__name__}. Fix: torch.as_tensor({name})")
+                                   f"{type(t).__name__}. Fix: {fix}")
         if t.dim() == 5 and name == "hidden_states":
             continue  # a 5-D latent the model patchifies (its tokens: Runner._img_tokens)
         if t.dim() != 3:

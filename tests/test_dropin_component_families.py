@@ -116,3 +116,21 @@ def test_model_hooks_are_refused_in_one_line_or_change_nothing(family):
     t.set_default_attn_processor()
     with torch.no_grad():
         assert torch.equal(_out(t(**base)), before)
+
+
+def test_each_tensor_argument_left_out_is_one_line_with_the_fix(family):
+    """Every tensor argument of the pipelines' call, given as None in turn: the call either
+    runs (an optional input) or is refused in one line (an InputError, no traceback) that names
+    the argument and says the fix (issue 34 class 7 on every family's drop-in)."""
+    from qkrope.errors import QkropeError
+
+    _, onnx_file, base = family
+    t = load_transformer(onnx_file)
+    tensors = [k for k, v in base.items() if isinstance(v, torch.Tensor)]
+    assert tensors
+    for name in tensors:
+        try:
+            t(**dict(base, **{name: None}))
+        except QkropeError as exc:
+            text = str(exc)
+            assert "\n" not in text and name in text and "Fix:" in text, (name, text)

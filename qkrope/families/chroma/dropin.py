@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import (Call, Transformer, per_item, position_ids, refuse_kwargs,
-                                    tensor_arg)
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, position_ids,
+                                    refuse_kwargs, tensor_arg)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import ids as ids_scheme
 
@@ -122,8 +122,7 @@ class ChromaTransformer(Transformer):
                                   ("timestep", timestep), ("img_ids", img_ids),
                                   ("txt_ids", txt_ids)) if v is None]
         if missing:
-            raise InputError(f"the Chroma transformer needs {', '.join(missing)} (diffusers' "
-                             f"pipelines pass them); got None")
+            raise missing_arguments("Chroma", missing)
         for name, t in (("hidden_states", hidden_states),
                         ("encoder_hidden_states", encoder_hidden_states)):
             tensor_arg(t, name, 3, "[batch, tokens, features]")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import Call, Transformer, per_item, short_repr, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, short_repr,
+                                    tensor_arg)
 from qkrope.runtime.schemes import scaled_grid
 
 
@@ -78,8 +79,7 @@ class CosmosTransformer(Transformer):
                                   ("encoder_hidden_states", encoder_hidden_states),
                                   ("padding_mask", padding_mask)) if v is None]
         if missing:
-            raise InputError(f"the Cosmos-Predict2 transformer needs {', '.join(missing)} "
-                             f"(diffusers' pipelines pass them); got None")
+            raise missing_arguments("Cosmos-Predict2", missing)
         latent = tensor_arg(hidden_states, "hidden_states", 5,
                             "[batch, channels, frames, height, width] (the latent)")
         text = tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,

@@ -27,8 +27,8 @@ import torch
 from qkrope.errors import InputError
 from qkrope.families.flux import FLUX1, FLUX2
 from qkrope.model_io import POOLED_PROJECTIONS
-from qkrope.runtime._dropin import (Call, Transformer, per_item, position_ids, refuse_kwargs,
-                                    tensor_arg)
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, position_ids,
+                                    refuse_kwargs, tensor_arg)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import ids as ids_scheme
 
@@ -163,8 +163,7 @@ class FluxTransformer(Transformer):
             needed.append(("pooled_projections", pooled_projections))
         missing = [n for n, v in needed if v is None]
         if missing:
-            raise InputError(f"the {self.record.label} transformer needs {', '.join(missing)} "
-                             f"(diffusers' pipelines pass them); got None")
+            raise missing_arguments(self.record.label, missing)
         for name, t in (("hidden_states", hidden_states),
                         ("encoder_hidden_states", encoder_hidden_states)):
             tensor_arg(t, name, 3, "[batch, tokens, features]")

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
+                                    tensor_arg)
 from qkrope.runtime.latents import pack_patches, unpack_patches
 from qkrope.runtime.schemes import patch_grid
 
@@ -68,8 +69,7 @@ class HunyuanImageTransformer(Transformer):
                                   ("encoder_attention_mask", encoder_attention_mask))
                    if v is None]
         if missing:
-            raise InputError(f"the {self.record.short} transformer needs {', '.join(missing)} "
-                             f"(diffusers' pipelines pass them); got None")
+            raise missing_arguments(self.record.short, missing)
         rank = 2 + len(self._patch)
         tensor_arg(hidden_states, "hidden_states", rank,
                    "[batch, channels, " + ("frames, " if rank == 5 else "") + "height, width]")

@@ -24,7 +24,8 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.hunyuan_video import HUNYUAN_VIDEO15
-from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
+                                    tensor_arg)
 from qkrope.runtime.latents import latent_of
 
 
@@ -84,9 +85,7 @@ class HunyuanVideo15Transformer(_HunyuanBase):
                                   ("encoder_attention_mask_2", encoder_attention_mask_2),
                                   ("image_embeds", image_embeds)) if v is None]
         if missing:
-            raise InputError(f"the HunyuanVideo-1.5 transformer needs {', '.join(missing)} "
-                             f"(its pipelines pass them; image_embeds are zeros for "
-                             f"text-to-video); got None")
+            raise missing_arguments("HunyuanVideo-1.5", missing)  # zero image_embeds: T2V
         batch, timestep, mask = self._common(hidden_states, timestep, encoder_hidden_states,
                                        encoder_attention_mask, attention_kwargs)
         tensor_arg(encoder_hidden_states_2, "encoder_hidden_states_2", 3,

@@ -27,7 +27,8 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.qwen_image import QWEN_IMAGE_RECORD as RECORD
-from qkrope.runtime._dropin import Call, Transformer, refuse_kwargs, short_repr, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, refuse_kwargs, short_repr,
+                                    tensor_arg)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import grid
 
@@ -136,8 +137,7 @@ class QwenImageTransformer(Transformer):
         if encoder_hidden_states is None or timestep is None or img_shapes is None:
             missing = [n for n, v in (("encoder_hidden_states", encoder_hidden_states),
                                       ("timestep", timestep), ("img_shapes", img_shapes)) if v is None]
-            raise InputError(f"the transformer needs {', '.join(missing)} (diffusers' pipelines "
-                             f"pass them); got None")
+            raise missing_arguments("Qwen-Image", missing)
         tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,
                    f"[batch, text_tokens, {self.config.get('joint_attention_dim')}]")
         txt = int(encoder_hidden_states.shape[1])

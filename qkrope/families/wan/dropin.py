@@ -24,7 +24,8 @@ import numbers
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import Call, Transformer, refuse_kwargs, short_repr, tensor_arg
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, refuse_kwargs, short_repr,
+                                    tensor_arg)
 from qkrope.runtime.latents import VIDEO_5D, Latent
 
 
@@ -102,8 +103,7 @@ class WanTransformer(Transformer):
             missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
                                       ("encoder_hidden_states", encoder_hidden_states))
                        if v is None]
-            raise InputError(f"the transformer needs {', '.join(missing)} (diffusers' "
-                             f"pipelines pass them); got None")
+            raise missing_arguments("Wan", missing)
         channels = self.config.get("in_channels")
         tensor_arg(hidden_states, "hidden_states", 5, f"[batch, {channels}, frames, height, "
                    f"width] (the video latent)")

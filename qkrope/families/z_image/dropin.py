@@ -27,7 +27,8 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.z_image import SEQ_MULTIPLE, Z_IMAGE
-from qkrope.runtime._dropin import Call, Transformer, per_item, refuse_kwargs, short_repr
+from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
+                                    short_repr)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 
 
@@ -128,8 +129,7 @@ class ZImageTransformer(Transformer):
         self._refuse_unsupported(call)
         if x is None or t is None or cap is None:
             missing = [n for n, v in (("x", x), ("t", t), ("cap_feats", cap)) if v is None]
-            raise InputError(f"the Z-Image transformer needs {', '.join(missing)} (diffusers' "
-                             f"pipelines pass them); got None")
+            raise missing_arguments("Z-Image", missing)
         images = _items(x, "x", 4, "[channels, frames, height, width]")
         captions = _items(cap, "cap_feats", 2, "[caption_tokens, cap_feat_dim]")
         if len(images) != len(captions):
