@@ -554,8 +554,10 @@ def test_i2v_ort_dropin_at_untraced_shapes(i2v_exported, name, image_tokens):
 @pytest.mark.parametrize("name", list(I2V_VARIANTS))
 def test_i2v_qkrope_check(i2v_exported, name, tmp_path, capsys):
     """``qkrope check`` on the I2V / FLF2V exports (its default text: 512 tokens, the model's
-    reference hook) passes; another text length is refused in one line (diffusers' forward,
-    the reference, reads the image tokens only at 512)."""
+    reference hook) passes, whole and ``--blocks`` (each block's output: the image tokens are
+    split off the joined context before the blocks, so each block has its one output);
+    another text length is refused in one line (diffusers' forward, the reference, reads the
+    image tokens only at 512)."""
     from qkrope.cli import main
 
     _, path = i2v_exported[name]
@@ -563,6 +565,11 @@ def test_i2v_qkrope_check(i2v_exported, name, tmp_path, capsys):
                str(tmp_path / "a")])
     out = capsys.readouterr().out
     assert rc == 0 and "512 text tokens" in out and "PASSED" in out, out
+    rc = main(["check", str(path), "--blocks", "--img-shape", "2", "3", "2", "--workdir",
+               str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    rows = [line.split()[2] for line in out.splitlines() if line.startswith("onnxrt")]
+    assert rc == 0 and rows == ["sample", "block0.img", "block1.img"] and "PASSED" in out, out
     assert main(["check", str(path), "--txt-len", "9", "--workdir", str(tmp_path / "b")]) != 0
     err = capsys.readouterr().err
     assert "--txt-len 512" in err and len(err.strip().splitlines()) == 1, err

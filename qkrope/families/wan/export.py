@@ -48,13 +48,19 @@ def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
 
 class WanAttnProcessor:
     """Replaces diffusers' ``WanAttnProcessor``: ``rotary_emb`` is the image cache
-    ``[rows, head_dim]`` (self-attention, fused) or None (cross-attention, as diffusers)."""
+    ``[rows, head_dim]`` (self-attention, fused) or None (cross-attention, as diffusers; with
+    Wan 2.1 I2V's image branch, the embedded image tokens ``image`` attended through
+    ``add_k_proj`` / ``norm_added_k`` / ``add_v_proj`` and the result added to the text's;
+    diffusers joins them before the text and splits them off again in each attention: the
+    wrapper splits them once, before the blocks, the same views, so that no block computes a
+    slice the next one reads)."""
 
     def __init__(self, rounding: int):
         self.rounding = contract.check_rounding(rounding)
         self._attributes: dict[float, contract.NodeAttributes] = {}
-        #: the image tokens leading the cross-attention's context (I2V; set per call)
-        self.image_tokens = None
+        #: the embedded CLIP image tokens the cross-attention reads (I2V; set by the wrapper
+        #: for one call)
+        self.image = None
 
     def attributes(self, eps: float) -> contract.NodeAttributes:
         if eps not in self._attributes:
@@ -72,14 +78,10 @@ class WanAttnProcessor:
                              "projections()); export the model before fusing them")
         heads = attn.heads
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-        image = None
-        if attn.add_k_proj is not None and encoder_hidden_states is not None:
-            # I2V: the joined context is [image; text]; the image tokens are the input's
-            # (image_tokens, set by the wrapper), where diffusers counts the text as 512
-            if self.image_tokens is None:
-                raise InputError("the Wan attention has the I2V image branch "
-                                 "(added_kv_proj_dim) but the call gives no image tokens")
-            image, context = context[:, :self.image_tokens], context[:, self.image_tokens:]
+        image = self.image if encoder_hidden_states is not None else None
+        if attn.add_k_proj is not None and encoder_hidden_states is not None and image is None:
+            raise InputError("the Wan attention has the I2V image branch (added_kv_proj_dim) "
+                             "but the call gives no image tokens")
         q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
         head_dim = q.shape[-1] // heads
         if rotary_emb is not None:  # attn1: cross-head RMSNorm + RoPE, one node
@@ -113,9 +115,9 @@ class WanCacheInputTransformer(nn.Module):
     ``forward(hidden_states [B, N, C * pt * ph * pw], encoder_hidden_states [B, T, text_dim],
     timestep [B] float32, img_cos_sin_cache [R, head_dim] fp32[, encoder_hidden_states_image
     [B, I, image_dim]]) -> [B, N, pt * ph * pw * out_channels]``, running the first ``kept``
-    blocks (every block by default). Wan 2.1 I2V / FLF2V's image tokens are embedded and joined
-    before the text, as diffusers does; the cross-attention's image branch reads them (the
-    processor's ``image_tokens``)."""
+    blocks (every block by default). Wan 2.1 I2V / FLF2V's image tokens are embedded and
+    joined before the text as diffusers does, and split off again for the cross-attentions'
+    image branch (the processor's ``image``)."""
 
     def __init__(self, transformer: nn.Module, *, rounding: int = WAN.rounding,
                  kept: int | None = None):
@@ -137,14 +139,19 @@ class WanCacheInputTransformer(nn.Module):
                                                                None)
         timestep_proj = timestep_proj.unflatten(1, (6, -1))
         processor = t.blocks[0].attn2.processor
-        processor.image_tokens = None
-        if encoder_hidden_states_image is not None:  # I2V: the image tokens lead the context
+        processor.image = None
+        if encoder_hidden_states_image is not None:  # I2V / FLF2V: joined before the text
             image = image_embedding(t.condition_embedder.image_embedder,
                                     encoder_hidden_states_image)
             context = torch.cat([image, context], dim=1)
-            processor.image_tokens = encoder_hidden_states_image.shape[1]
-        for block in t.blocks[:self.kept]:
-            x = block(x, context, timestep_proj, img_cos_sin_cache)
+            if t.blocks[0].attn2.add_k_proj is not None:  # the image branch: split off again
+                n = encoder_hidden_states_image.shape[1]  # (diffusers: before 512 text tokens)
+                processor.image, context = context[:, :n], context[:, n:]
+        try:
+            for block in t.blocks[:self.kept]:
+                x = block(x, context, timestep_proj, img_cos_sin_cache)
+        finally:
+            processor.image = None
         shift, scale = (t.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (t.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return t.proj_out(x)
