@@ -575,6 +575,43 @@ def test_i2v_qkrope_check(i2v_exported, name, tmp_path, capsys):
     assert "--txt-len 512" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_image_dim_without_the_branch(root):
+    """diffusers' own I2V pipeline-test config (image_dim 4, no added_kv_proj_dim): the image
+    tokens embedded and joined before the text, the cross-attention over both (no image
+    branch, so no 512-token split): bit-exact with diffusers (bf16) and the drop-in at an
+    untraced shape and an 11-token text within 2 x the stock ORT export's error."""
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.families.wan.export import WanCacheInputTransformer
+    from qkrope.runtime import load_transformer
+    from qkrope.runtime.caches import build_rope_caches
+
+    folder, path = root / "wan-image-only", root / "wan-image-only.onnx"
+    wan_transformer(0, in_channels=36, out_channels=16, image_dim=4).save_pretrained(str(folder))
+    g = torch.Generator().manual_seed(4)
+    latent, text, t, image = (torch.randn(2, 36, 3, 8, 10, generator=g),
+                              torch.randn(2, 11, 16, generator=g), torch.tensor([700.0, 31.5]),
+                              torch.randn(2, 5, 4, generator=g))
+    caches = build_rope_caches(WAN.scheme, {"img_shapes": [(3, 4, 5)], "txt_seq_len": 11},
+                               _setting())
+    b16 = [x.to(torch.bfloat16) for x in (latent, text, image)]
+    with torch.no_grad():
+        want = _stock(folder, torch.bfloat16)(b16[0], t, b16[1], b16[2], return_dict=False)[0]
+        ours = WanCacheInputTransformer(_stock(folder, torch.bfloat16)).eval()
+        got = unpack(ours(pack(b16[0], PATCH), b16[1], t, caches.img, b16[2]), (3, 4, 5), PATCH)
+    assert torch.equal(got, want)
+    export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                       progress=False)
+    stock = _stock(folder)
+    with torch.no_grad():
+        ref64 = stock.double()(latent.double(), t.double(), text.double(), image.double(),
+                               return_dict=False)[0]
+    stock.float()
+    out = load_transformer(path)(latent, t, text, image, return_dict=False)[0]
+    ours_err = float((out.double() - ref64).abs().max())
+    stock_err = _stock_ort_error(stock, latent, t, text, ref64, image)
+    assert 0 < stock_err and ours_err <= 2 * stock_err, (ours_err, stock_err)
+
+
 @pytest.mark.parametrize("name,change,match", [
     ("i2v", dict(encoder_hidden_states_image=None), "needs encoder_hidden_states_image"),
     ("i2v", dict(encoder_hidden_states_image=torch.zeros(2, 5, 4)), r"must be \[1, "),
@@ -701,15 +738,21 @@ def test_uniform_per_token_timesteps_are_one_per_sample(exported):
 
 def test_export_refusals(tmp_path):
     """An image branch in the attention without the image embedder (added_kv_proj_dim without
-    image_dim: diffusers' forward cannot feed it) and a derivative class (VACE): one line each,
-    before any work."""
+    image_dim: diffusers' forward cannot feed it) or of another width than the model's, FLF2V's
+    position embedding without the image embedder, and a derivative class (VACE): one line
+    each, before any work."""
     from qkrope.export.onnx_export import export_transformer
 
-    folder = tmp_path / "i2v"
-    wan_transformer(0, added_kv_proj_dim=24).save_pretrained(str(folder))
-    with pytest.raises(InputError, match="added_kv_proj_dim 24 with image_dim None") as e:
-        export_transformer(tmp_path / "x.onnx", folder, progress=False)
-    assert "\n" not in str(e.value)
+    for i, (config, match) in enumerate([
+            (dict(added_kv_proj_dim=24), "added_kv_proj_dim 24 with image_dim None"),
+            (dict(image_dim=4, added_kv_proj_dim=12), "added_kv_proj_dim 12 with image_dim 4"
+                                                      ".*model width 24"),
+            (dict(pos_embed_seq_len=6), "pos_embed_seq_len 6 without image_dim")]):
+        folder = tmp_path / f"i2v-{i}"
+        wan_transformer(0, **config).save_pretrained(str(folder))
+        with pytest.raises(InputError, match=match) as e:
+            export_transformer(tmp_path / "x.onnx", folder, progress=False)
+        assert "\n" not in str(e.value)
     vace = tmp_path / "vace"
     vace.mkdir()
     (vace / "config.json").write_text(json.dumps({"_class_name": "WanVACETransformer3DModel"}))
