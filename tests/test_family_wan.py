@@ -612,6 +612,42 @@ def test_image_dim_without_the_branch(root):
     assert 0 < stock_err and ours_err <= 2 * stock_err, (ours_err, stock_err)
 
 
+@pytest.mark.slow
+def test_i2v_fp8(i2v_exported, tmp_path, capsys):
+    """FP8 on Wan 2.1 I2V (the slow step, as tests/test_families_fp8.py): calibration calls
+    recorded with the CLIP tokens, ``qkrope quantize``, ``export --quant fp8`` (the image
+    branch's projections quantised like the others; the fused nodes kept) and its check
+    against ModelOpt's fake-quant model pass."""
+    pytest.importorskip("modelopt.torch.quantization", reason="requires the fp8 extra")
+    from qkrope.cli import main
+    from qkrope.export import quantize
+    from qkrope.export.patch_diffusers import load_transformer
+    from qkrope.runtime.onnx_file import count_plugin_nodes
+
+    folder, flt = i2v_exported["i2v"]
+    model = load_transformer(str(folder))
+    with quantize.CalibrationRecorder(model) as rec, torch.no_grad():
+        for seed in range(2):
+            latent, text, t, image = _i2v_call(seed, "i2v", (2, 3, 2), 1, 9)
+            model(hidden_states=latent, timestep=t, encoder_hidden_states=text,
+                  encoder_hidden_states_image=image, return_dict=False)
+    rec.save(tmp_path / "calib.pt")
+    qdir, out = tmp_path / "fp8", tmp_path / "fp8.onnx"
+    assert main(["quantize", "--diffusers", str(folder), "--calibration",
+                 str(tmp_path / "calib.pt"), "--out", str(qdir), "--device", "cpu"]) == 0
+    assert main(["export", "--model", "transformer", "--diffusers", str(qdir), "--quant", "fp8",
+                 "--dtype", "fp32", "--out", str(out)]) == 0
+    from qkrope.sidecars import ModelInfo
+
+    linears = ModelInfo.load(out).config.quantization["quantized_linears"]
+    assert any("add_k_proj" in n for n in linears) and any("add_v_proj" in n for n in linears)
+    assert len(list(count_plugin_nodes(out))) == len(list(count_plugin_nodes(flt))) == 2
+    capsys.readouterr()
+    assert main(["check", str(out), "--workdir", str(tmp_path / "c")]) == 0
+    out_text = capsys.readouterr().out
+    assert "PASSED" in out_text and "0 elements differ" in out_text, out_text
+
+
 @pytest.mark.parametrize("name,change,match", [
     ("i2v", dict(encoder_hidden_states_image=None), "needs encoder_hidden_states_image"),
     ("i2v", dict(encoder_hidden_states_image=torch.zeros(2, 5, 4)), r"must be \[1, "),
