@@ -74,7 +74,8 @@ CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 #: What each input is to the runner: the names of its call arguments.
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
-         "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds")
+         "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds",
+         "encoder_hidden_states_image")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -154,6 +155,19 @@ ENCODER_ATTENTION_MASK_2 = TensorDecl(
 IMAGE_EMBEDS = TensorDecl(
     "image_embeds", "image_embeds", (BATCH, IMAGE_EMBED_TOKENS, None),
     "image embeddings, [batch, image_embed_tokens, features] (all zeros: text-to-video)")
+#: Wan 2.1 I2V / FLF2V's CLIP image tokens, which the model joins before the text in its
+#: cross-attention (their axis is a joined text axis); FLF2V's two images' tokens side by side
+#: (a static axis: the model adds a learned position embedding of that length).
+ENCODER_HIDDEN_STATES_IMAGE = TensorDecl(
+    "encoder_hidden_states_image", "encoder_hidden_states_image",
+    (BATCH, IMAGE_EMBED_TOKENS, None),
+    "CLIP image embeddings (the image encoder's penultimate hidden states), [batch, "
+    "image_embed_tokens, image_dim]; joined before the text in the cross-attention")
+ENCODER_HIDDEN_STATES_IMAGE_PAIR = TensorDecl(
+    ENCODER_HIDDEN_STATES_IMAGE.name, ENCODER_HIDDEN_STATES_IMAGE.role, (BATCH, None, None),
+    "CLIP image embeddings of the first and the last frame side by side (FLF2V: diffusers' "
+    "[2 * batch, tokens, image_dim] viewed as [batch, 2 * tokens, image_dim], the model's "
+    "pos_embed_seq_len), joined before the text in the cross-attention")
 
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)
@@ -192,7 +206,8 @@ TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HID
                                TXT_COS_SIN_CACHE, IMG_OUT, TXT_OUT, SAMPLE, LATENT,
                                FRAME_TIMESTEP, PADDING_MASK, LATENT_SAMPLE,
                                ENCODER_ATTENTION_MASK, ENCODER_HIDDEN_STATES_2,
-                               ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS)}
+                               ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS,
+                               ENCODER_HIDDEN_STATES_IMAGE)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

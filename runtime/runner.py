@@ -38,7 +38,7 @@ BUFFERS_PER_NAME = 2
 #: The optional inputs a call passes by role in ``conditioning`` (the family graph's that has
 #: them; qkrope.model_io).
 CONDITIONING_ROLES = ("pooled_projections", "guidance", "padding_mask", "encoder_hidden_states_2",
-                      "encoder_attention_mask_2", "image_embeds")
+                      "encoder_attention_mask_2", "image_embeds", "encoder_hidden_states_image")
 
 
 class RunnerError(QkropeError, RuntimeError):

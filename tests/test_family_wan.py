@@ -3,7 +3,9 @@ the caches are WanRotaryPosEmbed's float64 tables bit for bit; the patched model
 with diffusers' own forward in fp32, bf16 and fp16 (the row-scope node with rounding 2 is Wan's
 eager order); the export has one row-scope node per block and Wan's inputs; ONNX Runtime runs it
 at untraced shapes through the drop-in; WanPipeline runs end to end on it, with Wan 2.2's two
-experts and its boundary switch; the refusals are one line each."""
+experts and its boundary switch; Wan 2.1 I2V / FLF2V (the CLIP image branch) likewise, with
+WanImageToVideoPipeline end to end on a CLIP image encoder built in code; the refusals are one
+line each."""
 
 from __future__ import annotations
 
@@ -187,10 +189,10 @@ def _call(seed, grid, batch, txt):
     return latent, torch.randn(batch, txt, 16, generator=g), torch.rand(batch, generator=g) * 999
 
 
-def _stock_ort_error(stock, latent, t, text, ref64) -> float:
+def _stock_ort_error(stock, latent, t, text, ref64, image=None) -> float:
     """The error against float64 of diffusers' own model exported by torch.onnx (its RoPE in
     the graph, float64) and run by ONNX Runtime at this call's shape: the rounding ONNX
-    Runtime's kernels add to this function."""
+    Runtime's kernels add to this function. ``image``: Wan 2.1 I2V's CLIP image tokens."""
     import warnings
 
     import onnxruntime as ort
@@ -200,21 +202,22 @@ def _stock_ort_error(stock, latent, t, text, ref64) -> float:
             super().__init__()
             self.model = stock
 
-        def forward(self, hidden_states, timestep, encoder_hidden_states):
-            return self.model(hidden_states, timestep, encoder_hidden_states,
+        def forward(self, hidden_states, timestep, encoder_hidden_states, *image):
+            return self.model(hidden_states, timestep, encoder_hidden_states, *image,
                               return_dict=False)[0]
 
     import tempfile
 
+    args = (latent, t, text) + (() if image is None else (image,))
+    names = ["hidden_states", "timestep", "encoder_hidden_states",
+             "encoder_hidden_states_image"][:len(args)]
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         path = f"{d}/stock.onnx"
-        torch.onnx.export(Stock(), (latent, t, text), dynamo=True, verbose=False,
-                          input_names=["hidden_states", "timestep", "encoder_hidden_states"]
-                          ).save(path)
+        torch.onnx.export(Stock(), args, dynamo=True, verbose=False,
+                          input_names=names).save(path)
         out = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(
-            None, {"hidden_states": latent.numpy(), "timestep": t.numpy(),
-                   "encoder_hidden_states": text.numpy()})[0]
+            None, {n: a.numpy() for n, a in zip(names, args)})[0]
     return float(np.abs(out - ref64.numpy()).max())
 
 
@@ -419,11 +422,327 @@ def test_wan22_image_to_video_pipeline(root):
 
 
 # --------------------------------------------------------------------------------------------
+# Wan 2.1 I2V / FLF2V: the CLIP image branch
+# --------------------------------------------------------------------------------------------
+
+#: Wan 2.1 I2V's tiny model: diffusers' I2V pipeline-test transformer (tests/pipelines/wan/
+#: test_wan_image_to_video.py: in_channels 16 + 4 + 16 = 36, out_channels 16, image_dim 4) on
+#: the sizes above, with the attention's image branch (added_kv_proj_dim: the model width,
+#: 2 x 12, as Wan 2.1 I2V-14B's 5120); FLF2V adds the image position embedding (two images of
+#: 3 tokens side by side)
+I2V = dict(in_channels=36, out_channels=16, image_dim=4, added_kv_proj_dim=24)
+I2V_VARIANTS = {"i2v": I2V, "flf2v": dict(I2V, pos_embed_seq_len=6)}
+TEXT = 512  # the I2V attention's text length (qkrope.families.wan.I2V_TEXT_TOKENS)
+
+
+def i2v_transformer(seed=0, **config):
+    """The tiny I2V / FLF2V model; FLF2V's position embedding random (diffusers zeroes it)."""
+    model = wan_transformer(seed, **config)
+    pos = model.condition_embedder.image_embedder.pos_embed
+    if pos is not None:
+        with torch.no_grad():
+            pos.copy_(torch.randn(pos.shape, generator=torch.Generator().manual_seed(seed + 7)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def i2v_exported(root):
+    """The tiny I2V and FLF2V models exported in fp32 (grid (2, 4, 6), batch 2; the text set
+    to 512 tokens by the export, the image tokens 257 / FLF2V's 6)."""
+    from qkrope.export.onnx_export import export_transformer
+
+    out = {}
+    for name, config in I2V_VARIANTS.items():
+        folder, path = root / f"wan-{name}", root / f"wan-{name}.onnx"
+        i2v_transformer(0, **config).save_pretrained(str(folder))
+        export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                           progress=False)
+        out[name] = (folder, path)
+    return out
+
+
+def _i2v_call(seed, name, grid, batch, image_tokens):
+    """A call's latent, text (512 tokens), timestep and CLIP tokens (FLF2V: two images per
+    item, [2 * batch, tokens, 4], as the pipeline passes them)."""
+    g = torch.Generator().manual_seed(seed)
+    f, h, w = grid
+    latent = torch.randn(batch, 36, f * PATCH[0], h * PATCH[1], w * PATCH[2], generator=g)
+    pair = 2 if "pos_embed_seq_len" in I2V_VARIANTS[name] else 1
+    return (latent, torch.randn(batch, TEXT, 16, generator=g),
+            torch.rand(batch, generator=g) * 999,
+            torch.randn(pair * batch, image_tokens, 4, generator=g))
+
+
+@pytest.mark.parametrize("name", list(I2V_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_i2v_patched_model_is_bit_exact_with_diffusers(i2v_exported, name, dtype):
+    """The wrapper with the image branch (the image tokens embedded and joined before the
+    text; the cross-attention's add_k_proj / norm_added_k / add_v_proj attention added to the
+    text's) gives diffusers' bits at 512 text tokens, in every dtype."""
+    from qkrope.families.wan.export import WanCacheInputTransformer
+    from qkrope.runtime.caches import build_rope_caches
+
+    folder, _ = i2v_exported[name]
+    stock = _stock(folder, dtype)
+    ours = WanCacheInputTransformer(_stock(folder, dtype)).eval()
+    grid = (3, 4, 5)
+    latent, text, t, image = (x.to(dtype) if x.is_floating_point() and x.dim() > 1 else x
+                              for x in _i2v_call(3, name, grid, 2, 3))
+    caches = build_rope_caches(WAN.scheme, {"img_shapes": [grid], "txt_seq_len": TEXT},
+                               _setting())
+    with torch.no_grad():
+        want = stock(latent, t, text, encoder_hidden_states_image=image, return_dict=False)[0]
+        got = unpack(ours(pack(latent, PATCH), text, t, caches.img, image.reshape(2, -1, 4)),
+                     grid, PATCH)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_i2v_graph_and_inputs(i2v_exported):
+    """The I2V graph: T2V's inputs and encoder_hidden_states_image [batch, image_embed_tokens,
+    image_dim] (FLF2V: a static 2 x 3 tokens), one fused node per block (attn1; attn2 and its
+    image branch unfused), the sample's text 512 tokens; make_inputs gives the image tokens at
+    the export's length."""
+    import onnx
+
+    from qkrope.runtime.inputs import make_inputs
+    from qkrope.sidecars import ModelInfo
+
+    for name, tokens in (("i2v", "image_embed_tokens"), ("flf2v", 6)):
+        _, path = i2v_exported[name]
+        model = onnx.load(str(path))
+        assert len([n for n in model.graph.node if n.op_type == contract.OP_TYPE]) == 2
+        dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+                for i in model.graph.input}
+        assert dims == {"hidden_states": ["batch", "img_tokens", 36 * 4],
+                        "encoder_hidden_states": ["batch", "txt_tokens", 16],
+                        "timestep": ["batch"], "img_cos_sin_cache": ["img_cache_rows", 12],
+                        "encoder_hidden_states_image": ["batch", tokens, 4]}
+        info = ModelInfo.load(path)
+        assert info.role_of("encoder_hidden_states_image") == "encoder_hidden_states_image"
+        assert info.sample["txt_len"] == TEXT
+        feeds = make_inputs(info, [(2, 3, 2)], batch=3)
+        assert feeds["encoder_hidden_states_image"].shape == (
+            (3, 257, 4) if name == "i2v" else (3, 6, 4))
+        assert feeds["encoder_hidden_states"].shape == (3, TEXT, 16)
+
+
+@pytest.mark.parametrize("name,image_tokens", [("i2v", 9), ("flf2v", 3)])
+def test_i2v_ort_dropin_at_untraced_shapes(i2v_exported, name, image_tokens):
+    """The drop-in with the CLIP tokens (I2V: 9 of them, untraced; FLF2V: [2 * batch, 3, 4])
+    at an untraced grid and batch, against diffusers' forward in float64: <= 2 x the error of
+    diffusers' own model exported by torch.onnx and run by ONNX Runtime at this shape (the
+    bound of test_ort_dropin_at_untraced_shapes, same derivation)."""
+    from qkrope.runtime import load_transformer
+
+    folder, path = i2v_exported[name]
+    dropin = load_transformer(path)
+    stock = _stock(folder)
+    latent, text, t, image = _i2v_call(5, name, (3, 5, 3), 3, image_tokens)
+    with torch.no_grad():
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               encoder_hidden_states_image=image.double(),
+                               return_dict=False)[0]
+    stock.float()
+    out = dropin(hidden_states=latent, timestep=t, encoder_hidden_states=text,
+                 encoder_hidden_states_image=image, return_dict=False)[0]
+    assert out.shape == ref64.shape == (3, 16, 3, 10, 6) and out.dtype == torch.float32
+    stock_err = _stock_ort_error(stock, latent, t, text, ref64, image)
+    ours = float((out.double() - ref64).abs().max())
+    assert 0 < stock_err and ours <= 2 * stock_err, (ours, stock_err)
+
+
+@pytest.mark.parametrize("name", list(I2V_VARIANTS))
+def test_i2v_qkrope_check(i2v_exported, name, tmp_path, capsys):
+    """``qkrope check`` on the I2V / FLF2V exports (its default text: 512 tokens, the model's
+    reference hook) passes, whole and ``--blocks`` (each block's output: the image tokens are
+    split off the joined context before the blocks, so each block has its one output);
+    another text length is refused in one line (diffusers' forward, the reference, reads the
+    image tokens only at 512)."""
+    from qkrope.cli import main
+
+    _, path = i2v_exported[name]
+    rc = main(["check", str(path), "--img-shape", "3", "4", "5", "--workdir",
+               str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "512 text tokens" in out and "PASSED" in out, out
+    rc = main(["check", str(path), "--blocks", "--img-shape", "2", "3", "2", "--workdir",
+               str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    rows = [line.split()[2] for line in out.splitlines() if line.startswith("onnxrt")]
+    assert rc == 0 and rows == ["sample", "block0.img", "block1.img"] and "PASSED" in out, out
+    assert main(["check", str(path), "--txt-len", "9", "--workdir", str(tmp_path / "b")]) != 0
+    err = capsys.readouterr().err
+    assert "--txt-len 512" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_image_dim_without_the_branch(root):
+    """diffusers' own I2V pipeline-test config (image_dim 4, no added_kv_proj_dim): the image
+    tokens embedded and joined before the text, the cross-attention over both (no image
+    branch, so no 512-token split): bit-exact with diffusers (bf16) and the drop-in at an
+    untraced shape and an 11-token text within 2 x the stock ORT export's error."""
+    from qkrope.export.onnx_export import export_transformer
+    from qkrope.families.wan.export import WanCacheInputTransformer
+    from qkrope.runtime import load_transformer
+    from qkrope.runtime.caches import build_rope_caches
+
+    folder, path = root / "wan-image-only", root / "wan-image-only.onnx"
+    wan_transformer(0, in_channels=36, out_channels=16, image_dim=4).save_pretrained(str(folder))
+    g = torch.Generator().manual_seed(4)
+    latent, text, t, image = (torch.randn(2, 36, 3, 8, 10, generator=g),
+                              torch.randn(2, 11, 16, generator=g), torch.tensor([700.0, 31.5]),
+                              torch.randn(2, 5, 4, generator=g))
+    caches = build_rope_caches(WAN.scheme, {"img_shapes": [(3, 4, 5)], "txt_seq_len": 11},
+                               _setting())
+    b16 = [x.to(torch.bfloat16) for x in (latent, text, image)]
+    with torch.no_grad():
+        want = _stock(folder, torch.bfloat16)(b16[0], t, b16[1], b16[2], return_dict=False)[0]
+        ours = WanCacheInputTransformer(_stock(folder, torch.bfloat16)).eval()
+        got = unpack(ours(pack(b16[0], PATCH), b16[1], t, caches.img, b16[2]), (3, 4, 5), PATCH)
+    assert torch.equal(got, want)
+    export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                       progress=False)
+    stock = _stock(folder)
+    with torch.no_grad():
+        ref64 = stock.double()(latent.double(), t.double(), text.double(), image.double(),
+                               return_dict=False)[0]
+    stock.float()
+    out = load_transformer(path)(latent, t, text, image, return_dict=False)[0]
+    ours_err = float((out.double() - ref64).abs().max())
+    stock_err = _stock_ort_error(stock, latent, t, text, ref64, image)
+    assert 0 < stock_err and ours_err <= 2 * stock_err, (ours_err, stock_err)
+
+
+@pytest.mark.slow
+def test_i2v_fp8(i2v_exported, tmp_path, capsys):
+    """FP8 on Wan 2.1 I2V (the slow step, as tests/test_families_fp8.py): calibration calls
+    recorded with the CLIP tokens, ``qkrope quantize``, ``export --quant fp8`` (the image
+    branch's projections quantised like the others; the fused nodes kept) and its check
+    against ModelOpt's fake-quant model pass."""
+    pytest.importorskip("modelopt.torch.quantization", reason="requires the fp8 extra")
+    from qkrope.cli import main
+    from qkrope.export import quantize
+    from qkrope.export.patch_diffusers import load_transformer
+    from qkrope.runtime.onnx_file import count_plugin_nodes
+
+    folder, flt = i2v_exported["i2v"]
+    model = load_transformer(str(folder))
+    with quantize.CalibrationRecorder(model) as rec, torch.no_grad():
+        for seed in range(2):
+            latent, text, t, image = _i2v_call(seed, "i2v", (2, 3, 2), 1, 9)
+            model(hidden_states=latent, timestep=t, encoder_hidden_states=text,
+                  encoder_hidden_states_image=image, return_dict=False)
+    rec.save(tmp_path / "calib.pt")
+    qdir, out = tmp_path / "fp8", tmp_path / "fp8.onnx"
+    assert main(["quantize", "--diffusers", str(folder), "--calibration",
+                 str(tmp_path / "calib.pt"), "--out", str(qdir), "--device", "cpu"]) == 0
+    assert main(["export", "--model", "transformer", "--diffusers", str(qdir), "--quant", "fp8",
+                 "--dtype", "fp32", "--out", str(out)]) == 0
+    from qkrope.sidecars import ModelInfo
+
+    linears = ModelInfo.load(out).config.quantization["quantized_linears"]
+    assert any("add_k_proj" in n for n in linears) and any("add_v_proj" in n for n in linears)
+    assert len(list(count_plugin_nodes(out))) == len(list(count_plugin_nodes(flt))) == 2
+    capsys.readouterr()
+    assert main(["check", str(out), "--workdir", str(tmp_path / "c")]) == 0
+    out_text = capsys.readouterr().out
+    assert "PASSED" in out_text and "0 elements differ" in out_text, out_text
+
+
+@pytest.mark.parametrize("name,change,match", [
+    ("i2v", dict(encoder_hidden_states_image=None), "needs encoder_hidden_states_image"),
+    ("i2v", dict(encoder_hidden_states_image=torch.zeros(2, 5, 4)), r"must be \[1, "),
+    ("i2v", dict(encoder_hidden_states_image=torch.zeros(1, 5, 8)), r"must be \[1, "),
+    ("i2v", dict(encoder_hidden_states_image=torch.zeros(5, 4)), "must be a 3-D tensor"),
+    ("i2v", dict(encoder_hidden_states=torch.zeros(1, 11, 16)), "pad the prompt embeddings"),
+    ("flf2v", dict(encoder_hidden_states_image=torch.zeros(1, 3, 4)), "FLF2V"),
+])
+def test_i2v_dropin_refusals_are_one_line(i2v_exported, name, change, match):
+    from qkrope.runtime import load_transformer
+
+    dropin = load_transformer(i2v_exported[name][1])
+    call = dict(hidden_states=torch.zeros(1, 36, 2, 4, 6), timestep=torch.tensor([500.0]),
+                encoder_hidden_states=torch.zeros(1, TEXT, 16),
+                encoder_hidden_states_image=torch.zeros(2 if name == "flf2v" else 1, 3, 4),
+                return_dict=False)
+    call.update(change)
+    with pytest.raises(InputError, match=match) as e:
+        dropin(**call)
+    assert "\n" not in str(e.value)
+
+
+def test_wan21_image_to_video_pipeline(i2v_exported):
+    """WanImageToVideoPipeline with Wan 2.1 I2V: the CLIP image tokens from a tiny
+    CLIPVisionModelWithProjection and CLIPImageProcessor built in code (32 x 32 crops of 8 x 8
+    patches: 17 tokens of width 4, untraced), the image's latent channels from diffusers' tiny
+    AutoencoderKLWan, 512-token prompt embeddings, true CFG, a 5-frame 32x48 video (grid
+    (2, 2, 3), untraced), on the export against the same pipeline on diffusers' model, within
+    the bound of the Wan pipeline tests (_pipeline_bound of a per-call difference measured at
+    this call's sizes)."""
+    import PIL.Image
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    from qkrope.runtime import load_transformer
+
+    folder, path = i2v_exported["i2v"]
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
+                                     num_res_blocks=1,
+                                     temperal_downsample=[False, True, True]).eval()
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, intermediate_size=16, patch_size=8)).eval()
+    processor = CLIPImageProcessor(crop_size=32, size=32)
+    image = PIL.Image.fromarray(
+        (np.random.RandomState(0).rand(32, 48, 3) * 255).astype("uint8"))
+    seen = []
+
+    def run(transformer):
+        pipe = diffusers.WanImageToVideoPipeline(
+            tokenizer=None, text_encoder=None, vae=vae, image_processor=processor,
+            image_encoder=encoder, transformer=transformer,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+        pipe.set_progress_bar_config(disable=True)
+        forward = transformer.forward
+
+        def counted(*a, **k):
+            seen.append(tuple(k["encoder_hidden_states_image"].shape))
+            return forward(*a, **k)
+
+        transformer.forward = counted
+        g = torch.Generator().manual_seed(0)
+        embeds = torch.randn(1, TEXT, 16, generator=g)
+        negative = torch.randn(1, TEXT, 16, generator=g)
+        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
+                    height=32, width=48, num_frames=5, num_inference_steps=STEPS,
+                    guidance_scale=GUIDANCE, output_type="latent",
+                    generator=torch.Generator().manual_seed(1)).frames
+
+    want = run(_stock(folder))
+    got = run(load_transformer(path))
+    assert got.shape == want.shape == (1, 16, 2, 4, 6)
+    assert set(seen) == {(1, 17, 4)} and len(seen) == 4 * STEPS
+    stock = _stock(folder)
+    g = torch.Generator().manual_seed(9)
+    latent, text, t, clip = (torch.randn(1, 36, 2, 4, 6, generator=g),
+                             torch.randn(1, TEXT, 16, generator=g), torch.tensor([500.0]),
+                             torch.randn(1, 17, 4, generator=g))
+    with torch.no_grad():
+        ref32 = stock(latent, t, text, clip, return_dict=False)[0]
+        ref64 = stock.double()(latent.double(), t.double(), text.double(), clip.double(),
+                               return_dict=False)[0]
+    stock.float()
+    per_call = float((ref32.double() - ref64).abs().max()) + 2 * _stock_ort_error(
+        stock, latent, t, text, ref64, clip)
+    assert float((got - want).abs().max()) <= _pipeline_bound(per_call)
+
+
+# --------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(encoder_hidden_states_image=torch.zeros(1, 257, 8)), "CLIP image branch"),
+    (dict(encoder_hidden_states_image=torch.zeros(1, 257, 8)), "this export has no image "
+                                                               "branch"),
     (dict(attention_kwargs={"scale": 0.5}), "attention_kwargs"),
     (dict(timestep=torch.tensor([[500.0] * 12 + [0.0] * 12])), "expand_timesteps"),
     (dict(hidden_states=torch.zeros(1, 4, 2, 5, 4)), "height axis .5. is not a whole number"),
@@ -454,15 +773,22 @@ def test_uniform_per_token_timesteps_are_one_per_sample(exported):
 
 
 def test_export_refusals(tmp_path):
-    """Wan 2.1 I2V's CLIP branch (image_dim) and a derivative class (VACE): one line each,
-    before any work."""
+    """An image branch in the attention without the image embedder (added_kv_proj_dim without
+    image_dim: diffusers' forward cannot feed it) or of another width than the model's, FLF2V's
+    position embedding without the image embedder, and a derivative class (VACE): one line
+    each, before any work."""
     from qkrope.export.onnx_export import export_transformer
 
-    folder = tmp_path / "i2v"
-    wan_transformer(0, image_dim=8, added_kv_proj_dim=24).save_pretrained(str(folder))
-    with pytest.raises(InputError, match="Wan 2.1 I2V / FLF2V model .image_dim 8") as e:
-        export_transformer(tmp_path / "x.onnx", folder, progress=False)
-    assert "\n" not in str(e.value)
+    for i, (config, match) in enumerate([
+            (dict(added_kv_proj_dim=24), "added_kv_proj_dim 24 with image_dim None"),
+            (dict(image_dim=4, added_kv_proj_dim=12), "added_kv_proj_dim 12 with image_dim 4"
+                                                      ".*model width 24"),
+            (dict(pos_embed_seq_len=6), "pos_embed_seq_len 6 without image_dim")]):
+        folder = tmp_path / f"i2v-{i}"
+        wan_transformer(0, **config).save_pretrained(str(folder))
+        with pytest.raises(InputError, match=match) as e:
+            export_transformer(tmp_path / "x.onnx", folder, progress=False)
+        assert "\n" not in str(e.value)
     vace = tmp_path / "vace"
     vace.mkdir()
     (vace / "config.json").write_text(json.dumps({"_class_name": "WanVACETransformer3DModel"}))

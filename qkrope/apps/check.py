@@ -202,10 +202,14 @@ def _default_shapes(info: ModelInfo) -> list:
 def _default_sample(info: ModelInfo) -> dict:
     """The default sizes of a check: :data:`DEFAULT_CHECK_SAMPLE`'s with
     :func:`_default_shapes`'s images, updated by the family's reference hook's ``CHECK_SAMPLE``
-    where it has one (sizes at which diffusers' forward computes what one graph call does)."""
+    and ``check_sample(info)`` (the model's own) where it has them (sizes at which diffusers'
+    forward computes what one graph call does)."""
     sample = dict(DEFAULT_CHECK_SAMPLE, img_shapes=_default_shapes(info))
     if info.model == "transformer":
-        sample.update(getattr(families.hooks(_family(info), "reference"), "CHECK_SAMPLE", {}))
+        hooks = families.hooks(_family(info), "reference")
+        sample.update(getattr(hooks, "CHECK_SAMPLE", {}))
+        if hasattr(hooks, "check_sample"):
+            sample.update(hooks.check_sample(info))
     return sample
 
 

@@ -10,19 +10,30 @@ freqs_dtype=float64)``) over tables of ``rope_max_seq_len`` positions: the "grid
 ``scale_rope=False`` and float64 tables. The text is not rotated (cross-attention ``attn2`` has
 no RoPE): the graph has no text cache input.
 
-Derivatives: the folder runs Wan 2.1 T2V (1.3B, 14B), Wan 2.2 T2V-A14B and I2V-A14B (both
-experts) and TI2V-5B text-to-video. Refused in one line: VACE (WanVACETransformer3DModel),
-Animate (WanAnimateTransformer3DModel) and SkyReels-V2 (SkyReelsV2Transformer3DModel) by their
-class (the registry's list), Wan 2.1 I2V / FLF2V's CLIP image branch (image_dim) by the config
-check, TI2V-5B's image-to-video (per-token timesteps) by the drop-in.
+Derivatives: the folder runs Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V-14B (480p, 720p) and
+FLF2V-14B, Wan 2.2 T2V-A14B and I2V-A14B (both experts) and TI2V-5B text-to-video. Wan 2.1 I2V
+/ FLF2V (config ``image_dim``, attention ``added_kv_proj_dim``): the graph takes the CLIP image
+tokens ``encoder_hidden_states_image`` too (:data:`WAN_I2V_TRANSFORMER`; FLF2V's two images
+side by side, a static length: :data:`WAN_FLF2V_TRANSFORMER`), embeds them and joins them before
+the text; the cross-attention's image branch (``add_k_proj``, ``norm_added_k``, ``add_v_proj``,
+its attention added to the text's) is computed as diffusers does, unfused; the self-attention
+stays the fused node. diffusers' attention splits the image tokens off at 512 text tokens
+(hardcoded, :data:`I2V_TEXT_TOKENS`), so such an export's sample and check take 512 text tokens
+and the drop-in refuses another text length with the image. Refused in one line: VACE
+(WanVACETransformer3DModel), Animate (WanAnimateTransformer3DModel) and SkyReels-V2
+(SkyReelsV2Transformer3DModel) by their class (the registry's list), an attention image branch
+without the image embedder or of another width (``added_kv_proj_dim`` without ``image_dim`` or
+other than the model width) by the config check, TI2V-5B's image-to-video (per-token
+timesteps) and an I2V text of other than 512 tokens by the drop-in.
 """
 
 from __future__ import annotations
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
-from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
-                             TIMESTEP, ModelDecl)
+from qkrope.model_io import (ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_IMAGE,
+                             ENCODER_HIDDEN_STATES_IMAGE_PAIR, HIDDEN_STATES, IMG_COS_SIN_CACHE,
+                             SAMPLE, TIMESTEP, ModelDecl)
 
 #: Wan's graph: the latent's patches packed as tokens (hidden_states [batch, img_tokens,
 #: in_channels * pt * ph * pw], each patch in (channel, t, h, w) order, the Conv3d weight's),
@@ -32,6 +43,32 @@ from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_C
 WAN_TRANSFORMER = ModelDecl("transformer",
                             (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP, IMG_COS_SIN_CACHE),
                             (SAMPLE,))
+#: Wan 2.1 I2V's graph (config ``image_dim``): the T2V inputs and the CLIP image tokens
+#: ``encoder_hidden_states_image`` [batch, image_embed_tokens, image_dim], which the model
+#: embeds and joins before the text for the cross-attention; FLF2V's (``pos_embed_seq_len``):
+#: the two images' tokens side by side, a static length (:mod:`.export`).
+WAN_I2V_TRANSFORMER = ModelDecl("transformer", WAN_TRANSFORMER.inputs
+                                + (ENCODER_HIDDEN_STATES_IMAGE,), (SAMPLE,))
+WAN_FLF2V_TRANSFORMER = ModelDecl("transformer", WAN_TRANSFORMER.inputs
+                                  + (ENCODER_HIDDEN_STATES_IMAGE_PAIR,), (SAMPLE,))
+
+#: The text length diffusers' Wan 2.1 I2V cross-attention assumes: it splits the joined
+#: [image; text] context at ``length - 512`` (umT5's padded length, hardcoded), so its image
+#: branch reads the image tokens only when the text has 512 tokens, as the pipelines pad it.
+I2V_TEXT_TOKENS = 512
+#: The image tokens of Wan 2.1 I2V's CLIP ViT-H/14 at 224 x 224 (16 x 16 patches and the class
+#: token): the export sample's.
+I2V_IMAGE_TOKENS = 257
+
+
+def graph_of(config) -> ModelDecl:
+    """The graph of a Wan config: T2V's, I2V's (``image_dim``) or FLF2V's (and
+    ``pos_embed_seq_len``)."""
+    if config.get("image_dim") is None:
+        return WAN_TRANSFORMER
+    if config.get("pos_embed_seq_len") is not None:
+        return WAN_FLF2V_TRANSFORMER
+    return WAN_I2V_TRANSFORMER
 
 #: FP8's default exclusions: the patch embedding, the timestep/text(/image) embedder, the final
 #: AdaLN's projection (TensorRT's Wan demo keeps the embedders and the head in high precision).
@@ -63,7 +100,8 @@ WAN_LAUNCHES = (
 #: one block at a time. Wan 2.2's second expert is its own folder and export.
 WAN = FamilyRecord(
     name="wan", class_name="WanTransformer3DModel",
-    label="Wan 2.1 / 2.2 (T2V 1.3B / 14B, T2V-A14B, I2V-A14B, TI2V-5B)", short="Wan",
+    label="Wan 2.1 / 2.2 (T2V 1.3B / 14B, I2V / FLF2V-14B, T2V-A14B, I2V-A14B, TI2V-5B)",
+    short="Wan",
     package="wan", scheme="grid", axes=(44, 42, 42), theta=10000, theta_key=None,
     max_positions=1024, rounding=contract.ROUNDING_FLUX, graph=WAN_TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=True,

@@ -1,20 +1,27 @@
 """Wan's part of the pipeline drop-in (runtime layer): ``WanPipeline``,
-``WanImageToVideoPipeline`` (Wan 2.2 I2V-A14B: the image enters as latent channels) and
-``WanVideoToVideoPipeline`` call ``pipe.transformer(hidden_states=latent [B, C, F, H, W],
-timestep, encoder_hidden_states, attention_kwargs=..., return_dict=False)``; Wan 2.2's two
+``WanImageToVideoPipeline`` and ``WanVideoToVideoPipeline`` call ``pipe.transformer(
+hidden_states=latent [B, C, F, H, W], timestep, encoder_hidden_states,
+encoder_hidden_states_image=..., attention_kwargs=..., return_dict=False)``; Wan 2.2's two
 experts are two exports, ``pipe.transformer`` and ``pipe.transformer_2``, and the pipeline's
 boundary switch (``boundary_ratio``) picks one per step as it does for the PyTorch models.
+Image-to-video: Wan 2.2 I2V-A14B takes the image as latent channels; Wan 2.1 I2V / FLF2V also
+takes the CLIP image tokens ``encoder_hidden_states_image`` ([batch, tokens, image_dim]; FLF2V's
+first and last frame as [2 * batch, tokens, image_dim], given to the graph as [batch, 2 *
+tokens, image_dim], diffusers' view), an input of its export.
 
 :class:`WanTransformer` packs the latent's patches as tokens (the graph's input), builds the
 image cache of its (frames, height, width) patch grid with the "grid" scheme (float64 tables,
 uncentred), runs the export and unpacks the prediction to diffusers' 5-D latent. Any grid,
 frame count, batch and CFG setting the export's profile admits works (nothing is traced in).
 
-Refused in one line, never ignored: ``encoder_hidden_states_image`` (Wan 2.1 I2V's CLIP branch
-is not exported), per-token timesteps that differ within a sample (TI2V-5B's image-to-video
-with ``expand_timesteps``; equal ones, TI2V's text-to-video, are taken as one per sample), a
-LoRA scale other than 1 or any other ``attention_kwargs``, a latent that is not a whole number
-of patches.
+Refused in one line, never ignored: ``encoder_hidden_states_image`` to an export without the
+image branch, or missing from one with it (the graph needs it), or with the attention's image
+branch and a text of other than 512 tokens (diffusers' attention splits the image tokens off at
+512 text tokens, hardcoded: the pipelines pad the prompt to 512), a CLIP input of the wrong
+rank, batch or width, per-token timesteps that differ within a sample (TI2V-5B's
+image-to-video with ``expand_timesteps``; equal ones, TI2V's text-to-video, are taken as one
+per sample), a LoRA scale other than 1 or any other ``attention_kwargs``, a latent that is not
+a whole number of patches.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from qkrope.errors import InputError
 from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, refuse_kwargs, short_repr,
                                     tensor_arg)
 from qkrope.runtime.latents import VIDEO_5D, Latent
+
+from . import I2V_TEXT_TOKENS
 
 
 def pack(latent: torch.Tensor, patch) -> torch.Tensor:
@@ -85,8 +94,8 @@ class WanTransformer(Transformer):
 
     FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states",
                     "encoder_hidden_states_image", "return_dict", "attention_kwargs")
-    PIPELINES = ("WanPipeline, WanImageToVideoPipeline (Wan 2.2), WanVideoToVideoPipeline; "
-                 "Wan 2.2's transformer and transformer_2")
+    PIPELINES = ("WanPipeline, WanImageToVideoPipeline (Wan 2.1 I2V / FLF2V, Wan 2.2), "
+                 "WanVideoToVideoPipeline; Wan 2.2's transformer and transformer_2")
 
     def _video(self) -> Latent:
         return Latent(VIDEO_5D, tuple(int(p) for p in self.config["patch_size"]))
@@ -94,10 +103,6 @@ class WanTransformer(Transformer):
     def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
                 encoder_hidden_states_image=None, return_dict: bool = True,
                 attention_kwargs=None) -> Call:
-        if encoder_hidden_states_image is not None:
-            raise InputError("encoder_hidden_states_image: Wan 2.1 I2V's CLIP image branch is "
-                             "not in the export. Fix: run Wan 2.1 I2V in PyTorch (Wan 2.2 "
-                             "I2V-A14B takes the image as latent channels and runs here)")
         refuse_kwargs(attention_kwargs, "attention_kwargs")
         if hidden_states is None or timestep is None or encoder_hidden_states is None:
             missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
@@ -112,10 +117,47 @@ class WanTransformer(Transformer):
         video = self._video()
         grid = video.grid(tuple(hidden_states.shape))
         batch = int(hidden_states.shape[0])
+        conditioning = self._image(encoder_hidden_states_image, batch,
+                                   int(encoder_hidden_states.shape[1]))
         packed = pack(hidden_states.to(self.dtype), video.patch)
         return Call(packed, encoder_hidden_states.to(self.dtype),
                     {"img_shapes": [grid], "txt_seq_len": int(encoder_hidden_states.shape[1])},
-                    timestep=_timestep(timestep, batch), return_dict=return_dict)
+                    timestep=_timestep(timestep, batch), conditioning=conditioning,
+                    return_dict=return_dict)
+
+    def _image(self, image, batch: int, text_tokens: int) -> dict:
+        """The graph's ``encoder_hidden_states_image`` of diffusers' argument (module
+        docstring), checked: rank, batch (FLF2V's two images per item), width, text length."""
+        image_dim = self.config.get("image_dim")
+        if image_dim is None:
+            if image is not None:
+                raise InputError("encoder_hidden_states_image: this export has no image "
+                                 "branch (its model's config has no image_dim; diffusers' "
+                                 "forward fails on it too). Fix: drop it, or export a Wan 2.1 "
+                                 "I2V / FLF2V model")
+            return {}
+        pair = self.config.get("pos_embed_seq_len") is not None
+        if image is None:
+            raise InputError("the Wan 2.1 I2V export needs encoder_hidden_states_image (the "
+                             "CLIP image tokens; WanImageToVideoPipeline passes them); got None")
+        tensor_arg(image, "encoder_hidden_states_image", 3,
+                   f"[{'2 * ' if pair else ''}batch, image_tokens, {image_dim}] (the CLIP "
+                   f"image embeddings)")
+        want = 2 * batch if pair else batch
+        if int(image.shape[0]) != want or int(image.shape[2]) != int(image_dim):
+            raise InputError(f"encoder_hidden_states_image {list(image.shape)} must be [{want}, "
+                             f"image_tokens, {image_dim}] for a latent batch of {batch}"
+                             f"{' (FLF2V: the first and last frame of each item)' if pair else ''}")
+        if self.config.get("added_kv_proj_dim") is not None and text_tokens != I2V_TEXT_TOKENS:
+            raise InputError(f"encoder_hidden_states {text_tokens} text tokens with "
+                             f"encoder_hidden_states_image: diffusers' Wan 2.1 I2V attention "
+                             f"takes the last {I2V_TEXT_TOKENS} tokens as the text (hardcoded), "
+                             f"so only {I2V_TEXT_TOKENS} computes the image branch. Fix: pad "
+                             f"the prompt embeddings to {I2V_TEXT_TOKENS} tokens, as the "
+                             f"pipeline does (max_sequence_length {I2V_TEXT_TOKENS})")
+        if pair:  # diffusers' view: each item's two images side by side
+            image = image.reshape(batch, 2 * int(image.shape[1]), int(image.shape[2]))
+        return {"encoder_hidden_states_image": image.to(self.dtype)}
 
     def forward(self, *args, **kwargs):
         """diffusers' forward: ``Transformer2DModelOutput(sample=[B, C, F, H, W])`` or

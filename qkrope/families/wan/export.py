@@ -12,7 +12,12 @@ latent with a Conv3d. Here:
   per block). The cross-attention (``attn2``: q from the video, k/v from the text, RMSNorm and
   no RoPE) is left as diffusers computes it (``norm_q`` / ``norm_k`` as torch.nn.RMSNorm): its q
   and k have different token counts, so one node (q and k of one shape) cannot take them, and
-  a node per tensor with identity cache rows would read a cache for nothing.
+  a node per tensor with identity cache rows would read a cache for nothing. Wan 2.1 I2V /
+  FLF2V's image branch (``add_k_proj`` / ``norm_added_k`` / ``add_v_proj``: the same q
+  attending to the CLIP image tokens, added to the text attention's result) is computed as
+  diffusers computes it, the image tokens split off the joined context by their count (the
+  graph input's), where diffusers counts the text as 512 tokens (the same split at the
+  pipelines' 512; the drop-in refuses another text length with the image).
 - :class:`WanCacheInputTransformer` replays ``WanTransformer3DModel.forward`` with the graph
   inputs (:data:`qkrope.families.wan.WAN_TRANSFORMER`): the patches packed as tokens (the
   Conv3d run on each patch: the same products as on the volume), the image cache in place of
@@ -27,12 +32,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkrope import contract
+from qkrope import contract, model_io
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.ops import qk_norm_rope
 
-from . import WAN, wan_axes
+from . import I2V_IMAGE_TOKENS, I2V_TEXT_TOKENS, WAN, WAN_I2V_TRANSFORMER, graph_of, wan_axes
 
 
 def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
@@ -43,11 +48,19 @@ def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
 
 class WanAttnProcessor:
     """Replaces diffusers' ``WanAttnProcessor``: ``rotary_emb`` is the image cache
-    ``[rows, head_dim]`` (self-attention, fused) or None (cross-attention, as diffusers)."""
+    ``[rows, head_dim]`` (self-attention, fused) or None (cross-attention, as diffusers; with
+    Wan 2.1 I2V's image branch, the embedded image tokens ``image`` attended through
+    ``add_k_proj`` / ``norm_added_k`` / ``add_v_proj`` and the result added to the text's;
+    diffusers joins them before the text and splits them off again in each attention: the
+    wrapper splits them once, before the blocks, the same views, so that no block computes a
+    slice the next one reads)."""
 
     def __init__(self, rounding: int):
         self.rounding = contract.check_rounding(rounding)
         self._attributes: dict[float, contract.NodeAttributes] = {}
+        #: the embedded CLIP image tokens the cross-attention reads (I2V; set by the wrapper
+        #: for one call)
+        self.image = None
 
     def attributes(self, eps: float) -> contract.NodeAttributes:
         if eps not in self._attributes:
@@ -63,11 +76,12 @@ class WanAttnProcessor:
         if getattr(attn, "fused_projections", False):
             raise InputError("the Wan attention has fused QKV projections (fuse_qkv_"
                              "projections()); export the model before fusing them")
-        if attn.add_k_proj is not None:
-            raise InputError("the Wan attention has the I2V image branch (added_kv_proj_dim), "
-                             "which this export does not carry")
         heads = attn.heads
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        image = self.image if encoder_hidden_states is not None else None
+        if attn.add_k_proj is not None and encoder_hidden_states is not None and image is None:
+            raise InputError("the Wan attention has the I2V image branch (added_kv_proj_dim) "
+                             "but the call gives no image tokens")
         q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
         head_dim = q.shape[-1] // heads
         if rotary_emb is not None:  # attn1: cross-head RMSNorm + RoPE, one node
@@ -78,6 +92,10 @@ class WanAttnProcessor:
             q, k = (t.unflatten(2, (heads, -1)) for t in (attn.norm_q(q), attn.norm_k(k)))
         v = v.unflatten(2, (heads, -1))
         out = _sdpa(q, k, v, head_dim)
+        if image is not None:  # the image branch: its own k (RMSNorm'd) and v, added
+            k_img = attn.norm_added_k(attn.add_k_proj(image)).unflatten(2, (heads, -1))
+            v_img = attn.add_v_proj(image).unflatten(2, (heads, -1))
+            out = out + _sdpa(q, k_img, v_img, head_dim)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -95,8 +113,11 @@ def patch_wan(transformer: nn.Module, *, rounding: int) -> nn.Module:
 class WanCacheInputTransformer(nn.Module):
     """``WanTransformer3DModel`` with the graph's inputs and output (module docstring):
     ``forward(hidden_states [B, N, C * pt * ph * pw], encoder_hidden_states [B, T, text_dim],
-    timestep [B] float32, img_cos_sin_cache [R, head_dim] fp32) -> [B, N, pt * ph * pw *
-    out_channels]``, running the first ``kept`` blocks (every block by default)."""
+    timestep [B] float32, img_cos_sin_cache [R, head_dim] fp32[, encoder_hidden_states_image
+    [B, I, image_dim]]) -> [B, N, pt * ph * pw * out_channels]``, running the first ``kept``
+    blocks (every block by default). Wan 2.1 I2V / FLF2V's image tokens are embedded and
+    joined before the text as diffusers does, and split off again for the cross-attentions'
+    image branch (the processor's ``image``)."""
 
     def __init__(self, transformer: nn.Module, *, rounding: int = WAN.rounding,
                  kept: int | None = None):
@@ -106,7 +127,8 @@ class WanCacheInputTransformer(nn.Module):
         self.transformer = transformer
         self.kept = len(transformer.blocks) if kept is None else int(kept)
 
-    def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache):
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                encoder_hidden_states_image=None):
         t = self.transformer
         cfg = t.config
         batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
@@ -116,11 +138,32 @@ class WanCacheInputTransformer(nn.Module):
         temb, timestep_proj, context, _ = t.condition_embedder(timestep, encoder_hidden_states,
                                                                None)
         timestep_proj = timestep_proj.unflatten(1, (6, -1))
-        for block in t.blocks[:self.kept]:
-            x = block(x, context, timestep_proj, img_cos_sin_cache)
+        processor = t.blocks[0].attn2.processor
+        processor.image = None
+        if encoder_hidden_states_image is not None:  # I2V / FLF2V: joined before the text
+            image = image_embedding(t.condition_embedder.image_embedder,
+                                    encoder_hidden_states_image)
+            context = torch.cat([image, context], dim=1)
+            if t.blocks[0].attn2.add_k_proj is not None:  # the image branch: split off again
+                n = encoder_hidden_states_image.shape[1]  # (diffusers: before 512 text tokens)
+                processor.image, context = context[:, :n], context[:, n:]
+        try:
+            for block in t.blocks[:self.kept]:
+                x = block(x, context, timestep_proj, img_cos_sin_cache)
+        finally:
+            processor.image = None
         shift, scale = (t.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (t.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return t.proj_out(x)
+
+
+def image_embedding(embedder: nn.Module, image: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``WanImageEmbedding`` on the graph's image tokens: FLF2V's learned position
+    embedding added (the input is already the two images side by side, [B, 2 * S, D]), then
+    LayerNorm (fp32), the GELU MLP, LayerNorm (fp32)."""
+    if embedder.pos_embed is not None:
+        image = image + embedder.pos_embed
+    return embedder.norm2(embedder.ff(embedder.norm1(image)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,10 +177,11 @@ _POSITIVE_INT_FIELDS = ("attention_head_dim", "in_channels", "num_attention_head
 
 def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True):
     """The folder's config.json as WanTransformer3DModel takes it, refused in one line where the
-    export cannot reproduce it: the I2V / FLF2V CLIP image branch (``image_dim`` /
-    ``added_kv_proj_dim``), a q/k norm other than the cross-head RMSNorm, a patch size that is
-    not three positive ints, a head too narrow for the three RoPE axes, sizes that are not
-    positive ints."""
+    export cannot reproduce it: an image branch in the attention (``added_kv_proj_dim``) without
+    the image embedder (``image_dim``) or of another width than the model's, a q/k norm other
+    than the cross-head RMSNorm, a patch size that is not three positive ints, a head too narrow
+    for the three RoPE axes, sizes that are not positive ints. Wan 2.1 I2V / FLF2V (``image_dim``
+    and ``added_kv_proj_dim`` the model width; FLF2V with ``pos_embed_seq_len``) export."""
     import inspect
     import json
     import os
@@ -162,11 +206,22 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{path}: {key!r} must be a positive int, got {json.dumps(v)[:60]}"
                              f". {fix}")
-    if cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None:
-        raise InputError(f"{path}: a Wan 2.1 I2V / FLF2V model (image_dim "
-                         f"{cfg.get('image_dim')}, the CLIP image branch), which the Wan export "
-                         f"does not carry yet. Fix: export a T2V, Wan 2.2 I2V-A14B or TI2V-5B "
-                         f"model, or run this one in PyTorch")
+    for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise InputError(f"{path}: {key!r} must be a positive int or null, got "
+                             f"{json.dumps(v)[:60]}. {fix}")
+    width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    added = cfg.get("added_kv_proj_dim")
+    if added is not None and (cfg.get("image_dim") is None or added != width):
+        raise InputError(f"{path}: added_kv_proj_dim {added} with image_dim "
+                         f"{cfg.get('image_dim')}; the Wan 2.1 I2V image branch reads the "
+                         f"embedded image tokens (image_dim set, added_kv_proj_dim the model "
+                         f"width {width}), which diffusers' forward needs too. {fix}")
+    if cfg.get("pos_embed_seq_len") is not None and cfg.get("image_dim") is None:
+        raise InputError(f"{path}: pos_embed_seq_len {cfg['pos_embed_seq_len']} without "
+                         f"image_dim (FLF2V's image position embedding has no image "
+                         f"embedder). {fix}")
     if cfg.get("qk_norm") != "rms_norm_across_heads":
         raise InputError(f"{path}: qk_norm {cfg.get('qk_norm')!r}; the Wan export fuses the "
                          f"cross-head RMSNorm ('rms_norm_across_heads'), what every released Wan "
@@ -183,8 +238,10 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
                          f"within the kernel's {contract.MAX_HEAD_DIM}. {fix}")
     if memory:
         dim = cfg["num_attention_heads"] * head_dim
-        # each block: self- and cross-attention (8 dim^2) and the FFN (2 dim ffn_dim)
-        params = cfg["num_layers"] * (8 * dim * dim + 2 * dim * cfg["ffn_dim"])
+        # each block: self- and cross-attention (8 dim^2; the image branch 2 dim^2 more) and
+        # the FFN (2 dim ffn_dim)
+        image = 2 if cfg.get("added_kv_proj_dim") is not None else 0
+        params = cfg["num_layers"] * ((8 + image) * dim * dim + 2 * dim * cfg["ffn_dim"])
         check_fits_in_memory(f"{path} ({cfg['num_layers']} blocks of width {dim})",
                              params * itemsize(dtype), "check its sizes")
     return cfg
@@ -214,9 +271,17 @@ def check_no_double(model) -> None:
 post_export = check_no_double
 
 
+def image_tokens(config) -> int:
+    """The CLIP image tokens of an I2V / FLF2V export's sample: FLF2V's position embedding
+    length (two images' tokens, a static axis), else Wan 2.1 I2V's 257."""
+    pos = config.get("pos_embed_seq_len")
+    return int(pos) if pos is not None else I2V_IMAGE_TOKENS
+
+
 def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
     """The traced sample: random packed patches and text, a float32 timestep, the image cache
-    of the sample's grid (the grid scheme's float64 tables)."""
+    of the sample's grid (the grid scheme's float64 tables); with ``image_dim`` (I2V / FLF2V)
+    random CLIP image tokens last (:func:`image_tokens` of them)."""
     from qkrope.runtime.caches import build_rope_caches, checked_setting
 
     cfg = transformer.config
@@ -230,30 +295,43 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
     caches = build_rope_caches(WAN.scheme, {"img_shapes": [(f, h, w)],
                                             "txt_seq_len": sample.txt_len}, setting)
     b = sample.batch
-    return (torch.randn(b, f * h * w, width, generator=g).to(dtype),
+    args = (torch.randn(b, f * h * w, width, generator=g).to(dtype),
             torch.randn(b, sample.txt_len, int(cfg.text_dim), generator=g).to(dtype),
             torch.full((b,), 500.0, dtype=torch.float32),
             caches.img.clone())
+    if cfg.get("image_dim") is not None:
+        args += (torch.randn(b, image_tokens(cfg), int(cfg.image_dim), generator=g).to(dtype),)
+    return args
 
 
 def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layers: int | None,
             rounding: int):
     """The export of ``transformer`` (a placeholder skeleton) with its first ``layers`` blocks
     (every block by default): one fused node per kept block (attn1), the sidecar's axes from
-    the head width."""
+    the head width. Wan 2.1 I2V / FLF2V (``image_dim``): the graph with the image tokens
+    (:func:`qkrope.families.wan.graph_of`), their sample length recorded (I2V's dynamic axis),
+    and, with the attention's image branch, the sample's text set to 512 tokens
+    (:data:`qkrope.families.wan.I2V_TEXT_TOKENS`: the only length at which diffusers' forward,
+    the check's reference, reads the image tokens as image tokens)."""
     from qkrope.export.onnx_export import TransformerPlan
 
     if len(sample.img_shapes) != 1:
         raise InputError(f"a Wan sample is one video grid (frames, height, width in patches); "
                          f"got {sample.img_shapes}")
     cfg = dict(transformer.config)
+    decl, axis_values = graph_of(cfg), None
+    if cfg.get("added_kv_proj_dim") is not None:
+        sample.txt_len = I2V_TEXT_TOKENS
+    if decl is WAN_I2V_TRANSFORMER:
+        axis_values = {model_io.IMAGE_EMBED_TOKENS: image_tokens(cfg)}
     axes = wan_axes(int(cfg["attention_head_dim"]))
     kept, = record.kept_blocks(cfg, layers)
     wrapper = WanCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
     n = len(transformer.blocks)
     eps = float(transformer.blocks[0].attn1.norm_q.eps)
     return TransformerPlan(
-        wrapper=wrapper, args=sample_args(transformer, sample, dtype), decl=record.graph,
+        wrapper=wrapper, args=sample_args(transformer, sample, dtype), decl=decl,
+        axis_values=axis_values,
         axes=axes, theta=record.theta, rounding=rounding, nodes=kept, num_layers_exported=kept,
         blocks=f"{record.label}: {kept} of {n} blocks",
         attributes=wrapper.transformer.blocks[0].attn1.processor.attributes(eps))

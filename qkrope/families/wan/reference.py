@@ -1,6 +1,7 @@
 """Wan's reference hook (runtime layer): the keyword arguments of diffusers'
 ``WanTransformer3DModel.forward`` for the graph inputs (the packed patches unpacked to the 5-D
-latent of the sample's grid; the model computes its RoPE from that latent, in float64)."""
+latent of the sample's grid; the model computes its RoPE from that latent, in float64; Wan 2.1
+I2V / FLF2V's CLIP image tokens as the pipelines pass them)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,21 @@ from typing import Any, Mapping, Sequence
 IMAGES = 1
 
 
+def check_sample(info) -> dict:
+    """The check's default sizes for this model: Wan 2.1 I2V's 512 text tokens (with the
+    attention's image branch: the only length at which diffusers' forward reads the image
+    tokens as image tokens), else the check's defaults."""
+    from . import I2V_TEXT_TOKENS
+
+    cfg = info.config.diffusers_config or {}
+    return {"txt_len": I2V_TEXT_TOKENS} if cfg.get("added_kv_proj_dim") is not None else {}
+
+
 def forward_kwargs(info, by_role: Mapping[str, Any],
                    img_shapes: Sequence[Sequence[int]]) -> dict:
     """diffusers' forward arguments for the graph inputs ``by_role``: the latent whose patches
-    ``hidden_states`` packs (one grid, ``img_shapes[0]``), the text and the timestep. Its
+    ``hidden_states`` packs (one grid, ``img_shapes[0]``), the text and the timestep (and
+    ``encoder_hidden_states_image``: FLF2V's [B, 2 * S, D] as the pipeline's [2 * B, S, D]). Its
     output is the 5-D latent; :func:`qkrope.families.wan.dropin.pack`'s inverse order
     (:func:`graph_output`) gives the graph's packed form."""
     cfg = info.config.diffusers_config
@@ -25,8 +37,24 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
     pt, ph, pw = patch
     latent = packed.reshape(b, f, h, w, c, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
     latent = latent.reshape(b, c, f * pt, h * ph, w * pw)
-    return dict(hidden_states=latent, timestep=by_role["timestep"],
-                encoder_hidden_states=by_role["encoder_hidden_states"], return_dict=False)
+    kwargs = dict(hidden_states=latent, timestep=by_role["timestep"],
+                  encoder_hidden_states=by_role["encoder_hidden_states"], return_dict=False)
+    image = by_role.get("encoder_hidden_states_image")
+    if image is not None:  # Wan 2.1 I2V / FLF2V
+        from qkrope.errors import InputError
+
+        from . import I2V_TEXT_TOKENS
+
+        text = int(kwargs["encoder_hidden_states"].shape[1])
+        if cfg.get("added_kv_proj_dim") is not None and text != I2V_TEXT_TOKENS:
+            raise InputError(f"a sample of {text} text tokens: diffusers' Wan 2.1 I2V attention "
+                             f"reads the image tokens only with {I2V_TEXT_TOKENS} text tokens "
+                             f"(hardcoded), the check's reference. Fix: --txt-len "
+                             f"{I2V_TEXT_TOKENS}")
+        if cfg.get("pos_embed_seq_len") is not None:  # FLF2V: the pipeline's two images
+            image = image.reshape(2 * image.shape[0], image.shape[1] // 2, image.shape[2])
+        kwargs["encoder_hidden_states_image"] = image
+    return kwargs
 
 
 def graph_output(info, sample, img_shapes=None):
