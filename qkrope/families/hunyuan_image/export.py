@@ -42,6 +42,7 @@ from torch import nn
 from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
+from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 from qkrope.families._record import FamilyRecord
 
@@ -176,12 +177,8 @@ class HunyuanImageCacheInputTransformer(nn.Module):
         x = x.reshape(*x.shape[:-2], n * self.patch[-1])
         proj = self.transformer.x_embedder.proj
         if x.dtype == torch.bfloat16 and torch.onnx.is_in_onnx_export():
-            # ONNX's Conv takes no bfloat16 before opset 22: the exported graph convolves in
-            # float32 (bf16 values are exact there; one rounding to bf16 at the end, as torch's
-            # bf16 convolution accumulates in float32), the weights staying bf16 initializers
-            conv = F.conv2d if len(self.patch) == 2 else F.conv3d
-            out = conv(x.float(), proj.weight.float(), proj.bias.float(), stride=proj.stride)
-            return out.flatten(2).transpose(1, 2).to(x.dtype)
+            # the graph's bf16 convolution in float32 (export/conv.py)
+            return patch_conv(proj, x).flatten(2).transpose(1, 2)
         return self.transformer.x_embedder(x)
 
     def run(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,

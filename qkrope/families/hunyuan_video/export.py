@@ -43,6 +43,7 @@ from torch import nn
 from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
+from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 from qkrope.families._record import FamilyRecord
 
@@ -158,6 +159,12 @@ def node_count(transformer: nn.Module, kept: tuple[int, ...] | None = None) -> i
     return 2 * double + single
 
 
+def _embed(t: nn.Module, latent: torch.Tensor) -> torch.Tensor:
+    """The patch embedding (diffusers' ``x_embedder``: Conv3d, then tokens ``[B, N, C]``),
+    its bf16 convolution in float32 in an export (export/conv.py)."""
+    return patch_conv(t.x_embedder.proj, latent).flatten(2).transpose(1, 2)
+
+
 def _unpatchify(t: nn.Module, x: torch.Tensor, shape) -> torch.Tensor:
     """diffusers' output reshape: tokens back to the 5-D latent (its operations, in its order)."""
     batch, _, frames, height, width = shape
@@ -225,7 +232,7 @@ class HunyuanVideo15CacheInputTransformer(_CacheInput):
         hidden_states = latent
         shape = hidden_states.shape
         temb = t.time_embed(timestep)
-        x = t.x_embedder(hidden_states)
+        x = _embed(t, hidden_states)
         text = t.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
         text = text + t.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
         text_2 = t.context_embedder_2(encoder_hidden_states_2)
@@ -259,7 +266,7 @@ class _HunyuanVideoBase(_CacheInput):
         t = self.transformer
         shape = hidden_states.shape
         temb, _ = t.time_text_embed(timestep, pooled_projections, guidance)
-        x = t.x_embedder(hidden_states)
+        x = _embed(t, hidden_states)
         text = t.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
         s_img, s_txt = x.shape[1], text.shape[1]
         # diffusers: the first (latent + real text) tokens are attended, as keys

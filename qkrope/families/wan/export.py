@@ -35,6 +35,7 @@ from torch import nn
 from qkrope import contract, model_io
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
+from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 
 from . import I2V_IMAGE_TOKENS, I2V_TEXT_TOKENS, WAN, WAN_I2V_TRANSFORMER, graph_of, wan_axes
@@ -134,7 +135,8 @@ class WanCacheInputTransformer(nn.Module):
         batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
         patch = tuple(int(p) for p in cfg.patch_size)
         x = hidden_states.reshape(batch * tokens, int(cfg.in_channels), *patch)
-        x = t.patch_embedding(x).reshape(batch, tokens, -1)  # [B*N, inner, 1, 1, 1]
+        # [B*N, inner, 1, 1, 1]; a bf16 export convolves in float32 (export/conv.py)
+        x = patch_conv(t.patch_embedding, x).reshape(batch, tokens, -1)
         temb, timestep_proj, context, _ = t.condition_embedder(timestep, encoder_hidden_states,
                                                                None)
         timestep_proj = timestep_proj.unflatten(1, (6, -1))

@@ -1,0 +1,45 @@
+"""Every family exports in bf16 and fp16 (over the tiny builders of tests/_families.py): the
+graph passes the ONNX checker (the export runs it and refuses a graph that fails), records its
+dtype, and, for fp16, ONNX Runtime's CPU provider runs it at the family's default check sizes
+to a finite output of the fp32 export's shape. A bf16 graph is written but not run here: ONNX
+Runtime's CPU provider has no bf16 kernels for these graphs (``qkrope check`` refuses it in one
+line; a GPU provider or TensorRT runs it).
+
+Found by it: the Conv3d / Conv2d patch embeddings of HunyuanVideo(-1.5) and Wan failed the
+checker in bf16 (ONNX's Conv takes no bfloat16 before opset 22): export/conv.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+# Every family exported twice more: a heavy matrix, run in the slow step
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("torch", reason="requires torch (pip install -e '.[test]')")
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+ort = pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
+
+from _families import PARAMS  # noqa: E402
+
+from qkrope.sidecars import ModelInfo  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("builder", PARAMS)
+def test_a_16_bit_export_passes_the_checker_and_fp16_runs(builder, dtype, tmp_path):
+    from qkrope.apps.check import _default_sample
+    from qkrope.export.api import export_transformer
+    from qkrope.runtime.inputs import make_inputs
+
+    out = tmp_path / f"{builder.variant}-{dtype}.onnx"
+    export_transformer(builder.saved(tmp_path), out, dtype=dtype, progress=False)
+    info = ModelInfo.load(out)
+    assert info.dtype == dtype
+    if dtype == "bf16":
+        return
+    sample = _default_sample(info)
+    feeds = make_inputs(info, sample["img_shapes"], sample["txt_len"], sample["batch"])
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert got.dtype == np.float16 and np.isfinite(got).all()
