@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Peak memory and time of checking the first blocks of a real-size transformer on a small
-machine (not a test): ``qkrope export --layers N`` then ``qkrope check --layers N``.
+machine (not a test): ``qkrope export --layers N`` then ``qkrope check --layers N``, or with
+``--export-only`` the export alone (the streamed export's memory per real-width block).
 
 The folder has the real model's config and shard layout (5 GiB shards, an index): every header
 is real, the tensors outside the blocks and those of the first N blocks hold random bf16 values
@@ -15,6 +16,8 @@ block at a time from the shards. Each step runs in a child process whose own pea
     python scripts/check_layers_memory.py --layers 1,2 --dtype fp32
     python scripts/check_layers_memory.py --class FluxTransformer2DModel \\
         --config '{"guidance_embeds": true}' --work /data/tmp
+    python scripts/check_layers_memory.py --export-only --dtype bf16 --layers 1,2,4 \\
+        --class WanTransformer3DModel --config '{}'
 
 ``--class`` / ``--config``: the diffusers class and the keyword arguments its constructor takes
 on top of its defaults (FLUX.1-dev by default: diffusers' defaults are its widths, 19 double +
@@ -22,6 +25,13 @@ on top of its defaults (FLUX.1-dev by default: diffusers' defaults are its width
 provider runs no bf16 MatMul. Disk: the random part of the folder (~0.7 GiB per FLUX block in
 bf16) and the export (twice that in fp32), removed at the end unless ``--keep``. Linux only
 (``ru_maxrss`` in KiB).
+
+One folder serves every count of ``--layers``: it is built once with values in the first
+max(N) blocks (the export and the check of N blocks read no later block). ``--export-only``
+(meant with ``--dtype bf16``, as the README's Qwen-Image table) prints, per N, the folder's
+weights (all, and those of the N blocks), the export's peak RSS, wall time and bytes written,
+then with two or more counts a least-squares line in N and its value at the model's own block
+count. Each export is removed once measured unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -97,8 +107,16 @@ for i, part in enumerate(shards, 1):
             written += v.numel() * 2
 (out / "diffusion_pytorch_model.safetensors.index.json").write_text(
     json.dumps({"metadata": {}, "weight_map": weight_map}))
+block_bytes = []  # bf16 bytes of each block, in execution order
+for blocks in record.block_lists:
+    for j in range(len(getattr(model, blocks.attr))):
+        prefix = f"{blocks.attr}.{j}."
+        block_bytes.append(sum(v.numel() * 2 for k, v in state.items() if k.startswith(prefix)))
 print(f"{sum(v.numel() for v in state.values()) / 1e9:.2f} B parameters, "
       f"{written / 2**20:.0f} MiB of values written")
+print("INFO " + json.dumps({"params": sum(v.numel() for v in state.values()),
+                            "bytes": sum(v.numel() * 2 for v in state.values()),
+                            "shards": len(shards), "block_bytes": block_bytes}))
 """
 
 
@@ -114,15 +132,31 @@ def _measured(argv: list[str]) -> tuple[int, float, float, str]:
     return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024, wall, tail
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
+
+
+def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least-squares a, b of y = a + b x."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--class", dest="cls", default="FluxTransformer2DModel",
                     help="the diffusers transformer class (default FluxTransformer2DModel)")
     ap.add_argument("--config", default='{"guidance_embeds": true}',
                     help="JSON keyword arguments on top of the class defaults (default: "
-                         "FLUX.1-dev's guidance embeddings)")
+                         "FLUX.1-dev's guidance embeddings; '{}' for the bare defaults)")
     ap.add_argument("--layers", default="2", help="comma-separated block counts (default 2)")
     ap.add_argument("--dtype", default="fp32", help="--dtype of the export (default fp32)")
+    ap.add_argument("--opset", default=None,
+                    help="--opset of the export (default: qkrope's; bf16 Conv needs 22)")
+    ap.add_argument("--export-only", action="store_true",
+                    help="run the export alone (no check); print the weights, bytes written "
+                         "and a line fitted in the block count (use with --dtype bf16)")
     ap.add_argument("--work", default=None, help="folder for the model (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="leave the folders and exports")
     args = ap.parse_args()
@@ -130,34 +164,69 @@ def main() -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="qkrope_check_layers_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        print("| step | peak RSS | wall time |")
-        print("|---|---|---|")
+        folder = work / "model"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir()
+        rc, peak, wall, tail = _measured([sys.executable, "-c", _BUILD, str(folder),
+                                          args.cls, args.config, str(max(layers))])
+        if rc:
+            print(tail, file=sys.stderr)
+            return 2
+        lines = tail.strip().splitlines()
+        info = json.loads(next(line for line in lines if line.startswith("INFO "))[5:])
+        print(f"<!-- {args.cls} {args.config}: {lines[-2]}; {len(info['block_bytes'])} blocks; "
+              f"folder built in {wall:.0f} s -->", flush=True)
+        if args.export_only:
+            print("| blocks | weights (shards) | in the blocks | peak RSS | wall time | written |")
+            print("|---|---|---|---|---|---|")
+        else:
+            print("| step | peak RSS | wall time |")
+            print("|---|---|---|")
+        rows = []
         for n in layers:
-            folder = work / f"model_l{n}"
-            if folder.exists():
-                shutil.rmtree(folder)
-            folder.mkdir()
-            rc, peak, wall, tail = _measured([sys.executable, "-c", _BUILD, str(folder),
-                                              args.cls, args.config, str(n)])
-            if rc:
-                print(tail, file=sys.stderr)
-                return 2
-            print(f"<!-- folder: {tail.strip().splitlines()[-1]} -->", flush=True)
-            out = work / f"l{n}.onnx"
+            out_dir = work / f"l{n}"
+            shutil.rmtree(out_dir, ignore_errors=True)
+            out_dir.mkdir()
+            out = out_dir / f"l{n}.onnx"
             steps = [("export", ["export", "--model", "transformer", "--diffusers", str(folder),
-                                 "--dtype", args.dtype, "--layers", str(n), "--out", str(out)]),
-                     ("check", ["check", str(out), "--layers", str(n),
-                                "--workdir", str(work / f"l{n}.check")])]
+                                 "--dtype", args.dtype, "--layers", str(n), "--out", str(out),
+                                 *(["--opset", args.opset] if args.opset else [])])]
+            if not args.export_only:
+                steps.append(("check", ["check", str(out), "--layers", str(n),
+                                        "--workdir", str(work / f"l{n}.check")]))
             for what, argv in steps:
                 rc, peak, wall, tail = _measured([sys.executable, "-m", "qkrope", *argv])
                 if rc:
+                    print(f"{what} --layers {n} failed (exit {rc}):", file=sys.stderr)
                     print(tail, file=sys.stderr)
                     return 2
-                print(f"| {what} --layers {n} | {peak:.0f} MiB | {wall:.0f} s |", flush=True)
                 if what == "check":
+                    print(f"| check --layers {n} | {peak:.0f} MiB | {wall:.0f} s |", flush=True)
                     print("\n".join("    " + line for line in tail.strip().splitlines()
                                     if line.startswith(("compared", "onnxrt", "PASSED",
                                                         "FAILED"))), flush=True)
+                elif not args.export_only:
+                    print(f"| export --layers {n} | {peak:.0f} MiB | {wall:.0f} s |", flush=True)
+                else:
+                    files = [f for f in out_dir.iterdir() if f.is_file()]
+                    written = sum(f.stat().st_size for f in files)
+                    extra = [f for f in files if f.suffix not in (".onnx", ".json")]
+                    rows.append((n, peak, wall))
+                    print(f"| {n} | {_mib(info['bytes'])} ({info['shards']}) "
+                          f"| {_mib(sum(info['block_bytes'][:n]))} | {peak:.0f} MiB "
+                          f"| {wall:.0f} s | {_mib(written)} "
+                          f"({'+ external data' if extra else 'one file'}) |", flush=True)
+            if args.export_only and not args.keep:
+                shutil.rmtree(out_dir, ignore_errors=True)
+        if len(rows) >= 2:
+            total = len(info["block_bytes"])
+            a, b = _fit([r[0] for r in rows], [r[1] for r in rows])
+            c, d = _fit([r[0] for r in rows], [r[2] for r in rows])
+            print(f"fitted: peak RSS = {a:.0f} MiB + {b:.1f} MiB x blocks, "
+                  f"time = {c:.0f} s + {d:.1f} s x blocks; at {total} blocks "
+                  f"(the whole model, {_mib(info['bytes'])}): {a + b * total:.0f} MiB, "
+                  f"{(c + d * total) / 60:.1f} min", flush=True)
     finally:
         if not args.keep and not args.work:
             shutil.rmtree(work, ignore_errors=True)
