@@ -370,6 +370,18 @@ def test_video_to_video_pipeline(exported):
     assert float((got - want).abs().max()) <= _pipeline_bound(_per_call(folder, path))
 
 
+def _i2v_frames(pipe, image, text_tokens: int):
+    """An image-to-video pipeline's latent frames for ``image``: random prompt and negative
+    embeddings of ``text_tokens`` (seed 0), 5 frames of 32 x 48, STEPS steps with CFG."""
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, text_tokens, 16, generator=g)
+    negative = torch.randn(1, text_tokens, 16, generator=g)
+    return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
+                height=32, width=48, num_frames=5, num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE, output_type="latent",
+                generator=torch.Generator().manual_seed(1)).frames
+
+
 def test_wan22_image_to_video_pipeline(root):
     """WanImageToVideoPipeline with a Wan 2.2 I2V-A14B-shaped model (the image's VAE latent and
     the first-frame mask enter as latent channels: in_channels 16 + 4 + 16 = 36), diffusers'
@@ -397,12 +409,7 @@ def test_wan22_image_to_video_pipeline(root):
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
             transformer=transformer)
         pipe.set_progress_bar_config(disable=True)
-        g = torch.Generator().manual_seed(0)
-        embeds, negative = torch.randn(1, 11, 16, generator=g), torch.randn(1, 11, 16, generator=g)
-        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
-                    height=32, width=48, num_frames=5, num_inference_steps=STEPS,
-                    guidance_scale=GUIDANCE, output_type="latent",
-                    generator=torch.Generator().manual_seed(1)).frames
+        return _i2v_frames(pipe, image, 11)
 
     want = run(_stock(folder))
     got = run(load_transformer(path))
@@ -709,13 +716,7 @@ def test_wan21_image_to_video_pipeline(i2v_exported):
             return forward(*a, **k)
 
         transformer.forward = counted
-        g = torch.Generator().manual_seed(0)
-        embeds = torch.randn(1, TEXT, 16, generator=g)
-        negative = torch.randn(1, TEXT, 16, generator=g)
-        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
-                    height=32, width=48, num_frames=5, num_inference_steps=STEPS,
-                    guidance_scale=GUIDANCE, output_type="latent",
-                    generator=torch.Generator().manual_seed(1)).frames
+        return _i2v_frames(pipe, image, TEXT)
 
     want = run(_stock(folder))
     got = run(load_transformer(path))
