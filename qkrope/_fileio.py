@@ -139,20 +139,41 @@ def sha256_file(path: str | os.PathLike) -> str:
 NO_HARD_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
-def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike, *, copy: bool = False) -> str:
-    """``dst`` becomes ``src``'s content: a hard link where the filesystem allows one (no bytes
-    copied; both names share one inode, so ``src`` must never be rewritten in place: qkrope's
-    writers replace files by rename), else (or with ``copy``) a copy. Returns "hard-linked" or
-    "copied"; other OS errors (a full disk) are raised."""
-    if not copy:
+FICLONE = 0x40049409  # Linux ioctl: make dst share src's extents, copy-on-write (btrfs, XFS, ...)
+
+
+def clone_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+    """``dst`` becomes an independent copy of ``src``: a copy-on-write clone (``FICLONE``) where
+    the filesystem makes one (no bytes copied, and a later in-place rewrite of either file leaves
+    the other as it was), else a plain copy. Returns "cloned" or "copied"; an OS error of the copy
+    itself (a full disk) is raised."""
+    try:
+        import fcntl
+
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        return "cloned"
+    except (ImportError, OSError):
+        pass  # no reflink here (ext4, tmpfs, another filesystem): copy the bytes below
+    shutil.copyfile(src, dst)
+    return "copied"
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike, *, link: bool = False) -> str:
+    """``dst`` becomes ``src``'s content. By default an independent copy (:func:`clone_or_copy`:
+    a copy-on-write clone where the filesystem has one), so rewriting ``src`` in place later never
+    changes ``dst``. With ``link`` (the caller's explicit choice) a hard link where the
+    filesystem allows one (both names share one inode: an in-place rewrite of ``src`` changes
+    ``dst`` too), else a copy. Returns "hard-linked", "cloned" or "copied"; other OS errors (a
+    full disk) are raised."""
+    if link:
         try:
             os.link(src, dst)
             return "hard-linked"
         except OSError as exc:
             if exc.errno not in NO_HARD_LINK:
                 raise
-    shutil.copyfile(src, dst)
-    return "copied"
+    return clone_or_copy(src, dst)
 
 
 # --------------------------------------------------------------------------------------------

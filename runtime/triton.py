@@ -761,7 +761,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     transfer: list[str] = []
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(engine, d / "1" / "model.plan", copy=copy))
+        transfer.append(link_or_copy(engine, d / "1" / "model.plan", link=not copy))
         served_record(engine_sidecar_path(engine), d / "1" / "model.plan")
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
         if copy_plugin:
@@ -848,9 +848,9 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     transfer: list[str] = []
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx", copy=copy))
+        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx", link=not copy))
         for f in data:  # keeps the name the model's tensors refer to
-            transfer.append(link_or_copy(f, d / "1" / f.name, copy=copy))
+            transfer.append(link_or_copy(f, d / "1" / f.name, link=not copy))
         served_record(sidecar_path(onnx_path), d / "1" / "model.onnx")
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
