@@ -87,7 +87,7 @@ def test_the_graph_covers_every_module():
 
 FAMILIES = "qkrope.families"
 # a family's hook modules by kind -> their layer (the registry and the records are root)
-FAMILY_HOOK_LAYER = {"export": 2, "reference": 1, "dropin": 1}
+FAMILY_HOOK_LAYER = {"export": 2, "reference": 1, "dropin": 1, "tiny": 3}
 
 
 def _family_of(mod: str) -> str | None:

@@ -1,66 +1,37 @@
-"""A tiny random Qwen-Image pipeline built in code (nothing downloaded), for the main job's
-pipeline step and the pipeline tests: a QwenImageTransformer2DModel of 2 blocks x 2 heads x 32,
-an AutoencoderKLQwenImage with 4 latent channels, a flow-matching Euler scheduler, and the text
-encoder bypassed with prompt embeddings."""
+"""Tiny random diffusers pipelines built in code (nothing downloaded), one recipe per model
+family, to try a family end to end and for the tests:
+
+    python -m qkrope.apps.tiny_pipeline FAMILY DIR      # or save_tiny_pipeline(FAMILY, DIR)
+    qkrope export --model transformer --diffusers DIR/transformer -o tiny.onnx
+    qkrope generate DIR --transformer tiny.onnx --prompt "a cat" --steps 2 -o cat.png
+
+:func:`save_tiny_pipeline` saves a whole pipeline folder with ``save_pretrained``
+(model_index.json, a tiny random transformer, VAE, scheduler, and random text encoders with
+tokenizers built in code), the pipeline class the family's diffusers checkpoints use. Each
+family's recipe lives in its folder (``qkrope/families/<f>/tiny.py``: ``save_pipeline(record,
+directory, seed)``), found through the registry (``qkrope.families.hooks(record, "tiny")``);
+this module names no family. It holds what the recipes share: :func:`byte_tokenizer` (any
+prompt tokenizes, one token per byte), :func:`randomised` (weights of a non-trivial scale) and
+the latent bound the pipeline tests use.
+
+The names of the Qwen-Image recipe that came first (``tiny_transformer``, ``tiny_vae``,
+``TRANSFORMER_CONFIG``, ``pipeline``, ``prompt_embeds``, ...) are still read from here: they
+live in the default family's ``tiny`` module (:func:`__getattr__`), and
+:func:`save_text_pipeline` saves that family's pipeline.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from qkrope._deps import require
-
-TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
-                          attention_head_dim=32, num_attention_heads=2, joint_attention_dim=24,
-                          axes_dims_rope=(8, 12, 12))
-VAE_CONFIG = dict(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
-                  temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-
-
-def tiny_transformer(seed: int = 0):
-    """Random weights of a non-trivial scale (diffusers' init zeroes some layers)."""
-    diffusers = require("diffusers", "the tiny Qwen-Image pipeline")
-    g = torch.Generator().manual_seed(seed)
-    model = diffusers.QwenImageTransformer2DModel(**TRANSFORMER_CONFIG)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
-    return model.eval()
-
-
-def tiny_vae(seed: int = 0):
-    diffusers = require("diffusers", "the tiny Qwen-Image pipeline")
-    torch.manual_seed(seed)  # diffusers initialises from the global generator
-    return diffusers.AutoencoderKLQwenImage(**VAE_CONFIG).eval()
-
-
-def pipeline(transformer, vae, *, edit: bool = False):
-    """A QwenImagePipeline (or QwenImageEditPipeline) around ``transformer`` without a text
-    encoder: call it with prompt_embeds / prompt_embeds_mask."""
-    diffusers = require("diffusers", "the tiny Qwen-Image pipeline")
-    require("transformers", "diffusers' Qwen-Image pipelines")
-    cls = diffusers.QwenImageEditPipeline if edit else diffusers.QwenImagePipeline
-    extra = {"processor": None} if edit else {}
-    return cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
-               tokenizer=None, transformer=transformer, **extra)
-
-
-def prompt_embeds(batch: int, tokens: int, seed: int, *, pad: int = 0):
-    """Random prompt embeddings and their 1/0 mask; the last prompt is ``pad`` tokens shorter."""
-    g = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(batch, tokens, TRANSFORMER_CONFIG["joint_attention_dim"], generator=g)
-    mask = torch.ones(batch, tokens, dtype=torch.long)
-    if pad:
-        mask[-1, tokens - pad:] = 0
-    return embeds, mask
-
-
-def save_transformer(model, directory: str | Path) -> Path:
-    directory = Path(directory)
-    model.save_pretrained(str(directory))
-    return directory
+from qkrope.errors import InputError, QkropeError
 
 
 # The exported transformer's output differs from diffusers' by the fp32 summation orders of
@@ -73,26 +44,50 @@ def save_transformer(model, directory: str | Path) -> Path:
 TRANSFORMER_PARITY = 1e-4
 
 
-def latent_bound(reference: torch.Tensor, cfg_scale: float = 1.0) -> float:
-    """Largest |latents - reference| an exported transformer may cause (derivation above)."""
-    return float(TRANSFORMER_PARITY * (1 + 2 * max(cfg_scale, 1.0)) * reference.abs().max())
+def latent_bound(reference: torch.Tensor, cfg_scale: float = 1.0,
+                 parity: float = TRANSFORMER_PARITY) -> float:
+    """Largest |latents - reference| an exported transformer whose per-call error is within
+    ``parity`` x max|output| may cause (derivation above)."""
+    return float(parity * (1 + 2 * max(cfg_scale, 1.0)) * reference.abs().max())
 
 
-#: the tiny text encoder of :func:`save_text_pipeline`: a 1-layer Qwen2 whose width is the tiny
-#: transformer's text width (the pipeline reads its last hidden state)
-TEXT_ENCODER_CONFIG = dict(hidden_size=TRANSFORMER_CONFIG["joint_attention_dim"],
-                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=2, max_position_embeddings=4096)
+def randomised(model, seed: int = 0, *, scale: float = 0.2, vector_scale: float = 0.05):
+    """``model`` with random weights of a non-trivial scale (diffusers' init zeroes some
+    layers): matrices ~ N(0, scale^2), vectors ~ N(0, vector_scale^2), norm weights near 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (scale if p.dim() > 1 else vector_scale)
+                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+    return model.eval()
 
 
-def byte_tokenizer():
-    """A byte-level BPE tokenizer without merges (one token per byte, plus the chat markers the
-    Qwen-Image prompt template uses), built in code: any prompt tokenizes, nothing downloaded."""
-    require("transformers", "the tiny Qwen-Image pipeline's tokenizer")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+#: A chat template in the ChatML form the Qwen-family prompt templates use (system / user /
+#: assistant turns between <|im_start|> and <|im_end|>), for the pipelines that call
+#: ``tokenizer.apply_chat_template``; keyword arguments it does not read are ignored.
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                   "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+                   "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+                   "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+#: the special tokens of :func:`byte_tokenizer` by default: pad, the chat markers, end
+BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def byte_tokenizer(specials=BYTE_SPECIALS, *, pad: str = "<|endoftext|>",
+                   eos: str = "<|im_end|>", bos: str | None = None, unk: str | None = None,
+                   model_max_length: int | None = None, chat_template: str | None = None,
+                   append_eos: bool = False):
+    """A byte-level BPE tokenizer without merges (one token per byte, plus ``specials``), built
+    in code: any prompt tokenizes, nothing downloaded. ``append_eos`` ends every encoded text
+    with ``eos`` (as T5's and CLIP's tokenizers do); ``model_max_length`` is the length
+    ``truncation=True`` cuts to where a pipeline gives none."""
+    require("transformers", "a tiny pipeline's tokenizer")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = list(dict.fromkeys([*specials, *(t for t in (pad, eos, bos, unk) if t)]))
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for s in specials:
         vocab[s] = len(vocab)
@@ -100,24 +95,108 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>")
+    if append_eos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {eos}", pair=f"$A $B {eos}", special_tokens=[(eos, vocab[eos])])
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, eos_token=eos,
+                                  bos_token=bos, unk_token=unk, **extra)
+    if chat_template is not None:
+        out.chat_template = chat_template
+    return out
+
+
+def save_transformer(model, directory: str | Path) -> Path:
+    directory = Path(directory)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def _record(family: str):
+    """The registry's record of ``family`` (its sidecar name, e.g. ``flux1``); one line listing
+    the known ones otherwise."""
+    from qkrope import families
+
+    if not isinstance(family, str) or family not in families.names():
+        raise InputError(f"unknown model family {family!r}: the tiny pipelines are "
+                         f"{', '.join(families.names())}. Fix: pass one of them")
+    return families.by_name(family)
+
+
+def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:
+    """Save the tiny random pipeline of ``family`` (a name of :func:`qkrope.families.names`)
+    to ``directory`` with ``save_pretrained``: a folder ``qkrope generate`` runs from a prompt.
+    The folder is written under a temporary name and renamed into place, so an existing
+    ``directory`` is never touched (one that holds files is refused)."""
+    from qkrope import families
+
+    record = _record(family)
+    directory = Path(directory)
+    if directory.is_symlink() or directory.exists() and (
+            not directory.is_dir() or any(directory.iterdir())):
+        raise InputError(f"{directory} already exists and is not an empty folder. Fix: pass a "
+                         f"new folder for the tiny {record.short} pipeline (or remove it)")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        families.hooks(record, "tiny").save_pipeline(record, staging, seed)
+        if directory.is_dir():
+            directory.rmdir()  # empty (checked above): the staged folder takes its place
+        os.replace(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
 
 
 def save_text_pipeline(directory: str | Path, seed: int = 0) -> Path:
-    """A whole tiny QwenImagePipeline saved with ``save_pretrained`` (model_index.json, the tiny
-    transformer and VAE, a random 1-layer Qwen2 text encoder and :func:`byte_tokenizer`): a
-    pipeline folder that runs from a prompt (``qkrope generate``)."""
-    diffusers = require("diffusers", "the tiny Qwen-Image pipeline")
-    require("transformers", "the tiny Qwen-Image pipeline's text encoder")
-    from transformers import Qwen2Config, Qwen2Model
+    """The tiny pipeline of the default family (Qwen-Image, the README's recipe):
+    :func:`save_tiny_pipeline` of ``qkrope.families.default()``."""
+    from qkrope import families
 
-    tokenizer = byte_tokenizer()
-    torch.manual_seed(seed)
-    encoder = Qwen2Model(Qwen2Config(vocab_size=len(tokenizer), **TEXT_ENCODER_CONFIG)).eval()
-    pipe = diffusers.QwenImagePipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=tiny_vae(seed),
-        text_encoder=encoder, tokenizer=tokenizer, transformer=tiny_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return save_tiny_pipeline(families.default().name, directory, seed)
+
+
+def __getattr__(name: str):
+    """The default family's tiny builders by their old names here (``tiny_transformer``,
+    ``TRANSFORMER_CONFIG``, ...): read from its ``tiny`` module."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from qkrope import families
+
+    module = families.hooks(families.default(), "tiny")
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qkrope import families
+
+    parser = argparse.ArgumentParser(
+        prog="python -m qkrope.apps.tiny_pipeline",
+        description="Save a tiny random diffusers pipeline of a model family (built in code, "
+                    "nothing downloaded) with save_pretrained, to try the family end to end: "
+                    "qkrope export --model transformer --diffusers DIR/transformer -o t.onnx; "
+                    "qkrope generate DIR --transformer t.onnx --prompt 'a cat' -o cat.png. "
+                    f"Families: {', '.join(families.names())}.")
+    parser.add_argument("family", metavar="FAMILY",
+                        help=f"one of {', '.join(families.names())}")
+    parser.add_argument("directory", metavar="DIR", help="a new (or empty) folder to save to")
+    parser.add_argument("--seed", type=int, default=0, help="random weights' seed (default 0)")
+    args = parser.parse_args(argv)
+    try:
+        out = save_tiny_pipeline(args.family, args.directory, args.seed)
+    except QkropeError as exc:
+        print(f"qkrope tiny_pipeline: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+__all__ = ["save_tiny_pipeline", "save_text_pipeline", "byte_tokenizer", "randomised",
+           "latent_bound", "TRANSFORMER_PARITY", "CHATML_TEMPLATE", "save_transformer", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

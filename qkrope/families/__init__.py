@@ -6,7 +6,9 @@ A family folder ``qkrope/families/<package>/`` holds:
 - ``export.py`` (export layer): the export hooks (config check, attention processors, the
   cache-input wrapper, sample inputs, post-export checks);
 - ``reference.py`` (runtime layer): the keyword arguments of its reference (diffusers) forward;
-- ``dropin.py`` (runtime layer): the pipeline drop-in.
+- ``dropin.py`` (runtime layer): the pipeline drop-in;
+- ``tiny.py`` (apps layer): its tiny random pipeline built in code,
+  ``save_pipeline(record, directory, seed)`` (qkrope.apps.tiny_pipeline).
 
 :data:`FAMILY_PACKAGES` is the one list a new family is added to. The registry is keyed by the
 diffusers class (:func:`by_class`, :func:`family_of`) and by the sidecar's family name
@@ -28,7 +30,7 @@ from qkrope.families._record import FamilyRecord
 FAMILY_PACKAGES = ("qwen_image", "flux", "chroma", "hunyuan_video", "hunyuan_image", "z_image",
                    "cosmos", "wan")
 #: The hook modules a family folder has.
-HOOK_KINDS = ("export", "reference", "dropin")
+HOOK_KINDS = ("export", "reference", "dropin", "tiny")
 
 
 @functools.lru_cache(maxsize=1)
