@@ -3,12 +3,13 @@
 Layout written (one model directory, created atomically)::
 
     REPO/<name>/config.pbtxt             platform "tensorrt_plan", I/O from the engine's sidecar
-    REPO/<name>/1/model.plan             the engine: a hard link to it on the same filesystem
-                                         (no bytes copied; qkrope's writers replace an engine by
-                                         rename, so the link keeps the engine it was made from;
-                                         an in-place rewrite of the source changes it too),
-                                         a copy elsewhere or with ``copy=True`` (``--copy``; the
-                                         result's ``transfer`` says which)
+    REPO/<name>/1/model.plan             the engine: an independent copy (a copy-on-write clone
+                                         where the filesystem makes one, else a plain copy), so
+                                         rewriting the source in place never changes what is
+                                         served; a hard link only with ``link=True`` (``--link``:
+                                         no bytes copied, but an in-place rewrite of the source
+                                         changes the served model too); the result's
+                                         ``transfer`` says which
     REPO/<name>/1/model.plan.json        a copy of the engine's sidecar: the record qkrope's
                                          loaders check the served file against
     REPO/<name>/libqkrope_plugin.so      copy of the plugin library (unless --no-copy-plugin);
@@ -293,8 +294,11 @@ class RepoResult:
     command: str
     version_compatible: bool = False
     models: list[Path] | None = None  # every model directory written (main, rope, ensemble)
-    # how the engine (or the ONNX model and its data) went in: "hard-linked" or "copied"
+    # how the engine (or the ONNX model and its data) went in: "cloned" or "copied" (an
+    # independent file), or "hard-linked" (``link=True`` only)
     transfer: str = "copied"
+    # whether the caller asked for a hard link (``link=True``, ``--link``)
+    link: bool = False
     # what the ensemble's clients send in place of the caches (the scheme's: img_shapes, or ids)
     rope_inputs: list[str] | None = None
 
@@ -710,10 +714,19 @@ PYTHON_ENV_NOTE = ("the *_rope model (Python backend) needs numpy in the server'
 
 
 #: What the command says of a hard-linked model (its output and the README say the same).
-HARD_LINK_NOTE = ("a hard link shares the file with its source: rewriting the source in place "
-                  "(onnx.save or a copy over it, not a rename) changes the served model too, and "
-                  "qkrope then refuses the served file (its record beside it no longer matches); "
-                  "pass --copy to copy instead")
+HARD_LINK_NOTE = ("--link: a hard link shares the file with its source: rewriting the source in "
+                  "place (onnx.save or a copy over it, not a rename) changes the served model "
+                  "too, and qkrope then refuses the served file (its record beside it no longer "
+                  "matches); leave out --link to copy instead")
+
+
+def _transfer(results: Sequence[str]) -> str:
+    """One word for how a model's files went in (:func:`qkrope._fileio.link_or_copy`'s
+    answers): "hard-linked" when any file is shared with its source (the warning must be said),
+    "cloned" when every file is a clone, else "copied"."""
+    if "hard-linked" in results:
+        return "hard-linked"
+    return "cloned" if results and all(r == "cloned" for r in results) else "copied"
 
 
 def served_record(sidecar: Path, served: Path) -> None:
@@ -721,7 +734,8 @@ def served_record(sidecar: Path, served: Path) -> None:
     ``1/model.onnx.json``): the record (sha256, size, mtime_ns, inode, write id) qkrope's own
     loaders check the served file against (:meth:`EngineInfo.load` / :meth:`ModelInfo.load`;
     ``qkrope check`` on the repository), so a served file that no longer matches it (its hard
-    linked source rewritten in place) is refused. Triton reads only the model file."""
+    linked source rewritten in place, ``--link``) is refused. Triton reads only the model
+    file."""
     shutil.copyfile(sidecar, Path(str(served) + ".json"))
 
 
@@ -730,8 +744,11 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                      serving: Serving | None = None, force: bool = False,
                      copy_plugin: bool = True, check_plugin_hash: bool = True,
                      ensemble: bool | None = None, max_img_tokens: int | None = None,
-                     max_txt_tokens: int | None = None, copy: bool = False) -> RepoResult:
-    """Write ``repo/<name>`` for ``engine`` (:func:`_write_models`). For a whole transformer
+                     max_txt_tokens: int | None = None, link: bool = False) -> RepoResult:
+    """Write ``repo/<name>`` for ``engine`` (:func:`_write_models`): the engine goes in as an
+    independent copy (a copy-on-write clone where the filesystem has one), or with ``link`` as
+    a hard link (the caller's explicit choice: an in-place rewrite of the source then changes
+    the served engine too). For a whole transformer
     (:func:`is_transformer`; ``ensemble=None``: whenever it is one) three models:
     ``<name>_trt`` (the engine), ``<name>_rope`` (Python backend, the caches) and ``<name>``
     (the ensemble clients call); else the one model ``<name>``. The rope model accepts what the
@@ -761,7 +778,7 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     transfer: list[str] = []
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(engine, d / "1" / "model.plan", link=not copy))
+        transfer.append(link_or_copy(engine, d / "1" / "model.plan", link=link))
         served_record(engine_sidecar_path(engine), d / "1" / "model.plan")
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
         if copy_plugin:
@@ -783,8 +800,8 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                       plugin_final.resolve() if plugin_final is not None else None,
                       server_command(repo, plugin_final, version_compatible=vc,
                                      plugin_in_engine=in_engine), version_compatible=vc,
-                      models=[repo / m for m in models], transfer=transfer[0],
-                      rope_inputs=rope_inputs)
+                      models=[repo / m for m in models], transfer=_transfer(transfer),
+                      rope_inputs=rope_inputs, link=link)
 
 
 def _onnx_files(onnx_path: Path) -> list[Path]:
@@ -805,9 +822,10 @@ def _onnx_files(onnx_path: Path) -> list[Path]:
 def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str, *,
                           name: str | None = None, serving: Serving | None = None,
                           force: bool = False, max_img_tokens: int | None = None,
-                          max_txt_tokens: int | None = None, copy: bool = False) -> RepoResult:
+                          max_txt_tokens: int | None = None, link: bool = False) -> RepoResult:
     """``--backend onnxruntime``: serve ``qkrope export``'s .onnx (and its external data file)
-    with Triton's onnxruntime backend, no TensorRT or plugin. A transformer gets the ensemble
+    with Triton's onnxruntime backend, no TensorRT or plugin; the files go in as independent
+    copies (clones where the filesystem has them), or hard-linked with ``link``. A transformer gets the ensemble
     (``<name>_onnx``, ``<name>_rope``, ``<name>``), an attention block one model ``<name>``.
     The rope model accepts ``max_img_tokens`` / ``max_txt_tokens`` (default: ``qkrope
     build``'s default profile)."""
@@ -848,9 +866,9 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     transfer: list[str] = []
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx", link=not copy))
+        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx", link=link))
         for f in data:  # keeps the name the model's tensors refer to
-            transfer.append(link_or_copy(f, d / "1" / f.name, link=not copy))
+            transfer.append(link_or_copy(f, d / "1" / f.name, link=link))
         served_record(sidecar_path(onnx_path), d / "1" / "model.onnx")
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
@@ -870,4 +888,4 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",
                       None, f"tritonserver --model-repository={repo.resolve()}",
                       models=[repo / m for m in models], rope_inputs=rope_inputs,
-                      transfer="copied" if "copied" in transfer else "hard-linked")
+                      transfer=_transfer(transfer), link=link)

@@ -1,7 +1,9 @@
-"""Issue 34, class 8: triton-repo's hard link is a documented trade-off that the command states;
---copy copies instead; and where qkrope itself loads a served file (the loaders, `qkrope check`
-on the repository's model) a file that no longer matches its record is refused: the repository
-keeps a copy of the sidecar beside the served file."""
+"""Issue 34, class 8 and issue 42, item 3: what triton-repo serves is what was given. By default
+the engine (or the ONNX model) goes in as an independent copy (a clone where the filesystem has
+one), so an in-place rewrite of the source leaves the served model as it was; ``--link`` hard-
+links instead, a trade-off the command states; and where qkrope itself loads a served file (the
+loaders, `qkrope check` on the repository's model) a file that no longer matches its record is
+refused: the repository keeps a copy of the sidecar beside the served file."""
 
 from __future__ import annotations
 
@@ -43,14 +45,35 @@ def _rewrite_in_place(path: Path) -> None:
     assert os.stat(path).st_ino == ino
 
 
-def test_the_hard_link_is_said_and_a_rewritten_source_is_refused_where_served(
-        exported, tmp_path, capsys):
+def test_by_default_the_served_model_survives_a_rewritten_source(exported, tmp_path, capsys):
+    """The default: the repository's model is its own file; onnx.save over the source (same
+    inode, new bytes) leaves it byte for byte as it was, still matching its record."""
+    before = exported.read_bytes()
     served, out = _repo(exported, tmp_path, capsys)
-    assert "hard-linked" in out and "--copy" in out and "in place" in out
+    assert ("the model and its data: copied" in out or "the model and its data: cloned" in out), out
+    assert "leaves the served model as it is" in out and "hard link shares" not in out
+    assert not os.path.samefile(served, exported)
+    _rewrite_in_place(exported)
+    assert exported.read_bytes() != before
+    assert served.read_bytes() == before  # not the edited weights
+    assert ModelInfo.load(served).write_id is not None  # still the model it was made from
+
+
+def test_copy_names_the_default(exported, tmp_path, capsys):
+    served, out = _repo(exported, tmp_path, capsys, "--copy")
+    assert "--link hard-links instead" in out and not os.path.samefile(served, exported)
+
+
+def test_link_is_said_and_a_rewritten_source_is_refused_where_served(exported, tmp_path, capsys):
+    """--link, the explicit option: the command says the link and its trade-off; an in-place
+    rewrite of the source changes the served file, which qkrope's loaders then refuse."""
+    served, out = _repo(exported, tmp_path, capsys, "--link")
+    assert "hard-linked (--link" in out and "in place" in out and "leave out --link" in out
     assert os.stat(served).st_ino == os.stat(exported).st_ino
     assert Path(str(served) + ".json").is_file()
     ModelInfo.load(served)  # the served file matches its record
     _rewrite_in_place(exported)
+    assert served.read_bytes() == exported.read_bytes()  # the link serves the edit
     with pytest.raises(ModelInfoError, match="does not describe this model"):
         ModelInfo.load(served)
     rc = main(["check", str(served), "--workdir", str(tmp_path / "w")])
@@ -59,21 +82,24 @@ def test_the_hard_link_is_said_and_a_rewritten_source_is_refused_where_served(
     assert rc == 2 and "Traceback" not in err and len(lines) == 1 and str(served) in lines[0]
 
 
-def test_copy_copies_and_the_served_model_survives_a_rewritten_source(exported, tmp_path,
-                                                                      capsys):
-    served, out = _repo(exported, tmp_path, capsys, "--copy")
-    assert "copied" in out and "hard link shares" not in out
-    assert os.stat(served).st_ino != os.stat(exported).st_ino
-    _rewrite_in_place(exported)
-    assert ModelInfo.load(served).write_id is not None  # still the model it was made from
+def test_copy_and_link_together_are_refused(exported, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(exported), "-o",
+              str(tmp_path / "repo"), "--copy", "--link"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
 
 
-def test_the_note_is_in_the_help_and_the_readme():
+def test_the_note_is_in_the_help_and_the_readme(capsys):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert "`--copy` copies instead" in readme
+    assert "`--link` hard-links instead" in readme
     from qkrope.runtime import triton
 
-    assert "--copy" in triton.HARD_LINK_NOTE
+    assert "leave out --link" in triton.HARD_LINK_NOTE
+    with pytest.raises(SystemExit):
+        main(["triton-repo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--link hard-link the engine" in help_text and "copy-on-write clone" in help_text
 
 
 def _engine(tmp_path: Path) -> Path:
@@ -105,30 +131,35 @@ def _rewrite_engine_in_place(path: Path) -> None:
     assert os.stat(path).st_ino == ino
 
 
-def test_a_served_engine_rewritten_through_its_hard_link_is_refused(tmp_path, capsys):
-    """The served-engine case of class 8: triton-repo hard-links the engine into the repository
-    (and keeps a copy of its sidecar beside it); a rebuild written in place over the source
-    changes the served plan too, and the sidecar the repository kept refuses it where qkrope
-    loads it (EngineInfo.load: the loaders and the runtime), in one line naming the file."""
+def test_a_served_engine_is_its_own_file_and_with_link_a_rewrite_is_refused(tmp_path, capsys):
+    """The served-engine case: by default the repository's plan is its own file, and a rebuild
+    written in place over the source leaves it as it was; with --link the plan shares the
+    source's inode, the rewrite changes it, and the sidecar the repository kept refuses it where
+    qkrope loads it (EngineInfo.load: the loaders and the runtime), in one line naming it."""
     from qkrope.sidecars import EngineInfo, EngineInfoError
 
     eng = _engine(tmp_path)
+    before = eng.read_bytes()
     repo = tmp_path / "repo"
     assert main(["triton-repo", "--engine", str(eng), "-o", str(repo), "--name", "attn"]) == 0
     out = capsys.readouterr().out
     served = repo / "attn" / "1" / "model.plan"
-    assert "hard-linked" in out and "--copy" in out
-    assert os.stat(served).st_ino == os.stat(eng).st_ino
-    assert EngineInfo.load(served).engine_sha256 is not None  # served as built: accepted
+    assert "the engine: copied" in out or "the engine: cloned" in out, out
+    assert not os.path.samefile(served, eng)
     _rewrite_engine_in_place(eng)
-    with pytest.raises(EngineInfoError, match="does not describe this engine") as err:
-        EngineInfo.load(served)
-    assert "\n" not in str(err.value) and "qkrope build" in str(err.value)
-    # --copy: the served plan is its own file, and a rewritten source leaves it as it was
+    assert served.read_bytes() == before
+    assert EngineInfo.load(served).engine_sha256 is not None  # served as built: accepted
+    # --link: the served plan is the source's inode
     eng2 = _engine(tmp_path / "b")
     repo2 = tmp_path / "repo2"
     assert main(["triton-repo", "--engine", str(eng2), "-o", str(repo2), "--name", "attn",
-                 "--copy"]) == 0
+                 "--link"]) == 0
+    out = capsys.readouterr().out
     served2 = repo2 / "attn" / "1" / "model.plan"
+    assert "the engine: hard-linked (--link" in out and "leave out --link" in out
+    assert os.stat(served2).st_ino == os.stat(eng2).st_ino
+    EngineInfo.load(served2)
     _rewrite_engine_in_place(eng2)
-    assert EngineInfo.load(served2).engine_sha256 is not None
+    with pytest.raises(EngineInfoError, match="does not describe this engine") as err:
+        EngineInfo.load(served2)
+    assert "\n" not in str(err.value) and "qkrope build" in str(err.value)

@@ -253,7 +253,7 @@ def test_engine_name_carries_the_write_id(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# qkrope triton-repo: hard link on one filesystem, copy across
+# qkrope triton-repo: a copy by default; --link: a hard link on one filesystem, a copy across
 # --------------------------------------------------------------------------------------------
 
 def _plugin_engine(tmp_path: Path) -> tuple[Path, Path]:
@@ -271,8 +271,10 @@ def _plugin_engine(tmp_path: Path) -> tuple[Path, Path]:
     return eng, lib
 
 
-@pytest.mark.parametrize("cross_device", [False, True], ids=["same-fs", "exdev"])
-def test_triton_repo_links_or_copies_the_engine(tmp_path, monkeypatch, capsys, cross_device):
+@pytest.mark.parametrize("link,cross_device", [(False, False), (True, False), (True, True)],
+                         ids=["default", "link-same-fs", "link-exdev"])
+def test_triton_repo_copies_or_links_the_engine(tmp_path, monkeypatch, capsys, link,
+                                                 cross_device):
     from qkrope.cli import main
 
     eng, lib = _plugin_engine(tmp_path)
@@ -283,19 +285,22 @@ def test_triton_repo_links_or_copies_the_engine(tmp_path, monkeypatch, capsys, c
         monkeypatch.setattr(os, "link", no_link)
     repo = tmp_path / "repo"
     assert main(["triton-repo", "--engine", str(eng), "--plugin", str(lib), "-o",
-                 str(repo)]) == 0
+                 str(repo), *(["--link"] if link else [])]) == 0
     out = capsys.readouterr().out
     plan = repo / "attn" / "1" / "model.plan"
     assert plan.read_bytes() == eng.read_bytes()
-    if cross_device:
-        assert "the engine: copied" in out and not os.path.samefile(plan, eng)
+    if link and not cross_device:
+        assert "the engine: hard-linked (--link" in out and os.path.samefile(plan, eng)
     else:
-        assert "the engine: hard-linked" in out and os.path.samefile(plan, eng)
+        assert ("the engine: copied" in out or "the engine: cloned" in out), out
+        assert not os.path.samefile(plan, eng)
+        assert ("--link asked for a hard link" in out) is link
     # the engine still loads by its stat record (the link left size, mtime, inode as they were)
     assert EngineInfo.load(eng).verified == "stat"
 
 
 def test_triton_repo_other_link_errors_are_not_hidden(tmp_path, monkeypatch):
+    from qkrope import _fileio as fileio
     from qkrope._fileio import OutputWriteError
     from qkrope.runtime import triton
 
@@ -305,6 +310,11 @@ def test_triton_repo_other_link_errors_are_not_hidden(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
     monkeypatch.setattr(os, "link", full)
+    with pytest.raises(OutputWriteError, match="No space left"):
+        triton.write_repository(eng, tmp_path / "repo", plugin=lib, link=True)
+    assert not (tmp_path / "repo" / "attn").exists()
+    monkeypatch.setattr(shutil, "copyfile", full)  # the default copies: its errors show too
+    monkeypatch.setattr(fileio, "FICLONE", -1)  # (no clone either: an invalid request)
     with pytest.raises(OutputWriteError, match="No space left"):
         triton.write_repository(eng, tmp_path / "repo", plugin=lib)
     assert not (tmp_path / "repo" / "attn").exists()
@@ -324,9 +334,10 @@ def test_cp_p_of_another_export_over_the_data_file_is_refused(tmp_path):
         ModelInfo.load(a)
 
 
-@pytest.mark.parametrize("cross_device", [False, True], ids=["same-fs", "exdev"])
-def test_triton_onnx_repo_links_or_copies_the_model_and_data(tmp_path, monkeypatch, capsys,
-                                                             cross_device):
+@pytest.mark.parametrize("link,cross_device", [(False, False), (True, False), (True, True)],
+                         ids=["default", "link-same-fs", "link-exdev"])
+def test_triton_onnx_repo_copies_or_links_the_model_and_data(tmp_path, monkeypatch, capsys,
+                                                             link, cross_device):
     from qkrope.cli import main
 
     onnx_path = tmp_path / "m.onnx"
@@ -338,13 +349,18 @@ def test_triton_onnx_repo_links_or_copies_the_model_and_data(tmp_path, monkeypat
         monkeypatch.setattr(os, "link", no_link)
     repo = tmp_path / "repo"
     assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(onnx_path), "-o",
-                 str(repo)]) == 0
+                 str(repo), *(["--link"] if link else [])]) == 0
     out = capsys.readouterr().out
     copied = repo / "m" / "1" / data.name
     assert copied.read_bytes() == data.read_bytes()
-    assert os.path.samefile(copied, data) is not cross_device
-    assert ("the model and its data: copied" if cross_device
-            else "the model and its data: hard-linked") in out, out
+    shared = link and not cross_device
+    assert os.path.samefile(copied, data) is shared
+    assert os.path.samefile(repo / "m" / "1" / "model.onnx", onnx_path) is shared
+    if shared:
+        assert "the model and its data: hard-linked" in out, out
+    else:
+        assert ("the model and its data: copied" in out
+                or "the model and its data: cloned" in out), out
 
 
 def test_the_refresh_never_waits_for_a_writer(tmp_path):

@@ -55,11 +55,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"profile's largest text cache; {DEFAULT_MAX_TXT_TOKENS} for --backend "
                         f"onnxruntime)")
     p.add_argument("--force", action="store_true", help="replace an existing model directory")
-    p.add_argument("--copy", action="store_true",
-                   help="copy the engine (or the model and its data) into the repository "
-                        "instead of hard-linking it (default: a hard link on the same "
-                        "filesystem, which shares the file: rewriting the source in place "
-                        "changes the served model too)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--copy", dest="link", action="store_false", default=False,
+                     help="the default, named: the engine (or the model and its data) goes into "
+                          "the repository as an independent copy (a copy-on-write clone where "
+                          "the filesystem makes one, else a plain copy), so rewriting the source "
+                          "in place never changes the served model")
+    how.add_argument("--link", dest="link", action="store_true", default=False,
+                     help="hard-link the engine (or the model and its data) into the repository "
+                          "instead (no bytes copied on one filesystem, a copy elsewhere); the "
+                          "link shares the file: rewriting the source in place changes the "
+                          "served model too")
     p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
                    help="reference the plugin library where it is instead of copying it into "
                         "the model directory")
@@ -79,6 +85,20 @@ def _int_list(text: str) -> tuple[int, ...]:
 #: name must fit the file system's 255 bytes with it
 NAME_SUFFIX_BYTES = len("_onnx")
 NAME_MAX_BYTES = 255 - NAME_SUFFIX_BYTES
+
+
+def transfer_line(transfer: str, link: bool) -> str:
+    """What the command says of how the served files went in (``transfer``: the result's)."""
+    if transfer == "hard-linked":
+        return "hard-linked (--link: no bytes copied; the repository shares the file with its source)"
+    independent = "rewriting the source in place leaves the served model as it is"
+    if link:  # asked for, but the filesystem gave none
+        return (f"{transfer} (--link asked for a hard link, but the repository is on another "
+                f"filesystem or its filesystem has none; {independent})")
+    if transfer == "cloned":
+        return (f"cloned (a copy-on-write copy: no bytes copied until either file changes; "
+                f"{independent}; --link hard-links instead)")
+    return f"copied ({independent}; --link hard-links instead)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             raise triton.TritonRepoError("--backend onnxruntime serves an ONNX model: pass "
                                          "--onnx MODEL.onnx (not --engine)")
         res = triton.write_onnx_repository(args.onnx, args.repo, name=args.name,
-                                           serving=serving, force=args.force, copy=args.copy,
+                                           serving=serving, force=args.force, link=args.link,
                                            **limits)
     else:
         if args.engine is None or args.onnx is not None:
@@ -118,11 +138,9 @@ def run(args: argparse.Namespace) -> int:
                                       name=args.name, serving=serving, force=args.force,
                                       copy_plugin=args.copy_plugin,
                                       check_plugin_hash=args.check_plugin_hash,
-                                      copy=args.copy, **limits)
+                                      link=args.link, **limits)
     what = "the engine" if args.backend == "tensorrt" else "the model and its data"
-    how = ("hard-linked (same filesystem: no bytes copied)" if res.transfer == "hard-linked"
-           else "copied (another filesystem, or no hard links there)")
-    print(f"{what}: {how}")
+    print(f"{what}: {transfer_line(res.transfer, args.link)}")
     if res.transfer == "hard-linked":
         print(f"note: {triton.HARD_LINK_NOTE}")
     if res.models and len(res.models) > 1:
