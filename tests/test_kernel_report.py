@@ -110,6 +110,24 @@ def test_no_instance_spills_on_sm90(report):
     assert not _failures(report, "no-spills")
 
 
+@pytest.mark.slow
+def test_readme_instance_count_is_the_compiled_one(report, sm100_ptxas_log):
+    """The README states how many kernel instances one architecture compiles (and that the SIMT
+    emulation and the spill check cover all of them): every such figure is the count of entry
+    functions in the sm_90 SASS, and sm_100 compiles the same number."""
+    compiled = sum(len(e["instances"]) for e in report["archs"].values())
+    per_kind = {k: len(_instances(report, k)) for k in ("fast", "row", "general", "general-row")}
+    assert compiled == sum(per_kind.values())
+    assert len(sass.parse_ptxas(sm100_ptxas_log)) == compiled
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text(encoding="utf-8"))
+    stated = [int(n) for n in re.findall(r"(\d+) (?:launcher )?instances(?! of)", readme)]
+    assert stated and set(stated) == {compiled}, (stated, compiled)
+    m = re.search(r"(\d+) of the fast path and (\d+) of the row-scope .*?and (\d+) \+ (\d+) of "
+                  r"the general paths", readme)
+    assert m and [int(g) for g in m.groups()] == [per_kind["fast"], per_kind["row"],
+                                                 per_kind["general"], per_kind["general-row"]]
+
+
 def _spilling_entries(ptxas: dict) -> list[str]:
     return [f"{name}: {f.get('spill_stores')}/{f.get('spill_loads')} B spilled, stack {f.get('stack')} B"
             for name, f in ptxas.items() if f.get("entry")
