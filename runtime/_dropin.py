@@ -298,15 +298,15 @@ def _owner_of(names: Sequence[str], record) -> str | None:
 def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
                      providers: Sequence | None = None,
                      provider_options: Sequence[Mapping] | None = None, sess_options=None,
-                     cuda_graph: bool = False,
+                     cuda_graph: bool = False, allow_host_code: bool = False,
                      device: torch.device | str | None = None) -> Transformer:
     """Open an exported diffusers transformer as a drop-in for ``pipe.transformer``: the drop-in
     of the family its sidecar names (``config.family``; none: the registry's default), found
     through the family registry (``.onnx``: ONNX Runtime with ``providers``,
     ``provider_options`` and ``sess_options``; ``.engine``/``.plan``: TensorRT with the
-    QKNormRoPE ``plugin`` and ``cuda_graph``). The options go to :func:`qkrope.runtime.load` as
-    given, its defaults included (ONNX Runtime without memory patterns). An unknown ``device``
-    is refused before the model is opened."""
+    QKNormRoPE ``plugin``, ``cuda_graph`` and ``allow_host_code``). The options go to
+    :func:`qkrope.runtime.load` as given, its defaults included (ONNX Runtime without memory
+    patterns). An unknown ``device`` is refused before the model is opened."""
     from qkrope import families
 
     from .backends import load
@@ -315,7 +315,8 @@ def load_transformer(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
     if device is not None:
         device = checked_device(device)
     runner = load(path, plugin=plugin, providers=providers, provider_options=provider_options,
-                  sess_options=sess_options, cuda_graph=cuda_graph)
+                  sess_options=sess_options, cuda_graph=cuda_graph,
+                  allow_host_code=allow_host_code)
     return transformer_for_runner(runner, device=device)
 
 

@@ -35,12 +35,16 @@ from .runner import Runner, RunnerError
 
 def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
          providers: Sequence | None = None, provider_options: Sequence[Mapping] | None = None,
-         sess_options=None, copy_outputs: bool = False, cuda_graph: bool = False) -> Runner:
+         sess_options=None, copy_outputs: bool = False, cuda_graph: bool = False,
+         allow_host_code: bool = False) -> Runner:
     """Open a model for inference, chosen by the file suffix.
 
     - ``.engine`` / ``.plan``: TensorRT (needs TensorRT, a CUDA GPU and the QKNormRoPE plugin
-      library: ``plugin``, else the path recorded in ``<engine>.json``, else the library
-      ``qkrope build-plugin`` built). ``cuda_graph=True`` (off by default) replays a CUDA graph
+      library the caller names: ``plugin``, else ``$QKROPE_PLUGIN_LIB``, else the library
+      ``qkrope build-plugin`` built; the library ``<engine>.json`` records is never loaded
+      because the file names it, only compared by sha256 with the caller's).
+      A version-compatible engine carries its plugin library as host code: it is refused unless
+      ``allow_host_code=True``. ``cuda_graph=True`` (off by default) replays a CUDA graph
       captured once per input shapes (see
       :class:`~qkrope.runtime.runner_tensorrt.TensorRTRunner`).
     - ``.onnx``: ONNX Runtime, passed through to ``onnxruntime.InferenceSession``:
@@ -53,7 +57,8 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
       (:func:`~qkrope.runtime.loader_onnxrt.default_session_options`: patterns are recorded per
       set of input shapes, so with a pipeline's changing shapes resident memory grew with every
       new shape; off, it stays at the largest call's).
-      Runs the model's QKNormRoPE function body; ``plugin`` is ignored.
+      Runs the model's QKNormRoPE function body; ``plugin`` and ``allow_host_code`` are
+      ignored.
 
     The options of the other backend are refused, never ignored. Returns a :class:`Runner`;
     see the module docstring for the thread/stream/buffer model.
@@ -76,8 +81,8 @@ def load(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
         from .loader_tensorrt import engine_from_path
         from .runner_tensorrt import TensorRTRunner
 
-        return TensorRTRunner(engine_from_path(p, plugin=plugin), copy_outputs=copy_outputs,
-                              cuda_graph=cuda_graph)
+        return TensorRTRunner(engine_from_path(p, plugin=plugin, allow_host_code=allow_host_code),
+                              copy_outputs=copy_outputs, cuda_graph=cuda_graph)
     if suffix == ".onnx":
         if cuda_graph:
             raise RunnerError(

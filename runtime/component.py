@@ -354,7 +354,8 @@ class DropinComponent(ModelMixin):
                         device_map=None, quantization_config=None,
                         device: torch.device | str | None = None,
                         providers=None, provider_options=None, sess_options=None, plugin=None,
-                        cuda_graph: bool | None = None, **_diffusers_options):
+                        cuda_graph: bool | None = None, allow_host_code: bool = False,
+                        **_diffusers_options):
         """The drop-in saved in a component folder by :meth:`save_pretrained` (called by
         ``DiffusionPipeline.from_pretrained``). ``torch_dtype`` (or ``dtype``) must be the
         export's or None, ``device_map`` one device (checked as :meth:`to` checks it); the
@@ -378,6 +379,8 @@ class DropinComponent(ModelMixin):
                        "sess_options": sess_options}
         else:
             options["plugin"] = plugin
+            if allow_host_code:  # the caller's opt-in only (a version-compatible engine)
+                options["allow_host_code"] = True
         dropin = runtime.load_transformer(folder / record["model"], **options)
         torch_dtype = torch_dtype if torch_dtype is not None else dtype
         if torch_dtype is not None and torch_dtype != dropin.dtype:

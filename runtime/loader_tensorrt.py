@@ -92,6 +92,32 @@ def load_plugin_library(trt, path: str | os.PathLike, *, version_compatible: boo
     return handle
 
 
+class HostCodeNotAllowedError(QkropeError, PermissionError):
+    """A version-compatible engine carries host code (its plugin library) that TensorRT would run
+    on deserialisation; the caller did not allow it (``allow_host_code=True``,
+    ``--allow-host-code``)."""
+
+
+#: --help of ``--allow-host-code`` (the commands that deserialise an engine)
+ALLOW_HOST_CODE_HELP = ("run the host code a version-compatible engine carries (its plugin "
+                        "library, which TensorRT loads with the engine): only for an engine you "
+                        "trust; without it such an engine is refused")
+
+
+def check_host_code(sidecar: EngineInfo | None, path: str | os.PathLike,
+                    allow_host_code: bool) -> bool:
+    """Whether TensorRT is to be allowed to run the engine's host code: only when the caller
+    allowed it. A sidecar saying the engine is version-compatible (it carries its plugin library,
+    code a file brought) without that is :class:`HostCodeNotAllowedError`, one line."""
+    if sidecar is not None and sidecar.version_compatible and not allow_host_code:
+        raise HostCodeNotAllowedError(
+            f"{path} is a version-compatible engine: it carries its plugin library as host code "
+            f"that TensorRT runs when it loads the engine, and qkrope runs no code a file brings. "
+            f"Fix: if you trust {path}, pass allow_host_code=True (--allow-host-code), or "
+            f"rebuild it without --version-compatible")
+    return bool(allow_host_code)
+
+
 def trt_major(trt) -> int:
     try:
         return int(str(getattr(trt, "__version__", "0")).split(".")[0])
@@ -116,16 +142,21 @@ class LoadedEngine:
 
 
 def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
-                     verbose: bool = False) -> LoadedEngine:
+                     verbose: bool = False, allow_host_code: bool = False) -> LoadedEngine:
     """Deserialise the engine at ``path`` for the TensorRT runner: its sidecar first (a pair
-    that does not identify itself is refused without TensorRT), then TensorRT and a CUDA GPU,
-    the plugin library (``plugin``, else the one the sidecar records; a version-compatible
-    engine carries its own), and the engine. A failed deserialisation is one line saying which
+    that does not identify itself is refused without TensorRT, and so is a version-compatible
+    engine unless ``allow_host_code``), then TensorRT and a CUDA GPU, the plugin library and
+    the engine. The plugin library is the caller's: ``plugin``, else ``QKROPE_PLUGIN_LIB`` or
+    what ``qkrope build-plugin`` built (:func:`~qkrope.runtime.plugin_build.resolve_plugin_library`;
+    the library the sidecar records only checks it, by sha256, and is never loaded because the
+    sidecar names it). A version-compatible engine carries its own library, which TensorRT runs
+    only with ``allow_host_code=True``. A failed deserialisation is one line saying which
     TensorRT and GPU built the engine."""
     from .plugin_build import resolve_plugin_library
     from .runner import RunnerError
 
     sidecar = EngineInfo.load(path) if engine_sidecar_path(path).exists() else None
+    host_code = check_host_code(sidecar, path, allow_host_code)
     trt = import_tensorrt("the TensorRT runner (qkrope.runtime.load of an engine)")
     import torch
 
@@ -138,15 +169,16 @@ def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
     logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
     runtime = trt.Runtime(logger)
     plugin_path = None
-    if vc:
-        # A version-compatible engine carries its (VC) plugin library; TensorRT loads it on
-        # deserialisation, which needs host code to be allowed. `plugin` is not loaded.
+    if host_code:
+        # the caller allowed it: TensorRT may run the host code serialised in the engine (a
+        # version-compatible engine's VC plugin library, loaded on deserialisation)
         runtime.engine_host_code_allowed = True
-    else:
-        # the sidecar's library unless `plugin` is given; warn if it is not the one the
-        # engine was built with
+    if not vc:
+        # the caller's library (plugin=, QKROPE_PLUGIN_LIB, build/plugins), never the one the
+        # sidecar names; a warning if it is not the one the engine was built with
         plugin_path = str(resolve_plugin_library(
-            plugin, sidecar.plugin if sidecar else None, kind="plugin", check_hash="warn"))
+            plugin, sidecar.plugin if sidecar else None, kind="plugin", check_hash="warn",
+            source=path))
         load_plugin_library(trt, plugin_path, version_compatible=False)
     engine = runtime.deserialize_cuda_engine(Path(path).read_bytes())
     if engine is None:
@@ -160,5 +192,6 @@ def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
     return LoadedEngine(engine, trt, sidecar, str(path), plugin_path, runtime, logger)
 
 
-__all__ = ["EngineBuildError", "LoadedEngine", "MIN_TRT_MAJOR", "check_trt_version",
-           "engine_from_path", "import_tensorrt", "load_plugin_library", "trt_major"]
+__all__ = ["ALLOW_HOST_CODE_HELP", "EngineBuildError", "HostCodeNotAllowedError", "LoadedEngine",
+           "MIN_TRT_MAJOR", "check_host_code", "check_trt_version", "engine_from_path",
+           "import_tensorrt", "load_plugin_library", "trt_major"]

@@ -11,6 +11,10 @@ from Python and finds what it produced:
 
 Lookup order for :func:`find_plugin_library`: the environment variable (``QKROPE_PLUGIN_LIB``,
 ``QKROPE_VC_PLUGIN_LIB``, ...), then ``<repo>/build/plugins/``.
+
+A library is loaded only because the caller named it: :func:`resolve_plugin_library` never takes
+the path an engine sidecar records (a folder someone else wrote can name any file, with any
+sha256); the record only checks the caller's library.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "build_plugins",
     "find_plugin_library",
     "PluginMismatchError",
+    "PluginNotNamedError",
     "resolve_plugin_library",
 ]
 
@@ -165,17 +170,28 @@ class PluginMismatchError(QkropeError, RuntimeError):
     """The plugin library is not the one the engine was built with (its sha256 differs)."""
 
 
+class PluginNotNamedError(QkropeError, PermissionError):
+    """A file (an engine sidecar) names a plugin library the caller did not give: qkrope loads
+    no library because a file names it; the message says how the caller allows it."""
+
+
 def resolve_plugin_library(explicit: str | os.PathLike | None = None,
                            recorded: PluginRecord | None = None, kind: str = "plugin",
                            *, check_hash: str = "off",
-                           build_dir: str | os.PathLike | None = None) -> Path:
+                           build_dir: str | os.PathLike | None = None,
+                           source: str | os.PathLike | None = None) -> Path:
     """The plugin library to load, as an absolute path: the one resolver used by ``qkrope
-    build``, the TensorRT runner and ``qkrope triton-repo``.
+    build``, the TensorRT runner, ``qkrope refit`` and ``qkrope triton-repo``.
 
-    In order: ``explicit`` (``--plugin``; must exist), the library an engine sidecar recorded
-    (``recorded``) if that file still exists, else the library of ``kind`` ("plugin" or "vc")
-    that ``qkrope build-plugin`` built (:func:`find_plugin_library`). Raises
-    :class:`PluginNotBuiltError` (a FileNotFoundError) saying how to build or pass it.
+    Only a library the caller named: ``explicit`` (``plugin=`` / ``--plugin``; must exist),
+    else the library of ``kind`` ("plugin" or "vc") the caller set up
+    (:func:`find_plugin_library`: the environment variable ``QKROPE_PLUGIN_LIB`` /
+    ``QKROPE_VC_PLUGIN_LIB``, else what ``qkrope build-plugin`` built in this installation's
+    ``build/plugins``, a folder no model folder names). The library an engine sidecar records
+    (``recorded``, read from ``source``) is never the answer, whatever its sha256: when it names
+    an existing file and the caller set up none, :class:`PluginNotNamedError` says in one line
+    how to allow it; otherwise :class:`PluginNotBuiltError` (a FileNotFoundError) says how to
+    build or pass one.
 
     ``check_hash`` compares the result with the record's sha256: ``"off"``, ``"warn"`` (a
     RuntimeWarning) or ``"error"`` (:class:`PluginMismatchError`).
@@ -189,10 +205,15 @@ def resolve_plugin_library(explicit: str | os.PathLike | None = None,
                                       f"`qkrope build-plugin` or pass the path of a built "
                                       f"{LIBRARY_FILES[_ALIASES.get(kind, kind)][0]}")
         path = path.resolve()
-    elif recorded is not None and recorded.path and Path(recorded.path).is_file():
-        path = Path(recorded.path).resolve()
     else:
-        path = find_plugin_library(kind, build_dir=build_dir)
+        try:
+            path = find_plugin_library(kind, build_dir=build_dir)
+        except PluginNotBuiltError:
+            env_set = os.environ.get(LIBRARY_FILES[_ALIASES.get(kind, kind)][1])
+            if not env_set and recorded is not None and recorded.path and \
+                    Path(recorded.path).is_file():
+                raise _not_named(recorded.path, kind, source) from None
+            raise
     if check_hash != "off" and recorded is not None and recorded.sha256:
         from qkrope._fileio import sha256_file
 
@@ -212,3 +233,11 @@ def resolve_plugin_library(explicit: str | os.PathLike | None = None,
                           f"may differ or deserialisation may fail; rebuild the engine with this "
                           f"library", RuntimeWarning, stacklevel=3)
     return path
+
+
+def _not_named(path: str, kind: str, source: str | os.PathLike | None) -> PluginNotNamedError:
+    env_var = LIBRARY_FILES[_ALIASES.get(kind, kind)][1]
+    where = f"the sidecar of {source}" if source else "the engine's sidecar"
+    return PluginNotNamedError(
+        f"{where} names the plugin library {path}; qkrope loads no library a file names. Fix: "
+        f"if you trust it, pass plugin={str(path)!r} (--plugin) or set {env_var}={path}")

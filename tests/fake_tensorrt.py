@@ -21,7 +21,12 @@ It follows the real Python API where the product code relies on it:
   ``clear_errors``.
 - ``Runtime(logger).deserialize_cuda_engine(serialized_engine)``: the engine registered for those
   bytes in ``state.engines``, None for anything else (what TensorRT returns for bytes that are
-  not an engine it can load); ``engine_host_code_allowed``.
+  not an engine it can load); ``engine_host_code_allowed``: bytes that carry host code
+  (``state.host_code``: bytes -> a shared library, a version-compatible engine's plugin) are
+  None unless it is True, and then the library is really ``dlopen``ed, as TensorRT does.
+- ``get_plugin_registry().load_library(path)``: recorded in ``state.loaded``; with
+  ``make_fake_trt(dlopen=True)`` the library is really ``dlopen``ed (its constructors run), None
+  when it does not load, as TensorRT's ``IPluginRegistry.loadLibrary``.
 - ``ICudaEngine.serialize()``, ``create_engine_inspector()`` (:class:`EngineInspector`:
   ``get_engine_information(format)``, ``get_layer_information(layer_index, format)``), the
   ``ProfilingVerbosity`` and ``LayerInformationFormat`` enums, ``IBuilderConfig.profiling_verbosity``
@@ -426,8 +431,16 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return major, minor
 
 
+def _dlopen(path):
+    """``dlopen(path, RTLD_GLOBAL)``: what TensorRT does with a plugin library."""
+    import ctypes
+
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
 def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registered: bool = True,
-                  build_ok: bool = True, parse=None, parse_errors: Sequence = ()):
+                  build_ok: bool = True, parse=None, parse_errors: Sequence = (),
+                  dlopen: bool = False):
     """A fake ``tensorrt`` module of ``version`` and the state it records.
 
     ``parse(network, path)`` fills the network when the parser reads a file (see
@@ -435,12 +448,15 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
     layers; ``registered=False`` leaves the QKNormRoPE creator out of the registry;
     ``build_ok=False`` makes ``build_serialized_network`` return None; ``parse_errors``
     (:class:`ParserError` or ``(desc, node_name, node_operator)``) makes ``parse_from_file``
-    fail with them. ``state.engines`` maps serialised bytes to the engine ``Runtime`` returns.
+    fail with them. ``state.engines`` maps serialised bytes to the engine ``Runtime`` returns;
+    ``state.host_code`` maps serialised bytes to the library they carry (dlopened on
+    deserialisation, only where ``engine_host_code_allowed``). ``dlopen=True``: the registry's
+    ``load_library`` really dlopens the file.
     """
     major, minor = _version_tuple(version)
     state = types.SimpleNamespace(flags=None, parser_flags=[], profile={}, profiles=[],
                                   config=None, engines={}, timing_cache_data=None,
-                                  loaded=[], progress_calls=0, fallback=fallback)
+                                  loaded=[], progress_calls=0, fallback=fallback, host_code={})
     errors = [e if isinstance(e, ParserError) else ParserError(*e) for e in parse_errors]
 
     class Registry:
@@ -452,6 +468,11 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
 
         def load_library(self, plugin_path):
             state.loaded.append(("registry", plugin_path))
+            if dlopen:
+                try:
+                    return _dlopen(plugin_path)
+                except OSError:
+                    return None
             return object()
 
     registry = Registry()
@@ -580,7 +601,13 @@ def make_fake_trt(version: str = "10.14.1", *, fallback: bool = False, registere
             self.logger, self.engine_host_code_allowed = logger, False
 
         def deserialize_cuda_engine(self, serialized_engine):
-            return state.engines.get(bytes(serialized_engine))
+            blob = bytes(serialized_engine)
+            if blob in state.host_code:  # a version-compatible engine with its plugin inside
+                if not self.engine_host_code_allowed:
+                    return None  # TensorRT: "host code is not allowed"
+                state.loaded.append(("host_code", state.host_code[blob]))
+                _dlopen(state.host_code[blob])
+            return state.engines.get(blob)
 
     # TensorRT 10: EXPLICIT_BATCH 0 (deprecated), STRONGLY_TYPED 1; TensorRT 11: STRONGLY_TYPED
     # is 0 and deprecated (strongly typed is always on).

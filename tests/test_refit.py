@@ -289,7 +289,8 @@ def test_an_engine_tensorrt_cannot_deserialise_is_an_error(tmp_path, monkeypatch
     engine = tmp_path / "t.engine"
     _refittable_pair(engine, b"\x00not a plan", version_compatible=True)
     torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
-    assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt")]) == 2
+    assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt"),
+                     "--allow-host-code"]) == 2
     err = capsys.readouterr().err
     assert "could not deserialise" in err and err.count("\n") == 1, err
     assert engine.read_bytes() == b"\x00not a plan"
@@ -333,7 +334,8 @@ def test_refit_refuses_a_sidecar_config_the_engine_was_not_built_from(tmp_path, 
     state.engines[b"\x00PLAN"] = built
     torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
     before = (engine.read_bytes(), EngineInfo.load(engine).config)
-    assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt")]) == 2
+    assert cli.main(["refit", str(engine), "--state-dict", str(tmp_path / "sd.pt"),
+                     "--allow-host-code"]) == 2
     err = capsys.readouterr().err
     assert "describes another config" in err and err.count("\n") == 1, err
     assert (engine.read_bytes(), EngineInfo.load(engine).config) == before and not built.refits

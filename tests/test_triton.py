@@ -228,7 +228,7 @@ def test_missing_engine_and_sidecar_errors(engine, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_plugin_hash_mismatch_and_default_from_sidecar(engine, tmp_path):
+def test_plugin_hash_mismatch_and_no_default_from_sidecar(engine, tmp_path, monkeypatch):
     eng, plugin = engine
     other = tmp_path / "other.so"
     other.write_bytes(b"a different build")
@@ -238,7 +238,13 @@ def test_plugin_hash_mismatch_and_default_from_sidecar(engine, tmp_path):
                                   copy_plugin=False)
     assert res.plugin_path == other.resolve()
     assert not (res.model_dir / triton.PLUGIN_FILE_NAME).exists()
-    res = triton.write_repository(eng, tmp_path / "r3")  # plugin from the sidecar
+    # the sidecar's library is named, never taken (tests/test_trust_plugin.py): the caller's
+    from qkrope.runtime.plugin_build import PluginNotNamedError
+
+    with pytest.raises(PluginNotNamedError, match="QKROPE_PLUGIN_LIB"):
+        triton.write_repository(eng, tmp_path / "r3")
+    monkeypatch.setenv("QKROPE_PLUGIN_LIB", str(plugin))
+    res = triton.write_repository(eng, tmp_path / "r3")
     assert (res.model_dir / triton.PLUGIN_FILE_NAME).read_bytes() == plugin.read_bytes()
 
 
@@ -422,7 +428,8 @@ def test_version_compatible_engine_gets_the_vc_library_and_flag(engine, tmp_path
     _edit_sidecar(eng, lambda d: d.update(version_compatible=True, plugin={
         "path": str(vc), "sha256": sha, "serialized_in_engine": True}))
     repo = tmp_path / "repo"
-    assert cli_main(["triton-repo", "--engine", str(eng), "-o", str(repo)]) == 0
+    assert cli_main(["triton-repo", "--engine", str(eng), "--plugin", str(vc), "-o",
+                     str(repo)]) == 0
     model = repo / "attn"
     assert sorted(p.name for p in model.iterdir()) == ["1", "config.pbtxt",
                                                        "libqkrope_vc_plugin.so"]

@@ -329,7 +329,7 @@ def validate_arguments(onnx_path: str, *, engine: str | None, plugin: str | None
                                 f"build-plugin`")
 
 
-def make_trt_runner(engine_path: str, plugin: str | None):
+def make_trt_runner(engine_path: str, plugin: str | None, *, allow_host_code: bool = False):
     """The TensorRT side: qkrope's own runner (:func:`qkrope.runtime.load` of the engine, which
     loads the plugin library with :func:`qkrope.runtime.loader_tensorrt.load_plugin_library`:
     dlopen, then the QKNormRoPE creator must be in TensorRT's registry) behind polygraphy's
@@ -350,7 +350,8 @@ def make_trt_runner(engine_path: str, plugin: str | None):
                           f"nvcr.io/nvidia/tensorrt), or drop --engine for the ONNX Runtime check")
     from qkrope import runtime
 
-    return runtime_runner(runtime.load(engine_path, plugin=plugin), name="trt-runner")
+    return runtime_runner(runtime.load(engine_path, plugin=plugin,
+                                       allow_host_code=allow_host_code), name="trt-runner")
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,9 +426,12 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
                 plugin: str | None = None, providers: Sequence[str] = ("cpu",),
                 workdir: str | os.PathLike | None = None, out=None,
                 verbose: bool = False, onnxrt: bool = True, blocks: bool = False,
-                layers: int | None = None) -> tuple[bool, list[CheckRow]]:
+                layers: int | None = None,
+                allow_host_code: bool = False) -> tuple[bool, list[CheckRow]]:
     """Run the parity check; returns (passed, rows). See the module docstring. ``blocks``:
-    compare every block's outputs too; ``layers``: the first ``layers`` blocks only."""
+    compare every block's outputs too; ``layers``: the first ``layers`` blocks only;
+    ``allow_host_code``: run the host code a version-compatible ``engine`` carries (refused
+    otherwise, as :func:`qkrope.runtime.load` does)."""
     from polygraphy.logger import G_LOGGER
 
     out = out if out is not None else sys.stdout
@@ -435,7 +439,7 @@ def check_model(onnx_path: str | os.PathLike, *, img_shapes=None, txt_len=None, 
         return _check_model(onnx_path, img_shapes=img_shapes, txt_len=txt_len, batch=batch,
                             seed=seed, diffusers_dir=diffusers_dir, engine=engine, plugin=plugin,
                             providers=providers, workdir=workdir, out=out, onnxrt=onnxrt,
-                            blocks=blocks, layers=layers)
+                            blocks=blocks, layers=layers, allow_host_code=allow_host_code)
 
 
 def _check_block_arguments(onnx_path: str, info, *, blocks: bool, layers: int | None,
@@ -485,7 +489,8 @@ def _refuse_bf16_on_cpu(onnx_path: str, providers: Sequence[str], onnxrt: bool) 
 
 
 def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, engine, plugin,
-                 providers, workdir, out, onnxrt, blocks=False, layers=None):
+                 providers, workdir, out, onnxrt, blocks=False, layers=None,
+                 allow_host_code=False):
     from polygraphy.comparator import Comparator
 
     try:  # present in polygraphy 0.53; CompareFunc.simple is deprecated (removed in 0.60)
@@ -518,7 +523,11 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
         from qkrope.sidecars import EngineInfo, engine_sidecar_path
 
         if engine_sidecar_path(engine).is_file():
-            engine_hashed = EngineInfo.load(engine, full=True).verified == "sha256"
+            from qkrope.runtime.loader_tensorrt import check_host_code
+
+            engine_info = EngineInfo.load(engine, full=True)
+            engine_hashed = engine_info.verified == "sha256"
+            check_host_code(engine_info, engine, allow_host_code)  # before any work
     # every option against the model before any work (an FP8 export too: issue 34)
     _check_block_arguments(onnx_path, info, blocks=blocks, layers=layers, engine=engine,
                            onnxrt=onnxrt)
@@ -547,7 +556,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
     else:
         runners = [make_ort_runner(onnx_path, providers)] if onnxrt else []
     if engine:
-        runners.append(make_trt_runner(engine, plugin))
+        runners.append(make_trt_runner(engine, plugin, allow_host_code=allow_host_code))
     defaults = _default_sample(info)
     img_shapes = img_shapes or defaults["img_shapes"]
     txt_len = txt_len or defaults["txt_len"]
@@ -683,6 +692,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("onnx", metavar="MODEL.onnx")
     _args.add_engine(p, "also run it and compare it with PyTorch (needs --plugin)")
     _args.add_plugin(p, "needed with --engine")
+    from qkrope.runtime.loader_tensorrt import ALLOW_HOST_CODE_HELP
+
+    p.add_argument("--allow-host-code", action="store_true",
+                   help=f"with --engine: {ALLOW_HOST_CODE_HELP}")
     p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
                    help="an image of F x H x W latent patches (repeat it: the first is the "
                         "output image, the others the edit, condition or reference images of "
@@ -732,7 +745,8 @@ def run(args: argparse.Namespace) -> int:
                                 batch=args.batch, seed=args.seed, diffusers_dir=args.diffusers,
                                 engine=args.engine, plugin=args.plugin, providers=args.providers,
                                 workdir=args.workdir, verbose=args.verbose, onnxrt=args.onnxrt,
-                                blocks=args.blocks, layers=args.layers)
+                                blocks=args.blocks, layers=args.layers,
+                                allow_host_code=args.allow_host_code)
     except Exception as exc:  # ORT without bf16 kernels and the like: say what to do
         if "NOT_IMPLEMENTED" in str(exc):
             raise ParityError(

@@ -19,6 +19,11 @@ floating-point weight of another float dtype is converted to the engine's (one r
 ``qkrope export --dtype`` does to the same weights), anything else is refused. The refitted engine and its sidecar are written
 as a pair (:func:`qkrope._fileio.staged_outputs`), in place or to ``-o``.
 
+The code loaded to deserialise the engine is the caller's: the plugin library ``--plugin``
+names (else ``QKROPE_PLUGIN_LIB``, else what ``qkrope build-plugin`` built), never the one the
+engine sidecar records (that record only checks the library's sha256); the host code a
+version-compatible engine carries runs only with ``--allow-host-code``.
+
 TensorRT 10.x/11 API used: ``trt.Refitter(engine, logger)``, ``get_all_weights()``,
 ``get_weights_prototype(name)`` (a ``trt.Weights`` of the build's ``dtype`` and ``size``,
 the count and type ``set_named_weights`` checks against), ``set_named_weights(name,
@@ -231,7 +236,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
-    _args.add_plugin(p, "default: the one recorded in the engine sidecar")
+    _args.add_plugin(p, "default: $QKROPE_PLUGIN_LIB, else the one `qkrope build-plugin` "
+                        "built; the library the engine sidecar records is never loaded because "
+                        "the sidecar names it, only compared with this one (sha256)")
+    from qkrope.runtime.loader_tensorrt import ALLOW_HOST_CODE_HELP
+
+    p.add_argument("--allow-host-code", action="store_true", help=ALLOW_HOST_CODE_HELP)
     p.add_argument("--allow-missing", action="store_true",
                    help="engine weights the state dict lacks keep their values")
     p.add_argument("--allow-extra", action="store_true",
@@ -275,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from qkrope.runtime.engine import write_engine_pair
-    from qkrope.runtime.loader_tensorrt import import_tensorrt, load_plugin_library
+    from qkrope.runtime.loader_tensorrt import (check_host_code, import_tensorrt,
+                                                load_plugin_library)
     from qkrope.runtime.plugin_build import resolve_plugin_library
     from qkrope.sidecars import EngineInfo
     info = EngineInfo.load(engine_path)
@@ -287,14 +298,19 @@ def run(args: argparse.Namespace) -> int:
                          "DIR")
     out = Path(args.output) if args.output else engine_path
     _check_refit_outputs(args, engine_path, out, info.plugin.path if info.plugin else None)
+    # the code that runs is the caller's: the engine's own host code only with
+    # --allow-host-code, a plugin library only the one --plugin / QKROPE_PLUGIN_LIB /
+    # build/plugins gives (never the sidecar's record, which only checks it)
+    host_code = check_host_code(info, engine_path, args.allow_host_code)
+    lib = None if info.version_compatible else resolve_plugin_library(
+        args.plugin, info.plugin, kind="plugin", check_hash="warn", source=engine_path)
     weights = load_state_dict(args.diffusers, args.state_dict, variant=args.variant)
     trt = import_tensorrt("qkrope refit (TensorRT engine refitting)")
     logger = trt.Logger(trt.Logger.VERBOSE if args.verbose else trt.Logger.WARNING)
     runtime = trt.Runtime(logger)
-    if info.version_compatible:
+    if host_code:
         runtime.engine_host_code_allowed = True
-    else:
-        lib = resolve_plugin_library(args.plugin, info.plugin, kind="plugin", check_hash="warn")
+    if lib is not None:
         load_plugin_library(trt, lib)
     engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
