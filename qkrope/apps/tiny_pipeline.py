@@ -106,6 +106,48 @@ def byte_tokenizer(specials=BYTE_SPECIALS, *, pad: str = "<|endoftext|>",
     return out
 
 
+def t5_encoder(tokenizer, width: int, seed: int = 0, *, umt5: bool = False):
+    """A random 1-layer T5 (or UMT5) encoder of ``width`` over ``tokenizer``'s vocabulary."""
+    require("transformers", "a tiny pipeline's T5 text encoder")
+    import transformers
+
+    config_cls, cls = ((transformers.UMT5Config, transformers.UMT5EncoderModel) if umt5
+                       else (transformers.T5Config, transformers.T5EncoderModel))
+    torch.manual_seed(seed)
+    return cls(config_cls(vocab_size=len(tokenizer), d_model=width, d_kv=8, d_ff=32,
+                          num_layers=1, num_heads=2, relative_attention_num_buckets=8,
+                          pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id,
+                          decoder_start_token_id=tokenizer.pad_token_id)).eval()
+
+
+def clip_text_encoder(tokenizer, width: int, seed: int = 0):
+    """A random 1-layer CLIPTextModel of ``width`` (its pooled output is ``width`` wide) over
+    ``tokenizer``'s vocabulary, 77 positions; it pools at the tokenizer's end token."""
+    require("transformers", "a tiny pipeline's CLIP text encoder")
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    return CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
+        projection_dim=width, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id or tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id)).eval()
+
+
+def decoder_encoder(config_cls, model_cls, tokenizer, width: int, layers: int = 1,
+                    seed: int = 0, **config):
+    """A random decoder-only language model used as a text encoder (Qwen2/Qwen3/Llama...):
+    ``layers`` layers of ``width`` (2 heads) over ``tokenizer``'s vocabulary."""
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=32,
+                    num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                    max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id)
+    settings.update(config)
+    return model_cls(config_cls(**settings)).eval()
+
+
 def save_transformer(model, directory: str | Path) -> Path:
     directory = Path(directory)
     model.save_pretrained(str(directory))
@@ -196,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["save_tiny_pipeline", "save_text_pipeline", "byte_tokenizer", "randomised",
+           "t5_encoder", "clip_text_encoder", "decoder_encoder",
            "latent_bound", "TRANSFORMER_PARITY", "CHATML_TEMPLATE", "save_transformer", "main"]
 
 if __name__ == "__main__":

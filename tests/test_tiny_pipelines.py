@@ -1,0 +1,140 @@
+"""Every family's tiny pipeline (``qkrope.apps.tiny_pipeline``) end to end, as a user tries one:
+save it (``save_tiny_pipeline``: model_index.json, the tiny random transformer, VAE, text
+encoders and tokenizers built in code), export its transformer
+(``qkrope.export.export_transformer``), and run ``qkrope generate``'s function from a prompt for
+2 steps at 32 x 32 on the export: the written file is an image (or a video's frames) of that
+size, and the latents agree with the same call on the pipeline's own PyTorch transformer
+within the bound the family's pipeline tests derive (per-call parity x (1 + 2 x the largest
+guidance scale the pipeline applies by default) x max|latents|; tiny_pipeline.latent_bound).
+Plus the entry's refusals: an unknown family and an existing folder are one line each.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+pytest.importorskip("transformers", reason="the tiny pipelines' text encoders require "
+                                           "transformers (test extras)")
+
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from _oneline import error_line  # noqa: E402
+from qkrope import families  # noqa: E402
+from qkrope.apps import generate as gen  # noqa: E402
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+from qkrope.errors import InputError  # noqa: E402
+
+SIZE = dict(height=32, width=32)
+CALL = dict(steps=2, seed=3, **SIZE)
+#: the per-call parity of each family's export, relative to max|output|, as its pipeline tests
+#: hold it (tests/test_generate.py, test_flux_pipeline.py, test_family_chroma.py,
+#: test_family_z_image.py, ...); a family not listed is held to the loosest of them
+PARITY = {"qwen-image": tp.TRANSFORMER_PARITY}
+#: families whose run is above ~20 s on 2 CPU cores (marked slow)
+SLOW: set[str] = set()
+
+
+def _parity(name: str) -> float:
+    if name in PARITY:
+        return PARITY[name]
+    if name in ("flux1", "flux2"):
+        import _flux_models as fm
+
+        return fm.FLUX_TRANSFORMER_PARITY
+    if name == "chroma":
+        import test_family_chroma as tc
+
+        return tc.CHROMA_TRANSFORMER_PARITY
+    if name == "z-image":
+        import test_family_z_image as tz
+
+        return tz.Z_IMAGE_PARITY
+    return 5e-4
+
+
+def _cfg(pipe) -> float:
+    """The largest guidance scale the pipeline's call applies by default (1: none)."""
+    params = inspect.signature(pipe.__call__).parameters
+    scales = [params[k].default for k in ("guidance_scale", "true_cfg_scale") if k in params]
+    guider = getattr(pipe, "guider", None)
+    scales.append(getattr(guider, "guidance_scale", 1.0) if guider is not None else 1.0)
+    return max([1.0] + [float(s) for s in scales if isinstance(s, (int, float))])
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-pipelines")
+
+
+def _params():
+    out = []
+    for name in families.names():
+        marks = [pytest.mark.slow] if name in SLOW else []
+        out.append(pytest.param(name, id=name, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name", _params())
+def test_the_tiny_pipeline_runs_from_a_prompt_on_its_export(root, name):
+    from qkrope.export import export_transformer
+
+    folder = tp.save_tiny_pipeline(name, root / name)
+    assert (folder / "model_index.json").is_file()
+    onnx = root / f"{name}.onnx"
+    export_transformer(folder / "transformer", onnx, dtype="fp32", progress=False)
+
+    quiet = dict(log=lambda _: None, **CALL)
+    out, _, pipe = gen.generate(folder, onnx, "a cat", **quiet)
+    assert type(pipe.transformer).__module__.startswith("qkrope.")  # the drop-in ran
+    video = getattr(out, "frames", None) is not None
+    path = root / f"{name}.{'gif' if video else 'png'}"
+    assert gen.write_output(out, path) == [path]
+    with Image.open(path) as image:
+        assert image.size == (SIZE["width"], SIZE["height"])
+        assert getattr(image, "n_frames", 1) == (len(out.frames[0]) if video else 1)
+
+    got, _, _ = gen.generate(folder, onnx, "a cat", output_type="latent", **quiet)
+    want, _, ref = gen.generate(folder, "pytorch", "a cat", output_type="latent", **quiet)
+    got, want = (getattr(o, "frames", None) if video else o.images for o in (got, want))
+    assert got.shape == want.shape
+    bound = tp.latent_bound(want, _cfg(ref), parity=_parity(name))
+    diff = float((got - want).abs().max())
+    assert 0 < diff <= bound, (diff, bound)
+
+
+def test_an_unknown_family_is_one_line_listing_the_known_ones(tmp_path, capsys):
+    with pytest.raises(InputError, match="unknown model family 'nope'") as e:
+        tp.save_tiny_pipeline("nope", tmp_path / "x")
+    assert "\n" not in str(e.value)
+    for name in families.names():
+        assert name in str(e.value)
+    assert not (tmp_path / "x").exists()
+    assert tp.main(["nope", str(tmp_path / "x")]) == 2
+    assert "unknown model family 'nope'" in error_line(capsys)
+
+
+def test_help_lists_the_families(capsys):
+    with pytest.raises(SystemExit):
+        tp.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in families.names():
+        assert name in out
+
+
+def test_an_existing_folder_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "mine.txt").write_text("keep")
+    with pytest.raises(InputError, match="already exists") as e:
+        tp.save_tiny_pipeline("qwen-image", tmp_path / "pipe")
+    assert "\n" not in str(e.value)
+    assert [p.name for p in (tmp_path / "pipe").iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]  # no staging left
+
+
+def test_every_family_has_a_tiny_recipe():
+    for record in families.records():
+        assert callable(families.hooks(record, "tiny").save_pipeline), record.name
