@@ -20,6 +20,17 @@ the next writer or reader in that folder finish the renames (:func:`_finish_comm
 group or the new one, never half of each. OS errors become :class:`OutputWriteError`, one line
 naming the path and the fix.
 
+A stale staging folder is only ever acted on within what its writer did: the staging folder is
+private (0700), its journal records the staging folder's name and the identity (device, inode,
+size, mtime) of each staged file and of each file to remove, and every note of a moved-away
+folder records its place below the staging folder's parent and its identity. The next writer or
+reader opens them without following links (``O_NOFOLLOW``, ``dir_fd``) and moves or removes a
+file only when it is that very file; a staging folder that is a link, writable by others (with a
+journal or notes in it), or whose journal or note names anything else (a path outside the folder,
+a file its writer did not stage, the user's own file) is refused in one line
+(:class:`StaleStagingError`) and nothing it names is touched. Staging folders of live processes
+and of other users, and names qkrope does not make, are left alone.
+
 An output may be a folder (``qkrope quantize``'s model folder): it is staged whole inside the
 staging folder and moved in by :func:`swap_dir`: one atomic exchange with the old folder
 (``renameat2(RENAME_EXCHANGE)``; the target is never missing), or where the file system has none,
@@ -56,6 +67,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -64,8 +76,8 @@ from typing import Any, Iterator, Sequence
 from qkrope.errors import QkropeError
 
 STAGING_PREFIX = ".qkrope-staging-"
-_STAGING_RE = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-(\d+)-[0-9A-Za-z_]+$")
-_ACTIVE: set[str] = set()  # staging folders of this process in use
+_STAGING_RE = re.compile(re.escape(STAGING_PREFIX) + r"(\d{1,10})-(\d{1,20})-[0-9A-Za-z_]+$")
+_ACTIVE: set[tuple[int, int]] = set()  # (st_dev, st_ino) of this process's staging folders in use
 _COMMITTING = threading.local()
 _PENDING_SIGNALS: list[int] = []
 
@@ -431,95 +443,394 @@ def _alive(pid: int, start: int) -> bool:
     return not (start and now and now != start)
 
 
+_PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: no process has a larger pid
+
+
+def _staging_owner(name: str) -> tuple[int, int] | None:
+    """``(pid, start time)`` of the writer that made a staging folder named ``name``; None for a
+    name qkrope does not make (another prefix, a pid that does not parse or no process has)."""
+    m = _STAGING_RE.match(name)
+    if m is None:
+        return None
+    pid, start = int(m.group(1)), int(m.group(2))
+    return (pid, start) if 1 <= pid <= _PID_MAX else None
+
+
 REPLACED = ".replaced"  # in a staging folder: folders moved away mid-commit (see swap_dir)
-_TARGET_SUFFIX = ".target"  # beside each: the path it was moved away from
-
-
-def _restore_replaced(staging: Path) -> list[Path]:
-    """Put back the folders a killed commit had moved out of the way (``<staging>/.replaced``)
-    whose place is still empty, each under the lock of the folder it goes back into."""
-    restored = []
-    replaced = staging / REPLACED
-    try:
-        notes = [e for e in os.scandir(replaced) if e.name.endswith(_TARGET_SUFFIX)]
-    except OSError:
-        return restored
-    for note in notes:
-        moved = replaced / note.name[:-len(_TARGET_SUFFIX)]
-        try:
-            target = Path(Path(note.path).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if not os.path.lexists(moved):
-            continue
-        # under the lock of the target's folder: a live writer's commit there is not mid-way
-        with contextlib.suppress(OSError), folder_lock(target.parent):
-            if not os.path.lexists(target):
-                os.rename(moved, target)
-                _fsync_dir(target.parent)
-                restored.append(target)
-    return restored
-
-
+_TARGET_SUFFIX = ".target"  # beside each: a note of the place it was moved away from
 COMMIT_JOURNAL = ".commit.json"  # in a staging folder while its commit renames files
+_JOURNAL_FORMAT = "qkrope-commit-journal-2"
+_NOTE_FORMAT = "qkrope-replaced-2"
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _finish_commit(staging: Path, folder: Path) -> bool:
+class StaleStagingError(OutputWriteError):
+    """A staging folder left in an output folder (or its commit journal, or a note of a folder
+    it moved away) is not as qkrope leaves one: a link, writable by others, or naming what its
+    writer did not stage there. Nothing it names was moved or removed; the message names it and
+    the fix."""
+
+
+def _refuse(staging: Path, what: str, fix: str = "") -> StaleStagingError:
+    return StaleStagingError(
+        f"stale staging folder {staging} {what}; it is not acted on: nothing it names is moved "
+        f"or removed. Fix: {fix or 'inspect it and remove it by hand'}")
+
+
+def _bare(name: object) -> bool:
+    """A plain file name: no folder part, not '.' or '..'."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\0" not in name and not (os.altsep and os.altsep in name))
+
+
+def _file_id(st: os.stat_result) -> list[int]:
+    """What identifies a staged or replaced file across renames (which keep all four)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _trusted(st: os.stat_result) -> bool:
+    """Owned by the current user and writable by no one else."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _exists_at(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _read_at(name: str, dir_fd: int, limit: int = 1 << 20) -> tuple[str, os.stat_result]:
+    """The text of the regular file ``name`` in ``dir_fd`` (a link is not followed, a FIFO not
+    waited on), and its stat."""
+    fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                 dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"larger than {limit} bytes")
+        return b"".join(chunks).decode("utf-8"), st
+    finally:
+        os.close(fd)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """A new file only this user may write (a journal, a note), fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _open_dirs_at(dir_fd: int, parts: Sequence[str]) -> int:
+    """A new descriptor of the folder ``parts`` below ``dir_fd``, no component followed if it is
+    a link (ELOOP/ENOTDIR); ``parts`` empty: ``dir_fd``'s folder itself."""
+    fd = os.open(".", _O_DIR, dir_fd=dir_fd)
+    for part in parts:
+        try:
+            nxt = os.open(part, _O_DIR | _O_NOFOLLOW, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
+
+
+@contextlib.contextmanager
+def _flock(fd: int) -> Iterator[None]:
+    """An exclusive ``flock`` on ``fd`` for the block (none where the filesystem has none)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            raise
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _note_place(folder: Path, staging: Path, note: str, text: str) -> tuple[list[str], list | None]:
+    """Where the folder a note stands for was moved away from, as folder names below
+    ``folder`` (the staging folder's parent), and the folder's identity (None in an older note,
+    which records only the absolute path). Anything else: :class:`StaleStagingError`."""
+    where = staging / REPLACED / note
+
+    def bad(problem):
+        return _refuse(staging, f"has a note {where} {problem}",
+                       fix=f"inspect {staging / REPLACED}; move back by hand any folder in it "
+                           f"that is yours, then remove {staging}")
+
+    if text.startswith("{"):
+        try:
+            plan = json.loads(text)
+        except ValueError:
+            raise bad("that is not valid JSON") from None
+        parts, ident = (plan.get("path"), plan.get("id")) if isinstance(plan, dict) else (0, 0)
+        if not (isinstance(plan, dict) and plan.get("format") == _NOTE_FORMAT
+                and isinstance(parts, list) and 1 <= len(parts) <= 8
+                and isinstance(ident, list) and len(ident) == 2
+                and all(type(i) is int for i in ident)):
+            raise bad("that is not a note qkrope writes")
+        if not all(_bare(p) for p in parts):
+            raise bad(f"naming {'/'.join(map(str, parts))!r}, not a folder inside {folder}")
+        return parts, ident
+    # an older qkrope's note: the absolute path the folder was moved away from
+    name = os.path.basename(text)
+    if not (os.path.isabs(text) and _bare(name)):
+        raise bad(f"naming {text!r}, not a folder inside {folder}")
+    rel = os.path.relpath(os.path.realpath(os.path.dirname(text)), os.path.realpath(folder))
+    parts = [] if rel == os.curdir else rel.split(os.sep)
+    if parts[:1] == [os.pardir] or os.path.isabs(rel):
+        raise bad(f"naming {text!r}, outside {folder}")
+    return parts + [name], None
+
+
+def _restore_replaced(folder: Path, folder_fd: int, staging: Path, staging_fd: int) -> None:
+    """Put back the folders a killed commit had moved out of the way (``<staging>/.replaced``,
+    see :func:`swap_dir`) whose place is still empty, each under the lock of the folder it goes
+    back into. A folder goes back only to the place its note names below ``folder``, through no
+    link, and only if it is the folder that was moved there (its identity, in the note); what
+    does not check out is :class:`StaleStagingError` and nothing is moved."""
+    where = staging / REPLACED
+    fix = f"inspect {where}; move back by hand any folder in it that is yours, then remove {staging}"
+    try:
+        rfd = os.open(REPLACED, _O_DIR | _O_NOFOLLOW, dir_fd=staging_fd)
+    except FileNotFoundError:
+        return
+    except OSError:
+        raise _refuse(staging, f"has {where}, which is a link or not a folder", fix) from None
+    try:
+        if not _trusted(os.fstat(rfd)):
+            raise _refuse(staging, f"has {where}, which another user owns or may write", fix)
+        for note in sorted(os.listdir(rfd)):
+            if not note.endswith(_TARGET_SUFFIX):
+                continue
+            moved = note[:-len(_TARGET_SUFFIX)]
+            try:
+                text, nst = _read_at(note, rfd)
+            except (OSError, ValueError) as exc:
+                raise _refuse(staging, f"has a note {where / note} that is not a file qkrope "
+                                       f"wrote ({getattr(exc, 'strerror', None) or exc})",
+                              fix) from None
+            if not _trusted(nst):
+                raise _refuse(staging, f"has a note {where / note} that another user owns or "
+                                       f"may write", fix)
+            parts, ident = _note_place(folder, staging, note, text)
+            target = folder.joinpath(*parts)
+            try:
+                mst = os.stat(moved, dir_fd=rfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # put back already, or never moved
+            if not stat.S_ISDIR(mst.st_mode) or (
+                    ident is not None and [mst.st_dev, mst.st_ino] != ident):
+                raise _refuse(staging, f"has {where / moved}, which is not the folder qkrope "
+                                       f"moved away from {target}", fix)
+            try:
+                pfd = _open_dirs_at(folder_fd, parts[:-1])
+            except FileNotFoundError:
+                continue  # the folder it came from is gone: nothing to put it back into
+            except OSError:
+                raise _refuse(staging, f"has a note {where / note} naming {target}, through a "
+                                       f"link or a file", fix) from None
+            try:
+                with _flock(pfd):  # a live writer's commit there is not mid-way
+                    if _exists_at(parts[-1], pfd):
+                        continue
+                    os.rename(moved, parts[-1], src_dir_fd=rfd, dst_dir_fd=pfd)
+                    with contextlib.suppress(OSError):
+                        os.fsync(pfd)
+            except OSError as exc:
+                raise OutputWriteError(exc.errno, f"cannot put {where / moved} back at {target} "
+                                                  f"({exc.strerror}); Fix: move it back by hand, "
+                                                  f"then remove {staging}") from None
+            finally:
+                os.close(pfd)
+    finally:
+        os.close(rfd)
+
+
+def _journal_plan(folder: Path, staging: Path, text: str):
+    """The commit journal's renames ``[(name, id)]``, removals ``[(name, id)]`` and kinds, if
+    it is one qkrope writes for ``staging``; else :class:`StaleStagingError`."""
+    def bad(problem):
+        return _refuse(staging, f"has a commit journal {problem}")
+
+    try:
+        plan = json.loads(text)
+    except ValueError:
+        raise bad("that is not valid JSON") from None
+    if not isinstance(plan, dict):
+        raise bad("that is not a qkrope commit journal")
+    entries = {}
+    for key in ("order", "remove"):
+        got = plan.get(key)
+        if not isinstance(got, list):
+            raise bad("that is not a qkrope commit journal")
+        entries[key] = [e.get("name") if isinstance(e, dict) else e for e in got]
+        for name in entries[key]:
+            if not _bare(name):
+                raise bad(f"naming {name!r}, not a file of {staging if key == 'order' else folder}")
+    if plan.get("format") != _JOURNAL_FORMAT:
+        raise _refuse(staging, "has a commit journal of an older qkrope, which does not record "
+                               "what its writer staged and cannot be checked",
+                      fix=f"inspect it (its journal lists the files its writer was moving into "
+                          f"{folder}), move by hand what is yours, then remove it")
+    if plan.get("staging") != staging.name:
+        raise bad(f"written for another staging folder ({plan.get('staging')!r})")
+    names = entries["order"] + entries["remove"]
+    kinds = plan.get("kinds")
+    ids = [e.get("id") if isinstance(e, dict) else None for e in plan["order"] + plan["remove"]]
+    if len(set(names)) != len(names) or not all(
+            isinstance(i, list) and len(i) == 4 and all(type(v) is int for v in i) for i in ids):
+        raise bad("that is not a qkrope commit journal")
+    if not isinstance(kinds, dict) or not all(
+            n in names and k in REPLACES and k not in FOLDER_OUTPUTS for n, k in kinds.items()):
+        raise bad(f"naming kinds qkrope does not write as files ({kinds!r})")
+    pairs = list(zip(names, ids))
+    return pairs[:len(entries["order"])], pairs[len(entries["order"]):], kinds
+
+
+def _finish_commit(folder: Path, folder_fd: int, staging: Path, staging_fd: int) -> bool:
     """A writer killed between two renames of its commit (its journal still in ``staging``):
     the renames it had not done are done now, in its order, then its removals, under the
     folder's lock, so the folder holds the new group whole (the readers' pairs match again),
-    never the half of each. Only where every target may still be replaced by what is written
-    there (:func:`check_outputs` with the kinds it committed); else nothing is moved and the
-    half state stays for the readers to refuse. True when the commit was finished."""
+    never the half of each. The journal must be the one its writer wrote for that folder, each
+    file still to move the very file it staged there, each file to remove the very file it meant
+    to remove (their identities, recorded in the journal): else :class:`StaleStagingError`,
+    and nothing moves. Only where every target may still be replaced by what is written there
+    (:func:`check_outputs` with the kinds it committed); else nothing is moved and the half
+    state stays for the readers to refuse. True when the commit was finished."""
     try:
-        plan = json.loads((staging / COMMIT_JOURNAL).read_text(encoding="utf-8"))
-        order, remove, kinds = plan["order"], plan["remove"], plan["kinds"]
-        names = [*order, *remove]
-        if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
-            return False
-    except (OSError, ValueError, KeyError, TypeError):
+        text, jst = _read_at(COMMIT_JOURNAL, staging_fd)
+    except (OSError, ValueError) as exc:
+        raise _refuse(staging, f"has a commit journal qkrope cannot read as its own "
+                               f"({getattr(exc, 'strerror', None) or exc})") from None
+    if not _trusted(jst):
+        raise _refuse(staging, "has a commit journal that another user owns or may write")
+    order, remove, kinds = _journal_plan(folder, staging, text)
+    lock_fd = _open_dirs_at(folder_fd, [])
+    try:
+        with _flock(lock_fd):
+            left, gone = [], []
+            for name, ident in order:
+                try:
+                    st = os.stat(name, dir_fd=staging_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # moved in before the kill
+                if not stat.S_ISREG(st.st_mode) or _file_id(st) != ident:
+                    raise _refuse(staging, f"has a commit journal naming {name!r}, which is not "
+                                           f"the file its writer staged there")
+                left.append(name)
+            for name, ident in remove:
+                try:
+                    st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed before the kill
+                if stat.S_ISDIR(st.st_mode) or _file_id(st) != ident:
+                    raise _refuse(staging, f"has a commit journal naming {folder / name} to "
+                                           f"remove, which is not the file its writer meant to "
+                                           f"remove")
+                gone.append(name)
+            try:
+                check_outputs([(folder / n, kinds[n]) for n in left + gone if n in kinds], ())
+            except (OutputIsInputError, OutputWriteError):
+                return False  # a target is now something else: left as it is
+            try:
+                for name in left:
+                    os.replace(name, name, src_dir_fd=staging_fd, dst_dir_fd=folder_fd)
+                for name in gone:
+                    os.unlink(name, dir_fd=folder_fd)
+                with contextlib.suppress(OSError):
+                    os.fsync(folder_fd)
+                os.unlink(COMMIT_JOURNAL, dir_fd=staging_fd)
+            except OSError:
+                return False  # kept for a later writer to finish
+            return True
+    finally:
+        os.close(lock_fd)
+
+
+def _clear_stale(folder: Path, folder_fd: int, staging: Path, st: os.stat_result) -> bool:
+    """One dead writer's staging folder (``st``: its lstat): its moved-away folders put back and
+    its commit finished, if it has any. True when it may now be removed."""
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            staging = Path(f"{staging} (a link to {os.readlink(staging)})")
+        raise _refuse(staging, "is a symbolic link, not a folder qkrope made",
+                      fix="inspect it and remove the link by hand")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(staging, "is not a folder qkrope made")
+    try:
+        sfd = os.open(staging.name, _O_DIR | _O_NOFOLLOW, dir_fd=folder_fd)
+    except FileNotFoundError:
         return False
-    with contextlib.suppress(OSError), folder_lock(folder):
-        left = [n for n in order if (staging / n).is_file()]
-        check_outputs([(folder / n, kinds[n]) for n in left if kinds.get(n) in REPLACES], ())
-        for name in left:
-            os.replace(staging / name, folder / name)
-        for name in remove:
-            if os.path.lexists(folder / name) and not (folder / name).is_dir():
-                os.unlink(folder / name)
-        _fsync_dir(folder)
-        (staging / COMMIT_JOURNAL).unlink(missing_ok=True)
+    except OSError as exc:
+        raise _refuse(staging, f"cannot be opened as a folder ({exc.strerror})") from None
+    try:
+        if not os.path.samestat(st, os.fstat(sfd)):
+            raise _refuse(staging, "changed while qkrope checked it")
+        journal, replaced = _exists_at(COMMIT_JOURNAL, sfd), _exists_at(REPLACED, sfd)
+        if (journal or replaced) and st.st_mode & 0o022:
+            raise _refuse(staging, f"is writable by others (mode {st.st_mode & 0o777:o}) and holds "
+                                   f"a commit journal or moved-away folders that anyone could "
+                                   f"have changed",
+                          fix=f"inspect it; move back by hand what is yours, then remove it")
+        if replaced:
+            _restore_replaced(folder, folder_fd, staging, sfd)
+        if journal:
+            return _finish_commit(folder, folder_fd, staging, sfd)
         return True
-    return False
+    finally:
+        os.close(sfd)
 
 
 def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
     """Remove the staging folders in ``folder`` whose process is gone (killed mid-write), after
     putting back any output folder such a process had moved away and not replaced (a kill
     between the two renames of :func:`swap_dir`) and finishing the file renames of a commit it
-    was killed in the middle of (:func:`_finish_commit`); the ones of live processes (a
-    concurrent writer) are kept. Returns what was removed."""
-    removed = []
+    was killed in the middle of (:func:`_finish_commit`). The ones of live processes (a
+    concurrent writer) and of other users are kept, and so are names qkrope does not make.
+    A staging folder that is not as qkrope leaves one (a link, writable by others with a journal
+    or notes in it, a journal or note naming what its writer did not stage or a place outside
+    ``folder``) is refused: :class:`StaleStagingError`, one line, before anything it names is
+    moved or removed. Returns what was removed."""
+    removed: list[Path] = []
+    folder = Path(folder)
     try:
-        entries = list(os.scandir(folder))
+        names = sorted(os.listdir(folder))
+        folder_fd = os.open(folder, _O_DIR)
     except OSError:
         return removed
-    for entry in entries:
-        m = _STAGING_RE.match(entry.name)
-        if m is None or entry.path in _ACTIVE:
-            continue
-        pid, start = int(m.group(1)), int(m.group(2))
-        # This process's own folders not in use are leftovers; another live process's are its.
-        if pid != os.getpid() and _alive(pid, start):
-            continue
-        _restore_replaced(Path(entry.path))
-        if os.path.exists(os.path.join(entry.path, COMMIT_JOURNAL)):
+    try:
+        for name in names:
+            owner = _staging_owner(name)
+            if owner is None:
+                continue
+            pid, start = owner
+            # This process's own folders not in use are leftovers; another live process's are its.
+            if pid != os.getpid() and _alive(pid, start):
+                continue
             try:
-                _finish_commit(Path(entry.path), Path(folder))
-            except OutputIsInputError:
-                continue  # a target is now something else: left as it is, not removed
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(Path(entry.path))
+                st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in _ACTIVE or st.st_uid != os.geteuid():
+                continue  # in use by this process; another user's to finish
+            if _clear_stale(folder, folder_fd, folder / name, st):
+                shutil.rmtree(folder / name, ignore_errors=True)  # links inside: not followed
+                removed.append(folder / name)
+    finally:
+        os.close(folder_fd)
     return removed
 
 
@@ -612,12 +923,27 @@ def _settle_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def _replaced_note(target: Path, replaced: Path) -> str:
+    """The note beside a folder moved away to ``replaced`` (``<staging>/.replaced``): its place,
+    as the folder names from the staging folder's parent down to it (through no link), and its
+    identity, for :func:`_restore_replaced` to put back that folder only, only there. A place
+    not below the staging folder's parent is recorded as its absolute path, which
+    :func:`_restore_replaced` refuses (the folder is then put back by hand)."""
+    st = os.lstat(target)
+    base = os.path.realpath(replaced.parent.parent)
+    rel = os.path.relpath(os.path.join(os.path.realpath(target.parent), target.name), base)
+    parts = rel.split(os.sep)
+    if os.path.isabs(rel) or os.pardir in parts:
+        return str(target.absolute())
+    return json.dumps({"format": _NOTE_FORMAT, "path": parts, "id": [st.st_dev, st.st_ino]})
+
+
 def swap_dir(staged: Path, target: Path, replaced: Path) -> str:
     """Put the folder ``staged`` at ``target`` with ``target`` never missing where the file
     system can help: a rename when there is no ``target``, else one atomic exchange (the old
     folder ends up at ``staged``, inside the staging folder that is removed afterwards).
     Without an atomic exchange, two renames: the old folder first moves to
-    ``replaced/<name>.old`` with a note of ``target`` beside it, so that if the process dies
+    ``replaced/<name>.old`` with a note of ``target`` beside it (:func:`_replaced_note`), so that if the process dies
     before the second rename the next writer or reader in that folder
     (:func:`remove_stale_staging`, :func:`recover`) puts it back; on a failure it is put back
     at once. Returns how it was done ("new", "exchanged", "moved") for :func:`unswap_dir`."""
@@ -628,10 +954,9 @@ def swap_dir(staged: Path, target: Path, replaced: Path) -> str:
         raise OutputWriteError(errno.ENOTDIR, f"cannot replace {target}: it is not a folder")
     if _exchange(staged, target):
         return "exchanged"
-    replaced.mkdir(exist_ok=True)
+    replaced.mkdir(mode=0o700, exist_ok=True)
     moved = replaced / (staged.name + ".old")
-    note = replaced / (moved.name + _TARGET_SUFFIX)
-    note.write_text(str(target.absolute()), encoding="utf-8")
+    _write_private(replaced / (moved.name + _TARGET_SUFFIX), _replaced_note(target, replaced))
     _fsync_dir(replaced)
     os.rename(target, moved)
     try:
@@ -665,12 +990,8 @@ def folder_lock(folder: str | os.PathLike, *, flag: str = "--out") -> Iterator[N
     except OSError as exc:
         raise output_error(exc, folder, flag=flag) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                raise
-        yield
+        with _flock(fd):
+            yield
     finally:
         os.close(fd)  # releases the lock
 
@@ -741,17 +1062,21 @@ class Staging:
         return [self.folder / n for n in order]
 
     def _journal(self, order, remove) -> Path:
-        """Before the first rename: the commit's file renames and removals, for the next writer
-        in the folder to finish should this process be killed between two renames
-        (:func:`_finish_commit`; folders have their own note, see :func:`swap_dir`)."""
+        """Before the first rename (under the folder lock): the commit's file renames and
+        removals, for the next writer in the folder to finish should this process be killed
+        between two renames (:func:`_finish_commit`; folders have their own note, see
+        :func:`swap_dir`). It records the staging folder's name and the identity (device, inode,
+        size, mtime) of each staged file and of each file to remove, so that only these very
+        files are ever moved or removed by it."""
         journal = self.dir / COMMIT_JOURNAL
         files = [n for n in order if (self.dir / n).is_file()]
-        text = json.dumps({"order": files, "remove": list(remove),
-                           "kinds": {n: k for n, k in self.kinds.items() if n in files}})
-        with open(journal, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        gone = [n for n in remove if os.path.lexists(self.folder / n)]
+        text = json.dumps({
+            "format": _JOURNAL_FORMAT, "staging": self.dir.name,
+            "order": [{"name": n, "id": _file_id(os.lstat(self.dir / n))} for n in files],
+            "remove": [{"name": n, "id": _file_id(os.lstat(self.folder / n))} for n in gone],
+            "kinds": {n: k for n, k in self.kinds.items() if n in files or n in gone}})
+        _write_private(journal, text)
         _fsync_dir(self.dir)
         return journal
 
@@ -809,7 +1134,8 @@ def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
     ``kinds`` (name -> a kind of :data:`REPLACES`) and ``inputs``: the commit checks the
     targets again under the folder lock (:func:`check_outputs`). Leaving the block (commit or
     not, exception, SIGTERM) removes the staging folder; stale ones of dead processes are
-    removed on entry. OS errors inside the block become :class:`OutputWriteError` naming
+    removed on entry (:func:`remove_stale_staging`: one that is not as qkrope leaves one is
+    refused, :class:`StaleStagingError`, before anything is written). OS errors inside the block become :class:`OutputWriteError` naming
     ``folder``."""
     folder = check_output_folder(folder, flag=flag)
     try:
@@ -821,14 +1147,16 @@ def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
     dir = folder / f"{STAGING_PREFIX}{pid}-{_start_time(pid)}-{secrets.token_hex(4)}"
     with _signals_cleanup():
         try:
-            dir.mkdir()
+            dir.mkdir(mode=0o700)  # private: no one else can put a journal or note in it
+            st = os.lstat(dir)
         except OSError as exc:
             raise output_error(exc, folder, flag=flag) from None
-        _ACTIVE.add(str(dir))
+        key = (st.st_dev, st.st_ino)
+        _ACTIVE.add(key)
         try:
             yield Staging(folder, dir, names, flag, kinds, inputs)
         except OSError as exc:
             raise output_error(exc, folder / (names[0] if names else ""), flag=flag) from None
         finally:
             shutil.rmtree(dir, ignore_errors=True)
-            _ACTIVE.discard(str(dir))
+            _ACTIVE.discard(key)
