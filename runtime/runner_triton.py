@@ -17,7 +17,14 @@ caches are built in the pipeline's process, memoised per shape, as for a local m
 ensemble's server-side rope model computes the same bits: tests/test_triton_server.py).
 
 Tensors go as raw little-endian bytes, bfloat16 included (two bytes per value, no conversion:
-numpy has no bfloat16), and come back on the device of the inputs. A request the server
+numpy has no bfloat16), and come back on the device of the inputs. Every answer is checked
+before the pipeline (its scheduler) sees it: each output present, of the model's dtype, of the
+shape the call's inputs give (batch and layout), its byte count whole (a cut-off body, or a
+proxy's HTML page in place of an answer, is refused), and every value finite. Given
+``sidecar=`` (the export the client expects), the client confirms once at connect that the
+server serves that export: the identity ``qkrope triton-repo`` recorded in the served config
+(``qkrope_export_identity``, :func:`~qkrope.runtime.triton_io.export_identity`) is that
+export's. A request the server
 refuses, a model it does not have, a server it cannot reach: one :class:`RunnerError` line
 naming the server, the model and the fix. Calls from several threads are fine (one gRPC channel;
 one HTTP connection per thread).
@@ -43,7 +50,8 @@ from qkrope.errors import QkropeError
 
 from .caches import checked_device
 from .runner import Runner, RunnerError, RunnerInputError
-from .triton_io import IO_PARAMETER, ServedModelError, check_served_io, model_io_of
+from .triton_io import (IDENTITY_PARAMETER, IO_PARAMETER, ServedModelError, check_served_io,
+                        export_identity, model_io_of)
 
 PROTOCOLS = ("grpc", "http")
 #: seconds a request may take before it is abandoned (a FLUX.1-dev step at 1024x1024 on one
@@ -156,6 +164,10 @@ class _Grpc:
         for name in outputs:
             req.outputs.add(name=name)
         res = self._call("ModelInfer", req)
+        if len(res.raw_output_contents) != len(res.outputs):
+            raise _ServerError("answer", f"an answer of {len(res.outputs)} outputs with "
+                                         f"{len(res.raw_output_contents)} raw contents (cut "
+                                         f"short, or its tensors sent as typed values)")
         return {o.name: (o.datatype, list(o.shape), res.raw_output_contents[i])
                 for i, o in enumerate(res.outputs)}
 
@@ -200,6 +212,12 @@ class _Http:
                 self._local.conn = None
                 if attempt:
                     raise _ServerError("unreachable", f"{type(exc).__name__}: {exc}") from None
+            except http.client.IncompleteRead as exc:  # the body ends before its length
+                conn.close()
+                self._local.conn = None
+                raise _ServerError("answer", f"the answer was cut short ({len(exc.partial)} "
+                                             f"bytes of its body read, {exc.expected} more "
+                                             f"announced)") from None
             except (OSError, http.client.HTTPException) as exc:  # refused, timed out, ...
                 conn.close()
                 self._local.conn = None
@@ -216,21 +234,45 @@ class _Http:
                 else "refused" if status == 400 else "failed")
         return _ServerError(kind, f"HTTP {status}: {message}")
 
+    @staticmethod
+    def _json(data: bytes, headers, what: str):
+        """``data`` as the JSON of a KServe answer, else an ``answer`` _ServerError saying what
+        came back instead (a proxy's HTML page, a cut-off body) in a few words."""
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            pass
+        kind = (headers.get("Content-Type") if headers is not None else None) or "no content type"
+        head = data[:120].decode("utf-8", "replace")
+        looks = ("an HTML page" if re.search(r"<\s*(!doctype|html|head|body)", head, re.I)
+                 else "text that is not JSON" if data else "an empty body")
+        raise _ServerError("answer", f"{what} came back as {looks} ({kind}, {len(data)} bytes: "
+                                     f"{one_line(head, 80)!r}), not a KServe v2 answer")
+
     def _model_path(self, model: str, version: str) -> str:
         path = f"/v2/models/{urllib.parse.quote(model, safe='')}"
         return path + (f"/versions/{urllib.parse.quote(version, safe='')}" if version else "")
 
     def config(self, model: str, version: str) -> dict:
-        status, _, data = self._request("GET", self._model_path(model, version) + "/config")
+        status, headers, data = self._request("GET",
+                                              self._model_path(model, version) + "/config")
         if status != 200:
             raise self._error(status, data)
-        return json.loads(data)
+        cfg = self._json(data, headers, "the model's config")
+        if not isinstance(cfg, dict):
+            raise _ServerError("answer", f"the model's config came back as a JSON "
+                                         f"{type(cfg).__name__}, not a model config")
+        return cfg
 
     def models(self) -> list[str]:
-        status, _, data = self._request("POST", "/v2/repository/index", b'{"ready": true}')
+        status, headers, data = self._request("POST", "/v2/repository/index", b'{"ready": true}')
         if status != 200:
             raise self._error(status, data)
-        return [m["name"] for m in json.loads(data)]
+        index = self._json(data, headers, "the repository index")
+        try:
+            return [m["name"] for m in index]
+        except (TypeError, KeyError):
+            raise _ServerError("answer", "the repository index is not a list of models") from None
 
     def infer(self, model: str, version: str, inputs, outputs: Sequence[str]) -> dict:
         header = {"inputs": [{"name": n, "datatype": dt, "shape": shape,
@@ -246,15 +288,45 @@ class _Http:
              "Content-Type": "application/octet-stream"})
         if status != 200:
             raise self._error(status, data)
-        n = int(headers.get("Inference-Header-Content-Length") or len(data))
-        meta, offset, out = json.loads(data[:n]), n, {}
-        for o in meta.get("outputs", []):
-            size = int(o.get("parameters", {}).get("binary_data_size", -1))
+        return self._answer(headers, data)
+
+    def _answer(self, headers, data: bytes) -> dict:
+        """The outputs of an inference answer (JSON header, then each output's raw bytes),
+        every part checked: the header's length, its form, and that the bytes it announces are
+        all there, nothing more (a cut-off or padded body is refused, never read short)."""
+        length = headers.get("Inference-Header-Content-Length")
+        try:
+            n = int(length) if length is not None else len(data)
+        except ValueError:
+            raise _ServerError("answer", f"the answer's Inference-Header-Content-Length is "
+                                         f"{one_line(length, 40)!r}, not a length") from None
+        if not 0 < n <= len(data):
+            raise _ServerError("answer", f"the answer announces a {n}-byte header but its body "
+                                         f"has {len(data)} bytes (cut short)")
+        meta = self._json(data[:n], headers, "the inference answer")
+        outputs = meta.get("outputs") if isinstance(meta, dict) else None
+        if not isinstance(outputs, list):
+            raise _ServerError("answer", "the inference answer has no list of outputs")
+        offset, out = n, {}
+        for o in outputs:
+            try:
+                name, datatype, shape = str(o["name"]), str(o["datatype"]), list(o["shape"])
+                size = int((o.get("parameters") or {}).get("binary_data_size", -1))
+            except (TypeError, KeyError, ValueError, AttributeError):
+                raise _ServerError("answer", f"an output of the answer is not a KServe tensor "
+                                             f"({one_line(o, 80)})") from None
             if size < 0:
-                raise _ServerError("failed", f"the server returned {o.get('name')} as JSON "
-                                             f"data, not binary")
-            out[o["name"]] = (o["datatype"], o["shape"], data[offset:offset + size])
+                raise _ServerError("answer", f"the server returned {name} as JSON data, not "
+                                             f"binary")
+            if offset + size > len(data):
+                raise _ServerError("answer", f"output {name} announces {size} bytes but the body "
+                                             f"holds {len(data) - offset} after the header (cut "
+                                             f"short)")
+            out[name] = (datatype, shape, data[offset:offset + size])
             offset += size
+        if offset != len(data):
+            raise _ServerError("answer", f"the answer's body has {len(data) - offset} bytes "
+                                         f"beyond the outputs it announces")
         return out
 
     def close(self) -> None:
@@ -276,6 +348,8 @@ def _fix(kind: str, protocol: str) -> str:
                          "them)",
             "refused": "the server's reason above says which input; send what the model "
                        "takes",
+            "answer": "point url at the Triton server itself (not a proxy or web page in "
+                      "front of it), or check the server's log",
             }.get(kind, "see the server's log")
 
 
@@ -284,8 +358,9 @@ class TritonRunner(Runner):
     runner interface (module docstring). ``url``: ``host:port`` (``http(s)://`` too for HTTP);
     ``model``: the repository's model (the ensemble's name or its model step);
     ``protocol``: ``"grpc"`` or ``"http"``; ``model_version``: "" for the server's policy;
-    ``sidecar``: the exported model (``.onnx`` or ``.engine``, or its ``.json``) when the
-    served config has no I/O record; ``device``: where outputs go when the inputs are on no
+    ``sidecar``: the exported model (``.onnx`` or ``.engine``, or its ``.json``) the server
+    should serve: its identity is compared with the one the served config records, once at
+    connect (and its I/O is used, for a served config without the I/O record); ``device``: where outputs go when the inputs are on no
     device yet (outputs follow the inputs' device); ``headers``: sent with every request
     (e.g. an ``Authorization`` for a gateway); ``timeout_s``: per request."""
 
@@ -315,13 +390,22 @@ class TritonRunner(Runner):
         self.requested_model = model
         self.model, cfg = self._resolve(model)
         source = f"Triton {protocol}://{self.url}/{self.model}"
-        io = self._io(cfg, sidecar, source)
-        served_in = [t["name"] for t in cfg.get("input", [])]
-        served_out = [t["name"] for t in cfg.get("output", [])]
+        io, given = self._io(cfg, sidecar, source)
+        try:
+            served_in = [str(t["name"]) for t in cfg.get("input", [])]
+            served_out = [str(t["name"]) for t in cfg.get("output", [])]
+        except (TypeError, KeyError, AttributeError):
+            raise RunnerError(f"{self._where(self.model)}: its config lists inputs or outputs "
+                              f"without names; not a Triton model config. Fix: "
+                              f"{_fix('answer', self.protocol)}") from None
         try:
             check_served_io(io, served_in, served_out, source=source)
         except ServedModelError as exc:
             raise RunnerError(str(exc)) from None
+        #: the identity of the export the server serves (its config's, written by triton-repo)
+        self.served_export = _parameter(cfg, IDENTITY_PARAMETER)
+        if sidecar is not None:
+            self._check_identity(sidecar, given)
         super().__init__(io, copy_outputs=copy_outputs)
         self.device = checked_device(device)
 
@@ -363,13 +447,37 @@ class TritonRunner(Runner):
                           f"I/O record ({IO_PARAMETER}). Fix: name its model step (the one "
                           f"taking the RoPE caches) and pass sidecar= (the exported model)")
 
+    def _check_identity(self, sidecar, given: str | None) -> None:
+        """Once, at connect: the server serves the export this client was given (``sidecar=``):
+        the identity triton-repo recorded in the served config is that export's."""
+        served = self.served_export
+        if served is None:
+            raise RunnerError(f"{self._where(self.model)}: its config records no export "
+                              f"identity ({IDENTITY_PARAMETER}), so it cannot be confirmed to "
+                              f"serve {sidecar}. Fix: rewrite the repository with this "
+                              f"qkrope's `qkrope triton-repo ... --force`, or leave out sidecar= "
+                              f"to take the served config's own record")
+        if given is None:
+            raise RunnerError(f"{self._where(self.model)}: {sidecar} records no content hashes "
+                              f"of its files, so the served export cannot be compared with it. "
+                              f"Fix: pass the sidecar `qkrope export` / `qkrope build` wrote "
+                              f"(M.onnx.json / M.engine.json)")
+        if served != given:
+            raise RunnerError(f"{self._where(self.model)} serves another export than {sidecar} "
+                              f"(served identity {served[:12]}..., this export's "
+                              f"{given[:12]}...). Fix: serve this export (`qkrope triton-repo` "
+                              f"it and restart or reload the model), or pass the sidecar of the "
+                              f"export the server serves")
+
     def _io(self, cfg: dict, sidecar, source: str):
-        record = cfg.get("parameters", {}).get(IO_PARAMETER, {}).get("string_value")
+        """The served model's I/O (from ``sidecar`` when given, else the config's record) and
+        the identity of the export given (None without ``sidecar``)."""
+        record = _parameter(cfg, IO_PARAMETER)
         try:
             if sidecar is not None:
                 return _sidecar_io(sidecar, source)
             if record:
-                return model_io_of(record, source=source)
+                return model_io_of(record, source=source), None
         except ServedModelError as exc:
             raise RunnerError(str(exc)) from None
         raise RunnerError(f"{self._where()}: its config has no qkrope I/O record "
@@ -388,17 +496,54 @@ class TritonRunner(Runner):
         names = [s.name for s in self.io.outputs]
         got = self._server(lambda: self._transport.infer(self.model, self.model_version, inputs,
                                                          names), self.model)
-        outs = []
-        for spec in self.io.outputs:
-            if spec.name not in got:
-                raise RunnerError(f"{self._where(self.model)}: the answer has no output "
-                                  f"{spec.name!r} (it has {sorted(got)})")
-            datatype, shape, data = got[spec.name]
-            if NAME_BY_WIRE.get(datatype) != spec.dtype or len(shape) != spec.rank:
-                raise RunnerError(f"{self._where(self.model)}: output {spec.name} came back "
-                                  f"{datatype} {list(shape)}; the model's is {spec.describe()}")
-            outs.append(from_wire(data, datatype, shape, name=spec.name, device=device))
-        return outs
+        return [self._checked_output(spec, got, axes, device) for spec in self.io.outputs]
+
+    def _checked_output(self, spec, got: dict, axes: Mapping[str, int],
+                        device: torch.device) -> torch.Tensor:
+        """One output of an answer, checked before a scheduler sees it: present, of the
+        model's dtype, of the shape this call's inputs give (batch and layout: each static
+        dimension, each named axis the inputs fixed, the rest within the model's range), its
+        byte count, and every value finite. Each refusal is one RunnerError line naming the
+        server, the model and what came back."""
+        where = self._where(self.model)
+        if spec.name not in got:
+            raise RunnerError(f"{where}: the answer has no output {spec.name!r} (it has "
+                              f"{sorted(got)[:8]}). Fix: {_fix('answer', self.protocol)}")
+        datatype, shape, data = got[spec.name]
+        try:
+            shape = [int(d) for d in shape]
+        except (TypeError, ValueError):
+            raise RunnerError(f"{where}: output {spec.name} came back with shape "
+                              f"{one_line(shape, 60)}, not a list of sizes") from None
+        want = [lo if lo == hi else axes.get(ax) if ax is not None else None
+                for (lo, hi), ax in zip(spec.dims, spec.axes)]
+        fits = len(shape) == spec.rank and all(
+            (n == w) if w is not None else (n >= lo and (hi is None or n <= hi))
+            for n, w, (lo, hi) in zip(shape, want, spec.dims))
+        if NAME_BY_WIRE.get(datatype) != spec.dtype or not fits:
+            expected = "[" + ", ".join(str(w) if w is not None else (ax or "?") for w, ax in
+                                       zip(want, spec.axes)) + "]"
+            raise RunnerError(f"{where}: output {spec.name} came back {one_line(datatype, 20)} "
+                              f"{shape}; this call expects {spec.dtype} {expected} (the "
+                              f"model's {spec.describe()}, with the inputs' axes). Fix: check "
+                              f"that the server serves this export (its log), and that url "
+                              f"points at the server itself")
+        try:
+            t = from_wire(data, datatype, shape, name=spec.name, device=torch.device("cpu"))
+        except RunnerError as exc:
+            raise RunnerError(f"{where}: {exc} (cut short). Fix: "
+                              f"{_fix('answer', self.protocol)}") from None
+        if t.is_floating_point() and t.numel():
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                first = [int(i) for i in bad.nonzero()[0]]
+                raise RunnerError(
+                    f"{where}: output {spec.name} {list(t.shape)} came back with "
+                    f"{int(bad.sum())} NaN or infinite values (the first at {first}: "
+                    f"{float(t[tuple(first)])}); refused before the scheduler steps with it. "
+                    f"Fix: check the inputs are finite and the served model (its log; a "
+                    f"float16 export can overflow where bfloat16 does not)")
+        return t.to(device) if device.type != "cpu" else t
 
     def close(self) -> None:
         """Close the connection(s) (the runner reconnects on its next call over HTTP)."""
@@ -408,9 +553,18 @@ class TritonRunner(Runner):
         return f"TritonRunner({self.protocol}://{self.url}/{self.model})"
 
 
+def _parameter(cfg: dict, key: str) -> str | None:
+    """A string parameter of a model config (as JSON: ``parameters.<key>.string_value``)."""
+    params = cfg.get("parameters")
+    value = params.get(key) if isinstance(params, dict) else None
+    value = value.get("string_value") if isinstance(value, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
 def _sidecar_io(sidecar, source: str):
-    """The ModelIO of the export a server serves, from its sidecar (``.onnx`` / ``.engine``,
-    or the ``.json`` itself)."""
+    """The ModelIO of the export a server serves and the export's identity
+    (:func:`~qkrope.runtime.triton_io.export_identity`), from its sidecar (``.onnx`` /
+    ``.engine``, or the ``.json`` itself)."""
     from pathlib import Path
 
     from qkrope.sidecars import EngineInfo, ModelInfo
@@ -420,9 +574,9 @@ def _sidecar_io(sidecar, source: str):
     p = Path(sidecar)
     name = p.name[:-len(".json")] if p.name.endswith(".json") else p.name
     model = p.with_name(name)
-    if model.suffix.lower() in (".engine", ".plan"):
-        return model_io_of(record_of(EngineInfo.load(model)), source=source)
-    return model_io_of(record_of(ModelInfo.describe(model)), source=source)
+    info = (EngineInfo.load(model) if model.suffix.lower() in (".engine", ".plan")
+            else ModelInfo.describe(model))
+    return model_io_of(record_of(info), source=source), export_identity(info)
 
 
 def triton_transformer(url: str, model: str, *, protocol: str = "grpc", model_version: str = "",

@@ -611,11 +611,16 @@ def render_onnx_config(name: str, specs: Specs, serving: Serving | None = None,
 
 def with_io_record(text: str, sidecar) -> str:
     """``text`` (a config.pbtxt) with the model's I/O record for qkrope's Triton client
-    (:mod:`qkrope.runtime.triton_io`) as the string parameter ``qkrope_model_io``."""
-    from .triton_io import IO_PARAMETER, record_of
+    (:mod:`qkrope.runtime.triton_io`) as the string parameter ``qkrope_model_io``, and the
+    export's identity (``qkrope_export_identity``: what the client compares with the export it
+    was given, at connect)."""
+    from .triton_io import IDENTITY_PARAMETER, IO_PARAMETER, export_identity, record_of
 
     cfg = parse_config(text)
     cfg.parameters[IO_PARAMETER].string_value = record_of(sidecar)
+    identity = export_identity(sidecar)
+    if identity is not None:
+        cfg.parameters[IDENTITY_PARAMETER].string_value = identity
     return to_text(cfg)
 
 

@@ -3,7 +3,8 @@
 ``qkrope triton-repo`` writes the export's I/O (names, dtypes, shapes with their axis names),
 the runner roles of its inputs and the model config the drop-ins need (the diffusers config,
 the family, the RoPE axes, ``head_dim``) as one JSON string parameter, :data:`IO_PARAMETER`, of
-the model that takes the RoPE caches. :class:`qkrope.runtime.runner_triton.TritonRunner` reads it
+the model that takes the RoPE caches, and the export's identity (:func:`export_identity`,
+:data:`IDENTITY_PARAMETER`). :class:`qkrope.runtime.runner_triton.TritonRunner` reads it
 back with the model's config (``GET /v2/models/<m>/config`` or gRPC ``ModelConfig``) and checks
 every call as a local runner does, so that ``pipe.transformer`` needs nothing but a URL and a
 model name. The state-dict key lists of the sidecar (``parameters``, ``parameter_shapes``, ...)
@@ -14,6 +15,7 @@ Light: imports neither torch nor tritonclient (the repository writer uses it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Sequence
 
@@ -22,6 +24,8 @@ from qkrope.model_io import ModelIO, spec_from_shape
 
 #: the ``parameters`` key of a model's config.pbtxt that holds the record
 IO_PARAMETER = "qkrope_model_io"
+#: the ``parameters`` key that holds the served export's identity (:func:`export_identity`)
+IDENTITY_PARAMETER = "qkrope_export_identity"
 #: the record's format (a reader refuses another)
 FORMAT = 1
 #: sidecar config fields a client does not need (long lists of state-dict keys, local paths)
@@ -52,6 +56,29 @@ def record_of(sidecar) -> str:
                        "outputs": _tensors(sidecar.outputs, axes_of),
                        "roles": sidecar.roles(), "config": config},
                       separators=(",", ":"))  # the config in its own key order
+
+
+def export_identity(sidecar) -> str | None:
+    """The identity of the export a sidecar describes: the sha256 of the content hashes it
+    records of the export's files (the ONNX model and its external data, or the engine) and of
+    its write id; None when the sidecar records none (a model described from its graph alone).
+    ``qkrope triton-repo`` writes it into the served config (:data:`IDENTITY_PARAMETER`); the
+    client compares it with the export it was given, once at connect."""
+    parts = []
+    model_file = getattr(sidecar, "model_file", None)
+    if model_file is not None and getattr(model_file, "sha256", None):
+        parts.append(f"model={model_file.sha256}")
+    for location, rec in sorted((getattr(sidecar, "external_data", None) or {}).items()):
+        parts.append(f"data {location}={getattr(rec, 'sha256', None)}")
+    engine = getattr(sidecar, "engine_sha256", None) or getattr(
+        getattr(sidecar, "engine_file", None), "sha256", None)
+    if engine:
+        parts.append(f"engine={engine}")
+    if not parts:
+        return None
+    write_id = getattr(sidecar, "write_id", None)
+    parts.append(f"write_id={write_id}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def model_io_of(record: str, *, source: str) -> ModelIO:
@@ -88,5 +115,5 @@ def check_served_io(io: ModelIO, names: Sequence[str], out_names: Sequence[str],
             f"takes the RoPE caches)")
 
 
-__all__ = ["FORMAT", "IO_PARAMETER", "ServedModelError", "check_served_io", "model_io_of",
-           "record_of"]
+__all__ = ["FORMAT", "IDENTITY_PARAMETER", "IO_PARAMETER", "ServedModelError", "check_served_io",
+           "export_identity", "model_io_of", "record_of"]

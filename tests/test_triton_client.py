@@ -284,6 +284,9 @@ def test_set_up_errors_are_one_line_with_the_fix(served, runners, protocol,
     want = _local(tiny_transformer_onnx).run_positions(hidden, text, img_shapes=[(1, 2, 2)],
                                                   mask=mask, timestep=t)
     assert torch.equal(got, want)
+    # the export given is the one served: the identity triton-repo recorded matches, at connect
+    runner = runners(url, "tiny", protocol=protocol, sidecar=str(tiny_transformer_onnx))
+    assert runner.served_export is not None and runner.model == "tiny_onnx"
     with pytest.raises(RunnerError) as err:  # a sidecar of another model is refused
         runners(url, "echo_bf16", protocol=protocol, sidecar=str(tiny_transformer_onnx))
     assert "\n" not in str(err.value) and "serves inputs ['x']" in str(err.value)

@@ -1,0 +1,272 @@
+"""Issue 42, item 4: every answer from a server is checked before a scheduler sees it, and the
+served export is the one the client was given.
+
+Against small local stand-ins of a Triton server (an HTTP one from the standard library and a
+gRPC one on tritonclient's generated service, both on 127.0.0.1 only, serving the config
+``qkrope triton-repo`` wrote for the tiny transformer): an HTML page in place of a config or an
+answer, a cut-off body, an answer of another batch or layout, a NaN, another export's identity;
+each is ONE RunnerError line naming the server and the model. (The real server: the identity
+at connect is also exercised in tests/test_triton_client.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from _triton_helpers import parse, tiny_transformer_onnx  # noqa: F401
+
+pytest.importorskip("google.protobuf", reason="triton-repo renders configs with protobuf")
+grpc = pytest.importorskip("grpc", reason="tritonclient[grpc] is a test dependency")
+tc_grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a test dependency")
+
+from google.protobuf import json_format  # noqa: E402
+
+from qkrope.runtime import runner_triton as rt  # noqa: E402
+from qkrope.runtime import triton  # noqa: E402
+from qkrope.runtime.runner import RunnerError  # noqa: E402
+from qkrope.runtime.triton_io import IDENTITY_PARAMETER, export_identity  # noqa: E402
+
+#: what each stand-in model answers (its name is the mode)
+MODES = ("good", "html_config", "html", "proxy502", "cut", "short_body", "batch", "layout",
+         "nan", "other_export", "no_identity")
+HTML = b"<!DOCTYPE html><html><head><title>Sign in</title></head><body>proxy</body></html>"
+
+
+def _answer_shape(inputs: dict, out_channels: int) -> list:
+    b, tokens = inputs["hidden_states"][:2]
+    return [b, tokens, out_channels]
+
+
+class _Standin:
+    """The config of the tiny transformer's model step, served under every mode's name."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        out = config["output"][0]
+        self.out_name, self.out_channels = out["name"], int(out["dims"][-1])
+
+    def config_for(self, mode: str) -> dict:
+        cfg = json.loads(json.dumps(self.config))
+        cfg["name"] = mode
+        if mode == "other_export":
+            cfg["parameters"][IDENTITY_PARAMETER] = {"string_value": "0" * 64}
+        if mode == "no_identity":
+            del cfg["parameters"][IDENTITY_PARAMETER]
+        return cfg
+
+    def output(self, mode: str, shapes: dict) -> tuple[list, bytes]:
+        shape = _answer_shape(shapes, self.out_channels)
+        values = np.full(shape, 0.5, np.float32)
+        if mode == "nan":
+            values[0, 1, 2] = np.nan
+        if mode == "batch":
+            values = np.concatenate([values, values])
+        if mode == "layout":  # the same bytes as [batch, channels, tokens]
+            values = values.transpose(0, 2, 1).copy()
+        data = values.tobytes()
+        if mode == "cut":
+            return list(values.shape), data[: len(data) // 2]
+        return list(values.shape), data
+
+
+def _http_handler(standin: _Standin):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _send(self, status, body, ctype="application/json", headers=(), length=None):
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body) if length is None else length))
+            for k, v in headers:
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _mode(self) -> str:
+            return self.path.split("/")[3]
+
+        def do_GET(self):
+            mode = self._mode()
+            if mode == "html_config":
+                return self._send(200, HTML, "text/html; charset=utf-8")
+            self._send(200, json.dumps(standin.config_for(mode)).encode())
+
+        def do_POST(self):
+            mode = self._mode()
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if mode == "html":
+                return self._send(200, HTML, "text/html")
+            if mode == "proxy502":
+                return self._send(502, HTML, "text/html")
+            n = int(self.headers["Inference-Header-Content-Length"])
+            request = json.loads(body[:n])
+            shapes = {i["name"]: i["shape"] for i in request["inputs"]}
+            shape, data = standin.output(mode, shapes)
+            size = len(data) * (2 if mode == "cut" else 1)  # "cut": announces the whole
+            head = json.dumps({"model_name": mode, "outputs": [
+                {"name": standin.out_name, "datatype": "FP32", "shape": shape,
+                 "parameters": {"binary_data_size": size}}]}).encode()
+            payload = head + data
+            if mode == "short_body":  # the connection ends before the announced length
+                self._send(200, payload[: len(payload) - 10], "application/octet-stream",
+                           [("Inference-Header-Content-Length", str(len(head)))],
+                           length=len(payload))
+                self.close_connection = True
+                return
+            self._send(200, payload, "application/octet-stream",
+                       [("Inference-Header-Content-Length", str(len(head)))])
+
+    return Handler
+
+
+def _grpc_servicer(standin: _Standin, config_pb):
+    pb = tc_grpc.service_pb2
+
+    class Servicer(tc_grpc.service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ModelConfig(self, request, context):
+            cfg = type(config_pb)()
+            json_format.ParseDict(standin.config_for(request.name), cfg)
+            return pb.ModelConfigResponse(config=cfg)
+
+        def ModelInfer(self, request, context):
+            mode = request.model_name
+            shapes = {i.name: list(i.shape) for i in request.inputs}
+            shape, data = standin.output(mode, shapes)
+            res = pb.ModelInferResponse(model_name=mode)
+            res.outputs.add(name=standin.out_name, datatype="FP32", shape=shape)
+            if mode != "short_body":  # "short_body": an output without its raw contents
+                res.raw_output_contents.append(data)
+            return res
+
+    return Servicer()
+
+
+@pytest.fixture(scope="module")
+def standins(tiny_transformer_onnx, tmp_path_factory):
+    """Both stand-ins on loopback ports, for the module (stopped after it)."""
+    repo = tmp_path_factory.mktemp("trust") / "repo"
+    triton.write_onnx_repository(tiny_transformer_onnx, repo, name="tiny")
+    config_pb = parse(repo / "tiny_onnx" / "config.pbtxt")
+    standin = _Standin(json_format.MessageToDict(config_pb, preserving_proto_field_name=True))
+    http = ThreadingHTTPServer(("127.0.0.1", 0), _http_handler(standin))
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    tc_grpc.service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        _grpc_servicer(standin, config_pb), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield {"http": f"127.0.0.1:{http.server_address[1]}", "grpc": f"127.0.0.1:{port}"}
+    finally:
+        server.stop(0)
+        http.shutdown()
+        http.server_close()
+
+
+@pytest.fixture
+def runners():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(rt.TritonRunner(*args, timeout_s=20, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def _call(runner, batch=2):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, 24, 16, generator=g)
+    text = torch.randn(batch, 5, 24, generator=g)
+    mask = torch.ones(batch, 5, dtype=torch.bool)
+    return runner.run_positions(hidden, text, img_shapes=[(1, 4, 6)], mask=mask,
+                                timestep=torch.full((batch,), 0.25))
+
+
+def _one_line(exc_info, url: str, model: str) -> str:
+    msg = str(exc_info.value)
+    assert "\n" not in msg and url in msg and f"'{model}'" in msg and "Fix:" in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_good_answer_passes(standins, runners, protocol):
+    out = _call(runners(standins[protocol], "good", protocol=protocol))
+    assert out.shape == (2, 24, 16) and bool((out == 0.5).all())
+
+
+@pytest.mark.parametrize("protocol,mode,says", [
+    ("http", "batch", "this call expects float32 [2, 24,"),
+    ("http", "layout", "this call expects float32 [2, 24,"),
+    ("http", "nan", "1 NaN or infinite values (the first at [0, 1, 2]"),
+    ("http", "cut", "announces 3072 bytes but the body holds 1536"),
+    ("http", "short_body", "the answer was cut short"),
+    ("http", "html", "came back as an HTML page (text/html"),
+    ("http", "proxy502", "HTTP 502: <!DOCTYPE html>"),
+    ("grpc", "batch", "this call expects float32 [2, 24,"),
+    ("grpc", "layout", "this call expects float32 [2, 24,"),
+    ("grpc", "nan", "1 NaN or infinite values (the first at [0, 1, 2]"),
+    ("grpc", "cut", "returned 1536 bytes for sample FP32 [2, 24, 16] (3072 expected)"),
+    ("grpc", "short_body", "an answer of 1 outputs with 0 raw contents"),
+])
+def test_a_bad_answer_is_one_line_before_the_scheduler_sees_it(standins, runners, protocol,
+                                                               mode, says):
+    runner = runners(standins[protocol], mode, protocol=protocol)
+    with pytest.raises(RunnerError) as err:
+        _call(runner)
+    msg = _one_line(err, standins[protocol], mode)
+    assert says in msg, msg
+
+
+def test_an_html_page_in_place_of_the_config_is_one_line(standins, runners):
+    with pytest.raises(RunnerError) as err:
+        runners(standins["http"], "html_config", protocol="http")
+    msg = _one_line(err, standins["http"], "html_config")
+    assert "the model's config came back as an HTML page" in msg and "proxy" in msg, msg
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_served_export_is_the_one_given(standins, runners, protocol,
+                                            tiny_transformer_onnx):
+    """sidecar= names the export the client expects: the identity the served config records
+    is compared once, at connect; another export's, or none, is one line."""
+    url = standins[protocol]
+    runner = runners(url, "good", protocol=protocol, sidecar=str(tiny_transformer_onnx))
+    assert runner.served_export == export_identity(
+        __import__("qkrope.sidecars", fromlist=["ModelInfo"]).ModelInfo.load(tiny_transformer_onnx))
+    with pytest.raises(RunnerError) as err:
+        runners(url, "other_export", protocol=protocol, sidecar=str(tiny_transformer_onnx))
+    msg = _one_line(err, url, "other_export")
+    assert f"serves another export than {tiny_transformer_onnx}" in msg, msg
+    with pytest.raises(RunnerError) as err:
+        runners(url, "no_identity", protocol=protocol, sidecar=str(tiny_transformer_onnx))
+    msg = _one_line(err, url, "no_identity")
+    assert "records no export identity" in msg and "triton-repo" in msg, msg
+    # without sidecar= the served config's own record is taken (nothing to compare)
+    runners(url, "other_export", protocol=protocol)
+
+
+def test_the_repository_records_the_export_identity(tiny_transformer_onnx, tmp_path):
+    from qkrope.sidecars import ModelInfo
+
+    triton.write_onnx_repository(tiny_transformer_onnx, tmp_path / "repo", name="m")
+    cfg = parse(tmp_path / "repo" / "m_onnx" / "config.pbtxt")
+    want = export_identity(ModelInfo.load(tiny_transformer_onnx))
+    assert want and cfg.parameters[IDENTITY_PARAMETER].string_value == want
+    # the identity follows the files' content: a rewritten export is another one
+    info = ModelInfo.load(tiny_transformer_onnx)
+    info.write_id = "f" * 16
+    assert export_identity(info) != want
