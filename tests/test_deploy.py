@@ -208,7 +208,7 @@ def test_cuda_graph_reaches_the_tensorrt_runner(monkeypatch, tmp_path):
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr(loader_tensorrt, "engine_from_path", lambda path, plugin=None: None)
+    monkeypatch.setattr(loader_tensorrt, "engine_from_path", lambda path, **options: None)
     monkeypatch.setattr(runner_tensorrt.TensorRTRunner, "__init__", fake)
     monkeypatch.setattr(trt_utils, "check_engine_file", lambda p: None)
     engine = tmp_path / "m.engine"
