@@ -651,7 +651,7 @@ def _restore_replaced(folder: Path, folder_fd: int, staging: Path, staging_fd: i
                         os.fsync(pfd)
             except OSError as exc:
                 raise OutputWriteError(exc.errno, f"cannot put {where / moved} back at {target} "
-                                                  f"({exc.strerror}); Fix: move it back by hand, "
+                                                  f"({exc.strerror}). Fix: move it back by hand, "
                                                   f"then remove {staging}") from None
             finally:
                 os.close(pfd)

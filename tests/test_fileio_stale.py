@@ -359,3 +359,64 @@ def test_a_folder_moved_away_below_a_subfolder_is_put_back(tmp_path):
     _fileio.remove_stale_staging(tmp_path)
     assert (tmp_path / "repo" / "m" / "config.pbtxt").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
+_KILL_AFTER_FIRST_RENAME = textwrap.dedent("""
+    import os, signal, sys
+    from qkrope import _fileio
+
+    def killing_commit(self, order, remove, backups, done):
+        os.replace(self.dir / order[0], self.folder / order[0])   # the first rename only
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _fileio.Staging._commit = killing_commit
+    with _fileio.staged_outputs(sys.argv[1], ["m.side", "m.model", "m.data"]) as st:
+        st.path("m.side").write_bytes(b"new side")
+        st.path("m.model").write_bytes(b"new model")
+        st.commit(["m.side", "m.model"], remove=["m.data"])
+""")
+
+
+def test_a_killed_commit_with_a_removal_is_finished_exactly(out):
+    """A writer killed after its first rename, whose commit also removes a stale companion: the
+    next writer finishes it from the journal (the companion it meant to remove is removed, the
+    user's files are not)."""
+    for name in ("m.side", "m.model", "m.data"):
+        (out / name).write_bytes(b"old " + name.encode())
+    r = subprocess.run([sys.executable, "-c", _KILL_AFTER_FIRST_RENAME, str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert (out / "m.model").read_bytes() == b"old m.model"  # the half state
+    _next_writer(out)
+    assert (out / "m.side").read_bytes() == b"new side"
+    assert (out / "m.model").read_bytes() == b"new model"
+    assert not (out / "m.data").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["data.bin", "m.model", "m.side", "new.bin",
+                                                     "notes.txt"]
+    _user_files_intact(out)
+
+
+def test_a_folder_that_cannot_be_put_back_is_kept(out, dead_pid, monkeypatch):
+    """A writer killed between its two renames left the user's old folder in its staging
+    folder; when the next writer cannot move it back (here: the rename fails), the staging folder
+    and the old folder in it are kept and the writer stops in one line (the old code removed
+    the staging folder, the user's folder with it)."""
+    (out / "m").mkdir()
+    (out / "m" / "config.json").write_text("old")
+    staging = _stale(out, dead_pid)
+    rep = staging / _fileio.REPLACED
+    rep.mkdir()
+    (rep / ("m.old" + _fileio._TARGET_SUFFIX)).write_text(str((out / "m").absolute()))
+    os.rename(out / "m", rep / "m.old")
+
+    def no_rename(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "rename", no_rename)
+    with pytest.raises(_fileio.OutputWriteError) as exc:
+        _next_writer(out)
+    monkeypatch.undo()
+    assert "\n" not in str(exc.value) and "m.old" in str(exc.value), str(exc.value)
+    assert (rep / "m.old" / "config.json").read_text() == "old"
+    _next_writer(out)  # and once it can, it is put back
+    assert (out / "m" / "config.json").read_text() == "old" and not staging.exists()
