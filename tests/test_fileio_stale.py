@@ -194,16 +194,43 @@ def _replaced(staging: Path, note: str, moved: Path | None = None) -> Path:
     return rep
 
 
-@pytest.mark.parametrize("note", ["{elsewhere}/x", "{out}/../x", "../x", "x",
-                                  "{out}/link/x", "{out}/sub/../../x"],
-                         ids=["absolute-elsewhere", "dotdot", "relative-dotdot", "relative",
-                              "link-component", "dotdot-under"])
+def _note(path, ident=None):
+    """A note as qkrope writes it now (the place below the output folder, the identity)."""
+    return json.dumps({"format": _fileio._NOTE_FORMAT, "path": path, "id": ident or [0, 0]})
+
+
+@pytest.mark.parametrize("note", [
+    "{elsewhere}/x", "{out}/../x", "../x", "x", "{out}/link/x", "{out}/sub/../../x",
+    _note(["..", "x"]), _note(["a/b"]), _note(["/etc"]), _note(["link", "x"]), _note(["x"]),
+    _note([]), '{"format": "something else"}', "{not json",
+], ids=["absolute-elsewhere", "dotdot", "relative-dotdot", "relative", "link-component",
+        "dotdot-under", "new-dotdot", "new-slash", "new-absolute", "new-link-component",
+        "new-other-folder", "new-empty", "new-format", "new-garbage"])
 def test_a_replaced_note_naming_a_path_outside_the_folder_is_refused(out, dead_pid, note):
+    """Older notes (an absolute path) and current ones (folder names below the output folder
+    and the identity of the folder moved away): a note that names a place outside the folder,
+    through a link, or another folder than the one beside it is refused."""
     (out / "link").symlink_to(out.parent / "elsewhere")
     staging = _stale(out, dead_pid)
-    _replaced(staging, note.format(out=out, elsewhere=out.parent / "elsewhere"))
+    _replaced(staging, note.replace("{out}", str(out))
+              .replace("{elsewhere}", str(out.parent / "elsewhere")))
     msg = _refused(out, staging)
     assert ".replaced" in msg, msg
+    (out / "link").unlink()
+    _user_files_intact(out)
+
+
+def test_a_note_whose_place_goes_through_a_link_is_refused(out, dead_pid):
+    """The moved-away folder is the one the note records, but its place goes through a link in
+    the output folder (to the user's folder elsewhere): not put back there."""
+    (out / "link").symlink_to(out.parent / "elsewhere")
+    staging = _stale(out, dead_pid)
+    rep = _replaced(staging, "")
+    st = os.lstat(rep / "x.old")
+    (rep / ("x.old" + _fileio._TARGET_SUFFIX)).write_text(_note(["link", "x"],
+                                                               [st.st_dev, st.st_ino]))
+    msg = _refused(out, staging)
+    assert "through a link" in msg, msg
     (out / "link").unlink()
     _user_files_intact(out)
 
