@@ -41,6 +41,7 @@ __all__ = [
     "find_plugin_library",
     "PluginMismatchError",
     "PluginNotNamedError",
+    "DEFAULT_PLUGIN_HELP",
     "resolve_plugin_library",
 ]
 
@@ -164,6 +165,13 @@ def find_plugin_library(kind: str = "plugin", *, build_dir: str | os.PathLike | 
     raise PluginNotBuiltError(
         f"{name} not found in {base}. Build it with `{how}` (same as `bash scripts/build_plugins.sh`"
         f" from the repository root), or set {env_var} to its path.")
+
+
+#: what ``--plugin`` defaults to where a command loads or serves an engine (its --help)
+DEFAULT_PLUGIN_HELP = (
+    "default: $QKROPE_PLUGIN_LIB ($QKROPE_VC_PLUGIN_LIB for a version-compatible engine), else "
+    "the one `qkrope build-plugin` built; the library the engine's sidecar records is never "
+    "loaded because the sidecar names it, only compared with this one (sha256)")
 
 
 class PluginMismatchError(QkropeError, RuntimeError):

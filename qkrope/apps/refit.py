@@ -105,6 +105,9 @@ def refit_engine(trt, engine, logger, state_dict: Mapping[str, Any], *,
     if getattr(engine, "refittable", True) is False:
         raise RefitError("the engine was not built refittable. Fix: rebuild it with "
                          "`qkrope build --refit`")
+    from qkrope.runtime.state_dict import refuse_unusable_tensors
+
+    refuse_unusable_tensors(state_dict, source="cannot refit", error=RefitError)
     refitter = trt.Refitter(engine, logger)
     report = name_map(list(refitter.get_all_weights()), state_dict, parameters=parameters,
                       not_in_graph=not_in_graph)
@@ -236,11 +239,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
-    _args.add_plugin(p, "default: $QKROPE_PLUGIN_LIB, else the one `qkrope build-plugin` "
-                        "built; the library the engine sidecar records is never loaded because "
-                        "the sidecar names it, only compared with this one (sha256)")
     from qkrope.runtime.loader_tensorrt import ALLOW_HOST_CODE_HELP
+    from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
 
+    _args.add_plugin(p, DEFAULT_PLUGIN_HELP)
     p.add_argument("--allow-host-code", action="store_true", help=ALLOW_HOST_CODE_HELP)
     p.add_argument("--allow-missing", action="store_true",
                    help="engine weights the state dict lacks keep their values")

@@ -24,7 +24,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "family's pipeline passes: img_shapes, or txt_ids/img_ids) and "
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
-    _args.add_plugin(p, "default: the one recorded in the engine sidecar")
+    from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
+
+    _args.add_plugin(p, DEFAULT_PLUGIN_HELP)
     p.add_argument("-o", "--output", "--repo", dest="repo", required=True,
                    help="model repository directory (created if missing)")
     p.add_argument("--name", default=None,

@@ -146,8 +146,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _args.add_engine(p, "the one with the plugin, of the first --attention form (default: "
                         "export and build one per form when TensorRT exists)")
     _args.add_engine(p, "the same ONNX built without the plugin", flag="--engine-no-plugin")
-    _args.add_plugin(p, "default: the one the engine's sidecar records, else the one `qkrope "
-                        "build-plugin` built")
+    from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
+
+    _args.add_plugin(p, DEFAULT_PLUGIN_HELP)
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
