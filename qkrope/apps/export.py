@@ -18,17 +18,10 @@ def _file_prefix(record) -> str:
 
 def _check_family_options(record, args: argparse.Namespace) -> None:
     """The options that depend on the family, checked from its record before the export
-    starts (the export function checks them again for its API callers)."""
-    if args.layers is not None:
-        import json
-        import os
+    starts: the Python API's check (qkrope.export.api.check_family_options), one home."""
+    from qkrope.export import api
 
-        from qkrope.diffusers_weights import transformer_folder
-
-        with open(os.path.join(transformer_folder(args.diffusers), "config.json"),
-                  encoding="utf-8") as fh:  # read (and checked) by folder_family already
-            config = json.load(fh)
-        families.check_blocks_option(record, "--layers", args.layers, config=config)
+    api.check_family_options(record, args.diffusers, args.layers)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -50,6 +50,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--transformer", required=True, metavar="M.onnx|M.engine|pytorch",
                    help="the exported transformer (ONNX Runtime) or engine (TensorRT) that "
                         "stands in for the pipeline's; 'pytorch': the pipeline's own (baseline)")
+    p.add_argument("--transformer-2", dest="transformer_2", default=None,
+                   metavar="M2.onnx|M2.engine|pytorch",
+                   help="the export or engine of the pipeline's second transformer component "
+                        "(transformer_2, e.g. Wan 2.2's low-noise expert); required when the "
+                        "pipeline has one and --transformer is an export: no expert runs in "
+                        "PyTorch unless both are 'pytorch'")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--out", "-o", required=True,
@@ -60,6 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="num_inference_steps (default: the pipeline's)")
     p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's)")
     p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--num-frames", type=int, default=None,
+                   help="frames of a video pipeline (default: the pipeline's); refused for an "
+                        "image pipeline")
     p.add_argument("--guidance-scale", type=float, default=None,
                    help="guidance_scale, where the pipeline takes it")
     p.add_argument("--true-cfg-scale", type=float, default=None,
@@ -70,9 +79,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "cuda where available, else cpu)")
     _args.add_dtype(p, "dtype of the PyTorch parts (default: the export's; with --transformer "
                        "pytorch: fp32)", default=None)
-    from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
-
-    _args.add_plugin(p, f"for an engine ({DEFAULT_PLUGIN_HELP})")
+    _args.add_plugin(p, "for an engine (default: the path its sidecar records, else the one "
+                        "qkrope build-plugin built)")
     p.set_defaults(func=run)
     return p
 
@@ -165,9 +173,10 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock):
 
             undo += [component.register_forward_pre_hook(pre).remove,
                      component.register_forward_hook(post).remove]
-    for owner, attr, into, starts in (
-            (pipe.transformer, "forward", times.transformer_calls, times.transformer_starts),
-            (pipe.vae, "decode", times.vae, None)):
+    owners = [(getattr(pipe, name, None), "forward", times.transformer_calls,
+               times.transformer_starts) for name in COMPONENT_FLAGS]  # every expert's calls
+    for owner, attr, into, starts in owners + [(getattr(pipe, "vae", None), "decode", times.vae,
+                                                None)]:
         if owner is None or not hasattr(owner, attr):
             continue
         if hasattr(owner, "register_forward_pre_hook") and attr == "forward" \
@@ -203,92 +212,410 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock):
 
 
 # --------------------------------------------------------------------------------------------
+# The checks before any work: what the folder, the exports and the options allow
+# --------------------------------------------------------------------------------------------
+
+#: the flag of each transformer component a pipeline can hold (diffusers' component names)
+COMPONENT_FLAGS = {"transformer": "--transformer", "transformer_2": "--transformer-2"}
+#: diffusers VAE config keys of the temporal compression (frames per latent frame, after the
+#: first); a VAE without one gets no frame-multiple check
+TEMPORAL_KEYS = ("scale_factor_temporal", "temporal_compression_ratio")
+
+
+@dataclass
+class PipelinePlan:
+    """What a saved pipeline folder says about itself, read from its JSON files (nothing
+    imported but diffusers' own pipeline class by the name model_index.json gives)."""
+
+    folder: Path
+    class_name: str | None
+    params: dict  # the pipeline class's __call__ parameters (empty: unknown)
+    transformers: tuple  # its transformer components present (model_index.json), in order
+    saved_dropins: tuple  # those saved with the drop-in (qkrope_component.json)
+    temporal: int | None  # its VAE's temporal compression, where the VAE config gives one
+
+    @property
+    def video(self) -> bool:
+        return "num_frames" in self.params
+
+    def default(self, name: str):
+        p = self.params.get(name)
+        return None if p is None or p.default is inspect.Parameter.empty else p.default
+
+    def config(self, component: str) -> dict | None:
+        return _read_json(self.folder / component / "config.json")
+
+
+def _read_json(path: Path):
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_pipeline(pipeline_dir: str | Path) -> PipelinePlan:
+    """The plan of the pipeline folder (:class:`PipelinePlan`), from model_index.json and its
+    components' config files."""
+    from qkrope.runtime.component import COMPONENT_FILE
+
+    folder = Path(pipeline_dir)
+    index = _read_json(folder / "model_index.json")
+    if index is None:
+        raise InputError(f"{folder}/model_index.json is not a JSON object, so {folder} is no "
+                         f"saved diffusers pipeline. Fix: pass the folder "
+                         f"pipe.save_pretrained(...) wrote")
+    name = index.get("_class_name")
+    params = {}
+    if isinstance(name, str) and name.isidentifier():
+        import diffusers
+
+        cls = getattr(diffusers, name, None)  # diffusers' own class of that name, no other
+        if isinstance(cls, type) and callable(getattr(cls, "__call__", None)):
+            params = dict(inspect.signature(cls.__call__).parameters)
+    present = tuple(k for k, v in index.items() if k in COMPONENT_FLAGS and isinstance(v, list)
+                    and len(v) == 2 and v[1] is not None)
+    dropins = tuple(k for k in present if (folder / k / COMPONENT_FILE).exists())
+    vae = _read_json(folder / "vae" / "config.json") or {}
+    temporal = next((int(vae[k]) for k in TEMPORAL_KEYS if isinstance(vae.get(k), int)
+                     and not isinstance(vae.get(k), bool) and vae[k] >= 1), None)
+    return PipelinePlan(folder, name if isinstance(name, str) else None, params, present,
+                        dropins, temporal)
+
+
+def check_text(flag: str, value: str | None) -> None:
+    """A prompt is text a tokenizer can take: valid UTF-8 (argv bytes that are not arrive as
+    surrogate escapes)."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start:exc.end].encode("utf-8", "surrogateescape")
+        raise InputError(f"{flag} is not valid UTF-8 text (byte(s) {bad!r} at character "
+                         f"{exc.start}). Fix: pass the {flag[2:].replace('-', ' ')} as UTF-8 "
+                         f"text") from None
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_video_writer(out: Path) -> None:
+    """An .mp4 is written by diffusers' ``export_to_video``: imageio with its ffmpeg plugin
+    (imageio-ffmpeg ships the binary), else OpenCV; refused before any work when neither is
+    installed."""
+    if out.suffix.lower() != ".mp4":
+        return
+    if _installed("imageio"):
+        missing = [] if _installed("imageio_ffmpeg") else ["imageio-ffmpeg"]
+    else:
+        missing = [] if _installed("cv2") else ["imageio", "imageio-ffmpeg"]
+    if missing:
+        raise InputError(f"--out {out}: writing an .mp4 needs a video writer (diffusers' "
+                         f"export_to_video: imageio and imageio-ffmpeg), and "
+                         f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                         f"installed. Fix: pip install 'qkrope[video]' (or pip install "
+                         f"{' '.join(missing)}), or write --out {out.with_suffix('.gif')}")
+
+
+def output_paths(out: Path, count: int) -> list[Path]:
+    """The files ``count`` images go to: ``out`` itself for one (or for a video file), else
+    ``NAME_1.png`` ... ``NAME_<count>.png`` beside it."""
+    if out.suffix.lower() in VIDEO_SUFFIXES or count == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}_{i + 1}{out.suffix}") for i in range(count)]
+
+
+def check_output_paths(paths) -> None:
+    """Every file to write is a file name in a folder that can be one: none is a folder, none
+    lies under a file."""
+    from qkrope import _preflight as pre
+    from qkrope._fileio import OutputWriteError, check_output_folder
+
+    for path in paths:
+        pre.file_to_write(path, flag="--out", example="image.png")
+        try:
+            check_output_folder(path.parent)
+        except OutputWriteError as exc:
+            raise InputError(f"--out {path}: {exc.strerror or exc}") from None
+
+
+def _export_info(path: str):
+    """The sidecar of an export or engine (None where it has none: loading it says why)."""
+    from qkrope import _preflight as pre
+    from qkrope.sidecars import EngineInfo, ModelInfo, engine_sidecar_path, sidecar_path
+
+    p = Path(path)
+    if p.suffix.lower() in pre.ENGINE_SUFFIXES:
+        return EngineInfo.load(p) if engine_sidecar_path(p).is_file() else None
+    return ModelInfo.load(p) if sidecar_path(p).is_file() else None
+
+
+def check_family(plan: PipelinePlan, component: str, path: str, info) -> None:
+    """The export's family (its sidecar's) is the pipeline component's (its config.json's
+    ``_class_name``, through the family registry)."""
+    from qkrope import families
+    from qkrope.runtime.caches import record_of
+
+    config = plan.config(component)
+    if info is None or config is None or component in plan.saved_dropins:
+        return
+    mine = families.by_class(config.get("_class_name"))
+    theirs = record_of(info.config, str(info.source))
+    if mine is not None and mine.name != theirs.name:
+        flag = COMPONENT_FLAGS[component]
+        raise InputError(f"{flag} {path} is a {theirs.short} export, but the pipeline's "
+                         f"{component} is {mine.class_name} ({mine.short}). Fix: pass an export "
+                         f"of {plan.folder / component} (qkrope export --model transformer "
+                         f"--diffusers {plan.folder / component})")
+
+
+def check_limits(path: str, info, *, height: int | None, width: int | None,
+                 frames: int | None, temporal: int | None) -> None:
+    """The sizes a call asks of an export, within what it can serve, before anything is
+    allocated: each side a multiple of the family's pixels per token; the image's RoPE
+    positions within its tables (the position scheme's ``profile_limits``, the model's own
+    table size); an engine's image tokens within one of its optimisation profiles."""
+    from qkrope import model_io
+    from qkrope.runtime import schemes
+    from qkrope.runtime.caches import _serving_refusal, model_setting, record_of
+    from qkrope.runtime.latents import latent_of
+
+    if info is None:
+        return
+    record = record_of(info.config, str(info.source))
+    ppt = record.pixels_per_token
+    for flag, value in (("--height", height), ("--width", width)):
+        if value is not None and value % ppt:
+            lo = max(value // ppt * ppt, ppt)
+            raise InputError(f"{flag} {value} is not a multiple of {ppt} pixels ({record.short}: "
+                             f"one image token per {ppt}x{ppt} pixels, the VAE's downscale times "
+                             f"the patch size). Fix: {flag} {lo} or {lo + ppt}")
+    if height is None or width is None:
+        return
+    token_frames = 1
+    if frames is not None and temporal:
+        cfg = info.config.diffusers_config if isinstance(
+            getattr(info.config, "diffusers_config", None), dict) else {}
+        patch_t = latent_of(record, cfg).patch[0] if cfg else 1
+        token_frames = -(-((frames - 1) // temporal + 1) // patch_t)
+    grid = (token_frames, height // ppt, width // ppt)
+    setting = model_setting(info.config, record, str(info.source))
+    scheme = schemes.scheme(record.scheme)
+    limits = getattr(scheme, "profile_limits", None)
+    refusal = limits(setting, [grid], 1) if limits is not None else None
+    size = f"{width}x{height}" + (f", {frames} frames" if frames is not None else "")
+    if refusal is not None and refusal[0] == "image":
+        _, _, needed, available = refusal
+        raise InputError(
+            f"{size} needs {needed} RoPE positions on an axis of its token grid "
+            f"{list(grid)} (frames, rows, columns), more than the {available} of {path}'s "
+            f"{record.short} position tables. Fix: smaller --height/--width"
+            + ("/--num-frames" if frames is not None else "") + ", or a model exported with "
+            "larger tables")
+    profiles = getattr(info, "profiles", None)
+    if profiles:
+        rows = grid[0] * grid[1] * grid[2]
+        need = {(model_io.CACHE_INPUTS[0].name, 0): rows}
+        ranges = _serving_refusal(info, need)
+        if ranges is not None:
+            raise InputError(f"{path} cannot serve {size} ({rows} image tokens): no "
+                             f"optimisation profile holds them ({ranges}). Fix: sizes within a "
+                             f"profile, or rebuild with `qkrope build --resolutions WxH`")
+
+
+def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, width=None,
+              num_frames=None, options: dict | None = None) -> PipelinePlan:
+    """Every check that needs no model: the pipeline folder's plan, its transformer components
+    against the exports given (``{component: path or "pytorch"}``), each export's family and
+    limits, and the options the pipeline's call takes. Returns the plan."""
+    plan = read_pipeline(pipeline_dir)
+    for flag, value in (("--height", height), ("--width", width),
+                        ("--num-frames", num_frames)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise InputError(f"{flag} must be a positive integer; got {value!r}")
+    if num_frames is not None and plan.params and not plan.video:
+        raise InputError(f"{plan.class_name} makes images, so --num-frames does not apply to "
+                         f"it. Fix: leave --num-frames out")
+    if plan.params and options:
+        _call_kwargs(plan, options)
+    frames = num_frames if num_frames is not None else (plan.default("num_frames")
+                                                         if plan.video else None)
+    if frames is not None and plan.temporal and (frames - 1) % plan.temporal:
+        lo = (frames - 1) // plan.temporal * plan.temporal + 1
+        raise InputError(f"--num-frames {frames}: {plan.class_name} takes 1 + a multiple of "
+                         f"{plan.temporal} frames (its VAE's temporal compression). Fix: "
+                         f"--num-frames {lo} or {lo + plan.temporal}")
+    given = {c: str(p) for c, p in transformers.items() if p is not None}
+    for component, path in given.items():
+        if component != "transformer" and component not in plan.transformers:
+            raise InputError(f"{COMPONENT_FLAGS[component]} {path}: the pipeline in "
+                             f"{plan.folder} has no {component}. Fix: leave "
+                             f"{COMPONENT_FLAGS[component]} out")
+    exports = {c: p for c, p in given.items() if p != PYTORCH}
+    for component in plan.transformers:
+        flag = COMPONENT_FLAGS[component]
+        path = given.get(component)
+        if exports and path is None:
+            raise InputError(
+                f"the pipeline in {plan.folder} has {len(plan.transformers)} transformer "
+                f"components ({', '.join(plan.transformers)}) and {flag} was not given: its "
+                f"{component} would run in PyTorch beside the export. Fix: export it (qkrope "
+                f"export --model transformer --diffusers {plan.folder / component}) and pass "
+                f"{flag} M.onnx, or run every one in PyTorch (--transformer pytorch)")
+        if exports and path == PYTORCH:
+            raise InputError(f"{flag} pytorch beside an export: one expert would run in PyTorch "
+                             f"and one on its export. Fix: pass an export for every transformer "
+                             f"component ({', '.join(COMPONENT_FLAGS[c] for c in plan.transformers)}"
+                             f"), or 'pytorch' for all")
+        if path == PYTORCH and component in plan.saved_dropins:
+            raise InputError(
+                f"{flag} pytorch: {plan.folder / component} was saved with the qkrope drop-in "
+                f"(its qkrope_component.json), so it holds an export, not the PyTorch weights "
+                f"the baseline runs. Fix: pass {flag} with that export, or the folder of a "
+                f"pipeline saved with its diffusers transformer")
+    for component, path in exports.items():
+        info = _export_info(path)
+        check_family(plan, component, path, info)
+        check_limits(path, info, height=height, width=width, frames=frames,
+                     temporal=plan.temporal)
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
 
 def _call_kwargs(pipe, options: dict) -> dict:
     """The options the pipeline's ``__call__`` takes (None: left to the pipeline); one it does
-    not take is refused naming the flag."""
-    params = inspect.signature(pipe.__call__).parameters
+    not take is refused naming the flag. ``pipe``: the pipeline or its :class:`PipelinePlan`."""
+    if isinstance(pipe, PipelinePlan):
+        params, name = pipe.params, pipe.class_name
+    else:
+        params, name = inspect.signature(pipe.__call__).parameters, type(pipe).__name__
     kwargs = {}
-    for (flag, name), value in options.items():
+    for (flag, key), value in options.items():
         if value is None:
             continue
-        if name not in params:
-            raise InputError(f"{type(pipe).__name__} takes no {name}, so {flag} does not apply "
-                             f"to it. Fix: leave {flag} out")
-        kwargs[name] = value
+        if key not in params:
+            raise InputError(f"{name} takes no {key}, so {flag} does not apply to it. Fix: "
+                             f"leave {flag} out")
+        kwargs[key] = value
     return kwargs
 
 
+def _options(negative_prompt, steps, height, width, guidance_scale, true_cfg_scale,
+             num_frames) -> dict:
+    return {("--negative-prompt", "negative_prompt"): negative_prompt,
+            ("--steps", "num_inference_steps"): steps, ("--height", "height"): height,
+            ("--width", "width"): width, ("--guidance-scale", "guidance_scale"): guidance_scale,
+            ("--true-cfg-scale", "true_cfg_scale"): true_cfg_scale,
+            ("--num-frames", "num_frames"): num_frames}
+
+
 def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
+             transformer_2: str | Path | None = None,
              negative_prompt: str | None = None, steps: int | None = None,
              height: int | None = None, width: int | None = None,
+             num_frames: int | None = None,
              guidance_scale: float | None = None, true_cfg_scale: float | None = None,
              seed: int = 0, device: str | None = None, dtype: str | None = None,
-             plugin: str | None = None, output_type: str = "pil", log=print):
+             plugin: str | None = None, output_type: str = "pil", log=print,
+             progress: bool = False):
     """Run the pipeline in ``pipeline_dir`` once with ``transformer`` (an export or engine path,
-    or ``"pytorch"``); returns ``(the pipeline's output, StageTimes, the pipeline)``."""
+    or ``"pytorch"``) and, for a pipeline with a second transformer component, ``transformer_2``
+    (its export; every component runs on an export, or every one in PyTorch); returns ``(the
+    pipeline's output, StageTimes, the pipeline)``. Everything :func:`preflight` checks is
+    refused before any model is loaded. ``progress``: the denoising steps on stderr (a tqdm bar
+    on a terminal, lines in a log)."""
+    check_text("--prompt", prompt)
+    check_text("--negative-prompt", negative_prompt)
+    options = _options(negative_prompt, steps, height, width, guidance_scale, true_cfg_scale,
+                       num_frames)
+    given = {"transformer": str(transformer),
+             "transformer_2": None if transformer_2 is None else str(transformer_2)}
+    plan = preflight(pipeline_dir, given, height=height, width=width, num_frames=num_frames,
+                     options=options)
+
     import torch
 
     from qkrope._deps import require
 
     diffusers = require("diffusers", "qkrope generate")
     from qkrope import dtypes
+    from qkrope._progress import Steps
     from qkrope.runtime.caches import checked_device
 
-    transformer = str(transformer)
     dev = checked_device(device if device is not None
                          else ("cuda" if torch.cuda.is_available() else "cpu"))
     times = StageTimes()
     clock = _Clock(dev)
-    dropin = None
-    if transformer != PYTORCH:
+    dropins = {}
+    exports = {c: p for c, p in given.items() if p is not None and p != PYTORCH}
+    if exports:
         from qkrope.runtime import load_transformer
 
         t0 = clock.now()
-        dropin = load_transformer(transformer, plugin=plugin, device=dev)
+        for component, path in exports.items():
+            dropins[component] = load_transformer(path, plugin=plugin, device=dev)
         times.load_transformer = clock.now() - t0
+    first = dropins.get("transformer")
     if dtype is None:  # the export's (the drop-in's inputs), else fp32
-        dtype = dtypes.SHORT_BY_NAME.get(str(dropin.dtype).replace("torch.", ""), "fp32") \
-            if dropin is not None else "fp32"
+        dtype = dtypes.SHORT_BY_NAME.get(str(first.dtype).replace("torch.", ""), "fp32") \
+            if first is not None else "fp32"
     t0 = clock.now()
-    extra = {} if dropin is None else {"transformer": None}
+    extra = {component: None for component in dropins}
     try:
         with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; 0.36 has only it
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
             pipe = diffusers.DiffusionPipeline.from_pretrained(
                 str(pipeline_dir), torch_dtype=dtypes.TORCH_BY_SHORT[dtype], **extra)
     except (OSError, ValueError) as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise InputError(f"{pipeline_dir} is not a loadable diffusers pipeline folder ({first}). "
-                         f"Fix: pass the folder a pipeline was saved to (save_pretrained: "
-                         f"model_index.json and its components)") from None
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise InputError(f"{pipeline_dir} is not a loadable diffusers pipeline folder "
+                         f"({first_line}). Fix: pass the folder a pipeline was saved to "
+                         f"(save_pretrained: model_index.json and its components)") from None
     pipe.to(dev)
     times.load_pipeline = clock.now() - t0
-    if dropin is not None:
-        pipe.transformer = dropin
-    pipe.set_progress_bar_config(disable=True)
-    options = {("--negative-prompt", "negative_prompt"): negative_prompt,
-               ("--steps", "num_inference_steps"): steps, ("--height", "height"): height,
-               ("--width", "width"): width, ("--guidance-scale", "guidance_scale"): guidance_scale,
-               ("--true-cfg-scale", "true_cfg_scale"): true_cfg_scale}
+    for component, dropin in dropins.items():
+        setattr(pipe, component, dropin)
+    pipe.set_progress_bar_config(disable=True)  # qkrope's own bar below: one per run
     kwargs = _call_kwargs(pipe, options)
+    total = steps if steps is not None else plan.default("num_inference_steps")
     marks: list[float] = []
+    counter = None
     if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
         def on_step_end(_pipe, _i, _t, callback_kwargs):
             marks.append(clock.now())
+            if counter is not None:
+                counter.update(1)
             return callback_kwargs
 
         kwargs["callback_on_step_end"] = on_step_end
-    where = "PyTorch" if transformer == PYTORCH else Path(transformer).name
+    where = "PyTorch" if not dropins else ", ".join(
+        f"{c}: {Path(given[c]).name}" for c in dropins)
+    if dropins and list(dropins) == ["transformer"]:
+        where = Path(given["transformer"]).name
     log(f"qkrope generate: {type(pipe).__name__} from {pipeline_dir} on {dev} ({dtype}), "
         f"transformer: {where}")
-    with timing_hooks(pipe, times, clock), torch.no_grad():
-        start = clock.now()
-        output = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
-                      output_type=output_type, **kwargs)
-        times.total = clock.now() - start
+    with Steps("qkrope generate", 1, enabled=progress, heartbeat=0) as bar, \
+            timing_hooks(pipe, times, clock), torch.no_grad():
+        with bar.step("running the pipeline"), \
+                bar.counter("denoising", total=total, unit="step", every=1) as counter:
+            start = clock.now()
+            output = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
+                          output_type=output_type, **kwargs)
+            times.total = clock.now() - start
     if marks and times.transformer_starts:
         # each step: from the end of the one before, the first from the transformer's first call
         times.steps = [b - a for a, b in zip([times.transformer_starts[0]] + marks[:-1], marks)]
@@ -313,13 +640,16 @@ def _save_image(image, path: Path, **params) -> None:
 
 def write_output(output, out: Path) -> list[Path]:
     """The images (``output.images``) or frames (``output.frames``) to ``out``, each file
-    written whole or not at all (a temp name renamed)."""
+    written whole or not at all (a temp name renamed); the names (:func:`output_paths`) are
+    checked before the first is written."""
     import os
 
     frames = getattr(output, "frames", None)
     images = getattr(output, "images", None)
     suffix = out.suffix.lower()
     if suffix in VIDEO_SUFFIXES:
+        check_output_paths([out])
+        check_video_writer(out)
         seq = list(frames[0] if frames is not None else images)
         if suffix == ".gif":
             _save_image(seq[0], out, save_all=True, append_images=seq[1:], duration=100, loop=0)
@@ -335,12 +665,11 @@ def write_output(output, out: Path) -> list[Path]:
         return [out]
     if images is None:
         images = [f for video in frames for f in video]
-    written = []
-    for i, image in enumerate(images):
-        path = out if len(images) == 1 else out.with_name(f"{out.stem}_{i + 1}{out.suffix}")
+    paths = output_paths(out, len(images))
+    check_output_paths(paths)
+    for image, path in zip(images, paths):
         _save_image(image, path)
-        written.append(path)
-    return written
+    return paths
 
 
 def run(args: argparse.Namespace) -> int:
@@ -353,20 +682,33 @@ def run(args: argparse.Namespace) -> int:
                          f"saved diffusers pipeline. Fix: pass the folder "
                          f"pipe.save_pretrained(...) wrote (a transformer alone goes to "
                          f"`qkrope export`)")
+    check_text("--prompt", args.prompt)
+    check_text("--negative-prompt", args.negative_prompt)
     _args.check_plugin(args)
-    if args.transformer != PYTORCH:
-        pre.input_file(args.transformer, flag="--transformer",
-                       fix="pass an export (.onnx) or engine (.engine) of the pipeline's "
-                           "transformer, or 'pytorch'")
+    for flag, value in (("--transformer", args.transformer),
+                        ("--transformer-2", args.transformer_2)):
+        if value is not None and value != PYTORCH:
+            pre.input_file(value, flag=flag,
+                           fix="pass an export (.onnx) or engine (.engine) of the pipeline's "
+                               "transformer, or 'pytorch'")
     out = Path(args.out)
     if out.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise InputError(f"--out must end in one of {', '.join(IMAGE_SUFFIXES + VIDEO_SUFFIXES)}"
                          f"; got {args.out!r}. Fix: --out {out.with_suffix('.png')}")
-    pre.file_to_write(args.out, flag="--out", example="image.png")
     for flag, value in (("--steps", args.steps), ("--height", args.height),
-                        ("--width", args.width)):
+                        ("--width", args.width), ("--num-frames", args.num_frames)):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be a positive integer; got {value}")
+    check_video_writer(out)
+    # the folder and the exports before the outputs: how many files a video's frames make
+    plan = preflight(args.pipeline, {"transformer": args.transformer,
+                                     "transformer_2": args.transformer_2},
+                     height=args.height, width=args.width, num_frames=args.num_frames,
+                     options=_options(args.negative_prompt, args.steps, args.height, args.width,
+                                      args.guidance_scale, args.true_cfg_scale, args.num_frames))
+    frames = args.num_frames if args.num_frames is not None else plan.default("num_frames")
+    count = frames if plan.video and isinstance(frames, int) else 1
+    check_output_paths(output_paths(out, count))
 
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     from qkrope._progress import is_terminal
@@ -382,10 +724,11 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             pass
     output, times, _ = generate(
-        args.pipeline, args.transformer, args.prompt, negative_prompt=args.negative_prompt,
-        steps=args.steps, height=args.height, width=args.width,
-        guidance_scale=args.guidance_scale, true_cfg_scale=args.true_cfg_scale, seed=args.seed,
-        device=args.device, dtype=args.dtype, plugin=args.plugin, log=log)
+        args.pipeline, args.transformer, args.prompt, transformer_2=args.transformer_2,
+        negative_prompt=args.negative_prompt, steps=args.steps, height=args.height,
+        width=args.width, num_frames=args.num_frames, guidance_scale=args.guidance_scale,
+        true_cfg_scale=args.true_cfg_scale, seed=args.seed, device=args.device,
+        dtype=args.dtype, plugin=args.plugin, log=log, progress=True)
     log("qkrope generate: stage timings")
     for line in times.table():
         log(line)
@@ -394,4 +737,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["StageTimes", "generate", "timing_hooks", "write_output"]
+__all__ = ["PipelinePlan", "StageTimes", "check_limits", "generate", "output_paths", "preflight",
+           "read_pipeline", "timing_hooks", "write_output"]
