@@ -31,6 +31,12 @@ import _hunyuan_video_models as hvm  # noqa: E402
 
 from qkrope import families  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+# the tiny configs and builders live in the family folders (their tiny pipeline recipes)
+from qkrope.families.chroma import tiny as chroma_tiny  # noqa: E402
+from qkrope.families.cosmos import tiny as cosmos_tiny  # noqa: E402
+from qkrope.families.hunyuan_image import tiny as hi_tiny  # noqa: E402
+from qkrope.families.wan import tiny as wan_tiny  # noqa: E402
+from qkrope.families.z_image import tiny as z_tiny  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -68,100 +74,24 @@ def _flux(variant: str) -> TinyBuilder:
                        int(config["num_layers"]))
 
 
-def _randomised(model, g):
-    """``model`` with random weights of a non-trivial scale (diffusers' init zeroes some
-    layers and leaves pad tokens uninitialised), RMSNorm weights near 1 but not all 1."""
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
-    return model.eval()
+#: diffusers' Z-Image test config, and its tiny transformer (the pad tokens random too)
+Z_IMAGE_CONFIG, z_image_transformer = z_tiny.Z_IMAGE_CONFIG, z_tiny.z_image_transformer
 
 
-#: diffusers' Z-Image test config (tests/pipelines/z_image/test_z_image.py)
-Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
-                      n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5,
-                      qk_norm=True, cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0,
-                      axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+#: Chroma: diffusers' pipeline-test sizes, and its tiny random ChromaTransformer2DModel
+CHROMA_CONFIG, chroma_transformer = chroma_tiny.CHROMA_CONFIG, chroma_tiny.chroma_transformer
 
 
-def z_image_transformer(seed: int = 0):
-    """The tiny Z-Image transformer (the pad tokens random too)."""
-    from diffusers import ZImageTransformer2DModel
-    import torch
-
-    return _randomised(ZImageTransformer2DModel(**Z_IMAGE_CONFIG),
-                       torch.Generator().manual_seed(seed))
+#: Wan: diffusers' own test config, and its tiny transformer (RMSNorm weights random)
+WAN_CONFIG, wan_transformer = wan_tiny.WAN_CONFIG, wan_tiny.wan_transformer
 
 
-#: Chroma: diffusers' pipeline-test sizes (tests/pipelines/chroma/test_pipeline_chroma.py)
-CHROMA_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                     axes_dims_rope=[4, 4, 8], approximator_hidden_dim=32,
-                     approximator_layers=1, approximator_num_channels=16)
+#: diffusers' own test config of HunyuanImage-2.1 (its tiny pipeline recipe's transformer)
+_hunyuan_image = hi_tiny.hunyuan_image_transformer
 
 
-def chroma_transformer(seed: int = 0, **overrides):
-    """A tiny random ChromaTransformer2DModel (as tests/_flux_models.transformer)."""
-    import diffusers
-    import torch
-
-    return _randomised(diffusers.ChromaTransformer2DModel(**{**CHROMA_CONFIG, **overrides}),
-                       torch.Generator().manual_seed(seed))
-
-
-#: Wan: diffusers' own test config (tests/models/transformers/test_models_transformer_wan.py):
-#: 2 blocks x 2 heads x 12, patch (1, 2, 2), 4 channels, text 16, RoPE tables of 32 positions
-WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                  in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32,
-                  num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                  rope_max_seq_len=32)
-
-
-def wan_transformer(seed: int = 0, **overrides):
-    """The tiny Wan transformer, its RMSNorm weights random (diffusers initialises them to 1,
-    which would hide the row weight's h * D + d indexing)."""
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**{**WAN_CONFIG, **overrides}).eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".norm_" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    return model
-
-
-def _hunyuan_image(seed: int):
-    """diffusers' own test config of HunyuanImage-2.1 (tests/pipelines/hunyuan_image_21):
-    4 heads x 8, one double- and one single-stream block, RoPE axes (4, 4), byT5 projection;
-    weights redrawn at scale 0.3 (diffusers zeroes some)."""
-    import torch
-    from diffusers import HunyuanImageTransformer2DModel
-
-    torch.manual_seed(seed)
-    model = HunyuanImageTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
-        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1),
-        guidance_embeds=False, text_embed_dim=32, text_embed_2_dim=32, rope_axes_dim=(4, 4))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
-
-
-#: diffusers' Cosmos-Predict2 Video2World test config (tests/pipelines/cosmos/
-#: test_cosmos2_video2world.py: 2 blocks x 2 heads x 16, a condition-mask channel)
-COSMOS_CONFIG = dict(in_channels=16 + 1, out_channels=16, num_attention_heads=2,
-                     attention_head_dim=16, num_layers=2, mlp_ratio=2, text_embed_dim=32,
-                     adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
-                     rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=True,
-                     extra_pos_embed_type="learnable")
+#: diffusers' Cosmos-Predict2 Video2World test config (a condition-mask channel)
+COSMOS_CONFIG = cosmos_tiny.COSMOS_CONFIG
 
 
 def cosmos_torchvision_standin() -> None:
@@ -182,19 +112,10 @@ def cosmos_torchvision_standin() -> None:
 
 
 def cosmos_transformer(seed: int = 0, **overrides):
-    """The tiny Cosmos-Predict2 transformer, weights ~ N(0, 0.2^2) (diffusers zeroes the
-    learnable positional embedding)."""
-    import torch
-    from diffusers import CosmosTransformer3DModel
-
+    """The tiny Cosmos-Predict2 transformer (qkrope.families.cosmos.tiny), diffusers' forward
+    made to run without torchvision."""
     cosmos_torchvision_standin()
-    torch.manual_seed(seed)
-    model = CosmosTransformer3DModel(**{**COSMOS_CONFIG, **overrides})
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return model.eval()
+    return cosmos_tiny.cosmos_transformer(seed, **overrides)
 
 
 #: family name -> its tiny builder

@@ -13,12 +13,9 @@ import torch
 import diffusers
 
 from qkrope import families
+from qkrope.families.flux import tiny as flux_tiny
 from qkrope.families._record import FamilyRecord
 
-_FLUX1 = dict(patch_size=1, in_channels=4, attention_head_dim=16, num_attention_heads=2,
-              joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
-_FLUX2 = dict(patch_size=1, in_channels=4, attention_head_dim=16, num_attention_heads=2,
-              joint_attention_dim=32, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4])
 #: The bound the FLUX drop-in's per-call error is held to, relative to max|output| (the
 #: pipeline tests' latent bound starts from it): at least twice the stock export's own error,
 #: which test_flux_export.py's test_ort_at_untraced_shapes measures and asserts to be below it
@@ -28,30 +25,13 @@ _FLUX2 = dict(patch_size=1, in_channels=4, attention_head_dim=16, num_attention_
 FLUX1, FLUX2 = families.by_name("flux1"), families.by_name("flux2")
 FLUX_TRANSFORMER_PARITY = 5e-4
 
-#: variant -> (family, diffusers class, config)
-VARIANTS = {
-    "flux1-dev": (FLUX1, diffusers.FluxTransformer2DModel,
-                  dict(_FLUX1, num_layers=2, num_single_layers=2, guidance_embeds=True)),
-    "flux1-schnell": (FLUX1, diffusers.FluxTransformer2DModel,
-                      dict(_FLUX1, num_layers=1, num_single_layers=1, guidance_embeds=False)),
-    "flux2-dev": (FLUX2, diffusers.Flux2Transformer2DModel,
-                  dict(_FLUX2, num_layers=1, num_single_layers=1, guidance_embeds=True)),
-    "flux2-klein": (FLUX2, diffusers.Flux2Transformer2DModel,
-                    dict(_FLUX2, num_layers=1, num_single_layers=1, guidance_embeds=False)),
-}
-
-
-def transformer(variant: str, seed: int = 0):
-    """Random weights of a non-trivial scale (diffusers' init zeroes the modulations and the
-    output projection), RMSNorm weights near 1 but not all 1."""
-    _, cls, config = VARIANTS[variant]
-    g = torch.Generator().manual_seed(seed)
-    model = cls(**config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
-    return model.eval()
+#: variant -> (family, diffusers class, config): the configs live in the family's tiny
+#: pipeline recipe (qkrope.families.flux.tiny)
+VARIANTS = {v: (families.by_name(name), getattr(diffusers, cls), config)
+            for v, (name, cls, config) in flux_tiny.VARIANTS.items()}
+#: a tiny random FLUX transformer of a variant (weights of a non-trivial scale: diffusers' init
+#: zeroes the modulations and the output projection; RMSNorm weights near 1 but not all 1)
+transformer = flux_tiny.transformer
 
 
 _SAVED: dict[tuple[str, str], Path] = {}
@@ -84,17 +64,10 @@ def exported(variant: str, root: Path) -> Path:
 
 
 def vae(family: FamilyRecord):
-    """diffusers' pipeline-test VAE sizes: one level (vae_scale_factor 1), 1 latent channel,
-    so that 2x2 packing gives the transformer's 4 input channels."""
-    torch.manual_seed(0)  # diffusers initialises from the global generator
-    common = dict(block_out_channels=(4,), layers_per_block=1, latent_channels=1,
-                  norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
-    if family is FLUX1:
-        return diffusers.AutoencoderKL(sample_size=32, in_channels=3, out_channels=3,
-                                       shift_factor=0.0609, scaling_factor=1.5035,
-                                       **common).eval()
-    return diffusers.AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",),
-                                        up_block_types=("UpDecoderBlock2D",), **common).eval()
+    """diffusers' pipeline-test VAE sizes (qkrope.families.flux.tiny.vae): one level
+    (vae_scale_factor 1), 1 latent channel, so that 2x2 packing gives the transformer's 4 input
+    channels."""
+    return flux_tiny.vae(family.name)
 
 
 def ids(family: FamilyRecord, img_shapes, txt_len: int):

@@ -8,32 +8,11 @@ from __future__ import annotations
 
 import torch
 
-#: variant -> (the diffusers class name, its config)
-VARIANTS = {
-    "hunyuan-video-1.5": ("HunyuanVideo15Transformer3DModel", dict(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-        num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
-        text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
-        target_size=16, task_type="t2v")),
-    "hunyuan-video": ("HunyuanVideoTransformer3DModel", dict(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
-        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
-        guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
-        rope_axes_dim=(2, 4, 4), image_condition_type=None)),
-}
+from qkrope.families.hunyuan_video import tiny as hv_tiny
 
-
-def transformer(variant: str, seed: int = 0, **overrides):
-    import diffusers
-
-    name, config = VARIANTS[variant]
-    g = torch.Generator().manual_seed(seed)
-    model = getattr(diffusers, name)(**{**config, **overrides})
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in pname else 0.0))
-    return model.eval()
+#: variant -> (the diffusers class name, its config), and the tiny random transformer of a
+#: variant: they live in the family's tiny pipeline recipe
+VARIANTS, transformer = hv_tiny.VARIANTS, hv_tiny.transformer
 
 
 def inputs(variant: str, *, batch: int = 2, frames: int = 3, height: int = 4, width: int = 6,

@@ -34,6 +34,9 @@ CALL = dict(steps=2, seed=3, **SIZE)
 #: hold it (tests/test_generate.py, test_flux_pipeline.py, test_family_chroma.py,
 #: test_family_z_image.py, ...); a family not listed is held to the loosest of them
 PARITY = {"qwen-image": tp.TRANSFORMER_PARITY}
+#: what a family's pipeline needs beyond the test extras to load: (module, skip reason)
+NEEDS = {"cosmos-predict2": ("cosmos_guardrail", "requires cosmos_guardrail: diffusers' Cosmos2 "
+                                                 "pipelines build their safety checker from it")}
 #: families whose run is above ~20 s on 2 CPU cores (marked slow)
 SLOW: set[str] = set()
 
@@ -87,6 +90,8 @@ def test_the_tiny_pipeline_runs_from_a_prompt_on_its_export(root, name):
     onnx = root / f"{name}.onnx"
     export_transformer(folder / "transformer", onnx, dtype="fp32", progress=False)
 
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name][0], reason=NEEDS[name][1])
     quiet = dict(log=lambda _: None, **CALL)
     out, _, pipe = gen.generate(folder, onnx, "a cat", **quiet)
     assert type(pipe.transformer).__module__.startswith("qkrope.")  # the drop-in ran

@@ -51,14 +51,17 @@ def latent_bound(reference: torch.Tensor, cfg_scale: float = 1.0,
     return float(parity * (1 + 2 * max(cfg_scale, 1.0)) * reference.abs().max())
 
 
-def randomised(model, seed: int = 0, *, scale: float = 0.2, vector_scale: float = 0.05):
+def randomised(model, seed: int = 0, *, scale: float = 0.2, vector_scale: float | None = 0.05,
+               norms_near_one: bool = True):
     """``model`` with random weights of a non-trivial scale (diffusers' init zeroes some
-    layers): matrices ~ N(0, scale^2), vectors ~ N(0, vector_scale^2), norm weights near 1."""
+    layers): matrices ~ N(0, scale^2), vectors ~ N(0, vector_scale^2) (None: ``scale``), norm
+    weights near 1 (``norms_near_one``)."""
+    vector_scale = scale if vector_scale is None else vector_scale
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (scale if p.dim() > 1 else vector_scale)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+                    + (1.0 if norms_near_one and p.dim() == 1 and "norm" in name else 0.0))
     return model.eval()
 
 
@@ -143,7 +146,8 @@ def decoder_encoder(config_cls, model_cls, tokenizer, width: int, layers: int = 
     torch.manual_seed(seed)
     settings = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=32,
                     num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
-                    max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id)
+                    max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     settings.update(config)
     return model_cls(config_cls(**settings)).eval()
 

@@ -1,0 +1,60 @@
+"""The tiny random Wan pipeline (tiny hook: :func:`save_pipeline`), built in code: diffusers'
+own test transformer (tests/models/transformers/test_models_transformer_wan.py: 2 blocks x 2
+heads x 12, patch (1, 2, 2), 4 channels, text 16, RoPE tables of 32 positions; the tests' tiny
+Wan, read from here by tests/_families.py), a tiny AutoencoderKLWan of 4 latent channels, and
+WanPipeline's UMT5 encoder as a random 1-layer UMT5EncoderModel of width 16 with a byte-level
+tokenizer. One transformer (Wan 2.1's form; Wan 2.2 A14B's second expert is not made here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qkrope._deps import require
+from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
+
+#: Wan: diffusers' own test config (tests/models/transformers/test_models_transformer_wan.py)
+WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                  in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32,
+                  num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                  rope_max_seq_len=32)
+
+
+def wan_transformer(seed: int = 0, **overrides):
+    """The tiny Wan transformer, its RMSNorm weights random (diffusers initialises them to 1,
+    which would hide the row weight's h * D + d indexing)."""
+    diffusers = require("diffusers", "the tiny Wan pipeline")
+    torch.manual_seed(seed)
+    model = diffusers.WanTransformer3DModel(**{**WAN_CONFIG, **overrides}).eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".norm_" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def vae(latent_channels: int = WAN_CONFIG["in_channels"]):
+    """A tiny AutoencoderKLWan (diffusers' pipeline tests' sizes: base width 3, 8x spatial, 4x
+    temporal) with ``latent_channels`` channels, identity latent normalisation."""
+    diffusers = require("diffusers", "the tiny Wan pipeline")
+    torch.manual_seed(0)  # diffusers initialises from the global generator
+    return diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=latent_channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels).eval()
+
+
+def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
+    """The tiny WanPipeline saved with ``save_pretrained``."""
+    diffusers = require("diffusers", "the tiny Wan pipeline")
+    require("transformers", "the tiny Wan pipeline's text encoder")
+    tok = byte_tokenizer(model_max_length=512, append_eos=True)
+    pipe = diffusers.WanPipeline(
+        tokenizer=tok, text_encoder=t5_encoder(tok, WAN_CONFIG["text_dim"], seed, umt5=True),
+        vae=vae(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=wan_transformer(seed))
+    directory = Path(directory)
+    pipe.save_pretrained(str(directory))
+    return directory
