@@ -239,8 +239,11 @@ def test_plugin_hash_mismatch_and_no_default_from_sidecar(engine, tmp_path, monk
     assert res.plugin_path == other.resolve()
     assert not (res.model_dir / triton.PLUGIN_FILE_NAME).exists()
     # the sidecar's library is named, never taken (tests/test_trust_plugin.py): the caller's
+    from qkrope.runtime import plugin_build
     from qkrope.runtime.plugin_build import PluginNotNamedError
 
+    monkeypatch.setattr(plugin_build, "DEFAULT_BUILD_DIR", tmp_path / "no-build")
+    monkeypatch.delenv("QKROPE_PLUGIN_LIB", raising=False)
     with pytest.raises(PluginNotNamedError, match="QKROPE_PLUGIN_LIB"):
         triton.write_repository(eng, tmp_path / "r3")
     monkeypatch.setenv("QKROPE_PLUGIN_LIB", str(plugin))
