@@ -108,14 +108,15 @@ class Setup:
         self.engine, _, _ = tiny_engine(exported, folder)
         self.engine.write_bytes(b"\x00\x01 a TensorRT plan stand-in " * 8)  # binary, as one
         side = json.loads(engine_sidecar_path(self.engine).read_text())
-        side.update(engine_sha256=sha256_file(self.engine), engine_file=None, plugin={"path": str(self.lib), "sha256": sha256_file(self.lib),
+        side.update(engine_sha256=sha256_file(self.engine), engine_file=None,
+                    plugin={"path": str(self.lib), "sha256": sha256_file(self.lib),
                             "serialized_in_engine": version_compatible},
                     version_compatible=version_compatible, refittable=refittable)
         engine_sidecar_path(self.engine).write_text(json.dumps(side))
         self.info = EngineInfo.load(self.engine)
         self.trt, self.state = ft.make_fake_trt(dlopen=True)
         blob = self.engine.read_bytes()
-        if refittable:  # one of the export's weights, refitted from self.state_dict
+        if refittable:  # one of the export's weights, refitted from tmp_path / "sd.pt"
             name = self.info.config.parameters[0]
             shape = self.info.config.parameter_shapes[name]
             count = int(torch.Size(shape).numel())
