@@ -79,8 +79,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "cuda where available, else cpu)")
     _args.add_dtype(p, "dtype of the PyTorch parts (default: the export's; with --transformer "
                        "pytorch: fp32)", default=None)
-    _args.add_plugin(p, "for an engine (default: the path its sidecar records, else the one "
-                        "qkrope build-plugin built)")
+    from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
+
+    _args.add_plugin(p, f"for an engine ({DEFAULT_PLUGIN_HELP})")
     p.set_defaults(func=run)
     return p
 
