@@ -220,5 +220,6 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
                         dtype_reason=choice.reason)
 
 
-__all__ = ["ARGUMENTS", "DEFAULTS", "DtypeChoice", "check_arguments", "check_family_options", "ExportResult", "checkpoint_dtype", "default_out",
+__all__ = ["ARGUMENTS", "DEFAULTS", "DtypeChoice", "ExportResult", "check_arguments",
+           "check_family_options", "checkpoint_dtype", "default_out",
            "export_transformer", "resolve_dtype"]

@@ -13,7 +13,6 @@ tokenizer) with its exports, are built once per module."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -12,7 +12,20 @@ timed as TensorRT's diffusion demo reports them: the text encoders (every ``text
 component's forward), the denoising loop (each step, from the pipeline's
 ``callback_on_step_end``, and the transformer's calls), the VAE (its ``decode``), and the whole
 call; on CUDA each time is taken after a synchronise. Loading the pipeline and the transformer is
-timed apart from the call.
+timed apart from the call. The denoising steps show as a tqdm bar on a terminal (lines in a log).
+
+Before any model is loaded (:func:`preflight`, from the folder's JSON files and the exports'
+sidecars), each of these is refused in one line with the fix: a size, ``--num-frames`` or image
+token grid past what the export serves (the family's position scheme over the model's own RoPE
+tables; an engine's optimisation profiles), a side that is no multiple of the family's pixels
+per token, frames that are not 1 + a multiple of the VAE's temporal compression, ``--num-frames``
+for an image pipeline, an export of another family than the pipeline's transformer (the family
+registry), a pipeline with a second transformer component (``transformer_2``: Wan 2.2's
+low-noise expert) whose export was not given with ``--transformer-2`` (no expert runs in PyTorch
+beside an export), ``--transformer pytorch`` on a folder saved with the drop-in (it holds an
+export, no PyTorch weights), a prompt that is not UTF-8, an output under a file or a numbered
+output name that is a folder, and an ``.mp4`` without a video writer (``pip install
+'qkrope[video]'``: imageio and imageio-ffmpeg, what diffusers' ``export_to_video`` uses).
 """
 
 from __future__ import annotations
@@ -475,10 +488,10 @@ def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, widt
                 f"export --model transformer --diffusers {plan.folder / component}) and pass "
                 f"{flag} M.onnx, or run every one in PyTorch (--transformer pytorch)")
         if exports and path == PYTORCH:
+            flags = ", ".join(COMPONENT_FLAGS[c] for c in plan.transformers)
             raise InputError(f"{flag} pytorch beside an export: one expert would run in PyTorch "
                              f"and one on its export. Fix: pass an export for every transformer "
-                             f"component ({', '.join(COMPONENT_FLAGS[c] for c in plan.transformers)}"
-                             f"), or 'pytorch' for all")
+                             f"component ({flags}), or 'pytorch' for all")
         if path == PYTORCH and component in plan.saved_dropins:
             raise InputError(
                 f"{flag} pytorch: {plan.folder / component} was saved with the qkrope drop-in "
