@@ -112,7 +112,8 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
                     rotated: Sequence[str] = schemes.STREAMS,
                     precision: str = "float32",
                     axis_thetas: Sequence[float] | None = None,
-                    base_fps: float | None = None) -> Setting:
+                    base_fps: float | None = None,
+                    table_lengths: Sequence[int] | None = None) -> Setting:
     """A :class:`~qkrope.runtime.schemes.Setting` from the caller's numbers, each checked: the
     axes positive even widths (three for the grid scheme: frame, height, width) whose sum fits
     the widest head the kernel takes, theta a finite number > 0; ``rotated`` the streams the
@@ -151,9 +152,15 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
                                                     for t in axis_thetas):
             raise InputError(f"axis_thetas must be one finite base > 0 per RoPE axis "
                              f"({len(axes)}); got {axis_thetas!r}")
+    if table_lengths is not None:  # the table scheme's rows per axis (Z-Image's axes_lens)
+        table_lengths = tuple(_whole(n, "the RoPE table lengths") for n in table_lengths)
+        if len(table_lengths) != len(axes) or min(table_lengths) < 1:
+            raise InputError(f"the RoPE table lengths must be one length >= 1 per RoPE axis "
+                             f"({len(axes)}); got {list(table_lengths)}")
     return Setting(axes, float(theta), max_positions, scale_rope, rotated, precision,
                    axis_thetas=axis_thetas,
-                   base_fps=None if base_fps is None else float(base_fps))
+                   base_fps=None if base_fps is None else float(base_fps),
+                   table_lengths=table_lengths)
 
 
 def model_setting(config: Any, record, source: str = "the sidecar") -> Setting:

@@ -173,24 +173,17 @@ def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
                    else f"torch.as_tensor({name})")
             raise RunnerInputError(f"{name} must be a torch.Tensor [batch, tokens, dim]; got "
                                    f"{type(t).__name__}. Fix: {fix}")
-        if t.dim() == 5 and name == "hidden_states":
-            continue  # a 5-D latent the model patchifies (its tokens: Runner._img_tokens)
-        if t.dim() != 3:
-            raise RunnerInputError(f"{name} must be 3-D [batch, tokens, dim]; got shape "
-                                   f"{tuple(t.shape)}. Fix: add the batch dimension "
-                                   f"({name}.unsqueeze(0)) or flatten heads into dim")
-    b, s_txt = encoder_hidden_states.shape[0], encoder_hidden_states.shape[1]
-    if hidden_states.shape[0] != b:
-        raise RunnerInputError(
-            f"batch mismatch: hidden_states has batch {hidden_states.shape[0]}, "
-            f"encoder_hidden_states has {b}. Fix: give both the same batch (e.g. repeat the "
-            f"prompt embedding for classifier-free guidance)")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (b, s_txt):
-            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise RunnerInputError(
-                f"encoder_hidden_states_mask must be [batch, txt_tokens] = {(b, s_txt)} (1 = "
-                f"attend); got {got}. Fix: one row per batch item, one column per text token")
+    from . import schemes  # the ranks, batch and mask: the one check the Triton rope model runs
+
+    given = mask if mask is None or isinstance(mask, torch.Tensor) else torch.empty(0)
+    try:
+        schemes.check_token_shapes(tuple(hidden_states.shape), tuple(encoder_hidden_states.shape),
+                                   None if given is None else tuple(given.shape))
+    except schemes.BadRequest as exc:
+        msg = str(exc)
+        if given is not mask:  # not a tensor: say what it is
+            msg = msg.replace("got (0,)", f"got {type(mask).__name__}")
+        raise RunnerInputError(msg) from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -444,6 +444,8 @@ def rope_request_for(config: ModelConfig, rotary_dim: int,
         params["axis_thetas"] = ",".join(repr(float(t)) for t in setting.axis_thetas)
     if setting.base_fps is not None:  # frame positions scaled to this rate
         params["base_fps"] = repr(float(setting.base_fps))
+    if setting.table_lengths is not None:  # the rows of each axis' table bound the positions
+        params["table_lengths"] = ",".join(str(int(n)) for n in setting.table_lengths)
     latent = latent_of(record, config.diffusers_config)
     if latent.kind == VIDEO_5D:  # the rope model counts a 5-D latent's tokens by its patches
         params["latent_patch"] = ",".join(str(p) for p in latent.patch)

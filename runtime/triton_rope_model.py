@@ -22,11 +22,16 @@ tokens of each stream). Outputs: ``img_cos_sin_cache`` / ``txt_cos_sin_cache`` F
 Parameters: ``scheme`` (a name of ``schemes.SCHEMES``; repositories written before schemes had
 names say ``positions`` "shapes" / "ids"), the RoPE setting (``axes_dim``, ``theta``,
 ``max_positions``, ``scale_rope``, ``rotated``: the streams rotated, default "img,txt";
-``precision``; ``axis_thetas`` and ``base_fps`` where the scheme needs them), ``latent_patch``
+``precision``; ``axis_thetas``, ``base_fps`` and ``table_lengths`` where the scheme needs
+them), ``latent_patch``
 (a 5-D latent's patch size "t,h,w": its tokens are the patches), ``outputs`` (the streams whose
 caches the model takes, default "img,txt"), ``max_img_tokens`` / ``max_txt_tokens`` (what the
 served model accepts: its profile's largest cache rows), ``cache_bytes`` (the most bytes of
 computed caches kept for reuse).
+
+The ranks and batch of the latent, the text and the mask, and the positions a table holds, are
+checked by the same functions the local drop-in runs (``schemes.check_token_shapes``, the
+scheme's own checks): one check, one home, the same line on both paths.
 
 A request the model cannot serve (malformed, inconsistent or beyond the limits) is answered with
 ``TritonError(..., TritonError.INVALID_ARG)``: HTTP 400 / gRPC INVALID_ARGUMENT, with the reason.
@@ -133,6 +138,7 @@ class TritonPythonModel:
         max_positions = _param(config, "max_positions", "")
         axis_thetas = _param(config, "axis_thetas", "")
         base_fps = _param(config, "base_fps", "")
+        lengths = _param(config, "table_lengths", "")
         self.setting = self.schemes.Setting(
             tuple(int(v) for v in _param(config, "axes_dim", "").split(",")),
             float(_param(config, "theta", "")),
@@ -141,7 +147,8 @@ class TritonPythonModel:
             tuple(s for s in _param(config, "rotated", "img,txt").split(",") if s),
             _param(config, "precision", "float32"),
             tuple(float(v) for v in axis_thetas.split(",")) if axis_thetas else None,
-            float(base_fps) if base_fps else None)
+            float(base_fps) if base_fps else None,
+            table_lengths=tuple(int(v) for v in lengths.split(",")) if lengths else None)
         missing = [n for n in self.scheme.NEEDS if getattr(self.setting, n) is None]
         if missing:  # a config written for another model.py (the numbers were constants there)
             raise ValueError(f"the rope model's config.pbtxt has no {', '.join(missing)} "
@@ -201,12 +208,23 @@ class TritonPythonModel:
             tokens *= a // p
         return (shape[0], tokens, shape[1])
 
+    def _check_shapes(self, request) -> None:
+        """The ranks and batch of the latent, the text and the mask: the local runner's own
+        check (``schemes.check_token_shapes``), so a request is refused here as a local call
+        with the same tensors is there, with the same line."""
+        latent = tensor_shape(self._tensor(request, self.latent_tensor))
+        shapes = {n: tensor_shape(self._tensor(request, n)) for n in self.txt_tensors}
+        self.schemes.check_token_shapes(latent, shapes.get(DEFAULT_NAMES["ids_txt_tensor"]),
+                                        shapes.get(DEFAULT_NAMES["txt_tensor"]),
+                                        latent_5d=self.latent_patch is not None)
+
     def _one(self, request):
-        inputs = {n: self._tensor(request, n).as_numpy() for n in self.inputs}
-        shapes = {"txt": self._text_shape(request),  # shapes only
-                  "latent": self._latent_shape(request)}
         names = {"txt": " + ".join(self.txt_tensors), "latent": self.latent_tensor}
         try:
+            self._check_shapes(request)
+            inputs = {n: self._tensor(request, n).as_numpy() for n in self.inputs}
+            shapes = {"txt": self._text_shape(request),  # shapes only
+                      "latent": self._latent_shape(request)}
             pos = self.scheme.triton_positions(inputs, shapes, names, self.setting,
                                                max_img=self.max_img, max_txt=self.max_txt)
             key = self.scheme.key(pos)

@@ -238,7 +238,7 @@ def test_a_bf16_latent_is_measured_through_dlpack(rope_model):
             return to_dlpack(self._t)
 
     for tokens, ok in ((24, True), (20, False)):
-        req = rope_request(pb, [[1, 4, 6]], 5)
+        req = rope_request(pb, [[1, 4, 6]], 5, batch=2)  # the mask of the latent's batch
         req.inputs[1] = BF16Tensor("hidden_states", torch.zeros(2, tokens, 16, dtype=torch.bfloat16))
         resp, = model.execute([req])
         assert (resp.error is None) == ok, resp.error and resp.error.message()

@@ -270,3 +270,118 @@ def test_the_repository_records_the_export_identity(tiny_transformer_onnx, tmp_p
     info = ModelInfo.load(tiny_transformer_onnx)
     info.write_id = "f" * 16
     assert export_identity(info) != want
+
+
+# --------------------------------------------------------------------------------------------
+# The rope model refuses what the local drop-in refuses, with the same line (one check)
+# --------------------------------------------------------------------------------------------
+
+def _rope_error(model, pb, inputs: dict) -> str:
+    from _triton_helpers import Tensor
+
+    resp, = model.execute([pb.InferenceRequest([Tensor(n, a) for n, a in inputs.items()])])
+    assert resp.error is not None and resp.error.code() == pb.TritonError.INVALID_ARG
+    msg = resp.error.message()
+    assert "\n" not in msg
+    return msg
+
+
+def _local_error(call) -> str:
+    from qkrope.errors import QkropeError
+
+    with pytest.raises(QkropeError) as err:
+        call()
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_a_mask_of_another_rank_is_refused_alike_on_both_paths(tiny_transformer_onnx, tmp_path,
+                                                               monkeypatch):
+    """A [1, L, 1] mask (and a mask of another batch): the local runner and the served rope
+    model (the grid scheme, Qwen-Image) refuse it with the same line."""
+    from _triton_helpers import load_rope_model
+
+    from qkrope.runtime import load
+
+    triton.write_onnx_repository(tiny_transformer_onnx, tmp_path / "repo", name="tiny")
+    model, pb = load_rope_model(tmp_path / "repo" / "tiny_rope", monkeypatch)
+    local = load(tiny_transformer_onnx)
+    hidden, text = torch.zeros(1, 24, 16), torch.zeros(1, 5, 24)
+    for mask in (torch.ones(1, 5, 1, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool)):
+        here = _local_error(lambda: local.run_positions(hidden, text, img_shapes=[(1, 4, 6)],
+                                                        mask=mask, timestep=torch.zeros(1)))
+        served = _rope_error(model, pb, {"img_shapes": np.array([[1, 4, 6]], np.int64),
+                                         "hidden_states": hidden.numpy(),
+                                         "encoder_hidden_states_mask": mask.numpy()})
+        assert served == here and "encoder_hidden_states_mask must be [batch, txt_tokens]" in \
+            here, (served, here)
+
+
+@pytest.fixture(scope="module")
+def z_image(tmp_path_factory):
+    """The tiny Z-Image export (tables axes_lens (256, 32, 32)) and its repository."""
+    pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+    from qkrope.export.api import export_transformer
+    from qkrope.families.z_image import tiny as z_tiny
+
+    root = tmp_path_factory.mktemp("trust-z")
+    z_tiny.z_image_transformer(0).save_pretrained(str(root / "z"))
+    out = root / "z.onnx"
+    export_transformer(root / "z", out, dtype="fp32", progress=False)
+    triton.write_onnx_repository(out, root / "repo", name="z")
+    return out, root / "repo"
+
+
+def test_positions_past_the_tables_are_refused_alike_on_both_paths(z_image, monkeypatch):
+    """A Z-Image sample whose positions run past its RoPE tables (a latent 66 rows high: 33
+    height positions, the tiny tables hold 32): the local drop-in refuses it before running,
+    the served rope model refuses the ids of that sample with the same line (the table
+    scheme's check_lengths, with the lengths the repository recorded); ids within the tables
+    are served."""
+    from _triton_helpers import load_rope_model
+
+    from qkrope.families.z_image.dropin import padded, sample_ids
+    from qkrope.runtime import load_transformer
+
+    out, repo = z_image
+    model, pb = load_rope_model(repo / "z_rope", monkeypatch)
+    assert model.setting.table_lengths == (256, 32, 32)
+    dropin = load_transformer(out)
+    latent, caption = torch.zeros(16, 1, 66, 4), torch.zeros(7, 16)
+    here = _local_error(lambda: dropin(x=[latent], t=torch.zeros(1), cap_feats=[caption],
+                                       return_dict=False))
+    txt_ids, img_ids = sample_ids([(1, 33, 2)], padded(7))
+
+    def request(img_ids):
+        return {"txt_ids": txt_ids, "img_ids": img_ids,
+                "hidden_states": np.zeros((1, len(img_ids), 64), np.float32),
+                "encoder_hidden_states_mask": np.ones((1, len(txt_ids)), bool)}
+
+    served = _rope_error(model, pb, request(img_ids))
+    assert "needs 33 positions on axis 1, more than the model's RoPE tables hold" in served
+    assert here.endswith(served), (here, served)
+    ok, = model.execute([pb.InferenceRequest([__import__("_triton_helpers").Tensor(n, a) for n, a
+                                              in request(img_ids[img_ids[:, 1] < 32]).items()])])
+    assert ok.error is None, ok.error.message()
+
+
+def test_a_z_image_mask_of_another_rank_is_refused_alike(z_image, monkeypatch):
+    """The table scheme's rope model took a [1, L, 1] mask before (it read axis 1 only)."""
+    from _triton_helpers import load_rope_model
+
+    from qkrope.families.z_image.dropin import padded, sample_ids
+    from qkrope.runtime import load
+    from qkrope.runtime.caches import RopeCaches
+
+    out, repo = z_image
+    model, pb = load_rope_model(repo / "z_rope", monkeypatch)
+    txt_ids, img_ids = sample_ids([(1, 2, 2)], padded(7))
+    mask = np.ones((1, len(txt_ids), 1), bool)
+    served = _rope_error(model, pb, {"txt_ids": txt_ids, "img_ids": img_ids,
+                                     "hidden_states": np.zeros((1, 4, 64), np.float32),
+                                     "encoder_hidden_states_mask": mask})
+    runner = load(out)
+    caches = RopeCaches(torch.zeros(4, 16), torch.zeros(len(txt_ids), 16))
+    here = _local_error(lambda: runner(torch.zeros(1, 4, 64), torch.zeros(1, len(txt_ids), 16),
+                                       caches, torch.from_numpy(mask), torch.zeros(1)))
+    assert served == here, (served, here)

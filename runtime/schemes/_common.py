@@ -57,6 +57,9 @@ class Setting:
     #: The frame rate frame positions are scaled to (scaled_grid: position * base_fps / fps
     #: when a call gives its fps; None: no scaling).
     base_fps: Optional[float] = None
+    #: The rows of each axis' RoPE table (the table scheme: a position must be below its
+    #: axis' length; None: no bound known), as the family's config gives them.
+    table_lengths: Optional[tuple] = None
 
     @property
     def width(self) -> int:
@@ -193,6 +196,36 @@ def _libm():
 LIBM = _libm()
 #: Whether the C maths library could be loaded (grid's tables are then bit-exact).
 BIT_EXACT = LIBM is not None
+
+
+def check_token_shapes(latent, text, mask, *, latent_5d: bool = True) -> None:
+    """The ranks and batch of the tensors whose shapes carry a call's token counts: ``latent``
+    (``hidden_states``: ``[batch, tokens, dim]``, or with ``latent_5d`` a 5-D latent the model
+    patchifies), ``text`` (``encoder_hidden_states``: ``[batch, tokens, dim]``; None where the
+    caller has only the mask) and ``mask`` (``encoder_hidden_states_mask``: ``[batch,
+    txt_tokens]``; None: no mask). Shapes as tuples of ints. One check for both paths: the local
+    runner (:func:`qkrope.runtime.runner.check_roles`) and the Triton rope model call it, so a
+    ``[1, L, 1]`` mask is refused with the same line on both. Raises :class:`BadRequest`."""
+    for name, shape in (("hidden_states", latent), ("encoder_hidden_states", text)):
+        if shape is None or (name == "hidden_states" and latent_5d and len(shape) == 5):
+            continue
+        if len(shape) != 3:
+            raise BadRequest(f"{name} must be 3-D [batch, tokens, dim]; got shape "
+                             f"{tuple(shape)}. Fix: add the batch dimension "
+                             f"({name}.unsqueeze(0)) or flatten heads into dim")
+    b = int(text[0]) if text is not None else int(latent[0])
+    if text is not None and int(latent[0]) != b:
+        raise BadRequest(
+            f"batch mismatch: hidden_states has batch {int(latent[0])}, "
+            f"encoder_hidden_states has {b}. Fix: give both the same batch (e.g. repeat the "
+            f"prompt embedding for classifier-free guidance)")
+    if mask is not None:
+        s_txt = int(text[1]) if text is not None else (int(mask[1]) if len(mask) > 1 else 0)
+        if tuple(int(d) for d in mask) != (b, s_txt):
+            raise BadRequest(
+                f"encoder_hidden_states_mask must be [batch, txt_tokens] = {(b, s_txt)} (1 = "
+                f"attend); got {tuple(int(d) for d in mask)}. Fix: one row per batch item, one "
+                f"column per text token")
 
 
 def show_rows(rows, limit: int = 4) -> str:

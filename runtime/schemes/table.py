@@ -10,8 +10,10 @@ ids out, is the family's (its drop-in's ``sample_request``).
   first) plus whole, non-negative positions (a table has no row -1 or 2.5).
 - The numpy pair: row t holds the table entries of ``ids[t, i]`` on every axis i (:func:`build`).
 - Triton inputs: ``txt_ids`` / ``img_ids`` INT64 [-1, axes].
-- Profile limits: none here (the family checks its positions against its tables' lengths, which
-  its diffusers config holds).
+- Table lengths: ``Setting.table_lengths`` (the family's, from its diffusers config: Z-Image's
+  ``axes_lens``) bound every position, on the local path and in the Triton rope model alike
+  (:func:`check_lengths`).
+- Profile limits: none here.
 
 Bits. diffusers builds each axis' table once: ``freqs = 1 / theta ** (arange(0, d, 2) / d)`` in
 float64, ``outer(arange(length), freqs)`` in float64 rounded to float32 (the angles), then
@@ -35,8 +37,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from . import ids as _ids
-from ._common import (BadPositions, BadRequest, Setting, check_bytes, finish,  # noqa: F401
-                      request_arrays, show_rows)
+from ._common import (BadPositions, BadRequest, PositionOverflow, Setting,  # noqa: F401
+                      check_bytes, finish, request_arrays, show_rows)
 from .grid import _cos_sin
 
 NAME = "table"
@@ -68,8 +70,31 @@ def check_table_ids(ids, n_axes: int, name: str, max_rows=None,
     return pos.astype(np.int64)
 
 
+def check_lengths(pos: "Positions", lengths) -> None:
+    """Every position below its axis' table length (``lengths``: the family's, e.g. Z-Image's
+    ``axes_lens``; None: no bound known), else :class:`PositionOverflow` naming the stream, the
+    axis and the positions it needs. The one check of both paths: the local drop-in (through
+    :func:`positions`, and before a call runs) and the Triton rope model
+    (:func:`triton_positions`)."""
+    if lengths is None:
+        return
+    lengths = [int(n) for n in lengths]
+    for name, ids in (("img_ids", pos.img), ("txt_ids", pos.txt)):
+        if not ids.size:
+            continue
+        top = ids.max(axis=0)
+        for axis, (need, have) in enumerate(zip((int(v) + 1 for v in top), lengths)):
+            if need > have:
+                raise PositionOverflow(
+                    f"{name} needs {need} positions on axis {axis}, more than the model's RoPE "
+                    f"tables hold (axes_lens {lengths}). Fix: a shorter prompt or a smaller "
+                    f"image", stream="image" if name == "img_ids" else "text", required=need,
+                    available=have)
+
+
 def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
-    """The checked request (``txt_ids``, ``img_ids``), bounded from the shapes first."""
+    """The checked request (``txt_ids``, ``img_ids``), bounded from the shapes first, each
+    position within its table (:func:`check_lengths`)."""
     n_axes = len(setting.axes_dim)
     max_rows = None if max_bytes is None else max(0, int(max_bytes) // (setting.width * 4))
     _ids.bound(request, setting, max_bytes)
@@ -78,7 +103,9 @@ def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
                 f"txt_ids {list(pos[0].shape)} and img_ids {list(pos[1].shape)}",
                 "one row per token: pass the ids of the latent's tokens (a 1024x1024 image has "
                 "4096)")
-    return Positions(pos[0], pos[1])
+    out = Positions(pos[0], pos[1])
+    check_lengths(out, setting.table_lengths)
+    return out
 
 
 bound = _ids.bound
@@ -98,7 +125,8 @@ def describe(pos: Positions) -> str:
 
 
 def check(pos: Positions, setting: Setting) -> None:
-    """The tables' lengths are the family's to check (its config holds them)."""
+    """The tables' lengths (``setting.table_lengths``, from the family's config)."""
+    check_lengths(pos, setting.table_lengths)
 
 
 def triton_inputs(setting: Setting) -> list:
@@ -174,4 +202,6 @@ def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, 
             raise BadRequest(f"{name} has {ids.shape[0]} rows (one per token) but {tensor} has "
                              f"shape {list(shape)}: the ids must be those of its tokens (axis 1)")
         pos[stream] = ids
-    return Positions(pos["txt"], pos["img"])
+    out = Positions(pos["txt"], pos["img"])
+    check_lengths(out, setting.table_lengths)
+    return out

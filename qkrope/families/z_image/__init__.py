@@ -68,6 +68,17 @@ Z_IMAGE = FamilyRecord(
     block_lists=(BlockList("noise_refiner", "n_refiner_layers", ("img",)),
                  BlockList("context_refiner", "n_refiner_layers", ("txt",)),
                  BlockList("layers", "n_layers", ("joined",))),
-    launches=LAUNCHES)
+    launches=LAUNCHES, rope_rule="setting_fields")
+
+#: diffusers' default ``axes_lens``: the rows of each axis' RoPE table.
+AXES_LENS = (1024, 512, 512)
+
+
+def setting_fields(config) -> dict:
+    """The Setting fields of a model with this diffusers ``config``: its tables' lengths
+    (``axes_lens``), which bound every position on the local path and in the Triton rope model
+    (:func:`qkrope.runtime.schemes.table.check_lengths`)."""
+    return {"table_lengths": tuple(int(v) for v in config.get("axes_lens") or AXES_LENS)}
+
 
 RECORDS = (Z_IMAGE,)

@@ -30,6 +30,7 @@ from qkrope.families.z_image import SEQ_MULTIPLE, Z_IMAGE
 from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
                                     short_repr)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
+from qkrope.runtime.schemes import table
 
 
 def padded(length: int) -> int:
@@ -168,16 +169,14 @@ class ZImageTransformer(Transformer):
                              f"pipeline's latents (latents.unsqueeze(2))")
         if caption.shape[0] < 1:
             raise InputError(f"cap_feats[{i}] has no tokens; every sample needs a caption")
-        frames = padded(caption.shape[0]) + f // pf  # the image's last frame position + 1
-        need = (frames + 1, h // p, w // p)
-        over = [(a, n, m) for a, n, m in zip(("frame", "height", "width"), need, self._lens)
-                if n > m]
-        if over:
-            axis, n, m = over[0]
+        # the positions the sample's ids reach, within the tables: the table scheme's one check
+        # (the Triton rope model runs the same on the ids a client sends)
+        txt_ids, img_ids = sample_ids([(f // pf, h // p, w // p)], padded(caption.shape[0]))
+        try:
+            table.check_lengths(table.Positions(txt_ids, img_ids), self._lens)
+        except table.PositionOverflow as exc:
             raise InputError(f"sample {i} (caption of {caption.shape[0]} tokens, latent "
-                             f"{list(image.shape)}) needs {n} positions on the {axis} axis, "
-                             f"more than the model's RoPE tables hold (axes_lens {list(self._lens)}"
-                             f"). Fix: a shorter prompt or a smaller image")
+                             f"{list(image.shape)}): {exc}") from None
 
     def _run_group(self, shape: tuple, txt_len: int, index: list, images: list, captions: list,
                    timestep: torch.Tensor) -> list:
