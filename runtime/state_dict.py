@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from qkrope._fileio import file_kind
 from qkrope.errors import InputError, InputFileNotFoundError
@@ -79,6 +79,41 @@ def read_state_dict_file(path: str | os.PathLike, *, what: str = "--state-dict",
         raise error(f"{where} is a dict whose entries {bad[:4]} are not tensors "
                     f"({type(state[bad[0]]).__name__}){hint}. {SAVE_HINT}")
     return state
+
+
+def unusable_tensor(key: str, value: Any) -> str | None:
+    """Why the tensor ``value`` (state-dict entry ``key``) cannot be read as weights, with the
+    fix, or None: a tensor without values (the meta device), a layout other than a dense one
+    (sparse), a quantised or complex tensor, or a float8 one (its scale is kept elsewhere).
+    Not a tensor: None (the callers name that themselves)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type == "meta":
+        return (f"{key} is a meta tensor {list(value.shape)} (shape only, no values: a model "
+                f"built with init_empty_weights or loaded with device_map='meta'). Fix: load "
+                f"the weights themselves and pass those")
+    if value.layout != torch.strided:
+        return (f"{key} is a {str(value.layout).removeprefix('torch.')} tensor; weights are "
+                f"dense. Fix: pass tensor.to_dense()")
+    if value.is_quantized or value.is_complex():
+        return (f"{key} is a {str(value.dtype).removeprefix('torch.')} tensor; weights are "
+                f"real floats. Fix: pass the model's float weights (bf16, fp16 or fp32)")
+    if value.is_floating_point() and value.element_size() == 1:
+        return (f"{key} is {str(value.dtype).removeprefix('torch.')} (a quantised weight whose "
+                f"scale is kept elsewhere). Fix: pass the model's bf16/fp16/fp32 weights (FP8: "
+                f"`qkrope quantize`, then export and build again)")
+    return None
+
+
+def refuse_unusable_tensors(state: Mapping[str, Any], *, source: str,
+                            error: Callable[[str], Exception] = InputError) -> None:
+    """``error(one line)`` for the first entry of ``state`` :func:`unusable_tensor` refuses."""
+    for key, value in state.items():
+        why = unusable_tensor(str(key), value)
+        if why is not None:
+            raise error(f"{source}: {why}")
 
 
 def _what_failed(p: Path, exc: Exception) -> str:

@@ -9,7 +9,9 @@
 :func:`refit_weights` takes the weights of a live ``torch.nn.Module`` (a LoRA fused with
 ``fuse_lora``: peft's ``base_layer`` names are read as diffusers' own, the unfused ``lora_A`` /
 ``lora_B`` tensors are left out; an adapter loaded but not fused is refused) or an in-memory
-state dict, by diffusers parameter name, and refits the engine the drop-in (or
+state dict, by diffusers parameter name (dense real float tensors with values: a meta,
+sparse, float8, quantised or complex tensor is refused in one line naming its key), and refits
+the engine the drop-in (or
 :class:`~qkrope.runtime.runner_tensorrt.TensorRTRunner`) runs: the next call uses the new
 weights; no file is read or written (``qkrope refit`` writes a refitted engine to disk).
 
@@ -38,8 +40,9 @@ def _runner_of(target: Any):
                 f"a {type(target).__name__}")
         raise RefitError(f"refit_weights replaces the weights of a TensorRT engine (built with "
                          f"`qkrope build --refit`, loaded with load_transformer / load); got "
-                         f"{what}. Fix: load the .engine (an ONNX model takes new weights by "
-                         f"re-export: `qkrope export --weights`)")
+                         f"{what}. Fix: load the .engine; an ONNX model takes new weights by "
+                         f"re-export: save the fused transformer (transformer.save_pretrained("
+                         f"DIR)) and `qkrope export --model transformer --diffusers DIR`")
     return runner
 
 
@@ -92,6 +95,7 @@ def refit_weights(target: Any, weights: Any, *, allow_missing: bool = False,
     problem is a one-line :class:`RefitError` and leaves the engine as it was. Not while a
     call of the same engine runs (the device is synchronised first)."""
     from qkrope.quantization import refuse_quantized_state_dict
+    from qkrope.runtime.state_dict import refuse_unusable_tensors
 
     runner = _runner_of(target)
     info = runner.sidecar
@@ -107,6 +111,9 @@ def refit_weights(target: Any, weights: Any, *, allow_missing: bool = False,
     state = live_state_dict(weights)
     refuse_quantized_state_dict(state, source="the weights given to refit_weights",
                                 fix=_REFIT_QUANT_FIX)
+    # before any tensor is read (a meta one has no values); refit_engine checks again
+    refuse_unusable_tensors(state, source="cannot refit from the weights given to "
+                                          "refit_weights", error=RefitError)
     device = getattr(runner, "device", None)
     if device is not None and device.type == "cuda":
         import torch
