@@ -40,6 +40,15 @@ def add_plugin(parser, usage: str) -> argparse.Action:
                                help=f"the QKNormRoPE plugin library ({PLUGIN_FILE_NAME}); {usage}")
 
 
+def add_allow_host_code(parser, usage: str = "") -> argparse.Action:
+    """``--allow-host-code``: the caller's explicit consent to run the plugin library a
+    version-compatible engine carries (refused otherwise; qkrope runs no code a file brings)."""
+    from qkrope.runtime.loader_tensorrt import ALLOW_HOST_CODE_HELP
+
+    return parser.add_argument("--allow-host-code", action="store_true",
+                               help=f"{usage}{ALLOW_HOST_CODE_HELP}")
+
+
 def check_plugin(args: argparse.Namespace) -> None:
     from qkrope import _preflight as pre
 

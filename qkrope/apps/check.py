@@ -692,10 +692,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("onnx", metavar="MODEL.onnx")
     _args.add_engine(p, "also run it and compare it with PyTorch (needs --plugin)")
     _args.add_plugin(p, "needed with --engine")
-    from qkrope.runtime.loader_tensorrt import ALLOW_HOST_CODE_HELP
-
-    p.add_argument("--allow-host-code", action="store_true",
-                   help=f"with --engine: {ALLOW_HOST_CODE_HELP}")
+    _args.add_allow_host_code(p, "with --engine: ")
     p.add_argument("--img-shape", nargs=3, type=int, action="append", metavar=("F", "H", "W"),
                    help="an image of F x H x W latent patches (repeat it: the first is the "
                         "output image, the others the edit, condition or reference images of "

@@ -95,6 +95,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
 
     _args.add_plugin(p, f"for an engine ({DEFAULT_PLUGIN_HELP})")
+    _args.add_allow_host_code(p, "with a version-compatible engine: ")
     p.set_defaults(func=run)
     return p
 
@@ -544,8 +545,8 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
              num_frames: int | None = None,
              guidance_scale: float | None = None, true_cfg_scale: float | None = None,
              seed: int = 0, device: str | None = None, dtype: str | None = None,
-             plugin: str | None = None, output_type: str = "pil", log=print,
-             progress: bool = False):
+             plugin: str | None = None, allow_host_code: bool = False,
+             output_type: str = "pil", log=print, progress: bool = False):
     """Run the pipeline in ``pipeline_dir`` once with ``transformer`` (an export or engine path,
     or ``"pytorch"``) and, for a pipeline with a second transformer component, ``transformer_2``
     (its export; every component runs on an export, or every one in PyTorch); returns ``(the
@@ -581,7 +582,8 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
 
         t0 = clock.now()
         for component, path in exports.items():
-            dropins[component] = load_transformer(path, plugin=plugin, device=dev)
+            dropins[component] = load_transformer(path, plugin=plugin, device=dev,
+                                                  allow_host_code=allow_host_code)
         times.load_transformer = clock.now() - t0
     first = dropins.get("transformer")
     if dtype is None:  # the export's (the drop-in's inputs), else fp32
@@ -742,7 +744,8 @@ def run(args: argparse.Namespace) -> int:
         negative_prompt=args.negative_prompt, steps=args.steps, height=args.height,
         width=args.width, num_frames=args.num_frames, guidance_scale=args.guidance_scale,
         true_cfg_scale=args.true_cfg_scale, seed=args.seed, device=args.device,
-        dtype=args.dtype, plugin=args.plugin, log=log, progress=True)
+        dtype=args.dtype, plugin=args.plugin, allow_host_code=args.allow_host_code, log=log,
+        progress=True)
     log("qkrope generate: stage timings")
     for line in times.table():
         log(line)

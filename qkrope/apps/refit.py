@@ -239,11 +239,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "indexed shards)")
     p.add_argument("-o", "--output", metavar="OUT.engine",
                    help="write the refitted engine here (default: replace MODEL.engine)")
-    from qkrope.runtime.loader_tensorrt import ALLOW_HOST_CODE_HELP
     from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
 
     _args.add_plugin(p, DEFAULT_PLUGIN_HELP)
-    p.add_argument("--allow-host-code", action="store_true", help=ALLOW_HOST_CODE_HELP)
+    _args.add_allow_host_code(p)
     p.add_argument("--allow-missing", action="store_true",
                    help="engine weights the state dict lacks keep their values")
     p.add_argument("--allow-extra", action="store_true",
