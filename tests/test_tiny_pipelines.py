@@ -37,8 +37,10 @@ PARITY = {"qwen-image": tp.TRANSFORMER_PARITY}
 #: what a family's pipeline needs beyond the test extras to load: (module, skip reason)
 NEEDS = {"cosmos-predict2": ("cosmos_guardrail", "requires cosmos_guardrail: diffusers' Cosmos2 "
                                                  "pipelines build their safety checker from it")}
-#: families whose run is above ~20 s on 2 CPU cores (marked slow)
-SLOW: set[str] = set()
+#: families marked slow: above ~20 s on the shared 2-core machine (FLUX.2: a 28-layer text
+#: encoder; HunyuanVideo-1.5: 1108 + 256 text tokens), and Qwen-Image, whose same pipeline
+#: tests/test_generate.py runs end to end in the fast tier
+SLOW = {"qwen-image", "flux2", "hunyuan-video-1.5"}
 
 
 def _parity(name: str) -> float:
