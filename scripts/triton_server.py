@@ -16,8 +16,11 @@ Python backend (no TensorRT or ONNX Runtime backend). This script
    bounded wait and stops the whole process group, whatever happens.
 
 Usage: ``python scripts/triton_server.py prepare`` (download and set up; prints the paths), or
-``python scripts/triton_server.py serve REPO`` (serve until Ctrl-C). Everything it writes is under
-the cache folder; re-running finds it there.
+``python scripts/triton_server.py serve REPO [--onnx-stand-in]`` (serve until Ctrl-C; a model
+whose backend this server lacks is named on the console before anything starts, and
+``--onnx-stand-in`` serves a copy of the repository whose onnxruntime-backend models run in the
+tests' stand-in; a model that fails to load is said on the console, with the log's reason).
+Everything it writes is under the cache folder; re-running finds it there.
 """
 
 from __future__ import annotations
@@ -351,6 +354,59 @@ class Server:
         self.stop()
 
 
+#: The backends this server has (the wheel's: the Python backend only); a model of another
+#: (``backend`` or ``platform``) cannot load here.
+HAS_BACKENDS = ("python",)
+PLATFORM_BACKEND = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt",
+                    "pytorch_libtorch": "pytorch", "tensorflow_savedmodel": "tensorflow",
+                    "tensorflow_graphdef": "tensorflow", "ensemble": "ensemble"}
+
+
+def missing_backends(repo: Path) -> dict[str, str]:
+    """``model folder -> backend`` for each model of ``repo`` whose backend this server lacks
+    (read from its config.pbtxt; an ensemble is the server's own)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    out = {}
+    for cfg_path in sorted(Path(repo).glob("*/config.pbtxt")):
+        cfg = text_format.Parse(cfg_path.read_text(encoding="utf-8"),
+                                model_config_pb2.ModelConfig())
+        backend = cfg.backend or PLATFORM_BACKEND.get(cfg.platform, cfg.platform)
+        if backend not in (*HAS_BACKENDS, "ensemble"):
+            out[cfg_path.parent.name] = backend
+    return out
+
+
+def stand_in_copy(repo: Path, models: list[str], target: Path) -> Path:
+    """A copy of ``repo`` in ``target`` (the user's repository is left as it is) whose
+    onnxruntime-backend ``models`` run in the Python-backend STAND-IN (ONNX Runtime,
+    :func:`use_onnx_stand_in`): for trying a repository on this server, which has no
+    onnxruntime backend. Files are copies (clones where the filesystem has them)."""
+    import onnxruntime
+
+    from qkrope._fileio import clone_or_copy
+
+    ort_path = onnxruntime_for_stand_in(onnxruntime.__version__)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(repo, target, copy_function=lambda s, d: clone_or_copy(s, d))
+    for name in models:
+        use_onnx_stand_in(target, name, ort_path)
+    return target
+
+
+def load_failures(log: str) -> list[str]:
+    """The lines of a server log that say why a model or backend did not load (one each,
+    folded), for the console."""
+    keys = ("failed to load", "unable to find backend", "failed to initialize",
+            "unable to load", "error:", "unavailable:", "invalid argument")
+    lines = []
+    for line in log.splitlines():
+        if any(k in line.lower() for k in keys) and line.strip() not in lines:
+            lines.append(" ".join(line.split())[:400])
+    return lines[-8:]
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -359,6 +415,12 @@ def main(argv: list[str]) -> int:
     sub.add_parser("prepare", help="download and set up the server (once)")
     serve = sub.add_parser("serve", help="serve a model repository until Ctrl-C")
     serve.add_argument("repo")
+    serve.add_argument("--onnx-stand-in", action="store_true",
+                       help="serve the repository's onnxruntime-backend models (`qkrope "
+                            "triton-repo --backend onnxruntime`) with the tests' stand-in: ONNX "
+                            "Runtime in the Python backend, on a copy of the repository (this "
+                            "server has no onnxruntime backend; for trying a repository "
+                            "without Docker, not for production)")
     args = ap.parse_args(argv)
     try:
         inst = prepare()
@@ -369,15 +431,54 @@ def main(argv: list[str]) -> int:
         print(f"tritonserver {inst.tritonserver}\nbackends {inst.backends}\n"
               f"python env {inst.python_env}")
         return 0
-    log = cache_dir() / "serve.log"
-    with Server(inst, Path(args.repo).resolve(), log=log) as srv:
-        print(f"serving {args.repo}: HTTP {srv.http_url}, gRPC {srv.grpc_url} (log {log})",
-              flush=True)
+    repo = Path(args.repo).resolve()
+    if not repo.is_dir():
+        print(f"triton_server: {args.repo} is not a model repository folder. Fix: pass the "
+              f"folder `qkrope triton-repo -o` wrote", file=sys.stderr)
+        return 2
+    missing = missing_backends(repo)
+    onnx = [m for m, b in missing.items() if b == "onnxruntime"]
+    if args.onnx_stand_in and onnx:
         try:
-            while srv.proc.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+            repo = stand_in_copy(repo, onnx, cache_dir() / "serve-repo")
+        except SetupError as exc:
+            print(f"triton_server: {exc}", file=sys.stderr)
+            return 2
+        print(f"serving a copy of {args.repo} ({repo}) with {', '.join(onnx)} on the ONNX "
+              f"Runtime stand-in (the Python backend), not Triton's onnxruntime backend",
+              flush=True)
+        missing = {m: b for m, b in missing.items() if m not in onnx}
+    for model, backend in missing.items():  # said here, not only in the server's log
+        fix = ("pass --onnx-stand-in to try it with ONNX Runtime in the Python backend, or serve "
+               "it with NGC's tritonserver container" if backend == "onnxruntime" else
+               "serve it with NGC's tritonserver container (it has the TensorRT backend)")
+        print(f"triton_server: {args.repo}/{model} needs Triton's {backend} backend, which this "
+              f"server ({PACKAGE} {VERSION}: the Python backend only) does not have. Fix: {fix}",
+              file=sys.stderr)
+    if missing:
+        return 2
+    log = cache_dir() / "serve.log"
+    try:
+        with Server(inst, repo, log=log) as srv:
+            print(f"serving {args.repo}: HTTP {srv.http_url}, gRPC {srv.grpc_url} (log {log})",
+                  flush=True)
+            try:
+                while srv.proc.poll() is None:
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+            if srv.proc is not None and srv.proc.returncode:
+                print(f"triton_server: tritonserver exited with {srv.proc.returncode}; its "
+                      f"log {log} ends: " + " | ".join(load_failures(srv.log())[-3:]),
+                      file=sys.stderr)
+                return 1
+    except RuntimeError as exc:  # it exited or was not ready: say why here, not only in the log
+        text = log.read_text(errors="replace") if log.exists() else ""
+        reasons = load_failures(text) or [str(exc).splitlines()[0]]
+        for line in reasons:
+            print(f"triton_server: {line}", file=sys.stderr)
+        print(f"triton_server: the server did not start (the whole log: {log})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -52,6 +52,8 @@ def test_by_default_the_served_model_survives_a_rewritten_source(exported, tmp_p
     served, out = _repo(exported, tmp_path, capsys)
     assert ("the model and its data: copied" in out or "the model and its data: cloned" in out), out
     assert "leaves the served model as it is" in out and "hard link shares" not in out
+    # a command that serves it without Docker (the tests' way), said too
+    assert "python scripts/triton_server.py serve" in out and "--onnx-stand-in" in out
     assert not os.path.samefile(served, exported)
     _rewrite_in_place(exported)
     assert exported.read_bytes() != before

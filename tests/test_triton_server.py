@@ -349,3 +349,50 @@ def test_the_load_script_reports_no_errors(server, tiny_transformer_onnx):
                              img_shapes=np.array([[1, 4, 4]], np.int64)),
                         ["sample"], clients=2, requests=4)
     assert bad["errors"] == 4 and "hidden_states" in bad["first_error"]
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/triton_server.py serve: what cannot load is said on the console (issue 42, item 7)
+# --------------------------------------------------------------------------------------------
+
+def test_serve_names_a_backend_this_server_lacks_before_it_starts(install, tiny_transformer_onnx,
+                                                                 tmp_path, capsys):
+    """An ONNX Runtime repository on the wheel's server (Python backend only): one console
+    line naming the model, the backend and the fix (--onnx-stand-in), nothing started."""
+    repo = tmp_path / "repo"
+    triton.write_onnx_repository(tiny_transformer_onnx, repo, name="tiny")
+    assert harness.main(["serve", str(repo)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "tiny_onnx needs Triton's onnxruntime backend" in lines[0] and \
+        "--onnx-stand-in" in lines[0], lines
+    # the stand-in copy serves the ONNX step in the Python backend; the user's repository is
+    # left as written
+    before = (repo / "tiny_onnx" / "config.pbtxt").read_text()
+    copy = harness.stand_in_copy(repo, ["tiny_onnx"], tmp_path / "copy")
+    assert harness.missing_backends(copy) == {} and harness.missing_backends(repo) == {
+        "tiny_onnx": "onnxruntime"}
+    assert (repo / "tiny_onnx" / "config.pbtxt").read_text() == before
+
+
+BROKEN_INIT = '''
+class TritonPythonModel:
+    def initialize(self, args):
+        raise ValueError("the weights file is missing here")
+'''
+
+
+def test_a_model_that_fails_to_load_is_said_on_the_console(install, tmp_path, capsys):
+    """The server exits at start (a model whose initialize fails): the reason from its log is
+    printed on the console, not only left in the log file, and no traceback."""
+    repo = tmp_path / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text(
+        'name: "broken"\nbackend: "python"\ninput [ { name: "x" data_type: TYPE_FP32 dims: '
+        '[ -1 ] } ]\noutput [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n', encoding="utf-8")
+    (repo / "broken" / "1" / "model.py").write_text(BROKEN_INIT, encoding="utf-8")
+    assert harness.main(["serve", str(repo)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the server did not start" in err, err
+    assert "the weights file is missing here" in err and "broken" in err, err

@@ -156,6 +156,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {res.model_dir}/ (config.pbtxt, 1/{res.plan_path.name}{plugin})")
     print("serve it with:")
     print(f"  {res.command}")
+    if args.backend == "onnxruntime":  # the tests' way: no Docker, no onnxruntime backend
+        print("or, to try it without Docker (from a qkrope checkout: the nvidia-pytriton "
+              "wheel's tritonserver, whose only backend is Python, runs the ONNX model with "
+              "ONNX Runtime in it):")
+        print(f"  python scripts/triton_server.py serve {args.repo} --onnx-stand-in")
     if res.models and len(res.models) > 1:  # a transformer: qkrope's client drop-in
         print(f"call it from a diffusers pipeline: pipe.transformer = qkrope.runtime."
               f"triton_transformer(url='HOST:8001', model={res.model_dir.name!r})")
