@@ -9,10 +9,21 @@ whether a fixed exported graph can do it:
 - **saved with the pipeline.** ``pipe.save_pretrained(DIR)`` calls :meth:`save_pretrained`,
   which writes ``DIR/transformer/`` through a staging folder renamed into place: the export's
   files (the ``.onnx`` with its external data and sidecar, or the ``.engine`` with its sidecar)
-  hard-linked where the file system allows, else copied, and ``qkrope_component.json`` naming
-  the model file. ``model_index.json`` records the component as ``["qkrope.runtime", <class>]``
-  (diffusers resolves it from the imported ``qkrope.runtime``, which offers the class and the
-  ``ModelMixin`` its loader looks for there), so ``DiffusionPipeline.from_pretrained(DIR)`` (or
+  copied (a copy-on-write clone where the file system has one, never a hard link: the saved
+  folder does not change when the source is rewritten later), and ``qkrope_component.json``
+  naming the model file. What is saved is what the pipeline loaded: the export's identity is
+  taken when the drop-in gets its runner (each file's stat and the sha256 its sidecar records,
+  the sidecar's own bytes) and confirmed at save, before the pipeline writes any component and
+  again around the copy (a file whose stat changed is hashed; ``QKROPE_VERIFY=full`` hashes the
+  copies); a file rewritten or replaced since is refused in one line naming it and the fix.
+  diffusers' save options are honoured or refused, never ignored: ``safe_serialization=True``
+  (an export holds no pickle) is honoured, ``variant`` (an export has one variant, its own
+  files and dtype), ``safe_serialization=False``, ``max_shard_size``, ``push_to_hub``,
+  ``use_flashpack`` and any other option are refused in one line; loading, ``variant`` and
+  the weight-file options are refused the same way. ``model_index.json`` records the
+  component as ``["qkrope.runtime", <class>]`` (diffusers resolves it from the imported
+  ``qkrope.runtime``, which offers the class and the ``ModelMixin`` its loader looks for
+  there), so ``DiffusionPipeline.from_pretrained(DIR)`` (or
   the pipeline's own class) loads it back through :meth:`from_pretrained` with
   :func:`qkrope.runtime.load_transformer`. A drop-in whose files are gone is refused at save
   time, with how to pass ``transformer=`` instead.
@@ -21,7 +32,22 @@ whether a fixed exported graph can do it:
   there); the export's own dtype is a no-op; any other dtype, or a device the runtime cannot
   take, is refused at the call with the export's dtype and the re-export command (``half()``,
   ``float()``, ``bfloat16()``, ``cuda()``, ``cpu()`` and ``pipe.to(...)`` go through the
-  same check). ``parameters()`` is empty: there are no torch parameters.
+  same check). ``parameters()`` is empty: there are no torch parameters. ``pipe.to(...)``
+  asks every drop-in of the pipeline first and moves nothing when one refuses.
+- **the pipeline it is put in.** A drop-in assigned to a pipeline (its constructor,
+  ``from_pretrained(..., transformer=...)``, ``pipe.transformer = ...``) whose signature names
+  a transformer class of another family (the family registry) is refused in one line naming
+  both families; its forward refuses another family's call arguments besides.
+- **offloading.** ``enable_model_cpu_offload`` / ``enable_sequential_cpu_offload`` move
+  PyTorch weights with accelerate's hooks, which need torch parameters: refused in one line
+  before any component is touched, with what works (``pipe.enable_group_offload(...,
+  exclude_modules=[name])``, which leaves the drop-in on its device).
+- **LoRA and IP-Adapters.** ``load_lora_adapter``, ``fuse_lora``, ``add_adapter``,
+  ``set_adapters``, ``unload_lora``, ... (diffusers' ``PeftAdapterMixin``, which the
+  pipelines' ``load_lora_weights`` / ``fuse_lora`` / ``unload_lora_weights`` call) and
+  ``_load_ip_adapter_weights`` (``load_ip_adapter``) are refused in one line with what
+  works: fuse the LoRA into the PyTorch transformer, then ``qkrope.apps.refit_live.
+  refit_weights`` (a ``--refit`` engine, in process) or re-export the fused model.
 - **diffusers' model hooks.** ``fuse_qkv_projections``/``unfuse_qkv_projections``,
   ``set_default_attn_processor``, ``reset_attention_backend`` and ``disable_cache`` are
   no-ops (the graph already is what they ask for; the numbers do not change);
@@ -41,6 +67,9 @@ whether a fixed exported graph can do it:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import logging
 import os
@@ -50,7 +79,7 @@ from typing import Any
 
 import torch
 
-from qkrope._fileio import link_or_copy, staged_outputs, write_json_atomic
+from qkrope._fileio import link_or_copy, sha256_file, staged_outputs, write_json_atomic
 from qkrope.errors import InputError, QkropeError
 
 try:  # diffusers is what saves, loads and hooks a component; without it a plain Module will do
@@ -124,6 +153,8 @@ class DropinComponent(ModelMixin):
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_runner":  # the export as loaded: what save_pretrained confirms it saves
+            self.__dict__["_identity"] = _take_identity(value)
         if name == "_diffusers_hook":  # the HookRegistry an apply_* function puts on a module
             raise ComponentError(
                 f"diffusers' model hooks (caches, layerwise casting, group offloading, layer "
@@ -149,6 +180,14 @@ class DropinComponent(ModelMixin):
         except (TypeError, RuntimeError) as exc:
             raise ComponentError(f".to{_call(args, kwargs)}: {str(exc).splitlines()[0]}. "
                                  f"Fix: pass a device and/or a dtype") from None
+        device = self._checked_to(device, dtype)
+        if device is not None:
+            self.device = device
+        return self
+
+    def _checked_to(self, device, dtype) -> torch.device | None:
+        """The device ``.to(device, dtype)`` moves to (None: stays), or the one-line refusal;
+        changes nothing (``pipe.to`` asks every drop-in before any component moves)."""
         if dtype is not None and dtype != self.dtype:
             raise ComponentError(
                 f".to({dtype}): {self._what()} computes in {self.dtype}, fixed at export "
@@ -156,9 +195,7 @@ class DropinComponent(ModelMixin):
                 f"{_export_hint(dtype)}; or pass {self.dtype} for this component (pipelines: "
                 f"from_pretrained(..., dtype={{'transformer': {self.dtype}, 'default': "
                 f"{dtype}}}))")
-        if device is not None:
-            self.device = self._checked_device(device)
-        return self
+        return self._checked_device(device) if device is not None else None
 
     def _checked_device(self, device: torch.device | str) -> torch.device:
         from .caches import checked_device
@@ -273,6 +310,77 @@ class DropinComponent(ModelMixin):
             f"Fix: offload the other components, e.g. pipe.enable_group_offload(..., "
             f"exclude_modules=['transformer'])")
 
+    # LoRA and IP-Adapters (diffusers' PeftAdapterMixin, which the pipelines' loaders call)
+    def _refuse_adapters(self, call: str) -> None:
+        raise ComponentError(
+            f"{call}: LoRA and IP-Adapter weights patch the PyTorch transformer's layers; "
+            f"{self._what()} has its weights fixed at export. Fix: load and fuse the LoRA on "
+            f"the PyTorch transformer (pipe.load_lora_weights(...); pipe.fuse_lora()), then "
+            f"refit a `qkrope build --refit` engine in process with qkrope.apps.refit_live."
+            f"refit_weights(drop_in, fused_transformer), or save the fused transformer "
+            f"(pipe.transformer.save_pretrained(DIR)) and re-export it (`qkrope export "
+            f"--model transformer --diffusers DIR`)")
+
+    def load_lora_adapter(self, *args, **kwargs) -> None:
+        self._refuse_adapters("load_lora_adapter (pipe.load_lora_weights)")
+
+    def add_adapter(self, *args, **kwargs) -> None:
+        self._refuse_adapters("add_adapter")
+
+    def set_adapter(self, *args, **kwargs) -> None:
+        self._refuse_adapters("set_adapter")
+
+    def set_adapters(self, *args, **kwargs) -> None:
+        self._refuse_adapters("set_adapters")
+
+    def fuse_lora(self, *args, **kwargs) -> None:
+        self._refuse_adapters("fuse_lora")
+
+    def _fuse_lora_apply(self, *args, **kwargs) -> None:
+        self._refuse_adapters("fuse_lora")
+
+    def unfuse_lora(self, *args, **kwargs) -> None:
+        self._refuse_adapters("unfuse_lora")
+
+    def _unfuse_lora_apply(self, *args, **kwargs) -> None:
+        self._refuse_adapters("unfuse_lora")
+
+    def unload_lora(self, *args, **kwargs) -> None:
+        self._refuse_adapters("unload_lora (pipe.unload_lora_weights)")
+
+    def enable_lora(self, *args, **kwargs) -> None:
+        self._refuse_adapters("enable_lora")
+
+    def disable_lora(self, *args, **kwargs) -> None:
+        self._refuse_adapters("disable_lora")
+
+    def enable_adapters(self, *args, **kwargs) -> None:
+        self._refuse_adapters("enable_adapters")
+
+    def disable_adapters(self, *args, **kwargs) -> None:
+        self._refuse_adapters("disable_adapters")
+
+    def delete_adapters(self, *args, **kwargs) -> None:
+        self._refuse_adapters("delete_adapters")
+
+    def active_adapters(self, *args, **kwargs) -> None:
+        self._refuse_adapters("active_adapters")
+
+    def enable_lora_hotswap(self, *args, **kwargs) -> None:
+        self._refuse_adapters("enable_lora_hotswap")
+
+    def save_lora_adapter(self, *args, **kwargs) -> None:
+        self._refuse_adapters("save_lora_adapter")
+
+    def _load_ip_adapter_weights(self, *args, **kwargs) -> None:
+        self._refuse_adapters("load_ip_adapter")
+
+    @property
+    def peft_config(self):
+        """Refused: a drop-in holds no adapters (diffusers' get_list_adapters / set_adapters
+        read it)."""
+        self._refuse_adapters("peft_config (pipe.set_adapters, get_list_adapters)")
+
     # the cache hooks (diffusers' CacheMixin)
     @property
     def is_cache_enabled(self) -> bool:
@@ -297,8 +405,6 @@ class DropinComponent(ModelMixin):
     # ----------------------------------------------------------------------------------------
     def _export_files(self) -> tuple[Path, list[Path]]:
         """The model file and every file it needs beside it (sidecar, external data)."""
-        from qkrope.sidecars import engine_sidecar_path, sidecar_path
-
         runner = self.__dict__.get("_runner")
         path = Path(str(getattr(runner, "path", "") or ""))
         if runner is None or not path.name or not path.is_file():
@@ -306,17 +412,7 @@ class DropinComponent(ModelMixin):
                 f"cannot save {type(self).__name__}: its export {str(path) or '(unknown)'} is no "
                 f"longer there to copy. Fix: save the pipeline without it and load with "
                 f"from_pretrained(DIR, transformer=qkrope.runtime.load_transformer(PATH))")
-        files = [path]
-        if path.suffix.lower() == ".onnx":
-            import onnx
-
-            from .onnx_file import external_data_files
-
-            model = onnx.load(str(path), load_external_data=False)
-            files += list(external_data_files(model, path))
-            files.append(sidecar_path(path))
-        else:  # the engine's sidecar holds the config a drop-in is built from
-            files.append(engine_sidecar_path(path))
+        files = _files_of(path)
         missing = [f for f in files if not f.is_file()]
         if missing:
             raise ComponentSaveError(
@@ -325,12 +421,58 @@ class DropinComponent(ModelMixin):
                 f"DIR, transformer=qkrope.runtime.load_transformer(PATH))")
         return path, files
 
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """``DIR/transformer/``: the export's files (hard-linked, else copied) and
-        :data:`COMPONENT_FILE`, written in a staging folder renamed into place. diffusers'
-        save options (``safe_serialization``, ``variant``, ...) do not apply to an export."""
+    def _confirmed_files(self) -> tuple[Path, list[Path], bytes, dict[Path, tuple]]:
+        """The export's files, confirmed to be the ones the drop-in loaded (module docstring):
+        (model, files, the sidecar's bytes now, {file: its stat now}); a ComponentSaveError
+        naming the file that was rewritten or replaced since."""
+        runner = self.__dict__.get("_runner")
+        model = Path(str(getattr(runner, "path", "") or ""))
+        identity = self.__dict__.get("_identity")
+        refuse = functools.partial(_rewritten, type(self).__name__, model)
+        if identity is not None and model.is_file():  # the model first: it names the others
+            if identity.model != model:
+                refuse(model, f"the drop-in loaded {identity.model}")
+            first = _confirm(model, *identity.files[model.name], refuse)
+        try:
+            model, files = self._export_files()  # gone or missing: its own message
+        except ComponentSaveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the ONNX reader says of the file
+            refuse(model, f"it no longer reads as an ONNX model: {type(exc).__name__}")
+        if identity is None:
+            refuse(model, "it was not readable as an export when the drop-in was loaded")
+        if [f.name for f in files] != list(identity.names):
+            refuse(model, f"it now names the files {[f.name for f in files]}, at load "
+                          f"{list(identity.names)}")
+        sidecar = files[-1]
+        try:
+            now = sidecar.read_bytes()
+        except OSError as exc:
+            raise ComponentSaveError(f"cannot save {type(self).__name__}: cannot read {sidecar} "
+                                     f"({exc.strerror or exc})") from None
+        if now != identity.sidecar and _facts(now) != _facts(identity.sidecar):
+            refuse(sidecar, "its facts differ from the ones the drop-in was loaded with")
+        stats = {model: first}
+        for f in files[1:-1]:
+            stats[f] = _confirm(f, *identity.files[f.name], refuse)
+        return model, files, now, stats
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *,
+                        safe_serialization: bool = True, variant: str | None = None,
+                        max_shard_size: int | str | None = None, push_to_hub: bool = False,
+                        use_flashpack: bool = False, **kwargs) -> None:
+        """``DIR/transformer/``: the export's files as loaded (copied: a copy-on-write clone
+        where the file system has one) and :data:`COMPONENT_FILE`, written in a staging folder
+        renamed into place. The files are confirmed to be the ones the drop-in loaded, before
+        and after the copy; diffusers' save options are honoured or refused in one line
+        (module docstring)."""
+        self._check_save_options(safe_serialization=safe_serialization, variant=variant,
+                                 max_shard_size=max_shard_size, push_to_hub=push_to_hub,
+                                 use_flashpack=use_flashpack, **kwargs)
         target = Path(save_directory)
-        model, files = self._export_files()
+        model, files, sidecar_bytes, stats = self._confirmed_files()
+        refuse = functools.partial(_rewritten, type(self).__name__, model)
+        identity = self.__dict__["_identity"]
         runner = self._runner
         record = {
             "format": COMPONENT_FORMAT, "format_version": COMPONENT_FORMAT_VERSION,
@@ -339,14 +481,60 @@ class DropinComponent(ModelMixin):
             "dtype": str(self.dtype).removeprefix("torch."),
             "cuda_graph": bool(getattr(runner, "cuda_graph", False)),
         }
-        with staged_outputs(target.parent, [target.name], flag="save_directory") as stage:
-            out = stage.path(target.name)
-            out.mkdir()
-            for f in files:
-                link_or_copy(f, out / f.name)
-            write_json_atomic(out / COMPONENT_FILE, record)
-            stage.commit([target.name])
+        full = _full_verify()
+        try:
+            with staged_outputs(target.parent, [target.name], flag="save_directory") as stage:
+                out = stage.path(target.name)
+                out.mkdir()
+                for f in files[:-1]:
+                    link_or_copy(f, out / f.name)  # a copy: never a link to the source
+                    sha = identity.files[f.name][0]
+                    try:
+                        if _stat(f) != stats[f]:
+                            refuse(f, "it changed while it was copied")
+                        if full and sha is not None and sha256_file(out / f.name) != sha:
+                            refuse(f, "its copy does not hash to the sha256 its sidecar "
+                                      "records")
+                    except ComponentSaveError as exc:  # not the staging's OS error
+                        raise _Refused(exc) from None
+                (out / files[-1].name).write_bytes(sidecar_bytes)  # the sidecar as confirmed
+                write_json_atomic(out / COMPONENT_FILE, record)
+                stage.commit([target.name])
+        except _Refused as refused:
+            raise refused.args[0] from None
         self.__dict__["_saved_to"] = target
+
+    def _check_save_options(self, *, safe_serialization: Any = True, variant: Any = None,
+                            max_shard_size: Any = None, push_to_hub: Any = False,
+                            use_flashpack: Any = False, **kwargs) -> None:
+        """diffusers' save options: honoured (``safe_serialization=True``: an export holds no
+        pickle) or refused in one line, before anything is written."""
+        what = f"save_pretrained: {self._what()}"
+        if variant is not None:
+            raise ComponentError(
+                f"{what} has no variant {variant!r}: an export is one set of files in one dtype "
+                f"({self.dtype}, fixed at export), which keep their names (its graph names its "
+                f"data files). Fix: save without variant=, and save each exported dtype in its "
+                f"own pipeline folder")
+        if safe_serialization is not True:
+            raise ComponentError(
+                f"{what}: safe_serialization={safe_serialization!r} asks for pickled weights; an "
+                f"export is saved as its own files and holds no pickle. Fix: drop "
+                f"safe_serialization (or pass True)")
+        for name, value, default in (("max_shard_size", max_shard_size, None),
+                                     ("push_to_hub", push_to_hub, False),
+                                     ("use_flashpack", use_flashpack, False)):
+            if value is not default and value != default:
+                raise ComponentError(
+                    f"{what} cannot honour {name}={value!r}: an export is saved as the files it "
+                    f"was exported to (no shards, no flashpack, no upload). Fix: drop {name}"
+                    + ("; save to a folder and upload it with huggingface_hub's upload_folder"
+                       if name == "push_to_hub" else ""))
+        if kwargs:
+            raise ComponentError(
+                f"{what} takes no {', '.join(sorted(kwargs))}: its only options are "
+                f"safe_serialization=True and variant=None (diffusers' other save options do not "
+                f"apply to an export). Fix: drop {', '.join(sorted(kwargs))}")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *,
@@ -360,11 +548,15 @@ class DropinComponent(ModelMixin):
         ``DiffusionPipeline.from_pretrained``). ``torch_dtype`` (or ``dtype``) must be the
         export's or None, ``device_map`` one device (checked as :meth:`to` checks it); the
         runtime options are :func:`qkrope.runtime.load_transformer`'s; diffusers' other
-        loading options (``variant``, ``low_cpu_mem_usage``, ...) do not apply to an export."""
+        loading options are honoured where they mean nothing for an export
+        (``low_cpu_mem_usage``, ``disable_mmap``, ``use_safetensors``: nothing is pickled) and
+        refused in one line where they ask for what an export has not (``variant``,
+        ``max_memory``, ``offload_folder``, ...; any option not at diffusers' default)."""
         from qkrope import runtime
 
         folder = Path(pretrained_model_name_or_path)
         record = _read_record(folder)
+        _check_load_options(folder, _diffusers_options)
         if quantization_config is not None:
             raise ComponentLoadError(
                 f"{folder}: quantization_config cannot apply to an exported transformer (its "
@@ -389,6 +581,130 @@ class DropinComponent(ModelMixin):
                 f"as {torch_dtype}. Fix: from_pretrained(..., dtype={{'transformer': "
                 f"{dropin.dtype}, 'default': {torch_dtype}}}), or {_export_hint(torch_dtype)}")
         return dropin.to(device) if device is not None else dropin
+
+
+# --------------------------------------------------------------------------------------------
+# the export's identity: taken when the drop-in gets its runner, confirmed at save
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+    """The export as the drop-in loaded it: the model file, the names of its files (sidecar
+    last), per file the sha256 its sidecar records and its stat then, the sidecar's bytes."""
+
+    model: Path
+    names: tuple[str, ...]
+    files: dict
+    sidecar: bytes
+
+
+class _Refused(Exception):
+    """Carries a refusal out of the staging block (which reports OS errors as its own)."""
+
+
+def _files_of(path: Path) -> list[Path]:
+    """The model file, the files its graph reads beside it, its sidecar (last)."""
+    from qkrope.sidecars import engine_sidecar_path, sidecar_path
+
+    if path.suffix.lower() != ".onnx":  # an engine: its sidecar holds the drop-in's config
+        return [path, engine_sidecar_path(path)]
+    import onnx
+
+    from .onnx_file import external_data_files
+
+    model = onnx.load(str(path), load_external_data=False)
+    return [path, *external_data_files(model, path), sidecar_path(path)]
+
+
+def _stat(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def _recorded_sha256(path: Path, sidecar: bytes) -> dict[str, str | None]:
+    """{file name: the sha256 the sidecar records of it} (the sidecar's own reader)."""
+    from qkrope.sidecars import EngineInfo, ModelInfo
+
+    try:
+        data = json.loads(sidecar)
+    except ValueError:
+        return {}
+    if path.suffix.lower() == ".onnx":
+        info = ModelInfo.from_dict(data, source=str(path))
+        return {path.name: info.model_sha256,
+                **{Path(k).name: r.sha256 for k, r in info.external_data.items()}}
+    return {path.name: EngineInfo.from_dict(data, source=str(path)).engine_sha256}
+
+
+def _take_identity(runner: Any) -> _Identity | None:
+    """The identity of the export a runner ran, right after it was loaded (and checked against
+    its sidecar); None for a runner without a local file (a server) or one not readable."""
+    path = Path(str(getattr(runner, "path", "") or ""))
+    if not path.name or not path.is_file():
+        return None
+    try:
+        files = _files_of(path)
+        sidecar = files[-1].read_bytes()
+        try:
+            recorded = _recorded_sha256(path, sidecar)
+        except QkropeError:  # a sidecar its reader refuses: no sha256 to confirm with
+            recorded = {}
+        stats = {f.name: (recorded.get(f.name), _stat(f)) for f in files[:-1]}
+    except Exception:  # noqa: BLE001 - not readable as an export now: save refuses it
+        return None
+    return _Identity(path, tuple(f.name for f in files), stats, sidecar)
+
+
+def _facts(sidecar: bytes) -> Any:
+    """A sidecar's JSON without the stat fields of its file records (size, mtime_ns, ino),
+    which a reader refreshes when a copied file hashes right: what it states."""
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            if {"sha256", "size", "mtime_ns", "ino"} == set(value):
+                return value["sha256"]
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+    try:
+        return strip(json.loads(sidecar))
+    except ValueError:
+        return None
+
+
+def _rewritten(cls_name: str, model: Path, path: Path, why: str):
+    fix = (f"re-export it (`qkrope export --model transformer --diffusers DIR --out {model}`)"
+           if model.suffix.lower() == ".onnx" else "rebuild it (`qkrope build`)")
+    raise ComponentSaveError(
+        f"cannot save {cls_name}: {path} was rewritten or replaced since the pipeline loaded "
+        f"it ({why}), so the saved folder would not hold the transformer that ran. Fix: load "
+        f"it again (pipe.transformer = qkrope.runtime.load_transformer('{model}')) and save "
+        f"that, or {fix}")
+
+
+def _confirm(path: Path, sha: str | None, at_load: tuple, refuse) -> tuple:
+    """``path``'s stat now, when it is the file loaded: the same stat, else the sha256 its
+    sidecar recorded; ``refuse(path, why)`` otherwise."""
+    try:
+        now = _stat(path)
+    except OSError as exc:
+        refuse(path, f"it cannot be read: {exc.strerror or exc}")
+    if now == at_load:
+        return now
+    if sha is None:
+        refuse(path, "its size, time or inode changed, and its sidecar records no sha256 to "
+                     "confirm its content")
+    digest = sha256_file(path)
+    if _stat(path) != now:
+        refuse(path, "it changed while it was hashed")
+    if digest != sha:
+        refuse(path, f"its sha256 is now {digest[:12]}…, the loaded file's {sha[:12]}…")
+    return now
+
+
+def _full_verify() -> bool:
+    from qkrope.file_record import full_by_default
+
+    return full_by_default()
 
 
 def _call(args, kwargs) -> str:
@@ -421,6 +737,27 @@ def _read_record(folder: Path) -> dict[str, Any]:
     return dict(record)
 
 
+#: diffusers' loading options that mean nothing for an export (any value is honoured)
+_LOAD_HINTS = ("low_cpu_mem_usage", "disable_mmap", "use_safetensors")
+
+
+def _check_load_options(folder: Path, options: Mapping[str, Any]) -> None:
+    """diffusers' other loading options: a hint from :data:`_LOAD_HINTS`, or an option at
+    diffusers' default (None / False); anything else is refused in one line."""
+    asked = {k: v for k, v in options.items()
+             if k not in _LOAD_HINTS and v is not None and v is not False}
+    if not asked:
+        return
+    key, value = sorted(asked.items())[0]
+    why = ("an export is one set of files in one dtype; a saved drop-in has no variants"
+           if key == "variant" else
+           "an exported transformer is one fixed graph the runtime loads whole")
+    raise ComponentLoadError(
+        f"{folder}: {key}={value!r} cannot apply to an exported transformer ({why}). Fix: drop "
+        f"{key} for this component (or load the pipeline with transformer=qkrope.runtime."
+        f"load_transformer(PATH))")
+
+
 def _single_device(device_map: Any, folder: Path) -> torch.device | str:
     """diffusers' per-component ``device_map``: ``{"": device}`` or a device name."""
     if isinstance(device_map, Mapping) and set(device_map) == {""}:
@@ -436,6 +773,132 @@ def _single_device(device_map: Any, folder: Path) -> torch.device | str:
         f"{folder}: device_map {device_map!r} splits a model's layers across devices; the "
         f"exported transformer is one fixed graph on one device. Fix: pass device_map=None "
         f"(or one device) for it")
+
+
+# --------------------------------------------------------------------------------------------
+# the pipeline's side: what diffusers' DiffusionPipeline does to its components, asked of every
+# drop-in first
+# --------------------------------------------------------------------------------------------
+def _dropins(pipe: Any) -> list[tuple[str, DropinComponent]]:
+    """The pipeline's drop-in components, by attribute name."""
+    return [(k, v) for k, v in vars(pipe).items() if isinstance(v, DropinComponent)]
+
+
+def check_pipeline_family(dropin: DropinComponent, pipeline: type, name: str) -> None:
+    """A drop-in put into ``pipeline`` as its component ``name``: refused in one line when the
+    pipeline's signature names a transformer class of another family (the registry) than the
+    export's. A pipeline whose signature names no family's class is not judged."""
+    from qkrope import families
+
+    record = dropin.__dict__.get("record")
+    if record is None:
+        return
+    try:
+        types = pipeline._get_signature_types().get(name, ())
+    except Exception:  # noqa: BLE001 - a pipeline class diffusers cannot read: not judged
+        return
+    wanted = [r for r in (families.by_class(getattr(t, "__name__", None)) for t in types)
+              if r is not None]
+    if not wanted or record in wanted:
+        return
+    want = wanted[0]
+    runner = dropin.__dict__.get("_runner")
+    where = Path(str(getattr(runner, "path", "") or "")).name or "the export"
+    raise ComponentError(
+        f"{pipeline.__name__}.{name} takes a {want.short} transformer ({want.class_name}); "
+        f"{where} is a {record.short} export ({record.class_name}), whose call the "
+        f"{want.short} pipeline cannot make. Fix: load a {want.short} export (`qkrope export "
+        f"--model transformer --diffusers` of a {want.class_name} folder) for {pipeline.__name__}"
+        f", or run this export with a {record.short} pipeline"
+        + (f" ({dropin.PIPELINES})" if getattr(dropin, "PIPELINES", "") else ""))
+
+
+def _pipeline_to_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(device, dtype) of ``DiffusionPipeline.to(*args, **kwargs)``, read as diffusers reads
+    them (one positional: a dtype or a device; two: device, dtype)."""
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    if len(args) == 1:
+        if isinstance(args[0], torch.dtype):
+            dtype = dtype or args[0]
+        else:
+            device = device or args[0]
+    elif len(args) == 2:
+        device, dtype = device or args[0], dtype or args[1]
+    return device, dtype
+
+
+def _guard(name: str):
+    """The wrapper of ``DiffusionPipeline.<name>`` that asks the pipeline's drop-ins first."""
+    def check(pipe, args, kwargs):
+        found = _dropins(pipe)
+        if not found:
+            return
+        if name == "to":
+            device, dtype = _pipeline_to_args(args, kwargs)
+            for _, dropin in found:
+                dropin._checked_to(device, dtype)
+        elif name in ("enable_model_cpu_offload", "enable_sequential_cpu_offload"):
+            key, dropin = found[0]
+            raise ComponentError(
+                f"{name}: accelerate's offload hooks move a component's torch parameters "
+                f"between devices, and {dropin._what()} (pipe.{key}) has none: its weights "
+                f"stay in the runtime's memory on {dropin.device}. Fix: offload the other "
+                f"components with pipe.enable_group_offload(onload_device=..., "
+                f"offload_type='leaf_level', exclude_modules={[k for k, _ in found]!r}), "
+                f"which leaves the drop-in where it runs")
+        elif name == "save_pretrained":
+            try:
+                bound = inspect.signature(_ORIGINAL[name]).bind(pipe, *args, **kwargs)
+            except TypeError:  # diffusers' own error for a wrong call
+                return
+            options = {k: v for k, v in bound.arguments.items()
+                       if k not in ("self", "save_directory", "kwargs")}
+            for _, dropin in found:
+                dropin._check_save_options(**options)
+                dropin._confirmed_files()  # before the pipeline writes any component
+
+    original = _ORIGINAL[name]
+
+    @functools.wraps(original)
+    def guarded(self, *args, **kwargs):
+        check(self, args, kwargs)
+        return original(self, *args, **kwargs)
+    return guarded
+
+
+def _guarded_setattr(self, name: str, value: Any) -> None:
+    if isinstance(value, DropinComponent):
+        check_pipeline_family(value, type(self), name)
+    _ORIGINAL["__setattr__"](self, name, value)
+
+
+_ORIGINAL: dict[str, Any] = {}
+_GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload",
+            "save_pretrained")
+
+
+def _install_pipeline_guards() -> None:
+    """Once per process (the drop-in classes import this module): diffusers'
+    ``DiffusionPipeline.to``, ``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``
+    and ``save_pretrained`` ask the pipeline's drop-ins before doing anything (a refusal
+    leaves every component as it was, and writes nothing), and a drop-in put into a pipeline
+    is checked against the pipeline's family. A pipeline without a drop-in runs diffusers'
+    code unchanged."""
+    try:
+        from diffusers import DiffusionPipeline
+    except ImportError:  # pragma: no cover - no diffusers: no pipelines
+        return
+    if _ORIGINAL:
+        return
+    _ORIGINAL["__setattr__"] = DiffusionPipeline.__setattr__
+    for name in _GUARDED:
+        _ORIGINAL[name] = getattr(DiffusionPipeline, name)
+    DiffusionPipeline.__setattr__ = _guarded_setattr
+    for name in _GUARDED:
+        setattr(DiffusionPipeline, name, _guard(name))
+
+
+_install_pipeline_guards()
 
 
 __all__ = ["COMPONENT_FILE", "ComponentError", "ComponentLoadError", "ComponentSaveError",

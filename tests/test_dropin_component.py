@@ -132,7 +132,7 @@ def test_save_and_reload_the_pipeline(case, tmp_path):
 
 def test_save_twice_into_the_same_folder(qwen, root, tmp_path):
     """Saving a reloaded pipeline over the folder it came from replaces the component folder
-    whole (its files were hard-linked or copied first)."""
+    whole (its files were copied first)."""
     case = Case("qwen", qwen, root)
     case.pipeline().save_pretrained(tmp_path)
     again = diffusers.QwenImagePipeline.from_pretrained(tmp_path, **case.absent)
@@ -188,8 +188,7 @@ def test_save_is_refused_when_the_export_is_gone(qwen, root, tmp_path):
                        ) as exc:
         pipe.save_pretrained(tmp_path / "saved")
     _one_line(exc)
-    assert not (tmp_path / "saved" / "transformer").exists()
-    assert not [p for p in (tmp_path / "saved").iterdir() if p.name.startswith(".")]
+    assert not (tmp_path / "saved").exists()  # refused before the pipeline wrote anything
 
 
 def test_load_options(qwen, root, tmp_path):

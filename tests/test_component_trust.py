@@ -1,0 +1,361 @@
+"""The drop-in as a pipeline component, trusted (issue 42): what a pipeline saves is the export
+it loaded; diffusers' save/load options are honoured or refused, never ignored; LoRA and
+IP-Adapter loaders, accelerate's offloading, a refused ``pipe.to(dtype)`` and another family's
+export are one line before anything half-happens; ``refit_weights`` refuses tensors an engine
+cannot take and names a command that exists.
+
+Built on the tiny Qwen-Image pipeline (qkrope.apps.tiny_pipeline) exported once per module and
+run through ONNX Runtime on the CPU; each test that rewrites the export works on its own copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+pytest.importorskip("transformers", reason="diffusers' Qwen-Image and FLUX pipelines import "
+                                           "transformers (test extras)")
+
+import _flux_models as fm  # noqa: E402
+
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+from qkrope.apps.refit import RefitError  # noqa: E402
+from qkrope.apps.refit_live import refit_weights  # noqa: E402
+from qkrope.cli import main  # noqa: E402
+from qkrope.runtime import load_transformer  # noqa: E402
+from qkrope.runtime.component import (ComponentError, ComponentLoadError,  # noqa: E402
+                                      ComponentSaveError)
+
+ABSENT = dict(text_encoder=None, tokenizer=None)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The tiny Qwen-Image transformer's folder and its fp32 export."""
+    d = tmp_path_factory.mktemp("qwen")
+    tp.save_transformer(tp.tiny_transformer(), d / "transformer")
+    assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
+                 "--out", str(d / "transformer.onnx")]) == 0
+    return d / "transformer", d / "transformer.onnx"
+
+
+@pytest.fixture
+def onnx(exported, tmp_path):
+    """This test's own copy of the export (model and sidecar)."""
+    src = exported[1]
+    d = tmp_path / "export"
+    d.mkdir()
+    for f in src.parent.glob(src.name + "*"):
+        shutil.copyfile(f, d / f.name)
+    return d / src.name
+
+
+def _pipeline(transformer, **components):
+    kw = {**ABSENT, **components}
+    return diffusers.QwenImagePipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+                                       vae=tp.tiny_vae(), transformer=transformer, **kw)
+
+
+def _run(pipe):
+    pe, pm = tp.prompt_embeds(1, 7, seed=1)
+    return pipe(prompt_embeds=pe, prompt_embeds_mask=pm, height=32, width=32,
+                num_inference_steps=2, output_type="latent",
+                generator=torch.Generator().manual_seed(0)).images
+
+
+def _one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text and text, text
+    return text
+
+
+def _bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. what is saved is what ran
+# --------------------------------------------------------------------------------------------
+
+def _rewrite_in_place(path):
+    """Change one bit of the file's middle byte, in place (same inode, same size): in the tiny
+    export, a bit of a weight's raw data (the model still reads)."""
+    middle = os.path.getsize(path) // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _replace(path):
+    """Another file renamed over ``path`` (a new inode; one byte differs)."""
+    tmp = path.with_name(path.name + ".new")
+    shutil.copyfile(path, tmp)
+    _rewrite_in_place(tmp)
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("how", ["in-place", "replaced"])
+def test_save_refuses_an_export_rewritten_since_it_was_loaded(onnx, tmp_path, how):
+    pipe = _pipeline(load_transformer(onnx))
+    pipe.save_pretrained(tmp_path / "saved")
+    before = _bytes(tmp_path / "saved" / "transformer")
+    (_rewrite_in_place if how == "in-place" else _replace)(onnx)
+    with pytest.raises(ComponentSaveError) as exc:
+        pipe.save_pretrained(tmp_path / "saved")
+    text = _one_line(exc)
+    assert str(onnx) in text and "rewritten or replaced since the pipeline loaded it" in text
+    assert "load_transformer(" in text and "qkrope export --model transformer" in text
+    assert _bytes(tmp_path / "saved" / "transformer") == before  # the old save is intact
+    with pytest.raises(ComponentSaveError):
+        pipe.save_pretrained(tmp_path / "other")
+    assert not (tmp_path / "other").exists()  # refused before the pipeline wrote anything
+
+
+def test_save_refuses_an_edited_sidecar(onnx, tmp_path):
+    pipe = _pipeline(load_transformer(onnx))
+    side = onnx.with_name(onnx.name + ".json")
+    data = json.loads(side.read_text())
+    data["sample"]["txt_len"] = int(data["sample"]["txt_len"]) + 1
+    side.write_text(json.dumps(data))
+    with pytest.raises(ComponentSaveError, match="its facts differ") as exc:
+        pipe.save_pretrained(tmp_path / "saved")
+    assert str(side) in _one_line(exc)
+    assert not (tmp_path / "saved").exists()
+
+
+def test_save_takes_a_file_with_the_loaded_content(onnx, tmp_path):
+    """A file whose stat changed but whose content is the one loaded (copied back, touched)
+    is confirmed by its sha256 and saved; the saved folder is a copy that does not change when
+    the source is rewritten later."""
+    pipe = _pipeline(load_transformer(onnx))
+    before = _run(pipe)
+    tmp = onnx.with_name("copy")
+    shutil.copyfile(onnx, tmp)
+    os.replace(tmp, onnx)  # same bytes, new inode and time
+    pipe.save_pretrained(tmp_path / "saved")
+    saved = tmp_path / "saved" / "transformer" / onnx.name
+    assert saved.read_bytes() == onnx.read_bytes()
+    assert os.stat(saved).st_ino != os.stat(onnx).st_ino and os.stat(saved).st_nlink == 1
+    _rewrite_in_place(onnx)
+    again = diffusers.QwenImagePipeline.from_pretrained(tmp_path / "saved", **ABSENT)
+    assert torch.equal(_run(again), before)
+
+
+def test_full_verify_hashes_the_copies(onnx, tmp_path, monkeypatch):
+    """QKROPE_VERIFY=full: content rewritten in place with its time put back (what the stat
+    check cannot see) is refused by the hash of the copy."""
+    pipe = _pipeline(load_transformer(onnx))
+    st = os.stat(onnx)
+    _rewrite_in_place(onnx)
+    os.utime(onnx, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.setenv("QKROPE_VERIFY", "full")
+    with pytest.raises(ComponentSaveError, match="does not hash to the sha256") as exc:
+        pipe.transformer.save_pretrained(tmp_path / "saved" / "transformer")
+    _one_line(exc)
+    assert not (tmp_path / "saved" / "transformer").exists()
+
+
+@pytest.mark.parametrize("option,match", [
+    (dict(variant="fp16"), "has no variant 'fp16'"),
+    (dict(safe_serialization=False), "holds no pickle"),
+    (dict(max_shard_size="1MB"), "max_shard_size='1MB'"),
+    (dict(push_to_hub=True, repo_id="nobody/nothing"), "upload_folder"),
+    (dict(use_flashpack=True), "use_flashpack=True"),
+], ids=["variant", "pickle", "shards", "push-to-hub", "flashpack"])
+def test_save_options_are_refused_before_anything_is_written(onnx, tmp_path, option, match):
+    pipe = _pipeline(load_transformer(onnx))
+    with pytest.raises(ComponentError, match=match) as exc:
+        pipe.save_pretrained(tmp_path / "saved", **option)
+    _one_line(exc)
+    assert not (tmp_path / "saved").exists()
+
+
+def test_save_and_load_options_of_the_component(onnx, tmp_path):
+    dropin = load_transformer(onnx)
+    with pytest.raises(ComponentError, match="takes no compression") as exc:
+        dropin.save_pretrained(tmp_path / "t", compression=True)
+    _one_line(exc)
+    dropin.save_pretrained(tmp_path / "t", safe_serialization=True, variant=None)  # honoured
+    load = diffusers.QwenImagePipeline.from_pretrained
+    pipe = _pipeline(dropin)
+    pipe.save_pretrained(tmp_path / "saved")
+    with pytest.raises(ComponentLoadError, match="variant='fp16'.*no variants") as exc:
+        dropin.from_pretrained(tmp_path / "saved" / "transformer", variant="fp16")
+    _one_line(exc)
+    with pytest.raises(ComponentLoadError, match="offload_folder"):
+        dropin.from_pretrained(tmp_path / "saved" / "transformer", offload_folder="x")
+    # the hints that mean nothing for an export are honoured
+    assert load(tmp_path / "saved", low_cpu_mem_usage=False, use_safetensors=True,
+                **ABSENT).transformer.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# 2. LoRA and IP-Adapters
+# --------------------------------------------------------------------------------------------
+
+def _lora_state_dict(dropin):
+    """A LoRA of the first block's to_q in diffusers' names (what load_lora_weights reads)."""
+    dim = int(dropin.config["num_attention_heads"]) * int(dropin.config["attention_head_dim"])
+    return {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, dim),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(dim, 2)}
+
+
+@pytest.mark.parametrize("call", [
+    lambda pipe: pipe.load_lora_weights(_lora_state_dict(pipe.transformer)),
+    lambda pipe: pipe.fuse_lora(),
+    lambda pipe: pipe.transformer.unfuse_lora(),
+    lambda pipe: pipe.unload_lora_weights(),
+    lambda pipe: pipe.set_adapters(["style"]),
+    lambda pipe: pipe.delete_adapters(["style"]),
+    lambda pipe: pipe.enable_lora(),
+    lambda pipe: pipe.disable_lora(),
+    lambda pipe: pipe.transformer.load_lora_adapter(_lora_state_dict(pipe.transformer)),
+    lambda pipe: pipe.transformer.add_adapter(object()),
+    lambda pipe: pipe.transformer.set_adapter("style"),
+    lambda pipe: pipe.transformer.enable_lora_hotswap(target_rank=4),
+    lambda pipe: pipe.transformer._load_ip_adapter_weights([{}]),
+], ids=["load_lora_weights", "fuse_lora", "unfuse_lora", "unload_lora_weights", "set_adapters",
+        "delete_adapters", "enable_lora", "disable_lora", "load_lora_adapter", "add_adapter",
+        "set_adapter", "enable_lora_hotswap", "load_ip_adapter"])
+def test_lora_and_ip_adapters_are_refused_with_what_works(exported, call):
+    pytest.importorskip("peft", reason="diffusers' LoRA loaders need peft (test extras)")
+    pipe = _pipeline(load_transformer(exported[1]))
+    before = _run(pipe)
+    with pytest.raises(ComponentError, match="weights fixed at export") as exc:
+        call(pipe)
+    text = _one_line(exc)
+    assert "refit_live.refit_weights" in text and "qkrope export --model transformer" in text
+    assert torch.equal(_run(pipe), before)  # nothing half-happened
+
+
+def test_flux_load_ip_adapter_is_refused(tmp_path_factory):
+    """FLUX's pipeline loader reaches the transformer's IP-Adapter weights through the
+    drop-in, which refuses them in one line."""
+    dropin = load_transformer(fm.exported("flux1-dev", tmp_path_factory.getbasetemp()))
+    with pytest.raises(ComponentError, match="load_ip_adapter.*refit_weights") as exc:
+        dropin._load_ip_adapter_weights([{"image_proj": {}, "ip_adapter": {}}])
+    _one_line(exc)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. refit_weights: tensors an engine cannot take, the command for an ONNX drop-in
+# --------------------------------------------------------------------------------------------
+
+def _engine_runner():
+    """A stand-in for a loaded ``--refit`` engine's runner: what refit_weights checks before it
+    touches the engine (which this one has not: reaching it would be an AttributeError)."""
+    return SimpleNamespace(backend="tensorrt", sidecar=SimpleNamespace(refittable=True),
+                           cuda_graph=False, device=torch.device("cpu"), path="m.engine")
+
+
+@pytest.mark.parametrize("value,match", [
+    (torch.empty(4, 4, device="meta"), r"is a meta tensor \[4, 4\].*load the weights"),
+    (torch.eye(4).to_sparse(), r"is a sparse_coo tensor.*to_dense\(\)"),
+    (torch.eye(4).to(torch.float8_e4m3fn), r"is float8_e4m3fn.*bf16/fp16/fp32"),
+    (torch.eye(4, dtype=torch.complex64), r"is a complex64 tensor"),
+], ids=["meta", "sparse", "float8", "complex"])
+def test_refit_refuses_tensors_an_engine_cannot_take(value, match):
+    weights = {"proj_out.bias": torch.zeros(4), "proj_out.weight": value}
+    with pytest.raises(RefitError, match=match) as exc:
+        refit_weights(_engine_runner(), weights)
+    assert "proj_out.weight" in _one_line(exc)
+    module = torch.nn.Linear(4, 4)
+    module.weight = torch.nn.Parameter(value, requires_grad=False)
+    with pytest.raises(RefitError, match=match):
+        refit_weights(_engine_runner(), module)
+
+
+def test_refit_on_an_onnx_drop_in_names_a_command_that_works(exported, tmp_path):
+    folder, onnx_path = exported
+    with pytest.raises(RefitError) as exc:
+        refit_weights(load_transformer(onnx_path), {})
+    text = _one_line(exc)
+    commands = re.findall(r"`qkrope ([^`]+)`", text.split("Fix:", 1)[1])
+    assert commands, text
+    for command in commands:  # DIR: the saved (fused) transformer folder
+        args = command.replace("DIR", str(folder)).split()
+        assert main(args + ["--out", str(tmp_path / "again.onnx")]) == 0, command
+
+
+# --------------------------------------------------------------------------------------------
+# 4. offloading
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload"])
+def test_cpu_offload_is_refused_before_any_component_is_touched(exported, method):
+    pytest.importorskip("accelerate", reason="diffusers' CPU offload needs accelerate")
+    encoder = torch.nn.Linear(2, 2)  # a component diffusers would offload
+    pipe = _pipeline(load_transformer(exported[1]), text_encoder=encoder)
+    with pytest.raises(ComponentError, match=rf"{method}: accelerate's offload hooks") as exc:
+        getattr(pipe, method)(device="cuda")
+    assert "exclude_modules=['transformer']" in _one_line(exc)
+    assert not hasattr(pipe.vae, "_hf_hook") and not hasattr(encoder, "_hf_hook")
+    assert "_offload_device" not in vars(pipe)
+
+
+def test_group_offload_of_the_other_components_works(exported):
+    """What the refusal offers: the other components offloaded, the drop-in where it runs."""
+    pipe = _pipeline(load_transformer(exported[1]))
+    before = _run(pipe)
+    pipe.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level",
+                              exclude_modules=["transformer"])
+    assert torch.equal(_run(pipe), before)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. a refused pipe.to(dtype) moves nothing
+# --------------------------------------------------------------------------------------------
+
+def test_refused_pipe_to_moves_no_component(exported):
+    # a stand-in text encoder (any diffusers model): "text_encoder" sorts before "transformer",
+    # so diffusers' loop moves it first
+    encoder = tp.tiny_vae()
+    pipe = _pipeline(load_transformer(exported[1]), text_encoder=encoder)
+    with pytest.raises(ComponentError, match="computes in torch.float32") as exc:
+        pipe.to(torch.float16)
+    _one_line(exc)
+    with pytest.raises(ComponentError, match="computes in torch.float32"):
+        pipe.to("cpu", torch.bfloat16)
+    assert {p.dtype for p in encoder.parameters()} == {torch.float32}
+    assert next(pipe.vae.parameters()).dtype == torch.float32
+    assert pipe.to("cpu") is pipe and pipe.to(dtype=torch.float32) is pipe  # accepted
+    assert pipe.transformer.device == torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# 6. another family's export
+# --------------------------------------------------------------------------------------------
+
+def test_an_export_of_another_family_is_refused_where_it_is_put(exported, tmp_path_factory,
+                                                                  tmp_path):
+    flux = load_transformer(fm.exported("flux1-dev", tmp_path_factory.getbasetemp()))
+    pattern = r"QwenImagePipeline\.transformer takes a Qwen-Image transformer.*a FLUX\.1 export"
+    with pytest.raises(ComponentError, match=pattern) as exc:
+        _pipeline(flux)
+    assert "FluxPipeline" in _one_line(exc)  # the pipelines it runs with
+
+    qwen = load_transformer(exported[1])
+    pipe = _pipeline(qwen)
+    with pytest.raises(ComponentError, match=pattern):
+        pipe.transformer = flux
+    assert pipe.transformer is qwen and pipe.config["transformer"][1] == type(qwen).__name__
+
+    pipe.save_pretrained(tmp_path / "saved")
+    with pytest.raises(ComponentError, match=pattern) as exc:
+        diffusers.QwenImagePipeline.from_pretrained(tmp_path / "saved", transformer=flux,
+                                                    **ABSENT)
+    _one_line(exc)
+    # the family's own pipeline takes it
+    pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+                                  vae=fm.vae(fm.FLUX1), transformer=flux, text_encoder=None,
+                                  tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    assert pipe.transformer is flux
