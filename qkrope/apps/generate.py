@@ -590,7 +590,9 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
         dtype = dtypes.SHORT_BY_NAME.get(str(first.dtype).replace("torch.", ""), "fp32") \
             if first is not None else "fp32"
     t0 = clock.now()
-    extra = {component: None for component in dropins}
+    # the drop-ins go in as the components (a pipeline's __init__ may read its transformer's
+    # config: HunyuanVideo-1.5's image-embedding width), so no PyTorch transformer is loaded
+    extra = dict(dropins)
     try:
         with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; 0.36 has only it
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
@@ -601,6 +603,10 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
         raise InputError(f"{pipeline_dir} is not a loadable diffusers pipeline folder "
                          f"({first_line}). Fix: pass the folder a pipeline was saved to "
                          f"(save_pretrained: model_index.json and its components)") from None
+    except ImportError as exc:  # a pipeline class that needs a package (Cosmos: its guardrail)
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise InputError(f"the pipeline in {pipeline_dir} cannot be built here: {first_line}. "
+                         f"Fix: install the package it names") from None
     pipe.to(dev)
     times.load_pipeline = clock.now() - t0
     for component, dropin in dropins.items():

@@ -40,13 +40,6 @@ VARIANTS = {
 #: must sum to 4; the default's [16, 24, 24] is the real model's 128)
 MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]}
 
-#: the image-embedding width of the recipe's HunyuanVideo-1.5 transformer: the real models'
-#: (SigLIP's 1152), which HunyuanVideo15Pipeline assumes for its zero image embeddings when it
-#: is built without its transformer (as ``qkrope generate`` loads it), instead of the test
-#: config's 12
-PIPELINE_IMAGE_EMBED_DIM = 1152
-
-
 def transformer(variant: str, seed: int = 0, **overrides):
     """A tiny random transformer of ``variant`` (:data:`VARIANTS`)."""
     diffusers = require("diffusers", "the tiny HunyuanVideo pipelines")
@@ -88,8 +81,7 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
                                          config["text_embed_dim"], layers=3, seed=seed,
                                          rope_parameters=MROPE),
             tokenizer=tok,
-            transformer=transformer(record.name, seed, in_channels=2 * latent + 1,
-                                    image_embed_dim=PIPELINE_IMAGE_EMBED_DIM),
+            transformer=transformer(record.name, seed, in_channels=2 * latent + 1),
             vae=vae.eval(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
             text_encoder_2=t5_encoder(byt5, config["text_embed_2_dim"], seed),
             tokenizer_2=byt5, guider=diffusers.ClassifierFreeGuidance(guidance_scale=6.0))
