@@ -152,3 +152,34 @@ def test_an_existing_folder_is_refused_and_left_alone(tmp_path):
 def test_every_family_has_a_tiny_recipe():
     for record in families.records():
         assert callable(families.hooks(record, "tiny").save_pipeline), record.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["chroma", "wan"])
+def test_the_readme_recipe_runs_as_written(tmp_path, name):
+    """The README's try-any-family recipe (the `qkrope generate` row), run as a user types it in
+    a new folder: save the tiny pipeline, export its transformer, generate (a video family
+    writes the GIF the README names for it)."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    steps = re.search(r"`(python -m qkrope\.apps\.tiny_pipeline FAMILY tiny)`.*?"
+                      r"`(qkrope export --model transformer [^`]*)`, `(qkrope generate tiny [^`]*)`"
+                      r" \(video families: `(-o \S+)`\)", readme)
+    assert steps, "the README's tiny-pipeline recipe is not where this test reads it"
+    save, export, run, video_out = steps.groups()
+    if name == "wan":
+        run = re.sub(r"-o \S+$", video_out, run)
+    for line in (save.replace("FAMILY", name), export, run):
+        argv = shlex.split(line)
+        argv = ([sys.executable] + argv[1:] if argv[0] == "python"
+                else [sys.executable, "-m", "qkrope"] + argv[1:])
+        res = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, (line, res.stderr[-2000:])
+    out = tmp_path / run.split()[-1]
+    with Image.open(out) as image:
+        assert image.size == (32, 32)
