@@ -559,10 +559,12 @@ def _flock(fd: int) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def _note_place(folder: Path, staging: Path, note: str, text: str) -> tuple[list[str], list | None]:
+def _note_place(folder: Path, staging: Path, note: str, text: str) -> tuple[list[str], list]:
     """Where the folder a note stands for was moved away from, as folder names below
-    ``folder`` (the staging folder's parent), and the folder's identity (None in an older note,
-    which records only the absolute path). Anything else: :class:`StaleStagingError`."""
+    ``folder`` (the staging folder's parent), and the folder's identity. A note that records
+    only a path (an older qkrope's, or a place outside ``folder``) carries no identity: nothing
+    confirms that qkrope moved the folder beside it away from there, so it is refused like an
+    older journal. Anything else: :class:`StaleStagingError`."""
     where = staging / REPLACED / note
 
     def bad(problem):
@@ -570,29 +572,26 @@ def _note_place(folder: Path, staging: Path, note: str, text: str) -> tuple[list
                        fix=f"inspect {staging / REPLACED}; move back by hand any folder in it "
                            f"that is yours, then remove {staging}")
 
-    if text.startswith("{"):
-        try:
-            plan = json.loads(text)
-        except ValueError:
-            raise bad("that is not valid JSON") from None
-        parts, ident = (plan.get("path"), plan.get("id")) if isinstance(plan, dict) else (0, 0)
-        if not (isinstance(plan, dict) and plan.get("format") == _NOTE_FORMAT
-                and isinstance(parts, list) and 1 <= len(parts) <= 8
-                and isinstance(ident, list) and len(ident) == 2
-                and all(type(i) is int for i in ident)):
-            raise bad("that is not a note qkrope writes")
-        if not all(_bare(p) for p in parts):
-            raise bad(f"naming {'/'.join(map(str, parts))!r}, not a folder inside {folder}")
-        return parts, ident
-    # an older qkrope's note: the absolute path the folder was moved away from
-    name = os.path.basename(text)
-    if not (os.path.isabs(text) and _bare(name)):
-        raise bad(f"naming {text!r}, not a folder inside {folder}")
-    rel = os.path.relpath(os.path.realpath(os.path.dirname(text)), os.path.realpath(folder))
-    parts = [] if rel == os.curdir else rel.split(os.sep)
-    if parts[:1] == [os.pardir] or os.path.isabs(rel):
-        raise bad(f"naming {text!r}, outside {folder}")
-    return parts + [name], None
+    if not text.startswith("{"):
+        moved = staging / REPLACED / note[:-len(_TARGET_SUFFIX)]
+        raise _refuse(staging, f"has a note {where} that records only a path (as an older "
+                               f"qkrope wrote), not the identity of the folder moved away, and "
+                               f"cannot be checked",
+                      fix=f"inspect it (the note names the place {moved} was moved away from), "
+                          f"move back by hand what is yours, then remove {staging}")
+    try:
+        plan = json.loads(text)
+    except ValueError:
+        raise bad("that is not valid JSON") from None
+    parts, ident = (plan.get("path"), plan.get("id")) if isinstance(plan, dict) else (0, 0)
+    if not (isinstance(plan, dict) and plan.get("format") == _NOTE_FORMAT
+            and isinstance(parts, list) and 1 <= len(parts) <= 8
+            and isinstance(ident, list) and len(ident) == 2
+            and all(type(i) is int for i in ident)):
+        raise bad("that is not a note qkrope writes")
+    if not all(_bare(p) for p in parts):
+        raise bad(f"naming {'/'.join(map(str, parts))!r}, not a folder inside {folder}")
+    return parts, ident
 
 
 def _restore_replaced(folder: Path, folder_fd: int, staging: Path, staging_fd: int) -> None:
@@ -631,8 +630,7 @@ def _restore_replaced(folder: Path, folder_fd: int, staging: Path, staging_fd: i
                 mst = os.stat(moved, dir_fd=rfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # put back already, or never moved
-            if not stat.S_ISDIR(mst.st_mode) or (
-                    ident is not None and [mst.st_dev, mst.st_ino] != ident):
+            if not stat.S_ISDIR(mst.st_mode) or [mst.st_dev, mst.st_ino] != ident:
                 raise _refuse(staging, f"has {where / moved}, which is not the folder qkrope "
                                        f"moved away from {target}", fix)
             try:
@@ -927,8 +925,8 @@ def _replaced_note(target: Path, replaced: Path) -> str:
     """The note beside a folder moved away to ``replaced`` (``<staging>/.replaced``): its place,
     as the folder names from the staging folder's parent down to it (through no link), and its
     identity, for :func:`_restore_replaced` to put back that folder only, only there. A place
-    not below the staging folder's parent is recorded as its absolute path, which
-    :func:`_restore_replaced` refuses (the folder is then put back by hand)."""
+    not below the staging folder's parent is recorded as its absolute path, with no identity,
+    which :func:`_restore_replaced` refuses (the folder is then put back by hand)."""
     st = os.lstat(target)
     base = os.path.realpath(replaced.parent.parent)
     rel = os.path.relpath(os.path.join(os.path.realpath(target.parent), target.name), base)

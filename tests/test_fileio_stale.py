@@ -433,7 +433,7 @@ def test_a_folder_that_cannot_be_put_back_is_kept(out, dead_pid, monkeypatch):
     staging = _stale(out, dead_pid)
     rep = staging / _fileio.REPLACED
     rep.mkdir()
-    (rep / ("m.old" + _fileio._TARGET_SUFFIX)).write_text(str((out / "m").absolute()))
+    (rep / ("m.old" + _fileio._TARGET_SUFFIX)).write_text(_fileio._replaced_note(out / "m", rep))
     os.rename(out / "m", rep / "m.old")
 
     def no_rename(*a, **kw):
@@ -447,3 +447,18 @@ def test_a_folder_that_cannot_be_put_back_is_kept(out, dead_pid, monkeypatch):
     assert (rep / "m.old" / "config.json").read_text() == "old"
     _next_writer(out)  # and once it can, it is put back
     assert (out / "m" / "config.json").read_text() == "old" and not staging.exists()
+
+
+# ---- review: older notes, a renumbered device, a folder swapped in before its removal ------------
+
+def test_an_older_note_naming_a_place_inside_the_folder_is_refused(out, dead_pid):
+    """An older note records only a path (no identity): nothing confirms that qkrope moved the
+    folder beside it away from there, so a crafted one would plant any folder anywhere below the
+    output folder. Refused like an older journal; nothing is created."""
+    (out / "sub").mkdir()
+    staging = _stale(out, dead_pid)
+    rep = _replaced(staging, str(out / "sub" / "planted"))
+    msg = _refused(out, staging)
+    assert "older qkrope" in msg and str(rep / "x.old.target") in msg, msg
+    assert list((out / "sub").iterdir()) == [] and (rep / "x.old" / "payload.txt").exists()
+    _user_files_intact(out)
