@@ -751,7 +751,8 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
                      serving: Serving | None = None, force: bool = False,
                      copy_plugin: bool = True, check_plugin_hash: bool = True,
                      ensemble: bool | None = None, max_img_tokens: int | None = None,
-                     max_txt_tokens: int | None = None, link: bool = False) -> RepoResult:
+                     max_txt_tokens: int | None = None, link: bool = False,
+                     allow_host_code: bool = False) -> RepoResult:
     """Write ``repo/<name>`` for ``engine`` (:func:`_write_models`): the engine goes in as an
     independent copy (a copy-on-write clone where the filesystem has one), or with ``link`` as
     a hard link (the caller's explicit choice: an in-place rewrite of the source then changes
@@ -759,11 +760,18 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     (:func:`is_transformer`; ``ensemble=None``: whenever it is one) three models:
     ``<name>_trt`` (the engine), ``<name>_rope`` (Python backend, the caches) and ``<name>``
     (the ensemble clients call); else the one model ``<name>``. The rope model accepts what the
-    engine's profiles do (``max_img_tokens`` / ``max_txt_tokens`` may lower that)."""
+    engine's profiles do (``max_img_tokens`` / ``max_txt_tokens`` may lower that). A
+    version-compatible engine carries its plugin library as host code that the server runs
+    (the printed command allows it): refused, before anything is written, unless the caller
+    passes ``allow_host_code`` (``--allow-host-code``;
+    :func:`qkrope.runtime.loader_tensorrt.check_host_code`)."""
+    from .loader_tensorrt import check_host_code
+
     serving = serving or Serving()
     engine = Path(engine)
     repo = Path(repo)
     info = load_engine_sidecar(engine)
+    check_host_code(info, engine, allow_host_code)  # before anything is written
     name = name or default_model_name(engine)
     _check_name(name)
     plugin_src = resolve_engine_plugin(info, plugin, check_plugin_hash=check_plugin_hash)

@@ -432,7 +432,7 @@ def test_version_compatible_engine_gets_the_vc_library_and_flag(engine, tmp_path
         "path": str(vc), "sha256": sha, "serialized_in_engine": True}))
     repo = tmp_path / "repo"
     assert cli_main(["triton-repo", "--engine", str(eng), "--plugin", str(vc), "-o",
-                     str(repo)]) == 0
+                     str(repo), "--allow-host-code"]) == 0
     model = repo / "attn"
     assert sorted(p.name for p in model.iterdir()) == ["1", "config.pbtxt",
                                                        "libqkrope_vc_plugin.so"]
@@ -442,7 +442,7 @@ def test_version_compatible_engine_gets_the_vc_library_and_flag(engine, tmp_path
     assert "libqkrope_vc_plugin.so" in out and triton.PLUGIN_FILE_NAME + "," not in out
     # the static library is not the VC one the engine was built with
     with pytest.raises(PluginMismatchError):
-        triton.write_repository(eng, tmp_path / "r2", plugin=plugin)
+        triton.write_repository(eng, tmp_path / "r2", plugin=plugin, allow_host_code=True)
 
 
 # --------------------------------------------------------------------------------------------

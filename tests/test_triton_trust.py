@@ -385,3 +385,46 @@ def test_a_z_image_mask_of_another_rank_is_refused_alike(z_image, monkeypatch):
     here = _local_error(lambda: runner(torch.zeros(1, 4, 64), torch.zeros(1, len(txt_ids), 16),
                                        caches, torch.from_numpy(mask), torch.zeros(1)))
     assert served == here, (served, here)
+
+
+# --------------------------------------------------------------------------------------------
+# triton-repo writes what it checked, and nothing but its own files goes with a model directory
+# --------------------------------------------------------------------------------------------
+
+def _engine(tiny_transformer_onnx, tmp_path, **facts):
+    """The tiny stand-in engine with its sidecar's ``facts`` changed (version_compatible, ...)."""
+    from _triton_helpers import tiny_engine
+
+    eng, plugin, _ = tiny_engine(tiny_transformer_onnx, tmp_path)
+    side = tmp_path / "tiny.engine.json"
+    data = json.loads(side.read_text())
+    data.update(facts)
+    side.write_text(json.dumps(data))
+    return eng, plugin
+
+
+def test_triton_repo_of_a_version_compatible_engine_needs_allow_host_code(
+        tiny_transformer_onnx, tmp_path, capsys):
+    """The repository of a version-compatible engine is served with version-compatible=true
+    (the server runs the plugin code the engine carries): the caller's explicit
+    --allow-host-code, as for check/refit/generate; without it one line, nothing written."""
+    from _oneline import error_line
+
+    from qkrope.cli import main as cli_main
+    from qkrope.runtime.loader_tensorrt import HostCodeNotAllowedError
+
+    eng, plugin = _engine(tiny_transformer_onnx, tmp_path, version_compatible=True)
+    repo = tmp_path / "repo"
+    with pytest.raises(HostCodeNotAllowedError):
+        triton.write_repository(eng, repo, plugin=plugin, name="m")
+    assert not repo.exists()
+    args = ["triton-repo", "--engine", str(eng), "--plugin", str(plugin), "-o", str(repo),
+            "--name", "m"]
+    assert cli_main(args) != 0
+    msg = error_line(capsys)
+    assert "version-compatible" in msg and "--allow-host-code" in msg, msg
+    assert not repo.exists()
+    assert cli_main(args + ["--allow-host-code"]) == 0
+    out = capsys.readouterr().out
+    assert "version-compatible=true" in out
+    assert (repo / "m_trt" / "1" / "model.plan").read_bytes() == eng.read_bytes()

@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-copy-plugin", dest="copy_plugin", action="store_false",
                    help="reference the plugin library where it is instead of copying it into "
                         "the model directory")
+    _args.add_allow_host_code(p, "with --backend tensorrt: a version-compatible engine's "
+                                 "repository serves it with version-compatible=true, which "
+                                 "lets the server run that code; ")
     p.add_argument("--no-plugin-hash-check", dest="check_plugin_hash", action="store_false",
                    help="do not require the plugin's sha256 to match the engine sidecar's")
     p.set_defaults(func=run)
@@ -140,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
                                       name=args.name, serving=serving, force=args.force,
                                       copy_plugin=args.copy_plugin,
                                       check_plugin_hash=args.check_plugin_hash,
-                                      link=args.link, **limits)
+                                      link=args.link, allow_host_code=args.allow_host_code,
+                                      **limits)
     what = "the engine" if args.backend == "tensorrt" else "the model and its data"
     print(f"{what}: {transfer_line(res.transfer, args.link)}")
     if res.transfer == "hard-linked":
