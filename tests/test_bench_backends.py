@@ -151,4 +151,48 @@ def test_cuda_graph_reaches_the_tensorrt_rows(monkeypatch):
     monkeypatch.setattr(runtime, "load", fake_load)
     with pytest.raises(Stop):
         backends._engine_backend(cfg, "trt-plugin", "primitive", "m.engine", "p.so", None, {})
-    assert seen == {"plugin": "p.so", "cuda_graph": True}
+    assert seen == {"plugin": "p.so", "cuda_graph": True, "allow_host_code": False}
+
+
+def test_a_version_compatible_engine_runs_only_with_allow_host_code(tmp_path, monkeypatch, capsys):
+    """`qkrope bench --engine VC.engine`: refused in one line naming --allow-host-code (a flag
+    bench has), before any work; with it, the consent reaches qkrope.runtime.load."""
+    import argparse
+    import json
+
+    from _oneline import error_line
+    from test_triton import _sidecar
+
+    from qkrope import runtime
+    from qkrope.cli import main as cli_main
+
+    plugin = tmp_path / "libqkrope_vc_plugin.so"
+    plugin.write_bytes(b"\x7fELF fake VC plugin")
+    eng = tmp_path / "vc.engine"
+    eng.write_bytes(b"not really a TensorRT plan" * 10)
+    side = _sidecar(plugin)
+    side["version_compatible"] = True
+    (tmp_path / "vc.engine.json").write_text(json.dumps(side))
+    out = tmp_path / "out"
+    assert cli_main(["bench", "--device", "cpu", "--engine", str(eng), "--out", str(out)]) != 0
+    msg = error_line(capsys)
+    assert "version-compatible" in msg and "--allow-host-code" in msg, msg
+    assert not out.exists()
+
+    ap = argparse.ArgumentParser()
+    bench.add_parser(ap.add_subparsers())
+    cfg = config.config_from_args(ap.parse_args(["bench", "--device", "cpu", "--engine",
+                                                 str(eng), "--allow-host-code"]))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(path, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(runtime, "load", fake_load)
+    with pytest.raises(Stop):
+        backends._engine_backend(cfg, "trt-plugin", "primitive", str(eng), str(plugin), None, {})
+    assert seen["allow_host_code"] is True

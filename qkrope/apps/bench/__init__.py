@@ -149,6 +149,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
 
     _args.add_plugin(p, DEFAULT_PLUGIN_HELP)
+    _args.add_allow_host_code(p, "with --engine / --engine-no-plugin: ")
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="the GPU's peak memory bandwidth in GB/s (default: from a table of "
                         "known GPUs; H200 4800)")
@@ -171,10 +172,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _check_host_code(args: argparse.Namespace) -> None:
+    """A version-compatible --engine / --engine-no-plugin without --allow-host-code: one line
+    before any work (:func:`qkrope.runtime.loader_tensorrt.check_host_code`, the check
+    ``qkrope.runtime.load`` makes again when it loads the engine)."""
+    if args.allow_host_code:
+        return
+    from qkrope.runtime.loader_tensorrt import check_host_code
+    from qkrope.sidecars import EngineInfo
+
+    for engine in (args.engine, args.engine_no_plugin):
+        if engine is not None:
+            check_host_code(EngineInfo.load(engine), engine, False)
+
+
 def run(args: argparse.Namespace) -> int:
     for flag in ("--engine", "--engine-no-plugin"):  # before torch: a wrong path answers at once
         _args.check_engine(args, "bench", flag=flag)
     _args.check_plugin(args)
+    _check_host_code(args)
     cfg = config_from_args(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(cfg)

@@ -213,10 +213,12 @@ def _engine_backend(cfg: Config, backend: str, form: str, engine: str, plugin: s
                     extras: dict[Key, dict], workdir: Path | None = None,
                     span_nodes: Sequence[str] = ()) -> dict[Key, Callable]:
     """``{(backend, form): prepare}`` for a TensorRT engine through ``qkrope.runtime.load``;
-    its inspector's verdict on fused attention goes to ``extras``."""
+    its inspector's verdict on fused attention goes to ``extras``. A version-compatible engine
+    loads only with the caller's ``--allow-host-code`` (``cfg.allow_host_code``)."""
     from qkrope import runtime
 
-    runner = runtime.load(engine, plugin=plugin, cuda_graph=cfg.cuda_graph)
+    runner = runtime.load(engine, plugin=plugin, cuda_graph=cfg.cuda_graph,
+                          allow_host_code=cfg.allow_host_code)
     key = (backend, form)
     dump = workdir / f"layers.{backend}.{form}.json" if workdir is not None else None
     fused, basis = _inspect_engine(runner, dump, span_nodes)

@@ -106,6 +106,7 @@ class Config:
     attention: Sequence[str] | None = None
     profile_runs: int = DEFAULT_PROFILE_RUNS  # ONNX Runtime profiled runs per row; 0: none
     cuda_graph: bool = False  # TensorRT rows replay a CUDA graph per shapes (qkrope.runtime.load)
+    allow_host_code: bool = False  # --allow-host-code: a version-compatible engine may run
 
 
 #: CPU threads when --threads is not given, on the CPU path. One thread measures the code, not
@@ -173,7 +174,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         out=Path(args.out), threads=parse_threads(threads) if threads else None,
         attention=parse_attention_forms(attention) if attention else None,
         profile_runs=int(getattr(args, "profile_runs", DEFAULT_PROFILE_RUNS)),
-        cuda_graph=bool(getattr(args, "cuda_graph", False)))
+        cuda_graph=bool(getattr(args, "cuda_graph", False)),
+        allow_host_code=bool(getattr(args, "allow_host_code", False)))
     for s in cfg.sizes:
         image_tokens(s)
     default_axes_dims(cfg.head_dim)
