@@ -21,14 +21,16 @@ group or the new one, never half of each. OS errors become :class:`OutputWriteEr
 naming the path and the fix.
 
 A stale staging folder is only ever acted on within what its writer did: the staging folder is
-private (0700), its journal records the staging folder's name and the identity (device, inode,
-size, mtime) of each staged file and of each file to remove, and every note of a moved-away
-folder records its place below the staging folder's parent and its identity. The next writer or
-reader opens them without following links (``O_NOFOLLOW``, ``dir_fd``) and moves or removes a
-file only when it is that very file; a staging folder that is a link, writable by others (with a
-journal or notes in it), or whose journal or note names anything else (a path outside the folder,
-a file its writer did not stage, the user's own file) is refused in one line
-(:class:`StaleStagingError`) and nothing it names is touched. Staging folders of live processes
+private (0700), its journal records the staging folder's name and the identity (inode, size,
+mtime; the device is recorded but not compared, as a remount renumbers it) of each staged file
+and of each file to remove, and every note of a moved-away folder records its place below the
+staging folder's parent and its identity (a note that records only a path, as older ones did,
+is refused). The next writer or reader opens them without following links (``O_NOFOLLOW``,
+``dir_fd``) and moves or removes a file only when it is that very file; a staging folder that
+is a link, writable by others (with a journal or notes in it), or whose journal or note names
+anything else (a path outside the folder, a file its writer did not stage, the user's own file)
+is refused in one line (:class:`StaleStagingError`; for a commit stopped half way, the line
+names the staged files still to move in and where) and nothing it names is touched. Staging folders of live processes
 and of other users, and names qkrope does not make, are left alone.
 
 An output may be a folder (``qkrope quantize``'s model folder): it is staged whole inside the
@@ -485,8 +487,20 @@ def _bare(name: object) -> bool:
 
 
 def _file_id(st: os.stat_result) -> list[int]:
-    """What identifies a staged or replaced file across renames (which keep all four)."""
+    """What a journal records of a staged file or a file to remove: [device, inode, size,
+    mtime] (renames keep all four). The device is recorded but is no part of the identity
+    (:func:`_same_id`)."""
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _same_id(recorded: list[int], st: os.stat_result) -> bool:
+    """``st`` is the file (four numbers, :func:`_file_id`) or folder (two: device, inode, see
+    :func:`_replaced_note`) that was recorded: the same inode, and for a file the same size
+    and mtime. Not the device: a remount renumbers it (overlayfs after a container restart, an
+    NFS remount), so comparing it would refuse a legitimate recovery and leave a commit half
+    done; the descriptors every name is looked up through already pin the filesystem."""
+    now = _file_id(st) if len(recorded) == 4 else [st.st_dev, st.st_ino]
+    return recorded[1:] == now[1:]
 
 
 def _trusted(st: os.stat_result) -> bool:
@@ -630,7 +644,7 @@ def _restore_replaced(folder: Path, folder_fd: int, staging: Path, staging_fd: i
                 mst = os.stat(moved, dir_fd=rfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # put back already, or never moved
-            if not stat.S_ISDIR(mst.st_mode) or [mst.st_dev, mst.st_ino] != ident:
+            if not stat.S_ISDIR(mst.st_mode) or not _same_id(ident, mst):
                 raise _refuse(staging, f"has {where / moved}, which is not the folder qkrope "
                                        f"moved away from {target}", fix)
             try:
@@ -698,14 +712,27 @@ def _journal_plan(folder: Path, staging: Path, text: str):
     return pairs[:len(entries["order"])], pairs[len(entries["order"]):], kinds
 
 
+def _finish_by_hand(folder: Path, staging: Path, left: Sequence[str], gone: Sequence[str]) -> str:
+    """The fix of a half-done commit that cannot be finished automatically: what is still to
+    move in and where (and to remove), for the user who ran it to finish it by hand."""
+    steps = [f"move {staging / n} to {folder / n}" for n in left]
+    steps += [f"remove {folder / n}" for n in gone]
+    if not steps:
+        return "inspect it and remove it by hand"
+    return (f"its writer's commit into {folder} stopped half way; if you ran it, finish it by "
+            f"hand in this order: {', then '.join(steps)}; then (or if you did not run it) "
+            f"remove {staging}")
+
+
 def _finish_commit(folder: Path, folder_fd: int, staging: Path, staging_fd: int) -> bool:
     """A writer killed between two renames of its commit (its journal still in ``staging``):
     the renames it had not done are done now, in its order, then its removals, under the
     folder's lock, so the folder holds the new group whole (the readers' pairs match again),
     never the half of each. The journal must be the one its writer wrote for that folder, each
     file still to move the very file it staged there, each file to remove the very file it meant
-    to remove (their identities, recorded in the journal): else :class:`StaleStagingError`,
-    and nothing moves. Only where every target may still be replaced by what is written there
+    to remove (their identities, recorded in the journal, :func:`_same_id`): else
+    :class:`StaleStagingError` naming what is still to move in and where
+    (:func:`_finish_by_hand`), and nothing moves. Only where every target may still be replaced by what is written there
     (:func:`check_outputs` with the kinds it committed); else nothing is moved and the half
     state stays for the readers to refuse. True when the commit was finished."""
     try:
@@ -719,26 +746,27 @@ def _finish_commit(folder: Path, folder_fd: int, staging: Path, staging_fd: int)
     lock_fd = _open_dirs_at(folder_fd, [])
     try:
         with _flock(lock_fd):
-            left, gone = [], []
+            left, gone, wrong = [], [], []
             for name, ident in order:
                 try:
                     st = os.stat(name, dir_fd=staging_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # moved in before the kill
-                if not stat.S_ISREG(st.st_mode) or _file_id(st) != ident:
-                    raise _refuse(staging, f"has a commit journal naming {name!r}, which is not "
-                                           f"the file its writer staged there")
+                if not stat.S_ISREG(st.st_mode) or not _same_id(ident, st):
+                    wrong.append(f"{name!r}, which is not the file its writer staged there")
                 left.append(name)
             for name, ident in remove:
                 try:
                     st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed before the kill
-                if stat.S_ISDIR(st.st_mode) or _file_id(st) != ident:
-                    raise _refuse(staging, f"has a commit journal naming {folder / name} to "
-                                           f"remove, which is not the file its writer meant to "
-                                           f"remove")
+                if stat.S_ISDIR(st.st_mode) or not _same_id(ident, st):
+                    wrong.append(f"{folder / name} to remove, which is not the file its writer "
+                                 f"meant to remove")
                 gone.append(name)
+            if wrong:
+                raise _refuse(staging, f"has a commit journal naming {wrong[0]}",
+                              fix=_finish_by_hand(folder, staging, left, gone))
             try:
                 check_outputs([(folder / n, kinds[n]) for n in left + gone if n in kinds], ())
             except (OutputIsInputError, OutputWriteError):
@@ -1063,9 +1091,9 @@ class Staging:
         """Before the first rename (under the folder lock): the commit's file renames and
         removals, for the next writer in the folder to finish should this process be killed
         between two renames (:func:`_finish_commit`; folders have their own note, see
-        :func:`swap_dir`). It records the staging folder's name and the identity (device, inode,
-        size, mtime) of each staged file and of each file to remove, so that only these very
-        files are ever moved or removed by it."""
+        :func:`swap_dir`). It records the staging folder's name and the identity of each
+        staged file and of each file to remove (:func:`_file_id`, :func:`_same_id`), so that only
+        these very files are ever moved or removed by it."""
         journal = self.dir / COMMIT_JOURNAL
         files = [n for n in order if (self.dir / n).is_file()]
         gone = [n for n in remove if os.path.lexists(self.folder / n)]

@@ -462,3 +462,67 @@ def test_an_older_note_naming_a_place_inside_the_folder_is_refused(out, dead_pid
     assert "older qkrope" in msg and str(rep / "x.old.target") in msg, msg
     assert list((out / "sub").iterdir()) == [] and (rep / "x.old" / "payload.txt").exists()
     _user_files_intact(out)
+
+
+def _killed_after_first_rename(out: Path) -> Path:
+    """A writer killed after the first rename of its commit (the half state); its staging
+    folder."""
+    for name in ("m.side", "m.model", "m.data"):
+        (out / name).write_bytes(b"old " + name.encode())
+    r = subprocess.run([sys.executable, "-c", _KILL_AFTER_FIRST_RENAME, str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    return next(out.glob(_fileio.STAGING_PREFIX + "*"))
+
+
+def _renumber_device(path: Path) -> None:
+    """What a remount that renumbers the device (overlayfs after a container restart, an NFS
+    remount) does to a recorded identity: the same files, another device number."""
+    plan = json.loads(path.read_text())
+    for entry in plan.get("order", []) + plan.get("remove", []):
+        entry["id"][0] += 1
+    if "id" in plan and "format" in plan and plan["format"] == _fileio._NOTE_FORMAT:
+        plan["id"][0] += 1
+    path.write_text(json.dumps(plan))
+
+
+def test_a_killed_commit_is_finished_after_a_remount(out):
+    staging = _killed_after_first_rename(out)
+    _renumber_device(staging / _fileio.COMMIT_JOURNAL)
+    _next_writer(out)
+    assert (out / "m.side").read_bytes() == b"new side"
+    assert (out / "m.model").read_bytes() == b"new model"
+    assert not (out / "m.data").exists() and not os.path.lexists(staging)
+    _user_files_intact(out)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+def test_a_folder_moved_away_is_put_back_after_a_remount(tmp_path):
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text("old")
+    proc = subprocess.Popen([sys.executable, "-c", _SWAP_KILL, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "moved"
+        proc.kill()
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        proc.kill() if proc.poll() is None else None
+    note, = tmp_path.glob(f"{_fileio.STAGING_PREFIX}*/{_fileio.REPLACED}/*{_fileio._TARGET_SUFFIX}")
+    _renumber_device(note)
+    _fileio.remove_stale_staging(tmp_path)
+    assert (tmp_path / "repo" / "m" / "config.pbtxt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
+def test_a_refused_half_commit_says_how_to_finish_it(out):
+    """A staged file that no longer checks out (here: rewritten since) is not moved in; the line
+    names the staged files still to move in and where, so the user can finish the commit by hand
+    instead of removing the staging folder and keeping the half state."""
+    staging = _killed_after_first_rename(out)
+    (staging / "m.model").write_bytes(b"new model, rewritten")
+    msg = _refused(out, staging)
+    assert f"move {staging / 'm.model'} to {out / 'm.model'}" in msg, msg
+    assert f"remove {out / 'm.data'}" in msg, msg
+    assert (out / "m.model").read_bytes() == b"old m.model"
+    _user_files_intact(out)
