@@ -558,6 +558,53 @@ def _open_dirs_at(dir_fd: int, parts: Sequence[str]) -> int:
     return fd
 
 
+def _empty_at(fd: int) -> None:
+    """Remove everything inside the folder open at ``fd``, through descriptors only: no link is
+    followed, and a subfolder is emptied only if it is the one just looked at (best effort:
+    what cannot be removed stays)."""
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                sub = os.open(name, _O_DIR | _O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                if os.path.samestat(st, os.fstat(sub)):
+                    _empty_at(sub)
+            finally:
+                os.close(sub)
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=fd)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+
+
+def _remove_staging_at(parent_fd: int, name: str, fd: int) -> bool:
+    """Remove the staging folder open at ``fd`` (checked through it), named ``name`` in the
+    folder open at ``parent_fd``: its content through ``fd`` (:func:`_empty_at`), never by a
+    path that could meanwhile name another folder (a co-user of a group-writable folder
+    without the sticky bit can rename one there); then the folder itself, only while ``name``
+    is still that folder. True when it is gone; a folder put under its name is left as it is."""
+    _empty_at(fd)
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if not os.path.samestat(st, os.fstat(fd)):
+            return False  # not the folder checked: left alone
+        os.rmdir(name, dir_fd=parent_fd)
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _flock(fd: int) -> Iterator[None]:
     """An exclusive ``flock`` on ``fd`` for the block (none where the filesystem has none)."""
@@ -788,7 +835,8 @@ def _finish_commit(folder: Path, folder_fd: int, staging: Path, staging_fd: int)
 
 def _clear_stale(folder: Path, folder_fd: int, staging: Path, st: os.stat_result) -> bool:
     """One dead writer's staging folder (``st``: its lstat): its moved-away folders put back and
-    its commit finished, if it has any. True when it may now be removed."""
+    its commit finished, if it has any, then it is removed through the descriptor it was checked
+    through (:func:`_remove_staging_at`). True when it was removed."""
     if stat.S_ISLNK(st.st_mode):
         with contextlib.suppress(OSError):
             staging = Path(f"{staging} (a link to {os.readlink(staging)})")
@@ -813,9 +861,9 @@ def _clear_stale(folder: Path, folder_fd: int, staging: Path, st: os.stat_result
                           fix=f"inspect it; move back by hand what is yours, then remove it")
         if replaced:
             _restore_replaced(folder, folder_fd, staging, sfd)
-        if journal:
-            return _finish_commit(folder, folder_fd, staging, sfd)
-        return True
+        if journal and not _finish_commit(folder, folder_fd, staging, sfd):
+            return False
+        return _remove_staging_at(folder_fd, staging.name, sfd)
     finally:
         os.close(sfd)
 
@@ -829,7 +877,9 @@ def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
     A staging folder that is not as qkrope leaves one (a link, writable by others with a journal
     or notes in it, a journal or note naming what its writer did not stage or a place outside
     ``folder``) is refused: :class:`StaleStagingError`, one line, before anything it names is
-    moved or removed. Returns what was removed."""
+    moved or removed. A staging folder is removed through the descriptor it was checked through
+    (:func:`_remove_staging_at`): a folder renamed to its name meanwhile is left alone. Returns
+    what was removed."""
     removed: list[Path] = []
     folder = Path(folder)
     try:
@@ -853,7 +903,6 @@ def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
             if (st.st_dev, st.st_ino) in _ACTIVE or st.st_uid != os.geteuid():
                 continue  # in use by this process; another user's to finish
             if _clear_stale(folder, folder_fd, folder / name, st):
-                shutil.rmtree(folder / name, ignore_errors=True)  # links inside: not followed
                 removed.append(folder / name)
     finally:
         os.close(folder_fd)
@@ -1172,10 +1221,21 @@ def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
     pid = os.getpid()
     dir = folder / f"{STAGING_PREFIX}{pid}-{_start_time(pid)}-{secrets.token_hex(4)}"
     with _signals_cleanup():
+        folder_fd = dir_fd = -1
         try:
-            dir.mkdir(mode=0o700)  # private: no one else can put a journal or note in it
-            st = os.lstat(dir)
+            folder_fd = os.open(folder, _O_DIR)
+            os.mkdir(dir.name, mode=0o700, dir_fd=folder_fd)  # private: no one else can put a
+            try:                                              # journal or note in it
+                dir_fd = os.open(dir.name, _O_DIR | _O_NOFOLLOW, dir_fd=folder_fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.rmdir(dir.name, dir_fd=folder_fd)
+                raise
+            st = os.fstat(dir_fd)
         except OSError as exc:
+            for fd in (dir_fd, folder_fd):
+                if fd >= 0:
+                    os.close(fd)
             raise output_error(exc, folder, flag=flag) from None
         key = (st.st_dev, st.st_ino)
         _ACTIVE.add(key)
@@ -1184,5 +1244,9 @@ def staged_outputs(folder: str | os.PathLike, names: Sequence[str], *,
         except OSError as exc:
             raise output_error(exc, folder / (names[0] if names else ""), flag=flag) from None
         finally:
-            shutil.rmtree(dir, ignore_errors=True)
-            _ACTIVE.discard(key)
+            try:  # through its descriptor: a folder renamed to its name meanwhile is not removed
+                _remove_staging_at(folder_fd, dir.name, dir_fd)
+            finally:
+                os.close(dir_fd)
+                os.close(folder_fd)
+                _ACTIVE.discard(key)

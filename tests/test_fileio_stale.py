@@ -526,3 +526,43 @@ def test_a_refused_half_commit_says_how_to_finish_it(out):
     assert f"remove {out / 'm.data'}" in msg, msg
     assert (out / "m.model").read_bytes() == b"old m.model"
     _user_files_intact(out)
+
+
+def _victim(out: Path) -> Path:
+    """A folder of the user's in the output folder, that a co-user (the folder group-writable,
+    no sticky bit) could rename to a staging folder's name."""
+    (out / "keep").mkdir()
+    (out / "keep" / "model.onnx").write_bytes(DATA)
+    return out / "keep"
+
+
+def test_a_folder_swapped_in_after_the_check_is_not_removed(out, dead_pid, monkeypatch):
+    """A stale staging folder is checked through its descriptor; a folder put under its name
+    after that check (the checked one moved away) is not the one checked, and survives."""
+    staging = _stale(out, dead_pid)
+    (staging / "m.onnx").write_bytes(b"partial")
+    victim = _victim(out)
+    real, swapped = _fileio._exists_at, []
+
+    def swap_after_check(name, dir_fd):
+        if not swapped:  # the first look inside the checked folder: swap now
+            os.rename(staging, out / "moved-away")
+            os.rename(victim, staging)
+            swapped.append(True)
+        return real(name, dir_fd)
+
+    monkeypatch.setattr(_fileio, "_exists_at", swap_after_check)
+    _fileio.remove_stale_staging(out)
+    monkeypatch.undo()
+    assert swapped and (staging / "model.onnx").read_bytes() == DATA
+
+
+def test_a_writers_own_staging_folder_swapped_in_the_block_is_not_removed(out):
+    """The same for the writer's own staging folder, removed when the block ends."""
+    victim = _victim(out)
+    with _fileio.staged_outputs(out, ["new.bin"]) as st:
+        st.path("new.bin").write_bytes(b"new")
+        os.rename(st.dir, out / "moved-away")
+        os.rename(victim, st.dir)
+    assert (st.dir / "model.onnx").read_bytes() == DATA
+    assert not (out / "moved-away" / "new.bin").exists()  # the checked folder was emptied
