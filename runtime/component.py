@@ -15,7 +15,10 @@ whether a fixed exported graph can do it:
   taken when the drop-in gets its runner (each file's stat and the sha256 its sidecar records,
   the sidecar's own bytes) and confirmed at save, before the pipeline writes any component and
   again around the copy (a file whose stat changed is hashed; ``QKROPE_VERIFY=full`` hashes the
-  copies); a file rewritten or replaced since is refused in one line naming it and the fix.
+  copies); a file rewritten or replaced since is refused in one line naming it and the fix,
+  and so is an engine refitted in process since (``qkrope.apps.refit_live.refit_weights``: the
+  file holds the build's weights, not the ones that ran; the line gives the ``qkrope refit``
+  command that writes the refitted engine to a file to load and save).
   diffusers' save options are honoured or refused, never ignored: ``safe_serialization=True``
   (an export holds no pickle) is honoured, ``variant`` (an export has one variant, its own
   files and dtype), ``safe_serialization=False``, ``max_shard_size``, ``push_to_hub``,
@@ -426,6 +429,7 @@ class DropinComponent(ModelMixin):
         (model, files, the sidecar's bytes now, {file: its stat now}); a ComponentSaveError
         naming the file that was rewritten or replaced since."""
         runner = self.__dict__.get("_runner")
+        _refuse_refitted(type(self).__name__, runner)  # the file is not what ran
         model = Path(str(getattr(runner, "path", "") or ""))
         identity = self.__dict__.get("_identity")
         refuse = functools.partial(_rewritten, type(self).__name__, model)
@@ -595,6 +599,33 @@ class _Identity:
     names: tuple[str, ...]
     files: dict
     sidecar: bytes
+
+
+#: set on a runner whose engine got weights in process (:func:`mark_refitted`)
+_REFITTED = "_qkrope_refitted_in_process"
+
+
+def mark_refitted(runner: Any) -> None:
+    """Record that ``runner``'s engine now runs weights its file does not hold (an in-process
+    refit, :func:`qkrope.apps.refit_live.refit_weights`, marks it before the engine changes):
+    :meth:`DropinComponent.save_pretrained` then refuses to save the file as what ran."""
+    setattr(runner, _REFITTED, True)
+
+
+def _refuse_refitted(cls_name: str, runner: Any) -> None:
+    """The one-line refusal to save a drop-in whose engine was refitted in process."""
+    if not getattr(runner, _REFITTED, False):
+        return
+    path = str(getattr(runner, "path", "") or "M.engine")
+    name = Path(path).name
+    raise ComponentSaveError(
+        f"cannot save {cls_name}: {path} was refitted in process (qkrope.apps.refit_live."
+        f"refit_weights), so the pipeline ran weights the file does not hold (it has the "
+        f"weights it was built with) and the saved folder would not hold the transformer that "
+        f"ran. Fix: `qkrope refit {path} --diffusers FUSED_DIR -o REFITTED.engine` (FUSED_DIR: "
+        f"the fused transformer saved with save_pretrained; or --state-dict FILE) writes the "
+        f"refitted engine to a file; load that (pipe.transformer = qkrope.runtime."
+        f"load_transformer('REFITTED.engine')) and save it ({name} itself is unchanged)")
 
 
 class _Refused(Exception):
@@ -902,4 +933,4 @@ _install_pipeline_guards()
 
 
 __all__ = ["COMPONENT_FILE", "ComponentError", "ComponentLoadError", "ComponentSaveError",
-           "DropinComponent", "ModelMixin"]
+           "DropinComponent", "ModelMixin", "mark_refitted"]

@@ -164,6 +164,46 @@ def test_full_verify_hashes_the_copies(onnx, tmp_path, monkeypatch):
     assert not (tmp_path / "saved" / "transformer").exists()
 
 
+def _refittable_dropin(onnx, folder):
+    """A drop-in on a stand-in ``--refit`` engine of ``onnx`` in ``folder`` (the fake TensorRT
+    of tests/test_refit_live.py, whose refitter changes what the engine computes), and the
+    engine."""
+    pytest.importorskip("peft", reason="tests/test_refit_live.py's helpers import peft")
+    from test_refit_live import _dropin, refittable_engine
+
+    folder.mkdir()
+    engine_file, info = refittable_engine(onnx, folder)
+    return _dropin((onnx, engine_file, info))
+
+
+def test_save_refuses_an_engine_refitted_in_process(onnx, tmp_path):
+    """refit_weights changes the weights in memory, never the engine file: a pipeline that ran
+    them cannot save the file as what ran (it holds the build's weights). A refit refused
+    before the engine changed leaves it savable."""
+    dropin, engine = _refittable_dropin(onnx, tmp_path / "engine")
+    pipe = _pipeline(dropin)
+    pipe.save_pretrained(tmp_path / "before")  # as built: saved
+    weights = tp.tiny_transformer(seed=3).state_dict()
+    with pytest.raises(RefitError, match="not weights of the engine"):
+        refit_weights(dropin, {**weights, "not.a.weight": torch.zeros(1)})
+    assert engine.refits == []
+    pipe.save_pretrained(tmp_path / "before")  # still the file's weights: saved again
+    refit_weights(dropin, weights)
+    assert engine.refits
+    for save in (pipe.save_pretrained, dropin.save_pretrained):
+        with pytest.raises(ComponentSaveError, match="refitted in process") as exc:
+            save(tmp_path / "after")
+        text = _one_line(exc)
+        assert "qkrope refit " in text and "--diffusers" in text and "load_transformer(" in text
+        assert not (tmp_path / "after").exists()  # refused before anything was written
+    # the runner itself refitted (refit_weights takes it too): the drop-in over it refuses
+    other, _ = _refittable_dropin(onnx, tmp_path / "engine2")
+    refit_weights(other._runner, weights)
+    with pytest.raises(ComponentSaveError, match="refitted in process"):
+        _pipeline(other).save_pretrained(tmp_path / "after")
+    assert not (tmp_path / "after").exists()
+
+
 @pytest.mark.parametrize("option,match", [
     (dict(variant="fp16"), "has no variant 'fp16'"),
     (dict(safe_serialization=False), "holds no pickle"),

@@ -110,9 +110,7 @@ class OrtEngine(ft.ICudaEngine):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The tiny transformer's export, and an engine file + refittable sidecar standing for it."""
-    from _triton_helpers import tiny_engine
     from qkrope.cli import main as cli_main
-    from qkrope.sidecars import EngineInfo
 
     d = tmp_path_factory.mktemp("refit_live")
     base = tp.tiny_transformer()
@@ -120,13 +118,24 @@ def exported(tmp_path_factory):
     onnx = d / "tiny.onnx"
     assert cli_main(["export", "--model", "transformer", "--diffusers", str(d / "t"),
                      "--out", str(onnx)]) == 0
-    engine_file, _, info = tiny_engine(onnx, d)
+    return (onnx, *refittable_engine(onnx, d))
+
+
+def refittable_engine(onnx, folder):
+    """(engine file, the export's ModelInfo): a stand-in engine file in ``folder`` for the
+    export ``onnx``, with a sidecar that says refittable (tests/_triton_helpers.tiny_engine)."""
+    from _triton_helpers import tiny_engine
+    from qkrope.sidecars import EngineInfo
+
+    engine_file, _, info = tiny_engine(onnx, folder)
     side = dataclasses.replace(EngineInfo.load(engine_file), refittable=True)
     Path(str(engine_file) + ".json").write_text(json.dumps(side.to_dict()))
-    return onnx, engine_file, info
+    return engine_file, info
 
 
 def _dropin(exported, *, cuda_graph=False):
+    """(the drop-in, its computing fake engine) for ``exported`` = (onnx, engine file, info):
+    the TensorRT runner on the stand-in CUDA, as load_transformer(engine file) makes it."""
     from qkrope.runtime import loader_tensorrt, runner_tensorrt
     from qkrope.runtime.transformer import transformer_for_runner
     from qkrope.sidecars import EngineInfo

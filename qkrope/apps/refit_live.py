@@ -13,7 +13,10 @@ state dict, by diffusers parameter name (dense real float tensors with values: a
 sparse, float8, quantised or complex tensor is refused in one line naming its key), and refits
 the engine the drop-in (or
 :class:`~qkrope.runtime.runner_tensorrt.TensorRTRunner`) runs: the next call uses the new
-weights; no file is read or written (``qkrope refit`` writes a refitted engine to disk).
+weights; no file is read or written (``qkrope refit`` writes a refitted engine to disk). The
+engine file then no longer holds the weights that run: the runner is marked refitted in process
+(when the engine changes), and ``pipe.save_pretrained`` / the drop-in's ``save_pretrained``
+refuse it in one line with the ``qkrope refit`` command that writes the refitted engine.
 
 The checks are ``qkrope refit``'s, from one home (:func:`qkrope.apps.refit.refit_engine`):
 the name map against the export's ``config.parameters`` (keys it left out of the graph
@@ -86,6 +89,37 @@ def live_state_dict(weights: Any) -> dict:
                      f"{type(weights).__name__}")
 
 
+class _MarkingTensorRT:
+    """TensorRT's module for :func:`refit_engine`, whose ``Refitter`` marks the runner as
+    refitted in process (:func:`qkrope.runtime.component.mark_refitted`) right before it
+    changes the engine (``refit_cuda_engine``, which may leave some weights refitted when it
+    fails): from then on the engine runs weights its file does not hold, and saving the drop-in
+    is refused. A refit refused before that leaves the engine, and the runner, as they were."""
+
+    def __init__(self, trt: Any, runner: Any):
+        self._trt, self._runner = trt, runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trt, name)
+
+    def Refitter(self, engine: Any, logger: Any) -> Any:  # noqa: N802 - TensorRT's name
+        return _MarkingRefitter(self._trt.Refitter(engine, logger), self._runner)
+
+
+class _MarkingRefitter:
+    def __init__(self, refitter: Any, runner: Any):
+        self._refitter, self._runner = refitter, runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._refitter, name)
+
+    def refit_cuda_engine(self) -> bool:
+        from qkrope.runtime.component import mark_refitted
+
+        mark_refitted(self._runner)
+        return self._refitter.refit_cuda_engine()
+
+
 def refit_weights(target: Any, weights: Any, *, allow_missing: bool = False,
                   allow_extra: bool = False) -> RefitReport:
     """Refit the engine behind ``target`` (the drop-in :func:`qkrope.runtime.load_transformer`
@@ -93,7 +127,8 @@ def refit_weights(target: Any, weights: Any, *, allow_missing: bool = False,
     dict by diffusers name), in process; ``allow_missing`` / ``allow_extra`` as ``qkrope
     refit``'s flags. Returns what was refitted (:class:`qkrope.apps.refit.RefitReport`); every
     problem is a one-line :class:`RefitError` and leaves the engine as it was. Not while a
-    call of the same engine runs (the device is synchronised first)."""
+    call of the same engine runs (the device is synchronised first). Once the engine changes,
+    saving the drop-in is refused (the file holds the build's weights; module docstring)."""
     from qkrope.quantization import refuse_quantized_state_dict
     from qkrope.runtime.state_dict import refuse_unusable_tensors
 
@@ -119,8 +154,8 @@ def refit_weights(target: Any, weights: Any, *, allow_missing: bool = False,
         import torch
 
         torch.cuda.synchronize(device)  # no call of the old weights still in flight
-    return refit_engine(runner.trt, runner.engine, runner.logger, state,
-                        parameters=info.config.parameters,
+    return refit_engine(_MarkingTensorRT(runner.trt, runner), runner.engine, runner.logger,
+                        state, parameters=info.config.parameters,
                         not_in_graph=info.config.parameters_not_in_graph or (),
                         allow_missing=allow_missing, allow_extra=allow_extra,
                         shapes=info.config.parameter_shapes)
