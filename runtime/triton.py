@@ -635,7 +635,8 @@ def _check_name(name: str) -> None:
 def _check_targets(repo: Path, models: dict[str, Any], force: bool,
                    inputs: Sequence[os.PathLike | str | None]) -> None:
     """What may be written at ``repo/<name>``: nothing there, or (``force``) a model directory
-    that holds none of the ``inputs``."""
+    that holds only files qkrope writes there (:func:`_check_only_ours`) and none of the
+    ``inputs``."""
     if repo.exists() and not repo.is_dir():
         raise TritonRepoError(f"{repo} exists and is not a directory")
     for name in models:
@@ -654,6 +655,84 @@ def _check_targets(repo: Path, models: dict[str, Any], force: bool,
                                       f"replace. Fix: copy it out of the repository first, or "
                                       f"write the model elsewhere (another repository or "
                                       f"--name)")
+        if target.exists():
+            _check_only_ours(target)
+
+
+#: What qkrope writes in a model directory (any of its kinds: the engine's or the ONNX model's,
+#: the rope model's, the ensemble's), by folder: the names, and the suffixes of whole kinds
+#: (the rope model's ``schemes/*.py``; the ``__pycache__/*.pyc`` Triton's Python backend writes
+#: when it imports them). An ONNX model's external data files in ``1/`` are the ones its served
+#: record (``1/model.onnx.json``) lists.
+OWN_FILES = {"": {"config.pbtxt", PLUGIN_FILE_NAME, VC_PLUGIN_FILE_NAME},
+             "1": {"model.plan", "model.plan.json", "model.onnx", "model.onnx.json",
+                   "model.py"}}
+OWN_FOLDERS = {"": {"1"}, "1": {"schemes", "__pycache__"}, "1/schemes": {"__pycache__"}}
+OWN_SUFFIXES = {"1/schemes": ".py", "1/__pycache__": ".pyc", "1/schemes/__pycache__": ".pyc"}
+
+
+def _served_data_names(version_dir: Path) -> set[str]:
+    """The external data files the served record ``1/model.onnx.json`` lists (plain names in
+    ``1/`` only; an unreadable record lists none). Only read, to know them as qkrope's."""
+    record = version_dir / "model.onnx.json"
+    try:
+        if record.is_symlink() or not record.is_file():
+            return set()
+        import json
+
+        data = json.loads(record.read_text(encoding="utf-8")).get("external_data") or {}
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {k for k in data if isinstance(k, str) and k and "/" not in k and "\\" not in k
+            and k not in (".", "..")} if isinstance(data, dict) else set()
+
+
+def foreign_files(model_dir: Path) -> list[str]:
+    """The entries of ``model_dir`` (relative paths) that qkrope did not write there
+    (:data:`OWN_FILES`, :data:`OWN_FOLDERS`, :data:`OWN_SUFFIXES`): a user's notes, another
+    model version (``2/``), a symlink; replacing the directory would delete them."""
+    found: list[str] = []
+    data = _served_data_names(model_dir / "1")
+
+    def walk(rel: str) -> None:
+        with os.scandir(model_dir / rel if rel else model_dir) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            path = f"{rel}/{e.name}" if rel else e.name
+            if e.is_dir(follow_symlinks=False):
+                if e.name in OWN_FOLDERS.get(rel, ()):
+                    walk(path)
+                else:
+                    found.append(path + "/")
+            elif e.is_file(follow_symlinks=False) and (
+                    e.name in OWN_FILES.get(rel, ())
+                    or (rel in OWN_SUFFIXES and e.name.endswith(OWN_SUFFIXES[rel]))
+                    or (rel == "1" and e.name in data)):
+                continue
+            else:
+                found.append(path)
+
+    walk("")
+    return found
+
+
+def _check_only_ours(target: Path) -> None:
+    """``--force`` replaces the whole model directory ``target``: refused, in one line, while
+    it holds a file qkrope did not write (:func:`foreign_files`). The user's own files are
+    never removed."""
+    try:
+        foreign = foreign_files(target)
+    except OSError as exc:
+        raise TritonRepoError(f"cannot read {target} to check what --force would replace "
+                              f"({exc.strerror or exc}); fix its permissions or write the model "
+                              f"elsewhere (another repository or --name)") from None
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more"
+                                          if len(foreign) > 5 else "")
+        raise TritonRepoError(
+            f"{target} holds files qkrope did not write ({shown}); --force replaces the whole "
+            f"model directory and would delete them. Fix: move them out of {target}, or write "
+            f"the model to a new repository (another --output) or under another --name")
 
 
 def _write_models(repo: Path, models: dict[str, Any], *, force: bool,

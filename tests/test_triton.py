@@ -161,13 +161,13 @@ def test_refuses_overwrite_without_force(engine, tmp_path):
     eng, plugin = engine
     repo = tmp_path / "repo"
     triton.write_repository(eng, repo, plugin=plugin)
-    (repo / "attn" / "marker").write_text("old")
+    old = repo / "attn" / "config.pbtxt"  # a file qkrope wrote: --force may replace it
+    old.write_text("old")
     with pytest.raises(triton.TritonRepoError, match="--force"):
         triton.write_repository(eng, repo, plugin=plugin)
-    assert (repo / "attn" / "marker").exists()
+    assert old.read_text() == "old"
     triton.write_repository(eng, repo, plugin=plugin, force=True, name="attn")
-    assert not (repo / "attn" / "marker").exists()
-    assert (repo / "attn" / "config.pbtxt").is_file()
+    assert old.read_text().startswith('name: "attn"')
 
 
 def test_a_model_committed_by_another_writer_meanwhile_is_not_replaced(engine, tmp_path,
@@ -213,6 +213,11 @@ def test_force_refuses_to_replace_a_model_holding_an_input(engine, tmp_path):
     with pytest.raises(triton.TritonRepoError, match="which --force would replace"):
         triton.write_repository(eng, repo, plugin=lib, name="attn", force=True,
                                 check_plugin_hash=False)
+    # the copies are files qkrope did not write there: --force would delete them
+    with pytest.raises(triton.TritonRepoError, match=r"qkrope did not write \(1/model.engine, "
+                                                     r"1/model.engine.json\)"):
+        triton.write_repository(eng, repo, plugin=plugin, name="attn", force=True)
+    inside.unlink(), Path(str(inside) + ".json").unlink()
     triton.write_repository(eng, repo, plugin=plugin, name="attn", force=True)  # elsewhere: ok
 
 
@@ -310,7 +315,7 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
     eng, plugin = engine
     repo = tmp_path / "repo"
     triton.write_repository(eng, repo, plugin=plugin)
-    (repo / "attn" / "marker").write_text("old")
+    (repo / "attn" / "config.pbtxt").write_text("old")
     real_rename = triton.os.rename
 
     def rename(src, dst):
@@ -322,7 +327,7 @@ def test_force_restores_the_old_model_when_the_swap_fails(engine, tmp_path, monk
     monkeypatch.setattr(_fileio, "_exchange", lambda a, b: False)  # the two-rename fallback
     with pytest.raises(OSError, match="disk full"):
         triton.write_repository(eng, repo, plugin=plugin, force=True)
-    assert (repo / "attn" / "marker").read_text() == "old"  # the old model is back
+    assert (repo / "attn" / "config.pbtxt").read_text() == "old"  # the old model is back
     assert sorted(p.name for p in repo.iterdir()) == ["attn"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
 
@@ -454,7 +459,7 @@ from fake_tensorrt import fail_each_write_step  # noqa: E402
 
 def _model_state(model: Path):
     files = sorted(str(p.relative_to(model)) for p in model.rglob("*"))
-    if (model / "marker").exists():
+    if (model / "config.pbtxt").read_text() == "old\n":
         assert (model / "1" / "model.plan").read_bytes() == b"OLD-PLAN", files
         return "old"
     assert files == ["1", "1/model.plan", "1/model.plan.json", "config.pbtxt",
@@ -482,8 +487,7 @@ def test_repository_replaced_whole_at_every_failing_step(engine, tmp_path, monke
         shutil.rmtree(repo, ignore_errors=True)
         (model / "1").mkdir(parents=True)
         (model / "1" / "model.plan").write_bytes(b"OLD-PLAN")
-        (model / "config.pbtxt").write_text('name: "attn"\n')
-        (model / "marker").write_text("old")
+        (model / "config.pbtxt").write_text("old\n")  # qkrope's files only: --force may go
 
     outcomes = set()
 

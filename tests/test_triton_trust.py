@@ -428,3 +428,53 @@ def test_triton_repo_of_a_version_compatible_engine_needs_allow_host_code(
     out = capsys.readouterr().out
     assert "version-compatible=true" in out
     assert (repo / "m_trt" / "1" / "model.plan").read_bytes() == eng.read_bytes()
+
+
+def test_force_never_removes_the_users_files_in_a_model_directory(tiny_transformer_onnx,
+                                                                  tmp_path, capsys):
+    """--force replaces a model directory only while it holds nothing but qkrope's own files
+    (and the __pycache__ the Python backend writes): a user's notes, another model version or a
+    file beside the ensemble's config are named in one line, and nothing is written."""
+    from _oneline import error_line
+
+    from qkrope.cli import main as cli_main
+
+    eng, plugin = _engine(tiny_transformer_onnx, tmp_path)
+    repo = tmp_path / "repo"
+    args = ["triton-repo", "--engine", str(eng), "--plugin", str(plugin), "-o", str(repo),
+            "--name", "m", "--force"]
+    assert cli_main(args) == 0
+    cache = repo / "m_rope" / "1" / "__pycache__"  # what the Python backend leaves
+    cache.mkdir()
+    (cache / "model.cpython-312.pyc").write_bytes(b"pyc")
+    assert cli_main(args) == 0  # only qkrope's files there: replaced
+    # the ONNX repository's files are qkrope's too (its record names the data files)
+    onnx_args = ["triton-repo", "--backend", "onnxruntime", "--onnx", str(tiny_transformer_onnx),
+                 "-o", str(tmp_path / "orepo"), "--name", "o", "--force"]
+    assert cli_main(onnx_args) == 0 and cli_main(onnx_args) == 0
+    capsys.readouterr()
+
+    mine = {repo / "m_trt" / "NOTES.md": b"my notes", repo / "m_trt" / "2" / "model.plan":
+            b"my other version", repo / "m" / "README": b"mine"}
+    (repo / "m_trt" / "2").mkdir()
+    for path, data in mine.items():
+        path.write_bytes(data)
+    served = (repo / "m_trt" / "config.pbtxt").read_bytes()
+    eng.write_bytes(b"another plan" * 10)  # a new engine to serve: nothing of it goes in
+    side = json.loads((tmp_path / "tiny.engine.json").read_text())
+    side.pop("engine_sha256", None), side.pop("engine_file", None)
+    (tmp_path / "tiny.engine.json").write_text(json.dumps(side))
+    assert cli_main(args) != 0
+    msg = error_line(capsys)
+    assert "NOTES.md" in msg and "2/" in msg and "qkrope did not write" in msg, msg
+    assert "move them out" in msg and "--output" in msg, msg
+    for path, data in mine.items():
+        assert path.read_bytes() == data
+    assert (repo / "m_trt" / "config.pbtxt").read_bytes() == served
+    assert (repo / "m_trt" / "1" / "model.plan").read_bytes() != eng.read_bytes()
+    with pytest.raises(triton.TritonRepoError, match="README"):  # the Python API alike
+        (repo / "m_trt" / "NOTES.md").unlink()
+        import shutil
+        shutil.rmtree(repo / "m_trt" / "2")
+        triton.write_repository(eng, repo, plugin=plugin, name="m", force=True)
+    assert (repo / "m" / "README").read_bytes() == b"mine"
