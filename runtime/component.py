@@ -11,7 +11,11 @@ whether a fixed exported graph can do it:
   files (the ``.onnx`` with its external data and sidecar, or the ``.engine`` with its sidecar)
   copied (a copy-on-write clone where the file system has one, never a hard link: the saved
   folder does not change when the source is rewritten later), and ``qkrope_component.json``
-  naming the model file. What is saved is what the pipeline loaded: the export's identity is
+  naming the model file. The folder is replaced whole, so it may hold only what a previous
+  drop-in save wrote there (``qkrope_component.json`` and the files it lists) and the export's
+  own files (a saved pipeline saved back into its own folder); any other file in it (the
+  user's diffusers weights, notes) is refused in one line naming it, before the pipeline
+  writes any component. What is saved is what the pipeline loaded: the export's identity is
   taken when the drop-in gets its runner (each file's stat and the sha256 its sidecar records,
   the sidecar's own bytes) and confirmed at save, before the pipeline writes any component and
   again around the copy (a file whose stat changed is hashed; ``QKROPE_VERIFY=full`` hashes the
@@ -461,13 +465,45 @@ class DropinComponent(ModelMixin):
             stats[f] = _confirm(f, *identity.files[f.name], refuse)
         return model, files, now, stats
 
+    def _check_target(self, target: Path) -> None:
+        """The folder :meth:`save_pretrained` replaces whole holds nothing of the user's: only
+        what a previous drop-in save wrote there (:data:`COMPONENT_FILE` and the files its
+        record lists) and the files of the export being saved (its model, data and sidecar: a
+        saved pipeline saved back into its own folder); else one ComponentSaveError naming the
+        first files and the fix, before anything is written."""
+        if not os.path.lexists(target):
+            return
+        what = f"cannot save {type(self).__name__} into {target}"
+        if os.path.islink(target) or not os.path.isdir(target):
+            from qkrope._fileio import file_kind
+
+            kind = "a symbolic link" if os.path.islink(target) else file_kind(target) or "a file"
+            raise ComponentSaveError(
+                f"{what}: it is {kind}, not a folder, and the save would replace it. Fix: save "
+                f"the pipeline into a new folder, or move {target} away")
+        identity = self.__dict__.get("_identity")
+        ours = {COMPONENT_FILE, *(identity.names if identity is not None else ())}
+        ours.update(_recorded_files(target))
+        try:
+            others = sorted(n for n in os.listdir(target) if n not in ours)
+        except OSError as exc:
+            raise ComponentSaveError(f"{what}: it cannot be read ({exc.strerror or exc})") \
+                from None
+        if others:
+            more = f" (+{len(others) - 4} more)" if len(others) > 4 else ""
+            raise ComponentSaveError(
+                f"{what}: it holds {', '.join(others[:4])}{more}, not written by a drop-in "
+                f"save, and the save replaces that folder whole, which would delete them. Fix: "
+                f"save the pipeline into a new folder, or move them away")
+
     def save_pretrained(self, save_directory: str | os.PathLike, *,
                         safe_serialization: bool = True, variant: str | None = None,
                         max_shard_size: int | str | None = None, push_to_hub: bool = False,
                         use_flashpack: bool = False, **kwargs) -> None:
         """``DIR/transformer/``: the export's files as loaded (copied: a copy-on-write clone
         where the file system has one) and :data:`COMPONENT_FILE`, written in a staging folder
-        renamed into place. The files are confirmed to be the ones the drop-in loaded, before
+        renamed into place; a folder there holding other files than a previous drop-in save's
+        and the export's own is refused (:meth:`_check_target`). The files are confirmed to be the ones the drop-in loaded, before
         and after the copy; diffusers' save options are honoured or refused in one line
         (module docstring)."""
         self._check_save_options(safe_serialization=safe_serialization, variant=variant,
@@ -475,6 +511,7 @@ class DropinComponent(ModelMixin):
                                  use_flashpack=use_flashpack, **kwargs)
         target = Path(save_directory)
         model, files, sidecar_bytes, stats = self._confirmed_files()
+        self._check_target(target)
         refuse = functools.partial(_rewritten, type(self).__name__, model)
         identity = self.__dict__["_identity"]
         runner = self._runner
@@ -503,6 +540,10 @@ class DropinComponent(ModelMixin):
                         raise _Refused(exc) from None
                 (out / files[-1].name).write_bytes(sidecar_bytes)  # the sidecar as confirmed
                 write_json_atomic(out / COMPONENT_FILE, record)
+                try:  # again right before the swap: a file put there meanwhile is kept
+                    self._check_target(target)
+                except ComponentSaveError as exc:
+                    raise _Refused(exc) from None
                 stage.commit([target.name])
         except _Refused as refused:
             raise refused.args[0] from None
@@ -732,6 +773,22 @@ def _confirm(path: Path, sha: str | None, at_load: tuple, refuse) -> tuple:
     return now
 
 
+def _recorded_files(folder: Path) -> list[str]:
+    """The file names a previous drop-in save's :data:`COMPONENT_FILE` in ``folder`` lists
+    (plain names only; none when there is no readable record)."""
+    try:
+        record = json.loads((folder / COMPONENT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(record, Mapping) or record.get("format") != COMPONENT_FORMAT:
+        return []
+    names = record.get("files")
+    if not isinstance(names, list):
+        return []
+    return [n for n in names if isinstance(n, str) and n and Path(n).name == n
+            and n not in (".", "..")]
+
+
 def _full_verify() -> bool:
     from qkrope.file_record import full_by_default
 
@@ -884,9 +941,12 @@ def _guard(name: str):
                 return
             options = {k: v for k, v in bound.arguments.items()
                        if k not in ("self", "save_directory", "kwargs")}
-            for _, dropin in found:
+            folder = bound.arguments.get("save_directory")
+            for key, dropin in found:
                 dropin._check_save_options(**options)
                 dropin._confirmed_files()  # before the pipeline writes any component
+                if isinstance(folder, (str, os.PathLike)):  # where diffusers saves it
+                    dropin._check_target(Path(folder) / key)
 
     original = _ORIGINAL[name]
 

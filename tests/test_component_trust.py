@@ -204,6 +204,55 @@ def test_save_refuses_an_engine_refitted_in_process(onnx, tmp_path):
     assert not (tmp_path / "after").exists()
 
 
+def test_save_never_removes_the_users_files_in_the_folder(onnx, exported, tmp_path):
+    """The component folder is replaced whole: one that holds the user's own files (diffusers
+    weights, notes) is refused in one line naming them, before anything is written; a previous
+    drop-in save and the export's own files are replaced as before."""
+    target = tmp_path / "own" / "transformer"
+    shutil.copytree(exported[0], target)  # the user's diffusers weights
+    for f in onnx.parent.iterdir():  # the export itself lies beside them
+        shutil.copyfile(f, target / f.name)
+    (target / "MY_NOTES.md").write_text("mine")
+    pipe = _pipeline(load_transformer(target / onnx.name))  # (refreshes its sidecar's stat)
+    before = _bytes(target)
+    for save, into in ((pipe.save_pretrained, tmp_path / "own"),
+                       (pipe.transformer.save_pretrained, target)):
+        with pytest.raises(ComponentSaveError, match="replaces that folder whole") as exc:
+            save(into)
+        text = _one_line(exc)
+        assert str(target) in text and "MY_NOTES.md" in text and "config.json" in text
+        assert "new folder" in text and "move them away" in text
+        assert _bytes(target) == before
+        assert sorted(p.name for p in (tmp_path / "own").iterdir()) == ["transformer"]
+    # a file where the component folder goes is the user's too
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "transformer").write_text("mine")
+    with pytest.raises(ComponentSaveError, match="not a folder") as exc:
+        pipe.save_pretrained(tmp_path / "file")
+    _one_line(exc)
+    assert (tmp_path / "file" / "transformer").read_text() == "mine"
+
+    # the legitimate round trips: over a previous save, and a loaded save into its own folder
+    plain = _pipeline(load_transformer(onnx))
+    plain.save_pretrained(tmp_path / "saved")
+    plain.save_pretrained(tmp_path / "saved")
+    again = diffusers.QwenImagePipeline.from_pretrained(tmp_path / "saved", **ABSENT)
+    out = _run(again)
+    again.save_pretrained(tmp_path / "saved")
+    assert sorted(os.listdir(tmp_path / "saved" / "transformer")) == sorted(
+        [onnx.name, onnx.name + ".json", "qkrope_component.json"])
+    assert torch.equal(_run(diffusers.QwenImagePipeline.from_pretrained(tmp_path / "saved",
+                                                                        **ABSENT)), out)
+    # a previous save of another export (its record names its files) is replaced
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for f in onnx.parent.iterdir():
+        shutil.copyfile(f, renamed / f.name.replace("transformer", "other"))
+    _pipeline(load_transformer(renamed / "other.onnx")).save_pretrained(tmp_path / "saved")
+    assert sorted(os.listdir(tmp_path / "saved" / "transformer")) == sorted(
+        ["other.onnx", "other.onnx.json", "qkrope_component.json"])
+
+
 @pytest.mark.parametrize("option,match", [
     (dict(variant="fp16"), "has no variant 'fp16'"),
     (dict(safe_serialization=False), "holds no pickle"),
