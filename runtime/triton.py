@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from qkrope import dtypes, model_io
-from qkrope._fileio import (REPLACED, committing, folder_lock, link_or_copy, staged_outputs,
-                            swap_dir)
+from qkrope._fileio import (REPLACED, committing, folder_lock, link_or_copy, sha256_file,
+                            staged_outputs, swap_dir)
 from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import EngineInfo, ModelConfig, engine_sidecar_path, sidecar_path
 
@@ -815,6 +815,43 @@ def _transfer(results: Sequence[str]) -> str:
     return "cloned" if results and all(r == "cloned" for r in results) else "copied"
 
 
+def copy_checked(src: Path, dst: Path, sha256: str, *, link: bool = False) -> str:
+    """``dst`` becomes ``src`` (:func:`qkrope._fileio.link_or_copy`), then is hashed: a copy
+    whose sha256 is not ``sha256`` (what was checked: the sidecar's record) is refused in one
+    line, so a source rewritten between the check and the copy is never served. Raised inside
+    the staging folder: nothing is committed. Returns how the file went in."""
+    how = link_or_copy(src, dst, link=link)
+    got = sha256_file(dst)
+    if got != sha256:
+        raise TritonRepoError(
+            f"{src} changed while it was copied into the repository (the copy has sha256 "
+            f"{got[:12]}…, what was checked has {sha256[:12]}…); nothing was written. Fix: let "
+            f"whatever rewrites {src} finish (or rebuild/re-export it), then run triton-repo "
+            f"again")
+    return how
+
+
+def _source_sha256(path: Path, recorded: str | None) -> str:
+    """What a copy of ``path`` must hash to: its sidecar's record, else ``path``'s hash now."""
+    return recorded if recorded is not None else sha256_file(path)
+
+
+def _check_record(record: Path, key: str, sha256: str | None) -> None:
+    """The served record (the sidecar's copy) describes the file that was checked: its ``key``
+    is ``sha256``, else the sidecar was rewritten meanwhile (one line, nothing committed)."""
+    import json
+
+    try:
+        got = json.loads(record.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        got = "unreadable"
+    if got != sha256:
+        raise TritonRepoError(
+            f"the sidecar copied to {record} was rewritten while the repository was written (it "
+            f"records {key} {str(got)[:12]}…, the one checked {str(sha256)[:12]}…); nothing was "
+            f"written. Fix: let whatever rewrites it finish, then run triton-repo again")
+
+
 def served_record(sidecar: Path, served: Path) -> None:
     """Beside a served file, a copy of its sidecar (``1/model.plan.json`` /
     ``1/model.onnx.json``): the record (sha256, size, mtime_ns, inode, write id) qkrope's own
@@ -870,13 +907,21 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     text = with_io_record(render_config(main_name, info, serving), info)
 
     transfer: list[str] = []
+    # what the copies must hash to: what was checked (the sidecar's records)
+    engine_sha = _source_sha256(engine, info.engine_sha256)
+    plugin_sha = None
+    if copy_plugin:
+        plugin_sha = _source_sha256(plugin_src, info.plugin.sha256 if check_plugin_hash
+                                    and info.plugin is not None else None)
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(engine, d / "1" / "model.plan", link=link))
+        transfer.append(copy_checked(engine, d / "1" / "model.plan", engine_sha, link=link))
         served_record(engine_sidecar_path(engine), d / "1" / "model.plan")
+        _check_record(d / "1" / "model.plan.json", "engine_sha256", info.engine_sha256)
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
         if copy_plugin:
-            shutil.copy2(plugin_src, d / plugin_name)
+            copy_checked(plugin_src, d / plugin_name, plugin_sha)
+            shutil.copystat(plugin_src, d / plugin_name)
 
     models: dict[str, Any] = {main_name: fill_main}
     rope_inputs = None
@@ -958,12 +1003,18 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
                           info)
 
     transfer: list[str] = []
+    # what the copies must hash to: what was checked (the sidecar's records)
+    records = {f: r.sha256 for f in data for loc, r in info.external_data.items()
+               if (onnx_path.parent / loc).resolve() == f.resolve()}
+    want = {f: _source_sha256(f, records.get(f)) for f in data}
+    model_sha = _source_sha256(onnx_path, info.model_sha256)
 
     def fill_main(d: Path) -> None:
-        transfer.append(link_or_copy(onnx_path, d / "1" / "model.onnx", link=link))
+        transfer.append(copy_checked(onnx_path, d / "1" / "model.onnx", model_sha, link=link))
         for f in data:  # keeps the name the model's tensors refer to
-            transfer.append(link_or_copy(f, d / "1" / f.name, link=link))
+            transfer.append(copy_checked(f, d / "1" / f.name, want[f], link=link))
         served_record(sidecar_path(onnx_path), d / "1" / "model.onnx")
+        _check_record(d / "1" / "model.onnx.json", "model_sha256", info.model_sha256)
         (d / "config.pbtxt").write_text(text, encoding="utf-8")
 
     models: dict[str, Any] = {main_name: fill_main}

@@ -15,6 +15,7 @@ import json
 import threading
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -478,3 +479,42 @@ def test_force_never_removes_the_users_files_in_a_model_directory(tiny_transform
         shutil.rmtree(repo / "m_trt" / "2")
         triton.write_repository(eng, repo, plugin=plugin, name="m", force=True)
     assert (repo / "m" / "README").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("rewritten", ["engine", "plugin", "onnx"])
+def test_a_source_rewritten_while_it_is_copied_is_not_served(tiny_transformer_onnx, tmp_path,
+                                                            monkeypatch, capsys, rewritten):
+    """The engine (its plugin, the ONNX model) is checked against its sidecar, then copied: a
+    rewrite in between (here: right before the copy) is caught by hashing the copy, one line,
+    nothing committed."""
+    from _oneline import error_line
+
+    from qkrope.cli import main as cli_main
+
+    eng, plugin = _engine(tiny_transformer_onnx, tmp_path)
+    onnx_copy = tmp_path / "o" / "tiny.onnx"
+    onnx_copy.parent.mkdir()
+    onnx_copy.write_bytes(tiny_transformer_onnx.read_bytes())
+    (tmp_path / "o" / "tiny.onnx.json").write_bytes(
+        (tiny_transformer_onnx.parent / "tiny.onnx.json").read_bytes())
+    victim = {"engine": eng, "plugin": plugin, "onnx": onnx_copy}[rewritten]
+    real = triton.link_or_copy
+
+    def rewrite_first(src, dst, **kw):
+        if Path(src) == victim:
+            with open(victim, "r+b") as f:  # in place: same size, another byte
+                f.seek(3)
+                f.write(b"X")
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(triton, "link_or_copy", rewrite_first)
+    repo = tmp_path / "repo"
+    if rewritten == "onnx":
+        args = ["triton-repo", "--backend", "onnxruntime", "--onnx", str(onnx_copy)]
+    else:
+        args = ["triton-repo", "--engine", str(eng), "--plugin", str(plugin)]
+    assert cli_main(args + ["-o", str(repo), "--name", "m"]) != 0
+    msg = error_line(capsys)
+    assert f"{victim} changed while it was copied" in msg and "nothing was written" in msg, msg
+    assert not repo.exists() or not any(repo.iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
