@@ -19,7 +19,10 @@ Layout written (one model directory, created atomically)::
 Only an engine with its engine sidecar (``M.engine.json``, :class:`EngineInfo`) is accepted: an
 ONNX model (by suffix or content) is refused, and the plugin library must match the sha256 the
 sidecar records (``--no-plugin-hash-check`` to skip). A version-compatible engine carries its VC
-plugin; the printed command adds ``--backend-config=tensorrt,version-compatible=true``.
+plugin; the printed command adds ``--backend-config=tensorrt,version-compatible=true``, so such a
+repository is written only with the caller's ``--allow-host-code``. Every copy is hashed and
+compared with the sidecar's sha256 (a source rewritten meanwhile is refused), and ``--force``
+replaces a model directory only while it holds nothing but the files qkrope writes there.
 
 The plugin library is a *file* in the model directory, not a ``REPO/plugins/`` folder: Triton
 treats every sub-directory of a model repository as a model and, with the default
