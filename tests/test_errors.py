@@ -24,7 +24,9 @@ _INTERNAL = {"qkrope.apps.demo.Skip", "qkrope.runtime.schemes._common.BadRequest
              "qkrope.runtime.schemes._common.PositionOverflow",
              "qkrope.runtime.schemes._common.BadPositions",
              "qkrope.runtime.schemes._common.TooLarge",
-             "qkrope.runtime.triton_rope_model.RequestError"}
+             "qkrope.runtime.triton_rope_model.RequestError",
+             # control flow inside the drop-in's save (re-raised as its own error, never shown)
+             "qkrope.runtime.component._Refused"}
 
 
 def _modules():

@@ -296,7 +296,9 @@ def test_triton_rope_model_from_ids_is_the_runtime_function(family, tmp_path, mo
     from qkrope.runtime import triton
 
     engine = _flux_engine_for_triton(tmp_path, family)
-    triton.write_repository(engine, tmp_path / "repo", name="flux")
+    # the plugin is the caller's (the sidecar's record only checks it)
+    triton.write_repository(engine, tmp_path / "repo", name="flux",
+                            plugin=tmp_path / "libqkrope_plugin.so")
     n_axes = len(FLUX_SETUPS[family][0])
     rope_cfg, ens_cfg = (parse(tmp_path / "repo" / m / "config.pbtxt") for m in ("flux_rope", "flux"))
     assert io(rope_cfg, "input") == [("txt_ids", "TYPE_FP32", [-1, n_axes]),
