@@ -963,6 +963,50 @@ def _guarded_setattr(self, name: str, value: Any) -> None:
     _ORIGINAL["__setattr__"](self, name, value)
 
 
+def _pipeline_class_of(folder: Any, base: type) -> type | None:
+    """The pipeline class that ``folder``'s model_index.json names (``_class_name``), looked up
+    by name on the diffusers module only (never imported from a path or a module the folder
+    names); None where the folder is not a local pipeline folder or names no diffusers
+    pipeline class (diffusers' own loader then decides, and the load is confirmed after)."""
+    import diffusers
+
+    try:
+        index = Path(os.fspath(folder)) / "model_index.json"
+        name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+    except (TypeError, OSError, ValueError, AttributeError):
+        return None
+    found = getattr(diffusers, name, None) if isinstance(name, str) and name.isidentifier() \
+        else None
+    if isinstance(found, type) and issubclass(found, base) and found is not base:
+        return found
+    return None
+
+
+def _guarded_from_pretrained(cls, pretrained_model_name_or_path: Any = None, **kwargs):
+    """``DiffusionPipeline.from_pretrained`` that keeps every drop-in it is given: called on
+    the base class (whose optional components diffusers reads instead of the folder's
+    pipeline's, so an optional transformer passed in is dropped and the PyTorch one loaded), it
+    delegates to the folder's pipeline class; after loading, each passed drop-in must be the
+    pipeline's component, else one line."""
+    from diffusers import DiffusionPipeline
+
+    passed = {k: v for k, v in kwargs.items() if isinstance(v, DropinComponent)}
+    if passed and cls is DiffusionPipeline and kwargs.get("custom_pipeline") is None:
+        target = _pipeline_class_of(pretrained_model_name_or_path, DiffusionPipeline)
+        if target is not None:
+            return target.from_pretrained(pretrained_model_name_or_path, **kwargs)
+    pipe = _ORIGINAL["from_pretrained"].__func__(cls, pretrained_model_name_or_path, **kwargs)
+    for key, dropin in passed.items():
+        if getattr(pipe, key, None) is not dropin:
+            raise ComponentLoadError(
+                f"{type(pipe).__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}"
+                f", {key}=...): the pipeline did not take the {dropin._what()} passed as "
+                f"{key!r} (its {key} is {type(getattr(pipe, key, None)).__name__}). Fix: "
+                f"load with the folder's pipeline class (diffusers.<model_index.json "
+                f"_class_name>.from_pretrained), or set it after loading: pipe.{key} = drop_in")
+    return pipe
+
+
 _ORIGINAL: dict[str, Any] = {}
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload",
             "save_pretrained")
@@ -973,8 +1017,9 @@ def _install_pipeline_guards() -> None:
     ``DiffusionPipeline.to``, ``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``
     and ``save_pretrained`` ask the pipeline's drop-ins before doing anything (a refusal
     leaves every component as it was, and writes nothing), and a drop-in put into a pipeline
-    is checked against the pipeline's family. A pipeline without a drop-in runs diffusers'
-    code unchanged."""
+    is checked against the pipeline's family. ``DiffusionPipeline.from_pretrained`` given a
+    drop-in loads with the folder's pipeline class and confirms each drop-in was taken. A
+    pipeline without a drop-in runs diffusers' code unchanged."""
     try:
         from diffusers import DiffusionPipeline
     except ImportError:  # pragma: no cover - no diffusers: no pipelines
@@ -982,11 +1027,14 @@ def _install_pipeline_guards() -> None:
     if _ORIGINAL:
         return
     _ORIGINAL["__setattr__"] = DiffusionPipeline.__setattr__
+    _ORIGINAL["from_pretrained"] = DiffusionPipeline.__dict__["from_pretrained"]
     for name in _GUARDED:
         _ORIGINAL[name] = getattr(DiffusionPipeline, name)
     DiffusionPipeline.__setattr__ = _guarded_setattr
     for name in _GUARDED:
         setattr(DiffusionPipeline, name, _guard(name))
+    DiffusionPipeline.from_pretrained = classmethod(functools.wraps(
+        _ORIGINAL["from_pretrained"].__func__)(_guarded_from_pretrained))
 
 
 _install_pipeline_guards()

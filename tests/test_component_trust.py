@@ -448,3 +448,47 @@ def test_an_export_of_another_family_is_refused_where_it_is_put(exported, tmp_pa
                                   vae=fm.vae(fm.FLUX1), transformer=flux, text_encoder=None,
                                   tokenizer=None, text_encoder_2=None, tokenizer_2=None)
     assert pipe.transformer is flux
+
+
+# --------------------------------------------------------------------------------------------
+# 7. DiffusionPipeline.from_pretrained keeps every drop-in it is given
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    """A tiny Wan pipeline folder (its transformer and transformer_2 are optional components)
+    and its transformer's export, loaded."""
+    from qkrope.export.api import export_transformer
+
+    d = tmp_path_factory.mktemp("wan")
+    tp.save_tiny_pipeline("wan", d / "pipe")
+    export_transformer(d / "pipe" / "transformer", out=d / "t.onnx", progress=False)
+    return d / "pipe", d / "t.onnx"
+
+
+def test_base_class_from_pretrained_keeps_an_optional_components_drop_in(wan, monkeypatch):
+    folder, onnx_path = wan
+    dropin = load_transformer(onnx_path)
+    loaded = []
+
+    def spy(cls, *args, **kwargs):  # the PyTorch transformer must never load
+        loaded.append(args)
+        raise AssertionError("WanTransformer3DModel.from_pretrained ran")
+    monkeypatch.setattr(diffusers.WanTransformer3DModel, "from_pretrained", classmethod(spy))
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=dropin)
+    assert type(pipe) is diffusers.WanPipeline and not loaded
+    assert pipe.transformer is dropin
+
+    # a drop-in the pipeline has no place for is one line, not silently dropped
+    with pytest.raises(ComponentLoadError, match=r"did not take .* passed as 'transformer_3'"
+                       ) as exc:
+        diffusers.DiffusionPipeline.from_pretrained(folder, transformer=dropin,
+                                                    transformer_3=dropin)
+    _one_line(exc)
+
+
+def test_base_class_from_pretrained_refuses_another_familys_drop_in(wan, exported):
+    qwen = load_transformer(exported[1])
+    with pytest.raises(ComponentError, match=r"WanPipeline\.transformer takes a Wan") as exc:
+        diffusers.DiffusionPipeline.from_pretrained(wan[0], transformer=qwen)
+    _one_line(exc)
