@@ -327,3 +327,145 @@ def test_layers_past_the_blocks_the_api_and_the_cli_agree(qwen, tmp_path, capsys
     assert line == f"qkrope export: error: {e.value}"
     assert f"--layers {blocks + 1}: the model has {blocks} blocks" in line
     assert not list(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# The adversarial review of `qkrope generate` (issue 42 items 5-7, round 2)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def loaded_models(monkeypatch):
+    """The class names whose diffusers from_pretrained runs (a spy: each still loads)."""
+    seen = []
+    original = diffusers.ModelMixin.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(cls.__name__)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.ModelMixin, "from_pretrained", classmethod(spy))
+    return seen
+
+
+def test_no_pytorch_expert_is_loaded_beside_the_exports(wan22, loaded_models):
+    """WanPipeline's transformers are optional components: DiffusionPipeline.from_pretrained
+    drops the drop-ins given for them and loads the PyTorch experts (then replaced)."""
+    calls = []
+    gen.generate(wan22 / "pipe", wan22 / "transformer.onnx", "a cat",
+                 transformer_2=wan22 / "transformer_2.onnx", steps=1, height=32, width=32,
+                 num_frames=1, output_type="latent", log=calls.append)
+    assert loaded_models and not [n for n in loaded_models if "Transformer" in n], loaded_models
+    assert "transformer: transformer:" not in calls[0], calls[0]
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--height", "100000"], "--height 100000"),  # one axis alone
+    (["--width", "99968"], "--width 99968"),
+    ([], "480"),  # the pipeline's own defaults (480x832, 81 frames) past the tiny tables
+])
+def test_each_size_is_bounded_alone_and_the_defaults_too(wan22, tmp_path, capsys, no_loading,
+                                                        flags, match):
+    line = _refused(capsys, [str(wan22 / "pipe"), "--transformer", str(wan22 / "transformer.onnx"),
+                             "--transformer-2", str(wan22 / "transformer_2.onnx"),
+                             "--prompt", "x", *flags, "-o", str(tmp_path / "x.gif")])
+    assert match in line and "RoPE positions" in line and "Fix: smaller" in line, line
+
+
+def test_an_onnx_runtime_allocation_failure_is_one_line(qwen, monkeypatch):
+    import onnxruntime
+
+    from qkrope.runtime.runner import RunnerError
+
+    def fail(self, binding):
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code "
+                           "returned while running MatMul node.\nBFCArena::AllocateRawInternal "
+                           "Failed to allocate memory for requested buffer of size 1234")
+
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run_with_iobinding", fail)
+    with pytest.raises(RunnerError) as e:
+        gen.generate(qwen / "pipe", qwen / "t.onnx", "a cat", steps=1, height=32, width=32,
+                     output_type="latent", log=lambda s: None)
+    message = str(e.value)
+    assert "\n" not in message and "Failed to allocate memory" in message, message
+    assert "shapes" in message and "Fix: smaller" in message, message
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="requires Linux /proc")
+def test_an_unwritable_output_folder_is_refused_before_loading(qwen, capsys, no_loading):
+    line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                             "--prompt", "x", "-o", "/proc/x.png"])
+    assert "/proc" in line and "Fix:" in line, line
+
+
+def test_an_os_error_while_writing_is_one_line(qwen, tmp_path, capsys, monkeypatch):
+    import errno
+
+    def full(path, data, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("qkrope._fileio.write_atomic", full)
+    line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                             "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32",
+                             "-o", str(tmp_path / "x.png")])
+    assert "No space left on device" in line and "x.png" in line, line
+
+
+@pytest.mark.parametrize("out", [".", "/", "..", "sub/."])
+def test_an_output_that_names_a_folder_is_one_line(qwen, capsys, no_loading, out):
+    line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                             "--prompt", "x", "-o", out])
+    assert "--out" in line and "Fix:" in line, line
+
+
+def test_another_family_for_a_folder_saved_with_the_dropin(qwen, wan22, tmp_path, capsys):
+    from qkrope.runtime import load_transformer
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(
+        str(qwen / "pipe"), transformer=load_transformer(qwen / "t.onnx"))
+    pipe.save_pretrained(str(tmp_path / "saved"))
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        def boom(*args, **kwargs):
+            raise AssertionError("a model was loaded before the refusal")
+
+        mp.setattr("qkrope.runtime.load_transformer", boom)
+        mp.setattr(diffusers.DiffusionPipeline, "from_pretrained", boom)
+        line = _refused(capsys, [str(tmp_path / "saved"), "--transformer",
+                                 str(wan22 / "transformer.onnx"), "--prompt", "x",
+                                 "-o", str(tmp_path / "x.png")])
+    assert "is a Wan export, but the pipeline's transformer" in line, line
+    assert "not a loadable diffusers pipeline" not in line
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999"),
+    (["--seed", "-1"], "--seed -1"),
+    (["--steps", "100000000000"], "--steps 100000000000"),
+])
+def test_seed_and_steps_are_bounded_before_loading(qwen, tmp_path, capsys, no_loading, flags,
+                                                   match):
+    line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                             "--prompt", "x", *flags, "-o", str(tmp_path / "x.png")])
+    assert match in line and "Fix:" in line, line
+
+
+def test_transformer_calls_are_not_called_steps():
+    """A pipeline without callback_on_step_end: its transformer calls are counted as calls."""
+    times = gen.StageTimes(transformer_calls=[0.1] * 4, steps=[])
+    row = next(r for r in times.table() if "denoising" in r)
+    assert "4 transformer call(s)" in row and "step(s)" not in row and "ms/step" not in row, row
+
+
+def test_a_dtype_other_than_the_exports_is_refused_before_loading(qwen, tmp_path, capsys,
+                                                                 no_loading):
+    line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                             "--prompt", "x", "--dtype", "fp16", "-o", str(tmp_path / "x.png")])
+    assert "--dtype fp16" in line and "fp32" in line and "Fix: leave --dtype out" in line, line
+
+
+def test_the_same_export_for_both_experts_is_refused(wan22, tmp_path, capsys, no_loading):
+    line = _refused(capsys, [str(wan22 / "pipe"), "--transformer", str(wan22 / "transformer.onnx"),
+                             "--transformer-2", str(wan22 / "transformer.onnx"),
+                             "--prompt", "x", "--height", "32", "--width", "32",
+                             "--num-frames", "5", "-o", str(tmp_path / "x.gif")])
+    assert "--transformer-2" in line and "transformer_2" in line and "Fix:" in line, line

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from qkrope.errors import InputError
+from qkrope.errors import InputError, QkropeError
 
 from . import _args
 
@@ -117,6 +117,12 @@ class StageTimes:
     vae: list = field(default_factory=list)
     total: float = 0.0
 
+    @property
+    def steps_counted(self) -> bool:
+        """Whether ``steps`` are the pipeline's denoising steps (its callback_on_step_end);
+        without that callback only the transformer's calls are known."""
+        return bool(self.steps)
+
     def table(self) -> list[str]:
         ms = lambda s: f"{1e3 * s:10.1f} ms"  # noqa: E731
         denoise = sum(self.steps)
@@ -124,10 +130,13 @@ class StageTimes:
                 ("load transformer", ms(self.load_transformer), ""),
                 ("text encoders", ms(sum(self.text_encoders)),
                  f"{len(self.text_encoders)} call(s)"),
-                ("denoising", ms(denoise),
+                ("denoising", ms(denoise) if self.steps_counted
+                 else ms(sum(self.transformer_calls)),
                  f"{len(self.steps)} step(s), {1e3 * denoise / max(len(self.steps), 1):.1f} "
                  f"ms/step; transformer {1e3 * sum(self.transformer_calls):.1f} ms in "
-                 f"{len(self.transformer_calls)} call(s)"),
+                 f"{len(self.transformer_calls)} call(s)" if self.steps_counted else
+                 f"{len(self.transformer_calls)} transformer call(s) (the pipeline reports no "
+                 f"steps)"),
                 ("VAE decode", ms(sum(self.vae)), f"{len(self.vae)} call(s)"),
                 ("pipeline call", ms(self.total), "")]
         return [f"  {name:<30}{value}  {note}".rstrip() for name, value, note in rows]
@@ -148,7 +157,8 @@ class _Clock:
         return time.perf_counter()
 
 
-def _timed(fn: Callable, into: list, clock: _Clock, starts: list | None = None) -> Callable:
+def _timed(fn: Callable, into: list, clock: _Clock, starts: list | None = None,
+           after: Callable | None = None) -> Callable:
     def wrapper(*args, **kwargs):
         t0 = clock.now()
         if starts is not None:
@@ -157,6 +167,8 @@ def _timed(fn: Callable, into: list, clock: _Clock, starts: list | None = None) 
             return fn(*args, **kwargs)
         finally:
             into.append(clock.now() - t0)
+            if after is not None:
+                after()
 
     return wrapper
 
@@ -170,9 +182,11 @@ def _module_call(owner) -> bool:
 
 
 @contextlib.contextmanager
-def timing_hooks(pipe, times: StageTimes, clock: _Clock):
+def timing_hooks(pipe, times: StageTimes, clock: _Clock, on_call: Callable | None = None):
     """Time the pipeline's stages while the context is open: the text encoders' forward (torch
-    hooks), the transformer's calls and the VAE's ``decode`` (wrapped on the instance)."""
+    hooks), the transformer's calls and the VAE's ``decode`` (wrapped on the instance).
+    ``on_call``: called after each transformer call (the progress of a pipeline that reports
+    no steps)."""
     undo = []
     for name, component in pipe.components.items():
         if not name.startswith("text_encoder") or component is None:
@@ -204,13 +218,16 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock):
 
             def post(module, args, output, start=start, into=into):
                 into.append(clock.now() - start.pop("t"))
+                if on_call is not None and into is times.transformer_calls:
+                    on_call()
 
             undo += [owner.register_forward_pre_hook(pre).remove,
                      owner.register_forward_hook(post).remove]
             continue
         had = attr in vars(owner)
         original = getattr(owner, attr)
-        setattr(owner, attr, _timed(original, into, clock, starts))
+        setattr(owner, attr, _timed(original, into, clock, starts,
+                                    on_call if into is times.transformer_calls else None))
 
         def restore(owner=owner, attr=attr, had=had, original=original):
             if had:
@@ -248,6 +265,7 @@ class PipelinePlan:
     transformers: tuple  # its transformer components present (model_index.json), in order
     saved_dropins: tuple  # those saved with the drop-in (qkrope_component.json)
     temporal: int | None  # its VAE's temporal compression, where the VAE config gives one
+    pipeline_class: Any = None  # diffusers' own class of _class_name (None: not one)
 
     @property
     def video(self) -> bool:
@@ -285,12 +303,15 @@ def read_pipeline(pipeline_dir: str | Path) -> PipelinePlan:
                          f"pipe.save_pretrained(...) wrote")
     name = index.get("_class_name")
     params = {}
+    pipeline_class = None
     if isinstance(name, str) and name.isidentifier():
         import diffusers
 
         cls = getattr(diffusers, name, None)  # diffusers' own class of that name, no other
         if isinstance(cls, type) and callable(getattr(cls, "__call__", None)):
             params = dict(inspect.signature(cls.__call__).parameters)
+        if isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline):
+            pipeline_class = cls
     present = tuple(k for k, v in index.items() if k in COMPONENT_FLAGS and isinstance(v, list)
                     and len(v) == 2 and v[1] is not None)
     dropins = tuple(k for k in present if (folder / k / COMPONENT_FILE).exists())
@@ -298,7 +319,7 @@ def read_pipeline(pipeline_dir: str | Path) -> PipelinePlan:
     temporal = next((int(vae[k]) for k in TEMPORAL_KEYS if isinstance(vae.get(k), int)
                      and not isinstance(vae.get(k), bool) and vae[k] >= 1), None)
     return PipelinePlan(folder, name if isinstance(name, str) else None, params, present,
-                        dropins, temporal)
+                        dropins, temporal, pipeline_class)
 
 
 def check_text(flag: str, value: str | None) -> None:
@@ -593,18 +614,25 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     # the drop-ins go in as the components (a pipeline's __init__ may read its transformer's
     # config: HunyuanVideo-1.5's image-embedding width), so no PyTorch transformer is loaded
     extra = dict(dropins)
+    # the class model_index.json names, diffusers' own (plan.pipeline_class): its
+    # from_pretrained takes the drop-ins for its optional components (Wan's experts), where
+    # DiffusionPipeline.from_pretrained reads only its own optional components and would load
+    # the PyTorch transformers the drop-ins stand in for
+    loader = plan.pipeline_class or diffusers.DiffusionPipeline
     try:
         with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; 0.36 has only it
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            pipe = diffusers.DiffusionPipeline.from_pretrained(
+            pipe = loader.from_pretrained(
                 str(pipeline_dir), torch_dtype=dtypes.TORCH_BY_SHORT[dtype], **extra)
+    except QkropeError:
+        raise  # already one line with its fix
     except (OSError, ValueError) as exc:
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise InputError(f"{pipeline_dir} is not a loadable diffusers pipeline folder "
                          f"({first_line}). Fix: pass the folder a pipeline was saved to "
                          f"(save_pretrained: model_index.json and its components)") from None
     except ImportError as exc:  # a pipeline class that needs a package (Cosmos: its guardrail)
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:300].rstrip(". ")
         raise InputError(f"the pipeline in {pipeline_dir} cannot be built here: {first_line}. "
                          f"Fix: install the package it names") from None
     pipe.to(dev)
@@ -616,7 +644,8 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     total = steps if steps is not None else plan.default("num_inference_steps")
     marks: list[float] = []
     counter = None
-    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+    steps_reported = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
+    if steps_reported:
         def on_step_end(_pipe, _i, _t, callback_kwargs):
             marks.append(clock.now())
             if counter is not None:
@@ -624,16 +653,26 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
             return callback_kwargs
 
         kwargs["callback_on_step_end"] = on_step_end
-    where = "PyTorch" if not dropins else ", ".join(
-        f"{c}: {Path(given[c]).name}" for c in dropins)
-    if dropins and list(dropins) == ["transformer"]:
-        where = Path(given["transformer"]).name
+    if not dropins:
+        where = "transformer: PyTorch"
+    elif list(dropins) == ["transformer"]:
+        where = f"transformer: {Path(given['transformer']).name}"
+    else:
+        where = "transformers: " + ", ".join(f"{c}: {Path(given[c]).name}" for c in dropins)
     log(f"qkrope generate: {type(pipe).__name__} from {pipeline_dir} on {dev} ({dtype}), "
-        f"transformer: {where}")
+        f"{where}")
+
+    def on_call():  # a pipeline without callback_on_step_end: its transformer calls, as calls
+        if counter is not None:
+            counter.update(1)
+
+    what, unit = ("denoising", "step") if steps_reported else ("transformer", "call")
     with Steps("qkrope generate", 1, enabled=progress, heartbeat=0) as bar, \
-            timing_hooks(pipe, times, clock), torch.no_grad():
+            timing_hooks(pipe, times, clock, None if steps_reported else on_call), \
+            torch.no_grad():
         with bar.step("running the pipeline"), \
-                bar.counter("denoising", total=total, unit="step", every=1) as counter:
+                bar.counter(what, total=total if steps_reported else None, unit=unit,
+                            every=1) as counter:
             start = clock.now()
             output = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
                           output_type=output_type, **kwargs)
@@ -641,8 +680,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     if marks and times.transformer_starts:
         # each step: from the end of the one before, the first from the transformer's first call
         times.steps = [b - a for a, b in zip([times.transformer_starts[0]] + marks[:-1], marks)]
-    else:
-        times.steps = list(times.transformer_calls)
+    # else no steps are known: the table counts the transformer's calls as calls
     return output, times, pipe
 
 
