@@ -414,3 +414,41 @@ def test_the_generic_drop_in_checks_a_video_latent_against_its_positions():
         model(torch.zeros(1, 4, 2, 8, 8), torch.zeros(1, 3, 8), None, 0.5, [(1, 4, 4)])
     with pytest.raises(InputError, match="not a whole number of the model's 2-wide patches"):
         model(torch.zeros(1, 4, 2, 8, 7), torch.zeros(1, 3, 8), None, 0.5, [(2, 4, 4)])
+
+
+def test_table_profile_limits_bound_a_grid_by_the_table_lengths():
+    setting = checked_setting("table", (8, 4, 4), 256.0, table_lengths=(256, 32, 32))
+    table = schemes.scheme("table")
+    assert table.profile_limits(setting, [(1, 32, 32), (1, 2, 2)], 64) is None
+    assert table.profile_limits(setting, [(1, 2, 2), (1, 64, 2)], 1) == ("image", 1, 64, 32)
+    assert table.profile_limits(setting, [(1, 2, 33)], 1) == ("image", 0, 33, 32)
+    unbounded = checked_setting("table", (8, 4, 4), 256.0)
+    assert table.profile_limits(unbounded, [(1, 999, 999)], 1) is None
+
+
+def test_generate_refuses_a_size_past_the_tables_before_any_model_loads(tmp_path, capsys,
+                                                                      monkeypatch):
+    """`qkrope generate` of a tiny Z-Image (tables [256, 32, 32]) at 32x1024: 64 token rows,
+    refused by the preflight (the table scheme's profile limits), nothing loaded."""
+    pytest.importorskip("diffusers", reason="requires diffusers (test extras)")
+    pytest.importorskip("transformers", reason="the Z-Image pipeline imports transformers")
+    import _oneline
+
+    import qkrope.runtime
+    from qkrope.apps import tiny_pipeline as tp
+    from qkrope.cli import main
+    from qkrope.export.api import export_transformer
+
+    tp.save_tiny_pipeline("z-image", tmp_path / "z")
+    export_transformer(tmp_path / "z" / "transformer", out=tmp_path / "t.onnx", progress=False)
+
+    def spy(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(qkrope.runtime, "load_transformer", spy)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "z"), "--transformer", str(tmp_path / "t.onnx"),
+                 "--prompt", "a cat", "--height", "1024", "--width", "32", "--steps", "1",
+                 "-o", str(tmp_path / "o.png")]) != 0
+    line = _oneline.error_line(capsys)
+    assert "needs 64 RoPE positions" in line and "more than the 32" in line, line
+    assert not (tmp_path / "o.png").exists()

@@ -13,7 +13,8 @@ ids out, is the family's (its drop-in's ``sample_request``).
 - Table lengths: ``Setting.table_lengths`` (the family's, from its diffusers config: Z-Image's
   ``axes_lens``) bound every position, on the local path and in the Triton rope model alike
   (:func:`check_lengths`).
-- Profile limits: none here.
+- Profile limits: each image grid's frames, rows and columns within the tables' lengths
+  (:func:`profile_limits`), so a size past them is refused before anything is allocated.
 
 Bits. diffusers builds each axis' table once: ``freqs = 1 / theta ** (arange(0, d, 2) / d)`` in
 float64, ``outer(arange(length), freqs)`` in float64 rounded to float32 (the angles), then
@@ -140,7 +141,21 @@ def triton_request(request: dict, setting: Setting) -> dict:
 
 
 def profile_limits(setting: Setting, grids: Sequence, txt_max: int):
-    """No table length is known here: every profile is usable (None)."""
+    """What an engine profile (or a call) of these image ``grids`` (``(f, h, w)`` token grids,
+    one per preset) can use within the tables (``setting.table_lengths``; None: no length
+    known, every profile usable): None when each grid fits, else ``("image", index, needed,
+    available)``. A grid's frames, rows and columns are ids along the tables' axes 0, 1 and 2,
+    so it needs at least f, h and w rows there; a family's layout may add an offset (Z-Image's
+    frame ids follow the caption's), which :func:`check_lengths` bounds on each call's ids.
+    ``txt_max``: the text's rows are the family's layout, bounded per call the same way."""
+    lengths = setting.table_lengths
+    if lengths is None:
+        return None
+    lengths = [int(n) for n in lengths]
+    for k, shape in enumerate(grids):
+        for need, have in zip((int(v) for v in shape), lengths):
+            if need > have:
+                return ("image", k, need, have)
     return None
 
 
