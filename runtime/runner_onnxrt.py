@@ -91,7 +91,17 @@ class OrtRunner(Runner):
                 binding.bind_output(spec.name, device.type, dev_id,
                                     self.onnx_codes[spec.dtype], list(shape), buf.data_ptr())
                 outs.append(buf)
-        self.session.run_with_iobinding(binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:  # ORT's own exception types: one line for running out of memory
+            text = str(exc)
+            if "Failed to allocate memory" not in text and "BFCArena" not in text:
+                raise
+            given = ", ".join(f"{name} {list(t.shape)}" for name, t in feeds.items())
+            raise RunnerError(
+                f"ONNX Runtime ran out of {device.type} memory running the model on the shapes "
+                f"{given} (Failed to allocate memory). Fix: smaller sizes (--height/--width), "
+                f"fewer frames (--num-frames) or a smaller batch") from None
         if any(o is None for o in outs):
             ort_values = binding.get_outputs()
             for i, o in enumerate(outs):

@@ -94,7 +94,7 @@ def test_a_size_past_the_rope_tables_is_refused_before_loading(qwen, tmp_path, c
     line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
                              "--prompt", "x", "--height", str(height), "--width", "32",
                              "-o", str(tmp_path / "x.png")])
-    assert f"32x{height}" in line and f"the {limit} of" in line and "Fix: smaller" in line
+    assert f"--width 32, --height {height}" in line and f"the {limit} of" in line and "Fix: smaller" in line
 
 
 def test_frames_past_the_tables_are_refused_before_loading(wan22, tmp_path, capsys,
@@ -145,7 +145,7 @@ def test_an_engines_profile_bounds_the_image_tokens():
         source="e.engine.json", profile_labels=("512x512",),
         profiles=[{cache: {"min": [1, 128], "opt": [1024, 128], "max": [1024, 128]}}])
     gen.check_limits("e.engine", info, height=512, width=512, frames=None, temporal=None)
-    with pytest.raises(InputError, match=r"cannot serve 1024x512 \(2048 image tokens\): no "
+    with pytest.raises(InputError, match=r"cannot serve --width 1024, --height 512 \(2048 image tokens\): no "
                                          r"optimisation profile .*1\.\.1024") as e:
         gen.check_limits("e.engine", info, height=512, width=1024, frames=None, temporal=None)
     assert "\n" not in str(e.value)

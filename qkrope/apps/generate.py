@@ -275,6 +275,11 @@ class PipelinePlan:
         p = self.params.get(name)
         return None if p is None or p.default is inspect.Parameter.empty else p.default
 
+    def int_defaults(self, *names: str) -> dict:
+        """The ``__call__`` defaults of ``names`` that are ints (Wan: height 480, width 832)."""
+        return {n: v for n in names if isinstance(v := self.default(n), int)
+                and not isinstance(v, bool) and v >= 1}
+
     def config(self, component: str) -> dict | None:
         return _read_json(self.folder / component / "config.json")
 
@@ -416,11 +421,14 @@ def check_family(plan: PipelinePlan, component: str, path: str, info) -> None:
 
 
 def check_limits(path: str, info, *, height: int | None, width: int | None,
-                 frames: int | None, temporal: int | None) -> None:
+                 frames: int | None, temporal: int | None, defaults: dict | None = None) -> None:
     """The sizes a call asks of an export, within what it can serve, before anything is
-    allocated: each side a multiple of the family's pixels per token; the image's RoPE
+    allocated: each side given a multiple of the family's pixels per token; the image's RoPE
     positions within its tables (the position scheme's ``profile_limits``, the model's own
-    table size); an engine's image tokens within one of its optimisation profiles."""
+    table size); an engine's image tokens within one of its optimisation profiles. Each side is
+    bounded on its own: a side not given is the pipeline's default (``defaults``:
+    ``{"height": int, "width": int}`` from its ``__call__``), else one token (the least it can
+    be)."""
     from qkrope import model_io
     from qkrope.runtime import schemes
     from qkrope.runtime.caches import _serving_refusal, model_setting, record_of
@@ -436,7 +444,17 @@ def check_limits(path: str, info, *, height: int | None, width: int | None,
             raise InputError(f"{flag} {value} is not a multiple of {ppt} pixels ({record.short}: "
                              f"one image token per {ppt}x{ppt} pixels, the VAE's downscale times "
                              f"the patch size). Fix: {flag} {lo} or {lo + ppt}")
-    if height is None or width is None:
+    defaults = defaults or {}
+    shown = []  # what each side is, and whence: the flag given or the pipeline's default
+    for name, value in (("width", width), ("height", height)):
+        fallback = defaults.get(name)
+        if value is not None:
+            shown.append(f"--{name} {value}")
+        elif fallback is not None:
+            shown.append(f"{name} {fallback} (the pipeline's default)")
+    height = height if height is not None else defaults.get("height")
+    width = width if width is not None else defaults.get("width")
+    if height is None and width is None:
         return
     token_frames = 1
     if frames is not None and temporal:
@@ -444,12 +462,13 @@ def check_limits(path: str, info, *, height: int | None, width: int | None,
             getattr(info.config, "diffusers_config", None), dict) else {}
         patch_t = latent_of(record, cfg).patch[0] if cfg else 1
         token_frames = -(-((frames - 1) // temporal + 1) // patch_t)
-    grid = (token_frames, height // ppt, width // ppt)
+    grid = (token_frames, max(height // ppt, 1) if height is not None else 1,
+            max(width // ppt, 1) if width is not None else 1)
     setting = model_setting(info.config, record, str(info.source))
     scheme = schemes.scheme(record.scheme)
     limits = getattr(scheme, "profile_limits", None)
     refusal = limits(setting, [grid], 1) if limits is not None else None
-    size = f"{width}x{height}" + (f", {frames} frames" if frames is not None else "")
+    size = ", ".join(shown) + (f", {frames} frames" if frames is not None else "")
     if refusal is not None and refusal[0] == "image":
         _, _, needed, available = refusal
         raise InputError(
@@ -524,7 +543,7 @@ def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, widt
         info = _export_info(path)
         check_family(plan, component, path, info)
         check_limits(path, info, height=height, width=width, frames=frames,
-                     temporal=plan.temporal)
+                     temporal=plan.temporal, defaults=plan.int_defaults("height", "width"))
     return plan
 
 
