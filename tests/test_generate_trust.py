@@ -404,9 +404,13 @@ def test_an_os_error_while_writing_is_one_line(qwen, tmp_path, capsys, monkeypat
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr("qkrope._fileio.write_atomic", full)
-    line = _refused(capsys, [str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
-                             "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32",
-                             "-o", str(tmp_path / "x.png")])
+    assert main(["generate", str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                 "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32",
+                 "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err  # the run's own lines, then the one error line
+    assert "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("qkrope generate: error: "), err
     assert "No space left on device" in line and "x.png" in line, line
 
 

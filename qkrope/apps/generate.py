@@ -378,16 +378,35 @@ def output_paths(out: Path, count: int) -> list[Path]:
 
 def check_output_paths(paths) -> None:
     """Every file to write is a file name in a folder that can be one: none is a folder, none
-    lies under a file."""
+    lies under a file, and the nearest existing folder takes a file (a temporary one is
+    created there and removed: a read-only mount or /proc says so before any work)."""
+    import os
+    import tempfile
+
     from qkrope import _preflight as pre
     from qkrope._fileio import OutputWriteError, check_output_folder
 
+    probed = set()
     for path in paths:
         pre.file_to_write(path, flag="--out", example="image.png")
         try:
             check_output_folder(path.parent)
         except OutputWriteError as exc:
             raise InputError(f"--out {path}: {exc.strerror or exc}") from None
+        folder = path.parent if str(path.parent) else Path(".")
+        while not folder.exists() and folder.parent != folder:
+            folder = folder.parent
+        if folder in probed:
+            continue
+        probed.add(folder)
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".qkrope-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise InputError(f"--out {path}: cannot create a file in {folder} "
+                             f"({exc.strerror or type(exc).__name__}). Fix: choose a writable "
+                             f"folder for --out") from None
 
 
 def _export_info(path: str):
@@ -753,6 +772,7 @@ def write_output(output, out: Path) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre
+    from qkrope._fileio import OutputWriteError
 
     pre.input_dir(args.pipeline, flag="PIPELINE_DIR",
                   fix="pass the local folder of a saved diffusers pipeline (model_index.json)")
@@ -771,6 +791,9 @@ def run(args: argparse.Namespace) -> int:
                            fix="pass an export (.onnx) or engine (.engine) of the pipeline's "
                                "transformer, or 'pytorch'")
     out = Path(args.out)
+    if out.name in ("", ".", "..") or out.is_dir():
+        raise InputError(f"--out {args.out!r} is a folder, not a file name. Fix: --out "
+                         f"{out / 'image.png'}")
     if out.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise InputError(f"--out must end in one of {', '.join(IMAGE_SUFFIXES + VIDEO_SUFFIXES)}"
                          f"; got {args.out!r}. Fix: --out {out.with_suffix('.png')}")
@@ -812,7 +835,17 @@ def run(args: argparse.Namespace) -> int:
     log("qkrope generate: stage timings")
     for line in times.table():
         log(line)
-    for path in write_output(output, out):
+    try:
+        written = write_output(output, out)
+    except QkropeError:
+        raise
+    except OSError as exc:  # a disk that filled or a folder made read-only during the run
+        raise OutputWriteError(exc.errno or 0, f"--out {out}: writing failed "
+                               f"({exc.strerror or type(exc).__name__}"
+                               + (f": {exc.filename}" if exc.filename else "") + "); nothing "
+                               "was replaced. Fix: free space or choose a writable folder for "
+                               "--out, and run again") from None
+    for path in written:
         print(path)
     return 0
 
