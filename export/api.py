@@ -133,6 +133,34 @@ def check_family_options(record, diffusers_dir: str | os.PathLike, layers) -> No
     families.check_blocks_option(record, "--layers", layers, config=config)
 
 
+def check_paths(diffusers_dir: str | os.PathLike, out: str | os.PathLike | None,
+                variant: str | None) -> None:
+    """The paths' facts, before any work, as :class:`qkrope.errors.InputError` in one line:
+    ``out`` not a folder, and its folder one that can be written (no path component a file);
+    ``variant``: the folder holds that variant's weights. The writers' and the weight reader's
+    own errors (``OutputWriteError``, ``DiffusersWeightsError``) say the same of a folder that
+    changes later; at this boundary a bad argument is an InputError."""
+    from qkrope import _preflight as pre
+    from qkrope._fileio import OutputWriteError, check_output_folder
+    from qkrope.diffusers_weights import (DiffusersWeightsError, _variants_present,
+                                          model_folder, weight_files)
+    from qkrope.errors import InputError
+
+    if out is not None:
+        pre.file_to_write(out, flag="--out", example="model.onnx")
+        try:
+            check_output_folder(Path(out).parent, flag="--out")
+        except OutputWriteError as exc:
+            raise InputError(f"--out {out}: {exc.strerror or exc}") from None
+    if variant is not None:
+        folder = model_folder(diffusers_dir)
+        if variant not in _variants_present(folder):
+            try:  # its one-line refusal, naming what the folder holds
+                weight_files(folder, variant=variant)
+            except DiffusersWeightsError as exc:
+                raise InputError(str(exc)) from None
+
+
 def default_out(diffusers_dir: str | os.PathLike, dtype: str) -> Path:
     """``<family>_transformer_<dtype>.onnx`` in the working folder (the family's folder name,
     from config.json: :mod:`qkrope.families`)."""
@@ -189,7 +217,8 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
     an argument of another type or outside its values (:data:`ARGUMENTS`: a str for
     ``layers``, a bool where an int is wanted, a list for ``dtype``, ...), and ``layers`` past
     the model's blocks, refused by the same check as the command's
-    (:func:`check_family_options`).
+    (:func:`check_family_options`); an ``out`` that is a folder or lies under a file, and a
+    ``variant`` whose weights the folder does not hold (:func:`check_paths`).
     """
     from qkrope import _preflight as pre
 
@@ -200,6 +229,7 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
     pre.input_dir(str(diffusers_dir), flag="--diffusers",
                   fix="pass the local folder of a saved diffusers transformer (config.json "
                       "and its weights; nothing is downloaded)")
+    check_paths(diffusers_dir, out, variant)
     from qkrope.export.patch_diffusers import folder_family
 
     # another model class: refused (with the list) first; then the family's options
@@ -221,5 +251,5 @@ def export_transformer(diffusers_dir: str | os.PathLike, out: str | os.PathLike 
 
 
 __all__ = ["ARGUMENTS", "DEFAULTS", "DtypeChoice", "ExportResult", "check_arguments",
-           "check_family_options", "checkpoint_dtype", "default_out",
+           "check_family_options", "check_paths", "checkpoint_dtype", "default_out",
            "export_transformer", "resolve_dtype"]

@@ -75,3 +75,32 @@ def test_export_writes_what_the_cli_writes(tmp_path, capsys):
         for key in ("write_id", "model_sha256", "model_file", "created"):
             side.pop(key, None)
     assert sides[0] == sides[1]
+
+
+@pytest.mark.parametrize("case", ["variant", "out under a file", "out deeper under a file",
+                                  "out a folder"])
+def test_bad_paths_are_the_documented_input_error(tmp_path, case):
+    """A variant the folder does not hold and an output that cannot be written are bad
+    arguments: InputError in one line, before any work (nothing written)."""
+    pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+    from qkrope.apps import tiny_pipeline as tp
+    from qkrope.errors import InputError
+
+    folder = tp.save_transformer(tp.tiny_transformer(), tmp_path / "t")
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "adir").mkdir()
+    kwargs, match = {
+        "variant": (dict(out=tmp_path / "m.onnx", variant="x"), r"has no variant 'x' weights"),
+        "out under a file": (dict(out=tmp_path / "afile" / "m.onnx"),
+                             r"afile is a file, not a folder"),
+        "out deeper under a file": (dict(out=tmp_path / "afile" / "b" / "m.onnx"),
+                                    r"afile is a file, not a folder"),
+        "out a folder": (dict(out=tmp_path / "adir.onnx"), r"is a folder"),
+    }[case]
+    if case == "out a folder":
+        (tmp_path / "adir.onnx").mkdir()
+    with pytest.raises(InputError, match=match) as info:
+        api.export_transformer(folder, progress=False, **kwargs)
+    assert "\n" not in str(info.value) and "Errno" not in str(info.value)
+    assert (tmp_path / "afile").read_text() == "mine"
+    assert not (tmp_path / "m.onnx").exists()
