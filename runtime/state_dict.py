@@ -83,13 +83,17 @@ def read_state_dict_file(path: str | os.PathLike, *, what: str = "--state-dict",
 
 def unusable_tensor(key: str, value: Any) -> str | None:
     """Why the tensor ``value`` (state-dict entry ``key``) cannot be read as weights, with the
-    fix, or None: a tensor without values (the meta device), a layout other than a dense one
-    (sparse), a quantised or complex tensor, or a float8 one (its scale is kept elsewhere).
+    fix, or None: a nested tensor, a tensor without values (the meta device), a layout other than
+    a dense one (sparse), a quantised or complex tensor, or a float8 one (its scale is kept elsewhere).
     Not a tensor: None (the callers name that themselves)."""
     import torch
 
     if not isinstance(value, torch.Tensor):
         return None
+    if getattr(value, "is_nested", False):  # before any read of its shape (it has none)
+        return (f"{key} is a nested tensor (a list of tensors of differing shapes); weights "
+                f"are dense tensors of one shape. Fix: pass the dense weight (e.g. "
+                f"nested.unbind()[0])")
     if value.device.type == "meta":
         return (f"{key} is a meta tensor {list(value.shape)} (shape only, no values: a model "
                 f"built with init_empty_weights or loaded with device_map='meta'). Fix: load "

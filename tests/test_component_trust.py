@@ -351,7 +351,8 @@ def _engine_runner():
     (torch.eye(4).to_sparse(), r"is a sparse_coo tensor.*to_dense\(\)"),
     (torch.eye(4).to(torch.float8_e4m3fn), r"is float8_e4m3fn.*bf16/fp16/fp32"),
     (torch.eye(4, dtype=torch.complex64), r"is a complex64 tensor"),
-], ids=["meta", "sparse", "float8", "complex"])
+    (torch.nested.nested_tensor([torch.eye(4)]), r"is a nested tensor.*dense weight"),
+], ids=["meta", "sparse", "float8", "complex", "nested"])
 def test_refit_refuses_tensors_an_engine_cannot_take(value, match):
     weights = {"proj_out.bias": torch.zeros(4), "proj_out.weight": value}
     with pytest.raises(RefitError, match=match) as exc:
