@@ -426,10 +426,14 @@ def check_family(plan: PipelinePlan, component: str, path: str, info) -> None:
     from qkrope import families
     from qkrope.runtime.caches import record_of
 
-    config = plan.config(component)
-    if info is None or config is None or component in plan.saved_dropins:
+    if info is None:
         return
-    mine = families.by_class(config.get("_class_name"))
+    if component in plan.saved_dropins:  # the export saved there: its sidecar names the family
+        saved = _saved_export_info(plan.folder / component)
+        mine = record_of(saved.config, str(saved.source)) if saved is not None else None
+    else:
+        config = plan.config(component)
+        mine = families.by_class(config.get("_class_name")) if config is not None else None
     theirs = record_of(info.config, str(info.source))
     if mine is not None and mine.name != theirs.name:
         flag = COMPONENT_FLAGS[component]
@@ -437,6 +441,69 @@ def check_family(plan: PipelinePlan, component: str, path: str, info) -> None:
                          f"{component} is {mine.class_name} ({mine.short}). Fix: pass an export "
                          f"of {plan.folder / component} (qkrope export --model transformer "
                          f"--diffusers {plan.folder / component})")
+
+
+def _saved_export_info(folder: Path):
+    """The sidecar of the export a drop-in save left in ``folder`` (its qkrope_component.json
+    names the model file; both read as JSON, nothing loaded), or None where unreadable."""
+    from qkrope.errors import QkropeError
+    from qkrope.runtime.component import COMPONENT_FILE
+
+    record = _read_json(folder / COMPONENT_FILE)
+    model = record.get("model") if record is not None else None
+    if not isinstance(model, str) or not model or Path(model).name != model \
+            or model in (".", ".."):
+        return None
+    try:
+        return _export_info(str(folder / model))
+    except (QkropeError, OSError, ValueError):
+        return None
+
+
+def check_dtype(flag: str, path: str, info, dtype: str | None) -> None:
+    """``--dtype`` is the export's (its sidecar's), where both are known: the pipeline's parts
+    feed the transformer in that dtype."""
+    theirs = getattr(getattr(info, "config", None), "dtype", None) or getattr(info, "dtype", None)
+    if dtype is None or not isinstance(theirs, str) or theirs == dtype:
+        return
+    raise InputError(f"--dtype {dtype}, but {flag} {path} was exported in {theirs} (its "
+                     f"sidecar), so the pipeline would feed it {dtype} tensors. Fix: leave "
+                     f"--dtype out (the export's dtype is the default), or export in {dtype}")
+
+
+def check_distinct_experts(plan: PipelinePlan, exports: dict, infos: dict) -> None:
+    """Each transformer component gets its own export: not one export twice (the same file or
+    the same recorded hash), and not the export of another component of this pipeline (the
+    folder its sidecar records)."""
+    seen = {}
+    for component, path in exports.items():
+        flag = COMPONENT_FLAGS[component]
+        info = infos.get(component)
+        record = getattr(info, "model_file", None)
+        keys = {("path", str(Path(path).resolve()))}
+        if getattr(record, "sha256", None):
+            keys.add(("sha256", record.sha256))
+        for key in keys:
+            if key in seen and seen[key] != component:
+                other = seen[key]
+                raise InputError(f"{flag} {path} is the export given for {other} too "
+                                 f"({COMPONENT_FLAGS[other]}): each transformer component has "
+                                 f"its own weights. Fix: export {plan.folder / component} "
+                                 f"(qkrope export --model transformer --diffusers "
+                                 f"{plan.folder / component}) and pass it as {flag}")
+            seen[key] = component
+        source = getattr(getattr(info, "config", None), "diffusers_dir", None)
+        if not isinstance(source, str) or not source:
+            continue
+        try:
+            src = Path(source).resolve()
+        except (OSError, RuntimeError):
+            continue
+        for other in plan.transformers:
+            if other != component and src == (plan.folder / other).resolve():
+                raise InputError(f"{flag} {path} is the export of {plan.folder / other} (its "
+                                 f"sidecar), not of {plan.folder / component}. Fix: export "
+                                 f"{plan.folder / component} and pass it as {flag}")
 
 
 def check_limits(path: str, info, *, height: int | None, width: int | None,
@@ -507,12 +574,41 @@ def check_limits(path: str, info, *, height: int | None, width: int | None,
                              f"profile, or rebuild with `qkrope build --resolutions WxH`")
 
 
+#: the seeds torch.Generator.manual_seed takes (an unsigned 64-bit integer)
+MAX_SEED = 2 ** 64 - 1
+
+
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise InputError(f"--seed {seed} is outside the seeds a torch.Generator takes (0 to "
+                         f"{MAX_SEED}). Fix: --seed from 0 to {MAX_SEED}")
+
+
+def check_steps(plan: PipelinePlan, steps) -> None:
+    """``--steps`` within the scheduler's training timesteps (its scheduler_config.json's
+    num_train_timesteps), where the folder records them."""
+    if steps is None:
+        return
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"--steps must be a positive integer; got {steps!r}")
+    config = _read_json(plan.folder / "scheduler" / "scheduler_config.json") or {}
+    limit = config.get("num_train_timesteps")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 and steps > limit:
+        raise InputError(f"--steps {steps} is more than the {limit} timesteps the pipeline's "
+                         f"scheduler was trained with (scheduler/scheduler_config.json "
+                         f"num_train_timesteps). Fix: --steps {limit} or fewer")
+
+
 def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, width=None,
-              num_frames=None, options: dict | None = None) -> PipelinePlan:
+              num_frames=None, options: dict | None = None, seed=0, steps=None,
+              dtype: str | None = None) -> PipelinePlan:
     """Every check that needs no model: the pipeline folder's plan, its transformer components
-    against the exports given (``{component: path or "pytorch"}``), each export's family and
-    limits, and the options the pipeline's call takes. Returns the plan."""
+    against the exports given (``{component: path or "pytorch"}``: each its own export), each
+    export's family, dtype (``dtype``: --dtype, where given) and limits, the seed and steps,
+    and the options the pipeline's call takes. Returns the plan."""
     plan = read_pipeline(pipeline_dir)
+    check_seed(seed)
+    check_steps(plan, steps)
     for flag, value in (("--height", height), ("--width", width),
                         ("--num-frames", num_frames)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -558,9 +654,12 @@ def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, widt
                 f"(its qkrope_component.json), so it holds an export, not the PyTorch weights "
                 f"the baseline runs. Fix: pass {flag} with that export, or the folder of a "
                 f"pipeline saved with its diffusers transformer")
+    infos = {c: _export_info(p) for c, p in exports.items()}
+    check_distinct_experts(plan, exports, infos)
     for component, path in exports.items():
-        info = _export_info(path)
+        info = infos[component]
         check_family(plan, component, path, info)
+        check_dtype(COMPONENT_FLAGS[component], path, info, dtype)
         check_limits(path, info, height=height, width=width, frames=frames,
                      temporal=plan.temporal, defaults=plan.int_defaults("height", "width"))
     return plan
@@ -619,7 +718,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     given = {"transformer": str(transformer),
              "transformer_2": None if transformer_2 is None else str(transformer_2)}
     plan = preflight(pipeline_dir, given, height=height, width=width, num_frames=num_frames,
-                     options=options)
+                     options=options, seed=seed, steps=steps, dtype=dtype)
 
     import torch
 
@@ -807,7 +906,8 @@ def run(args: argparse.Namespace) -> int:
                                      "transformer_2": args.transformer_2},
                      height=args.height, width=args.width, num_frames=args.num_frames,
                      options=_options(args.negative_prompt, args.steps, args.height, args.width,
-                                      args.guidance_scale, args.true_cfg_scale, args.num_frames))
+                                      args.guidance_scale, args.true_cfg_scale, args.num_frames),
+                     seed=args.seed, steps=args.steps, dtype=args.dtype)
     frames = args.num_frames if args.num_frames is not None else plan.default("num_frames")
     count = frames if plan.video and isinstance(frames, int) else 1
     check_output_paths(output_paths(out, count))
