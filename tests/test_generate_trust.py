@@ -168,7 +168,8 @@ def test_a_numbered_frame_name_that_is_a_folder_is_refused_before_loading(
     (tmp_path / "x_3.png").mkdir()
     line = _refused(capsys, [str(wan22 / "pipe"), "--transformer", str(wan22 / "transformer.onnx"),
                              "--transformer-2", str(wan22 / "transformer_2.onnx"),
-                             "--prompt", "x", "--num-frames", "5", "-o", str(tmp_path / "x.png")])
+                             "--prompt", "x", "--num-frames", "5", "--height", "32",
+                             "--width", "32", "-o", str(tmp_path / "x.png")])
     assert "x_3.png is a folder" in line
 
 
