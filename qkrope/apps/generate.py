@@ -4,27 +4,35 @@ and the rest (text encoders, scheduler, VAE) in PyTorch, with the time of each s
 
     qkrope generate PIPELINE_DIR --transformer transformer.onnx --prompt "a cat" -o cat.png
 
-The pipeline is loaded with ``DiffusionPipeline.from_pretrained(PIPELINE_DIR, transformer=None)``
-(its own transformer is never read; ``--transformer pytorch`` loads and runs it instead, the
-baseline) and called with what it takes of ``--steps``, ``--height``, ``--width``,
+The pipeline is loaded with the ``from_pretrained`` of diffusers' own class that model_index.json
+names (``WanPipeline.from_pretrained(PIPELINE_DIR, transformer=dropin, ...)``: that class's
+optional components take the drop-ins, so no PyTorch transformer is loaded; ``--transformer
+pytorch`` loads and runs it instead, the baseline) and called with what it takes of ``--steps``, ``--height``, ``--width``,
 ``--guidance-scale``, ``--true-cfg-scale``, ``--negative-prompt`` and the seed. The stages are
 timed as TensorRT's diffusion demo reports them: the text encoders (every ``text_encoder*``
 component's forward), the denoising loop (each step, from the pipeline's
 ``callback_on_step_end``, and the transformer's calls), the VAE (its ``decode``), and the whole
 call; on CUDA each time is taken after a synchronise. Loading the pipeline and the transformer is
-timed apart from the call. The denoising steps show as a tqdm bar on a terminal (lines in a log).
+timed apart from the call. The denoising steps show as a tqdm bar on a terminal (lines in a log);
+a pipeline without ``callback_on_step_end`` reports no steps, so its transformer calls are
+counted instead, as calls (under CFG a step can be several).
 
 Before any model is loaded (:func:`preflight`, from the folder's JSON files and the exports'
 sidecars), each of these is refused in one line with the fix: a size, ``--num-frames`` or image
 token grid past what the export serves (the family's position scheme over the model's own RoPE
-tables; an engine's optimisation profiles), a side that is no multiple of the family's pixels
+tables; an engine's optimisation profiles; each side on its own, a side not given being the
+pipeline's ``__call__`` default where that is an int), a side that is no multiple of the family's pixels
 per token, frames that are not 1 + a multiple of the VAE's temporal compression, ``--num-frames``
 for an image pipeline, an export of another family than the pipeline's transformer (the family
 registry), a pipeline with a second transformer component (``transformer_2``: Wan 2.2's
 low-noise expert) whose export was not given with ``--transformer-2`` (no expert runs in PyTorch
 beside an export), ``--transformer pytorch`` on a folder saved with the drop-in (it holds an
 export, no PyTorch weights), a prompt that is not UTF-8, an output under a file or a numbered
-output name that is a folder, and an ``.mp4`` without a video writer (``pip install
+output name that is a folder, an ``--out`` that names a folder, an output folder where no file
+can be created (a temporary file is created and removed), a ``--seed`` outside what
+``torch.Generator`` takes, ``--steps`` past the scheduler's ``num_train_timesteps``, a
+``--dtype`` other than the export's, one export given for two transformer components (or the
+other component's export), and an ``.mp4`` without a video writer (``pip install
 'qkrope[video]'``: imageio and imageio-ffmpeg, what diffusers' ``export_to_video`` uses).
 """
 
