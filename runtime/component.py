@@ -55,6 +55,8 @@ whether a fixed exported graph can do it:
   ``_load_ip_adapter_weights`` (``load_ip_adapter``) are refused in one line with what
   works: fuse the LoRA into the PyTorch transformer, then ``qkrope.apps.refit_live.
   refit_weights`` (a ``--refit`` engine, in process) or re-export the fused model.
+- **load_state_dict** is refused the same way (the drop-in has no torch parameters: torch's
+  load would match nothing and report success); ``state_dict()`` is honestly empty.
 - **diffusers' model hooks.** ``fuse_qkv_projections``/``unfuse_qkv_projections``,
   ``set_default_attn_processor``, ``reset_attention_backend`` and ``disable_cache`` are
   no-ops (the graph already is what they ask for; the numbers do not change);
@@ -327,6 +329,23 @@ class DropinComponent(ModelMixin):
             f"refit_weights(drop_in, fused_transformer), or save the fused transformer "
             f"(pipe.transformer.save_pretrained(DIR)) and re-export it (`qkrope export "
             f"--model transformer --diffusers DIR`)")
+
+    def load_state_dict(self, state_dict: Any = None, *args, **kwargs):
+        """Refused: the drop-in has no torch parameters to load into (its ``state_dict()`` is
+        empty, honestly), so torch's load would match nothing and report success."""
+        n = len(state_dict) if isinstance(state_dict, Mapping) else None
+        raise ComponentError(
+            f"load_state_dict({'a state dict of ' + str(n) + ' tensors' if n is not None else '...'}"
+            f"): {self._what()} has its weights fixed at export and no torch parameters to "
+            f"load into; nothing would be loaded. Fix: refit a `qkrope build --refit` engine in "
+            f"process with qkrope.apps.refit_live.refit_weights(drop_in, state_dict), or load "
+            f"the weights into the PyTorch transformer, save it (save_pretrained(DIR)) and "
+            f"re-export it (`qkrope export --model transformer --diffusers DIR`)")
+
+    def _load_from_state_dict(self, state_dict: Any, *args, **kwargs):
+        # what torch.nn.Module.load_state_dict calls on each module (a parent module's load
+        # included): the same refusal
+        self.load_state_dict(state_dict)
 
     def load_lora_adapter(self, *args, **kwargs) -> None:
         self._refuse_adapters("load_lora_adapter (pipe.load_lora_weights)")

@@ -493,3 +493,17 @@ def test_base_class_from_pretrained_refuses_another_familys_drop_in(wan, exporte
     with pytest.raises(ComponentError, match=r"WanPipeline\.transformer takes a Wan") as exc:
         diffusers.DiffusionPipeline.from_pretrained(wan[0], transformer=qwen)
     _one_line(exc)
+
+
+@pytest.mark.parametrize("call", [
+    lambda d: d.load_state_dict({"proj_out.weight": torch.zeros(2, 2)}, strict=False),
+    lambda d: d.load_state_dict({}),
+    lambda d: torch.nn.Module.load_state_dict(d, {}),
+], ids=["strict-false", "empty", "torch-module"])
+def test_load_state_dict_is_refused_not_a_silent_no_op(exported, call):
+    dropin = load_transformer(exported[1])
+    assert dropin.state_dict() == {}  # honestly empty: no torch parameters
+    with pytest.raises(ComponentError, match="no torch parameters to load into") as exc:
+        call(dropin)
+    text = _one_line(exc)
+    assert "refit_live.refit_weights" in text and "qkrope export --model transformer" in text
