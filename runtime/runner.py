@@ -165,7 +165,15 @@ def _same_cuda(a: torch.device, b: torch.device) -> bool:
 
 
 def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
-    """Checks that do not depend on the model: types, ranks, batch, mask shape."""
+    """Checks that do not depend on the model: types, ranks, batch, mask shape (a 5-D latent
+    passes the rank check: :func:`_check_roles` with the family's answer)."""
+    _check_roles(hidden_states, encoder_hidden_states, mask, latent_5d=True)
+
+
+def _check_roles(hidden_states, encoder_hidden_states, mask, *, latent_5d: bool) -> None:
+    """:func:`check_roles`; ``latent_5d``: whether the family's latent is 5-D (its record's
+    latent; the Triton rope model is told the same by its ``latent_patch``), else a 5-D
+    hidden_states is a rank error as on the served path."""
     for name, t in (("hidden_states", hidden_states),
                     ("encoder_hidden_states", encoder_hidden_states)):
         if not isinstance(t, torch.Tensor):
@@ -178,11 +186,12 @@ def check_roles(hidden_states, encoder_hidden_states, mask) -> None:
     given = mask if mask is None or isinstance(mask, torch.Tensor) else torch.empty(0)
     try:
         schemes.check_token_shapes(tuple(hidden_states.shape), tuple(encoder_hidden_states.shape),
-                                   None if given is None else tuple(given.shape))
+                                   None if given is None else tuple(given.shape),
+                                   latent_5d=latent_5d)
     except schemes.BadRequest as exc:
         msg = str(exc)
         if given is not mask:  # not a tensor: say what it is
-            msg = msg.replace("got (0,)", f"got {type(mask).__name__}")
+            msg = msg.replace("got shape (0,)", f"got {type(mask).__name__}")
         raise RunnerInputError(msg) from None
 
 
@@ -398,12 +407,15 @@ class Runner:
         tokens is reported by the cache check (overflow)."""
         from . import schemes
         from .caches import build_rope_caches, model_setting, record_of
+        from .latents import VIDEO_5D, latent_of
 
+        record = record_of(self.io.config, self.io.source)
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            check_roles(hidden_states, encoder_hidden_states, None)
+            cfg = getattr(self.io.config, "diffusers_config", None)
+            latent_5d = latent_of(record, cfg if isinstance(cfg, dict) else {}).kind == VIDEO_5D
+            _check_roles(hidden_states, encoder_hidden_states, None, latent_5d=latent_5d)
         call = {k: request.pop(k) for k in ("conditioning", "extra_inputs", "full_check")
                 if k in request}
-        record = record_of(self.io.config, self.io.source)
         scheme = schemes.scheme(record.scheme)
         length = getattr(scheme, "TEXT_LENGTH_FIELD", None)
         if length is not None and request.get(length) is None:

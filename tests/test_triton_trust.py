@@ -12,6 +12,7 @@ at connect is also exercised in tests/test_triton_client.py.)
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -518,3 +519,32 @@ def test_a_source_rewritten_while_it_is_copied_is_not_served(tiny_transformer_on
     assert f"{victim} changed while it was copied" in msg and "nothing was written" in msg, msg
     assert not repo.exists() or not any(repo.iterdir())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
+
+
+def test_bad_shapes_get_the_same_line_on_both_paths(tiny_transformer_onnx, tmp_path,
+                                                    monkeypatch):
+    """The rank and batch of the latent and the mask: one check (schemes.check_token_shapes)
+    with the same inputs on both paths (the served rope model sees the latent and the mask):
+    a mask of another batch than the latent's, a 1-D mask, a 5-D latent of an image family."""
+    from _triton_helpers import load_rope_model
+
+    from qkrope.runtime import load
+
+    triton.write_onnx_repository(tiny_transformer_onnx, tmp_path / "repo", name="tiny")
+    model, pb = load_rope_model(tmp_path / "repo" / "tiny_rope", monkeypatch)
+    local = load(tiny_transformer_onnx)
+    cases = [  # (hidden_states, encoder_hidden_states, mask, what the line says)
+        (torch.zeros(2, 24, 16), torch.zeros(1, 5, 24), torch.ones(1, 5, dtype=torch.bool),
+         r"must be \[batch, txt_tokens\] = \(2, 5\)"),
+        (torch.zeros(1, 24, 16), torch.zeros(1, 5, 24), torch.ones(5, dtype=torch.bool),
+         r"must be \[batch, txt_tokens\] \(2-D, batch 1.*got shape \(5,\)"),
+        (torch.zeros(1, 16, 1, 4, 6), torch.zeros(1, 5, 24), torch.ones(1, 5, dtype=torch.bool),
+         r"hidden_states must be 3-D"),
+    ]
+    for hidden, text, mask, pattern in cases:
+        here = _local_error(lambda: local.run_positions(hidden, text, img_shapes=[(1, 4, 6)],
+                                                        mask=mask, timestep=torch.zeros(1)))
+        served = _rope_error(model, pb, {"img_shapes": np.array([[1, 4, 6]], np.int64),
+                                         "hidden_states": hidden.numpy(),
+                                         "encoder_hidden_states_mask": mask.numpy()})
+        assert served == here and re.search(pattern, here), (served, here)

@@ -213,19 +213,26 @@ def check_token_shapes(latent, text, mask, *, latent_5d: bool = True) -> None:
             raise BadRequest(f"{name} must be 3-D [batch, tokens, dim]; got shape "
                              f"{tuple(shape)}. Fix: add the batch dimension "
                              f"({name}.unsqueeze(0)) or flatten heads into dim")
-    b = int(text[0]) if text is not None else int(latent[0])
-    if text is not None and int(latent[0]) != b:
-        raise BadRequest(
-            f"batch mismatch: hidden_states has batch {int(latent[0])}, "
-            f"encoder_hidden_states has {b}. Fix: give both the same batch (e.g. repeat the "
-            f"prompt embedding for classifier-free guidance)")
+    b = int(latent[0])  # the batch every other tensor follows (the served rope model sees
+    # the latent and the mask, not always the text: the mask is checked before the text, and
+    # its expected length read from the mask itself only when it is 2-D)
     if mask is not None:
-        s_txt = int(text[1]) if text is not None else (int(mask[1]) if len(mask) > 1 else 0)
-        if tuple(int(d) for d in mask) != (b, s_txt):
+        got = tuple(int(d) for d in mask)
+        if len(got) != 2:
+            raise BadRequest(
+                f"encoder_hidden_states_mask must be [batch, txt_tokens] (2-D, batch {b}; 1 = "
+                f"attend); got shape {got}. Fix: one row per batch item, one column per text "
+                f"token")
+        s_txt = int(text[1]) if text is not None else got[1]
+        if got != (b, s_txt):
             raise BadRequest(
                 f"encoder_hidden_states_mask must be [batch, txt_tokens] = {(b, s_txt)} (1 = "
-                f"attend); got {tuple(int(d) for d in mask)}. Fix: one row per batch item, one "
-                f"column per text token")
+                f"attend); got {got}. Fix: one row per batch item, one column per text token")
+    if text is not None and int(text[0]) != b:
+        raise BadRequest(
+            f"batch mismatch: hidden_states has batch {b}, encoder_hidden_states has "
+            f"{int(text[0])}. Fix: give both the same batch (e.g. repeat the prompt embedding "
+            f"for classifier-free guidance)")
 
 
 def show_rows(rows, limit: int = 4) -> str:
