@@ -474,3 +474,34 @@ def test_the_same_export_for_both_experts_is_refused(wan22, tmp_path, capsys, no
                              "--prompt", "x", "--height", "32", "--width", "32",
                              "--num-frames", "5", "-o", str(tmp_path / "x.gif")])
     assert "--transformer-2" in line and "transformer_2" in line and "Fix:" in line, line
+
+
+def test_a_pipeline_without_step_callbacks_counts_calls_not_steps(qwen, tmp_path, capsys,
+                                                                  monkeypatch):
+    """HunyuanVideo-1.5 takes no callback_on_step_end: its progress and table count the
+    transformer's calls, as calls (a stand-in: Qwen-Image's __call__ without that parameter)."""
+    original = diffusers.QwenImagePipeline.__call__
+
+    def call(self, prompt=None, num_inference_steps=50, height=None, width=None,
+             generator=None, output_type="pil"):
+        return original(self, prompt=prompt, num_inference_steps=num_inference_steps,
+                        height=height, width=width, generator=generator, output_type=output_type)
+
+    monkeypatch.setattr(diffusers.QwenImagePipeline, "__call__", call)
+    assert main(["generate", str(qwen / "pipe"), "--transformer", str(qwen / "t.onnx"),
+                 "--prompt", "a cat", "--steps", "2", "--height", "32", "--width", "32",
+                 "-o", str(tmp_path / "cat.png")]) == 0
+    err = capsys.readouterr().err
+    assert "transformer: 2 call" in err and "denoising: 0 step" not in err, err
+    assert "2 transformer call(s)" in err and "step(s)" not in err, err
+
+
+def test_an_import_error_of_the_pipeline_class_is_one_line(qwen, monkeypatch):
+    def needs(*args, **kwargs):
+        raise ImportError("QwenImagePipeline requires the cosmos_guardrail library.")
+
+    monkeypatch.setattr(diffusers.QwenImagePipeline, "from_pretrained", needs)
+    with pytest.raises(InputError) as e:
+        gen.generate(qwen / "pipe", qwen / "t.onnx", "a cat", steps=1, log=lambda _: None)
+    message = str(e.value)
+    assert "cosmos_guardrail library. Fix: install" in message and ".." not in message, message
