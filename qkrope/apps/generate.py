@@ -454,7 +454,6 @@ def check_family(plan: PipelinePlan, component: str, path: str, info) -> None:
 def _saved_export_info(folder: Path):
     """The sidecar of the export a drop-in save left in ``folder`` (its qkrope_component.json
     names the model file; both read as JSON, nothing loaded), or None where unreadable."""
-    from qkrope.errors import QkropeError
     from qkrope.runtime.component import COMPONENT_FILE
 
     record = _read_json(folder / COMPONENT_FILE)
