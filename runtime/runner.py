@@ -95,11 +95,12 @@ def check_inputs(io: ModelIO, feeds: Mapping[str, Any], *, device: torch.device)
                 f"one device. Fix: {label.split()[0]}.to({str(device)!r})")
         got_dtype = _torch_dtype_name(t)
         if got_dtype != spec.dtype and role_of.get(spec.name) == "encoder_hidden_states_mask":
-            raise RunnerInputError(
-                f"{label} has dtype {got_dtype}; the model expects {spec.dtype} [batch, "
-                f"txt_tokens]. Fix: pass mask.to(torch.{spec.dtype})"
-                + (" (True = attend; for a 1/0 float mask use mask > 0)"
-                   if spec.dtype == "bool" else ""))
+            from . import schemes  # the one check the Triton rope model runs too
+
+            try:
+                schemes.check_mask_dtype(got_dtype, spec.dtype, label)
+            except schemes.BadRequest as exc:
+                raise RunnerInputError(str(exc)) from None
         if got_dtype != spec.dtype:
             short = {v: k for k, v in dtypes.NAME_BY_SHORT.items()}
             other = (f" (or re-export with `qkrope export --dtype {short[got_dtype]}` for "

@@ -162,6 +162,10 @@ class TritonPythonModel:
             "ids_txt_tensor" if name == "ids" else "txt_tensor"]).split(","))
         self.txt_tensor = self.txt_tensors[0]
         self.latent_tensor = _param(config, "latent_tensor", DEFAULT_NAMES["latent_tensor"])
+        # the mask's declared type (the main model's): its dtype is checked as locally
+        self.mask_dtype = {i.get("name"): self.schemes._common.TRITON_MASK_DTYPES.get(
+            str(i.get("data_type", ""))) for i in config.get("input", [])
+            if isinstance(i, dict)}.get(DEFAULT_NAMES["txt_tensor"])
         patch = _param(config, "latent_patch", "")
         self.latent_patch = tuple(int(v) for v in patch.split(",")) if patch else None
         self.img_name = _param(config, "img_output", DEFAULT_NAMES["img_output"])
@@ -217,6 +221,10 @@ class TritonPythonModel:
         self.schemes.check_token_shapes(latent, shapes.get(DEFAULT_NAMES["ids_txt_tensor"]),
                                         shapes.get(DEFAULT_NAMES["txt_tensor"]),
                                         latent_5d=self.latent_patch is not None)
+        mask = DEFAULT_NAMES["txt_tensor"]
+        if mask in self.txt_tensors:
+            self.schemes.check_mask_dtype(
+                str(self._tensor(request, mask).as_numpy().dtype), self.mask_dtype, mask)
 
     def _one(self, request):
         names = {"txt": " + ".join(self.txt_tensors), "latent": self.latent_tensor}

@@ -525,7 +525,8 @@ def test_bad_shapes_get_the_same_line_on_both_paths(tiny_transformer_onnx, tmp_p
                                                     monkeypatch):
     """The rank and batch of the latent and the mask: one check (schemes.check_token_shapes)
     with the same inputs on both paths (the served rope model sees the latent and the mask):
-    a mask of another batch than the latent's, a 1-D mask, a 5-D latent of an image family."""
+    a mask of another batch than the latent's, a 1-D mask, a 5-D latent of an image family, a
+    float mask (schemes.check_mask_dtype, against the mask input's declared type)."""
     from _triton_helpers import load_rope_model
 
     from qkrope.runtime import load
@@ -540,6 +541,8 @@ def test_bad_shapes_get_the_same_line_on_both_paths(tiny_transformer_onnx, tmp_p
          r"must be \[batch, txt_tokens\] \(2-D, batch 1.*got shape \(5,\)"),
         (torch.zeros(1, 16, 1, 4, 6), torch.zeros(1, 5, 24), torch.ones(1, 5, dtype=torch.bool),
          r"hidden_states must be 3-D"),
+        (torch.zeros(1, 24, 16), torch.zeros(1, 5, 24), torch.ones(1, 5),
+         r"has dtype float32; the model expects bool"),
     ]
     for hidden, text, mask, pattern in cases:
         here = _local_error(lambda: local.run_positions(hidden, text, img_shapes=[(1, 4, 6)],

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from . import grid, ids, patch_grid, scaled_grid, table
 from ._common import (BIT_EXACT, PRECISIONS, STREAMS, BadPositions, BadRequest,  # noqa: F401
-                      CacheBudget, PositionOverflow, Setting, TooLarge, check_token_shapes,
-                      identity_rows)
+                      CacheBudget, PositionOverflow, Setting, TooLarge, check_mask_dtype,
+                      check_token_shapes, identity_rows)
 
 #: Every scheme by name.
 SCHEMES = {m.NAME: m for m in (grid, ids, table, patch_grid, scaled_grid)}

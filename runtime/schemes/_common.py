@@ -235,6 +235,24 @@ def check_token_shapes(latent, text, mask, *, latent_5d: bool = True) -> None:
             f"for classifier-free guidance)")
 
 
+#: Triton's type names of a mask input, as torch / numpy name them.
+TRITON_MASK_DTYPES = {"TYPE_BOOL": "bool", "TYPE_INT64": "int64", "TYPE_INT32": "int32",
+                      "TYPE_FP32": "float32", "TYPE_FP16": "float16", "TYPE_BF16": "bfloat16"}
+
+
+def check_mask_dtype(got: str, want: str | None, label: str = "encoder_hidden_states_mask"
+                     ) -> None:
+    """The prompt mask's dtype (``got``, torch's / numpy's name) is the model's (``want``; None:
+    not known, not judged), else :class:`BadRequest`: the one check of the local runner and
+    the Triton rope model, after :func:`check_token_shapes`."""
+    if want is None or got == want:
+        return
+    raise BadRequest(f"{label} has dtype {got}; the model expects {want} [batch, txt_tokens]. "
+                     f"Fix: pass mask.to(torch.{want})"
+                     + (" (True = attend; for a 1/0 float mask use mask > 0)"
+                        if want == "bool" else ""))
+
+
 def show_rows(rows, limit: int = 4) -> str:
     """Rows of a request for a message: the first few (a hostile request may send thousands)."""
     rows = [list(r) for r in rows]
