@@ -232,7 +232,7 @@ def test_gpu_path_wiring_with_fake_engines(tmp_path, monkeypatch):
 
     loaded = []
 
-    def fake_load(path, plugin=None, cuda_graph=False):
+    def fake_load(path, plugin=None, cuda_graph=False, allow_host_code=False):
         loaded.append((Path(path).name, plugin))
         return Runner(path, plugin)
 
