@@ -368,10 +368,8 @@ _SWAP_KILL = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(os.name != "posix", reason="signals")
-def test_a_folder_moved_away_below_a_subfolder_is_put_back(tmp_path):
-    """A writer whose staging folder sits beside the folder it writes into (the Triton
-    repository) is killed between its two renames: the next writer puts the old folder back."""
+def _kill_mid_swap(tmp_path):
+    """REPO/m (config.pbtxt "old") and a writer of REPO/m SIGKILLed between its two renames."""
     (tmp_path / "repo" / "m").mkdir(parents=True)
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text("old")
     proc = subprocess.Popen([sys.executable, "-c", _SWAP_KILL, str(tmp_path)],
@@ -382,6 +380,13 @@ def test_a_folder_moved_away_below_a_subfolder_is_put_back(tmp_path):
         assert proc.wait(30) == -signal.SIGKILL
     finally:
         proc.kill() if proc.poll() is None else None
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+def test_a_folder_moved_away_below_a_subfolder_is_put_back(tmp_path):
+    """A writer whose staging folder sits beside the folder it writes into (the Triton
+    repository) is killed between its two renames: the next writer puts the old folder back."""
+    _kill_mid_swap(tmp_path)
     assert not (tmp_path / "repo" / "m").exists()
     _fileio.remove_stale_staging(tmp_path)
     assert (tmp_path / "repo" / "m" / "config.pbtxt").read_text() == "old"
@@ -498,16 +503,7 @@ def test_a_killed_commit_is_finished_after_a_remount(out):
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
 def test_a_folder_moved_away_is_put_back_after_a_remount(tmp_path):
-    (tmp_path / "repo" / "m").mkdir(parents=True)
-    (tmp_path / "repo" / "m" / "config.pbtxt").write_text("old")
-    proc = subprocess.Popen([sys.executable, "-c", _SWAP_KILL, str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "moved"
-        proc.kill()
-        assert proc.wait(30) == -signal.SIGKILL
-    finally:
-        proc.kill() if proc.poll() is None else None
+    _kill_mid_swap(tmp_path)
     note, = tmp_path.glob(f"{_fileio.STAGING_PREFIX}*/{_fileio.REPLACED}/*{_fileio._TARGET_SUFFIX}")
     _renumber_device(note)
     _fileio.remove_stale_staging(tmp_path)
