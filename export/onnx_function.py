@@ -155,7 +155,7 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
         nodes += [n("Shape", [x], [f"{p}hd"], start=2),
                   n("Reshape", [w, f"{p}hd"], [f"{p}w_hd"])]
         w = f"{p}w_hd"
-    if v.rounding == contract.ROUNDING_DIFFUSERS:
+    if v.rounding == contract.ROUNDING_EACH_STEP:
         # diffusers' eager order: round x*inv to the activation dtype, multiply by the weight in
         # that dtype (rounded again), then rotate in fp32. Identity casts for fp32 activations.
         # The multiply runs in fp32 on values already rounded to the activation dtype, then is
@@ -170,7 +170,7 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
             n("CastLike", [f"{p}yw", x], [f"{p}yw_r"]),
             n("Cast", [f"{p}yw_r"], [f"{p}y"], to=TensorProto.FLOAT),
         ]
-    elif v.rounding == contract.ROUNDING_FLUX:
+    elif v.rounding == contract.ROUNDING_TWO_STEPS:
         # FLUX's eager order (torch's RMSNorm): (x*inv)*w in fp32, rounded once to the
         # activation dtype, then rotated in fp32 (diffusers' apply_rotary_emb). Identity casts
         # for fp32 activations.

@@ -32,11 +32,11 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
     else:
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     narrow = x.dtype != torch.float32
-    if rounding == contract.ROUNDING_DIFFUSERS and narrow:
+    if rounding == contract.ROUNDING_EACH_STEP and narrow:
         # diffusers' RMSNorm (Qwen-Image): normalised value rounded to the activation dtype,
         # multiplied by the weight in that dtype (rounded again), then rotated in fp32.
         y = ((xf * inv).to(x.dtype) * weight.to(x.dtype)).float()
-    elif rounding == contract.ROUNDING_FLUX and narrow:
+    elif rounding == contract.ROUNDING_TWO_STEPS and narrow:
         # torch's RMSNorm (FLUX's norm_q/norm_k): (x * inv) * w in fp32, rounded once to the
         # activation dtype; diffusers' apply_rotary_emb then rotates that value in fp32.
         y = (xf * inv * weight.float()).to(x.dtype).float()

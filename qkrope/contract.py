@@ -36,19 +36,21 @@ DEFAULT_EPS = 1e-6
 DEFAULT_INTERLEAVED = True
 # The rounding attribute's values (docs/spec.md sections 3 and 4): where a bf16/fp16 result is
 # rounded to the activation dtype.
+# Each mode is named by where it rounds, never by a model that uses it (the family records say
+# which mode their eager order is):
 #   ROUNDING_ONE       (0) once, at the end (normalise, scale and rotate in fp32).
-#   ROUNDING_DIFFUSERS (1) Qwen-Image's eager order in diffusers: the normalised value rounded,
-#                          times the weight rounded, then rotated (complex) and rounded.
-#   ROUNDING_FLUX      (2) FLUX's eager order: the normalised value times the weight rounded
-#                          once (torch's RMSNorm), then rotated in fp32 and rounded again.
+#   ROUNDING_EACH_STEP (1) after each of the three steps: the normalised value rounded, times the
+#                          weight rounded, then rotated (complex) and rounded.
+#   ROUNDING_TWO_STEPS (2) twice: the normalised value times the weight rounded once (torch's
+#                          fused RMSNorm), then rotated in fp32 and rounded again.
 ROUNDING_ONE = 0
-ROUNDING_DIFFUSERS = 1
-ROUNDING_FLUX = 2
-ROUNDING_MODES = (ROUNDING_ONE, ROUNDING_DIFFUSERS, ROUNDING_FLUX)
+ROUNDING_EACH_STEP = 1
+ROUNDING_TWO_STEPS = 2
+ROUNDING_MODES = (ROUNDING_ONE, ROUNDING_EACH_STEP, ROUNDING_TWO_STEPS)
 ROUNDING_MEANINGS = {
     ROUNDING_ONE: "one rounding",
-    ROUNDING_DIFFUSERS: "diffusers' Qwen-Image eager order",
-    ROUNDING_FLUX: "FLUX's eager order",
+    ROUNDING_EACH_STEP: "rounded after each step (normalise, weight, rotate)",
+    ROUNDING_TWO_STEPS: "rounded twice (normalise times weight, rotate)",
 }
 DEFAULT_ROUNDING = ROUNDING_ONE
 # The norm_scope attribute's values (docs/spec.md section 3.2): what one RMSNorm spans.

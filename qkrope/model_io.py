@@ -47,8 +47,6 @@ class ModelShape:
 #: QwenEmbedRope; the qwen_image family record takes its RoPE numbers from here).
 ATTENTION_BLOCK = ModelShape(heads=24, head_dim=128, axes_dims_rope=(16, 56, 56), theta=10000,
                              max_positions=4096)
-#: Its first name (kept for callers).
-QWEN_IMAGE = ATTENTION_BLOCK
 
 # --------------------------------------------------------------------------------------------
 # Axes and roles

@@ -118,9 +118,9 @@ def row_scope_reference(q, k, qw, kw, cache, *, eps=contract.DEFAULT_EPS,
         inv = torch.rsqrt(xf.reshape(b, s, h * d).pow(2).mean(-1) + eps)[..., None, None]
         wv = w.reshape(h, d)
         narrow = x.dtype != torch.float32
-        if rounding == contract.ROUNDING_DIFFUSERS and narrow:
+        if rounding == contract.ROUNDING_EACH_STEP and narrow:
             y = ((xf * inv).to(x.dtype) * wv).float()
-        elif rounding == contract.ROUNDING_FLUX and narrow:
+        elif rounding == contract.ROUNDING_TWO_STEPS and narrow:
             y = (xf * inv * wv.float()).to(x.dtype).float()
         else:
             y = xf * inv * wv.float()
@@ -180,8 +180,8 @@ def assert_bit_exact(outs, refs):
 def order_policy_steps(rounding: int) -> float:
     """Largest difference, in dtype steps at the row's scale, that a different order of the sum
     of squares can cause (module docstring)."""
-    return {contract.ROUNDING_ONE: 1, contract.ROUNDING_DIFFUSERS: 2,
-            contract.ROUNDING_FLUX: 1 + 2 ** 0.5}[rounding]
+    return {contract.ROUNDING_ONE: 1, contract.ROUNDING_EACH_STEP: 2,
+            contract.ROUNDING_TWO_STEPS: 1 + 2 ** 0.5}[rounding]
 
 
 def assert_within_order_policy(outs, refs, dtype, rounding):

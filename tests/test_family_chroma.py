@@ -1,6 +1,6 @@
 """Chroma (diffusers' ChromaTransformer2DModel; the tiny builder of tests/_families.py, diffusers'
 pipeline-test sizes): the cache-input wrapper is bit-exact with diffusers' own forward in fp32,
-bf16 and fp16 (FLUX's rounding order, contract.ROUNDING_FLUX, matches: Chroma is FLUX.1's
+bf16 and fp16 (FLUX's rounding order, contract.ROUNDING_TWO_STEPS, matches: Chroma is FLUX.1's
 attention code), the caches are FluxPosEmbed's, the export has one QKNormRoPE node per stream
 per attention and the text mask as an input, ONNX Runtime agrees with diffusers at untraced
 shapes, the three Chroma pipelines run end to end on the export through the drop-in, and what
@@ -89,7 +89,7 @@ def test_the_record_is_diffusers_chroma():
     default = inspect.signature(diffusers.ChromaTransformer2DModel.__init__).parameters
     assert tuple(default["axes_dims_rope"].default) == CHROMA.axes
     assert chroma_transformer(0).pos_embed.theta == CHROMA.theta
-    assert CHROMA.rounding == contract.ROUNDING_FLUX
+    assert CHROMA.rounding == contract.ROUNDING_TWO_STEPS
 
 
 def test_caches_are_diffusers_flux_pos_embed():

@@ -42,7 +42,7 @@ def _setting():
                          ids=["fp32", "bf16", "fp16"])
 def test_fused_wrapper_is_bit_exact_with_the_stock_forward(dtype):
     """The cache-input wrapper (every attention through qk_norm_rope with the family's rounding,
-    ROUNDING_DIFFUSERS) fed diffusers' own RoPE values equals the stock forward bit for bit in
+    ROUNDING_EACH_STEP) fed diffusers' own RoPE values equals the stock forward bit for bit in
     each dtype: the node's mode 1 is diffusers' RMSNorm order and its fp32 rotation, and the
     text's identity rows leave the normalised text exactly as it is."""
     from qkrope.families.hunyuan_image.export import cache_input_hunyuan_image

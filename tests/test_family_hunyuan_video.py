@@ -98,7 +98,7 @@ def test_patched_forward_is_bit_exact(variant, dtype, i2v):
     """The cache-input wrapper (fused nodes, identity text rows, the reordered text, the
     exported masks' eager form) against diffusers' forward, both given diffusers' own RoPE
     tables: equal bit for bit in fp32, and in bf16 and fp16 with the node's rounding 1
-    (ROUNDING_DIFFUSERS: diffusers' RMSNorm rounds the normalised value and its product with
+    (ROUNDING_EACH_STEP: diffusers' RMSNorm rounds the normalised value and its product with
     the weight, apply_rotary_emb rotates in fp32 and rounds; the same operations in the same
     order). HunyuanVideo-1.5 with zero (text-to-video) and non-zero image embeddings; padded
     text in one batch item, padded ByT5 tokens in the other."""

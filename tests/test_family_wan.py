@@ -154,7 +154,7 @@ def test_graph(exported):
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert (attrs["norm_scope"], attrs["rounding"], attrs["interleaved"]) == (
-            contract.NORM_SCOPE_ROW, contract.ROUNDING_FLUX, 1)
+            contract.NORM_SCOPE_ROW, contract.ROUNDING_TWO_STEPS, 1)
         assert attrs["epsilon"] == pytest.approx(1e-6)
     assert function_variant(model) == FunctionVariant(True, 2, False, contract.NORM_SCOPE_ROW)
     assert contract.validate_qknorm_rope_nodes(model, where=str(path)) == len(nodes)

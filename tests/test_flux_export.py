@@ -115,7 +115,7 @@ def test_fused_op_is_flux_eager_order_bit_for_bit(dtype):
     """The node's rounding (the family record's, FLUX.1's record .rounding) against FLUX's
     eager order in half precision (torch's RMSNorm rounds the normalised value, diffusers rotates
     in fp32 and rounds again): bit for bit in every dtype, since the family exports with
-    contract.ROUNDING_FLUX, that order."""
+    contract.ROUNDING_TWO_STEPS, that order."""
     from diffusers.models.embeddings import apply_rotary_emb
 
     from qkrope.export.ops import qk_norm_rope
@@ -136,7 +136,7 @@ def test_fused_op_is_flux_eager_order_bit_for_bit(dtype):
             want = apply_rotary_emb(norm(q), (cos, sin), sequence_dim=1)
             got, _ = qk_norm_rope(q, q, norm.weight, norm.weight, caches.img, eps=1e-6,
                                   rounding=family.rounding)
-        assert family.rounding == contract.ROUNDING_FLUX
+        assert family.rounding == contract.ROUNDING_TWO_STEPS
         assert torch.equal(got, want), dt
 
 

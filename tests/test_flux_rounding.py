@@ -1,4 +1,4 @@
-"""rounding=2 (contract.ROUNDING_FLUX) vs diffusers' own FLUX attention, bit for bit in bf16 and
+"""rounding=2 (contract.ROUNDING_TWO_STEPS) vs diffusers' own FLUX attention, bit for bit in bf16 and
 fp16: the q and k that FluxAttnProcessor (FLUX.1 double-stream block) and
 Flux2ParallelSelfAttnProcessor (FLUX.2 single-stream block) hand to the attention after
 torch.nn.RMSNorm and diffusers' apply_rotary_emb, captured at dispatch_attention_fn, against the
@@ -62,7 +62,7 @@ def _ids(txt: int, h: int, w: int, axes: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _modes_differ(x, w, cache, dtype, got):
     """The check can fail: the other two modes give other bits on these inputs."""
-    for other in (contract.ROUNDING_ONE, contract.ROUNDING_DIFFUSERS):
+    for other in (contract.ROUNDING_ONE, contract.ROUNDING_EACH_STEP):
         out, _ = qk_norm_rope_reference(x, x, w, w, cache, eps=EPS, rounding=other)
         assert not torch.equal(out, got), (dtype, other)
 
@@ -91,10 +91,10 @@ def test_flux1_double_block_norm_rope_is_bit_exact(dtype, monkeypatch):
         # the exporter's two nodes of a double block: image with norm_q/norm_k and the image
         # rows of the cache, text with norm_added_q/norm_added_k and the text rows
         img_q, img_k = qk_norm_rope(xq, xk, attn.norm_q.weight, attn.norm_k.weight,
-                                    cache[txt:].contiguous(), eps=EPS, rounding=contract.ROUNDING_FLUX)
+                                    cache[txt:].contiguous(), eps=EPS, rounding=contract.ROUNDING_TWO_STEPS)
         txt_q, txt_k = qk_norm_rope(eq, ek, attn.norm_added_q.weight, attn.norm_added_k.weight,
                                     cache[:txt].contiguous(), eps=EPS,
-                                    rounding=contract.ROUNDING_FLUX)
+                                    rounding=contract.ROUNDING_TWO_STEPS)
     assert q_ref.dtype == dtype
     assert torch.equal(torch.cat([txt_q, img_q], 1), q_ref)
     assert torch.equal(torch.cat([txt_k, img_k], 1), k_ref)
@@ -121,7 +121,7 @@ def test_flux2_single_block_norm_rope_is_bit_exact(dtype, monkeypatch):
         xq, xk, _ = (t.unflatten(-1, (HEADS, HEAD_DIM)) for t in qkv.chunk(3, dim=-1))
         # a single block: one node over [text; image] with the joined cache
         q, k = qk_norm_rope(xq.contiguous(), xk.contiguous(), attn.norm_q.weight,
-                            attn.norm_k.weight, cache, eps=EPS, rounding=contract.ROUNDING_FLUX)
+                            attn.norm_k.weight, cache, eps=EPS, rounding=contract.ROUNDING_TWO_STEPS)
     assert q_ref.dtype == dtype
     assert torch.equal(q, q_ref)
     assert torch.equal(k, k_ref)

@@ -354,7 +354,7 @@ def test_quantize_export_fp8_and_check_a_flux2_transformer(root, tmp_path):
     excluded = quantization.default_excluded("Flux2Transformer2DModel")
     assert linears and not any(n.split(".")[0] in excluded for n in linears)
     assert len(list(count_plugin_nodes(onnx_path))) == 3  # 2 (double block) + 1 (single)
-    assert info.attributes.rounding == contract.ROUNDING_FLUX
+    assert info.attributes.rounding == contract.ROUNDING_TWO_STEPS
     out = io.StringIO()
     report = check_fp8(onnx_path, img_shapes=SHAPES, txt_len=TXT, batch=BATCH, out=out)
     assert report.passed, out.getvalue()

@@ -12,7 +12,7 @@ import pytest
 from _tiny_model import sidecar_dict, write_tiny_onnx
 
 from qkrope import families, model_io
-from qkrope.model_io import QWEN_IMAGE
+from qkrope.model_io import ATTENTION_BLOCK
 from qkrope.runtime import io_specs
 from qkrope.sidecars import (EngineInfo, EngineTensor, ModelInfo, SidecarError, TensorInfo,
                              engine_tensors,
@@ -36,7 +36,7 @@ def test_declarations_are_consistent():
     # the transformer is the attention block's inputs plus a timestep
     assert (set(model_io.TRANSFORMER.input_names) - set(model_io.ATTENTION.input_names)
             == {"timestep"})
-    assert QWEN_IMAGE.dim == 3072 and QWEN_IMAGE.rotary_dim == QWEN_IMAGE.head_dim
+    assert ATTENTION_BLOCK.dim == 3072 and ATTENTION_BLOCK.rotary_dim == ATTENTION_BLOCK.head_dim
 
 
 def test_assign_roles_guesses_the_declared_names():

@@ -80,6 +80,6 @@ def test_node_validator_takes_every_rounding_mode_and_refuses_others():
     for mode in contract.ROUNDING_MODES:
         assert contract.validate_qknorm_rope_nodes(_one_node_model(mode), where="m.onnx") == 1
     with pytest.raises(contract.NodeContractError, match=r"'rounding' = 3 is invalid: expected "
-                                                         r"0 \(one rounding\), 1 .* or 2 \(FLUX"):
+                                                         r"0 \(one rounding\), 1 .* or 2 \(rounded twice"):
         contract.validate_qknorm_rope_nodes(_one_node_model(3), where="m.onnx")
-    assert contract.ROUNDING_FLUX == 2 and NodeAttributes(rounding=contract.ROUNDING_FLUX).rounding == 2
+    assert contract.ROUNDING_TWO_STEPS == 2 and NodeAttributes(rounding=contract.ROUNDING_TWO_STEPS).rounding == 2

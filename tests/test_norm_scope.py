@@ -181,9 +181,9 @@ def test_rounding_2_is_bit_exact_with_wans_eager_order(dtype):
     want = _wan_eager(q.flatten(2), qw, cache[:11], heads, 1e-6, dtype)
     modes = {m: qk_norm_rope_reference(q, q, qw, qw, cache, eps=1e-6, rounding=m,
                                        norm_scope=ROW)[0] for m in contract.ROUNDING_MODES}
-    assert torch.equal(modes[contract.ROUNDING_FLUX], want)
+    assert torch.equal(modes[contract.ROUNDING_TWO_STEPS], want)
     if dtype != torch.float32:
-        for m in (contract.ROUNDING_ONE, contract.ROUNDING_DIFFUSERS):
+        for m in (contract.ROUNDING_ONE, contract.ROUNDING_EACH_STEP):
             assert not torch.equal(modes[m], want), m
 
 
@@ -195,7 +195,7 @@ def test_rounding_2_is_bit_exact_with_wans_eager_order(dtype):
 # result.
 U = 2.0 ** -24
 U_T = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
-ROUNDINGS = {contract.ROUNDING_ONE: 1, contract.ROUNDING_DIFFUSERS: 3, contract.ROUNDING_FLUX: 2}
+ROUNDINGS = {contract.ROUNDING_ONE: 1, contract.ROUNDING_EACH_STEP: 3, contract.ROUNDING_TWO_STEPS: 2}
 
 
 def _float64_row_reference(x, w, cache, eps):

@@ -43,12 +43,12 @@ FP8_EXCLUDED = ("x_embedder", "context_embedder", "distilled_guidance_layer", "p
 #: batch 1 and 2 (CFG runs its two predictions as separate calls); planned in FLUX's eager
 #: order (2) and the one-rounding mode.
 LAUNCHES = tuple(Launch("Chroma1-HD", stream, seq, 24,
-                        roundings=(contract.ROUNDING_FLUX, 0))
+                        roundings=(contract.ROUNDING_TWO_STEPS, 0))
                  for stream, seq in (("image 4096", 4096), ("text 512", 512),
                                      ("single 4096+512", 4096 + 512)))
 
 # FLUX.1's attention and norms (torch's RMSNorm, rotation in fp32): FLUX's eager order, bit-exact
-# in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). FluxPosEmbed(theta=10000) is fixed in diffusers'
+# in bf16/fp16 (qkrope.contract.ROUNDING_TWO_STEPS). FluxPosEmbed(theta=10000) is fixed in diffusers'
 # code; positions are ids (no table, no limit). --layers K keeps the first K blocks in execution
 # order (double-stream, then single-stream) with the whole model's modulation rows (diffusers'
 # forward finds a block's rows at offsets counted from every block: 3 * single + 6 * double +
@@ -57,7 +57,7 @@ LAUNCHES = tuple(Launch("Chroma1-HD", stream, seq, 24,
 CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,
-    theta_key=None, max_positions=None, rounding=contract.ROUNDING_FLUX,
+    theta_key=None, max_positions=None, rounding=contract.ROUNDING_TWO_STEPS,
     graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=True,
     block_lists=DOUBLE_THEN_JOINED_BLOCKS, launches=LAUNCHES)
 

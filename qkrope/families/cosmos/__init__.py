@@ -101,7 +101,7 @@ PENDING_LAUNCHES = (
 LAUNCHES: tuple = ()
 
 # diffusers' RMSNorm (Qwen-Image's: x * inv rounded, times the weight rounded) and the fp32
-# split-halves rotation rounded once: contract.ROUNDING_DIFFUSERS. One block list,
+# split-halves rotation rounded once: contract.ROUNDING_EACH_STEP. One block list,
 # transformer_blocks (num_layers); each CosmosTransformerBlock returns the video tokens alone
 # (hidden_states: the pair with after_proj's projection is a ControlNet block's, never the
 # export's), so --blocks compares one "img" output per block and --layers K keeps the first K
@@ -111,7 +111,7 @@ COSMOS_PREDICT2 = FamilyRecord(
     label="Cosmos-Predict2 (2B, 14B: Text2Image, Video2World)", short="Cosmos-Predict2",
     package="cosmos", scheme="scaled_grid", axes=rope_axes(128), theta=int(THETA),
     theta_key=None, max_positions=max_positions((128, 240, 240), (1, 2, 2)),
-    rounding=contract.ROUNDING_DIFFUSERS, graph=COSMOS_TRANSFORMER,
+    rounding=contract.ROUNDING_EACH_STEP, graph=COSMOS_TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=True,
     block_lists=(BlockList("transformer_blocks", "num_layers", ("img",)),), rotated=("img",),
     latent="video-5d", rope_rule="setting_fields", launches=LAUNCHES)

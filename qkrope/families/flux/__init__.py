@@ -39,13 +39,13 @@ def _launches(model: str, heads: int) -> tuple[Launch, ...]:
     """A FLUX model's node launches at 1024x1024 (x 128, interleaved pairs at full rotary width):
     a double-stream block's 4096 image and 512 text tokens as two nodes, a single-stream block's
     joined 4608; batch 1 and 2; planned in FLUX's eager order (2) and the one-rounding mode."""
-    return tuple(Launch(model, stream, seq, heads, roundings=(contract.ROUNDING_FLUX, 0))
+    return tuple(Launch(model, stream, seq, heads, roundings=(contract.ROUNDING_TWO_STEPS, 0))
                  for stream, seq in (("image 4096", 4096), ("text 512", 512),
                                      ("single 4096+512", 4096 + 512)))
 
 
 # FLUX's eager order (torch's RMSNorm rounds x*inv*w once, diffusers rotates in fp32 and rounds
-# again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_FLUX). The
+# again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_TWO_STEPS). The
 # caches are computed from position ids (no table, so no position limit). --layers K keeps the
 # first K blocks in execution order (double-stream, then single-stream); --blocks compares each
 # block's outputs: image and text (FLUX.1's single-stream blocks return the pair too), or the
@@ -54,14 +54,14 @@ FLUX1 = FamilyRecord(
     name="flux1", class_name="FluxTransformer2DModel", label="FLUX.1 (dev, schnell, Kontext)",
     short="FLUX.1", package="flux", scheme="ids", axes=(16, 56, 56),
     theta=10000, theta_key=None,  # diffusers fixes FluxPosEmbed(theta=10000)
-    max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX1_TRANSFORMER,
+    max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=FLUX1_TRANSFORMER,
     fp8_excluded=FLUX1_EXCLUDED, blocks=True,
     block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=_launches("FLUX.1", 24))
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
     theta=2000, theta_key="rope_theta",  # the config's defaults
-    max_positions=None, rounding=contract.ROUNDING_FLUX, graph=FLUX2_TRANSFORMER,
+    max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=FLUX2_TRANSFORMER,
     fp8_excluded=FLUX2_EXCLUDED, blocks=True, block_lists=DOUBLE_THEN_JOINED_BLOCKS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
     launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))

@@ -31,12 +31,12 @@ FP8_EXCLUDED = ("x_embedder", "context_embedder", "context_embedder_2", "time_gu
 #: a double-stream block's image and text nodes, a single-stream block's joined node; batch 1
 #: and 2; planned in diffusers' order (1) and the one-rounding mode.
 LAUNCHES = tuple(
-    Launch("HunyuanImage-2.1", stream, seq, 28, roundings=(contract.ROUNDING_DIFFUSERS, 0))
+    Launch("HunyuanImage-2.1", stream, seq, 28, roundings=(contract.ROUNDING_EACH_STEP, 0))
     for stream, seq in (("image 2048x2048", 4096), ("image 1024x1024", 1024), ("text 1000", 1000),
                         ("single 4096+1000", 4096 + 1000)))
 
 # diffusers' RMSNorm (norm_q/norm_k: x * inv rounded, then * w) and its real-valued
-# apply_rotary_emb in fp32: the Qwen-Image order of the node (contract.ROUNDING_DIFFUSERS),
+# apply_rotary_emb in fp32: the Qwen-Image order of the node (contract.ROUNDING_EACH_STEP),
 # bit-exact in bf16/fp16. The text is normalised (norm_added_q/k, and the single-stream
 # blocks' norm over [image; text]) but not rotated: identity cache rows. A 32x VAE and 1x1
 # patches: 32 pixels per token side. --layers K keeps the first K blocks in execution order
@@ -50,7 +50,7 @@ HUNYUAN_IMAGE = FamilyRecord(
     label="HunyuanImage-2.1 (and its refiner)", short="HunyuanImage-2.1",
     package="hunyuan_image", scheme="patch-grid", axes=(64, 64),
     theta=256, theta_key="rope_theta", max_positions=None,
-    rounding=contract.ROUNDING_DIFFUSERS, graph=HUNYUAN_IMAGE_TRANSFORMER,
+    rounding=contract.ROUNDING_EACH_STEP, graph=HUNYUAN_IMAGE_TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=True,
     block_lists=(BlockList("transformer_blocks", "num_layers", ("img", "txt")),
                  BlockList("single_transformer_blocks", "num_single_layers", ("img", "txt"))),

@@ -49,7 +49,7 @@ def _launches(model: str, heads: int, videos, text: int, single: bool,
     rotary width; ``videos``: (name, latent tokens) of one video): the latent and the text
     stream of a double-stream block, and (HunyuanVideo) the joint [latent; text] launch of a
     single-stream block, which is the longest: tens of thousands of tokens per launch."""
-    roundings = (contract.ROUNDING_DIFFUSERS, contract.ROUNDING_ONE)
+    roundings = (contract.ROUNDING_EACH_STEP, contract.ROUNDING_ONE)
     out = [Launch(model, f"latent {name}", tokens, heads, roundings=roundings)
            for name, tokens in videos]
     if text_stream:
@@ -83,7 +83,7 @@ HUNYUAN_VIDEO_BLOCKS = (BlockList("transformer_blocks", "num_layers", ("img", "t
                                   ("img", "txt")))
 
 # The node rounding: diffusers' RMSNorm (the normalised value rounded, times the weight rounded)
-# then apply_rotary_emb in fp32 and rounded: contract.ROUNDING_DIFFUSERS's order (tests/
+# then apply_rotary_emb in fp32 and rounded: contract.ROUNDING_EACH_STEP's order (tests/
 # test_family_hunyuan_video.py: bit-exact in bf16 and fp16). The position tables hold 1024
 # positions per axis (a 16384-pixel-wide latent at the 16x VAE of 1.5). --layers K keeps the
 # first K blocks in execution order (HunyuanVideo: double-stream, then single-stream); --blocks
@@ -94,7 +94,7 @@ HUNYUAN_VIDEO15 = FamilyRecord(
     name="hunyuan-video-1.5", class_name="HunyuanVideo15Transformer3DModel",
     label="HunyuanVideo-1.5 (480p/720p, text- and image-to-video)", short="HunyuanVideo-1.5",
     package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
-    theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
+    theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_EACH_STEP,
     graph=HUNYUAN_VIDEO15_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO15_EXCLUDED, blocks=True,
     block_lists=HUNYUAN_VIDEO15_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
     launches=HUNYUAN_VIDEO15_LAUNCHES)
@@ -102,7 +102,7 @@ HUNYUAN_VIDEO = FamilyRecord(
     name="hunyuan-video", class_name="HunyuanVideoTransformer3DModel",
     label="HunyuanVideo (text- and image-to-video)", short="HunyuanVideo",
     package="hunyuan_video", scheme="grid", axes=(16, 56, 56), theta=256,
-    theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_DIFFUSERS,
+    theta_key="rope_theta", max_positions=1024, rounding=contract.ROUNDING_EACH_STEP,
     graph=HUNYUAN_VIDEO_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO_EXCLUDED, blocks=True,
     block_lists=HUNYUAN_VIDEO_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
     launches=HUNYUAN_VIDEO_LAUNCHES)

@@ -4,7 +4,7 @@ Facts only; the hooks are export.py, reference.py and dropin.py beside this file
 from __future__ import annotations
 
 from qkrope.families._record import FamilyRecord, Launch
-from qkrope.model_io import QWEN_IMAGE, TRANSFORMER
+from qkrope.model_io import ATTENTION_BLOCK, TRANSFORMER
 
 #: Top-level modules TensorRT's diffusion demo leaves in high precision: the default of
 #: `qkrope quantize --exclude` for a Qwen-Image transformer.
@@ -14,16 +14,16 @@ FP8_EXCLUDED = ("img_in", "txt_in", "time_text_embed", "norm_out", "proj_out")
 #: width; image tokens (resolution / 16)^2 at 512, 1024 and 1328 pixels, text 512 tokens; batch 1
 #: and 2; planned in the export's default rounding (0) and diffusers' order (1).
 LAUNCHES = tuple(
-    Launch("Qwen-Image", f"image {res}x{res}", (res // 16) ** 2, QWEN_IMAGE.heads,
-           QWEN_IMAGE.head_dim, roundings=(0, 1)) for res in (512, 1024, 1328)
-) + (Launch("Qwen-Image", "text 512", 512, QWEN_IMAGE.heads, QWEN_IMAGE.head_dim,
+    Launch("Qwen-Image", f"image {res}x{res}", (res // 16) ** 2, ATTENTION_BLOCK.heads,
+           ATTENTION_BLOCK.head_dim, roundings=(0, 1)) for res in (512, 1024, 1328)
+) + (Launch("Qwen-Image", "text 512", 512, ATTENTION_BLOCK.heads, ATTENTION_BLOCK.head_dim,
             roundings=(0, 1)),)
 
 QWEN_IMAGE_RECORD = FamilyRecord(
     name="qwen-image", class_name="QwenImageTransformer2DModel",
     label="Qwen-Image (and Qwen-Image-Edit)", short="Qwen-Image", package="qwen_image",
-    scheme="grid", axes=QWEN_IMAGE.axes_dims_rope, theta=QWEN_IMAGE.theta, theta_key=None,
-    max_positions=QWEN_IMAGE.max_positions, rounding=0, graph=TRANSFORMER,
+    scheme="grid", axes=ATTENTION_BLOCK.axes_dims_rope, theta=ATTENTION_BLOCK.theta, theta_key=None,
+    max_positions=ATTENTION_BLOCK.max_positions, rounding=0, graph=TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=True, launches=LAUNCHES)
 
 RECORDS = (QWEN_IMAGE_RECORD,)

@@ -103,7 +103,7 @@ WAN = FamilyRecord(
     label="Wan 2.1 / 2.2 (T2V 1.3B / 14B, I2V / FLF2V-14B, T2V-A14B, I2V-A14B, TI2V-5B)",
     short="Wan",
     package="wan", scheme="grid", axes=(44, 42, 42), theta=10000, theta_key=None,
-    max_positions=1024, rounding=contract.ROUNDING_FLUX, graph=WAN_TRANSFORMER,
+    max_positions=1024, rounding=contract.ROUNDING_TWO_STEPS, graph=WAN_TRANSFORMER,
     fp8_excluded=FP8_EXCLUDED, blocks=True,
     block_lists=(BlockList("blocks", "num_layers", ("img",)),), rotated=("img",),
     scale_rope=False, launches=WAN_LAUNCHES,

@@ -44,7 +44,7 @@ SEQ_MULTIPLE = 32
 #: pipelines' max_sequence_length, 512) and a main block's [image; caption]; batch 1 and 2
 #: (CFG's two samples are one call when their captions pad alike, else two); planned in the
 #: export's rounding (1, diffusers' order) and the one-rounding mode.
-LAUNCHES = tuple(Launch("Z-Image", stream, seq, 30, roundings=(contract.ROUNDING_DIFFUSERS, 0))
+LAUNCHES = tuple(Launch("Z-Image", stream, seq, 30, roundings=(contract.ROUNDING_EACH_STEP, 0))
                  for stream, seq in (("image 4096", 4096), ("caption 512", 512),
                                      ("joint 4096+512", 4096 + 512)))
 
@@ -63,7 +63,7 @@ LAUNCHES = tuple(Launch("Z-Image", stream, seq, 30, roundings=(contract.ROUNDING
 Z_IMAGE = FamilyRecord(
     name="z-image", class_name="ZImageTransformer2DModel", label="Z-Image (and Z-Image-Turbo)",
     short="Z-Image", package="z_image", scheme="table", axes=(32, 48, 48), theta=256,
-    theta_key="rope_theta", max_positions=None, rounding=contract.ROUNDING_DIFFUSERS,
+    theta_key="rope_theta", max_positions=None, rounding=contract.ROUNDING_EACH_STEP,
     graph=Z_IMAGE_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=True, blocks_key="n_layers",
     block_lists=(BlockList("noise_refiner", "n_refiner_layers", ("img",)),
                  BlockList("context_refiner", "n_refiner_layers", ("txt",)),
