@@ -296,6 +296,19 @@ def test_schemes_by_name_and_their_fields():
 _OLD = __import__("pathlib").Path(__file__).with_name("fixtures") / "triton_rope_v0"
 
 
+def _old_rope(name, root):
+    """The old qkrope's rope model directory of ``name`` under ``root``: its config.pbtxt and the
+    version files, which that qkrope wrote byte-identical for every model (the fixture keeps
+    them once, in version_1/: tests/fixtures/make_old_triton_rope.py checks they were equal)."""
+    import shutil
+
+    rope = root / f"{name}_rope"
+    if not rope.exists():
+        shutil.copytree(_OLD / "version_1", rope / "1")
+        shutil.copyfile(_OLD / f"{name}_rope" / "config.pbtxt", rope / "config.pbtxt")
+    return rope
+
+
 def _old_rope_requests(pb, name):
     from _triton_helpers import Tensor
 
@@ -314,7 +327,7 @@ def _old_rope_requests(pb, name):
 
 
 @pytest.mark.parametrize("name", ["qwen", "flux2"])
-def test_an_old_repository_still_serves_the_same_caches(name, monkeypatch):
+def test_an_old_repository_still_serves_the_same_caches(name, tmp_path, monkeypatch):
     """A rope model written by the qkrope before this layout (its own model.py and rope_tables.py,
     tests/fixtures/make_old_triton_rope.py) is self-contained: it keeps serving, and its caches
     are bit-equal to this qkrope's for the same request."""
@@ -323,7 +336,7 @@ def test_an_old_repository_still_serves_the_same_caches(name, monkeypatch):
 
     from qkrope.runtime.caches import model_setting
 
-    model, pb = load_rope_model(_OLD / f"{name}_rope", monkeypatch)
+    model, pb = load_rope_model(_old_rope(name, tmp_path / "old"), monkeypatch)
     request, triton_request = _old_rope_requests(pb, name)
     resp, = model.execute([triton_request])
     assert resp.error is None, resp.error and resp.error.message()
@@ -363,7 +376,7 @@ def test_an_old_config_with_this_rope_model_serves_or_says_how_to_rewrite(name, 
         return
     model, pb = load_rope_model(rope, monkeypatch)
     _, triton_request = _old_rope_requests(pb, name)
-    old, _ = load_rope_model(_OLD / f"{name}_rope", monkeypatch)
+    old, _ = load_rope_model(_old_rope(name, tmp_path / "old"), monkeypatch)
     new_resp, = model.execute([triton_request])
     old_resp, = old.execute([triton_request])
     for out in ("img_cos_sin_cache", "txt_cos_sin_cache"):
