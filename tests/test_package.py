@@ -1,6 +1,7 @@
 """Packaging contract: import names, lazy optional imports, the CLI entry point."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -81,3 +82,59 @@ def test_cli_version_and_help():
 
 def test_cli_without_command_prints_help_and_fails():
     assert cli.main([]) == 2
+
+
+def _source_packages(root):
+    """Every package of the source tree by its installed name, walked here (not by setup.py):
+    a folder below a root of setup.py's PACKAGE_DIRS whose every folder down has __init__.py."""
+    import runpy
+
+    dirs = runpy.run_path(str(root / "setup.py"), run_name="setup")["PACKAGE_DIRS"]
+    out = {}
+    for name, folder in dirs.items():
+        for init in (root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / folder).parts
+            chain = [root / folder / Path(*parts[:i]) for i in range(len(parts) + 1)]
+            if all((d / "__init__.py").is_file() for d in chain) and "__pycache__" not in parts:
+                out[".".join((name, *parts))] = init.parent
+    return dirs, out
+
+
+def test_wheel_holds_every_package_and_family_hook(tmp_path):
+    """The wheel built from this tree (setup.py reads its package list from the folders) holds
+    every source package with each of its modules, every family folder of the registry and
+    each of its hook modules."""
+    import zipfile
+
+    from qkrope.families import FAMILY_PACKAGES, HOOK_KINDS
+
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    # built from a copy: setuptools' build/ folder of an earlier build would fill the gaps
+    source = tmp_path / "src"
+    dirs, packages = _source_packages(root)
+    for folder in dirs.values():
+        shutil.copytree(root / folder, source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(root / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "--no-index", "-w", str(tmp_path), str(source)],
+                   check=True, capture_output=True, text=True)
+    (wheel,) = tmp_path.glob("qkrope-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert set(dirs) <= set(packages) and len(packages) > len(dirs)
+    missing = []
+    for name, folder in packages.items():
+        base = name.replace(".", "/")
+        missing += [f"{base}/{py.name}" for py in folder.glob("*.py")
+                    if f"{base}/{py.name}" not in names]
+    for package in FAMILY_PACKAGES:
+        missing += [f"qkrope/families/{package}/{module}.py"
+                    for module in ("__init__", *HOOK_KINDS)
+                    if f"qkrope/families/{package}/{module}.py" not in names]
+    assert not missing, f"the wheel lacks {sorted(missing)}"
+    # nothing installed under a generic top-level name
+    assert not {n.split("/")[0] for n in names} - {"qkrope", *(
+        n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))}
