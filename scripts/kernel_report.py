@@ -30,7 +30,7 @@ stores with the default cache policy, the Qwen/FLUX instances' per-token instruc
 and, for the launched instances on the sm_90 devices, LAUNCH_TARGETS (bytes in flight per SM and
 whole-kernel instructions per element). Speed itself is measured by scripts/bench_kernel.py.
 
-The package does the work: qkrope.runtime.sass reads the SASS (parser, control flow, loads) and
+The package does the work: qkrope.apps.kernel_report.sass reads the SASS (parser, control flow, loads) and
 qkrope.apps.kernel_report makes the report; this script parses the flags and prints it.
 
 Exit status: 0 ok, 1 a --check fact failed, 2 a tool is missing or the build/analysis failed.

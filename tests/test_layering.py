@@ -139,6 +139,19 @@ def test_the_root_and_export_do_not_import_upwards():
     assert bad == []
 
 
+def test_runtime_holds_no_kernel_analysis_code():
+    """runtime/ is the inference and deployment library; the kernel-analysis tools (the SASS
+    reader) live with their one user, the kernel report, and nothing else imports them."""
+    g = _graph()
+    tool = "qkrope.apps.kernel_report.sass"
+    assert tool in g and level(tool) == 3
+    assert [m for m in g if m.startswith("qkrope.runtime.")
+            and ("sass" in m.split(".") or "kernel_report" in m.split("."))] == []
+    users = {m for m, targets in g.items() if any(t == tool or t.startswith(tool + ".")
+                                                  for t in targets)}
+    assert users and all(m.startswith("qkrope.apps.kernel_report") for m in users), users
+
+
 def test_a_family_folder_imports_no_other_family_nor_the_registry():
     bad = [(m, t) for m, targets in _graph().items() if _family_of(m) is not None
            for t in targets

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from _sass_listings import KNOWN_ANSWER_CU, controlled_listing, loop_kernel, sass_listing
-from qkrope.runtime import sass
-from qkrope.runtime.sass import scoreboards
+from qkrope.apps.kernel_report import sass
+from qkrope.apps.kernel_report.sass import scoreboards
 
 
 def _instrs(lines):

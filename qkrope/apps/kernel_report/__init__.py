@@ -1,7 +1,7 @@
 """The static performance report of the CUDA kernel (``scripts/kernel_report.py`` runs it).
 
 It compiles ``plugins/kernel/qknorm_rope.cu`` for sm_90 (and sm_100), reads ptxas and the SASS
-through :mod:`qkrope.runtime.sass` (registers, spills, occupancy, the hot loop's memory accesses,
+through :mod:`qkrope.apps.kernel_report.sass` (registers, spills, occupancy, the hot loop's memory accesses,
 the instruction counts along the common path, the q/k loads outstanding at each token's first
 wait), runs the real launcher under the SIMT emulation against modelled devices for every family
 record's launches, and checks the facts that must not drift.
@@ -19,8 +19,6 @@ text         :func:`format_text` (the report as text) and :func:`json_ready`
 """
 from __future__ import annotations
 
-from qkrope.runtime.sass import ToolError, Tools
-
 from .assumptions import (HARDWARE, LAUNCH_TARGETS, MODELLED_DEVICES, PROBLEM, ROUNDING2_COST,
                           TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS, assumptions, device_hardware,
                           launch_problems, launch_target, occupancy, qwen_bounds)
@@ -30,6 +28,7 @@ from .instances import (BUILD_DIR, DEFAULT_ARCHS, ELEMENT_BYTES, FALLBACK_PARAMS
                         role_values, rounding_value, template_args)
 from .launches import launch_checks, launch_figures, plan_launches
 from .report import build_report, structural_checks
+from .sass import ToolError, Tools
 from .text import MAX_FAILURES_LISTED, fmt, format_text, json_ready
 
 __all__ = [

@@ -92,7 +92,7 @@ MODELLED_DEVICES = {
 # Static targets of a launched instance on an sm_90 device (H100/H200), by the launch's
 # tokens (batch x sequence): global read bytes (q/k rows and cos/sin) still outstanding per SM past
 # every wait of the steady-state token loop, read from the SASS scoreboards (the fewest at any
-# wait x resident threads; qkrope.runtime.sass.scoreboards), and
+# wait x resident threads; kernel_report.sass.scoreboards), and
 # whole-kernel common-path SASS instructions per element by rounding mode. The bytes: issue 31's
 # targets, >= 32 KiB at 4096+ tokens (Little's law at 4.8 TB/s over 132 SMs: 90 % of peak needs
 # 26-32 KiB per SM in flight at 0.8-1 us of loaded latency), >= 16 KiB below.

@@ -9,11 +9,11 @@ import subprocess
 from pathlib import Path
 
 from qkrope.runtime import toolchain
-from qkrope.runtime.sass import (LOCAL_OPS, STORE_POLICY_QUALIFIERS, Instr, ToolError, Tools,
-                                 analyse_loop, outstanding_at_waits, parse_max_threads, parse_ptxas,
-                                 parse_res_usage, parse_sass)
 
 from .assumptions import HARDWARE, THRESHOLDS, assumptions, occupancy, qwen_bounds
+from .sass import (LOCAL_OPS, STORE_POLICY_QUALIFIERS, Instr, ToolError, Tools,
+                   analyse_loop, outstanding_at_waits, parse_max_threads, parse_ptxas,
+                   parse_res_usage, parse_sass)
 
 SOURCE = toolchain.REPO_ROOT / "plugins" / "kernel" / "qknorm_rope.cu"
 BUILD_DIR = toolchain.BUILD_ROOT / "kernel_report"

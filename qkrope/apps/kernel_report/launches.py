@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 import os
 
-from qkrope.runtime.sass import ToolError, outstanding_at_waits
-
 from .assumptions import (MODELLED_DEVICES, TARGET_ARCHS, device_hardware,
                           launch_problems, launch_target, occupancy)
 from .instances import label_of
+from .sass import ToolError, outstanding_at_waits
 from .text import fmt
+
 
 def launch_figures(inst: dict, launch: dict, problem: dict, occ: dict) -> dict:
     """What one launch of `inst` does per thread along the common path: tokens per row group,

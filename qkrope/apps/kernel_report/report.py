@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qkrope.runtime.sass import ToolError, Tools
-
 from .assumptions import PROBLEM, THRESHOLD_SOURCE, THRESHOLDS
 from .instances import BUILD_DIR, DEFAULT_ARCHS, SOURCE, analyse_cubin, compile_cubins
 from .launches import launch_checks, plan_launches
+from .sass import ToolError, Tools
 
 def structural_checks(instances: list[dict]) -> list[dict]:
     """The facts that must not drift. One entry per (check, instance): name, label, arch, ok, detail."""

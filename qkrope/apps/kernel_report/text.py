@@ -5,9 +5,8 @@ from __future__ import annotations
 import collections
 import json
 
-from qkrope.runtime.sass import outstanding_at_waits
-
 from .assumptions import LAUNCH_TARGETS, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS
+from .sass import outstanding_at_waits
 
 def fmt(v, spec="", none="-"):
     return none if v is None else format(v, spec)

@@ -16,9 +16,9 @@ tools           :class:`Tools` (cuobjdump, nvdisasm, c++filt) and the parsers of
                 ``cuobjdump -res-usage`` and ``cuobjdump -elf``
 ==============  ==============================================================================
 
-The kernel's static report (:mod:`qkrope.apps.kernel_report`, ``scripts/kernel_report.py``)
-reads the kernel through this package; the figures are the test oracle of
-``tests/test_kernel_report.py``.
+A kernel-analysis tool, not part of the inference library: it lives with its one user, the
+kernel's static report (:mod:`qkrope.apps.kernel_report`, ``scripts/kernel_report.py``), which
+reads the kernel through it; the figures are the test oracle of ``tests/test_kernel_report.py``.
 """
 from __future__ import annotations
 
