@@ -16,6 +16,19 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
+def server_harness():
+    """scripts/triton_server.py (the tritonserver harness: install, stand-ins, Server) as a
+    module, loaded once per session."""
+    if "triton_server" not in sys.modules:
+        root = Path(__file__).resolve().parent.parent
+        spec = importlib.util.spec_from_file_location("triton_server",
+                                                      root / "scripts" / "triton_server.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["triton_server"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["triton_server"]
+
+
 TYPE = {"bfloat16": "TYPE_BF16", "float32": "TYPE_FP32", "bool": "TYPE_BOOL"}
 
 

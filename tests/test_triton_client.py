@@ -14,15 +14,13 @@ FLUX.1 dev export's repository (``flux``). Every test sends a bounded number of 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _triton_helpers import parse, tiny_engine, tiny_transformer_onnx  # noqa: F401
+from _triton_helpers import server_harness, parse, tiny_engine, tiny_transformer_onnx  # noqa: F401
 from qkrope.runtime import triton
 from qkrope.runtime import runner_triton as rt
 from qkrope.runtime.runner import RunnerError
@@ -34,16 +32,7 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a test de
 pytestmark = pytest.mark.slow
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("triton_server",
-                                                  ROOT / "scripts" / "triton_server.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("triton_server", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-harness = _harness()
+harness = server_harness()
 
 ECHO_CONFIG = """name: "echo_bf16"
 backend: "python"

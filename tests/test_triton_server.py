@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _triton_helpers import parse, tiny_engine, tiny_transformer_onnx  # noqa: F401
+from _triton_helpers import server_harness, parse, tiny_engine, tiny_transformer_onnx  # noqa: F401
 from qkrope.runtime import triton
 from qkrope.runtime.caches import build_qwen_rope_caches
 from qkrope.sidecars import ModelInfo
@@ -36,16 +35,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("triton_server",
-                                                  ROOT / "scripts" / "triton_server.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("triton_server", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-harness = _harness()
+harness = server_harness()
 
 # What the rope model is allowed (large enough for the memory test's shapes) and how much it keeps
 MAX_IMG, MAX_TXT = 65536, 64
