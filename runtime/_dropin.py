@@ -12,7 +12,18 @@ checked against the model's heads; outputs are tensors the caller owns.
 
 The family part lives in ``qkrope/families/<family>/dropin.py``: a :class:`Transformer` subclass
 with ``FORWARD_ARGS`` and ``prepare`` (its refusals, defaults and conversions), found through the
-family registry by :func:`load_transformer`.
+family registry by :func:`load_transformer`. ``forward`` is the generic one for every family (no
+family overrides it); what differs between families is what ``prepare`` returns:
+
+- the latent layout in: ``prepare`` makes the runner's tokens of the pipeline's latent
+  (``Call.hidden_states``);
+- the latent layout out: ``Call.unpack`` maps the runner's sample back to the pipeline's layout
+  (None: the sample as the runner gives it);
+- the split of one diffusers call into several runner calls and the return type: ``prepare``
+  returns a :class:`Split` (one :class:`Call` per group of batch items, each naming its
+  ``items``); ``forward`` runs each, unpacks it, and returns diffusers' list of per-sample
+  tensors in the call's batch order. A plain :class:`Call` returns one batch tensor;
+- the wrapping of the sample (``Transformer2DModelOutput`` or a tuple): :meth:`Transformer.output`.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,8 +142,9 @@ def tensor_arg(value: Any, name: str, rank: int, layout: str, fix: str = "") -> 
 
 @dataclass
 class Call:
-    """What a family's ``prepare`` makes of one forward call: the runner's inputs and the
-    position request (the fields of the family's scheme) the caches are built from."""
+    """What a family's ``prepare`` makes of one forward call (or of one group of a
+    :class:`Split`): the runner's inputs, the position request (the fields of the family's
+    scheme) the caches are built from, and how the runner's sample goes back to the pipeline."""
 
     hidden_states: torch.Tensor
     encoder_hidden_states: torch.Tensor
@@ -140,6 +152,25 @@ class Call:
     timestep: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     conditioning: dict = field(default_factory=dict)
+    return_dict: bool = True
+    #: The latent layout out: the runner's sample ``[batch, tokens, features]`` as the
+    #: pipeline's latent (unpatchified); None: the sample as the runner gives it.
+    unpack: Callable[[torch.Tensor], Any] | None = None
+    #: In a :class:`Split`: the batch items of the diffusers call this call runs, in the order
+    #: of its rows (None: every item, in order).
+    items: Sequence[int] | None = None
+
+
+@dataclass
+class Split:
+    """One diffusers call run as several runner calls (groups of batch items whose positions or
+    shapes differ, so no one graph call holds them all). ``forward`` runs each :class:`Call`,
+    unpacks its sample, and returns diffusers' list of ``batch`` per-sample tensors (each
+    group's rows placed at its ``items``): the return type of a forward that takes and returns
+    per-sample lists."""
+
+    calls: Sequence[Call]
+    batch: int
     return_dict: bool = True
 
 
@@ -223,13 +254,24 @@ class Transformer(DropinComponent):
         bound.update(kwargs)
         return bound
 
-    def prepare(self, **call) -> Call:  # the family's part
+    def prepare(self, **call) -> "Call | Split":  # the family's part
         raise NotImplementedError
 
     def forward(self, *args, **kwargs):
         """diffusers' forward of the family: returns ``Transformer2DModelOutput(sample=...)`` or
-        ``(sample,)`` with ``return_dict=False``."""
-        call = self.prepare(**self._bind(args, kwargs))
+        ``(sample,)`` with ``return_dict=False``; the sample is the family's latent layout (a
+        batch tensor), or a list of per-sample tensors where ``prepare`` returns a
+        :class:`Split`."""
+        prepared = self.prepare(**self._bind(args, kwargs))
+        if isinstance(prepared, Split):
+            sample = self._assemble(prepared)
+        else:
+            sample = self._unpacked(prepared, self.run(prepared))
+        return self.output(sample, prepared.return_dict)
+
+    def run(self, call: Call) -> torch.Tensor:
+        """One runner call: the caches of the call's request, the inputs as the runner binds
+        them; the runner's sample, a tensor the caller owns."""
         caches = self.rope_caches(call)
         if self._latent.rank != 3 and isinstance(call.hidden_states, torch.Tensor):
             # a latent the model patchifies itself: its token grid must be the request's
@@ -251,8 +293,38 @@ class Transformer(DropinComponent):
                               conditioning=conditioning)
         # copy_outputs: the caller owns the result (a reused buffer would make true CFG's
         # conditional and unconditional predictions the same tensor)
-        sample = sample.clone() if not self._runner.copy_outputs else sample
-        if not call.return_dict:
+        return sample.clone() if not self._runner.copy_outputs else sample
+
+    @staticmethod
+    def _unpacked(call: Call, sample):
+        """The latent layout out: the call's ``unpack`` of the runner's sample."""
+        return call.unpack(sample) if call.unpack is not None else sample
+
+    def _assemble(self, split: Split) -> list:
+        """A :class:`Split`'s groups run and unpacked, their rows put back in the diffusers
+        call's batch order: a list of ``split.batch`` per-sample tensors."""
+        out: list = [None] * int(split.batch)
+        for call in split.calls:
+            items = range(len(out)) if call.items is None else [int(i) for i in call.items]
+            rows = self._unpacked(call, self.run(call))
+            rows = list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else list(rows)
+            if len(rows) != len(items) or len(set(items)) != len(items) or any(
+                    not 0 <= i < len(out) or out[i] is not None for i in items):
+                raise RuntimeError(f"{type(self).__name__}.prepare split a batch of "
+                                   f"{len(out)} badly: a group of items {list(items)} gave "
+                                   f"{len(rows)} samples (each item in exactly one group)")
+            for i, row in zip(items, rows):
+                out[i] = row
+        missing = [i for i, row in enumerate(out) if row is None]
+        if missing:
+            raise RuntimeError(f"{type(self).__name__}.prepare left batch items {missing} out "
+                               f"of every group")
+        return out
+
+    def output(self, sample, return_dict: bool):
+        """diffusers' return of the sample: ``Transformer2DModelOutput(sample=...)``, or
+        ``(sample,)`` with ``return_dict=False``."""
+        if not return_dict:
             return (sample,)
         outputs = require("diffusers.models.modeling_outputs",
                           "returning diffusers' Transformer2DModelOutput")

@@ -26,6 +26,7 @@ a whole number of patches.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -123,7 +124,8 @@ class WanTransformer(Transformer):
         return Call(packed, encoder_hidden_states.to(self.dtype),
                     {"img_shapes": [grid], "txt_seq_len": int(encoder_hidden_states.shape[1])},
                     timestep=_timestep(timestep, batch), conditioning=conditioning,
-                    return_dict=return_dict)
+                    return_dict=return_dict,
+                    unpack=functools.partial(unpack, grid=grid, patch=video.patch))
 
     def _image(self, image, batch: int, text_tokens: int) -> dict:
         """The graph's ``encoder_hidden_states_image`` of diffusers' argument (module
@@ -158,20 +160,6 @@ class WanTransformer(Transformer):
         if pair:  # diffusers' view: each item's two images side by side
             image = image.reshape(batch, 2 * int(image.shape[1]), int(image.shape[2]))
         return {"encoder_hidden_states_image": image.to(self.dtype)}
-
-    def forward(self, *args, **kwargs):
-        """diffusers' forward: ``Transformer2DModelOutput(sample=[B, C, F, H, W])`` or
-        ``(sample,)`` with ``return_dict=False``."""
-        bound = self._bind(args, kwargs)
-        return_dict = bound.pop("return_dict", True)
-        (packed,) = super().forward(**bound, return_dict=False)
-        video = self._video()
-        sample = unpack(packed, video.grid(tuple(bound["hidden_states"].shape)), video.patch)
-        if not return_dict:
-            return (sample,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=sample)
 
 
 def dropin_class(record):
