@@ -13,9 +13,9 @@ prints, per kernel instance:
     still outstanding past each wait of the token loop;
 and then runs the real launcher (the same source under the SIMT emulation, dry run) against the
 modelled devices MODELLED_DEVICES (H100, H200, B200, L40S, A100: SM counts, clocks, bus widths,
-occupancy from each instance's ptxas registers) for every Qwen-Image problem and FLUX's (24, 32,
-48 heads x 128: a double block's 4096 image and 512 text tokens, a single block's 4608; rounding 2
-and 0), and reports for each instance a launch picks: whole-kernel instructions per element (one iteration per token plus the
+occupancy from each instance's ptxas registers) for every launch of every family record
+(FamilyRecord.launches: heads, head size, tokens and rounding modes of each model's usual
+sizes), and reports for each instance a launch picks: whole-kernel instructions per element (one iteration per token plus the
 prologue and epilogue amortised over that launch's tokens per row group) and the global read bytes
 outstanding per SM past every wait of the token loop (the fewest at any wait, and the average).
 
@@ -26,7 +26,8 @@ outstanding per SM past every wait of the token loop (the fewest at any wait, an
 
 --check asserts static facts only (tests/test_kernel_report.py and scripts/gpu_check.sh use it):
 128-bit q/k loads and stores in the fast-path hot loop, no spills / local memory on the fast path,
-stores with the default cache policy, the Qwen/FLUX instances' per-token instructions under THRESHOLDS,
+stores with the default cache policy, the reference instances' per-token instructions under
+THRESHOLDS (the fast-path instances of the default family's launch shape),
 and, for the launched instances on the sm_90 devices, LAUNCH_TARGETS (bytes in flight per SM and
 whole-kernel instructions per element). Speed itself is measured by scripts/bench_kernel.py.
 
@@ -60,8 +61,9 @@ def parse_args(argv=None):
     ap.add_argument("--cuobjdump", help="cuobjdump to use (default: PATH, CUDA, the PyPI wheel)")
     ap.add_argument("--nvdisasm", help="nvdisasm to use (default: PATH, CUDA, the PyPI wheel)")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    ap.add_argument("--details", choices=("none", "qwen", "all"), default="qwen",
-                    help="per-instance detail blocks: Qwen and failing instances (default), all, none")
+    ap.add_argument("--details", choices=("none", "reference", "all"), default="reference",
+                    help="per-instance detail blocks: the reference instances (the default family's "
+                         "launch shape) (default), all, none")
     ap.add_argument("--check", action="store_true", help="exit 1 when a structural fact fails")
     ap.add_argument("--no-launches", action="store_true",
                     help="skip running the real launcher against the modelled devices (it needs the SIMT "

@@ -4,8 +4,9 @@ modelled devices: qkrope.apps.kernel_report (run by scripts/kernel_report.py).
 Where nvcc exists the kernel is compiled once for sm_90 and sm_100 (module fixture) and the report's facts
 are asserted: 128-bit q/k loads and stores in the fast-path hot loop, no spills in any instance
 (sm_90 from the report, sm_100 from ptxas -v of the same nvcc command),
-the Qwen instances' per-token instructions under THRESHOLDS, stores with the default cache
-policy; the real launcher (SIMT emulation, dry run) on every modelled device and Qwen problem
+the reference instances' (the default family's launch shape) per-token instructions under
+THRESHOLDS, stores with the default cache policy; the real launcher (SIMT emulation, dry run)
+on every modelled device and every family record's launch
 picks instances that keep the bytes in flight (read from the SASS scoreboards: what stays
 outstanding past every wait of the token loop) and whole-kernel instruction targets
 (LAUNCH_TARGETS), and the launch plan's instruction constants and bytes in flight match their SASS. Speed is
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.slow
 from _native import build_simt
 from _sass_listings import loop_kernel, sass_listing
 from qkrope.apps import kernel_report as kr
-from qkrope.runtime import kernels, sass, toolchain
+from qkrope.apps.kernel_report import sass
+from qkrope.runtime import kernels, toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "kernel_report.py"
@@ -87,7 +89,7 @@ def test_report_finds_the_kernels(report):
     fast = _instances(report)
     assert fast, "no fast-path kernel instances in the SASS"
     assert _instances(report, "general"), "no general-path kernel instances in the SASS"
-    assert [i for i in fast if i["qwen"]], "no Qwen instance (Bf16, head_dim 128, interleaved)"
+    assert [i for i in fast if i["reference"]], f"no reference instance ({kr.REFERENCE_MATCH})"
     for inst in fast:
         assert inst["hot_loop"]["found"], f"{inst['label']}: no hot loop found"
         assert inst["threads_per_block"] == 256
@@ -161,15 +163,15 @@ def test_spilling_entry_is_found_in_a_ptxas_log():
 
 
 @pytest.mark.slow
-def test_qwen_instructions_per_element_under_threshold(report):
+def test_reference_instructions_per_element_under_threshold(report):
     checks = [c for c in report["checks"] if c["check"] == "instr-per-element"]
-    assert checks, "no Qwen instance checked"
+    assert checks, "no reference instance checked"
     assert not _failures(report, "instr-per-element")
 
 
 @pytest.mark.slow
 def test_launched_instances_meet_the_static_targets(report):
-    """The instances the real launcher picks for every Qwen-Image and FLUX problem on the modelled
+    """The instances the real launcher picks for every family record's launch on the modelled
     sm_90 devices keep >= 32 KiB (4096+ tokens) / >= 16 KiB of global reads outstanding per SM past
     every wait of the token loop (the SASS scoreboards) and stay under the whole-kernel
     instruction targets (LAUNCH_TARGETS)."""
@@ -278,7 +280,7 @@ def test_row_plan_constants_match_the_sass(report):
 
 @pytest.mark.slow
 def test_every_modelled_device_launches_a_fast_instance_in_whole_tokens(report):
-    """Per device model the plan picks a fast-path Qwen instance that exists in the SASS, fills no
+    """Per device model the plan picks a fast-path instance that exists in the SASS, fills no
     more blocks than are resident, and walks whole tokens (tokenStep covers the grid's groups)."""
     assert {ln["device"] for ln in report["launches"]} == set(kr.MODELLED_DEVICES)
     for ln in report["launches"]:
@@ -304,13 +306,13 @@ def _plan_prefetch() -> int:
 
 
 @pytest.mark.slow
-def test_qwen_instances_keep_their_rows_in_flight_past_every_wait(report):
-    """The scoreboard reader on every Qwen instance: the token loop's waits (DEPBAR.LE of the
+def test_reference_instances_keep_their_rows_in_flight_past_every_wait(report):
+    """The scoreboard reader on every reference instance: the token loop's waits (DEPBAR.LE of the
     cp.async ring, the shared loads, the cos/sin loads) never retire the next kPlanPrefetch tokens'
     rows, and one wait per token retires an asynchronous-copy group."""
-    qwen = [i for i in _instances(report) if i["qwen"]]
-    assert qwen
-    for inst in qwen:
+    reference = [i for i in _instances(report) if i["reference"]]
+    assert reference
+    for inst in reference:
         sb = inst["hot_loop"]["scoreboards"]
         rows = int(inst["roles"]["rows"])
         assert sb and sb["waits"], inst["label"]
@@ -372,14 +374,14 @@ def test_missing_tool_is_one_clear_error(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The analysis on synthetic SASS
 
-FAST_QWEN = ("void qkrope::(anonymous namespace)::qkNormRopeFastKernel<qkrope::math::Bf16, 128, true, 3, "
+FAST_REFERENCE = ("void qkrope::(anonymous namespace)::qkNormRopeFastKernel<qkrope::math::Bf16, 128, true, 3, "
              "(qkrope::math::Rounding){r}, true>(qkrope::(anonymous namespace)::KernelArgs)")
 FAST_OLD = ("void qkrope::(anonymous namespace)::qkNormRopeFastKernel<qkrope::math::Bf16, 128, true, 3>"
             "(qkrope::(anonymous namespace)::KernelArgs)")
 REPORT_LINE = "// kernel-report: qkNormRopeFastKernel<T, HEAD_DIM, INTERLEAVED, ROWS, ROUNDING, FULL_ROTARY>\n"
 
 
-def _analyse(lines, demangled=FAST_QWEN.format(r=0), source=REPORT_LINE, ptxas=None):
+def _analyse(lines, demangled=FAST_REFERENCE.format(r=0), source=REPORT_LINE, ptxas=None):
     funcs = sass.parse_sass(sass_listing(lines))
     ((arch, _), instrs), = funcs.items()
     names, _ = kr.read_param_names(source)
@@ -405,7 +407,7 @@ def test_loop_figures():
     assert lp["in_flight"] == {"max_qk_loads_128": 2, "max_bytes_per_thread": 36}
     assert lp["scoreboards"] is None                 # a synthetic listing carries no control bits
     assert lp["mix"]["categories"]["MUFU"] == 1 and lp["mix"]["categories"]["BRA"] == 2
-    assert inst["qwen"] and inst["rounding"] == 0 and inst["threshold"] == kr.THRESHOLDS[0]
+    assert inst["reference"] and inst["rounding"] == 0 and inst["threshold"] == kr.THRESHOLDS[0]
     assert inst["occupancy"]["blocks_per_sm"] == 4   # 64 regs x 256 threads = 16384 per block
     checks = kr.structural_checks([inst])
     assert all(c["ok"] for c in checks), checks
@@ -430,33 +432,56 @@ def test_spills_are_flagged():
 
 def test_threshold_follows_the_rounding_template_argument():
     lines = loop_kernel(pad=400)                    # (10 + 400) / 16 = 25.6 per element
-    r0 = _analyse(lines, FAST_QWEN.format(r=0))
-    r1 = _analyse(lines, FAST_QWEN.format(r=1))
+    r0 = _analyse(lines, FAST_REFERENCE.format(r=0))
+    r1 = _analyse(lines, FAST_REFERENCE.format(r=1))
     assert r1["template_params"]["ROUNDING"] == "1" and r1["threshold"] == 26
     assert not _check(r0, "instr-per-element")
     assert _check(r1, "instr-per-element")
     # the kernel before the rewrite: rounding is a runtime argument, the stricter threshold
     old = _analyse(lines, FAST_OLD, source="")
     assert old["template_params"] == {"T": "Bf16", "HEAD_DIM": "128", "INTERLEAVED": "true", "UNROLL": "3"}
-    assert old["qwen"] and old["threshold"] == min(kr.THRESHOLDS.values())
+    assert old["reference"] and old["threshold"] == min(kr.THRESHOLDS.values())
     assert "runtime argument" in old["threshold_note"]
 
 
-def test_qwen_instance_identification():
-    assert not _analyse(loop_kernel(), FAST_QWEN.format(r=0).replace("Bf16", "Fp16"))["qwen"]
-    assert not _analyse(loop_kernel(), FAST_QWEN.format(r=0).replace(", true>", ", false>"))["qwen"]
-    assert not _analyse(loop_kernel(), FAST_QWEN.format(r=0).replace("128, true", "128, false"))["qwen"]
+def test_reference_instance_identification():
+    assert not _analyse(loop_kernel(), FAST_REFERENCE.format(r=0).replace("Bf16", "Fp16"))["reference"]
+    assert not _analyse(loop_kernel(), FAST_REFERENCE.format(r=0).replace(", true>", ", false>"))["reference"]
+    assert not _analyse(loop_kernel(), FAST_REFERENCE.format(r=0).replace("128, true", "128, false"))["reference"]
+
+
+def test_the_reference_instances_come_from_the_default_familys_launches():
+    """REFERENCE_MATCH is the default family's per-head launch shape (bf16, the report's type),
+    not a hard-coded family: another record's launches give another match, and a record with no
+    per-head launch is refused."""
+    from types import SimpleNamespace
+
+    from qkrope import families
+    from qkrope.families._record import Launch
+
+    launches = [ln for ln in families.default().launches if ln.norm_scope == 0]
+    assert kr.REFERENCE_MATCH == kr.reference_match() == {
+        "type": ("Bf16",), "head_dim": tuple(sorted({str(ln.head_dim) for ln in launches})),
+        "interleaved": tuple(sorted({str(ln.interleaved).lower() for ln in launches})),
+        "full_rotary": tuple(sorted({str(ln.rotary == ln.head_dim).lower() for ln in launches}))}
+    other = SimpleNamespace(name="other", launches=(
+        Launch("M", "a", 64, 8, head_dim=64, rotary_dim=32, interleaved=False),
+        Launch("M", "b", 64, 8, head_dim=96, norm_scope=1)))
+    assert kr.reference_match(other) == {"type": ("Bf16",), "head_dim": ("64",),
+                                         "interleaved": ("false",), "full_rotary": ("false",)}
+    with pytest.raises(ValueError, match="no per-head launch"):
+        kr.reference_match(SimpleNamespace(name="other", launches=other.launches[1:]))
 
 
 def test_template_arguments_and_occupancy():
-    assert kr.template_args(FAST_QWEN.format(r=1), kr.FAST_KERNEL) == ["Bf16", "128", "true", "3", "1", "true"]
+    assert kr.template_args(FAST_REFERENCE.format(r=1), kr.FAST_KERNEL) == ["Bf16", "128", "true", "3", "1", "true"]
     occ = kr.occupancy(75, 0, 256, kr.HARDWARE[90])   # 75 -> 80 regs/thread allocated: 3 blocks
     assert (occ["blocks_per_sm"], occ["threads_per_sm"], occ["limiter"]) == (3, 768, "registers")
     assert kr.occupancy(32, 100 * 1024, 256, kr.HARDWARE[90])["limiter"] == "shared memory"
 
 
 def test_bounds_arithmetic():
-    b = kr.qwen_bounds(20.0, 48, 768, kr.HARDWARE[90])
+    b = kr.problem_bounds(20.0, 48, 768, kr.HARDWARE[90])
     assert b["bytes"] == pytest.approx(115.6e6, rel=1e-3)
     assert b["memory_floor_us"] == pytest.approx(24.1, abs=0.05)
     assert b["elements"] == 4608 * 48 * 128

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from .assumptions import (HARDWARE, LAUNCH_TARGETS, MODELLED_DEVICES, PROBLEM, ROUNDING2_COST,
                           TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS, assumptions, device_hardware,
-                          launch_problems, launch_target, occupancy, qwen_bounds)
+                          launch_problems, launch_target, occupancy, problem_bounds,
+                          reference_match)
 from .instances import (BUILD_DIR, DEFAULT_ARCHS, ELEMENT_BYTES, FALLBACK_PARAMS, FAST_KERNEL,
-                        GENERAL_KERNEL, PARAM_ROLES, QWEN_MATCH, SOURCE, analyse_cubin,
-                        analyse_function, compile_cubins, is_qwen, label_of, read_param_names,
+                        GENERAL_KERNEL, PARAM_ROLES, REFERENCE_MATCH, SOURCE, analyse_cubin,
+                        analyse_function, compile_cubins, is_reference, label_of, read_param_names,
                         role_values, rounding_value, template_args)
 from .launches import launch_checks, launch_figures, plan_launches
 from .report import build_report, structural_checks
@@ -36,11 +37,11 @@ __all__ = [
     "HARDWARE", "PROBLEM", "THRESHOLDS", "THRESHOLD_SOURCE", "MODELLED_DEVICES",
     "ROUNDING2_COST", "LAUNCH_TARGETS",
     "TARGET_ARCHS", "launch_target", "launch_problems",
-    "occupancy", "device_hardware", "qwen_bounds",
+    "occupancy", "device_hardware", "problem_bounds", "reference_match",
     "assumptions",
     "SOURCE", "BUILD_DIR", "DEFAULT_ARCHS", "FAST_KERNEL", "GENERAL_KERNEL", "FALLBACK_PARAMS",
-    "PARAM_ROLES", "QWEN_MATCH", "ELEMENT_BYTES", "compile_cubins", "read_param_names",
-    "template_args", "role_values", "is_qwen", "rounding_value", "analyse_function",
+    "PARAM_ROLES", "REFERENCE_MATCH", "ELEMENT_BYTES", "compile_cubins", "read_param_names",
+    "template_args", "role_values", "is_reference", "rounding_value", "analyse_function",
     "analyse_cubin", "label_of",
     "launch_figures", "plan_launches", "launch_checks",
     "structural_checks", "build_report",

@@ -106,6 +106,31 @@ LAUNCH_TARGETS = (
 TARGET_ARCHS = (90,)
 
 
+# The reference instances: the fast-path instances the default family's launches run (the
+# family PROBLEM is the block of), picked out by the template parameters with these roles. The
+# type is the report's own (bf16 activations, PROBLEM's element size), not a launch's.
+REFERENCE_TYPE = "Bf16"
+
+
+def reference_match(record=None) -> dict[str, tuple[str, ...]]:
+    """The role values of the reference instances, from ``record``'s launches (default: the
+    default family's) with a per-head norm (norm_scope 0, the fast path): each role -> the
+    values any of them has (head_dim, interleaved, full_rotary as the demangled names spell
+    them: "128", "true")."""
+    record = record if record is not None else families.default()
+    launches = [ln for ln in record.launches if ln.norm_scope == 0]
+    if not launches:
+        raise ValueError(f"{record.name}: no per-head launch (norm_scope 0) to take the kernel "
+                         "report's reference instances from; give the record launches")
+
+    def values(of) -> tuple[str, ...]:
+        return tuple(sorted({str(of(ln)).lower() for ln in launches}))
+
+    return {"type": (REFERENCE_TYPE,), "head_dim": values(lambda ln: ln.head_dim),
+            "interleaved": values(lambda ln: ln.interleaved),
+            "full_rotary": values(lambda ln: ln.rotary == ln.head_dim)}
+
+
 def launch_target(tokens: int) -> dict:
     return next(t for t in LAUNCH_TARGETS if tokens >= t["min_tokens"])
 
@@ -153,7 +178,7 @@ def occupancy(regs: int, smem_static: int, threads: int, hw: dict) -> dict:
             "limits": limits}
 
 
-def qwen_bounds(instr_per_element: float | None, bytes_per_thread: float, threads_per_sm: int,
+def problem_bounds(instr_per_element: float | None, bytes_per_thread: float, threads_per_sm: int,
                 hw: dict, problem: dict = PROBLEM) -> dict:
     """Issue-rate floor vs memory floor for PROBLEM, and bytes in flight per SM vs the GPU's
     bandwidth-latency product per SM."""

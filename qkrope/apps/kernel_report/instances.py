@@ -1,7 +1,8 @@
 """The kernel instances of a compiled binary: compile the kernel (nvcc -cubin -Xptxas -v), read
 each instance's SASS and resource figures, name it from its template arguments (the
-``// kernel-report:`` lines of the source give the parameter names), pick the Qwen-Image
-instances and their thresholds, and analyse each into a JSON-ready report entry."""
+``// kernel-report:`` lines of the source give the parameter names), pick the reference
+instances (the default family's launch shape) and their thresholds, and analyse each into a
+JSON-ready report entry."""
 from __future__ import annotations
 
 import re
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from qkrope.runtime import toolchain
 
-from .assumptions import HARDWARE, THRESHOLDS, assumptions, occupancy, qwen_bounds
+from .assumptions import (HARDWARE, THRESHOLDS, assumptions, occupancy, problem_bounds,
+                          reference_match)
 from .sass import (LOCAL_OPS, STORE_POLICY_QUALIFIERS, Instr, ToolError, Tools,
                    analyse_loop, outstanding_at_waits, parse_max_threads, parse_ptxas,
                    parse_res_usage, parse_sass)
@@ -49,11 +51,12 @@ PARAM_ROLES = {
     "full_rotary": ("FULL_ROTARY",),
     "rows": ("ROWS",),
 }
-# The Qwen-Image instance(s): every fast-path instance whose parameters with these roles have
-# these values (a tuple: any of them; a role the kernel has no parameter for is not compared).
-# Every rows-per-unit instance of that family is one the launcher may pick (plan_launches says which
-# it does pick for each Qwen problem and modelled device).
-QWEN_MATCH = {"type": "Bf16", "head_dim": "128", "interleaved": "true", "full_rotary": "true"}
+# The reference instances (assumptions.reference_match: the default family's launches): every
+# fast-path instance whose parameters with these roles have these values (a tuple: any of them;
+# a role the kernel has no parameter for is not compared). Every rows-per-unit instance of that
+# shape is one the launcher may pick (plan_launches says which it does pick for each launch and
+# modelled device).
+REFERENCE_MATCH = reference_match()
 ELEMENT_BYTES = {"Fp32": 4, "Fp16": 2, "Bf16": 2}
 
 
@@ -139,15 +142,15 @@ def role_values(params: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def is_qwen(kind: str, roles: dict[str, str]) -> bool:
-    """A fast-path instance whose parameters match QWEN_MATCH (type, head_dim and interleaved
+def is_reference(kind: str, roles: dict[str, str]) -> bool:
+    """A fast-path instance whose parameters match REFERENCE_MATCH (type, head_dim and interleaved
     must be template parameters; full_rotary is compared only where the kernel has it)."""
     if kind != "fast" or not all(r in roles for r in ("type", "head_dim", "interleaved")):
         return False
     def ok(have: str, want) -> bool:
         wanted = (want,) if isinstance(want, str) else want
         return have.lower() in (w.lower() for w in wanted)
-    return all(ok(roles[r], v) for r, v in QWEN_MATCH.items() if r in roles)
+    return all(ok(roles[r], v) for r, v in REFERENCE_MATCH.items() if r in roles)
 
 
 def rounding_value(v: str) -> int | None:
@@ -208,9 +211,9 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
 
     short = KERNEL_KINDS[kernel][1] if kernel else dn.split("(")[0]
     label = f"{short}<{','.join(args)}>" if args is not None else short
-    qwen = is_qwen(kind, roles)
+    reference = is_reference(kind, roles)
     rounding = threshold = threshold_note = None
-    if qwen:
+    if reference:
         if "rounding" in roles:
             rounding = rounding_value(roles["rounding"])
             threshold = THRESHOLDS.get(rounding)
@@ -222,7 +225,8 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
                               f"rounding=0 threshold ({threshold})")
     inst = {
         "arch": arch, "mangled": mangled, "demangled": dn, "kind": kind, "label": label,
-        "template_params": params, "param_names_mismatch": mismatch, "roles": roles, "qwen": qwen,
+        "template_params": params, "param_names_mismatch": mismatch, "roles": roles,
+        "reference": reference,
         "rounding": rounding, "threshold": threshold, "threshold_note": threshold_note,
         "elem_bytes": elem_bytes,
         "regs": regs, "spill_stores": px.get("spill_stores"), "spill_loads": px.get("spill_loads"),
@@ -232,8 +236,8 @@ def analyse_function(instrs: list[Instr], demangled: str, arch: int, *, mangled:
         "sass_instructions": sum(1 for i in instrs if not i.is_nop),
         "hot_loop": loop,
     }
-    if qwen and loop.get("found"):
-        inst["bounds"] = qwen_bounds(loop.get("instr_per_element"), outstanding_at_waits(loop)[0] or 0,
+    if reference and loop.get("found"):
+        inst["bounds"] = problem_bounds(loop.get("instr_per_element"), outstanding_at_waits(loop)[0] or 0,
                                      occ["threads_per_sm"], hw)
     return inst
 
@@ -272,7 +276,7 @@ def analyse_cubin(cubin: Path, tools: Tools, *, ptxas_log: str | None = None,
                 entry["param_origin"][kernel] = entry["param_origin"].get(kernel, "") + note
     kind_order = {"fast": 0, "general": 1, "row": 2, "general-row": 3, "other": 4}
     for entry in result.values():
-        entry["instances"].sort(key=lambda x: (kind_order[x["kind"]], not x["qwen"], _natural(x["label"])))
+        entry["instances"].sort(key=lambda x: (kind_order[x["kind"]], not x["reference"], _natural(x["label"])))
     return result
 
 

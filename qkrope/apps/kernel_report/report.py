@@ -43,7 +43,7 @@ def structural_checks(instances: list[dict]) -> list[dict]:
             add("qk-128bit", inst, not bad and not missing, detail)
         add("store-default-policy", inst, not inst["store_policies"],
             "STG qualifiers " + (",".join(inst["store_policies"]) if inst["store_policies"] else "default"))
-        if inst["qwen"]:
+        if inst["reference"]:
             # one loop iteration along the common path (slow-path call blocks excluded) per element:
             # what every token costs; the launched-* checks add the amortised prologue/epilogue
             ipe = None

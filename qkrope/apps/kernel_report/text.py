@@ -15,7 +15,7 @@ def fmt(v, spec="", none="-"):
 MAX_FAILURES_LISTED = 8
 
 
-def format_text(report: dict, details: str = "qwen") -> str:
+def format_text(report: dict, details: str = "reference") -> str:
     out: list[str] = []
     w = out.append
     for arch, entry in report["archs"].items():
@@ -35,7 +35,7 @@ def format_text(report: dict, details: str = "qwen") -> str:
             lp = inst["hot_loop"]
             occ = inst["occupancy"]
             spill = f"{fmt(inst['spill_stores'])}/{fmt(inst['spill_loads'])}"
-            label = inst["label"] + (" *Qwen" if inst["qwen"] else "")
+            label = inst["label"] + (" *ref" if inst["reference"] else "")
             if lp.get("found"):
                 rng = f"{lp['head']}-{lp['end'][2:]}"
                 least, _ = outstanding_at_waits(lp)
@@ -61,11 +61,11 @@ def format_text(report: dict, details: str = "qwen") -> str:
         for inst in entry["instances"]:
             if inst["kind"] == "general" or not inst["hot_loop"].get("found"):
                 continue
-            if not (details == "all" or (details == "qwen" and inst["qwen"])):
+            if not (details == "all" or (details == "reference" and inst["reference"])):
                 continue
             lp = inst["hot_loop"]
             params = ", ".join(f"{k}={v}" for k, v in inst["template_params"].items())
-            w(f"   -- {inst['label']}  ({params}){'  [Qwen instance]' if inst['qwen'] else ''}")
+            w(f"   -- {inst['label']}  ({params}){'  [reference instance]' if inst['reference'] else ''}")
             w(f"      occupancy {inst['occupancy']['blocks_per_sm']} blocks x {inst['threads_per_block']} "
               f"threads ({inst['threads_source']}), limited by {inst['occupancy']['limiter']}; "
               f"{inst['regs']} registers")
@@ -127,7 +127,7 @@ def format_text(report: dict, details: str = "qwen") -> str:
         w(f"   {'device':<14} {'model':<10} {'stream':<16} {'batch':>5} {'rnd':>3} {'instance':<30} "
           f"{'blk/SM':>6} {'tok/grp':>7} {'ins/el':>6} {'B@wait':>6} {'KiB/SM':>6} {'avg':>6}")
         for ln in report["launches"]:
-            model = ln.get("model", "Qwen-Image")
+            model = ln.get("model", "-")
             if "instr_per_element" not in ln:
                 w(f"   {ln['device']:<14} {model:<10} {ln['stream']:<16} {ln['batch']:>5} "
                   f"{ln['rounding']:>3} {str(ln['instance']):<30} (not in the SASS)")
