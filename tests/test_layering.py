@@ -15,12 +15,16 @@ The model families (qkrope/families/) sit in those layers by module: the registr
 (``qkrope.families.<f>``) are root; ``qkrope.families.<f>.export`` is export layer;
 ``.reference`` and ``.dropin`` are runtime layer. Two more rules keep a family one folder:
 a family folder imports no other family and not the registry (the registry finds the
-folders by name, with importlib), and a generic module imports no family module by name.
+folders by name, with importlib), and a generic module imports no family module by name. And
+generic modules name no family in the identifiers they define or import (FAMILY_NAMED_BY_DESIGN:
+the exceptions, each with its reason); runtime/ holds no kernel-analysis code (the SASS reader is
+the kernel report's, qkrope.apps.kernel_report.sass).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,3 +192,113 @@ def test_no_import_cycles():
         if m not in state:
             visit(m)
     assert cycles == []
+
+
+# --- generic modules name no family ----------------------------------------------------------
+#
+# Generic code (export/, runtime/, qkrope/*.py, qkrope/apps/, qkrope/sidecars/) reaches a family
+# through its record; an identifier it defines or imports that names a family is a fact in the
+# wrong home. The exceptions are family-specific by design, each with its reason.
+FAMILY_NAMED_BY_DESIGN: dict[str, dict[str, str]] = {
+    "qkrope.export.attention": {
+        "QwenImageAttention": "the `--model attention` block is Qwen-Image's joint attention "
+                              "(model_io.ATTENTION_BLOCK), a public name in the README"},
+    "qkrope.export.attention_export": {
+        "QwenImageAttention": "exports that block (imports the class above)"},
+    "qkrope.apps.demo": {
+        "QwenImageAttention": "the main job demos the default family's attention block",
+        "build_qwen_rope_caches": "the demo builds that family's caches (its dropin's PUBLIC)",
+        "qwen": "the demo's handle on diffusers' Qwen-Image module, its parity oracle"},
+    "qkrope.export.flux_attention": {
+        "FluxAttnProcessor": "the fused replacement of diffusers' FluxAttnProcessor, named as "
+                             "the class it stands in for"},
+}
+_STEM_SUFFIXES = re.compile(r"(Transformer[23]DModel|Model)$")
+_TOKEN = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+
+
+def _words(text: str) -> list[str]:
+    """``text`` split into its lower-case words (snake_case, CamelCase, digits):
+    ``QwenImageAttention`` -> qwen, image, attention; ``Flux2PosEmbed`` -> flux, 2, pos, embed."""
+    return [w.lower() for w in _TOKEN.findall(text)]
+
+
+def _family_names() -> set[str]:
+    """What names a family, as words run together: each record's class name without its
+    Transformer2DModel / Transformer3DModel / Model suffix (qwenimage, flux2, zimage,
+    hunyuanvideo15), its name and package (flux1, hunyuanimage), and its brand, the stem's
+    first word where it is three letters or more (qwen, hunyuan, wan)."""
+    from qkrope import families
+
+    out: set[str] = set()
+    for r in families.records():
+        stem = _STEM_SUFFIXES.sub("", r.class_name)
+        out |= {"".join(_words(stem)), "".join(_words(r.name)), "".join(_words(r.package))}
+        if len(_words(stem)[0]) >= 3:
+            out.add(_words(stem)[0])
+    return out
+
+
+def _names_a_family(identifier: str, names: set[str]) -> bool:
+    """Whether a run of ``identifier``'s words spells a family's name (``is_qwen``,
+    ``FluxAttnProcessor``, ``build_wan_caches``; not ``wanted``)."""
+    words = _words(identifier)
+    return any("".join(words[i:j]) in names
+               for i in range(len(words)) for j in range(i + 1, len(words) + 1))
+
+
+def _defined_or_imported(path: Path) -> set[str]:
+    """The identifiers a module defines (functions, classes, arguments, names and attributes it
+    assigns) or imports (the imported names and their aliases)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            out.add(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                out.update(part for part in alias.name.split(".")[-1:] + [alias.asname or ""]
+                           if part)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            out.add(node.name)
+    return out
+
+
+def _family_named_identifiers() -> dict[str, set[str]]:
+    names = _family_names()
+    found: dict[str, set[str]] = {}
+    for mod, path in _modules().items():
+        if mod == FAMILIES or mod.startswith(FAMILIES + "."):
+            continue  # the registry and the family folders
+        hits = {i for i in _defined_or_imported(path) if _names_a_family(i, names)}
+        if hits:
+            found[mod] = hits
+    return found
+
+
+def test_the_family_name_matcher():
+    names = _family_names()
+    assert {"qwenimage", "qwen", "flux", "flux2", "zimage", "wan", "hunyuanvideo15"} <= names
+    assert all(_names_a_family(i, names) for i in (
+        "QWEN_MATCH", "is_qwen", "FluxAttnProcessor", "build_wan_caches", "ZImageThing",
+        "HunyuanVideo15Rope", "flux1_launches", "qwen_image"))
+    assert not any(_names_a_family(i, names) for i in (
+        "wanted", "want", "reference_match", "influx", "image_cache", "z", "rows"))
+
+
+def test_generic_modules_name_no_family():
+    """No identifier a generic module defines or imports names a family (its records' class-name
+    stem, name, package or brand), apart from FAMILY_NAMED_BY_DESIGN; each exception there is
+    still used (a module that is gone drops out)."""
+    found = _family_named_identifiers()
+    bad = {m: sorted(ids - set(FAMILY_NAMED_BY_DESIGN.get(m, {}))) for m, ids in found.items()}
+    assert {m: ids for m, ids in bad.items() if ids} == {}
+    mods = _modules()
+    stale = {m: sorted(set(ids) - found.get(m, set()))
+             for m, ids in FAMILY_NAMED_BY_DESIGN.items() if f"{m}" in mods}
+    assert {m: ids for m, ids in stale.items() if ids} == {}
