@@ -97,22 +97,8 @@ class HunyuanImageTransformer(Transformer):
                     {"img_shapes": [grid3], "txt_seq_len": txt},
                     timestep=per_item(timestep, "timestep", batch, self.dtype),
                     mask=mask.to(torch.bool), conditioning=conditioning,
-                    return_dict=return_dict)
-
-    def forward(self, *args, **kwargs):
-        """diffusers' forward: the sample ``[batch, out_channels, *latent axes]`` as
-        ``Transformer2DModelOutput(sample=...)``, or ``(sample,)`` with ``return_dict=False``."""
-        bound = self._bind(args, kwargs)
-        return_dict = bound.pop("return_dict", True)
-        tokens = super().forward(**bound, return_dict=False)[0]
-        shape = bound["hidden_states"].shape[2:]
-        grid = tuple(int(a) // p for a, p in zip(shape, self._patch))
-        sample = unpack_patches(tokens, grid, self._patch).contiguous()
-        if not return_dict:
-            return (sample,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=sample)
+                    return_dict=return_dict,
+                    unpack=lambda sample: unpack_patches(sample, grid, self._patch).contiguous())
 
 
 def dropin_class(record):
