@@ -13,24 +13,30 @@ A family folder ``qkrope/families/<package>/`` holds:
 :data:`FAMILY_PACKAGES` is the one list a new family is added to. The registry is keyed by the
 diffusers class (:func:`by_class`, :func:`family_of`) and by the sidecar's family name
 (:func:`by_name`). :func:`hooks` imports a family's hook module on first use (by a string, so
-``import qkrope`` and ``--help`` import no torch). A family folder imports no other family and
-not this registry; generic code imports no family module by name (tests/test_layering.py).
+``import qkrope`` and ``--help`` import no torch) and checks it against its kind's Protocol
+(qkrope.families._contract: the one list of what each hook module defines). A family folder
+imports no other family and not this registry; generic code imports no family module by name
+(tests/test_layering.py).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
+from qkrope.families._contract import CONTRACTS, checked
 from qkrope.families._record import FamilyRecord
+
+if TYPE_CHECKING:
+    from qkrope.families._contract import DropinHooks, ExportHooks, ReferenceHooks, TinyHooks
 
 #: The family folders, in registry order (the first is the default of an old sidecar that
 #: names no family).
 FAMILY_PACKAGES = ("qwen_image", "flux", "chroma", "hunyuan_video", "hunyuan_image", "z_image",
                    "cosmos", "wan")
-#: The hook modules a family folder has.
-HOOK_KINDS = ("export", "reference", "dropin", "tiny")
+#: The hook modules a family folder has (each kind's Protocols: qkrope.families._contract).
+HOOK_KINDS = tuple(CONTRACTS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,11 +132,28 @@ def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = No
                              f"{total}")
 
 
-def hooks(record: FamilyRecord, kind: str):
-    """The family's hook module of ``kind`` (:data:`HOOK_KINDS`), imported on first use."""
+@overload
+def hooks(record: FamilyRecord, kind: Literal["export"]) -> ExportHooks: ...
+@overload
+def hooks(record: FamilyRecord, kind: Literal["reference"]) -> ReferenceHooks: ...
+@overload
+def hooks(record: FamilyRecord, kind: Literal["dropin"]) -> DropinHooks: ...
+@overload
+def hooks(record: FamilyRecord, kind: Literal["tiny"]) -> TinyHooks: ...
+
+
+def hooks(record: FamilyRecord, kind: str) -> Any:
+    """The family's hook module of ``kind`` (:data:`HOOK_KINDS`), imported on first use and
+    checked against the kind's required Protocol (qkrope.families._contract): a module that
+    lacks a required name is refused in one line naming the family, the kind and the names."""
     if kind not in HOOK_KINDS:
         raise ValueError(f"hook kind {kind!r} is not one of {HOOK_KINDS}")
-    return importlib.import_module(f"{__name__}.{record.package}.{kind}")
+    return _hooks(record.name, record.package, kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _hooks(name: str, package: str, kind: str) -> Any:
+    return checked(importlib.import_module(f"{__name__}.{package}.{kind}"), kind, name)
 
 
 __all__ = ["FAMILY_PACKAGES", "HOOK_KINDS", "FamilyRecord", "records", "names", "default",
