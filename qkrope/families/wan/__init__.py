@@ -29,6 +29,8 @@ timesteps) and an I2V text of other than 512 tokens by the drop-in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_IMAGE,
@@ -116,4 +118,98 @@ def wan_axes(head_dim: int) -> tuple:
     return (int(head_dim) - h - w, h, w)
 
 
-RECORDS = (WAN,)
+# --------------------------------------------------------------------------------------------
+# Wan's derivatives: the same blocks, attention and graph; what differs is record data here
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Derivative:
+    """What a class built on Wan's blocks does differently, read by the folder's one set of
+    hooks (export, reference, drop-in): nothing, for Wan itself.
+
+    - ``time_sincos64``: the sinusoidal timestep embedding is ``get_1d_sincos_pos_embed_from_
+      grid`` in float64 (SkyReels-V2), which the export computes in float32 with the rounding
+      error of the angle carried separately (:func:`qkrope.families.wan.export.sincos64`);
+    - ``skip_frames_key``: the config key of ChronoEdit's temporal skip: a latent of exactly two
+      frames (the edit's input and output frame) takes frame positions 0 and skip - 1, so its
+      caches come from per-token positions (the "ids" scheme: :func:`frame_positions`);
+    - ``thirds_split``: the class splits each RoPE table row at ``head_dim // 3`` (ChronoEdit)
+      while building the tables at ``2 * (head_dim // 6)``: the two agree only where those are
+      equal (every released config: 128), which the config check asks;
+    - ``forward_extras``: arguments its pipelines pass beyond Wan's (the drop-in takes them and
+      refuses what the export cannot honour);
+    - ``refused_config``: config keys whose non-default value the export refuses, with why."""
+
+    time_sincos64: bool = False
+    skip_frames_key: str | None = None
+    thirds_split: bool = False
+    forward_extras: tuple = ()
+    refused_config: tuple = ()
+
+
+#: SkyReels-V2 (SkyReelsV2Transformer3DModel): Wan 2.1's blocks with a float64 sinusoidal
+#: timestep embedding; its diffusion-forcing pipelines pass per-frame timesteps with
+#: ``enable_diffusion_forcing`` and an ``fps`` index that only ``inject_sample_info`` models
+#: read; ``num_frame_per_block`` > 1 makes the self-attention block-causal over frames.
+SKYREELS_V2 = FamilyRecord(
+    name="skyreels-v2", class_name="SkyReelsV2Transformer3DModel",
+    label="SkyReels-V2 (T2V / I2V / DF 1.3B / 14B, 540P / 720P)", short="SkyReels-V2",
+    package="wan", scheme="grid", axes=(44, 42, 42), theta=10000, theta_key=None,
+    max_positions=1024, rounding=contract.ROUNDING_TWO_STEPS, graph=WAN_TRANSFORMER,
+    fp8_excluded=FP8_EXCLUDED, blocks=True,
+    block_lists=(BlockList("blocks", "num_layers", ("img",)),), rotated=("img",),
+    scale_rope=False, rope_precision="float64", max_positions_key="rope_max_seq_len",
+    # 540P (544 x 960) at 97 frames: 25 latent frames x 34 x 60 patches = 51,000 tokens
+    launches=(Launch("SkyReels-V2 14B 540P 97f", "video 51000", 51000, 40, batches=(1,),
+                     roundings=(2,), norm_scope=1),
+              Launch("SkyReels-V2 1.3B 540P 97f", "video 51000", 51000, 12, batches=(1,),
+                     roundings=(2,), norm_scope=1)))
+
+#: ChronoEdit (ChronoEditTransformer3DModel): Wan 2.1 I2V-14B's blocks, graph and image
+#: branch; its RoPE puts a two-frame latent's frames at positions 0 and
+#: ``rope_temporal_skip_len`` - 1 (the "ids" scheme, float64 like Wan's tables).
+CHRONOEDIT = FamilyRecord(
+    name="chronoedit", class_name="ChronoEditTransformer3DModel",
+    label="ChronoEdit (14B image editing, temporal reasoning)", short="ChronoEdit",
+    package="wan", scheme="ids", axes=(44, 42, 42), theta=10000, theta_key=None,
+    max_positions=1024, rounding=contract.ROUNDING_TWO_STEPS, graph=WAN_I2V_TRANSFORMER,
+    fp8_excluded=FP8_EXCLUDED, blocks=True,
+    block_lists=(BlockList("blocks", "num_layers", ("img",)),), rotated=("img",),
+    scale_rope=False, rope_precision="float64", max_positions_key="rope_max_seq_len",
+    # the edit: 2 latent frames at 480 x 832 (30 x 52 patches) = 3,120 tokens; temporal
+    # reasoning's 81 frames: 21 x 30 x 52 = 32,760
+    launches=(Launch("ChronoEdit-14B 480p edit", "video 3120", 3120, 40, batches=(1,),
+                     roundings=(2,), norm_scope=1),
+              Launch("ChronoEdit-14B 480p reasoning 81f", "video 32760", 32760, 40,
+                     batches=(1,), roundings=(2,), norm_scope=1)))
+
+#: record name -> its differences from Wan (the hooks' one table)
+DERIVATIVES = {
+    WAN.name: Derivative(),
+    SKYREELS_V2.name: Derivative(
+        time_sincos64=True, forward_extras=("enable_diffusion_forcing", "fps"),
+        refused_config=(("inject_sample_info", False, "its fps embedding is an input the "
+                         "export does not have"),
+                        ("num_frame_per_block", 1, "its block-causal frame mask is not in "
+                         "the export"))),
+    CHRONOEDIT.name: Derivative(skip_frames_key="rope_temporal_skip_len", thirds_split=True),
+}
+
+#: ChronoEdit's default temporal skip (diffusers' ``rope_temporal_skip_len``)
+SKIP_FRAMES = 8
+
+
+def derivative(record) -> Derivative:
+    """What ``record``'s class does differently from Wan (:class:`Derivative`)."""
+    return DERIVATIVES[record.name]
+
+
+def frame_positions(frames: int, skip: int | None) -> list:
+    """The RoPE frame position of each latent frame: 0 .. frames - 1, except a two-frame latent
+    of a class with a temporal skip (ChronoEdit), whose frames sit at 0 and ``skip`` - 1."""
+    if skip is not None and int(frames) == 2:
+        return [0, int(skip) - 1]
+    return list(range(int(frames)))
+
+
+RECORDS = (WAN, SKYREELS_V2, CHRONOEDIT)

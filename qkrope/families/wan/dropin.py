@@ -36,7 +36,7 @@ from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, refuse
                                     tensor_arg)
 from qkrope.runtime.latents import VIDEO_5D, Latent
 
-from . import I2V_TEXT_TOKENS
+from . import I2V_TEXT_TOKENS, derivative
 
 
 def pack(latent: torch.Tensor, patch) -> torch.Tensor:
@@ -60,16 +60,19 @@ def unpack(sample: torch.Tensor, grid, patch) -> torch.Tensor:
 
 def sample_request(record, img_shapes, txt_len: int) -> dict:
     """The position request of a sample of these sizes (``make_inputs``, the exporter's
-    sample): the grid and the text length (its rows are identity: the text is not rotated)."""
-    from qkrope.runtime.schemes import grid
+    sample): the grid and the text length (its rows are identity: the text is not rotated);
+    ChronoEdit's per-token positions at its default temporal skip
+    (:func:`qkrope.families.wan.reference.position_request`)."""
+    from .reference import position_request
 
-    return grid.sample_request(img_shapes, txt_len)
+    return position_request(record, {}, img_shapes, txt_len)
 
 
-def _timestep(value, batch: int) -> torch.Tensor:
+def _timestep(value, batch: int, what: str = "tokens") -> torch.Tensor:
     """diffusers' timestep as the graph's float32 [batch]: a number, [1] or [batch]; [batch,
-    tokens] when every token of a sample has the same value (TI2V's expand_timesteps for
-    text-to-video)."""
+    tokens] (or SkyReels-V2 diffusion forcing's [batch, frames]: ``what``) when every token
+    (frame) of a sample has the same value (TI2V's expand_timesteps for text-to-video,
+    diffusion forcing's synchronous steps)."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = torch.tensor(float(value))
     if not isinstance(value, torch.Tensor):
@@ -77,10 +80,13 @@ def _timestep(value, batch: int) -> torch.Tensor:
                          f"{type(value).__name__} {short_repr(value, 60)}")
     if value.dim() == 2:
         if value.shape[0] != batch or not bool((value == value[:, :1]).all()):
+            where = ("SkyReels-V2's asynchronous diffusion forcing or a prefix video"
+                     if what == "frames" else "Wan 2.2 TI2V-5B's image-to-video, "
+                     "expand_timesteps")
             raise InputError(
-                f"timestep {list(value.shape)} gives different timesteps to the tokens of a "
-                f"sample (Wan 2.2 TI2V-5B's image-to-video, expand_timesteps); the export "
-                f"takes one timestep per sample. Fix: run TI2V-5B's image-to-video in PyTorch")
+                f"timestep {list(value.shape)} gives different timesteps to the {what} of a "
+                f"sample ({where}); the export takes one timestep per sample. Fix: run that "
+                f"mode in PyTorch")
         value = value[:, 0]
     if value.dim() == 0 or (value.dim() == 1 and value.shape[0] == 1 and batch > 1):
         value = value.reshape(1).expand(batch)
@@ -103,7 +109,7 @@ class WanTransformer(Transformer):
 
     def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
                 encoder_hidden_states_image=None, return_dict: bool = True,
-                attention_kwargs=None) -> Call:
+                attention_kwargs=None, **extras) -> Call:
         refuse_kwargs(attention_kwargs, "attention_kwargs")
         if hidden_states is None or timestep is None or encoder_hidden_states is None:
             missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
@@ -121,9 +127,14 @@ class WanTransformer(Transformer):
         conditioning = self._image(encoder_hidden_states_image, batch,
                                    int(encoder_hidden_states.shape[1]))
         packed = pack(hidden_states.to(self.dtype), video.patch)
-        return Call(packed, encoder_hidden_states.to(self.dtype),
-                    {"img_shapes": [grid], "txt_seq_len": int(encoder_hidden_states.shape[1])},
-                    timestep=_timestep(timestep, batch), conditioning=conditioning,
+        frames = bool(extras.get("enable_diffusion_forcing"))
+        from .reference import position_request
+
+        request = position_request(self.record, self.config, [grid],
+                                   int(encoder_hidden_states.shape[1]))
+        return Call(packed, encoder_hidden_states.to(self.dtype), request,
+                    timestep=_timestep(timestep, batch, "frames" if frames else "tokens"),
+                    conditioning=conditioning,
                     return_dict=return_dict,
                     unpack=functools.partial(unpack, grid=grid, patch=video.patch))
 
@@ -162,9 +173,29 @@ class WanTransformer(Transformer):
         return {"encoder_hidden_states_image": image.to(self.dtype)}
 
 
+class SkyReelsV2Transformer(WanTransformer):
+    """SkyReels-V2's drop-in: Wan's, with the diffusion-forcing pipelines' arguments:
+    ``enable_diffusion_forcing`` (a [batch, frames] timestep, taken when every frame of a
+    sample has the same one: the synchronous schedule without a prefix) and ``fps`` (read only
+    by an ``inject_sample_info`` model, which the export refuses; ignored, as diffusers ignores
+    it), and ``_set_ar_attention`` (a causal block of 1 frame: the export's full attention)."""
+
+    FORWARD_ARGS = WanTransformer.FORWARD_ARGS[:-2] + ("enable_diffusion_forcing", "fps",
+                                                       "return_dict", "attention_kwargs")
+    PIPELINES = ("SkyReelsV2Pipeline, SkyReelsV2ImageToVideoPipeline, SkyReelsV2Diffusion"
+                 "ForcingPipeline (synchronous, causal_block_size 1) and its I2V / V2V")
+
+    def _set_ar_attention(self, causal_block_size):
+        if causal_block_size != 1:
+            raise InputError(f"causal_block_size {causal_block_size!r}: the SkyReels-V2 export "
+                             f"attends over every frame (num_frame_per_block 1); a block-"
+                             f"causal mask is not in the graph. Fix: causal_block_size 1 (or "
+                             f"None), or run asynchronous diffusion forcing in PyTorch")
+
+
 def dropin_class(record):
     """The drop-in class of ``record`` (the registry's entry point)."""
-    return WanTransformer
+    return SkyReelsV2Transformer if derivative(record).forward_extras else WanTransformer
 
 
-__all__ = ["WanTransformer", "dropin_class", "sample_request"]
+__all__ = ["SkyReelsV2Transformer", "WanTransformer", "dropin_class", "sample_request"]

@@ -38,7 +38,8 @@ from qkrope.export.attention import _attention
 from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 
-from . import I2V_IMAGE_TOKENS, I2V_TEXT_TOKENS, WAN, WAN_I2V_TRANSFORMER, graph_of, wan_axes
+from . import (I2V_IMAGE_TOKENS, I2V_TEXT_TOKENS, RECORDS, SKIP_FRAMES, WAN, WAN_I2V_TRANSFORMER,
+               derivative, graph_of, wan_axes)
 
 
 def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
@@ -121,12 +122,22 @@ class WanCacheInputTransformer(nn.Module):
     image branch (the processor's ``image``)."""
 
     def __init__(self, transformer: nn.Module, *, rounding: int = WAN.rounding,
-                 kept: int | None = None):
+                 kept: int | None = None, record=WAN):
         super().__init__()
         self.rounding = rounding
         patch_wan(transformer, rounding=rounding)
+        if derivative(record).time_sincos64:  # SkyReels-V2: no float64 in the graph
+            embedder = transformer.condition_embedder
+            embedder.timesteps_proj = SinCos64(embedder.timesteps_proj.num_channels)
         self.transformer = transformer
         self.kept = len(transformer.blocks) if kept is None else int(kept)
+        # SkyReels-V2's blocks take the self-attention's mask after the RoPE (None: no
+        # num_frame_per_block, which the config check asks)
+        import inspect
+
+        params = inspect.signature(type(transformer.blocks[0]).forward).parameters \
+            if len(transformer.blocks) else {}
+        self._block_extra = (None,) if "attention_mask" in params else ()
 
     def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
                 encoder_hidden_states_image=None):
@@ -151,12 +162,65 @@ class WanCacheInputTransformer(nn.Module):
                 processor.image, context = context[:, :n], context[:, n:]
         try:
             for block in t.blocks[:self.kept]:
-                x = block(x, context, timestep_proj, img_cos_sin_cache)
+                x = block(x, context, timestep_proj, img_cos_sin_cache, *self._block_extra)
         finally:
             processor.image = None
         shift, scale = (t.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (t.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return t.proj_out(x)
+
+
+class SinCos64(nn.Module):
+    """SkyReels-V2's timestep embedding (diffusers' ``get_1d_sincos_pos_embed_from_grid`` with
+    ``flip_sin_to_cos``: [cos, sin] of ``t * omega_i``, ``omega_i = 10000 ** (-i / half)``, in
+    float64, then float32) in float32 arithmetic only, within a few float32 ulps of it: each
+    ``omega_i`` is a float32 ``hi`` plus the float32 rest ``lo``; the angle is ``p = fl(t *
+    hi)`` plus its error ``e`` (Dekker's exact product: ``t`` and ``hi`` split into 12-bit
+    halves) plus ``t * lo``, and ``sin(p + r) = sin p + r cos p`` (|r| is at most an ulp of
+    ``p``, so r^2 / 2 is below float32's resolution of the result)."""
+
+    def __init__(self, num_channels: int):
+        super().__init__()
+        import numpy as np
+
+        half = int(num_channels) // 2
+        omega = 1.0 / 10000.0 ** (np.arange(half, dtype=np.float64) / (num_channels / 2.0))
+        hi = omega.astype(np.float32)
+        lo = (omega - hi.astype(np.float64)).astype(np.float32)
+        self.num_channels = int(num_channels)
+        self.register_buffer("hi", torch.from_numpy(hi), persistent=False)
+        self.register_buffer("lo", torch.from_numpy(lo), persistent=False)
+        self.register_buffer("hi_split", torch.from_numpy(np.stack(_split(hi))),
+                             persistent=False)
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        t = timestep.reshape(-1, 1).to(torch.float32)
+        p = t * self.hi
+        t1 = _split_tensor(t)
+        t2 = t - t1
+        h1, h2 = self.hi_split[0], self.hi_split[1]
+        e = ((t1 * h1 - p) + t1 * h2 + t2 * h1) + t2 * h2
+        r = e + t * self.lo
+        sin, cos = torch.sin(p), torch.cos(p)
+        return torch.cat([cos - r * sin, sin + r * cos], dim=1)
+
+
+_SPLIT = 4097.0  # 2^12 + 1: Veltkamp's splitter of a float32 (24-bit significand)
+
+
+def _split(x):
+    """float32 numpy ``x`` as its high 12 bits and the rest (Veltkamp), both exact."""
+    import numpy as np
+
+    c = (np.float32(_SPLIT) * x).astype(np.float32)
+    high = (c - (c - x)).astype(np.float32)
+    return high, (x - high).astype(np.float32)
+
+
+def _split_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The high 12 bits of float32 ``x`` (Veltkamp)."""
+    c = x * _SPLIT
+    return c - (c - x)
 
 
 def image_embedding(embedder: nn.Module, image: torch.Tensor) -> torch.Tensor:
@@ -203,6 +267,14 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
                 inspect.signature(model_class.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     cfg = {**defaults, **raw}
+    record = next((r for r in RECORDS if r.class_name == model_class.__name__), WAN)
+    facts = derivative(record)
+    for key, default, why in facts.refused_config:
+        if cfg.get(key, default) != default:
+            raise InputError(f"{path}: {key} {json.dumps(cfg.get(key))[:60]}; the "
+                             f"{record.short} export takes {json.dumps(default)} only ({why}). "
+                             f"Fix: export a {record.short} model with {key} "
+                             f"{json.dumps(default)}, or run this one in PyTorch")
     for key in _POSITIVE_INT_FIELDS:
         v = cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -238,6 +310,19 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
         raise InputError(f"{path}: attention_head_dim {head_dim} cannot be split into Wan's "
                          f"three even RoPE axes (frames, rows, columns: {wan_axes(head_dim)}) "
                          f"within the kernel's {contract.MAX_HEAD_DIM}. {fix}")
+    if facts.thirds_split and head_dim // 3 != wan_axes(head_dim)[1]:
+        raise InputError(f"{path}: attention_head_dim {head_dim}: {record.short} builds its "
+                         f"RoPE tables with rows and columns {wan_axes(head_dim)[1]} wide but "
+                         f"splits them at {head_dim // 3}, which mixes the axes' frequencies "
+                         f"(only a head_dim whose third is even and equals 2 * (head_dim // "
+                         f"6), e.g. 128, keeps them apart). {fix}")
+    if facts.skip_frames_key is not None:
+        skip = cfg.get(facts.skip_frames_key, SKIP_FRAMES)
+        if isinstance(skip, bool) or skip != SKIP_FRAMES:
+            raise InputError(f"{path}: {facts.skip_frames_key} {json.dumps(skip)[:60]}; the "
+                             f"{record.short} export takes {SKIP_FRAMES}, every released "
+                             f"model's (qkrope check's sample positions are built from the "
+                             f"record, not the config). {fix}")
     if memory:
         dim = cfg["num_attention_heads"] * head_dim
         # each block: self- and cross-attention (8 dim^2; the image branch 2 dim^2 more) and
@@ -280,22 +365,26 @@ def image_tokens(config) -> int:
     return int(pos) if pos is not None else I2V_IMAGE_TOKENS
 
 
-def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
+def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, record=WAN) -> tuple:
     """The traced sample: random packed patches and text, a float32 timestep, the image cache
     of the sample's grid (the grid scheme's float64 tables); with ``image_dim`` (I2V / FLF2V)
     random CLIP image tokens last (:func:`image_tokens` of them)."""
     from qkrope.runtime.caches import build_rope_caches, checked_setting
+
+    from .reference import position_request
 
     cfg = transformer.config
     g = torch.Generator().manual_seed(1)
     (f, h, w), = sample.img_shapes[:1]
     patch = tuple(int(p) for p in cfg.patch_size)
     width = int(cfg.in_channels) * patch[0] * patch[1] * patch[2]
-    setting = checked_setting(WAN.scheme, wan_axes(int(cfg.attention_head_dim)), WAN.theta,
-                              max_positions=int(cfg.rope_max_seq_len), scale_rope=False,
-                              rotated=WAN.rotated, precision=WAN.rope_precision)
-    caches = build_rope_caches(WAN.scheme, {"img_shapes": [(f, h, w)],
-                                            "txt_seq_len": sample.txt_len}, setting)
+    setting = checked_setting(record.scheme, wan_axes(int(cfg.attention_head_dim)),
+                              record.theta, max_positions=int(cfg.rope_max_seq_len),
+                              scale_rope=False, rotated=record.rotated,
+                              precision=record.rope_precision)
+    caches = build_rope_caches(record.scheme,
+                               position_request(record, cfg, [(f, h, w)], sample.txt_len),
+                               setting)
     b = sample.batch
     args = (torch.randn(b, f * h * w, width, generator=g).to(dtype),
             torch.randn(b, sample.txt_len, int(cfg.text_dim), generator=g).to(dtype),
@@ -328,11 +417,12 @@ def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layer
         axis_values = {model_io.IMAGE_EMBED_TOKENS: image_tokens(cfg)}
     axes = wan_axes(int(cfg["attention_head_dim"]))
     kept, = record.kept_blocks(cfg, layers)
-    wrapper = WanCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
+    wrapper = WanCacheInputTransformer(transformer, rounding=rounding, kept=kept,
+                                       record=record).eval()
     n = len(transformer.blocks)
     eps = float(transformer.blocks[0].attn1.norm_q.eps)
     return TransformerPlan(
-        wrapper=wrapper, args=sample_args(transformer, sample, dtype), decl=decl,
+        wrapper=wrapper, args=sample_args(transformer, sample, dtype, record), decl=decl,
         axis_values=axis_values,
         axes=axes, theta=record.theta, rounding=rounding, nodes=kept, num_layers_exported=kept,
         blocks=f"{record.label}: {kept} of {n} blocks",

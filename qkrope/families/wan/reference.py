@@ -12,6 +12,29 @@ from typing import Any, Mapping, Sequence
 IMAGES = 1
 
 
+def position_request(record, config, img_shapes, txt_len: int) -> dict:
+    """The position request of a latent grid ``img_shapes[0]`` (frames, height, width in
+    patches) and ``txt_len`` text tokens for the record's scheme: Wan's grid itself; for a
+    class with a temporal skip (ChronoEdit, the "ids" scheme) every token's (frame, row,
+    column) with the frames at :func:`qkrope.families.wan.frame_positions` (the text's rows are
+    identity: zeros)."""
+    (f, h, w), = [tuple(int(v) for v in s) for s in img_shapes[:1]]
+    if record.scheme == "grid":
+        from qkrope.runtime.schemes import grid
+
+        return grid.sample_request([(f, h, w)], txt_len)
+    import numpy as np
+
+    from . import SKIP_FRAMES, derivative, frame_positions
+
+    key = derivative(record).skip_frames_key
+    skip = config.get(key) if key and hasattr(config, "get") else None
+    frames = frame_positions(f, SKIP_FRAMES if key and skip is None else skip)
+    t, y, x = np.meshgrid(np.asarray(frames), np.arange(h), np.arange(w), indexing="ij")
+    img = np.stack([t.ravel(), y.ravel(), x.ravel()], axis=1).astype(np.float32)
+    return {"txt_ids": np.zeros((int(txt_len), 3), np.float32), "img_ids": img}
+
+
 def check_sample(info) -> dict:
     """The check's default sizes for this model: Wan 2.1 I2V's 512 text tokens (with the
     attention's image branch: the only length at which diffusers' forward reads the image

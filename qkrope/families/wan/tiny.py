@@ -21,12 +21,24 @@ WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_di
                   rope_max_seq_len=32)
 
 
-def wan_transformer(seed: int = 0, **overrides):
-    """The tiny Wan transformer, its RMSNorm weights random (diffusers initialises them to 1,
+#: The derivatives' tiny configs: Wan's, with ChronoEdit's Wan 2.1 I2V image branch (CLIP
+#: width 4, the branch at the model width 24; the latent and its condition: 36 channels in, 16
+#: out, as the 14B's 16 + 20).
+CONFIGS = {
+    "WanTransformer3DModel": WAN_CONFIG,
+    "SkyReelsV2Transformer3DModel": WAN_CONFIG,
+    "ChronoEditTransformer3DModel": dict(WAN_CONFIG, in_channels=36, out_channels=16,
+                                         image_dim=4, added_kv_proj_dim=24),
+}
+
+
+def wan_transformer(seed: int = 0, class_name: str = "WanTransformer3DModel", **overrides):
+    """The tiny Wan transformer (or a derivative's, by its diffusers ``class_name``: its
+    :data:`CONFIGS` entry), its RMSNorm weights random (diffusers initialises them to 1,
     which would hide the row weight's h * D + d indexing)."""
     diffusers = require("diffusers", "the tiny Wan pipeline")
     torch.manual_seed(seed)
-    model = diffusers.WanTransformer3DModel(**{**WAN_CONFIG, **overrides}).eval()
+    model = getattr(diffusers, class_name)(**{**CONFIGS[class_name], **overrides}).eval()
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
