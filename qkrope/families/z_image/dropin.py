@@ -27,8 +27,8 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.z_image import SEQ_MULTIPLE, Z_IMAGE
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
-                                    short_repr)
+from qkrope.runtime._dropin import (Call, Split, Transformer, missing_arguments, per_item,
+                                    refuse_kwargs, short_repr)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import table
 
@@ -119,20 +119,19 @@ class ZImageTransformer(Transformer):
         """The latent channels (the pipelines read ``transformer.in_channels``)."""
         return self._channels
 
-    def prepare(self, **call) -> Call:  # one Call per group: see forward
-        raise NotImplementedError("ZImageTransformer.forward runs one call per group")
-
-    def forward(self, *args, **kwargs):
-        """diffusers' Z-Image forward: ``(list of [C, F, H, W],)`` with ``return_dict=False``,
-        else ``Transformer2DModelOutput(sample=list)``."""
-        call = self._bind(args, kwargs)
-        x, t, cap = call.get("x"), call.get("t"), call.get("cap_feats")
-        self._refuse_unsupported(call)
-        if x is None or t is None or cap is None:
-            missing = [n for n, v in (("x", x), ("t", t), ("cap_feats", cap)) if v is None]
+    def prepare(self, x=None, t=None, cap_feats=None, return_dict: bool = True,
+                controlnet_block_samples=None, siglip_feats=None, image_noise_mask=None,
+                patch_size=2, f_patch_size=1, joint_attention_kwargs=None) -> Split:
+        """diffusers' Z-Image call as one graph call per (latent shape, padded caption length)
+        group; the generic forward returns the list of ``[C, F, H, W]`` samples diffusers
+        returns."""
+        self._refuse_unsupported(controlnet_block_samples, siglip_feats, image_noise_mask,
+                                 patch_size, f_patch_size, joint_attention_kwargs)
+        if x is None or t is None or cap_feats is None:
+            missing = [n for n, v in (("x", x), ("t", t), ("cap_feats", cap_feats)) if v is None]
             raise missing_arguments("Z-Image", missing)
         images = _items(x, "x", 4, "[channels, frames, height, width]")
-        captions = _items(cap, "cap_feats", 2, "[caption_tokens, cap_feat_dim]")
+        captions = _items(cap_feats, "cap_feats", 2, "[caption_tokens, cap_feat_dim]")
         if len(images) != len(captions):
             raise InputError(f"x has {len(images)} samples but cap_feats has {len(captions)}; "
                              f"give one caption per latent")
@@ -145,18 +144,9 @@ class ZImageTransformer(Transformer):
         for i, (image, caption) in enumerate(zip(images, captions)):
             self._check_sample(i, image, caption)
             groups.setdefault((tuple(image.shape), padded(caption.shape[0])), []).append(i)
-        out: list = [None] * batch
-        for (shape, txt_len), index in groups.items():
-            for i, sample in zip(index, self._run_group(shape, txt_len, index, images,
-                                                        captions, timestep)):
-                out[i] = sample
-        if not call.get("return_dict", True):
-            return (out,)
-        from qkrope._deps import require
-
-        outputs = require("diffusers.models.modeling_outputs",
-                          "returning diffusers' Transformer2DModelOutput")
-        return outputs.Transformer2DModelOutput(sample=out)
+        return Split([self._group(shape, txt_len, index, images, captions, timestep)
+                      for (shape, txt_len), index in groups.items()], batch,
+                     return_dict=return_dict)
 
     # ----------------------------------------------------------------------------------------
     def _check_sample(self, i: int, image: torch.Tensor, caption: torch.Tensor) -> None:
@@ -178,8 +168,11 @@ class ZImageTransformer(Transformer):
             raise InputError(f"sample {i} (caption of {caption.shape[0]} tokens, latent "
                              f"{list(image.shape)}): {exc}") from None
 
-    def _run_group(self, shape: tuple, txt_len: int, index: list, images: list, captions: list,
-                   timestep: torch.Tensor) -> list:
+    def _group(self, shape: tuple, txt_len: int, index: list, images: list, captions: list,
+               timestep: torch.Tensor) -> Call:
+        """The graph call of the samples ``index`` (one latent shape, one padded caption
+        length): their latents packed as tokens, captions padded with a mask, the group's ids;
+        its unpack gives the ``[n, C, F, H, W]`` latents back."""
         c, f, h, w = shape
         p, pf = self._patch
         ft, ht, wt = f // pf, h // p, w // p
@@ -193,29 +186,30 @@ class ZImageTransformer(Transformer):
             ehs[row, :n] = captions[i]
             mask[row, :n] = True
         txt_ids, img_ids = sample_ids([(ft, ht, wt)], txt_len)
-        call = Call(hs.contiguous(), ehs, {"txt_ids": txt_ids, "img_ids": img_ids},
-                    timestep=timestep[index].to(hs.device).contiguous(), mask=mask)
-        caches = self.rope_caches(call)
-        sample = self._runner(call.hidden_states, ehs, caches, mask, call.timestep)
-        sample = sample.clone() if not self._runner.copy_outputs else sample
-        out = sample.view(len(index), ft, ht, wt, pf, p, p, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return list(out.reshape(len(index), -1, f, h, w).unbind(0))
 
-    def _refuse_unsupported(self, call: dict) -> None:
-        if call.get("controlnet_block_samples") is not None:
+        def unpack(sample: torch.Tensor) -> torch.Tensor:
+            out = sample.view(len(index), ft, ht, wt, pf, p, p, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+            return out.reshape(len(index), -1, f, h, w)
+
+        return Call(hs.contiguous(), ehs, {"txt_ids": txt_ids, "img_ids": img_ids},
+                    timestep=timestep[index].to(hs.device).contiguous(), mask=mask,
+                    unpack=unpack, items=tuple(index))
+
+    def _refuse_unsupported(self, controlnet_block_samples, siglip_feats, image_noise_mask,
+                            p, pf, joint_attention_kwargs) -> None:
+        if controlnet_block_samples is not None:
             raise InputError("controlnet_block_samples: the exported Z-Image transformer has no "
                              "ControlNet residual inputs. Fix: run ZImageControlNetPipeline on "
                              "the PyTorch model")
-        if call.get("siglip_feats") is not None or call.get("image_noise_mask") is not None:
+        if siglip_feats is not None or image_noise_mask is not None:
             raise InputError("siglip_feats / image_noise_mask belong to Z-Image-Omni, which "
                              "this export does not take. Fix: run the Omni pipeline on the "
                              "PyTorch model")
-        p, pf = call.get("patch_size", 2), call.get("f_patch_size", 1)
         if (p, pf) != self._patch:
             raise InputError(f"patch_size={p!r}, f_patch_size={pf!r}: the export runs the "
                              f"model's patch size {self._patch[0]} (frames "
                              f"{self._patch[1]}) only. Fix: call with the exported patch size")
-        refuse_kwargs(call.get("joint_attention_kwargs"), "joint_attention_kwargs")
+        refuse_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
 
 
 def dropin_class(record):
