@@ -1,9 +1,20 @@
 """Tiny test builders, one per model family, keyed by the family record's name
-(:func:`qkrope.families.names`): the registry the family-parametrised tests run over. A new
-family gets its record, export-option, check, input-form, drop-in component, data loader,
-Triton and FP8 tests (tests/test_famil*.py, test_check_blocks_families.py, test_input_forms.py,
-test_dropin_component_families.py) by adding its builder here, its input forms in
-tests/_input_forms.py, and its record in qkrope/families/.
+(:func:`qkrope.families.names`): the registry the family-parametrised tests run over
+(tests/test_famil*.py, test_check_blocks_families.py, test_input_forms.py,
+test_dropin_component_families.py).
+
+A new family gets a builder in one of two ways:
+
+- its tiny hook defines ``build_transformer(record, seed)`` (the optional name of
+  qkrope.families._contract.TinyExtras): nothing to add here (:func:`_derived`);
+- else one line in :data:`BUILDERS` naming its tiny hook's builder function, e.g.
+  ``"ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),``.
+
+``smoke=True`` marks a clone family (it shares its representative's helpers: a FLUX-like class
+on FLUX's code, a Wan derivative): the heavy matrices run over :data:`FULL_PARAMS` (the
+representatives), the smoke test (tests/test_families.py) and the cheap per-family tests over
+:data:`PARAMS` (every family). A record that shares its folder with an earlier record is a clone
+by default where its builder is derived.
 
 Sizes: FLUX.1 / FLUX.2 and HunyuanVideo-1.5 / HunyuanVideo are diffusers' own test configs
 (tests/_flux_models.py, tests/_hunyuan_video_models.py); Z-Image is diffusers' test config;
@@ -18,6 +29,7 @@ scale (diffusers' init zeroes some layers).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -41,19 +53,37 @@ from qkrope.families.z_image import tiny as z_tiny  # noqa: E402
 
 @dataclass(frozen=True)
 class TinyBuilder:
-    """One family's tiny transformer: ``build(seed)`` makes it; ``blocks`` its number of
-    ``transformer_blocks``."""
+    """One family's tiny transformer: ``build(seed)`` makes it; ``blocks`` its number of main
+    blocks (``block_count``, else its config's ``record.blocks_key``)."""
 
     family: str  # the record's name
     variant: str  # what it is, in test ids
     build: Callable[[int], object]
-    blocks: int
+    block_count: int | None = None  # None: the built model's config[record.blocks_key]
     axes_key: str = "axes_dims_rope"  # the config key of its RoPE axes
-    blocks_attr: str = "transformer_blocks"  # the model's list of (main) blocks
+    blocks_attr: str | None = None  # None: the attribute of the record's blocks_key list
+    smoke: bool = False  # a clone family: the smoke subset of the heavy matrices only
 
     @property
     def record(self):
         return families.by_name(self.family)
+
+    @property
+    def blocks(self) -> int:
+        if self.block_count is not None:
+            return self.block_count
+        if self.variant not in _BLOCKS:
+            _BLOCKS[self.variant] = int(self.build(0).config[self.record.blocks_key])
+        return _BLOCKS[self.variant]
+
+    @property
+    def main_blocks(self) -> str:
+        """The model attribute of its main block list."""
+        if self.blocks_attr is not None:
+            return self.blocks_attr
+        record = self.record
+        return next((b.attr for b in record.block_lists if b.key == record.blocks_key),
+                    "transformer_blocks")
 
     def saved(self, root: Path) -> Path:
         """The model's folder (save_pretrained), once per session and root."""
@@ -65,6 +95,7 @@ class TinyBuilder:
         return _SAVED[key]
 
 
+_BLOCKS: dict[str, int] = {}
 _SAVED: dict[tuple[str, str], Path] = {}
 
 
@@ -118,7 +149,25 @@ def cosmos_transformer(seed: int = 0, **overrides):
     return cosmos_tiny.cosmos_transformer(seed, **overrides)
 
 
-#: family name -> its tiny builder
+def from_tiny(name: str, function: str, **fields) -> TinyBuilder:
+    """The builder of family ``name`` that calls ``function(seed)`` of its tiny hook
+    (qkrope/families/<package>/tiny.py), with :class:`TinyBuilder`'s other fields."""
+    build = getattr(families.hooks(families.by_name(name), "tiny"), function)
+    return TinyBuilder(name, fields.pop("variant", name), build, **fields)
+
+
+def _derived(record) -> TinyBuilder | None:
+    """The builder of a family whose tiny hook defines ``build_transformer(record, seed)``; a
+    clone (smoke) where an earlier record shares its folder."""
+    build = getattr(families.hooks(record, "tiny"), "build_transformer", None)
+    if build is None:
+        return None
+    first = next(r for r in families.records() if r.package == record.package)
+    return TinyBuilder(record.name, record.name, functools.partial(build, record),
+                       smoke=first is not record)
+
+
+#: family name -> its tiny builder (the families whose tiny hook offers no build_transformer)
 BUILDERS: dict[str, TinyBuilder] = {
     "qwen-image": TinyBuilder("qwen-image", "qwen-image", tp.tiny_transformer,
                               int(tp.TRANSFORMER_CONFIG["num_layers"])),
@@ -127,16 +176,22 @@ BUILDERS: dict[str, TinyBuilder] = {
     **{v: TinyBuilder(v, v, (lambda seed, v=v: hvm.transformer(v, seed)),
                       int(hvm.VARIANTS[v][1]["num_layers"])) for v in hvm.VARIANTS},
     "z-image": TinyBuilder("z-image", "z-image", z_image_transformer,
-                           int(Z_IMAGE_CONFIG["n_layers"]), axes_key="axes_dims",
-                           blocks_attr="layers"),
+                           int(Z_IMAGE_CONFIG["n_layers"]), axes_key="axes_dims"),
     "chroma": TinyBuilder("chroma", "chroma", chroma_transformer,
                           int(CHROMA_CONFIG["num_layers"])),
-    "wan": TinyBuilder("wan", "wan", wan_transformer, WAN_CONFIG["num_layers"],
-                       blocks_attr="blocks"),
+    "wan": TinyBuilder("wan", "wan", wan_transformer, WAN_CONFIG["num_layers"]),
     "hunyuan-image": TinyBuilder("hunyuan-image", "hunyuan-image", _hunyuan_image, 1),
     "cosmos-predict2": TinyBuilder("cosmos-predict2", "cosmos-predict2", cosmos_transformer,
                                    int(COSMOS_CONFIG["num_layers"])),
+    # clone families (smoke=True): one line each, e.g.
+    # "ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),
 }
+BUILDERS.update({r.name: b for r in families.records() if r.name not in BUILDERS
+                 for b in [_derived(r)] if b is not None})
 
-#: pytest parameters: one per family, in registry order
+#: pytest parameters: one per family, in registry order (the cheap tests and the smoke test)
 PARAMS = [pytest.param(BUILDERS[name], id=name) for name in families.names() if name in BUILDERS]
+#: the representatives (smoke=False): the heavy per-builder matrices
+FULL_PARAMS = [p for p in PARAMS if not p.values[0].smoke]
+#: the clone families (smoke=True)
+SMOKE_PARAMS = [p for p in PARAMS if p.values[0].smoke]

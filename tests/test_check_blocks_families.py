@@ -23,12 +23,13 @@ torch = pytest.importorskip("torch", reason="requires torch (pip install -e '.[t
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 
-from _families import PARAMS  # noqa: E402
+# the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
+from _families import FULL_PARAMS  # noqa: E402
 from _input_forms import FORMS  # noqa: E402
 
 from qkrope.cli import main  # noqa: E402
 
-BLOCKED = [p for p in PARAMS if p.values[0].record.blocks]
+BLOCKED = [p for p in FULL_PARAMS if p.values[0].record.blocks]
 
 
 def _rows(text: str) -> list[str]:

@@ -25,7 +25,8 @@ import torch
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 
-from _families import PARAMS  # noqa: E402
+# the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
+from _families import FULL_PARAMS  # noqa: E402
 from _input_forms import FORMS  # noqa: E402
 
 import qkrope.runtime  # noqa: E402
@@ -33,7 +34,7 @@ from qkrope.runtime import load_transformer  # noqa: E402
 from qkrope.runtime.component import COMPONENT_FILE, ComponentError, DropinComponent  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=PARAMS)
+@pytest.fixture(scope="module", params=FULL_PARAMS)
 def family(request, tmp_path_factory):
     """(builder, exported fp32 file, the pipelines' input form at batch 1) of one family."""
     from qkrope.export.api import export_transformer

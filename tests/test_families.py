@@ -1,6 +1,7 @@
 """The family registry (qkrope/families): records, lookups, hooks, and the checks every
 family's options get before any work (issue 34 class 6), over the tiny builders
-(tests/_families.py)."""
+(tests/_families.py); the smoke test every family runs (a clone family's share of the heavy
+per-builder matrices, which run over the representatives: tests/_families.py FULL_PARAMS)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from qkrope import families
 from qkrope.errors import InputError
 from qkrope.families import _record
 
-from _families import BUILDERS, PARAMS  # noqa: E402
+from _families import BUILDERS, FULL_PARAMS, PARAMS, SMOKE_PARAMS  # noqa: E402
 
 
 def test_every_family_has_a_tiny_builder_and_its_records_are_consistent():
@@ -42,7 +43,7 @@ def test_the_record_is_the_model_diffusers_builds(builder):
     if axes is not None:  # else the family derives them from the head width (Wan, Cosmos)
         assert len(axes) == len(record.axes)
     assert set(record.fp8_excluded) <= {n for n, _ in model.named_children()}
-    assert len(getattr(model, builder.blocks_attr)) == builder.blocks == \
+    assert len(getattr(model, builder.main_blocks)) == builder.blocks == \
         model.config[record.blocks_key]
     for kind in families.HOOK_KINDS[:2]:  # export, reference (dropin: the runtime side's)
         assert families.hooks(record, kind).__name__ == f"qkrope.families.{record.package}.{kind}"
@@ -117,3 +118,45 @@ def test_a_record_without_blocks_refuses_the_block_options_in_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="need the record's block_lists"):
         dataclasses.replace(families.default(), name="none", blocks=True, block_lists=())
+
+
+def test_the_heavy_matrices_run_the_representatives_and_the_clones_the_smoke_test():
+    """PARAMS is every family once, in registry order; FULL_PARAMS (the heavy matrices) and
+    SMOKE_PARAMS split it by ``smoke``, and the default family is a representative."""
+    ids = [p.id for p in PARAMS]
+    assert ids == [n for n in families.names() if n in BUILDERS] and len(set(ids)) == len(ids)
+    assert sorted([p.id for p in FULL_PARAMS] + [p.id for p in SMOKE_PARAMS]) == sorted(ids)
+    assert all(not p.values[0].smoke for p in FULL_PARAMS)
+    assert all(p.values[0].smoke for p in SMOKE_PARAMS)
+    assert families.default().name in [p.id for p in FULL_PARAMS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder", PARAMS)
+def test_smoke_export_check_and_dropin(builder, tmp_path, capsys):
+    """Every family, clones included: the fp32 export passes ``qkrope check`` (diffusers'
+    forward against the graph at the family's default sizes, its derived bounds), and the
+    drop-in loaded from it runs the family's base input form (tests/_input_forms.py) to
+    diffusers' output shape, finite."""
+    import torch
+    from _input_forms import FORMS
+
+    from qkrope.cli import main
+    from qkrope.export.api import export_transformer
+    from qkrope.runtime import load_transformer
+
+    out = tmp_path / f"{builder.variant}.onnx"
+    export_transformer(builder.saved(tmp_path), out, dtype="fp32", progress=False)
+    assert main(["check", str(out), "--workdir", str(tmp_path / "check")]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    model = builder.build(0).eval()
+    base = FORMS[builder.family](model, 1, torch.Generator().manual_seed(1))["base"]
+    dropin = load_transformer(out)
+
+    def sample(result):
+        got = result[0] if isinstance(result, tuple) else result.sample
+        return torch.stack(got) if isinstance(got, list) else got
+
+    with torch.no_grad():
+        stock, ours = sample(model(**base)), sample(dropin(**base))
+    assert ours.shape == stock.shape and torch.isfinite(ours).all()

@@ -21,13 +21,14 @@ pytest.importorskip("torch", reason="requires torch (pip install -e '.[test]')")
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 ort = pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 
-from _families import PARAMS  # noqa: E402
+# the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
+from _families import FULL_PARAMS  # noqa: E402
 
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("builder", PARAMS)
+@pytest.mark.parametrize("builder", FULL_PARAMS)
 def test_a_16_bit_export_passes_the_checker_and_fp16_runs(builder, dtype, tmp_path):
     from qkrope.apps.check import _default_sample
     from qkrope.export.api import export_transformer

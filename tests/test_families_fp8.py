@@ -32,7 +32,8 @@ pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e 
 pytest.importorskip("modelopt.torch.quantization",
                     reason="requires nvidia-modelopt (pip install -e '.[test]' or '.[fp8]')")
 
-from _families import PARAMS  # noqa: E402
+# the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
+from _families import FULL_PARAMS  # noqa: E402
 from _input_forms import FORMS  # noqa: E402
 
 from qkrope.cli import main  # noqa: E402
@@ -48,7 +49,7 @@ def _run(argv: list[str]) -> tuple[int, str]:
     return rc, out.getvalue() + err.getvalue()
 
 
-@pytest.fixture(scope="module", params=PARAMS)
+@pytest.fixture(scope="module", params=FULL_PARAMS)
 def quantised(request, tmp_path_factory):
     """(builder, float export, the quantised folder) of one family."""
     from qkrope.export import quantize

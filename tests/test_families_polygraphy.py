@@ -22,12 +22,13 @@ pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[t
 pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 pytest.importorskip("polygraphy", reason="requires polygraphy (pip install -e '.[test]')")
 
-from _families import PARAMS  # noqa: E402
+# the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
+from _families import FULL_PARAMS  # noqa: E402
 
 POLYGRAPHY = Path(sys.executable).parent / "polygraphy"  # the CLI installed with the package
 
 
-@pytest.mark.parametrize("builder", PARAMS)
+@pytest.mark.parametrize("builder", FULL_PARAMS)
 def test_polygraphy_run_with_the_data_loader(builder, tmp_path):
     from polygraphy.json import load_json
 

@@ -31,14 +31,15 @@ pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[t
 ort = pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
 
-from _families import PARAMS  # noqa: E402
+# the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
+from _families import FULL_PARAMS  # noqa: E402
 from _triton_helpers import Tensor, load_rope_model, parse  # noqa: E402
 from _triton_helpers import io as tensors  # noqa: E402
 
 from qkrope.cli import main  # noqa: E402
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
-@pytest.fixture(scope="module", params=PARAMS)
+@pytest.fixture(scope="module", params=FULL_PARAMS)
 def repository(request, tmp_path_factory):
     """(builder, export, repository, model name) of one family."""
     from qkrope.export.api import export_transformer
