@@ -63,13 +63,16 @@ def _call(batch, h, w, txt, seed, dtype=torch.float32, padded=True):
 
 def _wrapped(model, kw):
     """The cache-input wrapper's output for diffusers' arguments ``kw``."""
+    from qkrope.export.dual_stream import cache_input
+    from qkrope.families.chroma import DUAL_STREAM
     from qkrope.families.chroma.export import ChromaCacheInputTransformer
 
     cfg = model.config
     caches = caches_from_ids(kw["txt_ids"], kw["img_ids"], axes_dims=cfg["axes_dims_rope"],
                              theta=model.pos_embed.theta, head_dim=cfg["attention_head_dim"])
     s_txt = kw["encoder_hidden_states"].shape[1]
-    wrapper = ChromaCacheInputTransformer(model, rounding=CHROMA.rounding)
+    wrapper = cache_input(ChromaCacheInputTransformer, model, CHROMA, DUAL_STREAM,
+                          CHROMA.kept_blocks(cfg, None), rounding=CHROMA.rounding)
     with torch.no_grad():
         return wrapper(kw["hidden_states"], kw["encoder_hidden_states"],
                        kw["attention_mask"][:, :s_txt], kw["timestep"], caches.img, caches.txt)

@@ -6,6 +6,7 @@ file."""
 from __future__ import annotations
 
 from qkrope import contract
+from qkrope.families._dual_stream import DualStream, IdsLayout
 from qkrope.families._record import DOUBLE_THEN_JOINED_BLOCKS, FamilyRecord, Launch
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
@@ -62,3 +63,13 @@ CHROMA = FamilyRecord(
     block_lists=DOUBLE_THEN_JOINED_BLOCKS, launches=LAUNCHES)
 
 RECORDS = (CHROMA,)
+
+#: Chroma as a dual-stream transformer (qkrope.families._dual_stream): its own blocks (the
+#: approximator's modulation rows, single-stream blocks over the joined sequence: the export's
+#: own wrapper), FLUX.1's ids (text at 0, a further image at first axis k), no guidance.
+DUAL_STREAM = DualStream(
+    temb="time_text_embed", ids=IdsLayout(n_axes=3, image_step=1), single_pair=False,
+    forward_args=("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids",
+                  "attention_mask", "joint_attention_kwargs", "controlnet_block_samples",
+                  "controlnet_single_block_samples", "return_dict", "controlnet_blocks_repeat"),
+    pipelines="ChromaPipeline, ChromaImg2ImgPipeline, ChromaInpaintPipeline")

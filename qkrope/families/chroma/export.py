@@ -1,14 +1,11 @@
-"""Chroma's export hooks (export layer): the attention processor, the cache-input wrapper, the
-sample inputs and the post-export check (no float64) that
-:func:`qkrope.export.onnx_export.export_transformer` asks for (the hook protocol:
-:class:`qkrope.export.onnx_export.TransformerPlan`).
+"""Chroma's export hooks (export layer): the shared dual-stream export
+(:mod:`qkrope.export.dual_stream`: the fused processor, with the attention mask, the sample,
+the no-float64 check) with Chroma's own wrapper.
 
 diffusers' ``ChromaTransformer2DModel`` is FLUX.1's attention code (``FluxAttention`` with
-``FluxAttnProcessor``, RoPE tables from ``FluxPosEmbed`` in float64) with other modulations.
-Every attention gets the generic fused processor
-(:class:`qkrope.export.flux_attention.FluxAttnProcessor`): two ``QKNormRoPE`` nodes per
-double-stream block (image and text stream, each with its cache), one per single-stream block
-(the ``[text; image]`` sequence, the joined cache).
+``FluxAttnProcessor``, RoPE tables from ``FluxPosEmbed`` in float64) with other modulations:
+two ``QKNormRoPE`` nodes per double-stream block (image and text stream, each with its cache),
+one per single-stream block (the ``[text; image]`` sequence, the joined cache).
 
 :class:`ChromaCacheInputTransformer` replays diffusers' ``forward`` for the inference path (no
 ControlNet residuals, no IP-Adapter): the graph inputs are ``hidden_states,
@@ -24,28 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkrope.errors import InputError
-from qkrope.export.flux_attention import FluxAttnProcessor, check_no_double, joint_rope
+from qkrope.export import dual_stream
+from qkrope.export.dual_stream import (CacheInputTransformer, check_config, joint_rope,
+                                       post_export)
 from qkrope.families._record import FamilyRecord
 
-
-def patch_chroma(transformer: nn.Module, *, rounding: int) -> nn.Module:
-    """Give every attention of a Chroma transformer the fused processor (in place)."""
-    processor = FluxAttnProcessor(rounding, masked=True)
-    blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
-    if not blocks:
-        raise InputError("the Chroma model has no transformer blocks")
-    for block in blocks:
-        block.attn.set_processor(processor)
-    return transformer
-
-
-def node_count(transformer: nn.Module, kept: tuple[int, int] | None = None) -> int:
-    """QKNormRoPE nodes of the export: two per double-stream block, one per single-stream (of
-    the ``kept`` (double, single) blocks; every block by default)."""
-    double, single = kept or (len(transformer.transformer_blocks),
-                              len(transformer.single_transformer_blocks))
-    return 2 * double + single
+from . import DUAL_STREAM
 
 
 def input_vec(embed: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
@@ -62,21 +43,14 @@ def input_vec(embed: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
     return torch.cat([both, mod_proj], dim=-1).to(timestep.dtype)
 
 
-class ChromaCacheInputTransformer(nn.Module):
+class ChromaCacheInputTransformer(CacheInputTransformer):
     """A Chroma transformer whose ``forward`` takes the graph inputs
     (:data:`qkrope.families.chroma.CHROMA_TRANSFORMER`, in graph order), running the first
-    ``kept`` (double, single) blocks (every block by default). The modulation rows of each block
-    are those of the whole model (their offsets count every block), so a prefix computes what
-    the whole model's first blocks compute."""
+    ``kept`` (double, single) blocks. The modulation rows of each block are those of the whole
+    model (their offsets count every block), so a prefix computes what the whole model's first
+    blocks compute."""
 
-    def __init__(self, transformer: nn.Module, *, rounding: int,
-                 kept: tuple[int, int] | None = None):
-        super().__init__()
-        self.rounding = rounding
-        patch_chroma(transformer, rounding=rounding)
-        self.transformer = transformer
-        self.double, self.single = kept or (len(transformer.transformer_blocks),
-                                            len(transformer.single_transformer_blocks))
+    masked = True  # the pipelines' attention_mask reaches every attention
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
                 img_cos_sin_cache, txt_cos_sin_cache):
@@ -111,20 +85,6 @@ class ChromaCacheInputTransformer(nn.Module):
         return t.proj_out(hidden_states)
 
 
-# --------------------------------------------------------------------------------------------
-# The hooks export_transformer calls
-# --------------------------------------------------------------------------------------------
-
-def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True):
-    """Chroma's config is left to diffusers' own checks (the RoPE axes: :func:`prepare`)."""
-    return None
-
-
-def post_export(model) -> None:
-    """No float64 in the traced graph (diffusers builds Chroma's RoPE in float64)."""
-    check_no_double(model, "the Chroma graph")
-
-
 def sample_mask(batch: int, txt_len: int, dtype: torch.dtype) -> torch.Tensor:
     """The traced text mask: ones, the last quarter of the second item's tokens 0 (as
     :func:`qkrope.runtime.inputs.make_inputs` makes it), in the model's dtype."""
@@ -136,37 +96,15 @@ def sample_mask(batch: int, txt_len: int, dtype: torch.dtype) -> torch.Tensor:
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """The export of ``transformer`` (a placeholder skeleton) with its first ``layers`` blocks
-    in execution order (double-stream, then single-stream; every block by default). The sidecar
-    records the RoPE axes (the config's axes_dims_rope, which
-    must fill the head: FluxPosEmbed rotates the whole head) and theta (10000, fixed in
+    """The export of ``transformer`` with its first ``layers`` blocks in execution order
+    (:func:`qkrope.export.dual_stream.prepare`, every attention on the masked processor). The
+    sidecar records the RoPE axes (the config's axes_dims_rope) and theta (10000, fixed in
     diffusers' code; read from the built model)."""
-    from qkrope.export.onnx_export import TransformerPlan
-    from qkrope.families.chroma.dropin import caches_from_ids, sample_ids
+    return dual_stream.prepare(record, DUAL_STREAM, transformer, sample=sample, dtype=dtype,
+                               layers=layers, rounding=rounding,
+                               base=ChromaCacheInputTransformer,
+                               mask=sample_mask(sample.batch, sample.txt_len, dtype))
 
-    cfg = dict(transformer.config)
-    head_dim = int(cfg["attention_head_dim"])
-    axes = tuple(int(v) for v in cfg["axes_dims_rope"])
-    theta = float(transformer.pos_embed.theta)
-    theta = int(theta) if theta.is_integer() else theta
-    if sum(axes) != head_dim:
-        raise InputError(f"axes_dims_rope {list(axes)} sums to {sum(axes)}, not "
-                         f"attention_head_dim={head_dim}: Chroma rotates the whole head. Fix: "
-                         f"correct the model's config.json")
-    double, single = kept = record.kept_blocks(cfg, layers)
-    wrapper = ChromaCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
-    txt_ids, img_ids = sample_ids(sample.img_shapes, sample.txt_len)
-    caches = caches_from_ids(txt_ids, img_ids, axes_dims=axes, theta=theta, head_dim=head_dim)
-    g = torch.Generator().manual_seed(1)
-    b = sample.batch
-    args = (torch.randn(b, sample.img_tokens, int(cfg["in_channels"]), generator=g).to(dtype),
-            torch.randn(b, sample.txt_len, int(cfg["joint_attention_dim"]),
-                        generator=g).to(dtype),
-            sample_mask(b, sample.txt_len, dtype),
-            torch.full((b,), 0.5, dtype=dtype), caches.img.clone(), caches.txt.clone())
-    return TransformerPlan(
-        wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=theta,
-        rounding=wrapper.rounding, nodes=node_count(transformer, kept),
-        num_layers_exported=double + single,
-        blocks=f"{record.label}: {double} of {len(transformer.transformer_blocks)} double + "
-               f"{single} of {len(transformer.single_transformer_blocks)} single blocks")
+
+__all__ = ["input_vec", "ChromaCacheInputTransformer", "sample_mask", "prepare", "check_config",
+           "post_export"]

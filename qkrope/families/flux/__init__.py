@@ -4,6 +4,7 @@ Facts only; the hooks are export.py, reference.py and dropin.py beside this file
 from __future__ import annotations
 
 from qkrope import contract
+from qkrope.families._dual_stream import DualStream, IdsLayout
 from qkrope.families._record import (DOUBLE_THEN_JOINED_BLOCKS, DOUBLE_THEN_SINGLE_BLOCKS,
                                      FamilyRecord, Launch)
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, GUIDANCE, HIDDEN_STATES, IMG_COS_SIN_CACHE,
@@ -67,3 +68,27 @@ FLUX2 = FamilyRecord(
     launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))
 
 RECORDS = (FLUX1, FLUX2)
+
+#: What the FLUX pipelines call on their transformer (both models' arguments: the drop-in's).
+FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+                "img_ids", "txt_ids", "guidance", "joint_attention_kwargs",
+                "controlnet_block_samples", "controlnet_single_block_samples", "return_dict",
+                "controlnet_blocks_repeat", "kv_cache", "kv_cache_mode", "num_ref_tokens",
+                "ref_fixed_timestep")
+PIPELINES = "FluxPipeline, FluxKontextPipeline, Flux2Pipeline, Flux2KleinPipeline"
+#: How the two models differ as dual-stream transformers (qkrope.families._dual_stream): FLUX.1
+#: embeds timestep, guidance and the pooled text in time_text_embed, its single-stream blocks
+#: take the (text, image) pair, its pipelines put a Kontext condition image at first axis 1 and
+#: every text id at 0; a guidance value for a model without guidance embeddings (schnell) is
+#: refused, as the stock model would use it. FLUX.2 embeds timestep and guidance, its single-
+#: stream blocks run the joined sequence (the export's own blocks), reference image k is at
+#: first axis 10 * k, the text's token index on the 4th axis; klein ignores guidance, as
+#: diffusers' model does.
+DUAL_STREAM = {
+    FLUX1.name: DualStream(temb="time_text_embed", ids=IdsLayout(n_axes=3, image_step=1),
+                           forward_args=FORWARD_ARGS, pipelines=PIPELINES,
+                           unguided_guidance="refuse"),
+    FLUX2.name: DualStream(temb="time_guidance_embed",
+                           ids=IdsLayout(n_axes=4, image_step=10, text_axes=(3,)),
+                           forward_args=FORWARD_ARGS, pipelines=PIPELINES, single_pair=False),
+}

@@ -1,0 +1,63 @@
+"""What a dual-stream ("FLUX-like") family differs by, as data (root layer: no torch).
+
+Every family whose diffusers transformer has FLUX's shape (``transformer_blocks`` of
+double-stream blocks over an image and a text stream, then ``single_transformer_blocks`` over
+the ``[text; image]`` sequence; attentions with FLUX's attribute layout; RoPE from position
+ids, rotating the whole head) shares one export wrapper
+(:mod:`qkrope.export.dual_stream`), one drop-in, one reference hook and one cache builder
+(:mod:`qkrope.runtime.dual_stream`). A family states how it differs in a :class:`DualStream`
+beside its record, and its hook modules pass that on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: how the model turns the timestep into the modulations' embedding (the module its forward
+#: calls): ``time_text_embed(timestep[, guidance], pooled)``; ``time_guidance_embed(timestep,
+#: guidance)``; ``time_embed(timestep, dtype)``; ``timestep_embedder(time_proj(timestep))``
+TEMB_KINDS = ("time_text_embed", "time_guidance_embed", "time_embed", "time_proj")
+
+
+@dataclass(frozen=True)
+class IdsLayout:
+    """How a family's pipelines lay out the position ids of a sample (what the export traces
+    and ``qkrope check`` feeds; the drop-in takes whatever ids a pipeline passes): image k's
+    patch at ``(image_first + k * image_step, row + image_offset, column + image_offset, 0...)``;
+    a text token at 0 on every axis but ``text_axes``, which hold its index."""
+
+    n_axes: int = 3
+    image_step: int = 1
+    text_axes: tuple[int, ...] = ()
+    image_first: int = 0
+    image_offset: int = 0
+
+
+@dataclass(frozen=True)
+class DualStream:
+    """A dual-stream family's differences (module docstring).
+
+    ``temb``: one of :data:`TEMB_KINDS`. ``context_norm``: a module applied to the text before
+    ``context_embedder`` (None: none). ``ids``: the pipelines' id layout. ``single_pair``:
+    whether the single-stream blocks take and return the (text, image) pair (FLUX.1's code) or
+    the joined sequence. ``unguided_guidance``: what the drop-in does with a ``guidance`` value
+    for a model exported without guidance embeddings: ``"refuse"`` (the model would use it) or
+    ``"ignore"`` (diffusers' model ignores it too). ``forward_args`` and ``pipelines``: the
+    stock forward's parameters and the pipelines that call it (the drop-in's)."""
+
+    temb: str
+    ids: IdsLayout
+    forward_args: tuple[str, ...]
+    pipelines: str
+    context_norm: str | None = None
+    single_pair: bool = True
+    unguided_guidance: str = "ignore"
+
+    def __post_init__(self) -> None:
+        if self.temb not in TEMB_KINDS:
+            raise ValueError(f"DualStream.temb {self.temb!r} is not one of {TEMB_KINDS}")
+        if self.unguided_guidance not in ("refuse", "ignore"):
+            raise ValueError(f"DualStream.unguided_guidance {self.unguided_guidance!r}")
+
+
+__all__ = ["TEMB_KINDS", "IdsLayout", "DualStream"]
