@@ -74,8 +74,16 @@ def test_a_hook_module_without_a_required_name_is_refused_in_one_line(monkeypatc
     assert "sample_request" in text and "dropin_class" not in text, text
     assert "DropinHooks" in text and "_contract.py" in text and "Fix:" in text, text
     stub.sample_request = lambda record, img_shapes, txt_len: {}
+    stub.CONTRACT = _contract.ExportHooks  # declares another kind's contract
+    families._hooks.cache_clear()
+    with pytest.raises(_contract.FamilyContractError,
+                       match=r"^family 'probe': .* declares CONTRACT = ExportHooks, not "
+                             r"DropinHooks\. Fix: import DropinHooks as CONTRACT"):
+        families.hooks(record, "dropin")
+    stub.CONTRACT = _contract.DropinHooks
     families._hooks.cache_clear()
     assert families.hooks(record, "dropin") is stub
+    families._hooks.cache_clear()
 
 
 def test_call_shapes_are_checked():

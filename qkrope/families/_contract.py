@@ -20,7 +20,10 @@ tiny       apps            :class:`TinyHooks`       :class:`TinyExtras`
 Root layer, no torch: the types generic code passes (torch modules, the export's
 ``TransformerPlan``, the sidecar's ``ModelInfo``) are named in strings, never imported, so
 ``import qkrope`` stays light and the root imports nothing above it (tests/test_layering.py).
-A hook module may import its Protocol from here to say which contract it meets.
+A hook module says which contract it meets by importing its Protocol under the name
+``CONTRACT`` (``from qkrope.families._contract import DropinHooks as CONTRACT``): the import
+shows the dependency to import analysis, and :func:`checked` refuses a module that declares
+another kind's Protocol.
 """
 
 from __future__ import annotations
@@ -150,8 +153,16 @@ def missing(module: Any, kind: str) -> tuple[str, ...]:
 
 
 def checked(module: Any, kind: str, family: str) -> Any:
-    """``module`` where it defines every required name of ``kind``; else a one-line
-    :class:`FamilyContractError` naming the family, the kind and the missing names."""
+    """``module`` where it defines every required name of ``kind`` (and declares no other
+    kind's Protocol as ``CONTRACT``); else a one-line :class:`FamilyContractError` naming the
+    family, the kind and the missing names."""
+    declared = getattr(module, "CONTRACT", None)
+    protocol = CONTRACTS[kind].required
+    if declared is not None and declared is not protocol:
+        raise FamilyContractError(
+            f"family {family!r}: its {kind} hook {module.__name__} declares CONTRACT = "
+            f"{getattr(declared, '__name__', declared)!s}, not {protocol.__name__}. Fix: import "
+            f"{protocol.__name__} as CONTRACT there (qkrope/families/_contract.py)")
     lacking = missing(module, kind)
     if lacking:
         protocol = CONTRACTS[kind].required
