@@ -16,6 +16,8 @@ from qkrope.model_io import GUIDANCE, ModelDecl
 #: ids into per-axis RoPE tables (diffusers' RopeEmbedder), "patch-grid" from the token grid of
 #: one latent the model patchifies (float32 angles, the text not rotated), "scaled_grid" from a
 #: video's token grid with a base per axis and frame positions scaled to a frame rate.
+#: The runtime's registry (qkrope.runtime.schemes.SCHEMES) holds the same names, one module
+#: each (tests/test_family_contract.py holds the two equal: this list stays torch-free).
 SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
