@@ -61,6 +61,38 @@ def test_fused_wrapper_is_bit_exact_with_the_stock_forward(dtype):
     assert out.dtype == dtype and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_glyph_text_wrapper_is_bit_exact_with_the_stock_forward(dtype):
+    """The byT5 glyph stream (issue 44 item 5): with encoder_hidden_states_2 whose mask marks
+    real tokens (a prompt with quoted text; a different count per item, one item with none),
+    the wrapper's run (the glyph projection, the stable partition of [glyph; text] by the
+    masks, text cache rows for both) equals diffusers' forward bit for bit, as without glyph
+    text; and the glyph changes the image (the test would pass on a wrapper ignoring it
+    otherwise)."""
+    from qkrope.families.hunyuan_image.export import cache_input_hunyuan_image
+
+    model = BUILDER.build(0).to(dtype)
+    x, ehs, mask, ts = _inputs(dtype)
+    g = torch.Generator().manual_seed(4)
+    glyph = torch.randn(2, 6, 32, generator=g).to(dtype)
+    glyph_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    with torch.no_grad():
+        ref = model(x, ts, ehs, mask, encoder_hidden_states_2=glyph,
+                    encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
+        plain = model(x, ts, ehs, mask, return_dict=False)[0]
+        cos, sin = model.rope(x)
+        stock = torch.cat([cos[:, ::2], sin[:, ::2]], 1)
+        wrapper = cache_input_hunyuan_image(copy.deepcopy(model), RECORD)
+        tokens, grid = pack_patches(x, (1, 1))
+        txt = build_rope_caches("patch-grid", {"img_shapes": [(1, 5, 7)], "txt_seq_len": 9 + 6},
+                                _setting()).txt
+        out = unpack_patches(wrapper.run(tokens, ehs, mask.bool(), ts, stock, txt,
+                                         encoder_hidden_states_2=glyph,
+                                         encoder_attention_mask_2=glyph_mask), grid, (1, 1))
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert not torch.equal(ref[0], plain[0])
+
+
 def test_patch_grid_caches_against_diffusers_rope():
     """The numpy caches: frequencies and float32 angles bit-equal to diffusers'; cos/sin by the
     C library's cosf/sinf, which differ from torch's vectorised float32 cos/sin by at most one

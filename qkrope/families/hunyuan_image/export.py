@@ -143,6 +143,22 @@ def patch_size(transformer: nn.Module) -> tuple:
     return tuple(int(p) for p in transformer.config["patch_size"])
 
 
+def glyph_text(glyph, glyph_mask, text, text_mask):
+    """diffusers' text stream of a call with byT5 glyph text: per item, the real glyph tokens,
+    the real text tokens, then the padded glyph and text tokens (a stable partition of
+    ``[glyph; text]`` by the masks, which diffusers writes as boolean indexing per item; a
+    scatter here, so the graph has no data-dependent shape). Padded tokens keep their values
+    (masked as keys). Returns the tokens and their mask: True for each item's first (real)
+    tokens."""
+    x = torch.cat([glyph, text], dim=1)
+    m = torch.cat([glyph_mask.to(torch.bool), text_mask.to(torch.bool)], dim=1)
+    real = m.to(torch.int64)
+    n_real = real.sum(dim=1, keepdim=True)
+    dest = torch.where(m, real.cumsum(dim=1) - 1, n_real + (1 - real).cumsum(dim=1) - 1)
+    out = torch.zeros_like(x).scatter(1, dest.unsqueeze(-1).expand_as(x), x)
+    return out, torch.arange(x.shape[1], device=x.device).unsqueeze(0) < n_real
+
+
 class HunyuanImageCacheInputTransformer(nn.Module):
     """A HunyuanImage transformer whose forward takes the graph inputs
     (:data:`qkrope.families.hunyuan_image.HUNYUAN_IMAGE_TRANSFORMER`): :meth:`run` replays
@@ -182,15 +198,24 @@ class HunyuanImageCacheInputTransformer(nn.Module):
         return self.transformer.x_embedder(x)
 
     def run(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
-            img_cos_sin_cache, txt_cos_sin_cache, guidance=None):
+            img_cos_sin_cache, txt_cos_sin_cache, guidance=None, encoder_hidden_states_2=None,
+            encoder_attention_mask_2=None):
+        """diffusers' forward on the graph inputs; with the byT5 glyph text
+        (``encoder_hidden_states_2`` and its mask, a model with ``context_embedder_2``) the
+        text stream is :func:`glyph_text`'s join, and ``txt_cos_sin_cache`` has a row for each
+        of its tokens (the text tokens and the glyph tokens: identity rows)."""
         t = self.transformer
-        s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
-        joint = torch.cat([img_cos_sin_cache[:s_img], txt_cos_sin_cache[:s_txt]], dim=0)
-        rope = HunyuanRope(img_cos_sin_cache, txt_cos_sin_cache, joint)
         mask = encoder_hidden_states_mask.to(torch.bool)
         temb = t.time_guidance_embed(timestep, guidance=guidance, timestep_r=None)
         hidden_states = self.embed(hidden_states)
         encoder_hidden_states = t.context_embedder(encoder_hidden_states, timestep, mask)
+        if encoder_hidden_states_2 is not None and t.context_embedder_2 is not None:
+            encoder_hidden_states, mask = glyph_text(
+                t.context_embedder_2(encoder_hidden_states_2), encoder_attention_mask_2,
+                encoder_hidden_states, mask)
+        s_img, s_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        joint = torch.cat([img_cos_sin_cache[:s_img], txt_cos_sin_cache[:s_txt]], dim=0)
+        rope = HunyuanRope(img_cos_sin_cache, txt_cos_sin_cache, joint)
         attention_mask = F.pad(mask, (s_img, 0), value=True).unsqueeze(1).unsqueeze(2)
         for block in (list(t.transformer_blocks[:self.double])
                       + list(t.single_transformer_blocks[:self.single])):
