@@ -200,6 +200,22 @@ def wan(model, batch: int, g: torch.Generator) -> Forms:
     return {"base": base, "same": same, "refused": []}
 
 
+def chronoedit(model, batch: int, g: torch.Generator) -> Forms:
+    """ChronoEdit: Wan's forms with its Wan 2.1 I2V inputs: 512 text tokens (the length at
+    which its attention reads the image tokens) and the CLIP image tokens."""
+    forms = wan(model, batch, g)
+    base = dict(forms["base"],
+                encoder_hidden_states=torch.randn(batch, 512, model.config.text_dim,
+                                                  generator=g),
+                encoder_hidden_states_image=torch.randn(batch, 3, model.config.image_dim,
+                                                        generator=g))
+    same = [("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states_image=_noncontiguous(
+                      base["encoder_hidden_states_image"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
 #: family name -> its forms
 def _hunyuan(variant: str):
     def forms(model, batch: int, g: torch.Generator) -> Forms:
@@ -222,4 +238,5 @@ FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flu
                                           "hunyuan-video-1.5": _hunyuan("hunyuan-video-1.5"),
                                           "hunyuan-video": _hunyuan("hunyuan-video"),
                                           "z-image": z_image, "cosmos-predict2": cosmos,
-                                          "hunyuan-image": hunyuan_image, "wan": wan}
+                                          "hunyuan-image": hunyuan_image, "wan": wan,
+                                          "skyreels-v2": wan, "chronoedit": chronoedit}

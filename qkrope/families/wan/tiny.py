@@ -47,6 +47,12 @@ def wan_transformer(seed: int = 0, class_name: str = "WanTransformer3DModel", **
     return model
 
 
+def build_transformer(record, seed: int = 0):
+    """The tiny transformer of ``record``'s class (:data:`CONFIGS`): the tests' builder of the
+    derivatives (tests/_families.py derives it from here)."""
+    return wan_transformer(seed, record.class_name)
+
+
 def vae(latent_channels: int = WAN_CONFIG["in_channels"]):
     """A tiny AutoencoderKLWan (diffusers' pipeline tests' sizes: base width 3, 8x spatial, 4x
     temporal) with ``latent_channels`` channels, identity latent normalisation."""
