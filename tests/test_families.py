@@ -131,6 +131,27 @@ def test_the_heavy_matrices_run_the_representatives_and_the_clones_the_smoke_tes
     assert families.default().name in [p.id for p in FULL_PARAMS]
 
 
+def test_a_builder_is_one_line_or_derived_from_the_tiny_hook(monkeypatch):
+    """``from_tiny`` names a tiny hook's builder function; a tiny hook's ``build_transformer``
+    gives the builder itself, a clone (smoke) where an earlier record shares the folder."""
+    import _families
+
+    chroma = families.by_name("chroma")
+    one = _families.from_tiny("chroma", "chroma_transformer", smoke=True)
+    assert one.smoke and one.record is chroma and one.main_blocks == "transformer_blocks"
+    assert type(one.build(0)).__name__ == chroma.class_name and one.blocks == 1
+    tiny = families.hooks(chroma, "tiny")
+    assert _families._derived(chroma) is None  # no build_transformer: an entry in BUILDERS
+    monkeypatch.setattr(tiny, "build_transformer",
+                        lambda record, seed=0: tiny.chroma_transformer(seed), raising=False)
+    derived = _families._derived(chroma)
+    assert derived.family == "chroma" and not derived.smoke and derived.blocks == 1
+    flux1, flux2 = families.by_name("flux1"), families.by_name("flux2")
+    monkeypatch.setattr(families.hooks(flux2, "tiny"), "build_transformer",
+                        lambda record, seed=0: None, raising=False)
+    assert not _families._derived(flux1).smoke and _families._derived(flux2).smoke
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", PARAMS)
 def test_smoke_export_check_and_dropin(builder, tmp_path, capsys):
