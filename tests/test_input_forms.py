@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 
-from _families import BUILDERS, PARAMS  # noqa: E402
+from _families import BUILDERS, FULL_PARAMS  # noqa: E402
 from _input_forms import FORMS  # noqa: E402
 
 from qkrope import families  # noqa: E402
@@ -48,7 +48,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("forms")
 
 
-@pytest.mark.parametrize("builder", PARAMS)
+@pytest.mark.parametrize("builder", FULL_PARAMS)  # clones: the smoke test (test_families)
 def test_every_input_form_means_what_it_means_to_diffusers(builder, root):
     from qkrope.export.api import export_transformer
     from qkrope.runtime import load_transformer
