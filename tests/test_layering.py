@@ -209,9 +209,6 @@ FAMILY_NAMED_BY_DESIGN: dict[str, dict[str, str]] = {
         "QwenImageAttention": "the main job demos the default family's attention block",
         "build_qwen_rope_caches": "the demo builds that family's caches (its dropin's PUBLIC)",
         "qwen": "the demo's handle on diffusers' Qwen-Image module, its parity oracle"},
-    "qkrope.export.flux_attention": {
-        "FluxAttnProcessor": "the fused replacement of diffusers' FluxAttnProcessor, named as "
-                             "the class it stands in for"},
 }
 _STEM_SUFFIXES = re.compile(r"(Transformer[23]DModel|Model)$")
 _TOKEN = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
