@@ -19,9 +19,18 @@ the text; the cross-attention's image branch (``add_k_proj``, ``norm_added_k``, 
 its attention added to the text's) is computed as diffusers does, unfused; the self-attention
 stays the fused node. diffusers' attention splits the image tokens off at 512 text tokens
 (hardcoded, :data:`I2V_TEXT_TOKENS`), so such an export's sample and check take 512 text tokens
-and the drop-in refuses another text length with the image. Refused in one line: VACE
-(WanVACETransformer3DModel), Animate (WanAnimateTransformer3DModel) and SkyReels-V2
-(SkyReelsV2Transformer3DModel) by their class (the registry's list), an attention image branch
+and the drop-in refuses another text length with the image.
+
+The same folder serves two classes built on Wan's blocks as records of their own
+(:data:`SKYREELS_V2`, :data:`CHRONOEDIT`), what they do differently told once in
+:data:`DERIVATIVES` and read by the same hooks: SkyReels-V2's float64 timestep sinusoid (computed
+in float32 with the angle's rounding error carried), its diffusion-forcing call (per-frame
+timesteps equal within a sample); ChronoEdit's two-frame edit at frame positions 0 and 7 (the
+"ids" scheme; Wan 2.1 I2V's image branch). Refused in one line: VACE
+(WanVACETransformer3DModel), Animate (WanAnimateTransformer3DModel), Helios and SANA-Video by
+their class (the registry's list); SkyReels-V2 with ``inject_sample_info`` or
+``num_frame_per_block`` > 1 and ChronoEdit with another temporal skip or a head whose third
+differs from Wan's row axis by the config check; an attention image branch
 without the image embedder or of another width (``added_kv_proj_dim`` without ``image_dim`` or
 other than the model width) by the config check, TI2V-5B's image-to-video (per-token
 timesteps) and an I2V text of other than 512 tokens by the drop-in.
