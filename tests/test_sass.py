@@ -1,4 +1,4 @@
-"""The SASS reader (qkrope.runtime.sass) on synthetic listings (tests/_sass_listings.py): the
+"""The SASS reader (qkrope.apps.kernel_report.sass) on synthetic listings (tests/_sass_listings.py): the
 parser, the control flow (loops, the hot loop, the diverged-warp fallback, the common path) and
 the loads outstanding at a token's first wait, and the parsers of ptxas and cuobjdump output.
 No CUDA tool is needed for those; the scoreboard reader also proves itself on small kernels with

@@ -25,7 +25,7 @@
 //     is retired, the next two tokens' rows stay in flight. Register loads could not do this:
 //     ptxas puts every global load of the loop on one scoreboard and the first use of cos/sin
 //     waits for all of it, the rows two tokens ahead included (issue 31; docs/spec.md 3.6). The
-//     waits are read from the SASS control bits (qkrope.runtime.sass.scoreboards,
+//     waits are read from the SASS control bits (qkrope.apps.kernel_report.sass.scoreboards,
 //     scripts/kernel_report.py): past every wait kPrefetch x rows x 16 B per thread are still
 //     outstanding. Each thread copies and reads only its own slots of the ring, so no barrier
 //     is needed: wait_group makes a thread's own copies visible to it, and the stage a token's
