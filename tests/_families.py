@@ -185,6 +185,8 @@ BUILDERS: dict[str, TinyBuilder] = {
                                    int(COSMOS_CONFIG["num_layers"])),
     # clone families (smoke=True): one line each, e.g.
     # "ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),
+    "longcat-image": from_tiny("longcat-image", "longcat_transformer", smoke=True),
+    "ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),
 }
 BUILDERS.update({r.name: b for r in families.records() if r.name not in BUILDERS
                  for b in [_derived(r)] if b is not None})

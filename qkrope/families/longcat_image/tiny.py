@@ -1,0 +1,64 @@
+"""The tiny random LongCat-Image pipeline (tiny hook: :func:`save_pipeline`), built in code:
+FLUX.1's diffusers test sizes for the transformer (1 + 1 blocks, 2 heads x 16, RoPE axes
+(4, 4, 8), text width 32) with 64 input channels (LongCatImagePipeline packs 16 latent
+channels in 2x2, fixed in its code; the tests' tiny LongCat-Image, read from here by
+tests/_families.py), a one-level VAE with 16 latent channels, and the pipeline's Qwen2.5-VL
+text encoder and processor as a random 1-layer Qwen2 decoder of width 32 (it encodes and, for
+the prompt rewrite, generates) with a byte-level chat tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qkrope._deps import require
+from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, decoder_encoder,
+                                       randomised)
+
+CONFIG = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+              pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+
+
+def longcat_transformer(seed: int = 0, **overrides):
+    """A tiny random LongCatImageTransformer2DModel."""
+    diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
+    return randomised(diffusers.LongCatImageTransformer2DModel(**{**CONFIG, **overrides}), seed)
+
+
+def vae():
+    """A one-level AutoencoderKL (vae_scale_factor 1) with the pipeline's 16 latent channels."""
+    diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
+    torch.manual_seed(0)  # diffusers initialises from the global generator
+    return diffusers.AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(16,),
+        layers_per_block=1, latent_channels=16, norm_num_groups=1, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035).eval()
+
+
+def text_encoder(seed: int = 0):
+    """(tokenizer, text encoder): a byte-level chat tokenizer and a random 1-layer Qwen2
+    decoder as wide as the transformer's text input."""
+    require("transformers", "the tiny LongCat-Image pipeline's text encoder")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = byte_tokenizer(chat_template=CHATML_TEMPLATE)
+    return tok, decoder_encoder(Qwen2Config, Qwen2ForCausalLM, tok,
+                                CONFIG["joint_attention_dim"], seed=seed)
+
+
+def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
+    """The tiny LongCatImagePipeline saved with ``save_pretrained``."""
+    diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    tok, encoder = text_encoder(seed)
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tok,
+                                 chat_template=CHATML_TEMPLATE)
+    pipe = diffusers.LongCatImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae(), text_encoder=encoder,
+        tokenizer=tok, text_processor=processor, transformer=longcat_transformer(seed))
+    directory = Path(directory)
+    pipe.save_pretrained(str(directory))
+    return directory
