@@ -26,6 +26,7 @@ a whole number of patches.
 
 from __future__ import annotations
 
+from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
 import functools
 import numbers
 

@@ -29,6 +29,7 @@ diffusers is imported lazily (it is optional).
 
 from __future__ import annotations
 
+from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 import torch
 from torch import nn
 

@@ -5,6 +5,7 @@ I2V / FLF2V's CLIP image tokens as the pipelines pass them)."""
 
 from __future__ import annotations
 
+from qkrope.families._contract import ReferenceHooks as CONTRACT  # noqa: F401
 from typing import Any, Mapping, Sequence
 
 #: The images a sample takes: the one video grid the latent is (its "grid" scheme takes more:

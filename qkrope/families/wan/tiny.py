@@ -7,6 +7,7 @@ tokenizer. One transformer (Wan 2.1's form; Wan 2.2 A14B's second expert is not 
 
 from __future__ import annotations
 
+from qkrope.families._contract import TinyHooks as CONTRACT  # noqa: F401
 from pathlib import Path
 
 import torch
