@@ -57,7 +57,8 @@ def test_fused_wrapper_is_bit_exact_with_the_stock_forward(dtype):
         tokens, grid = pack_patches(x, (1, 1))
         txt = build_rope_caches("patch-grid", {"img_shapes": [(1, 5, 7)], "txt_seq_len": 9},
                                 _setting()).txt
-        out = unpack_patches(wrapper(tokens, ehs, mask.bool(), ts, stock, txt), grid, (1, 1))
+        out = unpack_patches(wrapper.run(tokens, ehs, mask.bool(), ts, stock, txt), grid,
+                             (1, 1))
     assert out.dtype == dtype and torch.equal(out, ref)
 
 
@@ -148,7 +149,8 @@ def test_export_has_the_fused_nodes_and_no_double(exported):
     assert len(nodes) == 3  # 2 for the double-stream block, 1 for the single-stream one
     names = [i.name for i in model.graph.input]
     assert names == ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
-                     "timestep", "img_cos_sin_cache", "txt_cos_sin_cache"]
+                     "encoder_hidden_states_2", "encoder_attention_mask_2", "timestep",
+                     "img_cos_sin_cache", "txt_cos_sin_cache"]
 
 
 @pytest.mark.parametrize("b,h,w,s", [(1, 3, 4, 5), (3, 6, 5, 11)])
@@ -174,6 +176,35 @@ def test_dropin_on_onnxruntime_at_untraced_shapes(exported, b, h, w, s):
     assert got.shape == ref.shape
     bound = 1e-4 + 16 * float(ts.max()) * 2.0 ** -23
     assert (got - ref).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("glyph_tokens", [3, 8])
+def test_dropin_with_glyph_text_on_onnxruntime(exported, glyph_tokens):
+    """The byT5 glyph stream through the export (issue 44 item 5): quoted-text glyph tokens
+    (other counts than the traced 5, one item with none) against the stock fp32 forward given
+    the same glyph text, within the bound of the test above (the glyph projection is one more
+    MLP on the text, which reaches the image only through attention as the text does); the
+    glyph changes the image by far more than that bound (so it is not ignored)."""
+    from qkrope.runtime import load_transformer
+
+    _, out = exported
+    model = BUILDER.build(0)
+    t = load_transformer(out)
+    x, ehs, mask, ts = _inputs(torch.float32)
+    g = torch.Generator().manual_seed(6)
+    glyph = torch.randn(2, glyph_tokens, 32, generator=g)
+    glyph_mask = torch.zeros(2, glyph_tokens, dtype=torch.int64)
+    glyph_mask[0, :2] = 1
+    with torch.no_grad():
+        ref = model(x, ts, ehs, mask, encoder_hidden_states_2=glyph,
+                    encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
+        plain = model(x, ts, ehs, mask, return_dict=False)[0]
+    got = t(hidden_states=x, timestep=ts, encoder_hidden_states=ehs, encoder_attention_mask=mask,
+            encoder_hidden_states_2=glyph, encoder_attention_mask_2=glyph_mask,
+            return_dict=False)[0]
+    bound = 1e-4 + 16 * float(ts.max()) * 2.0 ** -23
+    assert got.shape == ref.shape and (got - ref).abs().max().item() < bound
+    assert (ref[0] - plain[0]).abs().max().item() > 100 * bound
 
 
 def test_pipeline_end_to_end_on_the_export(exported):
@@ -206,8 +237,14 @@ def test_pipeline_end_to_end_on_the_export(exported):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(timestep_r=torch.tensor([0.5, 0.5])), "timestep_r"),
+    (dict(encoder_attention_mask_2=torch.ones(2, 4, dtype=torch.int64)),
+     "encoder_attention_mask_2 was given without encoder_hidden_states_2"),
     (dict(encoder_hidden_states_2=torch.zeros(2, 4, 32),
-          encoder_attention_mask_2=torch.ones(2, 4, dtype=torch.int64)), "byT5 glyph"),
+          encoder_attention_mask_2=torch.ones(2, 3, dtype=torch.int64)),
+     r"encoder_attention_mask_2 \[2, 3\] must be"),
+    (dict(encoder_hidden_states_2=torch.zeros(2, 4, 16),
+          encoder_attention_mask_2=torch.ones(2, 4, dtype=torch.int64)),
+     r"encoder_hidden_states_2 \[2, 4, 16\] and"),
     (dict(attention_kwargs={"scale": 0.5}), "attention_kwargs"),
     (dict(encoder_attention_mask=None), "needs encoder_attention_mask"),
     (dict(hidden_states=torch.zeros(2, 20, 4)), "4-D tensor"),
@@ -274,6 +311,7 @@ def test_check_against_diffusers_forward_and_its_one_image(exported, tmp_path, c
 
 def test_data_loader_feeds_the_patch_grid_caches(exported, monkeypatch):
     from qkrope.apps import polygraphy_data_loader as dl
+    from qkrope.families.hunyuan_image.export import GLYPH_TOKENS
 
     _, out = exported
     monkeypatch.setenv("QKROPE_MODEL", str(out))
@@ -283,8 +321,12 @@ def test_data_loader_feeds_the_patch_grid_caches(exported, monkeypatch):
     feeds = next(dl.load_data())
     assert feeds["hidden_states"].shape == (3, 30, 4)
     assert feeds["encoder_hidden_states_mask"].shape == (3, 7)
-    want = build_rope_caches("patch-grid", {"img_shapes": [(1, 6, 5)], "txt_seq_len": 7},
-                             _setting())
+    # the glyph tokens keep the export sample's count; the text cache covers text and glyph
+    glyph = GLYPH_TOKENS
+    assert feeds["encoder_hidden_states_2"].shape == (3, glyph, 32)
+    assert feeds["encoder_attention_mask_2"].shape == (3, glyph)
+    want = build_rope_caches("patch-grid", {"img_shapes": [(1, 6, 5)],
+                                            "txt_seq_len": 7 + glyph}, _setting())
     assert np.array_equal(feeds["img_cos_sin_cache"], want.img.numpy())
     assert np.array_equal(feeds["txt_cos_sin_cache"], want.txt.numpy())
 
@@ -343,7 +385,9 @@ def test_triton_repo_rope_model_gives_the_checked_caches(exported, tmp_path, mon
     resp = model.execute([pb.InferenceRequest([
         Tensor("img_shapes", np.array([[1, 6, 5]], np.int64)),
         Tensor("hidden_states", feeds["hidden_states"]),
-        Tensor("encoder_hidden_states_mask", feeds["encoder_hidden_states_mask"])])])[0]
+        Tensor("encoder_hidden_states_mask", feeds["encoder_hidden_states_mask"]),
+        # the glyph tokens: the text cache has a row for each (the joined text stream)
+        Tensor("encoder_hidden_states_2", feeds["encoder_hidden_states_2"])])])[0]
     assert resp.error is None
     for name in ("img_cos_sin_cache", "txt_cos_sin_cache"):
         assert np.array_equal(pb.get_output_tensor_by_name(resp, name).as_numpy(), feeds[name])

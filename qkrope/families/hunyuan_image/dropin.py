@@ -7,13 +7,15 @@ three RoPE axes). :class:`HunyuanImageTransformer` packs the latent into the tok
 takes (:func:`qkrope.runtime.latents.pack_patches`), asks the "patch-grid" scheme for the
 caches of its token grid, and unpacks the sample as diffusers' unpatchify does.
 
-Refused in one line, never ignored: byT5 glyph text with any real token
-(``encoder_hidden_states_2`` whose ``encoder_attention_mask_2`` marks a token: a prompt with
-quoted text), MeanFlow's ``timestep_r``, a LoRA scale other than 1 (or other
-``attention_kwargs``), no ``encoder_attention_mask``, a ``guidance`` missing for a
+The byT5 glyph text (``encoder_hidden_states_2`` and ``encoder_attention_mask_2``: a prompt with
+quoted text) goes to the graph's glyph inputs; the text cache covers the text and glyph tokens.
+
+Refused in one line, never ignored: glyph text with any real token for an export without the
+glyph inputs (exported by an older qkrope), MeanFlow's ``timestep_r``, a LoRA scale other than
+1 (or other ``attention_kwargs``), no ``encoder_attention_mask``, a ``guidance`` missing for a
 guidance-distilled export. Ignored as diffusers' own model ignores them: byT5 tensors whose mask
-is all False (the pipeline's zeros for a prompt without quoted text: masked keys change no
-image token), ``guidance`` for a model without guidance embeddings.
+is all False to an export without the glyph inputs (masked keys change no image token),
+``guidance`` for a model without guidance embeddings.
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ class HunyuanImageTransformer(Transformer):
             raise InputError("timestep_r (MeanFlow) was given, but the exported HunyuanImage "
                              "graph takes one timestep. Fix: run the MeanFlow-distilled model "
                              "on PyTorch")
-        if encoder_hidden_states_2 is not None and (
+        glyph_inputs = "encoder_hidden_states_2" in self._runner.io.roles
+        if not glyph_inputs and encoder_hidden_states_2 is not None and (
                 encoder_attention_mask_2 is None or bool(torch.as_tensor(
                     encoder_attention_mask_2).bool().any())):
             raise InputError("encoder_hidden_states_2 holds byT5 glyph text (a prompt with quoted "
-                             "text), which the exported HunyuanImage graph does not take. Fix: "
-                             "a prompt without quoted text, or the PyTorch model")
+                             "text), which this export does not take (exported without the "
+                             "glyph inputs: an older qkrope, or a model without "
+                             "context_embedder_2). Fix: re-export the model with this qkrope")
         missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
                                   ("encoder_hidden_states", encoder_hidden_states),
                                   ("encoder_attention_mask", encoder_attention_mask))
@@ -85,6 +89,10 @@ class HunyuanImageTransformer(Transformer):
                              f"text tokens] like the latent's batch. Fix: pass the pipeline's "
                              f"prompt_embeds and prompt_embeds_mask")
         conditioning = {}
+        if glyph_inputs:
+            conditioning.update(self._glyph(encoder_hidden_states_2, encoder_attention_mask_2,
+                                            batch, tokens.device))
+            txt += int(conditioning["encoder_hidden_states_2"].shape[1])
         if self._guided:
             if guidance is None:
                 raise InputError("this transformer embeds a distilled guidance scale "
@@ -93,12 +101,43 @@ class HunyuanImageTransformer(Transformer):
             conditioning["guidance"] = per_item(guidance, "guidance", batch, self.dtype)
         # a model without guidance embeddings: diffusers ignores guidance, so does this
         grid3 = grid if len(grid) == 3 else (1,) + tuple(grid)
+        # the text cache: a row per text and glyph token (identity rows: not rotated)
         return Call(tokens.to(self.dtype), encoder_hidden_states.to(self.dtype),
                     {"img_shapes": [grid3], "txt_seq_len": txt},
                     timestep=per_item(timestep, "timestep", batch, self.dtype),
                     mask=mask.to(torch.bool), conditioning=conditioning,
                     return_dict=return_dict,
                     unpack=lambda sample: unpack_patches(sample, grid, self._patch).contiguous())
+
+    def _glyph(self, glyph, glyph_mask, batch: int, device) -> dict:
+        """The graph's glyph inputs: the byT5 tokens ``[batch, txt2_tokens, text_embed_2_dim]``
+        and their mask as bool ``[batch, txt2_tokens]`` (the graph's, as the text's). None (a call without glyph text) is
+        one padded glyph token: diffusers joins no glyph stream then, and a masked token is
+        never attended (the image differs by the order of the text keys' sums alone)."""
+        width = self.config.get("text_embed_2_dim")
+        if glyph is None:
+            if glyph_mask is not None:
+                raise InputError("encoder_attention_mask_2 was given without "
+                                 "encoder_hidden_states_2. Fix: pass both (the pipeline's "
+                                 "prompt_embeds_2 and prompt_embeds_mask_2) or neither")
+            return {"encoder_hidden_states_2": torch.zeros(batch, 1, int(width), dtype=self.dtype,
+                                                           device=device),
+                    "encoder_attention_mask_2": torch.zeros(batch, 1, dtype=torch.bool,
+                                                            device=device)}
+        tensor_arg(glyph, "encoder_hidden_states_2", 3, f"[batch, glyph_tokens, {width}]")
+        tensor_arg(glyph_mask, "encoder_attention_mask_2", 2,
+                   "[batch, glyph_tokens] (1 = a real glyph token)",
+                   fix="pass the pipeline's prompt_embeds_mask_2 with encoder_hidden_states_2")
+        want = (batch, int(glyph.shape[1]))
+        if tuple(glyph.shape[:2]) != want or tuple(glyph_mask.shape) != want \
+                or int(glyph.shape[2]) != int(width):
+            raise InputError(f"encoder_hidden_states_2 {list(glyph.shape)} and "
+                             f"encoder_attention_mask_2 {list(glyph_mask.shape)} must be "
+                             f"[batch={batch}, glyph tokens, {width}] and [batch={batch}, glyph "
+                             f"tokens]. Fix: pass the pipeline's prompt_embeds_2 and "
+                             f"prompt_embeds_mask_2")
+        return {"encoder_hidden_states_2": glyph.to(self.dtype),
+                "encoder_attention_mask_2": glyph_mask.to(torch.bool)}
 
 
 def dropin_class(record):

@@ -25,9 +25,15 @@ weights and its bits are diffusers'; the sample leaves the graph as tokens
 ``[batch, tokens, out_channels x patch]`` before diffusers' unpatchify (a reshape and
 permutation, done by the drop-in).
 
-Not in the graph (the drop-in refuses them in one line): the byT5 glyph text
-(``encoder_hidden_states_2`` with any real token), MeanFlow's ``timestep_r`` (refused at export
-for a ``use_meanflow`` config), LoRA scales other than 1.
+A model with the byT5 glyph branch (``context_embedder_2``: the base model, not the refiner)
+is exported with two more inputs, the glyph tokens ``encoder_hidden_states_2`` ``[batch,
+txt2_tokens, text_embed_2_dim]`` and their mask ``encoder_attention_mask_2`` (bool, as the
+text's): the graph
+projects them and joins them to the text as diffusers does (:func:`glyph_text`), so a prompt
+with quoted text renders its glyphs; the text cache has a row per text and glyph token.
+
+Not in the graph (the drop-in refuses them in one line): MeanFlow's ``timestep_r`` (refused at
+export for a ``use_meanflow`` config), LoRA scales other than 1.
 """
 
 from __future__ import annotations
@@ -161,8 +167,8 @@ def glyph_text(glyph, glyph_mask, text, text_mask):
 
 class HunyuanImageCacheInputTransformer(nn.Module):
     """A HunyuanImage transformer whose forward takes the graph inputs
-    (:data:`qkrope.families.hunyuan_image.HUNYUAN_IMAGE_TRANSFORMER`): :meth:`run` replays
-    diffusers' ``forward`` (no byT5 text, no MeanFlow ``timestep_r``) on the packed latent with
+    (:func:`graph_decl`): :meth:`run` replays diffusers' ``forward`` (no MeanFlow
+    ``timestep_r``) on the packed latent with
     the caches in place of the rotary module, through the first ``kept`` (double, single)
     blocks (every block by default; nothing in a block depends on the block count, so a prefix
     computes what the whole model's first blocks compute, and norm_out / proj_out follow it as
@@ -226,7 +232,7 @@ class HunyuanImageCacheInputTransformer(nn.Module):
 
 
 # One subclass per graph signature (torch.export names the graph inputs after forward's
-# parameters): with and without guidance.
+# parameters): with and without guidance, with and without the byT5 glyph inputs.
 class _Guided(HunyuanImageCacheInputTransformer):
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
                 timestep, guidance, img_cos_sin_cache, txt_cos_sin_cache):
@@ -241,6 +247,46 @@ class _Plain(HunyuanImageCacheInputTransformer):
                         timestep, img_cos_sin_cache, txt_cos_sin_cache)
 
 
+class _GuidedGlyph(HunyuanImageCacheInputTransformer):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                encoder_hidden_states_2, encoder_attention_mask_2, timestep, guidance,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                        timestep, img_cos_sin_cache, txt_cos_sin_cache, guidance,
+                        encoder_hidden_states_2, encoder_attention_mask_2)
+
+
+class _PlainGlyph(HunyuanImageCacheInputTransformer):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                encoder_hidden_states_2, encoder_attention_mask_2, timestep, img_cos_sin_cache,
+                txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                        timestep, img_cos_sin_cache, txt_cos_sin_cache, None,
+                        encoder_hidden_states_2, encoder_attention_mask_2)
+
+
+def has_glyph(transformer: nn.Module) -> bool:
+    """Whether the model has the byT5 glyph branch (``context_embedder_2``: the base model; the
+    refiner has none): its graph takes the glyph tokens and their mask."""
+    return getattr(transformer, "context_embedder_2", None) is not None
+
+
+def graph_decl(record: FamilyRecord, transformer: nn.Module):
+    """The graph of this model: the record's (less guidance for a model without guidance
+    embeddings), with the glyph tokens and their mask after the text mask for a model with the
+    byT5 branch (the order of the wrappers' forward arguments)."""
+    from qkrope.model_io import (ENCODER_ATTENTION_MASK_2, ENCODER_HIDDEN_STATES_2,
+                                 ENCODER_HIDDEN_STATES_MASK, ModelDecl)
+
+    decl = record.decl(has_guidance(transformer))
+    if not has_glyph(transformer):
+        return decl
+    inputs = list(decl.inputs)
+    at = inputs.index(ENCODER_HIDDEN_STATES_MASK) + 1
+    inputs[at:at] = [ENCODER_HIDDEN_STATES_2, ENCODER_ATTENTION_MASK_2]
+    return ModelDecl(decl.kind, tuple(inputs), decl.outputs)
+
+
 def has_guidance(transformer: nn.Module) -> bool:
     """Whether the model embeds a distilled guidance value (the config's guidance_embeds)."""
     return bool(transformer.config.get("guidance_embeds", False))
@@ -252,7 +298,8 @@ def cache_input_hunyuan_image(transformer: nn.Module, record: FamilyRecord, *,
                               ) -> HunyuanImageCacheInputTransformer:
     """The wrapper whose ``forward`` arguments are the graph inputs, in graph order, running
     the first ``kept`` (double, single) blocks (every block by default)."""
-    cls = _Guided if has_guidance(transformer) else _Plain
+    cls = {(True, False): _Guided, (False, False): _Plain, (True, True): _GuidedGlyph,
+           (False, True): _PlainGlyph}[has_guidance(transformer), has_glyph(transformer)]
     return cls(transformer, record, rounding=rounding, kept=kept).eval()
 
 
@@ -313,18 +360,25 @@ def check_no_double(model) -> None:
 post_export = check_no_double
 
 
+#: The glyph tokens of the traced sample (a dynamic axis: any length runs).
+GLYPH_TOKENS = 5
+
+
 def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, setting,
                 guided: bool) -> tuple:
     """The traced sample: random packed latent tokens and text, the text mask with the last
-    item's last token masked, timestep, guidance where the graph has it, and the caches of the
-    sample's token grid."""
+    item's last token masked, for a model with the byT5 branch :data:`GLYPH_TOKENS` glyph
+    tokens (bool mask, as the text's: the first item's first two real, the others padding), timestep,
+    guidance where the graph has it, and the caches of the sample's token grid (a text row per
+    text and glyph token)."""
     from qkrope.runtime.caches import build_rope_caches
 
     cfg = transformer.config
+    glyph = GLYPH_TOKENS if has_glyph(transformer) else 0
     grid = tuple(int(v) for v in sample.img_shapes[0])
     tokens = grid[0] * grid[1] * grid[2]
     caches = build_rope_caches("patch-grid", {"img_shapes": [grid],
-                                              "txt_seq_len": sample.txt_len}, setting)
+                                              "txt_seq_len": sample.txt_len + glyph}, setting)
     g = torch.Generator().manual_seed(1)
     b = sample.batch
     features = int(cfg["in_channels"]) * math.prod(patch_size(transformer))
@@ -332,7 +386,13 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, setting,
     mask[-1, -1] = False
     args = [torch.randn(b, tokens, features, generator=g).to(dtype),
             torch.randn(b, sample.txt_len, int(cfg["text_embed_dim"]), generator=g).to(dtype),
-            mask, torch.full((b,), 500.0, dtype=dtype)]
+            mask]
+    if glyph:
+        glyph_mask = torch.zeros(b, glyph, dtype=torch.bool)
+        glyph_mask[0, :2] = True
+        args += [torch.randn(b, glyph, int(cfg["text_embed_2_dim"]), generator=g).to(dtype),
+                 glyph_mask]
+    args.append(torch.full((b,), 500.0, dtype=dtype))
     if guided:
         args.append(torch.full((b,), 3500.0, dtype=dtype))
     return tuple(args) + (caches.img.clone(), caches.txt.clone())
@@ -363,8 +423,15 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     double, single = kept = record.kept_blocks(cfg, layers)
     wrapper = cache_input_hunyuan_image(transformer, record, rounding=rounding, kept=kept)
     args = sample_args(transformer, sample, dtype, setting, guided)
+    axis_values = None
+    if has_glyph(transformer):  # the glyph tokens, and the text cache's rows over both
+        from qkrope import model_io
+
+        axis_values = {model_io.TXT2_TOKENS: GLYPH_TOKENS,
+                       model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
     return TransformerPlan(
-        wrapper=wrapper, args=args, decl=record.decl(guided), axes=axes, theta=theta,
+        axis_values=axis_values, wrapper=wrapper, args=args,
+        decl=graph_decl(record, transformer), axes=axes, theta=theta,
         rounding=wrapper.rounding, nodes=node_count(transformer, kept),
         num_layers_exported=double + single,
         blocks=f"{record.label}: {double} of {len(transformer.transformer_blocks)} double + "

@@ -18,7 +18,8 @@ def _patch_grid(info, img_shapes):
 def forward_kwargs(info, by_role: Mapping[str, Any],
                    img_shapes: Sequence[Sequence[int]]) -> dict:
     """diffusers' forward arguments for the graph inputs ``by_role``: the latent unpacked from
-    the tokens (grid ``img_shapes[0]``), the text, its mask, the timestep and guidance."""
+    the tokens (grid ``img_shapes[0]``), the text, its mask, the glyph text and its mask, the
+    timestep and guidance."""
     from qkrope.runtime.latents import unpack_patches
 
     patch, grid = _patch_grid(info, img_shapes)
@@ -28,6 +29,9 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
               encoder_attention_mask=by_role["encoder_hidden_states_mask"], return_dict=False)
     if "guidance" in by_role:
         kw["guidance"] = by_role["guidance"]
+    if "encoder_hidden_states_2" in by_role:  # the byT5 glyph text (a model with its branch)
+        kw["encoder_hidden_states_2"] = by_role["encoder_hidden_states_2"]
+        kw["encoder_attention_mask_2"] = by_role["encoder_attention_mask_2"]
     return kw
 
 
