@@ -240,3 +240,31 @@ FORMS: dict[str, Callable[..., Forms]] = {"qwen-image": qwen_image, "flux1": flu
                                           "z-image": z_image, "cosmos-predict2": cosmos,
                                           "hunyuan-image": hunyuan_image, "wan": wan,
                                           "skyreels-v2": wan, "chronoedit": chronoedit}
+
+
+def _dual_stream_ids(spec):
+    from qkrope.runtime.dual_stream import sample_ids
+
+    return lambda shapes, txt: sample_ids(spec.ids, shapes, txt)
+
+
+def longcat_image(model, batch: int, g: torch.Generator) -> Forms:
+    """LongCat-Image: FLUX's forms with its pipelines' ids, no pooled projections or guidance;
+    diffusers' forward takes 2-D ids only (no 3-D form, so none to refuse)."""
+    from qkrope.families.longcat_image import DUAL_STREAM
+
+    forms = _flux(model, batch, g, pooled=False, guidance=False,
+                  sample_ids=_dual_stream_ids(DUAL_STREAM))
+    forms["same"] = [(n, kw) for n, kw in forms["same"] if not n.startswith("ids 3-D")]
+    return dict(forms, refused=[])
+
+
+def ovis_image(model, batch: int, g: torch.Generator) -> Forms:
+    """Ovis-Image: FLUX's forms with its pipeline's ids, no pooled projections or guidance."""
+    from qkrope.families.ovis_image import DUAL_STREAM
+
+    return _flux(model, batch, g, pooled=False, guidance=False,
+                 sample_ids=_dual_stream_ids(DUAL_STREAM))
+
+
+FORMS.update({"longcat-image": longcat_image, "ovis-image": ovis_image})

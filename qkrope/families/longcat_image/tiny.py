@@ -3,8 +3,9 @@ FLUX.1's diffusers test sizes for the transformer (1 + 1 blocks, 2 heads x 16, R
 (4, 4, 8), text width 32) with 64 input channels (LongCatImagePipeline packs 16 latent
 channels in 2x2, fixed in its code; the tests' tiny LongCat-Image, read from here by
 tests/_families.py), a one-level VAE with 16 latent channels, and the pipeline's Qwen2.5-VL
-text encoder and processor as a random 1-layer Qwen2 decoder of width 32 (it encodes and, for
-the prompt rewrite, generates) with a byte-level chat tokenizer."""
+text encoder as a random 1-layer Qwen2 decoder of width 32 (it encodes and, for the prompt
+rewrite, generates) with a byte-level chat tokenizer, which also stands in for the processor
+(the rewrite uses only its text side)."""
 
 from __future__ import annotations
 
@@ -44,18 +45,22 @@ def text_encoder(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = byte_tokenizer(chat_template=CHATML_TEMPLATE)
-    return tok, decoder_encoder(Qwen2Config, Qwen2ForCausalLM, tok,
-                                CONFIG["joint_attention_dim"], seed=seed)
+    encoder = decoder_encoder(Qwen2Config, Qwen2ForCausalLM, tok, CONFIG["joint_attention_dim"],
+                              seed=seed)
+    # the prompt rewrite generates up to 512 tokens; a random model would run them all, so its
+    # generation suppresses every token but the end (the rewritten prompt is then empty)
+    encoder.generation_config.suppress_tokens = [i for i in range(len(tok))
+                                                 if i != tok.eos_token_id]
+    return tok, encoder
 
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     """The tiny LongCatImagePipeline saved with ``save_pretrained``."""
     diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
-
     tok, encoder = text_encoder(seed)
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tok,
-                                 chat_template=CHATML_TEMPLATE)
+    # the prompt rewrite uses the processor's text side only (chat template, encode, decode):
+    # the tokenizer serves (Qwen2VLProcessor needs torchvision's video processor to build)
+    processor = tok
     pipe = diffusers.LongCatImagePipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae(), text_encoder=encoder,
         tokenizer=tok, text_processor=processor, transformer=longcat_transformer(seed))
