@@ -30,7 +30,7 @@ from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
-from qkrope.model_io import POOLED_PROJECTIONS
+from qkrope.model_io import GUIDANCE, POOLED_PROJECTIONS
 
 from .attention import _attention
 from .ops import qk_norm_rope
@@ -83,10 +83,10 @@ def sdpa(q, k, v, head_dim: int, mask: torch.Tensor | None = None) -> torch.Tens
 
 
 class DualStreamAttnProcessor:
-    """Replaces the processor of an attention with the dual-stream attribute layout (double-stream with
-    ``encoder_hidden_states``, single-stream without); ``image_rotary_emb`` is a
-    :class:`JointRope`. ``masked``: whether the model passes an ``attention_mask`` (refused
-    otherwise, so that a mask never goes unnoticed)."""
+    """Replaces the processor of an attention with the dual-stream attribute layout
+    (double-stream with ``encoder_hidden_states``, single-stream without);
+    ``image_rotary_emb`` is a :class:`JointRope`. ``masked``: whether the model passes an
+    ``attention_mask`` (refused otherwise, so that a mask never goes unnoticed)."""
 
     def __init__(self, rounding: int, *, masked: bool = False):
         self.fused = FusedNormRoPE(rounding)
@@ -184,8 +184,11 @@ def rope_setting(transformer: nn.Module, label: str) -> tuple[tuple[int, ...], f
     return axes, theta, head_dim
 
 
-def has_guidance(transformer: nn.Module) -> bool:
-    """Whether the model embeds a guidance value (the config's guidance_embeds)."""
+def has_guidance(transformer: nn.Module, record=None) -> bool:
+    """Whether the model embeds a guidance value (the config's guidance_embeds) that the graph
+    of ``record`` takes (where given)."""
+    if record is not None and GUIDANCE not in record.graph.inputs:
+        return False
     return bool(transformer.config.get("guidance_embeds", False))
 
 
@@ -215,7 +218,9 @@ class CacheInputTransformer(nn.Module):
         """(image stream, text stream, timestep embedding) before the first block."""
         t, kind = self.transformer, self.spec.temb
         hidden_states = t.x_embedder(hidden_states)
-        timestep = timestep.to(hidden_states.dtype) * 1000
+        scale = self.spec.timestep_scale
+        timestep = timestep.to(hidden_states.dtype)
+        timestep = timestep * scale if scale != 1 else timestep
         if guidance is not None:
             guidance = guidance.to(hidden_states.dtype) * 1000
         if kind == "time_text_embed":
@@ -289,7 +294,7 @@ def cache_input(base: type, transformer: nn.Module, record, spec, kept, *, round
     of the record's graph for this model (pooled projections where the graph has them,
     guidance where the model embeds it; a ``base`` that defines ``forward`` keeps its own), in
     eval mode."""
-    key = (POOLED_PROJECTIONS in record.graph.inputs, has_guidance(transformer))
+    key = (POOLED_PROJECTIONS in record.graph.inputs, has_guidance(transformer, record))
     if "forward" in vars(base):  # a family's wrapper of its own graph signature
         return base(transformer, record, spec, kept, rounding=rounding, **kwargs).eval()
     if (base, key) not in _CLASSES:
@@ -314,7 +319,7 @@ def sample_args(record, transformer: nn.Module, sample, dtype: torch.dtype, cach
     if mask is not None:
         args.append(mask)
     args.append(torch.full((b,), 0.5, dtype=dtype))
-    if has_guidance(transformer):
+    if has_guidance(transformer, record):
         args.append(torch.full((b,), 3.5, dtype=dtype))
     return tuple(args) + (caches.img.clone(), caches.txt.clone())
 
@@ -349,8 +354,8 @@ def prepare(record, spec, transformer: nn.Module, *, sample, dtype: torch.dtype,
     caches = sample_caches(record, spec, sample, axes, theta, head_dim)
     args = sample_args(record, transformer, sample, dtype, caches, mask=mask)
     return TransformerPlan(
-        wrapper=wrapper, args=args, decl=record.decl(has_guidance(transformer)), axes=axes,
-        theta=theta, rounding=wrapper.rounding, nodes=node_count(double, single),
+        wrapper=wrapper, args=args, decl=record.decl(has_guidance(transformer, record)),
+        axes=axes, theta=theta, rounding=wrapper.rounding, nodes=node_count(double, single),
         num_layers_exported=double + single,
         blocks=f"{record.label}: {double} of {len(transformer.transformer_blocks)} double + "
                f"{single} of {len(transformer.single_transformer_blocks)} single blocks")

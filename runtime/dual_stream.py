@@ -138,6 +138,7 @@ class DualStreamTransformer(Transformer):
         refuse_adapters(self.record.short, call.get("joint_attention_kwargs"),
                         call.get("controlnet_block_samples"),
                         call.get("controlnet_single_block_samples"))
+        refuse_adapters(self.record.short, call.get("attention_kwargs"))  # Bria's name
 
     def prepare(self, **call) -> Call:
         self.refuse(call)

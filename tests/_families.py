@@ -187,6 +187,7 @@ BUILDERS: dict[str, TinyBuilder] = {
     # "ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),
     "longcat-image": from_tiny("longcat-image", "longcat_transformer", smoke=True),
     "ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),
+    "bria": from_tiny("bria", "bria_transformer", smoke=True),
 }
 BUILDERS.update({r.name: b for r in families.records() if r.name not in BUILDERS
                  for b in [_derived(r)] if b is not None})

@@ -267,4 +267,12 @@ def ovis_image(model, batch: int, g: torch.Generator) -> Forms:
                  sample_ids=_dual_stream_ids(DUAL_STREAM))
 
 
-FORMS.update({"longcat-image": longcat_image, "ovis-image": ovis_image})
+def bria(model, batch: int, g: torch.Generator) -> Forms:
+    """Bria 3.2: FLUX.1's forms and ids, no pooled projections or guidance."""
+    from qkrope.families.bria import DUAL_STREAM
+
+    return _flux(model, batch, g, pooled=False, guidance=False,
+                 sample_ids=_dual_stream_ids(DUAL_STREAM))
+
+
+FORMS.update({"longcat-image": longcat_image, "ovis-image": ovis_image, "bria": bria})

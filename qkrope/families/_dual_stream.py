@@ -43,7 +43,9 @@ class DualStream:
     the joined sequence. ``unguided_guidance``: what the drop-in does with a ``guidance`` value
     for a model exported without guidance embeddings: ``"refuse"`` (the model would use it) or
     ``"ignore"`` (diffusers' model ignores it too). ``forward_args`` and ``pipelines``: the
-    stock forward's parameters and the pipelines that call it (the drop-in's)."""
+    stock forward's parameters and the pipelines that call it (the drop-in's).
+    ``timestep_scale``: what the forward multiplies the timestep by before embedding it (1000:
+    its pipelines pass t / 1000; 1: they pass the scheduler's timestep)."""
 
     temb: str
     ids: IdsLayout
@@ -52,6 +54,7 @@ class DualStream:
     context_norm: str | None = None
     single_pair: bool = True
     unguided_guidance: str = "ignore"
+    timestep_scale: float = 1000
 
     def __post_init__(self) -> None:
         if self.temb not in TEMB_KINDS:

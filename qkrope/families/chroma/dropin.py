@@ -16,11 +16,11 @@ mask all ones: a uniform +1 on every score, which softmax cancels up to rounding
 config has ``guidance_embeds=False``, which ``ChromaInpaintPipeline`` reads and diffusers' own
 Chroma config lacks (with the stock transformer that pipeline stops with an AttributeError).
 
-The rest is the shared dual-stream drop-in (:class:`qkrope.runtime.dual_stream.DualStreamTransformer`:
-ids, timestep, refusals) with Chroma's :data:`qkrope.families.chroma.DUAL_STREAM`; also the
-family's cache builder :func:`caches_from_ids`, the ids its pipelines lay out for given sizes
-(:func:`sample_ids`, :func:`sample_request`: what ``make_inputs`` and the exporter's sample
-need).
+The rest is the shared dual-stream drop-in
+(:class:`qkrope.runtime.dual_stream.DualStreamTransformer`: ids, timestep, refusals) with
+Chroma's :data:`qkrope.families.chroma.DUAL_STREAM`; also the family's cache builder
+:func:`caches_from_ids`, the ids its pipelines lay out for given sizes (:func:`sample_ids`,
+:func:`sample_request`: what ``make_inputs`` and the exporter's sample need).
 """
 
 from __future__ import annotations

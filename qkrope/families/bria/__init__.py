@@ -1,0 +1,44 @@
+"""Bria 3.2 (diffusers' BriaTransformer2DModel): the record. A dual-stream transformer with
+FLUX.1's blocks, attention layout and id-based position embedder (its base the config's
+rope_theta), a timestep embedding of the scheduler's timestep itself (not t / 1000 times 1000)
+and no pooled text. Facts only; the hooks reuse the shared dual-stream ones."""
+
+from __future__ import annotations
+
+from qkrope import contract
+from qkrope.families._dual_stream import DualStream, IdsLayout
+from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
+from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
+                             TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
+
+#: The graph: the activations, the timestep and the two caches in place of txt_ids/img_ids
+#: (Bria 3.2 embeds no guidance; its forward's pooled_projections is unused).
+GRAPH = ModelDecl("transformer", (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP,
+                                  IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE), (SAMPLE,))
+
+#: How it differs as a dual-stream transformer: temb = time_embed(timestep, dtype) of the
+#: timestep as the pipeline passes it (timestep_scale 1); FLUX.1's id layout (text at 0, the
+#: image at (0, row, column)); a guidance value is refused (diffusers' model would add a
+#: guidance embedding it does not have).
+DUAL_STREAM = DualStream(
+    temb="time_embed", timestep_scale=1, ids=IdsLayout(n_axes=3, image_step=1),
+    forward_args=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+                  "img_ids", "txt_ids", "guidance", "attention_kwargs", "return_dict",
+                  "controlnet_block_samples", "controlnet_single_block_samples"),
+    pipelines="BriaPipeline", unguided_guidance="refuse")
+
+#: Bria 3.2 at 1024 x 1024: 24 heads x 128, 4096 image tokens, the pipeline's 128 text tokens
+#: (max_sequence_length), a single-stream block's joined 4224; batch 2 (CFG batched) and 1.
+LAUNCHES = tuple(Launch("Bria 3.2", stream, seq, 24, roundings=(contract.ROUNDING_TWO_STEPS, 0))
+                 for stream, seq in (("image 4096", 4096), ("text 128", 128),
+                                     ("single 4096+128", 4096 + 128)))
+
+# torch's RMSNorm then diffusers' apply_rotary_emb in fp32: rounded twice, as FLUX.1.
+BRIA = FamilyRecord(
+    name="bria", class_name="BriaTransformer2DModel", label="Bria 3.2", short="Bria",
+    package="bria", scheme="ids", axes=(16, 56, 56), theta=10000, theta_key="rope_theta",
+    max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=GRAPH,
+    fp8_excluded=("x_embedder", "context_embedder", "time_embed", "norm_out", "proj_out"),
+    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
+
+RECORDS = (BRIA,)
