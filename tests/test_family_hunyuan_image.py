@@ -207,10 +207,12 @@ def test_dropin_with_glyph_text_on_onnxruntime(exported, glyph_tokens):
     assert (ref[0] - plain[0]).abs().max().item() > 100 * bound
 
 
-def test_pipeline_end_to_end_on_the_export(exported):
+@pytest.mark.parametrize("quoted", [False, True], ids=["no-quoted-text", "quoted-text"])
+def test_pipeline_end_to_end_on_the_export(exported, quoted):
     """HunyuanImagePipeline with the tiny transformer, prompt embeddings given (no text encoders
-    downloaded), byT5 zeros as the pipeline makes them for a prompt without quoted text, latent
-    output: the export through the drop-in against the stock transformer."""
+    downloaded), byT5 zeros as the pipeline makes them for a prompt without quoted text, or
+    glyph embeddings with three real tokens (a prompt with quoted text), latent output: the
+    export through the drop-in against the stock transformer."""
     from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline
 
     from qkrope.runtime import load_transformer
@@ -219,9 +221,11 @@ def test_pipeline_end_to_end_on_the_export(exported):
     g = torch.Generator().manual_seed(5)
     embeds = torch.randn(1, 6, 32, generator=g)
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
-    call = dict(prompt_embeds=embeds, prompt_embeds_mask=mask,
-                prompt_embeds_2=torch.zeros(1, 4, 32),
-                prompt_embeds_mask_2=torch.zeros(1, 4, dtype=torch.int64), height=160, width=96,
+    glyph, glyph_mask = torch.zeros(1, 4, 32), torch.zeros(1, 4, dtype=torch.int64)
+    if quoted:
+        glyph, glyph_mask = torch.randn(1, 4, 32, generator=g), torch.tensor([[1, 1, 1, 0]])
+    call = dict(prompt_embeds=embeds, prompt_embeds_mask=mask, prompt_embeds_2=glyph,
+                prompt_embeds_mask_2=glyph_mask, height=160, width=96,
                 num_inference_steps=2, output_type="latent")
     results = []
     for transformer in (BUILDER.build(0), load_transformer(out)):
