@@ -12,8 +12,10 @@ A family folder ``qkrope/families/<package>/`` holds:
 
 :data:`FAMILY_PACKAGES` is the one list a new family is added to. The registry is keyed by the
 diffusers class (:func:`by_class`, :func:`family_of`) and by the sidecar's family name
-(:func:`by_name`). :func:`hooks` imports a family's hook module on first use (by a string, so
-``import qkrope`` and ``--help`` import no torch) and checks it against its kind's Protocol
+(:func:`by_name`); a folder's record module may also name the classes it cannot serve, with
+why (``REFUSED``: :func:`refused`, refused by class in :func:`family_of`). :func:`hooks`
+imports a family's hook module on first use (by a string, so ``import qkrope`` and ``--help``
+import no torch) and checks it against its kind's Protocol
 (qkrope.families._contract: the one list of what each hook module defines). A family folder
 imports no other family and not this registry; generic code imports no family module by name
 (tests/test_layering.py).
@@ -57,6 +59,23 @@ def records() -> tuple[FamilyRecord, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1)
+def refused() -> dict[str, str]:
+    """The diffusers classes a family folder declares it cannot serve (its record module's
+    optional ``REFUSED``: class name -> the reason, qkrope.families._contract.RecordExtras), in
+    registry order; a class both served and refused, or refused twice, is a folder's bug."""
+    out: dict[str, str] = {}
+    served = {r.class_name for r in records()}
+    for package in FAMILY_PACKAGES:
+        for name, why in getattr(importlib.import_module(f"{__name__}.{package}"), "REFUSED",
+                                 {}).items():
+            if name in served or name in out or not isinstance(why, str) or not why:
+                raise RuntimeError(f"{package}: REFUSED class {name!r} is served, refused twice "
+                                   f"or has no reason")
+            out[name] = why
+    return out
+
+
 def names() -> tuple[str, ...]:
     """The sidecar family names, in registry order."""
     return tuple(r.name for r in records())
@@ -94,11 +113,15 @@ def describe() -> str:
 
 def family_of(config: Any, *, source: str = "the diffusers config") -> FamilyRecord:
     """The family a diffusers ``config`` (config.json as a mapping) belongs to, from its
-    ``_class_name``; an InputError listing the families otherwise."""
+    ``_class_name``; an InputError with the reason for a class a folder refuses
+    (:func:`refused`), one listing the families otherwise."""
     from qkrope.errors import InputError
 
     name = config.get("_class_name") if hasattr(config, "get") else None
     family = by_class(name) if isinstance(name, str) else None
+    if family is None and isinstance(name, str) and name in refused():
+        raise InputError(f"{source} has _class_name {name!r}, which qkrope cannot export: "
+                         f"{refused()[name]}. Fix: run this model on PyTorch (diffusers)")
     if family is None:
         raise InputError(f"{source} has _class_name {name!r}, which qkrope does not export. "
                          f"Fix: give the folder of one of {describe()}")
@@ -156,5 +179,6 @@ def _hooks(name: str, package: str, kind: str) -> Any:
     return checked(importlib.import_module(f"{__name__}.{package}.{kind}"), kind, name)
 
 
-__all__ = ["FAMILY_PACKAGES", "HOOK_KINDS", "FamilyRecord", "records", "names", "default",
-           "by_class", "by_name", "describe", "family_of", "check_blocks_option", "hooks"]
+__all__ = ["FAMILY_PACKAGES", "HOOK_KINDS", "FamilyRecord", "records", "refused", "names",
+           "default", "by_class", "by_name", "describe", "family_of", "check_blocks_option",
+           "hooks"]

@@ -117,6 +117,16 @@ class TinyExtras(Protocol):
         needs no entry in tests/_families.py)."""
 
 
+class RecordExtras(Protocol):
+    """Optional names of a family's record module ``qkrope.families.<package>`` itself (root
+    layer, no torch; its ``RECORDS`` are required), read by the registry where defined."""
+
+    #: diffusers class name -> why qkrope cannot serve it (one clause, facts only): the classes
+    #: built like the folder's that it knows it cannot export, refused by class in one line
+    #: (:func:`qkrope.families.family_of`)
+    REFUSED: Mapping[str, str]
+
+
 class Contract(NamedTuple):
     """One hook kind's Protocols: the names it must define and those read where defined."""
 
@@ -230,5 +240,6 @@ def _call_problems(declared, function) -> list[str]:
 
 
 __all__ = ["ExportHooks", "ReferenceHooks", "ReferenceExtras", "DropinHooks", "DropinExtras",
-           "TinyHooks", "TinyExtras", "Contract", "CONTRACTS", "FamilyContractError", "members",
+           "TinyHooks", "TinyExtras", "RecordExtras", "Contract", "CONTRACTS",
+           "FamilyContractError", "members",
            "missing", "checked", "signature_problems"]

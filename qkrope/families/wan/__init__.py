@@ -26,9 +26,8 @@ The same folder serves two classes built on Wan's blocks as records of their own
 :data:`DERIVATIVES` and read by the same hooks: SkyReels-V2's float64 timestep sinusoid (computed
 in float32 with the angle's rounding error carried), its diffusion-forcing call (per-frame
 timesteps equal within a sample); ChronoEdit's two-frame edit at frame positions 0 and 7 (the
-"ids" scheme; Wan 2.1 I2V's image branch). Refused in one line: VACE
-(WanVACETransformer3DModel), Animate (WanAnimateTransformer3DModel), Helios and SANA-Video by
-their class (the registry's list); SkyReels-V2 with ``inject_sample_info`` or
+"ids" scheme; Wan 2.1 I2V's image branch). Refused in one line: Animate
+(WanAnimateTransformer3DModel), Helios and SANA-Video by their class (:data:`REFUSED`); SkyReels-V2 with ``inject_sample_info`` or
 ``num_frame_per_block`` > 1 and ChronoEdit with another temporal skip or a head whose third
 differs from Wan's row axis by the config check; an attention image branch
 without the image embedder or of another width (``added_kv_proj_dim`` without ``image_dim`` or
@@ -222,3 +221,21 @@ def frame_positions(frames: int, skip: int | None) -> list:
 
 
 RECORDS = (WAN, SKYREELS_V2, CHRONOEDIT)
+
+#: The classes built on Wan's blocks that this folder cannot serve, with why (the registry
+#: refuses them by class in one line: qkrope.families.family_of).
+REFUSED = {
+    "SanaVideoTransformer3DModel":
+        "its self-attention is linear attention: it applies ReLU to q and k between the "
+        "RMSNorm and the rotation and normalises by the unrotated q and k, which a "
+        "norm-then-rotate node feeding softmax attention cannot express",
+    "HeliosTransformer3DModel":
+        "its frame positions come per sample (indices_hidden_states [batch, frames]), which "
+        "the RoPE caches (no batch axis) cannot hold, it joins three history latents (short, "
+        "mid, long, each with its own patch embedding and positions) to the video tokens, and "
+        "it scales the history tokens' keys after the rotation (is_amplify_history)",
+    "WanAnimateTransformer3DModel":
+        "it runs a motion encoder and a face encoder on its pose and face inputs "
+        "(pose_hidden_states, face_pixel_values) and adds face-adapter cross-attention blocks "
+        "between Wan's blocks, inputs and modules the Wan export does not have",
+}
