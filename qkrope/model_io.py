@@ -149,7 +149,8 @@ ENCODER_HIDDEN_STATES_2 = TensorDecl(
     "second text stream (ByT5 glyph-text embeddings), [batch, txt2_tokens, features]")
 ENCODER_ATTENTION_MASK_2 = TensorDecl(
     "encoder_attention_mask_2", "encoder_attention_mask_2", (BATCH, TXT2_TOKENS),
-    "second text stream's mask, int64 [batch, txt2_tokens]: 1 = a real token, 0 = padding")
+    "second text stream's mask, int64 (HunyuanVideo-1.5) or bool (HunyuanImage-2.1) [batch, "
+    "txt2_tokens]: 1 / True = a real token, 0 / False = padding")
 IMAGE_EMBEDS = TensorDecl(
     "image_embeds", "image_embeds", (BATCH, IMAGE_EMBED_TOKENS, None),
     "image embeddings, [batch, image_embed_tokens, features] (all zeros: text-to-video)")

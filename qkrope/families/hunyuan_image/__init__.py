@@ -13,7 +13,9 @@ from qkrope.model_io import (ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK, 
 #: The graph: the latent's patches as tokens (the drop-in packs the pipelines' [B, C, H, W] or
 #: [B, C, F, H, W] latent, and unpacks the sample, exactly as the model's patch embedding and
 #: unpatchify order them), the Qwen2.5-VL text and its mask, the timestep, the distilled
-#: guidance where the config has guidance_embeds, and the two caches (the text's identity rows).
+#: guidance where the config has guidance_embeds, and the two caches (the text's identity rows);
+#: a model with the byT5 branch also takes the glyph tokens and their mask after the text mask
+#: (export.graph_decl).
 HUNYUAN_IMAGE_TRANSFORMER = ModelDecl(
     "transformer",
     (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK, TIMESTEP, GUIDANCE,
