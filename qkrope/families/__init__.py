@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 #: The family folders, in registry order (the first is the default of an old sidecar that
 #: names no family).
 FAMILY_PACKAGES = ("qwen_image", "flux", "chroma", "hunyuan_video", "hunyuan_image", "z_image",
-                   "cosmos", "wan", "longcat_image", "ovis_image", "bria")
+                   "cosmos", "wan", "longcat_image", "ovis_image", "bria",
+                   "joyimage")
 #: The hook modules a family folder has (each kind's Protocols: qkrope.families._contract).
 HOOK_KINDS = tuple(CONTRACTS)
 
