@@ -1,5 +1,7 @@
 """HunyuanVideo-1.5 (diffusers' HunyuanVideo15Transformer3DModel, 8.3 B) and HunyuanVideo
-(HunyuanVideoTransformer3DModel, 13 B): the records. Facts only; the hooks are export.py,
+(HunyuanVideoTransformer3DModel, 13 B): the records; HunyuanVideo FramePack
+(HunyuanVideoFramepackTransformer3DModel) drafted on HunyuanVideo's code, not yet registered
+(:data:`HUNYUAN_VIDEO_FRAMEPACK`). Facts only; the hooks are export.py,
 reference.py and dropin.py beside this file.
 
 Both take the 5-D latent ``[batch, channels, frames, height, width]`` and patchify it themselves
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
-from qkrope.model_io import (ENCODER_ATTENTION_MASK, ENCODER_ATTENTION_MASK_2,
+from qkrope.model_io import (BATCH, LATENT_HEIGHT, LATENT_WIDTH, ENCODER_ATTENTION_MASK, ENCODER_ATTENTION_MASK_2,
                              ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_2, GUIDANCE,
                              IMAGE_EMBEDS, IMG_COS_SIN_CACHE, LATENT, LATENT_SAMPLE,
-                             POOLED_PROJECTIONS, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
+                             POOLED_PROJECTIONS, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl,
+                             TensorDecl)
 
 #: The graph inputs, in graph order (the caches in place of diffusers' RoPE module): the 5-D
 #: latent the model patchifies, in and out (qkrope.model_io.LATENT / LATENT_SAMPLE). The text
@@ -106,5 +109,63 @@ HUNYUAN_VIDEO = FamilyRecord(
     graph=HUNYUAN_VIDEO_TRANSFORMER, fp8_excluded=HUNYUAN_VIDEO_EXCLUDED, blocks=True,
     block_lists=HUNYUAN_VIDEO_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
     launches=HUNYUAN_VIDEO_LAUNCHES)
+
+# HunyuanVideo FramePack: HunyuanVideo's blocks, text refiner and condition embedding, plus
+# three history latents (clean at patch (1, 2, 2), 2x at (2, 4, 4), 4x at (4, 8, 8), each with
+# its own patch convolution) joined before the latent's tokens as [4x; 2x; clean; latent], and
+# SigLIP image embeddings projected and joined before the text ([image; text]). Its RoPE is per
+# token: (frame index, row, column) with the frames taken from the call's index tensors (not
+# contiguous: the clean latents are the first frame and the newest history frame), so the
+# image cache is the "ids" scheme's over the full-resolution grid of every part, one row per
+# position: [4x history frames; 2x history frames; clean frames; latent frames] x rows x
+# columns. The 2x and 4x parts' rows are pooled in the graph as diffusers pools them (the
+# cos and sin tables padded by repetition and averaged over each history patch: an average of
+# rotations, no rotation by one position), so the node takes every row as the cache holds it.
+#
+# The history latents' inputs (declared here with model_io's type; they belong in model_io,
+# with their roles and frame axes, before the record can join RECORDS: export's dynamic shapes
+# and the sidecar's role check read model_io.TENSORS / AXES / ROLES, the runner's conditioning
+# reads runtime.runner.CONDITIONING_ROLES).
+CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES = (
+    "clean_frames", "history_2x_frames", "history_4x_frames")
+LATENTS_CLEAN = TensorDecl(
+    "latents_clean", "latents_clean", (BATCH, None, CLEAN_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
+    "clean history latents (the first frame and the newest history), [batch, channels, "
+    "clean_frames, latent_height, latent_width]; patchified at (1, 2, 2)")
+LATENTS_HISTORY_2X = TensorDecl(
+    "latents_history_2x", "latents_history_2x",
+    (BATCH, None, HISTORY_2X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
+    "2x history latents, [batch, channels, history_2x_frames, latent_height, latent_width]; "
+    "padded by repetition to whole (2, 4, 4) patches")
+LATENTS_HISTORY_4X = TensorDecl(
+    "latents_history_4x", "latents_history_4x",
+    (BATCH, None, HISTORY_4X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
+    "4x history latents, [batch, channels, history_4x_frames, latent_height, latent_width]; "
+    "padded by repetition to whole (4, 8, 8) patches")
+HUNYUAN_VIDEO_FRAMEPACK_TRANSFORMER = ModelDecl(
+    "transformer",
+    (LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK, POOLED_PROJECTIONS,
+     IMAGE_EMBEDS, GUIDANCE, LATENTS_CLEAN, LATENTS_HISTORY_2X, LATENTS_HISTORY_4X,
+     IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+    (LATENT_SAMPLE,))
+#: FP8 default exclusions: HunyuanVideo's, the history patch embedder and the image projection.
+HUNYUAN_VIDEO_FRAMEPACK_EXCLUDED = HUNYUAN_VIDEO_EXCLUDED + ("clean_x_embedder",
+                                                             "image_projection")
+#: FramePack (24 heads) at its pipeline's usual 640 x 640 window: 9 latent frames of 80 x 80
+#: (8x VAE; patch 2: 40 x 40 tokens) behind its history (2 clean frames at patch 2, 2 frames at
+#: 2x, 16 at 4x: 2 x 1600 + 1 x 400 + 4 x 100 tokens), 256 text + 729 image tokens.
+FRAMEPACK_TOKENS = 9 * 1600 + 2 * 1600 + 400 + 4 * 100
+HUNYUAN_VIDEO_FRAMEPACK_LAUNCHES = _launches(
+    "HunyuanVideo FramePack", 24, (("640x640 9f + history", FRAMEPACK_TOKENS),), 256 + 729,
+    single=True, text_stream=False)
+HUNYUAN_VIDEO_FRAMEPACK = FamilyRecord(
+    name="hunyuan-video-framepack", class_name="HunyuanVideoFramepackTransformer3DModel",
+    label="HunyuanVideo FramePack (image-to-video with frame history)",
+    short="HunyuanVideo FramePack", package="hunyuan_video", scheme="ids", axes=(16, 56, 56),
+    theta=256, theta_key="rope_theta", max_positions=None,
+    rounding=contract.ROUNDING_EACH_STEP, graph=HUNYUAN_VIDEO_FRAMEPACK_TRANSFORMER,
+    fp8_excluded=HUNYUAN_VIDEO_FRAMEPACK_EXCLUDED, blocks=True,
+    block_lists=HUNYUAN_VIDEO_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
+    launches=HUNYUAN_VIDEO_FRAMEPACK_LAUNCHES)
 
 RECORDS = (HUNYUAN_VIDEO15, HUNYUAN_VIDEO)

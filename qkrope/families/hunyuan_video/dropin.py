@@ -9,6 +9,13 @@ maps a call onto the graph: the position request of the "grid" scheme is the lat
 grid (``img_shapes=[(F/pt, H/p, W/p)]``, uncentred) and the text length of the joined text
 stream (HunyuanVideo-1.5: MLLM + ByT5 + image tokens; identity rows, the text is not rotated).
 
+``HunyuanVideoFramepackPipeline`` calls it with HunyuanVideo's arguments plus ``image_embeds``
+and the history: ``latents_clean``, ``latents_history_2x``, ``latents_history_4x`` and the
+frame indices of each part and of the latent (``indices_*``, 1-D, shared by the batch). Its
+position request is the "ids" scheme's: one (frame index, row, column) row per full-resolution
+token of each part in sequence order (:func:`framepack_ids`), the text rows those of the image
+and text tokens (identity: not rotated).
+
 Refused in one line: ``timestep_r`` (MeanFlow models), a LoRA scale other than 1 or other
 ``attention_kwargs``, a ``guidance`` value for a model exported without guidance embeddings.
 
@@ -23,7 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from qkrope.errors import InputError
-from qkrope.families.hunyuan_video import HUNYUAN_VIDEO15
+from qkrope.families.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK
 from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
                                     tensor_arg)
 from qkrope.runtime.latents import latent_of
@@ -140,10 +147,104 @@ class HunyuanVideoTransformer(_HunyuanBase):
                     return_dict=return_dict)
 
 
+def framepack_ids(height: int, width: int, frames) -> torch.Tensor:
+    """The "ids" request's image positions of a FramePack call: ``frames`` the frame indices of
+    each part in sequence order (4x history, 2x history, clean, latent), ``height`` x ``width``
+    the latent's token grid (patch 2); float32 ``[rows, 3]``, one (frame, row, column) row per
+    full-resolution token of each part (the export pools the 2x and 4x parts' rows, as
+    diffusers pools its tables)."""
+    rows = []
+    for index in frames:
+        f, y, x = torch.meshgrid(torch.as_tensor(index).to(torch.float32),
+                                 torch.arange(int(height), dtype=torch.float32),
+                                 torch.arange(int(width), dtype=torch.float32), indexing="ij")
+        rows.append(torch.stack([f.reshape(-1), y.reshape(-1), x.reshape(-1)], dim=1))
+    return torch.cat(rows, dim=0)
+
+
+class HunyuanVideoFramepackTransformer(_HunyuanBase):
+    """What HunyuanVideoFramepackPipeline calls on ``pipe.transformer``."""
+
+    PIPELINES = "HunyuanVideoFramepackPipeline"
+    FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states",
+                    "encoder_attention_mask", "pooled_projections", "image_embeds",
+                    "indices_latents", "guidance", "latents_clean", "indices_latents_clean",
+                    "latents_history_2x", "indices_latents_history_2x", "latents_history_4x",
+                    "indices_latents_history_4x", "attention_kwargs", "return_dict")
+    #: The history parts in sequence order: (latent argument, its frame indices' argument).
+    HISTORY = (("latents_history_4x", "indices_latents_history_4x"),
+               ("latents_history_2x", "indices_latents_history_2x"),
+               ("latents_clean", "indices_latents_clean"))
+
+    def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, pooled_projections=None, image_embeds=None,
+                indices_latents=None, guidance=None, latents_clean=None,
+                indices_latents_clean=None, latents_history_2x=None,
+                indices_latents_history_2x=None, latents_history_4x=None,
+                indices_latents_history_4x=None, attention_kwargs=None,
+                return_dict: bool = True) -> Call:
+        given = dict(pooled_projections=pooled_projections, image_embeds=image_embeds,
+                     indices_latents=indices_latents, latents_clean=latents_clean,
+                     indices_latents_clean=indices_latents_clean,
+                     latents_history_2x=latents_history_2x,
+                     indices_latents_history_2x=indices_latents_history_2x,
+                     latents_history_4x=latents_history_4x,
+                     indices_latents_history_4x=indices_latents_history_4x)
+        missing = [n for n, v in given.items() if v is None]
+        if missing:  # diffusers' FramePack forward needs every part of the history
+            raise missing_arguments("HunyuanVideo FramePack", missing)
+        batch, timestep, mask = self._common(hidden_states, timestep, encoder_hidden_states,
+                                             encoder_attention_mask, attention_kwargs)
+        tensor_arg(pooled_projections, "pooled_projections", 2,
+                   "[batch, pooled_projection_dim] (the pooled CLIP embedding)")
+        tensor_arg(image_embeds, "image_embeds", 3, "[batch, tokens, features] (SigLIP)")
+        _, _, frames, height, width = (int(v) for v in hidden_states.shape)
+        parts = [(latent, index) for latent, index in self.HISTORY]
+        parts.append(("hidden_states", "indices_latents"))
+        given["hidden_states"] = hidden_states
+        indices = []
+        for latent, index in parts:
+            value = tensor_arg(given[latent], latent, 5,
+                               "[batch, channels, frames, height, width]")
+            if (value.shape[0], value.shape[3], value.shape[4]) != (batch, height, width):
+                raise InputError(f"{latent} {list(value.shape)} must have the batch, height "
+                                 f"and width of hidden_states {list(hidden_states.shape)}")
+            idx = tensor_arg(given[index], index, 1, "[frames] (one frame index per frame)")
+            if idx.shape[0] != value.shape[2]:
+                raise InputError(f"{index} has {idx.shape[0]} frame indices but {latent} has "
+                                 f"{value.shape[2]} frames; one index per frame")
+            indices.append(idx)
+        p = int(self.config["patch_size"])
+        img_ids = framepack_ids(height // p, width // p, indices)
+        txt_rows = int(image_embeds.shape[1]) + int(encoder_hidden_states.shape[1])
+        request = {"img_ids": img_ids, "txt_ids": torch.zeros(txt_rows, 3)}
+        conditioning = {"pooled_projections": pooled_projections.to(self.dtype),
+                        "image_embeds": image_embeds.to(self.dtype)}
+        conditioning.update({latent: given[latent].to(self.dtype)
+                             for latent, _ in self.HISTORY})
+        guided = bool(self.config.get("guidance_embeds", False))
+        if guided and guidance is None:
+            raise InputError("this FramePack transformer embeds a guidance scale "
+                             "(guidance_embeds=True) and needs guidance=[batch]; got None. Fix: "
+                             "pass the pipeline's guidance")
+        if not guided and guidance is not None:
+            raise InputError("guidance was given, but this FramePack transformer was exported "
+                             "without guidance embeddings (guidance_embeds=False). Fix: drop "
+                             "guidance")
+        if guided:
+            conditioning["guidance"] = per_item(guidance, "guidance", batch, self.dtype)
+        return Call(hidden_states.to(self.dtype), encoder_hidden_states.to(self.dtype), request,
+                    timestep=timestep, mask=mask, conditioning=conditioning,
+                    return_dict=return_dict)
+
+
 def dropin_class(record):
     """The drop-in class of ``record`` (the registry's entry point)."""
+    if record is HUNYUAN_VIDEO_FRAMEPACK:
+        return HunyuanVideoFramepackTransformer
     return HunyuanVideo15Transformer if record is HUNYUAN_VIDEO15 else HunyuanVideoTransformer
 
 
-__all__ = ["HunyuanVideo15Transformer", "HunyuanVideoTransformer", "dropin_class",
-           "request_for", "sample_request"]
+__all__ = ["HunyuanVideo15Transformer", "HunyuanVideoFramepackTransformer",
+           "HunyuanVideoTransformer", "dropin_class", "framepack_ids", "request_for",
+           "sample_request"]

@@ -47,7 +47,7 @@ from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 from qkrope.families._record import FamilyRecord
 
-from . import HUNYUAN_VIDEO, HUNYUAN_VIDEO15
+from . import HUNYUAN_VIDEO, HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK
 
 
 class HunyuanRope(NamedTuple):
@@ -295,6 +295,107 @@ class _HunyuanVideo(_HunyuanVideoBase):
                         pooled_projections, None, img_cos_sin_cache, txt_cos_sin_cache)
 
 
+# --------------------------------------------------------------------------------------------
+# HunyuanVideo FramePack: HunyuanVideo's forward with the history parts before the latent
+# --------------------------------------------------------------------------------------------
+
+#: The history parts in sequence order, each with its patch (frames, rows, columns in latent
+#: pixels) and its pooling of the latent's token grid (patch 2): the 4x, then 2x, then clean.
+FRAMEPACK_HISTORY = (("proj_4x", (4, 8, 8), (4, 4, 4)), ("proj_2x", (2, 4, 4), (2, 2, 2)),
+                     ("proj", (1, 2, 2), None))
+
+
+def _pad_to(x: torch.Tensor, kernel) -> torch.Tensor:
+    """``x`` ``[B, C, T, H, W]`` padded at the end of T, H and W by repeating the last slice, to
+    whole multiples of ``kernel`` (diffusers' FramePack padding before a history patch)."""
+    pads: list = []
+    for size, k in zip(reversed(x.shape[2:]), reversed(kernel)):
+        pads += [0, (k - size % k) % k]
+    return F.pad(x, pads, mode="replicate")
+
+
+def pooled_rows(rows: torch.Tensor, frames, height, width, kernel) -> torch.Tensor:
+    """The cache rows of a history part at its patch: ``rows`` ``[frames * height * width,
+    rotary_dim]`` of its full-resolution token grid, padded by repetition and averaged over
+    each ``kernel`` block of the grid (diffusers pools its cos and sin tables so; the pair
+    halves of the cache are columns, pooled alike)."""
+    grid = rows.reshape(frames, height, width, rows.shape[-1]).permute(3, 0, 1, 2).unsqueeze(0)
+    pooled = F.avg_pool3d(_pad_to(grid, kernel), kernel, stride=kernel)
+    return pooled.flatten(2).squeeze(0).transpose(0, 1)
+
+
+class HunyuanVideoFramepackCacheInputTransformer(_CacheInput):
+    """``HunyuanVideoFramepackTransformer3DModel.forward`` with the RoPE caches in place of its
+    RoPE module; ``forward``'s arguments are the graph inputs in graph order (guidance only
+    where the config embeds it). The image cache has one row per full-resolution token of each
+    part, in sequence order (``[4x; 2x; clean; latent]``, the "ids" scheme's rows of
+    :func:`qkrope.families.hunyuan_video.dropin.framepack_ids`); the 2x and 4x rows are pooled
+    here (:func:`pooled_rows`). The text cache's rows are the image embeddings' and the
+    text's (identity)."""
+
+    def run(self, latent, timestep, encoder_hidden_states, encoder_attention_mask,
+            pooled_projections, image_embeds, guidance, latents_clean, latents_history_2x,
+            latents_history_4x, img_cos_sin_cache, txt_cos_sin_cache):
+        t = self.transformer
+        shape = latent.shape
+        p = int(t.config["patch_size"])
+        h, w = shape[3] // p, shape[4] // p
+        x = _embed(t, latent)
+        n_latent = x.shape[1]
+        history = t.clean_x_embedder
+        parts, rows, first = [], [], 0
+        for (conv, kernel, pool), part in zip(FRAMEPACK_HISTORY, (
+                latents_history_4x, latents_history_2x, latents_clean)):
+            frames = part.shape[2]
+            end = first + frames * h * w
+            if pool is None:  # the clean part: patch (1, 2, 2), no padding (as diffusers)
+                tokens = patch_conv(history.proj, part)
+                rows.append(img_cos_sin_cache[first:end])
+            else:
+                tokens = patch_conv(getattr(history, conv), _pad_to(part, kernel))
+                rows.append(pooled_rows(img_cos_sin_cache[first:end], frames, h, w, pool))
+            parts.append(tokens.flatten(2).transpose(1, 2))
+            first = end
+        rows.append(img_cos_sin_cache[first:first + n_latent])
+        x = torch.cat(parts + [x], dim=1)
+        img_rows = torch.cat(rows, dim=0)
+        temb, _ = t.time_text_embed(timestep, pooled_projections, guidance)
+        text = t.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
+        image = t.image_projection(image_embeds)
+        text = torch.cat([image, text], dim=1)
+        s_img, s_txt = x.shape[1], text.shape[1]
+        # diffusers: the image tokens are real, then the text mask's; keys are masked
+        real = s_img + image.shape[1] + encoder_attention_mask.sum(dim=1, dtype=torch.int)
+        keys = torch.arange(s_img + s_txt, device=x.device).unsqueeze(0) < real.unsqueeze(1)
+        keys = keys.unsqueeze(1).unsqueeze(1)
+        mask = HunyuanMask(keys, keys)
+        rope = _rope(img_rows, txt_cos_sin_cache, s_img, s_txt)
+        for block in self.blocks():
+            x, text = block(x, text, temb, mask, rope)
+        x = t.proj_out(t.norm_out(x[:, -n_latent:], temb))
+        return _unpatchify(t, x, shape)
+
+
+class _FramepackGuided(HunyuanVideoFramepackCacheInputTransformer):
+    def forward(self, latent, timestep, encoder_hidden_states, encoder_attention_mask,
+                pooled_projections, image_embeds, guidance, latents_clean, latents_history_2x,
+                latents_history_4x, img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(latent, timestep, encoder_hidden_states, encoder_attention_mask,
+                        pooled_projections, image_embeds, guidance, latents_clean,
+                        latents_history_2x, latents_history_4x, img_cos_sin_cache,
+                        txt_cos_sin_cache)
+
+
+class _Framepack(HunyuanVideoFramepackCacheInputTransformer):
+    def forward(self, latent, timestep, encoder_hidden_states, encoder_attention_mask,
+                pooled_projections, image_embeds, latents_clean, latents_history_2x,
+                latents_history_4x, img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(latent, timestep, encoder_hidden_states, encoder_attention_mask,
+                        pooled_projections, image_embeds, None, latents_clean,
+                        latents_history_2x, latents_history_4x, img_cos_sin_cache,
+                        txt_cos_sin_cache)
+
+
 def has_guidance(transformer: nn.Module) -> bool:
     return bool(transformer.config.get("guidance_embeds", False))
 
@@ -311,6 +412,22 @@ def check_supported(transformer: nn.Module, family: FamilyRecord) -> None:
                          "(first-frame token replacement blocks), which qkrope's export does not "
                          "carry. Fix: export a text-to-video or latent_concat image-to-video "
                          "HunyuanVideo transformer")
+    if family is HUNYUAN_VIDEO_FRAMEPACK:
+        missing = [k for k in ("has_image_proj", "has_clean_x_embedder") if not cfg.get(k)]
+        if missing:
+            raise InputError(f"the HunyuanVideo FramePack config sets {missing} false: diffusers' "
+                             f"FramePack forward needs the image projection and the history "
+                             f"patch embedder. Fix: export a FramePack checkpoint (both True)")
+        if (int(cfg["patch_size"]), int(cfg["patch_size_t"])) != (2, 1):
+            raise InputError(f"patch_size {cfg['patch_size']} / patch_size_t "
+                             f"{cfg['patch_size_t']}: FramePack's history patches (1, 2, 2), "
+                             f"(2, 4, 4) and (4, 8, 8) pool the RoPE of a patch-(1, 2, 2) "
+                             f"latent grid. Fix: export a model with patch_size 2 and "
+                             f"patch_size_t 1")
+        if cfg.get("image_condition_type") == "token_replace":
+            raise InputError("the FramePack config sets image_condition_type='token_replace', "
+                             "which qkrope's export does not carry. Fix: export a FramePack "
+                             "checkpoint (image_condition_type None)")
     if cfg.get("qk_norm", "rms_norm") != "rms_norm":
         raise InputError(f"qk_norm={cfg.get('qk_norm')!r}: the QKNormRoPE node is an RMSNorm. "
                          f"Fix: export a model with qk_norm='rms_norm'")
@@ -333,6 +450,8 @@ def cache_input_hunyuan(transformer: nn.Module, family: FamilyRecord, *,
     rounding = family.rounding if rounding is None else rounding
     if family is HUNYUAN_VIDEO15:
         cls = HunyuanVideo15CacheInputTransformer
+    elif family is HUNYUAN_VIDEO_FRAMEPACK:
+        cls = _FramepackGuided if has_guidance(transformer) else _Framepack
     else:
         cls = _HunyuanVideoGuided if has_guidance(transformer) else _HunyuanVideo
     return cls(transformer, family, rounding, fused, kept).eval()

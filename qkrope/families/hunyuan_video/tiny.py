@@ -7,6 +7,8 @@ tests/_hunyuan_video_models.py):
 - HunyuanVideo: HunyuanVideoPipeline with a random 3-layer LlamaModel of width 16 (the pipeline
   reads the hidden state 2 layers from the top) and a 1-layer CLIPTextModel of width 8 (the
   pooled projection), byte-level tokenizers, diffusers' pipeline-test AutoencoderKLHunyuanVideo;
+- HunyuanVideo FramePack: the transformer alone (diffusers' FramePack test config; its
+  pipeline, HunyuanVideoFramepackPipeline, is not built here: the record is not registered);
 - HunyuanVideo-1.5: HunyuanVideo15Pipeline (text-to-video: the transformer takes 2 x 4 + 1
   channels) with a random 3-layer Qwen2_5_VLTextModel of width 16 and a ChatML chat template, a
   1-layer T5EncoderModel of width 8 for the glyph text with transformers' ByT5Tokenizer (it needs
@@ -34,6 +36,14 @@ VARIANTS = {
         num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
         guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
         rope_axes_dim=(2, 4, 4), image_condition_type=None)),
+    # diffusers' FramePack test config (test_models_transformer_hunyuan_video_framepack.py):
+    # HunyuanVideo's with patch 2, the image projection and the history patch embedder
+    "hunyuan-video-framepack": ("HunyuanVideoFramepackTransformer3DModel", dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4), image_condition_type=None, has_image_proj=True,
+        image_proj_dim=16, has_clean_x_embedder=True)),
 }
 
 #: the Qwen2.5-VL text encoder's multimodal RoPE at head width 8 (4 frequencies: its sections
