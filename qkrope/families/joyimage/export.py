@@ -200,7 +200,9 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=theta,
         rounding=wrapper.rounding, nodes=2 * kept, num_layers_exported=kept,
-        blocks=f"{record.label}: {kept} of {n} blocks", eps=norm_eps(norm, dtype))
+        blocks=f"{record.label}: {kept} of {n} blocks", eps=norm_eps(norm, dtype),
+        heads=int(cfg["num_attention_heads"]),
+        head_dim=int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
 def post_export(model) -> None:
