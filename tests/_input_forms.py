@@ -276,3 +276,23 @@ def bria(model, batch: int, g: torch.Generator) -> Forms:
 
 
 FORMS.update({"longcat-image": longcat_image, "ovis-image": ovis_image, "bria": bria})
+
+
+def joyimage_edit(model, batch: int, g: torch.Generator) -> Forms:
+    """JoyImage Edit: the 5-D latent [B, C, F, H, W] (the model patchifies it), a [batch]
+    timestep and the text; the positions are the latent's own grid (the edit pipeline's 6-D
+    form is tests/test_family_joyimage.py's)."""
+    cfg = model.config
+    pf, ph, pw = cfg.patch_size
+    base = {"hidden_states": torch.randn(batch, cfg.in_channels, 2 * pf, 3 * ph, 2 * pw,
+                                         generator=g),
+            "timestep": torch.rand(batch, generator=g) * 999,
+            "encoder_hidden_states": torch.randn(batch, 5, cfg.text_dim, generator=g),
+            "return_dict": False}
+    same = [("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"joyimage-edit": joyimage_edit})
