@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qkrope import contract
+from qkrope.families._record import Launch
+
 #: how the model turns the timestep into the modulations' embedding (the module its forward
 #: calls): ``time_text_embed(timestep[, guidance], pooled)``; ``time_guidance_embed(timestep,
 #: guidance)``; ``time_embed(timestep, dtype)``; ``timestep_embedder(time_proj(timestep))``
@@ -63,4 +66,15 @@ class DualStream:
             raise ValueError(f"DualStream.unguided_guidance {self.unguided_guidance!r}")
 
 
-__all__ = ["TEMB_KINDS", "IdsLayout", "DualStream"]
+def launches(model: str, heads: int, image: int = 4096, text: int = 512) -> tuple:
+    """A dual-stream model's node launches (x 128, interleaved pairs at full rotary width): a
+    double-stream block's ``image`` and ``text`` tokens as two nodes, a single-stream block's
+    joined ``image + text``; batch 1 and 2; planned in the two-steps rounding (the models'
+    eager order: torch's RMSNorm, then the rotation in fp32) and the one-rounding mode."""
+    return tuple(Launch(model, stream, seq, heads,
+                        roundings=(contract.ROUNDING_TWO_STEPS, 0))
+                 for stream, seq in ((f"image {image}", image), (f"text {text}", text),
+                                     (f"single {image}+{text}", image + text)))
+
+
+__all__ = ["TEMB_KINDS", "IdsLayout", "DualStream", "launches"]

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from qkrope._deps import require
-from qkrope.apps.tiny_pipeline import byte_tokenizer, randomised, t5_encoder
+from qkrope.apps.tiny_parts import one_level_vae, tiny_model
+from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
+
+WHAT = "the tiny Bria pipeline"
 
 CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
@@ -21,29 +22,18 @@ CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
 
 def bria_transformer(seed: int = 0, **overrides):
     """A tiny random BriaTransformer2DModel."""
-    diffusers = require("diffusers", "the tiny Bria pipeline")
-    return randomised(diffusers.BriaTransformer2DModel(**{**CONFIG, **overrides}), seed)
-
-
-def vae():
-    """A one-level AutoencoderKL with 1 latent channel."""
-    diffusers = require("diffusers", "the tiny Bria pipeline")
-    torch.manual_seed(0)  # diffusers initialises from the global generator
-    return diffusers.AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,),
-        layers_per_block=1, latent_channels=1, norm_num_groups=1, use_quant_conv=False,
-        use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.5035).eval()
+    return tiny_model("BriaTransformer2DModel", CONFIG, seed, what=WHAT, **overrides)
 
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     """The tiny BriaPipeline saved with ``save_pretrained``."""
-    diffusers = require("diffusers", "the tiny Bria pipeline")
-    require("transformers", "the tiny Bria pipeline's text encoder")
+    diffusers = require("diffusers", WHAT)
+    require("transformers", WHAT)
     tok = byte_tokenizer(model_max_length=512, append_eos=True)
     pipe = diffusers.BriaPipeline(
         transformer=bria_transformer(seed), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
-        vae=vae(), text_encoder=t5_encoder(tok, CONFIG["joint_attention_dim"], seed),
-        tokenizer=tok)
+        vae=one_level_vae(WHAT, shift_factor=0.0), tokenizer=tok,
+        text_encoder=t5_encoder(tok, CONFIG["joint_attention_dim"], seed))
     directory = Path(directory)
     pipe.save_pretrained(str(directory))
     return directory

@@ -6,8 +6,8 @@ file."""
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._dual_stream import DualStream, IdsLayout
-from qkrope.families._record import DOUBLE_THEN_JOINED_BLOCKS, FamilyRecord, Launch
+from qkrope.families._dual_stream import DualStream, IdsLayout, launches
+from qkrope.families._record import DOUBLE_THEN_JOINED_BLOCKS, FamilyRecord
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -43,18 +43,15 @@ FP8_EXCLUDED = ("x_embedder", "context_embedder", "distilled_guidance_layer", "p
 #: padding in the scores, not in the launch) as two nodes, a single-stream block's joined 4608;
 #: batch 1 and 2 (CFG runs its two predictions as separate calls); planned in FLUX's eager
 #: order (2) and the one-rounding mode.
-LAUNCHES = tuple(Launch("Chroma1-HD", stream, seq, 24,
-                        roundings=(contract.ROUNDING_TWO_STEPS, 0))
-                 for stream, seq in (("image 4096", 4096), ("text 512", 512),
-                                     ("single 4096+512", 4096 + 512)))
+LAUNCHES = launches("Chroma1-HD", 24)
 
-# FLUX.1's attention and norms (torch's RMSNorm, rotation in fp32): FLUX's eager order, bit-exact
-# in bf16/fp16 (qkrope.contract.ROUNDING_TWO_STEPS). FluxPosEmbed(theta=10000) is fixed in diffusers'
-# code; positions are ids (no table, no limit). --layers K keeps the first K blocks in execution
-# order (double-stream, then single-stream) with the whole model's modulation rows (diffusers'
-# forward finds a block's rows at offsets counted from every block: 3 * single + 6 * double +
-# 6 * i); --blocks compares each block's image and text outputs, or the joined stream its
-# single-stream blocks return.
+# FLUX.1's attention and norms (torch's RMSNorm, rotation in fp32): FLUX's eager order,
+# bit-exact in bf16/fp16 (qkrope.contract.ROUNDING_TWO_STEPS). FluxPosEmbed(theta=10000) is fixed
+# in diffusers' code; positions are ids (no table, no limit). --layers K keeps the first K
+# blocks in execution order (double-stream, then single-stream) with the whole model's
+# modulation rows (diffusers' forward finds a block's rows at offsets counted from every block:
+# 3 * single + 6 * double + 6 * i); --blocks compares each block's image and text outputs, or
+# the joined stream its single-stream blocks return.
 CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,

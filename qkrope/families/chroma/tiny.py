@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from qkrope._deps import require
-from qkrope.apps.tiny_pipeline import byte_tokenizer, randomised, t5_encoder
+from qkrope.apps.tiny_parts import one_level_vae, tiny_model
+from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
+
+WHAT = "the tiny Chroma pipeline"
 
 #: Chroma: diffusers' pipeline-test sizes (tests/pipelines/chroma/test_pipeline_chroma.py)
 CHROMA_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
@@ -22,25 +23,19 @@ CHROMA_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layer
 
 def chroma_transformer(seed: int = 0, **overrides):
     """A tiny random ChromaTransformer2DModel."""
-    diffusers = require("diffusers", "the tiny Chroma pipeline")
-    return randomised(diffusers.ChromaTransformer2DModel(**{**CHROMA_CONFIG, **overrides}), seed)
+    return tiny_model("ChromaTransformer2DModel", CHROMA_CONFIG, seed, what=WHAT, **overrides)
 
 
 def vae():
     """diffusers' Chroma pipeline-test VAE: one level (vae_scale_factor 1), 1 latent channel
     (2x2 packing gives the transformer's 4 input channels)."""
-    diffusers = require("diffusers", "the tiny Chroma pipeline")
-    torch.manual_seed(0)  # diffusers initialises from the global generator
-    return diffusers.AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,),
-        layers_per_block=1, latent_channels=1, norm_num_groups=1, use_quant_conv=False,
-        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035).eval()
+    return one_level_vae(WHAT)
 
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     """The tiny ChromaPipeline saved with ``save_pretrained``."""
-    diffusers = require("diffusers", "the tiny Chroma pipeline")
-    require("transformers", "the tiny Chroma pipeline's text encoder")
+    diffusers = require("diffusers", WHAT)
+    require("transformers", WHAT)
     tok = byte_tokenizer(model_max_length=512, append_eos=True)
     pipe = diffusers.ChromaPipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae(),

@@ -4,9 +4,9 @@ Facts only; the hooks are export.py, reference.py and dropin.py beside this file
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._dual_stream import DualStream, IdsLayout
+from qkrope.families._dual_stream import DualStream, IdsLayout, launches
 from qkrope.families._record import (DOUBLE_THEN_JOINED_BLOCKS, DOUBLE_THEN_SINGLE_BLOCKS,
-                                     FamilyRecord, Launch)
+                                     FamilyRecord)
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, GUIDANCE, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -36,15 +36,6 @@ FLUX2_EXCLUDED = ("x_embedder", "context_embedder", "time_guidance_embed",
                   "double_stream_modulation_img", "double_stream_modulation_txt",
                   "single_stream_modulation", "norm_out", "proj_out")
 
-def _launches(model: str, heads: int) -> tuple[Launch, ...]:
-    """A FLUX model's node launches at 1024x1024 (x 128, interleaved pairs at full rotary width):
-    a double-stream block's 4096 image and 512 text tokens as two nodes, a single-stream block's
-    joined 4608; batch 1 and 2; planned in FLUX's eager order (2) and the one-rounding mode."""
-    return tuple(Launch(model, stream, seq, heads, roundings=(contract.ROUNDING_TWO_STEPS, 0))
-                 for stream, seq in (("image 4096", 4096), ("text 512", 512),
-                                     ("single 4096+512", 4096 + 512)))
-
-
 # FLUX's eager order (torch's RMSNorm rounds x*inv*w once, diffusers rotates in fp32 and rounds
 # again): bit-exact with the stock model in bf16/fp16 (qkrope.contract.ROUNDING_TWO_STEPS). The
 # caches are computed from position ids (no table, so no position limit). --layers K keeps the
@@ -57,7 +48,7 @@ FLUX1 = FamilyRecord(
     theta=10000, theta_key=None,  # diffusers fixes FluxPosEmbed(theta=10000)
     max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=FLUX1_TRANSFORMER,
     fp8_excluded=FLUX1_EXCLUDED, blocks=True,
-    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=_launches("FLUX.1", 24))
+    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=launches("FLUX.1", 24))
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
@@ -65,7 +56,7 @@ FLUX2 = FamilyRecord(
     max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=FLUX2_TRANSFORMER,
     fp8_excluded=FLUX2_EXCLUDED, blocks=True, block_lists=DOUBLE_THEN_JOINED_BLOCKS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
-    launches=_launches("FLUX.2 klein 9B", 32) + _launches("FLUX.2 dev", 48))
+    launches=launches("FLUX.2 klein 9B", 32) + launches("FLUX.2 dev", 48))
 
 RECORDS = (FLUX1, FLUX2)
 

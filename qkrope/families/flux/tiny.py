@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from qkrope._deps import require
+from qkrope.apps.tiny_parts import one_level_vae
 from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, clip_text_encoder,
                                        decoder_encoder, randomised, t5_encoder)
 
@@ -50,16 +51,14 @@ def transformer(variant: str, seed: int = 0, **overrides):
 def vae(name: str):
     """diffusers' pipeline-test VAE sizes: one level (vae_scale_factor 1), 1 latent channel, so
     that 2x2 packing gives the transformer's 4 input channels (``name``: flux1 or flux2)."""
+    if name == "flux1":
+        return one_level_vae("the tiny FLUX pipelines")
     diffusers = require("diffusers", "the tiny FLUX pipelines")
     torch.manual_seed(0)  # diffusers initialises from the global generator
-    common = dict(block_out_channels=(4,), layers_per_block=1, latent_channels=1,
-                  norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
-    if name == "flux1":
-        return diffusers.AutoencoderKL(sample_size=32, in_channels=3, out_channels=3,
-                                       shift_factor=0.0609, scaling_factor=1.5035,
-                                       **common).eval()
-    return diffusers.AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",),
-                                        up_block_types=("UpDecoderBlock2D",), **common).eval()
+    return diffusers.AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(4,), layers_per_block=1, latent_channels=1, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False).eval()
 
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:

@@ -6,8 +6,8 @@ guidance) and its own id layout. Facts only; the hooks reuse the shared dual-str
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._dual_stream import DualStream, IdsLayout
-from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
+from qkrope.families._dual_stream import DualStream, IdsLayout, launches
+from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
                              TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -28,10 +28,7 @@ DUAL_STREAM = DualStream(
 
 #: LongCat-Image at 1024 x 1024: 24 heads x 128 (FLUX.1's), 4096 image tokens, the pipelines'
 #: 512 text tokens, a single-stream block's joined 4608; batch 1 and 2 (CFG's two calls).
-LAUNCHES = tuple(Launch("LongCat-Image", stream, seq, 24,
-                        roundings=(contract.ROUNDING_TWO_STEPS, 0))
-                 for stream, seq in (("image 4096", 4096), ("text 512", 512),
-                                     ("single 4096+512", 4096 + 512)))
+LAUNCHES = launches("LongCat-Image", 24)
 
 # torch's RMSNorm then diffusers' apply_rotary_emb in fp32: rounded twice, as FLUX.1.
 LONGCAT_IMAGE = FamilyRecord(

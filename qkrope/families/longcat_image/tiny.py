@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from qkrope._deps import require
-from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, decoder_encoder,
-                                       randomised)
+from qkrope.apps.tiny_parts import one_level_vae, tiny_model
+from qkrope.apps.tiny_pipeline import CHATML_TEMPLATE, byte_tokenizer, decoder_encoder
+
+WHAT = "the tiny LongCat-Image pipeline"
 
 CONFIG = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
@@ -24,24 +24,18 @@ CONFIG = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
 
 def longcat_transformer(seed: int = 0, **overrides):
     """A tiny random LongCatImageTransformer2DModel."""
-    diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
-    return randomised(diffusers.LongCatImageTransformer2DModel(**{**CONFIG, **overrides}), seed)
+    return tiny_model("LongCatImageTransformer2DModel", CONFIG, seed, what=WHAT, **overrides)
 
 
 def vae():
-    """A one-level AutoencoderKL (vae_scale_factor 1) with the pipeline's 16 latent channels."""
-    diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
-    torch.manual_seed(0)  # diffusers initialises from the global generator
-    return diffusers.AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(16,),
-        layers_per_block=1, latent_channels=16, norm_num_groups=1, use_quant_conv=False,
-        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035).eval()
+    """A one-level AutoencoderKL with the pipeline's 16 latent channels."""
+    return one_level_vae(WHAT, latent_channels=16, width=16)
 
 
 def text_encoder(seed: int = 0):
     """(tokenizer, text encoder): a byte-level chat tokenizer and a random 1-layer Qwen2
     decoder as wide as the transformer's text input."""
-    require("transformers", "the tiny LongCat-Image pipeline's text encoder")
+    require("transformers", WHAT)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = byte_tokenizer(chat_template=CHATML_TEMPLATE)
@@ -56,7 +50,7 @@ def text_encoder(seed: int = 0):
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     """The tiny LongCatImagePipeline saved with ``save_pretrained``."""
-    diffusers = require("diffusers", "the tiny LongCat-Image pipeline")
+    diffusers = require("diffusers", WHAT)
     tok, encoder = text_encoder(seed)
     # the prompt rewrite uses the processor's text side only (chat template, encode, decode):
     # the tokenizer serves (Qwen2VLProcessor needs torchvision's video processor to build)

@@ -6,8 +6,8 @@ before its embedder. Facts only; the hooks reuse the shared dual-stream ones."""
 from __future__ import annotations
 
 from qkrope import contract
-from qkrope.families._dual_stream import DualStream, IdsLayout
-from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord, Launch
+from qkrope.families._dual_stream import DualStream, IdsLayout, launches
+from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
                              TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -27,10 +27,7 @@ DUAL_STREAM = DualStream(
 
 #: Ovis-Image 7B at 1024 x 1024: 24 heads x 128, 4096 image tokens, the pipeline's 256 text
 #: tokens (max_sequence_length), a single-stream block's joined 4352; batch 1 and 2.
-LAUNCHES = tuple(Launch("Ovis-Image", stream, seq, 24,
-                        roundings=(contract.ROUNDING_TWO_STEPS, 0))
-                 for stream, seq in (("image 4096", 4096), ("text 256", 256),
-                                     ("single 4096+256", 4096 + 256)))
+LAUNCHES = launches("Ovis-Image", 24, text=256)
 
 # torch's RMSNorm then diffusers' apply_rotary_emb in fp32: rounded twice, as FLUX.1.
 OVIS_IMAGE = FamilyRecord(
