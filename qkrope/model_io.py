@@ -73,7 +73,7 @@ CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
          "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds",
-         "encoder_hidden_states_image")
+         "encoder_hidden_states_image", "control_hidden_states", "control_hidden_states_scale")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -168,6 +168,18 @@ ENCODER_HIDDEN_STATES_IMAGE_PAIR = TensorDecl(
     "[2 * batch, tokens, image_dim] viewed as [batch, 2 * tokens, image_dim], the model's "
     "pos_embed_seq_len), joined before the text in the cross-attention")
 
+#: A control latent (Wan-VACE's: the video to keep and its mask), packed as the latent is
+#: (the model patchifies it with a patch embedding of its own, on the latent's grid: one token
+#: per latent token), and the scale of each control block's hint.
+CONTROL_HIDDEN_STATES = TensorDecl(
+    "control_hidden_states", "control_hidden_states", (BATCH, IMG_TOKENS, None),
+    "control latent patches, [batch, img_tokens, control_channels * patch volume] (packed as "
+    "hidden_states, on its grid)")
+CONTROL_HIDDEN_STATES_SCALE = TensorDecl(
+    "control_hidden_states_scale", "control_hidden_states_scale", (None,),
+    "the scale of each control block's hint, float32 [control_blocks] (the pipeline's "
+    "conditioning_scale)")
+
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)
 
@@ -206,7 +218,8 @@ TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HID
                                FRAME_TIMESTEP, PADDING_MASK, LATENT_SAMPLE,
                                ENCODER_ATTENTION_MASK, ENCODER_HIDDEN_STATES_2,
                                ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS,
-                               ENCODER_HIDDEN_STATES_IMAGE)}
+                               ENCODER_HIDDEN_STATES_IMAGE, CONTROL_HIDDEN_STATES,
+                               CONTROL_HIDDEN_STATES_SCALE)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

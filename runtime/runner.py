@@ -38,7 +38,8 @@ BUFFERS_PER_NAME = 2
 #: The optional inputs a call passes by role in ``conditioning`` (the family graph's that has
 #: them; qkrope.model_io).
 CONDITIONING_ROLES = ("pooled_projections", "guidance", "padding_mask", "encoder_hidden_states_2",
-                      "encoder_attention_mask_2", "image_embeds", "encoder_hidden_states_image")
+                      "encoder_attention_mask_2", "image_embeds", "encoder_hidden_states_image",
+                      "control_hidden_states", "control_hidden_states_scale")
 
 
 class RunnerError(QkropeError, RuntimeError):

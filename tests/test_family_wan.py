@@ -189,10 +189,11 @@ def _call(seed, grid, batch, txt):
     return latent, torch.randn(batch, txt, 16, generator=g), torch.rand(batch, generator=g) * 999
 
 
-def _stock_ort_error(stock, latent, t, text, ref64, image=None) -> float:
+def _stock_ort_error(stock, latent, t, text, ref64, image=None, **extra) -> float:
     """The error against float64 of diffusers' own model exported by torch.onnx (its RoPE in
     the graph, float64) and run by ONNX Runtime at this call's shape: the rounding ONNX
-    Runtime's kernels add to this function. ``image``: Wan 2.1 I2V's CLIP image tokens."""
+    Runtime's kernels add to this function. ``image``: Wan 2.1 I2V's CLIP image tokens;
+    ``extra``: other tensor arguments of its forward by name (Wan-VACE's control inputs)."""
     import warnings
 
     import onnxruntime as ort
@@ -202,15 +203,16 @@ def _stock_ort_error(stock, latent, t, text, ref64, image=None) -> float:
             super().__init__()
             self.model = stock
 
-        def forward(self, hidden_states, timestep, encoder_hidden_states, *image):
-            return self.model(hidden_states, timestep, encoder_hidden_states, *image,
-                              return_dict=False)[0]
+        def forward(self, hidden_states, timestep, encoder_hidden_states, *rest):
+            return self.model(hidden_states, timestep, encoder_hidden_states,
+                              **dict(zip(names[3:], rest)), return_dict=False)[0]
 
     import tempfile
 
     args = (latent, t, text) + (() if image is None else (image,))
     names = ["hidden_states", "timestep", "encoder_hidden_states",
-             "encoder_hidden_states_image"][:len(args)]
+             "encoder_hidden_states_image"][:len(args)] + list(extra)
+    args += tuple(extra.values())
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         path = f"{d}/stock.onnx"

@@ -1,7 +1,9 @@
 """Wan's derivatives on the wan folder's hooks (qkrope/families/wan: one Derivative table, no
 copied functions): SkyReels-V2 (SkyReelsV2Transformer3DModel: a float64 timestep sinusoid, the
-diffusion-forcing arguments) and ChronoEdit (ChronoEditTransformer3DModel: Wan 2.1 I2V's
-image branch, a two-frame latent's frames at positions 0 and 7). Each: its tiny model (the
+diffusion-forcing arguments), ChronoEdit (ChronoEditTransformer3DModel: Wan 2.1 I2V's
+image branch, a two-frame latent's frames at positions 0 and 7) and Wan-VACE
+(WanVACETransformer3DModel: a control latent through control blocks whose scaled hints are
+added after the blocks vace_layers names). Each: its tiny model (the
 family's tiny.py) exported in fp32, the drop-in at untraced shapes against diffusers' forward
 in float64 within the Wan tests' bound, its pipeline end to end, its refusals."""
 
@@ -18,10 +20,10 @@ from test_family_wan import (GUIDANCE, STEPS, _pipeline_bound,  # noqa: E402
                              _stock_ort_error)
 
 from qkrope.errors import InputError  # noqa: E402
-from qkrope.families.wan import CHRONOEDIT, SKYREELS_V2, wan_axes  # noqa: E402
+from qkrope.families.wan import CHRONOEDIT, SKYREELS_V2, WAN_VACE, wan_axes  # noqa: E402
 from qkrope.families.wan import tiny  # noqa: E402
 
-SKY, CHRONO = SKYREELS_V2.class_name, CHRONOEDIT.class_name
+SKY, CHRONO, VACE = SKYREELS_V2.class_name, CHRONOEDIT.class_name, WAN_VACE.class_name
 TEXT = 512  # ChronoEdit's I2V attention reads its image tokens with 512 text tokens
 
 
@@ -276,3 +278,183 @@ def test_chronoedit_pipeline(exported):
     clip = torch.randn(1, 17, 4, generator=g)
     assert float((got - want).abs().max()) <= _pipeline_bound(
         _per_call(CHRONO, folder, 2, (4, 6), clip))
+
+
+# --------------------------------------------------------------------------------------------
+# Wan-VACE
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vace(tmp_path_factory):
+    """Wan-VACE's tiny model (seed 0: 3 blocks, hints after blocks 0 and 2, a 72-channel
+    control latent) exported in fp32 at a (2, 4, 6) grid, batch 2."""
+    from qkrope.export.onnx_export import export_transformer
+
+    root = tmp_path_factory.mktemp("wan-vace")
+    folder, path = root / VACE, root / f"{VACE}.onnx"
+    tiny.wan_transformer(0, VACE).save_pretrained(str(folder))
+    export_transformer(path, folder, img_shapes=[(2, 4, 6)], txt_len=7, batch=2,
+                       progress=False)
+    return folder, path
+
+
+def _control(seed, latent):
+    """A control latent of ``latent``'s batch and grid, and one scale per control block."""
+    g = torch.Generator().manual_seed(seed)
+    b, _, f, h, w = latent.shape
+    channels = tiny.CONFIGS[VACE]["vace_in_channels"]
+    return (torch.randn(b, channels, f, h, w, generator=g),
+            0.5 + torch.rand(len(tiny.CONFIGS[VACE]["vace_layers"]), generator=g))
+
+
+def _vace_errors(folder, dropin, latent, t, text, control, scale):
+    """(the drop-in's error, diffusers' own ONNX export's error) against diffusers' forward in
+    float64 at this call."""
+    stock = _stock(VACE, folder)
+    with torch.no_grad():
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               control_hidden_states=control.double(),
+                               control_hidden_states_scale=scale.double(),
+                               return_dict=False)[0]
+    stock.float()
+    out = dropin(latent, t, text, None, control, scale, return_dict=False)[0]
+    assert out.shape == ref64.shape and out.dtype == torch.float32
+    return (float((out.double() - ref64).abs().max()),
+            _stock_ort_error(stock, latent, t, text, ref64, control_hidden_states=control,
+                             control_hidden_states_scale=scale))
+
+
+def test_vace_graph_and_ort_dropin_at_untraced_shapes(vace):
+    """The graph: Wan's inputs, the control patches on the latent's token axis and the
+    scales (roles the runner passes), one fused node per block and per control block; the
+    drop-in at a grid, batch and text length the export never traced within the Wan tests'
+    bound (<= 2 x ONNX Runtime's error on diffusers' own export)."""
+    import onnx
+
+    from qkrope.runtime import load_transformer
+    from qkrope.sidecars import ModelInfo
+
+    folder, path = vace
+    graph = onnx.load(str(path), load_external_data=False).graph
+    assert [i.name for i in graph.input][-2:] == ["control_hidden_states",
+                                                  "control_hidden_states_scale"]
+    assert sum(n.op_type == "QKNormRoPE" for n in graph.node) == 3 + 2
+    info = ModelInfo.load(path)
+    assert info.role_of("control_hidden_states") == "control_hidden_states"
+    assert info.role_of("control_hidden_states_scale") == "control_hidden_states_scale"
+    latent, t, text, _ = _call(VACE, 5, 3, 3)
+    ours, stock = _vace_errors(folder, load_transformer(path), latent, t, text,
+                               *_control(6, latent))
+    assert 0 < stock and ours <= 2 * stock, (ours, stock)
+
+
+def test_vace_call_forms_and_refusals(vace):
+    """WanVACEPipeline's forms: scales None (ones, as diffusers) and a number for every block
+    give the tensor's result; a control latent missing, of another grid or channel count, and
+    scales of another count are refused in one line."""
+    from qkrope.runtime import load_transformer
+
+    folder, path = vace
+    dropin = load_transformer(path)
+    latent, t, text, _ = _call(VACE, 7, 2, 1)
+    control, _ = _control(8, latent)
+    kw = dict(hidden_states=latent, timestep=t, encoder_hidden_states=text,
+              control_hidden_states=control, return_dict=False)
+    ones = dropin(**kw, control_hidden_states_scale=torch.ones(2))[0]
+    assert torch.equal(dropin(**kw)[0], ones)
+    assert torch.equal(dropin(**kw, control_hidden_states_scale=1.0)[0], ones)
+    assert not torch.equal(dropin(**kw, control_hidden_states_scale=0.5)[0], ones)
+    for change, match in ((dict(control_hidden_states=None), "needs control_hidden_states"),
+                          (dict(control_hidden_states=control[..., :4]), "latent's size"),
+                          (dict(control_hidden_states=control[:, :8]), "72 channels"),
+                          (dict(control_hidden_states_scale=torch.ones(3)), r"must be \[2\]")):
+        with pytest.raises(InputError, match=match) as err:
+            dropin(**{**kw, **change})
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(vace_layers=[0, 0]), "vace_layers \\[0, 0\\]; the control blocks need distinct"),
+    (dict(image_dim=4), "image_dim 4 with vace_layers"),
+])
+def test_vace_export_refusals(tmp_path, change, match):
+    """A control branch the export cannot reproduce is refused in one line before any work
+    (the config.json edited: diffusers builds duplicate layers and a CLIP embedder fine)."""
+    import json
+
+    from qkrope.export.onnx_export import export_transformer
+
+    folder = tmp_path / "m"
+    tiny.wan_transformer(0, VACE).save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(InputError, match=match) as err:
+        export_transformer(tmp_path / "m.onnx", folder, img_shapes=[(2, 4, 6)], txt_len=7,
+                           progress=False)
+    assert "\n" not in str(err.value) and not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.slow
+def test_vace_pipeline(vace):
+    """WanVACEPipeline (a 9-frame 48x32 video with a mask and one reference image: a
+    (4, 3, 2) latent grid, untraced; per-block conditioning scales; true CFG) with the tiny
+    AutoencoderKLWan built in code, on the export against the same pipeline on diffusers'
+    model, within the Wan pipeline tests' bound (a per-call difference measured at this call's
+    sizes)."""
+    import PIL.Image
+
+    from qkrope.runtime import load_transformer
+
+    folder, path = vace
+    rng = np.random.RandomState(0)
+    video = [PIL.Image.fromarray((rng.rand(48, 32, 3) * 255).astype("uint8")) for _ in range(9)]
+    mask = [PIL.Image.fromarray(((rng.rand(48, 32) > 0.5) * 255).astype("uint8"))
+            for _ in range(9)]
+    reference = PIL.Image.fromarray((rng.rand(48, 32, 3) * 255).astype("uint8"))
+    vae = tiny.vae(4)
+    seen = []
+
+    def run(transformer):
+        pipe = diffusers.WanVACEPipeline(
+            tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+        pipe.set_progress_bar_config(disable=True)
+        forward = transformer.forward
+
+        def counted(*a, **k):
+            seen.append((tuple(k["hidden_states"].shape),
+                         tuple(k["control_hidden_states"].shape)))
+            return forward(*a, **k)
+
+        transformer.forward = counted
+        g = torch.Generator().manual_seed(0)
+        return pipe(video=video, mask=mask, reference_images=[reference],
+                    conditioning_scale=[0.8, 1.2],
+                    prompt_embeds=torch.randn(1, 11, 16, generator=g),
+                    negative_prompt_embeds=torch.randn(1, 11, 16, generator=g), height=48,
+                    width=32, num_frames=9, num_inference_steps=STEPS,
+                    guidance_scale=GUIDANCE, output_type="latent",
+                    generator=torch.Generator().manual_seed(1)).frames
+
+    want = run(_stock(VACE, folder))
+    got = run(load_transformer(path))
+    assert got.shape == want.shape == (1, 4, 4, 6, 4)
+    assert set(seen) == {((1, 4, 4, 6, 4), (1, 72, 4, 6, 4))}
+    stock = _stock(VACE, folder)
+    latent, t, text, _ = _call(VACE, 9, 4, 1)
+    latent = latent[..., :6, :4]
+    control, _ = _control(10, latent)
+    scale = torch.tensor([0.8, 1.2])
+    kw = dict(control_hidden_states=control, control_hidden_states_scale=scale,
+              return_dict=False)
+    with torch.no_grad():
+        ref32 = stock(latent, t, text, **kw)[0]
+        ref64 = stock.double()(latent.double(), t.double(), text.double(),
+                               control_hidden_states=control.double(),
+                               control_hidden_states_scale=scale.double(),
+                               return_dict=False)[0]
+    stock.float()
+    per_call = float((ref32.double() - ref64).abs().max()) + 2 * _stock_ort_error(
+        stock, latent, t, text, ref64, control_hidden_states=control,
+        control_hidden_states_scale=scale)
+    assert float((got - want).abs().max()) <= _pipeline_bound(per_call)

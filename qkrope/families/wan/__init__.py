@@ -21,12 +21,13 @@ stays the fused node. diffusers' attention splits the image tokens off at 512 te
 (hardcoded, :data:`I2V_TEXT_TOKENS`), so such an export's sample and check take 512 text tokens
 and the drop-in refuses another text length with the image.
 
-The same folder serves two classes built on Wan's blocks as records of their own
-(:data:`SKYREELS_V2`, :data:`CHRONOEDIT`), what they do differently told once in
-:data:`DERIVATIVES` and read by the same hooks: SkyReels-V2's float64 timestep sinusoid (computed
-in float32 with the angle's rounding error carried), its diffusion-forcing call (per-frame
-timesteps equal within a sample); ChronoEdit's two-frame edit at frame positions 0 and 7 (the
-"ids" scheme; Wan 2.1 I2V's image branch). Refused in one line: Animate
+The same folder serves three classes built on Wan's blocks as records of their own
+(:data:`SKYREELS_V2`, :data:`CHRONOEDIT`, :data:`WAN_VACE`), what they do differently told once
+in :data:`DERIVATIVES` and read by the same hooks: SkyReels-V2's float64 timestep sinusoid
+(computed in float32 with the angle's rounding error carried), its diffusion-forcing call
+(per-frame timesteps equal within a sample); ChronoEdit's two-frame edit at frame positions 0
+and 7 (the "ids" scheme; Wan 2.1 I2V's image branch); Wan-VACE's control branch (its control
+latent and hint scales two more graph inputs). Refused in one line: Animate
 (WanAnimateTransformer3DModel), Helios and SANA-Video by their class (:data:`REFUSED`); SkyReels-V2 with ``inject_sample_info`` or
 ``num_frame_per_block`` > 1 and ChronoEdit with another temporal skip or a head whose third
 differs from Wan's row axis by the config check; an attention image branch
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
-from qkrope.model_io import (ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_IMAGE,
+from qkrope.model_io import (CONTROL_HIDDEN_STATES, CONTROL_HIDDEN_STATES_SCALE,
+                             ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_IMAGE,
                              ENCODER_HIDDEN_STATES_IMAGE_PAIR, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, ModelDecl)
 
@@ -70,10 +72,20 @@ I2V_TEXT_TOKENS = 512
 #: token): the export sample's.
 I2V_IMAGE_TOKENS = 257
 
+#: Wan-VACE's graph (config ``vace_layers``): T2V's inputs and the control latent's patches
+#: ``control_hidden_states`` [batch, img_tokens, vace_in_channels * pt * ph * pw] (packed as
+#: the latent, on its grid) with the scale of each control block's hint
+#: ``control_hidden_states_scale`` [len(vace_layers)] float32.
+WAN_VACE_TRANSFORMER = ModelDecl("transformer", WAN_TRANSFORMER.inputs
+                                 + (CONTROL_HIDDEN_STATES, CONTROL_HIDDEN_STATES_SCALE),
+                                 (SAMPLE,))
+
 
 def graph_of(config) -> ModelDecl:
-    """The graph of a Wan config: T2V's, I2V's (``image_dim``) or FLF2V's (and
-    ``pos_embed_seq_len``)."""
+    """The graph of a Wan config: T2V's, I2V's (``image_dim``), FLF2V's (and
+    ``pos_embed_seq_len``) or VACE's (``vace_layers``)."""
+    if config.get("vace_layers") is not None:
+        return WAN_VACE_TRANSFORMER
     if config.get("image_dim") is None:
         return WAN_TRANSFORMER
     if config.get("pos_embed_seq_len") is not None:
@@ -146,13 +158,18 @@ class Derivative:
       equal (every released config: 128), which the config check asks;
     - ``forward_extras``: arguments its pipelines pass beyond Wan's (the drop-in takes them and
       refuses what the export cannot honour);
-    - ``refused_config``: config keys whose non-default value the export refuses, with why."""
+    - ``refused_config``: config keys whose non-default value the export refuses, with why;
+    - ``control_layers_key``: the config key of the main blocks after which a control
+      block's hint is added (Wan-VACE's ``vace_layers``): the model runs its control blocks
+      (``vace_blocks``, fused nodes too) on the patch-embedded control latent first, and adds
+      hint j, times its scale, after the j-th of those blocks in ascending order."""
 
     time_sincos64: bool = False
     skip_frames_key: str | None = None
     thirds_split: bool = False
     forward_extras: tuple = ()
     refused_config: tuple = ()
+    control_layers_key: str | None = None
 
 
 #: SkyReels-V2 (SkyReelsV2Transformer3DModel): Wan 2.1's blocks with a float64 sinusoidal
@@ -191,6 +208,26 @@ CHRONOEDIT = FamilyRecord(
               Launch("ChronoEdit-14B 480p reasoning 81f", "video 32760", 32760, 40,
                      batches=(1,), roundings=(2,), norm_scope=1)))
 
+#: Wan-VACE (WanVACETransformer3DModel): Wan 2.1's blocks and graph with a control branch:
+#: ``vace_blocks`` (Wan blocks with an input projection on the first and an output projection
+#: on each) run on the control latent's own patch embedding (``vace_patch_embedding``), and
+#: their hints, scaled, are added to the video tokens after the blocks ``vace_layers`` names.
+#: --layers K keeps the first K of the main blocks (the later ones pass the tokens through, as
+#: the check's reference skips them) and the whole control branch.
+WAN_VACE = FamilyRecord(
+    name="wan-vace", class_name="WanVACETransformer3DModel",
+    label="Wan-VACE (Wan 2.1 VACE 1.3B / 14B)", short="Wan-VACE",
+    package="wan", scheme="grid", axes=(44, 42, 42), theta=10000, theta_key=None,
+    max_positions=1024, rounding=contract.ROUNDING_TWO_STEPS, graph=WAN_VACE_TRANSFORMER,
+    fp8_excluded=FP8_EXCLUDED + ("vace_patch_embedding",), blocks=True,
+    block_lists=(BlockList("blocks", "num_layers", ("img",)),), rotated=("img",),
+    scale_rope=False, rope_precision="float64", max_positions_key="rope_max_seq_len",
+    # the node runs in the control blocks too, at the video's shape: Wan 2.1's sizes
+    launches=(Launch("Wan-VACE 14B 720p 81f", "video 75600", 75600, 40, batches=(1,),
+                     roundings=(2,), norm_scope=1),
+              Launch("Wan-VACE 1.3B 480p 81f", "video 32760", 32760, 12, batches=(1,),
+                     roundings=(2,), norm_scope=1)))
+
 #: record name -> its differences from Wan (the hooks' one table)
 DERIVATIVES = {
     WAN.name: Derivative(),
@@ -201,6 +238,7 @@ DERIVATIVES = {
                         ("num_frame_per_block", 1, "its block-causal frame mask is not in "
                          "the export"))),
     CHRONOEDIT.name: Derivative(skip_frames_key="rope_temporal_skip_len", thirds_split=True),
+    WAN_VACE.name: Derivative(control_layers_key="vace_layers"),
 }
 
 #: ChronoEdit's default temporal skip (diffusers' ``rope_temporal_skip_len``)
@@ -212,6 +250,12 @@ def derivative(record) -> Derivative:
     return DERIVATIVES[record.name]
 
 
+def control_layers(config) -> list:
+    """The main blocks after which Wan-VACE adds its hints, in the order its hints are taken
+    (diffusers takes them in ascending block order, each listed block once)."""
+    return sorted({int(i) for i in config["vace_layers"]})
+
+
 def frame_positions(frames: int, skip: int | None) -> list:
     """The RoPE frame position of each latent frame: 0 .. frames - 1, except a two-frame latent
     of a class with a temporal skip (ChronoEdit), whose frames sit at 0 and ``skip`` - 1."""
@@ -220,7 +264,7 @@ def frame_positions(frames: int, skip: int | None) -> list:
     return list(range(int(frames)))
 
 
-RECORDS = (WAN, SKYREELS_V2, CHRONOEDIT)
+RECORDS = (WAN, SKYREELS_V2, CHRONOEDIT, WAN_VACE)
 
 #: The classes built on Wan's blocks that this folder cannot serve, with why (the registry
 #: refuses them by class in one line: qkrope.families.family_of).

@@ -22,6 +22,9 @@ rank, batch or width, per-token timesteps that differ within a sample (TI2V-5B's
 image-to-video with ``expand_timesteps``; equal ones, TI2V's text-to-video, are taken as one
 per sample), a LoRA scale other than 1 or any other ``attention_kwargs``, a latent that is not
 a whole number of patches.
+
+WanVACEPipeline also passes the control latent and its per-block scales
+(``control_hidden_states``, ``control_hidden_states_scale``): :class:`WanVACETransformer`.
 """
 
 from __future__ import annotations
@@ -194,9 +197,66 @@ class SkyReelsV2Transformer(WanTransformer):
                              f"None), or run asynchronous diffusion forcing in PyTorch")
 
 
+class WanVACETransformer(WanTransformer):
+    """Wan-VACE's drop-in: Wan's call with WanVACEPipeline's control latent
+    ``control_hidden_states`` [batch, vace_in_channels, frames, height, width] (the latent's
+    size: the pipeline's is) and ``control_hidden_states_scale`` (one scale per control block;
+    None: ones, as diffusers), packed as the latent and passed to the export as float32 scales.
+    Refused in one line: a control latent missing, of another rank, batch, channel count or
+    grid than the latent (diffusers pads a shorter one's embedded tokens with zeros, which the
+    export does not), scales of another count."""
+
+    FORWARD_ARGS = WanTransformer.FORWARD_ARGS[:-2] + ("control_hidden_states",
+                                                       "control_hidden_states_scale",
+                                                       "return_dict", "attention_kwargs")
+    PIPELINES = "WanVACEPipeline (Wan 2.1 VACE; a Wan 2.2 transformer_2 as a second export)"
+
+    def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
+                encoder_hidden_states_image=None, control_hidden_states=None,
+                control_hidden_states_scale=None, return_dict: bool = True,
+                attention_kwargs=None) -> Call:
+        call = super().prepare(hidden_states, timestep, encoder_hidden_states,
+                               encoder_hidden_states_image, return_dict, attention_kwargs)
+        call.conditioning.update(self._control(hidden_states, control_hidden_states,
+                                               control_hidden_states_scale))
+        return call
+
+    def _control(self, latent, control, scale) -> dict:
+        from . import control_layers
+
+        channels = int(self.config["vace_in_channels"])
+        count = len(control_layers(self.config))
+        if control is None:
+            raise InputError("the Wan-VACE export needs control_hidden_states (the control "
+                             "latent WanVACEPipeline passes); got None")
+        tensor_arg(control, "control_hidden_states", 5,
+                   f"[batch, {channels}, frames, height, width] (the control latent)")
+        want = (int(latent.shape[0]), channels) + tuple(int(d) for d in latent.shape[2:])
+        if tuple(int(d) for d in control.shape) != want:
+            raise InputError(f"control_hidden_states {list(control.shape)} must be {list(want)}"
+                             f" (the latent's batch, frames, height and width, {channels} "
+                             f"channels): the export takes a control latent of the latent's "
+                             f"size, as WanVACEPipeline makes it. Fix: pass one of that size, "
+                             f"or run this call in PyTorch")
+        if scale is None:
+            scale = torch.ones(count)
+        elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+            scale = torch.full((count,), float(scale))
+        if not isinstance(scale, torch.Tensor) or scale.dim() != 1 or                 int(scale.shape[0]) != count:
+            raise InputError(f"control_hidden_states_scale must be [{count}] (one scale per "
+                             f"control block, vace_layers); got {short_repr(scale, 60)}")
+        return {"control_hidden_states": pack(control.to(self.dtype), self._video().patch),
+                "control_hidden_states_scale": scale.to(device=latent.device,
+                                                        dtype=torch.float32)}
+
+
 def dropin_class(record):
     """The drop-in class of ``record`` (the registry's entry point)."""
-    return SkyReelsV2Transformer if derivative(record).forward_extras else WanTransformer
+    facts = derivative(record)
+    if facts.control_layers_key is not None:
+        return WanVACETransformer
+    return SkyReelsV2Transformer if facts.forward_extras else WanTransformer
 
 
-__all__ = ["SkyReelsV2Transformer", "WanTransformer", "dropin_class", "sample_request"]
+__all__ = ["SkyReelsV2Transformer", "WanTransformer", "WanVACETransformer", "dropin_class",
+           "sample_request"]

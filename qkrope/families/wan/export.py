@@ -23,6 +23,9 @@ latent with a Conv3d. Here:
   Conv3d run on each patch: the same products as on the volume), the image cache in place of
   the RoPE module, the packed prediction out (the drop-in unpatchifies). ``--layers K`` runs
   the first K blocks and then the model's own head (final norm and projection).
+- :class:`WanVACECacheInputTransformer` (Wan-VACE) also takes the control latent's patches and
+  the hints' scales: its control blocks (one fused node each) run before the main blocks, and
+  each scaled hint is added to the video tokens after its VACE layer.
 
 diffusers is imported lazily (it is optional).
 """
@@ -40,7 +43,7 @@ from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 
 from . import (I2V_IMAGE_TOKENS, I2V_TEXT_TOKENS, RECORDS, SKIP_FRAMES, WAN, WAN_I2V_TRANSFORMER,
-               derivative, graph_of, wan_axes)
+               control_layers, derivative, graph_of, wan_axes)
 
 
 def _sdpa(q, k, v, head_dim: int) -> torch.Tensor:
@@ -105,7 +108,7 @@ class WanAttnProcessor:
 def patch_wan(transformer: nn.Module, *, rounding: int) -> nn.Module:
     """Give every attention of a Wan transformer the processor above (in place)."""
     processor = WanAttnProcessor(rounding)
-    for block in transformer.blocks:
+    for block in list(transformer.blocks) + list(getattr(transformer, "vace_blocks", ())):
         block.attn1.set_processor(processor)
         block.attn2.set_processor(processor)
     if not len(transformer.blocks):
@@ -162,13 +165,60 @@ class WanCacheInputTransformer(nn.Module):
                 n = encoder_hidden_states_image.shape[1]  # (diffusers: before 512 text tokens)
                 processor.image, context = context[:, :n], context[:, n:]
         try:
-            for block in t.blocks[:self.kept]:
-                x = block(x, context, timestep_proj, img_cos_sin_cache, *self._block_extra)
+            x = self._blocks(x, context, timestep_proj, img_cos_sin_cache)
         finally:
             processor.image = None
+        return self._head(x, temb)
+
+    def _blocks(self, x, context, timestep_proj, cache, hints=None):
+        """The first ``kept`` main blocks; ``hints``: block index -> what is added to the video
+        tokens after it (Wan-VACE's scaled control hints; a block --layers skips passes the
+        tokens through, and its hint is still added, as in the check's reference)."""
+        for i, block in enumerate(self.transformer.blocks):
+            if i < self.kept:
+                x = block(x, context, timestep_proj, cache, *self._block_extra)
+            if hints is not None and i in hints:
+                x = x + hints[i]
+        return x
+
+    def _head(self, x, temb):
+        t = self.transformer
         shift, scale = (t.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (t.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return t.proj_out(x)
+
+
+class WanVACECacheInputTransformer(WanCacheInputTransformer):
+    """``WanVACETransformer3DModel`` with the graph's inputs (:data:`qkrope.families.wan.
+    WAN_VACE_TRANSFORMER`): Wan's, and the control latent's patches ``control_hidden_states``
+    [B, N, vace_in_channels * pt * ph * pw] (on the latent's grid) with the hints' scales
+    ``control_hidden_states_scale`` [len(vace_layers)] float32. The control patches go through
+    the model's ``vace_patch_embedding`` (the Conv3d on each patch, as for the latent), every
+    control block runs (a fused node each) on them, the video tokens after the patch embedding
+    and the text, and hint j times scale j (in the model's dtype, as the pipeline passes it) is
+    added after the j-th VACE layer in ascending order, as diffusers' forward does."""
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
+                control_hidden_states, control_hidden_states_scale):
+        t = self.transformer
+        cfg = t.config
+        batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
+        patch = tuple(int(p) for p in cfg.patch_size)
+        x = patch_conv(t.patch_embedding, hidden_states.reshape(batch * tokens,
+                                                                int(cfg.in_channels), *patch))
+        x = x.reshape(batch, tokens, -1)
+        c = patch_conv(t.vace_patch_embedding, control_hidden_states.reshape(
+            batch * tokens, int(cfg.vace_in_channels), *patch)).reshape(batch, tokens, -1)
+        temb, timestep_proj, context, _ = t.condition_embedder(timestep, encoder_hidden_states,
+                                                               None)
+        timestep_proj = timestep_proj.unflatten(1, (6, -1))
+        scales = control_hidden_states_scale.to(x.dtype)
+        hints = {}
+        for j, (layer, block) in enumerate(zip(control_layers(cfg), t.vace_blocks)):
+            hint, c = block(x, context, c, timestep_proj, img_cos_sin_cache)
+            hints[layer] = hint * scales[j]
+        return self._head(self._blocks(x, context, timestep_proj, img_cos_sin_cache, hints),
+                          temb)
 
 
 class SinCos64(nn.Module):
@@ -324,6 +374,8 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
                              f"{record.short} export takes {SKIP_FRAMES}, every released "
                              f"model's (qkrope check's sample positions are built from the "
                              f"record, not the config). {fix}")
+    if facts.control_layers_key is not None:
+        _check_control(path, cfg, facts.control_layers_key, fix)
     if memory:
         dim = cfg["num_attention_heads"] * head_dim
         # each block: self- and cross-attention (8 dim^2; the image branch 2 dim^2 more) and
@@ -333,6 +385,29 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
         check_fits_in_memory(f"{path} ({cfg['num_layers']} blocks of width {dim})",
                              params * itemsize(dtype), "check its sizes")
     return cfg
+
+
+def _check_control(path: str, cfg: dict, key: str, fix: str) -> None:
+    """Wan-VACE's control branch as the export takes it: ``key`` (vace_layers) distinct block
+    indices within num_layers, 0 among them (diffusers asks both), ``vace_in_channels`` a
+    positive int, no CLIP image (``image_dim``: WanVACEPipeline passes none)."""
+    import json
+
+    layers, n = cfg.get(key), cfg["num_layers"]
+    if not (isinstance(layers, (list, tuple)) and layers and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in layers)
+            and len(set(layers)) == len(layers) and 0 in layers):
+        raise InputError(f"{path}: {key} {json.dumps(layers)[:60]}; the control blocks need "
+                         f"distinct block indices below num_layers {n}, 0 among them. {fix}")
+    v = cfg.get("vace_in_channels")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InputError(f"{path}: 'vace_in_channels' must be a positive int, got "
+                         f"{json.dumps(v)[:60]}. {fix}")
+    if cfg.get("image_dim") is not None:
+        raise InputError(f"{path}: image_dim {cfg['image_dim']} with {key}; the Wan-VACE "
+                         f"export takes no CLIP image tokens (WanVACEPipeline passes none). "
+                         f"Fix: export a VACE model without image_dim, or run this one in "
+                         f"PyTorch")
 
 
 def check_no_double(model) -> None:
@@ -393,6 +468,10 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, record=WAN) 
             caches.img.clone())
     if cfg.get("image_dim") is not None:
         args += (torch.randn(b, image_tokens(cfg), int(cfg.image_dim), generator=g).to(dtype),)
+    if cfg.get("vace_layers") is not None:  # Wan-VACE: the control patches and hint scales
+        control = int(cfg.vace_in_channels) * patch[0] * patch[1] * patch[2]
+        args += (torch.randn(b, f * h * w, control, generator=g).to(dtype),
+                 0.5 + torch.rand(len(control_layers(cfg)), generator=g))
     return args
 
 
@@ -418,13 +497,16 @@ def prepare(record, transformer: nn.Module, *, sample, dtype: torch.dtype, layer
         axis_values = {model_io.IMAGE_EMBED_TOKENS: image_tokens(cfg)}
     axes = wan_axes(int(cfg["attention_head_dim"]))
     kept, = record.kept_blocks(cfg, layers)
-    wrapper = WanCacheInputTransformer(transformer, rounding=rounding, kept=kept,
-                                       record=record).eval()
+    control = len(getattr(transformer, "vace_blocks", ()))  # Wan-VACE's control blocks
+    wrapper = (WanVACECacheInputTransformer if control else WanCacheInputTransformer)(
+        transformer, rounding=rounding, kept=kept, record=record).eval()
     n = len(transformer.blocks)
     eps = float(transformer.blocks[0].attn1.norm_q.eps)
     return TransformerPlan(
         wrapper=wrapper, args=sample_args(transformer, sample, dtype, record), decl=decl,
         axis_values=axis_values,
-        axes=axes, theta=record.theta, rounding=rounding, nodes=kept, num_layers_exported=kept,
-        blocks=f"{record.label}: {kept} of {n} blocks",
+        axes=axes, theta=record.theta, rounding=rounding, nodes=kept + control,
+        num_layers_exported=kept,
+        blocks=f"{record.label}: {kept} of {n} blocks"
+               + (f" and {control} control blocks" if control else ""),
         attributes=wrapper.transformer.blocks[0].attn1.processor.attributes(eps))

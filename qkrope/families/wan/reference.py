@@ -50,7 +50,9 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
                    img_shapes: Sequence[Sequence[int]]) -> dict:
     """diffusers' forward arguments for the graph inputs ``by_role``: the latent whose patches
     ``hidden_states`` packs (one grid, ``img_shapes[0]``), the text and the timestep (and
-    ``encoder_hidden_states_image``: FLF2V's [B, 2 * S, D] as the pipeline's [2 * B, S, D]). Its
+    ``encoder_hidden_states_image``: FLF2V's [B, 2 * S, D] as the pipeline's [2 * B, S, D]; Wan-VACE's
+    control latent unpacked as the latent is, its hint scales in the model's dtype, as the
+    pipeline passes them). Its
     output is the 5-D latent; :func:`qkrope.families.wan.dropin.pack`'s inverse order
     (:func:`graph_output`) gives the graph's packed form."""
     cfg = info.config.diffusers_config
@@ -63,6 +65,13 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
     latent = latent.reshape(b, c, f * pt, h * ph, w * pw)
     kwargs = dict(hidden_states=latent, timestep=by_role["timestep"],
                   encoder_hidden_states=by_role["encoder_hidden_states"], return_dict=False)
+    control = by_role.get("control_hidden_states")
+    if control is not None:  # Wan-VACE: the control latent, the scales in the model's dtype
+        v = int(cfg["vace_in_channels"])
+        control = control.reshape(b, f, h, w, v, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+        kwargs.update(control_hidden_states=control.reshape(b, v, f * pt, h * ph, w * pw),
+                      control_hidden_states_scale=by_role["control_hidden_states_scale"].to(
+                          packed.dtype))
     image = by_role.get("encoder_hidden_states_image")
     if image is not None:  # Wan 2.1 I2V / FLF2V
         from qkrope.errors import InputError

@@ -24,12 +24,17 @@ WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_di
 
 #: The derivatives' tiny configs: Wan's, with ChronoEdit's Wan 2.1 I2V image branch (CLIP
 #: width 4, the branch at the model width 24; the latent and its condition: 36 channels in, 16
-#: out, as the 14B's 16 + 20).
+#: out, as the 14B's 16 + 20) and Wan-VACE's control branch.
 CONFIGS = {
     "WanTransformer3DModel": WAN_CONFIG,
     "SkyReelsV2Transformer3DModel": WAN_CONFIG,
     "ChronoEditTransformer3DModel": dict(WAN_CONFIG, in_channels=36, out_channels=16,
                                          image_dim=4, added_kv_proj_dim=24),
+    # Wan-VACE: 3 blocks, control hints after blocks 0 and 2; the control latent of the tiny
+    # VAE's WanVACEPipeline: the video's inactive and reactive latents (2 x 4 channels) and
+    # the 8 x 8 mask pixels of each latent pixel (64)
+    "WanVACETransformer3DModel": dict(WAN_CONFIG, num_layers=3, vace_layers=[0, 2],
+                                      vace_in_channels=72),
 }
 
 
