@@ -296,3 +296,26 @@ def joyimage_edit(model, batch: int, g: torch.Generator) -> Forms:
 
 
 FORMS.update({"joyimage-edit": joyimage_edit})
+
+
+def motif_video(model, batch: int, g: torch.Generator) -> Forms:
+    """Motif-Video: the 5-D latent [B, C, F, H, W] (the model patchifies it), a [batch]
+    timestep, the text and its mask (the pipeline's int64 from the tokenizer; a bool mask and
+    no mask with every token real read the same); the positions are the latent's own grid."""
+    cfg = model.config
+    p, pt = cfg.patch_size, cfg.patch_size_t
+    base = {"hidden_states": torch.randn(batch, cfg.in_channels, 2 * pt, 3 * p, 2 * p,
+                                         generator=g),
+            "timestep": torch.rand(batch, generator=g) * 999,
+            "encoder_hidden_states": torch.randn(batch, 5, cfg.text_embed_dim, generator=g),
+            "encoder_attention_mask": torch.ones(batch, 5, dtype=torch.int64),
+            "return_dict": False}
+    mask = base["encoder_attention_mask"]
+    same = [("mask bool", dict(base, encoder_attention_mask=mask.bool())),
+            ("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"motif-video": motif_video})

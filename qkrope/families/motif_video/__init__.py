@@ -35,10 +35,10 @@ MOTIF_VIDEO_TRANSFORMER = ModelDecl(
      TXT_COS_SIN_CACHE),
     (LATENT_SAMPLE,))
 
-#: FP8 default exclusions: the patch, text, image and timestep embedders, the final AdaLN and
-#: the output projection.
-MOTIF_VIDEO_EXCLUDED = ("x_embedder", "context_embedder", "image_embedder", "time_text_embed",
-                        "norm_out", "proj_out")
+#: FP8 default exclusions: the patch, text and timestep embedders, the final AdaLN and the
+#: output projection (the image embedder is not in the graph: image_embeds are refused).
+MOTIF_VIDEO_EXCLUDED = ("x_embedder", "context_embedder", "time_text_embed", "norm_out",
+                        "proj_out")
 
 #: The block lists, in execution order: (hidden_states, encoder_hidden_states) from each (the
 #: single-stream block splits its joint sequence back before returning).
