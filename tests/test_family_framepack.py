@@ -286,3 +286,33 @@ def test_dropin_refuses_what_the_graph_cannot_take_in_one_line(change, match):
     with pytest.raises(InputError, match=match) as err:
         _dropin().prepare(**{**inputs(), **change})
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------------------------
+# The export plan (export_transformer's hook; the record registers once model_io declares its
+# history inputs)
+# --------------------------------------------------------------------------------------------
+
+def test_export_plan_traces_the_graph_inputs_in_order(model):
+    """``plan`` of a sample grid: the wrapper, the sample in the record's graph order (the
+    history latents at frame counts that need padding), the ids caches of the sample's frame
+    indices (diffusers' tables of those indices within the float32 angle rounding), the axis
+    values of the image tokens, the history frames and the caches, three nodes."""
+    sample = SimpleNamespace(img_shapes=[(3, 3, 4)], txt_len=6, batch=2)
+    plan = hx.plan(RECORD, copy.deepcopy(model), sample=sample, dtype=torch.float32)
+    assert plan.decl is RECORD.graph and plan.nodes == 3 == hx.node_count(model)
+    by_name = dict(zip(RECORD.graph.input_names, plan.args))
+    assert [len(a.shape) for a in plan.args] == [len(t.axes) for t in RECORD.graph.inputs]
+    assert [by_name[n].shape[2] for n in ("latents_clean", "latents_history_2x",
+                                          "latents_history_4x")] == [2, 3, 5]
+    assert tuple(by_name["latent"].shape) == (2, 4, 3, 6, 8)
+    indices = hx.framepack_sample_indices(3)
+    kw = {**dict(zip(INDICES, indices)), "hidden_states": by_name["latent"]}
+    assert torch.allclose(by_name["img_cos_sin_cache"], diffusers_cache(model, kw), rtol=0,
+                          atol=2.0 ** -18)
+    assert plan.axis_values == {"image_embed_tokens": 3, "img_cache_rows": (5 + 3 + 2 + 3) * 3 * 4,
+                                "txt_cache_rows": 3 + 6, "clean_frames": 2,
+                                "history_2x_frames": 3, "history_4x_frames": 5}
+    with torch.no_grad():
+        out = plan.wrapper(*plan.args)
+    assert out.shape == by_name["latent"].shape and torch.isfinite(out).all()

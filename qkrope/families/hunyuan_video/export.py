@@ -510,6 +510,10 @@ def sample_args(family: FamilyRecord, transformer: nn.Module, *, batch: int, gri
     text = torch.randn(batch, txt_len, int(cfg["text_embed_dim"]), generator=g).to(dtype)
     mask = torch.ones(batch, txt_len, dtype=torch.int64)
     mask[-1, txt_len // 2:] = 0  # a padded item
+    if family is HUNYUAN_VIDEO_FRAMEPACK:
+        return _framepack_sample(transformer, latent, timestep, text, mask, g, batch=batch,
+                                 grid=(f, h, w), image_len=image_len, dtype=dtype, axes=axes,
+                                 theta=theta)
     # HunyuanVideo-1.5's text stream is its three condition sequences joined (text_tokens)
     joined = txt_len + txt2_len + image_len if family is HUNYUAN_VIDEO15 else txt_len
     img, txt = sample_caches(family, (f, h, w), joined, axes, theta)
@@ -524,6 +528,49 @@ def sample_args(family: FamilyRecord, transformer: nn.Module, *, batch: int, gri
     if has_guidance(transformer):
         args += (torch.full((batch,), 6.0, dtype=dtype),)
     return args + (img, txt)
+
+
+#: The traced sample's history frames (clean, 2x, 4x): counts that need padding to whole
+#: 2x and 4x patches, so the padding is in the graph.
+FRAMEPACK_SAMPLE_HISTORY = (2, 3, 5)
+
+
+def framepack_sample_indices(frames: int, history=FRAMEPACK_SAMPLE_HISTORY) -> list:
+    """Frame indices of a sample, in sequence order (4x, 2x, clean, latent), laid out as the
+    pipeline's inverted anti-drifting sampling lays them out: the latent after the first
+    frame, the clean part the first frame and the newest history frames, then the 2x and 4x
+    history further on."""
+    clean, h2, h4 = history
+    start = 1 + frames
+    latent = torch.arange(1, start)
+    clean_idx = torch.cat([torch.zeros(1, dtype=torch.int64),
+                           torch.arange(start, start + clean - 1)])
+    idx_2x = torch.arange(start + clean - 1, start + clean - 1 + h2)
+    idx_4x = torch.arange(start + clean - 1 + h2, start + clean - 1 + h2 + h4)
+    return [idx_4x, idx_2x, clean_idx, latent]
+
+
+def _framepack_sample(transformer, latent, timestep, text, mask, g, *, batch, grid, image_len,
+                      dtype, axes, theta) -> tuple:
+    """FramePack's traced sample: HunyuanVideo's, the image embeddings, the history latents
+    and the ids caches of the sample's frame indices (framepack_sample_indices)."""
+    from qkrope.families.hunyuan_video.dropin import framepack_ids
+    from qkrope.runtime.caches import build_rope_caches, checked_setting
+
+    cfg = transformer.config
+    f, h, w = grid
+    shape = tuple(latent.shape)
+    pooled = torch.randn(batch, int(cfg["pooled_projection_dim"]), generator=g).to(dtype)
+    image = torch.randn(batch, image_len, int(cfg["image_proj_dim"]), generator=g).to(dtype)
+    guidance = (torch.full((batch,), 6.0, dtype=dtype),) if has_guidance(transformer) else ()
+    history = tuple(torch.randn(*shape[:2], n, *shape[3:], generator=g).to(dtype)
+                    for n in FRAMEPACK_SAMPLE_HISTORY)
+    setting = checked_setting("ids", axes, theta, rotated=HUNYUAN_VIDEO_FRAMEPACK.rotated)
+    ids = framepack_ids(h, w, framepack_sample_indices(f))
+    caches = build_rope_caches("ids", {"img_ids": ids, "txt_ids": torch.zeros(
+        image_len + int(text.shape[1]), len(axes))}, setting)
+    return ((latent, timestep, text, mask, pooled, image) + guidance + history
+            + (caches.img.clone(), caches.txt.clone()))
 
 
 def rope_setting(transformer: nn.Module) -> tuple[tuple[int, ...], float]:
@@ -576,6 +623,16 @@ def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.d
         txt2, image = int(args[4].shape[1]), int(args[6].shape[1])
         axis_values = {model_io.TXT2_TOKENS: txt2, model_io.IMAGE_EMBED_TOKENS: image,
                        model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
+    if record is HUNYUAN_VIDEO_FRAMEPACK:  # the image tokens, the history frames, the caches
+        from qkrope import model_io
+
+        from . import CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES
+
+        axis_values = {model_io.IMAGE_EMBED_TOKENS: int(args[5].shape[1]),
+                       model_io.IMG_CACHE_ROWS: int(args[-2].shape[0]),
+                       model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
+        axis_values.update(zip((CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES),
+                               FRAMEPACK_SAMPLE_HISTORY))
     blocks = " + ".join(f"{k} of {n} {kind}" for k, n, kind in zip(kept, counts,
                                                                     ("double", "single")))
     return TransformerPlan(
