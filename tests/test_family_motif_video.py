@@ -127,22 +127,6 @@ def test_unsupported_configs_are_refused_in_one_line(overrides, match):
     assert "\n" not in str(e.value)
 
 
-def test_ernie_image_is_refused_by_class_with_its_reason():
-    """ERNIE-Image's RoPE turns the two elements of a pair by two different angles (checked on
-    diffusers' own embedder: every pair of a 128-wide head), which no QKNormRoPE cache can
-    hold; qkrope refuses the class in one line with that reason."""
-    from diffusers.models.transformers.transformer_ernie_image import ErnieImageEmbedND3
-
-    from qkrope import families
-
-    emb = ErnieImageEmbedND3(dim=128, theta=256, axes_dim=(32, 48, 48))
-    angles = emb(torch.tensor([[[7.0, 3.0, 5.0]]]))[0, 0, 0]
-    assert bool((angles[:64] != angles[64:]).all())
-    with pytest.raises(InputError, match="two different angles") as e:
-        families.family_of({"_class_name": "ErnieImageTransformer2DModel"})
-    assert "\n" not in str(e.value)
-
-
 # --------------------------------------------------------------------------------------------
 # The ONNX graph, run by ONNX Runtime at untraced shapes
 # --------------------------------------------------------------------------------------------
