@@ -156,6 +156,7 @@ def exported(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 def test_qkrope_export_writes_the_5d_graph(exported):
     model, path, info = exported()
     shapes = {t.name: t.shape for t in info.inputs + info.outputs}
@@ -246,8 +247,8 @@ def test_motif_video_pipeline_end_to_end(tmp_path):
     T5Gemma2 encoder over real prompts, adaptive projected guidance, two steps,
     output_type="latent") at 9 frames of 24 x 40 pixels (a 3 x 3 x 5 latent; the export is
     traced at 2 x 8 x 8), against the stock pipeline: the stock run's calls replayed on the
-    drop-in differ by at most E; the guider's prediction by at most (1 + 2 s) E (APG's
-    projection only shrinks the guided difference), the Euler steps add it times |d sigma|
+    drop-in differ by at most E; the guider's prediction by at most (1 + 2 s) E (APG adds
+    s - 1 times the guided difference, 2 E apart at most, projected and norm-capped), the Euler steps add it times |d sigma|
     (summing to 1), a factor 2 for the feedback through the second step."""
     from qkrope.export.onnx_export import export_transformer
     from qkrope.runtime import load_transformer
@@ -276,5 +277,6 @@ def test_motif_video_pipeline_end_to_end(tmp_path):
     with torch.no_grad():
         per_call = max(float((dropin(**kw)[0] - stock(**kw)[0]).abs().max()) for kw in calls)
     scale = float(pipe.guider.guidance_scale)
-    assert ours.shape == ref.shape
-    assert float((ours - ref).abs().max()) <= 2 * (1 + 2 * scale) * per_call
+    assert ours.shape == ref.shape and per_call > 0
+    diff, bound = float((ours - ref).abs().max()), 2 * (1 + 2 * scale) * per_call
+    assert diff <= bound, (diff, per_call, bound)  # measured: 4.3e-4, 1.3e-4, 4.2e-3
