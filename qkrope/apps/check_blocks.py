@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import copy
+from collections import Counter
 import json
 import os
 import re
@@ -363,13 +364,38 @@ def _block_of(node, pattern=BLOCK_SCOPE, offsets=None) -> int | None:
     return None
 
 
+def _node_blocks(model, pattern, offsets) -> list[int | None]:
+    """The block of each node of the graph (in node order): its name scope's, and for a node
+    the exporter left with no name scope at all (torch.onnx writes none on the ``Split`` of a
+    ``chunk`` / ``split``, e.g. of a fused QKV projection) the block of the nodes that read its
+    outputs where they are all one block's (nodes in reverse order, so a chain of such nodes
+    takes the block its last one feeds): a value a block makes and only such a node reads
+    then stays inside the block, not a block output."""
+    nodes = list(model.graph.node)
+    blocks = [_block_of(n, pattern, offsets) for n in nodes]
+    unscoped = [not any(p.key == NAME_SCOPES_KEY for p in n.metadata_props) for n in nodes]
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(index)
+    outputs = {o.name for o in model.graph.output}
+    for index in range(len(nodes) - 1, -1, -1):
+        if not unscoped[index] or any(o in outputs for o in nodes[index].output):
+            continue
+        read_by = {blocks[r] for o in nodes[index].output for r in readers.get(o, ())}
+        if len(read_by) == 1 and None not in read_by:
+            blocks[index] = read_by.pop()
+    return blocks
+
+
 def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int, dict[str, str]]:
     """``{block: {"img": value name, "txt": value name}}`` of an exported transformer graph, or
     ``{block: {"joined": value name}}`` for a block returning the joined stream: the values a
     block's nodes produce and nodes outside it (or the graph's outputs) use, of shape
     ``[batch, img_tokens | txt_tokens | txt_tokens + img_tokens, width]`` (a token axis plus a
     padding the graph adds, a 5-D latent's image tokens: :func:`stream_of_axis`; the last
-    block's text output is unused by the model and absent). Where a block has two such values of
+    block's text output is unused by the model and absent; a node with no name scope belongs
+    to the block that reads it: :func:`_node_blocks`). Where a block has two such values of
     one stream (a joined block's fused projection read by a node the exporter left without a
     scope), the one of the model's width (that of the other blocks' outputs) is the block's;
     where that leaves more than one (modulations computed per token in the block and read by an
@@ -381,16 +407,16 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
     if offsets is not None:
         names = "|".join(re.escape(a) for a in sorted(offsets, key=len, reverse=True))
         pattern = re.compile(rf"(?:.*\.)?({names})\.(\d+)")
+    block_of = _node_blocks(model, pattern, offsets)
     producer: dict[str, int | None] = {}
     made_by: dict[str, int] = {}  # value name -> index of the node that makes it
     for index, node in enumerate(model.graph.node):
-        b = _block_of(node, pattern, offsets)
         for out in node.output:
-            producer[out] = b
+            producer[out] = block_of[index]
             made_by[out] = index
     crossing: dict[int, set[str]] = {}
-    for node in model.graph.node:
-        b = _block_of(node, pattern, offsets)
+    for index, node in enumerate(model.graph.node):
+        b = block_of[index]
         for name in node.input:
             p = producer.get(name)
             if p is not None and p != b:
@@ -410,11 +436,18 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
             stream = stream_of_axis(d[1].dim_param) if d[1].dim_param else None
             if d[0].dim_param == "batch" and stream is not None and d[2].dim_value > 0:
                 candidates.setdefault((block, stream), []).append((name, d[2].dim_value))
-    widths = {w for found in candidates.values() if len(found) == 1 for _, w in found}
+    # the model's width: the one most blocks' lone outputs have (a block's output is its residual
+    # stream, as wide as the model); a value of another width leaving a block is a projection
+    # another block or an unscoped node reads (the last block's fused text QKV where its text
+    # output is unused), not the block's output
+    lone = Counter(w for found in candidates.values() if len(found) == 1 for _, w in found)
+    width = max(lone, key=lambda w: (lone[w], w)) if lone else None
     found: dict[int, dict[str, str]] = {}
     for (block, stream), values in sorted(candidates.items()):
-        if len(values) > 1 and len(widths) == 1:
-            values = [v for v in values if v[1] in widths]
+        if width is not None:
+            values = [v for v in values if v[1] == width]
+            if not values:
+                continue
         if len(values) > 1:
             values = [v for v in values
                       if _computed_from(model, made_by, v[0], {n for n, _ in values} - {v[0]})]
