@@ -319,3 +319,21 @@ def motif_video(model, batch: int, g: torch.Generator) -> Forms:
 
 
 FORMS.update({"motif-video": motif_video})
+
+
+def wan_vace(model, batch: int, g: torch.Generator) -> Forms:
+    """Wan-VACE: Wan's forms with WanVACEPipeline's control latent (on the latent's grid) and
+    one scale per control block."""
+    forms = wan(model, batch, g)
+    latent = forms["base"]["hidden_states"]
+    control = torch.randn(batch, model.config.vace_in_channels, *latent.shape[2:], generator=g)
+    base = dict(forms["base"], control_hidden_states=control,
+                control_hidden_states_scale=0.5 + torch.rand(len(model.config.vace_layers),
+                                                             generator=g))
+    same = [("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  control_hidden_states=_noncontiguous(control)))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"wan-vace": wan_vace})
