@@ -63,9 +63,15 @@ TXT2_TOKENS, IMAGE_EMBED_TOKENS = "txt2_tokens", "image_embed_tokens"
 #: The token axes of the condition inputs a model joins to its text stream (the text cache's
 #: rows cover them too).
 JOINED_TEXT_AXES = (TXT2_TOKENS, IMAGE_EMBED_TOKENS)
+#: The frames of history latents a model joins before its latent (HunyuanVideo FramePack's:
+#: clean frames, and the frames of its 2x and 4x downsampled history), at the latent's height
+#: and width.
+CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES = (
+    "clean_frames", "history_2x_frames", "history_4x_frames")
 #: The dynamic axes of the exported models, as the exporter names them.
 AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS, LATENT_FRAMES,
-        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS)
+        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS, CLEAN_FRAMES,
+        HISTORY_2X_FRAMES, HISTORY_4X_FRAMES)
 #: A cache's rows axis -> the token axis of its stream.
 CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 
@@ -73,7 +79,8 @@ CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
          "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds",
-         "encoder_hidden_states_image", "control_hidden_states", "control_hidden_states_scale")
+         "encoder_hidden_states_image", "control_hidden_states", "control_hidden_states_scale",
+         "latents_clean", "latents_history_2x", "latents_history_4x")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -180,6 +187,25 @@ CONTROL_HIDDEN_STATES_SCALE = TensorDecl(
     "the scale of each control block's hint, float32 [control_blocks] (the pipeline's "
     "conditioning_scale)")
 
+#: History latents a model patchifies itself and joins before its latent's tokens (HunyuanVideo
+#: FramePack's: [4x; 2x; clean; latent]), each at the latent's height and width with frames of
+#: its own; each has a patch convolution of its own, so its frames and the latent's height and
+#: width are whole patches of it (the pipeline pads them by repetition).
+LATENTS_CLEAN = TensorDecl(
+    "latents_clean", "latents_clean", (BATCH, None, CLEAN_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
+    "clean history latents (the first frame and the newest history), [batch, channels, "
+    "clean_frames, latent_height, latent_width]; patchified at (1, 2, 2)")
+LATENTS_HISTORY_2X = TensorDecl(
+    "latents_history_2x", "latents_history_2x",
+    (BATCH, None, HISTORY_2X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
+    "2x history latents, [batch, channels, history_2x_frames, latent_height, latent_width]; "
+    "padded by repetition to whole (2, 4, 4) patches")
+LATENTS_HISTORY_4X = TensorDecl(
+    "latents_history_4x", "latents_history_4x",
+    (BATCH, None, HISTORY_4X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
+    "4x history latents, [batch, channels, history_4x_frames, latent_height, latent_width]; "
+    "padded by repetition to whole (4, 8, 8) patches")
+
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)
 
@@ -219,7 +245,8 @@ TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HID
                                ENCODER_ATTENTION_MASK, ENCODER_HIDDEN_STATES_2,
                                ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS,
                                ENCODER_HIDDEN_STATES_IMAGE, CONTROL_HIDDEN_STATES,
-                               CONTROL_HIDDEN_STATES_SCALE)}
+                               CONTROL_HIDDEN_STATES_SCALE, LATENTS_CLEAN, LATENTS_HISTORY_2X,
+                               LATENTS_HISTORY_4X)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

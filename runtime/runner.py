@@ -39,7 +39,8 @@ BUFFERS_PER_NAME = 2
 #: them; qkrope.model_io).
 CONDITIONING_ROLES = ("pooled_projections", "guidance", "padding_mask", "encoder_hidden_states_2",
                       "encoder_attention_mask_2", "image_embeds", "encoder_hidden_states_image",
-                      "control_hidden_states", "control_hidden_states_scale")
+                      "control_hidden_states", "control_hidden_states_scale", "latents_clean",
+                      "latents_history_2x", "latents_history_4x")
 
 
 class RunnerError(QkropeError, RuntimeError):

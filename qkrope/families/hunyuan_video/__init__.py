@@ -1,7 +1,6 @@
 """HunyuanVideo-1.5 (diffusers' HunyuanVideo15Transformer3DModel, 8.3 B) and HunyuanVideo
-(HunyuanVideoTransformer3DModel, 13 B): the records; HunyuanVideo FramePack
-(HunyuanVideoFramepackTransformer3DModel) drafted on HunyuanVideo's code, not yet registered
-(:data:`HUNYUAN_VIDEO_FRAMEPACK`). Facts only; the hooks are export.py,
+(HunyuanVideoTransformer3DModel, 13 B) and HunyuanVideo FramePack
+(HunyuanVideoFramepackTransformer3DModel, on HunyuanVideo's code): the records. Facts only; the hooks are export.py,
 reference.py and dropin.py beside this file.
 
 Both take the 5-D latent ``[batch, channels, frames, height, width]`` and patchify it themselves
@@ -17,11 +16,11 @@ from __future__ import annotations
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
-from qkrope.model_io import (BATCH, LATENT_HEIGHT, LATENT_WIDTH, ENCODER_ATTENTION_MASK, ENCODER_ATTENTION_MASK_2,
+from qkrope.model_io import (ENCODER_ATTENTION_MASK, ENCODER_ATTENTION_MASK_2,
                              ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_2, GUIDANCE,
                              IMAGE_EMBEDS, IMG_COS_SIN_CACHE, LATENT, LATENT_SAMPLE,
-                             POOLED_PROJECTIONS, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl,
-                             TensorDecl)
+                             LATENTS_CLEAN, LATENTS_HISTORY_2X, LATENTS_HISTORY_4X,
+                             POOLED_PROJECTIONS, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
 #: The graph inputs, in graph order (the caches in place of diffusers' RoPE module): the 5-D
 #: latent the model patchifies, in and out (qkrope.model_io.LATENT / LATENT_SAMPLE). The text
@@ -121,27 +120,8 @@ HUNYUAN_VIDEO = FamilyRecord(
 # columns. The 2x and 4x parts' rows are pooled in the graph as diffusers pools them (the
 # cos and sin tables padded by repetition and averaged over each history patch: an average of
 # rotations, no rotation by one position), so the node takes every row as the cache holds it.
-#
-# The history latents' inputs (declared here with model_io's type; they belong in model_io,
-# with their roles and frame axes, before the record can join RECORDS: export's dynamic shapes
-# and the sidecar's role check read model_io.TENSORS / AXES / ROLES, the runner's conditioning
-# reads runtime.runner.CONDITIONING_ROLES).
-CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES = (
-    "clean_frames", "history_2x_frames", "history_4x_frames")
-LATENTS_CLEAN = TensorDecl(
-    "latents_clean", "latents_clean", (BATCH, None, CLEAN_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
-    "clean history latents (the first frame and the newest history), [batch, channels, "
-    "clean_frames, latent_height, latent_width]; patchified at (1, 2, 2)")
-LATENTS_HISTORY_2X = TensorDecl(
-    "latents_history_2x", "latents_history_2x",
-    (BATCH, None, HISTORY_2X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
-    "2x history latents, [batch, channels, history_2x_frames, latent_height, latent_width]; "
-    "padded by repetition to whole (2, 4, 4) patches")
-LATENTS_HISTORY_4X = TensorDecl(
-    "latents_history_4x", "latents_history_4x",
-    (BATCH, None, HISTORY_4X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
-    "4x history latents, [batch, channels, history_4x_frames, latent_height, latent_width]; "
-    "padded by repetition to whole (4, 8, 8) patches")
+# The history latents are model_io's LATENTS_CLEAN / LATENTS_HISTORY_2X / LATENTS_HISTORY_4X
+# (conditioning roles the runner passes).
 HUNYUAN_VIDEO_FRAMEPACK_TRANSFORMER = ModelDecl(
     "transformer",
     (LATENT, TIMESTEP, ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK, POOLED_PROJECTIONS,
@@ -168,4 +148,4 @@ HUNYUAN_VIDEO_FRAMEPACK = FamilyRecord(
     block_lists=HUNYUAN_VIDEO_BLOCKS, rotated=("img",), latent="video-5d", scale_rope=False,
     launches=HUNYUAN_VIDEO_FRAMEPACK_LAUNCHES)
 
-RECORDS = (HUNYUAN_VIDEO15, HUNYUAN_VIDEO)
+RECORDS = (HUNYUAN_VIDEO15, HUNYUAN_VIDEO, HUNYUAN_VIDEO_FRAMEPACK)

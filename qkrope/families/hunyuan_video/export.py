@@ -626,12 +626,11 @@ def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.d
     if record is HUNYUAN_VIDEO_FRAMEPACK:  # the image tokens, the history frames, the caches
         from qkrope import model_io
 
-        from . import CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES
-
         axis_values = {model_io.IMAGE_EMBED_TOKENS: int(args[5].shape[1]),
                        model_io.IMG_CACHE_ROWS: int(args[-2].shape[0]),
                        model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
-        axis_values.update(zip((CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES),
+        axis_values.update(zip((model_io.CLEAN_FRAMES, model_io.HISTORY_2X_FRAMES,
+                                model_io.HISTORY_4X_FRAMES),
                                FRAMEPACK_SAMPLE_HISTORY))
     blocks = " + ".join(f"{k} of {n} {kind}" for k, n, kind in zip(kept, counts,
                                                                     ("double", "single")))
