@@ -33,6 +33,7 @@ from qkrope.errors import InputError
 from qkrope.model_io import GUIDANCE, POOLED_PROJECTIONS
 
 from .attention import _attention
+from .finalize import check_no_double
 from .ops import qk_norm_rope
 
 
@@ -119,29 +120,6 @@ class DualStreamAttnProcessor:
         txt_out = attn.to_add_out(out[:, :s_txt].contiguous())
         img_out = attn.to_out[1](attn.to_out[0](out[:, s_txt:].contiguous()))
         return img_out, txt_out
-
-
-def check_no_double(model, what: str = "the graph") -> None:
-    """No float64 anywhere in the traced graph: no DOUBLE input, output, initializer, value or
-    Cast (TensorRT's parser demotes DOUBLE to FLOAT, so ONNX Runtime and TensorRT would
-    disagree). diffusers builds these models' RoPE in float64; the export takes the caches."""
-    import onnx_ir as ir
-
-    from .onnx_export import ExportError
-
-    double = ir.DataType.DOUBLE
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
-        model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and "to" in node.attributes and \
-                int(node.attributes["to"].value) == int(double):
-            raise ExportError(f"node {node.name} casts to DOUBLE: {what} must have no float64")
-    for value in values:
-        if value is not None and value.dtype == double:
-            raise ExportError(f"graph value {value.name} is DOUBLE: {what} must have no "
-                              f"float64")
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,6 +350,6 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
 
 
 __all__ = ["JointRope", "joint_rope", "norm_eps", "FusedNormRoPE", "sdpa",
-           "DualStreamAttnProcessor", "check_no_double", "blocks_of", "patch_attentions",
+           "DualStreamAttnProcessor", "blocks_of", "patch_attentions",
            "node_count", "rope_setting", "has_guidance", "CacheInputTransformer", "cache_input",
            "sample_args", "sample_caches", "prepare", "post_export", "check_config"]

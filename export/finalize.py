@@ -123,6 +123,27 @@ def finalize_model(model, *, opset: int, head_dim: int, rotary_dim: int,
             raise ExportError(f"graph value {value.name} is complex ({value.dtype.name})")
     return model
 
+def check_no_double(model, what: str = "the graph") -> None:
+    """No float64 anywhere in the traced graph: no DOUBLE input, output, initializer, value or
+    Cast (TensorRT's parser demotes DOUBLE to FLOAT, so ONNX Runtime and TensorRT would
+    disagree). diffusers builds many models' RoPE tables in float64; an export takes caches in
+    their place, and a family's ``post_export`` hook calls this with ``what`` naming its graph."""
+    import onnx_ir as ir
+
+    double = ir.DataType.DOUBLE
+    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
+        model.graph.initializers.values())
+    for node in model.graph.all_nodes():
+        values += list(node.outputs)
+        if node.op_type == "Cast" and "to" in node.attributes and \
+                int(node.attributes["to"].value) == int(double):
+            raise ExportError(f"node {node.name} casts to DOUBLE: {what} must have no float64")
+    for value in values:
+        if value is not None and value.dtype == double:
+            raise ExportError(f"graph value {value.name} is DOUBLE: {what} must have no "
+                              f"float64")
+
+
 def verify_onnx_file(path: str | os.PathLike) -> None:
     """onnx.checker full check + strict shape inference; every graph output must get a shape."""
     import onnx

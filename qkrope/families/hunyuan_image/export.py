@@ -48,6 +48,7 @@ from torch import nn
 from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
+from qkrope.export.finalize import check_no_double
 from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 from qkrope.families._record import FamilyRecord
@@ -336,28 +337,9 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
     return None
 
 
-def check_no_double(model) -> None:
-    """No float64 anywhere in the graph (TensorRT's parser demotes DOUBLE to FLOAT)."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    double = ir.DataType.DOUBLE
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
-        model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and "to" in node.attributes and \
-                int(node.attributes["to"].value) == int(double):
-            raise ExportError(f"node {node.name} casts to DOUBLE: the HunyuanImage graph must "
-                              f"have no float64")
-    for value in values:
-        if value is not None and value.dtype == double:
-            raise ExportError(f"graph value {value.name} is DOUBLE: the HunyuanImage graph "
-                              f"must have no float64")
-
-
-post_export = check_no_double
+def post_export(model) -> None:
+    """No float64 in the HunyuanImage graph."""
+    check_no_double(model, "the HunyuanImage graph")
 
 
 #: The glyph tokens of the traced sample (a dynamic axis: any length runs).

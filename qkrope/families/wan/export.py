@@ -39,6 +39,7 @@ from torch import nn
 from qkrope import contract, model_io
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
+from qkrope.export.finalize import check_no_double
 from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
 
@@ -410,28 +411,9 @@ def _check_control(path: str, cfg: dict, key: str, fix: str) -> None:
                          f"PyTorch")
 
 
-def check_no_double(model) -> None:
-    """No float64 anywhere in the graph (diffusers' RoPE is float64; the caches replace it)."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    double = ir.DataType.DOUBLE
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
-        model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and "to" in node.attributes and \
-                int(node.attributes["to"].value) == int(double):
-            raise ExportError(f"node {node.name} casts to DOUBLE: the Wan graph must have no "
-                              f"float64")
-    for value in values:
-        if value is not None and value.dtype == double:
-            raise ExportError(f"graph value {value.name} is DOUBLE: the Wan graph must have no "
-                              f"float64")
-
-
-post_export = check_no_double
+def post_export(model) -> None:
+    """No float64 in the Wan graph (diffusers' RoPE is float64; the caches replace it)."""
+    check_no_double(model, "the Wan graph")
 
 
 def image_tokens(config) -> int:

@@ -32,6 +32,7 @@ from torch import nn
 from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
+from qkrope.export.finalize import check_no_double
 from qkrope.export.ops import qk_norm_rope
 
 from . import SEQ_MULTIPLE, Z_IMAGE
@@ -186,29 +187,9 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
     return raw
 
 
-def check_no_double(model) -> None:
-    """No float64 anywhere in the graph (diffusers builds Z-Image's RoPE tables in float64;
-    TensorRT would demote DOUBLE to FLOAT and disagree with ONNX Runtime)."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    double = ir.DataType.DOUBLE
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(
-        model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and "to" in node.attributes and \
-                int(node.attributes["to"].value) == int(double):
-            raise ExportError(f"node {node.name} casts to DOUBLE: the Z-Image graph must have "
-                              f"no float64")
-    for value in values:
-        if value is not None and value.dtype == double:
-            raise ExportError(f"graph value {value.name} is DOUBLE: the Z-Image graph must have "
-                              f"no float64")
-
-
-post_export = check_no_double
+def post_export(model) -> None:
+    """No float64 in the Z-Image graph (diffusers builds Z-Image's RoPE tables in float64)."""
+    check_no_double(model, "the Z-Image graph")
 
 
 def sample_args(transformer: nn.Module, sample, dtype: torch.dtype, axes, theta) -> tuple:
