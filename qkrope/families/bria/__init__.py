@@ -40,3 +40,19 @@ BRIA = FamilyRecord(
     blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
 
 RECORDS = (BRIA,)
+
+#: Bria's other transformers, refused by class (the registry's one line).
+REFUSED = {
+    "BriaFiboTransformer2DModel":
+        "its double-stream attentions (torch.nn.RMSNorm) and single-stream attentions "
+        "(diffusers' RMSNorm) round differently in bf16 / fp16 (twice, and after each step), "
+        "which one export's rounding attribute cannot both match, and before every block it "
+        "joins a projected text-encoder layer of its own (text_encoder_layers) to half the "
+        "text stream, an input the dual-stream graph does not have",
+    "BriaFibo2Transformer2DModel":
+        "it is a single stream whose gist-token count (its sequence length) is computed on the "
+        "host from each prompt's text length, its gist tokens come from a Perceiver resampler "
+        "over the text, and its injection blocks add cross-attention to per-block text "
+        "bundles and per-token (noisy / clean) modulation, none of which the dual-stream or "
+        "Z-Image exports have",
+}
