@@ -42,6 +42,33 @@ def check_fits_in_memory(what: str, nbytes: int, fix: str) -> None:
                          f"{memory / 2**30:.3g} GiB of memory. Fix: {fix}")
 
 
+def read_config(directory: str, model_class=None) -> tuple[str, dict]:
+    """``(path, config)``: ``directory``'s config.json for a family's ``check_config`` hook,
+    refused in one line where it is not readable JSON or not a JSON object; with
+    ``model_class``, its ``__init__`` defaults fill in what the file omits (the config diffusers
+    would build the model from)."""
+    import inspect
+    import json
+    import os
+
+    path = os.path.join(directory, "config.json")
+    fix = f"Fix: save the model again with save_pretrained, or correct {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{path} is not readable JSON ({type(exc).__name__}). {fix}") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{path} holds a JSON {type(raw).__name__}, not the object of a "
+                         f"model's config. {fix}")
+    if model_class is None:
+        return path, raw
+    defaults = {name: p.default for name, p in
+                inspect.signature(model_class.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return path, {**defaults, **raw}
+
+
 def _checked_folder(directory: str, quant: str | None, variant: str | None):
     """``(folder, family)``: the folder with config.json (``directory`` or its
     ``transformer/``), its family, its weight files (one file, or every shard its index names

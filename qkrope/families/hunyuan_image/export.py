@@ -312,19 +312,9 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
     """Refuses, before diffusers builds the model, what the graph cannot take: a MeanFlow model
     (``use_meanflow``: its pipeline passes ``timestep_r`` every step) and a RoPE whose axes do
     not fit the patch grid; the rest is left to diffusers' own checks."""
-    import json
-    import os
+    from qkrope.export.patch_diffusers import read_config
 
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path} is not readable JSON ({type(exc).__name__}). Fix: save the "
-                         f"model again with save_pretrained") from None
-    if not isinstance(cfg, dict):
-        raise InputError(f"{path} holds a JSON {type(cfg).__name__}, not a model config. Fix: "
-                         f"save the model again with save_pretrained")
+    path, cfg = read_config(directory)
     if cfg.get("use_meanflow"):
         raise InputError(f"{path}: use_meanflow=true (a MeanFlow-distilled HunyuanImage): its "
                          f"pipeline passes timestep_r every step, which the exported graph does "

@@ -140,24 +140,12 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
     ints summing to ``attention_head_dim`` (diffusers asserts it), or the weights would not fit
     in this machine's memory (``memory``; the streamed export, which never holds them, passes
     False). Qwen-Image's fields; FLUX's config is left to diffusers' own checks."""
-    import inspect
     import json
-    import os
 
-    path = os.path.join(directory, "config.json")
-    fix = (f"Fix: save the model again with save_pretrained, or correct {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path} is not readable JSON ({type(exc).__name__}). {fix}") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{path} holds a JSON {type(raw).__name__}, not the object of a "
-                         f"model's config. {fix}")
-    defaults = {name: p.default for name, p in
-                inspect.signature(model_class.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    cfg = {**defaults, **raw}
+    from qkrope.export.patch_diffusers import read_config
+
+    path, cfg = read_config(directory, model_class)
+    fix = f"Fix: save the model again with save_pretrained, or correct {path}"
 
     def bad(key: str, want: str):
         value = json.dumps(cfg[key]) if not isinstance(cfg[key], tuple) else str(cfg[key])

@@ -300,25 +300,12 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
     than the cross-head RMSNorm, a patch size that is not three positive ints, a head too narrow
     for the three RoPE axes, sizes that are not positive ints. Wan 2.1 I2V / FLF2V (``image_dim``
     and ``added_kv_proj_dim`` the model width; FLF2V with ``pos_embed_seq_len``) export."""
-    import inspect
     import json
-    import os
 
-    from qkrope.export.patch_diffusers import check_fits_in_memory, itemsize
+    from qkrope.export.patch_diffusers import check_fits_in_memory, itemsize, read_config
 
-    path = os.path.join(directory, "config.json")
+    path, cfg = read_config(directory, model_class)
     fix = f"Fix: save the model again with save_pretrained, or correct {path}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path} is not readable JSON ({type(exc).__name__}). {fix}") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{path} holds a JSON {type(raw).__name__}, not a model config. {fix}")
-    defaults = {name: p.default for name, p in
-                inspect.signature(model_class.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    cfg = {**defaults, **raw}
     record = next((r for r in RECORDS if r.class_name == model_class.__name__), WAN)
     facts = derivative(record)
     for key, default, why in facts.refused_config:

@@ -162,19 +162,9 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
     """Refused in one line before diffusers builds the model: an Omni model (siglip_feat_dim:
     its pipeline passes nested lists and SigLIP features, which this graph does not take) and
     qk_norm False (nothing to fuse). The rest is left to diffusers' own checks."""
-    import json
-    import os
+    from qkrope.export.patch_diffusers import read_config
 
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path} is not readable JSON ({type(exc).__name__}). Fix: save the "
-                         f"model again with save_pretrained") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{path} holds a JSON {type(raw).__name__}, not a model's config. Fix: "
-                         f"save the model again with save_pretrained")
+    path, raw = read_config(directory)
     if raw.get("siglip_feat_dim") is not None:
         raise InputError(f"{path} is a Z-Image-Omni model (siglip_feat_dim is set), whose "
                          f"pipeline passes nested lists and SigLIP features; qkrope exports the "
