@@ -3,6 +3,9 @@ read and edit (tests/test_sidecars.py, tests/test_sidecar_engine.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from qkrope.sidecars import EngineInfo, EngineTensor, ModelInfo, PluginRecord, TensorInfo
 
 
@@ -21,3 +24,14 @@ def engine_info() -> EngineInfo:
                       profiles=[{"x": {"min": [1, 8], "opt": [2, 8], "max": [4, 8]}}],
                       plugin=PluginRecord("/lib.so", "ab"), plugin_layers=2,
                       version_compatible=False, strongly_typed=True)
+
+
+def edited(info, file: Path, sidecar_path, change) -> Path:
+    """``info`` saved for ``file``, then its sidecar's JSON passed through ``change`` (a
+    refusal test's one bad field): the sidecar's path, which the reader's error must name."""
+    info.save(file)
+    path = sidecar_path(file)
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return path

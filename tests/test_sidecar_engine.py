@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from _sidecar_samples import engine_info as _engine
+from _sidecar_samples import edited, engine_info as _engine
 from _tiny_model import C, model
 
 from qkrope.runtime import profiles as prof
@@ -26,11 +26,7 @@ from qkrope.sidecars import (ENGINE_FORMAT, FORMAT_VERSION, EngineInfo, EngineIn
     (lambda d: d.update(version_compatible="no"), "'version_compatible' must be bool"),
 ])
 def test_engine_sidecar_errors_name_the_file(tmp_path, change, match):
-    _engine().save(tmp_path / "m.engine")
-    path = engine_sidecar_path(tmp_path / "m.engine")
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
+    path = edited(_engine(), tmp_path / "m.engine", engine_sidecar_path, change)
     with pytest.raises(EngineInfoError, match=match) as exc:
         EngineInfo.load(tmp_path / "m.engine")
     assert str(path) in str(exc.value) and "qkrope build" in str(exc.value)

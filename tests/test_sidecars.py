@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _sidecar_samples import engine_info as _engine, model_info as _model
+from _sidecar_samples import edited, engine_info as _engine, model_info as _model
 from _tiny_model import C, sidecar_dict, write_tiny_onnx
 
 from qkrope.errors import QkropeError
@@ -49,11 +49,7 @@ def test_round_trips(tmp_path):
     (lambda d: d.update(model="unet"), "unknown model 'unet'"),
 ])
 def test_model_sidecar_errors_name_the_file(tmp_path, change, match):
-    _model().save(tmp_path / "m.onnx")
-    path = sidecar_path(tmp_path / "m.onnx")
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
+    path = edited(_model(), tmp_path / "m.onnx", sidecar_path, change)
     with pytest.raises(ModelInfoError, match=match) as exc:
         ModelInfo.load(tmp_path / "m.onnx")
     assert str(path) in str(exc.value) and "qkrope export" in str(exc.value)
