@@ -11,24 +11,18 @@ import pytest
 import torch
 
 from qkrope.cli import main
+from qkrope.families.qwen_image.tiny import tiny_transformer
 from qkrope import contract
 from qkrope.runtime.inputs import make_inputs
 from qkrope.sidecars import ModelInfo
 
 diffusers = pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
-CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=32,
-              num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(8, 12, 12))
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = diffusers.QwenImageTransformer2DModel(**CONFIG)
+    model = tiny_transformer(0, num_layers=3)
     with torch.no_grad():
-        for name, p in model.named_parameters():  # non-trivial weights (default init zeroes some)
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.05)
-                    + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+        for name, p in model.named_parameters():
             if ".norm_added_" in name:  # diffusers' init: equal parameters, kept apart by name
                 p.fill_(1.0)
     path = tmp_path_factory.mktemp("tiny_qwen")

@@ -26,10 +26,12 @@ TEXT_ENCODER_CONFIG = dict(hidden_size=TRANSFORMER_CONFIG["joint_attention_dim"]
                            num_key_value_heads=2, max_position_embeddings=4096)
 
 
-def tiny_transformer(seed: int = 0):
-    """Random weights of a non-trivial scale (diffusers' init zeroes some layers)."""
+def tiny_transformer(seed: int = 0, **config):
+    """Random weights of a non-trivial scale (diffusers' init zeroes some layers);
+    ``config``: fields that replace TRANSFORMER_CONFIG's (a test's ``num_layers=3``)."""
     diffusers = require("diffusers", "the tiny Qwen-Image pipeline")
-    return randomised(diffusers.QwenImageTransformer2DModel(**TRANSFORMER_CONFIG), seed)
+    return randomised(diffusers.QwenImageTransformer2DModel(**{**TRANSFORMER_CONFIG, **config}),
+                      seed)
 
 
 def tiny_vae(seed: int = 0):
