@@ -56,13 +56,17 @@ class JoyImageEditTransformer(Transformer):
             got = (list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor)
                    else type(hidden_states).__name__)
             raise InputError(f"hidden_states must be [batch, items, channels, frames, height, "
-                             f"width] or [batch, channels, frames, height, width]; got {got}")
+                             f"width] or [batch, channels, frames, height, width]; got {got}. "
+                             f"Fix: pass the pipeline's latent (the edit pipeline's 6-D one, or "
+                             f"a 5-D video latent)")
         unpack = None
         if hidden_states.dim() == 6:
             items = int(hidden_states.shape[1])
             if items > 1 and int(self.config.get("patch_size", (1,))[0]) != 1:
                 raise InputError(f"{items} items need a temporal patch of 1 (diffusers' rule); "
-                                 f"this model's patch_size is {list(self.config['patch_size'])}")
+                                 f"this model's patch_size is {list(self.config['patch_size'])}. "
+                                 f"Fix: pass one item, or export a model whose patch_size starts "
+                                 f"with 1")
             hidden_states = items_to_frames(hidden_states)
             unpack = lambda sample, n=items: frames_to_items(sample, n)  # noqa: E731
         tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,
