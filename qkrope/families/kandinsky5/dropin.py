@@ -8,7 +8,8 @@ graph: the channels-last latent ``[B, F, H, W, C]`` permuted to the graph's chan
 (and the sample back, ``Call.unpack``), the position request of the "divided_grid" scheme (the
 latent's token grid, the call's ``scale_factor``, the text length). The positions must be what
 the pipelines pass: each visual axis ``0..n-1`` over the latent's grid, the text ``0..L-1``
-over its tokens.
+over its tokens. With ``return_dict=False`` the sample comes back bare, as diffusers' forward
+returns it.
 
 Refused in one line: ``sparse_params`` (nabla sparse attention), positions that are not those
 ranges, a latent whose channels are not the model's.
@@ -107,6 +108,12 @@ class Kandinsky5Transformer(Transformer):
                     timestep=per_item(timestep, "timestep", batch, self.dtype),
                     conditioning={"pooled_projections": pooled.to(self.dtype)},
                     return_dict=return_dict, unpack=_channels_last)
+
+
+    def output(self, sample, return_dict: bool):
+        """diffusers' return: ``Transformer2DModelOutput(sample=...)``, or the bare sample with
+        ``return_dict=False`` (Kandinsky 5's forward returns no tuple)."""
+        return super().output(sample, True) if return_dict else sample
 
 
 def dropin_class(record):

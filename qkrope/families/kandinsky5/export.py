@@ -53,13 +53,30 @@ def _attend(q, k, v) -> torch.Tensor:
     return out.transpose(1, 2).flatten(-2, -1)
 
 
+def _unfused(attn, q, k, cache):
+    """q and k normalised and rotated as diffusers does (float32 norm rounded to q's dtype,
+    float32 rotation of the interleaved pairs rounded to bfloat16, then to q's dtype), from the
+    node's cache rows."""
+    half = cache.shape[1] // 2
+    rows = cache[:q.shape[1]]
+    cos, sin = rows[:, None, :half], rows[:, None, half:]  # [S, 1, D/2]
+    out = []
+    for x, norm in ((q, attn.query_norm), (k, attn.key_norm)):
+        y = norm(x.float()).type_as(x).float().unflatten(-1, (-1, 2))
+        even, odd = y[..., 0], y[..., 1]
+        turned = torch.stack([cos * even - sin * odd, sin * even + cos * odd], dim=-1)
+        out.append(turned.flatten(-2).to(torch.bfloat16).type_as(x))
+    return out
+
+
 class Kandinsky5Processor:
     """Replaces ``Kandinsky5AttnProcessor`` on every attention: a self-attention
     (``rotary_emb`` = its ``[rows, head_dim]`` cache) as one fused node, a cross-attention
     (``encoder_hidden_states`` given, no RoPE) with diffusers' norms unfused."""
 
-    def __init__(self, rounding: int):
+    def __init__(self, rounding: int, *, fused: bool = True):
         self.rounding = contract.check_rounding(rounding)
+        self.fused = fused
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None,
                  sparse_params=None):
@@ -87,6 +104,8 @@ class Kandinsky5Processor:
         if eps != _eps(attn.key_norm, "key_norm"):
             raise InputError(f"query_norm's eps {eps} and key_norm's {attn.key_norm.eps} "
                              f"differ; one QKNormRoPE node has one epsilon")
+        if not self.fused:  # diffusers' norm and rotation from the same cache (the tests' graph)
+            return attn.out_layer(_attend(*_unfused(attn, q, k, rotary_emb), v))
         attrs = contract.NodeAttributes(eps, True, self.rounding)
         q, k = qk_norm_rope(q, k, attn.query_norm.weight, attn.key_norm.weight, rotary_emb,
                             **attrs.as_kwargs())
@@ -109,10 +128,12 @@ def check_supported(transformer: nn.Module) -> None:
                          f"columns)")
 
 
-def patch_transformer(transformer: nn.Module, *, rounding: int) -> nn.Module:
-    """Every attention of the text and visual blocks through :class:`Kandinsky5Processor`."""
+def patch_transformer(transformer: nn.Module, *, rounding: int, fused: bool = True
+                      ) -> nn.Module:
+    """Every attention of the text and visual blocks through :class:`Kandinsky5Processor`
+    (``fused=False``: diffusers' norm and rotation in place of the node)."""
     check_supported(transformer)
-    processor = Kandinsky5Processor(rounding)
+    processor = Kandinsky5Processor(rounding, fused=fused)
     for block in transformer.text_transformer_blocks:
         block.self_attention.set_processor(processor)
     for block in transformer.visual_transformer_blocks:
@@ -130,9 +151,9 @@ class Kandinsky5CacheInputTransformer(nn.Module):
     [L, head_dim]`` -> ``latent_sample [B, out_visual_dim, F, H, W]``."""
 
     def __init__(self, transformer: nn.Module, *, rounding: int,
-                 kept: tuple[int, ...] | None = None):
+                 kept: tuple[int, ...] | None = None, fused: bool = True):
         super().__init__()
-        patch_transformer(transformer, rounding=rounding)
+        patch_transformer(transformer, rounding=rounding, fused=fused)
         self.transformer = transformer
         self.rounding = rounding
         self.text_kept, self.visual_kept = tuple(kept) if kept is not None else (
@@ -219,9 +240,10 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
 
 
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
-            layers: int | None, rounding: int):
+            layers: int | None, rounding: int, fused: bool = True):
     """The export of ``transformer`` with its first ``layers`` blocks in execution order (text
-    blocks, then visual blocks; every block by default)."""
+    blocks, then visual blocks; every block by default); ``fused=False``: the same graph with
+    diffusers' norm and rotation in place of the nodes (the tests' reference graph)."""
     from qkrope.export.onnx_export import TransformerPlan
 
     if dtype == torch.float16:
@@ -239,7 +261,8 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     cfg = dict(transformer.config)
     counts = record.block_counts(cfg)
     kept = record.kept_blocks(cfg, layers)
-    wrapper = Kandinsky5CacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
+    wrapper = Kandinsky5CacheInputTransformer(transformer, rounding=rounding, kept=kept,
+                                              fused=fused).eval()
     args = sample_args(transformer, sample, dtype)
     attn = transformer.visual_transformer_blocks[0].self_attention
     axes = tuple(int(v) for v in cfg["axes_dims"])
@@ -248,6 +271,6 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=axes,
         theta=int(transformer.visual_rope_embeddings.max_period), rounding=rounding,
-        nodes=sum(kept), num_layers_exported=sum(kept),
+        nodes=sum(kept) if fused else 0, num_layers_exported=sum(kept),
         blocks=f"{record.label}: {blocks} blocks", heads=int(attn.num_heads),
         head_dim=sum(axes), eps=_eps(attn.query_norm, "query_norm"), interleaved=True)
