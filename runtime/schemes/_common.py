@@ -102,6 +102,28 @@ def finish(pair: tuple, setting: "Setting") -> tuple:
                  for s, c in zip(STREAMS, pair))
 
 
+def stream_cache(pos: np.ndarray, axes_dim, unique, cos_sin) -> np.ndarray:
+    """The ``[tokens, sum(axes_dim)]`` float32 cache (cos half then sin half, axes in order
+    within each half) of positions ``pos`` [tokens, len(axes_dim)]: each distinct position of
+    an axis is evaluated once, ``unique(column)`` giving ``(values, inverse)`` and
+    ``cos_sin(values, dim)`` their float32 cos and sin rows (the scheme's arithmetic)."""
+    cos_parts, sin_parts = [], []
+    for i, dim in enumerate(axes_dim):
+        values, inverse = unique(pos[:, i])
+        cos, sin = cos_sin(values, int(dim))
+        cos_parts.append(cos[inverse.ravel()])
+        sin_parts.append(sin[inverse.ravel()])
+    return np.ascontiguousarray(np.concatenate(cos_parts + sin_parts, axis=1), np.float32)
+
+
+def cache_pair(cache, pos, setting: "Setting") -> tuple:
+    """``(img, txt)`` float32 caches of a checked request whose streams' positions are
+    ``pos.img`` and ``pos.txt``: ``cache(positions, axes_dim=, theta=)`` per stream."""
+    axes, theta = tuple(int(d) for d in setting.axes_dim), float(setting.theta)
+    return finish((cache(pos.img, axes_dim=axes, theta=theta),
+                   cache(pos.txt, axes_dim=axes, theta=theta)), setting)
+
+
 class BadRequest(ValueError):
     """The request's fields are not what the scheme takes (the message says what and the fix)."""
 

@@ -37,7 +37,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ._common import (BadPositions, BadRequest, Setting, TooLarge,  # noqa: F401
-                      check_bytes, finish, request_arrays)
+                      cache_pair, check_bytes, request_arrays, stream_cache)
 
 NAME = "ids"
 FIELDS = ("txt_ids", "img_ids")
@@ -228,25 +228,21 @@ def cache(pos: np.ndarray, *, axes_dim: Sequence[int], theta: float) -> np.ndarr
     """The ``[tokens, sum(axes_dim)]`` float32 cache (cos half then sin half, axes in order
     within each half) of float32 positions ``pos`` [tokens, len(axes_dim)] from
     :func:`check_ids`: row t holds the pair angles ``pos[t, i] * freq`` of every axis i."""
-    cos_parts, sin_parts = [], []
-    for i, dim in enumerate(axes_dim):
-        # Each distinct position is evaluated once (an image's rows share their column positions).
-        # Unique by bit pattern, so that -0.0 keeps its sign (sin(-0.0) is -0.0).
-        bits, inverse = np.unique(np.ascontiguousarray(pos[:, i]).view(np.int32),
+    def unique(column: np.ndarray) -> tuple:
+        # Each distinct position is evaluated once (an image's rows share their column
+        # positions). Unique by bit pattern, so that -0.0 keeps its sign (sin(-0.0) is -0.0).
+        bits, inverse = np.unique(np.ascontiguousarray(column).view(np.int32),
                                   return_inverse=True)
-        values = bits.view(np.float32).astype(np.float64)
-        angles = np.multiply.outer(values, frequencies(theta, int(dim)))
-        cos, sin = _cos_sin64(angles)
-        cos_parts.append(cos[inverse.ravel()])
-        sin_parts.append(sin[inverse.ravel()])
-    return np.ascontiguousarray(np.concatenate(cos_parts + sin_parts, axis=1), np.float32)
+        return bits.view(np.float32).astype(np.float64), inverse
+
+    return stream_cache(pos, axes_dim, unique,
+                        lambda values, dim: _cos_sin64(np.multiply.outer(values,
+                                                                         frequencies(theta, dim))))
 
 
 def build(pos: Positions, setting: Setting) -> tuple:
     """``(img, txt)`` float32 caches of a checked request."""
-    axes, theta = tuple(int(d) for d in setting.axes_dim), float(setting.theta)
-    return finish((cache(pos.img, axes_dim=axes, theta=theta),
-                   cache(pos.txt, axes_dim=axes, theta=theta)), setting)
+    return cache_pair(cache, pos, setting)
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,14 +32,14 @@ Where no C maths library can be loaded, numpy's float64 cos/sin rounded to float
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from . import ids as _ids
 from ._common import (BadPositions, BadRequest, PositionOverflow, Setting,  # noqa: F401
-                      check_bytes, finish, request_arrays, show_rows)
+                      cache_pair, check_bytes, request_arrays, show_rows,
+                      stream_cache)
 from .grid import _cos_sin
 
 NAME = "table"
@@ -163,10 +163,7 @@ def profile_limits(setting: Setting, grids: Sequence, txt_max: int):
 # The arithmetic
 # --------------------------------------------------------------------------------------------
 
-def frequencies(theta: float, dim: int) -> np.ndarray:
-    """``1 / theta ** (arange(0, dim, 2) / dim)`` in float64 (the C library's ``pow``)."""
-    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
-    return 1.0 / np.array([math.pow(float(theta), e) for e in exponents.tolist()], np.float64)
+frequencies = _ids.frequencies
 
 
 def angles(positions_: np.ndarray, theta: float, dim: int) -> np.ndarray:
@@ -180,20 +177,13 @@ def cache(pos: np.ndarray, *, axes_dim: Sequence[int], theta: float) -> np.ndarr
     """The ``[tokens, sum(axes_dim)]`` float32 cache (cos half then sin half, axes in order
     within each half) of int64 positions ``pos`` [tokens, len(axes_dim)]: each distinct
     position of an axis is evaluated once."""
-    cos_parts, sin_parts = [], []
-    for i, dim in enumerate(axes_dim):
-        values, inverse = np.unique(pos[:, i], return_inverse=True)
-        cos, sin = _cos_sin(angles(values, theta, int(dim)))
-        cos_parts.append(cos[inverse.ravel()])
-        sin_parts.append(sin[inverse.ravel()])
-    return np.ascontiguousarray(np.concatenate(cos_parts + sin_parts, axis=1), np.float32)
+    return stream_cache(pos, axes_dim, lambda column: np.unique(column, return_inverse=True),
+                        lambda values, dim: _cos_sin(angles(values, theta, dim)))
 
 
 def build(pos: Positions, setting: Setting) -> tuple:
     """``(img, txt)`` float32 caches of a checked request."""
-    axes, theta = tuple(int(d) for d in setting.axes_dim), float(setting.theta)
-    return finish((cache(pos.img, axes_dim=axes, theta=theta),
-                   cache(pos.txt, axes_dim=axes, theta=theta)), setting)
+    return cache_pair(cache, pos, setting)
 
 
 # --------------------------------------------------------------------------------------------
