@@ -68,10 +68,12 @@ JOINED_TEXT_AXES = (TXT2_TOKENS, IMAGE_EMBED_TOKENS)
 #: and width.
 CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES = (
     "clean_frames", "history_2x_frames", "history_4x_frames")
+#: The history axes: a sample of other latent sizes (a check's) keeps their export values (the
+#: family's sample request lays out the history frames the export traced).
+HISTORY_AXES = (CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES)
 #: The dynamic axes of the exported models, as the exporter names them.
 AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS, LATENT_FRAMES,
-        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS, CLEAN_FRAMES,
-        HISTORY_2X_FRAMES, HISTORY_4X_FRAMES)
+        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS) + HISTORY_AXES
 #: A cache's rows axis -> the token axis of its stream.
 CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 
@@ -205,6 +207,11 @@ LATENTS_HISTORY_4X = TensorDecl(
     (BATCH, None, HISTORY_4X_FRAMES, LATENT_HEIGHT, LATENT_WIDTH),
     "4x history latents, [batch, channels, history_4x_frames, latent_height, latent_width]; "
     "padded by repetition to whole (4, 8, 8) patches")
+#: The history latents' roles, in the order of their frame axes (HISTORY_AXES). The image
+#: cache holds one row per token of each at the latent's own patch (its frames x the latent's
+#: token rows x columns), in the model's sequence order before the latent's rows: a model that
+#: joins coarser patches of them pools their rows itself.
+HISTORY_ROLES = (LATENTS_CLEAN.role, LATENTS_HISTORY_2X.role, LATENTS_HISTORY_4X.role)
 
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)

@@ -44,3 +44,41 @@ def inputs(variant: str, *, batch: int = 2, frames: int = 3, height: int = 4, wi
                                                   generator=g).to(dtype),
                    guidance=torch.full((batch,), 6.0).to(dtype))
     return out
+
+
+#: FramePack's frame-index keywords of the parts in sequence order (4x history, 2x history,
+#: clean, latent).
+FRAMEPACK_INDICES = ("indices_latents_history_4x", "indices_latents_history_2x",
+                     "indices_latents_clean", "indices_latents")
+
+
+def framepack_inputs(*, batch=2, frames=3, height=6, width=8, clean=2, h2=3, h4=5, txt=7,
+                     image=5, seed=3, dtype=torch.float32) -> dict:
+    """diffusers' FramePack forward keywords (HunyuanVideoFramepackPipeline's call) for a
+    ``frames x height x width`` latent (patch 2) behind ``clean`` / ``h2`` / ``h4`` history
+    frames, with padded text in the last batch item; frame indices as the inverted
+    anti-drifting sampling lays them out (qkrope's ``framepack_sample_indices``: the clean part
+    is the first frame and the newest history frame, not contiguous)."""
+    from qkrope.families.hunyuan_video.dropin import framepack_sample_indices
+
+    _, cfg = VARIANTS["hunyuan-video-framepack"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    channels = cfg["in_channels"]
+    mask = torch.ones(batch, txt)
+    mask[-1, txt // 2:] = 0
+    out = dict(
+        hidden_states=rand(batch, channels, frames, height, width),
+        timestep=torch.linspace(900.0, 100.0, batch).to(dtype),
+        encoder_hidden_states=rand(batch, txt, cfg["text_embed_dim"]),
+        encoder_attention_mask=mask, pooled_projections=rand(batch, cfg["pooled_projection_dim"]),
+        image_embeds=rand(batch, image, cfg["image_proj_dim"]),
+        guidance=torch.full((batch,), 6.0).to(dtype),
+        latents_clean=rand(batch, channels, clean, height, width),
+        latents_history_2x=rand(batch, channels, h2, height, width),
+        latents_history_4x=rand(batch, channels, h4, height, width))
+    out.update(zip(FRAMEPACK_INDICES, framepack_sample_indices(frames, (clean, h2, h4))))
+    return out

@@ -2,27 +2,24 @@
 hunyuan_video folder's code (qkrope/families/hunyuan_video): the "ids" caches of the history
 and latent grids against diffusers' RoPE tables, the in-graph pooling of the 2x / 4x history
 rows against diffusers', the patched forward bit for bit against diffusers' own in fp32, bf16 and
-fp16, the export run by ONNX Runtime at shapes it never traced, the drop-in's mapping of a
-pipeline call and the refusals. The tiny model is diffusers' own FramePack test config
-(qkrope/families/hunyuan_video/tiny.py).
-
-The record is not registered yet: its history latents need TensorDecls, roles and frame axes in
-qkrope.model_io (the export test adds the record's declarations to model_io's tables for its
-duration, which is what registering them would do)."""
+fp16, the check's sample request and reference arguments, one export (qkrope's own, shared by
+the slow tests) run through the drop-in at shapes it never traced against diffusers' forward,
+the drop-in's mapping of a pipeline call and the refusals. The tiny model is diffusers' own
+FramePack test config (qkrope/families/hunyuan_video/tiny.py)."""
 
 from __future__ import annotations
 
 import copy
 from types import SimpleNamespace
-from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
 
-import qkrope.families.hunyuan_video as hv  # noqa: E402
+import _hunyuan_video_models as hvm  # noqa: E402
+
+from qkrope import contract  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.families.hunyuan_video import HUNYUAN_VIDEO_FRAMEPACK as RECORD  # noqa: E402
 from qkrope.families.hunyuan_video import dropin as hd  # noqa: E402
@@ -31,43 +28,13 @@ from qkrope.families.hunyuan_video import tiny  # noqa: E402
 
 VARIANT = RECORD.name
 #: The index arguments of the parts in sequence order (4x history, 2x history, clean, latent).
-INDICES = ("indices_latents_history_4x", "indices_latents_history_2x", "indices_latents_clean",
-           "indices_latents")
+INDICES = hvm.FRAMEPACK_INDICES
+inputs = hvm.framepack_inputs
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny.transformer(VARIANT)
-
-
-def inputs(*, batch=2, frames=3, height=6, width=8, clean=2, h2=3, h4=5, txt=7, image=5,
-           seed=3, dtype=torch.float32) -> dict:
-    """diffusers' forward keywords (the pipeline's call) for a ``frames x height x width``
-    latent behind ``clean`` / ``h2`` / ``h4`` history frames, with padded text in the last batch
-    item; frame indices as the inverted anti-drifting sampling lays them out (the clean part is
-    the first frame and the newest history frame: not contiguous)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    mask = torch.ones(batch, txt)
-    mask[-1, txt // 2:] = 0
-    start = 1 + frames
-    return dict(
-        hidden_states=rand(batch, 4, frames, height, width),
-        timestep=torch.linspace(900.0, 100.0, batch).to(dtype),
-        encoder_hidden_states=rand(batch, txt, 16), encoder_attention_mask=mask,
-        pooled_projections=rand(batch, 8), image_embeds=rand(batch, image, 16),
-        indices_latents=torch.arange(1, start), guidance=torch.full((batch,), 6.0).to(dtype),
-        latents_clean=rand(batch, 4, clean, height, width),
-        indices_latents_clean=torch.cat([torch.zeros(1, dtype=torch.int64),
-                                         torch.arange(start, start + clean - 1)]),
-        latents_history_2x=rand(batch, 4, h2, height, width),
-        indices_latents_history_2x=torch.arange(start + clean - 1, start + clean - 1 + h2),
-        latents_history_4x=rand(batch, 4, h4, height, width),
-        indices_latents_history_4x=torch.arange(start + clean - 1 + h2,
-                                                start + clean - 1 + h2 + h4))
 
 
 def _compact(cos, sin) -> torch.Tensor:
@@ -180,66 +147,58 @@ def test_unsupported_configs_are_refused_in_one_line(overrides, match):
 # The ONNX graph, run by ONNX Runtime at untraced shapes
 # --------------------------------------------------------------------------------------------
 
-def _export(model, path, fused: bool):
-    """The wrapper traced as qkrope's export traces it (export.trace._torch_export: dynamic
-    named axes, the node translated, the function body added), with the record's history
-    declarations in model_io's tables."""
-    import onnx_ir as ir
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    """The tiny model's fp32 export by qkrope's own exporter (traced at batch 2, a 2 x 3 x 4
+    token grid behind 2 / 3 / 5 history frames, 6 text and 3 image tokens), once per module."""
+    from qkrope.export.api import export_transformer
 
-    from qkrope import model_io
-    from qkrope.export.finalize import finalize_model
-    from qkrope.export.trace import _torch_export
-
-    new = {t.name: t for t in (hv.LATENTS_CLEAN, hv.LATENTS_HISTORY_2X, hv.LATENTS_HISTORY_4X)}
-    axes = model_io.AXES + (hv.CLEAN_FRAMES, hv.HISTORY_2X_FRAMES, hv.HISTORY_4X_FRAMES)
-    wrapper = hx.cache_input_hunyuan(copy.deepcopy(model), RECORD, fused=fused)
-    kw = inputs()
-    decl = RECORD.graph
-    with mock.patch.dict(model_io.TENSORS, new), mock.patch.object(model_io, "AXES", axes):
-        graph = _torch_export(wrapper, graph_args(kw, ids_cache(kw)), decl.input_names,
-                              decl.output_names, 20, parameters_of="transformer",
-                              patch=(1, 2, 2))
-    finalize_model(graph, opset=20, head_dim=10, rotary_dim=10,
-                   expected_nodes=hx.node_count(model) if fused else 0)
-    ir.save(graph, str(path))
-    return graph
+    root = tmp_path_factory.mktemp("framepack")
+    model.save_pretrained(str(root / "model"))
+    export_transformer(root / "model", root / "t.onnx", dtype="fp32", progress=False)
+    return root / "t.onnx"
 
 
 @pytest.mark.slow
-def test_onnx_runtime_at_untraced_shapes(model, tmp_path):
-    """The export (traced at batch 2, a 3 x 6 x 8 latent behind 2 / 3 / 5 history frames, 7
-    text and 5 image tokens; every frame, size and token axis dynamic) run by ONNX Runtime at
-    other batches, frame counts of every part, sizes and text lengths, with qkrope's ids caches,
-    against diffusers' forward in float64: the error is at most twice that of the reference
-    graph (the same export with diffusers' norm and rotation in place of the nodes) on the same
-    caches; three nodes (two in the double-stream block, one in the single-stream block)."""
+def test_dropin_runs_the_export_at_untraced_shapes_as_diffusers_does(model, exported):
+    """``load_transformer(export)`` (ONNX Runtime; every frame, size and token axis dynamic)
+    called as the pipeline calls ``pipe.transformer`` at batches, frame counts of every part,
+    sizes and text lengths the export never traced: its prediction is ONNX Runtime's run of the
+    graph on the call's inputs and ids caches bit for bit (the drop-in adds no arithmetic), and
+    diffusers' forward within ``qkrope check``'s float32 bound (1e-4 x max|output| + 1e-3
+    relative: the two runtimes' fp32 summation orders; the caches' angles, float64 rounded once
+    against diffusers' float32 tables, add |angle| x 2^-23, far below it); three nodes (two in
+    the double-stream block, one in the single-stream block)."""
+    import onnx
     import onnxruntime as ort
 
-    graph = _export(model, tmp_path / "fused.onnx", True)
-    _export(model, tmp_path / "reference.onnx", False)
-    shapes = {v.name: [str(d) for d in v.shape] for v in graph.graph.inputs}
+    from qkrope.apps.check import tolerances
+    from qkrope.runtime import load_transformer
+
+    graph = onnx.load(str(exported), load_external_data=False)
+    shapes = {v.name: [d.dim_param or str(d.dim_value) for d in v.type.tensor_type.shape.dim]
+              for v in graph.graph.input}
     assert shapes["latents_history_4x"] == ["batch", "4", "history_4x_frames",
                                             "latent_height", "latent_width"]
     assert shapes["img_cos_sin_cache"] == ["img_cache_rows", "10"]
-    sessions = [ort.InferenceSession(str(tmp_path / f"{n}.onnx"),
-                                     providers=["CPUExecutionProvider"])
-                for n in ("fused", "reference")]
-    double = copy.deepcopy(model).double()
+    assert sum(n.op_type == contract.OP_TYPE for n in graph.graph.node) == 3
+    dropin = load_transformer(exported)
+    session = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
     for size in [dict(batch=1, frames=2, height=4, width=4, clean=2, h2=2, h4=16, txt=9,
                       image=3),
                  dict(batch=3, frames=4, height=10, width=6, clean=3, h2=1, h4=6, txt=4,
                       image=2)]:
         kw = inputs(**size)
+        ours = dropin(**kw, return_dict=False)[0]
         feeds = {n: v.numpy() for n, v in zip(RECORD.graph.input_names,
                                               graph_args(kw, ids_cache(kw)))}
-        ours, reference = (s.run(None, feeds)[0] for s in sessions)
+        assert torch.equal(ours, torch.from_numpy(session.run(None, feeds)[0]))
         with torch.no_grad():
-            ref64 = double(**{k: (v.double() if v.is_floating_point() and k not in INDICES
-                                  else v) for k, v in kw.items()}, return_dict=False)[0].numpy()
-        assert ours.shape == ref64.shape == tuple(kw["hidden_states"].shape)
-        reference_err = float(np.abs(reference - ref64).max())
-        ours_err = float(np.abs(ours - ref64).max())
-        assert 0 < reference_err and ours_err <= 2 * reference_err, (ours_err, reference_err)
+            want = model(**kw, return_dict=False)[0]
+        assert ours.shape == want.shape == tuple(kw["hidden_states"].shape)
+        (atol, rtol), = tolerances("fp32", {"out": want.numpy()}, model="transformer").values()
+        assert torch.allclose(ours, want, atol=atol, rtol=rtol)
+        assert not torch.equal(ours, want)  # two runtimes: the bound is exercised
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,8 +248,7 @@ def test_dropin_refuses_what_the_graph_cannot_take_in_one_line(change, match):
 
 
 # --------------------------------------------------------------------------------------------
-# The export plan (export_transformer's hook; the record registers once model_io declares its
-# history inputs)
+# The export plan (export_transformer's hook) and the check's sample and reference
 # --------------------------------------------------------------------------------------------
 
 def test_export_plan_traces_the_graph_inputs_in_order(model):
@@ -306,7 +264,7 @@ def test_export_plan_traces_the_graph_inputs_in_order(model):
     assert [by_name[n].shape[2] for n in ("latents_clean", "latents_history_2x",
                                           "latents_history_4x")] == [2, 3, 5]
     assert tuple(by_name["latent"].shape) == (2, 4, 3, 6, 8)
-    indices = hx.framepack_sample_indices(3)
+    indices = hd.framepack_sample_indices(3)
     kw = {**dict(zip(INDICES, indices)), "hidden_states": by_name["latent"]}
     assert torch.allclose(by_name["img_cos_sin_cache"], diffusers_cache(model, kw), rtol=0,
                           atol=2.0 ** -18)
@@ -316,3 +274,35 @@ def test_export_plan_traces_the_graph_inputs_in_order(model):
     with torch.no_grad():
         out = plan.wrapper(*plan.args)
     assert out.shape == by_name["latent"].shape and torch.isfinite(out).all()
+
+
+def test_check_sample_and_reference_are_the_traced_layout(model):
+    """``qkrope check``'s sample of a FramePack export: the drop-in hook's sample request of a
+    latent grid is the traced sample's ids (its caches equal the plan's bit for bit), and the
+    reference hook gives diffusers the frame indices of that layout, read from the latent's and
+    the history latents' frames: diffusers' forward on them is the wrapper's on the request's
+    caches within the check's own float32 bound (the caches' angles float64 rounded once
+    against diffusers' float32 tables)."""
+    from qkrope.apps.check import tolerances
+    from qkrope.families.hunyuan_video import reference
+    from qkrope.runtime.caches import build_rope_caches, checked_setting
+
+    sample = SimpleNamespace(img_shapes=[(3, 3, 4)], txt_len=6, batch=2)
+    plan = hx.plan(RECORD, copy.deepcopy(model), sample=sample, dtype=torch.float32)
+    by_name = dict(zip(RECORD.graph.input_names, plan.args))
+    request = hd.sample_request(RECORD, sample.img_shapes, 3 + sample.txt_len)
+    caches = build_rope_caches("ids", request, checked_setting(
+        "ids", *hx.rope_setting(model), rotated=RECORD.rotated))
+    assert torch.equal(caches.img, by_name["img_cos_sin_cache"])
+    assert torch.equal(caches.txt, by_name["txt_cos_sin_cache"])
+    by_role = {t.role: by_name[t.name] for t in RECORD.graph.inputs}
+    info = SimpleNamespace(config=SimpleNamespace(diffusers_config=dict(model.config)))
+    kw = reference.forward_kwargs(info, by_role, sample.img_shapes)
+    for name, want in zip(INDICES, hd.framepack_sample_indices(3)):
+        assert torch.equal(kw[name], want), name
+    with torch.no_grad():
+        want = model(**kw)[0]
+        got = plan.wrapper(*plan.args)
+    (atol, rtol), = tolerances("fp32", {"out": want.numpy()}, model="transformer").values()
+    assert torch.allclose(got, want, atol=atol, rtol=rtol)
+    assert not torch.equal(got, want)  # the caches' angles differ: the bound is exercised

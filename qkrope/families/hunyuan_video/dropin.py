@@ -36,9 +36,37 @@ from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_it
 from qkrope.runtime.latents import latent_of
 
 
+#: The history frames (clean, 2x, 4x) of an exported FramePack's sample, the traced one and a
+#: check's (a check's inputs keep the export's values of model_io.HISTORY_AXES): counts that
+#: need padding to whole 2x and 4x patches, so the padding is in the graph.
+FRAMEPACK_SAMPLE_HISTORY = (2, 3, 5)
+
+
+def framepack_sample_indices(frames: int, history=FRAMEPACK_SAMPLE_HISTORY) -> list:
+    """Frame indices of a FramePack sample of ``frames`` latent frames behind ``history``
+    (clean, 2x, 4x frames), in sequence order (4x, 2x, clean, latent), laid out as the
+    pipeline's inverted anti-drifting sampling lays them out: the latent after the first
+    frame, the clean part the first frame and the newest history frames, then the 2x and 4x
+    history further on."""
+    clean, h2, h4 = (int(n) for n in history)
+    start = 1 + int(frames)
+    latent = torch.arange(1, start)
+    clean_idx = torch.cat([torch.zeros(1, dtype=torch.int64),
+                           torch.arange(start, start + clean - 1)])
+    idx_2x = torch.arange(start + clean - 1, start + clean - 1 + h2)
+    idx_4x = torch.arange(start + clean - 1 + h2, start + clean - 1 + h2 + h4)
+    return [idx_4x, idx_2x, clean_idx, latent]
+
+
 def sample_request(record, img_shapes, txt_len: int) -> dict:
     """The position request of a sample of these sizes: the grids themselves (the first is the
-    latent's token grid) and the joined text length."""
+    latent's token grid) and the joined text length; FramePack's the "ids" request of its
+    latent grid behind :data:`FRAMEPACK_SAMPLE_HISTORY` (:func:`framepack_sample_indices`),
+    the text rows identity."""
+    if record is HUNYUAN_VIDEO_FRAMEPACK:
+        f, h, w = (int(v) for v in img_shapes[0])
+        return {"img_ids": framepack_ids(h, w, framepack_sample_indices(f)),
+                "txt_ids": torch.zeros(int(txt_len), 3)}
     return {"img_shapes": [tuple(int(v) for v in s) for s in img_shapes],
             "txt_seq_len": int(txt_len)}
 
@@ -246,5 +274,6 @@ def dropin_class(record):
 
 
 __all__ = ["HunyuanVideo15Transformer", "HunyuanVideoFramepackTransformer",
-           "HunyuanVideoTransformer", "dropin_class", "framepack_ids", "request_for",
+           "HunyuanVideoTransformer", "FRAMEPACK_SAMPLE_HISTORY", "dropin_class", "framepack_ids",
+           "framepack_sample_indices", "request_for",
            "sample_request"]

@@ -530,32 +530,13 @@ def sample_args(family: FamilyRecord, transformer: nn.Module, *, batch: int, gri
     return args + (img, txt)
 
 
-#: The traced sample's history frames (clean, 2x, 4x): counts that need padding to whole
-#: 2x and 4x patches, so the padding is in the graph.
-FRAMEPACK_SAMPLE_HISTORY = (2, 3, 5)
-
-
-def framepack_sample_indices(frames: int, history=FRAMEPACK_SAMPLE_HISTORY) -> list:
-    """Frame indices of a sample, in sequence order (4x, 2x, clean, latent), laid out as the
-    pipeline's inverted anti-drifting sampling lays them out: the latent after the first
-    frame, the clean part the first frame and the newest history frames, then the 2x and 4x
-    history further on."""
-    clean, h2, h4 = history
-    start = 1 + frames
-    latent = torch.arange(1, start)
-    clean_idx = torch.cat([torch.zeros(1, dtype=torch.int64),
-                           torch.arange(start, start + clean - 1)])
-    idx_2x = torch.arange(start + clean - 1, start + clean - 1 + h2)
-    idx_4x = torch.arange(start + clean - 1 + h2, start + clean - 1 + h2 + h4)
-    return [idx_4x, idx_2x, clean_idx, latent]
-
-
 def _framepack_sample(transformer, latent, timestep, text, mask, g, *, batch, grid, image_len,
                       dtype, axes, theta) -> tuple:
     """FramePack's traced sample: HunyuanVideo's, the image embeddings, the history latents
-    and the ids caches of the sample's frame indices (framepack_sample_indices)."""
-    from qkrope.families.hunyuan_video.dropin import framepack_ids
+    and the ids caches of the sample's frame indices (dropin.framepack_sample_indices)."""
     from qkrope.runtime.caches import build_rope_caches, checked_setting
+
+    from .dropin import FRAMEPACK_SAMPLE_HISTORY, framepack_ids, framepack_sample_indices
 
     cfg = transformer.config
     f, h, w = grid
@@ -625,6 +606,8 @@ def plan(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.d
                        model_io.TXT_CACHE_ROWS: int(args[-1].shape[0])}
     if record is HUNYUAN_VIDEO_FRAMEPACK:  # the image tokens, the history frames, the caches
         from qkrope import model_io
+
+        from .dropin import FRAMEPACK_SAMPLE_HISTORY
 
         axis_values = {model_io.IMAGE_EMBED_TOKENS: int(args[5].shape[1]),
                        model_io.IMG_CACHE_ROWS: int(args[-2].shape[0]),

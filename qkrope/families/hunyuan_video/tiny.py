@@ -7,8 +7,9 @@ tests/_hunyuan_video_models.py):
 - HunyuanVideo: HunyuanVideoPipeline with a random 3-layer LlamaModel of width 16 (the pipeline
   reads the hidden state 2 layers from the top) and a 1-layer CLIPTextModel of width 8 (the
   pooled projection), byte-level tokenizers, diffusers' pipeline-test AutoencoderKLHunyuanVideo;
-- HunyuanVideo FramePack: the transformer alone (diffusers' FramePack test config; its
-  pipeline, HunyuanVideoFramepackPipeline, is not built here: the record is not registered);
+- HunyuanVideo FramePack: HunyuanVideoFramepackPipeline, HunyuanVideo's components with
+  diffusers' FramePack test transformer and a random 1-layer SiglipVisionModel of width 16 (the
+  image embeddings) with its image processor at 32 x 32;
 - HunyuanVideo-1.5: HunyuanVideo15Pipeline (text-to-video: the transformer takes 2 x 4 + 1
   channels) with a random 3-layer Qwen2_5_VLTextModel of width 16 and a ChatML chat template, a
   1-layer T5EncoderModel of width 8 for the glyph text with transformers' ByT5Tokenizer (it needs
@@ -58,25 +59,38 @@ def transformer(variant: str, seed: int = 0, **overrides):
 
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
-    """The tiny HunyuanVideoPipeline or HunyuanVideo15Pipeline saved with ``save_pretrained``."""
+    """The tiny HunyuanVideoPipeline, HunyuanVideoFramepackPipeline or HunyuanVideo15Pipeline
+    saved with ``save_pretrained``."""
     diffusers = require("diffusers", "the tiny HunyuanVideo pipelines")
     require("transformers", "the tiny HunyuanVideo pipelines' text encoders")
     config = VARIANTS[record.name][1]
     torch.manual_seed(0)  # the VAEs initialise from the global generator
-    if record.name == "hunyuan-video":
+    if record.name in ("hunyuan-video", "hunyuan-video-framepack"):
         from transformers import LlamaConfig, LlamaModel
 
         tok = byte_tokenizer(bos="<|begin_of_text|>")
         clip_tok = byte_tokenizer(model_max_length=77, append_eos=True)
         vae = diffusers.AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(8,) * 4,
                                                   layers_per_block=1, norm_num_groups=4)
-        pipe = diffusers.HunyuanVideoPipeline(
+        parts = dict(
             text_encoder=decoder_encoder(LlamaConfig, LlamaModel, tok, config["text_embed_dim"],
                                          layers=3, seed=seed),
             tokenizer=tok, transformer=transformer(record.name, seed), vae=vae.eval(),
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
             text_encoder_2=clip_text_encoder(clip_tok, config["pooled_projection_dim"], seed),
             tokenizer_2=clip_tok)
+        if record.name == "hunyuan-video":
+            pipe = diffusers.HunyuanVideoPipeline(**parts)
+        else:
+            from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+            torch.manual_seed(seed)
+            siglip = SiglipVisionModel(SiglipVisionConfig(
+                hidden_size=config["image_proj_dim"], intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, image_size=32, patch_size=16))
+            pipe = diffusers.HunyuanVideoFramepackPipeline(
+                **parts, image_encoder=siglip.eval(),
+                feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}))
     else:
         from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
