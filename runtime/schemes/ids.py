@@ -48,7 +48,8 @@ NEEDS: tuple = ()
 
 
 class Positions(NamedTuple):
-    """A checked request: float32 ``[tokens, axes]`` positions of each stream."""
+    """A checked request: float32 ``[tokens, axes]`` positions of each stream (the "table"
+    scheme's: int64)."""
 
     txt: np.ndarray
     img: np.ndarray
@@ -250,27 +251,23 @@ def build(pos: Positions, setting: Setting) -> tuple:
 # --------------------------------------------------------------------------------------------
 
 def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, *,
-                     max_img: int, max_txt: int) -> Positions:
+                     max_img: int, max_txt: int, check=check_ids) -> Positions:
     """The checked request of a Triton client: ``inputs`` the ids by name, ``shapes`` the shapes
     of the latent (``"latent"``) and the text tensor (``"txt"``), ``names`` their input names;
     each stream's ids must have one row per token of its tensor (axis 1), within the served
-    model's limits."""
+    model's limits (bounded by ``check``, the scheme's ids check, before any value is read or
+    converted)."""
     n_axes = len(setting.axes_dim)
     pos = {}
     for stream, limit in (("img", max_img), ("txt", max_txt)):
         name = f"{stream}_ids"
-        # the served model's limit bounds the rows before any value is read or converted
-        ids = check_ids(inputs[name], n_axes, name, limit,
-                        f"the served model accepts (its profile's largest {stream} cache)")
+        ids = check(inputs[name], n_axes, name, limit,
+                    f"the served model accepts (its profile's largest {stream} cache)")
         shape = shapes["latent" if stream == "img" else "txt"]
         tensor = names["latent" if stream == "img" else "txt"]
-        rows_ = ids.shape[0]
         # axis 1 is the tokens of the latent, the text, or the text mask (a model with one)
-        if len(shape) < 2 or shape[1] != rows_:
-            raise BadRequest(f"{name} has {rows_} rows (one per token) but {tensor} has shape "
-                             f"{list(shape)}: the ids must be those of its tokens (axis 1)")
-        if rows_ > limit:
-            raise BadRequest(f"{name} has {rows_} tokens, more than the {limit} the served "
-                             f"model accepts (its profile's largest {stream} cache)")
+        if len(shape) < 2 or shape[1] != ids.shape[0]:
+            raise BadRequest(f"{name} has {ids.shape[0]} rows (one per token) but {tensor} has "
+                             f"shape {list(shape)}: the ids must be those of its tokens (axis 1)")
         pos[stream] = ids
     return Positions(pos["txt"], pos["img"])

@@ -32,7 +32,7 @@ Where no C maths library can be loaded, numpy's float64 cos/sin rounded to float
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -43,18 +43,10 @@ from ._common import (BadPositions, BadRequest, PositionOverflow, Setting,  # no
 from .grid import _cos_sin
 
 NAME = "table"
-FIELDS = ("txt_ids", "img_ids")
-#: Request fields whose tensors hold positions.
-POSITION_FIELDS = ("txt_ids", "img_ids")
-TEXT_LENGTH_FIELD = None
-NEEDS: tuple = ()
-
-
-class Positions(NamedTuple):
-    """A checked request: int64 ``[tokens, axes]`` positions of each stream."""
-
-    txt: np.ndarray
-    img: np.ndarray
+# The "ids" scheme's request fields (all positions) and checked request, its positions int64
+FIELDS, POSITION_FIELDS, TEXT_LENGTH_FIELD, NEEDS = (_ids.FIELDS, _ids.POSITION_FIELDS,
+                                                     _ids.TEXT_LENGTH_FIELD, _ids.NEEDS)
+Positions = _ids.Positions
 
 
 def check_table_ids(ids, n_axes: int, name: str, max_rows=None,
@@ -109,20 +101,11 @@ def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
     return out
 
 
-bound = _ids.bound
-
-
-def rows(pos: Positions) -> tuple:
-    """(image rows, text rows) of the caches."""
-    return int(pos.img.shape[0]), int(pos.txt.shape[0])
+bound, rows, describe = _ids.bound, _ids.rows, _ids.describe  # the same ids fields
 
 
 def key(pos: Positions) -> tuple:
-    return (NAME, pos.txt.shape, pos.txt.tobytes(), pos.img.shape, pos.img.tobytes())
-
-
-def describe(pos: Positions) -> str:
-    return "img_ids / txt_ids rows"
+    return (NAME,) + _ids.key(pos)[1:]
 
 
 def check(pos: Positions, setting: Setting) -> None:
@@ -192,21 +175,9 @@ def build(pos: Positions, setting: Setting) -> tuple:
 
 def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, *,
                      max_img: int, max_txt: int) -> Positions:
-    """The checked request of a Triton client: the ids by name, one row per token of their
-    stream's tensor (axis 1), within the served model's limits (bounded before any value is
-    read)."""
-    n_axes = len(setting.axes_dim)
-    pos = {}
-    for stream, limit in (("img", max_img), ("txt", max_txt)):
-        name = f"{stream}_ids"
-        ids = check_table_ids(inputs[name], n_axes, name, limit,
-                              f"the served model accepts (its profile's largest {stream} cache)")
-        shape = shapes["latent" if stream == "img" else "txt"]
-        tensor = names["latent" if stream == "img" else "txt"]
-        if len(shape) < 2 or shape[1] != ids.shape[0]:
-            raise BadRequest(f"{name} has {ids.shape[0]} rows (one per token) but {tensor} has "
-                             f"shape {list(shape)}: the ids must be those of its tokens (axis 1)")
-        pos[stream] = ids
-    out = Positions(pos["txt"], pos["img"])
+    """The checked request of a Triton client (the "ids" scheme's, with int64 table ids), its
+    positions within the tables."""
+    out = _ids.triton_positions(inputs, shapes, names, setting, max_img=max_img,
+                                max_txt=max_txt, check=check_table_ids)
     check_lengths(out, setting.table_lengths)
     return out
