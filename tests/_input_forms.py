@@ -337,3 +337,77 @@ def wan_vace(model, batch: int, g: torch.Generator) -> Forms:
 
 
 FORMS.update({"wan-vace": wan_vace})
+
+
+def hunyuan_video_framepack(model, batch: int, g: torch.Generator) -> Forms:
+    """HunyuanVideo FramePack: HunyuanVideoFramepackPipeline's call (the history latents and
+    the frame indices of every part); the masks as bool or int64, non-contiguous text and
+    history, the indices as int32 read as the pipeline's int64."""
+    import _hunyuan_video_models as hvm
+
+    base = dict(hvm.framepack_inputs(batch=batch, seed=int(torch.randint(0, 1000, (1,),
+                                                                         generator=g))),
+                return_dict=False)
+    mask = base["encoder_attention_mask"]
+    same = [("mask bool", dict(base, encoder_attention_mask=mask.bool())),
+            ("mask int64", dict(base, encoder_attention_mask=mask.to(torch.int64))),
+            ("non-contiguous text and history",
+             dict(base, encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"]),
+                  latents_history_4x=_noncontiguous(base["latents_history_4x"]))),
+            ("indices int32", dict(base, **{k: base[k].to(torch.int32)
+                                            for k in hvm.FRAMEPACK_INDICES}))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"hunyuan-video-framepack": hunyuan_video_framepack})
+
+
+def kandinsky5(model, batch: int, g: torch.Generator) -> Forms:
+    """Kandinsky 5: the channels-last latent [B, F, H, W, C] (the model patchifies it), the
+    Qwen text, the pooled CLIP embedding, a [batch] timestep, the positions the pipelines pass
+    (each visual axis and the text counted from 0) and the video pipelines' angle divisors;
+    a list or a tuple of positions and of divisors read the same (return_dict left True: with
+    False diffusers returns the bare sample)."""
+    cfg = model.config
+    pt, ph, pw = cfg.patch_size
+    f, h, w, txt = 2, 3, 2, 5
+    base = {"hidden_states": torch.randn(batch, f * pt, h * ph, w * pw, cfg.in_visual_dim,
+                                         generator=g),
+            "encoder_hidden_states": torch.randn(batch, txt, cfg.in_text_dim, generator=g),
+            "timestep": torch.rand(batch, generator=g) * 999,
+            "pooled_projections": torch.randn(batch, cfg.in_text_dim2, generator=g),
+            "visual_rope_pos": [torch.arange(f), torch.arange(h), torch.arange(w)],
+            "text_rope_pos": torch.arange(txt), "scale_factor": (1, 2, 2)}
+    same = [("positions a tuple, divisors a list",
+             dict(base, visual_rope_pos=tuple(base["visual_rope_pos"]),
+                  scale_factor=[1.0, 2.0, 2.0])),
+            ("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"kandinsky5": kandinsky5})
+
+
+def prx(model, batch: int, g: torch.Generator) -> Forms:
+    """PRX: the 4-D latent [B, C, H, W] (the model patchifies it), the pipelines' float32
+    timestep in [0, 1], the text and its bool mask (an int64 mask and no mask with every token
+    real read the same); the positions are the latent's own patch grid."""
+    cfg = model.config
+    p = cfg.patch_size
+    base = {"hidden_states": torch.randn(batch, cfg.in_channels, 3 * p, 2 * p, generator=g),
+            "timestep": torch.rand(batch, generator=g),
+            "encoder_hidden_states": torch.randn(batch, 5, cfg.context_in_dim, generator=g),
+            "attention_mask": torch.ones(batch, 5, dtype=torch.bool),
+            "return_dict": False}
+    mask = base["attention_mask"]
+    same = [("mask int64", dict(base, attention_mask=mask.long())),
+            ("mask none", dict(base, attention_mask=None)),
+            ("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"prx": prx})

@@ -18,7 +18,8 @@ IMAGES = 1
 def forward_kwargs(info, by_role: Mapping[str, Any],
                    img_shapes: Sequence[Sequence[int]]) -> dict:
     """diffusers' forward arguments for the graph inputs ``by_role`` (the grid is the latent's
-    own, ``img_shapes`` is not needed)."""
+    own, ``img_shapes`` is not needed). ``return_dict`` stays True: with False diffusers returns
+    the bare sample, and the check reads ``result[0]`` (the output's sample)."""
     import torch
 
     latent = by_role["hidden_states"]
@@ -30,10 +31,9 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
                 pooled_projections=by_role["pooled_projections"],
                 visual_rope_pos=[torch.arange(n, device=latent.device) for n in grid],
                 text_rope_pos=torch.arange(int(text.shape[1]), device=text.device),
-                scale_factor=SAMPLE_SCALE, return_dict=False)
+                scale_factor=SAMPLE_SCALE, return_dict=True)
 
 
 def graph_output(info, sample, img_shapes):
     """diffusers' channels-last output in the graph's channels-first layout."""
-    out = sample[0] if isinstance(sample, (tuple, list)) else sample
-    return out.permute(0, 4, 1, 2, 3)
+    return sample.permute(0, 4, 1, 2, 3)
