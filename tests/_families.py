@@ -86,7 +86,8 @@ class TinyBuilder:
                     "transformer_blocks")
 
     def saved(self, root: Path) -> Path:
-        """The model's folder (save_pretrained), once per session and root."""
+        """The model's folder (save_pretrained), once per session and root. The tests that only
+        read it pass the session's ``tiny_root`` (tests/conftest.py) and share one."""
         key = (self.variant, str(root))
         if key not in _SAVED:
             folder = root / f"{self.variant}-diffusers"
@@ -94,9 +95,32 @@ class TinyBuilder:
             _SAVED[key] = folder
         return _SAVED[key]
 
+    def exported(self, root: Path, dtype: str = "fp32") -> Path:
+        """The model's export in ``dtype`` (``export_transformer`` of :meth:`saved`), once per
+        session and root: ``root/<variant>-<dtype>/<variant>.onnx``. The matrices that only
+        read it pass ``tiny_root`` and share one; a test that writes next to an export, moves
+        or re-exports it exports its own. A failed export fails every test that asks for it
+        with the same error (never a retry over its leftovers)."""
+        key = (self.variant, dtype, str(root))
+        if key not in _EXPORTED:
+            from qkrope.export.api import export_transformer
+
+            out = root / f"{self.variant}-{dtype}" / f"{self.variant}.onnx"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                export_transformer(self.saved(root), out, dtype=dtype, progress=False)
+            except Exception as exc:
+                _EXPORTED[key] = exc
+                raise
+            _EXPORTED[key] = out
+        if isinstance(_EXPORTED[key], Exception):
+            raise _EXPORTED[key]
+        return _EXPORTED[key]
+
 
 _BLOCKS: dict[str, int] = {}
 _SAVED: dict[tuple[str, str], Path] = {}
+_EXPORTED: dict[tuple[str, str, str], Path | Exception] = {}
 
 
 def _flux(variant: str) -> TinyBuilder:
