@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -100,6 +101,35 @@ def finish(pair: tuple, setting: "Setting") -> tuple:
         return pair
     return tuple(c if s in setting.rotated else identity_rows(c.shape[0], c.shape[1])
                  for s, c in zip(STREAMS, pair))
+
+
+def whole(value: object, what: str) -> int:
+    """An integer given as an int (or numpy/torch integer), never a float, str or bool."""
+    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) is not None \
+            and str(getattr(value, "dtype")) in ("bool", "torch.bool"):
+        raise BadRequest(f"{what} must be an integer; got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise BadRequest(f"{what} must be an integer; got {value!r:.60} "
+                         f"({type(value).__name__})") from None
+
+
+def check_grid(grid, example: str) -> tuple:
+    """``grid`` as a positive ``(frames, height, width)`` int triple (tokens), given as a
+    triple or ``[(f, h, w)]`` (one grid, the img_shapes form); ``example``: a scheme's model's
+    grid, for the message."""
+    example = f"grid must be the latent's token grid (frames, height, width), e.g. {example}"
+    if isinstance(grid, np.ndarray):
+        grid = grid.tolist()
+    if isinstance(grid, (list, tuple)) and len(grid) == 1 and isinstance(grid[0], (list, tuple)):
+        grid = grid[0]
+    if not isinstance(grid, (list, tuple)) or len(grid) != 3:
+        raise BadRequest(f"{example}; got {grid!r:.80}")
+    f, h, w = (whole(v, "grid values (frames, height, width)") for v in grid)
+    if min(f, h, w) < 1:
+        raise BadRequest(f"{example}; got {(f, h, w)}: every axis needs at least one token")
+    return (f, h, w)
 
 
 def stream_cache(pos: np.ndarray, axes_dim, unique, cos_sin) -> np.ndarray:

@@ -32,12 +32,12 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from ._common import BadRequest, PositionOverflow, Setting, check_bytes  # noqa: F401
+from ._common import check_grid as _check_grid, whole
 
 NAME = "divided_grid"
 FIELDS = ("grid", "scale", "txt_seq_len")
@@ -56,30 +56,9 @@ class Positions(NamedTuple):
     txt_len: int
 
 
-def _whole(value, what: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise BadRequest(f"{what} must be an integer; got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise BadRequest(f"{what} must be an integer; got {value!r:.60} "
-                         f"({type(value).__name__})") from None
-
-
 def check_grid(grid) -> tuple:
     """``grid`` as a positive ``(frames, height, width)`` int triple (tokens)."""
-    example = ("grid must be the latent's token grid (frames, height, width), e.g. (31, 30, 52) "
-               "for 121 frames at 480x832 with 2x2 patches")
-    if isinstance(grid, np.ndarray):
-        grid = grid.tolist()
-    if isinstance(grid, (list, tuple)) and len(grid) == 1 and isinstance(grid[0], (list, tuple)):
-        grid = grid[0]
-    if not isinstance(grid, (list, tuple)) or len(grid) != 3:
-        raise BadRequest(f"{example}; got {grid!r:.80}")
-    f, h, w = (_whole(v, "grid values (frames, height, width)") for v in grid)
-    if min(f, h, w) < 1:
-        raise BadRequest(f"{example}; got {(f, h, w)}: every axis needs at least one token")
-    return (f, h, w)
+    return _check_grid(grid, "(31, 30, 52) for 121 frames at 480x832 with 2x2 patches")
 
 
 def check_scale(scale) -> tuple:
@@ -106,7 +85,7 @@ def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
                          f"{list(setting.axes_dim)}. Fix: re-export the model")
     grid = check_grid(request.get("grid"))
     scale = check_scale(request.get("scale"))
-    txt_len = _whole(request.get("txt_seq_len"), "txt_seq_len")
+    txt_len = whole(request.get("txt_seq_len"), "txt_seq_len")
     if txt_len < 1:
         raise BadRequest(f"txt_seq_len must be >= 1; got {txt_len!r}")
     pos = Positions(grid, scale, txt_len)

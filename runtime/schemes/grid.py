@@ -28,13 +28,12 @@ used instead: within one float32 ulp of those bits, not bit-identical (``BIT_EXA
 from __future__ import annotations
 
 import functools
-import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from ._common import (BIT_EXACT, LIBM, BadRequest, PositionOverflow, Setting,  # noqa: F401
-                      check_bytes, finish, request_arrays)
+                      check_bytes, finish, request_arrays, whole)
 
 NAME = "grid"
 #: What a request gives in place of the caches.
@@ -59,17 +58,6 @@ class Positions(NamedTuple):
 # --------------------------------------------------------------------------------------------
 # The request
 # --------------------------------------------------------------------------------------------
-
-def _whole(value: object, what: str) -> int:
-    """An integer given as an int (or numpy/torch integer), never a float, str or bool."""
-    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) is not None \
-            and str(getattr(value, "dtype")) in ("bool", "torch.bool"):
-        raise BadRequest(f"{what} must be an integer; got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise BadRequest(f"{what} must be an integer; got {value!r} ({type(value).__name__})") from None
-
 
 def _is_seq(entry: object) -> bool:
     return isinstance(entry, Sequence) and not isinstance(entry, (str, bytes))
@@ -109,7 +97,7 @@ def check_img_shapes(img_shapes: Shapes) -> tuple:
     for entry in entries:
         if not _is_triple(entry):
             raise BadRequest(f"{example}; got the entry {entry!r} in {img_shapes!r}")
-        f, h, w = (_whole(v, "img_shapes values (frames, height, width)") for v in entry)
+        f, h, w = (whole(v, "img_shapes values (frames, height, width)") for v in entry)
         if f < 1 or h < 1 or w < 1:
             raise BadRequest(f"img_shapes entries must be positive; got {(f, h, w)}")
         shapes.append((f, h, w))
@@ -121,7 +109,7 @@ def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
     is wrong, and :class:`~._common.TooLarge` for caches above ``max_bytes``, before anything
     is built."""
     shapes = check_img_shapes(request.get("img_shapes"))
-    txt_len = _whole(request.get("txt_seq_len"), "txt_seq_len")
+    txt_len = whole(request.get("txt_seq_len"), "txt_seq_len")
     if txt_len < 1:
         raise BadRequest(f"txt_seq_len must be >= 1; got {txt_len!r}")
     pos = Positions(shapes, txt_len)

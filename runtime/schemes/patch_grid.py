@@ -32,8 +32,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._common import BadRequest, Setting, check_bytes, identity_rows, request_arrays
-from .grid import _cos_sin, _whole, check_img_shapes, inverse_frequencies
+from ._common import BadRequest, Setting, check_bytes, identity_rows, request_arrays, whole
+from .grid import _cos_sin, check_img_shapes, inverse_frequencies
 
 NAME = "patch-grid"
 FIELDS = ("img_shapes", "txt_seq_len")
@@ -68,7 +68,7 @@ def positions(request: dict, setting: Setting, max_bytes=None) -> Positions:
     if len(setting.axes_dim) not in (2, 3):
         raise BadRequest(f"the patch-grid scheme takes two or three RoPE axes; got "
                          f"{list(setting.axes_dim)}. Fix: re-export the model")
-    txt_len = _whole(request.get("txt_seq_len"), "txt_seq_len")
+    txt_len = whole(request.get("txt_seq_len"), "txt_seq_len")
     if txt_len < 1:
         raise BadRequest(f"txt_seq_len must be >= 1; got {txt_len!r}")
     pos = Positions(grid, txt_len)

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from ._common import BadRequest, PositionOverflow, Setting, check_bytes, finish  # noqa: F401
+from ._common import check_grid as _check_grid
 
 NAME = "scaled_grid"
 FIELDS = ("grid", "fps")
@@ -56,30 +56,9 @@ class Positions(NamedTuple):
     fps: object
 
 
-def _whole(value, what: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise BadRequest(f"{what} must be an integer; got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise BadRequest(f"{what} must be an integer; got {value!r} "
-                         f"({type(value).__name__})") from None
-
-
 def check_grid(grid) -> tuple:
     """``grid`` as a positive ``(frames, height, width)`` int triple (tokens)."""
-    example = ("grid must be the latent's token grid (frames, height, width), e.g. (1, 44, 80) "
-               "for a 704x1280 image with 2x2 patches")
-    if isinstance(grid, np.ndarray):
-        grid = grid.tolist()
-    if isinstance(grid, (list, tuple)) and len(grid) == 1 and isinstance(grid[0], (list, tuple)):
-        grid = grid[0]  # [(f, h, w)]: one grid, the img_shapes form
-    if not isinstance(grid, (list, tuple)) or len(grid) != 3:
-        raise BadRequest(f"{example}; got {grid!r:.80}")
-    f, h, w = (_whole(v, "grid values (frames, height, width)") for v in grid)
-    if min(f, h, w) < 1:
-        raise BadRequest(f"{example}; got {(f, h, w)}: every axis needs at least one token")
-    return (f, h, w)
+    return _check_grid(grid, "(1, 44, 80) for a 704x1280 image with 2x2 patches")
 
 
 def check_fps(fps):
