@@ -50,17 +50,17 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module", params=FULL_PARAMS)
-def quantised(request, tmp_path_factory):
-    """(builder, float export, the quantised folder) of one family."""
+def quantised(request, tmp_path_factory, tiny_root):
+    """(builder, float export, the quantised folder) of one family: the saved model and its
+    float export are the session's (only read here), the calibration and the quantised folder
+    this module's."""
     from qkrope.export import quantize
-    from qkrope.export.api import export_transformer
     from qkrope.export.patch_diffusers import load_transformer
 
     builder = request.param
     root = tmp_path_factory.mktemp(f"fp8-{builder.variant}")
-    folder = builder.saved(root)
-    flt = root / "float.onnx"
-    export_transformer(folder, flt, dtype="fp32", progress=False)
+    folder = builder.saved(tiny_root)
+    flt = builder.exported(tiny_root)
     model = load_transformer(str(folder))
     with quantize.CalibrationRecorder(model) as rec, torch.no_grad():
         for seed in range(CALLS):
