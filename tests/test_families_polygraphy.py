@@ -29,17 +29,15 @@ POLYGRAPHY = Path(sys.executable).parent / "polygraphy"  # the CLI installed wit
 
 
 @pytest.mark.parametrize("builder", FULL_PARAMS)
-def test_polygraphy_run_with_the_data_loader(builder, tmp_path):
+def test_polygraphy_run_with_the_data_loader(builder, tmp_path, tiny_root):
     from polygraphy.json import load_json
 
-    from qkrope.export.api import export_transformer
     from qkrope.runtime.inputs import make_inputs
     from qkrope.sidecars import ModelInfo
 
     if not POLYGRAPHY.is_file():
         pytest.skip(f"requires the polygraphy command line next to {sys.executable}")
-    out = tmp_path / f"{builder.variant}.onnx"
-    export_transformer(builder.saved(tmp_path), out, dtype="fp32", progress=False)
+    out = builder.exported(tiny_root)  # the session's (polygraphy only reads it)
     script = subprocess.run([sys.executable, "-m", "qkrope.apps.polygraphy_data_loader"],
                             capture_output=True, text=True, check=True).stdout.strip()
     saved = tmp_path / "inputs.json"
