@@ -40,14 +40,12 @@ from qkrope.cli import main  # noqa: E402
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
 @pytest.fixture(scope="module", params=FULL_PARAMS)
-def repository(request, tmp_path_factory):
-    """(builder, export, repository, model name) of one family."""
-    from qkrope.export.api import export_transformer
-
+def repository(request, tmp_path_factory, tiny_root):
+    """(builder, export, repository, model name) of one family: the export is the session's
+    (triton-repo copies it into this module's repository, the default --copy)."""
     builder = request.param
     root = tmp_path_factory.mktemp(f"triton-{builder.variant}")
-    out = root / f"{builder.variant}.onnx"
-    export_transformer(builder.saved(root), out, dtype="fp32", progress=False)
+    out = builder.exported(tiny_root)
     name = builder.variant.replace("-", "_")
     repo = root / "repo"
     text = io.StringIO()
