@@ -35,14 +35,11 @@ from qkrope.runtime.component import COMPONENT_FILE, ComponentError, DropinCompo
 
 
 @pytest.fixture(scope="module", params=FULL_PARAMS)
-def family(request, tmp_path_factory):
-    """(builder, exported fp32 file, the pipelines' input form at batch 1) of one family."""
-    from qkrope.export.api import export_transformer
-
+def family(request, tiny_root):
+    """(builder, exported fp32 file, the pipelines' input form at batch 1) of one family: the
+    session's export (the tests save the drop-in elsewhere and only read the export)."""
     builder = request.param
-    root = tmp_path_factory.mktemp(builder.variant)
-    out = root / f"{builder.variant}.onnx"
-    export_transformer(builder.saved(root), out, dtype="fp32", progress=False)
+    out = builder.exported(tiny_root)
     base = FORMS[builder.family](builder.build(0), 1, torch.Generator().manual_seed(1))["base"]
     return builder, out, base
 
