@@ -56,16 +56,11 @@ def _expected(record, config, layers=None) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=BLOCKED)
-def family(request, tmp_path_factory):
-    """(builder, saved folder, whole fp32 export) of one family with blocks."""
-    from qkrope.export.api import export_transformer
-
+def family(request, tiny_root):
+    """(builder, saved folder, whole fp32 export) of one family with blocks: the session's
+    (the checks write into their --workdir, the --layers 1 export into the test's folder)."""
     builder = request.param
-    root = tmp_path_factory.mktemp(f"blocks-{builder.variant}")
-    folder = builder.saved(root)
-    out = root / f"{builder.variant}.onnx"
-    export_transformer(folder, out, dtype="fp32", progress=False)
-    return builder, folder, out
+    return builder, builder.saved(tiny_root), builder.exported(tiny_root)
 
 
 def test_streamed_reference_is_the_stock_forward_one_block_resident(family):
