@@ -43,20 +43,12 @@ def _out(result) -> torch.Tensor:
     return out.detach()
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("forms")
-
-
 @pytest.mark.parametrize("builder", FULL_PARAMS)  # clones: the smoke test (test_families)
-def test_every_input_form_means_what_it_means_to_diffusers(builder, root):
-    from qkrope.export.api import export_transformer
+def test_every_input_form_means_what_it_means_to_diffusers(builder, tiny_root):
     from qkrope.runtime import load_transformer
 
     model = builder.build(0)
-    out = root / f"{builder.variant}.onnx"
-    export_transformer(builder.saved(root), out, dtype="fp32", progress=False)
-    dropin = load_transformer(out)
+    dropin = load_transformer(builder.exported(tiny_root))  # the session's export
     forms = FORMS[builder.family](model, BATCH, torch.Generator().manual_seed(1))
     assert forms["same"], f"{builder.family}: no forms listed"
     with torch.no_grad():
