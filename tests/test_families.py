@@ -52,7 +52,8 @@ def test_the_record_is_the_model_diffusers_builds(builder):
 @pytest.mark.parametrize("builder", PARAMS)
 @pytest.mark.parametrize("layers", [-3, 0, 1, 999])
 def test_export_layers_is_decided_from_the_record_before_any_work(builder, layers, tmp_path,
-                                                                  capsys, monkeypatch):
+                                                                  tiny_root, capsys,
+                                                                  monkeypatch):
     """``qkrope export --layers``: refused in one line for a family without ``blocks``, for
     a count below 1 and for one above the model's blocks, before the export starts (the
     exporter is never called)."""
@@ -63,7 +64,7 @@ def test_export_layers_is_decided_from_the_record_before_any_work(builder, layer
     monkeypatch.setattr(onnx_export, "export_transformer",
                         lambda *a, **k: called.append(k) or (None, []))
     rc = main(["export", "--model", "transformer", "--diffusers",
-               str(builder.saved(tmp_path)), "--layers", str(layers),
+               str(builder.saved(tiny_root)), "--layers", str(layers),
                "--out", str(tmp_path / "m.onnx")])
     err = capsys.readouterr().err.strip()
     if builder.record.blocks and 1 <= layers <= builder.blocks:
@@ -154,7 +155,7 @@ def test_a_builder_is_one_line_or_derived_from_the_tiny_hook(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", PARAMS)
-def test_smoke_export_check_and_dropin(builder, tmp_path, capsys):
+def test_smoke_export_check_and_dropin(builder, tmp_path, tiny_root, capsys):
     """Every family, clones included: the fp32 export passes ``qkrope check`` (diffusers'
     forward against the graph at the family's default sizes, its derived bounds), and the
     drop-in loaded from it runs the family's base input form (tests/_input_forms.py) to
@@ -163,11 +164,9 @@ def test_smoke_export_check_and_dropin(builder, tmp_path, capsys):
     from _input_forms import FORMS
 
     from qkrope.cli import main
-    from qkrope.export.api import export_transformer
     from qkrope.runtime import load_transformer
 
-    out = tmp_path / f"{builder.variant}.onnx"
-    export_transformer(builder.saved(tmp_path), out, dtype="fp32", progress=False)
+    out = builder.exported(tiny_root)  # the session's (the check writes into its --workdir)
     assert main(["check", str(out), "--workdir", str(tmp_path / "check")]) == 0
     assert "PASSED" in capsys.readouterr().out
     model = builder.build(0).eval()
