@@ -148,15 +148,13 @@ def test_unsupported_configs_are_refused_in_one_line(overrides, match):
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(model, tmp_path_factory):
+def exported(tiny_root):
     """The tiny model's fp32 export by qkrope's own exporter (traced at batch 2, a 2 x 3 x 4
-    token grid behind 2 / 3 / 5 history frames, 6 text and 3 image tokens), once per module."""
-    from qkrope.export.api import export_transformer
+    token grid behind 2 / 3 / 5 history frames, 6 text and 3 image tokens): the session's
+    shared one (tests/_families.py), which the family matrices read too."""
+    from _families import BUILDERS
 
-    root = tmp_path_factory.mktemp("framepack")
-    model.save_pretrained(str(root / "model"))
-    export_transformer(root / "model", root / "t.onnx", dtype="fp32", progress=False)
-    return root / "t.onnx"
+    return BUILDERS[VARIANT].exported(tiny_root)
 
 
 @pytest.mark.slow
