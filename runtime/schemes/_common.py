@@ -132,6 +132,27 @@ def check_grid(grid, example: str) -> tuple:
     return (f, h, w)
 
 
+def triton_grid(inputs: dict, shapes: dict, names: dict, max_img: int, example: str) -> tuple:
+    """The ``(f, h, w)`` token grid of a Triton request to a one-grid scheme: ``inputs["grid"]``
+    INT64 [3], within ``max_img`` tokens and the tokens of the latent (``shapes["latent"]``,
+    ``[batch, tokens, ...]``, named ``names["latent"]``); ``example`` as :func:`check_grid`."""
+    grid = np.asarray(inputs["grid"])
+    if grid.shape != (3,) or not np.issubdtype(grid.dtype, np.integer):
+        raise BadRequest(f"grid must be INT64 [3] (frames, height, width of the latent's token "
+                         f"grid); got {grid.dtype} {list(grid.shape)}")
+    f, h, w = check_grid(grid.tolist(), example)
+    tokens = f * h * w  # Python ints: no overflow
+    if tokens > max_img:
+        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens, more than the "
+                         f"{max_img} the served model accepts")
+    latent = shapes["latent"]
+    if len(latent) < 2 or latent[1] != tokens:
+        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens but {names['latent']} "
+                         f"has {latent[1] if len(latent) > 1 else '?'}: the grid must be that "
+                         f"of its tokens")
+    return f, h, w
+
+
 def stream_cache(pos: np.ndarray, axes_dim, unique, cos_sin) -> np.ndarray:
     """The ``[tokens, sum(axes_dim)]`` float32 cache (cos half then sin half, axes in order
     within each half) of positions ``pos`` [tokens, len(axes_dim)]: each distinct position of

@@ -37,7 +37,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ._common import BadRequest, PositionOverflow, Setting, check_bytes  # noqa: F401
-from ._common import check_grid as _check_grid, whole
+from ._common import check_grid as _check_grid, triton_grid, whole
 
 NAME = "divided_grid"
 FIELDS = ("grid", "scale", "txt_seq_len")
@@ -56,9 +56,13 @@ class Positions(NamedTuple):
     txt_len: int
 
 
+#: A grid of this scheme's models, for the messages.
+GRID_EXAMPLE = "(31, 30, 52) for 121 frames at 480x832 with 2x2 patches"
+
+
 def check_grid(grid) -> tuple:
     """``grid`` as a positive ``(frames, height, width)`` int triple (tokens)."""
-    return _check_grid(grid, "(31, 30, 52) for 121 frames at 480x832 with 2x2 patches")
+    return _check_grid(grid, GRID_EXAMPLE)
 
 
 def check_scale(scale) -> tuple:
@@ -148,24 +152,12 @@ def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, 
     """The checked request of a Triton client: ``grid`` [3] (tokens), ``scale`` [3],
     ``shapes["latent"]`` the latent's shape in tokens ``[batch, tokens, ...]`` and
     ``shapes["txt"]`` the text's (its length is read)."""
-    grid = np.asarray(inputs["grid"])
-    if grid.shape != (3,) or not np.issubdtype(grid.dtype, np.integer):
-        raise BadRequest(f"grid must be INT64 [3] (frames, height, width of the latent's token "
-                         f"grid); got {grid.dtype} {list(grid.shape)}")
     scale = np.asarray(inputs["scale"])
     if scale.shape != (3,) or not np.issubdtype(scale.dtype, np.floating):
         raise BadRequest(f"scale must be FP32 [3] (the angle divisor per axis); got "
                          f"{scale.dtype} {list(scale.shape)}")
-    f, h, w = check_grid(grid.tolist())
-    tokens = f * h * w  # Python ints: no overflow
-    if tokens > max_img:
-        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens, more than the "
-                         f"{max_img} the served model accepts")
-    latent, text = shapes["latent"], shapes["txt"]
-    if len(latent) < 2 or latent[1] != tokens:
-        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens but {names['latent']} "
-                         f"has {latent[1] if len(latent) > 1 else '?'}: the grid must be that "
-                         f"of its tokens")
+    f, h, w = triton_grid(inputs, shapes, names, max_img, GRID_EXAMPLE)
+    text = shapes["txt"]
     if len(text) < 2 or text[1] < 1:
         raise BadRequest(f"{names['txt']} must be [batch, txt_tokens, ...] with at least one "
                          f"token; got shape {list(text)}")

@@ -38,7 +38,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ._common import BadRequest, PositionOverflow, Setting, check_bytes, finish  # noqa: F401
-from ._common import check_grid as _check_grid
+from ._common import check_grid as _check_grid, triton_grid
 
 NAME = "scaled_grid"
 FIELDS = ("grid", "fps")
@@ -56,9 +56,13 @@ class Positions(NamedTuple):
     fps: object
 
 
+#: A grid of this scheme's models, for the messages.
+GRID_EXAMPLE = "(1, 44, 80) for a 704x1280 image with 2x2 patches"
+
+
 def check_grid(grid) -> tuple:
     """``grid`` as a positive ``(frames, height, width)`` int triple (tokens)."""
-    return _check_grid(grid, "(1, 44, 80) for a 704x1280 image with 2x2 patches")
+    return _check_grid(grid, GRID_EXAMPLE)
 
 
 def check_fps(fps):
@@ -134,24 +138,11 @@ def triton_positions(inputs: dict, shapes: dict, names: dict, setting: Setting, 
     """The checked request of a Triton client: ``grid`` [3] (tokens), ``fps`` [1] (0: an image
     call), ``shapes["latent"]`` the latent's shape in tokens ``[batch, tokens, ...]`` (the text
     is not read: it has no rows). The grid must be the latent's, within ``max_img`` tokens."""
-    grid = np.asarray(inputs["grid"])
-    if grid.shape != (3,) or not np.issubdtype(grid.dtype, np.integer):
-        raise BadRequest(f"grid must be INT64 [3] (frames, height, width of the latent's token "
-                         f"grid); got {grid.dtype} {list(grid.shape)}")
     fps = np.asarray(inputs["fps"])
     if fps.shape != (1,) or not np.issubdtype(fps.dtype, np.floating):
         raise BadRequest(f"fps must be FP32 [1] (the frame rate; 0 for an image); got "
                          f"{fps.dtype} {list(fps.shape)}")
-    f, h, w = check_grid(grid.tolist())
-    tokens = f * h * w  # Python ints: no overflow
-    if tokens > max_img:
-        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens, more than the "
-                         f"{max_img} the served model accepts")
-    latent = shapes["latent"]
-    if len(latent) < 2 or latent[1] != tokens:
-        raise BadRequest(f"grid {[f, h, w]} gives {tokens} image tokens but {names['latent']} "
-                         f"has {latent[1] if len(latent) > 1 else '?'}: the grid must be that "
-                         f"of its tokens")
+    f, h, w = triton_grid(inputs, shapes, names, max_img, GRID_EXAMPLE)
     rate = float(fps[0])
     return positions({"grid": (f, h, w), "fps": None if rate == 0 else rate}, setting)
 
