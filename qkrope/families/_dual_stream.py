@@ -16,6 +16,13 @@ from dataclasses import dataclass
 from qkrope import contract
 from qkrope.families._record import Launch
 
+#: The tests' tiny dual-stream transformer (FLUX.1's diffusers test sizes: 1 + 1 blocks, 2 heads
+#: x 16, RoPE axes (4, 4, 8), text width 32, 4 input channels); a family's tiny hook adds its
+#: class's own fields.
+TINY_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                   axes_dims_rope=[4, 4, 8])
+
 #: how the model turns the timestep into the modulations' embedding (the module its forward
 #: calls): ``time_text_embed(timestep[, guidance], pooled)``; ``time_guidance_embed(timestep,
 #: guidance)``; ``time_embed(timestep, dtype)``; ``timestep_embedder(time_proj(timestep))``

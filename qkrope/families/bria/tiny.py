@@ -12,12 +12,11 @@ from pathlib import Path
 from qkrope._deps import require
 from qkrope.apps.tiny_parts import one_level_vae, tiny_model
 from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
+from qkrope.families._dual_stream import TINY_CONFIG
 
 WHAT = "the tiny Bria pipeline"
 
-CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-              axes_dims_rope=[4, 4, 8])
+CONFIG = dict(TINY_CONFIG)
 
 
 def bria_transformer(seed: int = 0, **overrides):

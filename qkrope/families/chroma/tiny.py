@@ -11,14 +11,13 @@ from pathlib import Path
 from qkrope._deps import require
 from qkrope.apps.tiny_parts import one_level_vae, tiny_model
 from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
+from qkrope.families._dual_stream import TINY_CONFIG
 
 WHAT = "the tiny Chroma pipeline"
 
 #: Chroma: diffusers' pipeline-test sizes (tests/pipelines/chroma/test_pipeline_chroma.py)
-CHROMA_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                     axes_dims_rope=[4, 4, 8], approximator_hidden_dim=32,
-                     approximator_layers=1, approximator_num_channels=16)
+CHROMA_CONFIG = dict(TINY_CONFIG, approximator_hidden_dim=32, approximator_layers=1,
+                     approximator_num_channels=16)
 
 
 def chroma_transformer(seed: int = 0, **overrides):
