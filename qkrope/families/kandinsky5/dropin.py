@@ -57,6 +57,12 @@ class Kandinsky5Transformer(Transformer):
                     "visual_rope_pos", "text_rope_pos", "scale_factor", "sparse_params",
                     "return_dict")
 
+    @property
+    def visual_cond(self) -> bool:
+        """Whether the latent carries the condition channels (the pipelines read
+        ``pipe.transformer.visual_cond`` to build the latent)."""
+        return bool(self.config.get("visual_cond", False))
+
     def prepare(self, hidden_states=None, encoder_hidden_states=None, timestep=None,
                 pooled_projections=None, visual_rope_pos=None, text_rope_pos=None,
                 scale_factor=(1.0, 1.0, 1.0), sparse_params=None,
