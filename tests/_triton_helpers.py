@@ -157,3 +157,24 @@ def rope_request(pb, shapes, txt_len, *, tokens=None, batch=1, channels=8):
         Tensor("img_shapes", shapes),
         Tensor("hidden_states", np.zeros((batch, tokens, channels), np.float32)),
         Tensor("encoder_hidden_states_mask", np.ones((batch, txt_len), bool))])
+
+
+def serves_the_same_step(repo: Path, name: str, monkeypatch, sent: list, feeds: dict,
+                         caches, exported: Path) -> None:
+    """The rope model of ``repo``'s ``name`` ensemble answers ``sent`` (its request Tensors)
+    with ``feeds``' caches bit for bit, and the repository's ONNX model fed them with the other
+    feeds gives ONNX Runtime's output of ``exported`` on ``feeds`` bit for bit."""
+    import onnxruntime as ort
+
+    model, pb = load_rope_model(repo / f"{name}_rope", monkeypatch)
+    resp = model.execute([pb.InferenceRequest(sent)])[0]
+    assert resp.error is None, resp.error.message()
+    served = {k: v for k, v in feeds.items() if k not in caches}
+    for cache in caches:
+        served[cache] = pb.get_output_tensor_by_name(resp, cache).as_numpy()
+        assert served[cache].dtype == feeds[cache].dtype
+        assert np.array_equal(served[cache], feeds[cache]), cache
+    step = repo / f"{name}_onnx" / "1" / "model.onnx"
+    run = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, f)[0]
+           for p, f in ((step, served), (exported, feeds))]
+    assert np.array_equal(run[0], run[1])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import io
 
-import numpy as np
 import pytest
 
 # Every family's repository written and its rope model served:
@@ -28,12 +27,12 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch", reason="requires torch (pip install -e '.[test]')")
 pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
-ort = pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
+pytest.importorskip("onnxruntime", reason="requires onnxruntime (pip install -e '.[test]')")
 pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
 
 # the representatives; a clone family (smoke=True) runs the smoke test (tests/test_families.py)
 from _families import FULL_PARAMS  # noqa: E402
-from _triton_helpers import Tensor, load_rope_model, parse  # noqa: E402
+from _triton_helpers import Tensor, load_rope_model, parse, serves_the_same_step  # noqa: E402
 from _triton_helpers import io as tensors  # noqa: E402
 
 from qkrope.cli import main  # noqa: E402
@@ -93,18 +92,7 @@ def test_the_rope_model_serves_the_checked_caches_and_the_model_step_the_checked
     scheme, setting = _scheme(info)
     sent = [Tensor(n, a) for n, a in scheme.triton_request(fields, setting).items()]
     sent += [Tensor(k, v) for k, v in feeds.items() if k not in caches]
-    model, pb = load_rope_model(repo / f"{name}_rope", monkeypatch)
-    resp = model.execute([pb.InferenceRequest(sent)])[0]
-    assert resp.error is None, resp.error.message()
-    served = {k: v for k, v in feeds.items() if k not in caches}
-    for cache in caches:
-        served[cache] = pb.get_output_tensor_by_name(resp, cache).as_numpy()
-        assert served[cache].dtype == feeds[cache].dtype
-        assert np.array_equal(served[cache], feeds[cache]), cache
-    step = repo / f"{name}_onnx" / "1" / "model.onnx"
-    run = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, f)[0]
-           for p, f in ((step, served), (out, feeds))]
-    assert np.array_equal(run[0], run[1])
+    serves_the_same_step(repo, name, monkeypatch, sent, feeds, caches, out)
 
 
 def test_a_latent_that_is_not_the_positions_grid_is_refused_in_one_line(repository,

@@ -381,8 +381,7 @@ def test_triton_repo_composes_to_the_checked_model(exported, tmp_path, monkeypat
     fed with the other inputs to the repository's ONNX model, give ONNX Runtime's output on
     make_inputs' feeds bit for bit (the model `qkrope check` compared with diffusers)."""
     pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
-    import onnxruntime as ort
-    from _triton_helpers import Tensor, load_rope_model, parse
+    from _triton_helpers import Tensor, parse, serves_the_same_step
     from _triton_helpers import io as tensors
 
     from qkrope import model_io
@@ -402,18 +401,10 @@ def test_triton_repo_composes_to_the_checked_model(exported, tmp_path, monkeypat
     assert ("encoder_hidden_states_mask", "TYPE_FP32", [-1, -1]) in tensors(ensemble, "input")
     shapes, txt, batch = [(1, 3, 5)], 6, 2
     feeds = make_inputs(info, shapes, txt, batch)
-    model, pb = load_rope_model(repo / "chroma_rope", monkeypatch)
     txt_ids, img_ids = sample_ids(shapes, txt)
-    resp = model.execute([pb.InferenceRequest([
+    serves_the_same_step(repo, "chroma", monkeypatch, [
         Tensor("txt_ids", txt_ids), Tensor("img_ids", img_ids),
         Tensor("hidden_states", feeds["hidden_states"]),
         Tensor("encoder_hidden_states", feeds["encoder_hidden_states"]),
-        Tensor("encoder_hidden_states_mask", feeds["encoder_hidden_states_mask"])])])[0]
-    assert resp.error is None
-    served = {k: v for k, v in feeds.items() if k not in caches}
-    for name in caches:
-        served[name] = pb.get_output_tensor_by_name(resp, name).as_numpy()
-        assert np.array_equal(served[name], feeds[name])
-    run = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, f)[0]
-           for p, f in ((repo / "chroma_onnx" / "1" / "model.onnx", served), (exported, feeds))]
-    assert np.array_equal(run[0], run[1])
+        Tensor("encoder_hidden_states_mask", feeds["encoder_hidden_states_mask"])],
+        feeds, caches, exported)

@@ -279,8 +279,7 @@ def test_triton_repo_of_a_flux_onnx_export_composes_to_the_checked_model(root, t
     with the other inputs, give ONNX Runtime's output on make_inputs' feeds bit for bit (the
     model `qkrope check` compared with diffusers)."""
     pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
-    import onnxruntime as ort
-    from _triton_helpers import Tensor, load_rope_model, parse
+    from _triton_helpers import Tensor, parse, serves_the_same_step
     from _triton_helpers import io as tensors
 
     from qkrope.runtime.inputs import make_inputs
@@ -298,20 +297,11 @@ def test_triton_repo_of_a_flux_onnx_export_composes_to_the_checked_model(root, t
     assert ("img_ids", "TYPE_FP32", [-1, 4]) in tensors(ensemble, "input")
 
     feeds = make_inputs(info, SHAPES, TXT, BATCH)
-    model, pb = load_rope_model(repo / "flux_rope", monkeypatch)
     txt_ids, img_ids = _pipeline_ids(fm.FLUX2)
-    resp = model.execute([pb.InferenceRequest([
+    serves_the_same_step(repo, "flux", monkeypatch, [
         Tensor("txt_ids", txt_ids.numpy()), Tensor("img_ids", img_ids.numpy()),
         Tensor("hidden_states", feeds["hidden_states"]),
-        Tensor("encoder_hidden_states", feeds["encoder_hidden_states"])])])[0]
-    assert resp.error is None
-    served = {k: v for k, v in feeds.items() if k not in caches}
-    for name in caches:
-        served[name] = pb.get_output_tensor_by_name(resp, name).as_numpy()
-        assert np.array_equal(served[name], feeds[name])
-    run = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, f)[0]
-           for p, f in ((repo / "flux_onnx" / "1" / "model.onnx", served), (path, feeds))]
-    assert np.array_equal(run[0], run[1])
+        Tensor("encoder_hidden_states", feeds["encoder_hidden_states"])], feeds, caches, path)
 
 
 # --------------------------------------------------------------------------------------------
