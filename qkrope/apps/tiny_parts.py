@@ -1,8 +1,11 @@
 """Parts the families' tiny pipelines (their ``tiny.py`` hooks) share: a diffusers model built
 from a config with random weights of a non-trivial scale, and the one-level VAE of diffusers'
-pipeline tests (vae_scale_factor 1 where the pipeline reads it from the levels)."""
+pipeline tests (vae_scale_factor 1 where the pipeline reads it from the levels), and the
+saving of a built pipeline."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from qkrope._deps import require
 from qkrope.apps.tiny_pipeline import randomised
@@ -30,3 +33,11 @@ def one_level_vae(what: str, *, latent_channels: int = 1, width: int = 4,
         layers_per_block=1, latent_channels=latent_channels,
         norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
         shift_factor=shift_factor, scaling_factor=scaling_factor).eval()
+
+
+def saved(pipe, directory) -> Path:
+    """``pipe`` saved with ``save_pretrained`` in ``directory``: that folder, as a Path (what a
+    tiny hook's ``save_pipeline`` returns)."""
+    directory = Path(directory)
+    pipe.save_pretrained(str(directory))
+    return directory

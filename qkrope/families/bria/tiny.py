@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qkrope._deps import require
-from qkrope.apps.tiny_parts import one_level_vae, tiny_model
+from qkrope.apps.tiny_parts import one_level_vae, saved, tiny_model
 from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
 from qkrope.families._dual_stream import TINY_CONFIG
 
@@ -33,6 +33,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
         transformer=bria_transformer(seed), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
         vae=one_level_vae(WHAT, shift_factor=0.0), tokenizer=tok,
         text_encoder=t5_encoder(tok, CONFIG["joint_attention_dim"], seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from qkrope._deps import require
-from qkrope.apps.tiny_parts import one_level_vae
+from qkrope.apps.tiny_parts import one_level_vae, saved
 from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, clip_text_encoder,
                                        decoder_encoder, randomised, t5_encoder)
 
@@ -86,6 +86,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
             scheduler=scheduler, vae=vae("flux2"), text_encoder=encoder, tokenizer=tok,
             transformer=transformer("flux2-klein", seed,
                                     joint_attention_dim=len(KLEIN_LAYERS) * KLEIN_WIDTH))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from qkrope._deps import require
+from qkrope.apps.tiny_parts import saved
 from qkrope.apps.tiny_pipeline import byte_tokenizer, randomised, t5_encoder
 
 #: diffusers' own test config of HunyuanImage-2.1 (tests/pipelines/hunyuan_image_21)
@@ -72,6 +73,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
         text_encoder=text_encoder(tok, seed), tokenizer=tok,
         text_encoder_2=t5_encoder(byt5, TRANSFORMER_CONFIG["text_embed_2_dim"], seed),
         tokenizer_2=byt5, transformer=hunyuan_image_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

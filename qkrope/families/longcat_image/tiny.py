@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qkrope._deps import require
-from qkrope.apps.tiny_parts import one_level_vae, tiny_model
+from qkrope.apps.tiny_parts import one_level_vae, saved, tiny_model
 from qkrope.apps.tiny_pipeline import CHATML_TEMPLATE, byte_tokenizer, decoder_encoder
 
 WHAT = "the tiny LongCat-Image pipeline"
@@ -58,6 +58,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     pipe = diffusers.LongCatImagePipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae(), text_encoder=encoder,
         tokenizer=tok, text_processor=processor, transformer=longcat_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

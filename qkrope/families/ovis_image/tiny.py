@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qkrope._deps import require
-from qkrope.apps.tiny_parts import one_level_vae, tiny_model
+from qkrope.apps.tiny_parts import one_level_vae, saved, tiny_model
 from qkrope.apps.tiny_pipeline import CHATML_TEMPLATE, byte_tokenizer, decoder_encoder
 from qkrope.families._dual_stream import TINY_CONFIG
 
@@ -36,6 +36,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     pipe = diffusers.OvisImagePipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=one_level_vae(WHAT),
         text_encoder=encoder, tokenizer=tok, transformer=ovis_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

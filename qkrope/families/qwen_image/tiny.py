@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from qkrope._deps import require
+from qkrope.apps.tiny_parts import saved
 from qkrope.apps.tiny_pipeline import byte_tokenizer, randomised
 
 TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
@@ -73,6 +74,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     pipe = diffusers.QwenImagePipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=tiny_vae(seed),
         text_encoder=encoder, tokenizer=tokenizer, transformer=tiny_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from qkrope._deps import require
+from qkrope.apps.tiny_parts import saved
 from qkrope.apps.tiny_pipeline import byte_tokenizer, t5_encoder
 
 #: Wan: diffusers' own test config (tests/models/transformers/test_models_transformer_wan.py)
@@ -79,6 +80,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
         tokenizer=tok, text_encoder=t5_encoder(tok, WAN_CONFIG["text_dim"], seed, umt5=True),
         vae=vae(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=wan_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from qkrope._deps import require
+from qkrope.apps.tiny_parts import saved
 from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, decoder_encoder,
                                        randomised)
 
@@ -51,6 +52,4 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     pipe = diffusers.ZImagePipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae(), text_encoder=encoder,
         tokenizer=tok, transformer=z_image_transformer(seed))
-    directory = Path(directory)
-    pipe.save_pretrained(str(directory))
-    return directory
+    return saved(pipe, directory)
