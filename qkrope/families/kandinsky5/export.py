@@ -239,6 +239,14 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
     return latent, text, timestep, pooled, img, txt
 
 
+def node_count(kept: tuple[int, ...]) -> int:
+    """QKNormRoPE nodes of the kept (text, visual) blocks: one per block, none when no visual
+    block is kept (the output layer reads the latent alone, so the text blocks' values reach
+    no output and the graph drops them: ``--layers`` within the text blocks)."""
+    text, visual = (tuple(kept) + (0,))[:2]
+    return text + visual if visual else 0
+
+
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int, fused: bool = True):
     """The export of ``transformer`` with its first ``layers`` blocks in execution order (text
@@ -271,6 +279,6 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph, axes=axes,
         theta=int(transformer.visual_rope_embeddings.max_period), rounding=rounding,
-        nodes=sum(kept) if fused else 0, num_layers_exported=sum(kept),
+        nodes=node_count(kept) if fused else 0, num_layers_exported=sum(kept),
         blocks=f"{record.label}: {blocks} blocks", heads=int(attn.num_heads),
         head_dim=sum(axes), eps=_eps(attn.query_norm, "query_norm"), interleaved=True)
