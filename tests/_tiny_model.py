@@ -122,3 +122,19 @@ def move_weights_out(onnx_path: Path, location: str, *, data: Path | None = None
         entry.key, entry.value = key, value
     onnx.save(model, str(onnx_path))
     return target
+
+
+def one_node_model(**attrs):
+    """An in-memory ONNX model of one QKNormRoPE node with the default node attributes
+    (``attrs`` on top), for the node validator's tests."""
+    import onnx
+    from onnx import helper
+
+    node = helper.make_node(contract.OP_TYPE, list(contract.INPUTS), list(contract.OUTPUTS),
+                            domain=contract.DOMAIN, name="n0",
+                            **dict(contract.NodeAttributes().to_node(), **attrs))
+    vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+          for n in contract.INPUTS + contract.OUTPUTS]
+    graph = helper.make_graph([node], "g", vi[:5], vi[5:])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                   helper.make_opsetid(contract.DOMAIN, 1)])

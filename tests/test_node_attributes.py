@@ -8,6 +8,8 @@ import json
 import onnx
 import pytest
 
+from _tiny_model import one_node_model
+
 from qkrope import contract
 from qkrope.contract import NodeAttributes
 from qkrope.errors import InputError
@@ -62,24 +64,10 @@ def test_an_export_writes_the_record_on_every_node_and_once_in_the_sidecar(tmp_p
     assert not {"eps", "interleaved", "rounding"} & set(side["config"])
 
 
-def _one_node_model(rounding: int):
-    import onnx
-    from onnx import helper
-
-    attrs = dict(NodeAttributes().to_node(), rounding=rounding)
-    node = helper.make_node(contract.OP_TYPE, list(contract.INPUTS), list(contract.OUTPUTS),
-                            domain=contract.DOMAIN, name="n0", **attrs)
-    vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
-          for n in contract.INPUTS + contract.OUTPUTS]
-    graph = helper.make_graph([node], "g", vi[:5], vi[5:])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                   helper.make_opsetid(contract.DOMAIN, 1)])
-
-
 def test_node_validator_takes_every_rounding_mode_and_refuses_others():
     for mode in contract.ROUNDING_MODES:
-        assert contract.validate_qknorm_rope_nodes(_one_node_model(mode), where="m.onnx") == 1
+        assert contract.validate_qknorm_rope_nodes(one_node_model(rounding=mode), where="m.onnx") == 1
     with pytest.raises(contract.NodeContractError, match=r"'rounding' = 3 is invalid: expected "
                                                          r"0 \(one rounding\), 1 .* or 2 \(rounded twice"):
-        contract.validate_qknorm_rope_nodes(_one_node_model(3), where="m.onnx")
+        contract.validate_qknorm_rope_nodes(one_node_model(rounding=3), where="m.onnx")
     assert contract.ROUNDING_TWO_STEPS == 2 and NodeAttributes(rounding=contract.ROUNDING_TWO_STEPS).rounding == 2

@@ -14,6 +14,8 @@ import onnx
 import pytest
 import torch
 
+from _tiny_model import one_node_model
+
 from qkrope import contract
 from qkrope.contract import NodeAttributes
 from qkrope.errors import InputError
@@ -58,29 +60,16 @@ def test_left_off_at_zero_kept_at_one():
         dict(row.to_node(), scope=1))
 
 
-def _one_node_model(**extra):
-    from onnx import helper
-
-    attrs = dict(NodeAttributes().to_node(), **extra)
-    node = helper.make_node(contract.OP_TYPE, list(contract.INPUTS), list(contract.OUTPUTS),
-                            domain=contract.DOMAIN, name="n0", **attrs)
-    vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
-          for n in contract.INPUTS + contract.OUTPUTS]
-    graph = helper.make_graph([node], "g", vi[:5], vi[5:])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                   helper.make_opsetid(contract.DOMAIN, 1)])
-
-
 def test_node_validator():
-    assert contract.validate_qknorm_rope_nodes(_one_node_model(), where="m.onnx") == 1
+    assert contract.validate_qknorm_rope_nodes(one_node_model(), where="m.onnx") == 1
     for scope in contract.NORM_SCOPES:
-        assert contract.validate_qknorm_rope_nodes(_one_node_model(norm_scope=scope),
+        assert contract.validate_qknorm_rope_nodes(one_node_model(norm_scope=scope),
                                                    where="m.onnx") == 1
     with pytest.raises(contract.NodeContractError, match=r"'norm_scope' = 2 is invalid: "
                                                          r"expected 0 \(per head"):
-        contract.validate_qknorm_rope_nodes(_one_node_model(norm_scope=2), where="m.onnx")
+        contract.validate_qknorm_rope_nodes(one_node_model(norm_scope=2), where="m.onnx")
     with pytest.raises(contract.NodeContractError, match="'norm_scope' has type FLOAT"):
-        contract.validate_qknorm_rope_nodes(_one_node_model(norm_scope=1.0), where="m.onnx")
+        contract.validate_qknorm_rope_nodes(one_node_model(norm_scope=1.0), where="m.onnx")
 
 
 # --------------------------------------------------------------------------------------------
