@@ -32,6 +32,8 @@ import subprocess
 import sys
 import textwrap
 
+from _killed import kill_at
+
 from qkrope import _fileio
 from qkrope.errors import QkropeError
 
@@ -403,14 +405,7 @@ def test_a_kill_between_the_two_renames_is_undone_by_the_next_writer(tmp_path):
     the dead process's staging folder) before its own work."""
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("old")
-    proc = subprocess.Popen([sys.executable, "-c", _FOLDER_KILL, str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "moved"
-        proc.kill()
-        assert proc.wait(30) == -signal.SIGKILL
-    finally:
-        proc.kill() if proc.poll() is None else None
+    kill_at(_FOLDER_KILL, str(tmp_path))
     assert not (tmp_path / "m").exists() and _staging_dirs(tmp_path)
     with _fileio.staged_outputs(tmp_path, ["other.bin"]):
         assert (tmp_path / "m" / "config.json").read_text() == "old"

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from _killed import kill_at
+
 from qkrope import _fileio, _preflight
 from qkrope.errors import QkropeError
 
@@ -372,14 +374,7 @@ def _kill_mid_swap(tmp_path):
     """REPO/m (config.pbtxt "old") and a writer of REPO/m SIGKILLed between its two renames."""
     (tmp_path / "repo" / "m").mkdir(parents=True)
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text("old")
-    proc = subprocess.Popen([sys.executable, "-c", _SWAP_KILL, str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "moved"
-        proc.kill()
-        assert proc.wait(30) == -signal.SIGKILL
-    finally:
-        proc.kill() if proc.poll() is None else None
+    kill_at(_SWAP_KILL, str(tmp_path))
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
