@@ -181,6 +181,9 @@ def _bound(stock, latent, ts, text, ref) -> float:
     with torch.no_grad():
         moved = stock(latent, torch.nextafter(ts, ts + 1), text, return_dict=False)[0]
     ref = torch.as_tensor(ref)
+    # the same layout as ref (a 5-D output against a 6-D one would broadcast into a bound of
+    # the output's own scale)
+    assert moved.shape == ref.shape, (tuple(moved.shape), tuple(ref.shape))
     return float(ref.abs().max()) * BOUND + 2 * float((moved - ref).abs().max())
 
 
@@ -216,8 +219,6 @@ def test_dropin_takes_the_edit_pipelines_call(exported):
     stock, dropin = _tiny(), load_transformer(path)
     six, ts, text = _inputs(torch.float32, 2, 1, 8, 10, 6, items=2)
     five, _, _ = _inputs(torch.float32, 1, 3, 6, 8, 6, seed=5)
-    from qkrope.families.joyimage.dropin import items_to_frames
-
     for latent, t, txt in ((six, ts, text), (five, ts[:1], text[:1])):
         kw = dict(hidden_states=latent, timestep=t, encoder_hidden_states=txt,
                   return_dict=False)
@@ -225,8 +226,7 @@ def test_dropin_takes_the_edit_pipelines_call(exported):
             ref = stock(**kw)[0]
         out = dropin(**kw)[0]
         assert out.shape == ref.shape
-        flat = items_to_frames(latent) if latent.dim() == 6 else latent
-        assert (out - ref).abs().max() <= _bound(stock, flat, t, txt, ref)
+        assert (out - ref).abs().max() <= _bound(stock, latent, t, txt, ref)
     with pytest.raises(InputError, match="hidden_states must be") as e:
         dropin(hidden_states=five[:, :, 0], timestep=ts[:1], encoder_hidden_states=text[:1])
     assert "\n" not in str(e.value)
@@ -240,3 +240,56 @@ def test_qkrope_check_passes_against_diffusers_forward(exported, capsys):
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "latent_sample" in out and "PASSED" in out
+
+
+@pytest.mark.slow
+def test_edit_pipeline_on_the_dropin(exported, tmp_path):
+    """JoyImageEditPipeline's edit call (a reference image, prompt_embeds; the processor is None,
+    see tiny.py) at its 1024 bucket (two items of 64 x 64 tokens, 8192 in all), 2 steps, on the
+    drop-in against the stock transformer: every transformer call replayed within _bound, the
+    latents within the tiny pipeline's latent_bound. The reference latent is a sample of the VAE
+    posterior drawn from torch's global RNG (the pipeline's generator draws only the noise), so
+    both runs seed it alike: unseeded, the runs denoise from different reference latents
+    (measured 0.05 to 0.07 apart on latents up to 7.7, no fault of the drop-in)."""
+    from PIL import Image
+
+    from qkrope.apps.tiny_pipeline import latent_bound, save_tiny_pipeline
+    from qkrope.runtime import load_transformer
+
+    pipe = diffusers_pipeline(save_tiny_pipeline(RECORD.name, tmp_path / "pipe"))
+    stock, dropin = pipe.transformer, load_transformer(exported[0])
+    calls = []
+    hook = stock.register_forward_pre_hook(
+        lambda m, a, kw: calls.append({k: getattr(v, "clone", lambda: v)() for k, v in kw.items()}),
+        with_kwargs=True)
+    g = torch.Generator().manual_seed(0)
+    image = Image.fromarray(torch.randint(0, 256, (48, 64, 3), generator=g,
+                                          dtype=torch.uint8).numpy())
+    text = torch.randn(1, 7, JOYIMAGE_CONFIG["text_dim"], generator=g)
+    runs = []
+    for transformer in (stock, dropin):
+        pipe.transformer = transformer
+        torch.manual_seed(0)  # the reference latent's posterior sample
+        with torch.no_grad():
+            runs.append(pipe(image=image, prompt_embeds=text,
+                             prompt_embeds_mask=torch.ones(1, 7, dtype=torch.long),
+                             num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+                             generator=torch.Generator().manual_seed(1)).images)
+    hook.remove()
+    assert len(calls) == 2 and calls[0]["hidden_states"].shape[1:3] == (2, 16)
+    for kw in calls:
+        with torch.no_grad():
+            ref = stock(**kw)[0]
+        out = dropin(**kw)[0]
+        assert (out - ref).abs().max() <= _bound(stock, kw["hidden_states"], kw["timestep"],
+                                                 kw["encoder_hidden_states"], ref)
+    ref, out = runs
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max() <= latent_bound(ref)
+
+
+def diffusers_pipeline(directory):
+    """The tiny JoyImageEditPipeline folder loaded (no processor: tiny.py)."""
+    from diffusers import JoyImageEditPipeline
+
+    return JoyImageEditPipeline.from_pretrained(str(directory), processor=None)
