@@ -9,7 +9,9 @@ vision tower) and the byte-level tokenizer with Qwen-VL's vision tokens, so a pr
 JoyImageEditPipeline's processor is saved as None: transformers defines Qwen3VLProcessor's video
 processor only with torchvision, which the project does not install, so the processor cannot be
 built (its constructor checks that class) and the edit call's text-with-image prompt encoding
-is not reachable here.
+is not reachable here. The edit call samples its reference latent from the VAE posterior with
+torch's global RNG (the pipeline's ``generator`` draws only the noise): runs compared with each
+other seed it alike (``torch.manual_seed`` before each; tests/test_family_joyimage.py).
 """
 
 from __future__ import annotations
