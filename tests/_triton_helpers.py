@@ -178,3 +178,22 @@ def serves_the_same_step(repo: Path, name: str, monkeypatch, sent: list, feeds: 
     run = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, f)[0]
            for p, f in ((step, served), (exported, feeds))]
     assert np.array_equal(run[0], run[1])
+
+
+def ids_repository(onnx: Path, repo: Path, name: str, capsys):
+    """``qkrope triton-repo`` (ONNX Runtime backend) of an export whose clients send
+    ``txt_ids`` / ``img_ids``: said on stdout, and the ensemble's inputs are the export's less
+    the caches, then the two ids. Returns ``(info, caches, ensemble inputs)``."""
+    from qkrope import model_io
+    from qkrope.cli import main
+    from qkrope.sidecars import ModelInfo
+
+    assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(onnx), "-o",
+                 str(repo), "--name", name]) == 0
+    assert "clients send txt_ids and img_ids, not the caches" in capsys.readouterr().out
+    info = ModelInfo.load(onnx)
+    caches = {t.name for t in model_io.CACHE_INPUTS}
+    inputs = io(parse(repo / name / "config.pbtxt"), "input")
+    assert [n for n, _, _ in inputs] == [
+        n for n in info.input_names if n not in caches] + ["txt_ids", "img_ids"]
+    return info, caches, inputs

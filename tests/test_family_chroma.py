@@ -381,24 +381,13 @@ def test_triton_repo_composes_to_the_checked_model(exported, tmp_path, monkeypat
     fed with the other inputs to the repository's ONNX model, give ONNX Runtime's output on
     make_inputs' feeds bit for bit (the model `qkrope check` compared with diffusers)."""
     pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
-    from _triton_helpers import Tensor, parse, serves_the_same_step
-    from _triton_helpers import io as tensors
+    from _triton_helpers import Tensor, ids_repository, serves_the_same_step
 
-    from qkrope import model_io
-    from qkrope.cli import main
     from qkrope.runtime.inputs import make_inputs
-    from qkrope.sidecars import ModelInfo
 
     repo = tmp_path / "repo"
-    assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(exported), "-o",
-                 str(repo), "--name", "chroma"]) == 0
-    assert "clients send txt_ids and img_ids, not the caches" in capsys.readouterr().out
-    info = ModelInfo.load(exported)
-    caches = {t.name for t in model_io.CACHE_INPUTS}
-    ensemble = parse(repo / "chroma" / "config.pbtxt")
-    assert [n for n, _, _ in tensors(ensemble, "input")] == [
-        n for n in info.input_names if n not in caches] + ["txt_ids", "img_ids"]
-    assert ("encoder_hidden_states_mask", "TYPE_FP32", [-1, -1]) in tensors(ensemble, "input")
+    info, caches, inputs = ids_repository(exported, repo, "chroma", capsys)
+    assert ("encoder_hidden_states_mask", "TYPE_FP32", [-1, -1]) in inputs
     shapes, txt, batch = [(1, 3, 5)], 6, 2
     feeds = make_inputs(info, shapes, txt, batch)
     txt_ids, img_ids = sample_ids(shapes, txt)

@@ -279,22 +279,14 @@ def test_triton_repo_of_a_flux_onnx_export_composes_to_the_checked_model(root, t
     with the other inputs, give ONNX Runtime's output on make_inputs' feeds bit for bit (the
     model `qkrope check` compared with diffusers)."""
     pytest.importorskip("tritonclient", reason="requires tritonclient (pip install -e '.[test]')")
-    from _triton_helpers import Tensor, parse, serves_the_same_step
-    from _triton_helpers import io as tensors
+    from _triton_helpers import Tensor, ids_repository, serves_the_same_step
 
     from qkrope.runtime.inputs import make_inputs
 
     path = fm.exported("flux2-dev", root)
     repo = tmp_path / "repo"
-    assert main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(path), "-o",
-                 str(repo), "--name", "flux"]) == 0
-    assert "clients send txt_ids and img_ids, not the caches" in capsys.readouterr().out
-    info = ModelInfo.load(path)
-    caches = {t.name for t in model_io.CACHE_INPUTS}
-    ensemble = parse(repo / "flux" / "config.pbtxt")
-    assert [n for n, _, _ in tensors(ensemble, "input")] == [
-        n for n in info.input_names if n not in caches] + ["txt_ids", "img_ids"]
-    assert ("img_ids", "TYPE_FP32", [-1, 4]) in tensors(ensemble, "input")
+    info, caches, inputs = ids_repository(path, repo, "flux", capsys)
+    assert ("img_ids", "TYPE_FP32", [-1, 4]) in inputs
 
     feeds = make_inputs(info, SHAPES, TXT, BATCH)
     txt_ids, img_ids = _pipeline_ids(fm.FLUX2)
