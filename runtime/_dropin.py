@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
 from qkrope._deps import require
 from qkrope.errors import InputError, QkropeError
 
@@ -276,6 +276,10 @@ class Transformer(DropinComponent):
         if self._latent.rank != 3 and isinstance(call.hidden_states, torch.Tensor):
             # a latent the model patchifies itself: its token grid must be the request's
             tokens = self._latent.tokens(tuple(call.hidden_states.shape))
+            # latents the model joins before its own (history) have cache rows too, each at
+            # the latent's patch (model_io.HISTORY_ROLES)
+            tokens += sum(self._latent.tokens(tuple(v.shape), k)
+                          for k, v in call.conditioning.items() if k in model_io.HISTORY_ROLES)
             if tokens != caches.img.shape[0]:
                 raise InputError(
                     f"the position request ({', '.join(call.request)}) gives "

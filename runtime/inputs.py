@@ -130,6 +130,9 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     rng = np.random.default_rng(seed)
     sizes = dict(batch=batch, img_tokens=img_tokens, txt_tokens=txt_len, **joined)
     sizes.update(latent.grid_axes(img_shapes[0]))
+    # the frame axes of latents joined before the latent (history) take the traced sizes
+    sizes.update({a: int(exported[a]) for a in model_io.HISTORY_AXES
+                  if a in named and a in exported})
     feeds: dict[str, np.ndarray] = {}
     for t in info.inputs:
         dtype = numpy_dtype(t.dtype)

@@ -427,6 +427,12 @@ def rope_request_for(config: ModelConfig, rotary_dim: int,
     scheme = schemes.scheme(record.scheme)
     names = None if input_names is None else list(input_names)
     roles = {} if names is None else {model_io.role_of(n): n for n in names}
+    history = sorted(n for r, n in roles.items() if r in model_io.HISTORY_ROLES)
+    if history:
+        raise TritonRepoError(
+            f"the model joins history latents ({', '.join(history)}) before its latent, whose "
+            f"tokens the rope model does not count (it reads the latent's alone), so qkrope "
+            f"triton-repo does not serve it. Fix: run it with qkrope.runtime.load_transformer")
     mask = roles.get(model_io.ENCODER_HIDDEN_STATES_MASK.role)
     txt_tensor = TXT_TENSOR if names is None else mask or model_io.ENCODER_HIDDEN_STATES.name
     joined = [] if names is None else [  # the joined streams themselves, not their masks

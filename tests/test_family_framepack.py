@@ -304,3 +304,17 @@ def test_check_sample_and_reference_are_the_traced_layout(model):
     (atol, rtol), = tolerances("fp32", {"out": want.numpy()}, model="transformer").values()
     assert torch.allclose(got, want, atol=atol, rtol=rtol)
     assert not torch.equal(got, want)  # the caches' angles differ: the bound is exercised
+
+
+@pytest.mark.slow
+def test_triton_repo_refuses_the_history_latents_in_one_line(exported, tmp_path, capsys):
+    """The rope model counts the latent's tokens alone, so a repository for a model that joins
+    history latents before its latent is refused before anything is written."""
+    from qkrope.cli import main
+
+    repo = tmp_path / "repo"
+    rc = main(["triton-repo", "--backend", "onnxruntime", "--onnx", str(exported),
+               "-o", str(repo)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and not repo.exists()
+    assert len(err) == 1 and "history latents" in err[0] and "Fix:" in err[0], err

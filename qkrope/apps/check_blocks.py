@@ -92,6 +92,11 @@ def stream_of_axis(axis: str) -> str | None:
     if len(factors) > 1 and all(LATENT_TOKEN_FACTOR.fullmatch(f) for f in factors) and any(
             not re.fullmatch(r"s\d+", f) for f in factors):
         return "img"
+    # the image stream of a model that joins latents before its own (history): a sum of the
+    # parts' token grids, each with a frame axis among its factors
+    frames = (model_io.LATENT_FRAMES,) + model_io.HISTORY_AXES
+    if len(terms) > 1 and all(re.search(rf"\b(?:{'|'.join(frames)})\b", t) for t in terms):
+        return "img"
     names = {a for a in STREAM_AXES if len(_sum_terms(a)) == 1}
     found = frozenset(t for t in terms if t in names)
     if not found or any(t not in names and "Mod(" not in t for t in terms):
