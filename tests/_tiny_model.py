@@ -138,3 +138,20 @@ def one_node_model(**attrs):
     graph = helper.make_graph([node], "g", vi[:5], vi[5:])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                    helper.make_opsetid(contract.DOMAIN, 1)])
+
+
+def fake_tensorrt(monkeypatch, tmp_path: Path, **kw):
+    """The fake TensorRT (tests/fake_tensorrt.py, ``kw`` to it) imported as ``tensorrt`` with
+    this module's parser, the plugin's dlopen recorded in ``state.loaded``, and a plugin
+    library file to pass: ``(trt, state, lib)``."""
+    import sys
+
+    from qkrope.runtime import loader_tensorrt as lt
+
+    trt, state = ft.make_fake_trt(parse=parse_tiny, **kw)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(lt.ctypes, "CDLL",
+                        lambda path, mode=0: state.loaded.append(("dlopen", path)))
+    lib = tmp_path / "libqkrope_plugin.so"
+    lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
+    return trt, state, lib

@@ -14,7 +14,7 @@ from pathlib import Path
 import fake_tensorrt as ft
 from fake_tensorrt import fail_each_write_step
 import pytest
-from _tiny_model import C, parse_tiny, write_tiny_onnx
+from _tiny_model import C, fake_tensorrt, write_tiny_onnx
 
 from qkrope._fileio import sha256_file
 from qkrope._progress import BuildProgress
@@ -172,12 +172,7 @@ def test_build_without_tensorrt_one_message_exit_2(tmp_path, monkeypatch, capsys
 @pytest.fixture
 def fake_build(tmp_path, monkeypatch):
     def setup(**kw):
-        trt, state = ft.make_fake_trt(parse=parse_tiny, **kw)
-        monkeypatch.setitem(sys.modules, "tensorrt", trt)
-        monkeypatch.setattr(lt.ctypes, "CDLL",
-                            lambda path, mode=0: state.loaded.append(("dlopen", path)))
-        lib = tmp_path / "libqkrope_plugin.so"
-        lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
+        trt, state, lib = fake_tensorrt(monkeypatch, tmp_path, **kw)
         onnx_path = write_tiny_onnx(tmp_path / "m.onnx")
         return trt, state, onnx_path, lib
     return setup

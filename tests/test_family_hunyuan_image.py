@@ -338,24 +338,16 @@ def test_data_loader_feeds_the_patch_grid_caches(exported, monkeypatch):
 def test_fake_build_has_one_plugin_layer_per_node(exported, tmp_path, monkeypatch, capsys):
     """Profiles per preset at 32 pixels per token (a 32x VAE, 1x1 patches), no position limit
     on the text, one QKNormRoPE plugin layer per node (2 + 1)."""
-    import sys
-
-    import fake_tensorrt as ft
-    from _tiny_model import parse_tiny
+    from _tiny_model import fake_tensorrt
 
     from qkrope.cli import main
-    from qkrope.runtime import loader_tensorrt as lt
     from qkrope.runtime.onnx_file import count_plugin_nodes
     from qkrope.sidecars import EngineInfo
 
     _, out = exported
     nodes = list(count_plugin_nodes(out))
     assert len(nodes) == 3
-    trt, state = ft.make_fake_trt(parse=parse_tiny)
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setattr(lt.ctypes, "CDLL", lambda p, mode=0: state.loaded.append(("dlopen", p)))
-    lib = tmp_path / "libqkrope_plugin.so"
-    lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
+    trt, state, lib = fake_tensorrt(monkeypatch, tmp_path)
     engine = tmp_path / "hy.engine"
     rc = main(["build", str(out), "-o", str(engine), "--plugin", str(lib), "--resolutions",
                "1024x1024,2048x2048", "--txt-tokens", "1:1000", "--no-progress"])

@@ -227,10 +227,8 @@ def test_fake_build_of_a_flux_export(root, tmp_path, monkeypatch, capsys):
     """Profiles per preset for FLUX's inputs (pooled_projections, guidance; no mask), a text
     range Qwen-Image's position tables would refuse, and one QKNormRoPE plugin layer per node
     (FLUX.1 dev: 2 per double block + 1 per single block = 6)."""
-    import fake_tensorrt as ft
-    from _tiny_model import parse_tiny
+    from _tiny_model import fake_tensorrt
 
-    from qkrope.runtime import loader_tensorrt as lt
     from qkrope.runtime import profiles as prof
     from qkrope.runtime.onnx_file import count_plugin_nodes
     from qkrope.sidecars import EngineInfo
@@ -244,11 +242,7 @@ def test_fake_build_of_a_flux_export(root, tmp_path, monkeypatch, capsys):
         prof.check_rope_positions([(1024, 1024)], 5000)
     prof.check_rope_positions([(1024, 1024)], 5000, family="flux1")
 
-    trt, state = ft.make_fake_trt(parse=parse_tiny)
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setattr(lt.ctypes, "CDLL", lambda p, mode=0: state.loaded.append(("dlopen", p)))
-    lib = tmp_path / "libqkrope_plugin.so"
-    lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
+    trt, state, lib = fake_tensorrt(monkeypatch, tmp_path)
     engine = tmp_path / "flux.engine"
     rc = main(["build", str(path), "-o", str(engine), "--plugin", str(lib), "--resolutions",
                "1024x1024,512x512", "--txt-tokens", "1:5000", "--no-progress"])
