@@ -155,3 +155,16 @@ def fake_tensorrt(monkeypatch, tmp_path: Path, **kw):
     lib = tmp_path / "libqkrope_plugin.so"
     lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
     return trt, state, lib
+
+
+def export_tiny_transformer(d: Path, folder: str = "transformer",
+                            onnx: str = "transformer.onnx") -> tuple[Path, Path]:
+    """The tiny Qwen-Image transformer (qkrope.apps.tiny_pipeline) saved in ``d / folder`` and
+    exported by ``qkrope export --model transformer`` to ``d / onnx``: ``(folder, onnx)``."""
+    from qkrope.apps import tiny_pipeline as tp
+    from qkrope.cli import main
+
+    tp.save_transformer(tp.tiny_transformer(), d / folder)
+    assert main(["export", "--model", "transformer", "--diffusers", str(d / folder),
+                 "--out", str(d / onnx)]) == 0
+    return d / folder, d / onnx

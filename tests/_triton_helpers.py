@@ -49,15 +49,9 @@ def io(cfg, kind):
 @pytest.fixture(scope="module")
 def tiny_transformer_onnx(tmp_path_factory):
     """`qkrope export --model transformer` of the tiny diffusers transformer."""
-    from qkrope.apps import tiny_pipeline as tp
-    from qkrope.cli import main as cli_main
+    from _tiny_model import export_tiny_transformer
 
-    d = tmp_path_factory.mktemp("tinytr")
-    tp.save_transformer(tp.tiny_transformer(), d / "t")
-    out = d / "tiny.onnx"
-    assert cli_main(["export", "--model", "transformer", "--diffusers", str(d / "t"),
-                     "--out", str(out)]) == 0
-    return out
+    return export_tiny_transformer(tmp_path_factory.mktemp("tinytr"), "t", "tiny.onnx")[1]
 
 
 def tiny_engine(onnx_path, tmp_path, profiles=()):

@@ -39,11 +39,9 @@ ABSENT = dict(text_encoder=None, tokenizer=None)
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The tiny Qwen-Image transformer's folder and its fp32 export."""
-    d = tmp_path_factory.mktemp("qwen")
-    tp.save_transformer(tp.tiny_transformer(), d / "transformer")
-    assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
-                 "--out", str(d / "transformer.onnx")]) == 0
-    return d / "transformer", d / "transformer.onnx"
+    from _tiny_model import export_tiny_transformer
+
+    return export_tiny_transformer(tmp_path_factory.mktemp("qwen"))
 
 
 @pytest.fixture

@@ -35,13 +35,9 @@ CH, TXT_DIM = tp.TRANSFORMER_CONFIG["in_channels"], tp.TRANSFORMER_CONFIG["joint
 
 @pytest.fixture(scope="module")
 def onnx_path(tmp_path_factory):
-    from qkrope.cli import main
+    from _tiny_model import export_tiny_transformer
 
-    d = tmp_path_factory.mktemp("deploy")
-    tp.save_transformer(tp.tiny_transformer(), d / "transformer")
-    assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
-                 "--out", str(d / "transformer.onnx")]) == 0
-    return d / "transformer.onnx"
+    return export_tiny_transformer(tmp_path_factory.mktemp("deploy"))[1]
 
 
 @pytest.fixture(scope="module")

@@ -65,14 +65,10 @@ def ran(mark: Path) -> bool:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The tiny Qwen-Image transformer exported once (the engine stands for it)."""
-    from qkrope.apps import tiny_pipeline as tp
+    from _tiny_model import export_tiny_transformer
 
-    d = tmp_path_factory.mktemp("trust_plugin")
-    tp.save_transformer(tp.tiny_transformer(), d / "transformer")
-    onnx = d / "tiny.onnx"
-    assert cli_main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
-                     "--out", str(onnx)]) == 0
-    return onnx
+    return export_tiny_transformer(tmp_path_factory.mktemp("trust_plugin"),
+                                   onnx="tiny.onnx")[1]
 
 
 def _cuda_engine(sidecar) -> ft.ICudaEngine:
