@@ -96,6 +96,28 @@ def test_tolerances_scale_with_output():
     assert not row.passed and row.max_abs == pytest.approx(0.05, rel=1e-3)
 
 
+def test_qk_round_dtype_takes_the_coarser_tolerance():
+    """A model that rounds its rotated q/k to a coarser dtype than the export's in every dtype
+    (FamilyRecord.qk_round_dtype) is held to the coarser dtype's tolerance; a finer one changes
+    nothing. Every record with the fact names a dtype the check has a tolerance for."""
+    from qkrope import families
+
+    ref = {"a": np.full((4,), 3.0, np.float32)}
+    for model in ("attention", "transformer"):
+        want = parity.tolerances("bf16", ref, model=model)
+        assert parity.tolerances("fp32", ref, model=model, qk_round_dtype="bf16") == want
+        assert parity.tolerances("fp16", ref, model=model, qk_round_dtype="bf16") == want
+        assert parity.tolerances("bf16", ref, model=model, qk_round_dtype="fp16") == want
+        assert parity.tolerances("fp32", ref, model=model, qk_round_dtype="fp16") \
+            == parity.tolerances("fp16", ref, model=model)
+        assert parity.tolerances("fp32", ref, model=model, qk_round_dtype=None) \
+            == parity.tolerances("fp32", ref, model=model) != want
+    assert parity.tolerance_dtype("fp32", "bf16") == "bf16"
+    assert parity.tolerance_dtype("fp16", None) == "fp16"
+    facts = {r.qk_round_dtype for r in families.records()} - {None}
+    assert facts and facts <= set(parity.TOLERANCES)
+
+
 @pytest.mark.skipif(_has_trt_and_cuda(), reason="TensorRT present: the missing-TRT path is moot")
 def test_engine_without_tensorrt_is_one_clear_message(good, tmp_path, capsys):
     engine, plugin = tmp_path / "m.engine", tmp_path / "libqkrope.so"

@@ -142,8 +142,15 @@ class FamilyRecord:
     rope_rule: str | None = None
     # the node launches of its export at its usual sizes (the kernel report and kernel tests)
     launches: tuple[Launch, ...] = ()
+    # the dtype ("bf16", "fp16") the model rounds its rotated q/k to in every export dtype (None:
+    # the export's own dtype); the check's tolerance is then that of the coarser of the two
+    # (qkrope.apps.check.tolerances)
+    qk_round_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.qk_round_dtype not in (None, "bf16", "fp16"):
+            raise ValueError(f"{self.name}: qk_round_dtype {self.qk_round_dtype!r} is not None, "
+                             f"'bf16' or 'fp16'")
         if self.scheme not in SCHEMES:
             raise ValueError(f"{self.name}: scheme {self.scheme!r} is not one of {SCHEMES}")
         if self.latent not in LATENT_KINDS:
