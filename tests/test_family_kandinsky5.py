@@ -156,26 +156,33 @@ def test_fp16_and_nabla_attention_are_refused_in_one_line():
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kandinsky5-onnx")
+def exported(tiny_root, tmp_path_factory):
+    """``exported()``: the session's fp32 export of the saved tiny model (tests/_families.py,
+    shared with the matrices) and its sidecar; ``exported(fused=False)``: the same export of the
+    same saved folder with diffusers' norm and rotation in place of the nodes (written once)."""
+    from _families import BUILDERS
+
+    from qkrope.sidecars import ModelInfo
+
+    builder = BUILDERS[RECORD.name]
     done: dict = {}
 
     def get(fused=True):
-        """qkrope's fp32 export of the saved tiny model (its default sample); ``fused=False``:
-        the same export with diffusers' norm and rotation in place of the nodes."""
         from unittest import mock
 
         from qkrope.export.onnx_export import export_transformer
 
         if fused not in done:
-            path = root / f"{'fused' if fused else 'reference'}.onnx"
-            folder = root / "model"
-            if not folder.exists():
-                _base().save_pretrained(str(folder))
-            prepare = functools.partial(kx.prepare, fused=fused)
-            with mock.patch.object(kx, "prepare", prepare):
-                info, _ = export_transformer(path, folder, dtype="fp32", progress=False)
-            done[fused] = (path, info)
+            if fused:
+                path = builder.exported(tiny_root)
+                done[fused] = (path, ModelInfo.load(path))
+            else:
+                path = tmp_path_factory.mktemp("kandinsky5-onnx") / "reference.onnx"
+                prepare = functools.partial(kx.prepare, fused=False)
+                with mock.patch.object(kx, "prepare", prepare):
+                    info, _ = export_transformer(path, builder.saved(tiny_root), dtype="fp32",
+                                                 progress=False)
+                done[fused] = (path, info)
         return done[fused]
     return get
 
@@ -185,9 +192,11 @@ def test_onnx_runtime_at_untraced_shapes(exported):
     """The fp32 export run by ONNX Runtime at batches, grids, divisors and text lengths it was
     not traced at, against diffusers' forward on the same caches' values: its error is at most
     twice that of the reference graph (the same export with diffusers' norm and rotation in
-    place of the nodes; the two are equal in eager, test_patched_forward_is_bit_exact), so the
-    node's function body adds at most ONNX Runtime's own rounding again. One node per text and
-    per visual block."""
+    place of the nodes, its bf16 round trip of q/k included; the two are equal in eager,
+    test_patched_forward_is_bit_exact), so the node's function body adds at most ONNX Runtime's
+    own rounding again. No slack beside the 2x: both graphs round q/k to bf16 after the same
+    float32 arithmetic up to ONNX Runtime's order, and their errors were measured equal
+    (2.4e-6 and 3.3e-6 of peaks 6.1 and 7.6). One node per text and per visual block."""
     import onnx
     import onnxruntime as ort
 
@@ -216,8 +225,7 @@ def test_onnx_runtime_at_untraced_shapes(exported):
         assert ours.shape == want.shape == (batch, 4, f, 2 * h, 2 * w)
         reference_err = float(np.abs(reference - want).max())
         ours_err = float(np.abs(ours - want).max())
-        assert ours_err <= 2 * reference_err + 1e-6 * float(np.abs(want).max()), \
-            (ours_err, reference_err)
+        assert ours_err <= 2 * reference_err, (ours_err, reference_err)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,9 +38,9 @@ PARITY = {"qwen-image": tp.TRANSFORMER_PARITY}
 NEEDS = {"cosmos-predict2": ("cosmos_guardrail", "requires cosmos_guardrail: diffusers' Cosmos2 "
                                                  "pipelines build their safety checker from it")}
 #: families marked slow: above ~20 s on the shared 2-core machine (FLUX.2: a 28-layer text
-#: encoder; HunyuanVideo-1.5: 1108 + 256 text tokens), and Qwen-Image, whose same pipeline
+#: encoder; HunyuanVideo-1.5: 1108 + 256 text tokens; Kandinsky 5: ~90 s), and Qwen-Image, whose same pipeline
 #: tests/test_generate.py runs end to end in the fast tier
-SLOW = {"qwen-image", "flux2", "hunyuan-video-1.5"}
+SLOW = {"qwen-image", "flux2", "hunyuan-video-1.5", "kandinsky5"}
 
 
 def _parity(name: str) -> float:
