@@ -157,14 +157,15 @@ def fake_tensorrt(monkeypatch, tmp_path: Path, **kw):
     return trt, state, lib
 
 
-def export_tiny_transformer(d: Path, folder: str = "transformer",
-                            onnx: str = "transformer.onnx") -> tuple[Path, Path]:
-    """The tiny Qwen-Image transformer (qkrope.apps.tiny_pipeline) saved in ``d / folder`` and
-    exported by ``qkrope export --model transformer`` to ``d / onnx``: ``(folder, onnx)``."""
+def export_tiny_transformer(d: Path, folder: str = "transformer", onnx: str = "transformer.onnx",
+                            transformer=None) -> tuple[Path, Path]:
+    """The tiny Qwen-Image transformer (qkrope.apps.tiny_pipeline; ``transformer``: one the
+    caller built) saved in ``d / folder`` and exported by ``qkrope export --model
+    transformer`` to ``d / onnx``: ``(folder, onnx)``."""
     from qkrope.apps import tiny_pipeline as tp
     from qkrope.cli import main
 
-    tp.save_transformer(tp.tiny_transformer(), d / folder)
+    tp.save_transformer(tp.tiny_transformer() if transformer is None else transformer, d / folder)
     assert main(["export", "--model", "transformer", "--diffusers", str(d / folder),
                  "--out", str(d / onnx)]) == 0
     return d / folder, d / onnx

@@ -26,7 +26,6 @@ import _flux_models as fm  # noqa: E402
 
 import qkrope.runtime  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
-from qkrope.cli import main  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
 from qkrope.runtime import load_transformer  # noqa: E402
 from qkrope.runtime.component import (COMPONENT_FILE, ComponentError,  # noqa: E402
@@ -42,12 +41,11 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
+    from _tiny_model import export_tiny_transformer
+
     transformer = tp.tiny_transformer()
-    d = tmp_path_factory.mktemp("qwen")
-    tp.save_transformer(transformer, d / "transformer")
-    assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
-                 "--out", str(d / "transformer.onnx")]) == 0
-    return transformer, tp.tiny_vae(), d / "transformer.onnx"
+    _, onnx = export_tiny_transformer(tmp_path_factory.mktemp("qwen"), transformer=transformer)
+    return transformer, tp.tiny_vae(), onnx
 
 
 class Case:

@@ -26,12 +26,11 @@ CONFIG = tp.TRANSFORMER_CONFIG
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    from _tiny_model import export_tiny_transformer
+
     transformer = tp.tiny_transformer()
-    d = tmp_path_factory.mktemp("pipeline")
-    tp.save_transformer(transformer, d / "transformer")
-    assert main(["export", "--model", "transformer", "--diffusers", str(d / "transformer"),
-                 "--out", str(d / "transformer.onnx")]) == 0
-    return transformer, tp.tiny_vae(), d / "transformer.onnx"
+    _, onnx = export_tiny_transformer(tmp_path_factory.mktemp("pipeline"), transformer=transformer)
+    return transformer, tp.tiny_vae(), onnx
 
 
 def _pipelines(models, edit=False):
