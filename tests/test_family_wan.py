@@ -778,8 +778,8 @@ def test_uniform_per_token_timesteps_are_one_per_sample(exported):
 def test_export_refusals(tmp_path):
     """An image branch in the attention without the image embedder (added_kv_proj_dim without
     image_dim: diffusers' forward cannot feed it) or of another width than the model's, FLF2V's
-    position embedding without the image embedder, and a derivative class (VACE): one line
-    each, before any work."""
+    position embedding without the image embedder, and a derivative class the folder cannot
+    serve (Wan-Animate, in its REFUSED): one line each, before any work."""
     from qkrope.export.onnx_export import export_transformer
 
     for i, (config, match) in enumerate([
@@ -792,12 +792,13 @@ def test_export_refusals(tmp_path):
         with pytest.raises(InputError, match=match) as e:
             export_transformer(tmp_path / "x.onnx", folder, progress=False)
         assert "\n" not in str(e.value)
-    vace = tmp_path / "vace"
-    vace.mkdir()
-    (vace / "config.json").write_text(json.dumps({"_class_name": "WanVACETransformer3DModel"}))
-    with pytest.raises(InputError, match="WanVACETransformer3DModel.*WanTransformer3DModel "
-                                         r"\(Wan 2.1 / 2.2") as e:
-        export_transformer(tmp_path / "y.onnx", vace, progress=False)
+    animate = tmp_path / "animate"
+    animate.mkdir()
+    (animate / "config.json").write_text(
+        json.dumps({"_class_name": "WanAnimateTransformer3DModel"}))
+    with pytest.raises(InputError, match="WanAnimateTransformer3DModel.*face") as e:
+        export_transformer(tmp_path / "y.onnx", animate, progress=False)
+    assert "\n" not in str(e.value)
     assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "y.onnx").exists()
 
 
