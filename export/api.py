@@ -130,7 +130,7 @@ def check_family_options(record, diffusers_dir: str | os.PathLike, layers) -> No
     with open(os.path.join(transformer_folder(str(diffusers_dir)), "config.json"),
               encoding="utf-8") as fh:  # read (and checked) by folder_family already
         config = json.load(fh)
-    families.check_blocks_option(record, "--layers", layers, config=config)
+    families.check_blocks_option(record, "--layers", layers, config=config, cut=True)
 
 
 def check_paths(diffusers_dir: str | os.PathLike, out: str | os.PathLike | None,

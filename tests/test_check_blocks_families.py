@@ -111,22 +111,31 @@ def test_check_blocks_compares_every_block(family, tmp_path, capsys):
 
 
 def test_layers_one(family, tmp_path, capsys):
-    """``check --layers 1`` of the whole export, ``export --layers 1`` and both checks of it."""
+    """``check --layers K`` of the whole export, ``export --layers K`` and both checks of it, K
+    the fewest blocks an export can keep (1, or the first block the output layer reads where
+    leading blocks feed only later ones: FamilyRecord.least_layers); an export of fewer is
+    refused in one line."""
     from qkrope.sidecars import ModelInfo
 
     builder, folder, out = family
     config = builder.build(0).config
-    first = _expected(builder.record, config, 1)
-    assert main(["check", str(out), "--layers", "1", "--workdir", str(tmp_path / "a")]) == 0
+    k = builder.record.least_layers(config)
+    first = _expected(builder.record, config, k)
+    assert main(["check", str(out), "--layers", str(k), "--workdir", str(tmp_path / "a")]) == 0
     text = capsys.readouterr().out
     assert _rows(text) in (first, [r for r in first if not r.endswith(".txt")]), text
     one = tmp_path / "l1.onnx"
+    if k > 1:
+        assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--dtype",
+                     "fp32", "--layers", str(k - 1), "--out", str(one)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--layers {k} or more" in err[0] and not one.exists(), err
     assert main(["export", "--model", "transformer", "--diffusers", str(folder), "--dtype",
-                 "fp32", "--layers", "1", "--out", str(one)]) == 0
+                 "fp32", "--layers", str(k), "--out", str(one)]) == 0
     capsys.readouterr()
-    assert ModelInfo.load(one).config.num_layers_exported == 1
+    assert ModelInfo.load(one).config.num_layers_exported == k
     assert main(["check", str(one), "--workdir", str(tmp_path / "b")]) == 0
     assert _rows(capsys.readouterr().out) == _outputs(builder.record)
-    assert main(["check", str(one), "--layers", "1", "--workdir", str(tmp_path / "c")]) == 0
+    assert main(["check", str(one), "--layers", str(k), "--workdir", str(tmp_path / "c")]) == 0
     text = capsys.readouterr().out
     assert _rows(text) in (first, [r for r in first if not r.endswith(".txt")]), text

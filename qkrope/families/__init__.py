@@ -131,11 +131,14 @@ def family_of(config: Any, *, source: str = "the diffusers config") -> FamilyRec
 
 def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = None, *,
                         why: str = "export keeps every block",
-                        config: Any = None) -> None:
+                        config: Any = None, cut: bool = False) -> None:
     """An option over the blocks (``--layers N``, ``--blocks``) for a model of family
     ``record``: refused in one line where the record has no ``blocks`` (its export keeps every
     block, and nothing marks them), ``layers`` below 1, and above the model's blocks where its
-    diffusers ``config`` (config.json as a mapping) is given. Asked before any work starts."""
+    diffusers ``config`` (config.json as a mapping) is given; with ``cut`` (an export of the
+    first ``layers`` blocks), below :meth:`FamilyRecord.least_layers` (the kept blocks' outputs
+    would reach nothing the output layer reads, so the graph would hold none of them). Asked
+    before any work starts."""
     from qkrope.errors import InputError
 
     if not record.blocks:
@@ -154,6 +157,13 @@ def check_blocks_option(record: FamilyRecord, flag: str, layers: int | None = No
             raise InputError(f"{flag} {layers}: the model has {total} blocks "
                              f"({' + '.join(keys)} in its config.json). Fix: pass {flag} 1 to "
                              f"{total}")
+        least = record.least_layers(config)
+        if cut and layers is not None and layers < least:
+            unread = [b.attr for b in record.block_lists if not b.feeds_output]
+            raise InputError(f"{flag} {layers} keeps only {record.short}'s "
+                             f"{' and '.join(unread)}, whose outputs only later blocks read, so "
+                             f"the exported graph would hold none of them. Fix: pass {flag} "
+                             f"{least} or more (the first block the output layer reads)")
 
 
 @overload

@@ -42,11 +42,15 @@ class BlockList(NamedTuple):
     """One list of a transformer's blocks: the module attribute that holds it, the config key of
     its length, and what each of its blocks returns (stream names, in return order: a pair such
     as FLUX's ``(encoder_hidden_states, hidden_states)`` is ``("txt", "img")``; one tensor is
-    a one-name tuple)."""
+    a one-name tuple); and whether the model's output layer reads its blocks' outputs
+    (``feeds_output``: False for a list whose outputs only later lists read, e.g. text blocks
+    that only the image blocks' cross-attention reads; a graph cut inside it holds none of its
+    blocks)."""
 
     attr: str
     key: str
     returns: tuple[str, ...] = ("txt", "img")
+    feeds_output: bool = True
 
 
 #: The block lists of a transformer with double-stream blocks, then single-stream ones that
@@ -182,6 +186,16 @@ class FamilyRecord:
             kept.append(min(count, max(left, 0)))
             left -= kept[-1]
         return tuple(kept)
+
+    def least_layers(self, config: Mapping[str, Any]) -> int:
+        """The fewest blocks ``--layers`` can keep in an export: enough to reach the first block
+        list the output layer reads (1 where the first list feeds it)."""
+        before = 0
+        for blocks, count in zip(self.block_lists, self.block_counts(config)):
+            if blocks.feeds_output:
+                return before + 1
+            before += count
+        return 1
 
     def decl(self, guidance: bool) -> ModelDecl:
         """The transformer graph of a model with (or without) guidance embeddings."""

@@ -55,7 +55,10 @@ FP8_EXCLUDED = ("time_embeddings", "text_embeddings", "pooled_text_embeddings",
                 "visual_embeddings", "out_layer")
 
 #: The text blocks (returning the text) run before the visual blocks (returning the latent).
-BLOCK_LISTS = (BlockList("text_transformer_blocks", "num_text_blocks", ("txt",)),
+# the text blocks' output is read by the visual blocks' cross-attention only (the output layer
+# reads the visual stream): an export of text blocks alone holds none of them
+BLOCK_LISTS = (BlockList("text_transformer_blocks", "num_text_blocks", ("txt",),
+                         feeds_output=False),
                BlockList("visual_transformer_blocks", "num_visual_blocks", ("img",)))
 
 #: The node launches at Kandinsky 5.0 Video Lite's sizes (model_dim 1792 in 64-wide heads: 28
