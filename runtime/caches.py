@@ -115,7 +115,8 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
                     base_fps: float | None = None,
                     table_lengths: Sequence[int] | None = None) -> Setting:
     """A :class:`~qkrope.runtime.schemes.Setting` from the caller's numbers, each checked: the
-    axes positive even widths (three for the grid scheme: frame, height, width) whose sum fits
+    axes even widths >= 0, at least one > 0 (three for the grid scheme: frame, height, width;
+    a 0-wide axis gives no columns), whose sum fits
     the widest head the kernel takes, theta a finite number > 0; ``rotated`` the streams the
     model rotates (a stream normalised but not rotated gets identity rows)."""
     grid = scheme_name == "grid"
@@ -123,9 +124,15 @@ def checked_setting(scheme_name: str, axes_dim: Sequence[int], theta: float, *,
         raise InputError(f"{what} must be the RoPE width of each axis, e.g. (16, 56, 56); got "
                          f"{axes_dim!r}")
     axes = tuple(_whole(d, f"{what} values") for d in axes_dim)
-    if not axes or any(d <= 0 or d % 2 for d in axes) or (grid and len(axes) != 3):
-        raise InputError(f"{what} must be {'three ' if grid else ''}positive even widths, one per "
-                         f"RoPE axis, e.g. (16, 56, 56); got {axes_dim!r}")
+    # Every scheme's cache is its axes' columns side by side (divided_grid's text rows span the
+    # whole width), so a 0-wide axis is meaningful in each: it contributes no columns and
+    # rotates nothing, as diffusers' position embedders give it (Bria 3.2's [0, 48, 48]).
+    # At least one axis must be wide, or the cache has no columns at all.
+    if not axes or any(d < 0 or d % 2 for d in axes) or (grid and len(axes) != 3) \
+            or not any(axes):
+        raise InputError(f"{what} must be {'three ' if grid else ''}positive even widths or 0 (an "
+                         f"axis not rotated), one per RoPE axis, at least one positive, e.g. "
+                         f"(16, 56, 56) or (0, 48, 48); got {axes_dim!r}")
     if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or \
             not math.isfinite(theta) or theta <= 0:
         raise InputError(f"theta (the RoPE base) must be a finite number > 0, e.g. 10000; got "

@@ -144,3 +144,74 @@ def test_longcat_ignores_guidance_as_diffusers_does(root):
     kw = fm.clone_inputs(spec, dropin.config, [(1, 2, 2)], 3, 1)
     plain = dropin(**kw, return_dict=False)[0]
     assert torch.equal(dropin(**kw, guidance=torch.full((1,), 4.5), return_dict=False)[0], plain)
+
+
+# --------------------------------------------------------------------------------------------
+# A zero-width RoPE axis: the released Bria 3.2 config has axes_dims_rope [0, 48, 48] (heads of
+# 96); diffusers' position embedder gives the 0-wide axis no columns. The same at tiny size.
+# --------------------------------------------------------------------------------------------
+
+ZERO_AXIS = [0, 8, 8]  # attention_head_dim 16 (TINY_CONFIG's)
+
+
+def _zero_axis_builder():
+    """The tiny Bria with ``axes_dims_rope`` [0, 8, 8]."""
+    from _families import TinyBuilder
+
+    _, _, _, tiny = _family("bria")
+    return TinyBuilder("bria", "bria-zero-axis",
+                       lambda seed: tiny.bria_transformer(seed, axes_dims_rope=ZERO_AXIS))
+
+
+def test_ids_caches_of_a_zero_width_axis_are_diffusers_bria_rope():
+    """The "ids" caches (the shared builder, through checked_setting) of axes [0, 8, 8] equal
+    diffusers' Bria position embedder bit for bit: every integer position 0..4096 on each axis
+    and a pipeline's ids; the 0-wide axis contributes no columns."""
+    from diffusers.models.transformers.transformer_bria import BriaEmbedND
+
+    from qkrope.runtime.dual_stream import caches_from_ids, sample_ids
+
+    _, _, spec, _ = _family("bria")
+    txt, img = sample_ids(spec.ids, [(1, 5, 3)], 7)
+    span = torch.arange(4097, dtype=torch.float32)[:, None].expand(4097, 3).contiguous()
+    for txt_ids, img_ids in ((torch.from_numpy(txt), torch.from_numpy(img)), (span[:9], span)):
+        caches = caches_from_ids("Bria", txt_ids, img_ids, axes_dims=ZERO_AXIS, theta=10000,
+                                 head_dim=16)
+        for ids, got in ((img_ids, caches.img), (txt_ids, caches.txt)):
+            cos, sin = BriaEmbedND(theta=10000, axes_dim=ZERO_AXIS)(ids)
+            assert cos.shape == (ids.shape[0], 16) and got.shape == (ids.shape[0], 16)
+            # diffusers' tables repeat each pair's value twice; the cache holds cos half, sin half
+            assert torch.equal(got[:, :8], cos[:, 0::2]) and torch.equal(got[:, 8:], sin[:, 0::2])
+
+
+def test_a_zero_width_axis_exports_and_the_dropin_matches_diffusers(root):
+    """A tiny Bria with axes [0, 8, 8] exports (export_transformer), and the drop-in
+    (load_transformer, caches from the ids) matches diffusers' forward on ONNX Runtime within
+    the clones' bound, at an untraced shape."""
+    from qkrope.runtime import load_transformer
+
+    builder = _zero_axis_builder()
+    _, _, spec, _ = _family("bria")
+    model = builder.build(0).eval()
+    kw = fm.clone_inputs(spec, model.config, [(1, 5, 3)], 9, 2, seed=11)
+    with torch.no_grad():
+        want = model(**kw, return_dict=False)[0]
+    got = load_transformer(builder.exported(root))(**kw, return_dict=False)[0]
+    assert got.shape == want.shape
+    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    assert 0 < err <= fm.FLUX_TRANSFORMER_PARITY * scale, (err, scale)
+
+
+@pytest.mark.parametrize("axes, match", [
+    ([0, 0, 0], r"or 0 \(an axis not rotated\).*at least one positive"),
+    ([0, -2, 18], r"positive even widths or 0"),
+    ([0, 7, 9], r"positive even widths or 0"),
+])
+def test_zero_negative_or_odd_axes_are_one_line(axes, match):
+    from qkrope.runtime.dual_stream import caches_from_ids, sample_ids
+
+    _, _, spec, _ = _family("bria")
+    txt, img = sample_ids(spec.ids, [(1, 2, 2)], 3)
+    with pytest.raises(InputError, match=match) as exc:
+        caches_from_ids("Bria", txt, img, axes_dims=axes, theta=10000, head_dim=16)
+    assert "\n" not in str(exc.value) and str(axes) in str(exc.value)

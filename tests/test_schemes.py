@@ -465,3 +465,51 @@ def test_generate_refuses_a_size_past_the_tables_before_any_model_loads(tmp_path
     line = _oneline.error_line(capsys)
     assert "needs 64 RoPE positions" in line and "more than the 32" in line, line
     assert not (tmp_path / "o.png").exists()
+
+
+def _scheme_requests(img_ids, txt_ids):
+    """One small request per scheme (scheme module -> request); every scheme has one."""
+    out = {schemes.ids: {"txt_ids": txt_ids, "img_ids": img_ids},
+           schemes.table: {"txt_ids": txt_ids.astype(np.int64),
+                           "img_ids": img_ids.astype(np.int64)},
+           schemes.grid: schemes.grid.sample_request([(1, 3, 4)], 5),
+           schemes.patch_grid: schemes.patch_grid.sample_request([(1, 3, 4)], 5),
+           schemes.scaled_grid: schemes.scaled_grid.sample_request((2, 3, 4)),
+           schemes.divided_grid: schemes.divided_grid.sample_request((2, 3, 4), 5)}
+    assert set(out) == set(schemes.SCHEMES.values())
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_a_zero_width_axis_gives_no_columns_in_every_scheme(zero, precision):
+    """A 0-wide RoPE axis (Bria 3.2's [0, 48, 48]) is accepted by checked_setting for every
+    scheme, and each scheme's caches are those of the same setting with that axis 4 wide, less
+    its columns (its cos and its sin pairs): no NaN, no warning (a 0-wide axis has no
+    frequencies). divided_grid's text rows span the whole width (one axis): only their shape
+    and finiteness are compared."""
+    import warnings
+
+    txt_ids, img_ids = schemes.ids.sample_ids([(1, 3, 4)], 5, n_axes=3, image_step=1)
+    thin = [8, 6, 10]
+    wide = list(thin)
+    thin[zero], wide[zero] = 0, 4
+    # the cache is the cos half then the sin half, each axis' dim / 2 pairs in order: the wide
+    # setting's columns less the 2 pairs of that axis in each half
+    half, start = sum(wide) // 2, sum(wide[:zero]) // 2
+    cols = [c for c in range(2 * half) if not start <= c % half < start + 2]
+    for module, request in _scheme_requests(img_ids, txt_ids).items():
+        name = module.NAME
+        extra = dict(max_positions=64, precision=precision, table_lengths=(64, 64, 64)
+                     if module is schemes.table else None)
+        pairs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for axes in (thin, wide):
+                setting = checked_setting(name, axes, 10000, **extra)
+                pairs.append(module.build(module.positions(request, setting), setting))
+        got, want = pairs
+        for stream, g, w in zip(("img", "txt"), got, want):
+            assert g.shape == (w.shape[0], sum(thin)) and np.isfinite(g).all(), (name, stream)
+            if not (module is schemes.divided_grid and stream == "txt"):
+                assert np.array_equal(g, w[:, cols]), (name, stream)

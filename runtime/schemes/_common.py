@@ -36,7 +36,8 @@ PRECISIONS = ("float32", "float64")
 @dataclass(frozen=True)
 class Setting:
     """The RoPE numbers of one exported model: ``axes_dim`` (the rotated width of each position
-    axis, even, summing to the cache width), ``theta`` (the base) and, for a scheme that reads
+    axis, even, summing to the cache width; a 0-wide axis has no frequencies and gives no
+    columns), ``theta`` (the base) and, for a scheme that reads
     tabulated positions (grid), ``max_positions`` (entries per axis and sign) and
     ``scale_rope`` (centred height / width)."""
 
