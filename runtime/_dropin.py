@@ -279,7 +279,8 @@ class Transformer(DropinComponent):
             # latents the model joins before its own (history) have cache rows too, each at
             # the latent's patch (model_io.HISTORY_ROLES)
             tokens += sum(self._latent.tokens(tuple(v.shape), k)
-                          for k, v in call.conditioning.items() if k in model_io.HISTORY_ROLES)
+                          for k, v in call.conditioning.items()
+                          if model_io.role_of(k) in model_io.HISTORY_ROLES)
             if tokens != caches.img.shape[0]:
                 raise InputError(
                     f"the position request ({', '.join(call.request)}) gives "

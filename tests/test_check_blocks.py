@@ -263,5 +263,10 @@ def test_a_stream_is_named_by_its_token_axis():
                          ("image_embed_tokens + txt2_tokens + txt_tokens", "txt"),
                          ("s1*s2", None), ("latent_frames", None), ("batch*s3", None),
                          ("latent_height*latent_frames*latent_width + txt_tokens", None),
-                         ("txt_tokens + 1", None), ("", None)]:
+                         ("txt_tokens + 1", None), ("", None),
+                         # history latents joined before the latent: a sum of token grids
+                         ("s38*clean_frames*s71 + s38*s71*latent_frames", "img"),
+                         ("clean_frames + latent_frames", None),
+                         ("2*latent_frames + clean_frames", None),
+                         ("latent_frames*s3*s4 + (Mod(latent_frames, 4))", None)]:
         assert stream_of_axis(name) == stream, name

@@ -93,9 +93,15 @@ def stream_of_axis(axis: str) -> str | None:
             not re.fullmatch(r"s\d+", f) for f in factors):
         return "img"
     # the image stream of a model that joins latents before its own (history): a sum of the
-    # parts' token grids, each with a frame axis among its factors
+    # parts' token grids, each a product of a frame axis and the latent's rows and columns (a
+    # named axis or a symbol; pooled parts divide them), so a per-frame count alone or a
+    # padding of frames is no stream's
     frames = (model_io.LATENT_FRAMES,) + model_io.HISTORY_AXES
-    if len(terms) > 1 and all(re.search(rf"\b(?:{'|'.join(frames)})\b", t) for t in terms):
+    frame = re.compile(rf"\b(?:{'|'.join(frames)})\b")
+    spatial = re.compile(rf"\b(?:{model_io.LATENT_HEIGHT}|{model_io.LATENT_WIDTH})(?:_tokens)?\b"
+                         rf"|\bs\d+\b")
+    if len(terms) > 1 and all(frame.search(t) and spatial.search(t) and "*" in t
+                              for t in terms):
         return "img"
     names = {a for a in STREAM_AXES if len(_sum_terms(a)) == 1}
     found = frozenset(t for t in terms if t in names)
@@ -449,10 +455,8 @@ def find_block_outputs(model, offsets: dict[str, int] | None = None) -> dict[int
     width = max(lone, key=lambda w: (lone[w], w)) if lone else None
     found: dict[int, dict[str, str]] = {}
     for (block, stream), values in sorted(candidates.items()):
-        if width is not None:
-            values = [v for v in values if v[1] == width]
-            if not values:
-                continue
+        if width is not None and len(values) > 1:
+            values = [v for v in values if v[1] == width] or values
         if len(values) > 1:
             values = [v for v in values
                       if _computed_from(model, made_by, v[0], {n for n, _ in values} - {v[0]})]
