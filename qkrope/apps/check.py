@@ -585,7 +585,7 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
                                   block_names=block_names, layers=layers, stats=stats)
     qk_round = _family(info).qk_round_dtype if info.model == "transformer" else None
     tol_dtype = tolerance_dtype(info.dtype, qk_round)
-    tol = tolerances(tol_dtype, reference, model=info.model)
+    tol = tolerances(info.dtype, reference, model=info.model, qk_round_dtype=qk_round)
     compared = ([] if layers else list(info.output_names)) + block_names
     results = Comparator.run(runners, data_loader=[feeds])
     converted = RunResults()

@@ -70,9 +70,15 @@ def refused() -> dict[str, str]:
     for package in FAMILY_PACKAGES:
         for name, why in getattr(importlib.import_module(f"{__name__}.{package}"), "REFUSED",
                                  {}).items():
-            if name in served or name in out or not isinstance(why, str) or not why:
-                raise RuntimeError(f"{package}: REFUSED class {name!r} is served, refused twice "
-                                   f"or has no reason")
+            if name in served:
+                raise RuntimeError(f"{package}: REFUSED names {name!r}, which a record serves. "
+                                   f"Fix: drop it from REFUSED or from the records")
+            if name in out:
+                raise RuntimeError(f"{package}: REFUSED names {name!r}, which another folder "
+                                   f"refuses already. Fix: keep one folder's entry")
+            if not isinstance(why, str) or not why:
+                raise RuntimeError(f"{package}: REFUSED[{name!r}] is {why!r}, not a reason. "
+                                   f"Fix: give the one-clause reason the refusal prints")
             out[name] = why
     return out
 

@@ -236,11 +236,13 @@ class HunyuanVideoFramepackTransformer(_HunyuanBase):
                                "[batch, channels, frames, height, width]")
             if (value.shape[0], value.shape[3], value.shape[4]) != (batch, height, width):
                 raise InputError(f"{latent} {list(value.shape)} must have the batch, height "
-                                 f"and width of hidden_states {list(hidden_states.shape)}")
+                                 f"and width of hidden_states {list(hidden_states.shape)}. Fix: "
+                                 f"pass the pipeline's history latents of this latent")
             idx = tensor_arg(given[index], index, 1, "[frames] (one frame index per frame)")
             if idx.shape[0] != value.shape[2]:
                 raise InputError(f"{index} has {idx.shape[0]} frame indices but {latent} has "
-                                 f"{value.shape[2]} frames; one index per frame")
+                                 f"{value.shape[2]} frames. Fix: pass one index per frame, as "
+                                 f"the pipeline's {index} does")
             indices.append(idx)
         p = int(self.config["patch_size"])
         img_ids = framepack_ids(height // p, width // p, indices)
