@@ -55,19 +55,23 @@ def test_export_layers_is_decided_from_the_record_before_any_work(builder, layer
                                                                   tiny_root, capsys,
                                                                   monkeypatch):
     """``qkrope export --layers``: refused in one line for a family without ``blocks``, for
-    a count below 1 and for one above the model's blocks, before the export starts (the
-    exporter is never called)."""
+    a count below 1 (or below the first block the output layer reads:
+    FamilyRecord.least_layers) and for one above the model's blocks, before the export starts
+    (the exporter is never called)."""
+    import json
+
     from qkrope.cli import main
     from qkrope.export import onnx_export
 
     called = []
     monkeypatch.setattr(onnx_export, "export_transformer",
                         lambda *a, **k: called.append(k) or (None, []))
-    rc = main(["export", "--model", "transformer", "--diffusers",
-               str(builder.saved(tiny_root)), "--layers", str(layers),
-               "--out", str(tmp_path / "m.onnx")])
+    folder = builder.saved(tiny_root)
+    least = builder.record.least_layers(json.loads((folder / "config.json").read_text()))
+    rc = main(["export", "--model", "transformer", "--diffusers", str(folder), "--layers",
+               str(layers), "--out", str(tmp_path / "m.onnx")])
     err = capsys.readouterr().err.strip()
-    if builder.record.blocks and 1 <= layers <= builder.blocks:
+    if builder.record.blocks and max(1, least) <= layers <= builder.blocks:
         assert rc == 0 and called and called[0]["layers"] == layers
     else:
         assert rc != 0 and not called and len(err.splitlines()) == 1, err
