@@ -804,7 +804,7 @@ def test_export_refusals(tmp_path):
 
 def test_the_builder_is_registered():
     assert BUILDERS["wan"].record is WAN and WAN.blocks is True
-    assert [tuple(b) for b in WAN.block_lists] == [("blocks", "num_layers", ("img",))]
+    assert [tuple(b) for b in WAN.block_lists] == [("blocks", "num_layers", ("img",), True)]
 
 
 def test_layers_and_blocks(exported, tmp_path, capsys):

@@ -91,8 +91,9 @@ TOLERANCES = {
     "bf16": {"atol_ulps": 2, "rtol": 2.0 ** -6},
 }
 TRANSFORMER_FACTOR = {"fp32": 10.0, "fp16": 4.0, "bf16": 4.0}
-#: The dtypes from the finest to the coarsest (mantissa bits 23, 10, 7).
-PRECISION_ORDER = ("fp32", "fp16", "bf16")
+#: The dtypes from the finest to the coarsest (mantissa bits 23, 10, 7): the order TOLERANCES
+#: lists them in.
+PRECISION_ORDER = tuple(TOLERANCES)
 # Check sizes that differ from the export sample (edit image, odd sizes, masked text).
 DEFAULT_CHECK_SAMPLE = dict(img_shapes=[(1, 6, 5), (1, 4, 4)], txt_len=11, batch=2)
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
+from qkrope.errors import QkropeError
+
 
 class ExportHooks(Protocol):
     """``qkrope.families.<package>.export`` (export layer), called by qkrope.export."""
@@ -143,7 +145,7 @@ CONTRACTS: dict[str, Contract] = {
 }
 
 
-class FamilyContractError(TypeError):
+class FamilyContractError(QkropeError, TypeError):
     """A family's hook module lacks a name its contract requires (a family folder's bug)."""
 
 
