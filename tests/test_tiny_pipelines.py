@@ -40,7 +40,17 @@ NEEDS = {"cosmos-predict2": ("cosmos_guardrail", "requires cosmos_guardrail: dif
 #: families marked slow: above ~20 s on the shared 2-core machine (FLUX.2: a 28-layer text
 #: encoder; HunyuanVideo-1.5: 1108 + 256 text tokens; Kandinsky 5: ~90 s), and Qwen-Image, whose same pipeline
 #: tests/test_generate.py runs end to end in the fast tier
-SLOW = {"qwen-image", "flux2", "hunyuan-video-1.5", "kandinsky5"}
+SLOW = {"qwen-image", "flux2", "hunyuan-video-1.5", "kandinsky5", "joyimage-edit"}
+#: families whose pipeline sets the output size itself: JoyImage Edit rounds every size to its
+#: 1024 x 1024 buckets (8192 tokens, hence slow)
+FIXED_SIZE = {"joyimage-edit": (1024, 1024)}
+#: families whose pipeline's call needs more than a prompt: generate refuses them in one line
+#: before any model loads (HunyuanVideo FramePack animates an image)
+NOT_FROM_A_PROMPT = {"hunyuan-video-framepack": "image"}
+#: known defects of a tiny recipe, each a strict xfail (it fails the run once fixed)
+BROKEN = {"prx": "the tiny recipe saves its T5GemmaEncoder with a T5GemmaModuleConfig, which "
+                 "transformers reloads as a T5GemmaConfig of other sizes (the folder does not "
+                 "load back)"}
 
 
 def _parity(name: str) -> float:
@@ -79,6 +89,8 @@ def _params():
     out = []
     for name in families.names():
         marks = [pytest.mark.slow] if name in SLOW else []
+        if name in BROKEN:
+            marks.append(pytest.mark.xfail(reason=BROKEN[name], strict=True))
         out.append(pytest.param(name, id=name, marks=marks))
     return out
 
@@ -93,6 +105,11 @@ def test_the_tiny_pipeline_runs_from_a_prompt_on_its_export(root, name):
     export_transformer(folder / "transformer", onnx, dtype="fp32", progress=False)
 
     quiet = dict(log=lambda _: None, **CALL)
+    if name in NOT_FROM_A_PROMPT:
+        with pytest.raises(InputError, match=NOT_FROM_A_PROMPT[name]) as e:
+            gen.generate(folder, onnx, "a cat", **quiet)
+        assert "\n" not in str(e.value) and "Fix: call the pipeline in Python" in str(e.value)
+        return
     if name in NEEDS:
         try:
             __import__(NEEDS[name][0])
@@ -108,7 +125,7 @@ def test_the_tiny_pipeline_runs_from_a_prompt_on_its_export(root, name):
     path = root / f"{name}.{'gif' if video else 'png'}"
     assert gen.write_output(out, path) == [path]
     with Image.open(path) as image:
-        assert image.size == (SIZE["width"], SIZE["height"])
+        assert image.size == FIXED_SIZE.get(name, (SIZE["width"], SIZE["height"]))
         assert getattr(image, "n_frames", 1) == (len(out.frames[0]) if video else 1)
 
     got, _, _ = gen.generate(folder, onnx, "a cat", output_type="latent", **quiet)

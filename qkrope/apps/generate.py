@@ -616,6 +616,16 @@ def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, widt
     plan = read_pipeline(pipeline_dir)
     check_seed(seed)
     check_steps(plan, steps)
+    # a pipeline whose call needs more than a prompt (an image to animate: FramePack) cannot be
+    # run from the command line's options
+    needed = [n for n, p in plan.params.items() if n not in ("self", "prompt")
+              and p.default is inspect.Parameter.empty
+              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if needed:
+        raise InputError(f"{plan.class_name}'s call needs {', '.join(needed)}, which qkrope "
+                         f"generate does not take (it runs a pipeline from a prompt). Fix: call "
+                         f"the pipeline in Python with the drop-in (pipe.transformer = "
+                         f"qkrope.runtime.load_transformer(...))")
     for flag, value in (("--height", height), ("--width", width),
                         ("--num-frames", num_frames)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -758,6 +768,10 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     # the drop-ins go in as the components (a pipeline's __init__ may read its transformer's
     # config: HunyuanVideo-1.5's image-embedding width), so no PyTorch transformer is loaded
     extra = dict(dropins)
+    # components the folder was saved without (model_index.json's [null, null], e.g. JoyImage
+    # Edit's processor): diffusers' from_pretrained wants them named, as None
+    index = _read_json(Path(pipeline_dir) / "model_index.json") or {}
+    extra.update({k: None for k, v in index.items() if k not in extra and v == [None, None]})
     # the class model_index.json names, diffusers' own (plan.pipeline_class): its
     # from_pretrained takes the drop-ins for its optional components (Wan's experts), where
     # DiffusionPipeline.from_pretrained reads only its own optional components and would load
