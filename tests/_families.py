@@ -197,8 +197,10 @@ BUILDERS: dict[str, TinyBuilder] = {
                               int(tp.TRANSFORMER_CONFIG["num_layers"])),
     "flux1": _flux("flux1-schnell"),
     "flux2": _flux("flux2-klein"),
+    # FramePack shares HunyuanVideo's folder code: a clone (its own file runs its matrix cases)
     **{v: TinyBuilder(v, v, (lambda seed, v=v: hvm.transformer(v, seed)),
-                      int(hvm.VARIANTS[v][1]["num_layers"])) for v in hvm.VARIANTS},
+                      int(hvm.VARIANTS[v][1]["num_layers"]), smoke=v.endswith("framepack"))
+       for v in hvm.VARIANTS},
     "z-image": TinyBuilder("z-image", "z-image", z_image_transformer,
                            int(Z_IMAGE_CONFIG["n_layers"]), axes_key="axes_dims"),
     "chroma": TinyBuilder("chroma", "chroma", chroma_transformer,

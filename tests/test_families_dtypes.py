@@ -27,6 +27,11 @@ from _families import FULL_PARAMS  # noqa: E402
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
 
+#: exports a family refuses by dtype (no node rounding reproduces its eager order there):
+#: Kandinsky 5 rounds its rotated q/k to bf16 after an fp16 norm
+REFUSED_DTYPES = {("kandinsky5", "fp16"): "no node rounding mode reproduces that"}
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("builder", FULL_PARAMS)
 def test_a_16_bit_export_passes_the_checker_and_fp16_runs(builder, dtype, tmp_path, tiny_root):
@@ -35,6 +40,13 @@ def test_a_16_bit_export_passes_the_checker_and_fp16_runs(builder, dtype, tmp_pa
     from qkrope.runtime.inputs import make_inputs
 
     out = tmp_path / f"{builder.variant}-{dtype}.onnx"
+    if (builder.family, dtype) in REFUSED_DTYPES:  # the export refuses it in one line
+        from qkrope.errors import InputError
+
+        with pytest.raises(InputError, match=REFUSED_DTYPES[builder.family, dtype]) as e:
+            export_transformer(builder.saved(tiny_root), out, dtype=dtype, progress=False)
+        assert "\n" not in str(e.value) and "Fix:" in str(e.value) and not out.exists()
+        return
     # the session's saved model; the export is the test's own (exporting is what it checks)
     export_transformer(builder.saved(tiny_root), out, dtype=dtype, progress=False)
     info = ModelInfo.load(out)
