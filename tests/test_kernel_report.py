@@ -282,20 +282,28 @@ def test_row_plan_constants_match_the_sass(report):
 def test_every_modelled_device_launches_a_fast_instance_in_whole_tokens(report):
     """Per device model the plan picks a fast-path instance that exists in the SASS, fills no
     more blocks than are resident, and walks whole tokens (tokenStep covers the grid's groups)."""
+    from qkrope import families
+
+    layouts = {(ln.model, ln.stream): ln for rec in families.records() for ln in rec.launches}
     assert {ln["device"] for ln in report["launches"]} == set(kr.MODELLED_DEVICES)
     for ln in report["launches"]:
         if ln["instance"].startswith("Row<"):  # norm_scope 1: the row kernel's own tests below
             assert ln["found"], ln
             continue
-        assert ln["found"] and ln["instance"].startswith("Fast<Bf16,128,true,"), ln
+        head_dim = layouts[(ln["model"], ln["stream"])].head_dim
+        assert ln["found"] and ln["instance"].startswith(f"Fast<Bf16,{head_dim},true,"), ln
         dev = kr.MODELLED_DEVICES[ln["device"]]
         assert ln["grid"] <= ln["blocks_per_sm"] * dev["sms"], ln
+        # qknorm_rope_plan.h fastLanes / fastChunksPerThread at bf16 (8 values per 16 bytes):
+        # a row group of min(head_dim / 8, 32) lanes, each holding head_dim / 8 / lanes chunks
+        lanes = min(head_dim // 8, 32)
+        chunks = head_dim // 8 // lanes
         units = 2 * -(-ln["heads"] // ln["rows"])
-        assert ln["token_step"] * units == ln["grid"] * 16, ln   # 16 groups of 16 lanes per block
+        assert ln["token_step"] * units == ln["grid"] * (256 // lanes), ln   # groups per block
         # what the plan models (qknorm_rope_plan.h bytesInFlightPerSm): past every wait of the
-        # token loop, kPlanPrefetch tokens of rows (one 16-byte chunk per row and thread at
-        # head_dim 128, bf16) are still outstanding, read from the scoreboards of the SASS
-        assert ln["bytes_outstanding_per_thread"] == _plan_prefetch() * ln["rows"] * 16, ln
+        # token loop, kPlanPrefetch tokens of rows (16-byte chunks per row and thread) are still
+        # outstanding, read from the scoreboards of the SASS
+        assert ln["bytes_outstanding_per_thread"] == _plan_prefetch() * ln["rows"] * chunks * 16, ln
 
 
 def _plan_prefetch() -> int:
@@ -518,3 +526,24 @@ def test_launch_check_uses_the_bytes_outstanding_past_every_wait():
     assert not ok(launch(4096, 0))
     assert ok(launch(4096, 64)) and not ok(launch(4096, 63))      # 64 B x 512 threads = 32 KiB
     assert ok(launch(512, 32)) and not ok(launch(512, 31))        # 16 KiB below 4096 tokens
+
+
+def test_short_launches_are_held_to_the_loop_figure():
+    """A launch whose groups walk fewer tokens than the ring holds (kPlanPrefetch of
+    qknorm_rope_plan.h, STEADY_TOKENS_PER_GROUP) is checked on its token loop against THRESHOLDS;
+    from that many tokens per group on, on the whole kernel against LAUNCH_TARGETS."""
+    assert kr.STEADY_TOKENS_PER_GROUP == _plan_prefetch()
+
+    def check(tokens_per_group, whole, loop):
+        ln = {"device": "H200 SXM", "arch": 90, "model": "m", "stream": "text", "batch": 1,
+              "tokens": 256, "rounding": 0, "instance": "Fast<Bf16,128,true,2,0,true>", "found": True,
+              "instr_per_element": whole, "loop_instr_per_element": loop,
+              "tokens_per_group": tokens_per_group, "bytes_outstanding_per_thread": 64,
+              "bytes_in_flight_per_sm": 32768, "avg_bytes_in_flight_per_sm": 32768,
+              "threads_per_sm": 512, "blocks_per_sm": 2}
+        (c,) = [c for c in kr.launch_checks([ln]) if c["check"] == "launched-instr-per-element"]
+        return c["ok"]
+
+    limit, loop_limit = kr.launch_target(256)["instr_per_element"][0], kr.THRESHOLDS[0]
+    assert check(1.5, limit + 5, loop_limit) and not check(1.5, limit, loop_limit + 0.1)
+    assert check(2.0, limit, loop_limit + 5) and not check(2.0, limit + 0.1, loop_limit)

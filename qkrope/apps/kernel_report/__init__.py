@@ -20,7 +20,7 @@ text         :func:`format_text` (the report as text) and :func:`json_ready`
 from __future__ import annotations
 
 from .assumptions import (HARDWARE, LAUNCH_TARGETS, MODELLED_DEVICES, PROBLEM, ROUNDING2_COST,
-                          TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS, assumptions, device_hardware,
+                          STEADY_TOKENS_PER_GROUP, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS, assumptions, device_hardware,
                           launch_problems, launch_target, occupancy, problem_bounds,
                           reference_match)
 from .instances import (BUILD_DIR, DEFAULT_ARCHS, ELEMENT_BYTES, FALLBACK_PARAMS, FAST_KERNEL,
@@ -35,7 +35,7 @@ from .text import MAX_FAILURES_LISTED, fmt, format_text, json_ready
 __all__ = [
     "ToolError", "Tools",
     "HARDWARE", "PROBLEM", "THRESHOLDS", "THRESHOLD_SOURCE", "MODELLED_DEVICES",
-    "ROUNDING2_COST", "LAUNCH_TARGETS",
+    "ROUNDING2_COST", "LAUNCH_TARGETS", "STEADY_TOKENS_PER_GROUP",
     "TARGET_ARCHS", "launch_target", "launch_problems",
     "occupancy", "device_hardware", "problem_bounds", "reference_match",
     "assumptions",

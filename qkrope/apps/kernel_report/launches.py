@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import os
 
-from .assumptions import (MODELLED_DEVICES, TARGET_ARCHS, device_hardware,
-                          launch_problems, launch_target, occupancy)
+from .assumptions import (MODELLED_DEVICES, STEADY_TOKENS_PER_GROUP, TARGET_ARCHS, THRESHOLDS,
+                          device_hardware, launch_problems, launch_target, occupancy)
 from .instances import label_of
 from .sass import ToolError, outstanding_at_waits
 from .text import fmt
@@ -182,7 +182,9 @@ def _plan_launches(report: dict, kernels, problems: list[dict] | None = None) ->
 
 
 def launch_checks(launches: list[dict]) -> list[dict]:
-    """The static targets (LAUNCH_TARGETS) for every launch on a TARGET_ARCHS device."""
+    """The static targets (LAUNCH_TARGETS) for every launch on a TARGET_ARCHS device; a launch
+    whose groups walk fewer than STEADY_TOKENS_PER_GROUP tokens is held to THRESHOLDS on its
+    token loop instead of the whole-kernel instruction target."""
     checks = []
     for ln in launches:
         if ln["arch"] not in TARGET_ARCHS or MODELLED_DEVICES[ln["device"]]["arch"] not in TARGET_ARCHS:
@@ -202,10 +204,15 @@ def launch_checks(launches: list[dict]) -> list[dict]:
                                  f"{ln['threads_per_sm']} threads; average "
                                  f"{ln['avg_bytes_in_flight_per_sm'] / 1024:.1f} KiB) "
                                  f"{'>=' if have_b >= need_b else '<'} {need_b // 1024} KiB"})
-        lim, ipe = t["instr_per_element"][ln["rounding"]], ln["instr_per_element"]
+        steady = ln["tokens_per_group"] >= STEADY_TOKENS_PER_GROUP
+        if steady:
+            lim, ipe, what = t["instr_per_element"][ln["rounding"]], ln["instr_per_element"], ""
+        else:   # the ring's fill only: the loop's per-token figure (STEADY_TOKENS_PER_GROUP)
+            lim, ipe = THRESHOLDS[ln["rounding"]], ln["loop_instr_per_element"]
+            what = " in the token loop (fewer tokens per group than the ring holds)"
         ok = ipe is not None and ipe <= lim
         checks.append({"check": "launched-instr-per-element", "arch": ln["arch"], "instance": ln["instance"],
                        "ok": ok, "detail": f"{where}: {fmt(ipe, '.2f')} {'<=' if ok else '>'} {lim} "
-                                           f"instructions per element ({ln['tokens_per_group']:.1f} tokens "
-                                           "per group)"})
+                                           f"instructions per element{what} "
+                                           f"({ln['tokens_per_group']:.1f} tokens per group)"})
     return checks

@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import json
 
-from .assumptions import LAUNCH_TARGETS, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS
+from .assumptions import (LAUNCH_TARGETS, STEADY_TOKENS_PER_GROUP, TARGET_ARCHS, THRESHOLD_SOURCE,
+                          THRESHOLDS)
 from .sass import outstanding_at_waits
 
 def fmt(v, spec="", none="-"):
@@ -147,6 +148,8 @@ def format_text(report: dict, details: str = "reference") -> str:
             f">= {t['min_tokens']} tokens: >= {t['bytes_in_flight_per_sm'] // 1024} KiB, <= "
             + " / ".join(f"{t['instr_per_element'][m]:g}" for m in modes)
             + f" (rounding {' / '.join(str(m) for m in modes)})" for t in LAUNCH_TARGETS))
+        w(f"   below {STEADY_TOKENS_PER_GROUP} tokens per group (the ring's fill only): the token loop's "
+          f"instructions per element <= {THRESHOLDS} by rounding instead")
         w("")
     w(f"== structural checks (--check); instruction thresholds {THRESHOLDS} by rounding mode, "
       f"from {THRESHOLD_SOURCE}")

@@ -45,8 +45,7 @@ HUNYUAN_VIDEO15_EXCLUDED = ("x_embedder", "image_embedder", "context_embedder",
 HUNYUAN_VIDEO_EXCLUDED = ("x_embedder", "context_embedder", "time_text_embed", "norm_out",
                           "proj_out")
 
-def _launches(model: str, heads: int, videos, text: int, single: bool,
-              text_stream: bool = True) -> tuple[Launch, ...]:
+def _launches(model: str, heads: int, videos, text: int, single: bool) -> tuple[Launch, ...]:
     """A model's node launches at its pipelines' usual sizes (x 128, interleaved pairs at full
     rotary width; ``videos``: (name, latent tokens) of one video): the latent and the text
     stream of a double-stream block, and (HunyuanVideo) the joint [latent; text] launch of a
@@ -54,8 +53,7 @@ def _launches(model: str, heads: int, videos, text: int, single: bool,
     roundings = (contract.ROUNDING_EACH_STEP, contract.ROUNDING_ONE)
     out = [Launch(model, f"latent {name}", tokens, heads, roundings=roundings)
            for name, tokens in videos]
-    if text_stream:
-        out.append(Launch(model, f"text {text}", text, heads, roundings=roundings))
+    out.append(Launch(model, f"text {text}", text, heads, roundings=roundings))
     if single:
         out += [Launch(model, f"joint {name} + text {text}", tokens + text, heads,
                        roundings=roundings) for name, tokens in videos]
@@ -71,12 +69,7 @@ HUNYUAN_VIDEO15_LAUNCHES = _launches("HunyuanVideo-1.5", 16, (("480p 121f", 31 *
                                      1000 + 256 + 729, single=False)
 HUNYUAN_VIDEO_LAUNCHES = _launches("HunyuanVideo", 24, (("544p 129f", 33 * 34 * 60),
                                                         ("720p 129f", 33 * 45 * 80)),
-                                   256, single=True, text_stream=False)
-# HunyuanVideo's 256-token text node alone is left out of the report's checked launches: the
-# instance the launcher picks for it on sm_90 runs 27.2 (rounding 0) and 30.2 (rounding 1)
-# instructions per element at 1.5 tokens per row group, over the 26 of LAUNCH_TARGETS
-# (a launch this short cannot amortise the prologue). Open: a plan for short many-head
-# launches; until then its figure is this comment's, not a checked one.
+                                   256, single=True)
 
 #: The block lists, in execution order: (hidden_states, encoder_hidden_states) from each.
 HUNYUAN_VIDEO15_BLOCKS = (BlockList("transformer_blocks", "num_layers", ("img", "txt")),)
@@ -137,7 +130,7 @@ HUNYUAN_VIDEO_FRAMEPACK_EXCLUDED = HUNYUAN_VIDEO_EXCLUDED + ("clean_x_embedder",
 FRAMEPACK_TOKENS = 9 * 1600 + 2 * 1600 + 400 + 4 * 100
 HUNYUAN_VIDEO_FRAMEPACK_LAUNCHES = _launches(
     "HunyuanVideo FramePack", 24, (("640x640 9f + history", FRAMEPACK_TOKENS),), 256 + 729,
-    single=True, text_stream=False)
+    single=True)
 HUNYUAN_VIDEO_FRAMEPACK = FamilyRecord(
     name="hunyuan-video-framepack", class_name="HunyuanVideoFramepackTransformer3DModel",
     label="HunyuanVideo FramePack (image-to-video with frame history)",
