@@ -10,11 +10,12 @@ A new family gets a builder in one of two ways:
 - else one line in :data:`BUILDERS` naming its tiny hook's builder function, e.g.
   ``"ovis-image": from_tiny("ovis-image", "ovis_transformer", smoke=True),``.
 
-``smoke=True`` marks a clone family (it shares its representative's helpers: a FLUX-like class
-on FLUX's code, a Wan derivative): the heavy matrices run over :data:`FULL_PARAMS` (the
-representatives), the smoke test (tests/test_families.py) and the cheap per-family tests over
-:data:`PARAMS` (every family). A record that shares its folder with an earlier record is a clone
-by default where its builder is derived.
+A clone family shares its representative's helpers: every record that shares its folder with
+an earlier record (FLUX.2 of FLUX.1's folder, HunyuanVideo and FramePack of HunyuanVideo-1.5's,
+the Wan derivatives), and the builders marked ``smoke=True`` (a FLUX-like class on the shared
+dual-stream helper). The heavy matrices run over :data:`FULL_PARAMS` (one representative per
+shared helper), the smoke test (tests/test_families.py) and the cheap per-family tests over
+:data:`PARAMS` (every family).
 
 Sizes: FLUX.1 / FLUX.2 and HunyuanVideo-1.5 / HunyuanVideo are diffusers' own test configs
 (tests/_flux_models.py, tests/_hunyuan_video_models.py); Z-Image is diffusers' test config;
@@ -30,7 +31,7 @@ scale (diffusers' init zeroes some layers).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -181,14 +182,11 @@ def from_tiny(name: str, function: str, **fields) -> TinyBuilder:
 
 
 def _derived(record) -> TinyBuilder | None:
-    """The builder of a family whose tiny hook defines ``build_transformer(record, seed)``; a
-    clone (smoke) where an earlier record shares its folder."""
+    """The builder of a family whose tiny hook defines ``build_transformer(record, seed)``."""
     build = getattr(families.hooks(record, "tiny"), "build_transformer", None)
     if build is None:
         return None
-    first = next(r for r in families.records() if r.package == record.package)
-    return TinyBuilder(record.name, record.name, functools.partial(build, record),
-                       smoke=first is not record)
+    return TinyBuilder(record.name, record.name, functools.partial(build, record))
 
 
 #: family name -> its tiny builder (the families whose tiny hook offers no build_transformer)
@@ -197,9 +195,8 @@ BUILDERS: dict[str, TinyBuilder] = {
                               int(tp.TRANSFORMER_CONFIG["num_layers"])),
     "flux1": _flux("flux1-schnell"),
     "flux2": _flux("flux2-klein"),
-    # FramePack shares HunyuanVideo's folder code: a clone (its own file runs its matrix cases)
     **{v: TinyBuilder(v, v, (lambda seed, v=v: hvm.transformer(v, seed)),
-                      int(hvm.VARIANTS[v][1]["num_layers"]), smoke=v.endswith("framepack"))
+                      int(hvm.VARIANTS[v][1]["num_layers"]))
        for v in hvm.VARIANTS},
     "z-image": TinyBuilder("z-image", "z-image", z_image_transformer,
                            int(Z_IMAGE_CONFIG["n_layers"]), axes_key="axes_dims"),
@@ -217,6 +214,20 @@ BUILDERS: dict[str, TinyBuilder] = {
 }
 BUILDERS.update({r.name: b for r in families.records() if r.name not in BUILDERS
                  for b in [_derived(r)] if b is not None})
+
+
+def _clones() -> set[str]:
+    """The records that share their folder with an earlier record (registry order)."""
+    folders, out = set(), set()
+    for r in families.records():
+        if r.package in folders:
+            out.add(r.name)
+        folders.add(r.package)
+    return out
+
+
+BUILDERS.update({name: replace(b, smoke=True) for name, b in BUILDERS.items()
+                 if name in _clones()})
 
 #: pytest parameters: one per family, in registry order (the cheap tests and the smoke test)
 PARAMS = [pytest.param(BUILDERS[name], id=name) for name in families.names() if name in BUILDERS]

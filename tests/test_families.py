@@ -127,18 +127,24 @@ def test_a_record_without_blocks_refuses_the_block_options_in_one_line():
 
 def test_the_heavy_matrices_run_the_representatives_and_the_clones_the_smoke_test():
     """PARAMS is every family once, in registry order; FULL_PARAMS (the heavy matrices) and
-    SMOKE_PARAMS split it by ``smoke``, and the default family is a representative."""
+    SMOKE_PARAMS split it by ``smoke``, the default family is a representative, and so is the
+    first record of each folder, its later records the clones (one representative per folder)."""
     ids = [p.id for p in PARAMS]
     assert ids == [n for n in families.names() if n in BUILDERS] and len(set(ids)) == len(ids)
     assert sorted([p.id for p in FULL_PARAMS] + [p.id for p in SMOKE_PARAMS]) == sorted(ids)
     assert all(not p.values[0].smoke for p in FULL_PARAMS)
     assert all(p.values[0].smoke for p in SMOKE_PARAMS)
     assert families.default().name in [p.id for p in FULL_PARAMS]
+    folders = {}
+    for r in families.records():
+        folders.setdefault(r.package, []).append(r.name)
+    for first, *later in folders.values():
+        assert all(BUILDERS[n].smoke for n in later if n in BUILDERS), (first, later)
 
 
 def test_a_builder_is_one_line_or_derived_from_the_tiny_hook(monkeypatch):
     """``from_tiny`` names a tiny hook's builder function; a tiny hook's ``build_transformer``
-    gives the builder itself, a clone (smoke) where an earlier record shares the folder."""
+    gives the builder itself (the folder rule makes it a clone: the test above)."""
     import _families
 
     chroma = families.by_name("chroma")
@@ -151,10 +157,6 @@ def test_a_builder_is_one_line_or_derived_from_the_tiny_hook(monkeypatch):
                         lambda record, seed=0: tiny.chroma_transformer(seed), raising=False)
     derived = _families._derived(chroma)
     assert derived.family == "chroma" and not derived.smoke and derived.blocks == 1
-    flux1, flux2 = families.by_name("flux1"), families.by_name("flux2")
-    monkeypatch.setattr(families.hooks(flux2, "tiny"), "build_transformer",
-                        lambda record, seed=0: None, raising=False)
-    assert not _families._derived(flux1).smoke and _families._derived(flux2).smoke
 
 
 @pytest.mark.slow
