@@ -47,6 +47,23 @@ def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
     return sample
 
 
+def one_grid(sample: Sample, short: str) -> tuple[int, int, int]:
+    """The latent grid ``(frames, height, width)`` in tokens of a family whose sample is one
+    grid (a video latent: ``short`` names the family in the refusals). torch.export fixes an axis
+    traced at size 1, so a one-frame grid (an image) is traced with two frames (the sample is
+    updated: the frames axis stays dynamic), and a grid narrower than 2 tokens is refused."""
+    if len(sample.img_shapes) != 1:
+        raise InputError(f"a {short} sample is one latent grid (frames, height, width in "
+                         f"tokens); got {len(sample.img_shapes)}: {sample.img_shapes}")
+    f, h, w = (int(v) for v in sample.img_shapes[0])
+    if min(h, w) < 2:
+        raise InputError(f"--img-shape {f} {h} {w}: a {short} export traces a latent of at "
+                         f"least 2 tokens per axis (torch.export fixes an axis of size 1). "
+                         f"Fix: pass --img-shape 2 8 8 or larger")
+    sample.img_shapes = [(max(f, 2), h, w)]
+    return sample.img_shapes[0]
+
+
 #: torch.Generator.manual_seed takes seeds below 2**64; the sample generator is seeded seed + 1
 MAX_SEED = 2**63 - 1
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
+from qkrope.export.sample import one_grid
 from qkrope.export.attention import _attention
 from qkrope.export.ops import qk_norm_rope
 from qkrope.families._record import FamilyRecord
@@ -227,16 +228,7 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     from qkrope.export.onnx_export import TransformerPlan
 
     cfg = dict(transformer.config)
-    if len(sample.img_shapes) != 1:
-        raise InputError(f"a Cosmos sample is one latent grid (frames, height, width in "
-                         f"tokens); got {len(sample.img_shapes)}: {sample.img_shapes}")
-    f, h, w = (int(v) for v in sample.img_shapes[0])
-    if min(h, w) < 2:
-        raise InputError(f"--img-shape {f} {h} {w}: a Cosmos export traces a latent of at "
-                         f"least 2 tokens per axis (torch.export fixes an axis of size 1). Fix: "
-                         f"pass --img-shape 2 8 8 or larger")
-    if f < 2:  # an image's one frame: traced with two, so the frames axis stays dynamic
-        sample.img_shapes = [(2, h, w)]
+    one_grid(sample, record.short)
     head_dim = int(cfg["attention_head_dim"])
     (kept,) = record.kept_blocks(cfg, layers)
     wrapper = CosmosCacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()

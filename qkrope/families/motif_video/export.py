@@ -26,6 +26,7 @@ from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
+from qkrope.export.sample import one_grid
 from qkrope.export.attention import _attention
 from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
@@ -270,16 +271,7 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     """export_transformer's hook: :func:`plan` of the sample's latent grid. torch.export fixes an
     axis traced at size 1, so a grid with one frame is traced with two (the frames axis stays
     dynamic); a grid narrower than 2 tokens is refused in one line."""
-    if len(sample.img_shapes) != 1:
-        raise InputError(f"a {record.short} sample is one latent grid (frames, height, width in "
-                         f"tokens); got {len(sample.img_shapes)}: {sample.img_shapes}")
-    f, h, w = (int(v) for v in sample.img_shapes[0])
-    if min(h, w) < 2:
-        raise InputError(f"--img-shape {f} {h} {w}: a {record.short} export traces a latent of "
-                         f"at least 2 tokens per axis (torch.export fixes an axis of size 1). "
-                         f"Fix: pass --img-shape 2 8 8 or larger")
-    if f < 2:
-        sample.img_shapes = [(2, h, w)]
+    one_grid(sample, record.short)
     return plan(record, transformer, sample=sample, dtype=dtype, layers=layers,
                 rounding=rounding)
 
