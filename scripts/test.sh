@@ -22,5 +22,15 @@ else
     bash scripts/build_plugins.sh --host-only
 fi
 
+# the test files run in parallel, one file per worker at a time (pytest-xdist, --dist loadfile:
+# a file's module fixtures are built once): min(cores, 4) workers, QKROPE_TEST_WORKERS=N to
+# choose (1: one process, as plain pytest). The build folders the files share are locked
+# (tests/_native.py build_lock).
+cores="$(nproc 2>/dev/null || echo 1)"
+workers="${QKROPE_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+if [ "$workers" -gt 1 ]; then
+    echo "[test] running pytest on $workers workers (QKROPE_TEST_WORKERS=1: one process)" >&2
+    exec python -m pytest -n "$workers" --dist loadfile "$@"
+fi
 echo "[test] running pytest" >&2
 exec python -m pytest "$@"

@@ -21,7 +21,7 @@ import torch
 from _kernel_cases import (CASES, LAUNCH_LAYOUTS, assert_bit_exact, layout_id,
                            assert_within_order_policy, case_id, check_against_fp32, make_inputs,
                            reference)
-from _native import require_native_tools
+from _native import build_lock, require_native_tools
 from qkrope import contract
 from qkrope.runtime import kernels, toolchain
 
@@ -31,12 +31,13 @@ BUILD_DIR = toolchain.KERNEL_HOST_BUILD_DIR
 
 def _build_host_library() -> Path:
     cxx, cmake = require_native_tools("the CPU kernel library")
-    if not (BUILD_DIR / "CMakeCache.txt").is_file():
-        subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(BUILD_DIR),
-                        "-DQKROPE_WITH_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-                       check=True, capture_output=True, text=True)
-    res = subprocess.run([cmake, "--build", str(BUILD_DIR), "--target", "qkrope_kernel_host",
-                          "-j2"], capture_output=True, text=True)
+    with build_lock(BUILD_DIR):
+        if not (BUILD_DIR / "CMakeCache.txt").is_file():
+            subprocess.run([cmake, "-S", str(REPO / "plugins" / "kernel"), "-B", str(BUILD_DIR),
+                            "-DQKROPE_WITH_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                           check=True, capture_output=True, text=True)
+        res = subprocess.run([cmake, "--build", str(BUILD_DIR), "--target", "qkrope_kernel_host",
+                              "-j2"], capture_output=True, text=True)
     assert res.returncode == 0, f"building the CPU kernel library failed:\n{res.stdout}\n{res.stderr}"
     lib = BUILD_DIR / kernels.HOST_LIB_NAME
     assert lib.is_file(), f"{lib} was not produced"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _native import require_native_tools
+from _native import build_lock, require_native_tools
 
 from qkrope.export import contract
 from qkrope.runtime import plugin_build
@@ -42,12 +42,15 @@ def build_dir() -> Path:
     if plugin_build.find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA toolkit): the plugin libraries cannot be built; "
                     "install the CUDA toolkit or set CUDACXX")
-    if (BUILD_DIR / "CMakeCache.txt").is_file() and _built():
-        # Incremental: rebuilds only what changed since the last build.
-        res = subprocess.run(["cmake", "--build", str(BUILD_DIR), "-j2"], capture_output=True, text=True)
-        assert res.returncode == 0, f"incremental plugin build failed:\n{(res.stdout + res.stderr)[-4000:]}"
-    else:
-        plugin_build.build_plugins(build_dir=BUILD_DIR, quiet=True)
+    with build_lock(BUILD_DIR):
+        if (BUILD_DIR / "CMakeCache.txt").is_file() and _built():
+            # Incremental: rebuilds only what changed since the last build.
+            res = subprocess.run(["cmake", "--build", str(BUILD_DIR), "-j2"], capture_output=True,
+                                 text=True)
+            assert res.returncode == 0, \
+                f"incremental plugin build failed:\n{(res.stdout + res.stderr)[-4000:]}"
+        else:
+            plugin_build.build_plugins(build_dir=BUILD_DIR, quiet=True)
     if not _built():
         cache = (BUILD_DIR / "CMakeCache.txt").read_text() if (BUILD_DIR / "CMakeCache.txt").is_file() else ""
         if "TensorRT_INCLUDE_DIR:PATH=TensorRT_INCLUDE_DIR-NOTFOUND" in cache or "QKROPE_BUILD_PLUGIN:BOOL=OFF" in cache:
