@@ -373,7 +373,9 @@ class HunyuanVideoFramepackCacheInputTransformer(_CacheInput):
         rope = _rope(img_rows, txt_cos_sin_cache, s_img, s_txt)
         for block in self.blocks():
             x, text = block(x, text, temb, mask, rope)
-        x = t.proj_out(t.norm_out(x[:, -n_latent:], temb))
+        # the latent's rows, sliced from a non-negative start: a negative symbolic start gives
+        # torch.export an unbacked length, on which ModelOpt's quantizers guard (FP8)
+        x = t.proj_out(t.norm_out(x.narrow(1, x.shape[1] - n_latent, n_latent), temb))
         return _unpatchify(t, x, shape)
 
 
