@@ -40,10 +40,12 @@ from qkrope.cli import main  # noqa: E402
 from qkrope.sidecars import ModelInfo  # noqa: E402
 
 CALLS = 2  # calibration calls recorded, each of its own random inputs
-#: clones whose quantised graph differs from their representative's: FramePack puts its history
-#: tokens before the latent's, and the output layer reads the latent's rows sliced after them
-#: (a slice torch.export once gave an unbacked length that ModelOpt's quantizers guard on)
-FP8_CLONES = {"hunyuan-video-framepack"}
+#: clones whose quantised graph differs from their representative's: HunyuanVideo's single-stream
+#: blocks (HunyuanVideo-1.5 has none) split their joined sequence before the quantised output
+#: Linears; FramePack puts its history tokens before the latent's, and the output layer reads the
+#: latent's rows sliced after them (a slice torch.export once gave an unbacked length that
+#: ModelOpt's quantizers guard on)
+FP8_CLONES = {"hunyuan-video", "hunyuan-video-framepack"}
 PARAMS = FULL_PARAMS + [p for p in SMOKE_PARAMS if p.id in FP8_CLONES]
 
 
