@@ -20,9 +20,9 @@ text         :func:`format_text` (the report as text) and :func:`json_ready`
 from __future__ import annotations
 
 from .assumptions import (HARDWARE, LAUNCH_TARGETS, MODELLED_DEVICES, PROBLEM, ROUNDING2_COST,
-                          STEADY_TOKENS_PER_GROUP, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS, assumptions, device_hardware,
-                          launch_problems, launch_target, occupancy, problem_bounds,
-                          reference_match)
+                          STEADY_TOKENS_PER_GROUP, TARGET_ARCHS, THRESHOLD_SOURCE, THRESHOLDS,
+                          assumptions, device_hardware, launch_problems, launch_target, occupancy,
+                          problem_bounds, reference_match)
 from .instances import (BUILD_DIR, DEFAULT_ARCHS, ELEMENT_BYTES, FALLBACK_PARAMS, FAST_KERNEL,
                         GENERAL_KERNEL, PARAM_ROLES, REFERENCE_MATCH, SOURCE, analyse_cubin,
                         analyse_function, compile_cubins, is_reference, label_of, read_param_names,

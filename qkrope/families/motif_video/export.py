@@ -26,10 +26,10 @@ from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
-from qkrope.export.sample import one_grid
 from qkrope.export.attention import _attention
 from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
+from qkrope.export.sample import one_grid
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
