@@ -10,7 +10,7 @@ sparse file (no disk used). So the export reads and writes N blocks, and the che
 run those N blocks on real numbers: ONNX Runtime on the export cut after block N-1, the reference
 (diffusers' forward of the whole model, blocks past N passing their streams through) reading one
 block at a time from the shards. Each step runs in a child process whose own peak RSS
-(``os.wait4``) and wall time are printed::
+(``qkrope.apps.measure.run_peak_rss``: the child's alone) and wall time are printed::
 
     python scripts/check_layers_memory.py                       # FLUX.1-dev, --layers 2
     python scripts/check_layers_memory.py --layers 1,2 --dtype fp32
@@ -38,12 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 _BUILD = r"""
@@ -121,15 +119,15 @@ print("INFO " + json.dumps({"params": sum(v.numel() for v in state.values()),
 
 
 def _measured(argv: list[str]) -> tuple[int, float, float, str]:
-    """Run ``argv``: (exit status, its own peak RSS in MiB, wall s, output tail)."""
-    t0 = time.perf_counter()
+    """Run ``argv``: (exit status, its own peak RSS in MiB, wall s, output tail), the peak of the
+    child alone (:func:`qkrope.apps.measure.run_peak_rss`)."""
+    from qkrope.apps.measure import run_peak_rss
+
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
+        run = run_peak_rss(argv, stdout=log, stderr=subprocess.STDOUT)
         log.seek(0)
         tail = log.read()[-4000:]
-    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024, wall, tail
+    return run.returncode, run.peak_mib, run.wall_s, tail
 
 
 def _mib(n: float) -> str:

@@ -6,20 +6,20 @@ on a few tokens.
     python scripts/check_reference_memory.py [--blocks 3] [--dir build/realwidth_ref]
 
 The folder (real-width Qwen-Image config, random bf16 weights, saved sharded with
-save_pretrained) is written once and reused. Prints one row per case: blocks, peak RSS (MiB,
-ru_maxrss of the child). Not a test: the figure depends on the machine.
+save_pretrained) is written once and reused. Prints one row per case: blocks, peak RSS (MiB, the
+child's own, qkrope.apps.measure.run_peak_rss: not this script's, whose folder build would
+otherwise set the floor). Not a test: the figure depends on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 CHILD = r"""
-import resource, sys, torch
+import sys, torch
 mode, folder, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 kw = dict(hidden_states=torch.randn(1, 16, 64, dtype=torch.bfloat16),
@@ -36,7 +36,6 @@ with torch.no_grad():
         model = load_transformer(folder, dtype=torch.bfloat16)
         model.transformer_blocks = model.transformer_blocks[:n]
     model(**kw)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """
 
 
@@ -67,11 +66,14 @@ def main() -> int:
     args = ap.parse_args()
     folder = Path(args.dir)
     make_folder(folder, args.blocks)
+    from qkrope.apps.measure import run_peak_rss
+
     print("reference      blocks  peak RSS MiB")
     for mode, n in (("streamed", 1), ("streamed", args.blocks), ("whole", args.blocks)):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(folder), str(n)],
-                             capture_output=True, text=True, check=True).stdout.split()[-1]
-        print(f"{mode:<14} {n:>6}  {int(out):>12}")
+        run = run_peak_rss([sys.executable, "-c", CHILD, mode, str(folder), str(n)])
+        if run.returncode:
+            raise SystemExit(f"the {mode} reference of {n} blocks failed (exit {run.returncode})")
+        print(f"{mode:<14} {n:>6}  {run.peak_mib:>12.0f}")
     return 0
 
 

@@ -8,9 +8,9 @@ and saved sharded with ``save_pretrained(max_shard_size=...)``. Then the default
 
     qkrope export --model transformer --diffusers DIR --dtype bf16 --out DIR/t.onnx
 
-runs in another child process, and its peak resident set size (``ru_maxrss`` of that child,
-``os.wait4``) and wall time are recorded. A least-squares line through (blocks, peak) gives the
-slope per block and the prediction at 60 blocks (the real model)::
+runs in another child process, and its own peak resident set size (``ru_maxrss`` of that child
+alone, ``qkrope.apps.measure.run_peak_rss``) and wall time are recorded. A least-squares line
+through (blocks, peak) gives the slope per block and the prediction at 60 blocks (the real model)::
 
     python scripts/export_memory.py                     # 1, 2, 4 blocks
     python scripts/export_memory.py --blocks 1 --keep   # one folder, left in --work
@@ -32,12 +32,10 @@ folder). Linux only (``ru_maxrss`` in KiB).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 _BUILD = r"""
@@ -130,16 +128,15 @@ def _of_60(layers: list[int], work: Path, dtype: str) -> int:
 
 def _measured(argv: list[str]) -> tuple[int, float, float, str]:
     """Run ``argv`` and return (exit status, its own peak RSS in MiB, wall s, output tail):
-    ``os.wait4`` gives this child's rusage alone (not the maximum over earlier children)."""
-    t0 = time.perf_counter()
+    through :func:`qkrope.apps.measure.run_peak_rss`, so the figure is this child's alone, not
+    this script's peak (which ru_maxrss would otherwise inherit at exec) nor earlier children's."""
+    from qkrope.apps.measure import run_peak_rss
+
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        run = run_peak_rss(argv, stdout=log, stderr=subprocess.STDOUT)
         log.seek(0)
         tail = log.read()[-3000:]
-    return proc.returncode, usage.ru_maxrss / 1024, wall, tail
+    return run.returncode, run.peak_mib, run.wall_s, tail
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:

@@ -1,7 +1,11 @@
 """``qkrope.apps.measure``: the bytes the fused kernel moves, the timing statistics, the
-peak-bandwidth table and the timers of ``qkrope bench``."""
+peak-bandwidth table, the timers of ``qkrope bench`` and a child's own peak memory."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +71,48 @@ def test_time_cpu_counts_calls():
     calls = []
     times = measure.time_cpu(lambda: calls.append(1), iters=4, warmup=2)
     assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)
+
+
+# --------------------------------------------------------------------------------------------
+# run_peak_rss: a child's own peak, not its spawner's
+# --------------------------------------------------------------------------------------------
+
+_ALLOCATE = "import sys; b = bytearray(b'\\x01') * (int(sys.argv[1]) << 20); print(len(b))"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="requires Linux (ru_maxrss)")
+def test_run_peak_rss_reports_the_child_not_a_fat_parent(tmp_path):
+    """A parent holding 512 MiB (touched, so resident) runs a small child. Spawned directly, the
+    child's wait4 ru_maxrss is at least the parent's 512 MiB (the premise: Linux folds the image
+    that exec replaces into the new one's high-water mark); through run_peak_rss it is the
+    child's own: a bare interpreter, far below 128 MiB. A child that does allocate 256 MiB is
+    measured at 256 MiB or more, so the helper does not just report a floor."""
+    ballast = bytearray(b"\x01") * (512 << 20)  # noqa: F841  (held until the end)
+    small = [sys.executable, "-I", "-S", "-c", "pass"]
+    proc = subprocess.Popen(small)
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert status == 0 and usage.ru_maxrss / 1024 >= 512, \
+        f"premise: a direct child reports {usage.ru_maxrss / 1024:.0f} MiB"
+
+    run = measure.run_peak_rss(small)
+    assert run.returncode == 0 and 0 < run.peak_mib < 128, run
+
+    with open(tmp_path / "out", "w") as out:
+        big = measure.run_peak_rss([sys.executable, "-I", "-S", "-c", _ALLOCATE, "256"],
+                                   stdout=out)
+    assert big.returncode == 0 and big.peak_mib >= 256, big
+    assert (tmp_path / "out").read_text().strip() == str(256 << 20)  # its stdout went there
+    assert big.wall_s > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="requires Linux (ru_maxrss)")
+def test_run_peak_rss_passes_exit_status_and_refuses_pipes():
+    assert measure.run_peak_rss([sys.executable, "-I", "-S", "-c", "raise SystemExit(3)"]
+                                ).returncode == 3
+    assert measure.run_peak_rss(
+        [sys.executable, "-I", "-S", "-c", "import os, signal; os.kill(os.getpid(), 9)"]
+    ).returncode == -9
+    assert measure.run_peak_rss(["/nonexistent/qkrope-no-such-program"],
+                                stderr=subprocess.DEVNULL).returncode == 127
+    with pytest.raises(ValueError, match="not PIPE"):
+        measure.run_peak_rss(["true"], stdout=subprocess.PIPE)

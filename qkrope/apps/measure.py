@@ -6,6 +6,7 @@ the kernel timing method (:mod:`qkrope.apps.kernel_bench`) and the scripts
   of known GPUs;
 - timing: per-call timers (``perf_counter``, CUDA events), backends timed interleaved, and the
   statistics reported (median, p10/p90);
+- a child process's own peak memory (:func:`run_peak_rss`);
 - the machine a measurement ran on;
 - result rows (:class:`BenchRow` of ``qkrope bench``, :class:`CheckRow` of ``qkrope check``) and
   their tables.
@@ -18,6 +19,8 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +187,81 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, iters: int, warmup
             except Exception as exc:  # noqa: BLE001
                 out[name] = exc
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Peak memory of a child process
+# --------------------------------------------------------------------------------------------
+
+# The intermediate of run_peak_rss: it forks, execs the command in the child, waits for it with
+# wait4 and writes "<wait status> <ru_maxrss KiB>" to the file descriptor it was given. Run as
+# `python -I -S`: no site packages, no environment-driven imports, about 10 MiB resident, which
+# is the floor the measured figure can inherit (Linux folds the resident set of the image that
+# exec replaces into the new image's ru_maxrss).
+_PEAK_INTERMEDIATE = r"""
+import os, sys
+fd, argv = int(sys.argv[1]), sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        os.write(2, f"cannot run {argv[0]!r}: {exc}\n".encode())
+    os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+os.write(fd, f"{status} {usage.ru_maxrss}".encode())
+"""
+
+
+@dataclass(frozen=True)
+class PeakRun:
+    """One command run by :func:`run_peak_rss`."""
+
+    returncode: int      # as subprocess reports it: negative for a signal
+    peak_mib: float      # the command's own peak resident set size
+    wall_s: float
+
+
+def run_peak_rss(argv: Sequence[str], *, stdout=None, stderr=None, env=None,
+                 cwd=None) -> PeakRun:
+    """Run ``argv`` to completion and return its exit status, its own peak resident set size and
+    its wall time (Linux).
+
+    ``wait4``'s ``ru_maxrss`` of a child is not the child's alone: at ``execve`` Linux folds the
+    high-water mark of the memory image being replaced into the new one's, and the image a child
+    of ``subprocess`` replaces is its parent's (``vfork``) or a copy of it (``fork``). Measured
+    from a test worker or a script that has built a model, a small command reports the spawning
+    process's peak instead of its own. The command is therefore started by a ~10 MiB
+    intermediate interpreter that forks and execs it and reports the grandchild's
+    ``ru_maxrss``: the floor it can inherit is the intermediate's, not the caller's
+    (``tests/test_measure.py`` checks this with a parent holding 512 MiB).
+    ``stdout``/``stderr`` (a file, ``DEVNULL`` or None: not ``PIPE``, which nothing would drain
+    while the report is awaited), ``env`` and ``cwd`` are passed to :class:`subprocess.Popen`."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"run_peak_rss needs Linux (ru_maxrss in KiB), not {sys.platform}")
+    if subprocess.PIPE in (stdout, stderr):
+        raise ValueError("run_peak_rss: pass a file or DEVNULL for stdout/stderr, not PIPE")
+    read_fd, write_fd = os.pipe()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _PEAK_INTERMEDIATE, str(write_fd), *argv],
+            stdout=stdout, stderr=stderr, env=env, cwd=cwd, pass_fds=(write_fd,))
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as report:
+        text = report.read().decode()
+    proc.wait()
+    wall = time.perf_counter() - t0
+    if proc.returncode or not text:
+        raise RuntimeError(f"the peak-memory intermediate failed (exit {proc.returncode}) "
+                           f"running {list(argv)!r}")
+    status, kib = (int(v) for v in text.split())
+    return PeakRun(os.waitstatus_to_exitcode(status), kib / 1024, wall)
 
 
 # --------------------------------------------------------------------------------------------
