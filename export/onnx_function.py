@@ -60,15 +60,17 @@ def _op_schema() -> onnx.defs.OpSchema:
     needs one to emit a call; the model itself carries the function body instead."""
     S = onnx.defs.OpSchema
     act = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations")
+    weights = ("W", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"],
+               "norm weights: T, or float with any T")
     cache = ("C", ["tensor(float)"], "cos_sin_cache")
-    types = {"q": "T", "k": "T", "q_weight": "T", "k_weight": "T", "cos_sin_cache": "C"}
+    types = {"q": "T", "k": "T", "q_weight": "W", "k_weight": "W", "cos_sin_cache": "C"}
     attr_types = {"FLOAT": S.AttrType.FLOAT, "INT": S.AttrType.INT, "STRING": S.AttrType.STRING}
     return S(
         contract.OP_TYPE, contract.DOMAIN, contract.DOMAIN_VERSION,
         "Fused per-head RMSNorm + RoPE (docs/spec.md section 3).",
         inputs=[S.FormalParameter(name, types[name]) for name in contract.INPUTS],
         outputs=[S.FormalParameter(name, "T") for name in contract.OUTPUTS],
-        type_constraints=[act, cache],
+        type_constraints=[act, weights, cache],
         attributes=[S.Attribute(a.name, attr_types[a.onnx_type], a.name, required=False)
                     for a in contract.ATTRIBUTES],
     )
@@ -161,7 +163,8 @@ def _stream_nodes(p: str, x: str, w: str, out: str, v: FunctionVariant) -> list[
         # The multiply runs in fp32 on values already rounded to the activation dtype, then is
         # rounded: a product of two 11-bit (fp16) or 8-bit (bf16) significands is exact in fp32,
         # so this equals a correctly rounded fp16/bf16 multiply bit for bit, and needs only Cast
-        # kernels in the activation dtype (ONNX Runtime's CPU provider has no bf16 Mul).
+        # kernels in the activation dtype (ONNX Runtime's CPU provider has no bf16 Mul). An fp32
+        # weight (W = float) enters at its value: the fp32 product, rounded (docs/spec.md 3).
         nodes += [
             n("CastLike", [f"{p}xn", x], [f"{p}xn_r"]),
             n("Cast", [f"{p}xn_r"], [f"{p}xn_rf"], to=TensorProto.FLOAT),

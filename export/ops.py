@@ -37,8 +37,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
     Args:
         q, k: ``[B, S, H, D]``, one dtype among float32/float16/bfloat16.
-        q_weight, k_weight: RMSNorm weights ``[D]`` (``[H * D]`` with ``norm_scope`` 1), q's
-            dtype.
+        q_weight, k_weight: RMSNorm weights ``[D]`` (``[H * D]`` with ``norm_scope`` 1), both
+            in q's dtype or both float32 (the value enters the fp32 arithmetic as it is).
         cos_sin_cache: ``[R, rotary_dim]`` float32, ``R >= S``; cos half then sin half, row s for
             token s. ``rotary_dim`` is even and ``<= D``.
         eps: RMSNorm epsilon (inside the square root).

@@ -34,8 +34,10 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
     narrow = x.dtype != torch.float32
     if rounding == contract.ROUNDING_EACH_STEP and narrow:
         # diffusers' RMSNorm (Qwen-Image): normalised value rounded to the activation dtype,
-        # multiplied by the weight in that dtype (rounded again), then rotated in fp32.
-        y = ((xf * inv).to(x.dtype) * weight.to(x.dtype)).float()
+        # multiplied by the weight (rounded again), then rotated in fp32. The product is taken in
+        # fp32: for a weight in the activation dtype it is exact (two 8- or 11-bit significands),
+        # so the rounded result is the dtype's own multiply; an fp32 weight enters at its value.
+        y = ((xf * inv).to(x.dtype).float() * weight.float()).to(x.dtype).float()
     elif rounding == contract.ROUNDING_TWO_STEPS and narrow:
         # torch's RMSNorm (FLUX's norm_q/norm_k): (x * inv) * w in fp32, rounded once to the
         # activation dtype; diffusers' apply_rotary_emb then rotates that value in fp32.
@@ -104,7 +106,8 @@ def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, then RoPE from a 2-D ``[rows, rotary_dim]`` fp32 cache.
 
-    q, k: ``[B, S, H, D]``; weights ``[D]``; cache row ``s`` is token ``s`` (cos half, sin half).
+    q, k: ``[B, S, H, D]``; weights ``[D]`` in q's dtype or float32; cache row ``s`` is token
+    ``s`` (cos half, sin half).
     Dims at or beyond ``rotary_dim`` are normalised but not rotated. ``norm_scope`` 1
     (:data:`qkrope.contract.NORM_SCOPE_ROW`): one RMSNorm over each token's ``H * D`` values,
     weights ``[H * D]``, then the same per-head rotation. See docs/spec.md section 3.

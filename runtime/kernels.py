@@ -93,7 +93,7 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 
 # ..., interleaved, rounding, dtype; the *_scoped entry points (C ABI version 2) add norm_scope
-# before dtype
+# before dtype, the *_v3 ones (version 3) norm_scope before and weight_dtype after it
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int32] * 3
 NORM_SCOPES = (0, 1)  # 0: RMSNorm per head, weights [head_dim]; 1: per token row, [heads * head_dim]
 
@@ -133,17 +133,20 @@ def _load(env: str, name: str, build: str, run_fn: str, status_fn: str, cuda: bo
             except OSError as exc:
                 raise KernelLibraryError(f"cannot load {key}: {exc}. Rebuild it with: {build}") from exc
             _loaded[key] = lib
-        fn = getattr(lib, run_fn, None)
-        if fn is None:
-            raise KernelLibraryError(f"{key} predates the C ABI's {run_fn} (norm_scope): "
-                                     f"rebuild it with: {build}")
-        fn.restype = ctypes.c_int32
-        fn.argtypes = (_ARGTYPES + ([ctypes.c_int32] if run_fn.endswith("_scoped") else [])
-                       + ([ctypes.c_void_p] if cuda else []))
-        unscoped = getattr(lib, run_fn[:-len("_scoped")], None) if run_fn.endswith("_scoped") else None
-        if unscoped is not None:  # the version-1 entry point (norm_scope 0), for raw callers
-            unscoped.restype = ctypes.c_int32
-            unscoped.argtypes = _ARGTYPES + ([ctypes.c_void_p] if cuda else [])
+        base = run_fn.removesuffix("_scoped").removesuffix("_v3")
+        if getattr(lib, base + "_v3", None) is None:
+            raise KernelLibraryError(f"{key} predates the C ABI's {base}_v3 (version 3: float32 "
+                                     f"weights under any activation dtype): rebuild it with: "
+                                     f"{build}")
+        # every version's entry point, for raw callers: v1 (norm_scope 0, weights in q's dtype),
+        # _scoped (v2: + norm_scope), _v3 (+ weight_dtype); the wrappers call _v3
+        for suffix, extra in (("", []), ("_scoped", [ctypes.c_int32]),
+                              ("_v3", [ctypes.c_int32] * 2)):
+            fn = getattr(lib, base + suffix, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int32
+                fn.argtypes = _ARGTYPES[:-1] + extra + _ARGTYPES[-1:] + (
+                    [ctypes.c_void_p] if cuda else [])
         st = getattr(lib, status_fn)
         st.restype = ctypes.c_char_p
         st.argtypes = [ctypes.c_int32]
@@ -232,12 +235,13 @@ def _call(fn, status_fn, what, q, k, q_weight, k_weight, cache, q_out, k_out, ep
     status = fn(q.data_ptr(), k.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(),
                 cache.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), b, s, h, d, rot, rows,
                 float(eps), int(bool(interleaved)), int(rounding), int(norm_scope),
-                DTYPE_CODES[q.dtype], *extra)
+                DTYPE_CODES[q.dtype], DTYPE_CODES[q_weight.dtype], *extra)
     if status != 0:
         text = status_fn(status).decode()
         raise KernelStatusError(
             status, text,
-            f"{what}(q {tuple(q.shape)} {q.dtype}, cache {tuple(cache.shape)}, eps={eps}, "
+            f"{what}(q {tuple(q.shape)} {q.dtype}, weights {q_weight.dtype}, cache "
+            f"{tuple(cache.shape)}, eps={eps}, "
             f"interleaved={interleaved}, rounding={rounding}, norm_scope={norm_scope})")
 
 
@@ -253,11 +257,11 @@ def host_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
     ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
     of q's shape, dtype and device (checked, ``ValueError`` before anything runs)."""
-    lib = _load(HOST_LIB_ENV, HOST_LIB_NAME, HOST_BUILD_COMMAND, "qkrope_host_run_scoped",
+    lib = _load(HOST_LIB_ENV, HOST_LIB_NAME, HOST_BUILD_COMMAND, "qkrope_host_run_v3",
                 "qkrope_host_status_string", cuda=False)
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu", norm_scope)
     q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
-    _call(lib.qkrope_host_run_scoped, lib.qkrope_host_status_string, "qkrope_host_run", q, k,
+    _call(lib.qkrope_host_run_v3, lib.qkrope_host_status_string, "qkrope_host_run", q, k,
           q_weight, k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding, norm_scope)
     return q_out, k_out
 
@@ -274,13 +278,13 @@ def cuda_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
     ``out`` may be ``(q, k)`` for an in-place update; otherwise two separate contiguous tensors
     of q's shape, dtype and device (checked, ``ValueError`` before anything is launched)."""
-    lib = _load(CUDA_LIB_ENV, CUDA_LIB_NAME, CUDA_BUILD_COMMAND, "qkrope_launch_scoped",
+    lib = _load(CUDA_LIB_ENV, CUDA_LIB_NAME, CUDA_BUILD_COMMAND, "qkrope_launch_v3",
                 "qkrope_status_string", cuda=True)
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cuda", norm_scope)
     q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        _call(lib.qkrope_launch_scoped, lib.qkrope_status_string, "qkrope_launch", q, k,
+        _call(lib.qkrope_launch_v3, lib.qkrope_status_string, "qkrope_launch", q, k,
               q_weight, k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
               norm_scope, extra=(ctypes.c_void_p(stream),))
     return q_out, k_out
@@ -315,7 +319,7 @@ def simt_library_path() -> Path | None:
 
 
 def _simt_lib() -> ctypes.CDLL:
-    lib = _load(SIMT_LIB_ENV, SIMT_LIB_NAME, SIMT_BUILD_COMMAND, "qkrope_launch_scoped",
+    lib = _load(SIMT_LIB_ENV, SIMT_LIB_NAME, SIMT_BUILD_COMMAND, "qkrope_launch_v3",
                 "qkrope_status_string", cuda=True)
     if not getattr(lib, "_simt_ready", False):
         if not hasattr(lib, "simt_configure"):
@@ -434,7 +438,7 @@ def simt_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     _check_args(q, k, q_weight, k_weight, cos_sin_cache, "cpu", norm_scope)
     q_out, k_out = _outputs(out, q, k, q_weight, k_weight, cos_sin_cache)
     try:
-        _call(lib.qkrope_launch_scoped, lib.qkrope_status_string, "qkrope_launch (simt)", q, k,
+        _call(lib.qkrope_launch_v3, lib.qkrope_status_string, "qkrope_launch (simt)", q, k,
               q_weight, k_weight, cos_sin_cache, q_out, k_out, eps, interleaved, rounding,
               norm_scope, extra=(ctypes.c_void_p(None),))
     except KernelStatusError as exc:

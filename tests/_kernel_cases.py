@@ -67,7 +67,10 @@ def case_id(case) -> str:
 
 
 def make_inputs(dtype, head_dim, rotary_dim, *, batch=2, seq=6, heads=3, extra_rows=3,
-                grid=False, seed=0, device="cpu"):
+                grid=False, seed=0, device="cpu", weights_fp32=False):
+    """q, k, q_weight, k_weight, cache. ``weights_fp32``: the weights stay float32 with full
+    24-bit significands (values no 16-bit dtype holds: FLUX.3's fp32 norm weights under bf16),
+    whatever ``dtype`` the activations have."""
     g = torch.Generator().manual_seed(seed)
     shape = (batch, seq, heads, head_dim)
     if grid:
@@ -81,7 +84,8 @@ def make_inputs(dtype, head_dim, rotary_dim, *, batch=2, seq=6, heads=3, extra_r
     kw = torch.rand(head_dim, generator=g) * 2.0 - 1.0
     angles = torch.randn(seq + extra_rows, rotary_dim // 2, generator=g) * 3.0
     cache = torch.cat([angles.cos(), angles.sin()], dim=-1).float().contiguous()
-    t = [x.to(dtype).to(device).contiguous() for x in (q, k, qw, kw)]
+    t = [x.to(dtype).to(device).contiguous() for x in (q, k)]
+    t += [x.to(torch.float32 if weights_fp32 else dtype).to(device).contiguous() for x in (qw, kw)]
     return (*t, cache.to(device))
 
 
@@ -138,12 +142,13 @@ def row_scope_reference(q, k, qw, kw, cache, *, eps=contract.DEFAULT_EPS,
 
 
 def row_weights(inputs, seed=11):
-    """The inputs of :func:`make_inputs` with [heads * head_dim] weights (norm_scope 1)."""
-    q, k, _, _, cache = inputs
+    """The inputs of :func:`make_inputs` with [heads * head_dim] weights (norm_scope 1), in the
+    dtype the inputs' weights have (q's, or float32)."""
+    q, k, w, _, cache = inputs
     g = torch.Generator().manual_seed(seed)
     width = q.shape[-2] * q.shape[-1]
-    qw = (torch.rand(width, generator=g) + 0.5).to(q.dtype).to(q.device)
-    kw = (torch.rand(width, generator=g) * 2.0 - 1.0).to(q.dtype).to(q.device)
+    qw = (torch.rand(width, generator=g) + 0.5).to(w.dtype).to(q.device)
+    kw = (torch.rand(width, generator=g) * 2.0 - 1.0).to(w.dtype).to(q.device)
     return q, k, qw, kw, cache
 
 

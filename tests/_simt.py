@@ -111,12 +111,12 @@ def _check_guarded(name, buf, view, start):
 
 def run_checked(dtype, head_dim, rotary_dim, *, interleaved=True, rounding=0, batch=1, seq=3,
                 heads=2, grid=True, seed=0, misalign=(), in_place=False, check_fp32=False,
-                norm_scope=0):
+                norm_scope=0, weights_fp32=False):
     """Runs the emulated kernel and the CPU build on the same inputs; asserts bit-exact outputs,
     no unwritten element and untouched guard bands. Returns the emulated launches. norm_scope 1
-    runs the row-scope op ([heads * head_dim] weights)."""
+    runs the row-scope op ([heads * head_dim] weights); weights_fp32 gives float32 weights."""
     inputs = make_inputs(dtype, head_dim, rotary_dim, batch=batch, seq=seq, heads=heads,
-                         grid=grid, seed=seed)
+                         grid=grid, seed=seed, weights_fp32=weights_fp32)
     inputs = list(row_weights(inputs) if norm_scope == 1 else inputs)
     names = ("q", "k", "q_weight", "k_weight", "cache")
     for i, n in enumerate(names):

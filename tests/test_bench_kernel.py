@@ -116,8 +116,13 @@ def test_launch_args_are_the_validated_calls_arguments():
     args = kb.launch_args(kb.StreamTensors(q, k, qw, kw, cache, qo, ko), eps=1e-6,
                           interleaved=False, rounding=1)
     assert args == seen[0]
-    assert len(args) == len(kernels._ARGTYPES) + 1      # + norm_scope; the stream per launch
-    assert args[7:13] == (2, 3, 4, 8, 6, 5) and args[-1] == kernels.DTYPE_CODES[torch.bfloat16]
+    # + norm_scope and the weights' dtype; the stream per launch
+    assert len(args) == len(kernels._ARGTYPES) + 2
+    assert args[7:13] == (2, 3, 4, 8, 6, 5)
+    assert args[-2:] == (kernels.DTYPE_CODES[torch.bfloat16],) * 2
+    fp32_weights = kb.launch_args(kb.StreamTensors(q, k, qw.float(), kw.float(), cache, qo, ko),
+                                  eps=1e-6, interleaved=False, rounding=1)
+    assert fp32_weights[-1] == kernels.DTYPE_CODES[torch.float32]
 
 
 # ---- the timing loop, against a fake torch.cuda ---------------------------------------------------
@@ -354,18 +359,18 @@ def cpu_as_cuda(monkeypatch):
     if kernels.host_library_path() is None:
         pytest.skip(f"{kernels.HOST_LIB_NAME} not built ({kernels.HOST_BUILD_COMMAND})")
     host = kernels._load(kernels.HOST_LIB_ENV, kernels.HOST_LIB_NAME, kernels.HOST_BUILD_COMMAND,
-                         "qkrope_host_run_scoped", "qkrope_host_status_string", cuda=False)
+                         "qkrope_host_run_v3", "qkrope_host_status_string", cuda=False)
     launched = []
 
     class Lib:
         @staticmethod
-        def qkrope_launch_scoped(*args):
+        def qkrope_launch_v3(*args):
             assert isinstance(args[-1], ctypes.c_void_p)   # the stream handle
             launched.append(args[:-1])
-            return host.qkrope_host_run_scoped(*args[:-1])
+            return host.qkrope_host_run_v3(*args[:-1])
 
         qkrope_status_string = host.qkrope_host_status_string
-        qkrope_host_run_scoped = host.qkrope_host_run_scoped  # the validated (host) call's own
+        qkrope_host_run_v3 = host.qkrope_host_run_v3  # the validated (host) call's own
         qkrope_host_status_string = host.qkrope_host_status_string
 
     def validated(*a, **kw):

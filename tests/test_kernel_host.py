@@ -10,6 +10,7 @@ QKROPE_KERNEL_HOST_LIB names one already built.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import subprocess
@@ -172,7 +173,43 @@ def test_null_pointer_and_bad_dtype_codes(host_lib):
     assert fn(*empty) == 0             # nothing to do: pointers may be null
     lib.qkrope_host_status_string.restype = ctypes.c_char_p
     assert b"overflow" in lib.qkrope_host_status_string(4)
-    assert lib.qkrope_host_capi_version() == 2
+    assert lib.qkrope_host_capi_version() == 3
+    v3 = lib.qkrope_host_run_v3
+    v3.restype = ctypes.c_int32
+    v3.argtypes = fn.argtypes + [ctypes.c_int32] * 2
+    # weight_dtype: the activations' own (2 = bf16) or 0 (float32); 1 (fp16) under bf16 is refused
+    assert v3(*empty[:-1], 0, 2, 2) == 0 and v3(*empty[:-1], 0, 2, 0) == 0
+    assert v3(*empty[:-1], 0, 2, 1) == 5 and v3(*empty[:-1], 0, 2, 9) == 5  # kBAD_DTYPE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("norm_scope", [0, 1], ids=["head", "row"])
+def test_fp32_weights_match_reference(host_lib, dtype, norm_scope):
+    """float32 norm weights under 16-bit activations (FLUX.3): with an exact sum of squares,
+    bit-exact with the reference in every rounding mode and pairing, full and partial rotary;
+    and the weights' low bits matter (the same weights rounded to the dtype give other outputs:
+    the library did not read the float32 tensor as the activation type or round it)."""
+    from _kernel_cases import row_weights
+    for (d, r), inter, rounding in itertools.product(((128, 128), (96, 32)), (True, False),
+                                                     contract.ROUNDING_MODES):
+        kw = dict(interleaved=inter, rounding=rounding, norm_scope=norm_scope)
+        grid = make_inputs(dtype, d, r, grid=True, seed=d + rounding, weights_fp32=True)
+        grid = row_weights(grid) if norm_scope == 1 else grid
+        assert grid[2].dtype == torch.float32 and grid[0].dtype == dtype
+        outs = _run(grid, **kw)
+        assert_bit_exact(outs, reference(*grid, **kw))
+        rounded = (*grid[:2], grid[2].to(dtype), grid[3].to(dtype), grid[4])
+        assert any(not torch.equal(a, b) for a, b in zip(outs, _run(rounded, **kw))), \
+            f"d{d} rot{r} rounding {rounding}: float32 weights gave the rounded weights' outputs"
+
+
+def test_weight_dtypes_refused(host_lib):
+    """Weights in a third dtype, or q_weight and k_weight of two dtypes: refused in one line."""
+    q, k, qw, kw, cache = make_inputs(torch.bfloat16, 64, 64)
+    with pytest.raises(ValueError, match=r"q_weight must be \[64\] in q's dtype .* or float32"):
+        kernels.host_qk_norm_rope(q, k, qw.half(), kw.half(), cache)
+    with pytest.raises(ValueError, match="must share one dtype"):
+        kernels.host_qk_norm_rope(q, k, qw.float(), kw, cache)
 
 
 def test_python_side_checks(host_lib):
@@ -276,4 +313,4 @@ def test_exports_only_c_abi(host_lib):
                          text=True, check=True).stdout
     names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
     assert names == ["qkrope_host_capi_version", "qkrope_host_run", "qkrope_host_run_scoped",
-                     "qkrope_host_status_string"]
+                     "qkrope_host_run_v3", "qkrope_host_status_string"]

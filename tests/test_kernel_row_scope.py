@@ -185,12 +185,13 @@ def test_row_probes_reach_every_row_instance(row_plan):
                          f"none of the probes (extend PROBE_*): " + "; ".join(missing[:6]))
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16),
-                         ids=("fp32", "fp16", "bf16"))
-def test_every_row_instance_bit_exact(row_plan, device, dtype):
+@pytest.mark.parametrize("dtype, weights_fp32", [(torch.float32, False), (torch.float16, False),
+                                                  (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=("fp32", "fp16", "bf16", "bf16-fp32-weights"))
+def test_every_row_instance_bit_exact(row_plan, device, dtype, weights_fp32):
     """Every row-scope instance the launcher picks, at the smallest problem that selects it,
     random inputs (the CPU build sums in the kernel's order): bit for bit, every output element
-    written, nothing outside."""
+    written, nothing outside; also with float32 [heads * head_dim] weights under bf16."""
     found, _ = row_plan
     failures, ran = [], 0
     for inst, prob in sorted(found.items()):
@@ -200,7 +201,8 @@ def test_every_row_instance_bit_exact(row_plan, device, dtype):
         p.pop("dtype")
         use_device(p.pop("model"))
         try:
-            launches = run_checked(dtype, grid=False, seed=5, norm_scope=ROW, **p)
+            launches = run_checked(dtype, grid=False, seed=5, norm_scope=ROW,
+                                   weights_fp32=weights_fp32, **p)
             got = {_instance(rec["kernel"]) for rec in launches}
             assert got == {inst}, f"the launcher chose {got}, the dry run {inst}"
             ran += 1

@@ -105,7 +105,7 @@ def test_probes_reach_every_compiled_instance(plan):
                          + "; ".join(missing[:8]))
 
 
-def _run_instances(found, dtype, grid):
+def _run_instances(found, dtype, grid, **extra):
     failures = []
     ran = set()
     for inst, (prob, _) in sorted(found.items()):
@@ -118,7 +118,7 @@ def _run_instances(found, dtype, grid):
         use_device(p.pop("model"))
         try:
             launches = run_checked(dtype, heads=heads, batch=batch, seq=seq, grid=grid, seed=3,
-                                   **p)
+                                   **p, **extra)
             got = {_instance(rec["kernel"]) for rec in launches}
             assert got == {inst}, f"the launcher chose {got}, the dry run {inst}"
             ran.add(inst)
@@ -143,6 +143,16 @@ def test_every_instance_grid_inputs_bit_exact(plan, device, dtype):
 def test_every_instance_random_inputs_bit_exact(plan, device, dtype):
     found, _ = plan
     _run_instances(found, dtype, grid=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_every_instance_fp32_weights_bit_exact(plan, device, dtype):
+    """float32 norm weights under 16-bit activations (FLUX.3 keeps norm_q/norm_k in fp32):
+    every instance of the dtype, random inputs and weights no 16-bit type holds, bit for bit with
+    the CPU build, which reads the weights as float32 by its own code (qknorm_rope_host.cpp)."""
+    found, _ = plan
+    ran = _run_instances(found, dtype, grid=False, weights_fp32=True)
+    assert ran, "no instance of this dtype was reached"
 
 
 def test_instance_variety(plan):
@@ -355,7 +365,7 @@ def test_bad_params_status_and_exports(libs):
     args = [None] * 7 + [1, 2, 2, 64, 64, 2, 1e-6, 1, 0]
     assert lib.qkrope_launch(*args, 0, None) == 1   # kNULL_POINTER, nothing launched
     assert lib.qkrope_launch(*args, 7, None) == 5   # kBAD_DTYPE
-    assert lib.qkrope_capi_version() == 2
+    assert lib.qkrope_capi_version() == 3
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("nm (binutils) not available to list the library's symbols")
@@ -383,6 +393,7 @@ def test_library_without_the_simt_names_is_rejected(monkeypatch, tmp_path):
     src = tmp_path / "stale.cpp"
     src.write_text('extern "C" int qkrope_launch() { return 0; }\n'
                    'extern "C" int qkrope_launch_scoped() { return 0; }\n'
+                   'extern "C" int qkrope_launch_v3() { return 0; }\n'
                    'extern "C" char const* qkrope_status_string(int) { return "ok"; }\n'
                    'extern "C" int qkrope_simt_configure(int, int, long long) { return 0; }\n')
     lib = tmp_path / "libstale_simt.so"

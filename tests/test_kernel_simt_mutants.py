@@ -61,9 +61,25 @@ MUTANTS = [
     ("row scope: the cross-head butterfly stops at offset 8 (lanes 16-31's head sums are lost)",
      "qknorm_rope.cu", r"for \(int offset = 16; offset > 0; offset /= 2\)\n(\s*)\{\n(\s*)rowSum",
      r"for (int offset = 8; offset > 0; offset /= 2)\n\1{\n\2rowSum", "row"),
+    # float32 norm weights under 16-bit activations (FLUX.3): each kernel reads them as float32
+    ("fast path: float32 weights read as the activation type", "qknorm_rope.cu",
+     r"loadWeight<T>\(weight, elem\(v, i\), a\.weightsFp32\)",
+     "loadWeight<T>(weight, elem(v, i), false)", "fp32w_fast"),
+    ("row scope: float32 weights read as the activation type", "qknorm_rope.cu",
+     r"loadWeight<T>\(weight, hh \* HEAD_DIM \+ elem\(v, i\), a\.weightsFp32\)",
+     "loadWeight<T>(weight, hh * HEAD_DIM + elem(v, i), false)", "fp32w_row"),
+    ("general paths: float32 weights read as the activation type", "qknorm_rope.cu",
+     r"loadWeight<T>\(weight, at \+ e, weightsFp32\)", "loadWeight<T>(weight, at + e, false)",
+     "fp32w_general"),
 ]
 
 MUTANT_CASES = {
+    "fp32w_fast": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=3, seq=3,
+                        weights_fp32=True)],
+    "fp32w_row": [dict(dtype=torch.bfloat16, head_dim=64, rotary_dim=64, heads=20, seq=4,
+                       norm_scope=1, weights_fp32=True)],
+    "fp32w_general": [dict(dtype=torch.float16, head_dim=96, rotary_dim=96, heads=3, seq=3,
+                           interleaved=False, weights_fp32=True)],
     # 20 heads x 64 (bf16: 8 lanes per head): 2 or more warps per block, head sums in 20 lanes
     "row": [dict(dtype=torch.bfloat16, head_dim=64, rotary_dim=64, heads=20, seq=4, norm_scope=1)],
     "fast": [dict(dtype=torch.bfloat16, head_dim=128, rotary_dim=128, heads=3, seq=3),
@@ -144,7 +160,8 @@ def _host_checks(case_key):
     for case in MUTANT_CASES[case_key]:
         c = dict(case)
         inputs = make_inputs(c["dtype"], c["head_dim"], c["rotary_dim"], batch=1, seq=c["seq"],
-                             heads=c["heads"], grid=True, seed=4)
+                             heads=c["heads"], grid=True, seed=4,
+                             weights_fp32=c.get("weights_fp32", False))
         if c.get("norm_scope", 0) == 1:
             inputs = row_weights(inputs)
         kw = dict(interleaved=c.get("interleaved", True), rounding=c.get("rounding", 0),

@@ -113,10 +113,10 @@ def test_row_scope_is_one_norm_over_the_flat_row():
 
 def test_op_checks_the_weight_width_and_traces():
     q, k, qw, kw, cache = _inputs(torch.float32, heads=3, head_dim=8)
-    with pytest.raises(InputError, match=r"q_weight must be \[24\] torch.float32 \(heads \* "
-                                         r"head_dim, norm_scope 1"):
+    with pytest.raises(InputError, match=r"q_weight must be \[24\] in q's dtype \(torch.float32\) "
+                                         r"or float32 \(heads \* head_dim, norm_scope 1"):
         qk_norm_rope(q, k, qw[:8], kw[:8], cache, norm_scope=ROW)
-    with pytest.raises(InputError, match=r"q_weight must be \[8\] torch.float32 \(head_dim"):
+    with pytest.raises(InputError, match=r"q_weight must be \[8\] in q's dtype .* \(head_dim"):
         qk_norm_rope(q, k, qw, kw, cache)
     with pytest.raises(InputError, match="norm_scope must be"):
         qk_norm_rope(q, k, qw, kw, cache, norm_scope=2)

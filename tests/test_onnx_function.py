@@ -83,16 +83,21 @@ def test_function_body_variants(tmp_path, dtype, interleaved, rounding, rotary_d
             assert (g_t != r).float().mean().item() < 0.05
 
 
-@pytest.mark.parametrize("dtype,rounding", [(torch.bfloat16, 0), (torch.bfloat16, 1),
-                                            (torch.bfloat16, 2), (torch.float16, 2)])
-def test_function_body_bit_exact_where_the_sum_of_squares_is_exact(tmp_path, dtype, rounding):
+@pytest.mark.parametrize("dtype,rounding,weights_fp32", [
+    (torch.bfloat16, 0, False), (torch.bfloat16, 1, False), (torch.bfloat16, 2, False),
+    (torch.float16, 2, False), (torch.bfloat16, 0, True), (torch.bfloat16, 1, True),
+    (torch.float16, 2, True)])
+def test_function_body_bit_exact_where_the_sum_of_squares_is_exact(tmp_path, dtype, rounding,
+                                                                   weights_fp32):
     """Grid inputs (tests/_kernel_cases.py: x = k/16, an exact fp32 sum of squares): the body's
     ReduceMean/Sqrt/Reciprocal and the reference's mean/rsqrt are then the same correctly rounded
     values, so each mode's body gives the reference's bits exactly; the three modes differ from
-    one another on these inputs (the check can tell them apart)."""
+    one another on these inputs (the check can tell them apart). Also with float32 weights under
+    16-bit activations (the node's W type; FLUX.3): the model's weight inputs are FLOAT."""
     from _kernel_cases import make_inputs
 
-    q, k, qw, kw, cache = make_inputs(dtype, 64, 64, batch=2, seq=6, heads=3, grid=True, seed=3)
+    q, k, qw, kw, cache = make_inputs(dtype, 64, 64, batch=2, seq=6, heads=3, grid=True, seed=3,
+                                      weights_fp32=weights_fp32)
     with torch.no_grad():
         program = torch.onnx.export(
             _OpOnly(True, rounding), (q, k, qw, kw, cache), dynamo=True,
@@ -105,6 +110,10 @@ def test_function_body_bit_exact_where_the_sum_of_squares_is_exact(tmp_path, dty
 
     path = tmp_path / "op.onnx"
     ir.save(model, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    graph_inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(path)).graph.input}
+    assert graph_inputs["q_weight"] == (onnx.TensorProto.FLOAT if weights_fp32 else
+                                        graph_inputs["q"])
     got = _run(path, {n: from_torch(t) for n, t in zip(contract.INPUTS, (q, k, qw, kw, cache))})
     modes = {m: qk_norm_rope_reference(q, k, qw, kw, cache, eps=1e-5, rounding=m)
              for m in contract.ROUNDING_MODES}

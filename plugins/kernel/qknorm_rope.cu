@@ -113,6 +113,7 @@ struct KernelArgs
     float eps;
     int32_t rounding;  // general path only (a template parameter of the fast path)
     bool interleaved;  // general path only
+    bool weightsFp32;  // q/k weights are float32 (else the activation type): read once per row set
 };
 
 template <typename To, typename From>
@@ -122,6 +123,18 @@ __device__ __forceinline__ To bitCast(From const& from)
     To to;
     memcpy(&to, &from, sizeof(To));
     return to;
+}
+
+// Weight element i as fp32: the weights are in the activation type T or, with weightsFp32, float32
+// (docs/spec.md section 3.4). A uniform per-element select, not a branch around two load loops:
+// measured on the sm_90/sm_100 SASS, the two-loop form spilled on sm_100 and grew the prologue
+// more. The kernels read their weights once per row set, outside the token loop (the general
+// row kernel once per head and token, as it always reloaded them), so the token loop is unchanged.
+template <typename T>
+__device__ __forceinline__ float loadWeight(void const* weights, int64_t i, bool weightsFp32)
+{
+    return weightsFp32 ? __ldg(static_cast<float const*>(weights) + i)
+                       : T::toFloat(__ldg(static_cast<typename T::Storage const*>(weights) + i));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,14 +294,14 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks) qkNormRopeFastKernel
     // The weights, once for the whole kernel (scalar loads: they need no alignment).
     float w[kElems];
     {
-        Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
+        void const* const weight = isQ ? a.qWeight : a.kWeight;
 #pragma unroll
         for (int v = 0; v < kNV; ++v)
         {
 #pragma unroll
             for (int i = 0; i < kVec; ++i)
             {
-                w[v * kVec + i] = T::toFloat(__ldg(weight + elem(v, i)));
+                w[v * kVec + i] = loadWeight<T>(weight, elem(v, i), a.weightsFp32);
             }
         }
     }
@@ -667,7 +680,7 @@ __global__ void __launch_bounds__(kPlanRowMaxThreads, kFastMinBlocks) qkNormRope
     unsigned stored = 0;
     float w[ROWS][kElems];
     {
-        Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
+        void const* const weight = isQ ? a.qWeight : a.kWeight;
 #pragma unroll
         for (int u = 0; u < ROWS; ++u)
         {
@@ -681,7 +694,7 @@ __global__ void __launch_bounds__(kPlanRowMaxThreads, kFastMinBlocks) qkNormRope
 #pragma unroll
                 for (int i = 0; i < kVec; ++i)
                 {
-                    w[u][v * kVec + i] = T::toFloat(__ldg(weight + hh * HEAD_DIM + elem(v, i)));
+                    w[u][v * kVec + i] = loadWeight<T>(weight, hh * HEAD_DIM + elem(v, i), a.weightsFp32);
                 }
             }
         }
@@ -1006,13 +1019,15 @@ struct GeneralRow
         return 2 * (lane + kGeneralLanes * i) + c;
     }
 
-    __device__ __forceinline__ static void loadWeights(Storage const* weight, int lane, int headDim, float (&w)[kE])
+    // The weights of one row: element e of the tensor at `weight`, from element `at` on.
+    __device__ __forceinline__ static void loadWeights(
+        void const* weight, int64_t at, bool weightsFp32, int lane, int headDim, float (&w)[kE])
     {
 #pragma unroll
         for (int i = 0; i < kE; ++i)
         {
             int const e = elemOf(lane, i / 2, i % 2);
-            w[i] = e < headDim ? T::toFloat(__ldg(weight + e)) : 0.0F;
+            w[i] = e < headDim ? loadWeight<T>(weight, at + e, weightsFp32) : 0.0F;
         }
     }
 
@@ -1180,7 +1195,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralKernel(KernelArgs c
     float* const ys = staged[warp];
 
     float w[kE];
-    Row::loadWeights(static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight), lane, headDim, w);
+    Row::loadWeights(isQ ? a.qWeight : a.kWeight, 0, a.weightsFp32, lane, headDim, w);
 
     int64_t s = t < a.numTokens ? t % a.seqLen : 0;
     for (; t < a.numTokens; t += a.tokenStep)
@@ -1221,7 +1236,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralRowKernel(KernelArg
     int64_t const tokenElems = static_cast<int64_t>(numHeads) * headDim;
     Storage const* const src = static_cast<Storage const*>(isQ ? a.q : a.k);
     Storage* const dst = static_cast<Storage*>(isQ ? a.qOut : a.kOut);
-    Storage const* const weight = static_cast<Storage const*>(isQ ? a.qWeight : a.kWeight);
+    void const* const weight = isQ ? a.qWeight : a.kWeight;
     float* const ys = staged[warp];
 
     int64_t s = t < a.numTokens ? t % a.seqLen : 0;
@@ -1250,7 +1265,7 @@ __global__ void __launch_bounds__(kThreads) qkNormRopeGeneralRowKernel(KernelArg
             float x[kE];
             Row::load(row + at, lane, headDim, x);
             float w[kE];
-            Row::loadWeights(weight + at, lane, headDim, w);
+            Row::loadWeights(weight, at, a.weightsFp32, lane, headDim, w);
             Row::finish(x, inv, w, a.cache + s * rot, dst + t * tokenElems + at, lane, headDim, rot, a.interleaved,
                 a.rounding, ys);
         }
@@ -1626,6 +1641,7 @@ Status launchQKNormRoPE(QKNormRoPEParams const& p, cudaStream_t stream) noexcept
     a.eps = p.eps;
     a.rounding = p.rounding;
     a.interleaved = p.interleaved;
+    a.weightsFp32 = p.weightsFp32 && p.dtype != DataType::kFLOAT32; // fp32 activations: one layout
     a.rowElems = static_cast<int32_t>(p.numHeads * p.headDim); // < 2^31 (checkParams)
 
     int device = 0;

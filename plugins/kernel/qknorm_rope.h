@@ -5,6 +5,7 @@
 // Contract (docs/spec.md, section 3):
 //   q, k, q_out, k_out : [batch, seq_len, num_heads, head_dim], contiguous, one dtype
 //   q_weight, k_weight : [head_dim] (norm_scope 0) or [num_heads * head_dim] (norm_scope 1), q's dtype
+//                        or both float32 (weightsFp32: FLUX.3 keeps its norm weights in fp32)
 //   cache              : [cache_rows, rotary_dim] fp32; row s = token s of the stream;
 //                        columns [0, rotary_dim/2) cos, [rotary_dim/2, rotary_dim) sin
 #pragma once
@@ -49,6 +50,8 @@ struct QKNormRoPEParams
     int32_t normScope{0};   // 0: RMSNorm over each head's head_dim values; 1: over the token's num_heads x
                             // head_dim values (one weight per value, index h * head_dim + d), then RoPE per head
     DataType dtype{DataType::kFLOAT32};
+    bool weightsFp32{false}; // q_weight and k_weight are float32 whatever dtype is (false: they are in dtype);
+                             // each weight enters the fp32 arithmetic at its value (docs/spec.md section 3)
 };
 
 // Status codes returned by checkParams and the launchers. 0 is success.

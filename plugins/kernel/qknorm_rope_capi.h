@@ -5,6 +5,8 @@
 // [head_dim] in the activation dtype ([num_heads * head_dim] with norm_scope 1); cache
 // [cache_rows, rotary_dim] float32. The *_scoped entry points take norm_scope (0: RMSNorm per head,
 // 1: over the token's heads x head_dim values); the others are norm_scope 0 (C ABI version 1's calls).
+// The *_v3 entry points add weight_dtype after dtype: the weights' dtype, dtype itself or 0
+// (float32 weights under any activation dtype); the others pass dtype (weights in the activations').
 // dtype: 0 float32, 1 float16, 2 bfloat16 (qkrope::DataType). interleaved: 1 GPT-J pairs, 0 NeoX.
 // Return value: 0 on success, otherwise a qkrope::Status code; *_status_string gives its text.
 #pragma once
@@ -21,7 +23,7 @@
 extern "C" {
 #endif
 
-#define QKROPE_CAPI_VERSION 2
+#define QKROPE_CAPI_VERSION 3
 
 QKROPE_CAPI_EXPORT int32_t qkrope_launch(void const* q, void const* k, void const* q_weight, void const* k_weight,
     float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
@@ -31,6 +33,10 @@ QKROPE_CAPI_EXPORT int32_t qkrope_launch_scoped(void const* q, void const* k, vo
     void const* k_weight, float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len,
     int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved,
     int32_t rounding, int32_t norm_scope, int32_t dtype, void* stream);
+QKROPE_CAPI_EXPORT int32_t qkrope_launch_v3(void const* q, void const* k, void const* q_weight,
+    void const* k_weight, float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len,
+    int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved,
+    int32_t rounding, int32_t norm_scope, int32_t dtype, int32_t weight_dtype, void* stream);
 QKROPE_CAPI_EXPORT char const* qkrope_status_string(int32_t status);
 QKROPE_CAPI_EXPORT int32_t qkrope_capi_version(void);
 
@@ -41,6 +47,10 @@ QKROPE_CAPI_EXPORT int32_t qkrope_host_run_scoped(void const* q, void const* k, 
     void const* k_weight, float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len,
     int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved,
     int32_t rounding, int32_t norm_scope, int32_t dtype);
+QKROPE_CAPI_EXPORT int32_t qkrope_host_run_v3(void const* q, void const* k, void const* q_weight,
+    void const* k_weight, float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len,
+    int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved,
+    int32_t rounding, int32_t norm_scope, int32_t dtype, int32_t weight_dtype);
 QKROPE_CAPI_EXPORT char const* qkrope_host_status_string(int32_t status);
 QKROPE_CAPI_EXPORT int32_t qkrope_host_capi_version(void);
 
@@ -79,6 +89,18 @@ inline Status paramsFromCAbi(void const* q, void const* k, void const* qWeight, 
     p.interleaved = interleaved != 0;
     p.rounding = rounding;
     p.dtype = static_cast<DataType>(dtype);
+    return Status::kSUCCESS;
+}
+
+// The weights' dtype code of the *_v3 entry points: the activations' own (weights in q's dtype)
+// or 0 (float32 weights); anything else is kBAD_DTYPE.
+inline Status weightsFromCAbi(int32_t dtype, int32_t weightDtype, QKNormRoPEParams& p) noexcept
+{
+    if (weightDtype != dtype && weightDtype != static_cast<int32_t>(DataType::kFLOAT32))
+    {
+        return Status::kBAD_DTYPE;
+    }
+    p.weightsFp32 = weightDtype == static_cast<int32_t>(DataType::kFLOAT32);
     return Status::kSUCCESS;
 }
 } // namespace qkrope

@@ -10,14 +10,33 @@
 #include "qknorm_rope_math.h"
 #include "qknorm_rope_plan.h"
 
+#include <vector>
+
 namespace
 {
+
+// A weight tensor of n elements as fp32 values: converted from the activation type, or read as
+// float32 (p.weightsFp32). Each value is exact either way; the kernel converts the same way.
+template <typename T>
+std::vector<float> weightsAsFloat(qkrope::QKNormRoPEParams const& p, void const* w, int64_t n)
+{
+    std::vector<float> out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+    {
+        out[static_cast<size_t>(i)] = p.weightsFp32 ? static_cast<float const*>(w)[i]
+                                                    : T::toFloat(static_cast<typename T::Storage const*>(w)[i]);
+    }
+    return out;
+}
 
 template <typename T>
 void runRows(qkrope::QKNormRoPEParams const& p)
 {
     using Storage = typename T::Storage;
     float scratch[qkrope::kMAX_HEAD_DIM];
+    int64_t const weightElems = p.normScope == qkrope::kNORM_SCOPE_ROW ? p.numHeads * p.headDim : p.headDim;
+    std::vector<float> const weights[2] = {
+        weightsAsFloat<T>(p, p.qWeight, weightElems), weightsAsFloat<T>(p, p.kWeight, weightElems)};
     int64_t const tokens = p.batch * p.seqLen;
     int const headDim = static_cast<int>(p.headDim);
     int const rotaryDim = static_cast<int>(p.rotaryDim);
@@ -29,7 +48,7 @@ void runRows(qkrope::QKNormRoPEParams const& p)
         {
             Storage const* src = static_cast<Storage const*>(which == 0 ? p.q : p.k);
             Storage* dst = static_cast<Storage*>(which == 0 ? p.qOut : p.kOut);
-            Storage const* w = static_cast<Storage const*>(which == 0 ? p.qWeight : p.kWeight);
+            float const* w = weights[which].data();
             if (p.normScope == qkrope::kNORM_SCOPE_ROW)
             {
                 // one RMS over the token's heads x head_dim values, one weight per value
@@ -57,14 +76,18 @@ void runRows(qkrope::QKNormRoPEParams const& p)
 
 } // namespace
 
-extern "C" int32_t qkrope_host_run_scoped(void const* q, void const* k, void const* q_weight, void const* k_weight,
+extern "C" int32_t qkrope_host_run_v3(void const* q, void const* k, void const* q_weight, void const* k_weight,
     float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
     int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t norm_scope,
-    int32_t dtype)
+    int32_t dtype, int32_t weight_dtype)
 {
     qkrope::QKNormRoPEParams p;
-    qkrope::Status const bad = qkrope::paramsFromCAbi(q, k, q_weight, k_weight, cache, q_out, k_out, batch,
-        seq_len, num_heads, head_dim, rotary_dim, cache_rows, eps, interleaved, rounding, dtype, p);
+    qkrope::Status bad = qkrope::paramsFromCAbi(q, k, q_weight, k_weight, cache, q_out, k_out, batch, seq_len,
+        num_heads, head_dim, rotary_dim, cache_rows, eps, interleaved, rounding, dtype, p);
+    if (bad == qkrope::Status::kSUCCESS)
+    {
+        bad = qkrope::weightsFromCAbi(dtype, weight_dtype, p);
+    }
     if (bad != qkrope::Status::kSUCCESS)
     {
         return static_cast<int32_t>(bad);
@@ -86,6 +109,15 @@ extern "C" int32_t qkrope_host_run_scoped(void const* q, void const* k, void con
     case qkrope::DataType::kBFLOAT16: runRows<qkrope::math::Bf16>(p); break;
     }
     return 0;
+}
+
+extern "C" int32_t qkrope_host_run_scoped(void const* q, void const* k, void const* q_weight, void const* k_weight,
+    float const* cache, void* q_out, void* k_out, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+    int64_t rotary_dim, int64_t cache_rows, float eps, int32_t interleaved, int32_t rounding, int32_t norm_scope,
+    int32_t dtype)
+{
+    return qkrope_host_run_v3(q, k, q_weight, k_weight, cache, q_out, k_out, batch, seq_len, num_heads, head_dim,
+        rotary_dim, cache_rows, eps, interleaved, rounding, norm_scope, dtype, dtype);
 }
 
 extern "C" int32_t qkrope_host_run(void const* q, void const* k, void const* q_weight, void const* k_weight,

@@ -395,16 +395,17 @@ inline float rowSumSquares(typename T::Storage const* x, int64_t numHeads, int h
 }
 
 // One head's row on one thread given its inverse RMS (host build): normalise with w, rotate, round.
-//   x, w, out : headDim elements; cacheRow : rotaryDim floats (cos half, then sin half).
+//   x, out : headDim elements; w : headDim weights as fp32 (each the exact value of the weight in
+//   its own dtype: the activations' or fp32); cacheRow : rotaryDim floats (cos half, then sin half).
 // out may alias x.
 template <typename T>
-inline void normRopeRowInv(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
+inline void normRopeRowInv(typename T::Storage const* x, float const* w, float const* cacheRow,
     typename T::Storage* out, int headDim, int rotaryDim, float inv, bool interleaved, int32_t rounding,
     float* scratch)
 {
     for (int e = 0; e < headDim; ++e)
     {
-        scratch[e] = normalize<T>(T::toFloat(x[e]), inv, T::toFloat(w[e]), rounding);
+        scratch[e] = normalize<T>(T::toFloat(x[e]), inv, w[e], rounding);
     }
     int const half = rotaryDim / 2;
     for (int j = 0; j < half; ++j)
@@ -427,7 +428,7 @@ inline void normRopeRowInv(typename T::Storage const* x, typename T::Storage con
 // One whole row on one thread (host build), with the sum of squares in the order of the kernel
 // path that the launcher takes for the same problem (lanes, vec: see sumSquares).
 template <typename T>
-inline void normRopeRow(typename T::Storage const* x, typename T::Storage const* w, float const* cacheRow,
+inline void normRopeRow(typename T::Storage const* x, float const* w, float const* cacheRow,
     typename T::Storage* out, int headDim, int rotaryDim, float eps, bool interleaved, int32_t rounding, int lanes,
     int vec, float* scratch)
 {

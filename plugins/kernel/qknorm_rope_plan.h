@@ -289,8 +289,10 @@ struct FastIssueCost
 // Fitted over rows 1..3 of the cp.async ring (nvcc 13.0, sm_90: 156 / 273 / 402 instructions per
 // token of a unit at rounding 0, 180 / 321 / 466 at rounding 1, 168 / 297 / 430 at rounding 2;
 // per token the ring adds a copy and a shared load per 16 B and the commit and wait; prologue +
-// epilogue 216 / 236 / 258 for rows 1 / 2 / 3, the ring's first two groups included).
-constexpr FastIssueCost kFastIssueCost[] = {{15.3, 33.6, 236.0}, {17.8, 37.6, 236.0}, {16.3, 37.6, 236.0}};
+// epilogue 290 / 313 for rows 2 / 3, the ring's first two groups included, and each weight's load
+// a select between its activation-type and float32 forms (docs/spec.md 3.4): 216 / 236 / 258 for
+// rows 1 / 2 / 3 before the float32 weights; perGroup is rows 2's).
+constexpr FastIssueCost kFastIssueCost[] = {{15.3, 33.6, 290.0}, {17.8, 37.6, 290.0}, {16.3, 37.6, 290.0}};
 
 inline FastIssueCost fastIssueCost(int rounding)
 {
@@ -386,8 +388,9 @@ inline FastEstimate planFast(FastProblem const& p, int maxRows, int64_t const* r
 // perGroupRow x rows, the weights of each row loaded and converted once). Measured on the sm_90 SASS
 // of the bf16, head_dim 128, interleaved, full-rotary instances (nvcc 13.0; scripts/kernel_report.py):
 // per token 306 / 516 instructions at rows 2 / 4 with rounding 0, 312 / 556 with rounding 2;
-// prologue + epilogue 311 / 452 and 317 / 452. Rounding 1 is not measured: rounding 2's figures
-// plus the per-element difference of the per-head kernel (kFastIssueCost: +1.5).
+// prologue + epilogue 344 / 527 at rounding 2 (each weight's load a select between its
+// activation-type and float32 forms; 317 / 452 before). Rounding 1 is not measured: rounding 2's
+// figures plus the per-element difference of the per-head kernel (kFastIssueCost: +1.5).
 struct RowIssueCost
 {
     double perElement;
@@ -396,8 +399,8 @@ struct RowIssueCost
     double perGroupRow;
 };
 
-constexpr RowIssueCost kRowIssueCost[] = {{13.14, 95.7, 176.0, 69.0}, {16.75, 68.3, 176.0, 69.0},
-    {15.25, 68.3, 176.0, 69.0}};
+constexpr RowIssueCost kRowIssueCost[] = {{13.14, 95.7, 161.0, 91.5}, {16.75, 68.3, 161.0, 91.5},
+    {15.25, 68.3, 161.0, 91.5}};
 
 inline RowIssueCost rowIssueCost(int rounding)
 {

@@ -360,7 +360,10 @@ bool QKNormRoPEPlugin::supportsFormatCombination(
     {
     case kQ: return isActivationType(desc.type);
     case kCACHE: return desc.type == DataType::kFLOAT;
-    default: return desc.type == inOut[kQ].desc.type; // k, weights and both outputs follow q
+    // q_weight: q's type or float32 (FLUX.3's fp32 norm weights under bf16); k_weight follows it
+    case kQ_WEIGHT: return desc.type == inOut[kQ].desc.type || desc.type == DataType::kFLOAT;
+    case kK_WEIGHT: return desc.type == inOut[kQ_WEIGHT].desc.type;
+    default: return desc.type == inOut[kQ].desc.type; // k and both outputs follow q
     }
 }
 
@@ -448,17 +451,17 @@ std::string checkRuntimeTensors(
     }
     DataType const t = inputDesc[kQ].type;
     bool typesOk = isActivationType(t) && inputDesc[kCACHE].type == DataType::kFLOAT;
-    for (int32_t i : {static_cast<int32_t>(kK), static_cast<int32_t>(kQ_WEIGHT), static_cast<int32_t>(kK_WEIGHT)})
-    {
-        typesOk = typesOk && inputDesc[i].type == t;
-    }
+    typesOk = typesOk && inputDesc[kK].type == t;
+    DataType const w = inputDesc[kQ_WEIGHT].type;
+    typesOk = typesOk && (w == t || w == DataType::kFLOAT) && inputDesc[kK_WEIGHT].type == w;
     typesOk = typesOk && outputDesc[0].type == t && outputDesc[1].type == t;
     if (!typesOk)
     {
         return std::string("unsupported dtypes: q ") + dataTypeName(t) + ", k " + dataTypeName(inputDesc[kK].type)
             + ", weights " + dataTypeName(inputDesc[kQ_WEIGHT].type) + "/" + dataTypeName(inputDesc[kK_WEIGHT].type)
             + ", cache " + dataTypeName(inputDesc[kCACHE].type)
-            + "; expected q, k, weights, outputs of one dtype (float32/float16/bfloat16) and a float32 cache";
+            + "; expected q, k and outputs of one dtype (float32/float16/bfloat16), both weights of q's dtype or"
+              " float32, and a float32 cache";
     }
     return {};
 }
@@ -499,6 +502,7 @@ int32_t QKNormRoPEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTenso
         case DataType::kBF16: p.dtype = qkrope::DataType::kBFLOAT16; break;
         default: p.dtype = qkrope::DataType::kFLOAT32; break;
         }
+        p.weightsFp32 = inputDesc[kQ_WEIGHT].type == DataType::kFLOAT; // checkRuntimeTensors: q's type or this
         if (p.batch == 0 || p.seqLen == 0 || p.numHeads == 0)
         {
             return 0; // empty tensors: nothing to do (TensorRT may pass null addresses for them)

@@ -57,7 +57,11 @@ void fuzzFormats(Input& in, IPluginV3OneBuild* build, Dims const (&d)[7], DataTy
     if (want)
     {
         DataType const ty = inOut[pos].desc.type;
-        want = pos == 0 ? isActivation(ty) : pos == 4 ? ty == DataType::kFLOAT : ty == inOut[0].desc.type;
+        want = pos == 0 ? isActivation(ty)
+            : pos == 4  ? ty == DataType::kFLOAT
+            : pos == 2  ? ty == inOut[0].desc.type || ty == DataType::kFLOAT // fp32 weights under any q
+            : pos == 3  ? ty == inOut[2].desc.type
+                        : ty == inOut[0].desc.type;
     }
     ++gStats.formats;
     FUZZ_CHECK(got == want, "supportsFormatCombination(pos " + std::to_string(pos) + ") = " + std::to_string(got));
@@ -256,8 +260,8 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
                 ok = od.d[j] == id.d[j];
             }
         }
-        ok = ok && isActivation(t[0]) && t[4] == DataType::kFLOAT && t[1] == t[0] && t[2] == t[0] && t[3] == t[0]
-            && t[5] == t[0] && t[6] == t[0];
+        ok = ok && isActivation(t[0]) && t[4] == DataType::kFLOAT && t[1] == t[0]
+            && (t[2] == t[0] || t[2] == DataType::kFLOAT) && t[3] == t[2] && t[5] == t[0] && t[6] == t[0];
         if (!ok)
         {
             want = static_cast<int32_t>(Status::kBAD_SHAPE);
@@ -285,6 +289,7 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
             p.dtype = t[0] == DataType::kHALF ? qkrope::DataType::kFLOAT16
                 : t[0] == DataType::kBF16     ? qkrope::DataType::kBFLOAT16
                                               : qkrope::DataType::kFLOAT32;
+            p.weightsFp32 = t[2] == DataType::kFLOAT;
             bool const empty = p.batch == 0 || p.seqLen == 0 || p.numHeads == 0;
             if (!empty)
             {
@@ -315,7 +320,7 @@ void fuzzEnqueue(Input& in, IPluginV3OneRuntime* rt, Dims const (&d)[7], DataTyp
                 && g.numHeads == p.numHeads && g.headDim == p.headDim && g.rotaryDim == p.rotaryDim
                 && g.cacheRows == p.cacheRows && std::memcmp(&g.eps, &p.eps, sizeof(float)) == 0
                 && g.interleaved == p.interleaved && g.rounding == p.rounding && g.normScope == p.normScope
-                && g.dtype == p.dtype,
+                && g.dtype == p.dtype && g.weightsFp32 == p.weightsFp32,
             "enqueue passed other parameters to the launcher than its descriptors and attributes give");
     }
     if (rc == 0)

@@ -124,6 +124,10 @@ void makeTypes(Input& in, DataType (&t)[7])
     {
         t[i] = i == 4 ? DataType::kFLOAT : act;
     }
+    if (in.chance(48))
+    {
+        t[2] = t[3] = DataType::kFLOAT; // fp32 norm weights under q's type (a valid combination)
+    }
     if (in.chance(64))
     {
         t[in.below(7)] = pickType(in);

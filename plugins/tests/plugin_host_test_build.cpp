@@ -146,7 +146,11 @@ void testFormats(IPluginV3OneBuild* build)
             {
                 auto dd = dynDescs(s, qt);
                 dd[pos].desc.type = t;
-                bool const expect = pos == 4 ? t == DataType::kFLOAT : t == qt;
+                // the cache is float32; q_weight q's type or float32 (k_weight follows q_weight,
+                // here q's type); the rest q's type
+                bool const expect = pos == 4 ? t == DataType::kFLOAT
+                    : pos == 2                ? t == qt || t == DataType::kFLOAT
+                                              : t == qt;
                 bool const got = build->supportsFormatCombination(pos, dd.data(), 5, 2);
                 combos += got;
                 if (got != expect)
@@ -163,9 +167,24 @@ void testFormats(IPluginV3OneBuild* build)
         auto dd = dynDescs(s, qt);
         dd[0].desc.format = TensorFormat::kCHW32;
         expectFalse(0, dd, "non-linear q accepted");
+        // fp32 weights: k_weight follows q_weight, not q
+        auto fw = dynDescs(s, qt);
+        fw[2].desc.type = DataType::kFLOAT;
+        fw[3].desc.type = DataType::kFLOAT;
+        if (!build->supportsFormatCombination(2, fw.data(), 5, 2) || !build->supportsFormatCombination(3, fw.data(), 5, 2))
+        {
+            ok = false;
+            detail += std::string("q ") + typeName(qt) + " with float32 weights refused; ";
+        }
+        if (qt != DataType::kFLOAT)
+        {
+            fw[3].desc.type = qt;
+            expectFalse(3, fw, std::string("k_weight ") + typeName(qt) + " accepted beside a float32 q_weight");
+        }
     }
     check(ok, "formats.matrix", detail);
-    check(combos == 3 * 6, "formats.count", std::to_string(combos) + " accepted (pos, type) pairs, expected 18");
+    // per q type: 6 positions of one type each, plus float32 q_weight under fp16 and bf16
+    check(combos == 3 * 6 + 2, "formats.count", std::to_string(combos) + " accepted (pos, type) pairs, expected 20");
     auto d = dynDescs(s, DataType::kHALF);
     check(!build->supportsFormatCombination(7, d.data(), 5, 2) && !build->supportsFormatCombination(-1, d.data(), 5, 2)
             && !build->supportsFormatCombination(0, d.data(), 4, 2),

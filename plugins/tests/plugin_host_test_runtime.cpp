@@ -84,6 +84,16 @@ void testEnqueue(IPluginV3OneRuntime* rt, RecordingLogger& logger)
             cs.nullPointers ? nullOutputs : outputs, nullptr, nullptr);
         checkRefusal(std::string("enqueue.refuses.") + cs.name, rc, cs.status, logger, mark, cs.needles);
     }
+    {
+        // float32 weights are accepted under fp16 q only as a pair: a float32 q_weight beside an fp16
+        // k_weight is refused before any launch
+        auto d = descs(base, DataType::kHALF);
+        d[2].type = DataType::kFLOAT;
+        size_t const mark = logger.mark();
+        int32_t const rc = rt->enqueue(d.data(), d.data() + 5, inputs, outputs, nullptr, nullptr);
+        checkRefusal("enqueue.refuses.weights_of_two_dtypes", rc, kBadShape, logger, mark,
+            {"unsupported dtypes", "weights float32/float16", "nothing was executed"});
+    }
     for (BadRank const& b : badRankCases())
     {
         auto d = descs(base, DataType::kHALF);

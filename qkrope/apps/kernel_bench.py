@@ -12,7 +12,7 @@ Method (so that the numbers are the kernel's, not Python's):
    its inputs from DRAM, not from a cache the previous launch warmed.
 2. fused: one call through :func:`qkrope.runtime.kernels.cuda_qk_norm_rope` (which validates
    everything), a spot check of its output against an fp32
-   :func:`qkrope.export.qk_norm_rope_reference`, then the C ABI ``qkrope_launch_scoped`` is called
+   :func:`qkrope.export.qk_norm_rope_reference`, then the C ABI ``qkrope_launch_v3`` is called
    directly through ctypes with argument tuples prepared once per set (:func:`launch_args`); a raw
    launch must reproduce the validated output bit for bit before anything is timed.
 3. ``N`` launch units (one launch per stream of the case; the ``block`` case is the img and the
@@ -161,9 +161,9 @@ class StreamTensors(NamedTuple):
 
 def launch_args(t: StreamTensors, *, eps: float, interleaved: bool, rounding: int,
                 norm_scope: int = 0) -> tuple:
-    """The C-ABI argument tuple of ``qkrope_launch_scoped`` for these tensors, without the stream
+    """The C-ABI argument tuple of ``qkrope_launch_v3`` for these tensors, without the stream
     (in the order of ``plugins/kernel/qknorm_rope_capi.h`` and
-    :func:`qkrope.runtime.kernels._call`)."""
+    :func:`qkrope.runtime.kernels._call`: ..., norm_scope, dtype, the weights' dtype)."""
     from qkrope.runtime.kernels import DTYPE_CODES
 
     b, s, h, d = t.q.shape
@@ -171,7 +171,7 @@ def launch_args(t: StreamTensors, *, eps: float, interleaved: bool, rounding: in
     return (t.q.data_ptr(), t.k.data_ptr(), t.q_weight.data_ptr(), t.k_weight.data_ptr(),
             t.cache.data_ptr(), t.q_out.data_ptr(), t.k_out.data_ptr(), int(b), int(s), int(h),
             int(d), int(rot), int(rows), float(eps), int(bool(interleaved)), int(rounding),
-            int(norm_scope), DTYPE_CODES[t.q.dtype])
+            int(norm_scope), DTYPE_CODES[t.q.dtype], DTYPE_CODES[t.q_weight.dtype])
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,8 +335,8 @@ def _fused_step(sets: list[list[StreamTensors]], opts: Options, dtype: str):
                                       dtype=dtype))
         expected.append((t.q_out.clone(), t.k_out.clone()))
     lib = kernels._load(kernels.CUDA_LIB_ENV, kernels.CUDA_LIB_NAME, kernels.CUDA_BUILD_COMMAND,
-                        "qkrope_launch_scoped", "qkrope_status_string", cuda=True)
-    fn, status_text = lib.qkrope_launch_scoped, lib.qkrope_status_string
+                        "qkrope_launch_v3", "qkrope_status_string", cuda=True)
+    fn, status_text = lib.qkrope_launch_v3, lib.qkrope_status_string
     prepared = [[launch_args(t, **kw) for t in s] for s in sets]
 
     def step(i: int) -> None:
