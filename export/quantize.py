@@ -560,8 +560,10 @@ def fp8_values(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 def linear_fp8_table(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Per quantised Linear (module name): its input and weight quantizers' amax (float32
-    scalars). Refuses what the ONNX rewrite does not express: per-channel/block amax, anything
-    but e4m3, pre-quant scales, an output quantizer, a quantised non-Linear module."""
+    scalars; None for a quantizer the calibration never reached, which :func:`apply_fp8`
+    accepts only for a Linear the graph does not use). Refuses what the ONNX rewrite does not
+    express: per-channel/block amax, anything but e4m3, pre-quant scales, an output quantizer,
+    a quantised non-Linear module."""
     table: dict[str, dict[str, Any]] = {}
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name, q in fp8_quantizers(model, calibrated=False):
@@ -580,7 +582,11 @@ def linear_fp8_table(model: nn.Module) -> dict[str, dict[str, Any]]:
                                 f"writes per-tensor FP8 only")
         amax = getattr(q, "amax", None)
         if amax is None:
-            raise QuantizeError(f"{where} is enabled but has no calibrated amax")
+            # no amax: the calibration never ran this layer. Fine where the exported graph does
+            # not use it either (a stream the export does not serve); apply_fp8 decides, from
+            # the graph, and refuses a used one
+            table.setdefault(owner, {})[role.split("_")[0]] = None
+            continue
         if amax.numel() != 1:
             raise QuantizeError(f"{where} has a per-channel amax of shape {list(amax.shape)}; "
                                 f"the export writes per-tensor FP8 only")
@@ -672,9 +678,16 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]], *
         roles = table[owner]
         key = f"{owner}.weight"
         w_value = graph.initializers.get(key)
-        if w_value is None:
+        uses = list(w_value.uses()) if w_value is not None else []
+        if not uses:  # past --layers, or a stream the export does not serve
             skipped.append(owner)
             continue
+        uncalibrated = sorted(role for role, amax in roles.items() if amax is None)
+        if uncalibrated:
+            raise QuantizeError(f"quantizer {owner}.{uncalibrated[0]}_quantizer is enabled but "
+                                f"has no calibrated amax, and the exported graph uses {key}: "
+                                f"the calibration never ran this layer. Fix: calibrate "
+                                f"(`{quantization.QUANTIZE_COMMAND}`) with inputs that reach it")
         if set(roles) != {"input", "weight"}:
             raise QuantizeError(f"{owner} quantises only its {sorted(roles)}; the FP8 export "
                                 f"needs both the input and the weight quantised (FP8 GEMM)")
@@ -686,10 +699,6 @@ def apply_fp8(model, transformer: nn.Module, table: dict[str, dict[str, Any]], *
                     np.asarray(fp8_scale(roles["input"]).numpy(), dtype=np_float))
         s_w = const(f"{owner}.weight_quantizer.scale",
                     np.asarray(fp8_scale(roles["weight"]).numpy(), dtype=np_float))
-        uses = list(w_value.uses())
-        if not uses:
-            skipped.append(owner)
-            continue
         for use in uses:
             node, index = use.node, use.idx
             if node.op_type == "Transpose" and index == 0:

@@ -776,3 +776,29 @@ def test_non_finite_weights_or_inputs_in_calibrate_are_one_line(work):
     with pytest.raises(quantize.QuantizeError, match="weights carry NaN/inf") as exc:
         quantize.calibrate(model, batches)
     assert "\n" not in str(exc.value)
+
+
+def test_an_uncalibrated_layer_is_refused_only_where_the_graph_uses_it(work, tmp_path, capsys):
+    """A quantizer the calibration never reached has no amax: its Linear belongs to a module the
+    calibrated forward did not run. The export accepts it where the graph does not use that
+    Linear either (here a block past --layers; FLUX.3's unserved reference-image stream) and
+    lists it as not in the graph; where the graph uses it, it refuses in one line naming the
+    quantizer and the weight, and writes nothing."""
+    model = load_transformer(str(work / "fp8"), quant="fp8")
+    owner = "transformer_blocks.1.attn.to_q"
+    for role in ("input_quantizer", "weight_quantizer"):
+        q = model.get_submodule(f"{owner}.{role}")
+        q.reset_amax()
+        assert q.is_enabled and getattr(q, "amax", None) is None
+    quantize.save_quantized(model, tmp_path / "partly")
+    assert main(["export", "--model", "transformer", "--diffusers", str(tmp_path / "partly"),
+                 "--quant", "fp8", "--layers", "1", "--out", str(tmp_path / "l1.onnx")]) == 0
+    record = ModelInfo.load(tmp_path / "l1.onnx").config.quantization
+    assert owner in record["not_in_graph"] and owner not in record["quantized_linears"]
+    capsys.readouterr()
+    assert main(["export", "--model", "transformer", "--diffusers", str(tmp_path / "partly"),
+                 "--quant", "fp8", "--out", str(tmp_path / "all.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (f"quantizer {owner}.input_quantizer is enabled but has no calibrated amax" in err
+            and f"uses {owner}.weight" in err and "qkrope quantize" in err), err
+    assert not (tmp_path / "all.onnx").exists()
