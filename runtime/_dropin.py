@@ -29,6 +29,7 @@ family overrides it); what differs between families is what ``prepare`` returns:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -138,6 +139,46 @@ def tensor_arg(value: Any, name: str, rank: int, layout: str, fix: str = "") -> 
                          + (fix or f"pass the {rank}-D torch.Tensor the pipeline computes for "
                                    f"{name}"))
     return value
+
+
+class _SignedForward:
+    """``Transformer.forward`` as a descriptor: read off a drop-in, a callable whose signature
+    (``__signature__``) is the family's ``FORWARD_ARGS`` (each defaulting to None), not the
+    generic ``(*args, **kwargs)``. diffusers' modular denoisers pass a collected field to their
+    transformer only where ``inspect.signature(transformer.forward)`` names it (FLUX.3's
+    ``img_ids``, Qwen-Image's ``img_shapes``, ...); the call itself is the generic forward's."""
+
+    def __init__(self, function):
+        self.function = function
+        self.__doc__ = function.__doc__
+        self._signatures: dict[type, inspect.Signature] = {}
+
+    def signature(self, owner: type) -> inspect.Signature:
+        if owner not in self._signatures:
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            self._signatures[owner] = inspect.Signature(
+                [inspect.Parameter(n, kind, default=None) for n in owner.FORWARD_ARGS])
+        return self._signatures[owner]
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self.function
+        return _BoundForward(self.function, instance, self.signature(type(instance)))
+
+
+class _BoundForward:
+    """A drop-in's ``forward``, bound, with the family's signature (:class:`_SignedForward`)."""
+
+    __slots__ = ("__func__", "__self__", "__signature__")
+
+    def __init__(self, function, instance, signature: inspect.Signature):
+        self.__func__, self.__self__, self.__signature__ = function, instance, signature
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+
+_signed_forward = _SignedForward
 
 
 @dataclass
@@ -257,6 +298,7 @@ class Transformer(DropinComponent):
     def prepare(self, **call) -> "Call | Split":  # the family's part
         raise NotImplementedError
 
+    @_signed_forward
     def forward(self, *args, **kwargs):
         """diffusers' forward of the family: returns ``Transformer2DModelOutput(sample=...)`` or
         ``(sample,)`` with ``return_dict=False``; the sample is the family's latent layout (a

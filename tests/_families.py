@@ -214,6 +214,8 @@ BUILDERS: dict[str, TinyBuilder] = {
 }
 BUILDERS.update({r.name: b for r in families.records() if r.name not in BUILDERS
                  for b in [_derived(r)] if b is not None})
+#: FLUX.3 (derived): no transformer_blocks; its per-mode lists hold num_layers blocks each
+BUILDERS["flux3"] = replace(BUILDERS["flux3"], blocks_attr="txt_mode_blocks")
 
 
 def _clones() -> set[str]:
