@@ -411,3 +411,22 @@ def prx(model, batch: int, g: torch.Generator) -> Forms:
 
 
 FORMS.update({"prx": prx})
+
+
+def flux3(model, batch: int, g: torch.Generator) -> Forms:
+    """FLUX.3: FLUX.2's forms without guidance, on the FLUX.3 pipelines' ids (h / w scaled by
+    0.5, the text's index on the fourth axis)."""
+    from qkrope.families.flux3.dropin import pipeline_ids
+
+    forms = _flux(model, batch, g, pooled=False, guidance=False,
+                  sample_ids=lambda shapes, txt: pipeline_ids(shapes[0], txt))
+    # Flux3PosEmbed takes [tokens, 4] ids only (no deprecated 3-D form, which the drop-in's
+    # shared ids check still accepts when every item is the same); int64 ids would truncate
+    # the image's half-integer positions
+    forms["same"] = [(i, kw) for i, kw in forms["same"]
+                     if not i.startswith("ids 3-D") and i != "ids int64"]
+    forms["refused"] = []
+    return forms
+
+
+FORMS.update({"flux3": flux3})
