@@ -155,6 +155,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def kept_in_fp32(key: str, modules: Iterable[str]) -> bool:
+    """Whether parameter ``key`` belongs to one of ``modules`` (a model class's
+    ``_keep_in_fp32_modules``: names matched against the key's components, diffusers' rule), so
+    it stays float32 whatever dtype the model is loaded in."""
+    parts = key.split(".")
+    return any(m in parts for m in modules)
+
+
 def placeholder_module(build: Callable[[], nn.Module], *, dtype: torch.dtype,
                        keep_in_fp32: Iterable[str] = (),
                        within: Mapping[str, TensorHeader] | None = None,
@@ -175,7 +183,7 @@ def placeholder_module(build: Callable[[], nn.Module], *, dtype: torch.dtype,
                 continue
             key = f"{name}.{pname}" if name else pname
             target = param.dtype
-            if target.is_floating_point and keep and any(m in key.split(".") for m in keep):
+            if target.is_floating_point and kept_in_fp32(key, keep):
                 target = torch.float32
             owner._parameters[pname] = nn.Parameter(torch.empty(param.shape, dtype=target),
                                                     requires_grad=False)

@@ -58,7 +58,7 @@ from qkrope import families
 record = families.by_class(cls)
 kept, index = [], 0  # the key prefixes of the first `layers` blocks in execution order
 for blocks in record.block_lists:
-    for j in range(len(getattr(model, blocks.attr))):
+    for j in range(len(model.get_submodule(blocks.attr))):
         if index < layers:
             kept.append(f"{blocks.attr}.{j}.")
         index += 1
@@ -107,7 +107,7 @@ for i, part in enumerate(shards, 1):
     json.dumps({"metadata": {}, "weight_map": weight_map}))
 block_bytes = []  # bf16 bytes of each block, in execution order
 for blocks in record.block_lists:
-    for j in range(len(getattr(model, blocks.attr))):
+    for j in range(len(model.get_submodule(blocks.attr))):
         prefix = f"{blocks.attr}.{j}."
         block_bytes.append(sum(v.numel() * 2 for k, v in state.items() if k.startswith(prefix)))
 print(f"{sum(v.numel() for v in state.values()) / 1e9:.2f} B parameters, "

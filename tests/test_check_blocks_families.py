@@ -74,7 +74,7 @@ def test_streamed_reference_is_the_stock_forward_one_block_resident(family):
     captured, hooks = {}, []
     index = 0
     for blocks in record.block_lists:
-        for block in getattr(stock, blocks.attr):
+        for block in stock.get_submodule(blocks.attr):
             def keep(module, args, output, i=index, returns=blocks.returns):
                 values = output if isinstance(output, (tuple, list)) else (output,)
                 captured[i] = dict(zip(returns, (v.detach().clone() for v in values)))

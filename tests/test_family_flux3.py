@@ -191,8 +191,9 @@ def test_onnxruntime_at_untraced_shapes(exported):
 @pytest.mark.slow  # the module's exports
 def test_the_modular_denoiser_on_the_dropin(exported):
     """diffusers' Flux3LoopDenoiser (classifier-free guidance 3.5, the fields it forwards by the
-    transformer's signature): the drop-in's prediction within the per-call bound times the
-    guidance's (1 + 2 x 3.5) of the stock model's."""
+    transformer's signature), the drop-in set into a Flux3ModularPipeline with
+    update_components: its prediction within the per-call bound times the guidance's
+    (1 + 2 x 3.5) of the stock model's."""
     import diffusers
     from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.modular_pipelines.flux3.denoise import Flux3LoopDenoiser
@@ -206,10 +207,14 @@ def test_the_modular_denoiser_on_the_dropin(exported):
     stock = diffusers.Flux3Transformer2DModel.from_pretrained(str(exported["diffusers"]))
     kw = _inputs(torch.float32, batch=1, h=6, w=10, txt=5, seed=2)
     neg = _inputs(torch.float32, batch=1, h=6, w=10, txt=3, seed=4)
+    # the drop-in enters a real Flux3ModularPipeline the way the README says
+    pipe = diffusers.Flux3AutoBlocks().init_pipeline()
+    pipe.update_components(transformer=dropin, guider=ClassifierFreeGuidance(guidance_scale=3.5))
+    assert pipe.transformer is dropin
     preds = []
-    for transformer in (stock.eval(), dropin):
-        components = type("Components", (), dict(
-            transformer=transformer, guider=ClassifierFreeGuidance(guidance_scale=3.5)))()
+    for components in (type("Components", (), dict(
+            transformer=stock.eval(), guider=ClassifierFreeGuidance(guidance_scale=3.5)))(),
+                       pipe):
         state = BlockState(latents=kw["hidden_states"], num_inference_steps=2,
                            denoiser_input_fields=dict(
                                prompt_embeds=kw["encoder_hidden_states"],
@@ -248,3 +253,30 @@ def test_the_tiny_pipeline_is_refused_in_one_line(tmp_path):
     with pytest.raises(InputError, match="modular") as e:
         TINY.save_pipeline(FLUX3, tmp_path / "p")
     assert "\n" not in str(e.value) and not (tmp_path / "p").exists()
+
+
+def test_the_streamed_reference_keeps_the_float32_norms(tmp_path):
+    """``qkrope check``'s streamed reference (one block resident, qkrope.apps.check_blocks) of a
+    bf16 check: the class's _keep_in_fp32_modules (norm_q, norm_k) read in float32 from the
+    shards, as diffusers' from_pretrained(torch_dtype=bf16) keeps them, so the two forwards
+    agree bit for bit; a reference that cast the norms to bf16 would not (checked: it differs)."""
+    import diffusers
+
+    from qkrope.apps.check_blocks import StreamedTransformer
+
+    _model(seed=5).save_pretrained(str(tmp_path / "f3"))
+    stock = diffusers.Flux3Transformer2DModel.from_pretrained(
+        str(tmp_path / "f3"), torch_dtype=torch.bfloat16).eval()
+    assert stock.txt_mode_blocks[0].attn.norm_q.weight.dtype == torch.float32
+    streamed = StreamedTransformer(tmp_path / "f3", dtype=torch.bfloat16,
+                                   class_name=FLUX3.class_name)
+    kw = {**_inputs(torch.bfloat16), "return_dict": False}
+    with torch.no_grad():
+        want = stock(**kw)[0]
+        got = streamed(**kw)[0]
+        for name, p in stock.named_parameters():
+            if "norm_q" in name or "norm_k" in name:
+                p.data = p.data.to(torch.bfloat16)
+        cast = stock(**kw)[0]
+    assert torch.equal(got, want)
+    assert not torch.equal(cast, want)

@@ -567,7 +567,8 @@ def _check_model(onnx_path, *, img_shapes, txt_len, batch, seed, diffusers_dir, 
                    if record.block_lists and isinstance(config, dict) else None)
         marked, block_names = cb.marked_model(
             onnx_path, num_blocks=int(info.config.num_layers_exported or 0), layers=layers,
-            offsets=offsets)
+            offsets=offsets, unread=(cb.unread_blocks(record.block_lists, config)
+                                     if offsets is not None else frozenset()))
         session = cb.ort_block_session(onnx_path, marked,
                                        [_ort_provider(p) for p in providers])
         del marked

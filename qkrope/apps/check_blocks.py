@@ -141,9 +141,15 @@ class ShardReader:
     def keys(self) -> list[str]:
         return sorted(self.weight_map)
 
-    def get_many(self, keys: Sequence[str], dtype) -> dict[str, Any]:
-        """``{key: tensor in dtype}`` for ``keys`` (a key the folder lacks is an error)."""
+    def get_many(self, keys: Sequence[str], dtype, *,
+                 keep_in_fp32: Sequence[str] = ()) -> dict[str, Any]:
+        """``{key: tensor in dtype}`` for ``keys`` (a key the folder lacks is an error); the keys
+        of the ``keep_in_fp32`` modules (the class's ``_keep_in_fp32_modules``) in float32, as
+        diffusers loads them."""
+        import torch
+
         from qkrope.diffusers_weights import read_tensor
+        from qkrope.export.streaming import kept_in_fp32
 
         missing = [k for k in keys if k not in self.headers]
         if missing:
@@ -151,7 +157,8 @@ class ShardReader:
                                   f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}"
                                   f" (a parameter of the diffusers model). Fix: pass --diffusers "
                                   f"the folder the model was exported from")
-        return {k: read_tensor(self.headers[k]).to(dtype) for k in keys}
+        return {k: read_tensor(self.headers[k]).to(
+                    torch.float32 if kept_in_fp32(k, keep_in_fp32) else dtype) for k in keys}
 
 
 def _return_freed_memory() -> None:
@@ -248,7 +255,7 @@ class StreamedTransformer:
         self.blocks: list[tuple[str, Any]] = []  # (key prefix, module) of the first n blocks
         self.returns: list[tuple[str, ...]] = []  # what each of them returns (BlockList.returns)
         for blocks in block_lists:
-            modules = getattr(model, blocks.attr)
+            modules = model.get_submodule(blocks.attr)  # a dotted path: FLUX.3's mode_blocks.image
             for j, block in enumerate(modules):
                 if len(self.blocks) < n:
                     self.blocks.append((f"{blocks.attr}.{j}.", block))
@@ -257,8 +264,10 @@ class StreamedTransformer:
                     modules[j] = pass_through(block, blocks.returns)
         inside = tuple(f"{blocks.attr}." for blocks in block_lists)
         outside = [k for k in model.state_dict() if not k.startswith(inside)]
-        missing, unexpected = model.load_state_dict(self.reader.get_many(outside, dtype),
-                                                    strict=False, assign=True)
+        self.keep_in_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        missing, unexpected = model.load_state_dict(
+            self.reader.get_many(outside, dtype, keep_in_fp32=self.keep_in_fp32), strict=False,
+            assign=True)
         stray = list(unexpected) + [k for k in missing if not k.startswith(inside)]
         if stray:
             raise BlockCheckError(f"{d}: the model outside its blocks does not take "
@@ -279,7 +288,8 @@ class StreamedTransformer:
     def _materialise(self, i: int, prefix: str):
         def hook(block, args):
             names = [name for name, _ in block.named_parameters()]
-            loaded = self.reader.get_many([prefix + n for n in names], self.dtype)
+            loaded = self.reader.get_many([prefix + n for n in names], self.dtype,
+                                          keep_in_fp32=self.keep_in_fp32)
             state = {n: loaded[prefix + n] for n in names}
             try:
                 block.load_state_dict(state, strict=True, assign=True)
@@ -348,6 +358,18 @@ def block_offsets(block_lists: Sequence[Any], config: Any) -> dict[str, int]:
         offsets[blocks.attr] = at
         at += int(config.get(blocks.key, 0))
     return offsets
+
+
+def unread_blocks(block_lists: Sequence[Any], config: Any) -> set[int]:
+    """The blocks (indices in execution order) of the lists whose outputs only later blocks
+    read (``feeds_output`` False): a graph cut before any reader holds none of them."""
+    out, at = set(), 0
+    for blocks in block_lists:
+        count = int(config.get(blocks.key, 0))
+        if not blocks.feeds_output:
+            out.update(range(at, at + count))
+        at += count
+    return out
 
 
 def block_module(block: int, offsets: dict[str, int] | None) -> str:
@@ -526,18 +548,21 @@ def prune_to_outputs(model, outputs: Sequence[str]) -> None:
 
 
 def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
-                 offsets: dict[str, int] | None = None):
+                 offsets: dict[str, int] | None = None, unread: set[int] = frozenset()):
     """The model's graph (weights not loaded) with each compared block's outputs as graph
     outputs named ``block<i>.img`` / ``block<i>.txt`` or ``block<i>.joined`` (an Identity each;
     the last block's text output is unused by the model and absent), cut after block ``layers - 1`` when ``layers``
     is given (the model's own outputs then dropped); ``offsets``: :func:`find_block_outputs`'s.
-    Returns ``(model, [block output names])``."""
+    ``unread`` (:func:`unread_blocks`): blocks whose outputs only later blocks read; in a cut
+    graph (``layers``) one the graph does not hold (no kept block reads it: FLUX.3's text blocks
+    before any joint block) is not compared. Returns ``(model, [block output names])``."""
     import onnx
 
     model = onnx.load(onnx_path, load_external_data=False)
     blocks = find_block_outputs(model, offsets)
     n = num_blocks if layers is None else layers
-    missing = [i for i in range(n) if not blocks.get(i)]  # (a text refiner returns txt alone)
+    missing = [i for i in range(n) if not blocks.get(i)  # (a text refiner returns txt alone)
+               and not (layers is not None and i in unread)]
     if missing:
         raise BlockCheckError(
             f"{onnx_path}: the outputs of block(s) {missing[:6]} cannot be found in the graph "
@@ -548,7 +573,7 @@ def marked_model(onnx_path: str, *, num_blocks: int, layers: int | None,
     vi = {v.name: v for v in model.graph.value_info}
     for i in range(n):
         for stream in STREAMS:
-            value = blocks[i].get(stream)
+            value = blocks.get(i, {}).get(stream)
             if value is None:
                 continue  # the last block's text output: unused by the model
             out = block_output_name(i, stream)
@@ -615,6 +640,6 @@ def first_failing_block(rows: Sequence[Any]) -> int | None:
 
 
 __all__ = ["StreamedTransformer", "ShardReader", "BlockCheckError", "find_block_outputs",
-           "prune_to_outputs", "marked_model", "ort_block_session", "ort_block_runner",
+           "prune_to_outputs", "unread_blocks", "marked_model", "ort_block_session", "ort_block_runner",
            "reference_block_outputs", "first_failing_block", "block_output_name",
            "pass_through"]

@@ -179,7 +179,7 @@ def check_fp8_model(onnx_path, info, *, feeds: dict[str, np.ndarray], img_shapes
 
     skipped = []
     for blocks, keep in zip(family.block_lists, kept):
-        listed = getattr(model, blocks.attr)
+        listed = model.get_submodule(blocks.attr)
         for j in range(keep, len(listed)):
             skipped.append((listed, j, listed[j]))
             listed[j] = pass_through(listed[j], blocks.returns)

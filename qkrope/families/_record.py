@@ -39,7 +39,8 @@ STREAM_ARGUMENT = {"img": "hidden_states", "txt": "encoder_hidden_states",
 
 
 class BlockList(NamedTuple):
-    """One list of a transformer's blocks: the module attribute that holds it, the config key of
+    """One list of a transformer's blocks: the module path that holds it (an attribute, or a
+    dotted path into a ModuleDict such as FLUX.3's ``mode_blocks.image``), the config key of
     its length, and what each of its blocks returns (stream names, in return order: a pair such
     as FLUX's ``(encoder_hidden_states, hidden_states)`` is ``("txt", "img")``; one tensor is
     a one-name tuple); and whether the model's output layer reads its blocks' outputs

@@ -40,12 +40,11 @@ FP8_EXCLUDED = ("x_embedders", "context_embedder", "timestep_embedder",
                 "early_stream_modulations", "single_stream_modulations", "norm_out",
                 "proj_out")
 
-#: --layers / --blocks are refused (``blocks=False``): the image's per-mode blocks are a list
-#: inside a ModuleDict (``mode_blocks.image``), which the check's streamed reference
-#: (qkrope.apps.check_blocks: ``getattr(model, BlockList.attr)``) cannot reach, and a streamed
-#: reference would also cast the float32 norm_q / norm_k to the check's dtype. With no block
-#: lists the check runs diffusers' whole model (``from_pretrained``: the norms kept in float32).
-#: The lists the blocks would be, in the text-to-image forward's execution order:
+#: The block lists (qkrope.apps.check_blocks, --layers / --blocks), in the text-to-image
+#: forward's execution order: the text per-mode blocks (their output reaches the image only
+#: through the joint blocks: a cut within them holds none of them), the image per-mode blocks
+#: (a dotted path: a list inside the mode_blocks ModuleDict), the joint blocks. The reference
+#: image's per-mode blocks are in none (the text-to-image graph never runs them).
 BLOCK_LISTS = (BlockList("txt_mode_blocks", "num_layers", ("txt",), feeds_output=False),
                BlockList("mode_blocks.image", "num_layers", ("img",)),
                BlockList("single_transformer_blocks", "num_single_layers", ("txt", "img")))
@@ -66,6 +65,6 @@ FLUX3 = FamilyRecord(
     short="FLUX.3", package="flux3", scheme="ids", axes=(32, 32, 32, 32),
     theta=10000, theta_key="rope_theta", max_positions=None,
     rounding=contract.ROUNDING_ONE, graph=FLUX3_TRANSFORMER, fp8_excluded=FP8_EXCLUDED,
-    blocks=False, launches=LAUNCHES)
+    blocks=True, block_lists=BLOCK_LISTS, launches=LAUNCHES)
 
 RECORDS = (FLUX3,)

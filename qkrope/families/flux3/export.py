@@ -102,7 +102,8 @@ class Flux3CacheInputTransformer(nn.Module):
     ``timestep [B]`` (in [0, 1]), ``img_cos_sin_cache``, ``txt_cos_sin_cache`` -> ``sample [B,
     img_tokens, in_channels]``."""
 
-    def __init__(self, transformer: nn.Module, *, rounding: int):
+    def __init__(self, transformer: nn.Module, *, rounding: int,
+                 kept: tuple[int, int, int] | None = None):
         super().__init__()
         check_supported(transformer)
         processor = Flux3Processor(rounding)
@@ -110,6 +111,8 @@ class Flux3CacheInputTransformer(nn.Module):
             attn.set_processor(processor)
         self.transformer = transformer
         self.rounding = rounding
+        # the first (text, image, joint) blocks that run (--layers): every block by default
+        self.kept = tuple(kept) if kept is not None else block_counts(transformer)
 
     def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
                 txt_cos_sin_cache):
@@ -132,11 +135,12 @@ class Flux3CacheInputTransformer(nn.Module):
         image_single = t.single_stream_modulations["image"](image_temb_act)
         image = t.x_embedders["image"](hidden_states)
         rope = joint_rope(img_cos_sin_cache, txt_cos_sin_cache, s_img, s_txt)
-        for block in t.txt_mode_blocks:
+        n_txt, n_img, n_joint = self.kept
+        for block in t.txt_mode_blocks[:n_txt]:
             text = block(text, txt_early, rope.txt)
-        for block in t.mode_blocks["image"]:
+        for block in t.mode_blocks["image"][:n_img]:
             image = block(image, image_early, rope.img)
-        for block in t.single_transformer_blocks:
+        for block in t.single_transformer_blocks[:n_joint]:
             text, image = block(hidden_states=image, encoder_hidden_states=text,
                                 temb_mod=image_single, temb_mod_context=txt_single,
                                 image_rotary_emb=rope.joint)
@@ -195,33 +199,44 @@ def post_export(model) -> None:
     check_no_double(model, "the FLUX.3 graph")
 
 
+def node_count(kept: tuple[int, int, int]) -> int:
+    """QKNormRoPE nodes of the kept (text, image, joint) blocks, one per block; the text blocks'
+    only where a joint block is kept (the output layer reads the image stream: without a joint
+    block the text blocks' values reach no output and the graph drops them)."""
+    n_txt, n_img, n_joint = kept
+    return n_img + (n_txt + n_joint if n_joint else 0)
+
+
 def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torch.dtype,
             layers: int | None, rounding: int):
-    """The export of the whole ``transformer`` (``--layers`` is refused before: the record has
-    no ``blocks``)."""
+    """The export of ``transformer`` with its first ``layers`` blocks in execution order (text
+    per-mode, image per-mode, joint: the record's block lists; every block by default)."""
     from qkrope.export.onnx_export import TransformerPlan
 
-    if layers is not None:
-        raise InputError("--layers applies to no FLUX.3 export (its record has no block lists). "
-                         "Fix: drop --layers")
-    wrapper = Flux3CacheInputTransformer(transformer, rounding=rounding).eval()
+    cfg = dict(transformer.config)
+    counts = block_counts(transformer)
+    if layers is not None and not 1 <= layers <= sum(counts):
+        raise InputError(f"--layers must be between 1 and {sum(counts)} (FLUX.3's "
+                         f"{' + '.join(str(c) for c in counts)} text, image and joint blocks); "
+                         f"got {layers}. Fix: pass --layers 1 to {sum(counts)}")
+    kept = record.kept_blocks(cfg, layers)
+    wrapper = Flux3CacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
     args = sample_args(transformer, sample, dtype)
-    cfg = transformer.config
     theta = float(transformer.pos_embed.theta)
-    txt, img, joint = block_counts(transformer)
-    attn = transformer.single_transformer_blocks[0].attn if joint else \
+    txt, img, joint = kept
+    attn = transformer.single_transformer_blocks[0].attn if counts[2] else \
         transformer.mode_blocks["image"][0].attn
     return TransformerPlan(
         wrapper=wrapper, args=args, decl=record.graph,
         axes=tuple(int(v) for v in cfg["axes_dims_rope"]),
         theta=int(theta) if theta.is_integer() else theta, rounding=rounding,
-        nodes=txt + img + joint, num_layers_exported=None,
-        blocks=f"{record.label}: {txt} text + {img} image per-mode blocks + {joint} joint "
-               f"blocks",
+        nodes=node_count(kept), num_layers_exported=sum(kept),
+        blocks=f"{record.label}: {txt} of {counts[0]} text + {img} of {counts[1]} image "
+               f"per-mode blocks + {joint} of {counts[2]} joint blocks",
         heads=int(attn.heads), head_dim=int(attn.head_dim),
         eps=norm_eps(attn.norm_q, "norm_q"), interleaved=True)
 
 
 __all__ = ["Flux3Processor", "Flux3CacheInputTransformer", "check_supported", "attentions",
-           "block_counts", "sample_ids", "sample_args", "prepare", "check_config",
+           "block_counts", "node_count", "sample_ids", "sample_args", "prepare", "check_config",
            "post_export", "FLOW_MAP_REFUSED"]
