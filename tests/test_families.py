@@ -45,8 +45,13 @@ def test_the_record_is_the_model_diffusers_builds(builder):
     assert set(record.fp8_excluded) <= {n for n, _ in model.named_children()}
     assert len(getattr(model, builder.main_blocks)) == builder.blocks == \
         model.config[record.blocks_key]
+    from qkrope.families._dual_stream import SHARED_HOOKS
+
     for kind in families.HOOK_KINDS[:2]:  # export, reference (dropin: the runtime side's)
-        assert families.hooks(record, kind).__name__ == f"qkrope.families.{record.package}.{kind}"
+        # a dual-stream clone's are the shared ones (its record's dual_stream)
+        assert families.hooks(record, kind).__name__ == (
+            SHARED_HOOKS[kind] if record.dual_stream is not None
+            else f"qkrope.families.{record.package}.{kind}")
 
 
 @pytest.mark.parametrize("builder", PARAMS)

@@ -131,11 +131,19 @@ def test_wheel_holds_every_package_and_family_hook(tmp_path):
         base = name.replace(".", "/")
         missing += [f"{base}/{py.name}" for py in folder.glob("*.py")
                     if f"{base}/{py.name}" not in names]
+    from qkrope.families._dual_stream import SHARED_HOOKS
+
     serving = {r.package for r in records()}  # a folder that only refuses has no hooks
+    # a dual-stream clone's folder: its record and tiny builder; its other hooks are shared
+    clones = {r.package for r in records() if r.dual_stream is not None}
     for package in FAMILY_PACKAGES:
+        kinds = [k for k in (HOOK_KINDS if package in serving else ())
+                 if not (package in clones and k in SHARED_HOOKS)]
         missing += [f"qkrope/families/{package}/{module}.py"
-                    for module in ("__init__", *(HOOK_KINDS if package in serving else ()))
+                    for module in ("__init__", *kinds)
                     if f"qkrope/families/{package}/{module}.py" not in names]
+    missing += [f"{m.replace('.', '/')}.py" for m in SHARED_HOOKS.values()
+                if f"{m.replace('.', '/')}.py" not in names]
     assert not missing, f"the wheel lacks {sorted(missing)}"
     # nothing installed under a generic top-level name
     assert not {n.split("/")[0] for n in names} - {"qkrope", *(

@@ -9,6 +9,8 @@ A family folder ``qkrope/families/<package>/`` holds:
 - ``dropin.py`` (runtime layer): the pipeline drop-in;
 - ``tiny.py`` (apps layer): its tiny random pipeline built in code,
   ``save_pipeline(record, directory, seed)`` (qkrope.apps.tiny_pipeline).
+A dual-stream clone (its record's ``dual_stream`` set) has only ``__init__.py`` and ``tiny.py``:
+its other hooks are the shared ones (qkrope.families._dual_stream.SHARED_HOOKS).
 
 :data:`FAMILY_PACKAGES` is the one list a new family is added to. The registry is keyed by the
 diffusers class (:func:`by_class`, :func:`family_of`) and by the sidecar's family name
@@ -194,7 +196,19 @@ def hooks(record: FamilyRecord, kind: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _hooks(name: str, package: str, kind: str) -> Any:
-    return checked(importlib.import_module(f"{__name__}.{package}.{kind}"), kind, name)
+    module_name = f"{__name__}.{package}.{kind}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # a dual-stream clone's folder holds its record and tiny builder: its other hooks are
+        # the shared ones, which read the record's dual_stream (qkrope.families._dual_stream)
+        from qkrope.families._dual_stream import SHARED_HOOKS
+
+        if exc.name != module_name or by_name(name).dual_stream is None \
+                or kind not in SHARED_HOOKS:
+            raise
+        module = importlib.import_module(SHARED_HOOKS[kind])
+    return checked(module, kind, name)
 
 
 __all__ = ["FAMILY_PACKAGES", "HOOK_KINDS", "FamilyRecord", "records", "refused", "names",

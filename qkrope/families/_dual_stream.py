@@ -6,7 +6,10 @@ the ``[text; image]`` sequence; attentions with FLUX's attribute layout; RoPE fr
 ids, rotating the whole head) shares one export wrapper
 (:mod:`qkrope.export.dual_stream`), one drop-in, one reference hook and one cache builder
 (:mod:`qkrope.runtime.dual_stream`). A family states how it differs in a :class:`DualStream`
-beside its record, and its hook modules pass that on.
+beside its record. A clone (LongCat-Image, Ovis-Image, Bria) sets it as its record's
+``dual_stream`` and has no hook modules but its tiny builder: the registry
+(:func:`qkrope.families.hooks`) gives it the shared ones, :data:`SHARED_HOOKS`, which read the
+record's ``dual_stream``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from qkrope.families._record import Launch
 TINY_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                    axes_dims_rope=[4, 4, 8])
+
+#: The shared hook modules of a dual-stream clone, by kind (each declares its kind's Protocol
+#: as CONTRACT, qkrope.families._contract); a kind the clone's folder has a module for keeps it.
+SHARED_HOOKS = {"export": "qkrope.export.dual_stream_hooks",
+                "reference": "qkrope.runtime.dual_stream_reference",
+                "dropin": "qkrope.runtime.dual_stream_dropin"}
 
 #: how the model turns the timestep into the modulations' embedding (the module its forward
 #: calls): ``time_text_embed(timestep[, guidance], pooled)``; ``time_guidance_embed(timestep,

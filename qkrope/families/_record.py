@@ -151,6 +151,10 @@ class FamilyRecord:
     # the export's own dtype); the check's tolerance is then that of the coarser of the two
     # (qkrope.apps.check.tolerances)
     qk_round_dtype: str | None = None
+    # a dual-stream clone's differences (qkrope.families._dual_stream.DualStream): a hook kind
+    # its folder has no module for is the shared dual-stream one (SHARED_HOOKS there), so a
+    # FLUX-like class is its record and its tiny builder
+    dual_stream: Any = None
 
     def __post_init__(self) -> None:
         if self.qk_round_dtype not in (None, "bf16", "fp16"):

@@ -1,7 +1,8 @@
 """Bria 3.2 (diffusers' BriaTransformer2DModel): the record. A dual-stream transformer with
 FLUX.1's blocks, attention layout and id-based position embedder (its base the config's
 rope_theta), a timestep embedding of the scheduler's timestep itself (not t / 1000 times 1000)
-and no pooled text. Facts only; the hooks reuse the shared dual-stream ones."""
+and no pooled text. Facts only: its record's dual_stream gives it the shared dual-stream export,
+reference and drop-in hooks (qkrope.families._dual_stream.SHARED_HOOKS); tiny.py is its own."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ BRIA = FamilyRecord(
     package="bria", scheme="ids", axes=(16, 56, 56), theta=10000, theta_key="rope_theta",
     max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=GRAPH,
     fp8_excluded=("x_embedder", "context_embedder", "time_embed", "norm_out", "proj_out"),
-    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
+    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES,
+    dual_stream=DUAL_STREAM)
 
 RECORDS = (BRIA,)
 

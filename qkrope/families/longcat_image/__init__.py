@@ -1,7 +1,8 @@
-"""LongCat-Image (diffusers' LongCatImageTransformer2DModel, and LongCat-Image-Edit): the record.
-A dual-stream transformer with FLUX.1's blocks, attention layout and position embedder
-(theta 10000 fixed in diffusers' code), a plain timestep embedding (no pooled text, no
-guidance) and its own id layout. Facts only; the hooks reuse the shared dual-stream ones."""
+"""LongCat-Image (diffusers' LongCatImageTransformer2DModel, and LongCat-Image-Edit): the record. A
+dual-stream transformer with FLUX.1's blocks, attention layout and position embedder (theta
+10000 fixed in diffusers' code), a plain timestep embedding (no pooled text, no guidance) and
+its own id layout. Facts only: its record's dual_stream gives it the shared dual-stream export,
+reference and drop-in hooks (qkrope.families._dual_stream.SHARED_HOOKS); tiny.py is its own."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ LONGCAT_IMAGE = FamilyRecord(
     scheme="ids", axes=(16, 56, 56), theta=10000, theta_key=None, max_positions=None,
     rounding=contract.ROUNDING_TWO_STEPS, graph=GRAPH,
     fp8_excluded=("x_embedder", "context_embedder", "time_embed", "norm_out", "proj_out"),
-    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
+    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES,
+    dual_stream=DUAL_STREAM)
 
 RECORDS = (LONGCAT_IMAGE,)

@@ -1,7 +1,8 @@
-"""Ovis-Image (diffusers' OvisImageTransformer2DModel): the record. A dual-stream transformer
-with FLUX.1's block layout, attention layout and position embedder (theta 10000 fixed in
-diffusers' code), SwiGLU feed-forwards, a plain timestep embedding and an RMSNorm on the text
-before its embedder. Facts only; the hooks reuse the shared dual-stream ones."""
+"""Ovis-Image (diffusers' OvisImageTransformer2DModel): the record. A dual-stream transformer with
+FLUX.1's block layout, attention layout and position embedder (theta 10000 fixed in diffusers'
+code), SwiGLU feed-forwards, a plain timestep embedding and an RMSNorm on the text before its
+embedder. Facts only: its record's dual_stream gives it the shared dual-stream export, reference
+and drop-in hooks (qkrope.families._dual_stream.SHARED_HOOKS); tiny.py is its own."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ OVIS_IMAGE = FamilyRecord(
     theta_key=None, max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=GRAPH,
     fp8_excluded=("x_embedder", "context_embedder", "timestep_embedder", "norm_out",
                   "proj_out"),
-    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES)
+    blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES,
+    dual_stream=DUAL_STREAM)
 
 RECORDS = (OVIS_IMAGE,)
