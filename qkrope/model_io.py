@@ -82,7 +82,7 @@ ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
          "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds",
          "encoder_hidden_states_image", "control_hidden_states", "control_hidden_states_scale",
-         "latents_clean", "latents_history_2x", "latents_history_4x")
+         "latents_clean", "latents_history_2x", "latents_history_4x", "target_timestep")
 #: What each output is.
 OUTPUT_ROLES = ("img_out", "txt_out", "sample")
 
@@ -128,6 +128,10 @@ GUIDANCE = TensorDecl(
     "guidance", "guidance", (BATCH,),
     "distilled guidance scale per sample, [batch] (as the FLUX pipelines pass it; the model "
     "multiplies it by 1000); only in models whose config has guidance_embeds")
+TARGET_TIMESTEP = TensorDecl(
+    "target_timestep", "target_timestep", (BATCH,),
+    "the flow timestep each denoising step jumps to, per sample, [batch] (a flow-map model's: "
+    "FLUX.3 with flow_map, as its distilled pipeline passes it)")
 IMG_OUT = TensorDecl("img_out", "img_out", (BATCH, IMG_TOKENS, None))
 TXT_OUT = TensorDecl("txt_out", "txt_out", (BATCH, TXT_TOKENS, None))
 SAMPLE = TensorDecl("sample", "sample", (BATCH, IMG_TOKENS, None))
@@ -253,7 +257,7 @@ TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HID
                                ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS,
                                ENCODER_HIDDEN_STATES_IMAGE, CONTROL_HIDDEN_STATES,
                                CONTROL_HIDDEN_STATES_SCALE, LATENTS_CLEAN, LATENTS_HISTORY_2X,
-                               LATENTS_HISTORY_4X)}
+                               LATENTS_HISTORY_4X, TARGET_TIMESTEP)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

@@ -156,7 +156,7 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
             feeds[t.name] = mask.astype(dtype)
         elif role == model_io.GUIDANCE.role:  # the pipelines' guidance_scale (3.5 for dev)
             feeds[t.name] = rng.uniform(1.0, 5.0, shape).astype(np.float32).astype(dtype)
-        elif role == model_io.TIMESTEP.role:
+        elif role in (model_io.TIMESTEP.role, model_io.TARGET_TIMESTEP.role):
             feeds[t.name] = rng.uniform(0.05, 0.95, shape).astype(np.float32).astype(dtype)
         else:
             feeds[t.name] = rng.standard_normal(shape).astype(np.float32).astype(dtype)

@@ -40,7 +40,7 @@ BUFFERS_PER_NAME = 2
 CONDITIONING_ROLES = ("pooled_projections", "guidance", "padding_mask", "encoder_hidden_states_2",
                       "encoder_attention_mask_2", "image_embeds", "encoder_hidden_states_image",
                       "control_hidden_states", "control_hidden_states_scale", "latents_clean",
-                      "latents_history_2x", "latents_history_4x")
+                      "latents_history_2x", "latents_history_4x", "target_timestep")
 
 
 class RunnerError(QkropeError, RuntimeError):

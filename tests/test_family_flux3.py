@@ -124,13 +124,29 @@ def test_caches_are_bit_equal_to_diffusers(size):
                                                                           sin[:, 1::2])
 
 
-def test_a_flow_map_model_is_refused_in_one_line(tmp_path):
-    from qkrope.export.api import export_transformer
+def test_the_flow_map_wrapper_is_bit_exact_with_diffusers():
+    """A flow-map model (flow_map=True: target_timestep's embedding added to every mode's): the
+    flow-map wrapper (target_timestep after the timestep) bit for bit diffusers' forward, in
+    fp32 and in bf16 with the float32 norms; and the jump matters (another target_timestep,
+    other outputs)."""
+    from qkrope.families.flux3 import export
 
-    TINY.build_transformer(FLUX3, 0, flow_map=True).save_pretrained(str(tmp_path / "d"))
-    with pytest.raises(InputError, match="flow_map") as e:
-        export_transformer(tmp_path / "d", tmp_path / "x.onnx", dtype="fp32", progress=False)
-    assert "\n" not in str(e.value) and not (tmp_path / "x.onnx").exists()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = TINY.build_transformer(FLUX3, 2, flow_map=True)
+        model = TINY.keep_in_fp32(model.to(dtype)) if dtype != torch.float32 else model
+        kw = _inputs(dtype)
+        target = torch.tensor([0.25, 0.1]).to(dtype)
+        caches = _caches(kw)
+        wrapper = export.Flux3FlowMapCacheInputTransformer(copy.deepcopy(model),
+                                                           rounding=FLUX3.rounding)
+        with torch.no_grad():
+            want = model(**kw, target_timestep=target, return_dict=False)[0]
+            got = wrapper(kw["hidden_states"], kw["encoder_hidden_states"], kw["timestep"],
+                          target, caches.img, caches.txt)
+            other = wrapper(kw["hidden_states"], kw["encoder_hidden_states"], kw["timestep"],
+                            target * 0, caches.img, caches.txt)
+        assert got.dtype == want.dtype and torch.equal(got, want), dtype
+        assert not torch.equal(other, got)
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +155,19 @@ def exported(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("flux3")
     _model().save_pretrained(str(root / "diffusers"))
+    TINY.build_transformer(FLUX3, 2, flow_map=True).save_pretrained(str(root / "flow-map-d"))
     out = {}
-    for name in ("fp32", "bf16"):
+    for name, folder, dtype in (("fp32", "diffusers", "fp32"), ("bf16", "diffusers", "bf16"),
+                                ("flow-map", "flow-map-d", "fp32")):
         out[name] = root / name / "flux3.onnx"
         out[name].parent.mkdir()
-        export_transformer(root / "diffusers", out[name], dtype=name, progress=False)
+        export_transformer(root / folder, out[name], dtype=dtype, progress=False)
     out["diffusers"] = root / "diffusers"
+    out["flow-map-diffusers"] = root / "flow-map-d"
     return out
 
 
-@pytest.mark.slow  # the module's two exports (~10 s on 2 cores)
+@pytest.mark.slow  # the module's three exports (~15 s on 2 cores)
 def test_one_node_per_attention_and_float32_norm_weights(exported):
     import onnx
 
@@ -226,6 +245,51 @@ def test_the_modular_denoiser_on_the_dropin(exported):
     want, got = preds
     err, scale = float((got - want).abs().max()), float(want.abs().max())
     assert got.shape == want.shape and 0 < err <= PARITY * (1 + 2 * 3.5) * scale, (err, scale)
+
+
+@pytest.mark.slow  # the module's exports
+def test_the_distilled_denoiser_on_a_flow_map_dropin(exported):
+    """A flow-map export (target_timestep an input after the timestep) in diffusers'
+    Flux3DistilledLoopDenoiser, which passes the next scheduler timestep as target_timestep:
+    the drop-in's prediction within the per-call bound of the stock flow-map model's (no
+    guidance: distilled); the export's sidecar and graph hold the input; a call without
+    target_timestep is refused in one line, and the text-to-image export refuses one."""
+    import diffusers
+    import onnx
+    from diffusers.modular_pipelines.flux3.denoise import Flux3DistilledLoopDenoiser
+    from diffusers.modular_pipelines.modular_pipeline import BlockState
+
+    from qkrope.families.flux3.dropin import TARGET_TIMESTEP_MISSING, TARGET_TIMESTEP_REFUSED
+    from qkrope.runtime import load_transformer
+
+    names = [i.name for i in onnx.load(str(exported["flow-map"]),
+                                       load_external_data=False).graph.input]
+    assert names[:4] == ["hidden_states", "encoder_hidden_states", "timestep",
+                         "target_timestep"]
+    dropin = load_transformer(exported["flow-map"])
+    stock = diffusers.Flux3Transformer2DModel.from_pretrained(
+        str(exported["flow-map-diffusers"])).eval()
+    kw = _inputs(torch.float32, batch=1, h=6, w=10, txt=5, seed=2)
+    preds = []
+    for transformer in (stock, dropin):
+        components = type("Components", (), dict(transformer=transformer))()
+        state = BlockState(latents=kw["hidden_states"],
+                           timesteps=torch.tensor([700.0, 300.0]),
+                           denoiser_input_fields=dict(prompt_embeds=kw["encoder_hidden_states"],
+                                                      txt_ids=kw["txt_ids"],
+                                                      img_ids=kw["img_ids"]))
+        _, state = Flux3DistilledLoopDenoiser()(components, state, 0, torch.tensor(700.0))
+        preds.append(state.noise_pred)
+    want, got = preds
+    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    assert got.shape == want.shape and 0 < err <= PARITY * scale, (err, scale)
+    with pytest.raises(InputError) as e:
+        dropin(**kw, return_dict=False)
+    assert str(e.value) == TARGET_TIMESTEP_MISSING
+    with pytest.raises(InputError) as e:
+        load_transformer(exported["fp32"])(**kw, target_timestep=torch.zeros(1),
+                                           return_dict=False)
+    assert str(e.value) == TARGET_TIMESTEP_REFUSED
 
 
 REFUSED = [(dict(image_cond_hidden_states=torch.zeros(2, 4, 4),

@@ -14,10 +14,10 @@ under bf16 / fp16 activations. RoPE: 4-axis position ids (t, h, w, l), axes (32,
 theta from the config's rope_theta (10000), built as FLUX.2's (float64, then float32: the
 "ids" scheme). The pipelines scale the image's h / w ids by 0.5 and put the text's index on l.
 
-Served: the text-to-image graph (text and image streams). Refused in one line each: the
-reference-image stream (``image_cond_hidden_states``: the graph declares no input for it) and a
-flow-map model (``flow_map=True``, the step-distilled checkpoints: ``target_timestep`` has no
-graph input either).
+Served: the text-to-image graph (text and image streams), and a flow-map model's
+(``flow_map=True``, the step-distilled checkpoints: ``target_timestep`` an input after the
+timestep, FLUX3_FLOW_MAP). Refused in one line: the reference-image stream
+(``image_cond_hidden_states``: the graph declares no input for it).
 """
 
 from __future__ import annotations
@@ -25,13 +25,19 @@ from __future__ import annotations
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
-                             TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
+                             TARGET_TIMESTEP, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
 #: The graph: the packed image tokens, the text, the flow timestep in [0, 1], the two caches.
 FLUX3_TRANSFORMER = ModelDecl("transformer",
                               (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP,
                                IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
                               (SAMPLE,))
+#: A flow-map model's graph (flow_map=True, the step-distilled checkpoints that
+#: Flux3DistilledModularPipeline runs): the timestep each step jumps to after the timestep.
+FLUX3_FLOW_MAP = ModelDecl("transformer",
+                           (HIDDEN_STATES, ENCODER_HIDDEN_STATES, TIMESTEP, TARGET_TIMESTEP,
+                            IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE),
+                           (SAMPLE,))
 
 #: FP8's default exclusions: the input projections, the timestep embedder and the two sets of
 #: per-mode modulation heads (they turn one timestep embedding into every block's shift, scale

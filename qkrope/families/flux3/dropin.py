@@ -10,10 +10,11 @@ signature (qkrope.runtime._dropin), so the same fields reach it. Swap it in with
 
 :meth:`Flux3Transformer.prepare` maps a call onto the graph: the packed image tokens and the
 text as given, the flow timestep per item, the ids the pipeline passes as the "ids" scheme's
-request. Refused in one line: the reference image (``image_cond_hidden_states`` /
-``image_cond_ids``: the graph has no input for that stream), ``target_timestep`` (a flow-map
-model's, ``Flux3DistilledModularPipeline``: not exportable), ``attention_kwargs`` other than a
-LoRA scale of 1, a text batch other than the image's.
+request, and a flow-map export's ``target_timestep`` per item (``Flux3DistilledModularPipeline``).
+Refused in one line: the reference image (``image_cond_hidden_states`` / ``image_cond_ids``: the
+graph has no input for that stream), a ``target_timestep`` for an export without one and none
+for a flow-map export, ``attention_kwargs`` other than a LoRA scale of 1, a text batch other than
+the image's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from qkrope.errors import InputError
 from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
+from qkrope.model_io import TARGET_TIMESTEP
 from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item,
                                     position_ids, refuse_kwargs, tensor_arg)
 
@@ -32,10 +34,15 @@ IMAGE_COND_REFUSED = ("image_cond_hidden_states / image_cond_ids (FLUX.3's refer
                       "stream, image-to-image) are not in the exported graph, which holds the "
                       "text and image streams only. Fix: run image-to-image on the PyTorch "
                       "transformer, or call without reference images")
-#: The one line a flow-map call gets.
+#: The one line a target_timestep gets where the export is not a flow map's.
 TARGET_TIMESTEP_REFUSED = ("target_timestep is a flow-map model's (flow_map=True, "
-                           "Flux3DistilledModularPipeline), which qkrope does not export (the "
-                           "graph has no input for it). Fix: run the distilled model on PyTorch")
+                           "Flux3DistilledModularPipeline); this export is of a model without "
+                           "one (its graph has no target_timestep input). Fix: load the export "
+                           "of the flow-map checkpoint, or call without target_timestep")
+#: The one line a flow-map export called without one gets.
+TARGET_TIMESTEP_MISSING = ("this export is of a FLUX.3 flow-map model (flow_map=True): every "
+                           "call needs target_timestep, the timestep the step jumps to. Fix: "
+                           "run it in Flux3DistilledModularPipeline, which passes it")
 
 
 def pipeline_ids(img_shape, txt_len: int, scale: float = IMAGE_ROPE_SCALE):
@@ -63,7 +70,7 @@ def sample_request(record, img_shapes, txt_len: int) -> dict:
 class Flux3Transformer(Transformer):
     """What the FLUX.3 modular pipeline calls on its ``transformer`` (module docstring)."""
 
-    PIPELINES = "Flux3ModularPipeline (text-to-image)"
+    PIPELINES = "Flux3ModularPipeline, Flux3DistilledModularPipeline (text-to-image)"
     FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids",
                     "image_cond_hidden_states", "image_cond_ids", "target_timestep",
                     "attention_kwargs", "return_dict")
@@ -73,8 +80,11 @@ class Flux3Transformer(Transformer):
                 target_timestep=None, attention_kwargs=None, return_dict: bool = True) -> Call:
         if image_cond_hidden_states is not None or image_cond_ids is not None:
             raise InputError(IMAGE_COND_REFUSED)
-        if target_timestep is not None:
+        flow_map = TARGET_TIMESTEP.role in self._runner.io.roles
+        if target_timestep is not None and not flow_map:
             raise InputError(TARGET_TIMESTEP_REFUSED)
+        if target_timestep is None and flow_map:
+            raise InputError(TARGET_TIMESTEP_MISSING)
         refuse_kwargs(attention_kwargs, "attention_kwargs")
         missing = [n for n, v in (("hidden_states", hidden_states),
                                   ("encoder_hidden_states", encoder_hidden_states),
@@ -102,9 +112,11 @@ class Flux3Transformer(Transformer):
                                            fix=fix),
                    "img_ids": position_ids(img_ids, "img_ids", int(image.shape[1]), axes,
                                            fix=fix)}
+        conditioning = ({TARGET_TIMESTEP.role: per_item(target_timestep, "target_timestep",
+                                                        batch, self.dtype)} if flow_map else {})
         return Call(image.to(self.dtype), text.to(self.dtype), request,
                     timestep=per_item(timestep, "timestep", batch, self.dtype),
-                    return_dict=return_dict)
+                    conditioning=conditioning, return_dict=return_dict)
 
 
 def dropin_class(record):
@@ -113,4 +125,4 @@ def dropin_class(record):
 
 
 __all__ = ["Flux3Transformer", "dropin_class", "sample_request", "pipeline_ids",
-           "IMAGE_COND_REFUSED", "TARGET_TIMESTEP_REFUSED"]
+           "IMAGE_COND_REFUSED", "TARGET_TIMESTEP_REFUSED", "TARGET_TIMESTEP_MISSING"]

@@ -9,8 +9,9 @@ from the two cache inputs (:func:`qkrope.export.dual_stream.joint_rope`). The no
 in float32, and so does the streamed export's skeleton, from ``_keep_in_fp32_modules``), rotates
 in float32 and rounds once to q's dtype: diffusers' order, ``contract.ROUNDING_ONE``.
 
-The wrapper replays ``Flux3Transformer2DModel.forward`` for text-to-image (no reference image,
-no flow map: both refused in one line, :func:`check_supported`).
+The wrapper replays ``Flux3Transformer2DModel.forward`` for text-to-image (no reference image:
+refused in one line by the drop-in); a flow-map model's takes ``target_timestep`` too
+(:class:`Flux3FlowMapCacheInputTransformer`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,8 @@ from qkrope.export.ops import qk_norm_rope
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
-from . import IMAGE_ROPE_SCALE
+from . import FLUX3_FLOW_MAP, IMAGE_ROPE_SCALE
 
-#: The one line a flow-map (step-distilled) model gets.
-FLOW_MAP_REFUSED = ("a FLUX.3 flow-map model (flow_map=True, the step-distilled checkpoints "
-                    "Flux3DistilledModularPipeline runs) embeds target_timestep, for which "
-                    "qkrope's graph has no input. Fix: export a FLUX.3 model with flow_map=False")
 
 
 class Flux3Processor:
@@ -68,11 +65,9 @@ class Flux3Processor:
 
 
 def check_supported(transformer: nn.Module) -> None:
-    """One line for a configuration the graph does not carry: a flow-map model, RoPE axes
-    that do not fill the head."""
+    """One line for a configuration the graph does not carry: RoPE axes that do not fill the
+    head."""
     cfg = transformer.config
-    if cfg.get("flow_map", False):
-        raise InputError(FLOW_MAP_REFUSED)
     axes = tuple(int(v) for v in cfg["axes_dims_rope"])
     if sum(axes) != int(cfg["attention_head_dim"]) or any(d % 2 for d in axes):
         raise InputError(f"axes_dims_rope {list(axes)} must be even widths summing to "
@@ -116,6 +111,12 @@ class Flux3CacheInputTransformer(nn.Module):
 
     def forward(self, hidden_states, encoder_hidden_states, timestep, img_cos_sin_cache,
                 txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, timestep, None, img_cos_sin_cache,
+                        txt_cos_sin_cache)
+
+    def run(self, hidden_states, encoder_hidden_states, timestep, target_timestep,
+            img_cos_sin_cache, txt_cos_sin_cache):
+        """The forward; ``target_timestep`` a flow-map model's (else None)."""
         t = self.transformer
         batch, s_img = hidden_states.shape[0], hidden_states.shape[1]
         s_txt = encoder_hidden_states.shape[1]
@@ -125,6 +126,11 @@ class Flux3CacheInputTransformer(nn.Module):
         image_temb = t.timestep_embedder(image_temb.to(dtype))[:, None, :]
         zero_temb = t.time_proj(torch.zeros_like(timestep, dtype=dtype))
         zero_temb = t.timestep_embedder(zero_temb.to(dtype))[:, None, :]
+        if target_timestep is not None:  # a flow map: the jump's embedding added to every mode's
+            target_temb = t.time_proj(target_timestep.to(dtype) * 1000)
+            target_temb = t.target_timestep_embedder(target_temb.to(dtype))[:, None, :]
+            image_temb = image_temb + target_temb
+            zero_temb = zero_temb + target_temb
         image_temb = image_temb.expand(batch, s_img, -1)
         txt_temb_act = F.silu(zero_temb).expand(batch, s_txt, -1)
         txt_early = t.early_stream_modulations["txt"](txt_temb_act)
@@ -145,6 +151,21 @@ class Flux3CacheInputTransformer(nn.Module):
                                 temb_mod=image_single, temb_mod_context=txt_single,
                                 image_rotary_emb=rope.joint)
         return t.proj_out(t.norm_out(image, image_temb))
+
+
+class Flux3FlowMapCacheInputTransformer(Flux3CacheInputTransformer):
+    """A flow-map model's wrapper (``flow_map=True``): ``target_timestep [B]`` after the
+    timestep (the record's FLUX3_FLOW_MAP)."""
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, target_timestep,
+                img_cos_sin_cache, txt_cos_sin_cache):
+        return self.run(hidden_states, encoder_hidden_states, timestep, target_timestep,
+                        img_cos_sin_cache, txt_cos_sin_cache)
+
+
+def flow_map(transformer: nn.Module) -> bool:
+    """Whether ``transformer`` is a flow-map model (its config's flow_map)."""
+    return bool(transformer.config.get("flow_map", False))
 
 
 def sample_ids(img_shape, txt_len: int, scale: float = IMAGE_ROPE_SCALE):
@@ -176,7 +197,9 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
                              axes_dims=tuple(int(v) for v in cfg["axes_dims_rope"]),
                              theta=float(transformer.pos_embed.theta),
                              head_dim=int(cfg["attention_head_dim"]))
-    return (hidden, text, torch.full((b,), 0.5, dtype=dtype), caches.img.clone(),
+    # a flow map jumps from the timestep (0.5) to a later one (0.25)
+    target = (torch.full((b,), 0.25, dtype=dtype),) if flow_map(transformer) else ()
+    return (hidden, text, torch.full((b,), 0.5, dtype=dtype), *target, caches.img.clone(),
             caches.txt.clone())
 
 
@@ -185,12 +208,7 @@ def sample_args(transformer: nn.Module, sample, dtype: torch.dtype) -> tuple:
 # --------------------------------------------------------------------------------------------
 
 def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True):
-    """A flow-map model refused before the model is built (config.json's flow_map)."""
-    from qkrope.export.patch_diffusers import read_config
-
-    _, config = read_config(directory, model_class)
-    if config.get("flow_map", False):
-        raise InputError(FLOW_MAP_REFUSED)
+    """The config is left to diffusers' own checks and :func:`check_supported`."""
     return None
 
 
@@ -220,14 +238,16 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
                          f"{' + '.join(str(c) for c in counts)} text, image and joint blocks); "
                          f"got {layers}. Fix: pass --layers 1 to {sum(counts)}")
     kept = record.kept_blocks(cfg, layers)
-    wrapper = Flux3CacheInputTransformer(transformer, rounding=rounding, kept=kept).eval()
+    wrapper = (Flux3FlowMapCacheInputTransformer if flow_map(transformer) else
+               Flux3CacheInputTransformer)(transformer, rounding=rounding, kept=kept).eval()
     args = sample_args(transformer, sample, dtype)
     theta = float(transformer.pos_embed.theta)
     txt, img, joint = kept
     attn = transformer.single_transformer_blocks[0].attn if counts[2] else \
         transformer.mode_blocks["image"][0].attn
     return TransformerPlan(
-        wrapper=wrapper, args=args, decl=record.graph,
+        wrapper=wrapper, args=args,
+        decl=FLUX3_FLOW_MAP if flow_map(transformer) else record.graph,
         axes=tuple(int(v) for v in cfg["axes_dims_rope"]),
         theta=int(theta) if theta.is_integer() else theta, rounding=rounding,
         nodes=node_count(kept), num_layers_exported=sum(kept),
@@ -239,4 +259,4 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
 
 __all__ = ["Flux3Processor", "Flux3CacheInputTransformer", "check_supported", "attentions",
            "block_counts", "node_count", "sample_ids", "sample_args", "prepare", "check_config",
-           "post_export", "FLOW_MAP_REFUSED"]
+           "post_export", "Flux3FlowMapCacheInputTransformer", "flow_map"]

@@ -24,6 +24,8 @@ def forward_kwargs(info, by_role: Mapping[str, Any],
     text = by_role["encoder_hidden_states"]
     txt_ids, img_ids = (torch.from_numpy(a) for a in pipeline_ids(img_shapes[0],
                                                                    int(text.shape[1])))
-    return dict(hidden_states=by_role["hidden_states"], encoder_hidden_states=text,
-                timestep=by_role["timestep"], img_ids=img_ids, txt_ids=txt_ids,
-                return_dict=False)
+    kw = dict(hidden_states=by_role["hidden_states"], encoder_hidden_states=text,
+              timestep=by_role["timestep"], img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+    if "target_timestep" in by_role:  # a flow-map model's
+        kw["target_timestep"] = by_role["target_timestep"]
+    return kw
