@@ -130,8 +130,8 @@ GUIDANCE = TensorDecl(
     "multiplies it by 1000); only in models whose config has guidance_embeds")
 TARGET_TIMESTEP = TensorDecl(
     "target_timestep", "target_timestep", (BATCH,),
-    "the flow timestep each denoising step jumps to, per sample, [batch] (a flow-map model's: "
-    "FLUX.3 with flow_map, as its distilled pipeline passes it)")
+    "the flow timestep each denoising step jumps to, per sample, [batch] (a flow-map model's, "
+    "as its step-distilled pipeline passes it)")
 IMG_OUT = TensorDecl("img_out", "img_out", (BATCH, IMG_TOKENS, None))
 TXT_OUT = TensorDecl("txt_out", "txt_out", (BATCH, TXT_TOKENS, None))
 SAMPLE = TensorDecl("sample", "sample", (BATCH, IMG_TOKENS, None))

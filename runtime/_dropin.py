@@ -178,8 +178,6 @@ class _BoundForward:
         return self.__func__(self.__self__, *args, **kwargs)
 
 
-_signed_forward = _SignedForward
-
 
 @dataclass
 class Call:
@@ -298,7 +296,7 @@ class Transformer(DropinComponent):
     def prepare(self, **call) -> "Call | Split":  # the family's part
         raise NotImplementedError
 
-    @_signed_forward
+    @_SignedForward
     def forward(self, *args, **kwargs):
         """diffusers' forward of the family: returns ``Transformer2DModelOutput(sample=...)`` or
         ``(sample,)`` with ``return_dict=False``; the sample is the family's latent layout (a

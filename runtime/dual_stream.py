@@ -206,19 +206,12 @@ class DualStreamTransformer(Transformer):
         return caches
 
 
-def dropin_hooks(cls: type):
-    """A family's two drop-in hooks over its :class:`DualStreamTransformer` subclass ``cls``:
-    ``dropin_class(record)`` and ``sample_request(record, img_shapes, txt_len)`` (the ids its
-    pipelines pass for a sample of these sizes)."""
-    def dropin_class(record):
-        return cls
-
-    def sample_request(record, img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
-        txt, img = sample_ids(cls.SPEC.ids, img_shapes, txt_len)
-        return {"txt_ids": txt, "img_ids": img}
-
-    return dropin_class, sample_request
+def ids_request(layout, img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
+    """The position request of a sample of these sizes (``make_inputs``, the exporter's
+    sample): the ids a dual-stream family's pipelines pass (``layout``: its IdsLayout)."""
+    txt, img = sample_ids(layout, img_shapes, txt_len)
+    return {"txt_ids": txt, "img_ids": img}
 
 
 __all__ = ["IPAdapterUnsupportedError", "sample_ids", "caches_from_ids", "forward_kwargs",
-           "refuse_adapters", "DualStreamTransformer", "dropin_hooks"]
+           "refuse_adapters", "DualStreamTransformer", "ids_request"]

@@ -9,7 +9,7 @@ import re
 from typing import Sequence
 
 from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
-from qkrope.runtime.dual_stream import DualStreamTransformer, sample_ids
+from qkrope.runtime.dual_stream import DualStreamTransformer, ids_request
 
 
 _CLASSES: dict[str, type] = {}
@@ -33,8 +33,7 @@ def dropin_class(record) -> type:
 
 def sample_request(record, img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
     """The ids the record's pipelines pass for a sample of these sizes."""
-    txt, img = sample_ids(record.dual_stream.ids, img_shapes, txt_len)
-    return {"txt_ids": txt, "img_ids": img}
+    return ids_request(record.dual_stream.ids, img_shapes, txt_len)
 
 
 __all__ = ["dropin_class", "sample_request"]

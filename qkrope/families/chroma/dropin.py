@@ -54,8 +54,7 @@ def sample_ids(img_shapes, txt_len: int) -> tuple[np.ndarray, np.ndarray]:
 def sample_request(record, img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
     """The position request of a sample of these sizes (``make_inputs``, the exporter's
     sample): the ids the pipelines pass."""
-    txt, img = sample_ids(img_shapes, txt_len)
-    return {"txt_ids": txt, "img_ids": img}
+    return dual_stream.ids_request(DUAL_STREAM.ids, img_shapes, txt_len)
 
 
 class ChromaTransformer(DualStreamTransformer):
