@@ -48,9 +48,10 @@ FIXED_SIZE = {"joyimage-edit": (1024, 1024)}
 #: before any model loads (HunyuanVideo FramePack animates an image)
 NOT_FROM_A_PROMPT = {"hunyuan-video-framepack": "image"}
 #: known defects of a tiny recipe, each a strict xfail (it fails the run once fixed)
-BROKEN = {"prx": "the tiny recipe saves its T5GemmaEncoder with a T5GemmaModuleConfig, which "
-                 "transformers reloads as a T5GemmaConfig of other sizes (the folder does not "
-                 "load back)",
+BROKEN = {"prx": "PRXPipeline.from_pretrained fails in diffusers 0.42.1 itself: importing "
+                 "diffusers' prx package sets its T5GemmaEncoder wrapper on the transformers "
+                 "module object it imported, which sys.modules['transformers'] no longer is, "
+                 "so the loader finds no transformers.T5GemmaEncoder for the saved text encoder",
           "flux3": "no tiny recipe: FLUX.3's pipelines are modular (Flux3ModularPipeline), which "
                    "save_tiny_pipeline and qkrope generate do not build or load (save_pipeline "
                    "refuses in one line)"}
