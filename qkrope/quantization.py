@@ -35,8 +35,9 @@ QUANT_MODES = ("fp8",)
 
 def default_excluded(model: object) -> tuple[str, ...]:
     """The default ``--exclude`` of a diffusers transformer (an instance, its class or its class
-    name): its family record's ``fp8_excluded`` (:mod:`qkrope.families`); any other class is
-    refused with the list."""
+    name): its family record's ``fp8_excluded`` (:mod:`qkrope.families`), and for an instance
+    the record's ``fp8_excluded_where_built`` that it has as modules (a config flag builds
+    them); any other class is refused with the list."""
     from qkrope import families
 
     name = model if isinstance(model, str) else (model if isinstance(model, type)
@@ -46,7 +47,10 @@ def default_excluded(model: object) -> tuple[str, ...]:
         raise InputError(f"no default FP8 layer selection for {name}: qkrope knows "
                          f"{', '.join(r.class_name for r in families.records())}. Fix: pass "
                          f"the top-level modules to keep in high precision with --exclude")
-    return record.fp8_excluded
+    if isinstance(model, (str, type)) or not hasattr(model, "named_children"):
+        return record.fp8_excluded
+    built = {n for n, _ in model.named_children()}
+    return record.fp8_excluded + tuple(n for n in record.fp8_excluded_where_built if n in built)
 
 
 def __getattr__(name: str):

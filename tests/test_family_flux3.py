@@ -149,6 +149,24 @@ def test_the_flow_map_wrapper_is_bit_exact_with_diffusers():
         assert not torch.equal(other, got)
 
 
+def test_fp8_keeps_a_flow_map_models_target_timestep_embedder_in_high_precision():
+    """The default FP8 selection of a loaded model adds the modules its config flags built: a
+    flow-map model's target_timestep_embedder (an embedding, as timestep_embedder) stays in
+    high precision; a model without one gets the record's list alone, which check_exclude
+    (every name must be a module) accepts."""
+    pytest.importorskip("modelopt", reason="requires nvidia-modelopt (pip install -e '.[fp8]')")
+    from qkrope.export import quantize
+    from qkrope.quantization import default_excluded
+
+    flow_map = TINY.build_transformer(FLUX3, 2, flow_map=True)
+    plain = _model()
+    assert default_excluded(flow_map) == FLUX3.fp8_excluded + ("target_timestep_embedder",)
+    assert default_excluded(plain) == default_excluded(FLUX3.class_name) == FLUX3.fp8_excluded
+    rules = quantize.fp8_config(default_excluded(flow_map), model=flow_map)["quant_cfg"]
+    assert {"quantizer_name": "target_timestep_embedder.*", "enable": False} in rules
+    quantize.fp8_config(default_excluded(plain), model=plain)  # no missing-module refusal
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from qkrope.export.api import export_transformer

@@ -46,6 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "a module of the transformer (default, TensorRT's diffusion demo "
                         "selection in the model's names: "
                         + "; ".join(f"{r.class_name}: {' '.join(r.fp8_excluded)}"
+                                    + "".join(f" ({n} where built)"
+                                              for n in r.fp8_excluded_where_built)
                                     for r in families.records()) + ")")
     p.set_defaults(func=run)
     return p
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     batches = quantize.load_calibration(args.calibration)[:args.batches]
     transformer = load_transformer(args.diffusers, dtype=dtypes.TORCH_BY_SHORT[args.dtype])
     quantize.check_loaded_weights(transformer, source=f"--diffusers {folder}", dtype=args.dtype)
-    if exclude is None:
+    if args.exclude is None:  # the loaded model's: with the modules its config flags built
         exclude = default_excluded(transformer)
     config = quantize.fp8_config(exclude, model=transformer)  # and the model loaded
     transformer.to(device)

@@ -127,6 +127,9 @@ class FamilyRecord:
     # identity cache rows (qkrope.runtime.schemes.Setting.rotated)
     rotated: tuple[str, ...] = ("img", "txt")
     latent: str = "packed-tokens"  # LATENT_KINDS
+    # top-level modules FP8 also keeps in high precision where a config flag builds them (the
+    # default --exclude of a loaded model adds those it has: qkrope.quantization.default_excluded)
+    fp8_excluded_where_built: tuple[str, ...] = ()
     # grid scheme: height / width positions centred on the image (Qwen-Image) or counted from 0
     # (a video latent's own grid: HunyuanVideo)
     blocks_key: str = "num_layers"  # the config key of its transformer_blocks count
