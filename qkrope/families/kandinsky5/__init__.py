@@ -13,9 +13,10 @@ call's ``scale_factor`` per axis (the "divided_grid" scheme). Its q/k norms are
 
 Rounding: q/k normalised in float32 and rounded to the model's dtype, then rotated in float32
 and rounded to bfloat16 in every dtype. In bf16 that is ``contract.ROUNDING_TWO_STEPS``; in fp32
-the export adds the bf16 round trip after the node (a Cast pair); in fp16 no node mode
-reproduces the double rounding (fp16 norm, then bf16), so an fp16 export is refused. The
-record's ``qk_round_dtype`` says so: the check holds an fp32 export to bf16's tolerance.
+and fp16 the export adds the bf16 round trip after the node (a Cast pair): bit for bit in fp32;
+in fp16, where the node has already rounded to fp16, within one bf16 step (a double rounding:
+docs/spec.md section 3.5). The record's ``qk_round_dtype`` says so: the check holds an fp32 or
+fp16 export to bf16's tolerance.
 """
 
 from __future__ import annotations

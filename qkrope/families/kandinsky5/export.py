@@ -11,8 +11,11 @@ block (text cache), one per visual block (image cache). The visual blocks' cross
 a q/k pair of one sequence).
 
 diffusers rounds the rotated q and k to bfloat16 in every dtype: in bf16 that is the node's
-``ROUNDING_TWO_STEPS``; in fp32 the processor adds the same round trip (a Cast to bf16 and back)
-after the node; fp16 (an fp16 norm, then bf16) no node mode reproduces, so it is refused.
+``ROUNDING_TWO_STEPS``; in fp32 and fp16 the processor adds the same round trip (a Cast to bf16
+and back) after the node. In fp32 that is bit for bit diffusers' order; in fp16 the node has
+already rounded the rotated value to fp16, so the bf16 rounding is a double rounding: within
+one bf16 step of diffusers' (docs/spec.md section 3.5), equal where the fp16 value is no bf16
+tie.
 Sparse ("nabla") attention is refused by config.
 """
 
@@ -30,11 +33,6 @@ from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
 from . import EPS, setting_fields
-
-#: The one line an fp16 export gets.
-FP16_REFUSED = ("Kandinsky 5 rounds its rotated q/k to bf16 after an fp16 norm; no node rounding "
-                "mode reproduces that. Fix: export with --dtype bf16 or fp32")
-
 
 def _eps(norm: nn.Module, where: str) -> float:
     if not isinstance(norm, nn.RMSNorm) or norm.weight is None:
@@ -97,8 +95,6 @@ class Kandinsky5Processor:
         if not isinstance(rotary_emb, torch.Tensor) or rotary_emb.dim() != 2:
             raise InputError("the patched Kandinsky 5 self-attention needs rotary_emb = the "
                              "[rows, head_dim] cache; run it through the cache-input wrapper")
-        if q.dtype == torch.float16:
-            raise InputError(FP16_REFUSED)
         k = _heads(attn.to_key(hidden_states), attn.num_heads)
         v = _heads(attn.to_value(hidden_states), attn.num_heads)
         eps = _eps(attn.query_norm, "query_norm")
@@ -107,12 +103,18 @@ class Kandinsky5Processor:
                              f"differ; one QKNormRoPE node has one epsilon")
         if not self.fused:  # diffusers' norm and rotation from the same cache (the tests' graph)
             return attn.out_layer(_attend(*_unfused(attn, q, k, rotary_emb), v))
-        attrs = contract.NodeAttributes(eps, True, self.rounding)
-        q, k = qk_norm_rope(q, k, attn.query_norm.weight, attn.key_norm.weight, rotary_emb,
-                            **attrs.as_kwargs())
-        if q.dtype == torch.float32:  # diffusers' rotated values pass through bfloat16
-            q, k = (x.to(torch.bfloat16).to(torch.float32) for x in (q, k))
-        return attn.out_layer(_attend(q, k, v))
+        return attn.out_layer(_attend(*fused(attn, q, k, rotary_emb, eps, self.rounding), v))
+
+
+def fused(attn, q, k, cache, eps: float, rounding: int):
+    """The self-attention's q and k as the export computes them: one node (``rounding``), then
+    diffusers' bf16 round trip of the rotated values where q is not bf16 (docs/spec.md 3.5)."""
+    attrs = contract.NodeAttributes(eps, True, rounding)
+    q, k = qk_norm_rope(q, k, attn.query_norm.weight, attn.key_norm.weight, cache,
+                        **attrs.as_kwargs())
+    if q.dtype != torch.bfloat16:  # diffusers' rotated values pass through bfloat16
+        q, k = (x.to(torch.bfloat16).to(q.dtype) for x in (q, k))
+    return q, k
 
 
 def check_supported(transformer: nn.Module) -> None:
@@ -182,10 +184,8 @@ class Kandinsky5CacheInputTransformer(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: bool = True):
-    """fp16 refused before the model is built; the rest is left to diffusers' checks and
-    :func:`check_supported`."""
-    if dtype == torch.float16:
-        raise InputError(FP16_REFUSED)
+    """Nothing to check before the model is built: diffusers' checks and
+    :func:`check_supported` run on it."""
     return None
 
 
@@ -255,8 +255,6 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     diffusers' norm and rotation in place of the nodes (the tests' reference graph)."""
     from qkrope.export.onnx_export import TransformerPlan
 
-    if dtype == torch.float16:
-        raise InputError(FP16_REFUSED)
     one_grid(sample, record.short)
     cfg = dict(transformer.config)
     counts = record.block_counts(cfg)
