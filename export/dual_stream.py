@@ -28,13 +28,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.model_io import GUIDANCE, POOLED_PROJECTIONS
 
 from .attention import _attention
 from .finalize import check_no_double
-from .ops import qk_norm_rope
+from .fused_qk import FusedNormRoPE, norm_eps  # noqa: F401 (the dual-stream families' names)
 
 
 class JointRope(NamedTuple):
@@ -50,31 +49,6 @@ def joint_rope(img_cache: torch.Tensor, txt_cache: torch.Tensor, s_img, s_txt) -
     streams' token counts (a cache may have more rows than tokens)."""
     return JointRope(img_cache, txt_cache, torch.cat([txt_cache[:s_txt], img_cache[:s_img]],
                                                      dim=0))
-
-
-def norm_eps(norm: nn.Module, where: str) -> float:
-    """The epsilon of a per-head RMSNorm the node replaces (it must have a weight)."""
-    eps = getattr(norm, "eps", None)
-    if eps is None or getattr(norm, "weight", None) is None:
-        raise InputError(f"{where}: the RMSNorm has no epsilon or no weight (elementwise_affine="
-                         f"False), which the QKNormRoPE node needs; not a standard "
-                         f"dual-stream attention")
-    return float(eps)
-
-
-class FusedNormRoPE:
-    """One ``qk_norm_rope`` call per stream, the node attributes per module epsilon."""
-
-    def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
-        self._attributes: dict[float, contract.NodeAttributes] = {}
-
-    def __call__(self, q, k, norm_q, norm_k, cache):
-        eps = norm_eps(norm_q, "norm_q")
-        if eps not in self._attributes:
-            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
-        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
-                            **self._attributes[eps].as_kwargs())
 
 
 def sdpa(q, k, v, head_dim: int, mask: torch.Tensor | None = None) -> torch.Tensor:

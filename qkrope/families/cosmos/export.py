@@ -25,10 +25,9 @@ import math
 import torch
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.fused_qk import FusedNormRoPE
 from qkrope.export.sample import one_grid
 from qkrope.families._record import FamilyRecord
 
@@ -48,7 +47,8 @@ class CosmosSelfAttnProcessor:
     image cache."""
 
     def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
+        self.fused = FusedNormRoPE(rounding, interleaved=False)  # NeoX halves
+        self.rounding = self.fused.rounding
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
@@ -62,9 +62,7 @@ class CosmosSelfAttnProcessor:
         head_dim = attn.inner_dim // attn.heads
         q, k, v = (proj(hidden_states).unflatten(2, (attn.heads, -1))
                    for proj in (attn.to_q, attn.to_k, attn.to_v))
-        attrs = contract.NodeAttributes(float(attn.norm_q.eps), False, self.rounding)
-        q, k = qk_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, image_rotary_emb,
-                            **attrs.as_kwargs())
+        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb)
         out = _sdpa(q, k, v, head_dim)
         return attn.to_out[1](attn.to_out[0](out))
 

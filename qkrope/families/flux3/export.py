@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
-from qkrope.export.dual_stream import joint_rope, norm_eps, sdpa
+from qkrope.export.dual_stream import joint_rope, sdpa
+from qkrope.export.fused_qk import FusedNormRoPE, norm_eps
 from qkrope.export.finalize import check_no_double
-from qkrope.export.ops import qk_norm_rope
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
@@ -38,7 +37,8 @@ class Flux3Processor:
     attention; ``to_out``."""
 
     def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
+        self.fused = FusedNormRoPE(rounding)
+        self.rounding = self.fused.rounding
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
@@ -53,13 +53,7 @@ class Flux3Processor:
                              "projections()); export the model before fusing them")
         q, k, v = (proj(hidden_states).unflatten(-1, (attn.heads, -1))
                    for proj in (attn.to_q, attn.to_k, attn.to_v))
-        eps = norm_eps(attn.norm_q, "norm_q")
-        if eps != norm_eps(attn.norm_k, "norm_k"):
-            raise InputError(f"norm_q's eps {eps} and norm_k's {attn.norm_k.eps} differ; one "
-                             f"QKNormRoPE node has one epsilon")
-        attrs = contract.NodeAttributes(eps, True, self.rounding)
-        q, k = qk_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, image_rotary_emb,
-                            **attrs.as_kwargs())
+        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb)
         out = sdpa(q, k, v, attn.head_dim)
         return attn.to_out[1](attn.to_out[0](out))
 

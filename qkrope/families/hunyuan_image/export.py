@@ -45,12 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.finalize import check_no_double
 from qkrope.export.conv import patch_conv
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.fused_qk import FusedNormRoPE
 from qkrope.families._record import FamilyRecord
 
 
@@ -60,22 +59,6 @@ class HunyuanRope(NamedTuple):
     img: torch.Tensor
     txt: torch.Tensor
     joint: torch.Tensor  # [img rows (image tokens); txt rows (text tokens)]
-
-
-class _FusedNormRoPE:
-    """Per-module node attributes (epsilon from the module's norm) for one rounding."""
-
-    def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
-
-    def __call__(self, q, k, norm_q, norm_k, cache):
-        eps = getattr(norm_q, "eps", None)
-        if eps is None or getattr(norm_q, "weight", None) is None or \
-                getattr(norm_k, "weight", None) is None:
-            raise InputError("the HunyuanImage attention's RMSNorm has no epsilon or no weight "
-                             "(qk_norm other than rms_norm), which the QKNormRoPE node needs")
-        attributes = contract.NodeAttributes(float(eps), True, self.rounding)
-        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache, **attributes.as_kwargs())
 
 
 def _sdpa(q, k, v, mask, head_dim: int) -> torch.Tensor:
@@ -89,7 +72,7 @@ class HunyuanImageAttnProcessor:
     ``image_rotary_emb`` is a :class:`HunyuanRope`."""
 
     def __init__(self, rounding: int):
-        self.fused = _FusedNormRoPE(rounding)
+        self.fused = FusedNormRoPE(rounding)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):

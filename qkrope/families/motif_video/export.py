@@ -28,7 +28,7 @@ from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.conv import patch_conv
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.fused_qk import FusedNormRoPE
 from qkrope.export.sample import one_grid
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
@@ -55,9 +55,9 @@ class MotifVideoAttnProcessor:
     ``image_rotary_emb`` is a :class:`MotifRope`."""
 
     def __init__(self, rounding: int, *, fused: bool = True):
-        self.rounding = contract.check_rounding(rounding)
+        self.node = FusedNormRoPE(rounding)
+        self.rounding = self.node.rounding
         self.fused = fused
-        self._attributes: dict[float, contract.NodeAttributes] = {}
 
     def _fused(self, q, k, norm_q, norm_k, cache):
         if not self.fused:  # diffusers' own norm and rotation (the tests' reference graph)
@@ -69,14 +69,9 @@ class MotifVideoAttnProcessor:
                     rows[:, half:].repeat_interleave(2, dim=1))
             return (apply_rotary_emb(norm_q(q), pair, sequence_dim=1),
                     apply_rotary_emb(norm_k(k), pair, sequence_dim=1))
-        eps = _eps(norm_q, "norm_q")
-        if eps != _eps(norm_k, "norm_k"):
-            raise InputError(f"norm_q's eps {eps} and norm_k's {norm_k.eps} differ; one "
-                             f"QKNormRoPE node has one epsilon")
-        if eps not in self._attributes:
-            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
-        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
-                            **self._attributes[eps].as_kwargs())
+        for norm, where in ((norm_q, "norm_q"), (norm_k, "norm_k")):
+            _eps(norm, where)  # an RMSNorm (the node's norm), not another kind
+        return self.node(q, k, norm_q, norm_k, cache)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):

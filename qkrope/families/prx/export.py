@@ -20,17 +20,9 @@ from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.finalize import check_no_double
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.fused_qk import FusedNormRoPE, norm_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
-
-
-def _eps(norm: nn.Module, where: str) -> float:
-    eps = getattr(norm, "eps", None)
-    if eps is None or getattr(norm, "weight", None) is None:
-        raise InputError(f"{where} has no epsilon or no weight, which the QKNormRoPE node needs; "
-                         f"not a standard PRX attention")
-    return float(eps)
 
 
 class PRXAttnProcessor:
@@ -39,8 +31,8 @@ class PRXAttnProcessor:
     image]`` (the wrapper's)."""
 
     def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
-        self._attributes: dict[float, contract.NodeAttributes] = {}
+        self.fused = FusedNormRoPE(rounding)
+        self.rounding = self.fused.rounding
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None, **kwargs):
@@ -49,16 +41,9 @@ class PRXAttnProcessor:
         if not isinstance(image_rotary_emb, torch.Tensor) or image_rotary_emb.dim() != 2:
             raise InputError("the patched PRX attention needs image_rotary_emb = the image cache "
                              "[rows, head_dim]; run it through the cache-input wrapper")
-        eps = _eps(attn.norm_q, "norm_q")
-        if eps != _eps(attn.norm_k, "norm_k"):
-            raise InputError(f"norm_q's eps {eps} and norm_k's {attn.norm_k.eps} differ; one "
-                             f"QKNormRoPE node has one epsilon")
-        if eps not in self._attributes:
-            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
         heads, head_dim = attn.heads, attn.head_dim
         q, k, v = attn.img_qkv_proj(hidden_states).unflatten(-1, (3, heads, head_dim)).unbind(2)
-        q, k = qk_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, image_rotary_emb,
-                            **self._attributes[eps].as_kwargs())
+        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb)
         tk, tv = attn.txt_kv_proj(encoder_hidden_states).unflatten(
             -1, (2, heads, head_dim)).unbind(2)
         tk = attn.norm_added_k(tk)
@@ -187,4 +172,4 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
         wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=theta,
         rounding=wrapper.rounding, nodes=kept, num_layers_exported=kept,
         blocks=f"{record.label}: {kept} of {total} blocks", heads=int(block.heads),
-        head_dim=int(block.head_dim), eps=_eps(block.norm_q, "norm_q"))
+        head_dim=int(block.head_dim), eps=norm_eps(block.norm_q, "norm_q"))

@@ -1,0 +1,64 @@
+"""What every family's attention processor does around the node: read the epsilon of the
+per-head RMSNorms the node replaces (one epsilon for q and k: one node has one), cache the node
+attributes per epsilon, and call :func:`qkrope.export.ops.qk_norm_rope` with the module's own
+norm weights (their dtype as they are: fp32 weights under bf16 activations included, spec 3.4).
+
+The families' processors differ in where q, k and the cache come from and what follows; this is
+the part they share (issue 44: shared code, not copies).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qkrope import contract
+from qkrope.errors import InputError
+
+from .ops import qk_norm_rope
+
+
+def norm_eps(norm: nn.Module, where: str) -> float:
+    """The epsilon of a per-head RMSNorm the node replaces (it must have a weight)."""
+    eps = getattr(norm, "eps", None)
+    if eps is None or getattr(norm, "weight", None) is None:
+        raise InputError(f"{where} ({type(norm).__name__}) has no epsilon or no weight "
+                         f"(elementwise_affine=False, or not an RMSNorm), which the QKNormRoPE "
+                         f"node needs; run this model on PyTorch")
+    return float(eps)
+
+
+def shared_eps(norm_q: nn.Module, norm_k: nn.Module,
+               names: tuple[str, str] = ("norm_q", "norm_k")) -> float:
+    """The one epsilon of a q/k norm pair (one node has one epsilon: they must agree)."""
+    eps = norm_eps(norm_q, names[0])
+    other = norm_eps(norm_k, names[1])
+    if eps != other:
+        raise InputError(f"{names[0]}'s eps {eps} and {names[1]}'s {other} differ; one "
+                         f"QKNormRoPE node has one epsilon")
+    return eps
+
+
+class FusedNormRoPE:
+    """One ``qk_norm_rope`` call per q/k pair, with the node attributes of the pair's epsilon,
+    this ``rounding`` and pairing (``interleaved``: GPT-J pairs; False: NeoX halves)."""
+
+    def __init__(self, rounding: int, *, interleaved: bool = True):
+        self.rounding = contract.check_rounding(rounding)
+        self.interleaved = bool(interleaved)
+        self._attributes: dict[float, contract.NodeAttributes] = {}
+
+    def attributes(self, eps: float) -> contract.NodeAttributes:
+        """The node attributes at ``eps`` (created once per epsilon)."""
+        if eps not in self._attributes:
+            self._attributes[eps] = contract.NodeAttributes(eps, self.interleaved,
+                                                            self.rounding)
+        return self._attributes[eps]
+
+    def __call__(self, q, k, norm_q: nn.Module, norm_k: nn.Module, cache,
+                 names: tuple[str, str] = ("norm_q", "norm_k")):
+        eps = shared_eps(norm_q, norm_k, names)
+        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
+                            **self.attributes(eps).as_kwargs())
+
+
+__all__ = ["norm_eps", "shared_eps", "FusedNormRoPE"]
