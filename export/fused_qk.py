@@ -38,13 +38,30 @@ def shared_eps(norm_q: nn.Module, norm_k: nn.Module,
     return eps
 
 
+def unfused_interleaved(q, k, norm_q: nn.Module, norm_k: nn.Module, cache):
+    """diffusers' own norms, then its ``apply_rotary_emb`` of interleaved pairs with the node's
+    cache rows (each angle's cos and sin repeated over its pair): the graph a family's tests
+    export in place of the node to hold it to diffusers' order."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    half = cache.shape[1] // 2
+    rows = cache[:q.shape[1]]
+    pair = (rows[:, :half].repeat_interleave(2, dim=1), rows[:, half:].repeat_interleave(2, dim=1))
+    return (apply_rotary_emb(norm_q(q), pair, sequence_dim=1),
+            apply_rotary_emb(norm_k(k), pair, sequence_dim=1))
+
+
 class FusedNormRoPE:
     """One ``qk_norm_rope`` call per q/k pair, with the node attributes of the pair's epsilon,
-    this ``rounding`` and pairing (``interleaved``: GPT-J pairs; False: NeoX halves)."""
+    this ``rounding`` and pairing (``interleaved``: GPT-J pairs; False: NeoX halves).
+    ``fused=False``: :func:`unfused_interleaved` instead (the tests' reference graph)."""
 
-    def __init__(self, rounding: int, *, interleaved: bool = True):
+    def __init__(self, rounding: int, *, interleaved: bool = True, fused: bool = True):
         self.rounding = contract.check_rounding(rounding)
         self.interleaved = bool(interleaved)
+        if not fused and not self.interleaved:
+            raise ValueError("the unfused reference is diffusers' interleaved rotation")
+        self.fused = bool(fused)
         self._attributes: dict[float, contract.NodeAttributes] = {}
 
     def attributes(self, eps: float) -> contract.NodeAttributes:
@@ -56,9 +73,11 @@ class FusedNormRoPE:
 
     def __call__(self, q, k, norm_q: nn.Module, norm_k: nn.Module, cache,
                  names: tuple[str, str] = ("norm_q", "norm_k")):
+        if not self.fused:
+            return unfused_interleaved(q, k, norm_q, norm_k, cache)
         eps = shared_eps(norm_q, norm_k, names)
         return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
                             **self.attributes(eps).as_kwargs())
 
 
-__all__ = ["norm_eps", "shared_eps", "FusedNormRoPE"]
+__all__ = ["norm_eps", "shared_eps", "unfused_interleaved", "FusedNormRoPE"]

@@ -44,7 +44,7 @@ from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.conv import patch_conv
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.fused_qk import FusedNormRoPE
 from qkrope.export.sample import one_grid
 from qkrope.families._record import FamilyRecord
 
@@ -69,40 +69,15 @@ class HunyuanMask(NamedTuple):
     queries: torch.Tensor | None = None
 
 
-def _eps(norm: nn.Module, where: str) -> float:
-    eps = getattr(norm, "eps", None)
-    if eps is None or getattr(norm, "weight", None) is None:
-        raise InputError(f"{where}: the RMSNorm has no epsilon or no weight, which the "
-                         f"QKNormRoPE node needs (qk_norm='rms_norm' with a weight); not a "
-                         f"standard HunyuanVideo model")
-    return float(eps)
-
-
 class HunyuanVideoAttnProcessor:
     """Replaces ``HunyuanVideoAttnProcessor2_0`` (double- and single-stream) and
     ``HunyuanVideo15AttnProcessor2_0``; ``image_rotary_emb`` is a :class:`HunyuanRope`,
     ``attention_mask`` a :class:`HunyuanMask`."""
 
     def __init__(self, rounding: int, *, fused: bool = True):
-        self.rounding = contract.check_rounding(rounding)
+        self._fused = FusedNormRoPE(rounding, fused=fused)
+        self.rounding = self._fused.rounding
         self.fused = fused
-        self._attributes: dict[float, contract.NodeAttributes] = {}
-
-    def _fused(self, q, k, norm_q, norm_k, cache):
-        if not self.fused:  # diffusers' own norm and rotation (the tests' reference graph)
-            from diffusers.models.embeddings import apply_rotary_emb
-
-            half = cache.shape[1] // 2
-            rows = cache[:q.shape[1]]
-            pair = (rows[:, :half].repeat_interleave(2, dim=1),
-                    rows[:, half:].repeat_interleave(2, dim=1))
-            return (apply_rotary_emb(norm_q(q), pair, sequence_dim=1),
-                    apply_rotary_emb(norm_k(k), pair, sequence_dim=1))
-        eps = _eps(norm_q, "norm_q")
-        if eps not in self._attributes:
-            self._attributes[eps] = contract.NodeAttributes(eps, True, self.rounding)
-        return qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cache,
-                            **self._attributes[eps].as_kwargs())
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):

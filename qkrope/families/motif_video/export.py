@@ -55,20 +55,10 @@ class MotifVideoAttnProcessor:
     ``image_rotary_emb`` is a :class:`MotifRope`."""
 
     def __init__(self, rounding: int, *, fused: bool = True):
-        self.node = FusedNormRoPE(rounding)
+        self.node = FusedNormRoPE(rounding, fused=fused)
         self.rounding = self.node.rounding
-        self.fused = fused
 
     def _fused(self, q, k, norm_q, norm_k, cache):
-        if not self.fused:  # diffusers' own norm and rotation (the tests' reference graph)
-            from diffusers.models.embeddings import apply_rotary_emb
-
-            half = cache.shape[1] // 2
-            rows = cache[:q.shape[1]]
-            pair = (rows[:, :half].repeat_interleave(2, dim=1),
-                    rows[:, half:].repeat_interleave(2, dim=1))
-            return (apply_rotary_emb(norm_q(q), pair, sequence_dim=1),
-                    apply_rotary_emb(norm_k(k), pair, sequence_dim=1))
         for norm, where in ((norm_q, "norm_q"), (norm_k, "norm_k")):
             _eps(norm, where)  # an RMSNorm (the node's norm), not another kind
         return self.node(q, k, norm_q, norm_k, cache)
