@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from qkrope.errors import InputError
+from qkrope.export.finalize import check_no_double
 from qkrope.export.attention import _attention
 from qkrope.export.fused_qk import FusedNormRoPE
 from qkrope.export.sample import one_grid
@@ -241,12 +242,4 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
 
 def post_export(model) -> None:
     """No float64 anywhere (the stock RoPE is float32, but nothing may bring one in)."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    for node in model.graph.all_nodes():
-        for value in node.outputs:
-            if value is not None and value.dtype == ir.DataType.DOUBLE:
-                raise ExportError(f"graph value {value.name} is DOUBLE: the Cosmos graph must "
-                                  f"have no float64")
+    check_no_double(model, "the Cosmos graph")

@@ -21,6 +21,7 @@ from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
+from qkrope.export.finalize import check_no_double
 from qkrope.export.attention import _attention
 from qkrope.export.conv import patch_conv
 from qkrope.export.ops import qk_norm_rope
@@ -199,12 +200,4 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
 
 def post_export(model) -> None:
     """No float64 anywhere in the graph (diffusers' RoPE is not in it)."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    for node in model.graph.all_nodes():
-        for value in node.outputs:
-            if value is not None and value.dtype == ir.DataType.DOUBLE:
-                raise ExportError(f"graph value {value.name} is DOUBLE: the JoyImage graph must "
-                                  f"have no float64")
+    check_no_double(model, "the JoyImage graph")

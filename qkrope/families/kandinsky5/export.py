@@ -26,6 +26,7 @@ from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
+from qkrope.export.finalize import check_no_double
 from qkrope.export.attention import _attention
 from qkrope.export.ops import qk_norm_rope
 from qkrope.export.sample import one_grid
@@ -191,15 +192,7 @@ def check_config(directory: str, model_class, dtype: torch.dtype, *, memory: boo
 
 def post_export(model) -> None:
     """No float64 anywhere in the graph."""
-    import onnx_ir as ir
-
-    from qkrope.export.onnx_export import ExportError
-
-    for node in model.graph.all_nodes():
-        for value in node.outputs:
-            if value is not None and value.dtype == ir.DataType.DOUBLE:
-                raise ExportError(f"graph value {value.name} is DOUBLE: the Kandinsky 5 graph "
-                                  f"must have no float64")
+    check_no_double(model, "the Kandinsky 5 graph")
 
 
 def model_setting_of(transformer: nn.Module):
