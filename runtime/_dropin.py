@@ -22,7 +22,8 @@ family overrides it); what differs between families is what ``prepare`` returns:
 - the split of one diffusers call into several runner calls and the return type: ``prepare``
   returns a :class:`Split` (one :class:`Call` per group of batch items, each naming its
   ``items``); ``forward`` runs each, unpacks it, and returns diffusers' list of per-sample
-  tensors in the call's batch order. A plain :class:`Call` returns one batch tensor;
+  tensors in the call's batch order (stacked into one batch tensor with ``Split.stack``). A
+  plain :class:`Call` returns one batch tensor;
 - the wrapping of the sample (``Transformer2DModelOutput`` or a tuple): :meth:`Transformer.output`.
 """
 
@@ -94,6 +95,14 @@ def missing_arguments(who: str, missing: list[str]) -> InputError:
     return InputError(f"{who} needs {', '.join(missing)}; got None. Fix: pass what the "
                       f"family's diffusers pipeline passes its transformer (the drop-in takes "
                       f"the same call)")
+
+
+def require_arguments(who: str, **given: Any) -> None:
+    """Raise :func:`missing_arguments` naming every keyword of ``given`` that is None (in the
+    order given): the check a drop-in's ``prepare`` makes of the arguments its graph needs."""
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise missing_arguments(who, missing)
 
 
 def per_item(value: Any, name: str, batch: int, dtype: torch.dtype) -> torch.Tensor:
@@ -206,11 +215,13 @@ class Split:
     shapes differ, so no one graph call holds them all). ``forward`` runs each :class:`Call`,
     unpacks its sample, and returns diffusers' list of ``batch`` per-sample tensors (each
     group's rows placed at its ``items``): the return type of a forward that takes and returns
-    per-sample lists."""
+    per-sample lists; with ``stack`` the per-sample tensors stacked into one batch tensor (a
+    forward that takes and returns batch tensors, whose items' positions differ)."""
 
     calls: Sequence[Call]
     batch: int
     return_dict: bool = True
+    stack: bool = False
 
 
 class Transformer(DropinComponent):
@@ -305,6 +316,8 @@ class Transformer(DropinComponent):
         prepared = self.prepare(**self._bind(args, kwargs))
         if isinstance(prepared, Split):
             sample = self._assemble(prepared)
+            if prepared.stack:
+                sample = torch.stack(sample)
         else:
             sample = self._unpacked(prepared, self.run(prepared))
         return self.output(sample, prepared.return_dict)
@@ -338,7 +351,10 @@ class Transformer(DropinComponent):
                               conditioning=conditioning)
         # copy_outputs: the caller owns the result (a reused buffer would make true CFG's
         # conditional and unconditional predictions the same tensor)
-        return sample.clone() if not self._runner.copy_outputs else sample
+        if self._runner.copy_outputs:
+            return sample
+        # a model of several outputs (a video and an audio prediction) gives their tuple
+        return tuple(t.clone() for t in sample) if isinstance(sample, tuple) else sample.clone()
 
     @staticmethod
     def _unpacked(call: Call, sample):

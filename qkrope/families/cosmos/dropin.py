@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, short_repr,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, per_item, short_repr,
                                     tensor_arg)
 from qkrope.runtime.schemes import scaled_grid
 
@@ -75,11 +75,9 @@ class CosmosTransformer(Transformer):
             raise InputError("encoder_hidden_states is a (text, image context) tuple (Cosmos-"
                              "Predict2.5); the exported Cosmos-Predict2 transformer takes the "
                              "text embeddings alone. Fix: pass the prompt embeddings tensor")
-        missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
-                                  ("encoder_hidden_states", encoder_hidden_states),
-                                  ("padding_mask", padding_mask)) if v is None]
-        if missing:
-            raise missing_arguments("Cosmos-Predict2", missing)
+        require_arguments("Cosmos-Predict2", hidden_states=hidden_states, timestep=timestep,
+                          encoder_hidden_states=encoder_hidden_states,
+                          padding_mask=padding_mask)
         latent = tensor_arg(hidden_states, "hidden_states", 5,
                             "[batch, channels, frames, height, width] (the latent)")
         text = tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,

@@ -24,7 +24,7 @@ import numpy as np
 from qkrope.errors import InputError
 from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
 from qkrope.model_io import TARGET_TIMESTEP
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, per_item,
                                     position_ids, refuse_kwargs, tensor_arg)
 
 from . import IMAGE_ROPE_SCALE
@@ -86,12 +86,9 @@ class Flux3Transformer(Transformer):
         if target_timestep is None and flow_map:
             raise InputError(TARGET_TIMESTEP_MISSING)
         refuse_kwargs(attention_kwargs, "attention_kwargs")
-        missing = [n for n, v in (("hidden_states", hidden_states),
-                                  ("encoder_hidden_states", encoder_hidden_states),
-                                  ("timestep", timestep), ("img_ids", img_ids),
-                                  ("txt_ids", txt_ids)) if v is None]
-        if missing:
-            raise missing_arguments(self.record.short, missing)
+        require_arguments(self.record.short, hidden_states=hidden_states,
+                          encoder_hidden_states=encoder_hidden_states,
+                          timestep=timestep, img_ids=img_ids, txt_ids=txt_ids)
         image = tensor_arg(hidden_states, "hidden_states", 3,
                            "[batch, image tokens, channels] (the packed latent)")
         text = tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,

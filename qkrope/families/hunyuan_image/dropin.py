@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, per_item, refuse_kwargs,
                                     tensor_arg)
 from qkrope.runtime.latents import pack_patches, unpack_patches
 from qkrope.runtime.schemes import patch_grid
@@ -68,12 +68,9 @@ class HunyuanImageTransformer(Transformer):
                              "text), which this export does not take (exported without the "
                              "glyph inputs: an older qkrope, or a model without "
                              "context_embedder_2). Fix: re-export the model with this qkrope")
-        missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
-                                  ("encoder_hidden_states", encoder_hidden_states),
-                                  ("encoder_attention_mask", encoder_attention_mask))
-                   if v is None]
-        if missing:
-            raise missing_arguments(self.record.short, missing)
+        require_arguments(self.record.short, hidden_states=hidden_states, timestep=timestep,
+                          encoder_hidden_states=encoder_hidden_states,
+                          encoder_attention_mask=encoder_attention_mask)
         rank = 2 + len(self._patch)
         tensor_arg(hidden_states, "hidden_states", rank,
                    "[batch, channels, " + ("frames, " if rank == 5 else "") + "height, width]")

@@ -31,7 +31,7 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, per_item, refuse_kwargs,
                                     tensor_arg)
 from qkrope.runtime.latents import latent_of
 
@@ -116,11 +116,9 @@ class HunyuanVideo15Transformer(_HunyuanBase):
             raise InputError("timestep_r (HunyuanVideo-1.5's MeanFlow super-resolution models) "
                              "is not in the exported graph. Fix: run MeanFlow models on the "
                              "PyTorch model")
-        missing = [n for n, v in (("encoder_hidden_states_2", encoder_hidden_states_2),
-                                  ("encoder_attention_mask_2", encoder_attention_mask_2),
-                                  ("image_embeds", image_embeds)) if v is None]
-        if missing:
-            raise missing_arguments("HunyuanVideo-1.5", missing)  # zero image_embeds: T2V
+        require_arguments("HunyuanVideo-1.5", encoder_hidden_states_2=encoder_hidden_states_2,
+                          encoder_attention_mask_2=encoder_attention_mask_2,
+                          image_embeds=image_embeds)  # zero image_embeds: T2V
         batch, timestep, mask = self._common(hidden_states, timestep, encoder_hidden_states,
                                        encoder_attention_mask, attention_kwargs)
         tensor_arg(encoder_hidden_states_2, "encoder_hidden_states_2", 3,
@@ -218,9 +216,8 @@ class HunyuanVideoFramepackTransformer(_HunyuanBase):
                      indices_latents_history_2x=indices_latents_history_2x,
                      latents_history_4x=latents_history_4x,
                      indices_latents_history_4x=indices_latents_history_4x)
-        missing = [n for n, v in given.items() if v is None]
-        if missing:  # diffusers' FramePack forward needs every part of the history
-            raise missing_arguments("HunyuanVideo FramePack", missing)
+        # diffusers' FramePack forward needs every part of the history
+        require_arguments("HunyuanVideo FramePack", **given)
         batch, timestep, mask = self._common(hidden_states, timestep, encoder_hidden_states,
                                              encoder_attention_mask, attention_kwargs)
         tensor_arg(pooled_projections, "pooled_projections", 2,

@@ -21,7 +21,7 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
-from qkrope.runtime._dropin import Call, Transformer, missing_arguments, per_item, tensor_arg
+from qkrope.runtime._dropin import Call, Transformer, require_arguments, per_item, tensor_arg
 from qkrope.runtime.latents import latent_of
 from qkrope.runtime.schemes import divided_grid
 
@@ -71,14 +71,11 @@ class Kandinsky5Transformer(Transformer):
             raise InputError("sparse_params (nabla sparse attention) is not in the exported "
                              "Kandinsky 5 graph. Fix: run a model with attention_type "
                              "'regular' (sparse_params None)")
-        missing = [n for n, v in (("hidden_states", hidden_states),
-                                  ("encoder_hidden_states", encoder_hidden_states),
-                                  ("timestep", timestep),
-                                  ("pooled_projections", pooled_projections),
-                                  ("visual_rope_pos", visual_rope_pos),
-                                  ("text_rope_pos", text_rope_pos)) if v is None]
-        if missing:
-            raise missing_arguments("Kandinsky 5", missing)
+        require_arguments("Kandinsky 5", hidden_states=hidden_states,
+                          encoder_hidden_states=encoder_hidden_states,
+                          timestep=timestep, pooled_projections=pooled_projections,
+                          visual_rope_pos=visual_rope_pos,
+                          text_rope_pos=text_rope_pos)
         latent = tensor_arg(hidden_states, "hidden_states", 5,
                             "[batch, frames, height, width, channels] (the channels-last latent)")
         text = tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,

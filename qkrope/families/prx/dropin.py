@@ -16,7 +16,7 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, per_item, refuse_kwargs,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, per_item, refuse_kwargs,
                                     tensor_arg)
 from qkrope.runtime.latents import pack_patches, unpack_patches
 
@@ -45,11 +45,8 @@ class PRXTransformer(Transformer):
     def prepare(self, hidden_states=None, timestep=None, encoder_hidden_states=None,
                 attention_mask=None, attention_kwargs=None, return_dict: bool = True) -> Call:
         refuse_kwargs(attention_kwargs, "attention_kwargs")
-        missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
-                                  ("encoder_hidden_states", encoder_hidden_states))
-                   if v is None]
-        if missing:
-            raise missing_arguments(self.record.short, missing)
+        require_arguments(self.record.short, hidden_states=hidden_states, timestep=timestep,
+                          encoder_hidden_states=encoder_hidden_states)
         p = int(self.config.get("patch_size", 2))
         tensor_arg(hidden_states, "hidden_states", 4, "[batch, channels, height, width]")
         tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,

@@ -27,7 +27,7 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.qwen_image import QWEN_IMAGE_RECORD as RECORD
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, refuse_kwargs, short_repr,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, refuse_kwargs, short_repr,
                                     tensor_arg)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import grid
@@ -134,10 +134,8 @@ class QwenImageTransformer(Transformer):
                 return_dict: bool = True) -> Call:
         self._refuse_unsupported(guidance, attention_kwargs, controlnet_block_samples,
                                  additional_t_cond)
-        if encoder_hidden_states is None or timestep is None or img_shapes is None:
-            missing = [n for n, v in (("encoder_hidden_states", encoder_hidden_states),
-                                      ("timestep", timestep), ("img_shapes", img_shapes)) if v is None]
-            raise missing_arguments("Qwen-Image", missing)
+        require_arguments("Qwen-Image", encoder_hidden_states=encoder_hidden_states,
+                          timestep=timestep, img_shapes=img_shapes)
         tensor_arg(encoder_hidden_states, "encoder_hidden_states", 3,
                    f"[batch, text_tokens, {self.config.get('joint_attention_dim')}]")
         txt = int(encoder_hidden_states.shape[1])

@@ -36,7 +36,7 @@ import numbers
 import torch
 
 from qkrope.errors import InputError
-from qkrope.runtime._dropin import (Call, Transformer, missing_arguments, refuse_kwargs, short_repr,
+from qkrope.runtime._dropin import (Call, Transformer, require_arguments, refuse_kwargs, short_repr,
                                     tensor_arg)
 from qkrope.runtime.latents import VIDEO_5D, Latent
 
@@ -115,11 +115,8 @@ class WanTransformer(Transformer):
                 encoder_hidden_states_image=None, return_dict: bool = True,
                 attention_kwargs=None, **extras) -> Call:
         refuse_kwargs(attention_kwargs, "attention_kwargs")
-        if hidden_states is None or timestep is None or encoder_hidden_states is None:
-            missing = [n for n, v in (("hidden_states", hidden_states), ("timestep", timestep),
-                                      ("encoder_hidden_states", encoder_hidden_states))
-                       if v is None]
-            raise missing_arguments("Wan", missing)
+        require_arguments("Wan", hidden_states=hidden_states, timestep=timestep,
+                          encoder_hidden_states=encoder_hidden_states)
         channels = self.config.get("in_channels")
         tensor_arg(hidden_states, "hidden_states", 5, f"[batch, {channels}, frames, height, "
                    f"width] (the video latent)")

@@ -27,7 +27,7 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families.z_image import SEQ_MULTIPLE, Z_IMAGE
-from qkrope.runtime._dropin import (Call, Split, Transformer, missing_arguments, per_item,
+from qkrope.runtime._dropin import (Call, Split, Transformer, require_arguments, per_item,
                                     refuse_kwargs, short_repr)
 from qkrope.runtime.caches import RopeCaches, build_rope_caches, checked_setting
 from qkrope.runtime.schemes import table
@@ -127,9 +127,7 @@ class ZImageTransformer(Transformer):
         returns."""
         self._refuse_unsupported(controlnet_block_samples, siglip_feats, image_noise_mask,
                                  patch_size, f_patch_size, joint_attention_kwargs)
-        if x is None or t is None or cap_feats is None:
-            missing = [n for n, v in (("x", x), ("t", t), ("cap_feats", cap_feats)) if v is None]
-            raise missing_arguments("Z-Image", missing)
+        require_arguments("Z-Image", x=x, t=t, cap_feats=cap_feats)
         images = _items(x, "x", 4, "[channels, frames, height, width]")
         captions = _items(cap_feats, "cap_feats", 2, "[caption_tokens, cap_feat_dim]")
         if len(images) != len(captions):
