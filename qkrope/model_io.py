@@ -57,12 +57,19 @@ IMG_CACHE_ROWS, TXT_CACHE_ROWS = "img_cache_rows", "txt_cache_rows"
 #: The axes of a 5-D latent the model patchifies itself ([batch, channels, frames, height,
 #: width], qkrope.runtime.latents): latent frames, rows and columns, before patchifying.
 LATENT_FRAMES, LATENT_HEIGHT, LATENT_WIDTH = "latent_frames", "latent_height", "latent_width"
+#: A packed sequence (one attention document holding the rows of several streams: text, video
+#: and audio rows scattered by index tensors): its rows, the audio rows among them, and the
+#: distinct noise levels its rows are at (one timestep value each).
+PACKED_ROWS, AUDIO_TOKENS, NOISE_LEVELS = "packed_rows", "audio_tokens", "noise_levels"
+#: The token axes whose rows a packed sequence holds, each row once (its rows are their sum).
+PACKED_FROM = (TXT_TOKENS, IMG_TOKENS, AUDIO_TOKENS)
 #: The lengths of a second text stream (HunyuanVideo-1.5's ByT5 tokens) and of image
 #: embeddings (its SigLIP tokens) a model joins to its text.
 TXT2_TOKENS, IMAGE_EMBED_TOKENS = "txt2_tokens", "image_embed_tokens"
 #: The token axes of the condition inputs a model joins to its text stream (the text cache's
-#: rows cover them too).
-JOINED_TEXT_AXES = (TXT2_TOKENS, IMAGE_EMBED_TOKENS)
+#: rows cover them too; a packed sequence's audio rows: its text cache holds the text rows,
+#: then the audio rows).
+JOINED_TEXT_AXES = (TXT2_TOKENS, IMAGE_EMBED_TOKENS, AUDIO_TOKENS)
 #: The frames of history latents a model joins before its latent (HunyuanVideo FramePack's:
 #: clean frames, and the frames of its 2x and 4x downsampled history), at the latent's height
 #: and width.
@@ -73,7 +80,8 @@ CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES = (
 HISTORY_AXES = (CLEAN_FRAMES, HISTORY_2X_FRAMES, HISTORY_4X_FRAMES)
 #: The dynamic axes of the exported models, as the exporter names them.
 AXES = (BATCH, IMG_TOKENS, TXT_TOKENS, IMG_CACHE_ROWS, TXT_CACHE_ROWS, LATENT_FRAMES,
-        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS) + HISTORY_AXES
+        LATENT_HEIGHT, LATENT_WIDTH, TXT2_TOKENS, IMAGE_EMBED_TOKENS) + HISTORY_AXES + (
+        PACKED_ROWS, AUDIO_TOKENS, NOISE_LEVELS)
 #: A cache's rows axis -> the token axis of its stream.
 CACHE_ROWS_FOR = {IMG_CACHE_ROWS: IMG_TOKENS, TXT_CACHE_ROWS: TXT_TOKENS}
 
@@ -82,9 +90,11 @@ ROLES = ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache",
          "encoder_hidden_states_mask", "timestep", "pooled_projections", "guidance",
          "padding_mask", "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds",
          "encoder_hidden_states_image", "control_hidden_states", "control_hidden_states_scale",
-         "latents_clean", "latents_history_2x", "latents_history_4x", "target_timestep")
+         "latents_clean", "latents_history_2x", "latents_history_4x", "target_timestep",
+         "audio_hidden_states", "timestep_indices", "token_tags", "video_indices",
+         "audio_indices", "text_indices")
 #: What each output is.
-OUTPUT_ROLES = ("img_out", "txt_out", "sample")
+OUTPUT_ROLES = ("img_out", "txt_out", "sample", "audio_sample")
 
 
 @dataclass(frozen=True)
@@ -217,6 +227,39 @@ LATENTS_HISTORY_4X = TensorDecl(
 #: joins coarser patches of them pools their rows itself.
 HISTORY_ROLES = (LATENTS_CLEAN.role, LATENTS_HISTORY_2X.role, LATENTS_HISTORY_4X.role)
 
+#: A packed sequence's inputs (model_io.PACKED_ROWS): a second latent stream (audio rows), the
+#: distinct timestep values of the sequence, per packed row its noise level (an index into
+#: them) and its stream tag, and where each stream's rows sit in the sequence. Their caches
+#: are the two cache inputs: the image cache for the video rows, the text cache for the text
+#: rows then the audio rows (audio_tokens is a joined-text axis).
+AUDIO_HIDDEN_STATES = TensorDecl(
+    "audio_hidden_states", "audio_hidden_states", (BATCH, AUDIO_TOKENS, None),
+    "audio latent rows, [batch, audio_tokens, audio_channels], in the order of audio_indices")
+TIMESTEP_LEVELS = TensorDecl(
+    "timestep_levels", "timestep", (NOISE_LEVELS,),
+    "the distinct timestep values of the packed sequence, [noise_levels] (shared by the "
+    "batch; every packed row names one by timestep_indices)")
+TIMESTEP_INDICES = TensorDecl(
+    "timestep_indices", "timestep_indices", (PACKED_ROWS,),
+    "int64 [packed_rows]: per packed row, the index of its value in timestep_levels")
+TOKEN_TAGS = TensorDecl(
+    "token_tags", "token_tags", (PACKED_ROWS,),
+    "int64 [packed_rows]: per packed row, its stream tag (the model's modulation row)")
+VIDEO_INDICES = TensorDecl(
+    "video_indices", "video_indices", (IMG_TOKENS,),
+    "int64 [img_tokens]: the packed row of each row of hidden_states")
+AUDIO_INDICES = TensorDecl(
+    "audio_indices", "audio_indices", (AUDIO_TOKENS,),
+    "int64 [audio_tokens]: the packed row of each row of audio_hidden_states")
+TEXT_INDICES = TensorDecl(
+    "text_indices", "text_indices", (TXT_TOKENS,),
+    "int64 [txt_tokens]: the packed row of each row of encoder_hidden_states")
+AUDIO_SAMPLE = TensorDecl("audio_sample", "audio_sample", (BATCH, AUDIO_TOKENS, None))
+#: The packed-sequence inputs a runner call passes by role (beside the latent, text, timestep
+#: and caches).
+PACKED_ROLES = (AUDIO_HIDDEN_STATES.role, TIMESTEP_INDICES.role, TOKEN_TAGS.role,
+                VIDEO_INDICES.role, AUDIO_INDICES.role, TEXT_INDICES.role)
+
 #: The two cache inputs, image first.
 CACHE_INPUTS = (IMG_COS_SIN_CACHE, TXT_COS_SIN_CACHE)
 
@@ -257,7 +300,9 @@ TENSORS = {t.name: t for t in (HIDDEN_STATES, ENCODER_HIDDEN_STATES, ENCODER_HID
                                ENCODER_ATTENTION_MASK_2, IMAGE_EMBEDS,
                                ENCODER_HIDDEN_STATES_IMAGE, CONTROL_HIDDEN_STATES,
                                CONTROL_HIDDEN_STATES_SCALE, LATENTS_CLEAN, LATENTS_HISTORY_2X,
-                               LATENTS_HISTORY_4X, TARGET_TIMESTEP)}
+                               LATENTS_HISTORY_4X, TARGET_TIMESTEP, AUDIO_HIDDEN_STATES,
+                               TIMESTEP_LEVELS, TIMESTEP_INDICES, TOKEN_TAGS, VIDEO_INDICES,
+                               AUDIO_INDICES, TEXT_INDICES, AUDIO_SAMPLE)}
 
 def role_of(name: str) -> str | None:
     """The role of a tensor the exporter names ``name`` (None for another name)."""

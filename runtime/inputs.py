@@ -83,6 +83,10 @@ def sample_request(info: ModelInfo, img_shapes: Sequence[Sequence[int]],
 
     record = families.by_name(info.config.family, source=info.source or "the sidecar")
     hooks = families.hooks(record, "dropin")
+    model_request = getattr(hooks, "model_request", None)
+    if model_request is not None:  # a request that depends on the model's config
+        cfg = info.config.diffusers_config if info.config is not None else None
+        return record, model_request(record, dict(cfg or {}), img_shapes, txt_len)
     return record, hooks.sample_request(record, img_shapes, txt_len)
 
 
@@ -92,6 +96,16 @@ def sample_caches(info: ModelInfo, img_shapes: Sequence[Sequence[int]], txt_len:
     record, request = sample_request(info, img_shapes, txt_len)
     return build_rope_caches(record.scheme, request,
                              model_setting(info.config, record, info.source or "the sidecar"))
+
+
+def joined_text_sizes(info: ModelInfo) -> dict[str, int]:
+    """The export sample's length of each condition axis the model joins to its text
+    (:data:`qkrope.model_io.JOINED_TEXT_AXES`): a sample keeps them, and its text stream's
+    positions cover the text tokens plus these."""
+    named = {d for t in info.inputs for d in t.shape if isinstance(d, str)}
+    exported = info.export_values()
+    return {a: int(exported[a]) for a in model_io.JOINED_TEXT_AXES
+            if a in named and a in exported}
 
 
 def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = None,
@@ -115,8 +129,7 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     img_tokens = sum(f * h * w for f, h, w in img_shapes)
     named = {d for t in info.inputs for d in t.shape if isinstance(d, str)}
     exported = info.export_values()
-    joined = {a: int(exported[a]) for a in model_io.JOINED_TEXT_AXES
-              if a in named and a in exported}
+    joined = joined_text_sizes(info)
     record, request = sample_request(info, img_shapes, txt_len + sum(joined.values()))
     source = info.source or "the sidecar"
     setting = model_setting(info.config, record, source)
@@ -134,9 +147,17 @@ def make_inputs(info: ModelInfo, img_shapes: Sequence[Sequence[int]] | None = No
     sizes.update({a: int(exported[a]) for a in model_io.HISTORY_AXES
                   if a in named and a in exported})
     feeds: dict[str, np.ndarray] = {}
+    # inputs the family lays out itself (a packed sequence's indices), not drawn at random
+    from qkrope import families
+
+    own = getattr(families.hooks(record, "reference"), "sample_inputs", None)
+    given = dict(own(info, dict(sizes))) if own is not None else {}
     for t in info.inputs:
         dtype = numpy_dtype(t.dtype)
         role = info.role_of(t.name)
+        if t.name in given:
+            feeds[t.name] = np.asarray(given[t.name]).astype(dtype)
+            continue
         shape = latents.concrete_shape(t.name, info.tensor(t.name).shape, sizes)
         if role == model_io.IMG_COS_SIN_CACHE.role:
             feeds[t.name] = caches.img.numpy().copy()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping, Sequence
 
+from qkrope import model_io
 from qkrope.errors import QkropeError
 from qkrope.model_io import (BATCH, CACHE_ROWS_FOR, IMG_TOKENS, TXT_CACHE_ROWS,  # noqa: F401
                              TXT_TOKENS)
@@ -163,6 +164,16 @@ def axis_ranges(inputs: Sequence[TensorInfo], export: Mapping[str, int], *,
                                                else DEFAULT_MAX_IMG_TOKENS))
             else:
                 ranges[rows_axis] = tok
+    # the text cache covers the conditions a model joins to its text (their rows after it)
+    joined = [ranges[a] for a in model_io.JOINED_TEXT_AXES if a in ranges]
+    if TXT_CACHE_ROWS in ranges and joined:
+        ranges[TXT_CACHE_ROWS] = tuple(ranges[TXT_CACHE_ROWS][i] + sum(r[i] for r in joined)
+                                       for i in range(3))
+    # a packed sequence's rows are its streams' rows, each once (model_io.PACKED_FROM)
+    if model_io.PACKED_ROWS in axes:
+        parts = [ranges.get(a) or (export[a],) * 3 for a in model_io.PACKED_FROM
+                 if a in ranges or a in export]
+        ranges[model_io.PACKED_ROWS] = tuple(sum(p[i] for p in parts) for i in range(3))
     return ranges
 
 

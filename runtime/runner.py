@@ -27,7 +27,7 @@ import torch
 
 from qkrope.errors import InputError, QkropeError
 
-from qkrope import dtypes
+from qkrope import dtypes, model_io
 from qkrope.model_io import ModelIO
 from .caches import validate_cos_sin_caches
 
@@ -40,7 +40,8 @@ BUFFERS_PER_NAME = 2
 CONDITIONING_ROLES = ("pooled_projections", "guidance", "padding_mask", "encoder_hidden_states_2",
                       "encoder_attention_mask_2", "image_embeds", "encoder_hidden_states_image",
                       "control_hidden_states", "control_hidden_states_scale", "latents_clean",
-                      "latents_history_2x", "latents_history_4x", "target_timestep")
+                      "latents_history_2x", "latents_history_4x", "target_timestep",
+                      *model_io.PACKED_ROLES)
 
 
 class RunnerError(QkropeError, RuntimeError):

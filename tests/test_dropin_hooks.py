@@ -131,6 +131,18 @@ def test_a_split_runs_each_group_and_returns_the_per_sample_list_in_batch_order(
     assert isinstance(wrapped.sample, list) and len(wrapped.sample) == 3
 
 
+def test_a_stacked_split_returns_one_batch_tensor_in_batch_order():
+    """Split.stack: groups of equal shapes (items whose positions differ) come back as one
+    [batch, ...] tensor, item i at row i (a forward that returns batch tensors)."""
+    model, runner = _model()
+    split = Split([_call((2, 2), 3, [2.0, 0.0], items=(2, 0)), _call((2, 2), 5, [1.0], items=(1,))],
+                  batch=3, return_dict=False, stack=True)
+    (out,) = model(split)
+    assert isinstance(out, torch.Tensor) and tuple(out.shape) == (3, 4, 4)
+    assert all(torch.equal(out[i], torch.full_like(out[i], float(i))) for i in range(3))
+    assert [c["txt_rows"] for c in runner.calls] == [3, 5]
+
+
 @pytest.mark.parametrize("items, batch, match", [
     ([(0,), (0,)], 2, "badly"),        # an item in two groups
     ([(0,), (2,)], 2, "badly"),        # past the batch

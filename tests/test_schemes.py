@@ -475,7 +475,8 @@ def _scheme_requests(img_ids, txt_ids):
            schemes.grid: schemes.grid.sample_request([(1, 3, 4)], 5),
            schemes.patch_grid: schemes.patch_grid.sample_request([(1, 3, 4)], 5),
            schemes.scaled_grid: schemes.scaled_grid.sample_request((2, 3, 4)),
-           schemes.divided_grid: schemes.divided_grid.sample_request((2, 3, 4), 5)}
+           schemes.divided_grid: schemes.divided_grid.sample_request((2, 3, 4), 5),
+           schemes.ids_float32: {"txt_ids": txt_ids, "img_ids": img_ids}}
     assert set(out) == set(schemes.SCHEMES.values())
     return out
 

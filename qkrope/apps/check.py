@@ -146,6 +146,12 @@ def tolerances(dtype: str, reference: Mapping[str, np.ndarray], *,
 # Reference
 # --------------------------------------------------------------------------------------------
 
+
+def _named_outputs(info, sample, result) -> list:
+    """The graph's outputs by name from diffusers' ``return_dict=False`` tuple: ``sample`` (its
+    first, in the graph's layout) and the ones after it (a video model's audio prediction)."""
+    return list(zip(info.output_names, [sample, *list(result)[1:len(info.output_names)]]))
+
 def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                       img_shapes: Sequence[Sequence[int]], *,
                       diffusers_dir: str | None = None, block_names: Sequence[str] = (),
@@ -176,13 +182,14 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
         reference = families.hooks(record, "reference")
         kwargs = reference.forward_kwargs(info, r, img_shapes)
         if not record.block_lists:  # loaded whole: diffusers' own class for the folder
-            sample = _reference_transformer(info, diffusers_dir)(**kwargs)[0]
+            result = _reference_transformer(info, diffusers_dir)(**kwargs)
+            sample = result[0]
             if hasattr(reference, "graph_output"):  # diffusers' output in the graph's layout
                 sample = reference.graph_output(info, sample, img_shapes)
             if stats is not None:
                 stats.update(class_name=record.class_name,
                              folder=str(_reference_folder(info, diffusers_dir)))
-            return {info.output_names[0]: sample.float().numpy()}
+            return {k: v.float().numpy() for k, v in _named_outputs(info, sample, result)}
         from qkrope.apps.check_blocks import StreamedTransformer, reference_block_outputs
         from qkrope.dtypes import TORCH_BY_SHORT
 
@@ -191,10 +198,11 @@ def reference_outputs(info: ModelInfo, feeds: Mapping[str, np.ndarray],
                        if info.config.num_layers_exported else None)
         model = StreamedTransformer(directory, dtype=TORCH_BY_SHORT[info.dtype], num_layers=n,
                                     class_name=record.class_name)
-        sample = model(**kwargs)[0]
+        result = model(**kwargs)
+        sample = result[0]
         if not layers and hasattr(reference, "graph_output"):  # as above
             sample = reference.graph_output(info, sample, img_shapes)
-        outs = {} if layers else {info.output_names[0]: sample}
+        outs = {} if layers else dict(_named_outputs(info, sample, result))
         blocks = reference_block_outputs(model, block_names)
         if stats is not None:
             stats.update(peak_block_elements=model.peak_block_elements,

@@ -45,7 +45,9 @@ STREAMS = BLOCK_STREAMS  # a block's outputs: hidden_states (image), encoder_hid
 # the one joined text-and-image stream (FLUX.2's and Chroma's single blocks; in the model's own
 # order)
 #: the token axis of each stream in an exported graph (export/trace names the axes)
-STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined"}
+STREAM_AXES = {"img_tokens": "img", "txt_tokens": "txt", "txt_tokens + img_tokens": "joined",
+               # a packed sequence (every stream's rows in one, by index tensors)
+               model_io.PACKED_ROWS: "joined"}
 #: a factor of the image token axis of a graph whose model patchifies a 5-D latent
 #: (export/latent_axes.py): the product of the latent's token grid, each factor a latent axis
 #: (patch 1), its token count (``<axis>_tokens``) or, where torch.onnx left that count unnamed

@@ -80,6 +80,12 @@ class ReferenceExtras(Protocol):
                      img_shapes: Sequence[Sequence[int]]) -> Any:
         """diffusers' output in the graph's layout, where the two differ."""
 
+    def sample_inputs(self, info: "qkrope.sidecars.ModelInfo",
+                      sizes: Mapping[str, int]) -> Mapping[str, Any]:
+        """Graph inputs whose values a sample cannot draw at random (a packed sequence's index
+        tensors: each row filled once), by input name as numpy arrays, for the sample's axis
+        sizes ``sizes`` (batch, img_tokens, txt_tokens, the joined text axes)."""
+
 
 class DropinHooks(Protocol):
     """``qkrope.families.<package>.dropin`` (runtime layer), called by qkrope.runtime
@@ -101,6 +107,13 @@ class DropinExtras(Protocol):
 
     #: names qkrope.runtime offers (``qkrope.runtime.<name>``): builders of the family's caches
     PUBLIC: Mapping[str, Any]
+
+    def model_request(self, record: "FamilyRecord", config: Mapping[str, Any],
+                      img_shapes: Sequence[Sequence[int]], txt_len: int) -> dict:
+        """``sample_request`` for a model of this diffusers ``config`` (config.json's values),
+        where the request depends on it (positions given as RoPE angles computed from the
+        config's head width, theta and axis layout); called in its place by the sample inputs
+        (qkrope.runtime.inputs.sample_request)."""
 
 
 class TinyHooks(Protocol):

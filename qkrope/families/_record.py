@@ -16,10 +16,11 @@ from qkrope.model_io import GUIDANCE, ModelDecl
 #: ids into per-axis RoPE tables (diffusers' RopeEmbedder), "patch-grid" from the token grid of
 #: one latent the model patchifies (float32 angles, the text not rotated), "scaled_grid" from a
 #: video's token grid with a base per axis and frame positions scaled to a frame rate,
-#: "divided_grid" from a video's token grid with per-call angle divisors and a 1-D text.
+#: "divided_grid" from a video's token grid with per-call angle divisors and a 1-D text,
+#: "ids-float32" from per-token position ids as "ids" does, in float32 arithmetic.
 #: The runtime's registry (qkrope.runtime.schemes.SCHEMES) holds the same names, one module
 #: each (tests/test_family_contract.py holds the two equal: this list stays torch-free).
-SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid", "divided_grid")
+SCHEMES = ("grid", "ids", "table", "patch-grid", "scaled_grid", "divided_grid", "ids-float32")
 #: The latent layouts a family's transformer takes: "packed-tokens" = [batch, tokens, features]
 #: (the pipeline packs the latent patches); "video-5d" = [batch, channels, frames, height,
 #: width], patchified by the model (qkrope.runtime.latents).

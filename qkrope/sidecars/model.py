@@ -59,7 +59,12 @@ def _check_role(f: _Fields, name: str, role: str | None, axes: Sequence[Any]) ->
         f.fail(f"gives the tensor {name!r} the role {role!r}, but {name!r} is the {declared!r} "
                f"of every model qkrope exports: the roles were edited or swapped")
     forms = [d.axes for d in _DECL_BY_ROLE[role]]
-    want = next((w for w in forms if len(w) == len(axes)), forms[0])
+    # a role may have forms of one rank with other axes (a [batch] timestep, a packed
+    # sequence's [noise_levels] one): the form whose named axes the shape has
+    same_rank = [w for w in forms if len(w) == len(axes)]
+    want = next((w for w in same_rank if all(
+        not isinstance(got, str) or e is None or got == e for got, e in zip(axes, w))),
+        same_rank[0] if same_rank else forms[0])
     if len(axes) != len(want):
         f.fail(f"gives the tensor {name!r} the role {role!r}, which has {len(want)} dimensions "
                f"({list(want)}), but its shape has {len(axes)}: the roles were edited or "

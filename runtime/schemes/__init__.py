@@ -3,7 +3,7 @@
 Triton rope model, which imports it by path).
 
 Each scheme module (:mod:`.grid`, :mod:`.ids`, :mod:`.table`, :mod:`.patch_grid`,
-:mod:`.scaled_grid`, :mod:`.divided_grid`) says:
+:mod:`.scaled_grid`, :mod:`.divided_grid`, :mod:`.ids_float32`) says:
 
 - ``FIELDS``: the request fields it takes in place of the caches (``POSITION_FIELDS``: those
   whose tensors hold position values);
@@ -20,14 +20,14 @@ module here, added to :data:`SCHEMES`.
 
 from __future__ import annotations
 
-from . import divided_grid, grid, ids, patch_grid, scaled_grid, table
+from . import divided_grid, grid, ids, ids_float32, patch_grid, scaled_grid, table
 from ._common import (BIT_EXACT, PRECISIONS, STREAMS, BadPositions, BadRequest,  # noqa: F401
                       CacheBudget, PositionOverflow, Setting, TooLarge, check_mask_dtype,
                       check_token_shapes, identity_rows)
 
 #: Every scheme by name.
 SCHEMES = {m.NAME: m for m in (grid, ids, table, patch_grid, scaled_grid,
-                                    divided_grid)}
+                                    divided_grid, ids_float32)}
 
 
 def scheme(name: str):
