@@ -430,3 +430,67 @@ def flux3(model, batch: int, g: torch.Generator) -> Forms:
 
 
 FORMS.update({"flux3": flux3})
+
+
+def minimax_h3(model, batch: int, g: torch.Generator) -> Forms:
+    """MiniMax-H3: the transformer's own call (diffusers has no pipeline): video, audio and
+    text rows, the distinct timesteps and per packed row its level, tag and position, the three
+    index tensors (the family's sample layout, the video rows placed last); integer
+    position_ids (the model converts them to float32) and non-contiguous streams read the
+    same."""
+    from qkrope.families.minimax_h3.dropin import packed_layout
+
+    cfg = model.config
+    grid, txt, audio = (2, 3, 4), 5, 6
+    lay = packed_layout(grid, txt, audio)
+    p = cfg.patch_size
+    base = {"hidden_states": torch.randn(batch, 24, cfg.in_channels * p[0] * p[1] * p[2],
+                                         generator=g),
+            "audio_hidden_states": torch.randn(batch, audio, cfg.audio_in_channels, generator=g),
+            "encoder_hidden_states": torch.randn(batch, txt, cfg.text_dim, generator=g),
+            "timestep": torch.tensor([0.625, 0.0]), **lay, "return_dict": False}
+    same = [("position_ids int64", dict(base, position_ids=lay["position_ids"].long())),
+            ("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  audio_hidden_states=_noncontiguous(base["audio_hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": []}
+
+
+FORMS.update({"minimax-h3": minimax_h3})
+
+
+def ideogram4(model, batch: int, g: torch.Generator) -> Forms:
+    """Ideogram 4: Ideogram4Pipeline's conditional call, its packed [left padding][text][image]
+    sequence laid out by the pipeline's own _prepare_ids (prompts of different lengths where
+    the batch has several items: one graph call per group); the model masks the latent's text
+    rows and the features' image rows (any values there read the same), and int32 index tensors
+    read as int64. A row packing two samples (a second segment) is refused."""
+    from diffusers import Ideogram4Pipeline
+
+    cfg = model.config
+    lengths = [3 + 2 * (i % 2) for i in range(batch)]
+    pos, seg, ind = Ideogram4Pipeline._prepare_ids(lengths, 2, 3, 6, "cpu")
+    length = pos.shape[1]
+    text = torch.randn(batch, length, cfg.llm_features_dim, generator=g) * (ind == 3)[..., None]
+    latent = torch.randn(batch, length, cfg.in_channels, generator=g) * (ind == 2)[..., None]
+    base = {"hidden_states": latent, "timestep": torch.rand(batch, generator=g),
+            "encoder_hidden_states": text, "position_ids": pos, "segment_ids": seg,
+            "indicator": ind, "return_dict": False}
+    noise = dict(base, hidden_states=latent + torch.randn(latent.shape, generator=g)
+                 * (ind != 2)[..., None],
+                 encoder_hidden_states=text + torch.randn(text.shape, generator=g)
+                 * (ind != 3)[..., None])
+    packed = seg.clone()
+    packed[:, -2:] = 7
+    same = [("values where the model masks", noise),
+            ("int32 index tensors", dict(base, position_ids=pos.int(), segment_ids=seg.int(),
+                                         indicator=ind.int())),
+            ("non-contiguous tensors",
+             dict(base, hidden_states=_noncontiguous(base["hidden_states"]),
+                  encoder_hidden_states=_noncontiguous(base["encoder_hidden_states"])))]
+    return {"base": base, "same": same, "refused": [("two samples in a row",
+                                                     dict(base, segment_ids=packed))]}
+
+
+FORMS.update({"ideogram4": ideogram4})

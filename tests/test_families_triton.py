@@ -81,13 +81,15 @@ def test_the_rope_model_serves_the_checked_caches_and_the_model_step_the_checked
         repository, monkeypatch):
     from qkrope import model_io
     from qkrope.apps.check import _default_sample
-    from qkrope.runtime.inputs import make_inputs, sample_request
+    from qkrope.runtime.inputs import joined_text_sizes, make_inputs, sample_request
 
     builder, out, repo, name = repository
     info = ModelInfo.load(out)
     sample = _default_sample(info)
     feeds = make_inputs(info, sample["img_shapes"], sample["txt_len"], sample["batch"])
-    _, fields = sample_request(info, sample["img_shapes"], sample["txt_len"])
+    # the text stream's positions cover the conditions joined to it (as make_inputs's)
+    joined = sum(joined_text_sizes(info).values())
+    _, fields = sample_request(info, sample["img_shapes"], sample["txt_len"] + joined)
     caches = {t.name for t in model_io.CACHE_INPUTS} & set(feeds)
     scheme, setting = _scheme(info)
     sent = [Tensor(n, a) for n, a in scheme.triton_request(fields, setting).items()]

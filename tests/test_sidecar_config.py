@@ -22,7 +22,7 @@ def test_config_is_a_checked_record():
                                  # an axis count no family has (each family's count listed)
                                  ("axes_dims_rope", [16] * 7, r"a list of (\d \([^)]*\)(, | or ))*"
                                   r"3 \(Qwen-Image, FLUX.1[^)]*\) or 4 \(FLUX.2[^)]*\) "
-                                  r"non-negative ints"),
+                                  r"(or \d+ \([^)]*\) )*non-negative ints"),
                                  ("family", "sd3", r"one of \[.*'flux1', 'flux2'.*'qwen-image'.*\]"),
                                  ("rope_theta", 0, "a positive number"),
                                  ("parameters", "w", "a list of str"),

@@ -54,7 +54,14 @@ BROKEN = {"prx": "PRXPipeline.from_pretrained fails in diffusers 0.42.1 itself: 
                  "so the loader finds no transformers.T5GemmaEncoder for the saved text encoder",
           "flux3": "no tiny recipe: FLUX.3's pipelines are modular (Flux3ModularPipeline), which "
                    "save_tiny_pipeline and qkrope generate do not build or load (save_pipeline "
-                   "refuses in one line)"}
+                   "refuses in one line)",
+          "minimax-h3": "no tiny recipe: diffusers 0.42.1 has no MiniMax-H3 pipeline "
+                        "(save_pipeline refuses in one line)",
+          "ideogram4": "Ideogram4Pipeline's default guidance_schedule has 48 entries, so its "
+                       "call with other steps fails in diffusers unless it passes "
+                       "guidance_schedule=None, which qkrope generate does not; nor has "
+                       "generate a flag for its unconditional_transformer (the tiny pipeline "
+                       "on both drop-ins: tests/test_family_ideogram4.py)"}
 
 
 def _parity(name: str) -> float:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 FAMILY_PACKAGES = ("qwen_image", "flux", "chroma", "hunyuan_video", "hunyuan_image", "z_image",
                    "cosmos", "wan", "longcat_image", "ovis_image", "bria",
                    "joyimage", "motif_video", "ernie_image", "kandinsky5", "prx",
-                   "flux3")
+                   "flux3", "minimax_h3", "ideogram4")
 #: The hook modules a family folder has (each kind's Protocols: qkrope.families._contract).
 HOOK_KINDS = tuple(CONTRACTS)
 
