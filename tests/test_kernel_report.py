@@ -290,8 +290,9 @@ def test_every_modelled_device_launches_a_fast_instance_in_whole_tokens(report):
         if ln["instance"].startswith("Row<"):  # norm_scope 1: the row kernel's own tests below
             assert ln["found"], ln
             continue
-        head_dim = layouts[(ln["model"], ln["stream"])].head_dim
-        assert ln["found"] and ln["instance"].startswith(f"Fast<Bf16,{head_dim},true,"), ln
+        layout = layouts[(ln["model"], ln["stream"])]
+        head_dim, pairing = layout.head_dim, str(layout.interleaved).lower()  # its own pairing
+        assert ln["found"] and ln["instance"].startswith(f"Fast<Bf16,{head_dim},{pairing},"), ln
         dev = kr.MODELLED_DEVICES[ln["device"]]
         assert ln["grid"] <= ln["blocks_per_sm"] * dev["sms"], ln
         # qknorm_rope_plan.h fastLanes / fastChunksPerThread at bf16 (8 values per 16 bytes):
@@ -340,6 +341,14 @@ def _plan_issue_cost() -> dict[int, tuple[float, float, float]]:
     return {mode: tuple(float(x) for x in row.split(",")) for mode, row in enumerate(rows)}
 
 
+def _plan_neox_per_token() -> float:
+    """kFastNeoxPerToken of qknorm_rope_plan.h: what NeoX pairing adds per token of a unit."""
+    text = (ROOT / "plugins" / "kernel" / "qknorm_rope_plan.h").read_text()
+    m = re.search(r"kFastNeoxPerToken = ([0-9.]+);", text)
+    assert m, "kFastNeoxPerToken not found in qknorm_rope_plan.h"
+    return float(m.group(1))
+
+
 @pytest.mark.slow
 def test_plan_issue_model_matches_the_sass_of_the_launched_instances(report):
     """The plan's instruction constants (qknorm_rope_plan.h fastIssueCost) against the common-path
@@ -347,7 +356,7 @@ def test_plan_issue_model_matches_the_sass_of_the_launched_instances(report):
     what separates the candidates; measured 0.5-2.3 % off), per group (prologue + epilogue,
     amortised over the group's tokens) within 10 % (one constant for every rows: the prologue
     grows by ~23 instructions a row, 290 / 313 measured at rows 2 / 3 against 290)."""
-    cost = _plan_issue_cost()
+    cost, neox = _plan_issue_cost(), _plan_neox_per_token()
     seen = set()
     for ln in report["launches"]:
         if ln["device"] != "H200 SXM" or ln["instance"].startswith("Row<") \
@@ -357,7 +366,8 @@ def test_plan_issue_model_matches_the_sass_of_the_launched_instances(report):
         per_element, per_token, per_group = cost[ln["rounding"]]
         rows = ln["rows"]
         measured_token = ln["loop_instr_per_element"] * rows * 8
-        model_token = rows * 8 * per_element + per_token
+        pairing = 0.0 if ln["instance"].split(",")[2] == "true" else neox  # Fast<T,D,INTERLEAVED,..>
+        model_token = rows * 8 * per_element + per_token + pairing
         assert abs(model_token - measured_token) <= 0.05 * measured_token, (ln["instance"], model_token, measured_token)
         measured_group = ln["prologue"] + ln["epilogue"]
         assert abs(per_group - measured_group) <= 0.1 * measured_group, (ln["instance"], per_group, measured_group)

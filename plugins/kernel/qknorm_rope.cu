@@ -1412,7 +1412,7 @@ cudaError_t launchFast(KernelArgs a, int device, cudaStream_t stream)
     int64_t const resident[kMaxRows] = {fastResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 1>(device),
         fastResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 2>(device),
         fastResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, 3>(device)};
-    FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING};
+    FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING, INTERLEAVED};
     FastEstimate const plan
         = planFast(problem, maxRows<T, HEAD_DIM, INTERLEAVED>(), resident, deviceModelOf(device));
     a.unitsPerToken = static_cast<int32_t>(plan.unitsPerToken);
@@ -1489,7 +1489,7 @@ cudaError_t launchRow(KernelArgs a, int device, cudaStream_t stream)
     constexpr int kMax = rowMaxRows(HEAD_DIM, kBytes, INTERLEAVED, FULL_ROTARY, ROUNDING);
     int64_t const resident[2] = {rowResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax>(a.numHeads, device),
         rowResidentPerSm<T, HEAD_DIM, INTERLEAVED, ROUNDING, FULL_ROTARY, kMax / 2>(a.numHeads, device)};
-    FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING};
+    FastProblem const problem{a.numTokens, a.numHeads, HEAD_DIM, a.rotaryDim, kBytes, ROUNDING, INTERLEAVED};
     RowEstimate const plan = planRow(problem, kMax, resident, deviceModelOf(device));
     if (plan.rows == 0)
     {

@@ -294,6 +294,13 @@ struct FastIssueCost
 // rows 1 / 2 / 3 before the float32 weights; perGroup is rows 2's).
 constexpr FastIssueCost kFastIssueCost[] = {{15.3, 33.6, 290.0}, {17.8, 37.6, 290.0}, {16.3, 37.6, 290.0}};
 
+// NeoX pairing (interleaved = false: pair j = (y[j], y[j + rotary_dim / 2])) costs more per token of a
+// unit than interleaved pairs at every rounding: the partner of a thread's element lives in another
+// lane's chunk, so the rotation exchanges halves across lanes. Measured on the same sm_90 SASS
+// (bf16; head_dim 128 and 256 alike): +24.0 instructions per token at rows 1 and +29.3 at rows 2,
+// every rounding mode; one constant per token between the two (within 3 instructions of each).
+constexpr double kFastNeoxPerToken = 27.0;
+
 inline FastIssueCost fastIssueCost(int rounding)
 {
     constexpr int kModes = static_cast<int>(sizeof(kFastIssueCost) / sizeof(kFastIssueCost[0]));
@@ -308,6 +315,7 @@ struct FastProblem
     int rotaryDim;
     int elemBytes;
     int rounding;
+    bool interleaved = true; // pairing (kFastNeoxPerToken where false)
 };
 
 struct FastEstimate
@@ -339,7 +347,7 @@ inline FastEstimate estimateFast(FastProblem const& p, int rows, int64_t residen
     double const threads = static_cast<double>(busiestBlocks) * kPlanThreads;
     double const warps = threads / 32.0;
     FastIssueCost const c = fastIssueCost(p.rounding);
-    double const perToken = rows * elems * c.perElement + c.perToken;
+    double const perToken = rows * elems * c.perElement + c.perToken + (p.interleaved ? 0.0 : kFastNeoxPerToken);
     double const issueRate = d.schedulersPerSm * d.clockGHz; // warp-instructions per ns per SM
     e.issueRoundNs = warps * perToken / issueRate;
     double const readBytes = threads * rows * elems * p.elemBytes;

@@ -83,7 +83,8 @@ FP8_EXCLUDED = ("patch_embed", "time_embed", "norm_out", "proj_out")
 #: split halves over the whole head; Text2Image 768x1360 -> 48 x 85 tokens; Video2World 93
 #: frames -> 24 latent frames, 704x1280 -> 44 x 80 and 480x832 -> 30 x 52 tokens per frame):
 #: 2B has 16 heads, 14B 40. Rounding 1 (the export's) first; the CFG branches are separate calls.
-PENDING_LAUNCHES = (
+#: The plan prices NeoX pairing per token (qknorm_rope_plan.h kFastNeoxPerToken).
+LAUNCHES = (
     Launch("Cosmos-Predict2 2B", "image 768x1360", 48 * 85, 16, interleaved=False,
            roundings=(1, 0)),
     Launch("Cosmos-Predict2 2B", "video 93x704x1280", 24 * 44 * 80, 16, interleaved=False,
@@ -93,12 +94,6 @@ PENDING_LAUNCHES = (
     Launch("Cosmos-Predict2 14B", "video 93x704x1280", 24 * 44 * 80, 40, interleaved=False,
            roundings=(1, 0)),
 )
-#: Not yet in the record: planned on the modelled devices, these split-halves launches showed
-#: (1) a device where the launched instance does not cover whole tokens per row group and (2)
-#: the launch plan's issue model for the NeoX rows-2 instance off its sm_90 SASS (322 vs 349
-#: instructions). Open (a kernel-plan fix); the kernel tests still run the NeoX layouts
-#: through tests/_kernel_cases.py's cases.
-LAUNCHES: tuple = ()
 
 # diffusers' RMSNorm (Qwen-Image's: x * inv rounded, times the weight rounded) and the fp32
 # split-halves rotation rounded once: contract.ROUNDING_EACH_STEP. One block list,

@@ -58,13 +58,9 @@ PAIRS = 128
 
 #: The node at 2048 x 2048 (the pipeline's default: 16384 image tokens; 18 heads x 256, NeoX
 #: pairing): the conditional call (2048 text-region tokens + the image) and the unconditional
-#: one (the image alone); planned in the export's rounding and the one-rounding mode.
-#: Not yet in the record, as Cosmos-Predict2's NeoX launches: planned on the modelled devices
-#: (tests/test_kernel_report.py), the launched instance Fast<Bf16,256,false,2,1,true> is
-#: outside the report's interleaved-only target and the plan's issue model is off its sm_90
-#: SASS (322 vs 351 instructions per token unit, over the 5 % tolerance). Open (a kernel-plan
-#: fix, shared with Cosmos-Predict2).
-PENDING_LAUNCHES = tuple(Launch("Ideogram 4", stream, seq, 18, head_dim=256, interleaved=False,
+#: one (the image alone); planned in the export's rounding and the one-rounding mode (the plan
+#: prices NeoX pairing per token: qknorm_rope_plan.h kFastNeoxPerToken).
+LAUNCHES = tuple(Launch("Ideogram 4", stream, seq, 18, head_dim=256, interleaved=False,
                         batches=(1,), roundings=(contract.ROUNDING_EACH_STEP, 0))
                  for stream, seq in (("joint 2048+16384", 2048 + 16384),
                                      ("image 16384", 16384)))
@@ -75,6 +71,6 @@ IDEOGRAM4 = FamilyRecord(
     theta_key="rope_theta", max_positions=None, rounding=contract.ROUNDING_EACH_STEP,
     graph=IDEOGRAM4_TRANSFORMER,
     fp8_excluded=("input_proj", "llm_cond_proj", "t_embedding", "adaln_proj", "final_layer"),
-    blocks=True, block_lists=IDEOGRAM4_BLOCKS)
+    blocks=True, block_lists=IDEOGRAM4_BLOCKS, launches=LAUNCHES)
 
 RECORDS = (IDEOGRAM4,)
