@@ -243,6 +243,41 @@ def test_transformer_2_on_a_pipeline_without_one(qwen, wan22, tmp_path, capsys, 
     assert "has no transformer_2. Fix: leave --transformer-2 out" in line
 
 
+def _ideogram4_folder(root):
+    """A folder whose model_index.json names Ideogram4Pipeline and its two transformer
+    components (nothing else is read before the refusals below)."""
+    import json
+
+    folder = root / "ideogram4"
+    folder.mkdir()
+    cls = ["diffusers", "Ideogram4Transformer2DModel"]
+    (folder / "model_index.json").write_text(json.dumps({
+        "_class_name": "Ideogram4Pipeline", "transformer": cls,
+        "unconditional_transformer": cls}))
+    return folder
+
+
+def test_the_second_component_by_its_pipelines_name_and_a_fixed_schedule(tmp_path, capsys,
+                                                                        no_loading):
+    """--transformer-2 is the pipeline's second transformer component whatever its name
+    (Ideogram 4's unconditional_transformer); a call whose default per-step guidance_schedule
+    fixes the step count refuses --steps of another count without --guidance-scale, in one
+    line before anything loads; with --guidance-scale the schedule is passed as None (both
+    exports through --transformer / --transformer-2 end to end: tests/test_tiny_pipelines.py)."""
+    folder = _ideogram4_folder(tmp_path)
+    plan = gen.read_pipeline(folder)
+    assert plan.transformers == ("transformer", "unconditional_transformer")
+    assert gen.by_component(plan, {"transformer": "a", "transformer_2": "b"}) == {
+        "transformer": "a", "unconditional_transformer": "b"}
+    base = [str(folder), "--prompt", "x", "-o", str(tmp_path / "x.png"), "--transformer",
+            "pytorch"]
+    line = _refused(capsys, base + ["--transformer-2", "pytorch", "--steps", "2"])
+    assert "--steps 2: Ideogram4Pipeline's default guidance_schedule has 48 entries" in line
+    assert "Fix: --steps 48, or pass --guidance-scale G" in line
+    assert gen._call_kwargs(plan, {("--guidance-scale", "guidance_scale"): 3.0}) == {
+        "guidance_scale": 3.0, "guidance_schedule": None}
+
+
 def test_wan22_runs_both_experts_on_their_exports(wan22):
     from qkrope.runtime import Transformer
 

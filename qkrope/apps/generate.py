@@ -24,16 +24,18 @@ tables; an engine's optimisation profiles; each side on its own, a side not give
 pipeline's ``__call__`` default where that is an int), a side that is no multiple of the family's pixels
 per token, frames that are not 1 + a multiple of the VAE's temporal compression, ``--num-frames``
 for an image pipeline, an export of another family than the pipeline's transformer (the family
-registry), a pipeline with a second transformer component (``transformer_2``: Wan 2.2's
-low-noise expert) whose export was not given with ``--transformer-2`` (no expert runs in PyTorch
+registry), a pipeline with a second transformer component (Wan 2.2's low-noise expert
+``transformer_2``, Ideogram 4's ``unconditional_transformer``) whose export was not given with ``--transformer-2`` (no expert runs in PyTorch
 beside an export), ``--transformer pytorch`` on a folder saved with the drop-in (it holds an
 export, no PyTorch weights), a prompt that is not UTF-8, an output under a file or a numbered
 output name that is a folder, an ``--out`` that names a folder, an output folder where no file
 can be created (a temporary file is created and removed), a ``--seed`` outside what
 ``torch.Generator`` takes, ``--steps`` past the scheduler's ``num_train_timesteps``, a
 ``--dtype`` other than the export's, one export given for two transformer components (or the
-other component's export), and an ``.mp4`` without a video writer (``pip install
-'qkrope[video]'``: imageio and imageio-ffmpeg, what diffusers' ``export_to_video`` uses).
+other component's export), ``--steps`` other than the length of a call's default per-step
+``guidance_schedule`` without ``--guidance-scale`` (Ideogram 4), and an ``.mp4`` without a
+video writer (``pip install 'qkrope[video]'``: imageio and imageio-ffmpeg, what diffusers'
+``export_to_video`` uses).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--transformer-2", dest="transformer_2", default=None,
                    metavar="M2.onnx|M2.engine|pytorch",
                    help="the export or engine of the pipeline's second transformer component "
-                        "(transformer_2, e.g. Wan 2.2's low-noise expert); required when the "
+                        "(Wan 2.2's low-noise expert transformer_2, Ideogram 4's "
+                        "unconditional_transformer); required when the "
                         "pipeline has one and --transformer is an export: no expert runs in "
                         "PyTorch unless both are 'pytorch'")
     p.add_argument("--prompt", required=True)
@@ -91,7 +94,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="frames of a video pipeline (default: the pipeline's); refused for an "
                         "image pipeline")
     p.add_argument("--guidance-scale", type=float, default=None,
-                   help="guidance_scale, where the pipeline takes it")
+                   help="guidance_scale, where the pipeline takes it (where its call also "
+                        "takes a per-step guidance_schedule, the constant scale in its place)")
     p.add_argument("--true-cfg-scale", type=float, default=None,
                    help="true_cfg_scale, where the pipeline takes it")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
@@ -255,8 +259,16 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock, on_call: Callable | Non
 # The checks before any work: what the folder, the exports and the options allow
 # --------------------------------------------------------------------------------------------
 
-#: the flag of each transformer component a pipeline can hold (diffusers' component names)
-COMPONENT_FLAGS = {"transformer": "--transformer", "transformer_2": "--transformer-2"}
+#: the flag of each transformer component a pipeline can hold (diffusers' component names): the
+#: second one by the name its pipeline gives it (Wan 2.2's low-noise expert transformer_2,
+#: Ideogram 4's unconditional_transformer), --transformer-2 either way
+COMPONENT_FLAGS = {"transformer": "--transformer", "transformer_2": "--transformer-2",
+                   "unconditional_transformer": "--transformer-2"}
+#: the key the exports are given under for the second component, whatever its name
+SECOND = "transformer_2"
+#: a per-step guidance list a pipeline's call takes with guidance_scale as its alternative (one
+#: of the two: Ideogram 4), whose default fixes the number of steps
+SCHEDULE = "guidance_schedule"
 #: diffusers VAE config keys of the temporal compression (frames per latent frame, after the
 #: first); a VAE without one gets no frame-multiple check
 TEMPORAL_KEYS = ("scale_factor_temporal", "temporal_compression_ratio")
@@ -591,6 +603,27 @@ def check_seed(seed) -> None:
                          f"{MAX_SEED}). Fix: --seed from 0 to {MAX_SEED}")
 
 
+def by_component(plan: PipelinePlan, given: dict) -> dict:
+    """``given`` ({"transformer": ..., "transformer_2": ...}) keyed by the pipeline's own
+    component names: the second export under the name its pipeline gives its second transformer
+    component (transformer_2 or unconditional_transformer)."""
+    second = next((c for c in plan.transformers if c != "transformer"), SECOND)
+    return {(second if c == SECOND else c): p for c, p in given.items()}
+
+
+def check_schedule(plan: PipelinePlan, steps, guidance_scale) -> None:
+    """A call whose default per-step guidance list (``guidance_schedule``) fixes the number of
+    steps: ``--steps`` of another count needs ``--guidance-scale`` (a constant scale in place of
+    the list, which generate then passes as None)."""
+    default = plan.default(SCHEDULE)
+    if steps is None or guidance_scale is not None or not isinstance(default, (list, tuple)) \
+            or len(default) == steps:
+        return
+    raise InputError(f"--steps {steps}: {plan.class_name}'s default {SCHEDULE} has "
+                     f"{len(default)} entries, one per step. Fix: --steps {len(default)}, or "
+                     f"pass --guidance-scale G (a constant scale in place of the schedule)")
+
+
 def check_steps(plan: PipelinePlan, steps) -> None:
     """``--steps`` within the scheduler's training timesteps (its scheduler_config.json's
     num_train_timesteps), where the folder records them."""
@@ -614,8 +647,10 @@ def preflight(pipeline_dir: str | Path, transformers: dict, *, height=None, widt
     export's family, dtype (``dtype``: --dtype, where given) and limits, the seed and steps,
     and the options the pipeline's call takes. Returns the plan."""
     plan = read_pipeline(pipeline_dir)
+    transformers = by_component(plan, transformers)
     check_seed(seed)
     check_steps(plan, steps)
+    check_schedule(plan, steps, (options or {}).get(("--guidance-scale", "guidance_scale")))
     # a pipeline whose call needs more than a prompt (an image to animate: FramePack) cannot be
     # run from the command line's options
     needed = [n for n, p in plan.params.items() if n not in ("self", "prompt")
@@ -701,6 +736,8 @@ def _call_kwargs(pipe, options: dict) -> dict:
             raise InputError(f"{name} takes no {key}, so {flag} does not apply to it. Fix: "
                              f"leave {flag} out")
         kwargs[key] = value
+    if "guidance_scale" in kwargs and SCHEDULE in params:  # the constant scale in its place
+        kwargs[SCHEDULE] = None
     return kwargs
 
 
@@ -736,6 +773,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
              "transformer_2": None if transformer_2 is None else str(transformer_2)}
     plan = preflight(pipeline_dir, given, height=height, width=width, num_frames=num_frames,
                      options=options, seed=seed, steps=steps, dtype=dtype)
+    given = by_component(plan, given)
 
     import torch
 
