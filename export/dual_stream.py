@@ -33,6 +33,7 @@ from qkrope.model_io import GUIDANCE, POOLED_PROJECTIONS
 
 from .attention import _attention
 from .finalize import check_no_double
+from .sample import check_layers
 from .fused_qk import FusedNormRoPE, norm_eps  # noqa: F401 (the dual-stream families' names)
 
 
@@ -297,10 +298,7 @@ def prepare(record, spec, transformer: nn.Module, *, sample, dtype: torch.dtype,
 
     axes, theta, head_dim = rope_setting(transformer, record.short)
     total = sum(record.block_counts(transformer.config))
-    if layers is not None and not 1 <= layers <= total:
-        keys = " + ".join(blocks.key for blocks in record.block_lists)
-        raise InputError(f"--layers must be between 1 and {total} (the model's {keys}); got "
-                         f"{layers}. Fix: pass --layers 1 to {total}")
+    check_layers(layers, total, " + ".join(blocks.key for blocks in record.block_lists))
     double, single = kept = record.kept_blocks(transformer.config, layers)
     wrapper = cache_input(base, transformer, record, spec, kept, rounding=rounding, **kwargs)
     caches = sample_caches(record, spec, sample, axes, theta, head_dim)

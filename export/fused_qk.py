@@ -80,4 +80,23 @@ class FusedNormRoPE:
                             **self.attributes(eps).as_kwargs())
 
 
-__all__ = ["norm_eps", "shared_eps", "unfused_interleaved", "FusedNormRoPE"]
+class PatchedBlockList(nn.Module):
+    """What a cache-input wrapper over one block list sets up: one processor (``processor``
+    built with the checked ``rounding``) on every block's ``attention`` module of the
+    transformer's ``blocks`` list, and the first ``kept`` blocks to run (every block by
+    default); the family's wrapper subclasses it with its own ``forward``."""
+
+    def __init__(self, transformer: nn.Module, family, rounding: int, kept: int | None, *,
+                 blocks: str, attention: str, processor):
+        super().__init__()
+        self.family = family
+        self.rounding = contract.check_rounding(rounding)
+        listed = getattr(transformer, blocks)
+        installed = processor(self.rounding)
+        for block in listed:
+            getattr(block, attention).set_processor(installed)
+        self.transformer = transformer
+        self.kept = len(listed) if kept is None else int(kept)
+
+
+__all__ = ["norm_eps", "shared_eps", "unfused_interleaved", "FusedNormRoPE", "PatchedBlockList"]

@@ -47,6 +47,23 @@ def _sample(img_shapes, txt_len, batch, defaults) -> Sample:
     return sample
 
 
+def one_image(sample: Sample, short: str) -> tuple[int, int]:
+    """The ``(height, width)`` in tokens of a family whose sample is one image grid (``(1, h,
+    w)``); anything else is refused naming ``short``."""
+    if len(sample.img_shapes) != 1 or int(sample.img_shapes[0][0]) != 1:
+        raise InputError(f"a {short} sample is one image grid (1, height, width in patches); "
+                         f"got {sample.img_shapes}")
+    _, h, w = (int(v) for v in sample.img_shapes[0])
+    return h, w
+
+
+def check_layers(layers: int | None, total: int, what: str) -> None:
+    """``--layers`` within 1..``total`` (``what``: the config key or blocks it counts)."""
+    if layers is not None and not 1 <= layers <= total:
+        raise InputError(f"--layers must be between 1 and {total} (the model's {what}); got "
+                         f"{layers}. Fix: pass --layers 1 to {total}")
+
+
 def one_grid(sample: Sample, short: str) -> tuple[int, int, int]:
     """The latent grid ``(frames, height, width)`` in tokens of a family whose sample is one
     grid (a video latent: ``short`` names the family in the refusals). torch.export fixes an axis

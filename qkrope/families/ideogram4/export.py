@@ -16,21 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
-from qkrope.export.ops import qk_norm_rope
+from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, norm_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 from qkrope.families.ideogram4 import PAIRS
-
-
-def _eps(norm: nn.Module, where: str) -> float:
-    eps = getattr(norm, "eps", None)
-    if eps is None or getattr(norm, "weight", None) is None:
-        raise InputError(f"{where} has no epsilon or no weight, which the QKNormRoPE node needs; "
-                         f"not a standard Ideogram 4 attention")
-    return float(eps)
 
 
 class Ideogram4AttnProcessor:
@@ -38,8 +29,8 @@ class Ideogram4AttnProcessor:
     ``[rows, head_dim]`` and ``attention_mask`` the bool ``[B, 1, L, L]`` segment mask."""
 
     def __init__(self, rounding: int):
-        self.rounding = contract.check_rounding(rounding)
-        self._attributes: dict[float, contract.NodeAttributes] = {}
+        self.fused = FusedNormRoPE(rounding, interleaved=False)  # NeoX halves
+        self.rounding = self.fused.rounding
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None,
                  **kwargs):
@@ -49,18 +40,11 @@ class Ideogram4AttnProcessor:
             raise InputError("the patched Ideogram 4 attention needs image_rotary_emb = the "
                              "joined cache [rows, head_dim]; run it through the cache-input "
                              "wrapper")
-        eps = _eps(attn.norm_q, "norm_q")
-        if eps != _eps(attn.norm_k, "norm_k"):
-            raise InputError(f"norm_q's eps {eps} and norm_k's {attn.norm_k.eps} differ; one "
-                             f"QKNormRoPE node has one epsilon")
-        if eps not in self._attributes:
-            self._attributes[eps] = contract.NodeAttributes(eps, False, self.rounding)
         shape = (attn.num_heads, attn.head_dim)
         q = attn.to_q(hidden_states).unflatten(-1, shape)
         k = attn.to_k(hidden_states).unflatten(-1, shape)
         v = attn.to_v(hidden_states).unflatten(-1, shape)
-        q, k = qk_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, image_rotary_emb,
-                            **self._attributes[eps].as_kwargs())
+        q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb)
         out = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                          attention_mask, attn.head_dim)
         return attn.to_out[0](out.transpose(1, 2).flatten(2, 3))
@@ -80,7 +64,7 @@ def check_supported(transformer: nn.Module) -> None:
                          f"counts whose interleaved frequencies fit the {head_dim // 2} pairs")
 
 
-class Ideogram4CacheInputTransformer(nn.Module):
+class Ideogram4CacheInputTransformer(PatchedBlockList):
     """``Ideogram4Transformer2DModel.forward`` over the two regions of the pipeline's packed
     sequence (the text region ``[left padding][text]`` and the image), with the caches in place
     of its RoPE module and the segment mask from the text mask, running the first ``kept``
@@ -89,14 +73,8 @@ class Ideogram4CacheInputTransformer(nn.Module):
 
     def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int,
                  kept: int | None = None):
-        super().__init__()
-        self.family = family
-        self.rounding = contract.check_rounding(rounding)
-        processor = Ideogram4AttnProcessor(self.rounding)
-        for block in transformer.layers:
-            block.attention.set_processor(processor)
-        self.transformer = transformer
-        self.kept = len(transformer.layers) if kept is None else int(kept)
+        super().__init__(transformer, family, rounding, kept, blocks="layers",
+                         attention="attention", processor=Ideogram4AttnProcessor)
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask, timestep,
                 img_cos_sin_cache, txt_cos_sin_cache):
@@ -168,17 +146,14 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     two caches."""
     from qkrope.export.onnx_export import TransformerPlan
 
+    from qkrope.export.sample import check_layers, one_image
+
     check_supported(transformer)
-    if len(sample.img_shapes) != 1 or int(sample.img_shapes[0][0]) != 1:
-        raise InputError(f"a {record.short} sample is one image grid (1, height, width in "
-                         f"patches); got {sample.img_shapes}")
+    h, w = one_image(sample, record.short)
     cfg = transformer.config
-    _, h, w = (int(v) for v in sample.img_shapes[0])
     axes, theta = rope_setting(transformer)
     total = int(cfg["num_layers"])
-    if layers is not None and not 1 <= layers <= total:
-        raise InputError(f"--layers must be between 1 and {total} (the model's num_layers); "
-                         f"got {layers}. Fix: pass --layers 1 to {total}")
+    check_layers(layers, total, "num_layers")
     kept = record.kept_blocks(dict(cfg), layers)[0]
     wrapper = Ideogram4CacheInputTransformer(transformer, record, rounding, kept).eval()
     g = torch.Generator().manual_seed(1)
@@ -194,4 +169,4 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
         wrapper=wrapper, args=args, decl=record.graph, axes=axes, theta=theta,
         rounding=wrapper.rounding, nodes=kept, num_layers_exported=kept,
         blocks=f"{record.label}: {kept} of {total} blocks", heads=int(block.num_heads),
-        head_dim=int(block.head_dim), eps=_eps(block.norm_q, "norm_q"))
+        head_dim=int(block.head_dim), eps=norm_eps(block.norm_q, "norm_q"))

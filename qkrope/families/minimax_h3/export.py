@@ -18,7 +18,7 @@ from torch import nn
 from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
-from qkrope.export.fused_qk import FusedNormRoPE, shared_eps
+from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, shared_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
@@ -70,21 +70,15 @@ def _dtype_of(module: nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
-class MiniMaxH3CacheInputTransformer(nn.Module):
+class MiniMaxH3CacheInputTransformer(PatchedBlockList):
     """``MiniMaxH3Transformer3DModel.forward`` with the two caches in place of
     ``position_ids`` and its RoPE module, running the first ``kept`` blocks; ``forward``'s
     arguments are the graph inputs in graph order; returns ``(sample, audio_sample)``."""
 
     def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int,
                  kept: int | None = None):
-        super().__init__()
-        self.family = family
-        self.rounding = contract.check_rounding(rounding)
-        processor = MiniMaxH3AttnProcessor(self.rounding)
-        for block in transformer.transformer_blocks:
-            block.attn.set_processor(processor)
-        self.transformer = transformer
-        self.kept = len(transformer.transformer_blocks) if kept is None else int(kept)
+        super().__init__(transformer, family, rounding, kept, blocks="transformer_blocks",
+                         attention="attn", processor=MiniMaxH3AttnProcessor)
 
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep_levels,
                 timestep_indices, token_tags, video_indices, audio_indices, text_indices,
@@ -183,7 +177,7 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     """The export plan of ``transformer`` with its first ``layers`` blocks (every block by
     default) over the sample's grid ``(f, h, w)`` in patches (:func:`sample_args`)."""
     from qkrope.export.onnx_export import TransformerPlan
-    from qkrope.export.sample import one_grid
+    from qkrope.export.sample import check_layers, one_grid
 
     check_supported(transformer)
     grid = one_grid(sample, record.short)
@@ -192,9 +186,7 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
                          f"fixes an axis of size 1). Fix: pass --txt-len 2 or more")
     cfg = transformer.config
     total = int(cfg["num_layers"])
-    if layers is not None and not 1 <= layers <= total:
-        raise InputError(f"--layers must be between 1 and {total} (the model's num_layers); got "
-                         f"{layers}. Fix: pass --layers 1 to {total}")
+    check_layers(layers, total, "num_layers")
     kept = record.kept_blocks(dict(cfg), layers)[0]
     wrapper = MiniMaxH3CacheInputTransformer(transformer, record, rounding, kept).eval()
     axes, theta = rope_setting(transformer)

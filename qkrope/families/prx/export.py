@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.finalize import check_no_double
-from qkrope.export.fused_qk import FusedNormRoPE, norm_eps
+from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, norm_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
@@ -69,21 +68,15 @@ def check_supported(transformer: nn.Module) -> None:
                          f"the {head_dim}-wide head (the model rotates the whole head)")
 
 
-class PRXCacheInputTransformer(nn.Module):
+class PRXCacheInputTransformer(PatchedBlockList):
     """``PRXTransformer2DModel.forward`` over the packed latent patches with the image cache in
     place of its RoPE module, running the first ``kept`` blocks; ``forward``'s arguments are
     the graph inputs in graph order."""
 
     def __init__(self, transformer: nn.Module, family: FamilyRecord, rounding: int,
                  kept: int | None = None):
-        super().__init__()
-        self.family = family
-        self.rounding = contract.check_rounding(rounding)
-        processor = PRXAttnProcessor(self.rounding)
-        for block in transformer.blocks:
-            block.attention.set_processor(processor)
-        self.transformer = transformer
-        self.kept = len(transformer.blocks) if kept is None else int(kept)
+        super().__init__(transformer, family, rounding, kept, blocks="blocks",
+                         attention="attention", processor=PRXAttnProcessor)
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask, timestep,
                 img_cos_sin_cache):
@@ -146,17 +139,14 @@ def prepare(record: FamilyRecord, transformer: nn.Module, *, sample, dtype: torc
     text with a padded last item, timestep 0.5 (float32) and the image cache."""
     from qkrope.export.onnx_export import TransformerPlan
 
+    from qkrope.export.sample import check_layers, one_image
+
     check_supported(transformer)
-    if len(sample.img_shapes) != 1 or int(sample.img_shapes[0][0]) != 1:
-        raise InputError(f"a {record.short} sample is one image grid (1, height, width in "
-                         f"patches); got {sample.img_shapes}")
+    h, w = one_image(sample, record.short)
     cfg = transformer.config
-    _, h, w = (int(v) for v in sample.img_shapes[0])
     axes, theta = rope_setting(transformer)
     total = int(cfg["depth"])
-    if layers is not None and not 1 <= layers <= total:
-        raise InputError(f"--layers must be between 1 and {total} (the model's depth); got "
-                         f"{layers}. Fix: pass --layers 1 to {total}")
+    check_layers(layers, total, "depth")
     kept = record.kept_blocks(dict(cfg), layers)[0]
     wrapper = PRXCacheInputTransformer(transformer, record, rounding, kept).eval()
     g = torch.Generator().manual_seed(1)

@@ -31,6 +31,7 @@ from qkrope._deps import require
 from qkrope.errors import InputError
 from qkrope.export.attention import joint_attention
 from qkrope.export.patch_diffusers import check_fits_in_memory, itemsize
+from qkrope.export.sample import check_layers
 
 
 class QKNormRoPEAttnProcessor:
@@ -103,9 +104,7 @@ class CacheInputTransformer(nn.Module):
         super().__init__()
         patch_transformer(transformer, interleaved=interleaved, rounding=rounding)
         total = len(transformer.transformer_blocks)
-        if num_layers is not None and not 1 <= num_layers <= total:
-            raise InputError(f"--layers must be between 1 and {total} (the model's num_layers); "
-                             f"got {num_layers}")
+        check_layers(num_layers, total, "num_layers")
         self.num_layers = total if num_layers is None else num_layers
         self.transformer = transformer
 
