@@ -26,7 +26,7 @@ import torch
 
 from qkrope.errors import InputError
 from qkrope.families._contract import DropinHooks as CONTRACT  # noqa: F401
-from qkrope.runtime._dropin import (Call, Split, Transformer, missing_arguments, per_item,
+from qkrope.runtime._dropin import (Call, Split, Transformer, per_item, require_arguments,
                                     refuse_kwargs, tensor_arg)
 
 #: diffusers' values (transformer_ideogram4): the indicator of a text and of an image token,
@@ -130,13 +130,10 @@ class Ideogram4Transformer(Transformer):
                 position_ids=None, segment_ids=None, indicator=None, attention_kwargs=None,
                 return_dict: bool = True) -> "Call | Split":
         refuse_kwargs(attention_kwargs, "attention_kwargs")
-        given = (("hidden_states", hidden_states), ("timestep", timestep),
-                 ("encoder_hidden_states", encoder_hidden_states),
-                 ("position_ids", position_ids), ("segment_ids", segment_ids),
-                 ("indicator", indicator))
-        missing = [n for n, v in given if v is None]
-        if missing:
-            raise missing_arguments(self.record.short, missing)
+        require_arguments(self.record.short, hidden_states=hidden_states, timestep=timestep,
+                          encoder_hidden_states=encoder_hidden_states,
+                          position_ids=position_ids, segment_ids=segment_ids,
+                          indicator=indicator)
         channels, features = self.config.get("in_channels"), self.config.get("llm_features_dim")
         tensor_arg(hidden_states, "hidden_states", 3, f"[batch, tokens, {channels}]")
         batch, length = (int(v) for v in hidden_states.shape[:2])
