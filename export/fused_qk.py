@@ -9,12 +9,21 @@ the part they share (issue 44: shared code, not copies).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from qkrope import contract
 from qkrope.errors import InputError
 
 from .ops import qk_norm_rope
+
+
+def check_cache(cache, who: str, name: str = "image_rotary_emb") -> None:
+    """A patched processor's RoPE argument is the node's 2-D ``[rows, rotary_dim]`` cache (what
+    the family's cache-input wrapper passes), else one line naming ``who``."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 2:
+        raise InputError(f"the patched {who} attention needs {name} = the [rows, rotary_dim] "
+                         f"cache; run it through the family's cache-input wrapper")
 
 
 def norm_eps(norm: nn.Module, where: str) -> float:
@@ -99,4 +108,4 @@ class PatchedBlockList(nn.Module):
         self.kept = len(listed) if kept is None else int(kept)
 
 
-__all__ = ["norm_eps", "shared_eps", "unfused_interleaved", "FusedNormRoPE", "PatchedBlockList"]
+__all__ = ["check_cache", "norm_eps", "shared_eps", "unfused_interleaved", "FusedNormRoPE", "PatchedBlockList"]

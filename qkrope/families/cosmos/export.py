@@ -28,7 +28,7 @@ from torch import nn
 from qkrope.errors import InputError
 from qkrope.export.finalize import check_no_double
 from qkrope.export.attention import _attention
-from qkrope.export.fused_qk import FusedNormRoPE
+from qkrope.export.fused_qk import FusedNormRoPE, check_cache
 from qkrope.export.sample import one_grid
 from qkrope.families._record import FamilyRecord
 
@@ -56,10 +56,7 @@ class CosmosSelfAttnProcessor:
         if encoder_hidden_states is not None or attention_mask is not None:
             raise InputError("the Cosmos self-attention takes no encoder_hidden_states or "
                              "attention_mask")
-        if not isinstance(image_rotary_emb, torch.Tensor) or image_rotary_emb.dim() != 2:
-            raise InputError("the patched Cosmos self-attention needs image_rotary_emb = the "
-                             "[rows, rotary_dim] image cache; run it through "
-                             "CosmosCacheInputTransformer")
+        check_cache(image_rotary_emb, "Cosmos")
         head_dim = attn.inner_dim // attn.heads
         q, k, v = (proj(hidden_states).unflatten(2, (attn.heads, -1))
                    for proj in (attn.to_q, attn.to_k, attn.to_v))

@@ -22,7 +22,7 @@ from torch import nn
 
 from qkrope.errors import InputError
 from qkrope.export.dual_stream import joint_rope, sdpa
-from qkrope.export.fused_qk import FusedNormRoPE, norm_eps
+from qkrope.export.fused_qk import FusedNormRoPE, check_cache, norm_eps
 from qkrope.export.finalize import check_no_double
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
@@ -44,10 +44,7 @@ class Flux3Processor:
         if attention_mask is not None:
             raise InputError("the FLUX.3 export takes no attention_mask (every token attends "
                              "to its stream)")
-        if not isinstance(image_rotary_emb, torch.Tensor) or image_rotary_emb.dim() != 2:
-            raise InputError("the patched FLUX.3 attention needs image_rotary_emb = the "
-                             "stream's [rows, head_dim] cache; run it through the cache-input "
-                             "wrapper")
+        check_cache(image_rotary_emb, "FLUX.3")
         if getattr(attn, "fused_projections", False):
             raise InputError("the FLUX.3 attention has fused QKV projections (fuse_qkv_"
                              "projections()); export the model before fusing them")

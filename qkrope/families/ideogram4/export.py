@@ -18,7 +18,7 @@ from torch import nn
 
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
-from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, norm_eps
+from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, check_cache, norm_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 from qkrope.families.ideogram4 import PAIRS
@@ -36,10 +36,7 @@ class Ideogram4AttnProcessor:
                  **kwargs):
         if kwargs:
             raise InputError(f"the patched Ideogram 4 attention takes no {sorted(kwargs)}")
-        if not isinstance(image_rotary_emb, torch.Tensor) or image_rotary_emb.dim() != 2:
-            raise InputError("the patched Ideogram 4 attention needs image_rotary_emb = the "
-                             "joined cache [rows, head_dim]; run it through the cache-input "
-                             "wrapper")
+        check_cache(image_rotary_emb, "Ideogram 4")
         shape = (attn.num_heads, attn.head_dim)
         q = attn.to_q(hidden_states).unflatten(-1, shape)
         k = attn.to_k(hidden_states).unflatten(-1, shape)

@@ -18,7 +18,7 @@ from torch import nn
 from qkrope import contract
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
-from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, shared_eps
+from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, check_cache, shared_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
@@ -39,10 +39,7 @@ class MiniMaxH3AttnProcessor:
         if attention_mask is not None:
             raise InputError("the exported MiniMax-H3 attention takes no attention_mask (the "
                              "model packs one unmasked document)")
-        if not isinstance(rotary_emb, torch.Tensor) or rotary_emb.dim() != 2:
-            raise InputError("the patched MiniMax-H3 attention needs rotary_emb = the packed "
-                             "[rows, rotary_dim] cache; run it through "
-                             "MiniMaxH3CacheInputTransformer")
+        check_cache(rotary_emb, "MiniMax-H3", "rotary_emb")
         if getattr(attn, "fused_projections", False):
             q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:

@@ -19,7 +19,7 @@ from torch import nn
 from qkrope.errors import InputError
 from qkrope.export.attention import _attention
 from qkrope.export.finalize import check_no_double
-from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, norm_eps
+from qkrope.export.fused_qk import FusedNormRoPE, PatchedBlockList, check_cache, norm_eps
 from qkrope.families._contract import ExportHooks as CONTRACT  # noqa: F401
 from qkrope.families._record import FamilyRecord
 
@@ -37,9 +37,7 @@ class PRXAttnProcessor:
                  image_rotary_emb=None, **kwargs):
         if kwargs:
             raise InputError(f"the patched PRX attention takes no {sorted(kwargs)}")
-        if not isinstance(image_rotary_emb, torch.Tensor) or image_rotary_emb.dim() != 2:
-            raise InputError("the patched PRX attention needs image_rotary_emb = the image cache "
-                             "[rows, head_dim]; run it through the cache-input wrapper")
+        check_cache(image_rotary_emb, "PRX")
         heads, head_dim = attn.heads, attn.head_dim
         q, k, v = attn.img_qkv_proj(hidden_states).unflatten(-1, (3, heads, head_dim)).unbind(2)
         q, k = self.fused(q, k, attn.norm_q, attn.norm_k, image_rotary_emb)
