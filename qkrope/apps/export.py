@@ -28,11 +28,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "export",
         description="qkrope export: the Qwen-Image attention block or a whole diffusers "
-                    "transformer to ONNX. Writes MODEL.onnx and MODEL.onnx.json.")
-    p.add_argument("--model", choices=("attention", "transformer"), default="attention")
+                    "transformer to ONNX (writes MODEL.onnx and MODEL.onnx.json), or a whole "
+                    "diffusers pipeline to a pipeline folder whose model components are "
+                    "exports (--model pipeline).")
+    p.add_argument("--model", choices=("attention", "transformer", "pipeline"),
+                   default="attention",
+                   help="pipeline: every model component of the --diffusers pipeline folder "
+                        "(the transformer, the text encoders as the family's pipeline reads "
+                        "them, the VAE decoder; a causal video VAE frame by frame with its "
+                        "feature cache as graph inputs and outputs) into the folder --out, "
+                        "which diffusers loads as the same pipeline (import qkrope.runtime; "
+                        "DiffusionPipeline.from_pretrained(OUT)): families "
+                        + _args.or_list(r.short for r in families.records()
+                                        if r.stages is not None))
     p.add_argument("--out", "-o", default=None,
                    help="output .onnx (default: <family>_<model>_<dtype>.onnx, the family "
-                        f"{_args.or_list(_file_prefix(r) for r in families.records())})")
+                        f"{_args.or_list(_file_prefix(r) for r in families.records())}); "
+                        "--model pipeline: the output folder (required; replaced whole, only "
+                        "when new, empty or a previous pipeline export)")
     _args.add_dtype(p, "weights and activations (caches stay fp32); the engine's precision. "
                        "Default: a transformer's checkpoint dtype (the dtype its safetensors "
                        "headers store the weights in; mixed: the majority's), printed with the "
@@ -71,7 +84,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seed of the random weights (default: 0)")
     t = p.add_argument_group("transformer (--model transformer)")
     t.add_argument("--diffusers", metavar="DIR", default=None,
-                   help="local folder of a saved diffusers transformer: "
+                   help="(--model pipeline: the saved pipeline folder, model_index.json) "
+                        "local folder of a saved diffusers transformer: "
                         + _args.or_list(f"{r.class_name} ({r.short})" for r in families.records()))
     t.add_argument("--layers", type=int, default=None,
                    help=f"keep the first N blocks (default all; "
@@ -102,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     attention_only = {"--heads": args.heads, "--head-dim": args.head_dim,
                       "--rotary-dim": args.rotary_dim, "--neox": args.neox or None,
                       "--eps": args.eps, "--weights": args.weights, "--seed": args.seed}
+    if args.model == "pipeline":
+        return _run_pipeline(args, attention_only)
     if args.model == "transformer":
         given = [flag for flag, value in attention_only.items() if value is not None]
         if given:
@@ -157,4 +173,38 @@ def run(args: argparse.Namespace) -> int:
             rounding=contract.DEFAULT_ROUNDING if args.rounding is None else args.rounding)
     for path in written:
         print(path)
+    return 0
+
+
+def _run_pipeline(args: argparse.Namespace, attention_only: dict) -> int:
+    """--model pipeline: its arguments checked before torch, then the export."""
+    from qkrope import _preflight as pre
+    from qkrope.export import api
+
+    transformer_only = {"--layers": args.layers, "--quant": args.quant,
+                        "--variant": args.variant, "--img-shape": args.img_shape,
+                        "--txt-len": args.txt_len, "--batch": args.batch,
+                        "--rounding": args.rounding}
+    if args.attention != api.DEFAULTS["attention"]:
+        transformer_only["--attention"] = args.attention
+    given = [f for f, v in {**attention_only, **transformer_only}.items() if v is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
+                         f"--model attention or transformer; --model pipeline exports each "
+                         f"stage at its defaults. Fix: leave {given[0]} out")
+    if not args.diffusers or not args.out:
+        raise InputError("--model pipeline needs --diffusers PIPELINE_DIR (a saved diffusers "
+                         "pipeline folder) and --out OUT_DIR (the folder to write)")
+    pre.input_dir(args.diffusers, flag="--diffusers",
+                  fix="pass the local folder of a saved diffusers pipeline (model_index.json "
+                      "and its components; nothing is downloaded)")
+    from qkrope.export.stages import pipeline
+
+    pipeline.plan(args.diffusers)  # the family, its stages and components: one line, no torch
+    from pathlib import Path
+
+    pipeline.check_out(Path(args.diffusers), Path(args.out))
+    result = pipeline.export_pipeline(args.diffusers, args.out, dtype=args.dtype,
+                                      opset=args.opset, progress=True)
+    print(result.out)
     return 0

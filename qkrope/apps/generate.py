@@ -70,9 +70,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("pipeline", metavar="PIPELINE_DIR",
                    help="local folder of a saved diffusers pipeline (model_index.json; nothing "
                         "is downloaded)")
-    p.add_argument("--transformer", required=True, metavar="M.onnx|M.engine|pytorch",
+    p.add_argument("--transformer", default=None, metavar="M.onnx|M.engine|pytorch",
                    help="the exported transformer (ONNX Runtime) or engine (TensorRT) that "
-                        "stands in for the pipeline's; 'pytorch': the pipeline's own (baseline)")
+                        "stands in for the pipeline's; 'pytorch': the pipeline's own "
+                        "(baseline). Default: the export saved in the folder (a folder `qkrope "
+                        "export --model pipeline` wrote, or one saved with the drop-in: every "
+                        "model stage then runs on its export, the text encoders and VAE "
+                        "included, and no PyTorch model is built)")
     p.add_argument("--transformer-2", dest="transformer_2", default=None,
                    metavar="M2.onnx|M2.engine|pytorch",
                    help="the export or engine of the pipeline's second transformer component "
@@ -611,6 +615,49 @@ def by_component(plan: PipelinePlan, given: dict) -> dict:
     return {(second if c == SECOND else c): p for c, p in given.items()}
 
 
+def other_stages(pipe) -> str:
+    """Where the pipeline's text encoders and VAE run, as loaded: their exports (the stage
+    drop-ins of a pipeline export) or PyTorch."""
+    from qkrope.runtime.stages import StageComponent
+
+    names = [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+             if getattr(pipe, n, None) is not None]
+    exported = [n for n in names if isinstance(getattr(pipe, n), StageComponent)]
+    torch_ = [n for n in names if n not in exported]
+    parts = ([f"{', '.join(exported)}: exports (onnxruntime)"] if exported else []) + \
+        ([f"{', '.join(torch_)}: PyTorch"] if torch_ else [])
+    return "; ".join(parts) or "no text encoder or VAE"
+
+
+def saved_transformers(pipeline_dir: str | Path, transformer, transformer_2) -> tuple:
+    """``(transformer, transformer_2)`` with the exports saved in the folder where neither was
+    given (each transformer component's qkrope_component.json names its model file); one line
+    when the folder holds PyTorch weights for one of them."""
+    if transformer is not None or transformer_2 is not None:
+        return transformer, transformer_2
+    plan = read_pipeline(pipeline_dir)
+    unsaved = [c for c in plan.transformers if c not in plan.saved_dropins]
+    if unsaved or not plan.transformers:
+        raise InputError(f"--transformer was not given and {plan.folder / (unsaved or ['transformer'])[0]} "
+                         f"holds no saved export (no qkrope_component.json). Fix: pass "
+                         f"--transformer M.onnx (or 'pytorch'), or export the whole pipeline "
+                         f"(qkrope export --model pipeline --diffusers {plan.folder} -o OUT_DIR) "
+                         f"and run OUT_DIR")
+    from qkrope.runtime.component import COMPONENT_FILE
+
+    paths = {}
+    for component in plan.transformers:
+        record = _read_json(plan.folder / component / COMPONENT_FILE) or {}
+        model = record.get("model")
+        if not isinstance(model, str) or Path(model).name != model \
+                or not (plan.folder / component / model).is_file():
+            raise InputError(f"{plan.folder / component / COMPONENT_FILE} names no model file "
+                             f"there. Fix: export the pipeline again")
+        paths[component] = str(plan.folder / component / model)
+    second = next((c for c in plan.transformers if c != "transformer"), None)
+    return paths.get("transformer"), paths.get(second) if second else None
+
+
 def check_schedule(plan: PipelinePlan, steps, guidance_scale) -> None:
     """A call whose default per-step guidance list (``guidance_schedule``) fixes the number of
     steps: ``--steps`` of another count needs ``--guidance-scale`` (a constant scale in place of
@@ -750,7 +797,7 @@ def _options(negative_prompt, steps, height, width, guidance_scale, true_cfg_sca
             ("--num-frames", "num_frames"): num_frames}
 
 
-def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
+def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: str, *,
              transformer_2: str | Path | None = None,
              negative_prompt: str | None = None, steps: int | None = None,
              height: int | None = None, width: int | None = None,
@@ -767,6 +814,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     on a terminal, lines in a log)."""
     check_text("--prompt", prompt)
     check_text("--negative-prompt", negative_prompt)
+    transformer, transformer_2 = saved_transformers(pipeline_dir, transformer, transformer_2)
     options = _options(negative_prompt, steps, height, width, guidance_scale, true_cfg_scale,
                        num_frames)
     given = {"transformer": str(transformer),
@@ -856,7 +904,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path, prompt: str, *,
     else:
         where = "transformers: " + ", ".join(f"{c}: {Path(given[c]).name}" for c in dropins)
     log(f"qkrope generate: {type(pipe).__name__} from {pipeline_dir} on {dev} ({dtype}), "
-        f"{where}")
+        f"{where}; {other_stages(pipe)}")
 
     def on_call():  # a pipeline without callback_on_step_end: its transformer calls, as calls
         if counter is not None:
@@ -960,6 +1008,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise InputError(f"{flag} must be a positive integer; got {value}")
     check_video_writer(out)
+    args.transformer, args.transformer_2 = saved_transformers(
+        args.pipeline, args.transformer, args.transformer_2)
     # the folder and the exports before the outputs: how many files a video's frames make
     plan = preflight(args.pipeline, {"transformer": args.transformer,
                                      "transformer_2": args.transformer_2},

@@ -159,6 +159,10 @@ class FamilyRecord:
     # its folder has no module for is the shared dual-stream one (SHARED_HOOKS there), so a
     # FLUX-like class is its record and its tiny builder
     dual_stream: Any = None
+    # the pipeline's text encoders and VAE as its pipelines read them (qkrope.stages.
+    # PipelineStages): what `qkrope export --model pipeline` exports beside the transformer
+    # (None: not yet declared; that export is refused for the family in one line)
+    stages: Any = None
 
     def __post_init__(self) -> None:
         if self.qk_round_dtype not in (None, "bf16", "fp16"):

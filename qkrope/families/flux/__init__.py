@@ -7,6 +7,7 @@ from qkrope import contract
 from qkrope.families._dual_stream import DualStream, IdsLayout, launches
 from qkrope.families._record import (DOUBLE_THEN_JOINED_BLOCKS, DOUBLE_THEN_SINGLE_BLOCKS,
                                      FamilyRecord)
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, GUIDANCE, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              POOLED_PROJECTIONS, SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -42,13 +43,23 @@ FLUX2_EXCLUDED = ("x_embedder", "context_embedder", "time_guidance_embed",
 # first K blocks in execution order (double-stream, then single-stream); --blocks compares each
 # block's outputs: image and text (FLUX.1's single-stream blocks return the pair too), or the
 # joined stream FLUX.2's single-stream blocks return.
+#: FluxPipeline's other stages: CLIP's pooled output and T5's last hidden state, both called
+#: with the token ids alone; the 2-D AutoencoderKL, its encoder for image to image and Kontext.
+FLUX1_STAGES = PipelineStages(
+    pipelines=("FluxPipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(reads=("pooler_output",),
+                                                    inputs=("input_ids",), tokens=77),
+                   "text_encoder_2": TextEncoderStage(reads=("last_hidden_state",),
+                                                      inputs=("input_ids",))},
+    vae=VaeStage("image", encode=("FluxImg2ImgPipeline", "FluxKontextPipeline")))
 FLUX1 = FamilyRecord(
     name="flux1", class_name="FluxTransformer2DModel", label="FLUX.1 (dev, schnell, Kontext)",
     short="FLUX.1", package="flux", scheme="ids", axes=(16, 56, 56),
     theta=10000, theta_key=None,  # diffusers fixes FluxPosEmbed(theta=10000)
     max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=FLUX1_TRANSFORMER,
     fp8_excluded=FLUX1_EXCLUDED, blocks=True,
-    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=launches("FLUX.1", 24))
+    block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=launches("FLUX.1", 24),
+    stages=FLUX1_STAGES)
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from qkrope.families._record import FamilyRecord, Launch
 from qkrope.model_io import ATTENTION_BLOCK, TRANSFORMER
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 
 #: Top-level modules TensorRT's diffusion demo leaves in high precision: the default of
 #: `qkrope quantize --exclude` for a Qwen-Image transformer.
@@ -19,11 +20,21 @@ LAUNCHES = tuple(
 ) + (Launch("Qwen-Image", "text 512", 512, ATTENTION_BLOCK.heads, ATTENTION_BLOCK.head_dim,
             roundings=(0, 1)),)
 
+#: QwenImagePipeline's other stages: the Qwen2.5-VL text encoder's last hidden state (the
+#: pipeline's template and its dropped 34-token prefix stay in the pipeline's Python), and the
+#: causal video VAE (one latent frame per image), its encoder for image to image.
+STAGES = PipelineStages(
+    pipelines=("QwenImagePipeline",),
+    # max_sequence_length 512 plus the 34-token template prefix the pipeline drops after the call
+    text_encoders={"text_encoder": TextEncoderStage(reads=("hidden_states[-1]",),
+                                                    tokens=512 + 34)},
+    vae=VaeStage("causal-video", encode=("QwenImageImg2ImgPipeline",)))
+
 QWEN_IMAGE_RECORD = FamilyRecord(
     name="qwen-image", class_name="QwenImageTransformer2DModel",
     label="Qwen-Image (and Qwen-Image-Edit)", short="Qwen-Image", package="qwen_image",
     scheme="grid", axes=ATTENTION_BLOCK.axes_dims_rope, theta=ATTENTION_BLOCK.theta, theta_key=None,
     max_positions=ATTENTION_BLOCK.max_positions, rounding=0, graph=TRANSFORMER,
-    fp8_excluded=FP8_EXCLUDED, blocks=True, launches=LAUNCHES)
+    fp8_excluded=FP8_EXCLUDED, blocks=True, launches=LAUNCHES, stages=STAGES)
 
 RECORDS = (QWEN_IMAGE_RECORD,)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (CONTROL_HIDDEN_STATES, CONTROL_HIDDEN_STATES_SCALE,
                              ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_IMAGE,
                              ENCODER_HIDDEN_STATES_IMAGE_PAIR, HIDDEN_STATES, IMG_COS_SIN_CACHE,
@@ -120,6 +121,16 @@ WAN_LAUNCHES = (
 #: alone (hidden_states; the text is read by the cross-attention, never changed): --layers
 #: keeps the first blocks, --blocks compares each one's output, the check's reference streams
 #: one block at a time. Wan 2.2's second expert is its own folder and export.
+#: WanPipeline's other stages (text to video; Wan 2.2 A14B's second expert is the pipeline's
+#: transformer_2): UMT5's last hidden state, called with the ids and mask; the causal video VAE,
+#: decoded latent frame by latent frame with its feature cache, and its encoder for image to
+#: video (Wan 2.2's I2V, without an image encoder: Wan 2.1 I2V's CLIP image encoder is a model
+#: these stages do not declare, refused in one line).
+STAGES = PipelineStages(
+    pipelines=("WanPipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(reads=("last_hidden_state",))},
+    vae=VaeStage("causal-video", encode=("WanImageToVideoPipeline",)),
+    size=(480, 832))  # the pipelines' height and width defaults
 WAN = FamilyRecord(
     name="wan", class_name="WanTransformer3DModel",
     label="Wan 2.1 / 2.2 (T2V 1.3B / 14B, I2V / FLF2V-14B, T2V-A14B, I2V-A14B, TI2V-5B)",
@@ -129,7 +140,7 @@ WAN = FamilyRecord(
     fp8_excluded=FP8_EXCLUDED, blocks=True,
     block_lists=(BlockList("blocks", "num_layers", ("img",)),), rotated=("img",),
     scale_rope=False, launches=WAN_LAUNCHES,
-    rope_precision="float64", max_positions_key="rope_max_seq_len")
+    rope_precision="float64", max_positions_key="rope_max_seq_len", stages=STAGES)
 
 
 def wan_axes(head_dim: int) -> tuple:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -60,6 +61,13 @@ LAUNCHES = tuple(Launch("Z-Image", stream, seq, 30, roundings=(contract.ROUNDING
 # runs no main layer: the final layer then reads the refined image tokens, as diffusers'
 # forward does with the later blocks passing their stream through); --blocks compares each
 # block's output.
+#: ZImagePipeline's other stages: the Qwen3 text encoder's second-to-last hidden state (the
+#: pipeline's chat template and mask stay in its Python); the 2-D AutoencoderKL, its encoder
+#: for image to image.
+STAGES = PipelineStages(
+    pipelines=("ZImagePipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(reads=("hidden_states[-2]",))},
+    vae=VaeStage("image", encode=("ZImageImg2ImgPipeline",)))
 Z_IMAGE = FamilyRecord(
     name="z-image", class_name="ZImageTransformer2DModel", label="Z-Image (and Z-Image-Turbo)",
     short="Z-Image", package="z_image", scheme="table", axes=(32, 48, 48), theta=256,
@@ -68,7 +76,7 @@ Z_IMAGE = FamilyRecord(
     block_lists=(BlockList("noise_refiner", "n_refiner_layers", ("img",)),
                  BlockList("context_refiner", "n_refiner_layers", ("txt",)),
                  BlockList("layers", "n_layers", ("joined",))),
-    launches=LAUNCHES, rope_rule="setting_fields")
+    launches=LAUNCHES, rope_rule="setting_fields", stages=STAGES)
 
 #: diffusers' default ``axes_lens``: the rows of each axis' RoPE table.
 AXES_LENS = (1024, 512, 512)
