@@ -85,8 +85,9 @@ def test_cli_other_exceptions_keep_their_traceback(monkeypatch):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["check", "."], r"\. is a folder, not a file"),
-    (["build", ".", "-o", "x.engine"], r"is a folder, not a file"),
+    # check and build take a pipeline export folder too: another folder is named as neither
+    (["check", "."], r"\. is a folder but no pipeline export .*or one MODEL\.onnx"),
+    (["build", ".", "-o", "x.engine"], r"is a folder but no pipeline export .*or one MODEL\.onnx"),
     (["refit", ".", "--state-dict", "w.pt"], r"is a folder, not a file"),
     (["triton-repo", "--engine", ".", "-o", "repo"], r"is a folder, not a file"),
     (["export", "--heads", "99999999999999999999", "--out", "x.onnx"],

@@ -1,8 +1,10 @@
-"""``qkrope build``: argument handling over :func:`qkrope.runtime.engine.build_engine`."""
+"""``qkrope build``: argument handling over :func:`qkrope.runtime.engine.build_engine`; a
+pipeline export folder (``qkrope build OUT_DIR``): :mod:`qkrope.apps.build_stages`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from qkrope.runtime import profiles
@@ -36,8 +38,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     f"(min 1 token, opt = the export sample, max = the --max-* flags or "
                     f"{profiles.DEFAULT_MAX_IMG_TOKENS} image + {profiles.DEFAULT_MAX_TXT_TOKENS} "
                     f"text tokens, batch {profiles.DEFAULT_MAX_BATCH}) unless --min/--opt/--max "
-                    f"give them.")
-    p.add_argument("onnx", metavar="MODEL.onnx", help="model written by `qkrope export`")
+                    f"give them. Given a pipeline export folder (qkrope export --model pipeline "
+                    f"-o OUT_DIR), it builds one engine per graph, each beside its ONNX file: "
+                    f"the transformer's as above, and every text encoder and VAE graph with "
+                    f"profiles over its dynamic axes batch, txt_tokens (min 1, opt = max = "
+                    f"the pipeline's padded text length), latent_height and latent_width (min "
+                    f"1, opt = max = the pipeline's default size, or each --resolutions preset, "
+                    f"over the VAE's pixels per latent); --batch, --txt-tokens, --max-batch and "
+                    f"--max-txt-tokens set those ranges too, and --min/--opt/--max take "
+                    f"[STAGE.]AXIS:N there (e.g. --max text_encoder.txt_tokens:256).")
+    p.add_argument("onnx", metavar="MODEL.onnx|OUT_DIR",
+                   help="model written by `qkrope export`, or a pipeline export folder")
     p.add_argument("-o", "--output", metavar="MODEL.engine",
                    help="engine path (default: MODEL.engine next to the ONNX file); a sidecar "
                         "MODEL.engine.json is written next to it")
@@ -98,6 +109,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre  # before the heavy imports: a wrong path answers at once
 
+    if os.path.isdir(args.onnx):  # a pipeline export folder: an engine per graph
+        from .build_stages import run as run_stages
+
+        return run_stages(args)
     pre.onnx_model(args.onnx, command="build")
     _args.check_plugin(args)
     pre.file_to_write(args.timing_cache, flag="--timing-cache", example="timing.cache")

@@ -1,4 +1,5 @@
 """``qkrope check MODEL.onnx``: parity of the exported model (and a TensorRT engine) with PyTorch.
+``qkrope check OUT_DIR --diffusers SRC``: every stage of a pipeline export (qkrope.apps.check_stages).
 
 Steps:
 
@@ -719,7 +720,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "check",
         description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("onnx", metavar="MODEL.onnx")
+    p.add_argument("onnx", metavar="MODEL.onnx|OUT_DIR",
+                   help="an exported model, or a pipeline export folder (qkrope export --model "
+                        "pipeline -o OUT_DIR): then every stage is checked against the PyTorch "
+                        "components of --diffusers SRC (the transformer as a model is; each text "
+                        "encoder at two token lengths and the VAE at two latent sizes, on their "
+                        "drop-ins; engines that qkrope build OUT_DIR wrote beside the graphs "
+                        "too, where TensorRT and a CUDA GPU are present)")
+    p.add_argument("--stage", metavar="NAME", default=None,
+                   help="OUT_DIR: check this stage only (a component name: transformer, "
+                        "text_encoder, vae, ...)")
     _args.add_engine(p, "also run it and compare it with PyTorch (needs --plugin)")
     _args.add_plugin(p, "needed with --engine")
     _args.add_allow_host_code(p, "with --engine: ")
@@ -732,7 +742,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--diffusers", default=None, help="transformer reference folder (default: "
-                                                      "the one recorded at export)")
+                                                      "the one recorded at export); with OUT_DIR "
+                                                      "(required): the saved diffusers pipeline "
+                                                      "folder it was exported from")
     p.add_argument("--providers", nargs="+", default=["cpu"],
                    help="ONNX Runtime execution providers (cpu, cuda)")
     p.add_argument("--no-onnxrt", dest="onnxrt", action="store_false",
@@ -751,7 +763,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "small machine. Either way the reference holds one block's weights at "
                         "a time")
     p.add_argument("--workdir", default=None, help="where the polygraphy JSON files go "
-                                                   "(default: MODEL.onnx.check/)")
+                                                   "(default: MODEL.onnx.check/, or "
+                                                   "OUT_DIR.check/ with one folder per stage)")
     p.add_argument("--verbose", "-v", action="store_true", help="polygraphy's own log too")
     p.set_defaults(func=run)
     return p
@@ -760,6 +773,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre
 
+    if os.path.isdir(args.onnx):  # a pipeline export folder: every stage
+        import importlib
+
+        # by name, as qkrope.cli finds the commands: check_stages builds on this module
+        return importlib.import_module("qkrope.apps.check_stages").run(args)
+    if getattr(args, "stage", None):
+        raise InputError(f"--stage {args.stage} picks a stage of a pipeline export folder; "
+                         f"{args.onnx} is one model. Fix: drop --stage, or pass OUT_DIR")
     if args.engine and not args.plugin:
         raise InputError("--engine needs --plugin LIB (the QKNormRoPE plugin library)")
     pre.onnx_model(args.onnx, command="check")

@@ -1,0 +1,484 @@
+"""``qkrope check OUT_DIR --diffusers SRC`` and ``qkrope build OUT_DIR`` on pipeline exports
+(issue 43 item 5): every stage checked against its PyTorch component (qkrope.apps.check_stages),
+one TensorRT engine per graph with its profiles (qkrope.apps.build_stages; the fake TensorRT of
+tests/fake_tensorrt.py, as tests/test_build_cli.py uses it).
+
+One tiny export per family and module (the VAE export dominates: ~40 s on 2 cores). Qwen-Image
+runs in the CPU suite: its VAE is the causal video layout, so the check's three latent frames
+run ``decode`` and ``decode_next``. Wan (the video pipeline: 480 x 832 defaults, UMT5) and a
+stage given another family's graph run in the slow step.
+
+Bounds: those the check itself applies and prints (the stages: qkrope check's whole-network
+tolerance, 1e-4 x max|reference| in fp32, see qkrope.apps.check_stages).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers", reason="requires diffusers (pip install -e '.[test]')")
+pytest.importorskip("transformers", reason="the tiny pipelines' text encoders require "
+                                           "transformers (test extras)")
+pytest.importorskip("polygraphy", reason="qkrope check compares with polygraphy")
+
+import torch._dynamo  # noqa: E402,F401 - imported before any fake `tensorrt` module (its trace
+#                     rules look every optional module up once, and a fake one has no spec)
+
+import fake_tensorrt as ft  # noqa: E402
+from _oneline import error_line  # noqa: E402
+from qkrope.apps import build_stages as bs  # noqa: E402
+from qkrope.apps import tiny_pipeline as tp  # noqa: E402
+from qkrope.cli import main  # noqa: E402
+from qkrope.stages import STAGE_FILE  # noqa: E402
+
+# a summary row: stage, graphs, output, runners, max abs err, bound, result
+ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+) (\S+) vs (\S+)\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family -> (the tiny pipeline folder, its fp32 pipeline export), made once per module."""
+    from qkrope.export.stages import export_pipeline
+
+    root = tmp_path_factory.mktemp("check-stages")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            src = Path(tp.save_tiny_pipeline(name, root / name))
+            out = root / f"{name}-export"
+            export_pipeline(src, out, dtype="fp32", progress=False)
+            made[name] = (src, out)
+        return made[name]
+    return get
+
+
+def _copy(out: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / out.name
+    shutil.copytree(out, dst)
+    return dst
+
+
+def _rows(text: str) -> dict:
+    """(stage, output, runner) -> (max abs err, bound, passed) of the summary."""
+    return {(m[1], m[3], m[4]): (float(m[6]), float(m[7]), m[8] == "PASS")
+            for m in ROW.finditer(text)}
+
+
+def _check(capsys, out, src, *extra):
+    rc = main(["check", str(out), "--diffusers", str(src), *extra])
+    return rc, capsys.readouterr()
+
+
+def _rewrite_record(folder: Path, name: str) -> None:
+    """The stage record made to list ``name`` as it now is (size and sha256): an export whose
+    files are consistent, and wrong."""
+    from qkrope._fileio import sha256_file
+
+    path = folder / STAGE_FILE
+    record = json.loads(path.read_text())
+    record["files"][name] = {"size": (folder / name).stat().st_size,
+                             "sha256": sha256_file(folder / name)}
+    path.write_text(json.dumps(record, indent=2))
+
+
+# --------------------------------------------------------------------------------------------
+# qkrope check OUT_DIR
+# --------------------------------------------------------------------------------------------
+
+def test_check_passes_every_stage_of_a_good_export(exported, tmp_path, capsys, monkeypatch):
+    """Each stage within its bound, the VAE over three latent frames through decode and
+    decode_next as its drop-in runs them, the polygraphy files per stage."""
+    from qkrope.runtime.stages import component
+
+    calls: list[str] = []
+    real = component.StageGraphs.run
+
+    def counted(self, graph, feeds, dtype):
+        calls.append(graph)
+        return real(self, graph, feeds, dtype)
+    monkeypatch.setattr(component.StageGraphs, "run", counted)
+    src, out = exported("qwen-image")
+    work = tmp_path / "work"
+    rc, cap = _check(capsys, out, src, "--workdir", str(work))
+    assert rc == 0, cap.out
+    rows = _rows(cap.out)
+    assert {k[0] for k in rows} == {"transformer", "text_encoder", "vae"}, cap.out
+    for (stage, output, runner), (err, bound, passed) in rows.items():
+        assert passed and err <= bound, (stage, output, err, bound)
+        assert runner == "onnxrt"
+    assert rows[("vae", "sample", "onnxrt")][1] == pytest.approx(1e-4, rel=1e-3)  # |ref| <= 1
+    assert "qkrope check: PASSED (3 stage(s)" in cap.out
+    # two sizes each: the text encoder twice; the VAE's 3 latent frames: decode once and
+    # decode_next twice per size
+    assert calls.count("encode") == 2
+    assert calls.count("decode") == 2 and calls.count("decode_next") == 4
+    for f in ("transformer/run_results.json", "text_encoder/inputs.json",
+              "text_encoder/reference_outputs.json", "text_encoder/polygraphy_cmd.sh",
+              "vae/decode/run_results.json"):
+        assert (work / f).is_file(), f
+    assert "polygraphy run" in (work / "text_encoder" / "polygraphy_cmd.sh").read_text()
+    inputs = json.loads((work / "text_encoder" / "inputs.json").read_text())
+    assert len(inputs) == 2  # two token lengths
+
+
+def test_stage_checks_one_stage(exported, tmp_path, capsys):
+    src, out = exported("qwen-image")
+    rc, cap = _check(capsys, out, src, "--stage", "text_encoder", "--workdir",
+                     str(tmp_path / "w"))
+    assert rc == 0, cap.out
+    assert {k[0] for k in _rows(cap.out)} == {"text_encoder"}
+    assert "batch 2 x 5 tokens" in cap.out and "batch 2 x 12 tokens" in cap.out
+
+
+def test_a_vae_graph_with_perturbed_weights_fails_naming_the_vae(exported, tmp_path, capsys):
+    """An export whose files agree with its record but whose next-frame graph computes
+    something else: the other stages pass, the VAE fails, and the exit status says so."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    src, out = exported("qwen-image")
+    bad = _copy(out, tmp_path)
+    path = bad / "vae" / "decode_next.onnx"
+    model = onnx.load(str(path))
+    biggest = max((t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT),
+                  key=lambda t: int(np.prod(t.dims)))
+    values = numpy_helper.to_array(biggest)
+    biggest.CopyFrom(numpy_helper.from_array((values * 1.05).astype(values.dtype), biggest.name))
+    onnx.save(model, str(path))
+    _rewrite_record(bad / "vae", "decode_next.onnx")
+    rc, cap = _check(capsys, bad, src, "--workdir", str(tmp_path / "w"))
+    assert rc == 1, cap.out
+    rows = _rows(cap.out)
+    assert rows[("transformer", "sample", "onnxrt")][2]
+    assert rows[("text_encoder", "hidden_states_m1", "onnxrt")][2]
+    err, bound, passed = rows[("vae", "sample", "onnxrt")]
+    assert not passed and err > bound
+    assert "qkrope check: FAILED: vae (3 stage(s)" in cap.out
+
+
+def test_a_stage_given_the_wrong_graph_fails_naming_it(exported, tmp_path, capsys):
+    """The next-frame graph where the first frame's belongs (records consistent): the VAE
+    stage fails in its own line; the check goes on and exits 1."""
+    src, out = exported("qwen-image")
+    bad = _copy(out, tmp_path)
+    shutil.copyfile(bad / "vae" / "decode_next.onnx", bad / "vae" / "decode.onnx")
+    _rewrite_record(bad / "vae", "decode.onnx")
+    rc, cap = _check(capsys, bad, src, "--stage", "vae", "--workdir", str(tmp_path / "w"))
+    assert rc == 1, cap.out
+    assert "vae: FAILED: its graphs do not run as the drop-in runs them" in cap.out
+    assert re.search(r"^vae\s.*\(not run: see above\).*FAIL$", cap.out, re.M), cap.out
+    assert "qkrope check: FAILED: vae (1 stage(s)" in cap.out
+
+
+def test_a_stage_file_changed_after_the_export_is_one_line(exported, tmp_path, capsys):
+    src, out = exported("qwen-image")
+    bad = _copy(out, tmp_path)
+    data = bytearray((bad / "text_encoder" / "encoder.onnx").read_bytes())
+    data[-1] ^= 1  # same size: the record's size check passes, its sha256 does not
+    (bad / "text_encoder" / "encoder.onnx").write_bytes(bytes(data))
+    assert main(["check", str(bad), "--diffusers", str(src)]) == 2
+    line = error_line(capsys)
+    assert "encoder.onnx is not the file the export wrote" in line and "Fix:" in line
+
+
+@pytest.mark.parametrize("case", ["not-a-pipeline", "no-stage", "no-diffusers", "other-family",
+                                  "engine-flag"])
+def test_bad_input_is_one_line(exported, tmp_path, capsys, case):
+    src, out = exported("qwen-image")
+    if case == "not-a-pipeline":
+        (tmp_path / "plain").mkdir()
+        argv, says = [str(tmp_path / "plain"), "--diffusers", str(src)], "no pipeline export"
+    elif case == "no-stage":
+        argv, says = [str(out), "--diffusers", str(src), "--stage", "image_encoder"], \
+            "its stages are transformer, text_encoder, vae"
+    elif case == "no-diffusers":
+        argv, says = [str(out)], "needs --diffusers SRC"
+    elif case == "other-family":
+        other = tp.save_tiny_pipeline("wan", tmp_path / "wan")
+        capsys.readouterr()  # its progress bars
+        argv, says = [str(out), "--diffusers", str(other)], "is a WanPipeline"
+    else:
+        argv, says = [str(out), "--diffusers", str(src), "--engine", "x.engine"], "--engine"
+    assert main(["check", *argv]) == 2
+    line = error_line(capsys)
+    assert says in line and "Fix:" in line, line
+    assert not Path(str(out) + ".check").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# qkrope build OUT_DIR (the fake TensorRT)
+# --------------------------------------------------------------------------------------------
+
+_TRT_TYPES = {1: "FLOAT", 10: "HALF", 16: "BF16", 7: "INT64", 6: "INT32", 9: "BOOL"}
+
+
+def _parse_graph(network, path, state):
+    """The fake parser over any ONNX file: its inputs and outputs (-1 = dynamic), one
+    QKNormRoPE plugin layer per node; the files parsed, in order, in ``state.parsed``."""
+    import onnx
+
+    from qkrope.runtime import onnx_file
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name for t in model.graph.initializer}
+
+    def tensor(v):
+        t = v.type.tensor_type
+        return ft.ITensor(v.name, _TRT_TYPES[t.elem_type],
+                          [d.dim_value if d.dim_value else -1 for d in t.shape.dim])
+    network.inputs = [tensor(v) for v in model.graph.input if v.name not in inits]
+    network.outputs = [tensor(v) for v in model.graph.output]
+    network.layers += [ft.qknorm_rope_layer(n) for n in onnx_file.count_plugin_nodes(path)]
+    state.parsed.append(f"{Path(path).parent.name}/{Path(path).name}")
+    state.marks.append(len(state.profiles))  # its profiles are the ones added after this
+
+
+def _by_graph(state) -> dict:
+    """graph file -> the profiles the builder added for it ({input: (min, opt, max)} each)."""
+    ends = state.marks[1:] + [len(state.profiles)]
+    return {f: state.profiles[a:b] for f, a, b in zip(state.parsed, state.marks, ends)}
+
+
+@pytest.fixture
+def fake_trt(monkeypatch, tmp_path):
+    from qkrope.runtime import loader_tensorrt as lt
+
+    trt, state = ft.make_fake_trt(parse=_parse_graph)
+    state.parsed, state.marks = [], []
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(lt.ctypes, "CDLL",
+                        lambda path, mode=0: state.loaded.append(("dlopen", path)))
+    lib = tmp_path / "libqkrope_plugin.so"
+    lib.write_bytes(b"\x7fELF\x02\x01\x01\x00 fake")
+    return state, lib
+
+
+def test_build_writes_an_engine_per_graph_with_its_profiles(exported, tmp_path, capsys,
+                                                            fake_trt):
+    state, lib = fake_trt
+    _, out = exported("qwen-image")
+    out = _copy(out, tmp_path)
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert state.parsed == ["transformer/transformer.onnx", "text_encoder/encoder.onnx",
+                            "vae/decode.onnx", "vae/decode_next.onnx"]
+    for f in ("transformer/transformer.engine", "transformer/transformer.engine.json",
+              "text_encoder/encoder.engine", "vae/decode.engine", "vae/decode_next.engine",
+              "text_encoder/qkrope_engines.json", "vae/qkrope_engines.json"):
+        assert (out / f).is_file(), f
+        if f.endswith(".engine"):
+            assert f"wrote {out / f}" in text, text
+    got = {f: p[0] for f, p in _by_graph(state).items()}
+    # the transformer: qkrope build MODEL.onnx's default (a 1024x1024 image, text 1..512)
+    assert got["transformer/transformer.onnx"]["hidden_states"][2][:2] == (2, 4096)
+    # the text encoder: batch 1..2, tokens 1..546 (QwenImagePipeline: 512 + its 34-token
+    # template prefix), opt = max
+    assert got["text_encoder/encoder.onnx"] == {"input_ids": ((1, 1), (2, 546), (2, 546)),
+                                                "attention_mask": ((1, 1), (2, 546), (2, 546))}
+    # the VAE: the pipeline's 1024 x 1024 over the tiny VAE's 4 px per latent (read from the
+    # graph), the cache inputs following the latents by the export's own expressions
+    factor = bs.vae_factor(out / "vae" / "decode.onnx")
+    assert factor == 4
+    side = 1024 // factor
+    assert got["vae/decode.onnx"] == {"latents": ((1, 4, 1, 1, 1), (2, 4, 1, side, side),
+                                                  (2, 4, 1, side, side))}
+    nxt = got["vae/decode_next.onnx"]
+    assert nxt["latents"] == got["vae/decode.onnx"]["latents"]
+    assert nxt["cache_0"] == ((1, 4, 2, 1, 1), (2, 4, 2, side, side), (2, 4, 2, side, side))
+    assert nxt["cache_18"] == ((1, 24, 2, 4, 4), (2, 24, 2, 4 * side, 4 * side),
+                               (2, 24, 2, 4 * side, 4 * side))
+    record = json.loads((out / "vae" / "qkrope_engines.json").read_text())
+    assert set(record["engines"]) == {"decode", "decode_next"}
+    assert record["engines"]["decode"]["profiles"][0]["latents"]["max"] == [2, 4, 1, side, side]
+    assert not list(out.rglob(".qkrope-staging-*"))
+    # again: every engine kept (same graphs, profiles, TensorRT, GPU); --force rebuilds
+    state.parsed.clear()
+    state.marks.clear()
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert state.parsed == [] and text.count("kept ") == 4, text
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", "--force"]) == 0
+    assert len(state.parsed) == 4
+
+
+def test_build_options_set_the_stage_profiles(exported, tmp_path, capsys, fake_trt):
+    """--resolutions: one VAE profile per preset; --txt-tokens / --batch: the ranges;
+    --opt STAGE.AXIS:N one level of one stage."""
+    state, lib = fake_trt
+    _, out = exported("qwen-image")
+    out = _copy(out, tmp_path)
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", "--resolutions",
+                 "256x512,1024x1024", "--txt-tokens", "1:64", "--batch", "1:1",
+                 "--opt", "text_encoder.txt_tokens:16", "--min", "latent_width:8"]) == 0
+    capsys.readouterr()
+    profiles = _by_graph(state)
+    assert len(profiles["transformer/transformer.onnx"]) == 2  # one per preset, as today
+    assert profiles["text_encoder/encoder.onnx"] == [
+        {"input_ids": ((1, 1), (1, 16), (1, 64)), "attention_mask": ((1, 1), (1, 16), (1, 64))}]
+    # two presets, smallest first: (height, width) 512 x 256 and 1024 x 1024 over 4 px
+    assert [p["latents"] for p in profiles["vae/decode.onnx"]] == [
+        ((1, 4, 1, 1, 8), (1, 4, 1, 128, 64), (1, 4, 1, 128, 64)),
+        ((1, 4, 1, 1, 8), (1, 4, 1, 256, 256), (1, 4, 1, 256, 256))]
+    record = json.loads((out / "vae" / "qkrope_engines.json").read_text())
+    assert record["engines"]["decode"]["profile_labels"] == ["256x512", "1024x1024"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max", "hidden_states:1x16x32"], "stage axis"),
+    (["--max", "vae.txt_tokens:1x2"], "one number"),
+    (["--max", "image_encoder.batch:2"], "a stage of this export"),
+    (["--opt", "txt_tokens:600"], "1 <= min <= opt <= max"),
+    (["-o", "x.engine"], "beside its graph"),
+])
+def test_build_bad_flags_are_one_line_and_write_nothing(exported, tmp_path, capsys, fake_trt,
+                                                        argv, says):
+    state, lib = fake_trt
+    _, out = exported("qwen-image")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", *argv]) == 2
+    line = error_line(capsys)
+    assert says in line, line
+    assert state.parsed == [] and sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_build_a_folder_that_is_no_pipeline_export_is_one_line(tmp_path, capsys):
+    (tmp_path / "plain").mkdir()
+    assert main(["build", str(tmp_path / "plain")]) == 2
+    line = error_line(capsys)
+    assert "no pipeline export" in line and "qkrope_pipeline.json" in line
+
+
+def test_build_without_tensorrt_is_one_line_and_writes_nothing(exported, tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    _, out = exported("qwen-image")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    assert main(["build", str(out), "--no-progress"]) == 2
+    assert "tensorrt" in error_line(capsys).lower()
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_dimension_expressions():
+    assert bs.eval_dim("2*s1", {"s1": 5}) == 10
+    assert bs.eval_dim("((s0 - 1)//2) + 1", {"s0": 8}) == 4
+    assert bs.eval_dim("floor(s0/2)", {"s0": 7}) == 3
+    assert bs.eval_dim("Max(1, s0 - 3)", {"s0": 2}) == 1
+    with pytest.raises(KeyError):
+        bs.eval_dim("2*s9", {"s1": 1})
+    with pytest.raises(ValueError):
+        bs.eval_dim("__import__('os')", {})
+
+
+def test_the_records_stage_sizes_agree_with_diffusers_signatures():
+    """Each family record's stage sizes (qkrope.stages: ``size``, each encoder's ``tokens``)
+    restate its pipelines' defaults: where a pipeline's __call__ gives height, width or
+    max_sequence_length, the record's are those (an encoder's tokens may add the template
+    prefix its pipeline drops after the call: Qwen-Image's 34)."""
+    import inspect
+
+    import diffusers
+
+    from qkrope import families
+
+    seen = 0
+    for record in families.records():
+        stages = record.stages
+        if stages is None:
+            continue
+        assert bs.stage_sizes(record.name) == (*stages.size, {
+            k: v.tokens for k, v in stages.text_encoders.items()})
+        for name in stages.all_pipelines():
+            params = inspect.signature(getattr(diffusers, name).__call__).parameters
+            for key, want in zip(("height", "width"), stages.size):
+                default = params[key].default if key in params else None
+                assert default in (None, want), (name, key, default)
+            if "max_sequence_length" in params:
+                m = params["max_sequence_length"].default
+                tokens = [t.tokens for t in stages.text_encoders.values()]
+                assert m in tokens or any(0 < t - m <= 64 for t in tokens), (name, m, tokens)
+            seen += 1
+    assert seen >= 4
+
+
+# --------------------------------------------------------------------------------------------
+# The slow step: Wan (the video pipeline), and a stage given another family's graph
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_check_passes_every_stage_of_a_wan_export(exported, tmp_path, capsys):
+    src, out = exported("wan")
+    rc, cap = _check(capsys, out, src, "--workdir", str(tmp_path / "w"))
+    assert rc == 0, cap.out
+    rows = _rows(cap.out)
+    assert {k[0] for k in rows} == {"transformer", "text_encoder", "vae"}
+    assert all(passed and err <= bound for err, bound, passed in rows.values()), rows
+
+
+@pytest.mark.slow
+def test_a_text_encoder_given_another_familys_graph_fails_naming_it(exported, tmp_path,
+                                                                      capsys):
+    """Wan's UMT5 graph in Qwen-Image's text encoder folder (records consistent)."""
+    src, out = exported("qwen-image")
+    _, wan = exported("wan")
+    bad = _copy(out, tmp_path)
+    shutil.copyfile(wan / "text_encoder" / "encoder.onnx", bad / "text_encoder" / "encoder.onnx")
+    _rewrite_record(bad / "text_encoder", "encoder.onnx")
+    rc, cap = _check(capsys, bad, src, "--stage", "text_encoder", "--workdir",
+                     str(tmp_path / "w"))
+    assert rc == 1, cap.out
+    assert "qkrope check: FAILED: text_encoder" in cap.out
+
+
+@pytest.mark.slow
+def test_build_a_wan_export_takes_the_video_pipelines_sizes(exported, tmp_path, capsys,
+                                                           fake_trt):
+    state, lib = fake_trt
+    _, out = exported("wan")
+    out = _copy(out, tmp_path)
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    capsys.readouterr()
+    got = {f: p[0] for f, p in _by_graph(state).items()}
+    factor = bs.vae_factor(out / "vae" / "decode.onnx")
+    # WanPipeline: height 480, width 832; UMT5 padded to 512 tokens
+    assert got["vae/decode.onnx"]["latents"][2][-2:] == (480 // factor, 832 // factor)
+    assert got["text_encoder/encoder.onnx"]["input_ids"][2] == (2, 512)
+
+
+@pytest.mark.slow
+def test_an_encoding_pipelines_vae_encoder_is_checked_and_built(tmp_path, capsys, fake_trt):
+    """A pipeline that encodes images (its family's ``VaeStage.encode``): the VAE's encode and
+    encode_next graphs are compared too (diffusers' ``encode(x).latent_dist.parameters`` over
+    the first frame and two chunks), and get engines whose pixel sizes are the latent sizes
+    times the VAE's pixels per latent, each cache input shaped as the first graph returns it."""
+    from qkrope.export.stages import export_pipeline
+
+    state, lib = fake_trt
+    src = Path(tp.save_tiny_pipeline("qwen-image", tmp_path / "src"))
+    index = json.loads((src / "model_index.json").read_text())
+    index["_class_name"] = "QwenImageImg2ImgPipeline"
+    (src / "model_index.json").write_text(json.dumps(index, indent=2))
+    out = tmp_path / "out"
+    export_pipeline(src, out, dtype="fp32", progress=False)
+    capsys.readouterr()
+    rc, cap = _check(capsys, out, src, "--stage", "vae", "--workdir", str(tmp_path / "w"))
+    assert rc == 0, cap.out
+    rows = _rows(cap.out)
+    assert set(rows) == {("vae", "sample", "onnxrt"), ("vae", "moments", "onnxrt")}, cap.out
+    assert "x 9 frames" in cap.out  # the first frame and two chunks of four
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", "--resolutions",
+                 "512x512"]) == 0
+    got = {f: p[0] for f, p in _by_graph(state).items()}
+    assert got["vae/encode.onnx"]["sample"] == ((1, 3, 1, 4, 4), (2, 3, 1, 512, 512),
+                                                (2, 3, 1, 512, 512))
+    nxt = got["vae/encode_next.onnx"]
+    assert nxt["sample"][2] == (2, 3, 4, 512, 512)
+    assert {v[2][-2:] for k, v in nxt.items() if k.startswith("cache_")} == {
+        (512, 512), (256, 256), (128, 128)}
