@@ -65,6 +65,21 @@ def _variants_present(d: Path) -> list[str]:
     return sorted(found)
 
 
+def read_weight_map(index: Path, what: str = "weight index") -> dict[str, str]:
+    """The key -> shard file map of a safetensors index file (``save_pretrained``'s
+    ``*.safetensors.index.json``); one line where the file is not one."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise DiffusersWeightsError(
+            f"{index} is not a {what} (a JSON object whose 'weight_map' maps every key to its "
+            f"shard file). Fix: save the model again with save_pretrained") from None
+    return weight_map
+
+
 def weight_files(folder: str | os.PathLike, *, variant: str | None = None,
                  other_source: str | None = None) -> tuple[list[Path], dict[str, str] | None]:
     """``(the safetensors files, the index's key -> shard map or None)`` of a saved diffusers
@@ -77,16 +92,7 @@ def weight_files(folder: str | os.PathLike, *, variant: str | None = None,
     single = d / with_variant(WEIGHTS_NAME, variant)
     what = f"variant {variant!r} " if variant else ""
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                raise TypeError
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            raise DiffusersWeightsError(
-                f"{index} is not a diffusers weight index (a JSON object whose 'weight_map' maps "
-                f"every key to its shard file). Fix: save the model again with "
-                f"save_pretrained") from None
+        weight_map = read_weight_map(index, "diffusers weight index")
         shards = sorted(set(weight_map.values()))
         bad = [s for s in shards if Path(s).name != s]
         if bad:

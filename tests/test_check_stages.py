@@ -51,9 +51,15 @@ def exported(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            src = Path(tp.save_tiny_pipeline(name, root / name))
-            out = root / f"{name}-export"
-            export_pipeline(src, out, dtype="fp32", progress=False)
+            import contextlib
+            import io
+
+            # quiet: the saves' progress bars would land in the first caller's capsys
+            with contextlib.redirect_stderr(io.StringIO()), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                src = Path(tp.save_tiny_pipeline(name, root / name))
+                out = root / f"{name}-export"
+                export_pipeline(src, out, dtype="fp32", progress=False)
             made[name] = (src, out)
         return made[name]
     return get

@@ -63,11 +63,17 @@ def exported(tmp_path_factory):
     def get(name, pipeline=None):
         key = (name, pipeline)
         if key not in made:
-            src = source(name)
-            if pipeline is not None:  # the same components under another pipeline class
-                src = _as_pipeline(src, root / f"{name}-{pipeline}", pipeline)
-            out = root / f"{name}-{pipeline or 'export'}-out"
-            export_pipeline(src, out, dtype="fp32", progress=False)
+            import contextlib
+            import io
+
+            # quiet: the saves' progress bars would land in the first caller's capsys
+            with contextlib.redirect_stderr(io.StringIO()), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                src = source(name)
+                if pipeline is not None:  # the same components under another pipeline class
+                    src = _as_pipeline(src, root / f"{name}-{pipeline}", pipeline)
+                out = root / f"{name}-{pipeline or 'export'}-out"
+                export_pipeline(src, out, dtype="fp32", progress=False)
             made[key] = (src, out)
         return made[key]
     return get

@@ -92,7 +92,8 @@ def _model_class(library: str, name: str):
     return cls if issubclass(cls, base) else None
 
 
-def _config(folder: Path) -> dict:
+def component_config(folder: Path) -> dict:
+    """``folder/config.json`` as a dict ({} where unreadable or not an object)."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -107,10 +108,10 @@ def plan(pipeline_dir: str | os.PathLike) -> tuple[Any, dict[str, str], dict]:
     index = _read_index(src)
     pipeline = index["_class_name"]
     comps = _components(index)
-    records = {k: families.by_class(_config(src / k).get("_class_name")) for k in comps}
+    records = {k: families.by_class(component_config(src / k).get("_class_name")) for k in comps}
     transformers = [k for k, r in records.items() if r is not None]
     if "transformer" not in transformers:
-        cls = _config(src / "transformer").get("_class_name")
+        cls = component_config(src / "transformer").get("_class_name")
         if isinstance(cls, str):
             families.family_of({"_class_name": cls}, source=f"{src / 'transformer'}/config.json")
         raise InputError(f"{src} ({pipeline}) has no transformer component of a family qkrope "

@@ -36,7 +36,6 @@ in one line if the graph reads it (from_pretrained would have given it random va
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import weakref
@@ -50,7 +49,7 @@ from torch import nn
 
 from qkrope.diffusers_weights import (DiffusersWeightsError, TensorHeader, _check_listed,
                                       _read_header, check_complete, check_regular_file,
-                                      tensor_headers)
+                                      read_weight_map, tensor_headers)
 from qkrope.errors import InputError
 
 from ..streaming import (COPY_CHUNK, KEEP_BYTES, DiskWeights, WeightsMismatchError, _Budget,
@@ -71,15 +70,7 @@ def _transformers_headers(folder: Path) -> tuple[dict[str, TensorHeader], bool]:
     it is sharded: ``model.safetensors``, or the shards its index names."""
     index, single = folder / TRANSFORMERS_INDEX, folder / TRANSFORMERS_WEIGHTS
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                raise TypeError
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            raise DiffusersWeightsError(
-                f"{index} is not a weight index (a JSON object whose 'weight_map' maps every "
-                f"key to its shard). Fix: save the model again with save_pretrained") from None
+        weight_map = read_weight_map(index)
         shards = sorted(set(weight_map.values()))
         bad = [s for s in shards if Path(s).name != s]
         missing = [s for s in shards if not (folder / s).is_file()]

@@ -302,14 +302,6 @@ def graph_profile(kind: str, graph: str, onnx: Path, levels: Mapping[str, tuple]
 # The plan (no TensorRT)
 # --------------------------------------------------------------------------------------------
 
-def _config(folder: Path) -> dict:
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
 def _range(levels: Mapping, stage: str, axis: str, default: tuple[int, int, int]) -> tuple:
     """(min, opt, max) of ``axis`` for ``stage``: the default, then the unqualified
     --min/--opt/--max, then the stage's own; checked 1 <= min <= opt <= max."""
@@ -357,7 +349,9 @@ def plan_stage_builds(out_dir: Path, record: Mapping, stages: Mapping[str, str],
         presets: list[tuple[str, dict]] = []
         factor = 1
         if kind == "text_encoder":
-            positions = _config(folder).get("max_position_embeddings")
+            from qkrope.export.stages.pipeline import component_config
+
+            positions = component_config(folder).get("max_position_embeddings")
             tokens = texts.get(name, DEFAULT_TEXT_TOKENS)
             if isinstance(positions, int) and 0 < positions < tokens:
                 tokens = positions
