@@ -24,3 +24,11 @@ def tiny_root(tmp_path_factory):
     basetemp, so each pytest run (the CPU step, the slow step; each pytest-xdist worker) builds
     its own."""
     return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def stage_exports(tmp_path_factory):
+    """The tiny pipelines' pipeline exports the stage tests share (tests/_stage_exports.py)."""
+    from _stage_exports import StageExports
+
+    return StageExports(tmp_path_factory.mktemp("stage-exports"))

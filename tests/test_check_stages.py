@@ -41,28 +41,10 @@ from qkrope.stages import STAGE_FILE  # noqa: E402
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+) (\S+) vs (\S+)\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", re.M)
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """family -> (the tiny pipeline folder, its fp32 pipeline export), made once per module."""
-    from qkrope.export.stages import export_pipeline
-
-    root = tmp_path_factory.mktemp("check-stages")
-    made = {}
-
-    def get(name):
-        if name not in made:
-            import contextlib
-            import io
-
-            # quiet: the saves' progress bars would land in the first caller's capsys
-            with contextlib.redirect_stderr(io.StringIO()), \
-                    contextlib.redirect_stdout(io.StringIO()):
-                src = Path(tp.save_tiny_pipeline(name, root / name))
-                out = root / f"{name}-export"
-                export_pipeline(src, out, dtype="fp32", progress=False)
-            made[name] = (src, out)
-        return made[name]
-    return get
+@pytest.fixture
+def exported(stage_exports):
+    """family -> (the tiny pipeline folder, its fp32 pipeline export), shared by the session."""
+    return stage_exports
 
 
 def _copy(out: Path, tmp_path: Path) -> Path:
@@ -459,20 +441,15 @@ def test_build_a_wan_export_takes_the_video_pipelines_sizes(exported, tmp_path, 
 
 
 @pytest.mark.slow
-def test_an_encoding_pipelines_vae_encoder_is_checked_and_built(tmp_path, capsys, fake_trt):
+def test_an_encoding_pipelines_vae_encoder_is_checked_and_built(exported, tmp_path, capsys,
+                                                                fake_trt):
     """A pipeline that encodes images (its family's ``VaeStage.encode``): the VAE's encode and
     encode_next graphs are compared too (diffusers' ``encode(x).latent_dist.parameters`` over
     the first frame and two chunks), and get engines whose pixel sizes are the latent sizes
     times the VAE's pixels per latent, each cache input shaped as the first graph returns it."""
-    from qkrope.export.stages import export_pipeline
-
     state, lib = fake_trt
-    src = Path(tp.save_tiny_pipeline("qwen-image", tmp_path / "src"))
-    index = json.loads((src / "model_index.json").read_text())
-    index["_class_name"] = "QwenImageImg2ImgPipeline"
-    (src / "model_index.json").write_text(json.dumps(index, indent=2))
-    out = tmp_path / "out"
-    export_pipeline(src, out, dtype="fp32", progress=False)
+    src, out = exported("qwen-image", "QwenImageImg2ImgPipeline")  # shared with test_stages
+    out = _copy(out, tmp_path)  # the build writes engines into it
     capsys.readouterr()
     rc, cap = _check(capsys, out, src, "--stage", "vae", "--workdir", str(tmp_path / "w"))
     assert rc == 0, cap.out

@@ -32,7 +32,6 @@ import torch  # noqa: E402
 
 from _oneline import error_line  # noqa: E402
 from qkrope import families  # noqa: E402
-from qkrope.apps import generate as gen  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.cli import main  # noqa: E402
 from qkrope.errors import InputError  # noqa: E402
@@ -47,53 +46,10 @@ FAST = ("qwen-image", "wan")
 SLOW = ("flux1", "z-image")
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """family -> (the tiny pipeline folder, its pipeline export), built once per module."""
-    from qkrope.export.stages import export_pipeline
-
-    root = tmp_path_factory.mktemp("stages")
-    made, sources = {}, {}
-
-    def source(name):
-        if name not in sources:
-            sources[name] = Path(tp.save_tiny_pipeline(name, root / name))
-        return sources[name]
-
-    def get(name, pipeline=None):
-        key = (name, pipeline)
-        if key not in made:
-            import contextlib
-            import io
-
-            # quiet: the saves' progress bars would land in the first caller's capsys
-            with contextlib.redirect_stderr(io.StringIO()), \
-                    contextlib.redirect_stdout(io.StringIO()):
-                src = source(name)
-                if pipeline is not None:  # the same components under another pipeline class
-                    src = _as_pipeline(src, root / f"{name}-{pipeline}", pipeline)
-                out = root / f"{name}-{pipeline or 'export'}-out"
-                export_pipeline(src, out, dtype="fp32", progress=False)
-            made[key] = (src, out)
-        return made[key]
-    return get
-
-
-def _as_pipeline(src: Path, dst: Path, pipeline: str) -> Path:
-    """A copy of ``src`` whose model_index.json names ``pipeline``; Wan's image to video gets a
-    transformer taking the condition channels (the latents, the mask's 4 and the image's)."""
-    shutil.copytree(src, dst)
-    index = json.loads((dst / "model_index.json").read_text())
-    index["_class_name"] = pipeline
-    if pipeline == "WanImageToVideoPipeline":
-        from qkrope.families.wan import tiny as wan_tiny
-
-        z = 4
-        model = wan_tiny.wan_transformer(0, in_channels=2 * z + 4, out_channels=z)
-        shutil.rmtree(dst / "transformer")
-        model.save_pretrained(dst / "transformer")
-    (dst / "model_index.json").write_text(json.dumps(index))
-    return dst
+@pytest.fixture
+def exported(stage_exports):
+    """(family, pipeline class or None) -> (the tiny pipeline folder, its fp32 export)."""
+    return stage_exports
 
 
 def _images(result) -> np.ndarray:
