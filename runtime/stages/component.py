@@ -363,6 +363,13 @@ class TextEncoderExport(StageComponent):
         return out if return_dict is not False else out.to_tuple()
 
 
+    def generate(self, *args, **kwargs):
+        raise ComponentError(f"{self._what()} computes the hidden states its pipeline reads, "
+                             f"not text generation (a pipeline that rewrites or expands its "
+                             f"prompt with the encoder's generate()). Fix: turn the pipeline's "
+                             f"prompt rewriting off, or run the PyTorch text encoder")
+
+
 class VaeExport(StageComponent):
     """A VAE component on its export (module docstring)."""
 

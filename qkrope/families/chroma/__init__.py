@@ -8,6 +8,7 @@ from __future__ import annotations
 from qkrope import contract
 from qkrope.families._dual_stream import DualStream, IdsLayout, launches
 from qkrope.families._record import DOUBLE_THEN_JOINED_BLOCKS, FamilyRecord
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (BATCH, ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE,
                              SAMPLE, TIMESTEP, TXT_COS_SIN_CACHE, TXT_TOKENS, ModelDecl,
                              TensorDecl)
@@ -52,12 +53,18 @@ LAUNCHES = launches("Chroma1-HD", 24)
 # modulation rows (diffusers' forward finds a block's rows at offsets counted from every block:
 # 3 * single + 6 * double + 6 * i); --blocks compares each block's image and text outputs, or
 # the joined stream its single-stream blocks return.
+#: ChromaPipeline's other stages: T5's last hidden state, called with the ids and the mask
+#: (``[0]`` of the call); the 2-D AutoencoderKL.
+STAGES = PipelineStages(
+    pipelines=("ChromaPipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(reads=("last_hidden_state",))},
+    vae=VaeStage("image"))
 CHROMA = FamilyRecord(
     name="chroma", class_name="ChromaTransformer2DModel", label="Chroma (Chroma1-HD, Base)",
     short="Chroma", package="chroma", scheme="ids", axes=(16, 56, 56), theta=10000,
     theta_key=None, max_positions=None, rounding=contract.ROUNDING_TWO_STEPS,
     graph=CHROMA_TRANSFORMER, fp8_excluded=FP8_EXCLUDED, blocks=True,
-    block_lists=DOUBLE_THEN_JOINED_BLOCKS, launches=LAUNCHES)
+    block_lists=DOUBLE_THEN_JOINED_BLOCKS, launches=LAUNCHES, stages=STAGES)
 
 RECORDS = (CHROMA,)
 

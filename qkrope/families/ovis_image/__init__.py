@@ -9,6 +9,7 @@ from __future__ import annotations
 from qkrope import contract
 from qkrope.families._dual_stream import DualStream, IdsLayout, launches
 from qkrope.families._record import DOUBLE_THEN_SINGLE_BLOCKS, FamilyRecord
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE,
                              TIMESTEP, TXT_COS_SIN_CACHE, ModelDecl)
 
@@ -31,6 +32,14 @@ DUAL_STREAM = DualStream(
 LAUNCHES = launches("Ovis-Image", 24, text=256)
 
 # torch's RMSNorm then diffusers' apply_rotary_emb in fp32: rounded twice, as FLUX.1.
+#: OvisImagePipeline's other stages: its text encoder's last hidden state over
+#: max_sequence_length 256 plus the 28 template tokens the pipeline drops after the call; the
+#: 2-D AutoencoderKL.
+STAGES = PipelineStages(
+    pipelines=("OvisImagePipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(reads=("last_hidden_state",), tokens=256 + 28)},
+    vae=VaeStage("image"))
+
 OVIS_IMAGE = FamilyRecord(
     name="ovis-image", class_name="OvisImageTransformer2DModel", label="Ovis-Image",
     short="Ovis-Image", package="ovis_image", scheme="ids", axes=(16, 56, 56), theta=10000,
@@ -38,6 +47,6 @@ OVIS_IMAGE = FamilyRecord(
     fp8_excluded=("x_embedder", "context_embedder", "timestep_embedder", "norm_out",
                   "proj_out"),
     blocks=True, block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=LAUNCHES,
-    dual_stream=DUAL_STREAM)
+    dual_stream=DUAL_STREAM, stages=STAGES)
 
 RECORDS = (OVIS_IMAGE,)
