@@ -142,7 +142,7 @@ class StageTimes:
     def table(self) -> list[str]:
         ms = lambda s: f"{1e3 * s:10.1f} ms"  # noqa: E731
         denoise = sum(self.steps)
-        rows = [("load pipeline (PyTorch parts)", ms(self.load_pipeline), ""),
+        rows = [("load pipeline (other components)", ms(self.load_pipeline), ""),
                 ("load transformer", ms(self.load_transformer), ""),
                 ("text encoders", ms(sum(self.text_encoders)),
                  f"{len(self.text_encoders)} call(s)"),

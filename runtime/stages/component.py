@@ -49,7 +49,8 @@ from qkrope.errors import QkropeError
 from qkrope.stages import STAGE_FILE, STAGE_FORMAT, STAGE_FORMAT_VERSION
 
 from ..component import (ComponentError, ComponentLoadError, ComponentSaveError,
-                         DropinComponent, _check_load_options, _single_device)
+                         DropinComponent, _check_load_options, _single_device,
+                         _stat)
 
 #: files a stage folder holds besides its graphs (and their external data)
 CONFIG_FILE = "config.json"
@@ -476,11 +477,6 @@ def _hidden_index(read: str) -> int | None:
 
 def _stage_files(record: Mapping[str, Any]) -> list[str]:
     return [*record["files"], CONFIG_FILE, STAGE_FILE]
-
-
-def _stat(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
 __all__ = ["StageComponent", "TextEncoderExport", "VaeExport", "StageGraphs", "load_stage",
