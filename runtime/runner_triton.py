@@ -54,6 +54,9 @@ from .triton_io import (IDENTITY_PARAMETER, IO_PARAMETER, ServedModelError, chec
                         export_identity, model_io_of)
 
 PROTOCOLS = ("grpc", "http")
+#: the protocol of a model calling its own server's models (a Python-backend model; ``url``: the
+#: server's model repository folder)
+IN_SERVER = "bls"
 #: seconds a request may take before it is abandoned (a FLUX.1-dev step at 1024x1024 on one
 #: GPU is about a second; the default leaves room for a queue)
 DEFAULT_TIMEOUT_S = 300.0
@@ -336,6 +339,62 @@ class _Http:
             self._local.conn = None
 
 
+class _Bls:
+    """Business-logic scripting: requests from a Python-backend model to the other models of
+    its own server (``triton_python_backend_utils.InferenceRequest``), for the pipeline model
+    of ``qkrope triton-repo --pipeline``. ``url`` is the model repository the server loaded:
+    a model's config is read from its ``config.pbtxt`` there (BLS has no config query).
+    Tensors cross as DLPack (bfloat16 included), bytes in and out as the other transports'."""
+
+    def __init__(self, url: str, timeout_s: float, headers: Mapping[str, str]):
+        from pathlib import Path
+
+        self.pb = require("triton_python_backend_utils", "BLS calls (protocol='bls': from a "
+                          "Python-backend model of the server itself)")
+        self.repo, self.timeout_us = Path(url), int(timeout_s * 1e6)
+
+    def config(self, model: str, version: str) -> dict:
+        from google.protobuf import json_format
+
+        from .triton import parse_config
+
+        path = self.repo / model / "config.pbtxt"
+        if not path.is_file():
+            raise _ServerError("not_found", f"no model {model!r} in the repository {self.repo}")
+        cfg = parse_config(path.read_text(encoding="utf-8"))
+        return json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+
+    def models(self) -> list[str]:
+        return sorted(p.parent.name for p in self.repo.glob("*/config.pbtxt"))
+
+    def infer(self, model: str, version: str, inputs, outputs: Sequence[str]) -> dict:
+        from torch.utils import dlpack
+
+        pb = self.pb
+        tensors = [pb.Tensor.from_dlpack(name, dlpack.to_dlpack(
+            from_wire(data, datatype, shape, name=name, device=torch.device("cpu"))))
+            for name, datatype, shape, data in inputs]
+        request = pb.InferenceRequest(model_name=model, requested_output_names=list(outputs),
+                                      inputs=tensors, model_version=int(version or -1),
+                                      timeout=self.timeout_us)
+        answer = request.exec()
+        if answer.has_error():
+            message = answer.error().message()
+            lower = message.lower()
+            kind = ("not_found" if "unknown model" in lower or "not found" in lower else
+                    "refused" if "invalid" in lower or "unexpected" in lower else "failed")
+            raise _ServerError(kind, message)
+        got = {}
+        for name in outputs:
+            t = pb.get_output_tensor_by_name(answer, name)
+            if t is not None:
+                got[name] = to_wire(torch.from_dlpack(t.to_dlpack()))
+        return got
+
+    def close(self) -> None:
+        pass
+
+
 # --------------------------------------------------------------------------------------------
 # The runner
 # --------------------------------------------------------------------------------------------
@@ -357,7 +416,8 @@ class TritonRunner(Runner):
     """The model step of a Triton repository written by ``qkrope triton-repo``, behind the
     runner interface (module docstring). ``url``: ``host:port`` (``http(s)://`` too for HTTP);
     ``model``: the repository's model (the ensemble's name or its model step);
-    ``protocol``: ``"grpc"`` or ``"http"``; ``model_version``: "" for the server's policy;
+    ``protocol``: ``"grpc"`` or ``"http"`` (``"bls"`` from a Python-backend model of the
+    server itself, ``url`` then the server's model repository folder: :class:`_Bls`); ``model_version``: "" for the server's policy;
     ``sidecar``: the exported model (``.onnx`` or ``.engine``, or its ``.json``) the server
     should serve: its identity is compared with the one the served config records, once at
     connect (and its I/O is used, for a served config without the I/O record); ``device``: where outputs go when the inputs are on no
@@ -371,8 +431,9 @@ class TritonRunner(Runner):
                  device: torch.device | str | None = None,
                  headers: Mapping[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, copy_outputs: bool = False):
-        if protocol not in PROTOCOLS:
-            raise RunnerError(f"protocol must be one of {list(PROTOCOLS)}; got {protocol!r}")
+        if protocol not in (*PROTOCOLS, IN_SERVER):
+            raise RunnerError(f"protocol must be one of {list(PROTOCOLS)} (or {IN_SERVER!r} "
+                              f"inside the server); got {protocol!r}")
         if not isinstance(url, str) or not url.strip():
             raise RunnerError(f"url must be the server's host:port (e.g. 'localhost:8001'); got "
                               f"{url!r}")
@@ -384,9 +445,10 @@ class TritonRunner(Runner):
         self.url, self.protocol = url.strip(), protocol
         self.model_version = str(model_version or "")
         grpc_url = re.sub(r"^grpcs?://", "", self.url)
-        self._transport = (_Grpc(grpc_url, float(timeout_s), dict(headers or {}))
-                           if protocol == "grpc"
-                           else _Http(self.url, float(timeout_s), dict(headers or {})))
+        transport = {"grpc": lambda: _Grpc(grpc_url, float(timeout_s), dict(headers or {})),
+                     "http": lambda: _Http(self.url, float(timeout_s), dict(headers or {})),
+                     IN_SERVER: lambda: _Bls(self.url, float(timeout_s), {})}[protocol]
+        self._transport = transport()
         self.requested_model = model
         self.model, cfg = self._resolve(model)
         source = f"Triton {protocol}://{self.url}/{self.model}"

@@ -673,9 +673,13 @@ def _check_targets(repo: Path, models: dict[str, Any], force: bool,
 #: (the rope model's ``schemes/*.py``; the ``__pycache__/*.pyc`` Triton's Python backend writes
 #: when it imports them). An ONNX model's external data files in ``1/`` are the ones its served
 #: record (``1/model.onnx.json``) lists.
+#: the list of further files qkrope wrote under ``1/`` (paths relative to it), where a model
+#: has more than the names below (a pipeline's stage graph's data, the pipeline model's copy of
+#: the pipeline folder)
+FILES_MANIFEST = "qkrope.files.json"
 OWN_FILES = {"": {"config.pbtxt", PLUGIN_FILE_NAME, VC_PLUGIN_FILE_NAME},
              "1": {"model.plan", "model.plan.json", "model.onnx", "model.onnx.json",
-                   "model.py"}}
+                   "model.py", FILES_MANIFEST}}
 OWN_FOLDERS = {"": {"1"}, "1": {"schemes", "__pycache__"}, "1/schemes": {"__pycache__"}}
 OWN_SUFFIXES = {"1/schemes": ".py", "1/__pycache__": ".pyc", "1/schemes/__pycache__": ".pyc"}
 
@@ -696,12 +700,31 @@ def _served_data_names(version_dir: Path) -> set[str]:
             and k not in (".", "..")} if isinstance(data, dict) else set()
 
 
+def _manifest(version_dir: Path) -> set[str]:
+    """The paths :data:`FILES_MANIFEST` lists (relative to ``version_dir``, none with ``..``);
+    an unreadable manifest lists none. Only read, to know them as qkrope's."""
+    import json
+
+    path = version_dir / FILES_MANIFEST
+    try:
+        if path.is_symlink() or not path.is_file():
+            return set()
+        listed = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return {f"1/{p}" for p in listed if isinstance(p, str) and p and ".." not in
+            Path(p).parts and not Path(p).is_absolute()} if isinstance(listed, list) else set()
+
+
 def foreign_files(model_dir: Path) -> list[str]:
     """The entries of ``model_dir`` (relative paths) that qkrope did not write there
-    (:data:`OWN_FILES`, :data:`OWN_FOLDERS`, :data:`OWN_SUFFIXES`): a user's notes, another
-    model version (``2/``), a symlink; replacing the directory would delete them."""
+    (:data:`OWN_FILES`, :data:`OWN_FOLDERS`, :data:`OWN_SUFFIXES`, the files
+    :data:`FILES_MANIFEST` lists): a user's notes, another model version (``2/``), a symlink;
+    replacing the directory would delete them."""
     found: list[str] = []
     data = _served_data_names(model_dir / "1")
+    listed = _manifest(model_dir / "1")
+    listed_dirs = {str(parent) for p in listed for parent in Path(p).parents}
 
     def walk(rel: str) -> None:
         with os.scandir(model_dir / rel if rel else model_dir) as it:
@@ -709,14 +732,14 @@ def foreign_files(model_dir: Path) -> list[str]:
         for e in entries:
             path = f"{rel}/{e.name}" if rel else e.name
             if e.is_dir(follow_symlinks=False):
-                if e.name in OWN_FOLDERS.get(rel, ()):
+                if e.name in OWN_FOLDERS.get(rel, ()) or path in listed_dirs:
                     walk(path)
                 else:
                     found.append(path + "/")
             elif e.is_file(follow_symlinks=False) and (
                     e.name in OWN_FILES.get(rel, ())
                     or (rel in OWN_SUFFIXES and e.name.endswith(OWN_SUFFIXES[rel]))
-                    or (rel == "1" and e.name in data)):
+                    or (rel == "1" and e.name in data) or path in listed):
                 continue
             else:
                 found.append(path)
@@ -808,6 +831,12 @@ PYTHON_ENV_NOTE = ("the *_rope model (Python backend) needs numpy in the server'
                    "outputs under numpy 2")
 
 
+PIPELINE_ENV_NOTE = ("the pipeline model (Python backend) imports qkrope with torch, diffusers "
+                     "and transformers: install them in the server's Python (pip install "
+                     "'qkrope[diffusers,triton]' transformers), with numpy < 2 for Triton "
+                     "servers up to 2.52")
+
+
 #: What the command says of a hard-linked model (its output and the README say the same).
 HARD_LINK_NOTE = ("--link: a hard link shares the file with its source: rewriting the source in "
                   "place (onnx.save or a copy over it, not a rename) changes the served model "
@@ -890,11 +919,37 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
     (the printed command allows it): refused, before anything is written, unless the caller
     passes ``allow_host_code`` (``--allow-host-code``;
     :func:`qkrope.runtime.loader_tensorrt.check_host_code`)."""
+    parts = engine_models(engine, plugin=plugin, name=name, serving=serving,
+                          copy_plugin=copy_plugin, check_plugin_hash=check_plugin_hash,
+                          ensemble=ensemble, max_img_tokens=max_img_tokens,
+                          max_txt_tokens=max_txt_tokens, link=link,
+                          allow_host_code=allow_host_code)
+    _write_models(Path(repo), parts.models, force=force, inputs=parts.inputs)
+    return parts.result(Path(repo))
+
+
+@dataclass
+class ModelParts:
+    """What one served export adds to a repository, before anything is written: its model
+    directories (``name -> fill(staged_dir)``, in the order they are swapped in), the files
+    they are made of (which ``--force`` must not remove) and the result once written."""
+
+    models: dict[str, Any]
+    inputs: list
+    result: Any  # repo -> RepoResult
+
+
+def engine_models(engine: os.PathLike | str, *, plugin: os.PathLike | str | None = None,
+                  name: str | None = None, serving: Serving | None = None,
+                  copy_plugin: bool = True, check_plugin_hash: bool = True,
+                  ensemble: bool | None = None, max_img_tokens: int | None = None,
+                  max_txt_tokens: int | None = None, link: bool = False,
+                  allow_host_code: bool = False) -> ModelParts:
+    """:func:`write_repository`'s models, checked, not written."""
     from .loader_tensorrt import check_host_code
 
     serving = serving or Serving()
     engine = Path(engine)
-    repo = Path(repo)
     info = load_engine_sidecar(engine)
     check_host_code(info, engine, allow_host_code)  # before anything is written
     name = name or default_model_name(engine)
@@ -938,18 +993,19 @@ def write_repository(engine: os.PathLike | str, repo: os.PathLike | str, *,
         limits = _limit_overrides(engine_rope_limits(info), max_img_tokens, max_txt_tokens)
         rope_inputs = _rope_models(name, main_name, _engine_specs(info), info.config, limits,
                                    serving, models)
-    _write_models(repo, models, force=force,
-                  inputs=[engine, engine_sidecar_path(engine), plugin_src])
-    target = repo / name
-    main_dir = repo / main_name
-    plugin_final = (main_dir / plugin_name) if copy_plugin else plugin_src
-    in_engine = bool(info.plugin and info.plugin.serialized_in_engine)
-    return RepoResult(target, target / "config.pbtxt", main_dir / "1" / "model.plan",
-                      plugin_final.resolve() if plugin_final is not None else None,
-                      server_command(repo, plugin_final, version_compatible=vc,
-                                     plugin_in_engine=in_engine), version_compatible=vc,
-                      models=[repo / m for m in models], transfer=_transfer(transfer),
-                      rope_inputs=rope_inputs, link=link)
+    def result(repo: Path) -> RepoResult:
+        target = repo / name
+        main_dir = repo / main_name
+        plugin_final = (main_dir / plugin_name) if copy_plugin else plugin_src
+        in_engine = bool(info.plugin and info.plugin.serialized_in_engine)
+        return RepoResult(target, target / "config.pbtxt", main_dir / "1" / "model.plan",
+                          plugin_final.resolve() if plugin_final is not None else None,
+                          server_command(repo, plugin_final, version_compatible=vc,
+                                         plugin_in_engine=in_engine), version_compatible=vc,
+                          models=[repo / m for m in models], transfer=_transfer(transfer),
+                          rope_inputs=rope_inputs, link=link)
+
+    return ModelParts(models, [engine, engine_sidecar_path(engine), plugin_src], result)
 
 
 def _onnx_files(onnx_path: Path) -> list[Path]:
@@ -977,11 +1033,20 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
     (``<name>_onnx``, ``<name>_rope``, ``<name>``), an attention block one model ``<name>``.
     The rope model accepts ``max_img_tokens`` / ``max_txt_tokens`` (default: ``qkrope
     build``'s default profile)."""
+    parts = onnx_models(onnx_path, name=name, serving=serving, max_img_tokens=max_img_tokens,
+                        max_txt_tokens=max_txt_tokens, link=link)
+    _write_models(Path(repo), parts.models, force=force, inputs=parts.inputs)
+    return parts.result(Path(repo))
+
+
+def onnx_models(onnx_path: os.PathLike | str, *, name: str | None = None,
+                serving: Serving | None = None, max_img_tokens: int | None = None,
+                max_txt_tokens: int | None = None, link: bool = False) -> ModelParts:
+    """:func:`write_onnx_repository`'s models, checked, not written."""
     from qkrope.sidecars import ModelInfo
 
     serving = serving or Serving()
     onnx_path = Path(onnx_path)
-    repo = Path(repo)
     if not onnx_path.is_file():
         raise TritonRepoError(f"ONNX model not found: {onnx_path}. Export one first: "
                               "qkrope export --out MODEL.onnx")
@@ -1036,10 +1101,12 @@ def write_onnx_repository(onnx_path: os.PathLike | str, repo: os.PathLike | str,
         rope_inputs = _rope_models(name, main_name, specs, info.config,
                                    onnx_rope_limits(max_img_tokens, max_txt_tokens), serving,
                                    models)
-    _write_models(repo, models, force=force,
-                  inputs=[onnx_path, sidecar_path(onnx_path), *data])
-    target = repo / name
-    return RepoResult(target, target / "config.pbtxt", repo / main_name / "1" / "model.onnx",
-                      None, f"tritonserver --model-repository={repo.resolve()}",
-                      models=[repo / m for m in models], rope_inputs=rope_inputs,
-                      transfer=_transfer(transfer), link=link)
+    def result(repo: Path) -> RepoResult:
+        target = repo / name
+        return RepoResult(target, target / "config.pbtxt",
+                          repo / main_name / "1" / "model.onnx", None,
+                          f"tritonserver --model-repository={repo.resolve()}",
+                          models=[repo / m for m in models], rope_inputs=rope_inputs,
+                          transfer=_transfer(transfer), link=link)
+
+    return ModelParts(models, [onnx_path, sidecar_path(onnx_path), *data], result)

@@ -624,7 +624,9 @@ def other_stages(pipe) -> str:
              if getattr(pipe, n, None) is not None]
     exported = [n for n in names if isinstance(getattr(pipe, n), StageComponent)]
     torch_ = [n for n in names if n not in exported]
-    parts = ([f"{', '.join(exported)}: exports (onnxruntime)"] if exported else []) + \
+    backend = ", ".join(sorted({getattr(getattr(pipe, n).__dict__.get("_runner"), "backend",
+                                       "onnxruntime") for n in exported}))
+    parts = ([f"{', '.join(exported)}: exports ({backend})"] if exported else []) + \
         ([f"{', '.join(torch_)}: PyTorch"] if torch_ else [])
     return "; ".join(parts) or "no text encoder or VAE"
 
@@ -805,20 +807,29 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
              guidance_scale: float | None = None, true_cfg_scale: float | None = None,
              seed: int = 0, device: str | None = None, dtype: str | None = None,
              plugin: str | None = None, allow_host_code: bool = False,
-             output_type: str = "pil", log=print, progress: bool = False):
+             output_type: str = "pil", log=print, progress: bool = False,
+             served: dict | None = None, pipe=None):
     """Run the pipeline in ``pipeline_dir`` once with ``transformer`` (an export or engine path,
     or ``"pytorch"``) and, for a pipeline with a second transformer component, ``transformer_2``
     (its export; every component runs on an export, or every one in PyTorch); returns ``(the
     pipeline's output, StageTimes, the pipeline)``. Everything :func:`preflight` checks is
     refused before any model is loaded. ``progress``: the denoising steps on stderr (a tqdm bar
-    on a terminal, lines in a log)."""
+    on a terminal, lines in a log). ``served``: the pipeline's model components built elsewhere
+    (the Triton pipeline model's, whose models run on its server:
+    :mod:`qkrope.runtime.stages.served`), put in as they are (``transformer`` is then not
+    read); ``pipe``: the pipeline :func:`load_pipeline` (or an earlier call) made with them,
+    run again without loading anything."""
     check_text("--prompt", prompt)
     check_text("--negative-prompt", negative_prompt)
-    transformer, transformer_2 = saved_transformers(pipeline_dir, transformer, transformer_2)
     options = _options(negative_prompt, steps, height, width, guidance_scale, true_cfg_scale,
                        num_frames)
-    given = {"transformer": str(transformer),
-             "transformer_2": None if transformer_2 is None else str(transformer_2)}
+    if served is None:
+        transformer, transformer_2 = saved_transformers(pipeline_dir, transformer,
+                                                        transformer_2)
+        given = {"transformer": str(transformer),
+                 "transformer_2": None if transformer_2 is None else str(transformer_2)}
+    else:
+        given = {}
     plan = preflight(pipeline_dir, given, height=height, width=width, num_frames=num_frames,
                      options=options, seed=seed, steps=steps, dtype=dtype)
     given = by_component(plan, given)
@@ -827,8 +838,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
 
     from qkrope._deps import require
 
-    diffusers = require("diffusers", "qkrope generate")
-    from qkrope import dtypes
+    require("diffusers", "qkrope generate")
     from qkrope._progress import Steps
     from qkrope.runtime.caches import checked_device
 
@@ -836,9 +846,9 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
                          else ("cuda" if torch.cuda.is_available() else "cpu"))
     times = StageTimes()
     clock = _Clock(dev)
-    dropins = {}
+    dropins = dict(served or {})
     exports = {c: p for c, p in given.items() if p is not None and p != PYTORCH}
-    if exports:
+    if exports and pipe is None:
         from qkrope.runtime import load_transformer
 
         t0 = clock.now()
@@ -846,11 +856,80 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
             dropins[component] = load_transformer(path, plugin=plugin, device=dev,
                                                   allow_host_code=allow_host_code)
         times.load_transformer = clock.now() - t0
+    t0 = clock.now()
+    if pipe is None:
+        pipe, dtype = _load(pipeline_dir, plan, dropins, dtype, dev)
+    times.load_pipeline = clock.now() - t0
+    for component, dropin in dropins.items():
+        setattr(pipe, component, dropin)
+    pipe.set_progress_bar_config(disable=True)  # qkrope's own bar below: one per run
+    kwargs = _call_kwargs(pipe, options)
+    total = steps if steps is not None else plan.default("num_inference_steps")
+    marks: list[float] = []
+    counter = None
+    steps_reported = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
+    if steps_reported:
+        def on_step_end(_pipe, _i, _t, callback_kwargs):
+            marks.append(clock.now())
+            if counter is not None:
+                counter.update(1)
+            return callback_kwargs
+
+        kwargs["callback_on_step_end"] = on_step_end
+    if served is not None:
+        where = "transformers: served (Triton)"
+    elif not dropins:
+        where = "transformer: PyTorch"
+    elif list(dropins) == ["transformer"]:
+        where = f"transformer: {Path(given['transformer']).name}"
+    else:
+        where = "transformers: " + ", ".join(f"{c}: {Path(given[c]).name}" for c in dropins)
+    log(f"qkrope generate: {type(pipe).__name__} from {pipeline_dir} on {dev} "
+        f"({dtype or str(pipe.dtype).removeprefix('torch.')}), {where}; {other_stages(pipe)}")
+
+    def on_call():  # a pipeline without callback_on_step_end: its transformer calls, as calls
+        if counter is not None:
+            counter.update(1)
+
+    what, unit = ("denoising", "step") if steps_reported else ("transformer", "call")
+    with Steps("qkrope generate", 1, enabled=progress, heartbeat=0) as bar, \
+            timing_hooks(pipe, times, clock, None if steps_reported else on_call), \
+            torch.no_grad():
+        with bar.step("running the pipeline"), \
+                bar.counter(what, total=total if steps_reported else None, unit=unit,
+                            every=1) as counter:
+            start = clock.now()
+            output = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
+                          output_type=output_type, **kwargs)
+            times.total = clock.now() - start
+    if marks and times.transformer_starts:
+        # each step: from the end of the one before, the first from the transformer's first call
+        times.steps = [b - a for a, b in zip([times.transformer_starts[0]] + marks[:-1], marks)]
+    # else no steps are known: the table counts the transformer's calls as calls
+    return output, times, pipe
+
+
+def load_pipeline(pipeline_dir: str | Path, served: dict, *, device: str = "cpu",
+                  dtype: str | None = None):
+    """The pipeline of ``pipeline_dir`` with ``served`` as its model components (generate()'s
+    ``served``), loaded once for :func:`generate`'s ``pipe``."""
+    from qkrope.runtime.caches import checked_device
+
+    plan = read_pipeline(pipeline_dir)
+    return _load(pipeline_dir, plan, dict(served), dtype, checked_device(device))[0]
+
+
+def _load(pipeline_dir, plan: PipelinePlan, dropins: dict, dtype: str | None, dev):
+    """The pipeline of ``pipeline_dir`` with ``dropins`` as components, on ``dev``, and the
+    dtype it runs in (``dtype``, else the transformer export's, else fp32)."""
+    from qkrope import dtypes
+    from qkrope._deps import require
+
+    diffusers = require("diffusers", "qkrope generate")
     first = dropins.get("transformer")
     if dtype is None:  # the export's (the drop-in's inputs), else fp32
         dtype = dtypes.SHORT_BY_NAME.get(str(first.dtype).replace("torch.", ""), "fp32") \
             if first is not None else "fp32"
-    t0 = clock.now()
     # the drop-ins go in as the components (a pipeline's __init__ may read its transformer's
     # config: HunyuanVideo-1.5's image-embedding width), so no PyTorch transformer is loaded
     extra = dict(dropins)
@@ -880,52 +959,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
         raise InputError(f"the pipeline in {pipeline_dir} cannot be built here: {first_line}. "
                          f"Fix: install the package it names") from None
     pipe.to(dev)
-    times.load_pipeline = clock.now() - t0
-    for component, dropin in dropins.items():
-        setattr(pipe, component, dropin)
-    pipe.set_progress_bar_config(disable=True)  # qkrope's own bar below: one per run
-    kwargs = _call_kwargs(pipe, options)
-    total = steps if steps is not None else plan.default("num_inference_steps")
-    marks: list[float] = []
-    counter = None
-    steps_reported = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
-    if steps_reported:
-        def on_step_end(_pipe, _i, _t, callback_kwargs):
-            marks.append(clock.now())
-            if counter is not None:
-                counter.update(1)
-            return callback_kwargs
-
-        kwargs["callback_on_step_end"] = on_step_end
-    if not dropins:
-        where = "transformer: PyTorch"
-    elif list(dropins) == ["transformer"]:
-        where = f"transformer: {Path(given['transformer']).name}"
-    else:
-        where = "transformers: " + ", ".join(f"{c}: {Path(given[c]).name}" for c in dropins)
-    log(f"qkrope generate: {type(pipe).__name__} from {pipeline_dir} on {dev} ({dtype}), "
-        f"{where}; {other_stages(pipe)}")
-
-    def on_call():  # a pipeline without callback_on_step_end: its transformer calls, as calls
-        if counter is not None:
-            counter.update(1)
-
-    what, unit = ("denoising", "step") if steps_reported else ("transformer", "call")
-    with Steps("qkrope generate", 1, enabled=progress, heartbeat=0) as bar, \
-            timing_hooks(pipe, times, clock, None if steps_reported else on_call), \
-            torch.no_grad():
-        with bar.step("running the pipeline"), \
-                bar.counter(what, total=total if steps_reported else None, unit=unit,
-                            every=1) as counter:
-            start = clock.now()
-            output = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
-                          output_type=output_type, **kwargs)
-            times.total = clock.now() - start
-    if marks and times.transformer_starts:
-        # each step: from the end of the one before, the first from the transformer's first call
-        times.steps = [b - a for a, b in zip([times.transformer_starts[0]] + marks[:-1], marks)]
-    # else no steps are known: the table counts the transformer's calls as calls
-    return output, times, pipe
+    return pipe, dtype
 
 
 def _save_image(image, path: Path, **params) -> None:

@@ -61,9 +61,11 @@ def _fix_reexport(folder: Path) -> str:
             f"PIPELINE_DIR -o {folder.parent})")
 
 
-def read_stage_record(folder: str | os.PathLike) -> dict[str, Any]:
+def read_stage_record(folder: str | os.PathLike, *, check_files: bool = True) -> dict[str, Any]:
     """The stage record of ``folder`` (:data:`qkrope.stages.STAGE_FILE`), checked: format,
-    version, and every file it lists present with its recorded size; one line otherwise."""
+    version, and (``check_files``) every file it lists present with its recorded size; one
+    line otherwise. ``check_files=False``: the record alone (a served stage, whose graphs are models of a
+    Triton server)."""
     folder = Path(folder)
     path = folder / STAGE_FILE
     try:
@@ -90,6 +92,8 @@ def read_stage_record(folder: str | os.PathLike) -> dict[str, Any]:
                                      f"{_fix_reexport(folder)}")
         f = folder / name
         size = facts.get("size") if isinstance(facts, Mapping) else None
+        if not check_files:
+            continue
         if not f.is_file() or f.is_symlink():
             raise ComponentLoadError(f"{f} is missing (listed in {path}). "
                                      f"{_fix_reexport(folder)}")
@@ -183,17 +187,23 @@ class StageComponent(DropinComponent):
     KIND = "stage"
 
     def __init__(self, folder: str | os.PathLike, *, providers=None, provider_options=None,
-                 sess_options=None):
+                 sess_options=None, graphs=None):
+        """``graphs``: what runs the stage's graphs in place of ONNX Runtime sessions of the
+        folder's files (an object with :class:`StageGraphs`' ``run``, ``device`` and
+        ``backend``: :class:`qkrope.runtime.stages.served.ServedStageGraphs`); the folder then
+        needs only its record and config."""
         folder = Path(folder)
-        record = read_stage_record(folder)
+        record = read_stage_record(folder, check_files=graphs is None)
         if record.get("class") != type(self).__name__:
             raise ComponentLoadError(f"{folder / STAGE_FILE} records a {record.get('class')}, "
                                      f"not a {type(self).__name__}. {_fix_reexport(folder)}")
         self.__dict__["_folder"] = folder
         self.__dict__["_record"] = record
-        self.__dict__["_stats"] = {n: _stat(folder / n) for n in _stage_files(record)}
-        self._runner = StageGraphs(folder, record, providers=providers,
-                                   provider_options=provider_options, sess_options=sess_options)
+        self.__dict__["_stats"] = (None if graphs is not None else
+                                   {n: _stat(folder / n) for n in _stage_files(record)})
+        self._runner = graphs if graphs is not None else StageGraphs(
+            folder, record, providers=providers, provider_options=provider_options,
+            sess_options=sess_options)
         self.dtype = dtypes.TORCH_BY_SHORT[record["dtype"]]
         self.device = self._runner.device
         from diffusers.configuration_utils import FrozenDict
@@ -216,12 +226,18 @@ class StageComponent(DropinComponent):
 
     def _what(self) -> str:
         folder = self.__dict__.get("_folder")
-        return (f"the exported {self.KIND} ({folder.name}/, onnxruntime)" if folder is not None
+        runner = self.__dict__.get("_runner")
+        backend = getattr(runner, "backend", "onnxruntime")
+        return (f"the exported {self.KIND} ({folder.name}/, {backend})" if folder is not None
                 else f"the exported {self.KIND}")
 
     # --- saved with the pipeline -----------------------------------------------------------
     def _confirmed_files(self):
         folder, record = self._folder, self._record
+        if self._stats is None:
+            raise ComponentSaveError(f"{self._what()} runs on a server and holds no graph "
+                                     f"files, so the pipeline cannot save it. Fix: save the "
+                                     f"pipeline export it was served from")
         for name, stat in self._stats.items():
             f = folder / name
             try:
