@@ -16,7 +16,9 @@ Python backend (no TensorRT or ONNX Runtime backend). This script
    bounded wait and stops the whole process group, whatever happens.
 
 Usage: ``python scripts/triton_server.py prepare`` (download and set up; prints the paths), or
-``python scripts/triton_server.py serve REPO [--onnx-stand-in]`` (serve until Ctrl-C; a model
+``python scripts/triton_server.py serve REPO [--onnx-stand-in] [--pipeline-env]`` (serve until
+Ctrl-C; ``--pipeline-env``: the stub's Python also imports this Python's packages, for a
+pipeline repository's top model, :func:`_pipeline_env`; a model
 whose backend this server lacks is named on the console before anything starts, and
 ``--onnx-stand-in`` serves a copy of the repository whose onnxruntime-backend models run in the
 tests' stand-in; a model that fails to load is said on the console, with the log's reason).
@@ -128,6 +130,32 @@ def _python_env(cache: Path) -> Path:
     return env
 
 
+def _pipeline_env(cache: Path) -> Path:
+    """The stub's Python for a pipeline repository (``qkrope triton-repo --pipeline``), whose
+    top model imports qkrope, torch, diffusers and transformers: a venv with numpy<2 of its own
+    that also reads this interpreter's site-packages (a ``.pth`` calling ``site.addsitedir``, so
+    the packages installed there, qkrope included, import as they do here), numpy<2 first."""
+    import site
+
+    sites = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    env = cache / f"pyenv-pipeline-{sys.version_info[0]}.{sys.version_info[1]}"
+    marker = env / ".complete"
+    want = "\n".join([NUMPY_SPEC, *sites]) + "\n"
+    if marker.is_file() and marker.read_text() == want:
+        return env
+    shutil.rmtree(env, ignore_errors=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    _run([base, "-m", "venv", str(env)], "creating the server's pipeline venv", 300)
+    _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
+          "--disable-pip-version-check", "--only-binary=:all:", NUMPY_SPEC],
+         f"pip install {NUMPY_SPEC!r} into the server's pipeline venv", 600)
+    own = next(Path(p) for p in (env / "lib").glob("python*/site-packages"))
+    (own / "zz_qkrope_host_site.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
+    marker.write_text(want)
+    return env
+
+
 def onnxruntime_for_stand_in(version: str, cache: Path | None = None) -> Path:
     """A folder holding ``onnxruntime==version`` (``pip install --target``, no dependencies:
     it imports with numpy alone) for the tests' Python-backend stand-in of the onnxruntime
@@ -177,14 +205,23 @@ class Install:
     def environ(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PATH"] = f"{self.python_env / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        # the stub links libpython by its soname; the one of the interpreter the venv was made
+        # from goes first, else the system's (Debian's 3.11.2 beside a pyenv 3.11.7) loads
+        # with the venv's standard library, whose extension modules (_ssl) need newer symbols
+        lib = Path(sys.base_prefix) / "lib"
+        soname = f"libpython{sys.version_info[0]}.{sys.version_info[1]}.so.1.0"
+        if (lib / soname).is_file():
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                p for p in (str(lib), env.get("LD_LIBRARY_PATH", "")) if p)
         env.pop("PYTHONPATH", None)
         env.pop("PYTHONHOME", None)
         env.pop("VIRTUAL_ENV", None)
         return env
 
 
-def prepare(cache: Path | None = None) -> Install:
-    """Download, unpack and set up (each step once, then found in the cache)."""
+def prepare(cache: Path | None = None, *, pipeline: bool = False) -> Install:
+    """Download, unpack and set up (each step once, then found in the cache); ``pipeline``:
+    the stub's Python is :func:`_pipeline_env`'s."""
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         raise SetupError(f"the {PACKAGE} wheel's server runs on Linux x86_64, not "
                          f"{sys.platform} {os.uname().machine}")
@@ -204,7 +241,8 @@ def prepare(cache: Path | None = None) -> Install:
     target = tree / "backends" / "python" / stub.name
     if not target.is_file() or target.read_bytes() != stub.read_bytes():
         shutil.copy2(stub, target)
-    return Install(tree / "bin" / "tritonserver", tree / "backends", _python_env(cache))
+    return Install(tree / "bin" / "tritonserver", tree / "backends",
+                   _pipeline_env(cache) if pipeline else _python_env(cache))
 
 
 def _die_with_parent() -> None:
@@ -421,9 +459,13 @@ def main(argv: list[str]) -> int:
                             "Runtime in the Python backend, on a copy of the repository (this "
                             "server has no onnxruntime backend; for trying a repository "
                             "without Docker, not for production)")
+    serve.add_argument("--pipeline-env", action="store_true",
+                       help="the Python backend runs in a numpy<2 venv that also imports this "
+                            "Python's packages (qkrope, torch, diffusers): for a pipeline "
+                            "repository (`qkrope triton-repo --pipeline`)")
     args = ap.parse_args(argv)
     try:
-        inst = prepare()
+        inst = prepare(pipeline=getattr(args, "pipeline_env", False))
     except SetupError as exc:
         print(f"triton_server: {exc}", file=sys.stderr)
         return 2

@@ -450,3 +450,157 @@ def test_bf16_with_an_opset_before_bf16_convolutions_is_one_line(exported, tmp_p
                  str(tmp_path / "o"), "--dtype", "bf16", "--opset", "21"]) == 2
     assert "Conv takes bfloat16 from opset 22" in error_line(capsys)
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# qkrope triton-repo --pipeline: one repository from prompt to pixels (item 6)
+# --------------------------------------------------------------------------------------------
+
+def _repo(exported, tmp_path, name="qwen-image", *extra):
+    _, out = exported(name)
+    repo = tmp_path / "repo"
+    assert main(["triton-repo", "--pipeline", str(out), "-o", str(repo), "--backend",
+                 "onnxruntime", "--name", "pipe", *extra]) == 0
+    return out, repo
+
+
+def test_the_pipeline_repository_has_a_model_per_stage_graph_and_a_prompt_model(
+        exported, tmp_path, capsys):
+    from _triton_helpers import io, parse
+
+    from qkrope.runtime import triton
+    from qkrope.runtime.stages.served import PLAN_PARAMETER
+
+    out, repo = _repo(exported, tmp_path)
+    said = capsys.readouterr().out
+    assert "the top model pipe takes prompt," in said and "numpy < 2" in said
+    record = json.loads((out / "text_encoder" / STAGE_FILE).read_text())
+    graphs = {f"pipe_text_encoder_{g}" for g in record["graphs"]}
+    graphs |= {f"pipe_vae_{g}" for g in json.loads((out / "vae" / STAGE_FILE).read_text())[
+        "graphs"]}
+    assert graphs == {"pipe_text_encoder_encode", "pipe_vae_decode", "pipe_vae_decode_next"}
+    want = graphs | {"pipe", "pipe_transformer", "pipe_transformer_rope",
+                     "pipe_transformer_onnx"}
+    assert {p.name for p in repo.iterdir()} == want
+    top = parse(repo / "pipe" / "config.pbtxt")
+    assert top.backend == "python" and top.max_batch_size == 0
+    assert io(top, "output") == [("pixels", "TYPE_UINT8", [-1, -1, -1, 3])]
+    inputs = {t.name: (t.optional, list(t.dims)) for t in top.input}
+    assert inputs["prompt"] == (False, [1])
+    # Qwen-Image's call takes these; no num_frames, so no frames input
+    assert {k for k, (opt, _) in inputs.items() if opt} == {
+        "negative_prompt", "seed", "steps", "height", "width", "guidance", "true_cfg_scale"}
+    plan = json.loads(top.parameters[PLAN_PARAMETER].string_value)["components"]
+    assert plan["transformer"] == {"model": "pipe_transformer"}
+    assert plan["vae"]["models"] == {"decode": "pipe_vae_decode",
+                                     "decode_next": "pipe_vae_decode_next"}
+    # the stage models: ONNX Runtime's backend, the graph as model.onnx with its data by name
+    stage = parse(repo / "pipe_vae_decode" / "config.pbtxt")
+    assert stage.backend == "onnxruntime"
+    assert (repo / "pipe_vae_decode" / "1" / "model.onnx").is_file()
+    # the top model's copy of the pipeline holds no graph and no weights
+    copied = [p for p in (repo / "pipe" / "1" / "pipeline").rglob("*") if p.is_file()]
+    assert copied and not [p for p in copied if p.suffix in (".onnx", ".data", ".safetensors")]
+    assert (repo / "pipe" / "1" / "pipeline" / "model_index.json").is_file()
+    # everything there is qkrope's: --force may replace it, and does
+    assert all(triton.foreign_files(repo / m) == [] for m in want)
+    assert main(["triton-repo", "--pipeline", str(out), "-o", str(repo), "--backend",
+                 "onnxruntime", "--name", "pipe", "--force"]) == 0
+
+
+def test_the_video_pipeline_repository_returns_frames(exported, tmp_path, capsys):
+    from _triton_helpers import io, parse
+
+    _, repo = _repo(exported, tmp_path, "wan")
+    top = parse(repo / "pipe" / "config.pbtxt")
+    assert io(top, "output") == [("pixels", "TYPE_UINT8", [-1, -1, -1, -1, 3])]
+    assert "frames" in {t.name for t in top.input}
+
+
+def test_force_keeps_a_users_file_in_the_pipeline_model(exported, tmp_path, capsys):
+    out, repo = _repo(exported, tmp_path)
+    note = repo / "pipe" / "1" / "pipeline" / "notes.txt"
+    note.write_text("mine")
+    capsys.readouterr()
+    assert main(["triton-repo", "--pipeline", str(out), "-o", str(repo), "--backend",
+                 "onnxruntime", "--name", "pipe", "--force"]) == 2
+    assert "1/pipeline/notes.txt" in error_line(capsys)
+    assert note.read_text() == "mine"
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--backend", "tensorrt"], "qkrope build"),
+    (["--backend", "onnxruntime", "--onnx", "x.onnx"], "--onnx with --pipeline"),
+    (["--backend", "onnxruntime", "--max-batch-size", "2"], "--max-batch-size"),
+])
+def test_pipeline_repository_refusals_are_one_line_and_write_nothing(exported, tmp_path, capsys,
+                                                                     extra, match):
+    _, out = exported("qwen-image")
+    capsys.readouterr()
+    assert main(["triton-repo", "--pipeline", str(out), "-o", str(tmp_path / "repo"),
+                 *extra]) == 2
+    assert match in error_line(capsys)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_folder_that_is_no_pipeline_export_is_refused_for_a_repository(exported, tmp_path,
+                                                                        capsys):
+    src, _ = exported("qwen-image")  # the stock pipeline folder: no qkrope_pipeline.json
+    assert main(["triton-repo", "--pipeline", str(src), "-o", str(tmp_path / "repo"),
+                 "--backend", "onnxruntime"]) == 2
+    assert "is no pipeline export" in error_line(capsys)
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.slow
+def test_a_real_tritonserver_serves_the_prompt_with_the_pixels_generate_draws(exported,
+                                                                             tmp_path):
+    """A real tritonserver (the nvidia-pytriton wheel's; its onnxruntime-backend models on the
+    tests' ONNX Runtime stand-in) runs the repository: the served pixels equal the ones
+    `qkrope generate OUT_DIR` draws, bit for bit (the same graphs on the same ONNX Runtime, the
+    same scheduler and rounding); a bad request is refused in one line and the server serves
+    on."""
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a test "
+                                                                "extra")
+    from _triton_helpers import server_harness
+
+    from qkrope.apps.generate import generate
+    from qkrope.apps.triton_pipeline import pixels
+
+    harness = server_harness()
+    try:
+        install = harness.prepare(pipeline=True)
+    except harness.SetupError as exc:
+        pytest.skip(f"no Triton server here: {exc}")
+    out, repo = _repo(exported, tmp_path)
+    onnx = [m for m, b in harness.missing_backends(repo).items() if b == "onnxruntime"]
+    served = harness.stand_in_copy(repo, onnx, tmp_path / "served")
+    options = dict(seed=11, steps=2, height=32, width=48)
+    with harness.Server(install, served, log=tmp_path / "server.log",
+                        ready_timeout=300) as srv:
+        client = grpcclient.InferenceServerClient(srv.grpc_url)
+
+        def ask(**values):
+            inputs = []
+            for key, value in values.items():
+                kind = {"prompt": ("BYTES", object), "seed": ("INT64", np.int64)}.get(
+                    key, ("INT32", np.int32))
+                t = grpcclient.InferInput(key, [1], kind[0])
+                t.set_data_from_numpy(np.array([value.encode() if kind[0] == "BYTES"
+                                                else value], dtype=kind[1]))
+                inputs.append(t)
+            return client.infer("pipe", inputs).as_numpy("pixels")
+
+        got = ask(prompt="a red cat", **options)
+        with pytest.raises(Exception) as refused:
+            ask(prompt="a red cat", steps=0)
+        again = ask(prompt="a red cat", **options)
+    want, _, _ = generate(out, None, "a red cat", device="cpu", output_type="np", **options)
+    want = pixels(want)
+    assert got.dtype == np.uint8 and got.shape == want.shape == (1, 32, 48, 3)
+    assert np.array_equal(got, want), int(np.abs(got.astype(int) - want.astype(int)).max())
+    assert np.array_equal(again, got)
+    message = str(refused.value)
+    # generate's refusal, its flag named as the request's input
+    assert "steps must be a positive integer" in message and "--steps" not in message
+    assert "\n" not in message

@@ -24,6 +24,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "family's pipeline passes: img_shapes, or txt_ids/img_ids) and "
                         "<name>_trt / <name>_onnx")
     p.add_argument("--onnx", default=None, help="the exported model, for --backend onnxruntime")
+    p.add_argument("--pipeline", metavar="OUT_DIR", default=None,
+                   help="a whole pipeline export (`qkrope export --model pipeline -o OUT_DIR`): "
+                        "one repository from prompt to pixels. Its top model <name> (Python "
+                        "backend) takes a BYTES prompt (seed, steps, height, width, guidance, "
+                        "frames, negative_prompt optional, where the pipeline's call takes them) "
+                        "and returns UINT8 pixels, running the pipeline's tokenizers and "
+                        "scheduler and calling each model stage by BLS: <name>_<component>_"
+                        "<graph> per text-encoder and VAE graph, the transformer's ensemble "
+                        "<name>_transformer. --backend onnxruntime serves the graphs; tensorrt "
+                        "the engines `qkrope build OUT_DIR` wrote (default --name: OUT_DIR's "
+                        "folder name)")
     from qkrope.runtime.plugin_build import DEFAULT_PLUGIN_HELP
 
     _args.add_plugin(p, DEFAULT_PLUGIN_HELP)
@@ -106,10 +117,49 @@ def transfer_line(transfer: str, link: bool) -> str:
     return f"copied ({independent}; --link hard-links instead)"
 
 
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from qkrope import _preflight as pre
+    from qkrope.runtime import triton
+    from qkrope.apps.triton_pipeline import write_pipeline_repository
+
+    pre.input_dir(args.pipeline, flag="--pipeline",
+                  fix="pass the folder `qkrope export --model pipeline -o OUT_DIR` wrote")
+    given = [f for f, v in (("--engine", args.engine), ("--onnx", args.onnx),
+                            ("--max-img-tokens", args.max_img_tokens),
+                            ("--max-txt-tokens", args.max_txt_tokens)) if v is not None]
+    if given:
+        raise triton.TritonRepoError(f"{given[0]} with --pipeline: the pipeline export names "
+                                     f"its own models and limits. Fix: leave {given[0]} out")
+    if args.backend == "tensorrt":
+        _args.check_plugin(args)
+    serving = triton.Serving(instances=args.instances, gpus=tuple(args.gpus),
+                             max_batch_size=args.max_batch_size,
+                             preferred_batch_sizes=tuple(args.preferred_batch_sizes),
+                             max_queue_delay_us=args.max_queue_delay_us)
+    res = write_pipeline_repository(args.pipeline, args.repo, name=args.name,
+                                    backend=args.backend, plugin=args.plugin, serving=serving,
+                                    force=args.force, link=args.link,
+                                    check_plugin_hash=args.check_plugin_hash,
+                                    allow_host_code=args.allow_host_code)
+    print(f"wrote {len(res.models)} models: {', '.join(m.name + '/' for m in res.models)}")
+    print(f"the top model {res.model_dir.name} takes {', '.join(res.inputs)} (only prompt "
+          f"required) and returns pixels (UINT8)")
+    print(f"note: {triton.PIPELINE_ENV_NOTE}")
+    print("serve it with:")
+    print(f"  {res.command}")
+    if args.backend == "onnxruntime":
+        print("or, to try it without Docker (from a qkrope checkout):")
+        print(f"  python scripts/triton_server.py serve {args.repo} --onnx-stand-in --pipeline-env")
+    sys.stdout.flush()
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from qkrope import _preflight as pre
     from qkrope.errors import InputError
 
+    if args.pipeline is not None:
+        return _run_pipeline(args)
     _args.check_engine(args, "triton-repo")
     if args.onnx is not None:
         pre.onnx_model(args.onnx, command="triton-repo --backend onnxruntime --onnx",
