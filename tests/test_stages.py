@@ -556,10 +556,11 @@ def test_a_folder_that_is_no_pipeline_export_is_refused_for_a_repository(exporte
 def test_a_real_tritonserver_serves_the_prompt_with_the_pixels_generate_draws(exported,
                                                                              tmp_path):
     """A real tritonserver (the nvidia-pytriton wheel's; its onnxruntime-backend models on the
-    tests' ONNX Runtime stand-in) runs the repository: the served pixels equal the ones
-    `qkrope generate OUT_DIR` draws, bit for bit (the same graphs on the same ONNX Runtime, the
-    same scheduler and rounding); a bad request is refused in one line and the server serves
-    on."""
+    tests' ONNX Runtime stand-in) runs one repository of two pipelines: Qwen-Image (an image)
+    and Wan (a video of 9 frames: 3 latent frames, so the causal VAE's next-chunk model runs
+    twice with the feature cache passed through BLS). The served pixels equal the ones `qkrope
+    generate OUT_DIR` draws, bit for bit (the same graphs on the same ONNX Runtime, the same
+    scheduler and rounding); a bad request is refused in one line and the server serves on."""
     grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a test "
                                                                 "extra")
     from _triton_helpers import server_harness
@@ -573,14 +574,18 @@ def test_a_real_tritonserver_serves_the_prompt_with_the_pixels_generate_draws(ex
     except harness.SetupError as exc:
         pytest.skip(f"no Triton server here: {exc}")
     out, repo = _repo(exported, tmp_path)
+    _, video_out = exported("wan")
+    assert main(["triton-repo", "--pipeline", str(video_out), "-o", str(repo), "--backend",
+                 "onnxruntime", "--name", "wan"]) == 0
     onnx = [m for m, b in harness.missing_backends(repo).items() if b == "onnxruntime"]
     served = harness.stand_in_copy(repo, onnx, tmp_path / "served")
-    options = dict(seed=11, steps=2, height=32, width=48)
+    image = dict(seed=11, steps=2, height=32, width=48)
+    video = dict(seed=5, steps=2, height=32, width=32, frames=FRAMES)
     with harness.Server(install, served, log=tmp_path / "server.log",
                         ready_timeout=300) as srv:
         client = grpcclient.InferenceServerClient(srv.grpc_url)
 
-        def ask(**values):
+        def ask(model, **values):
             inputs = []
             for key, value in values.items():
                 kind = {"prompt": ("BYTES", object), "seed": ("INT64", np.int64)}.get(
@@ -589,13 +594,14 @@ def test_a_real_tritonserver_serves_the_prompt_with_the_pixels_generate_draws(ex
                 t.set_data_from_numpy(np.array([value.encode() if kind[0] == "BYTES"
                                                 else value], dtype=kind[1]))
                 inputs.append(t)
-            return client.infer("pipe", inputs).as_numpy("pixels")
+            return client.infer(model, inputs).as_numpy("pixels")
 
-        got = ask(prompt="a red cat", **options)
+        got = ask("pipe", prompt="a red cat", **image)
         with pytest.raises(Exception) as refused:
-            ask(prompt="a red cat", steps=0)
-        again = ask(prompt="a red cat", **options)
-    want, _, _ = generate(out, None, "a red cat", device="cpu", output_type="np", **options)
+            ask("pipe", prompt="a red cat", steps=0)
+        again = ask("pipe", prompt="a red cat", **image)
+        frames = ask("wan", prompt="a red cat", **video)
+    want, _, _ = generate(out, None, "a red cat", device="cpu", output_type="np", **image)
     want = pixels(want)
     assert got.dtype == np.uint8 and got.shape == want.shape == (1, 32, 48, 3)
     assert np.array_equal(got, want), int(np.abs(got.astype(int) - want.astype(int)).max())
@@ -604,3 +610,8 @@ def test_a_real_tritonserver_serves_the_prompt_with_the_pixels_generate_draws(ex
     # generate's refusal, its flag named as the request's input
     assert "steps must be a positive integer" in message and "--steps" not in message
     assert "\n" not in message
+    video["num_frames"] = video.pop("frames")
+    want, _, _ = generate(video_out, None, "a red cat", device="cpu", output_type="np", **video)
+    want = pixels(want)
+    assert frames.shape == want.shape == (1, FRAMES, 32, 32, 3)
+    assert np.array_equal(frames, want), int(np.abs(frames.astype(int) - want.astype(int)).max())

@@ -389,12 +389,17 @@ class TritonPythonModel:
                     device="cpu", output_type="np", log=lambda *_: None, **options)
                 responses.append(self.pb.InferenceResponse(
                     output_tensors=[self.pb.Tensor(PIXELS, pixels(output))]))
-            except (QkropeError, ComponentError) as exc:
-                responses.append(self.pb.InferenceResponse(
-                    output_tensors=[], error=self.pb.TritonError(
-                        one_line(in_request_terms(str(exc)), 1000),
-                        self.pb.TritonError.INVALID_ARG)))
+            except (QkropeError, ComponentError, ValueError) as exc:
+                # qkrope's refusals, and the pipeline's own check of its inputs (ValueError:
+                # a height its VAE cannot take): the request's fault, said in one line
+                responses.append(self._error(in_request_terms(str(exc)), "INVALID_ARG"))
+            except Exception as exc:  # noqa: BLE001 - one request fails; the model serves on
+                responses.append(self._error(f"{type(exc).__name__}: {exc}", "INTERNAL"))
         return responses
+
+    def _error(self, message: str, code: str):
+        return self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(
+            one_line(message, 1000), getattr(self.pb.TritonError, code)))
 
 
 __all__ = ["BACKENDS", "PipelineRepo", "TritonPythonModel", "graph_specs", "in_request_terms",

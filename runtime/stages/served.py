@@ -18,15 +18,11 @@ scripting (BLS, :class:`qkrope.runtime.runner_triton._Bls`):
   against the served I/O record as the gRPC client does.
 
 The request's optional inputs are the ``qkrope generate`` options the pipeline's call takes
-(:data:`REQUEST_OPTIONS`); the output ``pixels`` is UINT8, ``[batch, H, W, 3]`` (images) or
-``[batch, frames, H, W, 3]`` (video), the pipeline's ``output_type="np"`` values rounded as
-diffusers rounds them to PIL (``round(x * 255)``), so they equal the files ``generate`` saves.
-A request whose values the pipeline or an export refuses gets that one-line message as an
-``INVALID_ARG`` error; the model stays loaded.
+(:data:`REQUEST_OPTIONS`); the output is :data:`PIXELS`.
 
 The server's Python must import qkrope with torch, diffusers and transformers (the pipeline's
 own code) and, for Triton servers up to 2.52, numpy < 2 (:data:`qkrope.runtime.triton.
-PYTHON_ENV_NOTE`).
+PIPELINE_ENV_NOTE`).
 """
 
 from __future__ import annotations
@@ -115,9 +111,9 @@ class ServedStageGraphs:
 
 
 def served_plan(components: Mapping[str, Any]) -> str:
-    """The top model's :data:`PLAN_PARAMETER`: ``{"components": {component: {"class":
-    stage class or "transformer", "models": {graph: served model}} or {"model": the
-    transformer's ensemble}}}`` as JSON."""
+    """The top model's :data:`PLAN_PARAMETER` as JSON: ``{"components": {component: entry}}``,
+    each entry ``{"class": the stage class, "models": {graph: served model}}`` for a text
+    encoder or VAE, ``{"model": the ensemble}`` for a transformer."""
     return json.dumps({"components": dict(components)}, sort_keys=True)
 
 
