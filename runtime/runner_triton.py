@@ -40,6 +40,7 @@ import json
 import re
 import threading
 import urllib.parse
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -347,8 +348,6 @@ class _Bls:
     Tensors cross as DLPack (bfloat16 included), bytes in and out as the other transports'."""
 
     def __init__(self, url: str, timeout_s: float, headers: Mapping[str, str]):
-        from pathlib import Path
-
         self.pb = require("triton_python_backend_utils", "BLS calls (protocol='bls': from a "
                           "Python-backend model of the server itself)")
         self.repo, self.timeout_us = Path(url), int(timeout_s * 1e6)
@@ -359,7 +358,8 @@ class _Bls:
         from .triton import parse_config
 
         path = self.repo / model / "config.pbtxt"
-        if not path.is_file():
+        # a model is a folder of the repository: a name is never a path to follow elsewhere
+        if Path(model).name != model or model in ("", ".", "..") or not path.is_file():
             raise _ServerError("not_found", f"no model {model!r} in the repository {self.repo}")
         cfg = parse_config(path.read_text(encoding="utf-8"))
         return json_format.MessageToDict(cfg, preserving_proto_field_name=True)
@@ -627,8 +627,6 @@ def _sidecar_io(sidecar, source: str):
     """The ModelIO of the export a server serves and the export's identity
     (:func:`~qkrope.runtime.triton_io.export_identity`), from its sidecar (``.onnx`` /
     ``.engine``, or the ``.json`` itself)."""
-    from pathlib import Path
-
     from qkrope.sidecars import EngineInfo, ModelInfo
 
     from .triton_io import record_of

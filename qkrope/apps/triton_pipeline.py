@@ -49,6 +49,8 @@ from typing import Any
 
 from qkrope.stages import PIPELINE_FILE, STAGE_FILE
 
+from .build_stages import ENGINES_FILE
+
 from qkrope.runtime import triton as tr
 from qkrope.runtime.component import COMPONENT_FILE
 from qkrope.runtime.runner_triton import one_line
@@ -64,8 +66,6 @@ MODEL_PY = ('"""The pipeline model of `qkrope triton-repo --pipeline` (its code 
             'qkrope.apps.triton_pipeline)."""\n\n'
             'from qkrope.apps.triton_pipeline import TritonPythonModel  # noqa: F401\n')
 BACKENDS = ("onnxruntime", "tensorrt")
-#: the stage engines' record `qkrope build OUT_DIR` writes in each stage folder
-ENGINES_FILE = "qkrope_engines.json"
 
 
 @dataclass
@@ -114,12 +114,16 @@ def _stage_models(folder: Path, component: str, record: dict, prefix: str, backe
     files = record["files"]
     engines = {}
     if backend == "tensorrt":
+        from .build_stages import StageBuildError, _read_engines_record
+
         try:
-            engines = json.loads((folder / ENGINES_FILE).read_text(encoding="utf-8"))["engines"]
-        except (OSError, ValueError, KeyError, TypeError):
+            engines = _read_engines_record(folder).get("engines", {})
+        except StageBuildError as exc:
+            raise tr.TritonRepoError(str(exc)) from None
+        if not engines:
             raise tr.TritonRepoError(f"{folder} has no stage engines ({ENGINES_FILE}), which "
                                      f"--backend tensorrt serves. Fix: qkrope build "
-                                     f"{folder.parent} (or --backend onnxruntime)") from None
+                                     f"{folder.parent} (or --backend onnxruntime)")
     served = {}
     for graph, entry in record["graphs"].items():
         model = f"{prefix}_{component}_{graph}"
@@ -129,24 +133,27 @@ def _stage_models(folder: Path, component: str, record: dict, prefix: str, backe
         if backend == "onnxruntime":
             data = tr._onnx_files(onnx_path)
             sources = [(onnx_path, "model.onnx")] + [(f, f.name) for f in data]
-            want = {src: (files.get(src.name) or {}).get("sha256") for src, _ in sources}
+            sha256 = {src: (files.get(src.name) or {}).get("sha256") for src, _ in sources}
         else:
             built = next((e for e in engines.values() if isinstance(e, dict)
                           and e.get("onnx") == entry["file"]), None)
-            engine = folder / str((built or {}).get("file", ""))
-            if built is None or not engine.is_file():
+            file = str((built or {}).get("file", ""))
+            engine = folder / file
+            # a plain file of the stage folder: the record names no path to follow elsewhere
+            if built is None or Path(file).name != file or file in ("", ".", "..") \
+                    or engine.is_symlink() or not engine.is_file():
                 raise tr.TritonRepoError(f"{folder} has no engine of {entry['file']} "
                                          f"({ENGINES_FILE}). Fix: qkrope build {folder.parent}")
             sources = [(engine, "model.plan")]
-            want = {engine: built.get("sha256")}
+            sha256 = {engine: built.get("sha256")}
         for src, _ in sources:
-            if not want.get(src):
+            if not sha256.get(src):
                 raise tr.TritonRepoError(f"{src} has no sha256 in its record, so its copy "
                                          f"cannot be checked. {_fix_export(folder.parent)}")
 
-        def fill(d: Path, sources=sources, want=want, text=text) -> None:
+        def fill(d: Path, sources=sources, sha256=sha256, text=text) -> None:
             for src, dst in sources:
-                tr.copy_checked(src, d / "1" / dst, want[src], link=link)
+                tr.copy_checked(src, d / "1" / dst, sha256[src], link=link)
             extra = [dst for _, dst in sources if dst not in ("model.onnx", "model.plan")]
             if extra:  # the graph's data files: named so --force knows them as qkrope's
                 (d / "1" / tr.FILES_MANIFEST).write_text(json.dumps(extra) + "\n",

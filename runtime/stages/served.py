@@ -124,6 +124,10 @@ def served_components(folder: Path, plan: Mapping[str, Any], transport, runner_o
 
     out = {}
     for component, entry in plan["components"].items():
+        if Path(component).name != component or component in ("", ".", ".."):
+            raise ComponentError(f"the served plan names the component {component!r}, which "
+                                 f"is not a folder name of the pipeline. Fix: write the "
+                                 f"repository again (qkrope triton-repo --pipeline OUT_DIR)")
         if "model" in entry:  # a transformer: the family drop-in over its ensemble
             out[component] = transformer_for_runner(runner_of(entry["model"]),
                                                     device=torch.device("cpu"))
