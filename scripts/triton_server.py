@@ -111,49 +111,47 @@ def _unpack(cache: Path, wheel: Path) -> Path:
     return root
 
 
-def _python_env(cache: Path) -> Path:
-    """The stub's Python: a venv of this interpreter with numpy<2 only."""
-    env = cache / f"pyenv-{sys.version_info[0]}.{sys.version_info[1]}"
+def _numpy_venv(env: Path, what: str, host_sites: tuple[str, ...] = ()) -> Path:
+    """A venv of this interpreter at ``env`` with numpy<2, also reading ``host_sites`` (a
+    ``.pth`` calling ``site.addsitedir`` on each, after its own numpy); rebuilt unless its
+    marker records the same set-up."""
     marker = env / ".complete"
-    if marker.is_file():
+    record = "\n".join([NUMPY_SPEC, *host_sites]) + "\n"
+    if marker.is_file() and marker.read_text() == record:
         return env
     # Built in place (a venv records its own path), marked complete only at the end: an
     # interrupted build has no marker and is rebuilt.
     shutil.rmtree(env, ignore_errors=True)
     # The base interpreter, not a venv's: the new venv must not inherit this one's packages.
     base = getattr(sys, "_base_executable", sys.executable)
-    _run([base, "-m", "venv", str(env)], "creating the server's Python venv", 300)
+    _run([base, "-m", "venv", str(env)], f"creating the server's {what}", 300)
     _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
           "--disable-pip-version-check", "--only-binary=:all:", NUMPY_SPEC],
-         f"pip install {NUMPY_SPEC!r} into the server's venv", 600)
-    marker.write_text(NUMPY_SPEC + "\n")
+         f"pip install {NUMPY_SPEC!r} into the server's {what}", 600)
+    if host_sites:
+        own = next(Path(p) for p in (env / "lib").glob("python*/site-packages"))
+        (own / "zz_qkrope_host_site.pth").write_text(
+            "".join(f"import site; site.addsitedir({p!r})\n" for p in host_sites))
+    marker.write_text(record)
     return env
+
+
+def _python_env(cache: Path) -> Path:
+    """The stub's Python: a venv of this interpreter with numpy<2 only."""
+    return _numpy_venv(cache / f"pyenv-{sys.version_info[0]}.{sys.version_info[1]}",
+                       "Python venv")
 
 
 def _pipeline_env(cache: Path) -> Path:
     """The stub's Python for a pipeline repository (``qkrope triton-repo --pipeline``), whose
     top model imports qkrope, torch, diffusers and transformers: a venv with numpy<2 of its own
-    that also reads this interpreter's site-packages (a ``.pth`` calling ``site.addsitedir``, so
-    the packages installed there, qkrope included, import as they do here), numpy<2 first."""
+    that also reads this interpreter's site-packages (so the packages installed there, qkrope
+    included, import as they do here), numpy<2 first."""
     import site
 
-    sites = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    env = cache / f"pyenv-pipeline-{sys.version_info[0]}.{sys.version_info[1]}"
-    marker = env / ".complete"
-    want = "\n".join([NUMPY_SPEC, *sites]) + "\n"
-    if marker.is_file() and marker.read_text() == want:
-        return env
-    shutil.rmtree(env, ignore_errors=True)
-    base = getattr(sys, "_base_executable", sys.executable)
-    _run([base, "-m", "venv", str(env)], "creating the server's pipeline venv", 300)
-    _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
-          "--disable-pip-version-check", "--only-binary=:all:", NUMPY_SPEC],
-         f"pip install {NUMPY_SPEC!r} into the server's pipeline venv", 600)
-    own = next(Path(p) for p in (env / "lib").glob("python*/site-packages"))
-    (own / "zz_qkrope_host_site.pth").write_text(
-        "".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
-    marker.write_text(want)
-    return env
+    sites = tuple(p for p in site.getsitepackages() if Path(p).is_dir())
+    return _numpy_venv(cache / f"pyenv-pipeline-{sys.version_info[0]}.{sys.version_info[1]}",
+                       "pipeline venv", sites)
 
 
 def onnxruntime_for_stand_in(version: str, cache: Path | None = None) -> Path:
