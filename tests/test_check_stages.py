@@ -53,6 +53,11 @@ def _copy(out: Path, tmp_path: Path) -> Path:
     return dst
 
 
+def _build(out: Path, lib: Path, *argv: str) -> int:
+    """``qkrope build OUT_DIR`` with the fake plugin, quiet, and ``argv``; its exit code."""
+    return main(["build", str(out), "--plugin", str(lib), "--no-progress", *argv])
+
+
 def _rows(text: str) -> dict:
     """(stage, output, runner) -> (max abs err, bound, passed) of the summary."""
     return {(m[1], m[3], m[4]): (float(m[6]), float(m[7]), m[8] == "PASS")
@@ -254,7 +259,7 @@ def test_build_writes_an_engine_per_graph_with_its_profiles(exported, tmp_path, 
     state, lib = fake_trt
     _, out = exported("qwen-image")
     out = _copy(out, tmp_path)
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    assert _build(out, lib) == 0
     text = capsys.readouterr().out
     assert state.parsed == ["transformer/transformer.onnx", "text_encoder/encoder.onnx",
                             "vae/decode.onnx", "vae/decode_next.onnx"]
@@ -290,10 +295,10 @@ def test_build_writes_an_engine_per_graph_with_its_profiles(exported, tmp_path, 
     # again: every engine kept (same graphs, profiles, TensorRT, GPU); --force rebuilds
     state.parsed.clear()
     state.marks.clear()
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    assert _build(out, lib) == 0
     text = capsys.readouterr().out
     assert state.parsed == [] and text.count("kept ") == 4, text
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", "--force"]) == 0
+    assert _build(out, lib, "--force") == 0
     assert len(state.parsed) == 4
 
 
@@ -303,9 +308,9 @@ def test_build_options_set_the_stage_profiles(exported, tmp_path, capsys, fake_t
     state, lib = fake_trt
     _, out = exported("qwen-image")
     out = _copy(out, tmp_path)
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", "--resolutions",
-                 "256x512,1024x1024", "--txt-tokens", "1:64", "--batch", "1:1",
-                 "--opt", "text_encoder.txt_tokens:16", "--min", "latent_width:8"]) == 0
+    assert _build(out, lib, "--resolutions", "256x512,1024x1024", "--txt-tokens", "1:64",
+                  "--batch", "1:1", "--opt", "text_encoder.txt_tokens:16",
+                  "--min", "latent_width:8") == 0
     capsys.readouterr()
     profiles = _by_graph(state)
     assert len(profiles["transformer/transformer.onnx"]) == 2  # one per preset, as today
@@ -331,7 +336,7 @@ def test_build_bad_flags_are_one_line_and_write_nothing(exported, tmp_path, caps
     state, lib = fake_trt
     _, out = exported("qwen-image")
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", *argv]) == 2
+    assert _build(out, lib, *argv) == 2
     line = error_line(capsys)
     assert says in line, line
     assert state.parsed == [] and sorted(p.relative_to(out) for p in out.rglob("*")) == before
@@ -431,7 +436,7 @@ def test_build_a_wan_export_takes_the_video_pipelines_sizes(exported, tmp_path, 
     state, lib = fake_trt
     _, out = exported("wan")
     out = _copy(out, tmp_path)
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    assert _build(out, lib) == 0
     capsys.readouterr()
     got = {f: p[0] for f, p in _by_graph(state).items()}
     factor = bs.vae_factor(out / "vae" / "decode.onnx")
@@ -456,8 +461,7 @@ def test_an_encoding_pipelines_vae_encoder_is_checked_and_built(exported, tmp_pa
     rows = _rows(cap.out)
     assert set(rows) == {("vae", "sample", "onnxrt"), ("vae", "moments", "onnxrt")}, cap.out
     assert "x 9 frames" in cap.out  # the first frame and two chunks of four
-    assert main(["build", str(out), "--plugin", str(lib), "--no-progress", "--resolutions",
-                 "512x512"]) == 0
+    assert _build(out, lib, "--resolutions", "512x512") == 0
     got = {f: p[0] for f, p in _by_graph(state).items()}
     assert got["vae/encode.onnx"]["sample"] == ((1, 3, 1, 4, 4), (2, 3, 1, 512, 512),
                                                 (2, 3, 1, 512, 512))
