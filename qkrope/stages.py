@@ -10,10 +10,15 @@ call reads back:
 - a text encoder: the outputs the pipeline takes from its call (``last_hidden_state``,
   ``pooler_output``, ``hidden_states[-k]``: one layer of ``output_hidden_states``), and the
   inputs it passes (``input_ids``, ``attention_mask``);
+- an image encoder (a CLIP vision tower): the same reads, of its call on the
+  ``pixel_values`` its image processor makes (a fixed square side, the config's
+  ``image_size``); optional: a pipeline saved without one exports without it;
 - the VAE: its layout (``image``: a 2-D autoencoder, one graph per call; ``causal-video``: a
   causal video autoencoder whose decoder runs latent frame by latent frame with its feature
   cache, exported as two graphs, the first chunk and each next one, the cache as their inputs
-  and outputs), and which of its pipelines encode images (image to image, image to video).
+  and outputs), which of its pipelines encode images (image to image, image to video), and the
+  module tensors the pipeline reads off the VAE itself (a latent normalisation's statistics),
+  saved beside the graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ STAGE_FORMAT_VERSION = 1
 #: export may replace the folder whole; any other folder is refused
 PIPELINE_FILE = "qkrope_pipeline.json"
 PIPELINE_FORMAT = "qkrope-pipeline"
+#: a VAE stage folder's file of the module tensors its pipelines read off the VAE
+#: (``VaeStage.tensors``), beside its graphs
+TENSORS_FILE = "tensors.safetensors"
 
+#: the drop-in class (qkrope.runtime) a stage export of each kind records and model_index.json
+#: names
+DROPIN_CLASSES = {"text_encoder": "TextEncoderExport", "image_encoder": "ImageEncoderExport",
+                  "vae": "VaeExport"}
 #: the text encoder inputs a graph may take
 TEXT_INPUTS = ("input_ids", "attention_mask")
 #: the VAE layouts (module docstring)
@@ -78,16 +90,35 @@ class TextEncoderStage:
 
 
 @dataclass(frozen=True)
+class ImageEncoderStage:
+    """What the family's pipeline reads of one image encoder component, called as
+    ``image_encoder(pixel_values=..., output_hidden_states=True)`` (module docstring)."""
+
+    reads: tuple[str, ...]
+
+    def __post_init__(self):
+        TextEncoderStage(reads=self.reads)  # the same reads, checked there
+
+
+@dataclass(frozen=True)
 class VaeStage:
-    """The family's VAE: its layout (:data:`VAE_LAYOUTS`) and the pipeline classes that encode
-    with it (image to image, edit, image to video: the encoder is exported for those)."""
+    """The family's VAE: its layout (:data:`VAE_LAYOUTS`), the pipeline classes that encode
+    with it (image to image, edit, image to video: the encoder is exported for those), and
+    ``tensors``: the state-dict keys of the tensors its pipelines read off the module (as
+    ``vae.bn.running_mean``), saved in :data:`TENSORS_FILE` and offered by the drop-in under
+    the same attribute path."""
 
     layout: str
     encode: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.layout not in VAE_LAYOUTS:
             raise ValueError(f"VaeStage layout {self.layout!r}: one of {VAE_LAYOUTS}")
+        bad = [k for k in self.tensors if not is_tensor_key(k)]
+        if bad:
+            raise ValueError(f"VaeStage tensors {bad!r}: each a dotted state-dict key "
+                             f"(module.buffer)")
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,8 @@ class PipelineStages:
     pipelines: tuple[str, ...]
     text_encoders: Mapping[str, TextEncoderStage] = field(default_factory=dict)
     vae: VaeStage | None = None
+    #: image encoder components by name, each optional (exported where the folder has it)
+    image_encoders: Mapping[str, ImageEncoderStage] = field(default_factory=dict)
     #: (height, width) in pixels its pipelines make by default: the VAE engines' profile
     size: tuple[int, int] = (1024, 1024)
 
@@ -109,7 +142,15 @@ class PipelineStages:
         return tuple(dict.fromkeys(self.pipelines + encoding))
 
     def components(self) -> tuple[str, ...]:
+        """The components every pipeline of these stages has (the image encoders are
+        optional)."""
         return tuple(self.text_encoders) + (("vae",) if self.vae is not None else ())
+
+
+def is_tensor_key(key: object) -> bool:
+    """``key`` is a dotted state-dict key of public attribute names (``bn.running_mean``)."""
+    return isinstance(key, str) and all(p.isidentifier() and not p.startswith("_")
+                                        for p in key.split("."))
 
 
 def stage_record(**fields) -> dict:
@@ -120,6 +161,7 @@ def stage_record(**fields) -> dict:
     return {"format": STAGE_FORMAT, "format_version": STAGE_FORMAT_VERSION, **fields}
 
 
-__all__ = ["stage_record", "STAGE_FILE", "STAGE_FORMAT", "STAGE_FORMAT_VERSION", "PIPELINE_FILE",
-           "PIPELINE_FORMAT", "TEXT_INPUTS", "VAE_LAYOUTS", "MODEL_LIBRARIES", "hidden_index",
-           "output_name", "TextEncoderStage", "VaeStage", "PipelineStages"]
+__all__ = ["stage_record", "is_tensor_key", "DROPIN_CLASSES", "STAGE_FILE", "STAGE_FORMAT", "STAGE_FORMAT_VERSION", "PIPELINE_FILE",
+           "PIPELINE_FORMAT", "TENSORS_FILE", "TEXT_INPUTS", "VAE_LAYOUTS", "MODEL_LIBRARIES",
+           "hidden_index", "output_name", "TextEncoderStage", "ImageEncoderStage", "VaeStage",
+           "PipelineStages"]

@@ -24,7 +24,8 @@ _PUBLIC = {
     # ... whose model runs on a Triton Inference Server
     "TritonRunner": "runner_triton", "triton_transformer": "runner_triton",
     # the pipeline's other stages on their exports (qkrope export --model pipeline)
-    "TextEncoderExport": "stages", "VaeExport": "stages", "load_stage": "stages",
+    "TextEncoderExport": "stages", "ImageEncoderExport": "stages", "VaeExport": "stages",
+    "load_stage": "stages",
 }
 
 __all__ = list(_PUBLIC)

@@ -12,19 +12,26 @@ import shutil
 from pathlib import Path
 
 
+#: the pipeline names with the Wan 2.1 form of image to video (its CLIP image encoder)
+WAN21_I2V = "WanImageToVideoPipeline+image_encoder"
+
+
 def as_pipeline(src: Path, dst: Path, pipeline: str) -> Path:
-    """A copy of ``src`` whose model_index.json names ``pipeline``; Wan's image to video gets a
-    transformer taking the condition channels (the latents, the mask's 4 and the image's)."""
+    """A copy of ``src`` whose model_index.json names ``pipeline``; Wan's image to video gets
+    its components (``qkrope.families.wan.tiny.image_to_video_parts``): Wan 2.2's form, or
+    Wan 2.1's with the image encoder for :data:`WAN21_I2V`."""
     shutil.copytree(src, dst)
     index = json.loads((dst / "model_index.json").read_text())
-    index["_class_name"] = pipeline
-    if pipeline == "WanImageToVideoPipeline":
+    index["_class_name"] = pipeline.split("+")[0]
+    if index["_class_name"] == "WanImageToVideoPipeline":
         from qkrope.families.wan import tiny as wan_tiny
 
-        z = 4
-        model = wan_tiny.wan_transformer(0, in_channels=2 * z + 4, out_channels=z)
-        shutil.rmtree(dst / "transformer")
-        model.save_pretrained(dst / "transformer")
+        parts = wan_tiny.image_to_video_parts(0, image_encoder=pipeline == WAN21_I2V)
+        for name, part in parts.items():
+            shutil.rmtree(dst / name, ignore_errors=True)
+            part.save_pretrained(dst / name)
+            module = type(part).__module__.split(".")[0]
+            index[name] = [module, type(part).__name__]
     (dst / "model_index.json").write_text(json.dumps(index))
     return dst
 

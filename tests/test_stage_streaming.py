@@ -449,3 +449,134 @@ def test_causal_video_vae_streamed_decodes_as_the_module(tmp_path):
     assert got.shape == tuple(want.shape)
     scale = float(want.abs().max())
     assert float(np.abs(got - want.numpy()).max()) <= TRANSFORMER_PARITY * scale
+
+
+def test_the_module_tensors_a_pipeline_reads_off_the_vae_are_saved_and_offered(tmp_path):
+    """VaeStage.tensors (FLUX.2's latent batch-norm statistics): read from the checkpoint with
+    the graphs' weights, saved beside them, and offered by the drop-in under the module's
+    attribute path, bit for bit; a key the module lacks is one line before anything is saved."""
+    import shutil
+
+    from qkrope.errors import InputError
+    from qkrope.families.flux import FLUX2_STAGES
+    from qkrope.families.flux.tiny import vae as tiny_vae
+    from qkrope.runtime.component import ComponentLoadError
+    from qkrope.runtime.stages import load_stage
+    from qkrope.stages import STAGE_FILE, TENSORS_FILE, stage_record
+
+    model = tiny_vae("flux2")
+    g = torch.Generator().manual_seed(3)
+    model.bn.running_mean.copy_(torch.randn(model.bn.running_mean.shape, generator=g))
+    model.bn.running_var.copy_(torch.rand(model.bn.running_var.shape, generator=g) + 0.5)
+    src = _saved(model, tmp_path / "src")
+    skeleton = pipeline._load("diffusers", type(model).__name__, src, FP32)
+    stage = FLUX2_STAGES.vae
+    out = tmp_path / "vae"
+    out.mkdir()
+    fields = export_vae(skeleton, stage, out, opset=OPSET, dtype=FP32, encode=True)
+    assert fields["tensors"] == list(stage.tensors) and TENSORS_FILE in fields["files"]
+    shutil.copyfile(src / "config.json", out / "config.json")
+    (out / STAGE_FILE).write_text(json.dumps(stage_record(dtype="fp32", **fields)))
+    vae = load_stage(out)
+    for key in stage.tensors:
+        owner, leaf = key.rsplit(".", 1)
+        got = getattr(getattr(vae, owner), leaf)
+        want = getattr(getattr(model, owner), leaf)
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+    assert vae.config.batch_norm_eps == model.config.batch_norm_eps  # the config's, as before
+    x = torch.rand(2, 3, 8, 12, generator=g) * 2 - 1  # the encoder graph, untraced sizes
+    with torch.no_grad():
+        want = model.encode(x).latent_dist.parameters
+    got = vae.encode(x).latent_dist.parameters
+    assert float((got - want).abs().max()) <= TRANSFORMER_PARITY * float(want.abs().max())
+
+    # qkrope check's comparison with the PyTorch VAE: equal, then one value off
+    import io
+
+    from qkrope.apps.check_stages import _check_module_tensors
+
+    said = io.StringIO()
+    _check_module_tensors(stage.tensors, model, vae, said)
+    assert "bit for bit" in said.getvalue()
+    other = tiny_vae("flux2")
+    other.load_state_dict(model.state_dict())
+    other.bn.running_var[0] += 1
+    with pytest.raises(InputError, match="bn.running_var differs") as exc:
+        _check_module_tensors(stage.tensors, other, vae, io.StringIO())
+    assert "\n" not in str(exc.value)
+
+    # saved with the pipeline: the tensors go along and load back
+    vae.save_pretrained(tmp_path / "saved")
+    again = load_stage(tmp_path / "saved")
+    assert torch.equal(again.bn.running_var, model.bn.running_var)
+    # a record whose tensors are not its file's, or not keys of a module: one line at load
+    record = json.loads((out / STAGE_FILE).read_text())
+    for change in ({"tensors": ["bn", "bn.running_mean"]}, {"tensors": ["bn.__class__"]},
+                   {"files": {k: v for k, v in record["files"].items() if k != TENSORS_FILE}}):
+        shutil.rmtree(tmp_path / "bad", ignore_errors=True)
+        shutil.copytree(out, tmp_path / "bad")
+        (tmp_path / "bad" / STAGE_FILE).write_text(json.dumps({**record, **change}))
+        with pytest.raises(ComponentLoadError) as exc:
+            load_stage(tmp_path / "bad")
+        text = str(exc.value)
+        assert "\n" not in text and "Fix:" in text, text
+    shutil.rmtree(tmp_path / "bad")
+    shutil.copytree(out, tmp_path / "bad")
+    values = load_file(str(out / TENSORS_FILE))
+    values["bn.running_mean"] = values["bn.running_mean"] + 1  # same size, other values
+    save_file(values, str(tmp_path / "bad" / TENSORS_FILE))
+    with pytest.raises(ComponentLoadError, match="changed after the export"):
+        load_stage(tmp_path / "bad")
+
+    bad = VaeStage("image", tensors=("bn.running_median",))
+    (tmp_path / "bad-export").mkdir()
+    with pytest.raises(InputError) as exc:
+        export_vae(skeleton, bad, tmp_path / "bad-export", opset=OPSET, dtype=FP32)
+    text = str(exc.value)
+    assert "\n" not in text and "bn.running_median" in text and "Fix:" in text, text
+
+
+def test_an_image_encoder_streams_and_its_dropin_is_called_as_the_pipeline_calls_it(tmp_path):
+    """A CLIP vision tower (Wan 2.1 I2V's image encoder, tiny): its graph streams the checkpoint
+    and returns hidden_states[-2] as the module does at another batch than the traced one; the
+    drop-in refuses another image size and a text call in one line."""
+    import shutil
+
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from qkrope.export.stages.text_encoder import export_image_encoder
+    from qkrope.families.wan.tiny import CLIP
+    from qkrope.runtime.component import ComponentError
+    from qkrope.runtime.stages import ImageEncoderExport, load_stage
+    from qkrope.stages import STAGE_FILE, ImageEncoderStage, stage_record
+
+    torch.manual_seed(0)
+    src = _saved(CLIPVisionModel(CLIPVisionConfig(**CLIP)).eval(), tmp_path / "src")
+    skeleton = pipeline._load("transformers", "CLIPVisionModel", src, FP32)
+    weights = streamed.attached(skeleton)
+    out = tmp_path / "image_encoder"
+    out.mkdir()
+    fields = export_image_encoder(skeleton, ImageEncoderStage(reads=("hidden_states[-2]",)),
+                                  out, opset=OPSET, dtype=FP32)
+    reference = _reference(CLIPVisionModel, src, "transformers")
+    count = _check_initializers(out / "encoder.onnx", _checkpoint(src), lambda k: k, reference)
+    assert count == weights.source.reads > 0
+    shutil.copyfile(src / "config.json", out / "config.json")
+    (out / STAGE_FILE).write_text(json.dumps(stage_record(dtype="fp32", **fields)))
+    encoder = load_stage(out)
+    assert isinstance(encoder, ImageEncoderExport)
+    side = CLIP["image_size"]
+    x = torch.rand(3, 3, side, side, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        want = reference(pixel_values=x, output_hidden_states=True).hidden_states[-2]
+    got = encoder(pixel_values=x, output_hidden_states=True).hidden_states[-2]
+    scale = float(want.abs().max())
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= TRANSFORMER_PARITY * scale
+    for call in (lambda: encoder(pixel_values=x[:, :, :16, :16]),
+                 lambda: encoder(input_ids=torch.zeros(1, 4, dtype=torch.int64)),
+                 lambda: encoder(pixel_values=x).hidden_states[-1]):
+        with pytest.raises(ComponentError) as exc:
+            call()
+        text = str(exc.value)
+        assert "\n" not in text and "Fix:" in text, text

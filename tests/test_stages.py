@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _oneline import error_line  # noqa: E402
+from _stage_exports import WAN21_I2V  # noqa: E402
 from qkrope import families  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.cli import main  # noqa: E402
@@ -41,9 +42,12 @@ from qkrope.stages import PIPELINE_FILE, STAGE_FILE  # noqa: E402
 PIXEL_LEVELS = 2
 CALL = dict(num_inference_steps=2, height=32, width=32, output_type="np")
 FRAMES = 9  # Wan: 3 latent frames (1 + 2 x 4), so decode_next runs twice
+#: the pixel tests' prompt: its quoted text is what a glyph encoder reads (HunyuanImage's ByT5
+#: runs only on quoted text)
+PROMPT = 'a red cat with a sign that says "qkrope"'
 
 FAST = ("qwen-image", "wan")
-SLOW = ("flux1", "z-image", "chroma", "ovis-image")
+SLOW = ("flux1", "z-image", "chroma", "ovis-image", "flux2", "hunyuan-image")
 
 
 @pytest.fixture
@@ -57,11 +61,21 @@ def _images(result) -> np.ndarray:
     return np.asarray(frames if frames is not None else result.images)
 
 
-def _input_image():
+def _input_image(pipe):
+    """A random RGB image of the call's size, or of the smallest side the pipeline's image
+    processor takes (FLUX.2's refuses images under 64 pixels a side)."""
+    import inspect
+
     from PIL import Image
 
+    side = CALL["height"]
+    check = getattr(getattr(pipe, "image_processor", None), "check_image_input", None)
+    if check is not None:
+        least = inspect.signature(check).parameters.get("min_side_length")
+        if least is not None and isinstance(least.default, int):
+            side = max(side, least.default)
     g = np.random.default_rng(7)
-    return Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    return Image.fromarray(g.integers(0, 256, (side, side, 3), dtype=np.uint8))
 
 
 def _call(pipe, name):
@@ -72,12 +86,12 @@ def _call(pipe, name):
     if "num_frames" in params:
         kwargs["num_frames"] = FRAMES
     if "image" in params:  # image to image, Kontext, image to video: the encoder runs
-        kwargs["image"] = _input_image()
+        kwargs["image"] = _input_image(pipe)
     if "max_area" in params:  # Kontext sizes its output and input to ~1 MPixel by default
         kwargs.update(max_area=CALL["height"] * CALL["width"], _auto_resize=False)
     if "strength" in params:
         kwargs["strength"] = 1.0  # every step runs (2 steps at 1.0; fewer would run none)
-    return _images(pipe(prompt="a red cat", generator=torch.Generator().manual_seed(5),
+    return _images(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(5),
                         **kwargs))
 
 
@@ -105,11 +119,24 @@ def _pixels_match(exported, name, pipeline=None):
     import qkrope.runtime  # noqa: F401 - offers the drop-in classes model_index.json names
     from qkrope.runtime.component import DropinComponent
 
+    from qkrope.runtime.stages import StageComponent
+
     src, out = exported(name, pipeline)
+    ran: dict[str, int] = {}
     with _NoParameters() as created:
         pipe = diffusers.DiffusionPipeline.from_pretrained(out)
+        for key, component in pipe.components.items():
+            if isinstance(component, StageComponent):  # count each stage's graph runs
+                runner = component.__dict__["_runner"]
+                ran[key] = 0
+
+                def counted(*args, key=key, run=runner.run, **kwargs):
+                    ran[key] += 1
+                    return run(*args, **kwargs)
+                runner.run = counted
         got = _call(pipe, name)
     assert created.count == 0, f"{created.count} torch parameters were created"
+    assert ran and all(ran.values()), f"stages that never ran: {ran}"
     models = [k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)]
     assert models and all(isinstance(pipe.components[k], DropinComponent) for k in models), {
         k: type(v).__name__ for k, v in pipe.components.items()}
@@ -133,15 +160,17 @@ def test_the_exported_pipeline_draws_the_same_pixels_slow_families(exported, nam
     _pixels_match(exported, name)
 
 
-#: the pipelines that encode with the VAE: (family, pipeline class); Wan's image to video (the
-#: causal encoder over a video: the first frame, then chunks of four) in the CPU suite, the
-#: others (Qwen-Image's image to image through the same causal encoder, one frame; the 2-D
-#: encoders) in the slow step
-ENCODING = (("wan", "WanImageToVideoPipeline"),)
-ENCODING_SLOW = (("qwen-image", "QwenImageImg2ImgPipeline"), ("flux1", "FluxKontextPipeline"),
-                 ("flux1", "FluxImg2ImgPipeline"), ("z-image", "ZImageImg2ImgPipeline"))
+#: the pipelines that encode with the VAE: (family, pipeline class), all in the slow step:
+#: Wan's image to video (the causal encoder over a video: the first frame, then chunks of four;
+#: its export alone takes about a minute), Qwen-Image's image to image through the same causal
+#: encoder (one frame) and the 2-D encoders. A text-to-image class that also encodes (FLUX.2
+#: klein's reference images) is run with an image by the tests above (``_call``)
+ENCODING = (("wan", "WanImageToVideoPipeline"), ("qwen-image", "QwenImageImg2ImgPipeline"),
+            ("flux1", "FluxKontextPipeline"), ("flux1", "FluxImg2ImgPipeline"),
+            ("z-image", "ZImageImg2ImgPipeline"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, pipeline", ENCODING)
 def test_an_encoding_pipeline_runs_its_vae_encoder_export(exported, name, pipeline):
     _pixels_match(exported, name, pipeline)
@@ -150,20 +179,67 @@ def test_an_encoding_pipeline_runs_its_vae_encoder_export(exported, name, pipeli
     assert record["encode"] and "encode" in record["graphs"]
 
 
+#: the pipelines with an image encoder: (family, pipeline key of tests/_stage_exports.py)
+IMAGE_ENCODING = (("wan", WAN21_I2V),)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, pipeline", ENCODING_SLOW)
-def test_an_encoding_pipeline_runs_its_vae_encoder_export_slow(exported, name, pipeline):
+@pytest.mark.parametrize("name, pipeline", IMAGE_ENCODING)
+def test_an_image_encoder_export_runs_in_its_pipeline(exported, name, pipeline, monkeypatch):
+    """Wan 2.1 I2V: the CLIP image encoder's export (its hidden_states[-2]) feeds the
+    transformer's image branch; the pixels equal the stock pipeline's."""
+    from qkrope.runtime.stages import ImageEncoderExport
+
+    calls = []
+    forward = ImageEncoderExport.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("pixel_values", args[0] if args else None).shape)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(ImageEncoderExport, "forward", counted)
     _pixels_match(exported, name, pipeline)
+    assert calls, "the pipeline never called its image encoder"
+
+
+@pytest.mark.slow
+def test_an_image_encoder_is_checked_and_its_engine_planned(exported, tmp_path, capsys):
+    """``qkrope check --stage image_encoder`` compares the reads against the CLIP module and
+    passes; ``qkrope build``'s plan gives its engine one axis, the batch, at the exported
+    side."""
+    from qkrope.apps import build_stages as bs
+    from qkrope.apps.check_stages import read_pipeline_record, stages_of
+
+    src, out = exported("wan", WAN21_I2V)
+    rc = main(["check", str(out), "--diffusers", str(src), "--stage", "image_encoder",
+               "--workdir", str(tmp_path / "w")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    import re
+
+    assert re.search(r"^image_encoder\s+encoder\.onnx\s+hidden_states_m2 onnxrt vs pytorch\s+"
+                     r"\S+\s+\S+\s+PASS$", text, re.M), text
+    record = read_pipeline_record(out)
+    stages = {k: v for k, v in stages_of(record).items() if v == "image_encoder"}
+    builds, _ = bs.plan_stage_builds(out, record, stages, bs.StageOptions())
+    (build,) = builds
+    (label, profile), = build.profiles
+    side = json.loads((out / "image_encoder" / STAGE_FILE).read_text())["image_size"]
+    assert profile == {"pixel_values": {"min": (1, *side), "opt": (2, *side),
+                                        "max": (2, *side)}}
 
 
 def test_every_declared_pipeline_has_a_tiny_test():
     declared = {r.name for r in families.records() if r.stages is not None}
     assert declared == set(FAST + SLOW)
     encoding = {(r.name, p) for r in families.records() if r.stages is not None
-                for p in r.stages.vae.encode}
-    assert encoding == set(ENCODING + ENCODING_SLOW)
+                for p in r.stages.vae.encode if p not in r.stages.pipelines}
+    assert encoding == set(ENCODING)
+    imaging = {r.name for r in families.records() if r.stages is not None
+               and r.stages.image_encoders}
+    assert imaging == {n for n, _ in IMAGE_ENCODING}
 
 
+@pytest.mark.slow  # on the image to video export (see ENCODING)
 def test_the_causal_encoder_codes_a_video_chunk_by_chunk(exported):
     import diffusers
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from pathlib import Path
@@ -14,6 +15,30 @@ from qkrope._fileio import sha256_file
 #: initializer bytes past which a graph keeps its weights in a ``.onnx.data`` file beside it
 #: (protobuf's 2 GiB message limit, with room for the graph itself)
 EXTERNAL_DATA_BYTES = 3 << 29  # 1.5 GiB
+
+
+@contextlib.contextmanager
+def _sdpa_with_a_head_axis():
+    """``torch.nn.functional.scaled_dot_product_attention`` on 3-D ``[B, L, E]`` q/k/v (a VAE's
+    single-head mid-block attention) computed as the same attention over a
+    head axis of one, ``[B, 1, L, E]``, then squeezed: the same operations on the same values,
+    in the 4-D form ONNX's SDPA translation takes (it refuses 3-D inputs)."""
+    functional = torch.nn.functional
+    sdpa = functional.scaled_dot_product_attention
+
+    def with_head(query, key, value, attn_mask=None, *args, **kwargs):
+        if query.dim() != 3:
+            return sdpa(query, key, value, attn_mask, *args, **kwargs)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+        return sdpa(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), attn_mask,
+                    *args, **kwargs).squeeze(1)
+
+    functional.scaled_dot_product_attention = with_head
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = sdpa
 
 
 def trace(module: torch.nn.Module, args: tuple, *, input_names: Sequence[str],
@@ -37,7 +62,7 @@ def trace(module: torch.nn.Module, args: tuple, *, input_names: Sequence[str],
     level = registration_log.level
     registration_log.setLevel(logging.ERROR)  # torchvision's ops, absent here: noise
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), _sdpa_with_a_head_axis():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module, args, dynamo=True, opset_version=opset, optimize=weights is None,

@@ -8,11 +8,13 @@ same layout in which every model component is an export (:func:`export_pipeline`
 The output folder is diffusers-loadable: ``model_index.json`` keeps the pipeline class and
 names each exported component as ``["qkrope.runtime", <class>]`` (the transformer as the
 family's drop-in, saved as ``pipe.save_pretrained`` saves it; text encoders as
-``TextEncoderExport``, the VAE as ``VaeExport``); the scheduler, tokenizers and processors are
-copied as they are. What is exported of each text encoder and VAE is what the family declares
-its pipeline reads (the record's ``stages``, qkrope.stages); a model component it does not
-declare (an image encoder) is refused in one line before anything is written, and so is a
-pipeline class it does not declare (an edit pipeline whose encoder reads images).
+``TextEncoderExport``, image encoders as ``ImageEncoderExport``, the VAE as ``VaeExport``:
+:data:`qkrope.stages.DROPIN_CLASSES`); the scheduler, tokenizers and processors are copied as
+they are. What is exported of each encoder and the VAE is what the family declares its
+pipeline reads (the record's ``stages``, qkrope.stages); a model component it does not declare
+(an image encoder of a family that declares none) is refused in one line before anything is
+written, and so is a pipeline class it does not declare (an edit pipeline whose encoder reads
+images).
 
 Trust: the folder's JSON names the classes; each is looked up by name in diffusers or
 transformers (:data:`qkrope.stages.MODEL_LIBRARIES`), never imported from a module the folder
@@ -140,6 +142,8 @@ def plan(pipeline_dir: str | os.PathLike) -> tuple[Any, dict[str, str], dict]:
             kinds[name] = "transformer"
         elif name in stages.text_encoders:
             kinds[name] = "text_encoder"
+        elif name in stages.image_encoders:
+            kinds[name] = "image_encoder"
         elif name == "vae" and stages.vae is not None:
             kinds[name] = "vae"
         elif _model_class(library, cls) is not None:
@@ -217,7 +221,7 @@ def export_pipeline(pipeline_dir: str | os.PathLike, out: str | os.PathLike, *,
                                           COMPONENT_FORMAT_VERSION, LIBRARY)
 
     from .. import api
-    from .text_encoder import export_text_encoder
+    from .text_encoder import export_image_encoder, export_text_encoder
     from .vae import export_vae
 
     src, out = Path(pipeline_dir), Path(out)
@@ -280,6 +284,9 @@ def export_pipeline(pipeline_dir: str | os.PathLike, out: str | os.PathLike, *,
                     if kind == "text_encoder":
                         fields = export_text_encoder(model, stages.text_encoders[name], folder,
                                                      opset=graph_opset, dtype=tdtype)
+                    elif kind == "image_encoder":
+                        fields = export_image_encoder(model, stages.image_encoders[name],
+                                                      folder, opset=graph_opset, dtype=tdtype)
                     else:
                         fields = export_vae(model, stages.vae, folder, opset=graph_opset,
                                             dtype=tdtype,

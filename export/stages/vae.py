@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkrope.stages import VaeStage
+from qkrope.errors import InputError
+from qkrope.stages import DROPIN_CLASSES, TENSORS_FILE, VaeStage
 
 from ._onnx import file_facts, trace
 from .text_encoder import widened
@@ -227,5 +228,39 @@ def export_vae(vae: nn.Module, stage: VaeStage, folder: Path, *, opset: int,
             more, written = _export_causal(vae, dtype, decoder, folder, opset)
             graphs.update(more)
             files += written
-    return {"class": "VaeExport", "layout": stage.layout, "encode": encode,
-            "graphs": graphs, "files": file_facts(files)}
+    fields: dict[str, Any] = {}
+    if stage.tensors:
+        files.append(save_tensors(vae, stage.tensors, folder / TENSORS_FILE))
+        fields["tensors"] = list(stage.tensors)
+    return {"class": DROPIN_CLASSES["vae"], "layout": stage.layout, "encode": encode,
+            "graphs": graphs, **fields, "files": file_facts(files)}
+
+
+def save_tensors(vae: nn.Module, keys: tuple[str, ...], out: Path) -> Path:
+    """The state-dict tensors ``keys`` of ``vae`` (read from its checkpoint, in the export
+    dtype, for a streamed skeleton) saved to ``out`` with safetensors; one line for a key the
+    module does not have."""
+    from safetensors.torch import save_file
+
+    from .streamed import attached
+
+    state = vae.state_dict()
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise InputError(f"{type(vae).__name__} has no tensor {missing[0]!r}, which its family's "
+                         f"pipeline reads off the VAE. Fix: pass the VAE folder its pipeline was "
+                         f"saved with")
+    weights = attached(vae)
+    if weights is not None:  # a streamed skeleton: each value from the checkpoint, or refused
+        unread = [k for k in keys if k not in weights.source]
+        if unread:
+            raise InputError(f"{weights.where} has no tensor {unread[0]!r}, which its "
+                             f"family's pipeline reads off the VAE (from_pretrained would "
+                             f"leave its initial value). Fix: pass the VAE folder its pipeline "
+                             f"was saved with")
+        values = {k: weights.source.tensor(k) for k in keys}
+    else:
+        values = {k: state[k] for k in keys}
+    values = {k: v.detach().clone().contiguous() for k, v in values.items()}
+    save_file(values, str(out))
+    return out

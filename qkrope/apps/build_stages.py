@@ -2,21 +2,22 @@
 export --model pipeline -o OUT_DIR``), each written beside its ONNX graph:
 
     OUT_DIR/transformer/transformer.engine   (+ .engine.json: qkrope build MODEL.onnx's own)
-    OUT_DIR/text_encoder/encoder.engine
+    OUT_DIR/text_encoder/encoder.engine      (and image_encoder/encoder.engine)
     OUT_DIR/vae/decode.engine, OUT_DIR/vae/decode_next.engine   (the causal video layout)
     OUT_DIR/<stage>/qkrope_engines.json      (what each stage engine was built from)
 
 The transformer is built as ``qkrope build OUT_DIR/transformer/transformer.onnx`` builds it
 (:func:`qkrope.runtime.engine.build_engine`: the QKNormRoPE plugin, ``--plugin``, its profiles
 from ``--resolutions`` / ``--txt-tokens`` / ``--batch`` / ``--max-*``, ``--refit``,
-``--version-compatible``). The text encoders and the VAE have no plugin node: each graph is
+``--version-compatible``). The text and image encoders and the VAE have no plugin node: each graph is
 parsed and built as it is, with optimisation profiles over its dynamic axes, named here:
 
 =================  ===================================  ========================================
 axis               graphs                               min / opt / max by default
 =================  ===================================  ========================================
-``batch``          every stage graph                    1 / 2 / 2 (``--batch MIN:MAX``,
-                                                        ``--max-batch N``: opt = max)
+``batch``          every stage graph (an image          1 / 2 / 2 (``--batch MIN:MAX``,
+                   encoder's only axis: its images      ``--max-batch N``: opt = max)
+                   have the exported side)
 ``txt_tokens``     text encoders (ids and mask)         1 / T / T, T the pipeline's padded text
                                                         length (the family record's ``stages``), at
                                                         most the encoder's
@@ -190,8 +191,8 @@ def graph_io(path: Path) -> tuple[list, list]:
 
 def _anchors(kind: str, graph: str, inputs: list, onnx: Path) -> dict[str, tuple[str, bool]]:
     """symbol -> (axis, in pixels) of the inputs that define the axes: every text input
-    (batch, tokens); a VAE graph's first input (batch, then height and width: latents, or
-    pixels for an encoder graph)."""
+    (batch, tokens); an image encoder's images (batch); a VAE graph's first input (batch, then
+    height and width: latents, or pixels for an encoder graph)."""
     out: dict[str, tuple[str, bool]] = {}
 
     def bind(name, dims, index, axis, pixels=False):
@@ -211,6 +212,9 @@ def _anchors(kind: str, graph: str, inputs: list, onnx: Path) -> dict[str, tuple
             bind(name, dims, 1, "txt_tokens")
         return out
     name, dims = inputs[0]
+    if kind == "image_encoder":  # images at the exported side: the batch alone varies
+        bind(name, dims, 0, "batch")
+        return out
     bind(name, dims, 0, "batch")
     pixels = graph.startswith("encode")  # an encoder graph takes the images
     bind(name, dims, -2, "latent_height", pixels)
@@ -363,6 +367,8 @@ def plan_stage_builds(out_dir: Path, record: Mapping, stages: Mapping[str, str],
                                       f"is more than its {positions} positions (config.json "
                                       f"max_position_embeddings). Fix: --max "
                                       f"{name}.txt_tokens:{positions} (or --txt-tokens)")
+            presets.append(("", dict(levels)))
+        elif kind == "image_encoder":
             presets.append(("", dict(levels)))
         else:
             decode = folder / stage_record["graphs"]["decode"]["file"]

@@ -724,8 +724,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="an exported model, or a pipeline export folder (qkrope export --model "
                         "pipeline -o OUT_DIR): then every stage is checked against the PyTorch "
                         "components of --diffusers SRC (the transformer as a model is; each text "
-                        "encoder at two token lengths and the VAE at two latent sizes, on their "
-                        "drop-ins; engines that qkrope build OUT_DIR wrote beside the graphs "
+                        "encoder at two token lengths, an image encoder at two batches and the "
+                        "VAE at two latent sizes, on their drop-ins; engines that qkrope build OUT_DIR wrote beside the graphs "
                         "too, where TensorRT and a CUDA GPU are present)")
     p.add_argument("--stage", metavar="NAME", default=None,
                    help="OUT_DIR: check this stage only (a component name: transformer, "

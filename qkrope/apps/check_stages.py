@@ -15,6 +15,11 @@ Stages (the components ``OUT_DIR/qkrope_pipeline.json`` records as exported):
   lengths, neither the export's, the last prompt of each padded (a masked tail where the graph
   takes an attention mask, the pad token where it does not); compared are the reads the
   family's pipeline takes (qkrope.stages.TextEncoderStage);
+- an image encoder (``encoder.onnx``), through :class:`qkrope.runtime.stages.
+  ImageEncoderExport` on random images at the exported side, batches :data:`IMAGE_SAMPLES`;
+  compared are the reads its pipeline takes (qkrope.stages.ImageEncoderStage);
+- the VAE's module tensors (``VaeStage.tensors``), where it saved any: bit for bit the PyTorch
+  VAE's state dict;
 - the VAE, run through :class:`qkrope.runtime.stages.VaeExport` ``decode`` at two latent sizes
   (:data:`VAE_SAMPLES`); the causal video layout over :data:`CAUSAL_FRAMES` latent frames, so
   that ``decode`` and ``decode_next`` both run, with the feature cache passed between them as
@@ -36,9 +41,9 @@ and TensorRT against ONNX Runtime. The inputs, reference and run results are sav
 polygraphy's JSON formats under ``--workdir`` (default ``OUT_DIR.check/``), one folder per
 stage; a stage of one graph also gets ``polygraphy_cmd.sh`` to redo it by hand.
 
-Bound. A text encoder or a VAE is a whole network of several layers, like the transformer, so it
-is held to ``qkrope check``'s whole-transformer tolerance (:data:`qkrope.apps.check.TOLERANCES`
-x :data:`~qkrope.apps.check.TRANSFORMER_FACTOR`, derived in that module's docstring: in fp32
+Bound. A text or image encoder or a VAE is a whole network of several layers, like the
+transformer, so it is held to ``qkrope check``'s whole-transformer tolerance
+(:data:`qkrope.apps.check.TOLERANCES` x :data:`~qkrope.apps.check.TRANSFORMER_FACTOR`, derived in that module's docstring: in fp32
 ONNX Runtime and PyTorch sum in different orders, observed ~1.5e-5 x max|output| through a
 2-block transformer, hence 1e-4 x max|reference|, the same number as
 :data:`qkrope.apps.tiny_pipeline.TRANSFORMER_PARITY`; fp16 / bf16: 8 ulps of max|reference|),
@@ -58,7 +63,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from qkrope.errors import InputError, InputFileNotFoundError
-from qkrope.stages import PIPELINE_FILE, PIPELINE_FORMAT
+from qkrope.stages import DROPIN_CLASSES, PIPELINE_FILE, PIPELINE_FORMAT
 
 #: text encoder samples: (batch, tokens, padding of the last prompt); neither length is the
 #: export's traced one (7)
@@ -68,7 +73,9 @@ VAE_SAMPLES = ((1, 4, 6), (2, 5, 3))
 #: latent frames a causal video VAE decodes: ``decode`` once, ``decode_next`` twice
 CAUSAL_FRAMES = 3
 #: the kinds of stage a pipeline export records (qkrope_pipeline.json's components)
-STAGE_KINDS = ("transformer", "text_encoder", "vae")
+STAGE_KINDS = ("transformer", *DROPIN_CLASSES)
+#: image encoder samples: batch sizes (the images at the exported side); neither the traced 2
+IMAGE_SAMPLES = (1, 3)
 #: --workdir's default: OUT_DIR with this suffix, beside it
 WORKDIR_SUFFIX = ".check"
 #: the runners' short names in the tables
@@ -243,7 +250,7 @@ def plan_check(out_dir: str | os.PathLike, src: str | os.PathLike, *, stage: str
                     f"{out_dir})")
             continue
         stage_record = read_stage_record(folder)
-        want = "TextEncoderExport" if kind == "text_encoder" else "VaeExport"
+        want = DROPIN_CLASSES[kind]
         if stage_record.get("class") != want:
             raise InputError(f"{folder} holds a {stage_record.get('class')} stage, but "
                              f"{out_dir}/{PIPELINE_FILE} records {name} as a "
@@ -372,7 +379,7 @@ def format_summary(results: Sequence[StageResult], dtype: str) -> str:
         lines.append(f"{line[0]:<{width[0]}}  {line[1]:<{width[1]}}  {line[2]:<{width[2]}}  "
                      f"{line[3]:>{width[3]}}  {line[4]:>{width[4]}}  {line[5]}")
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(f"bound: {dtype} text encoders and VAEs: qkrope check's whole-network "
+    lines.append(f"bound: {dtype} encoders and VAEs: qkrope check's whole-network "
                  f"tolerance on the largest absolute error (qkrope.apps.check_stages); the "
                  f"transformer: its check's elementwise rule, the bound shown being atol")
     return "\n".join(lines)
@@ -463,8 +470,12 @@ def _check_stage(plan: _Plan, name: str, kind: str, *, providers, seed, trt_ok,
           f"{library}.{cls_name} from {plan.src / name} ({plan.dtype})", file=out)
     try:
         dropin = load_stage(folder, providers=[_ort_provider(p) for p in providers])
+        if record.get("tensors"):
+            _check_module_tensors(record["tensors"], model, dropin, out)
         sides = ([_text_side(plan, name, record, model, dropin, seed=seed, trt_ok=trt_ok)]
                  if kind == "text_encoder" else
+                 [_image_side(plan, name, record, model, dropin, seed=seed, trt_ok=trt_ok)]
+                 if kind == "image_encoder" else
                  _vae_sides(plan, name, record, model, dropin, seed=seed, trt_ok=trt_ok))
         result = StageResult(name, kind, graphs, [], True)
         for side in sides:
@@ -483,6 +494,24 @@ def _check_stage(plan: _Plan, name: str, kind: str, *, providers, seed, trt_ok,
         print(f"{name}: FAILED: its graphs do not run as the drop-in runs them "
               f"({type(exc).__name__}: {first})", file=out)
         return StageResult(name, kind, graphs, [], False, error=first)
+
+
+def _check_module_tensors(keys, model, dropin, out) -> None:
+    """The module tensors a VAE export saved (its pipeline reads them off the VAE) against the
+    PyTorch component's state dict, bit for bit (they are copies, not computed)."""
+    import operator
+
+    import torch
+
+    state = model.state_dict()
+    for key in keys:
+        got = operator.attrgetter(key)(dropin)
+        want = state.get(key)
+        if want is None or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
+            raise InputError(f"the saved module tensor {key} differs from the PyTorch VAE's "
+                             f"(exported from another checkpoint?). Fix: pass --diffusers the "
+                             f"pipeline folder the export was made from, or export it again")
+    print(f"module tensors: {', '.join(keys)} equal the PyTorch VAE's, bit for bit", file=out)
 
 
 def reference_model(library: str, cls_name: str, folder: Path, dtype):
@@ -505,9 +534,11 @@ def reference_model(library: str, cls_name: str, folder: Path, dtype):
 
 
 def _reads(stage_record: Mapping, family, name: str) -> tuple[str, ...]:
-    """The reads the family's pipeline takes of text encoder ``name`` (its declaration), the
-    record's where the family declares none."""
-    declared = family.stages.text_encoders.get(name) if family.stages else None
+    """The reads the family's pipeline takes of text or image encoder ``name`` (its
+    declaration), the record's where the family declares none."""
+    stages = family.stages
+    declared = (stages.text_encoders.get(name) or stages.image_encoders.get(name)
+                if stages else None)
     return tuple(declared.reads) if declared is not None else tuple(stage_record["reads"])
 
 
@@ -515,13 +546,9 @@ def _text_side(plan: _Plan, name: str, record: Mapping, model, dropin, *, seed: 
                trt_ok: bool) -> _Side:
     import torch
 
-    from qkrope.runtime.inputs import from_torch, to_torch
-    from qkrope.stages import hidden_index, output_name
+    from qkrope.runtime.inputs import from_torch
 
-    reads = _reads(record, plan.family, name)
     inputs = list(record["inputs"])
-    outputs = [output_name(r) for r in reads]
-    hidden = any(hidden_index(r) is not None for r in reads)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0) or 1000
     pad = getattr(model.config, "pad_token_id", None)
     pad = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else 0
@@ -539,6 +566,43 @@ def _text_side(plan: _Plan, name: str, record: Mapping, model, dropin, *, seed: 
         feed["input_ids"] = ids
         feeds.append({k: from_torch(feed[k]) for k in inputs})
         sizes.append(f"batch {batch} x {tokens} tokens (the last prompt {padding} padding)")
+    return _encoder_side(plan, name, record, model, dropin, feeds, " and ".join(sizes),
+                         [(n, "int64", [-1, -1]) for n in inputs], trt_ok=trt_ok)
+
+
+def _image_side(plan: _Plan, name: str, record: Mapping, model, dropin, *, seed: int,
+                trt_ok: bool) -> _Side:
+    """An image encoder on random images in [-1, 2] (about a normalised image's range) at the
+    exported side, batches :data:`IMAGE_SAMPLES`."""
+    import torch
+
+    from qkrope import dtypes
+    from qkrope.runtime.inputs import from_torch
+
+    tdtype = dtypes.TORCH_BY_SHORT[plan.dtype]
+    channels, height, width = (int(d) for d in record["image_size"])
+    g = torch.Generator().manual_seed(seed)
+    feeds = [{"pixel_values": from_torch((torch.rand(b, channels, height, width, generator=g)
+                                          * 3 - 1).to(tdtype))} for b in IMAGE_SAMPLES]
+    sizes = " and ".join(f"batch {b} x {channels}x{height}x{width} pixels" for b in IMAGE_SAMPLES)
+    dt = dtypes.canonical(str(tdtype).removeprefix("torch."))
+    return _encoder_side(plan, name, record, model, dropin, feeds, sizes,
+                         [("pixel_values", dt, [-1, channels, height, width])], trt_ok=trt_ok)
+
+
+def _encoder_side(plan: _Plan, name: str, record: Mapping, model, dropin, feeds, sizes: str,
+                  io, *, trt_ok: bool) -> _Side:
+    """A text or image encoder's side: each feed through the PyTorch component and the drop-in
+    (and the engine where built), the declared reads compared."""
+    import torch
+
+    from qkrope.runtime.inputs import from_torch, to_torch
+    from qkrope.stages import hidden_index, output_name
+
+    reads = _reads(record, plan.family, name)
+    inputs = list(record["inputs"])
+    outputs = [output_name(r) for r in reads]
+    hidden = any(hidden_index(r) is not None for r in reads)
 
     def pick(result) -> dict:
         got = {}
@@ -553,7 +617,7 @@ def _text_side(plan: _Plan, name: str, record: Mapping, model, dropin, *, seed: 
         with torch.no_grad():
             return pick(module(**kwargs, output_hidden_states=hidden, return_dict=True))
 
-    side = _Side("", [(n, "int64", [-1, -1]) for n in inputs], feeds, " and ".join(sizes),
+    side = _Side("", io, feeds, sizes,
                  reference=lambda feed: call(model, feed), dropin=lambda feed: call(dropin, feed),
                  single_graph=record["graphs"]["encode"]["file"])
     engines = _engines(plan.out_dir / name, record)

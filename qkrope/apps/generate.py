@@ -10,7 +10,7 @@ optional components take the drop-ins, so no PyTorch transformer is loaded; ``--
 pytorch`` loads and runs it instead, the baseline) and called with what it takes of ``--steps``, ``--height``, ``--width``,
 ``--guidance-scale``, ``--true-cfg-scale``, ``--negative-prompt`` and the seed. The stages are
 timed as TensorRT's diffusion demo reports them: the text encoders (every ``text_encoder*``
-component's forward), the denoising loop (each step, from the pipeline's
+component's forward; an ``image_encoder*``'s apart), the denoising loop (each step, from the pipeline's
 ``callback_on_step_end``, and the transformer's calls), the VAE (its ``decode``), and the whole
 call; on CUDA each time is taken after a synchronise. Loading the pipeline and the transformer is
 timed apart from the call. The denoising steps show as a tqdm bar on a terminal (lines in a log);
@@ -127,6 +127,7 @@ class StageTimes:
     load_pipeline: float = 0.0
     load_transformer: float = 0.0
     text_encoders: list = field(default_factory=list)
+    image_encoders: list = field(default_factory=list)
     transformer_calls: list = field(default_factory=list)
     transformer_starts: list = field(default_factory=list)  # clock time of each call's start
     steps: list = field(default_factory=list)
@@ -146,6 +147,8 @@ class StageTimes:
                 ("load transformer", ms(self.load_transformer), ""),
                 ("text encoders", ms(sum(self.text_encoders)),
                  f"{len(self.text_encoders)} call(s)"),
+                *([("image encoders", ms(sum(self.image_encoders)),
+                    f"{len(self.image_encoders)} call(s)")] if self.image_encoders else []),
                 ("denoising", ms(denoise) if self.steps_counted
                  else ms(sum(self.transformer_calls)),
                  f"{len(self.steps)} step(s), {1e3 * denoise / max(len(self.steps), 1):.1f} "
@@ -205,7 +208,8 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock, on_call: Callable | Non
     no steps)."""
     undo = []
     for name, component in pipe.components.items():
-        if not name.startswith("text_encoder") or component is None:
+        kind = next((k for k in ("text_encoder", "image_encoder") if name.startswith(k)), None)
+        if kind is None or component is None:
             continue
         if hasattr(component, "register_forward_pre_hook"):
             start = {}
@@ -213,8 +217,8 @@ def timing_hooks(pipe, times: StageTimes, clock: _Clock, on_call: Callable | Non
             def pre(module, args, start=start):
                 start["t"] = clock.now()
 
-            def post(module, args, output, start=start):
-                times.text_encoders.append(clock.now() - start.pop("t"))
+            def post(module, args, output, start=start, into=getattr(times, kind + "s")):
+                into.append(clock.now() - start.pop("t"))
 
             undo += [component.register_forward_pre_hook(pre).remove,
                      component.register_forward_hook(post).remove]
@@ -616,12 +620,14 @@ def by_component(plan: PipelinePlan, given: dict) -> dict:
 
 
 def other_stages(pipe) -> str:
-    """Where the pipeline's text encoders and VAE run, as loaded: their exports (the stage
-    drop-ins of a pipeline export) or PyTorch."""
+    """Where the pipeline's text and image encoders and VAE run, as loaded: their exports (the
+    stage drop-ins of a pipeline export) or PyTorch."""
     from qkrope.runtime.stages import StageComponent
 
-    names = [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")
-             if getattr(pipe, n, None) is not None]
+    kinds = ("text_encoder", "image_encoder", "vae")  # listed in this order
+    names = sorted((n for n, c in pipe.components.items() if c is not None and (
+        n == "vae" or n.startswith(kinds[:2]))),
+        key=lambda n: (next(i for i, k in enumerate(kinds) if n.startswith(k)), n))
     exported = [n for n in names if isinstance(getattr(pipe, n), StageComponent)]
     torch_ = [n for n in names if n not in exported]
     backend = ", ".join(sorted({getattr(getattr(pipe, n).__dict__.get("_runner"), "backend",

@@ -20,9 +20,11 @@ Layout written (``NAME``: ``--name``, by default OUT_DIR's folder name)::
       1/model.py                        imports qkrope.apps.triton_pipeline.TritonPythonModel
       1/pipeline/                       OUT_DIR less its graphs: model_index.json, scheduler,
                                         tokenizers, processors, each stage's record and config
+                                        (and a VAE's module tensors, tensors.safetensors)
       1/qkrope.files.json               what 1/pipeline/ holds (what --force may replace)
-    REPO/NAME_<component>_<graph>/      one model per stage graph: the text encoders' encode,
-                                        the VAE's decode (encode where exported; a causal video
+    REPO/NAME_<component>_<graph>/      one model per stage graph: the text and image
+                                        encoders' encode, the VAE's decode (encode where
+                                        exported; a causal video
                                         VAE's decode_next too), on Triton's onnxruntime backend
                                         (1/model.onnx with its data) or, --backend tensorrt, as
                                         the engines `qkrope build OUT_DIR` wrote (1/model.plan)
@@ -30,8 +32,9 @@ Layout written (``NAME``: ``--name``, by default OUT_DIR's folder name)::
                                         writes it for one export (its _rope, _onnx or _trt
                                         steps beside it)
 
-Every file is copied and then hashed against the record it was checked with (the stage
-record's sha256, the export's sidecar), so a source rewritten meanwhile is never served. All
+Every graph, engine and module-tensor file is copied and then hashed against the record it
+was checked with (the stage record's sha256, the export's sidecar), so a source rewritten
+meanwhile is never served. All
 model directories are assembled in one staging folder and swapped in together, the top model
 last (:func:`qkrope.runtime.triton._write_models`); ``force`` replaces only model directories
 that hold nothing but what qkrope writes.
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkrope.stages import PIPELINE_FILE, STAGE_FILE
+from qkrope.stages import PIPELINE_FILE, STAGE_FILE, TENSORS_FILE
 
 from .build_stages import ENGINES_FILE
 
@@ -168,7 +171,8 @@ def _stage_models(folder: Path, component: str, record: dict, prefix: str, backe
 
 def _pipeline_files(pipeline_dir: Path, components: dict[str, str]) -> list[str]:
     """What the top model's 1/pipeline/ copies (paths relative to ``pipeline_dir``): every
-    regular file but the model components'; of a stage component only its record and config.
+    regular file but the model components'; of a stage component only its record, config and
+    module tensors (:data:`qkrope.stages.TENSORS_FILE`, which the drop-in offers itself).
     A link is refused (nothing outside the export is followed)."""
     out = []
     for root, dirs, names in os.walk(pipeline_dir):
@@ -181,7 +185,8 @@ def _pipeline_files(pipeline_dir: Path, components: dict[str, str]) -> list[str]
         dirs.sort()
         if top in components:
             if components[top] in CLASSES and len(rel.parts) == 1:
-                out += [f"{top}/{n}" for n in (CONFIG_FILE, STAGE_FILE) if n in names]
+                out += [f"{top}/{n}" for n in (CONFIG_FILE, STAGE_FILE, TENSORS_FILE)
+                        if n in names]
             dirs[:] = []
             continue
         out += [str(rel / n) if rel.parts else n for n in sorted(names)]
@@ -244,6 +249,7 @@ def write_pipeline_repository(pipeline_dir: os.PathLike | str, repo: os.PathLike
     models: dict[str, Any] = {}
     inputs: list = []
     entries: dict[str, Any] = {}
+    checked: dict[str, str] = {}  # a copied file -> the sha256 its stage record gives
     for component, cls in components.items():
         folder = pipeline_dir / component
         if cls in CLASSES:
@@ -253,6 +259,10 @@ def write_pipeline_repository(pipeline_dir: os.PathLike | str, repo: os.PathLike
                 raise tr.TritonRepoError(str(exc)) from None
             entries[component] = {"class": cls, "models": _stage_models(
                 folder, component, record, name, backend, serving, link, models, inputs)}
+            facts = record["files"].get(TENSORS_FILE)
+            if isinstance(facts, dict):  # copied for the top model's drop-in, checked
+                checked[f"{component}/{TENSORS_FILE}"] = str(facts.get("sha256") or "")
+                inputs.append(folder / TENSORS_FILE)
             continue
         try:
             model = json.loads((folder / COMPONENT_FILE).read_text(encoding="utf-8"))["model"]
@@ -286,7 +296,10 @@ def write_pipeline_repository(pipeline_dir: os.PathLike | str, repo: os.PathLike
         for rel in files:
             dst = d / "1" / PIPELINE_FOLDER / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(pipeline_dir / rel, dst)
+            if rel in checked:
+                tr.copy_checked(pipeline_dir / rel, dst, checked[rel])
+            else:
+                shutil.copyfile(pipeline_dir / rel, dst)
         listed = [f"{PIPELINE_FOLDER}/{rel}" for rel in files]
         (d / "1" / tr.FILES_MANIFEST).write_text(json.dumps(listed, indent=1) + "\n",
                                                  encoding="utf-8")

@@ -1,5 +1,6 @@
-"""The pipeline's other model stages on their exports: text encoders and VAEs as diffusers
-components with no torch parameters (:mod:`.component`), loaded by ``from_pretrained`` from a
+"""The pipeline's other model stages on their exports: text and image encoders and VAEs as
+diffusers components with no torch parameters (:mod:`.component`), loaded by
+``from_pretrained`` from a
 folder that ``qkrope export --model pipeline`` wrote (model_index.json names them as
 ``["qkrope.runtime", <class>]``, as it names the transformer drop-in).
 
@@ -10,6 +11,8 @@ outputs its graph holds without importing the family.
 
 from __future__ import annotations
 
-from .component import StageComponent, TextEncoderExport, VaeExport, load_stage
+from .component import (ImageEncoderExport, StageComponent, TextEncoderExport, VaeExport,
+                        load_stage)
 
-__all__ = ["StageComponent", "TextEncoderExport", "VaeExport", "load_stage"]
+__all__ = ["StageComponent", "TextEncoderExport", "ImageEncoderExport", "VaeExport",
+           "load_stage"]

@@ -1,4 +1,4 @@
-"""Text encoders and VAEs on their exports, as diffusers pipeline components.
+"""Text and image encoders and VAEs on their exports, as diffusers pipeline components.
 
 A stage folder (``OUT_DIR/text_encoder/``, ``OUT_DIR/vae/`` of ``qkrope export --model
 pipeline``) holds the stage's ONNX graphs, the component's own ``config.json`` and
@@ -13,15 +13,21 @@ diffusers' pipeline loader calls for ``["qkrope.runtime", "TextEncoderExport"]``
   export does not hold (``hidden_states[3]`` of an export of ``hidden_states[-1]``), an input
   it does not take (``pixel_values``) or a mask it cannot honour (a graph without one, given
   one with zeros) is refused in one line.
+- :class:`ImageEncoderExport`: the same of an image encoder called on its image processor's
+  ``pixel_values`` (``image_encoder(pixel_values=..., output_hidden_states=True)``); images of
+  another size than the exported one, or token ids, are refused in one line.
 - :class:`VaeExport`: ``decode(z)`` and, where exported, ``encode(x)`` as diffusers'
   autoencoders do them: an image layout runs one graph; a causal video layout runs the first
   chunk's graph, then the next-chunk graph once per later chunk with the feature cache the call
   before returned (a fixed set of tensors, so memory does not grow with the number of frames).
   ``encode`` returns diffusers' ``DiagonalGaussianDistribution`` of the exported moments.
   ``enable_slicing`` is honoured (a batch is coded item by item); tiling, and ``encode`` of an
-  export without an encoder graph, are refused in one line.
+  export without an encoder graph, are refused in one line. The module tensors its family's
+  pipeline reads off the VAE (``vae.bn.running_mean``: ``VaeStage.tensors``) are attributes
+  under their state-dict path, read from :data:`qkrope.stages.TENSORS_FILE` (checked against
+  the record's size and sha256).
 
-Both are :class:`qkrope.runtime.component.DropinComponent` subclasses: no torch parameters,
+All are :class:`qkrope.runtime.component.DropinComponent` subclasses: no torch parameters,
 ``.to()`` honoured for the device ONNX Runtime runs on and refused for another dtype, saved with
 the pipeline (the stage folder copied through a staging folder, its files confirmed unchanged
 since load) and refused for LoRA, offloading and diffusers' model hooks, as the transformer
@@ -366,6 +372,12 @@ class TextEncoderExport(StageComponent):
             raise ComponentError(f"{self._what()} was exported without an attention mask (its "
                                  f"pipeline passes none) and was given one with padding. Fix: "
                                  f"call it without attention_mask")
+        return self._encoded(feeds, return_dict)
+
+    def _encoded(self, feeds: Mapping[str, torch.Tensor], return_dict: bool | None):
+        """The ``encode`` graph on ``feeds`` as transformers' output of the call."""
+        record = self._record
+        reads = record["reads"]
         outs = self._runner.run("encode", feeds, self.dtype)
         by_read = dict(zip(reads, outs))
         count = int(record.get("hidden_states", 0))
@@ -387,12 +399,69 @@ class TextEncoderExport(StageComponent):
                              f"prompt rewriting off, or run the PyTorch text encoder")
 
 
+class ImageEncoderExport(TextEncoderExport):
+    """An image encoder component on its export (a CLIP vision tower), called as
+    its pipeline calls it: ``image_encoder(pixel_values=..., output_hidden_states=True)`` with
+    the images its image processor made, ``[B, C, S, S]`` at the exported side; the reads as
+    :class:`TextEncoderExport`'s."""
+
+    KIND = "image encoder"
+
+    def __init__(self, folder: str | os.PathLike, **options):
+        super().__init__(folder, **options)
+        size = self._record.get("image_size")
+        if not isinstance(size, list) or len(size) != 3 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in size):
+            raise ComponentLoadError(f"{Path(folder) / STAGE_FILE} gives image_size {size!r}, "
+                                     f"not [channels, side, side]. "
+                                     f"{_fix_reexport(Path(folder))}")
+
+    def generate(self, *args, **kwargs):
+        raise ComponentError(f"{self._what()} computes the hidden states its pipeline reads "
+                             f"of an image, not generation. Fix: call it as its pipeline "
+                             f"does (image_encoder(pixel_values=..., "
+                             f"output_hidden_states=True))")
+
+    def forward(self, pixel_values: torch.Tensor | None = None, *args,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs):
+        extra = [f"positional argument {i + 2}" for i, a in enumerate(args) if a is not None]
+        extra += [k for k, v in kwargs.items() if v is not None
+                  and k not in ("output_attentions", "interpolate_pos_encoding")]
+        if kwargs.get("interpolate_pos_encoding"):
+            extra.append("interpolate_pos_encoding=True")
+        if extra or pixel_values is None:
+            got = ", ".join(extra) if extra else "no pixel_values"
+            raise ComponentError(f"{self._what()} takes pixel_values; got {got}. Fix: call it "
+                                 f"as its pipeline does, with its image processor's output")
+        want = [int(d) for d in self._record.get("image_size", ())]
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4 or \
+                list(pixel_values.shape[1:]) != want:
+            got = (list(pixel_values.shape) if isinstance(pixel_values, torch.Tensor)
+                   else type(pixel_values).__name__)
+            raise ComponentError(f"{self._what()}: pixel_values must be [batch, {want[0]}, "
+                                 f"{want[1]}, {want[2]}] (the exported image size); got {got}. "
+                                 f"Fix: make them with the pipeline's image processor")
+        return self._encoded({"pixel_values": pixel_values.to(self.dtype)}, return_dict)
+
+
 class VaeExport(StageComponent):
     """A VAE component on its export (module docstring)."""
 
     KIND = "VAE"
     use_slicing = False
     use_tiling = False
+
+    def __init__(self, folder: str | os.PathLike, **options):
+        super().__init__(folder, **options)
+        self.__dict__["_tensors"] = _module_tensors(Path(folder), self._record,
+                                                    served=self._stats is None)
+
+    def __getattr__(self, name: str) -> Any:
+        tensors = self.__dict__.get("_tensors")
+        if tensors is not None and name in tensors:
+            return tensors[name]
+        return super().__getattr__(name)
 
     def forward(self, *args, **kwargs):
         raise ComponentError(f"{self._what()} runs decode() (and encode() where exported), not "
@@ -470,8 +539,61 @@ class VaeExport(StageComponent):
         return torch.cat(parts, 2) if len(parts) > 1 else parts[0]
 
 
+def _module_tensors(folder: Path, record: Mapping[str, Any], served: bool) -> dict[str, Any]:
+    """The module tensors a VAE record lists (``tensors``, saved in
+    :data:`qkrope.stages.TENSORS_FILE`, checked against the record's size and sha256 even where
+    the graphs are served) as the attribute tree the pipeline reads (``bn.running_mean`` ->
+    ``{"bn": namespace(running_mean=tensor)}``); {} for none. ``served``: the folder is a
+    Triton repository's copy (the fix is to write the repository again)."""
+    from types import SimpleNamespace
+
+    from qkrope._fileio import sha256_file
+    from qkrope.stages import TENSORS_FILE, is_tensor_key
+
+    keys = record.get("tensors")
+    if not keys:
+        return {}
+    path = folder / TENSORS_FILE
+    fix = ("Fix: write the repository again (qkrope triton-repo --pipeline OUT_DIR)" if served
+           else _fix_reexport(folder))
+    facts = record["files"].get(TENSORS_FILE)
+    paths = [k.split(".") for k in keys] if isinstance(keys, list) else []
+    if not paths or not all(is_tensor_key(k) for k in keys) or any(
+            a != b and b[:len(a)] == a for a in paths for b in paths):
+        raise ComponentLoadError(f"{folder / STAGE_FILE} lists tensors {keys!r}, which are not "
+                                 f"distinct dotted state-dict keys of a module. {fix}")
+    if not isinstance(facts, Mapping) or not path.is_file() or path.is_symlink():
+        raise ComponentLoadError(f"{folder / STAGE_FILE} lists tensors {keys!r}, but "
+                                 f"{TENSORS_FILE} is not a file of its record and folder. {fix}")
+    if path.stat().st_size != facts.get("size") or sha256_file(path) != facts.get("sha256"):
+        raise ComponentLoadError(f"{path} is not the file {folder / STAGE_FILE} records (size "
+                                 f"and sha256): it was changed after the export. {fix}")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        values = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ComponentLoadError(f"{path} cannot be read ({type(exc).__name__}). "
+                                 f"{fix}") from None
+    tree: dict[str, Any] = {}
+    for key, parts in zip(keys, paths):
+        if key not in values:
+            raise ComponentLoadError(f"{path} lacks {key!r}, which {folder / STAGE_FILE} "
+                                     f"lists. {fix}")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = values[key]
+
+    def build(node):
+        return SimpleNamespace(**{k: build(v) if isinstance(v, dict) else v
+                                  for k, v in node.items()})
+    return {k: build(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
 #: the stage classes by the name a stage record and model_index.json give
-CLASSES = {c.__name__: c for c in (TextEncoderExport, VaeExport)}
+CLASSES = {c.__name__: c for c in (TextEncoderExport, ImageEncoderExport, VaeExport)}
 
 
 def load_stage(folder: str | os.PathLike, **options) -> StageComponent:
@@ -495,5 +617,6 @@ def _stage_files(record: Mapping[str, Any]) -> list[str]:
     return [*record["files"], CONFIG_FILE, STAGE_FILE]
 
 
-__all__ = ["StageComponent", "TextEncoderExport", "VaeExport", "StageGraphs", "load_stage",
+__all__ = ["StageComponent", "TextEncoderExport", "ImageEncoderExport", "VaeExport",
+           "StageGraphs", "load_stage",
            "read_stage_record", "CLASSES"]

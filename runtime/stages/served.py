@@ -9,10 +9,12 @@ takes exactly the path ``qkrope generate OUT_DIR`` takes. Only its model compone
 each is the same drop-in whose graphs are models of the same server, called by business-logic
 scripting (BLS, :class:`qkrope.runtime.runner_triton._Bls`):
 
-- each text encoder and the VAE: a stage drop-in (:class:`~.component.StageComponent`) over
-  :class:`ServedStageGraphs`, one served model per graph (``<name>_<component>_<graph>``: the
-  causal video VAE's first-chunk and next-chunk graphs are two, the feature cache passed
-  between them by the drop-in as in the local run);
+- each text or image encoder and the VAE: a stage drop-in (:class:`~.component.
+  StageComponent`) over :class:`ServedStageGraphs`, one served model per graph
+  (``<name>_<component>_<graph>``: the causal video VAE's first-chunk and next-chunk graphs
+  are two, the feature cache passed between them by the drop-in as in the local run; a VAE's
+  module tensors read from the pipeline copy's tensors.safetensors, checked against its
+  record);
 - each transformer: the family drop-in over a :class:`~qkrope.runtime.runner_triton.
   TritonRunner` of the transformer's ensemble (``<name>_<component>``), which checks every call
   against the served I/O record as the gRPC client does.

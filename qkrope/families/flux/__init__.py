@@ -60,6 +60,20 @@ FLUX1 = FamilyRecord(
     fp8_excluded=FLUX1_EXCLUDED, blocks=True,
     block_lists=DOUBLE_THEN_SINGLE_BLOCKS, launches=launches("FLUX.1", 24),
     stages=FLUX1_STAGES)
+#: Flux2KleinPipeline's other stages: its Qwen3 encoder's hidden states 9, 18 and 27 (the
+#: pipeline's default text_encoder_out_layers, joined on the channel axis by the pipeline),
+#: called with the ids and mask at 512 tokens; the 2-D AutoencoderKLFlux2, whose encoder codes
+#: the reference images, and the latent batch-norm statistics the pipeline reads off the VAE
+#: (``vae.bn.running_mean`` / ``running_var``) to normalise and unnormalise the latents.
+#: FLUX.2 [dev]'s Flux2Pipeline reads a Mistral3 vision-language encoder through a Pixtral
+#: processor, which no tiny test builds: not declared, refused in one line.
+KLEIN_LAYERS = (9, 18, 27)
+FLUX2_STAGES = PipelineStages(
+    pipelines=("Flux2KleinPipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(
+        reads=tuple(f"hidden_states[{k}]" for k in KLEIN_LAYERS))},
+    vae=VaeStage("image", encode=("Flux2KleinPipeline",),
+                 tensors=("bn.running_mean", "bn.running_var")))
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),
@@ -67,7 +81,8 @@ FLUX2 = FamilyRecord(
     max_positions=None, rounding=contract.ROUNDING_TWO_STEPS, graph=FLUX2_TRANSFORMER,
     fp8_excluded=FLUX2_EXCLUDED, blocks=True, block_lists=DOUBLE_THEN_JOINED_BLOCKS,
     # klein 4B has FLUX.1's 24 heads (the same launches); klein 9B 32, dev 48
-    launches=launches("FLUX.2 klein 9B", 32) + launches("FLUX.2 dev", 48))
+    launches=launches("FLUX.2 klein 9B", 32) + launches("FLUX.2 dev", 48),
+    stages=FLUX2_STAGES)
 
 RECORDS = (FLUX1, FLUX2)
 

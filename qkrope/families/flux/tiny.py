@@ -19,6 +19,7 @@ import torch
 
 from qkrope._deps import require
 from qkrope.apps.tiny_parts import one_level_vae, saved
+from qkrope.families.flux import KLEIN_LAYERS
 from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, clip_text_encoder,
                                        decoder_encoder, randomised, t5_encoder)
 
@@ -37,8 +38,9 @@ VARIANTS = {
     "flux2-klein": ("flux2", "Flux2Transformer2DModel",
                     dict(_FLUX2, num_layers=1, num_single_layers=1, guidance_embeds=False)),
 }
-#: Flux2KleinPipeline joins the text encoder's hidden states 9, 18 and 27 (its default)
-KLEIN_LAYERS, KLEIN_WIDTH = (9, 18, 27), 16
+#: the tiny Qwen3's width: Flux2KleinPipeline joins its hidden states KLEIN_LAYERS (the
+#: pipeline's default, the family record's reads)
+KLEIN_WIDTH = 16
 
 
 def transformer(variant: str, seed: int = 0, **overrides):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
+from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_MASK, GUIDANCE,
                              HIDDEN_STATES, IMG_COS_SIN_CACHE, SAMPLE, TIMESTEP,
                              TXT_COS_SIN_CACHE, ModelDecl)
@@ -47,6 +48,18 @@ LAUNCHES = tuple(
 # --blocks compares each block's image and text outputs: both kinds of block return
 # (hidden_states, encoder_hidden_states), the single-stream ones splitting their
 # [image; text] sequence back into the two streams.
+#: HunyuanImagePipeline's other stages: the Qwen2.5-VL encoder's third-to-last hidden state
+#: (hidden_state_skip_layer 2), called with the ids and mask at 1000 tokens plus the 34 of the
+#: template prefix the pipeline drops; ByT5 (a T5 encoder) for the quoted glyph text, its last
+#: hidden state at 128 tokens; the 2-D AutoencoderKLHunyuanImage's decoder (32x, 2048 x 2048 by
+#: default). The refiner's pipeline encodes the image and reads its encoder otherwise: not
+#: declared.
+STAGES = PipelineStages(
+    pipelines=("HunyuanImagePipeline",),
+    text_encoders={"text_encoder": TextEncoderStage(reads=("hidden_states[-3]",), tokens=1034),
+                   "text_encoder_2": TextEncoderStage(reads=("last_hidden_state",),
+                                                      tokens=128)},
+    vae=VaeStage("image"), size=(2048, 2048))
 HUNYUAN_IMAGE = FamilyRecord(
     name="hunyuan-image", class_name="HunyuanImageTransformer2DModel",
     label="HunyuanImage-2.1 (and its refiner)", short="HunyuanImage-2.1",
@@ -56,6 +69,6 @@ HUNYUAN_IMAGE = FamilyRecord(
     fp8_excluded=FP8_EXCLUDED, blocks=True,
     block_lists=(BlockList("transformer_blocks", "num_layers", ("img", "txt")),
                  BlockList("single_transformer_blocks", "num_single_layers", ("img", "txt"))),
-    pixels_per_token=32, rotated=("img",), launches=LAUNCHES)
+    pixels_per_token=32, rotated=("img",), launches=LAUNCHES, stages=STAGES)
 
 RECORDS = (HUNYUAN_IMAGE,)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from qkrope import contract
 from qkrope.families._record import BlockList, FamilyRecord, Launch
-from qkrope.stages import PipelineStages, TextEncoderStage, VaeStage
+from qkrope.stages import ImageEncoderStage, PipelineStages, TextEncoderStage, VaeStage
 from qkrope.model_io import (CONTROL_HIDDEN_STATES, CONTROL_HIDDEN_STATES_SCALE,
                              ENCODER_HIDDEN_STATES, ENCODER_HIDDEN_STATES_IMAGE,
                              ENCODER_HIDDEN_STATES_IMAGE_PAIR, HIDDEN_STATES, IMG_COS_SIN_CACHE,
@@ -124,12 +124,13 @@ WAN_LAUNCHES = (
 #: WanPipeline's other stages (text to video; Wan 2.2 A14B's second expert is the pipeline's
 #: transformer_2): UMT5's last hidden state, called with the ids and mask; the causal video VAE,
 #: decoded latent frame by latent frame with its feature cache, and its encoder for image to
-#: video (Wan 2.2's I2V, without an image encoder: Wan 2.1 I2V's CLIP image encoder is a model
-#: these stages do not declare, refused in one line).
+#: video; Wan 2.1 I2V's CLIP image encoder (its second-to-last hidden state, of the 224 x 224
+#: crop its image processor makes; Wan 2.2's I2V has none, and exports without it).
 STAGES = PipelineStages(
     pipelines=("WanPipeline",),
     text_encoders={"text_encoder": TextEncoderStage(reads=("last_hidden_state",))},
     vae=VaeStage("causal-video", encode=("WanImageToVideoPipeline",)),
+    image_encoders={"image_encoder": ImageEncoderStage(reads=("hidden_states[-2]",))},
     size=(480, 832))  # the pipelines' height and width defaults
 WAN = FamilyRecord(
     name="wan", class_name="WanTransformer3DModel",

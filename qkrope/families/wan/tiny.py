@@ -81,3 +81,29 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
         vae=vae(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=wan_transformer(seed))
     return saved(pipe, directory)
+
+
+#: Wan 2.1 I2V's image branch at tiny size: a CLIP vision tower of width 4 (2 layers, 8 x 8
+#: patches of a 32 x 32 crop), the transformer's image_dim, and the branch at its width 24
+CLIP = dict(hidden_size=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            intermediate_size=16, patch_size=8)
+
+
+def image_to_video_parts(seed: int = 0, *, image_encoder: bool = False) -> dict:
+    """The components that make the tiny pipeline a WanImageToVideoPipeline: a transformer
+    taking the condition channels (the latents, the mask's 4 and the image's: Wan 2.2 I2V's
+    form), and with ``image_encoder`` Wan 2.1 I2V's CLIP image encoder and processor, the
+    transformer's image branch taking its hidden states."""
+    z = WAN_CONFIG["in_channels"]
+    if not image_encoder:
+        return {"transformer": wan_transformer(seed, in_channels=2 * z + 4, out_channels=z)}
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    encoder = CLIPVisionModel(CLIPVisionConfig(**CLIP)).eval()
+    side = CLIP["image_size"]
+    return {"transformer": wan_transformer(seed, in_channels=2 * z + 4, out_channels=z,
+                                           image_dim=CLIP["hidden_size"],
+                                           added_kv_proj_dim=2 * WAN_CONFIG["attention_head_dim"]),
+            "image_encoder": encoder,
+            "image_processor": CLIPImageProcessor(crop_size=side, size=side)}
