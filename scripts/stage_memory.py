@@ -17,6 +17,14 @@ Cases (``--cases``, comma-separated; the stage each exports is its family's decl
   graphs), and with ``--encode`` its encoder too (two more, as an image-to-video pipeline).
 - ``flux-vae``: FLUX.1's AutoencoderKL (16 latent channels, block_out_channels 128, 256, 512,
   512), its decoder, and with ``--encode`` its encoder.
+- ``clip-vit-h``: Wan 2.1 I2V's image encoder, CLIPVisionModel at ViT-H/14's widths (hidden
+  1280, intermediate 5120, 16 heads, 224 px in 14 px patches), ``num_hidden_layers`` = N (the
+  released 32).
+- ``flux2-vae``: FLUX.2's AutoencoderKLFlux2 (diffusers' default config: 32 latent channels),
+  its decoder, its batch-norm statistics, and with ``--encode`` its encoder (klein's reference
+  images).
+- ``hunyuan-image-vae``: HunyuanImage-2.1's AutoencoderKLHunyuanImage (64 latent channels, 32x;
+  the config diffusers' conversion script writes), its decoder.
 
 Each folder holds the real config.json and safetensors (5 GiB shards and an index where the
 weights are larger) with random bf16 values (variance 1/fan_in for a weight, norms near 1) in
@@ -93,6 +101,15 @@ def _umt5_xxl_config(layers: int):
         decoder_start_token_id=0)
 
 
+def _clip_vit_h_config(layers: int):
+    import transformers
+
+    return transformers.CLIPVisionConfig(
+        hidden_size=1280, intermediate_size=5120, num_hidden_layers=layers,
+        num_attention_heads=16, image_size=224, patch_size=14, projection_dim=1024,
+        hidden_act="gelu", layer_norm_eps=1e-5)
+
+
 def _qwen25_vl_saved_key(key: str) -> str:
     """The released checkpoint's key of a module key (transformers 5 renames on load)."""
     for module, saved in (("model.language_model.", "model."), ("model.visual.", "visual.")):
@@ -127,6 +144,14 @@ CASES = {
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         act_fn="silu", norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)),
+    "clip-vit-h": Case("transformers", "CLIPVisionModel", "wan", "image_encoder",
+                       config=_clip_vit_h_config, layers=32),
+    "flux2-vae": Case("diffusers", "AutoencoderKLFlux2", "flux2", "vae"),
+    "hunyuan-image-vae": Case("diffusers", "AutoencoderKLHunyuanImage", "hunyuan-image", "vae",
+                              vae_kwargs=dict(
+        in_channels=3, out_channels=3, latent_channels=64,
+        block_out_channels=[128, 256, 512, 512, 1024, 1024], layers_per_block=2,
+        spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289)),
 }
 
 
@@ -146,24 +171,29 @@ def _values(key: str, shape, g):
         v = torch.randn(n, generator=g)
         if len(shape) >= 2:
             v /= math.prod(shape[1:]) ** 0.5
-        elif "norm" in key and leaf in ("weight", "gamma"):
+        elif "norm" in key and leaf in ("weight", "gamma") or leaf == "running_var":
             v = 1.0 + 0.1 * v
         else:
             v *= 0.02
         yield v.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
 
 
-def _write_folder(folder: Path, tensors: dict[str, tuple], *, stem: str, unread=()) -> dict:
-    """safetensors shards of ``tensors`` (checkpoint key -> shape, bf16) in ``folder``: one
-    ``{stem}.safetensors``, or ``{stem}-0000i-of-0000n.safetensors`` and an index past
-    :data:`SHARD_BYTES`; keys under ``unread`` left as holes. Returns sizes for the report."""
+def _write_folder(folder: Path, tensors: dict[str, tuple], *, stem: str, unread=(),
+                  ints=frozenset()) -> dict:
+    """safetensors shards of ``tensors`` (checkpoint key -> shape, bf16; int64 zeros for the
+    keys of ``ints``, a batch norm's counter) in ``folder``: one ``{stem}.safetensors``, or
+    ``{stem}-0000i-of-0000n.safetensors`` and an index past :data:`SHARD_BYTES`; keys under
+    ``unread`` left as holes. Returns sizes for the report."""
     import struct
 
     import torch
 
+    def nbytes(key, shape):
+        return math.prod(shape) * (8 if key in ints else 2)
+
     shards, part, size = [], {}, 0
     for key, shape in tensors.items():
-        n = math.prod(shape) * 2
+        n = nbytes(key, shape)
         if part and size + n > SHARD_BYTES:
             shards.append(part)
             part, size = {}, 0
@@ -176,8 +206,8 @@ def _write_folder(folder: Path, tensors: dict[str, tuple], *, stem: str, unread=
                 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors")
         header, offset = {}, 0
         for key, shape in part.items():
-            n = math.prod(shape) * 2
-            header[key] = {"dtype": "BF16", "shape": list(shape),
+            n = nbytes(key, shape)
+            header[key] = {"dtype": "I64" if key in ints else "BF16", "shape": list(shape),
                            "data_offsets": [offset, offset + n]}
             offset += n
             weight_map[key] = name
@@ -190,8 +220,8 @@ def _write_folder(folder: Path, tensors: dict[str, tuple], *, stem: str, unread=
             f.truncate(8 + len(text) + offset)  # a hole the size of the data
             for key, shape in part.items():
                 at = header[key]["data_offsets"][0]
-                total += math.prod(shape) * 2
-                if key.startswith(tuple(unread)):
+                total += nbytes(key, shape)
+                if key.startswith(tuple(unread)) or key in ints:  # holes read as zeros
                     continue
                 f.seek(8 + len(text) + at)
                 for chunk in _values(key, shape, g):
@@ -226,13 +256,15 @@ def build(case_name: str, layers: int, folder: Path) -> None:
             model = getattr(diffusers, case.cls)(**case.vae_kwargs)
         model.save_config(str(folder))
         stem = "diffusion_pytorch_model"
-    tensors, seen = {}, set()
+    tensors, seen, ints = {}, set(), set()
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in seen:  # a tied alias: saved once, under its first key
             continue
         seen.add(id(value))
         tensors[case.saved_key(key)] = tuple(value.shape)
-    info = _write_folder(folder, tensors, stem=stem, unread=case.unread)
+        if not value.dtype.is_floating_point:
+            ints.add(case.saved_key(key))
+    info = _write_folder(folder, tensors, stem=stem, unread=case.unread, ints=frozenset(ints))
     per_layer = [sum(math.prod(s) * 2 for k, s in tensors.items()
                      if f".layers.{i}." in k or f".block.{i}." in k) for i in range(layers)]
     info.update(params=sum(math.prod(s) for s in tensors.values()), layer_bytes=per_layer)
@@ -251,7 +283,7 @@ def export(case_name: str, folder: Path, out: Path, mode: str, dtype: str, opset
 
     from qkrope import dtypes, families
     from qkrope.export.stages import pipeline
-    from qkrope.export.stages.text_encoder import export_text_encoder
+    from qkrope.export.stages.text_encoder import export_image_encoder, export_text_encoder
     from qkrope.export.stages.vae import export_vae
 
     case = CASES[case_name]
@@ -271,6 +303,9 @@ def export(case_name: str, folder: Path, out: Path, mode: str, dtype: str, opset
             extra = ({"encode": encode} if "encode" in inspect.signature(export_vae).parameters
                      else {})
             fields = export_vae(model, stages.vae, out, opset=opset, dtype=tdtype, **extra)
+        elif case.component in stages.image_encoders:
+            fields = export_image_encoder(model, stages.image_encoders[case.component], out,
+                                          opset=opset, dtype=tdtype)
         else:
             fields = export_text_encoder(model, stages.text_encoders[case.component], out,
                                          opset=opset, dtype=tdtype)
