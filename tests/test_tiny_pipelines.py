@@ -12,6 +12,7 @@ Plus the entry's refusals: an unknown family and an existing folder are one line
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 
@@ -45,8 +46,8 @@ SLOW = {"qwen-image", "flux2", "hunyuan-video-1.5", "kandinsky5", "joyimage-edit
 #: 1024 x 1024 buckets (8192 tokens, hence slow)
 FIXED_SIZE = {"joyimage-edit": (1024, 1024)}
 #: families whose pipeline's call needs more than a prompt: generate refuses them in one line
-#: before any model loads (HunyuanVideo FramePack animates an image)
-NOT_FROM_A_PROMPT = {"hunyuan-video-framepack": "image"}
+#: before any model loads (HunyuanVideo FramePack animates an image, ChronoEdit edits one)
+NOT_FROM_A_PROMPT = {"hunyuan-video-framepack": "image", "chronoedit": "image"}
 #: known defects of a tiny recipe, each a strict xfail (it fails the run once fixed)
 BROKEN = {"prx": "PRXPipeline.from_pretrained fails in diffusers 0.42.1 itself: importing "
                  "diffusers' prx package sets its T5GemmaEncoder wrapper on the transformers "
@@ -110,6 +111,9 @@ def test_the_tiny_pipeline_runs_from_a_prompt_on_its_export(root, name):
 
     folder = tp.save_tiny_pipeline(name, root / name)
     assert (folder / "model_index.json").is_file()
+    # the family named is the family saved: its record's transformer class
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == families.by_name(name).class_name
     onnx = root / f"{name}.onnx"
     quiet = dict(log=lambda _: None, **CALL, **EXTRA.get(name, {}))
     # a second transformer component (Wan 2.2's expert, Ideogram 4's unconditional one): its

@@ -126,12 +126,12 @@ WAN_LAUNCHES = (
 #: decoded latent frame by latent frame with its feature cache, and its encoder for image to
 #: video; Wan 2.1 I2V's CLIP image encoder (its second-to-last hidden state, of the 224 x 224
 #: crop its image processor makes; Wan 2.2's I2V has none, and exports without it).
+UMT5 = {"text_encoder": TextEncoderStage(reads=("last_hidden_state",))}
+CLIP_IMAGE = {"image_encoder": ImageEncoderStage(reads=("hidden_states[-2]",))}
 STAGES = PipelineStages(
-    pipelines=("WanPipeline",),
-    text_encoders={"text_encoder": TextEncoderStage(reads=("last_hidden_state",))},
+    pipelines=("WanPipeline",), text_encoders=UMT5,
     vae=VaeStage("causal-video", encode=("WanImageToVideoPipeline",)),
-    image_encoders={"image_encoder": ImageEncoderStage(reads=("hidden_states[-2]",))},
-    size=(480, 832))  # the pipelines' height and width defaults
+    image_encoders=CLIP_IMAGE, size=(480, 832))  # the pipelines' height and width defaults
 WAN = FamilyRecord(
     name="wan", class_name="WanTransformer3DModel",
     label="Wan 2.1 / 2.2 (T2V 1.3B / 14B, I2V / FLF2V-14B, T2V-A14B, I2V-A14B, TI2V-5B)",
@@ -200,7 +200,11 @@ SKYREELS_V2 = FamilyRecord(
     launches=(Launch("SkyReels-V2 14B 540P 97f", "video 51000", 51000, 40, batches=(1,),
                      roundings=(2,), norm_scope=1),
               Launch("SkyReels-V2 1.3B 540P 97f", "video 51000", 51000, 12, batches=(1,),
-                     roundings=(2,), norm_scope=1)))
+                     roundings=(2,), norm_scope=1)),
+    # its text to video pipeline's stages: Wan's encoder and VAE, at 544 x 960 (its defaults);
+    # the image to video and diffusion-forcing pipelines are not declared
+    stages=PipelineStages(pipelines=("SkyReelsV2Pipeline",), text_encoders=UMT5,
+                          vae=VaeStage("causal-video"), size=(544, 960)))
 
 #: ChronoEdit (ChronoEditTransformer3DModel): Wan 2.1 I2V-14B's blocks, graph and image
 #: branch; its RoPE puts a two-frame latent's frames at positions 0 and
@@ -218,7 +222,13 @@ CHRONOEDIT = FamilyRecord(
     launches=(Launch("ChronoEdit-14B 480p edit", "video 3120", 3120, 40, batches=(1,),
                      roundings=(2,), norm_scope=1),
               Launch("ChronoEdit-14B 480p reasoning 81f", "video 32760", 32760, 40,
-                     batches=(1,), roundings=(2,), norm_scope=1)))
+                     batches=(1,), roundings=(2,), norm_scope=1)),
+    # the edit pipeline's stages: Wan 2.1 I2V's (UMT5, the CLIP image encoder, the causal
+    # VAE, whose encoder codes the input image)
+    stages=PipelineStages(pipelines=("ChronoEditPipeline",), text_encoders=UMT5,
+                          image_encoders=CLIP_IMAGE,
+                          vae=VaeStage("causal-video", encode=("ChronoEditPipeline",)),
+                          size=(480, 832)))
 
 #: Wan-VACE (WanVACETransformer3DModel): Wan 2.1's blocks and graph with a control branch:
 #: ``vace_blocks`` (Wan blocks with an input projection on the first and an output projection
@@ -238,7 +248,12 @@ WAN_VACE = FamilyRecord(
     launches=(Launch("Wan-VACE 14B 720p 81f", "video 75600", 75600, 40, batches=(1,),
                      roundings=(2,), norm_scope=1),
               Launch("Wan-VACE 1.3B 480p 81f", "video 32760", 32760, 12, batches=(1,),
-                     roundings=(2,), norm_scope=1)))
+                     roundings=(2,), norm_scope=1)),
+    # its pipeline's stages: Wan's, the VAE encoder coding the control video (zeros when
+    # none is given) and the reference images
+    stages=PipelineStages(pipelines=("WanVACEPipeline",), text_encoders=UMT5,
+                          vae=VaeStage("causal-video", encode=("WanVACEPipeline",)),
+                          size=(480, 832)))
 
 #: record name -> its differences from Wan (the hooks' one table)
 DERIVATIVES = {

@@ -1,4 +1,5 @@
-"""The tiny random Wan pipeline (tiny hook: :func:`save_pipeline`), built in code: diffusers'
+"""The tiny random Wan pipelines (tiny hook: :func:`save_pipeline`, one per record of the
+folder: Wan, SkyReels-V2, Wan-VACE, ChronoEdit), built in code: diffusers'
 own test transformer (tests/models/transformers/test_models_transformer_wan.py: 2 blocks x 2
 heads x 12, patch (1, 2, 2), 4 channels, text 16, RoPE tables of 32 positions; the tests' tiny
 Wan, read from here by tests/_families.py), a tiny AutoencoderKLWan of 4 latent channels, and
@@ -23,6 +24,11 @@ WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_di
                   rope_max_seq_len=32)
 
 
+#: Wan 2.1 I2V's image branch at tiny size: a CLIP vision tower of width 4 (2 layers, 8 x 8
+#: patches of a 32 x 32 crop), the transformer's image_dim, and the branch at its width 24
+CLIP = dict(hidden_size=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            intermediate_size=16, patch_size=8)
+
 #: The derivatives' tiny configs: Wan's, with ChronoEdit's Wan 2.1 I2V image branch (CLIP
 #: width 4, the branch at the model width 24; the latent and its condition: 36 channels in, 16
 #: out, as the 14B's 16 + 20) and Wan-VACE's control branch.
@@ -30,7 +36,7 @@ CONFIGS = {
     "WanTransformer3DModel": WAN_CONFIG,
     "SkyReelsV2Transformer3DModel": WAN_CONFIG,
     "ChronoEditTransformer3DModel": dict(WAN_CONFIG, in_channels=36, out_channels=16,
-                                         image_dim=4, added_kv_proj_dim=24),
+                                         image_dim=CLIP["hidden_size"], added_kv_proj_dim=24),
     # Wan-VACE: 3 blocks, control hints after blocks 0 and 2; the control latent of the tiny
     # VAE's WanVACEPipeline: the video's inactive and reactive latents (2 x 4 channels) and
     # the 8 x 8 mask pixels of each latent pixel (64)
@@ -72,21 +78,30 @@ def vae(latent_channels: int = WAN_CONFIG["in_channels"]):
 
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
-    """The tiny WanPipeline saved with ``save_pretrained``."""
-    diffusers = require("diffusers", "the tiny Wan pipeline")
-    require("transformers", "the tiny Wan pipeline's text encoder")
+    """The tiny pipeline of ``record``'s class saved with ``save_pretrained``: WanPipeline;
+    SkyReelsV2Pipeline (its UniPC scheduler); WanVACEPipeline; ChronoEditPipeline (Wan 2.1
+    I2V's form: the CLIP image encoder and processor of :func:`clip_parts`, a VAE of
+    the transformer's 16 output channels). Each on the tiny transformer of the record's
+    class, so that what is saved is the family named."""
+    diffusers = require("diffusers", "the tiny Wan pipelines")
+    require("transformers", "the tiny Wan pipelines' text encoder")
     tok = byte_tokenizer(model_max_length=512, append_eos=True)
-    pipe = diffusers.WanPipeline(
-        tokenizer=tok, text_encoder=t5_encoder(tok, WAN_CONFIG["text_dim"], seed, umt5=True),
-        vae=vae(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=wan_transformer(seed))
+    parts = dict(tokenizer=tok,
+                 text_encoder=t5_encoder(tok, WAN_CONFIG["text_dim"], seed, umt5=True),
+                 transformer=wan_transformer(seed, record.class_name))
+    flow = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    if record.class_name == "SkyReelsV2Transformer3DModel":
+        pipe = diffusers.SkyReelsV2Pipeline(
+            vae=vae(), scheduler=diffusers.UniPCMultistepScheduler(flow_shift=8.0), **parts)
+    elif record.class_name == "WanVACETransformer3DModel":
+        pipe = diffusers.WanVACEPipeline(vae=vae(), scheduler=flow, **parts)
+    elif record.class_name == "ChronoEditTransformer3DModel":
+        pipe = diffusers.ChronoEditPipeline(
+            vae=vae(CONFIGS[record.class_name]["out_channels"]), scheduler=flow,
+            **clip_parts(seed), **parts)
+    else:
+        pipe = diffusers.WanPipeline(vae=vae(), scheduler=flow, **parts)
     return saved(pipe, directory)
-
-
-#: Wan 2.1 I2V's image branch at tiny size: a CLIP vision tower of width 4 (2 layers, 8 x 8
-#: patches of a 32 x 32 crop), the transformer's image_dim, and the branch at its width 24
-CLIP = dict(hidden_size=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-            intermediate_size=16, patch_size=8)
 
 
 def image_to_video_parts(seed: int = 0, *, image_encoder: bool = False) -> dict:
@@ -97,13 +112,17 @@ def image_to_video_parts(seed: int = 0, *, image_encoder: bool = False) -> dict:
     z = WAN_CONFIG["in_channels"]
     if not image_encoder:
         return {"transformer": wan_transformer(seed, in_channels=2 * z + 4, out_channels=z)}
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-    torch.manual_seed(seed)
-    encoder = CLIPVisionModel(CLIPVisionConfig(**CLIP)).eval()
-    side = CLIP["image_size"]
     return {"transformer": wan_transformer(seed, in_channels=2 * z + 4, out_channels=z,
                                            image_dim=CLIP["hidden_size"],
                                            added_kv_proj_dim=2 * WAN_CONFIG["attention_head_dim"]),
-            "image_encoder": encoder,
+            **clip_parts(seed)}
+
+
+def clip_parts(seed: int = 0) -> dict:
+    """Wan 2.1 I2V's image encoder and processor at tiny size (:data:`CLIP`)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    side = CLIP["image_size"]
+    return {"image_encoder": CLIPVisionModel(CLIPVisionConfig(**CLIP)).eval(),
             "image_processor": CLIPImageProcessor(crop_size=side, size=side)}
