@@ -121,13 +121,15 @@ WAN_LAUNCHES = (
 #: alone (hidden_states; the text is read by the cross-attention, never changed): --layers
 #: keeps the first blocks, --blocks compares each one's output, the check's reference streams
 #: one block at a time. Wan 2.2's second expert is its own folder and export.
+#: the Wan folder's encoders: UMT5 (its last hidden state, of the ids and mask) and Wan 2.1
+#: I2V's CLIP image encoder (its second-to-last hidden state)
+UMT5 = {"text_encoder": TextEncoderStage(reads=("last_hidden_state",))}
+CLIP_IMAGE = {"image_encoder": ImageEncoderStage(reads=("hidden_states[-2]",))}
 #: WanPipeline's other stages (text to video; Wan 2.2 A14B's second expert is the pipeline's
 #: transformer_2): UMT5's last hidden state, called with the ids and mask; the causal video VAE,
 #: decoded latent frame by latent frame with its feature cache, and its encoder for image to
 #: video; Wan 2.1 I2V's CLIP image encoder (its second-to-last hidden state, of the 224 x 224
 #: crop its image processor makes; Wan 2.2's I2V has none, and exports without it).
-UMT5 = {"text_encoder": TextEncoderStage(reads=("last_hidden_state",))}
-CLIP_IMAGE = {"image_encoder": ImageEncoderStage(reads=("hidden_states[-2]",))}
 STAGES = PipelineStages(
     pipelines=("WanPipeline",), text_encoders=UMT5,
     vae=VaeStage("causal-video", encode=("WanImageToVideoPipeline",)),

@@ -1,10 +1,12 @@
-"""The tiny random Wan pipelines (tiny hook: :func:`save_pipeline`, one per record of the
-folder: Wan, SkyReels-V2, Wan-VACE, ChronoEdit), built in code: diffusers'
-own test transformer (tests/models/transformers/test_models_transformer_wan.py: 2 blocks x 2
-heads x 12, patch (1, 2, 2), 4 channels, text 16, RoPE tables of 32 positions; the tests' tiny
-Wan, read from here by tests/_families.py), a tiny AutoencoderKLWan of 4 latent channels, and
-WanPipeline's UMT5 encoder as a random 1-layer UMT5EncoderModel of width 16 with a byte-level
-tokenizer. One transformer (Wan 2.1's form; Wan 2.2 A14B's second expert is not made here)."""
+"""The tiny random pipelines of the Wan folder (tiny hook: :func:`save_pipeline`, one per
+record: Wan, SkyReels-V2, Wan-VACE, ChronoEdit), built in code: diffusers' own test transformer
+(tests/models/transformers/test_models_transformer_wan.py: 2 blocks x 2 heads x 12, patch
+(1, 2, 2), 4 channels, text 16, RoPE tables of 32 positions; the tests' tiny Wan, read from
+here by tests/_families.py) or a derivative's (:data:`CONFIGS`), a tiny AutoencoderKLWan of the
+transformer's output channels (4; ChronoEdit's 16), the UMT5 encoder as a random 1-layer
+UMT5EncoderModel of width 16 with a byte-level tokenizer, and for ChronoEdit Wan 2.1 I2V's CLIP
+image encoder at tiny size (:data:`CLIP`). One transformer each (Wan 2.2 A14B's second expert
+is not made here)."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def vae(latent_channels: int = WAN_CONFIG["in_channels"]):
 
 def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     """The tiny pipeline of ``record``'s class saved with ``save_pretrained``: WanPipeline;
-    SkyReelsV2Pipeline (its UniPC scheduler); WanVACEPipeline; ChronoEditPipeline (Wan 2.1
+    SkyReelsV2Pipeline (UniPC on flow sigmas, shift 8, flow prediction); WanVACEPipeline; ChronoEditPipeline (Wan 2.1
     I2V's form: the CLIP image encoder and processor of :func:`clip_parts`, a VAE of
     the transformer's 16 output channels). Each on the tiny transformer of the record's
     class, so that what is saved is the family named."""
@@ -92,7 +94,9 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
     flow = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
     if record.class_name == "SkyReelsV2Transformer3DModel":
         pipe = diffusers.SkyReelsV2Pipeline(
-            vae=vae(), scheduler=diffusers.UniPCMultistepScheduler(flow_shift=8.0), **parts)
+            vae=vae(), scheduler=diffusers.UniPCMultistepScheduler(
+                flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
+            **parts)
     elif record.class_name == "WanVACETransformer3DModel":
         pipe = diffusers.WanVACEPipeline(vae=vae(), scheduler=flow, **parts)
     elif record.class_name == "ChronoEditTransformer3DModel":
