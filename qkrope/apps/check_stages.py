@@ -250,8 +250,8 @@ def plan_check(out_dir: str | os.PathLike, src: str | os.PathLike, *, stage: str
                     f"{out_dir})")
             continue
         stage_record = read_stage_record(folder)
-        want = DROPIN_CLASSES[kind]
-        if stage_record.get("class") != want:
+        expected = DROPIN_CLASSES[kind]
+        if stage_record.get("class") != expected:
             raise InputError(f"{folder} holds a {stage_record.get('class')} stage, but "
                              f"{out_dir}/{PIPELINE_FILE} records {name} as a "
                              f"{kind.replace('_', ' ')}. Fix: export the pipeline again")
@@ -506,8 +506,8 @@ def _check_module_tensors(keys, model, dropin, out) -> None:
     state = model.state_dict()
     for key in keys:
         got = operator.attrgetter(key)(dropin)
-        want = state.get(key)
-        if want is None or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
+        ref = state.get(key)
+        if ref is None or got.dtype != ref.dtype or not torch.equal(got, ref.to(got.device)):
             raise InputError(f"the saved module tensor {key} differs from the PyTorch VAE's "
                              f"(exported from another checkpoint?). Fix: pass --diffusers the "
                              f"pipeline folder the export was made from, or export it again")

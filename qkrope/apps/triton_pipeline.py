@@ -261,7 +261,11 @@ def write_pipeline_repository(pipeline_dir: os.PathLike | str, repo: os.PathLike
                 folder, component, record, name, backend, serving, link, models, inputs)}
             facts = record["files"].get(TENSORS_FILE)
             if isinstance(facts, dict):  # copied for the top model's drop-in, checked
-                checked[f"{component}/{TENSORS_FILE}"] = str(facts.get("sha256") or "")
+                if not facts.get("sha256"):
+                    raise tr.TritonRepoError(f"{folder / TENSORS_FILE} has no sha256 in its "
+                                             f"record, so its copy cannot be checked. "
+                                             f"{_fix_export(pipeline_dir)}")
+                checked[f"{component}/{TENSORS_FILE}"] = str(facts["sha256"])
                 inputs.append(folder / TENSORS_FILE)
             continue
         try:

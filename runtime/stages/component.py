@@ -434,13 +434,13 @@ class ImageEncoderExport(TextEncoderExport):
             got = ", ".join(extra) if extra else "no pixel_values"
             raise ComponentError(f"{self._what()} takes pixel_values; got {got}. Fix: call it "
                                  f"as its pipeline does, with its image processor's output")
-        want = [int(d) for d in self._record.get("image_size", ())]
+        size = [int(d) for d in self._record["image_size"]]  # checked at load
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4 or \
-                list(pixel_values.shape[1:]) != want:
+                list(pixel_values.shape[1:]) != size:
             got = (list(pixel_values.shape) if isinstance(pixel_values, torch.Tensor)
                    else type(pixel_values).__name__)
-            raise ComponentError(f"{self._what()}: pixel_values must be [batch, {want[0]}, "
-                                 f"{want[1]}, {want[2]}] (the exported image size); got {got}. "
+            raise ComponentError(f"{self._what()}: pixel_values must be [batch, {size[0]}, "
+                                 f"{size[1]}, {size[2]}] (the exported image size); got {got}. "
                                  f"Fix: make them with the pipeline's image processor")
         return self._encoded({"pixel_values": pixel_values.to(self.dtype)}, return_dict)
 
