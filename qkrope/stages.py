@@ -38,6 +38,11 @@ PIPELINE_FORMAT = "qkrope-pipeline"
 #: a VAE stage folder's file of the module tensors its pipelines read off the VAE
 #: (``VaeStage.tensors``), beside its graphs
 TENSORS_FILE = "tensors.safetensors"
+#: a stage folder's record of the TensorRT engines ``qkrope build OUT_DIR`` wrote beside its
+#: graphs (each named after its graph: :func:`engine_name`), with what each was built from
+ENGINES_FILE = "qkrope_engines.json"
+ENGINES_FORMAT = "qkrope-stage-engines"
+ENGINES_FORMAT_VERSION = 1
 
 #: the drop-in class (qkrope.runtime) a stage export of each kind records and model_index.json
 #: names
@@ -153,6 +158,36 @@ def is_tensor_key(key: object) -> bool:
                                         for p in key.split("."))
 
 
+def engine_name(graph_file: str) -> str:
+    """The file name of a stage graph's engine, beside it: ``decode.onnx`` -> ``decode.engine``.
+    Where an engine is comes from the graph's name, never from a path a JSON file holds."""
+    stem, dot, _ = graph_file.rpartition(".")
+    return f"{stem if dot else graph_file}.engine"
+
+
+def graph_files(files: Mapping[str, object], graph_file: str) -> list[str]:
+    """The files of one graph among a stage record's ``files`` (in their order): the graph and
+    its external data (``decode.onnx.data``)."""
+    return [f for f in files if f == graph_file or f.startswith(graph_file + ".")]
+
+
+def graph_files_digest(named_sha256) -> str:
+    """One sha256 over a graph's files, ``(name, sha256)`` pairs in order: what a stage engine
+    records as built from (its ``build_key.onnx_sha256``)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, sha in named_sha256:
+        digest.update(f"{name}\0{sha}\n".encode())
+    return digest.hexdigest()
+
+
+def is_engines_record(record: object) -> bool:
+    """``record`` (read from :data:`ENGINES_FILE`) has its format and an ``engines`` mapping."""
+    return (isinstance(record, dict) and record.get("format") == ENGINES_FORMAT
+            and isinstance(record.get("engines"), dict))
+
+
 def stage_record(**fields) -> dict:
     """A stage folder's record (:data:`STAGE_FILE`) of ``fields``: ``class`` (the drop-in class
     qkrope.runtime offers), ``dtype``, ``graphs`` (graph name -> its file, inputs and outputs),
@@ -161,7 +196,9 @@ def stage_record(**fields) -> dict:
     return {"format": STAGE_FORMAT, "format_version": STAGE_FORMAT_VERSION, **fields}
 
 
-__all__ = ["stage_record", "is_tensor_key", "DROPIN_CLASSES", "STAGE_FILE", "STAGE_FORMAT", "STAGE_FORMAT_VERSION", "PIPELINE_FILE",
+__all__ = ["stage_record", "is_tensor_key", "engine_name", "graph_files", "graph_files_digest",
+           "is_engines_record", "ENGINES_FILE", "ENGINES_FORMAT", "ENGINES_FORMAT_VERSION",
+           "DROPIN_CLASSES", "STAGE_FILE", "STAGE_FORMAT", "STAGE_FORMAT_VERSION", "PIPELINE_FILE",
            "PIPELINE_FORMAT", "TENSORS_FILE", "TEXT_INPUTS", "VAE_LAYOUTS", "MODEL_LIBRARIES",
            "hidden_index", "output_name", "TextEncoderStage", "ImageEncoderStage", "VaeStage",
            "PipelineStages"]

@@ -49,11 +49,12 @@ def onnx_model_io(path: str | os.PathLike, session=None, *, model=None) -> Model
 
 
 def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
-                    profile: int | None = None) -> ModelIO:
+                    profile: int | None = None, roles: bool = True) -> ModelIO:
     """ModelIO of a deserialised engine: names, dtypes, per input the min/max of ``profile``
     (default: the union of every optimisation profile, so that the checks before a call accept
     what some profile accepts; the TensorRT runner then picks the profile); axis names and the
-    model config from its sidecar when there is one."""
+    model config from its sidecar when there is one. ``roles=False``: a graph that is no
+    transformer (a pipeline stage's engine), whose inputs have no runner roles."""
     sym = {}
     if sidecar is not None:
         for item in sidecar.inputs + sidecar.outputs:
@@ -83,10 +84,12 @@ def engine_model_io(engine, trt, sidecar: EngineInfo | None, *,
     config = sidecar.config if sidecar is not None else ModelConfig()
     head_dim = config.head_dim  # checked when the sidecar was read
     names = {s.name for s in inputs}
-    roles = sidecar.roles() if sidecar is not None else None
-    if roles is None or not set(roles.values()) <= names:  # no sidecar, or another engine's
-        roles = assign_roles(inputs)
-    return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, roles,
+    named: dict[str, str] | None = {}
+    if roles:
+        named = sidecar.roles() if sidecar is not None else None
+        if named is None or not set(named.values()) <= names:  # no sidecar, or another engine's
+            named = assign_roles(inputs)
+    return ModelIO(inputs, outputs, int(head_dim) if head_dim else None, named,
                    source=sidecar.onnx if sidecar is not None else "the engine", config=config,
                    profile_bounds=True)
 

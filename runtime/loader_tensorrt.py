@@ -142,7 +142,8 @@ class LoadedEngine:
 
 
 def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | None = None,
-                     verbose: bool = False, allow_host_code: bool = False) -> LoadedEngine:
+                     verbose: bool = False, allow_host_code: bool = False,
+                     plugin_layers: bool = True, sha256: str | None = None) -> LoadedEngine:
     """Deserialise the engine at ``path`` for the TensorRT runner: its sidecar first (a pair
     that does not identify itself is refused without TensorRT, and so is a version-compatible
     engine unless ``allow_host_code``), then TensorRT and a CUDA GPU, the plugin library and
@@ -151,7 +152,12 @@ def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
     the library the sidecar records only checks it, by sha256, and is never loaded because the
     sidecar names it). A version-compatible engine carries its own library, which TensorRT runs
     only with ``allow_host_code=True``. A failed deserialisation is one line saying which
-    TensorRT and GPU built the engine."""
+    TensorRT and GPU built the engine.
+
+    ``plugin_layers=False``: an engine of a graph without QKNormRoPE nodes (a pipeline stage's:
+    its text encoder, VAE), so no plugin library is loaded for it. ``sha256``: the engine's
+    recorded digest, compared with the bytes read before TensorRT sees them (one line on a
+    mismatch: the file changed after its build)."""
     from .plugin_build import resolve_plugin_library
     from .runner import RunnerError
 
@@ -173,14 +179,22 @@ def engine_from_path(path: str | os.PathLike, *, plugin: str | os.PathLike | Non
         # the caller allowed it: TensorRT may run the host code serialised in the engine (a
         # version-compatible engine's VC plugin library, loaded on deserialisation)
         runtime.engine_host_code_allowed = True
-    if not vc:
+    if not vc and plugin_layers:
         # the caller's library (plugin=, QKROPE_PLUGIN_LIB, build/plugins), never the one the
         # sidecar names; a warning if it is not the one the engine was built with
         plugin_path = str(resolve_plugin_library(
             plugin, sidecar.plugin if sidecar else None, kind="plugin", check_hash="warn",
             source=path))
         load_plugin_library(trt, plugin_path, version_compatible=False)
-    engine = runtime.deserialize_cuda_engine(Path(path).read_bytes())
+    blob = Path(path).read_bytes()
+    if sha256 is not None:
+        import hashlib
+
+        if hashlib.sha256(blob).hexdigest() != sha256:
+            raise RunnerError(f"{path} is not the engine its build recorded (its sha256 "
+                              f"differs): it was changed after the build. Fix: rebuild it with "
+                              f"`qkrope build`")
+    engine = runtime.deserialize_cuda_engine(blob)
     if engine is None:
         side = sidecar
         raise RunnerError(

@@ -225,10 +225,14 @@ class Runner:
     #: where the inputs go (each backend sets it: its first provider's device, the engine's GPU)
     device: torch.device | None = None
 
-    def __init__(self, io: ModelIO, *, copy_outputs: bool = False):
+    def __init__(self, io: ModelIO, *, copy_outputs: bool = False, transformer: bool = True):
+        """``transformer=False``: a graph that is no transformer (a pipeline stage's engine),
+        run with :meth:`run_feeds` only: no runner roles, RoPE caches or head_dim."""
         self.io = io
         self.copy_outputs = copy_outputs
         self._local = threading.local()
+        if not transformer:
+            return
         missing = [r for r in ("hidden_states", "encoder_hidden_states", "img_cache", "txt_cache")
                    if r not in io.roles and not (r == "txt_cache" and not _has_text_cache(io))]
         if missing:
@@ -398,6 +402,26 @@ class Runner:
         if self.copy_outputs:
             outs = [o.clone() for o in outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def run_feeds(self, feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run the model on ``feeds``, one tensor per model input by name, every one checked
+        first as a call's are (dtype, rank, dimensions, the profiles' bounds, one device,
+        contiguity); the outputs in model order. The path of a graph with no runner roles (a
+        pipeline stage's engine); a transformer's call goes through ``__call__``, which checks
+        its RoPE caches."""
+        unknown = sorted(set(feeds) - set(self.input_names))
+        if unknown:
+            raise RunnerInputError(f"{', '.join(unknown)} are no inputs of the model (its inputs: "
+                                   f"{', '.join(self.input_names)}). Fix: pass those by name")
+        devices = sorted({str(t.device) for t in feeds.values() if isinstance(t, torch.Tensor)})
+        if len(devices) > 1:
+            raise RunnerInputError(f"the inputs are on {' and '.join(devices)}; they must be on "
+                                   f"one device. Fix: move them with .to({str(self.device)!r})")
+        device = torch.device(devices[0]) if devices else self.device
+        self._check_device(device)
+        axes = check_inputs(self.io, feeds, device=device)
+        outs = self._execute(dict(feeds), axes, device)
+        return [o.clone() for o in outs] if self.copy_outputs else list(outs)
 
     def run_positions(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                       *, mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None,

@@ -82,17 +82,19 @@ class TensorRTRunner(Runner):
     backend = "tensorrt"
 
     def __init__(self, loaded: LoadedEngine, *, copy_outputs: bool = False,
-                 cuda_graph: bool = False, device=None, cuda=None):
+                 cuda_graph: bool = False, device=None, cuda=None, transformer: bool = True):
         """``loaded``: the engine :func:`~qkrope.runtime.loader_tensorrt.engine_from_path`
         deserialised (tests pass a fake engine, a CPU ``device`` and a stand-in for
-        :class:`TorchCuda` as ``cuda``). ``device``: default the current CUDA device."""
+        :class:`TorchCuda` as ``cuda``). ``device``: default the current CUDA device.
+        ``transformer=False``: a pipeline stage's engine, run with ``run_feeds``."""
         engine, trt, sidecar = loaded.engine, loaded.trt, loaded.sidecar
         self.path, self.plugin_path = loaded.path, loaded.plugin_path
         self.runtime, self.logger = loaded.runtime, loaded.logger  # the engine's, kept alive
         self.trt, self.engine, self.sidecar = trt, engine, sidecar
         if sidecar is not None:
             sidecar.check_engine_name(getattr(engine, "name", None), sidecar.source or "engine")
-        Runner.__init__(self, engine_model_io(engine, trt, sidecar), copy_outputs=copy_outputs)
+        Runner.__init__(self, engine_model_io(engine, trt, sidecar, roles=transformer),
+                        copy_outputs=copy_outputs, transformer=transformer)
         self.device = (device if device is not None
                        else torch.device("cuda", torch.cuda.current_device()))
         self.cuda = cuda if cuda is not None else TorchCuda()

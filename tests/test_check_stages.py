@@ -8,6 +8,19 @@ runs in the CPU suite: its VAE is the causal video layout, so the check's three 
 run ``decode`` and ``decode_next``. Wan (the video pipeline: 480 x 832 defaults, UMT5) and a
 stage given another family's graph run in the slow step.
 
+The stages on their engines (issue 43 item 4: the stage drop-ins with ``backend="tensorrt"``,
+``qkrope generate OUT_DIR --engines``): there is no GPU or TensorRT here, so the engines are
+built by the real ``qkrope build`` on the fake TensorRT and each stage engine deserialises to an
+engine that runs its graph in ONNX Runtime over the memory the runner binds
+(tests/_ort_engines.py), the TensorRT runner's CUDA calls on the stand-ins of
+tests/_runner_helpers.py and the engines' device the CPU. What runs is qkrope's whole TensorRT
+path (the engine records' checks, the loader, the runner's profile selection, binding and output
+buffers, the drop-ins' calls) with ONNX Runtime's arithmetic: the pixels must equal those of the
+stages on ONNX Runtime bit for bit, and any difference is a bookkeeping fault (a wrong buffer,
+order, dtype or cache). TensorRT's own numerics need a GPU (``qkrope check`` compares the
+engines there); the last test runs ``qkrope generate OUT_DIR --engines`` where CUDA and
+TensorRT are present.
+
 Bounds: those the check itself applies and prints (the stages: qkrope check's whole-network
 tolerance, 1e-4 x max|reference| in fp32, see qkrope.apps.check_stages).
 """
@@ -31,11 +44,16 @@ import torch._dynamo  # noqa: E402,F401 - imported before any fake `tensorrt` mo
 #                     rules look every optional module up once, and a fake one has no spec)
 
 import fake_tensorrt as ft  # noqa: E402
+from _ort_engines import OrtEngine, by_graph, parse_graph, register_engines  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from _oneline import error_line  # noqa: E402
+from _runner_helpers import FakeCuda  # noqa: E402
 from qkrope.apps import build_stages as bs  # noqa: E402
 from qkrope.apps import tiny_pipeline as tp  # noqa: E402
 from qkrope.cli import main  # noqa: E402
-from qkrope.stages import STAGE_FILE  # noqa: E402
+from qkrope.errors import QkropeError  # noqa: E402
+from qkrope.stages import ENGINES_FILE, STAGE_FILE  # noqa: E402
 
 # a summary row: stage, graphs, output, runners, max abs err, bound, result
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+) (\S+) vs (\S+)\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", re.M)
@@ -210,41 +228,11 @@ def test_bad_input_is_one_line(exported, tmp_path, capsys, case):
 # qkrope build OUT_DIR (the fake TensorRT)
 # --------------------------------------------------------------------------------------------
 
-_TRT_TYPES = {1: "FLOAT", 10: "HALF", 16: "BF16", 7: "INT64", 6: "INT32", 9: "BOOL"}
-
-
-def _parse_graph(network, path, state):
-    """The fake parser over any ONNX file: its inputs and outputs (-1 = dynamic), one
-    QKNormRoPE plugin layer per node; the files parsed, in order, in ``state.parsed``."""
-    import onnx
-
-    from qkrope.runtime import onnx_file
-
-    model = onnx.load(str(path), load_external_data=False)
-    inits = {t.name for t in model.graph.initializer}
-
-    def tensor(v):
-        t = v.type.tensor_type
-        return ft.ITensor(v.name, _TRT_TYPES[t.elem_type],
-                          [d.dim_value if d.dim_value else -1 for d in t.shape.dim])
-    network.inputs = [tensor(v) for v in model.graph.input if v.name not in inits]
-    network.outputs = [tensor(v) for v in model.graph.output]
-    network.layers += [ft.qknorm_rope_layer(n) for n in onnx_file.count_plugin_nodes(path)]
-    state.parsed.append(f"{Path(path).parent.name}/{Path(path).name}")
-    state.marks.append(len(state.profiles))  # its profiles are the ones added after this
-
-
-def _by_graph(state) -> dict:
-    """graph file -> the profiles the builder added for it ({input: (min, opt, max)} each)."""
-    ends = state.marks[1:] + [len(state.profiles)]
-    return {f: state.profiles[a:b] for f, a, b in zip(state.parsed, state.marks, ends)}
-
-
 @pytest.fixture
 def fake_trt(monkeypatch, tmp_path):
     from qkrope.runtime import loader_tensorrt as lt
 
-    trt, state = ft.make_fake_trt(parse=_parse_graph)
+    trt, state = ft.make_fake_trt(parse=parse_graph)
     state.parsed, state.marks = [], []
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(lt.ctypes, "CDLL",
@@ -269,7 +257,7 @@ def test_build_writes_an_engine_per_graph_with_its_profiles(exported, tmp_path, 
         assert (out / f).is_file(), f
         if f.endswith(".engine"):
             assert f"wrote {out / f}" in text, text
-    got = {f: p[0] for f, p in _by_graph(state).items()}
+    got = {f: p[0] for f, p in by_graph(state).items()}
     # the transformer: qkrope build MODEL.onnx's default (a 1024x1024 image, text 1..512)
     assert got["transformer/transformer.onnx"]["hidden_states"][2][:2] == (2, 4096)
     # the text encoder: batch 1..2, tokens 1..546 (QwenImagePipeline: 512 + its 34-token
@@ -312,7 +300,7 @@ def test_build_options_set_the_stage_profiles(exported, tmp_path, capsys, fake_t
                   "--batch", "1:1", "--opt", "text_encoder.txt_tokens:16",
                   "--min", "latent_width:8") == 0
     capsys.readouterr()
-    profiles = _by_graph(state)
+    profiles = by_graph(state)
     assert len(profiles["transformer/transformer.onnx"]) == 2  # one per preset, as today
     assert profiles["text_encoder/encoder.onnx"] == [
         {"input_ids": ((1, 1), (1, 16), (1, 64)), "attention_mask": ((1, 1), (1, 16), (1, 64))}]
@@ -438,7 +426,7 @@ def test_build_a_wan_export_takes_the_video_pipelines_sizes(exported, tmp_path, 
     out = _copy(out, tmp_path)
     assert _build(out, lib) == 0
     capsys.readouterr()
-    got = {f: p[0] for f, p in _by_graph(state).items()}
+    got = {f: p[0] for f, p in by_graph(state).items()}
     factor = bs.vae_factor(out / "vae" / "decode.onnx")
     # WanPipeline: height 480, width 832; UMT5 padded to 512 tokens
     assert got["vae/decode.onnx"]["latents"][2][-2:] == (480 // factor, 832 // factor)
@@ -462,10 +450,220 @@ def test_an_encoding_pipelines_vae_encoder_is_checked_and_built(exported, tmp_pa
     assert set(rows) == {("vae", "sample", "onnxrt"), ("vae", "moments", "onnxrt")}, cap.out
     assert "x 9 frames" in cap.out  # the first frame and two chunks of four
     assert _build(out, lib, "--resolutions", "512x512") == 0
-    got = {f: p[0] for f, p in _by_graph(state).items()}
+    got = {f: p[0] for f, p in by_graph(state).items()}
     assert got["vae/encode.onnx"]["sample"] == ((1, 3, 1, 4, 4), (2, 3, 1, 512, 512),
                                                 (2, 3, 1, 512, 512))
     nxt = got["vae/encode_next.onnx"]
     assert nxt["sample"][2] == (2, 3, 4, 512, 512)
     assert {v[2][-2:] for k, v in nxt.items() if k.startswith("cache_")} == {
         (512, 512), (256, 256), (128, 128)}
+
+
+# --------------------------------------------------------------------------------------------
+# The stages on their engines (module docstring)
+# --------------------------------------------------------------------------------------------
+
+CALL = {"height": 32, "width": 32, "num_inference_steps": 2}
+
+
+def _no_gpu(monkeypatch):
+    """The TensorRT path on the CPU: the engines' device, the runner's CUDA streams (stand-ins)
+    and the loader's GPU check (passed only while an engine loads)."""
+    from qkrope.runtime import runner_tensorrt
+    from qkrope.runtime.stages import engines
+
+    real = engines.engine_from_path
+
+    def load(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            return real(*args, **kwargs)
+    monkeypatch.setattr(engines, "engine_from_path", load)
+    monkeypatch.setattr(engines, "_engine_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(runner_tensorrt, "TorchCuda", FakeCuda)
+    monkeypatch.setattr(runner_tensorrt.TensorRTRunner, "_check_device", lambda self, d: None)
+    monkeypatch.setattr(engines.EngineStageGraphs, "_check_device", lambda self, d: None)
+
+
+@pytest.fixture
+def built(stage_exports, tmp_path, monkeypatch, fake_trt):
+    """(the tiny Qwen-Image pipeline, a copy of its export with every engine built by ``qkrope
+    build``, the fake TensorRT's state); the stage engines compute (module docstring)."""
+    state, lib = fake_trt
+    src, out = stage_exports("qwen-image")
+    out = Path(shutil.copytree(out, tmp_path / "out"))
+    assert main(["build", str(out), "--plugin", str(lib), "--no-progress"]) == 0
+    engines = register_engines(state, out)
+    assert sorted(e.relative_to(out).as_posix() for e in engines) == [
+        "text_encoder/encoder.engine", "vae/decode.engine", "vae/decode_next.engine"]
+    _no_gpu(monkeypatch)
+    return src, out, state
+
+
+def _executions(state) -> dict:
+    """engine file stem -> how many times it executed."""
+    return {Path(e.name).stem: sum(c[0] == "execute_async_v3" for c in e.calls)
+            for e in state.engines.values() if isinstance(e, OrtEngine)}
+
+
+def test_the_stages_on_engines_draw_the_pixels_of_the_stages_on_onnx_runtime(built):
+    import diffusers
+
+    import qkrope.runtime  # noqa: F401 - the drop-in classes model_index.json names
+    from qkrope.apps.generate import other_stages
+    from qkrope.runtime.stages import load_stage
+    from qkrope.runtime.stages.component import StageGraphs
+
+    _, out, state = built
+    on_ort = diffusers.DiffusionPipeline.from_pretrained(out)
+    want = on_ort("a red cat", generator=torch.Generator().manual_seed(5), output_type="np",
+                  **CALL).images
+    stages = {n: load_stage(out / n, backend="tensorrt") for n in ("text_encoder", "vae")}
+    ort_runs = []
+    real = StageGraphs.run
+    StageGraphs.run = lambda self, *a, **k: ort_runs.append(a[0]) or real(self, *a, **k)
+    try:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(out, **stages)
+        got = pipe("a red cat", generator=torch.Generator().manual_seed(5), output_type="np",
+                   **CALL).images
+    finally:
+        StageGraphs.run = real
+    assert ort_runs == []  # no stage graph ran on ONNX Runtime
+    ran = _executions(state)
+    assert ran["encoder"] >= 1 and ran["decode"] == 1, ran
+    assert "text_encoder, vae: exports (tensorrt)" in other_stages(pipe)
+    assert got.shape == want.shape
+    assert np.array_equal(got, want), float(np.abs(got - want).max()) * 255
+    assert float(np.abs(want).max()) > 0.05  # an image, not a blank
+
+
+def test_a_causal_vae_on_engines_passes_its_cache_from_chunk_to_chunk(built):
+    """Three latent frames: ``decode`` once, then ``decode_next`` twice, each taking the cache
+    the call before returned (the engine's outputs are copies, so the next call's buffers do
+    not overwrite the cache it reads); equal to the ONNX Runtime drop-in's decode."""
+    from qkrope.runtime.stages import load_stage
+
+    _, out, state = built
+    z = torch.randn(2, 4, 3, 4, 6, generator=torch.Generator().manual_seed(3))
+    want = load_stage(out / "vae").decode(z).sample
+    got = load_stage(out / "vae", backend="tensorrt").decode(z).sample
+    ran = _executions(state)
+    assert ran["decode"] == 1 and ran["decode_next"] == 2, ran
+    assert got.shape == want.shape and want.shape[:2] == (2, 3) and want.shape[3:] == (16, 24)
+    assert torch.equal(got, want), float((got - want).abs().max())
+
+
+def _changed(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _reexported(folder: Path, name: str) -> None:
+    """The stage record of ``folder`` made to describe ``name`` as another export would."""
+    path = folder / STAGE_FILE
+    record = json.loads(path.read_text())
+    record["files"][name]["sha256"] = "0" * 64
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("case, says", [
+    ("unbuilt", f"{ENGINES_FILE} is missing"),
+    ("engine removed", "decode_next.engine (the engine of decode_next.onnx) is missing"),
+    ("engine changed", "changed after the build"),
+    ("graph exported again", "built from other files than decode.onnx"),
+    ("onnx runtime options", "are ONNX Runtime options"),
+    ("no such backend", "backend='tensorrtx' is none of"),
+])
+def test_an_engine_that_cannot_run_the_stage_is_one_line(built, stage_exports, tmp_path, case,
+                                                         says):
+    from qkrope.runtime.stages import load_stage
+
+    _, out, state = built
+    vae, options = out / "vae", {"backend": "tensorrt"}
+    if case == "unbuilt":
+        vae = Path(shutil.copytree(stage_exports("qwen-image")[1] / "vae", tmp_path / "vae"))
+    elif case == "engine removed":
+        (vae / "decode_next.engine").unlink()
+    elif case == "engine changed":
+        _changed(vae / "decode.engine")
+    elif case == "graph exported again":
+        _reexported(vae, "decode.onnx")
+    elif case == "onnx runtime options":
+        options["providers"] = ["CPUExecutionProvider"]
+    else:
+        options["backend"] = "tensorrtx"
+    before = {e: len(e.calls) for e in state.engines.values()}
+    with pytest.raises(QkropeError) as caught:
+        load_stage(vae, **options)
+    line = str(caught.value)
+    assert says in line and "Fix:" in line and "\n" not in line, line
+    if case != "engine changed":  # refused before TensorRT deserialised anything
+        assert {e: len(e.calls) for e in state.engines.values()} == before
+
+
+def test_the_engines_run_on_a_cuda_device_only():
+    from qkrope.runtime.stages.engines import _engine_device
+
+    with pytest.raises(QkropeError, match="run on a CUDA device, not cpu"):
+        _engine_device("cpu")
+
+
+@pytest.mark.parametrize("argv, setup, says", [
+    (["--engines", "--transformer", "x.onnx"], None, "names a model of its own"),
+    (["--engines", "--device", "cpu"], None, "runs TensorRT engines on a CUDA GPU"),
+    (["--engines", "--device", "cuda"], "unbuilt", "transformer.engine is missing"),
+    (["--engines", "--device", "cuda"], "stale", "built from other files than encoder.onnx"),
+])
+def test_generate_engines_refusals_are_one_line_before_any_model_loads(
+        built, stage_exports, tmp_path, capsys, monkeypatch, argv, setup, says):
+    """Refused before any model loads (the pipeline loader is not reached) and nothing is
+    written."""
+    from qkrope.apps import generate as gen
+    from qkrope.runtime.caches import checked_device
+
+    _, out, _ = built
+    if setup == "unbuilt":
+        out = Path(shutil.copytree(stage_exports("qwen-image")[1], tmp_path / "unbuilt"))
+    elif setup == "stale":
+        _reexported(out / "text_encoder", "encoder.onnx")
+    if "x.onnx" in argv:
+        (tmp_path / "x.onnx").write_bytes(b"")
+        argv = [a if a != "x.onnx" else str(tmp_path / "x.onnx") for a in argv]
+    # no GPU here: "cuda" passes the device check, so the refusals after it are reached
+    monkeypatch.setattr("qkrope.runtime.caches.checked_device",
+                        lambda d: torch.device(d) if str(d).startswith("cuda") else
+                        checked_device(d))
+    loaded = []
+
+    def no_load(*args, **kwargs):
+        loaded.append(args)
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(gen, "_load", no_load)
+    png = tmp_path / "cat.png"
+    rc = main(["generate", str(out), "--prompt", "a cat", "-o", str(png), *argv])
+    line = error_line(capsys)
+    assert rc == 2 and says in line and "Fix:" in line, line
+    assert not loaded and not png.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_generate_on_real_engines_draws_the_onnx_runtime_pixels(stage_exports,
+                                                                tmp_path):  # pragma: no cover
+    """Where CUDA and TensorRT are present: ``qkrope build OUT_DIR`` and ``qkrope generate
+    OUT_DIR --engines`` (every stage an engine, fp32) against ``qkrope generate OUT_DIR`` on
+    ONNX Runtime: within the 2 levels of the issue's contract (TensorRT's fp32 kernels sum in
+    other orders than ONNX Runtime's; 2 levels is the pixel contract of every export)."""
+    pytest.importorskip("tensorrt", reason="requires TensorRT")
+    from PIL import Image
+
+    out = Path(shutil.copytree(stage_exports("qwen-image")[1], tmp_path / "out"))
+    assert main(["build", str(out), "--no-progress"]) == 0
+    common = ["--prompt", "a red cat", "--steps", "2", "--height", "32", "--width", "32",
+              "--device", "cuda"]
+    assert main(["generate", str(out), *common, "-o", str(tmp_path / "ort.png")]) == 0
+    assert main(["generate", str(out), *common, "--engines", "-o",
+                 str(tmp_path / "trt.png")]) == 0
+    a = np.asarray(Image.open(tmp_path / "ort.png"), dtype=np.int16)
+    b = np.asarray(Image.open(tmp_path / "trt.png"), dtype=np.int16)
+    assert int(np.abs(a - b).max()) <= 2

@@ -45,6 +45,38 @@ def test_trt_runner_picks_the_first_profile_holding_the_shapes():
     assert len(engine.calls) == n
 
 
+def test_a_stage_engine_runs_by_input_name_with_every_input_checked_first():
+    """``transformer=False`` (a pipeline stage's engine): no runner roles are needed, and
+    ``run_feeds`` checks every named input (names, dtype, rank, the profiles' bounds, one
+    device) before anything executes; outputs are copies with ``copy_outputs``."""
+    trt, _ = ft.make_fake_trt()
+    engine = _multi_engine([_profile((1, 2), 16, 8), _profile((1, 2), 64, 8)])
+    r = runner_tensorrt.TensorRTRunner(loader_tensorrt.LoadedEngine(engine, trt, None),
+                                       device=torch.device("cpu"), cuda=FakeCuda(),
+                                       copy_outputs=True, transformer=False)
+    r._check_device = lambda device: None
+    assert r.io.roles == {}
+    hs, ehs, (img, txt) = _qwen_inputs(2, 8, 5)
+    feeds = {"hidden_states": hs, "encoder_hidden_states": ehs,
+             "encoder_hidden_states_mask": torch.ones(2, 5, dtype=torch.bool),
+             "img_cos_sin_cache": img, "txt_cos_sin_cache": txt}
+    outs = r.run_feeds(feeds)
+    assert [tuple(o.shape) for o in outs] == [tuple(hs.shape), tuple(ehs.shape)]
+    assert engine.calls[-1][0] == "execute_async_v3" and engine.calls[-1][1] == 1
+    assert outs[0].data_ptr() != r.run_feeds(feeds)[0].data_ptr()  # copies, not the buffers
+    n = len(engine.calls)
+    bad = [({**feeds, "latents": hs}, "latents are no inputs of the model"),
+           ({**feeds, "hidden_states": hs.double()}, "has dtype float64"),
+           ({**feeds, "hidden_states": hs[:, :, :4]}, "dimension 2 is 4, the model.s is 32"),
+           ({k: v for k, v in feeds.items() if k != "txt_cos_sin_cache"}, "was not given"),
+           ({**feeds, "hidden_states": torch.zeros(2, 65, C)}, "outside the range"),
+           ({**feeds, "hidden_states": hs.to("meta")}, "on cpu and meta")]
+    for given, says in bad:
+        with pytest.raises(rn.RunnerInputError, match=says):
+            r.run_feeds(given)
+    assert len(engine.calls) == n  # nothing ran
+
+
 def test_trt_runner_refuses_shapes_no_profile_holds_naming_them():
     # profile 0: batch 1, up to 256 image tokens; profile 1: batch 2, up to 16
     r, engine, _ = _fake_trt_runner([_profile((1, 1), 256, 8), _profile((2, 2), 16, 8)],

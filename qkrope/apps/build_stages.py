@@ -56,12 +56,8 @@ from typing import Any, Mapping, Sequence
 
 from qkrope.errors import InputError, QkropeError
 from qkrope.sidecars import LEVELS
-from qkrope.stages import PIPELINE_FILE
-
-#: a stage folder's record of its engines
-ENGINES_FILE = "qkrope_engines.json"
-ENGINES_FORMAT = "qkrope-stage-engines"
-ENGINES_FORMAT_VERSION = 1
+from qkrope.stages import (ENGINES_FILE, ENGINES_FORMAT, ENGINES_FORMAT_VERSION, PIPELINE_FILE,
+                           engine_name, graph_files, graph_files_digest, is_engines_record)
 #: the named axes of the stage graphs (module docstring)
 AXES = ("batch", "txt_tokens", "latent_height", "latent_width")
 #: diffusers' image pipelines' default size when ``height`` / ``width`` are None:
@@ -392,14 +388,13 @@ def plan_stage_builds(out_dir: Path, record: Mapping, stages: Mapping[str, str],
                 presets.append((f"{w}x{h}" if len(sizes) > 1 else "", one))
         for graph, spec in stage_record["graphs"].items():
             onnx = folder / spec["file"]
-            files = [folder / f for f in stage_record["files"]
-                     if f == spec["file"] or f.startswith(spec["file"] + ".")]
+            files = [folder / f for f in graph_files(stage_record["files"], spec["file"])]
             base = graph[:-len("_next")] if graph.endswith("_next") else None
             first = ((base, folder / stage_record["graphs"][base]["file"])
                      if base in stage_record["graphs"] else None)
             profiles = [(label, graph_profile(kind, graph, onnx, one, factor, first))
                         for label, one in presets]
-            builds.append(GraphBuild(name, graph, onnx, onnx.with_suffix(".engine"), files,
+            builds.append(GraphBuild(name, graph, onnx, folder / engine_name(spec["file"]), files,
                                      profiles))
     return builds, notes
 
@@ -414,8 +409,7 @@ def _read_engines_record(folder: Path) -> dict:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         record = None
-    if not isinstance(record, dict) or record.get("format") != ENGINES_FORMAT or \
-            not isinstance(record.get("engines"), dict):
+    if not is_engines_record(record):
         raise StageBuildError(f"{path} exists and is no qkrope stage engine record (format "
                               f"{ENGINES_FORMAT!r}); it is not replaced. Fix: move it away")
     return record
@@ -438,14 +432,9 @@ def check_stage_outputs(builds: Sequence[GraphBuild], opts: StageOptions,
 # --------------------------------------------------------------------------------------------
 
 def _files_sha256(files: Sequence[Path]) -> str:
-    import hashlib
-
     from qkrope._fileio import sha256_file
 
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f"{f.name}\0{sha256_file(f)}\n".encode())
-    return digest.hexdigest()
+    return graph_files_digest((f.name, sha256_file(f)) for f in files)
 
 
 def build_key(b: GraphBuild, opts: StageOptions, trt_version: str, gpu) -> dict:

@@ -735,7 +735,9 @@ def _engines(folder: Path, record: Mapping,
     """The engines ``qkrope build OUT_DIR`` wrote beside a stage's graphs (graph -> path; those
     of ``graphs`` the record holds), when every one has one; named after the graph files, never
     read from a JSON file."""
-    found = {g: folder / (Path(spec["file"]).stem + ".engine")
+    from qkrope.stages import engine_name
+
+    found = {g: folder / engine_name(spec["file"])
              for g, spec in record["graphs"].items() if graphs is None or g in graphs}
     return found if all(p.is_file() for p in found.values()) else {}
 

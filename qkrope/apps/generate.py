@@ -112,6 +112,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     _args.add_plugin(p, f"for an engine ({DEFAULT_PLUGIN_HELP})")
     _args.add_allow_host_code(p, "with a version-compatible engine: ")
+    p.add_argument("--engines", action="store_true",
+                   help="with a pipeline export (the folder `qkrope export --model pipeline` "
+                        "wrote) and no --transformer: run every model stage on the TensorRT "
+                        "engines `qkrope build OUT_DIR` wrote beside its graphs (the "
+                        "transformer's, each text and image encoder's, the VAE's), on a CUDA "
+                        "GPU; a missing or stale engine is refused before any model loads")
     p.set_defaults(func=run)
     return p
 
@@ -619,6 +625,32 @@ def by_component(plan: PipelinePlan, given: dict) -> dict:
     return {(second if c == SECOND else c): p for c, p in given.items()}
 
 
+def stage_engines(pipeline_dir: str | Path, dev) -> dict[str, Path]:
+    """``--engines``: the stage folders of the pipeline export in ``pipeline_dir`` (component
+    -> folder), every one with its engines built from its graphs as exported now, checked
+    without TensorRT; one line for a folder that is no pipeline export, a device that is no
+    CUDA one, or the first engine missing or stale."""
+    from qkrope.runtime.stages.component import read_stage_record
+    from qkrope.runtime.stages.engines import built_engines
+    from qkrope.stages import DROPIN_CLASSES
+
+    from .check_stages import read_pipeline_record, stages_of
+
+    record = read_pipeline_record(pipeline_dir, command="generate --engines")
+    if dev.type != "cuda":
+        raise InputError(f"--engines runs TensorRT engines on a CUDA GPU; this run's device is "
+                         f"{dev}. Fix: run on a GPU machine (--device cuda), or drop --engines "
+                         f"to run the exports on ONNX Runtime")
+    folders = {}
+    for name, kind in stages_of(record).items():
+        if kind not in DROPIN_CLASSES:
+            continue  # a transformer: its engine is saved_transformers' (engines=True)
+        folder = Path(pipeline_dir) / name
+        built_engines(folder, read_stage_record(folder))
+        folders[name] = folder
+    return folders
+
+
 def other_stages(pipe) -> str:
     """Where the pipeline's text and image encoders and VAE run, as loaded: their exports (the
     stage drop-ins of a pipeline export) or PyTorch."""
@@ -637,10 +669,22 @@ def other_stages(pipe) -> str:
     return "; ".join(parts) or "no text encoder or VAE"
 
 
-def saved_transformers(pipeline_dir: str | Path, transformer, transformer_2) -> tuple:
+def saved_transformers(pipeline_dir: str | Path, transformer, transformer_2, *,
+                       engines: bool = False) -> tuple:
     """``(transformer, transformer_2)`` with the exports saved in the folder where neither was
     given (each transformer component's qkrope_component.json names its model file); one line
-    when the folder holds PyTorch weights for one of them."""
+    when the folder holds PyTorch weights for one of them. ``engines``: the engines ``qkrope
+    build`` wrote beside those exports instead (one line where one is missing)."""
+    if engines and (transformer is not None or transformer_2 is not None):
+        own = saved_transformers(pipeline_dir, None, None, engines=True)
+        for flag, given, mine in (("--transformer", transformer, own[0]),
+                                  ("--transformer-2", transformer_2, own[1])):
+            if given is not None and (mine is None or Path(given).resolve() != Path(
+                    mine).resolve()):
+                raise InputError(f"--engines runs the engines qkrope build wrote beside the "
+                                 f"pipeline export's graphs, and {flag} names a model of its "
+                                 f"own. Fix: drop {flag}, or drop --engines")
+        return own
     if transformer is not None or transformer_2 is not None:
         return transformer, transformer_2
     plan = read_pipeline(pipeline_dir)
@@ -662,6 +706,16 @@ def saved_transformers(pipeline_dir: str | Path, transformer, transformer_2) -> 
             raise InputError(f"{plan.folder / component / COMPONENT_FILE} names no model file "
                              f"there. Fix: export the pipeline again")
         paths[component] = str(plan.folder / component / model)
+        if engines:
+            from qkrope.stages import engine_name
+
+            engine = plan.folder / component / engine_name(model)
+            if not engine.is_file():
+                raise InputError(f"--engines: {engine} is missing (the engine of "
+                                 f"{component}/{model}). Fix: qkrope build {plan.folder} (on "
+                                 f"the GPU it will run on), or drop --engines to run the "
+                                 f"exports on ONNX Runtime")
+            paths[component] = str(engine)
     second = next((c for c in plan.transformers if c != "transformer"), None)
     return paths.get("transformer"), paths.get(second) if second else None
 
@@ -814,7 +868,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
              seed: int = 0, device: str | None = None, dtype: str | None = None,
              plugin: str | None = None, allow_host_code: bool = False,
              output_type: str = "pil", log=print, progress: bool = False,
-             served: dict | None = None, pipe=None):
+             served: dict | None = None, pipe=None, engines: bool = False):
     """Run the pipeline in ``pipeline_dir`` once with ``transformer`` (an export or engine path,
     or ``"pytorch"``) and, for a pipeline with a second transformer component, ``transformer_2``
     (its export; every component runs on an export, or every one in PyTorch); returns ``(the
@@ -824,14 +878,15 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
     (the Triton pipeline model's, whose models run on its server:
     :mod:`qkrope.runtime.stages.served`), put in as they are (``transformer`` is then not
     read); ``pipe``: the pipeline :func:`load_pipeline` (or an earlier call) made with them,
-    run again without loading anything."""
+    run again without loading anything. ``engines``: a pipeline export's every model stage on
+    the TensorRT engines ``qkrope build`` wrote beside its graphs (``transformer`` not given)."""
     check_text("--prompt", prompt)
     check_text("--negative-prompt", negative_prompt)
     options = _options(negative_prompt, steps, height, width, guidance_scale, true_cfg_scale,
                        num_frames)
     if served is None:
         transformer, transformer_2 = saved_transformers(pipeline_dir, transformer,
-                                                        transformer_2)
+                                                        transformer_2, engines=engines)
         given = {"transformer": str(transformer),
                  "transformer_2": None if transformer_2 is None else str(transformer_2)}
     else:
@@ -850,6 +905,7 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
 
     dev = checked_device(device if device is not None
                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    stage_folders = stage_engines(pipeline_dir, dev) if engines and pipe is None else {}
     times = StageTimes()
     clock = _Clock(dev)
     dropins = dict(served or {})
@@ -863,6 +919,11 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
                                                   allow_host_code=allow_host_code)
         times.load_transformer = clock.now() - t0
     t0 = clock.now()
+    if stage_folders:
+        from qkrope.runtime.stages import load_stage
+
+        for component, folder in stage_folders.items():
+            dropins[component] = load_stage(folder, backend="tensorrt", device=dev)
     if pipe is None:
         pipe, dtype = _load(pipeline_dir, plan, dropins, dtype, dev)
     times.load_pipeline = clock.now() - t0
@@ -884,12 +945,12 @@ def generate(pipeline_dir: str | Path, transformer: str | Path | None, prompt: s
         kwargs["callback_on_step_end"] = on_step_end
     if served is not None:
         where = "transformers: served (Triton)"
-    elif not dropins:
+    elif not exports:
         where = "transformer: PyTorch"
-    elif list(dropins) == ["transformer"]:
-        where = f"transformer: {Path(given['transformer']).name}"
+    elif list(exports) == ["transformer"]:
+        where = f"transformer: {Path(exports['transformer']).name}"
     else:
-        where = "transformers: " + ", ".join(f"{c}: {Path(given[c]).name}" for c in dropins)
+        where = "transformers: " + ", ".join(f"{c}: {Path(p).name}" for c, p in exports.items())
     log(f"qkrope generate: {type(pipe).__name__} from {pipeline_dir} on {dev} "
         f"({dtype or str(pipe.dtype).removeprefix('torch.')}), {where}; {other_stages(pipe)}")
 
@@ -1049,7 +1110,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"{flag} must be a positive integer; got {value}")
     check_video_writer(out)
     args.transformer, args.transformer_2 = saved_transformers(
-        args.pipeline, args.transformer, args.transformer_2)
+        args.pipeline, args.transformer, args.transformer_2, engines=args.engines)
     # the folder and the exports before the outputs: how many files a video's frames make
     plan = preflight(args.pipeline, {"transformer": args.transformer,
                                      "transformer_2": args.transformer_2},
@@ -1080,7 +1141,7 @@ def run(args: argparse.Namespace) -> int:
         width=args.width, num_frames=args.num_frames, guidance_scale=args.guidance_scale,
         true_cfg_scale=args.true_cfg_scale, seed=args.seed, device=args.device,
         dtype=args.dtype, plugin=args.plugin, allow_host_code=args.allow_host_code, log=log,
-        progress=True)
+        progress=True, engines=args.engines)
     log("qkrope generate: stage timings")
     for line in times.table():
         log(line)

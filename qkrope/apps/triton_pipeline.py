@@ -50,9 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkrope.errors import QkropeError
 from qkrope.stages import PIPELINE_FILE, STAGE_FILE, TENSORS_FILE
-
-from .build_stages import ENGINES_FILE
 
 from qkrope.runtime import triton as tr
 from qkrope.runtime.component import COMPONENT_FILE
@@ -117,16 +116,12 @@ def _stage_models(folder: Path, component: str, record: dict, prefix: str, backe
     files = record["files"]
     engines = {}
     if backend == "tensorrt":
-        from .build_stages import StageBuildError, _read_engines_record
+        from qkrope.runtime.stages.engines import built_engines
 
-        try:
-            engines = _read_engines_record(folder).get("engines", {})
-        except StageBuildError as exc:
-            raise tr.TritonRepoError(str(exc)) from None
-        if not engines:
-            raise tr.TritonRepoError(f"{folder} has no stage engines ({ENGINES_FILE}), which "
-                                     f"--backend tensorrt serves. Fix: qkrope build "
-                                     f"{folder.parent} (or --backend onnxruntime)")
+        try:  # each graph's engine, named after it, built from it as exported now
+            engines = built_engines(folder, record)
+        except QkropeError as exc:
+            raise tr.TritonRepoError(f"--backend tensorrt: {exc}") from None
     served = {}
     for graph, entry in record["graphs"].items():
         model = f"{prefix}_{component}_{graph}"
@@ -138,17 +133,9 @@ def _stage_models(folder: Path, component: str, record: dict, prefix: str, backe
             sources = [(onnx_path, "model.onnx")] + [(f, f.name) for f in data]
             sha256 = {src: (files.get(src.name) or {}).get("sha256") for src, _ in sources}
         else:
-            built = next((e for e in engines.values() if isinstance(e, dict)
-                          and e.get("onnx") == entry["file"]), None)
-            file = str((built or {}).get("file", ""))
-            engine = folder / file
-            # a plain file of the stage folder: the record names no path to follow elsewhere
-            if built is None or Path(file).name != file or file in ("", ".", "..") \
-                    or engine.is_symlink() or not engine.is_file():
-                raise tr.TritonRepoError(f"{folder} has no engine of {entry['file']} "
-                                         f"({ENGINES_FILE}). Fix: qkrope build {folder.parent}")
+            engine, digest = engines[graph]
             sources = [(engine, "model.plan")]
-            sha256 = {engine: built.get("sha256")}
+            sha256 = {engine: digest}
         for src, _ in sources:
             if not sha256.get(src):
                 raise tr.TritonRepoError(f"{src} has no sha256 in its record, so its copy "

@@ -27,6 +27,10 @@ diffusers' pipeline loader calls for ``["qkrope.runtime", "TextEncoderExport"]``
   under their state-dict path, read from :data:`qkrope.stages.TENSORS_FILE` (checked against
   the record's size and sha256).
 
+Each runs its graphs in ONNX Runtime sessions, or with ``backend="tensorrt"`` on the engines
+``qkrope build OUT_DIR`` wrote beside them (:mod:`qkrope.runtime.stages.engines`): the same
+calls either way.
+
 All are :class:`qkrope.runtime.component.DropinComponent` subclasses: no torch parameters,
 ``.to()`` honoured for the device ONNX Runtime runs on and refused for another dtype, saved with
 the pipeline (the stage folder copied through a staging folder, its files confirmed unchanged
@@ -60,6 +64,8 @@ from ..component import (ComponentError, ComponentLoadError, ComponentSaveError,
 
 #: files a stage folder holds besides its graphs (and their external data)
 CONFIG_FILE = "config.json"
+#: what runs a stage drop-in's graphs (StageComponent's ``backend``)
+BACKENDS = ("onnxruntime", "tensorrt")
 
 
 def _fix_reexport(folder: Path) -> str:
@@ -193,12 +199,30 @@ class StageComponent(DropinComponent):
     KIND = "stage"
 
     def __init__(self, folder: str | os.PathLike, *, providers=None, provider_options=None,
-                 sess_options=None, graphs=None):
-        """``graphs``: what runs the stage's graphs in place of ONNX Runtime sessions of the
-        folder's files (an object with :class:`StageGraphs`' ``run``, ``device`` and
-        ``backend``: :class:`qkrope.runtime.stages.served.ServedStageGraphs`); the folder then
-        needs only its record and config."""
+                 sess_options=None, graphs=None, backend: str = "onnxruntime", device=None):
+        """``backend``: ``"onnxruntime"`` (the folder's graphs in ONNX Runtime sessions: the
+        ``providers``, ``provider_options`` and ``sess_options`` options) or ``"tensorrt"``
+        (the engines ``qkrope build OUT_DIR`` wrote beside them, on ``device``, default the
+        current CUDA device: :class:`qkrope.runtime.stages.engines.EngineStageGraphs`).
+        ``graphs``: what runs the stage's graphs in place of either (an object with
+        :class:`StageGraphs`' ``run``, ``device`` and ``backend``:
+        :class:`qkrope.runtime.stages.served.ServedStageGraphs`); the folder then needs only
+        its record and config."""
         folder = Path(folder)
+        if backend not in BACKENDS:
+            raise ComponentLoadError(f"backend={backend!r} is none of {', '.join(BACKENDS)}. "
+                                     f"Fix: backend='onnxruntime' or 'tensorrt'")
+        ort_options = [n for n, v in (("providers", providers), ("provider_options",
+                                      provider_options), ("sess_options", sess_options))
+                       if v is not None]
+        if backend == "tensorrt" and ort_options:
+            raise ComponentLoadError(f"{', '.join(ort_options)} are ONNX Runtime options; "
+                                     f"backend='tensorrt' runs the stage's engines. Fix: drop "
+                                     f"them, or backend='onnxruntime'")
+        if backend == "onnxruntime" and device is not None and graphs is None:
+            raise ComponentLoadError("device= chooses the GPU of backend='tensorrt'; ONNX "
+                                     "Runtime runs where its providers say. Fix: providers="
+                                     "['CUDAExecutionProvider'] (or .to('cuda') after loading)")
         record = read_stage_record(folder, check_files=graphs is None)
         if record.get("class") != type(self).__name__:
             raise ComponentLoadError(f"{folder / STAGE_FILE} records a {record.get('class')}, "
@@ -207,6 +231,10 @@ class StageComponent(DropinComponent):
         self.__dict__["_record"] = record
         self.__dict__["_stats"] = (None if graphs is not None else
                                    {n: _stat(folder / n) for n in _stage_files(record)})
+        if graphs is None and backend == "tensorrt":
+            from .engines import EngineStageGraphs
+
+            graphs = EngineStageGraphs(folder, record, device=device)
         self._runner = graphs if graphs is not None else StageGraphs(
             folder, record, providers=providers, provider_options=provider_options,
             sess_options=sess_options)
@@ -297,9 +325,11 @@ class StageComponent(DropinComponent):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *,
                         torch_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None,
                         device_map=None, quantization_config=None, device=None, providers=None,
-                        provider_options=None, sess_options=None, **diffusers_options):
+                        provider_options=None, sess_options=None, backend: str = "onnxruntime",
+                        **diffusers_options):
         """The stage saved in a component folder (called by ``DiffusionPipeline.
-        from_pretrained``): ``torch_dtype`` must be the export's or None; diffusers' other
+        from_pretrained``): ``torch_dtype`` must be the export's or None; ``backend`` as the
+        constructor takes it (``"tensorrt"``: its engines, on ``device``); diffusers' other
         options as the transformer drop-in takes them."""
         folder = Path(pretrained_model_name_or_path)
         _check_load_options(folder, diffusers_options)
@@ -309,8 +339,12 @@ class StageComponent(DropinComponent):
                                      f"Fix: drop it for this component")
         if device is None and device_map is not None:
             device = _single_device(device_map, folder)
+        engines = backend == "tensorrt"
         stage = cls(folder, providers=providers, provider_options=provider_options,
-                    sess_options=sess_options)
+                    sess_options=sess_options, backend=backend,
+                    device=device if engines else None)
+        if engines:
+            device = None  # the engines are on it
         torch_dtype = torch_dtype if torch_dtype is not None else dtype
         if torch_dtype is not None and torch_dtype != stage.dtype:
             raise ComponentLoadError(
