@@ -152,6 +152,26 @@ class PipelineStages:
         return tuple(self.text_encoders) + (("vae",) if self.vae is not None else ())
 
 
+def declared_stages(declared) -> tuple[PipelineStages, ...]:
+    """A family record's ``stages`` as a tuple: none (None), its one :class:`PipelineStages`,
+    or the several it declares, one per set of pipeline classes that read the same components
+    alike (FLUX.2: klein's Qwen3 hidden states 9/18/27, [dev]'s Mistral3 10/20/30)."""
+    if declared is None:
+        return ()
+    return tuple(declared) if isinstance(declared, tuple) else (declared,)
+
+
+def stages_for(declared, pipeline: str) -> PipelineStages | None:
+    """The :class:`PipelineStages` of a record's ``stages`` that serve the diffusers pipeline
+    class ``pipeline`` (None: none does)."""
+    return next((s for s in declared_stages(declared) if pipeline in s.all_pipelines()), None)
+
+
+def served_pipelines(declared) -> tuple[str, ...]:
+    """Every pipeline class a record's ``stages`` serve, in declaration order."""
+    return tuple(dict.fromkeys(p for s in declared_stages(declared) for p in s.all_pipelines()))
+
+
 def is_tensor_key(key: object) -> bool:
     """``key`` is a dotted state-dict key of public attribute names (``bn.running_mean``)."""
     return isinstance(key, str) and all(p.isidentifier() and not p.startswith("_")
@@ -196,7 +216,7 @@ def stage_record(**fields) -> dict:
     return {"format": STAGE_FORMAT, "format_version": STAGE_FORMAT_VERSION, **fields}
 
 
-__all__ = ["stage_record", "is_tensor_key", "engine_name", "graph_files", "graph_files_digest",
+__all__ = ["stage_record", "is_tensor_key", "declared_stages", "stages_for", "served_pipelines", "engine_name", "graph_files", "graph_files_digest",
            "is_engines_record", "ENGINES_FILE", "ENGINES_FORMAT", "ENGINES_FORMAT_VERSION",
            "DROPIN_CLASSES", "STAGE_FILE", "STAGE_FORMAT", "STAGE_FORMAT_VERSION", "PIPELINE_FILE",
            "PIPELINE_FORMAT", "TENSORS_FILE", "TEXT_INPUTS", "VAE_LAYOUTS", "MODEL_LIBRARIES",

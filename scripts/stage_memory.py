@@ -17,6 +17,12 @@ Cases (``--cases``, comma-separated; the stage each exports is its family's decl
   graphs), and with ``--encode`` its encoder too (two more, as an image-to-video pipeline).
 - ``flux-vae``: FLUX.1's AutoencoderKL (16 latent channels, block_out_channels 128, 256, 512,
   512), its decoder, and with ``--encode`` its encoder.
+- ``mistral-small-3.1``: FLUX.2 [dev]'s text encoder, Mistral3ForConditionalGeneration at
+  Mistral Small 3.1 24B's widths (hidden 5120, intermediate 32768, 32 heads of 128, 8 KV
+  heads, vocabulary 131072; its 24-block Pixtral vision tower), ``num_hidden_layers`` = N (the
+  released 40; Flux2Pipeline reads hidden states 10, 20 and 30, so N >= 31 for the whole read:
+  the export of fewer layers reads what exists up to N, see ``--layers``); the released key
+  layout (``language_model.model.*``, ``vision_tower.*``).
 - ``clip-vit-h``: Wan 2.1 I2V's image encoder, CLIPVisionModel at ViT-H/14's widths (hidden
   1280, intermediate 5120, 16 heads, 224 px in 14 px patches), ``num_hidden_layers`` = N (the
   released 32).
@@ -101,6 +107,34 @@ def _umt5_xxl_config(layers: int):
         decoder_start_token_id=0)
 
 
+def _mistral_small_31_config(layers: int):
+    import transformers
+
+    return transformers.Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120,
+                         intermediate_size=32768, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_theta=1000000000.0, hidden_act="silu", sliding_window=None,
+                         tie_word_embeddings=False),
+        vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, head_dim=64,
+                           image_size=1540, patch_size=14, rope_theta=10000.0),
+        image_token_index=10, spatial_merge_size=2, multimodal_projector_bias=False,
+        projector_hidden_act="gelu", vision_feature_layer=-1)
+
+
+def _mistral3_saved_key(key: str) -> str:
+    """The released checkpoint's key of a module key (transformers 5 renames on load)."""
+    for module, saved in (("model.language_model.", "language_model.model."),
+                          ("model.vision_tower.", "vision_tower."),
+                          ("model.multi_modal_projector.", "multi_modal_projector."),
+                          ("lm_head.", "language_model.lm_head.")):
+        if key.startswith(module):
+            return saved + key[len(module):]
+    return key
+
+
 def _clip_vit_h_config(layers: int):
     import transformers
 
@@ -129,6 +163,8 @@ class Case:
     layers: int | None = None  # the whole encoder's layer count
     saved_key: Callable[[str], str] = lambda key: key
     unread: tuple[str, ...] = ()  # checkpoint key prefixes no graph reads: sparse holes
+    pipeline: str | None = None  # the pipeline class whose stages apply (None: the family's
+    #                              first declared ones)
 
 
 CASES = {
@@ -144,6 +180,11 @@ CASES = {
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         act_fn="silu", norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)),
+    "mistral-small-3.1": Case("transformers", "Mistral3ForConditionalGeneration", "flux2",
+                              "text_encoder", config=_mistral_small_31_config, layers=40,
+                              saved_key=_mistral3_saved_key, pipeline="Flux2Pipeline",
+                              unread=("vision_tower.", "multi_modal_projector.",
+                                      "language_model.lm_head.")),
     "clip-vit-h": Case("transformers", "CLIPVisionModel", "wan", "image_encoder",
                        config=_clip_vit_h_config, layers=32),
     "flux2-vae": Case("diffusers", "AutoencoderKLFlux2", "flux2", "vae"),
@@ -288,7 +329,11 @@ def export(case_name: str, folder: Path, out: Path, mode: str, dtype: str, opset
 
     case = CASES[case_name]
     tdtype = dtypes.TORCH_BY_SHORT[dtype]
-    stages = families.by_name(case.family).stages
+    from qkrope.stages import declared_stages, stages_for
+
+    declared = families.by_name(case.family).stages
+    stages = (stages_for(declared, case.pipeline) if case.pipeline
+              else declared_stages(declared)[0])
     t0 = time.perf_counter()
     if mode == "streamed":
         model = pipeline._load(case.library, case.cls, folder, tdtype)
@@ -307,10 +352,29 @@ def export(case_name: str, folder: Path, out: Path, mode: str, dtype: str, opset
             fields = export_image_encoder(model, stages.image_encoders[case.component], out,
                                           opset=opset, dtype=tdtype)
         else:
-            fields = export_text_encoder(model, stages.text_encoders[case.component], out,
-                                         opset=opset, dtype=tdtype)
+            stage = stages.text_encoders[case.component]
+            stage = _reads_within(stage, model.config.get_text_config().num_hidden_layers)
+            fields = export_text_encoder(model, stage, out, opset=opset, dtype=tdtype)
     print("INFO " + json.dumps({"load_s": loaded, "graphs": sorted(fields["graphs"]),
                                 "files": {k: v["size"] for k, v in fields["files"].items()}}))
+
+
+def _reads_within(stage, layers: int):
+    """``stage`` with each hidden-state read past an N-layer folder's last layer read at its
+    last (``hidden_states[N]``): a folder of N < 31 layers of Mistral3 has no hidden_states[30];
+    the memory is that of streaming the N layers' weights, whichever layer the graph returns."""
+    import dataclasses
+
+    from qkrope.stages import hidden_index
+
+    reads = []
+    for read in stage.reads:
+        k = hidden_index(read)
+        if k is not None and k > layers:
+            read = f"hidden_states[{layers}]"
+        if read not in reads:
+            reads.append(read)
+    return dataclasses.replace(stage, reads=tuple(reads))
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,17 +16,25 @@ from pathlib import Path
 WAN21_I2V = "WanImageToVideoPipeline+image_encoder"
 
 
-def as_pipeline(src: Path, dst: Path, pipeline: str) -> Path:
-    """A copy of ``src`` whose model_index.json names ``pipeline``; Wan's image to video gets
-    its components (``qkrope.families.wan.tiny.image_to_video_parts``): Wan 2.2's form, or
-    Wan 2.1's with the image encoder for :data:`WAN21_I2V`."""
+def as_pipeline(src: Path, dst: Path, pipeline: str, family: str) -> Path:
+    """A copy of ``src`` (the tiny pipeline of ``family``) whose model_index.json names
+    ``pipeline``, with the components that differ in it from the family's tiny hook
+    (``pipeline_parts``, where it has one); Wan's image to video gets its components
+    (``qkrope.families.wan.tiny.image_to_video_parts``): Wan 2.2's form, or Wan 2.1's with the
+    image encoder for :data:`WAN21_I2V`."""
+    from qkrope import families
+
     shutil.copytree(src, dst)
     index = json.loads((dst / "model_index.json").read_text())
     index["_class_name"] = pipeline.split("+")[0]
+    record = families.by_name(family)
+    hook = getattr(families.hooks(record, "tiny"), "pipeline_parts", None)
+    parts = hook(record, index["_class_name"], 0) if hook is not None else {}
     if index["_class_name"] == "WanImageToVideoPipeline":
         from qkrope.families.wan import tiny as wan_tiny
 
         parts = wan_tiny.image_to_video_parts(0, image_encoder=pipeline == WAN21_I2V)
+    if parts:
         for name, part in parts.items():
             shutil.rmtree(dst / name, ignore_errors=True)
             part.save_pretrained(dst / name)
@@ -59,7 +67,7 @@ class StageExports:
                     contextlib.redirect_stdout(io.StringIO()):
                 src = self.source(name)
                 if pipeline is not None:  # the same components under another pipeline class
-                    src = as_pipeline(src, self.root / f"{name}-{pipeline}", pipeline)
+                    src = as_pipeline(src, self.root / f"{name}-{pipeline}", pipeline, name)
                 out = self.root / f"{name}-{pipeline or 'export'}-out"
                 export_pipeline(src, out, dtype="fp32", progress=False)
             self.made[key] = (src, out)

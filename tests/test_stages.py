@@ -17,6 +17,7 @@ encoders, the 2-D VAE) in the slow step.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -168,7 +169,7 @@ def test_the_exported_pipeline_draws_the_same_pixels_slow_families(exported, nam
 #: klein's reference images) is run with an image by the tests above (``_call``)
 ENCODING = (("wan", "WanImageToVideoPipeline"), ("qwen-image", "QwenImageImg2ImgPipeline"),
             ("flux1", "FluxKontextPipeline"), ("flux1", "FluxImg2ImgPipeline"),
-            ("z-image", "ZImageImg2ImgPipeline"))
+            ("z-image", "ZImageImg2ImgPipeline"), ("flux2", "Flux2Pipeline"))
 
 
 @pytest.mark.slow
@@ -178,6 +179,21 @@ def test_an_encoding_pipeline_runs_its_vae_encoder_export(exported, name, pipeli
     _, out = exported(name, pipeline)
     record = json.loads((out / "vae" / STAGE_FILE).read_text())
     assert record["encode"] and "encode" in record["graphs"]
+
+
+@pytest.mark.slow  # on the FLUX.2 [dev] export of the test above
+def test_a_vision_language_text_encoder_passes_qkrope_check(exported, tmp_path, capsys):
+    """FLUX.2 [dev]'s Mistral3ForConditionalGeneration (its vocabulary and padding id in its
+    text config): ``qkrope check --stage text_encoder`` compares the three hidden states
+    Flux2Pipeline reads with the PyTorch component's, within the check's own bound."""
+    src, out = exported("flux2", "Flux2Pipeline")
+    rc = main(["check", str(out), "--diffusers", str(src), "--stage", "text_encoder",
+               "--workdir", str(tmp_path / "w")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for k in (10, 20, 30):
+        assert re.search(rf"^text_encoder\s+encoder.onnx\s+hidden_states_{k} onnxrt vs pytorch"
+                         rf"\s+\S+\s+\S+\s+PASS$", text, re.M), text
 
 
 #: the pipelines with an image encoder: (family, pipeline key of tests/_stage_exports.py; None:
@@ -233,11 +249,15 @@ def test_an_image_encoder_is_checked_and_its_engine_planned(exported, tmp_path, 
 def test_every_declared_pipeline_has_a_tiny_test():
     declared = {r.name for r in families.records() if r.stages is not None}
     assert declared == set(FAST + SLOW) | {n for n, p in IMAGE_ENCODING if p is None}
-    encoding = {(r.name, p) for r in families.records() if r.stages is not None
-                for p in r.stages.vae.encode if p not in r.stages.pipelines}
-    assert encoding == set(ENCODING)
-    imaging = {r.name for r in families.records() if r.stages is not None
-               and r.stages.image_encoders}
+    from qkrope.stages import declared_stages, served_pipelines
+
+    # every pipeline class beyond those of a record's first stages (its tiny pipeline's):
+    # those that encode, and those whose components differ (FLUX.2 [dev]'s Flux2Pipeline)
+    beyond = {(r.name, p) for r in families.records() for p in served_pipelines(r.stages)
+              if p not in declared_stages(r.stages)[0].pipelines}
+    assert beyond == set(ENCODING)
+    imaging = {r.name for r in families.records()
+               if any(s.image_encoders for s in declared_stages(r.stages))}
     assert imaging == {n for n, _ in IMAGE_ENCODING}
 
 

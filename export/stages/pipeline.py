@@ -37,7 +37,7 @@ from qkrope import families
 from qkrope._fileio import staged_outputs, write_json_atomic
 from qkrope.errors import InputError
 from qkrope.stages import (MODEL_LIBRARIES, PIPELINE_FILE, PIPELINE_FORMAT, STAGE_FILE,
-                           stage_record)
+                           served_pipelines, stage_record, stages_for)
 
 
 #: the first opset whose Conv takes bfloat16 (a bf16 VAE's graphs need it)
@@ -120,15 +120,15 @@ def plan(pipeline_dir: str | os.PathLike) -> tuple[Any, dict[str, str], dict]:
                          f"exports. Fix: pass a pipeline folder of "
                          f"{', '.join(sorted({r.short for r in families.records()}))}")
     record = records["transformer"]
-    stages = record.stages
+    stages = stages_for(record.stages, pipeline)
     declared = sorted(r.short for r in families.records() if r.stages is not None)
-    if stages is None:
+    if record.stages is None:
         raise InputError(f"{record.short}: qkrope does not export its pipeline's text encoders "
                          f"and VAE yet (it does for {', '.join(declared)}). Fix: export its "
                          f"transformer (--model transformer --diffusers {src / 'transformer'}) "
                          f"and run the rest in PyTorch (qkrope generate --transformer)")
-    if pipeline not in stages.all_pipelines():
-        served = ", ".join(stages.all_pipelines())
+    if stages is None:
+        served = ", ".join(served_pipelines(record.stages))
         raise InputError(f"{src} is a {pipeline}; qkrope exports the stages of {served} for "
                          f"{record.short} (another pipeline calls its encoders otherwise). "
                          f"Fix: export its transformer "
@@ -228,12 +228,12 @@ def export_pipeline(pipeline_dir: str | os.PathLike, out: str | os.PathLike, *,
     record, kinds, index = plan(src)
     check_out(src, out)
     if dtype == "bf16" and opset is not None and opset < BF16_CONV_OPSET \
-            and record.stages.vae is not None:
+            and stages_for(record.stages, index["_class_name"]).vae is not None:
         raise InputError(f"--opset {opset} with --dtype bf16: ONNX's Conv takes bfloat16 from "
                          f"opset {BF16_CONV_OPSET}, so the VAE cannot be exported. Fix: --opset "
                          f"{BF16_CONV_OPSET}, or leave --opset out")
     comps = _components(index)
-    stages = record.stages
+    stages = stages_for(record.stages, index["_class_name"])
     dropin = families.hooks(record, "dropin").dropin_class(record).__name__
     steps = Steps("qkrope export --model pipeline", len(kinds), enabled=progress)
     written: dict[str, str] = {}

@@ -317,12 +317,14 @@ def _range(levels: Mapping, stage: str, axis: str, default: tuple[int, int, int]
     return tuple(got)
 
 
-def stage_sizes(family: str) -> tuple[int, int, dict[str, int]]:
-    """(height, width, text tokens per encoder) the family's pipelines call their stages with
-    by default: its record's stages (qkrope.stages: ``size``, each encoder's ``tokens``)."""
+def stage_sizes(family: str, pipeline: str) -> tuple[int, int, dict[str, int]]:
+    """(height, width, text tokens per encoder) the family's pipeline class ``pipeline`` calls
+    its stages with by default: its record's stages for that class (qkrope.stages: ``size``,
+    each encoder's ``tokens``)."""
     from qkrope import families
+    from qkrope.stages import stages_for
 
-    stages = families.by_name(family, source=PIPELINE_FILE).stages
+    stages = stages_for(families.by_name(family, source=PIPELINE_FILE).stages, pipeline)
     if stages is None:
         return DEFAULT_PIXELS, DEFAULT_PIXELS, {}
     return (*stages.size, {k: v.tokens for k, v in stages.text_encoders.items()})
@@ -335,7 +337,7 @@ def plan_stage_builds(out_dir: Path, record: Mapping, stages: Mapping[str, str],
     from qkrope.runtime.profiles import DEFAULT_MAX_BATCH
     from qkrope.runtime.stages.component import read_stage_record
 
-    height, width, texts = stage_sizes(record["family"])
+    height, width, texts = stage_sizes(record["family"], record["pipeline"])
     notes: list[str] = []
     builds: list[GraphBuild] = []
     for name, kind in stages.items():

@@ -533,10 +533,12 @@ def reference_model(library: str, cls_name: str, folder: Path, dtype):
     return model.eval()
 
 
-def _reads(stage_record: Mapping, family, name: str) -> tuple[str, ...]:
-    """The reads the family's pipeline takes of text or image encoder ``name`` (its
-    declaration), the record's where the family declares none."""
-    stages = family.stages
+def _reads(stage_record: Mapping, family, name: str, pipeline: str) -> tuple[str, ...]:
+    """The reads the family's pipeline class ``pipeline`` takes of text or image encoder
+    ``name`` (its declaration), the record's where the family declares none."""
+    from qkrope.stages import stages_for
+
+    stages = stages_for(family.stages, pipeline)
     declared = (stages.text_encoders.get(name) or stages.image_encoders.get(name)
                 if stages else None)
     return tuple(declared.reads) if declared is not None else tuple(stage_record["reads"])
@@ -549,8 +551,11 @@ def _text_side(plan: _Plan, name: str, record: Mapping, model, dropin, *, seed: 
     from qkrope.runtime.inputs import from_torch
 
     inputs = list(record["inputs"])
-    vocab = int(getattr(model.config, "vocab_size", 0) or 0) or 1000
-    pad = getattr(model.config, "pad_token_id", None)
+    # a vision-language encoder's text settings are in its text config (transformers'
+    # get_text_config: Mistral3's text_config), a text model's are its own
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    vocab = int(getattr(config, "vocab_size", 0) or 0) or 1000
+    pad = getattr(config, "pad_token_id", None)
     pad = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else 0
     g = torch.Generator().manual_seed(seed)
     feeds, sizes = [], []
@@ -599,7 +604,7 @@ def _encoder_side(plan: _Plan, name: str, record: Mapping, model, dropin, feeds,
     from qkrope.runtime.inputs import from_torch, to_torch
     from qkrope.stages import hidden_index, output_name
 
-    reads = _reads(record, plan.family, name)
+    reads = _reads(record, plan.family, name, plan.record["pipeline"])
     inputs = list(record["inputs"])
     outputs = [output_name(r) for r in reads]
     hidden = any(hidden_index(r) is not None for r in reads)

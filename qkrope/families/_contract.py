@@ -131,6 +131,13 @@ class TinyExtras(Protocol):
         """``record``'s tiny random transformer (the tests' builder: a family that defines it
         needs no entry in tests/_families.py)."""
 
+    def pipeline_parts(self, record: "FamilyRecord", pipeline: str,
+                       seed: int = 0) -> Mapping[str, Any]:
+        """The components of the diffusers pipeline class ``pipeline`` (one the record's stages
+        serve) that differ from the saved tiny pipeline's (another text encoder, tokenizer or
+        transformer), by component name; {} where none differ. The stage tests save the tiny
+        pipeline under ``pipeline`` with these in place."""
+
 
 class RecordExtras(Protocol):
     """Optional names of a family's record module ``qkrope.families.<package>`` itself (root

@@ -160,8 +160,10 @@ class FamilyRecord:
     # FLUX-like class is its record and its tiny builder
     dual_stream: Any = None
     # the pipeline's text encoders and VAE as its pipelines read them (qkrope.stages.
-    # PipelineStages): what `qkrope export --model pipeline` exports beside the transformer
-    # (None: not yet declared; that export is refused for the family in one line)
+    # PipelineStages, or a tuple of them where pipeline classes read the same components
+    # otherwise: qkrope.stages.stages_for picks by class): what `qkrope export --model
+    # pipeline` exports beside the transformer (None: not yet declared; that export is refused
+    # for the family in one line)
     stages: Any = None
 
     def __post_init__(self) -> None:

@@ -65,15 +65,20 @@ FLUX1 = FamilyRecord(
 #: called with the ids and mask at 512 tokens; the 2-D AutoencoderKLFlux2, whose encoder codes
 #: the reference images, and the latent batch-norm statistics the pipeline reads off the VAE
 #: (``vae.bn.running_mean`` / ``running_var``) to normalise and unnormalise the latents.
-#: FLUX.2 [dev]'s Flux2Pipeline reads a Mistral3 vision-language encoder through a Pixtral
-#: processor, which no tiny test builds: not declared, refused in one line.
+#: FLUX.2 [dev]'s Flux2Pipeline reads the same VAE, and of its Mistral3 vision-language
+#: encoder (Mistral Small 3.1, called on the text alone: its language model) the hidden states
+#: 10, 20 and 30 (its default text_encoder_out_layers), the prompt in its chat template padded
+#: to 512 tokens.
 KLEIN_LAYERS = (9, 18, 27)
-FLUX2_STAGES = PipelineStages(
-    pipelines=("Flux2KleinPipeline",),
-    text_encoders={"text_encoder": TextEncoderStage(
-        reads=tuple(f"hidden_states[{k}]" for k in KLEIN_LAYERS))},
-    vae=VaeStage("image", encode=("Flux2KleinPipeline",),
-                 tensors=("bn.running_mean", "bn.running_var")))
+DEV_LAYERS = (10, 20, 30)
+FLUX2_STAGES = tuple(
+    PipelineStages(pipelines=(pipeline,),
+                   text_encoders={"text_encoder": TextEncoderStage(
+                       reads=tuple(f"hidden_states[{k}]" for k in layers))},
+                   vae=VaeStage("image", encode=(pipeline,),
+                                tensors=("bn.running_mean", "bn.running_var")))
+    for pipeline, layers in (("Flux2KleinPipeline", KLEIN_LAYERS),
+                             ("Flux2Pipeline", DEV_LAYERS)))
 FLUX2 = FamilyRecord(
     name="flux2", class_name="Flux2Transformer2DModel", label="FLUX.2 (dev, klein)",
     short="FLUX.2", package="flux", scheme="ids", axes=(32, 32, 32, 32),

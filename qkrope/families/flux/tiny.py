@@ -6,8 +6,12 @@ code at diffusers' own test sizes (tests/models/transformers/test_models_transfo
   a random 1-layer CLIPTextModel (pooled width 32) and T5EncoderModel (width 32) with byte-level
   tokenizers, diffusers' pipeline-test VAE (one level, 1 latent channel);
 - FLUX.2: Flux2KleinPipeline (a Qwen3 text encoder whose hidden states 9, 18 and 27 are joined:
-  28 layers of width 16, so the transformer's text width is 48). FLUX.2 [dev]'s Flux2Pipeline
-  reads a Mistral3 encoder through a Pixtral processor, which cannot be built small in code.
+  28 layers of width 16, so the transformer's text width is 48); FLUX.2 [dev]'s Flux2Pipeline
+  from :func:`pipeline_parts` (a Mistral3 encoder of 31 text layers of width 16, hidden states
+  10, 20 and 30, with a 1-layer Pixtral vision tower it never calls; the transformer with
+  guidance embeddings). Its prompt goes through the byte tokenizer's chat template: the real
+  folder's Pixtral processor needs torchvision, and the pipeline calls only its
+  ``apply_chat_template``, which a tokenizer has with the same arguments.
 
 The transformer configs are the FLUX tests' (tests/_flux_models.py reads them here)."""
 
@@ -19,7 +23,7 @@ import torch
 
 from qkrope._deps import require
 from qkrope.apps.tiny_parts import one_level_vae, saved
-from qkrope.families.flux import KLEIN_LAYERS
+from qkrope.families.flux import DEV_LAYERS, KLEIN_LAYERS
 from qkrope.apps.tiny_pipeline import (CHATML_TEMPLATE, byte_tokenizer, clip_text_encoder,
                                        decoder_encoder, randomised, t5_encoder)
 
@@ -89,3 +93,42 @@ def save_pipeline(record, directory: str | Path, seed: int = 0) -> Path:
             transformer=transformer("flux2-klein", seed,
                                     joint_attention_dim=len(KLEIN_LAYERS) * KLEIN_WIDTH))
     return saved(pipe, directory)
+
+
+def mistral3_encoder(tokenizer, width: int, layers: int, seed: int = 0):
+    """A random Mistral3ForConditionalGeneration over ``tokenizer``'s vocabulary: ``layers``
+    text layers of ``width`` (2 query heads, 1 key/value head of 8) and a 1-layer Pixtral
+    vision tower."""
+    import transformers
+
+    text = transformers.MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=32,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+    vision = transformers.PixtralVisionConfig(hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=1, num_attention_heads=2,
+                                              image_size=32, patch_size=16)
+    torch.manual_seed(seed)
+    return transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=text, vision_config=vision,
+        image_token_index=tokenizer.convert_tokens_to_ids(MISTRAL_IMAGE_TOKEN))).eval()
+
+
+#: the image token a Mistral3 config names (its tokenizer's: the tiny byte tokenizer adds it)
+MISTRAL_IMAGE_TOKEN = "[IMG]"
+
+
+def pipeline_parts(record, pipeline: str, seed: int = 0) -> dict:
+    """The components of ``pipeline`` (a class the record's stages serve) that differ from the
+    saved tiny pipeline's: FLUX.2 [dev]'s Flux2Pipeline (module docstring)."""
+    from qkrope.apps.tiny_pipeline import BYTE_SPECIALS
+
+    if (record.name, pipeline) != ("flux2", "Flux2Pipeline"):
+        return {}
+    tok = byte_tokenizer(specials=(*BYTE_SPECIALS, MISTRAL_IMAGE_TOKEN),
+                         chat_template=CHATML_TEMPLATE)
+    return {"tokenizer": tok,
+            "text_encoder": mistral3_encoder(tok, KLEIN_WIDTH, max(DEV_LAYERS) + 1, seed),
+            "transformer": transformer("flux2-dev", seed,
+                                       joint_attention_dim=len(DEV_LAYERS) * KLEIN_WIDTH)}
