@@ -17,6 +17,9 @@ Cases (``--cases``, comma-separated; the stage each exports is its family's decl
   graphs), and with ``--encode`` its encoder too (two more, as an image-to-video pipeline).
 - ``flux-vae``: FLUX.1's AutoencoderKL (16 latent channels, block_out_channels 128, 256, 512,
   512), its decoder, and with ``--encode`` its encoder.
+- ``qwen3-8b``: FLUX.2 klein 9B's text encoder, Qwen3ForCausalLM at Qwen3-8B's widths (hidden
+  4096, intermediate 12288, 32 heads of 128, 8 KV heads, vocabulary 151936),
+  ``num_hidden_layers`` = N (the released 36; klein reads hidden states 9, 18 and 27).
 - ``mistral-small-3.1``: FLUX.2 [dev]'s text encoder, Mistral3ForConditionalGeneration at
   Mistral Small 3.1 24B's widths (hidden 5120, intermediate 32768, 32 heads of 128, 8 KV
   heads, vocabulary 131072; its 24-block Pixtral vision tower), ``num_hidden_layers`` = N (the
@@ -107,6 +110,16 @@ def _umt5_xxl_config(layers: int):
         decoder_start_token_id=0)
 
 
+def _qwen3_8b_config(layers: int):
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        hidden_act="silu", tie_word_embeddings=False)
+
+
 def _mistral_small_31_config(layers: int):
     import transformers
 
@@ -180,6 +193,9 @@ CASES = {
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         act_fn="silu", norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)),
+    "qwen3-8b": Case("transformers", "Qwen3ForCausalLM", "flux2", "text_encoder",
+                     config=_qwen3_8b_config, layers=36, pipeline="Flux2KleinPipeline",
+                     unread=("lm_head.",)),
     "mistral-small-3.1": Case("transformers", "Mistral3ForConditionalGeneration", "flux2",
                               "text_encoder", config=_mistral_small_31_config, layers=40,
                               saved_key=_mistral3_saved_key, pipeline="Flux2Pipeline",
@@ -361,7 +377,8 @@ def export(case_name: str, folder: Path, out: Path, mode: str, dtype: str, opset
 
 def _reads_within(stage, layers: int):
     """``stage`` with each hidden-state read past an N-layer folder's last layer read at its
-    last (``hidden_states[N]``): a folder of N < 31 layers of Mistral3 has no hidden_states[30];
+    last (``hidden_states[N]``): a folder of N < 31 layers of Mistral3 has no hidden_states[30]
+    (nor one of N < 27 layers of Qwen3 klein's hidden_states[27]);
     the memory is that of streaming the N layers' weights, whichever layer the graph returns."""
     import dataclasses
 
