@@ -819,17 +819,23 @@ def _call(args, kwargs) -> str:
     return f"({', '.join(parts)})"
 
 
+def read_json_record(path: Path, *, missing: str, fix: str) -> Any:
+    """The JSON value of a record file ``path``; :class:`ComponentLoadError` in one line where
+    it is absent (``missing``, a clause, then ``fix``) or cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ComponentLoadError(f"{missing}. {fix}") from None
+    except (OSError, ValueError) as exc:
+        raise ComponentLoadError(f"{path} cannot be read ({type(exc).__name__}). {fix}") from None
+
+
 def _read_record(folder: Path) -> dict[str, Any]:
     path = folder / COMPONENT_FILE
     fix = ("Fix: save the pipeline again with pipe.save_pretrained, or pass "
            "transformer=qkrope.runtime.load_transformer(PATH) to from_pretrained")
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ComponentLoadError(f"{folder} has no {COMPONENT_FILE}, so it is not a saved qkrope "
-                                 f"drop-in. {fix}") from None
-    except (OSError, ValueError) as exc:
-        raise ComponentLoadError(f"{path} cannot be read ({type(exc).__name__}). {fix}") from None
+    record = read_json_record(path, fix=fix, missing=f"{folder} has no {COMPONENT_FILE}, so it "
+                                                     f"is not a saved qkrope drop-in")
     if not isinstance(record, Mapping) or record.get("format") != COMPONENT_FORMAT:
         raise ComponentLoadError(f"{path} is not a qkrope component record (format "
                                  f"{COMPONENT_FORMAT!r}). {fix}")

@@ -387,8 +387,6 @@ class TritonPythonModel:
         return options
 
     def execute(self, requests):
-        from qkrope.errors import QkropeError
-
         from .generate import generate
 
         responses = []

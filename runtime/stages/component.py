@@ -60,7 +60,7 @@ from qkrope.stages import STAGE_FILE, STAGE_FORMAT, STAGE_FORMAT_VERSION
 
 from ..component import (ComponentError, ComponentLoadError, ComponentSaveError,
                          DropinComponent, _check_load_options, _single_device,
-                         _stat)
+                         _stat, read_json_record)
 
 #: files a stage folder holds besides its graphs (and their external data)
 CONFIG_FILE = "config.json"
@@ -80,14 +80,8 @@ def read_stage_record(folder: str | os.PathLike, *, check_files: bool = True) ->
     Triton server)."""
     folder = Path(folder)
     path = folder / STAGE_FILE
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ComponentLoadError(f"{folder} has no {STAGE_FILE}, so it is no qkrope stage "
-                                 f"export. {_fix_reexport(folder)}") from None
-    except (OSError, ValueError) as exc:
-        raise ComponentLoadError(f"{path} cannot be read ({type(exc).__name__}). "
-                                 f"{_fix_reexport(folder)}") from None
+    record = read_json_record(path, fix=_fix_reexport(folder), missing=(
+        f"{folder} has no {STAGE_FILE}, so it is no qkrope stage export"))
     if not isinstance(record, Mapping) or record.get("format") != STAGE_FORMAT:
         raise ComponentLoadError(f"{path} is not a qkrope stage record (format "
                                  f"{STAGE_FORMAT!r}). {_fix_reexport(folder)}")

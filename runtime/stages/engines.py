@@ -27,7 +27,6 @@ is loaded for it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 from qkrope.stages import (ENGINES_FILE, ENGINES_FORMAT, engine_name, graph_files,
                            graph_files_digest, is_engines_record)
 
-from ..component import ComponentLoadError
+from ..component import ComponentLoadError, read_json_record
 from ..loader_tensorrt import engine_from_path
 
 
@@ -49,14 +48,8 @@ def read_engines_record(folder: Path) -> dict:
     """The stage folder's :data:`~qkrope.stages.ENGINES_FILE`, checked: one line where there is
     none or it is no engine record."""
     path = folder / ENGINES_FILE
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ComponentLoadError(f"{folder} has no TensorRT engines ({ENGINES_FILE} is "
-                                 f"missing). {_fix_build(folder)}") from None
-    except (OSError, ValueError) as exc:
-        raise ComponentLoadError(f"{path} cannot be read ({type(exc).__name__}). "
-                                 f"{_fix_build(folder)}") from None
+    record = read_json_record(path, fix=_fix_build(folder), missing=(
+        f"{folder} has no TensorRT engines ({ENGINES_FILE} is missing)"))
     if not is_engines_record(record):
         raise ComponentLoadError(f"{path} is no qkrope stage engine record (format "
                                  f"{ENGINES_FORMAT!r}). {_fix_build(folder)}")
